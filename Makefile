@@ -1,0 +1,44 @@
+# The two commands: `make run` and `make test`. Both create or reuse .venv.
+# CPU installs go through deploy/constraints-cpu.txt, which pins the local
+# CPU build of torch so nothing can pull a CUDA torch.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+CONSTRAINTS := deploy/constraints-cpu.txt
+STAMP  := $(VENV)/.tlt-installed
+MODEL  := artifacts/tiny
+PRESET ?= cpu-tiny
+
+.PHONY: run test test-slow install proto model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0+cpu setuptools wheel
+	DS_BUILD_OPS=0 $(PIP) install -q -c $(CONSTRAINTS) --no-build-isolation --no-cache-dir deepspeed==0.19.8
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev]'
+	$(PY) -m tlt.protogen
+	@touch $@
+
+proto: $(STAMP)
+	$(PY) -m tlt.protogen
+
+# The tiny model is seeded and cached: rebuilt only when missing.
+model: $(MODEL)/.complete
+$(MODEL)/.complete: $(STAMP)
+	$(VENV)/bin/tlt model build --preset tiny --out $(MODEL)
+
+run: $(STAMP) model
+	$(VENV)/bin/tlt run --preset $(PRESET)
+
+# pytest exits 5 when it collected no test: not a failure of the suite.
+test: $(STAMP) model
+	@$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+test-slow: $(STAMP) model
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) $(MODEL) build *.egg-info

@@ -1,0 +1,125 @@
+"""Typed, frozen service configs loaded from TOML presets with overrides.
+
+Each service owns one pydantic model (e.g. `RolloutConfig` in
+`services/rollout/config.py`) built on `ServiceConfig`: frozen, no unknown
+keys, a docstring per field. Values are resolved in this order, later wins:
+
+    model defaults -> preset TOML section -> environment -> CLI overrides
+
+- preset: `deploy/configs/<name>.toml` (or any path), section = the service name;
+- environment: `TLT_<SECTION>__<FIELD>=value` (e.g. `TLT_ROLLOUT__REPLICAS=2`);
+- CLI: `--set field=value` pairs (values parsed as TOML literals, else strings).
+
+A bad value raises `ConfigError` naming the field, the source of the value and
+how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+
+T = TypeVar("T", bound="ServiceConfig")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid. The message says how to fix it."""
+
+
+class ServiceConfig(BaseModel):
+    """Base of every service config: immutable and strict about unknown keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+def preset_path(preset: str | os.PathLike[str]) -> Path:
+    """Resolve a preset name (`cpu-tiny`) or a path to a TOML file."""
+    p = Path(preset)
+    if p.suffix == ".toml" or p.exists():
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        return p
+    candidate = PRESETS_DIR / f"{preset}.toml"
+    if not candidate.exists():
+        names = sorted(x.stem for x in PRESETS_DIR.glob("*.toml"))
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {names} or pass a path to a .toml file")
+    return candidate
+
+
+def read_preset(preset: str | os.PathLike[str] | None) -> dict[str, Any]:
+    if preset is None:
+        return {}
+    path = preset_path(preset)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from e
+
+
+def _parse_literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def env_overrides(section: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    prefix = f"TLT_{section.upper().replace('-', '_')}__"
+    env = os.environ if environ is None else environ
+    return {k[len(prefix):].lower(): _parse_literal(v) for k, v in env.items() if k.startswith(prefix)}
+
+
+def cli_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"override {pair!r} must look like field=value")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = _parse_literal(value.strip())
+    return out
+
+
+def load_config(
+    cls: type[T],
+    section: str,
+    preset: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> T:
+    """Build `cls` from a preset section, the environment and explicit overrides."""
+    sources: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    layers = [
+        (f"preset {preset} [{section}]", read_preset(preset).get(section, {})),
+        (f"environment TLT_{section.upper()}__*", env_overrides(section, environ)),
+        ("command line", dict(overrides or {})),
+    ]
+    for origin, layer in layers:
+        for key, value in layer.items():
+            if value is None:
+                continue
+            values[key] = value
+            sources[key] = origin
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "(config)"
+            origin = sources.get(str(err["loc"][0]) if err["loc"] else "", "defaults")
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(sorted(cls.model_fields))
+                problems.append(f"unknown field {field!r} (from {origin}); known fields of [{section}]: {known}")
+            else:
+                desc = cls.model_fields[field].description if field in cls.model_fields else None
+                hint = f" — {desc}" if desc else ""
+                problems.append(f"{field}={err.get('input')!r} (from {origin}): {err['msg']}{hint}")
+        raise ConfigError(f"invalid [{section}] config:\n  " + "\n  ".join(problems)) from None

@@ -1,0 +1,48 @@
+"""structlog set-up shared by every service: readable console by default, JSON with a flag.
+
+    from tlt.services.common.logging import configure_logging, get_logger
+    configure_logging(json=False, level="info")
+    log = get_logger("rollout"); log.info("replica_started", replica=0)
+
+`TLT_LOG_JSON=1` and `TLT_LOG_LEVEL=debug` set the same from the environment,
+so child processes started by `tlt run` inherit the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def configure_logging(json: bool | None = None, level: str | None = None, service: str | None = None) -> None:
+    if json is None:
+        json = os.environ.get("TLT_LOG_JSON", "0") not in ("", "0", "false")
+    level = (level or os.environ.get("TLT_LOG_LEVEL", "info")).lower()
+    if level not in _LEVELS:
+        raise ValueError(f"log level {level!r} unknown; use one of {sorted(_LEVELS)}")
+    processors: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso" if json else "%H:%M:%S"),
+    ]
+    if json:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    if service:
+        structlog.contextvars.bind_contextvars(service=service)
+
+
+def get_logger(name: str | None = None) -> structlog.typing.FilteringBoundLogger:
+    return structlog.get_logger(name) if name else structlog.get_logger()

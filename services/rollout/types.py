@@ -1,0 +1,125 @@
+"""Typed messages inside the rollout service (engine <-> replica <-> servers).
+
+    HTTP / gRPC request -> GenerationRequest -> engine Sequences (n per request)
+    engine step -> StepOutput (tokens emitted this step, per sequence)
+    finished sequence -> CompletionOutput (what the servers return)
+
+The wire formats (OpenAI JSON, `tlt.v1` protobuf) are converted to and from
+these at the server edge; nothing inside the engine sees JSON or protobuf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"      # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"    # cancelled or failed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one sequence. Defaults match the OpenAI API.
+
+    temperature 0 is greedy. top_k <= 0 disables top-k. Filters apply to the
+    target distribution in this order: temperature, top_k, top_p, min_p.
+    logprobs: None returns none; 0 returns the chosen token's logprob; k > 0
+    also returns the top-k alternatives.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    return_features: bool = False
+
+    MAX_LOGPROBS = 20
+
+    def validate(self) -> None:
+        """Raise ValueError with a message fit for a 400 response."""
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if len(self.stop) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(self.stop)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt and n samples of it (a GRPO group when n > 1)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Versions:
+    """Weight versions that produced a token. drafter -1 means no learned drafter."""
+
+    policy: int = 0
+    drafter: int = -1
+
+
+@dataclass
+class StepOutput:
+    """What one engine step emitted for one sequence."""
+
+    request_id: str
+    sample_index: int
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class SpecCounters:
+    verify_steps: int = 0
+    accepted_tokens: int = 0  # tokens emitted by verify passes, bonus included
+    plain_decode_steps: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """A finished sequence."""
+
+    request_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    versions: Versions
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    spec: SpecCounters = field(default_factory=SpecCounters)
+    features: object | None = None  # torch.Tensor [len(token_ids), hidden] fp16 when asked
+    replica_id: int = 0
+    error: str = ""

@@ -1,0 +1,84 @@
+from tlt.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DrafterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TrainingWindow(_message.Message):
+    __slots__ = ("worker_id", "replica_id", "start", "end", "micro_steps", "preempted")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    replica_id: int
+    start: float
+    end: float
+    micro_steps: int
+    preempted: bool
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., micro_steps: _Optional[int] = ..., preempted: _Optional[bool] = ...) -> None: ...
+
+class AcceptanceRecord(_message.Message):
+    __slots__ = ("drafter_version", "policy_version", "candidate_accept_len", "serving_accept_len", "published", "timestamp")
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_ACCEPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SERVING_ACCEPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    drafter_version: int
+    policy_version: int
+    candidate_accept_len: float
+    serving_accept_len: float
+    published: bool
+    timestamp: float
+    def __init__(self, drafter_version: _Optional[int] = ..., policy_version: _Optional[int] = ..., candidate_accept_len: _Optional[float] = ..., serving_accept_len: _Optional[float] = ..., published: _Optional[bool] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "replica_id", "training", "micro_steps", "preemptions", "alive")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    replica_id: int
+    training: bool
+    micro_steps: int
+    preemptions: int
+    alive: bool
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., training: _Optional[bool] = ..., micro_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class DrafterStatus(_message.Message):
+    __slots__ = ("serving_version", "candidate_version", "latest_policy", "buffer_sequences", "buffer_tokens", "features_dropped", "workers", "windows", "acceptance", "preemptions")
+    SERVING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LATEST_POLICY_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    serving_version: int
+    candidate_version: int
+    latest_policy: _common_pb2.WeightVersions
+    buffer_sequences: int
+    buffer_tokens: int
+    features_dropped: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    windows: _containers.RepeatedCompositeFieldContainer[TrainingWindow]
+    acceptance: _containers.RepeatedCompositeFieldContainer[AcceptanceRecord]
+    preemptions: int
+    def __init__(self, serving_version: _Optional[int] = ..., candidate_version: _Optional[int] = ..., latest_policy: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., buffer_sequences: _Optional[int] = ..., buffer_tokens: _Optional[int] = ..., features_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., windows: _Optional[_Iterable[_Union[TrainingWindow, _Mapping]]] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceRecord, _Mapping]]] = ..., preemptions: _Optional[int] = ...) -> None: ...
