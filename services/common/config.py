@@ -71,8 +71,13 @@ def _parse_literal(text: str) -> Any:
         return text
 
 
+def env_prefix(section: str) -> str:
+    """`TLT_<SECTION>__`, with dashes in the section name turned into underscores."""
+    return f"TLT_{section.upper().replace('-', '_')}__"
+
+
 def env_overrides(section: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    prefix = f"TLT_{section.upper().replace('-', '_')}__"
+    prefix = env_prefix(section)
     env = os.environ if environ is None else environ
     return {k[len(prefix):].lower(): _parse_literal(v) for k, v in env.items() if k.startswith(prefix)}
 
@@ -97,9 +102,12 @@ def load_config(
     """Build `cls` from a preset section, the environment and explicit overrides."""
     sources: dict[str, str] = {}
     values: dict[str, Any] = {}
+    from_preset = read_preset(preset).get(section, {})
+    if not isinstance(from_preset, dict):
+        raise ConfigError(f"preset {preset}: [{section}] must be a table of field = value, not {from_preset!r}")
     layers = [
-        (f"preset {preset} [{section}]", read_preset(preset).get(section, {})),
-        (f"environment TLT_{section.upper()}__*", env_overrides(section, environ)),
+        (f"preset {preset} [{section}]", from_preset),
+        (f"environment {env_prefix(section)}*", env_overrides(section, environ)),
         ("command line", dict(overrides or {})),
     ]
     for origin, layer in layers:

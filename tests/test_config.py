@@ -1,0 +1,145 @@
+"""Config loading: layers (defaults -> preset -> environment -> CLI) and the errors users see.
+
+Uses a small config class defined here, so the test does not depend on any
+service's config. Presets are written to temporary TOML files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import Field, ValidationError
+
+from tlt.services.common.config import (
+    ConfigError,
+    ServiceConfig,
+    cli_overrides,
+    env_overrides,
+    load_config,
+    preset_path,
+)
+
+
+class DemoConfig(ServiceConfig):
+    """A tiny service config for the tests."""
+
+    port: int = Field(50099, description="TCP port the demo server listens on")
+    host: str = Field("127.0.0.1", description="address to bind")
+    ratio: float = Field(0.5, ge=0.0, le=1.0, description="fraction of work done, between 0 and 1")
+    names: list[str] = Field(default_factory=list, description="names to greet")
+
+
+def _preset(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "demo.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_without_preset() -> None:
+    cfg = load_config(DemoConfig, "demo", environ={})
+    assert cfg == DemoConfig()
+    assert cfg.port == 50099
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config(DemoConfig, "demo", environ={})
+    with pytest.raises(ValidationError):
+        cfg.port = 1  # type: ignore[misc]
+
+
+def test_layers_later_wins(tmp_path: Path) -> None:
+    preset = _preset(tmp_path, '[demo]\nport = 1000\nhost = "0.0.0.0"\nratio = 0.1\n[other]\nport = 7\n')
+    cfg = load_config(DemoConfig, "demo", preset, environ={})
+    assert (cfg.port, cfg.host, cfg.ratio) == (1000, "0.0.0.0", 0.1)
+
+    env = {"TLT_DEMO__PORT": "2000", "TLT_DEMO__NAMES": '["a", "b"]', "TLT_OTHER__PORT": "9"}
+    cfg = load_config(DemoConfig, "demo", preset, environ=env)
+    assert (cfg.port, cfg.host, cfg.names) == (2000, "0.0.0.0", ["a", "b"])
+
+    cfg = load_config(DemoConfig, "demo", preset, overrides=cli_overrides(["port=3000", "host=localhost"]), environ=env)
+    assert (cfg.port, cfg.host, cfg.ratio) == (3000, "localhost", 0.1)
+
+
+def test_env_override_parsing() -> None:
+    env = {"TLT_DRAFTER_WORKER__BATCH_SIZE": "4", "TLT_DRAFTER_WORKER__NAME": "plain text", "TLT_X__Y": "1"}
+    assert env_overrides("drafter-worker", env) == {"batch_size": 4, "name": "plain text"}
+
+
+def test_cli_override_parsing() -> None:
+    assert cli_overrides(["a=1", "b = 2.5", "c=true", "d=hello world", 'e=["x"]', "f=x=y"]) == {
+        "a": 1,
+        "b": 2.5,
+        "c": True,
+        "d": "hello world",
+        "e": ["x"],
+        "f": "x=y",
+    }
+    with pytest.raises(ConfigError, match="must look like field=value"):
+        cli_overrides(["port"])
+
+
+def test_unknown_field_names_the_known_ones(tmp_path: Path) -> None:
+    preset = _preset(tmp_path, "[demo]\nprot = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", preset, environ={})
+    msg = str(e.value)
+    assert "unknown field 'prot'" in msg
+    assert f"preset {preset}" in msg
+    assert "host, names, port, ratio" in msg
+
+
+def test_bad_type_says_field_source_and_description() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", environ={"TLT_DEMO__PORT": "not-a-port"})
+    msg = str(e.value)
+    assert "port='not-a-port'" in msg
+    assert "environment TLT_DEMO__*" in msg
+    assert "TCP port the demo server listens on" in msg
+
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", overrides=cli_overrides(["ratio=3"]), environ={})
+    msg = str(e.value)
+    assert "ratio=3" in msg and "command line" in msg and "between 0 and 1" in msg
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    preset = _preset(tmp_path, '[demo]\nport = "x"\nratio = -1\nbogus = 2\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", preset, environ={})
+    msg = str(e.value)
+    assert "port=" in msg and "ratio=" in msg and "'bogus'" in msg
+
+
+def test_unknown_preset_lists_the_presets() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", "no-such-preset", environ={})
+    msg = str(e.value)
+    assert "unknown preset 'no-such-preset'" in msg
+    assert "cpu-tiny" in msg
+
+
+def test_missing_preset_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        preset_path(tmp_path / "absent.toml")
+
+
+def test_bad_toml_names_the_file(tmp_path: Path) -> None:
+    preset = _preset(tmp_path, "[demo]\nport = = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", preset, environ={})
+    assert str(preset) in str(e.value)
+    assert "not valid TOML" in str(e.value)
+
+
+def test_section_not_a_table(tmp_path: Path) -> None:
+    preset = _preset(tmp_path, "demo = 3\n")
+    with pytest.raises(ConfigError, match=r"\[demo\]"):
+        load_config(DemoConfig, "demo", preset, environ={})
+
+
+def test_shipped_preset_is_valid_toml() -> None:
+    path = preset_path("cpu-tiny")
+    assert path.name == "cpu-tiny.toml"
+    cfg = load_config(DemoConfig, "demo-section-absent-from-preset", "cpu-tiny", environ={})
+    assert cfg == DemoConfig()
