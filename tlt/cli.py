@@ -49,7 +49,10 @@ COMMANDS: tuple[Command, ...] = (
 
 
 def _available(cmd: Command) -> bool:
-    return importlib.util.find_spec(cmd.module) is not None
+    try:
+        return importlib.util.find_spec(cmd.module) is not None
+    except ModuleNotFoundError:  # a parent package (e.g. tlt.bench) does not exist yet
+        return False
 
 
 def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentParser:
