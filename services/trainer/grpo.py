@@ -1,0 +1,148 @@
+"""GRPO maths as pure tensor functions: advantages, PPO-clip loss, k3 KL, entropy.
+
+Nothing here knows about models, DeepSpeed or the network; every function
+takes tensors and returns tensors, so each can be checked against values
+computed by hand (tests/test_grpo.py).
+
+Shapes: B sequences, T response positions. `mask` is 1.0 on real response
+tokens and 0.0 on padding. Per-token outputs are zero outside the mask.
+
+Deliberate choices (and departures from the original GRPO paper):
+- Token-mean aggregation (DAPO / Dr. GRPO): the loss is the mean over every
+  response token of the mini-batch, not a mean of per-sequence means, so long
+  responses are not down-weighted. `num_tokens` lets a micro-batch divide by
+  the whole mini-batch's token count, making gradient accumulation exact.
+- Asymmetric clipping is allowed (clip_low, clip_high: DAPO's clip-higher).
+- `scale_by_std=False` is Dr. GRPO: advantages are only centred per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    eps: float = 1e-6,
+    scale_by_std: bool = True,
+) -> torch.Tensor:
+    """Normalise rewards within each prompt's group of samples.
+
+    rewards: [G, n] (G prompts x n samples) or flat [G*n] with `group_size=n`
+    (samples of one prompt adjacent). Returns advantages of the same shape:
+
+        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (scale_by_std)
+        A_i =  r_i - mean(r_group)                           (Dr. GRPO)
+
+    std is the sample standard deviation (Bessel, n - 1), as in the GRPO
+    reference implementations. A group whose rewards are all equal carries no
+    signal: its advantages are exactly 0 (0 / (0 + eps)), never NaN. A group
+    of one sample also gets 0 (its std is undefined).
+    """
+    flat = rewards.dim() == 1
+    if flat:
+        if group_size is None or group_size < 1 or rewards.numel() % group_size:
+            raise ValueError(f"flat rewards of length {rewards.numel()} need group_size dividing it, got {group_size}")
+        grouped = rewards.reshape(-1, group_size)
+    elif rewards.dim() == 2:
+        grouped = rewards
+    else:
+        raise ValueError(f"rewards must be [G, n] or [G*n], got shape {tuple(rewards.shape)}")
+    grouped = grouped.float()
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        n = grouped.shape[1]
+        if n < 2:
+            return torch.zeros_like(rewards, dtype=torch.float32)
+        std = grouped.std(dim=1, keepdim=True, unbiased=True)
+        centred = centred / (std + eps)
+    return centred.reshape(rewards.shape)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
+    """Sum over masked tokens divided by `num_tokens` (default: tokens in `mask`, at least 1)."""
+    denom = float(num_tokens) if num_tokens is not None else mask.sum().clamp(min=1.0)
+    return masked_sum(values, mask) / denom
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """The differentiable loss and detached diagnostics (token means over `mask`)."""
+
+    loss: torch.Tensor         # scalar, requires grad
+    clip_fraction: torch.Tensor  # share of tokens whose gradient the clip removed
+    approx_kl: torch.Tensor    # k3 estimate of KL(old || new) per token
+    ratio_mean: torch.Tensor   # mean importance ratio pi/pi_old
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    num_tokens: float | None = None,
+) -> PolicyLossOutput:
+    """PPO-clip surrogate with token-mean aggregation.
+
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B] (one per sequence,
+    broadcast over its tokens) or [B, T].
+
+        ratio  = exp(logp - logp_old)
+        l_tok  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+        loss   = sum(l_tok * mask) / num_tokens
+
+    Taking the max of the two negated surrogates is the pessimistic bound:
+    the gradient vanishes once the ratio has moved past the clip in the
+    direction the advantage favours. `clip_fraction` counts those tokens.
+    """
+    mask = mask.to(logprobs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    advantages = advantages.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_mean(per_token, mask, num_tokens)
+    with torch.no_grad():
+        clip_fraction = masked_mean((clipped > unclipped).to(mask.dtype), mask)
+        # k3 with r = log(pi_old / pi): exp(r) - r - 1 >= 0, unbiased for KL(old || new) under old samples.
+        approx_kl = masked_mean(kl_k3(logprobs, old_logprobs, mask), mask)
+        ratio_mean = masked_mean(ratio, mask)
+    return PolicyLossOutput(loss, clip_fraction, approx_kl, ratio_mean)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) on tokens sampled from pi.
+
+        r  = logp_ref - logp
+        k3 = exp(r) - r - 1
+
+    Non-negative (e^r >= 1 + r), zero when the two agree, unbiased with lower
+    variance than -r (Schulman, "Approximating KL divergence"). Differentiable
+    in `logprobs`. Zero outside `mask`. Aggregate with `masked_mean`.
+    """
+    r = ref_logprobs - logprobs
+    return (torch.exp(r) - r - 1.0) * mask.to(logprobs.dtype)
+
+
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of softmax(logits): H = logsumexp(z) - sum(softmax(z) * z).
+
+    logits: [B, T, V]; mask: [B, T]. Returns [B, T], zero outside `mask`.
+    Computed in float32 from the logits (stable; no log(0)).
+    """
+    z = logits.float()
+    p = torch.softmax(z, dim=-1)
+    h = torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
+    return h * mask.to(h.dtype)

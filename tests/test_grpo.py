@@ -1,0 +1,121 @@
+"""GRPO maths against values computed by hand (derivations in the comments).
+
+Nothing is faked: these are the pure tensor functions of services/trainer/grpo.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tlt.services.trainer.grpo import entropy_from_logits, group_advantages, kl_k3, masked_mean, policy_loss
+
+
+def test_group_advantages_by_hand():
+    # group 0: [1, 0, 0, 1]: mean 0.5, deviations +-0.5, sum of squares 1, var = 1/3,
+    #          std = 0.577350 -> A = +-0.5 / 0.577350 = +-0.866025
+    # group 1: [2, 2, 2, 2]: no signal -> exactly 0 (not NaN)
+    # group 2: [0, 0, 0, 3]: mean 0.75, sum of squares 3*0.5625 + 2.25^2 = 6.75,
+    #          var = 2.25, std = 1.5 -> A = [-0.5, -0.5, -0.5, 1.5]
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 3.0]])
+    a = group_advantages(r, eps=1e-6)
+    expected = torch.tensor(
+        [[0.866025, -0.866025, -0.866025, 0.866025], [0.0, 0.0, 0.0, 0.0], [-0.5, -0.5, -0.5, 1.5]]
+    )
+    torch.testing.assert_close(a, expected, atol=1e-5, rtol=0)
+    assert torch.isfinite(a).all()
+    assert (a[1] == 0).all()
+
+
+def test_group_advantages_flat_matches_grouped_and_dr_grpo():
+    r = torch.tensor([0.0, 0.0, 0.0, 3.0, 5.0, 5.0])
+    a = group_advantages(r, group_size=3)
+    # group [0, 0, 0]: all equal -> 0; group [3, 5, 5]: mean 13/3, deviations [-4/3, 2/3, 2/3],
+    # sum of squares 16/9 + 4/9 + 4/9 = 24/9, var = 12/9, std = 1.154701
+    # -> A = [-1.154701, 0.577350, 0.577350]
+    torch.testing.assert_close(a, torch.tensor([0.0, 0.0, 0.0, -1.154701, 0.577350, 0.577350]), atol=1e-5, rtol=0)
+    # Dr. GRPO: centred only.
+    d = group_advantages(r, group_size=3, scale_by_std=False)
+    torch.testing.assert_close(d, torch.tensor([0.0, 0.0, 0.0, -4 / 3, 2 / 3, 2 / 3]), atol=1e-6, rtol=0)
+
+
+def test_group_advantages_single_sample_and_bad_shapes():
+    assert (group_advantages(torch.tensor([[3.0], [1.0]])) == 0).all()
+    with pytest.raises(ValueError):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0]), group_size=2)
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(2, 2, 2))
+
+
+def _policy_case():
+    # seq 0: A = +1, ratios [1.5, 1.0, (pad)]; seq 1: A = -2, ratios [0.5, 0.9, 1.1]
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    ratios = torch.tensor([[1.5, 1.0, 1.0], [0.5, 0.9, 1.1]])
+    logp = (old + torch.log(ratios)).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -2.0])
+    return logp, old, adv, mask
+
+
+def test_policy_loss_by_hand():
+    logp, old, adv, mask = _policy_case()
+    out = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    # per token l = max(-A*ratio, -A*clip(ratio, 0.8, 1.2)):
+    #   seq0 t0: max(-1.5, -1.2) = -1.2 (clipped)   seq0 t1: max(-1, -1) = -1
+    #   seq1 t0: max(1.0, 1.6)   =  1.6 (clipped)   seq1 t1: 1.8   seq1 t2: 2.2
+    # token mean over 5 tokens: (-1.2 - 1 + 1.6 + 1.8 + 2.2) / 5 = 3.4 / 5 = 0.68
+    assert out.loss.item() == pytest.approx(0.68, abs=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(2 / 5, abs=1e-6)
+    # approx KL per token: 1/ratio + ln(ratio) - 1
+    #   1.5: 0.072132   1.0: 0   0.5: 0.306853   0.9: 0.005750   1.1: 0.004401 -> mean 0.077827
+    assert out.approx_kl.item() == pytest.approx(0.077827, abs=1e-5)
+    assert out.ratio_mean.item() == pytest.approx((1.5 + 1.0 + 0.5 + 0.9 + 1.1) / 5, abs=1e-6)
+    # gradient d l / d logp = -A * ratio / 5 where unclipped, 0 where clipped or padding:
+    #   seq0: [0, -0.2, 0]; seq1: [0, 2*0.9/5, 2*1.1/5] = [0, 0.36, 0.44]
+    out.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.2, 0.0], [0.0, 0.36, 0.44]]), atol=1e-6, rtol=0)
+
+
+def test_policy_loss_num_tokens_and_asymmetric_clip():
+    logp, old, adv, mask = _policy_case()
+    # dividing by the whole mini-batch's tokens (10) instead of this micro-batch's (5) halves the loss
+    assert policy_loss(logp, old, adv, mask, num_tokens=10).loss.item() == pytest.approx(0.34, abs=1e-6)
+    # clip_high 0.6: seq0 t0 ratio 1.5 is inside [0.8, 1.6] -> -1.5 instead of -1.2: (3.4 - 0.3) / 5 = 0.62
+    out = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.6)
+    assert out.loss.item() == pytest.approx(0.62, abs=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(1 / 5, abs=1e-6)
+
+
+def test_policy_loss_on_policy_equals_minus_mean_advantage():
+    # ratio 1 everywhere: loss = -sum(A * tokens) / tokens = -(1*2 + (-2)*3) / 5 = 0.8
+    _, old, adv, mask = _policy_case()
+    out = policy_loss(old.clone(), old, adv, mask)
+    assert out.loss.item() == pytest.approx(0.8, abs=1e-6)
+    assert out.clip_fraction.item() == 0.0 and out.approx_kl.item() == 0.0
+
+
+def test_kl_k3_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.5, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    k = kl_k3(logp, ref, mask)
+    # r = ref - logp = [0, 0.5, (masked)]; k3 = e^r - r - 1 = [0, 1.648721 - 1.5, 0] = [0, 0.148721, 0]
+    torch.testing.assert_close(k, torch.tensor([[0.0, 0.148721, 0.0]]), atol=1e-6, rtol=0)
+    assert masked_mean(k, mask).item() == pytest.approx(0.148721 / 2, abs=1e-6)
+    # d k3 / d logp = -(e^r - 1) = [0, -0.648721, 0]
+    k.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.648721, 0.0]]), atol=1e-6, rtol=0)
+    # never negative
+    assert (kl_k3(torch.randn(4, 7), torch.randn(4, 7), torch.ones(4, 7)) >= 0).all()
+
+
+def test_entropy_from_logits_by_hand():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9], [5.0, 1.0, 2.0, 3.0]]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    h = entropy_from_logits(logits, mask)
+    # uniform over 4: ln 4 = 1.386294
+    # p = [0.25, 0.75] (the -1e9 entries have probability 0): -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335
+    # third position masked -> 0
+    torch.testing.assert_close(h, torch.tensor([[1.386294, 0.562335, 0.0]]), atol=1e-5, rtol=0)
