@@ -1,0 +1,149 @@
+"""Load a Hugging Face checkpoint folder into (ModelConfig, tensors), with checks.
+
+    load_checkpoint(dir) -> (ModelConfig, {hf_name: Tensor})
+
+Reads `config.json` (+ `generation_config.json` for eos ids) and the weights
+from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
+`expected_tensors(config)` names every tensor the native model needs with its
+shape; `validate_tensors` checks a (full or partial) set of tensors against it.
+The same check guards cold start and every hot weight swap in the engine, so a
+bad file or a bad push fails the same way: one `CheckpointError` that names
+the tensor, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tlt.model.config import ModelConfig, UnsupportedModelError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or a weight update cannot be used; the message says why."""
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder} has no config.json; a Hugging Face checkpoint folder is expected")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    try:
+        return ModelConfig.from_hf(cfg, gen)
+    except UnsupportedModelError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path}: missing field {e.args[0]!r}") from e
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for every weight the native model uses."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "self_attn.q_proj.weight"] = (cfg.q_size, h)
+        out[p + "self_attn.k_proj.weight"] = (cfg.kv_size, h)
+        out[p + "self_attn.v_proj.weight"] = (cfg.kv_size, h)
+        out[p + "self_attn.o_proj.weight"] = (h, cfg.q_size)
+        if cfg.attention_bias:
+            out[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
+            out[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
+            out[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (hd,)
+            out[p + "self_attn.k_norm.weight"] = (hd,)
+        out[p + "mlp.gate_proj.weight"] = (inter, h)
+        out[p + "mlp.up_proj.weight"] = (inter, h)
+        out[p + "mlp.down_proj.weight"] = (h, inter)
+    return out
+
+
+# Tensors a checkpoint may carry that the model does not need (tied heads, rotary caches).
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def validate_tensors(
+    cfg: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    partial: bool = False,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Raise CheckpointError unless every tensor is known with the right shape (and dtype if given).
+
+    partial=False also requires every expected tensor to be present.
+    """
+    expected = expected_tensors(cfg)
+    for name, t in tensors.items():
+        if name not in expected:
+            if name.endswith(_IGNORABLE_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            raise CheckpointError(f"unexpected tensor {name!r} for {cfg.architecture} with {cfg.num_layers} layers")
+        if tuple(t.shape) != expected[name]:
+            raise CheckpointError(f"tensor {name!r}: expected shape {expected[name]}, found {tuple(t.shape)}")
+        if dtype is not None and t.dtype != dtype:
+            raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {t.dtype}")
+        if not t.dtype.is_floating_point:
+            raise CheckpointError(f"tensor {name!r}: expected a floating point dtype, found {t.dtype}")
+    if not partial:
+        missing = [n for n in expected if n not in tensors]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise CheckpointError(f"checkpoint is missing tensor(s) {missing[:3]}{more}")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} named in {INDEX_FILE} is missing from {folder}")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def load_checkpoint(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read and validate a checkpoint folder; tensors are cast to `dtype` on `device`."""
+    folder = Path(model_dir)
+    cfg = read_model_config(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORABLE_SUFFIXES):
+                    continue
+                tensors[name] = f.get_tensor(name)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    validate_tensors(cfg, tensors)
+    return cfg, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}

@@ -1,0 +1,322 @@
+"""The native decoder (Qwen2 / Qwen3 / Llama dense) over a paged KV cache.
+
+Plain single-device PyTorch, functional and fused where it saves work
+(q/k/v in one matmul, gate/up in one matmul). One forward serves prefill
+chunks, single-token decode and speculative verify passes:
+
+    forward(input_ids [T], positions [T], attn: AttentionMetadata) -> hidden [T, H]
+    compute_logits(hidden [R, H]) -> logits [R, V]       # only for the rows needed
+
+`T` is the flattened batch: sequence b contributes `q_lens[b]` new tokens.
+Each new token's K/V is written at `slot_mapping` first, then every query
+attends to its sequence's cached tokens plus the new tokens allowed by the
+(optional) per-sequence mask among new tokens (default causal; a tree mask
+for speculative verification). Requirement: the new tokens of sequence b
+sit at cache positions context_lens[b] .. context_lens[b]+q_lens[b]-1 of its
+block table (their RoPE `positions` may differ, e.g. tree nodes at the same
+depth share a position). `copy_slots` moves accepted tokens' K/V afterwards.
+
+KV layout per layer (shared with the Triton kernels):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+On CPU attention is the PyTorch reference: gather each sequence's K/V through
+its block table, pad the batch to its longest context, one SDPA call per group
+(decode rows and extend rows are separate groups so a long prefill does not
+pad every decode row).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tlt.model.config import ModelConfig
+
+
+# ----------------------------------------------------------------------------- pure maths
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps), computed in fp32 like HF, returned in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama-3 / linear scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s.rope_type == "linear":
+        return inv / s.factor
+    # llama3: long wavelengths scaled down by `factor`, short kept, smooth blend between.
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    wl = 2 * math.pi / inv
+    scaled = torch.where(wl > low_wl, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wl >= high_wl) & (wl <= low_wl)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, head_dim] in fp32, HF rotate-half layout (freqs repeated twice)."""
+    t = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(t, rope_inv_freq(cfg))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, d]; cos/sin: [T, d]. x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+# ----------------------------------------------------------------------------- attention metadata
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended with one padded SDPA call."""
+
+    q_index: torch.Tensor | None  # [G, max_q] flat token index per (seq, query), None when rows are 0..G-1
+    out_index: torch.Tensor | None  # [n_valid] flat token index of the valid padded rows, None when identity
+    valid: torch.Tensor | None  # [G*max_q] bool, which padded rows are real tokens
+    kv_index: torch.Tensor  # [G, Lk] slot of each key position
+    mask: torch.Tensor  # [G, 1, max_q, Lk] bool, True = attend
+    max_q: int
+
+
+@dataclass
+class AttentionMetadata:
+    """A flattened batch: per sequence its new-token count, cached length, blocks and write slots."""
+
+    q_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [T] int64
+    block_size: int
+    tree_masks: list[torch.Tensor | None] | None = None  # per sequence [q, q] bool (row i may see new token j)
+    groups: list[AttentionGroup] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        slot_mapping: torch.Tensor | None = None,
+        tree_masks: list[torch.Tensor | None] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Derive the gather indices and masks once per step (shared by every layer)."""
+        if slot_mapping is None:
+            slots = []
+            for q, c, bt in zip(q_lens, context_lens, block_tables):
+                slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+            slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        meta = cls(q_lens, context_lens, block_tables, slot_mapping, block_size, tree_masks)
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        has_tree = [tree_masks is not None and tree_masks[i] is not None for i in range(len(q_lens))]
+        single = [i for i, q in enumerate(q_lens) if q == 1 and not has_tree[i]]
+        multi = [i for i, q in enumerate(q_lens) if not (q == 1 and not has_tree[i])]
+        meta.groups = [meta._group(ix, starts, device) for ix in (single, multi) if ix]
+        return meta
+
+    def _group(self, ix: list[int], starts: list[int], device) -> AttentionGroup:
+        g = len(ix)
+        bs = self.block_size
+        q = torch.tensor([self.q_lens[i] for i in ix], dtype=torch.int64)
+        ctx = torch.tensor([self.context_lens[i] for i in ix], dtype=torch.int64)
+        max_q = int(q.max())
+        lk = int((q + ctx).max())
+        nb = (lk + bs - 1) // bs
+        bt = torch.zeros(g, nb, dtype=torch.int64)
+        for r, i in enumerate(ix):
+            row = self.block_tables[i][:nb]
+            bt[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        kv_index = (bt[:, :, None] * bs + torch.arange(bs)).view(g, nb * bs)[:, :lk]
+        j = torch.arange(lk)[None, None, :]
+        qi = torch.arange(max_q)[None, :, None]
+        c3, q3 = ctx[:, None, None], q[:, None, None]
+        # cached keys always visible; new key k = j - ctx visible to query i when k <= i (causal)
+        mask = (j < c3) | ((j - c3 <= qi) & (j < c3 + q3))
+        if self.tree_masks is not None:
+            for r, i in enumerate(ix):
+                tm = self.tree_masks[i]
+                if tm is not None:
+                    c, n = self.context_lens[i], self.q_lens[i]
+                    mask[r, :n, c : c + n] = tm.to(torch.bool).cpu()
+        s = torch.tensor([starts[i] for i in ix], dtype=torch.int64)
+        flat = s[:, None] + torch.arange(max_q)[None, :]
+        valid = (torch.arange(max_q)[None, :] < q[:, None]).reshape(-1)
+        identity = max_q == 1 and g == len(self.q_lens)  # pure decode: row r is flat token r
+        flat = flat.clamp(max=starts[-1] - 1)  # padded rows read some real token; their output is dropped
+        return AttentionGroup(
+            q_index=None if identity else flat.to(device),
+            out_index=None if identity else flat.reshape(-1)[valid].to(device),
+            valid=valid.to(device),
+            kv_index=kv_index.to(device),
+            mask=mask[:, None].to(device),
+            max_q=max_q,
+        )
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class _Layer:
+    """One decoder layer's weights, fused: qkv [q+2kv, H], gate_up [2I, H]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        h, e = cfg.hidden_size, dict(dtype=dtype, device=device)
+        self.ln1 = torch.ones(h, **e)
+        self.ln2 = torch.ones(h, **e)
+        self.qkv = torch.zeros(cfg.q_size + 2 * cfg.kv_size, h, **e)
+        self.qkv_bias = torch.zeros(cfg.q_size + 2 * cfg.kv_size, **e) if cfg.attention_bias else None
+        self.o = torch.zeros(h, cfg.q_size, **e)
+        self.q_norm = torch.ones(cfg.head_dim, **e) if cfg.qk_norm else None
+        self.k_norm = torch.ones(cfg.head_dim, **e) if cfg.qk_norm else None
+        self.gate_up = torch.zeros(2 * cfg.intermediate_size, h, **e)
+        self.down = torch.zeros(h, cfg.intermediate_size, **e)
+
+
+class Transformer:
+    """Functional decoder; weights are plain tensors addressed by HF names via `_targets`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu", max_len: int | None = None):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        e = dict(dtype=dtype, device=self.device)
+        self.embed = torch.zeros(cfg.vocab_size, cfg.hidden_size, **e)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else torch.zeros(cfg.vocab_size, cfg.hidden_size, **e)
+        self.norm = torch.ones(cfg.hidden_size, **e)
+        self.layers = [_Layer(cfg, dtype, self.device) for _ in range(cfg.num_layers)]
+        cos, sin = rope_table(cfg, max_len or cfg.max_position_embeddings)
+        self.cos, self.sin = cos.to(**e), sin.to(**e)
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.scale = cfg.head_dim**-0.5
+
+    # ---- weights
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """HF name -> the view of our tensor it fills."""
+        cfg = self.cfg
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = L.ln1
+            out[p + "post_attention_layernorm.weight"] = L.ln2
+            out[p + "self_attn.q_proj.weight"] = L.qkv[:q]
+            out[p + "self_attn.k_proj.weight"] = L.qkv[q : q + kv]
+            out[p + "self_attn.v_proj.weight"] = L.qkv[q + kv :]
+            out[p + "self_attn.o_proj.weight"] = L.o
+            if L.qkv_bias is not None:
+                out[p + "self_attn.q_proj.bias"] = L.qkv_bias[:q]
+                out[p + "self_attn.k_proj.bias"] = L.qkv_bias[q : q + kv]
+                out[p + "self_attn.v_proj.bias"] = L.qkv_bias[q + kv :]
+            if L.q_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = L.q_norm
+                out[p + "self_attn.k_norm.weight"] = L.k_norm
+            out[p + "mlp.gate_proj.weight"] = L.gate_up[:inter]
+            out[p + "mlp.up_proj.weight"] = L.gate_up[inter:]
+            out[p + "mlp.down_proj.weight"] = L.down
+        return out
+
+    @torch.inference_mode()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in place (callers validate first with loader.validate_tensors)."""
+        targets = self._targets()
+        for name, t in tensors.items():
+            if name in targets:
+                targets[name].copy_(t)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self._targets())
+
+    # ---- KV cache
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+    @torch.inference_mode()
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy every layer's K/V from src slots to dst slots (speculative decoding keeps the accepted path)."""
+        kvh, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        for cache in (*self.k_caches, *self.v_caches):
+            flat = cache.view(-1, kvh, d)
+            flat[dst_slots] = flat[src_slots]
+
+    # ---- forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size, inter, eps = cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.rms_norm_eps
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = F.embedding(input_ids, self.embed)
+        t = x.shape[0]
+        slots = attn.slot_mapping
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L.ln1, eps)
+            qkv = F.linear(h, L.qkv, L.qkv_bias)
+            q = qkv[:, :q_size].view(t, nh, d)
+            k = qkv[:, q_size : q_size + kv_size].view(t, kvh, d)
+            v = qkv[:, q_size + kv_size :].view(t, kvh, d)
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, eps)
+                k = rms_norm(k, L.k_norm, eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            kc, vc = self.k_caches[li].view(-1, kvh, d), self.v_caches[li].view(-1, kvh, d)
+            kc[slots] = k
+            vc[slots] = v
+            o = self._attend(q, kc, vc, attn)
+            x = x + F.linear(o, L.o)
+            h = rms_norm(x, L.ln2, eps)
+            gu = F.linear(h, L.gate_up)
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L.down)
+        return rms_norm(x, self.norm, eps)
+
+    __call__ = forward
+
+    def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        t, nh, d = q.shape
+        groups = attn.groups
+        assert groups is not None, "AttentionMetadata.build() derives the groups"
+        out = q.new_empty(t, nh * d) if len(groups) > 1 or groups[0].out_index is not None else None
+        for g in groups:
+            n = g.kv_index.shape[0]
+            qg = q if g.q_index is None else q[g.q_index.reshape(-1)]
+            qg = qg.view(n, g.max_q, nh, d).transpose(1, 2)
+            kg = kc[g.kv_index].transpose(1, 2)  # [G, kvh, Lk, d]
+            vg = vc[g.kv_index].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=nh != kg.shape[1])
+            og = og.transpose(1, 2).reshape(n * g.max_q, nh * d)
+            if out is None:
+                return og
+            out[g.out_index] = og if g.max_q == 1 else og[g.valid]
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", max_len=None) -> Transformer:
+    model = Transformer(cfg, dtype=dtype, device=device, max_len=max_len)
+    model.load_weights(tensors)
+    return model
