@@ -1,0 +1,37 @@
+"""EngineConfig: the native engine's knobs (one per replica), laptop defaults.
+
+Nested in the rollout service config as `[rollout.engine]`; a replica process
+receives it as JSON and builds `LLMEngine(model_dir, config)`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tlt.services.common.config import ServiceConfig
+
+
+class EngineConfig(ServiceConfig):
+    """Sizes and limits of one native engine."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights, activations and KV cache dtype (float32 on CPU; bfloat16 on GPU)"
+    )
+    device: str = Field("cpu", description="torch device of this replica: cpu, cuda, cuda:1, ...")
+    max_num_seqs: int = Field(128, ge=1, description="most sequences decoded together in one step")
+    max_num_batched_tokens: int = Field(
+        2048, ge=16, description="token budget of one step (prefill chunks + decode tokens); longer prompts are chunked"
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
+    num_kv_blocks: int = Field(
+        0, ge=0, description="KV cache blocks; 0 = derive from kv_cache_mb (tests set a tiny value to force preemption)"
+    )
+    kv_cache_mb: float = Field(256.0, gt=0, description="KV cache memory budget in MiB when num_kv_blocks is 0")
+    max_model_len: int = Field(
+        0, ge=0, description="longest prompt + completion in tokens; 0 = the model's max_position_embeddings"
+    )
+    threads: int = Field(0, ge=0, description="torch intra-op threads for this replica; 0 = leave torch's default")
+    seed: int = Field(0, description="seed for requests that give none (their samples still differ from each other)")
+    prefix_sharing: bool = Field(True, description="share full prompt KV blocks between sequences with the same prefix")
