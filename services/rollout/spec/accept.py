@@ -1,0 +1,183 @@
+"""Exact acceptance of drafts: tree walk (greedy and sampling) and chain rejection sampling.
+
+Reference implementation in plain PyTorch; `tlt.kernels.tree_accept` is the fused GPU version of
+`tree_accept` and must agree with it.
+
+Tree, deterministic drafts (EAGLE top-k children, n-gram proposals). Let q_c be the target's
+filtered, tempered distribution at node c (the engine computes all of them in one forward over the
+tree). Walk from the root: draw y ~ q_c; if y is one of c's children accept it and descend, else
+emit y and stop; at a leaf emit y. Each emitted token is then a draw from q at exactly the prefix it
+extends, so the output is distributed as plain sampling from q, whatever the drafts are (they only
+decide how many tokens one forward yields). Drawing one y per node up front and then walking is the
+same procedure, and is what the kernel does. Greedy is the same walk with y = argmax q_c, so it
+emits plain greedy decoding's tokens exactly. Sibling tokens must be distinct.
+
+Chain, drafts x_i ~ p_i (a drafter's own distribution): accept x_i with probability
+min(1, q_i(x_i) / p_i(x_i)); at the first rejection emit a draw from normalize(max(q_i - p_i, 0));
+if all S drafts are accepted emit a bonus draw from q_S. P(emit x) = min(p, q)(x) + (1 - sum min(p, q))
+* max(q - p, 0)(x) / sum max(q - p, 0) = q(x), since sum max(q - p, 0) = 1 - sum min(p, q).
+
+Randomness: `generator` is None, one torch.Generator, or one per sequence (row 0 of the batch). Each
+call draws a fixed number of uniforms per row, so a sequence's stream does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tlt.services.rollout.spec.filters import Param, filter_logits
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def uniforms(shape: tuple[int, ...], generator: Generators, device: torch.device | str = "cpu") -> torch.Tensor:
+    """U[0, 1) of `shape`; with a list of generators, row b of dim 0 comes from generator b."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, device=device)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
+    return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generator])
+
+
+def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from each distribution in probs [..., V] with its uniform u [...]; never picks p = 0."""
+    cdf = probs.float().cumsum(-1)
+    tok = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+    # Rounding can put u * total at the very end: fall back to the last token with mass.
+    v = probs.shape[-1]
+    last = v - 1 - (probs.flip(-1) > 0).float().argmax(-1)
+    return torch.minimum(tok, last)
+
+
+@dataclass(frozen=True)
+class NodeTargets:
+    """What the target says at every node: the token it picks (argmax or one draw) and log q of it."""
+
+    tokens: torch.Tensor  # [B, N]
+    logprobs: torch.Tensor  # [B, N, V] log of the filtered distribution (greedy rows: the raw softmax)
+
+
+def node_targets(
+    logits: torch.Tensor,
+    temperature: Param,
+    top_k: Param = 0,
+    top_p: Param = 1.0,
+    min_p: Param = 0.0,
+    generator: Generators = None,
+) -> NodeTargets:
+    """logits [B, N, V] -> one target token per node: argmax where temperature == 0, else a draw from q."""
+    b, n, _ = logits.shape
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(b)
+    greedy = temp == 0
+    safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
+    logq = filter_logits(logits, safe_temp[:, None], _rows(top_k, b)[:, None], _rows(top_p, b)[:, None],
+                         _rows(min_p, b)[:, None]).log_softmax(-1)
+    u = uniforms((b, n), generator, logits.device)
+    drawn = sample_probs(logq.exp(), u)
+    argmax = logits.argmax(-1)
+    tokens = torch.where(greedy[:, None], argmax, drawn)
+    logprobs = torch.where(greedy[:, None, None], logits.float().log_softmax(-1), logq)
+    return NodeTargets(tokens, logprobs)
+
+
+def _rows(x: Param, b: int) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    return t.expand(b) if t.dim() == 0 else t
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    """Outcome per sequence. accept_len [B] drafts accepted (bonus excluded); tokens [B, D+1] emitted
+    tokens padded with -1 (accept_len + 1 valid); path [B, D+1] node index each token was emitted at
+    (for a tree: the root, then the accepted nodes; padded with -1)."""
+
+    accept_len: torch.Tensor
+    tokens: torch.Tensor
+    path: torch.Tensor
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        return self.accept_len + 1
+
+    def emitted(self, b: int) -> list[int]:
+        return self.tokens[b, : int(self.accept_len[b]) + 1].tolist()
+
+
+def tree_accept(draft_tokens: torch.Tensor, parents: torch.Tensor, target_tokens: torch.Tensor) -> AcceptResult:
+    """Walk each tree from the root, descending while the target's token at the node is one of its children.
+
+    draft_tokens, parents, target_tokens: [B, N]. Emits the accepted drafts and then the target token of
+    the last node reached (the bonus). Exact for greedy and for sampling (see the module docstring).
+    """
+    b, n = draft_tokens.shape
+    dev = draft_tokens.device
+    rows = torch.arange(b, device=dev)
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    path = torch.full((b, n), -1, dtype=torch.long, device=dev)
+    tokens = torch.full((b, n), -1, dtype=torch.long, device=dev)
+    path[:, 0] = 0
+    accept_len = torch.zeros(b, dtype=torch.long, device=dev)
+    for _ in range(n - 1):
+        want = target_tokens[rows, cur]
+        match = (parents == cur[:, None]) & (draft_tokens == want[:, None]) & active[:, None]
+        found = match.any(1)
+        if not bool(found.any()):
+            break
+        nxt = match.to(torch.int8).argmax(1)
+        idx = rows[found]
+        tokens[idx, accept_len[found]] = want[found]
+        accept_len[found] += 1
+        path[idx, accept_len[found]] = nxt[found]
+        cur = torch.where(found, nxt, cur)
+        active &= found
+    tokens[rows, accept_len] = target_tokens[rows, cur]
+    width = int(accept_len.max()) + 1
+    return AcceptResult(accept_len, tokens[:, :width], path[:, :width])
+
+
+def emitted_logprobs(result: AcceptResult, node_logprobs: torch.Tensor) -> torch.Tensor:
+    """log q of each emitted token at the node that emitted it: [B, D+1] (0 in padding)."""
+    valid = result.tokens >= 0
+    node = result.path.clamp(min=0)
+    rows = torch.arange(node.shape[0], device=node.device)[:, None]
+    lp = node_logprobs[rows, node, result.tokens.clamp(min=0)]
+    return torch.where(valid, lp, torch.zeros_like(lp))
+
+
+def chain_accept_rejection(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: Generators = None
+) -> AcceptResult:
+    """Speculative sampling for a chain of drafts drawn from p.
+
+    draft_tokens [B, S]; draft_probs [B, S, V] (p_i the drafts were drawn from); target_probs [B, S+1, V]
+    (q_i at each draft's prefix, q_S after the last draft). Returns the same AcceptResult as a tree walk on
+    the chain (path = node indices 0..accept_len).
+    """
+    b, s = draft_tokens.shape
+    dev = draft_tokens.device
+    u = uniforms((b, s + 1), generator, dev)
+    p = draft_probs.float()
+    q = target_probs.float()
+    p_x = p[:, :s].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_x = q[:, :s].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    # accept iff u < q/p  (q >= p: always accepted; p(x) > 0 because x was drawn from p)
+    ok = u[:, :s] * p_x < q_x
+    accept_len = ok.long().cumprod(1).sum(1)
+    rows = torch.arange(b, device=dev)
+    stop = accept_len.clamp(max=s - 1)
+    residual = (q[rows, stop] - p[rows, stop]).clamp(min=0)
+    # q == p at that node means rejection had probability 0; the fallback to q is only for rounding.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, q[rows, stop])
+    final = torch.where((accept_len == s)[:, None], q[:, s], residual)
+    last = sample_probs(final, u[:, s])
+    idx = torch.arange(s + 1, device=dev)
+    tokens = torch.where(idx[None, :s] < accept_len[:, None], draft_tokens, torch.full_like(draft_tokens, -1))
+    tokens = torch.cat([tokens, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)
+    tokens[rows, accept_len] = last
+    path = torch.where(idx[None] <= accept_len[:, None], idx[None].expand(b, -1), torch.full_like(tokens, -1))
+    width = int(accept_len.max()) + 1
+    return AcceptResult(accept_len, tokens[:, :width], path[:, :width])

@@ -1,0 +1,179 @@
+"""Statistical proof that speculative decoding samples exactly from the target distribution.
+
+Target: a fixed random order-2 Markov model over a vocabulary of 8 (its logits depend on the last two
+tokens), so the exact probability of every 3-token continuation is computable (512 outcomes). Drafter:
+a deliberately imperfect order-1 model (the target's marginal plus noise). We generate 20,000
+continuations with speculation on, exactly as the engine does (draft a tree or chain, evaluate the
+target at every node, accept with `accept.py`), and compare the empirical distribution with the exact
+one by a chi-square test (cells with expected count < 5 merged). A deliberately broken rule (accept a
+child whenever it is the target's argmax) must fail the same test: that proves the test has power.
+Nothing is faked: the target is a lookup table instead of a transformer only because exactness needs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tlt.services.rollout.spec.accept import (
+    chain_accept_rejection,
+    node_targets,
+    sample_probs,
+    tree_accept,
+    uniforms,
+)
+from tlt.services.rollout.spec.filters import filtered_probs
+from tlt.services.rollout.spec.tree import Arm, build_tree, chain_tree
+
+V, L, N_SAMPLES = 8, 3, 20_000
+PROMPT = (3, 5)
+
+
+def _models(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(V, V, V, generator=g) * 1.5  # logits[prev, last] -> next
+    marginal = target.logsumexp(0) - torch.log(torch.tensor(float(V)))
+    drafter = (marginal + 0.8 * torch.randn(V, V, generator=g)).log_softmax(-1)  # log p[last] -> next
+    return target, drafter
+
+
+def _exact(target: torch.Tensor, temperature: float, top_p: float) -> dict[tuple[int, ...], float]:
+    q = filtered_probs(target, temperature, 0, top_p)
+    out = {}
+    for ys in itertools.product(range(V), repeat=L):
+        ctx, pr = list(PROMPT), 1.0
+        for y in ys:
+            pr *= float(q[ctx[-2], ctx[-1], y])
+            ctx.append(y)
+        out[ys] = pr
+    return out
+
+
+def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: int = 1) -> tuple[torch.Tensor, float]:
+    """Generate N_SAMPLES continuations of length L with speculation; returns [N, L] and the mean
+    number of drafts accepted per verify step (so the tests can check speculation really happened)."""
+    gen = torch.Generator().manual_seed(seed)
+    b = N_SAMPLES
+    out = torch.full((b, L + arm.steps + 1), -1, dtype=torch.long)
+    count = torch.zeros(b, dtype=torch.long)
+    prev = torch.full((b,), PROMPT[0])
+    last = torch.full((b,), PROMPT[1])
+    rows = torch.arange(b)
+    accepted = []
+    while bool((count < L).any()):
+        if mode == "rejection":
+            drafts, p_steps, tok = [], [], last
+            for _ in range(arm.steps):
+                p = drafter[tok].exp()
+                tok = sample_probs(p, uniforms((b,), gen))
+                drafts.append(tok)
+                p_steps.append(p)
+            tree = chain_tree(last, torch.stack(drafts, 1))
+        else:
+            tree = build_tree(last, lambda step, beam, beam_tok: drafter[beam_tok], arm)
+        par = tree.parents.clamp(min=0)
+        node_prev = torch.where(tree.parents >= 0, tree.tokens.gather(1, par), prev[:, None])
+        logits = target[node_prev, tree.tokens]  # [B, N, V]: q at every node in one "forward"
+        if mode == "rejection":
+            q = filtered_probs(logits, temperature, 0, top_p)
+            res = chain_accept_rejection(tree.tokens[:, 1:], torch.stack(p_steps, 1), q, gen)
+        else:
+            nt = node_targets(logits, temperature, 0, top_p, 0.0, gen)
+            tgt = nt.tokens
+            if mode == "broken":  # accept whenever the target's argmax is among the drafts: biased
+                amax = logits.argmax(-1)
+                is_child = (tree.parents[:, None, :] == torch.arange(tree.num_nodes)[None, :, None]) & (
+                    tree.tokens[:, None, :] == amax[:, :, None])
+                tgt = torch.where(is_child.any(-1), amax, tgt)
+            res = tree_accept(tree.tokens, tree.parents, tgt)
+        for j in range(res.tokens.shape[1]):
+            valid = (j <= res.accept_len) & (count + j < out.shape[1])
+            out[rows[valid], count[valid] + j] = res.tokens[valid, j]
+        ends = res.tokens[rows, res.accept_len]
+        before = torch.where(res.accept_len > 0, res.tokens[rows, (res.accept_len - 1).clamp(min=0)], last)
+        accepted.append(float(res.accept_len[count < L].float().mean()))
+        count += res.accept_len + 1
+        prev, last = before, ends
+    return out[:, :L], sum(accepted) / len(accepted)
+
+
+def _chi2(samples: torch.Tensor, exact: dict[tuple[int, ...], float]) -> float:
+    counts: dict[tuple[int, ...], int] = {}
+    for row in samples.tolist():
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    n = samples.shape[0]
+    impossible = [k for k in counts if exact.get(k, 0.0) == 0.0]
+    assert not impossible, f"sampled continuations the filtered target gives probability 0: {impossible[:5]}"
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for key, pr in exact.items():
+        if pr == 0.0:
+            continue
+        if n * pr < 5:
+            rest_o += counts.get(key, 0)
+            rest_e += n * pr
+        else:
+            obs.append(counts.get(key, 0))
+            exp.append(n * pr)
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    scale = sum(obs) / sum(exp)  # only float rounding of the exact probabilities
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+CASES = [
+    ("tree", Arm(3, 3, 8)),
+    ("tree", Arm(2, 2, 5)),
+    ("chain", Arm(3, 1, 4)),
+    ("rejection", Arm(3, 1, 4)),
+]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("mode,arm", CASES, ids=[f"{m}-{a}" for m, a in CASES])
+def test_speculative_sampling_matches_exact_target_distribution(mode, arm, temperature, top_p):
+    torch.set_num_threads(1)
+    target, drafter = _models()
+    samples, mean_accepted = _run_spec(target, drafter, temperature, top_p, mode, arm)
+    assert mean_accepted > 0.15, f"the drafter is too poor for this test to exercise acceptance ({mean_accepted:.2f})"
+    p = _chi2(samples, _exact(target, temperature, top_p))
+    assert p > 1e-3, f"{mode} {arm} T={temperature} top_p={top_p}: chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_broken_acceptance_rule_is_detected(temperature, top_p):
+    torch.set_num_threads(1)
+    target, drafter = _models()
+    samples, _ = _run_spec(target, drafter, temperature, top_p, "broken", Arm(3, 3, 8))
+    p = _chi2(samples, _exact(target, temperature, top_p))
+    assert p < 1e-6, f"the chi-square test failed to detect a biased acceptance rule (p = {p:.2e})"
+
+
+def test_greedy_walk_equals_plain_greedy_on_random_trees():
+    target, _ = _models(3)
+    g = torch.Generator().manual_seed(7)
+    plain = list(PROMPT)
+    for _ in range(40):
+        plain.append(int(target[plain[-2], plain[-1]].argmax()))
+    for trial in range(30):
+        arm = Arm(int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g)), 0)
+        arm = Arm(arm.steps, arm.topk, int(torch.randint(2, arm.max_nodes + 1, (1,), generator=g)))
+        noise = torch.randn(V, V, V, generator=g) * (0.5 + trial / 10)
+        ctx = list(PROMPT)
+        while len(ctx) < len(plain):
+            # drafter: a noisy copy of the target that sometimes agrees with its argmax
+            pair = torch.tensor([[ctx[-2]]])
+
+            def expand(step, beam, beam_tok, pair=pair):
+                return (target + noise)[pair.expand_as(beam_tok), beam_tok].log_softmax(-1)
+
+            tree = build_tree(torch.tensor([ctx[-1]]), expand, arm)
+            par = tree.parents.clamp(min=0)
+            node_prev = torch.where(tree.parents >= 0, tree.tokens.gather(1, par), torch.tensor([[ctx[-2]]]))
+            nt = node_targets(target[node_prev, tree.tokens], 0.0)
+            res = tree_accept(tree.tokens, tree.parents, nt.tokens)
+            ctx.extend(res.emitted(0))
+        assert ctx[: len(plain)] == plain, f"trial {trial} arm {arm}"
