@@ -1,0 +1,334 @@
+"""ZeroMQ transports for capacity events and drafter features; every frame is a `tlt.v1.Envelope`.
+
+    rollout --CapacityPublisher (PUB "cap" + REP snapshot)--> CapacitySubscriber --> drafter workers
+    rollout --FeaturePusher (PUSH, never blocks, counts drops)--> FeaturePuller (PULL) --> drafter buffer
+
+Capacity: `publish(event)` sends a replica's state change at once; a
+background thread re-publishes every replica's current state about once a
+second with `heartbeat=true`, and answers `SnapshotRequest`s on the REP socket
+with the state of every replica, so a late subscriber knows everything at
+once. Sequence numbers are per replica and advance on every state change only
+(a heartbeat repeats the last one); they start at the publisher's start time
+in microseconds, so a restarted publisher continues above its old numbers.
+
+Features: the pusher uses a small send high-water mark and non-blocking sends;
+when the drafter is slow or absent the batch is dropped and counted (the next
+batch carries the running count in `dropped_before`). The rollout never waits.
+
+Garbage (undecodable frames, or an Envelope with the wrong body) is counted
+on every socket and skipped; nothing crashes on it. The small interfaces the
+services depend on are `CapacitySink`, `CapacityFeed`, `FeatureSink` and
+`FeatureSource`; `events_local` has in-process implementations for tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import zmq
+from google.protobuf.message import DecodeError
+
+from tlt.services.common.logging import get_logger
+from tlt.v1 import events_pb2
+
+CapacityEvent = events_pb2.CapacityEvent
+FeatureBatch = events_pb2.FeatureBatch
+Envelope = events_pb2.Envelope
+TOPIC = b"cap"
+
+log = get_logger("events")
+
+
+class CapacitySink(Protocol):
+    def publish(self, event: CapacityEvent) -> CapacityEvent: ...
+
+
+class CapacityFeed(Protocol):
+    def snapshot(self, timeout_s: float = 2.0) -> list[CapacityEvent]: ...
+    def recv(self, timeout_s: float) -> CapacityEvent | None: ...
+
+
+class FeatureSink(Protocol):
+    dropped: int
+
+    def push(self, batch: FeatureBatch) -> bool: ...
+
+
+class FeatureSource(Protocol):
+    def recv(self, timeout_s: float) -> FeatureBatch | None: ...
+
+
+def decode(frame: bytes, body: str) -> events_pb2.Envelope | None:
+    """The Envelope in `frame` when it parses and holds `body`; None for garbage."""
+    env = Envelope()
+    try:
+        env.ParseFromString(frame)
+    except DecodeError:
+        return None
+    return env if env.WhichOneof("body") == body else None
+
+
+def _endpoint(sock: zmq.Socket) -> str:
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _copy(event: CapacityEvent) -> CapacityEvent:
+    out = CapacityEvent()
+    out.CopyFrom(event)
+    return out
+
+
+class CapacityPublisher:
+    """PUB of capacity events with heartbeats, plus a REP snapshot socket. Thread-safe."""
+
+    def __init__(
+        self, bind_pub: str, bind_snapshot: str, server_id: str = "", heartbeat_s: float = 1.0
+    ) -> None:
+        self.server_id = server_id
+        self.heartbeat_s = heartbeat_s
+        self.garbage = 0
+        self.published = 0
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(bind_pub)
+        self._rep = self._ctx.socket(zmq.REP)
+        self._rep.setsockopt(zmq.LINGER, 0)
+        self._rep.bind(bind_snapshot)
+        self.pub_endpoint = _endpoint(self._pub)
+        self.snapshot_endpoint = _endpoint(self._rep)
+        self._lock = threading.Lock()
+        self._state: dict[int, CapacityEvent] = {}
+        self._seq_start = time.time_ns() // 1000
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="capacity-publisher", daemon=True)
+        self._thread.start()
+
+    def publish(self, event: CapacityEvent) -> CapacityEvent:
+        """Send a state change for `event.replica_id` now; returns the event as sent (seq, time set)."""
+        with self._lock:
+            sent = _copy(event)
+            prev = self._state.get(sent.replica_id)
+            sent.seq = (prev.seq if prev else self._seq_start) + 1
+            sent.heartbeat = False
+            sent.server_id = sent.server_id or self.server_id
+            sent.timestamp = sent.timestamp or time.time()
+            self._state[sent.replica_id] = sent
+            self._send(sent)
+            return _copy(sent)
+
+    def current(self) -> list[CapacityEvent]:
+        with self._lock:
+            return [_copy(e) for _, e in sorted(self._state.items())]
+
+    def _send(self, event: CapacityEvent) -> None:  # caller holds the lock
+        self._pub.send_multipart([TOPIC, Envelope(capacity=event).SerializeToString()])
+        self.published += 1
+
+    def _heartbeat(self) -> None:
+        with self._lock:
+            for event in self._state.values():
+                beat = _copy(event)
+                beat.heartbeat = True
+                beat.timestamp = time.time()
+                self._send(beat)
+
+    def _answer_snapshot(self) -> None:
+        frames = self._rep.recv_multipart()
+        if len(frames) != 1 or decode(frames[0], "snapshot_request") is None:
+            self.garbage += 1
+            log.debug("garbage_snapshot_request", frames=len(frames), total=self.garbage)
+            self._rep.send(Envelope().SerializeToString())  # REP must answer; an empty body says "bad request"
+            return
+        self._rep.send(Envelope(snapshot=events_pb2.Snapshot(replicas=self.current())).SerializeToString())
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._rep, zmq.POLLIN)
+        next_beat = time.monotonic() + self.heartbeat_s
+        while not self._stop.is_set():
+            wait_ms = max(0.0, next_beat - time.monotonic()) * 1000
+            if poller.poll(timeout=min(wait_ms, 100)):
+                self._answer_snapshot()
+            if time.monotonic() >= next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + self.heartbeat_s
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            self._pub.close()
+            self._rep.close()
+        self._ctx.term()
+
+    def __enter__(self) -> CapacityPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CapacitySubscriber:
+    """SUB to one publisher; `snapshot()` for the current state, then `recv()` / `events()`.
+
+    Keeps `latest[(server_id, replica_id)]`; a non-heartbeat event older than
+    what it already knows (e.g. one queued before the snapshot) is skipped.
+    Not thread-safe: one thread owns a subscriber.
+    """
+
+    def __init__(self, connect_pub: str, connect_snapshot: str) -> None:
+        self.snapshot_endpoint = connect_snapshot
+        self.garbage = 0
+        self.latest: dict[tuple[str, int], CapacityEvent] = {}
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self._sub.connect(connect_pub)  # before the snapshot, so nothing falls between the two
+
+    def snapshot(self, timeout_s: float = 2.0) -> list[CapacityEvent]:
+        """Ask the publisher for every replica's current state; TimeoutError when it does not answer."""
+        req = self._ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        try:
+            req.connect(self.snapshot_endpoint)
+            req.send(Envelope(snapshot_request=events_pb2.SnapshotRequest()).SerializeToString())
+            if not req.poll(timeout=int(timeout_s * 1000)):
+                raise TimeoutError(f"no snapshot from {self.snapshot_endpoint} within {timeout_s}s")
+            env = decode(req.recv(), "snapshot")
+        finally:
+            req.close()  # a REQ that got no answer is stuck; never reuse it
+        if env is None:
+            self.garbage += 1
+            raise ValueError(f"{self.snapshot_endpoint} answered the snapshot request with garbage")
+        for event in env.snapshot.replicas:
+            self._remember(event)
+        return list(env.snapshot.replicas)
+
+    def _remember(self, event: CapacityEvent) -> bool:
+        key = (event.server_id, event.replica_id)
+        known = self.latest.get(key)
+        if known is not None and event.seq < known.seq:
+            return False
+        self.latest[key] = event
+        return True
+
+    def recv(self, timeout_s: float) -> CapacityEvent | None:
+        """The next event (state change or heartbeat), or None when `timeout_s` passes without one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sub.poll(timeout=int(left * 1000)):
+                return None
+            frames = self._sub.recv_multipart()
+            env = decode(frames[1], "capacity") if len(frames) == 2 and frames[0] == TOPIC else None
+            if env is None:
+                self.garbage += 1
+                log.debug("garbage_capacity_frame", frames=len(frames), total=self.garbage)
+                continue
+            if self._remember(env.capacity):
+                return env.capacity
+
+    def events(self, timeout_s: float) -> Iterator[CapacityEvent]:
+        """Yield events until none arrives for `timeout_s`."""
+        while (event := self.recv(timeout_s)) is not None:
+            yield event
+
+    def close(self) -> None:
+        self._sub.close()
+        self._ctx.term()
+
+    def __enter__(self) -> CapacitySubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FeaturePusher:
+    """PUSH of FeatureBatch that never blocks: a full queue or no consumer drops the batch. Thread-safe."""
+
+    def __init__(self, connect: str, hwm: int = 4) -> None:
+        self.dropped = 0  # sequences dropped so far
+        self.dropped_batches = 0
+        self.sent = 0
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to connected peers
+        self._sock.connect(connect)
+
+    def push(self, batch: FeatureBatch) -> bool:
+        """Send `batch` if it can go now; otherwise count it as dropped. True when sent.
+
+        Sets `batch.dropped_before` to the running drop count before sending.
+        """
+        with self._lock:
+            batch.dropped_before = self.dropped
+            frame = Envelope(features=batch).SerializeToString()
+            try:
+                self._sock.send(frame, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped += len(batch.sequences)
+                self.dropped_batches += 1
+                return False
+            self.sent += 1
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close()
+        self._ctx.term()
+
+    def __enter__(self) -> FeaturePusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FeaturePuller:
+    """PULL of FeatureBatch (the drafter binds, rollouts connect). Garbage is counted and skipped."""
+
+    def __init__(self, bind: str, hwm: int = 16) -> None:
+        self.garbage = 0
+        self.received = 0
+        self.sender_dropped = 0  # the last `dropped_before` seen
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, hwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(bind)
+        self.endpoint = _endpoint(self._sock)
+
+    def recv(self, timeout_s: float) -> FeatureBatch | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(timeout=int(left * 1000)):
+                return None
+            frames = self._sock.recv_multipart()
+            env = decode(frames[0], "features") if len(frames) == 1 else None
+            if env is None:
+                self.garbage += 1
+                log.debug("garbage_feature_frame", frames=len(frames), total=self.garbage)
+                continue
+            self.received += 1
+            self.sender_dropped = env.features.dropped_before
+            return env.features
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+    def __enter__(self) -> FeaturePuller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,244 @@
+"""Capacity events and feature transport over real ZeroMQ sockets on 127.0.0.1 (ephemeral ports).
+
+Nothing is faked. PUB/SUB drops messages sent before a subscription reaches
+the publisher ("slow joiner"); tests that need a live stream wait for a
+heartbeat first, which proves the subscription is live. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from tlt.services.common.events import (
+    TOPIC,
+    CapacityPublisher,
+    CapacitySubscriber,
+    Envelope,
+    FeaturePuller,
+    FeaturePusher,
+)
+from tlt.services.common.events_local import LocalCapacityBus, LocalFeatureQueue
+from tlt.v1 import common_pb2, events_pb2
+
+ANY = "tcp://127.0.0.1:*"
+BUSY, IDLE = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
+
+
+def _event(replica: int, state: int, running: int = 0) -> events_pb2.CapacityEvent:
+    return events_pb2.CapacityEvent(replica_id=replica, device="cpu", state=state, running=running)
+
+
+def _batch(n: int, size: int = 16) -> events_pb2.FeatureBatch:
+    seqs = [events_pb2.FeatureSequence(seq_id=f"s{i}", token_ids=[1, 2, 3], features=b"\0" * size) for i in range(n)]
+    return events_pb2.FeatureBatch(sequences=seqs, source="rollout")
+
+
+def _wait_heartbeat(sub: CapacitySubscriber, timeout_s: float = 5.0) -> events_pb2.CapacityEvent:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ev = sub.recv(0.5)
+        if ev is not None and ev.heartbeat:
+            return ev
+    raise AssertionError("no heartbeat within the time limit")
+
+
+@pytest.fixture
+def publisher():
+    pub = CapacityPublisher(ANY, ANY, server_id="srv-a", heartbeat_s=0.1)
+    yield pub
+    pub.close()
+
+
+def test_late_subscriber_gets_current_state_from_snapshot(publisher: CapacityPublisher) -> None:
+    publisher.publish(_event(0, BUSY, running=5))
+    publisher.publish(_event(1, BUSY, running=3))
+    publisher.publish(_event(1, IDLE))
+    with CapacitySubscriber(publisher.pub_endpoint, publisher.snapshot_endpoint) as sub:
+        snap = sub.snapshot(timeout_s=2.0)
+        assert [(e.replica_id, e.state, e.running) for e in snap] == [(0, BUSY, 5), (1, IDLE, 0)]
+        assert all(e.server_id == "srv-a" and not e.heartbeat for e in snap)
+        assert sub.latest[("srv-a", 1)].state == IDLE
+
+        _wait_heartbeat(sub)  # the subscription is live
+        sent = publisher.publish(_event(0, IDLE))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            ev = sub.recv(0.5)
+            if ev is not None and not ev.heartbeat:
+                break
+        assert ev is not None and not ev.heartbeat
+        assert (ev.replica_id, ev.state, ev.seq) == (0, IDLE, sent.seq)
+        assert sub.latest[("srv-a", 0)].state == IDLE
+
+
+def test_heartbeats_repeat_every_replica_state(publisher: CapacityPublisher) -> None:
+    a = publisher.publish(_event(0, BUSY))
+    b = publisher.publish(_event(1, IDLE))
+    with CapacitySubscriber(publisher.pub_endpoint, publisher.snapshot_endpoint) as sub:
+        seen: dict[int, events_pb2.CapacityEvent] = {}
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            ev = sub.recv(0.5)
+            if ev is not None and ev.heartbeat:
+                seen[ev.replica_id] = ev
+        assert set(seen) == {0, 1}
+        assert (seen[0].state, seen[0].seq) == (BUSY, a.seq)  # a heartbeat repeats the last seq
+        assert (seen[1].state, seen[1].seq) == (IDLE, b.seq)
+
+
+def test_seq_is_per_replica_and_thread_safe(publisher: CapacityPublisher) -> None:
+    results: list[events_pb2.CapacityEvent] = []
+    lock = threading.Lock()
+
+    def worker(replica: int) -> None:
+        for i in range(50):
+            ev = publisher.publish(_event(replica, BUSY if i % 2 else IDLE))
+            with lock:
+                results.append(ev)
+
+    threads = [threading.Thread(target=worker, args=(r % 2,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    for replica in (0, 1):
+        seqs = sorted(e.seq for e in results if e.replica_id == replica)
+        assert seqs == list(range(seqs[0], seqs[0] + 100))  # 2 threads x 50, no gaps, no repeats
+
+
+def test_snapshot_times_out_without_publisher() -> None:
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:  # accepts the request, never answers
+        silent.bind(ANY)
+        endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+        with CapacitySubscriber("tcp://127.0.0.1:1", endpoint) as sub:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError):
+                sub.snapshot(timeout_s=0.3)
+            assert time.monotonic() - start < 2
+
+
+def test_garbage_on_snapshot_socket_is_counted_and_answered(publisher: CapacityPublisher) -> None:
+    publisher.publish(_event(0, IDLE))
+    with zmq.Context() as ctx:
+        for junk in ([b"\xff\xfe\xfd"], [b"a", b"b"], [Envelope(capacity=_event(3, BUSY)).SerializeToString()]):
+            with ctx.socket(zmq.REQ) as req:
+                req.setsockopt(zmq.LINGER, 0)
+                req.connect(publisher.snapshot_endpoint)
+                req.send_multipart(junk)
+                assert req.poll(2000), "the publisher must still answer"
+                assert Envelope.FromString(req.recv()).WhichOneof("body") is None
+    assert publisher.garbage == 3
+    with CapacitySubscriber(publisher.pub_endpoint, publisher.snapshot_endpoint) as sub:
+        assert [e.replica_id for e in sub.snapshot()] == [0]
+
+
+def test_garbage_and_stale_events_on_sub_socket_are_skipped(publisher: CapacityPublisher) -> None:
+    publisher.publish(_event(0, BUSY))
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
+        rogue.bind(ANY)
+        with CapacitySubscriber(rogue.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_endpoint) as sub:
+            known = sub.snapshot()[0]
+            stale = _event(0, IDLE)
+            stale.server_id, stale.seq = "srv-a", known.seq - 1
+            fresh = _event(0, IDLE)
+            fresh.server_id, fresh.seq = "srv-a", known.seq + 1
+            frames = [
+                [TOPIC, b"\xff\xff\xff"],  # not protobuf
+                [TOPIC],  # no body frame
+                [TOPIC, Envelope(features=_batch(1)).SerializeToString()],  # wrong body
+                [TOPIC, Envelope(capacity=stale).SerializeToString()],  # older than the snapshot
+                [TOPIC, Envelope(capacity=fresh).SerializeToString()],
+            ]
+            probe = _event(99, IDLE)
+            probe.server_id = "probe"
+            deadline = time.monotonic() + 5
+            while sub.recv(0.1) is None:  # resend a probe until the subscription is live
+                assert time.monotonic() < deadline, "subscription never became live"
+                rogue.send_multipart([TOPIC, Envelope(capacity=probe).SerializeToString()])
+            while sub.recv(0.1) is not None:  # drain duplicate probes
+                pass
+            for f in frames:
+                rogue.send_multipart(f)
+            got = sub.recv(3.0)
+            assert got is not None and got.seq == fresh.seq and got.state == IDLE
+            assert sub.garbage == 3
+            assert sub.recv(0.2) is None
+            assert sub.latest[("srv-a", 0)].seq == fresh.seq
+
+
+def test_pusher_never_blocks_without_consumer() -> None:
+    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as probe:
+        probe.bind(ANY)
+        free = probe.getsockopt_string(zmq.LAST_ENDPOINT)
+    # `free` is now an address nobody listens on
+    with FeaturePusher(free, hwm=2) as pusher:
+        start = time.monotonic()
+        sent = [pusher.push(_batch(3)) for _ in range(500)]
+        elapsed = time.monotonic() - start
+    assert not any(sent)
+    assert pusher.dropped == 1500 and pusher.dropped_batches == 500
+    assert elapsed < 2.0, f"500 pushes took {elapsed:.2f}s"
+
+
+def test_pusher_drops_when_consumer_is_slow_and_reports_count() -> None:
+    with FeaturePuller(ANY, hwm=1) as puller, FeaturePusher(puller.endpoint, hwm=1) as pusher:
+        deadline = time.monotonic() + 5
+        while not pusher.push(_batch(1)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # wait for the TCP connection
+        first = puller.recv(2.0)
+        assert first is not None
+        dropped_before_burst = pusher.dropped
+        start = time.monotonic()
+        results = [pusher.push(_batch(2, size=64 << 10)) for _ in range(400)]  # 50 MB, nobody reading
+        elapsed = time.monotonic() - start
+        assert elapsed < 5.0, f"pushes blocked for {elapsed:.2f}s"
+        assert results.count(False) > 0
+        assert pusher.dropped - dropped_before_burst == 2 * results.count(False)
+        received = []
+        while (b := puller.recv(0.5)) is not None:
+            received.append(b)
+        assert 0 < len(received) <= results.count(True) + 1
+        pusher.push(_batch(1))
+        last = puller.recv(2.0)
+        assert last is not None and last.dropped_before == pusher.dropped
+        assert puller.sender_dropped == pusher.dropped
+
+
+def test_garbage_on_pull_socket_is_counted() -> None:
+    with FeaturePuller(ANY) as puller, zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rogue:
+        rogue.connect(puller.endpoint)
+        rogue.send(b"\x08\x96\x01\xff\xff")  # truncated varint field: not protobuf
+        rogue.send_multipart([b"two", b"frames"])
+        rogue.send(Envelope(capacity=_event(0, IDLE)).SerializeToString())  # wrong body
+        rogue.send(Envelope(features=_batch(2)).SerializeToString())
+        got = puller.recv(3.0)
+        assert got is not None and len(got.sequences) == 2
+        assert puller.garbage == 3 and puller.received == 1
+
+
+def test_local_capacity_bus_matches_the_contract() -> None:
+    bus = LocalCapacityBus("local")
+    bus.publish(_event(0, BUSY))
+    feed = bus.subscribe()
+    assert [(e.replica_id, e.state, e.seq) for e in feed.snapshot()] == [(0, BUSY, 1)]
+    bus.publish(_event(0, IDLE))
+    ev = feed.recv(1.0)
+    assert ev is not None and (ev.state, ev.seq, ev.heartbeat) == (IDLE, 2, False)
+    bus.heartbeat()
+    ev = feed.recv(1.0)
+    assert ev is not None and ev.heartbeat and ev.seq == 2
+    assert feed.recv(0.01) is None
+
+
+def test_local_feature_queue_drops_when_full() -> None:
+    q = LocalFeatureQueue(maxsize=2)
+    assert [q.push(_batch(3)) for _ in range(4)] == [True, True, False, False]
+    assert q.dropped == 6 and q.dropped_batches == 2
+    assert q.recv(0.1) is not None and q.recv(0.1) is not None and q.recv(0.05) is None
+    q.push(_batch(1))
+    got = q.recv(0.1)
+    assert got is not None and got.dropped_before == 6
