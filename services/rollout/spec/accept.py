@@ -149,17 +149,23 @@ def emitted_logprobs(result: AcceptResult, node_logprobs: torch.Tensor) -> torch
 
 
 def chain_accept_rejection(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: Generators = None
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: Generators = None,
+    u: torch.Tensor | None = None,
 ) -> AcceptResult:
     """Speculative sampling for a chain of drafts drawn from p.
 
     draft_tokens [B, S]; draft_probs [B, S, V] (p_i the drafts were drawn from); target_probs [B, S+1, V]
     (q_i at each draft's prefix, q_S after the last draft). Returns the same AcceptResult as a tree walk on
-    the chain (path = node indices 0..accept_len).
+    the chain (path = node indices 0..accept_len). `u` [B, S+1] (tests) replaces the generator's uniforms:
+    u[:, i] decides draft i, u[:, S] draws the final token.
     """
     b, s = draft_tokens.shape
     dev = draft_tokens.device
-    u = uniforms((b, s + 1), generator, dev)
+    if u is None:
+        u = uniforms((b, s + 1), generator, dev)
     p = draft_probs.float()
     q = target_probs.float()
     p_x = p[:, :s].gather(-1, draft_tokens[..., None]).squeeze(-1)

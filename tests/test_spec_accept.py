@@ -1,0 +1,100 @@
+"""Acceptance functions and target filters against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tlt.services.rollout.spec.accept import (
+    chain_accept_rejection,
+    emitted_logprobs,
+    node_targets,
+    sample_probs,
+    tree_accept,
+)
+from tlt.services.rollout.spec.filters import filter_logits, filtered_probs
+
+P = torch.tensor([0.5, 0.25, 0.15, 0.1])
+
+
+
+def test_filters_by_hand():
+    lg = P.log()
+    assert filter_logits(lg, 1.0, top_p=0.6).isfinite().tolist() == [True, True, False, False]
+    assert filter_logits(lg, 1.0, top_p=0.5).isfinite().tolist() == [True, False, False, False]
+    assert filter_logits(lg, 1.0, top_k=3).isfinite().tolist() == [True, True, True, False]
+    assert filter_logits(lg, 1.0, min_p=0.4).isfinite().tolist() == [True, True, False, False]  # >= 0.2
+    q = filtered_probs(lg, 2.0)
+    assert torch.allclose(q, P.sqrt() / P.sqrt().sum())
+    # top_p after temperature: at T=2 the masses are .35,.25,.19,.16 -> top_p .6 keeps the first two
+    q = filtered_probs(lg, 2.0, top_p=0.6)
+    assert torch.allclose(q, torch.tensor([0.5**0.5, 0.25**0.5, 0, 0]) / (0.5**0.5 + 0.5))
+    # per-row parameters
+    rows = filter_logits(lg.expand(2, 4), torch.tensor([1.0, 1.0]), torch.tensor([1, 0]), 1.0, 0.0)
+    assert rows.isfinite().sum(-1).tolist() == [1, 4]
+
+
+def test_sample_probs_inverse_cdf():
+    assert sample_probs(P, torch.tensor(0.6)).item() == 1  # cdf .5 .75 .9 1
+    assert sample_probs(P, torch.tensor(0.0)).item() == 0
+    assert sample_probs(P, torch.tensor(0.95)).item() == 3
+    z = torch.tensor([0.0, 0.5, 0.0, 0.5])
+    assert sample_probs(z, torch.tensor(0.0)).item() == 1  # never a zero-probability token
+    assert sample_probs(z, torch.tensor(0.5)).item() == 3
+    assert sample_probs(z, torch.tensor(0.9999999999)).item() == 3
+
+
+def test_tree_accept_by_hand():
+    # tree: 0(root) -> 1 (tok 4), 2 (tok 7); 1 -> 3 (tok 5), 4 (tok 2)
+    tokens = torch.tensor([[9, 4, 7, 5, 2]] * 3)
+    parents = torch.tensor([[-1, 0, 0, 1, 1]] * 3)
+    targets = torch.tensor([
+        [7, 1, 3, 9, 9],  # root says 7 -> node 2, a leaf: emit its target 3
+        [4, 2, 0, 0, 6],  # root 4 -> node 1, node 1 says 2 -> node 4 (leaf) says 6
+        [0, 4, 7, 5, 2],  # root says 0: no child, emit 0
+    ])
+    res = tree_accept(tokens, parents, targets)
+    assert res.accept_len.tolist() == [1, 2, 0]
+    assert res.num_emitted.tolist() == [2, 3, 1]
+    assert res.tokens.tolist() == [[7, 3, -1], [4, 2, 6], [0, -1, -1]]
+    assert res.path.tolist() == [[0, 2, -1], [0, 1, 4], [0, -1, -1]]
+    assert [res.emitted(b) for b in range(3)] == [[7, 3], [4, 2, 6], [0]]
+    logq = torch.log_softmax(torch.arange(5 * 10, dtype=torch.float).view(1, 5, 10).expand(3, 5, 10) % 7, -1)
+    lp = emitted_logprobs(res, logq)
+    assert math.isclose(float(lp[1, 2]), float(logq[1, 4, 6])) and math.isclose(float(lp[0, 1]), float(logq[0, 2, 3]))
+    assert float(lp[2, 1]) == 0.0
+
+
+def test_chain_rejection_by_hand():
+    p = torch.tensor([[[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]])  # p_0, p_1
+    q = torch.tensor([[[0.2, 0.3, 0.5], [0.6, 0.2, 0.2], [0.0, 0.0, 1.0]]])  # q_0, q_1, q_2
+    drafts = torch.tensor([[0, 0]])  # draft 0: q/p = .4 ; draft 1: q/p = 1.8 (always accepted)
+    # u0 = .3 < .4 accept; draft 1 always accepted; bonus from q_2 -> token 2
+    res = chain_accept_rejection(drafts, p, q, u=torch.tensor([[0.3, 0.99, 0.5]]))
+    assert res.accept_len.tolist() == [2] and res.tokens.tolist() == [[0, 0, 2]]
+    # u0 = .5 > .4 reject; residual max(q0 - p0, 0) = [0, 0, .5] -> token 2 whatever the uniform
+    for u_last in (0.0, 0.5, 0.999):
+        res = chain_accept_rejection(drafts, p, q, u=torch.tensor([[0.5, 0.0, u_last]]))
+        assert res.accept_len.tolist() == [0] and res.tokens.tolist() == [[2]] and res.path.tolist() == [[0]]
+    # draft 1 = token 1: q/p = .6; u1 = .7 rejects; residual max(q1 - p1, 0) = [.267, 0, 0] -> token 0
+    res = chain_accept_rejection(torch.tensor([[0, 1]]), p, q, u=torch.tensor([[0.1, 0.7, 0.9]]))
+    assert res.accept_len.tolist() == [1] and res.tokens.tolist() == [[0, 0]]
+
+
+def test_node_targets_greedy_rows_and_per_sequence_generators():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 10, generator=g)
+    nt = node_targets(logits, torch.tensor([0.0, 1.0, 0.0]))
+    assert nt.tokens[0].tolist() == logits[0].argmax(-1).tolist()
+    assert nt.tokens[2].tolist() == logits[2].argmax(-1).tolist()
+    assert torch.allclose(nt.logprobs[0], logits[0].log_softmax(-1))
+    # row b's draws come from generator b only: the same seed gives the same tokens in any batch
+    gens = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
+    a = node_targets(logits, 1.0, generator=gens).tokens
+    alone = node_targets(logits[1:2], 1.0, generator=[torch.Generator().manual_seed(12)]).tokens
+    assert a[1].tolist() == alone[0].tolist()
+    # filtered-out tokens are never drawn
+    many = node_targets(logits[:1].expand(2000, 4, 10), 0.7, top_k=2, generator=g).tokens
+    top2 = logits[0].topk(2, -1).indices
+    assert ((many[..., None] == top2[None]).any(-1)).all()

@@ -1,0 +1,111 @@
+"""Draft-tree construction, arms and tree attention masks against hand-built cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tlt.services.rollout.spec.tree import Arm, ancestor_mask, build_tree, chain_tree
+
+
+def test_arm_parse_and_validate():
+    arm = Arm.parse("8_4_48")
+    assert (arm.steps, arm.topk, arm.draft_tokens) == (8, 4, 48)
+    assert arm.name == "8_4_48" and str(arm) == "8_4_48"
+    assert arm.max_nodes == 1 + 4 + 7 * 16
+    assert Arm.parse("3_1_4").max_nodes == 4
+    for bad in ["8_4", "8-4-48", "a_b_c", "8_4_48_1", ""]:
+        with pytest.raises(ValueError, match="steps_topk_drafttokens"):
+            Arm.parse(bad)
+    with pytest.raises(ValueError, match="exceeds"):
+        Arm.parse("3_1_5")  # a chain of 3 verifies at most 4 nodes
+    with pytest.raises(ValueError, match=">= 2"):
+        Arm.parse("3_1_1")
+    with pytest.raises(ValueError, match=">= 1"):
+        Arm.parse("0_4_8")
+
+
+def _hand_expand(step, beam, beam_tokens):
+    """Draft distributions over V=5, chosen so no scores tie (see test_build_tree_hand_case)."""
+    calls.append((step, beam.tolist(), beam_tokens.tolist()))
+    table = {
+        9: [0.5, 0.3, 0.1, 0.05, 0.05],  # root
+        0: [0.05, 0.15, 0.5, 0.2, 0.1],
+        1: [0.7, 0.2, 0.05, 0.03, 0.02],
+        2: [0.1, 0.1, 0.1, 0.1, 0.6],
+    }
+    return torch.tensor([[table[int(t)] for t in row] for row in beam_tokens]).log()
+
+
+calls: list = []
+
+
+def test_build_tree_hand_case():
+    # step 0: root(9) -> cand 1 = tok0 (.5), cand 2 = tok1 (.3); beam [1, 2]
+    # step 1: cand 1 -> 3 = tok2 (.25), 4 = tok3 (.10); cand 2 -> 5 = tok0 (.21), 6 = tok1 (.06)
+    # best 3 non-root: 1 (.5), 2 (.3), 3 (.25); best 4 adds 5 (.21)
+    calls.clear()
+    tree = build_tree(torch.tensor([9]), _hand_expand, Arm(2, 2, 4))
+    assert calls == [(0, [[0]], [[9]]), (1, [[1, 2]], [[0, 1]])]
+    assert tree.tokens.tolist() == [[9, 0, 1, 2]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1]]
+    assert tree.depth.tolist() == [[0, 1, 1, 2]]
+    assert torch.allclose(tree.score.exp(), torch.tensor([[1.0, 0.5, 0.3, 0.25]]))
+    tree5 = build_tree(torch.tensor([9]), _hand_expand, Arm(2, 2, 5))
+    assert tree5.tokens.tolist() == [[9, 0, 1, 2, 0]]
+    assert tree5.parents.tolist() == [[-1, 0, 0, 1, 2]]
+    assert tree5.children(0) == [[1, 2], [3], [4], [], []]
+    # a third step expands the two best of step 1's candidates: 3 (.25) and 5 (.21)
+    calls.clear()
+    build_tree(torch.tensor([9]), _hand_expand, Arm(3, 2, 5))
+    assert calls[2] == (2, [[3, 5]], [[2, 0]])
+
+
+def test_tree_mask_and_positions():
+    tree = build_tree(torch.tensor([9]), _hand_expand, Arm(2, 2, 5))
+    mask = tree.attention_mask()[0].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 0, 1, 0, 1],
+    ]
+    assert tree.positions(torch.tensor([10])).tolist() == [[10, 11, 11, 12, 12]]
+
+
+def test_chain_when_topk_is_one():
+    calls.clear()
+    tree = build_tree(torch.tensor([9]), _hand_expand, Arm(3, 1, 4))
+    # greedy chain: 9 -> 0 (.5) -> 2 (.5) -> 4 (.6)
+    assert tree.tokens.tolist() == [[9, 0, 2, 4]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2]]
+    assert math.isclose(float(tree.score[0, -1].exp()), 0.5 * 0.5 * 0.6, rel_tol=1e-5)
+    ch = chain_tree(torch.tensor([9]), torch.tensor([[0, 2, 4]]))
+    assert ch.tokens.tolist() == tree.tokens.tolist() and ch.parents.tolist() == tree.parents.tolist()
+    assert ancestor_mask(ch.parents)[0].int().tolist() == torch.tril(torch.ones(4, 4)).int().tolist()
+
+
+@pytest.mark.parametrize("arm", ["8_4_48", "5_3_16", "4_2_8", "3_4_20", "6_1_7"])
+def test_random_trees_are_connected_ordered_and_distinct(arm):
+    arm = Arm.parse(arm)
+    g = torch.Generator().manual_seed(0)
+    v, b = 12, 16
+    table = (torch.randn(v, v, generator=g) * 3).log_softmax(-1)
+    table[3] = torch.nn.functional.one_hot(torch.tensor(4), v).float().log()  # log-prob 0 and -inf: ties
+
+    tree = build_tree(torch.randint(0, v, (b,), generator=g), lambda s, beam, tok: table[tok], arm)
+    assert tree.tokens.shape == (b, arm.draft_tokens)
+    for r in range(b):
+        par = tree.parents[r].tolist()
+        dep = tree.depth[r].tolist()
+        assert par[0] == -1 and dep[0] == 0
+        for i in range(1, len(par)):
+            assert 0 <= par[i] < i, "parents precede children"
+            assert dep[i] == dep[par[i]] + 1 and dep[i] <= arm.steps
+            assert tree.score[r, i] <= tree.score[r, par[i]] + 1e-6
+        for kids in tree.children(r):
+            toks = [int(tree.tokens[r, k]) for k in kids]
+            assert len(toks) == len(set(toks)), "sibling drafts must be distinct"
