@@ -1,0 +1,87 @@
+"""Choosing between a Triton kernel and its PyTorch reference, and jitting kernels lazily.
+
+Every kernel module in `tlt.kernels` exposes one dispatch function (e.g.
+`fused_add_rmsnorm`) that takes `impl`:
+
+- "auto"   (default): the Triton kernel for CUDA tensors, the PyTorch reference otherwise;
+- "torch":  always the reference (any device);
+- "triton": always the kernel; on CPU tensors this needs `TRITON_INTERPRET=1`
+            (Triton's interpreter, which is how the parity tests run on CPU).
+
+Why lazy jitting: `triton.jit` decides at *decoration* time whether it builds
+a compiled `JITFunction` or an interpreter `InterpretedFunction`, by reading
+`TRITON_INTERPRET`. Decorating at import would freeze that choice at whatever
+the environment was when the module was first imported (test ordering would
+then decide whether a parity test runs the interpreter). `LazyKernel` instead
+keeps the plain Python kernel function and decorates it on first launch, once
+per interpreter setting, so the environment at call time is what counts.
+Kernels therefore must not call other jitted helpers (a plain helper would not
+be a JITFunction in the compiled path): each kernel body is self-contained.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+Impl = Literal["auto", "torch", "triton"]
+IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton would build interpreter kernels now (TRITON_INTERPRET set truthy)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def use_triton(x: torch.Tensor, impl: Impl) -> bool:
+    """Decide whether a call on tensor `x` runs the Triton kernel (True) or the reference (False)."""
+    if impl == "auto":
+        return x.is_cuda
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        if not x.is_cuda and not interpreter_enabled():
+            raise RuntimeError(
+                "impl='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "in the environment, or use impl='auto'/'torch' for the PyTorch reference"
+            )
+        return True
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+class LazyKernel:
+    """A Triton kernel decorated with `triton.jit` on first launch, per interpreter setting.
+
+    Launch exactly like a jitted kernel: `kernel[grid](*args, **constexprs)`.
+    `raw` is the undecorated function (the compile-only tests build their own
+    `JITFunction` from it).
+    """
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.raw = fn
+        self._built: dict[bool, Any] = {}
+
+    def jitted(self) -> Any:
+        key = interpreter_enabled()
+        if key not in self._built:
+            import triton
+
+            self._built[key] = triton.jit(self.raw)
+        return self._built[key]
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return self.jitted()[grid]
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1): `tl.arange` needs power-of-two extents."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise ValueError(message) when a launch precondition fails (unlike `assert`, never compiled out)."""
+    if not cond:
+        raise ValueError(message)
