@@ -85,6 +85,9 @@ class Versions:
 
     policy: int = 0
     drafter: int = -1
+    # Oldest policy version among a completion's tokens when weights were swapped while it
+    # was generating (its tokens then came from policy_min .. policy); None = all from `policy`.
+    policy_min: int | None = None
 
 
 @dataclass

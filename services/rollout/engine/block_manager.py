@@ -1,0 +1,141 @@
+"""BlockManager: paged KV blocks with reference counts and prefix sharing.
+
+Each sequence holds a block table (block ids, `block_size` tokens each). A
+full block whose tokens lie inside the sequence's known prefix (all tokens but
+the last) is registered under a hash of (previous block's hash, its tokens);
+a later sequence with the same prefix reuses it (ref count + 1) instead of
+computing it again. That is how the n samples of one GRPO prompt prefill the
+prompt once. The block holding the last prompt token is never shared, so a
+sequence only ever writes into blocks it owns alone (no copy-on-write needed;
+the partial tail is recomputed per sample, at most block_size tokens).
+
+A shared block must already hold K/V when the sharer reads it: either it is
+`computed`, or it is being written in the same step by a sequence scheduled
+earlier (`pending`, the model writes every new token's K/V before any
+attention in each layer). A match that is neither (the owner is mid-way
+through a chunked prefill) tells the scheduler to wait a step.
+
+Freed blocks keep their hash (a later identical prefix can still hit them)
+until they are handed out again; uncomputed blocks lose it when freed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tlt.services.rollout.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "hash", "token_ids", "computed")
+
+    def __init__(self, block_id: int) -> None:
+        self.id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+        self.computed = False
+
+
+class BlockManager:
+    DEFER = -1  # allocate(): a matching prefix block is still being computed by another sequence
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_sharing: bool = True) -> None:
+        self.block_size = block_size
+        self.prefix_sharing = prefix_sharing
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.by_hash: dict[int, Block] = {}
+        self.shared_hits = 0  # blocks reused instead of recomputed (for stats and tests)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _take_free(self) -> Block:
+        bid, _ = self.free.popitem(last=False)
+        b = self.blocks[bid]
+        if b.hash is not None and self.by_hash.get(b.hash) is b:
+            del self.by_hash[b.hash]
+        b.hash, b.token_ids, b.computed, b.ref_count = None, (), False, 1
+        return b
+
+    def allocate(self, seq: Sequence, pending: set[int]) -> int:
+        """Give `seq` blocks for all its tokens, reusing shared prefix blocks.
+
+        Returns the number of leading tokens already in the cache (set as
+        seq.num_computed), DEFER when it must wait for a sibling's chunk, or
+        raises nothing and returns -2 when there are not enough free blocks.
+        """
+        assert not seq.block_table
+        bs, toks = self.block_size, seq.token_ids
+        total = self.blocks_needed(len(toks))
+        shareable = (len(toks) - 1) // bs if self.prefix_sharing else 0
+        hits: list[Block] = []
+        hashes: list[int] = []
+        h = 0
+        for i in range(shareable):
+            chunk = tuple(toks[i * bs : (i + 1) * bs])
+            h = hash((h, chunk))
+            hashes.append(h)
+            if len(hits) == i:
+                b = self.by_hash.get(h)
+                if b is not None and b.token_ids == chunk:
+                    if not (b.computed or b.id in pending):
+                        return self.DEFER
+                    hits.append(b)
+        fresh_needed = total - len(hits)
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        if fresh_needed > len(self.free) - revived:
+            return -2
+        for b in hits:
+            if b.ref_count == 0:
+                del self.free[b.id]
+            b.ref_count += 1
+            seq.block_table.append(b.id)
+        self.shared_hits += len(hits)
+        for i in range(len(hits), total):
+            b = self._take_free()
+            if i < shareable:
+                b.hash, b.token_ids = hashes[i], tuple(toks[i * bs : (i + 1) * bs])
+                self.by_hash[b.hash] = b
+            seq.block_table.append(b.id)
+        seq.num_computed = len(hits) * bs
+        return seq.num_computed
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True if the sequence's next token fits in its blocks or one free block."""
+        return seq.num_tokens <= len(seq.block_table) * self.block_size or len(self.free) > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for all of seq's tokens (one new block at a block boundary)."""
+        while seq.num_tokens > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self._take_free().id)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Blocks fully covered by seq.num_computed now hold valid K/V."""
+        for bid in seq.block_table[: seq.num_computed // self.block_size]:
+            self.blocks[bid].computed = True
+
+    def free_seq(self, seq: Sequence) -> None:
+        for bid in reversed(seq.block_table):
+            b = self.blocks[bid]
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                if not b.computed and b.hash is not None:
+                    if self.by_hash.get(b.hash) is b:
+                        del self.by_hash[b.hash]
+                    b.hash = None
+                self.free[bid] = None
+        seq.block_table = []
+        seq.num_computed = 0

@@ -1,0 +1,244 @@
+"""LLMEngine: the native rollout engine's public API (the servers code against this).
+
+    add_request(GenerationRequest) -> n Sequences queued
+    step():  schedule -> run (one forward + logits of emitting rows) -> sample -> emit
+    -> (StepOutputs of this step, CompletionOutputs finished this step)
+
+Weight swaps (`update_weights`) are validated entirely with the loader's
+checks, then applied in place between two steps (callers never call it during
+`step`). In-flight sequences CONTINUE with the new weights (their cached K/V
+is kept): each emitted token records the policy version that produced it and
+a completion is stamped `versions.policy` = newest version used and
+`versions.policy_min` = oldest when they differ (None when all tokens came
+from one version), so a mixed rollout is always visible to the trainer.
+
+Features (`return_features`): row i is the last-layer hidden state (post
+final norm) at the position that produced token_ids[i], taken from the same
+forward that sampled it, as fp16.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tlt.model.config import ModelConfig
+from tlt.model.loader import expected_tensors, load_checkpoint, validate_tensors
+from tlt.model.transformer import build_model
+from tlt.services.common.logging import get_logger
+from tlt.services.rollout.engine.block_manager import BlockManager
+from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.engine.model_runner import ModelRunner, RunOutput
+from tlt.services.rollout.engine.sampler import sample
+from tlt.services.rollout.engine.scheduler import Scheduler
+from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.engine.stop import check_stop
+from tlt.services.rollout.types import CompletionOutput, GenerationRequest, StepOutput, Versions
+
+log = get_logger("rollout.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    running: int
+    queued: int  # waiting, including preempted sequences
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    versions: Versions
+    num_preemptions: int
+    steps: int
+    prefix_hit_blocks: int = 0
+    spec: dict = field(default_factory=dict)  # filled by the speculative decoder when attached
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, replica_id: int = 0) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.replica_id = replica_id
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        cfg, tensors = load_checkpoint(model_dir, dtype=self.dtype, device=self.device)
+        self.model_config: ModelConfig = cfg
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        self.model = build_model(cfg, tensors, dtype=self.dtype, device=self.device, max_len=self.max_model_len)
+        del tensors
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_mb)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_sharing)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, config.block_size, num_blocks)
+        self.versions = Versions(policy=0, drafter=-1)
+        self.eos_ids = frozenset(cfg.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self._seqs: dict[str, list[Sequence]] = {}
+        self._seed_counter = itertools.count()
+        self._steps = 0
+        self.spec_decoder = None  # a SpecDecoder replaces plain decode for small batches when attached
+        log.info("engine_ready", replica=replica_id, arch=cfg.architecture, layers=cfg.num_layers,
+                 kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len)
+
+    def _blocks_for_budget(self, mb: float) -> int:
+        c = self.model_config
+        per_block = 2 * c.num_layers * self.config.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return max(1, int(mb * 2**20 // per_block))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: GenerationRequest) -> None:
+        p = req.params
+        p.validate()
+        n_prompt = len(req.prompt_token_ids)
+        if n_prompt == 0:
+            raise ValueError("prompt is empty")
+        if req.request_id in self._seqs:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        if not isinstance(req.n, int) or req.n < 1:
+            raise ValueError(f"n must be a positive integer, got {req.n!r}")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"prompt has {n_prompt} tokens; the context limit is {self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context limit {self.max_model_len}"
+            )
+        if self.block_manager.blocks_needed(n_prompt + max_tokens) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens ({n_prompt + max_tokens} tokens) does not fit in the KV cache "
+                f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise num_kv_blocks/kv_cache_mb"
+            )
+        seed = p.seed if p.seed is not None else hash((self.config.seed, self.replica_id, next(self._seed_counter)))
+        seqs = [Sequence(req.request_id, i, req.prompt_token_ids, p, max_tokens, seed, self.eos_ids) for i in range(req.n)]
+        self._seqs[req.request_id] = seqs
+        for s in seqs:
+            self.scheduler.add(s)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request's sequences and free their KV; nothing is emitted for them. Unknown ids are ignored."""
+        for seq in self._seqs.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return [], []
+        out = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            if n > 1:
+                self.block_manager.mark_computed(seq)
+        self._steps += 1
+        return self._emit(out)
+
+    def _emit(self, out: RunOutput) -> tuple[list[StepOutput], list[CompletionOutput]]:
+        if not out.emit_seqs:
+            return [], []
+        res = sample(out.logits, out.emit_seqs)
+        policy = self.versions.policy
+        steps: list[StepOutput] = []
+        done: list[CompletionOutput] = []
+        want_features = any(s.features is not None for s in out.emit_seqs)
+        feats = out.hidden.to(torch.float16).cpu() if want_features else None
+        for k, seq in enumerate(out.emit_seqs):
+            tok = res.token_ids[k]
+            seq.token_ids.append(tok)
+            seq.record_version(policy)
+            if seq.logprobs is not None:
+                seq.logprobs.append(res.logprobs[k])
+            if seq.top_logprobs is not None:
+                seq.top_logprobs.append(res.top_logprobs[k])
+            if seq.features is not None:
+                seq.features.append(feats[k])
+            reason = check_stop(seq, tok, self.tokenizer, self.max_model_len)
+            steps.append(StepOutput(seq.request_id, seq.sample_index, [tok],
+                                    None if seq.logprobs is None else [res.logprobs[k]],
+                                    finished=reason is not None, finish_reason=reason))
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                done.append(self._completion(seq))
+        return steps, done
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        group = self._seqs.get(seq.request_id)
+        if group is not None and all(s.is_finished for s in group):
+            del self._seqs[seq.request_id]
+        oldest, newest = seq.policy_versions or (self.versions.policy, self.versions.policy)
+        text = seq.text if seq.text is not None else self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return CompletionOutput(
+            request_id=seq.request_id,
+            sample_index=seq.sample_index,
+            prompt_token_ids=seq.token_ids[: seq.prompt_len],
+            token_ids=seq.output_ids,
+            text=text,
+            finish_reason=seq.finish_reason,
+            versions=Versions(policy=newest, drafter=self.versions.drafter, policy_min=oldest if oldest != newest else None),
+            logprobs=seq.logprobs,
+            top_logprobs=seq.top_logprobs,
+            features=torch.stack(seq.features) if seq.features else (None if seq.features is None else torch.empty(0)),
+            replica_id=self.replica_id,
+        )
+
+    # ------------------------------------------------------------------ weights
+    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (shape, self.dtype) for k, shape in expected_tensors(self.model_config).items()}
+
+    def update_weights(self, kind: str, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Validate every tensor (names, shapes, dtype) first, then copy in place; a bad update changes nothing."""
+        if kind == "drafter":
+            if self.spec_decoder is None:
+                raise ValueError("this engine has no speculative decoder to take drafter weights")
+            self.spec_decoder.update_weights(tensors, version)
+            self.versions = Versions(policy=self.versions.policy, drafter=version)
+            return
+        if kind != "policy":
+            raise ValueError(f"unknown weight kind {kind!r}; expected 'policy' or 'drafter'")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an integer, got {version!r}")
+        if not tensors:
+            raise ValueError("weight update has no tensors")
+        validate_tensors(self.model_config, tensors, partial=True, dtype=self.dtype)
+        self.model.load_weights({k: v.to(self.device) for k, v in tensors.items()})
+        self.versions = Versions(policy=version, drafter=self.versions.drafter)
+        log.info("weights_updated", replica=self.replica_id, kind=kind, version=version, tensors=len(tensors))
+
+    # ------------------------------------------------------------------ helpers
+    def stats(self) -> EngineStats:
+        spec = self.spec_decoder.stats() if self.spec_decoder is not None else {}
+        return EngineStats(
+            running=len(self.scheduler.running),
+            queued=len(self.scheduler.waiting),
+            kv_usage=self.block_manager.usage(),
+            versions=self.versions,
+            num_preemptions=self.scheduler.num_preemptions,
+            steps=self._steps,
+            prefix_hit_blocks=self.block_manager.shared_hits,
+            spec=spec,
+        )
+
+    def generate(self, requests: list[GenerationRequest]) -> list[CompletionOutput]:
+        """Add every request, step until all are done; completions in request order, then sample order."""
+        for r in requests:
+            self.add_request(r)
+        wanted = {r.request_id for r in requests}
+        got: dict[tuple[str, int], CompletionOutput] = {}
+        while any(k in self._seqs for k in wanted) and self.has_unfinished():
+            _, done = self.step()
+            for c in done:
+                got[(c.request_id, c.sample_index)] = c
+        return [got[(r.request_id, i)] for r in requests for i in range(r.n)]

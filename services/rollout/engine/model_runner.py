@@ -1,0 +1,93 @@
+"""ModelRunner: a scheduled batch -> model inputs -> hidden states and logits of the emitting rows.
+
+    ScheduledBatch (seqs, new-token counts)
+      -> input_ids [T], positions [T], AttentionMetadata (block tables, context lengths, write slots)
+      -> Transformer.forward -> hidden [T, H] -> rows that end a sequence's known tokens
+      -> compute_logits on those rows only
+
+The runner owns the model and its KV cache. `extend` (any q_len per sequence,
+optional tree masks) and `copy_slots` are public for speculative decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.model.transformer import AttentionMetadata, Transformer
+from tlt.services.rollout.engine.scheduler import ScheduledBatch
+from tlt.services.rollout.engine.sequence import Sequence
+
+
+@dataclass
+class RunOutput:
+    emit_seqs: list[Sequence]  # sequences whose chunk reached their last token: they emit one token
+    hidden: torch.Tensor  # [len(emit_seqs), H] last-layer hidden (post final norm) that produces that token
+    logits: torch.Tensor  # [len(emit_seqs), V]
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, block_size: int, num_blocks: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        model.allocate_kv_cache(num_blocks, block_size)
+
+    def slot(self, seq: Sequence, pos: int) -> int:
+        bs = self.block_size
+        return seq.block_table[pos // bs] * bs + pos % bs
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> RunOutput:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        emit: list[Sequence] = []
+        ctx: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            c = seq.num_computed
+            ctx.append(c)
+            if n == 1:
+                ids.append(seq.token_ids[c])
+                pos.append(c)
+                slots.append(seq.block_table[c // bs] * bs + c % bs)
+            else:
+                ids.extend(seq.token_ids[c : c + n])
+                pos.extend(range(c, c + n))
+                bt = seq.block_table
+                slots.extend(bt[p // bs] * bs + p % bs for p in range(c, c + n))
+            if c + n == seq.num_tokens:
+                rows.append(len(ids) - 1)
+                emit.append(seq)
+        dev = self.device
+        meta = AttentionMetadata.build(
+            batch.num_new, ctx, [s.block_table for s in batch.seqs], bs,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), device=dev,
+        )
+        hidden = self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
+        )
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
+        return RunOutput(emit, hidden, self.model.compute_logits(hidden))
+
+    @torch.inference_mode()
+    def extend(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        q_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        tree_masks: list[torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """General forward for speculative verify: new tokens at cache positions ctx..ctx+q-1 -> hidden [T, H]."""
+        meta = AttentionMetadata.build(q_lens, context_lens, block_tables, self.block_size,
+                                       tree_masks=tree_masks, device=self.device)
+        return self.model.forward(input_ids, positions, meta)
+
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        self.model.copy_slots(src_slots, dst_slots)

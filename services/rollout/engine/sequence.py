@@ -1,0 +1,99 @@
+"""Sequence: one sample of one request as the engine tracks it.
+
+A request with n samples becomes n Sequences sharing the prompt. A sequence
+owns its token list (prompt + output), how many of those tokens already have
+K/V in the cache (`num_computed`), its block table, its random generator
+(seeded from (seed, sample_index), so sampling is reproducible whatever else
+is in the batch) and what it has produced: logprobs, features, versions.
+
+Invariant: `num_computed <= num_tokens`; the scheduler gives a sequence
+`num_tokens - num_computed` new tokens to compute (a prefill chunk, or exactly
+one when decoding) and a token is sampled when that reaches `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from tlt.services.rollout.types import FinishReason, SamplingParams
+
+_arrival = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted (its KV freed; recomputed on admission)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = (
+        "request_id", "sample_index", "params", "token_ids", "prompt_len", "max_tokens", "num_computed",
+        "block_table", "status", "arrival", "generator", "logprobs", "top_logprobs", "features",
+        "policy_versions", "finish_reason", "text", "stop_checked_len", "eos_ids", "stop_ids", "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        sample_index: int,
+        prompt: tuple[int, ...],
+        params: SamplingParams,
+        max_tokens: int,
+        seed: int,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.token_ids: list[int] = list(prompt)
+        self.prompt_len = len(prompt)
+        self.max_tokens = max_tokens
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.arrival = next(_arrival)
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator().manual_seed(seed_for(seed, sample_index))
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
+        self.features: list[torch.Tensor] | None = [] if params.return_features else None
+        self.policy_versions: tuple[int, int] | None = None  # (oldest, newest) over emitted tokens
+        self.finish_reason: FinishReason | None = None
+        self.text: str | None = None  # output text cut before the stop string that finished it
+        self.stop_checked_len = 0
+        self.eos_ids = frozenset() if params.ignore_eos else eos_ids
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def record_version(self, policy: int) -> None:
+        v = self.policy_versions
+        self.policy_versions = (policy, policy) if v is None else (min(v[0], policy), max(v[1], policy))
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}#{self.sample_index}, {self.status.value}, tokens={self.num_tokens}, computed={self.num_computed})"
+
+
+def seed_for(seed: int, sample_index: int) -> int:
+    """Generator seed of sample `sample_index` of a request seeded with `seed` (stable across runs)."""
+    return (seed * 1_000_003 + sample_index * 7919 + 1) % (2**63 - 1)

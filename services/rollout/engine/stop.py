@@ -1,0 +1,37 @@
+"""Stop conditions checked after each emitted token, in this order:
+
+    stop_token_ids -> eos (unless ignore_eos) -> stop strings -> max_tokens -> context limit
+
+Stop strings are matched on the detokenised output (the checkpoint's HF
+tokenizer); only the tail that could contain a new match is searched. The
+completion's text is cut before the stop string (OpenAI semantics); the
+token that completed it stays in token_ids (its logprob is part of the rollout).
+"""
+
+from __future__ import annotations
+
+from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.types import FinishReason
+
+
+def check_stop(seq: Sequence, token: int, tokenizer, max_model_len: int) -> FinishReason | None:
+    if token in seq.stop_ids or token in seq.eos_ids:
+        return FinishReason.STOP
+    if seq.params.stop and _stop_string(seq, tokenizer):
+        return FinishReason.STOP
+    if seq.num_output >= seq.max_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _stop_string(seq: Sequence, tokenizer) -> bool:
+    text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+    longest = max(len(s) for s in seq.params.stop)
+    start = max(0, seq.stop_checked_len - longest + 1)
+    hits = [p for p in (text.find(s, start) for s in seq.params.stop) if p >= 0]
+    if hits:
+        seq.text = text[: min(hits)]
+        return True
+    # a trailing U+FFFD may be half a multi-byte character that the next token completes
+    seq.stop_checked_len = len(text.rstrip("\ufffd"))
+    return False
