@@ -1,0 +1,115 @@
+"""`TrainerConfig`: every knob of the GRPO trainer, typed, frozen, documented.
+
+Loaded from the `[trainer]` section of a preset (deploy/configs/cpu-tiny.toml)
+with `load_config(TrainerConfig, "trainer", preset, overrides)`. Defaults run
+on a laptop CPU against the tiny model in artifacts/tiny.
+
+Batch arithmetic of one step:
+
+    prompts_per_step x n_samples = sequences per step
+    sequences per step = k x mini_batch_size     (k optimizer updates per step)
+    mini_batch_size    = m x micro_batch_size    (m = gradient accumulation)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tlt.services.common.config import ServiceConfig
+
+
+class TrainerConfig(ServiceConfig):
+    # -- model -----------------------------------------------------------------
+    model_dir: str = Field("artifacts/tiny", description="local Hugging Face checkpoint folder of the policy (no network)")
+    reference_model_dir: str | None = Field(
+        None, description="frozen reference model for the KL term; default: model_dir (used only when kl_beta > 0)"
+    )
+    output_dir: str = Field("runs/latest", description="where checkpoints, metrics and the final policy are written")
+
+    # -- services ---------------------------------------------------------------
+    rollout_addresses: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:50051"],
+        description="gRPC host:port of the rollout server(s); prompts are spread over them",
+    )
+    rollout_token: str = Field("", description="shared control-plane token sent as 'authorization' on UpdateWeights")
+    reward: Literal["grpc", "task", "python"] = Field(
+        "task",
+        description="reward source: 'grpc' (reward_address), 'task' (built-in verifier in-process), "
+        "'python' (the function named by reward_function)",
+    )
+    reward_address: str = Field("127.0.0.1:50061", description="gRPC host:port of the reward service (reward='grpc')")
+    reward_function: str = Field(
+        "", description="'module:function' with the TRL contract f(prompts, completions, **kw) -> list[float]"
+    )
+    reward_concurrency: int = Field(32, ge=1, description="completions scored at once by the gRPC reward client")
+    reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward call, seconds")
+    reward_retries: int = Field(2, ge=0, description="retries of a failed reward call before the step fails")
+    weight_push: Literal["grpc", "shm", "none"] = Field(
+        "grpc", description="how new policy weights reach the rollout server: gRPC chunks, same-host shm, or not at all"
+    )
+
+    # -- data ---------------------------------------------------------------------
+    data_path: str | None = Field(
+        None, description="JSONL or Parquet file with 'prompt' and 'answer' fields; default: the synthetic task"
+    )
+    synthetic_problems: int = Field(2048, ge=1, description="size of the synthetic data set when data_path is unset")
+
+    # -- sampling -------------------------------------------------------------------
+    prompts_per_step: int = Field(8, ge=1, description="prompts sampled per RL step")
+    n_samples: int = Field(4, ge=1, description="samples per prompt (the GRPO group size)")
+    max_tokens: int = Field(96, ge=1, description="maximum response tokens per sample")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (also applied to trainer logprobs)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold for rollouts")
+
+    # -- optimisation ---------------------------------------------------------------
+    lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    warmup_steps: int = Field(0, ge=0, description="optimizer updates of linear LR warm-up")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warm-up")
+    grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip: ratio floor is 1 - clip_low")
+    clip_high: float = Field(0.2, gt=0, description="PPO clip: ratio ceiling is 1 + clip_high (DAPO clip-higher > clip_low)")
+    kl_beta: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference model; 0 loads no reference")
+    scale_adv_by_std: bool = Field(True, description="divide advantages by the group std (False = Dr. GRPO)")
+    adv_eps: float = Field(1e-6, gt=0, description="added to the group std before dividing")
+    mini_batch_size: int = Field(16, ge=1, description="sequences per optimizer update")
+    micro_batch_size: int = Field(4, ge=1, description="sequences per forward/backward pass")
+    zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage (0, 1 or 2; 3 is not supported)")
+    bf16: bool | None = Field(None, description="bf16 training; default: on with a GPU, off (fp32) on CPU")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    seed: int = Field(0, description="seed of data order, sampling seeds and torch RNG")
+    steps: int = Field(20, ge=1, description="RL steps to run")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU; 0 keeps torch's default")
+
+    # -- checkpoints ----------------------------------------------------------------
+    checkpoint_interval: int = Field(5, ge=0, description="save trainer state every N steps (0: only at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many recent checkpoints to keep")
+    resume: bool = Field(True, description="resume from the latest checkpoint in output_dir when one exists")
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> TrainerConfig:
+        per_step = self.prompts_per_step * self.n_samples
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of it"
+            )
+        if per_step % self.mini_batch_size:
+            raise ValueError(
+                f"prompts_per_step x n_samples = {per_step} sequences must be a multiple of mini_batch_size "
+                f"({self.mini_batch_size}); e.g. set mini_batch_size={per_step}"
+            )
+        if self.reward == "python" and ":" not in self.reward_function:
+            raise ValueError("reward='python' needs reward_function='module:function'")
+        return self
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.n_samples
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.mini_batch_size // self.micro_batch_size

@@ -1,0 +1,54 @@
+"""Process-group set-up for the policy trainer.
+
+Under the DeepSpeed launcher (`deepspeed --hostfile ... -m tlt.cli train`)
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT are already set and we only call
+`deepspeed.init_distributed`. Started plainly (`tlt train`, tests), we are a
+world of one: loopback address and a free port chosen here. Backend: NCCL on
+GPU, gloo on CPU.
+
+DeepSpeed probes and JIT-compiles C++ ops on first use (on CPU its
+shared-memory all-reduce is built when the process group starts: about a
+minute of compiling, and a failing `-laio` link probe). The trainer hands
+DeepSpeed a torch optimizer and uses ZeRO <= 2, which need none of those ops,
+so `no_jit_ops()` marks every op unavailable before the probe runs: DeepSpeed
+then falls back to plain torch.distributed (gloo / NCCL) and compiles nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def no_jit_ops() -> None:
+    """Tell DeepSpeed that no compiled op is available (skips probing and JIT builds)."""
+    import deepspeed.ops as ds_ops
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    if "__compatible_ops__" not in vars(ds_ops):  # not probed yet: probing is lazy (module __getattr__)
+        ds_ops.__compatible_ops__ = dict.fromkeys(ALL_OPS, False)
+
+
+def init_process_group(backend: str | None = None) -> None:
+    """Initialise torch.distributed once per process (a no-op when already done)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        )
+        os.environ["MASTER_PORT"] = str(free_port())
+    no_jit_ops()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)

@@ -1,0 +1,255 @@
+"""The policy under training: a `transformers` causal LM inside a DeepSpeed engine.
+
+    Hugging Face folder -> AutoModelForCausalLM -> deepspeed.initialize(AdamW, LambdaLR)
+    (prompt ids, response ids) x B -> TokenBatch (right-padded) -> per-token response logprobs
+
+The optimizer is a plain `torch.optim.AdamW` handed to DeepSpeed, so DeepSpeed
+builds no extension (the CPU install has DS_BUILD_OPS=0). ZeRO stage 0, 1 or 2;
+bf16 on GPU, fp32 on CPU; DeepSpeed does gradient clipping and accumulation
+(`gradient_accumulation_steps` = mini / micro batch). The training loop calls
+`backward(loss)` then `step()` once per micro-batch: DeepSpeed applies the
+optimizer only at the accumulation boundary. Losses arrive already divided by
+the whole mini-batch's token count (token-mean), so backward does NOT scale
+them again by the accumulation steps.
+
+`ReferencePolicy` is the frozen copy for the KL term: same logprob code, no
+optimizer, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.grpo import entropy_from_logits
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """B (prompt, response) sequences, right-padded to one length L.
+
+    input_ids, attention_mask: [B, L]. response_index: [B, R] positions of
+    the logits that predict response token j (prompt_len - 1 + j), clamped
+    into range on padding; response_ids, response_mask: [B, R].
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_index: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+
+    @staticmethod
+    def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int = 0) -> TokenBatch:
+        if len(prompts) != len(responses) or not prompts:
+            raise ValueError(f"need the same non-zero number of prompts and responses, got {len(prompts)}/{len(responses)}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token (the first response token is predicted from it)")
+        b = len(prompts)
+        length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        r_len = max(1, max(len(r) for r in responses))
+        ids = torch.full((b, length), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, length), dtype=torch.long)
+        r_idx = torch.zeros((b, r_len), dtype=torch.long)
+        r_ids = torch.full((b, r_len), pad_id, dtype=torch.long)
+        r_mask = torch.zeros((b, r_len), dtype=torch.float32)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            seq = list(p) + list(r)
+            ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attn[i, : len(seq)] = 1
+            r_idx[i] = torch.clamp(torch.arange(r_len) + len(p) - 1, max=length - 1)
+            if r:
+                r_ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+                r_mask[i, : len(r)] = 1.0
+        return TokenBatch(ids, attn, r_idx, r_ids, r_mask)
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_index,
+                                                   self.response_ids, self.response_mask)))
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per response token: logprob under the model (at `temperature`), optional entropy.
+
+    logprobs, mask, entropy: [B, R]. hidden: [B, L, H] last-layer states after
+    the final norm (what lm_head sees), detached, when asked for (drafter data).
+    """
+
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    with_hidden: bool = False,
+) -> TokenLogprobs:
+    """Forward `batch` through `model` (a HF causal LM or a DeepSpeed engine around one).
+
+    logp(x_j) = z[x_j] - logsumexp(z), z = logits at response_index / temperature:
+    the same temperature the rollout sampled with, so old / new / reference
+    logprobs and the rollout's own logprobs are on one scale.
+    """
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=with_hidden,
+                use_cache=False)
+    logits = out.logits
+    idx = batch.response_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    z = torch.gather(logits, 1, idx).float() / temperature  # [B, R, V]
+    chosen = torch.gather(z, 2, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    logp = (chosen - torch.logsumexp(z, dim=-1)) * batch.response_mask
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(z, batch.response_mask)
+    hidden = out.hidden_states[-1].detach() if with_hidden else None
+    return TokenLogprobs(logp, batch.response_mask, entropy, hidden)
+
+
+def _total_norm(params) -> float:
+    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def lr_lambda(warmup: int, total: int, schedule: str):
+    """Multiplier of the peak LR at optimizer update u: linear warm-up, then constant or cosine to 0."""
+
+    def f(u: int) -> float:
+        if warmup and u < warmup:
+            return (u + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (u - warmup) / span)))
+
+    return f
+
+
+def load_hf_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+
+
+class Policy:
+    """The trained policy: DeepSpeed engine + weight version (one per finished RL step)."""
+
+    def __init__(self, cfg: TrainerConfig, model: torch.nn.Module | None = None, version: int = 0) -> None:
+        import deepspeed
+
+        from tlt.services.trainer.distributed import init_process_group
+
+        self.cfg = cfg
+        self.version = version
+        on_gpu = torch.cuda.is_available()
+        self.bf16 = on_gpu if cfg.bf16 is None else cfg.bf16
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        if cfg.torch_threads and not on_gpu:
+            torch.set_num_threads(cfg.torch_threads)
+        seed_everything(cfg.seed)
+        init_process_group()
+        if model is None:
+            model = load_hf_model(cfg.model_dir, torch.float32)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        self.model_config = model.config
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+        updates_per_step = cfg.sequences_per_step // cfg.mini_batch_size
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(cfg.warmup_steps, cfg.steps * updates_per_step, cfg.lr_schedule)
+        )
+        world = torch.distributed.get_world_size()
+        ds_config = {
+            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.grad_accum_steps,
+            "train_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * world,
+            "gradient_clipping": cfg.grad_clip,
+            "zero_optimization": {"stage": cfg.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": self.bf16},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        # DeepSpeed reports the global grad norm from its ZeRO / bf16 optimizers only;
+        # with ZeRO 0 in fp32 it clips with torch and discards the norm, so we measure it.
+        self._own_grad_norm = cfg.zero_stage == 0 and not self.bf16
+        self._grad_norm: float | None = None
+
+    # -- forward ------------------------------------------------------------------
+    def logprobs(self, batch: TokenBatch, with_entropy: bool = False, with_hidden: bool = False) -> TokenLogprobs:
+        return response_logprobs(self.engine, batch.to(self.device), self.cfg.temperature, with_entropy, with_hidden)
+
+    # -- update ---------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients; `loss` is already normalised over the mini-batch (no GAS scaling)."""
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> bool:
+        """One micro-batch done; returns True when DeepSpeed applied an optimizer update."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary and self._own_grad_norm:
+            self._grad_norm = _total_norm(self.engine.module.parameters())
+        self.engine.step()
+        if boundary and not self._own_grad_norm:
+            g = self.engine.get_global_grad_norm()
+            self._grad_norm = None if g is None else float(g)
+        return boundary
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last optimizer update."""
+        return self._grad_norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    def state_dict_for_push(self) -> dict[str, torch.Tensor]:
+        """Full weights in HF names (ZeRO 0-2 keep full parameters on every rank), on CPU."""
+        return {k: v.detach().to("cpu") for k, v in self.engine.module.state_dict().items()}
+
+    def save_pretrained(self, out_dir: str) -> None:
+        self.engine.module.save_pretrained(out_dir)
+
+
+class ReferencePolicy:
+    """Frozen reference model for the KL term (eval mode, no grad, no optimizer)."""
+
+    def __init__(self, model_dir: str, device: torch.device, temperature: float, dtype: torch.dtype = torch.float32):
+        self.model = load_hf_model(model_dir, dtype).to(device).eval()
+        self.model.requires_grad_(False)
+        self.device = device
+        self.temperature = temperature
+
+    @torch.no_grad()
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        return response_logprobs(self.model, batch.to(self.device), self.temperature).logprobs

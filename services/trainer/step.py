@@ -1,0 +1,176 @@
+"""One GRPO update from a step's scored completions.
+
+    ScoredCompletion x (G prompts x n samples)
+      -> group advantages (per prompt)                      grpo.group_advantages
+      -> old logprobs (no grad; optional hidden states)     policy.logprobs
+      -> reference logprobs (only when kl_beta > 0)
+      -> shuffled mini-batches -> micro-batches:
+           loss = PPO-clip token-mean + kl_beta * k3 KL     grpo.policy_loss / grpo.kl_k3
+           DeepSpeed backward, step (optimizer at each mini-batch boundary)
+      -> policy version + 1, StepMetrics
+
+Every mini-batch's loss is divided by that mini-batch's response-token count,
+so gradient accumulation over its micro-batches gives exactly the token-mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.grpo import group_advantages, kl_k3, masked_sum, policy_loss
+from tlt.services.trainer.policy import Policy, ReferencePolicy, TokenBatch
+from tlt.services.trainer.types import ScoredCompletion, StepMetrics
+
+
+@dataclass(frozen=True)
+class StepResult:
+    metrics: StepMetrics
+    # Last-layer features of each sequence from the old-logprob pass, when asked
+    # for (drafter training reuses them): list of [len(prompt)+len(response), H].
+    features: list[torch.Tensor] | None = None
+
+
+def _ordered_groups(samples: Sequence[ScoredCompletion], n: int) -> list[ScoredCompletion]:
+    """Sort by (prompt, sample) and check that every group is complete."""
+    ordered = sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+    if len(ordered) % n:
+        raise ValueError(f"{len(ordered)} completions is not a whole number of groups of {n}")
+    for g in range(0, len(ordered), n):
+        group = ordered[g : g + n]
+        if len({s.prompt_index for s in group}) != 1 or [s.sample_index for s in group] != list(range(n)):
+            raise ValueError(f"group starting at prompt {group[0].prompt_index} is incomplete or duplicated")
+    return ordered
+
+
+def _batch(samples: Sequence[ScoredCompletion], pad_id: int) -> TokenBatch:
+    return TokenBatch.build([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t[:, :width]
+
+
+def grpo_step(
+    policy: Policy,
+    samples: Sequence[ScoredCompletion],
+    step: int,
+    reference: ReferencePolicy | None = None,
+    with_features: bool = False,
+) -> StepResult:
+    cfg: TrainerConfig = policy.cfg
+    n = cfg.n_samples
+    ordered = _ordered_groups(samples, n)
+    b = len(ordered)
+    if b % cfg.mini_batch_size:
+        raise ValueError(f"{b} sequences is not a multiple of mini_batch_size {cfg.mini_batch_size}")
+    times: dict[str, float] = {}
+    device = policy.device
+
+    rewards = torch.tensor([s.reward for s in ordered], dtype=torch.float32)
+    adv = group_advantages(rewards, group_size=n, eps=cfg.adv_eps, scale_by_std=cfg.scale_adv_by_std)
+    r_len = max(1, max(len(s.response_ids) for s in ordered))
+
+    # -- old (and reference) logprobs: one no-grad pass over everything ---------------
+    t0 = time.perf_counter()
+    old = torch.zeros(b, r_len)
+    ref = torch.zeros(b, r_len) if reference is not None and cfg.kl_beta > 0 else None
+    features: list[torch.Tensor] | None = [] if with_features else None
+    logprob_diff = 0.0
+    policy.train(False)
+    mb = cfg.micro_batch_size
+    with torch.no_grad():
+        for i in range(0, b, mb):
+            chunk = ordered[i : i + mb]
+            batch = _batch(chunk, policy.pad_id)
+            out = policy.logprobs(batch, with_hidden=with_features)
+            old[i : i + len(chunk)] = _pad_to(out.logprobs.float().cpu(), r_len)
+            if ref is not None:
+                ref[i : i + len(chunk)] = _pad_to(reference.logprobs(batch).float().cpu(), r_len)
+            for j, s in enumerate(chunk):
+                if features is not None and out.hidden is not None:
+                    length = len(s.prompt_ids) + len(s.response_ids)
+                    features.append(out.hidden[j, :length].to("cpu", torch.float16))
+                if s.rollout_logprobs is not None and s.response_ids:
+                    got = out.logprobs[j, : len(s.response_ids)].float().cpu()
+                    want = torch.tensor(s.rollout_logprobs[: len(s.response_ids)], dtype=torch.float32)
+                    logprob_diff = max(logprob_diff, float((got[: len(want)] - want).abs().max()))
+    times["old_logprobs_s"] = time.perf_counter() - t0
+
+    # -- updates ---------------------------------------------------------------------
+    t0 = time.perf_counter()
+    policy.train(True)
+    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    order = torch.randperm(b, generator=gen).tolist()
+    sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "clip": 0.0, "akl": 0.0}
+    total_tokens = 0
+    updates = 0
+    grad_norms: list[float] = []
+    for m0 in range(0, b, cfg.mini_batch_size):
+        mini = order[m0 : m0 + cfg.mini_batch_size]
+        mini_tokens = sum(len(ordered[k].response_ids) for k in mini)
+        denom = max(1, mini_tokens)
+        for u0 in range(0, len(mini), mb):
+            idx = mini[u0 : u0 + mb]
+            chunk = [ordered[k] for k in idx]
+            batch = _batch(chunk, policy.pad_id)
+            out = policy.logprobs(batch, with_entropy=True)
+            width = out.logprobs.shape[1]
+            mask = out.mask
+            old_mb = _pad_to(old[idx], width).to(device)
+            pl = policy_loss(out.logprobs, old_mb, adv[idx].to(device), mask, cfg.clip_low, cfg.clip_high,
+                             num_tokens=denom)
+            loss = pl.loss
+            kl_sum = torch.zeros((), device=device)
+            if ref is not None:
+                kl_tok = kl_k3(out.logprobs, _pad_to(ref[idx], width).to(device), mask)
+                kl_sum = masked_sum(kl_tok, mask)
+                loss = loss + cfg.kl_beta * kl_sum / denom
+            policy.backward(loss)
+            if policy.step():
+                updates += 1
+                if policy.grad_norm is not None:
+                    grad_norms.append(policy.grad_norm)
+            tokens = float(mask.sum())
+            total_tokens += int(tokens)
+            # Diagnostics weighted by tokens so their step mean is a token mean.
+            sums["loss"] += float(loss.detach()) * denom
+            sums["pg"] += float(pl.loss.detach()) * denom
+            sums["kl"] += float(kl_sum.detach())
+            sums["ent"] += float(masked_sum(out.entropy, mask))
+            sums["clip"] += float(pl.clip_fraction) * tokens
+            sums["akl"] += float(pl.approx_kl) * tokens
+    times["update_s"] = time.perf_counter() - t0
+    policy.version += 1
+
+    tok = max(1, total_tokens)
+    lengths = torch.tensor([len(s.response_ids) for s in ordered], dtype=torch.float32)
+    grouped = rewards.reshape(-1, n)
+    metrics = StepMetrics(
+        step=step,
+        policy_version=policy.version,
+        loss=sums["loss"] / tok,
+        pg_loss=sums["pg"] / tok,
+        kl=sums["kl"] / tok,
+        entropy=sums["ent"] / tok,
+        clip_fraction=sums["clip"] / tok,
+        approx_kl=sums["akl"] / tok,
+        grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+        lr=policy.lr,
+        optimizer_updates=updates,
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std()) if b > 1 else 0.0,
+        accuracy=sum(s.correct for s in ordered) / b,
+        zero_signal_groups=float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+        response_len_mean=float(lengths.mean()),
+        response_len_max=int(lengths.max()),
+        truncated_fraction=sum(s.finish_reason == "length" for s in ordered) / b,
+        rollout_logprob_max_diff=logprob_diff,
+        tokens=total_tokens,
+        times=times,
+    )
+    return StepResult(metrics, features)

@@ -1,0 +1,64 @@
+"""Typed records the trainer passes between its parts (never loose dicts).
+
+    rollout Completion (proto) + reward -> ScoredCompletion
+    GRPO step -> StepMetrics (one line of the run's metrics.jsonl)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of the data set with its reference answer."""
+
+    index: int  # position in the data set
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class ScoredCompletion:
+    """One sampled response of a prompt's group, with its reward."""
+
+    prompt_index: int  # group id inside the step (0 .. prompts_per_step - 1)
+    sample_index: int  # 0 .. n - 1
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    reward: float
+    correct: bool = False
+    rollout_logprobs: tuple[float, ...] | None = None
+    policy_version: int = 0
+    finish_reason: str = "stop"
+    text: str = ""
+
+
+@dataclass
+class StepMetrics:
+    """What one RL step did; every field is a plain number so it serialises as JSON."""
+
+    step: int
+    policy_version: int
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clip_fraction: float = 0.0
+    approx_kl: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    optimizer_updates: int = 0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    accuracy: float = 0.0
+    zero_signal_groups: float = 0.0  # share of groups whose rewards were all equal
+    response_len_mean: float = 0.0
+    response_len_max: int = 0
+    truncated_fraction: float = 0.0
+    rollout_logprob_max_diff: float = 0.0  # |trainer old logprob - rollout logprob|, diagnostics
+    tokens: int = 0
+    times: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+
+    def as_dict(self) -> dict:
+        return asdict(self)
