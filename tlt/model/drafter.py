@@ -1,0 +1,281 @@
+"""The EAGLE-style drafter: one decoder layer that predicts the target's next last-layer feature.
+
+    input_t  = concat(embed(x_{t+1}), h_t)        # 2H; h_t = target's hidden state after its final norm
+    z_t      = fc(input_t)                         # H, no bias
+    h'_{t+1} = layer(z_t)                          # attention (RoPE) + SwiGLU; NO input norm on the
+                                                   #   attention sublayer, post-attention norm kept
+    logits   = lm_head(h'_{t+1})                   # the target's lm_head applied directly, no final norm:
+                                                   #   h is already post-norm, h' is trained to match it
+
+Shared by the rollout engine (runs it, with its own small KV cache) and the drafter service (trains it).
+`embed` and `lm_head` are the TARGET's tensors held by reference (`detach()` shares storage), so an
+in-place policy update is seen at once; they are not parameters, not in `state_dict()`, never saved or
+pushed. Only `fc.*` and `layer.*` are trained and saved (`model.safetensors` + `drafter_config.json`).
+
+Alignment: the pair (x_{t+1}, h_t) predicts h_{t+1} (and so the token x_{t+2}). A pair sits at the
+position of its token x_{t+1}; in tree drafting the root (last verified token x_T, paired with h_{T-1})
+is at position T and a node at depth d at T + d, the same positions the target verifies them at.
+`training_pairs` builds the shifted inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tlt.model.config import ModelConfig, RopeScaling
+from tlt.model.transformer import rms_norm, rope_inv_freq
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "drafter_config.json"
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = True
+    rope_scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> DrafterConfig:
+        """The drafter layer has the target's layer shape (and RoPE), so its features line up."""
+        return cls(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                   cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps, cfg.attention_bias, cfg.rope_scaling)
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> DrafterConfig:
+        return cls.from_model_config(ModelConfig.from_hf(hf_config))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DrafterConfig:
+        d = json.loads(text)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+class DrafterError(ValueError):
+    """A drafter folder or tensor set cannot be used; the message says why."""
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, h: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+
+
+class DrafterCache:
+    """Contiguous K/V for the drafter's one layer: rows (one per sequence slot) x capacity positions.
+
+    `lengths[row]` counts the cached entries; a forward appends its new tokens after them. Tree drafting
+    appends candidate nodes too; `truncate` rolls a row back to its verified prefix afterwards.
+    """
+
+    def __init__(self, cfg: DrafterConfig, rows: int, capacity: int, dtype=torch.float32, device="cpu") -> None:
+        shape = (rows, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k.shape[2])
+
+    def ensure(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        new = max(capacity, 2 * self.capacity)
+        pad = (0, 0, 0, new - self.capacity)
+        self.k = F.pad(self.k, pad)
+        self.v = F.pad(self.v, pad)
+
+    def truncate(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.lengths[rows.to(self.lengths.device)] = lengths.to(self.lengths.device)
+
+
+class Drafter(nn.Module):
+    """fc + one decoder layer; embed/lm_head are the target's (frozen, by reference)."""
+
+    def __init__(self, cfg: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = _Layer(cfg)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # type: ignore[arg-type]
+        self.set_shared(embed, lm_head)
+
+    def set_shared(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Point at the target's embedding and lm_head (shared storage, no grad, not parameters)."""
+        v, h = self.cfg.vocab_size, self.cfg.hidden_size
+        for name, t in (("embed", embed), ("lm_head", lm_head)):
+            if tuple(t.shape) != (v, h):
+                raise DrafterError(f"target {name} has shape {tuple(t.shape)}, the drafter expects {(v, h)}")
+        object.__setattr__(self, "embed", embed.detach())
+        object.__setattr__(self, "lm_head", lm_head.detach())
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head.to(h.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        segment_ids: torch.Tensor | None = None,
+        cache: DrafterCache | None = None,
+        cache_rows: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] (x_{t+1}), features [B, T, H] (h_t), positions [B, T] -> h' [B, T, H].
+
+        Without a cache (training): causal attention within each segment (`segment_ids` [B, T], so packed
+        sequences never see each other). With a cache: the new tokens of row r = cache_rows[b] are appended
+        after its `lengths[r]` cached entries and attend to all of them plus the new tokens that
+        `tree_mask` [B, T, T] allows (default causal); lengths grow by T.
+        """
+        c = self.cfg
+        b, t = input_ids.shape
+        x = self.fc(torch.cat([F.embedding(input_ids, self.embed).to(features.dtype), features], -1))
+        attn = self.layer.self_attn
+        q = attn.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat([freqs, freqs], -1)[:, None]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        if cache is None:
+            mask = causal[None].expand(b, t, t)
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        else:
+            rows = torch.arange(b, device=x.device) if cache_rows is None else cache_rows.to(x.device)
+            start = cache.lengths[rows]
+            cache.ensure(int((start + t).max()))
+            slots = start[:, None] + torch.arange(t, device=x.device)  # [B, T]
+            cache.k[rows[:, None], :, slots] = k.transpose(1, 2).to(cache.k.dtype)
+            cache.v[rows[:, None], :, slots] = v.transpose(1, 2).to(cache.v.dtype)
+            cache.lengths[rows] = start + t
+            span = int((start + t).max())
+            k, v = cache.k[rows, :, :span].to(q.dtype), cache.v[rows, :, :span].to(q.dtype)
+            new = tree_mask if tree_mask is not None else causal[None].expand(b, t, t)
+            key = torch.arange(span, device=x.device)
+            old = (key[None, None, :] < start[:, None, None]).expand(b, t, span)
+            rel = key[None, None, :] - start[:, None, None]  # index among the new tokens
+            inside = (rel >= 0) & (rel < t)
+            new_ok = new.gather(2, rel.clamp(0, t - 1).expand(b, t, span))
+            mask = old | (inside & new_ok)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=c.num_heads != c.num_kv_heads)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))  # no input norm (EAGLE)
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+
+    # ---- weights: only the drafter's own
+    def save(self, folder: str | Path) -> None:
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS_FILE))
+        (out / CONFIG_FILE).write_text(self.cfg.to_json())
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Validate names/shapes strictly (the shared embed/lm_head are refused), then copy in place."""
+        shared = [k for k in tensors if "embed" in k or "lm_head" in k]
+        if shared:
+            raise DrafterError(f"drafter weights must not carry the target's embedding/lm_head, found {shared}")
+        own = self.state_dict()
+        missing, unknown = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        if missing or unknown:
+            raise DrafterError(f"drafter tensors do not match: missing {missing}, unexpected {unknown}")
+        for k, t in tensors.items():
+            if tuple(t.shape) != tuple(own[k].shape):
+                raise DrafterError(f"drafter tensor {k}: shape {tuple(t.shape)}, expected {tuple(own[k].shape)}")
+        with torch.no_grad():
+            for k, t in tensors.items():
+                own[k].copy_(t)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def load_drafter(folder: str | Path, embed: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
+    """Build a Drafter from a folder written by `Drafter.save`, sharing the target's embed/lm_head."""
+    src = Path(folder)
+    if not (src / CONFIG_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
+        raise DrafterError(f"{src} is not a drafter folder: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    drafter = Drafter(DrafterConfig.from_json((src / CONFIG_FILE).read_text()), embed, lm_head)
+    drafter.load_tensors(load_file(str(src / WEIGHTS_FILE)))
+    return drafter
+
+
+@dataclass(frozen=True)
+class TrainingPairs:
+    """Shifted training inputs: pair j = (x_{j+1}, h_j) at position j+1, target h_{j+1}."""
+
+    input_ids: torch.Tensor  # [B, T-1] = tokens[:, 1:]
+    features: torch.Tensor  # [B, T-1, H] = features[:, :-1]
+    target: torch.Tensor  # [B, T-1, H] = features[:, 1:]
+    positions: torch.Tensor  # [B, T-1] = 1 .. T-1
+    mask: torch.Tensor | None  # [B, T-1] = loss_mask[:, 1:] (is h_{j+1} a target?)
+
+
+def training_pairs(tokens: torch.Tensor, features: torch.Tensor, loss_mask: torch.Tensor | None = None) -> TrainingPairs:
+    """tokens [B, T], features [B, T, H] of the same positions (h_t = target feature at t) -> aligned pairs.
+
+    loss_mask[t] says whether h_t is trained on: for response-only training, True from position
+    prompt_len - 1 (whose feature predicts the first response token) to the end.
+    """
+    b, t = tokens.shape
+    pos = torch.arange(1, t, device=tokens.device).expand(b, t - 1)
+    mask = None if loss_mask is None else loss_mask[:, 1:]
+    return TrainingPairs(tokens[:, 1:], features[:, :-1], features[:, 1:], pos, mask)
