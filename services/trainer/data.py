@@ -1,0 +1,135 @@
+"""Prompt data for RL: (prompt, answer) pairs, seeded epochs, a resumable position.
+
+    JSONL / Parquet file (fields "prompt", "answer")  -> PromptItem list
+    or the synthetic task (tlt.task.generate_problems) -> PromptItem list
+    PromptSampler: epoch e visits every item once in permutation(seed, e);
+                   next_batch(k) returns the next k items; state_dict() /
+                   load_state_dict() restore the exact position (checkpoints).
+
+A batch never straddles two epochs silently: when an epoch runs out, the rest
+of the batch comes from the start of the next epoch's permutation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tlt.services.trainer.types import PromptItem
+
+
+class DataError(ValueError):
+    """The prompt file cannot be used; the message names the file, the line and the fix."""
+
+
+def _item(index: int, row: object, where: str) -> PromptItem:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with 'prompt' and 'answer', got {type(row).__name__}")
+    missing = [k for k in ("prompt", "answer") if k not in row]
+    if missing:
+        raise DataError(f"{where}: missing field(s) {missing}; every row needs 'prompt' (text) and 'answer'")
+    prompt, answer = row["prompt"], row["answer"]
+    if not isinstance(prompt, str) or not prompt:
+        raise DataError(f"{where}: 'prompt' must be a non-empty string")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
+    return PromptItem(index=index, prompt=prompt, answer=str(answer))
+
+
+def load_jsonl(path: Path) -> list[PromptItem]:
+    items: list[PromptItem] = []
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            items.append(_item(len(items), row, f"{path}:{lineno}"))
+    return items
+
+
+def load_parquet(path: Path) -> list[PromptItem]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or convert the file to JSONL)") from None
+    table = pq.read_table(path)
+    missing = [c for c in ("prompt", "answer") if c not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; columns are {table.column_names}")
+    rows = table.select(["prompt", "answer"]).to_pylist()
+    return [_item(i, row, f"{path} row {i}") for i, row in enumerate(rows)]
+
+
+def load_prompts(path: str | Path) -> list[PromptItem]:
+    """Read a JSONL or Parquet prompt file (by extension)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompt file {p} does not exist")
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        items = load_jsonl(p)
+    elif suffix in (".parquet", ".pq"):
+        items = load_parquet(p)
+    else:
+        raise DataError(f"{p}: unknown prompt file type {suffix!r}; use .jsonl or .parquet")
+    if not items:
+        raise DataError(f"{p}: no prompts in the file")
+    return items
+
+
+def synthetic_prompts(n: int, seed: int) -> list[PromptItem]:
+    """The embedded default data set: the synthetic long-tail task, ChatML prompts."""
+    from tlt.task import format_prompt, generate_problems
+
+    return [PromptItem(i, format_prompt(p), p.answer) for i, p in enumerate(generate_problems(n, seed))]
+
+
+@dataclass
+class SamplerState:
+    epoch: int = 0
+    position: int = 0  # items of this epoch's permutation already handed out
+
+
+class PromptSampler:
+    """Seeded epoch iteration over a fixed list of prompts, with a resumable position."""
+
+    def __init__(self, items: list[PromptItem], seed: int) -> None:
+        if not items:
+            raise DataError("no prompts to sample from")
+        self.items = items
+        self.seed = seed
+        self.state = SamplerState()
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.items), generator=gen).tolist()
+
+    def next_batch(self, k: int) -> list[PromptItem]:
+        out: list[PromptItem] = []
+        while len(out) < k:
+            if self.state.position >= len(self._perm):
+                self.state = SamplerState(self.state.epoch + 1, 0)
+                self._perm = self._permutation(self.state.epoch)
+            take = min(k - len(out), len(self._perm) - self.state.position)
+            out += [self.items[i] for i in self._perm[self.state.position : self.state.position + take]]
+            self.state.position += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.state.epoch, "position": self.state.position, "seed": self.seed, "size": len(self.items)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed or state["size"] != len(self.items):
+            raise DataError(
+                f"checkpoint data position was for seed {state['seed']} and {state['size']} prompts, "
+                f"now seed {self.seed} and {len(self.items)} prompts: resume with the same data and seed"
+            )
+        self.state = SamplerState(state["epoch"], state["position"])
+        self._perm = self._permutation(self.state.epoch)

@@ -1,0 +1,97 @@
+"""Prompt loading (JSONL, Parquet error path, synthetic default) and seeded, resumable sampling.
+
+Nothing is faked. Parquet is exercised for real only when pyarrow is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tlt.services.trainer.data import DataError, PromptSampler, load_prompts, synthetic_prompts
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_loads_prompt_and_answer(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2", "extra": 5}, {"prompt": "2*3=", "answer": 6}])
+    items = load_prompts(p)
+    assert [(i.index, i.prompt, i.answer) for i in items] == [(0, "1+1=", "2"), (1, "2*3=", "6")]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "a", "answer": "1"}\n{"prompt": "b"\n', "d.jsonl:2: not valid JSON"),
+        ('{"prompt": "a"}\n', "missing field(s) ['answer']"),
+        ('[1, 2]\n', "expected an object"),
+        ('{"prompt": "", "answer": "1"}\n', "'prompt' must be a non-empty string"),
+        ("\n\n", "no prompts"),
+    ],
+)
+def test_bad_jsonl_says_what_and_where(tmp_path, content, message):
+    p = tmp_path / "d.jsonl"
+    p.write_text(content)
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_prompts(p)
+
+
+def test_missing_and_unknown_files(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_prompts(tmp_path / "nope.jsonl")
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(DataError, match="use .jsonl or .parquet"):
+        load_prompts(tmp_path / "d.csv")
+
+
+def test_parquet(tmp_path):
+    p = tmp_path / "d.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        p.write_bytes(b"PAR1")
+        with pytest.raises(DataError, match="pip install pyarrow"):
+            load_prompts(p)
+        return
+    pq.write_table(pa.table({"prompt": ["x", "y"], "answer": ["1", "2"]}), p)
+    assert [i.answer for i in load_prompts(p)] == ["1", "2"]
+
+
+def test_synthetic_default_is_the_task():
+    from tlt.task import verify
+
+    items = synthetic_prompts(5, seed=0)
+    assert len(items) == 5 and items[0].prompt.startswith("<|im_start|>user\n")
+    assert all(verify(f"answer: {i.answer}", i.answer) for i in items)
+    assert synthetic_prompts(5, seed=0) == items
+
+
+def test_sampler_epochs_cover_everything_and_resume_exactly():
+    items = synthetic_prompts(7, seed=1)
+    s = PromptSampler(items, seed=3)
+    first = [i.index for i in s.next_batch(3)] + [i.index for i in s.next_batch(3)]
+    state = s.state_dict()
+    rest = [[i.index for i in s.next_batch(3)] for _ in range(4)]
+    # epoch 0 = first 7 indices handed out: a permutation of 0..6
+    flat = first + sum(rest, [])
+    assert sorted(flat[:7]) == list(range(7)) and sorted(flat[7:14]) == list(range(7))
+    assert flat[:7] != flat[7:14]  # a new permutation per epoch
+    # resuming from the saved position continues with exactly the same prompts
+    s2 = PromptSampler(items, seed=3)
+    s2.load_state_dict(state)
+    assert [[i.index for i in s2.next_batch(3)] for _ in range(4)] == rest
+    # same seed, same order; different seed, different order
+    assert [i.index for i in PromptSampler(items, seed=3).next_batch(6)] == first
+    assert [i.index for i in PromptSampler(items, seed=4).next_batch(7)] != flat[:7]
+
+
+def test_sampler_refuses_state_of_other_data():
+    s = PromptSampler(synthetic_prompts(4, seed=0), seed=0)
+    with pytest.raises(DataError, match="same data and seed"):
+        PromptSampler(synthetic_prompts(5, seed=0), seed=0).load_state_dict(s.state_dict())
