@@ -27,7 +27,7 @@ def test_loss_by_hand():
     ce = (ce0 + ce1) / 2
     assert math.isclose(out.smooth_l1, sl1, rel_tol=1e-6)
     assert math.isclose(out.soft_ce, ce, rel_tol=1e-6)
-    assert math.isclose(float(out.loss), sl1 + 0.1 * ce, rel_tol=1e-6)
+    assert math.isclose(out.loss.item(), sl1 + 0.1 * ce, rel_tol=1e-6)
     # top-1: token 0 target argmax 0 (tie -> first) vs pred 1: disagree; token 1 both 0: agree
     assert out.top1 == 0.5 and out.tokens == 2
     out.loss.backward()
@@ -46,6 +46,6 @@ def test_perfect_prediction_minimises_the_loss():
     entropy = float(-(p * p.log()).sum(-1).mean())
     assert math.isclose(perfect.soft_ce, entropy, rel_tol=1e-5)
     worse = drafter_loss(h + 0.3 * torch.randn(h.shape, generator=g), h, w)
-    assert float(worse.loss) > float(perfect.loss)
+    assert worse.loss.item() > perfect.loss.item()
     empty = drafter_loss(h, h, w, torch.zeros(3, 5, dtype=torch.bool))
-    assert float(empty.loss) == 0.0 and empty.tokens == 0
+    assert empty.loss.item() == 0.0 and empty.tokens == 0
