@@ -1,0 +1,36 @@
+"""Shared pytest fixtures: the tiny task model and random test checkpoints.
+
+- `tiny_model_dir`: the pre-trained tiny model at artifacts/tiny (what `make
+  model` builds); built here, once, when its `.complete` marker is missing.
+- `random_model_dir`: a seeded random Qwen2 checkpoint with the task tokenizer
+  (`tlt.model.testing.random_checkpoint`), fast, for server and engine tests.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL_DIR = REPO_ROOT / "artifacts" / "tiny"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    if not (TINY_MODEL_DIR / ".complete").exists():
+        from tlt.model.build import build_model
+
+        build_model("tiny", TINY_MODEL_DIR, seed=0)
+    return TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tlt.model.testing import random_checkpoint
+
+    return random_checkpoint(tmp_path_factory.mktemp("random-qwen2"), family="qwen2")

@@ -1,0 +1,111 @@
+"""The synthetic task: verifier on hand-written cases, generator determinism, the heavy tail, JSONL export."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from tlt.task import MAX_STEPS, Problem, extract_answer, format_prompt, generate_problems, make_problem, verify
+from tlt.task.problems import sample_steps, step_probabilities
+
+
+def test_make_problem_hand_computed():
+    p = make_problem(2, [("+", 7), ("*", 3), ("-", 5)])
+    assert p == Problem(
+        prompt="Compute mod 10: 2 +7 *3 -5", answer="2", steps=3, solution="2+7=9\n9*3=7\n7-5=2\nanswer: 2"
+    )
+    assert make_problem(3, [("-", 8)]).answer == "5"  # 3 - 8 = -5 = 5 (mod 10)
+    assert make_problem(7, [("*", 9)]).solution == "7*9=3\nanswer: 3"
+    with pytest.raises(ValueError):
+        make_problem(1, [])
+
+
+def test_format_prompt_is_chatml():
+    p = make_problem(1, [("+", 1)])
+    assert format_prompt(p) == "<|im_start|>user\nCompute mod 10: 1 +1<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("2+7=9\n9*3=7\n7-5=2\nanswer: 2", "2", True),
+        ("answer: 2", "2", True),
+        ("answer:2", "2", True),
+        ("answer: 02", "2", True),  # zero padding only
+        ("answer: 2<|im_end|>", "2", True),
+        ("answer: 2\n", "2", True),
+        ("answer: 2.", "2", True),
+        ("answer: 3", "2", False),  # wrong
+        ("answer: 12", "2", False),  # wrong, and not a prefix match
+        ("answer: 1 answer: 2", "2", True),  # the last marker counts
+        ("answer: 2\nanswer: 3", "2", False),
+        ("answer: 2 but I am unsure", "2", True),  # extra text after the number
+        ("I think answer: 2", "2", True),  # extra text before
+        ("2+7=9", "9", False),  # malformed: no marker
+        ("answer:", "2", False),  # malformed: nothing after the marker
+        ("answer: two", "2", False),
+        ("answer: 2x", "2", False),  # the number runs into other text
+        ("answer: 2 2", "2", True),
+        ("", "2", False),
+        ("Answer: 2", "2", False),  # the marker is exact, case included
+    ],
+)
+def test_verify(completion, answer, expected):
+    assert verify(completion, answer) is expected
+
+
+def test_extract_answer():
+    assert extract_answer("x\nanswer: 7") == "7"
+    assert extract_answer("answer: -3") == "-3"
+    assert extract_answer("no marker") is None
+    assert extract_answer("answer: 1\nanswer: oops") is None  # the last marker is malformed
+
+
+def test_reference_solutions_verify():
+    for p in generate_problems(300, seed=5):
+        assert verify(p.solution, p.answer)
+        assert p.solution.count("\n") == p.steps
+        assert 1 <= p.steps <= MAX_STEPS
+
+
+def test_generator_deterministic_by_seed():
+    a, b, c = generate_problems(50, seed=1), generate_problems(50, seed=1), generate_problems(50, seed=2)
+    assert a == b
+    assert a != c
+    assert generate_problems(20, seed=1) == a[:20]  # a prefix of a longer draw
+
+
+def test_step_distribution_is_heavy_tailed():
+    probs = step_probabilities()
+    assert len(probs) == MAX_STEPS
+    assert sum(probs) == pytest.approx(1.0)
+    assert all(x > y for x, y in zip(probs, probs[1:]))  # strictly decreasing
+    rng = random.Random(0)
+    steps = sorted(sample_steps(rng) for _ in range(20000))
+    p50, p99 = steps[len(steps) // 2], steps[int(len(steps) * 0.99)]
+    assert p50 <= 3
+    assert p99 >= 24
+    assert p99 / p50 >= 8
+    # The empirical frequency of k=1 matches the law (zipf 1.5 truncated at 32: ~0.41).
+    assert steps.count(1) / len(steps) == pytest.approx(probs[0], abs=0.015)
+
+
+def test_solution_length_tail():
+    lens = [len(p.solution) for p in generate_problems(4000, seed=3)]
+    lens.sort()
+    assert lens[int(len(lens) * 0.99)] / statistics.median(lens) >= 6
+
+
+def test_export_jsonl(tmp_path):
+    from tlt.cli import main
+
+    out = tmp_path / "task.jsonl"
+    assert main(["task", "export", "--n", "25", "--seed", "4", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    problems = generate_problems(25, seed=4)
+    assert len(rows) == 25
+    for row, p in zip(rows, problems):
+        assert row == {"prompt": format_prompt(p), "question": p.prompt, "answer": p.answer, "steps": p.steps}

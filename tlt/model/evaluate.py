@@ -1,0 +1,182 @@
+"""`tlt model eval`: accuracy and response-length tail of a model on the synthetic task.
+
+Pipeline: held-out problems -> ChatML prompts -> batched `transformers`
+generate (left padding; greedy for accuracy, temperature 1.0 sampling for the
+length distribution) -> verifier and token counts -> `EvalReport`.
+
+Response length = generated tokens up to and including the first eos
+(`<|im_end|>`), or all of them when the model never stops. Held-out problems
+are drawn with a seed the build never trains on (`EVAL_SEED_OFFSET`); short
+problems have few distinct instances, so some also occur in training, as they
+would in any fresh draw from the task.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from tlt.task import Problem
+
+EVAL_SEED_OFFSET = 1_000_003  # eval problems use seed + this; training uses other seeds
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    n: int
+    accuracy: float  # greedy, exact answer
+    samples: int  # sampled responses per problem (temperature 1.0) for the length figures
+    p50_len: float
+    p99_len: float
+    tail_ratio: float  # p99 / p50 of sampled response lengths (tokens)
+    sampled_accuracy: float
+    accuracy_by_steps: dict[str, float]  # "1", "2", "3-4", "5-8", "9-16", "17-32"
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def percentile(values: list[int], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) as numpy computes it by default."""
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def _bucket(steps: int) -> str:
+    if steps <= 2:
+        return str(steps)
+    hi = 1 << (steps - 1).bit_length()  # the power of two >= steps
+    return f"{hi // 2 + 1}-{hi}"
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    do_sample: bool,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> tuple[list[str], list[int]]:
+    """Completions (decoded without special tokens) and their lengths in tokens, in the order of `prompts`."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    texts: list[str] = [""] * len(prompts)
+    lengths: list[int] = [0] * len(prompts)
+    gen = torch.Generator().manual_seed(seed)
+    model.eval()
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, padding_side="left")
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        with torch.no_grad():
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=1.0 if do_sample else None,
+                top_k=0 if do_sample else None,
+                top_p=1.0 if do_sample else None,
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new = out[:, enc["input_ids"].shape[1] :]
+        for row, i in zip(new.tolist(), idx):
+            n = row.index(eos) + 1 if eos in row else len(row)
+            lengths[i] = n
+            texts[i] = tokenizer.decode(row[:n], skip_special_tokens=True)
+    return texts, lengths
+
+
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: list[Problem],
+    *,
+    samples: int = 1,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> EvalReport:
+    """Greedy accuracy and sampled (T=1.0) response-length percentiles on `problems`."""
+    import time
+
+    from tlt.task import MAX_STEPS, format_prompt, verify
+
+    t0 = time.monotonic()
+    prompts = [format_prompt(p) for p in problems]
+    max_new = 8 * max(MAX_STEPS, max(p.steps for p in problems)) + 16
+    greedy, _ = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False, batch_size=batch_size)
+    correct = [verify(c, p.answer) for c, p in zip(greedy, problems)]
+    lengths: list[int] = []
+    sampled_correct = 0
+    for s in range(samples):
+        texts, lens = generate(
+            model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True, batch_size=batch_size, seed=seed + s
+        )
+        lengths += lens
+        sampled_correct += sum(verify(c, p.answer) for c, p in zip(texts, problems))
+    buckets: dict[str, list[bool]] = {}
+    for ok, p in zip(correct, problems):
+        buckets.setdefault(_bucket(p.steps), []).append(ok)
+    p50, p99 = percentile(lengths, 50), percentile(lengths, 99)
+    return EvalReport(
+        n=len(problems),
+        accuracy=sum(correct) / len(problems),
+        samples=samples,
+        p50_len=p50,
+        p99_len=p99,
+        tail_ratio=p99 / p50,
+        sampled_accuracy=sampled_correct / (len(problems) * samples),
+        accuracy_by_steps={k: sum(v) / len(v) for k, v in sorted(buckets.items(), key=lambda kv: int(kv[0].split("-")[0]))},
+        seconds=time.monotonic() - t0,
+    )
+
+
+def eval_problems(n: int, seed: int = 0) -> list[Problem]:
+    from tlt.task import generate_problems
+
+    return generate_problems(n, seed + EVAL_SEED_OFFSET)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder (e.g. artifacts/tiny)")
+    parser.add_argument("--n", type=int, default=200, help="held-out problems")
+    parser.add_argument("--samples", type=int, default=1, help="sampled responses per problem for the length tail")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling")
+    parser.add_argument("--batch-size", type=int, default=64, help="generate batch size")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    report = evaluate(
+        model, tokenizer, eval_problems(args.n, args.seed), samples=args.samples, batch_size=args.batch_size, seed=args.seed
+    )
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(f"problems            {report.n}")
+        print(f"greedy accuracy     {report.accuracy:.1%}")
+        print(f"sampled accuracy    {report.sampled_accuracy:.1%}  (T=1.0, {report.samples} per problem)")
+        print(f"response length     p50 {report.p50_len:.0f}  p99 {report.p99_len:.0f}  p99/p50 {report.tail_ratio:.2f}")
+        print("accuracy by steps   " + "  ".join(f"{k}: {v:.0%}" for k, v in report.accuracy_by_steps.items()))
+        print(f"time                {report.seconds:.1f} s")
+    return 0

@@ -1,0 +1,41 @@
+"""Exact-answer verification of a model's completion for the synthetic task.
+
+The answer is the integer written after the LAST `answer:` marker in the
+completion. It must be followed by the end of the text, whitespace, an
+end-of-turn token or sentence punctuation, so `answer: 52` and
+`answer: 52<|im_end|>` count but `answer: 52x` or `answer: 5 2` do not.
+Values are compared as integers (`answer: 07` equals the reference `7`): the
+number is exact, only zero padding may differ.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tlt.task.problems import ANSWER_MARKER
+
+_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*(-?\d+)(?=$|\s|<|[.,;!)])")
+
+
+def extract_answer(text: str) -> str | None:
+    """The number after the last answer marker, or None when the last marker is not followed by one."""
+    idx = text.rfind(ANSWER_MARKER)
+    if idx < 0:
+        return None
+    m = _ANSWER.match(text, idx)
+    return m.group(1) if m else None
+
+
+def verify(completion: str, answer: str) -> bool:
+    """True iff the completion's extracted answer equals the reference answer exactly (as an integer)."""
+    got = extract_answer(completion)
+    if got is None:
+        return False
+    return int(got) == int(answer)
+
+
+def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """TRL-style reward contract: 1.0 for a verified answer, 0.0 otherwise."""
+    if not (len(prompts) == len(completions) == len(answers)):
+        raise ValueError(f"lengths differ: {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers")
+    return [1.0 if verify(c, a) else 0.0 for c, a in zip(completions, answers)]
