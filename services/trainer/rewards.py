@@ -1,0 +1,195 @@
+"""Reward sources behind one interface: score completions as they arrive.
+
+    source.begin() -> RewardBatch
+    batch.submit(key, prompt, completion, answer)   # called as each completion streams in
+    batch.results() -> {key: RewardResult}           # waits for the rest; raises RewardError
+
+Two sources:
+- `FunctionRewards`: in-process Python functions with TRL's contract
+  `f(prompts, completions, **kw) -> list[float]`, called once per step on the
+  whole batch (the contract is batch-shaped) with the reference answers as
+  keyword arguments `answer` / `answers` (only those the function accepts,
+  unless it takes **kw). Several functions are summed with weights.
+- `GrpcRewards`: any `tlt.v1.Reward` server through `RewardClient`; each
+  completion is submitted the moment it arrives from the rollout stream, so
+  scoring overlaps the long tail of decoding. The client bounds concurrency,
+  applies the timeout and retries transport failures.
+
+A reward that cannot be had (server unreachable after retries, a call
+refused, `ok=false` in a response, a function returning the wrong number of
+values or a non-finite value) fails the step with a `RewardError` that names
+the completion and the cause. No reward is ever defaulted to 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+RewardFn = Callable[..., list[float]]
+
+
+class RewardError(RuntimeError):
+    """A completion could not be scored; the RL step cannot proceed without it."""
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float
+    correct: bool  # the verifier's verdict when the source gives one, else reward > 0
+
+
+class RewardBatch(Protocol):
+    def submit(self, key: str, prompt: str, completion: str, answer: str) -> None: ...
+    def results(self) -> dict[str, RewardResult]: ...
+
+
+class RewardSource(Protocol):
+    def begin(self) -> RewardBatch: ...
+    def close(self) -> None: ...
+
+
+def _check_value(key: str, value: object, origin: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RewardError(f"{origin} returned {value!r} for completion {key}; a finite number is required")
+    return float(value)
+
+
+# -- in-process functions ----------------------------------------------------------------
+
+
+def _call(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kw = {k: answers for k in ("answer", "answers") if takes_any or k in params}
+    return fn(prompts, completions, **kw)
+
+
+class _FunctionBatch:
+    def __init__(self, fns: Sequence[tuple[RewardFn, float]]) -> None:
+        self._fns = fns
+        self._keys: list[str] = []
+        self._prompts: list[str] = []
+        self._completions: list[str] = []
+        self._answers: list[str] = []
+
+    def submit(self, key: str, prompt: str, completion: str, answer: str) -> None:
+        self._keys.append(key)
+        self._prompts.append(prompt)
+        self._completions.append(completion)
+        self._answers.append(answer)
+
+    def results(self) -> dict[str, RewardResult]:
+        totals = [0.0] * len(self._keys)
+        for fn, weight in self._fns:
+            name = getattr(fn, "__qualname__", repr(fn))
+            values = _call(fn, self._prompts, self._completions, self._answers)
+            if len(values) != len(self._keys):
+                raise RewardError(f"reward function {name} returned {len(values)} values for {len(self._keys)} completions")
+            for i, v in enumerate(values):
+                totals[i] += weight * _check_value(self._keys[i], v, f"reward function {name}")
+        return {k: RewardResult(t, t > 0) for k, t in zip(self._keys, totals)}
+
+
+class FunctionRewards:
+    """Weighted sum of in-process TRL-style reward functions."""
+
+    def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float] | None = None) -> None:
+        if not fns:
+            raise ValueError("FunctionRewards needs at least one function")
+        weights = list(weights) if weights is not None else [1.0] * len(fns)
+        if len(weights) != len(fns):
+            raise ValueError(f"{len(fns)} reward functions but {len(weights)} weights")
+        self._fns = list(zip(fns, weights))
+
+    def begin(self) -> _FunctionBatch:
+        return _FunctionBatch(self._fns)
+
+    def close(self) -> None:
+        pass
+
+
+def load_function(spec: str) -> RewardFn:
+    """'package.module:function' -> the function (the user's reward, on PYTHONPATH)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function {spec!r} must look like 'module:function'")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise ValueError(f"{spec!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+def task_rewards() -> FunctionRewards:
+    """The built-in verifier of the synthetic task (1.0 for the exact answer, else 0.0)."""
+    from tlt.task import reward
+
+    return FunctionRewards([reward])
+
+
+# -- gRPC reward service --------------------------------------------------------------------
+
+
+class _GrpcBatch:
+    def __init__(self, client) -> None:  # noqa: ANN001 - RewardClient, imported lazily
+        self._client = client
+        self._futures: dict[str, Future] = {}
+
+    def submit(self, key: str, prompt: str, completion: str, answer: str) -> None:
+        from tlt.v1 import reward_pb2
+
+        if key in self._futures:
+            raise ValueError(f"completion {key} submitted twice")
+        req = reward_pb2.ScoreRequest(id=key, prompt=prompt, completion=completion, reference=answer)
+        self._futures[key] = self._client.submit(req)
+
+    def results(self) -> dict[str, RewardResult]:
+        from tlt.services.reward.client import RewardCallError, RewardUnavailableError
+
+        out: dict[str, RewardResult] = {}
+        try:
+            for key, fut in self._futures.items():
+                try:
+                    resp = fut.result()
+                except (RewardUnavailableError, RewardCallError) as e:
+                    raise RewardError(f"no reward for completion {key}: {e}") from e
+                if not resp.ok:
+                    raise RewardError(f"reward server could not score completion {key}: {resp.error or 'no reason given'}")
+                if resp.id != key:
+                    raise RewardError(f"reward server answered id {resp.id!r} for completion {key}")
+                out[key] = RewardResult(_check_value(key, resp.reward, "reward server"), bool(resp.correct))
+        except RewardError:
+            for fut in self._futures.values():
+                fut.cancel()
+            raise
+        return out
+
+
+class GrpcRewards:
+    """A `tlt.v1.Reward` server: one call per completion, submitted as it arrives."""
+
+    def __init__(self, address: str, concurrency: int = 32, timeout_s: float = 30.0, retries: int = 2) -> None:
+        from tlt.services.reward.client import RewardClient
+
+        self.address = address
+        self._client = RewardClient(address, concurrency=concurrency, timeout_s=timeout_s, retries=retries)
+
+    def begin(self) -> _GrpcBatch:
+        return _GrpcBatch(self._client)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def make_reward_source(cfg) -> RewardSource:  # noqa: ANN001 - TrainerConfig
+    """The reward source a TrainerConfig asks for."""
+    if cfg.reward == "grpc":
+        return GrpcRewards(cfg.reward_address, cfg.reward_concurrency, cfg.reward_timeout_s, cfg.reward_retries)
+    if cfg.reward == "python":
+        return FunctionRewards([load_function(cfg.reward_function)])
+    return task_rewards()

@@ -1,0 +1,82 @@
+"""In-process reward functions (TRL contract) and the built-in reward server through the trainer's path.
+
+Nothing is faked: the gRPC case runs the project's reward server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tlt.services.trainer.rewards import FunctionRewards, GrpcRewards, RewardError, load_function, task_rewards
+
+
+def length_reward(prompts, completions, **kw):
+    return [float(len(c)) for c in completions]
+
+
+def exact(prompts, completions, answer):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def test_weighted_sum_and_answer_kwargs():
+    src = FunctionRewards([length_reward, exact], weights=[0.5, 2.0])
+    batch = src.begin()
+    batch.submit("a", "p", "42", "42")
+    batch.submit("b", "p", "7", "8")
+    res = batch.results()
+    # a: 0.5 * 2 + 2.0 * 1 = 3.0; b: 0.5 * 1 + 0 = 0.5
+    assert res["a"].reward == 3.0 and res["b"].reward == 0.5
+    assert res["a"].correct and res["b"].correct  # > 0 counts as correct for plain functions
+
+
+def test_task_verifier_source():
+    batch = task_rewards().begin()
+    batch.submit("right", "q", "3+4=7\nanswer: 7", "7")
+    batch.submit("wrong", "q", "answer: 8", "7")
+    res = batch.results()
+    assert (res["right"].reward, res["right"].correct) == (1.0, True)
+    assert (res["wrong"].reward, res["wrong"].correct) == (0.0, False)
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (lambda prompts, completions, **kw: [1.0], "returned 1 values for 2 completions"),
+        (lambda prompts, completions, **kw: [1.0, math.nan], "returned nan for completion k1"),
+        (lambda prompts, completions, **kw: [1.0, "high"], "returned 'high'"),
+    ],
+)
+def test_bad_function_output_fails_clearly(fn, message):
+    batch = FunctionRewards([fn]).begin()
+    batch.submit("k0", "p", "c", "a")
+    batch.submit("k1", "p", "c", "a")
+    with pytest.raises(RewardError, match=message):
+        batch.results()
+
+
+def test_load_function():
+    assert load_function("tlt.task:reward").__name__ == "reward"
+    with pytest.raises(ValueError, match="module:function"):
+        load_function("tlt.task.reward")
+    with pytest.raises(ValueError, match="no callable"):
+        load_function("tlt.task:nope")
+
+
+def test_builtin_reward_server_via_trainer_path():
+    from tlt.services.reward.config import RewardConfig
+    from tlt.services.reward.server import RewardServer
+
+    cfg = RewardConfig(host="127.0.0.1", port=0)
+    with RewardServer(cfg) as server:
+        src = GrpcRewards(server.address, concurrency=4, timeout_s=10, retries=1)
+        try:
+            batch = src.begin()
+            batch.submit("r", "q", "answer: 5", "5")
+            batch.submit("w", "q", "answer: 6", "5")
+            res = batch.results()
+        finally:
+            src.close()
+    assert (res["r"].reward, res["r"].correct) == (1.0, True)
+    assert (res["w"].reward, res["w"].correct) == (0.0, False)
