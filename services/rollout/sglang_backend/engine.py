@@ -1,0 +1,334 @@
+"""`SGLangEngine`: SGLang behind the same interface as the native `LLMEngine`.
+
+    add_request(GenerationRequest) -> n SGLang streams (rid "<request_id>#<i>")
+    step()  -> poll the streams once -> (StepOutput per sample that advanced, CompletionOutput per finished)
+    update_weights(kind, tensors, version) -> one SGLang weight-update session
+    stats() -> running / queued / versions / spec counters (capacity events come from `running`)
+    release() / resume() -> free GPU memory while the trainer runs (colocated), drafter re-pushed after
+
+Weight-update sessions (sglang/srt/managers/scheduler_components/weight_updater.py
+refuses tensor updates outside one):
+
+    policy : pause(retract) -> begin("target") -> update(flush_cache=False) -> end -> flush_cache -> continue
+    drafter: pause(in_place) -> begin("draft") -> update(flush_cache=False) -> end -> continue
+
+A policy update retracts running requests (their KV is recomputed with the
+new weights after `continue`; an in-place pause cannot flush the cache). A
+sample that spans a policy update is stamped with the policy version it
+started under and counted in `stats().spec["policy_spanning"]`: the trainer
+normally pushes between steps, when nothing runs. A drafter update leaves the
+target's KV cache valid (drafts only change speed, never the output), so it
+pauses in place and does not flush.
+
+The drafter is kept on the CPU after every push and pushed again after
+`resume()` brings back the weights: SGLang's resume restores only the target
+model's state (`resume_memory_occupation` -> `_import_static_state(
+tp_worker.model_runner.model, ...)`), a known way to lose the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tlt.services.common.logging import get_logger
+from tlt.services.rollout.sglang_backend.client import SGLangClient
+from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+from tlt.services.rollout.sglang_backend.requests import (
+    SampleState,
+    StreamChunk,
+    generate_calls,
+    split_rid,
+    tensor_update_call,
+)
+from tlt.services.rollout.types import (
+    CompletionOutput,
+    FinishReason,
+    GenerationRequest,
+    SpecCounters,
+    StepOutput,
+    Versions,
+)
+
+log = get_logger("rollout.sglang")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the servers need to know about the served model, read from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> ModelInfo:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class SGLangStats:
+    running: int
+    queued: int
+    kv_usage: float
+    versions: Versions
+    num_preemptions: int
+    steps: int
+    spec: dict[str, Any] = field(default_factory=dict)
+
+
+class SGLangEngine:
+    """One replica's SGLang engine, speaking the native engine's interface."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        config: SGLangBackendConfig,
+        replica_id: int = 0,
+        client: SGLangClient | None = None,
+        run_dir: str | None = None,
+        poll_s: float = 0.02,
+    ) -> None:
+        self.config = config
+        self.replica_id = replica_id
+        self.model_config = ModelInfo.from_dir(model_dir)
+        self.max_model_len = self.model_config.max_position_embeddings
+        self.versions = Versions(policy=0, drafter=0 if config.speculative_algorithm != "none" else -1)
+        self._model_dir = model_dir
+        self._poll_s = poll_s
+        if client is None:
+            from tlt.services.rollout.sglang_backend.client import EngineClient
+            from tlt.services.rollout.sglang_backend.launch import engine_kwargs, write_adaptive_config
+
+            adaptive_path = None
+            if config.speculative_algorithm != "none" and config.adaptive:
+                adaptive_path = str(write_adaptive_config(config, Path(run_dir or "runs/sglang") / f"replica-{replica_id}"))
+            client = EngineClient(engine_kwargs(config, model_dir, replica_id, adaptive_path))
+        self._client = client
+        self._samples: dict[str, SampleState] = {}
+        self._released: set[str] = set()
+        self._drafter: dict[str, Any] | None = None  # last pushed drafter, CPU copies
+        self._steps = 0
+        self._verify_steps = 0
+        self._accepted = 0
+        self._policy_spanning = 0
+        self._drafter_repushes = 0
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, req: GenerationRequest) -> None:
+        if "weights" in self._released:
+            raise ValueError("the SGLang engine's weights are released (the trainer holds the GPU); resume first")
+        if any(s.request_id == req.request_id for s in self._samples.values()):
+            raise ValueError(f"request {req.request_id!r} is already running")
+        if len(req.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens does not fit {self.max_model_len}")
+        default_max = self.max_model_len - len(req.prompt_token_ids)
+        calls = generate_calls(req, default_max, self.config.return_hidden_states)
+        for i, call in enumerate(calls):
+            self._samples[call.rid] = SampleState(
+                request_id=req.request_id,
+                sample_index=i,
+                prompt_token_ids=list(req.prompt_token_ids),
+                policy_version=self.versions.policy,
+                drafter_version=self.versions.drafter,
+            )
+            self._client.submit(call)
+
+    def abort_request(self, request_id: str) -> None:
+        """SGLang answers an abort with a final chunk (finish type "abort"), which step() reports."""
+        for rid, s in list(self._samples.items()):
+            if s.request_id == request_id:
+                self._client.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._samples)
+
+    def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
+        """Collect what SGLang streamed since the last call (waits at most poll_s for something)."""
+        steps: list[StepOutput] = []
+        finished: list[CompletionOutput] = []
+        for chunk in self._client.poll(self._poll_s):
+            state = self._samples.get(chunk.rid)
+            if state is None:  # a late chunk of a sample already reported
+                continue
+            new_ids = chunk.output_ids[state.emitted :]
+            new_lps = chunk.logprobs[state.emitted :] if chunk.logprobs is not None else None
+            if new_ids or chunk.finish is not None:
+                steps.append(StepOutput(state.request_id, state.sample_index, new_ids, new_lps,
+                                        chunk.finish is not None, chunk.finish))
+            state.emitted = len(chunk.output_ids)
+            if chunk.finish is not None:
+                finished.append(self._complete(chunk, state))
+                del self._samples[chunk.rid]
+        self._steps += 1
+        return steps, finished
+
+    def _complete(self, chunk: StreamChunk, state: SampleState) -> CompletionOutput:
+        spec = SpecCounters()
+        if chunk.spec_verify_ct:
+            spec = SpecCounters(verify_steps=chunk.spec_verify_ct, accepted_tokens=chunk.completion_tokens)
+            self._verify_steps += chunk.spec_verify_ct
+            self._accepted += chunk.completion_tokens
+        request_id, sample_index = split_rid(chunk.rid)
+        return CompletionOutput(
+            request_id=request_id,
+            sample_index=sample_index,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=list(chunk.output_ids),
+            text=chunk.text or "",
+            finish_reason=chunk.finish or FinishReason.ABORT,
+            versions=Versions(policy=state.policy_version, drafter=self.versions.drafter),
+            logprobs=chunk.logprobs,
+            top_logprobs=chunk.top_logprobs,
+            spec=spec,
+            features=_features(chunk.hidden_states, len(chunk.output_ids)),
+            replica_id=self.replica_id,
+            error=chunk.error,
+        )
+
+    # -- weights ------------------------------------------------------------------------
+
+    def update_weights(self, kind: str, tensors: Mapping[str, Any], version: int) -> None:
+        """Apply a validated policy or drafter update in one SGLang session."""
+        if "weights" in self._released:
+            raise ValueError("weights are released; resume() before updating them")
+        if version <= (self.versions.policy if kind == "policy" else self.versions.drafter):
+            raise ValueError(f"{kind} version {version} is not newer than the serving one")
+        call = tensor_update_call(kind, list(tensors), version)
+        named = list(tensors.items())
+        t0 = time.perf_counter()
+        if kind == "policy":
+            for s in self._samples.values():
+                s.spanned_policy_update = True
+            self._policy_spanning += len(self._samples)
+            self._client.pause_generation("retract")
+            try:
+                self._session(call, named)
+                self._client.flush_cache()
+            finally:
+                self._client.continue_generation()
+            self.versions = Versions(policy=version, drafter=self.versions.drafter)
+        else:
+            self._client.pause_generation("in_place")
+            try:
+                self._session(call, named)
+            finally:
+                self._client.continue_generation()
+            self._drafter = {k: _to_cpu(v) for k, v in tensors.items()}
+            self.versions = Versions(policy=self.versions.policy, drafter=version)
+        log.info("sglang_weights_updated", kind=kind, version=version, tensors=len(named),
+                 seconds=round(time.perf_counter() - t0, 3))
+
+    def _session(self, call: Any, named: list[tuple[str, Any]]) -> None:
+        self._client.begin_weight_update(call.selector)
+        try:
+            self._client.update_weights_from_tensor(call, named)
+        finally:
+            self._client.end_weight_update()
+
+    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Names, shapes and dtypes of the policy weights, read from the safetensors headers."""
+        from safetensors import safe_open
+
+        out: dict[str, tuple[tuple[int, ...], Any]] = {}
+        for path in sorted(Path(self._model_dir).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    out[name] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+        return out
+
+    # -- colocation -------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Free GPU memory for the trainer (config.release_tags); only when nothing runs."""
+        if self._samples:
+            raise ValueError(f"cannot release while {len(self._samples)} samples run; wait for the rollout to end")
+        tags = [t for t in self.config.release_tags if t not in self._released]
+        if tags:
+            self._client.release_memory_occupation(tags)
+            self._released.update(tags)
+
+    def resume(self) -> None:
+        tags = sorted(self._released)
+        if not tags:
+            return
+        self._client.resume_memory_occupation(tags)
+        self._released.clear()
+        if "weights" in tags and self._drafter is not None:
+            call = tensor_update_call("drafter", list(self._drafter), self.versions.drafter)
+            self._client.pause_generation("in_place")
+            try:
+                self._session(call, list(self._drafter.items()))
+            finally:
+                self._client.continue_generation()
+            self._drafter_repushes += 1
+            log.info("sglang_drafter_repushed", version=self.versions.drafter)
+
+    # -- status -----------------------------------------------------------------------------
+
+    def stats(self) -> SGLangStats:
+        mean_accept = self._accepted / self._verify_steps if self._verify_steps else 0.0
+        return SGLangStats(
+            running=len(self._samples),
+            queued=0,  # SGLang queues internally; every submitted sample counts as running here
+            kv_usage=0.0,
+            versions=self.versions,
+            num_preemptions=0,
+            steps=self._steps,
+            spec={
+                "mode": "adaptive" if self.config.adaptive else "static",
+                "algorithm": self.config.speculative_algorithm,
+                "verify_steps": self._verify_steps,
+                "mean_accept_len": mean_accept,
+                "policy_spanning": self._policy_spanning,
+                "drafter_repushes": self._drafter_repushes,
+                "released": sorted(self._released),
+            },
+        )
+
+    def shutdown(self) -> None:
+        self._client.shutdown()
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+
+
+def _to_cpu(t: Any) -> Any:
+    return t.detach().to("cpu", copy=True) if hasattr(t, "detach") else t
+
+
+def _features(hidden: Any, n_tokens: int) -> Any:
+    """SGLang's hidden states -> fp16 [n_tokens, hidden] for the emitted tokens (None if not asked).
+
+    SGLang returns the prompt's rows first (one [prompt_len, H] block) and then
+    one row per decoded token; the last n_tokens rows are the emitted tokens'.
+    """
+    if hidden is None or n_tokens == 0:
+        return None
+    import torch
+
+    rows: list[Any] = []
+    for item in hidden:
+        t = torch.as_tensor(item, dtype=torch.float32)
+        rows.extend(t.reshape(-1, t.shape[-1]))
+    if len(rows) < n_tokens:
+        raise ValueError(f"SGLang returned {len(rows)} hidden-state rows for {n_tokens} tokens")
+    return torch.stack(rows[-n_tokens:]).to(torch.float16)

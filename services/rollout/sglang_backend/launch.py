@@ -1,0 +1,95 @@
+"""Launch arguments for one SGLang engine replica (pure functions, no SGLang import).
+
+    SGLangBackendConfig + model dir + replica id -> ServerArgs keyword arguments
+    spec_batch_threshold + adaptive_steps         -> adaptive JSON (written to a file)
+
+`sglang.Engine(**kwargs)` takes `ServerArgs` fields as keyword arguments
+(`sglang/srt/entrypoints/engine.py`, `Engine.__init__`). Every name below is a
+field of SGLang 0.5.23's `ServerArgs`; `tests/test_sglang_contract.py` builds a
+real `ServerArgs` from this dict where SGLang can be imported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+
+
+def adaptive_spec_config(cfg: SGLangBackendConfig) -> dict[str, dict[str, Any]]:
+    """SGLang's adaptive config with TLT's batch-size threshold folded in.
+
+    SGLang routes a batch to the slot with the largest key <= batch size
+    (`AdaptiveSpeculativeParams._find_closest_bs`), after padding the batch
+    to a captured CUDA-graph size. A slot whose only candidate is 0 decodes
+    without drafting, so `threshold + 1 -> [0]` switches SD off above the
+    threshold, as TLT's engine does (up to that padding: a batch just under
+    the threshold can pad past it and run without drafting).
+    """
+    limit = cfg.spec_batch_threshold
+    slots: dict[str, dict[str, Any]] = {}
+    for key in sorted(cfg.adaptive_steps, key=int):
+        if int(key) <= limit:
+            slots[key] = {"candidate_steps": sorted(set(cfg.adaptive_steps[key]))}
+    slots[str(limit + 1)] = {"candidate_steps": [0]}
+    if "1" not in slots:  # the smallest batches need a slot of their own
+        slots["1"] = {"candidate_steps": [cfg.num_steps]}
+    # The depth SGLang starts from must be a candidate of some slot
+    # (`_init_adaptive_speculative_params` in sglang/srt/arg_groups/speculative_hook.py).
+    if not any(cfg.num_steps in s["candidate_steps"] for s in slots.values()):
+        slots["1"]["candidate_steps"] = sorted({*slots["1"]["candidate_steps"], cfg.num_steps})
+    return dict(sorted(slots.items(), key=lambda kv: int(kv[0])))
+
+
+def write_adaptive_config(cfg: SGLangBackendConfig, run_dir: Path) -> Path:
+    path = run_dir / "sglang-adaptive-spec.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(adaptive_spec_config(cfg), indent=2))
+    return path
+
+
+def engine_kwargs(
+    cfg: SGLangBackendConfig,
+    model_dir: str,
+    replica_id: int,
+    adaptive_config_path: str | None = None,
+) -> dict[str, Any]:
+    """`sglang.Engine(**engine_kwargs(...))` for replica `replica_id`."""
+    kwargs: dict[str, Any] = {
+        "model_path": model_dir,
+        "tp_size": cfg.tp_size,
+        "base_gpu_id": replica_id * cfg.tp_size,
+        "dtype": cfg.dtype,
+        "mem_fraction_static": cfg.mem_fraction_static,
+        "random_seed": cfg.random_seed + replica_id,
+        # Cumulative stream chunks: the adapter slices what is new itself.
+        "incremental_streaming_output": False,
+        "enable_memory_saver": cfg.enable_memory_saver,
+    }
+    if cfg.max_running_requests:
+        kwargs["max_running_requests"] = cfg.max_running_requests
+    if cfg.return_hidden_states:
+        kwargs["enable_return_hidden_states"] = True
+    if cfg.speculative_algorithm == "none":
+        return kwargs
+    if not cfg.draft_model_path:
+        raise ValueError(
+            f"speculative_algorithm={cfg.speculative_algorithm} needs a drafter: pass --drafter DIR "
+            "(a `tlt drafter export` folder) or set [sglang] draft_model_path; or set speculative_algorithm = 'none'"
+        )
+    kwargs.update(
+        speculative_algorithm=cfg.speculative_algorithm,
+        speculative_draft_model_path=cfg.draft_model_path,
+        speculative_num_steps=cfg.num_steps,
+        speculative_eagle_topk=cfg.eagle_topk,
+    )
+    if cfg.adaptive:
+        if adaptive_config_path is None:
+            raise ValueError("adaptive mode needs the path of the adaptive JSON (write_adaptive_config)")
+        # SGLang derives num_draft_tokens = num_steps + 1 itself in adaptive mode.
+        kwargs.update(speculative_adaptive=True, speculative_adaptive_config=adaptive_config_path)
+    else:
+        kwargs["speculative_num_draft_tokens"] = cfg.draft_tokens
+    return kwargs
