@@ -1,0 +1,143 @@
+"""Bucketed epsilon-greedy (BEG) bandit: which draft shape to use at the current batch size.
+
+Batch sizes are split into buckets by ascending thresholds (default 1, 2, 5, 21 -> buckets 1, 2-4,
+5-20, >= 21); each bucket has its own arms (larger trees for smaller batches, where verifying many
+tokens is nearly free). Within a bucket:
+
+    1. arms without data are tried first (in list order);
+    2. with probability epsilon a random arm is explored;
+    3. otherwise the arm with the highest MEDIAN reward over its sliding window is exploited
+       (the median ignores a step that was slow for an unrelated reason, e.g. a prefill).
+
+Reward of one SD step = tokens emitted over the whole batch (accepted drafts + one bonus per
+sequence) / step wall time: measured tokens per second. A guard skips arms whose
+draft_tokens x batch_size exceeds the verify-token budget; if it skips every arm, the arm with the
+fewest draft tokens is used. The RNG is seeded. Not thread-safe: the engine step loop owns it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tlt.services.rollout.spec.tree import Arm
+
+DEFAULT_THRESHOLDS = (1, 2, 5, 21)
+DEFAULT_BUCKET_ARMS = (
+    ("8_4_48", "8_4_32", "8_4_16"),
+    ("8_4_32", "8_4_16", "8_4_8"),
+    ("8_4_16", "8_4_8", "4_1_5"),
+    ("8_4_8", "4_1_5"),
+)
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    arm: str
+    samples: int
+    median_reward: float | None  # tokens/s; None before the first sample
+    chosen: int
+
+
+@dataclass(frozen=True)
+class BucketStats:
+    label: str  # e.g. "2-4", ">=21"
+    arms: tuple[ArmStats, ...]
+    explored: int
+    exploited: int
+
+
+class BucketedEpsilonGreedy:
+    def __init__(
+        self,
+        thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
+        bucket_arms: Sequence[Sequence[Arm | str]] = DEFAULT_BUCKET_ARMS,
+        epsilon: float = 0.1,
+        window: int = 300,
+        verify_token_budget: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if len(thresholds) != len(bucket_arms):
+            raise ValueError(f"{len(thresholds)} bucket thresholds but {len(bucket_arms)} arm lists; give one arm list per bucket")
+        if list(thresholds) != sorted(set(thresholds)) or not thresholds or thresholds[0] < 1:
+            raise ValueError(f"bucket thresholds must be strictly increasing and >= 1, got {list(thresholds)}")
+        if not 0 <= epsilon <= 1:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.thresholds = tuple(thresholds)
+        self.arms = tuple(tuple(a if isinstance(a, Arm) else Arm.parse(a) for a in arms) for arms in bucket_arms)
+        for i, arms in enumerate(self.arms):
+            if not arms:
+                raise ValueError(f"bucket {self.label(i)} has no arms")
+        self.epsilon = epsilon
+        self.window = window
+        self.budget = verify_token_budget
+        self._rng = random.Random(seed)
+        self._rewards = [{a: deque(maxlen=window) for a in arms} for arms in self.arms]
+        self._chosen = [{a: 0 for a in arms} for arms in self.arms]
+        self._explored = [0] * len(self.arms)
+        self._exploited = [0] * len(self.arms)
+
+    def bucket(self, batch_size: int) -> int:
+        """Index of the last threshold <= batch_size (batches below the first threshold use bucket 0)."""
+        i = 0
+        for j, t in enumerate(self.thresholds):
+            if batch_size >= t:
+                i = j
+        return i
+
+    def label(self, i: int) -> str:
+        lo = self.thresholds[i]
+        if i + 1 == len(self.thresholds):
+            return f">={lo}"
+        hi = self.thresholds[i + 1] - 1
+        return str(lo) if hi == lo else f"{lo}-{hi}"
+
+    def eligible(self, batch_size: int) -> tuple[Arm, ...]:
+        arms = self.arms[self.bucket(batch_size)]
+        if self.budget is None:
+            return arms
+        ok = tuple(a for a in arms if a.draft_tokens * batch_size <= self.budget)
+        return ok or (min(arms, key=lambda a: a.draft_tokens),)
+
+    def choose(self, batch_size: int) -> Arm:
+        b = self.bucket(batch_size)
+        arms = self.eligible(batch_size)
+        untried = [a for a in arms if not self._rewards[b][a]]
+        if untried:
+            arm = untried[0]
+            self._explored[b] += 1
+        elif len(arms) > 1 and self._rng.random() < self.epsilon:
+            arm = self._rng.choice(arms)
+            self._explored[b] += 1
+        else:
+            arm = max(arms, key=lambda a: statistics.median(self._rewards[b][a]))  # ties: first in list
+            self._exploited[b] += 1
+        self._chosen[b][arm] += 1
+        return arm
+
+    def record(self, batch_size: int, arm: Arm, emitted_tokens: int, step_seconds: float) -> float:
+        """Record one SD step: `emitted_tokens` over the whole batch in `step_seconds`. Returns the reward."""
+        if step_seconds <= 0:
+            raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
+        b = self.bucket(batch_size)
+        if arm not in self._rewards[b]:
+            raise ValueError(f"arm {arm} is not in bucket {self.label(b)} ({[str(a) for a in self.arms[b]]})")
+        reward = emitted_tokens / step_seconds
+        self._rewards[b][arm].append(reward)
+        return reward
+
+    def snapshot(self) -> tuple[BucketStats, ...]:
+        out = []
+        for b, arms in enumerate(self.arms):
+            stats = tuple(
+                ArmStats(a.name, len(self._rewards[b][a]),
+                         statistics.median(self._rewards[b][a]) if self._rewards[b][a] else None, self._chosen[b][a])
+                for a in arms
+            )
+            out.append(BucketStats(self.label(b), stats, self._explored[b], self._exploited[b]))
+        return tuple(out)

@@ -1,0 +1,86 @@
+"""The bucketed epsilon-greedy arm chooser: routing, untried-first, exploration rate, median, budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
+from tlt.services.rollout.spec.tree import Arm
+
+A, B, C = Arm.parse("8_4_48"), Arm.parse("8_4_16"), Arm.parse("4_1_5")
+
+
+def test_bucket_routing_and_labels():
+    bandit = BucketedEpsilonGreedy()
+    assert [bandit.bucket(n) for n in (1, 2, 4, 5, 20, 21, 500)] == [0, 1, 1, 2, 2, 3, 3]
+    assert [bandit.label(i) for i in range(4)] == ["1", "2-4", "5-20", ">=21"]
+    assert bandit.choose(1) in bandit.arms[0] and bandit.choose(64) in bandit.arms[3]
+    assert bandit.arms[0][0] == A  # larger trees for the smallest batches
+    with pytest.raises(ValueError, match="one arm list per bucket"):
+        BucketedEpsilonGreedy(thresholds=(1, 2), bucket_arms=[[A]])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        BucketedEpsilonGreedy(thresholds=(2, 1), bucket_arms=[[A], [B]])
+    with pytest.raises(ValueError, match="steps_topk_drafttokens"):
+        BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[["8x4"]])
+
+
+def test_untried_arms_first_then_best_median():
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, B, C]], epsilon=0.0)
+    first = []
+    for reward in (100.0, 300.0, 200.0):
+        arm = bandit.choose(1)
+        first.append(arm)
+        bandit.record(1, arm, emitted_tokens=int(reward), step_seconds=1.0)
+    assert first == [A, B, C]
+    assert all(bandit.choose(1) == B for _ in range(20))
+
+
+def test_median_is_robust_to_an_outlier():
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, B]], epsilon=0.0)
+    for r in (10, 10, 10, 10_000):  # one freak fast step: the mean would prefer A
+        bandit.record(1, A, r, 1.0)
+    for r in (20, 20, 20):
+        bandit.record(1, B, r, 1.0)
+    assert bandit.choose(1) == B
+    # reward is tokens per second over the whole batch
+    assert bandit.record(4, A, emitted_tokens=24, step_seconds=0.5) == 48.0
+
+
+def test_exploration_frequency_is_epsilon():
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, B, C]], epsilon=0.1, seed=3)
+    for arm, r in ((A, 5), (B, 50), (C, 10)):
+        bandit.record(1, arm, r, 1.0)
+    n = 4000
+    picks = [bandit.choose(1) for _ in range(n)]
+    non_best = sum(p != B for p in picks) / n
+    # random arm with prob 0.1, which is not the best with prob 2/3: 0.0667 expected (sd ~0.004)
+    assert 0.05 < non_best < 0.085
+    snap = bandit.snapshot()[0]
+    assert snap.explored + snap.exploited == n
+    assert 0.08 < snap.explored / n < 0.12
+
+
+def test_sliding_window_forgets_old_rewards():
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, B]], epsilon=0.0, window=3)
+    for _ in range(3):
+        bandit.record(1, A, 100, 1.0)
+        bandit.record(1, B, 50, 1.0)
+    assert bandit.choose(1) == A
+    for _ in range(3):  # A got slow (e.g. the drafter went stale): its old rewards leave the window
+        bandit.record(1, A, 10, 1.0)
+    assert bandit.choose(1) == B
+    stats = {s.arm: s for s in bandit.snapshot()[0].arms}
+    assert stats[A.name].samples == 3 and stats[A.name].median_reward == 10.0
+
+
+def test_verify_token_budget_guard():
+    bandit = BucketedEpsilonGreedy(thresholds=(1, 2), bucket_arms=[[A], [A, B, C]], epsilon=0.0,
+                                   verify_token_budget=64)
+    assert bandit.eligible(1) == (A,)  # 48 x 1 <= 64
+    assert bandit.eligible(3) == (B, C)  # 48 x 3 exceeds 64; 16 x 3 and 5 x 3 fit
+    assert bandit.eligible(5) == (C,)  # 16 x 5 exceeds 64 too
+    seen = {bandit.choose(5) for _ in range(10)}
+    assert seen == {C}
+    assert bandit.eligible(100) == (C,)  # nothing fits: the smallest arm
+    with pytest.raises(ValueError, match="not in bucket"):
+        bandit.record(1, B, 10, 1.0)
