@@ -1,0 +1,30 @@
+"""Engine backends a replica can run, all behind the `LLMEngine` interface.
+
+    native  -> tlt.services.rollout.engine.engine:LLMEngine          (default; CPU and GPU)
+    sglang  -> tlt.services.rollout.sglang_backend.engine:SGLangEngine (GPU, optional `sglang` extra)
+    "package.module:Class"                                          (any class with the same interface)
+
+The interface (see `services/rollout/engine/engine.py`): constructed as
+`Engine(model_dir, engine_config, replica_id=i)`, with `tokenizer`,
+`model_config`, `max_model_len`, `versions`, `add_request`, `abort_request`,
+`step`, `has_unfinished`, `stats`, `expected_weights`, `update_weights`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+BACKENDS = {
+    "native": "tlt.services.rollout.engine.engine:LLMEngine",
+    "sglang": "tlt.services.rollout.sglang_backend.engine:SGLangEngine",
+}
+
+
+def engine_class(backend: str) -> Any:
+    """Import and return the engine class of a backend name or a 'module:Class' path."""
+    target = BACKENDS.get(backend, backend)
+    if ":" not in target:
+        raise ValueError(f"unknown rollout backend {backend!r}; use one of {sorted(BACKENDS)} or 'module:Class'")
+    module, name = target.split(":", 1)
+    return getattr(importlib.import_module(module), name)

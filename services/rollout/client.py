@@ -1,0 +1,97 @@
+"""`RolloutClient`: the trainer's small, synchronous gRPC client for the rollout service.
+
+    client = RolloutClient("127.0.0.1:50051")
+    for c in client.batch_generate(["1+2=", "3*4="], n=4, params=SamplingParamsMsg(max_tokens=64)):
+        ...  # one tlt.v1.Completion per sequence, in finishing order, stamped with versions
+    client.update_weights(model.state_dict(), kind="policy", version=3)   # raises WeightPushError if refused
+    client.status()
+
+Weights go through `services/common/weights.py` (manifest + chunks, or a
+/dev/shm file on the same host with `shm=True`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+_KINDS = {"policy": common_pb2.WEIGHT_KIND_POLICY, "drafter": common_pb2.WEIGHT_KIND_DRAFTER}
+
+
+class WeightPushError(RuntimeError):
+    """The server refused a weight push (it changed nothing); the message says why."""
+
+
+def make_prompt(p: str | Sequence[int], reference: str = "") -> rollout_pb2.Prompt:
+    if isinstance(p, str):
+        return rollout_pb2.Prompt(text=p, reference=reference)
+    return rollout_pb2.Prompt(token_ids=rollout_pb2.TokenIds(ids=list(p)), reference=reference)
+
+
+class RolloutClient:
+    def __init__(self, address: str, control_token: str = "", timeout_s: float | None = None) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
+        self.control_token = control_token
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    def batch_generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        n: int = 1,
+        params: rollout_pb2.SamplingParams | None = None,
+        references: Sequence[str] | None = None,
+        batch_id: str = "",
+    ) -> Iterator[rollout_pb2.Completion]:
+        """Stream one Completion per sequence as each finishes (len(prompts) * n in all)."""
+        refs = list(references or [""] * len(prompts))
+        req = rollout_pb2.BatchGenerateRequest(
+            batch_id=batch_id, n=n, params=params or rollout_pb2.SamplingParams(),
+            prompts=[make_prompt(p, r) for p, r in zip(prompts, refs)])
+        return iter(self.stub.BatchGenerate(req, timeout=self.timeout_s))
+
+    def generate(self, prompt: str | Sequence[int], n: int = 1,
+                 params: rollout_pb2.SamplingParams | None = None) -> list[rollout_pb2.Completion]:
+        req = rollout_pb2.GenerateRequest(prompt=make_prompt(prompt), n=n, params=params or rollout_pb2.SamplingParams())
+        return list(self.stub.Generate(req, timeout=self.timeout_s).completions)
+
+    def status(self) -> rollout_pb2.RolloutStatus:
+        return self.stub.GetStatus(rollout_pb2.StatusRequest(), timeout=self.timeout_s)
+
+    def push_chunks(self, chunks: Iterator[rollout_pb2.WeightChunk]) -> rollout_pb2.UpdateWeightsResponse:
+        """Send an already-built chunk stream (tests use it to send corrupted pushes)."""
+        metadata = (("authorization", self.control_token),) if self.control_token else None
+        return self.stub.UpdateWeights(chunks, metadata=metadata, timeout=self.timeout_s)
+
+    def update_weights(self, tensors: Mapping[str, Any], kind: str, version: int,
+                       shm: bool = False) -> rollout_pb2.UpdateWeightsResponse:
+        """Push a state dict (HF names); raises WeightPushError when the server refuses it."""
+        from tlt.services.common.weights import iter_chunks, pack_state_dict, shm_payload
+
+        manifest, payload = pack_state_dict(dict(tensors), _KINDS[kind], version)
+        if shm:
+            with shm_payload(manifest, payload) as shm_manifest:
+                resp = self.push_chunks(iter_chunks(shm_manifest, None))
+        else:
+            resp = self.push_chunks(iter_chunks(manifest, payload))
+        if not resp.ok:
+            raise WeightPushError(resp.error)
+        return resp

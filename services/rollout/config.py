@@ -1,0 +1,54 @@
+"""`RolloutConfig`: the rollout server's one typed, frozen config ([rollout] section).
+
+The server fronts `replicas` engine processes; `engine` is the native engine's
+own config (nested, `[rollout.engine]` in a preset) and is handed unchanged to
+every replica except for the device, which the server assigns per replica
+(`cuda:i` on a GPU box, `cpu` otherwise). Defaults run on a laptop CPU and bind
+loopback only.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from tlt.services.common.config import ServiceConfig
+from tlt.services.rollout.engine.config import EngineConfig
+
+
+class RolloutConfig(ServiceConfig):
+    """The [rollout] section."""
+
+    host: str = Field("127.0.0.1", description="address HTTP and gRPC bind to; loopback unless you mean to expose it")
+    http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port (0: pick a free one)")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port of tlt.v1.Rollout (0: pick a free one)")
+    served_model_name: str = Field(
+        "", description="model id reported by /v1/models and required in requests; empty: the model folder's name"
+    )
+    backend: str = Field(
+        "native", description="engine backend: native | sglang | 'module:Class' of an engine with the same interface"
+    )
+    replicas: int = Field(1, ge=1, le=64, description="engine replicas (data parallel), one process each")
+    threads_per_replica: int = Field(
+        0, ge=0, description="torch CPU threads per replica process; 0: the machine's cores divided by replicas"
+    )
+    max_n: int = Field(64, ge=1, description="largest n (samples per prompt) a request may ask for")
+    max_prompts_per_batch: int = Field(4096, ge=1, description="largest number of prompts in one BatchGenerate")
+    max_request_bytes: int = Field(
+        1 << 20, ge=1024, description="largest HTTP request body in bytes; larger gets 413"
+    )
+    max_weight_bytes: int = Field(
+        16 << 30, ge=1, description="largest UpdateWeights payload in bytes; larger is rejected before reading on"
+    )
+    control_token: str = Field(
+        "", description="shared secret required in gRPC metadata 'authorization' for UpdateWeights; empty: no check"
+    )
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for every replica to load its model")
+    update_timeout_s: float = Field(600.0, gt=0, description="how long a weight update may take on every replica")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the native engine's config, per replica")
+
+    @field_validator("host")
+    @classmethod
+    def _host_not_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("host must not be empty; use 127.0.0.1 for loopback or 0.0.0.0 to expose")
+        return v

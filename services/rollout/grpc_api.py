@@ -1,0 +1,253 @@
+"""The gRPC `tlt.v1.Rollout` service (grpc.aio, on the same event loop as the HTTP API).
+
+    BatchGenerate: prompts x n -> one GenerationRequest per prompt -> a Completion streamed per sequence
+                   as soon as it finishes (any order; prompt_index / sample_index say which)
+    Generate:      one prompt x n -> all completions at once
+    UpdateWeights: manifest + chunks -> assemble -> validate (checksum, sizes, names, shapes, dtypes vs the
+                   engine's expected_weights) -> every replica applies it between two engine steps
+    GetStatus:     per replica: state, running, queued, KV use, versions, SD status, alive
+
+Weight swaps and in-flight requests: requests are NOT paused or restarted.
+A swap lands on each replica between two engine steps; sequences already
+running continue with the new weights from the next step on (their KV cache,
+computed by the old weights, is kept). Every Completion carries the versions
+the engine stamps on it (the engine records which policy version produced the
+sequence's tokens, see `services/rollout/engine/engine.py`), so the trainer
+can drop or reweight sequences that straddle a swap. In RL the trainer
+usually pushes between rollout phases, when nothing is in flight.
+
+Invalid requests get INVALID_ARGUMENT with the reason; a bad weight push
+answers ok=false with the reason and changes nothing; a missing or wrong
+control token on UpdateWeights gets UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from tlt.services.common.logging import get_logger
+from tlt.services.rollout.config import RolloutConfig
+from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
+from tlt.services.rollout.types import CompletionOutput, FinishReason, GenerationRequest, SamplingParams
+from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+log = get_logger("rollout.grpc")
+
+_FINISH = {
+    FinishReason.STOP: rollout_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: rollout_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: rollout_pb2.FINISH_REASON_ABORT,
+}
+_KINDS = {common_pb2.WEIGHT_KIND_POLICY: "policy", common_pb2.WEIGHT_KIND_DRAFTER: "drafter"}
+
+
+def sampling_params(p: rollout_pb2.SamplingParams) -> SamplingParams:
+    """Proto params -> engine params (unset optional fields take the OpenAI defaults)."""
+    params = SamplingParams(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        min_p=p.min_p if p.HasField("min_p") else 0.0,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens or None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        return_features=p.return_features,
+    )
+    if p.max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0 (0: up to the context), got {p.max_tokens}")
+    params.validate()
+    return params
+
+
+def completion_message(c: CompletionOutput, prompt_index: int, reference: str, hidden_size: int
+                       ) -> rollout_pb2.Completion:
+    msg = rollout_pb2.Completion(
+        request_id=c.request_id,
+        prompt_index=prompt_index,
+        sample_index=c.sample_index,
+        prompt_token_ids=c.prompt_token_ids,
+        token_ids=c.token_ids,
+        text=c.text,
+        logprobs=c.logprobs or [],
+        finish_reason=_FINISH[c.finish_reason],
+        versions=common_pb2.WeightVersions(policy=c.versions.policy, drafter=c.versions.drafter),
+        spec=rollout_pb2.SpecStats(verify_steps=c.spec.verify_steps, accepted_tokens=c.spec.accepted_tokens,
+                                   plain_decode_steps=c.spec.plain_decode_steps),
+        replica_id=c.replica_id,
+        error=c.error,
+        reference=reference,
+    )
+    for alt in c.top_logprobs or []:
+        msg.top_logprobs.add(token_ids=list(alt.keys()), logprobs=list(alt.values()))
+    if c.features is not None:
+        msg.features = c.features.tobytes()
+        msg.hidden_size = hidden_size
+    return msg
+
+
+class RolloutService(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig) -> None:
+        self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def _requests(self, prompts: Any, n: int, p: rollout_pb2.SamplingParams, prefix: str
+                  ) -> list[GenerationRequest]:
+        """Validate and convert; raises ValueError with a message for INVALID_ARGUMENT."""
+        n = n or 1
+        if not 1 <= n <= self.config.max_n:
+            raise ValueError(f"n must be between 1 and {self.config.max_n}, got {n}")
+        if not prompts:
+            raise ValueError("no prompts given")
+        if len(prompts) > self.config.max_prompts_per_batch:
+            raise ValueError(f"{len(prompts)} prompts is over the limit of {self.config.max_prompts_per_batch}")
+        params = sampling_params(p)
+        info = self.pool.info
+        out = []
+        for i, prompt in enumerate(prompts):
+            kind = prompt.WhichOneof("input")
+            if kind == "text":
+                ids = self.tokenizer.encode(prompt.text)
+            elif kind == "token_ids":
+                ids = list(prompt.token_ids.ids)
+            else:
+                raise ValueError(f"prompt {i} has neither text nor token_ids")
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if any(not 0 <= t < info.vocab_size for t in ids):
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {info.vocab_size})")
+            if len(ids) >= info.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; the context length is {info.max_model_len}")
+            if params.max_tokens is not None and len(ids) + params.max_tokens > info.max_model_len:
+                raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} is over the "
+                                 f"context length {info.max_model_len}")
+            out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), params, n))
+        return out
+
+    async def _stream(self, reqs: list[GenerationRequest], refs: list[str]
+                      ) -> AsyncIterator[rollout_pb2.Completion]:
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+        hidden = self.pool.info.hidden_size
+
+        async def pump(i: int, r: GenerationRequest) -> None:
+            try:
+                async for c in self.pool.generate(r):
+                    if isinstance(c, CompletionOutput):
+                        q.put_nowait(completion_message(c, i, refs[i], hidden))
+            except (InvalidRequestError, ReplicaUnavailableError) as e:
+                q.put_nowait(e)
+            q.put_nowait(done)
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await q.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def BatchGenerate(self, request: rollout_pb2.BatchGenerateRequest, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[rollout_pb2.Completion]:
+        batch_id = request.batch_id or uuid.uuid4().hex
+        try:
+            reqs = self._requests(request.prompts, request.n, request.params, f"{batch_id}-{uuid.uuid4().hex[:8]}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async for msg in self._stream(reqs, [p.reference for p in request.prompts]):
+                yield msg
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ReplicaUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> rollout_pb2.GenerateResponse:
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            reqs = self._requests([request.prompt], request.n, request.params, f"{rid}-{uuid.uuid4().hex[:8]}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            outs = [m async for m in self._stream(reqs, [request.prompt.reference])]
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ReplicaUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        outs.sort(key=lambda m: m.sample_index)
+        return rollout_pb2.GenerateResponse(completions=outs)
+
+    # ---- control -------------------------------------------------------------------------
+
+    async def UpdateWeights(self, request_iterator: AsyncIterator[rollout_pb2.WeightChunk],
+                            context: grpc.aio.ServicerContext) -> rollout_pb2.UpdateWeightsResponse:
+        from tlt.services.common.weights import WeightValidationError, assemble
+
+        if self.config.control_token:
+            got = dict(context.invocation_metadata() or ()).get("authorization", "")
+            if got not in (self.config.control_token, f"Bearer {self.config.control_token}"):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "UpdateWeights needs the control token")
+        chunks = []
+        received = 0
+        async for chunk in request_iterator:
+            received += len(chunk.data)
+            if received > self.config.max_weight_bytes:
+                return rollout_pb2.UpdateWeightsResponse(
+                    ok=False, error=f"weight stream is over max_weight_bytes={self.config.max_weight_bytes}")
+            chunks.append(chunk)
+        try:
+            manifest, payload = assemble(chunks, max_total_bytes=self.config.max_weight_bytes)
+        except WeightValidationError as e:
+            return rollout_pb2.UpdateWeightsResponse(ok=False, error=str(e))
+        kind = _KINDS.get(manifest.kind)
+        if kind is None:
+            return rollout_pb2.UpdateWeightsResponse(ok=False, error="manifest kind must be POLICY or DRAFTER")
+        try:
+            result = await self.pool.update_weights(kind, manifest, payload, self.config.update_timeout_s)
+        except (WeightUpdateError, ReplicaUnavailableError) as e:
+            log.warning("weight_update_rejected", kind=kind, version=manifest.version, error=str(e)[:500])
+            return rollout_pb2.UpdateWeightsResponse(ok=False, error=str(e), kind=manifest.kind)
+        v = result["versions"]
+        return rollout_pb2.UpdateWeightsResponse(
+            ok=True, kind=manifest.kind, version=v.policy if kind == "policy" else v.drafter,
+            apply_seconds=result["seconds"], replicas=result["replicas"])
+
+    async def GetStatus(self, request: rollout_pb2.StatusRequest, context: grpc.aio.ServicerContext
+                        ) -> rollout_pb2.RolloutStatus:
+        status = rollout_pb2.RolloutStatus(
+            model=self.model_name, backend=self.config.backend,
+            versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter))
+        for s in await self.pool.snapshot():
+            r = status.replicas.add(replica_id=s.replica_id, device=s.device, alive=s.alive)
+            if s.stats is None:
+                r.state = common_pb2.REPLICA_STATE_UNSPECIFIED
+                continue
+            busy = s.stats.running or s.stats.queued or s.outstanding
+            r.state = common_pb2.REPLICA_STATE_BUSY if busy else common_pb2.REPLICA_STATE_IDLE
+            r.running, r.queued, r.kv_usage = s.stats.running, s.stats.queued, s.stats.kv_usage
+            r.versions.policy, r.versions.drafter = s.stats.versions.policy, s.stats.versions.drafter
+            sp = s.stats.spec
+            r.spec.mode = str(sp.get("mode", "off"))
+            r.spec.active = bool(sp.get("active", False))
+            r.spec.arm = str(sp.get("arm", ""))
+            r.spec.mean_accept_len = float(sp.get("mean_accept_len", 0.0))
+            r.spec.last_step_seconds = float(sp.get("last_step_seconds", 0.0))
+            r.spec.verify_steps = int(sp.get("verify_steps", 0))
+            r.spec.plain_steps = int(sp.get("plain_steps", 0))
+        return status

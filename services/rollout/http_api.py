@@ -1,0 +1,423 @@
+"""The OpenAI-compatible HTTP API (FastAPI, served by uvicorn).
+
+    POST /v1/completions, /v1/chat/completions   (JSON or SSE stream)
+    GET  /v1/models, /health, /metrics
+
+    body -> size check (413) -> JSON (400) -> strict pydantic model (400) -> model id (404)
+         -> tokenize (chat template for chat) -> length checks (400) -> GenerationRequest per prompt
+         -> ReplicaPool.generate -> OpenAI choices (+ tlt_versions) or SSE `data: {...}` ... `data: [DONE]`
+
+Every error leaves as `{"error": {"message", "type", "param", "code"}}`: 400
+for anything wrong with the request (FastAPI's 422 never reaches a client),
+404 for an unknown model or route, 413 for a body over `max_request_bytes`,
+503 when no engine replica is alive. The handler is the deliberate boundary:
+request errors are answered and the server goes on; errors inside a started
+stream are sent as a final `data: {"error": ...}` chunk before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tlt.services.common.metrics import Metrics
+from tlt.services.rollout import openai_convert as conv
+from tlt.services.rollout.config import RolloutConfig
+from tlt.services.rollout.openai_schema import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError
+from tlt.services.rollout.types import CompletionOutput, GenerationRequest, SamplingParams, StepOutput
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    parts, first = [], None
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err["loc"])
+        first = first or (str(err["loc"][0]) if err["loc"] else None)
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown parameter {loc!r}")
+        elif err["type"] == "missing":
+            parts.append(f"missing required parameter {loc!r}")
+        else:
+            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})"[:300])
+    return "invalid request: " + "; ".join(parts), first
+
+
+class _Sse:
+    @staticmethod
+    def data(obj: BaseModel | dict) -> bytes:
+        text = obj.model_dump_json(exclude_none=True) if isinstance(obj, BaseModel) else json.dumps(obj)
+        return f"data: {text}\n\n".encode()
+
+    done = b"data: [DONE]\n\n"
+
+
+class OpenAIServer:
+    """The handlers; the FastAPI app is `OpenAIServer(...).app`."""
+
+    def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
+                 metrics: Metrics) -> None:
+        self.pool, self.tokenizer, self.model_name, self.config, self.metrics = (
+            pool, tokenizer, model_name, config, metrics)
+        self.created = int(time.time())
+        self.m_requests = metrics.counter("http_requests_total", "HTTP API requests by endpoint and status",
+                                          ("endpoint", "status"))
+        self.m_latency = metrics.histogram("http_request_seconds", "HTTP request time to the last byte",
+                                           ("endpoint",))
+        self.m_prompt = metrics.counter("prompt_tokens_total", "prompt tokens received")
+        self.m_gen = metrics.counter("generated_tokens_total", "tokens generated")
+        self.m_running = metrics.gauge("replica_running", "running sequences per replica", ("replica",))
+        self.m_queued = metrics.gauge("replica_queued", "queued sequences per replica", ("replica",))
+        self.m_kv = metrics.gauge("replica_kv_usage", "KV cache use per replica (0..1)", ("replica",))
+        self.m_alive = metrics.gauge("replica_alive", "1 when the replica process is serving", ("replica",))
+        self.app = self._build()
+
+    # ---- app -------------------------------------------------------------------------------
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="TLT rollout", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+            return e.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+            kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+            return ApiError(e.status_code, str(e.detail), kind).response()
+
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return app
+
+    async def health(self) -> JSONResponse:
+        alive = sum(r.alive for r in self.pool.replicas)
+        status = 200 if alive else 503
+        return JSONResponse({"status": "ok" if alive else "no live replica", "replicas_alive": alive,
+                             "replicas": len(self.pool.replicas)}, status_code=status)
+
+    async def metrics_endpoint(self) -> Response:
+        for s in await self.pool.snapshot(timeout_s=2.0):
+            r = str(s.replica_id)
+            self.m_alive.labels(r).set(1 if s.alive else 0)
+            if s.stats is not None:
+                self.m_running.labels(r).set(s.stats.running)
+                self.m_queued.labels(r).set(s.stats.queued)
+                self.m_kv.labels(r).set(s.stats.kv_usage)
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                         max_model_len=self.pool.info.max_model_len)])
+
+    # ---- request parsing ---------------------------------------------------------------------
+
+    async def _parse(self, request: Request, cls: type[BaseModel]) -> Any:
+        declared = request.headers.get("content-length")
+        limit = self.config.max_request_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes is over the limit of {limit}", code="too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(413, f"request body is over the limit of {limit} bytes", code="too_large")
+        try:
+            obj = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+        try:
+            req = cls.model_validate(obj)
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            raise ApiError(400, message, param=param) from None
+        if req.model != self.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+        if (why := req.unsupported()) is not None:
+            raise ApiError(400, why)
+        if req.n > self.config.max_n:
+            raise ApiError(400, f"n={req.n} is over the limit of {self.config.max_n}", param="n")
+        return req
+
+    def _params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
+        limit = self.pool.info.max_model_len
+        vocab = self.pool.info.vocab_size
+        if not ids:
+            raise ApiError(400, f"{where} is empty", param="prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"{where} has token ids outside the vocabulary [0, {vocab})", param="prompt")
+        if len(ids) >= limit:
+            raise ApiError(400, f"{where} has {len(ids)} tokens; the context length is {limit} "
+                                "(prompt + max_tokens must fit)", param="prompt", code="context_length_exceeded")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ApiError(400, f"max_tokens={params.max_tokens} plus the {len(ids)}-token {where} is over the "
+                                f"context length {limit}; lower max_tokens to at most {limit - len(ids)}",
+                           param="max_tokens", code="context_length_exceeded")
+
+    def _requests(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str
+                  ) -> list[GenerationRequest]:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        self.m_prompt.inc(sum(len(p) for p in prompts))
+        return [GenerationRequest(f"{rid}-{i}", tuple(p), params, n) for i, p in enumerate(prompts)]
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def _collect(self, reqs: list[GenerationRequest]) -> list[list[CompletionOutput]]:
+        async def one(r: GenerationRequest) -> list[CompletionOutput]:
+            outs = [c async for c in self.pool.generate(r) if isinstance(c, CompletionOutput)]
+            return sorted(outs, key=lambda c: c.sample_index)
+
+        tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e)) from None
+        except ReplicaUnavailableError as e:
+            raise ApiError(503, str(e), "server_error", code="unavailable") from None
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _merged(self, reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, StepOutput | CompletionOutput]]:
+        """Every request's events, tagged with the prompt index, in arrival order."""
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, r: GenerationRequest) -> None:
+            try:
+                async for ev in self.pool.generate(r, want_steps=True):
+                    q.put_nowait((i, ev))
+            except (InvalidRequestError, ReplicaUnavailableError) as e:
+                q.put_nowait((i, e))
+            q.put_nowait((i, done))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, ev = await q.get()
+                if ev is done:
+                    left -= 1
+                elif isinstance(ev, Exception):
+                    raise ev
+                else:
+                    yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _usage(self, prompts: list[list[int]], outs: list[CompletionOutput]) -> Usage:
+        p = sum(len(x) for x in prompts)
+        c = sum(len(o.token_ids) for o in outs)
+        self.m_gen.inc(c)
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def _count(self, endpoint: str, status: int, t0: float) -> None:
+        self.m_requests.labels(endpoint, str(status)).inc()
+        self.m_latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+    async def _guard(self, endpoint: str, work: Any) -> Response:
+        t0 = time.perf_counter()
+        try:
+            resp = await work
+        except ApiError as e:
+            self._count(endpoint, e.status, t0)
+            return e.response()
+        if not isinstance(resp, StreamingResponse):
+            self._count(endpoint, 200, t0)
+        return resp
+
+    # ---- /v1/completions --------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._guard("completions", self._completions(request))
+
+    async def _completions(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        params = self._params(req, req.max_tokens, req.logprobs)
+        raw = req.prompt
+        if isinstance(raw, str):
+            prompts = [self.tokenizer.encode(raw)]
+        elif raw and all(isinstance(x, int) for x in raw):
+            prompts = [list(raw)]
+        elif raw and all(isinstance(x, str) for x in raw):
+            prompts = [self.tokenizer.encode(x) for x in raw]
+        else:
+            prompts = [list(x) for x in raw]
+        if not prompts:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        for i, p in enumerate(prompts):
+            self._check_prompt(p, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        reqs = self._requests(prompts, params, req.n, "cmpl")
+        rid = reqs[0].request_id.rsplit("-", 1)[0]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse("completions", t0, self._completion_stream(rid, reqs, prompts, params, req.n, include_usage))
+        groups = await self._collect(reqs)
+        flat = [c for g in groups for c in g]
+        choices = [conv.completion_choice(self.tokenizer, pi * req.n + c.sample_index, c, req.logprobs)
+                   for pi, g in enumerate(groups) for c in g]
+        return JSONResponse(CompletionResponse(
+            id=rid, created=int(time.time()), model=self.model_name, choices=choices,
+            usage=self._usage(prompts, flat), tlt_versions=conv.response_versions(flat)).model_dump(exclude_none=True))
+
+    async def _completion_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
+                                 params: SamplingParams, n: int, include_usage: bool) -> AsyncIterator[bytes]:
+        streams: dict[int, conv.TextStream] = {}
+        outs: list[CompletionOutput] = []
+        created = int(time.time())
+
+        def chunk(index: int, text: str, finish: str | None = None, lp: Any = None, versions: Any = None) -> bytes:
+            return _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
+                CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, tlt_versions=versions)]))
+
+        async for pi, ev in self._merged(reqs):
+            index = pi * n + ev.sample_index
+            ts = streams.setdefault(index, conv.TextStream(self.tokenizer, params.stop))
+            if isinstance(ev, StepOutput):
+                delta = ts.push(ev.new_token_ids)
+                if delta:
+                    yield chunk(index, delta)
+            else:
+                outs.append(ev)
+                lp = None
+                if params.logprobs is not None:
+                    lp = conv.completion_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
+                                                  params.logprobs)
+                yield chunk(index, ts.finish(ev.text), conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
+        if include_usage:
+            yield _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                               usage=self._usage(prompts, outs),
+                                               tlt_versions=conv.response_versions(outs)))
+        else:
+            self._usage(prompts, outs)
+
+    def _sse(self, endpoint: str, t0: float, body: AsyncIterator[bytes]) -> StreamingResponse:
+        async def wrapped() -> AsyncIterator[bytes]:
+            status = 200
+            try:
+                async for b in body:
+                    yield b
+            except ApiError as e:
+                status = e.status
+                yield _Sse.data(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, code=e.code)))
+            except (InvalidRequestError, ReplicaUnavailableError) as e:
+                status = 400 if isinstance(e, InvalidRequestError) else 503
+                yield _Sse.data(ErrorResponse(error=ErrorBody(
+                    message=str(e), type="invalid_request_error" if status == 400 else "server_error")))
+            yield _Sse.done
+            self._count(endpoint, status, t0)
+
+        return StreamingResponse(wrapped(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._guard("chat", self._chat(request))
+
+    async def _chat(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs or 0
+        params = self._params(req, max_tokens, top if req.logprobs else None)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = [int(t) for t in ids]
+        self._check_prompt(ids, params, "the chat prompt")
+        reqs = self._requests([ids], params, req.n, "chatcmpl")
+        rid = reqs[0].request_id.rsplit("-", 1)[0]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse("chat", t0, self._chat_stream(rid, reqs, [ids], params, req, include_usage))
+        (outs,) = await self._collect(reqs)
+        choices = [conv.chat_choice(self.tokenizer, c.sample_index, c, req.logprobs, top) for c in outs]
+        return JSONResponse(ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=self.model_name, choices=choices,
+            usage=self._usage([ids], outs), tlt_versions=conv.response_versions(outs)).model_dump(exclude_none=True))
+
+    async def _chat_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
+                           params: SamplingParams, req: ChatCompletionRequest, include_usage: bool
+                           ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        streams: dict[int, conv.TextStream] = {}
+        outs: list[CompletionOutput] = []
+
+        def chunk(choice: ChatChunkChoice) -> bytes:
+            return _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
+
+        for i in range(req.n):
+            yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        async for _, ev in self._merged(reqs):
+            ts = streams.setdefault(ev.sample_index, conv.TextStream(self.tokenizer, params.stop))
+            if isinstance(ev, StepOutput):
+                delta = ts.push(ev.new_token_ids)
+                if delta:
+                    yield chunk(ChatChunkChoice(index=ev.sample_index, delta=ChatDelta(content=delta)))
+            else:
+                outs.append(ev)
+                lp = None
+                if req.logprobs:
+                    lp = conv.chat_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
+                                            req.top_logprobs or 0)
+                yield chunk(ChatChunkChoice(index=ev.sample_index, delta=ChatDelta(content=ts.finish(ev.text)),
+                                            logprobs=lp, finish_reason=conv.finish_reason(ev),
+                                            tlt_versions=conv.tlt_versions(ev.versions)))
+        usage = self._usage(prompts, outs)
+        if include_usage:
+            yield _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
+                                                usage=usage, tlt_versions=conv.response_versions(outs)))

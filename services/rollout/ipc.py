@@ -1,0 +1,125 @@
+"""Typed messages between the front process and its replica processes.
+
+    front --Command--> replica      (AddRequest, AbortRequest, ApplyWeights, QueryStats, Shutdown)
+    replica --Event--> front        (Ready, StepEvents, RequestFailed, Reply, Fatal)
+
+Both directions travel over one duplex `multiprocessing` pipe per replica
+(pickled dataclasses; no tensors cross it: weights travel as the packed
+payload of `services/common/weights.py` and features as numpy arrays, so no
+file descriptors are passed around). A reply to a command that asks for one
+carries the command's `cmd_id`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tlt.services.rollout.types import CompletionOutput, GenerationRequest, StepOutput, Versions
+
+
+# ---- front -> replica -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ApplyWeights:
+    """A validated weight push: `manifest` is a serialized tlt.v1.WeightManifest."""
+
+    cmd_id: int
+    kind: str  # "policy" | "drafter"
+    version: int
+    manifest: bytes
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class QueryStats:
+    cmd_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = AddRequest | AbortRequest | ApplyWeights | QueryStats | Shutdown
+
+
+# ---- replica -> front -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica learns when it loads the model; sent once in `Ready`."""
+
+    replica_id: int
+    device: str
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    versions: Versions
+    expected_weights: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, torch dtype name)
+    pid: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: ReplicaInfo
+
+
+@dataclass
+class StepEvents:
+    """Everything one engine step produced on one replica."""
+
+    steps: list[StepOutput]
+    finished: list[CompletionOutput]  # features, when asked, are numpy float16 arrays
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The engine refused a request (ValueError): a client error, reported as 400."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    running: int
+    queued: int
+    kv_usage: float
+    versions: Versions
+    num_preemptions: int
+    steps: int
+    spec: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a command with a `cmd_id`; `error` empty when it succeeded."""
+
+    cmd_id: int
+    error: str = ""
+    stats: ReplicaStats | None = None
+    versions: Versions | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The replica loop died; the message says why. The process exits after sending it."""
+
+    message: str
+
+
+Event = Ready | StepEvents | RequestFailed | Reply | Fatal

@@ -1,0 +1,132 @@
+"""Engine outputs -> OpenAI choices: logprob objects, versions, and incremental text for streams.
+
+    CompletionOutput -> CompletionChoice / ChatChoice          (non-streaming)
+    StepOutput* -> TextStream.push -> text delta (SSE chunk)    (streaming)
+    CompletionOutput -> TextStream.finish -> the rest of the text
+
+Streaming text: each sample's tokens are decoded in full after every step and
+only the stable prefix is sent: a trailing U+FFFD (a multi-byte character cut
+in half) is held back, and so are the last `len(longest stop string) - 1`
+characters, so text the engine later cuts at a stop string is never sent. On
+finish the engine's own final text is authoritative; the stream sends what
+remains of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tlt.services.rollout.openai_schema import (
+    ChatChoice,
+    ChatMessageOut,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    TltVersions,
+    TokenLogprob,
+    TopLogprobEntry,
+)
+from tlt.services.rollout.types import CompletionOutput, Versions
+
+
+def tlt_versions(v: Versions) -> TltVersions:
+    return TltVersions(policy=int(v.policy), drafter=int(v.drafter))
+
+
+def response_versions(outputs: list[CompletionOutput]) -> TltVersions | None:
+    """The response-level stamp: the versions every choice shares, else the newest policy (choices carry their own)."""
+    if not outputs:
+        return None
+    newest = max(outputs, key=lambda c: (c.versions.policy, c.versions.drafter))
+    return tlt_versions(newest.versions)
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    """A token's text; a byte piece of a multi-byte character (which decodes to U+FFFD alone)
+    is shown by its vocabulary string instead, so different tokens never share a key."""
+    text = tokenizer.decode([token_id])
+    return tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else text
+
+
+def completion_logprobs(
+    tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int
+) -> CompletionLogprobs:
+    tokens = [_token_text(tokenizer, t) for t in token_ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top_out = None
+    if k > 0 and top is not None:
+        top_out = [{_token_text(tokenizer, i): float(lp) for i, lp in alt.items()} for alt in top]
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[float(x) for x in (logprobs or [])],
+        top_logprobs=top_out,
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(
+    tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int
+) -> ChoiceLogprobs:
+    content = []
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs or [])):
+        text = _token_text(tokenizer, tid)
+        alts = []
+        if k > 0 and top is not None and i < len(top):
+            for aid, alp in sorted(top[i].items(), key=lambda kv: -kv[1])[:k]:
+                at = _token_text(tokenizer, aid)
+                alts.append(TopLogprobEntry(token=at, logprob=float(alp), bytes=list(at.encode())))
+        content.append(TokenLogprob(token=text, logprob=float(lp), bytes=list(text.encode()), top_logprobs=alts))
+    return ChoiceLogprobs(content=content)
+
+
+def completion_choice(tokenizer: Any, index: int, c: CompletionOutput, logprobs: int | None) -> CompletionChoice:
+    lp = None
+    if logprobs is not None:
+        lp = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, logprobs)
+    return CompletionChoice(
+        index=index, text=c.text, logprobs=lp, finish_reason=finish_reason(c), tlt_versions=tlt_versions(c.versions)
+    )
+
+
+def chat_choice(tokenizer: Any, index: int, c: CompletionOutput, logprobs: bool, top_logprobs: int) -> ChatChoice:
+    lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, top_logprobs) if logprobs else None
+    return ChatChoice(
+        index=index,
+        message=ChatMessageOut(content=c.text),
+        logprobs=lp,
+        finish_reason=finish_reason(c),
+        tlt_versions=tlt_versions(c.versions),
+    )
+
+
+def finish_reason(c: CompletionOutput) -> str:
+    return c.finish_reason.value
+
+
+class TextStream:
+    """Incremental text of one sample for SSE: only text that can no longer change is sent."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def push(self, new_token_ids: list[int]) -> str:
+        self.token_ids.extend(new_token_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = text.rstrip("\ufffd")
+        stable = text[: len(text) - self.holdback] if self.holdback else text
+        if len(stable) <= len(self.sent) or not stable.startswith(self.sent):
+            return ""
+        delta, self.sent = stable[len(self.sent):], stable
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        if not final_text.startswith(self.sent):
+            return ""  # cannot take back what was sent; the engine's text differs only past it
+        delta, self.sent = final_text[len(self.sent):], final_text
+        return delta

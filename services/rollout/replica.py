@@ -1,0 +1,166 @@
+"""One engine replica: a process that owns an `LLMEngine` and runs its loop.
+
+    front --Command--> [drain commands] -> [engine.step() if it has work] --StepEvents--> front
+
+The loop drains every pending command (add, abort, apply weights, stats)
+before each engine step, so a weight update always lands *between* two
+steps, never inside one. When the engine has nothing to do the loop blocks on
+the pipe (no busy spin) until the next command arrives. If the front goes
+away (the pipe closes) the replica exits.
+
+Errors: a request the engine refuses (ValueError) is reported back as
+`RequestFailed` and the loop goes on; a weight push that fails validation is
+answered with an error and changes nothing. Anything else (an engine bug, out
+of memory) ends the loop: the replica reports `Fatal` with the traceback and
+exits, and the front marks it dead and fails its requests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tlt.services.rollout.ipc import (
+    AbortRequest,
+    AddRequest,
+    ApplyWeights,
+    Fatal,
+    QueryStats,
+    Ready,
+    ReplicaInfo,
+    ReplicaStats,
+    Reply,
+    RequestFailed,
+    Shutdown,
+    StepEvents,
+)
+
+
+def replica_main(
+    replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection
+) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    import torch
+
+    from tlt.services.common.logging import configure_logging, get_logger
+    from tlt.services.rollout.backends import engine_class
+    from tlt.services.rollout.engine.config import EngineConfig
+
+    configure_logging(service=f"rollout-replica-{replica_id}")
+    log = get_logger("rollout.replica")
+    if threads > 0:
+        torch.set_num_threads(threads)
+    config = EngineConfig.model_validate_json(engine_config_json)
+    try:
+        engine = engine_class(backend)(model_dir, config, replica_id=replica_id)
+    except Exception:  # deliberate boundary: report why the replica could not start, then exit
+        conn.send(Fatal(f"replica {replica_id} failed to load {model_dir}:\n{traceback.format_exc()}"))
+        conn.close()
+        return
+    info = ReplicaInfo(
+        replica_id=replica_id,
+        device=str(getattr(config, "device", "cpu")),
+        max_model_len=int(engine.max_model_len),
+        vocab_size=int(engine.model_config.vocab_size),
+        hidden_size=int(engine.model_config.hidden_size),
+        eos_token_ids=tuple(int(t) for t in (engine.model_config.eos_token_ids or ())),
+        versions=engine.versions,
+        expected_weights={k: (tuple(s), str(d).removeprefix("torch.")) for k, (s, d) in engine.expected_weights().items()},
+        pid=os.getpid(),
+    )
+    conn.send(Ready(info))
+    log.info("replica_ready", replica=replica_id, pid=info.pid, threads=torch.get_num_threads(), device=info.device)
+    try:
+        ReplicaLoop(engine, conn, replica_id).run()
+    except (EOFError, BrokenPipeError):
+        log.info("replica_front_gone", replica=replica_id)
+    except Exception:  # deliberate boundary: the loop died; tell the front why before exiting
+        message = traceback.format_exc()
+        log.error("replica_failed", replica=replica_id, error=message)
+        try:
+            conn.send(Fatal(message))
+        except (OSError, BrokenPipeError):
+            pass
+    finally:
+        conn.close()
+
+
+class ReplicaLoop:
+    """Drain commands, step the engine, send what it produced."""
+
+    def __init__(self, engine: Any, conn: Connection, replica_id: int) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.replica_id = replica_id
+        self.running = True
+        self._handlers = {
+            AddRequest: self._add,
+            AbortRequest: self._abort,
+            ApplyWeights: self._apply_weights,
+            QueryStats: self._stats,
+            Shutdown: self._shutdown,
+        }
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished()
+            # Busy: take what is waiting and step. Idle: block until a command comes.
+            if self.conn.poll(0 if busy else None):
+                self._drain()
+                if not self.running:
+                    break
+            if self.engine.has_unfinished():
+                steps, finished = self.engine.step()
+                if steps or finished:
+                    for c in finished:
+                        c.replica_id = self.replica_id
+                        if c.features is not None:
+                            c.features = c.features.detach().to("cpu").half().numpy()
+                    self.conn.send(StepEvents(steps=steps, finished=finished))
+
+    def _drain(self) -> None:
+        while self.running and self.conn.poll(0):
+            cmd = self.conn.recv()
+            self._handlers[type(cmd)](cmd)
+
+    def _add(self, cmd: AddRequest) -> None:
+        try:
+            self.engine.add_request(cmd.request)
+        except ValueError as e:
+            self.conn.send(RequestFailed(cmd.request.request_id, str(e)))
+
+    def _abort(self, cmd: AbortRequest) -> None:
+        self.engine.abort_request(cmd.request_id)
+
+    def _apply_weights(self, cmd: ApplyWeights) -> None:
+        from tlt.services.common.weights import WeightValidationError, unpack
+        from tlt.v1 import rollout_pb2
+
+        t0 = time.perf_counter()
+        manifest = rollout_pb2.WeightManifest.FromString(cmd.manifest)
+        try:
+            tensors = unpack(manifest, cmd.payload, None)
+            self.engine.update_weights(cmd.kind, tensors, cmd.version)
+        except (WeightValidationError, ValueError) as e:
+            self.conn.send(Reply(cmd.cmd_id, error=f"replica {self.replica_id}: {e}"))
+            return
+        self.conn.send(Reply(cmd.cmd_id, versions=self.engine.versions, seconds=time.perf_counter() - t0))
+
+    def _stats(self, cmd: QueryStats) -> None:
+        s = self.engine.stats()
+        stats = ReplicaStats(
+            running=int(s.running),
+            queued=int(s.queued),
+            kv_usage=float(s.kv_usage),
+            versions=s.versions,
+            num_preemptions=int(s.num_preemptions),
+            steps=int(s.steps),
+            spec=dict(getattr(s, "spec", {}) or {}),
+        )
+        self.conn.send(Reply(cmd.cmd_id, stats=stats, versions=s.versions))
+
+    def _shutdown(self, cmd: Shutdown) -> None:
+        self.running = False

@@ -1,0 +1,361 @@
+"""The front process's view of its engine replicas: start them, spread requests, collect results.
+
+    submit(GenerationRequest) -> least-loaded live replica --AddRequest--> replica process
+    replica --StepEvents--> reader thread -> event loop -> the request's queue -> caller
+
+`ReplicaPool` lives on one asyncio event loop (the servers' loop). Each
+replica is a `multiprocessing` spawn process with one duplex pipe; a reader
+thread per replica turns what arrives into calls on the loop, and a writer
+thread per replica sends commands, so a large weight payload or a replica busy
+in a long step never blocks the loop.
+
+Load balancing: each request goes to the live replica with the fewest
+outstanding sequences (counted here, at submit and finish, so it is exact and
+immediate), ties broken round-robin.
+
+Weight updates (`update_weights`) are all-or-nothing in the sense that
+matters: the payload is validated entirely here (checksum, sizes, names,
+shapes, dtypes against the replicas' `expected_weights`) before any replica
+sees it; then every live replica applies it between two engine steps. A
+replica that still fails to apply it (an engine bug) makes the call fail
+loudly and is named in the error. One update at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tlt.services.common.logging import get_logger
+from tlt.services.rollout.ipc import (
+    AbortRequest,
+    AddRequest,
+    ApplyWeights,
+    Fatal,
+    QueryStats,
+    Ready,
+    ReplicaInfo,
+    ReplicaStats,
+    Reply,
+    RequestFailed,
+    Shutdown,
+    StepEvents,
+)
+from tlt.services.rollout.replica import replica_main
+from tlt.services.rollout.types import CompletionOutput, GenerationRequest, StepOutput, Versions
+
+log = get_logger("rollout.replicas")
+
+
+class InvalidRequestError(ValueError):
+    """The engine refused the request; the message is fit for a 400 answer."""
+
+
+class ReplicaUnavailableError(RuntimeError):
+    """No live replica, or the replica serving a request died."""
+
+
+class WeightUpdateError(ValueError):
+    """A weight push was rejected (validation) or failed to apply; nothing changed unless the message says so."""
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    replica: "_Replica"
+    remaining: int
+    want_steps: bool
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class ReplicaSnapshot:
+    """One replica as the status endpoints show it."""
+
+    replica_id: int
+    device: str
+    alive: bool
+    outstanding: int
+    pid: int
+    stats: ReplicaStats | None
+    error: str = ""
+
+
+class _Replica:
+    def __init__(self, replica_id: int, process: mp.process.BaseProcess, conn: Any) -> None:
+        self.replica_id = replica_id
+        self.process = process
+        self.conn = conn
+        self.info: ReplicaInfo | None = None
+        self.alive = False
+        self.error = ""
+        self.outstanding = 0
+        self.outbox: queue.Queue = queue.Queue()
+        self.ready = asyncio.get_running_loop().create_future()
+
+
+class ReplicaPool:
+    """N engine replica processes behind one async interface."""
+
+    def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int
+                 ) -> None:
+        self.model_dir = model_dir
+        self.backend = backend
+        self.engine_config = engine_config
+        self.num_replicas = replicas
+        self.threads_per_replica = threads_per_replica
+        self.replicas: list[_Replica] = []
+        self._pending: dict[str, _Pending] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._cmd_ids = itertools.count(1)
+        self._rr = itertools.count()
+        self._update_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.versions = Versions()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        for i in range(self.num_replicas):
+            cfg = self.engine_config
+            if str(getattr(cfg, "device", "cpu")).startswith("cuda"):
+                cfg = cfg.model_copy(update={"device": f"cuda:{i}"})
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=replica_main,
+                args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child),
+                name=f"tlt-rollout-replica-{i}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            rep = _Replica(i, proc, parent)
+            self.replicas.append(rep)
+            threading.Thread(target=self._reader, args=(rep,), name=f"replica-{i}-reader", daemon=True).start()
+            threading.Thread(target=self._writer, args=(rep,), name=f"replica-{i}-writer", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(r.ready for r in self.replicas)), timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+        self.versions = self.replicas[0].info.versions  # type: ignore[union-attr]
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        for rep in self.replicas:
+            rep.outbox.put(Shutdown())
+            rep.outbox.put(None)
+        deadline = time.monotonic() + timeout_s
+        for rep in self.replicas:
+            await asyncio.to_thread(rep.process.join, max(0.1, deadline - time.monotonic()))
+            if rep.process.is_alive():
+                rep.process.kill()
+                await asyncio.to_thread(rep.process.join, 5)
+            rep.alive = False
+        for p in list(self._pending.values()):
+            p.events.put_nowait(ReplicaUnavailableError("the server is shutting down"))
+        self._pending.clear()
+
+    @property
+    def info(self) -> ReplicaInfo:
+        """What every replica agrees on (max length, vocab, expected weights): replica 0's."""
+        return self.replicas[0].info  # type: ignore[return-value]
+
+    # ---- threads: pipe <-> loop ----------------------------------------------------------
+
+    def _writer(self, rep: _Replica) -> None:
+        while (cmd := rep.outbox.get()) is not None:
+            try:
+                rep.conn.send(cmd)
+            except (OSError, BrokenPipeError):
+                return
+
+    def _reader(self, rep: _Replica) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                event = rep.conn.recv()
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._on_dead, rep, "replica process exited")
+                return
+            self._loop.call_soon_threadsafe(self._on_event, rep, event)
+            if isinstance(event, Fatal):
+                return
+
+    # ---- events (on the loop) ------------------------------------------------------------
+
+    def _on_event(self, rep: _Replica, event: Any) -> None:
+        if isinstance(event, StepEvents):
+            for s in event.steps:
+                p = self._pending.get(s.request_id)
+                if p is not None and p.want_steps:
+                    p.events.put_nowait(s)
+            for c in event.finished:
+                p = self._pending.get(c.request_id)
+                if p is None:
+                    continue  # aborted here already
+                p.events.put_nowait(c)
+                p.remaining -= 1
+                rep.outstanding -= 1
+                if p.remaining == 0:
+                    del self._pending[c.request_id]
+        elif isinstance(event, RequestFailed):
+            p = self._pending.pop(event.request_id, None)
+            if p is not None:
+                rep.outstanding -= p.remaining
+                p.events.put_nowait(InvalidRequestError(event.message))
+        elif isinstance(event, Reply):
+            fut = self._replies.pop(event.cmd_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(event)
+        elif isinstance(event, Ready):
+            rep.info = event.info
+            rep.alive = True
+            rep.ready.set_result(event.info)
+            log.info("replica_up", replica=rep.replica_id, pid=event.info.pid, device=event.info.device)
+        elif isinstance(event, Fatal):
+            self._on_dead(rep, event.message)
+
+    def _on_dead(self, rep: _Replica, why: str) -> None:
+        if rep.error:
+            return
+        rep.alive = False
+        rep.error = why
+        if self._stopping:
+            log.info("replica_stopped", replica=rep.replica_id)
+        else:
+            log.error("replica_dead", replica=rep.replica_id, error=why[-2000:])
+        if not rep.ready.done():
+            rep.ready.set_exception(ReplicaUnavailableError(f"replica {rep.replica_id} failed to start: {why}"))
+        for rid, p in list(self._pending.items()):
+            if p.replica is rep:
+                del self._pending[rid]
+                p.events.put_nowait(ReplicaUnavailableError(f"replica {rep.replica_id} died: {why.splitlines()[-1]}"))
+        rep.outstanding = 0
+        rep.outbox.put(None)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _pick(self) -> _Replica:
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise ReplicaUnavailableError("no live engine replica")
+        turn = next(self._rr)
+        return min(live, key=lambda r: (r.outstanding, (r.replica_id - turn) % len(self.replicas)))
+
+    async def generate(
+        self, request: GenerationRequest, want_steps: bool = False
+    ) -> AsyncIterator[StepOutput | CompletionOutput]:
+        """Yield the request's StepOutputs (when asked) and its n CompletionOutputs as they come.
+
+        Raises InvalidRequestError if the engine refuses it, ReplicaUnavailableError if its
+        replica dies. Closing the iterator early (client gone) aborts the request.
+        """
+        if request.request_id in self._pending:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        rep = self._pick()
+        p = _Pending(request, rep, request.n, want_steps)
+        self._pending[request.request_id] = p
+        rep.outstanding += request.n
+        rep.outbox.put(AddRequest(request))
+        finished = 0
+        try:
+            while finished < request.n:
+                ev = await p.events.get()
+                if isinstance(ev, Exception):
+                    raise ev
+                if isinstance(ev, CompletionOutput):
+                    finished += 1
+                yield ev
+        finally:
+            if self._pending.get(request.request_id) is p:
+                del self._pending[request.request_id]
+                rep.outstanding -= p.remaining
+                rep.outbox.put(AbortRequest(request.request_id))
+
+    # ---- control -------------------------------------------------------------------------
+
+    async def _ask(self, rep: _Replica, make: Any, timeout_s: float) -> Reply:
+        cmd_id = next(self._cmd_ids)
+        fut = self._loop.create_future()  # type: ignore[union-attr]
+        self._replies[cmd_id] = fut
+        rep.outbox.put(make(cmd_id))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._replies.pop(cmd_id, None)
+
+    async def snapshot(self, timeout_s: float = 5.0) -> list[ReplicaSnapshot]:
+        async def one(rep: _Replica) -> ReplicaSnapshot:
+            stats, error = None, rep.error
+            if rep.alive:
+                try:
+                    stats = (await self._ask(rep, QueryStats, timeout_s)).stats
+                except TimeoutError:
+                    error = f"no stats answer within {timeout_s}s"
+            pid = rep.info.pid if rep.info else (rep.process.pid or 0)
+            device = rep.info.device if rep.info else ""
+            return ReplicaSnapshot(rep.replica_id, device, rep.alive, rep.outstanding, pid, stats, error)
+
+        return list(await asyncio.gather(*(one(r) for r in self.replicas)))
+
+    async def update_weights(self, kind: str, manifest: Any, payload: bytes | bytearray, timeout_s: float) -> dict:
+        """Validate then apply a push on every live replica. Returns versions and timings; raises WeightUpdateError."""
+        import torch
+
+        from tlt.services.common.weights import WeightValidationError, validate
+
+        async with self._update_lock:
+            current = self.versions.policy if kind == "policy" else self.versions.drafter
+            if manifest.version <= current:
+                raise WeightUpdateError(f"{kind} version {manifest.version} is not newer than the serving {current}")
+            expected = None
+            if kind == "policy":
+                known = self.info.expected_weights
+                unknown = sorted(s.name for s in manifest.tensors if s.name not in known)
+                if unknown:
+                    raise WeightUpdateError(f"unknown policy tensors (not in the model): {unknown[:10]}")
+                expected = {s.name: (known[s.name][0], getattr(torch, known[s.name][1])) for s in manifest.tensors}
+            try:
+                await asyncio.to_thread(validate, manifest, payload, expected)
+            except WeightValidationError as e:
+                raise WeightUpdateError(str(e)) from None
+            live = [r for r in self.replicas if r.alive]
+            if not live:
+                raise ReplicaUnavailableError("no live engine replica")
+            blob, data = manifest.SerializeToString(), bytes(payload)
+            t0 = time.perf_counter()
+            replies = await asyncio.gather(
+                *(
+                    self._ask(r, lambda cid: ApplyWeights(cid, kind, manifest.version, blob, data), timeout_s)
+                    for r in live
+                ),
+                return_exceptions=True,
+            )
+            failed = [
+                f"replica {r.replica_id}: {x.error if isinstance(x, Reply) else repr(x)}"
+                for r, x in zip(live, replies)
+                if not isinstance(x, Reply) or x.error
+            ]
+            applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
+            if failed:
+                if applied:
+                    log.error("weight_update_partial", kind=kind, applied=applied, failed=failed)
+                    raise WeightUpdateError(
+                        f"update applied on replicas {applied} but FAILED on: {'; '.join(failed)} "
+                        "(replicas now serve different weights; push again)"
+                    )
+                raise WeightUpdateError("; ".join(failed))
+            self.versions = replies[0].versions  # type: ignore[union-attr]
+            log.info("weights_updated", kind=kind, version=manifest.version, replicas=applied)
+            return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}

@@ -1,0 +1,88 @@
+"""`tlt rollout serve`: run the rollout server (OpenAI HTTP + gRPC) over N engine replicas.
+
+    tlt rollout serve --model artifacts/tiny --replicas 2 --http-port 8000 --grpc-port 50051
+
+Config: the [rollout] section of the preset (default cpu-tiny), then
+TLT_ROLLOUT__* environment variables, then `--set field=value` (dotted for
+the nested engine config: `--set engine.max_num_seqs=32`), then the explicit
+flags. `--ready-file PATH` writes JSON {http_port, grpc_port, pid,
+replica_pids} once every replica is serving (useful with port 0). Stops
+cleanly on SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)")
+    parser.add_argument("--replicas", type=int, default=None, help="engine replicas, one process each")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (0: a free one)")
+    parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (0: a free one)")
+    parser.add_argument("--backend", default=None, help="engine backend: native (default) or sglang")
+    parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a [rollout] field (engine.* for the engine); repeatable")
+    parser.add_argument("--ready-file", default=None, help="write the bound ports and pids here as JSON when ready")
+
+
+def build_config(args: argparse.Namespace) -> object:
+    from tlt.services.common.config import cli_overrides, load_config, read_preset
+    from tlt.services.rollout.config import RolloutConfig
+
+    flat = cli_overrides(args.overrides)
+    overrides: dict = {k: v for k, v in flat.items() if "." not in k}
+    engine = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("engine.")}
+    bad = [k for k in flat if "." in k and not k.startswith("engine.")]
+    if bad:
+        from tlt.services.common.config import ConfigError
+
+        raise ConfigError(f"unknown nested override(s) {bad}; only engine.<field> is nested in [rollout]")
+    if engine:
+        base = dict(read_preset(args.preset).get("rollout", {}).get("engine", {}))
+        overrides["engine"] = {**base, **engine}
+    for flag, field in (("replicas", "replicas"), ("host", "host"), ("http_port", "http_port"),
+                        ("grpc_port", "grpc_port"), ("backend", "backend")):
+        if getattr(args, flag) is not None:
+            overrides[field] = getattr(args, flag)
+    return load_config(RolloutConfig, "rollout", args.preset, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import os
+    import signal
+    from pathlib import Path
+
+    from tlt.services.common.logging import get_logger
+    from tlt.services.rollout.server import RolloutServer
+
+    log = get_logger("rollout.serve")
+    config = build_config(args)
+    if not Path(args.model, "config.json").exists():
+        log.error("model_not_found", model=args.model, hint="build one with `tlt model build --out DIR`")
+        return 2
+
+    async def main() -> None:
+        server = RolloutServer(args.model, config)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await server.start()
+            if args.ready_file:
+                tmp = Path(args.ready_file + ".tmp")
+                tmp.write_text(json.dumps({"http_port": server.http_port, "grpc_port": server.grpc_port,
+                                           "pid": os.getpid(), "replica_pids": server.replica_pids()}))
+                tmp.replace(args.ready_file)
+            await stop.wait()
+            log.info("rollout_stopping")
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+    return 0

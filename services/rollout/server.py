@@ -1,0 +1,107 @@
+"""`RolloutServer`: the front process — replicas, the HTTP API and the gRPC API on one event loop.
+
+    start():  tokenizer (front-side, for prompts and streamed text) -> ReplicaPool (N processes, model loaded)
+              -> gRPC server (tlt.v1.Rollout) -> uvicorn (OpenAI HTTP) ; ports bound (0 = a free port)
+    stop():   gRPC stops (grace) -> uvicorn exits -> replicas shut down
+
+Everything runs on one asyncio loop; `tlt rollout serve` runs it on the main
+thread until SIGINT/SIGTERM, tests run it on a thread of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from tlt.services.common.logging import get_logger
+from tlt.services.common.metrics import Metrics
+from tlt.services.rollout.config import RolloutConfig
+
+log = get_logger("rollout.server")
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+]
+
+
+def _uvicorn_server(app: Any, log_level: str) -> Any:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def capture_signals(self) -> Any:  # the owner of the loop handles signals, not uvicorn
+            return nullcontext()
+
+    return _Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                                  timeout_graceful_shutdown=5))
+
+
+class RolloutServer:
+    def __init__(self, model_dir: str | os.PathLike[str], config: RolloutConfig) -> None:
+        self.model_dir = str(Path(model_dir).resolve())
+        self.config = config
+        self.model_name = config.served_model_name or Path(self.model_dir).name
+        self.http_port = 0
+        self.grpc_port = 0
+        self.pool: Any = None
+        self._http: Any = None
+        self._http_task: asyncio.Task | None = None
+        self._grpc: Any = None
+
+    async def start(self) -> None:
+        import grpc
+        from transformers import AutoTokenizer
+
+        from tlt.services.rollout.grpc_api import RolloutService
+        from tlt.services.rollout.http_api import OpenAIServer
+        from tlt.services.rollout.replicas import ReplicaPool
+        from tlt.v1 import rollout_pb2_grpc
+
+        cfg = self.config
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_dir)
+        threads = cfg.threads_per_replica or max(1, (os.cpu_count() or 1) // cfg.replicas)
+        self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads)
+        log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
+        await self.pool.start(cfg.startup_timeout_s)
+
+        self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
+        rollout_pb2_grpc.add_RolloutServicer_to_server(
+            RolloutService(self.pool, tokenizer, self.model_name, cfg), self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"could not bind gRPC to {cfg.host}:{cfg.grpc_port}")
+        await self._grpc.start()
+
+        metrics = Metrics("rollout")
+        app = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics).app
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.http_port))
+        self.http_port = sock.getsockname()[1]
+        self._http = _uvicorn_server(app, "warning")
+        self._http_task = asyncio.ensure_future(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises why uvicorn could not start
+            await asyncio.sleep(0.02)
+        log.info("rollout_serving", http=f"http://{cfg.host}:{self.http_port}/v1",
+                 grpc=f"{cfg.host}:{self.grpc_port}", model=self.model_name, replicas=cfg.replicas)
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=2.0)
+        if self._http is not None:
+            self._http.should_exit = True
+            if self._http_task is not None:
+                await self._http_task
+        if self.pool is not None:
+            await self.pool.stop()
+        log.info("rollout_stopped")
+
+    def replica_pids(self) -> list[int]:
+        return [r.process.pid for r in self.pool.replicas if r.process.pid]

@@ -1,0 +1,131 @@
+"""Shared helpers for the rollout server tests: a tiny checkpoint and a real server on loopback.
+
+`tiny_checkpoint(dir)` writes a seeded, randomly initialised Qwen2 checkpoint
+with the task tokenizer (chat template included). `ServerThread` runs the
+real `RolloutServer` (real replica processes with the real native engine,
+real uvicorn, real grpc.aio) on an event loop in a background thread, on free
+ports of 127.0.0.1. `ServeProcess` runs `tlt rollout serve` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# Small enough that a replica loads in seconds and a step takes milliseconds on one core.
+ENGINE_TEST_SETTINGS = {"max_model_len": 256, "max_num_seqs": 64, "num_kv_blocks": 512, "block_size": 16}
+
+
+def tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    from tlt.model.tokenizer import build_tokenizer
+
+    out_dir = Path(out_dir)
+    tok = build_tokenizer(out_dir)
+    cfg = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out_dir)
+    return out_dir
+
+
+def rollout_config(**overrides: Any) -> Any:
+    from tlt.services.rollout.config import RolloutConfig
+    from tlt.services.rollout.engine.config import EngineConfig
+
+    engine = EngineConfig(**{**ENGINE_TEST_SETTINGS, **overrides.pop("engine", {})})
+    base = {"http_port": 0, "grpc_port": 0, "threads_per_replica": 1, "startup_timeout_s": 120.0}
+    return RolloutConfig(**{**base, **overrides, "engine": engine})
+
+
+class ServerThread:
+    """`with ServerThread(model_dir, replicas=2) as s: s.base_url, s.grpc_address`."""
+
+    def __init__(self, model_dir: Path, **overrides: Any) -> None:
+        from tlt.services.rollout.server import RolloutServer
+
+        self.server = RolloutServer(model_dir, rollout_config(**overrides))
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-server", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout=180)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        """Run a coroutine on the server's loop (e.g. pool.snapshot())."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.http_port}/v1"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.server.grpc_port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.server.model_name
+
+
+class ServeProcess:
+    """`tlt rollout serve` in a subprocess on free ports; stopped with SIGTERM."""
+
+    def __init__(self, model_dir: Path, workdir: Path, replicas: int = 1, extra: tuple[str, ...] = ()) -> None:
+        self.ready_file = Path(workdir) / "ready.json"
+        self.log_file = Path(workdir) / "serve.log"
+        sets = [f"--set=engine.{k}={v}" for k, v in ENGINE_TEST_SETTINGS.items()]
+        self.cmd = [sys.executable, "-m", "tlt.cli", "rollout", "serve", "--model", str(model_dir),
+                    "--replicas", str(replicas), "--http-port", "0", "--grpc-port", "0",
+                    "--ready-file", str(self.ready_file), "--set", "threads_per_replica=1", *sets, *extra]
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+
+    def __enter__(self) -> "ServeProcess":
+        self._log = self.log_file.open("w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ})
+        deadline = time.monotonic() + 180
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"server did not start:\n{self.log_file.read_text()[-4000:]}")
+            time.sleep(0.2)
+        self.info = json.loads(self.ready_file.read_text())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.info['http_port']}/v1"
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.info["pid"], *self.info["replica_pids"]]
