@@ -327,3 +327,17 @@ def test_real_adaptive_params_follow_the_threshold(io_struct, tmp_path):
     params = AdaptiveSpeculativeParams(initial_steps=cfg.num_steps, cfg_path=str(write_adaptive_config(cfg, tmp_path)))
     assert params.get_steps_for_batch(17) == 0 and params.get_steps_for_batch(64) == 0
     assert params.get_steps_for_batch(1) == cfg.num_steps
+
+
+def test_replica_config_comes_from_the_preset_and_environment(model_dir, monkeypatch, tmp_path):
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.sglang_backend.engine import resolve_config
+
+    preset = tmp_path / "p.toml"
+    preset.write_text('[sglang]\nmem_fraction_static = 0.5\nspeculative_algorithm = "EAGLE3"\n')
+    monkeypatch.setenv("TLT_PRESET", str(preset))
+    monkeypatch.setenv("TLT_SGLANG__DRAFT_MODEL_PATH", "/models/drafter")
+    cfg = resolve_config(EngineConfig())  # what the replica process passes every backend
+    assert (cfg.mem_fraction_static, cfg.speculative_algorithm, cfg.draft_model_path) == (0.5, "EAGLE3", "/models/drafter")
+    eng = SGLangEngine(model_dir, EngineConfig(), client=FakeSGLang())
+    assert eng.config.draft_model_path == "/models/drafter"

@@ -29,12 +29,14 @@ tp_worker.model_runner.model, ...)`), a known way to lose the drafter.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tlt.services.common.config import load_config
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.sglang_backend.client import SGLangClient
 from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
@@ -93,18 +95,32 @@ class SGLangStats:
     spec: dict[str, Any] = field(default_factory=dict)
 
 
+def resolve_config(config: Any) -> SGLangBackendConfig:
+    """The [sglang] config of a replica.
+
+    The replica hands every backend the native `[rollout.engine]` config
+    (`services/rollout/replica.py`); SGLang's own knobs then come from the
+    `[sglang]` section of the preset named by `TLT_PRESET` (set by compose and
+    the Kubernetes manifests), with `TLT_SGLANG__<FIELD>` overrides on top.
+    """
+    if isinstance(config, SGLangBackendConfig):
+        return config
+    return load_config(SGLangBackendConfig, "sglang", os.environ.get("TLT_PRESET") or None)
+
+
 class SGLangEngine:
     """One replica's SGLang engine, speaking the native engine's interface."""
 
     def __init__(
         self,
         model_dir: str,
-        config: SGLangBackendConfig,
+        config: SGLangBackendConfig | Any,
         replica_id: int = 0,
         client: SGLangClient | None = None,
         run_dir: str | None = None,
         poll_s: float = 0.02,
     ) -> None:
+        config = resolve_config(config)
         self.config = config
         self.replica_id = replica_id
         self.model_config = ModelInfo.from_dir(model_dir)
@@ -129,6 +145,16 @@ class SGLangEngine:
         self._accepted = 0
         self._policy_spanning = 0
         self._drafter_repushes = 0
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (SGLang keeps its own copy in its tokenizer manager)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+        return self._tokenizer
 
     # -- requests ---------------------------------------------------------------------
 
