@@ -1,0 +1,136 @@
+r"""`\boxed{...}` answer extraction and normalisation for general math answers.
+
+    last_boxed(r"so \boxed{\frac{1}{2}}.")  -> r"\frac{1}{2}"
+    normalize(r"\dfrac{1}{2}")              -> r"\frac{1}{2}"
+    equivalent("0.5", r"\frac{1}{2}")       -> True
+
+Extraction takes the LAST `\boxed` (or `\fbox`) in the text and its balanced
+brace group, so nested braces (`\boxed{\frac{a}{b}}`) are kept whole and
+escaped braces (`\{`, `\}`) do not count; `\boxed 5` (no braces) takes the
+next token. An unclosed group means no answer.
+
+Normalisation is deliberately conservative: it removes presentation (spaces,
+`$`, `\left`/`\right`, spacing commands, `\text{}` wrappers, degree and
+percent signs, a leading `x =`, thousands separators, a trailing period) and
+rewrites `\dfrac`/`\tfrac` to `\frac`. Two answers are equivalent when their
+normal forms are equal, or when both are plain numbers (integers, decimals,
+`a/b`, `\frac{a}{b}`) with exactly the same rational value. It does not do
+symbolic algebra: `2x+2` and `2(x+1)` are different answers here.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_BOX_COMMANDS = (r"\boxed", r"\fbox")
+
+
+def _group_end(text: str, open_idx: int) -> int | None:
+    """Index just past the brace group opening at `open_idx`, or None if it never closes."""
+    depth = 0
+    i = open_idx
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2  # skip the escaped character (\{ \} \\)
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    r"""Content of the last `\boxed{...}` / `\fbox{...}` / `\boxed x` in `text`, or None."""
+    starts = [(text.rfind(cmd), cmd) for cmd in _BOX_COMMANDS]
+    idx, cmd = max(starts)
+    if idx < 0:
+        return None
+    rest = idx + len(cmd)
+    j = rest
+    while j < len(text) and text[j] in " \t":
+        j += 1
+    if j < len(text) and text[j] == "{":
+        end = _group_end(text, j)
+        return None if end is None else text[j + 1 : end - 1]
+    if j == rest:  # `\boxedfoo`: another command, not a box
+        return None
+    m = re.match(r"[^\s$]+", text[j:])
+    return m.group(0).rstrip(".") if m else None
+
+
+def _unwrap(text: str, command: str) -> str:
+    r"""Replace every `\command{X}` by `X` (balanced braces)."""
+    out = []
+    i = 0
+    while (k := text.find(command + "{", i)) >= 0:
+        end = _group_end(text, k + len(command))
+        if end is None:
+            break
+        out.append(text[i:k])
+        out.append(text[k + len(command) + 1 : end - 1])
+        i = end
+    out.append(text[i:])
+    return "".join(out)
+
+
+_REMOVE = (r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\ ", r"\displaystyle", "^{\\circ}", "^\\circ",
+           r"\circ", r"\%", "%", r"\$", "$")
+_THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
+_FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
+_LHS = re.compile(r"^[a-zA-Z](_\{?\w+\}?)?=(?!=)")
+
+
+def normalize(answer: str) -> str:
+    """A canonical string for an answer (see the module docstring for what is removed)."""
+    s = answer.strip()
+    for cmd in (r"\text", r"\textbf", r"\mathrm", r"\mathbf", r"\mbox", r"\boxed"):
+        s = _unwrap(s, cmd)
+    s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
+    for token in _REMOVE:
+        s = s.replace(token, "")
+    s = "".join(s.split())
+    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
+    s = _LHS.sub("", s)
+    s = s.rstrip(".")
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    if s.startswith("+"):
+        s = s[1:]
+    return s.lower()
+
+
+_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$")
+_SLASH = re.compile(r"^(-?\d+)/(-?\d+)$")
+_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
+
+
+def as_number(normal: str) -> Fraction | None:
+    """The exact rational value of a normalised plain number, or None if it is not one."""
+    try:
+        if _NUMBER.match(normal):
+            return Fraction(normal)
+        if m := _SLASH.match(normal):
+            return Fraction(int(m.group(1)), int(m.group(2))) if int(m.group(2)) else None
+        if m := _FRAC.match(normal):
+            value = Fraction(int(m.group(2)), int(m.group(3))) if int(m.group(3)) else None
+            return -value if value is not None and m.group(1) else value
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def equivalent(answer: str, reference: str) -> bool:
+    """True when `answer` and `reference` normalise equal or are the same rational number."""
+    a, b = normalize(answer), normalize(reference)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    x, y = as_number(a), as_number(b)
+    return x is not None and y is not None and x == y

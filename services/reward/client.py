@@ -1,0 +1,285 @@
+"""`RewardClient`: score completions against any `tlt.v1.Reward` server, as each one finishes.
+
+    client = RewardClient("127.0.0.1:50061", concurrency=8, timeout_s=30, retries=3)
+    fut = client.submit(ScoreRequest(id="p0-s3", completion=text, reference="52"))  # returns at once
+    ...
+    fut.result().reward          # 1.0 / 0.0; ok=false responses come back as they are
+    for r in client.score_stream(item_generator): ...   # one stream, answers in completion order
+    client.score(items)          # one Score call, answers in request order
+
+Threads, not asyncio: `submit` returns a `concurrent.futures.Future` (an
+asyncio caller wraps it with `asyncio.wrap_future`). At most `concurrency`
+calls are in flight; more submissions wait in the client's queue, never in
+the caller. Each call has a `timeout_s` deadline; a transport failure
+(UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED) is retried up to
+`retries` times with exponential backoff, then raises `RewardUnavailableError`
+naming the address and the last error. Other gRPC errors (INVALID_ARGUMENT,
+RESOURCE_EXHAUSTED for a message over the size limit, ...) are not retried and
+raise `RewardCallError`. A stream that
+breaks is reopened and only the unanswered items are sent again.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import grpc
+
+from tlt.services.common.logging import get_logger
+from tlt.v1 import reward_pb2, reward_pb2_grpc
+
+ScoreRequest = reward_pb2.ScoreRequest
+ScoreResponse = reward_pb2.ScoreResponse
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+T = TypeVar("T")
+log = get_logger("reward.client")
+
+
+class RewardCallError(RuntimeError):
+    """The reward server refused a call (not a transport problem; retrying would not help)."""
+
+
+class RewardUnavailableError(RuntimeError):
+    """The reward server could not be reached or did not answer, after every retry."""
+
+
+class RewardClient:
+    """Thread-safe client of one reward server."""
+
+    def __init__(
+        self,
+        address: str,
+        concurrency: int = 8,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        if concurrency < 1 or retries < 0 or timeout_s <= 0:
+            raise ValueError("RewardClient needs concurrency >= 1, retries >= 0 and timeout_s > 0")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        opts = [("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes)]
+        self._channel = grpc.insecure_channel(address, options=opts)
+        self._stub = reward_pb2_grpc.RewardStub(self._channel)
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-client")
+
+    # ---- retries -------------------------------------------------------------------------
+
+    def _with_retries(self, what: str, call: Callable[[], T]) -> T:
+        last: grpc.RpcError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 2.0))
+            try:
+                return call()
+            except grpc.RpcError as e:
+                code = e.code() if isinstance(e, grpc.Call) else None
+                if code not in RETRYABLE:
+                    raise RewardCallError(f"reward server {self.address} refused {what}: {code} {_details(e)}") from e
+                last = e
+                log.debug("reward_retry", what=what, attempt=attempt + 1, code=str(code))
+        raise RewardUnavailableError(
+            f"reward server {self.address} unavailable for {what} after {self.retries + 1} attempts: "
+            f"{last.code() if isinstance(last, grpc.Call) else ''} {_details(last)}"
+        ) from last
+
+    # ---- calls ---------------------------------------------------------------------------
+
+    def score(self, items: Iterable[ScoreRequest]) -> list[ScoreResponse]:
+        """Score a batch in one call; results in request order."""
+        request = reward_pb2.ScoreBatchRequest(items=list(items))
+        response = self._with_retries(
+            f"Score({len(request.items)} items)", lambda: self._stub.Score(request, timeout=self.timeout_s)
+        )
+        return list(response.results)
+
+    def submit(self, item: ScoreRequest) -> Future[ScoreResponse]:
+        """Queue one item; the future gets its response, or RewardUnavailableError / RewardCallError."""
+        return self._pool.submit(lambda: self.score([item])[0])
+
+    def score_stream(self, items: Iterable[ScoreRequest]) -> Iterator[ScoreResponse]:
+        """Send items as `items` yields them; yield responses as they come (any order, matched by id).
+
+        `items` is consumed in a helper thread, so it may block (e.g. while it
+        waits for the next finished completion). Ids must be unique. An item
+        unanswered `timeout_s` after it was read counts as a stalled stream; a
+        stalled or broken stream is reopened (up to `retries` times in a row)
+        and every unanswered item is sent again; duplicate answers are dropped.
+        """
+        stream = _StreamState(items)
+        failures = 0
+        while True:
+            if stream.finished():
+                stream.raise_source_error()
+                return
+            call = self._stub.ScoreStream(stream.feed())
+            responses: queue.Queue[object] = queue.Queue()
+            reader = threading.Thread(target=_drain, args=(call, responses), daemon=True)
+            reader.start()
+            try:
+                error = None
+                while True:
+                    try:
+                        out = responses.get(timeout=0.1)
+                    except queue.Empty:
+                        if stream.stalled(self.timeout_s):
+                            error = _Stalled(self.timeout_s)
+                            break
+                        continue
+                    if out is _END:
+                        break
+                    if isinstance(out, grpc.RpcError):
+                        error = out
+                        break
+                    if stream.answered(out):  # type: ignore[arg-type]
+                        failures = 0
+                        yield out  # type: ignore[misc]
+            finally:
+                call.cancel()
+            stream.raise_source_error()
+            if error is None and stream.finished():
+                return
+            code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNAVAILABLE
+            detail = _details(error) if error is not None else "stream closed with items unanswered"
+            if code not in RETRYABLE:
+                raise RewardCallError(f"reward server {self.address} refused ScoreStream: {code} {detail}") from error
+            failures += 1
+            if failures > self.retries:
+                raise RewardUnavailableError(
+                    f"reward server {self.address} unavailable for ScoreStream after {failures} attempts "
+                    f"({stream.pending()} items unanswered): {code} {detail}"
+                ) from error
+            log.debug("reward_stream_retry", attempt=failures, code=str(code), unanswered=stream.pending())
+            time.sleep(min(self.backoff_s * 2 ** (failures - 1), 2.0))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._channel.close()
+
+    def __enter__(self) -> RewardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _details(e: grpc.RpcError | None) -> str:
+    return e.details() if isinstance(e, grpc.Call) and e.details() else ""
+
+
+_END = object()
+
+
+def _drain(call: Iterator[ScoreResponse], out: queue.Queue[object]) -> None:
+    """Move a response stream into a queue: responses, then _END or the RpcError."""
+    try:
+        for response in call:
+            out.put(response)
+        out.put(_END)
+    except grpc.RpcError as e:
+        out.put(e)
+
+
+class _StreamState:
+    """Items read from the caller and not yet answered, shared by every attempt of one score_stream."""
+
+    def __init__(self, items: Iterable[ScoreRequest]) -> None:
+        self._lock = threading.Lock()
+        self._unanswered: dict[str, tuple[ScoreRequest, float]] = {}
+        self._incoming: queue.Queue[object] = queue.Queue()
+        self._source_done = threading.Event()
+        self._source_error: list[Exception] = []
+        self._last_answer = time.monotonic()
+        threading.Thread(target=self._pump, args=(iter(items),), daemon=True).start()
+
+    def _pump(self, source: Iterator[ScoreRequest]) -> None:
+        try:
+            for item in source:
+                with self._lock:
+                    if item.id in self._unanswered:
+                        raise ValueError(f"duplicate id {item.id!r} among unanswered items")
+                    self._unanswered[item.id] = (item, time.monotonic())
+                self._incoming.put(item)
+        except Exception as e:  # noqa: BLE001 - the caller's iterator failed: re-raised in score_stream
+            self._source_error.append(e)
+        finally:
+            self._source_done.set()
+            self._incoming.put(_END)
+
+    def feed(self) -> Iterator[ScoreRequest]:
+        """One attempt's request stream: every unanswered item, then new ones as they are read."""
+        with self._lock:
+            resend = [item for item, _ in self._unanswered.values()]
+        yield from resend
+        while True:
+            item = self._incoming.get()
+            if item is _END:
+                self._incoming.put(_END)  # later attempts must see the end too
+                return
+            yield item  # type: ignore[misc]
+
+    def answered(self, response: ScoreResponse) -> bool:
+        """Record an answer; False for an id that is not pending (a duplicate after a resend)."""
+        with self._lock:
+            if self._unanswered.pop(response.id, None) is None:
+                return False
+            self._last_answer = time.monotonic()
+            return True
+
+    def stalled(self, timeout_s: float) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            oldest = min((t for _, t in self._unanswered.values()), default=None)
+            return oldest is not None and now - oldest > timeout_s and now - self._last_answer > timeout_s
+
+    def finished(self) -> bool:
+        with self._lock:
+            return self._source_done.is_set() and not self._unanswered
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._unanswered)
+
+    def raise_source_error(self) -> None:
+        if self._source_error:
+            raise self._source_error[0]
+
+
+class _Stalled(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """No response within the timeout: treated like a DEADLINE_EXCEEDED from the server."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._msg = f"no response within {timeout_s}s"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._msg
+
+    def initial_metadata(self):  # noqa: ANN201
+        return None
+
+    def trailing_metadata(self):  # noqa: ANN201
+        return None
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self):  # noqa: ANN201
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback) -> bool:  # noqa: ANN001
+        return False

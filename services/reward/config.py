@@ -1,0 +1,52 @@
+"""`RewardConfig`: the reward server's one typed, frozen config ([reward] section).
+
+Defaults run on a laptop and bind loopback only. Limits keep one bad client
+from exhausting the server: a gRPC message size cap, a per-item size cap
+(reported per item as ok=false), a batch size cap and a bound on requests in
+flight per stream (the stream stops reading until results go out).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from tlt.services.common.config import ServiceConfig
+
+
+class RewardConfig(ServiceConfig):
+    """The [reward] section."""
+
+    kind: str = Field("math", description="reward kind (verifier): math")
+    host: str = Field("127.0.0.1", description="address the gRPC server binds; loopback unless you mean to expose it")
+    port: int = Field(50061, ge=0, le=65535, description="gRPC port of tlt.v1.Reward (0: pick a free one)")
+    workers: int = Field(4, ge=1, le=256, description="threads scoring items concurrently (shared by all calls)")
+    max_item_bytes: int = Field(
+        256 << 10, ge=16, description="largest prompt + completion + reference of one item; larger gets ok=false"
+    )
+    max_batch_items: int = Field(65536, ge=1, description="most items in one Score call; more is INVALID_ARGUMENT")
+    max_message_bytes: int = Field(
+        64 << 20, ge=1024, description="largest gRPC message the server accepts (RESOURCE_EXHAUSTED beyond)"
+    )
+    max_inflight_per_stream: int = Field(
+        256, ge=1, description="items of one ScoreStream being scored at once; reading pauses beyond"
+    )
+    grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight calls may take to finish")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus /metrics port on the same host; 0: no exporter"
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        from tlt.services.reward.verifiers import KINDS
+
+        if v not in KINDS:
+            raise ValueError(f"unknown reward kind {v!r}; choose one of {sorted(KINDS)}")
+        return v
+
+    @field_validator("host")
+    @classmethod
+    def _host_not_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("host must not be empty; use 127.0.0.1 for loopback or 0.0.0.0 to expose")
+        return v

@@ -1,0 +1,187 @@
+"""The gRPC reward server: `tlt.v1.Reward` over a verifier, scoring items concurrently.
+
+    ScoreRequest --check--> verifier(prompt, completion, reference) --> ScoreResponse(id, reward, ok, correct)
+
+`Score` scores a batch on the worker pool and answers in request order.
+`ScoreStream` reads requests while earlier ones are being scored and sends
+each response as soon as it is ready, so responses come back in completion
+order and are matched by id; at most `max_inflight_per_stream` items of one
+stream are in flight (reading pauses beyond, which is gRPC flow control for
+the client).
+
+Each item is its own error boundary: a malformed item (no id, over the size
+limit, no reference) or a verifier that raises gives that item ok=false with
+the reason, counts an error, and never fails the call or its siblings.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+
+from tlt.services.common.logging import get_logger
+from tlt.services.common.metrics import Metrics
+from tlt.services.reward.config import RewardConfig
+from tlt.services.reward.verifiers import Verifier, get_verifier
+from tlt.v1 import reward_pb2, reward_pb2_grpc
+
+log = get_logger("reward")
+_DONE = object()
+
+
+class RewardMetrics:
+    """Prometheus metrics of one reward server."""
+
+    def __init__(self) -> None:
+        self.metrics = Metrics("tlt_reward")
+        self.scored = self.metrics.counter("scored_total", "items scored", labels=("correct",))
+        self.errors = self.metrics.counter("errors_total", "items answered ok=false", labels=("reason",))
+        self.latency = self.metrics.histogram(
+            "score_seconds", "time to score one item", buckets=(1e-4, 1e-3, 1e-2, 0.1, 1, 10)
+        )
+        self.inflight = self.metrics.gauge("inflight", "items being scored now")
+
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    """Scores items with `verifier` on a shared thread pool."""
+
+    def __init__(self, config: RewardConfig, verifier: Verifier | None = None) -> None:
+        self.config = config
+        self.verifier = verifier or get_verifier(config.kind)
+        self.m = RewardMetrics()
+        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="reward-score")
+
+    def _check(self, item: reward_pb2.ScoreRequest) -> tuple[str, str] | None:
+        """(reason label, message) when the item cannot be scored."""
+        if not item.id:
+            return "missing_id", "request has no id"
+        size = len(item.prompt.encode()) + len(item.completion.encode()) + len(item.reference.encode())
+        if size > self.config.max_item_bytes:
+            return "oversized", f"item of {size} bytes is over the limit of {self.config.max_item_bytes}"
+        if not item.reference.strip():
+            return "missing_reference", "request has no reference answer to check against"
+        return None
+
+    def score_one(self, item: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        """Score one item; the error boundary for that item."""
+        problem = self._check(item)
+        if problem is not None:
+            self.m.errors.labels(reason=problem[0]).inc()
+            return reward_pb2.ScoreResponse(id=item.id, ok=False, error=problem[1])
+        start = time.perf_counter()
+        self.m.inflight.inc()
+        try:
+            correct = bool(self.verifier(item.prompt, item.completion, item.reference))
+        except Exception as e:  # noqa: BLE001 - a verifier bug must not take down the call; it is reported
+            self.m.errors.labels(reason="verifier_error").inc()
+            log.warning("verifier_failed", id=item.id, error=repr(e))
+            return reward_pb2.ScoreResponse(id=item.id, ok=False, error=f"verifier failed: {type(e).__name__}: {e}")
+        finally:
+            self.m.inflight.dec()
+            self.m.latency.observe(time.perf_counter() - start)
+        self.m.scored.labels(correct=str(correct).lower()).inc()
+        return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=correct, reward=1.0 if correct else 0.0)
+
+    def Score(self, request: reward_pb2.ScoreBatchRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreBatchResponse:
+        n = len(request.items)
+        if n > self.config.max_batch_items:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{n} items in one Score call, over the limit of {self.config.max_batch_items}; split the batch",
+            )
+        return reward_pb2.ScoreBatchResponse(results=list(self.pool.map(self.score_one, request.items)))
+
+    def ScoreStream(
+        self, request_iterator: Iterator[reward_pb2.ScoreRequest], context: grpc.ServicerContext
+    ) -> Iterator[reward_pb2.ScoreResponse]:
+        ready: queue.Queue[object] = queue.Queue()
+        slots = threading.BoundedSemaphore(self.config.max_inflight_per_stream)
+        pending: list[Future] = []
+        failed: list[Exception] = []
+
+        def deliver(fut: Future) -> None:
+            slots.release()
+            ready.put(fut.result())
+
+        def read() -> None:
+            try:
+                for item in request_iterator:
+                    while not slots.acquire(timeout=0.5):
+                        if not context.is_active():
+                            return
+                    fut = self.pool.submit(self.score_one, item)
+                    pending.append(fut)
+                    fut.add_done_callback(deliver)
+            except grpc.RpcError:
+                pass  # the client went away; the call ends below
+            except Exception as e:  # noqa: BLE001 - re-raised in the handler thread below
+                failed.append(e)
+            finally:
+                for fut in list(pending):
+                    fut.exception()  # wait: every result is queued before _DONE
+                ready.put(_DONE)
+
+        reader = threading.Thread(target=read, name="reward-stream-reader", daemon=True)
+        reader.start()
+        while True:
+            try:
+                out = ready.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if out is _DONE:
+                break
+            yield out  # type: ignore[misc]
+        if failed:
+            raise failed[0]
+
+
+class RewardServer:
+    """A running gRPC reward server: `start()` binds (port 0 picks one), `stop()` drains."""
+
+    def __init__(self, config: RewardConfig, verifier: Verifier | None = None) -> None:
+        self.config = config
+        self.servicer = RewardServicer(config, verifier)
+        opts = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ]
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=config.workers + 16), options=opts)
+        reward_pb2_grpc.add_RewardServicer_to_server(self.servicer, self._server)
+        self.port = 0
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.servicer.m.metrics
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> RewardServer:
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        self._server.start()
+        log.info("reward_serving", host=self.config.host, port=self.port, kind=self.config.kind,
+                 workers=self.config.workers)
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Refuse new calls, let in-flight ones finish for up to `grace_s`, then stop the workers."""
+        grace = self.config.grace_s if grace_s is None else grace_s
+        self._server.stop(grace).wait()
+        self.servicer.pool.shutdown(wait=False, cancel_futures=True)  # a stuck verifier must not hang stop()
+        log.info("reward_stopped", port=self.port)
+
+    def __enter__(self) -> RewardServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(0)

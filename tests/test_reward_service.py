@@ -1,0 +1,319 @@
+r"""The reward service: answer extraction, the math verifier, and a real gRPC server and client.
+
+Servers run for real on 127.0.0.1 with an ephemeral port; the CLI test starts
+`tlt reward serve` as a subprocess and stops it with SIGTERM (by its pid).
+Some tests plug in a verifier of their own (slow, blocking or raising) to make
+timing and failures deterministic; that is the server's extension point, not
+a fake of any process boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tlt.services.reward.boxed import equivalent, last_boxed, normalize
+from tlt.services.reward.client import RewardCallError, RewardClient, RewardUnavailableError
+from tlt.services.reward.config import RewardConfig
+from tlt.services.reward.server import RewardServer
+from tlt.services.reward.verifiers import math_verifier
+from tlt.task import generate_problems
+from tlt.v1 import reward_pb2, reward_pb2_grpc
+
+Req = reward_pb2.ScoreRequest
+
+
+def _config(**kw: object) -> RewardConfig:
+    return RewardConfig(**{"port": 0, "workers": 4, "grace_s": 1.0, **kw})
+
+
+@pytest.fixture
+def server() -> Iterator[RewardServer]:
+    with RewardServer(_config()) as s:
+        yield s
+
+
+# ---- extraction and normalisation -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (r"The answer is \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"first \boxed{1} then \boxed{2}", "2"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+        (r"\boxed{x^{2}+\sqrt{y_{1}}}", r"x^{2}+\sqrt{y_{1}}"),
+        (r"\boxed 7.", "7"),
+        (r"\fbox{3}", "3"),
+        (r"\boxed{unclosed {", None),
+        (r"\boxedfoo{3}", None),
+        ("no box here", None),
+    ],
+)
+def test_last_boxed(text: str, want: str | None) -> None:
+    assert last_boxed(text) == want
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        (r"\dfrac{3}{4}", r"\frac{3}{4}"),
+        (r"\frac34", r"\frac{3}{4}"),
+        (r"$x = 1,234$", "1234"),
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        (r"90^\circ", "90"),
+        (r"50\%", "50"),
+        (r"\text{Evelyn}", "evelyn"),
+        (r"\mathrm{IV}.", "iv"),
+        ("+5", "5"),
+    ],
+)
+def test_normalize(raw: str, want: str) -> None:
+    assert normalize(raw) == want
+
+
+def test_equivalent_numbers_exactly() -> None:
+    assert equivalent("0.5", r"\frac{1}{2}")
+    assert equivalent("1/2", r"\tfrac{1}{2}")
+    assert equivalent(r"-\frac{3}{4}", "-0.75")
+    assert equivalent("007", "7")
+    assert not equivalent("0.333", r"\frac{1}{3}")
+    assert not equivalent("2x+2", "2(x+1)")  # no symbolic algebra, by design
+    assert not equivalent("", "0")
+    assert not equivalent("1/0", "0")
+
+
+def test_math_verifier_on_the_synthetic_task() -> None:
+    probs = generate_problems(20, seed=3)
+    for p in probs:
+        assert math_verifier(p.prompt, p.solution, p.answer)
+        wrong = str((int(p.answer) + 1) % 100)
+        assert not math_verifier(p.prompt, p.solution.rsplit("answer:", 1)[0] + f"answer: {wrong}", p.answer)
+    assert math_verifier("", "answer: 07", "7")
+    assert not math_verifier("", "answer: 52x", "52")
+    assert not math_verifier("", "I do not know", "52")
+    assert math_verifier("", r"so the result is \boxed{52}", "52")
+    assert not math_verifier("", r"answer: 52 but \boxed{51}", "52")  # the boxed answer wins
+    assert math_verifier("", r"\boxed{\dfrac{1}{2}}", "0.5")
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+
+def _stub(s: RewardServer) -> reward_pb2_grpc.RewardStub:
+    return reward_pb2_grpc.RewardStub(grpc.insecure_channel(s.address))
+
+
+def test_score_batch_in_request_order(server: RewardServer) -> None:
+    items = [
+        Req(id="a", completion="1+1=02\nanswer: 02", reference="2"),
+        Req(id="b", completion="answer: 3", reference="2"),
+        Req(id="c", completion=r"\boxed{\frac{2}{4}}", reference=r"\frac{1}{2}"),
+    ]
+    out = _stub(server).Score(reward_pb2.ScoreBatchRequest(items=items), timeout=10).results
+    assert [(r.id, r.ok, r.correct, r.reward) for r in out] == [
+        ("a", True, True, 1.0),
+        ("b", True, False, 0.0),
+        ("c", True, True, 1.0),
+    ]
+    text = server.metrics.render().decode()
+    assert 'tlt_reward_scored_total{correct="true"} 2.0' in text
+    assert 'tlt_reward_scored_total{correct="false"} 1.0' in text
+    assert "tlt_reward_score_seconds_count 3.0" in text
+
+
+def test_malformed_items_get_ok_false_and_siblings_still_scored() -> None:
+    with RewardServer(_config(max_item_bytes=1000)) as s:
+        items = [
+            Req(id="", completion="answer: 1", reference="1"),
+            Req(id="big", completion="x" * 2000, reference="1"),
+            Req(id="noref", completion="answer: 1"),
+            Req(id="good", completion="answer: 1", reference="1"),
+        ]
+        out = _stub(s).Score(reward_pb2.ScoreBatchRequest(items=items), timeout=10).results
+        assert [r.ok for r in out] == [False, False, False, True]
+        assert "no id" in out[0].error
+        assert "2001 bytes" in out[1].error and "1000" in out[1].error
+        assert "no reference" in out[2].error
+        assert out[3].correct and out[3].reward == 1.0
+        text = s.metrics.render().decode()
+        for reason in ("missing_id", "oversized", "missing_reference"):
+            assert f'tlt_reward_errors_total{{reason="{reason}"}} 1.0' in text
+
+
+def test_batch_and_message_limits() -> None:
+    with RewardServer(_config(max_batch_items=2, max_message_bytes=4096)) as s:
+        stub = _stub(s)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Score(reward_pb2.ScoreBatchRequest(items=[Req(id=str(i), reference="1") for i in range(3)]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "split the batch" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Score(reward_pb2.ScoreBatchRequest(items=[Req(id="x", completion="y" * 10000)]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with RewardClient(s.address, retries=3, backoff_s=0.01) as client:
+            start = time.monotonic()
+            with pytest.raises(RewardCallError, match="INVALID_ARGUMENT"):
+                client.score([Req(id=str(i), reference="1") for i in range(3)])
+            assert time.monotonic() - start < 1.0  # not retried
+        ok = stub.Score(reward_pb2.ScoreBatchRequest(items=[Req(id="z", completion="answer: 1", reference="1")]))
+        assert ok.results[0].correct  # the server still works
+
+
+def _delay_verifier(prompt: str, completion: str, reference: str) -> bool:
+    time.sleep(float(prompt or 0))
+    return completion == reference
+
+
+def test_score_stream_answers_out_of_order_matched_by_id() -> None:
+    with RewardServer(_config(), verifier=_delay_verifier) as s:
+        items = [
+            Req(id="slow", prompt="0.6", completion="x", reference="x"),
+            Req(id="fast1", prompt="0", completion="x", reference="y"),
+            Req(id="fast2", prompt="0.05", completion="z", reference="z"),
+        ]
+        out = list(_stub(s).ScoreStream(iter(items), timeout=10))
+        assert [r.id for r in out][-1] == "slow"  # finished last although sent first
+        by_id = {r.id: r for r in out}
+        assert set(by_id) == {"slow", "fast1", "fast2"}
+        assert (by_id["slow"].correct, by_id["fast1"].correct, by_id["fast2"].correct) == (True, False, True)
+
+
+def test_stream_with_malformed_and_failing_items() -> None:
+    def flaky(prompt: str, completion: str, reference: str) -> bool:
+        if prompt == "boom":
+            raise RuntimeError("verifier bug")
+        return True
+
+    with RewardServer(_config(), verifier=flaky) as s:
+        items = [Req(id="1", prompt="boom", reference="r"), Req(id="", reference="r"), Req(id="3", reference="r")]
+        out = {r.id: r for r in _stub(s).ScoreStream(iter(items), timeout=10)}
+        assert not out["1"].ok and "RuntimeError: verifier bug" in out["1"].error
+        assert not out[""].ok and "no id" in out[""].error
+        assert out["3"].ok and out["3"].correct
+        assert 'reason="verifier_error"} 1.0' in s.metrics.render().decode()
+
+
+# ---- the client -------------------------------------------------------------------------------
+
+
+def test_client_submit_and_stream(server: RewardServer) -> None:
+    with RewardClient(server.address, concurrency=4, timeout_s=10, retries=1) as client:
+        futures = [client.submit(Req(id=f"s{i}", completion=f"answer: {i}", reference="3")) for i in range(8)]
+        results = [f.result(timeout=10) for f in futures]
+        assert [r.correct for r in results] == [i == 3 for i in range(8)]
+
+        def produce() -> Iterator[reward_pb2.ScoreRequest]:
+            for i in range(20):
+                if i % 5 == 0:
+                    time.sleep(0.05)  # completions finish over time
+                yield Req(id=f"t{i}", completion=f"answer: {i % 4}", reference="1")
+
+        got = {r.id: r.correct for r in client.score_stream(produce())}
+        assert got == {f"t{i}": i % 4 == 1 for i in range(20)}
+
+
+def test_client_raises_unavailable_after_retries() -> None:
+    with RewardClient("127.0.0.1:1", timeout_s=2, retries=2, backoff_s=0.01) as client:
+        start = time.monotonic()
+        with pytest.raises(RewardUnavailableError, match=r"127.0.0.1:1 unavailable .* after 3 attempts"):
+            client.submit(Req(id="a", reference="1")).result(timeout=20)
+        with pytest.raises(RewardUnavailableError, match="ScoreStream"):
+            list(client.score_stream(iter([Req(id="a", reference="1")])))
+        assert time.monotonic() - start < 15
+
+
+def test_client_stream_stall_times_out() -> None:
+    release = threading.Event()
+
+    def stuck(prompt: str, completion: str, reference: str) -> bool:
+        return release.wait(10)
+
+    with RewardServer(_config(), verifier=stuck) as s:
+        try:
+            with RewardClient(s.address, timeout_s=0.3, retries=1, backoff_s=0.01) as client:
+                start = time.monotonic()
+                with pytest.raises(RewardUnavailableError, match="DEADLINE_EXCEEDED"):
+                    list(client.score_stream(iter([Req(id="a", reference="1")])))
+                assert time.monotonic() - start < 5
+        finally:
+            release.set()
+
+
+def test_client_stream_survives_a_server_restart() -> None:
+    gate = threading.Event()
+
+    def gated(prompt: str, completion: str, reference: str) -> bool:
+        if prompt == "wait":
+            gate.wait(5)
+        return True
+
+    first = RewardServer(_config(), verifier=gated).start()
+    port = first.port
+    second: RewardServer | None = None
+    items_sent = threading.Event()
+
+    def produce() -> Iterator[reward_pb2.ScoreRequest]:
+        yield Req(id="quick", reference="1")
+        yield Req(id="held", prompt="wait", reference="1")
+        items_sent.set()
+
+    with RewardClient(f"127.0.0.1:{port}", timeout_s=10, retries=5, backoff_s=0.2) as client:
+        stream = client.score_stream(produce())
+        assert next(stream).id == "quick"
+        assert items_sent.wait(5)
+        first.stop(0)  # the held item is never answered by this server
+        gate.set()
+        second = RewardServer(_config(port=port)).start()
+        try:
+            rest = list(stream)
+        finally:
+            second.stop(0)
+    assert [r.id for r in rest] == ["held"] and rest[0].ok
+
+
+def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    env = dict(os.environ, TLT_REWARD__WORKERS="2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tlt.cli", "--log-json", "reward", "serve", "--port", "0", "--ready-file", str(ready)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "server not ready in 60 s"
+            time.sleep(0.1)
+        info = json.loads(ready.read_text())
+        assert info["pid"] == proc.pid
+        with RewardClient(f"127.0.0.1:{info['port']}", timeout_s=10) as client:
+            assert client.score([Req(id="a", completion="answer: 5", reference="5")])[0].reward == 1.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        log = proc.stderr.read().decode() if proc.stderr else ""
+        events = [json.loads(line)["event"] for line in log.splitlines() if line.startswith("{")]
+        assert "reward_serving" in events and "reward_stopping" in events and "reward_stopped" in events
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_rejects_bad_config() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tlt.cli", "reward", "serve", "--kind", "poetry", "--port", "0"],
+        capture_output=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert b"unknown reward kind 'poetry'" in proc.stderr
