@@ -1,0 +1,79 @@
+"""SpecConfig: when and how the native engine speculates (nested in the rollout config as [rollout.spec]).
+
+    mode      off: plain decoding only; static: one fixed arm whenever the batch is small;
+              adaptive: the BEG bandit picks the arm per batch-size bucket (TLT).
+    threshold SD runs only while the running batch <= threshold, switched on after
+              `hysteresis_steps` consecutive decode steps at or below it and off at once above it.
+    drafter   learned: the EAGLE drafter in `drafter_path`; ngram: model-free suffix matching over the
+              request's own context and its sibling samples (no training needed, useful at step 0).
+
+Everything here is lossless: no setting trades exactness for speed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tlt.services.common.config import ServiceConfig
+from tlt.services.rollout.spec.bandit import DEFAULT_BUCKET_ARMS, DEFAULT_THRESHOLDS
+from tlt.services.rollout.spec.tree import Arm
+
+
+class SpecConfig(ServiceConfig):
+    """Speculative decoding of the native engine."""
+
+    mode: Literal["off", "static", "adaptive"] = Field(
+        "adaptive", description="off | static (always `static_arm` when the batch is small) | adaptive (bandit per bucket)"
+    )
+    threshold: int = Field(32, ge=1, description="speculate only while the running batch size is <= this")
+    hysteresis_steps: int = Field(
+        10, ge=1, description="consecutive decode steps at/below the threshold before SD switches on (off is immediate)"
+    )
+    bucket_thresholds: tuple[int, ...] = Field(
+        DEFAULT_THRESHOLDS, description="ascending batch sizes where bandit buckets start (1,2,5,21 -> 1, 2-4, 5-20, >=21)"
+    )
+    bucket_arms: tuple[tuple[str, ...], ...] = Field(
+        DEFAULT_BUCKET_ARMS, description="one list of arms steps_topk_drafttokens per bucket, larger trees for smaller batches"
+    )
+    static_arm: str = Field("8_4_16", description="the arm used in static mode")
+    epsilon: float = Field(0.1, ge=0.0, le=1.0, description="bandit exploration probability")
+    window: int = Field(300, ge=1, description="bandit sliding window of rewards per arm (median over it)")
+    verify_token_budget: int = Field(
+        2048, ge=0, description="skip arms whose draft_tokens x batch exceeds this (0 = no limit)"
+    )
+    drafter: Literal["learned", "ngram"] = Field("ngram", description="learned EAGLE drafter, or model-free n-gram matching")
+    drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")
+    ngram_max: int = Field(4, ge=1, description="longest context suffix the n-gram drafter matches")
+    ngram_min: int = Field(1, ge=1, description="shortest context suffix the n-gram drafter matches")
+    seed: int = Field(0, description="bandit RNG seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpecConfig:
+        problems = []
+        arms = [*(a for bucket in self.bucket_arms for a in bucket), self.static_arm]
+        for a in arms:
+            try:
+                Arm.parse(a)
+            except ValueError as e:
+                problems.append(str(e))
+        if len(self.bucket_arms) != len(self.bucket_thresholds):
+            problems.append(
+                f"bucket_arms has {len(self.bucket_arms)} lists but bucket_thresholds has {len(self.bucket_thresholds)} "
+                "entries; give one arm list per bucket"
+            )
+        if list(self.bucket_thresholds) != sorted(set(self.bucket_thresholds)) or min(self.bucket_thresholds, default=0) < 1:
+            problems.append(f"bucket_thresholds must be strictly increasing and >= 1, e.g. [1, 2, 5, 21]; got {list(self.bucket_thresholds)}")
+        if any(not bucket for bucket in self.bucket_arms):
+            problems.append("every bucket needs at least one arm, e.g. [\"8_4_16\"]")
+        if self.drafter == "learned" and self.mode != "off" and not self.drafter_path:
+            problems.append("drafter = 'learned' needs drafter_path (a folder written by `tlt drafter warmup`), or set drafter = 'ngram'")
+        if self.ngram_min > self.ngram_max:
+            problems.append(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def arms(self) -> tuple[tuple[Arm, ...], ...]:
+        return tuple(tuple(Arm.parse(a) for a in bucket) for bucket in self.bucket_arms)

@@ -1,0 +1,112 @@
+"""Model-free drafter: propose continuations by matching the context's suffix against text already seen.
+
+RL samples every prompt n times (a GRPO group), and sibling samples share long stretches (the
+problem restated, the same derivation steps), as does a long response with itself. So before the
+learned drafter is any good, suffix matching over the request's own tokens and its siblings' gives
+useful drafts for free.
+
+    NgramIndex (one per group):  n-gram (min_n..max_n) -> positions where it ended, per sibling;
+                                 updated as siblings emit tokens (`extend`).
+    propose(sibling, arm)     :  for n = max_n .. min_n, take occurrences of the context's last n tokens
+                                 (most recent first, own sequence before siblings), read the tokens that
+                                 followed each, and merge up to `arm.topk` distinct continuations of up to
+                                 `arm.steps` tokens into a trie: a chain, or a small tree.
+
+The result is a `DraftTree` (B = 1, node 0 = the context's last token) with at most
+`arm.draft_tokens` nodes; `pad_trees` batches trees of different sizes for acceptance.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from tlt.services.rollout.spec.tree import Arm, DraftTree
+
+
+class NgramIndex:
+    """Token sequences of one group (sibling id -> tokens) and where each n-gram ended in them."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.seqs: dict[int, list[int]] = {}
+        self._where: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
+
+    def extend(self, sibling: int, tokens: Sequence[int]) -> None:
+        """Append tokens to a sibling's sequence (the prompt first, then emitted tokens)."""
+        seq = self.seqs.setdefault(sibling, [])
+        for tok in tokens:
+            seq.append(int(tok))
+            end = len(seq) - 1
+            for n in range(self.min_n, min(self.max_n, len(seq)) + 1):
+                self._where[tuple(seq[end - n + 1 :])].append((sibling, end))
+
+    def continuations(self, sibling: int, length: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct continuations (each <= length tokens) of the sibling's current suffix."""
+        ctx = self.seqs.get(sibling, [])
+        out: list[list[int]] = []
+        seen_first: set[int] = set()
+        for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
+            hits = self._where.get(tuple(ctx[-n:]), [])
+            # own sequence first, then siblings; most recent first within each
+            ordered = [h for h in reversed(hits) if h[0] == sibling] + [h for h in reversed(hits) if h[0] != sibling]
+            for sid, end in ordered:
+                if sid == sibling and end == len(ctx) - 1:
+                    continue  # the suffix itself
+                cont = self.seqs[sid][end + 1 : end + 1 + length]
+                if not cont or cont[0] in seen_first:
+                    continue
+                seen_first.add(cont[0])
+                out.append(cont)
+                if len(out) >= limit:
+                    return out
+        return out
+
+    def propose(self, sibling: int, arm: Arm) -> DraftTree:
+        """A draft tree rooted at the sibling's last token, merged from its best continuations."""
+        ctx = self.seqs.get(sibling)
+        if not ctx:
+            raise ValueError(f"sibling {sibling} has no tokens yet")
+        conts = self.continuations(sibling, arm.steps, arm.topk)
+        return trie_tree(ctx[-1], conts, arm.draft_tokens)
+
+
+def trie_tree(root: int, continuations: Sequence[Sequence[int]], max_nodes: int) -> DraftTree:
+    """Merge token lists into a trie below `root` (in priority order, stopping at max_nodes nodes)."""
+    tokens, parents, depth = [root], [-1], [0]
+    child: dict[tuple[int, int], int] = {}
+    for cont in continuations:
+        node = 0
+        for tok in cont:
+            nxt = child.get((node, tok))
+            if nxt is None:
+                if len(tokens) >= max_nodes:
+                    break
+                nxt = len(tokens)
+                child[(node, tok)] = nxt
+                tokens.append(int(tok))
+                parents.append(node)
+                depth.append(depth[node] + 1)
+            node = nxt
+    t = torch.tensor([tokens])
+    return DraftTree(t, torch.tensor([parents]), torch.tensor([depth]), torch.zeros(t.shape, dtype=torch.float32))
+
+
+def pad_trees(trees: Sequence[DraftTree]) -> tuple[DraftTree, torch.Tensor]:
+    """Stack single trees of different sizes into [B, N_max]. Padding nodes hang off the root with token
+    -1, which no target token equals, so acceptance never takes them. Returns (tree, node counts [B])."""
+    n = max(t.num_nodes for t in trees)
+    counts = torch.tensor([t.num_nodes for t in trees])
+
+    def pad(x: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, n - x.shape[1]), value=value)
+
+    tok = torch.cat([pad(t.tokens, -1) for t in trees])
+    par = torch.cat([pad(t.parents, 0) for t in trees])
+    dep = torch.cat([pad(t.depth, 1) for t in trees])
+    sc = torch.cat([pad(t.score, float("-inf")) for t in trees])
+    return DraftTree(tok, par, dep, sc), counts

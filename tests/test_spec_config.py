@@ -1,0 +1,42 @@
+"""SpecConfig validation messages and the SD on/off switch with hysteresis."""
+
+from __future__ import annotations
+
+import pytest
+
+from tlt.services.common.config import ConfigError, load_config
+from tlt.services.rollout.spec.config import SpecConfig
+from tlt.services.rollout.spec.switch import SpecSwitch
+from tlt.services.rollout.spec.tree import Arm
+
+
+def test_defaults_are_valid_and_parse():
+    c = SpecConfig()
+    assert c.mode == "adaptive" and c.threshold == 32 and c.drafter == "ngram"
+    assert c.arms()[0][0] == Arm(8, 4, 48)
+    c = load_config(SpecConfig, "spec", overrides={"threshold": 8, "bucket_thresholds": [1, 4],
+                                                     "bucket_arms": [["8_4_32"], ["4_1_5"]]})
+    assert c.arms() == ((Arm(8, 4, 32),), (Arm(4, 1, 5),))
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"bucket_arms": [["8_4_48"]]}, "one arm list per bucket"),
+    ({"static_arm": "8_4"}, "steps_topk_drafttokens"),
+    ({"static_arm": "2_1_9"}, "exceeds"),
+    ({"bucket_thresholds": [1, 1, 5, 21]}, "strictly increasing"),
+    ({"drafter": "learned"}, "drafter_path"),
+    ({"ngram_min": 5}, "ngram_min"),
+    ({"mode": "sometimes"}, "mode"),
+])
+def test_bad_values_say_how_to_fix(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(SpecConfig, "spec", overrides=overrides)
+
+
+def test_switch_hysteresis():
+    sw = SpecSwitch(threshold=4, hysteresis_steps=3)
+    seq = [8, 4, 3, 2, 2, 5, 1, 1, 1, 1]
+    got = [sw.update(b) for b in seq]
+    # on after 3 consecutive steps <= 4 (steps 2..4), off at once at 5, on again after 3 more
+    assert got == [False, False, False, True, True, False, False, False, True, True]
+    assert sw.switches == 3

@@ -1,0 +1,61 @@
+"""The model-free n-gram drafter on hand-built contexts: own-context and sibling matches, longest
+suffix first, tries from several matches, padding for batched acceptance."""
+
+from __future__ import annotations
+
+import torch
+
+from tlt.services.rollout.spec.accept import tree_accept
+from tlt.services.rollout.spec.ngram import NgramIndex, pad_trees, trie_tree
+from tlt.services.rollout.spec.tree import Arm
+
+
+def test_own_context_repetition_gives_a_chain():
+    idx = NgramIndex(1, 3)
+    idx.extend(0, [5, 1, 2, 3, 4, 9, 1, 2])
+    tree = idx.propose(0, Arm(3, 1, 4))
+    # suffix (1, 2) occurred before, followed by 3 4 9
+    assert tree.tokens.tolist() == [[2, 3, 4, 9]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2]]
+    assert tree.depth.tolist() == [[0, 1, 2, 3]]
+
+
+def test_longest_suffix_wins_and_siblings_are_used():
+    idx = NgramIndex(1, 3)
+    idx.extend(0, [7, 8, 1, 2, 6, 6])  # prompt + sibling 0's output: "1 2" -> 6
+    idx.extend(1, [7, 8, 4, 1, 2])  # sibling 1: "4 1 2" never seen, "1 2" seen in sibling 0
+    assert idx.continuations(1, 2, 1) == [[6, 6]]
+    idx.extend(0, [4, 1, 2, 5])  # now "4 1 2" -> 5 exists in sibling 0: the longer match comes first
+    assert idx.continuations(1, 2, 2) == [[5], [6, 6]]
+    tree = idx.propose(1, Arm(2, 2, 8))
+    assert tree.tokens.tolist() == [[2, 5, 6, 6]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 2]]
+    assert tree.children(0) == [[1, 2], [], [3], []]
+
+
+def test_no_match_gives_a_root_only_tree():
+    idx = NgramIndex(2, 3)
+    idx.extend(0, [1, 2, 3, 4])
+    tree = idx.propose(0, Arm(4, 2, 8))
+    assert tree.tokens.tolist() == [[4]] and tree.parents.tolist() == [[-1]]
+
+
+def test_trie_merges_shared_prefixes_and_respects_the_node_budget():
+    tree = trie_tree(9, [[1, 2, 3], [1, 2, 4], [5]], max_nodes=10)
+    assert tree.tokens.tolist() == [[9, 1, 2, 3, 4, 5]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2, 2, 0]]
+    small = trie_tree(9, [[1, 2, 3], [5, 6]], max_nodes=3)
+    assert small.tokens.tolist() == [[9, 1, 2]]
+
+
+def test_padded_trees_never_accept_padding():
+    a = trie_tree(9, [[1, 2]], 8)
+    b = trie_tree(4, [[3], [7]], 8)
+    c = trie_tree(4, [], 8)
+    tree, counts = pad_trees([a, b, c])
+    assert counts.tolist() == [3, 3, 1]
+    assert tree.tokens.tolist() == [[9, 1, 2], [4, 3, 7], [4, -1, -1]]
+    assert tree.parents.tolist() == [[-1, 0, 1], [-1, 0, 0], [-1, 0, 0]]
+    targets = torch.tensor([[1, 2, 8], [7, 0, 0], [0, 0, 0]])
+    res = tree_accept(tree.tokens, tree.parents, targets)
+    assert [res.emitted(i) for i in range(3)] == [[1, 2, 8], [7, 0], [0]]
