@@ -1,0 +1,140 @@
+"""Malformed and invalid requests: each gets a 4xx in the OpenAI error format with a clear message,
+and the server keeps serving (a valid request succeeds after all of them).
+
+Real parts: the rollout server on 127.0.0.1 (uvicorn + grpc.aio), one replica process
+with the native engine on a tiny random checkpoint (context 256 tokens), httpx and grpc
+clients. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+
+from rollout_helpers import ServerThread, tiny_checkpoint
+from tlt.services.rollout.client import RolloutClient
+from tlt.v1 import rollout_pb2
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = tiny_checkpoint(tmp_path_factory.mktemp("rollout_invalid_model"))
+    with ServerThread(model, replicas=1, max_n=16, max_request_bytes=64 * 1024) as s:
+        yield s
+
+
+def ok_completion(model: str, **kw):
+    return {"model": model, "prompt": "1+2=", "max_tokens": 4, **kw}
+
+
+def ok_chat(model: str, **kw):
+    return {"model": model, "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 4, **kw}
+
+
+M = "{model}"  # replaced with the served model name
+# (name, path, body (dict, or raw bytes), expected status, words the message must contain)
+CASES = [
+    ("bad_json", "completions", b'{"model": "x", "prompt": ', 400, "not valid JSON"),
+    ("not_an_object", "completions", b"[1, 2, 3]", 400, "JSON object"),
+    ("unknown_model", "completions", {"model": "gpt-17", "prompt": "hi"}, 404, "does not exist"),
+    ("missing_prompt", "completions", {"model": M}, 400, "missing required parameter 'prompt'"),
+    ("missing_model", "completions", {"prompt": "hi"}, 400, "missing required parameter 'model'"),
+    ("missing_messages", "chat/completions", {"model": M}, 400, "missing required parameter 'messages'"),
+    ("negative_temperature", "completions", ok_completion(M, temperature=-0.5), 400, "temperature"),
+    ("nan_temperature", "completions", b'{"model": "{model}", "prompt": "a", "temperature": NaN}', 400, "temperature"),
+    ("inf_top_p", "completions", b'{"model": "{model}", "prompt": "a", "top_p": Infinity}', 400, "top_p"),
+    ("top_p_zero", "completions", ok_completion(M, top_p=0.0), 400, "top_p"),
+    ("top_p_above_one", "completions", ok_completion(M, top_p=1.5), 400, "top_p"),
+    ("min_p_above_one", "completions", ok_completion(M, min_p=2.0), 400, "min_p"),
+    ("max_tokens_zero", "completions", ok_completion(M, max_tokens=0), 400, "max_tokens"),
+    ("max_tokens_negative", "completions", ok_completion(M, max_tokens=-3), 400, "max_tokens"),
+    ("max_tokens_beyond_context", "completions", ok_completion(M, max_tokens=CTX), 400, "context length"),
+    ("prompt_longer_than_context", "completions", ok_completion(M, prompt=list(range(10, 10 + CTX))), 400,
+     "context length"),
+    ("empty_prompt", "completions", ok_completion(M, prompt=""), 400, "empty"),
+    ("empty_prompt_list", "completions", ok_completion(M, prompt=[]), 400, "empty"),
+    ("token_id_out_of_vocab", "completions", ok_completion(M, prompt=[1, 2, 10**9]), 400, "vocabulary"),
+    ("huge_n", "completions", ok_completion(M, n=100000), 400, "n=100000"),
+    ("n_zero", "completions", ok_completion(M, n=0), 400, "n"),
+    ("temperature_string", "completions", ok_completion(M, temperature="hot"), 400, "temperature"),
+    ("max_tokens_float", "completions", ok_completion(M, max_tokens=3.5), 400, "max_tokens"),
+    ("stream_string", "completions", ok_completion(M, stream="yes"), 400, "stream"),
+    ("prompt_dict", "completions", ok_completion(M, prompt={"text": "hi"}), 400, "prompt"),
+    ("logprobs_too_large", "completions", ok_completion(M, logprobs=50), 400, "logprobs"),
+    ("top_logprobs_too_large", "chat/completions", ok_chat(M, logprobs=True, top_logprobs=50), 400, "logprobs"),
+    ("top_logprobs_without_logprobs", "chat/completions", ok_chat(M, top_logprobs=2), 400, "logprobs: true"),
+    ("stop_wrong_type", "completions", ok_completion(M, stop=5), 400, "stop"),
+    ("stop_empty_string", "completions", ok_completion(M, stop=[""]), 400, "stop"),
+    ("too_many_stops", "completions", ok_completion(M, stop=[str(i) for i in range(20)]), 400, "stop"),
+    ("unknown_parameter", "completions", ok_completion(M, temprature=0.5), 400, "unknown parameter 'temprature'"),
+    ("unsupported_penalty", "completions", ok_completion(M, presence_penalty=1.0), 400, "not supported"),
+    ("unsupported_logit_bias", "completions", ok_completion(M, logit_bias={"5": 3.0}), 400, "not supported"),
+    ("bad_role", "chat/completions", {"model": M, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("empty_messages", "chat/completions", {"model": M, "messages": []}, 400, "messages"),
+    ("message_content_number", "chat/completions", {"model": M, "messages": [{"role": "user", "content": 7}]}, 400,
+     "content"),
+    ("both_max_tokens", "chat/completions", ok_chat(M, max_completion_tokens=3), 400, "not both"),
+    ("body_too_large", "completions", ok_completion(M, prompt="x" * 100_000), 413, "over the limit"),
+]
+
+
+def _send(server, path: str, body):
+    url = f"{server.base_url}/{path}"
+    if isinstance(body, bytes):
+        raw = body.replace(b"{model}", server.model_name.encode())
+    else:
+        raw = json.dumps(body).replace("{model}", server.model_name).encode()
+    return httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=30)
+
+
+@pytest.mark.parametrize("name,path,body,status,words", CASES, ids=[c[0] for c in CASES])
+def test_invalid_http_request(server, name, path, body, status, words):
+    r = _send(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err["message"]
+    assert err["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_unknown_route_and_method(server):
+    root = server.base_url.removesuffix("/v1")
+    r = httpx.get(f"{root}/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{server.base_url}/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_invalid_grpc_requests(server):
+    client = RolloutClient(server.grpc_address, timeout_s=30)
+    bad = [
+        (["1+2="], 0, rollout_pb2.SamplingParams(temperature=-1.0), "temperature"),
+        (["1+2="], 1000, rollout_pb2.SamplingParams(max_tokens=4), "n must be"),
+        ([""], 1, rollout_pb2.SamplingParams(max_tokens=4), "empty"),
+        (["1+2="], 1, rollout_pb2.SamplingParams(max_tokens=CTX), "context length"),
+        ([list(range(10, 10 + CTX))], 1, rollout_pb2.SamplingParams(max_tokens=1), "context length"),
+        ([], 1, rollout_pb2.SamplingParams(max_tokens=4), "no prompts"),
+        (["1"], 1, rollout_pb2.SamplingParams(max_tokens=-2), "max_tokens"),
+    ]
+    for prompts, n, params, words in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.batch_generate(prompts, n=n, params=params))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in e.value.details()
+    client.close()
+
+
+def test_server_still_serves_after_invalid_requests(server):
+    for name, path, body, _, _ in CASES:  # hammer it once more with every bad request
+        _send(server, path, body)
+    r = _send(server, "completions", ok_completion(server.model_name, max_tokens=5, temperature=0))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    r = _send(server, "chat/completions", ok_chat(server.model_name, stream=True))
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert all(s.alive for s in server.call(server.server.pool.snapshot()))
