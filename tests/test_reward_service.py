@@ -133,6 +133,19 @@ def test_score_batch_in_request_order(server: RewardServer) -> None:
     assert "tlt_reward_score_seconds_count 3.0" in text
 
 
+def test_metrics_over_http(server: RewardServer) -> None:
+    import httpx
+
+    _stub(server).Score(reward_pb2.ScoreBatchRequest(items=[Req(id="a", completion="answer: 1", reference="1")]))
+    exporter = server.metrics.serve(0)
+    try:
+        body = httpx.get(f"http://127.0.0.1:{exporter.port}/metrics", timeout=5).text
+    finally:
+        exporter.close()
+    assert 'tlt_reward_scored_total{correct="true"} 1.0' in body
+    assert "tlt_reward_inflight 0.0" in body
+
+
 def test_malformed_items_get_ok_false_and_siblings_still_scored() -> None:
     with RewardServer(_config(max_item_bytes=1000)) as s:
         items = [

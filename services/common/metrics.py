@@ -8,7 +8,9 @@ its HTTP app (`render()` gives the text format) or a standalone exporter
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -45,6 +47,21 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Expose /metrics on its own port (for services without an HTTP app)."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> MetricsExporter:
+        """Expose /metrics on its own port (for services without an HTTP app); port 0 picks a free one."""
+        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsExporter(httpd, thread)
+
+
+class MetricsExporter:
+    """A running /metrics HTTP exporter: `port` is the bound port, `close()` stops it."""
+
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.port: int = httpd.server_address[1]
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

@@ -60,9 +60,11 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
     server = RewardServer(config).start()
+    exporter = None
     try:
         if config.metrics_port:
-            server.metrics.serve(config.metrics_port, host=config.host)
+            exporter = server.metrics.serve(config.metrics_port, host=config.host)
+            log.info("reward_metrics", port=exporter.port)
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(json.dumps({"port": server.port, "pid": os.getpid()}))
@@ -72,4 +74,6 @@ def run(args: argparse.Namespace) -> int:
         log.info("reward_stopping", grace_s=config.grace_s)
     finally:
         server.stop()
+        if exporter is not None:
+            exporter.close()
     return 0
