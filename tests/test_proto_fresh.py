@@ -57,3 +57,13 @@ def test_check_detects_a_leftover_generated_file(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(protogen, "PROTO_DIR", tmp_path / "proto")
     (tmp_path / "tlt" / "v1" / "removed_pb2.py").write_text("# generated from a proto that no longer exists\n")
     assert protogen.stale_files() == ["removed_pb2.py"]
+
+
+def test_check_detects_a_hand_edited_generated_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _copy_tree(tmp_path)
+    monkeypatch.setattr(protogen, "ROOT", tmp_path)
+    monkeypatch.setattr(protogen, "PROTO_DIR", tmp_path / "proto")
+    edited = tmp_path / "tlt" / "v1" / "events_pb2.py"
+    edited.write_text(edited.read_text() + "\n# a hand edit\n")
+    (tmp_path / "tlt" / "v1" / "common_pb2.pyi").unlink()
+    assert protogen.stale_files() == ["common_pb2.pyi", "events_pb2.py"]

@@ -7,10 +7,13 @@ no gRPC server is needed because the format is transport-independent.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tlt.services.common import weights as W
 from tlt.v1 import common_pb2, rollout_pb2
@@ -253,3 +256,40 @@ def test_sweep_removes_files_of_dead_writers() -> None:
     finally:
         W.remove_shm(live)
         W.remove_shm(str(stale))
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
+
+
+@st.composite
+def _state_dicts(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    n = draw(st.integers(1, 5))
+    out = {}
+    for i in range(n):
+        shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=3))
+        dtype = draw(st.sampled_from(_DTYPES))
+        raw = torch.randint(0, 256, (max(1, math.prod(shape)) * dtype.itemsize,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(draw(st.integers(0, 2**31))))
+        out[f"t{i}"] = raw[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(_state_dicts(), st.integers(1, 300))
+def test_any_state_dict_round_trips_bit_exact(tensors: dict[str, torch.Tensor], chunk: int) -> None:
+    out = _roundtrip(tensors, chunk_bytes=chunk)
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape
+        assert torch.equal(_bits(out[name]), _bits(t))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_state_dicts(), st.data())
+def test_any_single_bit_flip_is_rejected(tensors: dict[str, torch.Tensor], data: st.DataObject) -> None:
+    manifest, payload = W.pack_state_dict(tensors, POLICY, 1)
+    if not payload:
+        return
+    i = data.draw(st.integers(0, len(payload) - 1))
+    payload[i] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises(W.WeightValidationError, match="checksum"):
+        W.unpack(manifest, payload)
