@@ -1,0 +1,144 @@
+"""Atomic trainer checkpoints: a kill -9 at any moment resumes with no step lost or repeated.
+
+    <output_dir>/checkpoints/
+        step-00000004/            one complete checkpoint (after 4 finished steps)
+            engine/               DeepSpeed: model, optimizer (ZeRO partitions), LR scheduler
+            trainer_state.pt      steps done, policy version, data position, RNG states
+        latest                    text file naming the newest complete checkpoint
+        .tmp-step-00000006/       a save in progress (ignored, removed on the next save)
+
+A save writes everything into a temporary folder, fsyncs it, renames it to
+its final name (atomic on one file system), then replaces `latest` with a
+write-temp-then-`os.replace`. A crash before the rename leaves only a `.tmp`
+folder; a crash between the rename and the pointer update leaves `latest` on
+the previous checkpoint, which is still complete. Resuming from checkpoint k
+restarts at step k with the same data position, RNG and optimizer state, so
+the steps after k are recomputed exactly as they would have run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tlt.services.common.logging import get_logger
+
+log = get_logger("trainer.checkpoint")
+LATEST = "latest"
+STATE_FILE = "trainer_state.pt"
+ENGINE_TAG = "engine"
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    steps_done: int
+    policy_version: int
+    sampler: dict[str, int]
+    rng: dict[str, Any]
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints of one run under `root`."""
+
+    def __init__(self, root: str | Path, keep: int = 2) -> None:
+        self.root = Path(root)
+        self.keep = max(1, keep)
+
+    @staticmethod
+    def name(steps_done: int) -> str:
+        return f"step-{steps_done:08d}"
+
+    def latest(self) -> Path | None:
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not (path / STATE_FILE).is_file():
+            raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+        return path
+
+    def save(self, policy, sampler, steps_done: int) -> Path:  # noqa: ANN001 - Policy, PromptSampler
+        """Write a complete checkpoint after `steps_done` steps; returns its folder."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / self.name(steps_done)
+        tmp = self.root / f".tmp-{final.name}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        policy.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False)
+        state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng())
+        torch.save(state.__dict__, tmp / STATE_FILE)
+        _fsync_tree(tmp)
+        if final.exists():  # an older run got this far before being resumed from an earlier checkpoint
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        pointer_tmp = self.root / f".{LATEST}.tmp"
+        pointer_tmp.write_text(final.name + "\n")
+        with open(pointer_tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(pointer_tmp, self.root / LATEST)
+        _fsync_dir(self.root)
+        self._prune(final)
+        log.info("checkpoint_saved", path=str(final), steps_done=steps_done, policy_version=policy.version)
+        return final
+
+    def _prune(self, newest: Path) -> None:
+        done = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        for old in done[: -self.keep]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def load(self, policy, sampler, path: Path | None = None) -> TrainerState | None:  # noqa: ANN001
+        """Restore the latest (or given) checkpoint into `policy` and `sampler`; None when there is none."""
+        path = path or self.latest()
+        if path is None:
+            return None
+        load_path, _ = policy.engine.load_checkpoint(str(path), tag=ENGINE_TAG)
+        if load_path is None:
+            raise FileNotFoundError(f"DeepSpeed found no engine state in {path}")
+        raw = torch.load(path / STATE_FILE, weights_only=False)  # our own file: RNG states are not tensors
+        state = TrainerState(**raw)
+        sampler.load_state_dict(state.sampler)
+        restore_rng(state.rng)
+        policy.version = state.policy_version
+        log.info("checkpoint_loaded", path=str(path), steps_done=state.steps_done, policy_version=state.policy_version)
+        return state

@@ -1,0 +1,113 @@
+"""One step's rollout: prompts -> n samples each from the rollout server(s) -> scored completions.
+
+    PromptItem x G --split round-robin--> one BatchGenerate stream per rollout server
+    each Completion, the moment it arrives --> reward batch.submit(...)   (scoring overlaps the tail)
+    all streams done --> reward batch.results() --> ScoredCompletion x (G x n)
+
+Streams are read by one thread per server and funnelled through a queue to
+this thread, which owns the reward batch (so a reward source need not be
+thread-safe). An aborted completion, a failed stream or a missing reward
+fails the step with a message naming the server and the prompt.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from tlt.services.trainer.rewards import RewardSource
+from tlt.services.trainer.types import PromptItem, ScoredCompletion
+from tlt.v1 import rollout_pb2
+
+_FINISH = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length",
+           rollout_pb2.FINISH_REASON_ABORT: "abort"}
+_END = object()
+
+
+class RolloutError(RuntimeError):
+    """The rollout server failed to produce a completion of this step."""
+
+
+@dataclass
+class RolloutResult:
+    samples: list[ScoredCompletion]
+    times: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_tail_s (wait after the last sample)
+
+
+def sampling_params(max_tokens: int, temperature: float, top_p: float) -> rollout_pb2.SamplingParams:
+    # logprobs=0: the chosen token's logprob, kept for the logprob-agreement diagnostic.
+    return rollout_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+
+
+def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out: queue.Queue) -> None:  # noqa: ANN001
+    """Thread body: move one server's completions into `out` (then _END, or the error)."""
+    try:
+        stream = client.batch_generate([p.prompt for p in prompts], n=n, params=params,
+                                       references=[p.answer for p in prompts], batch_id=batch_id)
+        for c in stream:
+            out.put((client, prompts, c))
+        out.put(_END)
+    except grpc.RpcError as e:  # deliberate boundary: handed to the step, which fails with it
+        out.put(RolloutError(f"rollout server {client.address} failed: {e.code()} {e.details()}"))
+
+
+def collect(
+    prompts: Sequence[PromptItem],
+    clients: Sequence,  # RolloutClient
+    rewards: RewardSource,
+    n: int,
+    params: rollout_pb2.SamplingParams,
+    step: int,
+) -> RolloutResult:
+    t0 = time.perf_counter()
+    shards = [(client, list(prompts[j :: len(clients)])) for j, client in enumerate(clients)]
+    shards = [(c, ps) for c, ps in shards if ps]
+    global_index = {id(p): i for i, p in enumerate(prompts)}
+    q: queue.Queue = queue.Queue()
+    threads = [threading.Thread(target=_read, args=(c, ps, n, params, f"step{step}-s{j}", q), daemon=True)
+               for j, (c, ps) in enumerate(shards)]
+    for t in threads:
+        t.start()
+    batch = rewards.begin()
+    pending: dict[str, tuple[int, rollout_pb2.Completion]] = {}
+    left = len(threads)
+    last_arrival = t0
+    while left:
+        item = q.get()
+        if item is _END:
+            left -= 1
+            continue
+        if isinstance(item, Exception):
+            raise item
+        client, shard, c = item
+        if c.finish_reason == rollout_pb2.FINISH_REASON_ABORT or c.error:
+            raise RolloutError(f"rollout server {client.address} aborted prompt {c.prompt_index} sample "
+                               f"{c.sample_index}: {c.error or 'no reason given'}")
+        prompt = shard[c.prompt_index]
+        g = global_index[id(prompt)]
+        key = f"{step}-{g}-{c.sample_index}"
+        if key in pending:
+            raise RolloutError(f"rollout server {client.address} sent prompt {g} sample {c.sample_index} twice")
+        pending[key] = (g, c)
+        batch.submit(key, prompt.prompt, c.text, prompt.answer)
+        last_arrival = time.perf_counter()
+    expected = len(prompts) * n
+    if len(pending) != expected:
+        raise RolloutError(f"rollout returned {len(pending)} completions, expected {expected}")
+    scored = batch.results()
+    t_end = time.perf_counter()
+    samples = []
+    for key, (g, c) in pending.items():
+        r = scored[key]
+        samples.append(ScoredCompletion(
+            prompt_index=g, sample_index=c.sample_index, prompt_ids=tuple(c.prompt_token_ids),
+            response_ids=tuple(c.token_ids), reward=r.reward, correct=r.correct,
+            rollout_logprobs=tuple(c.logprobs) if len(c.logprobs) == len(c.token_ids) else None,
+            policy_version=c.versions.policy, finish_reason=_FINISH.get(c.finish_reason, "stop"), text=c.text,
+        ))
+    return RolloutResult(samples, {"rollout_s": last_arrival - t0, "reward_tail_s": t_end - last_arrival})

@@ -1,0 +1,41 @@
+"""`tlt train`: run the GRPO trainer against running rollout (and reward) services.
+
+    tlt rollout serve --model artifacts/tiny --grpc-port 50051 &
+    tlt train --config cpu-tiny --set steps=10 --set output_dir=runs/demo
+
+Config: the [trainer] section of the preset or TOML file given with --config
+(default cpu-tiny), then TLT_TRAINER__* environment variables, then
+`--set field=value`. Writes output_dir/metrics.jsonl (one line per step),
+output_dir/checkpoints/ (resumed automatically) and output_dir/policy (the
+trained model as a Hugging Face folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="cpu-tiny", help="preset name or path to a .toml file ([trainer] section)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a [trainer] field; repeatable")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from tlt.services.common.config import cli_overrides, load_config
+    from tlt.services.common.logging import get_logger
+    from tlt.services.trainer.config import TrainerConfig
+
+    cfg = load_config(TrainerConfig, "trainer", args.config, cli_overrides(args.overrides))
+    if args.print_config:
+        print(json.dumps(cfg.model_dump(), indent=2))
+        return 0
+    from tlt.services.trainer.loop import train
+
+    summary = train(cfg)
+    get_logger("trainer").info("train_done", steps=summary.steps_done, policy_version=summary.policy_version,
+                               resumed_from=summary.resumed_from, output_dir=summary.output_dir)
+    return 0
