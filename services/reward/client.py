@@ -11,12 +11,13 @@ Threads, not asyncio: `submit` returns a `concurrent.futures.Future` (an
 asyncio caller wraps it with `asyncio.wrap_future`). At most `concurrency`
 calls are in flight; more submissions wait in the client's queue, never in
 the caller. Each call has a `timeout_s` deadline; a transport failure
-(UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED) is retried up to
-`retries` times with exponential backoff, then raises `RewardUnavailableError`
-naming the address and the last error. Other gRPC errors (INVALID_ARGUMENT,
-RESOURCE_EXHAUSTED for a message over the size limit, ...) are not retried and
-raise `RewardCallError`. A stream that
-breaks is reopened and only the unanswered items are sent again.
+(UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED) is retried up to `retries` times
+with exponential backoff (so the worst case is about (retries + 1) x
+timeout_s), then raises `RewardUnavailableError` naming the address and the
+last error. Other gRPC errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a
+message over the size limit, ...) are not retried and raise `RewardCallError`.
+A stream that breaks or stalls is reopened and the unanswered items are sent
+again; answers that arrive twice are dropped.
 """
 
 from __future__ import annotations
@@ -125,14 +126,15 @@ class RewardClient:
             responses: queue.Queue[object] = queue.Queue()
             reader = threading.Thread(target=_drain, args=(call, responses), daemon=True)
             reader.start()
+            error: grpc.RpcError | None = None
+            stalled = False
             try:
-                error = None
                 while True:
                     try:
                         out = responses.get(timeout=0.1)
                     except queue.Empty:
                         if stream.stalled(self.timeout_s):
-                            error = _Stalled(self.timeout_s)
+                            stalled = True
                             break
                         continue
                     if out is _END:
@@ -146,10 +148,15 @@ class RewardClient:
             finally:
                 call.cancel()
             stream.raise_source_error()
-            if error is None and stream.finished():
+            if error is None and not stalled and stream.finished():
                 return
-            code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNAVAILABLE
-            detail = _details(error) if error is not None else "stream closed with items unanswered"
+            if stalled:
+                code, detail = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s}s"
+            elif error is not None:
+                code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+                detail = _details(error)
+            else:
+                code, detail = grpc.StatusCode.UNAVAILABLE, "stream closed with items unanswered"
             if code not in RETRYABLE:
                 raise RewardCallError(f"reward server {self.address} refused ScoreStream: {code} {detail}") from error
             failures += 1
@@ -218,6 +225,8 @@ class _StreamState:
     def feed(self) -> Iterator[ScoreRequest]:
         """One attempt's request stream: every unanswered item, then new ones as they are read."""
         with self._lock:
+            now = time.monotonic()  # a resent item gets a fresh `timeout_s`
+            self._unanswered = {k: (item, now) for k, (item, _) in self._unanswered.items()}
             resend = [item for item, _ in self._unanswered.values()]
         yield from resend
         while True:
@@ -252,34 +261,3 @@ class _StreamState:
     def raise_source_error(self) -> None:
         if self._source_error:
             raise self._source_error[0]
-
-
-class _Stalled(grpc.RpcError, grpc.Call):  # type: ignore[misc]
-    """No response within the timeout: treated like a DEADLINE_EXCEEDED from the server."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._msg = f"no response within {timeout_s}s"
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self) -> str:
-        return self._msg
-
-    def initial_metadata(self):  # noqa: ANN201
-        return None
-
-    def trailing_metadata(self):  # noqa: ANN201
-        return None
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self):  # noqa: ANN201
-        return None
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback) -> bool:  # noqa: ANN001
-        return False
