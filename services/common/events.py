@@ -7,9 +7,12 @@ Capacity: `publish(event)` sends a replica's state change at once; a
 background thread re-publishes every replica's current state about once a
 second with `heartbeat=true`, and answers `SnapshotRequest`s on the REP socket
 with the state of every replica, so a late subscriber knows everything at
-once. Sequence numbers are per replica and advance on every state change only
-(a heartbeat repeats the last one); they start at the publisher's start time
-in microseconds, so a restarted publisher continues above its old numbers.
+once. (A change published while a new subscription is still reaching the
+publisher can be missed; the next heartbeat repairs it, so a subscriber is
+never more than one heartbeat period out of date.) Sequence numbers are per
+replica and advance on state changes only (a heartbeat repeats the last one);
+they start at the publisher's start time in microseconds, so a restarted
+publisher continues above its old numbers.
 
 Features: the pusher uses a small send high-water mark and non-blocking sends;
 when the drafter is slow or absent the batch is dropped and counted (the next
