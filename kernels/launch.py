@@ -10,13 +10,17 @@ Every kernel module in `tlt.kernels` exposes one dispatch function (e.g.
 
 Why lazy jitting: `triton.jit` decides at *decoration* time whether it builds
 a compiled `JITFunction` or an interpreter `InterpretedFunction`, by reading
-`TRITON_INTERPRET`. Decorating at import would freeze that choice at whatever
-the environment was when the module was first imported (test ordering would
-then decide whether a parity test runs the interpreter). `LazyKernel` instead
-keeps the plain Python kernel function and decorates it on first launch, once
-per interpreter setting, so the environment at call time is what counts.
-Kernels therefore must not call other jitted helpers (a plain helper would not
-be a JITFunction in the compiled path): each kernel body is self-contained.
+`TRITON_INTERPRET`. `LazyKernel` keeps the plain Python kernel function and
+decorates it on first launch, once per setting, so our modules never freeze
+the choice at import. Kernels must not call other jitted helpers of their own
+(a plain helper would not be a JITFunction in the compiled path): each kernel
+body is self-contained.
+
+The interpreter has one more condition we cannot lift: Triton's own library
+functions (`tl.sum`, `tl.max`, `tl.cdiv`, ...) are jitted when
+`triton.language` is first imported, so TRITON_INTERPRET must already be set
+then. `interpreter_ready()` checks both; the CPU parity tests run in a child
+process started with the variable set (tests/test_kernels_interpreter.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,20 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def interpreter_ready() -> bool:
+    """True when kernels can run under Triton's interpreter in this process.
+
+    Needs TRITON_INTERPRET set now and when `triton.language` was first imported
+    (its library functions, e.g. `tl.sum`, were decorated then).
+    """
+    if not interpreter_enabled():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
 def use_triton(x: torch.Tensor, impl: Impl) -> bool:
     """Decide whether a call on tensor `x` runs the Triton kernel (True) or the reference (False)."""
     if impl == "auto":
@@ -43,10 +61,11 @@ def use_triton(x: torch.Tensor, impl: Impl) -> bool:
     if impl == "torch":
         return False
     if impl == "triton":
-        if not x.is_cuda and not interpreter_enabled():
+        if not x.is_cuda and not interpreter_ready():
             raise RuntimeError(
-                "impl='triton' on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                "in the environment, or use impl='auto'/'torch' for the PyTorch reference"
+                "impl='triton' on a CPU tensor needs Triton's interpreter: start the process with "
+                "TRITON_INTERPRET=1 (it must be set before triton is first imported), "
+                "or use impl='auto'/'torch' for the PyTorch reference"
             )
         return True
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
