@@ -92,7 +92,7 @@ class AttentionGroup:
     out_index: torch.Tensor | None  # [n_valid] flat token index of the valid padded rows, None when identity
     valid: torch.Tensor | None  # [G*max_q] bool, which padded rows are real tokens
     kv_index: torch.Tensor  # [G, Lk] slot of each key position
-    mask: torch.Tensor  # [G, 1, max_q, Lk] bool, True = attend
+    mask: torch.Tensor | None  # [G, 1, max_q, Lk] bool, True = attend; None = every key visible
     max_q: int
 
 
@@ -126,6 +126,9 @@ class AttentionMetadata:
                 slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
             slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
         meta = cls(q_lens, context_lens, block_tables, slot_mapping, block_size, tree_masks)
+        if tree_masks is None and all(q == 1 for q in q_lens):
+            meta.groups = [meta._decode_group(device)]
+            return meta
         starts = [0]
         for q in q_lens:
             starts.append(starts[-1] + q)
@@ -135,6 +138,20 @@ class AttentionMetadata:
         meta.groups = [meta._group(ix, starts, device) for ix in (single, multi) if ix]
         return meta
 
+    def _decode_group(self, device) -> AttentionGroup:
+        """Every sequence has one new token and no tree: row b is flat token b, key j visible iff j <= ctx_b."""
+        bs = self.block_size
+        lk = max(self.context_lens) + 1
+        nb = (lk + bs - 1) // bs
+        bt = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in self.block_tables], dtype=torch.int64)
+        kv_index = (bt[:, :, None] * bs + torch.arange(bs)).view(len(self.q_lens), nb * bs)[:, :lk]
+        if len(self.q_lens) == 1:
+            mask = None  # the single row sees exactly its lk keys
+        else:
+            ctx = torch.tensor(self.context_lens, dtype=torch.int64)
+            mask = (torch.arange(lk)[None, :] <= ctx[:, None])[:, None, None, :].to(device)
+        return AttentionGroup(None, None, None, kv_index.to(device), mask, 1)
+
     def _group(self, ix: list[int], starts: list[int], device) -> AttentionGroup:
         g = len(ix)
         bs = self.block_size
@@ -143,10 +160,8 @@ class AttentionMetadata:
         max_q = int(q.max())
         lk = int((q + ctx).max())
         nb = (lk + bs - 1) // bs
-        bt = torch.zeros(g, nb, dtype=torch.int64)
-        for r, i in enumerate(ix):
-            row = self.block_tables[i][:nb]
-            bt[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        rows = [self.block_tables[i][:nb] for i in ix]
+        bt = torch.tensor([r + [0] * (nb - len(r)) for r in rows], dtype=torch.int64)
         kv_index = (bt[:, :, None] * bs + torch.arange(bs)).view(g, nb * bs)[:, :lk]
         j = torch.arange(lk)[None, None, :]
         qi = torch.arange(max_q)[None, :, None]
@@ -187,8 +202,8 @@ class _Layer:
         self.qkv = torch.zeros(cfg.q_size + 2 * cfg.kv_size, h, **e)
         self.qkv_bias = torch.zeros(cfg.q_size + 2 * cfg.kv_size, **e) if cfg.attention_bias else None
         self.o = torch.zeros(h, cfg.q_size, **e)
-        self.q_norm = torch.ones(cfg.head_dim, **e) if cfg.qk_norm else None
-        self.k_norm = torch.ones(cfg.head_dim, **e) if cfg.qk_norm else None
+        # Qwen3 per-head q/k norm weights laid out for the joint [nh + kvh, d] q/k tensor
+        self.qk_norm = torch.ones(cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, **e) if cfg.qk_norm else None
         self.gate_up = torch.zeros(2 * cfg.intermediate_size, h, **e)
         self.down = torch.zeros(h, cfg.intermediate_size, **e)
 
@@ -205,8 +220,12 @@ class Transformer:
         self.layers = [_Layer(cfg, dtype, self.device) for _ in range(cfg.num_layers)]
         cos, sin = rope_table(cfg, max_len or cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(**e), sin.to(**e)
+        half = cfg.head_dim // 2
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        self.k_flat: list[torch.Tensor] = []  # the same caches viewed as [num_blocks * block_size, kvh, d]
+        self.v_flat: list[torch.Tensor] = []
         self.scale = cfg.head_dim**-0.5
 
     # ---- weights
@@ -229,9 +248,9 @@ class Transformer:
                 out[p + "self_attn.q_proj.bias"] = L.qkv_bias[:q]
                 out[p + "self_attn.k_proj.bias"] = L.qkv_bias[q : q + kv]
                 out[p + "self_attn.v_proj.bias"] = L.qkv_bias[q + kv :]
-            if L.q_norm is not None:
-                out[p + "self_attn.q_norm.weight"] = L.q_norm
-                out[p + "self_attn.k_norm.weight"] = L.k_norm
+            if L.qk_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = L.qk_norm[: cfg.num_heads]  # broadcast copy per head
+                out[p + "self_attn.k_norm.weight"] = L.qk_norm[cfg.num_heads :]
             out[p + "mlp.gate_proj.weight"] = L.gate_up[:inter]
             out[p + "mlp.up_proj.weight"] = L.gate_up[inter:]
             out[p + "mlp.down_proj.weight"] = L.down
@@ -246,13 +265,16 @@ class Transformer:
                 targets[name].copy_(t)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self._targets())
+        """HF name -> tensor in HF shape (q/k norm weights are stored once per head here)."""
+        return {k: v[0] if k.endswith(("q_norm.weight", "k_norm.weight")) else v for k, v in self._targets().items()}
 
     # ---- KV cache
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k_flat = [c.view(-1, shape[2], shape[3]) for c in self.k_caches]
+        self.v_flat = [c.view(-1, shape[2], shape[3]) for c in self.v_caches]
 
     @torch.inference_mode()
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -263,34 +285,39 @@ class Transformer:
             flat[dst_slots] = flat[src_slots]
 
     # ---- forward
+    def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        if self.dtype == torch.float32:  # one fused op; same maths as rms_norm in fp32
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        return rms_norm(x, w if w is not None else torch.ones((), dtype=x.dtype), self.cfg.rms_norm_eps)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size, inter, eps = cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.rms_norm_eps
-        cos, sin = self.cos[positions], self.sin[positions]
+        qk_size, inter = cfg.q_size + cfg.kv_size, cfg.intermediate_size
+        half = d // 2
+        # q and k are adjacent in qkv: normalise and rotate them as one [T, nh+kvh, d] tensor.
+        # rotate_half(x) * sin == roll(x, d/2) * sin_signed with sin_signed = (-sin_1, sin_2).
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin_signed[positions][:, None, :]
         x = F.embedding(input_ids, self.embed)
         t = x.shape[0]
         slots = attn.slot_mapping
         for li, L in enumerate(self.layers):
-            h = rms_norm(x, L.ln1, eps)
+            h = self._rms(x, L.ln1)
             qkv = F.linear(h, L.qkv, L.qkv_bias)
-            q = qkv[:, :q_size].view(t, nh, d)
-            k = qkv[:, q_size : q_size + kv_size].view(t, kvh, d)
-            v = qkv[:, q_size + kv_size :].view(t, kvh, d)
-            if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, eps)
-                k = rms_norm(k, L.k_norm, eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            kc, vc = self.k_caches[li].view(-1, kvh, d), self.v_caches[li].view(-1, kvh, d)
-            kc[slots] = k
-            vc[slots] = v
-            o = self._attend(q, kc, vc, attn)
-            x = x + F.linear(o, L.o)
-            h = rms_norm(x, L.ln2, eps)
+            qk = qkv[:, :qk_size].view(t, nh + kvh, d)
+            if L.qk_norm is not None:
+                qk = self._rms(qk, None) * L.qk_norm
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
+            kc, vc = self.k_flat[li], self.v_flat[li]
+            kc[slots] = qk[:, nh:]
+            vc[slots] = qkv[:, qk_size:].view(t, kvh, d)
+            o = self._attend(qk[:, :nh], kc, vc, attn)
+            x = torch.addmm(x, o, L.o.t())
+            h = self._rms(x, L.ln2)
             gu = F.linear(h, L.gate_up)
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L.down)
-        return rms_norm(x, self.norm, eps)
+            x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], L.down.t())
+        return self._rms(x, self.norm)
 
     __call__ = forward
 

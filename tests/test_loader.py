@@ -1,0 +1,134 @@
+"""Checkpoint loader: config normalisation per family and one clear CheckpointError per failure.
+
+Checkpoints are written in the test from randomly initialised `transformers`
+models (no downloads); nothing is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tlt.model.config import ModelConfig
+from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint, validate_tensors
+
+torch.set_num_threads(1)
+
+
+def _save(tmp_path, family="qwen2", tie=False, shards=False):
+    common = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie, eos_token_id=7)
+    cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    if family == "qwen3":
+        common["head_dim"] = 8  # Qwen3 defaults to 128 regardless of hidden size
+    cfg = cls[0](**common)
+    torch.manual_seed(0)
+    model = cls[1](cfg)
+    out = tmp_path / f"{family}-{tie}-{shards}"
+    model.save_pretrained(out, max_shard_size="20KB" if shards else "10GB")
+    return out, model
+
+
+@pytest.mark.parametrize("family,tie,arch,bias,qk", [
+    ("qwen2", False, "Qwen2ForCausalLM", True, False),
+    ("qwen3", True, "Qwen3ForCausalLM", False, True),
+    ("llama", False, "LlamaForCausalLM", False, False),
+])
+def test_loads_each_family(tmp_path, family, tie, arch, bias, qk):
+    path, model = _save(tmp_path, family, tie)
+    cfg, tensors = load_checkpoint(path)
+    assert cfg.architecture == arch and cfg.attention_bias is bias and cfg.qk_norm is qk
+    assert cfg.tie_word_embeddings is tie and cfg.num_kv_heads == 2 and cfg.head_dim == 8
+    assert 7 in cfg.eos_token_ids
+    assert set(tensors) == set(expected_tensors(cfg))
+    ref = model.state_dict()
+    for name, t in tensors.items():
+        assert torch.equal(t, ref[name]), name
+
+
+def test_sharded_checkpoint_and_dtype(tmp_path):
+    path, model = _save(tmp_path, shards=True)
+    assert (path / "model.safetensors.index.json").is_file()
+    cfg, tensors = load_checkpoint(path, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert torch.equal(tensors["lm_head.weight"], model.state_dict()["lm_head.weight"].to(torch.bfloat16))
+
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path / "empty")
+
+
+def test_missing_weights_and_missing_shard(tmp_path):
+    path, _ = _save(tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="has no weights"):
+        load_checkpoint(path)
+    path, _ = _save(tmp_path, shards=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (path / victim).unlink()
+    with pytest.raises(CheckpointError, match=f"shard {victim} named in model.safetensors.index.json is missing"):
+        load_checkpoint(path)
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    path, _ = _save(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["MixtralForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="MixtralForCausalLM.*Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM"):
+        load_checkpoint(path)
+
+
+def test_wrong_shape_and_unknown_and_missing_tensor(tmp_path):
+    path, _ = _save(tmp_path)
+    good = load_file(path / "model.safetensors")
+    bad = dict(good)
+    bad["model.layers.1.mlp.up_proj.weight"] = torch.zeros(47, 32)
+    save_file(bad, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj.weight.*expected shape \(48, 32\), found \(47, 32\)"):
+        load_checkpoint(path)
+    bad = dict(good)
+    bad["model.layers.2.mlp.up_proj.weight"] = torch.zeros(48, 32)
+    save_file(bad, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.2.mlp.up_proj.weight'"):
+        load_checkpoint(path)
+    bad = dict(good)
+    del bad["model.norm.weight"]
+    save_file(bad, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing tensor.*model.norm.weight"):
+        load_checkpoint(path)
+
+
+def test_validate_partial_update_checks_dtype(tmp_path):
+    path, _ = _save(tmp_path)
+    cfg, tensors = load_checkpoint(path)
+    validate_tensors(cfg, {"model.norm.weight": tensors["model.norm.weight"]}, partial=True, dtype=torch.float32)
+    with pytest.raises(CheckpointError, match="expected dtype torch.float32, found torch.bfloat16"):
+        validate_tensors(cfg, {"model.norm.weight": tensors["model.norm.weight"].bfloat16()}, partial=True,
+                         dtype=torch.float32)
+    with pytest.raises(CheckpointError, match="missing"):
+        validate_tensors(cfg, {"model.norm.weight": tensors["model.norm.weight"]})
+
+
+def test_config_from_hf_reads_rope_scaling_and_generation_eos():
+    cfg = transformers.LlamaConfig(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        eos_token_id=[1, 2],
+    ).to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    mc = ModelConfig.from_hf(cfg, {"eos_token_id": 9})
+    assert mc.rope_theta == 5e5 and mc.rope_scaling.rope_type == "llama3" and mc.rope_scaling.factor == 8.0
+    assert mc.eos_token_ids == (1, 2, 9)

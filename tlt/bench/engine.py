@@ -1,0 +1,111 @@
+"""`tlt bench engine`: native engine vs `transformers` generate on the same model, greedy.
+
+For each batch size B: B prompts of `--prompt-len` random task-vocabulary
+tokens (same length, so `generate` needs no padding), `--max-tokens` new
+tokens each, eos ignored on both sides (transformers: no eos id; native:
+ignore_eos) so both produce exactly B x max_tokens tokens. Asserts the
+tokens are identical, then reports tokens/s of both and the ratio. Each
+side runs once untimed first (warm-up) and is timed over `--repeats` runs
+(best). The model is `--model DIR`, else `artifacts/tiny` when it exists,
+else a random checkpoint with the tiny preset's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: artifacts/tiny, else a random tiny-shaped one)")
+    parser.add_argument("--batch-sizes", default="1,8,64", help="comma-separated batch sizes")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per sequence")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per side and batch size (best is kept)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.engine.testing import random_checkpoint
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    model_dir = Path(args.model) if args.model else Path("artifacts/tiny")
+    source = str(model_dir)
+    if not (model_dir / "config.json").is_file():
+        if args.model:
+            print(f"error: {model_dir} is not a checkpoint folder", file=sys.stderr)
+            return 2
+        model_dir = random_checkpoint(Path(tempfile.mkdtemp(prefix="tlt-bench-")) / "model", weight_scale=0.02)
+        source = "random checkpoint, tiny preset shape"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    ctx = args.prompt_len + args.max_tokens
+    engine = LLMEngine(
+        model_dir,
+        EngineConfig(dtype=args.dtype, max_num_seqs=max(sizes), threads=args.threads,
+                     max_num_batched_tokens=max(2048, max(sizes) * args.prompt_len), max_model_len=max(ctx + 1, 256)),
+    )
+    vocab = engine.model_config.vocab_size
+    rows = []
+    for b in sizes:
+        g = torch.Generator().manual_seed(b)
+        prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=g)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+        def native() -> list[list[int]]:
+            reqs = [GenerationRequest(f"b{b}-{i}", tuple(prompts[i].tolist()), params) for i in range(b)]
+            return [c.token_ids for c in engine.generate(reqs)]
+
+        def reference() -> list[list[int]]:
+            with torch.inference_mode():
+                out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.max_tokens,
+                                  do_sample=False)
+            return out[:, args.prompt_len :].tolist()
+
+        t_native, got = _best(native, args.repeats)
+        t_ref, ref = _best(reference, args.repeats)
+        same = got == ref
+        n = b * args.max_tokens
+        rows.append({"batch": b, "native_tok_s": n / t_native, "transformers_tok_s": n / t_ref,
+                     "speedup": t_ref / t_native, "identical": same})
+        if not same:
+            bad = next(i for i in range(b) if got[i] != ref[i])
+            print(f"error: batch {b}: sequence {bad} differs from transformers", file=sys.stderr)
+    result = {"model": source, "threads": args.threads, "dtype": args.dtype, "prompt_len": args.prompt_len,
+              "max_tokens": args.max_tokens, "results": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"model: {source}  dtype {args.dtype}  threads {args.threads}  prompt {args.prompt_len}  new tokens {args.max_tokens}")
+        print(f"{'batch':>6} {'native tok/s':>13} {'transformers tok/s':>19} {'speedup':>8} {'identical':>10}")
+        for r in rows:
+            print(f"{r['batch']:>6} {r['native_tok_s']:>13.1f} {r['transformers_tok_s']:>19.1f} {r['speedup']:>7.2f}x {str(r['identical']):>10}")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _best(fn, repeats: int):
+    import time
+
+    out = fn()  # warm-up
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
