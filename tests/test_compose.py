@@ -1,0 +1,334 @@
+"""docker-compose.yml checked without a Docker engine (none runs on this machine).
+
+1. Schema: the file, raw and after variable interpolation (1gpu defaults and
+   deploy/8gpu.env), validates against the published compose-spec JSON schema
+   vendored in deploy/compose-spec.json (the one shipped in the
+   docker-compose 1.29.2 wheel as compose/config/compose_spec.json), and the
+   validator does reject a misspelt key and a wrong type.
+2. Semantics: every service has a command and a health check; the model is
+   mounted read-only from a required MODEL_PATH; named volumes are declared;
+   GPU reservations follow the placement modes (colocated by default,
+   disaggregated with deploy/8gpu.env); every ${VARIABLE} is documented in
+   docs/DEPLOY.md; each command parses with the real `tlt` CLI parser.
+3. Slow: `docker-compose config -q` from docker-compose 1.29.2 in a throwaway
+   venv (needs the package registry; skipped when it cannot be installed).
+4. Compose equivalence: each server's exact compose command and environment,
+   run as a local process with only the container-specific parts mapped
+   (`1gpu` -> `cpu-tiny`, /models/policy -> a seeded random checkpoint,
+   0.0.0.0 -> 127.0.0.1, container ports -> free loopback ports, service
+   names -> 127.0.0.1), must pass its own compose health check. Services
+   whose command does not exist yet are skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+SCHEMA = ROOT / "deploy" / "compose-spec.json"
+ENV_8GPU = ROOT / "deploy" / "8gpu.env"
+GUIDE = ROOT / "docs" / "DEPLOY.md"
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev dependency (pip install -e '.[dev]')")
+
+# ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}; $$ is a literal $.
+_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)")
+
+
+class MissingVariable(ValueError):
+    pass
+
+
+def interpolate_str(text: str, env: dict[str, str]) -> str:
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group("name") or m.group("bare")
+        op, arg = m.group("op"), m.group("arg")
+        value = env.get(name)
+        unset_or_empty = value is None or (value == "" and op is not None and op.startswith(":"))
+        if op in (":-", "-") and (value is None if op == "-" else unset_or_empty):
+            return arg
+        if op in (":?", "?") and (value is None if op == "?" else unset_or_empty):
+            raise MissingVariable(f"{name}: {arg}")
+        return value or ""
+
+    return _VAR.sub(sub, text)
+
+
+def interpolate(node, env):
+    if isinstance(node, str):
+        return interpolate_str(node, env)
+    if isinstance(node, list):
+        return [interpolate(x, env) for x in node]
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    return node
+
+
+def variables(node) -> set[str]:
+    if isinstance(node, str):
+        return {m.group("name") or m.group("bare") for m in _VAR.finditer(node) if m.group(0) != "$$"}
+    if isinstance(node, list):
+        return set().union(*(variables(x) for x in node)) if node else set()
+    if isinstance(node, dict):
+        return set().union(*(variables(v) for v in node.values())) if node else set()
+    return set()
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            k, _, v = line.partition("=")
+            out[k.strip()] = v.strip()
+    return out
+
+
+@pytest.fixture(scope="module")
+def raw():
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def validator():
+    schema = json.loads(SCHEMA.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def errors(validator, doc) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+BASE_ENV = {"MODEL_PATH": "/srv/models/qwen2.5-7b"}
+
+
+def test_schema_raw_and_interpolated(raw, validator):
+    assert errors(validator, raw) == []
+    assert errors(validator, interpolate(raw, BASE_ENV)) == []
+    assert errors(validator, interpolate(raw, {**BASE_ENV, **read_env_file(ENV_8GPU)})) == []
+
+
+def test_schema_catches_mistakes(raw, validator):
+    typo = copy.deepcopy(raw)
+    typo["services"]["rollout"]["shm_sise"] = "16gb"
+    assert any("shm_sise" in e for e in errors(validator, typo))
+    wrong = copy.deepcopy(raw)
+    wrong["services"]["reward"]["healthcheck"]["retries"] = "many"
+    assert errors(validator, wrong)
+    gpu = copy.deepcopy(raw)
+    gpu["services"]["rollout"]["deploy"]["resources"]["reservations"]["devices"][0]["gpus"] = 1
+    assert errors(validator, gpu)
+
+
+def test_model_path_is_required(raw):
+    with pytest.raises(MissingVariable, match="set MODEL_PATH"):
+        interpolate(raw, {})
+
+
+def test_every_service_has_command_healthcheck_and_volumes(raw):
+    doc = interpolate(raw, BASE_ENV)
+    assert set(doc["services"]) == {"rollout", "reward", "drafter", "trainer"}
+    declared = set(doc.get("volumes") or {})
+    for name, svc in doc["services"].items():
+        assert svc.get("command"), f"{name} has no command"
+        hc = svc.get("healthcheck")
+        assert hc and hc["test"][0] == "CMD" and not hc.get("disable"), f"{name} has no health check"
+        assert hc["test"][1:3] == ["python", "/app/deploy/healthcheck.py"]
+        mounts = svc["volumes"]
+        model = [m for m in mounts if isinstance(m, dict) and m["target"] == "/models/policy"]
+        assert model and model[0]["read_only"] and model[0]["source"] == BASE_ENV["MODEL_PATH"], name
+        for m in mounts:
+            if isinstance(m, str):
+                source = m.split(":")[0]
+                if not source.startswith((".", "/")):
+                    assert source in declared, f"{name} uses undeclared volume {source}"
+        assert svc["shm_size"] == "16gb"
+        assert "TLT_PRESET=1gpu" in svc["environment"]
+
+
+def _gpus(doc, service):
+    devices = doc["services"][service]["deploy"]["resources"]["reservations"]["devices"]
+    (dev,) = devices
+    assert dev["capabilities"] == ["gpu"] and dev["driver"] == "nvidia"
+    return {g for ids in dev["device_ids"] for g in ids.split(",")}
+
+
+def test_gpu_placement_colocated_by_default_and_disaggregated_on_8gpu(raw):
+    one = interpolate(raw, BASE_ENV)
+    assert _gpus(one, "rollout") == _gpus(one, "trainer") == _gpus(one, "drafter") == {"0"}
+    assert "deploy" not in one["services"]["reward"]  # the verifier needs no GPU
+    env8 = read_env_file(ENV_8GPU)
+    eight = interpolate(raw, {**BASE_ENV, **env8})
+    rollout, trainer = _gpus(eight, "rollout"), _gpus(eight, "trainer")
+    assert rollout == {"0", "1", "2", "3", "4", "5"} and trainer == {"6", "7"} and not rollout & trainer
+    assert _gpus(eight, "drafter") <= rollout  # the drafter trains on idle rollout GPUs only
+    assert int(env8["TRAINER_NUM_GPUS"]) == len(trainer)
+    assert variables(raw) >= set(env8), "deploy/8gpu.env sets variables the compose file never reads"
+
+
+def test_openai_port_published_and_health_checks_match_ports(raw):
+    doc = interpolate(raw, BASE_ENV)
+    assert doc["services"]["rollout"]["ports"] == ["8000:8000"]
+    assert "ports" not in doc["services"]["reward"] and "ports" not in doc["services"]["trainer"]
+    cmd = doc["services"]["rollout"]["command"]
+    hc = " ".join(doc["services"]["rollout"]["healthcheck"]["test"])
+    assert f"127.0.0.1:{cmd[cmd.index('--http-port') + 1]}/health" in hc
+    assert f"127.0.0.1:{cmd[cmd.index('--grpc-port') + 1]}" in hc
+    reward = doc["services"]["reward"]["command"]
+    assert f"127.0.0.1:{reward[reward.index('--port') + 1]}" in " ".join(doc["services"]["reward"]["healthcheck"]["test"])
+
+
+def test_every_variable_is_documented(raw):
+    guide = GUIDE.read_text()
+    missing = sorted(v for v in variables(raw) if f"`{v}`" not in guide)
+    assert not missing, f"document these compose variables in docs/DEPLOY.md: {missing}"
+
+
+def tlt_args(command: list[str]) -> list[str]:
+    """The `tlt` arguments of a service command (plain, or under the DeepSpeed launcher)."""
+    if command[0] == "tlt":
+        return command[1:]
+    assert command[0] == "deepspeed" and "--module" in command
+    i = command.index("--module")
+    assert command[i + 1] == "tlt.cli"
+    return command[i + 2 :]
+
+
+@pytest.mark.parametrize("service", ["rollout", "reward", "drafter", "trainer"])
+def test_commands_parse_with_the_real_cli(raw, service):
+    from tlt.cli import COMMANDS, build_parser
+
+    args = tlt_args(interpolate(raw, BASE_ENV)["services"][service]["command"])
+    path = tuple(a for a in args[:2] if not a.startswith("-"))
+    cmd = next((c for c in COMMANDS if c.path == path[: len(c.path)]), None)
+    assert cmd is not None, f"{service}: `tlt {' '.join(path)}` is not a tlt command"
+    try:
+        parser = build_parser((cmd,))
+    except ModuleNotFoundError as e:
+        pytest.skip(f"`tlt {' '.join(cmd.path)}` is not implemented yet ({e})")
+    if len(parser._subparsers._group_actions[0].choices) == 0:
+        pytest.skip(f"`tlt {' '.join(cmd.path)}` is not implemented yet")
+    parsed = parser.parse_args(args)
+    assert parsed._command == cmd
+    preset = getattr(parsed, "preset", None) or getattr(parsed, "config", None)
+    assert preset == "1gpu" and (ROOT / "deploy" / "configs" / "1gpu.toml").exists()
+
+
+# -- 4. compose equivalence: the real commands as local processes -------------------------------
+
+CONTAINER_PORTS = (8000, 50051, 50061, 50071, 9460)
+SERVICE_HOSTS = ("rollout", "reward", "drafter", "trainer")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalMap:
+    """Container names, paths and ports -> this machine's."""
+
+    def __init__(self, model_dir: Path):
+        import sys
+
+        self.bin = Path(sys.executable).parent
+        self.model_dir = str(model_dir)
+        self.ports = {p: _free_port() for p in CONTAINER_PORTS}
+
+    def arg(self, a: str) -> str:
+        if a in ("tlt", "deepspeed", "python"):
+            return str(self.bin / a)
+        if a == "/app/deploy/healthcheck.py":
+            return str(ROOT / "deploy" / "healthcheck.py")
+        if a == "/models/policy":
+            return self.model_dir
+        if a == "1gpu":
+            return "cpu-tiny"
+        if a == "0.0.0.0":
+            return "127.0.0.1"
+        if a.isdigit() and int(a) in self.ports:
+            return str(self.ports[int(a)])
+        for port, local in self.ports.items():
+            for host in ("127.0.0.1", *SERVICE_HOSTS):
+                a = a.replace(f"{host}:{port}", f"127.0.0.1:{local}")
+        return a
+
+    def env(self, entries: list[str]) -> dict[str, str]:
+        import os
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_")}
+        for e in entries:
+            if "=" in e:  # bare names pass the host's value through; unset here
+                k, v = e.split("=", 1)
+                env[k] = self.arg(v).replace("/models/policy", self.model_dir).replace("/runs/", str(ROOT / "runs") + "/")
+        env["TLT_PRESET"] = "cpu-tiny"
+        return env
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path):
+    import subprocess
+
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+
+
+def _stop(proc) -> None:
+    import os
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this test created for this child only
+        try:
+            proc.wait(timeout=30)
+        except Exception:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _healthy(check: list[str], proc, deadline_s: float) -> bool:
+    import subprocess
+    import time
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            return False
+        if subprocess.run(check, capture_output=True, timeout=30).returncode == 0:
+            return True
+        time.sleep(1.0)
+    return False
+
+
+@pytest.mark.parametrize("service", ["rollout", "reward", "drafter"])
+def test_compose_command_runs_locally_and_passes_its_health_check(raw, service, random_model_dir, tmp_path):
+    from tlt.cli import COMMANDS, _available
+
+    doc = interpolate(raw, BASE_ENV)
+    svc = doc["services"][service]
+    args = tlt_args(svc["command"])
+    cmd_entry = next(c for c in COMMANDS if c.path == tuple(args[: len(c.path)]))
+    if not _available(cmd_entry):
+        pytest.skip(f"`tlt {' '.join(cmd_entry.path)}` is not implemented yet ({cmd_entry.module})")
+    m = LocalMap(random_model_dir)
+    proc = _start([m.arg(a) for a in svc["command"]], m.env(svc["environment"]), tmp_path / f"{service}.log")
+    try:
+        check = [m.arg(a) for a in svc["healthcheck"]["test"][1:]]
+        ok = _healthy(check, proc, deadline_s=180)
+        log = (tmp_path / f"{service}.log").read_text(errors="replace")[-3000:]
+        assert ok, f"{service} never passed its compose health check {check}; exit={proc.poll()}\n{log}"
+    finally:
+        _stop(proc)
