@@ -3,7 +3,8 @@
 Under the DeepSpeed launcher (`deepspeed --hostfile ... -m tlt.cli train`)
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT are already set and we only call
 `deepspeed.init_distributed`. Started plainly (`tlt train`, tests), we are a
-world of one: loopback address and a free port chosen here. Backend: NCCL on
+world of one: a TCP rendezvous on loopback at a free port chosen here, given
+to init_distributed directly (only LOCAL_RANK=0 goes into the environment). Backend: NCCL on
 GPU, gloo on CPU.
 
 DeepSpeed probes and JIT-compiles C++ ops on first use (on CPU its
@@ -43,12 +44,15 @@ def init_process_group(backend: str | None = None) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-        )
-        os.environ["MASTER_PORT"] = str(free_port())
     no_jit_ops()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    if "WORLD_SIZE" in os.environ:  # started by a launcher: it set the rendezvous variables
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        return
+    # A world of one on loopback. Passed explicitly, not through os.environ, so child
+    # processes (e.g. a trainer started by a test or by `tlt run`) do not inherit a
+    # rendezvous that is not theirs. Only LOCAL_RANK is set: DeepSpeed's engine asserts it.
+    os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, auto_mpi_discovery=False,
+                               init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
