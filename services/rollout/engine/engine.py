@@ -89,7 +89,11 @@ class LLMEngine:
     def _blocks_for_budget(self, mb: float) -> int:
         c = self.model_config
         per_block = 2 * c.num_layers * self.config.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return max(1, int(mb * 2**20 // per_block))
+        enough = self.config.max_num_seqs * self._blocks_per_seq()  # never more than can be used
+        return max(1, min(int(mb * 2**20 // per_block), enough))
+
+    def _blocks_per_seq(self) -> int:
+        return (self.max_model_len + self.config.block_size - 1) // self.config.block_size
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerationRequest) -> None:

@@ -1,0 +1,200 @@
+"""Native engine: seeded sampling, n samples with shared prompt blocks, stop rules, logprobs, features,
+weight swaps and request validation.
+
+A random-initialised Qwen2 checkpoint with the task tokenizer is written in
+the test; references are computed with `transformers` forward passes and
+the shared `filter_logits`. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tlt.model.loader import CheckpointError
+from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.engine.engine import LLMEngine
+from tlt.services.rollout.engine.testing import random_checkpoint
+from tlt.services.rollout.spec.filters import filter_logits
+from tlt.services.rollout.types import FinishReason, GenerationRequest, SamplingParams
+
+torch.set_num_threads(1)
+PROMPT = tuple(range(20, 60))  # 40 tokens
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return random_checkpoint(tmp_path_factory.mktemp("sampling") / "m", hidden_size=64, intermediate_size=128,
+                             num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                             seed=1, weight_scale=0.05)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+
+
+def make(ckpt, **kw):
+    kw.setdefault("block_size", 8)
+    return LLMEngine(ckpt, EngineConfig(**kw))
+
+
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=1234, max_tokens=24, ignore_eos=True)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(ckpt):
+    alone = make(ckpt).generate([GenerationRequest("x", PROMPT, SAMPLED, n=4)])
+    assert len({tuple(c.token_ids) for c in alone}) > 1, "the n samples of one request must differ"
+    crowded = make(ckpt, max_num_seqs=16)
+    others = [GenerationRequest(f"o{i}", tuple(range(5, 15 + i)), SamplingParams(temperature=1.0, max_tokens=30,
+                                                                                  ignore_eos=True)) for i in range(6)]
+    outs = crowded.generate(others[:3] + [GenerationRequest("x", PROMPT, SAMPLED, n=4)] + others[3:])
+    mine = [c for c in outs if c.request_id == "x"]
+    assert [c.token_ids for c in mine] == [c.token_ids for c in alone]
+    tight = make(ckpt, max_num_seqs=16, block_size=4, num_kv_blocks=48, max_num_batched_tokens=32)
+    outs = tight.generate(others + [GenerationRequest("x", PROMPT, SAMPLED, n=4)])
+    assert tight.stats().num_preemptions > 0
+    assert [c.token_ids for c in outs if c.request_id == "x"] == [c.token_ids for c in alone]
+
+
+def test_n_samples_share_full_prompt_blocks(ckpt):
+    engine = make(ckpt, block_size=8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request(GenerationRequest("g", PROMPT, greedy, n=4))
+    engine.step()  # one prefill step for the whole group
+    # 40 tokens = 5 blocks; the 4 full blocks before the last token are shared, the 5th is per sample
+    assert engine.block_manager.shared_hits == 3 * 4
+    assert engine.block_manager.num_blocks - engine.block_manager.num_free == 4 + 4 * 1
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()[1]
+    single = make(ckpt).generate([GenerationRequest("s", PROMPT, greedy)])[0]
+    assert all(c.token_ids == single.token_ids for c in outs) and len(outs) == 4
+
+
+def test_stop_string_stop_token_max_tokens(ckpt):
+    engine = make(ckpt)
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = engine.generate([GenerationRequest("f", PROMPT, base)])[0]
+    assert full.finish_reason is FinishReason.LENGTH and len(full.token_ids) == 40
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop and len(text) > 10
+    out = engine.generate([GenerationRequest("s", PROMPT, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                         stop=(stop,)))])[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.text == text[: text.find(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 40
+    tok = full.token_ids[5]
+    out = engine.generate([GenerationRequest("t", PROMPT, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                         stop_token_ids=(tok,)))])[0]
+    first = full.token_ids.index(tok)
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason is FinishReason.STOP
+    out = engine.generate([GenerationRequest("m", PROMPT, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))])[0]
+    assert out.token_ids == full.token_ids[:7] and out.finish_reason is FinishReason.LENGTH
+
+
+def test_eos_and_ignore_eos(ckpt, tmp_path):
+    """Declare a token the model emits as eos: it stops there unless ignore_eos."""
+    full = make(ckpt).generate([GenerationRequest("f", PROMPT, SamplingParams(temperature=0.0, max_tokens=20,
+                                                                                ignore_eos=True))])[0]
+    eos = full.token_ids[6]
+    copy = tmp_path / "eos"
+    shutil.copytree(ckpt, copy)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((copy / name).read_text())
+        cfg["eos_token_id"] = eos
+        (copy / name).write_text(json.dumps(cfg))
+    engine = make(copy)
+    stopped = engine.generate([GenerationRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=20))])[0]
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
+    assert stopped.finish_reason is FinishReason.STOP
+    kept = engine.generate([GenerationRequest("b", PROMPT, SamplingParams(temperature=0.0, max_tokens=20,
+                                                                           ignore_eos=True))])[0]
+    assert kept.token_ids == full.token_ids and kept.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True, logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+])
+def test_logprobs_and_features_match_reference(ckpt, hf, params):
+    engine = make(ckpt)
+    out = engine.generate([GenerationRequest("l", PROMPT, params.__class__(**{**params.__dict__, "return_features": True}))])[0]
+    ids = torch.tensor([PROMPT + tuple(out.token_ids)])
+    with torch.no_grad():
+        res = hf(ids, output_hidden_states=True)
+    n0 = len(PROMPT) - 1
+    logits = res.logits[0, n0 : n0 + len(out.token_ids)]
+    if params.greedy:
+        ref = torch.log_softmax(logits, -1)
+        assert out.token_ids == logits.argmax(-1).tolist()
+    else:
+        ref = torch.log_softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p), -1)
+    chosen = ref[torch.arange(len(out.token_ids)), torch.tensor(out.token_ids)]
+    assert torch.allclose(torch.tensor(out.logprobs), chosen, atol=1e-4)
+    for i, top in enumerate(out.top_logprobs):
+        vals, idx = ref[i].topk(params.logprobs)
+        assert list(top) == idx.tolist() and torch.allclose(torch.tensor(list(top.values())), vals, atol=1e-4)
+    feats = out.features
+    assert feats.dtype == torch.float16 and feats.shape == (len(out.token_ids), 64)
+    want = res.hidden_states[-1][0, n0 : n0 + len(out.token_ids)]
+    assert torch.allclose(feats.float(), want, atol=2e-3)
+
+
+def test_update_weights_validates_then_applies_atomically(ckpt, hf):
+    engine = make(ckpt)
+    req = lambda rid: GenerationRequest(rid, PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    before = engine.generate([req("a")])[0]
+    expected = engine.expected_weights()
+    assert expected["model.norm.weight"] == ((64,), torch.float32)
+    new_head = hf.lm_head.weight.detach().flip(0).clone()
+    with pytest.raises(CheckpointError, match="expected shape"):
+        engine.update_weights("policy", {"lm_head.weight": new_head, "model.norm.weight": torch.ones(63)}, 1)
+    with pytest.raises(CheckpointError, match="unexpected tensor"):
+        engine.update_weights("policy", {"lm_head.weight": new_head, "bogus": torch.ones(1)}, 1)
+    with pytest.raises(CheckpointError, match="dtype"):
+        engine.update_weights("policy", {"lm_head.weight": new_head.double()}, 1)
+    assert engine.versions.policy == 0
+    assert engine.generate([req("b")])[0].token_ids == before.token_ids
+    # a swap while a request is in flight: it continues with the new weights and says so
+    engine.add_request(req("c"))
+    engine.step()
+    engine.step()
+    engine.update_weights("policy", {"lm_head.weight": new_head}, 7)
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()[1]
+    assert done[0].versions.policy == 7 and done[0].versions.policy_min == 0
+    after = engine.generate([req("d")])[0]
+    assert after.versions.policy == 7 and after.versions.policy_min is None
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        hidden = hf.model(ids).last_hidden_state[0, -1]
+    assert after.token_ids[0] == int((new_head @ hidden).argmax())
+
+
+def test_add_request_rejects_bad_requests_and_abort_frees(ckpt):
+    engine = make(ckpt, max_model_len=64)
+    ok = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(GenerationRequest("e", (), ok))
+    with pytest.raises(ValueError, match="context limit"):
+        engine.add_request(GenerationRequest("l", tuple(range(64)), ok))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request(GenerationRequest("m", tuple(range(10)), SamplingParams(max_tokens=60)))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request(GenerationRequest("t", (1, 2), SamplingParams(temperature=-1)))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request(GenerationRequest("v", (1, 10**6), ok))
+    engine.add_request(GenerationRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=10), n=3))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request(GenerationRequest("a", PROMPT, ok))
+    engine.step()
+    assert engine.stats().running == 3 and engine.stats().kv_usage > 0
+    engine.abort_request("a")
+    assert not engine.has_unfinished() and engine.stats().kv_usage == 0.0
