@@ -82,3 +82,103 @@ class DrafterStatus(_message.Message):
     acceptance: _containers.RepeatedCompositeFieldContainer[AcceptanceRecord]
     preemptions: int
     def __init__(self, serving_version: _Optional[int] = ..., candidate_version: _Optional[int] = ..., latest_policy: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., buffer_sequences: _Optional[int] = ..., buffer_tokens: _Optional[int] = ..., features_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., windows: _Optional[_Iterable[_Union[TrainingWindow, _Mapping]]] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceRecord, _Mapping]]] = ..., preemptions: _Optional[int] = ...) -> None: ...
+
+class WorkerHello(_message.Message):
+    __slots__ = ("worker_id", "replica_id", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    replica_id: int
+    pid: int
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class PullCandidate(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("max_tokens", "rows")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    rows: int
+    def __init__(self, max_tokens: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class TrainBatch(_message.Message):
+    __slots__ = ("rows", "length", "hidden_size", "token_ids", "features", "segment_ids", "loss_mask", "policy_version", "sequences")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    length: int
+    hidden_size: int
+    token_ids: bytes
+    features: bytes
+    segment_ids: bytes
+    loss_mask: bytes
+    policy_version: int
+    sequences: int
+    def __init__(self, rows: _Optional[int] = ..., length: _Optional[int] = ..., hidden_size: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., features: _Optional[bytes] = ..., segment_ids: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., policy_version: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+
+class DeltaUpdate(_message.Message):
+    __slots__ = ("base_version", "manifest", "payload", "micro_steps", "mean_loss")
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    manifest: bytes
+    payload: bytes
+    micro_steps: int
+    mean_loss: float
+    def __init__(self, base_version: _Optional[int] = ..., manifest: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., micro_steps: _Optional[int] = ..., mean_loss: _Optional[float] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("worker_id", "replica_id", "hello", "pull", "batch_request", "update", "window")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    replica_id: int
+    hello: WorkerHello
+    pull: PullCandidate
+    batch_request: BatchRequest
+    update: DeltaUpdate
+    window: TrainingWindow
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., pull: _Optional[_Union[PullCandidate, _Mapping]] = ..., batch_request: _Optional[_Union[BatchRequest, _Mapping]] = ..., update: _Optional[_Union[DeltaUpdate, _Mapping]] = ..., window: _Optional[_Union[TrainingWindow, _Mapping]] = ...) -> None: ...
+
+class CandidateWeights(_message.Message):
+    __slots__ = ("version", "manifest", "payload")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest: bytes
+    payload: bytes
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class CoordinatorMessage(_message.Message):
+    __slots__ = ("error", "status", "candidate", "batch", "candidate_version")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    status: DrafterStatus
+    candidate: CandidateWeights
+    batch: TrainBatch
+    candidate_version: int
+    def __init__(self, error: _Optional[str] = ..., status: _Optional[_Union[DrafterStatus, _Mapping]] = ..., candidate: _Optional[_Union[CandidateWeights, _Mapping]] = ..., batch: _Optional[_Union[TrainBatch, _Mapping]] = ..., candidate_version: _Optional[int] = ...) -> None: ...

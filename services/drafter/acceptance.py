@@ -1,0 +1,87 @@
+"""Offline acceptance length: how far a drafter's greedy chain would get against stored rollouts.
+
+For every start point t of a stored sequence (tokens x_0..x_{n-1}, target features h_0..h_{n-1}),
+the engine would have verified x_{t+1} with feature h_t and drafted a chain:
+
+    d_1 = argmax lm_head(D(x_{t+1}, h_t))             h'_{t+1} = D(x_{t+1}, h_t)
+    d_k = argmax lm_head(D(d_{k-1}, h'_{t+k-1}))      (the drafter feeds on its own features)
+
+with the drafter's attention over the true pairs (x_{j+1}, h_j), j <= t (its KV cache of verified
+tokens) and the chain's own earlier nodes. Greedy acceptance length = 1 + the number of leading
+drafts equal to the actual next tokens (d_k == x_{t+k+1}); the 1 is the target's bonus token. A
+draft whose actual token lies past the stored sequence is not counted (the chain is truncated).
+
+`chain_drafts` runs all start points of a sequence at once: one forward of the true pairs into a
+KV cache, then one forward per depth over every start point's next node, each node seeing only
+its own prefix and ancestors (prefix_mask). `accept_lengths` is the pure scoring rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tlt.model.drafter import Drafter, DrafterCache
+from tlt.services.drafter.packing import Sample
+
+
+def accept_lengths(drafts: torch.Tensor, actual: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """drafts, actual [S, K] token ids, valid [S, K] bool -> [S] = 1 + leading matches among valid drafts."""
+    hit = (drafts == actual) & valid
+    return 1 + hit.long().cumprod(dim=1).sum(dim=1)
+
+
+@torch.no_grad()
+def chain_drafts(drafter: Drafter, tokens: torch.Tensor, features: torch.Tensor, depth: int,
+                 first_start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [n], features [n, H] -> (drafts [S, K], actual [S, K], valid [S, K]) for starts first_start..n-3."""
+    n = int(tokens.shape[0])
+    starts = torch.arange(max(first_start, 0), n - 2)
+    s = int(starts.numel())
+    if s <= 0:
+        empty = torch.zeros(0, depth, dtype=torch.long)
+        return empty, empty, empty.bool()
+    dtype = next(drafter.parameters()).dtype
+    device = next(drafter.parameters()).device
+    pairs = n - 1
+    cache = DrafterCache(drafter.cfg, rows=1, capacity=pairs + s * depth, dtype=dtype, device=device)
+    ids = tokens[1:].long().to(device)[None]
+    h = drafter(ids, features[:-1].to(device, dtype)[None], torch.arange(1, n, device=device)[None], cache=cache)
+    prev_h = h[0, starts.to(device)]  # h'_{t+1} for every start t
+    drafts = torch.empty(s, depth, dtype=torch.long)
+    key = torch.arange(pairs + s * depth, device=device)
+    st = starts.to(device)
+    for k in range(1, depth + 1):
+        d = drafter.compute_logits(prev_h).argmax(-1)
+        drafts[:, k - 1] = d.cpu()
+        if k == depth:
+            break
+        p = pairs + s * (k - 1)  # cache length before this depth's nodes
+        kk = key[:p]
+        true_ok = (kk[None, :] <= st[:, None]) & (kk[None, :] < pairs)
+        node = kk - pairs  # index among earlier nodes: depth (node // s) + 1, start index node % s
+        own = (kk[None, :] >= pairs) & ((node % s)[None, :] == torch.arange(s, device=device)[:, None])
+        prefix = (true_ok | own)[None]
+        tree = torch.eye(s, dtype=torch.bool, device=device)[None]
+        out = drafter(d[None], prev_h[None], (st + 1 + k)[None], cache=cache, prefix_mask=prefix, tree_mask=tree)
+        prev_h = out[0]
+    offs = torch.arange(1, depth + 1)
+    idx = starts[:, None] + 1 + offs[None, :]  # actual token for draft k of start t: x_{t+k+1}
+    valid = idx < n
+    actual = tokens.long()[idx.clamp(max=n - 1)]
+    return drafts, actual, valid
+
+
+def mean_accept_length(drafter: Drafter, samples: Iterable[Sample], depth: int) -> tuple[float, int]:
+    """Mean greedy acceptance length over every start point in the response part of `samples`, and the count."""
+    total, count = 0.0, 0
+    for smp in samples:
+        tokens = torch.from_numpy(smp.tokens.astype("int64"))
+        feats = torch.from_numpy(smp.features.astype("float32"))
+        drafts, actual, valid = chain_drafts(drafter, tokens, feats, depth, first_start=max(smp.response_start - 1, 0))
+        if drafts.numel():
+            lens = accept_lengths(drafts, actual, valid)
+            total += float(lens.sum())
+            count += int(lens.numel())
+    return (total / count if count else 0.0), count

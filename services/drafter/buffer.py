@@ -1,0 +1,119 @@
+"""The drafter's bounded, version-tagged feature buffer (TLT.md section 6, "Data").
+
+    FeatureBatch (rollout or trainer) --add--> windows (<= window_tokens, from the response)
+        every k-th sequence -> held-out set (acceptance evaluation), the rest -> training set
+    training set --batch--> newest policy version first (shuffled), then the previous
+        version's long sequences ("one-step offset" fallback) --pack--> PackedBatch
+
+Bounded: at most `buffer_sequences` training windows and `holdout_sequences` held-out ones; the
+oldest go first. Older versions than the previous one are never sampled. Thread-safe: the feature
+puller adds while the coordinator's request handler samples.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+
+import numpy as np
+
+from tlt.services.drafter.packing import PackedBatch, Sample, pack
+from tlt.v1 import events_pb2
+
+
+def windows(seq: events_pb2.FeatureSequence, window_tokens: int) -> list[Sample]:
+    """Cut a FeatureSequence into windows from the response (one token of overlap, so no pair is lost)."""
+    n, h = len(seq.token_ids), seq.hidden_size
+    feats = np.frombuffer(seq.features, dtype=np.float16)
+    if h <= 0 or feats.size != n * h:
+        raise ValueError(f"sequence {seq.seq_id!r}: {feats.size} feature values for {n} tokens x hidden {h}")
+    feats = feats.reshape(n, h)
+    tokens = np.asarray(seq.token_ids, dtype=np.int32)
+    first = max(seq.response_start - 1, 0)
+    out: list[Sample] = []
+    start = first
+    while start < n - 1:
+        end = min(start + window_tokens, n)
+        rs = seq.response_start - start if start == first else 0
+        out.append(Sample(f"{seq.seq_id}@{start}", tokens[start:end], feats[start:end], max(rs, 0),
+                          int(seq.policy_version), int(seq.replica_id)))
+        start = end - 1
+    return out
+
+
+class FeatureBuffer:
+    def __init__(self, max_sequences: int, max_holdout: int, window_tokens: int, long_tokens: int,
+                 holdout_every: int, seed: int = 0) -> None:
+        self.window_tokens = window_tokens
+        self.long_tokens = long_tokens
+        self.holdout_every = holdout_every
+        self._train: deque[Sample] = deque(maxlen=max_sequences)
+        self._holdout: deque[Sample] = deque(maxlen=max_holdout)
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._count = 0
+        self.received_sequences = 0
+        self.sender_dropped = 0
+        self.rejected = 0
+
+    def add_batch(self, batch: events_pb2.FeatureBatch) -> int:
+        """Add every sequence of `batch`; returns how many windows were added. Bad sequences are counted."""
+        added = 0
+        for seq in batch.sequences:
+            try:
+                parts = windows(seq, self.window_tokens)
+            except ValueError:
+                self.rejected += 1
+                continue
+            with self._lock:
+                self._count += 1
+                target = self._holdout if self._count % self.holdout_every == 0 else self._train
+                target.extend(parts)
+            added += len(parts)
+        with self._lock:
+            self.received_sequences += len(batch.sequences)
+            self.sender_dropped = max(self.sender_dropped, int(batch.dropped_before))
+        return added
+
+    def add_samples(self, samples: list[Sample], holdout: bool = False) -> None:
+        with self._lock:
+            (self._holdout if holdout else self._train).extend(samples)
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted({s.policy_version for s in self._train}, reverse=True)
+
+    def batch(self, rows: int, row_tokens: int) -> PackedBatch | None:
+        """A packed batch: newest version first, previous version's long sequences as fallback."""
+        with self._lock:
+            train = list(self._train)
+        if not train:
+            return None
+        versions = sorted({s.policy_version for s in train}, reverse=True)
+        newest = [s for s in train if s.policy_version == versions[0]]
+        self._rng.shuffle(newest)
+        fallback: list[Sample] = []
+        if len(versions) > 1:
+            fallback = [s for s in train if s.policy_version == versions[1] and len(s) >= self.long_tokens]
+            self._rng.shuffle(fallback)
+        batch, _ = pack(newest + fallback, rows, row_tokens)
+        return batch
+
+    def holdout(self, min_tokens: int) -> list[Sample]:
+        """Held-out windows of the newest version (plus older ones, newest first, until `min_tokens`)."""
+        with self._lock:
+            held = list(self._holdout)
+        held.sort(key=lambda s: s.policy_version, reverse=True)
+        if not held:
+            return []
+        out = [s for s in held if s.policy_version == held[0].policy_version]
+        rest = [s for s in held if s.policy_version != held[0].policy_version]
+        while sum(len(s) for s in out) < min_tokens and rest:
+            out.append(rest.pop(0))
+        return out
+
+    def stats(self) -> tuple[int, int]:
+        """(training windows, training tokens)."""
+        with self._lock:
+            return len(self._train), sum(len(s) for s in self._train)

@@ -1,0 +1,78 @@
+"""`DrafterServiceConfig`: the elastic drafter trainer's one typed, frozen config ([drafter] section).
+
+    rollout --capacity PUB/REP (capacity_pub / capacity_snapshot)--> workers
+    rollout --features PUSH--> coordinator PULL (features_bind)
+    workers --REQ--> coordinator ROUTER (coordinator_bind)
+    coordinator --gRPC UpdateWeights(kind=drafter)--> rollout (rollout_grpc)
+    anyone --gRPC tlt.v1.Drafter/GetStatus--> coordinator (status_port)
+
+Defaults run on a laptop CPU on loopback with the tiny model. Training
+hyper-parameters follow TLT.md section 3 (AdamW betas (0.9, 0.95), grad clip
+1.0); buffer and window sizes follow section 6 (windows of at most 512
+tokens from the response, newest step first, previous step's long sequences
+as fallback).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tlt.services.common.config import ServiceConfig
+
+
+class DrafterServiceConfig(ServiceConfig):
+    """The [drafter] section."""
+
+    # ---- wiring
+    capacity_pub: str = Field("tcp://127.0.0.1:5701", description="rollout's capacity PUB endpoint to subscribe to")
+    capacity_snapshot: str = Field("tcp://127.0.0.1:5702", description="rollout's capacity snapshot REP endpoint")
+    features_bind: str = Field("tcp://127.0.0.1:5703", description="where the coordinator PULLs features (it binds)")
+    coordinator_bind: str = Field(
+        "tcp://127.0.0.1:5704", description="coordinator ROUTER for workers (it binds; port 0 picks a free one)"
+    )
+    rollout_grpc: str = Field("127.0.0.1:50051", description="rollout gRPC address for UpdateWeights(kind=drafter)")
+    control_token: str = Field("", description="the rollout's control token for UpdateWeights; empty: none")
+    host: str = Field("127.0.0.1", description="address the Drafter status gRPC server binds")
+    status_port: int = Field(50071, ge=0, le=65535, description="gRPC port of tlt.v1.Drafter/GetStatus (0: free)")
+    source: Literal["rollout", "trainer"] = Field(
+        "rollout", description="who sends features: the rollout engine's own passes, or the trainer's old-logprob pass"
+    )
+    # ---- state
+    checkpoint_dir: str = Field("artifacts/drafter-online", description="atomic checkpoints of candidate + workers")
+    init_drafter: str = Field("", description="drafter folder to start from (e.g. `tlt drafter warmup`); empty: random")
+    # ---- data
+    buffer_sequences: int = Field(2048, ge=1, description="most sequences kept in the buffer (oldest evicted first)")
+    window_tokens: int = Field(256, ge=8, description="longest training window cut from a response")
+    long_tokens: int = Field(
+        64, ge=1, description="a previous-step sequence this long or longer is fallback data (one-step offset)"
+    )
+    holdout_every: int = Field(8, ge=2, description="every k-th sequence goes to the held-out set instead of training")
+    holdout_sequences: int = Field(64, ge=1, description="most held-out sequences kept (newest)")
+    batch_rows: int = Field(4, ge=1, description="packed rows per micro-batch")
+    batch_tokens: int = Field(256, ge=8, description="tokens per packed row")
+    # ---- training
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    feature_noise: float = Field(0.0, ge=0, description="uniform noise half-width on input features (warm-up uses 0.1)")
+    submit_every: int = Field(20, ge=1, description="micro-steps between delta submissions inside a long window")
+    threads: int = Field(1, ge=0, description="torch threads per worker on CPU (0: leave torch's default)")
+    device: str = Field("cpu", description="worker device template: cpu, or cuda (a worker uses cuda:<replica>)")
+    # ---- publishing
+    publish_margin: float = Field(
+        0.02, ge=0, description="publish when candidate accept length >= serving x (1 + margin) on held-out data"
+    )
+    eval_depth: int = Field(6, ge=1, le=32, description="chain depth of the offline acceptance simulation")
+    eval_interval_s: float = Field(2.0, ge=0, description="least seconds between two candidate evaluations")
+    min_eval_tokens: int = Field(64, ge=1, description="held-out tokens needed before a candidate may be published")
+    history: int = Field(200, ge=1, description="training windows and acceptance records kept for status")
+
+    @model_validator(mode="after")
+    def _check(self) -> DrafterServiceConfig:
+        if self.window_tokens > self.batch_tokens:
+            raise ValueError(
+                f"window_tokens ({self.window_tokens}) must fit in a packed row: raise batch_tokens to at least it"
+            )
+        return self

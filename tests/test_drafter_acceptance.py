@@ -1,0 +1,72 @@
+"""Offline acceptance length: the pure scoring rule by hand, and the batched chain simulation
+against a slow one-start-at-a-time reference that re-runs the drafter causally over its own chain."""
+
+from __future__ import annotations
+
+import torch
+
+from tlt.model.drafter import Drafter, DrafterConfig
+from tlt.services.drafter.acceptance import accept_lengths, chain_drafts
+
+
+def tiny_drafter(seed: int = 0, vocab: int = 11, h: int = 16) -> Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=h, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32, vocab_size=vocab)
+    embed = torch.randn(vocab, h)
+    lm_head = torch.randn(vocab, h)
+    return Drafter(cfg, embed, lm_head).eval()
+
+
+def test_accept_lengths_by_hand() -> None:
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 2, 3], [4, 4, 4]])
+    actual = torch.tensor([[5, 6, 7], [5, 6, 7], [0, 2, 3], [4, 4, 4]])
+    valid = torch.tensor([[True] * 3, [True] * 3, [True] * 3, [True, True, False]])
+    # all three accepted -> 4; first only -> 2; none -> 1; two valid matches then truncated -> 3
+    assert accept_lengths(drafts, actual, valid).tolist() == [4, 2, 1, 3]
+
+
+def slow_chain(d: Drafter, tokens: torch.Tensor, feats: torch.Tensor, t: int, depth: int) -> list[int]:
+    ids = list(tokens[1 : t + 2].tolist())
+    hs = [feats[j] for j in range(t + 1)]
+    out = []
+    with torch.no_grad():
+        for _ in range(depth):
+            n = len(ids)
+            h = d(torch.tensor([ids]), torch.stack(hs)[None], torch.arange(1, n + 1)[None])
+            last = h[0, -1]
+            tok = int(d.compute_logits(last).argmax())
+            out.append(tok)
+            ids.append(tok)
+            hs.append(last)
+    return out
+
+
+def test_chain_drafts_match_slow_reference() -> None:
+    d = tiny_drafter()
+    g = torch.Generator().manual_seed(1)
+    n, depth = 12, 4
+    tokens = torch.randint(0, 11, (n,), generator=g)
+    feats = torch.randn(n, 16, generator=g)
+    drafts, actual, valid = chain_drafts(d, tokens, feats, depth, first_start=2)
+    assert drafts.shape == (n - 2 - 2, depth)
+    for i, t in enumerate(range(2, n - 2)):
+        assert drafts[i].tolist() == slow_chain(d, tokens, feats, t, depth), f"start {t}"
+        for k in range(depth):
+            assert bool(valid[i, k]) == (t + k + 2 < n)
+            if valid[i, k]:
+                assert int(actual[i, k]) == int(tokens[t + k + 2])
+
+
+def test_a_drafter_that_copies_the_target_accepts_everything() -> None:
+    """Stored tokens made of the drafter's own greedy chain are accepted to full depth."""
+    d = tiny_drafter(seed=3)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(3, 16, generator=g)
+    tokens = torch.randint(0, 11, (2,), generator=g)
+    chain = slow_chain(d, tokens, torch.cat([feats[:1]]), 0, 5)
+    seq = torch.cat([tokens, torch.tensor(chain)])
+    # features after h_0 are never used by the start-0 chain except as context; give random ones
+    f = torch.cat([feats[:1], torch.randn(len(seq) - 1, 16, generator=g)])
+    drafts, actual, valid = chain_drafts(d, seq, f, 5)
+    lens = accept_lengths(drafts, actual, valid)
+    assert int(lens[0]) == 6

@@ -1,0 +1,92 @@
+"""Drafter data path: windows cut from FeatureSequences, the bounded version-tagged buffer
+(newest first, previous step's long sequences as fallback, held-out split), packing with segment
+ids and the shifted pairs that never cross a segment (hand-computed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tlt.services.drafter.buffer import FeatureBuffer, windows
+from tlt.services.drafter.packing import PackedBatch, Sample, pack, packed_pairs
+from tlt.v1 import events_pb2
+
+
+def fseq(seq_id: str, n: int, version: int, h: int = 4, response_start: int = 1) -> events_pb2.FeatureSequence:
+    feats = (np.arange(n * h, dtype=np.float32).reshape(n, h) / 100).astype(np.float16)
+    return events_pb2.FeatureSequence(seq_id=seq_id, token_ids=list(range(100, 100 + n)), response_start=response_start,
+                                      hidden_size=h, features=feats.tobytes(), policy_version=version)
+
+
+def sample(seq_id: str, n: int, version: int = 0, rs: int = 0, h: int = 2) -> Sample:
+    return Sample(seq_id, np.arange(1, n + 1, dtype=np.int32), np.ones((n, h), np.float16) * len(seq_id),
+                  rs, version)
+
+
+def test_windows_overlap_by_one_and_start_at_the_response() -> None:
+    seq = fseq("a", 10, 3, response_start=4)  # prompt 0..3; h_3 predicts the first response token
+    ws = windows(seq, 4)
+    assert [w.tokens.tolist() for w in ws] == [[103, 104, 105, 106], [106, 107, 108, 109]]
+    assert ws[0].response_start == 1 and ws[1].response_start == 0
+    assert all(w.policy_version == 3 for w in ws)
+    assert ws[1].features[0].tolist() == seq_features(seq)[6].tolist()
+
+
+def seq_features(seq: events_pb2.FeatureSequence) -> np.ndarray:
+    return np.frombuffer(seq.features, np.float16).reshape(len(seq.token_ids), seq.hidden_size)
+
+
+def test_bad_feature_size_is_rejected_and_counted() -> None:
+    buf = FeatureBuffer(10, 10, 8, 4, holdout_every=100)
+    bad = fseq("b", 5, 0)
+    bad.hidden_size = 3
+    assert buf.add_batch(events_pb2.FeatureBatch(sequences=[bad, fseq("ok", 5, 0)])) == 1
+    assert buf.rejected == 1
+
+
+def test_pack_and_pairs_by_hand() -> None:
+    a = Sample("a", np.array([1, 2, 3], np.int32), np.arange(6, dtype=np.float16).reshape(3, 2), 0, 5)
+    b = Sample("b", np.array([7, 8], np.int32), np.arange(10, 14, dtype=np.float16).reshape(2, 2), 0, 6)
+    batch, used = pack([a, b], rows=1, row_tokens=6)
+    assert [s.seq_id for s in used] == ["a", "b"] and batch.policy_version == 6
+    assert batch.tokens.tolist() == [[1, 2, 3, 7, 8]]
+    assert batch.segment_ids.tolist() == [[0, 0, 0, 1, 1]]
+    p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
+    assert p.input_ids.tolist() == [[2, 3, 7, 8]]
+    assert p.positions.tolist() == [[1, 2, 3, 1]]  # the crossing pair stays in a; b restarts at 1
+    assert p.mask.tolist() == [[True, True, False, True]]  # pair (7, h_a2) crosses a -> b: never trained
+    assert p.features[0, 2].tolist() == [4.0, 5.0] and p.target[0, 3].tolist() == [12.0, 13.0]
+    again = PackedBatch.from_proto(batch.to_proto())
+    assert torch.equal(again.features, batch.features) and torch.equal(again.segment_ids, batch.segment_ids)
+
+
+def test_pack_respects_rows_and_pads() -> None:
+    batch, used = pack([sample("x", 5), sample("yy", 4), sample("zzz", 3)], rows=2, row_tokens=6)
+    assert len(used) == 2  # x in row 0, yy in row 1; zzz fits nowhere
+    assert batch.segment_ids.tolist() == [[0, 0, 0, 0, 0], [1, 1, 1, 1, -1]]
+    assert not batch.loss_mask[1, 4]
+
+
+def test_response_mask() -> None:
+    s = Sample("m", np.arange(6, dtype=np.int32), np.zeros((6, 2), np.float16), 3, 0)
+    assert s.loss_mask().tolist() == [False, False, True, True, True, True]
+
+
+def test_buffer_newest_first_then_previous_long_and_bounded() -> None:
+    buf = FeatureBuffer(max_sequences=5, max_holdout=2, window_tokens=50, long_tokens=6, holdout_every=1000)
+    buf.add_samples([sample("old", 20, version=0)])
+    buf.add_samples([sample("p_short", 4, version=1), sample("p_long", 8, version=1)])
+    buf.add_samples([sample("n1", 3, version=2), sample("n2", 3, version=2)])
+    batch = buf.batch(rows=1, row_tokens=100)
+    # newest (v2) first, then v1's long sequence; v1 short and v0 never
+    assert batch.sequences == 3 and batch.tokens.shape[1] == 3 + 3 + 8
+    assert batch.segment_ids[0, -1] == 2
+    buf.add_samples([sample(f"f{i}", 3, version=3) for i in range(4)])
+    assert buf.stats()[0] == 5  # bounded: oldest evicted
+    assert buf.versions() == [3, 2]
+
+
+def test_holdout_split_every_k() -> None:
+    buf = FeatureBuffer(100, 100, 64, 4, holdout_every=3)
+    buf.add_batch(events_pb2.FeatureBatch(sequences=[fseq(f"s{i}", 6, 1) for i in range(9)]))
+    assert len(buf.holdout(1)) == 3 and buf.stats()[0] == 6
