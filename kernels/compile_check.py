@@ -15,6 +15,9 @@ turns the recorded arguments into a Triton signature and compiles.
 from __future__ import annotations
 
 import contextlib
+import re
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,11 +81,46 @@ def _scalar_type(value: Any) -> str:
     raise TypeError(f"cannot type kernel argument {value!r}")
 
 
-def ptxas_available() -> bool:
-    """True when the Triton wheel ships the ptxas binary this check needs."""
+@dataclass(frozen=True)
+class Usage:
+    """What ptxas reports for one compiled kernel."""
+
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+
+
+def _ptxas() -> Path:
     import triton
 
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def ptxas_available() -> bool:
+    """True when the Triton wheel ships the ptxas binary this check needs."""
+    return _ptxas().exists()
+
+
+def ptxas_usage(compiled: Any) -> Usage:
+    """Registers and spills of a compiled kernel: its PTX re-assembled by ptxas with `-v`."""
+    ptx = compiled.asm["ptx"]
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE)
+    if target is None:
+        raise ValueError("PTX has no .target line")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run(
+            [str(_ptxas()), "-v", f"-arch={target.group(1)}", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True, text=True, check=True,
+        )
+    report = proc.stdout + proc.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if registers is None or frame is None:
+        raise ValueError(f"unexpected ptxas report: {report}")
+    return Usage(int(registers.group(1)), int(frame.group(2)), int(frame.group(3)), int(frame.group(1)))
 
 
 def compile_recorded(kernel: LazyKernel, launch: Launch, arch: int = 90, num_warps: int = 4) -> Any:
