@@ -227,7 +227,7 @@ def test_commands_parse_with_the_real_cli(raw, service):
 
 # -- 4. compose equivalence: the real commands as local processes -------------------------------
 
-CONTAINER_PORTS = (8000, 50051, 50061, 50071, 9460)
+CONTAINER_PORTS = (8000, 50051, 50061, 50071, 9460, 5701, 5702, 5703, 5704)
 SERVICE_HOSTS = ("rollout", "reward", "drafter", "trainer")
 
 
@@ -242,9 +242,10 @@ def _free_port() -> int:
 class LocalMap:
     """Container names, paths and ports -> this machine's."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, scratch: Path):
         import sys
 
+        self.scratch = scratch
         self.bin = Path(sys.executable).parent
         self.model_dir = str(model_dir)
         self.ports = {p: _free_port() for p in CONTAINER_PORTS}
@@ -263,7 +264,7 @@ class LocalMap:
         if a.isdigit() and int(a) in self.ports:
             return str(self.ports[int(a)])
         for port, local in self.ports.items():
-            for host in ("127.0.0.1", *SERVICE_HOSTS):
+            for host in ("127.0.0.1", "0.0.0.0", *SERVICE_HOSTS):
                 a = a.replace(f"{host}:{port}", f"127.0.0.1:{local}")
         return a
 
@@ -274,7 +275,10 @@ class LocalMap:
         for e in entries:
             if "=" in e:  # bare names pass the host's value through; unset here
                 k, v = e.split("=", 1)
-                env[k] = self.arg(v).replace("/models/policy", self.model_dir).replace("/runs/", str(ROOT / "runs") + "/")
+                env[k] = self.arg(v).replace("/models/policy", self.model_dir)
+                for container_dir in ("/runs", "/checkpoints"):
+                    if env[k].startswith(container_dir + "/"):
+                        env[k] = str(self.scratch) + env[k]
         env["TLT_PRESET"] = "cpu-tiny"
         return env
 
@@ -323,7 +327,7 @@ def test_compose_command_runs_locally_and_passes_its_health_check(raw, service, 
     cmd_entry = next(c for c in COMMANDS if c.path == tuple(args[: len(c.path)]))
     if not _available(cmd_entry):
         pytest.skip(f"`tlt {' '.join(cmd_entry.path)}` is not implemented yet ({cmd_entry.module})")
-    m = LocalMap(random_model_dir)
+    m = LocalMap(random_model_dir, tmp_path)
     proc = _start([m.arg(a) for a in svc["command"]], m.env(svc["environment"]), tmp_path / f"{service}.log")
     try:
         check = [m.arg(a) for a in svc["healthcheck"]["test"][1:]]
@@ -332,3 +336,36 @@ def test_compose_command_runs_locally_and_passes_its_health_check(raw, service, 
         assert ok, f"{service} never passed its compose health check {check}; exit={proc.poll()}\n{log}"
     finally:
         _stop(proc)
+
+
+# -- 3. the reference implementation's own check (slow: installs docker-compose 1.29.2) ------------
+
+
+@pytest.mark.slow
+def test_docker_compose_v1_config_accepts_the_file(tmp_path):
+    """`docker-compose config -q` of docker-compose 1.29.2 (its PyYAML 5.4.1 needs Cython < 3 to build)."""
+    import os
+    import subprocess
+    import sys
+
+    venv = tmp_path / "dc"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "pip"), "install", "-q"]
+    steps = [
+        pip + ["cython<3", "wheel", "setuptools<70"],
+        pip + ["--no-build-isolation", "pyyaml==5.4.1"],
+        pip + ["docker-compose==1.29.2"],
+    ]
+    for step in steps:
+        r = subprocess.run(step, capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            pytest.skip(f"could not install docker-compose 1.29.2 here: {r.stderr[-500:]}")
+    dc = str(venv / "bin" / "docker-compose")
+    env = {k: v for k, v in os.environ.items() if k != "MODEL_PATH"}
+    base = [dc, "-f", str(COMPOSE), "--project-directory", str(ROOT)]
+    missing = subprocess.run(base + ["config", "-q"], env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "set MODEL_PATH" in missing.stderr
+    env["MODEL_PATH"] = str(tmp_path)
+    for extra in ([], ["--env-file", str(ENV_8GPU)]):
+        r = subprocess.run(base + extra + ["config", "-q"], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr

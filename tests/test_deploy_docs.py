@@ -1,0 +1,197 @@
+"""The deployment guide, the presets and the Kubernetes manifests agree with the code.
+
+- every preset the guide names is a file in deploy/configs/, and every
+  service it names is a Compose service and a Kubernetes workload;
+- every section of every preset loads into its service's typed config
+  (sections whose service is not implemented yet are skipped, unknown ones fail);
+- every TLT_<SECTION>__<FIELD> variable in Compose and the manifests names a
+  real field;
+- the manifests: each container command parses with the real `tlt` CLI,
+  probes hit the ports the command binds, the ConfigMap's preset is a
+  verbatim copy of deploy/configs/8gpu.toml, and the DeepSpeed hostfile
+  matches the trainer Job (one line per pod, slots = GPUs per pod).
+
+No cluster here: this checks the files, not a running deployment (see the
+guide's "What was verified").
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "DEPLOY.md"
+CONFIGS = ROOT / "deploy" / "configs"
+K8S = ROOT / "deploy" / "k8s"
+
+SECTIONS = {
+    "rollout": ("tlt.services.rollout.config", "RolloutConfig"),
+    "trainer": ("tlt.services.trainer.config", "TrainerConfig"),
+    "reward": ("tlt.services.reward.config", "RewardConfig"),
+    "drafter": ("tlt.services.drafter.config", "DrafterServiceConfig"),
+    "sglang": ("tlt.services.rollout.sglang_backend.config", "SGLangBackendConfig"),
+    "run": ("tlt.services.trainer.launch_config", "RunConfig"),
+}
+
+
+def config_class(section: str):
+    assert section in SECTIONS, f"unknown preset section [{section}]; known: {sorted(SECTIONS)}"
+    module, name = SECTIONS[section]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ModuleNotFoundError, AttributeError):
+        return None
+
+
+def guide_table(heading: str) -> list[str]:
+    """First-column backticked names of the first table under `## heading`."""
+    text = GUIDE.read_text()
+    part = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \|", part, flags=re.M)
+
+
+def k8s_docs() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def containers(docs):
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                yield d, c
+
+
+# -- the guide names only things that exist -------------------------------------------------
+
+
+def test_guide_presets_exist():
+    named = set(guide_table("Presets"))
+    text = GUIDE.read_text()
+    named |= set(re.findall(r"(?:--preset |PRESET=)([a-z0-9-]+)", text))
+    named |= set(re.findall(r"deploy/configs/([a-z0-9-]+)\.toml", text))
+    assert {"cpu-tiny", "1gpu", "8gpu"} <= named
+    missing = sorted(n for n in named if not (CONFIGS / f"{n}.toml").exists())
+    assert not missing, f"the guide names presets with no file: {missing}"
+    undocumented = sorted(p.stem for p in CONFIGS.glob("*.toml") if p.stem not in guide_table("Presets"))
+    assert not undocumented, f"document these presets in docs/DEPLOY.md: {undocumented}"
+
+
+def test_guide_services_are_compose_services_and_k8s_workloads():
+    named = set(guide_table("What runs"))
+    compose = set(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
+    assert named == compose == {"rollout", "reward", "drafter", "trainer"}
+    workloads = {d["metadata"]["name"] for d in k8s_docs() if d["kind"] in ("Deployment", "StatefulSet", "Job")}
+    assert workloads == {f"tlt-{n}" for n in named}
+
+
+def test_guide_files_exist():
+    for rel in set(re.findall(r"`((?:deploy|docs|services|tests)/[A-Za-z0-9_./-]+)`", GUIDE.read_text())):
+        assert (ROOT / rel.rstrip("/")).exists(), f"docs/DEPLOY.md names {rel}, which does not exist"
+
+
+# -- presets load into the real configs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIGS.glob("*.toml")))
+def test_preset_sections_load(preset):
+    from tlt.services.common.config import load_config
+
+    data = tomllib.loads((CONFIGS / f"{preset}.toml").read_text())
+    loaded = []
+    for section in data:
+        cls = config_class(section)
+        if cls is not None:
+            load_config(cls, section, preset, environ={})
+            loaded.append(section)
+    assert loaded, f"{preset}: no section could be checked"
+
+
+def _env_names() -> set[str]:
+    names = set()
+    for e in (yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"][s].get("environment", [])
+              for s in ("rollout", "reward", "drafter", "trainer")):
+        names |= {x.split("=", 1)[0] for x in e}
+    for _, c in containers(k8s_docs()):
+        names |= {e["name"] for e in c.get("env", [])}
+    return {n for n in names if re.fullmatch(r"TLT_[A-Z]+__[A-Z0-9_]+", n)}
+
+
+def test_env_overrides_name_real_fields():
+    checked = 0
+    for name in sorted(_env_names()):
+        section, field = name[4:].split("__", 1)
+        cls = config_class(section.lower())
+        if cls is None:
+            continue
+        assert field.lower() in cls.model_fields, f"{name}: [{section.lower()}] has no field {field.lower()!r}"
+        checked += 1
+    assert checked >= 10
+
+
+# -- Kubernetes manifests ------------------------------------------------------------------------
+
+
+def test_configmap_preset_is_the_8gpu_preset_and_hostfile_matches_the_job():
+    docs = k8s_docs()
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert cm["data"]["preset.toml"] == (CONFIGS / "8gpu.toml").read_text()
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    gpus = job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    lines = cm["data"]["hostfile"].split("\n")
+    hosts = [line.split() for line in lines if line.strip()]
+    assert hosts == [[f"tlt-trainer-{i}.tlt-trainer", f"slots={gpus}"] for i in range(job["spec"]["completions"])]
+    assert job["spec"]["template"]["spec"]["subdomain"] == "tlt-trainer"
+    cmd = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--master_addr") + 1] == "tlt-trainer-0.tlt-trainer"
+    assert cmd[cmd.index("--node_rank") + 1] == "$(JOB_COMPLETION_INDEX)"
+
+
+def test_trainer_reaches_every_rollout_server():
+    import json
+
+    docs = k8s_docs()
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "tlt-rollout"]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    addresses = json.loads(env["TLT_TRAINER__ROLLOUT_ADDRESSES"])
+    assert addresses == [f"tlt-rollout-{i}.tlt-rollout:50051" for i in range(sts["spec"]["replicas"])]
+
+
+def _tlt_args(command: list[str]) -> list[str]:
+    if command[0] == "tlt":
+        return command[1:]
+    i = command.index("--module")
+    assert command[0] == "deepspeed" and command[i + 1] == "tlt.cli"
+    return command[i + 2 :]
+
+
+@pytest.mark.parametrize("workload", ["tlt-rollout", "tlt-reward", "tlt-drafter", "tlt-trainer"])
+def test_k8s_commands_parse_and_probes_match_ports(workload):
+    from tlt.cli import COMMANDS, _available, build_parser
+
+    (d, c), = [(d, c) for d, c in containers(k8s_docs()) if d["metadata"]["name"] == workload]
+    args = _tlt_args(c["command"])
+    cmd = next(x for x in COMMANDS if x.path == tuple(args[: len(x.path)]))
+    ports = {p["containerPort"] for p in c.get("ports", [])}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if probe in c:
+            targets = c[probe]["exec"]["command"][2:][1::2]
+            for t in targets:
+                assert int(re.search(r":(\d+)", t).group(1)) in ports, f"{workload} {probe} checks {t}, not a container port"
+    assert "readinessProbe" in c or "livenessProbe" in c
+    if not _available(cmd):
+        pytest.skip(f"`tlt {' '.join(cmd.path)}` is not implemented yet ({cmd.module})")
+    parsed = build_parser((cmd,)).parse_args(args)
+    preset = getattr(parsed, "preset", None) or getattr(parsed, "config", None)
+    assert preset == "/etc/tlt/preset/preset.toml"
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert "/etc/tlt/preset" in mounts and "/models" in mounts or workload == "tlt-reward"
