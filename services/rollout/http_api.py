@@ -79,8 +79,10 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 class _Sse:
     @staticmethod
     def data(obj: BaseModel | dict) -> bytes:
-        text = obj.model_dump_json(exclude_none=True) if isinstance(obj, BaseModel) else json.dumps(obj)
-        return f"data: {text}\n\n".encode()
+        # ASCII-escaped: generated text may hold U+2028, U+0085, ... which line splitters
+        # (not the SSE spec's, but many clients') take for line breaks inside the event.
+        payload = obj.model_dump(exclude_none=True) if isinstance(obj, BaseModel) else obj
+        return f"data: {json.dumps(payload, ensure_ascii=True, separators=(',', ':'))}\n\n".encode()
 
     done = b"data: [DONE]\n\n"
 
