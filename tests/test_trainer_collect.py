@@ -1,0 +1,87 @@
+"""Rollout collection over several gRPC streams with rewards scored as completions arrive.
+
+Real rollout server on 127.0.0.1 (two clients on it stand in for two rollout
+servers: two concurrent BatchGenerate streams, prompts split between them).
+The reward source is an in-process recorder, so the test can see which
+prompt and answer each completion was scored against and when.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rollout_helpers import ServerThread
+from tlt.services.trainer.collect import RolloutError, collect, sampling_params
+from tlt.services.trainer.rewards import RewardResult
+from tlt.services.trainer.types import PromptItem
+
+
+class Recorder:
+    """A reward source that remembers every submission (and when results() was asked for)."""
+
+    def __init__(self) -> None:
+        self.submits: list[tuple[float, str, str, str, str]] = []
+        self.results_at = 0.0
+        self.threads: set[int] = set()
+
+    def begin(self):
+        rec = self
+
+        class Batch:
+            def submit(self, key, prompt, completion, answer):
+                rec.threads.add(threading.get_ident())
+                rec.submits.append((time.perf_counter(), key, prompt, completion, answer))
+
+            def results(self):
+                rec.results_at = time.perf_counter()
+                return {k: RewardResult(float(len(c)), True) for _, k, _, c, _ in rec.submits}
+
+        return Batch()
+
+    def close(self) -> None:
+        pass
+
+
+def test_collect_over_two_streams(random_model_dir):
+    from transformers import AutoTokenizer
+
+    from tlt.services.rollout.client import RolloutClient
+
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    prompts = [PromptItem(i, f"<|im_start|>user\nCompute mod 10: {i} +{i + 1}<|im_end|>\n<|im_start|>assistant\n",
+                          str(i)) for i in range(5)]
+    rec = Recorder()
+    with ServerThread(random_model_dir, replicas=1) as server:
+        clients = [RolloutClient(server.grpc_address), RolloutClient(server.grpc_address)]
+        try:
+            res = collect(prompts, clients, rec, n=3, params=sampling_params(8, 1.0, 1.0), step=7)
+        finally:
+            for c in clients:
+                c.close()
+    assert len(res.samples) == 15
+    assert sorted((s.prompt_index, s.sample_index) for s in res.samples) == [(g, k) for g in range(5) for k in range(3)]
+    by_key = {k: (p, a) for _, k, p, _, a in rec.submits}
+    for s in res.samples:
+        item = prompts[s.prompt_index]
+        # the completion was generated from this prompt and scored against its own answer
+        assert list(s.prompt_ids) == tok.encode(item.prompt)
+        assert by_key[f"7-{s.prompt_index}-{s.sample_index}"] == (item.prompt, item.answer)
+        assert s.reward == float(len(s.text)) and 1 <= len(s.response_ids) <= 8
+        assert s.rollout_logprobs is not None and len(s.rollout_logprobs) == len(s.response_ids)
+        assert s.policy_version == 0
+    # every completion was handed to the reward source before results() was asked for, all from one thread
+    assert max(t for t, *_ in rec.submits) <= rec.results_at and len(rec.threads) == 1
+    assert res.times["rollout_s"] > 0 and res.times["reward_tail_s"] >= 0
+
+
+def test_rollout_failure_fails_the_step(random_model_dir):
+    from tlt.services.rollout.client import RolloutClient
+
+    with ServerThread(random_model_dir, replicas=1) as server, RolloutClient(server.grpc_address) as client:
+        # max_tokens beyond the context length: the server refuses the batch (INVALID_ARGUMENT)
+        with pytest.raises(RolloutError, match=f"rollout server {server.grpc_address} failed: StatusCode.INVALID_ARGUMENT"):
+            collect([PromptItem(0, "hello", "1")], [client], Recorder(), n=2,
+                    params=sampling_params(100_000, 1.0, 1.0), step=0)
