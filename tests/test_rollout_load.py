@@ -58,6 +58,7 @@ async def _client(base: str, model: str, seed: int, deadline: float, lat: list, 
                         chunk = json.loads(data)
                         if "error" in chunk:
                             errors.append(chunk["error"]["message"])
+                            continue
                         for ch in chunk["choices"]:
                             finished |= ch.get("finish_reason") is not None
                     if not drop:
