@@ -110,7 +110,8 @@ def test_kl_to_reference_and_features(tmp_path):
 def test_response_logprobs_match_unpadded_forward():
     """Right padding and batching do not change any response token's logprob."""
     model = tiny_qwen2().eval()
-    prompts, responses = [(5, 6, 7), (9,)], [(10, 11), (12, 13, 14, 15)]
+    # shortest prompt has 3 tokens: logits are kept only from position 2 on
+    prompts, responses = [(5, 6, 7), (9, 3, 4, 5, 6)], [(10, 11), (12, 13, 14, 15)]
     batched = response_logprobs(model, TokenBatch.build(prompts, responses), temperature=0.7)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids = torch.tensor([list(p) + list(r)])

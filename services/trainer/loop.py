@@ -87,8 +87,12 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     items = load_prompts(cfg.data_path) if cfg.data_path else synthetic_prompts(cfg.synthetic_problems, cfg.seed)
     sampler = PromptSampler(items, cfg.seed)
     policy = Policy(cfg)
-    reference = ReferencePolicy(cfg.reference_model_dir or cfg.model_dir, policy.device, cfg.temperature) \
-        if cfg.kl_beta > 0 else None
+    reference = None
+    if cfg.kl_beta > 0:
+        import torch
+
+        ref_dtype = torch.bfloat16 if policy.bf16 else torch.float32
+        reference = ReferencePolicy(cfg.reference_model_dir or cfg.model_dir, policy.device, cfg.temperature, ref_dtype)
     ckpt = CheckpointManager(out / "checkpoints", cfg.keep_checkpoints)
     start, resumed_from = 0, None
     if cfg.resume and (state := ckpt.load(policy, sampler)) is not None:

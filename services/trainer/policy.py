@@ -101,10 +101,15 @@ def response_logprobs(
     the same temperature the rollout sampled with, so old / new / reference
     logprobs and the rollout's own logprobs are on one scale.
     """
+    # Only positions from the earliest response start get logits (logits_to_keep keeps the
+    # last k): long prompts cost no lm_head work and no [B, L, V] memory.
+    length = batch.input_ids.shape[1]
+    first = int(batch.response_index.min())
+    keep = length - first
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=with_hidden,
-                use_cache=False)
-    logits = out.logits
-    idx = batch.response_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+                use_cache=False, logits_to_keep=keep)
+    logits = out.logits  # [B, keep, V]; position p of the sequence is row p - first
+    idx = (batch.response_index - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     z = torch.gather(logits, 1, idx).float() / temperature  # [B, R, V]
     chosen = torch.gather(z, 2, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     logp = (chosen - torch.logsumexp(z, dim=-1)) * batch.response_mask
