@@ -14,6 +14,9 @@ as the reference. Nothing is faked.
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 import safetensors.torch
 import torch
@@ -34,11 +37,16 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(model_dir):
+def server(model_dir):
     with ServerThread(model_dir, replicas=2) as s:
-        c = RolloutClient(s.grpc_address, timeout_s=120)
-        yield c
-        c.close()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = RolloutClient(server.grpc_address, timeout_s=120)
+    yield c
+    c.close()
 
 
 def rollout(client) -> list[rollout_pb2.Completion]:
@@ -129,3 +137,24 @@ def test_drafter_push_without_drafter_is_refused(client):
     resp = push_raw(client, *pack_state_dict({"fc.weight": torch.zeros(4, 4)}, common_pb2.WEIGHT_KIND_DRAFTER, 1))
     assert not resp.ok and "drafter" in resp.error
     assert client.status().versions.drafter == -1
+
+
+def test_in_flight_sequence_straddling_a_swap_is_stamped_with_both_versions(server, client, model_dir):
+    """A swap lands between steps; the running sequence continues on the new weights and says so."""
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    v = client.status().versions.policy + 1
+    body = {"model": server.model_name, "prompt": "1+2=", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    chunks = []
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks.append(json.loads(line[len("data: "):]))
+            if len(chunks) == 3:  # mid-sequence: push new weights while it decodes
+                resp = client.update_weights({"lm_head.weight": original["lm_head.weight"] * 1.5}, "policy", v)
+                assert resp.ok
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length"
+    assert last["tlt_versions"]["policy"] == v
+    assert last["tlt_versions"]["policy_min"] == v - 1

@@ -7,14 +7,17 @@
                    engine's expected_weights) -> every replica applies it between two engine steps
     GetStatus:     per replica: state, running, queued, KV use, versions, SD status, alive
 
-Weight swaps and in-flight requests: requests are NOT paused or restarted.
-A swap lands on each replica between two engine steps; sequences already
-running continue with the new weights from the next step on (their KV cache,
-computed by the old weights, is kept). Every Completion carries the versions
-the engine stamps on it (the engine records which policy version produced the
-sequence's tokens, see `services/rollout/engine/engine.py`), so the trainer
-can drop or reweight sequences that straddle a swap. In RL the trainer
-usually pushes between rollout phases, when nothing is in flight.
+Weight swaps and in-flight requests: requests are NOT paused, aborted or
+restarted. A swap lands on each replica between two engine steps; sequences
+already running continue with the new weights from the next step on (their KV
+cache, computed by the old weights, is kept). The engine records the policy
+version of every token (`services/rollout/engine/engine.py`); a Completion's
+`versions.policy` is the NEWEST version that produced any of its tokens. The
+oldest (`Versions.policy_min`, set only for a sequence that straddled a swap)
+is shown over HTTP in `tlt_versions.policy_min`, but tlt.v1.WeightVersions has
+no field for it yet, so over gRPC a straddling sequence is not flagged: push
+between rollout phases (as the trainer does, when nothing is in flight) or
+compare against the version you pushed.
 
 Invalid requests get INVALID_ARGUMENT with the reason; a bad weight push
 answers ok=false with the reason and changes nothing; a missing or wrong

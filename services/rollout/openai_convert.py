@@ -30,15 +30,19 @@ from tlt.services.rollout.types import CompletionOutput, Versions
 
 
 def tlt_versions(v: Versions) -> TltVersions:
-    return TltVersions(policy=int(v.policy), drafter=int(v.drafter))
+    pmin = v.policy_min
+    return TltVersions(policy=int(v.policy), drafter=int(v.drafter), policy_min=None if pmin is None else int(pmin))
 
 
 def response_versions(outputs: list[CompletionOutput]) -> TltVersions | None:
-    """The response-level stamp: the versions every choice shares, else the newest policy (choices carry their own)."""
+    """The response-level stamp over all choices (each choice also carries its own): newest
+    policy and drafter, and `policy_min` = the oldest policy when the choices span several."""
     if not outputs:
         return None
-    newest = max(outputs, key=lambda c: (c.versions.policy, c.versions.drafter))
-    return tlt_versions(newest.versions)
+    newest = max(c.versions.policy for c in outputs)
+    oldest = min(c.versions.policy if c.versions.policy_min is None else c.versions.policy_min for c in outputs)
+    drafter = max(c.versions.drafter for c in outputs)
+    return TltVersions(policy=newest, drafter=drafter, policy_min=oldest if oldest != newest else None)
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:

@@ -153,10 +153,12 @@ class Usage(BaseModel):
 
 
 class TltVersions(BaseModel):
-    """The weight versions that produced every token of the response."""
+    """The weight versions that produced the tokens: `policy` the newest; `policy_min` the oldest,
+    present only when a weight swap landed while the sequence(s) were generating."""
 
     policy: int
     drafter: int
+    policy_min: int | None = None
 
 
 class CompletionLogprobs(BaseModel):
