@@ -246,8 +246,18 @@ def test_failed_update_still_closes_the_session_and_continues(model_dir):
 
     fake.update_weights_from_tensor = refuse
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        eng.update_weights("policy", {"w": torch.ones(1)}, version=1)
+        eng.update_weights("policy", {"model.embed_tokens.weight": torch.ones(64, 8)}, version=1)
     assert fake.calls[-2:] == [("end",), ("continue",)] and eng.versions.policy == 0
+
+
+def test_bad_push_is_rejected_before_sglang_sees_it(model_dir):
+    eng, fake = make_engine(model_dir)
+    for bad in ({"model.embed_tokens.weight": torch.ones(64, 9)}, {"model.nope.weight": torch.ones(1)}, {}):
+        with pytest.raises(ValueError, match="rejected|no tensors"):
+            eng.update_weights("policy", bad, version=1)
+    assert fake.calls == [] and eng.versions.policy == 0
+    eng.update_weights("policy", {"lm_head.weight": torch.ones(64, 8)}, version=1)  # tied to embed_tokens
+    assert eng.versions.policy == 1
 
 
 def test_resume_repushes_the_drafter(model_dir):

@@ -28,7 +28,6 @@ tp_worker.model_runner.model, ...)`), a known way to lose the drafter.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -40,6 +39,7 @@ from tlt.services.common.config import load_config
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.sglang_backend.client import SGLangClient
 from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+from tlt.services.rollout.sglang_backend.model_info import ModelInfo, checkpoint_specs
 from tlt.services.rollout.sglang_backend.requests import (
     SampleState,
     StreamChunk,
@@ -57,31 +57,6 @@ from tlt.services.rollout.types import (
 )
 
 log = get_logger("rollout.sglang")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the servers need to know about the served model, read from config.json."""
-
-    vocab_size: int
-    hidden_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_dir(cls, model_dir: str) -> ModelInfo:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        eos = cfg.get("eos_token_id")
-        gen = Path(model_dir) / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            eos_token_ids=eos_ids,
-        )
 
 
 @dataclass
@@ -238,6 +213,7 @@ class SGLangEngine:
         if version <= (self.versions.policy if kind == "policy" else self.versions.drafter):
             raise ValueError(f"{kind} version {version} is not newer than the serving one")
         call = tensor_update_call(kind, list(tensors), version)
+        self._validate(kind, tensors)
         named = list(tensors.items())
         t0 = time.perf_counter()
         if kind == "policy":
@@ -269,17 +245,33 @@ class SGLangEngine:
         finally:
             self._client.end_weight_update()
 
+    def _validate(self, kind: str, tensors: Mapping[str, Any]) -> None:
+        """Names and shapes against the checkpoint on disk, before SGLang sees anything.
+
+        SGLang loads a tensor update name by name, so a bad tensor found halfway
+        would leave a partial update; checking everything first keeps a bad push
+        from changing anything (ValueError: the replica reports it and goes on).
+        """
+        if not tensors:
+            raise ValueError("weight update has no tensors")
+        folder = self._model_dir if kind == "policy" else self.config.draft_model_path
+        expected = checkpoint_specs(folder) if folder and Path(folder).is_dir() else None
+        if expected is None:
+            return
+        if kind == "policy" and "lm_head.weight" not in expected and "model.embed_tokens.weight" in expected:
+            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]  # tied embeddings
+        problems = []
+        for name, t in tensors.items():
+            if name not in expected:
+                problems.append(f"unknown tensor {name!r}")
+            elif tuple(t.shape) != expected[name][0]:
+                problems.append(f"{name}: shape {tuple(t.shape)} != {expected[name][0]}")
+        if problems:
+            raise ValueError(f"{kind} update rejected, nothing applied: " + "; ".join(problems[:8]))
+
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         """Names, shapes and dtypes of the policy weights, read from the safetensors headers."""
-        from safetensors import safe_open
-
-        out: dict[str, tuple[tuple[int, ...], Any]] = {}
-        for path in sorted(Path(self._model_dir).glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    out[name] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-        return out
+        return checkpoint_specs(self._model_dir)
 
     # -- colocation -------------------------------------------------------------------------
 
@@ -332,9 +324,6 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         self._client.shutdown()
-
-
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
 
 
 def _to_cpu(t: Any) -> Any:

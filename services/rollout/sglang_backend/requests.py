@@ -22,7 +22,7 @@ whose "type" is "stop", "length" or "abort".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tlt.services.rollout.types import FinishReason, GenerationRequest, SamplingParams
@@ -196,4 +196,3 @@ class SampleState:
     drafter_version: int
     emitted: int = 0
     spanned_policy_update: bool = False
-    hidden: list[Any] = field(default_factory=list)
