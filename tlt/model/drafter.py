@@ -174,13 +174,16 @@ class Drafter(nn.Module):
         cache: DrafterCache | None = None,
         cache_rows: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        prefix_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] (x_{t+1}), features [B, T, H] (h_t), positions [B, T] -> h' [B, T, H].
 
         Without a cache (training): causal attention within each segment (`segment_ids` [B, T], so packed
         sequences never see each other). With a cache: the new tokens of row r = cache_rows[b] are appended
         after its `lengths[r]` cached entries and attend to all of them plus the new tokens that
-        `tree_mask` [B, T, T] allows (default causal); lengths grow by T.
+        `tree_mask` [B, T, T] allows (default causal); lengths grow by T. `prefix_mask` [B, T, P] (tree
+        drafting) hides cached entries: key j < P is visible to new token i only where it is True (earlier
+        drafted levels: only a node's ancestors); cached keys at or past P stay visible.
         """
         c = self.cfg
         b, t = input_ids.shape
@@ -211,6 +214,9 @@ class Drafter(nn.Module):
             new = tree_mask if tree_mask is not None else causal[None].expand(b, t, t)
             key = torch.arange(span, device=x.device)
             old = (key[None, None, :] < start[:, None, None]).expand(b, t, span)
+            if prefix_mask is not None:
+                pm = prefix_mask[..., :span].to(torch.bool)
+                old = old & F.pad(pm, (0, span - pm.shape[-1]), value=True)
             rel = key[None, None, :] - start[:, None, None]  # index among the new tokens
             inside = (rel >= 0) & (rel < t)
             new_ok = new.gather(2, rel.clamp(0, t - 1).expand(b, t, span))

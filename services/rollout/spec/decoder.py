@@ -1,0 +1,171 @@
+"""SpecDecoder: one speculative decode step for a decode-only batch of the native engine.
+
+    wants(batch)  -> SD on/off by batch size with hysteresis (switch.py)
+    decode(seqs)  -> arm (bandit or static) -> draft trees (n-gram or EAGLE, drafting.py)
+                  -> reserve KV slots for the nodes -> ONE target forward over all trees (tree masks
+                     over the paged KV cache) -> one target token per node (argmax, or one draw from
+                     the filtered q with the sequence's own generator) -> tree walk (accept.py)
+                  -> copy the accepted nodes' K/V to their final slots -> SpecEmission per sequence
+
+Each sequence in a decode batch has every token but its last in the KV cache (num_computed =
+num_tokens - 1). The tree's root is that last token, at cache position c = num_computed; node i
+is written at slot c + i with RoPE position c + depth_i. After acceptance the root and the accepted
+nodes (path[1..a]) must sit at c .. c + a: copied there. num_computed becomes c + 1 + a; the emitted
+bonus token is the new last token. The caller (the engine) appends the emitted tokens with its usual
+per-token stop checks and stamps; tokens after a stop are dropped and the sequence finishes.
+Returns None (the caller decodes plainly) when the KV cache has no room for the drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tlt.services.rollout.engine.block_manager import BlockManager
+from tlt.services.rollout.engine.model_runner import ModelRunner
+from tlt.services.rollout.engine.scheduler import ScheduledBatch
+from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.spec.accept import emitted_logprobs, node_targets, tree_accept
+from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
+from tlt.services.rollout.spec.config import SpecConfig
+from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
+from tlt.services.rollout.spec.switch import SpecSwitch
+from tlt.services.rollout.spec.tree import Arm, ancestor_mask
+
+
+@dataclass
+class SpecEmission:
+    """Tokens one verify step emits for one sequence (accepted drafts, then the bonus)."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log q of each token under the sampling filters (raw log-softmax when greedy)
+    hidden: torch.Tensor  # [len, H] target feature (post final norm) that produced each token
+
+
+class SpecDecoder:
+    def __init__(self, config: SpecConfig, runner: ModelRunner, block_manager: BlockManager, drafter=None) -> None:
+        self.config = config
+        self.runner = runner
+        self.bm = block_manager
+        self.switch = SpecSwitch(config.threshold, config.hysteresis_steps)
+        self.static_arm = Arm.parse(config.static_arm)
+        self.bandit = BucketedEpsilonGreedy(config.bucket_thresholds, config.arms(), config.epsilon, config.window,
+                                            config.verify_token_budget or None, config.seed)
+        if config.drafter == "learned":
+            if drafter is None:
+                raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
+            self.source: NgramSource | EagleSource = EagleSource(drafter)
+        else:
+            self.source = NgramSource(config.ngram_min, config.ngram_max)
+        self._spare_gen = torch.Generator().manual_seed(config.seed)  # uniforms for greedy rows (unused)
+        self.verify_steps = 0
+        self.seq_steps = 0
+        self.emitted_tokens = 0
+        self.drafted_tokens = 0
+        self.last_arm: Arm | None = None
+        self.no_room = 0
+
+    # ---------------------------------------------------------------- control
+    def wants(self, batch: ScheduledBatch) -> bool:
+        """Call once per engine step with the scheduled batch: speculate in this step?"""
+        if self.config.mode == "off":
+            return False
+        on = self.switch.update(len(batch.seqs))
+        return on and bool(batch.seqs) and batch.is_decode_only
+
+    def choose_arm(self, batch_size: int) -> Arm:
+        return self.static_arm if self.config.mode == "static" else self.bandit.choose(batch_size)
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[SpecEmission] | None:
+        t0 = time.perf_counter()
+        for s in seqs:
+            if s.num_computed != s.num_tokens - 1:
+                raise ValueError(f"{s} is not in decode state (num_computed must be num_tokens - 1)")
+        arm = self.choose_arm(len(seqs))
+        tree, counts = self.source.draft(seqs, arm)
+        n_list = counts.tolist()
+        if not self._reserve(seqs, n_list):
+            self.no_room += 1
+            return None
+        dev = self.runner.device
+        ctx = [s.num_computed for s in seqs]
+        valid = torch.arange(tree.num_nodes)[None, :] < counts[:, None]  # [B, N] real (non-padding) nodes
+        masks = ancestor_mask(tree.parents)  # padding nodes (past each count) are sliced away below
+        ids = tree.tokens[valid].to(dev)
+        positions = (torch.tensor(ctx)[:, None] + tree.depth)[valid].to(dev)
+        hidden = self.runner.extend(ids, positions, n_list, ctx, [s.block_table for s in seqs],
+                                    [masks[i, :n, :n].to(dev) for i, n in enumerate(n_list)])
+        logits = self.runner.model.compute_logits(hidden).float().cpu()
+        b, n_max = tree.tokens.shape
+        full = torch.zeros(b, n_max, logits.shape[-1])
+        full[valid] = logits
+        hid = torch.zeros(b, n_max, hidden.shape[-1], dtype=hidden.dtype)
+        hid[valid] = hidden.cpu()
+        p = [s.params for s in seqs]
+        nt = node_targets(full, torch.tensor([x.temperature for x in p]), torch.tensor([x.top_k for x in p]),
+                          torch.tensor([x.top_p for x in p]), torch.tensor([x.min_p for x in p]),
+                          [s.generator or self._spare_gen for s in seqs])
+        res = tree_accept(tree.tokens, tree.parents, nt.tokens)
+        lps = emitted_logprobs(res, nt.logprobs)
+        src, dst, out = [], [], []
+        for i, s in enumerate(seqs):
+            a = int(res.accept_len[i])
+            path = res.path[i, : a + 1].tolist()
+            for k in range(1, a + 1):
+                if path[k] != k:
+                    src.append(self.runner.slot(s, ctx[i] + path[k]))
+                    dst.append(self.runner.slot(s, ctx[i] + k))
+            s.num_computed = ctx[i] + 1 + a
+            out.append(SpecEmission(res.tokens[i, : a + 1].tolist(), lps[i, : a + 1].tolist(), hid[i, path]))
+        if src:
+            self.runner.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        self.source.observe(seqs, [e.token_ids for e in out], [list(e.hidden) for e in out],
+                            [c + 1 for c in ctx])
+        emitted = sum(len(e.token_ids) for e in out)
+        self.verify_steps += 1
+        self.seq_steps += len(seqs)
+        self.emitted_tokens += emitted
+        self.drafted_tokens += int(counts.sum()) - len(seqs)
+        self.last_arm = arm
+        if self.config.mode == "adaptive":
+            self.bandit.record(len(seqs), arm, emitted, time.perf_counter() - t0)
+        return out
+
+    def _reserve(self, seqs: list[Sequence], n_nodes: list[int]) -> bool:
+        """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out."""
+        bs = self.bm.block_size
+        need = [max(0, self.bm.blocks_needed(s.num_computed + n) - len(s.block_table)) for s, n in zip(seqs, n_nodes)]
+        if sum(need) > self.bm.num_free:
+            return False
+        for s, k in zip(seqs, need):
+            for _ in range(k):
+                s.block_table.append(self.bm._take_free().id)  # extra blocks stay with the sequence as it grows
+        assert all(len(s.block_table) * bs >= s.num_computed + n for s, n in zip(seqs, n_nodes))
+        return True
+
+    # ---------------------------------------------------------------- lifecycle
+    def release(self, seq: Sequence) -> None:
+        """A sequence finished or was preempted: drop its drafting state."""
+        self.source.release(seq)
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        if not isinstance(self.source, EagleSource):
+            raise ValueError("this engine drafts with n-grams (spec drafter = 'ngram'); it has no drafter weights to update")
+        self.source.drafter.load_tensors(tensors)  # validates everything before copying
+        self.source.reset()
+
+    def stats(self) -> dict:
+        return {
+            "on": self.switch.on,
+            "switches": self.switch.switches,
+            "verify_steps": self.verify_steps,
+            "emitted_tokens": self.emitted_tokens,
+            "mean_accept_len": self.emitted_tokens / max(1, self.seq_steps),  # tokens per sequence per verify
+            "drafted_tokens": self.drafted_tokens,
+            "last_arm": None if self.last_arm is None else self.last_arm.name,
+            "no_room": self.no_room,
+        }

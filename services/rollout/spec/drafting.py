@@ -1,0 +1,209 @@
+"""Draft sources for the SpecDecoder: the model-free n-gram drafter and the learned EAGLE drafter.
+
+Both turn a decode batch into a batch of draft trees (`DraftTree` [B, N] + node counts [B]) rooted at
+each sequence's last token, and learn what was accepted through `observe`.
+
+EAGLE state per sequence (a row of the drafter's own small KV cache): pairs (x_{t+1}, h_t) are fed
+lazily. After a verify step, the emitted tokens and the target features that produced them are
+exactly the next pairs, ending with (bonus token, h of the last accepted node): the root pair of the
+next tree, so feeding them also yields the root's h' and the first draft level. If a sequence's pairs
+do not reach its last token (it was decoded without speculation and nobody fed `observe`, or it is
+new), its row restarts cold: a root-only tree this step (one plain verify, still lossless), after
+which it is warm. The target's features for the cold context are never recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from tlt.model.drafter import Drafter, DrafterCache
+from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.spec.ngram import NgramIndex, pad_trees, trie_tree
+from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree
+
+
+def seq_key(seq: Sequence) -> tuple[str, int]:
+    return (seq.request_id, seq.sample_index)
+
+
+class NgramSource:
+    """Suffix matching over each request's own tokens and its siblings' (one index per request)."""
+
+    def __init__(self, min_n: int, max_n: int, max_groups: int = 1024) -> None:
+        self.min_n, self.max_n, self.max_groups = min_n, max_n, max_groups
+        self.groups: OrderedDict[str, NgramIndex] = OrderedDict()
+
+    def _sync(self, seq: Sequence) -> NgramIndex:
+        idx = self.groups.get(seq.request_id)
+        if idx is None:
+            idx = self.groups[seq.request_id] = NgramIndex(self.min_n, self.max_n)
+            while len(self.groups) > self.max_groups:
+                self.groups.popitem(last=False)
+        self.groups.move_to_end(seq.request_id)
+        have = len(idx.seqs.get(seq.sample_index, ()))
+        idx.extend(seq.sample_index, seq.token_ids[have:])
+        return idx
+
+    def draft(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
+        return pad_trees([self._sync(s).propose(s.sample_index, arm) for s in seqs])
+
+    def observe(self, seqs, emitted, hidden, paths) -> None:
+        """Nothing to do: indexes catch up from the sequences' tokens when next drafted."""
+
+    def release(self, seq: Sequence) -> None:
+        if seq.request_id in self.groups:
+            self._sync(seq)  # keep a finished sibling's full text for the others
+
+    def reset(self) -> None:
+        pass
+
+
+class EagleSource:
+    """EAGLE-2 tree drafting with the learned drafter and its own per-sequence KV rows."""
+
+    def __init__(self, drafter: Drafter, capacity: int = 256) -> None:
+        self.drafter = drafter
+        self.dtype = next(drafter.parameters()).dtype
+        self.device = next(drafter.parameters()).device
+        self.cache = DrafterCache(drafter.cfg, rows=8, capacity=capacity, dtype=self.dtype, device=self.device)
+        self.rows: dict[tuple[str, int], int] = {}
+        self.free_rows: list[int] = list(range(8))[::-1]
+        # per sequence: pending pairs (tokens, features [k, H], first position), the position of the
+        # last pair fed, and the drafter output of that pair (h' of the root when it is the root pair)
+        self.pending: dict[tuple[str, int], tuple[list[int], list[torch.Tensor], int]] = {}
+        self.fed_pos: dict[tuple[str, int], int] = {}
+        self.last_h: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _row(self, key: tuple[str, int]) -> int:
+        if key not in self.rows:
+            if not self.free_rows:
+                n = self.cache.k.shape[0]
+                pad = (0, 0, 0, 0, 0, 0, 0, n)
+                self.cache.k = torch.nn.functional.pad(self.cache.k, pad)
+                self.cache.v = torch.nn.functional.pad(self.cache.v, pad)
+                self.cache.lengths = torch.nn.functional.pad(self.cache.lengths, (0, n))
+                self.free_rows = list(range(n, 2 * n))[::-1]
+            self.rows[key] = self.free_rows.pop()
+            self.cache.lengths[self.rows[key]] = 0
+        return self.rows[key]
+
+    @torch.inference_mode()
+    def _feed(self, seq: Sequence) -> bool:
+        """Feed pending pairs; True when the sequence's root pair has been fed (warm)."""
+        key = seq_key(seq)
+        row = self._row(key)
+        root_pos = seq.num_tokens - 1
+        pend = self.pending.pop(key, None)
+        if pend is not None:
+            toks, feats, first = pend
+            if self.fed_pos.get(key, first - 1) != first - 1:  # a gap: restart the row from these pairs
+                self.cache.lengths[row] = 0
+            out = self.drafter(
+                torch.tensor([toks], device=self.device), torch.stack(feats)[None].to(self.device, self.dtype),
+                torch.arange(first, first + len(toks), device=self.device)[None],
+                cache=self.cache, cache_rows=torch.tensor([row], device=self.device),
+            )
+            self.fed_pos[key] = first + len(toks) - 1
+            self.last_h[key] = out[0, -1]
+        if self.fed_pos.get(key) != root_pos:
+            self.cache.lengths[row] = 0
+            self.fed_pos.pop(key, None)
+            self.last_h.pop(key, None)
+            return False
+        return True
+
+    @torch.inference_mode()
+    def draft(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
+        warm = [self._feed(s) for s in seqs]
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        idx = [i for i, w in enumerate(warm) if w]
+        if idx:
+            batch = self._tree([seqs[i] for i in idx], arm)
+            for j, i in enumerate(idx):
+                trees[i] = DraftTree(batch.tokens[j : j + 1], batch.parents[j : j + 1], batch.depth[j : j + 1],
+                                     batch.score[j : j + 1])
+        for i, s in enumerate(seqs):
+            if trees[i] is None:
+                trees[i] = trie_tree(s.token_ids[-1], [], 1)
+        return pad_trees(trees)  # type: ignore[arg-type]
+
+    def _tree(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
+        """EAGLE-2 drafting for warm sequences. Candidate ids follow `build_tree`'s numbering; each row
+        tracks its own candidates' parents, drafter outputs h' and drafter-cache offsets, because the
+        beams (and so the tree shapes) differ between rows."""
+        d, dev = self.drafter, self.device
+        b = len(seqs)
+        keys = [seq_key(s) for s in seqs]
+        rows = torch.tensor([self.rows[k] for k in keys], device=dev)
+        committed = self.cache.lengths[rows].clone()
+        root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=dev)
+        root_h = torch.stack([self.last_h[k] for k in keys])  # h' of each root pair
+        parent: list[dict[int, int]] = [{0: -1} for _ in range(b)]
+        h_out: list[dict[int, torch.Tensor]] = [{0: root_h[r]} for r in range(b)]
+        offset: list[dict[int, int]] = [{} for _ in range(b)]  # drafted node -> cache offset past committed
+        track = {"base": 1, "prev": None}
+
+        def expand(step: int, beam: torch.Tensor, beam_tokens: torch.Tensor) -> torch.Tensor:
+            if step == 0:
+                track["prev"] = beam
+                return d.compute_logits(root_h).float().log_softmax(-1)[:, None]
+            prev = track["prev"]  # the beam expanded at step - 1 created candidates base .. base + n - 1
+            n_new = prev.shape[1] * arm.topk
+            for r in range(b):
+                for c in range(track["base"], track["base"] + n_new):
+                    parent[r][c] = int(prev[r, (c - track["base"]) // arm.topk])
+            track["base"] += n_new
+            track["prev"] = beam
+            k = beam.shape[1]
+            feats = torch.empty(b, k, root_h.shape[-1], dtype=self.dtype, device=dev)
+            span = int(committed.max()) + (step - 1) * k
+            # a drafted node sees the verified context and, among drafted nodes, only its ancestors
+            pmask = (torch.arange(span, device=dev)[None, None, :] < committed[:, None, None]).expand(b, k, span).clone()
+            for r in range(b):
+                for j in range(k):
+                    p = parent[r][int(beam[r, j])]
+                    feats[r, j] = h_out[r][p]  # the pair (x_node, h'_parent)
+                    while p > 0:
+                        pmask[r, j, int(committed[r]) + offset[r][p]] = True
+                        p = parent[r][p]
+            out = d(beam_tokens.to(dev), feats, (root_pos[:, None] + step).expand(b, k), cache=self.cache,
+                    cache_rows=rows, tree_mask=torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k),
+                    prefix_mask=pmask)
+            for r in range(b):
+                for j in range(k):
+                    cid = int(beam[r, j])
+                    h_out[r][cid] = out[r, j]
+                    offset[r][cid] = (step - 1) * k + j
+            return d.compute_logits(out).float().log_softmax(-1)
+
+        tree = build_tree(torch.tensor([s.token_ids[-1] for s in seqs], device=dev), expand, arm)
+        self.cache.truncate(rows, committed)  # drop the drafted nodes: only verified pairs stay
+        return tree
+
+    def observe(self, seqs: list[Sequence], emitted: list[list[int]], hidden: list[torch.Tensor], first_pos: list[int]) -> None:
+        """After a verify step: emitted[i][k] was produced by the target feature hidden[i][k] at position
+        first_pos[i] + k - 1, so the pairs are (emitted[i][k], hidden[i][k]) at positions first_pos[i] + k."""
+        for s, toks, feats, pos in zip(seqs, emitted, hidden, first_pos):
+            key = seq_key(s)
+            old = self.pending.get(key)
+            if old is not None and old[2] + len(old[0]) == pos:
+                self.pending[key] = (old[0] + list(toks), old[1] + list(feats), old[2])
+            else:
+                self.pending[key] = (list(toks), list(feats), pos)
+
+    def release(self, seq: Sequence) -> None:
+        key = seq_key(seq)
+        row = self.rows.pop(key, None)
+        if row is not None:
+            self.free_rows.append(row)
+        for d in (self.pending, self.fed_pos, self.last_h):
+            d.pop(key, None)
+
+    def reset(self) -> None:
+        """New drafter weights: every cached drafter K/V is stale; rows restart cold."""
+        self.cache.lengths.zero_()
+        self.pending.clear()
+        self.fed_pos.clear()
+        self.last_h.clear()

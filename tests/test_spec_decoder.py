@@ -1,0 +1,155 @@
+"""SpecDecoder inside the native engine on a tiny random Qwen2 checkpoint (built in code, no downloads).
+
+The engine's own step does not call the decoder yet (wiring is the engine owner's); `_spec_generate`
+below drives the engine's scheduler, runner and emission exactly as that wiring would: schedule ->
+SD step when the decoder wants it (else a plain step) -> append tokens with the engine's stop checks.
+Greedy speculative output must equal plain greedy output token for token, with both drafters, and
+the logprobs must match the plain engine's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tlt.model.drafter import Drafter, DrafterConfig, training_pairs
+from tlt.services.drafter.loss import drafter_loss
+from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.engine.engine import LLMEngine
+from tlt.services.rollout.engine.stop import check_stop
+from tlt.services.rollout.engine.testing import random_checkpoint
+from tlt.services.rollout.spec.config import SpecConfig
+from tlt.services.rollout.spec.decoder import SpecDecoder
+from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    return random_checkpoint(tmp_path_factory.mktemp("ckpt"), hidden_size=64, intermediate_size=128, num_layers=2,
+                             num_heads=4, num_kv_heads=2, max_position_embeddings=256, weight_scale=0.02)
+
+
+def _engine(ckpt, blocks=64):
+    return LLMEngine(ckpt, EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=256))
+
+
+def _spec_generate(engine, decoder, requests):
+    for r in requests:
+        engine.add_request(r)
+    done = {}
+    while engine.has_unfinished():
+        batch = engine.scheduler.schedule()
+        if not batch.seqs:
+            break
+        em = decoder.decode(batch.seqs) if decoder.wants(batch) else None
+        if em is None:
+            _, fin = engine._emit(_plain(engine, batch))
+        else:
+            fin = []
+            for seq, e in zip(batch.seqs, em):
+                for tok, lp in zip(e.token_ids, e.logprobs):
+                    seq.token_ids.append(tok)
+                    seq.record_version(engine.versions.policy)
+                    if seq.logprobs is not None:
+                        seq.logprobs.append(lp)
+                    reason = check_stop(seq, tok, engine.tokenizer, engine.max_model_len)
+                    if reason is not None:
+                        seq.finish_reason = reason
+                        engine.scheduler.finish(seq)
+                        decoder.release(seq)
+                        fin.append(engine._completion(seq))
+                        break
+        for c in fin:
+            done[(c.request_id, c.sample_index)] = c
+    return [done[(r.request_id, i)] for r in requests for i in range(r.n)]
+
+
+def _plain(engine, batch):
+    out = engine.runner.run(batch)
+    for seq, n in zip(batch.seqs, batch.num_new):
+        seq.num_computed += n
+        if n > 1:
+            engine.block_manager.mark_computed(seq)
+    return out
+
+
+def _requests(n_req=3, n=2, max_tokens=40):
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return [GenerationRequest(f"r{i}", tuple(torch.randint(3, 60, (5 + 3 * i,), generator=g).tolist()), params, n)
+            for i in range(n_req)]
+
+
+SPEC = dict(mode="adaptive", threshold=8, hysteresis_steps=2, bucket_thresholds=(1, 3),
+            bucket_arms=(("4_2_8", "3_1_4"), ("3_2_6", "2_1_3")))
+
+
+def test_greedy_spec_equals_plain_greedy_with_ngram_drafter(ckpt):
+    plain = _engine(ckpt).generate(_requests())
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **SPEC), eng.runner, eng.block_manager)
+    spec = _spec_generate(eng, dec, _requests())
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    for a, b in zip(spec, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    st = dec.stats()
+    assert st["verify_steps"] > 5
+    assert st["mean_accept_len"] > 1.0, st  # the random model repeats itself: n-grams get accepted
+
+
+def test_greedy_spec_equals_plain_greedy_with_learned_drafter(ckpt):
+    plain = _engine(ckpt).generate(_requests(2, 1, 24))
+    eng = _engine(ckpt)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **SPEC), eng.runner,
+                      eng.block_manager, drafter)
+    spec = _spec_generate(eng, dec, _requests(2, 1, 24))
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert dec.stats()["verify_steps"] > 5
+
+
+def test_no_room_for_drafts_falls_back_to_plain_decoding(ckpt):
+    plain = _engine(ckpt, blocks=64).generate(_requests(1, 1, 20))
+    eng = _engine(ckpt, blocks=7)  # 28 slots: a 25-token sequence leaves no room for 8-node trees at the end
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    cfg = SpecConfig(drafter="learned", drafter_path="(in memory)", **dict(SPEC, mode="static", static_arm="4_2_8"))
+    dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
+    spec = _spec_generate(eng, dec, _requests(1, 1, 20))
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert dec.stats()["no_room"] > 0 and dec.stats()["verify_steps"] > 0
+
+
+def test_trained_drafter_is_accepted(ckpt):
+    """Train the drafter on the target's own features (pairs built by `training_pairs`), then speculate:
+    acceptance well above 1 shows that training and inference align pairs the same way."""
+    reqs = _requests(2, 1, 40)
+    feat_reqs = [GenerationRequest(r.request_id, r.prompt_token_ids,
+                                   SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, return_features=True))
+                 for r in reqs]
+    eng = _engine(ckpt)
+    outs = eng.generate(feat_reqs)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    # both responses have 40 tokens: one batch [2, 40]; the pair at index j sits at position p - 1 + j + 1
+    toks = torch.tensor([[c.prompt_token_ids[-1], *c.token_ids[:-1]] for c in outs])  # positions p-1 .. p+n-2
+    pairs = training_pairs(toks, torch.stack([c.features.float() for c in outs]))
+    positions = pairs.positions + torch.tensor([[len(c.prompt_token_ids) - 1] for c in outs])
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    for _ in range(150):
+        pred = drafter(pairs.input_ids, pairs.features, positions)
+        loss = drafter_loss(pred, pairs.target, eng.model.lm_head)
+        opt.zero_grad()
+        loss.loss.backward()
+        opt.step()
+    assert loss.top1 > 0.9, loss
+    drafter.eval()
+    eng = _engine(ckpt)
+    drafter.set_shared(eng.model.embed, eng.model.lm_head)
+    dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **SPEC), eng.runner,
+                      eng.block_manager, drafter)
+    spec = _spec_generate(eng, dec, reqs)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in outs]
+    assert dec.stats()["mean_accept_len"] > 2.0, dec.stats()
