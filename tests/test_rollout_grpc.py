@@ -105,3 +105,39 @@ def test_status_shows_both_replicas_busy_then_idle(client):
         assert r.state == common_pb2.REPLICA_STATE_IDLE and r.running == 0 and r.queued == 0
         assert r.versions == common_pb2.WeightVersions(policy=0, drafter=-1)
         assert 0.0 <= r.kv_usage <= 1.0
+
+
+def test_replica_death_fails_its_requests_and_the_other_keeps_serving(server, client):
+    """Runs last in this module: it kills replica 1 (a process this test's server started)."""
+    import os
+    import signal
+
+    import grpc
+    import httpx
+
+    params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
+    errors: list[grpc.RpcError] = []
+
+    def long_batch() -> None:
+        try:
+            list(client.batch_generate(["1+2=", "3+4="], n=2, params=params))
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=long_batch)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(r.running > 0 for r in client.status().replicas):
+        time.sleep(0.05)
+    os.kill(server.server.replica_pids()[1], signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive()
+    assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert "replica 1 died" in errors[0].details()
+
+    st = client.status()
+    assert [(r.replica_id, r.alive) for r in st.replicas] == [(0, True), (1, False)]
+    got = list(client.batch_generate(["5+5=", "6+6="], n=2, params=rollout_pb2.SamplingParams(max_tokens=4)))
+    assert len(got) == 4 and {c.replica_id for c in got} == {0}
+    health = httpx.get(server.base_url.removesuffix("/v1") + "/health").json()
+    assert health["replicas_alive"] == 1
