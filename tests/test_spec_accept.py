@@ -98,3 +98,22 @@ def test_node_targets_greedy_rows_and_per_sequence_generators():
     many = node_targets(logits[:1].expand(2000, 4, 10), 0.7, top_k=2, generator=g).tokens
     top2 = logits[0].topk(2, -1).indices
     assert ((many[..., None] == top2[None]).any(-1)).all()
+
+
+def test_walk_agrees_with_the_kernel_reference_on_random_trees():
+    from tlt.kernels.tree_accept import tree_accept_ref
+
+    from tlt.services.rollout.spec.tree import Arm, build_tree
+
+    g = torch.Generator().manual_seed(1)
+    v = 6
+    table = torch.randn(v, v, generator=g).log_softmax(-1)
+    for arm in ("4_2_8", "3_3_12", "5_1_6"):
+        tree = build_tree(torch.randint(0, v, (64,), generator=g), lambda s, beam, tok: table[tok], Arm.parse(arm))
+        targets = torch.randint(0, v, tree.tokens.shape, generator=g)
+        ours = tree_accept(tree.tokens, tree.parents, targets)
+        ref = tree_accept_ref(tree.tokens, tree.parents, targets)
+        assert ours.accept_len.tolist() == ref.accept_len.tolist()
+        assert ours.path.tolist() == ref.path[:, : ours.path.shape[1]].tolist()
+        assert ours.tokens[torch.arange(64), ours.accept_len].tolist() == ref.bonus.tolist()
+        assert (ours.accept_len > 0).any()

@@ -34,12 +34,16 @@ Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 def uniforms(shape: tuple[int, ...], generator: Generators, device: torch.device | str = "cpu") -> torch.Tensor:
-    """U[0, 1) of `shape`; with a list of generators, row b of dim 0 comes from generator b."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(shape, generator=generator, device=device)
+    """U[0, 1) of `shape`; with a list of generators, row b of dim 0 comes from generator b.
+
+    Draws happen on each generator's own device (sequences own CPU generators) and are then moved."""
+    if generator is None:
+        return torch.rand(shape, device=device)
+    if isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, device=generator.device).to(device)
     if len(generator) != shape[0]:
         raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
-    return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generator])
+    return torch.stack([torch.rand(shape[1:], generator=g, device=g.device) for g in generator]).to(device)
 
 
 def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -111,7 +115,24 @@ def tree_accept(draft_tokens: torch.Tensor, parents: torch.Tensor, target_tokens
 
     draft_tokens, parents, target_tokens: [B, N]. Emits the accepted drafts and then the target token of
     the last node reached (the bonus). Exact for greedy and for sampling (see the module docstring).
+    On CUDA the walk is the fused kernel `tlt.kernels.tree_accept`; elsewhere `tree_accept_torch`.
     """
+    if draft_tokens.is_cuda:
+        from tlt.kernels.tree_accept import tree_accept as kernel
+
+        acc = kernel(draft_tokens, parents, target_tokens)
+        width = int(acc.accept_len.max()) + 1
+        path = acc.path[:, :width]
+        k = torch.arange(width, device=path.device)[None]
+        # the token emitted at step k is the target's choice at the node reached after k acceptances
+        tokens = torch.where(k <= acc.accept_len[:, None], target_tokens.gather(1, path.clamp(min=0)),
+                             torch.full_like(path, -1))
+        return AcceptResult(acc.accept_len, tokens, path)
+    return tree_accept_torch(draft_tokens, parents, target_tokens)
+
+
+def tree_accept_torch(draft_tokens: torch.Tensor, parents: torch.Tensor, target_tokens: torch.Tensor) -> AcceptResult:
+    """The vectorised PyTorch walk (one step per tree level for the whole batch)."""
     b, n = draft_tokens.shape
     dev = draft_tokens.device
     rows = torch.arange(b, device=dev)

@@ -27,7 +27,7 @@ from tlt.services.rollout.engine.block_manager import BlockManager
 from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
-from tlt.services.rollout.spec.accept import emitted_logprobs, node_targets, tree_accept
+from tlt.services.rollout.spec.accept import AcceptResult, emitted_logprobs, node_targets, tree_accept
 from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
@@ -99,18 +99,21 @@ class SpecDecoder:
         positions = (torch.tensor(ctx)[:, None] + tree.depth)[valid].to(dev)
         hidden = self.runner.extend(ids, positions, n_list, ctx, [s.block_table for s in seqs],
                                     [masks[i, :n, :n].to(dev) for i, n in enumerate(n_list)])
-        logits = self.runner.model.compute_logits(hidden).float().cpu()
+        logits = self.runner.model.compute_logits(hidden).float()
         b, n_max = tree.tokens.shape
-        full = torch.zeros(b, n_max, logits.shape[-1])
-        full[valid] = logits
-        hid = torch.zeros(b, n_max, hidden.shape[-1], dtype=hidden.dtype)
-        hid[valid] = hidden.cpu()
+        valid_d = valid.to(dev)
+        full = logits.new_zeros(b, n_max, logits.shape[-1])
+        full[valid_d] = logits
+        hid = hidden.new_zeros(b, n_max, hidden.shape[-1])
+        hid[valid_d] = hidden
         p = [s.params for s in seqs]
-        nt = node_targets(full, torch.tensor([x.temperature for x in p]), torch.tensor([x.top_k for x in p]),
-                          torch.tensor([x.top_p for x in p]), torch.tensor([x.min_p for x in p]),
-                          [s.generator or self._spare_gen for s in seqs])
-        res = tree_accept(tree.tokens, tree.parents, nt.tokens)
-        lps = emitted_logprobs(res, nt.logprobs)
+        nt = node_targets(full, torch.tensor([x.temperature for x in p], device=dev),
+                          torch.tensor([x.top_k for x in p], device=dev), torch.tensor([x.top_p for x in p], device=dev),
+                          torch.tensor([x.min_p for x in p], device=dev), [s.generator or self._spare_gen for s in seqs])
+        res = tree_accept(tree.tokens.to(dev), tree.parents.to(dev), nt.tokens)
+        lps = emitted_logprobs(res, nt.logprobs).cpu()
+        res = AcceptResult(res.accept_len.cpu(), res.tokens.cpu(), res.path.cpu())
+        hid = hid.cpu()
         src, dst, out = [], [], []
         for i, s in enumerate(seqs):
             a = int(res.accept_len[i])
