@@ -124,7 +124,9 @@ def ptxas_usage(compiled: Any) -> Usage:
 
 
 def compile_recorded(kernel: LazyKernel, launch: Launch, arch: int = 90, num_warps: int = 4) -> Any:
-    """Compile a recorded launch for `cuda:sm_<arch>` down to a cubin; returns Triton's CompiledKernel."""
+    """Compile a recorded launch for `cuda:sm_<arch>` down to a cubin; returns Triton's CompiledKernel.
+
+    `num_warps` applies when the launch did not pass its own."""
     import inspect
 
     import triton
@@ -132,15 +134,19 @@ def compile_recorded(kernel: LazyKernel, launch: Launch, arch: int = 90, num_war
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    constexprs = dict(launch.constexprs)
+    options = {"num_warps": constexprs.pop("num_warps", num_warps)}  # launch options, not kernel arguments
+    if "num_stages" in constexprs:
+        options["num_stages"] = constexprs.pop("num_stages")
     names = list(inspect.signature(kernel.raw).parameters)
     positional = names[: len(launch.args)]
     signature: dict[str, str] = {}
     for name, value in zip(positional, launch.args):
         signature[name] = _POINTER_TYPES[value.dtype] if isinstance(value, torch.Tensor) else _scalar_type(value)
-    for name in launch.constexprs:
+    for name in constexprs:
         signature[name] = "constexpr"
     missing = [n for n in names if n not in signature]
     if missing:
         raise ValueError(f"launch of {kernel.raw.__name__} did not bind {missing}")
-    source = ASTSource(fn=JITFunction(kernel.raw), signature=signature, constexprs=dict(launch.constexprs))
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    source = ASTSource(fn=JITFunction(kernel.raw), signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

@@ -15,13 +15,18 @@ Layouts (the engine's KV cache):
 
 GQA: query head h reads kv head h // (Hq // Hkv), as HF's repeat_kv.
 
-Kernel: one program per (sequence, query token, query head, split). It walks
-its share of the sequence's blocks through the block table with an online
-softmax (running max m, running sum l, fp32 accumulator). With one split it
-writes the normalised output; with S > 1 splits ("flash decoding", for the
-long-context small-batch tail where B * Hq programs cannot fill the GPU) each
-split writes its partial output and log-sum-exp and a second kernel merges
-them: out = sum_s exp(lse_s - max) * o_s / sum_s exp(lse_s - max).
+Kernel: one program per (sequence, KV head, row tile, split). The rows of a
+tile are the (query token, query head) pairs that read that KV head: the
+Hq/Hkv heads of the GQA group times the Q new tokens (decode: Q = 1), so each
+K/V block is loaded once for all of them and both products are `tl.dot`s
+(rows padded to >= 16). The program walks its share of the sequence's blocks
+through the block table with an online softmax (running max m, running sum l,
+fp32 accumulator; fp32 inputs use IEEE dots, never TF32; fp16/bf16 follow
+flash attention and round p to the cache dtype for the p @ V product). With
+one split it writes the normalised output; with S > 1 splits ("flash
+decoding", for the long-context small-batch tail where B * Hkv programs
+cannot fill the GPU) each split writes its partial output and log-sum-exp and
+a second kernel merges them: out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M).
 A query that sees no token gets 0 (not NaN) on both paths.
 """
 
@@ -77,63 +82,81 @@ def _paged_attention_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_btb, stride_mb, stride_mq,
     stride_ob, stride_oq, stride_oh,
-    scale, NUM_Q, HQ, BLOCKS_PER_SPLIT,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale, NUM_Q, HQ, HKV, BLOCKS_PER_SPLIT,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    pid_bq = tl.program_id(0)
-    h = tl.program_id(1)
+    # Rows of the tile are (query token, query head in the KV head's group) pairs: every row
+    # shares the K/V blocks of one (sequence, KV head), which are loaded once per tile.
+    pid_bk = tl.program_id(0)
+    tile = tl.program_id(1)
     split = tl.program_id(2)
-    b = pid_bq // NUM_Q
-    qi = pid_bq % NUM_Q
-    kvh = h // GROUP
+    b = pid_bk // HKV
+    kvh = pid_bk % HKV
 
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < NUM_Q * GROUP
+    qi = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + b * stride_qb + qi * stride_qq + h * stride_qh + offs_d, mask=dmask, other=0.0)
-    q = q.to(tl.float32) * scale
+    q_rows = q_ptr + b * stride_qb + qi * stride_qq + h * stride_qh
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & dmask[None, :], other=0.0)
 
     ctx = tl.load(lens_ptr + b)
     first_new = ctx - NUM_Q
     start = split * BLOCKS_PER_SPLIT
     end = tl.minimum(start + BLOCKS_PER_SPLIT, tl.cdiv(ctx, BLOCK_SIZE))
 
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i in range(start, end):
         phys = tl.load(bt_ptr + b * stride_btb + i).to(tl.int64)
         pos = i * BLOCK_SIZE + offs_n
-        valid = (offs_n < BLOCK_SIZE) & (pos < ctx)
+        col_ok = (offs_n < BLOCK_SIZE) & (pos < ctx)
+        kv_mask = col_ok[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + phys * stride_kb + offs_n[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + phys * stride_vb + offs_n[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        valid = row_ok[:, None] & col_ok[None, :]
         if HAS_MASK:
             j = pos - first_new
-            is_new = valid & (j >= 0)
-            allowed = tl.load(mask_ptr + b * stride_mb + qi * stride_mq + j, mask=is_new, other=0)
-            valid = valid & ((j < 0) | (allowed != 0))
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + phys * stride_kb + offs_n[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp() finite
+            is_new = col_ok & (j >= 0)
+            allowed = tl.load(mask_ptr + b * stride_mb + qi[:, None] * stride_mq + j[None, :],
+                              mask=row_ok[:, None] & is_new[None, :], other=0)
+            valid = valid & ((j < 0)[None, :] | (allowed != 0))
+        s = tl.where(valid, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: keep exp() finite
         alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(s - m_ref)
-        v = tl.load(v_ptr + phys * stride_vb + offs_n[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        p = tl.exp(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     has_any = l_i > 0.0
-    o = acc / tl.where(has_any, l_i, 1.0)
+    o = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    store_mask = row_ok[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
-        dst = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh + offs_d
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=dmask)
+        dst = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh
+        tl.store(dst[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        row = (pid_bq * HQ + h) * NUM_SPLITS + split  # partials are [B*Q, Hq, S, (D)] contiguous fp32
-        tl.store(part_out_ptr + row * HEAD_DIM + offs_d, o, mask=dmask)
-        tl.store(part_lse_ptr + row, tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf")))
+        part = ((b * NUM_Q + qi) * HQ + h) * NUM_SPLITS + split  # partials are [B*Q, Hq, S, (D)] contiguous fp32
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
+        lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 def _merge_splits_kernel(
@@ -213,7 +236,11 @@ def paged_tree_attention_triton(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out must match q")
     max_blocks = block_tables.shape[1]
-    splits = default_num_splits(batch * num_q * hq, max_blocks) if num_splits is None else num_splits
+    group = hq // hkv
+    rows = num_q * group  # (query token, head of the group) rows per (sequence, KV head)
+    block_m = max(16, min(64, next_pow2(rows)))  # tl.dot needs every tile dim >= 16
+    row_tiles = math.ceil(rows / block_m)
+    splits = default_num_splits(batch * hkv * row_tiles, max_blocks) if num_splits is None else num_splits
     check(splits >= 1, f"num_splits must be >= 1, got {splits}")
     per_split = max(1, math.ceil(max_blocks / splits))
     if splits > 1:
@@ -223,16 +250,18 @@ def paged_tree_attention_triton(
         part_out = part_lse = out  # never read
     if batch * num_q * hq == 0:
         return out
-    paged_attention_kernel[(batch * num_q, hq, splits)](
+    paged_attention_kernel[(batch * hkv, row_tiles, splits)](
         q, k_cache, v_cache, block_tables, context_lens, mask_arg, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), stride_mb, stride_mq,
         out.stride(0), out.stride(1), out.stride(2),
-        float(scale), num_q, hq, per_split,
-        GROUP=hq // hkv, BLOCK_SIZE=block_size, BLOCK_N=next_pow2(block_size),
-        HEAD_DIM=dim, BLOCK_D=next_pow2(dim), HAS_MASK=tree_mask is not None, NUM_SPLITS=splits,
+        float(scale), num_q, hq, hkv, per_split,
+        GROUP=group, BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)), BLOCK_M=block_m,
+        HEAD_DIM=dim, BLOCK_D=max(16, next_pow2(dim)), HAS_MASK=tree_mask is not None, NUM_SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+        num_warps=8 if block_m * next_pow2(dim) >= 64 * 128 else 4,  # keep the [M, D] accumulator out of spills
     )
     if splits > 1:
         merge_splits_kernel[(batch * num_q, hq)](
