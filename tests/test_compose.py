@@ -174,6 +174,7 @@ def test_gpu_placement_colocated_by_default_and_disaggregated_on_8gpu(raw):
     assert rollout == {"0", "1", "2", "3", "4", "5"} and trainer == {"6", "7"} and not rollout & trainer
     assert _gpus(eight, "drafter") <= rollout  # the drafter trains on idle rollout GPUs only
     assert int(env8["TRAINER_NUM_GPUS"]) == len(trainer)
+    assert int(env8["DRAFTER_WORKERS"]) == len(rollout)  # one worker per rollout replica / GPU
     assert variables(raw) >= set(env8), "deploy/8gpu.env sets variables the compose file never reads"
 
 
@@ -369,3 +370,36 @@ def test_docker_compose_v1_config_accepts_the_file(tmp_path):
     for extra in ([], ["--env-file", str(ENV_8GPU)]):
         r = subprocess.run(base + extra + ["config", "-q"], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_compose_stack_trains_one_step_locally(raw, random_model_dir, tmp_path):
+    """rollout + reward (+ drafter) + the trainer's DeepSpeed-launched command, one RL step on CPU."""
+    from tlt.cli import COMMANDS, _available
+
+    doc = interpolate(raw, BASE_ENV)
+    m = LocalMap(random_model_dir, tmp_path)
+    needed = [("train",), ("rollout", "serve"), ("reward", "serve")]
+    for path in needed:
+        cmd = next(c for c in COMMANDS if c.path == path)
+        if not _available(cmd):
+            pytest.skip(f"`tlt {' '.join(path)}` is not implemented yet")
+    servers = ["rollout", "reward"] + (["drafter"] if _available(next(c for c in COMMANDS if c.path == ("drafter", "serve"))) else [])
+    procs = {}
+    try:
+        for name in servers:
+            svc = doc["services"][name]
+            procs[name] = _start([m.arg(a) for a in svc["command"]], m.env(svc["environment"]), tmp_path / f"{name}.log")
+        for name in servers:
+            check = [m.arg(a) for a in doc["services"][name]["healthcheck"]["test"][1:]]
+            assert _healthy(check, procs[name], 240), (tmp_path / f"{name}.log").read_text(errors="replace")[-3000:]
+        trainer = doc["services"]["trainer"]
+        env = m.env(trainer["environment"])
+        env.update(TLT_TRAINER__STEPS="1", TLT_TRAINER__CHECKPOINT_INTERVAL="0")
+        proc = _start([m.arg(a) for a in trainer["command"]], env, tmp_path / "trainer.log")
+        procs["trainer"] = proc
+        rc = proc.wait(timeout=900)
+        assert rc == 0, (tmp_path / "trainer.log").read_text(errors="replace")[-4000:]
+    finally:
+        for p in procs.values():
+            _stop(p)
