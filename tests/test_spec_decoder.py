@@ -34,7 +34,7 @@ def _engine(ckpt, blocks=64):
     return LLMEngine(ckpt, EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=256))
 
 
-def _spec_generate(engine, decoder, requests):
+def _spec_generate(engine, decoder, requests, observe=False):
     for r in requests:
         engine.add_request(r)
     done = {}
@@ -44,7 +44,11 @@ def _spec_generate(engine, decoder, requests):
             break
         em = decoder.decode(batch.seqs) if decoder.wants(batch) else None
         if em is None:
-            _, fin = engine._emit(_plain(engine, batch))
+            out = _plain(engine, batch)
+            _, fin = engine._emit(out)
+            if observe:
+                decoder.observe_plain([s for s in out.emit_seqs if not s.is_finished],
+                                      out.hidden[[i for i, s in enumerate(out.emit_seqs) if not s.is_finished]])
         else:
             fin = []
             for seq, e in zip(batch.seqs, em):
@@ -153,3 +157,37 @@ def test_trained_drafter_is_accepted(ckpt):
     spec = _spec_generate(eng, dec, reqs)
     assert [c.token_ids for c in spec] == [c.token_ids for c in outs]
     assert dec.stats()["mean_accept_len"] > 2.0, dec.stats()
+    assert dec.stats()["cold_starts"] == len(reqs)  # nobody fed the plain steps: one root-only step each
+    # fed with the plain steps' features, the drafter is warm the moment SD switches on
+    eng = _engine(ckpt)
+    drafter.set_shared(eng.model.embed, eng.model.lm_head)
+    dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **SPEC), eng.runner,
+                      eng.block_manager, drafter)
+    spec = _spec_generate(eng, dec, reqs, observe=True)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in outs]
+    assert dec.stats()["cold_starts"] == 0 and dec.stats()["mean_accept_len"] > 2.0, dec.stats()
+
+
+def test_sampled_spec_logprobs_are_the_targets_under_the_filters(ckpt):
+    """Sampling with speculation: every emitted token's logprob equals log q (temperature 0.8, top_p 0.9)
+    computed by `transformers` on the whole sequence, so no token outside the filtered support appears."""
+    from transformers import AutoModelForCausalLM
+
+    from tlt.services.rollout.spec.filters import filter_logits
+
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True, logprobs=0, seed=3)
+    reqs = [GenerationRequest(f"s{i}", r.prompt_token_ids, params, 2) for i, r in enumerate(_requests(2, 1))]
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **SPEC), eng.runner, eng.block_manager)
+    outs = _spec_generate(eng, dec, reqs)
+    assert dec.stats()["verify_steps"] > 5
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    for c in outs:
+        ids = torch.tensor([list(c.prompt_token_ids) + list(c.token_ids)])
+        with torch.no_grad():
+            logits = hf(ids).logits[0]
+        p = len(c.prompt_token_ids)
+        logq = filter_logits(logits[p - 1 : -1], 0.8, 0, 0.9, 0.0).log_softmax(-1)
+        want = logq.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+        assert torch.isfinite(want).all()
+        assert c.logprobs == pytest.approx(want.tolist(), abs=2e-3)

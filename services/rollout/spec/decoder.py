@@ -150,6 +150,15 @@ class SpecDecoder:
         assert all(len(s.block_table) * bs >= s.num_computed + n for s, n in zip(seqs, n_nodes))
         return True
 
+    def observe_plain(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """After a plain decode/prefill step appended one token to each of `seqs`: hidden [B, H] is the
+        target feature that produced it. Keeps the learned drafter warm while SD is off, so switching
+        on needs neither a target re-prefill nor a cold step (only pairs are buffered: no compute)."""
+        if isinstance(self.source, EagleSource) and self.config.mode != "off":
+            feats = hidden.detach()
+            self.source.observe(seqs, [[s.token_ids[-1]] for s in seqs], [[feats[i]] for i in range(len(seqs))],
+                                [s.num_tokens - 1 for s in seqs])
+
     # ---------------------------------------------------------------- lifecycle
     def release(self, seq: Sequence) -> None:
         """A sequence finished or was preempted: drop its drafting state."""
@@ -171,4 +180,5 @@ class SpecDecoder:
             "drafted_tokens": self.drafted_tokens,
             "last_arm": None if self.last_arm is None else self.last_arm.name,
             "no_room": self.no_room,
+            "cold_starts": getattr(self.source, "cold_starts", 0),
         }

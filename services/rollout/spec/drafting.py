@@ -63,8 +63,10 @@ class NgramSource:
 class EagleSource:
     """EAGLE-2 tree drafting with the learned drafter and its own per-sequence KV rows."""
 
-    def __init__(self, drafter: Drafter, capacity: int = 256) -> None:
+    def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 1024) -> None:
         self.drafter = drafter
+        self.max_pending = max_pending
+        self.cold_starts = 0
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device
         self.cache = DrafterCache(drafter.cfg, rows=8, capacity=capacity, dtype=self.dtype, device=self.device)
@@ -108,6 +110,7 @@ class EagleSource:
             self.fed_pos[key] = first + len(toks) - 1
             self.last_h[key] = out[0, -1]
         if self.fed_pos.get(key) != root_pos:
+            self.cold_starts += 1
             self.cache.lengths[row] = 0
             self.fed_pos.pop(key, None)
             self.last_h.pop(key, None)
@@ -189,9 +192,12 @@ class EagleSource:
             key = seq_key(s)
             old = self.pending.get(key)
             if old is not None and old[2] + len(old[0]) == pos:
-                self.pending[key] = (old[0] + list(toks), old[1] + list(feats), old[2])
-            else:
-                self.pending[key] = (list(toks), list(feats), pos)
+                toks, feats, pos = old[0] + list(toks), old[1] + list(feats), old[2]
+            toks, feats = list(toks), list(feats)
+            extra = len(toks) - self.max_pending
+            if extra > 0:  # keep the newest pairs; the row restarts from them (a gap) when fed
+                toks, feats, pos = toks[extra:], feats[extra:], pos + extra
+            self.pending[key] = (toks, feats, pos)
 
     def release(self, seq: Sequence) -> None:
         key = seq_key(seq)
