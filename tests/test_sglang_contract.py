@@ -171,6 +171,18 @@ def test_parse_chunk_reads_sglang_layout():
     assert parse_chunk(sglang_chunk("x#0", [1])).finish is None
 
 
+def test_tlt_drafter_names_become_sglang_eagle_names():
+    from tlt.services.rollout.sglang_backend.requests import sglang_drafter_tensors
+
+    out = sglang_drafter_tensors({"fc.weight": torch.ones(4, 8), "layer.self_attn.q_proj.weight": torch.ones(4, 4),
+                                  "layer.post_attention_layernorm.weight": torch.ones(4)})
+    assert sorted(out) == ["fc.bias", "fc.weight", "layers.0.post_attention_layernorm.weight",
+                           "layers.0.self_attn.q_proj.weight"]
+    assert out["fc.bias"].shape == (4,) and not out["fc.bias"].any()  # TLT's fc has no bias: SGLang's must be 0
+    same = {"fc.weight": torch.ones(2, 4), "fc.bias": torch.ones(2), "layers.0.mlp.up_proj.weight": torch.ones(3, 2)}
+    assert sglang_drafter_tensors(same) == same
+
+
 def test_drafter_update_never_carries_shared_weights():
     assert tensor_update_call("policy", ["model.embed_tokens.weight"], 3).selector == "target"
     assert tensor_update_call("drafter", ["fc.weight", "layers.0.mlp.up_proj.weight"], 2).selector == "draft"
@@ -232,8 +244,8 @@ def test_policy_update_session_order(model_dir):
 def test_drafter_update_pauses_in_place_without_flush(model_dir):
     eng, fake = make_engine(model_dir)
     eng.update_weights("drafter", {"fc.weight": torch.ones(8, 16)}, version=4)
-    assert fake.calls == [("pause", "in_place"), ("begin", "draft"), ("update", "draft", False, "4", ("fc.weight",)),
-                          ("end",), ("continue",)]
+    assert fake.calls == [("pause", "in_place"), ("begin", "draft"),
+                          ("update", "draft", False, "4", ("fc.weight", "fc.bias")), ("end",), ("continue",)]
     assert eng.versions.drafter == 4 and eng.versions.policy == 0
 
 
@@ -269,8 +281,8 @@ def test_resume_repushes_the_drafter(model_dir):
         eng.add_request(GenerationRequest("r", (1,)))
     eng.resume()
     assert fake.calls == [("release", ("kv_cache", "weights")), ("resume", ("kv_cache", "weights")),
-                          ("pause", "in_place"), ("begin", "draft"), ("update", "draft", False, "2", ("fc.weight",)),
-                          ("end",), ("continue",)]
+                          ("pause", "in_place"), ("begin", "draft"),
+                          ("update", "draft", False, "2", ("fc.weight", "fc.bias")), ("end",), ("continue",)]
     assert eng.stats().spec["drafter_repushes"] == 1
     eng.add_request(GenerationRequest("r", (1,)))
     with pytest.raises(ValueError, match="cannot release"):

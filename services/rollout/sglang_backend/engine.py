@@ -44,6 +44,7 @@ from tlt.services.rollout.sglang_backend.requests import (
     SampleState,
     StreamChunk,
     generate_calls,
+    sglang_drafter_tensors,
     split_rid,
     tensor_update_call,
 )
@@ -212,6 +213,8 @@ class SGLangEngine:
             raise ValueError("weights are released; resume() before updating them")
         if version <= (self.versions.policy if kind == "policy" else self.versions.drafter):
             raise ValueError(f"{kind} version {version} is not newer than the serving one")
+        if kind == "drafter":
+            tensors = sglang_drafter_tensors(tensors)
         call = tensor_update_call(kind, list(tensors), version)
         self._validate(kind, tensors)
         named = list(tensors.items())

@@ -181,6 +181,26 @@ def tensor_update_call(kind: str, names: list[str], version: int) -> TensorUpdat
     raise ValueError(f"unknown weight kind {kind!r}; expected 'policy' or 'drafter'")
 
 
+def sglang_drafter_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """TLT drafter state dict -> the names SGLang's EAGLE draft model loads.
+
+    SGLang's EAGLE drafts (`sglang/srt/models/qwen2_eagle.py`, `llama_eagle.py`)
+    keep the EAGLE checkpoint layout: `fc` (an nn.Linear(2H, H) WITH a bias) and
+    one decoder layer at `layers.0.*`; their `load_weights` adds the `model.`
+    prefix. TLT's drafter (tlt/model/drafter.py) names its layer `layer.*` and
+    its fc has no bias, so the layer is renamed and a zero `fc.bias` is sent:
+    the SGLang drafter then computes exactly TLT's function. Names already in
+    SGLang's layout pass through unchanged.
+    """
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        out["layers.0." + name[len("layer."):] if name.startswith("layer.") else name] = t
+    if "fc.weight" in out and "fc.bias" not in out:
+        w = out["fc.weight"]
+        out["fc.bias"] = w.new_zeros(w.shape[0])
+    return out
+
+
 def _is_shared_with_target(name: str) -> bool:
     return name.endswith("embed_tokens.weight") or name.startswith("lm_head.") or ".lm_head." in name
 
