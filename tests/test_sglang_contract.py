@@ -141,6 +141,9 @@ def test_config_refuses_what_sglang_refuses():
         SGLangBackendConfig(eagle_topk=4)  # adaptive needs a chain
     with pytest.raises(ValueError, match="candidate steps"):
         SGLangBackendConfig(num_steps=4)
+    with pytest.raises(ValueError, match="packed auxiliary"):
+        SGLangBackendConfig(speculative_algorithm="EAGLE3")
+    assert SGLangBackendConfig(speculative_algorithm="EAGLE3", return_hidden_states=False).speculative_algorithm == "EAGLE3"
     with pytest.raises(ValueError, match="needs a drafter"):
         engine_kwargs(SGLangBackendConfig(adaptive=False), "/m", 0)
     assert "speculative_algorithm" not in engine_kwargs(SGLangBackendConfig(speculative_algorithm="none"), "/m", 0)
@@ -236,7 +239,12 @@ def test_policy_update_session_order(model_dir):
     assert eng.versions.policy == 1
     fake.feed(sglang_chunk("r#0", [3], finish={"type": "stop"}))
     _, (c,) = eng.step()
-    assert c.versions.policy == 0 and eng.stats().spec["policy_spanning"] == 1  # stamped with its starting version
+    assert (c.versions.policy, c.versions.policy_min) == (1, 0)  # mixed: newest and oldest, as the native engine
+    assert eng.stats().spec["policy_spanning"] == 1
+    eng.add_request(GenerationRequest("s", (1,)))
+    fake.feed(sglang_chunk("s#0", [3], finish={"type": "stop"}))
+    _, (c,) = eng.step()
+    assert (c.versions.policy, c.versions.policy_min) == (1, None)
     with pytest.raises(ValueError, match="not newer"):
         eng.update_weights("policy", {}, version=1)
 
@@ -356,7 +364,7 @@ def test_replica_config_comes_from_the_preset_and_environment(model_dir, monkeyp
     from tlt.services.rollout.sglang_backend.engine import resolve_config
 
     preset = tmp_path / "p.toml"
-    preset.write_text('[sglang]\nmem_fraction_static = 0.5\nspeculative_algorithm = "EAGLE3"\n')
+    preset.write_text('[sglang]\nmem_fraction_static = 0.5\nspeculative_algorithm = "EAGLE3"\nreturn_hidden_states = false\n')
     monkeypatch.setenv("TLT_PRESET", str(preset))
     monkeypatch.setenv("TLT_SGLANG__DRAFT_MODEL_PATH", "/models/drafter")
     cfg = resolve_config(EngineConfig())  # what the replica process passes every backend

@@ -71,6 +71,12 @@ class SGLangBackendConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> SGLangBackendConfig:
+        if self.speculative_algorithm == "EAGLE3" and self.return_hidden_states:
+            raise ValueError(
+                "with EAGLE3, SGLang returns the packed auxiliary layers instead of the last-layer state "
+                "(sglang/srt/layers/logits_processor.py), not the features TLT's drafter trains on: set "
+                "[sglang] return_hidden_states = false and take features from the trainer ([drafter] source = 'trainer')"
+            )
         if self.speculative_algorithm == "none":
             return self
         if self.adaptive and self.eagle_topk != 1:

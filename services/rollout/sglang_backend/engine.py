@@ -14,8 +14,9 @@ refuses tensor updates outside one):
 
 A policy update retracts running requests (their KV is recomputed with the
 new weights after `continue`; an in-place pause cannot flush the cache). A
-sample that spans a policy update is stamped with the policy version it
-started under and counted in `stats().spec["policy_spanning"]`: the trainer
+sample that spans a policy update is stamped as the native engine stamps it
+(`versions.policy` = the newest version, `versions.policy_min` = the one it
+started under) and counted in `stats().spec["policy_spanning"]`; the trainer
 normally pushes between steps, when nothing runs. A drafter update leaves the
 target's KV cache valid (drafts only change speed, never the output), so it
 pauses in place and does not flush.
@@ -196,7 +197,7 @@ class SGLangEngine:
             token_ids=list(chunk.output_ids),
             text=chunk.text or "",
             finish_reason=chunk.finish or FinishReason.ABORT,
-            versions=Versions(policy=state.policy_version, drafter=self.versions.drafter),
+            versions=self._versions_of(state),
             logprobs=chunk.logprobs,
             top_logprobs=chunk.top_logprobs,
             spec=spec,
@@ -204,6 +205,12 @@ class SGLangEngine:
             replica_id=self.replica_id,
             error=chunk.error,
         )
+
+    def _versions_of(self, state: SampleState) -> Versions:
+        """As the native engine stamps: policy = newest version used, policy_min = oldest when mixed."""
+        if state.policy_version == self.versions.policy:
+            return Versions(policy=state.policy_version, drafter=self.versions.drafter)
+        return Versions(policy=self.versions.policy, drafter=self.versions.drafter, policy_min=state.policy_version)
 
     # -- weights ------------------------------------------------------------------------
 
@@ -334,10 +341,15 @@ def _to_cpu(t: Any) -> Any:
 
 
 def _features(hidden: Any, n_tokens: int) -> Any:
-    """SGLang's hidden states -> fp16 [n_tokens, hidden] for the emitted tokens (None if not asked).
+    """SGLang's hidden states -> fp16 [n_tokens, hidden], row i = the state that produced token i.
 
-    SGLang returns the prompt's rows first (one [prompt_len, H] block) and then
-    one row per decoded token; the last n_tokens rows are the emitted tokens'.
+    SGLang returns the prefill's rows first (one [prompt_len, H] block, the
+    last of which produced the first output token), then one row per accepted
+    token fed back in decode (`_append_decode_hidden_states` in
+    sglang/srt/managers/scheduler_components/batch_result_processor.py, which
+    in speculative mode appends only accepted tokens). The last n_tokens rows
+    are therefore the states at positions prompt_len - 1 .. prompt_len + n - 2:
+    the native engine's definition of features.
     """
     if hidden is None or n_tokens == 0:
         return None
