@@ -59,3 +59,12 @@ def test_padded_trees_never_accept_padding():
     targets = torch.tensor([[1, 2, 8], [7, 0, 0], [0, 0, 0]])
     res = tree_accept(tree.tokens, tree.parents, targets)
     assert [res.emitted(i) for i in range(3)] == [[1, 2, 8], [7, 0], [0]]
+
+
+def test_a_repetition_drafts_a_full_length_chain():
+    # the most recent match of the suffix ends just before the end (tail of 1 token); an older match
+    # with the same first token and a full tail must win
+    idx = NgramIndex(1, 4)
+    idx.extend(0, [7, 5, 5, 5, 5, 5, 5, 5])
+    tree = idx.propose(0, Arm(3, 1, 4))
+    assert tree.tokens.tolist() == [[5, 5, 5, 5]]

@@ -45,26 +45,33 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, len(seq)) + 1):
                 self._where[tuple(seq[end - n + 1 :])].append((sibling, end))
 
-    def continuations(self, sibling: int, length: int, limit: int) -> list[list[int]]:
-        """Up to `limit` distinct continuations (each <= length tokens) of the sibling's current suffix."""
+    def continuations(self, sibling: int, length: int, limit: int, scan: int = 64) -> list[list[int]]:
+        """Up to `limit` continuations (each <= length tokens) of the sibling's current suffix, with
+        distinct first tokens. Longer suffix matches rank first; within one suffix length, the sibling's
+        own text before its siblings', recent before old, and for a first token already found a longer
+        continuation replaces a shorter one (a match just before the end has only a short tail)."""
         ctx = self.seqs.get(sibling, [])
-        out: list[list[int]] = []
-        seen_first: set[int] = set()
+        best: dict[int, list[int]] = {}
         for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
             hits = self._where.get(tuple(ctx[-n:]), [])
-            # own sequence first, then siblings; most recent first within each
-            ordered = [h for h in reversed(hits) if h[0] == sibling] + [h for h in reversed(hits) if h[0] != sibling]
-            for sid, end in ordered:
+            own = [h for h in reversed(hits) if h[0] == sibling][:scan]
+            others = [h for h in reversed(hits) if h[0] != sibling][:scan]
+            level: dict[int, list[int]] = {}
+            for sid, end in own + others:
                 if sid == sibling and end == len(ctx) - 1:
                     continue  # the suffix itself
                 cont = self.seqs[sid][end + 1 : end + 1 + length]
-                if not cont or cont[0] in seen_first:
+                if not cont or cont[0] in best:
                     continue
-                seen_first.add(cont[0])
-                out.append(cont)
-                if len(out) >= limit:
-                    return out
-        return out
+                if cont[0] not in level:
+                    if len(best) + len(level) < limit:
+                        level[cont[0]] = cont
+                elif len(cont) > len(level[cont[0]]):
+                    level[cont[0]] = cont
+            best.update(level)
+            if len(best) >= limit and all(len(c) == length for c in best.values()):
+                break
+        return list(best.values())
 
     def propose(self, sibling: int, arm: Arm) -> DraftTree:
         """A draft tree rooted at the sibling's last token, merged from its best continuations."""
