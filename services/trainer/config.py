@@ -8,7 +8,7 @@ Batch arithmetic of one step:
 
     prompts_per_step x n_samples = sequences per step
     sequences per step = k x mini_batch_size     (k optimizer updates per step)
-    mini_batch_size    = m x micro_batch_size    (m = gradient accumulation)
+    mini_batch_size    = m x micro_batch_size x ranks   (m = gradient accumulation)
 """
 
 from __future__ import annotations
@@ -114,7 +114,3 @@ class TrainerConfig(ServiceConfig):
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.n_samples
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.mini_batch_size // self.micro_batch_size

@@ -182,11 +182,18 @@ class Policy:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.warmup_steps, cfg.steps * updates_per_step, cfg.lr_schedule)
         )
-        world = torch.distributed.get_world_size()
+        self.world_size = torch.distributed.get_world_size()
+        self.rank = torch.distributed.get_rank()
+        per_update = cfg.micro_batch_size * self.world_size
+        if cfg.mini_batch_size % per_update:
+            raise ValueError(
+                f"mini_batch_size ({cfg.mini_batch_size}) must be a multiple of micro_batch_size x ranks "
+                f"({cfg.micro_batch_size} x {self.world_size}); lower micro_batch_size or raise mini_batch_size"
+            )
         ds_config = {
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            "gradient_accumulation_steps": cfg.grad_accum_steps,
-            "train_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * world,
+            "gradient_accumulation_steps": cfg.mini_batch_size // per_update,
+            "train_batch_size": cfg.mini_batch_size,
             "gradient_clipping": cfg.grad_clip,
             "zero_optimization": {"stage": cfg.zero_stage},
             "zero_allow_untested_optimizer": True,
@@ -234,6 +241,19 @@ class Policy:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    def all_reduce_stats(self, sums: dict[str, float], tokens: int, max_diff: float) -> tuple[dict[str, float], int, float]:
+        """Sum per-rank diagnostic sums and token counts over the ranks (max for the logprob gap)."""
+        import torch.distributed as dist
+
+        keys = sorted(sums)
+        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64, device=dev)
+        dist.all_reduce(t)
+        m = torch.tensor([max_diff], dtype=torch.float64, device=dev)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        vals = t.tolist()
+        return dict(zip(keys, vals[:-1])), int(vals[-1]), float(m.item())
 
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)

@@ -11,6 +11,9 @@
 
 Every mini-batch's loss is divided by that mini-batch's response-token count,
 so gradient accumulation over its micro-batches gives exactly the token-mean.
+Data parallel (W ranks under the DeepSpeed launcher): every rank holds the
+same completions (the loop broadcasts them), computes the same advantages and
+the same seeded shuffle, and trains on its 1/W of each mini-batch.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from tlt.services.trainer.types import ScoredCompletion, StepMetrics
 class StepResult:
     metrics: StepMetrics
     # Last-layer features of each sequence from the old-logprob pass, when asked
-    # for (drafter training reuses them): list of [len(prompt)+len(response), H].
-    features: list[torch.Tensor] | None = None
+    # for (drafter training reuses them): [len(prompt)+len(response), H] fp16 per
+    # sequence in (prompt, sample) order; None for sequences another rank trained on.
+    features: list[torch.Tensor | None] | None = None
 
 
 def _ordered_groups(samples: Sequence[ScoredCompletion], n: int) -> list[ScoredCompletion]:
@@ -66,6 +70,7 @@ def grpo_step(
     n = cfg.n_samples
     ordered = _ordered_groups(samples, n)
     b = len(ordered)
+    world, rank = policy.world_size, policy.rank
     if b % cfg.mini_batch_size:
         raise ValueError(f"{b} sequences is not a multiple of mini_batch_size {cfg.mini_batch_size}")
     times: dict[str, float] = {}
@@ -75,26 +80,34 @@ def grpo_step(
     adv = group_advantages(rewards, group_size=n, eps=cfg.adv_eps, scale_by_std=cfg.scale_adv_by_std)
     r_len = max(1, max(len(s.response_ids) for s in ordered))
 
-    # -- old (and reference) logprobs: one no-grad pass over everything ---------------
+    # Mini-batches are drawn from one seeded shuffle that every rank computes alike;
+    # rank r trains on positions r, r + W, ... of each mini-batch (data parallel).
+    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    order = torch.randperm(b, generator=gen).tolist()
+    minis = [order[m0 : m0 + cfg.mini_batch_size] for m0 in range(0, b, cfg.mini_batch_size)]
+    mine = sorted(k for mini in minis for k in mini[rank::world])
+
+    # -- old (and reference) logprobs: one no-grad pass over this rank's sequences ------
     t0 = time.perf_counter()
     old = torch.zeros(b, r_len)
     ref = torch.zeros(b, r_len) if reference is not None and cfg.kl_beta > 0 else None
-    features: list[torch.Tensor] | None = [] if with_features else None
+    features: list[torch.Tensor | None] | None = [None] * b if with_features else None
     logprob_diff = 0.0
     policy.train(False)
     mb = cfg.micro_batch_size
     with torch.no_grad():
-        for i in range(0, b, mb):
-            chunk = ordered[i : i + mb]
+        for i in range(0, len(mine), mb):
+            idx = mine[i : i + mb]
+            chunk = [ordered[k] for k in idx]
             batch = _batch(chunk, policy.pad_id)
             out = policy.logprobs(batch, with_hidden=with_features)
-            old[i : i + len(chunk)] = _pad_to(out.logprobs.float().cpu(), r_len)
+            old[idx] = _pad_to(out.logprobs.float().cpu(), r_len)
             if ref is not None:
-                ref[i : i + len(chunk)] = _pad_to(reference.logprobs(batch).float().cpu(), r_len)
-            for j, s in enumerate(chunk):
+                ref[idx] = _pad_to(reference.logprobs(batch).float().cpu(), r_len)
+            for j, (k, s) in enumerate(zip(idx, chunk)):
                 if features is not None and out.hidden is not None:
                     length = len(s.prompt_ids) + len(s.response_ids)
-                    features.append(out.hidden[j, :length].to("cpu", torch.float16))
+                    features[k] = out.hidden[j, :length].to("cpu", torch.float16)
                 if s.rollout_logprobs is not None and s.response_ids:
                     got = out.logprobs[j, : len(s.response_ids)].float().cpu()
                     want = torch.tensor(s.rollout_logprobs[: len(s.response_ids)], dtype=torch.float32)
@@ -104,18 +117,18 @@ def grpo_step(
     # -- updates ---------------------------------------------------------------------
     t0 = time.perf_counter()
     policy.train(True)
-    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-    order = torch.randperm(b, generator=gen).tolist()
     sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "clip": 0.0, "akl": 0.0}
     total_tokens = 0
     updates = 0
     grad_norms: list[float] = []
-    for m0 in range(0, b, cfg.mini_batch_size):
-        mini = order[m0 : m0 + cfg.mini_batch_size]
+    for mini in minis:
+        # DeepSpeed averages gradients over the W ranks, so each rank divides its token
+        # sum by (mini-batch tokens / W): the average is then the exact token mean.
         mini_tokens = sum(len(ordered[k].response_ids) for k in mini)
-        denom = max(1, mini_tokens)
-        for u0 in range(0, len(mini), mb):
-            idx = mini[u0 : u0 + mb]
+        denom = max(1, mini_tokens) / world
+        local = mini[rank::world]
+        for u0 in range(0, len(local), mb):
+            idx = local[u0 : u0 + mb]
             chunk = [ordered[k] for k in idx]
             batch = _batch(chunk, policy.pad_id)
             out = policy.logprobs(batch, with_entropy=True)
@@ -144,6 +157,8 @@ def grpo_step(
             sums["ent"] += float(masked_sum(out.entropy, mask))
             sums["clip"] += float(pl.clip_fraction) * tokens
             sums["akl"] += float(pl.approx_kl) * tokens
+    if world > 1:  # every rank reports the whole step
+        sums, total_tokens, logprob_diff = policy.all_reduce_stats(sums, total_tokens, logprob_diff)
     times["update_s"] = time.perf_counter() - t0
     policy.version += 1
 
