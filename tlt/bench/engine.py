@@ -5,8 +5,8 @@ tokens (same length, so `generate` needs no padding), `--max-tokens` new
 tokens each, eos ignored on both sides (transformers: no eos id; native:
 ignore_eos) so both produce exactly B x max_tokens tokens. Asserts the
 tokens are identical, then reports tokens/s of both and the ratio. Each
-side runs once untimed first (warm-up) and is timed over `--repeats` runs
-(best). The model is `--model DIR`, else `artifacts/tiny` when it exists,
+side runs once untimed first (warm-up), then the two sides alternate for
+`--repeats` timed runs each (best kept), so machine load hits both alike. The model is `--model DIR`, else `artifacts/tiny` when it exists,
 else a random checkpoint with the tiny preset's shape.
 """
 
@@ -78,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
                                   do_sample=False)
             return out[:, args.prompt_len :].tolist()
 
-        t_native, got = _best(native, args.repeats)
-        t_ref, ref = _best(reference, args.repeats)
+        (t_native, got), (t_ref, ref) = _interleaved(native, reference, args.repeats)
         same = got == ref
         n = b * args.max_tokens
         rows.append({"batch": b, "native_tok_s": n / t_native, "transformers_tok_s": n / t_ref,
@@ -99,13 +98,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["identical"] for r in rows) else 1
 
 
-def _best(fn, repeats: int):
+def _interleaved(a, b, repeats: int):
+    """Warm both up, then alternate timed runs (a, b, a, b, ...) so load changes hit both; keep each best."""
     import time
 
-    out = fn()  # warm-up
-    best = float("inf")
+    outs = [a(), b()]
+    best = [float("inf"), float("inf")]
     for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+        for k, fn in enumerate((a, b)):
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return (best[0], outs[0]), (best[1], outs[1])

@@ -91,7 +91,8 @@ class AttentionGroup:
     q_index: torch.Tensor | None  # [G, max_q] flat token index per (seq, query), None when rows are 0..G-1
     out_index: torch.Tensor | None  # [n_valid] flat token index of the valid padded rows, None when identity
     valid: torch.Tensor | None  # [G*max_q] bool, which padded rows are real tokens
-    kv_index: torch.Tensor  # [G, Lk] slot of each key position
+    block_index: torch.Tensor  # [G * nb] block ids of each sequence (padded with block 0); keys = blocks[:, :lk]
+    lk: int  # keys attended per sequence (the longest context in the group; shorter ones are masked)
     mask: torch.Tensor | None  # [G, 1, max_q, Lk] bool, True = attend; None = every key visible
     max_q: int
 
@@ -144,13 +145,12 @@ class AttentionMetadata:
         lk = max(self.context_lens) + 1
         nb = (lk + bs - 1) // bs
         bt = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in self.block_tables], dtype=torch.int64)
-        kv_index = (bt[:, :, None] * bs + torch.arange(bs)).view(len(self.q_lens), nb * bs)[:, :lk]
         if len(self.q_lens) == 1:
             mask = None  # the single row sees exactly its lk keys
         else:
             ctx = torch.tensor(self.context_lens, dtype=torch.int64)
             mask = (torch.arange(lk)[None, :] <= ctx[:, None])[:, None, None, :].to(device)
-        return AttentionGroup(None, None, None, kv_index.to(device), mask, 1)
+        return AttentionGroup(None, None, None, bt.view(-1).to(device), lk, mask, 1)
 
     def _group(self, ix: list[int], starts: list[int], device) -> AttentionGroup:
         g = len(ix)
@@ -162,7 +162,6 @@ class AttentionMetadata:
         nb = (lk + bs - 1) // bs
         rows = [self.block_tables[i][:nb] for i in ix]
         bt = torch.tensor([r + [0] * (nb - len(r)) for r in rows], dtype=torch.int64)
-        kv_index = (bt[:, :, None] * bs + torch.arange(bs)).view(g, nb * bs)[:, :lk]
         j = torch.arange(lk)[None, None, :]
         qi = torch.arange(max_q)[None, :, None]
         c3, q3 = ctx[:, None, None], q[:, None, None]
@@ -183,7 +182,8 @@ class AttentionMetadata:
             q_index=None if identity else flat.to(device),
             out_index=None if identity else flat.reshape(-1)[valid].to(device),
             valid=valid.to(device),
-            kv_index=kv_index.to(device),
+            block_index=bt.view(-1).to(device),
+            lk=lk,
             mask=mask[:, None].to(device),
             max_q=max_q,
         )
@@ -312,7 +312,7 @@ class Transformer:
             kc, vc = self.k_flat[li], self.v_flat[li]
             kc[slots] = qk[:, nh:]
             vc[slots] = qkv[:, qk_size:].view(t, kvh, d)
-            o = self._attend(qk[:, :nh], kc, vc, attn)
+            o = self._attend(qk[:, :nh], self.k_caches[li], self.v_caches[li], attn)
             x = torch.addmm(x, o, L.o.t())
             h = self._rms(x, L.ln2)
             gu = F.linear(h, L.gate_up)
@@ -322,21 +322,24 @@ class Transformer:
     __call__ = forward
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """q: [T, nh, d]; kc/vc: the layer's caches [num_blocks, block_size, kvh, d]."""
         t, nh, d = q.shape
         groups = attn.groups
         assert groups is not None, "AttentionMetadata.build() derives the groups"
         out = q.new_empty(t, nh * d) if len(groups) > 1 or groups[0].out_index is not None else None
+        kvh = kc.shape[-2]
         for g in groups:
-            n = g.kv_index.shape[0]
-            qg = q if g.q_index is None else q[g.q_index.reshape(-1)]
+            n = g.q_index.shape[0] if g.q_index is not None else t
+            qg = q if g.q_index is None else q.index_select(0, g.q_index.view(-1))
             qg = qg.view(n, g.max_q, nh, d).transpose(1, 2)
-            kg = kc[g.kv_index].transpose(1, 2)  # [G, kvh, Lk, d]
-            vg = vc[g.kv_index].transpose(1, 2)
+            # gather whole blocks (contiguous copies), then keep the first lk key positions
+            kg = kc.index_select(0, g.block_index).view(n, -1, kvh, d)[:, : g.lk].transpose(1, 2)  # [G, kvh, Lk, d]
+            vg = vc.index_select(0, g.block_index).view(n, -1, kvh, d)[:, : g.lk].transpose(1, 2)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=nh != kg.shape[1])
             og = og.transpose(1, 2).reshape(n * g.max_q, nh * d)
             if out is None:
                 return og
-            out[g.out_index] = og if g.max_q == 1 else og[g.valid]
+            out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
