@@ -151,3 +151,25 @@ def test_health_and_metrics(server):
     assert m.status_code == 200
     assert 'rollout_http_requests_total{endpoint="completions",status="200"}' in m.text
     assert 'rollout_replica_alive{replica="0"} 1.0' in m.text
+
+
+def test_text_stream_equals_full_decode(model_dir):
+    """Windowed incremental detokenisation sends exactly the full decode, for random token runs."""
+    import random
+
+    from tlt.services.rollout.openai_convert import TextStream
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 60))]
+        final = tok.decode(ids, skip_special_tokens=True)
+        ts = TextStream(tok, ("xyz",))
+        out, i = "", 0
+        while i < len(ids):
+            k = rng.randint(1, 3)
+            out += ts.push(ids[i:i + k])
+            i += k
+            assert final.startswith(out)  # never sends text it would have to take back
+        assert len(out) <= len(final) - 2 or len(final) < 2  # stop holdback: len("xyz") - 1 chars kept back
+        assert out + ts.finish(final) == final

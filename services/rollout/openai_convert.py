@@ -111,19 +111,33 @@ def finish_reason(c: CompletionOutput) -> str:
 
 
 class TextStream:
-    """Incremental text of one sample for SSE: only text that can no longer change is sent."""
+    """Incremental text of one sample for SSE: only text that can no longer change is sent.
+
+    Decoding is windowed (cost per step independent of the sequence length): the
+    tokens from `prefix_offset` on are decoded and compared with the decode of the
+    already-read window; new text is taken only when it does not end in U+FFFD.
+    """
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # decoded so far (stable characters only)
         self.sent = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, new_token_ids: list[int]) -> str:
         self.token_ids.extend(new_token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        text = text.rstrip("\ufffd")
-        stable = text[: len(text) - self.holdback] if self.holdback else text
+        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+            self.text += after[len(before):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        stable = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
         if len(stable) <= len(self.sent) or not stable.startswith(self.sent):
             return ""
         delta, self.sent = stable[len(self.sent):], stable
