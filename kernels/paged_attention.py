@@ -12,6 +12,7 @@ Layouts (the engine's KV cache):
   tokens per sequence sit at the last Q cache positions; query i sees every
   earlier (prefix) token and new token j iff tree_mask[b, i, j] (ancestor or
   self in the draft tree; a lower-triangular mask gives a causal chain).
+  `tree_mask=None` lets every query see the whole context (what decode uses).
 
 GQA: query head h reads kv head h // (Hq // Hkv), as HF's repeat_kv.
 

@@ -106,6 +106,18 @@ def test_kernel_strided_rows(device: torch.device) -> None:
     torch.testing.assert_close(rmsnorm(x, w, 1e-5, impl="triton"), rmsnorm_ref(x, w, 1e-5), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_kernel_in_place(device: torch.device) -> None:
+    # out=x, new_residual=residual: each program reads its whole row before writing it.
+    torch.manual_seed(2)
+    x, r, w = torch.randn(4, 24, device=device), torch.randn(4, 24, device=device), torch.randn(24, device=device)
+    want, want_res = fused_add_rmsnorm_ref(x, r, w, 1e-6)
+    got, got_res = fused_add_rmsnorm_triton(x, r, w, 1e-6, out=x, new_residual=r)
+    assert got is x and got_res is r
+    torch.testing.assert_close(x, want, **TOL[torch.float32])
+    torch.testing.assert_close(r, want_res)
+
+
 def test_wrapper_rejects_bad_inputs() -> None:
     x = torch.randn(3, 16)
     with pytest.raises(ValueError, match="weight dtype"):
