@@ -245,12 +245,21 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             r.state = common_pb2.REPLICA_STATE_BUSY if busy else common_pb2.REPLICA_STATE_IDLE
             r.running, r.queued, r.kv_usage = s.stats.running, s.stats.queued, s.stats.kv_usage
             r.versions.policy, r.versions.drafter = s.stats.versions.policy, s.stats.versions.drafter
-            sp = s.stats.spec
-            r.spec.mode = str(sp.get("mode", "off"))
-            r.spec.active = bool(sp.get("active", False))
-            r.spec.arm = str(sp.get("arm", ""))
-            r.spec.mean_accept_len = float(sp.get("mean_accept_len", 0.0))
-            r.spec.last_step_seconds = float(sp.get("last_step_seconds", 0.0))
-            r.spec.verify_steps = int(sp.get("verify_steps", 0))
-            r.spec.plain_steps = int(sp.get("plain_steps", 0))
+            r.spec.CopyFrom(spec_status(s.stats.spec))
         return status
+
+
+def spec_status(sp: dict) -> rollout_pb2.SpecStatus:
+    """The engine's speculative-decoding stats dict (empty: no decoder attached) -> SpecStatus."""
+    if not sp:
+        return rollout_pb2.SpecStatus(mode="off")
+    arm = sp.get("arm", sp.get("last_arm"))
+    return rollout_pb2.SpecStatus(
+        mode=str(sp.get("mode") or "unknown"),
+        active=bool(sp.get("active", sp.get("on", False))),
+        arm="" if arm is None else str(arm),
+        mean_accept_len=float(sp.get("mean_accept_len", 0.0)),
+        last_step_seconds=float(sp.get("last_step_seconds", 0.0)),
+        verify_steps=int(sp.get("verify_steps", 0)),
+        plain_steps=int(sp.get("plain_steps", 0)),
+    )
