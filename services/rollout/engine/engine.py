@@ -31,7 +31,7 @@ from tlt.model.transformer import build_model
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.engine.block_manager import BlockManager
 from tlt.services.rollout.engine.config import EngineConfig
-from tlt.services.rollout.engine.model_runner import ModelRunner, RunOutput
+from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.sampler import sample
 from tlt.services.rollout.engine.scheduler import Scheduler
 from tlt.services.rollout.engine.sequence import Sequence
@@ -68,7 +68,7 @@ class LLMEngine:
         cfg, tensors = load_checkpoint(model_dir, dtype=self.dtype, device=self.device)
         self.model_config: ModelConfig = cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.model = build_model(cfg, tensors, dtype=self.dtype, device=self.device, max_len=self.max_model_len)
+        self.model = build_model(cfg, tensors, dtype=self.dtype, device=self.device, max_len=self.max_model_len + 128)  # + room for draft-tree positions
         del tensors
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_mb)
@@ -138,39 +138,58 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
+        """schedule -> (draft -> verify -> accept) or run + sample -> emit."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return [], []
+        self._steps += 1
+        if self.spec_decoder is not None and self.spec_decoder.wants(batch):
+            emissions = self.spec_decoder.decode(batch.seqs)  # None: no KV room for drafts, decode plainly
+            if emissions is not None:
+                return self._emit(batch.seqs, [e.token_ids for e in emissions], [e.logprobs for e in emissions],
+                                  [e.hidden for e in emissions], None, verified=True)
         out = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
             if n > 1:
                 self.block_manager.mark_computed(seq)
-        self._steps += 1
-        return self._emit(out)
-
-    def _emit(self, out: RunOutput) -> tuple[list[StepOutput], list[CompletionOutput]]:
         if not out.emit_seqs:
             return [], []
         res = sample(out.logits, out.emit_seqs)
+        result = self._emit(out.emit_seqs, [[t] for t in res.token_ids], [[lp] for lp in res.logprobs],
+                            out.hidden[:, None, :], [[t] for t in res.top_logprobs], verified=False)
+        if self.spec_decoder is not None:
+            self.spec_decoder.observe_plain(out.emit_seqs, out.hidden)
+        return result
+
+    def _emit(self, seqs, tokens, logprobs, hidden, tops, verified: bool) -> tuple[list[StepOutput], list[CompletionOutput]]:
+        """Append each sequence's new tokens with per-token stop checks (tokens after a stop are dropped)."""
         policy = self.versions.policy
         steps: list[StepOutput] = []
         done: list[CompletionOutput] = []
-        want_features = any(s.features is not None for s in out.emit_seqs)
-        feats = out.hidden.to(torch.float16).cpu() if want_features else None
-        for k, seq in enumerate(out.emit_seqs):
-            tok = res.token_ids[k]
-            seq.token_ids.append(tok)
-            seq.record_version(policy)
-            if seq.logprobs is not None:
-                seq.logprobs.append(res.logprobs[k])
-            if seq.top_logprobs is not None:
-                seq.top_logprobs.append(res.top_logprobs[k])
-            if seq.features is not None:
-                seq.features.append(feats[k])
-            reason = check_stop(seq, tok, self.tokenizer, self.max_model_len)
-            steps.append(StepOutput(seq.request_id, seq.sample_index, [tok],
-                                    None if seq.logprobs is None else [res.logprobs[k]],
+        for k, seq in enumerate(seqs):
+            if verified:
+                seq.spec.verify_steps += 1
+                seq.spec.accepted_tokens += len(tokens[k])
+            else:
+                seq.spec.plain_decode_steps += 1
+            new: list[int] = []
+            reason = None
+            for j, tok in enumerate(tokens[k]):
+                seq.token_ids.append(tok)
+                new.append(tok)
+                seq.record_version(policy)
+                if seq.logprobs is not None:
+                    seq.logprobs.append(logprobs[k][j])
+                if seq.top_logprobs is not None:
+                    seq.top_logprobs.append(tops[k][j] if tops is not None else {})
+                if seq.features is not None:
+                    seq.features.append(hidden[k][j].to(device="cpu", dtype=torch.float16))
+                reason = check_stop(seq, tok, self.tokenizer, self.max_model_len)
+                if reason is not None:
+                    break
+            steps.append(StepOutput(seq.request_id, seq.sample_index, new,
+                                    None if seq.logprobs is None else seq.logprobs[-len(new):],
                                     finished=reason is not None, finish_reason=reason))
             if reason is not None:
                 seq.finish_reason = reason
@@ -195,6 +214,7 @@ class LLMEngine:
             logprobs=seq.logprobs,
             top_logprobs=seq.top_logprobs,
             features=torch.stack(seq.features) if seq.features else (None if seq.features is None else torch.empty(0)),
+            spec=seq.spec,
             replica_id=self.replica_id,
         )
 
@@ -220,6 +240,16 @@ class LLMEngine:
         self.model.load_weights({k: v.to(self.device) for k, v in tensors.items()})
         self.versions = Versions(policy=version, drafter=self.versions.drafter)
         log.info("weights_updated", replica=self.replica_id, kind=kind, version=version, tensors=len(tensors))
+
+    # ------------------------------------------------------------------ speculative decoding
+    def enable_spec(self, spec_config, drafter=None) -> None:
+        """Attach a SpecDecoder (tlt.services.rollout.spec) that replaces plain decode for small batches."""
+        from tlt.services.rollout.spec.decoder import SpecDecoder
+
+        if spec_config.mode == "off":
+            return
+        self.spec_decoder = SpecDecoder(spec_config, self.runner, self.block_manager, drafter)
+        self.scheduler.on_release = self.spec_decoder.release
 
     # ------------------------------------------------------------------ helpers
     def stats(self) -> EngineStats:

@@ -18,6 +18,7 @@ A token is sampled for a sequence when its scheduled chunk reaches its end.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tlt.services.rollout.engine.block_manager import BlockManager
@@ -45,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_release: Callable[[Sequence], None] | None = None  # told when a sequence leaves the cache
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -99,6 +101,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -111,4 +115,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status = SeqStatus.FINISHED

@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from tlt.services.rollout.types import FinishReason, SamplingParams
+from tlt.services.rollout.types import FinishReason, SamplingParams, SpecCounters
 
 _arrival = itertools.count()
 
@@ -33,7 +33,7 @@ class Sequence:
     __slots__ = (
         "request_id", "sample_index", "params", "token_ids", "prompt_len", "max_tokens", "num_computed",
         "block_table", "status", "arrival", "generator", "logprobs", "top_logprobs", "features",
-        "policy_versions", "finish_reason", "text", "stop_checked_len", "eos_ids", "stop_ids", "num_preemptions",
+        "policy_versions", "finish_reason", "text", "stop_checked_len", "eos_ids", "stop_ids", "num_preemptions", "spec",
     )
 
     def __init__(
@@ -69,6 +69,7 @@ class Sequence:
         self.eos_ids = frozenset() if params.ignore_eos else eos_ids
         self.stop_ids = frozenset(params.stop_token_ids)
         self.num_preemptions = 0
+        self.spec = SpecCounters()
 
     @property
     def num_tokens(self) -> int:
