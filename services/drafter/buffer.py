@@ -54,7 +54,8 @@ class FeatureBuffer:
         self._rng = random.Random(seed)
         self._count = 0
         self.received_sequences = 0
-        self.sender_dropped = 0
+        self.sender_dropped = 0  # sequences the senders dropped (summed over senders)
+        self._dropped: dict[int, int] = {}
         self.rejected = 0
 
     def add_batch(self, batch: events_pb2.FeatureBatch) -> int:
@@ -73,7 +74,10 @@ class FeatureBuffer:
             added += len(parts)
         with self._lock:
             self.received_sequences += len(batch.sequences)
-            self.sender_dropped = max(self.sender_dropped, int(batch.dropped_before))
+            if batch.sequences:  # each sender (replica) counts its own drops
+                key = int(batch.sequences[0].replica_id)
+                self._dropped[key] = max(self._dropped.get(key, 0), int(batch.dropped_before))
+                self.sender_dropped = sum(self._dropped.values())
         return added
 
     def add_samples(self, samples: list[Sample], holdout: bool = False) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tlt.v1 import common_pb2 as tlt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tlt/v1/drafter.proto\x12\x06tlt.v1\x1a\x13tlt/v1/common.proto\"\x16\n\x14\x44rafterStatusRequest\"{\n\x0eTrainingWindow\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12\r\n\x05start\x18\x03 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x01\x12\x13\n\x0bmicro_steps\x18\x05 \x01(\x03\x12\x11\n\tpreempted\x18\x06 \x01(\x08\"\xa3\x01\n\x10\x41\x63\x63\x65ptanceRecord\x12\x17\n\x0f\x64rafter_version\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61ndidate_accept_len\x18\x03 \x01(\x01\x12\x1a\n\x12serving_accept_len\x18\x04 \x01(\x01\x12\x11\n\tpublished\x18\x05 \x01(\x08\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\"\x80\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12\x10\n\x08training\x18\x03 \x01(\x08\x12\x13\n\x0bmicro_steps\x18\x04 \x01(\x03\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x03\x12\r\n\x05\x61live\x18\x06 \x01(\x08\"\xd0\x02\n\rDrafterStatus\x12\x17\n\x0fserving_version\x18\x01 \x01(\x03\x12\x19\n\x11\x63\x61ndidate_version\x18\x02 \x01(\x03\x12-\n\rlatest_policy\x18\x03 \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12\x18\n\x10\x62uffer_sequences\x18\x04 \x01(\x03\x12\x15\n\rbuffer_tokens\x18\x05 \x01(\x03\x12\x18\n\x10\x66\x65\x61tures_dropped\x18\x06 \x01(\x03\x12%\n\x07workers\x18\x07 \x03(\x0b\x32\x14.tlt.v1.WorkerStatus\x12\'\n\x07windows\x18\x08 \x03(\x0b\x32\x16.tlt.v1.TrainingWindow\x12,\n\nacceptance\x18\t \x03(\x0b\x32\x18.tlt.v1.AcceptanceRecord\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\"A\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\"\x0f\n\rPullCandidate\"0\n\x0c\x42\x61tchRequest\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\"\xb7\x01\n\nTrainBatch\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0e\n\x06length\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\x12\x13\n\x0bsegment_ids\x18\x06 \x01(\x0c\x12\x11\n\tloss_mask\x18\x07 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x11\n\tsequences\x18\t \x01(\x05\"n\n\x0b\x44\x65ltaUpdate\x12\x14\n\x0c\x62\x61se_version\x18\x01 \x01(\x03\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x0bmicro_steps\x18\x04 \x01(\x03\x12\x11\n\tmean_loss\x18\x05 \x01(\x01\"\x8b\x02\n\rWorkerMessage\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12$\n\x05hello\x18\x03 \x01(\x0b\x32\x13.tlt.v1.WorkerHelloH\x00\x12%\n\x04pull\x18\x04 \x01(\x0b\x32\x15.tlt.v1.PullCandidateH\x00\x12-\n\rbatch_request\x18\x05 \x01(\x0b\x32\x14.tlt.v1.BatchRequestH\x00\x12%\n\x06update\x18\x06 \x01(\x0b\x32\x13.tlt.v1.DeltaUpdateH\x00\x12(\n\x06window\x18\x07 \x01(\x0b\x32\x16.tlt.v1.TrainingWindowH\x00\x42\x06\n\x04\x62ody\"F\n\x10\x43\x61ndidateWeights\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\xc5\x01\n\x12\x43oordinatorMessage\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\'\n\x06status\x18\x02 \x01(\x0b\x32\x15.tlt.v1.DrafterStatusH\x00\x12-\n\tcandidate\x18\x03 \x01(\x0b\x32\x18.tlt.v1.CandidateWeightsH\x00\x12#\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x12.tlt.v1.TrainBatchH\x00\x12\x1b\n\x11\x63\x61ndidate_version\x18\x05 \x01(\x03H\x00\x42\x06\n\x04\x62ody2K\n\x07\x44rafter\x12@\n\tGetStatus\x12\x1c.tlt.v1.DrafterStatusRequest\x1a\x15.tlt.v1.DrafterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tlt/v1/drafter.proto\x12\x06tlt.v1\x1a\x13tlt/v1/common.proto\"\x16\n\x14\x44rafterStatusRequest\"\xb8\x01\n\x0eTrainingWindow\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12\r\n\x05start\x18\x03 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x01\x12\x13\n\x0bmicro_steps\x18\x05 \x01(\x03\x12\x11\n\tpreempted\x18\x06 \x01(\x08\x12\x16\n\x0e\x62usy_timestamp\x18\x07 \x01(\x01\x12\x10\n\x08released\x18\x08 \x01(\x01\x12\x11\n\tmean_loss\x18\t \x01(\x01\"\xa3\x01\n\x10\x41\x63\x63\x65ptanceRecord\x12\x17\n\x0f\x64rafter_version\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61ndidate_accept_len\x18\x03 \x01(\x01\x12\x1a\n\x12serving_accept_len\x18\x04 \x01(\x01\x12\x11\n\tpublished\x18\x05 \x01(\x08\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\"\x80\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12\x10\n\x08training\x18\x03 \x01(\x08\x12\x13\n\x0bmicro_steps\x18\x04 \x01(\x03\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x03\x12\r\n\x05\x61live\x18\x06 \x01(\x08\"\xd0\x02\n\rDrafterStatus\x12\x17\n\x0fserving_version\x18\x01 \x01(\x03\x12\x19\n\x11\x63\x61ndidate_version\x18\x02 \x01(\x03\x12-\n\rlatest_policy\x18\x03 \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12\x18\n\x10\x62uffer_sequences\x18\x04 \x01(\x03\x12\x15\n\rbuffer_tokens\x18\x05 \x01(\x03\x12\x18\n\x10\x66\x65\x61tures_dropped\x18\x06 \x01(\x03\x12%\n\x07workers\x18\x07 \x03(\x0b\x32\x14.tlt.v1.WorkerStatus\x12\'\n\x07windows\x18\x08 \x03(\x0b\x32\x16.tlt.v1.TrainingWindow\x12,\n\nacceptance\x18\t \x03(\x0b\x32\x18.tlt.v1.AcceptanceRecord\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\"A\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\"\x0f\n\rPullCandidate\"0\n\x0c\x42\x61tchRequest\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\"\xb7\x01\n\nTrainBatch\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0e\n\x06length\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\x12\x13\n\x0bsegment_ids\x18\x06 \x01(\x0c\x12\x11\n\tloss_mask\x18\x07 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x11\n\tsequences\x18\t \x01(\x05\"n\n\x0b\x44\x65ltaUpdate\x12\x14\n\x0c\x62\x61se_version\x18\x01 \x01(\x03\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x0bmicro_steps\x18\x04 \x01(\x03\x12\x11\n\tmean_loss\x18\x05 \x01(\x01\"\x8b\x02\n\rWorkerMessage\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x12\n\nreplica_id\x18\x02 \x01(\x05\x12$\n\x05hello\x18\x03 \x01(\x0b\x32\x13.tlt.v1.WorkerHelloH\x00\x12%\n\x04pull\x18\x04 \x01(\x0b\x32\x15.tlt.v1.PullCandidateH\x00\x12-\n\rbatch_request\x18\x05 \x01(\x0b\x32\x14.tlt.v1.BatchRequestH\x00\x12%\n\x06update\x18\x06 \x01(\x0b\x32\x13.tlt.v1.DeltaUpdateH\x00\x12(\n\x06window\x18\x07 \x01(\x0b\x32\x16.tlt.v1.TrainingWindowH\x00\x42\x06\n\x04\x62ody\"F\n\x10\x43\x61ndidateWeights\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\xc5\x01\n\x12\x43oordinatorMessage\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\'\n\x06status\x18\x02 \x01(\x0b\x32\x15.tlt.v1.DrafterStatusH\x00\x12-\n\tcandidate\x18\x03 \x01(\x0b\x32\x18.tlt.v1.CandidateWeightsH\x00\x12#\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x12.tlt.v1.TrainBatchH\x00\x12\x1b\n\x11\x63\x61ndidate_version\x18\x05 \x01(\x03H\x00\x42\x06\n\x04\x62ody2K\n\x07\x44rafter\x12@\n\tGetStatus\x12\x1c.tlt.v1.DrafterStatusRequest\x1a\x15.tlt.v1.DrafterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTERSTATUSREQUEST']._serialized_start=53
   _globals['_DRAFTERSTATUSREQUEST']._serialized_end=75
-  _globals['_TRAININGWINDOW']._serialized_start=77
-  _globals['_TRAININGWINDOW']._serialized_end=200
-  _globals['_ACCEPTANCERECORD']._serialized_start=203
-  _globals['_ACCEPTANCERECORD']._serialized_end=366
-  _globals['_WORKERSTATUS']._serialized_start=369
-  _globals['_WORKERSTATUS']._serialized_end=497
-  _globals['_DRAFTERSTATUS']._serialized_start=500
-  _globals['_DRAFTERSTATUS']._serialized_end=836
-  _globals['_WORKERHELLO']._serialized_start=838
-  _globals['_WORKERHELLO']._serialized_end=903
-  _globals['_PULLCANDIDATE']._serialized_start=905
-  _globals['_PULLCANDIDATE']._serialized_end=920
-  _globals['_BATCHREQUEST']._serialized_start=922
-  _globals['_BATCHREQUEST']._serialized_end=970
-  _globals['_TRAINBATCH']._serialized_start=973
-  _globals['_TRAINBATCH']._serialized_end=1156
-  _globals['_DELTAUPDATE']._serialized_start=1158
-  _globals['_DELTAUPDATE']._serialized_end=1268
-  _globals['_WORKERMESSAGE']._serialized_start=1271
-  _globals['_WORKERMESSAGE']._serialized_end=1538
-  _globals['_CANDIDATEWEIGHTS']._serialized_start=1540
-  _globals['_CANDIDATEWEIGHTS']._serialized_end=1610
-  _globals['_COORDINATORMESSAGE']._serialized_start=1613
-  _globals['_COORDINATORMESSAGE']._serialized_end=1810
-  _globals['_DRAFTER']._serialized_start=1812
-  _globals['_DRAFTER']._serialized_end=1887
+  _globals['_TRAININGWINDOW']._serialized_start=78
+  _globals['_TRAININGWINDOW']._serialized_end=262
+  _globals['_ACCEPTANCERECORD']._serialized_start=265
+  _globals['_ACCEPTANCERECORD']._serialized_end=428
+  _globals['_WORKERSTATUS']._serialized_start=431
+  _globals['_WORKERSTATUS']._serialized_end=559
+  _globals['_DRAFTERSTATUS']._serialized_start=562
+  _globals['_DRAFTERSTATUS']._serialized_end=898
+  _globals['_WORKERHELLO']._serialized_start=900
+  _globals['_WORKERHELLO']._serialized_end=965
+  _globals['_PULLCANDIDATE']._serialized_start=967
+  _globals['_PULLCANDIDATE']._serialized_end=982
+  _globals['_BATCHREQUEST']._serialized_start=984
+  _globals['_BATCHREQUEST']._serialized_end=1032
+  _globals['_TRAINBATCH']._serialized_start=1035
+  _globals['_TRAINBATCH']._serialized_end=1218
+  _globals['_DELTAUPDATE']._serialized_start=1220
+  _globals['_DELTAUPDATE']._serialized_end=1330
+  _globals['_WORKERMESSAGE']._serialized_start=1333
+  _globals['_WORKERMESSAGE']._serialized_end=1600
+  _globals['_CANDIDATEWEIGHTS']._serialized_start=1602
+  _globals['_CANDIDATEWEIGHTS']._serialized_end=1672
+  _globals['_COORDINATORMESSAGE']._serialized_start=1675
+  _globals['_COORDINATORMESSAGE']._serialized_end=1872
+  _globals['_DRAFTER']._serialized_start=1874
+  _globals['_DRAFTER']._serialized_end=1949
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,70 @@
+"""Target features without the rollout server: transformers generate + one forward with hidden states.
+
+    prompts --tokenizer chat template--> generate (greedy or sampled, the model's own samples)
+            --forward(output_hidden_states)--> hidden_states[-1] (transformers applies the final norm
+              before appending the last entry: exactly what the lm_head sees) --> Sample windows
+
+Used by offline warm-up (`tlt drafter warmup`), by tests and by the drift benchmark. The trainer
+side (`source = "trainer"`) pushes the same shape of data from its old-logprob pass with
+`features_from_hidden` + `push_trainer_features` in `trainer_hook.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tlt.services.drafter.packing import Sample
+
+
+@torch.no_grad()
+def last_hidden(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] -> [B, T, H] last-layer states after the final norm."""
+    out = model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True)
+    return out.hidden_states[-1]
+
+
+@torch.no_grad()
+def sample_features(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    temperature: float = 0.0, policy_version: int = 0, seed: int = 0, eos_token_id: int | None = None,
+                    window_tokens: int = 4096, prefix: str = "s") -> list[Sample]:
+    """Generate from each prompt (one at a time: no padding effects) and return its feature Sample."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    out: list[Sample] = []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([list(p)])
+        for _ in range(max_new_tokens):  # plain loop: deterministic, no generate() config surprises
+            logits = model(input_ids=ids).logits[0, -1].float()
+            if temperature > 0:
+                tok = int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=g))
+            else:
+                tok = int(logits.argmax())
+            ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+            if eos_token_id is not None and tok == eos_token_id:
+                break
+        h = last_hidden(model, ids)[0]
+        out.extend(to_samples(f"{prefix}{i}", ids[0], h, len(p), policy_version, window_tokens))
+    return out
+
+
+def to_samples(seq_id: str, tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int, policy_version: int,
+               window_tokens: int) -> list[Sample]:
+    """A full sequence (prompt + response) and its features -> windows from the response (see buffer.windows)."""
+    from tlt.services.drafter.buffer import windows
+
+    seq = features_message(seq_id, tokens, hidden, prompt_len, policy_version)
+    return windows(seq, window_tokens)
+
+
+def features_message(seq_id: str, tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int,
+                     policy_version: int, replica_id: int = -1) -> object:
+    from tlt.v1 import events_pb2
+
+    h = hidden.detach().to("cpu", torch.float16).contiguous()
+    return events_pb2.FeatureSequence(
+        seq_id=seq_id, group_id=seq_id, token_ids=[int(t) for t in tokens.tolist()], response_start=prompt_len,
+        hidden_size=int(h.shape[-1]), features=np.ascontiguousarray(h.numpy()).tobytes(),
+        policy_version=policy_version, replica_id=replica_id)

@@ -1,0 +1,281 @@
+"""The drafter coordinator: owns the feature buffer and the candidate drafter, gates publishing.
+
+    rollout/trainer --FeatureBatch (PULL)--> FeatureBuffer
+    workers --WorkerMessage (REQ -> ROUTER)--> hello | pull candidate | batch request | delta | window report
+    candidate += delta (version + 1)  --every eval_interval_s-->  offline acceptance length on held-out
+        recent data, candidate vs serving --better by publish_margin--> UpdateWeights(kind=drafter) on the
+        rollout (every replica, versioned) --> serving := candidate
+    everything --> DrafterStatus (gRPC tlt.v1.Drafter/GetStatus)
+
+Workers train asynchronously from the candidate they pulled and send back their change (a delta), so
+any number of workers can join, leave or die: a delta is applied whole or not at all, and the
+candidate with its version, the serving drafter and the history are checkpointed atomically after
+every change (`coordinator.pt`, written by a background saver at most every 0.5 s so the workers'
+requests never wait on the disk), so a restarted coordinator continues from a consistent state. The
+published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head are
+never among them (asserted).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import zmq
+
+from tlt.services.common.events import FeatureSource
+from tlt.services.common.logging import get_logger
+from tlt.services.common.weights import pack_state_dict, unpack
+from tlt.services.drafter.acceptance import mean_accept_length
+from tlt.services.drafter.buffer import FeatureBuffer
+from tlt.services.drafter.config import DrafterServiceConfig
+from tlt.services.drafter.training import load_state, new_drafter, own_tensors, save_atomic
+from tlt.v1 import common_pb2, drafter_pb2
+
+log = get_logger("drafter.coordinator")
+
+Publish = Callable[[dict[str, torch.Tensor], int], None]  # (own tensors, version) -> pushed, or raises
+
+
+def tensors_message(tensors: dict[str, torch.Tensor], version: int) -> tuple[bytes, bytes]:
+    manifest, payload = pack_state_dict(tensors, common_pb2.WEIGHT_KIND_DRAFTER, version)
+    return manifest.SerializeToString(), bytes(payload)
+
+
+def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
+    from tlt.v1 import rollout_pb2
+
+    return unpack(rollout_pb2.WeightManifest.FromString(manifest), payload, None)
+
+
+class Coordinator:
+    def __init__(self, config: DrafterServiceConfig, model_dir: str, features: FeatureSource | None,
+                 publish: Publish | None) -> None:
+        self.cfg = config
+        self.model_dir = model_dir
+        self.features = features
+        self.publish_fn = publish
+        self.buffer = FeatureBuffer(config.buffer_sequences, config.holdout_sequences, config.window_tokens,
+                                    config.long_tokens, config.holdout_every)
+        self.ckpt = Path(config.checkpoint_dir) / "coordinator.pt"
+        self._lock = threading.Lock()
+        self.candidate = new_drafter(model_dir, config.init_drafter, seed=0)
+        self.candidate.requires_grad_(False)
+        self.candidate_version = 0
+        self.serving = own_tensors(self.candidate)
+        self.serving_version = 0  # the drafter the rollout started with (init_drafter or random), as version 0
+        self.latest_policy = 0
+        self.windows: deque[drafter_pb2.TrainingWindow] = deque(maxlen=config.history)
+        self.acceptance: deque[drafter_pb2.AcceptanceRecord] = deque(maxlen=config.history)
+        self.workers: dict[int, drafter_pb2.WorkerStatus] = {}
+        self.preemptions = 0
+        self.deltas = 0
+        self._evaluated = 0
+        self._last_eval = 0.0
+        self._restore()
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(config.coordinator_bind)
+        self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._dirty = threading.Event()
+        self._threads = [threading.Thread(target=self._serve_workers, name="drafter-router", daemon=True),
+                         threading.Thread(target=self._saver, name="drafter-saver", daemon=True),
+                         threading.Thread(target=self._gate_loop, name="drafter-gate", daemon=True)]
+        if features is not None:
+            self._threads.append(threading.Thread(target=self._pull_features, name="drafter-features", daemon=True))
+
+    # ---- lifecycle
+    def start(self) -> Coordinator:
+        for t in self._threads:
+            t.start()
+        log.info("coordinator_started", endpoint=self.endpoint, candidate_version=self.candidate_version,
+                 serving_version=self.serving_version)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._router.close()
+        self._ctx.term()
+
+    def _restore(self) -> None:
+        state = load_state(self.ckpt)
+        if state is None:
+            return
+        self.candidate.load_tensors(state["candidate"])
+        self.candidate_version = int(state["candidate_version"])
+        self.serving = state["serving"]
+        self.serving_version = int(state["serving_version"])
+        self.preemptions = int(state.get("preemptions", 0))
+        self.deltas = int(state.get("deltas", 0))
+        for blob in state.get("acceptance", []):
+            self.acceptance.append(drafter_pb2.AcceptanceRecord.FromString(blob))
+        for blob in state.get("windows", []):
+            self.windows.append(drafter_pb2.TrainingWindow.FromString(blob))
+        log.info("coordinator_restored", candidate_version=self.candidate_version, serving=self.serving_version)
+
+    def _save(self) -> None:  # caller holds the lock; the saver thread writes it soon
+        self._dirty.set()
+
+    def _saver(self) -> None:
+        while not self._stop.is_set():
+            if self._dirty.wait(0.5) and not self._stop.is_set():
+                time.sleep(0.5)
+                self.save_now()
+        if self._dirty.is_set():
+            self.save_now()
+
+    def save_now(self) -> None:
+        with self._lock:
+            self._dirty.clear()
+            state = self._state()
+        save_atomic(self.ckpt, state, fsync=True)
+
+    def _state(self) -> dict:  # caller holds the lock
+        return ({
+            "candidate": own_tensors(self.candidate), "candidate_version": self.candidate_version,
+            "serving": self.serving, "serving_version": self.serving_version, "preemptions": self.preemptions,
+            "deltas": self.deltas, "acceptance": [a.SerializeToString() for a in self.acceptance],
+            "windows": [w.SerializeToString() for w in self.windows],
+        })
+
+    # ---- features
+    def _pull_features(self) -> None:
+        assert self.features is not None
+        while not self._stop.is_set():
+            batch = self.features.recv(0.2)
+            if batch is None:
+                continue
+            self.buffer.add_batch(batch)
+            if batch.sequences:
+                self.latest_policy = max(self.latest_policy, max(s.policy_version for s in batch.sequences))
+
+    # ---- workers
+    def _serve_workers(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(timeout=100):
+                continue
+            frames = self._router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            ident, _, body = frames
+            try:
+                msg = drafter_pb2.WorkerMessage.FromString(body)
+                reply = self.handle(msg)
+            except Exception as e:  # deliberate boundary: one bad request must not stop the coordinator
+                log.error("worker_request_failed", error=repr(e))
+                reply = drafter_pb2.CoordinatorMessage(error=repr(e))
+            self._router.send_multipart([ident, b"", reply.SerializeToString()])
+
+    def handle(self, msg: drafter_pb2.WorkerMessage) -> drafter_pb2.CoordinatorMessage:
+        kind = msg.WhichOneof("body")
+        w = self.workers.setdefault(msg.worker_id, drafter_pb2.WorkerStatus(worker_id=msg.worker_id))
+        w.replica_id, w.alive = msg.replica_id, True
+        if kind == "hello":
+            log.info("worker_joined", worker=msg.worker_id, replica=msg.replica_id, pid=msg.hello.pid)
+            return drafter_pb2.CoordinatorMessage(status=self.status())
+        if kind == "pull":
+            with self._lock:
+                m, p = tensors_message(own_tensors(self.candidate), self.candidate_version)
+                return drafter_pb2.CoordinatorMessage(candidate=drafter_pb2.CandidateWeights(
+                    version=self.candidate_version, manifest=m, payload=p))
+        if kind == "batch_request":
+            w.training = True
+            rows = msg.batch_request.rows or self.cfg.batch_rows
+            tokens = msg.batch_request.max_tokens or self.cfg.batch_tokens
+            batch = self.buffer.batch(rows, tokens)
+            return drafter_pb2.CoordinatorMessage(batch=batch.to_proto() if batch else drafter_pb2.TrainBatch())
+        if kind == "update":
+            return drafter_pb2.CoordinatorMessage(candidate_version=self.apply_delta(msg.update))
+        if kind == "window":
+            win = msg.window
+            w.training = False
+            w.micro_steps += win.micro_steps
+            w.preemptions += int(win.preempted)
+            with self._lock:
+                self.windows.append(win)
+                self.preemptions += int(win.preempted)
+                self._save()
+            return drafter_pb2.CoordinatorMessage(status=self.status())
+        raise ValueError(f"unknown worker message {kind!r}")
+
+    def apply_delta(self, upd: drafter_pb2.DeltaUpdate) -> int:
+        delta = tensors_from(upd.manifest, upd.payload)
+        with self._lock:
+            own = self.candidate.state_dict()
+            bad = sorted(set(delta) ^ set(own))
+            if bad:
+                raise ValueError(f"delta tensors do not match the drafter: {bad[:5]}")
+            for k, d in delta.items():
+                if d.shape != own[k].shape or not torch.isfinite(d).all():
+                    raise ValueError(f"delta tensor {k} has the wrong shape or non-finite values")
+            for k, d in delta.items():
+                own[k].add_(d.to(own[k].dtype))
+            self.candidate_version += 1
+            self.deltas += 1
+            self._save()
+            return self.candidate_version
+
+    # ---- gating
+    def _gate_loop(self) -> None:
+        while not self._stop.wait(0.2):
+            if self.candidate_version > self._evaluated and time.monotonic() - self._last_eval >= self.cfg.eval_interval_s:
+                try:
+                    self.evaluate_and_publish()
+                except Exception as e:  # deliberate boundary: a failed push is reported and retried later
+                    log.error("drafter_publish_failed", error=repr(e))
+                self._last_eval = time.monotonic()
+
+    def evaluate_and_publish(self) -> drafter_pb2.AcceptanceRecord | None:
+        """Compare candidate and serving on held-out recent data; publish the candidate when it is better."""
+        held = self.buffer.holdout(self.cfg.min_eval_tokens)
+        if sum(len(s) for s in held) < self.cfg.min_eval_tokens:
+            return None
+        with self._lock:
+            version = self.candidate_version
+            cand = own_tensors(self.candidate)
+            serving = {k: v.clone() for k, v in self.serving.items()}
+        probe = new_drafter(self.model_dir, "", seed=0)
+        probe.eval()
+        probe.load_tensors(cand)
+        cand_len, _ = mean_accept_length(probe, held, self.cfg.eval_depth)
+        probe.load_tensors(serving)
+        serve_len, count = mean_accept_length(probe, held, self.cfg.eval_depth)
+        better = cand_len >= serve_len * (1 + self.cfg.publish_margin) and cand_len > serve_len
+        rec = drafter_pb2.AcceptanceRecord(drafter_version=version, policy_version=self.latest_policy,
+                                           candidate_accept_len=cand_len, serving_accept_len=serve_len,
+                                           published=False, timestamp=time.time())
+        self._evaluated = version
+        if better and self.publish_fn is not None:
+            leaked = [k for k in cand if "embed" in k or "lm_head" in k]
+            assert not leaked, f"a drafter push must never carry the target's embedding/lm_head: {leaked}"
+            self.publish_fn(cand, version)
+            rec.published = True
+            with self._lock:
+                self.serving, self.serving_version = cand, version
+        with self._lock:
+            self.acceptance.append(rec)
+            self._save()
+        log.info("drafter_evaluated", version=version, candidate=round(cand_len, 3), serving=round(serve_len, 3),
+                 starts=count, published=rec.published)
+        return rec
+
+    # ---- status
+    def status(self) -> drafter_pb2.DrafterStatus:
+        seqs, toks = self.buffer.stats()
+        with self._lock:
+            return drafter_pb2.DrafterStatus(
+                serving_version=self.serving_version, candidate_version=self.candidate_version,
+                latest_policy=common_pb2.WeightVersions(policy=self.latest_policy, drafter=self.serving_version),
+                buffer_sequences=seqs, buffer_tokens=toks,
+                features_dropped=self.buffer.sender_dropped, workers=list(self.workers.values()),
+                windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions)

@@ -1,0 +1,124 @@
+"""`tlt drafter serve`: the elastic drafter trainer (coordinator + N workers + status gRPC).
+
+    tlt drafter serve --model artifacts/tiny --workers 2 [--preset cpu-tiny] [--set field=value ...]
+
+Runs the coordinator (feature PULL, worker ROUTER, gated publishing to the rollout over
+UpdateWeights(kind=drafter)), the `tlt.v1.Drafter/GetStatus` gRPC server, and starts `--workers`
+worker processes (`tlt drafter worker --replica i`, one per rollout replica i). More workers can
+join later on their own with `tlt drafter worker --coordinator ADDR --replica K`; a worker that
+exits or is killed leaves the coordinator and the other workers running. `--ready-file PATH`
+writes JSON {pid, status_port, coordinator, features, worker_pids} once serving. SIGINT/SIGTERM
+stops the workers (they end their window cleanly) and then the coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="the target (policy) checkpoint folder")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes to start, one per replica 0..N-1")
+    parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a [drafter] field; repeatable")
+    parser.add_argument("--ready-file", default=None, help="write endpoints and pids here as JSON when ready")
+
+
+def build_config(preset: str, overrides: list[str], config_json: str = "") -> object:
+    from tlt.services.common.config import cli_overrides, load_config
+    from tlt.services.drafter.config import DrafterServiceConfig
+
+    if config_json:
+        return DrafterServiceConfig.model_validate_json(config_json)
+    return load_config(DrafterServiceConfig, "drafter", preset, cli_overrides(overrides))
+
+
+class StatusService:
+    """tlt.v1.Drafter: GetStatus answers the coordinator's status."""
+
+    def __init__(self, coordinator: object) -> None:
+        self.coordinator = coordinator
+
+    def GetStatus(self, request: object, context: object) -> object:  # noqa: N802 - gRPC method name
+        return self.coordinator.status()  # type: ignore[attr-defined]
+
+
+def start_status_server(coordinator: object, host: str, port: int) -> tuple[object, int]:
+    from concurrent import futures
+
+    import grpc
+
+    from tlt.v1 import drafter_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = type("DrafterServicer", (StatusService, drafter_pb2_grpc.DrafterServicer), {})(coordinator)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the drafter status gRPC server to {host}:{port}")
+    server.start()
+    return server, bound
+
+
+def rollout_publisher(address: str, token: str):  # noqa: ANN201
+    """A function that pushes the drafter's own tensors to every replica of the rollout at `address`."""
+    from tlt.services.rollout.client import RolloutClient
+
+    def publish(tensors: dict, version: int) -> None:
+        leaked = [k for k in tensors if "embed" in k or "lm_head" in k]
+        assert not leaked, f"a drafter push must never carry the target's embedding/lm_head: {leaked}"
+        with RolloutClient(address, control_token=token, timeout_s=120) as client:
+            client.update_weights(tensors, "drafter", version)
+
+    return publish
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    from tlt.services.common.events import FeaturePuller
+    from tlt.services.common.logging import get_logger
+    from tlt.services.drafter.coordinator import Coordinator
+
+    log = get_logger("drafter.serve")
+    cfg = build_config(args.preset, args.overrides)
+    puller = FeaturePuller(cfg.features_bind)  # type: ignore[attr-defined]
+    coordinator = Coordinator(cfg, args.model, puller, rollout_publisher(cfg.rollout_grpc, cfg.control_token)).start()  # type: ignore[attr-defined, arg-type]
+    server, port = start_status_server(coordinator, cfg.host, cfg.status_port)  # type: ignore[attr-defined]
+    procs = []
+    for i in range(args.workers):
+        cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", args.model, "--coordinator",
+               coordinator.endpoint, "--replica", str(i), "--worker-id", str(i), "--config-json", cfg.model_dump_json()]  # type: ignore[attr-defined]
+        procs.append(subprocess.Popen(cmd))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.ready_file:
+        tmp = Path(args.ready_file + ".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "status_port": port, "coordinator": coordinator.endpoint,
+                                   "features": puller.endpoint, "worker_pids": [p.pid for p in procs]}))
+        tmp.replace(args.ready_file)
+    log.info("drafter_serving", status=f"{cfg.host}:{port}", coordinator=coordinator.endpoint,  # type: ignore[attr-defined]
+             features=puller.endpoint, workers=len(procs))
+    stop.wait()
+    log.info("drafter_stopping")
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+    server.stop(grace=1).wait()  # type: ignore[attr-defined]
+    coordinator.close()
+    puller.close()
+    return 0

@@ -1,0 +1,106 @@
+"""Drafter training pieces shared by the online workers, warm-up and the benchmark.
+
+    target checkpoint --target_shared--> (embed, lm_head) of the policy, frozen, shared by reference
+    PackedBatch --packed_pairs--> drafter forward (segment-masked) --drafter_loss--> AdamW step
+
+Optimiser: AdamW with betas (0.9, 0.95), gradient norm clipped (TLT.md section 3); optional
+uniform noise U(-noise, noise) on the input features (offline warm-up). `save_atomic` writes a
+checkpoint to a temporary file in the same folder, fsyncs it and renames it over the old one, so a
+`kill -9` at any moment leaves either the old or the new state, never a torn file (add fsync for
+power loss).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tlt.model.drafter import Drafter, DrafterConfig, load_drafter
+from tlt.model.loader import _weight_files, read_model_config
+from tlt.services.drafter.loss import DrafterLoss, drafter_loss
+from tlt.services.drafter.packing import PackedBatch, packed_pairs
+
+
+def target_shared(model_dir: str | Path, device: str = "cpu") -> tuple[DrafterConfig, torch.Tensor, torch.Tensor]:
+    """The drafter config for a target, and the target's embedding and lm_head (fp32), read from its folder."""
+    cfg = read_model_config(model_dir)
+    want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for path in _weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in want:
+                    want[name] = f.get_tensor(name)
+    embed = want["model.embed_tokens.weight"]
+    if embed is None:
+        raise ValueError(f"{model_dir} has no model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings or want["lm_head.weight"] is None else want["lm_head.weight"]
+    return DrafterConfig.from_model_config(cfg), embed.float().to(device), head.float().to(device)
+
+
+def new_drafter(model_dir: str | Path, init: str = "", seed: int = 0, device: str = "cpu") -> Drafter:
+    """A drafter for the target in `model_dir`: loaded from `init` when given, else seeded random."""
+    cfg, embed, head = target_shared(model_dir, device)
+    if init:
+        return load_drafter(init, embed, head).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Drafter(cfg, embed, head).to(device)
+
+
+def make_optimizer(drafter: Drafter, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    return torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+def micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch, grad_clip: float = 1.0,
+               noise: float = 0.0, generator: torch.Generator | None = None) -> DrafterLoss:
+    """One optimiser step on one packed batch; returns the loss record."""
+    device = next(drafter.parameters()).device
+    p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
+    feats = p.features.to(device, torch.float32)
+    if noise > 0:
+        u = torch.rand(feats.shape, generator=generator, device="cpu").to(device)
+        feats = feats + (2 * u - 1) * noise
+    drafter.train()
+    pred = drafter(p.input_ids.to(device), feats, p.positions.to(device), segment_ids=p.segment_ids.to(device))
+    res = drafter_loss(pred, p.target.to(device, torch.float32), drafter.lm_head, p.mask.to(device))
+    opt.zero_grad(set_to_none=True)
+    res.loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+    opt.step()
+    return res
+
+
+def save_atomic(path: str | Path, obj: Any, fsync: bool = False) -> None:
+    """torch.save to a temporary sibling, rename over `path` (atomic on POSIX).
+
+    The rename alone survives the process being killed at any point (the page cache outlives it);
+    `fsync=True` also survives a power loss, at the price of a disk flush (slow on busy disks).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_state(path: str | Path) -> Any | None:
+    path = Path(path)
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def own_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """The drafter's own weights (fc.*, layer.*), detached fp32 CPU copies; asserts no shared tensor leaks in."""
+    out = {k: v.detach().float().cpu().clone() for k, v in drafter.state_dict().items()}
+    leaked = [k for k in out if "embed" in k or "lm_head" in k]
+    assert not leaked, f"drafter state must never carry the target's embedding/lm_head: {leaked}"
+    return out

@@ -1,0 +1,241 @@
+"""A drafter worker: trains the drafter on one replica's device, only while that replica is IDLE.
+
+    capacity events (SUB + snapshot) -> state of replica K
+    IDLE  -> open a window: load drafter (candidate from the coordinator) + optimizer (own checkpoint)
+             onto the device; loop { check events; batch from the coordinator; one micro-step;
+             every submit_every steps: send delta, checkpoint, re-pull }
+    BUSY / DRAINING (seen between two micro-steps) -> stop; copy state off the device and free it
+             (`released`), then send the delta, checkpoint atomically, report the window
+
+So a worker never starts a micro-step after its replica turned busy: the busy-to-released latency
+is at most one micro-step plus the release. Optimizer state and step counts live in
+`<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
+worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
+coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
+a timeout; a coordinator that does not answer makes the worker wait and retry, not crash.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from tlt.services.common.events import CapacitySubscriber
+from tlt.services.common.logging import get_logger
+from tlt.services.drafter.config import DrafterServiceConfig
+from tlt.services.drafter.coordinator import tensors_from, tensors_message
+from tlt.services.drafter.packing import PackedBatch
+from tlt.model.drafter import Drafter
+from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
+from tlt.v1 import common_pb2, drafter_pb2
+
+log = get_logger("drafter.worker")
+IDLE = common_pb2.REPLICA_STATE_IDLE
+
+
+class CoordinatorUnavailable(RuntimeError):
+    pass
+
+
+class CoordinatorClient:
+    """REQ to the coordinator with a timeout; a lost answer gets a fresh socket (REQ cannot recover)."""
+
+    def __init__(self, endpoint: str, worker_id: int, replica_id: int, timeout_s: float = 10.0) -> None:
+        self.endpoint, self.worker_id, self.replica_id, self.timeout_s = endpoint, worker_id, replica_id, timeout_s
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+
+    def ask(self, **body: object) -> drafter_pb2.CoordinatorMessage:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.REQ)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.endpoint)
+        msg = drafter_pb2.WorkerMessage(worker_id=self.worker_id, replica_id=self.replica_id, **body)
+        self._sock.send(msg.SerializeToString())
+        if not self._sock.poll(int(self.timeout_s * 1000)):
+            self._sock.close()
+            self._sock = None
+            raise CoordinatorUnavailable(f"no answer from the coordinator at {self.endpoint} in {self.timeout_s}s")
+        reply = drafter_pb2.CoordinatorMessage.FromString(self._sock.recv())
+        if reply.error:
+            raise RuntimeError(f"coordinator refused {next(iter(body))}: {reply.error}")
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._ctx.term()
+
+
+@dataclass
+class WindowResult:
+    micro_steps: int = 0
+    preempted: bool = False
+    busy_timestamp: float = 0.0
+    released: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+
+class DrafterWorker:
+    def __init__(self, cfg: DrafterServiceConfig, model_dir: str, worker_id: int, replica_id: int,
+                 coordinator: str) -> None:
+        self.cfg, self.model_dir, self.worker_id, self.replica_id = cfg, model_dir, worker_id, replica_id
+        self.device = f"cuda:{replica_id}" if cfg.device.startswith("cuda") else cfg.device
+        self.client = CoordinatorClient(coordinator, worker_id, replica_id)
+        self.ckpt = os.path.join(cfg.checkpoint_dir, f"worker-{worker_id}.pt")
+        self.sub = CapacitySubscriber(cfg.capacity_pub, cfg.capacity_snapshot)
+        self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
+        self.last_busy = 0.0
+        saved = load_state(self.ckpt) or {}
+        self.total_steps = int(saved.get("micro_steps", 0))
+        self.preemptions = int(saved.get("preemptions", 0))
+        self.windows = 0
+        self._gen = torch.Generator().manual_seed(worker_id)
+        self._shared = target_shared(model_dir)  # the target's embed / lm_head, kept on the CPU between windows
+        if cfg.threads and self.device == "cpu":
+            torch.set_num_threads(cfg.threads)
+
+    # ---- capacity
+    def _see(self, event: object) -> None:
+        if getattr(event, "replica_id", None) != self.replica_id:
+            return
+        if event.state != IDLE and self.state == IDLE:  # type: ignore[attr-defined]
+            self.last_busy = float(event.timestamp)  # type: ignore[attr-defined]
+        self.state = event.state  # type: ignore[attr-defined]
+
+    def _poll_events(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        first = True
+        while first or time.monotonic() < deadline:
+            first = False
+            e = self.sub.recv(max(0.001, deadline - time.monotonic()))  # recv(0) would not even look
+            if e is None:
+                return
+            self._see(e)
+
+    # ---- main loop
+    def run(self, stop: object = None, max_windows: int | None = None) -> None:
+        """Until `stop.is_set()` (a threading.Event-like) or `max_windows` windows ran."""
+        for e in self.sub.snapshot(timeout_s=30.0):
+            self._see(e)
+        self.client.ask(hello=drafter_pb2.WorkerHello(worker_id=self.worker_id, replica_id=self.replica_id,
+                                                      pid=os.getpid()))
+        log.info("worker_started", worker=self.worker_id, replica=self.replica_id, device=self.device,
+                 resumed_steps=self.total_steps)
+        while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+            if max_windows is not None and self.windows >= max_windows:
+                return
+            if self.state != IDLE:
+                self._poll_events(0.2)
+                continue
+            try:
+                self.window(stop)
+            except CoordinatorUnavailable as e:
+                log.warning("coordinator_unavailable", error=str(e))
+                time.sleep(1.0)
+
+    def window(self, stop: object = None) -> WindowResult:
+        """One training window on an idle replica; returns when it turns busy (or `stop`)."""
+        start = time.time()
+        res = WindowResult()
+        cfg, embed, head = self._shared
+        drafter = Drafter(cfg, embed.to(self.device), head.to(self.device)).to(self.device)
+        opt = make_optimizer(drafter, self.cfg.lr, self.cfg.weight_decay)
+        saved = load_state(self.ckpt)
+        if saved is not None and saved.get("optimizer"):
+            opt.load_state_dict(saved["optimizer"])
+        base, base_version = self._pull(drafter)
+        since_submit = 0
+        while True:
+            self._poll_events(0.0)
+            if self.state != IDLE or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+                res.preempted = self.state != IDLE
+                break
+            reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(rows=self.cfg.batch_rows,
+                                                                          max_tokens=self.cfg.batch_tokens))
+            if reply.batch.rows == 0:
+                self._poll_events(0.05)  # nothing to train on yet; keep listening
+                continue
+            self._poll_events(0.0)
+            if self.state != IDLE:  # turned busy while the batch came: do not start the step
+                res.preempted = True
+                break
+            loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
+                              self.cfg.feature_noise, self._gen)
+            res.micro_steps += 1
+            res.losses.append(float(loss.loss.detach()))
+            since_submit += 1
+            if since_submit >= self.cfg.submit_every:
+                self._submit(drafter, base, base_version, since_submit, res, opt)
+                base, base_version = self._pull(drafter)
+                since_submit = 0
+        # stop: copy what must survive off the device, then free the device
+        local = own_tensors(drafter)
+        opt_state = _cpu(opt.state_dict())
+        alive = weakref.ref(drafter)
+        del drafter, opt
+        if alive() is not None:  # normally freed by refcount at once; a cycle needs the (slow, ~1 s) collector
+            gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        res.released = time.time()
+        if res.preempted:
+            res.busy_timestamp = self.last_busy
+            self.preemptions += 1
+        self.total_steps += res.micro_steps
+        if since_submit:
+            self._send_delta(local, base, base_version, since_submit, res)
+        self._checkpoint(opt_state)
+        win = drafter_pb2.TrainingWindow(
+            worker_id=self.worker_id, replica_id=self.replica_id, start=start, end=res.released,
+            micro_steps=res.micro_steps, preempted=res.preempted, busy_timestamp=res.busy_timestamp,
+            released=res.released, mean_loss=sum(res.losses) / len(res.losses) if res.losses else 0.0)
+        self.client.ask(window=win)
+        self.windows += 1
+        log.info("training_window", worker=self.worker_id, replica=self.replica_id, steps=res.micro_steps,
+                 preempted=res.preempted, release_ms=round(1000 * (res.released - res.busy_timestamp), 1)
+                 if res.preempted else None)
+        return res
+
+    # ---- state
+    def _pull(self, drafter: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
+        cand = self.client.ask(pull=drafter_pb2.PullCandidate()).candidate
+        tensors = tensors_from(cand.manifest, cand.payload)
+        drafter.load_tensors(tensors)  # type: ignore[operator]
+        return tensors, cand.version
+
+    def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, res: WindowResult) -> None:
+        delta = {k: local[k] - base[k] for k in local}
+        m, p = tensors_message(delta, base_version)
+        loss = sum(res.losses[-steps:]) / max(1, len(res.losses[-steps:]))
+        self.client.ask(update=drafter_pb2.DeltaUpdate(base_version=base_version, manifest=m, payload=p,
+                                                       micro_steps=steps, mean_loss=loss))
+
+    def _submit(self, drafter: torch.nn.Module, base: dict, base_version: int, steps: int, res: WindowResult,
+                opt: torch.optim.Optimizer) -> None:
+        self._send_delta(own_tensors(drafter), base, base_version, steps, res)  # type: ignore[arg-type]
+        self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)
+
+    def _checkpoint(self, opt_state: dict, extra_steps: int = 0) -> None:
+        save_atomic(self.ckpt, {"optimizer": opt_state, "micro_steps": self.total_steps + extra_steps,
+                                "preemptions": self.preemptions})
+
+    def close(self) -> None:
+        self.sub.close()
+        self.client.close()
+
+
+def _cpu(obj: object) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,45 @@
+"""`tlt drafter worker`: one elastic drafter worker, joining a running coordinator.
+
+    tlt drafter worker --model artifacts/tiny --coordinator tcp://127.0.0.1:5704 --replica 1
+
+Trains only while rollout replica `--replica` is IDLE (capacity events from the [drafter]
+capacity_pub / capacity_snapshot endpoints), resumes from `<checkpoint_dir>/worker-<id>.pt`, and
+ends its window cleanly on SIGINT/SIGTERM. `tlt drafter serve --workers N` starts these for you.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="the target (policy) checkpoint folder")
+    parser.add_argument("--coordinator", required=True, help="coordinator endpoint, e.g. tcp://127.0.0.1:5704")
+    parser.add_argument("--replica", type=int, required=True, help="the rollout replica whose idle time to use")
+    parser.add_argument("--worker-id", type=int, default=None, help="stable id (checkpoint name); default: --replica")
+    parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a [drafter] field; repeatable")
+    parser.add_argument("--config-json", default="", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tlt.services.common.logging import configure_logging
+    from tlt.services.drafter.serve import build_config
+    from tlt.services.drafter.worker import DrafterWorker
+
+    worker_id = args.replica if args.worker_id is None else args.worker_id
+    configure_logging(service=f"drafter-worker-{worker_id}")
+    cfg = build_config(args.preset, args.overrides, args.config_json)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    worker = DrafterWorker(cfg, args.model, worker_id, args.replica, args.coordinator)  # type: ignore[arg-type]
+    try:
+        worker.run(stop)
+    finally:
+        worker.close()
+    return 0

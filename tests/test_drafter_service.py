@@ -1,0 +1,151 @@
+"""The elastic drafter service without the rollout server: a real CapacityPublisher (ZeroMQ on
+127.0.0.1) plays the rollout's replicas, the real coordinator (ROUTER, buffer, gating) and real
+workers (threads here, a `tlt drafter worker` process for kill -9) train on real target features
+of a tiny random Qwen2 (transformers forward, post-norm last layer). The rollout's
+UpdateWeights is replaced by a recording function (the integration test uses the real server)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from rollout_helpers import tiny_checkpoint
+from tlt.services.common.events import CapacityPublisher
+from tlt.services.drafter.collect import sample_features
+from tlt.services.drafter.config import DrafterServiceConfig
+from tlt.services.drafter.coordinator import Coordinator
+from tlt.services.drafter.training import load_state
+from tlt.services.drafter.worker import DrafterWorker
+from tlt.v1 import common_pb2, events_pb2
+
+BUSY, IDLE = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="module")
+def samples(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompts = [[int(x) for x in torch.randint(5, 200, (6,))] for _ in range(12)]
+    return sample_features(model, prompts, max_new_tokens=40, window_tokens=64)
+
+
+def make(tmp_path, model_dir, samples, pushes, **over):
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    cfg = DrafterServiceConfig(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
+                               coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=64, batch_tokens=64, batch_rows=2, lr=3e-3, submit_every=5,
+                               eval_interval_s=0.2, min_eval_tokens=32, holdout_every=4, publish_margin=0.0,
+                               **over)
+    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append((sorted(t), v))).start()
+    coord.buffer.add_samples(samples[3:])
+    coord.buffer.add_samples(samples[:3], holdout=True)
+    for r in (0, 1):
+        pub.publish(events_pb2.CapacityEvent(replica_id=r, state=BUSY))
+    return pub, cfg, coord
+
+
+def state(pub, r, s):
+    return pub.publish(events_pb2.CapacityEvent(replica_id=r, state=s))
+
+
+def test_trains_only_while_idle_is_preempted_and_publishes(tmp_path, model_dir, samples) -> None:
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes)
+    workers = [DrafterWorker(cfg, str(model_dir), i, i, coord.endpoint) for i in (0, 1)]
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        assert coord.candidate_version == 0 and not coord.windows  # both replicas busy: nothing trains
+        log = []
+        for cycle in range(3):
+            for r in (0, 1):
+                log.append(state(pub, r, IDLE))
+            time.sleep(1.5)
+            for r in (0, 1):
+                log.append(state(pub, r, BUSY))
+            deadline = time.monotonic() + 10
+            while len(coord.windows) < 2 * (cycle + 1) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        wins = list(coord.windows)
+        assert len(wins) == 6 and all(w.preempted and w.micro_steps > 0 for w in wins)
+        for w in wins:  # each window lies inside an IDLE interval of its replica and ends after BUSY
+            idle = [e.timestamp for e in log if e.replica_id == w.replica_id and e.state == IDLE and e.timestamp <= w.start]
+            busy = [e.timestamp for e in log if e.replica_id == w.replica_id and e.state == BUSY and e.timestamp > idle[-1]]
+            assert w.busy_timestamp == busy[0] and w.released >= busy[0]
+            assert w.released - w.busy_timestamp < 2.0
+        assert coord.preemptions == 6 and coord.candidate_version > 0
+        deadline = time.monotonic() + 20
+        while not pushes and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pushes, [(a.candidate_accept_len, a.serving_accept_len) for a in coord.acceptance]
+        names, version = pushes[0]
+        assert all(not ("embed" in n or "lm_head" in n) for n in names) and version > 0
+        rec = [a for a in coord.acceptance if a.published][0]
+        assert rec.candidate_accept_len > rec.serving_accept_len
+        st = coord.status()
+        assert st.serving_version == pushes[-1][1] and st.preemptions == 6 and len(st.workers) == 2
+    finally:
+        stop.set()
+        for r in (0, 1):
+            state(pub, r, BUSY)
+        for t in threads:
+            t.join(20)
+        for w in workers:
+            w.close()
+        coord.close()
+        pub.close()
+
+
+def test_kill_minus_9_worker_resumes_from_its_checkpoint(tmp_path, model_dir, samples) -> None:
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, submit_every=3)
+    cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", str(model_dir), "--coordinator",
+           coord.endpoint, "--replica", "0", "--config-json", cfg.model_dump_json()]
+    ckpt = tmp_path / "ckpt" / "worker-0.pt"
+    proc = subprocess.Popen(cmd)
+    try:
+        state(pub, 0, IDLE)
+        deadline = time.monotonic() + 90
+        while (load_state(ckpt) or {}).get("micro_steps", 0) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-window, possibly mid-step
+        proc.wait(10)
+        saved = load_state(ckpt)
+        assert saved["micro_steps"] >= 6 and saved["optimizer"]["state"]
+        version = coord.candidate_version
+        assert version == coord.deltas and version >= 2  # only whole deltas were applied
+        assert coord.status().candidate_version == version  # the coordinator keeps answering
+        proc = subprocess.Popen(cmd)  # restart: continues from the checkpoint
+        deadline = time.monotonic() + 90
+        while (load_state(ckpt) or {}).get("micro_steps", 0) <= saved["micro_steps"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert load_state(ckpt)["micro_steps"] > saved["micro_steps"]
+        state(pub, 0, BUSY)
+        deadline = time.monotonic() + 20
+        while not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coord.windows and coord.windows[-1].preempted
+        assert coord.candidate_version == coord.deltas > version
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(20)
+        coord.close()
+        pub.close()

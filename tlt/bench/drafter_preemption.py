@@ -1,0 +1,95 @@
+"""`tlt bench drafter-preemption`: BUSY event -> device released, over many preemptions.
+
+    tlt bench drafter-preemption [--model DIR] [--preemptions 50] [--out BENCH.json]
+
+A real CapacityPublisher (what the rollout server runs) flips replica 0 IDLE -> BUSY; a real
+`tlt drafter worker` process trains on replica 0 in the idle windows (real coordinator, real
+features of the model's own greedy samples) and reports for each window the publisher's BUSY
+timestamp and the moment it had freed the device. Latency = released - busy (same host clock).
+Idle windows last a random 0.1-0.6 s so the BUSY lands at random points of a micro-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="", help="target checkpoint; default: a random tiny Qwen2 built in a temp dir")
+    parser.add_argument("--preemptions", type=int, default=50, help="how many BUSY events to measure")
+    parser.add_argument("--batch-rows", type=int, default=4, help="packed rows per micro-step")
+    parser.add_argument("--batch-tokens", type=int, default=256, help="tokens per packed row")
+    parser.add_argument("--out", default="", help="write the figures as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import random
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tlt.services.common.events import CapacityPublisher
+    from tlt.services.drafter.collect import sample_features
+    from tlt.services.drafter.config import DrafterServiceConfig
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.v1 import common_pb2, events_pb2
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="tlt-preempt-"))
+    model_dir = args.model
+    if not model_dir:
+        from tlt.model.testing import random_checkpoint
+
+        model_dir = str(random_checkpoint(tmp / "model"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [[int(x) for x in torch.randint(5, 200, (8,), generator=g)] for _ in range(16)]
+    samples = sample_features(model, prompts, max_new_tokens=64, window_tokens=args.batch_tokens)
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=1.0)
+    cfg = DrafterServiceConfig(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
+                               coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp / "ckpt"),
+                               window_tokens=args.batch_tokens, batch_tokens=args.batch_tokens,
+                               batch_rows=args.batch_rows, eval_interval_s=3600)
+    coord = Coordinator(cfg, model_dir, None, None).start()
+    coord.buffer.add_samples(samples)
+    busy, idle = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
+    pub.publish(events_pb2.CapacityEvent(replica_id=0, state=busy))
+    proc = subprocess.Popen([sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", model_dir,
+                             "--coordinator", coord.endpoint, "--replica", "0", "--config-json", cfg.model_dump_json()])
+    rng = random.Random(0)
+    lat: list[float] = []
+    steps: list[int] = []
+    try:
+        while not coord.workers:
+            time.sleep(0.1)
+        for i in range(args.preemptions + 1):
+            pub.publish(events_pb2.CapacityEvent(replica_id=0, state=idle))
+            time.sleep(rng.uniform(0.1, 0.6) + (1.0 if i == 0 else 0.0))
+            pub.publish(events_pb2.CapacityEvent(replica_id=0, state=busy))
+            deadline = time.monotonic() + 30
+            while len(coord.windows) < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            w = coord.windows[-1]
+            if i > 0 and w.preempted:  # the first window includes the worker's warm-up; not measured
+                lat.append(w.released - w.busy_timestamp)
+                steps.append(w.micro_steps)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        coord.close()
+        pub.close()
+    ms = np.array(lat) * 1000
+    res = {"preemptions": len(lat), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+           "max_ms": float(ms.max()), "mean_steps_per_window": float(np.mean(steps)),
+           "batch": f"{args.batch_rows}x{args.batch_tokens}", "model": model_dir}
+    print(json.dumps(res, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0
