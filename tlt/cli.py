@@ -44,6 +44,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "engine"), "tlt.bench.engine", "native engine vs transformers generate"),
     Command(("bench", "rollout"), "tlt.bench.rollout", "long-tail rollout: SD off / static / adaptive / model-free"),
     Command(("bench", "drafter-drift"), "tlt.bench.drafter_drift", "frozen vs online drafter under policy updates"),
+    Command(("bench", "drafter-preemption"), "tlt.bench.drafter_preemption", "drafter worker: BUSY event -> device released latency"),
     Command(("bench", "e2e"), "tlt.bench.e2e", "end-to-end TLT vs baseline RL steps"),
     Command(("bench", "kernels"), "tlt.kernels.bench", "Triton kernels vs PyTorch references (CUDA); --compile-only: ptxas report"),
 )
