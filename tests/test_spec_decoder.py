@@ -1,10 +1,9 @@
 """SpecDecoder inside the native engine on a tiny random Qwen2 checkpoint (built in code, no downloads).
 
-The engine's own step does not call the decoder yet (wiring is the engine owner's); `_spec_generate`
-below drives the engine's scheduler, runner and emission exactly as that wiring would: schedule ->
-SD step when the decoder wants it (else a plain step) -> append tokens with the engine's stop checks.
-Greedy speculative output must equal plain greedy output token for token, with both drafters, and
-the logprobs must match the plain engine's.
+The engine's own step drives the decoder (schedule -> draft/verify/accept or plain -> emit with
+per-token stops). Greedy speculative output must equal plain greedy output token for token, with
+both drafters; sampled logprobs must equal the target's filtered log q; a drafter trained on the
+target's features must be accepted (pair alignment end to end).
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ from tlt.model.drafter import Drafter, DrafterConfig, training_pairs
 from tlt.services.drafter.loss import drafter_loss
 from tlt.services.rollout.engine.config import EngineConfig
 from tlt.services.rollout.engine.engine import LLMEngine
-from tlt.services.rollout.engine.stop import check_stop
 from tlt.services.rollout.engine.testing import random_checkpoint
 from tlt.services.rollout.spec.config import SpecConfig
-from tlt.services.rollout.spec.decoder import SpecDecoder
+from tlt.services.rollout.spec.decoder import SpecDecoder, build_spec_decoder
 from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
 
@@ -34,48 +32,14 @@ def _engine(ckpt, blocks=64):
     return LLMEngine(ckpt, EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=256))
 
 
-def _spec_generate(engine, decoder, requests, observe=False):
-    for r in requests:
-        engine.add_request(r)
-    done = {}
-    while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
-        if not batch.seqs:
-            break
-        em = decoder.decode(batch.seqs) if decoder.wants(batch) else None
-        if em is None:
-            out = _plain(engine, batch)
-            _, fin = engine._emit(out)
-            if observe:
-                decoder.observe_plain([s for s in out.emit_seqs if not s.is_finished],
-                                      out.hidden[[i for i, s in enumerate(out.emit_seqs) if not s.is_finished]])
-        else:
-            fin = []
-            for seq, e in zip(batch.seqs, em):
-                for tok, lp in zip(e.token_ids, e.logprobs):
-                    seq.token_ids.append(tok)
-                    seq.record_version(engine.versions.policy)
-                    if seq.logprobs is not None:
-                        seq.logprobs.append(lp)
-                    reason = check_stop(seq, tok, engine.tokenizer, engine.max_model_len)
-                    if reason is not None:
-                        seq.finish_reason = reason
-                        engine.scheduler.finish(seq)
-                        decoder.release(seq)
-                        fin.append(engine._completion(seq))
-                        break
-        for c in fin:
-            done[(c.request_id, c.sample_index)] = c
-    return [done[(r.request_id, i)] for r in requests for i in range(r.n)]
-
-
-def _plain(engine, batch):
-    out = engine.runner.run(batch)
-    for seq, n in zip(batch.seqs, batch.num_new):
-        seq.num_computed += n
-        if n > 1:
-            engine.block_manager.mark_computed(seq)
-    return out
+def _spec_generate(engine, decoder, requests, observe=True):
+    """Generate through the engine's own step with `decoder` attached (observe=False: the plain steps'
+    features are not passed on, as with an engine that does not call observe_plain)."""
+    engine.spec_decoder = decoder
+    engine.scheduler.on_release = decoder.release
+    if not observe:
+        decoder.observe_plain = lambda seqs, hidden: None
+    return engine.generate(requests)
 
 
 def _requests(n_req=3, n=2, max_tokens=40):
@@ -112,6 +76,18 @@ def test_greedy_spec_equals_plain_greedy_with_learned_drafter(ckpt):
     spec = _spec_generate(eng, dec, _requests(2, 1, 24))
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert dec.stats()["verify_steps"] > 5
+
+
+def test_build_from_config_loads_a_saved_drafter(ckpt, tmp_path):
+    eng = _engine(ckpt)
+    assert build_spec_decoder(SpecConfig(mode="off"), eng.runner, eng.block_manager) is None
+    torch.manual_seed(1)
+    Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head).save(tmp_path / "d")
+    dec = build_spec_decoder(SpecConfig(drafter="learned", drafter_path=str(tmp_path / "d"), **SPEC), eng.runner,
+                             eng.block_manager)
+    assert dec.source.drafter.embed.data_ptr() == eng.model.embed.data_ptr()  # shared, not copied
+    plain = _engine(ckpt).generate(_requests(1, 1, 12))
+    assert [c.token_ids for c in _spec_generate(eng, dec, _requests(1, 1, 12))] == [c.token_ids for c in plain]
 
 
 def test_no_room_for_drafts_falls_back_to_plain_decoding(ckpt):
@@ -154,7 +130,7 @@ def test_trained_drafter_is_accepted(ckpt):
     drafter.set_shared(eng.model.embed, eng.model.lm_head)
     dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **SPEC), eng.runner,
                       eng.block_manager, drafter)
-    spec = _spec_generate(eng, dec, reqs)
+    spec = _spec_generate(eng, dec, reqs, observe=False)
     assert [c.token_ids for c in spec] == [c.token_ids for c in outs]
     assert dec.stats()["mean_accept_len"] > 2.0, dec.stats()
     assert dec.stats()["cold_starts"] == len(reqs)  # nobody fed the plain steps: one root-only step each
@@ -163,7 +139,7 @@ def test_trained_drafter_is_accepted(ckpt):
     drafter.set_shared(eng.model.embed, eng.model.lm_head)
     dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **SPEC), eng.runner,
                       eng.block_manager, drafter)
-    spec = _spec_generate(eng, dec, reqs, observe=True)
+    spec = _spec_generate(eng, dec, reqs)
     assert [c.token_ids for c in spec] == [c.token_ids for c in outs]
     assert dec.stats()["cold_starts"] == 0 and dec.stats()["mean_accept_len"] > 2.0, dec.stats()
 
@@ -191,3 +167,17 @@ def test_sampled_spec_logprobs_are_the_targets_under_the_filters(ckpt):
         want = logq.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
         assert torch.isfinite(want).all()
         assert c.logprobs == pytest.approx(want.tolist(), abs=2e-3)
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(ckpt):
+    base = _engine(ckpt).generate(_requests(1, 1, 40))[0].token_ids
+    stop = base[12]  # the random model repeats itself: this token sits inside a run the drafts predict
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0, stop_token_ids=(stop,))
+    reqs = [GenerationRequest(r.request_id, r.prompt_token_ids, params, r.n) for r in _requests(1, 1, 40)]
+    plain = _engine(ckpt).generate(reqs)
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **dict(SPEC, hysteresis_steps=1)), eng.runner, eng.block_manager)
+    spec = _spec_generate(eng, dec, reqs)
+    assert spec[0].token_ids == plain[0].token_ids and spec[0].token_ids[-1] == stop
+    assert spec[0].finish_reason == plain[0].finish_reason
+    assert dec.stats()["verify_steps"] > 0

@@ -192,7 +192,7 @@ class Drafter(nn.Module):
         q = attn.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [B, T, d/2]
+        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq.float()  # [B, T, d/2]
         emb = torch.cat([freqs, freqs], -1)[:, None]
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)

@@ -14,6 +14,16 @@ nodes (path[1..a]) must sit at c .. c + a: copied there. num_computed becomes c 
 bonus token is the new last token. The caller (the engine) appends the emitted tokens with its usual
 per-token stop checks and stamps; tokens after a stop are dropped and the sequence finishes.
 Returns None (the caller decodes plainly) when the KV cache has no room for the drafts.
+
+Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` does exactly this):
+
+    batch = scheduler.schedule()
+    if decoder is not None and decoder.wants(batch) and (em := decoder.decode(batch.seqs)) is not None:
+        for seq, e in zip(batch.seqs, em):       # per token: append, version, logprob, feature row,
+            ...                                  # check_stop; on a stop drop the rest and finish
+    else:
+        out = runner.run(batch); ...; emit       # plain step, then decoder.observe_plain(seqs, hidden)
+    on finish / abort / preemption: decoder.release(seq)
 """
 
 from __future__ import annotations
@@ -42,6 +52,21 @@ class SpecEmission:
     token_ids: list[int]
     logprobs: list[float]  # log q of each token under the sampling filters (raw log-softmax when greedy)
     hidden: torch.Tensor  # [len, H] target feature (post final norm) that produced each token
+
+
+def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: BlockManager) -> SpecDecoder | None:
+    """The engine's decoder for `config` (None when mode is off). A learned drafter is loaded from
+    `drafter_path` onto the target's device and dtype, sharing the target's embed/lm_head."""
+    if config.mode == "off":
+        return None
+    drafter = None
+    if config.drafter == "learned":
+        from tlt.model.drafter import load_drafter
+
+        model = runner.model
+        drafter = load_drafter(config.drafter_path, model.embed, model.lm_head)
+        drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
+    return SpecDecoder(config, runner, block_manager, drafter)
 
 
 class SpecDecoder:
@@ -155,9 +180,10 @@ class SpecDecoder:
         target feature that produced it. Keeps the learned drafter warm while SD is off, so switching
         on needs neither a target re-prefill nor a cold step (only pairs are buffered: no compute)."""
         if isinstance(self.source, EagleSource) and self.config.mode != "off":
+            live = [i for i, s in enumerate(seqs) if not s.is_finished]  # finished ones were released
             feats = hidden.detach()
-            self.source.observe(seqs, [[s.token_ids[-1]] for s in seqs], [[feats[i]] for i in range(len(seqs))],
-                                [s.num_tokens - 1 for s in seqs])
+            self.source.observe([seqs[i] for i in live], [[seqs[i].token_ids[-1]] for i in live],
+                                [[feats[i]] for i in live], [seqs[i].num_tokens - 1 for i in live])
 
     # ---------------------------------------------------------------- lifecycle
     def release(self, seq: Sequence) -> None:
