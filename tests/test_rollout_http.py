@@ -177,12 +177,12 @@ def test_text_stream_equals_full_decode(model_dir):
 
 def test_batch_of_prompts_with_n(client, server):
     """prompt as a list: choice index = prompt_index * n + sample_index (the OpenAI layout)."""
-    r = client.completions.create(model=server.model_name, prompt=["1+1=", [5, 6, 7]], n=2, max_tokens=3,
+    r = client.completions.create(model=server.model_name, prompt=["1+1=", "2+2="], n=2, max_tokens=3,
                                   temperature=0, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     by = {c.index: c.text for c in r.choices}
     assert by[0] == by[1] and by[2] == by[3]  # greedy: the samples of one prompt agree
-    single = client.completions.create(model=server.model_name, prompt=[5, 6, 7], max_tokens=3, temperature=0,
+    single = client.completions.create(model=server.model_name, prompt="2+2=", max_tokens=3, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert by[2] == single.choices[0].text
     assert r.usage.completion_tokens == 12
