@@ -75,3 +75,52 @@ def test_two_ranks_match_one_rank(tmp_path):
     assert abs(two["grad_norm"] - res.metrics.grad_norm) < 1e-4 * res.metrics.grad_norm
     for k, p in one.module.named_parameters():
         torch.testing.assert_close(two["params"][k], p.detach(), atol=2e-6, rtol=1e-4)
+
+
+LOOP_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.loop import train
+cfg = TrainerConfig(model_dir={model!r}, rollout_addresses=[{address!r}], output_dir={out!r}, prompts_per_step=2,
+                    n_samples=4, max_tokens=8, mini_batch_size=8, micro_batch_size=2, zero_stage=2, lr=1e-3,
+                    steps=2, checkpoint_interval=1, synthetic_problems=32, connect_timeout_s=60)
+s = train(cfg)
+print("SUMMARY", s.steps_done, s.policy_version)
+"""
+
+
+@pytest.mark.slow  # two trainer ranks and a rollout server: a minute or two on two cores
+def test_two_rank_loop_against_rollout_server(random_model_dir, tmp_path):
+    import json
+
+    from rollout_helpers import ServerThread
+    from tlt.services.rollout.client import RolloutClient
+
+    out = tmp_path / "run"
+    with ServerThread(random_model_dir, replicas=1) as server:
+        script = LOOP_SCRIPT.format(model=str(random_model_dir), address=server.grpc_address, out=str(out))
+        port = str(free_port())
+        procs = []
+        for rank in (0, 1):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        try:
+            outputs = [p.communicate(timeout=400)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        with RolloutClient(server.grpc_address) as client:
+            serving = client.status().versions.policy
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-3000:]
+        assert "SUMMARY 2 2" in text
+    assert serving == 2  # rank 0 pushed after each step; the other rank pushed nothing
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1] and all(m["optimizer_updates"] == 1 for m in lines)
+    # ZeRO-2 partitions the optimizer state: both ranks wrote theirs into the one checkpoint
+    engine_files = sorted(x.name for x in (out / "checkpoints" / "step-00000002" / "engine").iterdir())
+    assert sum("optim_states" in f for f in engine_files) == 2, engine_files

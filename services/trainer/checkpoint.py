@@ -13,7 +13,10 @@ write-temp-then-`os.replace`. A crash before the rename leaves only a `.tmp`
 folder; a crash between the rename and the pointer update leaves `latest` on
 the previous checkpoint, which is still complete. Resuming from checkpoint k
 restarts at step k with the same data position, RNG and optimizer state, so
-the steps after k are recomputed exactly as they would have run.
+the steps after k are recomputed exactly as they would have run. With several
+ranks, every rank writes its DeepSpeed state into the temporary folder and
+rank 0 alone does the renames (the folder must be on a shared file system).
+RNG states saved are rank 0's.
 """
 
 from __future__ import annotations
@@ -97,26 +100,34 @@ class CheckpointManager:
 
     def save(self, policy, sampler, steps_done: int) -> Path:  # noqa: ANN001 - Policy, PromptSampler
         """Write a complete checkpoint after `steps_done` steps; returns its folder."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        from tlt.services.trainer.distributed import barrier, is_main
+
         final = self.root / self.name(steps_done)
         tmp = self.root / f".tmp-{final.name}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        if is_main():
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        barrier()
+        # Collective: with ZeRO 1/2 every rank writes its optimizer partition.
         policy.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False)
-        state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng())
-        torch.save(state.__dict__, tmp / STATE_FILE)
-        _fsync_tree(tmp)
-        if final.exists():  # an older run got this far before being resumed from an earlier checkpoint
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        pointer_tmp = self.root / f".{LATEST}.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        with open(pointer_tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(pointer_tmp, self.root / LATEST)
-        _fsync_dir(self.root)
-        self._prune(final)
-        log.info("checkpoint_saved", path=str(final), steps_done=steps_done, policy_version=policy.version)
+        barrier()
+        if is_main():
+            state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng())
+            torch.save(state.__dict__, tmp / STATE_FILE)
+            _fsync_tree(tmp)
+            if final.exists():  # an older run got this far before being resumed from an earlier checkpoint
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            pointer_tmp = self.root / f".{LATEST}.tmp"
+            pointer_tmp.write_text(final.name + "\n")
+            with open(pointer_tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(pointer_tmp, self.root / LATEST)
+            _fsync_dir(self.root)
+            self._prune(final)
+            log.info("checkpoint_saved", path=str(final), steps_done=steps_done, policy_version=policy.version)
+        barrier()
         return final
 
     def _prune(self, newest: Path) -> None:

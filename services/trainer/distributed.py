@@ -56,3 +56,27 @@ def init_process_group(backend: str | None = None) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     deepspeed.init_distributed(dist_backend=backend, verbose=False, auto_mpi_discovery=False,
                                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def is_main() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def broadcast(obj: object) -> object:
+    """Rank 0's `obj` on every rank (pickled; for small control data and completions)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -8,6 +8,10 @@
       -> push weights -> metrics.jsonl line -> checkpoint (every checkpoint_interval)
     end: final checkpoint, the trained policy as a Hugging Face folder (output_dir/policy)
 
+Under the DeepSpeed launcher with W ranks, rank 0 alone talks to the
+services (rollout, rewards, pushes) and writes metrics; it broadcasts each
+step's scored completions and every rank trains on its share (step.py).
+
 Exactly-once bookkeeping: a step's metrics line is written before its
 checkpoint; on resume from the checkpoint after k steps, lines of steps >= k
 (written by the killed run after its last checkpoint) are dropped, and those
@@ -65,27 +69,14 @@ def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
 
 
 def train(cfg: TrainerConfig) -> TrainSummary:
-    from tlt.services.rollout.client import RolloutClient
     from tlt.services.trainer.checkpoint import CheckpointManager
-    from tlt.services.trainer.collect import collect, sampling_params
     from tlt.services.trainer.data import PromptSampler, load_prompts, synthetic_prompts
+    from tlt.services.trainer.distributed import broadcast, is_main
     from tlt.services.trainer.policy import Policy, ReferencePolicy
-    from tlt.services.trainer.rewards import make_reward_source
     from tlt.services.trainer.step import grpo_step
-    from tlt.services.trainer.weight_sync import WeightPublisher, check_versions, policy_tensors, resolve_dtype
-
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    prom = Metrics("trainer")
-    g_step = prom.gauge("step", "RL steps done")
-    g_reward = prom.gauge("reward_mean", "mean reward of the last step")
-    g_seconds = prom.gauge("step_seconds", "wall time of the last step", labels=("phase",))
-    if cfg.metrics_port:
-        prom.serve(cfg.metrics_port)
 
     items = load_prompts(cfg.data_path) if cfg.data_path else synthetic_prompts(cfg.synthetic_problems, cfg.seed)
-    sampler = PromptSampler(items, cfg.seed)
+    sampler = PromptSampler(items, cfg.seed)  # every rank keeps the same position (checkpoints)
     policy = Policy(cfg)
     reference = None
     if cfg.kl_beta > 0:
@@ -93,60 +84,113 @@ def train(cfg: TrainerConfig) -> TrainSummary:
 
         ref_dtype = torch.bfloat16 if policy.bf16 else torch.float32
         reference = ReferencePolicy(cfg.reference_model_dir or cfg.model_dir, policy.device, cfg.temperature, ref_dtype)
+    out = Path(cfg.output_dir)
     ckpt = CheckpointManager(out / "checkpoints", cfg.keep_checkpoints)
     start, resumed_from = 0, None
     if cfg.resume and (state := ckpt.load(policy, sampler)) is not None:
         start = resumed_from = state.steps_done
-        trim_metrics(metrics_path, start)
-    elif metrics_path.exists():
-        metrics_path.unlink()
-
-    clients = [RolloutClient(a, control_token=cfg.rollout_token) for a in cfg.rollout_addresses]
-    rewards = make_reward_source(cfg)
+    # Rank 0 talks to the services and writes the run's files; other ranks only train.
+    services = _Services(cfg, out, start) if is_main() else None
     try:
-        for c in clients:
-            c.wait_ready(cfg.connect_timeout_s)
-        publisher = WeightPublisher(clients, cfg.weight_push) if cfg.weight_push != "none" else None
-        if publisher is not None:
-            sync_weights(policy, publisher, clients)
-        push_dtype = resolve_dtype(cfg.push_dtype, policy.bf16)
-        params = sampling_params(cfg.max_tokens, cfg.temperature, cfg.top_p)
+        version = services.sync(policy) if services else None
+        policy.version = broadcast(version)
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
             prompts = sampler.next_batch(cfg.prompts_per_step)
-            rollout = collect(prompts, clients, rewards, cfg.n_samples, params, step)
-            if publisher is not None:
-                check_versions((s.policy_version for s in rollout.samples), policy.version)
+            rollout = services.rollout(prompts, step, policy.version) if services else None
+            rollout = broadcast(rollout)
             result = grpo_step(policy, rollout.samples, step, reference)
             m = result.metrics
             m.times.update(rollout.times)
+            if services:
+                services.publish(policy, m, prompts, t_step)
             done = step + 1
-            if publisher is not None:
-                report = publisher.push(policy_tensors(policy.module, push_dtype), policy.version)
-                m.times["push_s"] = report.seconds
-                m.times["push_apply_s"] = report.apply_seconds
-            m.times["step_s"] = time.perf_counter() - t_step
-            _append(metrics_path, {**m.as_dict(), "prompt_indices": [p.index for p in prompts]})
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 ckpt.save(policy, sampler, done)
-            g_step.set(done)
-            g_reward.set(m.reward_mean)
-            for phase, seconds in m.times.items():
-                g_seconds.labels(phase).set(seconds)
-            log.info("step", step=step, version=policy.version, reward=round(m.reward_mean, 4),
-                     acc=round(m.accuracy, 4), loss=round(m.loss, 5), kl=round(m.approx_kl, 6),
-                     len=round(m.response_len_mean, 1), **{k: round(v, 3) for k, v in m.times.items()})
-        final = out / "policy"
+        if services:
+            services.export(policy)
+    finally:
+        if services:
+            services.close()
+    return TrainSummary(max(start, cfg.steps), policy.version, resumed_from, str(out))
+
+
+class _Services:
+    """Rank 0's side of the loop: rollout + reward clients, weight pushes, metrics, the final export."""
+
+    def __init__(self, cfg: TrainerConfig, out: Path, start: int) -> None:
+        from tlt.services.rollout.client import RolloutClient
+        from tlt.services.trainer.collect import sampling_params
+        from tlt.services.trainer.rewards import make_reward_source
+
+        self.cfg, self.out = cfg, out
+        out.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = out / "metrics.jsonl"
+        if start:
+            trim_metrics(self.metrics_path, start)
+        elif self.metrics_path.exists():
+            self.metrics_path.unlink()
+        self.prom = Metrics("trainer")
+        self.g_step = self.prom.gauge("step", "RL steps done")
+        self.g_reward = self.prom.gauge("reward_mean", "mean reward of the last step")
+        self.g_seconds = self.prom.gauge("step_seconds", "wall time of the last step", labels=("phase",))
+        if cfg.metrics_port:
+            self.prom.serve(cfg.metrics_port)
+        self.params = sampling_params(cfg.max_tokens, cfg.temperature, cfg.top_p)
+        self.clients = [RolloutClient(a, control_token=cfg.rollout_token) for a in cfg.rollout_addresses]
+        self.rewards = make_reward_source(cfg)
+        self.publisher = None
+
+    def sync(self, policy) -> int:  # noqa: ANN001
+        from tlt.services.trainer.weight_sync import WeightPublisher
+
+        for c in self.clients:
+            c.wait_ready(self.cfg.connect_timeout_s)
+        if self.cfg.weight_push != "none":
+            self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
+            sync_weights(policy, self.publisher, self.clients)
+        return policy.version
+
+    def rollout(self, prompts, step: int, version: int):  # noqa: ANN001, ANN201
+        from tlt.services.trainer.collect import collect
+        from tlt.services.trainer.weight_sync import check_versions
+
+        result = collect(prompts, self.clients, self.rewards, self.cfg.n_samples, self.params, step)
+        if self.publisher is not None:
+            check_versions((s.policy_version for s in result.samples), version)
+        return result
+
+    def publish(self, policy, m, prompts, t_step: float) -> None:  # noqa: ANN001
+        """Push the new weights, then write the step's metrics line (before its checkpoint)."""
+        from tlt.services.trainer.weight_sync import policy_tensors, resolve_dtype
+
+        if self.publisher is not None:
+            tensors = policy_tensors(policy.module, resolve_dtype(self.cfg.push_dtype, policy.bf16))
+            report = self.publisher.push(tensors, policy.version)
+            m.times["push_s"] = report.seconds
+            m.times["push_apply_s"] = report.apply_seconds
+        m.times["step_s"] = time.perf_counter() - t_step
+        _append(self.metrics_path, {**m.as_dict(), "prompt_indices": [p.index for p in prompts]})
+        self.g_step.set(m.step + 1)
+        self.g_reward.set(m.reward_mean)
+        for phase, seconds in m.times.items():
+            self.g_seconds.labels(phase).set(seconds)
+        log.info("step", step=m.step, version=policy.version, reward=round(m.reward_mean, 4),
+                 acc=round(m.accuracy, 4), loss=round(m.loss, 5), kl=round(m.approx_kl, 6),
+                 len=round(m.response_len_mean, 1), **{k: round(v, 3) for k, v in m.times.items()})
+
+    def export(self, policy) -> None:  # noqa: ANN001
+        final = self.out / "policy"
         policy.save_pretrained(str(final))
         for name in TOKENIZER_FILES:
-            src = Path(cfg.model_dir) / name
+            src = Path(self.cfg.model_dir) / name
             if src.is_file() and not (final / name).exists():
                 shutil.copy(src, final / name)
-    finally:
-        rewards.close()
-        for c in clients:
+
+    def close(self) -> None:
+        self.rewards.close()
+        for c in self.clients:
             c.close()
-    return TrainSummary(max(start, cfg.steps), policy.version, resumed_from, str(out))
 
 
 def _append(path: Path, record: dict) -> None:
