@@ -27,6 +27,7 @@ from tlt.services.common.weights import iter_chunks, pack_state_dict
 from tlt.services.rollout.client import RolloutClient, WeightPushError
 from tlt.v1 import common_pb2, rollout_pb2
 
+TOKEN = "s3cret-control-token"
 PROMPTS = ["1+2=", "3*4=", "5-1=", "9+9="]
 GREEDY = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -38,13 +39,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with ServerThread(model_dir, replicas=2) as s:
+    with ServerThread(model_dir, replicas=2, control_token=TOKEN) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = RolloutClient(server.grpc_address, timeout_s=120)
+    c = RolloutClient(server.grpc_address, control_token=TOKEN, timeout_s=120)
     yield c
     c.close()
 
@@ -158,3 +159,17 @@ def test_in_flight_sequence_straddling_a_swap_is_stamped_with_both_versions(serv
     assert last["finish_reason"] == "length"
     assert last["tlt_versions"]["policy"] == v
     assert last["tlt_versions"]["policy_min"] == v - 1
+
+
+def test_update_weights_needs_the_control_token(server, client, model_dir):
+    import grpc
+
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    before = client.status().versions.policy
+    for token in ("", "wrong"):
+        with RolloutClient(server.grpc_address, control_token=token, timeout_s=30) as other:
+            with pytest.raises(grpc.RpcError) as e:
+                other.update_weights({"lm_head.weight": original["lm_head.weight"]}, "policy", before + 1)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert len(other.generate("1+2=", params=GREEDY)) == 1  # generation needs no token
+    assert client.status().versions.policy == before
