@@ -400,6 +400,14 @@ def test_compose_stack_trains_one_step_locally(raw, random_model_dir, tmp_path):
         procs["trainer"] = proc
         rc = proc.wait(timeout=900)
         assert rc == 0, (tmp_path / "trainer.log").read_text(errors="replace")[-4000:]
+        # The step went through the rollout server: it now serves the trained policy (version 1).
+        import grpc
+
+        from tlt.v1 import rollout_pb2, rollout_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{m.ports[50051]}") as ch:
+            status = rollout_pb2_grpc.RolloutStub(ch).GetStatus(rollout_pb2.StatusRequest(), timeout=30)
+        assert status.versions.policy == 1
     finally:
         for p in procs.values():
             _stop(p)
