@@ -27,6 +27,7 @@ control token on UpdateWeights gets UNAUTHENTICATED.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -203,8 +204,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         from tlt.services.common.weights import WeightValidationError, assemble
 
         if self.config.control_token:
-            got = dict(context.invocation_metadata() or ()).get("authorization", "")
-            if got not in (self.config.control_token, f"Bearer {self.config.control_token}"):
+            got = dict(context.invocation_metadata() or ()).get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(got.encode(), self.config.control_token.encode()):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "UpdateWeights needs the control token")
         chunks = []
         received = 0
