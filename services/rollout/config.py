@@ -45,6 +45,17 @@ class RolloutConfig(ServiceConfig):
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for every replica to load its model")
     update_timeout_s: float = Field(600.0, gt=0, description="how long a weight update may take on every replica")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the native engine's config, per replica")
+    capacity_pub: str = Field(
+        "", description="ZeroMQ endpoint to bind the capacity-event PUB on (e.g. tcp://127.0.0.1:5701); empty: off"
+    )
+    capacity_snapshot: str = Field(
+        "", description="ZeroMQ endpoint to bind the capacity snapshot REP on (late subscribers); empty: an ephemeral port"
+    )
+    capacity_heartbeat_s: float = Field(1.0, gt=0, description="seconds between capacity heartbeats")
+    features_push: str = Field(
+        "", description="drafter feature PULL endpoint each replica PUSHes finished sequences' features to; empty: off"
+    )
+    features_max_tokens: int = Field(4096, ge=2, description="most tokens of one sequence sent as drafter features")
 
     @field_validator("host")
     @classmethod

@@ -102,6 +102,7 @@ class ReplicaStats:
     num_preemptions: int
     steps: int
     spec: dict = field(default_factory=dict)
+    features_dropped: int = 0  # finished sequences whose drafter features were dropped (slow/absent consumer)
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,10 @@ from tlt.services.rollout.ipc import (
 
 
 def replica_main(
-    replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection
+    replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
+    features_push: str = "", features_max_tokens: int = 4096,
 ) -> None:
-    """Process entry point (multiprocessing spawn target)."""
+    """Process entry point (multiprocessing spawn target). `features_push`: drafter feature PULL endpoint."""
     import torch
 
     from tlt.services.common.logging import configure_logging, get_logger
@@ -74,7 +75,12 @@ def replica_main(
     conn.send(Ready(info))
     log.info("replica_ready", replica=replica_id, pid=info.pid, threads=torch.get_num_threads(), device=info.device)
     try:
-        ReplicaLoop(engine, conn, replica_id).run()
+        features = None
+        if features_push:
+            from tlt.services.rollout.features import FeaturePublisher
+
+            features = FeaturePublisher(features_push, replica_id, features_max_tokens)
+        ReplicaLoop(engine, conn, replica_id, features).run()
     except (EOFError, BrokenPipeError):
         log.info("replica_front_gone", replica=replica_id)
     except Exception:  # deliberate boundary: the loop died; tell the front why before exiting
@@ -91,10 +97,11 @@ def replica_main(
 class ReplicaLoop:
     """Drain commands, step the engine, send what it produced."""
 
-    def __init__(self, engine: Any, conn: Connection, replica_id: int) -> None:
+    def __init__(self, engine: Any, conn: Connection, replica_id: int, features: Any = None) -> None:
         self.engine = engine
         self.conn = conn
         self.replica_id = replica_id
+        self.features = features  # a rollout.features.FeaturePublisher when features go to the drafter
         self.running = True
         self._handlers = {
             AddRequest: self._add,
@@ -115,6 +122,8 @@ class ReplicaLoop:
             if self.engine.has_unfinished():
                 steps, finished = self.engine.step()
                 if steps or finished:
+                    if self.features is not None:
+                        self.features.publish(finished, self.engine.versions.policy)
                     for c in finished:
                         c.replica_id = self.replica_id
                         if c.features is not None:
@@ -127,13 +136,16 @@ class ReplicaLoop:
             self._handlers[type(cmd)](cmd)
 
     def _add(self, cmd: AddRequest) -> None:
+        request = cmd.request if self.features is None else self.features.want_features(cmd.request)
         try:
-            self.engine.add_request(cmd.request)
+            self.engine.add_request(request)
         except ValueError as e:
             self.conn.send(RequestFailed(cmd.request.request_id, str(e)))
 
     def _abort(self, cmd: AbortRequest) -> None:
         self.engine.abort_request(cmd.request_id)
+        if self.features is not None:
+            self.features.forget(cmd.request_id)
 
     def _apply_weights(self, cmd: ApplyWeights) -> None:
         from tlt.services.common.weights import WeightValidationError, unpack
@@ -159,6 +171,7 @@ class ReplicaLoop:
             num_preemptions=int(s.num_preemptions),
             steps=int(s.steps),
             spec=dict(getattr(s, "spec", {}) or {}),
+            features_dropped=self.features.dropped if self.features is not None else 0,
         )
         self.conn.send(Reply(cmd.cmd_id, stats=stats, versions=s.versions))
 

@@ -13,6 +13,11 @@ Load balancing: each request goes to the live replica with the fewest
 outstanding sequences (counted here, at submit and finish, so it is exact and
 immediate), ties broken round-robin.
 
+Capacity events (when a `capacity` sink is given): a replica is BUSY from the moment a request
+is handed to it while it had nothing outstanding, and IDLE again when its last outstanding
+sequence finishes, fails or is aborted (the counts here are exact, see above); DRAINING when it
+dies or the pool stops. Each change is published at once (drafter workers preempt on BUSY).
+
 Weight updates (`update_weights`) are all-or-nothing in the sense that
 matters: the payload is validated entirely here (checksum, sizes, names,
 shapes, dtypes against the replicas' `expected_weights`) before any replica
@@ -104,8 +109,8 @@ class _Replica:
 class ReplicaPool:
     """N engine replica processes behind one async interface."""
 
-    def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int
-                 ) -> None:
+    def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
+                 capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096) -> None:
         self.model_dir = model_dir
         self.backend = backend
         self.engine_config = engine_config
@@ -120,6 +125,34 @@ class ReplicaPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.versions = Versions()
+        self.capacity = capacity  # a common.events.CapacitySink, or None
+        self.features_push = features_push
+        self.features_max_tokens = features_max_tokens
+
+    # ---- capacity events ---------------------------------------------------------------------
+
+    def _publish_state(self, rep: _Replica, state: int) -> None:
+        if self.capacity is None:
+            return
+        from tlt.v1 import common_pb2, events_pb2
+
+        v = self.versions
+        self.capacity.publish(events_pb2.CapacityEvent(
+            replica_id=rep.replica_id, device=rep.info.device if rep.info else "", state=state,
+            running=max(rep.outstanding, 0), queued=0,
+            versions=common_pb2.WeightVersions(policy=v.policy, drafter=v.drafter)))
+
+    def _busy(self, rep: _Replica) -> None:
+        from tlt.v1 import common_pb2
+
+        if rep.outstanding == 0:
+            self._publish_state(rep, common_pb2.REPLICA_STATE_BUSY)
+
+    def _maybe_idle(self, rep: _Replica) -> None:
+        from tlt.v1 import common_pb2
+
+        if rep.outstanding == 0 and rep.alive and not self._stopping:
+            self._publish_state(rep, common_pb2.REPLICA_STATE_IDLE)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -133,7 +166,8 @@ class ReplicaPool:
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=replica_main,
-                args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child),
+                args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
+                      self.features_push, self.features_max_tokens),
                 name=f"tlt-rollout-replica-{i}",
                 daemon=True,
             )
@@ -149,9 +183,15 @@ class ReplicaPool:
             await self.stop()
             raise
         self.versions = self.replicas[0].info.versions  # type: ignore[union-attr]
+        for rep in self.replicas:
+            self._maybe_idle(rep)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        from tlt.v1 import common_pb2
+
+        for rep in self.replicas:
+            self._publish_state(rep, common_pb2.REPLICA_STATE_DRAINING)
         for rep in self.replicas:
             rep.outbox.put(Shutdown())
             rep.outbox.put(None)
@@ -209,11 +249,13 @@ class ReplicaPool:
                 rep.outstanding -= 1
                 if p.remaining == 0:
                     del self._pending[c.request_id]
+                self._maybe_idle(rep)
         elif isinstance(event, RequestFailed):
             p = self._pending.pop(event.request_id, None)
             if p is not None:
                 rep.outstanding -= p.remaining
                 p.events.put_nowait(InvalidRequestError(event.message))
+                self._maybe_idle(rep)
         elif isinstance(event, Reply):
             fut = self._replies.pop(event.cmd_id, None)
             if fut is not None and not fut.done():
@@ -243,6 +285,10 @@ class ReplicaPool:
                 p.events.put_nowait(ReplicaUnavailableError(f"replica {rep.replica_id} died: {why.splitlines()[-1]}"))
         rep.outstanding = 0
         rep.outbox.put(None)
+        if not self._stopping:
+            from tlt.v1 import common_pb2
+
+            self._publish_state(rep, common_pb2.REPLICA_STATE_DRAINING)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -266,6 +312,7 @@ class ReplicaPool:
         rep = self._pick()
         p = _Pending(request, rep, request.n, want_steps)
         self._pending[request.request_id] = p
+        self._busy(rep)
         rep.outstanding += request.n
         rep.outbox.put(AddRequest(request))
         finished = 0
@@ -282,6 +329,7 @@ class ReplicaPool:
                 del self._pending[request.request_id]
                 rep.outstanding -= p.remaining
                 rep.outbox.put(AbortRequest(request.request_id))
+                self._maybe_idle(rep)
 
     # ---- control -------------------------------------------------------------------------
 

@@ -77,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
             if args.ready_file:
                 tmp = Path(args.ready_file + ".tmp")
                 tmp.write_text(json.dumps({"http_port": server.http_port, "grpc_port": server.grpc_port,
-                                           "pid": os.getpid(), "replica_pids": server.replica_pids()}))
+                                           "pid": os.getpid(), "replica_pids": server.replica_pids(),
+                                           **({"capacity_pub": server.capacity.pub_endpoint,
+                                               "capacity_snapshot": server.capacity.snapshot_endpoint}
+                                              if server.capacity is not None else {})}))
                 tmp.replace(args.ready_file)
             await stop.wait()
             log.info("rollout_stopping")

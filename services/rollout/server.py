@@ -51,6 +51,7 @@ class RolloutServer:
         self._http: Any = None
         self._http_task: asyncio.Task | None = None
         self._grpc: Any = None
+        self.capacity: Any = None  # CapacityPublisher when [rollout] capacity_pub is set
 
     async def start(self) -> None:
         import grpc
@@ -64,7 +65,14 @@ class RolloutServer:
         cfg = self.config
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_dir)
         threads = cfg.threads_per_replica or max(1, (os.cpu_count() or 1) // cfg.replicas)
-        self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads)
+        if cfg.capacity_pub:
+            from tlt.services.common.events import CapacityPublisher
+
+            self.capacity = CapacityPublisher(cfg.capacity_pub, cfg.capacity_snapshot or "tcp://127.0.0.1:*",
+                                              server_id=f"rollout-{os.getpid()}", heartbeat_s=cfg.capacity_heartbeat_s)
+            log.info("capacity_events", pub=self.capacity.pub_endpoint, snapshot=self.capacity.snapshot_endpoint)
+        self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads, self.capacity,
+                                cfg.features_push, cfg.features_max_tokens)
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
         await self.pool.start(cfg.startup_timeout_s)
 
@@ -101,6 +109,8 @@ class RolloutServer:
                 await self._http_task
         if self.pool is not None:
             await self.pool.stop()
+        if self.capacity is not None:
+            self.capacity.close()
         log.info("rollout_stopped")
 
     def replica_pids(self) -> list[int]:
