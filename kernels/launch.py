@@ -85,6 +85,11 @@ class LazyKernel:
 
     def jitted(self) -> Any:
         key = interpreter_enabled()
+        if key and not interpreter_ready():
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton.language was imported, so Triton's own library "
+                "functions are compiled-mode and cannot run in the interpreter: set it before the process starts"
+            )
         if key not in self._built:
             import triton
 

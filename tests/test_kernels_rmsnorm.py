@@ -144,3 +144,13 @@ def test_dispatch_chooses_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
         rmsnorm(x, w, 1e-6, impl="triton")
     with pytest.raises(ValueError, match="impl must be one of"):
         rmsnorm(x, w, 1e-6, impl="cuda")  # type: ignore[arg-type]
+
+
+def test_interpreter_switched_on_too_late_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    if interpreter_ready():
+        pytest.skip("this process started with the interpreter on")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # after triton.language was imported: too late
+    with pytest.raises(RuntimeError, match="before the process starts"):
+        rmsnorm_triton(torch.randn(2, 8), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        rmsnorm(torch.randn(2, 8), torch.randn(8), 1e-6, impl="triton")
