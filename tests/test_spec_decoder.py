@@ -181,3 +181,28 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(ckpt):
     assert spec[0].token_ids == plain[0].token_ids and spec[0].token_ids[-1] == stop
     assert spec[0].finish_reason == plain[0].finish_reason
     assert dec.stats()["verify_steps"] > 0
+
+
+def test_drafter_weight_push_through_the_engine(ckpt):
+    from tlt.model.drafter import DrafterError
+
+    eng = _engine(ckpt)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    eng.enable_spec(SpecConfig(drafter="learned", drafter_path="(in memory)", **SPEC), drafter)
+    torch.manual_seed(1)
+    new = {k: torch.randn_like(v) for k, v in drafter.state_dict().items()}
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    bad = dict(new, **{"lm_head.weight": eng.model.lm_head.clone()})
+    with pytest.raises(DrafterError, match="embedding/lm_head"):
+        eng.update_weights("drafter", bad, 3)
+    partial = {k: v for k, v in new.items() if k != "fc.weight"}
+    with pytest.raises(DrafterError, match="missing"):
+        eng.update_weights("drafter", partial, 3)
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # a bad push changes nothing
+    assert eng.versions.drafter == -1
+    eng.update_weights("drafter", new, 3)
+    assert eng.versions.drafter == 3
+    assert all(torch.equal(new[k], v) for k, v in drafter.state_dict().items())
+    plain = _engine(ckpt).generate(_requests(1, 1, 12))
+    assert [c.token_ids for c in eng.generate(_requests(1, 1, 12))] == [c.token_ids for c in plain]
