@@ -9,6 +9,11 @@ triples, `finish_reason` dicts). Everything above that boundary (request
 building, stream slicing, completions, weight-update sessions, release /
 resume with the drafter re-push, stats) is the real adapter.
 
+The real `EngineClient` (the asyncio pump that drives SGLang's TokenizerManager
+from the replica's synchronous loop) runs against `StandInTokenizerManager`,
+async methods with the 0.5.23 signatures; only SGLang's message constructors
+are replaced by plain records there.
+
 Real SGLang objects: the `real_sglang` tests build `GenerateReqInput`,
 `UpdateWeightsFromTensorReqInput`, `SamplingParams` and the adaptive
 speculative parameters from what the adapter produces. They are skipped where
@@ -371,3 +376,144 @@ def test_replica_config_comes_from_the_preset_and_environment(model_dir, monkeyp
     assert (cfg.mem_fraction_static, cfg.speculative_algorithm, cfg.draft_model_path) == (0.5, "EAGLE3", "/models/drafter")
     eng = SGLangEngine(model_dir, EngineConfig(), client=FakeSGLang())
     assert eng.config.draft_model_path == "/models/drafter"
+
+
+# -- the real EngineClient's asyncio pump, over a stand-in TokenizerManager --------------------
+
+
+class StandInTokenizerManager:
+    """Async methods with SGLang 0.5.23's TokenizerManager signatures; streams scripted chunks."""
+
+    def __init__(self, scripts):
+        self.scripts = scripts  # rid -> list of (delay_s, chunk dict) or an exception to raise
+        self.log = []
+        self.aborted = set()
+
+    async def generate_request(self, obj, request=None):
+        import asyncio
+
+        script = self.scripts[obj.rid]
+        if isinstance(script, Exception):
+            raise script
+        for delay, chunk in script:
+            await asyncio.sleep(delay)
+            if obj.rid in self.aborted:
+                yield sglang_chunk(obj.rid, chunk["output_ids"], finish={"type": "abort", "message": "aborted"})
+                return
+            yield chunk
+
+    def abort_request(self, rid="", abort_all=False):
+        self.aborted.add(rid)
+
+    async def pause_generation(self, obj):
+        self.log.append(("pause", obj.mode))
+
+    async def continue_generation(self, obj):
+        self.log.append(("continue",))
+
+    async def begin_weight_update(self, obj, request=None):
+        self.log.append(("begin", obj.selector))
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        self.log.append(("update", obj.selector, obj.flush_cache, len(obj.serialized_named_tensors)))
+        return False, "shape mismatch for fc.weight"
+
+    async def end_weight_update(self, obj, request=None):
+        self.log.append(("end",))
+        return True, "Success"
+
+    async def flush_cache(self, timeout_s=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(success=False, message="pending requests")
+
+
+class StandInEngine:
+    def __init__(self, tm):
+        import asyncio
+
+        self.tokenizer_manager = tm
+        self.loop = asyncio.new_event_loop()
+
+    def shutdown(self):
+        self.loop.close()
+
+
+@pytest.fixture()
+def stand_in(monkeypatch):
+    """EngineClient with SGLang's message constructors replaced by pass-throughs (no sglang here)."""
+    import sys
+    from types import SimpleNamespace
+
+    from tlt.services.rollout.sglang_backend import client as client_mod
+
+    monkeypatch.setattr(client_mod, "to_generate_req_input", lambda call: call)
+    monkeypatch.setattr(client_mod, "to_update_req_input",
+                        lambda call, ser: SimpleNamespace(selector=call.selector, flush_cache=call.flush_cache,
+                                                          serialized_named_tensors=ser))
+    monkeypatch.setattr(client_mod, "serialize_per_rank", lambda tensors, tp: [b"rank"] * tp)
+
+    def message(**kw):
+        return SimpleNamespace(**kw)
+
+    # The io_struct classes the control calls build, as plain records.
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", SimpleNamespace(
+        PauseGenerationReqInput=message, ContinueGenerationReqInput=message,
+        BeginWeightUpdateReqInput=message, EndWeightUpdateReqInput=message))
+    made = []
+
+    def make(scripts):
+        tm = StandInTokenizerManager(scripts)
+        eng = StandInEngine(tm)
+        made.append(eng)
+        return client_mod.EngineClient(eng, tp_size=2), tm
+
+    yield make
+    for eng in made:
+        eng.shutdown()
+
+
+def test_engine_client_pumps_streams_and_reports_failures(stand_in):
+    calls = [generate_calls(GenerationRequest(r, (1,)), 8, True)[0] for r in ("a", "b", "c")]
+    scripts = {
+        "a#0": [(0.0, sglang_chunk("a#0", [5])), (0.01, sglang_chunk("a#0", [5, 6], finish={"type": "stop"}))],
+        "b#0": ValueError("prompt too long for SGLang"),
+        "c#0": [(0.0, sglang_chunk("c#0", [9])), (0.3, sglang_chunk("c#0", [9, 9], finish={"type": "stop"}))],
+    }
+    client, tm = stand_in(scripts)
+    for call in calls:
+        client.submit(call)
+    seen = []
+
+    def pump_until(done):
+        for _ in range(100):
+            seen.extend(client.poll(0.05))
+            if done():
+                return
+        raise AssertionError(f"never happened; saw {[(c.rid, c.output_ids, c.finish) for c in seen]}")
+
+    pump_until(lambda: any(c.rid == "a#0" and c.finish for c in seen) and any(c.rid == "b#0" for c in seen))
+    assert [c.output_ids for c in seen if c.rid == "a#0"] == [[5], [5, 6]]
+    assert [c.finish for c in seen if c.rid == "a#0"][-1] is FinishReason.STOP
+    (b,) = [c for c in seen if c.rid == "b#0"]
+    assert b.finish is FinishReason.ABORT and "too long" in b.error  # a rejected request ends, it does not hang
+    client.abort("c#0")
+    pump_until(lambda: any(c.rid == "c#0" and c.finish for c in seen))
+    assert [c.finish for c in seen if c.rid == "c#0"][-1] is FinishReason.ABORT
+    assert client.poll(0.0) == []  # nothing left over
+
+
+def test_engine_client_control_calls_raise_sglang_refusals(stand_in):
+    from tlt.services.rollout.sglang_backend.client import SGLangError
+
+    client, tm = stand_in({})
+    client.pause_generation("in_place")
+    client.begin_weight_update("draft")
+    with pytest.raises(SGLangError, match="shape mismatch"):
+        client.update_weights_from_tensor(tensor_update_call("drafter", ["fc.weight"], 1), [("fc.weight", torch.ones(1))])
+    client.end_weight_update()
+    client.continue_generation()
+    with pytest.raises(SGLangError, match="flush_cache failed"):
+        client.flush_cache()
+    assert tm.log == [("pause", "in_place"), ("begin", "draft"), ("update", "draft", False, 2), ("end",), ("continue",)]

@@ -97,13 +97,22 @@ def serialize_per_rank(tensors: Sequence[tuple[str, Any]], tp_size: int) -> list
 
 
 class EngineClient:
-    """The real client: an in-process `sglang.Engine` (GPU only)."""
+    """The real client over an in-process `sglang.Engine` (GPU only); `launch` starts one.
 
-    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+    The constructor takes the engine object itself (anything with SGLang's
+    `tokenizer_manager`, `loop` and `shutdown`), so the asyncio pump below is
+    tested against a stand-in TokenizerManager on a CPU.
+    """
+
+    @classmethod
+    def launch(cls, engine_kwargs: dict[str, Any]) -> EngineClient:
         import sglang
 
-        self._tp_size = int(engine_kwargs.get("tp_size", 1))
-        self._engine = sglang.Engine(**engine_kwargs)
+        return cls(sglang.Engine(**engine_kwargs), tp_size=int(engine_kwargs.get("tp_size", 1)))
+
+    def __init__(self, engine: Any, tp_size: int = 1) -> None:
+        self._tp_size = tp_size
+        self._engine = engine
         self._tm = self._engine.tokenizer_manager
         self._loop: asyncio.AbstractEventLoop = self._engine.loop
         self._chunks: list[StreamChunk] = []

@@ -112,7 +112,7 @@ class SGLangEngine:
             adaptive_path = None
             if config.speculative_algorithm != "none" and config.adaptive:
                 adaptive_path = str(write_adaptive_config(config, Path(run_dir or "runs/sglang") / f"replica-{replica_id}"))
-            client = EngineClient(engine_kwargs(config, model_dir, replica_id, adaptive_path))
+            client = EngineClient.launch(engine_kwargs(config, model_dir, replica_id, adaptive_path))
         self._client = client
         self._samples: dict[str, SampleState] = {}
         self._released: set[str] = set()
