@@ -118,7 +118,7 @@ class ReplicaPool:
         self.threads_per_replica = threads_per_replica
         self.replicas: list[_Replica] = []
         self._pending: dict[str, _Pending] = {}
-        self._replies: dict[int, asyncio.Future] = {}
+        self._replies: dict[int, tuple[_Replica, asyncio.Future]] = {}
         self._cmd_ids = itertools.count(1)
         self._rr = itertools.count()
         self._update_lock = asyncio.Lock()
@@ -257,7 +257,7 @@ class ReplicaPool:
                 p.events.put_nowait(InvalidRequestError(event.message))
                 self._maybe_idle(rep)
         elif isinstance(event, Reply):
-            fut = self._replies.pop(event.cmd_id, None)
+            _, fut = self._replies.pop(event.cmd_id, (None, None))
             if fut is not None and not fut.done():
                 fut.set_result(event)
         elif isinstance(event, Ready):
@@ -283,6 +283,11 @@ class ReplicaPool:
             if p.replica is rep:
                 del self._pending[rid]
                 p.events.put_nowait(ReplicaUnavailableError(f"replica {rep.replica_id} died: {why.splitlines()[-1]}"))
+        for cmd_id, (owner, fut) in list(self._replies.items()):
+            if owner is rep:  # a command the dead replica will never answer
+                del self._replies[cmd_id]
+                if not fut.done():
+                    fut.set_exception(ReplicaUnavailableError(f"replica {rep.replica_id} died"))
         rep.outstanding = 0
         rep.outbox.put(None)
         if not self._stopping:
@@ -336,7 +341,7 @@ class ReplicaPool:
     async def _ask(self, rep: _Replica, make: Any, timeout_s: float) -> Reply:
         cmd_id = next(self._cmd_ids)
         fut = self._loop.create_future()  # type: ignore[union-attr]
-        self._replies[cmd_id] = fut
+        self._replies[cmd_id] = (rep, fut)
         rep.outbox.put(make(cmd_id))
         try:
             return await asyncio.wait_for(fut, timeout_s)
@@ -351,6 +356,8 @@ class ReplicaPool:
                     stats = (await self._ask(rep, QueryStats, timeout_s)).stats
                 except TimeoutError:
                     error = f"no stats answer within {timeout_s}s"
+                except ReplicaUnavailableError as e:
+                    error = str(e)
             pid = rep.info.pid if rep.info else (rep.process.pid or 0)
             device = rep.info.device if rep.info else ""
             return ReplicaSnapshot(rep.replica_id, device, rep.alive, rep.outstanding, pid, stats, error)
@@ -390,10 +397,11 @@ class ReplicaPool:
                 ),
                 return_exceptions=True,
             )
+            # A replica that died meanwhile serves nothing any more: it is not a failed apply.
             failed = [
                 f"replica {r.replica_id}: {x.error if isinstance(x, Reply) else repr(x)}"
                 for r, x in zip(live, replies)
-                if not isinstance(x, Reply) or x.error
+                if (not isinstance(x, Reply) or x.error) and not isinstance(x, ReplicaUnavailableError)
             ]
             applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
             if failed:
@@ -404,6 +412,8 @@ class ReplicaPool:
                         "(replicas now serve different weights; push again)"
                     )
                 raise WeightUpdateError("; ".join(failed))
-            self.versions = replies[0].versions  # type: ignore[union-attr]
+            if not applied:
+                raise ReplicaUnavailableError("every replica died during the weight update")
+            self.versions = next(x.versions for x in replies if isinstance(x, Reply))  # type: ignore[union-attr]
             log.info("weights_updated", kind=kind, version=manifest.version, replicas=applied)
             return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
