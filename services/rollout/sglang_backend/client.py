@@ -133,8 +133,10 @@ class EngineClient:
             async for out in self._tm.generate_request(to_generate_req_input(call), None):
                 self._chunks.append(parse_chunk(out))
                 self._wake.set()
-        except (ValueError, RuntimeError, asyncio.CancelledError) as e:
-            # Request boundary: SGLang rejected or dropped this request; report it as aborted.
+        except (Exception, asyncio.CancelledError) as e:  # deliberate request boundary, see below
+            # SGLang refuses a bad request by raising (ValueError, or fastapi.HTTPException from
+            # TokenizerManager._handle_abort_finish_reason); the sample must end as aborted with
+            # the reason, never hang the replica or take the other samples down.
             self._chunks.append(StreamChunk(call.rid, [], None, None, FinishReason.ABORT, None, None, error=str(e)))
             self._wake.set()
         finally:
