@@ -11,8 +11,10 @@
   verbatim copy of deploy/configs/8gpu.toml, and the DeepSpeed hostfile
   matches the trainer Job (one line per pod, slots = GPUs per pod).
 
-No cluster here: this checks the files, not a running deployment (see the
-guide's "What was verified").
+Slow: the manifests validate strictly against Kubernetes' OpenAPI schemas
+(kubernetes-validate 1.37.0 in a throwaway venv). No cluster here: this
+checks the files, not a running deployment (see the guide's "What was
+verified").
 """
 
 from __future__ import annotations
@@ -195,3 +197,25 @@ def test_k8s_commands_parse_and_probes_match_ports(workload):
     assert preset == "/etc/tlt/preset/preset.toml"
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
     assert "/etc/tlt/preset" in mounts and "/models" in mounts or workload == "tlt-reward"
+
+
+@pytest.mark.slow
+def test_manifests_validate_against_the_kubernetes_openapi_schemas(tmp_path):
+    """kubernetes-validate 1.37.0 (Kubernetes' own OpenAPI schemas), strict: unknown fields are errors."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "kv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "kubernetes-validate==1.37.0"],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        pytest.skip(f"could not install kubernetes-validate here: {r.stderr[-500:]}")
+    tool = str(venv / "bin" / "kubernetes-validate")
+    files = [str(p) for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"]
+    r = subprocess.run([tool, "--strict", "--quiet", *files], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((K8S / "rollout.yaml").read_text().replace("podManagementPolicy", "podManagmentPolicy"))
+    r = subprocess.run([tool, "--strict", "--quiet", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "podManagmentPolicy" in r.stdout + r.stderr
