@@ -5,7 +5,8 @@
 
 Config: the [trainer] section of the preset or TOML file given with --config
 (default cpu-tiny), then TLT_TRAINER__* environment variables, then
-`--set field=value`. Writes output_dir/metrics.jsonl (one line per step),
+`--set field=value`. Several ranks: `deepspeed --num_gpus N --module tlt.cli
+train --config ...` (rank 0 talks to the services). Writes output_dir/metrics.jsonl (one line per step),
 output_dir/checkpoints/ (resumed automatically) and output_dir/policy (the
 trained model as a Hugging Face folder).
 """
@@ -20,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [trainer] field; repeatable")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    # The DeepSpeed launcher appends --local_rank=N (unless --no_local_rank); the rank
+    # is read from the environment it also sets, so the flag is accepted and ignored.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
