@@ -33,12 +33,15 @@ def _threads():
 
 
 def test_two_steps_push_weights_and_next_rollout_carries_new_version(random_model_dir, tmp_path):
+    from tlt.services.common.events import FeaturePuller
     from tlt.services.rollout.client import RolloutClient
 
-    with ServerThread(random_model_dir, replicas=1) as server:
-        summary = train(config(random_model_dir, server.grpc_address, tmp_path / "run"))
+    with ServerThread(random_model_dir, replicas=1) as server, FeaturePuller("tcp://127.0.0.1:*") as drafter:
+        cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", drafter_features_address=drafter.endpoint)
+        summary = train(cfg)
         with RolloutClient(server.grpc_address) as client:
             serving = client.status().versions.policy
+        batches = [b for b in (drafter.recv(2.0) for _ in range(2)) if b is not None]
     assert summary.steps_done == 2 and summary.policy_version == 2 and serving == 2
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1] and [m["policy_version"] for m in lines] == [1, 2]
@@ -53,6 +56,14 @@ def test_two_steps_push_weights_and_next_rollout_carries_new_version(random_mode
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy", local_files_only=True)
     assert (tmp_path / "run" / "policy" / "tokenizer.json").exists()
+    # the old-logprob pass's hidden states reached the drafter's PULL socket (a push that
+    # finds no connected peer yet is dropped by design, so at least one of the two steps)
+    assert batches, "no trainer features received"
+    for b in batches:
+        assert b.source == "trainer" and len(b.sequences) == 8
+        for seq in b.sequences:
+            assert seq.hidden_size == 64 and len(seq.features) == len(seq.token_ids) * 64 * 2
+            assert seq.policy_version in (0, 1) and 0 < seq.response_start < len(seq.token_ids)
 
 
 def test_resume_continues_versions_and_data(random_model_dir, tmp_path):

@@ -51,6 +51,11 @@ class TrainerConfig(ServiceConfig):
         "auto", description="dtype of pushed weights; must match the rollout engine's (auto: bf16 when training bf16, else fp32)"
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the trainer (0: off)")
+    drafter_features_address: str = Field(
+        "", description="ZeroMQ endpoint the drafter PULLs trainer features from (its features_bind, with "
+        "[drafter] source='trainer'); when set, the old-logprob pass keeps last-layer hidden states and pushes "
+        "them there, never blocking (empty: off)"
+    )
     weight_push: Literal["grpc", "shm", "none"] = Field(
         "grpc", description="how new policy weights reach the rollout server: gRPC chunks, same-host shm, or not at all"
     )

@@ -91,17 +91,23 @@ def train(cfg: TrainerConfig) -> TrainSummary:
         start = resumed_from = state.steps_done
     # Rank 0 talks to the services and writes the run's files; other ranks only train.
     services = _Services(cfg, out, start) if is_main() else None
+    features = _FeatureHook(cfg.drafter_features_address) if cfg.drafter_features_address else None
     try:
         version = services.sync(policy) if services else None
         policy.version = broadcast(version)
         for step in range(start, cfg.steps):
-            t_step = time.perf_counter()
+            t_step, t_wall = time.perf_counter(), time.time()
             prompts = sampler.next_batch(cfg.prompts_per_step)
             rollout = services.rollout(prompts, step, policy.version) if services else None
             rollout = broadcast(rollout)
-            result = grpo_step(policy, rollout.samples, step, reference)
+            result = grpo_step(policy, rollout.samples, step, reference, with_features=features is not None)
             m = result.metrics
+            if features is not None:  # hidden states of the pre-update weights: version - 1
+                m.times["features_push_s"] = features.push(result, policy.version - 1)
             m.times.update(rollout.times)
+            m.sd_verify_steps, m.sd_accepted_tokens = rollout.spec.verify_steps, rollout.spec.accepted_tokens
+            m.sd_plain_steps, m.drafter_version = rollout.spec.plain_steps, rollout.spec.drafter_version
+            m.started_at = t_wall
             if services:
                 services.publish(policy, m, prompts, t_step)
             done = step + 1
@@ -112,7 +118,33 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     finally:
         if services:
             services.close()
+        if features is not None:
+            features.close()
     return TrainSummary(max(start, cfg.steps), policy.version, resumed_from, str(out))
+
+
+class _FeatureHook:
+    """Hands the old-logprob pass's hidden states to the drafter (TLT.md section 6); drops, never waits."""
+
+    def __init__(self, address: str) -> None:
+        from tlt.services.common.events import FeaturePusher
+
+        self.pusher = FeaturePusher(address)
+
+    def push(self, result, version: int) -> float:  # noqa: ANN001 - StepResult
+        from tlt.services.drafter.trainer_hook import push_trainer_features
+
+        t0 = time.perf_counter()
+        mine = [(s, h) for s, h in zip(result.ordered, result.features or []) if h is not None]
+        if mine:
+            sent = push_trainer_features(self.pusher, [list(s.prompt_ids) + list(s.response_ids) for s, _ in mine],
+                                         [h for _, h in mine], [len(s.prompt_ids) for s, _ in mine], version)
+            if not sent:
+                log.debug("features_dropped", sequences=len(mine), dropped_total=self.pusher.dropped)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pusher.close()
 
 
 class _Services:

@@ -33,6 +33,7 @@ from tlt.services.trainer.types import ScoredCompletion, StepMetrics
 @dataclass(frozen=True)
 class StepResult:
     metrics: StepMetrics
+    ordered: list[ScoredCompletion]  # the completions in (prompt, sample) order
     # Last-layer features of each sequence from the old-logprob pass, when asked
     # for (drafter training reuses them): [len(prompt)+len(response), H] fp16 per
     # sequence in (prompt, sample) order; None for sequences another rank trained on.
@@ -188,4 +189,4 @@ def grpo_step(
         tokens=total_tokens,
         times=times,
     )
-    return StepResult(metrics, features)
+    return StepResult(metrics, ordered, features)
