@@ -54,9 +54,12 @@ def _threads():
     torch.set_num_threads(2)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_one_step_changes_every_parameter_and_advances_version(zero_stage):
-    policy = Policy(config(zero_stage=zero_stage), model=tiny_qwen2())
+@pytest.mark.parametrize("zero_stage, bf16", [(0, False), (2, False), (1, True)])
+def test_one_step_changes_every_parameter_and_advances_version(zero_stage, bf16):
+    # bf16 (the GPU setting, run here on CPU): DeepSpeed keeps fp32 master weights and
+    # copies them to the bf16 model; bf16 spacing at 1.0 is 2^-7, so norm weights (1.0)
+    # only visibly move with a step above half of that: lr 1e-2 there.
+    policy = Policy(config(zero_stage=zero_stage, bf16=bf16, lr=1e-2 if bf16 else 1e-3), model=tiny_qwen2())
     before = {k: p.detach().clone() for k, p in policy.module.named_parameters() if p.requires_grad}
     res = grpo_step(policy, make_samples(2, 4), step=0)
     after = dict(policy.module.named_parameters())
