@@ -111,7 +111,10 @@ class SGLangEngine:
 
             adaptive_path = None
             if config.speculative_algorithm != "none" and config.adaptive:
-                adaptive_path = str(write_adaptive_config(config, Path(run_dir or "runs/sglang") / f"replica-{replica_id}"))
+                import tempfile
+
+                folder = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix=f"tlt-sglang-{replica_id}-"))
+                adaptive_path = str(write_adaptive_config(config, folder))
             client = EngineClient.launch(engine_kwargs(config, model_dir, replica_id, adaptive_path))
         self._client = client
         self._samples: dict[str, SampleState] = {}
