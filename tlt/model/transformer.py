@@ -145,8 +145,8 @@ class AttentionMetadata:
         lk = max(self.context_lens) + 1
         nb = (lk + bs - 1) // bs
         bt = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in self.block_tables], dtype=torch.int64)
-        if len(self.q_lens) == 1:
-            mask = None  # the single row sees exactly its lk keys
+        if min(self.context_lens) == lk - 1:
+            mask = None  # every row sees exactly its lk keys (one sequence, or equal contexts as in a GRPO group)
         else:
             ctx = torch.tensor(self.context_lens, dtype=torch.int64)
             mask = (torch.arange(lk)[None, :] <= ctx[:, None])[:, None, None, :].to(device)
@@ -189,6 +189,30 @@ class AttentionMetadata:
         )
 
 
+# ----------------------------------------------------------------------------- CPU GEMM (oneDNN)
+
+_PACK_HINT = 64  # rows the packed layout is tuned for; it stays valid for any row count
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if hasattr(torch.ops, "mkldnn") else None
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_HINT)
+
+
+def _onednn_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build runs oneDNN packed linears for `dtype` and agrees with F.linear."""
+    if _ONEDNN_LINEAR is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.inference_mode():
+            w = torch.randn(8, 16).to(dtype)
+            x = torch.randn(4, 16).to(dtype)
+            out = _ONEDNN_LINEAR(x, _pack(w), None, "none", [], "")
+    except (RuntimeError, AttributeError):  # capability probe: builds without these ops fall back to F.linear
+        return False
+    return bool(torch.allclose(out.float(), F.linear(x, w).float(), atol=1e-2))
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -206,6 +230,8 @@ class _Layer:
         self.qk_norm = torch.ones(cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, **e) if cfg.qk_norm else None
         self.gate_up = torch.zeros(2 * cfg.intermediate_size, h, **e)
         self.down = torch.zeros(h, cfg.intermediate_size, **e)
+        self.packed: dict[str, torch.Tensor] = {}  # oneDNN-packed copies (CPU), see Transformer.pack_weights
+        self.o_t, self.down_t = self.o.t(), self.down.t()  # views, for addmm in single-row steps
 
 
 class Transformer:
@@ -227,6 +253,9 @@ class Transformer:
         self.k_flat: list[torch.Tensor] = []  # the same caches viewed as [num_blocks * block_size, kvh, d]
         self.v_flat: list[torch.Tensor] = []
         self.scale = cfg.head_dim**-0.5
+        self._eps = torch.tensor(cfg.rms_norm_eps, dtype=torch.float32, device=self.device)
+        self._packed_head: dict[str, torch.Tensor] = {}
+        self._use_onednn = self.device.type == "cpu" and _onednn_works(dtype)
 
     # ---- weights
     def _targets(self) -> dict[str, torch.Tensor]:
@@ -263,6 +292,7 @@ class Transformer:
         for name, t in tensors.items():
             if name in targets:
                 targets[name].copy_(t)
+        self.pack_weights()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF name -> tensor in HF shape (q/k norm weights are stored once per head here)."""
@@ -286,8 +316,11 @@ class Transformer:
 
     # ---- forward
     def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-        if self.dtype == torch.float32:  # one fused op; same maths as rms_norm in fp32
-            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        if self.dtype == torch.float32:
+            # mean(x^2) = ||x||^2 / H: 4 kernels instead of rms_norm's ~10 (CPU dispatch dominates at small sizes)
+            n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+            y = x * torch.rsqrt(torch.addcmul(self._eps, n, n, value=1.0 / x.shape[-1]))
+            return y if w is None else y * w
         return rms_norm(x, w if w is not None else torch.ones((), dtype=x.dtype), self.cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
@@ -304,7 +337,7 @@ class Transformer:
         slots = attn.slot_mapping
         for li, L in enumerate(self.layers):
             h = self._rms(x, L.ln1)
-            qkv = F.linear(h, L.qkv, L.qkv_bias)
+            qkv = self._linear(h, L.qkv, L.packed, "qkv", L.qkv_bias)
             qk = qkv[:, :qk_size].view(t, nh + kvh, d)
             if L.qk_norm is not None:
                 qk = self._rms(qk, None) * L.qk_norm
@@ -313,10 +346,11 @@ class Transformer:
             kc[slots] = qk[:, nh:]
             vc[slots] = qkv[:, qk_size:].view(t, kvh, d)
             o = self._attend(qk[:, :nh], self.k_caches[li], self.v_caches[li], attn)
-            x = torch.addmm(x, o, L.o.t())
+            x = x + self._linear(o, L.o, L.packed, "o") if t > 1 else torch.addmm(x, o, L.o_t)
             h = self._rms(x, L.ln2)
-            gu = F.linear(h, L.gate_up)
-            x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], L.down.t())
+            gu = self._linear(h, L.gate_up, L.packed, "gate_up")
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            x = x + self._linear(act, L.down, L.packed, "down") if t > 1 else torch.addmm(x, act, L.down_t)
         return self._rms(x, self.norm)
 
     __call__ = forward
@@ -343,7 +377,25 @@ class Transformer:
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self._linear(hidden, self.lm_head, self._packed_head, "lm_head")
+
+    # ---- CPU GEMM backend
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, packed: dict, name: str, bias=None) -> torch.Tensor:
+        """x @ w.T (+ bias). On CPU with several rows, oneDNN with a pre-packed weight (2-7x faster than
+        the default BLAS for 4..2048 rows here); one row (batch-1 decode) stays on the dense GEMV."""
+        wp = packed.get(name)
+        if wp is None or x.shape[0] == 1:
+            return F.linear(x, w, bias)
+        return _ONEDNN_LINEAR(x, wp, bias, "none", [], "")
+
+    @torch.inference_mode()
+    def pack_weights(self) -> None:
+        """(Re)build the oneDNN-packed copies of the matmul weights; called after every weight load."""
+        if not self._use_onednn:
+            return
+        for L in self.layers:
+            L.packed = {k: _pack(getattr(L, k)) for k in ("qkv", "o", "gate_up", "down")}
+        self._packed_head = {"lm_head": _pack(self.lm_head)}
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", max_len=None) -> Transformer:
