@@ -517,3 +517,12 @@ def test_engine_client_control_calls_raise_sglang_refusals(stand_in):
     with pytest.raises(SGLangError, match="flush_cache failed"):
         client.flush_cache()
     assert tm.log == [("pause", "in_place"), ("begin", "draft"), ("update", "draft", False, 2), ("end",), ("continue",)]
+
+
+def test_without_sglang_the_backend_says_how_to_get_it(model_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    with pytest.raises(ModuleNotFoundError, match=r"tlt\[sglang\]"):
+        SGLangEngine(model_dir, SGLangBackendConfig(draft_model_path="/drafter"))

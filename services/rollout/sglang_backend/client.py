@@ -106,7 +106,13 @@ class EngineClient:
 
     @classmethod
     def launch(cls, engine_kwargs: dict[str, Any]) -> EngineClient:
-        import sglang
+        try:
+            import sglang
+        except ImportError as e:
+            raise ModuleNotFoundError(
+                f"--backend sglang needs SGLang 0.5.23 on a CUDA machine: pip install 'tlt[sglang]' "
+                f"or use the tlt:sglang image (docs/DEPLOY.md) ({e})"
+            ) from e
 
         return cls(sglang.Engine(**engine_kwargs), tp_size=int(engine_kwargs.get("tp_size", 1)))
 
