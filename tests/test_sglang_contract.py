@@ -519,10 +519,11 @@ def test_engine_client_control_calls_raise_sglang_refusals(stand_in):
     assert tm.log == [("pause", "in_place"), ("begin", "draft"), ("update", "draft", False, 2), ("end",), ("continue",)]
 
 
-def test_without_sglang_the_backend_says_how_to_get_it(model_dir):
+def test_without_sglang_the_backend_says_how_to_get_it(model_dir, tmp_path):
     import importlib.util
 
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here")
     with pytest.raises(ModuleNotFoundError, match=r"tlt\[sglang\]"):
-        SGLangEngine(model_dir, SGLangBackendConfig(draft_model_path="/drafter"))
+        SGLangEngine(model_dir, SGLangBackendConfig(draft_model_path="/drafter"), run_dir=str(tmp_path))
+    assert (tmp_path / "sglang-adaptive-spec.json").exists()  # written before SGLang would start
