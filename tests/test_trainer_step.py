@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tlt.services.trainer.config import TrainerConfig
-from tlt.services.trainer.policy import Policy, ReferencePolicy, TokenBatch, response_logprobs
+from tlt.services.trainer.policy import Policy, ReferencePolicy, TokenBatch, lr_lambda, response_logprobs
 from tlt.services.trainer.step import grpo_step
 from tlt.services.trainer.types import ScoredCompletion
 
@@ -123,3 +123,11 @@ def test_response_logprobs_match_unpadded_forward():
         want = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) - 1 + len(r)].gather(1, torch.tensor(r)[:, None])
         torch.testing.assert_close(batched.logprobs[i, : len(r)], want[:, 0], atol=1e-5, rtol=0)
         assert (batched.logprobs[i, len(r):] == 0).all()
+
+
+def test_lr_schedule_by_hand():
+    # warm-up 2 updates: (u + 1) / 2 -> 0.5, 1.0; cosine over the remaining 4 updates:
+    # 0.5 * (1 + cos(pi * (u - 2) / 4)) -> u=2: 1.0, u=3: 0.853553, u=4: 0.5, u=5: 0.146447, u=6: 0.0
+    f = lr_lambda(2, 6, "cosine")
+    assert [round(f(u), 6) for u in range(7)] == [0.5, 1.0, 1.0, 0.853553, 0.5, 0.146447, 0.0]
+    assert [lr_lambda(3, 10, "constant")(u) for u in (0, 2, 3, 9)] == [1 / 3, 1.0, 1.0, 1.0]

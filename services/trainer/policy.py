@@ -164,7 +164,6 @@ class Policy:
         self.version = version
         on_gpu = torch.cuda.is_available()
         self.bf16 = on_gpu if cfg.bf16 is None else cfg.bf16
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         if cfg.torch_threads and not on_gpu:
             torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
@@ -204,6 +203,7 @@ class Policy:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
+        self.device = torch.device(self.engine.device)  # this rank's device (cuda:LOCAL_RANK on GPU)
         # DeepSpeed reports the global grad norm from its ZeRO / bf16 optimizers only;
         # with ZeRO 0 in fp32 it clips with torch and discards the norm, so we measure it.
         self._own_grad_norm = cfg.zero_stage == 0 and not self.bf16
