@@ -38,7 +38,7 @@ SECTIONS = {
     "reward": ("tlt.services.reward.config", "RewardConfig"),
     "drafter": ("tlt.services.drafter.config", "DrafterServiceConfig"),
     "sglang": ("tlt.services.rollout.sglang_backend.config", "SGLangBackendConfig"),
-    "run": ("tlt.services.trainer.launch_config", "RunConfig"),
+    "run": ("tlt.services.trainer.run_config", "RunConfig"),
 }
 
 
