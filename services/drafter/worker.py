@@ -79,6 +79,7 @@ class WindowResult:
     preempted: bool = False
     busy_timestamp: float = 0.0
     released: float = 0.0
+    last_step_start: float = 0.0
     losses: list[float] = field(default_factory=list)
 
 
@@ -92,6 +93,7 @@ class DrafterWorker:
         self.sub = CapacitySubscriber(cfg.capacity_pub, cfg.capacity_snapshot)
         self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
         self.last_busy = 0.0
+        self.busy_seen = True  # reset when a window opens on an IDLE replica
         saved = load_state(self.ckpt) or {}
         self.total_steps = int(saved.get("micro_steps", 0))
         self.preemptions = int(saved.get("preemptions", 0))
@@ -105,19 +107,22 @@ class DrafterWorker:
     def _see(self, event: object) -> None:
         if getattr(event, "replica_id", None) != self.replica_id:
             return
-        if event.state != IDLE and self.state == IDLE:  # type: ignore[attr-defined]
+        if event.state != IDLE and not self.busy_seen:  # type: ignore[attr-defined]
+            # the FIRST non-idle event since the window opened ends it, even when the replica is idle
+            # again by the time we read it (a short request arrived during a long step)
+            self.busy_seen = True
             self.last_busy = float(event.timestamp)  # type: ignore[attr-defined]
         self.state = event.state  # type: ignore[attr-defined]
 
     def _poll_events(self, timeout_s: float) -> None:
+        """Read EVERY queued event (heartbeats pile up during a long step), waiting up to `timeout_s` for one."""
         deadline = time.monotonic() + timeout_s
-        first = True
-        while first or time.monotonic() < deadline:
-            first = False
+        while True:
             e = self.sub.recv(max(0.001, deadline - time.monotonic()))  # recv(0) would not even look
             if e is None:
                 return
             self._see(e)
+            deadline = time.monotonic()  # got one: drain the rest without waiting
 
     # ---- main loop
     def run(self, stop: object = None, max_windows: int | None = None) -> None:
@@ -131,8 +136,8 @@ class DrafterWorker:
         while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
             if max_windows is not None and self.windows >= max_windows:
                 return
+            self._poll_events(0.0 if self.state == IDLE else 0.2)  # the latest state, not a stale one
             if self.state != IDLE:
-                self._poll_events(0.2)
                 continue
             try:
                 self.window(stop)
@@ -144,6 +149,7 @@ class DrafterWorker:
         """One training window on an idle replica; returns when it turns busy (or `stop`)."""
         start = time.time()
         res = WindowResult()
+        self.busy_seen, self.last_busy = False, 0.0
         cfg, embed, head = self._shared
         drafter = Drafter(cfg, embed.to(self.device), head.to(self.device)).to(self.device)
         opt = make_optimizer(drafter, self.cfg.lr, self.cfg.weight_decay)
@@ -154,8 +160,8 @@ class DrafterWorker:
         since_submit = 0
         while True:
             self._poll_events(0.0)
-            if self.state != IDLE or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
-                res.preempted = self.state != IDLE
+            if self.busy_seen or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+                res.preempted = self.busy_seen
                 break
             reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(rows=self.cfg.batch_rows,
                                                                           max_tokens=self.cfg.batch_tokens))
@@ -163,9 +169,10 @@ class DrafterWorker:
                 self._poll_events(0.05)  # nothing to train on yet; keep listening
                 continue
             self._poll_events(0.0)
-            if self.state != IDLE:  # turned busy while the batch came: do not start the step
+            if self.busy_seen:  # turned busy while the batch came: do not start the step
                 res.preempted = True
                 break
+            res.last_step_start = time.time()
             loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
                               self.cfg.feature_noise, self._gen)
             res.micro_steps += 1
@@ -195,7 +202,7 @@ class DrafterWorker:
         win = drafter_pb2.TrainingWindow(
             worker_id=self.worker_id, replica_id=self.replica_id, start=start, end=res.released,
             micro_steps=res.micro_steps, preempted=res.preempted, busy_timestamp=res.busy_timestamp,
-            released=res.released, mean_loss=sum(res.losses) / len(res.losses) if res.losses else 0.0)
+            released=res.released, last_step_start=res.last_step_start, mean_loss=sum(res.losses) / len(res.losses) if res.losses else 0.0)
         self.client.ask(window=win)
         self.windows += 1
         log.info("training_window", worker=self.worker_id, replica=self.replica_id, steps=res.micro_steps,

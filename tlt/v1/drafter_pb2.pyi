@@ -12,7 +12,7 @@ class DrafterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainingWindow(_message.Message):
-    __slots__ = ("worker_id", "replica_id", "start", "end", "micro_steps", "preempted", "busy_timestamp", "released", "mean_loss")
+    __slots__ = ("worker_id", "replica_id", "start", "end", "micro_steps", "preempted", "busy_timestamp", "released", "mean_loss", "last_step_start")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class TrainingWindow(_message.Message):
     BUSY_TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_START_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     replica_id: int
     start: float
@@ -31,7 +32,8 @@ class TrainingWindow(_message.Message):
     busy_timestamp: float
     released: float
     mean_loss: float
-    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., micro_steps: _Optional[int] = ..., preempted: _Optional[bool] = ..., busy_timestamp: _Optional[float] = ..., released: _Optional[float] = ..., mean_loss: _Optional[float] = ...) -> None: ...
+    last_step_start: float
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., micro_steps: _Optional[int] = ..., preempted: _Optional[bool] = ..., busy_timestamp: _Optional[float] = ..., released: _Optional[float] = ..., mean_loss: _Optional[float] = ..., last_step_start: _Optional[float] = ...) -> None: ...
 
 class AcceptanceRecord(_message.Message):
     __slots__ = ("drafter_version", "policy_version", "candidate_accept_len", "serving_accept_len", "published", "timestamp")
