@@ -62,7 +62,7 @@ def test_greedy_spec_equals_plain_greedy_with_ngram_drafter(ckpt):
     for a, b in zip(spec, plain):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     st = dec.stats()
-    assert st["verify_steps"] > 5
+    assert st["verify_steps"] > 5 and st["kv_copies"] > 0, st  # some accepted paths left the first branch
     assert st["mean_accept_len"] > 1.0, st  # the random model repeats itself: n-grams get accepted
 
 
@@ -206,3 +206,66 @@ def test_drafter_weight_push_through_the_engine(ckpt):
     assert all(torch.equal(new[k], v) for k, v in drafter.state_dict().items())
     plain = _engine(ckpt).generate(_requests(1, 1, 12))
     assert [c.token_ids for c in eng.generate(_requests(1, 1, 12))] == [c.token_ids for c in plain]
+
+
+def test_engine_sampling_with_speculation_matches_the_exact_distribution(ckpt):
+    """End to end through the engine: 3,000 samples (one GRPO group) of 3 tokens at temperature 1 with
+    top_k 3 (27 possible continuations), speculating on every decode step, against the exact
+    distribution enumerated with `transformers`: chi-square p > 0.001, nothing outside the support.
+    The prompt holds "B y z C" for each first token y the target allows after it and each second token
+    z it allows after y (sets grown until they hold every support the final prompt induces) and ends
+    with "A B": after the first token (drawn at prefill) the n-gram tree's first level holds every
+    allowed second token, so the second token always comes through acceptance, the third is the bonus."""
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    from tlt.services.rollout.spec.filters import filter_logits
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+    def support(ctx):
+        with torch.no_grad():
+            q = filter_logits(hf(torch.tensor([list(ctx)])).logits[0, -1], 1.0, 3).softmax(-1)
+        return q, torch.nonzero(q).flatten().tolist()
+
+    def build(follow):  # "B y z C" for every first token y the target may draw and each z it allows next
+        return tuple(t for y in sorted(follow) for z in sorted(follow[y]) for t in (9, y, z, 7)) + (5, 9)
+
+    follow: dict[int, set[int]] = {}
+    for _ in range(30):  # grow the sets until they contain every support the final prompt induces
+        prompt = build(follow)
+        grew = False
+        for y in support(prompt)[1]:
+            allowed = set(support(prompt + (y,))[1])
+            if not allowed <= follow.get(y, set()):
+                follow[y] = follow.get(y, set()) | allowed
+                grew = True
+        if not grew:
+            break
+    assert not grew, "the supports did not settle: pick other filler tokens"
+    assert max(len(v) for v in follow.values()) <= 8  # the arm's topk below
+    n, length = 3000, 3
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=length, ignore_eos=True, seed=11)
+    eng = LLMEngine(ckpt, EngineConfig(num_kv_blocks=20000, block_size=4, max_num_seqs=n, max_num_batched_tokens=8 * n))
+    cfg = SpecConfig(drafter="ngram", mode="static", static_arm="2_8_17", threshold=n, hysteresis_steps=1)
+    dec = SpecDecoder(cfg, eng.runner, eng.block_manager)
+    outs = _spec_generate(eng, dec, [GenerationRequest("g", prompt, params, n)])
+    st = dec.stats()
+    assert st["mean_accept_len"] > 1.9 and st["kv_copies"] > 0, st
+    frontier = [((), 1.0)]
+    for _ in range(length):
+        nxt = []
+        for toks, pr in frontier:
+            q, sup = support(prompt + toks)
+            nxt += [(toks + (t,), pr * float(q[t])) for t in sup]
+        frontier = nxt
+    exact = dict(frontier)
+    counts: dict[tuple[int, ...], int] = {}
+    for c in outs:
+        counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    obs = [counts.get(k, 0) for k in exact]
+    exp = [n * p for p in exact.values()]
+    assert len(exp) == 27 and min(exp) > 5
+    scale = sum(obs) / sum(exp)
+    assert chisquare(obs, [e * scale for e in exp]).pvalue > 1e-3

@@ -91,6 +91,7 @@ class SpecDecoder:
         self.drafted_tokens = 0
         self.last_arm: Arm | None = None
         self.no_room = 0
+        self.kv_copies = 0  # accepted nodes whose K/V had to move (a branch other than the first was taken)
 
     # ---------------------------------------------------------------- control
     def wants(self, batch: ScheduledBatch) -> bool:
@@ -150,6 +151,7 @@ class SpecDecoder:
             s.num_computed = ctx[i] + 1 + a
             out.append(SpecEmission(res.tokens[i, : a + 1].tolist(), lps[i, : a + 1].tolist(), hid[i, path]))
         if src:
+            self.kv_copies += len(src)
             self.runner.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         self.source.observe(seqs, [e.token_ids for e in out], [list(e.hidden) for e in out],
                             [c + 1 for c in ctx])
@@ -206,5 +208,6 @@ class SpecDecoder:
             "drafted_tokens": self.drafted_tokens,
             "last_arm": None if self.last_arm is None else self.last_arm.name,
             "no_room": self.no_room,
+            "kv_copies": self.kv_copies,
             "cold_starts": getattr(self.source, "cold_starts", 0),
         }
