@@ -1,0 +1,315 @@
+"""The SGLang backend adapter's behaviour: streams, completions, weight sessions, release / resume.
+
+Faked here: SGLang's engine (it needs a CUDA GPU and is an optional extra that is never
+installed by default). `FakeSGLang` (tests/sglang_fakes.py) stands in for the `SGLangClient`
+boundary only: it records every call in order and replays stream chunks laid out exactly as
+SGLang 0.5.23's TokenizerManager yields them. Everything above that boundary (request
+building, stream slicing, completions, version stamping, weight-update sessions, validation,
+release / resume with the drafter re-push, stats) is the real adapter.
+
+The real `EngineClient` (the asyncio pump that drives SGLang's TokenizerManager from the
+replica's synchronous loop) runs against `StandInTokenizerManager`, async methods with the
+0.5.23 signatures; only SGLang's message constructors are replaced by plain records there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_fakes import FakeSGLang, make_engine, sglang_chunk, write_checkpoint
+from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+from tlt.services.rollout.sglang_backend.engine import SGLangEngine
+from tlt.services.rollout.sglang_backend.requests import generate_calls, tensor_update_call
+from tlt.services.rollout.types import FinishReason, GenerationRequest, SamplingParams
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    return write_checkpoint(tmp_path)
+
+
+# -- the adapter against the fake engine ------------------------------------------------------
+
+
+def test_streams_become_steps_and_completions(model_dir):
+    eng, fake = make_engine(model_dir)
+    eng.add_request(GenerationRequest("r", (1, 2, 3), SamplingParams(logprobs=0), n=2))
+    assert eng.has_unfinished() and eng.stats().running == 2 and fake.calls == [("submit", "r#0"), ("submit", "r#1")]
+    fake.feed(sglang_chunk("r#0", [4], [-0.1]), sglang_chunk("r#1", [7], [-0.3]))
+    steps, done = eng.step()
+    assert [(s.sample_index, s.new_token_ids, s.new_logprobs) for s in steps] == [(0, [4], [-0.1]), (1, [7], [-0.3])]
+    assert done == []
+    fake.feed(sglang_chunk("r#0", [4, 5, 2], [-0.1, -0.2, -0.05], {"type": "stop", "matched": 2}, "ab",
+                           spec_verify_ct=2, completion_tokens=3))
+    steps, done = eng.step()
+    assert steps[0].new_token_ids == [5, 2] and steps[0].new_logprobs == [-0.2, -0.05] and steps[0].finished
+    (c,) = done
+    assert (c.request_id, c.sample_index, c.token_ids, c.text, c.finish_reason) == ("r", 0, [4, 5, 2], "ab", FinishReason.STOP)
+    assert c.prompt_token_ids == [1, 2, 3] and c.replica_id == 1 and c.versions.policy == 0 and c.versions.drafter == 0
+    assert (c.spec.verify_steps, c.spec.accepted_tokens) == (2, 3)
+    assert eng.stats().running == 1 and eng.stats().spec["mean_accept_len"] == 1.5
+
+
+def test_abort_reports_an_aborted_completion(model_dir):
+    eng, fake = make_engine(model_dir)
+    eng.add_request(GenerationRequest("r", (1,), n=1))
+    eng.abort_request("r")
+    _, (c,) = eng.step()
+    assert c.finish_reason is FinishReason.ABORT and "aborted" in c.error and not eng.has_unfinished()
+    with pytest.raises(ValueError, match="does not fit"):
+        eng.add_request(GenerationRequest("long", tuple(range(200))))
+
+
+def test_policy_update_session_order(model_dir):
+    eng, fake = make_engine(model_dir)
+    eng.add_request(GenerationRequest("r", (1,)))
+    fake.calls.clear()
+    eng.update_weights("policy", {"model.embed_tokens.weight": torch.ones(64, 8)}, version=1)
+    assert fake.calls == [("pause", "retract"), ("begin", "target"),
+                          ("update", "target", False, "1", ("model.embed_tokens.weight",)),
+                          ("end",), ("flush",), ("continue",)]
+    assert eng.versions.policy == 1
+    fake.feed(sglang_chunk("r#0", [3], finish={"type": "stop"}))
+    _, (c,) = eng.step()
+    assert (c.versions.policy, c.versions.policy_min) == (1, 0)  # mixed: newest and oldest, as the native engine
+    assert eng.stats().spec["policy_spanning"] == 1
+    eng.add_request(GenerationRequest("s", (1,)))
+    fake.feed(sglang_chunk("s#0", [3], finish={"type": "stop"}))
+    _, (c,) = eng.step()
+    assert (c.versions.policy, c.versions.policy_min) == (1, None)
+    with pytest.raises(ValueError, match="not newer"):
+        eng.update_weights("policy", {}, version=1)
+
+
+def test_drafter_update_pauses_in_place_without_flush(model_dir):
+    eng, fake = make_engine(model_dir)
+    eng.update_weights("drafter", {"fc.weight": torch.ones(8, 16)}, version=4)
+    assert fake.calls == [("pause", "in_place"), ("begin", "draft"),
+                          ("update", "draft", False, "4", ("fc.weight", "fc.bias")), ("end",), ("continue",)]
+    assert eng.versions.drafter == 4 and eng.versions.policy == 0
+
+
+def test_failed_update_still_closes_the_session_and_continues(model_dir):
+    eng, fake = make_engine(model_dir)
+
+    def refuse(call, tensors):
+        fake.calls.append(("update-refused",))
+        raise RuntimeError("SGLang update_weights_from_tensor(target) failed: shape mismatch")
+
+    fake.update_weights_from_tensor = refuse
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        eng.update_weights("policy", {"model.embed_tokens.weight": torch.ones(64, 8)}, version=1)
+    assert fake.calls[-2:] == [("end",), ("continue",)] and eng.versions.policy == 0
+
+
+def test_bad_push_is_rejected_before_sglang_sees_it(model_dir):
+    eng, fake = make_engine(model_dir)
+    for bad in ({"model.embed_tokens.weight": torch.ones(64, 9)}, {"model.nope.weight": torch.ones(1)}, {}):
+        with pytest.raises(ValueError, match="rejected|no tensors"):
+            eng.update_weights("policy", bad, version=1)
+    assert fake.calls == [] and eng.versions.policy == 0
+    eng.update_weights("policy", {"lm_head.weight": torch.ones(64, 8)}, version=1)  # tied to embed_tokens
+    assert eng.versions.policy == 1
+
+
+def test_resume_repushes_the_drafter(model_dir):
+    eng, fake = make_engine(model_dir, release_tags=["kv_cache", "weights"])
+    eng.update_weights("drafter", {"fc.weight": torch.full((2, 2), 3.0)}, version=2)
+    fake.calls.clear()
+    eng.release()
+    with pytest.raises(ValueError, match="released"):
+        eng.add_request(GenerationRequest("r", (1,)))
+    eng.resume()
+    assert fake.calls == [("release", ("kv_cache", "weights")), ("resume", ("kv_cache", "weights")),
+                          ("pause", "in_place"), ("begin", "draft"),
+                          ("update", "draft", False, "2", ("fc.weight", "fc.bias")), ("end",), ("continue",)]
+    assert eng.stats().spec["drafter_repushes"] == 1
+    eng.add_request(GenerationRequest("r", (1,)))
+    with pytest.raises(ValueError, match="cannot release"):
+        eng.release()
+
+
+def test_kv_only_release_does_not_repush(model_dir):
+    eng, fake = make_engine(model_dir)
+    eng.update_weights("drafter", {"fc.weight": torch.ones(1)}, version=1)
+    fake.calls.clear()
+    eng.release()
+    eng.resume()
+    assert fake.calls == [("release", ("kv_cache",)), ("resume", ("kv_cache",))]
+
+
+def test_features_and_expected_weights(model_dir):
+    eng, fake = make_engine(model_dir)
+    eng.add_request(GenerationRequest("r", (1, 2, 3), SamplingParams(return_features=True)))
+    assert fake.submitted["r#0"].return_hidden_states
+    hidden = [[[0.0] * 8] * 3, [1.0] * 8, [2.0] * 8]  # prompt block, then one row per token
+    fake.feed(sglang_chunk("r#0", [4, 5], finish={"type": "length"}, hidden_states=hidden))
+    _, (c,) = eng.step()
+    assert c.features.dtype == torch.float16 and c.features.shape == (2, 8) and c.features[1, 0] == 2.0
+    assert eng.expected_weights() == {"model.embed_tokens.weight": ((64, 8), "bfloat16")}
+
+
+def test_replica_config_comes_from_the_preset_and_environment(model_dir, monkeypatch, tmp_path):
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.sglang_backend.engine import resolve_config
+
+    preset = tmp_path / "p.toml"
+    preset.write_text('[sglang]\nmem_fraction_static = 0.5\nspeculative_algorithm = "EAGLE3"\nreturn_hidden_states = false\n')
+    monkeypatch.setenv("TLT_PRESET", str(preset))
+    monkeypatch.setenv("TLT_SGLANG__DRAFT_MODEL_PATH", "/models/drafter")
+    cfg = resolve_config(EngineConfig())  # what the replica process passes every backend
+    assert (cfg.mem_fraction_static, cfg.speculative_algorithm, cfg.draft_model_path) == (0.5, "EAGLE3", "/models/drafter")
+    eng = SGLangEngine(model_dir, EngineConfig(), client=FakeSGLang())
+    assert eng.config.draft_model_path == "/models/drafter"
+
+
+# -- the real EngineClient's asyncio pump, over a stand-in TokenizerManager --------------------
+
+
+class StandInTokenizerManager:
+    """Async methods with SGLang 0.5.23's TokenizerManager signatures; streams scripted chunks."""
+
+    def __init__(self, scripts):
+        self.scripts = scripts  # rid -> list of (delay_s, chunk dict) or an exception to raise
+        self.log = []
+        self.aborted = set()
+
+    async def generate_request(self, obj, request=None):
+        import asyncio
+
+        script = self.scripts[obj.rid]
+        if isinstance(script, Exception):
+            raise script
+        for delay, chunk in script:
+            await asyncio.sleep(delay)
+            if obj.rid in self.aborted:
+                yield sglang_chunk(obj.rid, chunk["output_ids"], finish={"type": "abort", "message": "aborted"})
+                return
+            yield chunk
+
+    def abort_request(self, rid="", abort_all=False):
+        self.aborted.add(rid)
+
+    async def pause_generation(self, obj):
+        self.log.append(("pause", obj.mode))
+
+    async def continue_generation(self, obj):
+        self.log.append(("continue",))
+
+    async def begin_weight_update(self, obj, request=None):
+        self.log.append(("begin", obj.selector))
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        self.log.append(("update", obj.selector, obj.flush_cache, len(obj.serialized_named_tensors)))
+        return False, "shape mismatch for fc.weight"
+
+    async def end_weight_update(self, obj, request=None):
+        self.log.append(("end",))
+        return True, "Success"
+
+    async def flush_cache(self, timeout_s=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(success=False, message="pending requests")
+
+
+class StandInEngine:
+    def __init__(self, tm):
+        import asyncio
+
+        self.tokenizer_manager = tm
+        self.loop = asyncio.new_event_loop()
+
+    def shutdown(self):
+        self.loop.close()
+
+
+@pytest.fixture()
+def stand_in(monkeypatch):
+    """EngineClient with SGLang's message constructors replaced by pass-throughs (no sglang here)."""
+    import sys
+    from types import SimpleNamespace
+
+    from tlt.services.rollout.sglang_backend import client as client_mod
+
+    monkeypatch.setattr(client_mod, "to_generate_req_input", lambda call: call)
+    monkeypatch.setattr(client_mod, "to_update_req_input",
+                        lambda call, ser: SimpleNamespace(selector=call.selector, flush_cache=call.flush_cache,
+                                                          serialized_named_tensors=ser))
+    monkeypatch.setattr(client_mod, "serialize_per_rank", lambda tensors, tp: [b"rank"] * tp)
+
+    def message(**kw):
+        return SimpleNamespace(**kw)
+
+    # The io_struct classes the control calls build, as plain records.
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", SimpleNamespace(
+        PauseGenerationReqInput=message, ContinueGenerationReqInput=message,
+        BeginWeightUpdateReqInput=message, EndWeightUpdateReqInput=message))
+    made = []
+
+    def make(scripts):
+        tm = StandInTokenizerManager(scripts)
+        eng = StandInEngine(tm)
+        made.append(eng)
+        return client_mod.EngineClient(eng, tp_size=2), tm
+
+    yield make
+    for eng in made:
+        eng.shutdown()
+
+
+def test_engine_client_pumps_streams_and_reports_failures(stand_in):
+    calls = [generate_calls(GenerationRequest(r, (1,)), 8, True)[0] for r in ("a", "b", "c")]
+    scripts = {
+        "a#0": [(0.0, sglang_chunk("a#0", [5])), (0.01, sglang_chunk("a#0", [5, 6], finish={"type": "stop"}))],
+        "b#0": ValueError("prompt too long for SGLang"),
+        "c#0": [(0.0, sglang_chunk("c#0", [9])), (0.3, sglang_chunk("c#0", [9, 9], finish={"type": "stop"}))],
+    }
+    client, tm = stand_in(scripts)
+    for call in calls:
+        client.submit(call)
+    seen = []
+
+    def pump_until(done):
+        for _ in range(100):
+            seen.extend(client.poll(0.05))
+            if done():
+                return
+        raise AssertionError(f"never happened; saw {[(c.rid, c.output_ids, c.finish) for c in seen]}")
+
+    pump_until(lambda: any(c.rid == "a#0" and c.finish for c in seen) and any(c.rid == "b#0" for c in seen))
+    assert [c.output_ids for c in seen if c.rid == "a#0"] == [[5], [5, 6]]
+    assert [c.finish for c in seen if c.rid == "a#0"][-1] is FinishReason.STOP
+    (b,) = [c for c in seen if c.rid == "b#0"]
+    assert b.finish is FinishReason.ABORT and "too long" in b.error  # a rejected request ends, it does not hang
+    client.abort("c#0")
+    pump_until(lambda: any(c.rid == "c#0" and c.finish for c in seen))
+    assert [c.finish for c in seen if c.rid == "c#0"][-1] is FinishReason.ABORT
+    assert client.poll(0.0) == []  # nothing left over
+
+
+def test_engine_client_control_calls_raise_sglang_refusals(stand_in):
+    from tlt.services.rollout.sglang_backend.client import SGLangError
+
+    client, tm = stand_in({})
+    client.pause_generation("in_place")
+    client.begin_weight_update("draft")
+    with pytest.raises(SGLangError, match="shape mismatch"):
+        client.update_weights_from_tensor(tensor_update_call("drafter", ["fc.weight"], 1), [("fc.weight", torch.ones(1))])
+    client.end_weight_update()
+    client.continue_generation()
+    with pytest.raises(SGLangError, match="flush_cache failed"):
+        client.flush_cache()
+    assert tm.log == [("pause", "in_place"), ("begin", "draft"), ("update", "draft", False, 2), ("end",), ("continue",)]
+
+
+def test_without_sglang_the_backend_says_how_to_get_it(model_dir, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    with pytest.raises(ModuleNotFoundError, match=r"tlt\[sglang\]"):
+        SGLangEngine(model_dir, SGLangBackendConfig(draft_model_path="/drafter"), run_dir=str(tmp_path))
+    assert (tmp_path / "sglang-adaptive-spec.json").exists()  # written before SGLang would start
