@@ -180,12 +180,16 @@ class SpecDecoder:
     def observe_plain(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """After a plain decode/prefill step appended one token to each of `seqs`: hidden [B, H] is the
         target feature that produced it. Keeps the learned drafter warm while SD is off, so switching
-        on needs neither a target re-prefill nor a cold step (only pairs are buffered: no compute)."""
-        if isinstance(self.source, EagleSource) and self.config.mode != "off":
-            live = [i for i, s in enumerate(seqs) if not s.is_finished]  # finished ones were released
-            feats = hidden.detach()
-            self.source.observe([seqs[i] for i in live], [[seqs[i].token_ids[-1]] for i in live],
-                                [[feats[i]] for i in live], [seqs[i].num_tokens - 1 for i in live])
+        on needs neither a target re-prefill nor a cold step (only pairs are buffered, at most
+        `EagleSource.max_pending` per sequence, and only while the batch is within 4x the threshold)."""
+        if not isinstance(self.source, EagleSource) or self.config.mode == "off":
+            return
+        if len(seqs) > 4 * self.config.threshold:
+            return  # far from the tail: buffering would only hold memory (rows restart from later pairs)
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]  # finished ones were released
+        feats = hidden.detach()
+        self.source.observe([seqs[i] for i in live], [[seqs[i].token_ids[-1]] for i in live],
+                            [[feats[i].clone()] for i in live], [seqs[i].num_tokens - 1 for i in live])
 
     # ---------------------------------------------------------------- lifecycle
     def release(self, seq: Sequence) -> None:

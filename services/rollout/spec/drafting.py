@@ -10,6 +10,8 @@ next tree, so feeding them also yields the root's h' and the first draft level. 
 do not reach its last token (it was decoded without speculation and nobody fed `observe`, or it is
 new), its row restarts cold: a root-only tree this step (one plain verify, still lossless), after
 which it is warm. The target's features for the cold context are never recomputed.
+Memory: one contiguous K/V row per sequence (grows to its length: one layer, kv_heads x head_dim per
+token) and at most `max_pending` buffered features per sequence.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class NgramSource:
 class EagleSource:
     """EAGLE-2 tree drafting with the learned drafter and its own per-sequence KV rows."""
 
-    def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 1024) -> None:
+    def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512) -> None:
         self.drafter = drafter
         self.max_pending = max_pending
         self.cold_starts = 0
