@@ -72,9 +72,9 @@ def run(args: argparse.Namespace) -> int:
     lengths = (torch.randn(args.prompts, args.n, generator=g) * args.sigma).exp() * args.median_tokens
     lengths = lengths.round().clamp(1, args.max_tokens).long()
     prompts = [tuple(torch.randint(3, 200, (args.prompt_len,), generator=g).tolist()) for _ in range(args.prompts)]
-    # one request per sample so each can have its own length; siblings share the request id prefix
-    # only through the prompt, so the n-gram drafter's group index sees them as separate groups.
-    # Grouping them (one request, n samples) would need one max_tokens for all: the tail would vanish.
+    # One request per sample so that each has its own length (the n samples of one request share
+    # max_tokens, and with eos ignored the tail would vanish). The n-gram drafter indexes siblings per
+    # request, so here it matches each sample against its own context only: no sibling help.
     requests = [
         GenerationRequest(f"p{i}s{j}", prompts[i], SamplingParams(temperature=0.0, max_tokens=int(lengths[i, j]),
                                                                   ignore_eos=True))
