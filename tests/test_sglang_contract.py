@@ -156,3 +156,13 @@ def test_real_adaptive_params_follow_the_threshold(io_struct, tmp_path):
     params = AdaptiveSpeculativeParams(initial_steps=cfg.num_steps, cfg_path=str(write_adaptive_config(cfg, tmp_path)))
     assert params.get_steps_for_batch(17) == 0 and params.get_steps_for_batch(64) == 0
     assert params.get_steps_for_batch(1) == cfg.num_steps
+
+
+def test_real_server_args_take_every_launch_argument(io_struct, tmp_path):
+    from sglang.srt.server_args import ServerArgs
+
+    cfg = SGLangBackendConfig(draft_model_path=str(tmp_path))
+    kw = engine_kwargs(cfg, str(tmp_path), 1, str(write_adaptive_config(cfg, tmp_path)))
+    args = ServerArgs(**kw)  # construction only; SGLang resolves (and needs the GPU) at launch
+    for name, value in kw.items():
+        assert getattr(args, name) == value
