@@ -45,11 +45,11 @@ def samples(model_dir):
 
 def make(tmp_path, model_dir, samples, pushes, **over):
     pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
-    cfg = DrafterServiceConfig(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
-                               coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                               window_tokens=64, batch_tokens=64, batch_rows=2, lr=3e-3, submit_every=5,
-                               eval_interval_s=0.2, min_eval_tokens=32, holdout_every=4, publish_margin=0.0,
-                               **over)
+    kw = dict(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
+              coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"), window_tokens=64,
+              batch_tokens=64, batch_rows=2, lr=3e-3, submit_every=5, eval_interval_s=0.2, min_eval_tokens=32,
+              holdout_every=4, publish_margin=0.0)
+    cfg = DrafterServiceConfig(**{**kw, **over})
     coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append((sorted(t), v))).start()
     coord.buffer.add_samples(samples[3:])
     coord.buffer.add_samples(samples[:3], holdout=True)
