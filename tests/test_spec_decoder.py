@@ -169,6 +169,31 @@ def test_sampled_spec_logprobs_are_the_targets_under_the_filters(ckpt):
         assert c.logprobs == pytest.approx(want.tolist(), abs=2e-3)
 
 
+def test_top_logprobs_of_speculated_tokens(ckpt):
+    """A verify step's k best alternatives per emitted token are those of the target at that position."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3)
+    req = GenerationRequest("t", _requests(1, 1)[0].prompt_token_ids, params)
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **SPEC), eng.runner, eng.block_manager)
+    eng.add_request(req)
+    for _ in range(12):  # plain steps: enough text for the n-gram drafter to match
+        eng.step()
+    seq = eng.scheduler.running[0]
+    batch = eng.scheduler.schedule()
+    em = dec.decode(batch.seqs)[0]
+    assert len(em.top_logprobs) == len(em.token_ids) >= 2  # drafts were accepted
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ctx = seq.token_ids[:]  # emissions are not appended when decode() is called directly
+    for tok, tops in zip(em.token_ids, em.top_logprobs):
+        with torch.no_grad():
+            lp = hf(torch.tensor([ctx])).logits[0, -1].log_softmax(-1)
+        vals, ids = lp.topk(3)
+        assert list(tops) == ids.tolist() and list(tops.values()) == pytest.approx(vals.tolist(), abs=1e-4)
+        ctx.append(tok)
+
+
 def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(ckpt):
     base = _engine(ckpt).generate(_requests(1, 1, 40))[0].token_ids
     stop = base[12]  # the random model repeats itself: this token sits inside a run the drafts predict

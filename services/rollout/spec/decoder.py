@@ -52,6 +52,7 @@ class SpecEmission:
     token_ids: list[int]
     logprobs: list[float]  # log q of each token under the sampling filters (raw log-softmax when greedy)
     hidden: torch.Tensor  # [len, H] target feature (post final norm) that produced each token
+    top_logprobs: list[dict[int, float]] | None = None  # per token, the k best alternatives (params.logprobs = k > 0)
 
 
 def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: BlockManager) -> SpecDecoder | None:
@@ -149,7 +150,12 @@ class SpecDecoder:
                     src.append(self.runner.slot(s, ctx[i] + path[k]))
                     dst.append(self.runner.slot(s, ctx[i] + k))
             s.num_computed = ctx[i] + 1 + a
-            out.append(SpecEmission(res.tokens[i, : a + 1].tolist(), lps[i, : a + 1].tolist(), hid[i, path]))
+            tops = None
+            k_top = s.params.logprobs or 0
+            if k_top > 0:  # alternatives from the same distribution each token was drawn from
+                vals, ids = nt.logprobs[i, path].topk(k_top, dim=-1)
+                tops = [dict(zip(r_ids, r_vals)) for r_ids, r_vals in zip(ids.tolist(), vals.tolist())]
+            out.append(SpecEmission(res.tokens[i, : a + 1].tolist(), lps[i, : a + 1].tolist(), hid[i, path], tops))
         if src:
             self.kv_copies += len(src)
             self.runner.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
