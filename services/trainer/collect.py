@@ -33,10 +33,21 @@ class RolloutError(RuntimeError):
     """The rollout server failed to produce a completion of this step."""
 
 
+@dataclass(frozen=True)
+class SpecTotals:
+    """The completions' SpecStats summed: how much of the rollout was speculative, and how well it accepted."""
+
+    verify_steps: int = 0
+    accepted_tokens: int = 0
+    plain_steps: int = 0
+    drafter_version: int = -1  # newest drafter version on a completion
+
+
 @dataclass
 class RolloutResult:
     samples: list[ScoredCompletion]
     times: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_tail_s (wait after the last sample)
+    spec: SpecTotals = field(default_factory=lambda: SpecTotals())  # SD counters summed over the completions
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float) -> rollout_pb2.SamplingParams:
@@ -110,4 +121,7 @@ def collect(
             rollout_logprobs=tuple(c.logprobs) if len(c.logprobs) == len(c.token_ids) else None,
             policy_version=c.versions.policy, finish_reason=_FINISH.get(c.finish_reason, "stop"), text=c.text,
         ))
-    return RolloutResult(samples, {"rollout_s": last_arrival - t0, "reward_tail_s": t_end - last_arrival})
+    done = [c for _, c in pending.values()]
+    spec = SpecTotals(sum(c.spec.verify_steps for c in done), sum(c.spec.accepted_tokens for c in done),
+                      sum(c.spec.plain_decode_steps for c in done), max((c.versions.drafter for c in done), default=-1))
+    return RolloutResult(samples, {"rollout_s": last_arrival - t0, "reward_tail_s": t_end - last_arrival}, spec)

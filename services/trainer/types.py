@@ -58,6 +58,12 @@ class StepMetrics:
     truncated_fraction: float = 0.0
     rollout_logprob_max_diff: float = 0.0  # |trainer old logprob - rollout logprob|, diagnostics
     tokens: int = 0
+    # Speculative decoding during this step's rollout, summed over its completions (SpecStats):
+    sd_verify_steps: int = 0  # per-sequence verify passes
+    sd_accepted_tokens: int = 0  # tokens those passes emitted (incl. the bonus token)
+    sd_plain_steps: int = 0  # per-sequence plain decode steps
+    drafter_version: int = -1  # newest drafter version stamped on a completion (-1: no drafter)
+    started_at: float = 0.0  # unix time the step began (places the step on the run's timeline)
     times: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
     def as_dict(self) -> dict:
