@@ -178,7 +178,7 @@ def test_top_logprobs_of_speculated_tokens(ckpt):
     eng = _engine(ckpt)
     dec = SpecDecoder(SpecConfig(drafter="ngram", **SPEC), eng.runner, eng.block_manager)
     eng.add_request(req)
-    for _ in range(12):  # plain steps: enough text for the n-gram drafter to match
+    for _ in range(24):  # plain steps: enough text for the n-gram drafter to match
         eng.step()
     seq = eng.scheduler.running[0]
     batch = eng.scheduler.schedule()
