@@ -114,7 +114,7 @@ def evaluate(
 
     t0 = time.monotonic()
     prompts = [format_prompt(p) for p in problems]
-    max_new = 8 * max(MAX_STEPS, max(p.steps for p in problems)) + 16
+    max_new = 7 * max(MAX_STEPS, max(p.steps for p in problems)) + 16  # a reference solution is 6 per step + 5
     greedy, _ = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False, batch_size=batch_size)
     correct = [verify(c, p.answer) for c, p in zip(greedy, problems)]
     lengths: list[int] = []

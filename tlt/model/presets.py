@@ -18,7 +18,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": {
             "hidden_size": 192,
-            "intermediate_size": 512,
+            "intermediate_size": 384,
             "num_hidden_layers": 12,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
@@ -28,13 +28,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
             "tie_word_embeddings": False,
         },
         "train": {
-            "seq_len": 384,
-            "batch_size": 16,
+            "seq_len": 320,
+            "batch_size": 6,
             "lr": 3e-3,
             "min_lr_ratio": 0.1,
-            "warmup_steps": 30,
+            "warmup_steps": 20,
             "weight_decay": 0.1,
-            "max_steps": 4000,
+            "max_steps": 300,
             "time_budget_s": 230.0,
             "threads": 2,
         },

@@ -1,0 +1,118 @@
+"""`tlt model build` and `tlt model eval`: a very short real build loads offline in transformers and generates.
+
+Nothing is faked: a real tokenizer is trained, a real Qwen2 model is trained
+for a few steps, saved, reloaded with `HF_HUB_OFFLINE=1` and run. The
+accuracy and length-tail figures of the full build are checked by the slow
+test on artifacts/tiny (the `tiny_model_dir` fixture builds it when missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tlt.model.build import build_model, lr_at, packed_batches
+from tlt.model.evaluate import _bucket, eval_problems, evaluate, percentile
+from tlt.model.tokenizer import test_tokenizer
+from tlt.task import format_prompt, generate_problems
+
+
+def test_lr_schedule_hand_values():
+    kw = dict(lr=1.0, warmup=4, total=14, min_ratio=0.1)
+    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, **kw) == pytest.approx(1.0)  # cosine starts at the peak
+    assert lr_at(9, **kw) == pytest.approx(0.55)  # half way: 0.1 + 0.9 * 0.5
+    assert lr_at(14, **kw) == pytest.approx(0.1)
+    assert lr_at(20, **kw) == pytest.approx(0.1)
+
+
+def test_packed_rows_keep_problem_boundaries():
+    tok = test_tokenizer()
+    batch = next(packed_batches(tok, seq_len=320, batch_size=3, seed=0))
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    assert ids.shape == labels.shape == pos.shape == (3, 320)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    docs = []
+    for r in range(3):
+        starts = [c for c in range(320) if pos[r, c] == 0]
+        for a, b in zip(starts, starts[1:] + [320]):
+            seg = ids[r, a:b].tolist()
+            assert pos[r, a:b].tolist() == list(range(b - a))  # positions restart at every problem
+            if seg[0] == im_start:
+                docs.append((tok.decode(seg), tok.decode([t for t in labels[r, a:b].tolist() if t != -100])))
+            else:  # the padding tail of a row: never trained on
+                assert set(seg) == {tok.pad_token_id} and set(labels[r, a:b].tolist()) == {-100}
+    assert len(docs) >= 6
+    # The packed problems are the seeded training draw, in order, with loss on the assistant turn only.
+    from tlt.model.build import TRAIN_SEED_OFFSET
+
+    expected = generate_problems(len(docs), seed=0 + TRAIN_SEED_OFFSET)
+    for (text, trained), p in zip(docs, expected):
+        assert text == format_prompt(p) + p.solution + "<|im_end|>"
+        assert trained == p.solution + "<|im_end|>"
+
+
+def test_percentile_and_buckets():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert [_bucket(k) for k in (1, 2, 3, 4, 5, 8, 9, 32)] == ["1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "17-32"]
+
+
+def test_short_build_loads_offline_and_generates(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "tiny"
+    facts = build_model("tiny", out, seed=0, max_steps=3, eval_n=0)
+    assert facts["steps"] == 3 and facts["preset"] == "tiny" and facts["seed"] == 0
+    assert json.loads((out / ".complete").read_text()) == facts
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temp folder was renamed away
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "qwen2"
+    assert model.config.num_hidden_layers == 12 and model.config.num_key_value_heads == 2
+    assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert model.config.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert model.config.vocab_size >= len(tok)
+    p = generate_problems(2, seed=1)
+    chat = tok.apply_chat_template([{"role": "user", "content": p[0].prompt}], tokenize=False, add_generation_prompt=True)
+    assert chat == format_prompt(p[0])
+    enc = tok([format_prompt(x) for x in p], return_tensors="pt", padding=True)
+    assert (enc["input_ids"][:, -1] != tok.pad_token_id).all()  # left padding
+    with torch.no_grad():
+        gen = model.generate(**enc, max_new_tokens=5, do_sample=False)
+    assert gen.shape[1] > enc["input_ids"].shape[1]
+
+
+def test_build_is_seeded(tmp_path):
+    a = build_model("tiny", tmp_path / "a", seed=3, max_steps=1, eval_n=0)
+    b = build_model("tiny", tmp_path / "b", seed=3, max_steps=1, eval_n=0)
+    assert a["final_loss"] == b["final_loss"]
+    sa = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert sa == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_evaluate_on_random_checkpoint(random_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    report = evaluate(model, tok, eval_problems(4), samples=1)
+    assert report.n == 4 and 0.0 <= report.accuracy <= 1.0
+    assert report.p99_len >= report.p50_len > 0
+    assert eval_problems(4) != generate_problems(4, seed=0)  # held out from the seed-0 training draws
+
+
+@pytest.mark.slow
+def test_tiny_model_meets_targets(tiny_model_dir):
+    facts = json.loads((tiny_model_dir / ".complete").read_text())
+    assert 0.15 <= facts["accuracy"] <= 0.85, facts
+    assert facts["tail_ratio"] >= 4, facts
+    assert os.path.getsize(tiny_model_dir / "model.safetensors") > 1_000_000
