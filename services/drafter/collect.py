@@ -36,13 +36,18 @@ def sample_features(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
     out: list[Sample] = []
     for i, p in enumerate(prompts):
         ids = torch.tensor([list(p)])
-        for _ in range(max_new_tokens):  # plain loop: deterministic, no generate() config surprises
-            logits = model(input_ids=ids).logits[0, -1].float()
+        past = None
+        step_ids = ids
+        for _ in range(max_new_tokens):  # plain KV-cached loop: deterministic, no generate() config surprises
+            res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            logits = res.logits[0, -1].float()
             if temperature > 0:
                 tok = int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=g))
             else:
                 tok = int(logits.argmax())
-            ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+            step_ids = torch.tensor([[tok]])
+            ids = torch.cat([ids, step_ids], 1)
             if eos_token_id is not None and tok == eos_token_id:
                 break
         h = last_hidden(model, ids)[0]

@@ -1,0 +1,93 @@
+"""`tlt drafter export --format sglang-eagle`: write the drafter the way SGLang's EAGLE loaders read it.
+
+    tlt drafter export --drafter DIR --model TARGET_DIR --format sglang-eagle --out OUT
+
+SGLang (python/sglang/srt/models/llama_eagle.py, qwen2_eagle.py) builds `LlamaForCausalLMEagle` /
+`Qwen2ForCausalLMEagle` from a normal HF config with `num_hidden_layers = 1`; its `load_weights`
+prefixes every checkpoint name with "model." and skips names containing "lm_head"; its model has
+`model.fc = Linear(2H, H)` WITH a bias, and decoder layer 0 has no input_layernorm (it is replaced
+by the identity). The EAGLE worker (python/sglang/srt/speculative/eagle_worker.py) then shares the
+target's embedding and lm_head with the draft model (`set_embed_and_head`), so neither is exported.
+
+    ours                                   SGLang checkpoint name
+    fc.weight [H, 2H]                  ->  fc.weight
+    (no bias)                          ->  fc.bias = zeros [H]   (same function)
+    layer.self_attn.{q,k,v}_proj.*     ->  layers.0.self_attn.{q,k,v}_proj.*
+    layer.self_attn.o_proj.weight      ->  layers.0.self_attn.o_proj.weight
+    layer.post_attention_layernorm.*   ->  layers.0.post_attention_layernorm.weight
+    layer.mlp.{gate,up,down}_proj.*    ->  layers.0.mlp.{gate,up,down}_proj.weight
+
+config.json = the target's, with architectures [<Family>ForCausalLMEagle] and num_hidden_layers 1.
+See docs/DRAFTER.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}
+
+
+def sglang_tensors(own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our drafter's state dict -> SGLang EAGLE checkpoint names (see the module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in own.items():
+        if "embed" in name or "lm_head" in name:
+            raise ValueError(f"the drafter must not carry the target's {name}; SGLang shares the target's")
+        if name == "fc.weight":
+            out["fc.weight"] = t
+            out["fc.bias"] = torch.zeros(t.shape[0], dtype=t.dtype)
+        elif name.startswith("layer."):
+            out["layers.0." + name.removeprefix("layer.")] = t
+        else:
+            raise ValueError(f"unexpected drafter tensor {name!r}")
+    return out
+
+
+def sglang_config(target_config: dict) -> dict:
+    family = target_config.get("model_type", "")
+    if family not in ARCHITECTURES:
+        raise ValueError(f"SGLang has EAGLE loaders for {sorted(ARCHITECTURES)} targets, not {family!r}")
+    cfg = dict(target_config)
+    cfg["architectures"] = [ARCHITECTURES[family]]
+    cfg["num_hidden_layers"] = 1
+    return cfg
+
+
+def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    from tlt.model.drafter import WEIGHTS_FILE, load_drafter
+    from tlt.services.drafter.training import target_shared
+
+    _, embed, head = target_shared(model_dir)
+    drafter = load_drafter(drafter_dir, embed, head)  # validates names and shapes against the target
+    own = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+    target_config = json.loads((Path(model_dir) / "config.json").read_text())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = sglang_tensors(own)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(sglang_config(target_config), indent=2, sort_keys=True))
+    assert set(load_file(str(out / WEIGHTS_FILE))) == set(tensors)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", required=True, help="drafter folder (drafter_config.json + model.safetensors)")
+    parser.add_argument("--model", required=True, help="the target checkpoint folder the drafter belongs to")
+    parser.add_argument("--format", choices=("sglang-eagle",), default="sglang-eagle", help="export format")
+    parser.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tlt.services.common.logging import get_logger
+
+    out = export_sglang(args.drafter, args.model, args.out)
+    get_logger("drafter.export").info("drafter_exported", out=str(out), format=args.format)
+    print(out)
+    return 0

@@ -1,0 +1,53 @@
+"""`tlt drafter export --format sglang-eagle`: names, shapes and config against the mapping read
+from SGLang's loaders (llama_eagle.py / qwen2_eagle.py; documented in docs/DRAFTER.md), and the
+exported function equals ours (fc.bias is zero)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tlt.model.testing import random_checkpoint
+from tlt.services.drafter.export import sglang_config, sglang_tensors
+from tlt.services.drafter.training import new_drafter
+
+LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+         "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+
+
+@pytest.mark.parametrize("family,arch,bias", [("qwen2", "Qwen2ForCausalLMEagle", True),
+                                              ("llama", "LlamaForCausalLMEagle", False)])
+def test_export_names_and_config(tmp_path, family, arch, bias) -> None:
+    model = random_checkpoint(tmp_path / "m", family=family)
+    d = new_drafter(model, seed=1)
+    d.save(tmp_path / "d")
+    out = tmp_path / "sg"
+    subprocess.run([sys.executable, "-m", "tlt.cli", "drafter", "export", "--drafter", str(tmp_path / "d"),
+                    "--model", str(model), "--format", "sglang-eagle", "--out", str(out)], check=True)
+    t = load_file(str(out / "model.safetensors"))
+    want = {"fc.weight", "fc.bias", *(f"layers.0.{n}" for n in LAYER)}
+    if bias:
+        want |= {f"layers.0.self_attn.{p}_proj.bias" for p in "qkv"}
+    assert set(t) == want  # no "model." prefix (SGLang adds it), no embed/lm_head, no input_layernorm
+    h = d.cfg.hidden_size
+    assert t["fc.weight"].shape == (h, 2 * h) and torch.equal(t["fc.bias"], torch.zeros(h))
+    assert torch.equal(t["fc.weight"], d.fc.weight.detach())
+    assert torch.equal(t["layers.0.mlp.down_proj.weight"], d.layer.mlp.down_proj.weight.detach())
+    cfg = json.loads((out / "config.json").read_text())
+    target = json.loads((model / "config.json").read_text())
+    assert cfg["architectures"] == [arch] and cfg["num_hidden_layers"] == 1
+    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+              "rms_norm_eps", "rope_theta", "model_type"):
+        assert cfg.get(k) == target.get(k), k
+
+
+def test_export_refuses_shared_tensors_and_unknown_families() -> None:
+    with pytest.raises(ValueError, match="must not carry"):
+        sglang_tensors({"fc.weight": torch.zeros(2, 4), "embed_tokens.weight": torch.zeros(3, 2)})
+    with pytest.raises(ValueError, match="EAGLE loaders"):
+        sglang_config({"model_type": "qwen3"})
