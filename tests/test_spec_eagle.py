@@ -72,7 +72,7 @@ def test_tree_scores_match_a_from_scratch_reference():
         src.observe([s], [out], [list(feats)], [plen])
         seqs.append(s)
         pairs.append((out, feats, plen))
-    for arm in (Arm(3, 2, 6), Arm(2, 3, 9)):
+    for arm in (Arm(3, 2, 6), Arm(2, 3, 9), Arm(4, 2, 9), Arm(1, 4, 5)):
         tree, counts = src.draft(seqs, arm)
         assert counts.tolist() == [arm.draft_tokens] * 2
         for b, (toks, feats, first) in enumerate(pairs):

@@ -135,9 +135,11 @@ class EagleSource:
         return pad_trees(trees)  # type: ignore[arg-type]
 
     def _tree(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
-        """EAGLE-2 drafting for warm sequences. Candidate ids follow `build_tree`'s numbering; each row
-        tracks its own candidates' parents, drafter outputs h' and drafter-cache offsets, because the
-        beams (and so the tree shapes) differ between rows."""
+        """EAGLE-2 drafting for warm sequences, vectorised over the batch. Candidate ids follow
+        `build_tree`'s numbering (the same for every row); per row and candidate we keep its parent,
+        its drafter output h', its offset in the drafter cache (beam nodes only) and the set of cache
+        offsets of its drafted ancestors, so each level is one drafter forward with no python loop
+        over rows."""
         d, dev = self.drafter, self.device
         b = len(seqs)
         keys = [seq_key(s) for s in seqs]
@@ -145,42 +147,45 @@ class EagleSource:
         committed = self.cache.lengths[rows].clone()
         root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=dev)
         root_h = torch.stack([self.last_h[k] for k in keys])  # h' of each root pair
-        parent: list[dict[int, int]] = [{0: -1} for _ in range(b)]
-        h_out: list[dict[int, torch.Tensor]] = [{0: root_h[r]} for r in range(b)]
-        offset: list[dict[int, int]] = [{} for _ in range(b)]  # drafted node -> cache offset past committed
+        hdim, k_beam = root_h.shape[-1], arm.topk
+        n_max = arm.max_nodes
+        n_slots = max(1, (arm.steps - 1) * k_beam)  # drafted beam nodes that enter the drafter cache
+        parent = torch.full((b, n_max), -1, dtype=torch.long, device=dev)
+        h_out = torch.zeros(b, n_max, hdim, dtype=root_h.dtype, device=dev)
+        h_out[:, 0] = root_h
+        offset = torch.full((b, n_max), -1, dtype=torch.long, device=dev)
+        anc = torch.zeros(b, n_max, n_slots, dtype=torch.bool, device=dev)
         track = {"base": 1, "prev": None}
 
         def expand(step: int, beam: torch.Tensor, beam_tokens: torch.Tensor) -> torch.Tensor:
             if step == 0:
                 track["prev"] = beam
                 return d.compute_logits(root_h).float().log_softmax(-1)[:, None]
-            prev = track["prev"]  # the beam expanded at step - 1 created candidates base .. base + n - 1
+            # candidates created at step - 1 (ids base .. base + n_new - 1) are children of that beam
+            prev, base = track["prev"], track["base"]
             n_new = prev.shape[1] * arm.topk
-            for r in range(b):
-                for c in range(track["base"], track["base"] + n_new):
-                    parent[r][c] = int(prev[r, (c - track["base"]) // arm.topk])
-            track["base"] += n_new
-            track["prev"] = beam
+            par = prev.repeat_interleave(arm.topk, dim=1)
+            parent[:, base : base + n_new] = par
+            par_anc = anc.gather(1, par[..., None].expand(b, n_new, n_slots))
+            par_off = offset.gather(1, par)
+            par_anc |= torch.nn.functional.one_hot(par_off.clamp(min=0), n_slots).bool() & (par_off >= 0)[..., None]
+            anc[:, base : base + n_new] = par_anc
+            track["base"], track["prev"] = base + n_new, beam
             k = beam.shape[1]
-            feats = torch.empty(b, k, root_h.shape[-1], dtype=self.dtype, device=dev)
-            span = int(committed.max()) + (step - 1) * k
+            feats = h_out.gather(1, parent.gather(1, beam)[..., None].expand(b, k, hdim))  # pair (x_node, h'_parent)
             # a drafted node sees the verified context and, among drafted nodes, only its ancestors
-            pmask = (torch.arange(span, device=dev)[None, None, :] < committed[:, None, None]).expand(b, k, span).clone()
-            for r in range(b):
-                for j in range(k):
-                    p = parent[r][int(beam[r, j])]
-                    feats[r, j] = h_out[r][p]  # the pair (x_node, h'_parent)
-                    while p > 0:
-                        pmask[r, j, int(committed[r]) + offset[r][p]] = True
-                        p = parent[r][p]
+            span = int(committed.max()) + (step - 1) * k
+            key = torch.arange(span, device=dev)[None, None, :]
+            rel = key - committed[:, None, None]
+            node_anc = anc.gather(1, beam[..., None].expand(b, k, n_slots))
+            drafted_ok = (rel >= 0) & (rel < (step - 1) * k) & node_anc.gather(
+                2, rel.clamp(0, n_slots - 1).expand(b, k, span))
+            pmask = (rel < 0) | drafted_ok
             out = d(beam_tokens.to(dev), feats, (root_pos[:, None] + step).expand(b, k), cache=self.cache,
                     cache_rows=rows, tree_mask=torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k),
                     prefix_mask=pmask)
-            for r in range(b):
-                for j in range(k):
-                    cid = int(beam[r, j])
-                    h_out[r][cid] = out[r, j]
-                    offset[r][cid] = (step - 1) * k + j
+            h_out.scatter_(1, beam[..., None].expand(b, k, hdim), out.to(h_out.dtype))
+            offset.scatter_(1, beam, (step - 1) * k + torch.arange(k, device=dev).expand(b, k))
             return d.compute_logits(out).float().log_softmax(-1)
 
         tree = build_tree(torch.tensor([s.token_ids[-1] for s in seqs], device=dev), expand, arm)
