@@ -1,0 +1,74 @@
+"""`tlt run`: launch every service on this machine as separate processes and train end to end.
+
+    tlt run [--preset cpu-tiny] [--steps N] [--run-id ID | --resume runs/ID] [--baseline]
+
+    preset -> RunConfig + runs/<id>/config.toml (free loopback ports, run paths)   run_config.py
+    start   reward (`tlt reward serve`), rollout (`tlt rollout serve`, its replicas),
+            drafter (`tlt drafter serve`, its workers; when the rollout drafts with a learned drafter)
+    ready   each writes its --ready-file once serving; the rollout also answers GetStatus
+    train   `tlt train --config runs/<id>/config.toml` (resumes from runs/<id>/checkpoints)
+    watch   progress bar + one table row per step (run_stats.py), the rollout's running batch
+            sampled into timeline.jsonl, drafter windows into drafter.jsonl     run_monitor.py
+    end     stop every child (trainer, drafter, rollout, reward), write report.html   report.py
+
+Every child's output goes to runs/<id>/logs/<service>.log and their pids to
+runs/<id>/pids.json. A run folder that already exists is resumed: the trainer
+continues from its last checkpoint (no step lost or repeated; loop.py) and the
+drafter from its own checkpoint; services restart on fresh ports. `--baseline`
+is the same run with speculative decoding off and no drafter (`tlt bench e2e`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default=None, help="config preset name or .toml path (default cpu-tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
+    parser.add_argument("--run-id", default=None, help="run folder name under runs_dir (default: <preset>-<time>)")
+    parser.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in this folder")
+    parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
+    parser.add_argument("--baseline", action="store_true", help="speculative decoding off and no drafter")
+    parser.add_argument("--seed", type=int, default=None, help="trainer seed (data order, sampling)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a preset value, e.g. trainer.lr=3e-5 or run.poll_interval_s=0.2; repeatable")
+    parser.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or table (logs only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from tlt.services.common.logging import get_logger
+    from tlt.services.trainer.procs import ServiceError
+
+    log = get_logger("run")
+    from tlt.services.trainer.launcher import Launcher, prepare_run
+
+    from tlt.services.common.config import ConfigError
+
+    try:
+        plan = prepare_run(args)
+    except (ServiceError, ConfigError) as e:
+        log.error("run_not_started", error=str(e))
+        return 2
+    launcher = Launcher(plan, quiet=args.quiet)
+    t0 = time.monotonic()
+    try:
+        rc = launcher.run()
+    except ServiceError as e:
+        log.error("run_failed", error=str(e), run_dir=str(plan.run_dir))
+        rc = 1
+    except KeyboardInterrupt:
+        log.warning("run_interrupted", run_dir=str(plan.run_dir), hint=f"continue with: tlt run --resume {plan.run_dir}")
+        rc = 130
+    finally:
+        launcher.shutdown()
+    if not args.no_report:
+        from tlt.services.trainer.report import write_report
+
+        path = write_report(plan.run_dir, plan.tail_threshold)
+        log.info("report_written", path=str(path))
+    log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1))
+    return rc

@@ -1,0 +1,219 @@
+"""The body of `tlt run`: plan a run folder, start the services, run the trainer, watch, stop.
+
+    prepare_run(args) -> RunPlan   (run folder, resolved config.toml, run.json for resumes)
+    Launcher(plan).run()           services up -> trainer -> table rows as metrics.jsonl grows
+    Launcher.shutdown()            every child stopped, in reverse order of need
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tlt.services.common.config import cli_overrides, load_config, preset_path, read_preset
+from tlt.services.common.logging import get_logger
+from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
+from tlt.services.trainer.run_config import RunConfig, resolve_services, spec_section, to_toml
+
+log = get_logger("run")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    run_dir: Path
+    config_path: Path
+    run: RunConfig
+    services: dict[str, Any]  # the resolved per-service sections written to config_path
+    switches: dict[str, bool]  # speculation / drafter as they really run
+    tail_threshold: int
+    steps: int
+    resumed: bool
+
+
+def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
+    """'trainer.lr' -> preset['trainer']['lr']; 'rollout.engine.max_num_seqs' -> nested."""
+    parts = key.split(".")
+    if len(parts) < 2:
+        raise ServiceError(f"override {key!r} must name a section: SECTION.FIELD=VALUE (e.g. trainer.lr=3e-5)")
+    node = preset
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+
+
+def prepare_run(args: argparse.Namespace) -> RunPlan:
+    saved: dict[str, Any] = {}
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "run.json").exists():
+            raise ServiceError(f"{run_dir} is not a run folder (no run.json); start one with `tlt run`")
+        saved = json.loads((run_dir / "run.json").read_text())
+    preset_name = args.preset or saved.get("preset") or "cpu-tiny"
+    overrides = saved.get("overrides", []) + list(args.overrides)
+    baseline = bool(args.baseline or saved.get("baseline", False))
+    seed = args.seed if args.seed is not None else saved.get("seed")
+    steps_arg = args.steps if args.steps is not None else saved.get("steps")
+    model = args.model or saved.get("model")
+
+    preset = read_preset(preset_path(preset_name))
+    for key, value in cli_overrides(overrides).items():
+        _apply_override(preset, key, value)
+    run_over: dict[str, Any] = {}
+    if steps_arg:
+        run_over["steps"] = steps_arg
+    if model:
+        run_over["model_dir"] = model
+    if baseline:
+        run_over.update(speculation=False, drafter=False)
+    run_cfg = load_config(RunConfig, "run", None, {**preset.get("run", {}), **run_over})
+    if not args.resume:
+        stem = Path(preset_name).stem
+        run_id = args.run_id or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = Path(run_cfg.runs_dir) / run_id
+    resumed = (run_dir / "run.json").exists()
+    if resumed and not saved:
+        saved = json.loads((run_dir / "run.json").read_text())
+    if seed is not None:
+        preset.setdefault("trainer", {})["seed"] = seed
+    if not Path(run_cfg.model_dir, "config.json").exists():
+        raise ServiceError(f"no model in {run_cfg.model_dir}; build it with `make model` "
+                           f"(tlt model build --preset tiny --out {run_cfg.model_dir})")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    services, switches = resolve_services(preset, run_cfg, run_dir)
+    if run_cfg.speculation and not switches["speculation"]:
+        log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")
+    if run_cfg.drafter and switches["speculation"] and not switches["drafter"]:
+        log.warning("drafter_off", reason="the rollout does not draft with a learned drafter, or no drafter service")
+    config_path = run_dir / "config.toml"
+    config_path.write_text(f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start\n\n"
+                           + to_toml(services))
+    steps = int(services["trainer"].get("steps", 20))
+    (run_dir / "run.json").write_text(json.dumps({
+        "preset": str(preset_name), "overrides": overrides, "baseline": baseline, "seed": seed,
+        "steps": steps_arg, "model": model, "switches": switches, "created": saved.get("created", time.time()),
+    }, indent=2))
+    spec = spec_section(preset)
+    threshold = run_cfg.tail_threshold or int(spec.get("threshold", 32))
+    return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed)
+
+
+class Launcher:
+    def __init__(self, plan: RunPlan, quiet: bool = False) -> None:
+        self.plan = plan
+        self.quiet = quiet
+        self.services: list[ServiceProcess] = []  # in start order; stopped in reverse
+        self.trainer: ServiceProcess | None = None
+        self.samplers: list[Any] = []
+        self._rows_shown = 0
+
+    # -- start ---------------------------------------------------------------------------------
+    def _service(self, name: str, argv: list[str], ready: bool = True) -> ServiceProcess:
+        logs = self.plan.run_dir / "logs"
+        p = ServiceProcess(name, argv, logs / f"{name}.log", logs / f"{name}.ready" if ready else None)
+        self.services.append(p.start())
+        return p
+
+    def start_services(self) -> dict[str, dict]:
+        plan, cfg = self.plan, str(self.plan.config_path)
+        model = plan.run.model_dir
+        reward = self._service("reward", tlt_command("reward", "serve", "--preset", cfg, "--ready-file",
+                                                     str(plan.run_dir / "logs" / "reward.ready")))
+        rollout = self._service("rollout", tlt_command("rollout", "serve", "--model", model, "--preset", cfg,
+                                                       "--ready-file", str(plan.run_dir / "logs" / "rollout.ready")))
+        started = [reward, rollout]
+        if plan.switches["drafter"]:
+            workers = plan.run.drafter_workers or int(plan.services["rollout"].get("replicas", 1))
+            started.append(self._service("drafter", tlt_command(
+                "drafter", "serve", "--model", model, "--workers", str(workers), "--preset", cfg,
+                "--ready-file", str(plan.run_dir / "logs" / "drafter.ready"))))
+        deadline = time.monotonic() + plan.run.startup_timeout_s
+        info = {p.name: p.wait_ready(deadline) for p in started}
+        self._write_pids(info)
+        return info
+
+    def _write_pids(self, info: dict[str, dict]) -> None:
+        pids = {p.name: p.pid for p in self.services}
+        pids["launcher"] = os.getpid()
+        pids["rollout_replicas"] = info.get("rollout", {}).get("replica_pids", [])
+        pids["drafter_workers"] = info.get("drafter", {}).get("worker_pids", [])
+        tmp = self.plan.run_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids))
+        tmp.replace(self.plan.run_dir / "pids.json")
+
+    def start_samplers(self) -> None:
+        from tlt.services.trainer.run_monitor import DrafterSampler, RolloutSampler
+
+        grpc_addr = self.plan.services["trainer"]["rollout_addresses"][0]
+        self.samplers.append(RolloutSampler(grpc_addr, self.plan.run_dir / "timeline.jsonl", self.plan.run.poll_interval_s))
+        if self.plan.switches["drafter"]:
+            d = self.plan.services["drafter"]
+            self.samplers.append(DrafterSampler(f"{d['host']}:{d['status_port']}", self.plan.run_dir))
+        for s in self.samplers:
+            s.start()
+
+    # -- run -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        plan = self.plan
+        log.info("run_starting", run_dir=str(plan.run_dir), resumed=plan.resumed, steps=plan.steps, **plan.switches)
+        self.start_services()
+        self.start_samplers()
+        self.trainer = self._service("trainer", tlt_command("train", "--config", str(plan.config_path)), ready=False)
+        self._write_pids({})
+        return self.watch()
+
+    def watch(self) -> int:
+        from tlt.services.trainer.run_stats import HEADER, format_row, step_rows, table_line
+
+        bar = None
+        if not self.quiet:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.plan.steps, desc="RL steps", unit="step", file=sys.stderr, dynamic_ncols=True)
+            bar.write(table_line(HEADER))
+        metrics = self.plan.run_dir / "metrics.jsonl"
+        seen_size = -1
+        try:
+            while True:
+                rc = self.trainer.poll()  # type: ignore[union-attr]
+                size = metrics.stat().st_size if metrics.exists() else 0
+                if size != seen_size:  # a new step line (or the trainer trimmed lines on resume)
+                    seen_size = size
+                    rows = step_rows(self.plan.run_dir, self.plan.tail_threshold)
+                    self._rows_shown = min(self._rows_shown, len(rows))
+                    for r in rows[self._rows_shown:]:
+                        if bar is not None:
+                            bar.write(table_line(format_row(r)))
+                        else:
+                            log.info("step_done", **dict(zip(HEADER, format_row(r))))
+                    self._rows_shown = len(rows)
+                    if bar is not None:
+                        bar.n = len(rows)
+                        bar.refresh()
+                if rc is not None:
+                    if rc != 0:
+                        raise ServiceError(f"trainer exited with code {rc} (log {self.trainer.log_path}):\n"
+                                           f"{self.trainer.tail()}")
+                    return 0
+                for p in self.services:
+                    if p is not self.trainer and not p.alive():
+                        raise p.died()
+                time.sleep(0.5)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    # -- stop ----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        for s in self.samplers:
+            s.close()
+        self.samplers = []
+        for p in reversed(self.services):
+            rc = p.stop(self.plan.run.stop_timeout_s)
+            log.debug("service_stopped", service=p.name, rc=rc)
+        self.services = []

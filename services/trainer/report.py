@@ -1,0 +1,166 @@
+"""report.html of a run: the per-step table and four plots (PNG, matplotlib Agg), from the run's files.
+
+    runs/<id>/{metrics,timeline,drafter}.jsonl -> StepRow per step (run_stats.py)
+      -> plots/step_time.png   stacked step-time parts per step (rollout split into tail / rest)
+         plots/reward.png      mean reward and accuracy per step
+         plots/timeline.png    running batch over time, SD on shaded, drafter idle windows, step starts
+         plots/accept.png      acceptance length and SD share per step
+      -> report.html           summary (start/end accuracy, mean step time), the table, the plots
+
+Regenerate any time with `python -m tlt.services.trainer.report runs/<id>`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tlt.services.trainer.run_stats import (
+    HEADER,
+    IdleWindow,
+    StepRow,
+    TimelineSample,
+    format_row,
+    read_jsonl,
+    read_timeline,
+    read_windows,
+    step_row,
+)
+
+
+@dataclass(frozen=True)
+class Summary:
+    steps: int
+    acc_start: float  # mean accuracy of the first k steps
+    acc_end: float  # ... and of the last k steps
+    reward_start: float
+    reward_end: float
+    k: int
+    mean_step_s: float
+    total_s: float
+
+
+def summarize(rows: list[StepRow]) -> Summary:
+    if not rows:
+        return Summary(0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0)
+    k = max(1, min(5, len(rows) // 4))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return Summary(len(rows), mean([r.accuracy for r in rows[:k]]), mean([r.accuracy for r in rows[-k:]]),
+                   mean([r.reward for r in rows[:k]]), mean([r.reward for r in rows[-k:]]), k,
+                   mean([r.step_s for r in rows]), sum(r.step_s for r in rows))
+
+
+def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[IdleWindow], out: Path,
+           threshold: int) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r.step for r in rows]
+    made = []
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    parts = [("rollout (tail)", [r.tail_s for r in rows]), ("rollout (rest)", [max(0.0, r.rollout_s - r.tail_s) for r in rows]),
+             ("reward wait", [r.reward_s for r in rows]), ("old logprobs", [r.logprobs_s for r in rows]),
+             ("update", [r.update_s for r in rows]), ("weight push", [r.push_s for r in rows])]
+    bottom = [0.0] * len(rows)
+    for label, vals in parts:
+        ax.bar(steps, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(steps, [r.step_s for r in rows], "k.", label="step total")
+    ax.set_xlabel("step"), ax.set_ylabel("seconds"), ax.set_title("Step time breakdown")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout(), fig.savefig(out / "step_time.png", dpi=90), plt.close(fig)
+    made.append(("step_time.png", "Step time and its parts (tail = rollout time with running batch <= %d)" % threshold))
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(steps, [r.reward for r in rows], "o-", label="mean reward")
+    ax.plot(steps, [r.accuracy for r in rows], "s--", label="accuracy")
+    ax.set_xlabel("step"), ax.set_ylim(-0.02, 1.02), ax.set_title("Reward and accuracy per step"), ax.legend()
+    fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
+    made.append(("reward.png", "Mean reward and accuracy of each step's rollout"))
+
+    if samples:
+        t0 = samples[0].t
+        fig, ax = plt.subplots(figsize=(11, 4))
+        ts = [s.t - t0 for s in samples]
+        ax.step(ts, [s.total_running for s in samples], where="post", lw=0.8, label="running batch")
+        ymax = max(1, max(s.total_running + sum(s.queued) for s in samples))
+        on = [any(s.sd) for s in samples]
+        for a, b, flag in zip(ts, ts[1:], on):
+            if flag:
+                ax.axvspan(a, b, color="tab:green", alpha=0.25, lw=0)
+        for w in windows:
+            ax.axvspan(w.start - t0, w.end - t0, ymin=0.9, ymax=1.0, color="tab:purple", alpha=0.6, lw=0)
+        for r in rows:
+            if r.started_at:
+                ax.axvline(r.started_at - t0, color="grey", lw=0.5, ls=":")
+        ax.axhline(threshold, color="tab:red", lw=0.7, ls="--", label=f"SD threshold {threshold}")
+        ax.set_ylim(0, ymax * 1.15)
+        ax.plot([], [], color="tab:green", alpha=0.4, lw=6, label="SD on")
+        ax.plot([], [], color="tab:purple", alpha=0.6, lw=6, label="drafter idle window")
+        ax.set_xlabel("seconds since the first sample (dotted: step starts)"), ax.set_ylabel("sequences")
+        ax.set_title("Running batch over time"), ax.legend(fontsize=8, loc="upper right")
+        fig.tight_layout(), fig.savefig(out / "timeline.png", dpi=90), plt.close(fig)
+        made.append(("timeline.png", "Rollout running batch (sampled), speculative decoding on/off, drafter training windows"))
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(steps, [r.accept_len for r in rows], "o-", label="acceptance length (tokens / verify)")
+    ax.set_xlabel("step"), ax.set_ylabel("tokens per verify pass")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [100 * r.sd_share for r in rows], "s--", color="tab:orange", label="SD share of tokens (%)")
+    ax2.set_ylabel("% of response tokens from verify passes"), ax2.set_ylim(0, 100)
+    dv = [r.drafter_version for r in rows]
+    if any(v >= 0 for v in dv):
+        for r in rows:
+            ax.annotate(f"d{r.drafter_version}", (r.step, r.accept_len), fontsize=7, textcoords="offset points", xytext=(0, 5))
+    ax.set_title("Speculative decoding per step (labels: drafter version)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8)
+    fig.tight_layout(), fig.savefig(out / "accept.png", dpi=90), plt.close(fig)
+    made.append(("accept.png", "Acceptance length and the share of tokens produced by speculative verify passes"))
+    return made
+
+
+def write_report(run_dir: str | Path, threshold: int = 32) -> Path:
+    run_dir = Path(run_dir)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    samples = read_timeline(run_dir / "timeline.jsonl")
+    windows = read_windows(run_dir / "drafter.jsonl")
+    rows = [step_row(m, samples, windows, threshold) for m in metrics]
+    plots = _plots(rows, samples, windows, run_dir / "plots", threshold) if rows else []
+    s = summarize(rows)
+    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    esc = html.escape
+    head = "".join(f"<th>{esc(h)}</th>" for h in HEADER)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in format_row(r)) + "</tr>" for r in rows)
+    figs = "".join(f'<figure><img src="plots/{name}" alt="{esc(cap)}"><figcaption>{esc(cap)}</figcaption></figure>'
+                   for name, cap in plots)
+    switches = info.get("switches", {})
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>TLT run {esc(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}figure{{margin:1em 0}}img{{max-width:100%}}</style>
+</head><body><h1>TLT run <code>{esc(run_dir.name)}</code></h1>
+<p>preset <code>{esc(str(info.get('preset', '?')))}</code>, speculative decoding <b>{'on' if switches.get('speculation') else 'off'}</b>,
+online drafter <b>{'on' if switches.get('drafter') else 'off'}</b>, {s.steps} steps,
+mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
+<p>Accuracy: <b>{s.acc_start:.3f}</b> (mean of the first {s.k} steps) &rarr; <b>{s.acc_end:.3f}</b> (last {s.k} steps);
+mean reward {s.reward_start:.3f} &rarr; {s.reward_end:.3f}.</p>
+{figs}
+<h2>Per step</h2><p>times in seconds; tail = rollout time with the running batch between 1 and {threshold} (sampled);
+reward = reward wait after the last completion (scoring overlaps the rollout); SD% = response tokens from
+speculative verify passes; accept = tokens per verify pass; idle = drafter training windows during the step.</p>
+<table><tr>{head}</tr>{body}</table></body></html>"""
+    path = run_dir / "report.html"
+    path.write_text(page)
+    return path
+
+
+if __name__ == "__main__":
+    print(write_report(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32))

@@ -1,0 +1,137 @@
+"""`RunConfig` ([run] section) and the per-run config file that `tlt run` hands every service.
+
+    preset TOML (deploy/configs/cpu-tiny.toml) + --steps / --set run.x=... / --baseline
+      -> RunConfig (what the launcher itself does)
+      -> runs/<id>/config.toml: the preset's service sections with this run's loopback
+         ports, paths (checkpoints, drafter state under the run folder) and switches filled in;
+         every child is started with `--preset/--config runs/<id>/config.toml`, so each
+         service still loads its own typed config the ordinary way.
+
+Ports are picked free on 127.0.0.1 when the run starts (a restart picks new ones;
+everything that must survive a restart lives in files under the run folder).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from tlt.services.common.config import ServiceConfig
+
+
+class RunConfig(ServiceConfig):
+    """The [run] section: how `tlt run` launches and watches the services."""
+
+    runs_dir: str = Field("runs", description="parent folder of run folders (runs/<id>/)")
+    model_dir: str = Field("artifacts/tiny", description="the policy checkpoint every service loads")
+    steps: int = Field(0, ge=0, description="RL steps; 0: the [trainer] section's steps")
+    speculation: bool = Field(True, description="speculative decoding in the rollout as the [rollout.spec] section says; False: off")
+    drafter: bool = Field(True, description="start the online drafter service (needs a rollout with a learned drafter)")
+    drafter_workers: int = Field(0, ge=0, description="drafter worker processes; 0: one per rollout replica")
+    poll_interval_s: float = Field(0.1, gt=0, description="how often the rollout's status is sampled for the timeline")
+    tail_threshold: int = Field(0, ge=0, description="running batch at or below which rollout time counts as tail; 0: the SD threshold (32 without one)")
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long services may take to become ready")
+    stop_timeout_s: float = Field(20.0, gt=0, description="how long a service may take to stop after SIGTERM before SIGKILL")
+    torch_threads: int = Field(0, ge=0, description="torch threads of the trainer; 0: the [trainer] section's")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def rollout_has_spec() -> bool:
+    """Whether this build's rollout config takes a [rollout.spec] section (speculative decoding)."""
+    from tlt.services.rollout.config import RolloutConfig
+
+    return "spec" in RolloutConfig.model_fields
+
+
+def drafter_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tlt.services.drafter.serve") is not None
+
+
+def spec_section(preset: dict[str, Any]) -> dict[str, Any]:
+    rollout = preset.get("rollout", {})
+    return dict(rollout.get("spec", rollout.get("engine", {}).get("spec", {})))
+
+
+def resolve_services(preset: dict[str, Any], run: RunConfig, run_dir: Path) -> tuple[dict[str, Any], dict[str, bool]]:
+    """This run's service sections (ports, paths, switches) and which optional services run.
+
+    Returns (sections, switches) where switches = {"speculation": ..., "drafter": ...} as they
+    will really be (a switch the build cannot honour is off, and the caller says so).
+    """
+    cfg = copy.deepcopy(preset)
+    host = "127.0.0.1"
+    rollout = cfg.setdefault("rollout", {})
+    reward = cfg.setdefault("reward", {})
+    trainer = cfg.setdefault("trainer", {})
+    http, grpc_port, reward_port = free_port(), free_port(), free_port()
+    rollout.update(host=host, http_port=http, grpc_port=grpc_port)
+    reward.update(host=host, port=reward_port)
+    trainer.update(model_dir=run.model_dir, output_dir=str(run_dir), rollout_addresses=[f"{host}:{grpc_port}"],
+                   reward_address=f"{host}:{reward_port}")
+    if run.steps:
+        trainer["steps"] = run.steps
+    if run.torch_threads:
+        trainer["torch_threads"] = run.torch_threads
+
+    has_spec = rollout_has_spec()
+    spec = spec_section(cfg) if has_spec else {}
+    speculation = has_spec and run.speculation and spec.get("mode", "adaptive") != "off"
+    if has_spec:
+        rollout["spec"] = {**spec, "mode": spec.get("mode", "adaptive") if speculation else "off"}
+        rollout.get("engine", {}).pop("spec", None)
+    learned = speculation and spec.get("drafter", "ngram") == "learned"
+    drafter = run.drafter and learned and drafter_available()
+    if drafter:
+        cap_pub, cap_snap, feats = free_port(), free_port(), free_port()
+        rollout.update(capacity_pub=f"tcp://{host}:{cap_pub}", capacity_snapshot=f"tcp://{host}:{cap_snap}",
+                       features_push=f"tcp://{host}:{feats}")
+        d = cfg.setdefault("drafter", {})
+        d.update(capacity_pub=f"tcp://{host}:{cap_pub}", capacity_snapshot=f"tcp://{host}:{cap_snap}",
+                 features_bind=f"tcp://{host}:{feats}", coordinator_bind=f"tcp://{host}:{free_port()}",
+                 rollout_grpc=f"{host}:{grpc_port}", host=host, status_port=free_port(),
+                 checkpoint_dir=str(run_dir / "drafter"))
+        if spec.get("drafter_path") and not d.get("init_drafter"):
+            d["init_drafter"] = spec["drafter_path"]
+    else:
+        for key in ("capacity_pub", "features_push"):
+            rollout.pop(key, None)
+    cfg.pop("run", None)
+    return cfg, {"speculation": speculation, "drafter": drafter}
+
+
+# -- a minimal TOML writer for the resolved config (tomllib only reads) ---------------------------
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} as a TOML value")
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """Tables of scalars / arrays, nested tables as [a.b]; enough for service configs."""
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    out = [f"{k} = {_value(v)}" for k, v in scalars.items() if v is not None]
+    text = "\n".join(out) + ("\n" if out else "")
+    for name, table in tables.items():
+        full = f"{prefix}.{name}" if prefix else name
+        text += f"\n[{full}]\n" + to_toml(table, full)
+    return text

@@ -1,0 +1,117 @@
+"""What `tlt run` watches while the trainer works: the rollout's running batch and the drafter's windows.
+
+    RolloutSampler  thread: GetStatus every poll_interval_s -> timeline.jsonl (TimelineSample per line)
+    DrafterSampler  thread: Drafter/GetStatus every second -> drafter.jsonl (each new training window once)
+                    + drafter_status.json (the latest status, for the report)
+
+Both are observers at a deliberate boundary: a status call that fails (a
+service restarting or gone) is skipped and the next one tried; the launcher
+itself notices services that die.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import grpc
+
+from tlt.services.common.logging import get_logger
+from tlt.services.trainer.run_stats import IdleWindow, TimelineSample
+
+log = get_logger("run.monitor")
+
+
+class _Poller(threading.Thread):
+    def __init__(self, interval_s: float) -> None:
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self._halt = threading.Event()
+        self.failures = 0
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.poll()
+            except grpc.RpcError:  # the service is (re)starting or gone: keep sampling
+                self.failures += 1
+            self._halt.wait(self.interval_s)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
+class RolloutSampler(_Poller):
+    def __init__(self, address: str, path: Path, interval_s: float) -> None:
+        from tlt.services.rollout.client import RolloutClient
+
+        super().__init__(interval_s)
+        self.client = RolloutClient(address, timeout_s=5.0)
+        self.out = path.open("a")
+        self.samples = 0
+
+    def poll(self) -> None:
+        import time
+
+        st = self.client.status()
+        t = time.time()
+        reps = list(st.replicas)
+        s = TimelineSample(t, tuple(r.running for r in reps), tuple(r.queued for r in reps),
+                           tuple(bool(r.spec.active) for r in reps), int(st.versions.policy), int(st.versions.drafter))
+        self.out.write(s.to_json() + "\n")
+        self.out.flush()
+        self.samples += 1
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()
+        self.out.close()
+
+
+class DrafterSampler(_Poller):
+    def __init__(self, address: str, run_dir: Path, interval_s: float = 1.0) -> None:
+        from tlt.v1 import drafter_pb2_grpc
+
+        super().__init__(interval_s)
+        self.channel = grpc.insecure_channel(address)
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        self.windows_path = run_dir / "drafter.jsonl"
+        self.status_path = run_dir / "drafter_status.json"
+        self.seen = {(w.worker_id, round(w.start, 6)) for w in _read_windows(self.windows_path)}
+        self.serving_version = -1
+
+    def poll(self) -> None:
+        from google.protobuf.json_format import MessageToDict
+
+        from tlt.v1 import drafter_pb2
+
+        st = self.stub.GetStatus(drafter_pb2.DrafterStatusRequest(), timeout=5.0)
+        self.serving_version = int(st.serving_version)
+        new = []
+        for w in st.windows:
+            key = (w.worker_id, round(w.start, 6))
+            if w.end > 0 and key not in self.seen:
+                self.seen.add(key)
+                new.append(IdleWindow(w.worker_id, w.replica_id, w.start, w.end, int(w.micro_steps), bool(w.preempted)))
+        if new:
+            with self.windows_path.open("a") as f:
+                for w in new:
+                    f.write(json.dumps(w.__dict__) + "\n")
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
+        tmp.replace(self.status_path)
+
+    def close(self) -> None:
+        super().close()
+        self.channel.close()
+
+
+def _read_windows(path: Path) -> list[IdleWindow]:
+    from tlt.services.trainer.run_stats import read_windows
+
+    return read_windows(path)

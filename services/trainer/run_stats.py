@@ -1,0 +1,155 @@
+"""A run's files -> one typed row per RL step (shared by the live table of `tlt run` and report.html).
+
+    runs/<id>/metrics.jsonl    the trainer's StepMetrics per step (times measured where they happen,
+                               SD counters summed over the step's completions, started_at)
+    runs/<id>/timeline.jsonl   the rollout's status sampled every poll_interval_s (TimelineSample)
+    runs/<id>/drafter.jsonl    the drafter's training windows (idle capacity it used), one per line
+      -> StepRow: step time and its parts, tail time, reward, accuracy, SD share, acceptance,
+                  idle windows used, drafter version
+
+Tail time is measured on the sampled timeline: the part of the step's rollout
+during which the running batch (summed over replicas) was between 1 and the
+tail threshold. It is a sample-based estimate, exact to one poll interval.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TimelineSample:
+    t: float  # unix seconds
+    running: tuple[int, ...]  # per replica
+    queued: tuple[int, ...]
+    sd: tuple[bool, ...]  # speculative decoding on at the replica's last step
+    policy: int
+    drafter: int
+
+    @property
+    def total_running(self) -> int:
+        return sum(self.running)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @staticmethod
+    def from_json(line: str) -> TimelineSample:
+        d = json.loads(line)
+        return TimelineSample(d["t"], tuple(d["running"]), tuple(d["queued"]), tuple(d["sd"]), d["policy"], d["drafter"])
+
+
+@dataclass(frozen=True)
+class IdleWindow:
+    """A drafter training window on a replica's idle capacity."""
+
+    worker_id: int
+    replica_id: int
+    start: float
+    end: float
+    micro_steps: int
+    preempted: bool
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    policy_version: int
+    started_at: float
+    step_s: float
+    rollout_s: float
+    tail_s: float
+    reward_s: float  # reward wait after the last completion arrived (scoring overlaps the rollout)
+    logprobs_s: float
+    update_s: float
+    push_s: float
+    reward: float
+    accuracy: float
+    response_len: float
+    sd_share: float  # share of response tokens emitted by verify passes
+    accept_len: float  # tokens per verify pass per sequence (incl. bonus); 0: no verify pass
+    idle_windows: int  # drafter training windows overlapping the step
+    idle_train_s: float  # their overlap with the step, summed
+    drafter_version: int
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill -9 mid-write: the rest is still good
+                continue
+    return out
+
+
+def read_timeline(path: Path) -> list[TimelineSample]:
+    return [TimelineSample(d["t"], tuple(d["running"]), tuple(d["queued"]), tuple(d["sd"]), d["policy"], d["drafter"])
+            for d in read_jsonl(path)]
+
+
+def read_windows(path: Path) -> list[IdleWindow]:
+    return [IdleWindow(**d) for d in read_jsonl(path)]
+
+
+def tail_seconds(samples: list[TimelineSample], t0: float, t1: float, threshold: int) -> float:
+    """Time in [t0, t1] during which 1 <= running batch <= threshold (each sample holds until the next)."""
+    total = 0.0
+    for a, b in zip(samples, samples[1:]):
+        lo, hi = max(a.t, t0), min(b.t, t1)
+        if hi > lo and 1 <= a.total_running <= threshold:
+            total += hi - lo
+    return total
+
+
+def step_row(m: dict, samples: list[TimelineSample], windows: list[IdleWindow], threshold: int) -> StepRow:
+    times = m.get("times", {})
+    t0 = float(m.get("started_at", 0.0))
+    step_s = float(times.get("step_s", 0.0))
+    rollout_s = float(times.get("rollout_s", 0.0))
+    overlap = [(w, min(w.end, t0 + step_s) - max(w.start, t0)) for w in windows]
+    overlap = [(w, s) for w, s in overlap if s > 0]
+    verify = int(m.get("sd_verify_steps", 0))
+    accepted = int(m.get("sd_accepted_tokens", 0))
+    tokens = int(m.get("tokens", 0))
+    return StepRow(
+        step=int(m["step"]), policy_version=int(m.get("policy_version", 0)), started_at=t0, step_s=step_s,
+        rollout_s=rollout_s, tail_s=tail_seconds(samples, t0, t0 + rollout_s, threshold) if t0 else 0.0,
+        reward_s=float(times.get("reward_tail_s", 0.0)), logprobs_s=float(times.get("old_logprobs_s", 0.0)),
+        update_s=float(times.get("update_s", 0.0)), push_s=float(times.get("push_s", 0.0)),
+        reward=float(m.get("reward_mean", 0.0)), accuracy=float(m.get("accuracy", 0.0)),
+        response_len=float(m.get("response_len_mean", 0.0)),
+        sd_share=accepted / tokens if tokens else 0.0, accept_len=accepted / verify if verify else 0.0,
+        idle_windows=len(overlap), idle_train_s=sum(s for _, s in overlap),
+        drafter_version=int(m.get("drafter_version", -1)),
+    )
+
+
+def step_rows(run_dir: Path, threshold: int) -> list[StepRow]:
+    samples = read_timeline(run_dir / "timeline.jsonl")
+    windows = read_windows(run_dir / "drafter.jsonl")
+    return [step_row(m, samples, windows, threshold) for m in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+HEADER = ("step", "time", "rollout", "tail", "reward", "logp", "update", "push", "R", "acc", "SD%", "accept",
+          "idle", "drafter")
+
+
+def format_row(r: StepRow) -> tuple[str, ...]:
+    return (str(r.step), f"{r.step_s:.1f}s", f"{r.rollout_s:.1f}", f"{r.tail_s:.1f}", f"{r.reward_s:.2f}",
+            f"{r.logprobs_s:.1f}", f"{r.update_s:.1f}", f"{r.push_s:.2f}", f"{r.reward:.3f}", f"{r.accuracy:.3f}",
+            f"{100 * r.sd_share:.0f}", f"{r.accept_len:.2f}" if r.accept_len else "-",
+            f"{r.idle_windows}/{r.idle_train_s:.1f}s" if r.idle_windows else "-",
+            str(r.drafter_version) if r.drafter_version >= 0 else "-")
+
+
+WIDTHS = (4, 7, 7, 6, 6, 5, 6, 5, 6, 6, 4, 6, 10, 7)
+
+
+def table_line(cells: tuple[str, ...]) -> str:
+    return " ".join(c.rjust(w) for c, w in zip(cells, WIDTHS))
