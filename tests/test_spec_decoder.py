@@ -102,6 +102,24 @@ def test_no_room_for_drafts_falls_back_to_plain_decoding(ckpt):
     assert dec.stats()["no_room"] > 0 and dec.stats()["verify_steps"] > 0
 
 
+def test_drafts_never_pass_the_context_limit(ckpt):
+    reqs = [GenerationRequest("c", _requests(1, 1)[0].prompt_token_ids,
+                              SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))]
+    cfg = EngineConfig(num_kv_blocks=64, block_size=4, max_model_len=30)
+    plain = LLMEngine(ckpt, cfg).generate(reqs)
+    eng = LLMEngine(ckpt, cfg)
+    # the engine keeps spare RoPE rows past the limit for draft trees; cut them to test the guard
+    eng.model.cos, eng.model.sin = eng.model.cos[:30], eng.model.sin[:30]
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **dict(SPEC, mode="static",
+                                                                                     static_arm="4_2_8")),
+                      eng.runner, eng.block_manager, drafter)
+    spec = _spec_generate(eng, dec, reqs)
+    assert spec[0].token_ids == plain[0].token_ids and len(spec[0].prompt_token_ids) + len(spec[0].token_ids) == 30
+    assert dec.stats()["no_room"] > 0
+
+
 def test_trained_drafter_is_accepted(ckpt):
     """Train the drafter on the target's own features (pairs built by `training_pairs`), then speculate:
     acceptance well above 1 shows that training and inference align pairs the same way."""

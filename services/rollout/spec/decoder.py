@@ -115,12 +115,13 @@ class SpecDecoder:
         arm = self.choose_arm(len(seqs))
         tree, counts = self.source.draft(seqs, arm)
         n_list = counts.tolist()
-        if not self._reserve(seqs, n_list):
-            self.no_room += 1
-            return None
-        dev = self.runner.device
         ctx = [s.num_computed for s in seqs]
         valid = torch.arange(tree.num_nodes)[None, :] < counts[:, None]  # [B, N] real (non-padding) nodes
+        deepest = torch.tensor(ctx) + tree.depth.masked_fill(~valid, 0).amax(1)
+        if int(deepest.max()) >= self.runner.model.cos.shape[0] or not self._reserve(seqs, n_list):
+            self.no_room += 1  # drafts would pass the context limit, or no KV blocks for them
+            return None
+        dev = self.runner.device
         masks = ancestor_mask(tree.parents)  # padding nodes (past each count) are sliced away below
         ids = tree.tokens[valid].to(dev)
         positions = (torch.tensor(ctx)[:, None] + tree.depth)[valid].to(dev)
