@@ -94,7 +94,7 @@ def test_kill_minus_nine_resumes_without_lost_or_repeated_steps(random_model_dir
                    f"model_dir='{random_model_dir}'", f"rollout_addresses=['{server.grpc_address}']",
                    f"output_dir='{out}'", "prompts_per_step=2", "n_samples=4", "max_tokens=12",
                    "mini_batch_size=8", "micro_batch_size=4", f"steps={steps}", "checkpoint_interval=1",
-                   "synthetic_problems=64", "torch_threads=1", "lr=0.001")]]
+                   "synthetic_problems=64", "torch_threads=1", "lr=0.001", "reward='task'")]]
         log = (tmp_path / "train.log").open("w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
