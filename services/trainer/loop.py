@@ -176,8 +176,18 @@ class _Services:
     def sync(self, policy) -> int:  # noqa: ANN001
         from tlt.services.trainer.weight_sync import WeightPublisher
 
+        import grpc
+
+        from tlt.services.trainer.collect import RolloutError
+
         for c in self.clients:
-            c.wait_ready(self.cfg.connect_timeout_s)
+            try:
+                c.wait_ready(self.cfg.connect_timeout_s)
+            except grpc.FutureTimeoutError:
+                raise RolloutError(
+                    f"rollout server {c.address} not reachable within {self.cfg.connect_timeout_s}s; start it "
+                    "(tlt rollout serve --model DIR) or fix rollout_addresses"
+                ) from None
         if self.cfg.weight_push != "none":
             self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
             sync_weights(policy, self.publisher, self.clients)

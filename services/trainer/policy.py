@@ -147,8 +147,15 @@ def lr_lambda(warmup: int, total: int, schedule: str):
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model_dir {model_dir!r} is not a Hugging Face checkpoint folder (no config.json); build the tiny "
+            "model with `make model` (tlt model build --preset tiny --out artifacts/tiny) or set model_dir"
+        )
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
 
 
