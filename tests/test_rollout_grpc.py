@@ -107,6 +107,19 @@ def test_status_shows_both_replicas_busy_then_idle(client):
         assert 0.0 <= r.kv_usage <= 1.0
 
 
+def test_speculative_decoding_runs_in_the_tail(client):
+    """The default [rollout.spec] (adaptive, n-gram drafter) switches on for a lone long sequence."""
+    params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    (c,) = client.generate("1+2=", params=params)
+    assert len(c.token_ids) == 80
+    assert c.spec.verify_steps > 0 and c.spec.accepted_tokens >= c.spec.verify_steps
+    assert c.spec.plain_decode_steps >= 1  # the prefill emits the first token plainly
+    # >=, not ==: the engine counts a verify pass's accepted tokens before cutting them at max_tokens
+    assert c.spec.plain_decode_steps + c.spec.accepted_tokens >= 80
+    st = client.status()
+    assert all(r.spec.mode == "adaptive" for r in st.replicas)
+    assert sum(r.spec.verify_steps for r in st.replicas) > 0
+
 def test_replica_death_fails_its_requests_and_the_other_keeps_serving(server, client):
     """Runs last in this module: it kills replica 1 (a process this test's server started)."""
     import os

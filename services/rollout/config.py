@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 
 from tlt.services.common.config import ServiceConfig
 from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.spec.config import SpecConfig
 
 
 class RolloutConfig(ServiceConfig):
@@ -45,6 +46,9 @@ class RolloutConfig(ServiceConfig):
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for every replica to load its model")
     update_timeout_s: float = Field(600.0, gt=0, description="how long a weight update may take on every replica")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the native engine's config, per replica")
+    spec: SpecConfig = Field(
+        default_factory=SpecConfig, description="speculative decoding of the native engine ([rollout.spec]), per replica"
+    )
     capacity_pub: str = Field(
         "", description="ZeroMQ endpoint to bind the capacity-event PUB on (e.g. tcp://127.0.0.1:5701); empty: off"
     )

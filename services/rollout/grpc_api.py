@@ -246,17 +246,17 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             r.state = common_pb2.REPLICA_STATE_BUSY if busy else common_pb2.REPLICA_STATE_IDLE
             r.running, r.queued, r.kv_usage = s.stats.running, s.stats.queued, s.stats.kv_usage
             r.versions.policy, r.versions.drafter = s.stats.versions.policy, s.stats.versions.drafter
-            r.spec.CopyFrom(spec_status(s.stats.spec))
+            r.spec.CopyFrom(spec_status(s.stats.spec, self.config.spec.mode if self.config.backend == "native" else ""))
         return status
 
 
-def spec_status(sp: dict) -> rollout_pb2.SpecStatus:
+def spec_status(sp: dict, configured_mode: str = "") -> rollout_pb2.SpecStatus:
     """The engine's speculative-decoding stats dict (empty: no decoder attached) -> SpecStatus."""
     if not sp:
         return rollout_pb2.SpecStatus(mode="off")
     arm = sp.get("arm", sp.get("last_arm"))
     return rollout_pb2.SpecStatus(
-        mode=str(sp.get("mode") or "unknown"),
+        mode=str(sp.get("mode") or configured_mode or "unknown"),
         active=bool(sp.get("active", sp.get("on", False))),
         arm="" if arm is None else str(arm),
         mean_accept_len=float(sp.get("mean_accept_len", 0.0)),

@@ -41,7 +41,7 @@ from tlt.services.rollout.ipc import (
 
 def replica_main(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
-    features_push: str = "", features_max_tokens: int = 4096,
+    features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "",
 ) -> None:
     """Process entry point (multiprocessing spawn target). `features_push`: drafter feature PULL endpoint."""
     import torch
@@ -57,6 +57,8 @@ def replica_main(
     config = EngineConfig.model_validate_json(engine_config_json)
     try:
         engine = engine_class(backend)(model_dir, config, replica_id=replica_id)
+        if spec_config_json:
+            attach_spec(engine, spec_config_json)
     except Exception:  # deliberate boundary: report why the replica could not start, then exit
         conn.send(Fatal(f"replica {replica_id} failed to load {model_dir}:\n{traceback.format_exc()}"))
         conn.close()
@@ -92,6 +94,23 @@ def replica_main(
             pass
     finally:
         conn.close()
+
+
+def attach_spec(engine: Any, spec_config_json: str) -> None:
+    """Give a native engine its speculative decoder ([rollout.spec]); other backends configure their own."""
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    spec = SpecConfig.model_validate_json(spec_config_json)
+    if spec.mode == "off" or not hasattr(engine, "enable_spec"):
+        return
+    drafter = None
+    if spec.drafter == "learned":
+        from tlt.model.drafter import load_drafter
+
+        model = engine.runner.model  # the drafter shares the target's embed and lm_head
+        drafter = load_drafter(spec.drafter_path, model.embed, model.lm_head).to(device=model.device, dtype=model.dtype)
+        drafter = drafter.eval()
+    engine.enable_spec(spec, drafter)
 
 
 class ReplicaLoop:

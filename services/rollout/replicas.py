@@ -110,8 +110,10 @@ class ReplicaPool:
     """N engine replica processes behind one async interface."""
 
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
-                 capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096) -> None:
+                 capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
+                 spec_config: Any = None) -> None:
         self.model_dir = model_dir
+        self.spec_config = spec_config
         self.backend = backend
         self.engine_config = engine_config
         self.num_replicas = replicas
@@ -167,7 +169,8 @@ class ReplicaPool:
             proc = ctx.Process(
                 target=replica_main,
                 args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
-                      self.features_push, self.features_max_tokens),
+                      self.features_push, self.features_max_tokens,
+                      "" if self.spec_config is None else self.spec_config.model_dump_json()),
                 name=f"tlt-rollout-replica-{i}",
                 daemon=True,
             )

@@ -4,7 +4,8 @@
 
 Config: the [rollout] section of the preset (default cpu-tiny), then
 TLT_ROLLOUT__* environment variables, then `--set field=value` (dotted for
-the nested engine config: `--set engine.max_num_seqs=32`), then the explicit
+the nested engine and spec configs: `--set engine.max_num_seqs=32`,
+`--set spec.threshold=16`), then the explicit
 flags. `--ready-file PATH` writes JSON {http_port, grpc_port, pid,
 replica_pids} once every replica is serving (useful with port 0). Stops
 cleanly on SIGINT / SIGTERM.
@@ -22,10 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (0: a free one)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (0: a free one)")
     parser.add_argument("--backend", default=None, help="engine backend: native (default) or sglang")
+    parser.add_argument("--spec", default=None, choices=("off", "static", "adaptive"),
+                        help="speculative decoding mode (native engine; default from the preset: adaptive)")
+    parser.add_argument("--drafter", default=None, help="learned EAGLE drafter folder (else the model-free n-gram drafter)")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [rollout] field (engine.* for the engine); repeatable")
     parser.add_argument("--ready-file", default=None, help="write the bound ports and pids here as JSON when ready")
+
+
+NESTED = ("engine", "spec")  # [rollout.engine], [rollout.spec]
 
 
 def build_config(args: argparse.Namespace) -> object:
@@ -33,16 +40,21 @@ def build_config(args: argparse.Namespace) -> object:
     from tlt.services.rollout.config import RolloutConfig
 
     flat = cli_overrides(args.overrides)
+    if args.spec is not None:
+        flat["spec.mode"] = args.spec
+    if args.drafter is not None:
+        flat.update({"spec.drafter": "learned", "spec.drafter_path": args.drafter})
     overrides: dict = {k: v for k, v in flat.items() if "." not in k}
-    engine = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("engine.")}
-    bad = [k for k in flat if "." in k and not k.startswith("engine.")]
+    bad = [k for k in flat if "." in k and k.split(".", 1)[0] not in NESTED]
     if bad:
         from tlt.services.common.config import ConfigError
 
-        raise ConfigError(f"unknown nested override(s) {bad}; only engine.<field> is nested in [rollout]")
-    if engine:
-        base = dict(read_preset(args.preset).get("rollout", {}).get("engine", {}))
-        overrides["engine"] = {**base, **engine}
+        raise ConfigError(f"unknown nested override(s) {bad}; nested sections of [rollout]: {', '.join(NESTED)}")
+    preset = read_preset(args.preset).get("rollout", {})
+    for section in NESTED:
+        nested = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(f"{section}.")}
+        if nested:
+            overrides[section] = {**dict(preset.get(section, {})), **nested}
     for flag, field in (("replicas", "replicas"), ("host", "host"), ("http_port", "http_port"),
                         ("grpc_port", "grpc_port"), ("backend", "backend")):
         if getattr(args, flag) is not None:
