@@ -163,7 +163,7 @@ class ReplicaPool:
         ctx = mp.get_context("spawn")
         for i in range(self.num_replicas):
             cfg = self.engine_config
-            if str(getattr(cfg, "device", "cpu")).startswith("cuda"):
+            if str(getattr(cfg, "device", "cpu")) == "cuda":  # one GPU per replica; an explicit cuda:k is kept
                 cfg = cfg.model_copy(update={"device": f"cuda:{i}"})
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
