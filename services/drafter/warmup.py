@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         for batch in bar:
             res = micro_step(drafter, opt, batch, grad_clip=1.0, noise=args.noise, generator=gen)
             steps += 1
-            bar.set_postfix(loss=f"{float(res.loss):.3f}", top1=f"{res.top1:.2f}")
+            bar.set_postfix(loss=f"{float(res.loss.detach()):.3f}", top1=f"{res.top1:.2f}")
     drafter.eval()
     after, _ = mean_accept_length(drafter, held, args.depth)
     out = Path(args.out)
