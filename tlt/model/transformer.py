@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tlt.model.config import ModelConfig
+from tlt.model.layer_ops import linear, onednn_works, pack, post_attention_fn, pre_attention_fn, rms
 
 
 # ----------------------------------------------------------------------------- pure maths
@@ -189,30 +190,6 @@ class AttentionMetadata:
         )
 
 
-# ----------------------------------------------------------------------------- CPU GEMM (oneDNN)
-
-_PACK_HINT = 64  # rows the packed layout is tuned for; it stays valid for any row count
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if hasattr(torch.ops, "mkldnn") else None
-
-
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_HINT)
-
-
-def _onednn_works(dtype: torch.dtype) -> bool:
-    """Whether this torch build runs oneDNN packed linears for `dtype` and agrees with F.linear."""
-    if _ONEDNN_LINEAR is None or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        with torch.inference_mode():
-            w = torch.randn(8, 16).to(dtype)
-            x = torch.randn(4, 16).to(dtype)
-            out = _ONEDNN_LINEAR(x, _pack(w), None, "none", [], "")
-    except (RuntimeError, AttributeError):  # capability probe: builds without these ops fall back to F.linear
-        return False
-    return bool(torch.allclose(out.float(), F.linear(x, w).float(), atol=1e-2))
-
-
 # ----------------------------------------------------------------------------- model
 
 
@@ -230,8 +207,10 @@ class _Layer:
         self.qk_norm = torch.ones(cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, **e) if cfg.qk_norm else None
         self.gate_up = torch.zeros(2 * cfg.intermediate_size, h, **e)
         self.down = torch.zeros(h, cfg.intermediate_size, **e)
-        self.packed: dict[str, torch.Tensor] = {}  # oneDNN-packed copies (CPU), see Transformer.pack_weights
-        self.o_t, self.down_t = self.o.t(), self.down.t()  # views, for addmm in single-row steps
+        # what the kernels consume (packed / norm-folded on CPU), set by Transformer.prepare_kernels
+        self.k_qkv = self.k_o = self.k_gate_up = self.k_down = self.qkv
+        self.k_ln1: torch.Tensor | None = self.ln1
+        self.k_ln2: torch.Tensor | None = self.ln2
 
 
 class Transformer:
@@ -254,8 +233,9 @@ class Transformer:
         self.v_flat: list[torch.Tensor] = []
         self.scale = cfg.head_dim**-0.5
         self._eps = torch.tensor(cfg.rms_norm_eps, dtype=torch.float32, device=self.device)
-        self._packed_head: dict[str, torch.Tensor] = {}
-        self._use_onednn = self.device.type == "cpu" and _onednn_works(dtype)
+        self._use_onednn = self.device.type == "cpu" and onednn_works(dtype)
+        self._exact_hf = dtype != torch.float32  # low precision: RMSNorm in HF's exact order
+        self.k_lm_head = self.lm_head
 
     # ---- weights
     def _targets(self) -> dict[str, torch.Tensor]:
@@ -292,7 +272,7 @@ class Transformer:
         for name, t in tensors.items():
             if name in targets:
                 targets[name].copy_(t)
-        self.pack_weights()
+        self.prepare_kernels()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF name -> tensor in HF shape (q/k norm weights are stored once per head here)."""
@@ -315,43 +295,20 @@ class Transformer:
             flat[dst_slots] = flat[src_slots]
 
     # ---- forward
-    def _rms(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-        if self.dtype == torch.float32:
-            # mean(x^2) = ||x||^2 / H: 4 kernels instead of rms_norm's ~10 (CPU dispatch dominates at small sizes)
-            n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-            y = x * torch.rsqrt(torch.addcmul(self._eps, n, n, value=1.0 / x.shape[-1]))
-            return y if w is None else y * w
-        return rms_norm(x, w if w is not None else torch.ones((), dtype=x.dtype), self.cfg.rms_norm_eps)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
-        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk_size, inter = cfg.q_size + cfg.kv_size, cfg.intermediate_size
-        half = d // 2
-        # q and k are adjacent in qkv: normalise and rotate them as one [T, nh+kvh, d] tensor.
-        # rotate_half(x) * sin == roll(x, d/2) * sin_signed with sin_signed = (-sin_1, sin_2).
+        nh, kvh, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        packed, eps, exact = self._use_onednn, self._eps, self._exact_hf
         cos = self.cos[positions][:, None, :]
         sin = self.sin_signed[positions][:, None, :]
         x = F.embedding(input_ids, self.embed)
-        t = x.shape[0]
         slots = attn.slot_mapping
         for li, L in enumerate(self.layers):
-            h = self._rms(x, L.ln1)
-            qkv = self._linear(h, L.qkv, L.packed, "qkv", L.qkv_bias)
-            qk = qkv[:, :qk_size].view(t, nh + kvh, d)
-            if L.qk_norm is not None:
-                qk = self._rms(qk, None) * L.qk_norm
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
-            kc, vc = self.k_flat[li], self.v_flat[li]
-            kc[slots] = qk[:, nh:]
-            vc[slots] = qkv[:, qk_size:].view(t, kvh, d)
-            o = self._attend(qk[:, :nh], self.k_caches[li], self.v_caches[li], attn)
-            x = x + self._linear(o, L.o, L.packed, "o") if t > 1 else torch.addmm(x, o, L.o_t)
-            h = self._rms(x, L.ln2)
-            gu = self._linear(h, L.gate_up, L.packed, "gate_up")
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            x = x + self._linear(act, L.down, L.packed, "down") if t > 1 else torch.addmm(x, act, L.down_t)
-        return self._rms(x, self.norm)
+            q = pre_attention_fn(x, L.k_ln1, L.k_qkv, L.qkv_bias, L.qk_norm, packed, eps, exact, cos, sin,
+                                 self.k_flat[li], self.v_flat[li], slots, nh, kvh, d)
+            o = self._attend(q, self.k_caches[li], self.v_caches[li], attn)
+            x = post_attention_fn(x, o, L.k_o, L.k_ln2, L.k_gate_up, L.k_down, packed, eps, exact, inter)
+        return rms(x, self.norm, eps, exact)
 
     __call__ = forward
 
@@ -377,25 +334,23 @@ class Transformer:
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.lm_head, self._packed_head, "lm_head")
-
-    # ---- CPU GEMM backend
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, packed: dict, name: str, bias=None) -> torch.Tensor:
-        """x @ w.T (+ bias). On CPU with several rows, oneDNN with a pre-packed weight (2-7x faster than
-        the default BLAS for 4..2048 rows here); one row (batch-1 decode) stays on the dense GEMV."""
-        wp = packed.get(name)
-        if wp is None or x.shape[0] == 1:
-            return F.linear(x, w, bias)
-        return _ONEDNN_LINEAR(x, wp, bias, "none", [], "")
+        return linear(hidden, self.k_lm_head, None, self._use_onednn)
 
     @torch.inference_mode()
-    def pack_weights(self) -> None:
-        """(Re)build the oneDNN-packed copies of the matmul weights; called after every weight load."""
-        if not self._use_onednn:
-            return
+    def prepare_kernels(self) -> None:
+        """Point each layer's kernel weights at what the kernels consume; called after every weight load.
+
+        oneDNN (CPU): packed copies with the preceding RMSNorm weight folded in (so the norm applies
+        none). Otherwise the HF-layout tensors themselves (views, no copy).
+        """
         for L in self.layers:
-            L.packed = {k: _pack(getattr(L, k)) for k in ("qkv", "o", "gate_up", "down")}
-        self._packed_head = {"lm_head": _pack(self.lm_head)}
+            if self._use_onednn:
+                L.k_qkv, L.k_o = pack(L.qkv * L.ln1[None, :]), pack(L.o)
+                L.k_gate_up, L.k_down = pack(L.gate_up * L.ln2[None, :]), pack(L.down)
+                L.k_ln1 = L.k_ln2 = None
+            else:
+                L.k_qkv, L.k_o, L.k_gate_up, L.k_down, L.k_ln1, L.k_ln2 = L.qkv, L.o, L.gate_up, L.down, L.ln1, L.ln2
+        self.k_lm_head = pack(self.lm_head) if self._use_onednn else self.lm_head
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", max_len=None) -> Transformer:

@@ -1,0 +1,99 @@
+"""The decoder layer's maths around attention, as two TorchScript functions used on every device and dtype.
+
+    pre_attention(x, ...)      RMSNorm -> qkv projection (+bias) -> Qwen3 q/k RMSNorm -> RoPE
+                               -> K/V written to their cache slots -> returns q [T, nh, d]
+    post_attention(x, o, ...)  o_proj + residual -> RMSNorm -> SwiGLU MLP + residual -> x
+
+Scripting keeps the ~25 kernels of a layer out of the Python interpreter (about a tenth of a batch-1
+CPU decode step); if scripting is unavailable the same Python functions run unscripted.
+
+Linears: with `packed`, weights are oneDNN pre-packed (`pack`) and the RMSNorm weight preceding
+them is folded in (W * w is packed, the norm then applies no weight): 2-7x faster than the default
+BLAS for 4..2048 rows on the CI CPU. Otherwise plain F.linear on the HF-layout weights.
+RMSNorm: fp32 uses mean(x^2) = ||x||^2 / H (4 kernels); other dtypes follow HF's order exactly
+(normalise in fp32, cast back, then multiply by the weight).
+RoPE is HF's rotate-half form: x*cos + rotate_half(x)*sin = x*cos + roll(x, d/2)*sin_signed where
+sin_signed = (-sin_1, sin_2) is precomputed.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union  # noqa: UP035 - TorchScript needs typing generics
+
+import torch
+import torch.nn.functional as F
+
+_PACK_HINT = 64  # rows the packed layout is tuned for; it stays valid for any row count
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_HINT)
+
+
+def onednn_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build runs oneDNN packed linears for `dtype` and agrees with F.linear."""
+    if not (hasattr(torch.ops, "mkldnn") and torch.backends.mkldnn.is_available()):
+        return False
+    try:
+        with torch.inference_mode():
+            w = torch.randn(8, 16).to(dtype)
+            x = torch.randn(4, 16).to(dtype)
+            out = torch.ops.mkldnn._linear_pointwise(x, pack(w), None, "none", [], "")
+    except (RuntimeError, AttributeError):  # capability probe: builds without these ops use F.linear
+        return False
+    return bool(torch.allclose(out.float(), F.linear(x, w).float(), atol=1e-2))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], packed: bool) -> torch.Tensor:  # noqa: UP045
+    if packed:
+        no_scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", no_scalars, "")
+    return F.linear(x, w, b)
+
+
+def rms(x: torch.Tensor, w: Optional[torch.Tensor], eps: torch.Tensor, exact_hf: bool) -> torch.Tensor:  # noqa: UP045
+    if exact_hf:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return y if w is None else w * y
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    y = x * torch.rsqrt(torch.addcmul(eps, n, n, value=1.0 / x.shape[-1]))
+    return y if w is None else y * w
+
+
+def pre_attention(
+    x: torch.Tensor, ln1: Optional[torch.Tensor], qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],  # noqa: UP045
+    qk_norm: Optional[torch.Tensor], packed: bool, eps: torch.Tensor, exact_hf: bool,  # noqa: UP045
+    cos: torch.Tensor, sin: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
+    nh: int, kvh: int, d: int,
+) -> torch.Tensor:
+    t = x.shape[0]
+    qkv = linear(rms(x, ln1, eps, exact_hf), qkv_w, qkv_b, packed)
+    qk_size = (nh + kvh) * d
+    qk = qkv[:, :qk_size].view(t, nh + kvh, d)  # q and k heads are adjacent: normalise and rotate together
+    if qk_norm is not None:
+        qk = rms(qk, None, eps, exact_hf) * qk_norm
+    qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
+    k_flat.index_copy_(0, slots, qk[:, nh:])
+    v_flat.index_copy_(0, slots, qkv[:, qk_size:].view(t, kvh, d))
+    return qk[:, :nh]
+
+
+def post_attention(
+    x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, ln2: Optional[torch.Tensor],  # noqa: UP045
+    gate_up_w: torch.Tensor, down_w: torch.Tensor, packed: bool, eps: torch.Tensor, exact_hf: bool, inter: int,
+) -> torch.Tensor:
+    x = x + linear(o, o_w, None, packed)
+    gu = linear(rms(x, ln2, eps, exact_hf), gate_up_w, None, packed)
+    return x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w, None, packed)
+
+
+def _script(fn):
+    try:
+        return torch.jit.script(fn)
+    except (RuntimeError, OSError, AttributeError):  # no TorchScript (or no source): run the same maths in Python
+        return fn
+
+
+pre_attention_fn = _script(pre_attention)
+post_attention_fn = _script(post_attention)
