@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help="learned EAGLE drafter folder (else the model-free n-gram drafter)")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a [rollout] field (engine.* for the engine); repeatable")
+                        help="override a [rollout] field (engine.* and spec.* for the nested sections); repeatable")
     parser.add_argument("--ready-file", default=None, help="write the bound ports and pids here as JSON when ready")
 
 
