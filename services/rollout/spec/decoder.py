@@ -140,8 +140,7 @@ class SpecDecoder:
                           torch.tensor([x.min_p for x in p], device=dev), [s.generator or self._spare_gen for s in seqs])
         res = tree_accept(tree.tokens.to(dev), tree.parents.to(dev), nt.tokens)
         lps = emitted_logprobs(res, nt.logprobs).cpu()
-        res = AcceptResult(res.accept_len.cpu(), res.tokens.cpu(), res.path.cpu())
-        hid = hid.cpu()
+        res = AcceptResult(res.accept_len.cpu(), res.tokens.cpu(), res.path.cpu())  # hid stays on the device
         src, dst, out = [], [], []
         for i, s in enumerate(seqs):
             a = int(res.accept_len[i])
