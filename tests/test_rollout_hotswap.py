@@ -173,3 +173,49 @@ def test_update_weights_needs_the_control_token(server, client, model_dir):
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert len(other.generate("1+2=", params=GREEDY)) == 1  # generation needs no token
     assert client.status().versions.policy == before
+
+
+@pytest.fixture(scope="module")
+def drafter_server(model_dir, tmp_path_factory):
+    """One replica speculating with a learned (random) EAGLE drafter from a folder."""
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    torch.manual_seed(3)
+    folder = tmp_path_factory.mktemp("drafter")
+    Drafter(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"]).save(folder)
+    spec = {"mode": "adaptive", "drafter": "learned", "drafter_path": str(folder)}
+    with ServerThread(model_dir, replicas=1, spec=spec) as s:
+        c = RolloutClient(s.grpc_address, timeout_s=120)
+        yield c
+        c.close()
+
+
+def test_drafter_hot_swap_keeps_outputs_lossless(drafter_server, model_dir):
+    client = drafter_server
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    expected = hf_greedy(model_dir, original)
+    long = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    before = [client.generate(p, params=long)[0] for p in PROMPTS]  # one at a time: batch 1, SD on
+    assert [list(c.token_ids) for c in before] == expected
+    assert sum(c.spec.verify_steps for c in before) > 0
+    assert {c.versions.drafter for c in before} == {-1}
+
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    torch.manual_seed(4)
+    own = Drafter(cfg, original["model.embed_tokens.weight"], original["lm_head.weight"]).state_dict()
+    resp = client.update_weights(own, kind="drafter", version=1)
+    assert resp.ok and resp.version == 1
+    assert client.status().versions.drafter == 1
+    after = [client.generate(p, params=long)[0] for p in PROMPTS]
+    assert {c.versions.drafter for c in after} == {1}
+    assert [list(c.token_ids) for c in after] == expected  # a new drafter changes speed, never tokens
+
+    with pytest.raises(WeightPushError, match="embed"):  # the target's shared tensors are never pushed as drafter
+        client.update_weights({**own, "embed.weight": original["model.embed_tokens.weight"]}, "drafter", 2)
+    with pytest.raises(WeightPushError, match="shape"):
+        client.update_weights({**own, "fc.weight": torch.zeros(3, 3)}, "drafter", 2)
+    assert client.status().versions.drafter == 1
