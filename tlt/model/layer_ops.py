@@ -88,6 +88,28 @@ def post_attention(
     return x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w, None, packed)
 
 
+def group_attention(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, q_index: Optional[torch.Tensor],  # noqa: UP045
+    block_index: torch.Tensor, lk: int, mask: Optional[torch.Tensor], max_q: int, scale: float,  # noqa: UP045
+) -> torch.Tensor:
+    """Attention of one group of sequences over the paged cache -> [G * max_q, nh * d] (padded rows included).
+
+    q: [T, nh, d] flat new tokens; q_index [G, max_q] picks each sequence's (padded) queries, None when
+    row g is flat token g; kc/vc [num_blocks, block_size, kvh, d]; block_index [G * nb] each sequence's
+    blocks; keys are the first lk positions of those blocks; mask [G, 1, max_q, lk] (None: all visible).
+    """
+    nh, d, kvh = q.shape[1], q.shape[2], kc.shape[2]
+    if q_index is not None:
+        q = q.index_select(0, q_index.view(-1))
+    g = q.shape[0] // max_q
+    qg = q.view(g, max_q, nh, d).transpose(1, 2)
+    # gather whole blocks (contiguous copies), then keep the first lk key positions: [G, kvh, lk, d]
+    kg = kc.index_select(0, block_index).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
+    vg = vc.index_select(0, block_index).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
+    og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=nh != kvh)
+    return og.transpose(1, 2).reshape(g * max_q, nh * d)
+
+
 def _script(fn):
     try:
         return torch.jit.script(fn)
@@ -97,3 +119,4 @@ def _script(fn):
 
 pre_attention_fn = _script(pre_attention)
 post_attention_fn = _script(post_attention)
+group_attention_fn = _script(group_attention)

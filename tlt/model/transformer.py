@@ -33,7 +33,15 @@ import torch
 import torch.nn.functional as F
 
 from tlt.model.config import ModelConfig
-from tlt.model.layer_ops import linear, onednn_works, pack, post_attention_fn, pre_attention_fn, rms
+from tlt.model.layer_ops import (
+    group_attention_fn,
+    linear,
+    onednn_works,
+    pack,
+    post_attention_fn,
+    pre_attention_fn,
+    rms,
+)
 
 
 # ----------------------------------------------------------------------------- pure maths
@@ -318,16 +326,8 @@ class Transformer:
         groups = attn.groups
         assert groups is not None, "AttentionMetadata.build() derives the groups"
         out = q.new_empty(t, nh * d) if len(groups) > 1 or groups[0].out_index is not None else None
-        kvh = kc.shape[-2]
         for g in groups:
-            n = g.q_index.shape[0] if g.q_index is not None else t
-            qg = q if g.q_index is None else q.index_select(0, g.q_index.view(-1))
-            qg = qg.view(n, g.max_q, nh, d).transpose(1, 2)
-            # gather whole blocks (contiguous copies), then keep the first lk key positions
-            kg = kc.index_select(0, g.block_index).view(n, -1, kvh, d)[:, : g.lk].transpose(1, 2)  # [G, kvh, Lk, d]
-            vg = vc.index_select(0, g.block_index).view(n, -1, kvh, d)[:, : g.lk].transpose(1, 2)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=nh != kg.shape[1])
-            og = og.transpose(1, 2).reshape(n * g.max_q, nh * d)
+            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.mask, g.max_q, self.scale)
             if out is None:
                 return og
             out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])
