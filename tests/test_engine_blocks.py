@@ -5,7 +5,7 @@ reuse of freed cached blocks, preemption order. Pure Python objects; nothing is 
 from __future__ import annotations
 
 from tlt.services.rollout.engine.block_manager import BlockManager
-from tlt.services.rollout.engine.scheduler import Scheduler
+from tlt.services.rollout.engine.scheduler import ScheduledBatch, Scheduler
 from tlt.services.rollout.engine.sequence import Sequence, SeqStatus
 from tlt.services.rollout.types import SamplingParams
 
@@ -89,3 +89,18 @@ def test_scheduler_preempts_newest_and_requeues_it_first():
     batch = sch.schedule()
     assert batch.seqs == [a] and b.status is SeqStatus.WAITING and sch.waiting[0] is b
     assert sch.num_preemptions == 1 and b.num_computed == 0 and not b.block_table
+
+
+
+def test_one_token_prefill_chunk_that_completes_a_block_makes_it_shareable():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a = seq(range(7))  # one shareable block (tokens 0-3)
+    bm.allocate(a, set())
+    a.status = SeqStatus.RUNNING
+    sch.running.append(a)
+    a.num_computed = 3
+    batch = ScheduledBatch([a], [1])  # a one-token chunk (budget squeezed by other sequences) ends block 0
+    sch.update(batch)
+    assert a.num_computed == 4 and bm.blocks[a.block_table[0]].computed
+    assert bm.allocate(seq(range(7), i=1), set()) == 4  # a sibling shares it instead of waiting

@@ -149,10 +149,7 @@ class LLMEngine:
                 return self._emit(batch.seqs, [e.token_ids for e in emissions], [e.logprobs for e in emissions],
                                   [e.hidden for e in emissions], None, verified=True)
         out = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-            if n > 1:
-                self.block_manager.mark_computed(seq)
+        self.scheduler.update(batch)
         if not out.emit_seqs:
             return [], []
         res = sample(out.logits, out.emit_seqs)

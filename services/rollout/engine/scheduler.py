@@ -88,6 +88,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the forward: the scheduled tokens now have K/V; blocks they completed become shareable."""
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            if n > 1 or seq.num_computed < seq.num_tokens:  # a prefill chunk (even of one token)
+                self.bm.mark_computed(seq)
+
     def _make_room(self, seq: Sequence) -> bool:
         """Ensure seq's next token has a slot, preempting the newest others; False if seq itself was preempted."""
         while not self.bm.can_append(seq):
