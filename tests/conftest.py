@@ -21,6 +21,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # OpenMP threads sleep instead of spinning at barriers. On a busy 2-core machine spinning threads starve
 # each other: a tiny-model train step measured 5-10x slower. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Control-plane token for every server and client the tests start (services/common/auth.py): like `tlt run`,
+# one random token per session in the environment, inherited by child processes.
+os.environ.setdefault("TLT_AUTH_TOKEN", "tests-" + os.urandom(8).hex())
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from tlt.services.common.auth import bearer, resolve_token
 from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 _OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
@@ -38,7 +39,7 @@ class RolloutClient:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=_OPTIONS)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
-        self.control_token = control_token
+        self.control_token = resolve_token(control_token)  # else $TLT_AUTH_TOKEN / $TLT_AUTH_TOKEN_FILE
         self.timeout_s = timeout_s
 
     def close(self) -> None:
@@ -78,7 +79,7 @@ class RolloutClient:
 
     def push_chunks(self, chunks: Iterator[rollout_pb2.WeightChunk]) -> rollout_pb2.UpdateWeightsResponse:
         """Send an already-built chunk stream (tests use it to send corrupted pushes)."""
-        metadata = (("authorization", self.control_token),) if self.control_token else None
+        metadata = (("authorization", bearer(self.control_token)),) if self.control_token else None
         return self.stub.UpdateWeights(chunks, metadata=metadata, timeout=self.timeout_s)
 
     def update_weights(self, tensors: Mapping[str, Any], kind: str, version: int,

@@ -41,7 +41,17 @@ class RolloutConfig(ServiceConfig):
         16 << 30, ge=1, description="largest UpdateWeights payload in bytes; larger is rejected before reading on"
     )
     control_token: str = Field(
-        "", description="shared secret required in gRPC metadata 'authorization' for UpdateWeights; empty: no check"
+        "", description="shared secret required as gRPC metadata 'authorization: Bearer <token>' on UpdateWeights; "
+        "empty: $TLT_AUTH_TOKEN or the file in $TLT_AUTH_TOKEN_FILE (services/common/auth.py)"
+    )
+    insecure_local: bool = Field(
+        False, description="with no control token, allow UpdateWeights anyway — only when host is loopback"
+    )
+    api_key: str = Field(
+        "", description="API key required as 'Authorization: Bearer <key>' on /v1/*; empty: $TLT_API_KEY, else none"
+    )
+    max_restarts: int = Field(
+        5, ge=0, description="times a dead replica process is restarted (weights replayed before it serves); 0: never"
     )
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for every replica to load its model")
     update_timeout_s: float = Field(600.0, gt=0, description="how long a weight update may take on every replica")

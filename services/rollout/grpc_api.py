@@ -21,19 +21,20 @@ compare against the version you pushed.
 
 Invalid requests get INVALID_ARGUMENT with the reason; a bad weight push
 answers ok=false with the reason and changes nothing; a missing or wrong
-control token on UpdateWeights gets UNAUTHENTICATED.
+control token on UpdateWeights gets UNAUTHENTICATED (policy: services/common/
+auth.py). Every refusal counts in rollout_rejected_total{reason}.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from tlt.services.common.auth import ControlAuth
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.config import RolloutConfig
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
@@ -98,8 +99,15 @@ def completion_message(c: CompletionOutput, prompt_index: int, reference: str, h
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig) -> None:
+    def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
+                 rejected: Any = None) -> None:
         self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
+        self.auth = ControlAuth.build(config.host, config.control_token, config.insecure_local)
+        self.rejected = rejected  # Counter tlt rollout_rejected_total{reason}, shared with the HTTP API
+
+    def _reject(self, reason: str) -> None:
+        if self.rejected is not None:
+            self.rejected.labels(reason).inc()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -172,11 +180,13 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         try:
             reqs = self._requests(request.prompts, request.n, request.params, f"{batch_id}-{uuid.uuid4().hex[:8]}")
         except ValueError as e:
+            self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             async for msg in self._stream(reqs, [p.reference for p in request.prompts]):
                 yield msg
         except InvalidRequestError as e:
+            self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ReplicaUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -187,10 +197,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         try:
             reqs = self._requests([request.prompt], request.n, request.params, f"{rid}-{uuid.uuid4().hex[:8]}")
         except ValueError as e:
+            self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             outs = [m async for m in self._stream(reqs, [request.prompt.reference])]
         except InvalidRequestError as e:
+            self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ReplicaUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -203,29 +215,34 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                             context: grpc.aio.ServicerContext) -> rollout_pb2.UpdateWeightsResponse:
         from tlt.services.common.weights import WeightValidationError, assemble
 
-        if self.config.control_token:
-            got = dict(context.invocation_metadata() or ()).get("authorization", "").removeprefix("Bearer ")
-            if not hmac.compare_digest(got.encode(), self.config.control_token.encode()):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "UpdateWeights needs the control token")
+        why = self.auth.check(context.invocation_metadata())
+        if why is not None:
+            self._reject("unauthenticated")
+            log.warning("control_call_refused", method="UpdateWeights", reason=why)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"UpdateWeights: {why}")
         chunks = []
         received = 0
         async for chunk in request_iterator:
             received += len(chunk.data)
             if received > self.config.max_weight_bytes:
+                self._reject("weights_too_large")
                 return rollout_pb2.UpdateWeightsResponse(
                     ok=False, error=f"weight stream is over max_weight_bytes={self.config.max_weight_bytes}")
             chunks.append(chunk)
         try:
             manifest, payload = assemble(chunks, max_total_bytes=self.config.max_weight_bytes)
         except WeightValidationError as e:
+            self._reject("weights_invalid")
             return rollout_pb2.UpdateWeightsResponse(ok=False, error=str(e))
         kind = _KINDS.get(manifest.kind)
         if kind is None:
+            self._reject("weights_invalid")
             return rollout_pb2.UpdateWeightsResponse(ok=False, error="manifest kind must be POLICY or DRAFTER")
         try:
             result = await self.pool.update_weights(kind, manifest, payload, self.config.update_timeout_s)
         except (WeightUpdateError, ReplicaUnavailableError) as e:
             log.warning("weight_update_rejected", kind=kind, version=manifest.version, error=str(e)[:500])
+            self._reject("weights_rejected")
             return rollout_pb2.UpdateWeightsResponse(ok=False, error=str(e), kind=manifest.kind)
         v = result["versions"]
         return rollout_pb2.UpdateWeightsResponse(

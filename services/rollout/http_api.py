@@ -10,7 +10,9 @@
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`: 400
 for anything wrong with the request (FastAPI's 422 never reaches a client),
 404 for an unknown model or route, 413 for a body over `max_request_bytes`,
-503 when no engine replica is alive. The handler is the deliberate boundary:
+503 when no engine replica is alive, 401 on /v1/* without the API key when
+one is set (TLT_API_KEY or [rollout] api_key). Every error counts in
+rollout_rejected_total{reason}. The handler is the deliberate boundary:
 request errors are answered and the server goes on; errors inside a started
 stream are sent as a final `data: {"error": ...}` chunk before `[DONE]`.
 """
@@ -29,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tlt.services.common.auth import resolve_api_key, token_matches
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout import openai_convert as conv
 from tlt.services.rollout.config import RolloutConfig
@@ -105,6 +108,9 @@ class OpenAIServer:
         self.m_queued = metrics.gauge("replica_queued", "queued sequences per replica", ("replica",))
         self.m_kv = metrics.gauge("replica_kv_usage", "KV cache use per replica (0..1)", ("replica",))
         self.m_alive = metrics.gauge("replica_alive", "1 when the replica process is serving", ("replica",))
+        self.m_rejected = metrics.counter("rejected_total", "requests and weight pushes refused, by reason",
+                                          ("reason",))
+        self.api_key = resolve_api_key(config.api_key)
         self.app = self._build()
 
     # ---- app -------------------------------------------------------------------------------
@@ -114,7 +120,17 @@ class OpenAIServer:
 
         @app.exception_handler(ApiError)
         async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+            self.m_rejected.labels(e.code or f"http_{e.status}").inc()
             return e.response()
+
+        @app.middleware("http")
+        async def _api_key(request: Request, call_next: Any) -> Any:
+            if self.api_key and request.url.path.startswith("/v1/"):
+                if not token_matches(request.headers.get("authorization", ""), self.api_key):
+                    self.m_rejected.labels("unauthenticated").inc()
+                    return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                    "authentication_error", code="invalid_api_key").response()
+            return await call_next(request)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

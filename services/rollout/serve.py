@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [rollout] field (engine.* and spec.* for the nested sections); repeatable")
+    parser.add_argument("--insecure-local", action="store_true", default=None,
+                        help="with no control token (TLT_AUTH_TOKEN), allow UpdateWeights anyway; loopback only")
     parser.add_argument("--ready-file", default=None, help="write the bound ports and pids here as JSON when ready")
 
 
@@ -56,8 +58,8 @@ def build_config(args: argparse.Namespace) -> object:
         if nested:
             overrides[section] = {**dict(preset.get(section, {})), **nested}
     for flag, field in (("replicas", "replicas"), ("host", "host"), ("http_port", "http_port"),
-                        ("grpc_port", "grpc_port"), ("backend", "backend")):
-        if getattr(args, flag) is not None:
+                        ("grpc_port", "grpc_port"), ("backend", "backend"), ("insecure_local", "insecure_local")):
+        if getattr(args, flag, None) is not None:
             overrides[field] = getattr(args, flag)
     return load_config(RolloutConfig, "rollout", args.preset, overrides)
 

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from tlt.services.common.auth import is_loopback
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout.config import RolloutConfig
@@ -73,20 +74,21 @@ class RolloutServer:
             log.info("capacity_events", pub=self.capacity.pub_endpoint, snapshot=self.capacity.snapshot_endpoint)
         self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads, self.capacity,
                                 cfg.features_push, cfg.features_max_tokens,
-                                cfg.spec if cfg.backend == "native" else None)
+                                cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts)
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
         await self.pool.start(cfg.startup_timeout_s)
 
+        metrics = Metrics("rollout")
+        openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics)
+        service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected)
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
-        rollout_pb2_grpc.add_RolloutServicer_to_server(
-            RolloutService(self.pool, tokenizer, self.model_name, cfg), self._grpc)
+        rollout_pb2_grpc.add_RolloutServicer_to_server(service, self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"could not bind gRPC to {cfg.host}:{cfg.grpc_port}")
         await self._grpc.start()
 
-        metrics = Metrics("rollout")
-        app = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics).app
+        app = openai_server.app
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -99,7 +101,12 @@ class RolloutServer:
                 self._http_task.result()  # raises why uvicorn could not start
             await asyncio.sleep(0.02)
         log.info("rollout_serving", http=f"http://{cfg.host}:{self.http_port}/v1",
-                 grpc=f"{cfg.host}:{self.grpc_port}", model=self.model_name, replicas=cfg.replicas)
+                 grpc=f"{cfg.host}:{self.grpc_port}", model=self.model_name, replicas=cfg.replicas,
+                 control_auth=service.auth.mode, api_key=bool(openai_server.api_key))
+        if not is_loopback(cfg.host):
+            log.warning("exposed_bind", host=cfg.host, control_auth=service.auth.mode,
+                        api_key=bool(openai_server.api_key),
+                        hint="reachable from other machines; set TLT_API_KEY to protect /v1/*")
 
     async def stop(self) -> None:
         if self._grpc is not None:

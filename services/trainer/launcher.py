@@ -111,11 +111,17 @@ class Launcher:
         self.trainer: ServiceProcess | None = None
         self.samplers: list[Any] = []
         self._rows_shown = 0
+        # Control-plane token for this run (services/common/auth.py): the caller's TLT_AUTH_TOKEN if set, else a
+        # fresh random one; every child gets it in its environment (never on a command line or in config.toml).
+        from tlt.services.common.auth import TOKEN_ENV, new_token, resolve_token
+
+        self.child_env = {TOKEN_ENV: resolve_token() or new_token()}
 
     # -- start ---------------------------------------------------------------------------------
     def _service(self, name: str, argv: list[str], ready: bool = True) -> ServiceProcess:
         logs = self.plan.run_dir / "logs"
-        p = ServiceProcess(name, argv, logs / f"{name}.log", logs / f"{name}.ready" if ready else None)
+        p = ServiceProcess(name, argv, logs / f"{name}.log", logs / f"{name}.ready" if ready else None,
+                           env=self.child_env)
         self.services.append(p.start())
         return p
 
