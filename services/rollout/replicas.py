@@ -24,6 +24,14 @@ shapes, dtypes against the replicas' `expected_weights`) before any replica
 sees it; then every live replica applies it between two engine steps. A
 replica that still fails to apply it (an engine bug) makes the call fail
 loudly and is named in the error. One update at a time.
+
+Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
+OOM, kill -9) fails its in-flight requests with ReplicaUnavailableError and
+is started again after a back-off (1 s, doubling, at most 30 s). The pool
+keeps the latest applied policy and drafter pushes (manifest + payload, in
+this process's memory); a restarted replica loads the model folder, then
+gets those replayed under the update lock, and only when its versions equal
+the pool's does it take requests again. Until then it is not routed to.
 """
 
 from __future__ import annotations
@@ -104,6 +112,7 @@ class _Replica:
         self.outstanding = 0
         self.outbox: queue.Queue = queue.Queue()
         self.ready = asyncio.get_running_loop().create_future()
+        self.restarted = False  # a restarted replica serves only once the latest weights are replayed
 
 
 class ReplicaPool:
@@ -111,8 +120,13 @@ class ReplicaPool:
 
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
-                 spec_config: Any = None) -> None:
+                 spec_config: Any = None, max_restarts: int = 0) -> None:
         self.model_dir = model_dir
+        self.max_restarts = max_restarts
+        self.restarts: dict[int, int] = {}  # replica id -> restarts so far
+        self._latest: dict[str, tuple[int, bytes, bytes]] = {}  # kind -> (version, manifest, payload) applied
+        self._restart_tasks: set[asyncio.Task] = set()
+        self._info: ReplicaInfo | None = None
         self.spec_config = spec_config
         self.backend = backend
         self.engine_config = engine_config
@@ -160,37 +174,80 @@ class ReplicaPool:
 
     async def start(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
-        ctx = mp.get_context("spawn")
         for i in range(self.num_replicas):
-            cfg = self.engine_config
-            if str(getattr(cfg, "device", "cpu")) == "cuda":  # one GPU per replica; an explicit cuda:k is kept
-                cfg = cfg.model_copy(update={"device": f"cuda:{i}"})
-            parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=replica_main,
-                args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
-                      self.features_push, self.features_max_tokens,
-                      "" if self.spec_config is None else self.spec_config.model_dump_json()),
-                name=f"tlt-rollout-replica-{i}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            rep = _Replica(i, proc, parent)
-            self.replicas.append(rep)
-            threading.Thread(target=self._reader, args=(rep,), name=f"replica-{i}-reader", daemon=True).start()
-            threading.Thread(target=self._writer, args=(rep,), name=f"replica-{i}-writer", daemon=True).start()
+            self.replicas.append(self._spawn(i))
         try:
             await asyncio.wait_for(asyncio.gather(*(r.ready for r in self.replicas)), timeout_s)
         except BaseException:
             await self.stop()
             raise
+        self._info = self.replicas[0].info  # kept: a restarting replica 0 has none for a while
         self.versions = self.replicas[0].info.versions  # type: ignore[union-attr]
         for rep in self.replicas:
             self._maybe_idle(rep)
 
+    def _spawn(self, i: int) -> _Replica:
+        ctx = mp.get_context("spawn")
+        cfg = self.engine_config
+        if str(getattr(cfg, "device", "cpu")) == "cuda":  # one GPU per replica; an explicit cuda:k is kept
+            cfg = cfg.model_copy(update={"device": f"cuda:{i}"})
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=replica_main,
+            args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
+                  self.features_push, self.features_max_tokens,
+                  "" if self.spec_config is None else self.spec_config.model_dump_json()),
+            name=f"tlt-rollout-replica-{i}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        rep = _Replica(i, proc, parent)
+        threading.Thread(target=self._reader, args=(rep,), name=f"replica-{i}-reader", daemon=True).start()
+        threading.Thread(target=self._writer, args=(rep,), name=f"replica-{i}-writer", daemon=True).start()
+        return rep
+
+    async def _restart(self, dead: _Replica, timeout_s: float = 300.0) -> None:
+        """Start a replacement for a dead replica, replay the latest pushes, then route to it."""
+        i = dead.replica_id
+        n = self.restarts.get(i, 0) + 1
+        self.restarts[i] = n
+        await asyncio.to_thread(dead.process.join, 5)
+        await asyncio.sleep(min(30.0, 2.0 ** (n - 1)))
+        if self._stopping:
+            return
+        rep = self._spawn(i)
+        rep.restarted = True
+        self.replicas[i] = rep
+        log.warning("replica_restarting", replica=i, restart=n, pid=rep.process.pid)
+        try:
+            await asyncio.wait_for(asyncio.shield(rep.ready), timeout_s)
+            async with self._update_lock:
+                for kind in ("policy", "drafter"):
+                    if kind in self._latest:
+                        version, blob, data = self._latest[kind]
+                        reply = await self._ask(rep, lambda cid: ApplyWeights(cid, kind, version, blob, data), timeout_s)
+                        if reply.error:
+                            raise WeightUpdateError(f"replaying {kind} v{version}: {reply.error}")
+                versions = (await self._ask(rep, QueryStats, timeout_s)).stats.versions
+                want = (self.versions.policy, self.versions.drafter)
+                if (versions.policy, versions.drafter) != want:
+                    raise WeightUpdateError(f"restarted replica has versions {versions}, the pool serves {want}")
+                if self._stopping or rep.error:
+                    return
+                rep.alive = True
+        except (TimeoutError, WeightUpdateError, ReplicaUnavailableError) as e:
+            log.error("replica_restart_failed", replica=i, restart=n, error=str(e)[-1000:])
+            if rep.process.is_alive():
+                rep.process.kill()
+            return  # the reader thread reports the death; _on_dead decides whether to try again
+        log.info("replica_resynced", replica=i, restart=n, policy=self.versions.policy, drafter=self.versions.drafter)
+        self._maybe_idle(rep)
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        for t in list(self._restart_tasks):
+            t.cancel()
         from tlt.v1 import common_pb2
 
         for rep in self.replicas:
@@ -212,7 +269,7 @@ class ReplicaPool:
     @property
     def info(self) -> ReplicaInfo:
         """What every replica agrees on (max length, vocab, expected weights): replica 0's."""
-        return self.replicas[0].info  # type: ignore[return-value]
+        return self._info if self._info is not None else self.replicas[0].info  # type: ignore[return-value]
 
     # ---- threads: pipe <-> loop ----------------------------------------------------------
 
@@ -265,7 +322,7 @@ class ReplicaPool:
                 fut.set_result(event)
         elif isinstance(event, Ready):
             rep.info = event.info
-            rep.alive = True
+            rep.alive = not rep.restarted  # a restarted one waits for the replay in _restart
             rep.ready.set_result(event.info)
             log.info("replica_up", replica=rep.replica_id, pid=event.info.pid, device=event.info.device)
         elif isinstance(event, Fatal):
@@ -297,6 +354,14 @@ class ReplicaPool:
             from tlt.v1 import common_pb2
 
             self._publish_state(rep, common_pb2.REPLICA_STATE_DRAINING)
+            if self.replicas and self.replicas[rep.replica_id] is rep and (rep.info is not None or rep.restarted):
+                if self.restarts.get(rep.replica_id, 0) < self.max_restarts:
+                    task = asyncio.ensure_future(self._restart(rep))
+                    self._restart_tasks.add(task)
+                    task.add_done_callback(self._restart_tasks.discard)
+                else:
+                    log.error("replica_not_restarted", replica=rep.replica_id, restarts=self.restarts.get(rep.replica_id, 0),
+                              max_restarts=self.max_restarts)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -418,5 +483,6 @@ class ReplicaPool:
             if not applied:
                 raise ReplicaUnavailableError("every replica died during the weight update")
             self.versions = next(x.versions for x in replies if isinstance(x, Reply))  # type: ignore[union-attr]
+            self._latest[kind] = (manifest.version, blob, data)  # replayed to a restarted replica
             log.info("weights_updated", kind=kind, version=manifest.version, replicas=applied)
             return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
