@@ -18,10 +18,13 @@ depth share a position). `copy_slots` moves accepted tokens' K/V afterwards.
 
 KV layout per layer (shared with the Triton kernels):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-On CPU attention is the PyTorch reference: gather each sequence's K/V through
-its block table, pad the batch to its longest context, one SDPA call per group
-(decode rows and extend rows are separate groups so a long prefill does not
-pad every decode row).
+On CPU attention is the PyTorch reference: gather each sequence's K/V blocks
+through its block table, pad the batch to its longest context, one SDPA call
+per group (decode rows and extend rows are separate groups so a long prefill
+does not pad every decode row). The layer maths around attention lives in
+`layer_ops` (TorchScript; oneDNN packed, norm-folded weights on CPU); the HF
+named tensors stay the source of truth and `prepare_kernels` rederives what
+the kernels use after every load, so hot swaps and cold starts are one path.
 """
 
 from __future__ import annotations
@@ -80,14 +83,6 @@ def rope_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tens
     freqs = torch.outer(t, rope_inv_freq(cfg))
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, d]; cos/sin: [T, d]. x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rot = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
 # ----------------------------------------------------------------------------- attention metadata

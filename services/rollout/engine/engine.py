@@ -1,8 +1,14 @@
 """LLMEngine: the native rollout engine's public API (the servers code against this).
 
     add_request(GenerationRequest) -> n Sequences queued
-    step():  schedule -> run (one forward + logits of emitting rows) -> sample -> emit
+    step():  schedule -> (draft -> verify -> accept, when a SpecDecoder is attached and wants this
+             decode batch) or (run: one forward + logits of emitting rows -> sample) -> emit
     -> (StepOutputs of this step, CompletionOutputs finished this step)
+
+`enable_spec(SpecConfig, drafter)` attaches speculative decoding (tlt.services.rollout.spec);
+without it every step is a plain decode. Emission checks stops token by token, so a verify step
+that accepted several tokens never overshoots max_tokens, a stop id or a stop string.
+Aborted requests (`abort_request`) are dropped silently: nothing is emitted for them.
 
 Weight swaps (`update_weights`) are validated entirely with the loader's
 checks, then applied in place between two steps (callers never call it during
