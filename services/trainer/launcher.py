@@ -47,38 +47,62 @@ def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], RunConfig]:
+    """(what this launch was asked for, merged over a resumed run's run.json; the preset; RunConfig)."""
+    inputs = {
+        "preset": args.preset or saved.get("preset") or "cpu-tiny",
+        "overrides": saved.get("overrides", []) + [o for o in args.overrides if o not in saved.get("overrides", [])],
+        "baseline": bool(args.baseline or saved.get("baseline", False)),
+        "seed": args.seed if args.seed is not None else saved.get("seed"),
+        "steps": args.steps if args.steps is not None else saved.get("steps"),
+        "model": args.model or saved.get("model"),
+    }
+    preset = read_preset(preset_path(inputs["preset"]))
+    for key, value in cli_overrides(inputs["overrides"]).items():
+        _apply_override(preset, key, value)
+    run_over: dict[str, Any] = {}
+    if inputs["steps"]:
+        run_over["steps"] = inputs["steps"]
+    if inputs["model"]:
+        run_over["model_dir"] = inputs["model"]
+    if inputs["baseline"]:
+        run_over.update(speculation=False, drafter=False)
+    return inputs, preset, load_config(RunConfig, "run", None, {**preset.get("run", {}), **run_over})
+
+
+def _finished(run_dir: Path) -> bool:
+    """Whether the trainer of this run folder already did all its steps (its last checkpoint says so)."""
+    from tlt.services.trainer.config import TrainerConfig
+
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file() or not (run_dir / "config.toml").exists():
+        return False
+    steps = load_config(TrainerConfig, "trainer", run_dir / "config.toml").steps
+    return int(pointer.read_text().strip().removeprefix("step-")) >= steps
+
+
 def prepare_run(args: argparse.Namespace) -> RunPlan:
+    """The run folder and its config. `--resume DIR`, or a `--run-id` whose folder exists, continues that
+    run with the options it was started with; without `--run-id` the run is `<preset>`, continued when
+    it was interrupted, else a new `<preset>-<time>`."""
     saved: dict[str, Any] = {}
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "run.json").exists():
             raise ServiceError(f"{run_dir} is not a run folder (no run.json); start one with `tlt run`")
         saved = json.loads((run_dir / "run.json").read_text())
-    preset_name = args.preset or saved.get("preset") or "cpu-tiny"
-    overrides = saved.get("overrides", []) + list(args.overrides)
-    baseline = bool(args.baseline or saved.get("baseline", False))
-    seed = args.seed if args.seed is not None else saved.get("seed")
-    steps_arg = args.steps if args.steps is not None else saved.get("steps")
-    model = args.model or saved.get("model")
-
-    preset = read_preset(preset_path(preset_name))
-    for key, value in cli_overrides(overrides).items():
-        _apply_override(preset, key, value)
-    run_over: dict[str, Any] = {}
-    if steps_arg:
-        run_over["steps"] = steps_arg
-    if model:
-        run_over["model_dir"] = model
-    if baseline:
-        run_over.update(speculation=False, drafter=False)
-    run_cfg = load_config(RunConfig, "run", None, {**preset.get("run", {}), **run_over})
+    inputs, preset, run_cfg = _inputs(args, saved)
     if not args.resume:
-        stem = Path(preset_name).stem
-        run_id = args.run_id or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = Path(run_cfg.runs_dir) / run_id
+        stem = Path(inputs["preset"]).stem
+        run_dir = Path(run_cfg.runs_dir) / (args.run_id or stem)
+        if not args.run_id and _finished(run_dir):
+            run_dir = Path(run_cfg.runs_dir) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if (run_dir / "run.json").exists():  # continue it with the options it was started with
+            saved = json.loads((run_dir / "run.json").read_text())
+            inputs, preset, run_cfg = _inputs(args, saved)
     resumed = (run_dir / "run.json").exists()
-    if resumed and not saved:
-        saved = json.loads((run_dir / "run.json").read_text())
+    preset_name, overrides, baseline = inputs["preset"], inputs["overrides"], inputs["baseline"]
+    seed, steps_arg, model = inputs["seed"], inputs["steps"], inputs["model"]
     if seed is not None:
         preset.setdefault("trainer", {})["seed"] = seed
     if not Path(run_cfg.model_dir, "config.json").exists():
@@ -128,6 +152,7 @@ class Launcher:
     def start_services(self) -> dict[str, dict]:
         plan, cfg = self.plan, str(self.plan.config_path)
         model = plan.run.model_dir
+        self.prepare_drafter()
         reward = self._service("reward", tlt_command("reward", "serve", "--preset", cfg, "--ready-file",
                                                      str(plan.run_dir / "logs" / "reward.ready")))
         rollout = self._service("rollout", tlt_command("rollout", "serve", "--model", model, "--preset", cfg,
@@ -142,6 +167,27 @@ class Launcher:
         info = {p.name: p.wait_ready(deadline) for p in started}
         self._write_pids(info)
         return info
+
+    def prepare_drafter(self) -> None:
+        """The learned drafter the rollout starts with (run_dir/drafter-init), made once per run folder."""
+        init, run_dir = self.plan.run.drafter_init, self.plan.run_dir
+        path = run_dir / "drafter-init"
+        if not self.plan.switches["speculation"] or init not in ("random", "warmup") or path.exists():
+            return
+        tmp = run_dir / "drafter-init.tmp"
+        if init == "random":  # the same seeded init the drafter coordinator starts from without init_drafter
+            from tlt.services.drafter.training import new_drafter
+
+            new_drafter(self.plan.run.model_dir, seed=0).save(tmp)
+        else:
+            p = ServiceProcess("drafter-warmup", tlt_command("drafter", "warmup", "--model", self.plan.run.model_dir,
+                                                             "--out", str(tmp), "--problems", "32", "--epochs", "2"),
+                               run_dir / "logs" / "drafter-warmup.log", env=self.child_env).start()
+            log.info("drafter_warmup", log=str(p.log_path))
+            if p.proc.wait() != 0:  # type: ignore[union-attr]
+                raise p.died()
+            p.stop(1)
+        tmp.rename(path)
 
     def _write_pids(self, info: dict[str, dict]) -> None:
         pids = {p.name: p.pid for p in self.services}

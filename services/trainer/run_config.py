@@ -33,6 +33,9 @@ class RunConfig(ServiceConfig):
     speculation: bool = Field(True, description="speculative decoding in the rollout as the [rollout.spec] section says; False: off")
     drafter: bool = Field(True, description="start the online drafter service (needs a rollout with a learned drafter)")
     drafter_workers: int = Field(0, ge=0, description="drafter worker processes; 0: one per rollout replica")
+    drafter_init: str = Field(
+        "", description="learned drafter to start from: '' keeps [rollout.spec] as it is; 'random': a seeded random "
+        "drafter; 'warmup': `tlt drafter warmup` on the model first; or a drafter folder")
     poll_interval_s: float = Field(0.1, gt=0, description="how often the rollout's status is sampled for the timeline")
     tail_threshold: int = Field(0, ge=0, description="running batch at or below which rollout time counts as tail; 0: the SD threshold (32 without one)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long services may take to become ready")
@@ -91,6 +94,10 @@ def resolve_services(preset: dict[str, Any], run: RunConfig, run_dir: Path) -> t
     if has_spec:
         rollout["spec"] = {**spec, "mode": spec.get("mode", "adaptive") if speculation else "off"}
         rollout.get("engine", {}).pop("spec", None)
+    if speculation and run.drafter_init:
+        path = run_dir / "drafter-init" if run.drafter_init in ("random", "warmup") else Path(run.drafter_init)
+        spec = {**spec, "drafter": "learned", "drafter_path": str(path)}
+        rollout["spec"] = {**rollout["spec"], "drafter": "learned", "drafter_path": str(path)}
     learned = speculation and spec.get("drafter", "ngram") == "learned"
     drafter = run.drafter and learned and drafter_available()
     if drafter:

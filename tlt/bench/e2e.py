@@ -1,0 +1,127 @@
+"""`tlt bench e2e`: end-to-end RL steps, TLT against the baseline, same seeds, data and steps.
+
+    tlt bench e2e [--preset cpu-tiny] [--steps 12] [--noise-seed 1] [--out runs/bench-e2e]
+
+    TLT       `tlt run --seed S`             speculative decoding as [rollout.spec] says (adaptive),
+                                             online drafter when the rollout drafts with a learned one
+    baseline  `tlt run --seed S --baseline`  the same system with speculation off and no drafter
+    noise     `tlt run --seed S' --baseline` the baseline again with another seed: run-to-run noise
+
+Each is the real `tlt run` command in a subprocess, one after the other (they
+share the machine). Reported: mean step time of each (all steps, and without
+the first step, which includes warm-up), the step-time ratio baseline / TLT,
+the rollout-time ratio, and the reward curves overlaid in reward.png. The
+reward curves "agree" when TLT's distance from the baseline is within the
+distance between the two baseline seeds (mean absolute per-step difference of
+the mean reward, and the difference of the run means).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
+    parser.add_argument("--steps", type=int, default=12, help="RL steps per run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the TLT and baseline runs")
+    parser.add_argument("--noise-seed", type=int, default=1, help="seed of the repeated baseline (-1: skip it)")
+    parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
+    parser.add_argument("--out", default="runs/bench-e2e", help="folder for the three run folders and the results")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="passed to every `tlt run` (e.g. trainer.max_tokens=64); repeatable")
+
+
+def _run(name: str, out, args: argparse.Namespace, seed: int, baseline: bool) -> int:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    from tlt.services.common.logging import get_logger
+
+    cmd = [sys.executable, "-m", "tlt.cli", "run", "--quiet", "--preset", args.preset, "--steps", str(args.steps),
+           "--seed", str(seed), "--run-id", name, "--set", f"run.runs_dir={out}"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if baseline:
+        cmd.append("--baseline")
+    for o in args.overrides:
+        cmd += ["--set", o]
+    get_logger("bench.e2e").info("bench_run", name=name, seed=seed, baseline=baseline)
+    with (out / f"{name}.out").open("w") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import shutil
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tlt.services.common.logging import get_logger
+    from tlt.services.trainer.run_stats import step_rows
+
+    log = get_logger("bench.e2e")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {"tlt": (args.seed, False), "baseline": (args.seed, True)}
+    if args.noise_seed >= 0:
+        runs["baseline-noise"] = (args.noise_seed, True)
+    results = {}
+    for name, (seed, baseline) in runs.items():
+        if (out / name).exists():
+            shutil.rmtree(out / name)  # a fresh run each time (an existing folder would be resumed)
+        rc = _run(name, out, args, seed, baseline)
+        if rc != 0:
+            log.error("bench_run_failed", name=name, rc=rc, log=str(out / f"{name}.out"))
+            return rc
+        rows = step_rows(out / name, 32)
+        info = json.loads((out / name / "run.json").read_text())
+        results[name] = {
+            "seed": seed, "switches": info["switches"], "steps": len(rows),
+            "step_s": [r.step_s for r in rows], "rollout_s": [r.rollout_s for r in rows],
+            "reward": [r.reward for r in rows], "accuracy": [r.accuracy for r in rows],
+            "sd_share": [r.sd_share for r in rows], "accept_len": [r.accept_len for r in rows],
+            "mean_step_s": _mean([r.step_s for r in rows]), "mean_step_s_after_first": _mean([r.step_s for r in rows[1:]]),
+            "mean_rollout_s": _mean([r.rollout_s for r in rows]), "mean_reward": _mean([r.reward for r in rows]),
+        }
+    t, b = results["tlt"], results["baseline"]
+    summary = {
+        "steps": args.steps, "preset": args.preset, "overrides": args.overrides,
+        "tlt_switches": t["switches"],
+        "step_time_ratio": b["mean_step_s"] / t["mean_step_s"] if t["mean_step_s"] else 0.0,
+        "step_time_ratio_after_first": (b["mean_step_s_after_first"] / t["mean_step_s_after_first"]
+                                        if t["mean_step_s_after_first"] else 0.0),
+        "rollout_time_ratio": b["mean_rollout_s"] / t["mean_rollout_s"] if t["mean_rollout_s"] else 0.0,
+        "reward_diff_tlt_vs_baseline": abs(t["mean_reward"] - b["mean_reward"]),
+        "reward_step_mad_tlt_vs_baseline": _mean([abs(x - y) for x, y in zip(t["reward"], b["reward"])]),
+    }
+    if "baseline-noise" in results:
+        n = results["baseline-noise"]
+        summary["reward_diff_noise"] = abs(n["mean_reward"] - b["mean_reward"])
+        summary["reward_step_mad_noise"] = _mean([abs(x - y) for x, y in zip(n["reward"], b["reward"])])
+        summary["rewards_agree"] = summary["reward_step_mad_tlt_vs_baseline"] <= 1.5 * summary["reward_step_mad_noise"]
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for name, r in results.items():
+        ax.plot(range(len(r["reward"])), r["reward"], "o-" if name == "tlt" else "s--",
+                label=f"{name} (seed {r['seed']}, mean step {r['mean_step_s']:.1f} s)")
+    ax.set_xlabel("step"), ax.set_ylabel("mean reward"), ax.set_title("Reward per step: TLT vs baseline")
+    ax.legend(fontsize=8)
+    fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
+    (out / "results.json").write_text(json.dumps({"summary": summary, "runs": results}, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(f"| run | seed | SD | drafter | mean step s | w/o first | mean rollout s | mean reward |\n|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['seed']} | {'on' if r['switches']['speculation'] else 'off'} | "
+              f"{'on' if r['switches']['drafter'] else 'off'} | {r['mean_step_s']:.2f} | {r['mean_step_s_after_first']:.2f} | "
+              f"{r['mean_rollout_s']:.2f} | {r['mean_reward']:.3f} |")
+    log.info("bench_done", out=str(out), plot=str(out / "reward.png"))
+    return 0
