@@ -58,17 +58,20 @@ def test_batch_generate_n4_streams_every_sequence_with_versions(client, model_di
 def test_completions_stream_as_they_finish(client):
     """Short sequences arrive while a long one is still decoding (not all at the end)."""
     params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    long_params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    # sampled (not greedy) from a random model: drafts are rarely accepted, so ~1 token per step
+    long_params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=240, ignore_eos=True, seed=1)
     arrivals: list[float] = []
     t = threading.Thread(target=lambda: list(client.batch_generate(["8*8="], n=1, params=long_params)))
     t0 = time.monotonic()
     t.start()
+    while not any(r.running for r in client.status().replicas) and time.monotonic() - t0 < 30:
+        time.sleep(0.01)
     for _ in client.batch_generate(["1+1=", "2+2="], n=2, params=params):
         arrivals.append(time.monotonic() - t0)
     long_running = t.is_alive()
     t.join()
     assert len(arrivals) == 4
-    assert long_running, "the 200-token sequence should still run when the 1-token ones are back"
+    assert long_running, "the 240-token sequence should still run when the 1-token ones are back"
 
 
 def test_features_when_asked(client):
