@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 
@@ -83,6 +84,10 @@ def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentP
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP threads sleep instead of spinning at barriers: on a shared CPU machine spinning threads starve
+    # each other (tiny-model training measured 5-10x slower). libgomp reads this when torch is first
+    # imported, which may happen while the parser imports command modules, so it is set first.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     from tlt.services.common.logging import configure_logging

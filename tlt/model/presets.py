@@ -34,7 +34,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
             "min_lr_ratio": 0.1,
             "warmup_steps": 20,
             "weight_decay": 0.1,
-            "max_steps": 300,
+            "max_steps": 450,
             "time_budget_s": 230.0,
             "threads": 2,
         },
