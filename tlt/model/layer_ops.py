@@ -18,6 +18,7 @@ sin_signed = (-sin_1, sin_2) is precomputed.
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Union  # noqa: UP035 - TorchScript needs typing generics
 
 import torch
@@ -112,7 +113,9 @@ def group_attention(
 
 def _script(fn):
     try:
-        return torch.jit.script(fn)
+        with warnings.catch_warnings():  # TorchScript is deprecated in favour of torch.compile, which needs a
+            warnings.simplefilter("ignore", DeprecationWarning)  # C++ toolchain and recompiles per shape on CPU
+            return torch.jit.script(fn)
     except (RuntimeError, OSError, AttributeError):  # no TorchScript (or no source): run the same maths in Python
         return fn
 
