@@ -216,7 +216,8 @@ class EagleSource:
 
     def reset(self) -> None:
         """New drafter weights: every cached drafter K/V is stale; rows restart cold."""
-        self.cache.lengths.zero_()
+        with torch.inference_mode():  # the cache was made under inference mode; a weight push arrives outside it
+            self.cache.lengths.zero_()
         self.pending.clear()
         self.fed_pos.clear()
         self.last_h.clear()
