@@ -101,6 +101,8 @@ def test_trains_only_while_idle_is_preempted_and_publishes(tmp_path, model_dir, 
         assert rec.candidate_accept_len > rec.serving_accept_len
         st = coord.status()
         assert st.serving_version == pushes[-1][1] and st.preemptions == 6 and len(st.workers) == 2
+        text = coord.metrics.render().decode()
+        assert "drafter_preemptions_total 6.0" in text and "drafter_release_seconds_count 6.0" in text
     finally:
         stop.set()
         for r in (0, 1):

@@ -36,6 +36,7 @@ class DrafterServiceConfig(ServiceConfig):
     control_token: str = Field("", description="the rollout's control token for UpdateWeights; empty: none")
     host: str = Field("127.0.0.1", description="address the Drafter status gRPC server binds")
     status_port: int = Field(50071, ge=0, le=65535, description="gRPC port of tlt.v1.Drafter/GetStatus (0: free)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the coordinator; 0: none")
     source: Literal["rollout", "trainer"] = Field(
         "rollout", description="who sends features: the rollout engine's own passes, or the trainer's old-logprob pass"
     )

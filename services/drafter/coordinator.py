@@ -29,6 +29,7 @@ import zmq
 
 from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
+from tlt.services.common.metrics import Metrics
 from tlt.services.common.weights import pack_state_dict, unpack
 from tlt.services.drafter.acceptance import mean_accept_length
 from tlt.services.drafter.buffer import FeatureBuffer
@@ -77,6 +78,16 @@ class Coordinator:
         self._evaluated = 0
         self._last_eval = 0.0
         self._restore()
+        self.metrics = Metrics("drafter")
+        self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
+        self.m_buffer = self.metrics.gauge("buffer_windows", "training windows in the feature buffer")
+        self.m_dropped = self.metrics.gauge("features_dropped", "feature sequences the senders dropped (slow consumer)")
+        self.m_rejected = self.metrics.counter("feature_batches_rejected_total", "batches from the other source")
+        self.m_preempt = self.metrics.counter("preemptions_total", "training windows ended by a BUSY event")
+        self.m_steps = self.metrics.counter("micro_steps_total", "drafter micro-steps reported by workers")
+        self.m_release = self.metrics.histogram("release_seconds", "BUSY event -> worker freed the device",
+                                                buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.m_accept = self.metrics.gauge("accept_len", "held-out greedy acceptance length", ("drafter",))
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -153,6 +164,9 @@ class Coordinator:
             batch = self.features.recv(0.2)
             if batch is None:
                 continue
+            if batch.source and batch.source != self.cfg.source:  # [drafter] source picks one producer
+                self.m_rejected.inc()
+                continue
             self.buffer.add_batch(batch)
             if batch.sequences:
                 self.latest_policy = max(self.latest_policy, max(s.policy_version for s in batch.sequences))
@@ -201,6 +215,10 @@ class Coordinator:
             w.training = False
             w.micro_steps += win.micro_steps
             w.preemptions += int(win.preempted)
+            self.m_steps.inc(win.micro_steps)
+            if win.preempted:
+                self.m_preempt.inc()
+                self.m_release.observe(max(0.0, win.released - win.busy_timestamp))
             with self._lock:
                 self.windows.append(win)
                 self.preemptions += int(win.preempted)
@@ -262,6 +280,8 @@ class Coordinator:
             rec.published = True
             with self._lock:
                 self.serving, self.serving_version = cand, version
+        self.m_accept.labels("candidate").set(cand_len)
+        self.m_accept.labels("serving").set(rec.candidate_accept_len if rec.published else serve_len)
         with self._lock:
             self.acceptance.append(rec)
             self._save()
@@ -272,6 +292,10 @@ class Coordinator:
     # ---- status
     def status(self) -> drafter_pb2.DrafterStatus:
         seqs, toks = self.buffer.stats()
+        self.m_buffer.set(seqs)
+        self.m_dropped.set(self.buffer.sender_dropped)
+        self.m_versions.labels("candidate").set(self.candidate_version)
+        self.m_versions.labels("serving").set(self.serving_version)
         with self._lock:
             return drafter_pb2.DrafterStatus(
                 serving_version=self.serving_version, candidate_version=self.candidate_version,

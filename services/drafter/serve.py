@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     puller = FeaturePuller(cfg.features_bind)  # type: ignore[attr-defined]
     coordinator = Coordinator(cfg, args.model, puller, rollout_publisher(cfg.rollout_grpc, cfg.control_token)).start()  # type: ignore[attr-defined, arg-type]
     server, port = start_status_server(coordinator, cfg.host, cfg.status_port)  # type: ignore[attr-defined]
+    exporter = coordinator.metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port else None  # type: ignore[attr-defined]
     procs = []
     for i in range(args.workers):
         cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", args.model, "--coordinator",
@@ -119,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
             p.kill()
             p.wait(5)
     server.stop(grace=1).wait()  # type: ignore[attr-defined]
+    if exporter is not None:
+        exporter.close()
     coordinator.close()
     puller.close()
     return 0
