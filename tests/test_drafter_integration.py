@@ -126,6 +126,9 @@ def test_spot_trainer_end_to_end(tmp_path, monkeypatch) -> None:
             assert st.preemptions >= 1 and st.buffer_sequences > 0
             trained = [w for w in st.windows if w.micro_steps > 0]
             assert trained and sum(w.preempted for w in trained) >= 1
+            resumed = [w for w in trained if any(p.preempted and p.worker_id == w.worker_id and p.end <= w.start
+                                                 for p in st.windows)]
+            assert resumed, "no worker trained again after a preemption"
             for w in trained:  # no training while the replica was busy
                 assert events.state_at(w.replica_id, w.start) == IDLE, w
                 if w.preempted:
