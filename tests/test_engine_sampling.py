@@ -198,3 +198,12 @@ def test_add_request_rejects_bad_requests_and_abort_frees(ckpt):
     assert engine.stats().running == 3 and engine.stats().kv_usage > 0
     engine.abort_request("a")
     assert not engine.has_unfinished() and engine.stats().kv_usage == 0.0
+
+
+def test_engine_needs_a_tokenizer(ckpt, tmp_path):
+    copy = tmp_path / "notok"
+    shutil.copytree(ckpt, copy)
+    for f in copy.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="no tokenizer files"):
+        make(copy)

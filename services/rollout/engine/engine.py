@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from tlt.model.config import ModelConfig
-from tlt.model.loader import expected_tensors, load_checkpoint, validate_tensors
+from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint, validate_tensors
 from tlt.model.transformer import build_model
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.engine.block_manager import BlockManager
@@ -76,6 +76,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.model = build_model(cfg, tensors, dtype=self.dtype, device=self.device, max_len=self.max_model_len + 128)  # + room for draft-tree positions
         del tensors
+        if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise CheckpointError(f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_mb)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_sharing)
