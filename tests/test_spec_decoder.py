@@ -53,16 +53,20 @@ SPEC = dict(mode="adaptive", threshold=8, hysteresis_steps=2, bucket_thresholds=
             bucket_arms=(("4_2_8", "3_1_4"), ("3_2_6", "2_1_3")))
 
 
-def test_greedy_spec_equals_plain_greedy_with_ngram_drafter(ckpt):
+@pytest.mark.parametrize("mode,arm", [("adaptive", "8_4_16"), ("static", "4_2_8")])
+def test_greedy_spec_equals_plain_greedy_with_ngram_drafter(ckpt, mode, arm):
     plain = _engine(ckpt).generate(_requests())
     eng = _engine(ckpt)
-    dec = SpecDecoder(SpecConfig(drafter="ngram", **SPEC), eng.runner, eng.block_manager)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **dict(SPEC, mode=mode, static_arm=arm)), eng.runner,
+                      eng.block_manager)
     spec = _spec_generate(eng, dec, _requests())
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     for a, b in zip(spec, plain):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     st = dec.stats()
-    assert st["verify_steps"] > 5 and st["kv_copies"] > 0, st  # some accepted paths left the first branch
+    assert st["verify_steps"] > 5, st
+    if mode == "static":  # deterministic trees (the bandit's choices depend on timing)
+        assert st["kv_copies"] > 0, st  # some accepted paths left the first branch: their K/V moved
     assert st["mean_accept_len"] > 1.0, st  # the random model repeats itself: n-grams get accepted
 
 
