@@ -155,7 +155,8 @@ class LLMEngine:
             emissions = self.spec_decoder.decode(batch.seqs)  # None: no KV room for drafts, decode plainly
             if emissions is not None:
                 return self._emit(batch.seqs, [e.token_ids for e in emissions], [e.logprobs for e in emissions],
-                                  [e.hidden for e in emissions], None, verified=True)
+                                  [e.hidden for e in emissions], [e.top_logprobs for e in emissions],
+                                  verified=True)
         out = self.runner.run(batch)
         self.scheduler.update(batch)
         if not out.emit_seqs:
@@ -187,7 +188,7 @@ class LLMEngine:
                 if seq.logprobs is not None:
                     seq.logprobs.append(logprobs[k][j])
                 if seq.top_logprobs is not None:
-                    seq.top_logprobs.append(tops[k][j] if tops is not None else {})
+                    seq.top_logprobs.append(tops[k][j] if tops is not None and tops[k] is not None else {})
                 if seq.features is not None:
                     seq.features.append(hidden[k][j].to(device="cpu", dtype=torch.float16))
                 reason = check_stop(seq, tok, self.tokenizer, self.max_model_len)
