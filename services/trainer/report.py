@@ -91,7 +91,7 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
         ts = [s.t - t0 for s in samples]
         ax.step(ts, [s.total_running for s in samples], where="post", lw=0.8, label="running batch")
         ymax = max(1, max(s.total_running + sum(s.queued) for s in samples))
-        on = [any(s.sd) for s in samples]
+        on = [any(s.sd) and s.total_running > 0 for s in samples]  # a replica's flag holds its last step's state
         for a, b, flag in zip(ts, ts[1:], on):
             if flag:
                 ax.axvspan(a, b, color="tab:green", alpha=0.25, lw=0)
