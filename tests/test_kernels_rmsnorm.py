@@ -146,7 +146,7 @@ def test_dispatch_chooses_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
         rmsnorm(x, w, 1e-6, impl="cuda")  # type: ignore[arg-type]
 
 
-def test_interpreter_switched_on_too_late_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_late_triton_interpret_switch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     if interpreter_ready():
         pytest.skip("this process started with the interpreter on")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # after triton.language was imported: too late
