@@ -56,22 +56,34 @@ def test_batch_generate_n4_streams_every_sequence_with_versions(client, model_di
 
 
 def test_completions_stream_as_they_finish(client):
-    """Short sequences arrive while a long one is still decoding (not all at the end)."""
+    """Short sequences arrive while a long one is still decoding (not all at the end).
+
+    Timing on a shared 2-core box: one retry if the machine stalled the short batch."""
     params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     # sampled (not greedy) from a random model: drafts are rarely accepted, so ~1 token per step
     long_params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=240, ignore_eos=True, seed=1)
-    arrivals: list[float] = []
-    t = threading.Thread(target=lambda: list(client.batch_generate(["8*8="], n=1, params=long_params)))
-    t0 = time.monotonic()
-    t.start()
-    while not any(r.running for r in client.status().replicas) and time.monotonic() - t0 < 30:
-        time.sleep(0.01)
-    for _ in client.batch_generate(["1+1=", "2+2="], n=2, params=params):
-        arrivals.append(time.monotonic() - t0)
-    long_running = t.is_alive()
-    t.join()
-    assert len(arrivals) == 4
-    assert long_running, "the 240-token sequence should still run when the 1-token ones are back"
+    attempts = []
+    for _ in range(2):
+        arrivals: list[float] = []
+        long_done: list[float] = []
+        t0 = time.monotonic()
+
+        def long_request() -> None:
+            list(client.batch_generate(["8*8="], n=1, params=long_params))
+            long_done.append(time.monotonic() - t0)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        while not any(r.running for r in client.status().replicas) and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        for _ in client.batch_generate(["1+1=", "2+2="], n=2, params=params):
+            arrivals.append(time.monotonic() - t0)
+        t.join()
+        assert len(arrivals) == 4 and len(long_done) == 1
+        attempts.append((max(arrivals), long_done[0]))
+        if max(arrivals) < long_done[0]:
+            return
+    pytest.fail(f"the 1-token sequences came back after the 240-token one: (last short, long) seconds = {attempts}")
 
 
 def test_features_when_asked(client):
