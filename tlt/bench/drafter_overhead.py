@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-LONG_TAIL = [16] * 8 + [32, 64, 128, 192]
+LONG_TAIL = [48] * 8 + [96, 192, 320, 480]
 
 
 def _round(client, tag: int) -> float:  # noqa: ANN001
