@@ -1,5 +1,6 @@
 """The spot trainer end to end with real processes on 127.0.0.1: a rollout server (2 replica
-processes, native engine with EAGLE speculative decoding on, capacity events, feature push) and
+processes, native engine with EAGLE speculative decoding on via [rollout.spec], capacity events, feature
+push) and
 `tlt drafter serve --workers 2` (coordinator + 2 worker processes) on long-tail greedy batches.
 
 Checked: every training window starts while its replica is IDLE and ends at the first BUSY event
@@ -12,7 +13,6 @@ Nothing is faked; the tiny model is a random Qwen2 (greedy outputs are learnable
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -67,16 +67,18 @@ def rollout_round(client: RolloutClient, tag: str) -> list[rollout_pb2.Completio
 
 
 @pytest.mark.slow
-def test_spot_trainer_end_to_end(tmp_path, monkeypatch) -> None:
+def test_spot_trainer_end_to_end(tmp_path) -> None:
     from tlt.services.drafter.training import new_drafter
 
     model = tiny_checkpoint(tmp_path / "m")
     init = tmp_path / "drafter0"
     new_drafter(model, seed=0).save(init)
-    monkeypatch.setenv("TLT_TEST_DRAFTER_PATH", str(init))
-    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    spec = SpecConfig(mode="static", static_arm="4_1_5", drafter="learned", drafter_path=str(init), threshold=64,
+                      hysteresis_steps=1)
     feat_port = free_port()
-    with ServerThread(model, replicas=2, backend="drafter_helpers:SpecEngine", capacity_pub="tcp://127.0.0.1:*",
+    with ServerThread(model, replicas=2, spec=spec, capacity_pub="tcp://127.0.0.1:*",
                       capacity_heartbeat_s=0.5, features_push=f"tcp://127.0.0.1:{feat_port}") as s:
         cap = s.server.capacity
         events = EventLog(cap.pub_endpoint, cap.snapshot_endpoint)
