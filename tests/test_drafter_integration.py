@@ -1,18 +1,22 @@
 """The spot trainer end to end with real processes on 127.0.0.1: a rollout server (2 replica
-processes, native engine with EAGLE speculative decoding on via [rollout.spec], capacity events, feature
-push) and
-`tlt drafter serve --workers 2` (coordinator + 2 worker processes) on long-tail greedy batches.
+processes, native engine with EAGLE speculative decoding on via [rollout.spec], capacity events,
+feature push) and `tlt drafter serve --workers 2` (coordinator + 2 worker processes) on long-tail
+greedy batches.
 
 Checked: every training window starts while its replica is IDLE and ends at the first BUSY event
 after it (no training on a busy replica), windows are preempted and training resumes later, the
 drafter publishes at least once through UpdateWeights(kind=drafter), the rollout finishes every
-request without errors, and completions after the push carry the new drafter version.
+request without errors, and completions after the push carry the new drafter version. Then a
+worker is killed with SIGKILL while training: the rollout serves on unaffected, the versions stay
+consistent, and a restarted `tlt drafter worker` resumes from its checkpoint.
 Nothing is faked; the tiny model is a random Qwen2 (greedy outputs are learnable by the drafter).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,7 +72,7 @@ def rollout_round(client: RolloutClient, tag: str) -> list[rollout_pb2.Completio
 
 @pytest.mark.slow
 def test_spot_trainer_end_to_end(tmp_path) -> None:
-    from tlt.services.drafter.training import new_drafter
+    from tlt.services.drafter.training import load_state, new_drafter
 
     model = tiny_checkpoint(tmp_path / "m")
     init = tmp_path / "drafter0"
@@ -143,6 +147,35 @@ def test_spot_trainer_end_to_end(tmp_path) -> None:
                     assert w.released - w.busy_timestamp < 15.0, w
             replica_status = client.status()
             assert all(r.alive and r.versions.drafter == st.serving_version for r in replica_status.replicas)
+
+            # kill -9 worker 0 while it trains (replicas are idle now)
+            ckpt = tmp_path / "ckpt" / "worker-0.pt"
+
+            def steps() -> int:
+                return int((load_state(ckpt) or {}).get("micro_steps", 0))
+
+            first = steps()
+            while steps() <= first:
+                assert time.monotonic() < deadline + 300, "worker 0 does not train on its idle replica"
+                time.sleep(0.1)
+            os.kill(info["worker_pids"][0], signal.SIGKILL)
+            killed_at = steps()
+            before = status()
+            done = rollout_round(client, "after-kill")
+            assert len(done) == len(LONG_TAIL) and all(not c.error for c in done)
+            after = status()
+            assert after.candidate_version >= before.candidate_version and after.candidate_version >= after.serving_version
+            restart = subprocess.Popen([sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", str(model),
+                                        "--coordinator", info["coordinator"], "--replica", "0",
+                                        *[f"--set={k}={v}" for k, v in sets.items()]], stdout=log, stderr=subprocess.STDOUT)
+            try:
+                t_end = time.monotonic() + 120
+                while steps() <= killed_at:
+                    assert restart.poll() is None and time.monotonic() < t_end, "the restarted worker did not resume"
+                    time.sleep(0.1)
+            finally:
+                restart.terminate()
+                restart.wait(60)
             client.close()
         finally:
             proc.terminate()
