@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 from safetensors.torch import load_file
 
 from tlt.model.drafter import load_drafter
@@ -16,7 +15,6 @@ from tlt.model.testing import random_checkpoint
 from tlt.services.drafter.training import target_shared
 
 
-@pytest.mark.slow
 def test_warmup_cli(tmp_path) -> None:
     model = random_checkpoint(tmp_path / "m")
     out = tmp_path / "d"
