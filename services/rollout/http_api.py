@@ -285,6 +285,7 @@ class OpenAIServer:
             resp = await work
         except ApiError as e:
             self._count(endpoint, e.status, t0)
+            self.m_rejected.labels(e.code or f"http_{e.status}").inc()
             return e.response()
         if not isinstance(resp, StreamingResponse):
             self._count(endpoint, 200, t0)
@@ -364,6 +365,7 @@ class OpenAIServer:
                     yield b
             except ApiError as e:
                 status = e.status
+                self.m_rejected.labels(e.code or f"http_{e.status}").inc()
                 yield _Sse.data(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, code=e.code)))
             except (InvalidRequestError, ReplicaUnavailableError) as e:
                 status = 400 if isinstance(e, InvalidRequestError) else 503

@@ -64,7 +64,7 @@ def test_killed_replica_is_restarted_and_resynced(model_dir, tmp_path):
         v1 = [list(c.generate(p, params=GREEDY)[0].token_ids) for p in PROMPTS]
         assert v1 != before  # the push changed the policy, so a replica on the folder's weights would show
 
-        old_pid = _replicas(c)[0].versions and s.server.replica_pids()[0]
+        old_pid = s.server.replica_pids()[0]
         os.kill(old_pid, signal.SIGKILL)
         t_kill = time.monotonic()
         served, failed = 0, []

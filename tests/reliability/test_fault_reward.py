@@ -1,0 +1,78 @@
+"""kill -9 of the reward server mid-step: the trainer's reward batch fails clearly and in bounded time; a
+restarted server on the same port serves the retried step.
+
+Real `tlt reward serve` processes (started by this test, killed by their pid)
+on 127.0.0.1, the trainer's real reward source (`GrpcRewards`, the
+RewardClient with its retries) scoring a step's worth of completions. The
+verifier is the real math one; nothing is faked. What the trainer does with
+the failure (the step raises RewardError, `tlt run --resume` continues from
+the last checkpoint) is covered by tests/test_run_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tlt.services.trainer.rewards import GrpcRewards, RewardError
+
+
+def start_reward(tmp_path: Path, port: int, name: str) -> tuple[subprocess.Popen, int]:
+    ready = tmp_path / f"{name}.ready"
+    proc = subprocess.Popen([sys.executable, "-m", "tlt.cli", "reward", "serve", "--port", str(port), "--workers", "2",
+                             "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while not ready.exists():
+        assert proc.poll() is None, "reward server exited"
+        assert time.monotonic() < deadline, "reward server did not start"
+        time.sleep(0.1)
+    return proc, int(json.loads(ready.read_text())["port"])
+
+
+def step(source: GrpcRewards, n: int, tag: str) -> dict:
+    batch = source.begin()
+    for i in range(n):
+        batch.submit(f"{tag}{i}", f"{i}+1=", f"the answer is \\boxed{{{i + 1}}}", str(i + 1))
+    return batch.results()
+
+
+def test_reward_server_killed_mid_step_then_restarted(tmp_path):
+    proc, port = start_reward(tmp_path, 0, "first")
+    source = GrpcRewards(f"127.0.0.1:{port}", concurrency=4, timeout_s=5.0, retries=2)
+    second = None
+    try:
+        ok = step(source, 16, "a")
+        assert len(ok) == 16 and all(r.correct for r in ok.values())
+
+        batch = source.begin()
+        for i in range(8):
+            batch.submit(f"b{i}", f"{i}+1=", f"\\boxed{{{i + 1}}}", str(i + 1))
+        os.kill(proc.pid, signal.SIGKILL)  # mid-step: some of the batch may have been scored, not all read
+        proc.wait(10)
+        for i in range(8, 64):
+            batch.submit(f"b{i}", f"{i}+1=", f"\\boxed{{{i + 1}}}", str(i + 1))
+        t0 = time.monotonic()
+        with pytest.raises(RewardError, match=r"no reward for completion b\d+: .*(unavailable|UNAVAILABLE)"):
+            batch.results()
+        failed_after = time.monotonic() - t0
+        assert failed_after < 60, failed_after  # bounded: timeout x (retries + 1) with back-off
+
+        second, port2 = start_reward(tmp_path, port, "second")  # same address: the trainer's config is unchanged
+        assert port2 == port
+        again = step(source, 64, "b")  # the retried step is scored whole
+        assert len(again) == 64 and all(r.correct for r in again.values())
+        print(f"reward kill -9: step failed with RewardError after {failed_after:.1f}s; "
+              f"the retried step scored 64/64 on the restarted server")
+    finally:
+        source.close()
+        for p in (proc, second):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(15)
