@@ -46,7 +46,8 @@ def rollout_config(**overrides: Any) -> Any:
     from tlt.services.rollout.engine.config import EngineConfig
 
     engine = EngineConfig(**{**ENGINE_TEST_SETTINGS, **overrides.pop("engine", {})})
-    base = {"http_port": 0, "grpc_port": 0, "threads_per_replica": 1, "startup_timeout_s": 120.0}
+    # max_restarts=0: tests that kill a replica check the dead state; tests/reliability/ turns restarts on
+    base = {"http_port": 0, "grpc_port": 0, "threads_per_replica": 1, "startup_timeout_s": 120.0, "max_restarts": 0}
     return RolloutConfig(**{**base, **overrides, "engine": engine})
 
 

@@ -53,7 +53,7 @@ def test_killed_replica_is_restarted_and_resynced(model_dir, tmp_path):
     torch.manual_seed(3)
     Drafter(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"]).save(tmp_path / "drafter")
     spec = {"mode": "adaptive", "drafter": "learned", "drafter_path": str(tmp_path / "drafter")}
-    with ServerThread(model_dir, replicas=2, spec=spec) as s, RolloutClient(s.grpc_address, timeout_s=120) as c:
+    with ServerThread(model_dir, replicas=2, spec=spec, max_restarts=2) as s, RolloutClient(s.grpc_address, timeout_s=120) as c:
         before = [list(c.generate(p, params=GREEDY)[0].token_ids) for p in PROMPTS]
         torch.manual_seed(7)
         policy = {"lm_head.weight": weights["lm_head.weight"] + 0.5 * torch.randn_like(weights["lm_head.weight"])}
