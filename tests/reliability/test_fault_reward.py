@@ -1,5 +1,5 @@
 """kill -9 of the reward server mid-step: the trainer's reward batch fails clearly and in bounded time; a
-restarted server on the same port serves the retried step.
+restarted server (fresh port, new client: what `tlt run --resume` does) serves the retried step.
 
 Real `tlt reward serve` processes (started by this test, killed by their pid)
 on 127.0.0.1, the trainer's real reward source (`GrpcRewards`, the
@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from tlt.services.trainer.rewards import GrpcRewards, RewardError
+
+pytestmark = pytest.mark.slow
 
 
 def start_reward(tmp_path: Path, port: int, name: str) -> tuple[subprocess.Popen, int]:
@@ -64,9 +66,15 @@ def test_reward_server_killed_mid_step_then_restarted(tmp_path):
         failed_after = time.monotonic() - t0
         assert failed_after < 60, failed_after  # bounded: timeout x (retries + 1) with back-off
 
-        second, port2 = start_reward(tmp_path, port, "second")  # same address: the trainer's config is unchanged
-        assert port2 == port
-        again = step(source, 64, "b")  # the retried step is scored whole
+        second, port2 = start_reward(tmp_path, 0, "second")  # like `tlt run --resume`: a fresh port
+        # The failed step ends the trainer (RewardError propagates out of the loop); the resumed trainer
+        # (`tlt run --resume`, tests/test_run_resume.py) restarts the services on fresh ports and opens new
+        # clients, as here.
+        fresh = GrpcRewards(f"127.0.0.1:{port2}", concurrency=4, timeout_s=5.0, retries=2)
+        try:
+            again = step(fresh, 64, "b")  # the retried step is scored whole
+        finally:
+            fresh.close()
         assert len(again) == 64 and all(r.correct for r in again.values())
         print(f"reward kill -9: step failed with RewardError after {failed_after:.1f}s; "
               f"the retried step scored 64/64 on the restarted server")
