@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
     import time
 
     from tlt.services.common.logging import get_logger
@@ -54,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("run_not_started", error=str(e))
         return 2
     launcher = Launcher(plan, quiet=args.quiet)
+
+    def stop(signum: int, frame: object) -> None:  # SIGTERM / SIGHUP: stop the children like Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
     t0 = time.monotonic()
     try:
         rc = launcher.run()
