@@ -127,3 +127,20 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     for name in ("logs/reward.log", "logs/rollout.log", "logs/trainer.log", "checkpoints/latest", "policy/config.json"):
         assert (run_dir / name).exists(), name
     assert all(gone(p) for p in all_pids(run_dir))
+
+
+def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    run_dir = runs / "t"
+    proc = tlt_run(runs, "--model", str(random_model_dir), "--run-id", "t", "--steps", "50", "--baseline", *SMALL)
+    deadline = time.monotonic() + 300
+    while not metrics(run_dir):  # training is under way
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.2)
+    children = all_pids(run_dir)
+    proc.send_signal(signal.SIGTERM)
+    rc, out = wait_exit(proc, 120)
+    assert rc == 130, out[-3000:]
+    assert all(gone(p) for p in children), [p for p in children if not gone(p)]
+    assert "tlt run --resume" in out  # tells how to continue
