@@ -14,6 +14,8 @@ remains of it.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from tlt.services.rollout.openai_schema import (
@@ -52,6 +54,16 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else text
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a (near) zero-probability token
+
+
+def _lp(x: float) -> float:
+    """A logprob fit for JSON: -inf (a token outside top_p/top_k/min_p, or an underflow at a tiny temperature)
+    and NaN would make the JSON encoder fail the whole response; they leave as LOGPROB_FLOOR."""
+    x = float(x)
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
 def completion_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int
 ) -> CompletionLogprobs:
@@ -62,10 +74,10 @@ def completion_logprobs(
         pos += len(t)
     top_out = None
     if k > 0 and top is not None:
-        top_out = [{_token_text(tokenizer, i): float(lp) for i, lp in alt.items()} for alt in top]
+        top_out = [{_token_text(tokenizer, i): _lp(lp) for i, lp in alt.items()} for alt in top]
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[float(x) for x in (logprobs or [])],
+        token_logprobs=[_lp(x) for x in (logprobs or [])],
         top_logprobs=top_out,
         text_offset=offsets,
     )
@@ -81,8 +93,8 @@ def chat_logprobs(
         if k > 0 and top is not None and i < len(top):
             for aid, alp in sorted(top[i].items(), key=lambda kv: -kv[1])[:k]:
                 at = _token_text(tokenizer, aid)
-                alts.append(TopLogprobEntry(token=at, logprob=float(alp), bytes=list(at.encode())))
-        content.append(TokenLogprob(token=text, logprob=float(lp), bytes=list(text.encode()), top_logprobs=alts))
+                alts.append(TopLogprobEntry(token=at, logprob=_lp(alp), bytes=list(at.encode())))
+        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=list(text.encode()), top_logprobs=alts))
     return ChoiceLogprobs(content=content)
 
 

@@ -3,9 +3,11 @@
 One real `RolloutServer` on 127.0.0.1 (a real replica process with the native
 engine, real uvicorn, real grpc.aio; nothing faked) takes:
 
-- HTTP: hypothesis-generated request bodies, schema-driven (the OpenAI request
-  models' field names with values of every JSON type, extremes, NaN/Infinity,
-  unknown keys), random bytes, bodies over the size limit, prompts far beyond
+- HTTP: hypothesis-generated request bodies, schema-driven: well-formed ones
+  with edge values (temperature 0 / 1e-6, top_p and min_p 0 / 1e-9 / 1, huge
+  top_k, seeds up to 2^63-1, stops, n, streaming) and junk ones (the OpenAI
+  request models' field names with values of every JSON type, extremes,
+  NaN/Infinity, unknown keys), random bytes, bodies over the size limit, prompts far beyond
   the context. Every answer is 200 or a 4xx in OpenAI's error format — never
   a 5xx — and the server serves the same greedy text afterwards.
 - gRPC: random bytes sent through a raw channel (no serializer) to every
@@ -101,8 +103,24 @@ def _bodies(model: str, kind: str) -> st.SearchStrategy[dict]:
     special = {"prompt": _text | _token_lists | _json, "messages": st.lists(message, max_size=3) | _json,
                "model": st.just(model) | _text}
     value_for = {f: special.get(f, _json) for f in fields}
-    return st.fixed_dictionaries({"model": special["model"]},
-                                 optional={**value_for, "unknown_field": _json})
+    junk = st.fixed_dictionaries({"model": special["model"]}, optional={**value_for, "unknown_field": _json})
+    # well-formed bodies with edge values (sampling corners, stops, seeds): these reach the engine
+    unit = st.sampled_from([0.0, 1e-9, 0.5, 1.0])
+    sane = {"temperature": st.sampled_from([0.0, 1e-6, 0.7, 2.0]), "top_p": unit, "min_p": unit,
+            "top_k": st.sampled_from([0, 1, 5, 10**6]), "n": st.integers(1, 3), "max_tokens": st.integers(1, 16),
+            "stream": st.booleans(), "seed": st.integers(0, 2**63 - 1), "ignore_eos": st.booleans(),
+            "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "stop_token_ids": st.lists(
+                st.integers(0, 50), max_size=3)}
+    if kind == "completions":
+        sane.update(logprobs=st.integers(0, 5), echo=st.booleans())
+        first = {"model": st.just(model), "prompt": st.text(min_size=1, max_size=30) | st.lists(
+            st.integers(1, 100), min_size=1, max_size=8)}
+    else:
+        sane.update(logprobs=st.booleans(), top_logprobs=st.integers(0, 5))
+        first = {"model": st.just(model), "messages": st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=30)}),
+            min_size=1, max_size=3)}
+    return st.fixed_dictionaries(first, optional=sane) | junk
 
 
 def _check_answer(r: httpx.Response) -> None:
@@ -136,7 +154,7 @@ def test_fuzzed_openai_requests_get_200_or_a_clean_4xx(server, client, baseline,
             _check_answer(r)
 
         one()
-    assert seen.get(400, 0) > 0  # the fuzzer did reach the validation paths
+    assert seen.get(400, 0) > 0 and seen.get(200, 0) > 0  # it reached both the validation and the engine
     print(f"fuzz /v1/{kind}: HTTP statuses {dict(sorted(seen.items()))}")
     still_same(server, client, baseline)
 
