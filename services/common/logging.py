@@ -19,6 +19,25 @@ import structlog
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class _StderrLogger:
+    """Writes each line to whatever `sys.stderr` is *now*.
+
+    structlog's PrintLogger keeps the stream it was created with; when that
+    stream is later replaced and closed (pytest's per-test capture, a daemon
+    redirecting its output), every log call would raise. Looking the stream
+    up per line costs nothing and never writes to a closed file.
+    """
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+    @staticmethod
+    def factory(*_args: object) -> "_StderrLogger":
+        return _StderrLogger()
+
+
 def configure_logging(json: bool | None = None, level: str | None = None, service: str | None = None) -> None:
     if json is None:
         json = os.environ.get("TLT_LOG_JSON", "0") not in ("", "0", "false")
@@ -37,7 +56,7 @@ def configure_logging(json: bool | None = None, level: str | None = None, servic
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_StderrLogger.factory,
         cache_logger_on_first_use=False,
     )
     if service:
