@@ -30,28 +30,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-    import time
-    from pathlib import Path
 
     import torch
     import transformers
 
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.engine.engine import LLMEngine
-    from tlt.services.rollout.engine.testing import random_checkpoint
+    from tlt.bench import resolve_model
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
     torch.set_num_threads(args.threads)
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-    model_dir = Path(args.model) if args.model else Path("artifacts/tiny")
-    source = str(model_dir)
-    if not (model_dir / "config.json").is_file():
-        if args.model:
-            print(f"error: {model_dir} is not a checkpoint folder", file=sys.stderr)
-            return 2
-        model_dir = random_checkpoint(Path(tempfile.mkdtemp(prefix="tlt-bench-")) / "model", weight_scale=0.02)
-        source = "random checkpoint, tiny preset shape"
+    resolved = resolve_model(args.model)
+    if resolved is None:
+        print(f"error: {args.model} is not a checkpoint folder", file=sys.stderr)
+        return 2
+    model_dir, source = resolved
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None

@@ -40,15 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
     import time
-    from pathlib import Path
 
     import torch
 
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.engine.engine import LLMEngine
-    from tlt.services.rollout.engine.testing import random_checkpoint
+    from tlt.bench import resolve_model
     from tlt.services.rollout.spec.config import SpecConfig
     from tlt.services.rollout.spec.decoder import build_spec_decoder
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
@@ -59,14 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: unknown modes {bad}; choose from {list(MODES)}", file=sys.stderr)
         return 2
-    model_dir = Path(args.model) if args.model else Path("artifacts/tiny")
-    source = str(model_dir)
-    if not (model_dir / "config.json").is_file():
-        if args.model:
-            print(f"error: {model_dir} is not a checkpoint folder", file=sys.stderr)
-            return 2
-        model_dir = random_checkpoint(Path(tempfile.mkdtemp(prefix="tlt-bench-")) / "model", weight_scale=0.02)
-        source = "random checkpoint, tiny preset shape"
+    resolved = resolve_model(args.model)
+    if resolved is None:
+        print(f"error: {args.model} is not a checkpoint folder", file=sys.stderr)
+        return 2
+    model_dir, source = resolved
 
     g = torch.Generator().manual_seed(args.seed)
     lengths = (torch.randn(args.prompts, args.n, generator=g) * args.sigma).exp() * args.median_tokens
