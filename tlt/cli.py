@@ -83,7 +83,26 @@ def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentP
     return parser
 
 
+def _die_with_parent() -> None:
+    """When started by `tlt run` (TLT_DIE_WITH_PARENT=<launcher pid>), exit with the launcher.
+
+    Linux's PR_SET_PDEATHSIG sends SIGTERM when the parent dies, even by kill -9;
+    if the launcher already died before we got here, exit at once.
+    """
+    parent = os.environ.pop("TLT_DIE_WITH_PARENT", "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1  # noqa: N806 - the prctl constant's name
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit(f"tlt: the launcher (pid {parent}) is gone; not starting")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     # OpenMP threads sleep instead of spinning at barriers: on a shared CPU machine spinning threads starve
     # each other (tiny-model training measured 5-10x slower). libgomp reads this when torch is first
     # imported, which may happen while the parser imports command modules, so it is set first.

@@ -36,16 +36,6 @@ def tlt_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tlt.cli", *args]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM it when the launcher dies, even by kill -9, so no
-    service outlives `tlt run` (its own process group would otherwise keep it out of reach)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1  # noqa: N806 - the prctl constant's name
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class ServiceProcess:
     def __init__(self, name: str, argv: list[str], log_path: Path, ready_file: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
@@ -70,9 +60,14 @@ class ServiceProcess:
         self._log.flush()
         # Passive OpenMP waits: torch threads that spin while waiting burn the cores the other
         # services need (on a 2-core machine a 2-thread forward went from 0.6 s to 7 s under load).
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        # TLT_DIE_WITH_PARENT: the child's `tlt` main() asks the kernel to SIGTERM it when this
+        # launcher dies, even by kill -9 (its own process group keeps it out of reach otherwise).
+        # Done in the child after exec, not in a preexec_fn: running Python (ctypes) between fork
+        # and exec in this multithreaded launcher (gRPC threads) can crash the child (seen: -11).
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1",
+               "TLT_DIE_WITH_PARENT": str(os.getpid()), **(self.env or {})}
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                     env=env, start_new_session=True)
         log.debug("service_started", service=self.name, pid=self.proc.pid, log=str(self.log_path))
         return self
 
