@@ -33,7 +33,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "train": {
             "seq_len": 320,
             "batch_size": 2,
-            "lr": 3e-3,
+            "lr": 1e-3,
             "min_lr_ratio": 0.1,
             "warmup_steps": 40,
             "weight_decay": 0.1,
