@@ -3,9 +3,11 @@
 `tiny` is deep and narrow on purpose: the EAGLE drafter is one decoder layer
 plus an fc of 2H x H, and with 12 target layers it costs about 1/8 of a
 target forward (see `drafter_cost_ratio`: 0.115). Its pre-training is a fixed
-1200 steps of 2 x 320 packed tokens (768k tokens; fixed so the model is the
-same on any machine; small batches learned more per token than 6 x 320):
-about 3.5 minutes at the ~4,000 tokens/s two idle CPU cores give; `time_budget_s` stops it early on a busy machine. `small` is the
+720 steps of 2 x 320 packed tokens (461k tokens; fixed so the model is the
+same on any machine): about 210 s at the ~2,200 tokens/s two idle cores of
+the CI machine give (measured in a fresh clone); `time_budget_s` is only a
+safety stop for a slower or busy machine. lr 1e-3: at 3e-3 the model stalls
+at loss ~1.2-1.6 and stays at chance. `small` is the
 same recipe sized for one GPU (not run yet).
 
 Each preset is a plain dict with two parts: `model` (keyword arguments of
@@ -37,7 +39,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
             "min_lr_ratio": 0.1,
             "warmup_steps": 40,
             "weight_decay": 0.1,
-            "max_steps": 1200,
+            "max_steps": 720,
             "time_budget_s": 230.0,
             "threads": 2,
         },
