@@ -26,14 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the CLI imports this module to build its parser: keep torch out of it
+    import torch
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}
 
 
 def sglang_tensors(own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our drafter's state dict -> SGLang EAGLE checkpoint names (see the module docstring)."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     for name, t in own.items():
         if "embed" in name or "lm_head" in name:
