@@ -12,28 +12,10 @@ import math
 import pytest
 import torch
 
-from tlt.kernels.launch import interpreter_ready
+from kernel_params import DEVICE_DTYPES, DEVICES, device  # noqa: F401 - device is a fixture
 from tlt.kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton, rope_cache
 
-DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-# The interpreter's bf16 arithmetic is not faithful: bf16 kernels are checked on CUDA only.
-DEVICE_DTYPES = [
-    pytest.param("cpu", torch.float32, id="interpreter-fp32"),
-    pytest.param("cpu", torch.float16, id="interpreter-fp16"),
-    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu),
-]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-
-
-@pytest.fixture
-def device(request: pytest.FixtureRequest) -> torch.device:
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if request.param == "cpu" and not interpreter_ready():
-        pytest.skip("needs TRITON_INTERPRET=1 from process start: runs in tests/test_kernels_interpreter.py's child")
-    return torch.device(request.param)
 
 
 def test_reference_equals_hf_qwen2_fp32() -> None:
