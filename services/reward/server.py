@@ -12,6 +12,15 @@ the client).
 Each item is its own error boundary: a malformed item (no id, over the size
 limit, no reference) or a verifier that raises gives that item ok=false with
 the reason, counts an error, and never fails the call or its siblings.
+
+A streamed message that is not a ScoreRequest at all ends its stream with
+INVALID_ARGUMENT (after the items before it are answered), counted as
+`errors_total{reason="undecodable"}`. ScoreStream decodes its own messages
+for that reason (`_register`): when grpc's sync server fails to decode a
+streamed request it sends INTERNAL itself, and when the handler then ends it
+starts a second status that never completes, so the call never leaves the
+server's books and `server.stop()` never returns (grpcio 1.85; the unary
+`Score` is not affected: its handler never runs on an undecodable request).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
@@ -32,6 +42,20 @@ from tlt.v1 import reward_pb2, reward_pb2_grpc
 
 log = get_logger("reward")
 _DONE = object()
+_STOP_TIMEOUT_S = 10.0  # beyond the grace period: stop() gives up waiting for grpc and says so
+
+
+class UndecodableRequest(ValueError):
+    """A streamed message is not a `tlt.v1.ScoreRequest`; ends the stream with INVALID_ARGUMENT."""
+
+
+def _decoded(raw_requests: Iterator[bytes]) -> Iterator[reward_pb2.ScoreRequest]:
+    """Parse a stream's raw messages, raising UndecodableRequest at the first that does not parse."""
+    for i, raw in enumerate(raw_requests):
+        try:
+            yield reward_pb2.ScoreRequest.FromString(raw)
+        except DecodeError as e:
+            raise UndecodableRequest(f"message {i} of the stream is not a tlt.v1.ScoreRequest: {e}") from e
 
 
 class RewardMetrics:
@@ -119,7 +143,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                     fut.add_done_callback(deliver)
             except grpc.RpcError:
                 pass  # the client went away; the call ends below
-            except Exception as e:  # noqa: BLE001 - re-raised in the handler thread below
+            except Exception as e:  # noqa: BLE001 - re-raised (or turned into a status) in the handler thread
                 failed.append(e)
             finally:
                 for fut in list(pending):
@@ -138,8 +162,32 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             if out is _DONE:
                 break
             yield out  # type: ignore[misc]
+        if failed and isinstance(failed[0], UndecodableRequest):
+            self.m.errors.labels(reason="undecodable").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(failed[0]))
         if failed:
             raise failed[0]
+
+
+def _register(servicer: RewardServicer, server: grpc.Server) -> None:
+    """`add_RewardServicer_to_server`, except that ScoreStream gets raw bytes and decodes them (`_decoded`).
+
+    See the module docstring for why grpc must not decode the stream itself.
+    """
+    handlers = {
+        "Score": grpc.unary_unary_rpc_method_handler(
+            servicer.Score,
+            request_deserializer=reward_pb2.ScoreBatchRequest.FromString,
+            response_serializer=reward_pb2.ScoreBatchResponse.SerializeToString,
+        ),
+        "ScoreStream": grpc.stream_stream_rpc_method_handler(
+            lambda raw, context: servicer.ScoreStream(_decoded(raw), context),
+            request_deserializer=None,
+            response_serializer=reward_pb2.ScoreResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tlt.v1.Reward", handlers),))
+    server.add_registered_method_handlers("tlt.v1.Reward", handlers)
 
 
 class RewardServer:
@@ -153,7 +201,7 @@ class RewardServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
         self._server = grpc.server(ThreadPoolExecutor(max_workers=config.workers + 16), options=opts)
-        reward_pb2_grpc.add_RewardServicer_to_server(self.servicer, self._server)
+        _register(self.servicer, self._server)
         self.port = 0
 
     @property
@@ -173,12 +221,20 @@ class RewardServer:
                  workers=self.config.workers)
         return self
 
-    def stop(self, grace_s: float | None = None) -> None:
-        """Refuse new calls, let in-flight ones finish for up to `grace_s`, then stop the workers."""
+    def stop(self, grace_s: float | None = None) -> bool:
+        """Refuse new calls, let in-flight ones finish for up to `grace_s`, then stop the workers.
+
+        Returns whether grpc finished every call. Never waits more than `grace_s` + 10 s: past the grace
+        grpc cancels what is left, so a call still open then is stuck in grpc and is logged, not waited on.
+        """
         grace = self.config.grace_s if grace_s is None else grace_s
-        self._server.stop(grace).wait()
+        stopped = self._server.stop(grace).wait(grace + _STOP_TIMEOUT_S)
         self.servicer.pool.shutdown(wait=False, cancel_futures=True)  # a stuck verifier must not hang stop()
-        log.info("reward_stopped", port=self.port)
+        if stopped:
+            log.info("reward_stopped", port=self.port)
+        else:
+            log.error("reward_stop_incomplete", port=self.port, waited_s=grace + _STOP_TIMEOUT_S)
+        return stopped
 
     def __enter__(self) -> RewardServer:
         return self.start()
