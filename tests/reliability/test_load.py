@@ -6,11 +6,15 @@ random Qwen2) takes, for DURATION_S seconds, CLIENTS threads sending
 not), while one gRPC client runs BatchGenerate rounds (PROMPTS x N samples)
 the way the trainer does. Checked: no request fails, every BatchGenerate
 round returns all its completions, the front process's resident memory stays
-within MEM_SLACK_MB over the run. The replicas' memory is sampled and printed
-but not asserted: it grew in every run so far (an open finding, see
-docs/RELIABILITY.md).
+within MEM_SLACK_MB over the run, and each replica's memory levels off: it
+grows by at most REPLICA_LAST_THIRD_MB over the last third of the run. (A
+replica grows by a few hundred MB in its first ~40 s under load: the n-gram
+drafter's index of the last 1024 requests, oneDNN's cache of per-shape
+primitives, the malloc heap's high-water mark; all bounded, see
+docs/RELIABILITY.md. A leak at the pace of the first minute, ~130 MB per
+replica in the earlier 60 s runs, would fail the bound.)
 Reported (printed, and in docs/RELIABILITY.md): requests, p50/p99 latency of
-the HTTP requests, rollout rounds, memory before/after. Speed is not asserted
+the HTTP requests, rollout rounds, memory samples. Speed is not asserted
 (the machine is shared); it is measured.
 """
 
@@ -30,10 +34,11 @@ from tlt.v1 import rollout_pb2
 
 pytestmark = pytest.mark.slow
 
-DURATION_S = 60.0
+DURATION_S = 120.0  # long enough that the last third is past the replicas' warm-up (~40 s)
 CLIENTS = 6
 PROMPTS, N = 8, 4
 MEM_SLACK_MB = 64
+REPLICA_LAST_THIRD_MB = 48
 
 
 def rss_mb(pid: int) -> float:
@@ -98,10 +103,13 @@ def test_openai_traffic_during_rl_rollouts(tmp_path):
             t.start()
         per_process: list[list[int]] = []  # [front, replica 0, replica 1] MB per sample
         samples = []  # (seconds, MB) every 5 s: the first third warms up (KV pages, allocator pools get touched)
-        while (now := time.monotonic() - t0) < DURATION_S:
+        times: list[float] = []
+        while time.monotonic() - t0 < DURATION_S:
             time.sleep(5.0)
+            now = time.monotonic() - t0
             samples.append((round(now), round(sum(rss_mb(p) for p in pids))))
             per_process.append([round(rss_mb(p)) for p in pids])
+            times.append(now)
         stop.set()
         for t in threads:
             t.join(300)
@@ -115,6 +123,12 @@ def test_openai_traffic_during_rl_rollouts(tmp_path):
               f"{len(rounds)} BatchGenerate rounds of {PROMPTS}x{N}; RSS after warm-up requests {before:.0f} MB, "
               f"samples (s, MB) {samples}, end {after:.0f} MB; per process [front, replicas...] first "
               f"{per_process[0]} last {per_process[-1]}")
-        # The front process (HTTP + gRPC + pool) must be flat. The replicas' RSS grew in both runs on record
-        # (docs/RELIABILITY.md: ~130-150 MB each over 60 s, slowing down) — an open finding, reported, not asserted.
+        third = next(i for i, t in enumerate(times) if t >= DURATION_S * 2 / 3)
+        replicas = range(1, len(pids))
+        until_third = [per_process[third][r] - per_process[0][r] for r in replicas]
+        last_third = [per_process[-1][r] - per_process[third][r] for r in replicas]
+        print(f"replica RSS growth (MB): {times[0]:.0f}-{times[third]:.0f} s {until_third}, "
+              f"{times[third]:.0f}-{times[-1]:.0f} s {last_third}")
+        # The front process (HTTP + gRPC + pool) must be flat; the replicas must have levelled off.
         assert per_process[-1][0] - per_process[0][0] < MEM_SLACK_MB, per_process
+        assert all(g <= REPLICA_LAST_THIRD_MB for g in last_third), (last_third, per_process)
