@@ -69,3 +69,24 @@ def test_spec_respects_max_tokens_and_stop_ids(ckpt):
         temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=(tok,)))])[0]
     assert out.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
     assert out.finish_reason is FinishReason.STOP
+
+
+def test_ngram_indexes_are_dropped_when_a_request_is_over(ckpt):
+    """A finished or aborted request's n-gram index is never read again: the engine must drop it (it costs
+    ~1 KB per token; keeping the last 1024 requests grew replicas by GBs with RL-sized groups)."""
+    engine = LLMEngine(ckpt, EngineConfig(block_size=8))
+    engine.enable_spec(SpecConfig(mode="static", static_arm="4_2_8", threshold=64, hysteresis_steps=1, drafter="ngram"))
+    groups = engine.spec_decoder.source.groups
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    engine.generate([GenerationRequest(f"g{i}", p, params, n=3) for i, p in enumerate(_prompts())])
+    assert len(groups) == 0
+    engine.add_request(GenerationRequest("aborted", _prompts()[1], params, n=3))
+    engine.add_request(GenerationRequest("kept", _prompts()[2], params, n=3))
+    for _ in range(4):
+        engine.step()
+    assert {"aborted", "kept"} <= set(groups), "both requests draft while they run"
+    engine.abort_request("aborted")
+    assert set(groups) == {"kept"}
+    while engine.has_unfinished():
+        engine.step()
+    assert len(groups) == 0

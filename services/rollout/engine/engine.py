@@ -140,6 +140,8 @@ class LLMEngine:
         for seq in self._seqs.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq)
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -207,6 +209,8 @@ class LLMEngine:
         group = self._seqs.get(seq.request_id)
         if group is not None and all(s.is_finished for s in group):
             del self._seqs[seq.request_id]
+            if self.spec_decoder is not None:
+                self.spec_decoder.forget(seq.request_id)
         oldest, newest = seq.policy_versions or (self.versions.policy, self.versions.policy)
         text = seq.text if seq.text is not None else self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         return CompletionOutput(

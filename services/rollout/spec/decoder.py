@@ -202,6 +202,10 @@ class SpecDecoder:
         """A sequence finished or was preempted: drop its drafting state."""
         self.source.release(seq)
 
+    def forget(self, request_id: str) -> None:
+        """A request is over (all its sequences finished, or it was aborted): drop what was kept for it."""
+        self.source.forget(request_id)
+
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         if not isinstance(self.source, EagleSource):
             raise ValueError("this engine drafts with n-grams (spec drafter = 'ngram'); it has no drafter weights to update")

@@ -58,6 +58,10 @@ class NgramSource:
         if seq.request_id in self.groups:
             self._sync(seq)  # keep a finished sibling's full text for the others
 
+    def forget(self, request_id: str) -> None:
+        """The request is over (every sibling finished or aborted): its index is never read again."""
+        self.groups.pop(request_id, None)
+
     def reset(self) -> None:
         pass
 
@@ -205,6 +209,9 @@ class EagleSource:
             if extra > 0:  # keep the newest pairs; the row restarts from them (a gap) when fed
                 toks, feats, pos = toks[extra:], feats[extra:], pos + extra
             self.pending[key] = (toks, feats, pos)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing: per-sequence state is dropped in `release`."""
 
     def release(self, seq: Sequence) -> None:
         key = seq_key(seq)
