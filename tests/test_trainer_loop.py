@@ -72,12 +72,17 @@ def test_resume_continues_versions_and_data(random_model_dir, tmp_path):
 
     out = tmp_path / "run"
     with ServerThread(random_model_dir, replicas=1) as server, RewardServer(RewardConfig(port=0)) as rs:
-        kw = dict(reward="grpc", reward_address=rs.address)
+        kw = dict(reward="grpc", reward_address=rs.address, eval_problems=3, eval_interval=1, eval_samples=2)
         train(config(random_model_dir, server.grpc_address, out, steps=1, **kw))
         summary = train(config(random_model_dir, server.grpc_address, out, steps=2, **kw))
     assert summary.resumed_from == 1 and summary.policy_version == 2
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1]
+    # held-out evals: before training, after step 1 (first run), after step 2 (the resumed run); each
+    # scored the version pushed at that point, once.
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(e["after_steps"], e["policy_version"]) for e in evals] == [(0, 0), (1, 1), (2, 2)]
+    assert all(e["problems"] == 3 and e["samples"] == 2 and 0.0 <= e["accuracy"] <= 1.0 for e in evals)
     from tlt.services.trainer.data import PromptSampler, synthetic_prompts
 
     sampler = PromptSampler(synthetic_prompts(64, 0), seed=0)

@@ -73,7 +73,7 @@ def collect(
     rewards: RewardSource,
     n: int,
     params: rollout_pb2.SamplingParams,
-    step: int,
+    step: int | str,
 ) -> RolloutResult:
     t0 = time.perf_counter()
     shards = [(client, list(prompts[j :: len(clients)])) for j, client in enumerate(clients)]

@@ -66,6 +66,19 @@ class TrainerConfig(ServiceConfig):
     )
     synthetic_problems: int = Field(2048, ge=1, description="size of the synthetic data set when data_path is unset")
 
+    # -- held-out eval (evaluate.py) -----------------------------------------------
+    eval_problems: int = Field(
+        0, ge=0, description="held-out problems scored through the rollout server before training, every "
+        "eval_interval steps and at the end, into output_dir/eval.jsonl (0: no eval)"
+    )
+    eval_interval: int = Field(10, ge=1, description="RL steps between held-out evals")
+    eval_samples: int = Field(1, ge=1, description="completions per eval problem")
+    eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0: greedy)")
+    eval_data_path: str | None = Field(
+        None, description="JSONL or Parquet eval prompts (its first eval_problems rows); default: the synthetic "
+        "task's held-out draw (the problems `tlt model eval` scores); required when data_path is set"
+    )
+
     # -- sampling -------------------------------------------------------------------
     prompts_per_step: int = Field(8, ge=1, description="prompts sampled per RL step")
     n_samples: int = Field(4, ge=1, description="samples per prompt (the GRPO group size)")
@@ -111,6 +124,11 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(
                 f"prompts_per_step x n_samples = {per_step} sequences must be a multiple of mini_batch_size "
                 f"({self.mini_batch_size}); e.g. set mini_batch_size={per_step}"
+            )
+        if self.eval_problems and self.data_path and not self.eval_data_path:
+            raise ValueError(
+                "eval_problems > 0 with your own data_path needs eval_data_path (held-out prompts of the same "
+                "kind); or set eval_problems=0"
             )
         if self.reward == "python" and ":" not in self.reward_function:
             raise ValueError("reward='python' needs reward_function='module:function'")

@@ -5,7 +5,8 @@
       prompts (PromptSampler) -> collect (rollout stream + rewards as they finish)
       -> check every completion came from the current policy version
       -> grpo_step (old logprobs, advantages, DeepSpeed update, version + 1)
-      -> push weights -> metrics.jsonl line -> checkpoint (every checkpoint_interval)
+      -> push weights -> metrics.jsonl line -> held-out eval (when due) -> checkpoint
+    held-out eval (evaluate.py): before step 0, every eval_interval steps, after the last -> eval.jsonl
     end: final checkpoint, the trained policy as a Hugging Face folder (output_dir/policy)
 
 Under the DeepSpeed launcher with W ranks, rank 0 alone talks to the
@@ -95,6 +96,8 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     try:
         version = services.sync(policy) if services else None
         policy.version = broadcast(version)
+        if services and start == 0:
+            services.evaluate(0, policy.version)
         for step in range(start, cfg.steps):
             t_step, t_wall = time.perf_counter(), time.time()
             prompts = sampler.next_batch(cfg.prompts_per_step)
@@ -108,9 +111,10 @@ def train(cfg: TrainerConfig) -> TrainSummary:
             m.sd_verify_steps, m.sd_accepted_tokens = rollout.spec.verify_steps, rollout.spec.accepted_tokens
             m.sd_plain_steps, m.drafter_version = rollout.spec.plain_steps, rollout.spec.drafter_version
             m.started_at = t_wall
+            done = step + 1
             if services:
                 services.publish(policy, m, prompts, t_step)
-            done = step + 1
+                services.evaluate(done, policy.version)
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 ckpt.save(policy, sampler, done)
         if services:
@@ -157,14 +161,21 @@ class _Services:
 
         self.cfg, self.out = cfg, out
         out.mkdir(parents=True, exist_ok=True)
+        from tlt.services.trainer.evaluate import eval_items, trim_evals
+
         self.metrics_path = out / "metrics.jsonl"
+        self.eval_path = out / "eval.jsonl"
         if start:
             trim_metrics(self.metrics_path, start)
-        elif self.metrics_path.exists():
-            self.metrics_path.unlink()
+            trim_evals(self.eval_path, start)
+        else:
+            self.metrics_path.unlink(missing_ok=True)
+            self.eval_path.unlink(missing_ok=True)
+        self.eval_items = eval_items(cfg) if cfg.eval_problems else []
         self.prom = Metrics("trainer")
         self.g_step = self.prom.gauge("step", "RL steps done")
         self.g_reward = self.prom.gauge("reward_mean", "mean reward of the last step")
+        self.g_eval = self.prom.gauge("eval_accuracy", "held-out accuracy of the last eval")
         self.g_seconds = self.prom.gauge("step_seconds", "wall time of the last step", labels=("phase",))
         if cfg.metrics_port:
             self.prom.serve(cfg.metrics_port)
@@ -220,6 +231,19 @@ class _Services:
         log.info("step", step=m.step, version=policy.version, reward=round(m.reward_mean, 4),
                  acc=round(m.accuracy, 4), loss=round(m.loss, 5), kl=round(m.approx_kl, 6),
                  len=round(m.response_len_mean, 1), **{k: round(v, 3) for k, v in m.times.items()})
+
+    def evaluate(self, steps_done: int, version: int) -> None:
+        """The held-out eval after `steps_done` steps, when due: one line of eval.jsonl (before the checkpoint)."""
+        from tlt.services.trainer.evaluate import due, run_eval
+
+        if not due(self.cfg, steps_done):
+            return
+        r = run_eval(self.eval_items, self.clients, self.rewards, self.cfg, steps_done, version,
+                     check_version=self.publisher is not None)
+        _append(self.eval_path, r.as_dict())
+        self.g_eval.set(r.accuracy)
+        log.info("eval", after_steps=steps_done, version=version, accuracy=round(r.accuracy, 4),
+                 problems=r.problems, samples=r.samples, seconds=round(r.seconds, 2))
 
     def export(self, policy) -> None:  # noqa: ANN001
         final = self.out / "policy"

@@ -1,11 +1,13 @@
 """report.html of a run: the per-step table and four plots (PNG, matplotlib Agg), from the run's files.
 
     runs/<id>/{metrics,timeline,drafter}.jsonl -> StepRow per step (run_stats.py)
+    runs/<id>/eval.jsonl                     -> held-out accuracy after 0, k, 2k, ... steps (evaluate.py)
       -> plots/step_time.png   stacked step-time parts per step (rollout split into tail / rest)
-         plots/reward.png      mean reward and accuracy per step
+         plots/reward.png      mean reward and accuracy per step, held-out accuracy at each eval
          plots/timeline.png    running batch over time, SD on shaded, drafter idle windows, step starts
          plots/accept.png      acceptance length and SD share per step
-      -> report.html           summary (start/end accuracy, mean step time), the table, the plots
+      -> report.html           summary (held-out and rollout accuracy at start and end, mean step time),
+                               the table, the plots
 
 Regenerate any time with `python -m tlt.services.trainer.report runs/<id>`.
 """
@@ -18,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tlt.services.trainer.evaluate import EvalRecord, read_evals
 from tlt.services.trainer.run_stats import (
     HEADER,
     IdleWindow,
@@ -54,7 +57,7 @@ def summarize(rows: list[StepRow]) -> Summary:
 
 
 def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[IdleWindow], out: Path,
-           threshold: int) -> list[tuple[str, str]]:
+           threshold: int, evals: list[EvalRecord] = ()) -> list[tuple[str, str]]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,10 +83,15 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
 
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(steps, [r.reward for r in rows], "o-", label="mean reward")
-    ax.plot(steps, [r.accuracy for r in rows], "s--", label="accuracy")
+    ax.plot(steps, [r.accuracy for r in rows], "s--", label="accuracy (the step's rollout)")
+    if evals:
+        # eval after k steps sits between step k-1 and step k (before step 0 for k = 0)
+        ax.plot([e.after_steps - 0.5 for e in evals], [e.accuracy for e in evals], "D-", color="black", lw=2,
+                label=f"held-out accuracy ({evals[0].problems} problems x {evals[0].samples}, T={evals[0].temperature:g})")
     ax.set_xlabel("step"), ax.set_ylim(-0.02, 1.02), ax.set_title("Reward and accuracy per step"), ax.legend()
     fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
-    made.append(("reward.png", "Mean reward and accuracy of each step's rollout"))
+    made.append(("reward.png", "Mean reward and accuracy of each step's rollout (its prompts differ step to step); "
+                               "held-out accuracy on one fixed problem set"))
 
     if samples:
         t0 = samples[0].t
@@ -128,13 +136,24 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     return made
 
 
+def _eval_line(evals: list[EvalRecord]) -> str:
+    if not evals:
+        return "<p>No held-out eval in this run ([trainer] eval_problems = 0).</p>"
+    first, last = evals[0], evals[-1]
+    curve = ", ".join(f"{e.after_steps}: {e.accuracy:.3f}" for e in evals)
+    return (f"<p>Held-out accuracy ({first.problems} problems x {first.samples} samples, temperature "
+            f"{first.temperature:g}): <b>{first.accuracy:.3f}</b> after {first.after_steps} steps &rarr; "
+            f"<b>{last.accuracy:.3f}</b> after {last.after_steps} steps (every eval: {curve}).</p>")
+
+
 def write_report(run_dir: str | Path, threshold: int = 32) -> Path:
     run_dir = Path(run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     samples = read_timeline(run_dir / "timeline.jsonl")
     windows = read_windows(run_dir / "drafter.jsonl")
     rows = [step_row(m, samples, windows, threshold) for m in metrics]
-    plots = _plots(rows, samples, windows, run_dir / "plots", threshold) if rows else []
+    evals = read_evals(run_dir / "eval.jsonl")
+    plots = _plots(rows, samples, windows, run_dir / "plots", threshold, evals) if rows else []
     s = summarize(rows)
     info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
     esc = html.escape
@@ -150,7 +169,8 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}figure{{margin:1e
 <p>preset <code>{esc(str(info.get('preset', '?')))}</code>, speculative decoding <b>{'on' if switches.get('speculation') else 'off'}</b>,
 online drafter <b>{'on' if switches.get('drafter') else 'off'}</b>, {s.steps} steps,
 mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
-<p>Accuracy: <b>{s.acc_start:.3f}</b> (mean of the first {s.k} steps) &rarr; <b>{s.acc_end:.3f}</b> (last {s.k} steps);
+{_eval_line(evals)}
+<p>Rollout accuracy: <b>{s.acc_start:.3f}</b> (mean of the first {s.k} steps) &rarr; <b>{s.acc_end:.3f}</b> (last {s.k} steps);
 mean reward {s.reward_start:.3f} &rarr; {s.reward_end:.3f}.</p>
 {figs}
 <h2>Per step</h2><p>times in seconds; tail = rollout time with the running batch between 1 and {threshold} (sampled);

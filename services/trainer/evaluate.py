@@ -1,0 +1,96 @@
+"""Held-out accuracy of the policy, measured through the rollout server while training runs.
+
+    eval prompts (the synthetic task's held-out draw, or eval_data_path)
+      -> collect(n = eval_samples, temperature = eval_temperature)   same rollout + reward path as a step
+      -> share of correct completions -> EvalRecord -> one line of runs/<id>/eval.jsonl
+
+When: before the first step (after 0 steps), after every `eval_interval`
+steps, and after the last step. A step's rollout accuracy moves with the mix
+of prompts it happened to draw; the eval set is fixed, so two evals differ
+only by the policy (and, with eval_temperature > 0, by sampling noise). The
+synthetic held-out draw is the one `tlt model eval` uses (seed
+EVAL_SEED_OFFSET), independent of the trainer's seed, so runs with different
+seeds are scored on the same problems.
+
+Eval time is not part of any step's time (it runs after the step's metrics
+line is written) and is recorded in the record itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.types import PromptItem
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    after_steps: int  # RL steps done when evaluated (0: the initial policy)
+    policy_version: int
+    accuracy: float  # correct / (problems x samples)
+    problems: int
+    samples: int
+    temperature: float
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def eval_items(cfg: TrainerConfig) -> list[PromptItem]:
+    """The fixed eval set: the first eval_problems of eval_data_path, else the synthetic held-out draw."""
+    if cfg.eval_data_path:
+        from tlt.services.trainer.data import DataError, load_prompts
+
+        items = load_prompts(cfg.eval_data_path)
+        if len(items) < cfg.eval_problems:
+            raise DataError(f"{cfg.eval_data_path}: {len(items)} prompts, eval_problems asks for {cfg.eval_problems}")
+        return items[: cfg.eval_problems]
+    from tlt.model.evaluate import EVAL_SEED_OFFSET
+    from tlt.task import format_prompt, generate_problems
+
+    problems = generate_problems(cfg.eval_problems, EVAL_SEED_OFFSET)
+    return [PromptItem(i, format_prompt(p), p.answer) for i, p in enumerate(problems)]
+
+
+def due(cfg: TrainerConfig, steps_done: int) -> bool:
+    """Evaluate after `steps_done` steps? (0 = before training.)"""
+    if cfg.eval_problems == 0:
+        return False
+    return steps_done == 0 or steps_done == cfg.steps or steps_done % cfg.eval_interval == 0
+
+
+def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, steps_done: int,  # noqa: ANN001
+             version: int, check_version: bool = True) -> EvalRecord:
+    """Score the eval set with the policy the rollout server(s) serve now (checked to be `version`)."""
+    from tlt.services.trainer.collect import collect, sampling_params
+    from tlt.services.trainer.weight_sync import check_versions
+
+    t0 = time.perf_counter()
+    params = sampling_params(cfg.max_tokens, cfg.eval_temperature, 1.0)
+    result = collect(items, clients, rewards, cfg.eval_samples, params, f"eval{steps_done}")
+    if check_version:
+        check_versions((s.policy_version for s in result.samples), version)
+    correct = sum(s.correct for s in result.samples)
+    return EvalRecord(steps_done, version, correct / len(result.samples), len(items), cfg.eval_samples,
+                      cfg.eval_temperature, time.perf_counter() - t0)
+
+
+def read_evals(path: Path) -> list[EvalRecord]:
+    if not path.exists():
+        return []
+    return [EvalRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def trim_evals(path: Path, steps_done: int) -> None:
+    """On resume after `steps_done` steps: drop evals of later steps (the killed run's), atomically."""
+    if not path.exists():
+        return
+    keep = [r for r in read_evals(path) if r.after_steps <= steps_done]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r.as_dict()) + "\n" for r in keep))
+    tmp.replace(path)

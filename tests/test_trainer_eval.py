@@ -1,0 +1,55 @@
+"""The held-out eval's schedule, its resume bookkeeping and its data (services/trainer/evaluate.py).
+
+The eval through a real rollout server is covered by
+tests/test_trainer_loop.py::test_resume_continues_versions_and_data.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.evaluate import EvalRecord, due, eval_items, read_evals, trim_evals
+
+
+def test_due_before_training_every_interval_and_at_the_end():
+    cfg = TrainerConfig(eval_problems=8, eval_interval=4, steps=10)
+    assert [k for k in range(11) if due(cfg, k)] == [0, 4, 8, 10]
+    assert not any(due(TrainerConfig(eval_problems=0, steps=10), k) for k in range(11))
+
+
+def test_synthetic_eval_set_is_the_model_eval_draw_and_independent_of_the_trainer_seed():
+    from tlt.model.evaluate import eval_problems
+    from tlt.task import format_prompt
+
+    a = eval_items(TrainerConfig(eval_problems=5, seed=0))
+    b = eval_items(TrainerConfig(eval_problems=5, seed=7))
+    assert [(i.prompt, i.answer) for i in a] == [(i.prompt, i.answer) for i in b]
+    assert [(i.prompt, i.answer) for i in a] == [(format_prompt(p), p.answer) for p in eval_problems(5, 0)]
+    # ... and disjoint in seed from the training draw (synthetic_prompts(n, seed))
+    from tlt.services.trainer.data import synthetic_prompts
+
+    assert [i.prompt for i in a] != [i.prompt for i in synthetic_prompts(5, 0)]
+
+
+def test_eval_data_path_rows_and_errors(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": i}) + "\n" for i in range(3)))
+    items = eval_items(TrainerConfig(eval_problems=2, eval_data_path=str(path)))
+    assert [(i.prompt, i.answer) for i in items] == [("q0", "0"), ("q1", "1")]
+    with pytest.raises(ValueError, match="eval_problems asks for 5"):
+        eval_items(TrainerConfig(eval_problems=5, eval_data_path=str(path)))
+    with pytest.raises(ValidationError, match="needs eval_data_path"):
+        TrainerConfig(eval_problems=4, data_path=str(path))
+
+
+def test_trim_keeps_evals_up_to_the_resumed_step(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    recs = [EvalRecord(k, k, 0.1 * k, 4, 1, 0.0, 0.5) for k in (0, 2, 4)]
+    path.write_text("".join(json.dumps(r.as_dict()) + "\n" for r in recs))
+    trim_evals(path, 3)
+    assert read_evals(path) == recs[:2]
+    trim_evals(tmp_path / "missing.jsonl", 1)  # nothing to trim: no error
