@@ -25,7 +25,7 @@ SMALL = ["--set", "trainer.prompts_per_step=2", "--set", "trainer.n_samples=4", 
          "--set", "trainer.mini_batch_size=8", "--set", "trainer.micro_batch_size=4",
          "--set", "trainer.synthetic_problems=64", "--set", "trainer.torch_threads=1",
          "--set", "trainer.checkpoint_interval=1", "--set", "rollout.threads_per_replica=1",
-         "--set", "run.poll_interval_s=0.2"]
+         "--set", "run.poll_interval_s=0.2", "--set", "trainer.eval_problems=4", "--set", "trainer.eval_interval=2"]
 
 
 def tlt_run(runs: Path, *args: str) -> subprocess.Popen:
@@ -77,6 +77,9 @@ def check_steps(run_dir: Path) -> None:
     assert [m["step"] for m in lines] == list(range(STEPS)), [m["step"] for m in lines]
     assert [m["policy_version"] for m in lines] == list(range(1, STEPS + 1))
     assert [m["prompt_indices"] for m in lines] == expected_prompt_indices(STEPS)
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    # held-out evals before training and after every 2nd step, each exactly once across the kill
+    assert [(e["after_steps"], e["policy_version"]) for e in evals] == [(k, k) for k in range(0, STEPS + 1, 2)]
 
 
 @pytest.mark.slow  # two launches of every service: ~2-3 minutes on the shared 2-core machine

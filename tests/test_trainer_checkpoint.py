@@ -94,7 +94,8 @@ def test_kill_minus_nine_resumes_without_lost_or_repeated_steps(random_model_dir
                    f"model_dir='{random_model_dir}'", f"rollout_addresses=['{server.grpc_address}']",
                    f"output_dir='{out}'", "prompts_per_step=2", "n_samples=4", "max_tokens=12",
                    "mini_batch_size=8", "micro_batch_size=4", f"steps={steps}", "checkpoint_interval=1",
-                   "synthetic_problems=64", "torch_threads=1", "lr=0.001", "reward='task'")]]
+                   "synthetic_problems=64", "torch_threads=1", "lr=0.001", "reward='task'", "eval_problems=4",
+                   "eval_interval=1")]]
         log = (tmp_path / "train.log").open("w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -116,4 +117,6 @@ def test_kill_minus_nine_resumes_without_lost_or_repeated_steps(random_model_dir
     assert [m["prompt_indices"] for m in lines] == [[p.index for p in sampler.next_batch(2)] for _ in range(steps)]
     versions = [m["policy_version"] for m in lines]
     assert versions == sorted(set(versions)) and serving == versions[-1]  # versions only grow; rollout in sync
+    evals = _lines(out / "eval.jsonl")  # held-out evals: before training and after every step, each once
+    assert [e["after_steps"] for e in evals] == list(range(steps + 1))
     assert (out / "checkpoints" / "step-00000004" / "trainer_state.pt").exists()

@@ -81,9 +81,11 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
 
 
 def read_evals(path: Path) -> list[EvalRecord]:
+    """Complete lines only: a line still being written (no newline yet) is left for the next read."""
     if not path.exists():
         return []
-    return [EvalRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().split("\n")[:-1]
+    return [EvalRecord(**json.loads(line)) for line in lines if line.strip()]
 
 
 def trim_evals(path: Path, steps_done: int) -> None:

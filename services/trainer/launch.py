@@ -77,5 +77,10 @@ def run(args: argparse.Namespace) -> int:
 
         path = write_report(plan.run_dir, plan.tail_threshold)
         log.info("report_written", path=str(path))
-    log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1))
+    from tlt.services.trainer.evaluate import read_evals
+
+    evals = read_evals(plan.run_dir / "eval.jsonl")
+    held_out = ({"eval_accuracy": f"{evals[0].accuracy:.3f} (after {evals[0].after_steps} steps) -> "
+                                  f"{evals[-1].accuracy:.3f} (after {evals[-1].after_steps})"} if evals else {})
+    log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1), **held_out)
     return rc

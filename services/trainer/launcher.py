@@ -230,9 +230,11 @@ class Launcher:
             bar.write(table_line(HEADER))
         metrics = self.plan.run_dir / "metrics.jsonl"
         seen_size = -1
+        evals_shown = 0
         try:
             while True:
                 rc = self.trainer.poll()  # type: ignore[union-attr]
+                evals_shown = self._show_evals(evals_shown, bar)
                 size = metrics.stat().st_size if metrics.exists() else 0
                 if size != seen_size:  # a new step line (or the trainer trimmed lines on resume)
                     seen_size = size
@@ -259,6 +261,20 @@ class Launcher:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _show_evals(self, shown: int, bar) -> int:  # noqa: ANN001 - tqdm or None
+        """Print held-out evals the trainer wrote since the last call; returns how many are shown."""
+        from tlt.services.trainer.evaluate import read_evals
+
+        evals = read_evals(self.plan.run_dir / "eval.jsonl")
+        for e in evals[min(shown, len(evals)):]:
+            line = (f"held-out accuracy after {e.after_steps} steps: {e.accuracy:.3f} "
+                    f"({e.problems} problems x {e.samples}, T={e.temperature:g}, {e.seconds:.1f} s)")
+            if bar is not None:
+                bar.write(line)
+            else:
+                log.info("eval", after_steps=e.after_steps, accuracy=round(e.accuracy, 4))
+        return len(evals)
 
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -10,7 +10,8 @@
 Each is the real `tlt run` command in a subprocess, one after the other (they
 share the machine). Reported: mean step time of each (all steps, and without
 the first step, which includes warm-up), the step-time ratio baseline / TLT,
-the rollout-time ratio, and the reward curves overlaid in reward.png. The
+the rollout-time ratio, the held-out accuracy curves (eval.jsonl, when the
+preset evaluates), and the reward curves overlaid in reward.png. The
 reward curves "agree" when TLT's mean absolute per-step reward difference from
 the baseline is at most 1.5x that between the two baseline seeds (a noise
 estimate from one pair of runs, hence the margin); the difference of the run
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     from tlt.services.common.logging import get_logger
+    from tlt.services.trainer.evaluate import read_evals
     from tlt.services.trainer.run_stats import step_rows
 
     log = get_logger("bench.e2e")
@@ -85,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
             return rc
         rows = step_rows(out / name, 32)
         info = json.loads((out / name / "run.json").read_text())
+        evals = read_evals(out / name / "eval.jsonl")
         results[name] = {
+            "eval_after_steps": [e.after_steps for e in evals], "eval_accuracy": [e.accuracy for e in evals],
             "seed": seed, "switches": info["switches"], "steps": len(rows),
             "step_s": [r.step_s for r in rows], "rollout_s": [r.rollout_s for r in rows],
             "reward": [r.reward for r in rows], "accuracy": [r.accuracy for r in rows],
@@ -112,17 +116,22 @@ def run(args: argparse.Namespace) -> int:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     for name, r in results.items():
-        ax.plot(range(len(r["reward"])), r["reward"], "o-" if name == "tlt" else "s--",
-                label=f"{name} (seed {r['seed']}, mean step {r['mean_step_s']:.1f} s)")
-    ax.set_xlabel("step"), ax.set_ylabel("mean reward"), ax.set_title("Reward per step: TLT vs baseline")
+        line = ax.plot(range(len(r["reward"])), r["reward"], "o-" if name == "tlt" else "s--", alpha=0.5, ms=3,
+                       label=f"{name} (seed {r['seed']}, mean step {r['mean_step_s']:.1f} s)")[0]
+        if r["eval_accuracy"]:
+            ax.plot([k - 0.5 for k in r["eval_after_steps"]], r["eval_accuracy"], "D-", lw=2, color=line.get_color(),
+                    label=f"{name}: held-out accuracy")
+    ax.set_xlabel("step"), ax.set_ylabel("mean reward / accuracy"), ax.set_title("Reward per step: TLT vs baseline")
     ax.legend(fontsize=8)
     fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
     (out / "results.json").write_text(json.dumps({"summary": summary, "runs": results}, indent=2))
     print(json.dumps(summary, indent=2))
-    print(f"| run | seed | SD | drafter | mean step s | w/o first | mean rollout s | mean reward |\n|---|---|---|---|---|---|---|---|")
+    print("| run | seed | SD | drafter | mean step s | w/o first | mean rollout s | mean reward | held-out accuracy |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
+        held = " -> ".join(f"{a:.3f}" for a in r["eval_accuracy"]) or "-"
         print(f"| {name} | {r['seed']} | {'on' if r['switches']['speculation'] else 'off'} | "
               f"{'on' if r['switches']['drafter'] else 'off'} | {r['mean_step_s']:.2f} | {r['mean_step_s_after_first']:.2f} | "
-              f"{r['mean_rollout_s']:.2f} | {r['mean_reward']:.3f} |")
+              f"{r['mean_rollout_s']:.2f} | {r['mean_reward']:.3f} | {held} |")
     log.info("bench_done", out=str(out), plot=str(out / "reward.png"))
     return 0
