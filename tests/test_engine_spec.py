@@ -60,10 +60,13 @@ def test_spec_respects_max_tokens_and_stop_ids(ckpt):
     engine.enable_spec(SpecConfig(mode="static", static_arm="4_2_8", threshold=64, hysteresis_steps=1, drafter="ngram"))
     base = engine.generate([GenerationRequest("b", _prompts()[0], SamplingParams(temperature=0.0, max_tokens=30,
                                                                                   ignore_eos=True))])[0]
-    for n in (1, 5, 13):
+    for n in (1, 5, 13, *range(2, 30, 3)):
         out = engine.generate([GenerationRequest(f"m{n}", _prompts()[0], SamplingParams(
             temperature=0.0, max_tokens=n, ignore_eos=True))])[0]
         assert out.token_ids == base.token_ids[:n] and out.finish_reason is FinishReason.LENGTH
+        # every kept token is counted once: by a plain step or as accepted by a verify pass (not the
+        # tokens of an accepted path that max_tokens cut)
+        assert out.spec.accepted_tokens + out.spec.plain_decode_steps == n
     tok = base.token_ids[9]
     out = engine.generate([GenerationRequest("s", _prompts()[0], SamplingParams(
         temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=(tok,)))])[0]

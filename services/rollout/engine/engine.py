@@ -178,7 +178,6 @@ class LLMEngine:
         for k, seq in enumerate(seqs):
             if verified:
                 seq.spec.verify_steps += 1
-                seq.spec.accepted_tokens += len(tokens[k])
             else:
                 seq.spec.plain_decode_steps += 1
             new: list[int] = []
@@ -196,6 +195,8 @@ class LLMEngine:
                 reason = check_stop(seq, tok, self.tokenizer, self.max_model_len)
                 if reason is not None:
                     break
+            if verified:  # the tokens kept: a stop or max_tokens cuts the rest of an accepted path
+                seq.spec.accepted_tokens += len(new)
             steps.append(StepOutput(seq.request_id, seq.sample_index, new,
                                     None if seq.logprobs is None else seq.logprobs[-len(new):],
                                     finished=reason is not None, finish_reason=reason))
