@@ -7,6 +7,11 @@ Every mode must emit exactly the tokens of `off` (lossless check, exit status 1 
 Reports wall time, tokens/s, speed-up over `off`, tokens/s in the tail (steps with running batch <=
 threshold), verify steps and mean tokens per sequence per verify step.
 
+`--workload task` instead decodes the synthetic task's problems (`--prompts` x `--n` distinct ones)
+greedily with their natural lengths (stop at eos, capped by `--max-tokens`): the trained model's own
+long tail (problem step counts are zipf-distributed), which is what a learned drafter was trained on.
+`--workload synthetic` (the default) is the forced-length batch above on random-token prompts.
+
 Modes: off; ngram (adaptive bandit, model-free drafter); static-ngram (one fixed arm); learned and
 static-learned (the EAGLE drafter from `--drafter DIR`, skipped without it). The model is `--model
 DIR`, else `artifacts/tiny` when it exists, else a random checkpoint with the tiny preset's shape
@@ -32,11 +37,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--median-tokens", type=int, default=24, help="median response length")
     parser.add_argument("--max-tokens", type=int, default=320, help="longest response (the tail's cap)")
     parser.add_argument("--sigma", type=float, default=1.2, help="log-normal sigma of response lengths (the tail's weight)")
+    parser.add_argument("--workload", choices=("synthetic", "task"), default="synthetic",
+                        help="forced log-normal lengths on random prompts, or task problems at natural lengths")
     parser.add_argument("--threshold", type=int, default=16, help="SD runs while the running batch is <= this")
     parser.add_argument("--static-arm", default="8_4_16", help="arm of the static modes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _task_requests(model_dir, count: int, max_tokens: int, seed: int):  # noqa: ANN001, ANN202
+    """`count` task problems as greedy requests that stop at eos; returns (requests, longest prompt)."""
+    from transformers import AutoTokenizer
+
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+    from tlt.task import format_prompt, generate_problems
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = [tuple(tok.encode(format_prompt(p))) for p in generate_problems(count, seed + 7_000_003)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return [GenerationRequest(f"t{i}", p, params) for i, p in enumerate(ids)], max(len(p) for p in ids)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
                                                                   ignore_eos=True))
         for i in range(args.prompts) for j in range(args.n)
     ]
-    total_ctx = args.prompt_len + args.max_tokens + 64
+    prompt_len = args.prompt_len
+    if args.workload == "task":
+        requests, prompt_len = _task_requests(model_dir, args.prompts * args.n, args.max_tokens, args.seed)
+    total_ctx = prompt_len + args.max_tokens + 64
     results, reference = [], None
     for mode in modes:
         learned = mode.endswith("learned")
@@ -122,8 +145,11 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         if base and "wall_s" in r:
             r["speedup_vs_off"] = round(base["wall_s"] / r["wall_s"], 2)
-    report = {"model": source, "sequences": len(requests), "lengths_p50": int(lengths.median()),
-              "lengths_max": int(lengths.max()), "threshold": args.threshold, "results": results}
+    if args.workload == "task" and reference:
+        lengths = torch.tensor([len(v) for v in reference.values()], dtype=torch.float32)
+    report = {"model": source, "workload": args.workload, "sequences": len(requests),
+              "lengths_p50": int(lengths.float().median()), "lengths_max": int(lengths.max()),
+              "threshold": args.threshold, "results": results}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
