@@ -71,6 +71,33 @@ def use_triton(x: torch.Tensor, impl: Impl) -> bool:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def resolve_impl(impl: Impl, device: torch.device) -> Literal["torch", "triton"]:
+    """The implementation a model on `device` runs for the whole process (the engine's `kernels` knob).
+
+    "auto": "triton" on CUDA when `triton.language` imports, "torch" otherwise (never the
+    interpreter); "triton" on a CPU device needs TRITON_INTERPRET=1 from process start (checked
+    here, so a misconfigured engine fails when it is built rather than at its first step).
+    """
+    if impl == "torch":
+        return "torch"
+    if impl == "auto":
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import triton.language  # noqa: F401
+        except ImportError:  # a CUDA torch without triton: the references still run
+            return "torch"
+        return "triton"
+    if impl == "triton":
+        if device.type != "cuda" and not interpreter_ready():
+            raise RuntimeError(
+                f"kernels='triton' on device {device} needs Triton's interpreter: start the process with "
+                "TRITON_INTERPRET=1 (set before triton is first imported), or use kernels='auto'/'torch'"
+            )
+        return "triton"
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
 class LazyKernel:
     """A Triton kernel decorated with `triton.jit` on first launch, per interpreter setting.
 

@@ -18,13 +18,27 @@ depth share a position). `copy_slots` moves accepted tokens' K/V afterwards.
 
 KV layout per layer (shared with the Triton kernels):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-On CPU attention is the PyTorch reference: gather each sequence's K/V blocks
-through its block table, pad the batch to its longest context, one SDPA call
-per group (decode rows and extend rows are separate groups so a long prefill
-does not pad every decode row). The layer maths around attention lives in
-`layer_ops` (TorchScript; oneDNN packed, norm-folded weights on CPU); the HF
-named tensors stay the source of truth and `prepare_kernels` rederives what
-the kernels use after every load, so hot swaps and cold starts are one path.
+
+Two implementations, chosen once per model (`kernels`, the engine's `EngineConfig.kernels`):
+
+- "torch" (every CPU run, and CUDA when asked): attention is the PyTorch
+  reference: gather each sequence's K/V blocks through its block table, pad
+  the batch to its longest context, one SDPA call per group (decode rows and
+  extend rows are separate groups so a long prefill does not pad every decode
+  row). The layer maths around attention lives in `layer_ops` (TorchScript;
+  oneDNN packed, norm-folded weights on CPU).
+- "triton" (the default on CUDA; on CPU only under TRITON_INTERPRET=1, for
+  tests): `kernel_ops` runs RMSNorm and residual-add + RMSNorm, RoPE and, for
+  decode rows and speculative verify trees, paged attention as the Triton
+  kernels of `tlt.kernels`, straight over the cache above; prefill chunks keep
+  SDPA. The kernels' int32 block tables, context lengths and padded tree masks
+  are built once per step in `AttentionMetadata.build(for_kernels=True)`.
+  UNVERIFIED on a GPU (none was available): only the interpreter run on CPU
+  (tests/test_engine_kernels.py, parity with "torch") checks this path.
+
+The HF named tensors stay the source of truth and `prepare_kernels`
+rederives what the layers use after every load, so hot swaps and cold starts
+are one path.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tlt.kernels.launch import Impl, resolve_impl
 from tlt.model.config import ModelConfig
 from tlt.model.layer_ops import (
     group_attention_fn,
@@ -89,16 +104,32 @@ def rope_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @dataclass
+class KernelTables:
+    """What the Triton paged-attention kernels read for one group (`tlt.kernels.paged_attention`).
+
+    Queries are padded to max_q per sequence (left-aligned, like the SDPA groups): sequence g's n_g
+    new tokens sit at cache positions ctx_g .. ctx_g + n_g - 1, and the kernel is told the context
+    ctx_g + max_q, so its "last max_q positions" are those tokens plus padding columns that the
+    tree mask hides (padding positions past a sequence's blocks read block 0, masked out).
+    """
+
+    block_tables: torch.Tensor  # [G, nb] int32, padded with block 0
+    context_lens: torch.Tensor  # [G] int32: cached tokens + max_q
+    tree_mask: torch.Tensor | None  # [G, max_q, max_q] bool (row i sees new token j); None: decode rows
+
+
+@dataclass
 class AttentionGroup:
-    """Sequences attended with one padded SDPA call."""
+    """Sequences attended together: one padded SDPA call, or one Triton kernel launch when `kernel` is set."""
 
     q_index: torch.Tensor | None  # [G, max_q] flat token index per (seq, query), None when rows are 0..G-1
     out_index: torch.Tensor | None  # [n_valid] flat token index of the valid padded rows, None when identity
     valid: torch.Tensor | None  # [G*max_q] bool, which padded rows are real tokens
-    block_index: torch.Tensor  # [G * nb] block ids of each sequence (padded with block 0); keys = blocks[:, :lk]
+    block_index: torch.Tensor | None  # [G * nb] block ids of each sequence (padded with block 0); keys = blocks[:, :lk]
     lk: int  # keys attended per sequence (the longest context in the group; shorter ones are masked)
     mask: torch.Tensor | None  # [G, 1, max_q, Lk] bool, True = attend; None = every key visible
     max_q: int
+    kernel: KernelTables | None = None  # set for decode / tree groups built for the Triton kernels (SDPA fields unused)
 
 
 @dataclass
@@ -123,8 +154,13 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor | None = None,
         tree_masks: list[torch.Tensor | None] | None = None,
         device: torch.device | str = "cpu",
+        for_kernels: bool = False,
     ) -> AttentionMetadata:
-        """Derive the gather indices and masks once per step (shared by every layer)."""
+        """Derive the gather indices and masks once per step (shared by every layer).
+
+        for_kernels: the model runs the Triton kernels (`Transformer.kernels == "triton"`): decode
+        and tree groups get `KernelTables` instead of SDPA masks; prefill groups stay SDPA.
+        """
         if slot_mapping is None:
             slots = []
             for q, c, bt in zip(q_lens, context_lens, block_tables):
@@ -132,7 +168,7 @@ class AttentionMetadata:
             slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
         meta = cls(q_lens, context_lens, block_tables, slot_mapping, block_size, tree_masks)
         if tree_masks is None and all(q == 1 for q in q_lens):
-            meta.groups = [meta._decode_group(device)]
+            meta.groups = [meta._decode_group(device, for_kernels)]
             return meta
         starts = [0]
         for q in q_lens:
@@ -140,14 +176,18 @@ class AttentionMetadata:
         has_tree = [tree_masks is not None and tree_masks[i] is not None for i in range(len(q_lens))]
         single = [i for i, q in enumerate(q_lens) if q == 1 and not has_tree[i]]
         multi = [i for i, q in enumerate(q_lens) if not (q == 1 and not has_tree[i])]
-        meta.groups = [meta._group(ix, starts, device) for ix in (single, multi) if ix]
+        meta.groups = [meta._group(ix, starts, device, for_kernels) for ix in (single, multi) if ix]
         return meta
 
-    def _decode_group(self, device) -> AttentionGroup:
+    def _decode_group(self, device, for_kernels: bool) -> AttentionGroup:
         """Every sequence has one new token and no tree: row b is flat token b, key j visible iff j <= ctx_b."""
         bs = self.block_size
         lk = max(self.context_lens) + 1
         nb = (lk + bs - 1) // bs
+        if for_kernels:
+            bt32 = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in self.block_tables], dtype=torch.int32)
+            lens = torch.tensor([c + 1 for c in self.context_lens], dtype=torch.int32)
+            return AttentionGroup(None, None, None, None, lk, None, 1, KernelTables(bt32.to(device), lens.to(device), None))
         bt = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in self.block_tables], dtype=torch.int64)
         if min(self.context_lens) == lk - 1:
             mask = None  # every row sees exactly its lk keys (one sequence, or equal contexts as in a GRPO group)
@@ -156,12 +196,35 @@ class AttentionMetadata:
             mask = (torch.arange(lk)[None, :] <= ctx[:, None])[:, None, None, :].to(device)
         return AttentionGroup(None, None, None, bt.view(-1).to(device), lk, mask, 1)
 
-    def _group(self, ix: list[int], starts: list[int], device) -> AttentionGroup:
+    def _group(self, ix: list[int], starts: list[int], device, for_kernels: bool) -> AttentionGroup:
         g = len(ix)
         bs = self.block_size
         q = torch.tensor([self.q_lens[i] for i in ix], dtype=torch.int64)
         ctx = torch.tensor([self.context_lens[i] for i in ix], dtype=torch.int64)
         max_q = int(q.max())
+        trees = [self.tree_masks[i] if self.tree_masks is not None else None for i in ix]
+        has_tree = any(tm is not None for tm in trees)
+        s = torch.tensor([starts[i] for i in ix], dtype=torch.int64)
+        flat = s[:, None] + torch.arange(max_q)[None, :]
+        valid = (torch.arange(max_q)[None, :] < q[:, None]).reshape(-1)
+        identity = max_q == 1 and g == len(self.q_lens)  # pure decode: row r is flat token r
+        flat = flat.clamp(max=starts[-1] - 1)  # padded rows read some real token; their output is dropped
+        q_index = None if identity else flat.to(device)
+        out_index = None if identity else flat.reshape(-1)[valid].to(device)
+        if for_kernels and (max_q == 1 or has_tree):  # decode rows or a verify step; prefill chunks stay SDPA
+            lk = int(ctx.max()) + max_q
+            nb = (lk + bs - 1) // bs
+            bt32 = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in (self.block_tables[i] for i in ix)],
+                                dtype=torch.int32)
+            tree = None
+            if has_tree:  # real nodes top-left, padding rows/columns hidden; a plain chunk is causal
+                tree = torch.zeros(g, max_q, max_q, dtype=torch.bool)
+                for r, tm in enumerate(trees):
+                    n = int(q[r])
+                    tree[r, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril_() if tm is None else tm.to(torch.bool).cpu()
+                tree = tree.to(device)
+            tables = KernelTables(bt32.to(device), (ctx + max_q).to(torch.int32).to(device), tree)
+            return AttentionGroup(q_index, out_index, valid.to(device), None, lk, None, max_q, tables)
         lk = int((q + ctx).max())
         nb = (lk + bs - 1) // bs
         rows = [self.block_tables[i][:nb] for i in ix]
@@ -171,26 +234,41 @@ class AttentionMetadata:
         c3, q3 = ctx[:, None, None], q[:, None, None]
         # cached keys always visible; new key k = j - ctx visible to query i when k <= i (causal)
         mask = (j < c3) | ((j - c3 <= qi) & (j < c3 + q3))
-        if self.tree_masks is not None:
-            for r, i in enumerate(ix):
-                tm = self.tree_masks[i]
-                if tm is not None:
-                    c, n = self.context_lens[i], self.q_lens[i]
-                    mask[r, :n, c : c + n] = tm.to(torch.bool).cpu()
-        s = torch.tensor([starts[i] for i in ix], dtype=torch.int64)
-        flat = s[:, None] + torch.arange(max_q)[None, :]
-        valid = (torch.arange(max_q)[None, :] < q[:, None]).reshape(-1)
-        identity = max_q == 1 and g == len(self.q_lens)  # pure decode: row r is flat token r
-        flat = flat.clamp(max=starts[-1] - 1)  # padded rows read some real token; their output is dropped
+        for r, (i, tm) in enumerate(zip(ix, trees)):
+            if tm is not None:
+                c, n = self.context_lens[i], self.q_lens[i]
+                mask[r, :n, c : c + n] = tm.to(torch.bool).cpu()
         return AttentionGroup(
-            q_index=None if identity else flat.to(device),
-            out_index=None if identity else flat.reshape(-1)[valid].to(device),
+            q_index=q_index,
+            out_index=out_index,
             valid=valid.to(device),
             block_index=bt.view(-1).to(device),
             lk=lk,
             mask=mask[:, None].to(device),
             max_q=max_q,
         )
+
+
+def attend_groups(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata, scale: float,
+                  kernel_attend=None) -> torch.Tensor:
+    """Attention of every new token -> [T, nh * d]. q: [T, nh, d]; kc/vc: one layer's caches [num_blocks, block_size, kvh, d].
+
+    Groups with `KernelTables` go to `kernel_attend` (`kernel_ops.attend`), the others to SDPA.
+    """
+    t, nh, d = q.shape
+    groups = attn.groups
+    assert groups is not None, "AttentionMetadata.build() derives the groups"
+    out = q.new_empty(t, nh * d) if len(groups) > 1 or groups[0].out_index is not None else None
+    for g in groups:
+        if g.kernel is not None:
+            assert kernel_attend is not None, "metadata built for_kernels=True needs a model with kernels='triton'"
+            og = kernel_attend(q, kc, vc, g, scale)
+        else:
+            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.mask, g.max_q, scale)
+        if out is None:
+            return og
+        out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])
+    return out
 
 
 # ----------------------------------------------------------------------------- model
@@ -217,10 +295,16 @@ class _Layer:
 
 
 class Transformer:
-    """Functional decoder; weights are plain tensors addressed by HF names via `_targets`."""
+    """Functional decoder; weights are plain tensors addressed by HF names via `_targets`.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu", max_len: int | None = None):
+    kernels: "auto" (Triton on CUDA when it imports, PyTorch elsewhere), "torch" or "triton" (on CPU
+    only under TRITON_INTERPRET=1); resolved once here, `self.kernels` is "torch" or "triton".
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu", max_len: int | None = None,
+                 kernels: Impl = "torch"):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.kernels = resolve_impl(kernels, self.device)
         e = dict(dtype=dtype, device=self.device)
         self.embed = torch.zeros(cfg.vocab_size, cfg.hidden_size, **e)
         self.lm_head = self.embed if cfg.tie_word_embeddings else torch.zeros(cfg.vocab_size, cfg.hidden_size, **e)
@@ -236,7 +320,8 @@ class Transformer:
         self.v_flat: list[torch.Tensor] = []
         self.scale = cfg.head_dim**-0.5
         self._eps = torch.tensor(cfg.rms_norm_eps, dtype=torch.float32, device=self.device)
-        self._use_onednn = self.device.type == "cpu" and onednn_works(dtype)
+        # the Triton path reads the HF-layout weights (never packed / norm-folded)
+        self._use_onednn = self.device.type == "cpu" and self.kernels == "torch" and onednn_works(dtype)
         self._exact_hf = dtype != torch.float32  # low precision: RMSNorm in HF's exact order
         self.k_lm_head = self.lm_head
 
@@ -299,6 +384,8 @@ class Transformer:
 
     # ---- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        if self.kernels == "triton":
+            return self._forward_triton(input_ids, positions, attn)
         cfg = self.cfg
         nh, kvh, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         packed, eps, exact = self._use_onednn, self._eps, self._exact_hf
@@ -309,24 +396,30 @@ class Transformer:
         for li, L in enumerate(self.layers):
             q = pre_attention_fn(x, L.k_ln1, L.k_qkv, L.qkv_bias, L.qk_norm, packed, eps, exact, cos, sin,
                                  self.k_flat[li], self.v_flat[li], slots, nh, kvh, d)
-            o = self._attend(q, self.k_caches[li], self.v_caches[li], attn)
+            o = attend_groups(q, self.k_caches[li], self.v_caches[li], attn, self.scale)
             x = post_attention_fn(x, o, L.k_o, L.k_ln2, L.k_gate_up, L.k_down, packed, eps, exact, inter)
         return rms(x, self.norm, eps, exact)
 
     __call__ = forward
 
-    def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """q: [T, nh, d]; kc/vc: the layer's caches [num_blocks, block_size, kvh, d]."""
-        t, nh, d = q.shape
-        groups = attn.groups
-        assert groups is not None, "AttentionMetadata.build() derives the groups"
-        out = q.new_empty(t, nh * d) if len(groups) > 1 or groups[0].out_index is not None else None
-        for g in groups:
-            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.mask, g.max_q, self.scale)
-            if out is None:
-                return og
-            out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])
-        return out
+    def _forward_triton(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """The same maths on the Triton kernels (see `kernel_ops`): the residual add fused into the next norm."""
+        from tlt.model import kernel_ops as ko
+
+        cfg = self.cfg
+        nh, kvh, d, inter, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
+        x = F.embedding(input_ids, self.embed)
+        h = ko.rmsnorm_triton(x, self.layers[0].ln1, eps)
+        for li, L in enumerate(self.layers):
+            q = ko.pre_attention(h, L.qkv, L.qkv_bias, L.qk_norm, self._eps, positions, self.cos, self.sin,
+                                 self.k_flat[li], self.v_flat[li], attn.slot_mapping, nh, kvh, d)
+            o = attend_groups(q, self.k_caches[li], self.v_caches[li], attn, self.scale, ko.attend)
+            h, x = ko.fused_add_rmsnorm_triton(F.linear(o, L.o), x, L.ln2, eps)
+            gu = F.linear(h, L.gate_up)
+            delta = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L.down)
+            nxt = self.layers[li + 1].ln1 if li + 1 < len(self.layers) else self.norm
+            h, x = ko.fused_add_rmsnorm_triton(delta, x, nxt, eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.k_lm_head, None, self._use_onednn)
@@ -335,8 +428,9 @@ class Transformer:
     def prepare_kernels(self) -> None:
         """Point each layer's kernel weights at what the kernels consume; called after every weight load.
 
-        oneDNN (CPU): packed copies with the preceding RMSNorm weight folded in (so the norm applies
-        none). Otherwise the HF-layout tensors themselves (views, no copy).
+        oneDNN (CPU, kernels="torch"): packed copies with the preceding RMSNorm weight folded in (so
+        the norm applies none). Otherwise the HF-layout tensors themselves (views, no copy); the
+        Triton path (`_forward_triton`) reads those directly.
         """
         for L in self.layers:
             if self._use_onednn:
@@ -348,7 +442,8 @@ class Transformer:
         self.k_lm_head = pack(self.lm_head) if self._use_onednn else self.lm_head
 
 
-def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", max_len=None) -> Transformer:
-    model = Transformer(cfg, dtype=dtype, device=device, max_len=max_len)
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", max_len=None,
+                kernels: Impl = "torch") -> Transformer:
+    model = Transformer(cfg, dtype=dtype, device=device, max_len=max_len, kernels=kernels)
     model.load_weights(tensors)
     return model

@@ -20,6 +20,16 @@ class EngineConfig(ServiceConfig):
         "float32", description="weights, activations and KV cache dtype (float32 on CPU; bfloat16 on GPU)"
     )
     device: str = Field("cpu", description="torch device of this replica: cpu, cuda, cuda:1, ...")
+    kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description=(
+            "decode/verify hot path: 'triton' = fused add+RMSNorm, RoPE and paged decode/tree attention as the "
+            "Triton kernels of tlt.kernels (prefill attention stays SDPA); 'torch' = the PyTorch path "
+            "(TorchScript + oneDNN on CPU); 'auto' = triton on CUDA when triton imports, else torch. "
+            "The compiled GPU kernels are UNVERIFIED on a GPU (only the TRITON_INTERPRET=1 CPU run checks them); "
+            "'triton' on CPU needs TRITON_INTERPRET=1 from process start (tests only, very slow)"
+        ),
+    )
     max_num_seqs: int = Field(128, ge=1, description="most sequences decoded together in one step")
     max_num_batched_tokens: int = Field(
         2048, ge=16, description="token budget of one step (prefill chunks + decode tokens); longer prompts are chunked"

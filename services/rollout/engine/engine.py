@@ -18,6 +18,12 @@ a completion is stamped `versions.policy` = newest version used and
 `versions.policy_min` = oldest when they differ (None when all tokens came
 from one version), so a mixed rollout is always visible to the trainer.
 
+Kernels (`EngineConfig.kernels`): "auto" runs the PyTorch path on CPU (TorchScript + oneDNN,
+unchanged) and, on CUDA, the Triton kernels of `tlt.kernels` for the decode and verify steps
+(fused add+RMSNorm, RoPE, paged decode / tree attention over the paged KV cache; prefill
+attention stays SDPA; see tlt/model/kernel_ops.py). That GPU path is UNVERIFIED on a GPU: only
+tests/test_engine_kernels.py, which runs it under TRITON_INTERPRET=1 on CPU, checks it.
+
 Features (`return_features`): row i is the last-layer hidden state (post
 final norm) at the position that produced token_ids[i], taken from the same
 forward that sampled it, as fp16.
@@ -74,7 +80,9 @@ class LLMEngine:
         cfg, tensors = load_checkpoint(model_dir, dtype=self.dtype, device=self.device)
         self.model_config: ModelConfig = cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.model = build_model(cfg, tensors, dtype=self.dtype, device=self.device, max_len=self.max_model_len + 128)  # + room for draft-tree positions
+        self.model = build_model(cfg, tensors, dtype=self.dtype, device=self.device,
+                                 max_len=self.max_model_len + 128,  # + room for draft-tree positions
+                                 kernels=config.kernels)
         del tensors
         if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             raise CheckpointError(f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
@@ -92,7 +100,8 @@ class LLMEngine:
         self._steps = 0
         self.spec_decoder = None  # a SpecDecoder replaces plain decode for small batches when attached
         log.info("engine_ready", replica=replica_id, arch=cfg.architecture, layers=cfg.num_layers,
-                 kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len)
+                 kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
+                 kernels=self.model.kernels)
 
     def _blocks_for_budget(self, mb: float) -> int:
         c = self.model_config

@@ -7,6 +7,9 @@
 
 The runner owns the model and its KV cache. `extend` (any q_len per sequence,
 optional tree masks) and `copy_slots` are public for speculative decoding.
+With a model built with kernels="triton" the metadata also carries what the
+Triton kernels read (int32 block tables, context lengths, padded tree masks),
+built here once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = model.device
+        self.for_kernels = model.kernels == "triton"
         model.allocate_kv_cache(num_blocks, block_size)
 
     def slot(self, seq: Sequence, pos: int) -> int:
@@ -65,7 +69,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.build(
             batch.num_new, ctx, [s.block_table for s in batch.seqs], bs,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), device=dev,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), device=dev, for_kernels=self.for_kernels,
         )
         hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
@@ -86,7 +90,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """General forward for speculative verify: new tokens at cache positions ctx..ctx+q-1 -> hidden [T, H]."""
         meta = AttentionMetadata.build(q_lens, context_lens, block_tables, self.block_size,
-                                       tree_masks=tree_masks, device=self.device)
+                                       tree_masks=tree_masks, device=self.device, for_kernels=self.for_kernels)
         return self.model.forward(input_ids, positions, meta)
 
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

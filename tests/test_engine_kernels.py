@@ -1,0 +1,215 @@
+"""The engine on the Triton kernels (`EngineConfig.kernels = "triton"`) against its PyTorch path.
+
+With kernels="triton" the model's decode and verify steps run fused add+RMSNorm, RoPE and paged
+decode / tree attention as the kernels of `tlt.kernels`, over the engine's own paged KV cache
+(prefill attention stays SDPA). On CPU that needs Triton's interpreter from process start, so
+the `test_interpreter_*` cases below skip in a normal run and `test_engine_on_kernels_in_child`
+runs them in a child `python -m pytest` started with TRITON_INTERPRET=1 (as
+tests/test_kernels_interpreter.py does for the kernel parity cases). They compare whole
+generations, kernels="torch" vs kernels="triton" (fp32: the interpreter's bf16 is not faithful):
+greedy tokens identical, logprobs within 1e-4, for plain decode at batch 1 and 5 (mixed prompt
+lengths, chunked prefill so decode rows and prefill chunks share steps, contexts over several KV
+blocks, split-K attention) and with n-gram speculative decoding (draft trees through the tree
+kernel). Nothing is faked: a tiny random Qwen2 (GQA, 2 layers) and the real kernels, interpreted.
+This checks the kernels' logic inside the engine, NOT the compiled GPU path (no GPU here).
+
+The other cases run in-process: the "auto" default stays on the PyTorch path on CPU, "triton"
+on CPU without the interpreter fails at start, and the kernel tables of
+`AttentionMetadata.build(for_kernels=True)` give the SDPA path's attention through the kernels'
+PyTorch references.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tlt.kernels.launch import interpreter_ready, resolve_impl
+from tlt.model.layer_ops import onednn_works
+from tlt.model.transformer import AttentionMetadata, attend_groups
+from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.engine.engine import LLMEngine
+from tlt.services.rollout.engine.testing import random_checkpoint
+from tlt.services.rollout.spec.config import SpecConfig
+from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+INTERPRETER_CASES = 3
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_ready(), reason="needs TRITON_INTERPRET=1 from process start: runs in the child process"
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return random_checkpoint(tmp_path_factory.mktemp("kern") / "m", hidden_size=64, intermediate_size=128,
+                             num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                             seed=2, weight_scale=0.03)
+
+
+# ----------------------------------------------------------------------------- in-process
+
+
+def test_engine_on_kernels_in_child() -> None:
+    if interpreter_ready():
+        pytest.skip("this process already runs the interpreter: the cases run directly")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "test_interpreter_", __file__],
+        env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-8000:]
+    passed = re.search(r"(\d+) passed", output)
+    assert passed is not None and int(passed.group(1)) == INTERPRETER_CASES, output[-4000:]
+    assert "skipped" not in output, f"interpreter cases skipped in the child:\n{output[-4000:]}"
+
+
+def test_auto_is_the_pytorch_path_on_cpu(ckpt) -> None:
+    assert EngineConfig().kernels == "auto"
+    assert resolve_impl("auto", torch.device("cpu")) == "torch"
+    engine = LLMEngine(ckpt, EngineConfig(block_size=4))
+    assert engine.model.kernels == "torch" and not engine.runner.for_kernels
+    assert engine.model._use_onednn == onednn_works(torch.float32)  # the CPU path is untouched: packed weights
+
+
+def test_triton_on_cpu_needs_triton_interpret(ckpt) -> None:
+    if interpreter_ready():
+        pytest.skip("the interpreter is on in this process")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        LLMEngine(ckpt, EngineConfig(block_size=4, kernels="triton"))
+
+
+def _tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+    return mask
+
+
+@pytest.mark.parametrize("q_lens, ctx, trees", [
+    ([1, 1, 1], [5, 13, 0], False),      # decode, contexts over several blocks
+    ([1, 6, 1, 3], [9, 2, 4, 0], False),  # decode rows (kernel) + prefill chunks (SDPA on both sides)
+    ([3, 1, 5], [7, 10, 2], True),        # verify: trees of 3, 1 and 5 nodes, padded to 5
+])
+def test_kernel_tables_match_the_sdpa_path(q_lens, ctx, trees) -> None:
+    """The kernels' inputs built once per step (int32 block tables, contexts + max_q, padded tree
+    masks) give the same attention through the kernels' PyTorch references as the SDPA groups."""
+    from tlt.model.kernel_ops import attend
+
+    g = torch.Generator().manual_seed(0)
+    bs, nblocks, kvh, nh, d = 4, 24, 2, 4, 8
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables, start = [], 0
+    for q, c in zip(q_lens, ctx):
+        n = (q + c + bs - 1) // bs
+        tables.append(perm[start : start + n])
+        start += n
+    kc = torch.randn(nblocks, bs, kvh, d, generator=g)
+    vc = torch.randn(nblocks, bs, kvh, d, generator=g)
+    q = torch.randn(sum(q_lens), nh, d, generator=g)
+    masks = [_tree_mask(n, g) for n in q_lens] if trees else None
+    sdpa = AttentionMetadata.build(q_lens, ctx, tables, bs, tree_masks=masks)
+    kern = AttentionMetadata.build(q_lens, ctx, tables, bs, tree_masks=masks, for_kernels=True)
+    assert any(grp.kernel is not None for grp in kern.groups)
+    for grp in kern.groups:
+        if grp.kernel is not None:
+            assert grp.kernel.block_tables.dtype == grp.kernel.context_lens.dtype == torch.int32
+    want = attend_groups(q, kc, vc, sdpa, d**-0.5)
+    got = attend_groups(q, kc, vc, kern, d**-0.5, functools.partial(attend, impl="torch"))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- interpreter (child)
+
+
+def _generate(ckpt, kernels: str, prompts, max_tokens: int, spec: bool = False, **engine_kw):
+    engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, **engine_kw))
+    assert engine.model.kernels == kernels
+    if spec:
+        engine.enable_spec(SpecConfig(mode="static", static_arm="3_2_6", threshold=64, hysteresis_steps=1,
+                                      drafter="ngram"))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    out = engine.generate([GenerationRequest(f"r{i}", tuple(p), params) for i, p in enumerate(prompts)])
+    return engine, out
+
+
+def _same(torch_out, triton_out) -> None:
+    for a, b in zip(torch_out, triton_out):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4), (a.logprobs, b.logprobs)
+
+
+def _prompts(lengths, repetitive: bool = False):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for n in lengths:
+        if repetitive:  # the n-gram drafter finds matches
+            motif = torch.randint(3, 250, (int(torch.randint(2, 4, (1,), generator=g)),), generator=g).tolist()
+            out.append((motif * 20)[:n])
+        else:
+            out.append(torch.randint(3, 250, (n,), generator=g).tolist())
+    return out
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the kernel launches the engine makes (wrapping the real functions)."""
+    from tlt.model import kernel_ops
+
+    counts: dict[str, int] = {}
+
+    def counting(name, fn):
+        def wrapper(*a, **kw):
+            if kw.get("impl", "triton") == "triton":
+                counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **kw)
+        return wrapper
+
+    for name in ("paged_decode_attention", "paged_tree_attention", "apply_rotary_triton",
+                 "rmsnorm_triton", "fused_add_rmsnorm_triton"):
+        monkeypatch.setattr(kernel_ops, name, counting(name, getattr(kernel_ops, name)))
+    return counts
+
+
+@needs_interpreter
+def test_interpreter_decode_batch1_several_blocks(ckpt, calls) -> None:
+    # block_size 2: the cache grows to 20 tokens in 10 blocks; past 8 blocks the decode kernel splits (flash decoding)
+    prompts = _prompts([9])
+    _, want = _generate(ckpt, "torch", prompts, 12, block_size=2)
+    assert not calls
+    _, got = _generate(ckpt, "triton", prompts, 12, block_size=2)
+    _same(want, got)
+    assert calls["paged_decode_attention"] == 2 * 11  # layers x decode steps (the first token comes from prefill)
+    assert calls["apply_rotary_triton"] == 2 * 12 and calls["fused_add_rmsnorm_triton"] == 2 * 2 * 12
+
+
+@needs_interpreter
+def test_interpreter_decode_batch5_mixed_lengths(ckpt, calls) -> None:
+    # 5 prompts of 3..13 tokens with a 16-token step budget: prefill is chunked, so steps mix decode rows
+    # (decode kernel, gathered rows) with prefill chunks (SDPA); block_size 4 -> contexts over several blocks
+    prompts = _prompts([3, 11, 6, 13, 8])
+    _, want = _generate(ckpt, "torch", prompts, 8, block_size=4, max_num_batched_tokens=16)
+    _, got = _generate(ckpt, "triton", prompts, 8, block_size=4, max_num_batched_tokens=16)
+    _same(want, got)
+    assert calls["paged_decode_attention"] > 0 and "paged_tree_attention" not in calls
+
+
+@needs_interpreter
+def test_interpreter_speculative_verify_tree_kernel(ckpt, calls) -> None:
+    prompts = _prompts([7, 12, 10], repetitive=True)
+    torch_engine, want = _generate(ckpt, "torch", prompts, 10, spec=True, block_size=4)
+    engine, got = _generate(ckpt, "triton", prompts, 10, spec=True, block_size=4)
+    _same(want, got)
+    stats = engine.stats().spec
+    assert stats["verify_steps"] > 0 and stats["drafted_tokens"] > 0
+    assert stats == torch_engine.stats().spec  # same drafts, same acceptances
+    assert sum(c.spec.accepted_tokens for c in got) > sum(c.spec.verify_steps for c in got), "drafts were accepted"
+    assert calls["paged_tree_attention"] == 2 * stats["verify_steps"]
