@@ -126,7 +126,7 @@ class SpecDecoder:
         ids = tree.tokens[valid].to(dev)
         positions = (torch.tensor(ctx)[:, None] + tree.depth)[valid].to(dev)
         hidden = self.runner.extend(ids, positions, n_list, ctx, [s.block_table for s in seqs],
-                                    [masks[i, :n, :n].to(dev) for i, n in enumerate(n_list)])
+                                    [masks[i, :n, :n] for i, n in enumerate(n_list)])  # CPU: the metadata is built there
         logits = self.runner.model.compute_logits(hidden).float()
         b, n_max = tree.tokens.shape
         valid_d = valid.to(dev)
