@@ -126,7 +126,11 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     assert all(m["times"]["rollout_s"] > 0 and m["times"]["update_s"] > 0 and m["times"]["push_s"] > 0 for m in lines)
     assert (run_dir / "timeline.jsonl").read_text().count("\n") > 5  # the rollout's status was sampled
     page = (run_dir / "report.html").read_text()
-    assert "Accuracy:" in page and page.count("<tr>") == 3
+    assert "Rollout accuracy:" in page and page.count("<tr>") == 3
+    # the held-out eval ran before training and after the last step, is in the report and the summary line
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["after_steps"] for e in evals] == [0, 2]
+    assert "Held-out accuracy (4 problems" in page and "eval_accuracy=" in out
     for name in ("logs/reward.log", "logs/rollout.log", "logs/trainer.log", "checkpoints/latest", "policy/config.json"):
         assert (run_dir / name).exists(), name
     assert all(gone(p) for p in all_pids(run_dir))
