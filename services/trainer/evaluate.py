@@ -18,12 +18,12 @@ line is written) and is recorded in the record itself.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.run_stats import read_jsonl, trim_jsonl
 from tlt.services.trainer.types import PromptItem
 
 
@@ -81,18 +81,9 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
 
 
 def read_evals(path: Path) -> list[EvalRecord]:
-    """Complete lines only: a line still being written (no newline yet) is left for the next read."""
-    if not path.exists():
-        return []
-    lines = path.read_text().split("\n")[:-1]
-    return [EvalRecord(**json.loads(line)) for line in lines if line.strip()]
+    return [EvalRecord(**r) for r in read_jsonl(path)]
 
 
 def trim_evals(path: Path, steps_done: int) -> None:
     """On resume after `steps_done` steps: drop evals of later steps (the killed run's), atomically."""
-    if not path.exists():
-        return
-    keep = [r for r in read_evals(path) if r.after_steps <= steps_done]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r.as_dict()) + "\n" for r in keep))
-    tmp.replace(path)
+    trim_jsonl(path, lambda r: r["after_steps"] <= steps_done)

@@ -135,6 +135,7 @@ class Launcher:
         self.trainer: ServiceProcess | None = None
         self.samplers: list[Any] = []
         self._rows_shown = 0
+        self._eval_size = -1  # size of eval.jsonl when last read
         # Control-plane token for this run (services/common/auth.py): the caller's TLT_AUTH_TOKEN if set, else a
         # fresh random one; every child gets it in its environment (never on a command line or in config.toml).
         from tlt.services.common.auth import TOKEN_ENV, new_token, resolve_token
@@ -266,7 +267,12 @@ class Launcher:
         """Print held-out evals the trainer wrote since the last call; returns how many are shown."""
         from tlt.services.trainer.evaluate import read_evals
 
-        evals = read_evals(self.plan.run_dir / "eval.jsonl")
+        path = self.plan.run_dir / "eval.jsonl"
+        size = path.stat().st_size if path.exists() else 0
+        if size == self._eval_size:  # polled every 0.5 s: read the file only when it changed
+            return shown
+        self._eval_size = size
+        evals = read_evals(path)
         for e in evals[min(shown, len(evals)):]:
             line = (f"held-out accuracy after {e.after_steps} steps: {e.accuracy:.3f} "
                     f"({e.problems} problems x {e.samples}, T={e.temperature:g}, {e.seconds:.1f} s)")

@@ -47,16 +47,6 @@ class TrainSummary:
     output_dir: str
 
 
-def trim_metrics(path: Path, steps_done: int) -> None:
-    """Keep only lines of steps < steps_done (atomically)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < steps_done]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
-
-
 def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
     """Make every rollout server serve the trainer's weights before the first rollout."""
     from tlt.services.trainer.weight_sync import policy_tensors, resolve_dtype
@@ -162,11 +152,12 @@ class _Services:
         self.cfg, self.out = cfg, out
         out.mkdir(parents=True, exist_ok=True)
         from tlt.services.trainer.evaluate import eval_items, trim_evals
+        from tlt.services.trainer.run_stats import trim_jsonl
 
         self.metrics_path = out / "metrics.jsonl"
         self.eval_path = out / "eval.jsonl"
         if start:
-            trim_metrics(self.metrics_path, start)
+            trim_jsonl(self.metrics_path, lambda m: m["step"] < start)
             trim_evals(self.eval_path, start)
         else:
             self.metrics_path.unlink(missing_ok=True)

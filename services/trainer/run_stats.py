@@ -15,6 +15,7 @@ tail threshold. It is a sample-based estimate, exact to one poll interval.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,6 +87,15 @@ def read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError:  # a line cut by a kill -9 mid-write: the rest is still good
                 continue
     return out
+
+
+def trim_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
+    """Rewrite a run's JSONL file with only the records `keep` accepts (atomically; resume bookkeeping)."""
+    if not path.exists():
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))
+    tmp.replace(path)
 
 
 def read_timeline(path: Path) -> list[TimelineSample]:
