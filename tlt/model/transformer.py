@@ -179,16 +179,21 @@ class AttentionMetadata:
         meta.groups = [meta._group(ix, starts, device, for_kernels) for ix in (single, multi) if ix]
         return meta
 
+    def _block_table(self, ix, lk: int, dtype: torch.dtype) -> torch.Tensor:
+        """[G, nb] block ids of sequences `ix` covering `lk` positions, padded with block 0."""
+        nb = (lk + self.block_size - 1) // self.block_size
+        rows = [self.block_tables[i][:nb] for i in ix]
+        return torch.tensor([r + [0] * (nb - len(r)) for r in rows], dtype=dtype)
+
     def _decode_group(self, device, for_kernels: bool) -> AttentionGroup:
         """Every sequence has one new token and no tree: row b is flat token b, key j visible iff j <= ctx_b."""
-        bs = self.block_size
         lk = max(self.context_lens) + 1
-        nb = (lk + bs - 1) // bs
+        everyone = range(len(self.block_tables))
         if for_kernels:
-            bt32 = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in self.block_tables], dtype=torch.int32)
+            bt32 = self._block_table(everyone, lk, torch.int32)
             lens = torch.tensor([c + 1 for c in self.context_lens], dtype=torch.int32)
             return AttentionGroup(None, None, None, None, lk, None, 1, KernelTables(bt32.to(device), lens.to(device), None))
-        bt = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in self.block_tables], dtype=torch.int64)
+        bt = self._block_table(everyone, lk, torch.int64)
         if min(self.context_lens) == lk - 1:
             mask = None  # every row sees exactly its lk keys (one sequence, or equal contexts as in a GRPO group)
         else:
@@ -198,7 +203,6 @@ class AttentionMetadata:
 
     def _group(self, ix: list[int], starts: list[int], device, for_kernels: bool) -> AttentionGroup:
         g = len(ix)
-        bs = self.block_size
         q = torch.tensor([self.q_lens[i] for i in ix], dtype=torch.int64)
         ctx = torch.tensor([self.context_lens[i] for i in ix], dtype=torch.int64)
         max_q = int(q.max())
@@ -213,9 +217,7 @@ class AttentionMetadata:
         out_index = None if identity else flat.reshape(-1)[valid].to(device)
         if for_kernels and (max_q == 1 or has_tree):  # decode rows or a verify step; prefill chunks stay SDPA
             lk = int(ctx.max()) + max_q
-            nb = (lk + bs - 1) // bs
-            bt32 = torch.tensor([r[:nb] + [0] * (nb - len(r[:nb])) for r in (self.block_tables[i] for i in ix)],
-                                dtype=torch.int32)
+            bt32 = self._block_table(ix, lk, torch.int32)
             tree = None
             if has_tree:  # real nodes top-left, padding rows/columns hidden; a plain chunk is causal
                 tree = torch.zeros(g, max_q, max_q, dtype=torch.bool)
@@ -226,9 +228,7 @@ class AttentionMetadata:
             tables = KernelTables(bt32.to(device), (ctx + max_q).to(torch.int32).to(device), tree)
             return AttentionGroup(q_index, out_index, valid.to(device), None, lk, None, max_q, tables)
         lk = int((q + ctx).max())
-        nb = (lk + bs - 1) // bs
-        rows = [self.block_tables[i][:nb] for i in ix]
-        bt = torch.tensor([r + [0] * (nb - len(r)) for r in rows], dtype=torch.int64)
+        bt = self._block_table(ix, lk, torch.int64)
         j = torch.arange(lk)[None, None, :]
         qi = torch.arange(max_q)[None, :, None]
         c3, q3 = ctx[:, None, None], q[:, None, None]
@@ -305,6 +305,10 @@ class Transformer:
                  kernels: Impl = "torch"):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.kernels = resolve_impl(kernels, self.device)
+        if self.kernels == "triton":  # imported only here: it imports triton.language
+            from tlt.model import kernel_ops
+
+            self._ko = kernel_ops
         e = dict(dtype=dtype, device=self.device)
         self.embed = torch.zeros(cfg.vocab_size, cfg.hidden_size, **e)
         self.lm_head = self.embed if cfg.tie_word_embeddings else torch.zeros(cfg.vocab_size, cfg.hidden_size, **e)
@@ -404,9 +408,7 @@ class Transformer:
 
     def _forward_triton(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """The same maths on the Triton kernels (see `kernel_ops`): the residual add fused into the next norm."""
-        from tlt.model import kernel_ops as ko
-
-        cfg = self.cfg
+        ko, cfg = self._ko, self.cfg
         nh, kvh, d, inter, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
         h = ko.rmsnorm_triton(x, self.layers[0].ln1, eps)
