@@ -59,29 +59,11 @@ def _task_requests(model_dir, count: int, max_tokens: int, seed: int):  # noqa: 
     return [GenerationRequest(f"t{i}", p, params) for i, p in enumerate(ids)], max(len(p) for p in ids)
 
 
-def run(args: argparse.Namespace) -> int:
-    import time
-
+def _synthetic_requests(args: argparse.Namespace):  # noqa: ANN202
+    """Random-token prompts with forced log-normal lengths (eos ignored); returns (requests, lengths [P, n])."""
     import torch
 
-    from tlt.services.rollout.engine.config import EngineConfig
-    from tlt.services.rollout.engine.engine import LLMEngine
-    from tlt.bench import resolve_model
-    from tlt.services.rollout.spec.config import SpecConfig
-    from tlt.services.rollout.spec.decoder import build_spec_decoder
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
-
-    torch.set_num_threads(args.threads)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        print(f"error: unknown modes {bad}; choose from {list(MODES)}", file=sys.stderr)
-        return 2
-    resolved = resolve_model(args.model)
-    if resolved is None:
-        print(f"error: {args.model} is not a checkpoint folder", file=sys.stderr)
-        return 2
-    model_dir, source = resolved
 
     g = torch.Generator().manual_seed(args.seed)
     lengths = (torch.randn(args.prompts, args.n, generator=g) * args.sigma).exp() * args.median_tokens
@@ -95,9 +77,37 @@ def run(args: argparse.Namespace) -> int:
                                                                   ignore_eos=True))
         for i in range(args.prompts) for j in range(args.n)
     ]
-    prompt_len = args.prompt_len
+    return requests, lengths
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.bench import resolve_model
+    from tlt.services.rollout.spec.config import SpecConfig
+    from tlt.services.rollout.spec.decoder import build_spec_decoder
+
+    torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"error: unknown modes {bad}; choose from {list(MODES)}", file=sys.stderr)
+        return 2
+    resolved = resolve_model(args.model)
+    if resolved is None:
+        print(f"error: {args.model} is not a checkpoint folder", file=sys.stderr)
+        return 2
+    model_dir, source = resolved
+
     if args.workload == "task":
         requests, prompt_len = _task_requests(model_dir, args.prompts * args.n, args.max_tokens, args.seed)
+    else:
+        requests, lengths = _synthetic_requests(args)
+        prompt_len = args.prompt_len
     total_ctx = prompt_len + args.max_tokens + 64
     results, reference = [], None
     for mode in modes:
@@ -145,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         if base and "wall_s" in r:
             r["speedup_vs_off"] = round(base["wall_s"] / r["wall_s"], 2)
-    if args.workload == "task" and reference:
-        lengths = torch.tensor([len(v) for v in reference.values()], dtype=torch.float32)
+    if args.workload == "task":  # natural lengths: those the first mode decoded
+        lengths = torch.tensor([len(v) for v in (reference or {}).values()] or [0], dtype=torch.float32)
     report = {"model": source, "workload": args.workload, "sequences": len(requests),
               "lengths_p50": int(lengths.float().median()), "lengths_max": int(lengths.max()),
               "threshold": args.threshold, "results": results}
