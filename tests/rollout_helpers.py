@@ -130,3 +130,15 @@ class ServeProcess:
     @property
     def pids(self) -> list[int]:
         return [self.info["pid"], *self.info["replica_pids"]]
+
+
+def pid_gone(pid: int) -> bool:
+    """The process has exited; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # the state field follows the ")" that ends the command name (which may hold spaces)
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -18,6 +18,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from rollout_helpers import pid_gone
+
 LAUNCHER = textwrap.dedent(
     """
     import sys, time
@@ -33,19 +35,6 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie counts as gone: read its state
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def test_service_exits_when_the_launcher_is_killed(tmp_path: Path) -> None:
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], stdout=subprocess.DEVNULL)
     child = 0
@@ -57,15 +46,15 @@ def test_service_exits_when_the_launcher_is_killed(tmp_path: Path) -> None:
         assert pid_file.exists(), (tmp_path / "reward.log").read_text(errors="replace")[-2000:]
         child = int(pid_file.read_text())
         assert json.loads((tmp_path / "ready.json").read_text())  # the service really started
-        assert _alive(child)
+        assert not pid_gone(child)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         deadline = time.monotonic() + 20
-        while _alive(child) and time.monotonic() < deadline:
+        while not pid_gone(child) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(child), "the service outlived its launcher's kill -9"
+        assert pid_gone(child), "the service outlived its launcher's kill -9"
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        if child and _alive(child):
+        if child and not pid_gone(child):
             os.kill(child, signal.SIGKILL)

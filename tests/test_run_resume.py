@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from rollout_helpers import pid_gone
+
 STEPS = 6
 PROMPTS = 2
 SMALL = ["--set", "trainer.prompts_per_step=2", "--set", "trainer.n_samples=4", "--set", "trainer.max_tokens=12",
@@ -36,18 +38,6 @@ def tlt_run(runs: Path, *args: str) -> subprocess.Popen:
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def all_pids(run_dir: Path) -> list[int]:
@@ -100,8 +90,8 @@ def test_kill_minus_nine_of_the_trainer_then_resume(random_model_dir: Path, tmp_
     killed_after = len(metrics(run_dir))
     assert killed_after < STEPS
     deadline = time.monotonic() + 30
-    while not all(gone(p) for p in services):  # the launcher stopped every service
-        assert time.monotonic() < deadline, [p for p in services if not gone(p)]
+    while not all(pid_gone(p) for p in services):  # the launcher stopped every service
+        assert time.monotonic() < deadline, [p for p in services if not pid_gone(p)]
         time.sleep(0.2)
 
     proc = tlt_run(runs, "--resume", str(run_dir))
@@ -111,7 +101,7 @@ def test_kill_minus_nine_of_the_trainer_then_resume(random_model_dir: Path, tmp_
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert "checkpoint_loaded" in log and "resumed_from=" in log
     assert (run_dir / "report.html").exists() and (run_dir / "plots" / "timeline.png").exists()
-    assert all(gone(p) for p in all_pids(run_dir))
+    assert all(pid_gone(p) for p in all_pids(run_dir))
 
 
 def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Path, tmp_path: Path) -> None:
@@ -133,7 +123,7 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     assert "Held-out accuracy (4 problems" in page and "eval_accuracy=" in out
     for name in ("logs/reward.log", "logs/rollout.log", "logs/trainer.log", "checkpoints/latest", "policy/config.json"):
         assert (run_dir / name).exists(), name
-    assert all(gone(p) for p in all_pids(run_dir))
+    assert all(pid_gone(p) for p in all_pids(run_dir))
 
 
 def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: Path) -> None:
@@ -149,5 +139,5 @@ def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: 
     proc.send_signal(signal.SIGTERM)
     rc, out = wait_exit(proc, 120)
     assert rc == 130, out[-3000:]
-    assert all(gone(p) for p in children), [p for p in children if not gone(p)]
+    assert all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
     assert "tlt run --resume" in out  # tells how to continue
