@@ -19,14 +19,9 @@ message over the size limit, ...) are not retried and raise `RewardCallError`.
 A stream that breaks or stalls is reopened and the unanswered items are sent
 again; answers that arrive twice are dropped.
 
-Reconnecting: while the server is down, grpc retries the connection with a
-back-off that by default grows to 120 s, and every channel to the same address
-in one process shares that connection (grpc's global subchannel pool). A
-server restarted on the same port then kept getting "Connection refused"
-answers, from the cached failure, for as long as the back-off had grown to,
-even through a freshly made client (docs/RELIABILITY.md). So each client has
-its own connection and the back-off is capped at `max_reconnect_backoff_s`
-(1 s): a restarted server is reached within about that.
+Reconnecting: each client has its own connection and a reconnect back-off capped at
+`max_reconnect_backoff_s` (1 s), so a reward server restarted on the same port is reached again
+within about that (services/common/channels.py says why).
 """
 
 from __future__ import annotations
@@ -40,6 +35,7 @@ from typing import TypeVar
 
 import grpc
 
+from tlt.services.common.channels import client_options
 from tlt.services.common.logging import get_logger
 from tlt.v1 import reward_pb2, reward_pb2_grpc
 
@@ -79,13 +75,7 @@ class RewardClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        backoff_ms = max(1, int(max_reconnect_backoff_s * 1000))
-        opts = [("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.use_local_subchannel_pool", 1),  # a new client never inherits another's back-off
-                ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
-                ("grpc.max_reconnect_backoff_ms", backoff_ms)]
-        self._channel = grpc.insecure_channel(address, options=opts)
+        self._channel = grpc.insecure_channel(address, options=client_options(max_message_bytes, max_reconnect_backoff_s))
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-client")
 

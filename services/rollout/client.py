@@ -18,14 +18,11 @@ from typing import Any
 import grpc
 
 from tlt.services.common.auth import bearer, resolve_token
+from tlt.services.common.channels import client_options
 from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-# Reconnect back-off capped at 1 s and a connection of its own per client (as RewardClient, see its
-# docstring): grpc's default back-off grows to 120 s while a server is down or still loading, and a
-# new channel to the same address would inherit it, so a (re)started server was reached late.
-_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
-            ("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 1000),
-            ("grpc.max_reconnect_backoff_ms", 1000)]
+# 256 MiB messages (weight pushes); own connection, reconnect back-off capped at 1 s (channels.py)
+_OPTIONS = client_options(256 << 20)
 _KINDS = {"policy": common_pb2.WEIGHT_KIND_POLICY, "drafter": common_pb2.WEIGHT_KIND_DRAFTER}
 
 
