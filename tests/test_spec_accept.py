@@ -117,3 +117,41 @@ def test_walk_agrees_with_the_kernel_reference_on_random_trees():
         assert ours.path.tolist() == ref.path[:, : ours.path.shape[1]].tolist()
         assert ours.tokens[torch.arange(64), ours.accept_len].tolist() == ref.bonus.tolist()
         assert (ours.accept_len > 0).any()
+
+
+def _walk(tokens: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], list[int]]:
+    """The tree walk of the module docstring, one python step at a time: (emitted tokens, path)."""
+    node, out, path = 0, [], [0]
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node and tokens[i] == targets[node]]
+        out.append(targets[node])
+        if not kids:
+            return out, path
+        node = kids[0]
+        path.append(node)
+
+
+def test_chains_take_the_vectorised_path_and_agree_with_the_walk():
+    g = torch.Generator().manual_seed(5)
+    for n in (2, 5, 9):
+        b = 64
+        tokens = torch.randint(0, 3, (b, n), generator=g)  # a small vocabulary: long accepted runs happen
+        targets = torch.randint(0, 3, (b, n), generator=g)
+        parents = (torch.arange(n) - 1).expand(b, n)
+        res = tree_accept(tokens, parents, targets)
+        for r in range(b):
+            want, path = _walk(tokens[r].tolist(), parents[r].tolist(), targets[r].tolist())
+            assert res.emitted(r) == want
+            assert res.path[r, : len(path)].tolist() == path and (res.path[r, len(path):] == -1).all()
+        assert int(res.accept_len.max()) == n - 1 or n > 5  # fully accepted chains occur (the bonus-at-leaf case)
+        assert n == 2 or int(res.accept_len.max()) > 1  # runs longer than one, where a prefix rule could go wrong
+
+
+def test_greedy_node_targets_skip_the_filters_but_give_the_same_answer():
+    logits = torch.randn(3, 4, 11)
+    fast = node_targets(logits, 0.0, top_k=2, top_p=0.5)
+    mixed = node_targets(logits, torch.tensor([0.0, 0.0, 1.0]), generator=torch.Generator().manual_seed(0))
+    assert fast.tokens.tolist() == logits.argmax(-1).tolist()
+    assert torch.allclose(fast.logprobs, logits.log_softmax(-1))
+    assert fast.tokens[:2].tolist() == mixed.tokens[:2].tolist()
+    assert torch.allclose(fast.logprobs[:2], mixed.logprobs[:2])

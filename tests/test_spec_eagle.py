@@ -72,7 +72,7 @@ def test_tree_scores_match_a_from_scratch_reference():
         src.observe([s], [out], [list(feats)], [plen])
         seqs.append(s)
         pairs.append((out, feats, plen))
-    for arm in (Arm(3, 2, 6), Arm(2, 3, 9), Arm(4, 2, 9), Arm(1, 4, 5)):
+    for arm in (Arm(3, 2, 6), Arm(2, 3, 9), Arm(4, 2, 9), Arm(1, 4, 5), Arm(4, 1, 5), Arm(6, 1, 4)):
         tree, counts = src.draft(seqs, arm)
         assert counts.tolist() == [arm.draft_tokens] * 2
         for b, (toks, feats, first) in enumerate(pairs):
@@ -91,3 +91,22 @@ def test_a_gap_in_the_pairs_restarts_cold():
     tree, counts = src.draft([s], Arm(2, 2, 4))
     assert counts.tolist() == [1] and tree.tokens.tolist() == [[5]]  # root only: one plain verify
     assert src.cold_starts == 1
+
+
+def test_chain_drafting_keeps_what_tree_drafting_keeps():
+    """topk = 1 takes EagleSource's chain path (no tree bookkeeping, only the levels that are kept):
+    the same tokens, parents, depths and scores as the general EAGLE-2 tree path."""
+    d = _drafter()
+    src = EagleSource(d)
+    g = torch.Generator().manual_seed(3)
+    seqs = []
+    for i, (plen, olen) in enumerate([(4, 7), (6, 3), (2, 5)]):
+        s = _seq(f"c{i}", torch.randint(0, V, (plen,), generator=g).tolist(), torch.randint(0, V, (olen,), generator=g).tolist())
+        src.observe([s], [s.token_ids[plen:]], [list(torch.randn(olen, H, generator=g))], [plen])
+        seqs.append(s)
+    for arm in (Arm(5, 1, 6), Arm(8, 1, 4), Arm(1, 1, 2)):
+        chain, _ = src.draft(seqs, arm)  # the chain path
+        tree = src._tree(seqs, arm)  # the general path on the same (rolled back) drafter rows
+        assert chain.tokens.tolist() == tree.tokens.tolist(), arm
+        assert chain.parents.tolist() == tree.parents.tolist() and chain.depth.tolist() == tree.depth.tolist()
+        assert torch.allclose(chain.score, tree.score, atol=1e-5)

@@ -109,3 +109,22 @@ def test_random_trees_are_connected_ordered_and_distinct(arm):
         for kids in tree.children(r):
             toks = [int(tree.tokens[r, k]) for k in kids]
             assert len(toks) == len(set(toks)), "sibling drafts must be distinct"
+
+
+def test_ancestor_mask_against_a_python_reference_on_random_padded_trees():
+    from tlt.services.rollout.spec.ngram import pad_trees
+
+    arm = Arm.parse("5_3_12")
+    g = torch.Generator().manual_seed(2)
+    table = (torch.randn(9, 9, generator=g) * 2).log_softmax(-1)
+    trees = [build_tree(torch.randint(0, 9, (1,), generator=g), lambda s, beam, tok: table[tok],
+                        Arm(arm.steps, arm.topk, n)) for n in (12, 4, 2, 7)]
+    batch, _ = pad_trees(trees + [chain_tree(torch.tensor([1]), torch.tensor([[2, 3]]))])
+    mask = ancestor_mask(batch.parents)
+    for r, par in enumerate(batch.parents.tolist()):
+        for i in range(len(par)):
+            seen, node = {i}, i
+            while par[node] >= 0:
+                node = par[node]
+                seen.add(node)
+            assert [j for j in range(len(par)) if mask[r, i, j]] == sorted(seen), (r, i)

@@ -211,19 +211,36 @@ class Drafter(nn.Module):
             cache.lengths[rows] = start + t
             span = int((start + t).max())
             k, v = cache.k[rows, :, :span].to(q.dtype), cache.v[rows, :, :span].to(q.dtype)
-            new = tree_mask if tree_mask is not None else causal[None].expand(b, t, t)
-            key = torch.arange(span, device=x.device)
-            old = (key[None, None, :] < start[:, None, None]).expand(b, t, span)
-            if prefix_mask is not None:
-                pm = prefix_mask[..., :span].to(torch.bool)
-                old = old & F.pad(pm, (0, span - pm.shape[-1]), value=True)
-            rel = key[None, None, :] - start[:, None, None]  # index among the new tokens
-            inside = (rel >= 0) & (rel < t)
-            new_ok = new.gather(2, rel.clamp(0, t - 1).expand(b, t, span))
-            mask = old | (inside & new_ok)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=c.num_heads != c.num_kv_heads)
+            mask = self.cache_mask(start, t, span, tree_mask, prefix_mask)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))  # no input norm (EAGLE)
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+
+    @staticmethod
+    def cache_mask(start: torch.Tensor, t: int, span: int, tree_mask: torch.Tensor | None = None,
+                   prefix_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[B, T, span] bool, True = attend, for T new tokens appended at `start` [B] of their cache rows.
+
+        Cached key j < start_b is visible unless `prefix_mask` [B, T, P] hides it (j < P); new key
+        start_b + k is visible to new token i where `tree_mask` [B, T, T] says so (default causal, k <= i);
+        keys past a row's own end are hidden. None when every key of every row is visible (a single new
+        token per row, no prefix mask, all rows equally long): SDPA then needs no mask.
+        """
+        b = start.shape[0]
+        if t == 1 and prefix_mask is None and bool((start == span - 1).all()):
+            return None
+        key = torch.arange(span, device=start.device)
+        rel = key[None, None, :] - start[:, None, None]  # index among the new tokens; < 0 for cached keys
+        if tree_mask is None:
+            new_ok = rel <= torch.arange(t, device=start.device)[None, :, None]
+        else:
+            new_ok = tree_mask.to(torch.bool).gather(2, rel.clamp(0, t - 1).expand(b, t, span))
+        mask = (rel < 0) | ((rel < t) & new_ok)
+        if prefix_mask is not None:
+            pm = prefix_mask[..., :span].to(torch.bool)
+            mask = mask & ((rel >= 0) | F.pad(pm, (0, span - pm.shape[-1]), value=True))
+        return mask
 
     # ---- weights: only the drafter's own
     def save(self, folder: str | Path) -> None:

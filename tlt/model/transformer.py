@@ -211,7 +211,9 @@ class AttentionMetadata:
         s = torch.tensor([starts[i] for i in ix], dtype=torch.int64)
         flat = s[:, None] + torch.arange(max_q)[None, :]
         valid = (torch.arange(max_q)[None, :] < q[:, None]).reshape(-1)
-        identity = max_q == 1 and g == len(self.q_lens)  # pure decode: row r is flat token r
+        # every sequence, each with max_q new tokens (pure decode, or a verify step over equal trees):
+        # padded row r is flat token r, nothing to gather or scatter
+        identity = g == len(self.q_lens) and bool((q == max_q).all())
         flat = flat.clamp(max=starts[-1] - 1)  # padded rows read some real token; their output is dropped
         q_index = None if identity else flat.to(device)
         out_index = None if identity else flat.reshape(-1)[valid].to(device)

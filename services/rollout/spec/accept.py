@@ -76,6 +76,8 @@ def node_targets(
     b, n, _ = logits.shape
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(b)
     greedy = temp == 0
+    if bool(greedy.all()):  # nothing is drawn: no filters, no uniforms (greedy rows never use them)
+        return NodeTargets(logits.argmax(-1), logits.float().log_softmax(-1))
     safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
     logq = filter_logits(logits, safe_temp[:, None], _rows(top_k, b)[:, None], _rows(top_p, b)[:, None],
                          _rows(min_p, b)[:, None]).log_softmax(-1)
@@ -132,9 +134,11 @@ def tree_accept(draft_tokens: torch.Tensor, parents: torch.Tensor, target_tokens
 
 
 def tree_accept_torch(draft_tokens: torch.Tensor, parents: torch.Tensor, target_tokens: torch.Tensor) -> AcceptResult:
-    """The vectorised PyTorch walk (one step per tree level for the whole batch)."""
+    """The vectorised PyTorch walk (one step per tree level for the whole batch); chains in one go."""
     b, n = draft_tokens.shape
     dev = draft_tokens.device
+    if n > 1 and bool((parents[:, 1:] == torch.arange(n - 1, device=dev)).all()):
+        return _chain_accept(draft_tokens, target_tokens)
     rows = torch.arange(b, device=dev)
     cur = torch.zeros(b, dtype=torch.long, device=dev)
     active = torch.ones(b, dtype=torch.bool, device=dev)
@@ -158,6 +162,20 @@ def tree_accept_torch(draft_tokens: torch.Tensor, parents: torch.Tensor, target_
     tokens[rows, accept_len] = target_tokens[rows, cur]
     width = int(accept_len.max()) + 1
     return AcceptResult(accept_len, tokens[:, :width], path[:, :width])
+
+
+def _chain_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> AcceptResult:
+    """The walk on chains (node i's only child is i + 1): descend while the target's token at node i is
+    draft i + 1, i.e. accept the longest prefix of matches; then emit the target's token there."""
+    b, n = draft_tokens.shape
+    match = draft_tokens[:, 1:] == target_tokens[:, :-1]  # [B, N-1]: the walk goes from node i to i + 1
+    accept_len = match.long().cumprod(1).sum(1)
+    width = int(accept_len.max()) + 1
+    idx = torch.arange(width, device=draft_tokens.device)[None]
+    keep = idx <= accept_len[:, None]
+    path = torch.where(keep, idx, torch.full_like(idx, -1))
+    tokens = torch.where(keep, target_tokens[:, :width], torch.full_like(path, -1))  # node k's choice = token k
+    return AcceptResult(accept_len, tokens, path)
 
 
 def emitted_logprobs(result: AcceptResult, node_logprobs: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ class SpecDecoder:
         self.last_arm: Arm | None = None
         self.no_room = 0
         self.kv_copies = 0  # accepted nodes whose K/V had to move (a branch other than the first was taken)
+        self.arm_stats: dict[str, dict[str, int]] = {}  # per arm: verify_steps, seq_steps, emitted (tokens)
 
     # ---------------------------------------------------------------- control
     def wants(self, batch: ScheduledBatch) -> bool:
@@ -129,11 +130,14 @@ class SpecDecoder:
                                     [masks[i, :n, :n] for i, n in enumerate(n_list)])  # CPU: the metadata is built there
         logits = self.runner.model.compute_logits(hidden).float()
         b, n_max = tree.tokens.shape
-        valid_d = valid.to(dev)
-        full = logits.new_zeros(b, n_max, logits.shape[-1])
-        full[valid_d] = logits
-        hid = hidden.new_zeros(b, n_max, hidden.shape[-1])
-        hid[valid_d] = hidden
+        if len(set(n_list)) == 1:  # no padding nodes: the flat rows are [B, N] already
+            full, hid = logits.view(b, n_max, -1), hidden.view(b, n_max, -1)
+        else:
+            valid_d = valid.to(dev)
+            full = logits.new_zeros(b, n_max, logits.shape[-1])
+            full[valid_d] = logits
+            hid = hidden.new_zeros(b, n_max, hidden.shape[-1])
+            hid[valid_d] = hidden
         p = [s.params for s in seqs]
         nt = node_targets(full, torch.tensor([x.temperature for x in p], device=dev),
                           torch.tensor([x.top_k for x in p], device=dev), torch.tensor([x.top_p for x in p], device=dev),
@@ -167,6 +171,10 @@ class SpecDecoder:
         self.emitted_tokens += emitted
         self.drafted_tokens += int(counts.sum()) - len(seqs)
         self.last_arm = arm
+        a_st = self.arm_stats.setdefault(arm.name, {"verify_steps": 0, "seq_steps": 0, "emitted": 0})
+        a_st["verify_steps"] += 1
+        a_st["seq_steps"] += len(seqs)
+        a_st["emitted"] += emitted
         if self.config.mode == "adaptive":
             self.bandit.record(len(seqs), arm, emitted, time.perf_counter() - t0)
         return out
@@ -224,4 +232,6 @@ class SpecDecoder:
             "no_room": self.no_room,
             "kv_copies": self.kv_copies,
             "cold_starts": getattr(self.source, "cold_starts", 0),
+            # per arm: verify steps chosen, sequence-steps, tokens emitted (accept length = emitted / seq_steps)
+            "arms": {k: dict(v) for k, v in self.arm_stats.items()},
         }

@@ -21,9 +21,10 @@ from collections import OrderedDict
 import torch
 
 from tlt.model.drafter import Drafter, DrafterCache
+from tlt.model.drafter_runtime import DrafterRuntime
 from tlt.services.rollout.engine.sequence import Sequence
 from tlt.services.rollout.spec.ngram import NgramIndex, pad_trees, trie_tree
-from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree
+from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
 
 
 def seq_key(seq: Sequence) -> tuple[str, int]:
@@ -71,6 +72,7 @@ class EagleSource:
 
     def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512) -> None:
         self.drafter = drafter
+        self.runtime = DrafterRuntime(drafter)  # the inference path (fused, scripted); same maths
         self.max_pending = max_pending
         self.cold_starts = 0
         self.dtype = next(drafter.parameters()).dtype
@@ -108,10 +110,10 @@ class EagleSource:
             toks, feats, first = pend
             if self.fed_pos.get(key, first - 1) != first - 1:  # a gap: restart the row from these pairs
                 self.cache.lengths[row] = 0
-            out = self.drafter(
+            out = self.runtime(
                 torch.tensor([toks], device=self.device), torch.stack(feats)[None].to(self.device, self.dtype),
                 torch.arange(first, first + len(toks), device=self.device)[None],
-                cache=self.cache, cache_rows=torch.tensor([row], device=self.device),
+                self.cache, torch.tensor([row], device=self.device),
             )
             self.fed_pos[key] = first + len(toks) - 1
             self.last_h[key] = out[0, -1]
@@ -129,7 +131,8 @@ class EagleSource:
         trees: list[DraftTree | None] = [None] * len(seqs)
         idx = [i for i, w in enumerate(warm) if w]
         if idx:
-            batch = self._tree([seqs[i] for i in idx], arm)
+            warm_seqs = [seqs[i] for i in idx]
+            batch = self._chain(warm_seqs, arm) if arm.topk == 1 else self._tree(warm_seqs, arm)
             for j, i in enumerate(idx):
                 trees[i] = DraftTree(batch.tokens[j : j + 1], batch.parents[j : j + 1], batch.depth[j : j + 1],
                                      batch.score[j : j + 1])
@@ -138,13 +141,37 @@ class EagleSource:
                 trees[i] = trie_tree(s.token_ids[-1], [], 1)
         return pad_trees(trees)  # type: ignore[arg-type]
 
+    def _chain(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
+        """topk = 1: the tree `build_tree` would keep (the first draft_tokens - 1 drafts of the greedy
+        chain) without its bookkeeping, and without drafting the levels that would be cut."""
+        dev = self.device
+        keys = [seq_key(s) for s in seqs]
+        rows = torch.tensor([self.rows[k] for k in keys], device=dev)
+        committed = self.cache.lengths[rows].clone()
+        root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=dev)
+        h = torch.stack([self.last_h[k] for k in keys])  # [B, H]: h' of each root pair
+        depth = min(arm.steps, arm.draft_tokens - 1)
+        drafts, scores = [], []
+        score = torch.zeros(len(seqs), device=dev)
+        for step in range(depth):
+            if step:
+                h = self.runtime(drafts[-1][:, None], h[:, None], (root_pos + step)[:, None], self.cache, rows)[:, 0]
+            lp, tok = self.runtime.compute_logits(h).float().log_softmax(-1).max(-1)
+            score = score + lp
+            drafts.append(tok)
+            scores.append(score)
+        self.cache.truncate(rows, committed)  # drop the drafted nodes: only verified pairs stay
+        roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+        return chain_tree(roots, torch.stack(drafts, 1), torch.cat([torch.zeros_like(score)[:, None],
+                                                                    torch.stack(scores, 1)], 1))
+
     def _tree(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
         """EAGLE-2 drafting for warm sequences, vectorised over the batch. Candidate ids follow
         `build_tree`'s numbering (the same for every row); per row and candidate we keep its parent,
         its drafter output h', its offset in the drafter cache (beam nodes only) and the set of cache
         offsets of its drafted ancestors, so each level is one drafter forward with no python loop
         over rows."""
-        d, dev = self.drafter, self.device
+        d, dev = self.runtime, self.device
         b = len(seqs)
         keys = [seq_key(s) for s in seqs]
         rows = torch.tensor([self.rows[k] for k in keys], device=dev)
@@ -185,9 +212,8 @@ class EagleSource:
             drafted_ok = (rel >= 0) & (rel < (step - 1) * k) & node_anc.gather(
                 2, rel.clamp(0, n_slots - 1).expand(b, k, span))
             pmask = (rel < 0) | drafted_ok
-            out = d(beam_tokens.to(dev), feats, (root_pos[:, None] + step).expand(b, k), cache=self.cache,
-                    cache_rows=rows, tree_mask=torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k),
-                    prefix_mask=pmask)
+            out = d(beam_tokens.to(dev), feats, (root_pos[:, None] + step).expand(b, k), self.cache, rows,
+                    tree_mask=torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k), prefix_mask=pmask)
             h_out.scatter_(1, beam[..., None].expand(b, k, hdim), out.to(h_out.dtype))
             offset.scatter_(1, beam, (step - 1) * k + torch.arange(k, device=dev).expand(b, k))
             return d.compute_logits(out).float().log_softmax(-1)
@@ -228,3 +254,4 @@ class EagleSource:
         self.pending.clear()
         self.fed_pos.clear()
         self.last_h.clear()
+        self.runtime.refresh()

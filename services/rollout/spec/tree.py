@@ -106,15 +106,20 @@ class DraftTree:
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] parents (each parent index < its child's) -> [B, N, N] ancestor-or-self mask."""
     b, n = parents.shape
-    mask = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
-    rows = torch.arange(b, device=parents.device)
-    for i in range(n):
-        p = parents[:, i]
-        has_parent = p >= 0
-        if has_parent.any():
-            mask[rows[has_parent], i] = mask[rows[has_parent], p[has_parent]]
-        mask[:, i, i] = True
-    return mask
+    dev = parents.device
+    idx = torch.arange(n, device=dev)
+    if n > 1 and bool((parents[:, 1:] == idx[:-1]).all()):  # chains: node i sees nodes 0..i
+        return torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(b, n, n).clone()
+    mask = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n).clone()
+    rows = torch.arange(b, device=dev)[:, None].expand(b, n)
+    cols = idx.expand(b, n)
+    anc = parents.clone()  # walk every node's ancestors one level per pass: at most depth passes
+    while True:
+        has = anc >= 0
+        if not bool(has.any()):
+            return mask
+        mask[rows[has], cols[has], anc[has]] = True
+        anc = torch.where(has, parents.gather(1, anc.clamp(min=0)), anc)
 
 
 def chain_tree(root_tokens: torch.Tensor, drafts: torch.Tensor, score: torch.Tensor | None = None) -> DraftTree:

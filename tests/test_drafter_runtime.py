@@ -1,0 +1,109 @@
+"""DrafterRuntime (the rollout engine's fused, scripted drafter path) against `Drafter.forward` (the
+nn.Module the drafter service trains): the same h' for cached decoding with rows of different lengths,
+multi-token appends, tree and prefix masks; new weights are picked up by `refresh()`. Also the cache
+mask both share, against a mask written out by hand. Tiny random drafters built in code."""
+
+from __future__ import annotations
+
+import torch
+
+from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
+from tlt.model.drafter_runtime import DrafterRuntime
+
+H, V = 32, 40
+
+
+def _drafter(seed: int = 0) -> Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V)
+    d = Drafter(cfg, torch.randn(V, H), torch.randn(V, H))
+    for p in d.parameters():  # non-trivial norm weight and biases
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return d.eval()
+
+
+def _both(d: Drafter, rows: int = 3):
+    return (DrafterCache(d.cfg, rows=rows, capacity=4), DrafterCache(d.cfg, rows=rows, capacity=4))
+
+
+@torch.inference_mode()
+def test_runtime_equals_the_module_for_cached_appends_of_uneven_rows():
+    d = _drafter()
+    rt = DrafterRuntime(d)
+    c_mod, c_rt = _both(d)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([2, 0])
+    # prefill rows of different lengths (row 2 gets 5 pairs, row 0 gets 2), then decode and 3-token appends
+    for r, n in ((2, 5), (0, 2)):
+        ids, f = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g)
+        pos = torch.arange(1, n + 1)[None]
+        a = d(ids, f, pos, cache=c_mod, cache_rows=torch.tensor([r]))
+        b = rt(ids, f, pos, c_rt, torch.tensor([r]))
+        assert torch.allclose(a, b, atol=1e-5)
+    for t in (1, 3, 1):
+        ids, f = torch.randint(0, V, (2, t), generator=g), torch.randn(2, t, H, generator=g)
+        pos = c_mod.lengths[rows][:, None] + 1 + torch.arange(t)[None]
+        a = d(ids, f, pos, cache=c_mod, cache_rows=rows)
+        b = rt(ids, f, pos, c_rt, rows)
+        assert torch.allclose(a, b, atol=1e-5), t
+    assert c_mod.lengths.tolist() == c_rt.lengths.tolist() == [7, 0, 10]
+    assert torch.allclose(c_mod.k[:, :, :10], c_rt.k[:, :, :10], atol=1e-5)
+
+
+@torch.inference_mode()
+def test_runtime_equals_the_module_with_tree_and_prefix_masks():
+    d = _drafter(1)
+    rt = DrafterRuntime(d)
+    c_mod, c_rt = _both(d, rows=2)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.tensor([0, 1])
+    ids, f = torch.randint(0, V, (2, 6), generator=g), torch.randn(2, 6, H, generator=g)
+    pos = torch.arange(6).expand(2, 6)
+    d(ids, f, pos, cache=c_mod, cache_rows=rows)
+    rt(ids, f, pos, c_rt, rows)
+    # 3 tree nodes: 0 -> 1, 0 -> 2 (siblings must not see each other); the prefix mask hides cached keys 2 and 4
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+    prefix = torch.ones(2, 3, 6, dtype=torch.bool)
+    prefix[:, :, 2] = False
+    prefix[1, :, 4] = False
+    ids, f = torch.randint(0, V, (2, 3), generator=g), torch.randn(2, 3, H, generator=g)
+    pos = torch.tensor([[6, 7, 7], [6, 7, 7]])
+    a = d(ids, f, pos, cache=c_mod, cache_rows=rows, tree_mask=tree, prefix_mask=prefix)
+    b = rt(ids, f, pos, c_rt, rows, tree_mask=tree, prefix_mask=prefix)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_refresh_picks_up_new_weights():
+    d, other = _drafter(2), _drafter(3)
+    rt = DrafterRuntime(d)
+    ids, f, pos = torch.randint(0, V, (1, 4)), torch.randn(1, 4, H), torch.arange(4)[None]
+    before = rt(ids, f, pos, DrafterCache(d.cfg, rows=1, capacity=4), torch.tensor([0]))
+    d.load_tensors({k: v.clone() for k, v in other.state_dict().items()})  # the engine's drafter hot-swap
+    rt.refresh()
+    c_mod, c_rt = _both(d)
+    after = rt(ids, f, pos, c_rt, torch.tensor([0]))
+    assert torch.allclose(d(ids, f, pos, cache=c_mod, cache_rows=torch.tensor([0])), after, atol=1e-5)
+    assert not torch.allclose(before, after, atol=1e-3)
+
+
+def test_cache_mask_against_a_hand_written_one():
+    # row 0: 2 cached keys, row 1: 4; two new tokens each (causal among themselves); span 6
+    m = Drafter.cache_mask(torch.tensor([2, 4]), 2, 6)
+    want = [
+        [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]],
+        [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]],
+    ]
+    assert m.int().tolist() == want
+    # a prefix mask hides cached key 1 from row 0's second token; a tree mask hides new token 0 from new token 1
+    pm = torch.ones(2, 2, 4, dtype=torch.bool)
+    pm[0, 1, 1] = False
+    tm = torch.tensor([[1, 0], [0, 1]], dtype=torch.bool).expand(2, 2, 2)
+    m = Drafter.cache_mask(torch.tensor([2, 4]), 2, 6, tm, pm)
+    assert m.int().tolist() == [
+        [[1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0]],
+        [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]],
+    ]
+    # one new token per row, equal lengths, no prefix mask: every key visible, no mask needed
+    assert Drafter.cache_mask(torch.tensor([3, 3]), 1, 4) is None
+    assert Drafter.cache_mask(torch.tensor([3, 2]), 1, 4).int().tolist() == [[[1, 1, 1, 1]], [[1, 1, 1, 0]]]

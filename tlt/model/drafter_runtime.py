@@ -1,0 +1,151 @@
+"""DrafterRuntime: the rollout engine's inference path for the EAGLE drafter (same maths, fewer ops).
+
+`Drafter.forward` (an nn.Module, what the drafter service trains) costs ~0.5 ms per call on one CPU
+core for the tiny model, almost all of it per-op overhead: eight module calls, RoPE recomputed from
+the frequencies, the cache mask built from a dozen small tensors. A tree or chain draft makes up to
+eight such calls per verify step, which decided whether speculation paid off at all on CPU.
+
+Here the layer is one TorchScript function over fused weights (q/k/v in one matmul, gate/up in one,
+oneDNN-packed on CPU with the post-attention RMSNorm weight folded in, as `layer_ops` does for the
+target), RoPE reads a precomputed table, and the cache mask comes from `Drafter.cache_mask`, the one
+definition both paths share. Results equal `Drafter.forward` up to float rounding
+(`tests/test_drafter_runtime.py`); which tokens get drafted can only change the acceptance rate,
+never the output (verification is exact).
+
+`refresh()` re-derives the fused weights: call it after every drafter weight load (the engine's
+drafter hot-swap does, through `EagleSource.reset`). The target's embed / lm_head are read by
+reference at each call, so policy updates need nothing here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional  # noqa: UP035 - TorchScript needs typing generics
+
+import torch
+import torch.nn.functional as F
+
+from tlt.model.drafter import Drafter, DrafterCache
+from tlt.model.layer_ops import linear, onednn_works, pack, rms
+
+
+def drafter_layer(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],  # noqa: UP045
+    o_w: torch.Tensor, ln2: Optional[torch.Tensor], gu_w: torch.Tensor, down_w: torch.Tensor,  # noqa: UP045
+    packed: bool, eps: torch.Tensor, exact_hf: bool, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
+    slots: torch.Tensor, span: int, mask: Optional[torch.Tensor], nh: int, kvh: int, d: int, inter: int,  # noqa: UP045
+) -> torch.Tensor:
+    """x [B, T, H] (after fc) -> h' [B, T, H]; writes the new K/V to cache rows `rows` at `slots` [B, T].
+
+    cos / sin_signed [B, T, 1, d]; ck / cv [rows, kvh, capacity, d]; keys are the first `span` cache
+    positions of each row; mask [B, 1, T, span] (None: every key visible).
+    """
+    b, t, hdim = x.shape[0], x.shape[1], x.shape[2]
+    x2 = x.reshape(b * t, hdim)
+    qkv = linear(x2, qkv_w, qkv_b, packed)  # no input norm before the drafter's attention (EAGLE)
+    qk_size = (nh + kvh) * d
+    qk = qkv[:, :qk_size].reshape(b, t, nh + kvh, d)
+    qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
+    ck[rows[:, None], :, slots] = qk[:, :, nh:]
+    cv[rows[:, None], :, slots] = qkv[:, qk_size:].reshape(b, t, kvh, d)
+    q = qk[:, :, :nh].transpose(1, 2)
+    k = ck[rows, :, :span]
+    v = cv[rows, :, :span]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != kvh)
+    x2 = x2 + linear(o.transpose(1, 2).reshape(b * t, nh * d), o_w, None, packed)
+    gu = linear(rms(x2, ln2, eps, exact_hf), gu_w, None, packed)
+    x2 = x2 + linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w, None, packed)
+    return x2.view(b, t, hdim)
+
+
+def _script(fn):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return torch.jit.script(fn)
+    except (RuntimeError, OSError, AttributeError):  # no TorchScript: the same maths in Python
+        return fn
+
+
+drafter_layer_fn = _script(drafter_layer)
+
+
+class DrafterRuntime:
+    """Inference-only view of a `Drafter` with its own fused weights; see the module docstring."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        p = next(drafter.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self._eps = torch.tensor(drafter.cfg.rms_norm_eps, dtype=torch.float32, device=self.device)
+        self._exact_hf = self.dtype != torch.float32
+        self._packed = self.device.type == "cpu" and onednn_works(self.dtype)
+        self._cos = self._sin = torch.empty(0)
+        self._rope_to(256)
+        self.refresh()
+
+    @torch.inference_mode()
+    def refresh(self) -> None:
+        """Re-derive the fused (and on CPU packed, norm-folded) weights from the drafter's parameters."""
+        d = self.drafter
+        a, mlp = d.layer.self_attn, d.layer.mlp
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        self.qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+        ln2 = d.layer.post_attention_layernorm.weight
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        if self._packed:
+            self.fc, self.qkv, self.o = pack(d.fc.weight), pack(qkv), pack(a.o_proj.weight)
+            self.gate_up, self.down, self.ln2 = pack(gate_up * ln2[None, :]), pack(mlp.down_proj.weight), None
+        else:
+            self.fc, self.qkv, self.o = d.fc.weight.detach(), qkv, a.o_proj.weight.detach()
+            self.gate_up, self.down, self.ln2 = gate_up, mlp.down_proj.weight.detach(), ln2.detach()
+
+    def _rope_to(self, n: int) -> None:
+        """cos and signed sin tables for positions 0 .. n-1 ([n, d], HF rotate-half layout)."""
+        inv = self.drafter.inv_freq.float()
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=inv.device), inv)
+        emb = torch.cat([freqs, freqs], -1)
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
+        self._cos = emb.cos().to(self.dtype)
+        self._sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(self.dtype)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drafter.compute_logits(h)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DrafterCache,
+        cache_rows: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        prefix_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`Drafter.forward` with a cache (same arguments and semantics) -> h' [B, T, H]."""
+        c = self.drafter.cfg
+        b, t = input_ids.shape
+        top = int(positions.max()) + 1
+        if top > self._cos.shape[0]:
+            self._rope_to(max(top, 2 * self._cos.shape[0]))
+        emb = F.embedding(input_ids, self.drafter.embed).to(features.dtype)
+        x = linear(torch.cat([emb, features], -1).view(b * t, -1), self.fc, None, self._packed).view(b, t, -1)
+        rows = cache_rows.to(x.device)
+        start = cache.lengths[rows]
+        end = start + t
+        span = int(end.max())
+        cache.ensure(span)
+        cache.lengths[rows] = end
+        slots = start[:, None] + torch.arange(t, device=x.device)
+        mask = Drafter.cache_mask(start, t, span, tree_mask, prefix_mask)
+        if mask is not None:
+            mask = mask[:, None]
+        pos = positions.to(x.device)
+        return drafter_layer_fn(x, self._cos[pos][:, :, None], self._sin[pos][:, :, None], self.qkv, self.qkv_b,
+                                self.o, self.ln2, self.gate_up, self.down, self._packed, self._eps, self._exact_hf,
+                                cache.k, cache.v, rows, slots, span, mask, c.num_heads, c.num_kv_heads, c.head_dim,
+                                c.intermediate_size)
+
+    __call__ = forward
