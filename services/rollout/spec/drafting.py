@@ -147,23 +147,12 @@ class EagleSource:
         dev = self.device
         keys = [seq_key(s) for s in seqs]
         rows = torch.tensor([self.rows[k] for k in keys], device=dev)
-        committed = self.cache.lengths[rows].clone()
         root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=dev)
         h = torch.stack([self.last_h[k] for k in keys])  # [B, H]: h' of each root pair
         depth = min(arm.steps, arm.draft_tokens - 1)
-        drafts, scores = [], []
-        score = torch.zeros(len(seqs), device=dev)
-        for step in range(depth):
-            if step:
-                h = self.runtime(drafts[-1][:, None], h[:, None], (root_pos + step)[:, None], self.cache, rows)[:, 0]
-            lp, tok = self.runtime.compute_logits(h).float().log_softmax(-1).max(-1)
-            score = score + lp
-            drafts.append(tok)
-            scores.append(score)
-        self.cache.truncate(rows, committed)  # drop the drafted nodes: only verified pairs stay
+        drafts, scores = self.runtime.chain(h, self.cache, rows, root_pos, depth)  # rows keep only verified pairs
         roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
-        return chain_tree(roots, torch.stack(drafts, 1), torch.cat([torch.zeros_like(score)[:, None],
-                                                                    torch.stack(scores, 1)], 1))
+        return chain_tree(roots, drafts, torch.cat([torch.zeros_like(scores[:, :1]), scores], 1))
 
     def _tree(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
         """EAGLE-2 drafting for warm sequences, vectorised over the batch. Candidate ids follow
