@@ -123,11 +123,17 @@ class SpecDecoder:
             self.no_room += 1  # drafts would pass the context limit, or no KV blocks for them
             return None
         dev = self.runner.device
-        masks = ancestor_mask(tree.parents)  # padding nodes (past each count) are sliced away below
+        n_max = tree.num_nodes
+        chains = len(set(n_list)) == 1 and bool((tree.parents[:, 1:] == torch.arange(n_max - 1)).all())
+        if chains and not self.runner.for_kernels:
+            tree_masks = None  # the default causal mask among new tokens is the chains' tree mask (SDPA path)
+        else:
+            masks = ancestor_mask(tree.parents)  # padding nodes (past each count) are sliced away below
+            tree_masks = [masks[i, :n, :n] for i, n in enumerate(n_list)]
         ids = tree.tokens[valid].to(dev)
         positions = (torch.tensor(ctx)[:, None] + tree.depth)[valid].to(dev)
         hidden = self.runner.extend(ids, positions, n_list, ctx, [s.block_table for s in seqs],
-                                    [masks[i, :n, :n] for i, n in enumerate(n_list)])  # CPU: the metadata is built there
+                                    tree_masks)  # CPU: the metadata is built there
         logits = self.runner.model.compute_logits(hidden).float()
         b, n_max = tree.tokens.shape
         if len(set(n_list)) == 1:  # no padding nodes: the flat rows are [B, N] already

@@ -133,6 +133,8 @@ class EagleSource:
         if idx:
             warm_seqs = [seqs[i] for i in idx]
             batch = self._chain(warm_seqs, arm) if arm.topk == 1 else self._tree(warm_seqs, arm)
+            if len(idx) == len(seqs):  # all warm (the usual case): already one [B, N] batch, no padding
+                return batch, torch.full((len(seqs),), batch.num_nodes, dtype=torch.long)
             for j, i in enumerate(idx):
                 trees[i] = DraftTree(batch.tokens[j : j + 1], batch.parents[j : j + 1], batch.depth[j : j + 1],
                                      batch.score[j : j + 1])
