@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 
 from tlt.bench import rollout
 
@@ -44,12 +46,25 @@ def _bench(capsys, argv: list[str]) -> tuple[int, dict]:
     return rc, json.loads(out[out.index("{\n"):])
 
 
+# the JSON fields of a single-round report (before --repeats existed)
+R1_REPORT_KEYS = {"model", "workload", "temperature", "requests", "sequences", "lengths_p50", "lengths_max",
+                  "threshold", "arms", "results"}
+R1_RESULT_KEYS = {"mode", "wall_s", "tokens", "tok_per_s", "tail_s", "tail_share", "tail_tok_per_s", "tail4_tok_per_s",
+                  "buckets", "steps", "decode_steps", "verify_steps", "verified_seq_steps", "sd_step_share",
+                  "mean_accept_len", "arms", "identical_to_first_mode", "speedup_vs_off", "tail4_speedup"}
+R1_BUCKET_KEYS = {"tokens", "seconds", "steps", "tok_per_s", "speedup_vs_off"}
+
+
 def test_bench_rollout_report_buckets_tail_and_arms(capsys, random_model_dir):
     # 6 sequences with threshold 4: the prefill step runs at batch 6 (outside the tail), the rest shrinks
     rc, report = _bench(capsys, ["--model", str(random_model_dir), "--prompts", "3", "--n", "2", "--median-tokens", "8",
                                  "--max-tokens", "40", "--modes", "off,ngram", "--threshold", "4"])
     assert rc == 0 and report["temperature"] == 0.0 and report["arms"] is None
     assert report["requests"] == report["sequences"] == 6
+    # --repeats 1 (the default) reports exactly the fields it always did: no rounds, ranges or run order
+    assert set(report) == R1_REPORT_KEYS
+    for r in report["results"]:
+        assert set(r) == R1_RESULT_KEYS and all(set(b) == R1_BUCKET_KEYS for b in r["buckets"].values())
     modes = {r["mode"]: r for r in report["results"]}
     for r in modes.values():
         b = r["buckets"]
@@ -103,3 +118,119 @@ def test_bench_rollout_sampled_table_and_bad_flags(capsys, random_model_dir):
     assert out.count(rollout.SAMPLED_NOTE) == 2 and "identical" not in out and "batch 1" in out
     assert rollout.run(parser.parse_args([*common, "--arms", "6_1_7,bogus"])) == 2
     assert rollout.run(parser.parse_args([*common, "--temperature", "-1"])) == 2
+
+
+def _check_median(ratios_or_values: list, median: float, span: list | None = None) -> None:
+    present = [v for v in ratios_or_values if v is not None]
+    assert median == statistics.median(present)
+    if span is not None:
+        assert span == [min(present), max(present)] and span[0] <= median <= span[1]
+
+
+def test_bench_rollout_repeats_interleaved_medians(capsys, random_model_dir):
+    common = ["--model", str(random_model_dir), "--prompts", "2", "--n", "2", "--median-tokens", "8",
+              "--max-tokens", "24", "--modes", "off,ngram,learned", "--threshold", "4"]
+    rc, report = _bench(capsys, [*common, "--repeats", "3"])
+    assert rc == 0 and report["repeats"] == 3
+    rounds = report["rounds"]
+    assert len(rounds) == 3 and all([r["mode"] for r in row] == ["off", "ngram"] for row in rounds)  # learned skipped
+    # interleaved: round r runs off then ngram before round r+1 starts
+    runs = sorted((r for row in rounds for r in row), key=lambda r: r["run_index"])
+    assert [(r["round"], r["mode"]) for r in runs] == [(k, m) for k in range(3) for m in ("off", "ngram")]
+    assert [r["run_index"] for r in runs] == list(range(6))
+    assert all(r["identical_to_first_mode"] is True for r in runs)
+    modes = {r["mode"]: r for r in report["results"]}
+    assert modes["learned"] == {"mode": "learned", "skipped": "no --drafter given"}
+    for j, mode in enumerate(("off", "ngram")):
+        res, raw = modes[mode], [row[j] for row in rounds]
+        assert res["identical_to_first_mode"] is True
+        for key in ("wall_s", "tok_per_s", "tail_s", "tail_tok_per_s", "tail4_tok_per_s", "tokens"):
+            _check_median([r[key] for r in raw], res[key])
+        # speed-ups: the median (and range) of the per-round ratios over that round's off run
+        per_round = [round(row[0]["wall_s"] / row[j]["wall_s"], 2) for row in rounds]
+        assert [r["speedup_vs_off"] for r in raw] == per_round
+        _check_median(per_round, res["speedup_vs_off"], res["speedup_vs_off_range"])
+        _check_median([r["tail4_speedup"] for r in raw], res["tail4_speedup"], res["tail4_speedup_range"])
+        for label, b in res["buckets"].items():
+            present = [r["buckets"][label] for r in raw if label in r["buckets"]]
+            assert b["runs"] == len(present) >= 1
+            _check_median([x["tok_per_s"] for x in present], b["tok_per_s"])
+            if b["speedup_vs_off"] is not None:
+                _check_median([x["speedup_vs_off"] for x in present], b["speedup_vs_off"], b["speedup_vs_off_range"])
+        # arms: counts summed over the rounds, accept length and share from the sums
+        for name, a in res["arms"].items():
+            for key in ("verify_steps", "seq_steps", "emitted"):
+                assert a[key] == sum(r["arms"].get(name, {}).get(key, 0) for r in raw)
+            assert a["accept_len"] == round(a["emitted"] / a["seq_steps"], 2)
+    assert modes["off"]["speedup_vs_off"] == 1.0 and modes["off"]["speedup_vs_off_range"] == [1.0, 1.0]
+    ng = modes["ngram"]
+    assert ng["arms"]
+    assert sum(a["verify_steps"] for a in ng["arms"].values()) == sum(r[1]["verify_steps"] for r in rounds)
+    assert abs(sum(a["share"] for a in ng["arms"].values()) - 1) < 0.01
+
+    # the table: medians, speed-ups with their per-round range
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    assert rollout.run(parser.parse_args([*common, "--repeats", "2"])) == 0
+    out = capsys.readouterr().out
+    assert "median of 2 interleaved rounds" in out
+    assert re.search(r"^ngram .* \d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\) ", out, re.M)
+    assert rollout.run(parser.parse_args([*common, "--repeats", "0"])) == 2
+
+
+def test_bench_rollout_repeats_lossless_check_every_round(capsys, random_model_dir, monkeypatch):
+    """A mode that differs in one round only (here: round 1's ngram run, tampered) fails the whole bench."""
+    real, calls = rollout._run_mode, []
+
+    def tampered(engine, requests, threshold):  # noqa: ANN001, ANN202
+        outs, measured = real(engine, requests, threshold)
+        calls.append(engine.spec_decoder is not None)
+        if len(calls) == 4:  # run_index 3: round 1, ngram
+            key = next(iter(outs))
+            outs[key] = [*outs[key][:-1], outs[key][-1] + 1]
+        return outs, measured
+
+    monkeypatch.setattr(rollout, "_run_mode", tampered)
+    rc, report = _bench(capsys, ["--model", str(random_model_dir), "--prompts", "2", "--n", "1", "--median-tokens", "6",
+                                 "--max-tokens", "12", "--modes", "off,ngram", "--threshold", "4", "--repeats", "3"])
+    assert calls == [False, True] * 3  # interleaved: off, ngram, off, ngram, ...
+    assert rc == 1
+    assert [[r["identical_to_first_mode"] for r in row] for row in report["rounds"]] == [
+        [True, True], [True, False], [True, True]]
+    assert {r["mode"]: r["identical_to_first_mode"] for r in report["results"]} == {"off": True, "ngram": False}
+
+
+def test_bench_rollout_min_tokens(capsys, random_model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from tlt.task import format_prompt, generate_problems
+
+    tok = AutoTokenizer.from_pretrained(str(random_model_dir))
+    seed = 7_000_003  # the task workload's problem seed at --seed 0
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    args = parser.parse_args(["--model", str(random_model_dir), "--workload", "task", "--prompts", "3", "--n", "1",
+                              "--min-tokens", "60"])
+    requests, _ = rollout._task_requests(random_model_dir, args)
+
+    def length(p):  # noqa: ANN001, ANN202
+        return len(tok.encode(p.solution, add_special_tokens=False))
+
+    stream = generate_problems(3000, seed)
+    want = [p for p in stream if length(p) >= 60][:3]
+    assert len(want) == 3 and any(length(p) < 60 for p in stream[:3])  # the filter changes the workload
+    assert [r.prompt_token_ids for r in requests] == [tuple(tok.encode(format_prompt(p))) for p in want]
+    monkeypatch.setattr(rollout, "MIN_TOKENS_SCAN", 4096)  # the impossible cases below give up sooner
+    try:
+        rollout._long_problems(tok, 1, seed, 10_000)  # no problem is that long (32 steps at most)
+    except ValueError as e:
+        assert "10000 tokens" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
+
+    rc, report = _bench(capsys, ["--model", str(random_model_dir), "--workload", "task", "--prompts", "2", "--n", "1",
+                                 "--max-tokens", "8", "--min-tokens", "60", "--modes", "off", "--threshold", "4"])
+    assert rc == 0 and report["min_tokens"] == 60 and report["sequences"] == 2
+    common = ["--model", str(random_model_dir), "--prompts", "1", "--n", "1", "--max-tokens", "8", "--modes", "off"]
+    assert rollout.run(parser.parse_args([*common, "--min-tokens", "60"])) == 2  # synthetic workload: refused
+    assert rollout.run(parser.parse_args([*common, "--workload", "task", "--min-tokens", "10000"])) == 2

@@ -31,6 +31,29 @@ Reported per mode (JSON fields in brackets):
 A step's batch is the sequences the scheduler put in it (what the SD switch sees); a step's time is
 the wall time of `engine.step()`, so bucket seconds add up to slightly less than wall_s.
 
+`--repeats R` runs the modes R times, interleaved: round r runs every mode once, in `--modes` order,
+each on a fresh engine, before round r+1 starts. A rollout of a few seconds on a shared CPU has 10-30%
+run-to-run noise and its tail lasts only tens of steps, so one run per mode cannot tell a 3% (or even a
+30%) difference; interleaving makes slow drifts of the machine (another job starting, thermal or
+frequency changes) hit every mode alike instead of whichever mode ran during them. With R > 1 each
+mode's row is the median over its R runs of every figure above (wall_s, tok_per_s, tail_s,
+tail_tok_per_s, each bucket's tok_per_s, ...; a figure missing from some runs, e.g. a bucket, is the
+median over the runs that have it). Speed-ups are taken per round first (the mode's figure in round r
+over off's in round r), then their median is reported, with the smallest and largest per-round ratio
+[speedup_vs_off_range, tail4_speedup_range, buckets[label].speedup_vs_off_range: [min, max]]. Arm
+counts are summed over the rounds (share and accept_len, and mean_accept_len, come from the sums).
+The raw per-run results stay in the JSON [rounds: one list of per-mode results per round, each with
+its round and run_index, the position in the order the runs happened; repeats: R]. Greedy: every run
+of every round must emit the tokens of round 0's first mode (exit status 1 otherwise). R = 1 (the
+default) reports exactly as before, without those fields.
+
+`--min-tokens K` (task workload) keeps only problems whose reference solution is at least K tokens
+long under the model's tokenizer (the first such problems of the seeded stream; the solution length
+grows by 6 characters per step, 32 steps at most, about 200 tokens with the task tokenizer): a workload
+where every sequence is long, so the whole rollout is tail-like decode (batch <= `--prompts` x `--n`)
+over about 150-200 steps or more (the model may run past its reference up to `--max-tokens`), e.g. with `--prompts 4 --n 1 --min-tokens 150 --max-tokens 256`. The model's
+own response can be shorter or longer than the reference; the report gives the decoded lengths.
+
 Issue #4's targets (CPU, warm-up drafter): tail4_speedup >= 2, speedup_vs_off >= 1.7, and the adaptive
 modes' >=64 bucket within 3% of off, e.g. on
     tlt bench rollout --workload task --prompts 32 --n 8 --temperature 1.0 --drafter artifacts/drafter-tiny
@@ -47,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 MODES = ("off", "ngram", "static-ngram", "learned", "static-learned")
@@ -74,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms (steps_topk_drafttokens) of the adaptive modes' bandit in every "
                              "batch-size bucket, e.g. 6_1_7,8_1_9,8_4_16 (default: SpecConfig's per-bucket arms)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the modes this many times, interleaved (round r runs every mode once), and report "
+                             "medians, speed-ups as the median (min-max) of per-round ratios")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="task workload: keep only problems whose reference solution has at least this many "
+                             "tokens (0: off), for a workload of long sequences only")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -96,7 +126,8 @@ def _task_requests(model_dir, args: argparse.Namespace):  # noqa: ANN001, ANN202
     sampled = args.temperature > 0
     count = args.prompts if sampled else args.prompts * args.n
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = [tuple(tok.encode(format_prompt(p))) for p in generate_problems(count, args.seed + 7_000_003)]
+    problems = _long_problems(tok, count, args.seed + 7_000_003, args.min_tokens)
+    ids = [tuple(tok.encode(format_prompt(p))) for p in problems]
     if sampled:
         requests = [GenerationRequest(f"t{i}", p, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                                                                  seed=_request_seed(args.seed, i)), n=args.n)
@@ -105,6 +136,39 @@ def _task_requests(model_dir, args: argparse.Namespace):  # noqa: ANN001, ANN202
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         requests = [GenerationRequest(f"t{i}", p, params) for i, p in enumerate(ids)]
     return requests, max(len(p) for p in ids)
+
+
+MIN_TOKENS_SCAN = 1 << 17  # problems scanned at most for --min-tokens (about 2 s)
+
+
+def _long_problems(tok, count: int, seed: int, min_tokens: int) -> list:  # noqa: ANN001
+    """The first `count` problems of the seeded stream whose reference solution has >= `min_tokens` tokens.
+
+    `generate_problems(n, seed)` is a prefix of `generate_problems(m, seed)` for n < m, so the selection
+    does not depend on how far the scan went. Raises ValueError if the first MIN_TOKENS_SCAN problems
+    do not hold `count` such problems."""
+    from tlt.task import generate_problems
+
+    if min_tokens <= 0:
+        return generate_problems(count, seed)
+    scan, longest = max(64, 16 * count), 0
+    while True:
+        kept = []
+        for p in generate_problems(scan, seed):
+            # A token covers at least one character of this ASCII text: a solution shorter than
+            # min_tokens characters cannot qualify, so only the long ones get tokenized.
+            if len(p.solution) < min_tokens:
+                continue
+            n = len(tok.encode(p.solution, add_special_tokens=False))
+            longest = max(longest, n)
+            if n >= min_tokens:
+                kept.append(p)
+                if len(kept) == count:
+                    return kept
+        if scan >= MIN_TOKENS_SCAN:
+            raise ValueError(f"only {len(kept)} of the first {scan} problems have a reference solution of >= "
+                             f"{min_tokens} tokens (need {count}; the longest seen has {longest})")
+        scan = min(2 * scan, MIN_TOKENS_SCAN)
 
 
 def _synthetic_requests(args: argparse.Namespace):  # noqa: ANN202
@@ -224,13 +288,97 @@ def _mode_result(mode: str, outs: dict, m: dict, spec: dict) -> dict:
     }
 
 
+def _add_speedups(results: list[dict]) -> None:
+    """Speed-ups over the first `off` result of `results` (one round), in place; none without off."""
+    base = next((r for r in results if r.get("mode") == "off"), None)
+    for r in results:
+        if base is None or "wall_s" not in r:
+            continue
+        r["speedup_vs_off"] = round(base["wall_s"] / r["wall_s"], 2)
+        r["tail4_speedup"] = _ratio(r["tail4_tok_per_s"], base["tail4_tok_per_s"])
+        for label, b in r["buckets"].items():
+            b["speedup_vs_off"] = _ratio(b["tok_per_s"], base["buckets"].get(label, {}).get("tok_per_s"))
+
+
+def _median(values: list, digits: int) -> float | None:
+    """Median of the values that are not None (None if none), rounded like the field it summarizes."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    median = statistics.median(present)
+    if all(isinstance(v, int) for v in present) and median == int(median):
+        return int(median)  # counts stay ints unless the two middle runs of an even R differ
+    return round(median, digits)
+
+
+def _range(values: list) -> list | None:
+    present = [v for v in values if v is not None]
+    return [min(present), max(present)] if present else None
+
+
+# per-mode fields reported as the median over rounds, with their rounding (ints stay ints for odd R)
+MEDIAN_FIELDS = {"wall_s": 3, "tokens": 1, "tok_per_s": 1, "tail_s": 3, "tail_share": 3, "tail_tok_per_s": 1,
+                 "tail4_tok_per_s": 1, "steps": 1, "decode_steps": 1, "verify_steps": 1, "verified_seq_steps": 1,
+                 "sd_step_share": 3}
+BUCKET_MEDIAN_FIELDS = {"tokens": 1, "seconds": 6, "steps": 1, "tok_per_s": 1}
+
+
+def _median_result(runs: list[dict], sampled: bool) -> dict:
+    """One mode's R runs (one per round) as one result: medians, per-round speed-up medians and ranges, summed arms."""
+    out: dict = {"mode": runs[0]["mode"]}
+    for key, digits in MEDIAN_FIELDS.items():
+        out[key] = _median([r[key] for r in runs], digits)
+    buckets = {}
+    for _, _, label in BUCKETS:
+        present = [r["buckets"][label] for r in runs if label in r["buckets"]]
+        if not present:
+            continue
+        b = {key: _median([x[key] for x in present], digits) for key, digits in BUCKET_MEDIAN_FIELDS.items()}
+        b["runs"] = len(present)  # the runs in which this bucket occurred (the medians are over those)
+        if "speedup_vs_off" in present[0]:
+            ratios = [x["speedup_vs_off"] for x in present]
+            b["speedup_vs_off"], b["speedup_vs_off_range"] = _median(ratios, 2), _range(ratios)
+        buckets[label] = b
+    out["buckets"] = buckets
+    summed: dict[str, dict[str, int]] = {}
+    for r in runs:
+        for name, a in r["arms"].items():
+            acc = summed.setdefault(name, {"verify_steps": 0, "seq_steps": 0, "emitted": 0})
+            for key in acc:
+                acc[key] += a[key]
+    arm_total = sum(a["verify_steps"] for a in summed.values())
+    out["arms"] = {name: {**a, "share": round(a["verify_steps"] / arm_total, 3) if arm_total else 0.0,
+                          "accept_len": round(a["emitted"] / a["seq_steps"], 2) if a["seq_steps"] else None}
+                   for name, a in sorted(summed.items(), key=lambda kv: -kv[1]["verify_steps"])}
+    seq_steps = sum(a["seq_steps"] for a in summed.values())
+    out["mean_accept_len"] = (round(sum(a["emitted"] for a in summed.values()) / seq_steps, 2) if seq_steps
+                              else _median([r["mean_accept_len"] for r in runs], 2))
+    out["identical_to_first_mode"] = None if sampled else all(r["identical_to_first_mode"] for r in runs)
+    for key in ("speedup_vs_off", "tail4_speedup"):
+        if key in runs[0]:
+            ratios = [r[key] for r in runs]
+            out[key], out[key + "_range"] = _median(ratios, 2), _range(ratios)
+    return out
+
+
+def _x(value: float | None, span: list | None = None) -> str:
+    """A speed-up cell: `1.52`, or `1.52 (1.40-1.61)` with the per-round range."""
+    text = f"{value or 0:.2f}"
+    return f"{text} ({span[0]:.2f}-{span[1]:.2f})" if span else text
+
+
 def _print_table(report: dict, args: argparse.Namespace) -> None:
     results = report["results"]
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    repeats = report.get("repeats", 1)
     print(f"model: {report['model']}; {report['sequences']} sequences ({report['requests']} requests, {sampling}), "
           f"response length p50 {report['lengths_p50']}, max {report['lengths_max']}; SD threshold {args.threshold}")
-    print(f"{'mode':<15}{'wall s':>8}{'tok/s':>8}{'speedup':>9}{'tail s':>8}{'tail%':>7}{'tail tok/s':>12}"
-          f"{'b<=4 x':>8}{'verify':>8}{'SD%':>6}{'accept':>8}  lossless")
+    wx, wb = (18, 18) if repeats > 1 else (9, 8)  # speed-up cells carry the per-round range with repeats
+    if repeats > 1:
+        print(f"median of {repeats} interleaved rounds (speed-ups: median of per-round ratios over off, "
+              f"(min-max) over rounds; arms: summed)")
+    print(f"{'mode':<15}{'wall s':>8}{'tok/s':>8}{'speedup':>{wx}}{'tail s':>8}{'tail%':>7}{'tail tok/s':>12}"
+          f"{'b<=4 x':>{wb}}{'verify':>8}{'SD%':>6}{'accept':>8}  lossless")
     ran = [r for r in results if "skipped" not in r]
     for r in results:
         if "skipped" in r:
@@ -238,23 +386,28 @@ def _print_table(report: dict, args: argparse.Namespace) -> None:
             continue
         same = r["identical_to_first_mode"]
         lossless = SAMPLED_NOTE if same is None else ("identical" if same else "DIFFERENT")
-        print(f"{r['mode']:<15}{r['wall_s']:>8.2f}{r['tok_per_s']:>8.1f}{r.get('speedup_vs_off') or 0:>9.2f}"
+        print(f"{r['mode']:<15}{r['wall_s']:>8.2f}{r['tok_per_s']:>8.1f}"
+              f"{_x(r.get('speedup_vs_off'), r.get('speedup_vs_off_range')):>{wx}}"
               f"{r['tail_s']:>8.2f}{100 * r['tail_share']:>6.0f}%{r['tail_tok_per_s'] or 0:>12.1f}"
-              f"{r.get('tail4_speedup') or 0:>8.2f}{r['verify_steps']:>8}{100 * r['sd_step_share']:>5.0f}%"
-              f"{r['mean_accept_len']:>8.2f}  {lossless}")
+              f"{_x(r.get('tail4_speedup'), r.get('tail4_speedup_range')):>{wb}}{r['verify_steps']:>8}"
+              f"{100 * r['sd_step_share']:>5.0f}%{r['mean_accept_len']:>8.2f}  {lossless}")
     labels = [label for _, _, label in BUCKETS if any(label in r["buckets"] for r in ran)]
     if labels:
         print("tokens/s per batch-size bucket (x: over off's same bucket; JSON has tokens and seconds)")
-        print(f"{'mode':<15}" + "".join(f"{'batch ' + label:>18}" for label in labels))
+        width = 27 if repeats > 1 else 18
+        print(f"{'mode':<15}" + "".join(f"{'batch ' + label:>{width}}" for label in labels))
         for r in ran:
             cells = []
             for label in labels:
                 b = r["buckets"].get(label)
                 if b is None or b["tok_per_s"] is None:
-                    cells.append(f"{'-':>18}")
+                    cells.append(f"{'-':>{width}}")
                 else:
-                    x = f" ({b['speedup_vs_off']:.2f}x)" if b.get("speedup_vs_off") is not None else ""
-                    cells.append(f"{b['tok_per_s']:.1f}{x}".rjust(18))
+                    span = b.get("speedup_vs_off_range")
+                    x = "" if b.get("speedup_vs_off") is None else (
+                        f" ({b['speedup_vs_off']:.2f}x, {span[0]:.2f}-{span[1]:.2f})" if span
+                        else f" ({b['speedup_vs_off']:.2f}x)")
+                    cells.append(f"{b['tok_per_s']:.1f}{x}".rjust(width))
             print(f"{r['mode']:<15}" + "".join(cells))
     with_arms = [r for r in ran if r["arms"]]
     if with_arms:
@@ -280,6 +433,12 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: unknown modes {bad}; choose from {list(MODES)}", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print(f"error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    if args.min_tokens and args.workload != "task":
+        print("error: --min-tokens needs --workload task", file=sys.stderr)
+        return 2
     if not args.temperature >= 0:  # also rejects nan
         print(f"error: --temperature must be >= 0, got {args.temperature}", file=sys.stderr)
         return 2
@@ -300,47 +459,62 @@ def run(args: argparse.Namespace) -> int:
 
     sampled = args.temperature > 0
     if args.workload == "task":
-        requests, prompt_len = _task_requests(model_dir, args)
+        try:
+            requests, prompt_len = _task_requests(model_dir, args)
+        except ValueError as e:
+            print(f"error: --min-tokens {args.min_tokens}: {e}", file=sys.stderr)
+            return 2
     else:
         requests, lengths = _synthetic_requests(args)
         prompt_len = args.prompt_len
     num_seqs = sum(r.n for r in requests)
     total_ctx = prompt_len + args.max_tokens + 64
-    results, reference = [], None
+    ran = [m for m in modes if not (m.endswith("learned") and not args.drafter)]
+    rounds: list[list[dict]] = []  # per round, the results of the modes that ran, in --modes order
+    reference, run_index = None, 0
+    for round_index in range(args.repeats):  # interleaved: every mode once per round
+        row = []
+        for mode in ran:
+            engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
+                                                       num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+            if mode != "off":
+                cfg = _spec_config(mode, args, bucket_arms if not mode.startswith("static") else None)
+                engine.spec_decoder = build_spec_decoder(cfg, engine.runner, engine.block_manager)
+                engine.scheduler.on_release = engine.spec_decoder.release
+            outs, measured = _run_mode(engine, requests, args.threshold)
+            if reference is None:
+                reference = outs
+            result = _mode_result(mode, outs, measured, engine.stats().spec)
+            result["identical_to_first_mode"] = None if sampled else outs == reference
+            if args.repeats > 1:
+                result["round"], result["run_index"] = round_index, run_index
+            run_index += 1
+            row.append(result)
+        _add_speedups(row)
+        rounds.append(row)
+    per_mode = iter([row[j] for row in rounds] for j in range(len(ran)))  # column j: mode ran[j], all rounds
+    results = []
     for mode in modes:
-        if mode.endswith("learned") and not args.drafter:
+        if mode not in ran:
             results.append({"mode": mode, "skipped": "no --drafter given"})
             continue
-        engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
-                                                   num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
-        if mode != "off":
-            cfg = _spec_config(mode, args, bucket_arms if not mode.startswith("static") else None)
-            engine.spec_decoder = build_spec_decoder(cfg, engine.runner, engine.block_manager)
-            engine.scheduler.on_release = engine.spec_decoder.release
-        outs, measured = _run_mode(engine, requests, args.threshold)
-        if reference is None:
-            reference = outs
-        result = _mode_result(mode, outs, measured, engine.stats().spec)
-        result["identical_to_first_mode"] = None if sampled else outs == reference
-        results.append(result)
-    base = next((r for r in results if r.get("mode") == "off"), None)
-    for r in results:
-        if base is None or "wall_s" not in r:
-            continue
-        r["speedup_vs_off"] = round(base["wall_s"] / r["wall_s"], 2)
-        r["tail4_speedup"] = _ratio(r["tail4_tok_per_s"], base["tail4_tok_per_s"])
-        for label, b in r["buckets"].items():
-            b["speedup_vs_off"] = _ratio(b["tok_per_s"], base["buckets"].get(label, {}).get("tok_per_s"))
+        runs = next(per_mode)
+        results.append(runs[0] if args.repeats == 1 else _median_result(runs, sampled))
     if args.workload == "task":  # natural lengths: those the first mode decoded
         lengths = torch.tensor([len(v) for v in (reference or {}).values()] or [0], dtype=torch.float32)
     report = {"model": source, "workload": args.workload, "temperature": args.temperature,
               "requests": len(requests), "sequences": num_seqs,
               "lengths_p50": int(lengths.float().median()), "lengths_max": int(lengths.max()),
               "threshold": args.threshold, "arms": list(bucket_arms[0]) if bucket_arms else None, "results": results}
+    if args.min_tokens:
+        report["min_tokens"] = args.min_tokens
+    if args.repeats > 1:
+        report["repeats"] = args.repeats
+        report["rounds"] = rounds
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _print_table(report, args)
     if sampled:
         return 0
-    return 0 if all(r.get("identical_to_first_mode", True) for r in results) else 1
+    return 0 if all(r["identical_to_first_mode"] for row in rounds for r in row) else 1
