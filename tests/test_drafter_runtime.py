@@ -107,3 +107,28 @@ def test_cache_mask_against_a_hand_written_one():
     # one new token per row, equal lengths, no prefix mask: every key visible, no mask needed
     assert Drafter.cache_mask(torch.tensor([3, 3]), 1, 4) is None
     assert Drafter.cache_mask(torch.tensor([3, 2]), 1, 4).int().tolist() == [[[1, 1, 1, 1]], [[1, 1, 1, 0]]]
+
+
+@torch.inference_mode()
+def test_right_padded_appends_equal_separate_ones():
+    """EagleSource feeds several rows' pending pairs in one call, right-padded (new_lengths): each row's
+    real outputs, cached K/V and new length equal feeding it alone."""
+    d = _drafter(4)
+    rt = DrafterRuntime(d)
+    c_one, c_pad = _both(d)
+    g = torch.Generator().manual_seed(4)
+    pre = {0: 3, 2: 6}
+    for r, n in pre.items():
+        ids, f = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g)
+        for c in (c_one, c_pad):
+            rt(ids, f, torch.arange(n)[None], c, torch.tensor([r]))
+    n_new = [2, 5]
+    ids, f = torch.randint(0, V, (2, 5), generator=g), torch.randn(2, 5, H, generator=g)
+    pos = torch.tensor([[3, 4, 5, 6, 7], [6, 7, 8, 9, 10]])
+    padded = rt(ids, f, pos, c_pad, torch.tensor([0, 2]), new_lengths=torch.tensor(n_new))
+    for b, (r, n) in enumerate(zip((0, 2), n_new)):
+        alone = rt(ids[b : b + 1, :n], f[b : b + 1, :n], pos[b : b + 1, :n], c_one, torch.tensor([r]))
+        assert torch.allclose(padded[b, :n], alone[0], atol=1e-5)
+    assert c_pad.lengths.tolist() == c_one.lengths.tolist() == [5, 0, 11]
+    for r, n in ((0, 5), (2, 11)):
+        assert torch.allclose(c_pad.k[r, :, :n], c_one.k[r, :, :n], atol=1e-5)

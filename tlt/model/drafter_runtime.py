@@ -163,8 +163,13 @@ class DrafterRuntime:
         cache_rows: torch.Tensor,
         tree_mask: torch.Tensor | None = None,
         prefix_mask: torch.Tensor | None = None,
+        new_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`Drafter.forward` with a cache (same arguments and semantics) -> h' [B, T, H]."""
+        """`Drafter.forward` with a cache (same arguments and semantics) -> h' [B, T, H].
+
+        new_lengths [B]: row b's real new tokens are its first new_lengths[b] (the rest right padding):
+        its cached length grows by that much instead of T (the padding's K/V is dead, overwritten by the
+        next append). Only with the default causal mask, under which a real token never sees padding."""
         c = self.drafter.cfg
         b, t = input_ids.shape
         top = int(positions.max()) + 1
@@ -179,7 +184,7 @@ class DrafterRuntime:
         end = start + t
         span = int(end.max())
         cache.ensure(span)
-        cache.lengths[rows] = end
+        cache.lengths[rows] = end if new_lengths is None else start + new_lengths.to(start.device)
         slots = start[:, None] + torch.arange(t, device=x.device)
         mask = Drafter.cache_mask(start, t, span, tree_mask, prefix_mask)
         if mask is not None:

@@ -99,35 +99,58 @@ class EagleSource:
             self.cache.lengths[self.rows[key]] = 0
         return self.rows[key]
 
+    # pending runs at most this long are fed together in one padded drafter call; longer ones (a backlog
+    # buffered during plain decoding) alone, so that one long backlog does not pad every row
+    FEED_BATCH_MAX = 16
+
     @torch.inference_mode()
-    def _feed(self, seq: Sequence) -> bool:
-        """Feed pending pairs; True when the sequence's root pair has been fed (warm)."""
-        key = seq_key(seq)
-        row = self._row(key)
-        root_pos = seq.num_tokens - 1
-        pend = self.pending.pop(key, None)
-        if pend is not None:
-            toks, feats, first = pend
-            if self.fed_pos.get(key, first - 1) != first - 1:  # a gap: restart the row from these pairs
-                self.cache.lengths[row] = 0
-            out = self.runtime(
-                torch.tensor([toks], device=self.device), torch.stack(feats)[None].to(self.device, self.dtype),
-                torch.arange(first, first + len(toks), device=self.device)[None],
-                self.cache, torch.tensor([row], device=self.device),
-            )
-            self.fed_pos[key] = first + len(toks) - 1
-            self.last_h[key] = out[0, -1]
-        if self.fed_pos.get(key) != root_pos:
-            self.cold_starts += 1
-            self.cache.lengths[row] = 0
-            self.fed_pos.pop(key, None)
-            self.last_h.pop(key, None)
-            return False
-        return True
+    def _feed(self, seqs: list[Sequence]) -> list[bool]:
+        """Feed every sequence's pending pairs; per sequence, True when its root pair has been fed (warm)."""
+        jobs = []
+        for s in seqs:
+            key = seq_key(s)
+            row = self._row(key)
+            pend = self.pending.pop(key, None)
+            if pend is not None:
+                toks, feats, first = pend
+                if self.fed_pos.get(key, first - 1) != first - 1:  # a gap: restart the row from these pairs
+                    self.cache.lengths[row] = 0
+                jobs.append((key, row, toks, feats, first))
+        short = [j for j in jobs if len(j[2]) <= self.FEED_BATCH_MAX]
+        for group in ([short] if short else []) + [[j] for j in jobs if len(j[2]) > self.FEED_BATCH_MAX]:
+            self._feed_group(group)
+        warm = []
+        for s in seqs:
+            key = seq_key(s)
+            if self.fed_pos.get(key) != s.num_tokens - 1:
+                self.cold_starts += 1
+                self.cache.lengths[self.rows[key]] = 0
+                self.fed_pos.pop(key, None)
+                self.last_h.pop(key, None)
+            warm.append(key in self.last_h)
+        return warm
+
+    def _feed_group(self, jobs: list) -> None:
+        """One drafter call over several rows' pending pairs, right-padded to the longest (padding is
+        written past each row's new length, where the next append overwrites it, and never attended to
+        by a real pair: new pairs attend causally)."""
+        dev = self.device
+        n = [len(j[2]) for j in jobs]
+        t = max(n)
+        ids = torch.tensor([j[2] + [0] * (t - len(j[2])) for j in jobs], device=dev)
+        feats = torch.zeros(len(jobs), t, self.drafter.cfg.hidden_size, dtype=self.dtype, device=dev)
+        for b, j in enumerate(jobs):
+            feats[b, : n[b]] = torch.stack(j[3]).to(dev, self.dtype)
+        first = torch.tensor([j[4] for j in jobs], device=dev)
+        out = self.runtime(ids, feats, first[:, None] + torch.arange(t, device=dev)[None], self.cache,
+                           torch.tensor([j[1] for j in jobs], device=dev), new_lengths=torch.tensor(n, device=dev))
+        for b, (key, _, _, _, f) in enumerate(jobs):
+            self.fed_pos[key] = f + n[b] - 1
+            self.last_h[key] = out[b, n[b] - 1]
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
-        warm = [self._feed(s) for s in seqs]
+        warm = self._feed(seqs)
         trees: list[DraftTree | None] = [None] * len(seqs)
         idx = [i for i, w in enumerate(warm) if w]
         if idx:
