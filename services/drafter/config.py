@@ -61,6 +61,10 @@ class DrafterServiceConfig(ServiceConfig):
     submit_every: int = Field(20, ge=1, description="micro-steps between delta submissions inside a long window")
     threads: int = Field(1, ge=0, description="torch threads per worker on CPU (0: leave torch's default)")
     device: str = Field("cpu", description="worker device template: cpu, or cuda (a worker uses cuda:<replica>)")
+    pin_cpus: bool = Field(
+        True, description="CPU workers: run on the cores of the replica they watch (cpu_group(replica, threads), as "
+        "the rollout's pin_cpus places replicas with threads_per_replica = threads)"
+    )
     # ---- publishing
     publish_margin: float = Field(
         0.02, ge=0, description="publish when candidate accept length >= serving x (1 + margin) on held-out data"

@@ -102,6 +102,11 @@ class DrafterWorker:
         self._shared = target_shared(model_dir)  # the target's embed / lm_head, kept on the CPU between windows
         if cfg.threads and self.device == "cpu":
             torch.set_num_threads(cfg.threads)
+        if cfg.pin_cpus and self.device == "cpu":  # the cores of the replica it watches (the rollout's pin_cpus)
+            from tlt.services.common.cpus import cpu_group, pin
+
+            cores = cpu_group(replica_id, max(1, cfg.threads))
+            log.info("worker_cpus", worker=worker_id, replica=replica_id, cores=cores, pinned=pin(cores))
 
     # ---- capacity
     def _see(self, event: object) -> None:

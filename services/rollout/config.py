@@ -32,6 +32,10 @@ class RolloutConfig(ServiceConfig):
     threads_per_replica: int = Field(
         0, ge=0, description="torch CPU threads per replica process; 0: the machine's cores divided by replicas"
     )
+    pin_cpus: bool = Field(
+        True, description="CPU replicas: pin replica i to its own threads_per_replica cores (services/common/cpus.py), "
+        "so a drafter worker training on an idle replica's cores never slows a busy one; no effect on GPU replicas"
+    )
     max_n: int = Field(64, ge=1, description="largest n (samples per prompt) a request may ask for")
     max_prompts_per_batch: int = Field(4096, ge=1, description="largest number of prompts in one BatchGenerate")
     max_request_bytes: int = Field(

@@ -41,9 +41,10 @@ from tlt.services.rollout.ipc import (
 
 def replica_main(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
-    features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "",
+    features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "", pin_cpus: bool = False,
 ) -> None:
-    """Process entry point (multiprocessing spawn target). `features_push`: drafter feature PULL endpoint."""
+    """Process entry point (multiprocessing spawn target). `features_push`: drafter feature PULL endpoint.
+    `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`."""
     import torch
 
     from tlt.services.common.logging import configure_logging, get_logger
@@ -55,6 +56,11 @@ def replica_main(
     if threads > 0:
         torch.set_num_threads(threads)
     config = EngineConfig.model_validate_json(engine_config_json)
+    if pin_cpus and str(getattr(config, "device", "cpu")).startswith("cpu"):
+        from tlt.services.common.cpus import cpu_group, pin
+
+        cores = cpu_group(replica_id, max(1, threads))
+        log.info("replica_cpus", replica=replica_id, cores=cores, pinned=pin(cores))
     try:
         engine = engine_class(backend)(model_dir, config, replica_id=replica_id)
         if spec_config_json:

@@ -120,8 +120,9 @@ class ReplicaPool:
 
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
-                 spec_config: Any = None, max_restarts: int = 0) -> None:
+                 spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False) -> None:
         self.model_dir = model_dir
+        self.pin_cpus = pin_cpus
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}  # replica id -> restarts so far
         self._latest: dict[str, tuple[int, bytes, bytes]] = {}  # kind -> (version, manifest, payload) applied
@@ -196,7 +197,7 @@ class ReplicaPool:
             target=replica_main,
             args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
                   self.features_push, self.features_max_tokens,
-                  "" if self.spec_config is None else self.spec_config.model_dump_json()),
+                  "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus),
             name=f"tlt-rollout-replica-{i}",
             daemon=True,
         )

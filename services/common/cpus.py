@@ -1,0 +1,35 @@
+"""CPU thread groups: on a CPU-only machine a replica's "device" is a set of cores.
+
+A rollout replica i running `threads` torch threads gets cores cpu_group(i, threads) of the cores this
+process may use; the drafter worker that watches replica i trains on the same group, so training in a
+replica's idle window never takes cores from another replica still decoding its tail (issue #5: nothing
+trains on a busy device). Groups wrap around when replicas x threads exceeds the cores.
+Linux only (os.sched_setaffinity); elsewhere pinning is a no-op and says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available_cpus() -> list[int]:
+    """Cores this process may run on, ascending."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_group(index: int, threads: int, cpus: list[int] | None = None) -> list[int]:
+    """The `threads` cores of group `index` (replica or worker index), wrapping around the available cores."""
+    cpus = available_cpus() if cpus is None else cpus
+    threads = max(1, min(threads, len(cpus)))
+    start = (index * threads) % len(cpus)
+    return [cpus[(start + k) % len(cpus)] for k in range(threads)]
+
+
+def pin(cores: list[int]) -> bool:
+    """Restrict this process to `cores`; False where the platform cannot (nothing changes then)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    os.sched_setaffinity(0, set(cores))
+    return True
