@@ -61,6 +61,10 @@ class DrafterServiceConfig(ServiceConfig):
     submit_every: int = Field(20, ge=1, description="micro-steps between delta submissions inside a long window")
     threads: int = Field(1, ge=0, description="torch threads per worker on CPU (0: leave torch's default)")
     device: str = Field("cpu", description="worker device template: cpu, or cuda (a worker uses cuda:<replica>)")
+    coordinator_nice: int = Field(
+        10, ge=0, le=19, description="niceness of the coordinator process (`tlt drafter serve`, after starting its "
+        "workers): its feature ingest and candidate evaluations yield the CPU to busy rollout replicas; 0 = normal"
+    )
     pin_cpus: bool = Field(
         True, description="CPU workers: run on the cores of the replica they watch (cpu_group(replica, threads), as "
         "the rollout's pin_cpus places replicas with threads_per_replica = threads)"

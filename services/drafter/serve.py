@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", args.model, "--coordinator",
                coordinator.endpoint, "--replica", str(i), "--worker-id", str(i), "--config-json", cfg.model_dump_json()]  # type: ignore[attr-defined]
         procs.append(subprocess.Popen(cmd))
+    if cfg.coordinator_nice:  # type: ignore[attr-defined]
+        os.nice(cfg.coordinator_nice)  # type: ignore[attr-defined]  # after the workers started: they keep normal priority
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -94,6 +94,7 @@ class DrafterWorker:
         self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
+        self._deferred: tuple | None = None  # (own tensors, base, base version, steps, losses, optimizer state)
         saved = load_state(self.ckpt) or {}
         self.total_steps = int(saved.get("micro_steps", 0))
         self.preemptions = int(saved.get("preemptions", 0))
@@ -138,17 +139,23 @@ class DrafterWorker:
                                                       pid=os.getpid()))
         log.info("worker_started", worker=self.worker_id, replica=self.replica_id, device=self.device,
                  resumed_steps=self.total_steps)
-        while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
-            if max_windows is not None and self.windows >= max_windows:
-                return
-            self._poll_events(0.0 if self.state == IDLE else 0.2)  # the latest state, not a stale one
-            if self.state != IDLE:
-                continue
+        try:
+            while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+                if max_windows is not None and self.windows >= max_windows:
+                    return
+                self._poll_events(0.0 if self.state == IDLE else 0.2)  # the latest state, not a stale one
+                if self.state != IDLE:
+                    continue
+                try:
+                    self.window(stop)
+                except CoordinatorUnavailable as e:
+                    log.warning("coordinator_unavailable", error=str(e))
+                    time.sleep(1.0)
+        finally:
             try:
-                self.window(stop)
+                self._flush()  # leaving: nothing deferred may be lost
             except CoordinatorUnavailable as e:
-                log.warning("coordinator_unavailable", error=str(e))
-                time.sleep(1.0)
+                log.warning("final_flush_failed", error=str(e))
 
     def window(self, stop: object = None) -> WindowResult:
         """One training window on an idle replica; returns when it turns busy (or `stop`)."""
@@ -161,6 +168,7 @@ class DrafterWorker:
         saved = load_state(self.ckpt)
         if saved is not None and saved.get("optimizer"):
             opt.load_state_dict(saved["optimizer"])
+        self._flush()  # what the last window left for an idle moment: this is one
         base, base_version = self._pull(drafter)
         since_submit = 0
         while True:
@@ -201,9 +209,13 @@ class DrafterWorker:
             res.busy_timestamp = self.last_busy
             self.preemptions += 1
         self.total_steps += res.micro_steps
-        if since_submit:
-            self._send_delta(local, base, base_version, since_submit, res)
-        self._checkpoint(opt_state)
+        # The replica is busy again (or we are stopping): sending the change and writing the checkpoint
+        # would take CPU from it, so they wait for the next idle window (`_flush`); a kill -9 before then
+        # loses at most these `since_submit` micro-steps and the worker resumes from the last checkpoint.
+        self._deferred = (local, base, base_version, since_submit, res.losses[-since_submit:] if since_submit else [],
+                          opt_state)
+        if stop is not None and stop.is_set():  # type: ignore[attr-defined]
+            self._flush()
         win = drafter_pb2.TrainingWindow(
             worker_id=self.worker_id, replica_id=self.replica_id, start=start, end=res.released,
             micro_steps=res.micro_steps, preempted=res.preempted, busy_timestamp=res.busy_timestamp,
@@ -222,16 +234,26 @@ class DrafterWorker:
         drafter.load_tensors(tensors)  # type: ignore[operator]
         return tensors, cand.version
 
-    def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, res: WindowResult) -> None:
+    def _flush(self) -> None:
+        """Send the change and write the checkpoint the last window deferred (see `window`)."""
+        if self._deferred is None:
+            return
+        local, base, base_version, steps, losses, opt_state = self._deferred
+        if steps:
+            self._send_delta(local, base, base_version, steps, losses)  # raises: kept for the next try
+        self._checkpoint(opt_state)
+        self._deferred = None
+
+    def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, losses: list[float]) -> None:
         delta = {k: local[k] - base[k] for k in local}
         m, p = tensors_message(delta, base_version)
-        loss = sum(res.losses[-steps:]) / max(1, len(res.losses[-steps:]))
+        loss = sum(losses) / max(1, len(losses))
         self.client.ask(update=drafter_pb2.DeltaUpdate(base_version=base_version, manifest=m, payload=p,
                                                        micro_steps=steps, mean_loss=loss))
 
     def _submit(self, drafter: torch.nn.Module, base: dict, base_version: int, steps: int, res: WindowResult,
                 opt: torch.optim.Optimizer) -> None:
-        self._send_delta(own_tensors(drafter), base, base_version, steps, res)  # type: ignore[arg-type]
+        self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:])  # type: ignore[arg-type]
         self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)
 
     def _checkpoint(self, opt_state: dict, extra_steps: int = 0) -> None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.model.transformer import AttentionMetadata, Transformer
+from tlt.model.attention import AttentionMetadata
+from tlt.model.transformer import Transformer
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
 

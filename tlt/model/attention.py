@@ -1,0 +1,190 @@
+"""Attention over the paged KV cache: per-step metadata and the grouped attention every layer runs.
+
+    AttentionMetadata.build(q_lens, context_lens, block_tables, ...)   once per engine step
+      -> groups: decode rows (one new token each) and extend rows (prefill chunks, verify trees) apart,
+         so a long prefill does not pad every decode row; each group is one padded SDPA call (gather
+         indices, block index, mask) or, built for_kernels, one Triton launch (KernelTables)
+    attend_groups(q, k_cache, v_cache, metadata, scale)                 per layer -> [T, nh * d]
+
+Layout and conventions are those of `tlt.model.transformer` (its docstring): sequence b's new tokens sit
+at cache positions context_lens[b] .. context_lens[b] + q_lens[b] - 1 of its block table; an optional
+per-sequence [q, q] tree mask replaces the causal mask among new tokens (speculative verification).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.model.layer_ops import group_attention_fn
+
+
+@dataclass
+class KernelTables:
+    """What the Triton paged-attention kernels read for one group (`tlt.kernels.paged_attention`).
+
+    Queries are padded to max_q per sequence (left-aligned, like the SDPA groups): sequence g's n_g
+    new tokens sit at cache positions ctx_g .. ctx_g + n_g - 1, and the kernel is told the context
+    ctx_g + max_q, so its "last max_q positions" are those tokens plus padding columns that the
+    tree mask hides (padding positions past a sequence's blocks read block 0, masked out).
+    """
+
+    block_tables: torch.Tensor  # [G, nb] int32, padded with block 0
+    context_lens: torch.Tensor  # [G] int32: cached tokens + max_q
+    tree_mask: torch.Tensor | None  # [G, max_q, max_q] bool (row i sees new token j); None: decode rows
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together: one padded SDPA call, or one Triton kernel launch when `kernel` is set."""
+
+    q_index: torch.Tensor | None  # [G, max_q] flat token index per (seq, query), None when rows are 0..G-1
+    out_index: torch.Tensor | None  # [n_valid] flat token index of the valid padded rows, None when identity
+    valid: torch.Tensor | None  # [G*max_q] bool, which padded rows are real tokens
+    block_index: torch.Tensor | None  # [G * nb] block ids of each sequence (padded with block 0); keys = blocks[:, :lk]
+    lk: int  # keys attended per sequence (the longest context in the group; shorter ones are masked)
+    mask: torch.Tensor | None  # [G, 1, max_q, Lk] bool, True = attend; None = every key visible
+    max_q: int
+    kernel: KernelTables | None = None  # set for decode / tree groups built for the Triton kernels (SDPA fields unused)
+
+
+@dataclass
+class AttentionMetadata:
+    """A flattened batch: per sequence its new-token count, cached length, blocks and write slots."""
+
+    q_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [T] int64
+    block_size: int
+    tree_masks: list[torch.Tensor | None] | None = None  # per sequence [q, q] bool (row i may see new token j)
+    groups: list[AttentionGroup] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        slot_mapping: torch.Tensor | None = None,
+        tree_masks: list[torch.Tensor | None] | None = None,
+        device: torch.device | str = "cpu",
+        for_kernels: bool = False,
+    ) -> AttentionMetadata:
+        """Derive the gather indices and masks once per step (shared by every layer).
+
+        for_kernels: the model runs the Triton kernels (`Transformer.kernels == "triton"`): decode
+        and tree groups get `KernelTables` instead of SDPA masks; prefill groups stay SDPA.
+        """
+        if slot_mapping is None:
+            slots = []
+            for q, c, bt in zip(q_lens, context_lens, block_tables):
+                slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+            slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        meta = cls(q_lens, context_lens, block_tables, slot_mapping, block_size, tree_masks)
+        if tree_masks is None and all(q == 1 for q in q_lens):
+            meta.groups = [meta._decode_group(device, for_kernels)]
+            return meta
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        has_tree = [tree_masks is not None and tree_masks[i] is not None for i in range(len(q_lens))]
+        single = [i for i, q in enumerate(q_lens) if q == 1 and not has_tree[i]]
+        multi = [i for i, q in enumerate(q_lens) if not (q == 1 and not has_tree[i])]
+        meta.groups = [meta._group(ix, starts, device, for_kernels) for ix in (single, multi) if ix]
+        return meta
+
+    def _block_table(self, ix, lk: int, dtype: torch.dtype) -> torch.Tensor:
+        """[G, nb] block ids of sequences `ix` covering `lk` positions, padded with block 0."""
+        nb = (lk + self.block_size - 1) // self.block_size
+        rows = [self.block_tables[i][:nb] for i in ix]
+        return torch.tensor([r + [0] * (nb - len(r)) for r in rows], dtype=dtype)
+
+    def _decode_group(self, device, for_kernels: bool) -> AttentionGroup:
+        """Every sequence has one new token and no tree: row b is flat token b, key j visible iff j <= ctx_b."""
+        lk = max(self.context_lens) + 1
+        everyone = range(len(self.block_tables))
+        if for_kernels:
+            bt32 = self._block_table(everyone, lk, torch.int32)
+            lens = torch.tensor([c + 1 for c in self.context_lens], dtype=torch.int32)
+            return AttentionGroup(None, None, None, None, lk, None, 1, KernelTables(bt32.to(device), lens.to(device), None))
+        bt = self._block_table(everyone, lk, torch.int64)
+        if min(self.context_lens) == lk - 1:
+            mask = None  # every row sees exactly its lk keys (one sequence, or equal contexts as in a GRPO group)
+        else:
+            ctx = torch.tensor(self.context_lens, dtype=torch.int64)
+            mask = (torch.arange(lk)[None, :] <= ctx[:, None])[:, None, None, :].to(device)
+        return AttentionGroup(None, None, None, bt.view(-1).to(device), lk, mask, 1)
+
+    def _group(self, ix: list[int], starts: list[int], device, for_kernels: bool) -> AttentionGroup:
+        g = len(ix)
+        q = torch.tensor([self.q_lens[i] for i in ix], dtype=torch.int64)
+        ctx = torch.tensor([self.context_lens[i] for i in ix], dtype=torch.int64)
+        max_q = int(q.max())
+        trees = [self.tree_masks[i] if self.tree_masks is not None else None for i in ix]
+        has_tree = any(tm is not None for tm in trees)
+        s = torch.tensor([starts[i] for i in ix], dtype=torch.int64)
+        flat = s[:, None] + torch.arange(max_q)[None, :]
+        valid = (torch.arange(max_q)[None, :] < q[:, None]).reshape(-1)
+        # every sequence, each with max_q new tokens (pure decode, or a verify step over equal trees):
+        # padded row r is flat token r, nothing to gather or scatter
+        identity = g == len(self.q_lens) and bool((q == max_q).all())
+        flat = flat.clamp(max=starts[-1] - 1)  # padded rows read some real token; their output is dropped
+        q_index = None if identity else flat.to(device)
+        out_index = None if identity else flat.reshape(-1)[valid].to(device)
+        if for_kernels and (max_q == 1 or has_tree):  # decode rows or a verify step; prefill chunks stay SDPA
+            lk = int(ctx.max()) + max_q
+            bt32 = self._block_table(ix, lk, torch.int32)
+            tree = None
+            if has_tree:  # real nodes top-left, padding rows/columns hidden; a plain chunk is causal
+                tree = torch.zeros(g, max_q, max_q, dtype=torch.bool)
+                for r, tm in enumerate(trees):
+                    n = int(q[r])
+                    tree[r, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril_() if tm is None else tm.to(torch.bool).cpu()
+                tree = tree.to(device)
+            tables = KernelTables(bt32.to(device), (ctx + max_q).to(torch.int32).to(device), tree)
+            return AttentionGroup(q_index, out_index, valid.to(device), None, lk, None, max_q, tables)
+        lk = int((q + ctx).max())
+        bt = self._block_table(ix, lk, torch.int64)
+        j = torch.arange(lk)[None, None, :]
+        qi = torch.arange(max_q)[None, :, None]
+        c3, q3 = ctx[:, None, None], q[:, None, None]
+        # cached keys always visible; new key k = j - ctx visible to query i when k <= i (causal)
+        mask = (j < c3) | ((j - c3 <= qi) & (j < c3 + q3))
+        for r, (i, tm) in enumerate(zip(ix, trees)):
+            if tm is not None:
+                c, n = self.context_lens[i], self.q_lens[i]
+                mask[r, :n, c : c + n] = tm.to(torch.bool).cpu()
+        return AttentionGroup(
+            q_index=q_index,
+            out_index=out_index,
+            valid=valid.to(device),
+            block_index=bt.view(-1).to(device),
+            lk=lk,
+            mask=mask[:, None].to(device),
+            max_q=max_q,
+        )
+
+
+def attend_groups(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata, scale: float,
+                  kernel_attend=None) -> torch.Tensor:
+    """Attention of every new token -> [T, nh * d]. q: [T, nh, d]; kc/vc: one layer's caches [num_blocks, block_size, kvh, d].
+
+    Groups with `KernelTables` go to `kernel_attend` (`kernel_ops.attend`), the others to SDPA.
+    """
+    t, nh, d = q.shape
+    groups = attn.groups
+    assert groups is not None, "AttentionMetadata.build() derives the groups"
+    out = q.new_empty(t, nh * d) if len(groups) > 1 or groups[0].out_index is not None else None
+    for g in groups:
+        if g.kernel is not None:
+            assert kernel_attend is not None, "metadata built for_kernels=True needs a model with kernels='triton'"
+            og = kernel_attend(q, kc, vc, g, scale)
+        else:
+            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.mask, g.max_q, scale)
+        if out is None:
+            return og
+        out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])
+    return out
