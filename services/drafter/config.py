@@ -65,6 +65,11 @@ class DrafterServiceConfig(ServiceConfig):
         10, ge=0, le=19, description="niceness of the coordinator process (`tlt drafter serve`, after starting its "
         "workers): its feature ingest and candidate evaluations yield the CPU to busy rollout replicas; 0 = normal"
     )
+    worker_nice: int = Field(
+        0, ge=0, le=19, description="niceness of worker processes. 0 where a worker has its replica's device to itself "
+        "(a GPU); on a CPU machine shared with the policy trainer, 19 makes workers train only on cycles nothing else "
+        "wants (a replica's idle window is the trainer's busy time there)"
+    )
     pin_cpus: bool = Field(
         True, description="CPU workers: run on the cores of the replica they watch (cpu_group(replica, threads), as "
         "the rollout's pin_cpus places replicas with threads_per_replica = threads)"

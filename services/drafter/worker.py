@@ -103,6 +103,8 @@ class DrafterWorker:
         self._shared = target_shared(model_dir)  # the target's embed / lm_head, kept on the CPU between windows
         if cfg.threads and self.device == "cpu":
             torch.set_num_threads(cfg.threads)
+        if cfg.worker_nice:
+            os.nice(cfg.worker_nice)
         if cfg.pin_cpus and self.device == "cpu":  # the cores of the replica it watches (the rollout's pin_cpus)
             from tlt.services.common.cpus import cpu_group, pin
 
