@@ -12,6 +12,11 @@ new), its row restarts cold: a root-only tree this step (one plain verify, still
 which it is warm. The target's features for the cold context are never recomputed.
 Memory: one contiguous K/V row per sequence (grows to its length: one layer, kv_heads x head_dim per
 token) and at most `max_pending` buffered features per sequence.
+
+Speed (it decides whether speculation pays on CPU): the drafter runs through `DrafterRuntime`
+(`tlt/model/drafter_runtime.py`, fused and scripted); every sequence's pending pairs go through one
+padded call (`_feed`); a chain (topk = 1) is drafted in one scripted call (`_chain`), a tree level by
+level with one call per level for the whole batch (`_tree`).
 """
 
 from __future__ import annotations
