@@ -57,10 +57,10 @@ def replica_main(
         torch.set_num_threads(threads)
     config = EngineConfig.model_validate_json(engine_config_json)
     if pin_cpus and str(getattr(config, "device", "cpu")).startswith("cpu"):
-        from tlt.services.common.cpus import cpu_group, pin
+        from tlt.services.common.cpus import pin_group
 
-        cores = cpu_group(replica_id, max(1, threads))
-        log.info("replica_cpus", replica=replica_id, cores=cores, pinned=pin(cores))
+        cores, pinned = pin_group(replica_id, threads)
+        log.info("replica_cpus", replica=replica_id, cores=cores, pinned=pinned)
     try:
         engine = engine_class(backend)(model_dir, config, replica_id=replica_id)
         if spec_config_json:
@@ -107,16 +107,8 @@ def attach_spec(engine: Any, spec_config_json: str) -> None:
     from tlt.services.rollout.spec.config import SpecConfig
 
     spec = SpecConfig.model_validate_json(spec_config_json)
-    if spec.mode == "off" or not hasattr(engine, "enable_spec"):
-        return
-    drafter = None
-    if spec.drafter == "learned":
-        from tlt.model.drafter import load_drafter
-
-        model = engine.runner.model  # the drafter shares the target's embed and lm_head
-        drafter = load_drafter(spec.drafter_path, model.embed, model.lm_head).to(device=model.device, dtype=model.dtype)
-        drafter = drafter.eval()
-    engine.enable_spec(spec, drafter)
+    if hasattr(engine, "enable_spec"):
+        engine.enable_spec(spec)  # loads a learned drafter from spec.drafter_path onto the target's embed/lm_head
 
 
 class ReplicaLoop:

@@ -263,13 +263,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ speculative decoding
     def enable_spec(self, spec_config, drafter=None) -> None:
-        """Attach a SpecDecoder (tlt.services.rollout.spec) that replaces plain decode for small batches."""
-        from tlt.services.rollout.spec.decoder import SpecDecoder
+        """Attach a SpecDecoder (tlt.services.rollout.spec) that replaces plain decode for small batches.
+        A learned drafter is `drafter`, or else loaded from `spec_config.drafter_path`."""
+        from tlt.services.rollout.spec.decoder import build_spec_decoder
 
-        if spec_config.mode == "off":
+        decoder = build_spec_decoder(spec_config, self.runner, self.block_manager, drafter)
+        if decoder is None:  # mode off
             return
-        self.spec_decoder = SpecDecoder(spec_config, self.runner, self.block_manager, drafter)
-        self.scheduler.on_release = self.spec_decoder.release
+        self.spec_decoder = decoder
+        self.scheduler.on_release = decoder.release
 
     # ------------------------------------------------------------------ helpers
     def stats(self) -> EngineStats:

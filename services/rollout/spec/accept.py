@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.services.rollout.spec.filters import Param, filter_logits
+from tlt.services.rollout.spec.tree import is_chain
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
@@ -137,7 +138,7 @@ def tree_accept_torch(draft_tokens: torch.Tensor, parents: torch.Tensor, target_
     """The vectorised PyTorch walk (one step per tree level for the whole batch); chains in one go."""
     b, n = draft_tokens.shape
     dev = draft_tokens.device
-    if n > 1 and bool((parents[:, 1:] == torch.arange(n - 1, device=dev)).all()):
+    if n > 1 and is_chain(parents):
         return _chain_accept(draft_tokens, target_tokens)
     rows = torch.arange(b, device=dev)
     cur = torch.zeros(b, dtype=torch.long, device=dev)

@@ -42,7 +42,7 @@ from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
 from tlt.services.rollout.spec.switch import SpecSwitch
-from tlt.services.rollout.spec.tree import Arm, ancestor_mask
+from tlt.services.rollout.spec.tree import Arm, ancestor_mask, is_chain
 
 
 @dataclass
@@ -55,13 +55,13 @@ class SpecEmission:
     top_logprobs: list[dict[int, float]] | None = None  # per token, the k best alternatives (params.logprobs = k > 0)
 
 
-def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: BlockManager) -> SpecDecoder | None:
-    """The engine's decoder for `config` (None when mode is off). A learned drafter is loaded from
-    `drafter_path` onto the target's device and dtype, sharing the target's embed/lm_head."""
+def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: BlockManager,
+                       drafter=None) -> SpecDecoder | None:
+    """The engine's decoder for `config` (None when mode is off). A learned drafter is the one given or
+    else loaded from `drafter_path` onto the target's device and dtype, sharing the target's embed/lm_head."""
     if config.mode == "off":
         return None
-    drafter = None
-    if config.drafter == "learned":
+    if config.drafter == "learned" and drafter is None:
         from tlt.model.drafter import load_drafter
 
         model = runner.model
@@ -123,9 +123,9 @@ class SpecDecoder:
             self.no_room += 1  # drafts would pass the context limit, or no KV blocks for them
             return None
         dev = self.runner.device
-        n_max = tree.num_nodes
-        chains = len(set(n_list)) == 1 and bool((tree.parents[:, 1:] == torch.arange(n_max - 1)).all())
-        if chains and not self.runner.for_kernels:
+        b, n_max = tree.tokens.shape
+        equal = len(set(n_list)) == 1  # no padding nodes
+        if equal and is_chain(tree.parents) and not self.runner.for_kernels:
             tree_masks = None  # the default causal mask among new tokens is the chains' tree mask (SDPA path)
         else:
             masks = ancestor_mask(tree.parents)  # padding nodes (past each count) are sliced away below
@@ -135,8 +135,7 @@ class SpecDecoder:
         hidden = self.runner.extend(ids, positions, n_list, ctx, [s.block_table for s in seqs],
                                     tree_masks)  # CPU: the metadata is built there
         logits = self.runner.model.compute_logits(hidden).float()
-        b, n_max = tree.tokens.shape
-        if len(set(n_list)) == 1:  # no padding nodes: the flat rows are [B, N] already
+        if equal:  # the flat rows are [B, N] already
             full, hid = logits.view(b, n_max, -1), hidden.view(b, n_max, -1)
         else:
             valid_d = valid.to(dev)

@@ -103,12 +103,18 @@ class DraftTree:
         return kids
 
 
+def is_chain(parents: torch.Tensor) -> bool:
+    """Whether every tree of the batch [B, N] is a chain: node i's parent is i - 1 (a root alone is one)."""
+    n = parents.shape[1]
+    return n == 1 or bool((parents[:, 1:] == torch.arange(n - 1, device=parents.device)).all())
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] parents (each parent index < its child's) -> [B, N, N] ancestor-or-self mask."""
     b, n = parents.shape
     dev = parents.device
     idx = torch.arange(n, device=dev)
-    if n > 1 and bool((parents[:, 1:] == idx[:-1]).all()):  # chains: node i sees nodes 0..i
+    if is_chain(parents):  # node i sees nodes 0..i
         return torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(b, n, n).clone()
     mask = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n).clone()
     rows = torch.arange(b, device=dev)[:, None].expand(b, n)
