@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tlt.model.drafter import Drafter, DrafterCache
 from tlt.model.layer_ops import linear, onednn_works, pack, rms
+from tlt.model.transformer import rope_table, signed_sin
 
 
 def drafter_layer(
@@ -77,8 +78,10 @@ def chain_draft(
     for step in range(1, depth):
         start = committed + (step - 1)
         span = int(start.max()) + 1
+        # `Drafter.cache_mask` for one new token per row (that function is not scriptable): with rows of
+        # different lengths, hide keys past each row's own end; otherwise every key is visible
         mask: Optional[torch.Tensor] = None  # noqa: UP045
-        if not equal:  # rows of different lengths: hide keys past each row's own end
+        if not equal:
             mask = (torch.arange(span, device=h.device)[None, :] <= start[:, None])[:, None, None, :]
         x = linear(torch.cat([F.embedding(tok, embed).to(h.dtype), h], -1), fc_w, None, packed)
         pos = root_pos + step
@@ -119,7 +122,7 @@ class DrafterRuntime:
         self._exact_hf = self.dtype != torch.float32
         self._packed = self.device.type == "cpu" and onednn_works(self.dtype)
         self._cos = self._sin = torch.empty(0)
-        self._rope_to(256)
+        self._ensure_rope(256)
         self.refresh()
 
     @torch.inference_mode()
@@ -140,15 +143,18 @@ class DrafterRuntime:
             self.packed = (pack(d.fc.weight), pack(qkv), pack(a.o_proj.weight), pack(gate_up * ln2[None, :]),
                            pack(mlp.down_proj.weight), None)
 
-    def _rope_to(self, n: int) -> None:
-        """cos and signed sin tables for positions 0 .. n-1 ([n, d], HF rotate-half layout)."""
-        inv = self.drafter.inv_freq.float()
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=inv.device), inv)
-        emb = torch.cat([freqs, freqs], -1)
-        half = emb.shape[-1] // 2
-        sin = emb.sin()
-        self._cos = emb.cos().to(self.dtype)
-        self._sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(self.dtype)
+    def _ensure_rope(self, n: int) -> None:
+        """cos and signed sin tables ([positions, d]) covering positions 0 .. n-1; grown by doubling."""
+        if n <= self._cos.shape[0]:
+            return
+        cos, sin = rope_table(self.drafter.cfg, max(n, 2 * self._cos.shape[0]))  # the target's tables' maths
+        self._cos = cos.to(self.device, self.dtype)
+        self._sin = signed_sin(sin).to(self.device, self.dtype)
+
+    def _weights(self, rows: int) -> tuple[bool, tuple]:
+        """(packed?, (fc, qkv, o, gate_up, down, ln2)) for a call over `rows` rows."""
+        packed = self.packed is not None and rows >= _PACKED_FROM_ROWS
+        return packed, self.packed if packed else self.plain
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.drafter.compute_logits(h)
@@ -172,11 +178,8 @@ class DrafterRuntime:
         next append). Only with the default causal mask, under which a real token never sees padding."""
         c = self.drafter.cfg
         b, t = input_ids.shape
-        top = int(positions.max()) + 1
-        if top > self._cos.shape[0]:
-            self._rope_to(max(top, 2 * self._cos.shape[0]))
-        packed = self.packed is not None and b * t >= _PACKED_FROM_ROWS
-        fc, qkv, o, gate_up, down, ln2 = self.packed if packed else self.plain  # type: ignore[misc]
+        self._ensure_rope(int(positions.max()) + 1)
+        packed, (fc, qkv, o, gate_up, down, ln2) = self._weights(b * t)
         emb = F.embedding(input_ids, self.drafter.embed).to(features.dtype)
         x = linear(torch.cat([emb, features], -1).view(b * t, -1), fc, None, packed).view(b, t, -1)
         rows = cache_rows.to(x.device)
@@ -205,13 +208,9 @@ class DrafterRuntime:
         lengths are left as they were (the drafted entries past them are dead)."""
         c = self.drafter.cfg
         committed = cache.lengths[rows]
-        top = int(root_pos.max()) + depth
-        if top > self._cos.shape[0]:
-            self._rope_to(max(top, 2 * self._cos.shape[0]))
+        self._ensure_rope(int(root_pos.max()) + depth)
         cache.ensure(int(committed.max()) + depth)
-        b = h.shape[0]
-        packed = self.packed is not None and b >= _PACKED_FROM_ROWS
-        fc, qkv, o, gate_up, down, ln2 = self.packed if packed else self.plain  # type: ignore[misc]
+        packed, (fc, qkv, o, gate_up, down, ln2) = self._weights(h.shape[0])
         lm_head = self.drafter.lm_head.to(h.dtype)
         toks, scores = chain_draft_fn(h, self.drafter.embed, lm_head, fc, qkv, self.qkv_b, o, ln2, gate_up, down,
                                       packed, self._eps, self._exact_hf, cache.k, cache.v, rows, committed,

@@ -102,6 +102,12 @@ def rope_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tens
     return emb.cos(), emb.sin()
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """(-sin_1, sin_2): with it RoPE is x * cos + roll(x, d/2) * signed_sin (see `layer_ops`)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -147,8 +153,7 @@ class Transformer:
         self.layers = [_Layer(cfg, dtype, self.device) for _ in range(cfg.num_layers)]
         cos, sin = rope_table(cfg, max_len or cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(**e), sin.to(**e)
-        half = cfg.head_dim // 2
-        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+        self.sin_signed = signed_sin(self.sin)
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.k_flat: list[torch.Tensor] = []  # the same caches viewed as [num_blocks * block_size, kvh, d]
