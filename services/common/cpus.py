@@ -33,3 +33,10 @@ def pin(cores: list[int]) -> bool:
         return False
     os.sched_setaffinity(0, set(cores))
     return True
+
+
+def pin_group(index: int, threads: int) -> tuple[list[int], bool]:
+    """Pin this process to group `index` of `threads` cores (a replica, or the worker watching it):
+    (the group's cores, whether pinning took effect)."""
+    cores = cpu_group(index, max(1, threads))
+    return cores, pin(cores)

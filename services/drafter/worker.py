@@ -83,6 +83,18 @@ class WindowResult:
     losses: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Deferred:
+    """A preempted window's change and checkpoint, sent and written at the next idle moment."""
+
+    local: dict  # own tensors at the end of the window
+    base: dict  # the candidate they started from
+    base_version: int
+    steps: int  # micro-steps since the last submission (0: only the checkpoint is due)
+    losses: list[float]
+    opt_state: dict
+
+
 class DrafterWorker:
     def __init__(self, cfg: DrafterServiceConfig, model_dir: str, worker_id: int, replica_id: int,
                  coordinator: str) -> None:
@@ -94,7 +106,7 @@ class DrafterWorker:
         self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
-        self._deferred: tuple | None = None  # (own tensors, base, base version, steps, losses, optimizer state)
+        self._deferred: _Deferred | None = None  # what the last window left to send and save (see `window`)
         saved = load_state(self.ckpt) or {}
         self.total_steps = int(saved.get("micro_steps", 0))
         self.preemptions = int(saved.get("preemptions", 0))
@@ -106,10 +118,10 @@ class DrafterWorker:
         if cfg.worker_nice:
             os.nice(cfg.worker_nice)
         if cfg.pin_cpus and self.device == "cpu":  # the cores of the replica it watches (the rollout's pin_cpus)
-            from tlt.services.common.cpus import cpu_group, pin
+            from tlt.services.common.cpus import pin_group
 
-            cores = cpu_group(replica_id, max(1, cfg.threads))
-            log.info("worker_cpus", worker=worker_id, replica=replica_id, cores=cores, pinned=pin(cores))
+            cores, pinned = pin_group(replica_id, cfg.threads)
+            log.info("worker_cpus", worker=worker_id, replica=replica_id, cores=cores, pinned=pinned)
 
     # ---- capacity
     def _see(self, event: object) -> None:
@@ -211,13 +223,11 @@ class DrafterWorker:
             res.busy_timestamp = self.last_busy
             self.preemptions += 1
         self.total_steps += res.micro_steps
-        # The replica is busy again (or we are stopping): sending the change and writing the checkpoint
-        # would take CPU from it, so they wait for the next idle window (`_flush`); a kill -9 before then
-        # loses at most these `since_submit` micro-steps and the worker resumes from the last checkpoint.
-        self._deferred = (local, base, base_version, since_submit, res.losses[-since_submit:] if since_submit else [],
-                          opt_state)
-        if stop is not None and stop.is_set():  # type: ignore[attr-defined]
-            self._flush()
+        # The replica is busy again: sending the change and writing the checkpoint would take CPU from it,
+        # so they wait for the next idle window, or `run`'s exit (`_flush`); a kill -9 before then loses
+        # at most these `since_submit` micro-steps and the worker resumes from the last checkpoint.
+        self._deferred = _Deferred(local, base, base_version, since_submit,
+                                   res.losses[-since_submit:] if since_submit else [], opt_state)
         win = drafter_pb2.TrainingWindow(
             worker_id=self.worker_id, replica_id=self.replica_id, start=start, end=res.released,
             micro_steps=res.micro_steps, preempted=res.preempted, busy_timestamp=res.busy_timestamp,
@@ -238,12 +248,12 @@ class DrafterWorker:
 
     def _flush(self) -> None:
         """Send the change and write the checkpoint the last window deferred (see `window`)."""
-        if self._deferred is None:
+        d = self._deferred
+        if d is None:
             return
-        local, base, base_version, steps, losses, opt_state = self._deferred
-        if steps:
-            self._send_delta(local, base, base_version, steps, losses)  # raises: kept for the next try
-        self._checkpoint(opt_state)
+        if d.steps:
+            self._send_delta(d.local, d.base, d.base_version, d.steps, d.losses)  # raises: kept for the next try
+        self._checkpoint(d.opt_state)
         self._deferred = None
 
     def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, losses: list[float]) -> None:

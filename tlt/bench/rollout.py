@@ -266,16 +266,22 @@ def _run_mode(engine, requests, threshold: int) -> tuple[dict, dict]:  # noqa: A
                   "verified_seq_steps": verified_seq_steps}
 
 
+def _arm_summary(counts: dict[str, dict[str, int]]) -> dict:
+    """Per-arm counts {name: {verify_steps, seq_steps, emitted}} -> the same plus choice share and accept
+    length (emitted / seq_steps), most chosen first."""
+    total = sum(a["verify_steps"] for a in counts.values())
+    return {name: {**a, "share": round(a["verify_steps"] / total, 3) if total else 0.0,
+                   "accept_len": round(a["emitted"] / a["seq_steps"], 2) if a["seq_steps"] else None}
+            for name, a in sorted(counts.items(), key=lambda kv: -kv[1]["verify_steps"])}
+
+
 def _mode_result(mode: str, outs: dict, m: dict, spec: dict) -> dict:
     wall, tokens = m["wall"], sum(len(v) for v in outs.values())
     order = [label for _, _, label in BUCKETS]
     buckets = {label: {"tokens": t, "seconds": round(s, 6), "steps": n, "tok_per_s": _rate(t, s)}
                for label, (t, s, n) in sorted(m["buckets"].items(), key=lambda kv: order.index(kv[0]))}
     t4 = [m["buckets"][k] for k in ("1", "2-4") if k in m["buckets"]]
-    arm_total = sum(a["verify_steps"] for a in spec.get("arms", {}).values())
-    arms = {name: {**a, "share": round(a["verify_steps"] / arm_total, 3) if arm_total else 0.0,
-                   "accept_len": round(a["emitted"] / a["seq_steps"], 2) if a["seq_steps"] else None}
-            for name, a in sorted(spec.get("arms", {}).items(), key=lambda kv: -kv[1]["verify_steps"])}
+    arms = _arm_summary(spec.get("arms", {}))
     return {
         "mode": mode, "wall_s": round(wall, 3), "tokens": tokens, "tok_per_s": round(tokens / wall, 1),
         "tail_s": round(m["tail_time"], 3), "tail_share": round(m["tail_time"] / wall, 3) if wall else 0.0,
@@ -346,10 +352,7 @@ def _median_result(runs: list[dict], sampled: bool) -> dict:
             acc = summed.setdefault(name, {"verify_steps": 0, "seq_steps": 0, "emitted": 0})
             for key in acc:
                 acc[key] += a[key]
-    arm_total = sum(a["verify_steps"] for a in summed.values())
-    out["arms"] = {name: {**a, "share": round(a["verify_steps"] / arm_total, 3) if arm_total else 0.0,
-                          "accept_len": round(a["emitted"] / a["seq_steps"], 2) if a["seq_steps"] else None}
-                   for name, a in sorted(summed.items(), key=lambda kv: -kv[1]["verify_steps"])}
+    out["arms"] = _arm_summary(summed)
     seq_steps = sum(a["seq_steps"] for a in summed.values())
     out["mean_accept_len"] = (round(sum(a["emitted"] for a in summed.values()) / seq_steps, 2) if seq_steps
                               else _median([r["mean_accept_len"] for r in runs], 2))
@@ -425,7 +428,6 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.engine.engine import LLMEngine
     from tlt.services.rollout.spec.config import SpecConfig
-    from tlt.services.rollout.spec.decoder import build_spec_decoder
 
     torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -478,9 +480,7 @@ def run(args: argparse.Namespace) -> int:
             engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
                                                        num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
             if mode != "off":
-                cfg = _spec_config(mode, args, bucket_arms if not mode.startswith("static") else None)
-                engine.spec_decoder = build_spec_decoder(cfg, engine.runner, engine.block_manager)
-                engine.scheduler.on_release = engine.spec_decoder.release
+                engine.enable_spec(_spec_config(mode, args, bucket_arms if not mode.startswith("static") else None))
             outs, measured = _run_mode(engine, requests, args.threshold)
             if reference is None:
                 reference = outs
