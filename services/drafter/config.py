@@ -58,6 +58,11 @@ class DrafterServiceConfig(ServiceConfig):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
     feature_noise: float = Field(0.0, ge=0, description="uniform noise half-width on input features (warm-up uses 0.1)")
+    ttt_steps: int = Field(
+        1, ge=1, description="training-time test depth (`Drafter.forward_unrolled`): also train on the drafter's own "
+        "outputs this many steps deep; each step adds about one forward and backward, and so lengthens the micro-step "
+        "a preemption waits for"
+    )
     submit_every: int = Field(20, ge=1, description="micro-steps between delta submissions inside a long window")
     threads: int = Field(1, ge=0, description="torch threads per worker on CPU (0: leave torch's default)")
     device: str = Field("cpu", description="worker device template: cpu, or cuda (a worker uses cuda:<replica>)")

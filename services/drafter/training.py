@@ -13,16 +13,18 @@ power loss).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from tlt.model.drafter import Drafter, DrafterConfig, load_drafter
 from tlt.model.loader import _weight_files, read_model_config
 from tlt.services.drafter.loss import DrafterLoss, drafter_loss
-from tlt.services.drafter.packing import PackedBatch, packed_pairs
+from tlt.services.drafter.packing import PackedBatch, PackedPairs, packed_pairs
 
 
 def target_shared(model_dir: str | Path, device: str = "cpu") -> tuple[DrafterConfig, torch.Tensor, torch.Tensor]:
@@ -55,9 +57,28 @@ def make_optimizer(drafter: Drafter, lr: float, weight_decay: float = 0.0) -> to
     return torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
+def unrolled_targets(p: PackedPairs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and loss mask of unroll step `step` (0 = the plain pairs): at index j, h_{j+step+1}, a
+    target only where pair j + step is one (inside one segment, a response token) and lies in pair
+    j's segment (a chain never drafts across sequences)."""
+    if step == 0:
+        return p.target, p.mask
+    t = p.mask.shape[1]
+    target = F.pad(p.target[:, step:], (0, 0, 0, step))
+    same = F.pad(p.segment_ids[:, step:] == p.segment_ids[:, : t - step], (0, step), value=False)
+    return target, F.pad(p.mask[:, step:], (0, step), value=False) & same
+
+
 def micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch, grad_clip: float = 1.0,
-               noise: float = 0.0, generator: torch.Generator | None = None) -> DrafterLoss:
-    """One optimiser step on one packed batch; returns the loss record."""
+               noise: float = 0.0, generator: torch.Generator | None = None, ttt_steps: int = 1,
+               ttt_decay: float = 0.8) -> DrafterLoss:
+    """One optimiser step on one packed batch; returns the loss record (of the plain pairs).
+
+    ttt_steps > 1: training-time test (`Drafter.forward_unrolled`): the loss is the sum over unroll
+    steps s of ttt_decay**s times that step's loss, so the drafter also learns to continue from its
+    own predicted features, as chain and tree drafting make it do at every depth past the first."""
+    if ttt_steps < 1:
+        raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     device = next(drafter.parameters()).device
     p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
     feats = p.features.to(device, torch.float32)
@@ -65,13 +86,22 @@ def micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch,
         u = torch.rand(feats.shape, generator=generator, device="cpu").to(device)
         feats = feats + (2 * u - 1) * noise
     drafter.train()
-    pred = drafter(p.input_ids.to(device), feats, p.positions.to(device), segment_ids=p.segment_ids.to(device))
-    res = drafter_loss(pred, p.target.to(device, torch.float32), drafter.lm_head, p.mask.to(device))
+    ids, pos, seg = p.input_ids.to(device), p.positions.to(device), p.segment_ids.to(device)
+    if ttt_steps == 1:
+        preds = [drafter(ids, feats, pos, segment_ids=seg)]
+    else:
+        preds = drafter.forward_unrolled(ids, feats, pos, seg, ttt_steps)
+    res = loss = None
+    for s, pred in enumerate(preds):
+        target, mask = unrolled_targets(p, s)
+        r = drafter_loss(pred, target.to(device, torch.float32), drafter.lm_head, mask.to(device))
+        res = r if res is None else res
+        loss = r.loss if loss is None else loss + ttt_decay**s * r.loss
     opt.zero_grad(set_to_none=True)
-    res.loss.backward()
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
     opt.step()
-    return res
+    return replace(res, loss=loss)  # the plain pairs' figures; loss is what was optimised
 
 
 def save_atomic(path: str | Path, obj: Any, fsync: bool = False) -> None:

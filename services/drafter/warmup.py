@@ -5,7 +5,9 @@
     task problems (synthetic long-tail task, ChatML prompts) --the target samples its own answers
       (KV-cached transformers forward)--> post-final-norm last-layer features (collect.py)
     -> windows -> held-out split (1 in 8) -> packed batches with segment masks
-    -> AdamW (0.9, 0.95), grad clip 1.0, uniform noise U(-noise, noise) on input features
+    -> AdamW (0.9, 0.95), grad clip 1.0, uniform noise U(-noise, noise) on input features,
+       optionally training-time test (`--ttt-steps K`: the drafter also trained K-1 steps deep on its
+       own outputs, `Drafter.forward_unrolled`)
     -> drafter folder (drafter_config.json + model.safetensors: own weights only) + warmup.json
 
 Reports the held-out greedy acceptance length (offline chain simulation, acceptance.py) before and
@@ -34,11 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=6, help="chain depth of the acceptance evaluation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", default="", help="start from this drafter folder instead of random")
+    parser.add_argument("--ttt-steps", type=int, default=1,
+                        help="training-time test: also train the drafter on its own outputs this many steps deep "
+                             "(1 = off; each step costs about one more forward and backward)")
 
 
 def run(args: argparse.Namespace) -> int:
     import json
     import random
+    import sys
     import time
     from pathlib import Path
 
@@ -54,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from tlt.task.problems import format_prompt, generate_problems
 
     log = get_logger("drafter.warmup")
+    if args.ttt_steps < 1:
+        print(f"error: --ttt-steps must be >= 1, got {args.ttt_steps}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -92,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             batches.append(batch)
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch")
         for batch in bar:
-            res = micro_step(drafter, opt, batch, grad_clip=1.0, noise=args.noise, generator=gen)
+            res = micro_step(drafter, opt, batch, grad_clip=1.0, noise=args.noise, generator=gen,
+                             ttt_steps=args.ttt_steps)
             steps += 1
             bar.set_postfix(loss=f"{float(res.loss.detach()):.3f}", top1=f"{res.top1:.2f}")
     drafter.eval()
@@ -101,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     drafter.save(out)
     report = {"model": str(args.model), "problems": args.problems, "data": args.data,
               "train_windows": len(train), "heldout_windows": len(held), "heldout_starts": starts,
-              "train_tokens": sum(len(s) for s in train), "steps": steps, "epochs": args.epochs,
+              "train_tokens": sum(len(s) for s in train), "steps": steps, "epochs": args.epochs, "ttt_steps": args.ttt_steps,
               "accept_len_before": before, "accept_len_after": after, "depth": args.depth,
               "collect_s": round(t_collect, 1), "total_s": round(time.time() - t0, 1)}
     (out / "warmup.json").write_text(json.dumps(report, indent=2))

@@ -201,7 +201,7 @@ class DrafterWorker:
                 break
             res.last_step_start = time.time()
             loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
-                              self.cfg.feature_noise, self._gen)
+                              self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps)
             res.micro_steps += 1
             res.losses.append(float(loss.loss.detach()))
             since_submit += 1

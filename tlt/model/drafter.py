@@ -217,6 +217,62 @@ class Drafter(nn.Module):
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))  # no input norm (EAGLE)
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
+    def forward_unrolled(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                         segment_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test (TLT.md section 3, EAGLE-3): the drafter unrolled on its own outputs.
+
+        input_ids, features, positions, segment_ids [B, T]: packed training pairs (pair j = (x_{j+1},
+        h_j) at positions[j]). Returns `steps` tensors [B, T, H]: out[0] is `forward(...)` (predicts
+        h_{j+1}); out[s] at index j is what a chain drafted from root pair j computes at depth s + 1:
+        the pair (x_{j+s+1}, out[s-1][j]) at position positions[j] + s, predicting h_{j+s+1}. Like the
+        engine's chain, it attends the true pairs i <= j of its segment (step 0's keys) and its own
+        earlier drafted pairs of the same root (the keys of steps 1..s at index j), nothing else, so
+        it never sees a true feature past h_j. Tokens are the true ones (a drafted token only matters
+        when it equals the true one). Indices whose x_{j+s+1} lies past the row get token 0; the caller
+        masks their loss (`unrolled_targets`).
+        """
+        c = self.cfg
+        b, t = input_ids.shape
+        nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+        rep = nh // kvh
+        attn = self.layer.self_attn
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        mask0 = (causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # [B, 1, T, T]
+        keys0 = vals0 = None
+        diag_k: list[torch.Tensor] = []  # per earlier step >= 1: [B, nh, T, d] (GQA heads repeated)
+        diag_v: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        feats = features
+        for s in range(steps):
+            ids = F.pad(input_ids[:, s:], (0, s)) if s else input_ids
+            x = self.fc(torch.cat([F.embedding(ids, self.embed).to(feats.dtype), feats], -1))
+            q = attn.q_proj(x).view(b, t, nh, d).transpose(1, 2)
+            k = attn.k_proj(x).view(b, t, kvh, d).transpose(1, 2)
+            v = attn.v_proj(x).view(b, t, kvh, d).transpose(1, 2)
+            freqs = (positions + s).to(self.inv_freq.device).float()[..., None] * self.inv_freq.float()
+            emb = torch.cat([freqs, freqs], -1)[:, None]
+            cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            if s == 0:
+                keys0, vals0 = k, v
+            else:
+                diag_k.append(k)
+                diag_v.append(v)
+            scale = d**-0.5
+            scores = (q @ keys0.transpose(-1, -2)) * scale  # [B, nh, T, T] over the true pairs
+            scores = scores.masked_fill(~mask0, float("-inf"))
+            own = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # [B, nh, T, 1] each
+            p = torch.cat([scores, *own], -1).softmax(-1)
+            o = p[..., :t] @ vals0
+            for i, dv in enumerate(diag_v):
+                o = o + p[..., t + i : t + i + 1] * dv
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, nh * d))
+            h = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+            outs.append(h)
+            feats = h
+        return outs
+
     @staticmethod
     def cache_mask(start: torch.Tensor, t: int, span: int, tree_mask: torch.Tensor | None = None,
                    prefix_mask: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -1,0 +1,130 @@
+"""Training-time test (`Drafter.forward_unrolled`, `training.unrolled_targets`, `micro_step(ttt_steps=K)`).
+
+The reference is the inference path the engine drafts with: `Drafter.forward` with a KV cache, fed the
+true pairs up to a root and then one drafted pair per depth carrying the drafter's own previous output.
+The unrolled step s at index j must equal depth s + 1 of that chain, must never see a true feature past
+h_j, and must not cross packed segments. Tiny random drafters built in code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
+from tlt.services.drafter.packing import PackedBatch, packed_pairs
+from tlt.services.drafter.training import make_optimizer, micro_step, unrolled_targets
+
+H, V = 32, 40
+
+
+def _drafter(seed: int = 0) -> Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V)
+    d = Drafter(cfg, torch.randn(V, H), torch.randn(V, H))
+    for p in d.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return d.eval()
+
+
+def _chain_reference(d: Drafter, ids: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, root: int,
+                     steps: int) -> list[torch.Tensor]:
+    """Depths 1..steps drafted from root pair `root` of one sequence, through the cached inference path."""
+    cache = DrafterCache(d.cfg, rows=1, capacity=8)
+    h = d(ids[None, : root + 1], feats[None, : root + 1], pos[None, : root + 1], cache=cache)[0, -1]
+    out = [h]
+    for s in range(1, steps):
+        h = d(ids[None, root + s : root + s + 1], h[None, None], pos[None, root : root + 1] + s, cache=cache)[0, 0]
+        out.append(h)
+    return out
+
+
+@torch.no_grad()
+def test_step_zero_is_the_plain_forward_and_later_steps_are_the_inference_chain():
+    d = _drafter()
+    t, steps = 12, 4
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (t,), generator=g)
+    feats = torch.randn(t, H, generator=g)
+    pos = torch.arange(1, t + 1)
+    seg = torch.zeros(t, dtype=torch.long)
+    outs = d.forward_unrolled(ids[None], feats[None], pos[None], seg[None], steps)
+    assert len(outs) == steps
+    plain = d(ids[None], feats[None], pos[None], segment_ids=seg[None])
+    torch.testing.assert_close(outs[0], plain, rtol=1e-5, atol=1e-5)
+    for root in (0, 3, t - steps):
+        ref = _chain_reference(d, ids, feats, pos, root, steps)
+        for s in range(steps):
+            torch.testing.assert_close(outs[s][0, root], ref[s], rtol=1e-4, atol=1e-5, msg=f"root {root} step {s}")
+
+
+@torch.no_grad()
+def test_no_true_feature_past_the_root_is_seen_and_segments_stay_apart():
+    d = _drafter(3)
+    t, steps, j = 10, 3, 4
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (1, t), generator=g)
+    feats = torch.randn(1, t, H, generator=g)
+    pos = torch.arange(1, t + 1)[None]
+    seg = torch.zeros(1, t, dtype=torch.long)
+    base = d.forward_unrolled(ids, feats, pos, seg, steps)
+    changed = feats.clone()
+    changed[0, j + 1 :] += 5.0  # true features after the root: a chain from root j never has them
+    after = d.forward_unrolled(ids, changed, pos, seg, steps)
+    for s in range(steps):
+        torch.testing.assert_close(after[s][0, : j + 1], base[s][0, : j + 1])
+        assert not torch.allclose(after[s][0, j + 1 :], base[s][0, j + 1 :])
+    # two sequences packed in one row give what each gives alone (its first positions)
+    a, b = 6, 4
+    packed_seg = torch.tensor([[0] * a + [1] * b])
+    packed_pos = torch.cat([torch.arange(1, a + 1), torch.arange(1, b + 1)])[None]
+    both = d.forward_unrolled(ids, feats, packed_pos, packed_seg, steps)
+    alone = d.forward_unrolled(ids[:, a:], feats[:, a:], packed_pos[:, a:], packed_seg[:, a:], steps)
+    for s in range(steps):  # the unrolled tokens past the end differ (next segment's vs padding): check
+        keep = b - s             # only indices whose step-s token lies inside the second segment
+        torch.testing.assert_close(both[s][0, a : a + keep], alone[s][0, :keep], rtol=1e-5, atol=1e-5)
+
+
+def test_unrolled_targets_shift_within_segments_only():
+    tokens = torch.arange(8)[None]
+    feats = torch.arange(8, dtype=torch.float32)[None, :, None].expand(1, 8, 2).clone()
+    seg = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
+    loss = torch.tensor([[False, True, True, True, True, True, True, False]])
+    p = packed_pairs(tokens, feats, seg, loss)
+    # pairs j = 0..6; plain targets h_{j+1}; valid pairs: 0,1,2 (segment 0), 4,5 (segment 1)
+    assert p.mask[0].tolist() == [True, True, True, False, True, True, False]
+    t1, m1 = unrolled_targets(p, 1)
+    assert t1[0, :, 0].tolist()[:6] == [2, 3, 4, 5, 6, 7]  # h_{j+2}
+    assert m1[0].tolist() == [True, True, False, False, True, False, False]
+    t2, m2 = unrolled_targets(p, 2)
+    assert m2[0].tolist() == [True, False, False, False, False, False, False]
+    assert float(t2[0, 0, 0]) == 3.0
+    t0, m0 = unrolled_targets(p, 0)
+    assert torch.equal(m0, p.mask) and torch.equal(t0, p.target)
+
+
+def _batch(seed: int) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (2, 16), generator=g)
+    feats = torch.randn(2, 16, H, generator=g).half()
+    seg = torch.tensor([[0] * 9 + [1] * 7, [2] * 16])
+    return PackedBatch(tokens, feats, seg, torch.ones(2, 16, dtype=torch.bool), 0, 3)
+
+
+def test_micro_step_with_ttt_trains_every_weight_and_lowers_the_unrolled_loss():
+    d = _drafter(5)
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    opt = make_optimizer(d, 3e-3)
+    batch = _batch(0)
+    first = micro_step(d, opt, batch, ttt_steps=3)
+    for _ in range(40):
+        last = micro_step(d, opt, batch, ttt_steps=3)
+    assert float(last.loss.detach()) < 0.7 * float(first.loss.detach())
+    assert all(not torch.equal(before[k], v) for k, v in d.state_dict().items())
+    with pytest.raises(ValueError, match="ttt_steps"):
+        micro_step(d, opt, batch, ttt_steps=0)
+    # ttt_steps=1 is the plain loss
+    d1, d2 = _drafter(6), _drafter(6)
+    r1 = micro_step(d1, make_optimizer(d1, 1e-3), batch, ttt_steps=1)
+    r2 = micro_step(d2, make_optimizer(d2, 1e-3), batch)
+    assert float(r1.loss.detach()) == pytest.approx(float(r2.loss.detach()))
