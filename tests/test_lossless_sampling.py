@@ -26,7 +26,7 @@ from tlt.services.rollout.spec.accept import (
     uniforms,
 )
 from tlt.services.rollout.spec.filters import filtered_probs
-from tlt.services.rollout.spec.tree import Arm, build_tree, chain_tree
+from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
 
 V, L, N_SAMPLES = 8, 3, 20_000
 PROMPT = (3, 5)
@@ -74,9 +74,14 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
             tree = chain_tree(last, torch.stack(drafts, 1))
         else:
             tree = build_tree(last, lambda step, beam, beam_tok: drafter[beam_tok], arm)
+        if mode == "cut":  # confidence-cut chains (chain_min_prob): each row keeps a random number of
+            keep = torch.randint(0, arm.steps + 1, (b, 1), generator=gen)  # drafts, -1 past its cut
+            cut = torch.arange(tree.num_nodes)[None, :] > keep
+            tree = DraftTree(tree.tokens.masked_fill(cut, -1), tree.parents, tree.depth, tree.score)
         par = tree.parents.clamp(min=0)
-        node_prev = torch.where(tree.parents >= 0, tree.tokens.gather(1, par), prev[:, None])
-        logits = target[node_prev, tree.tokens]  # [B, N, V]: q at every node in one "forward"
+        toks = tree.tokens.clamp(min=0)  # cut nodes: any row of the table (the engine gives them zero logits)
+        node_prev = torch.where(tree.parents >= 0, toks.gather(1, par), prev[:, None])
+        logits = target[node_prev, toks]  # [B, N, V]: q at every node in one "forward"
         if mode == "rejection":
             q = filtered_probs(logits, temperature, 0, top_p)
             res = chain_accept_rejection(tree.tokens[:, 1:], torch.stack(p_steps, 1), q, gen)
@@ -128,6 +133,7 @@ CASES = [
     ("tree", Arm(3, 3, 8)),
     ("tree", Arm(2, 2, 5)),
     ("chain", Arm(3, 1, 4)),
+    ("cut", Arm(3, 1, 4)),
     ("rejection", Arm(3, 1, 4)),
 ]
 

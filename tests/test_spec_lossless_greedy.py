@@ -109,3 +109,56 @@ def test_greedy_identical_with_speculation(ckpt, reference, drafter, drafter_kin
     assert st["verify_steps"] > 0 and st["mean_accept_len"] > 1.05, st  # speculation ran and drafts were accepted
     if mode == "adaptive":
         assert len(st["arms"]) > 1, st["arms"]  # the bandit explored
+
+
+
+@pytest.fixture(scope="module")
+def chain_scores(ckpt, drafter):
+    """Cumulative draft log-probs [rows, 8] of the drafter's chains on the first 16 requests (batch 7)."""
+    eng = _engine(ckpt, 7)
+    drafter.set_shared(eng.model.embed, eng.model.lm_head)
+    eng.enable_spec(SpecConfig(mode="static", static_arm="8_1_9", threshold=64, hysteresis_steps=1,
+                               drafter="learned", drafter_path="(in memory)"), drafter)
+    runtime, seen = eng.spec_decoder.source.runtime, []
+    chain = runtime.chain
+
+    def record(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        toks, scores = chain(*args, **kw)
+        seen.append(scores)
+        return toks, scores
+
+    runtime.chain = record
+    eng.generate(_requests()[:16])
+    return torch.cat(seen)
+
+
+@pytest.mark.parametrize("depth,batch", [(2, 7), (1, 1), (3, 64)])
+def test_greedy_identical_with_confidence_cut_chains(ckpt, reference, drafter, chain_scores, depth, batch):
+    """chain_min_prob cuts each sequence's chain where its cumulative draft probability falls below it.
+    The threshold is the median of this drafter's cumulative probability at `depth` (measured above),
+    so about half the rows of a verify step keep more drafts than the others: rows carry different
+    numbers of drafts (padding, -1 tokens past each cut) and chains stop early. Output must not change."""
+    min_prob = float(chain_scores[:, depth - 1].median().exp())
+    eng = _engine(ckpt, batch)
+    spec = SpecConfig(mode="static", static_arm="8_1_9", threshold=64, hysteresis_steps=1, drafter="learned",
+                      drafter_path="(in memory)", chain_min_prob=min_prob)
+    drafter.set_shared(eng.model.embed, eng.model.lm_head)
+    eng.enable_spec(spec, drafter)
+    source, counts = eng.spec_decoder.source, []
+    draft = source.draft
+
+    def record(seqs, arm):  # noqa: ANN001, ANN202
+        tree, n = draft(seqs, arm)
+        counts.append(n)
+        return tree, n
+
+    source.draft = record
+    outs = eng.generate(_requests())
+    got = {c.request_id: c.token_ids for c in outs}
+    wrong = [rid for rid in reference if got[rid] != reference[rid]]
+    assert not wrong, f"{len(wrong)} of {N_PROMPTS} requests differ from plain greedy, e.g. {wrong[:3]}"
+    st = eng.stats().spec
+    assert st["mean_accept_len"] > 1.05, st
+    assert 0 < st["drafted_tokens"] < 8 * st["arms"]["8_1_9"]["seq_steps"], st  # the cut dropped some drafts
+    if batch > 1:
+        assert any(len(set(n.tolist())) > 1 for n in counts)  # rows of one step kept different numbers

@@ -58,6 +58,10 @@ Issue #4's targets (CPU, warm-up drafter): tail4_speedup >= 2, speedup_vs_off >=
 modes' >=64 bucket within 3% of off, e.g. on
     tlt bench rollout --workload task --prompts 32 --n 8 --temperature 1.0 --drafter artifacts/drafter-tiny
 
+`--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
+(topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
+unlikely to be accepted cost neither drafting nor verification.
+
 Modes: off; ngram (adaptive bandit, model-free drafter); static-ngram (one fixed arm, `--static-arm`);
 learned and static-learned (the EAGLE drafter from `--drafter DIR`, skipped without it). `--arms
 A,B,C` gives the adaptive modes' bandit these arms in every batch-size bucket (default: SpecConfig's
@@ -98,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms (steps_topk_drafttokens) of the adaptive modes' bandit in every "
                              "batch-size bucket, e.g. 6_1_7,8_1_9,8_4_16 (default: SpecConfig's per-bucket arms)")
+    parser.add_argument("--chain-min-prob", type=float, default=0.0,
+                        help="learned modes, chain arms: cut each sequence's chain at the first draft whose cumulative "
+                             "draft probability is below this (SpecConfig.chain_min_prob; 0 = full depth)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the modes this many times, interleaved (round r runs every mode once), and report "
                              "medians, speed-ups as the median (min-max) of per-round ratios")
@@ -213,7 +220,7 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms):  # noqa: ANN
     extra = {} if bucket_arms is None else {"bucket_arms": bucket_arms}
     return SpecConfig(mode="static" if mode.startswith("static") else "adaptive", threshold=args.threshold,
                       hysteresis_steps=2, static_arm=args.static_arm, drafter="learned" if learned else "ngram",
-                      drafter_path=args.drafter or "", **extra)
+                      drafter_path=args.drafter or "", chain_min_prob=args.chain_min_prob, **extra)
 
 
 def _run_mode(engine, requests, threshold: int) -> tuple[dict, dict]:  # noqa: ANN001
@@ -440,6 +447,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.min_tokens and args.workload != "task":
         print("error: --min-tokens needs --workload task", file=sys.stderr)
+        return 2
+    if not 0 <= args.chain_min_prob < 1:
+        print(f"error: --chain-min-prob must be in [0, 1), got {args.chain_min_prob}", file=sys.stderr)
         return 2
     if not args.temperature >= 0:  # also rejects nan
         print(f"error: --temperature must be >= 0, got {args.temperature}", file=sys.stderr)

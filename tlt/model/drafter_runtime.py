@@ -51,8 +51,13 @@ def drafter_layer(
     ck[rows[:, None], :, slots] = qk[:, :, nh:]
     cv[rows[:, None], :, slots] = qkv[:, qk_size:].reshape(b, t, kvh, d)
     q = qk[:, :, :nh].transpose(1, 2)
-    k = ck[rows, :, :span]
-    v = cv[rows, :, :span]
+    r0 = int(rows[0])
+    if bool((rows == torch.arange(r0, r0 + b, device=rows.device)).all()):  # consecutive rows (always at batch 1):
+        k = ck.narrow(0, r0, b)[:, :, :span]  # views, nothing copied
+        v = cv.narrow(0, r0, b)[:, :, :span]
+    else:  # a row copy (index_select; ck[rows] would be a much slower per-element gather)
+        k = ck[:, :, :span].index_select(0, rows)
+        v = cv[:, :, :span].index_select(0, rows)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != kvh)
     x2 = x2 + linear(o.transpose(1, 2).reshape(b * t, nh * d), o_w, None, packed)
     gu = linear(rms(x2, ln2, eps, exact_hf), gu_w, None, packed)
@@ -65,17 +70,21 @@ def chain_draft(
     qkv_b: Optional[torch.Tensor], o_w: torch.Tensor, ln2: Optional[torch.Tensor], gu_w: torch.Tensor,  # noqa: UP045
     down_w: torch.Tensor, packed: bool, eps: torch.Tensor, exact_hf: bool, ck: torch.Tensor, cv: torch.Tensor,
     rows: torch.Tensor, committed: torch.Tensor, root_pos: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-    depth: int, nh: int, kvh: int, d: int, inter: int,
+    depth: int, nh: int, kvh: int, d: int, inter: int, min_score: float,
 ) -> List[torch.Tensor]:  # noqa: UP006
-    """Greedy chain of `depth` drafts from each row's root output h [B, H] -> [tokens [B, depth], cumulative
-    draft log-probs [B, depth]]. Draft k (k >= 1) is fed as the pair (token k-1, h' that produced it) at
-    position root_pos + k and cache offset committed + k - 1; the caller rolls the rows back afterwards."""
+    """Greedy chain of up to `depth` drafts from each row's root output h [B, H] -> [tokens [B, D], cumulative
+    draft log-probs [B, D]]. Draft k (k >= 1) is fed as the pair (token k-1, h' that produced it) at
+    position root_pos + k and cache offset committed + k - 1; the caller rolls the rows back afterwards.
+    Stops early (D < depth) once every row's cumulative log-prob is below `min_score` (the scores only
+    fall, so no row could keep a deeper draft)."""
     lp = F.linear(h, lm_head).float().log_softmax(-1)
     score, tok = lp.max(-1)
     toks = [tok]
     scores = [score]
     equal = bool((committed == committed[0]).all())
     for step in range(1, depth):
+        if bool((score < min_score).all()):
+            break
         start = committed + (step - 1)
         span = int(start.max()) + 1
         # `Drafter.cache_mask` for one new token per row (that function is not scriptable): with rows of
@@ -85,7 +94,7 @@ def chain_draft(
             mask = (torch.arange(span, device=h.device)[None, :] <= start[:, None])[:, None, None, :]
         x = linear(torch.cat([F.embedding(tok, embed).to(h.dtype), h], -1), fc_w, None, packed)
         pos = root_pos + step
-        h = drafter_layer(x[:, None], cos_t[pos][:, None, None], sin_t[pos][:, None, None], qkv_w, qkv_b, o_w, ln2,
+        h = drafter_layer(x[:, None], cos_t.index_select(0, pos)[:, None, None], sin_t.index_select(0, pos)[:, None, None], qkv_w, qkv_b, o_w, ln2,
                           gu_w, down_w, packed, eps, exact_hf, ck, cv, rows, start[:, None], span, mask, nh, kvh, d,
                           inter)[:, 0]
         best, tok = F.linear(h, lm_head).float().log_softmax(-1).max(-1)
@@ -202,10 +211,11 @@ class DrafterRuntime:
 
     @torch.inference_mode()
     def chain(self, h: torch.Tensor, cache: DrafterCache, rows: torch.Tensor, root_pos: torch.Tensor,
-              depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+              depth: int, min_score: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy chain drafting in one scripted call: h [B, H] = h' of each row's root pair (already fed),
-        root_pos [B] -> (draft tokens [B, depth], cumulative draft log-probs [B, depth]). The rows' cached
-        lengths are left as they were (the drafted entries past them are dead)."""
+        root_pos [B] -> (draft tokens [B, D], cumulative draft log-probs [B, D]), D <= depth: drafting stops
+        once every row's cumulative log-prob is below `min_score`. The rows' cached lengths are left as
+        they were (the drafted entries past them are dead)."""
         c = self.drafter.cfg
         committed = cache.lengths[rows]
         self._ensure_rope(int(root_pos.max()) + depth)
@@ -215,5 +225,5 @@ class DrafterRuntime:
         toks, scores = chain_draft_fn(h, self.drafter.embed, lm_head, fc, qkv, self.qkv_b, o, ln2, gate_up, down,
                                       packed, self._eps, self._exact_hf, cache.k, cache.v, rows, committed,
                                       root_pos.to(h.device), self._cos, self._sin, depth, c.num_heads,
-                                      c.num_kv_heads, c.head_dim, c.intermediate_size)
+                                      c.num_kv_heads, c.head_dim, c.intermediate_size, min_score)
         return toks, scores

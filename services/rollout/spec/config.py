@@ -43,6 +43,11 @@ class SpecConfig(ServiceConfig):
     verify_token_budget: int = Field(
         2048, ge=0, description="skip arms whose draft_tokens x batch exceeds this (0 = no limit)"
     )
+    chain_min_prob: float = Field(
+        0.0, ge=0.0, lt=1.0, description="learned chains (topk = 1): a sequence's chain stops at the first draft whose "
+        "cumulative draft probability is below this, so unlikely drafts cost neither drafting nor verification "
+        "(0 = always the arm's full depth). Lossless: it changes only what is proposed"
+    )
     drafter: Literal["learned", "ngram"] = Field("ngram", description="learned EAGLE drafter, or model-free n-gram matching")
     drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")
     ngram_max: int = Field(4, ge=1, description="longest context suffix the n-gram drafter matches")

@@ -82,7 +82,7 @@ class SpecDecoder:
         if config.drafter == "learned":
             if drafter is None:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
-            self.source: NgramSource | EagleSource = EagleSource(drafter)
+            self.source: NgramSource | EagleSource = EagleSource(drafter, chain_min_prob=config.chain_min_prob)
         else:
             self.source = NgramSource(config.ngram_min, config.ngram_max)
         self._spare_gen = torch.Generator().manual_seed(config.seed)  # uniforms for greedy rows (unused)
@@ -124,7 +124,7 @@ class SpecDecoder:
             return None
         dev = self.runner.device
         b, n_max = tree.tokens.shape
-        equal = len(set(n_list)) == 1  # no padding nodes
+        equal = all(n == n_max for n in n_list)  # no padding nodes
         if equal and is_chain(tree.parents) and not self.runner.for_kernels:
             tree_masks = None  # the default causal mask among new tokens is the chains' tree mask (SDPA path)
         else:

@@ -21,6 +21,7 @@ level with one call per level for the whole batch (`_tree`).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -75,8 +76,10 @@ class NgramSource:
 class EagleSource:
     """EAGLE-2 tree drafting with the learned drafter and its own per-sequence KV rows."""
 
-    def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512) -> None:
+    def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512, chain_min_prob: float = 0.0) -> None:
         self.drafter = drafter
+        # chains: a row's drafts stop at the first whose cumulative draft probability is below this
+        self.chain_min_score = math.log(chain_min_prob) if chain_min_prob > 0 else float("-inf")
         self.runtime = DrafterRuntime(drafter)  # the inference path (fused, scripted); same maths
         self.max_pending = max_pending
         self.cold_starts = 0
@@ -160,29 +163,45 @@ class EagleSource:
         idx = [i for i, w in enumerate(warm) if w]
         if idx:
             warm_seqs = [seqs[i] for i in idx]
-            batch = self._chain(warm_seqs, arm) if arm.topk == 1 else self._tree(warm_seqs, arm)
-            if len(idx) == len(seqs):  # all warm (the usual case): already one [B, N] batch, no padding
-                return batch, torch.full((len(seqs),), batch.num_nodes, dtype=torch.long)
+            if arm.topk == 1:
+                batch, counts = self._chain(warm_seqs, arm)
+            else:
+                batch = self._tree(warm_seqs, arm)
+                counts = torch.full((len(idx),), batch.num_nodes, dtype=torch.long)
+            if len(idx) == len(seqs):  # all warm (the usual case): already one [B, N] batch
+                return batch, counts
             for j, i in enumerate(idx):
-                trees[i] = DraftTree(batch.tokens[j : j + 1], batch.parents[j : j + 1], batch.depth[j : j + 1],
-                                     batch.score[j : j + 1])
+                n = int(counts[j])
+                trees[i] = DraftTree(batch.tokens[j : j + 1, :n], batch.parents[j : j + 1, :n],
+                                     batch.depth[j : j + 1, :n], batch.score[j : j + 1, :n])
         for i, s in enumerate(seqs):
             if trees[i] is None:
                 trees[i] = trie_tree(s.token_ids[-1], [], 1)
         return pad_trees(trees)  # type: ignore[arg-type]
 
-    def _chain(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
+    def _chain(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
         """topk = 1: the tree `build_tree` would keep (the first draft_tokens - 1 drafts of the greedy
-        chain) without its bookkeeping, and without drafting the levels that would be cut."""
+        chain) without its bookkeeping, and without drafting the levels that would be cut.
+
+        With `chain_min_prob`, row b keeps only its drafts whose cumulative draft probability is at
+        least that (a prefix: the probability only falls along a chain); the cut drafts become token -1,
+        which no target token equals, so the prefix rule never accepts past them, and the node counts
+        [B] (1 + kept drafts) tell the decoder to verify only the kept ones."""
         dev = self.device
         keys = [seq_key(s) for s in seqs]
         rows = torch.tensor([self.rows[k] for k in keys], device=dev)
         root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=dev)
         h = torch.stack([self.last_h[k] for k in keys])  # [B, H]: h' of each root pair
         depth = min(arm.steps, arm.draft_tokens - 1)
-        drafts, scores = self.runtime.chain(h, self.cache, rows, root_pos, depth)  # rows keep only verified pairs
+        drafts, scores = self.runtime.chain(h, self.cache, rows, root_pos, depth,
+                                            self.chain_min_score)  # rows keep only verified pairs
+        keep = scores >= self.chain_min_score
+        drafts = torch.where(keep, drafts, torch.full_like(drafts, -1))
         roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
-        return chain_tree(roots, drafts, torch.cat([torch.zeros_like(scores[:, :1]), scores], 1))
+        kept = keep.long().sum(1)
+        width = int(kept.max())  # drafts past every row's cut are dropped
+        tree = chain_tree(roots, drafts[:, :width], torch.cat([torch.zeros_like(scores[:, :1]), scores[:, :width]], 1))
+        return tree, 1 + kept.cpu()
 
     def _tree(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
         """EAGLE-2 drafting for warm sequences, vectorised over the batch. Candidate ids follow
