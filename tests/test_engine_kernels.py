@@ -40,7 +40,7 @@ from tlt.services.rollout.engine.testing import random_checkpoint
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
-INTERPRETER_CASES = 3
+INTERPRETER_CASES = 4
 needs_interpreter = pytest.mark.skipif(
     not interpreter_ready(), reason="needs TRITON_INTERPRET=1 from process start: runs in the child process"
 )
@@ -213,3 +213,29 @@ def test_interpreter_speculative_verify_tree_kernel(ckpt, calls) -> None:
     assert stats == torch_engine.stats().spec  # same drafts, same acceptances
     assert sum(c.spec.accepted_tokens for c in got) > sum(c.spec.verify_steps for c in got), "drafts were accepted"
     assert calls["paged_tree_attention"] == 2 * stats["verify_steps"]
+
+
+@needs_interpreter
+def test_interpreter_decode_graph_buckets_emulated(ckpt, calls) -> None:
+    """decode_graphs = "emulate": plain decode steps on static buffers padded to a bucket (padding rows
+    writing to the scratch block), tables at full width. Requests of different lengths make the batch
+    shrink 5 -> 4 -> 2 -> 1 through buckets 8, 4, 2 and 1. Tokens and logprobs must equal the eager
+    PyTorch path: a padding row writing into a live block, or a wrong table or length, changes them."""
+    prompts = _prompts([3, 11, 6, 13, 8])
+    lengths = [12, 3, 9, 6, 10]  # after the prefill step: batch 5 for 2 steps, 4 for 3, 3 for 3, 2 for 1, 1 for 2
+
+    def run(kernels: str, **kw):  # noqa: ANN202
+        engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, block_size=4, **kw))
+        reqs = [GenerationRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                                                     logprobs=0))
+                for i, (p, n) in enumerate(zip(prompts, lengths))]
+        return engine, engine.generate(reqs)
+
+    _, want = run("torch")
+    engine, got = run("triton", decode_graphs="emulate", decode_graph_buckets=(1, 2, 4, 8))
+    _same(want, got)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.per_bucket == {8: 2, 4: 6, 2: 1, 1: 2}
+    # every plain decode step went through the padded path: as many decode kernel calls as layers x replays
+    assert calls["paged_decode_attention"] == 2 * sum(graphs.per_bucket.values())
+    assert engine.model.k_caches[0].shape[0] == engine.block_manager.num_blocks + 1  # the scratch block

@@ -30,6 +30,18 @@ class EngineConfig(ServiceConfig):
             "'triton' on CPU needs TRITON_INTERPRET=1 from process start (tests only, very slow)"
         ),
     )
+    decode_graphs: Literal["off", "cuda", "emulate"] = Field(
+        "off",
+        description=(
+            "plain decode steps on static buffers padded to a batch-size bucket (services/rollout/engine/"
+            "decode_graphs.py): 'cuda' replays CUDA graphs captured per bucket at start (needs CUDA and kernels = "
+            "'triton'; UNVERIFIED: never run on a GPU in this project); 'emulate' runs the same padded step without "
+            "graphs (CPU tests); 'off' = the ordinary eager step"
+        ),
+    )
+    decode_graph_buckets: tuple[int, ...] = Field(
+        (), description="batch sizes to capture decode graphs for, ascending; empty = 1, 2, 4, ... up to max_num_seqs"
+    )
     max_num_seqs: int = Field(128, ge=1, description="most sequences decoded together in one step")
     max_num_batched_tokens: int = Field(
         2048, ge=16, description="token budget of one step (prefill chunks + decode tokens); longer prompts are chunked"

@@ -23,6 +23,9 @@ unchanged) and, on CUDA, the Triton kernels of `tlt.kernels` for the decode and 
 (fused add+RMSNorm, RoPE, paged decode / tree attention over the paged KV cache; prefill
 attention stays SDPA; see tlt/model/kernel_ops.py). That GPU path is UNVERIFIED on a GPU: only
 tests/test_engine_kernels.py, which runs it under TRITON_INTERPRET=1 on CPU, checks it.
+`EngineConfig.decode_graphs` ("cuda", with kernels = "triton") replays plain decode steps from CUDA
+graphs captured per batch-size bucket (`decode_graphs.py`); also UNVERIFIED on a GPU: only its
+"emulate" mode (the same padded static buffers, no graphs) is tested, in the same interpreter run.
 
 Features (`return_features`): row i is the last-layer hidden state (post
 final norm) at the position that produced token_ids[i], taken from the same
@@ -43,6 +46,7 @@ from tlt.model.transformer import build_model
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.engine.block_manager import BlockManager
 from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.engine.decode_graphs import default_buckets
 from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.sampler import sample
 from tlt.services.rollout.engine.scheduler import Scheduler
@@ -90,7 +94,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_mb)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, config.block_size, num_blocks)
+        buckets = config.decode_graph_buckets or default_buckets(config.max_num_seqs)
+        self.runner = ModelRunner(self.model, config.block_size, num_blocks, config.decode_graphs, buckets,
+                                  -(-(self.max_model_len + 128) // config.block_size))  # + draft-tree room
         self.versions = Versions(policy=0, drafter=-1)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()

@@ -9,7 +9,9 @@ The runner owns the model and its KV cache. `extend` (any q_len per sequence,
 optional tree masks) and `copy_slots` are public for speculative decoding.
 With a model built with kernels="triton" the metadata also carries what the
 Triton kernels read (int32 block tables, context lengths, padded tree masks),
-built here once per step and shared by every layer.
+built here once per step and shared by every layer. With decode graphs
+(`EngineConfig.decode_graphs`), pure decode steps go through `DecodeGraphs`
+(static buffers padded to a batch-size bucket, replayed from CUDA graphs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from tlt.model.attention import AttentionMetadata
 from tlt.model.transformer import Transformer
+from tlt.services.rollout.engine.decode_graphs import DecodeGraphs, GraphMode
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
 
@@ -32,12 +35,19 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model: Transformer, block_size: int, num_blocks: int, graphs: GraphMode = "off",
+                 graph_buckets: tuple[int, ...] = (), max_blocks_per_seq: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.device = model.device
         self.for_kernels = model.kernels == "triton"
-        model.allocate_kv_cache(num_blocks, block_size)
+        self.graphs: DecodeGraphs | None = None
+        # with decode graphs the cache has one block more than the block manager hands out: the padding
+        # rows' scratch block (block id num_blocks)
+        model.allocate_kv_cache(num_blocks + (graphs != "off"), block_size)
+        if graphs != "off":
+            self.graphs = DecodeGraphs(model, block_size, max_blocks_per_seq, num_blocks, graph_buckets, graphs)
+            self.graphs.capture()
 
     def slot(self, seq: Sequence, pos: int) -> int:
         bs = self.block_size
@@ -68,6 +78,10 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 emit.append(seq)
         dev = self.device
+        if self.graphs is not None and len(emit) == len(ids) and self.graphs.bucket_for(len(ids)) is not None:
+            # a pure decode step (one new token per sequence, each emitting): the padded static-buffer path
+            hidden = self.graphs.run(ids, pos, slots, [s.block_table for s in batch.seqs], ctx)
+            return RunOutput(emit, hidden, self.model.compute_logits(hidden))
         meta = AttentionMetadata.build(
             batch.num_new, ctx, [s.block_table for s in batch.seqs], bs,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), device=dev, for_kernels=self.for_kernels,
