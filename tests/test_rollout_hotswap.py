@@ -161,6 +161,28 @@ def test_in_flight_sequence_straddling_a_swap_is_stamped_with_both_versions(serv
     assert last["tlt_versions"]["policy_min"] == v - 1
 
 
+def test_grpc_completion_straddling_a_swap_carries_policy_min(server, client, model_dir):
+    """The same over gRPC: WeightVersions.policy_min is set on a straddling completion, unset otherwise."""
+    import threading
+    import time
+
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    v = client.status().versions.policy + 1
+    long = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.setdefault("out", client.generate("1+2=", params=long)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not any(r.running for r in client.status().replicas) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert client.update_weights({"lm_head.weight": original["lm_head.weight"] * 1.5}, "policy", v).ok
+    worker.join(120)
+    (c,) = box["out"]
+    assert c.versions.policy == v and c.versions.HasField("policy_min") and c.versions.policy_min == v - 1
+    (after,) = client.generate("1+2=", params=GREEDY)
+    assert after.versions.policy == v and not after.versions.HasField("policy_min")
+
+
 def test_update_weights_needs_the_control_token(server, client, model_dir):
     import grpc
 

@@ -14,10 +14,9 @@ cache, computed by the old weights, is kept). The engine records the policy
 version of every token (`services/rollout/engine/engine.py`); a Completion's
 `versions.policy` is the NEWEST version that produced any of its tokens. The
 oldest (`Versions.policy_min`, set only for a sequence that straddled a swap)
-is shown over HTTP in `tlt_versions.policy_min`, but tlt.v1.WeightVersions has
-no field for it yet, so over gRPC a straddling sequence is not flagged: push
-between rollout phases (as the trainer does, when nothing is in flight) or
-compare against the version you pushed.
+is `versions.policy_min` over gRPC (unset otherwise: `HasField`) and
+`tlt_versions.policy_min` over HTTP. The trainer pushes between rollout
+phases, when nothing is in flight, so its completions never straddle.
 
 Invalid requests get INVALID_ARGUMENT with the reason; a bad weight push
 answers ok=false with the reason and changes nothing; a missing or wrong
@@ -83,7 +82,8 @@ def completion_message(c: CompletionOutput, prompt_index: int, reference: str, h
         text=c.text,
         logprobs=c.logprobs or [],
         finish_reason=_FINISH[c.finish_reason],
-        versions=common_pb2.WeightVersions(policy=c.versions.policy, drafter=c.versions.drafter),
+        versions=common_pb2.WeightVersions(policy=c.versions.policy, drafter=c.versions.drafter,
+                                           policy_min=c.versions.policy_min),
         spec=rollout_pb2.SpecStats(verify_steps=c.spec.verify_steps, accepted_tokens=c.spec.accepted_tokens,
                                    plain_decode_steps=c.spec.plain_decode_steps),
         replica_id=c.replica_id,

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tlt/v1/common.proto\x12\x06tlt.v1\"1\n\x0eWeightVersions\x12\x0e\n\x06policy\x18\x01 \x01(\x03\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\x03\"g\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x05\x64type\x18\x02 \x01(\x0e\x32\r.tlt.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_BOOL\x10\x07*Z\n\nWeightKind\x12\x1b\n\x17WEIGHT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12WEIGHT_KIND_POLICY\x10\x01\x12\x17\n\x13WEIGHT_KIND_DRAFTER\x10\x02*y\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12REPLICA_STATE_BUSY\x10\x01\x12\x16\n\x12REPLICA_STATE_IDLE\x10\x02\x12\x1a\n\x16REPLICA_STATE_DRAINING\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tlt/v1/common.proto\x12\x06tlt.v1\"Y\n\x0eWeightVersions\x12\x0e\n\x06policy\x18\x01 \x01(\x03\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\x03\x12\x17\n\npolicy_min\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_policy_min\"g\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x05\x64type\x18\x02 \x01(\x0e\x32\r.tlt.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_BOOL\x10\x07*Z\n\nWeightKind\x12\x1b\n\x17WEIGHT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12WEIGHT_KIND_POLICY\x10\x01\x12\x17\n\x13WEIGHT_KIND_DRAFTER\x10\x02*y\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12REPLICA_STATE_BUSY\x10\x01\x12\x16\n\x12REPLICA_STATE_IDLE\x10\x02\x12\x1a\n\x16REPLICA_STATE_DRAINING\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tlt.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=188
-  _globals['_DTYPE']._serialized_end=343
-  _globals['_WEIGHTKIND']._serialized_start=345
-  _globals['_WEIGHTKIND']._serialized_end=435
-  _globals['_REPLICASTATE']._serialized_start=437
-  _globals['_REPLICASTATE']._serialized_end=558
+  _globals['_DTYPE']._serialized_start=228
+  _globals['_DTYPE']._serialized_end=383
+  _globals['_WEIGHTKIND']._serialized_start=385
+  _globals['_WEIGHTKIND']._serialized_end=475
+  _globals['_REPLICASTATE']._serialized_start=477
+  _globals['_REPLICASTATE']._serialized_end=598
   _globals['_WEIGHTVERSIONS']._serialized_start=31
-  _globals['_WEIGHTVERSIONS']._serialized_end=80
-  _globals['_TENSORSPEC']._serialized_start=82
-  _globals['_TENSORSPEC']._serialized_end=185
+  _globals['_WEIGHTVERSIONS']._serialized_end=120
+  _globals['_TENSORSPEC']._serialized_start=122
+  _globals['_TENSORSPEC']._serialized_end=225
 # @@protoc_insertion_point(module_scope)

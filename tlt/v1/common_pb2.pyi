@@ -47,12 +47,14 @@ REPLICA_STATE_IDLE: ReplicaState
 REPLICA_STATE_DRAINING: ReplicaState
 
 class WeightVersions(_message.Message):
-    __slots__ = ("policy", "drafter")
+    __slots__ = ("policy", "drafter", "policy_min")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    POLICY_MIN_FIELD_NUMBER: _ClassVar[int]
     policy: int
     drafter: int
-    def __init__(self, policy: _Optional[int] = ..., drafter: _Optional[int] = ...) -> None: ...
+    policy_min: int
+    def __init__(self, policy: _Optional[int] = ..., drafter: _Optional[int] = ..., policy_min: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
