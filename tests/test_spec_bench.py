@@ -48,7 +48,7 @@ def _bench(capsys, argv: list[str]) -> tuple[int, dict]:
 
 # the JSON fields of a single-round report (before --repeats existed)
 R1_REPORT_KEYS = {"model", "workload", "temperature", "requests", "sequences", "lengths_p50", "lengths_max",
-                  "threshold", "arms", "results"}
+                  "threshold", "arms", "clock", "results"}
 R1_RESULT_KEYS = {"mode", "wall_s", "tokens", "tok_per_s", "tail_s", "tail_share", "tail_tok_per_s", "tail4_tok_per_s",
                   "buckets", "steps", "decode_steps", "verify_steps", "verified_seq_steps", "sd_step_share",
                   "mean_accept_len", "arms", "identical_to_first_mode", "speedup_vs_off", "tail4_speedup"}
@@ -182,8 +182,8 @@ def test_bench_rollout_repeats_lossless_check_every_round(capsys, random_model_d
     """A mode that differs in one round only (here: round 1's ngram run, tampered) fails the whole bench."""
     real, calls = rollout._run_mode, []
 
-    def tampered(engine, requests, threshold):  # noqa: ANN001, ANN202
-        outs, measured = real(engine, requests, threshold)
+    def tampered(engine, requests, threshold, clock=None):  # noqa: ANN001, ANN202
+        outs, measured = real(engine, requests, threshold, clock)
         calls.append(engine.spec_decoder is not None)
         if len(calls) == 4:  # run_index 3: round 1, ngram
             key = next(iter(outs))
@@ -234,3 +234,25 @@ def test_bench_rollout_min_tokens(capsys, random_model_dir, monkeypatch):
     common = ["--model", str(random_model_dir), "--prompts", "1", "--n", "1", "--max-tokens", "8", "--modes", "off"]
     assert rollout.run(parser.parse_args([*common, "--min-tokens", "60"])) == 2  # synthetic workload: refused
     assert rollout.run(parser.parse_args([*common, "--workload", "task", "--min-tokens", "10000"])) == 2
+
+
+def test_bench_rollout_cpu_clock_and_chain_cut(capsys, random_model_dir):
+    """--clock cpu times steps by the process's CPU time (the report says so); --chain-min-prob reaches the
+    learned modes' SpecConfig and is range-checked."""
+    import time
+
+    common = ["--model", str(random_model_dir), "--prompts", "2", "--n", "2", "--median-tokens", "8", "--max-tokens", "16",
+              "--modes", "off,ngram", "--threshold", "8"]
+    c0 = time.process_time()
+    rc, report = _bench(capsys, [*common, "--clock", "cpu"])
+    used = time.process_time() - c0
+    assert rc == 0 and report["clock"] == "cpu"
+    for r in report["results"]:
+        assert 0 < r["wall_s"] <= used  # CPU seconds of this process, inside the CPU time the call used
+        assert abs(sum(b["seconds"] for b in r["buckets"].values()) - r["wall_s"]) < 0.5 * r["wall_s"]
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    assert rollout.run(parser.parse_args([*common, "--chain-min-prob", "1.0"])) == 2
+    assert rollout.run(parser.parse_args([*common, "--chain-min-prob", "-0.1"])) == 2
+    ns = parser.parse_args([*common, "--chain-min-prob", "0.25", "--drafter", "some/dir"])
+    assert rollout._spec_config("learned", ns, None).chain_min_prob == 0.25
