@@ -256,3 +256,15 @@ def test_bench_rollout_cpu_clock_and_chain_cut(capsys, random_model_dir):
     assert rollout.run(parser.parse_args([*common, "--chain-min-prob", "-0.1"])) == 2
     ns = parser.parse_args([*common, "--chain-min-prob", "0.25", "--drafter", "some/dir"])
     assert rollout._spec_config("learned", ns, None).chain_min_prob == 0.25
+
+
+def test_bench_rollout_hook_cost(capsys, random_model_dir):
+    """--hook-cost times the adaptive decoder's per-step hooks at the full batch against the forward."""
+    rc, report = _bench(capsys, ["--model", str(random_model_dir), "--prompts", "4", "--n", "2", "--median-tokens", "8",
+                                 "--sigma", "0", "--max-tokens", "12", "--modes", "off,ngram", "--threshold", "2",
+                                 "--hook-cost"])
+    assert rc == 0 and set(report["hook_cost"]) == {"ngram"}  # off has no decoder
+    h = report["hook_cost"]["ngram"]
+    assert h["batch"] == 8 and h["sd_on"] is False  # every sequence decoding, above the threshold of 2
+    assert h["forward_ms"] > 0 and h["hooks_us"] > 0
+    assert abs(h["hooks_share"] - h["hooks_us"] / 1e3 / h["forward_ms"]) < 1e-4

@@ -64,6 +64,11 @@ time the run would take on an otherwise idle core: other jobs on a shared machin
 but not CPU time (cache and memory-bandwidth contention still show), so small differences, such
 as the >= 64 bucket's, can be resolved; `tlt bench engine` reports CPU-time rates for the same reason.
 
+`--hook-cost` also reports, per adaptive mode, what its decoder adds to a plain decode step at the
+full batch (the `wants` and `observe_plain` hooks, the only SD work above the threshold, timed by
+CPU time over 20,000 calls) as a share of that step's forward [hook_cost: {mode: {batch, sd_on,
+hooks_us, forward_ms, hooks_share}}]: the >= 64 bucket's overhead without run-to-run noise.
+
 `--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
 (topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
 unlikely to be accepted cost neither drafting nor verification.
@@ -120,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time steps by the wall clock, or by this process's CPU time (one thread: what the run "
                              "takes on an otherwise idle core; robust to other load on a shared machine)")
+    parser.add_argument("--hook-cost", action="store_true",
+                        help="also time what the adaptive modes' decoder adds to a plain step at the full batch "
+                             "(its hooks, by CPU time) against the step's forward: the >= 64 bucket's overhead, "
+                             "measured directly instead of through run-to-run noise")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -285,6 +294,34 @@ def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]
                   "verified_seq_steps": verified_seq_steps}
 
 
+def _hook_cost(engine, requests, repeats: int = 20000) -> dict:  # noqa: ANN001
+    """What an attached (adaptive) decoder adds to a plain decode step at the full batch: the engine's two
+    SD hooks (`wants`, then `observe_plain`), timed `repeats` times by CPU time, against the step's forward
+    (runner.run + logits) timed 20 times. Above the threshold these hooks are all SD adds to a step."""
+    import copy
+    import time
+
+    for r in requests:
+        engine.add_request(copy.deepcopy(r))
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_tokens == s.prompt_len for s in sched.running):
+        engine.step()  # prefill until every sequence has its first token
+    batch = sched.schedule()  # the next step: every sequence decodes (timed below without advancing)
+    dec = engine.spec_decoder
+    out = engine.runner.run(batch)
+    t0 = time.process_time()
+    for _ in range(repeats):
+        dec.wants(batch)
+        dec.observe_plain(out.emit_seqs, out.hidden)
+    hooks = (time.process_time() - t0) / repeats
+    t0 = time.process_time()
+    for _ in range(20):
+        engine.runner.run(batch)
+    step = (time.process_time() - t0) / 20
+    return {"batch": len(batch.seqs), "sd_on": dec.switch.on, "hooks_us": round(hooks * 1e6, 3),
+            "forward_ms": round(step * 1e3, 3), "hooks_share": round(hooks / step, 6)}
+
+
 def _arm_summary(counts: dict[str, dict[str, int]]) -> dict:
     """Per-arm counts {name: {verify_steps, seq_steps, emitted}} -> the same plus choice share and accept
     length (emitted / seq_steps), most chosen first."""
@@ -433,6 +470,9 @@ def _print_table(report: dict, args: argparse.Namespace) -> None:
                         else f" ({b['speedup_vs_off']:.2f}x)")
                     cells.append(f"{b['tok_per_s']:.1f}{x}".rjust(width))
             print(f"{r['mode']:<15}" + "".join(cells))
+    for mode, h in report.get("hook_cost", {}).items():
+        print(f"{mode}: SD hooks {h['hooks_us']:.2f} us per plain step at batch {h['batch']} (SD on: {h['sd_on']}), "
+              f"forward {h['forward_ms']:.2f} ms: {100 * h['hooks_share']:.4f}% of the step (CPU time)")
     with_arms = [r for r in ran if r["arms"]]
     if with_arms:
         print("arms (verify steps chosen, share, accept length = tokens per sequence per verify step)")
@@ -536,6 +576,13 @@ def run(args: argparse.Namespace) -> int:
               "clock": args.clock, "results": results}
     if args.min_tokens:
         report["min_tokens"] = args.min_tokens
+    if args.hook_cost:
+        report["hook_cost"] = {}
+        for mode in (m for m in ran if m in ("ngram", "learned")):
+            engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
+                                                       num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+            engine.enable_spec(_spec_config(mode, args, bucket_arms))
+            report["hook_cost"][mode] = _hook_cost(engine, requests)
     if args.repeats > 1:
         report["repeats"] = args.repeats
         report["rounds"] = rounds
