@@ -132,3 +132,34 @@ def test_right_padded_appends_equal_separate_ones():
     assert c_pad.lengths.tolist() == c_one.lengths.tolist() == [5, 0, 11]
     for r, n in ((0, 5), (2, 11)):
         assert torch.allclose(c_pad.k[r, :, :n], c_one.k[r, :, :n], atol=1e-5)
+
+
+@torch.inference_mode()
+def test_sampled_chain_draws_from_the_filtered_drafter_distribution():
+    """chain(params=, u=): level 0's p is the drafter's softmax under each row's filters, the same as
+    spec/filters.py gives (temperature, top_k, top_p, min_p); every draft is the inverse-CDF draw of its
+    u from the returned p, never a token of probability 0; scores are the drafts' cumulative log p."""
+    from tlt.services.rollout.spec.accept import sample_probs
+    from tlt.services.rollout.spec.filters import filtered_probs
+
+    d = _drafter(4)
+    rt = DrafterRuntime(d)
+    cache = DrafterCache(d.cfg, rows=3, capacity=8)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.tensor([0, 1, 2])
+    rt(torch.randint(0, V, (3, 5), generator=g), torch.randn(3, 5, H, generator=g),
+       torch.arange(1, 6).expand(3, 5), cache, rows)
+    h = torch.randn(3, H, generator=g)
+    params = torch.tensor([[1.0, 0, 1.0, 0.0], [0.7, 5, 0.9, 0.0], [1.3, 0, 0.8, 0.05]])
+    u = torch.rand(3, 4, generator=g)
+    toks, scores, probs = rt.chain(h, cache, rows, torch.full((3,), 5), 4, params=params, u=u)
+    assert toks.shape == (3, 4) and probs.shape == (3, 4, V)
+    want = torch.stack([filtered_probs(d.compute_logits(h[i]), *params[i].tolist()) for i in range(3)])
+    torch.testing.assert_close(probs[:, 0], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(toks, sample_probs(probs, u))
+    picked = probs.gather(2, toks[..., None])[..., 0]
+    assert (picked > 0).all()
+    torch.testing.assert_close(scores, picked.log().cumsum(1), rtol=1e-5, atol=1e-5)
+    assert int((probs[1] > 0).sum(-1).max()) <= 5  # top_k 5
+    greedy_toks, _, none = rt.chain(h, cache, rows, torch.full((3,), 5), 4)
+    assert none is None and greedy_toks.shape == (3, 4)

@@ -123,9 +123,9 @@ def chain_scores(ckpt, drafter):
     chain = runtime.chain
 
     def record(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        toks, scores = chain(*args, **kw)
+        toks, scores, probs = chain(*args, **kw)
         seen.append(scores)
-        return toks, scores
+        return toks, scores, probs
 
     runtime.chain = record
     eng.generate(_requests()[:16])
@@ -147,8 +147,8 @@ def test_greedy_identical_with_confidence_cut_chains(ckpt, reference, drafter, c
     source, counts = eng.spec_decoder.source, []
     draft = source.draft
 
-    def record(seqs, arm):  # noqa: ANN001, ANN202
-        tree, n = draft(seqs, arm)
+    def record(seqs, arm, **kw):  # noqa: ANN001, ANN003, ANN202
+        tree, n = draft(seqs, arm, **kw)
         counts.append(n)
         return tree, n
 

@@ -116,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chain-min-prob", type=float, default=0.0,
                         help="learned modes, chain arms: cut each sequence's chain at the first draft whose cumulative "
                              "draft probability is below this (SpecConfig.chain_min_prob; 0 = full depth)")
+    parser.add_argument("--chain-sampling", choices=("on", "off"), default="on",
+                        help="learned modes, chain arms, sampled requests: draw drafts from the drafter's distribution "
+                             "and verify by rejection sampling (on, SpecConfig.chain_sampling) or draft greedily and "
+                             "verify by the tree walk (off)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the modes this many times, interleaved (round r runs every mode once), and report "
                              "medians, speed-ups as the median (min-max) of per-round ratios")
@@ -238,7 +242,8 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms):  # noqa: ANN
     extra = {} if bucket_arms is None else {"bucket_arms": bucket_arms}
     return SpecConfig(mode="static" if mode.startswith("static") else "adaptive", threshold=args.threshold,
                       hysteresis_steps=2, static_arm=args.static_arm, drafter="learned" if learned else "ngram",
-                      drafter_path=args.drafter or "", chain_min_prob=args.chain_min_prob, **extra)
+                      drafter_path=args.drafter or "", chain_min_prob=args.chain_min_prob,
+                      chain_sampling=args.chain_sampling == "on", **extra)
 
 
 def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]:  # noqa: ANN001

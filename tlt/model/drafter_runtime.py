@@ -20,7 +20,7 @@ reference at each call, so policy updates need nothing here.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional  # noqa: UP035 - TorchScript needs typing generics
+from typing import List, Optional, Tuple  # noqa: UP035 - TorchScript needs typing generics
 
 import torch
 import torch.nn.functional as F
@@ -71,14 +71,20 @@ def chain_draft(
     down_w: torch.Tensor, packed: bool, eps: torch.Tensor, exact_hf: bool, ck: torch.Tensor, cv: torch.Tensor,
     rows: torch.Tensor, committed: torch.Tensor, root_pos: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
     depth: int, nh: int, kvh: int, d: int, inter: int, min_score: float,
+    params: Optional[torch.Tensor] = None, u: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> List[torch.Tensor]:  # noqa: UP006
-    """Greedy chain of up to `depth` drafts from each row's root output h [B, H] -> [tokens [B, D], cumulative
-    draft log-probs [B, D]]. Draft k (k >= 1) is fed as the pair (token k-1, h' that produced it) at
-    position root_pos + k and cache offset committed + k - 1; the caller rolls the rows back afterwards.
+    """A chain of up to `depth` drafts from each row's root output h [B, H] -> [tokens [B, D], cumulative
+    draft log-probs [B, D], draft distributions [B, D, V] (empty when greedy)]. Greedy (u None): each
+    draft is the drafter's argmax. Sampled (u [B, depth] uniforms, params [B, 4] = temperature > 0,
+    top_k, top_p, min_p): draft k is drawn by inverse CDF with u[:, k] from p_k, the drafter's
+    distribution under those filters (`_draft_probs`), and p_k is returned for rejection sampling. Draft k (k >= 1) is fed as the pair (token k-1, h' that produced it) at position
+    root_pos + k and cache offset committed + k - 1; the caller rolls the rows back afterwards.
     Stops early (D < depth) once every row's cumulative log-prob is below `min_score` (the scores only
     fall, so no row could keep a deeper draft)."""
-    lp = F.linear(h, lm_head).float().log_softmax(-1)
-    score, tok = lp.max(-1)
+    probs: List[torch.Tensor] = []  # noqa: UP006
+    score, tok, p = _pick(F.linear(h, lm_head).float(), params, u, 0)
+    if p is not None:
+        probs.append(p)
     toks = [tok]
     scores = [score]
     equal = bool((committed == committed[0]).all())
@@ -97,11 +103,46 @@ def chain_draft(
         h = drafter_layer(x[:, None], cos_t.index_select(0, pos)[:, None, None], sin_t.index_select(0, pos)[:, None, None], qkv_w, qkv_b, o_w, ln2,
                           gu_w, down_w, packed, eps, exact_hf, ck, cv, rows, start[:, None], span, mask, nh, kvh, d,
                           inter)[:, 0]
-        best, tok = F.linear(h, lm_head).float().log_softmax(-1).max(-1)
+        best, tok, p = _pick(F.linear(h, lm_head).float(), params, u, step)
+        if p is not None:
+            probs.append(p)
         score = score + best
         toks.append(tok)
         scores.append(score)
-    return [torch.stack(toks, 1), torch.stack(scores, 1)]
+    return [torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(probs, 1) if len(probs) > 0 else torch.empty(0)]
+
+
+def _draft_probs(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """softmax of the logits under each row's sampling filters, params [B, 4] = (temperature, top_k,
+    top_p, min_p) (top_k <= 0, top_p >= 1, min_p <= 0: off): the same filters as the target's q
+    (`spec/filters.py`), so the drafts land on the tokens q can give. Any p keeps rejection sampling
+    exact; a p close to q is accepted more often."""
+    x = logits / params[:, 0:1]
+    v = x.shape[-1]
+    k = params[:, 1:2].to(torch.int64)
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    kth = sorted_x.gather(-1, torch.where(k > 0, k.clamp(max=v), torch.full_like(k, v)) - 1)
+    x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.sort(dim=-1, descending=True).values.softmax(-1)
+    drop_sorted = (probs.cumsum(-1) - probs) >= params[:, 2:3]  # past the smallest prefix reaching top_p
+    x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    p = x.softmax(-1)
+    return p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0) / \
+        p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0).sum(-1, keepdim=True)
+
+
+def _pick(logits: torch.Tensor, params: Optional[torch.Tensor], u: Optional[torch.Tensor],  # noqa: UP045
+          level: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:  # noqa: UP006, UP045
+    """One chain level: (log-prob of the pick, the pick, the distribution drawn from or None) per row."""
+    if u is None or params is None:
+        best, tok = logits.log_softmax(-1).max(-1)
+        return best, tok, None
+    p = _draft_probs(logits, params)
+    cdf = p.cumsum(-1)
+    tok = torch.searchsorted(cdf, (u[:, level] * cdf[:, -1])[:, None].contiguous(), right=True)[:, 0]
+    last = p.shape[-1] - 1 - (p.flip(-1) > 0).to(torch.int64).argmax(-1)  # never a token of probability 0
+    tok = torch.minimum(tok, last)
+    return p.gather(1, tok[:, None])[:, 0].log(), tok, p
 
 
 _PACKED_FROM_ROWS = 3
@@ -211,19 +252,23 @@ class DrafterRuntime:
 
     @torch.inference_mode()
     def chain(self, h: torch.Tensor, cache: DrafterCache, rows: torch.Tensor, root_pos: torch.Tensor,
-              depth: int, min_score: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy chain drafting in one scripted call: h [B, H] = h' of each row's root pair (already fed),
-        root_pos [B] -> (draft tokens [B, D], cumulative draft log-probs [B, D]), D <= depth: drafting stops
-        once every row's cumulative log-prob is below `min_score`. The rows' cached lengths are left as
-        they were (the drafted entries past them are dead)."""
+              depth: int, min_score: float = float("-inf"), params: torch.Tensor | None = None,
+              u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Chain drafting in one scripted call: h [B, H] = h' of each row's root pair (already fed),
+        root_pos [B] -> (draft tokens [B, D], cumulative draft log-probs [B, D], draft distributions
+        [B, D, V] or None), D <= depth: drafting stops once every row's cumulative log-prob is below
+        `min_score`. Greedy by default; with uniforms u [B, depth] and sampling params [B, 4]
+        (temperature, top_k, top_p, min_p) the drafts are sampled (see `chain_draft`). The rows' cached lengths are left as they were (the
+        drafted entries past them are dead)."""
         c = self.drafter.cfg
         committed = cache.lengths[rows]
         self._ensure_rope(int(root_pos.max()) + depth)
         cache.ensure(int(committed.max()) + depth)
         packed, (fc, qkv, o, gate_up, down, ln2) = self._weights(h.shape[0])
         lm_head = self.drafter.lm_head.to(h.dtype)
-        toks, scores = chain_draft_fn(h, self.drafter.embed, lm_head, fc, qkv, self.qkv_b, o, ln2, gate_up, down,
-                                      packed, self._eps, self._exact_hf, cache.k, cache.v, rows, committed,
-                                      root_pos.to(h.device), self._cos, self._sin, depth, c.num_heads,
-                                      c.num_kv_heads, c.head_dim, c.intermediate_size, min_score)
-        return toks, scores
+        toks, scores, probs = chain_draft_fn(h, self.drafter.embed, lm_head, fc, qkv, self.qkv_b, o, ln2, gate_up,
+                                             down, packed, self._eps, self._exact_hf, cache.k, cache.v, rows,
+                                             committed, root_pos.to(h.device), self._cos, self._sin, depth,
+                                             c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                                             min_score, params, u)
+        return toks, scores, (probs if u is not None else None)

@@ -48,6 +48,11 @@ class SpecConfig(ServiceConfig):
         "cumulative draft probability is below this, so unlikely drafts cost neither drafting nor verification "
         "(0 = always the arm's full depth). Lossless: it changes only what is proposed"
     )
+    chain_sampling: bool = Field(
+        True, description="learned chains (topk = 1) when every sequence in the step samples (temperature > 0): draw "
+        "the drafts from the drafter's own tempered distribution p and verify by rejection sampling (accept with "
+        "min(1, q/p), else draw from max(q - p, 0)); false: greedy drafts verified by the tree walk. Both are exact"
+    )
     drafter: Literal["learned", "ngram"] = Field("ngram", description="learned EAGLE drafter, or model-free n-gram matching")
     drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")
     ngram_max: int = Field(4, ge=1, description="longest context suffix the n-gram drafter matches")

@@ -4,7 +4,9 @@
     decode(seqs)  -> arm (bandit or static) -> draft trees (n-gram or EAGLE, drafting.py)
                   -> reserve KV slots for the nodes -> ONE target forward over all trees (tree masks
                      over the paged KV cache) -> one target token per node (argmax, or one draw from
-                     the filtered q with the sequence's own generator) -> tree walk (accept.py)
+                     the filtered q with the sequence's own generator) -> tree walk (accept.py);
+                     chains SAMPLED from the drafter (`chain_sampling`, every sequence sampling):
+                     rejection sampling min(1, q/p) against the filtered q instead (accept.py)
                   -> copy the accepted nodes' K/V to their final slots -> SpecEmission per sequence
 
 Each sequence in a decode batch has every token but its last in the KV cache (num_computed =
@@ -37,10 +39,17 @@ from tlt.services.rollout.engine.block_manager import BlockManager
 from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
-from tlt.services.rollout.spec.accept import AcceptResult, emitted_logprobs, node_targets, tree_accept
+from tlt.services.rollout.spec.accept import (
+    AcceptResult,
+    chain_accept_rejection,
+    emitted_logprobs,
+    node_targets,
+    tree_accept,
+)
 from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
+from tlt.services.rollout.spec.filters import filtered_probs
 from tlt.services.rollout.spec.switch import SpecSwitch
 from tlt.services.rollout.spec.tree import Arm, ancestor_mask, is_chain
 
@@ -114,7 +123,12 @@ class SpecDecoder:
             if s.num_computed != s.num_tokens - 1:
                 raise ValueError(f"{s} is not in decode state (num_computed must be num_tokens - 1)")
         arm = self.choose_arm(len(seqs))
-        tree, counts = self.source.draft(seqs, arm)
+        if isinstance(self.source, EagleSource):  # sampled chains when every sequence samples (see SpecConfig)
+            sample = (self.config.chain_sampling and arm.topk == 1
+                      and all(s.params.temperature > 0 and s.generator is not None for s in seqs))
+            tree, counts = self.source.draft(seqs, arm, sample=sample)
+        else:
+            tree, counts = self.source.draft(seqs, arm)
         n_list = counts.tolist()
         ctx = [s.num_computed for s in seqs]
         valid = torch.arange(tree.num_nodes)[None, :] < counts[:, None]  # [B, N] real (non-padding) nodes
@@ -144,11 +158,19 @@ class SpecDecoder:
             hid = hidden.new_zeros(b, n_max, hidden.shape[-1])
             hid[valid_d] = hidden
         p = [s.params for s in seqs]
-        nt = node_targets(full, torch.tensor([x.temperature for x in p], device=dev),
-                          torch.tensor([x.top_k for x in p], device=dev), torch.tensor([x.top_p for x in p], device=dev),
-                          torch.tensor([x.min_p for x in p], device=dev), [s.generator or self._spare_gen for s in seqs])
-        res = tree_accept(tree.tokens.to(dev), tree.parents.to(dev), nt.tokens)
-        lps = emitted_logprobs(res, nt.logprobs).cpu()
+        temps = torch.tensor([x.temperature for x in p], device=dev)
+        top_k, top_p = torch.tensor([x.top_k for x in p], device=dev), torch.tensor([x.top_p for x in p], device=dev)
+        min_p = torch.tensor([x.min_p for x in p], device=dev)
+        if tree.draft_probs is not None:  # drafts sampled from p: rejection sampling against the filtered q
+            q = filtered_probs(full, temps[:, None], top_k[:, None], top_p[:, None], min_p[:, None])
+            res = chain_accept_rejection(tree.tokens[:, 1:].to(dev), tree.draft_probs.to(dev), q,
+                                         [s.generator for s in seqs])
+            node_logprobs = q.log()  # the distribution each emitted token is distributed as
+        else:
+            nt = node_targets(full, temps, top_k, top_p, min_p, [s.generator or self._spare_gen for s in seqs])
+            res = tree_accept(tree.tokens.to(dev), tree.parents.to(dev), nt.tokens)
+            node_logprobs = nt.logprobs
+        lps = emitted_logprobs(res, node_logprobs).cpu()
         res = AcceptResult(res.accept_len.cpu(), res.tokens.cpu(), res.path.cpu())  # hid stays on the device
         src, dst, out = [], [], []
         for i, s in enumerate(seqs):
@@ -162,7 +184,7 @@ class SpecDecoder:
             tops = None
             k_top = s.params.logprobs or 0
             if k_top > 0:  # alternatives from the same distribution each token was drawn from
-                vals, ids = nt.logprobs[i, path].topk(k_top, dim=-1)
+                vals, ids = node_logprobs[i, path].topk(k_top, dim=-1)
                 tops = [dict(zip(r_ids, r_vals)) for r_ids, r_vals in zip(ids.tolist(), vals.tolist())]
             out.append(SpecEmission(res.tokens[i, : a + 1].tolist(), lps[i, : a + 1].tolist(), hid[i, path], tops))
         if src:

@@ -29,6 +29,7 @@ import torch
 from tlt.model.drafter import Drafter, DrafterCache
 from tlt.model.drafter_runtime import DrafterRuntime
 from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.spec.accept import uniforms
 from tlt.services.rollout.spec.ngram import NgramIndex, pad_trees, trie_tree
 from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
 
@@ -157,10 +158,16 @@ class EagleSource:
             self.last_h[key] = out[b, n[b] - 1]
 
     @torch.inference_mode()
-    def draft(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
+    def draft(self, seqs: list[Sequence], arm: Arm, sample: bool = False) -> tuple[DraftTree, torch.Tensor]:
+        """Draft trees for `seqs` -> (trees [B, N], node counts [B]). sample=True (chain arms, every
+        sequence sampling): when every sequence is warm, the chain's drafts are drawn from the drafter's
+        own tempered distribution with each sequence's generator, and the tree carries `draft_probs`
+        for rejection sampling; otherwise the drafts are deterministic (the tree walk verifies them)."""
         warm = self._feed(seqs)
         trees: list[DraftTree | None] = [None] * len(seqs)
         idx = [i for i, w in enumerate(warm) if w]
+        if sample and arm.topk == 1 and len(idx) == len(seqs):
+            return self._chain(seqs, arm, sample=True)
         if idx:
             warm_seqs = [seqs[i] for i in idx]
             if arm.topk == 1:
@@ -179,22 +186,34 @@ class EagleSource:
                 trees[i] = trie_tree(s.token_ids[-1], [], 1)
         return pad_trees(trees)  # type: ignore[arg-type]
 
-    def _chain(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
+    def _chain(self, seqs: list[Sequence], arm: Arm, sample: bool = False) -> tuple[DraftTree, torch.Tensor]:
         """topk = 1: the tree `build_tree` would keep (the first draft_tokens - 1 drafts of the greedy
         chain) without its bookkeeping, and without drafting the levels that would be cut.
 
         With `chain_min_prob`, row b keeps only its drafts whose cumulative draft probability is at
         least that (a prefix: the probability only falls along a chain); the cut drafts become token -1,
         which no target token equals, so the prefix rule never accepts past them, and the node counts
-        [B] (1 + kept drafts) tell the decoder to verify only the kept ones."""
+        [B] (1 + kept drafts) tell the decoder to verify only the kept ones.
+
+        sample=True: drafts drawn from the drafter's distribution under each sequence's sampling filters, with
+        uniforms from each sequence's own generator (a fixed number per step, so a sequence's stream
+        does not depend on its batch); never cut (rejection sampling needs every p it drew from)."""
         dev = self.device
         keys = [seq_key(s) for s in seqs]
         rows = torch.tensor([self.rows[k] for k in keys], device=dev)
         root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=dev)
         h = torch.stack([self.last_h[k] for k in keys])  # [B, H]: h' of each root pair
         depth = min(arm.steps, arm.draft_tokens - 1)
-        drafts, scores = self.runtime.chain(h, self.cache, rows, root_pos, depth,
-                                            self.chain_min_score)  # rows keep only verified pairs
+        if sample:
+            params = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p]
+                                   for s in seqs], dtype=torch.float32, device=dev)
+            u = uniforms((len(seqs), depth), [s.generator for s in seqs], dev)
+            drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, params=params, u=u)
+            roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+            tree = chain_tree(roots, drafts, torch.cat([torch.zeros_like(scores[:, :1]), scores], 1), probs)
+            return tree, torch.full((len(seqs),), tree.num_nodes, dtype=torch.long)
+        drafts, scores, _ = self.runtime.chain(h, self.cache, rows, root_pos, depth,
+                                               self.chain_min_score)  # rows keep only verified pairs
         keep = scores >= self.chain_min_score
         drafts = torch.where(keep, drafts, torch.full_like(drafts, -1))
         roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)

@@ -71,12 +71,16 @@ class DraftTree:
 
     tokens [B, N] (node 0 = root), parents [B, N] (-1 for the root), depth [B, N]
     (root 0). `score` [B, N] is the cumulative draft log-probability (0 at the root).
+    `draft_probs` [B, N - 1, V], only for chains SAMPLED from the drafter: the distribution p that
+    node i + 1's token was drawn from (verified by rejection sampling, `chain_accept_rejection`);
+    None for deterministic drafts (verified by the tree walk).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     score: torch.Tensor
+    draft_probs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -128,8 +132,9 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         anc = torch.where(has, parents.gather(1, anc.clamp(min=0)), anc)
 
 
-def chain_tree(root_tokens: torch.Tensor, drafts: torch.Tensor, score: torch.Tensor | None = None) -> DraftTree:
-    """A chain: root [B] followed by drafts [B, S]; node i's parent is i - 1."""
+def chain_tree(root_tokens: torch.Tensor, drafts: torch.Tensor, score: torch.Tensor | None = None,
+               draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """A chain: root [B] followed by drafts [B, S]; node i's parent is i - 1 (draft_probs: see DraftTree)."""
     b, s = drafts.shape
     tokens = torch.cat([root_tokens.view(b, 1).long(), drafts.long()], dim=1)
     idx = torch.arange(s + 1, device=drafts.device)
@@ -137,7 +142,7 @@ def chain_tree(root_tokens: torch.Tensor, drafts: torch.Tensor, score: torch.Ten
     depth = idx.expand(b, s + 1).clone()
     if score is None:
         score = torch.zeros(b, s + 1, device=drafts.device)
-    return DraftTree(tokens, parents, depth, score)
+    return DraftTree(tokens, parents, depth, score, draft_probs)
 
 
 # expand(step, beam_nodes [B, K], beam_tokens [B, K]) -> draft log-probs [B, K, V] for each beam node's child.
