@@ -414,3 +414,27 @@ def test_sampled_chains_through_the_engine_match_the_exact_distribution(ckpt, mo
     assert c.logprobs == pytest.approx(
         logq.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1).tolist(), abs=2e-3)
 
+
+
+def test_bandit_reward_is_tokens_per_whole_engine_step(ckpt, monkeypatch):
+    """TLT.md section 5: reward = tokens / step wall time. The engine closes each verify step's reward
+    after emitting, so time spent outside `decode` (here a 30 ms emission) is in it: every reward is
+    below emitted / 0.03 s. Rewarding the decode call alone would favour short arms, which need more
+    steps (and so more of the per-step costs) for the same tokens."""
+    import time as _time
+
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **SPEC), eng.runner, eng.block_manager)
+    real_emit = eng._emit
+
+    def slow_emit(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        _time.sleep(0.03)
+        return real_emit(*args, **kw)
+
+    monkeypatch.setattr(eng, "_emit", slow_emit)
+    records = []
+    real_record = dec.bandit.record
+    monkeypatch.setattr(dec.bandit, "record", lambda b, arm, n, s: records.append((n, s)) or real_record(b, arm, n, s))
+    _spec_generate(eng, dec, _requests(2, 1, 20))
+    assert len(records) == dec.stats()["verify_steps"] > 3
+    assert all(s >= 0.03 for _, s in records), records

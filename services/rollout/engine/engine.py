@@ -35,6 +35,7 @@ forward that sampled it, as fp16.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,6 +165,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
         """schedule -> (draft -> verify -> accept) or run + sample -> emit."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return [], []
@@ -171,9 +173,11 @@ class LLMEngine:
         if self.spec_decoder is not None and self.spec_decoder.wants(batch):
             emissions = self.spec_decoder.decode(batch.seqs)  # None: no KV room for drafts, decode plainly
             if emissions is not None:
-                return self._emit(batch.seqs, [e.token_ids for e in emissions], [e.logprobs for e in emissions],
-                                  [e.hidden for e in emissions], [e.top_logprobs for e in emissions],
-                                  verified=True)
+                result = self._emit(batch.seqs, [e.token_ids for e in emissions], [e.logprobs for e in emissions],
+                                    [e.hidden for e in emissions], [e.top_logprobs for e in emissions],
+                                    verified=True)
+                self.spec_decoder.finish_step(start)  # the bandit's reward covers the whole step
+                return result
         out = self.runner.run(batch)
         self.scheduler.update(batch)
         if not out.emit_seqs:

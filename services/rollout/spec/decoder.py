@@ -23,6 +23,7 @@ Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` 
     if decoder is not None and decoder.wants(batch) and (em := decoder.decode(batch.seqs)) is not None:
         for seq, e in zip(batch.seqs, em):       # per token: append, version, logprob, feature row,
             ...                                  # check_stop; on a stop drop the rest and finish
+        decoder.finish_step(step_start)          # the bandit's reward: tokens / whole step time
     else:
         out = runner.run(batch); ...; emit       # plain step, then decoder.observe_plain(seqs, hidden)
     on finish / abort / preemption: decoder.release(seq)
@@ -103,6 +104,7 @@ class SpecDecoder:
         self.no_room = 0
         self.kv_copies = 0  # accepted nodes whose K/V had to move (a branch other than the first was taken)
         self.arm_stats: dict[str, dict[str, int]] = {}  # per arm: verify_steps, seq_steps, emitted (tokens)
+        self._pending: tuple[int, Arm, int, float] | None = None  # the last verify step's reward, until finish_step
 
     # ---------------------------------------------------------------- control
     def wants(self, batch: ScheduledBatch) -> bool:
@@ -118,6 +120,7 @@ class SpecDecoder:
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[SpecEmission] | None:
+        self.finish_step()  # a previous step's reward the caller did not close
         t0 = time.perf_counter()
         for s in seqs:
             if s.num_computed != s.num_tokens - 1:
@@ -202,9 +205,20 @@ class SpecDecoder:
         a_st["verify_steps"] += 1
         a_st["seq_steps"] += len(seqs)
         a_st["emitted"] += emitted
-        if self.config.mode == "adaptive":
-            self.bandit.record(len(seqs), arm, emitted, time.perf_counter() - t0)
+        if self.config.mode == "adaptive":  # rewarded in finish_step, over the whole engine step
+            self._pending = (len(seqs), arm, emitted, t0)
         return out
+
+    def finish_step(self, step_start: float | None = None) -> None:
+        """The engine step that ran `decode` is over (its tokens emitted): reward the arm with its tokens
+        per second of the WHOLE step since `step_start` (scheduling and emission included, TLT.md section
+        5: "step wall time"), not only the decode call's, which would favour short arms that need more
+        steps. Without a step start (a caller that drives `decode` itself) the decode call's time."""
+        if self._pending is None:
+            return
+        batch, arm, emitted, t0 = self._pending
+        self._pending = None
+        self.bandit.record(batch, arm, emitted, time.perf_counter() - (t0 if step_start is None else step_start))
 
     def _reserve(self, seqs: list[Sequence], n_nodes: list[int]) -> bool:
         """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out."""
