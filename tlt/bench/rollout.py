@@ -542,14 +542,18 @@ def run(args: argparse.Namespace) -> int:
         prompt_len = args.prompt_len
     num_seqs = sum(r.n for r in requests)
     total_ctx = prompt_len + args.max_tokens + 64
+
+    def new_engine() -> LLMEngine:  # a fresh engine per run, room for every sequence at full length
+        return LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
+                                                 num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+
     ran = [m for m in modes if not (m.endswith("learned") and not args.drafter)]
     rounds: list[list[dict]] = []  # per round, the results of the modes that ran, in --modes order
     reference, run_index = None, 0
     for round_index in range(args.repeats):  # interleaved: every mode once per round
         row = []
         for mode in ran:
-            engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
-                                                       num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+            engine = new_engine()
             if mode != "off":
                 engine.enable_spec(_spec_config(mode, args, bucket_arms if not mode.startswith("static") else None))
             outs, measured = _run_mode(engine, requests, args.threshold,
@@ -584,8 +588,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hook_cost:
         report["hook_cost"] = {}
         for mode in (m for m in ran if m in ("ngram", "learned")):
-            engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
-                                                       num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+            engine = new_engine()
             engine.enable_spec(_spec_config(mode, args, bucket_arms))
             report["hook_cost"][mode] = _hook_cost(engine, requests)
     if args.repeats > 1:

@@ -77,10 +77,11 @@ def chain_draft(
     draft log-probs [B, D], draft distributions [B, D, V] (empty when greedy)]. Greedy (u None): each
     draft is the drafter's argmax. Sampled (u [B, depth] uniforms, params [B, 4] = temperature > 0,
     top_k, top_p, min_p): draft k is drawn by inverse CDF with u[:, k] from p_k, the drafter's
-    distribution under those filters (`_draft_probs`), and p_k is returned for rejection sampling. Draft k (k >= 1) is fed as the pair (token k-1, h' that produced it) at position
-    root_pos + k and cache offset committed + k - 1; the caller rolls the rows back afterwards.
-    Stops early (D < depth) once every row's cumulative log-prob is below `min_score` (the scores only
-    fall, so no row could keep a deeper draft)."""
+    distribution under those filters (`_draft_probs`), and p_k is returned for rejection sampling.
+    Draft k (k >= 1) is fed as the pair (token k-1, h' that produced it) at position root_pos + k and
+    cache offset committed + k - 1; the caller rolls the rows back afterwards. Stops early (D < depth)
+    once every row's cumulative log-prob is below `min_score` (the scores only fall, so no row could
+    keep a deeper draft); min_score = -inf never checks."""
     probs: List[torch.Tensor] = []  # noqa: UP006
     score, tok, p = _pick(F.linear(h, lm_head).float(), params, u, 0)
     if p is not None:
@@ -89,7 +90,7 @@ def chain_draft(
     scores = [score]
     equal = bool((committed == committed[0]).all())
     for step in range(1, depth):
-        if bool((score < min_score).all()):
+        if min_score > float("-inf") and bool((score < min_score).all()):
             break
         start = committed + (step - 1)
         span = int(start.max()) + 1
@@ -100,9 +101,9 @@ def chain_draft(
             mask = (torch.arange(span, device=h.device)[None, :] <= start[:, None])[:, None, None, :]
         x = linear(torch.cat([F.embedding(tok, embed).to(h.dtype), h], -1), fc_w, None, packed)
         pos = root_pos + step
-        h = drafter_layer(x[:, None], cos_t.index_select(0, pos)[:, None, None], sin_t.index_select(0, pos)[:, None, None], qkv_w, qkv_b, o_w, ln2,
-                          gu_w, down_w, packed, eps, exact_hf, ck, cv, rows, start[:, None], span, mask, nh, kvh, d,
-                          inter)[:, 0]
+        h = drafter_layer(x[:, None], cos_t.index_select(0, pos)[:, None, None],
+                          sin_t.index_select(0, pos)[:, None, None], qkv_w, qkv_b, o_w, ln2, gu_w, down_w, packed, eps,
+                          exact_hf, ck, cv, rows, start[:, None], span, mask, nh, kvh, d, inter)[:, 0]
         best, tok, p = _pick(F.linear(h, lm_head).float(), params, u, step)
         if p is not None:
             probs.append(p)
@@ -120,15 +121,15 @@ def _draft_probs(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     x = logits / params[:, 0:1]
     v = x.shape[-1]
     k = params[:, 1:2].to(torch.int64)
-    sorted_x, order = x.sort(dim=-1, descending=True)
+    sorted_x, order = x.sort(dim=-1, descending=True)  # one sort: the top-k cut keeps the sorted order
     kth = sorted_x.gather(-1, torch.where(k > 0, k.clamp(max=v), torch.full_like(k, v)) - 1)
-    x = x.masked_fill(x < kth, float("-inf"))
-    probs = x.sort(dim=-1, descending=True).values.softmax(-1)
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    probs = sorted_x.softmax(-1)
     drop_sorted = (probs.cumsum(-1) - probs) >= params[:, 2:3]  # past the smallest prefix reaching top_p
-    x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    x = x.masked_fill((x < kth) | torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     p = x.softmax(-1)
-    return p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0) / \
-        p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0).sum(-1, keepdim=True)
+    p = p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0)  # min_p
+    return p / p.sum(-1, keepdim=True)
 
 
 def _pick(logits: torch.Tensor, params: Optional[torch.Tensor], u: Optional[torch.Tensor],  # noqa: UP045
@@ -138,6 +139,7 @@ def _pick(logits: torch.Tensor, params: Optional[torch.Tensor], u: Optional[torc
         best, tok = logits.log_softmax(-1).max(-1)
         return best, tok, None
     p = _draft_probs(logits, params)
+    # `spec.accept.sample_probs` (not importable into this scripted model code): inverse CDF with u
     cdf = p.cumsum(-1)
     tok = torch.searchsorted(cdf, (u[:, level] * cdf[:, -1])[:, None].contiguous(), right=True)[:, 0]
     last = p.shape[-1] - 1 - (p.flip(-1) > 0).to(torch.int64).argmax(-1)  # never a token of probability 0
@@ -258,8 +260,8 @@ class DrafterRuntime:
         root_pos [B] -> (draft tokens [B, D], cumulative draft log-probs [B, D], draft distributions
         [B, D, V] or None), D <= depth: drafting stops once every row's cumulative log-prob is below
         `min_score`. Greedy by default; with uniforms u [B, depth] and sampling params [B, 4]
-        (temperature, top_k, top_p, min_p) the drafts are sampled (see `chain_draft`). The rows' cached lengths are left as they were (the
-        drafted entries past them are dead)."""
+        (temperature, top_k, top_p, min_p) the drafts are sampled (see `chain_draft`). The rows'
+        cached lengths are left as they were (the drafted entries past them are dead)."""
         c = self.drafter.cfg
         committed = cache.lengths[rows]
         self._ensure_rope(int(root_pos.max()) + depth)

@@ -115,7 +115,7 @@ class DecodeGraphs:
         if b is None:
             raise ValueError(f"batch {n} is larger than the largest graph bucket {self.buckets[-1]}")
         width = self.max_blocks
-        rows = [t[:width] + [self.scratch] * (width - len(t[:width])) for t in block_tables]
+        rows = [t[:width] + [self.scratch] * (width - min(len(t), width)) for t in block_tables]
         self.ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
         self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
         self.slots[:n].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)

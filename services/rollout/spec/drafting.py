@@ -195,32 +195,32 @@ class EagleSource:
         which no target token equals, so the prefix rule never accepts past them, and the node counts
         [B] (1 + kept drafts) tell the decoder to verify only the kept ones.
 
-        sample=True: drafts drawn from the drafter's distribution under each sequence's sampling filters, with
-        uniforms from each sequence's own generator (a fixed number per step, so a sequence's stream
-        does not depend on its batch); never cut (rejection sampling needs every p it drew from)."""
+        sample=True: drafts drawn from the drafter's distribution under each sequence's sampling
+        filters, with uniforms from each sequence's own generator (a fixed number per step, so a
+        sequence's stream does not depend on its batch); never cut (rejection sampling needs every p
+        it drew from)."""
         dev = self.device
         keys = [seq_key(s) for s in seqs]
         rows = torch.tensor([self.rows[k] for k in keys], device=dev)
         root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=dev)
         h = torch.stack([self.last_h[k] for k in keys])  # [B, H]: h' of each root pair
         depth = min(arm.steps, arm.draft_tokens - 1)
+        roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
         if sample:
             params = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p]
                                    for s in seqs], dtype=torch.float32, device=dev)
             u = uniforms((len(seqs), depth), [s.generator for s in seqs], dev)
             drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, params=params, u=u)
-            roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
-            tree = chain_tree(roots, drafts, torch.cat([torch.zeros_like(scores[:, :1]), scores], 1), probs)
-            return tree, torch.full((len(seqs),), tree.num_nodes, dtype=torch.long)
-        drafts, scores, _ = self.runtime.chain(h, self.cache, rows, root_pos, depth,
-                                               self.chain_min_score)  # rows keep only verified pairs
-        keep = scores >= self.chain_min_score
-        drafts = torch.where(keep, drafts, torch.full_like(drafts, -1))
-        roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
-        kept = keep.long().sum(1)
-        width = int(kept.max())  # drafts past every row's cut are dropped
-        tree = chain_tree(roots, drafts[:, :width], torch.cat([torch.zeros_like(scores[:, :1]), scores[:, :width]], 1))
-        return tree, 1 + kept.cpu()
+        else:  # rows keep only verified pairs either way
+            drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, self.chain_min_score)
+        counts = torch.full((len(seqs),), drafts.shape[1] + 1, dtype=torch.long)
+        if not sample and self.chain_min_score > float("-inf"):  # the confidence cut (off by default: no work)
+            keep = scores >= self.chain_min_score
+            kept = keep.long().sum(1)
+            width = int(kept.max())  # drafts past every row's cut are dropped
+            drafts, scores = torch.where(keep, drafts, torch.full_like(drafts, -1))[:, :width], scores[:, :width]
+            counts = 1 + kept.cpu()
+        return chain_tree(roots, drafts, torch.cat([torch.zeros_like(scores[:, :1]), scores], 1), probs), counts
 
     def _tree(self, seqs: list[Sequence], arm: Arm) -> DraftTree:
         """EAGLE-2 drafting for warm sequences, vectorised over the batch. Candidate ids follow
