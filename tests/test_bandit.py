@@ -84,3 +84,27 @@ def test_verify_token_budget_guard():
     assert bandit.eligible(100) == (C,)  # nothing fits: the smallest arm
     with pytest.raises(ValueError, match="not in bucket"):
         bandit.record(1, B, 10, 1.0)
+
+
+def test_arms_are_compared_at_the_batch_size_they_run_at():
+    """Tokens/s grows with the batch: within the 2-4 bucket an arm measured at batch 4 must not beat a
+    better arm measured at batch 2. A rollout's batch only falls, so the arm tried first is the one
+    measured at the largest batch (what made the cold bandit pick a short arm in `tlt bench rollout`)."""
+    speed = {A: 100.0, B: 80.0, C: 60.0}  # tokens/s per sequence: A is best at every batch size
+
+    def step(batch: int) -> Arm:
+        arm = bandit.choose(batch)
+        bandit.record(batch, arm, emitted_tokens=int(speed[arm] * batch), step_seconds=1.0)
+        return arm
+
+    bandit = BucketedEpsilonGreedy(thresholds=(1, 2), bucket_arms=[[A], [C, B, A]], epsilon=0.0)
+    assert [step(4) for _ in range(3)] == [C, B, A]  # untried at batch 4 first, in list order
+    assert step(4) == A
+    # the batch falls to 2: C's and B's batch-4 rewards (240, 320 tok/s) beat anything at batch 2 (<= 200),
+    # so comparing across the bucket would keep them; every arm is tried at 2, then A wins there too
+    assert [step(2) for _ in range(3)] == [C, B, A]
+    assert all(step(2) == A for _ in range(10))
+    assert step(3) == C  # a batch size not seen yet: untried arms first again
+    stats = {s.arm: s for s in bandit.snapshot()[1].arms}
+    assert stats[A.name].median_by_batch[4] == 400.0 and stats[A.name].median_by_batch[2] == 200.0
+    assert stats[C.name].samples == 3 and stats[C.name].median_by_batch == {2: 120.0, 3: 180.0, 4: 240.0}

@@ -268,3 +268,19 @@ def test_bench_rollout_hook_cost(capsys, random_model_dir):
     assert h["batch"] == 8 and h["sd_on"] is False  # every sequence decoding, above the threshold of 2
     assert h["forward_ms"] > 0 and h["hooks_us"] > 0
     assert abs(h["hooks_share"] - h["hooks_us"] / 1e3 / h["forward_ms"]) < 1e-4
+
+
+def test_bench_rollout_bandit_keep_carries_over_rounds(capsys, random_model_dir):
+    common = ["--model", str(random_model_dir), "--prompts", "2", "--n", "2", "--median-tokens", "8",
+              "--max-tokens", "24", "--modes", "off,ngram,static-ngram", "--threshold", "4", "--repeats", "3"]
+    rc, fresh = _bench(capsys, common)
+    assert rc == 0 and fresh["bandit"] == "fresh"
+    assert [row[1]["bandit_start_rewards"] for row in fresh["rounds"]] == [0, 0, 0]  # cold every run
+    assert all("bandit_start_rewards" not in row[2] for row in fresh["rounds"])  # static: no bandit
+    rc, kept = _bench(capsys, [*common, "--bandit", "keep"])
+    assert rc == 0 and kept["bandit"] == "keep"
+    held = [row[1]["bandit_start_rewards"] for row in kept["rounds"]]
+    verify = [row[1]["verify_steps"] for row in kept["rounds"]]
+    # round r starts with every reward rounds 0..r-1 recorded (the window is far larger than these runs)
+    assert held[0] == 0 and held[1] == verify[0] > 0 and held[2] == verify[0] + verify[1]
+    assert all(r["identical_to_first_mode"] for row in kept["rounds"] for r in row)  # still lossless

@@ -69,6 +69,12 @@ full batch (the `wants` and `observe_plain` hooks, the only SD work above the th
 CPU time over 20,000 calls) as a share of that step's forward [hook_cost: {mode: {batch, sd_on,
 hooks_us, forward_ms, hooks_share}}]: the >= 64 bucket's overhead without run-to-run noise.
 
+`--bandit keep` carries each adaptive mode's bandit from one round to the next (round 0 starts cold,
+round r from what round r-1 learned), as the bandit of a long-lived rollout server carries over from
+one RL step's rollout to the next; `fresh` (the default) starts every run cold, so a short run spends
+most of its verify steps exploring. The engine, its KV cache and the drafter are new in every run
+either way.
+
 `--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
 (topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
 unlikely to be accepted cost neither drafting nor verification.
@@ -123,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the modes this many times, interleaved (round r runs every mode once), and report "
                              "medians, speed-ups as the median (min-max) of per-round ratios")
+    parser.add_argument("--bandit", choices=("fresh", "keep"), default="fresh",
+                        help="adaptive modes: a cold bandit in every run (fresh), or each round's bandit starting from "
+                             "the previous round's, as a rollout server's does across RL steps (keep)")
     parser.add_argument("--min-tokens", type=int, default=0,
                         help="task workload: keep only problems whose reference solution has at least this many "
                              "tokens (0: off), for a workload of long sequences only")
@@ -440,6 +449,8 @@ def _print_table(report: dict, args: argparse.Namespace) -> None:
     wx, wb = (18, 18) if repeats > 1 else (9, 8)  # speed-up cells carry the per-round range with repeats
     if report.get("clock") == "cpu":
         print("times are CPU seconds of this process (--clock cpu), not wall-clock seconds")
+    if args.bandit == "keep":
+        print("adaptive modes keep their bandit from round to round (--bandit keep; round 0 starts cold)")
     if repeats > 1:
         print(f"median of {repeats} interleaved rounds (speed-ups: median of per-round ratios over off, "
               f"(min-max) over rounds; arms: summed)")
@@ -550,18 +561,25 @@ def run(args: argparse.Namespace) -> int:
     ran = [m for m in modes if not (m.endswith("learned") and not args.drafter)]
     rounds: list[list[dict]] = []  # per round, the results of the modes that ran, in --modes order
     reference, run_index = None, 0
+    bandits: dict = {}  # --bandit keep: mode -> the bandit its last run ended with
     for round_index in range(args.repeats):  # interleaved: every mode once per round
         row = []
         for mode in ran:
             engine = new_engine()
             if mode != "off":
                 engine.enable_spec(_spec_config(mode, args, bucket_arms if not mode.startswith("static") else None))
+                if args.bandit == "keep":
+                    engine.spec_decoder.bandit = bandits.setdefault(mode, engine.spec_decoder.bandit)
+            bandit = engine.spec_decoder.bandit if engine.spec_decoder is not None else None
+            held = sum(a.samples for b in bandit.snapshot() for a in b.arms) if bandit is not None else 0
             outs, measured = _run_mode(engine, requests, args.threshold,
                                        time.process_time if args.clock == "cpu" else time.perf_counter)
             if reference is None:
                 reference = outs
             result = _mode_result(mode, outs, measured, engine.stats().spec)
             result["identical_to_first_mode"] = None if sampled else outs == reference
+            if bandit is not None and engine.spec_decoder.config.mode == "adaptive":
+                result["bandit_start_rewards"] = held  # rewards the bandit held when the run began (0: cold)
             if args.repeats > 1:
                 result["round"], result["run_index"] = round_index, run_index
             run_index += 1
@@ -582,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
               "requests": len(requests), "sequences": num_seqs,
               "lengths_p50": int(lengths.float().median()), "lengths_max": int(lengths.max()),
               "threshold": args.threshold, "arms": list(bucket_arms[0]) if bucket_arms else None,
-              "clock": args.clock, "results": results}
+              "clock": args.clock, "bandit": args.bandit, "results": results}
     if args.min_tokens:
         report["min_tokens"] = args.min_tokens
     if args.hook_cost:

@@ -2,12 +2,18 @@
 
 Batch sizes are split into buckets by ascending thresholds (default 1, 2, 5, 21 -> buckets 1, 2-4,
 5-20, >= 21); each bucket has its own arms (larger trees for smaller batches, where verifying many
-tokens is nearly free). Within a bucket:
+tokens is nearly free). Within a bucket, at the current batch size B:
 
-    1. arms without data are tried first (in list order);
+    1. arms without data at B are tried first (in list order);
     2. with probability epsilon a random arm is explored;
-    3. otherwise the arm with the highest MEDIAN reward over its sliding window is exploited
+    3. otherwise the arm with the highest MEDIAN reward at B over its sliding window is exploited
        (the median ignores a step that was slow for an unrelated reason, e.g. a prefill).
+
+Arms are compared at the batch size they will run at, not across the bucket: tokens per second
+grows with the batch, so within the 2-4 bucket an arm whose rewards came from batch 4 would beat
+one measured at batch 2 whatever their shapes (a rollout's batch only falls through a bucket, so
+the arm tried first is measured at its largest batch). The bucket still decides which arms compete
+and holds their statistics; each (arm, batch size) keeps its own window of the last `window` rewards.
 
 Reward of one SD step = tokens emitted over the whole batch (accepted drafts + one bonus per
 sequence) / step wall time: measured tokens per second. A guard skips arms whose
@@ -37,9 +43,10 @@ DEFAULT_BUCKET_ARMS = (
 @dataclass(frozen=True)
 class ArmStats:
     arm: str
-    samples: int
-    median_reward: float | None  # tokens/s; None before the first sample
+    samples: int  # rewards held, over every batch size of the bucket
+    median_reward: float | None  # tokens/s over those rewards; None before the first sample
     chosen: int
+    median_by_batch: dict[int, float]  # batch size -> median reward at that size
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,8 @@ class BucketedEpsilonGreedy:
         self.window = window
         self.budget = verify_token_budget
         self._rng = random.Random(seed)
-        self._rewards = [{a: deque(maxlen=window) for a in arms} for arms in self.arms]
+        # bucket -> arm -> batch size -> the last `window` rewards at that size
+        self._rewards: list[dict[Arm, dict[int, deque[float]]]] = [{a: {} for a in arms} for arms in self.arms]
         self._chosen = [{a: 0 for a in arms} for arms in self.arms]
         self._explored = [0] * len(self.arms)
         self._exploited = [0] * len(self.arms)
@@ -107,7 +115,8 @@ class BucketedEpsilonGreedy:
     def choose(self, batch_size: int) -> Arm:
         b = self.bucket(batch_size)
         arms = self.eligible(batch_size)
-        untried = [a for a in arms if not self._rewards[b][a]]
+        here = [self._rewards[b][a].get(batch_size) for a in arms]  # each arm's rewards at this batch size
+        untried = [a for a, r in zip(arms, here) if not r]
         if untried:
             arm = untried[0]
             self._explored[b] += 1
@@ -115,7 +124,8 @@ class BucketedEpsilonGreedy:
             arm = self._rng.choice(arms)
             self._explored[b] += 1
         else:
-            arm = max(arms, key=lambda a: statistics.median(self._rewards[b][a]))  # ties: first in list
+            medians = [statistics.median(r) for r in here]
+            arm = arms[medians.index(max(medians))]  # ties: first in list
             self._exploited[b] += 1
         self._chosen[b][arm] += 1
         return arm
@@ -128,16 +138,20 @@ class BucketedEpsilonGreedy:
         if arm not in self._rewards[b]:
             raise ValueError(f"arm {arm} is not in bucket {self.label(b)} ({[str(a) for a in self.arms[b]]})")
         reward = emitted_tokens / step_seconds
-        self._rewards[b][arm].append(reward)
+        by_size = self._rewards[b][arm]
+        if batch_size not in by_size:
+            by_size[batch_size] = deque(maxlen=self.window)
+        by_size[batch_size].append(reward)
         return reward
 
     def snapshot(self) -> tuple[BucketStats, ...]:
         out = []
         for b, arms in enumerate(self.arms):
-            stats = tuple(
-                ArmStats(a.name, len(self._rewards[b][a]),
-                         statistics.median(self._rewards[b][a]) if self._rewards[b][a] else None, self._chosen[b][a])
-                for a in arms
-            )
-            out.append(BucketStats(self.label(b), stats, self._explored[b], self._exploited[b]))
+            stats = []
+            for a in arms:
+                by_size = self._rewards[b][a]
+                every = [r for rewards in by_size.values() for r in rewards]
+                stats.append(ArmStats(a.name, len(every), statistics.median(every) if every else None, self._chosen[b][a],
+                                      {size: statistics.median(r) for size, r in sorted(by_size.items())}))
+            out.append(BucketStats(self.label(b), tuple(stats), self._explored[b], self._exploited[b]))
         return tuple(out)
