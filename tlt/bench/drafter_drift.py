@@ -18,7 +18,7 @@ also sees the new lm_head; only its own layer is stale. The figure of merit is t
 online / frozen after the last update (target >= 1.15 at 10 updates).
 
 `--overhead` measures the other half: rollout wall time of long-tail batches on a real rollout
-server (2 replicas) with and without `tlt drafter serve --workers 2` running (interleaved rounds).
+server (2 replicas) with `tlt drafter serve --workers 2` stopped or running, in pairs of adjacent rounds.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=6, help="chain depth of the acceptance simulation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overhead", action="store_true", help="measure rollout wall-time overhead instead")
-    parser.add_argument("--rounds", type=int, default=6, help="--overhead: rounds per arm (interleaved)")
+    parser.add_argument("--rounds", type=int, default=10, help="--overhead: pairs of rounds (one without, one with the drafter service)")
     parser.add_argument("--out", default="", help="write the figures as JSON here")
 
 

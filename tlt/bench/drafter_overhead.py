@@ -1,20 +1,32 @@
 """Rollout wall-time overhead of the drafter service (`tlt bench drafter-drift --overhead`).
 
     rollout server (2 replica processes, capacity events + feature push on) on 127.0.0.1
-    rounds of a long-tail greedy batch, timed:  A (no drafter service) x N
-                                                B (`tlt drafter serve --workers 2` running) x N
-                                                A again x N   (ABA, so machine drift cancels)
-    overhead = median(B) / median(A1 + A2) - 1
+    `tlt drafter serve --workers 2` started once, in its own process group
+    --rounds R pairs of timed rounds of a long-tail greedy batch, each pair A then B or B then A
+    (alternating, so a steady drift of the machine's speed cancels within the pairs):
+        A: the drafter service is stopped (SIGSTOP to its process group: it takes no CPU at all,
+           as if it were not running) during the idle gap before the round and during the round
+        B: it runs (SIGCONT): its workers train in the idle gap before the round (the replicas are
+           IDLE, as in the trainer's phase of an RL step), are preempted when the round makes the
+           replicas BUSY, and the coordinator ingests the round's features
+    overhead = median over pairs of (B / A) - 1, with the order-statistic 95% interval of that median
 
-Between rounds the replicas sit idle for `gap` seconds (the trainer's phase), when the workers
-train. The engine runs without speculative decoding here and the coordinator never publishes
-(publish_margin is huge): this isolates the cost of training in idle windows, the feature
-stream and the capacity events on the rollout.
+Pairs of adjacent rounds measure the difference B - A where it is: rounds a few seconds apart on
+the same server, the same processes and the same memory. The earlier design (A x N, then B x N,
+then A x N, with the service started and stopped between the phases) could not resolve 2%: its two
+A phases differed by 10% from each other.
+
+Each round: `gap` seconds idle, then the batch (max_tokens 8 x 48 and 96, 192, 320, 480, eos
+ignored, greedy). The engine runs the rollout config's default SD; the coordinator never publishes
+(publish_margin is huge), which isolates the cost of training in idle windows, the feature stream
+and the capacity events on the rollout. The report also gives how many windows and micro-steps the
+workers trained (read from the drafter's GetStatus), so a B arm that trained nothing shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 LONG_TAIL = [48] * 8 + [96, 192, 320, 480]
 
@@ -37,9 +49,25 @@ def _round(client, tag: int) -> float:  # noqa: ANN001
     return time.perf_counter() - t0
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free interval for the median of `values`: the order statistics x_(k) and x_(n+1-k)
+    with the largest k such that P(Binomial(n, 1/2) < k) <= (1 - level) / 2. None when n is too small
+    for any such interval (n < 6 at 95%)."""
+    xs, n = sorted(values), len(values)
+    tail, k, cdf = (1 - level) / 2, 0, 0.0
+    while k < n:
+        nxt = cdf + math.comb(n, k) / 2**n  # P(Bin <= k) = P(Bin < k + 1)
+        if nxt > tail:
+            break
+        cdf, k = nxt, k + 1
+    return None if k == 0 else (xs[k - 1], xs[n - k])
+
+
 def measure_overhead(args: argparse.Namespace) -> int:
     import asyncio
     import json
+    import os
+    import signal
     import socket
     import statistics
     import subprocess
@@ -49,11 +77,17 @@ def measure_overhead(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    import grpc
+
     from tlt.services.rollout.client import RolloutClient
     from tlt.services.rollout.config import RolloutConfig
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.server import RolloutServer
+    from tlt.v1 import drafter_pb2, drafter_pb2_grpc
 
+    if args.rounds < 6:
+        print(f"error: --overhead needs --rounds >= 6 pairs for a 95% interval, got {args.rounds}", file=sys.stderr)
+        return 2
     tmp = Path(tempfile.mkdtemp(prefix="tlt-overhead-"))
     model_dir = args.model
     if not model_dir:
@@ -73,13 +107,9 @@ def measure_overhead(args: argparse.Namespace) -> int:
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(300)
     client = RolloutClient(f"127.0.0.1:{server.grpc_port}", timeout_s=300)
     gap = 3.0
-    times: dict[str, list[float]] = {"A1": [], "B": [], "A2": []}
-    proc = None
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    proc, status = None, None
     try:
-        _round(client, 0)  # warm-up
-        for r in range(args.rounds):
-            times["A1"].append(_round(client, r))
-            time.sleep(gap)
         ready = tmp / "drafter.json"
         sets = {"capacity_pub": server.capacity.pub_endpoint, "capacity_snapshot": server.capacity.snapshot_endpoint,
                 "features_bind": f"tcp://127.0.0.1:{feat_port}", "coordinator_bind": "tcp://127.0.0.1:*",
@@ -88,32 +118,41 @@ def measure_overhead(args: argparse.Namespace) -> int:
         proc = subprocess.Popen([sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", model_dir,
                                  "--workers", "2", "--ready-file", str(ready),
                                  *[f"--set={k}={v}" for k, v in sets.items()]],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         while not ready.exists():
             assert proc.poll() is None, "drafter serve exited"
             time.sleep(0.2)
-        time.sleep(15)  # workers up and joined
+        status_port = json.loads(ready.read_text())["status_port"]
+        _round(client, 0)  # warm-up: the engine, and features for the workers' buffer
+        time.sleep(15)  # workers up, joined, and trained once
+        tag = 1
         for r in range(args.rounds):
-            times["B"].append(_round(client, 100 + r))
-            time.sleep(gap)
-        proc.terminate()
-        proc.wait(60)
-        proc = None
-        time.sleep(2)
-        for r in range(args.rounds):
-            times["A2"].append(_round(client, 200 + r))
-            time.sleep(gap)
+            for arm in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                os.killpg(proc.pid, signal.SIGSTOP if arm == "A" else signal.SIGCONT)
+                time.sleep(gap)  # the idle gap before the round: B's workers train in it
+                times[arm].append(_round(client, tag))
+                tag += 1
+        os.killpg(proc.pid, signal.SIGCONT)
+        with grpc.insecure_channel(f"127.0.0.1:{status_port}") as ch:
+            status = drafter_pb2_grpc.DrafterStub(ch).GetStatus(drafter_pb2.DrafterStatusRequest(), timeout=30)
     finally:
         if proc is not None:
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
             proc.terminate()
             proc.wait(60)
         client.close()
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
-    base = statistics.median(times["A1"] + times["A2"])
-    with_drafter = statistics.median(times["B"])
-    res = {"rounds_per_arm": args.rounds, "median_s_without": round(base, 3), "median_s_with": round(with_drafter, 3),
-           "overhead_pct": round(100 * (with_drafter / base - 1), 2),
+    ratios = [b / a for a, b in zip(times["A"], times["B"])]
+    lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
+    res = {"pairs": args.rounds, "gap_s": gap, "model": model_dir,
+           "median_s_without": round(statistics.median(times["A"]), 3),
+           "median_s_with": round(statistics.median(times["B"]), 3),
+           "overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
+           "overhead_pct_95": [round(100 * (lo - 1), 2), round(100 * (hi - 1), 2)],
+           "training_windows": len(status.windows) if status else None,
+           "micro_steps": sum(w.micro_steps for w in status.workers) if status else None,
+           "preemptions": status.preemptions if status else None,
            "times": {k: [round(x, 3) for x in v] for k, v in times.items()}, "batch_max_tokens": LONG_TAIL}
     print(json.dumps(res, indent=2))
     if args.out:

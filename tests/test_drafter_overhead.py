@@ -1,0 +1,45 @@
+"""`tlt bench drafter-drift --overhead`: the median interval it reports, and (slow) a real run with a real
+rollout server, a real `tlt drafter serve` process group paused and resumed around paired rounds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+
+from tlt.bench import drafter_drift
+from tlt.bench.drafter_overhead import median_interval
+
+
+def test_median_interval_order_statistics():
+    xs = [float(i) for i in range(1, 11)]
+    random.Random(0).shuffle(xs)
+    # n = 10: P(Bin(10, 1/2) <= 1) = 11/1024 <= 0.025 < P(<= 2) = 56/1024 -> (x_(2), x_(9)), the textbook pair
+    assert median_interval(xs) == (2.0, 9.0)
+    assert median_interval([float(i) for i in range(6)]) == (0.0, 5.0)  # n = 6: 1/64 <= 0.025 -> (x_(1), x_(6))
+    assert median_interval([1.0] * 5) is None  # n = 5: 1/32 > 0.025, no 95% interval
+    # n = 40: k = 14 (P(Bin(40, 1/2) <= 13) = 0.0192, <= 14: 0.0403)
+    assert median_interval([float(i) for i in range(40)]) == (13.0, 26.0)
+
+
+def test_overhead_needs_enough_pairs(capsys):
+    parser = argparse.ArgumentParser()
+    drafter_drift.add_arguments(parser)
+    assert drafter_drift.run(parser.parse_args(["--overhead", "--rounds", "5"])) == 2
+    assert "--rounds >= 6" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_overhead_pairs_rounds_and_the_service_trains_between_them(tmp_path):
+    parser = argparse.ArgumentParser()
+    drafter_drift.add_arguments(parser)
+    out = tmp_path / "overhead.json"
+    rc = drafter_drift.run(parser.parse_args(["--overhead", "--rounds", "6", "--out", str(out)]))
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["pairs"] == 6
+    assert len(res["times"]["A"]) == len(res["times"]["B"]) == 6
+    lo, hi = res["overhead_pct_95"]
+    assert lo <= res["overhead_pct"] <= hi
+    assert res["training_windows"] > 0 and res["micro_steps"] > 0  # the B arm really trained
