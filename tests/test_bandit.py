@@ -108,3 +108,20 @@ def test_arms_are_compared_at_the_batch_size_they_run_at():
     stats = {s.arm: s for s in bandit.snapshot()[1].arms}
     assert stats[A.name].median_by_batch[4] == 400.0 and stats[A.name].median_by_batch[2] == 200.0
     assert stats[C.name].samples == 3 and stats[C.name].median_by_batch == {2: 120.0, 3: 180.0, 4: 240.0}
+
+
+def test_window_median_matches_statistics_median():
+    import random
+    import statistics
+    from collections import deque
+
+    from tlt.services.rollout.spec.bandit import _Window
+
+    rng = random.Random(1)
+    for size in (1, 2, 5, 300):
+        w, ref = _Window(size), deque(maxlen=size)
+        for _ in range(3 * size + 7):
+            x = rng.choice([rng.random(), 0.5, float(rng.randint(0, 3))])  # ties too
+            w.add(x)
+            ref.append(x)
+            assert len(w) == len(ref) and w.median() == statistics.median(ref)
