@@ -154,6 +154,37 @@ def test_health_and_metrics(server):
     assert 'rollout_replica_alive{replica="0"} 1.0' in m.text
 
 
+def _metric(text: str, name: str, **labels: str) -> list[float]:
+    """Values of the samples of `name` whose labels include `labels`."""
+    import re
+
+    out = []
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+            out.append(float(match.group(2)))
+    return out
+
+
+def test_speculative_decoding_decisions_are_metrics(client, server):
+    """A long greedy request runs the default adaptive n-gram SD (past the 10-step hysteresis): its verify
+    steps, accept length, arms and the bandit's per-bucket choices are on /metrics."""
+    client.completions.create(model=server.model_name, prompt="5+5=", max_tokens=48, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics").text
+    verify = _metric(text, "rollout_spec_verify_steps", replica="0")
+    plain = _metric(text, "rollout_spec_plain_steps", replica="0")
+    assert verify[0] > 0 and plain[0] > 0  # the hysteresis' plain steps came first
+    assert _metric(text, "rollout_spec_mean_accept_len", replica="0")[0] >= 1.0
+    assert _metric(text, "rollout_spec_last_step_seconds", replica="0")[0] > 0
+    assert sum(_metric(text, "rollout_spec_arm_verify_steps", replica="0")) == verify[0]
+    explored = sum(_metric(text, "rollout_spec_bandit_choices", replica="0", kind="explored"))
+    exploited = sum(_metric(text, "rollout_spec_bandit_choices", replica="0", kind="exploited"))
+    assert explored >= 1 and explored + exploited == verify[0]  # one bandit choice per verify step
+    assert sum(_metric(text, "rollout_spec_bandit_chosen", replica="0")) == verify[0]
+    assert _metric(text, "rollout_spec_bandit_median_reward", replica="0")  # tokens/s of the arms tried
+
+
 def test_text_stream_equals_full_decode(model_dir):
     """Windowed incremental detokenisation sends exactly the full decode, for random token runs."""
     import random

@@ -51,6 +51,7 @@ from tlt.services.rollout.openai_schema import (
     Usage,
 )
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError
+from tlt.services.rollout.spec_metrics import SpecMetrics
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest, SamplingParams, StepOutput
 
 
@@ -110,6 +111,7 @@ class OpenAIServer:
         self.m_alive = metrics.gauge("replica_alive", "1 when the replica process is serving", ("replica",))
         self.m_rejected = metrics.counter("rejected_total", "requests and weight pushes refused, by reason",
                                           ("reason",))
+        self.m_spec = SpecMetrics(metrics)
         self.api_key = resolve_api_key(config.api_key)
         self.app = self._build()
 
@@ -158,6 +160,7 @@ class OpenAIServer:
                 self.m_running.labels(r).set(s.stats.running)
                 self.m_queued.labels(r).set(s.stats.queued)
                 self.m_kv.labels(r).set(s.stats.kv_usage)
+                self.m_spec.update(s.replica_id, s.stats.spec)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def models(self) -> ModelList:

@@ -97,6 +97,8 @@ class SpecDecoder:
             self.source = NgramSource(config.ngram_min, config.ngram_max)
         self._spare_gen = torch.Generator().manual_seed(config.seed)  # uniforms for greedy rows (unused)
         self.verify_steps = 0
+        self.plain_steps = 0  # engine steps run without speculation while attached (prefill included)
+        self.last_step_seconds = 0.0  # wall time of the last verify step, the whole engine step when closed by finish_step
         self.seq_steps = 0
         self.emitted_tokens = 0
         self.drafted_tokens = 0
@@ -205,8 +207,8 @@ class SpecDecoder:
         a_st["verify_steps"] += 1
         a_st["seq_steps"] += len(seqs)
         a_st["emitted"] += emitted
-        if self.config.mode == "adaptive":  # rewarded in finish_step, over the whole engine step
-            self._pending = (len(seqs), arm, emitted, t0)
+        self._pending = (len(seqs), arm, emitted, t0)  # timed (and, adaptive, rewarded) in finish_step
+        self.last_step_seconds = time.perf_counter() - t0
         return out
 
     def finish_step(self, step_start: float | None = None) -> None:
@@ -218,7 +220,9 @@ class SpecDecoder:
             return
         batch, arm, emitted, t0 = self._pending
         self._pending = None
-        self.bandit.record(batch, arm, emitted, time.perf_counter() - (t0 if step_start is None else step_start))
+        self.last_step_seconds = time.perf_counter() - (t0 if step_start is None else step_start)
+        if self.config.mode == "adaptive":
+            self.bandit.record(batch, arm, emitted, self.last_step_seconds)
 
     def _reserve(self, seqs: list[Sequence], n_nodes: list[int]) -> bool:
         """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out."""
@@ -237,6 +241,7 @@ class SpecDecoder:
         target feature that produced it. Keeps the learned drafter warm while SD is off, so switching
         on needs neither a target re-prefill nor a cold step (only pairs are buffered, at most
         `EagleSource.max_pending` per sequence, and only while the batch is within 4x the threshold)."""
+        self.plain_steps += 1
         if not isinstance(self.source, EagleSource) or self.config.mode == "off":
             return
         if len(seqs) > 4 * self.config.threshold:
@@ -263,9 +268,12 @@ class SpecDecoder:
 
     def stats(self) -> dict:
         return {
+            "mode": self.config.mode,
             "on": self.switch.on,
             "switches": self.switch.switches,
             "verify_steps": self.verify_steps,
+            "plain_steps": self.plain_steps,
+            "last_step_seconds": self.last_step_seconds,
             "emitted_tokens": self.emitted_tokens,
             "mean_accept_len": self.emitted_tokens / max(1, self.seq_steps),  # tokens per sequence per verify
             "drafted_tokens": self.drafted_tokens,
@@ -275,4 +283,10 @@ class SpecDecoder:
             "cold_starts": getattr(self.source, "cold_starts", 0),
             # per arm: verify steps chosen, sequence-steps, tokens emitted (accept length = emitted / seq_steps)
             "arms": {k: dict(v) for k, v in self.arm_stats.items()},
+            # adaptive: per bandit bucket, how often it explored / exploited and each arm's data
+            "bandit": [] if self.config.mode != "adaptive" else [
+                {"bucket": b.label, "explored": b.explored, "exploited": b.exploited,
+                 "arms": [{"arm": a.arm, "samples": a.samples, "median_reward": a.median_reward, "chosen": a.chosen}
+                          for a in b.arms]}
+                for b in self.bandit.snapshot()],
         }

@@ -1,0 +1,57 @@
+"""Prometheus view of each replica's speculative decoding (GET /metrics, namespace `rollout`).
+
+Every decision the adaptive engine takes is visible here, per replica: whether SD is on, how many
+verify and plain steps ran, the last verify step's wall time, the accept length, and per arm how
+often it was chosen and the tokens per sequence it kept; with the adaptive mode, the bandit's view
+per batch-size bucket (explored / exploited choices, each arm's median reward in tokens/s). The
+values are read from the replicas' stats at scrape time (the engine keeps the running counts), so
+the counts are gauges of monotone totals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tlt.services.common.metrics import Metrics
+
+
+class SpecMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        r = ("replica",)
+        self.active = metrics.gauge("spec_active", "1 while speculative decoding is on (running batch <= threshold)", r)
+        self.switches = metrics.gauge("spec_switches", "times SD was switched on or off", r)
+        self.verify = metrics.gauge("spec_verify_steps", "engine steps run as one draft + verify pass", r)
+        self.plain = metrics.gauge("spec_plain_steps", "engine steps run without speculation (prefill included)", r)
+        self.step = metrics.gauge("spec_last_step_seconds", "wall time of the last verify step (the whole engine step)", r)
+        self.accept = metrics.gauge("spec_mean_accept_len", "tokens per sequence per verify step (bonus included)", r)
+        self.arm_steps = metrics.gauge("spec_arm_verify_steps", "verify steps run with each arm", ("replica", "arm"))
+        self.arm_accept = metrics.gauge("spec_arm_accept_len", "tokens per sequence per verify step, by arm",
+                                        ("replica", "arm"))
+        self.bucket_choices = metrics.gauge("spec_bandit_choices", "bandit choices per batch-size bucket, by kind",
+                                            ("replica", "bucket", "kind"))
+        self.arm_reward = metrics.gauge("spec_bandit_median_reward", "median reward (tokens/s) of an arm in a bucket",
+                                        ("replica", "bucket", "arm"))
+        self.arm_chosen = metrics.gauge("spec_bandit_chosen", "times the bandit chose an arm in a bucket",
+                                        ("replica", "bucket", "arm"))
+
+    def update(self, replica_id: int, spec: dict[str, Any]) -> None:
+        """Set the gauges of one replica from its engine's spec stats (empty: no decoder attached)."""
+        if not spec:
+            return
+        r = str(replica_id)
+        self.active.labels(r).set(1 if spec.get("on") else 0)
+        self.switches.labels(r).set(spec.get("switches", 0))
+        self.verify.labels(r).set(spec.get("verify_steps", 0))
+        self.plain.labels(r).set(spec.get("plain_steps", 0))
+        self.step.labels(r).set(spec.get("last_step_seconds", 0.0))
+        self.accept.labels(r).set(spec.get("mean_accept_len", 0.0))
+        for name, a in spec.get("arms", {}).items():
+            self.arm_steps.labels(r, name).set(a["verify_steps"])
+            self.arm_accept.labels(r, name).set(a["emitted"] / a["seq_steps"] if a["seq_steps"] else 0.0)
+        for b in spec.get("bandit", []):
+            self.bucket_choices.labels(r, b["bucket"], "explored").set(b["explored"])
+            self.bucket_choices.labels(r, b["bucket"], "exploited").set(b["exploited"])
+            for a in b["arms"]:
+                self.arm_chosen.labels(r, b["bucket"], a["arm"]).set(a["chosen"])
+                if a["median_reward"] is not None:
+                    self.arm_reward.labels(r, b["bucket"], a["arm"]).set(a["median_reward"])
