@@ -438,3 +438,29 @@ def test_bandit_reward_is_tokens_per_whole_engine_step(ckpt, monkeypatch):
     _spec_generate(eng, dec, _requests(2, 1, 20))
     assert len(records) == dec.stats()["verify_steps"] > 3
     assert all(s >= 0.03 for _, s in records), records
+
+
+def test_plain_arm_lets_the_bandit_stop_speculating_when_drafts_do_not_pay(ckpt):
+    """A drafter that is never right (random weights: the stale-drafter failure of TLT.md section 8) makes
+    every verify step slower than a plain one for ~1 token per sequence. With the "plain" arm among its
+    arms the bandit measures not speculating like any other arm and settles on it; output stays identical."""
+    reqs = lambda: _requests(3, 2, 60)  # noqa: E731
+    plain = _engine(ckpt).generate(reqs())
+    eng = _engine(ckpt, blocks=128)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    cfg = SpecConfig(drafter="learned", drafter_path="(in memory)",
+                     **dict(SPEC, bucket_arms=(("plain", "6_1_7"), ("plain", "6_1_7"))))
+    dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
+    spec = _spec_generate(eng, dec, reqs())
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    st = dec.stats()
+    assert st["mean_accept_len"] < 1.5, st  # the drafts are (almost) never accepted
+    arms = st["arms"]
+    assert arms["plain"]["emitted"] == arms["plain"]["seq_steps"]  # one token per sequence per plain step
+    assert st["verify_steps"] == arms["6_1_7"]["verify_steps"]  # plain-arm steps are not verify steps
+    buckets = [b for b in st["bandit"] if sum(a["chosen"] for a in b["arms"]) > 20]
+    assert buckets
+    for b in buckets:  # measured as slower, the 7-token verify step is left to epsilon exploration
+        by_arm = {a["arm"]: a for a in b["arms"]}
+        assert by_arm["plain"]["samples"] > 0 and by_arm["plain"]["chosen"] > 2 * by_arm["6_1_7"]["chosen"], b

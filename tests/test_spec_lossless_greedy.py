@@ -90,14 +90,17 @@ def _configs():
     for drafter in ("ngram", "learned"):
         for i, arm in enumerate([*ARMS, None]):
             out.append((drafter, "adaptive" if arm is None else "static", arm, (1, 7, 64)[i % 3]))
+        out.append((drafter, "adaptive+plain", None, 7))  # the bandit may also choose not to speculate
     return out
 
 
 @pytest.mark.parametrize("drafter_kind,mode,arm,batch", _configs())
 def test_greedy_identical_with_speculation(ckpt, reference, drafter, drafter_kind, mode, arm, batch):
     eng = _engine(ckpt, batch)
-    spec = SpecConfig(mode=mode, static_arm=arm or "8_4_16", threshold=64, hysteresis_steps=1, drafter=drafter_kind,
-                      drafter_path="(in memory)" if drafter_kind == "learned" else "", epsilon=0.3)
+    arms = {} if mode != "adaptive+plain" else {"bucket_arms": tuple((*b, "plain") for b in SpecConfig().bucket_arms)}
+    spec = SpecConfig(mode=mode.removesuffix("+plain"), static_arm=arm or "8_4_16", threshold=64, hysteresis_steps=1,
+                      drafter=drafter_kind, drafter_path="(in memory)" if drafter_kind == "learned" else "",
+                      epsilon=0.3, **arms)
     if drafter_kind == "learned":
         drafter.set_shared(eng.model.embed, eng.model.lm_head)
     eng.enable_spec(spec, drafter if drafter_kind == "learned" else None)
@@ -107,8 +110,10 @@ def test_greedy_identical_with_speculation(ckpt, reference, drafter, drafter_kin
     assert not wrong, f"{len(wrong)} of {N_PROMPTS} requests differ from plain greedy, e.g. {wrong[:3]}"
     st = eng.stats().spec
     assert st["verify_steps"] > 0 and st["mean_accept_len"] > 1.05, st  # speculation ran and drafts were accepted
-    if mode == "adaptive":
+    if mode.startswith("adaptive"):
         assert len(st["arms"]) > 1, st["arms"]  # the bandit explored
+    if mode == "adaptive+plain":
+        assert st["arms"]["plain"]["verify_steps"] > 0, st["arms"]  # some steps decoded plainly between verify steps
 
 
 

@@ -25,6 +25,10 @@ def test_arm_parse_and_validate():
         Arm.parse("3_1_1")
     with pytest.raises(ValueError, match=">= 1"):
         Arm.parse("0_4_8")
+    plain = Arm.parse("plain")  # no drafts: the bandit's arm for not speculating
+    assert plain.is_plain and plain.name == "plain" and Arm.parse(plain.name) == plain
+    assert not arm.is_plain and plain.draft_tokens == 1
+    assert Arm.parse("0_0_1") == plain  # the same arm by its numbers
 
 
 def _hand_expand(step, beam, beam_tokens):

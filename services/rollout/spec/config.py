@@ -35,7 +35,9 @@ class SpecConfig(ServiceConfig):
         DEFAULT_THRESHOLDS, description="ascending batch sizes where bandit buckets start (1,2,5,21 -> 1, 2-4, 5-20, >=21)"
     )
     bucket_arms: tuple[tuple[str, ...], ...] = Field(
-        DEFAULT_BUCKET_ARMS, description="one list of arms steps_topk_drafttokens per bucket, larger trees for smaller batches"
+        DEFAULT_BUCKET_ARMS, description="one list of arms steps_topk_drafttokens per bucket, larger trees for smaller "
+        "batches; \"plain\" is the arm that does not speculate (the bandit measures it like the others, so SD that "
+        "does not pay, e.g. with a stale drafter, is left)"
     )
     static_arm: str = Field("8_4_16", description="the arm used in static mode")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="bandit exploration probability")

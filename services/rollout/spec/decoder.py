@@ -26,6 +26,7 @@ Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` 
         decoder.finish_step(step_start)          # the bandit's reward: tokens / whole step time
     else:
         out = runner.run(batch); ...; emit       # plain step, then decoder.observe_plain(seqs, hidden)
+        decoder.finish_step(step_start)          # rewards the "plain" arm when the bandit chose it
     on finish / abort / preemption: decoder.release(seq)
 """
 
@@ -122,12 +123,20 @@ class SpecDecoder:
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[SpecEmission] | None:
+        """One draft + verify step of `seqs`, or None: the engine decodes this step plainly (the arm is
+        "plain", or the KV cache has no room for the drafts) and then calls `finish_step` as after a
+        verify step."""
         self.finish_step()  # a previous step's reward the caller did not close
         t0 = time.perf_counter()
         for s in seqs:
             if s.num_computed != s.num_tokens - 1:
                 raise ValueError(f"{s} is not in decode state (num_computed must be num_tokens - 1)")
         arm = self.choose_arm(len(seqs))
+        if arm.is_plain:  # the bandit chose not to speculate: the engine decodes this step plainly
+            self._pending = (len(seqs), arm, len(seqs), t0)  # one token per sequence, rewarded in finish_step
+            self._count_arm(arm, len(seqs), len(seqs))
+            self.last_arm = arm
+            return None
         if isinstance(self.source, EagleSource):  # sampled chains when every sequence samples (see SpecConfig)
             sample = (self.config.chain_sampling and arm.topk == 1
                       and all(s.params.temperature > 0 and s.generator is not None for s in seqs))
@@ -203,13 +212,16 @@ class SpecDecoder:
         self.emitted_tokens += emitted
         self.drafted_tokens += int(counts.sum()) - len(seqs)
         self.last_arm = arm
-        a_st = self.arm_stats.setdefault(arm.name, {"verify_steps": 0, "seq_steps": 0, "emitted": 0})
-        a_st["verify_steps"] += 1
-        a_st["seq_steps"] += len(seqs)
-        a_st["emitted"] += emitted
+        self._count_arm(arm, len(seqs), emitted)
         self._pending = (len(seqs), arm, emitted, t0)  # timed (and, adaptive, rewarded) in finish_step
         self.last_step_seconds = time.perf_counter() - t0
         return out
+
+    def _count_arm(self, arm: Arm, seqs: int, emitted: int) -> None:
+        a_st = self.arm_stats.setdefault(arm.name, {"verify_steps": 0, "seq_steps": 0, "emitted": 0})
+        a_st["verify_steps"] += 1  # steps run with the arm (for "plain": steps the bandit chose not to speculate)
+        a_st["seq_steps"] += seqs
+        a_st["emitted"] += emitted
 
     def finish_step(self, step_start: float | None = None) -> None:
         """The engine step that ran `decode` is over (its tokens emitted): reward the arm with its tokens

@@ -8,7 +8,9 @@ with the highest cumulative log-probability are kept, plus the root, and sent
 to the target for verification. Because a child's cumulative log-probability
 never exceeds its parent's, and ties are broken towards the shallower (earlier)
 candidate, the kept set is always a connected tree containing the root.
-topk = 1 is a chain of `steps` drafts (draft_tokens = steps + 1).
+topk = 1 is a chain of `steps` drafts (draft_tokens = steps + 1). The arm "plain" (steps 0) drafts
+nothing: the step decodes plainly, so that an adaptive bandit can choose not to speculate where
+drafting does not pay (a stale drafter, a compute-bound batch) and measure that choice like any other.
 
 Node 0 is the root: the last verified token, which the target has not consumed
 yet. Nodes are ordered so that every parent precedes its children. A batch of
@@ -24,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 
+PLAIN = "plain"
+
+
 @dataclass(frozen=True, order=True)
 class Arm:
     """One speculative shape: `steps` levels, `topk` children per expanded node, `draft_tokens` verified."""
@@ -34,16 +39,23 @@ class Arm:
 
     @classmethod
     def parse(cls, text: str) -> Arm:
+        if text.strip() == PLAIN:
+            return cls(0, 0, 1)
         parts = text.strip().split("_")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"arm {text!r} must look like steps_topk_drafttokens, e.g. 8_4_48")
+            raise ValueError(f"arm {text!r} must look like steps_topk_drafttokens, e.g. 8_4_48, or be {PLAIN!r}")
         arm = cls(int(parts[0]), int(parts[1]), int(parts[2]))
         arm.validate()
         return arm
 
     @property
+    def is_plain(self) -> bool:
+        """No drafts: the step decodes plainly (the bandit's way of not speculating)."""
+        return (self.steps, self.topk, self.draft_tokens) == (0, 0, 1)
+
+    @property
     def name(self) -> str:
-        return f"{self.steps}_{self.topk}_{self.draft_tokens}"
+        return PLAIN if self.is_plain else f"{self.steps}_{self.topk}_{self.draft_tokens}"
 
     def __str__(self) -> str:
         return self.name
@@ -54,6 +66,8 @@ class Arm:
         return 1 + self.topk + (self.steps - 1) * self.topk * self.topk
 
     def validate(self) -> None:
+        if self.is_plain:
+            return
         if self.steps < 1 or self.topk < 1:
             raise ValueError(f"arm {self.name}: steps and topk must be >= 1")
         if self.draft_tokens < 2:
