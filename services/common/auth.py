@@ -1,7 +1,8 @@
 """Control-plane auth, the OpenAI API key and loopback checks, shared by every server.
 
-Control plane = any call that changes a server's state (today: `tlt.v1.Rollout/
-UpdateWeights`, for policy and drafter weights). The rule, applied by
+Control plane = any call that changes a server's state or hands out its weights
+(today: `tlt.v1.Rollout/UpdateWeights`, for policy and drafter weights, and
+`tlt.v1.Rollout/GetWeights`). The rule, applied by
 `ControlAuth.check` (constant-time comparison):
 
     token configured (TLT_AUTH_TOKEN, TLT_AUTH_TOKEN_FILE or the config's control_token)
@@ -33,8 +34,8 @@ TOKEN_ENV = "TLT_AUTH_TOKEN"
 TOKEN_FILE_ENV = "TLT_AUTH_TOKEN_FILE"
 API_KEY_ENV = "TLT_API_KEY"
 
-# Full gRPC method names that change state; everything else is read-only or data plane.
-CONTROL_METHODS = frozenset({"/tlt.v1.Rollout/UpdateWeights"})
+# Full gRPC method names that change state or read weights; everything else is read-only or data plane.
+CONTROL_METHODS = frozenset({"/tlt.v1.Rollout/UpdateWeights", "/tlt.v1.Rollout/GetWeights"})
 
 
 class AuthConfigError(ValueError):

@@ -4,6 +4,7 @@
                --iter_chunks------> WeightChunk stream (manifest first, then data)   [gRPC UpdateWeights]
                --assemble---------> (WeightManifest, payload)                         [receiver]
                --unpack-----------> dict[str, Tensor], validated entirely or WeightValidationError
+    (WeightManifest, payload) --select--> the same format holding only some of its tensors  [GetWeights]
 
 The payload is the tensors' bytes, C-contiguous and little-endian, laid out
 one after another at 64-byte aligned offsets (zero padding between them);
@@ -169,6 +170,29 @@ def assemble(
             f"payload truncated: got {len(payload)} bytes, the manifest declares {manifest.total_bytes}"
         )
     return manifest, payload
+
+
+def select(manifest: WeightManifest, payload: Buffer, names: Sequence[str]) -> tuple[WeightManifest, bytearray]:
+    """The named tensors of a packed update, repacked alone (same kind and version; bytes copied as they are).
+
+    Raises KeyError naming the tensors the manifest does not have."""
+    specs = {s.name: s for s in manifest.tensors}
+    missing = [n for n in names if n not in specs]
+    if missing:
+        raise KeyError(f"tensors not in the {_enum_name(common_pb2.WeightKind, manifest.kind)} v{manifest.version} "
+                       f"weights: {missing}")
+    view = memoryview(payload)
+    out = bytearray()
+    picked: list[common_pb2.TensorSpec] = []
+    for name in dict.fromkeys(names):
+        s = specs[name]
+        offset = _aligned(len(out))
+        out += bytes(offset - len(out))
+        out += view[s.offset : s.offset + s.nbytes]
+        picked.append(common_pb2.TensorSpec(name=name, dtype=s.dtype, shape=list(s.shape), offset=offset, nbytes=s.nbytes))
+    sub = WeightManifest(kind=manifest.kind, version=manifest.version, tensors=picked, total_bytes=len(out),
+                         sha256=hashlib.sha256(out).hexdigest())
+    return sub, out
 
 
 def expected_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -4,6 +4,7 @@
     for c in client.batch_generate(["1+2=", "3*4="], n=4, params=SamplingParamsMsg(max_tokens=64)):
         ...  # one tlt.v1.Completion per sequence, in finishing order, stamped with versions
     client.update_weights(model.state_dict(), kind="policy", version=3)   # raises WeightPushError if refused
+    version, tensors = client.get_weights(["lm_head.weight"])   # what the replicas serve now (control plane)
     client.status()
 
 Weights go through `services/common/weights.py` (manifest + chunks, or a
@@ -79,10 +80,12 @@ class RolloutClient:
     def status(self) -> rollout_pb2.RolloutStatus:
         return self.stub.GetStatus(rollout_pb2.StatusRequest(), timeout=self.timeout_s)
 
+    def _control_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", bearer(self.control_token)),) if self.control_token else None
+
     def push_chunks(self, chunks: Iterator[rollout_pb2.WeightChunk]) -> rollout_pb2.UpdateWeightsResponse:
         """Send an already-built chunk stream (tests use it to send corrupted pushes)."""
-        metadata = (("authorization", bearer(self.control_token)),) if self.control_token else None
-        return self.stub.UpdateWeights(chunks, metadata=metadata, timeout=self.timeout_s)
+        return self.stub.UpdateWeights(chunks, metadata=self._control_metadata(), timeout=self.timeout_s)
 
     def update_weights(self, tensors: Mapping[str, Any], kind: str, version: int,
                        shm: bool = False) -> rollout_pb2.UpdateWeightsResponse:
@@ -98,3 +101,14 @@ class RolloutClient:
         if not resp.ok:
             raise WeightPushError(resp.error)
         return resp
+
+    def get_weights(self, names: Sequence[str], kind: str = "policy") -> tuple[int, dict[str, Any]]:
+        """The named tensors of the policy the replicas serve now and its version (0: the start checkpoint).
+
+        Raises grpc.RpcError: UNAUTHENTICATED without the control token, NOT_FOUND for an unknown name."""
+        from tlt.services.common.weights import assemble, unpack
+
+        req = rollout_pb2.GetWeightsRequest(kind=_KINDS[kind], names=list(names))
+        chunks = self.stub.GetWeights(req, metadata=self._control_metadata(), timeout=self.timeout_s)
+        manifest, payload = assemble(chunks)
+        return manifest.version, unpack(manifest, payload)

@@ -5,6 +5,9 @@
     Generate:      one prompt x n -> all completions at once
     UpdateWeights: manifest + chunks -> assemble -> validate (checksum, sizes, names, shapes, dtypes vs the
                    engine's expected_weights) -> every replica applies it between two engine steps
+    GetWeights:    names -> those tensors of the policy the replicas serve (the latest applied push, or the
+                   start checkpoint as version 0) as manifest + chunks; the drafter service fetches the
+                   target's embedding and lm_head with it after a policy update
     GetStatus:     per replica: state, running, queued, KV use, versions, SD status, alive
 
 Weight swaps and in-flight requests: requests are NOT paused, aborted or
@@ -20,7 +23,7 @@ phases, when nothing is in flight, so its completions never straddle.
 
 Invalid requests get INVALID_ARGUMENT with the reason; a bad weight push
 answers ok=false with the reason and changes nothing; a missing or wrong
-control token on UpdateWeights gets UNAUTHENTICATED (policy: services/common/
+control token on UpdateWeights or GetWeights gets UNAUTHENTICATED (policy: services/common/
 auth.py). Every refusal counts in rollout_rejected_total{reason}.
 """
 
@@ -249,6 +252,28 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             ok=True, kind=manifest.kind, version=v.policy if kind == "policy" else v.drafter,
             apply_seconds=result["seconds"], replicas=result["replicas"])
 
+    async def GetWeights(self, request: rollout_pb2.GetWeightsRequest, context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[rollout_pb2.WeightChunk]:
+        from tlt.services.common.weights import iter_chunks
+
+        why = self.auth.check(context.invocation_metadata())
+        if why is not None:
+            self._reject("unauthenticated")
+            log.warning("control_call_refused", method="GetWeights", reason=why)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"GetWeights: {why}")
+        if request.kind != common_pb2.WEIGHT_KIND_POLICY or not request.names:
+            self._reject("invalid_request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "GetWeights serves kind=WEIGHT_KIND_POLICY and needs at least one tensor name")
+        latest, version = self.pool.latest_push("policy"), self.pool.versions.policy  # together, on the loop
+        names = list(dict.fromkeys(request.names))
+        try:  # copying ~1 GB and hashing it takes a while: off the event loop
+            manifest, payload = await asyncio.to_thread(policy_weights, self.pool.model_dir, latest, version, names)
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        for chunk in iter_chunks(manifest, payload):
+            yield chunk
+
     async def GetStatus(self, request: rollout_pb2.StatusRequest, context: grpc.aio.ServicerContext
                         ) -> rollout_pb2.RolloutStatus:
         status = rollout_pb2.RolloutStatus(
@@ -265,6 +290,24 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             r.versions.policy, r.versions.drafter = s.stats.versions.policy, s.stats.versions.drafter
             r.spec.CopyFrom(spec_status(s.stats.spec, self.config.spec.mode if self.config.backend == "native" else ""))
         return status
+
+
+def policy_weights(model_dir: str, latest: tuple[int, bytes, bytes] | None, start_version: int,
+                   names: list[str]) -> tuple[rollout_pb2.WeightManifest, bytearray]:
+    """The named policy tensors the replicas serve, packed: from the latest applied push `latest` (version,
+    manifest, payload), else from the checkpoint folder they started from (`start_version`). KeyError names
+    the missing ones (a push that did not carry a tensor cannot say what the replicas hold for it)."""
+    from tlt.model.loader import CheckpointError, read_tensors
+    from tlt.services.common.weights import pack_state_dict, select
+
+    if latest is not None:
+        _, blob, payload = latest
+        return select(rollout_pb2.WeightManifest.FromString(blob), payload, names)
+    try:
+        tensors = read_tensors(model_dir, names)
+    except CheckpointError as e:
+        raise KeyError(str(e)) from None
+    return pack_state_dict({n: tensors[n] for n in names}, common_pb2.WEIGHT_KIND_POLICY, start_version)
 
 
 def spec_status(sp: dict, configured_mode: str = "") -> rollout_pb2.SpecStatus:

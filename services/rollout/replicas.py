@@ -29,7 +29,7 @@ Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
 OOM, kill -9) fails its in-flight requests with ReplicaUnavailableError and
 is started again after a back-off (1 s, doubling, at most 30 s). The pool
 keeps the latest applied policy and drafter pushes (manifest + payload, in
-this process's memory); a restarted replica loads the model folder, then
+this process's memory; gRPC GetWeights reads the policy's too); a restarted replica loads the model folder, then
 gets those replayed under the update lock, and only when its versions equal
 the pool's does it take requests again. Until then it is not routed to.
 """
@@ -432,6 +432,10 @@ class ReplicaPool:
             return ReplicaSnapshot(rep.replica_id, device, rep.alive, rep.outstanding, pid, stats, error)
 
         return list(await asyncio.gather(*(one(r) for r in self.replicas)))
+
+    def latest_push(self, kind: str) -> tuple[int, bytes, bytes] | None:
+        """The latest applied push of `kind` as (version, serialized manifest, payload); None when none was."""
+        return self._latest.get(kind)
 
     async def update_weights(self, kind: str, manifest: Any, payload: bytes | bytearray, timeout_s: float) -> dict:
         """Validate then apply a push on every live replica. Returns versions and timings; raises WeightUpdateError."""

@@ -1,6 +1,7 @@
 """Load a Hugging Face checkpoint folder into (ModelConfig, tensors), with checks.
 
     load_checkpoint(dir) -> (ModelConfig, {hf_name: Tensor})
+    read_tensors(dir, names) -> {hf_name: Tensor}   (only those, e.g. the embedding and lm_head)
 
 Reads `config.json` (+ `generation_config.json` for eos ids) and the weights
 from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
@@ -14,7 +15,7 @@ the tensor, what was expected and what was found.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -128,6 +129,20 @@ def _weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def read_tensors(model_dir: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Only the named tensors of a checkpoint folder, as stored (dtype kept); CheckpointError names any missing."""
+    want = set(names)
+    found: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in want.intersection(f.keys()):
+                found[name] = f.get_tensor(name)
+    missing = sorted(want - set(found))
+    if missing:
+        raise CheckpointError(f"{model_dir} has no tensor(s) {missing}")
+    return found
 
 
 def load_checkpoint(

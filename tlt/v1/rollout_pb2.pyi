@@ -169,6 +169,14 @@ class WeightChunk(_message.Message):
     data: bytes
     def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class GetWeightsRequest(_message.Message):
+    __slots__ = ("kind", "names")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    kind: _common_pb2.WeightKind
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[_common_pb2.WeightKind, str]] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("ok", "error", "kind", "version", "apply_seconds", "replicas")
     OK_FIELD_NUMBER: _ClassVar[int]

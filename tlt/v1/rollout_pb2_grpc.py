@@ -49,6 +49,11 @@ class RolloutStub:
                 request_serializer=tlt_dot_v1_dot_rollout__pb2.WeightChunk.SerializeToString,
                 response_deserializer=tlt_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.GetWeights = channel.unary_stream(
+                '/tlt.v1.Rollout/GetWeights',
+                request_serializer=tlt_dot_v1_dot_rollout__pb2.GetWeightsRequest.SerializeToString,
+                response_deserializer=tlt_dot_v1_dot_rollout__pb2.WeightChunk.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/tlt.v1.Rollout/GetStatus',
                 request_serializer=tlt_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
@@ -82,6 +87,17 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetWeights(self, request, context):
+        """The named tensors of the policy the replicas serve: of the latest applied
+        policy push, or of the checkpoint the server started from (version 0)
+        when nothing was pushed. Same manifest + chunks format as UpdateWeights
+        (manifest.version = their policy version); NOT_FOUND names a tensor it
+        does not have. Control plane: requires the same token as UpdateWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -105,6 +121,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=tlt_dot_v1_dot_rollout__pb2.WeightChunk.FromString,
                     response_serializer=tlt_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'GetWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetWeights,
+                    request_deserializer=tlt_dot_v1_dot_rollout__pb2.GetWeightsRequest.FromString,
+                    response_serializer=tlt_dot_v1_dot_rollout__pb2.WeightChunk.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -193,6 +214,33 @@ class Rollout:
             '/tlt.v1.Rollout/UpdateWeights',
             tlt_dot_v1_dot_rollout__pb2.WeightChunk.SerializeToString,
             tlt_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tlt.v1.Rollout/GetWeights',
+            tlt_dot_v1_dot_rollout__pb2.GetWeightsRequest.SerializeToString,
+            tlt_dot_v1_dot_rollout__pb2.WeightChunk.FromString,
             options,
             channel_credentials,
             insecure,

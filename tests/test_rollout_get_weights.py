@@ -1,0 +1,75 @@
+"""gRPC `tlt.v1.Rollout/GetWeights`: the named tensors of the policy the replicas serve.
+
+Before any push it answers the start checkpoint's tensors as version 0; after a policy push, exactly
+the pushed tensors (same dtype and bits) with the pushed version. Unknown names get NOT_FOUND, a
+request without the policy kind INVALID_ARGUMENT, and a caller without the control token (none, or a
+wrong one) UNAUTHENTICATED, as for UpdateWeights. The drafter service fetches the target's
+embedding and lm_head with it (tests/test_drafter_shared.py).
+
+Real parts: the rollout server on 127.0.0.1 (one replica process, native engine), gRPC, the weight
+format of `services/common/weights.py`, a tiny random Qwen2 built in code. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import safetensors.torch
+import torch
+
+from rollout_helpers import ServerThread, tiny_checkpoint
+from tlt.services.rollout.client import RolloutClient
+from tlt.v1 import rollout_pb2
+
+TOKEN = "get-weights-token"
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("get_weights_model"))
+
+
+@pytest.fixture(scope="module")
+def original(model_dir) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+
+
+def pushed_policy(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full policy update: every tensor perturbed."""
+    g = torch.Generator().manual_seed(3)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in original.items()}
+
+
+def test_get_weights_serves_the_latest_policy_to_the_token_holder(model_dir, original, monkeypatch):
+    monkeypatch.delenv("TLT_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("TLT_AUTH_TOKEN_FILE", raising=False)
+    with ServerThread(model_dir, replicas=1, control_token=TOKEN) as s, \
+            RolloutClient(s.grpc_address, control_token=TOKEN, timeout_s=60) as client:
+        version, got = client.get_weights([EMBED, LM_HEAD])  # nothing pushed: the start checkpoint
+        assert version == 0 and sorted(got) == sorted([EMBED, LM_HEAD])
+        assert all(torch.equal(got[k], original[k]) for k in got)
+
+        new = pushed_policy(original)
+        assert client.update_weights(new, "policy", 1).ok
+        version, got = client.get_weights([LM_HEAD, EMBED])
+        assert version == 1
+        for k in (EMBED, LM_HEAD):
+            assert got[k].dtype == new[k].dtype and torch.equal(got[k], new[k]) and not torch.equal(got[k], original[k])
+        version, got = client.get_weights(["model.norm.weight"])  # any tensor of the push, alone
+        assert version == 1 and list(got) == ["model.norm.weight"] and torch.equal(got["model.norm.weight"],
+                                                                                   new["model.norm.weight"])
+
+        with pytest.raises(grpc.RpcError) as e:
+            client.get_weights([EMBED, "model.no_such.weight"])
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "model.no_such.weight" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            client.stub.GetWeights(rollout_pb2.GetWeightsRequest(names=[EMBED]), timeout=30,
+                                   metadata=(("authorization", f"Bearer {TOKEN}"),)).__next__()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # no kind
+
+        for token in ("", "wrong-token"):  # control plane: no token, a wrong token -> refused
+            with RolloutClient(s.grpc_address, control_token=token, timeout_s=30) as other:
+                with pytest.raises(grpc.RpcError) as e:
+                    other.get_weights([EMBED])
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
