@@ -4,6 +4,7 @@
     rollout --features PUSH--> coordinator PULL (features_bind)
     workers --REQ--> coordinator ROUTER (coordinator_bind)
     coordinator --gRPC UpdateWeights(kind=drafter)--> rollout (rollout_grpc)
+    coordinator, workers --gRPC GetWeights(embed, lm_head) after a policy update--> rollout (rollout_grpc)
     anyone --gRPC tlt.v1.Drafter/GetStatus--> coordinator (status_port)
 
 Defaults run on a laptop CPU on loopback with the tiny model. Training
@@ -32,8 +33,8 @@ class DrafterServiceConfig(ServiceConfig):
     coordinator_bind: str = Field(
         "tcp://127.0.0.1:5704", description="coordinator ROUTER for workers (it binds; port 0 picks a free one)"
     )
-    rollout_grpc: str = Field("127.0.0.1:50051", description="rollout gRPC address for UpdateWeights(kind=drafter)")
-    control_token: str = Field("", description="the rollout's control token for UpdateWeights; empty: none")
+    rollout_grpc: str = Field("127.0.0.1:50051", description="rollout gRPC address for UpdateWeights(kind=drafter) and GetWeights")
+    control_token: str = Field("", description="the rollout's control token for UpdateWeights and GetWeights; empty: $TLT_AUTH_TOKEN")
     host: str = Field("127.0.0.1", description="address the Drafter status gRPC server binds")
     status_port: int = Field(50071, ge=0, le=65535, description="gRPC port of tlt.v1.Drafter/GetStatus (0: free)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the coordinator; 0: none")

@@ -5,6 +5,8 @@
     candidate += delta (version + 1)  --every eval_interval_s-->  offline acceptance length on held-out
         recent data, candidate vs serving --better by publish_margin--> UpdateWeights(kind=drafter) on the
         rollout (every replica, versioned) --> serving := candidate
+    policy version of feature batches and worker messages > ours --before an evaluation--> the target's
+        embedding and lm_head fetched from the rollout (GetWeights, shared.py) for the acceptance gate
     everything --> DrafterStatus (gRPC tlt.v1.Drafter/GetStatus)
 
 Workers train asynchronously from the candidate they pulled and send back their change (a delta), so
@@ -34,7 +36,8 @@ from tlt.services.common.weights import pack_state_dict, unpack
 from tlt.services.drafter.acceptance import mean_accept_length
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.services.drafter.config import DrafterServiceConfig
-from tlt.services.drafter.training import load_state, new_drafter, own_tensors, save_atomic
+from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
+from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
 from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.coordinator")
@@ -55,7 +58,8 @@ def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
 
 class Coordinator:
     def __init__(self, config: DrafterServiceConfig, model_dir: str, features: FeatureSource | None,
-                 publish: Publish | None) -> None:
+                 publish: Publish | None, fetch_shared: Fetch | None = None) -> None:
+        """`fetch_shared`: where newer target embedding / lm_head come from (shared.rollout_fetch); None: never."""
         self.cfg = config
         self.model_dir = model_dir
         self.features = features
@@ -64,7 +68,9 @@ class Coordinator:
                                     config.long_tokens, config.holdout_every)
         self.ckpt = Path(config.checkpoint_dir) / "coordinator.pt"
         self._lock = threading.Lock()
-        self.candidate = new_drafter(model_dir, config.init_drafter, seed=0)
+        self.drafter_cfg, embed, head = target_shared(model_dir)
+        self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # --model is policy version 0
+        self.candidate = build_drafter(self.drafter_cfg, embed, head, config.init_drafter, seed=0)
         self.candidate.requires_grad_(False)
         self.candidate_version = 0
         self.serving = own_tensors(self.candidate)
@@ -170,6 +176,7 @@ class Coordinator:
             self.buffer.add_batch(batch)
             if batch.sequences:
                 self.latest_policy = max(self.latest_policy, max(s.policy_version for s in batch.sequences))
+                self.shared.see(self.latest_policy)
 
     # ---- workers
     def _serve_workers(self) -> None:
@@ -194,6 +201,8 @@ class Coordinator:
         kind = msg.WhichOneof("body")
         w = self.workers.setdefault(msg.worker_id, drafter_pb2.WorkerStatus(worker_id=msg.worker_id))
         w.replica_id, w.alive = msg.replica_id, True
+        w.shared_policy_version, w.shared_fetch_failures = msg.shared_policy_version, msg.shared_fetch_failures
+        self.shared.see(msg.shared_policy_version)  # a worker heard of a newer policy (capacity events)
         if kind == "hello":
             log.info("worker_joined", worker=msg.worker_id, replica=msg.replica_id, pid=msg.hello.pid)
             return drafter_pb2.CoordinatorMessage(status=self.status())
@@ -248,10 +257,20 @@ class Coordinator:
         while not self._stop.wait(0.2):
             if self.candidate_version > self._evaluated and time.monotonic() - self._last_eval >= self.cfg.eval_interval_s:
                 try:
+                    self.refresh_shared()
                     self.evaluate_and_publish()
                 except Exception as e:  # deliberate boundary: a failed push is reported and retried later
                     log.error("drafter_publish_failed", error=repr(e))
                 self._last_eval = time.monotonic()
+
+    def refresh_shared(self) -> bool:
+        """Fetch the policy's embedding / lm_head if a newer policy was seen (on failure keep ours); True: swapped."""
+        if not self.shared.refresh():
+            return False
+        cur = self.shared.current
+        with self._lock:
+            self.candidate.set_shared(cur.embed, cur.lm_head)  # drop the old ones (large on real models)
+        return True
 
     def evaluate_and_publish(self) -> drafter_pb2.AcceptanceRecord | None:
         """Compare candidate and serving on held-out recent data; publish the candidate when it is better."""
@@ -262,7 +281,8 @@ class Coordinator:
             version = self.candidate_version
             cand = own_tensors(self.candidate)
             serving = {k: v.clone() for k, v in self.serving.items()}
-        probe = new_drafter(self.model_dir, "", seed=0)
+        shared = self.shared.current
+        probe = build_drafter(self.drafter_cfg, shared.embed, shared.lm_head)  # the policy's lm_head, as the engine's
         probe.eval()
         probe.load_tensors(cand)
         cand_len, _ = mean_accept_length(probe, held, self.cfg.eval_depth)
@@ -302,4 +322,6 @@ class Coordinator:
                 latest_policy=common_pb2.WeightVersions(policy=self.latest_policy, drafter=self.serving_version),
                 buffer_sequences=seqs, buffer_tokens=toks,
                 features_dropped=self.buffer.sender_dropped, workers=list(self.workers.values()),
-                windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions)
+                windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions,
+                shared_policy_version=self.shared.current.policy_version,
+                shared_fetch_failures=self.shared.failures, shared_fetch_error=self.shared.last_error)

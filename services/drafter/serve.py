@@ -3,9 +3,9 @@
     tlt drafter serve --model artifacts/tiny --workers 2 [--preset cpu-tiny] [--set field=value ...]
 
 Runs the coordinator (feature PULL, worker ROUTER, gated publishing to the rollout over
-UpdateWeights(kind=drafter)), the `tlt.v1.Drafter/GetStatus` gRPC server, and starts `--workers`
-worker processes (`tlt drafter worker --replica i`, one per rollout replica i). More workers can
-join later on their own with `tlt drafter worker --coordinator ADDR --replica K`; a worker that
+UpdateWeights(kind=drafter), the target's embedding / lm_head refreshed over GetWeights), the
+`tlt.v1.Drafter/GetStatus` gRPC server, and starts `--workers` worker processes (`tlt drafter
+worker --replica i`, one per rollout replica i). More workers can join later on their own with `tlt drafter worker --coordinator ADDR --replica K`; a worker that
 exits or is killed leaves the coordinator and the other workers running. `--ready-file PATH`
 writes JSON {pid, status_port, coordinator, features, worker_pids} once serving. SIGINT/SIGTERM
 stops the workers (they end their window cleanly) and then the coordinator.
@@ -86,11 +86,14 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.common.events import FeaturePuller
     from tlt.services.common.logging import get_logger
     from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.shared import rollout_fetch
 
     log = get_logger("drafter.serve")
     cfg = build_config(args.preset, args.overrides)
     puller = FeaturePuller(cfg.features_bind)  # type: ignore[attr-defined]
-    coordinator = Coordinator(cfg, args.model, puller, rollout_publisher(cfg.rollout_grpc, cfg.control_token)).start()  # type: ignore[attr-defined, arg-type]
+    fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
+    coordinator = Coordinator(cfg, args.model, puller, rollout_publisher(cfg.rollout_grpc, cfg.control_token),  # type: ignore[attr-defined]
+                              fetch).start()  # type: ignore[arg-type]
     server, port = start_status_server(coordinator, cfg.host, cfg.status_port)  # type: ignore[attr-defined]
     exporter = coordinator.metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port else None  # type: ignore[attr-defined]
     procs = []

@@ -1,6 +1,7 @@
 """Drafter training pieces shared by the online workers, warm-up and the benchmark.
 
     target checkpoint --target_shared--> (embed, lm_head) of the policy, frozen, shared by reference
+                      (the online service keeps them at the policy's version: shared.py)
     PackedBatch --packed_pairs--> drafter forward (segment-masked) --drafter_loss--> AdamW step
 
 Optimiser: AdamW with betas (0.9, 0.95), gradient norm clipped (TLT.md section 3); optional
@@ -45,7 +46,12 @@ def target_shared(model_dir: str | Path, device: str = "cpu") -> tuple[DrafterCo
 
 def new_drafter(model_dir: str | Path, init: str = "", seed: int = 0, device: str = "cpu") -> Drafter:
     """A drafter for the target in `model_dir`: loaded from `init` when given, else seeded random."""
-    cfg, embed, head = target_shared(model_dir, device)
+    return build_drafter(*target_shared(model_dir, device), init, seed, device)
+
+
+def build_drafter(cfg: DrafterConfig, embed: torch.Tensor, head: torch.Tensor, init: str = "", seed: int = 0,
+                  device: str = "cpu") -> Drafter:
+    """A drafter sharing `embed` / `head`: loaded from `init` when given, else seeded random."""
     if init:
         return load_drafter(init, embed, head).to(device)
     with torch.random.fork_rng(devices=[]):

@@ -1,7 +1,9 @@
 """A drafter worker: trains the drafter on one replica's device, only while that replica is IDLE.
 
-    capacity events (SUB + snapshot) -> state of replica K
-    IDLE  -> open a window: load drafter (candidate from the coordinator) + optimizer (own checkpoint)
+    capacity events (SUB + snapshot) -> state of replica K, and the policy version the rollout serves
+    IDLE  -> open a window: if a newer policy was seen, fetch its embedding / lm_head from the rollout
+             (GetWeights, shared.py; on failure train on with the old ones); load drafter (candidate
+             from the coordinator, sharing them) + optimizer (own checkpoint)
              onto the device; loop { check events; batch from the coordinator; one micro-step;
              every submit_every steps: send delta, checkpoint, re-pull }
     BUSY / DRAINING (seen between two micro-steps) -> stop; copy state off the device and free it
@@ -31,6 +33,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import tensors_from, tensors_message
 from tlt.services.drafter.packing import PackedBatch
+from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.model.drafter import Drafter
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
 from tlt.v1 import common_pb2, drafter_pb2
@@ -50,13 +53,17 @@ class CoordinatorClient:
         self.endpoint, self.worker_id, self.replica_id, self.timeout_s = endpoint, worker_id, replica_id, timeout_s
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
+        self.shared_policy_version = 0  # stamped on every message: the coordinator shows them in status
+        self.shared_fetch_failures = 0
 
     def ask(self, **body: object) -> drafter_pb2.CoordinatorMessage:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.endpoint)
-        msg = drafter_pb2.WorkerMessage(worker_id=self.worker_id, replica_id=self.replica_id, **body)
+        msg = drafter_pb2.WorkerMessage(worker_id=self.worker_id, replica_id=self.replica_id,
+                                        shared_policy_version=self.shared_policy_version,
+                                        shared_fetch_failures=self.shared_fetch_failures, **body)
         self._sock.send(msg.SerializeToString())
         if not self._sock.poll(int(self.timeout_s * 1000)):
             self._sock.close()
@@ -97,7 +104,8 @@ class _Deferred:
 
 class DrafterWorker:
     def __init__(self, cfg: DrafterServiceConfig, model_dir: str, worker_id: int, replica_id: int,
-                 coordinator: str) -> None:
+                 coordinator: str, fetch_shared: Fetch | None = None) -> None:
+        """`fetch_shared`: where newer target embedding / lm_head come from (shared.rollout_fetch); None: never."""
         self.cfg, self.model_dir, self.worker_id, self.replica_id = cfg, model_dir, worker_id, replica_id
         self.device = f"cuda:{replica_id}" if cfg.device.startswith("cuda") else cfg.device
         self.client = CoordinatorClient(coordinator, worker_id, replica_id)
@@ -112,7 +120,8 @@ class DrafterWorker:
         self.preemptions = int(saved.get("preemptions", 0))
         self.windows = 0
         self._gen = torch.Generator().manual_seed(worker_id)
-        self._shared = target_shared(model_dir)  # the target's embed / lm_head, kept on the CPU between windows
+        self.drafter_cfg, embed, head = target_shared(model_dir)  # --model is policy version 0
+        self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # on the CPU between windows
         if cfg.threads and self.device == "cpu":
             torch.set_num_threads(cfg.threads)
         if cfg.worker_nice:
@@ -127,6 +136,7 @@ class DrafterWorker:
     def _see(self, event: object) -> None:
         if getattr(event, "replica_id", None) != self.replica_id:
             return
+        self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
         if event.state != IDLE and not self.busy_seen:  # type: ignore[attr-defined]
             # the FIRST non-idle event since the window opened ends it, even when the replica is idle
             # again by the time we read it (a short request arrived during a long step)
@@ -176,8 +186,11 @@ class DrafterWorker:
         start = time.time()
         res = WindowResult()
         self.busy_seen, self.last_busy = False, 0.0
-        cfg, embed, head = self._shared
-        drafter = Drafter(cfg, embed.to(self.device), head.to(self.device)).to(self.device)
+        self.shared.refresh()  # between windows only: a window trains with one embedding / lm_head throughout
+        self.client.shared_policy_version = shared_version = self.shared.current.policy_version
+        self.client.shared_fetch_failures = self.shared.failures
+        embed, head = self.shared.current.embed, self.shared.current.lm_head
+        drafter = Drafter(self.drafter_cfg, embed.to(self.device), head.to(self.device)).to(self.device)
         opt = make_optimizer(drafter, self.cfg.lr, self.cfg.weight_decay)
         saved = load_state(self.ckpt)
         if saved is not None and saved.get("optimizer"):
@@ -192,6 +205,7 @@ class DrafterWorker:
                 break
             reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(rows=self.cfg.batch_rows,
                                                                           max_tokens=self.cfg.batch_tokens))
+            self.shared.see(reply.batch.policy_version)  # used from the next window on
             if reply.batch.rows == 0:
                 self._poll_events(0.05)  # nothing to train on yet; keep listening
                 continue
@@ -231,7 +245,8 @@ class DrafterWorker:
         win = drafter_pb2.TrainingWindow(
             worker_id=self.worker_id, replica_id=self.replica_id, start=start, end=res.released,
             micro_steps=res.micro_steps, preempted=res.preempted, busy_timestamp=res.busy_timestamp,
-            released=res.released, last_step_start=res.last_step_start, mean_loss=sum(res.losses) / len(res.losses) if res.losses else 0.0)
+            released=res.released, last_step_start=res.last_step_start, mean_loss=sum(res.losses) / len(res.losses) if res.losses else 0.0,
+            shared_policy_version=shared_version)
         self.client.ask(window=win)
         self.windows += 1
         log.info("training_window", worker=self.worker_id, replica=self.replica_id, steps=res.micro_steps,

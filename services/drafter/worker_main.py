@@ -3,7 +3,8 @@
     tlt drafter worker --model artifacts/tiny --coordinator tcp://127.0.0.1:5704 --replica 1
 
 Trains only while rollout replica `--replica` is IDLE (capacity events from the [drafter]
-capacity_pub / capacity_snapshot endpoints), resumes from `<checkpoint_dir>/worker-<id>.pt`, and
+capacity_pub / capacity_snapshot endpoints), trains with the embedding and lm_head of the policy
+the rollout serves (fetched from [drafter] rollout_grpc after a policy update), resumes from `<checkpoint_dir>/worker-<id>.pt`, and
 ends its window cleanly on SIGINT/SIGTERM. `tlt drafter serve --workers N` starts these for you.
 """
 
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.services.common.logging import configure_logging
     from tlt.services.drafter.serve import build_config
+    from tlt.services.drafter.shared import rollout_fetch
     from tlt.services.drafter.worker import DrafterWorker
 
     worker_id = args.replica if args.worker_id is None else args.worker_id
@@ -37,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    worker = DrafterWorker(cfg, args.model, worker_id, args.replica, args.coordinator)  # type: ignore[arg-type]
+    fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
+    worker = DrafterWorker(cfg, args.model, worker_id, args.replica, args.coordinator, fetch)  # type: ignore[arg-type]
     try:
         worker.run(stop)
     finally:

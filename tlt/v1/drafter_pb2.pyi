@@ -12,7 +12,7 @@ class DrafterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainingWindow(_message.Message):
-    __slots__ = ("worker_id", "replica_id", "start", "end", "micro_steps", "preempted", "busy_timestamp", "released", "mean_loss", "last_step_start")
+    __slots__ = ("worker_id", "replica_id", "start", "end", "micro_steps", "preempted", "busy_timestamp", "released", "mean_loss", "last_step_start", "shared_policy_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class TrainingWindow(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_START_FIELD_NUMBER: _ClassVar[int]
+    SHARED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     replica_id: int
     start: float
@@ -33,7 +34,8 @@ class TrainingWindow(_message.Message):
     released: float
     mean_loss: float
     last_step_start: float
-    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., micro_steps: _Optional[int] = ..., preempted: _Optional[bool] = ..., busy_timestamp: _Optional[float] = ..., released: _Optional[float] = ..., mean_loss: _Optional[float] = ..., last_step_start: _Optional[float] = ...) -> None: ...
+    shared_policy_version: int
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., micro_steps: _Optional[int] = ..., preempted: _Optional[bool] = ..., busy_timestamp: _Optional[float] = ..., released: _Optional[float] = ..., mean_loss: _Optional[float] = ..., last_step_start: _Optional[float] = ..., shared_policy_version: _Optional[int] = ...) -> None: ...
 
 class AcceptanceRecord(_message.Message):
     __slots__ = ("drafter_version", "policy_version", "candidate_accept_len", "serving_accept_len", "published", "timestamp")
@@ -52,23 +54,27 @@ class AcceptanceRecord(_message.Message):
     def __init__(self, drafter_version: _Optional[int] = ..., policy_version: _Optional[int] = ..., candidate_accept_len: _Optional[float] = ..., serving_accept_len: _Optional[float] = ..., published: _Optional[bool] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "replica_id", "training", "micro_steps", "preemptions", "alive")
+    __slots__ = ("worker_id", "replica_id", "training", "micro_steps", "preemptions", "alive", "shared_policy_version", "shared_fetch_failures")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     replica_id: int
     training: bool
     micro_steps: int
     preemptions: int
     alive: bool
-    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., training: _Optional[bool] = ..., micro_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+    shared_policy_version: int
+    shared_fetch_failures: int
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., training: _Optional[bool] = ..., micro_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., alive: _Optional[bool] = ..., shared_policy_version: _Optional[int] = ..., shared_fetch_failures: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("serving_version", "candidate_version", "latest_policy", "buffer_sequences", "buffer_tokens", "features_dropped", "workers", "windows", "acceptance", "preemptions")
+    __slots__ = ("serving_version", "candidate_version", "latest_policy", "buffer_sequences", "buffer_tokens", "features_dropped", "workers", "windows", "acceptance", "preemptions", "shared_policy_version", "shared_fetch_failures", "shared_fetch_error")
     SERVING_VERSION_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +85,9 @@ class DrafterStatus(_message.Message):
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FETCH_ERROR_FIELD_NUMBER: _ClassVar[int]
     serving_version: int
     candidate_version: int
     latest_policy: _common_pb2.WeightVersions
@@ -89,7 +98,10 @@ class DrafterStatus(_message.Message):
     windows: _containers.RepeatedCompositeFieldContainer[TrainingWindow]
     acceptance: _containers.RepeatedCompositeFieldContainer[AcceptanceRecord]
     preemptions: int
-    def __init__(self, serving_version: _Optional[int] = ..., candidate_version: _Optional[int] = ..., latest_policy: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., buffer_sequences: _Optional[int] = ..., buffer_tokens: _Optional[int] = ..., features_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., windows: _Optional[_Iterable[_Union[TrainingWindow, _Mapping]]] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceRecord, _Mapping]]] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    shared_policy_version: int
+    shared_fetch_failures: int
+    shared_fetch_error: str
+    def __init__(self, serving_version: _Optional[int] = ..., candidate_version: _Optional[int] = ..., latest_policy: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., buffer_sequences: _Optional[int] = ..., buffer_tokens: _Optional[int] = ..., features_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., windows: _Optional[_Iterable[_Union[TrainingWindow, _Mapping]]] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceRecord, _Mapping]]] = ..., preemptions: _Optional[int] = ..., shared_policy_version: _Optional[int] = ..., shared_fetch_failures: _Optional[int] = ..., shared_fetch_error: _Optional[str] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("worker_id", "replica_id", "pid")
@@ -150,7 +162,7 @@ class DeltaUpdate(_message.Message):
     def __init__(self, base_version: _Optional[int] = ..., manifest: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., micro_steps: _Optional[int] = ..., mean_loss: _Optional[float] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("worker_id", "replica_id", "hello", "pull", "batch_request", "update", "window")
+    __slots__ = ("worker_id", "replica_id", "hello", "pull", "batch_request", "update", "window", "shared_policy_version", "shared_fetch_failures")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +170,8 @@ class WorkerMessage(_message.Message):
     BATCH_REQUEST_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SHARED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     replica_id: int
     hello: WorkerHello
@@ -165,7 +179,9 @@ class WorkerMessage(_message.Message):
     batch_request: BatchRequest
     update: DeltaUpdate
     window: TrainingWindow
-    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., pull: _Optional[_Union[PullCandidate, _Mapping]] = ..., batch_request: _Optional[_Union[BatchRequest, _Mapping]] = ..., update: _Optional[_Union[DeltaUpdate, _Mapping]] = ..., window: _Optional[_Union[TrainingWindow, _Mapping]] = ...) -> None: ...
+    shared_policy_version: int
+    shared_fetch_failures: int
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., pull: _Optional[_Union[PullCandidate, _Mapping]] = ..., batch_request: _Optional[_Union[BatchRequest, _Mapping]] = ..., update: _Optional[_Union[DeltaUpdate, _Mapping]] = ..., window: _Optional[_Union[TrainingWindow, _Mapping]] = ..., shared_policy_version: _Optional[int] = ..., shared_fetch_failures: _Optional[int] = ...) -> None: ...
 
 class CandidateWeights(_message.Message):
     __slots__ = ("version", "manifest", "payload")
