@@ -134,6 +134,13 @@ def test_speculative_decoding_runs_in_the_tail(client):
     st = client.status()
     assert all(r.spec.mode == "adaptive" for r in st.replicas)
     assert sum(r.spec.verify_steps for r in st.replicas) > 0
+    r = max(st.replicas, key=lambda r: r.spec.verify_steps)  # the replica that decoded it
+    assert r.spec.plain_steps >= 1 and r.spec.last_step_seconds > 0
+    assert sum(a.steps for a in r.spec.arms) == r.spec.verify_steps and all(a.accept_len >= 1 for a in r.spec.arms)
+    # one bandit choice per verify step, counted per bucket and per arm
+    assert sum(b.explored + b.exploited for b in r.spec.bandit) == r.spec.verify_steps
+    assert sum(a.chosen for b in r.spec.bandit for a in b.arms) == r.spec.verify_steps
+    assert [b.bucket for b in r.spec.bandit] == ["1", "2-4", "5-20", ">=21"]
 
 def test_replica_death_fails_its_requests_and_the_other_keeps_serving(server, client):
     """Runs last in this module: it kills replica 1 (a process this test's server started)."""

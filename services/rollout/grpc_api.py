@@ -323,4 +323,12 @@ def spec_status(sp: dict, configured_mode: str = "") -> rollout_pb2.SpecStatus:
         last_step_seconds=float(sp.get("last_step_seconds", 0.0)),
         verify_steps=int(sp.get("verify_steps", 0)),
         plain_steps=int(sp.get("plain_steps", 0)),
+        bandit=[rollout_pb2.BanditBucket(
+            bucket=b["bucket"], explored=b["explored"], exploited=b["exploited"],
+            arms=[rollout_pb2.BanditArm(arm=a["arm"], samples=a["samples"], median_reward=a["median_reward"] or 0.0,
+                                        chosen=a["chosen"]) for a in b["arms"]])
+            for b in sp.get("bandit", [])],
+        arms=[rollout_pb2.ArmCount(arm=name, steps=a["verify_steps"],
+                                   accept_len=a["emitted"] / a["seq_steps"] if a["seq_steps"] else 0.0)
+              for name, a in sp.get("arms", {}).items()],
     )

@@ -198,7 +198,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SpecStatus(_message.Message):
-    __slots__ = ("mode", "active", "arm", "mean_accept_len", "last_step_seconds", "verify_steps", "plain_steps")
+    __slots__ = ("mode", "active", "arm", "mean_accept_len", "last_step_seconds", "verify_steps", "plain_steps", "bandit", "arms")
     MODE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     ARM_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,8 @@ class SpecStatus(_message.Message):
     LAST_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BANDIT_FIELD_NUMBER: _ClassVar[int]
+    ARMS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     active: bool
     arm: str
@@ -213,7 +215,43 @@ class SpecStatus(_message.Message):
     last_step_seconds: float
     verify_steps: int
     plain_steps: int
-    def __init__(self, mode: _Optional[str] = ..., active: _Optional[bool] = ..., arm: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., last_step_seconds: _Optional[float] = ..., verify_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ...) -> None: ...
+    bandit: _containers.RepeatedCompositeFieldContainer[BanditBucket]
+    arms: _containers.RepeatedCompositeFieldContainer[ArmCount]
+    def __init__(self, mode: _Optional[str] = ..., active: _Optional[bool] = ..., arm: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., last_step_seconds: _Optional[float] = ..., verify_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., bandit: _Optional[_Iterable[_Union[BanditBucket, _Mapping]]] = ..., arms: _Optional[_Iterable[_Union[ArmCount, _Mapping]]] = ...) -> None: ...
+
+class BanditBucket(_message.Message):
+    __slots__ = ("bucket", "explored", "exploited", "arms")
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    EXPLORED_FIELD_NUMBER: _ClassVar[int]
+    EXPLOITED_FIELD_NUMBER: _ClassVar[int]
+    ARMS_FIELD_NUMBER: _ClassVar[int]
+    bucket: str
+    explored: int
+    exploited: int
+    arms: _containers.RepeatedCompositeFieldContainer[BanditArm]
+    def __init__(self, bucket: _Optional[str] = ..., explored: _Optional[int] = ..., exploited: _Optional[int] = ..., arms: _Optional[_Iterable[_Union[BanditArm, _Mapping]]] = ...) -> None: ...
+
+class BanditArm(_message.Message):
+    __slots__ = ("arm", "samples", "median_reward", "chosen")
+    ARM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    arm: str
+    samples: int
+    median_reward: float
+    chosen: int
+    def __init__(self, arm: _Optional[str] = ..., samples: _Optional[int] = ..., median_reward: _Optional[float] = ..., chosen: _Optional[int] = ...) -> None: ...
+
+class ArmCount(_message.Message):
+    __slots__ = ("arm", "steps", "accept_len")
+    ARM_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    arm: str
+    steps: int
+    accept_len: float
+    def __init__(self, arm: _Optional[str] = ..., steps: _Optional[int] = ..., accept_len: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("replica_id", "device", "state", "running", "queued", "kv_usage", "versions", "spec", "alive")
