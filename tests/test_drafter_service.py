@@ -91,6 +91,8 @@ def test_trains_only_while_idle_is_preempted_and_publishes(tmp_path, model_dir, 
             assert w.busy_timestamp == busy[0] and w.released >= busy[0]
             assert w.released - w.busy_timestamp < 2.0
         assert coord.preemptions == 6 and coord.candidate_version > 0
+        for r in (0, 1):  # the coordinator evaluates and publishes while the whole rollout is idle
+            state(pub, r, IDLE)
         deadline = time.monotonic() + 20
         while not pushes and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -149,5 +151,50 @@ def test_kill_minus_9_worker_resumes_from_its_checkpoint(tmp_path, model_dir, sa
         if proc.poll() is None:
             proc.terminate()
             proc.wait(20)
+        coord.close()
+        pub.close()
+
+
+def test_candidates_are_evaluated_only_while_every_replica_is_idle(tmp_path, model_dir, samples) -> None:
+    """The gate's evaluation is seconds of CPU: it waits until no replica decodes, and gives the CPU back
+    (nothing recorded, nothing pushed) the moment one turns busy."""
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes)  # both replicas BUSY
+    real = coordinator_mod.mean_accept_length
+    calls: list[bool] = []  # per evaluation call: was the rollout idle when it started?
+    try:
+        with coord._lock:
+            coord.candidate_version = 1  # a candidate to evaluate (as after a worker's delta)
+        time.sleep(1.5)  # many gate ticks (eval_interval_s = 0.2) while busy
+        assert not coord.acceptance and not pushes
+        state(pub, 1, IDLE)  # one replica idle is not enough
+        time.sleep(1.0)
+        assert not coord.acceptance
+
+        def interrupting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+            calls.append(coord.rollout.idle())
+            state(pub, 1, BUSY)  # a rollout starts while the candidate is being evaluated
+            deadline = time.monotonic() + 5
+            while not should_stop() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return real(drafter, held, depth, should_stop)
+
+        coordinator_mod.mean_accept_length = interrupting
+        state(pub, 0, IDLE)
+        deadline = time.monotonic() + 10
+        while coord.interrupted_evals == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coord.interrupted_evals >= 1 and calls[0] is True
+        assert not coord.acceptance and not pushes and coord._evaluated == 0  # retried at the next idle moment
+        coordinator_mod.mean_accept_length = real
+        state(pub, 1, IDLE)
+        deadline = time.monotonic() + 20
+        while not coord.acceptance and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coord.acceptance and coord.acceptance[-1].drafter_version == 1  # evaluated once all were idle
+    finally:
+        coordinator_mod.mean_accept_length = real
         coord.close()
         pub.close()

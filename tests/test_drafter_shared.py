@@ -71,9 +71,9 @@ def recorded(monkeypatch):
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     real_eval, real_step = coordinator_mod.mean_accept_length, worker_mod.micro_step
 
-    def eval_spy(drafter, samples, depth):
+    def eval_spy(drafter, samples, depth, should_stop=None):
         evals.append((drafter.embed, drafter.lm_head))
-        return real_eval(drafter, samples, depth)
+        return real_eval(drafter, samples, depth, should_stop)
 
     def step_spy(drafter, *args, **kwargs):
         steps.append((drafter.embed, drafter.lm_head))

@@ -18,7 +18,7 @@ its own prefix and ancestors (prefix_mask). `accept_lengths` is the pure scoring
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -73,10 +73,18 @@ def chain_drafts(drafter: Drafter, tokens: torch.Tensor, features: torch.Tensor,
     return drafts, actual, valid
 
 
-def mean_accept_length(drafter: Drafter, samples: Iterable[Sample], depth: int) -> tuple[float, int]:
-    """Mean greedy acceptance length over every start point in the response part of `samples`, and the count."""
+class EvaluationInterrupted(Exception):
+    """`should_stop` said so between two samples: the evaluation gave its CPU back (see RolloutIdle)."""
+
+
+def mean_accept_length(drafter: Drafter, samples: Iterable[Sample], depth: int,
+                       should_stop: Callable[[], bool] | None = None) -> tuple[float, int]:
+    """Mean greedy acceptance length over every start point in the response part of `samples`, and the count.
+    Raises EvaluationInterrupted when `should_stop()` is true before a sample."""
     total, count = 0.0, 0
     for smp in samples:
+        if should_stop is not None and should_stop():
+            raise EvaluationInterrupted(f"stopped after {count} start points")
         tokens = torch.from_numpy(smp.tokens.astype("int64"))
         feats = torch.from_numpy(smp.features.astype("float32"))
         drafts, actual, valid = chain_drafts(drafter, tokens, feats, depth, first_start=max(smp.response_start - 1, 0))

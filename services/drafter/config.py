@@ -65,7 +65,7 @@ class DrafterServiceConfig(ServiceConfig):
         "a preemption waits for"
     )
     submit_every: int = Field(20, ge=1, description="micro-steps between delta submissions inside a long window")
-    threads: int = Field(1, ge=0, description="torch threads per worker on CPU (0: leave torch's default)")
+    threads: int = Field(1, ge=0, description="torch threads per worker and for the coordinator's evaluations on CPU (0: leave torch's default)")
     device: str = Field("cpu", description="worker device template: cpu, or cuda (a worker uses cuda:<replica>)")
     coordinator_nice: int = Field(
         10, ge=0, le=19, description="niceness of the coordinator process (`tlt drafter serve`, after starting its "
@@ -86,6 +86,10 @@ class DrafterServiceConfig(ServiceConfig):
     )
     eval_depth: int = Field(6, ge=1, le=32, description="chain depth of the offline acceptance simulation")
     eval_interval_s: float = Field(2.0, ge=0, description="least seconds between two candidate evaluations")
+    gate_when_idle: bool = Field(
+        True, description="evaluate candidates (and publish) only while every rollout replica is idle, as seen on "
+        "capacity_pub; an evaluation stops when one turns busy. The evaluation is seconds of CPU per round: run "
+        "during decoding it slowed CPU rollouts by 57% (BENCHMARKS.md, 'Session 5')")
     min_eval_tokens: int = Field(64, ge=1, description="held-out tokens needed before a candidate may be published")
     history: int = Field(200, ge=1, description="training windows and acceptance records kept for status")
 

@@ -33,9 +33,10 @@ from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.common.weights import pack_state_dict, unpack
-from tlt.services.drafter.acceptance import mean_accept_length
+from tlt.services.drafter.acceptance import EvaluationInterrupted, mean_accept_length
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.services.drafter.config import DrafterServiceConfig
+from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
 from tlt.v1 import common_pb2, drafter_pb2
@@ -83,6 +84,9 @@ class Coordinator:
         self.deltas = 0
         self._evaluated = 0
         self._last_eval = 0.0
+        self.interrupted_evals = 0  # evaluations given up because a replica turned busy
+        # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's
+        self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
         self._restore()
         self.metrics = Metrics("drafter")
         self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
@@ -94,6 +98,9 @@ class Coordinator:
         self.m_release = self.metrics.histogram("release_seconds", "BUSY event -> worker freed the device",
                                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.m_accept = self.metrics.gauge("accept_len", "held-out greedy acceptance length", ("drafter",))
+        self.m_shared = self.metrics.gauge("shared_policy_version", "policy version of the target embedding/lm_head "
+                                           "the acceptance gate uses")
+        self.m_shared_failed = self.metrics.gauge("shared_fetch_failures", "failed fetches of the target embedding/lm_head")
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -119,6 +126,8 @@ class Coordinator:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=10)
+        if self.rollout is not None:
+            self.rollout.close()
         self._router.close()
         self._ctx.term()
 
@@ -256,9 +265,14 @@ class Coordinator:
     def _gate_loop(self) -> None:
         while not self._stop.wait(0.2):
             if self.candidate_version > self._evaluated and time.monotonic() - self._last_eval >= self.cfg.eval_interval_s:
+                if self.rollout is not None and self.rollout.busy():
+                    continue  # a replica decodes: this work would take its CPU (BENCHMARKS.md, "Session 5")
                 try:
                     self.refresh_shared()
                     self.evaluate_and_publish()
+                except EvaluationInterrupted as e:
+                    self.interrupted_evals += 1
+                    log.info("drafter_evaluation_interrupted", reason=str(e), total=self.interrupted_evals)
                 except Exception as e:  # deliberate boundary: a failed push is reported and retried later
                     log.error("drafter_publish_failed", error=repr(e))
                 self._last_eval = time.monotonic()
@@ -273,7 +287,8 @@ class Coordinator:
         return True
 
     def evaluate_and_publish(self) -> drafter_pb2.AcceptanceRecord | None:
-        """Compare candidate and serving on held-out recent data; publish the candidate when it is better."""
+        """Compare candidate and serving on held-out recent data; publish the candidate when it is better.
+        Raises EvaluationInterrupted (nothing recorded) when a replica turns busy meanwhile (`gate_when_idle`)."""
         held = self.buffer.holdout(self.cfg.min_eval_tokens)
         if sum(len(s) for s in held) < self.cfg.min_eval_tokens:
             return None
@@ -285,9 +300,12 @@ class Coordinator:
         probe = build_drafter(self.drafter_cfg, shared.embed, shared.lm_head)  # the policy's lm_head, as the engine's
         probe.eval()
         probe.load_tensors(cand)
-        cand_len, _ = mean_accept_length(probe, held, self.cfg.eval_depth)
+        stop = self.rollout.busy if self.rollout is not None else None  # give the CPU back at once
+        cand_len, _ = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
         probe.load_tensors(serving)
-        serve_len, count = mean_accept_length(probe, held, self.cfg.eval_depth)
+        serve_len, count = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
+        if stop is not None and stop():  # turned busy at the very end: publish between rollouts, not during one
+            raise EvaluationInterrupted("a replica turned busy before publishing")
         better = cand_len >= serve_len * (1 + self.cfg.publish_margin) and cand_len > serve_len
         rec = drafter_pb2.AcceptanceRecord(drafter_version=version, policy_version=self.latest_policy,
                                            candidate_accept_len=cand_len, serving_accept_len=serve_len,
@@ -316,6 +334,8 @@ class Coordinator:
         self.m_dropped.set(self.buffer.sender_dropped)
         self.m_versions.labels("candidate").set(self.candidate_version)
         self.m_versions.labels("serving").set(self.serving_version)
+        self.m_shared.set(self.shared.current.policy_version)
+        self.m_shared_failed.set(self.shared.failures)
         with self._lock:
             return drafter_pb2.DrafterStatus(
                 serving_version=self.serving_version, candidate_version=self.candidate_version,

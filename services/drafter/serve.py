@@ -101,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", args.model, "--coordinator",
                coordinator.endpoint, "--replica", str(i), "--worker-id", str(i), "--config-json", cfg.model_dump_json()]  # type: ignore[attr-defined]
         procs.append(subprocess.Popen(cmd))
+    if cfg.threads:  # type: ignore[attr-defined]
+        import torch
+
+        torch.set_num_threads(cfg.threads)  # type: ignore[attr-defined]  # the gate's evaluations: one core, not all
     if cfg.coordinator_nice:  # type: ignore[attr-defined]
         os.nice(cfg.coordinator_nice)  # type: ignore[attr-defined]  # after the workers started: they keep normal priority
     stop = threading.Event()

@@ -139,7 +139,14 @@ def measure_overhead(args: argparse.Namespace) -> int:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
             proc.terminate()
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # workers left behind by a serve that did not stop them
+            except ProcessLookupError:
+                pass
         client.close()
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)

@@ -1,0 +1,83 @@
+"""Is the whole rollout idle? The coordinator's own work waits for it, as the workers' training does.
+
+    capacity events (SUB + snapshot, every replica) --> latest state per replica
+    idle()  True when every replica heard of is IDLE (and the feed is fresh)
+    busy()  the opposite, for aborting work that started while idle
+
+The coordinator's candidate evaluation (offline acceptance of candidate and serving drafter on the
+held-out data) is a few CPU-seconds per round on a small model: run while replicas decode, it took
+their cores (`tlt bench drafter-drift --overhead`, BENCHMARKS.md "Session 5": +57% rollout time on
+the tiny model). Workers only train on their own idle replica; the coordinator is not tied to one
+replica, so its heavy work waits until every replica is idle (between rollouts: the trainer's phase).
+
+Without capacity endpoints (a coordinator with no rollout to watch) `idle()` is always True. When the
+feed goes quiet for `stale_s` (heartbeats arrive about once a second), the last states are not
+trusted: `idle()` is False until events arrive again, so a dead publisher never lets work through.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tlt.services.common.events import CapacitySubscriber
+from tlt.services.common.logging import get_logger
+from tlt.v1 import common_pb2
+
+log = get_logger("drafter.rollout_idle")
+
+IDLE = common_pb2.REPLICA_STATE_IDLE
+
+
+class RolloutIdle:
+    def __init__(self, capacity_pub: str, capacity_snapshot: str, stale_s: float = 5.0) -> None:
+        self.enabled = bool(capacity_pub and capacity_snapshot)
+        self.stale_s = stale_s
+        self._states: dict[tuple[str, int], int] = {}
+        self._last_event = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.enabled:
+            self._pub, self._snap = capacity_pub, capacity_snapshot
+            self._thread = threading.Thread(target=self._watch, name="drafter-rollout-idle", daemon=True)
+            self._thread.start()
+
+    def idle(self) -> bool:
+        """Every replica heard of is IDLE (always True without capacity endpoints)."""
+        if not self.enabled:
+            return True
+        with self._lock:
+            fresh = time.monotonic() - self._last_event < self.stale_s
+            return fresh and bool(self._states) and all(s == IDLE for s in self._states.values())
+
+    def busy(self) -> bool:
+        return not self.idle()
+
+    def see(self, server_id: str, replica_id: int, state: int) -> None:
+        """Record one replica's state (the watcher thread calls this for every event)."""
+        with self._lock:
+            self._states[(server_id, replica_id)] = state
+            self._last_event = time.monotonic()
+
+    def _watch(self) -> None:
+        sub = CapacitySubscriber(self._pub, self._snap)
+        try:
+            while not self._stop.is_set():
+                try:
+                    for e in sub.snapshot(timeout_s=2.0):
+                        self.see(e.server_id, e.replica_id, e.state)
+                    break
+                except (TimeoutError, ValueError) as e:  # the rollout is not up yet: ask again
+                    log.debug("capacity_snapshot_retry", error=str(e))
+            while not self._stop.is_set():
+                e = sub.recv(0.2)
+                if e is not None:
+                    self.see(e.server_id, e.replica_id, e.state)
+        finally:
+            sub.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

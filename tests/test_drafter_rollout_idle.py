@@ -1,0 +1,56 @@
+"""RolloutIdle: the coordinator's view of whether every replica is idle, from real capacity events over ZeroMQ
+on 127.0.0.1 (a real CapacityPublisher, the subscriber the workers use)."""
+
+from __future__ import annotations
+
+import time
+
+from tlt.services.common.events import CapacityEvent, CapacityPublisher
+from tlt.services.drafter.rollout_idle import RolloutIdle
+from tlt.v1 import common_pb2
+
+IDLE, BUSY = common_pb2.REPLICA_STATE_IDLE, common_pb2.REPLICA_STATE_BUSY
+
+
+def _until(cond, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_idle_only_while_every_replica_is_idle():
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.1)
+    try:
+        for r in (0, 1):
+            pub.publish(CapacityEvent(replica_id=r, state=IDLE))
+        watch = RolloutIdle(pub.pub_endpoint, pub.snapshot_endpoint)  # joins late: the snapshot gives both
+        try:
+            assert _until(watch.idle)
+            pub.publish(CapacityEvent(replica_id=1, state=BUSY))  # one replica decodes: not idle
+            assert _until(watch.busy)
+            pub.publish(CapacityEvent(replica_id=0, state=BUSY))
+            pub.publish(CapacityEvent(replica_id=1, state=IDLE))  # replica 0 still busy
+            time.sleep(0.3)
+            assert watch.busy()
+            pub.publish(CapacityEvent(replica_id=0, state=IDLE))
+            assert _until(watch.idle)
+        finally:
+            watch.close()
+    finally:
+        pub.close()
+
+
+def test_a_silent_feed_is_not_idle_and_no_feed_configured_is():
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.1)
+    pub.publish(CapacityEvent(replica_id=0, state=IDLE))
+    watch = RolloutIdle(pub.pub_endpoint, pub.snapshot_endpoint, stale_s=0.5)
+    try:
+        assert _until(watch.idle)
+        pub.close()  # the publisher dies with its replicas idle: heartbeats stop
+        assert _until(watch.busy, timeout_s=3.0)  # last states no longer trusted
+    finally:
+        watch.close()
+    assert RolloutIdle("", "").idle()  # nothing to watch: the coordinator works whenever it likes
