@@ -186,7 +186,7 @@ def test_garbage_oversized_and_overlong_http_bodies(server, client, baseline):
 # ---- raw gRPC -------------------------------------------------------------------------------------
 
 _METHODS = {"Generate": "unary_unary", "GetStatus": "unary_unary", "BatchGenerate": "unary_stream",
-            "UpdateWeights": "stream_unary"}
+            "UpdateWeights": "stream_unary", "GetWeights": "unary_stream"}
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
