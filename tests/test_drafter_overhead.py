@@ -24,6 +24,20 @@ def test_median_interval_order_statistics():
     assert median_interval([float(i) for i in range(40)]) == (13.0, 26.0)
 
 
+def test_cpu_seconds_of_this_process_grows():
+    import os
+    import time
+
+    from tlt.bench.drafter_overhead import cpu_seconds
+
+    t0 = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert cpu_seconds(os.getpid()) - t0 >= 0.1
+    assert cpu_seconds(2**22 + 12345) == 0.0  # no such process
+
+
 def test_overhead_needs_enough_pairs(capsys):
     parser = argparse.ArgumentParser()
     drafter_drift.add_arguments(parser)
@@ -43,3 +57,5 @@ def test_overhead_pairs_rounds_and_the_service_trains_between_them(tmp_path):
     lo, hi = res["overhead_pct_95"]
     assert lo <= res["overhead_pct"] <= hi
     assert res["training_windows"] > 0 and res["micro_steps"] > 0  # the B arm really trained
+    cpu = res["cpu_s_per_round"]
+    assert cpu["A"]["replicas"] > 0 and cpu["A"]["workers"] == cpu["A"]["coordinator"] == 0  # stopped in A

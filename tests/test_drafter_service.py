@@ -198,3 +198,35 @@ def test_candidates_are_evaluated_only_while_every_replica_is_idle(tmp_path, mod
         coordinator_mod.mean_accept_length = real
         coord.close()
         pub.close()
+
+
+def test_rollout_idle_workers_train_only_while_every_replica_is_idle(tmp_path, model_dir, samples) -> None:
+    """train_when = rollout_idle (CPU replicas sharing caches): worker 0 waits while replica 1 still decodes
+    although its own replica is idle, and replica 1 turning busy ends its window."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, train_when="rollout_idle")
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        state(pub, 0, IDLE)  # its own replica is done, replica 1 decodes
+        time.sleep(1.5)
+        assert not coord.windows and worker.total_steps == 0
+        state(pub, 1, IDLE)
+        deadline = time.monotonic() + 10
+        while worker.total_steps == 0 and not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        busy = state(pub, 1, BUSY)  # the OTHER replica's rollout starts: the window ends
+        deadline = time.monotonic() + 10
+        while not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (w,) = coord.windows
+        assert w.preempted and w.micro_steps > 0 and w.busy_timestamp == busy.timestamp
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()

@@ -76,6 +76,12 @@ class DrafterServiceConfig(ServiceConfig):
         "(a GPU); on a CPU machine shared with the policy trainer, 19 makes workers train only on cycles nothing else "
         "wants (a replica's idle window is the trainer's busy time there)"
     )
+    train_when: Literal["replica_idle", "rollout_idle"] = Field(
+        "replica_idle", description="when a worker trains: while the replica it watches is idle (TLT: a replica "
+        "whose share of the rollout is done trains while others still decode; right where replicas have devices "
+        "of their own), or only while every replica is idle (CPU replicas share caches and memory bandwidth: "
+        "training beside a decoding replica slowed it by ~13%, BENCHMARKS.md 'Session 5')"
+    )
     pin_cpus: bool = Field(
         True, description="CPU workers: run on the cores of the replica they watch (cpu_group(replica, threads), as "
         "the rollout's pin_cpus places replicas with threads_per_replica = threads)"

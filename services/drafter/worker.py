@@ -112,6 +112,7 @@ class DrafterWorker:
         self.ckpt = os.path.join(cfg.checkpoint_dir, f"worker-{worker_id}.pt")
         self.sub = CapacitySubscriber(cfg.capacity_pub, cfg.capacity_snapshot)
         self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
+        self._states: dict[tuple[str, int], int] = {}  # train_when = rollout_idle: every replica's last state
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
         self._deferred: _Deferred | None = None  # what the last window left to send and save (see `window`)
@@ -134,15 +135,22 @@ class DrafterWorker:
 
     # ---- capacity
     def _see(self, event: object) -> None:
-        if getattr(event, "replica_id", None) != self.replica_id:
+        mine = getattr(event, "replica_id", None) == self.replica_id
+        if self.cfg.train_when == "rollout_idle":  # every replica's state counts: idle only when all are
+            self._states[(event.server_id, event.replica_id)] = event.state  # type: ignore[attr-defined]
+            state = IDLE if all(s == IDLE for s in self._states.values()) else common_pb2.REPLICA_STATE_BUSY
+        elif not mine:
             return
-        self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
-        if event.state != IDLE and not self.busy_seen:  # type: ignore[attr-defined]
+        else:
+            state = event.state  # type: ignore[attr-defined]
+        if mine:
+            self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
+        if state != IDLE and not self.busy_seen:
             # the FIRST non-idle event since the window opened ends it, even when the replica is idle
             # again by the time we read it (a short request arrived during a long step)
             self.busy_seen = True
             self.last_busy = float(event.timestamp)  # type: ignore[attr-defined]
-        self.state = event.state  # type: ignore[attr-defined]
+        self.state = state
 
     def _poll_events(self, timeout_s: float) -> None:
         """Read EVERY queued event (heartbeats pile up during a long step), waiting up to `timeout_s` for one."""

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overhead", action="store_true", help="measure rollout wall-time overhead instead")
     parser.add_argument("--rounds", type=int, default=10, help="--overhead: pairs of rounds (one without, one with the drafter service)")
+    parser.add_argument("--drafter-set", dest="drafter_sets", action="append", default=[], metavar="FIELD=VALUE",
+                        help="--overhead: a [drafter] field for `tlt drafter serve` (e.g. train_when=rollout_idle); "
+                             "repeatable")
     parser.add_argument("--out", default="", help="write the figures as JSON here")
 
 

@@ -20,7 +20,10 @@ Each round: `gap` seconds idle, then the batch (max_tokens 8 x 48 and 96, 192, 3
 ignored, greedy). The engine runs the rollout config's default SD; the coordinator never publishes
 (publish_margin is huge), which isolates the cost of training in idle windows, the feature stream
 and the capacity events on the rollout. The report also gives how many windows and micro-steps the
-workers trained (read from the drafter's GetStatus), so a B arm that trained nothing shows.
+workers trained (read from the drafter's GetStatus), so a B arm that trained nothing shows, and the
+mean CPU seconds per round of the replicas, the coordinator and the workers in each arm (Linux /proc):
+where an overhead comes from (a drafter process taking a replica's CPU, or replicas needing more CPU
+for the same work because something beside them thrashes the shared caches).
 """
 
 from __future__ import annotations
@@ -47,6 +50,18 @@ def _round(client, tag: int) -> float:  # noqa: ANN001
         out = [c for cs in ex.map(one, enumerate(LONG_TAIL)) for c in cs]
     assert len(out) == len(LONG_TAIL) and all(not c.error for c in out)
     return time.perf_counter() - t0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc; 0 when it is gone)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -108,6 +123,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
     client = RolloutClient(f"127.0.0.1:{server.grpc_port}", timeout_s=300)
     gap = 3.0
     times: dict[str, list[float]] = {"A": [], "B": []}
+    cpu: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
     proc, status = None, None
     try:
         ready = tmp / "drafter.json"
@@ -117,12 +133,16 @@ def measure_overhead(args: argparse.Namespace) -> int:
                 "checkpoint_dir": str(tmp / "ckpt"), "window_tokens": 128, "batch_tokens": 128}
         proc = subprocess.Popen([sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", model_dir,
                                  "--workers", "2", "--ready-file", str(ready),
-                                 *[f"--set={k}={v}" for k, v in sets.items()]],
+                                 *[f"--set={k}={v}" for k, v in sets.items()],
+                                 *[f"--set={kv}" for kv in getattr(args, "drafter_sets", [])]],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         while not ready.exists():
             assert proc.poll() is None, "drafter serve exited"
             time.sleep(0.2)
-        status_port = json.loads(ready.read_text())["status_port"]
+        ready_info = json.loads(ready.read_text())
+        status_port = ready_info["status_port"]
+        who = {"replicas": [r.process.pid for r in server.pool.replicas], "coordinator": [ready_info["pid"]],
+               "workers": ready_info["worker_pids"]}
         _round(client, 0)  # warm-up: the engine, and features for the workers' buffer
         time.sleep(15)  # workers up, joined, and trained once
         tag = 1
@@ -130,7 +150,10 @@ def measure_overhead(args: argparse.Namespace) -> int:
             for arm in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 os.killpg(proc.pid, signal.SIGSTOP if arm == "A" else signal.SIGCONT)
                 time.sleep(gap)  # the idle gap before the round: B's workers train in it
+                before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in who.items()}
                 times[arm].append(_round(client, tag))
+                for k, pids in who.items():  # CPU seconds each part used during the round
+                    cpu[arm].setdefault(k, []).append(sum(cpu_seconds(p) for p in pids) - before[k])
                 tag += 1
         os.killpg(proc.pid, signal.SIGCONT)
         with grpc.insecure_channel(f"127.0.0.1:{status_port}") as ch:
@@ -152,7 +175,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
         loop.call_soon_threadsafe(loop.stop)
     ratios = [b / a for a, b in zip(times["A"], times["B"])]
     lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
-    res = {"pairs": args.rounds, "gap_s": gap, "model": model_dir,
+    res = {"pairs": args.rounds, "gap_s": gap, "model": model_dir, "drafter_sets": getattr(args, "drafter_sets", []),
            "median_s_without": round(statistics.median(times["A"]), 3),
            "median_s_with": round(statistics.median(times["B"]), 3),
            "overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
@@ -160,6 +183,8 @@ def measure_overhead(args: argparse.Namespace) -> int:
            "training_windows": len(status.windows) if status else None,
            "micro_steps": sum(w.micro_steps for w in status.workers) if status else None,
            "preemptions": status.preemptions if status else None,
+           # mean CPU seconds per round of the replicas, the coordinator and the workers, without (A) and with (B)
+           "cpu_s_per_round": {arm: {k: round(statistics.mean(v), 3) for k, v in parts.items()} for arm, parts in cpu.items()},
            "times": {k: [round(x, 3) for x in v] for k, v in times.items()}, "batch_max_tokens": LONG_TAIL}
     print(json.dumps(res, indent=2))
     if args.out:
