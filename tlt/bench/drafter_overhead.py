@@ -17,7 +17,7 @@ then A x N, with the service started and stopped between the phases) could not r
 A phases differed by 10% from each other.
 
 Each round: `gap` seconds idle, then the batch (max_tokens 8 x 48 and 96, 192, 320, 480, eos
-ignored, greedy). The engine runs the rollout config's default SD; the coordinator never publishes
+ignored, greedy; sent 5 ms apart in that order, so the replicas get the same shares every round). The engine runs the rollout config's default SD; the coordinator never publishes
 (publish_margin is huge), which isolates the cost of training in idle windows, the feature stream
 and the capacity events on the rollout. The report also gives how many windows and micro-steps the
 workers trained (read from the drafter's GetStatus), so a B arm that trained nothing shows, and the
@@ -42,6 +42,9 @@ def _round(client, tag: int) -> float:  # noqa: ANN001
 
     def one(i_m):  # noqa: ANN001, ANN202
         i, m = i_m
+        # arrive in a fixed order, so least-loaded routing splits the batch the same way every round (at
+        # random arrival the two longest could share a replica, which alone moved rounds by +-50%)
+        time.sleep(0.005 * i)
         params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
         return client.generate([5 + (7 * i + tag) % 90, 17, 33 + i], n=1, params=params)
 
