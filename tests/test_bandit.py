@@ -108,6 +108,8 @@ def test_arms_are_compared_at_the_batch_size_they_run_at():
     stats = {s.arm: s for s in bandit.snapshot()[1].arms}
     assert stats[A.name].median_by_batch[4] == 400.0 and stats[A.name].median_by_batch[2] == 200.0
     assert stats[C.name].samples == 3 and stats[C.name].median_by_batch == {2: 120.0, 3: 180.0, 4: 240.0}
+    # median_reward: at the bucket's latest batch size (3), where only C has run so far
+    assert stats[C.name].median_reward == 180.0 and stats[A.name].median_reward is None
 
 
 def test_window_median_matches_statistics_median():

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import random
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ class _Window:
 class ArmStats:
     arm: str
     samples: int  # rewards held, over every batch size of the bucket
-    median_reward: float | None  # tokens/s over those rewards; None before the first sample
+    median_reward: float | None  # tokens/s at the bucket's latest batch size (what choices compare); None: no data
     chosen: int
     median_by_batch: dict[int, float]  # batch size -> median reward at that size
 
@@ -112,6 +111,7 @@ class BucketedEpsilonGreedy:
         # bucket -> arm -> batch size -> the last `window` rewards at that size
         self._rewards: list[dict[Arm, dict[int, _Window]]] = [{a: {} for a in arms} for arms in self.arms]
         self._chosen = [{a: 0 for a in arms} for arms in self.arms]
+        self._latest_size: list[int | None] = [None] * len(self.arms)  # per bucket: the last batch size recorded
         self._explored = [0] * len(self.arms)
         self._exploited = [0] * len(self.arms)
 
@@ -164,6 +164,7 @@ class BucketedEpsilonGreedy:
             raise ValueError(f"arm {arm} is not in bucket {self.label(b)} ({[str(a) for a in self.arms[b]]})")
         reward = emitted_tokens / step_seconds
         by_size = self._rewards[b][arm]
+        self._latest_size[b] = batch_size
         if batch_size not in by_size:
             by_size[batch_size] = _Window(self.window)
         by_size[batch_size].add(reward)
@@ -173,10 +174,11 @@ class BucketedEpsilonGreedy:
         out = []
         for b, arms in enumerate(self.arms):
             stats = []
-            for a in arms:
+            for a in arms:  # O(batch sizes) per arm: status and /metrics read this while the engine runs
                 by_size = self._rewards[b][a]
-                every = [r for rewards in by_size.values() for r in rewards.recent]
-                stats.append(ArmStats(a.name, len(every), statistics.median(every) if every else None, self._chosen[b][a],
+                latest = by_size.get(self._latest_size[b]) if self._latest_size[b] is not None else None
+                stats.append(ArmStats(a.name, sum(len(r) for r in by_size.values()),
+                                      latest.median() if latest else None, self._chosen[b][a],
                                       {size: r.median() for size, r in sorted(by_size.items())}))
             out.append(BucketStats(self.label(b), tuple(stats), self._explored[b], self._exploited[b]))
         return tuple(out)

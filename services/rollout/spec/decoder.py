@@ -99,7 +99,7 @@ class SpecDecoder:
         self._spare_gen = torch.Generator().manual_seed(config.seed)  # uniforms for greedy rows (unused)
         self.verify_steps = 0
         self.plain_steps = 0  # engine steps run without speculation while attached (prefill included)
-        self.last_step_seconds = 0.0  # wall time of the last verify step, the whole engine step when closed by finish_step
+        self.last_step_seconds = 0.0  # wall time of the last step the decoder chose the arm of (finish_step)
         self.seq_steps = 0
         self.emitted_tokens = 0
         self.drafted_tokens = 0
@@ -214,7 +214,6 @@ class SpecDecoder:
         self.last_arm = arm
         self._count_arm(arm, len(seqs), emitted)
         self._pending = (len(seqs), arm, emitted, t0)  # timed (and, adaptive, rewarded) in finish_step
-        self.last_step_seconds = time.perf_counter() - t0
         return out
 
     def _count_arm(self, arm: Arm, seqs: int, emitted: int) -> None:
