@@ -578,7 +578,7 @@ def run(args: argparse.Namespace) -> int:
                 reference = outs
             result = _mode_result(mode, outs, measured, engine.stats().spec)
             result["identical_to_first_mode"] = None if sampled else outs == reference
-            if bandit is not None and engine.spec_decoder.config.mode == "adaptive":
+            if args.bandit == "keep" and bandit is not None and engine.spec_decoder.config.mode == "adaptive":
                 result["bandit_start_rewards"] = held  # rewards the bandit held when the run began (0: cold)
             if args.repeats > 1:
                 result["round"], result["run_index"] = round_index, run_index
