@@ -8,6 +8,7 @@ import re
 import statistics
 
 from tlt.bench import rollout
+from tlt.bench.rollout_report import SAMPLED_NOTE
 
 
 def test_bench_rollout_small(capsys):
@@ -115,7 +116,7 @@ def test_bench_rollout_sampled_table_and_bad_flags(capsys, random_model_dir):
     common = ["--model", str(random_model_dir), "--prompts", "2", "--n", "1", "--median-tokens", "6", "--max-tokens", "12"]
     assert rollout.run(parser.parse_args([*common, "--temperature", "0.8", "--modes", "off,ngram"])) == 0
     out = capsys.readouterr().out
-    assert out.count(rollout.SAMPLED_NOTE) == 2 and "identical" not in out and "batch 1" in out
+    assert out.count(SAMPLED_NOTE) == 2 and "identical" not in out and "batch 1" in out
     assert rollout.run(parser.parse_args([*common, "--arms", "6_1_7,bogus"])) == 2
     assert rollout.run(parser.parse_args([*common, "--temperature", "-1"])) == 2
 
