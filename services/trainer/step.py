@@ -4,7 +4,7 @@
       -> group advantages (per prompt)                      grpo.group_advantages
       -> old logprobs (no grad; optional hidden states)     policy.logprobs
       -> reference logprobs (only when kl_beta > 0)
-      -> shuffled mini-batches -> micro-batches:
+      -> shuffled mini-batches -> micro-batches grouped by length:
            loss = PPO-clip token-mean + kl_beta * k3 KL     grpo.policy_loss / grpo.kl_k3
            DeepSpeed backward, step (optimizer at each mini-batch boundary)
       -> policy version + 1, StepMetrics
@@ -56,6 +56,17 @@ def _batch(samples: Sequence[ScoredCompletion], pad_id: int) -> TokenBatch:
     return TokenBatch.build([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
 
 
+def _by_length(idx: Sequence[int], ordered: Sequence[ScoredCompletion]) -> list[int]:
+    """`idx` ordered by sequence length, so each micro-batch pads only to its own longest.
+
+    Long-tail rollouts mix 10- and 96-token responses; randomly grouped micro-batches
+    pad every row to the longest one. Grouping by length changes no gradient: each
+    mini-batch's loss is a sum over its tokens divided by a fixed count, and
+    gradient accumulation sums the micro-batches in any grouping.
+    """
+    return sorted(idx, key=lambda k: (len(ordered[k].prompt_ids) + len(ordered[k].response_ids), k))
+
+
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t[:, :width]
 
@@ -86,7 +97,7 @@ def grpo_step(
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
     order = torch.randperm(b, generator=gen).tolist()
     minis = [order[m0 : m0 + cfg.mini_batch_size] for m0 in range(0, b, cfg.mini_batch_size)]
-    mine = sorted(k for mini in minis for k in mini[rank::world])
+    mine = _by_length([k for mini in minis for k in mini[rank::world]], ordered)
 
     # -- old (and reference) logprobs: one no-grad pass over this rank's sequences ------
     t0 = time.perf_counter()
@@ -127,7 +138,7 @@ def grpo_step(
         # sum by (mini-batch tokens / W): the average is then the exact token mean.
         mini_tokens = sum(len(ordered[k].response_ids) for k in mini)
         denom = max(1, mini_tokens) / world
-        local = mini[rank::world]
+        local = _by_length(mini[rank::world], ordered)
         for u0 in range(0, len(local), mb):
             idx = local[u0 : u0 + mb]
             chunk = [ordered[k] for k in idx]
