@@ -28,15 +28,22 @@ class Command:
     path: tuple[str, ...]  # ("rollout", "serve")
     module: str
     help: str
+    # True: one process that has the machine's cores to itself (the model build, the drafter warm-up).
+    # Its OpenMP threads keep libgomp's default wait (spin briefly at a barrier, then sleep): the tiny
+    # build ran 1.66x faster that way on 2 idle cores (BENCHMARKS.md, "Tiny model build"). Every other
+    # command shares the cores with other processes and waits passively (see `omp_wait_policy`).
+    owns_cores: bool = False
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command(("model", "build"), "tlt.model.build", "train the tokenizer and pre-train the tiny model"),
-    Command(("model", "eval"), "tlt.model.evaluate", "accuracy and response-length tail of a model on the task"),
+    Command(("model", "build"), "tlt.model.build", "train the tokenizer and pre-train the tiny model", owns_cores=True),
+    Command(("model", "eval"), "tlt.model.evaluate", "accuracy and response-length tail of a model on the task",
+            owns_cores=True),
     Command(("task", "export"), "tlt.task.export", "write (prompt, answer) JSONL of the synthetic task"),
     Command(("rollout", "serve"), "tlt.services.rollout.serve", "run the rollout server (HTTP + gRPC)"),
     Command(("reward", "serve"), "tlt.services.reward.serve", "run the gRPC reward server"),
-    Command(("drafter", "warmup"), "tlt.services.drafter.warmup", "offline warm-up training of the drafter"),
+    Command(("drafter", "warmup"), "tlt.services.drafter.warmup", "offline warm-up training of the drafter",
+            owns_cores=True),
     Command(("drafter", "serve"), "tlt.services.drafter.serve", "run the elastic drafter trainer"),
     Command(("drafter", "worker"), "tlt.services.drafter.worker_main", "run one drafter worker"),
     Command(("drafter", "export"), "tlt.services.drafter.export", "export the drafter for SGLang"),
@@ -101,12 +108,36 @@ def _die_with_parent() -> None:
         sys.exit(f"tlt: the launcher (pid {parent}) is gone; not starting")
 
 
+def command_for(argv: list[str], commands: tuple[Command, ...] = COMMANDS) -> Command | None:
+    """The command `argv` names (its first positional words), or None."""
+    words = [a for a in argv if not a.startswith("-")][:2]
+    for cmd in commands:
+        if list(cmd.path) == words[: len(cmd.path)]:
+            return cmd
+    return None
+
+
+def omp_wait_policy(cmd: Command | None, environ: dict[str, str] | os._Environ[str]) -> str | None:
+    """The OMP_WAIT_POLICY to set for `cmd`, or None to leave the environment as it is.
+
+    The caller's own OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins. Otherwise commands that share the
+    cores with other processes (servers, `tlt run`, benches) wait passively: threads that spin at
+    OpenMP barriers starve the other processes' threads (measured in `tlt run`: the policy update took
+    2.6-43 s with spinning trainer threads, 1.4-3.3 s passive). `owns_cores` commands keep libgomp's
+    default. On a machine shared with other jobs, set OMP_WAIT_POLICY=PASSIVE for those too.
+    """
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return None
+    return None if cmd is not None and cmd.owns_cores else "PASSIVE"
+
+
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
-    # OpenMP threads sleep instead of spinning at barriers: on a shared CPU machine spinning threads starve
-    # each other (tiny-model training measured 5-10x slower). libgomp reads this when torch is first
-    # imported, which may happen while the parser imports command modules, so it is set first.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # libgomp reads OMP_WAIT_POLICY when torch is first imported, which may happen while the parser
+    # imports command modules, so it is decided from the raw arguments first.
+    policy = omp_wait_policy(command_for(sys.argv[1:] if argv is None else argv), os.environ)
+    if policy is not None:
+        os.environ["OMP_WAIT_POLICY"] = policy
     parser = build_parser()
     args = parser.parse_args(argv)
     from tlt.services.common.logging import configure_logging

@@ -218,11 +218,6 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Sleep, do not spin, while waiting at OpenMP barriers: on a shared 2-core machine spinning threads
-    # starve each other (measured: 2 threads 55-100 tok/s spinning vs about 900 passive under load 8).
-    # libgomp reads this when torch is first imported; `tlt.cli.main` sets it before the parser (which may
-    # import torch through another command module), this line covers direct callers of `run`.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     facts = build_model(
         args.preset,
         args.out,

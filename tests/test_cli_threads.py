@@ -1,0 +1,66 @@
+"""Which commands let OpenMP threads spin: the ones that own the cores (tlt/cli.py `owns_cores`).
+
+The policy must be in the environment before torch is imported, so `main` decides it from the raw
+arguments; these tests run `main` itself (up to `--help`) and read what it left in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tlt import cli
+
+
+@pytest.mark.parametrize(
+    "argv, path",
+    [
+        (["model", "build", "--out", "x"], ("model", "build")),
+        (["--log-json", "rollout", "serve", "--model", "m"], ("rollout", "serve")),
+        (["run", "--steps", "3"], ("run",)),
+        (["bench", "e2e"], ("bench", "e2e")),
+    ],
+)
+def test_command_for_reads_the_positional_words(argv, path):
+    cmd = cli.command_for(argv)
+    assert cmd is not None and cmd.path == path
+
+
+def test_unknown_command_is_none():
+    assert cli.command_for(["nonsense"]) is None
+    assert cli.command_for([]) is None
+
+
+def test_only_standalone_compute_commands_own_the_cores():
+    owners = {c.path for c in cli.COMMANDS if c.owns_cores}
+    assert owners == {("model", "build"), ("model", "eval"), ("drafter", "warmup")}
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["model", "build", "--help"], None),  # libgomp's default: spin briefly, then sleep
+        (["drafter", "warmup", "--help"], None),
+        (["rollout", "serve", "--help"], "PASSIVE"),
+        (["run", "--help"], "PASSIVE"),
+        (["bench", "rollout", "--help"], "PASSIVE"),
+    ],
+)
+def test_main_sets_the_wait_policy_before_anything_imports_torch(monkeypatch, capsys, argv, want):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0
+    assert os.environ.get("OMP_WAIT_POLICY") == want
+
+
+def test_the_callers_setting_wins(monkeypatch):
+    build = cli.command_for(["model", "build"])
+    serve = cli.command_for(["rollout", "serve"])
+    assert cli.omp_wait_policy(build, {"OMP_WAIT_POLICY": "PASSIVE"}) is None  # left as the caller set it
+    assert cli.omp_wait_policy(serve, {"OMP_WAIT_POLICY": "ACTIVE"}) is None
+    assert cli.omp_wait_policy(serve, {"GOMP_SPINCOUNT": "10000"}) is None
+    assert cli.omp_wait_policy(serve, {}) == "PASSIVE"
+    assert cli.omp_wait_policy(None, {}) == "PASSIVE"
