@@ -29,6 +29,11 @@ log = get_logger("drafter.rollout_idle")
 IDLE = common_pb2.REPLICA_STATE_IDLE
 
 
+def all_idle(states: dict[tuple[str, int], int]) -> bool:
+    """True when at least one replica was heard of and every one's last state is IDLE."""
+    return bool(states) and all(s == IDLE for s in states.values())
+
+
 class RolloutIdle:
     def __init__(self, capacity_pub: str, capacity_snapshot: str, stale_s: float = 5.0) -> None:
         self.enabled = bool(capacity_pub and capacity_snapshot)
@@ -49,7 +54,7 @@ class RolloutIdle:
             return True
         with self._lock:
             fresh = time.monotonic() - self._last_event < self.stale_s
-            return fresh and bool(self._states) and all(s == IDLE for s in self._states.values())
+            return fresh and all_idle(self._states)
 
     def busy(self) -> bool:
         return not self.idle()

@@ -33,6 +33,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import tensors_from, tensors_message
 from tlt.services.drafter.packing import PackedBatch
+from tlt.services.drafter.rollout_idle import all_idle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.model.drafter import Drafter
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
@@ -138,7 +139,7 @@ class DrafterWorker:
         mine = getattr(event, "replica_id", None) == self.replica_id
         if self.cfg.train_when == "rollout_idle":  # every replica's state counts: idle only when all are
             self._states[(event.server_id, event.replica_id)] = event.state  # type: ignore[attr-defined]
-            state = IDLE if all(s == IDLE for s in self._states.values()) else common_pb2.REPLICA_STATE_BUSY
+            state = IDLE if all_idle(self._states) else common_pb2.REPLICA_STATE_BUSY
         elif not mine:
             return
         else:
