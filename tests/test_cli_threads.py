@@ -64,3 +64,29 @@ def test_the_callers_setting_wins(monkeypatch):
     assert cli.omp_wait_policy(serve, {"GOMP_SPINCOUNT": "10000"}) is None
     assert cli.omp_wait_policy(serve, {}) == "PASSIVE"
     assert cli.omp_wait_policy(None, {}) == "PASSIVE"
+
+
+def test_a_replica_can_spin_only_if_torch_is_not_loaded_yet():
+    """`spin_at_barriers` (the rollout replica's `spin_wait`) in a fresh interpreter, as a spawned replica
+    runs it: it sets GOMP_SPINCOUNT, which libgomp lets override the OMP_WAIT_POLICY=PASSIVE that the CLI
+    gives services, and refuses once torch (and so libgomp) is loaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from tlt.services.common.cpus import spin_at_barriers, SPIN_COUNT\n"
+        "before = spin_at_barriers()\n"
+        "import torch\n"
+        "after = spin_at_barriers()\n"
+        "print(before, after, os.environ['GOMP_SPINCOUNT'] == SPIN_COUNT)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "True"]
+    env["GOMP_SPINCOUNT"] = "1000"  # the caller's own spin count is kept
+    code2 = "import os\nfrom tlt.services.common.cpus import spin_at_barriers\nspin_at_barriers()\nprint(os.environ['GOMP_SPINCOUNT'])\n"
+    out = subprocess.run([sys.executable, "-c", code2], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "1000", out.stderr

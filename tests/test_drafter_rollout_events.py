@@ -82,3 +82,29 @@ def test_features_with_no_consumer_are_dropped_and_counted(model_dir) -> None:
         assert len(done) == 4
         stats = s.call(s.server.pool.snapshot())
         assert stats[0].stats.features_dropped == 4
+
+
+def test_a_policy_push_makes_every_replica_busy_while_it_is_applied(model_dir) -> None:
+    """Copying new weights in is work on the replica's device: drafter workers must not train meanwhile."""
+    import safetensors.torch
+
+    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    with ServerThread(model_dir, replicas=2, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert all(e.state == IDLE for e in sub.snapshot())
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            assert client.update_weights(weights, "policy", 1).ok
+        seen: list = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            e = sub.recv(0.5)
+            if e is not None and not e.heartbeat:
+                seen.append((e.replica_id, e.state, e.versions.policy))
+            if sorted(r for r, st, _ in seen if st == IDLE) == [0, 1]:
+                break
+        for r in (0, 1):
+            mine = [(st, v) for rid, st, v in seen if rid == r]
+            # BUSY before the apply (old version), IDLE after it, carrying the new version
+            assert mine == [(BUSY, 0), (IDLE, 1)], (r, mine)
+        sub.close()

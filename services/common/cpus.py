@@ -35,6 +35,22 @@ def pin(cores: list[int]) -> bool:
     return True
 
 
+# libgomp's own default spin before a waiting thread sleeps (about a millisecond or less on current cores).
+SPIN_COUNT = "300000"
+
+
+def spin_at_barriers() -> bool:
+    """Let this process's OpenMP threads spin briefly at barriers (libgomp: GOMP_SPINCOUNT overrides the
+    OMP_WAIT_POLICY=PASSIVE the `tlt` CLI sets for services). It only works before torch is imported,
+    and a GOMP_SPINCOUNT the caller set is kept: returns whether the spin count is now in effect."""
+    import sys
+
+    if "torch" in sys.modules:
+        return False
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    return True
+
+
 def pin_group(index: int, threads: int) -> tuple[list[int], bool]:
     """Pin this process to group `index` of `threads` cores (a replica, or the worker watching it):
     (the group's cores, whether pinning took effect)."""

@@ -36,6 +36,13 @@ class RolloutConfig(ServiceConfig):
         True, description="CPU replicas: pin replica i to its own threads_per_replica cores (services/common/cpus.py), "
         "so a drafter worker training on an idle replica's cores never slows a busy one; no effect on GPU replicas"
     )
+    spin_wait: bool = Field(
+        True, description="CPU replicas: OpenMP threads spin briefly at barriers before sleeping (GOMP_SPINCOUNT, "
+        "services/common/cpus.py) instead of the passive wait every other service uses. A decoding replica has its "
+        "cores to itself in an RL step, and a decode step is many small parallel kernels: waking sleeping threads "
+        "for each one cost 23% of the rollout time of `tlt run` (BENCHMARKS.md). False on a machine shared with "
+        "other jobs; no effect with one thread per replica"
+    )
     max_n: int = Field(64, ge=1, description="largest n (samples per prompt) a request may ask for")
     max_prompts_per_batch: int = Field(4096, ge=1, description="largest number of prompts in one BatchGenerate")
     max_request_bytes: int = Field(

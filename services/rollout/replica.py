@@ -42,9 +42,16 @@ from tlt.services.rollout.ipc import (
 def replica_main(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
     features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "", pin_cpus: bool = False,
+    spin_wait: bool = False,
 ) -> None:
     """Process entry point (multiprocessing spawn target). `features_push`: drafter feature PULL endpoint.
-    `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`."""
+    `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`.
+    `spin_wait`: its OpenMP threads spin briefly at barriers (`services.common.cpus.spin_at_barriers`)."""
+    spinning = False
+    if spin_wait:  # before torch is imported: libgomp reads it then
+        from tlt.services.common.cpus import spin_at_barriers
+
+        spinning = spin_at_barriers()
     import torch
 
     from tlt.services.common.logging import configure_logging, get_logger
@@ -55,6 +62,8 @@ def replica_main(
     log = get_logger("rollout.replica")
     if threads > 0:
         torch.set_num_threads(threads)
+    if spin_wait and not spinning:
+        log.warning("spin_wait_not_applied", reason="torch was imported before the replica could set GOMP_SPINCOUNT")
     config = EngineConfig.model_validate_json(engine_config_json)
     if pin_cpus and str(getattr(config, "device", "cpu")).startswith("cpu"):
         from tlt.services.common.cpus import pin_group
@@ -81,7 +90,8 @@ def replica_main(
         pid=os.getpid(),
     )
     conn.send(Ready(info))
-    log.info("replica_ready", replica=replica_id, pid=info.pid, threads=torch.get_num_threads(), device=info.device)
+    log.info("replica_ready", replica=replica_id, pid=info.pid, threads=torch.get_num_threads(), device=info.device,
+             spin_count=os.environ.get("GOMP_SPINCOUNT", "") if spinning else "")
     try:
         features = None
         if features_push:

@@ -16,7 +16,10 @@ immediate), ties broken round-robin.
 Capacity events (when a `capacity` sink is given): a replica is BUSY from the moment a request
 is handed to it while it had nothing outstanding, and IDLE again when its last outstanding
 sequence finishes, fails or is aborted (the counts here are exact, see above); DRAINING when it
-dies or the pool stops. Each change is published at once (drafter workers preempt on BUSY).
+dies or the pool stops. Applying a policy push is work too: the replica is BUSY while it copies the
+new weights in (a drafter worker training on its cores meanwhile made the apply several times slower
+with spinning OpenMP threads, `spin_wait`). Each change is published at once (drafter workers
+preempt on BUSY).
 
 Weight updates (`update_weights`) are all-or-nothing in the sense that
 matters: the payload is validated entirely here (checksum, sizes, names,
@@ -110,6 +113,7 @@ class _Replica:
         self.alive = False
         self.error = ""
         self.outstanding = 0
+        self.applying = False  # a policy push is being applied (BUSY, see the module docstring)
         self.outbox: queue.Queue = queue.Queue()
         self.ready = asyncio.get_running_loop().create_future()
         self.restarted = False  # a restarted replica serves only once the latest weights are replayed
@@ -120,9 +124,11 @@ class ReplicaPool:
 
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
-                 spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False) -> None:
+                 spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False,
+                 spin_wait: bool = False) -> None:
         self.model_dir = model_dir
         self.pin_cpus = pin_cpus
+        self.spin_wait = spin_wait
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}  # replica id -> restarts so far
         self._latest: dict[str, tuple[int, bytes, bytes]] = {}  # kind -> (version, manifest, payload) applied
@@ -162,13 +168,13 @@ class ReplicaPool:
     def _busy(self, rep: _Replica) -> None:
         from tlt.v1 import common_pb2
 
-        if rep.outstanding == 0:
+        if rep.outstanding == 0 and not rep.applying:
             self._publish_state(rep, common_pb2.REPLICA_STATE_BUSY)
 
     def _maybe_idle(self, rep: _Replica) -> None:
         from tlt.v1 import common_pb2
 
-        if rep.outstanding == 0 and rep.alive and not self._stopping:
+        if rep.outstanding == 0 and not rep.applying and rep.alive and not self._stopping:
             self._publish_state(rep, common_pb2.REPLICA_STATE_IDLE)
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -197,7 +203,8 @@ class ReplicaPool:
             target=replica_main,
             args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
                   self.features_push, self.features_max_tokens,
-                  "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus),
+                  "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus,
+                  self.spin_wait),
             name=f"tlt-rollout-replica-{i}",
             daemon=True,
         )
@@ -463,31 +470,42 @@ class ReplicaPool:
                 raise ReplicaUnavailableError("no live engine replica")
             blob, data = manifest.SerializeToString(), bytes(payload)
             t0 = time.perf_counter()
-            replies = await asyncio.gather(
-                *(
-                    self._ask(r, lambda cid: ApplyWeights(cid, kind, manifest.version, blob, data), timeout_s)
-                    for r in live
-                ),
-                return_exceptions=True,
-            )
-            # A replica that died meanwhile serves nothing any more: it is not a failed apply.
-            failed = [
-                f"replica {r.replica_id}: {x.error if isinstance(x, Reply) else repr(x)}"
-                for r, x in zip(live, replies)
-                if (not isinstance(x, Reply) or x.error) and not isinstance(x, ReplicaUnavailableError)
-            ]
-            applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
-            if failed:
-                if applied:
-                    log.error("weight_update_partial", kind=kind, applied=applied, failed=failed)
-                    raise WeightUpdateError(
-                        f"update applied on replicas {applied} but FAILED on: {'; '.join(failed)} "
-                        "(replicas now serve different weights; push again)"
-                    )
-                raise WeightUpdateError("; ".join(failed))
-            if not applied:
-                raise ReplicaUnavailableError("every replica died during the weight update")
-            self.versions = next(x.versions for x in replies if isinstance(x, Reply))  # type: ignore[union-attr]
-            self._latest[kind] = (manifest.version, blob, data)  # replayed to a restarted replica
-            log.info("weights_updated", kind=kind, version=manifest.version, replicas=applied)
-            return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
+            busy = live if kind == "policy" else []
+            for r in busy:
+                self._busy(r)
+                r.applying = True
+            try:
+                return await self._apply_on(live, kind, manifest.version, blob, data, timeout_s, t0)
+            finally:  # IDLE again after the pool's versions moved on (the event carries them)
+                for r in busy:
+                    r.applying = False
+                    self._maybe_idle(r)
+
+    async def _apply_on(self, live: list[_Replica], kind: str, version: int, blob: bytes, data: bytes,
+                        timeout_s: float, t0: float) -> dict:
+        """Send the validated push to every live replica; the caller holds the update lock."""
+        replies = await asyncio.gather(
+            *(self._ask(r, lambda cid: ApplyWeights(cid, kind, version, blob, data), timeout_s) for r in live),
+            return_exceptions=True,
+        )
+        # A replica that died meanwhile serves nothing any more: it is not a failed apply.
+        failed = [
+            f"replica {r.replica_id}: {x.error if isinstance(x, Reply) else repr(x)}"
+            for r, x in zip(live, replies)
+            if (not isinstance(x, Reply) or x.error) and not isinstance(x, ReplicaUnavailableError)
+        ]
+        applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
+        if failed:
+            if applied:
+                log.error("weight_update_partial", kind=kind, applied=applied, failed=failed)
+                raise WeightUpdateError(
+                    f"update applied on replicas {applied} but FAILED on: {'; '.join(failed)} "
+                    "(replicas now serve different weights; push again)"
+                )
+            raise WeightUpdateError("; ".join(failed))
+        if not applied:
+            raise ReplicaUnavailableError("every replica died during the weight update")
+        self.versions = next(x.versions for x in replies if isinstance(x, Reply))  # type: ignore[union-attr]
+        self._latest[kind] = (version, blob, data)  # replayed to a restarted replica
+        log.info("weights_updated", kind=kind, version=version, replicas=applied)
+        return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
