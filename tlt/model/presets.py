@@ -4,10 +4,11 @@
 plus an fc of 2H x H, and with 12 target layers it costs about 1/8 of a
 target forward (see `drafter_cost_ratio`: 0.115). Its pre-training is a fixed
 720 steps of 2 x 320 packed tokens (461k tokens; fixed so the model is the
-same on any machine): about 210 s at the ~2,200 tokens/s two idle cores of
-the CI machine give (measured in a fresh clone), 264 s at the ~1,740 tokens/s
-they gave on a slower day; `time_budget_s` (265 s, so the build stays under
-5 minutes) is only a safety stop for a slower or busy machine. lr 1e-3: at 3e-3 the model stalls
+same on any machine): 192 s at the 2,404 tokens/s two idle cores gave with
+libgomp's default OpenMP wait (the CLI no longer forces a passive wait on the
+build; passive, the same machine gave 1,432 tokens/s); `time_budget_s` (265 s,
+so the build stays under 5 minutes) is only a safety stop for a slower or busy
+machine (below ~1,740 tokens/s). lr 1e-3: at 3e-3 the model stalls
 at loss ~1.2-1.6 and stays at chance. `small` is the
 same recipe sized for one GPU (not run yet).
 
