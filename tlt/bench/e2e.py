@@ -1,6 +1,6 @@
 """`tlt bench e2e`: end-to-end RL steps, TLT against the baseline, same seeds, data and steps.
 
-    tlt bench e2e [--preset cpu-tiny] [--steps 12] [--noise-seed 1] [--out runs/bench-e2e]
+    tlt bench e2e [--preset cpu-tiny] [--steps 12] [--noise-seed 1] [--pairs 1] [--out runs/bench-e2e]
 
     TLT       `tlt run --seed S`             speculative decoding as [rollout.spec] says (adaptive),
                                              online drafter when the rollout drafts with a learned one
@@ -16,6 +16,13 @@ reward curves "agree" when TLT's mean absolute per-step reward difference from
 the baseline is at most 1.5x that between the two baseline seeds (a noise
 estimate from one pair of runs, hence the margin); the difference of the run
 means is reported beside it.
+
+`--pairs K` runs TLT and the baseline K times, in alternating order (tlt, baseline, baseline, tlt,
+tlt, ...: a machine that drifts slower or faster over the bench favours neither), and reports each
+pair's step-time and rollout-time ratios with their median and range (`pairs` in the summary).
+On a shared VM two runs of one configuration can differ by 14% in step time (BENCHMARKS.md, "End
+to end, Session 6"), so one pair cannot resolve a ratio much closer to 1 than that. The names of
+pair k > 1 end in `-k`; `step_time_ratio` and the table's first rows stay pair 1's.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=12, help="RL steps per run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TLT and baseline runs")
     parser.add_argument("--noise-seed", type=int, default=1, help="seed of the repeated baseline (-1: skip it)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="TLT / baseline pairs, in alternating order; the ratio's median and range over them")
     parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
     parser.add_argument("--out", default="runs/bench-e2e", help="folder for the three run folders and the results")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -57,6 +66,35 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def run_order(pairs: int) -> list[tuple[str, bool]]:
+    """(run name, baseline?) in the order they run: pair k is "tlt-k" / "baseline-k" ("tlt" / "baseline"
+    for k = 1), TLT first in odd pairs and the baseline first in even ones."""
+    if pairs < 1:
+        raise ValueError(f"--pairs must be at least 1, got {pairs}")
+    order: list[tuple[str, bool]] = []
+    for k in range(1, pairs + 1):
+        sfx = "" if k == 1 else f"-{k}"
+        pair = [(f"tlt{sfx}", False), (f"baseline{sfx}", True)]
+        order += pair if k % 2 else pair[::-1]
+    return order
+
+
+def pair_ratios(results: dict[str, dict], pairs: int) -> dict:
+    """Per pair: baseline / TLT mean step time and mean rollout time; with their median and range."""
+    import statistics
+
+    step, rollout = [], []
+    for k in range(1, pairs + 1):
+        sfx = "" if k == 1 else f"-{k}"
+        t, b = results[f"tlt{sfx}"], results[f"baseline{sfx}"]
+        step.append(b["mean_step_s"] / t["mean_step_s"] if t["mean_step_s"] else 0.0)
+        rollout.append(b["mean_rollout_s"] / t["mean_rollout_s"] if t["mean_rollout_s"] else 0.0)
+    return {"step_time_ratios": step, "step_time_ratio_median": statistics.median(step),
+            "step_time_ratio_range": [min(step), max(step)], "rollout_time_ratios": rollout,
+            "rollout_time_ratio_median": statistics.median(rollout),
+            "rollout_time_ratio_range": [min(rollout), max(rollout)]}
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import shutil
@@ -74,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     log = get_logger("bench.e2e")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = {"tlt": (args.seed, False), "baseline": (args.seed, True)}
+    runs = {name: (args.seed, baseline) for name, baseline in run_order(args.pairs)}
     if args.noise_seed >= 0:
         runs["baseline-noise"] = (args.noise_seed, True)
     results = {}
@@ -108,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         "reward_diff_tlt_vs_baseline": abs(t["mean_reward"] - b["mean_reward"]),
         "reward_step_mad_tlt_vs_baseline": _mean([abs(x - y) for x, y in zip(t["reward"], b["reward"])]),
     }
+    if args.pairs > 1:
+        summary["pairs"] = pair_ratios(results, args.pairs)
     if "baseline-noise" in results:
         n = results["baseline-noise"]
         summary["reward_diff_noise"] = abs(n["mean_reward"] - b["mean_reward"])

@@ -1,0 +1,42 @@
+"""`tlt bench e2e --pairs K`: the run order alternates, and the per-pair ratios are what they say.
+
+The bench itself launches whole `tlt run`s (minutes each), which the slow e2e runs in BENCHMARKS.md
+exercise; here only its pure parts: the order and the arithmetic, on hand-made results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tlt.bench.e2e import pair_ratios, run_order
+
+
+def test_one_pair_is_the_old_order():
+    assert run_order(1) == [("tlt", False), ("baseline", True)]
+
+
+def test_pairs_alternate_which_runs_first():
+    assert run_order(3) == [
+        ("tlt", False), ("baseline", True),
+        ("baseline-2", True), ("tlt-2", False),
+        ("tlt-3", False), ("baseline-3", True),
+    ]
+    with pytest.raises(ValueError, match="at least 1"):
+        run_order(0)
+
+
+def test_pair_ratios_by_hand():
+    def r(step, rollout):
+        return {"mean_step_s": step, "mean_rollout_s": rollout}
+
+    results = {
+        "tlt": r(5.0, 1.0), "baseline": r(4.0, 1.5),      # 0.8, 1.5
+        "tlt-2": r(4.0, 2.0), "baseline-2": r(5.0, 1.0),  # 1.25, 0.5
+        "tlt-3": r(4.0, 1.0), "baseline-3": r(4.4, 1.2),  # 1.1, 1.2
+    }
+    got = pair_ratios(results, 3)
+    assert got["step_time_ratios"] == pytest.approx([0.8, 1.25, 1.1])
+    assert got["step_time_ratio_median"] == pytest.approx(1.1)
+    assert got["step_time_ratio_range"] == pytest.approx([0.8, 1.25])
+    assert got["rollout_time_ratios"] == pytest.approx([1.5, 0.5, 1.2])
+    assert got["rollout_time_ratio_median"] == pytest.approx(1.2)
