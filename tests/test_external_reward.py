@@ -135,7 +135,7 @@ def test_refused_completion_fails_the_step_clearly(external_server):
 
 
 def test_unreachable_server_fails_after_retries():
-    from tlt.services.trainer.distributed import free_port
+    from tlt.services.common.ports import free_port
 
     source = GrpcRewards(f"127.0.0.1:{free_port()}", concurrency=1, timeout_s=1.0, retries=1)
     try:

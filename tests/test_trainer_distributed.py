@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from test_trainer_step import config, make_samples, tiny_qwen2
-from tlt.services.trainer.distributed import free_port
+from tlt.services.common.ports import free_port
 from tlt.services.trainer.policy import Policy
 from tlt.services.trainer.step import grpo_step
 

@@ -18,13 +18,8 @@ then falls back to plain torch.distributed (gloo / NCCL) and compiles nothing.
 from __future__ import annotations
 
 import os
-import socket
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tlt.services.common.ports import free_port
 
 
 def no_jit_ops() -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from tlt.services.common.config import ServiceConfig
+from tlt.services.common.ports import free_ports
 
 
 class RunConfig(ServiceConfig):
@@ -41,12 +41,6 @@ class RunConfig(ServiceConfig):
     startup_timeout_s: float = Field(300.0, gt=0, description="how long services may take to become ready")
     stop_timeout_s: float = Field(20.0, gt=0, description="how long a service may take to stop after SIGTERM before SIGKILL")
     torch_threads: int = Field(0, ge=0, description="torch threads of the trainer; 0: the [trainer] section's")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def rollout_has_spec() -> bool:
@@ -78,7 +72,8 @@ def resolve_services(preset: dict[str, Any], run: RunConfig, run_dir: Path) -> t
     rollout = cfg.setdefault("rollout", {})
     reward = cfg.setdefault("reward", {})
     trainer = cfg.setdefault("trainer", {})
-    http, grpc_port, reward_port = free_port(), free_port(), free_port()
+    # every port this run listens on, distinct, drawn below the ephemeral range (services/common/ports.py)
+    http, grpc_port, reward_port, cap_pub, cap_snap, feats, coord, status = free_ports(8)
     rollout.update(host=host, http_port=http, grpc_port=grpc_port)
     reward.update(host=host, port=reward_port)
     trainer.update(model_dir=run.model_dir, output_dir=str(run_dir), rollout_addresses=[f"{host}:{grpc_port}"],
@@ -101,13 +96,12 @@ def resolve_services(preset: dict[str, Any], run: RunConfig, run_dir: Path) -> t
     learned = speculation and spec.get("drafter", "ngram") == "learned"
     drafter = run.drafter and learned and drafter_available()
     if drafter:
-        cap_pub, cap_snap, feats = free_port(), free_port(), free_port()
         rollout.update(capacity_pub=f"tcp://{host}:{cap_pub}", capacity_snapshot=f"tcp://{host}:{cap_snap}",
                        features_push=f"tcp://{host}:{feats}")
         d = cfg.setdefault("drafter", {})
         d.update(capacity_pub=f"tcp://{host}:{cap_pub}", capacity_snapshot=f"tcp://{host}:{cap_snap}",
-                 features_bind=f"tcp://{host}:{feats}", coordinator_bind=f"tcp://{host}:{free_port()}",
-                 rollout_grpc=f"{host}:{grpc_port}", host=host, status_port=free_port(),
+                 features_bind=f"tcp://{host}:{feats}", coordinator_bind=f"tcp://{host}:{coord}",
+                 rollout_grpc=f"{host}:{grpc_port}", host=host, status_port=status,
                  checkpoint_dir=str(run_dir / "drafter"))
         if spec.get("drafter_path") and not d.get("init_drafter"):
             d["init_drafter"] = spec["drafter_path"]

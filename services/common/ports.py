@@ -1,0 +1,62 @@
+"""Free TCP ports for services started on this machine (`tlt run`, the trainer's process group).
+
+A port from bind(("127.0.0.1", 0)) comes from the kernel's ephemeral range, the same range outgoing
+connections take their local ports from. Between picking it and the service binding it (seconds,
+while other services start and connect), a client connection can take it: seen in `tlt bench e2e`,
+where the rollout's capacity snapshot socket failed with "Address already in use" on port 33919.
+So ports are drawn below the ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range), where
+only another listener could take one, and each is checked by binding it. Without that file (not
+Linux), or when no port below the range is free, it falls back to an ephemeral port.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST = 20000  # below common service ports' neighbourhood (8000s, 50000s are above the range's start anyway)
+
+
+def ephemeral_range(path: Path = RANGE_FILE) -> tuple[int, int] | None:
+    """The kernel's (first, last) ephemeral port, or None where it cannot be read."""
+    try:
+        first, last = (int(x) for x in path.read_text().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return first, last
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None, tries: int = 200,
+              range_file: Path = RANGE_FILE) -> int:
+    """A port that is free now and outside the ephemeral range (see the module docstring)."""
+    rng = rng or random.SystemRandom()
+    eph = ephemeral_range(range_file)
+    if eph is not None and eph[0] - 1 > LOWEST:
+        for _ in range(tries):
+            port = rng.randint(LOWEST, eph[0] - 1)
+            if _bindable(host, port):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (each drawn as `free_port` draws; none is bound until the caller binds it)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port(host)
+        if p not in ports:
+            ports.append(p)
+    return ports
