@@ -18,6 +18,8 @@ from tlt import cli
     [
         (["model", "build", "--out", "x"], ("model", "build")),
         (["--log-json", "rollout", "serve", "--model", "m"], ("rollout", "serve")),
+        (["--log-level", "debug", "model", "build"], ("model", "build")),
+        (["--log-level=debug", "drafter", "warmup"], ("drafter", "warmup")),
         (["run", "--steps", "3"], ("run",)),
         (["bench", "e2e"], ("bench", "e2e")),
     ],

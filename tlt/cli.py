@@ -108,9 +108,23 @@ def _die_with_parent() -> None:
         sys.exit(f"tlt: the launcher (pid {parent}) is gone; not starting")
 
 
+# Top-level options that take a value (`tlt --log-level debug model build`): skipped with it.
+_VALUE_OPTIONS = ("--log-level",)
+
+
 def command_for(argv: list[str], commands: tuple[Command, ...] = COMMANDS) -> Command | None:
     """The command `argv` names (its first positional words), or None."""
-    words = [a for a in argv if not a.startswith("-")][:2]
+    words: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _VALUE_OPTIONS:
+            skip = True
+        elif not a.startswith("-"):
+            words.append(a)
+        if len(words) == 2:
+            break
     for cmd in commands:
         if list(cmd.path) == words[: len(cmd.path)]:
             return cmd
