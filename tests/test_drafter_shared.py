@@ -153,7 +153,11 @@ def test_coordinator_and_worker_switch_to_the_pushed_embedding_and_lm_head(model
             st = coord.status()
             assert st.shared_policy_version == 1 and st.shared_fetch_failures == 0
             assert [(w.worker_id, w.shared_policy_version, w.shared_fetch_failures) for w in st.workers] == [(0, 1, 0)]
-            assert [w.shared_policy_version for w in st.windows] == [0, 1]  # preempted by the request, then stopped
+            # Window 0 is preempted by the push (a replica is BUSY while it applies one); then windows at 1
+            # only: one more when the request's BUSY came after the worker had opened a window on the
+            # push's IDLE, and the last one ended by `stop`.
+            versions = [w.shared_policy_version for w in st.windows]
+            assert versions[0] == 0 and set(versions[1:]) == {1} and len(versions) in (2, 3), versions
             assert worker.shared.current.policy_version == 1 and worker.shared.failures == 0
         finally:
             stop.set()
