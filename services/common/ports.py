@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST = 20000  # below common service ports' neighbourhood (8000s, 50000s are above the range's start anyway)
+LOWEST = 20000  # the lowest port drawn: clear of the low ports other services commonly listen on
 
 
 def ephemeral_range(path: Path = RANGE_FILE) -> tuple[int, int] | None:

@@ -118,6 +118,11 @@ class _Replica:
         self.ready = asyncio.get_running_loop().create_future()
         self.restarted = False  # a restarted replica serves only once the latest weights are replayed
 
+    @property
+    def has_work(self) -> bool:
+        """Sequences outstanding or a policy push being applied: what BUSY means."""
+        return self.outstanding > 0 or self.applying
+
 
 class ReplicaPool:
     """N engine replica processes behind one async interface."""
@@ -168,13 +173,13 @@ class ReplicaPool:
     def _busy(self, rep: _Replica) -> None:
         from tlt.v1 import common_pb2
 
-        if rep.outstanding == 0 and not rep.applying:
+        if not rep.has_work:
             self._publish_state(rep, common_pb2.REPLICA_STATE_BUSY)
 
     def _maybe_idle(self, rep: _Replica) -> None:
         from tlt.v1 import common_pb2
 
-        if rep.outstanding == 0 and not rep.applying and rep.alive and not self._stopping:
+        if not rep.has_work and rep.alive and not self._stopping:
             self._publish_state(rep, common_pb2.REPLICA_STATE_IDLE)
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -469,21 +474,21 @@ class ReplicaPool:
             if not live:
                 raise ReplicaUnavailableError("no live engine replica")
             blob, data = manifest.SerializeToString(), bytes(payload)
-            t0 = time.perf_counter()
             busy = live if kind == "policy" else []
             for r in busy:
                 self._busy(r)
                 r.applying = True
             try:
-                return await self._apply_on(live, kind, manifest.version, blob, data, timeout_s, t0)
+                return await self._apply_on(live, kind, manifest.version, blob, data, timeout_s)
             finally:  # IDLE again after the pool's versions moved on (the event carries them)
                 for r in busy:
                     r.applying = False
                     self._maybe_idle(r)
 
     async def _apply_on(self, live: list[_Replica], kind: str, version: int, blob: bytes, data: bytes,
-                        timeout_s: float, t0: float) -> dict:
+                        timeout_s: float) -> dict:
         """Send the validated push to every live replica; the caller holds the update lock."""
+        t0 = time.perf_counter()
         replies = await asyncio.gather(
             *(self._ask(r, lambda cid: ApplyWeights(cid, kind, version, blob, data), timeout_s) for r in live),
             return_exceptions=True,

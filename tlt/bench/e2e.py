@@ -66,6 +66,12 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def pair_names(k: int) -> tuple[str, str]:
+    """The TLT and baseline run names of pair k (1-based): "tlt" / "baseline", then "tlt-k" / "baseline-k"."""
+    sfx = "" if k == 1 else f"-{k}"
+    return f"tlt{sfx}", f"baseline{sfx}"
+
+
 def run_order(pairs: int) -> list[tuple[str, bool]]:
     """(run name, baseline?) in the order they run: pair k is "tlt-k" / "baseline-k" ("tlt" / "baseline"
     for k = 1), TLT first in odd pairs and the baseline first in even ones."""
@@ -73,8 +79,8 @@ def run_order(pairs: int) -> list[tuple[str, bool]]:
         raise ValueError(f"--pairs must be at least 1, got {pairs}")
     order: list[tuple[str, bool]] = []
     for k in range(1, pairs + 1):
-        sfx = "" if k == 1 else f"-{k}"
-        pair = [(f"tlt{sfx}", False), (f"baseline{sfx}", True)]
+        tlt, base = pair_names(k)
+        pair = [(tlt, False), (base, True)]
         order += pair if k % 2 else pair[::-1]
     return order
 
@@ -85,8 +91,7 @@ def pair_ratios(results: dict[str, dict], pairs: int) -> dict:
 
     step, rollout = [], []
     for k in range(1, pairs + 1):
-        sfx = "" if k == 1 else f"-{k}"
-        t, b = results[f"tlt{sfx}"], results[f"baseline{sfx}"]
+        t, b = (results[name] for name in pair_names(k))
         step.append(b["mean_step_s"] / t["mean_step_s"] if t["mean_step_s"] else 0.0)
         rollout.append(b["mean_rollout_s"] / t["mean_rollout_s"] if t["mean_rollout_s"] else 0.0)
     return {"step_time_ratios": step, "step_time_ratio_median": statistics.median(step),
