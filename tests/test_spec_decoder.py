@@ -464,3 +464,30 @@ def test_plain_arm_lets_the_bandit_stop_speculating_when_drafts_do_not_pay(ckpt)
     for b in buckets:  # measured as slower, the 7-token verify step is left to epsilon exploration
         by_arm = {a["arm"]: a for a in b["arms"]}
         assert by_arm["plain"]["samples"] > 0 and by_arm["plain"]["chosen"] > 2 * by_arm["6_1_7"]["chosen"], b
+
+
+def test_bandit_reward_counts_only_the_tokens_a_stop_keeps(ckpt, monkeypatch):
+    """A sequence that reaches max_tokens in the middle of an accepted path keeps only the tokens up to
+    the stop; the rest are no throughput. Every reward must be the tokens the engine appended in that
+    step, so deep arms are not paid for drafts past the end of finishing sequences."""
+    eng = _engine(ckpt)
+    one_arm = dict(SPEC, bucket_arms=(("4_2_8",), ("3_2_6",)))  # adaptive, but the choices do not depend on timing
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **one_arm), eng.runner, eng.block_manager)
+    eng.spec_decoder = dec
+    eng.scheduler.on_release = dec.release
+    records = []
+    real_record = dec.bandit.record
+    monkeypatch.setattr(dec.bandit, "record", lambda b, arm, n, s: records.append(n) or real_record(b, arm, n, s))
+    # 21 tokens: the random model repeats itself, so accepted paths run past the limit (2 steps here)
+    for r in _requests(3, 2, 21):
+        eng.add_request(r)
+    rewarded, cut = 0, 0
+    while eng.has_unfinished():
+        n_rec, emitted0 = len(records), dec.emitted_tokens
+        steps, _ = eng.step()
+        kept = sum(len(s.new_token_ids) for s in steps)
+        if len(records) > n_rec:
+            assert records[-1] == kept, (records[-1], kept)
+            rewarded += 1
+        cut += dec.emitted_tokens - emitted0 > kept  # the decoder's path was longer than what the stop kept
+    assert rewarded > 3 and cut > 0, (rewarded, cut)

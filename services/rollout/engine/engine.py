@@ -176,7 +176,8 @@ class LLMEngine:
                 result = self._emit(batch.seqs, [e.token_ids for e in emissions], [e.logprobs for e in emissions],
                                     [e.hidden for e in emissions], [e.top_logprobs for e in emissions],
                                     verified=True)
-                self.spec_decoder.finish_step(start)  # the bandit's reward covers the whole step
+                # the bandit's reward: the tokens kept (a stop drops the rest of a path) over the whole step
+                self.spec_decoder.finish_step(start, sum(len(s.new_token_ids) for s in result[0]))
                 return result
         out = self.runner.run(batch)
         self.scheduler.update(batch)
@@ -187,7 +188,8 @@ class LLMEngine:
                             out.hidden[:, None, :], [[t] for t in res.top_logprobs], verified=False)
         if self.spec_decoder is not None:
             self.spec_decoder.observe_plain(out.emit_seqs, out.hidden)
-            self.spec_decoder.finish_step(start)  # the bandit chose the "plain" arm for this step (else no-op)
+            # the bandit chose the "plain" arm for this step (else a no-op)
+            self.spec_decoder.finish_step(start, sum(len(s.new_token_ids) for s in result[0]))
         return result
 
     def _emit(self, seqs, tokens, logprobs, hidden, tops, verified: bool) -> tuple[list[StepOutput], list[CompletionOutput]]:

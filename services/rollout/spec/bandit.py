@@ -15,8 +15,9 @@ one measured at batch 2 whatever their shapes (a rollout's batch only falls thro
 the arm tried first is measured at its largest batch). The bucket still decides which arms compete
 and holds their statistics; each (arm, batch size) keeps its own window of the last `window` rewards.
 
-Reward of one SD step = tokens emitted over the whole batch (accepted drafts + one bonus per
-sequence) / step wall time: measured tokens per second. A guard skips arms whose
+Reward of one SD step = tokens kept over the whole batch (accepted drafts + one bonus per
+sequence, less what a stop cut off: the engine passes the count it appended) / step wall time:
+measured tokens per second. A guard skips arms whose
 draft_tokens x batch_size exceeds the verify-token budget; if it skips every arm, the arm with the
 fewest draft tokens is used. The RNG is seeded. Not thread-safe: the engine step loop owns it.
 """

@@ -23,10 +23,10 @@ Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` 
     if decoder is not None and decoder.wants(batch) and (em := decoder.decode(batch.seqs)) is not None:
         for seq, e in zip(batch.seqs, em):       # per token: append, version, logprob, feature row,
             ...                                  # check_stop; on a stop drop the rest and finish
-        decoder.finish_step(step_start)          # the bandit's reward: tokens / whole step time
+        decoder.finish_step(step_start, kept)    # the bandit's reward: tokens kept / whole step time
     else:
         out = runner.run(batch); ...; emit       # plain step, then decoder.observe_plain(seqs, hidden)
-        decoder.finish_step(step_start)          # rewards the "plain" arm when the bandit chose it
+        decoder.finish_step(step_start, kept)    # rewards the "plain" arm when the bandit chose it
     on finish / abort / preemption: decoder.release(seq)
 """
 
@@ -222,14 +222,21 @@ class SpecDecoder:
         a_st["seq_steps"] += seqs
         a_st["emitted"] += emitted
 
-    def finish_step(self, step_start: float | None = None) -> None:
+    def finish_step(self, step_start: float | None = None, kept: int | None = None) -> None:
         """The engine step that ran `decode` is over (its tokens emitted): reward the arm with its tokens
         per second of the WHOLE step since `step_start` (scheduling and emission included, TLT.md section
         5: "step wall time"), not only the decode call's, which would favour short arms that need more
-        steps. Without a step start (a caller that drives `decode` itself) the decode call's time."""
+        steps. Without a step start (a caller that drives `decode` itself) the decode call's time.
+
+        `kept`: the tokens the engine appended in the step. A stop (eos, max_tokens, a stop string) drops
+        the rest of an accepted path, and those tokens are no throughput: counting them would reward
+        deep arms for drafts past the end of finishing sequences, which is most of the small-batch steps
+        at the end of a rollout. Without it, the tokens `decode` emitted."""
         if self._pending is None:
             return
         batch, arm, emitted, t0 = self._pending
+        if kept is not None:
+            emitted = kept
         self._pending = None
         self.last_step_seconds = time.perf_counter() - (t0 if step_start is None else step_start)
         if self.config.mode == "adaptive":
