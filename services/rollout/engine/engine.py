@@ -197,6 +197,9 @@ class LLMEngine:
         policy = self.versions.policy
         steps: list[StepOutput] = []
         done: list[CompletionOutput] = []
+        rows = None  # a plain step's features: one conversion for the batch, not one per sequence
+        if isinstance(hidden, torch.Tensor) and any(s.features is not None for s in seqs):
+            rows = hidden.to(device="cpu", dtype=torch.float16).unbind(0)
         for k, seq in enumerate(seqs):
             if verified:
                 seq.spec.verify_steps += 1
@@ -212,11 +215,15 @@ class LLMEngine:
                     seq.logprobs.append(logprobs[k][j])
                 if seq.top_logprobs is not None:
                     seq.top_logprobs.append(tops[k][j] if tops is not None and tops[k] is not None else {})
-                if seq.features is not None:
-                    seq.features.append(hidden[k][j].to(device="cpu", dtype=torch.float16))
                 reason = check_stop(seq, tok, self.tokenizer, self.max_model_len)
                 if reason is not None:
                     break
+            if seq.features is not None:  # one [len(new), H] chunk per step
+                src = rows[k] if rows is not None else hidden[k]
+                if src.shape[0] != len(new):
+                    src = src[: len(new)]
+                # its own copy: a view of `rows` would keep the step's whole batch alive while this sequence runs
+                seq.features.append(src.clone() if rows is not None else src.to(device="cpu", dtype=torch.float16))
             if verified:  # the tokens kept: a stop or max_tokens cuts the rest of an accepted path
                 seq.spec.accepted_tokens += len(new)
             steps.append(StepOutput(seq.request_id, seq.sample_index, new,
@@ -246,7 +253,7 @@ class LLMEngine:
             versions=Versions(policy=newest, drafter=self.versions.drafter, policy_min=oldest if oldest != newest else None),
             logprobs=seq.logprobs,
             top_logprobs=seq.top_logprobs,
-            features=torch.stack(seq.features) if seq.features else (None if seq.features is None else torch.empty(0)),
+            features=torch.cat(seq.features) if seq.features else (None if seq.features is None else torch.empty(0)),
             spec=seq.spec,
             replica_id=self.replica_id,
         )

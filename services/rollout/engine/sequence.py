@@ -61,7 +61,7 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(seed_for(seed, sample_index))
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
-        self.features: list[torch.Tensor] | None = [] if params.return_features else None
+        self.features: list[torch.Tensor] | None = [] if params.return_features else None  # [n, H] fp16 chunks, one per step
         self.policy_versions: tuple[int, int] | None = None  # (oldest, newest) over emitted tokens
         self.finish_reason: FinishReason | None = None
         self.text: str | None = None  # output text cut before the stop string that finished it

@@ -265,9 +265,11 @@ class SpecDecoder:
         if len(seqs) > 4 * self.config.threshold:
             return  # far from the tail: buffering would only hold memory (rows restart from later pairs)
         live = [i for i, s in enumerate(seqs) if not s.is_finished]  # finished ones were released
-        feats = hidden.detach()
+        # one copy of the step's features (the runner may reuse its output buffer), rows as views of it:
+        # a row keeps the [B, H] copy alive while it is pending, no more memory than B row copies
+        rows = hidden.detach().clone().unbind(0)
         self.source.observe([seqs[i] for i in live], [[seqs[i].token_ids[-1]] for i in live],
-                            [[feats[i].clone()] for i in live], [seqs[i].num_tokens - 1 for i in live])
+                            [[rows[i]] for i in live], [seqs[i].num_tokens - 1 for i in live])
 
     # ---------------------------------------------------------------- lifecycle
     def release(self, seq: Sequence) -> None:

@@ -91,7 +91,7 @@ class EagleSource:
         self.free_rows: list[int] = list(range(8))[::-1]
         # per sequence: pending pairs (tokens, features [k, H], first position), the position of the
         # last pair fed, and the drafter output of that pair (h' of the root when it is the root pair)
-        self.pending: dict[tuple[str, int], tuple[list[int], list[torch.Tensor], int]] = {}
+        self.pending: dict[tuple[str, int], list] = {}  # [tokens, features, first position], extended in place
         self.fed_pos: dict[tuple[str, int], int] = {}
         self.last_h: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -285,13 +285,16 @@ class EagleSource:
         for s, toks, feats, pos in zip(seqs, emitted, hidden, first_pos):
             key = seq_key(s)
             old = self.pending.get(key)
-            if old is not None and old[2] + len(old[0]) == pos:
-                toks, feats, pos = old[0] + list(toks), old[1] + list(feats), old[2]
-            toks, feats = list(toks), list(feats)
-            extra = len(toks) - self.max_pending
+            if old is not None and old[2] + len(old[0]) == pos:  # contiguous: extend in place (one plain
+                old[0].extend(toks)                              # step adds one pair: no list copies)
+                old[1].extend(feats)
+                entry = old
+            else:
+                entry = self.pending[key] = [list(toks), list(feats), pos]
+            extra = len(entry[0]) - self.max_pending
             if extra > 0:  # keep the newest pairs; the row restarts from them (a gap) when fed
-                toks, feats, pos = toks[extra:], feats[extra:], pos + extra
-            self.pending[key] = (toks, feats, pos)
+                del entry[0][:extra], entry[1][:extra]
+                entry[2] += extra
 
     def forget(self, request_id: str) -> None:
         """Nothing: per-sequence state is dropped in `release`."""
