@@ -128,6 +128,13 @@ class DrafterWorker:
             torch.set_num_threads(cfg.threads)
         if cfg.worker_nice:
             os.nice(cfg.worker_nice)
+        if cfg.worker_sched == "idle":
+            from tlt.services.common.cpus import run_when_idle
+
+            if run_when_idle():
+                log.info("worker_sched", worker=worker_id, sched="idle")
+            else:
+                log.warning("worker_sched_unsupported", worker=worker_id, detail="no SCHED_IDLE here; niceness only")
         if cfg.pin_cpus and self.device == "cpu":  # the cores of the replica it watches (the rollout's pin_cpus)
             from tlt.services.common.cpus import pin_group
 
