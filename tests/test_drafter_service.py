@@ -230,3 +230,62 @@ def test_rollout_idle_workers_train_only_while_every_replica_is_idle(tmp_path, m
         worker.close()
         coord.close()
         pub.close()
+
+
+def test_serving_drafter_is_scored_once_per_held_out_set(tmp_path, model_dir, samples) -> None:
+    """Between two rollouts several candidates are scored against the same held-out set; the serving
+    drafter's score is reused (it is ~0.4 CPU-s per scoring on the tiny model, in the trainer's time on a
+    CPU machine) and recomputed when the held-out set, the serving drafter or the policy changes."""
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)  # the gate never fires
+    real = coordinator_mod.mean_accept_length
+    calls: list[int] = []
+
+    def counting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+        calls.append(len(held))
+        return real(drafter, held, depth, None)
+
+    coord.rollout = None  # scoring is called directly here, not through the gate
+    coordinator_mod.mean_accept_length = counting
+    try:
+        with coord._lock:
+            coord.candidate_version = 1  # the candidate is still the serving drafter: never better
+        first = coord.evaluate_and_publish()
+        assert len(calls) == 2 and not first.published  # candidate, then serving
+        with coord._lock:
+            coord.candidate_version = 2
+        second = coord.evaluate_and_publish()
+        assert len(calls) == 3  # the candidate only
+        assert second.serving_accept_len == first.serving_accept_len
+        coord.buffer.add_samples(samples[:1], holdout=True)  # a new held-out window
+        third = coord.evaluate_and_publish()
+        assert len(calls) == 5 and calls[-1] == calls[0] + 1  # both scored again, on the larger set
+        with coord._lock:
+            coord.serving_version = 7  # a published drafter would change it
+        coord.evaluate_and_publish()
+        assert len(calls) == 7
+        assert third is not None
+    finally:
+        coordinator_mod.mean_accept_length = real
+        coord.close()
+        pub.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_evaluation_sched_idle_puts_only_the_gate_thread_in_sched_idle(tmp_path, model_dir, samples) -> None:
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, evaluation_sched="idle")
+    try:
+        gate = next(t for t in coord._threads if t.name == "drafter-gate")
+        others = [t for t in coord._threads if t.name != "drafter-gate"]
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(gate.native_id) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.sched_getscheduler(gate.native_id) == os.SCHED_IDLE
+        assert all(os.sched_getscheduler(t.native_id) != os.SCHED_IDLE for t in others)  # ingest, router, saver
+        assert os.sched_getscheduler(0) != os.SCHED_IDLE
+    finally:
+        coord.close()
+        pub.close()

@@ -74,3 +74,13 @@ def run_when_idle() -> bool:
         except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
             continue
     return True
+
+
+def this_thread_when_idle() -> bool:
+    """SCHED_IDLE for the calling thread only (Linux applies scheduling policies per thread): for one
+    process's heavy background thread while its other threads keep their priority. One-way: an
+    unprivileged thread cannot leave SCHED_IDLE. False where the platform has no SCHED_IDLE."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return True

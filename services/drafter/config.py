@@ -76,6 +76,12 @@ class DrafterServiceConfig(ServiceConfig):
         "(a GPU); on a CPU machine shared with the policy trainer, 19 makes workers train only on cycles nothing else "
         "wants (a replica's idle window is the trainer's busy time there)"
     )
+    evaluation_sched: Literal["normal", "idle"] = Field(
+        "normal", description="CPU scheduling class of the coordinator's candidate evaluations (its gate thread "
+        "only; feature ingest and worker service keep coordinator_nice): idle = Linux SCHED_IDLE. They run between "
+        "rollouts, which on a CPU machine is the policy trainer's time (~0.4 CPU-s per drafter scored on the tiny "
+        "model, BENCHMARKS.md 'Session 7')"
+    )
     worker_sched: Literal["normal", "idle"] = Field(
         "normal", description="CPU scheduling class of worker processes: idle = Linux SCHED_IDLE, which runs a worker "
         "only on cycles no other task wants and lets any waking task preempt it at once (on a CPU machine shared "

@@ -84,6 +84,10 @@ class Coordinator:
         self.deltas = 0
         self._evaluated = 0
         self._last_eval = 0.0
+        # the serving drafter's last score and what it was computed on: (serving version, shared policy
+        # version, held-out samples) -> (accept length, start points). Several candidates are usually
+        # scored against one held-out set between two rollouts; the serving side need not be recomputed.
+        self._serving_score: tuple[tuple, tuple[float, int]] | None = None
         self.interrupted_evals = 0  # evaluations given up because a replica turned busy
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's
         self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
@@ -263,6 +267,10 @@ class Coordinator:
 
     # ---- gating
     def _gate_loop(self) -> None:
+        if self.cfg.evaluation_sched == "idle":  # this thread only: ingest and the router keep their priority
+            from tlt.services.common.cpus import this_thread_when_idle
+
+            log.info("evaluation_sched", sched="idle" if this_thread_when_idle() else "unsupported")
         while not self._stop.wait(0.2):
             if self.candidate_version > self._evaluated and time.monotonic() - self._last_eval >= self.cfg.eval_interval_s:
                 if self.rollout is not None and self.rollout.busy():
@@ -296,14 +304,23 @@ class Coordinator:
             version = self.candidate_version
             cand = own_tensors(self.candidate)
             serving = {k: v.clone() for k, v in self.serving.items()}
+            serving_version = self.serving_version
         shared = self.shared.current
         probe = build_drafter(self.drafter_cfg, shared.embed, shared.lm_head)  # the policy's lm_head, as the engine's
         probe.eval()
         probe.load_tensors(cand)
         stop = self.rollout.busy if self.rollout is not None else None  # give the CPU back at once
         cand_len, _ = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
-        probe.load_tensors(serving)
-        serve_len, count = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
+        # the same held-out sample objects (kept referenced in the key, so identity cannot be reused)
+        key = (serving_version, shared.policy_version, tuple(held))
+        old = self._serving_score
+        if old is not None and old[0][:2] == key[:2] and len(old[0][2]) == len(held) and all(
+                a is b for a, b in zip(old[0][2], held)):
+            serve_len, count = self._serving_score[1]
+        else:
+            probe.load_tensors(serving)
+            serve_len, count = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
+            self._serving_score = (key, (serve_len, count))
         if stop is not None and stop():  # turned busy at the very end: publish between rollouts, not during one
             raise EvaluationInterrupted("a replica turned busy before publishing")
         better = cand_len >= serve_len * (1 + self.cfg.publish_margin) and cand_len > serve_len
