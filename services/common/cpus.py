@@ -60,10 +60,10 @@ def pin_group(index: int, threads: int) -> tuple[list[int], bool]:
 
 def run_when_idle() -> bool:
     """Linux SCHED_IDLE for every thread of this process (threads started later inherit it): it runs only on
-    cycles no normal task wants, and a normal task that wakes preempts it at once. `nice 19` is not that:
-    a nice-19 task still runs its full time slice once it has the core, and a trainer whose OpenMP threads
-    sleep at every barrier waits for it at each wake-up (BENCHMARKS.md, "Session 7": a nice-19 drafter-sized
-    trainer slowed a 2-thread policy forward/backward by 21%, a SCHED_IDLE one by nothing measurable).
+    cycles no normal task wants, and a normal task that wakes preempts it at once. A nice-19 task is still
+    a normal task, which may keep a core until its slice ends while a trainer thread woken at an OpenMP
+    barrier waits (the likely reason for BENCHMARKS.md, "Session 7": a nice-19 drafter-sized trainer slowed
+    a 2-thread policy forward/backward by 21%, a SCHED_IDLE one by nothing measurable).
     False where the platform has no SCHED_IDLE (nothing changes then)."""
     if not hasattr(os, "SCHED_IDLE"):
         return False

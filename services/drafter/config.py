@@ -85,8 +85,9 @@ class DrafterServiceConfig(ServiceConfig):
     worker_sched: Literal["normal", "idle"] = Field(
         "normal", description="CPU scheduling class of worker processes: idle = Linux SCHED_IDLE, which runs a worker "
         "only on cycles no other task wants and lets any waking task preempt it at once (on a CPU machine shared "
-        "with the policy trainer: a nice-19 worker still slowed the trainer's update by ~20%, a SCHED_IDLE one by "
-        "nothing measurable, BENCHMARKS.md 'Session 7'); normal where a worker has its replica's device to itself"
+        "with the policy trainer, a nice-19 task slowed a 2-thread policy forward/backward by 21%, a SCHED_IDLE one "
+        "by nothing measurable; in `tlt run` on a 2-vCPU VM both classes gave the same step times, BENCHMARKS.md "
+        "'Session 7'); normal where a worker has its replica's device to itself"
     )
     train_when: Literal["replica_idle", "rollout_idle"] = Field(
         "replica_idle", description="when a worker trains: while the replica it watches is idle (TLT: a replica "
