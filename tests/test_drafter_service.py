@@ -289,3 +289,40 @@ def test_evaluation_sched_idle_puts_only_the_gate_thread_in_sched_idle(tmp_path,
     finally:
         coord.close()
         pub.close()
+
+
+def test_window_max_steps_trains_a_budget_per_idle_period(tmp_path, model_dir, samples) -> None:
+    """A worker with window_max_steps = 4 trains 4 micro-steps in an idle period, sends them at once (the
+    replica is still idle), and trains again only after its replica has been busy and idle again."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, window_max_steps=4, eval_interval_s=1e9)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        state(pub, 0, IDLE)
+        deadline = time.monotonic() + 20
+        while not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.0)  # an idle period long enough for many more steps (heartbeats say IDLE meanwhile)
+        wins = list(coord.windows)
+        assert len(wins) == 1 and wins[0].micro_steps == 4 and not wins[0].preempted, wins
+        assert coord.candidate_version == 1  # the 4 steps were sent without waiting for the next window
+        state(pub, 0, BUSY)
+        time.sleep(0.3)
+        state(pub, 0, IDLE)  # a new idle period: a new budget
+        deadline = time.monotonic() + 20
+        while len(coord.windows) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        wins = list(coord.windows)
+        assert len(wins) == 2 and wins[1].micro_steps == 4 and coord.candidate_version == 2, wins
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()

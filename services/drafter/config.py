@@ -64,6 +64,11 @@ class DrafterServiceConfig(ServiceConfig):
         "outputs this many steps deep; each step adds about one forward and backward, and so lengthens the micro-step "
         "a preemption waits for"
     )
+    window_max_steps: int = Field(
+        0, ge=0, description="most micro-steps a worker trains per idle period of its replica; then it waits for the "
+        "replica's next BUSY -> IDLE (0: trains until the replica turns busy). Where the replica's idle period is "
+        "someone else's busy time (a CPU machine shared with the policy trainer), this caps what the drafter takes"
+    )
     submit_every: int = Field(20, ge=1, description="micro-steps between delta submissions inside a long window")
     threads: int = Field(1, ge=0, description="torch threads per worker and for the coordinator's evaluations on CPU (0: leave torch's default)")
     device: str = Field("cpu", description="worker device template: cpu, or cuda (a worker uses cuda:<replica>)")

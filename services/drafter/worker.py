@@ -120,6 +120,7 @@ class DrafterWorker:
         saved = load_state(self.ckpt) or {}
         self.total_steps = int(saved.get("micro_steps", 0))
         self.preemptions = int(saved.get("preemptions", 0))
+        self.budget_spent = False  # window_max_steps reached in this idle period of the replica
         self.windows = 0
         self._gen = torch.Generator().manual_seed(worker_id)
         self.drafter_cfg, embed, head = target_shared(model_dir)  # --model is policy version 0
@@ -153,6 +154,8 @@ class DrafterWorker:
             state = event.state  # type: ignore[attr-defined]
         if mine:
             self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
+        if state != IDLE:
+            self.budget_spent = False  # window_max_steps: a new idle period may train again
         if state != IDLE and not self.busy_seen:
             # the FIRST non-idle event since the window opened ends it, even when the replica is idle
             # again by the time we read it (a short request arrived during a long step)
@@ -183,8 +186,9 @@ class DrafterWorker:
             while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
                 if max_windows is not None and self.windows >= max_windows:
                     return
-                self._poll_events(0.0 if self.state == IDLE else 0.2)  # the latest state, not a stale one
-                if self.state != IDLE:
+                trainable = self.state == IDLE and not self.budget_spent
+                self._poll_events(0.0 if trainable else 0.2)  # the latest state, not a stale one
+                if self.state != IDLE or self.budget_spent:  # busy, or this idle period's budget is used
                     continue
                 try:
                     self.window(stop)
@@ -239,6 +243,12 @@ class DrafterWorker:
                 self._submit(drafter, base, base_version, since_submit, res, opt)
                 base, base_version = self._pull(drafter)
                 since_submit = 0
+            if self.cfg.window_max_steps and res.micro_steps >= self.cfg.window_max_steps:
+                if since_submit:  # the replica is still idle: send the change now rather than defer it
+                    self._submit(drafter, base, base_version, since_submit, res, opt)
+                    since_submit = 0
+                self.budget_spent = True  # no more training until the replica is busy and idle again
+                break
         # stop: copy what must survive off the device, then free the device
         local = own_tensors(drafter)
         opt_state = _cpu(opt.state_dict())
