@@ -70,10 +70,14 @@ def run_when_idle() -> bool:
     tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
     for tid in tids:
         try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            _sched_idle(tid)
+        except ProcessLookupError:  # a thread that ended meanwhile
             continue
     return True
+
+
+def _sched_idle(tid: int) -> None:
+    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # tid 0: the calling thread
 
 
 def this_thread_when_idle() -> bool:
@@ -82,5 +86,5 @@ def this_thread_when_idle() -> bool:
     unprivileged thread cannot leave SCHED_IDLE. False where the platform has no SCHED_IDLE."""
     if not hasattr(os, "SCHED_IDLE"):
         return False
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    _sched_idle(0)
     return True

@@ -84,10 +84,10 @@ class Coordinator:
         self.deltas = 0
         self._evaluated = 0
         self._last_eval = 0.0
-        # the serving drafter's last score and what it was computed on: (serving version, shared policy
-        # version, held-out samples) -> (accept length, start points). Several candidates are usually
-        # scored against one held-out set between two rollouts; the serving side need not be recomputed.
-        self._serving_score: tuple[tuple, tuple[float, int]] | None = None
+        # the serving drafter's last score: ((serving version, shared policy version), the held-out samples
+        # it was computed on, (accept length, start points)). Several candidates are usually scored against
+        # one held-out set between two rollouts; the serving side need not be recomputed.
+        self._serving_score: tuple[tuple[int, int], list, tuple[float, int]] | None = None
         self.interrupted_evals = 0  # evaluations given up because a replica turned busy
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's
         self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
@@ -311,16 +311,13 @@ class Coordinator:
         probe.load_tensors(cand)
         stop = self.rollout.busy if self.rollout is not None else None  # give the CPU back at once
         cand_len, _ = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
-        # the same held-out sample objects (kept referenced in the key, so identity cannot be reused)
-        key = (serving_version, shared.policy_version, tuple(held))
-        old = self._serving_score
-        if old is not None and old[0][:2] == key[:2] and len(old[0][2]) == len(held) and all(
-                a is b for a, b in zip(old[0][2], held)):
-            serve_len, count = self._serving_score[1]
+        basis, cached = (serving_version, shared.policy_version), self._serving_score
+        if cached is not None and cached[0] == basis and _same_objects(cached[1], held):
+            serve_len, count = cached[2]
         else:
             probe.load_tensors(serving)
             serve_len, count = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
-            self._serving_score = (key, (serve_len, count))
+            self._serving_score = (basis, held, (serve_len, count))
         if stop is not None and stop():  # turned busy at the very end: publish between rollouts, not during one
             raise EvaluationInterrupted("a replica turned busy before publishing")
         better = cand_len >= serve_len * (1 + self.cfg.publish_margin) and cand_len > serve_len
@@ -362,3 +359,8 @@ class Coordinator:
                 windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions,
                 shared_policy_version=self.shared.current.policy_version,
                 shared_fetch_failures=self.shared.failures, shared_fetch_error=self.shared.last_error)
+
+
+def _same_objects(a: list, b: list) -> bool:
+    """The same sample objects in the same order (the cached list keeps them alive, so no id is reused)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

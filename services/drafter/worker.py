@@ -163,6 +163,10 @@ class DrafterWorker:
             self.last_busy = float(event.timestamp)  # type: ignore[attr-defined]
         self.state = state
 
+    def _may_train(self) -> bool:
+        """The replica is idle and this idle period's budget (window_max_steps) is not used up."""
+        return self.state == IDLE and not self.budget_spent
+
     def _poll_events(self, timeout_s: float) -> None:
         """Read EVERY queued event (heartbeats pile up during a long step), waiting up to `timeout_s` for one."""
         deadline = time.monotonic() + timeout_s
@@ -186,9 +190,8 @@ class DrafterWorker:
             while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
                 if max_windows is not None and self.windows >= max_windows:
                     return
-                trainable = self.state == IDLE and not self.budget_spent
-                self._poll_events(0.0 if trainable else 0.2)  # the latest state, not a stale one
-                if self.state != IDLE or self.budget_spent:  # busy, or this idle period's budget is used
+                self._poll_events(0.0 if self._may_train() else 0.2)  # the latest state, not a stale one
+                if not self._may_train():
                     continue
                 try:
                     self.window(stop)

@@ -188,8 +188,7 @@ class LLMEngine:
                             out.hidden[:, None, :], [[t] for t in res.top_logprobs], verified=False)
         if self.spec_decoder is not None:
             self.spec_decoder.observe_plain(out.emit_seqs, out.hidden)
-            # the bandit chose the "plain" arm for this step (else a no-op)
-            self.spec_decoder.finish_step(start, sum(len(s.new_token_ids) for s in result[0]))
+            self.spec_decoder.finish_step(start)  # the bandit chose the "plain" arm for this step (else no-op)
         return result
 
     def _emit(self, seqs, tokens, logprobs, hidden, tops, verified: bool) -> tuple[list[StepOutput], list[CompletionOutput]]:

@@ -26,7 +26,7 @@ Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` 
         decoder.finish_step(step_start, kept)    # the bandit's reward: tokens kept / whole step time
     else:
         out = runner.run(batch); ...; emit       # plain step, then decoder.observe_plain(seqs, hidden)
-        decoder.finish_step(step_start, kept)    # rewards the "plain" arm when the bandit chose it
+        decoder.finish_step(step_start)          # rewards the "plain" arm when the bandit chose it (1 token each)
     on finish / abort / preemption: decoder.release(seq)
 """
 
