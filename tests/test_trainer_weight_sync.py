@@ -89,3 +89,45 @@ def test_tied_lm_head_is_not_pushed():
     names = set(policy_tensors(m, torch.bfloat16))
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert all(t.dtype == torch.bfloat16 for t in policy_tensors(m, torch.bfloat16).values())
+
+
+class _VersionedServer:
+    """Just the version rule of a rollout server: status() reports it, a push must be newer."""
+
+    def __init__(self, version: int) -> None:
+        self.version, self.address = version, f"server-at-{version}"
+
+    def status(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(versions=SimpleNamespace(policy=self.version))
+
+    def update_weights(self, tensors, kind, version, shm=False):
+        from types import SimpleNamespace
+
+        from tlt.services.rollout.client import WeightPushError
+
+        if version <= self.version:
+            raise WeightPushError(f"policy version {version} is not newer than the serving {self.version}")
+        self.version = version
+        return SimpleNamespace(version=version, apply_seconds=0.0, replicas=[0])
+
+
+@pytest.mark.parametrize("serving, trainer, pushed", [
+    ((5, 5), 5, None),  # in sync: nothing to push
+    ((5, 0), 5, 6),     # one server restarted (serves the start checkpoint): all must get the trainer's weights
+    ((0, 5), 5, 6),
+    ((0, 0), 5, 5),     # every server restarted: the resumed weights under their own version
+    ((7, 6), 5, 8),     # killed after pushes the checkpoint does not know: a newer version than any served
+])
+def test_sync_weights_brings_every_server_to_the_trainer(serving, trainer, pushed):
+    from types import SimpleNamespace
+
+    from tlt.services.trainer.loop import sync_weights
+
+    servers = [_VersionedServer(v) for v in serving]
+    policy = SimpleNamespace(version=trainer, module=torch.nn.Linear(2, 2), bf16=False,
+                             cfg=SimpleNamespace(push_dtype="float32"))
+    sync_weights(policy, WeightPublisher(servers), servers)
+    want = trainer if pushed is None else pushed
+    assert policy.version == want and [s.version for s in servers] == [want] * len(servers)

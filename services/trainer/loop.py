@@ -51,10 +51,11 @@ def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
     """Make every rollout server serve the trainer's weights before the first rollout."""
     from tlt.services.trainer.weight_sync import policy_tensors, resolve_dtype
 
-    serving = max(c.status().versions.policy for c in clients)
-    if serving == policy.version:
+    serving = [c.status().versions.policy for c in clients]
+    if all(v == policy.version for v in serving):
         return  # fresh start (both 0, the model folder) or a resume that pushed this very version
-    policy.version = max(policy.version, serving + 1)
+    # Servers refuse a version not newer than their own, and one server may lag the others (restarted).
+    policy.version = max(policy.version, max(serving) + 1)
     tensors = policy_tensors(policy.module, resolve_dtype(policy.cfg.push_dtype, policy.bf16))
     publisher.push(tensors, policy.version)
 
