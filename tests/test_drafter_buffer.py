@@ -90,3 +90,14 @@ def test_holdout_split_every_k() -> None:
     buf = FeatureBuffer(100, 100, 64, 4, holdout_every=3)
     buf.add_batch(events_pb2.FeatureBatch(sequences=[fseq(f"s{i}", 6, 1) for i in range(9)]))
     assert len(buf.holdout(1)) == 3 and buf.stats()[0] == 6
+
+
+def test_fallback_keeps_every_window_of_a_long_previous_sequence() -> None:
+    """"Long" is the sequence's length, not the window's: the last (short) window of a long previous-step
+    sequence is fallback data too, and a short sequence is not, whatever the window size."""
+    buf = FeatureBuffer(max_sequences=50, max_holdout=5, window_tokens=6, long_tokens=6, holdout_every=1000)
+    buf.add_batch(events_pb2.FeatureBatch(sequences=[fseq("long", 10, 1), fseq("short", 5, 1)]))
+    assert [len(s) for s in buf._train] == [6, 5, 5]  # long@0 (6), long@5 (5), short@0 (5)
+    buf.add_samples([sample("n", 3, version=2, h=4)])
+    batch = buf.batch(rows=1, row_tokens=100)
+    assert batch.sequences == 3 and batch.tokens.shape[1] == 3 + 6 + 5  # v2, then both windows of "long"

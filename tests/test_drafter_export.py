@@ -51,3 +51,20 @@ def test_export_refuses_shared_tensors_and_unknown_families() -> None:
         sglang_tensors({"fc.weight": torch.zeros(2, 4), "embed_tokens.weight": torch.zeros(3, 2)})
     with pytest.raises(ValueError, match="EAGLE loaders"):
         sglang_config({"model_type": "qwen3"})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_exported_config_loads_with_transformers(tmp_path, family) -> None:
+    """SGLang reads the draft config with transformers' AutoConfig: the target's per-layer `layer_types`
+    (written by recent transformers) must shrink with num_hidden_layers = 1, or the config is refused."""
+    from transformers import AutoConfig
+
+    model = random_checkpoint(tmp_path / "m", family=family, num_hidden_layers=2)
+    target = json.loads((model / "config.json").read_text())
+    out = tmp_path / "sg"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(sglang_config(target)))
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.num_hidden_layers == 1 and cfg.architectures == [sglang_config(target)["architectures"][0]]
+    if getattr(cfg, "layer_types", None) is not None:
+        assert cfg.layer_types == ["full_attention"]

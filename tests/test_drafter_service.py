@@ -326,3 +326,142 @@ def test_window_max_steps_trains_a_budget_per_idle_period(tmp_path, model_dir, s
         worker.close()
         coord.close()
         pub.close()
+
+
+class _StubbedWorker:
+    """A DrafterWorker whose coordinator and capacity feed are stubs: `busy_after` batch requests of a
+    window, a BUSY event is queued; `asks` records every request kind in order."""
+
+    def __init__(self, tmp_path, model_dir, **over) -> None:  # noqa: ANN001
+        import numpy as np
+
+        from tlt.services.drafter.packing import Sample, pack
+        from tlt.services.drafter.training import new_drafter, own_tensors
+
+        kw = dict(capacity_pub="tcp://127.0.0.1:9", capacity_snapshot="tcp://127.0.0.1:9",
+                  checkpoint_dir=str(tmp_path / "ckpt"), window_tokens=16, batch_tokens=16, batch_rows=1,
+                  submit_every=100, pin_cpus=False)
+        self.worker = DrafterWorker(DrafterServiceConfig(**{**kw, **over}), str(model_dir), 0, 0, "tcp://127.0.0.1:9")
+        self.worker.sub.close()
+        self.cand = own_tensors(new_drafter(model_dir))
+        g = np.random.default_rng(0)
+        h = self.cand["fc.weight"].shape[0]
+        smp = Sample("a", g.integers(0, 100, 16).astype(np.int32), g.standard_normal((16, h)).astype(np.float16), 1, 0)
+        self.batch = pack([smp], 1, 16)[0].to_proto()
+        self.events: list = []
+        self.asks: list[str] = []
+        self.busy_after = 0
+        self.version = 0
+        self.shared_policy_version = self.shared_fetch_failures = 0
+        self.worker.client, self.worker.sub = self, self
+
+    def busy(self) -> None:
+        self.events.append(events_pb2.CapacityEvent(replica_id=0, state=BUSY, timestamp=time.time()))
+
+    def ask(self, **body):  # noqa: ANN003, ANN201
+        from tlt.services.drafter.coordinator import tensors_from, tensors_message
+        from tlt.v1 import drafter_pb2
+
+        kind = next(iter(body))
+        self.asks.append(kind)
+        if kind == "pull":
+            m, p = tensors_message(self.cand, self.version)
+            return drafter_pb2.CoordinatorMessage(candidate=drafter_pb2.CandidateWeights(
+                version=self.version, manifest=m, payload=p))
+        if kind == "batch_request":
+            self.busy_after -= 1
+            if self.busy_after < 0:
+                self.busy()
+            return drafter_pb2.CoordinatorMessage(batch=self.batch)
+        if kind == "update":
+            for k, d in tensors_from(body["update"].manifest, body["update"].payload).items():
+                self.cand[k] += d
+            self.version += 1
+            return drafter_pb2.CoordinatorMessage(candidate_version=self.version)
+        return drafter_pb2.CoordinatorMessage()
+
+    def recv(self, timeout_s):  # noqa: ANN001, ANN201
+        return self.events.pop(0) if self.events else None
+
+    def close(self) -> None:
+        pass
+
+
+def test_optimizer_state_carries_over_preempted_windows(tmp_path, model_dir) -> None:
+    """A preempted window defers its optimizer checkpoint to the next idle window; that window must train
+    with it (Adam's moments and step count continue), not with the checkpoint from before the last window.
+    A stub coordinator and event feed drive two windows of 3 and 2 micro-steps, preempted by BUSY."""
+    stub = _StubbedWorker(tmp_path, model_dir)
+    worker = stub.worker
+    for steps in (3, 2):
+        worker.state, stub.busy_after = IDLE, steps
+        res = worker.window()
+        assert res.preempted and res.micro_steps == steps
+    worker._flush()
+    saved = load_state(worker.ckpt)
+    assert saved["micro_steps"] == 5
+    assert {int(s["step"]) for s in saved["optimizer"]["state"].values()} == {5}
+
+
+def test_busy_during_a_step_defers_the_due_submission(tmp_path, model_dir, monkeypatch) -> None:
+    """BUSY arriving during the micro-step after which a submission is due: the worker stops there and
+    defers the delta, checkpoint and re-pull (seconds of serialisation and disk on a real drafter) to its
+    next idle window, as for any preemption, instead of doing them on the busy replica's time."""
+    import tlt.services.drafter.worker as worker_mod
+
+    stub = _StubbedWorker(tmp_path, model_dir, submit_every=3)
+    real, steps = worker_mod.micro_step, []
+
+    def step(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real(*a, **k)
+        steps.append(1)
+        if len(steps) == 3:  # the replica turns busy while the 3rd step runs
+            stub.busy()
+        return out
+
+    monkeypatch.setattr(worker_mod, "micro_step", step)
+    stub.worker.state, stub.busy_after = IDLE, 10**6
+    res = stub.worker.window()
+    assert res.preempted and res.micro_steps == 3
+    assert stub.asks == ["pull", "batch_request", "batch_request", "batch_request", "window"], stub.asks
+    assert stub.worker._deferred is not None and stub.worker._deferred.steps == 3
+    stub.worker._flush()  # the next idle moment sends all three steps
+    assert stub.asks[-1] == "update" and stub.version == 1
+
+
+def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path, model_dir, monkeypatch) -> None:
+    """The rollout serves a published drafter at once; a coordinator killed (-9) right after the publish,
+    before its background saver ran, must not restart with an older candidate/serving version (it would
+    reuse a version number the rollout serves with other weights, and gate against a stale serving one)."""
+    import numpy as np
+
+    import tlt.services.drafter.coordinator as coordinator_mod
+    from tlt.services.drafter.packing import Sample
+
+    pushes: list = []
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
+                               gate_when_idle=False)
+    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append(v))  # not started: no saver
+    try:
+        h = coord.drafter_cfg.hidden_size
+        g = np.random.default_rng(0)
+        coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
+                                         g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+        with coord._lock:
+            coord.candidate_version = 3  # as after three deltas
+        rec = coord.evaluate_and_publish()
+        assert rec is not None and rec.published and pushes == [3]
+        saved = load_state(coord.ckpt)  # what a restart after kill -9 would see
+        assert saved is not None and saved["serving_version"] == 3 and saved["candidate_version"] >= 3
+        again = Coordinator(cfg, str(model_dir), None, None)  # the restart
+        try:
+            assert again.serving_version == 3 and again.candidate_version >= 3 and again.acceptance[-1].published
+        finally:
+            again._router.close()
+            again._ctx.term()
+    finally:  # never started: only its socket to close
+        coord._router.close()
+        coord._ctx.term()

@@ -37,7 +37,7 @@ def windows(seq: events_pb2.FeatureSequence, window_tokens: int) -> list[Sample]
         end = min(start + window_tokens, n)
         rs = seq.response_start - start if start == first else 0
         out.append(Sample(f"{seq.seq_id}@{start}", tokens[start:end], feats[start:end], max(rs, 0),
-                          int(seq.policy_version), int(seq.replica_id)))
+                          int(seq.policy_version), int(seq.replica_id), n - first))
         start = end - 1
     return out
 
@@ -99,7 +99,8 @@ class FeatureBuffer:
         self._rng.shuffle(newest)
         fallback: list[Sample] = []
         if len(versions) > 1:
-            fallback = [s for s in train if s.policy_version == versions[1] and len(s) >= self.long_tokens]
+            fallback = [s for s in train  # long SEQUENCES: every window of one, its short last one included
+                        if s.policy_version == versions[1] and max(s.seq_tokens, len(s)) >= self.long_tokens]
             self._rng.shuffle(fallback)
         batch, _ = pack(newest + fallback, rows, row_tokens)
         return batch

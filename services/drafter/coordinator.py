@@ -69,6 +69,7 @@ class Coordinator:
                                     config.long_tokens, config.holdout_every)
         self.ckpt = Path(config.checkpoint_dir) / "coordinator.pt"
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
         self.drafter_cfg, embed, head = target_shared(model_dir)
         self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # --model is policy version 0
         self.candidate = build_drafter(self.drafter_cfg, embed, head, config.init_drafter, seed=0)
@@ -163,10 +164,11 @@ class Coordinator:
             self.save_now()
 
     def save_now(self) -> None:
-        with self._lock:
-            self._dirty.clear()
-            state = self._state()
-        save_atomic(self.ckpt, state, fsync=True)
+        with self._save_lock:  # the saver and the gate (after a publish): one writer, snapshots in order
+            with self._lock:
+                self._dirty.clear()
+                state = self._state()
+            save_atomic(self.ckpt, state, fsync=True)
 
     def _state(self) -> dict:  # caller holds the lock
         return ({
@@ -328,6 +330,7 @@ class Coordinator:
         if better and self.publish_fn is not None:
             leaked = [k for k in cand if "embed" in k or "lm_head" in k]
             assert not leaked, f"a drafter push must never carry the target's embedding/lm_head: {leaked}"
+            self.save_now()  # the rollout will serve `version`: a restart must never number a candidate <= it
             self.publish_fn(cand, version)
             rec.published = True
             with self._lock:
@@ -337,6 +340,8 @@ class Coordinator:
         with self._lock:
             self.acceptance.append(rec)
             self._save()
+        if rec.published:  # now, not by the background saver: the rollout already serves it
+            self.save_now()
         log.info("drafter_evaluated", version=version, candidate=round(cand_len, 3), serving=round(serve_len, 3),
                  starts=count, published=rec.published)
         return rec

@@ -17,7 +17,8 @@ target's embedding and lm_head with the draft model (`set_embed_and_head`), so n
     layer.post_attention_layernorm.*   ->  layers.0.post_attention_layernorm.weight
     layer.mlp.{gate,up,down}_proj.*    ->  layers.0.mlp.{gate,up,down}_proj.weight
 
-config.json = the target's, with architectures [<Family>ForCausalLMEagle] and num_hidden_layers 1.
+config.json = the target's, with architectures [<Family>ForCausalLMEagle] and num_hidden_layers 1 (and
+layer_types, when the target's config has that per-layer list, ["full_attention"]).
 See docs/DRAFTER.md.
 """
 
@@ -59,6 +60,8 @@ def sglang_config(target_config: dict) -> dict:
     cfg = dict(target_config)
     cfg["architectures"] = [ARCHITECTURES[family]]
     cfg["num_hidden_layers"] = 1
+    if cfg.get("layer_types") is not None:  # per-layer list (recent transformers): one full-attention layer,
+        cfg["layer_types"] = ["full_attention"]  # or AutoConfig refuses num_hidden_layers != len(layer_types)
     return cfg
 
 

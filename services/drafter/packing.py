@@ -32,6 +32,7 @@ class Sample:
     response_start: int  # index of the first response token (h at response_start - 1 predicts it)
     policy_version: int
     replica_id: int = 0
+    seq_tokens: int = 0  # length of the sequence this window was cut from (0: the window's own)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

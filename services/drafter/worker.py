@@ -215,10 +215,12 @@ class DrafterWorker:
         embed, head = self.shared.current.embed, self.shared.current.lm_head
         drafter = Drafter(self.drafter_cfg, embed.to(self.device), head.to(self.device)).to(self.device)
         opt = make_optimizer(drafter, self.cfg.lr, self.cfg.weight_decay)
+        # what the last window left for an idle moment: this is one. Before reading the checkpoint, which
+        # only then holds the optimizer state the last window ended with
+        self._flush()
         saved = load_state(self.ckpt)
         if saved is not None and saved.get("optimizer"):
             opt.load_state_dict(saved["optimizer"])
-        self._flush()  # what the last window left for an idle moment: this is one
         base, base_version = self._pull(drafter)
         since_submit = 0
         while True:
@@ -242,6 +244,10 @@ class DrafterWorker:
             res.micro_steps += 1
             res.losses.append(float(loss.loss.detach()))
             since_submit += 1
+            self._poll_events(0.0)
+            if self.busy_seen:  # turned busy during the step: stop now; a due submission waits (deferred)
+                res.preempted = True
+                break
             if since_submit >= self.cfg.submit_every:
                 self._submit(drafter, base, base_version, since_submit, res, opt)
                 base, base_version = self._pull(drafter)
