@@ -93,3 +93,38 @@ def test_ngram_indexes_are_dropped_when_a_request_is_over(ckpt):
     while engine.has_unfinished():
         engine.step()
     assert len(groups) == 0
+
+
+def test_a_seeded_sample_does_not_depend_on_what_else_is_in_its_batch(ckpt):
+    """A seeded request gives the same tokens alone and batched with others, with speculation on as
+    without (sampler.py, accept.py: each sequence's generator advances by its own draws only). Each verify
+    step used to draw one uniform per node of the batch's LARGEST tree for every row, so a sequence's
+    stream, hence its sampled tokens, changed with the trees of unrelated requests beside it."""
+    spec = SpecConfig(mode="static", static_arm="4_2_8", threshold=64, hysteresis_steps=1, drafter="ngram")
+    params = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=123)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def run(others):
+        engine = LLMEngine(ckpt, EngineConfig(block_size=8))
+        engine.enable_spec(spec)
+        reqs = [GenerationRequest("A", _prompts()[0], params)]
+        reqs += [GenerationRequest(f"o{i}", p, greedy) for i, p in enumerate(others)]
+        out = engine.generate(reqs)[0].token_ids
+        assert engine.stats().spec["verify_steps"] > 5
+        return out
+
+    assert run([]) == run(_prompts()[1:4])
+
+
+def test_a_temperature_that_would_overflow_is_refused_at_add_request(ckpt):
+    """temperature 1e-40 is > 0 but logits / 1e-40 overflow float32: the filters gave NaN and the engine step
+    raised (in torch.multinomial) for every request of the batch, killing a replica. SamplingParams.validate
+    refuses 0 < T < 1e-20 (a 400 at the servers) before a request reaches a step; T = 0 is greedy."""
+    engine = LLMEngine(ckpt, EngineConfig(block_size=8))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request(GenerationRequest("t", _prompts()[0], SamplingParams(temperature=1e-40, max_tokens=4)))
+    with pytest.raises(ValueError, match="top_k"):
+        engine.add_request(GenerationRequest("k", _prompts()[0], SamplingParams(top_k=10**30, max_tokens=4)))
+    assert not engine.has_unfinished()
+    out = engine.generate([GenerationRequest("ok", _prompts()[0], SamplingParams(temperature=1e-20, max_tokens=4))])
+    assert len(out[0].token_ids) == 4

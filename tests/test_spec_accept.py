@@ -35,6 +35,35 @@ def test_filters_by_hand():
     assert rows.isfinite().sum(-1).tolist() == [1, 4]
 
 
+def test_top_p_of_one_removes_nothing_whatever_the_other_rows_ask():
+    """top_p = 1 disables the filter for its row even in a batch where another row asks top_p < 1. The
+    float32 cumsum of a peaked distribution reaches 1.0 before its tail: without the per-row guard
+    `before >= 1.0` dropped the tail of the top_p = 1 row (218 of 1,000 tokens here), so the same request
+    sampled from a different distribution depending on its batch (plain and speculative steps alike)."""
+    lg = torch.zeros(2, 1000)
+    lg[:, :2] = 20.0
+    rows = filter_logits(lg, 1.0, 0, torch.tensor([1.0, 0.5]))
+    assert rows[0].isfinite().all(), f"{int((~rows[0].isfinite()).sum())} tokens removed at top_p = 1"
+    assert torch.equal(rows[0].softmax(-1), filter_logits(lg[:1], 1.0, 0, 1.0)[0].softmax(-1))
+    assert rows[1].isfinite().sum().item() == 2  # the other row keeps its two head tokens only
+
+
+def test_a_tiny_positive_temperature_is_the_greedy_limit_not_nan():
+    """temperature 1e-40 passes SamplingParams.validate (finite, > 0). logits / 1e-40 overflowed float32 to
+    +-inf and softmax gave NaN: torch.multinomial raised in the plain sampler (failing the engine step of
+    every request in the batch) and the tree walk drew the last token of the vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 10, generator=g)
+    for t in (1e-40, 1e-46, 1e-30):
+        q = filtered_probs(logits, t, top_p=0.9, min_p=0.1)
+        assert torch.equal(q, torch.nn.functional.one_hot(logits.argmax(-1), 10).float()), t
+        nt = node_targets(logits, torch.tensor([t, 1.0]), generator=torch.Generator().manual_seed(1))
+        assert nt.tokens[0].tolist() == logits[0].argmax(-1).tolist()
+        assert not nt.logprobs.isnan().any()
+    tie = torch.tensor([1.0, 3.0, 3.0, -2.0])
+    assert filtered_probs(tie, 1e-40).tolist() == [0.0, 0.5, 0.5, 0.0]  # the limit of T -> 0 splits exact ties
+
+
 def test_sample_probs_inverse_cdf():
     assert sample_probs(P, torch.tensor(0.6)).item() == 1  # cdf .5 .75 .9 1
     assert sample_probs(P, torch.tensor(0.0)).item() == 0

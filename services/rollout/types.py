@@ -44,15 +44,21 @@ class SamplingParams:
     return_features: bool = False
 
     MAX_LOGPROBS = 20
+    MIN_TEMPERATURE = 1e-20  # below it (float32) logits / temperature overflow to inf: NaN probabilities
+    TOP_K_LIMIT = 2**31  # any k >= the vocabulary means all of it anyway
 
     def validate(self) -> None:
         """Raise ValueError with a message fit for a 400 response."""
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < self.MIN_TEMPERATURE:  # logits / T would overflow float32: NaN probabilities
+            raise ValueError(f"temperature must be 0 (greedy) or at least {self.MIN_TEMPERATURE:g}, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if not -self.TOP_K_LIMIT <= self.top_k < self.TOP_K_LIMIT:  # it travels as an int64 tensor
+            raise ValueError(f"top_k must be below {self.TOP_K_LIMIT} (<= 0: off), got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -125,7 +125,9 @@ def _draft_probs(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     kth = sorted_x.gather(-1, torch.where(k > 0, k.clamp(max=v), torch.full_like(k, v)) - 1)
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     probs = sorted_x.softmax(-1)
-    drop_sorted = (probs.cumsum(-1) - probs) >= params[:, 2:3]  # past the smallest prefix reaching top_p
+    # past the smallest prefix reaching top_p; rows with top_p >= 1 drop nothing (a peaked row's float32
+    # cumsum reaches 1.0 before its tail, as in spec/filters.py)
+    drop_sorted = ((probs.cumsum(-1) - probs) >= params[:, 2:3]) & (params[:, 2:3] < 1.0)
     x = x.masked_fill((x < kth) | torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     p = x.softmax(-1)
     p = p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0)  # min_p

@@ -18,7 +18,8 @@ if all S drafts are accepted emit a bonus draw from q_S. P(emit x) = min(p, q)(x
 * max(q - p, 0)(x) / sum max(q - p, 0) = q(x), since sum max(q - p, 0) = 1 - sum min(p, q).
 
 Randomness: `generator` is None, one torch.Generator, or one per sequence (row 0 of the batch). Each
-call draws a fixed number of uniforms per row, so a sequence's stream does not depend on its batch.
+call draws a number of uniforms per row set by that row alone (its own tree's nodes: `counts` when trees
+of different sizes are padded to one batch), so a sequence's stream does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ from tlt.services.rollout.spec.tree import is_chain
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
-def uniforms(shape: tuple[int, ...], generator: Generators, device: torch.device | str = "cpu") -> torch.Tensor:
+def uniforms(shape: tuple[int, ...], generator: Generators, device: torch.device | str = "cpu",
+             counts: Sequence[int] | None = None) -> torch.Tensor:
     """U[0, 1) of `shape`; with a list of generators, row b of dim 0 comes from generator b.
 
+    counts (with a list of generators, shape [B, N]): row b draws only its first counts[b] values (its own
+    tree's nodes), the rest are 0, so a sequence's stream does not depend on the other trees of its batch.
     Draws happen on each generator's own device (sequences own CPU generators) and are then moved."""
     if generator is None:
         return torch.rand(shape, device=device)
@@ -44,6 +48,11 @@ def uniforms(shape: tuple[int, ...], generator: Generators, device: torch.device
         return torch.rand(shape, generator=generator, device=generator.device).to(device)
     if len(generator) != shape[0]:
         raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
+    if counts is not None:
+        out = torch.zeros(shape)
+        for b, (g, c) in enumerate(zip(generator, counts)):
+            out[b, :c] = torch.rand(int(c), generator=g, device=g.device).cpu()
+        return out.to(device)
     return torch.stack([torch.rand(shape[1:], generator=g, device=g.device) for g in generator]).to(device)
 
 
@@ -72,8 +81,10 @@ def node_targets(
     top_p: Param = 1.0,
     min_p: Param = 0.0,
     generator: Generators = None,
+    counts: Sequence[int] | None = None,
 ) -> NodeTargets:
-    """logits [B, N, V] -> one target token per node: argmax where temperature == 0, else a draw from q."""
+    """logits [B, N, V] -> one target token per node: argmax where temperature == 0, else a draw from q.
+    counts [B] (padded batches of trees): row b's real nodes; only those take uniforms (see `uniforms`)."""
     b, n, _ = logits.shape
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(b)
     greedy = temp == 0
@@ -82,7 +93,7 @@ def node_targets(
     safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
     logq = filter_logits(logits, safe_temp[:, None], _rows(top_k, b)[:, None], _rows(top_p, b)[:, None],
                          _rows(min_p, b)[:, None]).log_softmax(-1)
-    u = uniforms((b, n), generator, logits.device)
+    u = uniforms((b, n), generator, logits.device, counts)
     drawn = sample_probs(logq.exp(), u)
     argmax = logits.argmax(-1)
     tokens = torch.where(greedy[:, None], argmax, drawn)

@@ -181,7 +181,8 @@ class SpecDecoder:
                                          [s.generator for s in seqs])
             node_logprobs = q.log()  # the distribution each emitted token is distributed as
         else:
-            nt = node_targets(full, temps, top_k, top_p, min_p, [s.generator or self._spare_gen for s in seqs])
+            nt = node_targets(full, temps, top_k, top_p, min_p, [s.generator or self._spare_gen for s in seqs],
+                              n_list)  # each row draws for its own nodes only: its stream ignores its batch
             res = tree_accept(tree.tokens.to(dev), tree.parents.to(dev), nt.tokens)
             node_logprobs = nt.logprobs
         lps = emitted_logprobs(res, node_logprobs).cpu()

@@ -25,7 +25,10 @@ def filter_logits(
     logits: torch.Tensor, temperature: Param = 1.0, top_k: Param = 0, top_p: Param = 1.0, min_p: Param = 0.0
 ) -> torch.Tensor:
     """Return float32 logits [..., V] after temperature, top-k, top-p and min-p (removed tokens are -inf)."""
-    x = logits.float() / _per_row(temperature, logits, torch.float32)
+    # T floored at 1e-30: a tinier temperature (1e-40 passes validation) overflowed logits / T to +-inf and the
+    # softmax to NaN. At 1e-30 float32 logits (|x| < 3e8) stay finite and any two distinct ones already differ by
+    # ~1e23 after the division: the same one-hot (ties split) as every T below it, the greedy limit.
+    x = logits.float() / _per_row(temperature, logits, torch.float32).clamp(min=1e-30)
     neg_inf = torch.tensor(float("-inf"), device=x.device)
     v = x.shape[-1]
     k = _per_row(top_k, x, torch.long)
@@ -38,7 +41,9 @@ def filter_logits(
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token in sorted order
-        drop_sorted = before >= p  # keep the smallest prefix whose mass reaches top_p (the first always kept)
+        # keep the smallest prefix whose mass reaches top_p (the first always kept). Only rows with top_p < 1:
+        # the float32 cumsum of a peaked row reaches 1.0 before its tail, which `before >= 1` would drop.
+        drop_sorted = (before >= p) & (p < 1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = torch.where(drop, neg_inf, x)
     m = _per_row(min_p, x, torch.float32)
