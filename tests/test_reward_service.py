@@ -55,6 +55,7 @@ def server() -> Iterator[RewardServer]:
         (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
         (r"\boxed{x^{2}+\sqrt{y_{1}}}", r"x^{2}+\sqrt{y_{1}}"),
         (r"\boxed 7.", "7"),
+        ("\\boxed\n{7}", "7"),  # TeX skips a newline after a command as it does a space
         (r"\fbox{3}", "3"),
         (r"\boxed{unclosed {", None),
         (r"\boxedfoo{3}", None),
@@ -92,6 +93,23 @@ def test_equivalent_numbers_exactly() -> None:
     assert not equivalent("2x+2", "2(x+1)")  # no symbolic algebra, by design
     assert not equivalent("", "0")
     assert not equivalent("1/0", "0")
+
+
+def test_math_verifier_takes_the_whole_marked_answer() -> None:
+    """The answer after `answer:` is the whole token, not its leading integer: `answer: 7.5` was scored
+    correct against 7 (and wrong against 7.5)."""
+    assert not math_verifier("", "answer: 7.5", "7")
+    assert not math_verifier("", "answer: 7,5", "7")
+    assert not math_verifier("", "answer: 7,000", "7")
+    assert math_verifier("", "answer: 7,000", "7000")
+    assert math_verifier("", "answer: 7.5", "7.5")
+    assert math_verifier("", "answer: 1/2", "0.5")
+    assert math_verifier("", "so the answer: 7.", "7")  # sentence punctuation after it is not part of it
+    assert math_verifier("", "(answer: 7)", "7")
+    assert math_verifier("", "answer: -7<|im_end|>", "-7")
+    assert math_verifier("", "answer: 07", "7")
+    assert not math_verifier("", "answer:", "7")
+    assert not math_verifier("", "answer: seven", "7")
 
 
 def test_math_verifier_on_the_synthetic_task() -> None:

@@ -176,3 +176,11 @@ def test_replica_death_fails_its_requests_and_the_other_keeps_serving(server, cl
     assert len(got) == 4 and {c.replica_id for c in got} == {0}
     health = httpx.get(server.base_url.removesuffix("/v1") + "/health").json()
     assert health["replicas_alive"] == 1
+
+
+def test_batch_generate_references_must_match_the_prompts():
+    """One reference per prompt: a shorter list silently dropped the prompts past it (zip), a trainer's batch
+    came back smaller than it asked for."""
+    with RolloutClient("127.0.0.1:9") as c:  # refused before anything is sent
+        with pytest.raises(ValueError, match="3 prompts but 2 references"):
+            c.batch_generate(["1+1=", "2+2=", "3+3="], references=["2", "4"])

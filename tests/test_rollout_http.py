@@ -7,6 +7,8 @@ with the task tokenizer, the `openai` client. Nothing is faked.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -218,3 +220,88 @@ def test_batch_of_prompts_with_n(client, server):
                                        extra_body={"ignore_eos": True})
     assert by[2] == single.choices[0].text
     assert r.usage.completion_tokens == 12
+
+
+def _sse_text(server, path: str, body: dict) -> tuple[str, list[str]]:
+    """A streamed request's concatenated text (completions: choices[0].text; chat: delta.content) and finish reasons."""
+    import json
+
+    text, reasons = "", []
+    with httpx.stream("POST", f"{server.base_url}/{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        assert "error" not in chunk, chunk
+        for ch in chunk["choices"]:
+            text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+            if ch.get("finish_reason"):
+                reasons.append(ch["finish_reason"])
+    return text, reasons
+
+
+def test_streamed_text_never_holds_the_stop_string(client, server):
+    """A stream with a stop string sends exactly the non-streamed text: nothing of the stop string, nothing after
+    it. (The step that completes the stop string was streamed before the engine's cut text arrived: with a 2-char
+    stop its first char leaked, with a 1-char stop the whole stop string did.)"""
+    kw = dict(model=server.model_name, prompt="6+6=", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(**kw).choices[0].text
+    if len(base) < 8:
+        pytest.skip("the random model produced too little text to cut")
+    for stop in {base[1:2], base[2:4], base[5:8]}:
+        want = client.completions.create(stop=[stop], **kw).choices[0]
+        assert want.finish_reason == "stop" and want.text == base[: base.index(stop)]
+        body = {"model": server.model_name, "prompt": "6+6=", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                "stop": stop, "stream": True}
+        assert _sse_text(server, "completions", body) == (want.text, ["stop"]), stop
+    messages = [{"role": "user", "content": "6+6="}]
+    chat = client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=30, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    if len(chat) >= 4:
+        stop = chat[2:4]
+        body = {"model": server.model_name, "messages": messages, "max_tokens": 30, "temperature": 0,
+                "ignore_eos": True, "stop": [stop], "stream": True}
+        assert _sse_text(server, "chat/completions", body) == (chat[: chat.index(stop)], ["stop"])
+
+
+def test_non_streaming_request_aborted_when_the_client_goes(server):
+    """A client that gives up on a non-streaming request (timeout, ^C) frees its sequences at once instead of
+    leaving them decoding to max_tokens (32 x 250 tokens here: hundreds of steps)."""
+    pool = server.server.pool
+
+    def steps() -> int:
+        return server.call(pool.snapshot())[0].stats.steps
+
+    before = steps()
+    body = {"model": server.model_name, "prompt": "1", "max_tokens": 250, "n": 32, "temperature": 1.0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 30
+    while pool.replicas[0].outstanding and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.replicas[0].outstanding == 0
+    time.sleep(0.3)  # an abort reaches the replica between two steps
+    used = steps() - before
+    assert used < 200, f"the abandoned request ran {used} engine steps (all of it: 250)"
+    snap = server.call(pool.snapshot())[0]
+    assert snap.stats.running == 0 and snap.stats.queued == 0 and snap.stats.kv_usage == 0.0
+
+
+def test_null_means_the_default(server):
+    """The OpenAI API marks these fields nullable and clients send `null` for "not set": the default applies
+    (it was a 400 "Input should be a valid number")."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
+                               "top_k", "min_p", "ignore_eos", "logprobs", "seed", "stop", "user")}
+    r = httpx.post(f"{server.base_url}/completions", timeout=60,
+                   json={"model": server.model_name, "prompt": "1+1=", "max_tokens": 3, "echo": None, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and "logprobs" not in r.json()["choices"][0]
+    r = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                   json={"model": server.model_name, "messages": [{"role": "user", "content": "1+1="}],
+                         "max_tokens": 3, "top_logprobs": None, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and "logprobs" not in r.json()["choices"][0]
+    r = httpx.post(f"{server.base_url}/completions", timeout=60, json={"model": None, "prompt": "1"})
+    assert r.status_code == 400 and "model" in r.json()["error"]["message"]

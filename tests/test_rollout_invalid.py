@@ -61,6 +61,11 @@ CASES = [
     ("token_id_out_of_vocab", "completions", ok_completion(M, prompt=[1, 2, 10**9]), 400, "vocabulary"),
     ("huge_n", "completions", ok_completion(M, n=100000), 400, "n=100000"),
     ("n_zero", "completions", ok_completion(M, n=0), 400, "n"),
+    # values the engine's sampler cannot take (they killed the replica, failing every request on it)
+    ("top_k_huge", "completions", ok_completion(M, top_k=10**30), 400, "top_k"),
+    ("top_k_huge_negative", "chat/completions", ok_chat(M, top_k=-(10**30)), 400, "top_k"),
+    ("temperature_underflows", "completions", ok_completion(M, temperature=1e-40), 400, "temperature"),
+    ("temperature_underflows_chat", "chat/completions", ok_chat(M, temperature=5e-324), 400, "temperature"),
     ("temperature_string", "completions", ok_completion(M, temperature="hot"), 400, "temperature"),
     ("max_tokens_float", "completions", ok_completion(M, max_tokens=3.5), 400, "max_tokens"),
     ("stream_string", "completions", ok_completion(M, stream="yes"), 400, "stream"),
@@ -120,6 +125,7 @@ def test_invalid_grpc_requests(server):
         ([list(range(10, 10 + CTX))], 1, rollout_pb2.SamplingParams(max_tokens=1), "context length"),
         ([], 1, rollout_pb2.SamplingParams(max_tokens=4), "no prompts"),
         (["1"], 1, rollout_pb2.SamplingParams(max_tokens=-2), "max_tokens"),
+        (["1"], 1, rollout_pb2.SamplingParams(max_tokens=4, temperature=1e-40), "temperature"),
     ]
     for prompts, n, params, words in bad:
         with pytest.raises(grpc.RpcError) as e:
@@ -138,3 +144,27 @@ def test_server_still_serves_after_invalid_requests(server):
     r = _send(server, "chat/completions", ok_chat(server.model_name, stream=True))
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     assert all(s.alive for s in server.call(server.server.pool.snapshot()))
+
+
+def test_chat_template_error_is_a_400(tmp_path):
+    """A chat template that refuses the conversation (`raise_exception`, as many models' templates do for a
+    system message not first or roles that do not alternate) is the client's error: a 400 in the OpenAI format,
+    not a plain-text 500."""
+    model = tiny_checkpoint(tmp_path / "model")
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (
+        "{%- for m in messages %}{%- if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be first') }}{%- endif %}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    with ServerThread(model, replicas=1) as s:
+        bad = {"model": s.model_name, "max_tokens": 2,
+               "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}
+        r = httpx.post(f"{s.base_url}/chat/completions", json=bad, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "System message must be first" in err["message"] and err["param"] == "messages"
+        ok = {**bad, "messages": bad["messages"][::-1]}
+        assert httpx.post(f"{s.base_url}/chat/completions", json=ok, timeout=30).status_code == 200

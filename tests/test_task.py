@@ -48,6 +48,9 @@ def test_format_prompt_is_chatml():
         ("answer:", "2", False),  # malformed: nothing after the marker
         ("answer: two", "2", False),
         ("answer: 2x", "2", False),  # the number runs into other text
+        ("answer: 2.5", "2", False),  # a decimal is not its integer part
+        ("answer: 2,000", "2", False),
+        ("answer: 2, then", "2", True),
         ("answer: 2 2", "2", True),
         ("", "2", False),
         ("Answer: 2", "2", False),  # the marker is exact, case included

@@ -53,7 +53,7 @@ def last_boxed(text: str) -> str | None:
         return None
     rest = idx + len(cmd)
     j = rest
-    while j < len(text) and text[j] in " \t":
+    while j < len(text) and text[j].isspace():  # TeX skips any white space after a command word
         j += 1
     if j < len(text) and text[j] == "{":
         end = _group_end(text, j)

@@ -6,18 +6,19 @@ server calls it from several worker threads at once. Adding a kind means
 adding a function to `KINDS`.
 
 `math`: the answer is the content of the last `\boxed{...}` when the
-completion has one (general math), otherwise the number after the synthetic
-task's `answer:` marker (`tlt.task.extract_answer`). Integer answers compare
-as integers, exactly like `tlt.task.verify` (`07` equals `7`); everything else
-goes through `boxed.equivalent`'s normalisation.
+completion has one (general math), otherwise the whole token after the
+synthetic task's last `answer:` marker (`marked_answer`: `answer: 7.5` is 7.5,
+not 7). Integer answers compare as integers, like `tlt.task.verify` (`07`
+equals `7`); everything else goes through `boxed.equivalent`'s normalisation.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from tlt.services.reward.boxed import equivalent, last_boxed
-from tlt.task import extract_answer, verify
+from tlt.task.problems import ANSWER_MARKER
 
 Verifier = Callable[[str, str, str], bool]
 
@@ -27,16 +28,34 @@ def _is_int(text: str) -> bool:
     return t.lstrip("-").isdigit() and t.count("-") <= 1
 
 
+_MARKED = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*([^\s<]+)")  # `<`: a special token right after it
+
+
+def marked_answer(completion: str) -> str | None:
+    """The whole token after the last `answer:` marker, sentence punctuation after it dropped, or None.
+
+    Not `tlt.task.extract_answer`'s leading integer, which reads `answer: 7.5` and `answer: 7,000` as 7."""
+    idx = completion.rfind(ANSWER_MARKER)
+    m = _MARKED.match(completion, idx) if idx >= 0 else None
+    if m is None:
+        return None
+    token = m.group(1).rstrip(".,;:!?")
+    if token.endswith(")") and token.count(")") > token.count("("):  # `(answer: 7)`
+        token = token[:-1].rstrip(".,;:!?")
+    return token or None
+
+
 def math_verifier(prompt: str, completion: str, reference: str) -> bool:
     """Exact-answer check: `\\boxed{}` answers for general math, `answer: N` for the synthetic task."""
     boxed = last_boxed(completion)
     if boxed is not None:
         return equivalent(boxed, reference)
-    if extract_answer(completion) is None:
+    answer = marked_answer(completion)
+    if answer is None:
         return False
-    if _is_int(reference):
-        return verify(completion, reference.strip())
-    return equivalent(extract_answer(completion) or "", reference)
+    if _is_int(reference) and _is_int(answer):
+        return int(answer) == int(reference.strip())
+    return equivalent(answer, reference)
 
 
 KINDS: dict[str, Verifier] = {

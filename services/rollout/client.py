@@ -66,7 +66,9 @@ class RolloutClient:
         batch_id: str = "",
     ) -> Iterator[rollout_pb2.Completion]:
         """Stream one Completion per sequence as each finishes (len(prompts) * n in all)."""
-        refs = list(references or [""] * len(prompts))
+        refs = [""] * len(prompts) if references is None else list(references)
+        if len(refs) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(refs)} references: give one per prompt")
         req = rollout_pb2.BatchGenerateRequest(
             batch_id=batch_id, n=n, params=params or rollout_pb2.SamplingParams(),
             prompts=[make_prompt(p, r) for p, r in zip(prompts, refs)])

@@ -11,8 +11,9 @@ Every error leaves as `{"error": {"message", "type", "param", "code"}}`: 400
 for anything wrong with the request (FastAPI's 422 never reaches a client),
 404 for an unknown model or route, 413 for a body over `max_request_bytes`,
 503 when no engine replica is alive, 401 on /v1/* without the API key when
-one is set (TLT_API_KEY or [rollout] api_key). Every error counts in
-rollout_rejected_total{reason}. The handler is the deliberate boundary:
+one is set (TLT_API_KEY or [rollout] api_key). A client that disconnects
+aborts its request, streaming or not (a non-streaming one counts as 499,
+client_closed). Every error counts in rollout_rejected_total{reason}. The handler is the deliberate boundary:
 request errors are answered and the server goes on; errors inside a started
 stream are sent as a final `data: {"error": ...}` chunk before `[DONE]`.
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -228,20 +230,33 @@ class OpenAIServer:
 
     # ---- generation ----------------------------------------------------------------------------
 
-    async def _collect(self, reqs: list[GenerationRequest]) -> list[list[CompletionOutput]]:
+    @staticmethod
+    async def _client_gone(request: Request) -> None:
+        """Return when the client closes the connection (the body is read: all `receive` gives now is that)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def _collect(self, reqs: list[GenerationRequest], request: Request) -> list[list[CompletionOutput]]:
+        """Every request's completions; a client that goes away meanwhile aborts them (nothing decodes for nobody)."""
         async def one(r: GenerationRequest) -> list[CompletionOutput]:
             outs = [c async for c in self.pool.generate(r) if isinstance(c, CompletionOutput)]
             return sorted(outs, key=lambda c: c.sample_index)
 
         tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+        gathered = asyncio.gather(*tasks)
+        gone = asyncio.ensure_future(self._client_gone(request))
         try:
-            return list(await asyncio.gather(*tasks))
+            await asyncio.wait([gathered, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not gathered.done() and gone.exception() is None:
+                raise ApiError(499, "the client closed the connection; its request was aborted", code="client_closed")
+            return list(await gathered)
         except InvalidRequestError as e:
             raise ApiError(400, str(e)) from None
         except ReplicaUnavailableError as e:
             raise ApiError(503, str(e), "server_error", code="unavailable") from None
         finally:
-            for t in tasks:
+            gone.cancel()
+            for t in tasks:  # closing generate() aborts what is still running
                 t.cancel()
 
     async def _merged(self, reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, StepOutput | CompletionOutput]]:
@@ -321,7 +336,7 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse("completions", t0, self._completion_stream(rid, reqs, prompts, params, req.n, include_usage))
-        groups = await self._collect(reqs)
+        groups = await self._collect(reqs, request)
         flat = [c for g in groups for c in g]
         choices = [conv.completion_choice(self.tokenizer, pi * req.n + c.sample_index, c, req.logprobs)
                    for pi, g in enumerate(groups) for c in g]
@@ -343,6 +358,8 @@ class OpenAIServer:
             index = pi * n + ev.sample_index
             ts = streams.setdefault(index, conv.TextStream(self.tokenizer, params.stop))
             if isinstance(ev, StepOutput):
+                if ev.finished:  # its tokens may end in a stop string: the CompletionOutput's cut text follows
+                    continue
                 delta = ts.push(ev.new_token_ids)
                 if delta:
                     yield chunk(index, delta)
@@ -396,8 +413,11 @@ class OpenAIServer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except (TemplateError, ValueError) as e:  # the template's raise_exception: e.g. roles out of order
+            raise ApiError(400, f"the model's chat template refused the messages: {e}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         ids = [int(t) for t in ids]
@@ -407,7 +427,7 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse("chat", t0, self._chat_stream(rid, reqs, [ids], params, req, include_usage))
-        (outs,) = await self._collect(reqs)
+        (outs,) = await self._collect(reqs, request)
         choices = [conv.chat_choice(self.tokenizer, c.sample_index, c, req.logprobs, top) for c in outs]
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=int(time.time()), model=self.model_name, choices=choices,
@@ -428,6 +448,8 @@ class OpenAIServer:
         async for _, ev in self._merged(reqs):
             ts = streams.setdefault(ev.sample_index, conv.TextStream(self.tokenizer, params.stop))
             if isinstance(ev, StepOutput):
+                if ev.finished:  # as in _completion_stream: the final text comes with the CompletionOutput
+                    continue
                 delta = ts.push(ev.new_token_ids)
                 if delta:
                     yield chunk(ChatChunkChoice(index=ev.sample_index, delta=ChatDelta(content=delta)))

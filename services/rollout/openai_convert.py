@@ -7,9 +7,11 @@
 Streaming text: each sample's tokens are decoded in full after every step and
 only the stable prefix is sent: a trailing U+FFFD (a multi-byte character cut
 in half) is held back, and so are the last `len(longest stop string) - 1`
-characters, so text the engine later cuts at a stop string is never sent. On
-finish the engine's own final text is authoritative; the stream sends what
-remains of it.
+characters (the start of a stop string not completed yet). The step that
+finishes a sample is not pushed (its tokens may complete a stop string, and
+text after one): on finish the engine's own final text is authoritative and
+the stream sends what remains of it. So text the engine cuts at a stop string
+is never sent.
 """
 
 from __future__ import annotations

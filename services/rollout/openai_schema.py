@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response models (the /v1 JSON wire format).
 
 Requests are parsed strictly (unknown fields, wrong types and out-of-range
-values are rejected with a message naming the field) and converted to the
-engine's `SamplingParams`. TLT extensions beside the OpenAI fields: `top_k`,
+values are rejected with a message naming the field; `null` takes the field's
+default, as in the OpenAI API) and converted to the engine's `SamplingParams`.
+TLT extensions beside the OpenAI fields: `top_k`,
 `min_p`, `ignore_eos`, `stop_token_ids`; every response carries the weight
 versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
 honour (penalties, logit_bias, echo, suffix, tools) are refused with a 400
@@ -11,9 +12,9 @@ rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tlt.services.rollout.types import SamplingParams
 
@@ -46,6 +47,20 @@ class _Sampling(_Strict):
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`null`, the OpenAI API's "not set" (it marks these fields nullable), takes the field's default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+
+        def defaulted(k: str) -> bool:
+            f = fields.get(k)
+            return f is not None and not f.is_required() and type(None) not in get_args(f.annotation)
+
+        return {k: v for k, v in data.items() if v is not None or not defaulted(k)}
 
     def unsupported(self) -> str | None:
         if self.presence_penalty or self.frequency_penalty:

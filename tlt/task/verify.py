@@ -2,8 +2,8 @@
 
 The answer is the integer written after the LAST `answer:` marker in the
 completion. It must be followed by the end of the text, whitespace, an
-end-of-turn token or sentence punctuation, so `answer: 52` and
-`answer: 52<|im_end|>` count but `answer: 52x` or `answer: 5 2` do not.
+end-of-turn token or sentence punctuation, so `answer: 52`, `answer: 52.` and
+`answer: 52<|im_end|>` count but `answer: 52x` or `answer: 52.5` do not.
 Values are compared as integers (`answer: 07` equals the reference `7`): the
 number is exact, only zero padding may differ.
 """
@@ -14,7 +14,9 @@ import re
 
 from tlt.task.problems import ANSWER_MARKER
 
-_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*(-?\d+)(?=$|\s|<|[.,;!)])")
+# after the digits: the end, white space, a special token, or punctuation that does not continue the number
+# (`answer: 7.` is 7; `answer: 7.5` and `answer: 7,000` are not 7)
+_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*(-?\d+)(?=$|\s|<|[;!)]|[.,](?!\d))")
 
 
 def extract_answer(text: str) -> str | None:
