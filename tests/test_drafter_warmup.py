@@ -29,3 +29,16 @@ def test_warmup_cli(tmp_path) -> None:
     assert names and not any("embed" in n or "lm_head" in n for n in names)
     _, embed, head = target_shared(model)
     load_drafter(out, embed, head)  # loads with the target's shared tensors
+
+
+def test_heldout_split_keeps_every_window_of_a_sequence_together() -> None:
+    # 16 sequences, the odd ones cut into 3 windows: held-out and training windows never share a sequence
+    from types import SimpleNamespace
+
+    from tlt.services.drafter.warmup import split_heldout
+
+    samples = [SimpleNamespace(seq_id=f"p{i}-0@{w * 100}") for i in range(16) for w in range(3 if i % 2 else 1)]
+    train, held = split_heldout(samples)
+    base = lambda xs: {s.seq_id.rsplit("@", 1)[0] for s in xs}  # noqa: E731
+    assert base(held) == {"p7-0", "p15-0"} and not base(held) & base(train)
+    assert len(held) == 6 and len(train) + len(held) == len(samples)

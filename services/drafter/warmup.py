@@ -4,7 +4,7 @@
 
     task problems (synthetic long-tail task, ChatML prompts) --the target samples its own answers
       (KV-cached transformers forward)--> post-final-norm last-layer features (collect.py)
-    -> windows -> held-out split (1 in 8) -> packed batches with segment masks
+    -> windows -> held-out split (1 sequence in 8) -> packed batches with segment masks
     -> AdamW (0.9, 0.95), grad clip 1.0, uniform noise U(-noise, noise) on input features,
        optionally training-time test (`--ttt-steps K`: the drafter also trained K-1 steps deep on its
        own outputs, `Drafter.forward_unrolled`)
@@ -39,6 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttt-steps", type=int, default=1,
                         help="training-time test: also train the drafter on its own outputs this many steps deep "
                              "(1 = off; each step costs about one more forward and backward)")
+
+
+def split_heldout(samples: list, every: int = 8) -> tuple[list, list]:
+    """(train, held): 1 sequence in `every` is held out with all its windows (`seq_id@start`), so a long
+    answer cut into several windows never trains on the windows around the one it is scored on."""
+    seq = [s.seq_id.rsplit("@", 1)[0] for s in samples]
+    index = {k: i for i, k in enumerate(dict.fromkeys(seq))}
+    held = [s for s, k in zip(samples, seq) if index[k] % every == every - 1]
+    train = [s for s, k in zip(samples, seq) if index[k] % every != every - 1]
+    return train, held
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
             ids = torch.tensor([p + tok(prob.solution + "<|im_end|>", add_special_tokens=False)["input_ids"]])
             samples += to_samples(f"p{i}", ids[0], last_hidden(model, ids)[0], len(p), 0, args.row_tokens)
     rng = random.Random(args.seed)
-    held = [s for i, s in enumerate(samples) if i % 8 == 7]
-    train = [s for i, s in enumerate(samples) if i % 8 != 7]
+    train, held = split_heldout(samples)
     t_collect = time.time() - t0
     drafter = new_drafter(args.model, args.init, seed=args.seed)
     drafter.eval()
