@@ -465,3 +465,41 @@ def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path
     finally:  # never started: only its socket to close
         coord._router.close()
         coord._ctx.term()
+
+
+def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, model_dir, monkeypatch) -> None:
+    """The gate's boundary logs a failed push and retries later: the candidate must stay due (it was marked
+    evaluated before the push, so a failed push waited for the next delta, which may never come)."""
+    import numpy as np
+
+    import tlt.services.drafter.coordinator as coordinator_mod
+    from tlt.services.drafter.packing import Sample
+
+    pushes: list = []
+
+    def publish(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        if len(pushes) == 1:
+            raise ConnectionError("rollout unavailable")
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
+                               gate_when_idle=False)
+    coord = Coordinator(cfg, str(model_dir), None, publish)  # not started: the gate is called by hand
+    try:
+        h = coord.drafter_cfg.hidden_size
+        g = np.random.default_rng(0)
+        coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
+                                         g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+        with coord._lock:
+            coord.candidate_version = 3
+        scores = iter([(2.0, 10), (1.0, 10), (2.0, 10), (1.0, 10)])  # candidate, serving; twice
+        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+        with pytest.raises(ConnectionError):
+            coord.evaluate_and_publish()
+        assert coord.candidate_version > coord._evaluated and coord.serving_version < 3  # still due, not serving
+        rec = coord.evaluate_and_publish()  # the next gate, no new delta
+        assert rec is not None and rec.published and pushes == [3, 3] and coord.serving_version == 3
+    finally:
+        coord._router.close()
+        coord._ctx.term()

@@ -326,7 +326,6 @@ class Coordinator:
         rec = drafter_pb2.AcceptanceRecord(drafter_version=version, policy_version=self.latest_policy,
                                            candidate_accept_len=cand_len, serving_accept_len=serve_len,
                                            published=False, timestamp=time.time())
-        self._evaluated = version
         if better and self.publish_fn is not None:
             leaked = [k for k in cand if "embed" in k or "lm_head" in k]
             assert not leaked, f"a drafter push must never carry the target's embedding/lm_head: {leaked}"
@@ -335,6 +334,7 @@ class Coordinator:
             rec.published = True
             with self._lock:
                 self.serving, self.serving_version = cand, version
+        self._evaluated = version  # after the push: a push that raised leaves this candidate due, retried next gate
         self.m_accept.labels("candidate").set(cand_len)
         self.m_accept.labels("serving").set(rec.candidate_accept_len if rec.published else serve_len)
         with self._lock:
