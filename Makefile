@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 proto: $(STAMP)
 	$(PY) -m tlt.protogen
 
-# The tiny model is seeded and cached: rebuilt only when missing.
+# The tiny model is seeded and cached: rebuilt only when missing (the install is an order-only
+# prerequisite: a reinstall after editing pyproject.toml does not rebuild the model).
 model: $(MODEL)/.complete
-$(MODEL)/.complete: $(STAMP)
+$(MODEL)/.complete: | $(STAMP)
 	$(VENV)/bin/tlt model build --preset tiny --out $(MODEL)
 
 run: $(STAMP) model

@@ -92,3 +92,28 @@ def test_a_replica_can_spin_only_if_torch_is_not_loaded_yet():
     code2 = "import os\nfrom tlt.services.common.cpus import spin_at_barriers\nspin_at_barriers()\nprint(os.environ['GOMP_SPINCOUNT'])\n"
     out = subprocess.run([sys.executable, "-c", code2], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "1000", out.stderr
+
+
+def test_make_model_is_not_rebuilt_by_a_reinstall(tmp_path):
+    """`make model` builds the tiny model only when it is missing: a newer pyproject.toml reinstalls the venv,
+    and the install must not make the cached model look out of date (a rebuild is minutes of CPU)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "Makefile", tmp_path / "Makefile")
+    for name in ("pyproject.toml", "setup.py", "deploy/constraints-cpu.txt", ".venv/bin/python",
+                 ".venv/.tlt-installed", "artifacts/tiny/.complete"):  # oldest first: all up to date
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+
+    def dry(*what_if):
+        return subprocess.run(["make", "-n", *what_if, "model"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert "model build" not in dry()
+    out = dry("-W", "pyproject.toml")  # as if pyproject.toml were just edited
+    assert "pip install" in out and "model build" not in out, out
+    (tmp_path / "artifacts/tiny/.complete").unlink()
+    assert "model build" in dry()  # missing: built

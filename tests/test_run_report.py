@@ -78,3 +78,30 @@ def test_report_has_plots_table_and_start_end_accuracy(tmp_path: Path) -> None:
     s = summarize([step_row(m, [], [], 16) for m in lines])
     assert s.k == 2 and s.acc_start == pytest.approx(0.05) and s.acc_end == pytest.approx(0.65)
     assert "0.050" in page and "0.650" in page and page.count("<tr>") == 9
+
+
+def test_drafter_fed_by_the_trainer_gets_the_trainers_features(tmp_path: Path) -> None:
+    # `--set drafter.source=trainer`: the coordinator drops the rollout's features, so the trainer must push
+    # its own to the drafter's features_bind (it had no address: the drafter never got a sequence)
+    preset = {"rollout": {"spec": {"mode": "adaptive", "drafter": "learned", "drafter_path": "d"}}, "trainer": {},
+              "drafter": {"source": "trainer"}, "reward": {}}
+    services, switches = resolve_services(preset, RunConfig(model_dir="m"), tmp_path)
+    assert switches == {"speculation": True, "drafter": True}
+    assert services["trainer"]["drafter_features_address"] == services["drafter"]["features_bind"]
+    assert "features_push" not in services["rollout"]
+    preset["drafter"]["source"] = "rollout"  # the default: the rollout pushes, the trainer does not
+    services, _ = resolve_services(preset, RunConfig(model_dir="m"), tmp_path)
+    assert services["rollout"]["features_push"] == services["drafter"]["features_bind"]
+    assert "drafter_features_address" not in services["trainer"]
+
+
+def test_regenerated_report_keeps_the_runs_tail_threshold(tmp_path: Path) -> None:
+    # `python -m tlt.services.trainer.report runs/<id>` must count tail as `tlt run` did (cpu-tiny: 16, not 32)
+    m = {"step": 0, "policy_version": 1, "started_at": 100.0, "times": {"step_s": 5.0, "rollout_s": 4.0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(m) + "\n")
+    (tmp_path / "timeline.jsonl").write_text("".join(sample(t, r).to_json() + "\n"
+                                                     for t, r in [(100, 24), (102, 8), (104, 0)]))
+    (tmp_path / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "tail_threshold": 16}))
+    page = write_report(tmp_path).read_text()  # as the module's __main__ calls it without a threshold
+    assert "between 1 and 16" in page and "<td>2.0</td>" in page  # tail = [102, 104) only
+    assert "<td>4.0</td>" in write_report(tmp_path, threshold=32).read_text()  # an explicit one still wins

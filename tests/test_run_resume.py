@@ -141,3 +141,54 @@ def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: 
     assert rc == 130, out[-3000:]
     assert all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
     assert "tlt run --resume" in out  # tells how to continue
+
+
+def _plan(runs: Path, model: Path, *argv: str):
+    import argparse
+
+    from tlt.services.trainer.launch import add_arguments
+    from tlt.services.trainer.launcher import prepare_run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return prepare_run(parser.parse_args(["--model", str(model), "--set", f"run.runs_dir={runs}", *argv]))
+
+
+def test_two_tlt_runs_never_share_a_run_folder(tmp_path: Path) -> None:
+    """A second `tlt run` while the first one runs: with the default folder it takes a fresh one; with the same
+    --run-id it refuses (it resumed the running folder: its trainer deleted the first one's metrics.jsonl)."""
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # prepare_run only checks that a model is there
+    first = _plan(runs, model, "--run-id", "r")
+    with pytest.raises(ServiceError, match="in use by another `tlt run`"):
+        _plan(runs, model, "--run-id", "r")
+    with pytest.raises(ServiceError, match="in use by another `tlt run`"):
+        _plan(runs, model, "--resume", str(runs / "r"))
+    a = _plan(runs, model)
+    b = _plan(runs, model)  # `tlt run` twice at once: two folders, each with its own ports
+    assert a.run_dir == runs / "cpu-tiny" and b.run_dir != a.run_dir and b.run_dir.name.startswith("cpu-tiny-")
+    first.lock.close()  # that run ended (kill -9 releases it too): the folder can be resumed
+    assert _plan(runs, model, "--run-id", "r").resumed
+
+
+def test_resume_with_set_takes_this_launchs_value(tmp_path: Path) -> None:
+    import tomllib
+
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def lr(*argv: str) -> float:
+        plan = _plan(runs, model, "--run-id", "r", *argv)
+        if plan.lock is not None:
+            plan.lock.close()  # this launch is over
+        return tomllib.loads(plan.config_path.read_text())["trainer"]["lr"]
+
+    assert lr("--set", "trainer.lr=1e-5") == 1e-5
+    assert lr("--set", "trainer.lr=2e-5") == 2e-5
+    assert lr() == 2e-5  # a resume without --set keeps the last one
+    assert lr("--set", "trainer.lr=1e-5") == 1e-5  # back to the first value: it was ignored (already in run.json)
+    assert json.loads((runs / "r" / "run.json").read_text())["tail_threshold"] == 16  # cpu-tiny's SD threshold

@@ -31,6 +31,9 @@ def test_jsonl_loads_prompt_and_answer(tmp_path):
         ('{"prompt": "a"}\n', "missing field(s) ['answer']"),
         ('[1, 2]\n', "expected an object"),
         ('{"prompt": "", "answer": "1"}\n', "'prompt' must be a non-empty string"),
+        ('{"prompt": "a", "answer": ""}\n', "d.jsonl:1: 'answer' is empty"),  # a row without its answer
+        ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "  "}\n', "d.jsonl:2: 'answer' is empty"),
+        ('{"prompt": "a", "answer": NaN}\n', "'answer' is empty (nan)"),  # json.loads takes NaN
         ("\n\n", "no prompts"),
     ],
 )

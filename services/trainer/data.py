@@ -13,6 +13,7 @@ of the batch comes from the start of the next epoch's permutation.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def _item(index: int, row: object, where: str) -> PromptItem:
         raise DataError(f"{where}: 'prompt' must be a non-empty string")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DataError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
+    # an empty answer or a NaN (a missing value in many writers) is no answer: every sample would score 0
+    if (isinstance(answer, str) and not answer.strip()) or (isinstance(answer, float) and not math.isfinite(answer)):
+        raise DataError(f"{where}: 'answer' is empty ({answer!r}); every row needs the reference answer")
     return PromptItem(index=index, prompt=prompt, answer=str(answer))
 
 

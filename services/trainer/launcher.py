@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class RunPlan:
     tail_threshold: int
     steps: int
     resumed: bool
+    lock: Any = field(default=None, compare=False, repr=False)  # the run folder's lock, held while this plan runs
 
 
 def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
@@ -51,7 +52,8 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
     """(what this launch was asked for, merged over a resumed run's run.json; the preset; RunConfig)."""
     inputs = {
         "preset": args.preset or saved.get("preset") or "cpu-tiny",
-        "overrides": saved.get("overrides", []) + [o for o in args.overrides if o not in saved.get("overrides", [])],
+        # this launch's --set last, so that it wins over what the run was started (or last resumed) with
+        "overrides": [o for o in saved.get("overrides", []) if o not in args.overrides] + list(args.overrides),
         "baseline": bool(args.baseline or saved.get("baseline", False)),
         "seed": args.seed if args.seed is not None else saved.get("seed"),
         "steps": args.steps if args.steps is not None else saved.get("steps"),
@@ -81,6 +83,35 @@ def _finished(run_dir: Path) -> bool:
     return int(pointer.read_text().strip().removeprefix("step-")) >= steps
 
 
+LOCK_FILE = ".lock"
+
+
+def _lock_run_dir(run_dir: Path) -> Any | None:
+    """An exclusive lock on the run folder (held until the returned file is closed or this process dies,
+    kill -9 included), or None when another `tlt run` holds it: two runs in one folder would share its
+    checkpoints and files (the second one's trainer deleted the first one's metrics.jsonl)."""
+    import fcntl
+
+    f = (run_dir / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0), f.truncate(), f.write(f"{os.getpid()}\n"), f.flush()
+    return f
+
+
+def _in_use(run_dir: Path) -> bool:
+    if not run_dir.is_dir():
+        return False
+    lock = _lock_run_dir(run_dir)
+    if lock is None:
+        return True
+    lock.close()
+    return False
+
+
 def prepare_run(args: argparse.Namespace) -> RunPlan:
     """The run folder and its config. `--resume DIR`, or a `--run-id` whose folder exists, continues that
     run with the options it was started with; without `--run-id` the run is `<preset>`, continued when
@@ -95,7 +126,7 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
     if not args.resume:
         stem = Path(inputs["preset"]).stem
         run_dir = Path(run_cfg.runs_dir) / (args.run_id or stem)
-        if not args.run_id and _finished(run_dir):
+        if not args.run_id and (_finished(run_dir) or _in_use(run_dir)):  # done, or another `tlt run`'s
             run_dir = Path(run_cfg.runs_dir) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         if (run_dir / "run.json").exists():  # continue it with the options it was started with
             saved = json.loads((run_dir / "run.json").read_text())
@@ -109,6 +140,11 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
         raise ServiceError(f"no model in {run_cfg.model_dir}; build it with `make model` "
                            f"(tlt model build --preset tiny --out {run_cfg.model_dir})")
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock_run_dir(run_dir)
+    if lock is None:
+        holder = (run_dir / LOCK_FILE).read_text().strip()
+        raise ServiceError(f"{run_dir} is in use by another `tlt run` (pid {holder or '?'}); wait for it, "
+                           f"or start this one in another folder (--run-id)")
     services, switches = resolve_services(preset, run_cfg, run_dir)
     if run_cfg.speculation and not switches["speculation"]:
         log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")
@@ -118,13 +154,14 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
     config_path.write_text(f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start\n\n"
                            + to_toml(services))
     steps = int(services["trainer"].get("steps", 20))
+    spec = spec_section(preset)
+    threshold = run_cfg.tail_threshold or int(spec.get("threshold", 32))
     (run_dir / "run.json").write_text(json.dumps({
         "preset": str(preset_name), "overrides": overrides, "baseline": baseline, "seed": seed,
         "steps": steps_arg, "model": model, "switches": switches, "created": saved.get("created", time.time()),
+        "tail_threshold": threshold,  # what report.html counts as tail (a regenerated report reads it)
     }, indent=2))
-    spec = spec_section(preset)
-    threshold = run_cfg.tail_threshold or int(spec.get("threshold", 32))
-    return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed)
+    return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed, lock)
 
 
 class Launcher:

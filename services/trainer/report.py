@@ -146,8 +146,12 @@ def _eval_line(evals: list[EvalRecord]) -> str:
             f"<b>{last.accuracy:.3f}</b> after {last.after_steps} steps (every eval: {curve}).</p>")
 
 
-def write_report(run_dir: str | Path, threshold: int = 32) -> Path:
+def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
+    """threshold: the tail threshold; None: the run's own (run.json, as `tlt run` wrote the report), else 32."""
     run_dir = Path(run_dir)
+    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    if threshold is None:
+        threshold = int(info.get("tail_threshold", 32))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     samples = read_timeline(run_dir / "timeline.jsonl")
     windows = read_windows(run_dir / "drafter.jsonl")
@@ -155,7 +159,6 @@ def write_report(run_dir: str | Path, threshold: int = 32) -> Path:
     evals = read_evals(run_dir / "eval.jsonl")
     plots = _plots(rows, samples, windows, run_dir / "plots", threshold, evals) if rows else []
     s = summarize(rows)
-    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
     esc = html.escape
     head = "".join(f"<th>{esc(h)}</th>" for h in HEADER)
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in format_row(r)) + "</tr>" for r in rows)
@@ -183,4 +186,4 @@ speculative verify passes; accept = tokens per verify pass; idle = drafter train
 
 
 if __name__ == "__main__":
-    print(write_report(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32))
+    print(write_report(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -105,6 +105,9 @@ def resolve_services(preset: dict[str, Any], run: RunConfig, run_dir: Path) -> t
                  checkpoint_dir=str(run_dir / "drafter"))
         if spec.get("drafter_path") and not d.get("init_drafter"):
             d["init_drafter"] = spec["drafter_path"]
+        if d.get("source", "rollout") == "trainer":  # the old-logprob pass feeds the drafter, not the rollout
+            trainer["drafter_features_address"] = d["features_bind"]
+            rollout.pop("features_push", None)
     else:
         for key in ("capacity_pub", "features_push"):
             rollout.pop(key, None)
