@@ -104,3 +104,19 @@ def test_one_token_prefill_chunk_that_completes_a_block_makes_it_shareable():
     sch.update(batch)
     assert a.num_computed == 4 and bm.blocks[a.block_table[0]].computed
     assert bm.allocate(seq(range(7), i=1), set()) == 4  # a sibling shares it instead of waiting
+
+
+def test_reset_prefix_cache_stops_sharing_held_and_freed_blocks():
+    """After a weight swap no cached block may be hit again; held blocks keep their ref counts."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = seq(range(10)), seq(range(20, 30), "b")
+    for s in (a, b):
+        bm.allocate(s, set())
+        s.num_computed = 10
+        bm.mark_computed(s)
+    bm.free_seq(b)  # b's computed blocks are free but still cached
+    bm.reset_prefix_cache()
+    assert bm.allocate(seq(range(10), i=1), set()) == 0  # a still holds its blocks: no hit
+    assert bm.allocate(seq(range(20, 30), "b", 1), set()) == 0  # freed cached blocks: no hit either
+    bm.free_seq(a)
+    assert bm.num_free == 10 - 6 and bm.shared_hits == 0

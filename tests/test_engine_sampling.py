@@ -178,6 +178,40 @@ def test_update_weights_validates_then_applies_atomically(ckpt, hf):
     assert after.token_ids[0] == int((new_head @ hidden).argmax())
 
 
+def test_weight_update_invalidates_cached_prefix_blocks(ckpt, hf):
+    """Prompt blocks cached under the old weights must not be reused for a request after a policy swap."""
+    import copy
+
+    engine = make(ckpt)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    engine.generate([GenerationRequest("old", PROMPT, greedy)])  # leaves PROMPT's full blocks cached
+    name = "model.layers.0.self_attn.v_proj.weight"  # changes every cached K/V of the prompt
+    new = torch.randn(engine.expected_weights()[name][0], generator=torch.Generator().manual_seed(3)) * 0.5
+    engine.update_weights("policy", {name: new}, 1)
+    out = engine.generate([GenerationRequest("new", PROMPT, greedy)])[0]
+    ref_model = copy.deepcopy(hf)
+    with torch.no_grad():
+        ref_model.model.layers[0].self_attn.v_proj.weight.copy_(new)
+        logits = ref_model(torch.tensor([PROMPT + tuple(out.token_ids)])).logits[0, len(PROMPT) - 1 : -1]
+    assert out.token_ids == logits.argmax(-1).tolist()
+    ref_lp = torch.log_softmax(logits, -1)[torch.arange(len(out.token_ids)), torch.tensor(out.token_ids)]
+    assert torch.allclose(torch.tensor(out.logprobs), ref_lp, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: sequences own CPU generators, logits are on the GPU")
+def test_sampling_cuda_logits_with_the_sequences_cpu_generators():
+    from tlt.services.rollout.engine.sampler import sample
+    from tlt.services.rollout.engine.sequence import Sequence
+
+    seqs = [Sequence("c", i, (1, 2), SAMPLED if i else SamplingParams(temperature=0.0, logprobs=1), 4, 7, frozenset())
+            for i in range(3)]
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    on_cpu = sample(logits, [Sequence("c", i, (1, 2), s.params, 4, 7, frozenset()) for i, s in enumerate(seqs)])
+    on_gpu = sample(logits.cuda(), seqs)  # raised "Expected a 'cuda' device type for generator" before the fix
+    assert on_gpu.token_ids[0] == int(logits[0].argmax())
+    assert on_gpu.token_ids == on_cpu.token_ids
+
+
 def test_add_request_rejects_bad_requests_and_abort_frees(ckpt):
     engine = make(ckpt, max_model_len=64)
     ok = SamplingParams(temperature=0.0, max_tokens=4)

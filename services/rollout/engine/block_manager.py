@@ -17,6 +17,8 @@ through a chunked prefill) tells the scheduler to wait a step.
 
 Freed blocks keep their hash (a later identical prefix can still hit them)
 until they are handed out again; uncomputed blocks lose it when freed.
+`reset_prefix_cache` forgets every hash (a policy weight swap makes all cached
+K/V stale for new requests; sequences holding blocks keep using them).
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ class BlockManager:
         """Blocks fully covered by seq.num_computed now hold valid K/V."""
         for bid in seq.block_table[: seq.num_computed // self.block_size]:
             self.blocks[bid].computed = True
+
+    def reset_prefix_cache(self) -> None:
+        """Make no existing block shareable again (after a weight swap its K/V belongs to the old weights)."""
+        for b in self.blocks:
+            b.hash, b.token_ids = None, ()
+        self.by_hash.clear()
 
     def free_seq(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):

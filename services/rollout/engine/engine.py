@@ -17,6 +17,8 @@ is kept): each emitted token records the policy version that produced it and
 a completion is stamped `versions.policy` = newest version used and
 `versions.policy_min` = oldest when they differ (None when all tokens came
 from one version), so a mixed rollout is always visible to the trainer.
+The prefix cache is reset by a policy swap: a request added after it never
+reuses prompt K/V computed with the old weights.
 
 Kernels (`EngineConfig.kernels`): "auto" runs the PyTorch path on CPU (TorchScript + oneDNN,
 unchanged) and, on CUDA, the Triton kernels of `tlt.kernels` for the decode and verify steps
@@ -277,6 +279,8 @@ class LLMEngine:
             raise ValueError("weight update has no tensors")
         validate_tensors(self.model_config, tensors, partial=True, dtype=self.dtype)
         self.model.load_weights({k: v.to(self.device) for k, v in tensors.items()})
+        # cached prefix K/V was computed with the old weights: a new request must not reuse it
+        self.block_manager.reset_prefix_cache()
         self.versions = Versions(policy=version, drafter=self.versions.drafter)
         log.info("weights_updated", replica=self.replica_id, kind=kind, version=version, tensors=len(tensors))
 

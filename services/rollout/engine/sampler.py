@@ -54,8 +54,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
             torch.tensor([p.min_p for p in ps]),
         )
         probs = filtered.softmax(-1)
+        # draw on the generators' device (sequences own CPU generators): torch refuses a CPU generator for a
+        # CUDA tensor ("Expected a 'cuda' device type for generator"), so off-CPU rows are drawn on the CPU
+        gen_device = seqs[sampled[0]].generator.device
+        draw = probs if probs.device == gen_device else probs.to(gen_device)
         for r, i in enumerate(sampled):
-            tokens[i] = torch.multinomial(probs[r], 1, generator=seqs[i].generator)[0]
+            tokens[i] = torch.multinomial(draw[r], 1, generator=seqs[i].generator)[0]
         if any(want_lp):
             dist[rows] = filtered
     token_list = tokens.tolist()
