@@ -98,6 +98,29 @@ def resolve_impl(impl: Impl, device: torch.device) -> Literal["torch", "triton"]
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _interpreter_scalar_compat() -> None:
+    """Let Triton 3.6's interpreter use runtime scalars as Python ints (loop bounds) under NumPy >= 2.4.
+
+    Triton 3.6's interpreter converts a scalar tensor with `int(data)` on its shape-(1,) array, which
+    NumPy >= 2.4 refuses, so `range(start, end)` over loaded values failed in every kernel that loops
+    over runtime bounds; Triton 3.7 converts with `int(data.squeeze())`, which this installs (each
+    launch re-checks, so it also holds if something swapped the interpreter's patcher since). Only
+    the interpreter is touched: compiled kernels never see it.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_tlt_scalar_compat", False):
+        return
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._tlt_scalar_compat = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
 class LazyKernel:
     """A Triton kernel decorated with `triton.jit` on first launch, per interpreter setting.
 
@@ -117,6 +140,8 @@ class LazyKernel:
                 "TRITON_INTERPRET=1 was set after triton.language was imported, so Triton's own library "
                 "functions are compiled-mode and cannot run in the interpreter: set it before the process starts"
             )
+        if key:
+            _interpreter_scalar_compat()
         if key not in self._built:
             import triton
 

@@ -128,8 +128,11 @@ def tree_accept_triton(
             path=torch.empty((batch, nodes), dtype=torch.int64, device=device),
             bonus=torch.empty(batch, dtype=torch.int64, device=device),
         )
-    check(out.accept_len.shape == (batch,) and out.accept_len.dtype == torch.int64, "out.accept_len must be int64 [B]")
-    check(out.bonus.shape == (batch,) and out.bonus.dtype == torch.int64, "out.bonus must be int64 [B]")
+    # the kernel writes accept_len[b] and bonus[b] at offset b: a strided view would be written past its elements
+    check(out.accept_len.shape == (batch,) and out.accept_len.dtype == torch.int64 and out.accept_len.is_contiguous(),
+          "out.accept_len must be contiguous int64 [B]")
+    check(out.bonus.shape == (batch,) and out.bonus.dtype == torch.int64 and out.bonus.is_contiguous(),
+          "out.bonus must be contiguous int64 [B]")
     check(out.path.shape == (batch, nodes) and out.path.dtype == torch.int64 and out.path.stride(1) == 1, "out.path must be int64 [B, N]")
     if batch > 0:
         tree_accept_kernel[(batch,)](

@@ -126,3 +126,34 @@ def test_wrapper_rejects_bad_inputs() -> None:
         tree_accept_triton(d.int(), d, d)
     with pytest.raises(ValueError, match="parents must be"):
         tree_accept_triton(d, d[:, :3], d)
+
+
+@pytest.mark.parametrize("walk", [IMPLS[1]], indirect=True)
+def test_interpreter_runtime_loop_bounds_with_triton_3_6_scalar_conversion(walk, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Triton 3.6's interpreter turns a runtime scalar into a Python int with int(array of shape (1,)), which
+    # NumPy >= 2.4 refuses: every kernel that loops over runtime bounds (range(1, N) here, the block range of
+    # paged attention) failed under TRITON_INTERPRET=1 with triton 3.6 (the GPU machines' version, allowed by
+    # pyproject). Reproduced here on any triton by installing 3.6's conversion; LazyKernel converts as 3.7 does.
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def like_triton_3_6(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", like_triton_3_6)
+    assert as_lists(walk([[99, 10, 11, 12]], [[-1, 0, 1, 2]], [[10, 11, 12, 13]])) == ([3], [[0, 1, 2, 3]], [13])
+
+
+def test_wrapper_rejects_strided_out_buffers() -> None:
+    # The kernel stores accept_len[b] and bonus[b] at offset b from the base pointer: a strided view such as a
+    # column of a [B, 2] buffer kept its poison for sequence 1, whose values overwrote memory outside the view.
+    d = torch.zeros(2, 4, dtype=torch.int64)
+    good = torch.zeros(2, dtype=torch.int64)
+    strided = torch.zeros(2, 2, dtype=torch.int64)[:, 0]
+    path = torch.zeros(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="accept_len must be contiguous"):
+        tree_accept_triton(d, d, d, out=Acceptance(strided, path, good))
+    with pytest.raises(ValueError, match="bonus must be contiguous"):
+        tree_accept_triton(d, d, d, out=Acceptance(good, path, strided))
