@@ -503,3 +503,39 @@ def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, 
     finally:
         coord._router.close()
         coord._ctx.term()
+
+
+def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, model_dir) -> None:
+    """`tlt run --resume` restarts the rollout with its initial drafter while the coordinator restores
+    serving version N: without a push of N the rollout drafted with the initial drafter until a candidate
+    beat N by the margin. A rollout that already serves N (only the drafter service restarted) refuses it
+    as not newer, which ends the republish too."""
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False)
+    first = Coordinator(cfg, str(model_dir), None, None)
+    try:
+        with first._lock:
+            first.serving_version = first.candidate_version = 3
+        first.save_now()
+    finally:
+        first._router.close()
+        first._ctx.term()
+
+    for refuse in (False, True):
+        pushes: list[int] = []
+
+        def publish(tensors, version):  # noqa: ANN001
+            pushes.append(version)
+            assert not any("embed" in k or "lm_head" in k for k in tensors)
+            if refuse:
+                raise RuntimeError(f"drafter version {version} is not newer than the serving {version}")
+
+        coord = Coordinator(cfg, str(model_dir), None, publish).start()
+        try:
+            deadline = time.monotonic() + 10
+            while coord._republish_due and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # a few more gate rounds: no second push
+            assert pushes == [3] and not coord._republish_due
+        finally:
+            coord.close()

@@ -57,6 +57,9 @@ def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
     return unpack(rollout_pb2.WeightManifest.FromString(manifest), payload, None)
 
 
+REPUBLISH_RETRY_S = 2.0  # a restored serving drafter's push is retried this often until the rollout takes it
+
+
 class Coordinator:
     def __init__(self, config: DrafterServiceConfig, model_dir: str, features: FeatureSource | None,
                  publish: Publish | None, fetch_shared: Fetch | None = None) -> None:
@@ -93,6 +96,11 @@ class Coordinator:
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's
         self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
         self._restore()
+        # A restored serving drafter (version > 0) is pushed again once: after a restart (`tlt run --resume`)
+        # the rollout starts from its initial drafter and would otherwise run without the trained one until
+        # a candidate beat it by the margin.
+        self._republish_due = self.serving_version > 0
+        self._republish_at = 0.0
         self.metrics = Metrics("drafter")
         self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
         self.m_buffer = self.metrics.gauge("buffer_windows", "training windows in the feature buffer")
@@ -274,6 +282,13 @@ class Coordinator:
 
             log.info("evaluation_sched", sched="idle" if this_thread_when_idle() else "unsupported")
         while not self._stop.wait(0.2):
+            if self._republish_due and time.monotonic() >= self._republish_at:
+                if self.rollout is None or not self.rollout.busy():
+                    try:
+                        self.republish_serving()
+                    except Exception as e:  # the rollout may not be up yet: try again in a while
+                        log.warning("drafter_republish_failed", version=self.serving_version, error=repr(e)[:300])
+                        self._republish_at = time.monotonic() + REPUBLISH_RETRY_S
             if self.candidate_version > self._evaluated and time.monotonic() - self._last_eval >= self.cfg.eval_interval_s:
                 if self.rollout is not None and self.rollout.busy():
                     continue  # a replica decodes: this work would take its CPU (BENCHMARKS.md, "Session 5")
@@ -286,6 +301,24 @@ class Coordinator:
                 except Exception as e:  # deliberate boundary: a failed push is reported and retried later
                     log.error("drafter_publish_failed", error=repr(e))
                 self._last_eval = time.monotonic()
+
+    def republish_serving(self) -> None:
+        """Push the serving drafter restored from the checkpoint to the rollout, which restarted with its
+        initial one. A rollout that already serves this version or a newer one (only this service restarted)
+        refuses it as not newer: nothing to do."""
+        if self.publish_fn is None:
+            self._republish_due = False
+            return
+        with self._lock:
+            tensors, version = dict(self.serving), self.serving_version
+        try:
+            self.publish_fn(tensors, version)
+            log.info("drafter_republished", version=version)
+        except Exception as e:
+            if "not newer" not in str(e):  # rollout/replicas.py's refusal of a version it already has
+                raise
+            log.info("drafter_republish_not_needed", version=version, reason=str(e)[:200])
+        self._republish_due = False
 
     def refresh_shared(self) -> bool:
         """Fetch the policy's embedding / lm_head if a newer policy was seen (on failure keep ours); True: swapped."""

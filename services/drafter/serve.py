@@ -51,7 +51,7 @@ def start_status_server(coordinator: object, host: str, port: int) -> tuple[obje
 
     from tlt.v1 import drafter_pb2_grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
     servicer = type("DrafterServicer", (StatusService, drafter_pb2_grpc.DrafterServicer), {})(coordinator)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -199,6 +199,7 @@ class RewardServer:
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a port in use is an error, not shared with another server
         ]
         self._server = grpc.server(ThreadPoolExecutor(max_workers=config.workers + 16), options=opts)
         _register(self.servicer, self._server)
