@@ -55,3 +55,33 @@ def test_a_run_gets_distinct_ports():
 
     ports = free_ports(8)
     assert len(set(ports)) == 8
+
+
+def test_rollout_server_refuses_a_grpc_port_another_server_serves(tmp_path):
+    """grpc binds with SO_REUSEPORT by default: a second server on a taken port started silently and the kernel
+    split connections (weight pushes included) between the two. The rollout server must refuse the port."""
+    import asyncio
+    from concurrent import futures
+
+    import grpc
+    import pytest
+    from rollout_helpers import rollout_config, tiny_checkpoint
+
+    from tlt.services.rollout.server import RolloutServer
+
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # any grpc server, default options
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    server = RolloutServer(tiny_checkpoint(tmp_path / "model"), rollout_config(grpc_port=port, replicas=1))
+
+    async def start_then_stop() -> None:
+        try:
+            await server.start()
+        finally:
+            await server.stop()
+
+    try:
+        with pytest.raises(OSError, match=f"could not bind gRPC to 127.0.0.1:{port}"):
+            asyncio.run(start_then_stop())
+    finally:
+        other.stop(0)

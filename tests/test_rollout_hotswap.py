@@ -241,3 +241,59 @@ def test_drafter_hot_swap_keeps_outputs_lossless(drafter_server, model_dir):
     with pytest.raises(WeightPushError, match="shape"):
         client.update_weights({**own, "fc.weight": torch.zeros(3, 3)}, "drafter", 2)
     assert client.status().versions.drafter == 1
+
+
+def test_restarted_replica_gets_every_pushed_tensor_not_only_the_last_push(model_dir):
+    """A full push (v1) then a partial one (v2): a replica restarted after kill -9 must serve v1's tensors
+    that v2 did not carry, not the model folder's (the pool replays what the replicas hold, not the last push);
+    GetWeights likewise still serves v1's tensors under v2."""
+    import os
+    import signal
+    import time
+
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    full = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    norm = {"model.norm.weight": full["model.norm.weight"] * 1.25}
+    with ServerThread(model_dir, replicas=1, max_restarts=1) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        assert c.update_weights(full, "policy", 1).ok
+        assert c.update_weights(norm, "policy", 2).ok
+        want = rollout(c)
+        version, got = c.get_weights(["lm_head.weight", "model.norm.weight"])
+        assert version == 2 and torch.equal(got["lm_head.weight"], full["lm_head.weight"])
+        assert torch.equal(got["model.norm.weight"], norm["model.norm.weight"])
+
+        old = s.server.replica_pids()[0]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (s.server.pool.replicas[0].alive and s.server.replica_pids()[0] != old):
+            assert time.monotonic() < deadline, "replica 0 was not restarted"
+            time.sleep(0.1)
+        after = rollout(c)
+        assert {x.versions.policy for x in after} == {2}
+        assert [list(x.token_ids) for x in after] == [list(x.token_ids) for x in want]
+
+
+def test_a_command_to_a_dead_replica_fails_at_once(model_dir):
+    """A command to a replica already marked dead (a restarted replica killed before its replay, or one dying just
+    as a push is sent to it) must fail with ReplicaUnavailableError at once, not wait out the timeout: the
+    replay waits under the update lock (every push would stall) and a push counts a timeout as a failed apply."""
+    import os
+    import signal
+    import time
+
+    from tlt.services.rollout.ipc import QueryStats
+    from tlt.services.rollout.replicas import ReplicaUnavailableError
+
+    with ServerThread(model_dir, replicas=1) as s:
+        pool = s.server.pool
+        rep = pool.replicas[0]
+        os.kill(rep.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not rep.error:
+            assert time.monotonic() < deadline, "the pool never saw the replica die"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaUnavailableError, match="replica 0 died"):
+            s.call(pool._ask(rep, QueryStats, 20.0), timeout=40)
+        assert time.monotonic() - t0 < 5

@@ -131,3 +131,30 @@ def test_sync_weights_brings_every_server_to_the_trainer(serving, trainer, pushe
     sync_weights(policy, WeightPublisher(servers), servers)
     want = trainer if pushed is None else pushed
     assert policy.version == want and [s.version for s in servers] == [want] * len(servers)
+
+
+def test_shm_publisher_removes_the_files_of_a_trainer_killed_mid_push():
+    """A trainer SIGKILLed while its shm push was in flight leaves its file in /dev/shm (no `finally` runs);
+    the next shm publisher (the resumed trainer) removes it, and leaves a live writer's file alone."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tlt.services.common import weights as W
+
+    code = ("import os, signal\nfrom tlt.services.common.weights import write_shm\n"
+            "print(write_shm(b'x' * 4096), flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    stale = Path(child.stdout.strip())
+    live = W.write_shm(b"mine")
+    try:
+        assert stale.exists() and stale.name.startswith(W.SHM_PREFIX)
+        WeightPublisher([], "grpc")
+        assert stale.exists()  # only the shm mode owns such files
+        WeightPublisher([], "shm")
+        assert not stale.exists() and Path(live).exists()
+    finally:
+        W.remove_shm(str(stale))
+        W.remove_shm(live)

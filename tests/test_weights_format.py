@@ -258,6 +258,46 @@ def test_sweep_removes_files_of_dead_writers() -> None:
         W.remove_shm(str(stale))
 
 
+def test_failed_shm_write_leaves_no_file_behind() -> None:
+    """A write that fails part way (a full /dev/shm: here a real EFBIG from RLIMIT_FSIZE in a child process)
+    raises and removes its half-written file."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, signal, glob, os, torch\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
+        "from tlt.services.common import weights as W\n"
+        "m, p = W.pack_state_dict({'x': torch.zeros(1 << 16)}, 1, 1)\n"
+        "try:\n"
+        "    with W.shm_payload(m, p):\n"
+        "        raise SystemExit('written past the size limit')\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno)\n"
+        "left = sorted(glob.glob(str(W.shm_dir() / f'{W.SHM_PREFIX}{os.getpid()}-*')))\n"
+        "print('left', left)\n"
+        "for f in left: os.unlink(f)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused" in out.stdout and "left []" in out.stdout, out.stdout
+
+
+def test_merge_keeps_earlier_tensors_a_partial_update_did_not_carry() -> None:
+    src = _tensors()
+    base_m, base_p = W.pack_state_dict(src, POLICY, 1)
+    upd = {"mask": torch.tensor([False, False, True]), "embed.weight": torch.ones(7, 5)}
+    upd_m, upd_p = W.pack_state_dict(upd, POLICY, 2)
+    m, p = W.merge(base_m, base_p, upd_m, upd_p)
+    assert m.version == 2 and m.kind == POLICY
+    out = W.unpack(m, p, W.expected_specs(src))
+    for name, t in {**src, **upd}.items():
+        assert torch.equal(_bits(out[name]), _bits(t)), name
+    m_full, p_full = W.merge(base_m, base_p, *W.pack_state_dict(src, POLICY, 3))  # carries all: kept as it is
+    assert m_full.version == 3 and bytes(p_full) == bytes(base_p)
+
+
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 
 

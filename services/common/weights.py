@@ -5,6 +5,7 @@
                --assemble---------> (WeightManifest, payload)                         [receiver]
                --unpack-----------> dict[str, Tensor], validated entirely or WeightValidationError
     (WeightManifest, payload) --select--> the same format holding only some of its tensors  [GetWeights]
+    base + partial update     --merge---> what a receiver holds after both (replayed to a restarted replica)
 
 The payload is the tensors' bytes, C-contiguous and little-endian, laid out
 one after another at 64-byte aligned offsets (zero padding between them);
@@ -195,6 +196,30 @@ def select(manifest: WeightManifest, payload: Buffer, names: Sequence[str]) -> t
     return sub, out
 
 
+def merge(base_manifest: WeightManifest, base_payload: Buffer, manifest: WeightManifest, payload: Buffer
+          ) -> tuple[WeightManifest, bytes]:
+    """What a receiver holds after applying `base` then the (partial) update `manifest`/`payload`:
+    every tensor of the update, plus those of `base` it does not carry; the update's kind and version.
+    Both must be valid (`validate`); bytes are copied as they are."""
+    carried = {s.name for s in manifest.tensors}
+    keep = [s for s in base_manifest.tensors if s.name not in carried]
+    if not keep:
+        return manifest, bytes(payload)
+    out = bytearray(payload)
+    specs = [common_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape), offset=s.offset, nbytes=s.nbytes)
+             for s in manifest.tensors]
+    view = memoryview(base_payload)
+    for s in keep:
+        offset = _aligned(len(out))
+        out += bytes(offset - len(out))
+        out += view[s.offset : s.offset + s.nbytes]
+        specs.append(common_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape), offset=offset,
+                                           nbytes=s.nbytes))
+    merged = WeightManifest(kind=manifest.kind, version=manifest.version, tensors=specs, total_bytes=len(out),
+                            sha256=hashlib.sha256(out).hexdigest())
+    return merged, bytes(out)
+
+
 def expected_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The (shape, dtype) per name a receiver expects, from its own parameters."""
     return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
@@ -308,9 +333,13 @@ def write_shm(payload: Buffer) -> str:
     final = shm_dir() / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.bin"
     tmp = final.with_suffix(".part")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(payload)
-    os.replace(tmp, final)  # readers never see a half-written file
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, final)  # readers never see a half-written file
+    except BaseException:  # e.g. ENOSPC on a small /dev/shm: leave no half-written file behind
+        remove_shm(str(tmp))
+        raise
     return str(final)
 
 

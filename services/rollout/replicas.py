@@ -31,7 +31,8 @@ loudly and is named in the error. One update at a time.
 Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
 OOM, kill -9) fails its in-flight requests with ReplicaUnavailableError and
 is started again after a back-off (1 s, doubling, at most 30 s). The pool
-keeps the latest applied policy and drafter pushes (manifest + payload, in
+keeps what the replicas hold from the applied policy and drafter pushes (the latest push, plus the
+tensors of earlier ones a partial push did not carry: manifest + payload, in
 this process's memory; gRPC GetWeights reads the policy's too); a restarted replica loads the model folder, then
 gets those replayed under the update lock, and only when its versions equal
 the pool's does it take requests again. Until then it is not routed to.
@@ -420,6 +421,8 @@ class ReplicaPool:
     # ---- control -------------------------------------------------------------------------
 
     async def _ask(self, rep: _Replica, make: Any, timeout_s: float) -> Reply:
+        if rep.error:  # dead: _on_dead already failed its commands, and nothing would ever answer this one
+            raise ReplicaUnavailableError(f"replica {rep.replica_id} died: {rep.error.splitlines()[-1]}")
         cmd_id = next(self._cmd_ids)
         fut = self._loop.create_future()  # type: ignore[union-attr]
         self._replies[cmd_id] = (rep, fut)
@@ -485,6 +488,18 @@ class ReplicaPool:
                     r.applying = False
                     self._maybe_idle(r)
 
+    @staticmethod
+    def _held_after(prev: tuple[int, bytes, bytes] | None, version: int, blob: bytes, data: bytes
+                    ) -> tuple[int, bytes, bytes]:
+        if prev is None:
+            return version, blob, data
+        from tlt.services.common.weights import merge
+        from tlt.v1 import rollout_pb2
+
+        parse = rollout_pb2.WeightManifest.FromString
+        manifest, payload = merge(parse(prev[1]), prev[2], parse(blob), data)
+        return version, manifest.SerializeToString(), payload
+
     async def _apply_on(self, live: list[_Replica], kind: str, version: int, blob: bytes, data: bytes,
                         timeout_s: float) -> dict:
         """Send the validated push to every live replica; the caller holds the update lock."""
@@ -510,7 +525,10 @@ class ReplicaPool:
             raise WeightUpdateError("; ".join(failed))
         if not applied:
             raise ReplicaUnavailableError("every replica died during the weight update")
+        # Replayed to a restarted replica (and served by GetWeights): what the replicas now hold, i.e. this push
+        # plus the tensors of earlier pushes it did not carry (a partial push leaves those as they were).
+        held = await asyncio.to_thread(self._held_after, self._latest.get(kind), version, blob, data)
+        self._latest[kind] = held  # set together with the versions (GetWeights reads both at once)
         self.versions = next(x.versions for x in replies if isinstance(x, Reply))  # type: ignore[union-attr]
-        self._latest[kind] = (version, blob, data)  # replayed to a restarted replica
         log.info("weights_updated", kind=kind, version=version, replicas=applied)
         return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}

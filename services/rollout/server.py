@@ -27,6 +27,9 @@ log = get_logger("rollout.server")
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
+    # grpc sets SO_REUSEPORT by default: a second server on a port another one already serves would start
+    # without error and the kernel would split connections (weight pushes too) between the two processes.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -84,9 +87,12 @@ class RolloutServer:
         service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected)
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         rollout_pb2_grpc.add_RolloutServicer_to_server(service, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        try:
+            self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        except RuntimeError:  # grpc.aio raises where grpc (sync) returns 0
+            self.grpc_port = 0
         if self.grpc_port == 0:
-            raise OSError(f"could not bind gRPC to {cfg.host}:{cfg.grpc_port}")
+            raise OSError(f"could not bind gRPC to {cfg.host}:{cfg.grpc_port} (address in use?)")
         await self._grpc.start()
 
         app = openai_server.app

@@ -72,6 +72,11 @@ class WeightPublisher:
             raise ValueError(f"weight push mode {mode!r} unknown; use grpc or shm")
         self.clients = list(clients)
         self.mode = mode
+        if mode == "shm":  # files of an earlier trainer killed mid-push (SIGKILL, OOM) would stay in /dev/shm
+            from tlt.services.common.weights import sweep_stale_shm
+
+            for path in sweep_stale_shm():
+                log.warning("stale_shm_removed", path=path)
 
     def push(self, tensors: dict[str, torch.Tensor], version: int) -> PushReport:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
