@@ -143,3 +143,31 @@ def test_shipped_preset_is_valid_toml() -> None:
     assert path.name == "cpu-tiny.toml"
     cfg = load_config(DemoConfig, "demo-section-absent-from-preset", "cpu-tiny", environ={})
     assert cfg == DemoConfig()
+
+
+class _Inner(ServiceConfig):
+    threshold: int = Field(32, description="a nested field")
+    mode: str = Field("adaptive", description="another one")
+
+
+class _Outer(ServiceConfig):
+    replicas: int = Field(1, description="a top-level field")
+    spec: _Inner = Field(default_factory=_Inner, description="a nested section, [outer.spec] in a preset")
+
+
+def test_env_reaches_a_nested_section_and_keeps_its_other_fields(tmp_path: Path) -> None:
+    # TLT_<SECTION>__<SUB>__<FIELD>: was refused as the unknown field 'spec__threshold'
+    preset = _preset(tmp_path, '[outer]\nreplicas = 2\n[outer.spec]\nmode = "static"\nthreshold = 16\n')
+    cfg = load_config(_Outer, "outer", preset, environ={"TLT_OUTER__SPEC__THRESHOLD": "8"})
+    assert (cfg.replicas, cfg.spec.threshold, cfg.spec.mode) == (2, 8, "static")  # mode kept from the preset
+    cfg = load_config(_Outer, "outer", preset, overrides={"spec": {"mode": "off"}},
+                      environ={"TLT_OUTER__SPEC__THRESHOLD": "8"})
+    assert (cfg.spec.threshold, cfg.spec.mode) == (8, "off")  # each layer updates, none replaces the table
+    with pytest.raises(ConfigError, match="unknown field 'spec.bogus'"):
+        load_config(_Outer, "outer", preset, environ={"TLT_OUTER__SPEC__BOGUS": "1"})
+
+
+def test_a_number_given_for_a_string_field_is_that_string() -> None:
+    # overrides are parsed as TOML literals: `2024` became an int and a str field refused it
+    cfg = load_config(DemoConfig, "demo", overrides=cli_overrides(["host=2024"]), environ={"TLT_DEMO__NAMES": "[7]"})
+    assert cfg.host == "2024" and cfg.names == ["7"]

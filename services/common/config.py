@@ -7,7 +7,8 @@ keys, a docstring per field. Values are resolved in this order, later wins:
     model defaults -> preset TOML section -> environment -> CLI overrides
 
 - preset: `deploy/configs/<name>.toml` (or any path), section = the service name;
-- environment: `TLT_<SECTION>__<FIELD>=value` (e.g. `TLT_ROLLOUT__REPLICAS=2`);
+- environment: `TLT_<SECTION>__<FIELD>=value` (e.g. `TLT_ROLLOUT__REPLICAS=2`); a nested section's
+  field with one more `__` (`TLT_ROLLOUT__SPEC__THRESHOLD=8` sets `[rollout.spec] threshold`);
 - CLI: `--set field=value` pairs (values parsed as TOML literals, else strings).
 
 A bad value raises `ConfigError` naming the field, the source of the value and
@@ -36,7 +37,9 @@ class ConfigError(ValueError):
 class ServiceConfig(BaseModel):
     """Base of every service config: immutable and strict about unknown keys."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # coerce_numbers_to_str: an override is parsed as a TOML literal, so a string field set to `2024` (a
+    # served model name, a token) arrives as an int; it is the string the user typed.
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, coerce_numbers_to_str=True)
 
 
 def preset_path(preset: str | os.PathLike[str]) -> Path:
@@ -77,9 +80,28 @@ def env_prefix(section: str) -> str:
 
 
 def env_overrides(section: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`TLT_<SECTION>__<FIELD>` values; `TLT_<SECTION>__<SUB>__<FIELD>` nests (`{"sub": {"field": v}}`)."""
     prefix = env_prefix(section)
     env = os.environ if environ is None else environ
-    return {k[len(prefix):].lower(): _parse_literal(v) for k, v in env.items() if k.startswith(prefix)}
+    out: dict[str, Any] = {}
+    for k, v in env.items():
+        if not k.startswith(prefix):
+            continue
+        *path, leaf = k[len(prefix):].lower().split("__")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{k}: {part!r} is set as a value and used as a section by another variable")
+        node[leaf] = _parse_literal(v)
+    return out
+
+
+def _merged(base: Any, value: Any) -> Any:
+    """A later layer's table updates an earlier one's field by field (a nested override keeps the rest)."""
+    if isinstance(base, dict) and isinstance(value, dict):
+        return {**base, **{k: _merged(base.get(k), v) for k, v in value.items()}}
+    return value
 
 
 def cli_overrides(pairs: Sequence[str]) -> dict[str, Any]:
@@ -114,7 +136,7 @@ def load_config(
         for key, value in layer.items():
             if value is None:
                 continue
-            values[key] = value
+            values[key] = _merged(values.get(key), value)
             sources[key] = origin
     try:
         return cls(**values)
