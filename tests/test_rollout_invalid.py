@@ -61,6 +61,7 @@ CASES = [
     ("token_id_out_of_vocab", "completions", ok_completion(M, prompt=[1, 2, 10**9]), 400, "vocabulary"),
     ("huge_n", "completions", ok_completion(M, n=100000), 400, "n=100000"),
     ("n_zero", "completions", ok_completion(M, n=0), 400, "n"),
+    ("too_many_prompts", "completions", ok_completion(M, prompt=[[1]] * 4097), 400, "4097 prompts is over the limit"),
     # values the engine's sampler cannot take (they killed the replica, failing every request on it)
     ("top_k_huge", "completions", ok_completion(M, top_k=10**30), 400, "top_k"),
     ("top_k_huge_negative", "chat/completions", ok_chat(M, top_k=-(10**30)), 400, "top_k"),

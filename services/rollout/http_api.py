@@ -329,6 +329,9 @@ class OpenAIServer:
             prompts = [list(x) for x in raw]
         if not prompts:
             raise ApiError(400, "prompt is empty", param="prompt")
+        if len(prompts) > self.config.max_prompts_per_batch:  # as gRPC BatchGenerate: prompts x n is bounded
+            raise ApiError(400, f"{len(prompts)} prompts is over the limit of {self.config.max_prompts_per_batch}",
+                           param="prompt")
         for i, p in enumerate(prompts):
             self._check_prompt(p, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         reqs = self._requests(prompts, params, req.n, "cmpl")
