@@ -226,6 +226,117 @@ def test_commands_parse_with_the_real_cli(raw, service):
     assert preset == "1gpu" and (ROOT / "deploy" / "configs" / "1gpu.toml").exists()
 
 
+def service_config(doc: dict, service: str, shell: dict[str, str], monkeypatch):
+    """`service`'s config as the container builds it: its compose command through the real parser and
+    the service's own config builder, with the container's environment (entries with a value, plus the
+    bare names passed through from `shell`) as the only TLT_* variables."""
+    import os
+
+    from tlt.cli import COMMANDS, build_parser
+
+    svc = doc["services"][service]
+    args = tlt_args(svc["command"])
+    cmd = next(c for c in COMMANDS if c.path == tuple(args[: len(c.path)]))
+    ns = build_parser((cmd,)).parse_args(args)
+    for k in [k for k in os.environ if k.startswith("TLT_")]:
+        monkeypatch.delenv(k)
+    for e in svc.get("environment", []):
+        k, sep, v = e.partition("=")
+        if sep:
+            monkeypatch.setenv(k, v)
+        elif k in shell:
+            monkeypatch.setenv(k, shell[k])
+    if service == "rollout":
+        from tlt.services.rollout.serve import build_config
+
+        return ns, build_config(ns)
+    if service == "reward":
+        from tlt.services.reward.serve import build_config
+
+        return ns, build_config(ns)
+    if service == "drafter":
+        from tlt.services.drafter.serve import build_config
+
+        return ns, build_config(ns.preset, ns.overrides)
+    from tlt.services.common.config import cli_overrides, load_config
+    from tlt.services.trainer.config import TrainerConfig
+
+    return ns, load_config(TrainerConfig, "trainer", ns.config, cli_overrides(ns.overrides))
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _host(endpoint: str) -> str:
+    return endpoint.split("://")[-1].rsplit(":", 1)[0]
+
+
+def _check_ports(hc: list[str]) -> set[int]:
+    return {_port(t.split("/")[2] if t.startswith("http") else t) for t in hc[3:][1::2]}
+
+
+@pytest.mark.parametrize("variant", ["1gpu", "8gpu"])
+def test_service_configs_from_compose_agree_on_addresses_and_ports(raw, variant, monkeypatch):
+    """Every service's resolved config (preset + compose environment + command) binds where its health
+    check and its peers look: a port typo or a preset without a field would leave a service unreachable."""
+    pytest.importorskip("pydantic")
+    env = {**BASE_ENV, **(read_env_file(ENV_8GPU) if variant == "8gpu" else {})}
+    doc = interpolate(raw, env)
+    _, rollout = service_config(doc, "rollout", env, monkeypatch)
+    _, reward = service_config(doc, "reward", env, monkeypatch)
+    dns, drafter = service_config(doc, "drafter", env, monkeypatch)
+    _, trainer = service_config(doc, "trainer", env, monkeypatch)
+    hc = {s: _check_ports(doc["services"][s]["healthcheck"]["test"]) for s in doc["services"]}
+
+    assert rollout.host == reward.host == drafter.host == "0.0.0.0"  # reachable from the other containers
+    assert hc["rollout"] == {rollout.http_port, rollout.grpc_port}
+    assert doc["services"]["rollout"]["ports"] == [f"8000:{rollout.http_port}"]
+    assert trainer.rollout_addresses == [f"rollout:{rollout.grpc_port}"]
+    assert drafter.rollout_grpc == f"rollout:{rollout.grpc_port}"
+    # capacity events: the rollout binds, the drafter connects by service name
+    for bound, used in ((rollout.capacity_pub, drafter.capacity_pub),
+                        (rollout.capacity_snapshot, drafter.capacity_snapshot)):
+        assert _host(bound) == "0.0.0.0" and _host(used) == "rollout" and _port(bound) == _port(used)
+    # features: the drafter binds, every rollout replica pushes to it
+    assert _host(drafter.features_bind) == "0.0.0.0" and _host(rollout.features_push) == "drafter"
+    assert _port(drafter.features_bind) == _port(rollout.features_push)
+    assert hc["reward"] == {reward.port} and trainer.reward == "grpc"
+    assert trainer.reward_address == f"reward:{reward.port}"
+    assert hc["drafter"] == {drafter.status_port}
+    assert hc["trainer"] == {trainer.metrics_port}  # 0 (the default) would mean no exporter: never healthy
+    # the drafter's coordinator stays inside its container (workers connect over loopback)
+    assert _host(drafter.coordinator_bind) == "127.0.0.1"
+    # one engine replica per rollout GPU, one drafter worker per replica (worker i trains on cuda:i)
+    rollout_gpus = _gpus(doc, "rollout")
+    assert rollout.engine.device == "cuda" and rollout.replicas == len(rollout_gpus) == dns.workers
+    assert drafter.device == "cuda" and _gpus(doc, "drafter") == rollout_gpus
+    # weights cross containers over gRPC (the shm shortcut needs one /dev/shm, and each container has its own)
+    assert trainer.weight_push == "grpc"
+    assert trainer.model_dir == "/models/policy" and trainer.output_dir.startswith("/runs/")
+    assert drafter.checkpoint_dir.startswith("/checkpoints/")
+
+
+def test_compose_rollout_keeps_nested_env_overrides_and_the_drafter_choice(raw, monkeypatch):
+    """TLT_ROLLOUT__SPEC__* / __ENGINE__* set for the rollout container reach its config (a `--set spec.*`
+    in the compose command used to re-apply the preset's whole [rollout.spec] over them), and
+    ROLLOUT_DRAFTER / ROLLOUT_DRAFTER_PATH reach both the rollout and the online drafter."""
+    doc = interpolate(raw, BASE_ENV)
+    doc["services"]["rollout"]["environment"] += ["TLT_ROLLOUT__SPEC__THRESHOLD=8",
+                                                  "TLT_ROLLOUT__ENGINE__KV_CACHE_MB=4096"]
+    _, cfg = service_config(doc, "rollout", BASE_ENV, monkeypatch)
+    assert cfg.spec.threshold == 8 and cfg.engine.kv_cache_mb == 4096
+    assert cfg.spec.mode == "adaptive" and cfg.spec.drafter == "ngram" and not cfg.spec.drafter_path
+
+    env = {**BASE_ENV, "ROLLOUT_DRAFTER": "learned", "ROLLOUT_DRAFTER_PATH": "/checkpoints/drafter"}
+    doc = interpolate(raw, env)
+    _, cfg = service_config(doc, "rollout", env, monkeypatch)
+    assert (cfg.spec.drafter, cfg.spec.drafter_path) == ("learned", "/checkpoints/drafter")
+    _, drafter = service_config(doc, "drafter", env, monkeypatch)
+    assert drafter.init_drafter == "/checkpoints/drafter"
+    assert "/checkpoints" in {m.split(":")[1] for m in doc["services"]["rollout"]["volumes"] if isinstance(m, str)}
+
+
 # -- 4. compose equivalence: the real commands as local processes -------------------------------
 
 CONTAINER_PORTS = (8000, 50051, 50061, 50071, 9460, 5701, 5702, 5703, 5704)
@@ -411,3 +522,16 @@ def test_compose_stack_trains_one_step_locally(raw, random_model_dir, tmp_path):
     finally:
         for p in procs.values():
             _stop(p)
+
+
+def test_host_folders_mounted_at_run_time_stay_out_of_the_image(raw):
+    """./data (DATA_DIR's default) is bind-mounted into the trainer; in the build context it would be sent to
+    the builder and copied into the image by `COPY . .` (a Parquet data set: gigabytes per build)."""
+    ignored = {line.strip().strip("/") for line in (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    doc = interpolate(raw, BASE_ENV)
+    for name, svc in doc["services"].items():
+        for m in svc["volumes"]:
+            source = m["source"] if isinstance(m, dict) else m.split(":")[0]
+            if source.startswith("./"):
+                assert source[2:].strip("/") in ignored, f"{name} mounts {source}: add it to deploy/Dockerfile.dockerignore"

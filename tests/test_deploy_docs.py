@@ -128,13 +128,20 @@ def _env_names() -> set[str]:
 
 
 def test_env_overrides_name_real_fields():
+    """TLT_<SECTION>__<FIELD>, and TLT_<SECTION>__<SUB>__<FIELD> for a nested section ([rollout.spec])."""
     checked = 0
     for name in sorted(_env_names()):
-        section, field = name[4:].split("__", 1)
-        cls = config_class(section.lower())
+        section, *path = name[4:].lower().split("__")
+        cls = config_class(section)
         if cls is None:
             continue
-        assert field.lower() in cls.model_fields, f"{name}: [{section.lower()}] has no field {field.lower()!r}"
+        where = f"[{section}]"
+        for i, part in enumerate(path):
+            assert part in cls.model_fields, f"{name}: {where} has no field {part!r}"
+            if i < len(path) - 1:
+                cls = cls.model_fields[part].annotation
+                assert isinstance(cls, type) and hasattr(cls, "model_fields"), f"{name}: {where} {part!r} is no section"
+                where = f"[{where[1:-1]}.{part}]"
         checked += 1
     assert checked >= 10
 
@@ -219,3 +226,23 @@ def test_manifests_validate_against_the_kubernetes_openapi_schemas(tmp_path):
     bad.write_text((K8S / "rollout.yaml").read_text().replace("podManagementPolicy", "podManagmentPolicy"))
     r = subprocess.run([tool, "--strict", "--quiet", str(bad)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "podManagmentPolicy" in r.stdout + r.stderr
+
+
+def test_guide_preset_table_matches_the_presets():
+    """The numbers the Presets table quotes (prompts x samples, replicas, ZeRO stage, dtype) are the presets'."""
+    text = GUIDE.read_text().split("\n## Presets\n", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z0-9-]+)` \|.*$", text, flags=re.M)}
+    assert set(rows) == {p.stem for p in CONFIGS.glob("*.toml")}
+    for name, row in rows.items():
+        preset = tomllib.loads((CONFIGS / f"{name}.toml").read_text())
+        trainer, rollout = preset["trainer"], preset["rollout"]
+        m = re.search(r"(\d+) prompts x (\d+) samples", row)
+        assert m and (int(m.group(1)), int(m.group(2))) == (trainer["prompts_per_step"], trainer["n_samples"]), (
+            f"{name}: the guide says {m and m.group(0)!r}, the preset "
+            f"{trainer['prompts_per_step']} prompts x {trainer['n_samples']} samples")
+        m = re.search(r"(\d+) (?:CPU )?replicas?\b", row)
+        assert m and int(m.group(1)) == rollout.get("replicas", 1), f"{name}: replicas {m and m.group(0)!r}"
+        m = re.search(r"ZeRO-(\d)", row)
+        assert m is None or int(m.group(1)) == trainer.get("zero_stage", 0), f"{name}: {m.group(0)}"
+        dtype = rollout.get("engine", {}).get("dtype")
+        assert {"bfloat16": "bf16", "float32": "fp32"}[dtype] in row, f"{name}: rollout dtype {dtype}"

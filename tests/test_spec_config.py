@@ -40,3 +40,20 @@ def test_switch_hysteresis():
     # on after 3 consecutive steps <= 4 (steps 2..4), off at once at 5, on again after 3 more
     assert got == [False, False, False, True, True, False, False, False, True, True]
     assert sw.switches == 3
+
+
+def test_rollout_serve_set_and_environment_both_reach_a_nested_section(monkeypatch) -> None:
+    # `--set spec.x` / `--drafter` copied the preset's whole [rollout.spec] onto the command-line layer, which
+    # then beat every TLT_ROLLOUT__SPEC__* variable (docker-compose passes --set spec.drafter=...)
+    import argparse
+
+    from tlt.services.rollout.serve import build_config
+
+    monkeypatch.setenv("TLT_ROLLOUT__SPEC__THRESHOLD", "8")
+    monkeypatch.setenv("TLT_ROLLOUT__ENGINE__KV_CACHE_MB", "64")
+    args = argparse.Namespace(overrides=["spec.drafter=ngram", "engine.max_num_seqs=32"], spec="static", drafter=None,
+                              preset="cpu-tiny")
+    cfg = build_config(args)
+    assert (cfg.spec.threshold, cfg.spec.mode, cfg.spec.drafter) == (8, "static", "ngram")
+    assert (cfg.engine.kv_cache_mb, cfg.engine.max_num_seqs, cfg.engine.max_model_len) == (64, 32, 1024)  # 1024: preset
+    assert "plain" in cfg.spec.bucket_arms[0]  # the preset's arms kept

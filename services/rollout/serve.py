@@ -38,7 +38,7 @@ NESTED = ("engine", "spec")  # [rollout.engine], [rollout.spec]
 
 
 def build_config(args: argparse.Namespace) -> object:
-    from tlt.services.common.config import cli_overrides, load_config, read_preset
+    from tlt.services.common.config import cli_overrides, load_config
     from tlt.services.rollout.config import RolloutConfig
 
     flat = cli_overrides(args.overrides)
@@ -52,11 +52,10 @@ def build_config(args: argparse.Namespace) -> object:
         from tlt.services.common.config import ConfigError
 
         raise ConfigError(f"unknown nested override(s) {bad}; nested sections of [rollout]: {', '.join(NESTED)}")
-    preset = read_preset(args.preset).get("rollout", {})
-    for section in NESTED:
-        nested = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(f"{section}.")}
+    for section in NESTED:  # only the keys given: load_config merges them field by field over the preset and
+        nested = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(f"{section}.")}  # environment
         if nested:
-            overrides[section] = {**dict(preset.get(section, {})), **nested}
+            overrides[section] = nested
     for flag, field in (("replicas", "replicas"), ("host", "host"), ("http_port", "http_port"),
                         ("grpc_port", "grpc_port"), ("backend", "backend"), ("insecure_local", "insecure_local")):
         if getattr(args, flag, None) is not None:
