@@ -10,12 +10,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
 from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
 from tlt.services.rollout.sglang_backend.engine import SGLangEngine
+from tlt.services.rollout.sglang_backend.launch import adaptive_spec_config, engine_kwargs
 from tlt.services.rollout.sglang_backend.requests import StreamChunk, parse_chunk
+from tlt.services.rollout.types import FinishReason
 
 
 def sglang_chunk(rid, ids, lps=None, finish=None, text=None, **meta):
@@ -26,13 +29,38 @@ def sglang_chunk(rid, ids, lps=None, finish=None, text=None, **meta):
     return {"text": text, "output_ids": list(ids), "meta_info": meta_info}
 
 
-class FakeSGLang:
-    """Records calls; `poll` hands out the chunks queued with `feed`."""
+def sglang_reserved_tokens(launch_kwargs, adaptive_slots=None):
+    """Draft slots SGLang reserves per request, computed from what SGLang is launched with.
 
-    def __init__(self):
+    `compute_num_reserved_tokens` (sglang/srt/managers/utils.py): 0 without an EAGLE
+    drafter, else max(eagle_topk * num_steps, max draft tokens), the max draft tokens
+    being num_draft_tokens (static) or max(candidate_steps) + 1 (adaptive).
+    """
+    if launch_kwargs.get("speculative_algorithm") not in ("EAGLE", "EAGLE3"):
+        return 0
+    topk, steps = launch_kwargs["speculative_eagle_topk"], launch_kwargs["speculative_num_steps"]
+    if launch_kwargs.get("speculative_adaptive"):
+        max_draft = max(s for slot in adaptive_slots.values() for s in slot["candidate_steps"]) + 1
+    else:
+        max_draft = launch_kwargs["speculative_num_draft_tokens"]
+    return max(topk * steps, max_draft)
+
+
+class FakeSGLang:
+    """Records calls; `poll` hands out the chunks queued with `feed`.
+
+    With `context_len` set it refuses what SGLang's TokenizerManager refuses
+    (`_validate_one_request`: prompt + reserved >= context length, or prompt +
+    reserved + max_new_tokens > context length, raised as ValueError); the real
+    client turns that into an aborted chunk carrying the message, and so does this.
+    """
+
+    def __init__(self, context_len=None, reserved_tokens=0):
         self.calls: list[tuple] = []
         self.pending: list[StreamChunk] = []
         self.submitted = {}
+        self.context_len = context_len
+        self.reserved_tokens = reserved_tokens
 
     def feed(self, *chunks):
         self.pending.extend(parse_chunk(c) for c in chunks)
@@ -40,6 +68,21 @@ class FakeSGLang:
     def submit(self, call):
         self.submitted[call.rid] = call
         self.calls.append(("submit", call.rid))
+        refusal = self._refusal(call)
+        if refusal:
+            self.pending.append(StreamChunk(call.rid, [], None, None, FinishReason.ABORT, None, None, error=refusal))
+
+    def _refusal(self, call):
+        if self.context_len is None:
+            return ""
+        input_token_num = len(call.input_ids) + self.reserved_tokens
+        if input_token_num >= self.context_len:
+            return (f"The input ({input_token_num} tokens) is longer than the model's context length "
+                    f"({self.context_len} tokens).")
+        max_new = call.sampling_dict().get("max_new_tokens")
+        if max_new is not None and max_new + input_token_num > self.context_len:
+            return f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens."
+        return ""
 
     def poll(self, timeout_s):
         out, self.pending = self.pending, []
@@ -78,8 +121,11 @@ class FakeSGLang:
 
 
 def make_engine(model_dir, **cfg):
-    fake = FakeSGLang()
+    """An adapter over a fake that checks context lengths as SGLang would for this config."""
     config = SGLangBackendConfig(draft_model_path="/drafter", **cfg)
+    kwargs = engine_kwargs(config, model_dir, 1, adaptive_config_path="/unused.json")
+    context_len = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+    fake = FakeSGLang(context_len, sglang_reserved_tokens(kwargs, adaptive_spec_config(config)))
     return SGLangEngine(model_dir, config, replica_id=1, client=fake), fake
 
 

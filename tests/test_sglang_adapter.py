@@ -164,6 +164,40 @@ def test_replica_config_comes_from_the_preset_and_environment(model_dir, monkeyp
     assert eng.config.draft_model_path == "/models/drafter"
 
 
+def test_requests_leave_room_for_sglang_reserved_draft_slots(model_dir):
+    # SGLang adds max(topk * steps, max draft tokens) to every prompt with EAGLE and refuses
+    # prompt + reserved + max_new_tokens > context (TokenizerManager._validate_one_request).
+    eng, fake = make_engine(model_dir)  # adaptive, candidate steps up to 7: 8 reserved
+    assert eng.reserved_tokens == fake.reserved_tokens == 8
+    eng.add_request(GenerationRequest("r", tuple(range(100))))
+    assert fake.submitted["r#0"].sampling_dict()["max_new_tokens"] == 128 - 8 - 100
+    assert fake.poll(0.0) == []  # SGLang would accept it
+    with pytest.raises(ValueError, match="does not fit"):
+        eng.add_request(GenerationRequest("p", tuple(range(120))))
+    with pytest.raises(ValueError, match="does not fit"):
+        eng.add_request(GenerationRequest("m", tuple(range(100)), SamplingParams(max_tokens=21)))
+    # The old default (context - prompt) is what SGLang refuses: the fake ends it as aborted.
+    (call,) = generate_calls(GenerationRequest("old", tuple(range(100))), 128 - 100, True)
+    fake.submit(call)
+    (chunk,) = fake.poll(0.0)
+    assert chunk.finish is FinishReason.ABORT and "context length" in chunk.error
+    static, _ = make_engine(model_dir, adaptive=False, num_steps=4, eagle_topk=4, num_draft_tokens=8)
+    assert static.reserved_tokens == 16  # topk * steps > draft tokens
+    plain, _ = make_engine(model_dir, speculative_algorithm="none")
+    assert plain.reserved_tokens == 0
+
+
+def test_no_requests_while_kv_cache_is_released(model_dir):
+    eng, fake = make_engine(model_dir)  # release_tags = ["kv_cache"]
+    eng.release()
+    with pytest.raises(ValueError, match="released"):
+        eng.add_request(GenerationRequest("r", (1,)))
+    assert ("submit", "r#0") not in fake.calls
+    eng.resume()
+    eng.add_request(GenerationRequest("r", (1,)))
+    assert fake.calls[-1] == ("submit", "r#0")
+
+
 # -- the real EngineClient's asyncio pump, over a stand-in TokenizerManager --------------------
 
 
@@ -303,6 +337,15 @@ def test_engine_client_control_calls_raise_sglang_refusals(stand_in):
     with pytest.raises(SGLangError, match="flush_cache failed"):
         client.flush_cache()
     assert tm.log == [("pause", "in_place"), ("begin", "draft"), ("update", "draft", False, 2), ("end",), ("continue",)]
+
+
+def test_engine_client_flush_refusal_carries_sglang_message(stand_in):
+    from tlt.services.rollout.sglang_backend.client import SGLangError
+
+    client, tm = stand_in({})
+    # flush_cache answers FlushCacheReqOutput(success, message), not a tuple
+    with pytest.raises(SGLangError, match="pending requests"):
+        client.flush_cache()
 
 
 def test_without_sglang_the_backend_says_how_to_get_it(model_dir, tmp_path):

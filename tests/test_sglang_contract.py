@@ -69,6 +69,27 @@ def test_config_refuses_what_sglang_refuses():
     assert "speculative_algorithm" not in engine_kwargs(SGLangBackendConfig(speculative_algorithm="none"), "/m", 0)
 
 
+def test_reserved_draft_slots_follow_sglang_formula():
+    from tlt.services.rollout.sglang_backend.launch import reserved_tokens
+
+    # compute_num_reserved_tokens: max(topk * steps, max draft tokens)
+    assert reserved_tokens(SGLangBackendConfig(speculative_algorithm="none")) == 0
+    assert reserved_tokens(SGLangBackendConfig(adaptive=False, num_steps=3)) == 4
+    assert reserved_tokens(SGLangBackendConfig(adaptive=False, num_steps=8, eagle_topk=4, num_draft_tokens=48)) == 48
+    # adaptive: max(candidate_steps) + 1 over the slots actually written (threshold drops "21")
+    cfg = SGLangBackendConfig(spec_batch_threshold=8, adaptive_steps={"1": [1, 3], "21": [0, 9]}, num_steps=3)
+    assert reserved_tokens(cfg) == 4
+
+
+def test_draft_weights_backed_up_when_weights_can_be_released(tmp_path):
+    path = str(write_adaptive_config(SGLangBackendConfig(), tmp_path))
+    kw = engine_kwargs(SGLangBackendConfig(draft_model_path="/d", enable_memory_saver=True,
+                                           release_tags=["kv_cache", "weights"]), "/m", 0, path)
+    assert kw["enable_memory_saver"] is True and kw["enable_draft_weights_cpu_backup"] is True
+    kw = engine_kwargs(SGLangBackendConfig(draft_model_path="/d", enable_memory_saver=True), "/m", 0, path)
+    assert "enable_draft_weights_cpu_backup" not in kw  # only the KV cache is released
+
+
 # -- requests and chunks ----------------------------------------------------------------
 
 

@@ -19,7 +19,9 @@ SGLang 0.5.23 API used (file: symbol):
   `continue_generation(ContinueGenerationReqInput)`.
 - sglang/srt/managers/tokenizer_control_mixin.py: `begin_weight_update`,
   `end_weight_update`, `update_weights_from_tensor` (each `(obj, None) -> (ok, msg)`),
-  `flush_cache()`, `release_memory_occupation(obj, None)`, `resume_memory_occupation(obj, None)`.
+  `flush_cache()` (-> FlushCacheReqOutput; fails while any request waits or runs, retracted
+  ones included: `Scheduler.flush_cache` needs `is_fully_idle()`),
+  `release_memory_occupation(obj, None)`, `resume_memory_occupation(obj, None)`.
 - sglang/srt/managers/scheduler_components/weight_updater.py: tensor updates are
   refused outside a begin/end session; `selector` picks the target or draft runner.
 """
@@ -130,7 +132,12 @@ class EngineClient:
 
     @staticmethod
     def _check(result: Any, what: str) -> None:
-        ok, message = result if isinstance(result, tuple) else (getattr(result, "success", True), "")
+        # Session and update calls answer (success, message); flush_cache answers a
+        # FlushCacheReqOutput(success, message) (tokenizer_control_mixin.flush_cache).
+        if isinstance(result, tuple):
+            ok, message = result[0], result[1] if len(result) > 1 else ""
+        else:
+            ok, message = getattr(result, "success", True), getattr(result, "message", "")
         if not ok:
             raise SGLangError(f"SGLang {what} failed: {message}")
 

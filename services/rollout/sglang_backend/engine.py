@@ -23,8 +23,20 @@ pauses in place and does not flush.
 
 The drafter is kept on the CPU after every push and pushed again after
 `resume()` brings back the weights: SGLang's resume restores only the target
-model's state (`resume_memory_occupation` -> `_import_static_state(
-tp_worker.model_runner.model, ...)`), a known way to lose the drafter.
+model's buffers (`resume_memory_occupation` -> `_import_static_state(
+tp_worker.model_runner.model, ...)`), a known way to lose the drafter. The
+re-push restores parameters only, so launch.py also asks SGLang for
+`enable_draft_weights_cpu_backup` when "weights" can be released (the draft
+runner's buffers come back from the CPU copy). The target's weights are NOT
+backed up: after releasing "weights" the trainer must push the policy before
+the next rollout.
+
+SGLang's `flush_cache` succeeds only when nothing waits or runs
+(`Scheduler.flush_cache` -> `is_fully_idle()`, which counts the waiting
+queue), and a retract pause moves running requests to the waiting queue. A
+policy push while samples run therefore loads the new weights but its flush
+is refused (SGLangError), leaving the radix cache with old-weight KV; push
+between rollout steps, when nothing runs.
 """
 
 from __future__ import annotations
@@ -102,6 +114,11 @@ class SGLangEngine:
         self.replica_id = replica_id
         self.model_config = ModelInfo.from_dir(model_dir)
         self.max_model_len = self.model_config.max_position_embeddings
+        # With EAGLE, SGLang counts reserved draft slots against the context length
+        # (launch.reserved_tokens); requests are sized and checked against what is left.
+        from tlt.services.rollout.sglang_backend.launch import reserved_tokens
+
+        self.reserved_tokens = reserved_tokens(config)
         self.versions = Versions(policy=0, drafter=0 if config.speculative_algorithm != "none" else -1)
         self._model_dir = model_dir
         self._poll_s = poll_s
@@ -139,13 +156,23 @@ class SGLangEngine:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, req: GenerationRequest) -> None:
-        if "weights" in self._released:
-            raise ValueError("the SGLang engine's weights are released (the trainer holds the GPU); resume first")
+        if self._released:
+            # Released KV cache / CUDA graphs / weights are gone from the GPU; a request
+            # scheduled now would run on freed memory.
+            raise ValueError(f"the SGLang engine's {sorted(self._released)} are released "
+                             "(the trainer holds the GPU); resume first")
         if any(s.request_id == req.request_id for s in self._samples.values()):
             raise ValueError(f"request {req.request_id!r} is already running")
-        if len(req.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens does not fit {self.max_model_len}")
-        default_max = self.max_model_len - len(req.prompt_token_ids)
+        n_prompt = len(req.prompt_token_ids)
+        limit = self.max_model_len - self.reserved_tokens  # what SGLang lets prompt + output use
+        if n_prompt >= limit:
+            raise ValueError(f"prompt of {n_prompt} tokens does not fit {self.max_model_len}"
+                             + (f" ({self.reserved_tokens} reserved for drafts)" if self.reserved_tokens else ""))
+        if req.params.max_tokens is not None and n_prompt + req.params.max_tokens > limit:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({req.params.max_tokens}) does not fit "
+                             f"{self.max_model_len}" + (f" ({self.reserved_tokens} reserved for drafts)"
+                                                        if self.reserved_tokens else ""))
+        default_max = limit - n_prompt
         calls = generate_calls(req, default_max, self.config.return_hidden_states)
         for i, call in enumerate(calls):
             self._samples[call.rid] = SampleState(
@@ -236,10 +263,12 @@ class SGLangEngine:
             self._client.pause_generation("retract")
             try:
                 self._session(call, named)
+                # The weights are replaced once the session ends, whether or not the flush
+                # below succeeds: stamp what is loaded.
+                self.versions = Versions(policy=version, drafter=self.versions.drafter)
                 self._client.flush_cache()
             finally:
                 self._client.continue_generation()
-            self.versions = Versions(policy=version, drafter=self.versions.drafter)
         else:
             self._client.pause_generation("in_place")
             try:

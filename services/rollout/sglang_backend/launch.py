@@ -22,8 +22,9 @@ def adaptive_spec_config(cfg: SGLangBackendConfig) -> dict[str, dict[str, Any]]:
     """SGLang's adaptive config with TLT's batch-size threshold folded in.
 
     SGLang routes a batch to the slot with the largest key <= batch size
-    (`AdaptiveSpeculativeParams._find_closest_bs`), after padding the batch
-    to a captured CUDA-graph size. A slot whose only candidate is 0 decodes
+    (`AdaptiveStepRouter.batch_size_key_for_batch` in
+    sglang/srt/speculative/adaptive_step_router.py), after padding the batch
+    to a captured CUDA-graph size; a batch below the smallest key uses it. A slot whose only candidate is 0 decodes
     without drafting, so `threshold + 1 -> [0]` switches SD off above the
     threshold, as TLT's engine does (up to that padding: a batch just under
     the threshold can pad past it and run without drafting).
@@ -41,6 +42,27 @@ def adaptive_spec_config(cfg: SGLangBackendConfig) -> dict[str, dict[str, Any]]:
     if not any(cfg.num_steps in s["candidate_steps"] for s in slots.values()):
         slots["1"]["candidate_steps"] = sorted({*slots["1"]["candidate_steps"], cfg.num_steps})
     return dict(sorted(slots.items(), key=lambda kv: int(kv[0])))
+
+
+def reserved_tokens(cfg: SGLangBackendConfig) -> int:
+    """Output-token slots SGLang reserves per request on top of the prompt with an EAGLE drafter.
+
+    `compute_num_reserved_tokens` (sglang/srt/managers/utils.py):
+    max(eagle_topk * num_steps, max_speculative_num_draft_tokens), where the
+    maximum is num_draft_tokens for a static configuration and
+    max(candidate_steps) + 1 in adaptive mode. `TokenizerManager._validate_one_request`
+    adds it to the prompt length and refuses (ValueError) a prompt with
+    prompt + reserved >= context length, or prompt + reserved + max_new_tokens
+    > context length (`validate_total_tokens` is always on).
+    """
+    if cfg.speculative_algorithm == "none":
+        return 0
+    if cfg.adaptive:
+        steps = {s for slot in adaptive_spec_config(cfg).values() for s in slot["candidate_steps"]}
+        max_draft = max(steps) + 1
+    else:
+        max_draft = cfg.draft_tokens
+    return max(cfg.eagle_topk * cfg.num_steps, max_draft)
 
 
 def write_adaptive_config(cfg: SGLangBackendConfig, run_dir: Path) -> Path:
@@ -79,6 +101,14 @@ def engine_kwargs(
             f"speculative_algorithm={cfg.speculative_algorithm} needs a drafter: pass --drafter DIR "
             "(a `tlt drafter export` folder) or set [sglang] draft_model_path; or set speculative_algorithm = 'none'"
         )
+    if cfg.enable_memory_saver and "weights" in cfg.release_tags:
+        # Releasing "weights" drops the draft model's parameters AND buffers (rotary
+        # caches): SGLang's resume restores only the target's buffers
+        # (`_import_static_state(tp_worker.model_runner.model, ...)` in
+        # scheduler_components/weight_updater.py), so a re-pushed drafter would still
+        # run on garbage buffers. With this flag the draft runner loads inside a
+        # CPU-backed memory-saver region (ModelRunner.load_model) and comes back intact.
+        kwargs["enable_draft_weights_cpu_backup"] = True
     kwargs.update(
         speculative_algorithm=cfg.speculative_algorithm,
         speculative_draft_model_path=cfg.draft_model_path,
