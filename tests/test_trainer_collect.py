@@ -85,3 +85,32 @@ def test_rollout_failure_fails_the_step(random_model_dir):
         with pytest.raises(RolloutError, match=f"rollout server {server.grpc_address} failed: StatusCode.INVALID_ARGUMENT"):
             collect([PromptItem(0, "hello", "1")], [client], Recorder(), n=2,
                     params=sampling_params(100_000, 1.0, 1.0), step=0)
+
+
+class FakeRolloutClient:
+    """Answers BatchGenerate in-process: each completion echoes its prompt text (prompt-local indices)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def batch_generate(self, prompts, n, params, references, batch_id):
+        from tlt.v1 import rollout_pb2
+
+        for i, p in reversed(list(enumerate(prompts))):  # out of order on purpose
+            for k in range(n):
+                yield rollout_pb2.Completion(prompt_index=i, sample_index=k, prompt_token_ids=[1, 2], token_ids=[3, k],
+                                             text=p, finish_reason=rollout_pb2.FINISH_REASON_STOP)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_the_same_prompt_twice_in_one_step(servers):
+    """The sampler wraps around an epoch inside one step (or the data has fewer prompts than a step asks for):
+    the same PromptItem object then appears twice; each occurrence is its own group of n samples."""
+    a, b = PromptItem(0, "prompt a", "1"), PromptItem(1, "prompt b", "2")
+    prompts = [a, b, a]
+    rec = Recorder()
+    clients = [FakeRolloutClient(f"fake{j}") for j in range(servers)]
+    res = collect(prompts, clients, rec, n=2, params=sampling_params(8, 1.0, 1.0), step=3)
+    assert sorted((s.prompt_index, s.sample_index) for s in res.samples) == [(g, k) for g in range(3) for k in range(2)]
+    for s in res.samples:
+        assert s.text == prompts[s.prompt_index].prompt  # the completion landed in its own prompt's group

@@ -56,6 +56,29 @@ def test_bad_function_output_fails_clearly(fn, message):
         batch.results()
 
 
+def test_numpy_scores_are_numbers():
+    """A TRL-style function that returns a numpy array's elements (np.float32, np.int64) is scored, not refused."""
+    import numpy as np
+
+    def scores(prompts, completions, **kw):
+        return list(np.array([1.0, 0.25], dtype=np.float32))
+
+    def counts(prompts, completions, **kw):
+        return list(np.array([2, 0], dtype=np.int64))
+
+    batch = FunctionRewards([scores, counts]).begin()
+    batch.submit("k0", "p", "c", "a")
+    batch.submit("k1", "p", "c", "a")
+    res = batch.results()
+    assert (res["k0"].reward, res["k1"].reward) == (3.0, 0.25)
+    assert all(type(r.reward) is float for r in res.values())
+    bad = FunctionRewards([lambda prompts, completions, **kw: [np.bool_(True), 1.0]]).begin()
+    bad.submit("k0", "p", "c", "a")
+    bad.submit("k1", "p", "c", "a")
+    with pytest.raises(RewardError, match="returned"):
+        bad.results()
+
+
 def test_load_function():
     assert load_function("tlt.task:reward").__name__ == "reward"
     with pytest.raises(ValueError, match="module:function"):

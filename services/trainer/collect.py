@@ -77,8 +77,10 @@ def collect(
 ) -> RolloutResult:
     t0 = time.perf_counter()
     shards = [(client, list(prompts[j :: len(clients)])) for j, client in enumerate(clients)]
+    # Shard j holds prompts j, j + C, ...: its prompt i is global prompt j + i * C. By position, not by
+    # object: the sampler can hand the same PromptItem twice in one step (an epoch ends mid-batch).
+    global_index = {id(ps): list(range(j, len(prompts), len(clients))) for j, (_, ps) in enumerate(shards)}
     shards = [(c, ps) for c, ps in shards if ps]
-    global_index = {id(p): i for i, p in enumerate(prompts)}
     q: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_read, args=(c, ps, n, params, f"step{step}-s{j}", q), daemon=True)
                for j, (c, ps) in enumerate(shards)]
@@ -100,7 +102,7 @@ def collect(
             raise RolloutError(f"rollout server {client.address} aborted prompt {c.prompt_index} sample "
                                f"{c.sample_index}: {c.error or 'no reason given'}")
         prompt = shard[c.prompt_index]
-        g = global_index[id(prompt)]
+        g = global_index[id(shard)][c.prompt_index]
         key = f"{step}-{g}-{c.sample_index}"
         if key in pending:
             raise RolloutError(f"rollout server {client.address} sent prompt {g} sample {c.sample_index} twice")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ class RewardSource(Protocol):
 
 
 def _check_value(key: str, value: object, origin: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # numbers.Real also admits numpy scalars (a function returning list(np_array)); bools are refused.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise RewardError(f"{origin} returned {value!r} for completion {key}; a finite number is required")
     return float(value)
 
