@@ -51,6 +51,8 @@ class TrainerConfig(ServiceConfig):
         "auto", description="dtype of pushed weights; must match the rollout engine's (auto: bf16 when training bf16, else fp32)"
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the trainer (0: off)")
+    metrics_host: str = Field("127.0.0.1", description="address /metrics binds (0.0.0.0 in a container a Prometheus "
+                              "outside it scrapes)")
     drafter_features_address: str = Field(
         "", description="ZeroMQ endpoint the drafter PULLs trainer features from (its features_bind, with "
         "[drafter] source='trainer'); when set, the old-logprob pass keeps last-layer hidden states and pushes "

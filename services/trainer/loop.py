@@ -170,7 +170,7 @@ class _Services:
         self.g_eval = self.prom.gauge("eval_accuracy", "held-out accuracy of the last eval")
         self.g_seconds = self.prom.gauge("step_seconds", "wall time of the last step", labels=("phase",))
         if cfg.metrics_port:
-            self.prom.serve(cfg.metrics_port)
+            self.prom.serve(cfg.metrics_port, cfg.metrics_host)
         self.params = sampling_params(cfg.max_tokens, cfg.temperature, cfg.top_p)
         self.clients = [RolloutClient(a, control_token=cfg.rollout_token) for a in cfg.rollout_addresses]
         self.rewards = make_reward_source(cfg)
