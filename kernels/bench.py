@@ -110,8 +110,8 @@ def _timed_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                     pairs = [(got.accept_len, want.accept_len), (got.path, want.path), (got.bonus, want.bonus)]
                 for a, b in pairs:
                     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
-                kernel_us = do_bench(fast) * 1000
-                ref_us = do_bench(slow) * 1000
+                kernel_us = do_bench(fast, return_mode="median") * 1000  # do_bench returns the mean by default
+                ref_us = do_bench(slow, return_mode="median") * 1000
                 row = {"kernel": name, "batch": batch, "ctx": ctx, "triton_us": round(kernel_us, 2),
                        "torch_us": round(ref_us, 2), "speedup": round(ref_us / kernel_us, 2)}
                 if name == "paged_decode":

@@ -35,3 +35,32 @@ def test_bench_engine_rejects_missing_model(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert bench.run(parser.parse_args(["--model", str(tmp_path / "nope")])) == 2
+
+
+def test_bench_engine_native_runs_prefill_every_time(tmp_path, capsys, monkeypatch):
+    """The warm-up and timed runs decode the same prompts on one engine: no run may reuse an earlier run's
+    prompt KV blocks from the prefix cache (transformers prefills every prompt in every run)."""
+    from tlt.services.rollout.engine.engine import LLMEngine
+
+    torch.set_num_threads(1)
+    configure_logging(json=False, level="warning")
+    ckpt = random_checkpoint(tmp_path / "m", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                             num_kv_heads=1, max_position_embeddings=128, weight_scale=0.05)
+    hits: list[int] = []
+    real = LLMEngine.generate
+
+    def counted(self, requests):  # noqa: ANN001, ANN202
+        before = self.block_manager.shared_hits
+        out = real(self, requests)
+        hits.append(self.block_manager.shared_hits - before)
+        return out
+
+    monkeypatch.setattr(LLMEngine, "generate", counted)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    # 20-token prompts: one full 16-token block per prompt that a later run could share
+    args = parser.parse_args(["--model", str(ckpt), "--batch-sizes", "2", "--max-tokens", "4", "--prompt-len", "20",
+                              "--repeats", "2", "--json"])
+    assert bench.run(args) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["identical"]
+    assert hits == [0, 0, 0]  # warm-up + 2 timed runs, each prefilling its prompts in full

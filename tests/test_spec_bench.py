@@ -285,3 +285,40 @@ def test_bench_rollout_bandit_keep_carries_over_rounds(capsys, random_model_dir)
     # round r starts with every reward rounds 0..r-1 recorded (the window is far larger than these runs)
     assert held[0] == 0 and held[1] == verify[0] > 0 and held[2] == verify[0] + verify[1]
     assert all(r["identical_to_first_mode"] for row in kept["rounds"] for r in row)  # still lossless
+
+
+def test_bench_rollout_warms_every_mode_up_before_timing(capsys, random_model_dir, monkeypatch):
+    """The first timed run must not pay the process's one-time costs (they made round 0's off run 20-30%
+    slower and inflated every speed-up over it): by default every mode decodes the workload once, untimed,
+    before the first timed run; `--warmup 0` skips that."""
+    from tlt.services.rollout.engine.engine import LLMEngine
+
+    log: list[tuple[str, str]] = []
+    real_step, real_run = LLMEngine.step, rollout._run_mode
+
+    def step(self):  # noqa: ANN001, ANN202
+        log.append(("step", "off" if self.spec_decoder is None else self.spec_decoder.config.drafter))
+        return real_step(self)
+
+    def timed(engine, requests, threshold, clock=None):  # noqa: ANN001, ANN202
+        log.append(("timed", ""))
+        return real_run(engine, requests, threshold, clock)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    monkeypatch.setattr(rollout, "_run_mode", timed)
+    common = ["--model", str(random_model_dir), "--prompts", "2", "--n", "2", "--median-tokens", "6",
+              "--max-tokens", "12", "--modes", "off,ngram", "--threshold", "4"]
+    rc, report = _bench(capsys, common)
+    assert rc == 0 and all(r["identical_to_first_mode"] for r in report["results"])
+    first = log.index(("timed", ""))
+    before = [m for kind, m in log[:first] if kind == "step"]
+    timed_steps = sum(1 for kind, m in log[first:] if kind == "step" and m == "off")
+    assert before.count("off") == timed_steps > 0  # off decoded the whole workload once, untimed
+    assert "ngram" in before  # and so did ngram
+    assert [k for k, _ in log].count("timed") == 2
+    log.clear()
+    rc, _ = _bench(capsys, [*common, "--warmup", "0"])
+    assert rc == 0 and log[0] == ("timed", "")
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    assert rollout.run(parser.parse_args([*common, "--warmup", "-1"])) == 2

@@ -7,7 +7,9 @@ ignore_eos) so both produce exactly B x max_tokens tokens. Asserts the
 tokens are identical, then reports tokens/s of both and the ratio, per CPU-second
 of the process (contention-robust at one thread) and per wall-clock second. Each
 side runs once untimed first (warm-up), then the two sides alternate for
-`--repeats` timed runs each (best kept), so machine load hits both alike. The model is `--model DIR`, else `artifacts/tiny` when it exists,
+`--repeats` timed runs each (best kept), so machine load hits both alike. Every native
+run starts with an empty prefix cache (the runs repeat the same prompts: a cache hit would skip
+prefill work that `generate` does every time). The model is `--model DIR`, else `artifacts/tiny` when it exists,
 else a random checkpoint with the tiny preset's shape.
 """
 
@@ -63,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
         def native() -> list[list[int]]:
+            # every run prefills its prompts, as `generate` does: the warm-up (and each earlier run) left
+            # their KV blocks in the prefix cache, and a hit would skip a part of the prefill
+            engine.block_manager.reset_prefix_cache()
             reqs = [GenerationRequest(f"b{b}-{i}", tuple(prompts[i].tolist()), params) for i in range(b)]
             return [c.token_ids for c in engine.generate(reqs)]
 

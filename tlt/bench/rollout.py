@@ -47,6 +47,11 @@ its round and run_index, the position in the order the runs happened; repeats: R
 of every round must emit the tokens of round 0's first mode (exit status 1 otherwise). R = 1 (the
 default) reports exactly as before, without those fields.
 
+`--warmup W` (default 1) first runs every mode W times untimed (fresh engines, outputs and bandits
+discarded): the process's one-time costs (first forwards, allocator growth, lazily built kernels and
+code paths) would otherwise land in the first timed run, `off` in round 0, and inflate every
+speed-up over it (measured: 20-30% on a sub-second rollout, most of it in the full-batch bucket).
+
 `--min-tokens K` (task workload) keeps only problems whose reference solution is at least K tokens
 long under the model's tokenizer (the first such problems of the seeded stream; the solution length
 grows by 6 characters per step, 32 steps at most, about 200 tokens with the task tokenizer): a workload
@@ -127,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the modes this many times, interleaved (round r runs every mode once), and report "
                              "medians, speed-ups as the median (min-max) of per-round ratios")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs of every mode before the timed rounds (0: none; the first timed run would "
+                             "then also pay the process's one-time costs)")
     parser.add_argument("--bandit", choices=("fresh", "keep"), default="fresh",
                         help="adaptive modes: a cold bandit in every run (fresh), or each round's bandit starting from "
                              "the previous round's, as a rollout server's does across RL steps (keep)")
@@ -298,6 +306,14 @@ def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]
                   "verified_seq_steps": verified_seq_steps}
 
 
+def _warm_up(engine, requests) -> None:  # noqa: ANN001
+    """Decode `requests` to the end on `engine`, untimed (see `--warmup`)."""
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def _hook_cost(engine, requests, repeats: int = 20000) -> dict:  # noqa: ANN001
     """What an attached (adaptive) decoder adds to a plain decode step at the full batch: the engine's two
     SD hooks (`wants`, then `observe_plain`), timed `repeats` times by CPU time, against the step's forward
@@ -345,6 +361,9 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print(f"error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
+    if args.warmup < 0:
+        print(f"error: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
+        return 2
     if args.min_tokens and args.workload != "task":
         print("error: --min-tokens needs --workload task", file=sys.stderr)
         return 2
@@ -387,6 +406,12 @@ def run(args: argparse.Namespace) -> int:
                                                  num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
 
     ran = [m for m in modes if not (m.endswith("learned") and not args.drafter)]
+    for _ in range(args.warmup):  # untimed: the process's one-time costs must not land in a timed run
+        for mode in ran:
+            engine = new_engine()
+            if mode != "off":
+                engine.enable_spec(_spec_config(mode, args, bucket_arms if not mode.startswith("static") else None))
+            _warm_up(engine, requests)
     rounds: list[list[dict]] = []  # per round, the results of the modes that ran, in --modes order
     reference, run_index = None, 0
     bandits: dict = {}  # --bandit keep: mode -> the bandit its last run ended with
