@@ -174,6 +174,19 @@ def test_two_tlt_runs_never_share_a_run_folder(tmp_path: Path) -> None:
     assert _plan(runs, model, "--run-id", "r").resumed
 
 
+def test_run_id_help_states_the_default_folder() -> None:
+    """`tlt run --help` describes the folder prepare_run picks without --run-id (test above): `<preset>`,
+    continued when interrupted, and `<preset>-<time>` only when that one is finished or in use."""
+    import argparse
+
+    from tlt.services.trainer.launch import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (action,) = [a for a in parser._actions if "--run-id" in a.option_strings]
+    assert "default: <preset>," in action.help and "<preset>-<time>" in action.help, action.help
+
+
 def test_resume_with_set_takes_this_launchs_value(tmp_path: Path) -> None:
     import tomllib
 

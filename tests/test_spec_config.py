@@ -57,3 +57,18 @@ def test_rollout_serve_set_and_environment_both_reach_a_nested_section(monkeypat
     assert (cfg.spec.threshold, cfg.spec.mode, cfg.spec.drafter) == (8, "static", "ngram")
     assert (cfg.engine.kv_cache_mb, cfg.engine.max_num_seqs, cfg.engine.max_model_len) == (64, 32, 1024)  # 1024: preset
     assert "plain" in cfg.spec.bucket_arms[0]  # the preset's arms kept
+
+
+def test_rollout_serve_names_its_preset_for_the_sglang_replicas(tmp_path) -> None:
+    # the SGLang backend's replicas read [sglang] from TLT_PRESET; `tlt rollout serve --preset P` (and tlt run)
+    # did not set it, so P's [sglang] values were silently replaced by defaults
+    from tlt.services.common.config import load_config
+    from tlt.services.rollout.serve import export_preset
+    from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+
+    env: dict = {}
+    export_preset("1gpu", env)
+    cfg = load_config(SGLangBackendConfig, "sglang", env["TLT_PRESET"], environ={})
+    assert cfg.mem_fraction_static == 0.45  # the 1gpu preset's value, not the default
+    export_preset(None, env)  # no --preset: an inherited TLT_PRESET (compose, k8s) stays
+    assert env["TLT_PRESET"].endswith("1gpu.toml")

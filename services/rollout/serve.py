@@ -63,6 +63,18 @@ def build_config(args: argparse.Namespace) -> object:
     return load_config(RolloutConfig, "rollout", args.preset, overrides)
 
 
+def export_preset(preset: str | None, environ: dict | None = None) -> None:
+    """Name `--preset` in TLT_PRESET for the replica processes: the SGLang backend reads its [sglang]
+    section from there (compose and k8s set it; `--preset` alone left the section's values unused)."""
+    import os
+
+    from tlt.services.common.config import preset_path
+
+    env = os.environ if environ is None else environ
+    if preset:
+        env["TLT_PRESET"] = str(preset_path(preset).resolve())
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import json
@@ -75,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = get_logger("rollout.serve")
     config = build_config(args)
+    export_preset(args.preset)
     if not Path(args.model, "config.json").exists():
         log.error("model_not_found", model=args.model, hint="build one with `tlt model build --out DIR`")
         return 2

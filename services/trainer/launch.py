@@ -26,7 +26,8 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="config preset name or .toml path (default cpu-tiny)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
-    parser.add_argument("--run-id", default=None, help="run folder name under runs_dir (default: <preset>-<time>)")
+    parser.add_argument("--run-id", default=None, help="run folder name under runs_dir (default: <preset>, continued if it was "
+                        "interrupted; <preset>-<time> if that one is finished or in use)")
     parser.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in this folder")
     parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
     parser.add_argument("--baseline", action="store_true", help="speculative decoding off and no drafter")
