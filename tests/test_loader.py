@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tlt.model.config import ModelConfig
+from tlt.model.config import ModelConfig, UnsupportedModelError
 from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint, validate_tensors
 
 torch.set_num_threads(1)
@@ -132,3 +132,43 @@ def test_config_from_hf_reads_rope_scaling_and_generation_eos():
     mc = ModelConfig.from_hf(cfg, {"eos_token_id": 9})
     assert mc.rope_theta == 5e5 and mc.rope_scaling.rope_type == "llama3" and mc.rope_scaling.factor == 8.0
     assert mc.eos_token_ids == (1, 2, 9)
+
+
+def _retie_with_head(path, head):
+    sd = load_file(path / "model.safetensors")
+    sd["lm_head.weight"] = head(sd["model.embed_tokens.weight"])
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(tmp_path):
+    # transformers (>= 5) does NOT tie when both tensors are stored and differ: it runs the stored lm_head.
+    # Dropping it (as for a true tied checkpoint) would serve other logits than the trainer's HF policy.
+    path, _ = _save(tmp_path, "qwen2", tie=True)
+    _retie_with_head(path, lambda e: e + 1.0)
+    with pytest.raises(CheckpointError, match="lm_head"):
+        load_checkpoint(path)
+
+
+def test_tied_config_with_an_equal_stored_head_loads_tied(tmp_path):
+    path, model = _save(tmp_path, "qwen2", tie=True)
+    _retie_with_head(path, lambda e: e.clone())
+    cfg, tensors = load_checkpoint(path)
+    assert cfg.tie_word_embeddings and "lm_head.weight" not in tensors
+    assert torch.equal(tensors["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
+
+
+def test_config_refuses_an_activation_the_native_model_does_not_run():
+    cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, hidden_act="gelu").to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match="hidden_act"):
+        ModelConfig.from_hf(cfg)
+    cfg["hidden_act"] = "silu"
+    assert ModelConfig.from_hf(cfg).head_dim == 8
+
+
+def test_qwen3_head_dim_defaults_like_transformers():
+    cfg = transformers.Qwen3Config(hidden_size=512, num_attention_heads=8, num_key_value_heads=2).to_dict()
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    del cfg["head_dim"]  # a config.json written without it: Qwen3Config's default (128), not hidden / heads (64)
+    assert transformers.Qwen3Config(**cfg).head_dim == 128
+    assert ModelConfig.from_hf(cfg).head_dim == 128

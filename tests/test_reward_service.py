@@ -110,6 +110,8 @@ def test_math_verifier_takes_the_whole_marked_answer() -> None:
     assert math_verifier("", "answer: 07", "7")
     assert not math_verifier("", "answer:", "7")
     assert not math_verifier("", "answer: seven", "7")
+    assert not math_verifier("", "answer: \u0667", "7") and not math_verifier("", "answer: \uff17", "7")  # ٧, ７
+    assert not math_verifier("", "\\boxed{\u0667}", "7") and not equivalent("\uff17/2", "3.5")  # ASCII digits only
 
 
 def test_math_verifier_on_the_synthetic_task() -> None:

@@ -112,3 +112,22 @@ def test_export_jsonl(tmp_path):
     assert len(rows) == 25
     for row, p in zip(rows, problems):
         assert row == {"prompt": format_prompt(p), "question": p.prompt, "answer": p.answer, "steps": p.steps}
+
+
+@pytest.mark.parametrize("digit", ["\u0663", "\uff13", "\u09e9"])  # Arabic-Indic, full-width, Bengali three
+def test_verify_accepts_ascii_digits_only(digit):
+    # `\d` also matches other scripts' digits and int() parses them: "answer: ٣" must not score as 3.
+    assert extract_answer(f"answer: {digit}") is None
+    assert not verify(f"answer: {digit}", "3")
+    assert not verify(f"answer: {digit}<|im_end|>", "3")
+
+
+def test_answers_match_an_independent_left_to_right_evaluation():
+    for seed in range(6):
+        for p in generate_problems(300, seed=seed):
+            start, *ops = p.prompt.removeprefix("Compute mod 10: ").split(" ")
+            value = int(start)
+            for op in ops:
+                b = int(op[1:])
+                value = {"+": value + b, "-": value - b + 10, "*": value * b}[op[0]] % 10
+            assert p.answer == str(value), p

@@ -81,7 +81,7 @@ def _unwrap(text: str, command: str) -> str:
 
 _REMOVE = (r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\ ", r"\displaystyle", "^{\\circ}", "^\\circ",
            r"\circ", r"\%", "%", r"\$", "$")
-_THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
+_THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$", re.ASCII)
 _FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
 _LHS = re.compile(r"^[a-zA-Z](_\{?\w+\}?)?=(?!=)")
 
@@ -105,9 +105,11 @@ def normalize(answer: str) -> str:
     return s.lower()
 
 
-_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$")
-_SLASH = re.compile(r"^(-?\d+)/(-?\d+)$")
-_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
+# re.ASCII: numbers are written in ASCII digits (\d would take other scripts' digits, which int() and
+# Fraction() parse, so `\boxed{٧}` scored as 7)
+_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$", re.ASCII)
+_SLASH = re.compile(r"^(-?\d+)/(-?\d+)$", re.ASCII)
+_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$", re.ASCII)
 
 
 def as_number(normal: str) -> Fraction | None:

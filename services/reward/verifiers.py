@@ -23,9 +23,11 @@ from tlt.task.problems import ANSWER_MARKER
 Verifier = Callable[[str, str, str], bool]
 
 
+_INT = re.compile(r"-?[0-9]+")  # ASCII digits: str.isdigit() and int() also take other scripts' ('٣' is 3)
+
+
 def _is_int(text: str) -> bool:
-    t = text.strip()
-    return t.lstrip("-").isdigit() and t.count("-") <= 1
+    return _INT.fullmatch(text.strip()) is not None
 
 
 _MARKED = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*([^\s<]+)")  # `<`: a special token right after it

@@ -83,9 +83,10 @@ class ModelConfig:
             )
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or hidden // heads
         qwen2 = arch == "Qwen2ForCausalLM"
         qwen3 = arch == "Qwen3ForCausalLM"
+        # transformers' Qwen3Config defaults head_dim to 128 whatever the hidden size; Qwen2 / Llama derive it
+        head_dim = cfg.get("head_dim") or (128 if qwen3 else hidden // heads)
         attention_bias = True if qwen2 else bool(cfg.get("attention_bias", False))
         # transformers 5 moved rope settings into `rope_parameters`; older files use rope_theta/rope_scaling.
         rope_params = cfg.get("rope_parameters") or {}
@@ -97,6 +98,9 @@ class ModelConfig:
             eos = tuple(dict.fromkeys(eos + _ids(generation_config.get("eos_token_id"))))
         if cfg.get("use_sliding_window"):
             raise UnsupportedModelError("sliding-window attention (use_sliding_window=true) is not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (the native MLP is SwiGLU: silu)")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported")
         return cls(

@@ -158,7 +158,14 @@ def load_checkpoint(
                 if name.endswith(_IGNORABLE_SUFFIXES):
                     continue
                 tensors[name] = f.get_tensor(name)
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+        if embed is not None and not torch.equal(head, embed):
+            # transformers does not tie such a checkpoint: it runs the stored head, so dropping it would serve other
+            # logits than an AutoModelForCausalLM of the same folder (the trainer's policy).
+            raise CheckpointError(
+                f"{folder}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
+                "model.embed_tokens.weight; set tie_word_embeddings to false if the head is meant to be separate"
+            )
     validate_tensors(cfg, tensors)
     return cfg, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
