@@ -116,3 +116,13 @@ def test_tiny_model_meets_targets(tiny_model_dir):
     assert 0.15 <= facts["accuracy"] <= 0.85, facts
     assert facts["tail_ratio"] >= 4, facts
     assert os.path.getsize(tiny_model_dir / "model.safetensors") > 1_000_000
+
+
+def test_model_eval_refuses_an_empty_eval(random_model_dir):
+    # `tlt model eval --n 0` crashed (max() of an empty list, then a division by zero)
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tlt.cli", "model", "eval", "--model", str(random_model_dir), "--n", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--n and --samples must be >= 1" in r.stderr

@@ -161,6 +161,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    import sys
+
+    if args.n < 1 or args.samples < 1:
+        print(f"error: --n and --samples must be >= 1, got {args.n} and {args.samples}", file=sys.stderr)
+        return 2
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
