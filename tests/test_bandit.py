@@ -127,3 +127,12 @@ def test_window_median_matches_statistics_median():
             w.add(x)
             ref.append(x)
             assert len(w) == len(ref) and w.median() == statistics.median(ref)
+
+
+def test_first_bucket_label_covers_the_batches_routed_to_it():
+    """Batches below the first threshold use bucket 0, so its label (on /metrics and GetStatus) must
+    include them: with thresholds (2, 5) batch 1 was recorded under a bucket labelled "2-4"."""
+    bandit = BucketedEpsilonGreedy(thresholds=(2, 5), bucket_arms=[[A], [B]], epsilon=0.0)
+    assert bandit.bucket(1) == 0
+    assert [bandit.label(i) for i in range(2)] == ["1-4", ">=5"]
+    assert BucketedEpsilonGreedy(thresholds=(3,), bucket_arms=[[A]]).label(0) == ">=1"

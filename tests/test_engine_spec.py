@@ -128,3 +128,28 @@ def test_a_temperature_that_would_overflow_is_refused_at_add_request(ckpt):
     assert not engine.has_unfinished()
     out = engine.generate([GenerationRequest("ok", _prompts()[0], SamplingParams(temperature=1e-20, max_tokens=4))])
     assert len(out[0].token_ids) == 4
+
+
+def test_a_prefill_chunk_cut_to_one_token_is_not_speculated(ckpt):
+    """The scheduler cuts a new prompt's first chunk to the token budget left after the running decodes.
+    Left with one token, the chunk is one new token like a decode (`is_decode_only`), but the sequence is
+    not in decode state: speculating it raised ValueError and killed the step. It runs plainly, and the
+    output is plain greedy's."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = [GenerationRequest(f"r{i}", (5 + i, 6, 7), params) for i in range(15)]
+    late = GenerationRequest("late", tuple(range(3, 13)), params)
+    # 16 tokens a step: 15 decodes leave one token for the late prompt's first chunk
+    config = EngineConfig(block_size=8, max_num_batched_tokens=16)
+    plain = LLMEngine(ckpt, config).generate([*first, late])
+    engine = LLMEngine(ckpt, config)
+    engine.enable_spec(SpecConfig(mode="static", static_arm="3_1_4", threshold=32, hysteresis_steps=1, drafter="ngram"))
+    for r in first:
+        engine.add_request(r)
+    for _ in range(4):  # every prompt prefilled; from here on 15 decodes a step
+        engine.step()
+    engine.add_request(late)
+    done = {}
+    while engine.has_unfinished():
+        done.update((c.request_id, c.token_ids) for c in engine.step()[1])
+    assert done == {c.request_id: c.token_ids for c in plain}
+    assert engine.stats().spec["verify_steps"] > 0

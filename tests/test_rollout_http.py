@@ -305,3 +305,34 @@ def test_null_means_the_default(server):
     assert len(r.json()["choices"]) == 1 and "logprobs" not in r.json()["choices"][0]
     r = httpx.post(f"{server.base_url}/completions", timeout=60, json={"model": None, "prompt": "1"})
     assert r.status_code == 400 and "model" in r.json()["error"]["message"]
+
+
+def test_bandit_median_reward_metric_follows_the_bucket_s_current_batch_size():
+    """The bandit compares arms at the batch size they run at; the median on /metrics is the one at the
+    bucket's latest batch size (as in GetStatus). When an arm has no data at that size its old median
+    from another size stayed on /metrics, showing it ahead of arms measured at the current size."""
+    from tlt.services.common.metrics import Metrics
+    from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
+    from tlt.services.rollout.spec_metrics import SpecMetrics
+
+    bandit = BucketedEpsilonGreedy(thresholds=(1, 2), bucket_arms=[["4_1_5"], ["8_4_16", "4_1_5"]], epsilon=0.0)
+    big, small = bandit.arms[1]
+    bandit.record(4, big, 1600, 1.0)  # both measured at batch 4
+    bandit.record(4, small, 1200, 1.0)
+    metrics = Metrics("rollout")
+    spec_metrics = SpecMetrics(metrics)
+
+    def bandit_stats() -> dict:
+        return {"on": True, "bandit": [
+            {"bucket": b.label, "explored": b.explored, "exploited": b.exploited,
+             "arms": [{"arm": a.arm, "samples": a.samples, "median_reward": a.median_reward, "chosen": a.chosen}
+                      for a in b.arms]} for b in bandit.snapshot()]}
+
+    spec_metrics.update(0, bandit_stats())
+    text = metrics.render().decode()
+    assert _metric(text, "rollout_spec_bandit_median_reward", bucket=">=2", arm="4_1_5") == [1200.0]
+    bandit.record(3, big, 1050, 1.0)  # the batch fell to 3: only 8_4_16 has run there
+    spec_metrics.update(0, bandit_stats())
+    text = metrics.render().decode()
+    assert _metric(text, "rollout_spec_bandit_median_reward", bucket=">=2", arm="8_4_16") == [1050.0]
+    assert _metric(text, "rollout_spec_bandit_median_reward", bucket=">=2", arm="4_1_5") == []  # no data at 3

@@ -55,3 +55,8 @@ class SpecMetrics:
                 self.arm_chosen.labels(r, b["bucket"], a["arm"]).set(a["chosen"])
                 if a["median_reward"] is not None:
                     self.arm_reward.labels(r, b["bucket"], a["arm"]).set(a["median_reward"])
+                else:  # no data at the bucket's current batch size: drop a median left from another size
+                    try:
+                        self.arm_reward.remove(r, b["bucket"], a["arm"])
+                    except KeyError:
+                        pass

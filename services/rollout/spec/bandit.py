@@ -125,7 +125,7 @@ class BucketedEpsilonGreedy:
         return i
 
     def label(self, i: int) -> str:
-        lo = self.thresholds[i]
+        lo = 1 if i == 0 else self.thresholds[i]  # batches below the first threshold use bucket 0 too
         if i + 1 == len(self.thresholds):
             return f">={lo}"
         hi = self.thresholds[i + 1] - 1
