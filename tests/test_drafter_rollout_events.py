@@ -108,3 +108,105 @@ def test_a_policy_push_makes_every_replica_busy_while_it_is_applied(model_dir) -
             # BUSY before the apply (old version), IDLE after it, carrying the new version
             assert mine == [(BUSY, 0), (IDLE, 1)], (r, mine)
         sub.close()
+
+
+def test_capacity_events_carry_the_current_counts(model_dir) -> None:
+    """BUSY says how many sequences the replica holds (not 0), and the count follows the work while it stays
+    BUSY: heartbeats and the snapshot repeat the latest count, never the one of the first submission."""
+    import threading
+
+    with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.2) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert [e.state for e in sub.snapshot()] == [IDLE]
+        done: list = []
+
+        def run() -> None:
+            with RolloutClient(s.grpc_address) as client:
+                params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=5)
+                done.extend(client.batch_generate(["1+2=", "3*4=", "5-1="], n=2, params=params))
+
+        t = threading.Thread(target=run)
+        t.start()
+        seen: list = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            e = sub.recv(0.5)
+            if e is not None:
+                seen.append(e)
+                if e.state == IDLE and not e.heartbeat and any(x.state == BUSY for x in seen):
+                    break
+        t.join(30)
+        assert len(done) == 6
+        busy = [e for e in seen if e.state == BUSY]
+        assert busy and all(e.running >= 1 for e in busy), [(e.heartbeat, e.running) for e in busy]
+        assert max(e.running for e in busy) == 6, [(e.heartbeat, e.running) for e in busy]
+        assert seen[-1].running == 0
+        assert [(e.state, e.running) for e in sub.snapshot()] == [(IDLE, 0)]
+        sub.close()
+
+
+def test_features_of_a_sequence_spanning_a_policy_push_come_from_the_version_they_are_tagged_with(model_dir) -> None:
+    """A policy push lands between two steps of a running sequence (ReplicaLoop with a real engine, features
+    PUSHed over 127.0.0.1). The pushed window must hold only rows computed by the policy version it names:
+    compared with a transformers forward (last hidden state, post-norm) of that version's weights."""
+    import multiprocessing as mp
+    import threading
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    from tlt.services.common.weights import pack_state_dict
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.features import FeaturePublisher
+    from tlt.services.rollout.ipc import AddRequest, ApplyWeights, Reply, Shutdown, StepEvents
+    from tlt.services.rollout.replica import ReplicaLoop
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    puller = FeaturePuller("tcp://127.0.0.1:*")
+    engine = LLMEngine(model_dir, EngineConfig(max_model_len=256, block_size=16))
+    front, back = mp.Pipe()
+    loop = ReplicaLoop(engine, back, 0, FeaturePublisher(puller.endpoint, 0))
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    try:
+        prompt = (5, 6, 7, 8, 9, 10)
+        front.send(AddRequest(GenerationRequest("a", prompt, SamplingParams(temperature=0.0, max_tokens=150,
+                                                                            ignore_eos=True))))
+        weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+        new_norm = weights["model.norm.weight"] * 2  # version 1: every post-norm feature doubles
+        manifest, payload = pack_state_dict({"model.norm.weight": new_norm}, common_pb2.WEIGHT_KIND_POLICY, 1)
+        emitted, pushed, done, applied = 0, False, [], None
+        while not (done and applied):
+            assert front.poll(30)
+            ev = front.recv()
+            if isinstance(ev, StepEvents):
+                emitted += sum(len(s.new_token_ids) for s in ev.steps)
+                done += ev.finished
+            elif isinstance(ev, Reply):
+                applied = ev
+            if emitted >= 8 and not pushed:
+                front.send(ApplyWeights(1, "policy", 1, manifest.SerializeToString(), bytes(payload)))
+                pushed = True
+        assert not applied.error and done[0].versions.policy_min == 0  # the push landed mid-sequence
+        batch = puller.recv(5.0)
+    finally:  # open sockets would keep their zmq contexts (and the interpreter) from ending
+        front.send(Shutdown())
+        runner.join(10)
+        loop.features.close()
+        puller.close()
+    assert batch is not None and len(batch.sequences) == 1
+    q = batch.sequences[0]
+    ids = list(prompt) + list(done[0].token_ids)
+    start = len(prompt) - 1
+    assert list(q.token_ids) == ids[start:start + len(q.token_ids)] and len(q.token_ids) >= 8
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if q.policy_version == 1:
+        hf.load_state_dict({"model.norm.weight": new_norm}, strict=False)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, start:start + len(q.token_ids)]
+    f = torch.from_numpy(np.frombuffer(q.features, np.float16).reshape(len(q.token_ids), q.hidden_size).astype(np.float32))
+    err = (f - ref).abs().max().item()
+    assert err < 1e-2, f"rows tagged policy {q.policy_version} differ from that version's forward by {err}"

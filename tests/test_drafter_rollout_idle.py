@@ -54,3 +54,25 @@ def test_a_silent_feed_is_not_idle_and_no_feed_configured_is():
     finally:
         watch.close()
     assert RolloutIdle("", "").idle()  # nothing to watch: the coordinator works whenever it likes
+
+
+def test_a_restarted_rollout_is_not_held_back_by_its_predecessor():
+    """A rollout server restarted on the same endpoints has a new server_id: the dead one's last states
+    (BUSY, DRAINING) stop counting once they are stale, instead of keeping the gate shut for good."""
+    old = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", server_id="rollout-old", heartbeat_s=0.1)
+    pub_ep, snap_ep = old.pub_endpoint, old.snapshot_endpoint
+    old.publish(CapacityEvent(replica_id=0, state=BUSY))
+    watch = RolloutIdle(pub_ep, snap_ep, stale_s=0.5)
+    try:
+        assert _until(lambda: watch._states) and watch.busy()
+        old.close()  # the rollout dies busy
+        new = CapacityPublisher(pub_ep, snap_ep, server_id="rollout-new", heartbeat_s=0.1)
+        try:
+            new.publish(CapacityEvent(replica_id=0, state=IDLE))
+            assert _until(watch.idle, timeout_s=4.0)
+            new.publish(CapacityEvent(replica_id=0, state=BUSY))
+            assert _until(watch.busy)
+        finally:
+            new.close()
+    finally:
+        watch.close()

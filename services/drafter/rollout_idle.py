@@ -13,6 +13,9 @@ replica, so its heavy work waits until every replica is idle (between rollouts: 
 Without capacity endpoints (a coordinator with no rollout to watch) `idle()` is always True. When the
 feed goes quiet for `stale_s` (heartbeats arrive about once a second), the last states are not
 trusted: `idle()` is False until events arrive again, so a dead publisher never lets work through.
+The same holds per replica: a state not repeated for `stale_s` (its publisher is gone, e.g. a rollout
+restarted on the same endpoints under a new server_id) no longer counts, so a dead server's last BUSY
+or DRAINING cannot keep the gate shut for good.
 """
 
 from __future__ import annotations
@@ -38,8 +41,7 @@ class RolloutIdle:
     def __init__(self, capacity_pub: str, capacity_snapshot: str, stale_s: float = 5.0) -> None:
         self.enabled = bool(capacity_pub and capacity_snapshot)
         self.stale_s = stale_s
-        self._states: dict[tuple[str, int], int] = {}
-        self._last_event = 0.0
+        self._states: dict[tuple[str, int], tuple[int, float]] = {}  # -> (state, monotonic time last heard)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,8 +55,8 @@ class RolloutIdle:
         if not self.enabled:
             return True
         with self._lock:
-            fresh = time.monotonic() - self._last_event < self.stale_s
-            return fresh and all_idle(self._states)
+            now = time.monotonic()
+            return all_idle({k: st for k, (st, t) in self._states.items() if now - t < self.stale_s})
 
     def busy(self) -> bool:
         return not self.idle()
@@ -62,8 +64,7 @@ class RolloutIdle:
     def see(self, server_id: str, replica_id: int, state: int) -> None:
         """Record one replica's state (the watcher thread calls this for every event)."""
         with self._lock:
-            self._states[(server_id, replica_id)] = state
-            self._last_event = time.monotonic()
+            self._states[(server_id, replica_id)] = (state, time.monotonic())
 
     def _watch(self) -> None:
         sub = CapacitySubscriber(self._pub, self._snap)

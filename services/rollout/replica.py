@@ -150,6 +150,7 @@ class ReplicaLoop:
                 steps, finished = self.engine.step()
                 if steps or finished:
                     if self.features is not None:
+                        self.features.observe(steps)
                         self.features.publish(finished, self.engine.versions.policy)
                     for c in finished:
                         c.replica_id = self.replica_id
@@ -167,6 +168,8 @@ class ReplicaLoop:
         try:
             self.engine.add_request(request)
         except ValueError as e:
+            if self.features is not None:
+                self.features.forget(cmd.request.request_id)
             self.conn.send(RequestFailed(cmd.request.request_id, str(e)))
 
     def _abort(self, cmd: AbortRequest) -> None:
@@ -180,12 +183,15 @@ class ReplicaLoop:
 
         t0 = time.perf_counter()
         manifest = rollout_pb2.WeightManifest.FromString(cmd.manifest)
+        before = self.engine.versions.policy
         try:
             tensors = unpack(manifest, cmd.payload, None)
             self.engine.update_weights(cmd.kind, tensors, cmd.version)
         except (WeightValidationError, ValueError) as e:
             self.conn.send(Reply(cmd.cmd_id, error=f"replica {self.replica_id}: {e}"))
             return
+        if self.features is not None and self.engine.versions.policy != before:
+            self.features.policy_changed(before)  # running sequences' features end at this step
         self.conn.send(Reply(cmd.cmd_id, versions=self.engine.versions, seconds=time.perf_counter() - t0))
 
     def _stats(self, cmd: QueryStats) -> None:

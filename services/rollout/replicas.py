@@ -118,6 +118,8 @@ class _Replica:
         self.outbox: queue.Queue = queue.Queue()
         self.ready = asyncio.get_running_loop().create_future()
         self.restarted = False  # a restarted replica serves only once the latest weights are replayed
+        self.published: tuple | None = None  # (state, running, policy, drafter) of its last capacity event
+        self.refresh_scheduled = False
 
     @property
     def has_work(self) -> bool:
@@ -166,22 +168,54 @@ class ReplicaPool:
         from tlt.v1 import common_pb2, events_pb2
 
         v = self.versions
+        running = max(rep.outstanding, 0)
+        rep.published = (state, running, v.policy, v.drafter)
         self.capacity.publish(events_pb2.CapacityEvent(
             replica_id=rep.replica_id, device=rep.info.device if rep.info else "", state=state,
-            running=max(rep.outstanding, 0), queued=0,
+            running=running, queued=0,
             versions=common_pb2.WeightVersions(policy=v.policy, drafter=v.drafter)))
 
     def _busy(self, rep: _Replica) -> None:
+        """Call once the new work is counted in (outstanding / applying): BUSY at once when it was not,
+        else the new count follows (coalesced per loop turn)."""
         from tlt.v1 import common_pb2
 
-        if not rep.has_work:
+        if self.capacity is None:
+            return
+        if rep.published is None or rep.published[0] != common_pb2.REPLICA_STATE_BUSY:
             self._publish_state(rep, common_pb2.REPLICA_STATE_BUSY)
+        else:
+            self._schedule_refresh(rep)
 
     def _maybe_idle(self, rep: _Replica) -> None:
         from tlt.v1 import common_pb2
 
         if not rep.has_work and rep.alive and not self._stopping:
             self._publish_state(rep, common_pb2.REPLICA_STATE_IDLE)
+        else:
+            self._schedule_refresh(rep)  # still busy: its count (or versions) changed
+
+    def _schedule_refresh(self, rep: _Replica) -> None:
+        """Re-publish `rep`'s state with its current count and versions (heartbeats and the snapshot repeat
+        the last event, so a count that changes while the state does not must be sent too). Once per loop
+        turn: a batch of submissions or a step's finished sequences make one event."""
+        if self.capacity is None or rep.refresh_scheduled or self._loop is None:
+            return
+        rep.refresh_scheduled = True
+        self._loop.call_soon(self._refresh, rep)
+
+    def _refresh(self, rep: _Replica) -> None:
+        from tlt.v1 import common_pb2
+
+        rep.refresh_scheduled = False
+        if rep.published is None or not rep.alive or self._stopping or rep.error:
+            return
+        state = common_pb2.REPLICA_STATE_BUSY if rep.has_work else common_pb2.REPLICA_STATE_IDLE
+        if state != rep.published[0]:
+            return  # a transition is published where it happens, never from here
+        v = self.versions
+        if (state, max(rep.outstanding, 0), v.policy, v.drafter) != rep.published:
+            self._publish_state(rep, state)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -399,8 +433,8 @@ class ReplicaPool:
         rep = self._pick()
         p = _Pending(request, rep, request.n, want_steps)
         self._pending[request.request_id] = p
-        self._busy(rep)
         rep.outstanding += request.n
+        self._busy(rep)  # counted first: BUSY carries the sequences that made it busy
         rep.outbox.put(AddRequest(request))
         finished = 0
         try:
@@ -479,8 +513,8 @@ class ReplicaPool:
             blob, data = manifest.SerializeToString(), bytes(payload)
             busy = live if kind == "policy" else []
             for r in busy:
-                self._busy(r)
                 r.applying = True
+                self._busy(r)
             try:
                 return await self._apply_on(live, kind, manifest.version, blob, data, timeout_s)
             finally:  # IDLE again after the pool's versions moved on (the event carries them)
@@ -530,5 +564,7 @@ class ReplicaPool:
         held = await asyncio.to_thread(self._held_after, self._latest.get(kind), version, blob, data)
         self._latest[kind] = held  # set together with the versions (GetWeights reads both at once)
         self.versions = next(x.versions for x in replies if isinstance(x, Reply))  # type: ignore[union-attr]
+        for r in self.replicas:  # the capacity events carry the versions: a busy or idle replica's follow
+            self._schedule_refresh(r)
         log.info("weights_updated", kind=kind, version=version, replicas=applied)
         return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
