@@ -261,10 +261,12 @@ def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]
     clock = clock or time.perf_counter
 
     scheduled: list = [None]  # the batch of the step being run (wraps the engine's scheduler call)
+    decode_only = [False]  # whether it was decode-only, read at scheduling time
     schedule = engine.scheduler.schedule
 
     def probe():  # noqa: ANN202
         scheduled[0] = schedule()
+        decode_only[0] = scheduled[0] is not None and scheduled[0].is_decode_only  # before the step changes the seqs
         return scheduled[0]
 
     engine.scheduler.schedule = probe
@@ -290,7 +292,7 @@ def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]
             b[0] += new
             b[1] += dt
             b[2] += 1
-            decode_steps += batch.is_decode_only
+            decode_steps += decode_only[0]
             if size <= threshold:
                 tail_tokens += new
                 tail_time += dt

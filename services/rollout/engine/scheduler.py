@@ -35,7 +35,9 @@ class ScheduledBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_new)
+        """Every sequence computes its one last token. A prompt chunk cut to one token by the step's budget
+        is one new token too, but not a decode (its earlier tokens are not cached yet)."""
+        return all(n == 1 and s.num_computed == s.num_tokens - 1 for n, s in zip(self.num_new, self.seqs))
 
 
 class Scheduler:

@@ -115,10 +115,7 @@ class SpecDecoder:
         if self.config.mode == "off":
             return False
         on = self.switch.update(len(batch.seqs))
-        # one new token each is not enough: a prompt chunk cut to the last token of the step's budget is
-        # one token too, but its sequence is not in decode state (only its last token left to compute)
-        return (on and bool(batch.seqs) and batch.is_decode_only
-                and all(s.num_computed == s.num_tokens - 1 for s in batch.seqs))
+        return on and bool(batch.seqs) and batch.is_decode_only
 
     def choose_arm(self, batch_size: int) -> Arm:
         return self.static_arm if self.config.mode == "static" else self.bandit.choose(batch_size)
