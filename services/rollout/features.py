@@ -13,13 +13,14 @@ the batch is dropped and counted (`dropped`, reported in the replica's stats).
 
 A policy push can land between two steps of a running sequence (the engine keeps going with the new
 weights). Its features are then of two versions (and the later ones of neither: new weights over old
-K/V), so `observe` counts each running sequence's emitted tokens and `policy_changed` cuts it there:
-only the rows computed before the first push are sent, tagged with the version that computed them.
+K/V), so `policy_changed` records where each unfinished sequence stands (its tokens so far) and cuts it
+there: only the rows computed before the first push are sent, tagged with the version that computed them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from tlt.services.common.events import FeaturePusher
@@ -33,7 +34,6 @@ class FeaturePublisher:
         self.max_tokens = max_tokens
         self.pusher = FeaturePusher(connect, hwm=hwm)
         self._strip: dict[str, int] = {}  # request id -> samples whose features the client did not ask for
-        self._emitted: dict[str, dict[int, int]] = {}  # request id -> sample -> tokens emitted so far
         self._cut: dict[tuple[str, int], tuple[int, int]] = {}  # (request, sample) -> (rows, version) at a push
 
     @property
@@ -47,17 +47,13 @@ class FeaturePublisher:
         self._strip[request.request_id] = request.n
         return dataclasses.replace(request, params=dataclasses.replace(request.params, return_features=True))
 
-    def observe(self, steps: list[Any]) -> None:
-        """Count what a step emitted per sequence (StepOutputs), for `policy_changed`."""
-        for s in steps:
-            mine = self._emitted.setdefault(s.request_id, {})
-            mine[s.sample_index] = mine.get(s.sample_index, 0) + len(s.new_token_ids)
-
-    def policy_changed(self, old_version: int) -> None:
-        """A policy push was applied between two steps: every running sequence's features end here."""
-        for rid, samples in self._emitted.items():
-            for i, n in samples.items():
-                self._cut.setdefault((rid, i), (n, old_version))  # the first push is the one that counts
+    def policy_changed(self, old_version: int, unfinished: Iterable[Any]) -> None:
+        """A policy push was applied between two steps: the features of every unfinished sequence (the
+        engine's `Sequence`s, running or waiting) end at the tokens it has now."""
+        for seq in unfinished:
+            emitted = len(seq.token_ids) - seq.prompt_len
+            if emitted:  # the first push is the one that counts
+                self._cut.setdefault((seq.request_id, seq.sample_index), (emitted, old_version))
 
     def publish(self, finished: list[CompletionOutput], policy_version: int) -> bool:
         """Push the features of `finished` (one batch); strip the ones nobody asked for. True if sent."""
@@ -65,11 +61,6 @@ class FeaturePublisher:
         for c in finished:
             feats: Any = c.features
             rows_total, version = len(c.token_ids), int(c.versions.policy)
-            samples = self._emitted.get(c.request_id)
-            if samples is not None:
-                samples.pop(c.sample_index, None)
-                if not samples:
-                    del self._emitted[c.request_id]
             cut = self._cut.pop((c.request_id, c.sample_index), None)
             if cut is not None:
                 rows_total, version = min(rows_total, cut[0]), cut[1]
@@ -97,8 +88,8 @@ class FeaturePublisher:
 
     def forget(self, request_id: str) -> None:
         self._strip.pop(request_id, None)
-        for i in self._emitted.pop(request_id, {}):
-            self._cut.pop((request_id, i), None)
+        for key in [k for k in self._cut if k[0] == request_id]:  # empty but between a push and the finishes
+            del self._cut[key]
 
     def close(self) -> None:
         self.pusher.close()

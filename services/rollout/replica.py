@@ -150,7 +150,6 @@ class ReplicaLoop:
                 steps, finished = self.engine.step()
                 if steps or finished:
                     if self.features is not None:
-                        self.features.observe(steps)
                         self.features.publish(finished, self.engine.versions.policy)
                     for c in finished:
                         c.replica_id = self.replica_id
@@ -191,7 +190,8 @@ class ReplicaLoop:
             self.conn.send(Reply(cmd.cmd_id, error=f"replica {self.replica_id}: {e}"))
             return
         if self.features is not None and self.engine.versions.policy != before:
-            self.features.policy_changed(before)  # running sequences' features end at this step
+            sched = self.engine.scheduler  # unfinished sequences' features end at this step
+            self.features.policy_changed(before, [*sched.running, *sched.waiting])
         self.conn.send(Reply(cmd.cmd_id, versions=self.engine.versions, seconds=time.perf_counter() - t0))
 
     def _stats(self, cmd: QueryStats) -> None:
