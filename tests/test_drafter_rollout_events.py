@@ -24,6 +24,19 @@ def model_dir(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("m"))
 
 
+
+def _events_until(sub, done, timeout_s: float) -> list:  # noqa: ANN001
+    """Capacity events received until done(events so far) holds after an arrival, or the timeout."""
+    seen: list = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        e = sub.recv(0.5)
+        if e is not None:
+            seen.append(e)
+            if done(seen):
+                break
+    return seen
+
 def test_capacity_events_and_features(model_dir) -> None:
     puller = FeaturePuller("tcp://127.0.0.1:*")
     with ServerThread(model_dir, replicas=2, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3,
@@ -36,17 +49,14 @@ def test_capacity_events_and_features(model_dir) -> None:
             params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=24, seed=3)
             done = list(client.batch_generate(["1+2=", "3*4=", "5-1=", "7+7="], n=2, params=params))
         assert len(done) == 8 and all(not c.features for c in done)  # nobody asked for features
-        seen: list = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            e = sub.recv(0.5)
-            if e is not None:
-                seen.append(e)
+
+        def settled(seen: list) -> bool:
             last = {e.replica_id: e.state for e in seen if not e.heartbeat}
             beats = {e.replica_id for e in seen if e.heartbeat}
             busied = {e.replica_id for e in seen if e.state == BUSY}
-            if beats == busied == {0, 1} and set(last.values()) == {IDLE}:
-                break
+            return beats == busied == {0, 1} and set(last.values()) == {IDLE}
+
+        seen = _events_until(sub, settled, 10)
         changes = [(e.replica_id, e.state) for e in seen if not e.heartbeat]
         for r in (0, 1):
             mine = [st for rid, st in changes if rid == r]
@@ -128,14 +138,8 @@ def test_capacity_events_carry_the_current_counts(model_dir) -> None:
 
         t = threading.Thread(target=run)
         t.start()
-        seen: list = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            e = sub.recv(0.5)
-            if e is not None:
-                seen.append(e)
-                if e.state == IDLE and not e.heartbeat and any(x.state == BUSY for x in seen):
-                    break
+        seen = _events_until(sub, lambda seen: seen[-1].state == IDLE and not seen[-1].heartbeat
+                             and any(x.state == BUSY for x in seen), 30)
         t.join(30)
         assert len(done) == 6
         busy = [e for e in seen if e.state == BUSY]
