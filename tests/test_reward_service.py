@@ -128,6 +128,21 @@ def test_math_verifier_on_the_synthetic_task() -> None:
     assert math_verifier("", r"\boxed{\dfrac{1}{2}}", "0.5")
 
 
+def test_math_verifier_survives_an_integer_too_long_for_int() -> None:
+    """A degenerate completion `answer: 111...1` (over 4300 digits) made int() raise ValueError, so the server
+    answered ok=false ("verifier failed") and the trainer failed the whole step on one sample."""
+    long_ones = "1" * 5000
+    assert not math_verifier("", "answer: " + long_ones, "7")
+    assert math_verifier("", "answer: " + "0" * 5000 + "7", "7")  # zero padding still does not matter
+    assert math_verifier("", "answer: -" + long_ones, "-" + long_ones)
+    assert not math_verifier("", "answer: " + long_ones, "-" + long_ones)
+    assert math_verifier("", "answer: -0", "0")
+    with RewardServer(_config()) as s:
+        out = _stub(s).Score(reward_pb2.ScoreBatchRequest(
+            items=[Req(id="long", completion="answer: " + long_ones, reference="7")]), timeout=10).results
+    assert (out[0].ok, out[0].correct, out[0].error) == (True, False, "")
+
+
 # ---- the server -------------------------------------------------------------------------------
 
 
@@ -256,6 +271,87 @@ def test_client_submit_and_stream(server: RewardServer) -> None:
         assert got == {f"t{i}": i % 4 == 1 for i in range(20)}
 
 
+class _MiscountingReward(reward_pb2_grpc.RewardServicer):
+    """A reward server (written here, outside the package, from the generated stubs) whose Score answers
+    one result too few ("drop"), one too many ("extra"), or every result in reverse order ("reverse")."""
+
+    def Score(self, request: reward_pb2.ScoreBatchRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreBatchResponse:
+        results = [reward_pb2.ScoreResponse(id=i.id, ok=True, reward=float(len(i.completion)), correct=True)
+                   for i in request.items]
+        mode = request.items[0].prompt if request.items else ""
+        if mode == "drop":
+            results = results[:-1]
+        elif mode == "extra":
+            results = results + results[:1]
+        elif mode == "reverse":
+            results = results[::-1]
+        return reward_pb2.ScoreBatchResponse(results=results)
+
+
+@pytest.fixture
+def miscounting() -> Iterator[str]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    reward_pb2_grpc.add_RewardServicer_to_server(_MiscountingReward(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+def test_client_refuses_a_batch_answer_of_the_wrong_size(miscounting: str) -> None:
+    """Score answered fewer or more results than items sent and the client returned them as they were: `score()`
+    callers zipped results onto the wrong items, `submit()` raised a bare IndexError (not a reward error) for an
+    empty answer and took the first of two."""
+    from tlt.services.trainer.rewards import GrpcRewards, RewardError
+
+    with RewardClient(miscounting, timeout_s=5, retries=2, backoff_s=0.01) as client:
+        for mode, got in (("drop", 2), ("extra", 4)):
+            start = time.monotonic()
+            with pytest.raises(RewardCallError, match=f"{got} results for 3 items"):
+                client.score([Req(id=f"{mode}{i}", prompt=mode, completion="x" * i) for i in range(3)])
+            assert time.monotonic() - start < 1.0  # a server bug: not retried
+        with pytest.raises(RewardCallError, match="0 results for 1 items"):
+            client.submit(Req(id="a", prompt="drop")).result(timeout=10)
+        # answers in another order are matched back to their items by id
+        out = client.score([Req(id=f"r{i}", prompt="reverse", completion="x" * i) for i in range(3)])
+        assert [(r.id, r.reward) for r in out] == [("r0", 0.0), ("r1", 1.0), ("r2", 2.0)]
+    source = GrpcRewards(miscounting, concurrency=2, timeout_s=5, retries=0)
+    try:
+        batch = source.begin()
+        batch.submit("k0", "drop", "c", "a")
+        with pytest.raises(RewardError, match="no reward for completion k0: .*0 results for 1 items"):
+            batch.results()
+    finally:
+        source.close()
+
+
+def test_close_does_not_wait_out_a_stuck_call() -> None:
+    """close() waited for every in-flight call to run through its timeouts and retries ((retries + 1) x timeout_s:
+    90 s with the trainer's defaults), so a trainer exiting after a failed step or Ctrl-C hung on a stuck server."""
+    release = threading.Event()
+
+    def stuck(prompt: str, completion: str, reference: str) -> bool:
+        return release.wait(30)
+
+    with RewardServer(_config(), verifier=stuck) as s:
+        try:
+            client = RewardClient(s.address, concurrency=2, timeout_s=2, retries=2, backoff_s=0.01)
+            futures = [client.submit(Req(id=f"s{i}", reference="1")) for i in range(4)]  # 2 in flight, 2 queued
+            time.sleep(0.5)
+            start = time.monotonic()
+            client.close()
+            assert time.monotonic() - start < 1.5
+            for fut in futures:
+                assert fut.cancelled() or isinstance(fut.exception(timeout=1), RewardUnavailableError)
+            assert not [t for t in threading.enumerate() if t.name.startswith("reward-client")]
+        finally:
+            release.set()
+
+
 def test_client_raises_unavailable_after_retries() -> None:
     with RewardClient("127.0.0.1:1", timeout_s=2, retries=2, backoff_s=0.01) as client:
         start = time.monotonic()
@@ -314,6 +410,39 @@ def test_client_stream_survives_a_server_restart() -> None:
         finally:
             second.stop(0)
     assert [r.id for r in rest] == ["held"] and rest[0].ok
+
+
+def test_client_stream_sends_items_read_after_a_reopen() -> None:
+    """After a reopen, the broken attempt's request stream was still waiting for the next item and took it: that
+    item went to the dead call and was only sent again when the stream stalled (`timeout_s`) or the source ended."""
+    first = RewardServer(_config()).start()
+    port = first.port
+    go, got_late = threading.Event(), threading.Event()
+
+    def produce() -> Iterator[reward_pb2.ScoreRequest]:
+        yield Req(id="quick", reference="1")
+        assert go.wait(10)
+        yield Req(id="late", reference="1")
+        got_late.wait(15)  # the rollout goes on: the source ends only once "late" is answered
+
+    second: RewardServer | None = None
+    with RewardClient(f"127.0.0.1:{port}", timeout_s=10, retries=5, backoff_s=0.05) as client:
+        stream = client.score_stream(produce())
+        assert next(stream).id == "quick"
+        first.stop(0)  # the stream breaks and is reopened on the restarted server
+        second = RewardServer(_config(port=port)).start()
+        try:
+            threading.Timer(1.0, go.set).start()  # "late" finishes after the reopen
+            start = time.monotonic()
+            late = next(stream)
+            elapsed = time.monotonic() - start
+            got_late.set()
+            assert late.id == "late" and late.ok
+            assert elapsed < 5, f"late answered after {elapsed:.1f}s"
+            assert list(stream) == []
+        finally:
+            got_late.set()
+            second.stop(0)
 
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:

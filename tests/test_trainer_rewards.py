@@ -56,6 +56,25 @@ def test_bad_function_output_fails_clearly(fn, message):
         batch.results()
 
 
+def test_raising_or_shapeless_function_fails_with_reward_error():
+    """A function that raised (on one completion: the call is batch-shaped) or returned None escaped as its own
+    KeyError / TypeError ("object of type 'NoneType' has no len()"), not the RewardError naming the function."""
+
+    def picky(prompts, completions, **kw):
+        return [{"ok": 1.0}[c] for c in completions]
+
+    batch = FunctionRewards([picky]).begin()
+    batch.submit("k0", "p", "ok", "a")
+    batch.submit("k1", "p", "bad", "a")
+    with pytest.raises(RewardError, match=r"reward function .*picky raised KeyError: 'bad'") as e:
+        batch.results()
+    assert isinstance(e.value.__cause__, KeyError)
+    none = FunctionRewards([lambda prompts, completions, **kw: None]).begin()
+    none.submit("k0", "p", "c", "a")
+    with pytest.raises(RewardError, match="returned None; a list of 1 numbers is required"):
+        none.results()
+
+
 def test_numpy_scores_are_numbers():
     """A TRL-style function that returns a numpy array's elements (np.float32, np.int64) is scored, not refused."""
     import numpy as np
@@ -77,6 +96,38 @@ def test_numpy_scores_are_numbers():
     bad.submit("k1", "p", "c", "a")
     with pytest.raises(RewardError, match="returned"):
         bad.results()
+
+
+def test_trl_keyword_functions():
+    """TRL calls reward functions by keyword (prompts=, completions=, dataset columns), and its own and its docs'
+    functions take `completions` first: `think_format_reward(completions, **kwargs)`. Called positionally as
+    f(prompts, completions) they raised TypeError (or scored the prompts)."""
+
+    def reward_len(completions, **kwargs):  # the TRL docs' example
+        return [-abs(3 - len(c)) for c in completions]
+
+    def mentions_prompt(completions, prompts, answer, **kwargs):  # a column, and prompts after completions
+        return [float(p in c) + float(c.endswith(a)) for c, p, a in zip(completions, prompts, answer)]
+
+    def positional_names(p, c, **kw):  # not TRL's names: still positional, as before
+        return [float(len(c_)) for c_ in c]
+
+    batch = FunctionRewards([reward_len, mentions_prompt, positional_names]).begin()
+    batch.submit("a", "q1", "q1 is 7", "7")
+    batch.submit("b", "q2", "no", "8")
+    res = batch.results()
+    # a: -4 + 2 + 7 = 5; b: -1 + 0 + 2 = 1
+    assert (res["a"].reward, res["b"].reward) == (5.0, 1.0)
+
+
+def test_task_verifier_scores_an_integer_too_long_for_int():
+    """`answer: 111...1` (over 4300 digits) made int() raise ValueError inside the built-in task reward, which
+    failed the whole step on one degenerate sample instead of scoring it 0."""
+    batch = task_rewards().begin()
+    batch.submit("long", "q", "answer: " + "1" * 5000, "7")
+    batch.submit("padded", "q", "answer: " + "0" * 5000 + "7", "7")
+    res = batch.results()
+    assert (res["long"].reward, res["padded"].reward) == (0.0, 1.0)
 
 
 def test_load_function():

@@ -15,7 +15,10 @@ the caller. Each call has a `timeout_s` deadline; a transport failure
 with exponential backoff (so the worst case is about (retries + 1) x
 timeout_s), then raises `RewardUnavailableError` naming the address and the
 last error. Other gRPC errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a
-message over the size limit, ...) are not retried and raise `RewardCallError`.
+message over the size limit, ...) are not retried and raise `RewardCallError`,
+as does a Score answer whose results cannot be matched to its items (results
+in another order are matched by id). `close()` cancels queued and in-flight
+calls rather than waiting out their timeouts.
 A stream that breaks or stalls is reopened and the unanswered items are sent
 again; answers that arrive twice are dropped.
 
@@ -78,17 +81,20 @@ class RewardClient:
         self._channel = grpc.insecure_channel(address, options=client_options(max_message_bytes, max_reconnect_backoff_s))
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-client")
+        self._closing = threading.Event()
 
     # ---- retries -------------------------------------------------------------------------
 
     def _with_retries(self, what: str, call: Callable[[], T]) -> T:
         last: grpc.RpcError | None = None
         for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 2.0))
+            if attempt and self._closing.wait(min(self.backoff_s * 2 ** (attempt - 1), 2.0)):
+                raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from last
             try:
                 return call()
             except grpc.RpcError as e:
+                if self._closing.is_set():  # close() cancelled the call
+                    raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from e
                 code = e.code() if isinstance(e, grpc.Call) else None
                 if code not in RETRYABLE:
                     raise RewardCallError(f"reward server {self.address} refused {what}: {code} {_details(e)}") from e
@@ -107,7 +113,7 @@ class RewardClient:
         response = self._with_retries(
             f"Score({len(request.items)} items)", lambda: self._stub.Score(request, timeout=self.timeout_s)
         )
-        return list(response.results)
+        return _in_request_order(self.address, list(request.items), list(response.results))
 
     def submit(self, item: ScoreRequest) -> Future[ScoreResponse]:
         """Queue one item; the future gets its response, or RewardUnavailableError / RewardCallError."""
@@ -128,7 +134,8 @@ class RewardClient:
             if stream.finished():
                 stream.raise_source_error()
                 return
-            call = self._stub.ScoreStream(stream.feed())
+            attempt_over = threading.Event()
+            call = self._stub.ScoreStream(stream.feed(attempt_over))
             responses: queue.Queue[object] = queue.Queue()
             reader = threading.Thread(target=_drain, args=(call, responses), daemon=True)
             reader.start()
@@ -152,6 +159,7 @@ class RewardClient:
                         failures = 0
                         yield out  # type: ignore[misc]
             finally:
+                attempt_over.set()
                 call.cancel()
             stream.raise_source_error()
             if error is None and not stalled and stream.finished():
@@ -175,14 +183,38 @@ class RewardClient:
             time.sleep(min(self.backoff_s * 2 ** (failures - 1), 2.0))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Cancel queued calls and cut off in-flight ones (closing the channel cancels them), then join the threads.
+
+        Not waiting for in-flight calls to end on their own: against a stuck server that is (retries + 1) x
+        timeout_s, which a trainer exiting after a failed step (or Ctrl-C) sat through.
+        """
+        self._closing.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
+        self._pool.shutdown(wait=True)
 
     def __enter__(self) -> RewardClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _in_request_order(address: str, items: list[ScoreRequest], results: list[ScoreResponse]) -> list[ScoreResponse]:
+    """One result per item, in the items' order; RewardCallError when the server's answer cannot be matched.
+
+    A server that answers fewer or more results than items (a bug there, so not retried) must not have its
+    results zipped onto the wrong completions; results in another order are put back in order by id.
+    """
+    if len(results) != len(items):
+        raise RewardCallError(f"reward server {address} answered {len(results)} results for {len(items)} items")
+    ids = [item.id for item in items]
+    if [r.id for r in results] == ids:
+        return results
+    by_id = {r.id: r for r in results}
+    if len(set(ids)) != len(ids) or set(by_id) != set(ids):
+        raise RewardCallError(f"reward server {address} answered ids {sorted(by_id)} for items {sorted(set(ids))}")
+    return [by_id[i] for i in ids]
 
 
 def _details(e: grpc.RpcError | None) -> str:
@@ -228,17 +260,25 @@ class _StreamState:
             self._source_done.set()
             self._incoming.put(_END)
 
-    def feed(self) -> Iterator[ScoreRequest]:
-        """One attempt's request stream: every unanswered item, then new ones as they are read."""
+    def feed(self, attempt_over: threading.Event) -> Iterator[ScoreRequest]:
+        """One attempt's request stream: every unanswered item, then new ones as they are read.
+
+        grpc keeps reading an ended attempt's stream in its own thread; once `attempt_over` is set that
+        thread stops taking items and puts back one it took, else the item went to the dead call and was
+        sent again only when the stream stalled (`timeout_s`) or the caller's items ended.
+        """
         with self._lock:
             now = time.monotonic()  # a resent item gets a fresh `timeout_s`
             self._unanswered = {k: (item, now) for k, (item, _) in self._unanswered.items()}
             resend = [item for item, _ in self._unanswered.values()]
         yield from resend
-        while True:
-            item = self._incoming.get()
-            if item is _END:
-                self._incoming.put(_END)  # later attempts must see the end too
+        while not attempt_over.is_set():
+            try:
+                item = self._incoming.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is _END or attempt_over.is_set():
+                self._incoming.put(item)  # for the next attempt (all of them must see _END)
                 return
             yield item  # type: ignore[misc]
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from tlt.services.reward.boxed import equivalent, last_boxed
 from tlt.task.problems import ANSWER_MARKER
+from tlt.task.verify import same_integer
 
 Verifier = Callable[[str, str, str], bool]
 
@@ -56,7 +57,7 @@ def math_verifier(prompt: str, completion: str, reference: str) -> bool:
     if answer is None:
         return False
     if _is_int(reference) and _is_int(answer):
-        return int(answer) == int(reference.strip())
+        return same_integer(answer, reference)  # not int(): it raises past 4300 digits
     return equivalent(answer, reference)
 
 

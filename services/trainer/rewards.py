@@ -9,15 +9,16 @@ Two sources:
   `f(prompts, completions, **kw) -> list[float]`, called once per step on the
   whole batch (the contract is batch-shaped) with the reference answers as
   keyword arguments `answer` / `answers` (only those the function accepts,
-  unless it takes **kw). Several functions are summed with weights.
+  unless it takes **kw); by keyword, as TRL calls them, when the function
+  names a `completions` parameter. Several functions are summed with weights.
 - `GrpcRewards`: any `tlt.v1.Reward` server through `RewardClient`; each
   completion is submitted the moment it arrives from the rollout stream, so
   scoring overlaps the long tail of decoding. The client bounds concurrency,
   applies the timeout and retries transport failures.
 
 A reward that cannot be had (server unreachable after retries, a call
-refused, `ok=false` in a response, a function returning the wrong number of
-values or a non-finite value) fails the step with a `RewardError` that names
+refused, `ok=false` in a response, a function that raises or returns the
+wrong number of values or a non-finite value) fails the step with a `RewardError` that names
 the completion and the cause. No reward is ever defaulted to 0.
 """
 
@@ -27,7 +28,7 @@ import importlib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,9 +67,20 @@ def _check_value(key: str, value: object, origin: str) -> float:
 
 
 def _call(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Call `fn` as TRL does, by keyword, when it names a `completions` parameter, else positionally.
+
+    TRL's functions take `completions` first (`think_format_reward(completions, **kwargs)`) and get
+    `prompts` among the keywords, so a positional (prompts, completions) call fails on them.
+    """
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kw = {k: answers for k in ("answer", "answers") if takes_any or k in params}
+    if "completions" in params and all(
+        params[k].kind is not inspect.Parameter.POSITIONAL_ONLY for k in ("prompts", "completions") if k in params
+    ):
+        if takes_any or "prompts" in params:
+            kw["prompts"] = prompts
+        return fn(completions=completions, **kw)
     return fn(prompts, completions, **kw)
 
 
@@ -86,11 +98,27 @@ class _FunctionBatch:
         self._completions.append(completion)
         self._answers.append(answer)
 
+    def _values(self, fn: RewardFn, name: str) -> list[object]:
+        """`fn`'s values for the batch; a RewardError naming `fn` when it raises or returns no sequence.
+
+        The contract is batch-shaped, so one bad completion fails the whole call: the step fails with the
+        function's name and error (chained), as for every other reward that cannot be had.
+        """
+        try:
+            values = _call(fn, self._prompts, self._completions, self._answers)
+        except Exception as e:  # noqa: BLE001 - the user's code: re-raised as the step's RewardError
+            raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} "
+                              f"(scoring {len(self._keys)} completions, first {self._keys[:1]})") from e
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} numbers "
+                              "is required")
+        return list(values)
+
     def results(self) -> dict[str, RewardResult]:
         totals = [0.0] * len(self._keys)
         for fn, weight in self._fns:
             name = getattr(fn, "__qualname__", repr(fn))
-            values = _call(fn, self._prompts, self._completions, self._answers)
+            values = self._values(fn, name)
             if len(values) != len(self._keys):
                 raise RewardError(f"reward function {name} returned {len(values)} values for {len(self._keys)} completions")
             for i, v in enumerate(values):

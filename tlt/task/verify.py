@@ -29,12 +29,28 @@ def extract_answer(text: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _canonical_integer(text: str) -> str:
+    """`-?[0-9]+` without its zero padding (and `-0` as `0`): the integer's value as a string."""
+    s = text.strip()
+    digits = s.lstrip("-").lstrip("0") or "0"
+    return "-" + digits if s.startswith("-") and digits != "0" else digits
+
+
+def same_integer(a: str, b: str) -> bool:
+    """Integer equality of two `-?[0-9]+` strings, by their canonical strings rather than int().
+
+    int() refuses more than 4300 digits (ValueError), and a policy can write that many after `answer:`;
+    the raise failed the step (or, in the reward server, the item) instead of scoring the answer wrong.
+    """
+    return _canonical_integer(a) == _canonical_integer(b)
+
+
 def verify(completion: str, answer: str) -> bool:
     """True iff the completion's extracted answer equals the reference answer exactly (as an integer)."""
     got = extract_answer(completion)
     if got is None:
         return False
-    return int(got) == int(answer)
+    return same_integer(got, str(int(answer)))  # int(): a reference that is not an integer is still an error
 
 
 def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
