@@ -154,3 +154,37 @@ def test_builtin_reward_server_via_trainer_path():
             src.close()
     assert (res["r"].reward, res["r"].correct) == (1.0, True)
     assert (res["w"].reward, res["w"].correct) == (0.0, False)
+
+
+def test_a_reward_server_that_is_down_fails_the_trainer_before_its_first_rollout(tmp_path):
+    """Standalone `tlt train` with reward='grpc': a dead reward address is reported at start (naming it), not
+    after a whole rollout was decoded and its first completion could not be scored. Real gRPC, no server."""
+    import time
+
+    from tlt.services.common.ports import free_port
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.loop import _Services
+
+    dead = f"127.0.0.1:{free_port()}"
+    cfg = TrainerConfig(reward="grpc", reward_address=dead, rollout_addresses=[f"127.0.0.1:{free_port()}"],
+                        connect_timeout_s=0.5, output_dir=str(tmp_path))
+    services = _Services(cfg, tmp_path, 0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardError, match=f"reward server {dead} not reachable"):
+            services.sync(policy=None)  # the reward check comes first: no rollout, no policy needed
+    finally:
+        services.rewards.close()
+    assert time.monotonic() - t0 < 5
+
+
+def test_wait_ready_returns_once_the_reward_server_is_up():
+    from tlt.services.reward.config import RewardConfig
+    from tlt.services.reward.server import RewardServer
+
+    with RewardServer(RewardConfig(host="127.0.0.1", port=0)) as server:
+        src = GrpcRewards(server.address, concurrency=2, timeout_s=5, retries=0)
+        try:
+            src.wait_ready(5.0)
+        finally:
+            src.close()

@@ -182,6 +182,19 @@ class RewardClient:
             log.debug("reward_stream_retry", attempt=failures, code=str(code), unanswered=stream.pending())
             time.sleep(min(self.backoff_s * 2 ** (failures - 1), 2.0))
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the server's channel is connected; RewardUnavailableError after `timeout_s`.
+
+        A trainer checks this before its first rollout: otherwise a reward server that is down is only
+        found once the first completion is scored, after the whole rollout was decoded for nothing.
+        """
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise RewardUnavailableError(
+                f"reward server {self.address} not reachable within {timeout_s}s; start it "
+                "(tlt reward serve --kind math --port PORT) or fix reward_address") from None
+
     def close(self) -> None:
         """Cancel queued calls and cut off in-flight ones (closing the channel cancels them), then join the threads.
 

@@ -46,7 +46,7 @@ class TrainerConfig(ServiceConfig):
     reward_concurrency: int = Field(32, ge=1, description="completions scored at once by the gRPC reward client")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward call, seconds")
     reward_retries: int = Field(2, ge=0, description="retries of a failed reward call before the step fails")
-    connect_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the rollout server(s) at start")
+    connect_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the rollout server(s) and the reward server at start")
     push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of pushed weights; must match the rollout engine's (auto: bf16 when training bf16, else fp32)"
     )

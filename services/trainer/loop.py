@@ -183,6 +183,9 @@ class _Services:
 
         from tlt.services.trainer.collect import RolloutError
 
+        wait_rewards = getattr(self.rewards, "wait_ready", None)
+        if wait_rewards is not None:  # a reward server: found down now, not after the first rollout
+            wait_rewards(self.cfg.connect_timeout_s)
         for c in self.clients:
             try:
                 c.wait_ready(self.cfg.connect_timeout_s)

@@ -212,6 +212,15 @@ class GrpcRewards:
     def begin(self) -> _GrpcBatch:
         return _GrpcBatch(self._client)
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """RewardError when the server cannot be reached within `timeout_s` (checked before the first rollout)."""
+        from tlt.services.reward.client import RewardUnavailableError
+
+        try:
+            self._client.wait_ready(timeout_s)
+        except RewardUnavailableError as e:
+            raise RewardError(str(e)) from None
+
     def close(self) -> None:
         self._client.close()
 
