@@ -6,7 +6,10 @@ a deliberately imperfect order-1 model (the target's marginal plus noise). We ge
 continuations with speculation on, exactly as the engine does (draft a tree or chain, evaluate the
 target at every node, accept with `accept.py`), and compare the empirical distribution with the exact
 one by a chi-square test (cells with expected count < 5 merged). A deliberately broken rule (accept a
-child whenever it is the target's argmax) must fail the same test: that proves the test has power.
+child whenever it is the target's argmax; for rejection sampling, accept a draft whenever it is the
+target's argmax) must fail the same test: that proves the test has power. Rejection sampling is also run
+with an overconfident drafter (its logits sharpened): with the plain one p(argmax) < q(argmax) almost
+everywhere, so the rule accepts the argmax anyway and the argmax-accepting variant went undetected.
 Nothing is faked: the target is a lookup table instead of a transformer only because exactness needs it.
 """
 
@@ -52,6 +55,12 @@ def _exact(target: torch.Tensor, temperature: float, top_p: float) -> dict[tuple
     return out
 
 
+def _overconfident(drafter: torch.Tensor, sharpness: float) -> torch.Tensor:
+    """The drafter with its log-probabilities scaled by `sharpness` (> 1: more mass on its own top tokens),
+    so that p(x) > q(x) at the target's argmax x often enough for a rule that accepts it blindly to show."""
+    return (drafter * sharpness).log_softmax(-1)
+
+
 def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: int = 1) -> tuple[torch.Tensor, float]:
     """Generate N_SAMPLES continuations of length L with speculation; returns [N, L] and the mean
     number of drafts accepted per verify step (so the tests can check speculation really happened)."""
@@ -64,7 +73,7 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
     rows = torch.arange(b)
     accepted = []
     while bool((count < L).any()):
-        if mode == "rejection":
+        if mode in ("rejection", "broken-rejection"):
             drafts, p_steps, tok = [], [], last
             for _ in range(arm.steps):
                 p = drafter[tok].exp()
@@ -82,9 +91,12 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
         toks = tree.tokens.clamp(min=0)  # cut nodes: any row of the table (the engine gives them zero logits)
         node_prev = torch.where(tree.parents >= 0, toks.gather(1, par), prev[:, None])
         logits = target[node_prev, toks]  # [B, N, V]: q at every node in one "forward"
-        if mode == "rejection":
+        if mode in ("rejection", "broken-rejection"):
             q = filtered_probs(logits, temperature, 0, top_p)
-            res = chain_accept_rejection(tree.tokens[:, 1:], torch.stack(p_steps, 1), q, gen)
+            u = uniforms((b, arm.steps + 1), gen)
+            if mode == "broken-rejection":  # accept a draft whenever it is the target's argmax there: biased
+                u[:, :-1] = u[:, :-1].masked_fill(tree.tokens[:, 1:] == logits[:, :-1].argmax(-1), 0.0)
+            res = chain_accept_rejection(tree.tokens[:, 1:], torch.stack(p_steps, 1), q, u=u)
         else:
             nt = node_targets(logits, temperature, 0, top_p, 0.0, gen)
             tgt = nt.tokens
@@ -129,31 +141,37 @@ def _chi2(samples: torch.Tensor, exact: dict[tuple[int, ...], float]) -> float:
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
+OVERCONFIDENT = 3.0  # drafter sharpness for the rejection cases that can see an argmax-accepting rule
 CASES = [
-    ("tree", Arm(3, 3, 8)),
-    ("tree", Arm(2, 2, 5)),
-    ("chain", Arm(3, 1, 4)),
-    ("cut", Arm(3, 1, 4)),
-    ("rejection", Arm(3, 1, 4)),
+    ("tree", Arm(3, 3, 8), 1.0),
+    ("tree", Arm(2, 2, 5), 1.0),
+    ("chain", Arm(3, 1, 4), 1.0),
+    ("cut", Arm(3, 1, 4), 1.0),
+    ("rejection", Arm(3, 1, 4), 1.0),
+    ("rejection", Arm(3, 1, 4), OVERCONFIDENT),
 ]
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-@pytest.mark.parametrize("mode,arm", CASES, ids=[f"{m}-{a}" for m, a in CASES])
-def test_speculative_sampling_matches_exact_target_distribution(mode, arm, temperature, top_p):
+@pytest.mark.parametrize("mode,arm,sharpness", CASES, ids=[f"{m}-{a}-x{s:g}" for m, a, s in CASES])
+def test_speculative_sampling_matches_exact_target_distribution(mode, arm, sharpness, temperature, top_p):
     torch.set_num_threads(1)
     target, drafter = _models()
-    samples, mean_accepted = _run_spec(target, drafter, temperature, top_p, mode, arm)
+    samples, mean_accepted = _run_spec(target, _overconfident(drafter, sharpness), temperature, top_p, mode, arm)
     assert mean_accepted > 0.15, f"the drafter is too poor for this test to exercise acceptance ({mean_accepted:.2f})"
     p = _chi2(samples, _exact(target, temperature, top_p))
     assert p > 1e-3, f"{mode} {arm} T={temperature} top_p={top_p}: chi-square p = {p:.2e}"
 
 
+BROKEN = [("broken", Arm(3, 3, 8), 1.0), ("broken-rejection", Arm(3, 1, 4), OVERCONFIDENT)]
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_broken_acceptance_rule_is_detected(temperature, top_p):
+@pytest.mark.parametrize("mode,arm,sharpness", BROKEN, ids=[f"{m}-{a}-x{s:g}" for m, a, s in BROKEN])
+def test_broken_acceptance_rule_is_detected(mode, arm, sharpness, temperature, top_p):
     torch.set_num_threads(1)
     target, drafter = _models()
-    samples, _ = _run_spec(target, drafter, temperature, top_p, "broken", Arm(3, 3, 8))
+    samples, _ = _run_spec(target, _overconfident(drafter, sharpness), temperature, top_p, mode, arm)
     p = _chi2(samples, _exact(target, temperature, top_p))
     assert p < 1e-6, f"the chi-square test failed to detect a biased acceptance rule (p = {p:.2e})"
 

@@ -1,9 +1,9 @@
 """Rollout collection over several gRPC streams with rewards scored as completions arrive.
 
-Real rollout server on 127.0.0.1 (two clients on it stand in for two rollout
-servers: two concurrent BatchGenerate streams, prompts split between them).
-The reward source is an in-process recorder, so the test can see which
-prompt and answer each completion was scored against and when.
+Real rollout server on 127.0.0.1, one for the module (two clients on it stand
+in for two rollout servers: two concurrent BatchGenerate streams, prompts split
+between them). The reward source is an in-process recorder, so the test can see
+which prompt and answer each completion was scored against and when.
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ class Recorder:
         pass
 
 
-def test_collect_over_two_streams(random_model_dir):
+@pytest.fixture(scope="module")
+def server(random_model_dir):
+    with ServerThread(random_model_dir, replicas=1) as s:
+        yield s
+
+
+def test_collect_over_two_streams(random_model_dir, server):
     from transformers import AutoTokenizer
 
     from tlt.services.rollout.client import RolloutClient
@@ -54,13 +60,12 @@ def test_collect_over_two_streams(random_model_dir):
     prompts = [PromptItem(i, f"<|im_start|>user\nCompute mod 10: {i} +{i + 1}<|im_end|>\n<|im_start|>assistant\n",
                           str(i)) for i in range(5)]
     rec = Recorder()
-    with ServerThread(random_model_dir, replicas=1) as server:
-        clients = [RolloutClient(server.grpc_address), RolloutClient(server.grpc_address)]
-        try:
-            res = collect(prompts, clients, rec, n=3, params=sampling_params(8, 1.0, 1.0), step=7)
-        finally:
-            for c in clients:
-                c.close()
+    clients = [RolloutClient(server.grpc_address), RolloutClient(server.grpc_address)]
+    try:
+        res = collect(prompts, clients, rec, n=3, params=sampling_params(8, 1.0, 1.0), step=7)
+    finally:
+        for c in clients:
+            c.close()
     assert len(res.samples) == 15
     assert sorted((s.prompt_index, s.sample_index) for s in res.samples) == [(g, k) for g in range(5) for k in range(3)]
     by_key = {k: (p, a) for _, k, p, _, a in rec.submits}
@@ -77,40 +82,34 @@ def test_collect_over_two_streams(random_model_dir):
     assert res.times["rollout_s"] > 0 and res.times["reward_tail_s"] >= 0
 
 
-def test_rollout_failure_fails_the_step(random_model_dir):
+def test_rollout_failure_fails_the_step(server):
     from tlt.services.rollout.client import RolloutClient
 
-    with ServerThread(random_model_dir, replicas=1) as server, RolloutClient(server.grpc_address) as client:
+    with RolloutClient(server.grpc_address) as client:
         # max_tokens beyond the context length: the server refuses the batch (INVALID_ARGUMENT)
         with pytest.raises(RolloutError, match=f"rollout server {server.grpc_address} failed: StatusCode.INVALID_ARGUMENT"):
             collect([PromptItem(0, "hello", "1")], [client], Recorder(), n=2,
                     params=sampling_params(100_000, 1.0, 1.0), step=0)
 
 
-class FakeRolloutClient:
-    """Answers BatchGenerate in-process: each completion echoes its prompt text (prompt-local indices)."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-
-    def batch_generate(self, prompts, n, params, references, batch_id):
-        from tlt.v1 import rollout_pb2
-
-        for i, p in reversed(list(enumerate(prompts))):  # out of order on purpose
-            for k in range(n):
-                yield rollout_pb2.Completion(prompt_index=i, sample_index=k, prompt_token_ids=[1, 2], token_ids=[3, k],
-                                             text=p, finish_reason=rollout_pb2.FINISH_REASON_STOP)
-
-
 @pytest.mark.parametrize("servers", [1, 2])
-def test_the_same_prompt_twice_in_one_step(servers):
+def test_the_same_prompt_twice_in_one_step(random_model_dir, server, servers):
     """The sampler wraps around an epoch inside one step (or the data has fewer prompts than a step asks for):
     the same PromptItem object then appears twice; each occurrence is its own group of n samples."""
-    a, b = PromptItem(0, "prompt a", "1"), PromptItem(1, "prompt b", "2")
+    from transformers import AutoTokenizer
+
+    from tlt.services.rollout.client import RolloutClient
+
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    a, b = PromptItem(0, "prompt a", "1"), PromptItem(1, "the other prompt", "2")
     prompts = [a, b, a]
     rec = Recorder()
-    clients = [FakeRolloutClient(f"fake{j}") for j in range(servers)]
-    res = collect(prompts, clients, rec, n=2, params=sampling_params(8, 1.0, 1.0), step=3)
+    clients = [RolloutClient(server.grpc_address) for _ in range(servers)]
+    try:
+        res = collect(prompts, clients, rec, n=2, params=sampling_params(8, 1.0, 1.0), step=3)
+    finally:
+        for c in clients:
+            c.close()
     assert sorted((s.prompt_index, s.sample_index) for s in res.samples) == [(g, k) for g in range(3) for k in range(2)]
-    for s in res.samples:
-        assert s.text == prompts[s.prompt_index].prompt  # the completion landed in its own prompt's group
+    for s in res.samples:  # the completion landed in its own prompt's group
+        assert list(s.prompt_ids) == tok.encode(prompts[s.prompt_index].prompt)

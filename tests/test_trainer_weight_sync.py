@@ -5,6 +5,12 @@ real DeepSpeed policy loaded from the same checkpoint folder. Checks: gRPC
 chunks and the /dev/shm path both apply; generation after a push uses the new
 weights (greedy output changes to what the trainer's own model would produce);
 a refused push raises; stale versions are detected.
+
+Stand-ins, not the real thing: `test_sync_weights_brings_every_server_to_the_trainer`
+runs `sync_weights` against `_VersionedServer` (only the rollout's "a push must be
+newer" rule, which tests/test_rollout_hotswap.py checks on the real server) and a
+two-by-two Linear as the policy, to set up restarted and ahead-of-checkpoint servers
+that real servers would need a restart per case for.
 """
 
 from __future__ import annotations
