@@ -5,6 +5,7 @@ written from hand-made run files. Values are checked against hand-computed numbe
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from tlt.services.trainer.report import summarize, write_report
 from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
-from tlt.services.trainer.run_stats import IdleWindow, TimelineSample, step_row, tail_seconds
+from tlt.services.trainer.run_stats import IdleWindow, TimelineSample, settled, step_row, step_rows, tail_seconds
 
 
 def sample(t: float, running: int, sd: bool = False) -> TimelineSample:
@@ -105,3 +106,167 @@ def test_regenerated_report_keeps_the_runs_tail_threshold(tmp_path: Path) -> Non
     page = write_report(tmp_path).read_text()  # as the module's __main__ calls it without a threshold
     assert "between 1 and 16" in page and "<td>2.0</td>" in page  # tail = [102, 104) only
     assert "<td>4.0</td>" in write_report(tmp_path, threshold=32).read_text()  # an explicit one still wins
+
+
+def _saved_axes(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """Each plot's axes as it is saved, by file name (a spy: the real savefig still writes the PNG)."""
+    from matplotlib.figure import Figure
+
+    saved: dict[str, list] = {}
+    real = Figure.savefig
+
+    def spy(fig, fname, *args, **kwargs):  # noqa: ANN001, ANN202
+        saved[Path(fname).name] = fig.axes
+        return real(fig, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return saved
+
+
+def _metrics(tmp_path: Path, rows: list[dict]) -> None:
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": k, "policy_version": k + 1, "started_at": 100.0 + 10 * k, "tokens": 100,
+                    "times": {"step_s": 9.0, "rollout_s": 5.0}, **r}) + "\n" for k, r in enumerate(rows)))
+
+
+def test_reward_plot_shows_rewards_outside_0_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a user's reward (e.g. -1 wrong / +1 right, plus a format bonus) leaves [0, 1]; the plot was fixed to it
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"reward_mean": r, "accuracy": a} for r, a in [(-1.0, 0.0), (-0.5, 0.25), (1.5, 1.0)]])
+    write_report(tmp_path, threshold=16)
+    lo, hi = saved["reward.png"][0].get_ylim()
+    assert lo <= -1.0 and hi >= 1.5
+
+
+def test_timeline_plot_scales_to_the_running_batch_not_the_queue(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # a held-out eval queues 736 requests behind 64 running; the queue is not drawn, so the y axis must
+    # not reach 736 (the running batch was a flat line at the bottom of the plot)
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"reward_mean": 0.5}])
+    (tmp_path / "timeline.jsonl").write_text("".join(
+        TimelineSample(t, (r,), (q,), (False,), 1, -1).to_json() + "\n" for t, r, q in
+        [(90.0, 64, 736), (95.0, 64, 100), (100.0, 40, 0), (103.0, 8, 0), (105.0, 0, 0)]))
+    write_report(tmp_path, threshold=16)
+    assert saved["timeline.png"][0].get_ylim()[1] == pytest.approx(64 * 1.15)
+
+
+def test_accept_plot_leaves_steps_without_verify_passes_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # acceptance length is undefined without a verify pass (the table shows "-"); plotted as 0 it read as
+    # "the drafter's tokens were all rejected"
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"sd_verify_steps": 10, "sd_accepted_tokens": 30, "drafter_version": 3},
+                        {"sd_verify_steps": 0, "sd_accepted_tokens": 0, "drafter_version": 3},
+                        {"sd_verify_steps": 4, "sd_accepted_tokens": 10, "drafter_version": 4}])
+    write_report(tmp_path, threshold=16)
+    ax = saved["accept.png"][0]
+    y = list(ax.lines[0].get_ydata())
+    assert y[0] == pytest.approx(3.0) and math.isnan(y[1]) and y[2] == pytest.approx(2.5)
+    assert [t.get_text() for t in ax.texts] == ["d3", "d4"]  # no label floating at a step without SD
+
+
+def test_timeline_plot_holds_no_sample_across_a_resume_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the run was interrupted with 40 sequences running (SD on) and resumed 1000 s later: the plot drew
+    # 40 running and SD on through the 1000 s nothing ran
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"reward_mean": 0.5}])
+    (tmp_path / "timeline.jsonl").write_text("".join(
+        TimelineSample(t, (r,), (0,), (True,), 1, -1).to_json() + "\n" for t, r in
+        [(100.0, 40), (100.5, 40), (1100.5, 8), (1101.0, 3), (1101.5, 0)]))
+    write_report(tmp_path, threshold=16)
+    ax = saved["timeline.png"][0]
+    x, y = ax.lines[0].get_xdata(), ax.lines[0].get_ydata()
+    held = [(a, b) for a, b, v in zip(x, x[1:], y) if not math.isnan(v) and b - a > 10]
+    assert not held  # no value drawn over the gap
+    spans = [p.get_width() for p in ax.patches]  # SD-on shading (the run has no drafter windows)
+    assert sorted(spans) == pytest.approx([0.5, 0.5, 0.5])  # [100, 100.5), [1100.5, 1101), [1101, 1101.5)
+
+
+def test_live_rows_wait_for_the_drafter_window_that_trains_through_the_step(tmp_path: Path) -> None:
+    # step 0 runs [100, 110): its rollout ends at 103 and the drafter trains on the idle replica from
+    # 103.2 until step 1's rollout starts at 110.5. That window reaches drafter.jsonl only when it ends,
+    # after step 0's line was written: the live row showed "-" (the report: 1 window, 6.8 s).
+    _metrics(tmp_path, [{"times": {"step_s": 10.0, "rollout_s": 3.0}}])
+    rows = step_rows(tmp_path, 16)
+    assert rows[0].idle_windows == 0  # what the line alone gives
+    assert settled(rows, windows_known_at=0.0) == 0  # drafter not yet seen idle: the row waits
+    assert settled(rows, windows_known_at=109.0) == 0  # seen idle, but before the step ended
+    (tmp_path / "drafter.jsonl").write_text(json.dumps(IdleWindow(0, 0, 103.2, 110.6, 40, True).__dict__) + "\n")
+    assert settled(rows, windows_known_at=110.7) == 1  # no worker training after the step: settled
+    assert (rows := step_rows(tmp_path, 16))[0].idle_windows == 1 and rows[0].idle_train_s == pytest.approx(6.8)
+    _metrics(tmp_path, [{"times": {"step_s": 10.0, "rollout_s": 3.0}}, {"times": {"step_s": 10.0, "rollout_s": 3.0}}])
+    assert settled(step_rows(tmp_path, 16), windows_known_at=0.0) == 1  # a later step's line settles the earlier
+    assert settled(step_rows(tmp_path, 16), windows_known_at=math.inf) == 2  # no drafter: every row at once
+    assert settled([], windows_known_at=0.0) == 0
+
+
+def test_drafter_sampler_knows_when_every_window_is_on_file(tmp_path: Path) -> None:
+    # Real drafter service parts (as tests/test_drafter_service.py): a CapacityPublisher on 127.0.0.1 plays
+    # the rollout's replica, the real coordinator with its gRPC status server, one real worker (a thread)
+    # training a tiny random Qwen2's drafter on real features. The sampler polls by hand (no thread).
+    import threading
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_helpers import tiny_checkpoint
+    from tlt.services.common.events import CapacityPublisher
+    from tlt.services.drafter.collect import sample_features
+    from tlt.services.drafter.config import DrafterServiceConfig
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.serve import start_status_server
+    from tlt.services.drafter.worker import DrafterWorker
+    from tlt.services.trainer.run_monitor import DrafterSampler
+    from tlt.services.trainer.run_stats import read_windows
+    from tlt.v1 import common_pb2, events_pb2
+
+    model_dir = tiny_checkpoint(tmp_path / "m")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    samples = sample_features(model, [[int(x) for x in torch.randint(5, 200, (6,))] for _ in range(4)],
+                              max_new_tokens=20, window_tokens=64)
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    cfg = DrafterServiceConfig(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
+                               coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=64, batch_tokens=64, batch_rows=2, submit_every=5, eval_interval_s=60.0)
+    coord = Coordinator(cfg, str(model_dir), None, None).start()
+    coord.buffer.add_samples(samples)
+    pub.publish(events_pb2.CapacityEvent(replica_id=0, state=common_pb2.REPLICA_STATE_BUSY))
+    server, port = start_status_server(coord, "127.0.0.1", 0)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sampler = DrafterSampler(f"127.0.0.1:{port}", run_dir)
+
+    def wait(cond, what: str) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    try:
+        wait(lambda: coord.status().workers, "worker joined")
+        sampler.poll()
+        quiet = sampler.quiet_since
+        assert quiet > 0  # the replica is busy: no worker trains
+        pub.publish(events_pb2.CapacityEvent(replica_id=0, state=common_pb2.REPLICA_STATE_IDLE))
+        wait(lambda: any(w.training for w in coord.status().workers), "worker training")
+        sampler.poll()
+        assert sampler.quiet_since == quiet  # a window is open: what it trains is not on file yet
+        pub.publish(events_pb2.CapacityEvent(replica_id=0, state=common_pb2.REPLICA_STATE_BUSY))
+        wait(lambda: coord.windows, "window reported")
+        sampler.poll()
+        (window,) = read_windows(run_dir / "drafter.jsonl")
+        assert sampler.quiet_since > window.end  # the window ended and is on file, then no worker was training
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        server.stop(0)
+        sampler.channel.close()
+        coord.close()
+        pub.close()

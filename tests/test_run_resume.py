@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,19 +77,22 @@ def check_steps(run_dir: Path) -> None:
 def test_kill_minus_nine_of_the_trainer_then_resume(random_model_dir: Path, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     run_dir = runs / "r"
-    proc = tlt_run(runs, "--model", str(random_model_dir), "--run-id", "r", "--steps", str(STEPS), "--baseline", *SMALL)
+    # a checkpoint every 2nd step: killed after step 2's line, the resumed trainer starts from the checkpoint
+    # after 2 steps, drops that line and runs step 2 again
+    args = [a.replace("checkpoint_interval=1", "checkpoint_interval=2") for a in SMALL]
+    proc = tlt_run(runs, "--model", str(random_model_dir), "--run-id", "r", "--steps", str(STEPS), "--baseline", *args)
     deadline = time.monotonic() + 300
-    while len(metrics(run_dir)) < 3:  # wait for a few steps (checkpoints after each)
+    while len(metrics(run_dir)) < 3:  # wait for step 2's line (a step takes far longer than this poll)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "no progress"
-        time.sleep(0.2)
+        time.sleep(0.05)
     pids = json.loads((run_dir / "pids.json").read_text())
     services = all_pids(run_dir)
     os.kill(pids["trainer"], signal.SIGKILL)
     rc, out = wait_exit(proc, 120)
     assert rc != 0 and "trainer exited with code -9" in out, out[-3000:]
     killed_after = len(metrics(run_dir))
-    assert killed_after < STEPS
+    assert killed_after == 3 and (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000002"
     deadline = time.monotonic() + 30
     while not all(pid_gone(p) for p in services):  # the launcher stopped every service
         assert time.monotonic() < deadline, [p for p in services if not pid_gone(p)]
@@ -98,6 +102,9 @@ def test_kill_minus_nine_of_the_trainer_then_resume(random_model_dir: Path, tmp_
     rc, out = wait_exit(proc, 400)
     assert rc == 0, out[-3000:]
     check_steps(run_dir)  # every step exactly once, data position continued, versions consecutive
+    # the resumed launch's table: each step once (it showed the killed run's step 2, then step 2 again)
+    shown = [int(re.search(r"\bstep=(\d+)", x).group(1)) for x in out.splitlines() if "step_done" in x]
+    assert shown == list(range(STEPS)), shown
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert "checkpoint_loaded" in log and "resumed_from=" in log
     assert (run_dir / "report.html").exists() and (run_dir / "plots" / "timeline.png").exists()

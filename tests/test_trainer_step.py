@@ -131,3 +131,16 @@ def test_lr_schedule_by_hand():
     f = lr_lambda(2, 6, "cosine")
     assert [round(f(u), 6) for u in range(7)] == [0.5, 1.0, 1.0, 0.853553, 0.5, 0.146447, 0.0]
     assert [lr_lambda(3, 10, "constant")(u) for u in (0, 2, 3, 9)] == [1 / 3, 1.0, 1.0, 1.0]
+
+
+def test_step_metrics_record_the_lr_its_updates_used():
+    # 8 sequences, mini-batch 4: 2 optimizer updates per step, 6 over 3 steps; warm-up 2 then cosine to 0.
+    # The LR multipliers the 6 updates use (test_lr_schedule_by_hand): 0.5, 1.0 | 1.0, 0.853553 | 0.5, 0.146447.
+    # The scheduler moves on inside each update, so reading the LR after the step gave the NEXT update's
+    # LR: 1.0, 0.5, 0.0 x peak (the last step of a cosine run showed lr 0; its updates used 0.5 and 0.15 x peak).
+    policy = Policy(config(mini_batch_size=4, micro_batch_size=4, warmup_steps=2, lr_schedule="cosine"),
+                    model=tiny_qwen2())
+    samples = make_samples(2, 4)
+    lrs = [grpo_step(policy, samples, step=k).metrics.lr for k in range(3)]
+    want = [(0.5 + 1.0) / 2, (1.0 + 0.853553) / 2, (0.5 + 0.146447) / 2]  # mean over the step's 2 updates
+    assert lrs == pytest.approx([1e-3 * w for w in want], rel=1e-5)

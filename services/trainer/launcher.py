@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -81,6 +82,12 @@ def _finished(run_dir: Path) -> bool:
         return False
     steps = load_config(TrainerConfig, "trainer", run_dir / "config.toml").steps
     return int(pointer.read_text().strip().removeprefix("step-")) >= steps
+
+
+def _checkpoint_steps(run_dir: Path) -> int:
+    """Steps done at the run folder's last trainer checkpoint (0: none): where its trainer resumes."""
+    pointer = run_dir / "checkpoints" / "latest"
+    return int(pointer.read_text().strip().removeprefix("step-")) if pointer.is_file() else 0
 
 
 LOCK_FILE = ".lock"
@@ -172,6 +179,10 @@ class Launcher:
         self.trainer: ServiceProcess | None = None
         self.samplers: list[Any] = []
         self._rows_shown = 0
+        # A resumed trainer drops metrics.jsonl's lines of the steps after its checkpoint and runs them again;
+        # until it has, those lines are the interrupted run's: shown, each of those steps would show twice.
+        self._launched = time.time()
+        self._resumes_at = _checkpoint_steps(plan.run_dir)
         self._eval_size = -1  # size of eval.jsonl when last read
         # Control-plane token for this run (services/common/auth.py): the caller's TLT_AUTH_TOKEN if set, else a
         # fresh random one; every child gets it in its environment (never on a command line or in config.toml).
@@ -257,8 +268,23 @@ class Launcher:
         self._write_pids({})
         return self.watch()
 
+    def _rows(self) -> list:  # StepRow
+        """This run's step rows, less the interrupted run's lines a resumed trainer is about to drop."""
+        from tlt.services.trainer.run_stats import step_rows
+
+        return [r for r in step_rows(self.plan.run_dir, self.plan.tail_threshold)
+                if r.step < self._resumes_at or r.started_at >= self._launched]
+
+    def _windows_known_at(self) -> float:
+        """Until when drafter.jsonl holds every drafter window (see run_stats.settled)."""
+        from tlt.services.trainer.run_monitor import DrafterSampler
+
+        drafters = [s for s in self.samplers if isinstance(s, DrafterSampler)]
+        # an earlier launch's rows ended before this one started: their windows are on file for good
+        return max(self._launched, drafters[0].quiet_since) if drafters else math.inf
+
     def watch(self) -> int:
-        from tlt.services.trainer.run_stats import HEADER, format_row, step_rows, table_line
+        from tlt.services.trainer.run_stats import HEADER, format_row, settled, table_line
 
         bar = None
         if not self.quiet:
@@ -269,6 +295,7 @@ class Launcher:
         metrics = self.plan.run_dir / "metrics.jsonl"
         seen_size = -1
         evals_shown = 0
+        rows: list = []
         try:
             while True:
                 rc = self.trainer.poll()  # type: ignore[union-attr]
@@ -276,17 +303,20 @@ class Launcher:
                 size = metrics.stat().st_size if metrics.exists() else 0
                 if size != seen_size:  # a new step line (or the trainer trimmed lines on resume)
                     seen_size = size
-                    rows = step_rows(self.plan.run_dir, self.plan.tail_threshold)
+                    rows = self._rows()
                     self._rows_shown = min(self._rows_shown, len(rows))
-                    for r in rows[self._rows_shown:]:
+                    if bar is not None:  # the bar counts a step at once; its table row waits until settled
+                        bar.n = len(rows)
+                        bar.refresh()
+                ready = len(rows) if rc is not None else settled(rows, self._windows_known_at())
+                if ready > self._rows_shown:
+                    rows = self._rows()  # read again: the drafter windows of the settled rows are on file now
+                    for r in rows[self._rows_shown:ready]:
                         if bar is not None:
                             bar.write(table_line(format_row(r)))
                         else:
                             log.info("step_done", **dict(zip(HEADER, format_row(r))))
-                    self._rows_shown = len(rows)
-                    if bar is not None:
-                        bar.n = len(rows)
-                        bar.refresh()
+                    self._rows_shown = min(ready, len(rows))
                 if rc is not None:
                     if rc != 0:
                         raise ServiceError(f"trainer exited with code {rc} (log {self.trainer.log_path}):\n"

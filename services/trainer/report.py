@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,32 @@ def summarize(rows: list[StepRow]) -> Summary:
                    mean([r.step_s for r in rows]), sum(r.step_s for r in rows))
 
 
+# No sample for this long: nothing was sampled (a resumed run's launcher was down, or the rollout did
+# not answer), so the timeline plot holds no value across it. Polls of a loaded 2-core machine were
+# measured up to 7 s apart (a status call times out after 5 s).
+GAP_S = 30.0
+
+
+def _held(ts: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+    """Step-plot points where each sample holds until the next one, but not across a gap of GAP_S."""
+    xs, out = [], []
+    for i, (t, y) in enumerate(zip(ts, ys)):
+        xs.append(t)
+        out.append(y)
+        if i + 1 < len(ts) and ts[i + 1] - t > GAP_S:  # the line stops here and starts again at the next sample
+            xs.append(t)
+            out.append(math.nan)
+    return xs, out
+
+
+def _unit_span(values: list[float]) -> tuple[float, float]:
+    """y limits for accuracy (0..1) that also hold every finite reward: a user's reward may be -1 or 2."""
+    finite = [v for v in values if math.isfinite(v)]
+    lo, hi = min([0.0, *finite]), max([1.0, *finite])
+    pad = 0.02 * (hi - lo)
+    return lo - pad, hi + pad
+
+
 def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[IdleWindow], out: Path,
            threshold: int, evals: list[EvalRecord] = ()) -> list[tuple[str, str]]:
     import matplotlib
@@ -88,7 +115,8 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
         # eval after k steps sits between step k-1 and step k (before step 0 for k = 0)
         ax.plot([e.after_steps - 0.5 for e in evals], [e.accuracy for e in evals], "D-", color="black", lw=2,
                 label=f"held-out accuracy ({evals[0].problems} problems x {evals[0].samples}, T={evals[0].temperature:g})")
-    ax.set_xlabel("step"), ax.set_ylim(-0.02, 1.02), ax.set_title("Reward and accuracy per step"), ax.legend()
+    ax.set_xlabel("step"), ax.set_ylim(*_unit_span([r.reward for r in rows])), ax.legend()
+    ax.set_title("Reward and accuracy per step")
     fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
     made.append(("reward.png", "Mean reward and accuracy of each step's rollout (its prompts differ step to step); "
                                "held-out accuracy on one fixed problem set"))
@@ -97,11 +125,12 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
         t0 = samples[0].t
         fig, ax = plt.subplots(figsize=(11, 4))
         ts = [s.t - t0 for s in samples]
-        ax.step(ts, [s.total_running for s in samples], where="post", lw=0.8, label="running batch")
-        ymax = max(1, max(s.total_running + sum(s.queued) for s in samples))
+        xs, ys = _held(ts, [float(s.total_running) for s in samples])
+        ax.step(xs, ys, where="post", lw=0.8, label="running batch")
+        ymax = max(1, threshold, max(s.total_running for s in samples))  # what is drawn (the queue is not)
         on = [any(s.sd) and s.total_running > 0 for s in samples]  # a replica's flag holds its last step's state
         for a, b, flag in zip(ts, ts[1:], on):
-            if flag:
+            if flag and b - a <= GAP_S:
                 ax.axvspan(a, b, color="tab:green", alpha=0.25, lw=0)
         for w in windows:
             ax.axvspan(w.start - t0, w.end - t0, ymin=0.9, ymax=1.0, color="tab:purple", alpha=0.6, lw=0)
@@ -118,14 +147,15 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
         made.append(("timeline.png", "Rollout running batch (sampled), speculative decoding on/off, drafter training windows"))
 
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.plot(steps, [r.accept_len for r in rows], "o-", label="acceptance length (tokens / verify)")
+    # no verify pass: acceptance length is undefined (the table's "-"), a gap rather than a 0
+    ax.plot(steps, [r.accept_len or math.nan for r in rows], "o-", label="acceptance length (tokens / verify)")
     ax.set_xlabel("step"), ax.set_ylabel("tokens per verify pass")
     ax2 = ax.twinx()
     ax2.plot(steps, [100 * r.sd_share for r in rows], "s--", color="tab:orange", label="SD share of tokens (%)")
     ax2.set_ylabel("% of response tokens from verify passes"), ax2.set_ylim(0, 100)
     dv = [r.drafter_version for r in rows]
     if any(v >= 0 for v in dv):
-        for r in rows:
+        for r in (r for r in rows if r.accept_len):
             ax.annotate(f"d{r.drafter_version}", (r.step, r.accept_len), fontsize=7, textcoords="offset points", xytext=(0, 5))
     ax.set_title("Speculative decoding per step (labels: drafter version)")
     h1, l1 = ax.get_legend_handles_labels()

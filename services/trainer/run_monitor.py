@@ -84,12 +84,18 @@ class DrafterSampler(_Poller):
         self.status_path = run_dir / "drafter_status.json"
         self.seen = {(w.worker_id, round(w.start, 6)) for w in _read_windows(self.windows_path)}
         self.serving_version = -1
+        # Start of the last poll that saw no worker training: every window open before then has ended
+        # and is in drafter.jsonl (the live table waits for it; run_stats.settled). 0: not seen yet.
+        self.quiet_since = 0.0
 
     def poll(self) -> None:
+        import time
+
         from google.protobuf.json_format import MessageToDict
 
         from tlt.v1 import drafter_pb2
 
+        t = time.time()  # before the call: the status it answers is at least this recent
         st = self.stub.GetStatus(drafter_pb2.DrafterStatusRequest(), timeout=5.0)
         self.serving_version = int(st.serving_version)
         new = []
@@ -105,6 +111,8 @@ class DrafterSampler(_Poller):
         tmp = self.status_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
         tmp.replace(self.status_path)
+        if not any(w.training for w in st.workers):  # after the windows are on file
+            self.quiet_since = t
 
     def close(self) -> None:
         super().close()

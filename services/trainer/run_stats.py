@@ -146,6 +146,20 @@ def step_rows(run_dir: Path, threshold: int) -> list[StepRow]:
     return [step_row(m, samples, windows, threshold) for m in read_jsonl(run_dir / "metrics.jsonl")]
 
 
+def settled(rows: list[StepRow], windows_known_at: float) -> int:
+    """How many of `rows` (in step order) have every drafter window that overlaps them in drafter.jsonl.
+
+    A window is written when it ends, and the one training on a step's idle capacity usually ends when
+    the next step's rollout starts, after the step's line was written: a row shown at once would leave
+    it out (`tlt run` showed only a 0-second window per step). A row is settled once a later step's line
+    exists (that step's rollout preempted the window), or once the drafter showed no worker training at
+    `windows_known_at` (unix time; math.inf without a drafter), after the step ended.
+    """
+    if not rows or windows_known_at >= rows[-1].started_at + rows[-1].step_s:
+        return len(rows)
+    return len(rows) - 1
+
+
 HEADER = ("step", "time", "rollout", "tail", "reward", "logp", "update", "push", "R", "acc", "SD%", "accept",
           "idle", "drafter")
 

@@ -133,6 +133,7 @@ def grpo_step(
     total_tokens = 0
     updates = 0
     grad_norms: list[float] = []
+    lrs: list[float] = []  # the LR each optimizer update of this step used
     for mini in minis:
         # DeepSpeed averages gradients over the W ranks, so each rank divides its token
         # sum by (mini-batch tokens / W): the average is then the exact token mean.
@@ -156,8 +157,10 @@ def grpo_step(
                 kl_sum = masked_sum(kl_tok, mask)
                 loss = loss + cfg.kl_beta * kl_sum / denom
             policy.backward(loss)
+            lr = policy.lr  # read before step(): the scheduler moves on to the next update's LR inside it
             if policy.step():
                 updates += 1
+                lrs.append(lr)
                 if policy.grad_norm is not None:
                     grad_norms.append(policy.grad_norm)
             tokens = float(mask.sum())
@@ -187,7 +190,7 @@ def grpo_step(
         clip_fraction=sums["clip"] / tok,
         approx_kl=sums["akl"] / tok,
         grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
-        lr=policy.lr,
+        lr=sum(lrs) / len(lrs) if lrs else policy.lr,
         optimizer_updates=updates,
         reward_mean=float(rewards.mean()),
         reward_std=float(rewards.std()) if b > 1 else 0.0,

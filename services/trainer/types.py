@@ -47,7 +47,7 @@ class StepMetrics:
     clip_fraction: float = 0.0
     approx_kl: float = 0.0
     grad_norm: float = 0.0
-    lr: float = 0.0
+    lr: float = 0.0  # mean LR the step's optimizer updates used (not the next update's)
     optimizer_updates: int = 0
     reward_mean: float = 0.0
     reward_std: float = 0.0
