@@ -108,6 +108,21 @@ def test_regenerated_report_keeps_the_runs_tail_threshold(tmp_path: Path) -> Non
     assert "<td>4.0</td>" in write_report(tmp_path, threshold=32).read_text()  # an explicit one still wins
 
 
+def test_tlt_report_command_regenerates_a_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tlt.cli import main
+
+    m = {"step": 0, "policy_version": 1, "started_at": 100.0, "times": {"step_s": 5.0, "rollout_s": 4.0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(m) + "\n")
+    (tmp_path / "timeline.jsonl").write_text("".join(sample(t, r).to_json() + "\n"
+                                                     for t, r in [(100, 24), (102, 8), (104, 0)]))
+    (tmp_path / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "tail_threshold": 16}))
+    assert main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "report.html")
+    assert "between 1 and 16" in (tmp_path / "report.html").read_text()
+    with pytest.raises(SystemExit, match="holds no metrics.jsonl"):  # a clear error, not a traceback
+        main(["report", str(tmp_path / "nope")])
+
+
 def _saved_axes(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     """Each plot's axes as it is saved, by file name (a spy: the real savefig still writes the PNG)."""
     from matplotlib.figure import Figure

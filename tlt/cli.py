@@ -49,6 +49,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("drafter", "export"), "tlt.services.drafter.export", "export the drafter for SGLang"),
     Command(("train",), "tlt.services.trainer.train", "run the GRPO trainer against running services"),
     Command(("run",), "tlt.services.trainer.launch", "launch every service locally and train end to end"),
+    Command(("report",), "tlt.services.trainer.report", "(re)write a run folder's report.html and plots"),
     Command(("bench", "engine"), "tlt.bench.engine", "native engine vs transformers generate"),
     Command(("bench", "rollout"), "tlt.bench.rollout", "long-tail rollout: SD off / static / adaptive / model-free"),
     Command(("bench", "drafter-drift"), "tlt.bench.drafter_drift", "frozen vs online drafter under policy updates"),

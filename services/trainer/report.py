@@ -215,5 +215,20 @@ speculative verify passes; accept = tokens per verify pass; idle = drafter train
     return path
 
 
+def add_arguments(parser) -> None:  # noqa: ANN001 - argparse.ArgumentParser
+    parser.add_argument("run_dir", help="a run folder written by `tlt run` (runs/<id>)")
+    parser.add_argument("--threshold", type=int, default=None,
+                        help="tail threshold (running batch); default: the run's own, from run.json")
+
+
+def run(args) -> int:  # noqa: ANN001 - argparse.Namespace
+    """`tlt report RUN_DIR`: (re)write RUN_DIR/report.html and its plots from the run's files."""
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        sys.exit(f"tlt report: {run_dir} holds no metrics.jsonl; give a run folder written by `tlt run` (runs/<id>)")
+    print(write_report(run_dir, args.threshold))
+    return 0
+
+
 if __name__ == "__main__":
     print(write_report(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))
