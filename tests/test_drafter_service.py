@@ -2,7 +2,10 @@
 127.0.0.1) plays the rollout's replicas, the real coordinator (ROUTER, buffer, gating) and real
 workers (threads here, a `tlt drafter worker` process for kill -9) train on real target features
 of a tiny random Qwen2 (transformers forward, post-norm last layer). The rollout's
-UpdateWeights is replaced by a recording function (the integration test uses the real server)."""
+UpdateWeights is replaced by a recording function (the integration test uses the real server).
+Stand-ins, not the real thing: `_StubbedWorker` replaces a real worker's coordinator and capacity
+feed by in-process stubs so that BUSY lands at an exact micro-step, and the gate tests script
+`mean_accept_length`'s scores so that the candidate wins or loses by construction."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import Coordinator
 from tlt.services.drafter.training import load_state
 from tlt.services.drafter.worker import DrafterWorker
+from tlt.services.rollout.client import WeightPushError
 from tlt.v1 import common_pb2, events_pb2
 
 BUSY, IDLE = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
@@ -508,8 +512,11 @@ def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, 
 def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, model_dir) -> None:
     """`tlt run --resume` restarts the rollout with its initial drafter while the coordinator restores
     serving version N: without a push of N the rollout drafted with the initial drafter until a candidate
-    beat N by the margin. A rollout that already serves N (only the drafter service restarted) refuses it
-    as not newer, which ends the republish too."""
+    beat N by the margin. A rollout that already serves N or a newer one (only the drafter service
+    restarted) refuses it, which ends the republish too: told by the version the refusal carries
+    (`WeightPushError.serving_version`), not by the words of its message. A refusal from a rollout that
+    serves an older drafter (e.g. the push failed validation) is retried, whatever its message says.
+    `publish` stands in for the gRPC push (tests/test_rollout_hotswap.py checks the real refusal's version)."""
     cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
                                gate_when_idle=False)
     first = Coordinator(cfg, str(model_dir), None, None)
@@ -521,14 +528,14 @@ def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, m
         first._router.close()
         first._ctx.term()
 
-    for refuse in (False, True):
+    for serving in (None, 3, 5):  # None: the push is taken; else the version the refusing rollout serves
         pushes: list[int] = []
 
         def publish(tensors, version):  # noqa: ANN001
             pushes.append(version)
             assert not any("embed" in k or "lm_head" in k for k in tensors)
-            if refuse:
-                raise RuntimeError(f"drafter version {version} is not newer than the serving {version}")
+            if serving is not None:
+                raise WeightPushError(f"drafter v{version} refused: the replicas serve v{serving}", serving)
 
         coord = Coordinator(cfg, str(model_dir), None, publish).start()
         try:
@@ -539,3 +546,19 @@ def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, m
             assert pushes == [3] and not coord._republish_due
         finally:
             coord.close()
+
+    pushes = []
+
+    def older(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        raise WeightPushError(f"drafter version {version} is not newer than ... (a message that says so wrongly)", 2)
+
+    coord = Coordinator(cfg, str(model_dir), None, older).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not pushes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert pushes == [3] and coord._republish_due  # the rollout serves v2 < 3: pushed again later
+    finally:
+        coord.close()

@@ -61,6 +61,31 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(ckpt):
     assert [c.token_ids for c in outs if c.request_id == "x"] == [c.token_ids for c in alone]
 
 
+
+def test_a_negative_seed_does_not_share_a_positive_seeds_stream(ckpt):
+    """torch's CPU generator keeps only the low 32 bits of its seed, and `seed_for` reduced modulo 2**63 - 1
+    (-1 modulo 2**32): every negative seed got the stream of a positive one, seed -1 that of 2273207700 (and
+    seed -200000000 that of 2073207701, both int32). Within one 2**32 window (all int32 or all uint32
+    seeds) each seed now has its own stream for a given sample index."""
+    from tlt.services.rollout.engine.sequence import Sequence
+
+    def outputs(seed: int) -> list[list[int]]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+        return [c.token_ids for c in make(ckpt).generate([GenerationRequest("s", PROMPT, params, n=2)])]
+
+    assert outputs(-1) != outputs(2273207700)
+    assert outputs(-1) == outputs(-1)  # still reproducible
+
+    def stream(seed: int, sample_index: int = 0) -> list[float]:
+        seq = Sequence("r", sample_index, (1,), SamplingParams(temperature=1.0), 4, seed, frozenset())
+        return torch.rand(4, generator=seq.generator).tolist()
+
+    inv = pow(1_000_003, -1, 2**32)
+    for s in (-1, -2, -7919, -200000000, -(2**31)):
+        partner = (s - inv) % 2**32  # the seed whose stream a negative seed shared before
+        assert stream(s) != stream(partner), (s, partner)
+        assert stream(s) != stream(s, 1)  # the samples of one request differ
+
 def test_n_samples_share_full_prompt_blocks(ckpt):
     engine = make(ckpt, block_size=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

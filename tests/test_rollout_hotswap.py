@@ -118,8 +118,14 @@ def test_hot_swap(client, model_dir):
     for words, resp in bad.items():
         assert not resp.ok, words
         assert words in resp.error, (words, resp.error)
-    with pytest.raises(WeightPushError, match="shape"):
+    with pytest.raises(WeightPushError, match="shape") as refused:
         client.update_weights({"lm_head.weight": torch.zeros(2, 2)}, kind="policy", version=5)
+    # a refusal reports the version that still serves, so a pusher tells "already there" (the drafter
+    # coordinator's republish) from a failure without reading the message
+    assert refused.value.serving_version == 1 and bad["not newer"].version == 1 and bad["checksum"].version == 1
+    with pytest.raises(WeightPushError) as refused:
+        client.update_weights({"lm_head.weight": original["lm_head.weight"]}, kind="policy", version=1)
+    assert refused.value.serving_version == 1
     still = rollout(client)
     assert {c.versions.policy for c in still} == {1}
     assert [list(c.token_ids) for c in still] == expected

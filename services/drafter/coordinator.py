@@ -39,11 +39,13 @@ from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
+from tlt.services.rollout.client import WeightPushError
 from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.coordinator")
 
-Publish = Callable[[dict[str, torch.Tensor], int], None]  # (own tensors, version) -> pushed, or raises
+# (own tensors, version) -> pushed, or raises (WeightPushError with the version the rollout serves when it refused)
+Publish = Callable[[dict[str, torch.Tensor], int], None]
 
 
 def tensors_message(tensors: dict[str, torch.Tensor], version: int) -> tuple[bytes, bytes]:
@@ -305,7 +307,8 @@ class Coordinator:
     def republish_serving(self) -> None:
         """Push the serving drafter restored from the checkpoint to the rollout, which restarted with its
         initial one. A rollout that already serves this version or a newer one (only this service restarted)
-        refuses it as not newer: nothing to do."""
+        refuses it and reports the version it serves (`WeightPushError.serving_version`): nothing to do.
+        Any other refusal raises (retried later)."""
         if self.publish_fn is None:
             self._republish_due = False
             return
@@ -314,10 +317,10 @@ class Coordinator:
         try:
             self.publish_fn(tensors, version)
             log.info("drafter_republished", version=version)
-        except Exception as e:
-            if "not newer" not in str(e):  # rollout/replicas.py's refusal of a version it already has
+        except WeightPushError as e:
+            if e.serving_version is None or e.serving_version < version:
                 raise
-            log.info("drafter_republish_not_needed", version=version, reason=str(e)[:200])
+            log.info("drafter_republish_not_needed", version=version, serving=e.serving_version)
         self._republish_due = False
 
     def refresh_shared(self) -> bool:

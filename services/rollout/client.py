@@ -28,7 +28,15 @@ _KINDS = {"policy": common_pb2.WEIGHT_KIND_POLICY, "drafter": common_pb2.WEIGHT_
 
 
 class WeightPushError(RuntimeError):
-    """The server refused a weight push (it changed nothing); the message says why."""
+    """The server refused a weight push (it changed nothing); the message says why, for people.
+
+    `serving_version`: the version of the pushed kind the replicas still serve, as the refusal reports it
+    (None when the refusal came before the push's kind was known). At or above the pushed version, the
+    rollout already has that push or a newer one: a caller re-sending it can stop (drafter coordinator)."""
+
+    def __init__(self, message: str, serving_version: int | None = None) -> None:
+        super().__init__(message)
+        self.serving_version = serving_version
 
 
 def make_prompt(p: str | Sequence[int], reference: str = "") -> rollout_pb2.Prompt:
@@ -101,7 +109,7 @@ class RolloutClient:
         else:
             resp = self.push_chunks(iter_chunks(manifest, payload))
         if not resp.ok:
-            raise WeightPushError(resp.error)
+            raise WeightPushError(resp.error, resp.version if resp.kind == _KINDS[kind] else None)
         return resp
 
     def get_weights(self, names: Sequence[str], kind: str = "policy") -> tuple[int, dict[str, Any]]:

@@ -246,7 +246,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except (WeightUpdateError, ReplicaUnavailableError) as e:
             log.warning("weight_update_rejected", kind=kind, version=manifest.version, error=str(e)[:500])
             self._reject("weights_rejected")
-            return rollout_pb2.UpdateWeightsResponse(ok=False, error=str(e), kind=manifest.kind)
+            v = self.pool.versions  # what still serves: a caller compares it with its push (stale or not)
+            return rollout_pb2.UpdateWeightsResponse(ok=False, error=str(e), kind=manifest.kind,
+                                                     version=v.policy if kind == "policy" else v.drafter)
         v = result["versions"]
         return rollout_pb2.UpdateWeightsResponse(
             ok=True, kind=manifest.kind, version=v.policy if kind == "policy" else v.drafter,

@@ -96,5 +96,11 @@ class Sequence:
 
 
 def seed_for(seed: int, sample_index: int) -> int:
-    """Generator seed of sample `sample_index` of a request seeded with `seed` (stable across runs)."""
-    return (seed * 1_000_003 + sample_index * 7919 + 1) % (2**63 - 1)
+    """Generator seed of sample `sample_index` of a request seeded with `seed` (stable across runs).
+
+    torch's CPU generator keeps only the low 32 bits of its seed, so the map is taken modulo 2**32 for
+    every seed, negative ones included (modulo 2**63 - 1, which is -1 modulo 2**32, gave each negative
+    seed the stream of some positive one). For one sample index, seeds that differ modulo 2**32 (any two
+    int32 seeds, or any two uint32 seeds) get different streams; the samples of one request never share
+    one (7919 is odd). Non-negative seeds below 2**43 keep the streams they had."""
+    return (seed * 1_000_003 + sample_index * 7919 + 1) % 2**32
