@@ -61,7 +61,7 @@ def test_capacity_events_and_features(model_dir) -> None:
         for r in (0, 1):
             mine = [st for rid, st in changes if rid == r]
             assert mine[:1] == [BUSY] and mine[-1] == IDLE, (r, mine)
-        assert all(e.state == IDLE for e in sub.snapshot())
+        assert sorted((e.replica_id, e.state) for e in sub.snapshot()) == [(0, IDLE), (1, IDLE)]
         sub.close()
         got = []
         deadline = time.monotonic() + 10
@@ -102,7 +102,7 @@ def test_a_policy_push_makes_every_replica_busy_while_it_is_applied(model_dir) -
     with ServerThread(model_dir, replicas=2, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3) as s:
         cap = s.server.capacity
         sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
-        assert all(e.state == IDLE for e in sub.snapshot())
+        assert sorted((e.replica_id, e.state) for e in sub.snapshot()) == [(0, IDLE), (1, IDLE)]
         with RolloutClient(s.grpc_address, timeout_s=60) as client:
             assert client.update_weights(weights, "policy", 1).ok
         seen: list = []
@@ -121,7 +121,7 @@ def test_a_policy_push_makes_every_replica_busy_while_it_is_applied(model_dir) -
 
 
 def test_capacity_events_carry_the_current_counts(model_dir) -> None:
-    """BUSY says how many sequences the replica holds (not 0), and the count follows the work while it stays
+    """BUSY says how many sequences the replica holds (running + queued, not 0), and the count follows the work while it stays
     BUSY: heartbeats and the snapshot repeat the latest count, never the one of the first submission."""
     import threading
 
@@ -143,10 +143,122 @@ def test_capacity_events_carry_the_current_counts(model_dir) -> None:
         t.join(30)
         assert len(done) == 6
         busy = [e for e in seen if e.state == BUSY]
-        assert busy and all(e.running >= 1 for e in busy), [(e.heartbeat, e.running) for e in busy]
+        assert busy and all(e.running + e.queued >= 1 for e in busy), [(e.running, e.queued) for e in busy]
         assert max(e.running for e in busy) == 6, [(e.heartbeat, e.running) for e in busy]
         assert seen[-1].running == 0
         assert [(e.state, e.running) for e in sub.snapshot()] == [(IDLE, 0)]
+        sub.close()
+
+
+def test_capacity_events_split_running_from_queued_and_carry_kv_use(model_dir) -> None:
+    """The engine runs at most max_num_seqs=2 sequences at once: of 6 submitted, the events say 2 run and 4 wait
+    (the engine's own split, reported with each step), with the KV cache's use; they add up to what the replica
+    holds, and IDLE holds nothing."""
+    import threading
+
+    with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.2,
+                      engine={"max_num_seqs": 2}) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert [e.state for e in sub.snapshot()] == [IDLE]
+        done: list = []
+
+        def run() -> None:
+            with RolloutClient(s.grpc_address) as client:
+                params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=5)
+                done.extend(client.batch_generate(["1+2=", "3*4=", "5-1="], n=2, params=params))
+
+        t = threading.Thread(target=run)
+        t.start()
+        seen = _events_until(sub, lambda seen: seen[-1].state == IDLE and not seen[-1].heartbeat
+                             and any(x.state == BUSY for x in seen), 60)
+        t.join(60)
+        assert len(done) == 6
+        counts = [(e.state, e.running, e.queued, round(e.kv_usage, 3)) for e in seen if not e.heartbeat]
+        busy = [e for e in seen if e.state == BUSY]
+        assert all(e.running <= 2 and e.running + e.queued <= 6 for e in busy), counts
+        assert any(e.running == 2 and e.queued == 4 for e in busy), counts
+        assert any(e.kv_usage > 0 for e in busy) and all(0 <= e.kv_usage <= 1 for e in seen), counts
+        assert (seen[-1].running, seen[-1].queued) == (0, 0), counts
+        sub.close()
+
+
+def _abandon(pool, request_id: str, after_steps: int, before_close=None):  # noqa: ANN001, ANN202
+    """A client that reads a 16-sample request's first `after_steps` steps, then goes away (the pool aborts it)."""
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    async def run() -> None:
+        params = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=1)
+        stream = pool.generate(GenerationRequest(request_id, (5, 6, 7, 8), params, n=16), want_steps=True)
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 16 * after_steps:
+                break
+        if before_close is not None:
+            before_close()
+        await stream.aclose()
+
+    return run()
+
+
+def test_idle_after_an_abort_waits_for_the_replica_to_drop_the_sequences(model_dir) -> None:
+    """A client goes away while its replica decodes: the replica is then in the middle of a step over the aborted
+    sequences. IDLE (a drafter worker starts training on the device) must wait until the replica has dropped them:
+    nothing that the replica sends after the IDLE may come from a step (it used to be published at once)."""
+    from tlt.services.rollout.ipc import StepEvents
+
+    with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.2) as s:
+        pool = s.server.pool
+        stepped: list[float] = []  # when the pool's loop took in each step of the replica (same clock as events)
+        on_event = pool._on_event
+
+        def recording(rep, event) -> None:  # noqa: ANN001
+            if isinstance(event, StepEvents):
+                stepped.append(time.time())
+            on_event(rep, event)
+
+        pool._on_event = recording  # observes what the real replica sends; the pool handles it as ever
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert [e.state for e in sub.snapshot()] == [IDLE]
+        for i in range(3):
+            s.call(_abandon(pool, f"gone-{i}", after_steps=3))
+            seen = _events_until(sub, lambda seen: seen[-1].state == IDLE and not seen[-1].heartbeat
+                                 and any(x.state == BUSY for x in seen), 10)
+            idle = seen[-1]
+            assert idle.state == IDLE and not idle.heartbeat, [(e.state, e.heartbeat) for e in seen]
+            time.sleep(0.3)  # a step the replica was still in when IDLE went out has reached the pool by now
+            late = [t - idle.timestamp for t in stepped if t >= idle.timestamp]
+            assert not late, f"round {i}: IDLE went out, then the replica still sent {len(late)} step(s): {late}"
+            assert (idle.running, idle.queued) == (0, 0) and pool.replicas[0].outstanding == 0
+        sub.close()
+
+
+def test_an_unanswered_abort_keeps_the_replica_busy_and_its_death_leaves_no_count(model_dir) -> None:
+    """A replica that cannot act on an abort (stopped here with SIGSTOP, as a replica stuck in a long step) still
+    holds the sequences: it stays BUSY with them counted. When it dies meanwhile, nothing of them stays counted
+    (DRAINING with 0 running / 0 queued, nothing outstanding), and the pool still routes nothing to it."""
+    import os
+    import signal
+
+    with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.2) as s:
+        pool = s.server.pool
+        rep = pool.replicas[0]
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert [e.state for e in sub.snapshot()] == [IDLE]
+        try:
+            s.call(_abandon(pool, "stuck", after_steps=2, before_close=lambda: os.kill(rep.info.pid, signal.SIGSTOP)))
+            seen = _events_until(sub, lambda seen: False, 1.0)
+            changes = [(e.state, e.running, e.queued) for e in seen if not e.heartbeat]
+            assert all(st == BUSY for st, _, _ in changes) and seen[-1].state == BUSY, changes
+            assert seen[-1].running + seen[-1].queued == 16 and rep.outstanding == 16, changes
+        finally:
+            os.kill(rep.info.pid, signal.SIGKILL)
+        seen = _events_until(sub, lambda seen: seen[-1].state == common_pb2.REPLICA_STATE_DRAINING, 10)
+        assert (seen[-1].state, seen[-1].running, seen[-1].queued) == (common_pb2.REPLICA_STATE_DRAINING, 0, 0)
+        assert rep.outstanding == 0 and rep.error and not rep.alive
         sub.close()
 
 

@@ -61,6 +61,35 @@ def test_abort_reports_an_aborted_completion(model_dir):
         eng.add_request(GenerationRequest("long", tuple(range(200))))
 
 
+def test_the_replica_answers_an_abort_only_once_sglang_has_ended_the_samples(model_dir):
+    """SGLang ends an aborted sample asynchronously (its final chunk comes with a later poll), so the replica loop
+    (real ReplicaLoop over a real pipe) answers the abort, after which the front counts the work out and may
+    publish IDLE, only after the step that reports those ends, with the load that follows (nothing running)."""
+    import multiprocessing as mp
+    import threading
+
+    from tlt.services.rollout.ipc import Aborted, AbortRequest, AddRequest, EngineLoad, Shutdown, StepEvents
+    from tlt.services.rollout.replica import ReplicaLoop
+
+    eng, fake = make_engine(model_dir)
+    front, back = mp.Pipe()
+    runner = threading.Thread(target=ReplicaLoop(eng, back, 1).run, daemon=True)
+    runner.start()
+    try:
+        front.send(AddRequest(GenerationRequest("r", (1, 2, 3), n=2)))
+        front.send(AbortRequest("r", 7))
+        got = []
+        while not any(isinstance(ev, Aborted) for ev in got):
+            assert front.poll(10)
+            got.append(front.recv())
+    finally:
+        front.send(Shutdown())
+        runner.join(10)
+    assert [type(ev) for ev in got] == [StepEvents, Aborted]
+    assert [(c.request_id, c.finish_reason) for c in got[0].finished] == [("r", FinishReason.ABORT)] * 2
+    assert got[1] == Aborted(7, EngineLoad(0, 0, 0.0)) and not eng.holds("r")
+
+
 def test_policy_update_session_order(model_dir):
     eng, fake = make_engine(model_dir)
     eng.add_request(GenerationRequest("r", (1,)))

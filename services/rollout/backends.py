@@ -7,7 +7,9 @@
 The interface (see `services/rollout/engine/engine.py`): constructed as
 `Engine(model_dir, engine_config, replica_id=i)`, with `tokenizer`,
 `model_config`, `max_model_len`, `versions`, `add_request`, `abort_request`,
-`step`, `has_unfinished`, `stats`, `expected_weights`, `update_weights`.
+`holds` (a request still has sequences there), `step`, `has_unfinished`,
+`load` (running, queued, KV use; read after every step), `stats`,
+`expected_weights`, `update_weights`.
 """
 
 from __future__ import annotations

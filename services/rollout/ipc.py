@@ -1,13 +1,15 @@
 """Typed messages between the front process and its replica processes.
 
     front --Command--> replica      (AddRequest, AbortRequest, ApplyWeights, QueryStats, Shutdown)
-    replica --Event--> front        (Ready, StepEvents, RequestFailed, Reply, Fatal)
+    replica --Event--> front        (Ready, StepEvents, Aborted, RequestFailed, Reply, Fatal)
 
 Both directions travel over one duplex `multiprocessing` pipe per replica
 (pickled dataclasses; no tensors cross it: weights travel as the packed
 payload of `services/common/weights.py` and features as numpy arrays, so no
 file descriptors are passed around). A reply to a command that asks for one
-carries the command's `cmd_id`.
+carries the command's `cmd_id`. What the engine holds (`EngineLoad`: running,
+queued, KV use) rides along with every StepEvents and Aborted, so the front's
+capacity events follow the engine without a message of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
+    """Drop a request's sequences; answered with `Aborted(cmd_id)` once the engine holds none of them."""
+
     request_id: str
+    cmd_id: int
 
 
 @dataclass(frozen=True)
@@ -77,12 +82,31 @@ class Ready:
     info: ReplicaInfo
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a replica's engine holds right now (after its last step or abort): capacity events carry it."""
+
+    running: int = 0
+    queued: int = 0
+    kv_usage: float = 0.0
+
+
 @dataclass
 class StepEvents:
-    """Everything one engine step produced on one replica."""
+    """Everything one engine step produced on one replica, and the engine's load after it."""
 
     steps: list[StepOutput]
     finished: list[CompletionOutput]  # features, when asked, are numpy float16 arrays
+    load: EngineLoad
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The engine holds none of the sequences of the aborted request any more (answers `AbortRequest.cmd_id`);
+    until then the replica may still be decoding them."""
+
+    cmd_id: int
+    load: EngineLoad
 
 
 @dataclass(frozen=True)
@@ -123,4 +147,4 @@ class Fatal:
     message: str
 
 
-Event = Ready | StepEvents | RequestFailed | Reply | Fatal
+Event = Ready | StepEvents | Aborted | RequestFailed | Reply | Fatal

@@ -8,6 +8,12 @@ steps, never inside one. When the engine has nothing to do the loop blocks on
 the pipe (no busy spin) until the next command arrives. If the front goes
 away (the pipe closes) the replica exits.
 
+Every StepEvents carries the engine's load after the step (running, queued, KV
+use) for the front's capacity events. An abort is answered (`Aborted`) once the
+engine holds none of the request's sequences: at once for the native engine,
+after the step that reports their end for one that ends them asynchronously
+(SGLang). Until then the front counts them as work on this replica.
+
 Errors: a request the engine refuses (ValueError) is reported back as
 `RequestFailed` and the loop goes on; a weight push that fails validation is
 answered with an error and changes nothing. Anything else (an engine bug, out
@@ -24,9 +30,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tlt.services.rollout.ipc import (
+    Aborted,
     AbortRequest,
     AddRequest,
     ApplyWeights,
+    EngineLoad,
     Fatal,
     QueryStats,
     Ready,
@@ -130,6 +138,7 @@ class ReplicaLoop:
         self.replica_id = replica_id
         self.features = features  # a rollout.features.FeaturePublisher when features go to the drafter
         self.running = True
+        self._aborts: list[AbortRequest] = []  # not answered yet: the engine still holds sequences of theirs
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: self._abort,
@@ -155,7 +164,9 @@ class ReplicaLoop:
                         c.replica_id = self.replica_id
                         if c.features is not None:
                             c.features = c.features.detach().to("cpu").half().numpy()
-                    self.conn.send(StepEvents(steps=steps, finished=finished))
+                    self.conn.send(StepEvents(steps=steps, finished=finished, load=self._load()))
+                if self._aborts:
+                    self._answer_aborts()
 
     def _drain(self) -> None:
         while self.running and self.conn.poll(0):
@@ -175,6 +186,21 @@ class ReplicaLoop:
         self.engine.abort_request(cmd.request_id)
         if self.features is not None:
             self.features.forget(cmd.request_id)
+        self._aborts.append(cmd)
+        self._answer_aborts()
+
+    def _answer_aborts(self) -> None:
+        """Answer the aborts whose sequences the engine has dropped: the front counts them out only then."""
+        done = [a for a in self._aborts if not self.engine.holds(a.request_id)]
+        if done:
+            self._aborts = [a for a in self._aborts if a not in done]
+            load = self._load()
+            for a in done:
+                self.conn.send(Aborted(a.cmd_id, load))
+
+    def _load(self) -> EngineLoad:
+        running, queued, kv_usage = self.engine.load()
+        return EngineLoad(int(running), int(queued), float(kv_usage))
 
     def _apply_weights(self, cmd: ApplyWeights) -> None:
         from tlt.services.common.weights import WeightValidationError, unpack

@@ -16,10 +16,16 @@ immediate), ties broken round-robin.
 Capacity events (when a `capacity` sink is given): a replica is BUSY from the moment a request
 is handed to it while it had nothing outstanding, and IDLE again when its last outstanding
 sequence finishes, fails or is aborted (the counts here are exact, see above); DRAINING when it
-dies or the pool stops. Applying a policy push is work too: the replica is BUSY while it copies the
-new weights in (a drafter worker training on its cores meanwhile made the apply several times slower
-with spinning OpenMP threads, `spin_wait`). Each change is published at once (drafter workers
-preempt on BUSY).
+dies or the pool stops. An aborted request (client gone) stays outstanding until its replica answers
+that its engine dropped the sequences (`Aborted`): the replica may be in the middle of a step that
+decodes them, and a drafter worker must not start training on a device that still decodes. The
+events split what is outstanding into `running` (the engine's running sequences, as of the load it
+reported with its last step or abort) and `queued` (the rest: waiting in its scheduler or still on
+the way to it), and carry its KV use; a change of that split, or of KV use by a percent, is
+published too (coalesced, one event per loop turn). Applying a policy push is work too: the
+replica is BUSY while it copies the new weights in (a drafter worker training on its cores
+meanwhile made the apply several times slower with spinning OpenMP threads, `spin_wait`). Each
+change is published at once (drafter workers preempt on BUSY).
 
 Weight updates (`update_weights`) are all-or-nothing in the sense that
 matters: the payload is validated entirely here (checksum, sizes, names,
@@ -52,9 +58,11 @@ from typing import Any
 
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.ipc import (
+    Aborted,
     AbortRequest,
     AddRequest,
     ApplyWeights,
+    EngineLoad,
     Fatal,
     QueryStats,
     Ready,
@@ -113,12 +121,14 @@ class _Replica:
         self.info: ReplicaInfo | None = None
         self.alive = False
         self.error = ""
-        self.outstanding = 0
+        self.outstanding = 0  # sequences handed to it and not yet finished, failed or dropped by it
+        self.aborting: dict[int, int] = {}  # abort cmd id -> its sequences, outstanding until the replica answers
+        self.load = EngineLoad()  # what its engine reported with its last step or abort
         self.applying = False  # a policy push is being applied (BUSY, see the module docstring)
         self.outbox: queue.Queue = queue.Queue()
         self.ready = asyncio.get_running_loop().create_future()
         self.restarted = False  # a restarted replica serves only once the latest weights are replayed
-        self.published: tuple | None = None  # (state, running, policy, drafter) of its last capacity event
+        self.published: tuple | None = None  # ReplicaPool._key of its last capacity event
         self.refresh_scheduled = False
 
     @property
@@ -162,17 +172,29 @@ class ReplicaPool:
 
     # ---- capacity events ---------------------------------------------------------------------
 
+    @staticmethod
+    def _counts(rep: _Replica) -> tuple[int, int]:
+        """(running, queued) on `rep`; they add up to its exact outstanding count. The engine's running count is
+        as of its last report, so it is capped by what is outstanding now (a sequence finished since is not)."""
+        outstanding = max(rep.outstanding, 0)
+        running = min(rep.load.running, outstanding)
+        return running, outstanding - running
+
+    def _key(self, rep: _Replica, state: int) -> tuple:
+        """What a capacity event of `rep` says; a new event goes out when it changes (KV use by whole percents)."""
+        return (state, *self._counts(rep), round(rep.load.kv_usage * 100), self.versions.policy, self.versions.drafter)
+
     def _publish_state(self, rep: _Replica, state: int) -> None:
         if self.capacity is None:
             return
         from tlt.v1 import common_pb2, events_pb2
 
         v = self.versions
-        running = max(rep.outstanding, 0)
-        rep.published = (state, running, v.policy, v.drafter)
+        running, queued = self._counts(rep)
+        rep.published = self._key(rep, state)
         self.capacity.publish(events_pb2.CapacityEvent(
             replica_id=rep.replica_id, device=rep.info.device if rep.info else "", state=state,
-            running=running, queued=0,
+            running=running, queued=queued, kv_usage=rep.load.kv_usage,
             versions=common_pb2.WeightVersions(policy=v.policy, drafter=v.drafter)))
 
     def _busy(self, rep: _Replica) -> None:
@@ -213,8 +235,7 @@ class ReplicaPool:
         state = common_pb2.REPLICA_STATE_BUSY if rep.has_work else common_pb2.REPLICA_STATE_IDLE
         if state != rep.published[0]:
             return  # a transition is published where it happens, never from here
-        v = self.versions
-        if (state, max(rep.outstanding, 0), v.policy, v.drafter) != rep.published:
+        if self._key(rep, state) != rep.published:
             self._publish_state(rep, state)
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -344,6 +365,7 @@ class ReplicaPool:
 
     def _on_event(self, rep: _Replica, event: Any) -> None:
         if isinstance(event, StepEvents):
+            rep.load = event.load
             for s in event.steps:
                 p = self._pending.get(s.request_id)
                 if p is not None and p.want_steps:
@@ -358,6 +380,11 @@ class ReplicaPool:
                 if p.remaining == 0:
                     del self._pending[c.request_id]
                 self._maybe_idle(rep)
+            self._schedule_refresh(rep)  # the engine's running / queued split or KV use may have moved
+        elif isinstance(event, Aborted):
+            rep.load = event.load
+            rep.outstanding -= rep.aborting.pop(event.cmd_id, 0)
+            self._maybe_idle(rep)
         elif isinstance(event, RequestFailed):
             p = self._pending.pop(event.request_id, None)
             if p is not None:
@@ -396,7 +423,9 @@ class ReplicaPool:
                 del self._replies[cmd_id]
                 if not fut.done():
                     fut.set_exception(ReplicaUnavailableError(f"replica {rep.replica_id} died"))
-        rep.outstanding = 0
+        rep.outstanding = 0  # aborts it never answered included: nothing of it is counted any more
+        rep.aborting.clear()
+        rep.load = EngineLoad()
         rep.outbox.put(None)
         if not self._stopping:
             from tlt.v1 import common_pb2
@@ -448,9 +477,14 @@ class ReplicaPool:
         finally:
             if self._pending.get(request.request_id) is p:
                 del self._pending[request.request_id]
-                rep.outstanding -= p.remaining
-                rep.outbox.put(AbortRequest(request.request_id))
-                self._maybe_idle(rep)
+                self._abort(rep, request.request_id, p.remaining)
+
+    def _abort(self, rep: _Replica, request_id: str, sequences: int) -> None:
+        """Ask `rep` to drop a request the client gave up on. Its `sequences` stay outstanding (BUSY) until the
+        replica answers that its engine dropped them (`Aborted`), or it dies; the caller does not wait."""
+        cmd_id = next(self._cmd_ids)
+        rep.aborting[cmd_id] = sequences
+        rep.outbox.put(AbortRequest(request_id, cmd_id))
 
     # ---- control -------------------------------------------------------------------------
 

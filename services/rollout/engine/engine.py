@@ -164,6 +164,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def holds(self, request_id: str) -> bool:
+        """Whether any sequence of the request is still here (an abort drops them at once)."""
+        return request_id in self._seqs
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, queued, KV use): what a capacity event carries; cheap, the replica reads it after every step
+        (`stats()` builds the spec counters too)."""
+        return len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage()
+
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
         """schedule -> (draft -> verify -> accept) or run + sample -> emit."""

@@ -193,6 +193,15 @@ class SGLangEngine:
     def has_unfinished(self) -> bool:
         return bool(self._samples)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a sample of the request is still in SGLang: an abort ends one only once step() reports its
+        final chunk (SGLang may still be decoding it until then)."""
+        return any(s.request_id == request_id for s in self._samples.values())
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, queued, KV use) as in stats(): every submitted sample counts as running, KV use is unknown."""
+        return len(self._samples), 0, 0.0
+
     def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
         """Collect what SGLang streamed since the last call (waits at most poll_s for something)."""
         steps: list[StepOutput] = []
