@@ -210,7 +210,7 @@ def test_interpreter_speculative_verify_tree_kernel(ckpt, calls) -> None:
     _same(want, got)
     stats = engine.stats().spec
     assert stats["verify_steps"] > 0 and stats["drafted_tokens"] > 0
-    untimed = lambda st: {k: v for k, v in st.items() if k != "last_step_seconds"}  # noqa: E731
+    untimed = lambda st: {k: v for k, v in st.items() if not k.endswith("seconds")}  # wall times differ run to run  # noqa: E731
     assert untimed(stats) == untimed(torch_engine.stats().spec)  # same drafts, same acceptances, same arms
     assert sum(c.spec.accepted_tokens for c in got) > sum(c.spec.verify_steps for c in got), "drafts were accepted"
     assert calls["paged_tree_attention"] == 2 * stats["verify_steps"]

@@ -72,3 +72,21 @@ def test_rollout_serve_names_its_preset_for_the_sglang_replicas(tmp_path) -> Non
     assert cfg.mem_fraction_static == 0.45  # the 1gpu preset's value, not the default
     export_preset(None, env)  # no --preset: an inherited TLT_PRESET (compose, k8s) stays
     assert env["TLT_PRESET"].endswith("1gpu.toml")
+
+
+def test_static_arm_must_fit_the_verify_token_budget_at_the_threshold():
+    # static mode ignored verify_token_budget: 8_4_48 at batch 64 verified 3072 tokens a step under a budget of
+    # 2048. Static speculates only while batch <= threshold, so the arm must fit the budget at the threshold.
+    with pytest.raises(ConfigError, match="verify_token_budget"):
+        load_config(SpecConfig, "spec", overrides={"mode": "static", "static_arm": "8_4_48", "threshold": 64})
+    with pytest.raises(ConfigError, match="verify_token_budget"):
+        load_config(SpecConfig, "spec", overrides={"mode": "static", "static_arm": "8_4_16", "threshold": 32,
+                                                   "verify_token_budget": 511})
+    ok = [{"static_arm": "8_4_32", "threshold": 64},  # 32 x 64 = 2048: at the budget
+          {"static_arm": "8_4_48", "threshold": 64, "verify_token_budget": 0},  # 0: no limit
+          {"static_arm": "8_4_16", "threshold": 32, "verify_token_budget": 512}]
+    for o in ok:
+        assert load_config(SpecConfig, "spec", overrides={"mode": "static", **o}).static_arm == o["static_arm"]
+    # adaptive mode never runs the static arm (its bandit skips arms over the budget); off runs nothing
+    for mode in ("adaptive", "off"):
+        load_config(SpecConfig, "spec", overrides={"mode": mode, "static_arm": "8_4_48", "threshold": 64})

@@ -295,7 +295,8 @@ def test_engine_sampling_with_speculation_matches_the_exact_distribution(ckpt):
     n, length = 3000, 3
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=length, ignore_eos=True, seed=11)
     eng = LLMEngine(ckpt, EngineConfig(num_kv_blocks=20000, block_size=4, max_num_seqs=n, max_num_batched_tokens=8 * n))
-    cfg = SpecConfig(drafter="ngram", mode="static", static_arm="2_8_17", threshold=n, hysteresis_steps=1)
+    cfg = SpecConfig(drafter="ngram", mode="static", static_arm="2_8_17", threshold=n, hysteresis_steps=1,
+                     verify_token_budget=0)  # one verify step over all 3000 sequences: past any budget
     dec = SpecDecoder(cfg, eng.runner, eng.block_manager)
     outs = _spec_generate(eng, dec, [GenerationRequest("g", prompt, params, n)])
     st = dec.stats()
@@ -348,7 +349,7 @@ def _chain_sampling_counts(ckpt, drafter, prompt, n: int, length: int, params: S
     eng = LLMEngine(ckpt, EngineConfig(num_kv_blocks=20000, block_size=4, max_num_seqs=n, max_num_batched_tokens=8 * n))
     drafter.set_shared(eng.model.embed, eng.model.lm_head)
     cfg = SpecConfig(drafter="learned", drafter_path="(in memory)", mode="static", static_arm="3_1_4", threshold=n,
-                     hysteresis_steps=1)
+                     hysteresis_steps=1, verify_token_budget=0)  # one verify step over all n sequences
     dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
     outs = _spec_generate(eng, dec, [GenerationRequest("g", prompt, params, n)])
     counts: dict[tuple[int, ...], int] = {}
@@ -439,6 +440,48 @@ def test_bandit_reward_is_tokens_per_whole_engine_step(ckpt, monkeypatch):
     assert len(records) == dec.stats()["verify_steps"] > 3
     assert all(s >= 0.03 for _, s in records), records
 
+
+
+def test_drafter_catch_up_is_not_charged_to_the_arm(ckpt, monkeypatch):
+    """While SD is off (here the hysteresis steps) the learned drafter only buffers the plain steps' pairs;
+    the first speculative step feeds that backlog before drafting. That catch-up is owed to the steps
+    without SD, not to the arm chosen next: charged to it, one slow step after every switch-on biased that
+    arm's median. A 0.5 s delay injected into the backlog's feed (a real feed, slowed) must appear in the
+    catch-up time and in no reward."""
+    import time as _time
+
+    eng = _engine(ckpt)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    one_arm = dict(SPEC, hysteresis_steps=4, bucket_arms=(("4_2_8",), ("3_2_6",)))
+    dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **one_arm), eng.runner,
+                      eng.block_manager, drafter)
+    real_feed = dec.source._feed_group
+    fed = []
+
+    def slow_first_feed(jobs):  # noqa: ANN001, ANN202
+        if not fed:  # the first feed is the backlog of the plain steps before SD switched on
+            _time.sleep(0.5)
+        fed.append(len(jobs))
+        return real_feed(jobs)
+
+    monkeypatch.setattr(dec.source, "_feed_group", slow_first_feed)
+    records = []
+    real_record = dec.bandit.record
+    monkeypatch.setattr(dec.bandit, "record", lambda b, arm, n, s: records.append(s) or real_record(b, arm, n, s))
+    plain = _engine(ckpt).generate(_requests(2, 1, 16))
+    assert [c.token_ids for c in _spec_generate(eng, dec, _requests(2, 1, 16))] == [c.token_ids for c in plain]
+    st = dec.stats()
+    assert len(records) == st["verify_steps"] > 3 and fed
+    assert max(records) < 0.5, records  # the delayed feed is in no arm's step time
+    assert st["catch_up_seconds"] >= 0.5 and st["catch_ups"] >= 1, st  # but it is accounted for
+    from tlt.services.common.metrics import Metrics
+    from tlt.services.rollout.spec_metrics import SpecMetrics
+
+    metrics = Metrics("rollout")
+    SpecMetrics(metrics).update(0, st)
+    line = next(x for x in metrics.render().decode().splitlines() if x.startswith("rollout_spec_catch_up_seconds{"))
+    assert float(line.split()[-1]) >= 0.5, line  # and on /metrics
 
 def test_plain_arm_lets_the_bandit_stop_speculating_when_drafts_do_not_pay(ckpt):
     """A drafter that is never right (random weights: the stale-drafter failure of TLT.md section 8) makes

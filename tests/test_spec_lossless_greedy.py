@@ -100,7 +100,7 @@ def test_greedy_identical_with_speculation(ckpt, reference, drafter, drafter_kin
     arms = {} if mode != "adaptive+plain" else {"bucket_arms": tuple((*b, "plain") for b in SpecConfig().bucket_arms)}
     spec = SpecConfig(mode=mode.removesuffix("+plain"), static_arm=arm or "8_4_16", threshold=64, hysteresis_steps=1,
                       drafter=drafter_kind, drafter_path="(in memory)" if drafter_kind == "learned" else "",
-                      epsilon=0.3, **arms)
+                      epsilon=0.3, verify_token_budget=0, **arms)  # every arm at every batch, 8_4_48 x 64 too
     if drafter_kind == "learned":
         drafter.set_shared(eng.model.embed, eng.model.lm_head)
     eng.enable_spec(spec, drafter if drafter_kind == "learned" else None)

@@ -23,6 +23,8 @@ class SpecMetrics:
         self.verify = metrics.gauge("spec_verify_steps", "engine steps run as one draft + verify pass", r)
         self.plain = metrics.gauge("spec_plain_steps", "engine steps run without speculation (prefill included)", r)
         self.step = metrics.gauge("spec_last_step_seconds", "wall time of the last verify step (the whole engine step)", r)
+        self.catch_up = metrics.gauge("spec_catch_up_seconds", "drafter catch-up after steps without SD (total; in "
+                                      "the step times, left out of the bandit's rewards)", r)
         self.accept = metrics.gauge("spec_mean_accept_len", "tokens per sequence per verify step (bonus included)", r)
         self.arm_steps = metrics.gauge("spec_arm_verify_steps", "verify steps run with each arm", ("replica", "arm"))
         self.arm_accept = metrics.gauge("spec_arm_accept_len", "tokens per sequence per verify step, by arm",
@@ -44,6 +46,7 @@ class SpecMetrics:
         self.verify.labels(r).set(spec.get("verify_steps", 0))
         self.plain.labels(r).set(spec.get("plain_steps", 0))
         self.step.labels(r).set(spec.get("last_step_seconds", 0.0))
+        self.catch_up.labels(r).set(spec.get("catch_up_seconds", 0.0))
         self.accept.labels(r).set(spec.get("mean_accept_len", 0.0))
         for name, a in spec.get("arms", {}).items():
             self.arm_steps.labels(r, name).set(a["verify_steps"])

@@ -36,7 +36,9 @@ class EngineConfig(ServiceConfig):
             "plain decode steps on static buffers padded to a batch-size bucket (services/rollout/engine/"
             "decode_graphs.py): 'cuda' replays CUDA graphs captured per bucket at start (needs CUDA and kernels = "
             "'triton'; UNVERIFIED: never run on a GPU in this project); 'emulate' runs the same padded step without "
-            "graphs (CPU tests); 'off' = the ordinary eager step"
+            "graphs (CPU tests); 'off' = the ordinary eager step. With speculative decoding attached, its verify passes "
+            "get graphs in the same mode, per arm for the batch buckets the arm's bandit bucket covers at or below the "
+            "SD threshold (verify_graphs.py; 'cuda' equally UNVERIFIED)"
         ),
     )
     decode_graph_buckets: tuple[int, ...] = Field(

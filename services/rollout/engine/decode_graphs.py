@@ -17,8 +17,9 @@ never touch a real sequence. Graphs share one memory pool and are captured large
 Modes: "cuda" captures `torch.cuda.CUDAGraph`s (needs CUDA and kernels = "triton"; the PyTorch/SDPA
 path has per-step shapes). "emulate" runs the same padded static-buffer step eagerly, without
 graphs: what the CPU tests use (under TRITON_INTERPRET=1) to check the padding, the scratch block
-and the fixed-width tables against the ordinary decode path. Speculative verify steps are not
-captured (no per-arm graph pool yet); they and prefill run eagerly as before.
+and the fixed-width tables against the ordinary decode path. Speculative verify steps get their
+own per-arm graphs in the same mode and scratch block when a speculative decoder is attached
+(verify_graphs.py); prefill and the drafter's passes run eagerly as before.
 
 Status: the "cuda" mode has NOT been run on a GPU (none was available to this project); only the
 "emulate" mode is tested. GPU presets leave decode_graphs = "off" until it is.

@@ -11,7 +11,9 @@ With a model built with kernels="triton" the metadata also carries what the
 Triton kernels read (int32 block tables, context lengths, padded tree masks),
 built here once per step and shared by every layer. With decode graphs
 (`EngineConfig.decode_graphs`), pure decode steps go through `DecodeGraphs`
-(static buffers padded to a batch-size bucket, replayed from CUDA graphs).
+(static buffers padded to a batch-size bucket, replayed from CUDA graphs), and a speculative
+decoder attached later adds its per-arm verify graphs (`enable_verify_graphs`, `VerifyGraphs`) in
+the same mode, writing their padding to the same scratch block.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from tlt.model.transformer import Transformer
 from tlt.services.rollout.engine.decode_graphs import DecodeGraphs, GraphMode
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.engine.verify_graphs import VerifyGraphs
+from tlt.services.rollout.spec.tree import Arm
 
 
 @dataclass
@@ -42,12 +46,25 @@ class ModelRunner:
         self.device = model.device
         self.for_kernels = model.kernels == "triton"
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None  # added by a speculative decoder (enable_verify_graphs)
+        self.graph_mode, self.max_blocks_per_seq, self.num_blocks = graphs, max_blocks_per_seq, num_blocks
         # with decode graphs the cache has one block more than the block manager hands out: the padding
         # rows' scratch block (block id num_blocks)
         model.allocate_kv_cache(num_blocks + (graphs != "off"), block_size)
         if graphs != "off":
             self.graphs = DecodeGraphs(model, block_size, max_blocks_per_seq, num_blocks, graph_buckets, graphs)
             self.graphs.capture()
+
+    def enable_verify_graphs(self, plan: dict[Arm, tuple[int, ...]]) -> VerifyGraphs | None:
+        """Build (and in mode "cuda" capture) the verify graphs of `plan` (arm -> batch buckets), in the
+        decode graphs' mode and scratch block; None when decode graphs are off or the plan is empty."""
+        if self.graph_mode == "off" or not plan:
+            self.verify_graphs = None
+            return None
+        self.verify_graphs = VerifyGraphs(self.model, self.block_size, self.max_blocks_per_seq, self.num_blocks,
+                                          plan, self.graph_mode)
+        self.verify_graphs.capture()
+        return self.verify_graphs
 
     def slot(self, seq: Sequence, pos: int) -> int:
         bs = self.block_size

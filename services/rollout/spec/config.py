@@ -43,7 +43,9 @@ class SpecConfig(ServiceConfig):
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="bandit exploration probability")
     window: int = Field(300, ge=1, description="bandit sliding window of rewards per arm (median over it)")
     verify_token_budget: int = Field(
-        2048, ge=0, description="skip arms whose draft_tokens x batch exceeds this (0 = no limit)"
+        2048, ge=0, description="most draft tokens one verify step may check over the batch (0 = no limit). "
+        "adaptive: the bandit skips arms whose draft_tokens x batch exceeds it; static: `static_arm`'s draft_tokens "
+        "x `threshold` (the largest batch SD runs at) must not exceed it, else the config is refused"
     )
     chain_min_prob: float = Field(
         0.0, ge=0.0, lt=1.0, description="learned chains (topk = 1): a sequence's chain stops at the first draft whose "
@@ -64,12 +66,16 @@ class SpecConfig(ServiceConfig):
     @model_validator(mode="after")
     def _check(self) -> SpecConfig:
         problems = []
-        arms = [*(a for bucket in self.bucket_arms for a in bucket), self.static_arm]
-        for a in arms:
+        for a in (a for bucket in self.bucket_arms for a in bucket):
             try:
                 Arm.parse(a)
             except ValueError as e:
                 problems.append(str(e))
+        static: Arm | None = None
+        try:
+            static = Arm.parse(self.static_arm)
+        except ValueError as e:
+            problems.append(str(e))
         if len(self.bucket_arms) != len(self.bucket_thresholds):
             problems.append(
                 f"bucket_arms has {len(self.bucket_arms)} lists but bucket_thresholds has {len(self.bucket_thresholds)} "
@@ -81,6 +87,14 @@ class SpecConfig(ServiceConfig):
             problems.append("every bucket needs at least one arm, e.g. [\"8_4_16\"]")
         if self.drafter == "learned" and self.mode != "off" and not self.drafter_path:
             problems.append("drafter = 'learned' needs drafter_path (a folder written by `tlt drafter warmup`), or set drafter = 'ngram'")
+        if self.mode == "static" and static is not None and self.verify_token_budget:
+            tokens = static.draft_tokens * self.threshold  # static speculates only while batch <= threshold
+            if tokens > self.verify_token_budget:
+                problems.append(
+                    f"static_arm {self.static_arm} at the threshold batch {self.threshold} verifies {tokens} draft "
+                    f"tokens a step, over verify_token_budget = {self.verify_token_budget}; lower static_arm's "
+                    "draft_tokens or the threshold, or raise verify_token_budget (0 = no limit)"
+                )
         if self.ngram_min > self.ngram_max:
             problems.append(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
         if problems:

@@ -3,7 +3,9 @@
     wants(batch)  -> SD on/off by batch size with hysteresis (switch.py)
     decode(seqs)  -> arm (bandit or static) -> draft trees (n-gram or EAGLE, drafting.py)
                   -> reserve KV slots for the nodes -> ONE target forward over all trees (tree masks
-                     over the paged KV cache) -> one target token per node (argmax, or one draw from
+                     over the paged KV cache; with decode graphs on, replayed from the runner's
+                     verify graph of the arm's shape, engine/verify_graphs.py; the drafter's own
+                     passes stay eager) -> one target token per node (argmax, or one draw from
                      the filtered q with the sequence's own generator) -> tree walk (accept.py);
                      chains SAMPLED from the drafter (`chain_sampling`, every sequence sampling):
                      rejection sampling min(1, q/p) against the filtered q instead (accept.py)
@@ -41,6 +43,7 @@ from tlt.services.rollout.engine.block_manager import BlockManager
 from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.engine.verify_graphs import plan_verify_graphs
 from tlt.services.rollout.spec.accept import (
     AcceptResult,
     chain_accept_rejection,
@@ -53,7 +56,7 @@ from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
 from tlt.services.rollout.spec.filters import filtered_probs
 from tlt.services.rollout.spec.switch import SpecSwitch
-from tlt.services.rollout.spec.tree import Arm, ancestor_mask, is_chain
+from tlt.services.rollout.spec.tree import Arm, DraftTree, ancestor_mask, is_chain
 
 
 @dataclass
@@ -96,6 +99,8 @@ class SpecDecoder:
             self.source: NgramSource | EagleSource = EagleSource(drafter, chain_min_prob=config.chain_min_prob)
         else:
             self.source = NgramSource(config.ngram_min, config.ngram_max)
+        if runner.graphs is not None:  # decode graphs on: verify passes get per-arm graphs in the same mode
+            runner.enable_verify_graphs(plan_verify_graphs(self._arms_at, config.threshold, runner.graphs.buckets))
         self._spare_gen = torch.Generator().manual_seed(config.seed)  # uniforms for greedy rows (unused)
         self.verify_steps = 0
         self.plain_steps = 0  # engine steps run without speculation while attached (prefill included)
@@ -107,7 +112,13 @@ class SpecDecoder:
         self.no_room = 0
         self.kv_copies = 0  # accepted nodes whose K/V had to move (a branch other than the first was taken)
         self.arm_stats: dict[str, dict[str, int]] = {}  # per arm: verify_steps, seq_steps, emitted (tokens)
-        self._pending: tuple[int, Arm, int, float] | None = None  # the last verify step's reward, until finish_step
+        # the last step's reward, until finish_step: (batch, arm, tokens, start, catch-up seconds to leave out)
+        self._pending: tuple[int, Arm, int, float, float] | None = None
+        # catch-up: before a verify step that follows a step without one (SD off, prefill, the "plain" arm,
+        # no room), the drafter first takes in what those steps appended; timed apart (`finish_step`)
+        self._behind = True
+        self.catch_ups = 0
+        self.catch_up_seconds = 0.0
 
     # ---------------------------------------------------------------- control
     def wants(self, batch: ScheduledBatch) -> bool:
@@ -115,7 +126,9 @@ class SpecDecoder:
         if self.config.mode == "off":
             return False
         on = self.switch.update(len(batch.seqs))
-        return on and bool(batch.seqs) and batch.is_decode_only
+        speculate = on and bool(batch.seqs) and batch.is_decode_only
+        self._behind |= not speculate  # the step decodes plainly: the drafter falls behind by its tokens
+        return speculate
 
     def choose_arm(self, batch_size: int) -> Arm:
         return self.static_arm if self.config.mode == "static" else self.bandit.choose(batch_size)
@@ -133,10 +146,12 @@ class SpecDecoder:
                 raise ValueError(f"{s} is not in decode state (num_computed must be num_tokens - 1)")
         arm = self.choose_arm(len(seqs))
         if arm.is_plain:  # the bandit chose not to speculate: the engine decodes this step plainly
-            self._pending = (len(seqs), arm, len(seqs), t0)  # one token per sequence, rewarded in finish_step
+            self._pending = (len(seqs), arm, len(seqs), t0, 0.0)  # one token per sequence, rewarded in finish_step
             self._count_arm(arm, len(seqs), len(seqs))
             self.last_arm = arm
+            self._behind = True
             return None
+        catch_up = self._catch_up(seqs) if self._behind else 0.0
         if isinstance(self.source, EagleSource):  # sampled chains when every sequence samples (see SpecConfig)
             sample = (self.config.chain_sampling and arm.topk == 1
                       and all(s.params.temperature > 0 and s.generator is not None for s in seqs))
@@ -149,19 +164,12 @@ class SpecDecoder:
         deepest = torch.tensor(ctx) + tree.depth.masked_fill(~valid, 0).amax(1)
         if int(deepest.max()) >= self.runner.model.cos.shape[0] or not self._reserve(seqs, n_list):
             self.no_room += 1  # drafts would pass the context limit, or no KV blocks for them
+            self._behind = True
             return None
         dev = self.runner.device
         b, n_max = tree.tokens.shape
         equal = all(n == n_max for n in n_list)  # no padding nodes
-        if equal and is_chain(tree.parents) and not self.runner.for_kernels:
-            tree_masks = None  # the default causal mask among new tokens is the chains' tree mask (SDPA path)
-        else:
-            masks = ancestor_mask(tree.parents)  # padding nodes (past each count) are sliced away below
-            tree_masks = [masks[i, :n, :n] for i, n in enumerate(n_list)]
-        ids = tree.tokens[valid].to(dev)
-        positions = (torch.tensor(ctx)[:, None] + tree.depth)[valid].to(dev)
-        hidden = self.runner.extend(ids, positions, n_list, ctx, [s.block_table for s in seqs],
-                                    tree_masks)  # CPU: the metadata is built there
+        hidden = self._verify_forward(arm, tree, n_list, valid, ctx, seqs)
         logits = self.runner.model.compute_logits(hidden).float()
         if equal:  # the flat rows are [B, N] already
             full, hid = logits.view(b, n_max, -1), hidden.view(b, n_max, -1)
@@ -214,8 +222,46 @@ class SpecDecoder:
         self.drafted_tokens += int(counts.sum()) - len(seqs)
         self.last_arm = arm
         self._count_arm(arm, len(seqs), emitted)
-        self._pending = (len(seqs), arm, emitted, t0)  # timed (and, adaptive, rewarded) in finish_step
+        self._pending = (len(seqs), arm, emitted, t0, catch_up)  # timed (and, adaptive, rewarded) in finish_step
+        self._behind = False
         return out
+
+    def _catch_up(self, seqs: list[Sequence]) -> float:
+        """Bring the drafter up to date with what steps without a verify appended (a learned drafter's
+        buffered pairs: up to `EagleSource.max_pending` per sequence after SD was off). Returns its seconds,
+        which `finish_step` leaves out of the arm's reward: the backlog is owed to the steps that built it,
+        not to the arm that happens to run next (it would lower that arm's median after every switch-on)."""
+        c0 = time.perf_counter()
+        self.source.catch_up(seqs)
+        seconds = time.perf_counter() - c0
+        self.catch_ups += 1
+        self.catch_up_seconds += seconds
+        return seconds
+
+    def _verify_forward(self, arm: Arm, tree: DraftTree, n_list: list[int], valid: torch.Tensor, ctx: list[int],
+                        seqs: list[Sequence]) -> torch.Tensor:
+        """The target's forward over every tree's real nodes -> hidden [sum(n_list), H], tree by tree.
+        Through the runner's verify graph of the arm's shape when it has one for this batch (padded
+        static buffers, `VerifyGraphs`), else eagerly over exactly the real nodes (`ModelRunner.extend`)."""
+        tables = [s.block_table for s in seqs]
+        graphs = self.runner.verify_graphs
+        if graphs is not None and graphs.fits(arm, ctx):
+            return graphs.run(arm, tree.tokens, tree.depth, ancestor_mask(tree.parents), n_list, ctx, tables)
+        dev = self.runner.device
+        if all(n == tree.num_nodes for n in n_list) and is_chain(tree.parents) and not self.runner.for_kernels:
+            tree_masks = None  # the default causal mask among new tokens is the chains' tree mask (SDPA path)
+        else:
+            masks = ancestor_mask(tree.parents)  # padding nodes (past each count) are sliced away below
+            tree_masks = [masks[i, :n, :n] for i, n in enumerate(n_list)]
+        ids = tree.tokens[valid].to(dev)
+        positions = (torch.tensor(ctx)[:, None] + tree.depth)[valid].to(dev)
+        return self.runner.extend(ids, positions, n_list, ctx, tables, tree_masks)  # CPU: the metadata is built there
+
+    def _arms_at(self, batch_size: int) -> tuple[Arm, ...]:
+        """The arms `choose_arm` may return at this batch size (what the verify graph plan covers)."""
+        if self.config.mode == "off":
+            return ()
+        return (self.static_arm,) if self.config.mode == "static" else self.bandit.eligible(batch_size)
 
     def _count_arm(self, arm: Arm, seqs: int, emitted: int) -> None:
         a_st = self.arm_stats.setdefault(arm.name, {"verify_steps": 0, "seq_steps": 0, "emitted": 0})
@@ -232,16 +278,19 @@ class SpecDecoder:
         `kept`: the tokens the engine appended in the step. A stop (eos, max_tokens, a stop string) drops
         the rest of an accepted path, and those tokens are no throughput: counting them would reward
         deep arms for drafts past the end of finishing sequences, which is most of the small-batch steps
-        at the end of a rollout. Without it, the tokens `decode` emitted."""
+        at the end of a rollout. Without it, the tokens `decode` emitted.
+
+        The step's drafter catch-up (`_catch_up`) is left out of the reward; `last_step_seconds` (the
+        whole step) and `catch_up_seconds` still show it."""
         if self._pending is None:
             return
-        batch, arm, emitted, t0 = self._pending
+        batch, arm, emitted, t0, catch_up = self._pending
         if kept is not None:
             emitted = kept
         self._pending = None
         self.last_step_seconds = time.perf_counter() - (t0 if step_start is None else step_start)
         if self.config.mode == "adaptive":
-            self.bandit.record(batch, arm, emitted, self.last_step_seconds)
+            self.bandit.record(batch, arm, emitted, self.last_step_seconds - catch_up)
 
     def _reserve(self, seqs: list[Sequence], n_nodes: list[int]) -> bool:
         """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out."""
@@ -302,6 +351,8 @@ class SpecDecoder:
             "no_room": self.no_room,
             "kv_copies": self.kv_copies,
             "cold_starts": getattr(self.source, "cold_starts", 0),
+            "catch_ups": self.catch_ups,  # verify steps that first caught the drafter up (after steps without SD)
+            "catch_up_seconds": self.catch_up_seconds,  # their total catch-up time, left out of the rewards
             # per arm: verify steps chosen, sequence-steps, tokens emitted (accept length = emitted / seq_steps)
             "arms": {k: dict(v) for k, v in self.arm_stats.items()},
             # adaptive: per bandit bucket, how often it explored / exploited and each arm's data

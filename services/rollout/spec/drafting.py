@@ -59,6 +59,11 @@ class NgramSource:
     def draft(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
         return pad_trees([self._sync(s).propose(s.sample_index, arm) for s in seqs])
 
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Index the tokens the steps without speculation appended (what `draft` would do first)."""
+        for s in seqs:
+            self._sync(s)
+
     def observe(self, seqs, emitted, hidden, paths) -> None:
         """Nothing to do: indexes catch up from the sequences' tokens when next drafted."""
 
@@ -113,8 +118,27 @@ class EagleSource:
     FEED_BATCH_MAX = 16
 
     @torch.inference_mode()
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Feed the pairs buffered while the sequences were decoded without speculation (what `draft` would
+        do first): the decoder times this apart, so the backlog is not charged to the arm drafted next."""
+        self._feed_pending(seqs)
+
     def _feed(self, seqs: list[Sequence]) -> list[bool]:
         """Feed every sequence's pending pairs; per sequence, True when its root pair has been fed (warm)."""
+        self._feed_pending(seqs)
+        warm = []
+        for s in seqs:
+            key = seq_key(s)
+            if self.fed_pos.get(key) != s.num_tokens - 1:
+                self.cold_starts += 1
+                self.cache.lengths[self.rows[key]] = 0
+                self.fed_pos.pop(key, None)
+                self.last_h.pop(key, None)
+            warm.append(key in self.last_h)
+        return warm
+
+    def _feed_pending(self, seqs: list[Sequence]) -> None:
+        """Feed the pending pairs of `seqs` into their drafter rows (short runs batched, long ones alone)."""
         jobs = []
         for s in seqs:
             key = seq_key(s)
@@ -128,16 +152,6 @@ class EagleSource:
         short = [j for j in jobs if len(j[2]) <= self.FEED_BATCH_MAX]
         for group in ([short] if short else []) + [[j] for j in jobs if len(j[2]) > self.FEED_BATCH_MAX]:
             self._feed_group(group)
-        warm = []
-        for s in seqs:
-            key = seq_key(s)
-            if self.fed_pos.get(key) != s.num_tokens - 1:
-                self.cold_starts += 1
-                self.cache.lengths[self.rows[key]] = 0
-                self.fed_pos.pop(key, None)
-                self.last_h.pop(key, None)
-            warm.append(key in self.last_h)
-        return warm
 
     def _feed_group(self, jobs: list) -> None:
         """One drafter call over several rows' pending pairs, right-padded to the longest (padding is
