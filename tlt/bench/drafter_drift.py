@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 
+PROMPT_SEED_STRIDE = 1_000_003  # prompt generators of different --seed values never meet (tags stay far below it)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="policy checkpoint; default: a random tiny Qwen2 in a temp dir")
@@ -35,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollouts", type=int, default=16, help="greedy rollouts per version")
     parser.add_argument("--length", type=int, default=48, help="tokens per rollout")
     parser.add_argument("--depth", type=int, default=6, help="chain depth of the acceptance simulation")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the policy and drafter inits, the teacher's samples, the prompts and the buffer's "
+                             "sampling (the teacher's two tables, the task, are the same for every seed)")
     parser.add_argument("--overhead", action="store_true", help="measure rollout wall-time overhead instead")
     parser.add_argument("--rounds", type=int, default=10, help="--overhead: pairs of rounds (one without, one with the drafter service)")
     parser.add_argument("--drafter-set", dest="drafter_sets", action="append", default=[], metavar="FIELD=VALUE",
@@ -88,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(args.seed)
 
     def prompts(n: int, tag: int) -> list[list[int]]:
-        gg = torch.Generator().manual_seed(1000 + tag)
+        # per seed and per set (tag k: version k's training set, 10_000 + k: its held-out set, so the two never
+        # share a generator); seed 0 keeps the prompts it always had
+        gg = torch.Generator().manual_seed(1000 + tag + PROMPT_SEED_STRIDE * args.seed)
         return [[int(x) for x in torch.randint(lo, hi, (4,), generator=gg)] for _ in range(n)]
 
     def rollouts(version: int, n: int, tag: int) -> list:
@@ -131,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     online.load_tensors({k: v.detach().clone() for k, v in frozen.state_dict().items()})
     oopt = make_optimizer(online, 1e-3)
     oopt.load_state_dict(fopt.state_dict())
-    buf = FeatureBuffer(4096, 1, 256, long_tokens=16, holdout_every=10**9)
+    buf = FeatureBuffer(4096, 1, 256, long_tokens=16, holdout_every=10**9, seed=args.seed)
     buf.add_samples(v0)
     history = []
     for k in range(1, args.updates + 1):
