@@ -283,8 +283,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter))
         for s in await self.pool.snapshot():
             r = status.replicas.add(replica_id=s.replica_id, device=s.device, alive=s.alive)
-            if s.stats is None:
-                r.state = common_pb2.REPLICA_STATE_UNSPECIFIED
+            if s.stats is None:  # dead (DRAINING, as its capacity events say) or not answering in time
+                r.state = common_pb2.REPLICA_STATE_UNSPECIFIED if s.alive else common_pb2.REPLICA_STATE_DRAINING
                 continue
             busy = s.stats.running or s.stats.queued or s.outstanding
             r.state = common_pb2.REPLICA_STATE_BUSY if busy else common_pb2.REPLICA_STATE_IDLE

@@ -28,7 +28,7 @@ import torch
 from rollout_helpers import ServerThread, tiny_checkpoint
 
 from tlt.services.rollout.client import RolloutClient
-from tlt.v1 import rollout_pb2
+from tlt.v1 import common_pb2, rollout_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def test_killed_replica_is_restarted_and_resynced(model_dir, tmp_path):
         old_pid = s.server.replica_pids()[0]
         os.kill(old_pid, signal.SIGKILL)
         t_kill = time.monotonic()
-        served, failed = 0, []
+        served, failed, down_states = 0, [], set()
         while True:  # traffic during the outage: served by replica 1, or a clear UNAVAILABLE
             try:
                 outs = c.generate(PROMPTS[served % 4], params=GREEDY)
@@ -76,11 +76,14 @@ def test_killed_replica_is_restarted_and_resynced(model_dir, tmp_path):
             except grpc.RpcError as e:
                 failed.append(e.code())
             reps = _replicas(c)
+            if not reps[0].alive:
+                down_states.add(reps[0].state)
             if reps[0].alive and s.server.replica_pids()[0] != old_pid:
                 break
             assert time.monotonic() - t_kill < 240, "replica 0 was not restarted"
         down_s = time.monotonic() - t_kill
         assert set(failed) <= {grpc.StatusCode.UNAVAILABLE}, failed
+        assert down_states == {common_pb2.REPLICA_STATE_DRAINING}, down_states  # GetStatus says so while it is down
         assert served > 0
         reps = _replicas(c)
         for r in reps.values():
