@@ -47,8 +47,8 @@ def samples(model_dir):
     return sample_features(model, prompts, max_new_tokens=40, window_tokens=64)
 
 
-def make(tmp_path, model_dir, samples, pushes, **over):
-    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+def make(tmp_path, model_dir, samples, pushes, server_id="", **over):
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", server_id=server_id, heartbeat_s=0.2)
     kw = dict(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
               coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"), window_tokens=64,
               batch_tokens=64, batch_rows=2, lr=3e-3, submit_every=5, eval_interval_s=0.2, min_eval_tokens=32,
@@ -230,6 +230,145 @@ def test_rollout_idle_workers_train_only_while_every_replica_is_idle(tmp_path, m
         assert w.preempted and w.micro_steps > 0 and w.busy_timestamp == busy.timestamp
     finally:
         stop.set()
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
+
+
+def _wait(cond, timeout_s: float) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.parametrize("train_when", ["rollout_idle", "replica_idle"])
+def test_a_worker_trains_again_after_the_rollout_restarts(tmp_path, model_dir, samples, train_when) -> None:
+    """The rollout server restarts on the same endpoints under a new server_id (`rollout-<pid>`) after its
+    replicas went DRAINING. A rollout_idle worker kept the dead server's DRAINING states for good and never
+    trained again; they must stop counting once stale (as in RolloutIdle). The per-replica mode follows the
+    new server's state of its replica. Real publishers on 127.0.0.1, a real coordinator and worker."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, server_id="rollout-111", train_when=train_when,
+                           eval_interval_s=1e9)
+    pub_ep, snap_ep = pub.pub_endpoint, pub.snapshot_endpoint
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    worker.stale_s = 1.0  # heartbeats every 0.2 s here
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    new = None
+    try:
+        for r in (0, 1):
+            state(pub, r, IDLE)
+        assert _wait(lambda: coord.candidate_version > 0, 20)  # a first delta: it trains
+        for r in (0, 1):
+            state(pub, r, common_pb2.REPLICA_STATE_DRAINING)  # shutting down
+        assert _wait(lambda: len(coord.windows) == 1, 10) and coord.windows[0].preempted
+        pub.close()
+        version = coord.candidate_version
+        new = CapacityPublisher(pub_ep, snap_ep, server_id="rollout-222", heartbeat_s=0.2)  # the restart
+        for r in (0, 1):
+            state(new, r, IDLE)
+        # trains again, as before the restart: the deferred delta (if any) and at least one new one arrive
+        assert _wait(lambda: coord.candidate_version >= version + 2, 15), (worker.state, worker._states)
+        for r in (0, 1):
+            state(new, r, BUSY)
+        assert _wait(lambda: len(coord.windows) == 2, 20)
+        assert coord.windows[1].micro_steps > 0 and thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        coord.close()
+        (new or pub).close()
+
+
+def test_bad_feature_sequences_are_refused_at_ingest_and_counted(tmp_path, model_dir, capfd) -> None:
+    """A FeatureSequence that decodes but does not fit the model (hidden size, feature byte length, token ids
+    outside the vocabulary, non-finite features) is refused when it arrives on the features socket, counted
+    in the status and logged with its sender; before, it sat in the buffer and made batch() raise. Real
+    FeaturePusher -> FeaturePuller over ZeroMQ on 127.0.0.1 into a real coordinator."""
+    import numpy as np
+
+    from tlt.services.common.events import FeaturePuller, FeaturePusher
+
+    puller = FeaturePuller("tcp://127.0.0.1:*")
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
+                               eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model_dir), puller, None).start()
+    pusher = FeaturePusher(puller.endpoint)
+    h, vocab = coord.drafter_cfg.hidden_size, coord.drafter_cfg.vocab_size
+
+    def seq(name: str, n: int = 12, hidden: int = h, tokens: list[int] | None = None, nbytes: int | None = None,
+            value: float = 0.5) -> events_pb2.FeatureSequence:
+        feats = np.full((n, hidden), value, np.float16).tobytes()
+        return events_pb2.FeatureSequence(seq_id=name, token_ids=tokens or list(range(5, 5 + n)), response_start=3,
+                                          hidden_size=hidden, features=feats[:nbytes], replica_id=7)
+
+    bad = [seq("wide", hidden=h + 8), seq("short_bytes", nbytes=12 * h * 2 - 2),
+           seq("vocab", tokens=[5] * 11 + [vocab]), seq("negative", tokens=[-1] + [5] * 11),
+           seq("nan", value=float("nan"))]
+    try:
+        deadline = time.monotonic() + 10
+        while not pusher.push(events_pb2.FeatureBatch(sequences=[seq("good"), *bad], source="rollout")):
+            assert time.monotonic() < deadline, "the puller never connected"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while coord.buffer.received_sequences < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert coord.buffer.received_sequences == 6
+        assert coord.buffer.stats() == (1, 10)  # the good sequence only: one window, from response_start - 1
+        assert coord.buffer.batch(2, 16) is not None  # batch() no longer raises on what was let in
+        st = coord.status()
+        assert st.features_rejected == 5 and st.buffer_sequences == 1
+        err = capfd.readouterr()
+        logged = err.err + err.out
+        for s in bad:
+            assert f"seq_id={s.seq_id}" in logged, logged
+        assert "feature_sequence_rejected" in logged and "replica=7" in logged and "source=rollout" in logged
+    finally:
+        pusher.close()
+        coord.close()
+        puller.close()
+
+
+def test_a_worker_survives_a_batch_the_coordinator_cannot_build(tmp_path, model_dir, samples) -> None:
+    """The coordinator answers a batch request with an error (here: two windows of different widths in the
+    buffer, put there directly, as ingest now refuses them); the worker logs it, skips the batch and keeps
+    going, instead of dying with every other worker that draws the same data. Real coordinator and worker
+    over ZeroMQ on 127.0.0.1."""
+    import dataclasses
+
+    import numpy as np
+
+    from tlt.services.drafter.packing import Sample
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)
+    h = coord.drafter_cfg.hidden_size
+    poison = [Sample(f"p{w}", np.arange(5, 13, dtype=np.int32), np.zeros((8, w), np.float16), 1, 99)
+              for w in (h, h + 1)]
+    coord.buffer.add_samples(poison)  # the newest version: drawn first, and pack() cannot join them
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        state(pub, 0, IDLE)
+        assert _wait(lambda: 0 in coord.workers and coord.workers[0].training, 10)  # it asked for a batch
+        time.sleep(1.0)  # several refused batches
+        assert thread.is_alive() and coord.candidate_version == 0
+        coord.buffer.add_samples([dataclasses.replace(s, policy_version=100) for s in samples[3:]])  # newer data
+        assert _wait(lambda: coord.candidate_version > 0, 20)  # it trains on it
+        state(pub, 0, BUSY)
+        assert _wait(lambda: len(coord.windows) == 1, 20)
+        assert coord.windows[0].micro_steps > 0 and thread.is_alive()
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
         thread.join(20)
         worker.close()
         coord.close()

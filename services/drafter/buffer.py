@@ -8,6 +8,10 @@
 Bounded: at most `buffer_sequences` training windows and `holdout_sequences` held-out ones; the
 oldest go first. Older versions than the previous one are never sampled. Thread-safe: the feature
 puller adds while the coordinator's request handler samples.
+
+Checked at ingest (`problem`): a sequence from any sender that does not fit the model (hidden size,
+feature length, token ids, non-finite features) is refused, logged with its sender and counted
+(`rejected`). Let in, it would make every batch that draws it fail, for every worker, until evicted.
 """
 
 from __future__ import annotations
@@ -18,8 +22,26 @@ from collections import deque
 
 import numpy as np
 
+from tlt.services.common.logging import get_logger
 from tlt.services.drafter.packing import PackedBatch, Sample, pack
 from tlt.v1 import events_pb2
+
+log = get_logger("drafter.buffer")
+
+
+def problem(seq: events_pb2.FeatureSequence, hidden_size: int, vocab_size: int) -> str:
+    """Why `seq` cannot be trained on by a drafter of `hidden_size` / `vocab_size` ("" when it can; 0: not checked)."""
+    n, h = len(seq.token_ids), seq.hidden_size
+    if hidden_size and h != hidden_size:
+        return f"hidden_size {h}, the model's is {hidden_size}"
+    if h <= 0 or len(seq.features) != n * h * 2:
+        return f"{len(seq.features)} feature bytes for {n} tokens x hidden {h} in fp16"
+    tokens = np.asarray(seq.token_ids, dtype=np.int64)
+    if vocab_size and n and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        return f"token ids in [{tokens.min()}, {tokens.max()}], outside the vocabulary [0, {vocab_size})"
+    if not np.isfinite(np.frombuffer(seq.features, dtype=np.float16)).all():
+        return "non-finite features"
+    return ""
 
 
 def windows(seq: events_pb2.FeatureSequence, window_tokens: int) -> list[Sample]:
@@ -44,8 +66,10 @@ def windows(seq: events_pb2.FeatureSequence, window_tokens: int) -> list[Sample]
 
 class FeatureBuffer:
     def __init__(self, max_sequences: int, max_holdout: int, window_tokens: int, long_tokens: int,
-                 holdout_every: int, seed: int = 0) -> None:
+                 holdout_every: int, seed: int = 0, hidden_size: int = 0, vocab_size: int = 0) -> None:
+        """`hidden_size` / `vocab_size`: the model's, which every sequence added must fit (0: not checked)."""
         self.window_tokens = window_tokens
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.long_tokens = long_tokens
         self.holdout_every = holdout_every
         self._train: deque[Sample] = deque(maxlen=max_sequences)
@@ -56,17 +80,20 @@ class FeatureBuffer:
         self.received_sequences = 0
         self.sender_dropped = 0  # sequences the senders dropped (summed over senders)
         self._dropped: dict[int, int] = {}
-        self.rejected = 0
+        self.rejected = 0  # sequences refused at ingest (see `problem`)
 
     def add_batch(self, batch: events_pb2.FeatureBatch) -> int:
-        """Add every sequence of `batch`; returns how many windows were added. Bad sequences are counted."""
+        """Add every sequence of `batch`; returns how many windows were added. Bad sequences are refused,
+        logged and counted."""
         added = 0
         for seq in batch.sequences:
-            try:
-                parts = windows(seq, self.window_tokens)
-            except ValueError:
+            reason = problem(seq, self.hidden_size, self.vocab_size)
+            if reason:
                 self.rejected += 1
+                log.warning("feature_sequence_rejected", source=batch.source, replica=seq.replica_id,
+                            seq_id=seq.seq_id, reason=reason, total=self.rejected)
                 continue
+            parts = windows(seq, self.window_tokens)
             with self._lock:
                 self._count += 1
                 target = self._holdout if self._count % self.holdout_every == 0 else self._train

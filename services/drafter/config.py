@@ -45,13 +45,16 @@ class DrafterServiceConfig(ServiceConfig):
     checkpoint_dir: str = Field("artifacts/drafter-online", description="atomic checkpoints of candidate + workers")
     init_drafter: str = Field("", description="drafter folder to start from (e.g. `tlt drafter warmup`); empty: random")
     # ---- data
-    buffer_sequences: int = Field(2048, ge=1, description="most sequences kept in the buffer (oldest evicted first)")
+    buffer_sequences: int = Field(
+        2048, ge=1, description="most training windows kept in the buffer (a sequence longer than window_tokens is "
+        "several windows; oldest evicted first); DrafterStatus.buffer_sequences counts the same windows"
+    )
     window_tokens: int = Field(256, ge=8, description="longest training window cut from a response")
     long_tokens: int = Field(
         64, ge=1, description="a previous-step sequence this long or longer is fallback data (one-step offset)"
     )
     holdout_every: int = Field(8, ge=2, description="every k-th sequence goes to the held-out set instead of training")
-    holdout_sequences: int = Field(64, ge=1, description="most held-out sequences kept (newest)")
+    holdout_sequences: int = Field(64, ge=1, description="most held-out windows kept (newest)")
     batch_rows: int = Field(4, ge=1, description="packed rows per micro-batch")
     batch_tokens: int = Field(256, ge=8, description="tokens per packed row")
     # ---- training

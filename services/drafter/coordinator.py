@@ -70,12 +70,13 @@ class Coordinator:
         self.model_dir = model_dir
         self.features = features
         self.publish_fn = publish
-        self.buffer = FeatureBuffer(config.buffer_sequences, config.holdout_sequences, config.window_tokens,
-                                    config.long_tokens, config.holdout_every)
         self.ckpt = Path(config.checkpoint_dir) / "coordinator.pt"
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()
         self.drafter_cfg, embed, head = target_shared(model_dir)
+        self.buffer = FeatureBuffer(config.buffer_sequences, config.holdout_sequences, config.window_tokens,
+                                    config.long_tokens, config.holdout_every, hidden_size=self.drafter_cfg.hidden_size,
+                                    vocab_size=self.drafter_cfg.vocab_size)  # what does not fit is refused at ingest
         self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # --model is policy version 0
         self.candidate = build_drafter(self.drafter_cfg, embed, head, config.init_drafter, seed=0)
         self.candidate.requires_grad_(False)
@@ -107,6 +108,7 @@ class Coordinator:
         self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
         self.m_buffer = self.metrics.gauge("buffer_windows", "training windows in the feature buffer")
         self.m_dropped = self.metrics.gauge("features_dropped", "feature sequences the senders dropped (slow consumer)")
+        self.m_refused = self.metrics.gauge("features_rejected", "feature sequences refused at ingest (do not fit the model)")
         self.m_rejected = self.metrics.counter("feature_batches_rejected_total", "batches from the other source")
         self.m_preempt = self.metrics.counter("preemptions_total", "training windows ended by a BUSY event")
         self.m_steps = self.metrics.counter("micro_steps_total", "drafter micro-steps reported by workers")
@@ -387,6 +389,7 @@ class Coordinator:
         seqs, toks = self.buffer.stats()
         self.m_buffer.set(seqs)
         self.m_dropped.set(self.buffer.sender_dropped)
+        self.m_refused.set(self.buffer.rejected)
         self.m_versions.labels("candidate").set(self.candidate_version)
         self.m_versions.labels("serving").set(self.serving_version)
         self.m_shared.set(self.shared.current.policy_version)
@@ -396,7 +399,8 @@ class Coordinator:
                 serving_version=self.serving_version, candidate_version=self.candidate_version,
                 latest_policy=common_pb2.WeightVersions(policy=self.latest_policy, drafter=self.serving_version),
                 buffer_sequences=seqs, buffer_tokens=toks,
-                features_dropped=self.buffer.sender_dropped, workers=list(self.workers.values()),
+                features_dropped=self.buffer.sender_dropped, features_rejected=self.buffer.rejected,
+                workers=list(self.workers.values()),
                 windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions,
                 shared_policy_version=self.shared.current.policy_version,
                 shared_fetch_failures=self.shared.failures, shared_fetch_error=self.shared.last_error)

@@ -32,13 +32,23 @@ log = get_logger("drafter.rollout_idle")
 IDLE = common_pb2.REPLICA_STATE_IDLE
 
 
+STALE_S = 5.0  # a replica's state not repeated this long no longer counts (heartbeats come about once a second)
+
+
 def all_idle(states: dict[tuple[str, int], int]) -> bool:
     """True when at least one replica was heard of and every one's last state is IDLE."""
     return bool(states) and all(s == IDLE for s in states.values())
 
 
+def fresh_all_idle(states: dict[tuple[str, int], tuple[int, float]], now: float, stale_s: float) -> bool:
+    """`all_idle` over the states heard within `stale_s` of `now` ((state, monotonic time last heard) per
+    (server_id, replica)): a restarted rollout publishes under a new server_id, and its predecessor's last
+    BUSY or DRAINING, never repeated, must stop counting. Shared by RolloutIdle and the workers."""
+    return all_idle({k: st for k, (st, t) in states.items() if now - t < stale_s})
+
+
 class RolloutIdle:
-    def __init__(self, capacity_pub: str, capacity_snapshot: str, stale_s: float = 5.0) -> None:
+    def __init__(self, capacity_pub: str, capacity_snapshot: str, stale_s: float = STALE_S) -> None:
         self.enabled = bool(capacity_pub and capacity_snapshot)
         self.stale_s = stale_s
         self._states: dict[tuple[str, int], tuple[int, float]] = {}  # -> (state, monotonic time last heard)
@@ -55,8 +65,7 @@ class RolloutIdle:
         if not self.enabled:
             return True
         with self._lock:
-            now = time.monotonic()
-            return all_idle({k: st for k, (st, t) in self._states.items() if now - t < self.stale_s})
+            return fresh_all_idle(self._states, time.monotonic(), self.stale_s)
 
     def busy(self) -> bool:
         return not self.idle()

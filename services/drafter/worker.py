@@ -14,7 +14,8 @@ is at most one micro-step plus the release. Optimizer state and step counts live
 `<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
 coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
-a timeout; a coordinator that does not answer makes the worker wait and retry, not crash.
+a timeout; a coordinator that does not answer makes the worker wait and retry, not crash, and a batch
+request it answers with an error (a batch it cannot build) is skipped, logged, and asked again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import tensors_from, tensors_message
 from tlt.services.drafter.packing import PackedBatch
-from tlt.services.drafter.rollout_idle import all_idle
+from tlt.services.drafter.rollout_idle import STALE_S, fresh_all_idle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.model.drafter import Drafter
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
@@ -45,6 +46,10 @@ IDLE = common_pb2.REPLICA_STATE_IDLE
 
 class CoordinatorUnavailable(RuntimeError):
     pass
+
+
+class CoordinatorRefused(RuntimeError):
+    """The coordinator answered with an error (e.g. it could not build a batch from its buffer)."""
 
 
 class CoordinatorClient:
@@ -72,7 +77,7 @@ class CoordinatorClient:
             raise CoordinatorUnavailable(f"no answer from the coordinator at {self.endpoint} in {self.timeout_s}s")
         reply = drafter_pb2.CoordinatorMessage.FromString(self._sock.recv())
         if reply.error:
-            raise RuntimeError(f"coordinator refused {next(iter(body))}: {reply.error}")
+            raise CoordinatorRefused(f"coordinator refused {next(iter(body))}: {reply.error}")
         return reply
 
     def close(self) -> None:
@@ -113,7 +118,10 @@ class DrafterWorker:
         self.ckpt = os.path.join(cfg.checkpoint_dir, f"worker-{worker_id}.pt")
         self.sub = CapacitySubscriber(cfg.capacity_pub, cfg.capacity_snapshot)
         self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
-        self._states: dict[tuple[str, int], int] = {}  # train_when = rollout_idle: every replica's last state
+        # train_when = rollout_idle: every replica's last state and when it was heard (monotonic); states
+        # not repeated for `stale_s` (a restarted rollout's predecessor) stop counting
+        self._states: dict[tuple[str, int], tuple[int, float]] = {}
+        self.stale_s = STALE_S
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
         self._deferred: _Deferred | None = None  # what the last window left to send and save (see `window`)
@@ -146,8 +154,9 @@ class DrafterWorker:
     def _see(self, event: object) -> None:
         mine = getattr(event, "replica_id", None) == self.replica_id
         if self.cfg.train_when == "rollout_idle":  # every replica's state counts: idle only when all are
-            self._states[(event.server_id, event.replica_id)] = event.state  # type: ignore[attr-defined]
-            state = IDLE if all_idle(self._states) else common_pb2.REPLICA_STATE_BUSY
+            now = time.monotonic()
+            self._states[(event.server_id, event.replica_id)] = (event.state, now)  # type: ignore[attr-defined]
+            state = IDLE if fresh_all_idle(self._states, now, self.stale_s) else common_pb2.REPLICA_STATE_BUSY
         elif not mine:
             return
         else:
@@ -228,8 +237,13 @@ class DrafterWorker:
             if self.busy_seen or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
                 res.preempted = self.busy_seen
                 break
-            reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(rows=self.cfg.batch_rows,
-                                                                          max_tokens=self.cfg.batch_tokens))
+            try:
+                reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(rows=self.cfg.batch_rows,
+                                                                              max_tokens=self.cfg.batch_tokens))
+            except CoordinatorRefused as e:  # one bad batch: skip it; dying would not make the next one better
+                log.warning("batch_refused", worker=self.worker_id, error=str(e)[:300])
+                self._poll_events(0.5)  # do not spin on the coordinator; a BUSY event still ends the window at once
+                continue
             self.shared.see(reply.batch.policy_version)  # used from the next window on
             if reply.batch.rows == 0:
                 self._poll_events(0.05)  # nothing to train on yet; keep listening
