@@ -81,9 +81,26 @@ def test_verify_token_budget_guard():
     assert bandit.eligible(5) == (C,)  # 16 x 5 exceeds 64 too
     seen = {bandit.choose(5) for _ in range(10)}
     assert seen == {C}
-    assert bandit.eligible(100) == (C,)  # nothing fits: the smallest arm
     with pytest.raises(ValueError, match="not in bucket"):
         bandit.record(1, B, 10, 1.0)
+
+
+def test_verify_token_budget_guard_holds_when_no_arm_fits():
+    """Every arm over the budget: the guard used to fall back to the arm with the fewest draft tokens,
+    which still verified more than the budget (5 x 100 = 500 > 64). Now no arm is chosen (the step
+    decodes plainly), no choice is counted, and the bucket counts the step as over_budget."""
+    bandit = BucketedEpsilonGreedy(thresholds=(1, 2), bucket_arms=[[A], [A, B, C]], epsilon=0.0,
+                                   verify_token_budget=64)
+    assert bandit.eligible(100) == ()
+    assert [bandit.choose(100) for _ in range(3)] == [None] * 3
+    snap = bandit.snapshot()[1]
+    assert (snap.over_budget, snap.explored, snap.exploited) == (3, 0, 0)
+    assert all(a.chosen == 0 for a in snap.arms)
+    # "plain" verifies nothing: it always fits, even where 1 token x batch would exceed the budget
+    plain = Arm.parse("plain")
+    with_plain = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[plain, C]], verify_token_budget=64)
+    assert with_plain.eligible(100) == (plain,) and with_plain.choose(100) == plain
+    assert with_plain.snapshot()[0].over_budget == 0
 
 
 def test_arms_are_compared_at_the_batch_size_they_run_at():

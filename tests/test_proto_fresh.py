@@ -67,3 +67,32 @@ def test_check_detects_a_hand_edited_generated_file(tmp_path: Path, monkeypatch:
     edited.write_text(edited.read_text() + "\n# a hand edit\n")
     (tmp_path / "tlt" / "v1" / "common_pb2.pyi").unlink()
     assert protogen.stale_files() == ["common_pb2.pyi", "events_pb2.py"]
+
+
+def test_a_failed_regeneration_keeps_the_generated_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m tlt.protogen` deleted every *_pb2* module before running protoc: a broken .proto left
+    none and the package no longer imported. Now protoc writes into a temporary folder and the modules
+    are replaced only when it succeeds. Runs on a copy of the tree (the real proto/ is not touched)."""
+    _copy_tree(tmp_path)
+    monkeypatch.setattr(protogen, "ROOT", tmp_path)
+    monkeypatch.setattr(protogen, "PROTO_DIR", tmp_path / "proto")
+    out = tmp_path / "tlt" / "v1"
+    before = {p.name: p.read_bytes() for p in out.glob("*_pb2*.py*")}
+    assert "reward_pb2.py" in before and "rollout_pb2_grpc.py" in before
+
+    reward = tmp_path / "proto" / "tlt" / "v1" / "reward.proto"
+    good = reward.read_text()
+    reward.write_text(good.replace("bool correct = 5;", "bool correct = 5 this is not protobuf"))
+    with pytest.raises(RuntimeError, match="protoc failed"):
+        protogen.main([])
+    assert {p.name: p.read_bytes() for p in out.glob("*_pb2*.py*")} == before
+    assert not list(tmp_path.glob(".protogen-*")), "the temporary folder is removed"
+
+    # a successful run replaces the modules (and removes those of a proto that no longer exists)
+    reward.write_text(good.replace("bool correct = 5;", "bool correct = 5;\n  string verdict_detail = 6;"))
+    (out / "removed_pb2.py").write_text("# generated from a proto that no longer exists\n")
+    assert protogen.main([]) == 0
+    after = {p.name: p.read_bytes() for p in out.glob("*_pb2*.py*")}
+    assert set(after) == set(before) and b"verdict_detail" in after["reward_pb2.py"]
+    assert after["rollout_pb2.py"] == before["rollout_pb2.py"]
+    assert protogen.stale_files() == []

@@ -9,6 +9,7 @@ a fake of any process boundary.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -16,7 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -250,6 +253,39 @@ def test_stream_with_malformed_and_failing_items() -> None:
         assert not out[""].ok and "no id" in out[""].error
         assert out["3"].ok and out["3"].correct
         assert 'reason="verifier_error"} 1.0' in s.metrics.render().decode()
+
+
+def test_a_long_stream_holds_only_the_items_in_flight() -> None:
+    """ScoreStream kept every item's future (and with it its result) in a list until the stream ended, so
+    a long-lived stream grew without bound. After 3000 items are answered on one stream that stays open,
+    the server must still reference at most the in-flight items. Observed through weak references to what
+    the real pool.submit returned (the wrapper only records; the real pool scores)."""
+    limit, n = 8, 3000
+    with RewardServer(_config(max_inflight_per_stream=limit)) as s:
+        futures: list[weakref.ref] = []
+        real_submit = s.servicer.pool.submit
+
+        def recording_submit(*args: object, **kwargs: object) -> Future:
+            fut = real_submit(*args, **kwargs)
+            futures.append(weakref.ref(fut))
+            return fut
+
+        s.servicer.pool.submit = recording_submit  # type: ignore[method-assign]
+        finish = threading.Event()
+
+        def produce() -> Iterator[Req]:
+            for i in range(n):
+                yield Req(id=f"i{i}", completion=r"\boxed{1}", reference="1")
+            finish.wait(30)  # the stream stays open while the server's state is inspected
+
+        call = _stub(s).ScoreStream(produce(), timeout=60)
+        got = [next(call) for _ in range(n)]
+        gc.collect()
+        alive = sum(ref() is not None for ref in futures)
+        finish.set()
+        assert list(call) == []
+    assert len(got) == n and all(r.ok and r.correct for r in got) and len(futures) == n
+    assert alive <= limit + 1, f"{alive} futures of {n} answered items still held by the stream"
 
 
 # ---- the client -------------------------------------------------------------------------------

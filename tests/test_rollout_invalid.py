@@ -64,6 +64,10 @@ CASES = [
     ("too_many_prompts", "completions", ok_completion(M, prompt=[[1]] * 4097), 400, "4097 prompts is over the limit"),
     # values the engine's sampler cannot take (they killed the replica, failing every request on it)
     ("top_k_huge", "completions", ok_completion(M, top_k=10**30), 400, "top_k"),
+    # seed travels as gRPC's int64 (and int64 engine seeds): 2**63 was accepted over HTTP
+    ("seed_beyond_int64", "completions", ok_completion(M, seed=2**63), 400, "seed"),
+    ("seed_below_int64", "chat/completions", ok_chat(M, seed=-(2**63) - 1), 400, "seed"),
+    ("seed_huge", "completions", ok_completion(M, seed=10**30), 400, "seed"),
     ("top_k_huge_negative", "chat/completions", ok_chat(M, top_k=-(10**30)), 400, "top_k"),
     ("temperature_underflows", "completions", ok_completion(M, temperature=1e-40), 400, "temperature"),
     ("temperature_underflows_chat", "chat/completions", ok_chat(M, temperature=5e-324), 400, "temperature"),
@@ -106,6 +110,13 @@ def test_invalid_http_request(server, name, path, body, status, words):
     assert set(err) == {"message", "type", "param", "code"}
     assert words in err["message"], err["message"]
     assert err["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_int64_extreme_seeds_are_accepted(server):
+    """The seed check refuses only what int64 cannot hold: its two ends still generate."""
+    for seed in (2**63 - 1, -(2**63)):
+        r = _send(server, "completions", ok_completion(M, seed=seed, temperature=1.0))
+        assert r.status_code == 200, r.text
 
 
 def test_unknown_route_and_method(server):

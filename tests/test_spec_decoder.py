@@ -534,3 +534,29 @@ def test_bandit_reward_counts_only_the_tokens_a_stop_keeps(ckpt, monkeypatch):
             rewarded += 1
         cut += dec.emitted_tokens - emitted0 > kept  # the decoder's path was longer than what the stop kept
     assert rewarded > 3 and cut > 0, (rewarded, cut)
+
+
+def test_no_arm_within_the_verify_token_budget_decodes_plainly(ckpt, monkeypatch):
+    """With a budget of 8 verified tokens, batch 1 fits 4_2_8, batch 2 fits 3_1_4 and batch >= 3 fits no
+    arm (3_2_6 x 3 = 18, 2_1_3 x 3 = 9). The guard used to run the smallest arm anyway (9 > 8 tokens);
+    such a step must decode plainly, counted as over_budget, and the output stays the plain greedy one."""
+    budget = 8
+
+    def reqs() -> list[GenerationRequest]:  # three lengths: the batch falls 3 -> 2 -> 1
+        return [GenerationRequest(r.request_id, r.prompt_token_ids,
+                                  SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), 1)
+                for r, m in zip(_requests(3, 1), (16, 28, 40))]
+
+    plain = _engine(ckpt).generate(reqs())
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", verify_token_budget=budget, **SPEC), eng.runner, eng.block_manager)
+    verified = []  # each verify pass's draft_tokens x batch (instrumentation; the real forward runs)
+    real_forward = dec._verify_forward
+    monkeypatch.setattr(dec, "_verify_forward", lambda arm, tree, n_list, *a:
+                        verified.append(arm.draft_tokens * len(n_list)) or real_forward(arm, tree, n_list, *a))
+    spec = _spec_generate(eng, dec, reqs())
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    st = dec.stats()
+    assert verified and max(verified) <= budget, verified
+    assert st["over_budget"] > 0 and st["verify_steps"] == len(verified), st
+    assert sum(b["over_budget"] for b in st["bandit"]) == st["over_budget"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -72,12 +73,27 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("generated code is fresh")
         return 0
-    out = ROOT.joinpath(*OUT_PACKAGE)
-    for p in out.glob("*_pb2*.py*"):
-        p.unlink()
-    generate(ROOT)
+    out = regenerate()
     print(f"generated {len(list(out.glob('*_pb2*.py*')))} files in {out}")
     return 0
+
+
+def regenerate() -> Path:
+    """Regenerate the package's modules in place; return their folder. protoc writes into a temporary
+    folder first and the package's files are replaced only once it succeeded: a failed run (a broken
+    .proto) leaves the previous modules, so the package still imports. Modules of protos that no longer
+    exist are removed. The temporary folder is under ROOT (the package's file system): each `os.replace`
+    is atomic."""
+    out = ROOT.joinpath(*OUT_PACKAGE)
+    with tempfile.TemporaryDirectory(prefix=".protogen-", dir=ROOT) as tmp:
+        fresh = generate(Path(tmp))  # raises on a protoc failure, before anything in `out` is touched
+        names = {p.name for p in fresh}
+        for p in out.glob("*_pb2*.py*"):
+            if p.name not in names:
+                p.unlink()
+        for p in fresh:
+            os.replace(p, out / p.name)
+    return out
 
 
 if __name__ == "__main__":

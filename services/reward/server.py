@@ -125,29 +125,41 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     ) -> Iterator[reward_pb2.ScoreResponse]:
         ready: queue.Queue[object] = queue.Queue()
         slots = threading.BoundedSemaphore(self.config.max_inflight_per_stream)
-        pending: list[Future] = []
+        # how many submitted items have no result queued yet: a count, not their futures, so an item leaves
+        # the stream's state once its result is queued (a list of every future kept every result for the
+        # stream's whole life: memory grew with a long-lived stream)
+        queued = threading.Condition()
+        unqueued = 0
         failed: list[Exception] = []
 
         def deliver(fut: Future) -> None:
+            nonlocal unqueued
             slots.release()
-            ready.put(fut.result())
+            try:
+                ready.put(fut.result())
+            finally:  # after the put: _DONE, queued once this count is 0, cannot overtake a result
+                with queued:
+                    unqueued -= 1
+                    queued.notify_all()
 
         def read() -> None:
+            nonlocal unqueued
             try:
                 for item in request_iterator:
                     while not slots.acquire(timeout=0.5):
                         if not context.is_active():
                             return
                     fut = self.pool.submit(self.score_one, item)
-                    pending.append(fut)
+                    with queued:
+                        unqueued += 1
                     fut.add_done_callback(deliver)
             except grpc.RpcError:
                 pass  # the client went away; the call ends below
             except Exception as e:  # noqa: BLE001 - re-raised (or turned into a status) in the handler thread
                 failed.append(e)
             finally:
-                for fut in list(pending):
-                    fut.exception()  # wait: every result is queued before _DONE
+                with queued:
+                    queued.wait_for(lambda: unqueued == 0)  # every result is queued before _DONE
                 ready.put(_DONE)
 
         reader = threading.Thread(target=read, name="reward-stream-reader", daemon=True)

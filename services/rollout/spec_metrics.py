@@ -22,6 +22,8 @@ class SpecMetrics:
         self.switches = metrics.gauge("spec_switches", "times SD was switched on or off", r)
         self.verify = metrics.gauge("spec_verify_steps", "engine steps run as one draft + verify pass", r)
         self.plain = metrics.gauge("spec_plain_steps", "engine steps run without speculation (prefill included)", r)
+        self.over_budget = metrics.gauge("spec_over_budget_steps", "steps SD would have run but decoded plainly: "
+                                         "no arm fit the verify-token budget at the batch size", r)
         self.step = metrics.gauge("spec_last_step_seconds", "wall time of the last verify step (the whole engine step)", r)
         self.catch_up = metrics.gauge("spec_catch_up_seconds", "drafter catch-up after steps without SD (total; in "
                                       "the step times, left out of the bandit's rewards)", r)
@@ -45,6 +47,7 @@ class SpecMetrics:
         self.switches.labels(r).set(spec.get("switches", 0))
         self.verify.labels(r).set(spec.get("verify_steps", 0))
         self.plain.labels(r).set(spec.get("plain_steps", 0))
+        self.over_budget.labels(r).set(spec.get("over_budget", 0))
         self.step.labels(r).set(spec.get("last_step_seconds", 0.0))
         self.catch_up.labels(r).set(spec.get("catch_up_seconds", 0.0))
         self.accept.labels(r).set(spec.get("mean_accept_len", 0.0))

@@ -46,6 +46,7 @@ class SamplingParams:
     MAX_LOGPROBS = 20
     MIN_TEMPERATURE = 1e-20  # below it (float32) logits / temperature overflow to inf: NaN probabilities
     TOP_K_LIMIT = 2**31  # any k >= the vocabulary means all of it anyway
+    SEED_LIMIT = 2**63  # seeds are int64: gRPC's SamplingParams.seed field and the engine's generators
 
     def validate(self) -> None:
         """Raise ValueError with a message fit for a 400 response."""
@@ -59,6 +60,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if not -self.TOP_K_LIMIT <= self.top_k < self.TOP_K_LIMIT:  # it travels as an int64 tensor
             raise ValueError(f"top_k must be below {self.TOP_K_LIMIT} (<= 0: off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -self.SEED_LIMIT <= self.seed < self.SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in the int64 range [-2**63, 2**63 - 1], got {self.seed!r}")
         if not isinstance(self.min_p, (int, float)) or not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

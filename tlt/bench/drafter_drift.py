@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import argparse
 
+from tlt.bench import at_least
+
 PROMPT_SEED_STRIDE = 1_000_003  # prompt generators of different --seed values never meet (tags stay far below it)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="policy checkpoint; default: a random tiny Qwen2 in a temp dir")
-    parser.add_argument("--updates", type=int, default=10, help="K policy updates")
-    parser.add_argument("--policy-steps", type=int, default=8, help="optimizer steps per policy update")
-    parser.add_argument("--drafter-steps", type=int, default=20, help="online drafter micro-steps per update")
-    parser.add_argument("--warmup-steps", type=int, default=60, help="drafter micro-steps on version 0")
-    parser.add_argument("--rollouts", type=int, default=16, help="greedy rollouts per version")
-    parser.add_argument("--length", type=int, default=48, help="tokens per rollout")
-    parser.add_argument("--depth", type=int, default=6, help="chain depth of the acceptance simulation")
+    parser.add_argument("--updates", type=at_least(1), default=10, help="K policy updates")
+    parser.add_argument("--policy-steps", type=at_least(0), default=8, help="optimizer steps per policy update")
+    parser.add_argument("--drafter-steps", type=at_least(0), default=20, help="online drafter micro-steps per update")
+    parser.add_argument("--warmup-steps", type=at_least(0), default=60, help="drafter micro-steps on version 0")
+    parser.add_argument("--rollouts", type=at_least(1), default=16, help="greedy rollouts per version")
+    parser.add_argument("--length", type=at_least(2), default=48, help="tokens per rollout")
+    parser.add_argument("--depth", type=at_least(1), default=6, help="chain depth of the acceptance simulation")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the policy and drafter inits, the teacher's samples, the prompts and the buffer's "
                              "sampling (the teacher's two tables, the task, are the same for every seed)")

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 
+from tlt.bench import at_least
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="target checkpoint; default: a random tiny Qwen2 built in a temp dir")
-    parser.add_argument("--preemptions", type=int, default=50, help="how many BUSY events to measure")
-    parser.add_argument("--batch-rows", type=int, default=4, help="packed rows per micro-step")
-    parser.add_argument("--batch-tokens", type=int, default=256, help="tokens per packed row")
+    parser.add_argument("--preemptions", type=at_least(1), default=50, help="how many BUSY events to measure")
+    parser.add_argument("--batch-rows", type=at_least(1), default=4, help="packed rows per micro-step")
+    parser.add_argument("--batch-tokens", type=at_least(8), default=256, help="tokens per packed row")
     parser.add_argument("--out", default="", help="write the figures as JSON here")
 
 

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import argparse
 
+from tlt.bench import at_least
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
-    parser.add_argument("--steps", type=int, default=12, help="RL steps per run")
+    parser.add_argument("--steps", type=at_least(1), default=12, help="RL steps per run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TLT and baseline runs")
     parser.add_argument("--noise-seed", type=int, default=1, help="seed of the repeated baseline (-1: skip it)")
-    parser.add_argument("--pairs", type=int, default=1,
+    parser.add_argument("--pairs", type=at_least(1), default=1,
                         help="TLT / baseline pairs, in alternating order; the ratio's median and range over them")
     parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
     parser.add_argument("--out", default="runs/bench-e2e", help="folder for the three run folders and the results")

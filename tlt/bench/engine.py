@@ -19,13 +19,15 @@ import argparse
 import json
 import sys
 
+from tlt.bench import at_least, positive_ints
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: artifacts/tiny, else a random tiny-shaped one)")
-    parser.add_argument("--batch-sizes", default="1,8,64", help="comma-separated batch sizes")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per sequence")
-    parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    parser.add_argument("--batch-sizes", type=positive_ints, default="1,8,64", help="comma-separated batch sizes")
+    parser.add_argument("--max-tokens", type=at_least(1), default=64, help="new tokens per sequence")
+    parser.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt length in tokens")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads for both sides")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per side and batch size (best is kept)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
     torch.set_num_threads(args.threads)
-    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    sizes = args.batch_sizes
     resolved = resolve_model(args.model)
     if resolved is None:
         print(f"error: {args.model} is not a checkpoint folder", file=sys.stderr)

@@ -98,6 +98,7 @@ import argparse
 import json
 import sys
 
+from tlt.bench import at_least
 from tlt.bench.rollout_report import BUCKETS, add_speedups, median_result, mode_result, print_table
 
 MODES = ("off", "ngram", "static-ngram", "learned", "static-learned")
@@ -107,17 +108,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: artifacts/tiny, else a random tiny-shaped one)")
     parser.add_argument("--drafter", default=None, help="drafter folder for the learned modes")
     parser.add_argument("--modes", default="off,ngram,static-ngram,learned", help=f"comma-separated, from {','.join(MODES)}")
-    parser.add_argument("--prompts", type=int, default=8, help="distinct prompts")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt (a GRPO group)")
-    parser.add_argument("--prompt-len", type=int, default=24, help="prompt length in tokens")
-    parser.add_argument("--median-tokens", type=int, default=24, help="median response length")
-    parser.add_argument("--max-tokens", type=int, default=320, help="longest response (the tail's cap)")
+    parser.add_argument("--prompts", type=at_least(1), default=8, help="distinct prompts")
+    parser.add_argument("--n", type=at_least(1), default=4, help="samples per prompt (a GRPO group)")
+    parser.add_argument("--prompt-len", type=at_least(1), default=24, help="prompt length in tokens")
+    parser.add_argument("--median-tokens", type=at_least(1), default=24, help="median response length")
+    parser.add_argument("--max-tokens", type=at_least(1), default=320, help="longest response (the tail's cap)")
     parser.add_argument("--sigma", type=float, default=1.2, help="log-normal sigma of response lengths (the tail's weight)")
     parser.add_argument("--workload", choices=("synthetic", "task"), default="synthetic",
                         help="forced log-normal lengths on random prompts, or task problems at natural lengths")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy, modes must match token for token; > 0: seeded sampling (no identity check)")
-    parser.add_argument("--threshold", type=int, default=16, help="SD runs while the running batch is <= this")
+    parser.add_argument("--threshold", type=at_least(1), default=16, help="SD runs while the running batch is <= this")
     parser.add_argument("--static-arm", default="8_4_16", help="arm of the static modes")
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms (steps_topk_drafttokens) of the adaptive modes' bandit in every "
@@ -148,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time what the adaptive modes' decoder adds to a plain step at the full batch "
                              "(its hooks, by CPU time) against the step's forward: the >= 64 bucket's overhead, "
                              "measured directly instead of through run-to-run noise")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -18,8 +18,10 @@ and holds their statistics; each (arm, batch size) keeps its own window of the l
 Reward of one SD step = tokens kept over the whole batch (accepted drafts + one bonus per
 sequence, less what a stop cut off: the engine passes the count it appended) / step wall time:
 measured tokens per second. A guard skips arms whose
-draft_tokens x batch_size exceeds the verify-token budget; if it skips every arm, the arm with the
-fewest draft tokens is used. The RNG is seeded. Not thread-safe: the engine step loop owns it.
+draft_tokens x batch_size exceeds the verify-token budget ("plain" verifies nothing and always fits);
+if it skips every arm, `choose` returns None: that step decodes plainly, unrewarded (no arm was
+chosen) and counted per bucket as `over_budget`. The RNG is seeded. Not thread-safe: the engine
+step loop owns it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class BucketStats:
     arms: tuple[ArmStats, ...]
     explored: int
     exploited: int
+    over_budget: int  # steps at which no arm fit the verify-token budget (decoded plainly, no choice)
 
 
 class BucketedEpsilonGreedy:
@@ -115,6 +118,7 @@ class BucketedEpsilonGreedy:
         self._latest_size: list[int | None] = [None] * len(self.arms)  # per bucket: the last batch size recorded
         self._explored = [0] * len(self.arms)
         self._exploited = [0] * len(self.arms)
+        self._over_budget = [0] * len(self.arms)
 
     def bucket(self, batch_size: int) -> int:
         """Index of the last threshold <= batch_size (batches below the first threshold use bucket 0)."""
@@ -132,15 +136,21 @@ class BucketedEpsilonGreedy:
         return str(lo) if hi == lo else f"{lo}-{hi}"
 
     def eligible(self, batch_size: int) -> tuple[Arm, ...]:
+        """The bucket's arms within the verify-token budget at this batch size; may be empty. "plain"
+        always fits: it verifies nothing."""
         arms = self.arms[self.bucket(batch_size)]
         if self.budget is None:
             return arms
-        ok = tuple(a for a in arms if a.draft_tokens * batch_size <= self.budget)
-        return ok or (min(arms, key=lambda a: a.draft_tokens),)
+        return tuple(a for a in arms if a.is_plain or a.draft_tokens * batch_size <= self.budget)
 
-    def choose(self, batch_size: int) -> Arm:
+    def choose(self, batch_size: int) -> Arm | None:
+        """The arm for a step at this batch size, or None when no arm fits the verify-token budget: the
+        step must decode plainly (a fallback arm over the budget would break the guard)."""
         b = self.bucket(batch_size)
         arms = self.eligible(batch_size)
+        if not arms:
+            self._over_budget[b] += 1
+            return None
         here = [self._rewards[b][a].get(batch_size) for a in arms]  # each arm's rewards at this batch size
         untried = [a for a, r in zip(arms, here) if not r]
         if untried:
@@ -181,5 +191,6 @@ class BucketedEpsilonGreedy:
                 stats.append(ArmStats(a.name, sum(len(r) for r in by_size.values()),
                                       latest.median() if latest else None, self._chosen[b][a],
                                       {size: r.median() for size, r in sorted(by_size.items())}))
-            out.append(BucketStats(self.label(b), tuple(stats), self._explored[b], self._exploited[b]))
+            out.append(BucketStats(self.label(b), tuple(stats), self._explored[b], self._exploited[b],
+                                   self._over_budget[b]))
         return tuple(out)

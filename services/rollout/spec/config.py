@@ -44,8 +44,9 @@ class SpecConfig(ServiceConfig):
     window: int = Field(300, ge=1, description="bandit sliding window of rewards per arm (median over it)")
     verify_token_budget: int = Field(
         2048, ge=0, description="most draft tokens one verify step may check over the batch (0 = no limit). "
-        "adaptive: the bandit skips arms whose draft_tokens x batch exceeds it; static: `static_arm`'s draft_tokens "
-        "x `threshold` (the largest batch SD runs at) must not exceed it, else the config is refused"
+        "adaptive: the bandit skips arms whose draft_tokens x batch exceeds it, and a step where no arm of the "
+        "bucket fits decodes plainly (counted as over_budget); static: `static_arm`'s draft_tokens x `threshold` "
+        "(the largest batch SD runs at) must not exceed it, else the config is refused"
     )
     chain_min_prob: float = Field(
         0.0, ge=0.0, lt=1.0, description="learned chains (topk = 1): a sequence's chain stops at the first draft whose "

@@ -17,7 +17,8 @@ is written at slot c + i with RoPE position c + depth_i. After acceptance the ro
 nodes (path[1..a]) must sit at c .. c + a: copied there. num_computed becomes c + 1 + a; the emitted
 bonus token is the new last token. The caller (the engine) appends the emitted tokens with its usual
 per-token stop checks and stamps; tokens after a stop are dropped and the sequence finishes.
-Returns None (the caller decodes plainly) when the KV cache has no room for the drafts.
+Returns None (the caller decodes plainly) when the KV cache has no room for the drafts, or when no
+arm fits the verify-token budget at the batch size (adaptive; counted as `over_budget`).
 
 Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` does exactly this):
 
@@ -110,6 +111,7 @@ class SpecDecoder:
         self.drafted_tokens = 0
         self.last_arm: Arm | None = None
         self.no_room = 0
+        self.over_budget = 0  # steps decoded plainly because no arm fit the verify-token budget
         self.kv_copies = 0  # accepted nodes whose K/V had to move (a branch other than the first was taken)
         self.arm_stats: dict[str, dict[str, int]] = {}  # per arm: verify_steps, seq_steps, emitted (tokens)
         # the last step's reward, until finish_step: (batch, arm, tokens, start, catch-up seconds to leave out)
@@ -130,21 +132,26 @@ class SpecDecoder:
         self._behind |= not speculate  # the step decodes plainly: the drafter falls behind by its tokens
         return speculate
 
-    def choose_arm(self, batch_size: int) -> Arm:
+    def choose_arm(self, batch_size: int) -> Arm | None:
+        """The step's arm; None: no bandit arm fits the verify-token budget at this batch size."""
         return self.static_arm if self.config.mode == "static" else self.bandit.choose(batch_size)
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[SpecEmission] | None:
         """One draft + verify step of `seqs`, or None: the engine decodes this step plainly (the arm is
-        "plain", or the KV cache has no room for the drafts) and then calls `finish_step` as after a
-        verify step."""
+        "plain", no arm fits the verify-token budget, or the KV cache has no room for the drafts) and
+        then calls `finish_step` as after a verify step."""
         self.finish_step()  # a previous step's reward the caller did not close
         t0 = time.perf_counter()
         for s in seqs:
             if s.num_computed != s.num_tokens - 1:
                 raise ValueError(f"{s} is not in decode state (num_computed must be num_tokens - 1)")
         arm = self.choose_arm(len(seqs))
+        if arm is None:  # every arm is over the verify-token budget: decode plainly, nothing to reward
+            self.over_budget += 1
+            self._behind = True
+            return None
         if arm.is_plain:  # the bandit chose not to speculate: the engine decodes this step plainly
             self._pending = (len(seqs), arm, len(seqs), t0, 0.0)  # one token per sequence, rewarded in finish_step
             self._count_arm(arm, len(seqs), len(seqs))
@@ -349,6 +356,7 @@ class SpecDecoder:
             "drafted_tokens": self.drafted_tokens,
             "last_arm": None if self.last_arm is None else self.last_arm.name,
             "no_room": self.no_room,
+            "over_budget": self.over_budget,  # steps decoded plainly: no arm fit the verify-token budget
             "kv_copies": self.kv_copies,
             "cold_starts": getattr(self.source, "cold_starts", 0),
             "catch_ups": self.catch_ups,  # verify steps that first caught the drafter up (after steps without SD)
@@ -357,7 +365,7 @@ class SpecDecoder:
             "arms": {k: dict(v) for k, v in self.arm_stats.items()},
             # adaptive: per bandit bucket, how often it explored / exploited and each arm's data
             "bandit": [] if self.config.mode != "adaptive" else [
-                {"bucket": b.label, "explored": b.explored, "exploited": b.exploited,
+                {"bucket": b.label, "explored": b.explored, "exploited": b.exploited, "over_budget": b.over_budget,
                  "arms": [{"arm": a.arm, "samples": a.samples, "median_reward": a.median_reward, "chosen": a.chosen}
                           for a in b.arms]}
                 for b in self.bandit.snapshot()],
