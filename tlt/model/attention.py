@@ -47,6 +47,9 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [G, 1, max_q, Lk] bool, True = attend; None = every key visible
     max_q: int
     kernel: KernelTables | None = None  # set for decode / tree groups built for the Triton kernels (SDPA fields unused)
+    # SDPA groups: the K and V gather buffers of this step, allocated by the first layer and reused by the
+    # others (a fresh buffer per layer page-faults: ~5x the copy itself for a batch-64 decode on CPU)
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -183,7 +186,10 @@ def attend_groups(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: Att
             assert kernel_attend is not None, "metadata built for_kernels=True needs a model with kernels='triton'"
             og = kernel_attend(q, kc, vc, g, scale)
         else:
-            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.mask, g.max_q, scale)
+            if g.scratch is None:
+                shape = (g.block_index.shape[0], *kc.shape[1:])
+                g.scratch = (kc.new_empty(shape), vc.new_empty(shape))
+            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.mask, g.max_q, scale, *g.scratch)
         if out is None:
             return og
         out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])

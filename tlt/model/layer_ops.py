@@ -92,6 +92,7 @@ def post_attention(
 def group_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, q_index: Optional[torch.Tensor],  # noqa: UP045
     block_index: torch.Tensor, lk: int, mask: Optional[torch.Tensor], max_q: int, scale: float,  # noqa: UP045
+    k_buf: torch.Tensor, v_buf: torch.Tensor,
 ) -> torch.Tensor:
     """Attention of one group of sequences over the paged cache -> [G * max_q, nh * d] (padded rows included).
 
@@ -105,10 +106,32 @@ def group_attention(
     g = q.shape[0] // max_q
     qg = q.view(g, max_q, nh, d).transpose(1, 2)
     # gather whole blocks (contiguous copies), then keep the first lk key positions: [G, kvh, lk, d]
-    kg = kc.index_select(0, block_index).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
-    vg = vc.index_select(0, block_index).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
+    kg = torch.index_select(kc, 0, block_index, out=k_buf).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
+    vg = torch.index_select(vc, 0, block_index, out=v_buf).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
     og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=nh != kvh)
     return og.transpose(1, 2).reshape(g * max_q, nh * d)
+
+
+def dense_attention(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, kd: torch.Tensor,
+    vd: torch.Tensor, rows: Optional[torch.Tensor], lk: int, mask: Optional[torch.Tensor], scale: float,  # noqa: UP045
+) -> torch.Tensor:
+    """Decode rows over dense per-row K/V (`decode_mirror`) -> [B, nh * d]: `group_attention` without the gather.
+
+    q: [B, nh, d] one new token per row, whose K/V the cache holds at `slots` (k_flat/v_flat
+    [num_slots, kvh, d]); rows [B * kvh], when given, is where they go in kd/vd [B, kvh, cap, d]
+    (appended here, in the script: a decode step's mirror work costs no interpreter time per layer).
+    Keys are the first lk positions; mask [B, 1, 1, lk] (None: all visible). The same SDPA call as
+    `group_attention` on the same values: bitwise the same output.
+    """
+    b, nh, d, kvh = q.shape[0], q.shape[1], q.shape[2], kd.shape[1]
+    if rows is not None:
+        kd.view(-1, d).index_copy_(0, rows, k_flat.index_select(0, slots).view(-1, d))
+        vd.view(-1, d).index_copy_(0, rows, v_flat.index_select(0, slots).view(-1, d))
+    qg = q.view(b, 1, nh, d).transpose(1, 2)
+    og = F.scaled_dot_product_attention(qg, kd[:, :, :lk], vd[:, :, :lk], attn_mask=mask, scale=scale,
+                                        enable_gqa=nh != kvh)
+    return og.transpose(1, 2).reshape(b, nh * d)
 
 
 def _script(fn):
@@ -123,3 +146,4 @@ def _script(fn):
 pre_attention_fn = _script(pre_attention)
 post_attention_fn = _script(post_attention)
 group_attention_fn = _script(group_attention)
+dense_attention_fn = _script(dense_attention)

@@ -29,7 +29,10 @@ Two implementations, chosen once per model (`kernels`, the engine's `EngineConfi
   the batch to its longest context, one SDPA call per group (decode rows and
   extend rows are separate groups so a long prefill does not pad every decode
   row). The layer maths around attention lives in `layer_ops` (TorchScript;
-  oneDNN packed, norm-folded weights on CPU).
+  oneDNN packed, norm-folded weights on CPU). Plain decode steps (one new
+  token per sequence, no tree) skip the gather: they read a dense copy of the
+  batch's K/V that each step appends to in place (`decode_mirror`, rebuilt
+  when the batch changes; bitwise the same output).
 - "triton" (the default on CUDA; on CPU only under TRITON_INTERPRET=1, for
   tests): `kernel_ops` runs RMSNorm and residual-add + RMSNorm, RoPE and, for
   decode rows and speculative verify trees, paged attention as the Triton
@@ -53,8 +56,10 @@ import torch.nn.functional as F
 
 from tlt.kernels.launch import Impl, resolve_impl
 from tlt.model.config import ModelConfig
+from tlt.model.decode_mirror import DecodeMirror, MirrorStep
 from tlt.model.attention import AttentionGroup, AttentionMetadata, KernelTables, attend_groups  # noqa: F401 (re-exported)
 from tlt.model.layer_ops import (
+    dense_attention_fn,
     linear,
     onednn_works,
     pack,
@@ -158,6 +163,7 @@ class Transformer:
         self.v_caches: list[torch.Tensor] = []
         self.k_flat: list[torch.Tensor] = []  # the same caches viewed as [num_blocks * block_size, kvh, d]
         self.v_flat: list[torch.Tensor] = []
+        self.mirror: DecodeMirror | None = None  # "torch" kernels: plain decode steps skip the gather (decode_mirror)
         self.scale = cfg.head_dim**-0.5
         self._eps = torch.tensor(cfg.rms_norm_eps, dtype=torch.float32, device=self.device)
         # the Triton path reads the HF-layout weights (never packed / norm-folded)
@@ -213,11 +219,15 @@ class Transformer:
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.k_flat = [c.view(-1, shape[2], shape[3]) for c in self.k_caches]
         self.v_flat = [c.view(-1, shape[2], shape[3]) for c in self.v_caches]
+        if self.kernels == "torch":
+            self.mirror = DecodeMirror(len(self.layers), num_blocks, block_size, shape[2], shape[3], self.dtype, self.device)
 
     @torch.inference_mode()
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every layer's K/V from src slots to dst slots (speculative decoding keeps the accepted path)."""
         kvh, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        if self.mirror is not None:
+            self.mirror.invalidate()
         for cache in (*self.k_caches, *self.v_caches):
             flat = cache.view(-1, kvh, d)
             flat[dst_slots] = flat[src_slots]
@@ -233,12 +243,34 @@ class Transformer:
         sin = self.sin_signed[positions][:, None, :]
         x = F.embedding(input_ids, self.embed)
         slots = attn.slot_mapping
+        step = self._mirror_step(attn)
+        scratch: torch.Tensor | None = None  # a rebuilding step's gather buffer, shared by the layers
         for li, L in enumerate(self.layers):
             q = pre_attention_fn(x, L.k_ln1, L.k_qkv, L.qkv_bias, L.qk_norm, packed, eps, exact, cos, sin,
                                  self.k_flat[li], self.v_flat[li], slots, nh, kvh, d)
-            o = attend_groups(q, self.k_caches[li], self.v_caches[li], attn, self.scale)
+            if step is not None:
+                if step.rebuild_index is not None:
+                    if scratch is None:
+                        scratch = self.k_caches[li].new_empty(step.rebuild_index.shape[0], *self.k_caches[li].shape[1:])
+                    self.mirror.rebuild(li, step, self.k_caches[li], self.v_caches[li], scratch)
+                kd, vd = self.mirror.views[li]
+                o = dense_attention_fn(q, self.k_flat[li], self.v_flat[li], slots, kd, vd, step.append_rows,
+                                       attn.groups[0].lk, attn.groups[0].mask, self.scale)
+            else:
+                o = attend_groups(q, self.k_caches[li], self.v_caches[li], attn, self.scale)
             x = post_attention_fn(x, o, L.k_o, L.k_ln2, L.k_gate_up, L.k_down, packed, eps, exact, inter)
+        if step is not None:
+            self.mirror.commit(step)
         return rms(x, self.norm, eps, exact)
+
+    def _mirror_step(self, attn: AttentionMetadata) -> MirrorStep | None:
+        """A plain decode step's mirror work (`decode_mirror`); any other forward writes the cache otherwise: invalidate."""
+        if self.mirror is None:
+            return None
+        if attn.tree_masks is None and all(q == 1 for q in attn.q_lens):
+            return self.mirror.plan(attn)
+        self.mirror.invalidate()
+        return None
 
     __call__ = forward
 

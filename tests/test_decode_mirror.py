@@ -1,0 +1,181 @@
+"""The decode mirror (tlt/model/decode_mirror.py) changes no result: bitwise the gather path's hidden states.
+
+Two native models with the same random weights run the same steps over their own paged caches: one
+with the mirror, one with it switched off (`model.mirror = None`: every step gathers). Every forward's
+hidden states must be bitwise equal, through what makes the mirror append, rebuild or stand aside:
+steady decode, a finished row, a reordering, a multi-token step, `copy_slots`, a row swapped for
+another sequence at the same length, a context outgrowing the capacity, a batch too big for it.
+Then the engine: greedy tokens with and without the mirror under staggered finishes and preemption.
+Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from tlt.model.config import ModelConfig
+from tlt.model.decode_mirror import GROW, MIN_BYTES
+from tlt.model.loader import validate_tensors
+from tlt.model.transformer import AttentionMetadata, build_model
+from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.engine.engine import LLMEngine
+from tlt.services.rollout.engine.testing import random_checkpoint
+from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+torch.set_num_threads(1)
+BS = 4
+
+
+def _pair(num_blocks: int):
+    """(mirrored, gathering): native Qwen2 models with the same random weights, each with its own cache."""
+    torch.manual_seed(0)
+    hf_cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    hf_cfg.architectures = ["Qwen2ForCausalLM"]
+    model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    cfg = ModelConfig.from_hf(hf_cfg.to_dict())
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    validate_tensors(cfg, tensors)
+    pair = []
+    for _ in range(2):
+        m = build_model(cfg, tensors, max_len=512)
+        m.allocate_kv_cache(num_blocks, BS)
+        pair.append(m)
+    pair[0].mirror.min_bytes = 0  # the test model is far below the size where the mirror pays off
+    pair[1].mirror = None
+    return pair
+
+
+class Harness:
+    """Sequences with pre-drawn tokens and block tables; `step` runs both models and compares them."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.mirrored, self.gathering = _pair(num_blocks)
+        self.free = list(range(num_blocks))
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.ctx: dict[str, int] = {}
+        self.gen = torch.Generator().manual_seed(1)
+
+    def add(self, name: str, prompt_len: int) -> None:
+        self.tokens[name] = torch.randint(0, 97, (prompt_len + 300,), generator=self.gen).tolist()
+        self.tables[name], self.ctx[name] = [], 0
+
+    def step(self, names: list[str], q_lens: list[int] | None = None) -> str:
+        """One forward of `names` (q_lens default 1 each) -> what the mirror did: append, rebuild or gather."""
+        q_lens = q_lens or [1] * len(names)
+        ids, pos = [], []
+        for n, q in zip(names, q_lens):
+            c, table = self.ctx[n], self.tables[n]
+            while len(table) * BS < c + q:
+                table.append(self.free.pop(0))
+            ids += self.tokens[n][c : c + q]
+            pos += list(range(c, c + q))
+        ctx = [self.ctx[n] for n in names]
+        outs = []
+        with torch.inference_mode():
+            for m in (self.mirrored, self.gathering):
+                meta = AttentionMetadata.build(q_lens, ctx, [self.tables[n] for n in names], BS)
+                outs.append(m(torch.tensor(ids), torch.tensor(pos), meta))
+        assert torch.equal(outs[0], outs[1])
+        for n, q in zip(names, q_lens):
+            self.ctx[n] += q
+        held = self.mirrored.mirror.held
+        return "gather" if held is None else "append" if held.rebuild_index is None else "rebuild"
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        for m in (self.mirrored, self.gathering):
+            m.copy_slots(torch.tensor(src), torch.tensor(dst))
+
+
+def test_mirror_appends_on_plain_decode_and_rebuilds_whenever_the_cache_may_differ():
+    h = Harness(num_blocks=400)
+    names = list("abcdef")
+    for i, n in enumerate(names):
+        h.add(n, 40 + 4 * i)
+    assert h.step(names, [h.ctx[n] + 40 + 4 * i for i, n in enumerate(names)]) == "gather"  # prefill
+    assert [h.step(names) for _ in range(4)] == ["rebuild", "append", "append", "append"]
+    names.remove("c")  # a sequence finished
+    assert [h.step(names) for _ in range(2)] == ["rebuild", "append"]
+    names = ["b", "a", *names[2:]]  # reordered
+    assert [h.step(names) for _ in range(2)] == ["rebuild", "append"]
+    assert h.step(names, [2] * len(names)) == "gather"  # a multi-token step (a chunk or a verify pass)
+    assert [h.step(names) for _ in range(2)] == ["rebuild", "append"]
+    a = h.tables["a"]  # overwrite a's newest K/V (speculative decoding keeping an accepted token)
+    h.copy_slots([a[0] * BS], [a[(h.ctx["a"] - 1) // BS] * BS + (h.ctx["a"] - 1) % BS])
+    assert [h.step(names) for _ in range(2)] == ["rebuild", "append"]
+    # row b replaced by g, one token longer: the same row count, every context + 1, but other blocks
+    h.add("g", h.ctx["b"] + 2)
+    h.step(["g"], [h.ctx["b"] + 2])
+    assert [h.step(names) for _ in range(2)] == ["rebuild", "append"]
+    assert h.ctx["g"] == h.ctx["b"]
+    assert h.step(["g" if n == "b" else n for n in names]) == "rebuild"
+
+
+def test_a_context_outgrowing_the_capacity_rebuilds_once_per_grow():
+    h = Harness(num_blocks=400)
+    names = ["a", "b", "c", "d", "e"]
+    for n in names:
+        h.add(n, 60)
+        h.step([n], [60])
+    did = [h.step(names) for _ in range(GROW + 8)]  # contexts 60 .. 131: capacity 64, then 128, then 192
+    assert did.count("rebuild") == 3 and did[0] == "rebuild" and did.count("gather") == 0
+
+
+def test_a_batch_too_big_for_the_mirror_gathers():
+    """The mirror holds at most as many positions as the paged cache: one long and five short rows do not fit."""
+    h = Harness(num_blocks=80)
+    names = ["long", *"abcde"]
+    h.add("long", 200)
+    h.step(["long"], [200])
+    for n in names[1:]:
+        h.add(n, 10)
+        h.step([n], [10])
+    assert [h.step(names) for _ in range(3)] == ["gather"] * 3
+
+
+def test_a_batch_under_min_bytes_gathers():
+    """Below `MIN_BYTES` of K+V per layer (every batch of this test model) the gather path is the faster one."""
+    h = Harness(num_blocks=400)
+    h.mirrored.mirror.min_bytes = MIN_BYTES
+    names = list("abcdef")
+    for n in names:
+        h.add(n, 60)
+        h.step([n], [60])
+    assert [h.step(names) for _ in range(3)] == ["gather"] * 3
+
+
+def test_engine_greedy_tokens_are_the_same_with_and_without_the_mirror(tmp_path):
+    """Staggered finishes, new requests joining and preemption (a small cache): the same tokens, the mirror used."""
+    ckpt = random_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                             num_kv_heads=2, max_position_embeddings=256, seed=0, weight_scale=0.05)
+    g = torch.Generator().manual_seed(0)
+    reqs = [GenerationRequest(f"r{i}", tuple(torch.randint(3, 250, (int(n),), generator=g).tolist()),
+                              SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True))
+            for i, (n, m) in enumerate(zip(torch.randint(20, 60, (24,), generator=g),
+                                           torch.randint(10, 70, (24,), generator=g)))]
+    results, appends = [], []
+    for mirror in (True, False):
+        engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, block_size=4,
+                                              num_kv_blocks=200))
+        if mirror:
+            engine.model.mirror.min_bytes = 0
+        else:
+            engine.model.mirror = None
+        for r in reqs:
+            engine.add_request(r)
+        done, n_append = {}, 0
+        while engine.has_unfinished():
+            for c in engine.step()[1]:
+                done[c.request_id] = c.token_ids
+            held = engine.model.mirror.held if mirror else None
+            n_append += held is not None and held.rebuild_index is None
+        results.append(done)
+        appends.append(n_append)
+        assert engine.stats().num_preemptions > 0
+    assert results[0] == results[1]
+    assert appends[0] > 20
