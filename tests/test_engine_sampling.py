@@ -63,11 +63,12 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(ckpt):
 
 
 def test_a_negative_seed_does_not_share_a_positive_seeds_stream(ckpt):
-    """torch's CPU generator keeps only the low 32 bits of its seed, and `seed_for` reduced modulo 2**63 - 1
+    """torch's CPU generator kept only the low 32 bits of its seed, and `seed_for` reduced modulo 2**63 - 1
     (-1 modulo 2**32): every negative seed got the stream of a positive one, seed -1 that of 2273207700 (and
-    seed -200000000 that of 2073207701, both int32). Within one 2**32 window (all int32 or all uint32
-    seeds) each seed now has its own stream for a given sample index."""
+    seed -200000000 that of 2073207701, both int32). Keys are now 64-bit (counter-based uniforms): each
+    int64 seed has its own stream for a given sample index."""
     from tlt.services.rollout.engine.sequence import Sequence
+    from tlt.services.rollout.spec.rng import counter_uniforms, key_tensor
 
     def outputs(seed: int) -> list[list[int]]:
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
@@ -78,13 +79,14 @@ def test_a_negative_seed_does_not_share_a_positive_seeds_stream(ckpt):
 
     def stream(seed: int, sample_index: int = 0) -> list[float]:
         seq = Sequence("r", sample_index, (1,), SamplingParams(temperature=1.0), 4, seed, frozenset())
-        return torch.rand(4, generator=seq.generator).tolist()
+        return counter_uniforms(key_tensor([seq.rng_key]), torch.arange(4)[None])[0].tolist()
 
     inv = pow(1_000_003, -1, 2**32)
     for s in (-1, -2, -7919, -200000000, -(2**31)):
         partner = (s - inv) % 2**32  # the seed whose stream a negative seed shared before
         assert stream(s) != stream(partner), (s, partner)
         assert stream(s) != stream(s, 1)  # the samples of one request differ
+        assert stream(s) != stream(s + 2**32)  # seeds equal modulo 2**32 (shared a generator seed) differ
 
 def test_n_samples_share_full_prompt_blocks(ckpt):
     engine = make(ckpt, block_size=8)
@@ -223,8 +225,10 @@ def test_weight_update_invalidates_cached_prefix_blocks(ckpt, hf):
     assert torch.allclose(torch.tensor(out.logprobs), ref_lp, atol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: sequences own CPU generators, logits are on the GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: logits on the GPU, counter uniforms drawn there")
 def test_sampling_cuda_logits_with_the_sequences_cpu_generators():
+    """Sampling GPU logits gives the CPU's tokens (it once raised: sequences owned CPU generators; the counter
+    uniforms are now computed on the logits' device, bit for bit the same integers)."""
     from tlt.services.rollout.engine.sampler import sample
     from tlt.services.rollout.engine.sequence import Sequence
 

@@ -97,8 +97,8 @@ def test_ngram_indexes_are_dropped_when_a_request_is_over(ckpt):
 
 def test_a_seeded_sample_does_not_depend_on_what_else_is_in_its_batch(ckpt):
     """A seeded request gives the same tokens alone and batched with others, with speculation on as
-    without (sampler.py, accept.py: each sequence's generator advances by its own draws only). Each verify
-    step used to draw one uniform per node of the batch's LARGEST tree for every row, so a sequence's
+    without (sampler.py, accept.py, rng.py: each uniform is a function of the sequence's key and position).
+    Each verify step used to draw one uniform per node of the batch's LARGEST tree for every row, so a sequence's
     stream, hence its sampled tokens, changed with the trees of unrelated requests beside it."""
     spec = SpecConfig(mode="static", static_arm="4_2_8", threshold=64, hysteresis_steps=1, drafter="ngram")
     params = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=123)

@@ -10,6 +10,10 @@ child whenever it is the target's argmax; for rejection sampling, accept a draft
 target's argmax) must fail the same test: that proves the test has power. Rejection sampling is also run
 with an overconfident drafter (its logits sharpened): with the plain one p(argmax) < q(argmax) almost
 everywhere, so the rule accepts the argmax anyway and the argmax-accepting variant went undetected.
+Every uniform is the engine's counter-based one (`spec/rng.py`: a hash of the sequence key, the token
+position and the stream, keys from `seed_for` as for the n samples of one request): the tests are also
+the proof that those uniforms are good enough, for plain sampling ("plain": one draw per position) and for
+every speculative path.
 Nothing is faked: the target is a lookup table instead of a transformer only because exactness needs it.
 """
 
@@ -21,14 +25,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tlt.services.rollout.engine.sequence import seed_for
 from tlt.services.rollout.spec.accept import (
     chain_accept_rejection,
     node_targets,
     sample_probs,
     tree_accept,
-    uniforms,
 )
 from tlt.services.rollout.spec.filters import filtered_probs
+from tlt.services.rollout.spec.rng import ACCEPT, DRAFT, PLAIN, RESIDUAL, counter_uniforms, key_tensor
 from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
 
 V, L, N_SAMPLES = 8, 3, 20_000
@@ -66,6 +71,7 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
     number of drafts accepted per verify step (so the tests can check speculation really happened)."""
     gen = torch.Generator().manual_seed(seed)
     b = N_SAMPLES
+    keys = key_tensor([seed_for(seed, i) for i in range(b)])  # one request's samples: consecutive indices
     out = torch.full((b, L + arm.steps + 1), -1, dtype=torch.long)
     count = torch.zeros(b, dtype=torch.long)
     prev = torch.full((b,), PROMPT[0])
@@ -73,14 +79,17 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
     rows = torch.arange(b)
     accepted = []
     while bool((count < L).any()):
+        first = count[:, None]  # position (in the continuation) of the token the root's child takes
         if mode in ("rejection", "broken-rejection"):
             drafts, p_steps, tok = [], [], last
-            for _ in range(arm.steps):
+            for i in range(arm.steps):
                 p = drafter[tok].exp()
-                tok = sample_probs(p, uniforms((b,), gen))
+                tok = sample_probs(p, counter_uniforms(keys, first + i, DRAFT)[:, 0])
                 drafts.append(tok)
                 p_steps.append(p)
             tree = chain_tree(last, torch.stack(drafts, 1))
+        elif mode == "plain":  # no speculation: a root-only tree, one draw per position
+            tree = chain_tree(last, torch.empty(b, 0, dtype=torch.long))
         else:
             tree = build_tree(last, lambda step, beam, beam_tok: drafter[beam_tok], arm)
         if mode == "cut":  # confidence-cut chains (chain_min_prob): each row keeps a random number of
@@ -93,12 +102,13 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
         logits = target[node_prev, toks]  # [B, N, V]: q at every node in one "forward"
         if mode in ("rejection", "broken-rejection"):
             q = filtered_probs(logits, temperature, 0, top_p)
-            u = uniforms((b, arm.steps + 1), gen)
+            u = torch.cat([counter_uniforms(keys, first + torch.arange(arm.steps), ACCEPT),
+                           counter_uniforms(keys, first, RESIDUAL)], 1)
             if mode == "broken-rejection":  # accept a draft whenever it is the target's argmax there: biased
                 u[:, :-1] = u[:, :-1].masked_fill(tree.tokens[:, 1:] == logits[:, :-1].argmax(-1), 0.0)
             res = chain_accept_rejection(tree.tokens[:, 1:], torch.stack(p_steps, 1), q, u=u)
         else:
-            nt = node_targets(logits, temperature, 0, top_p, 0.0, gen)
+            nt = node_targets(logits, temperature, 0, top_p, 0.0, counter_uniforms(keys, first + tree.depth, PLAIN))
             tgt = nt.tokens
             if mode == "broken":  # accept whenever the target's argmax is among the drafts: biased
                 amax = logits.argmax(-1)
@@ -143,6 +153,7 @@ def _chi2(samples: torch.Tensor, exact: dict[tuple[int, ...], float]) -> float:
 
 OVERCONFIDENT = 3.0  # drafter sharpness for the rejection cases that can see an argmax-accepting rule
 CASES = [
+    ("plain", Arm(1, 1, 1), 1.0),
     ("tree", Arm(3, 3, 8), 1.0),
     ("tree", Arm(2, 2, 5), 1.0),
     ("chain", Arm(3, 1, 4), 1.0),
@@ -158,9 +169,24 @@ def test_speculative_sampling_matches_exact_target_distribution(mode, arm, sharp
     torch.set_num_threads(1)
     target, drafter = _models()
     samples, mean_accepted = _run_spec(target, _overconfident(drafter, sharpness), temperature, top_p, mode, arm)
-    assert mean_accepted > 0.15, f"the drafter is too poor for this test to exercise acceptance ({mean_accepted:.2f})"
+    assert mode == "plain" or mean_accepted > 0.15, \
+        f"the drafter is too poor for this test to exercise acceptance ({mean_accepted:.2f})"
     p = _chi2(samples, _exact(target, temperature, top_p))
     assert p > 1e-3, f"{mode} {arm} T={temperature} top_p={top_p}: chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_tree_walk_emits_plain_samplings_tokens_for_the_same_keys(temperature, top_p):
+    """Counter uniforms (rng.py): the walk draws the token at each position with the uniform plain sampling
+    uses there, from the same q, so trees, chains and cut chains emit exactly plain sampling's tokens (here
+    the logits are a table, so there is not even rounding between them), not only the same distribution."""
+    torch.set_num_threads(1)
+    target, drafter = _models()
+    plain, _ = _run_spec(target, drafter, temperature, top_p, "plain", Arm(1, 1, 1))
+    for mode, arm in (("tree", Arm(3, 3, 8)), ("tree", Arm(2, 2, 5)), ("chain", Arm(3, 1, 4)), ("cut", Arm(3, 1, 4))):
+        spec, mean_accepted = _run_spec(target, drafter, temperature, top_p, mode, arm)
+        assert mean_accepted > 0.15
+        assert torch.equal(spec, plain), f"{mode} {arm}: {int((spec != plain).any(1).sum())} samples differ"
 
 
 BROKEN = [("broken", Arm(3, 3, 8), 1.0), ("broken-rejection", Arm(3, 1, 4), OVERCONFIDENT)]

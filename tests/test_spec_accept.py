@@ -8,12 +8,14 @@ import torch
 
 from tlt.services.rollout.spec.accept import (
     chain_accept_rejection,
+    draw,
     emitted_logprobs,
     node_targets,
     sample_probs,
     tree_accept,
 )
 from tlt.services.rollout.spec.filters import filter_logits, filtered_probs
+from tlt.services.rollout.spec.rng import counter_uniforms, key_tensor
 
 P = torch.tensor([0.5, 0.25, 0.15, 0.1])
 
@@ -111,18 +113,20 @@ def test_chain_rejection_by_hand():
     assert res.accept_len.tolist() == [1] and res.tokens.tolist() == [[0, 0]]
 
 
-def test_node_targets_greedy_rows_and_per_sequence_generators():
+def test_node_targets_greedy_rows_and_per_sequence_uniforms():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 10, generator=g)
     nt = node_targets(logits, torch.tensor([0.0, 1.0, 0.0]))
     assert nt.tokens[0].tolist() == logits[0].argmax(-1).tolist()
     assert nt.tokens[2].tolist() == logits[2].argmax(-1).tolist()
     assert torch.allclose(nt.logprobs[0], logits[0].log_softmax(-1))
-    # row b's draws come from generator b only: the same seed gives the same tokens in any batch
-    gens = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
-    a = node_targets(logits, 1.0, generator=gens).tokens
-    alone = node_targets(logits[1:2], 1.0, generator=[torch.Generator().manual_seed(12)]).tokens
+    # row b's draws are a function of its own counter uniforms only: the same key gives the same tokens in any
+    # batch, and each node's token is plain sampling's `draw` with the same uniform
+    keys, pos = key_tensor([11, 12, 13]), torch.arange(4).expand(3, 4) + 7
+    a = node_targets(logits, 1.0, u=counter_uniforms(keys, pos)).tokens
+    alone = node_targets(logits[1:2], 1.0, u=counter_uniforms(keys[1:2], pos[1:2])).tokens
     assert a[1].tolist() == alone[0].tolist()
+    assert a.tolist() == draw(filter_logits(logits, 1.0), counter_uniforms(keys, pos)).tolist()
     # filtered-out tokens are never drawn
     many = node_targets(logits[:1].expand(2000, 4, 10), 0.7, top_k=2, generator=g).tokens
     top2 = logits[0].topk(2, -1).indices

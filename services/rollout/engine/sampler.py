@@ -2,14 +2,16 @@
 
     greedy rows (temperature 0):  token = argmax(logits); logprob = log_softmax(logits)[token]
     sampled rows:  q = softmax(filter_logits(logits, temperature, top_k, top_p, min_p))
-                   token ~ q drawn with the sequence's own torch.Generator
+                   token = inverse CDF of q at u(key, t)   (`accept.draw`; t = the token's position)
                    logprob = log q[token]   (the distribution actually sampled from)
 
-`filter_logits` is the one shared with speculative verification
-(`tlt.services.rollout.spec.filters`), so plain and speculative sampling
-draw from exactly the same distribution. Each sequence's generator is
-advanced once per sampled token and by nothing else, so a seeded sample is
-reproducible whatever else is in the batch and across preemption.
+`filter_logits` and `draw` are the ones speculative verification uses
+(`tlt.services.rollout.spec`), so plain and speculative sampling draw from
+exactly the same distribution. The uniform u(key, t) is counter-based
+(`spec/rng.py`): a function of the sequence's key and the token's position
+only, no generator state. So a seeded sample is reproducible whatever else is
+in the batch, across preemption, and whether its steps speculate or not: the
+tree walk draws the token at position t with this same uniform.
 Top-k alternatives (`logprobs=k`) come from the same log-distribution.
 """
 
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.spec.accept import draw
 from tlt.services.rollout.spec.filters import filter_logits
+from tlt.services.rollout.spec.rng import PLAIN, counter_uniforms, key_tensor
 
 __all__ = ["SampleResult", "filter_logits", "sample"]
 
@@ -53,13 +57,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
             torch.tensor([p.top_p for p in ps]),
             torch.tensor([p.min_p for p in ps]),
         )
-        probs = filtered.softmax(-1)
-        # draw on the generators' device (sequences own CPU generators): torch refuses a CPU generator for a
-        # CUDA tensor ("Expected a 'cuda' device type for generator"), so off-CPU rows are drawn on the CPU
-        gen_device = seqs[sampled[0]].generator.device
-        draw = probs if probs.device == gen_device else probs.to(gen_device)
-        for r, i in enumerate(sampled):
-            tokens[i] = torch.multinomial(draw[r], 1, generator=seqs[i].generator)[0]
+        # the token each row appends sits at position num_tokens: its PLAIN counter uniform (on the logits' device)
+        keys = key_tensor([seqs[i].rng_key for i in sampled], logits.device)
+        u = counter_uniforms(keys, torch.tensor([seqs[i].num_tokens for i in sampled], device=logits.device), PLAIN)
+        tokens[rows] = draw(filtered, u)
         if any(want_lp):
             dist[rows] = filtered
     token_list = tokens.tolist()

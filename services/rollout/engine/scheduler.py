@@ -6,7 +6,7 @@ Every step it builds one batch, in this order:
    within the step's token budget. A decode that needs a new KV block when
    none is free **preempts the newest running sequence** (frees its blocks,
    puts it back at the head of the queue; it is recomputed later from its
-   prompt + output, keeping its random generator), never fails.
+   prompt + output, keeping its RNG key), never fails.
 2. waiting sequences, first come first served, while the sequence cap, the
    token budget and free blocks allow: blocks are allocated for all their
    tokens (sharing full prefix blocks, see BlockManager) and the first chunk

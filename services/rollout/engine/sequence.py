@@ -2,9 +2,11 @@
 
 A request with n samples becomes n Sequences sharing the prompt. A sequence
 owns its token list (prompt + output), how many of those tokens already have
-K/V in the cache (`num_computed`), its block table, its random generator
-(seeded from (seed, sample_index), so sampling is reproducible whatever else
-is in the batch) and what it has produced: logprobs, features, versions.
+K/V in the cache (`num_computed`), its block table, its 64-bit RNG key
+(from (seed, sample_index); the uniform of the token at position t is a
+function of (key, t) alone, `tlt.services.rollout.spec.rng`, so sampling is
+reproducible whatever else is in the batch and whether or how a step
+speculates) and what it has produced: logprobs, features, versions.
 
 Invariant: `num_computed <= num_tokens`; the scheduler gives a sequence
 `num_tokens - num_computed` new tokens to compute (a prefill chunk, or exactly
@@ -32,7 +34,7 @@ class SeqStatus(enum.Enum):
 class Sequence:
     __slots__ = (
         "request_id", "sample_index", "params", "token_ids", "prompt_len", "max_tokens", "num_computed",
-        "block_table", "status", "arrival", "generator", "logprobs", "top_logprobs", "features",
+        "block_table", "status", "arrival", "rng_key", "logprobs", "top_logprobs", "features",
         "policy_versions", "finish_reason", "text", "stop_checked_len", "eos_ids", "stop_ids", "num_preemptions", "spec",
     )
 
@@ -56,9 +58,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SeqStatus.WAITING
         self.arrival = next(_arrival)
-        self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator().manual_seed(seed_for(seed, sample_index))
+        # counter-based sampling key (no generator state: see tlt.services.rollout.spec.rng); None when greedy
+        self.rng_key: int | None = None if params.greedy else seed_for(seed, sample_index)
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
         self.features: list[torch.Tensor] | None = [] if params.return_features else None  # [n, H] fp16 chunks, one per step
@@ -96,11 +97,10 @@ class Sequence:
 
 
 def seed_for(seed: int, sample_index: int) -> int:
-    """Generator seed of sample `sample_index` of a request seeded with `seed` (stable across runs).
+    """RNG key (64 bits) of sample `sample_index` of a request seeded with `seed` (stable across runs).
 
-    torch's CPU generator keeps only the low 32 bits of its seed, so the map is taken modulo 2**32 for
-    every seed, negative ones included (modulo 2**63 - 1, which is -1 modulo 2**32, gave each negative
-    seed the stream of some positive one). For one sample index, seeds that differ modulo 2**32 (any two
-    int32 seeds, or any two uint32 seeds) get different streams; the samples of one request never share
-    one (7919 is odd). Non-negative seeds below 2**43 keep the streams they had."""
-    return (seed * 1_000_003 + sample_index * 7919 + 1) % 2**32
+    Taken modulo 2**64 for every seed, negative ones included (modulo 2**63 - 1 gave each negative seed
+    the stream of some positive one). The multiplier is odd, so for one sample index any two int64 seeds
+    (or any two uint64 seeds) get different keys; the samples of one request never share one (7919 is
+    odd, and sample indices are far below 2**64 / 7919)."""
+    return (seed * 1_000_003 + sample_index * 7919 + 1) % 2**64

@@ -17,14 +17,21 @@ min(1, q_i(x_i) / p_i(x_i)); at the first rejection emit a draw from normalize(m
 if all S drafts are accepted emit a bonus draw from q_S. P(emit x) = min(p, q)(x) + (1 - sum min(p, q))
 * max(q - p, 0)(x) / sum max(q - p, 0) = q(x), since sum max(q - p, 0) = 1 - sum min(p, q).
 
-Randomness: `generator` is None, one torch.Generator, or one per sequence (row 0 of the batch). Each
-call draws a number of uniforms per row set by that row alone (its own tree's nodes: `counts` when trees
-of different sizes are padded to one batch), so a sequence's stream does not depend on its batch.
+Randomness: the engine passes uniforms `u` from the counter-based scheme of `rng.py`, a pure function of
+(sequence key, token position, stream), never a generator's state. The tree walk draws the target's token
+at a node of depth d with the PLAIN uniform of position t + d (t: the position the root's child takes),
+the one plain decoding uses at that position, through the same `draw` from the same filtered logits: so a
+seeded sample emits the tokens plain decoding emits, with speculation off, on any arm or drafter, static
+or adaptive (up to floating-point rounding of the logits between batch shapes, as for greedy). Siblings
+share their depth's uniform; only one path is emitted. Rejection-sampled chains cannot match plain
+decoding token for token (whether a draft is kept depends on the drafter's p): they draw from their own
+streams (DRAFT, ACCEPT, RESIDUAL), stay exact in distribution, but a seeded request whose steps take
+that path (`SpecConfig.chain_sampling`) is reproducible only when the same steps do so again.
+Without `u` (tests), uniforms come from `generator` (None: torch's global one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,28 +39,14 @@ import torch
 from tlt.services.rollout.spec.filters import Param, filter_logits
 from tlt.services.rollout.spec.tree import is_chain
 
-Generators = torch.Generator | Sequence[torch.Generator] | None
 
-
-def uniforms(shape: tuple[int, ...], generator: Generators, device: torch.device | str = "cpu",
-             counts: Sequence[int] | None = None) -> torch.Tensor:
-    """U[0, 1) of `shape`; with a list of generators, row b of dim 0 comes from generator b.
-
-    counts (with a list of generators, shape [B, N]): row b draws only its first counts[b] values (its own
-    tree's nodes), the rest are 0, so a sequence's stream does not depend on the other trees of its batch.
-    Draws happen on each generator's own device (sequences own CPU generators) and are then moved."""
+def uniforms(shape: tuple[int, ...], generator: torch.Generator | None = None,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """U[0, 1) of `shape` from `generator` (None: torch's global one), drawn on its device and then moved.
+    The engine does not use it (its uniforms are counter-based, `rng.counter_uniforms`): tests and tools do."""
     if generator is None:
         return torch.rand(shape, device=device)
-    if isinstance(generator, torch.Generator):
-        return torch.rand(shape, generator=generator, device=generator.device).to(device)
-    if len(generator) != shape[0]:
-        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
-    if counts is not None:
-        out = torch.zeros(shape)
-        for b, (g, c) in enumerate(zip(generator, counts)):
-            out[b, :c] = torch.rand(int(c), generator=g, device=g.device).cpu()
-        return out.to(device)
-    return torch.stack([torch.rand(shape[1:], generator=g, device=g.device) for g in generator]).to(device)
+    return torch.rand(shape, generator=generator, device=generator.device).to(device)
 
 
 def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -64,6 +57,12 @@ def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     v = probs.shape[-1]
     last = v - 1 - (probs.flip(-1) > 0).float().argmax(-1)
     return torch.minimum(tok, last)
+
+
+def draw(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of filtered logits [..., V] (`filter_logits`) with its uniform u [...]: the one
+    draw plain sampling and the tree walk share, so equal logits and uniforms give equal tokens."""
+    return sample_probs(filtered.softmax(-1), u)
 
 
 @dataclass(frozen=True)
@@ -80,21 +79,24 @@ def node_targets(
     top_k: Param = 0,
     top_p: Param = 1.0,
     min_p: Param = 0.0,
-    generator: Generators = None,
-    counts: Sequence[int] | None = None,
+    u: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> NodeTargets:
     """logits [B, N, V] -> one target token per node: argmax where temperature == 0, else a draw from q.
-    counts [B] (padded batches of trees): row b's real nodes; only those take uniforms (see `uniforms`)."""
+    u [B, N]: each node's uniform (the engine: the PLAIN counter uniform of the position the node's token
+    would take, see the module docstring); None: from `generator`. Greedy rows ignore theirs."""
     b, n, _ = logits.shape
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(b)
     greedy = temp == 0
     if bool(greedy.all()):  # nothing is drawn: no filters, no uniforms (greedy rows never use them)
         return NodeTargets(logits.argmax(-1), logits.float().log_softmax(-1))
     safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
-    logq = filter_logits(logits, safe_temp[:, None], _rows(top_k, b)[:, None], _rows(top_p, b)[:, None],
-                         _rows(min_p, b)[:, None]).log_softmax(-1)
-    u = uniforms((b, n), generator, logits.device, counts)
-    drawn = sample_probs(logq.exp(), u)
+    filtered = filter_logits(logits, safe_temp[:, None], _rows(top_k, b)[:, None], _rows(top_p, b)[:, None],
+                             _rows(min_p, b)[:, None])
+    logq = filtered.log_softmax(-1)
+    if u is None:
+        u = uniforms((b, n), generator, logits.device)
+    drawn = draw(filtered, u.to(logits.device))
     argmax = logits.argmax(-1)
     tokens = torch.where(greedy[:, None], argmax, drawn)
     logprobs = torch.where(greedy[:, None, None], logits.float().log_softmax(-1), logq)
@@ -203,15 +205,20 @@ def chain_accept_rejection(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
-    generator: Generators = None,
+    generator: torch.Generator | None = None,
     u: torch.Tensor | None = None,
 ) -> AcceptResult:
     """Speculative sampling for a chain of drafts drawn from p.
 
     draft_tokens [B, S]; draft_probs [B, S, V] (p_i the drafts were drawn from); target_probs [B, S+1, V]
     (q_i at each draft's prefix, q_S after the last draft). Returns the same AcceptResult as a tree walk on
-    the chain (path = node indices 0..accept_len). `u` [B, S+1] (tests) replaces the generator's uniforms:
-    u[:, i] decides draft i, u[:, S] draws the final token.
+    the chain (path = node indices 0..accept_len). `u` [B, S+1]: u[:, i] decides draft i, u[:, S] draws the
+    final token (the engine: counter uniforms of the ACCEPT and RESIDUAL streams, never the PLAIN one);
+    None: from `generator`.
+
+    Exact in distribution, but NOT token-identical to plain sampling with the same seed: which draft is
+    kept depends on the drafter's p. Seeded reproducibility across speculation states (off, any arm,
+    adaptive) holds for the tree walk only; see the module docstring and `SpecConfig.chain_sampling`.
     """
     b, s = draft_tokens.shape
     dev = draft_tokens.device

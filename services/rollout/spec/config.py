@@ -7,7 +7,8 @@
     drafter   learned: the EAGLE drafter in `drafter_path`; ngram: model-free suffix matching over the
               request's own context and its sibling samples (no training needed, useful at step 0).
 
-Everything here is lossless: no setting trades exactness for speed.
+Everything here is lossless: no setting trades exactness for speed. Seeded sampling is token-identical
+to plain decoding under every setting except rejection-sampled chains (`chain_sampling`, see there).
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ class SpecConfig(ServiceConfig):
     chain_sampling: bool = Field(
         True, description="learned chains (topk = 1) when every sequence in the step samples (temperature > 0): draw "
         "the drafts from the drafter's own tempered distribution p and verify by rejection sampling (accept with "
-        "min(1, q/p), else draw from max(q - p, 0)); false: greedy drafts verified by the tree walk. Both are exact"
+        "min(1, q/p), else draw from max(q - p, 0)); false: greedy drafts verified by the tree walk. Both are exact in "
+        "distribution, but only the tree walk emits the tokens plain decoding would: with it a seeded request gives "
+        "the same samples whether SD is off, static or adaptive, whatever the load; rejection-sampled chains "
+        "(deterministic per seed and batch-independent too) emit other tokens, so a seeded request whose steps take "
+        "them reproduces only when the same steps do. Set false for seed reproducibility across SD states"
     )
     drafter: Literal["learned", "ngram"] = Field("ngram", description="learned EAGLE drafter, or model-free n-gram matching")
     drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")

@@ -6,9 +6,11 @@
                      over the paged KV cache; with decode graphs on, replayed from the runner's
                      verify graph of the arm's shape, engine/verify_graphs.py; the drafter's own
                      passes stay eager) -> one target token per node (argmax, or one draw from
-                     the filtered q with the sequence's own generator) -> tree walk (accept.py);
+                     the filtered q with the counter uniform of the position the node's token takes,
+                     rng.py: the draw plain decoding makes there) -> tree walk (accept.py);
                      chains SAMPLED from the drafter (`chain_sampling`, every sequence sampling):
-                     rejection sampling min(1, q/p) against the filtered q instead (accept.py)
+                     rejection sampling min(1, q/p) against the filtered q instead (accept.py; exact in
+                     distribution, but not seeded-identical to plain decoding: SpecConfig.chain_sampling)
                   -> copy the accepted nodes' K/V to their final slots -> SpecEmission per sequence
 
 Each sequence in a decode batch has every token but its last in the KV cache (num_computed =
@@ -56,6 +58,7 @@ from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
 from tlt.services.rollout.spec.filters import filtered_probs
+from tlt.services.rollout.spec.rng import ACCEPT, PLAIN, RESIDUAL, counter_uniforms, key_tensor
 from tlt.services.rollout.spec.switch import SpecSwitch
 from tlt.services.rollout.spec.tree import Arm, DraftTree, ancestor_mask, is_chain
 
@@ -102,7 +105,6 @@ class SpecDecoder:
             self.source = NgramSource(config.ngram_min, config.ngram_max)
         if runner.graphs is not None:  # decode graphs on: verify passes get per-arm graphs in the same mode
             runner.enable_verify_graphs(plan_verify_graphs(self._arms_at, config.threshold, runner.graphs.buckets))
-        self._spare_gen = torch.Generator().manual_seed(config.seed)  # uniforms for greedy rows (unused)
         self.verify_steps = 0
         self.plain_steps = 0  # engine steps run without speculation while attached (prefill included)
         self.last_step_seconds = 0.0  # wall time of the last step the decoder chose the arm of (finish_step)
@@ -161,7 +163,7 @@ class SpecDecoder:
         catch_up = self._catch_up(seqs) if self._behind else 0.0
         if isinstance(self.source, EagleSource):  # sampled chains when every sequence samples (see SpecConfig)
             sample = (self.config.chain_sampling and arm.topk == 1
-                      and all(s.params.temperature > 0 and s.generator is not None for s in seqs))
+                      and all(s.params.temperature > 0 and s.rng_key is not None for s in seqs))
             tree, counts = self.source.draft(seqs, arm, sample=sample)
         else:
             tree, counts = self.source.draft(seqs, arm)
@@ -190,14 +192,20 @@ class SpecDecoder:
         temps = torch.tensor([x.temperature for x in p], device=dev)
         top_k, top_p = torch.tensor([x.top_k for x in p], device=dev), torch.tensor([x.top_p for x in p], device=dev)
         min_p = torch.tensor([x.min_p for x in p], device=dev)
+        # counter uniforms (rng.py): the root's child is the token at position c + 1, a node at depth d
+        # decides position c + 1 + d; greedy rows (no key) take key 0 and never use theirs
+        keys = key_tensor([s.rng_key or 0 for s in seqs], dev)
+        first = torch.tensor(ctx, device=dev)[:, None] + 1
         if tree.draft_probs is not None:  # drafts sampled from p: rejection sampling against the filtered q
             q = filtered_probs(full, temps[:, None], top_k[:, None], top_p[:, None], min_p[:, None])
-            res = chain_accept_rejection(tree.tokens[:, 1:].to(dev), tree.draft_probs.to(dev), q,
-                                         [s.generator for s in seqs])
+            s_len = tree.num_nodes - 1  # ACCEPT decides draft i (position c + 1 + i); RESIDUAL the step's last draw
+            u = torch.cat([counter_uniforms(keys, first + torch.arange(s_len, device=dev), ACCEPT),
+                           counter_uniforms(keys, first, RESIDUAL)], 1)
+            res = chain_accept_rejection(tree.tokens[:, 1:].to(dev), tree.draft_probs.to(dev), q, u=u)
             node_logprobs = q.log()  # the distribution each emitted token is distributed as
         else:
-            nt = node_targets(full, temps, top_k, top_p, min_p, [s.generator or self._spare_gen for s in seqs],
-                              n_list)  # each row draws for its own nodes only: its stream ignores its batch
+            u = counter_uniforms(keys, first + tree.depth.to(dev), PLAIN)  # plain decoding's uniform at each position
+            nt = node_targets(full, temps, top_k, top_p, min_p, u)
             res = tree_accept(tree.tokens.to(dev), tree.parents.to(dev), nt.tokens)
             node_logprobs = nt.logprobs
         lps = emitted_logprobs(res, node_logprobs).cpu()

@@ -29,7 +29,7 @@ import torch
 from tlt.model.drafter import Drafter, DrafterCache
 from tlt.model.drafter_runtime import DrafterRuntime
 from tlt.services.rollout.engine.sequence import Sequence
-from tlt.services.rollout.spec.accept import uniforms
+from tlt.services.rollout.spec.rng import DRAFT, counter_uniforms, key_tensor
 from tlt.services.rollout.spec.ngram import NgramIndex, pad_trees, trie_tree
 from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
 
@@ -175,7 +175,7 @@ class EagleSource:
     def draft(self, seqs: list[Sequence], arm: Arm, sample: bool = False) -> tuple[DraftTree, torch.Tensor]:
         """Draft trees for `seqs` -> (trees [B, N], node counts [B]). sample=True (chain arms, every
         sequence sampling): when every sequence is warm, the chain's drafts are drawn from the drafter's
-        own tempered distribution with each sequence's generator, and the tree carries `draft_probs`
+        own tempered distribution with counter uniforms (rng.py), and the tree carries `draft_probs`
         for rejection sampling; otherwise the drafts are deterministic (the tree walk verifies them)."""
         warm = self._feed(seqs)
         trees: list[DraftTree | None] = [None] * len(seqs)
@@ -210,9 +210,9 @@ class EagleSource:
         [B] (1 + kept drafts) tell the decoder to verify only the kept ones.
 
         sample=True: drafts drawn from the drafter's distribution under each sequence's sampling
-        filters, with uniforms from each sequence's own generator (a fixed number per step, so a
-        sequence's stream does not depend on its batch); never cut (rejection sampling needs every p
-        it drew from)."""
+        filters, draft i with the DRAFT-stream counter uniform of its position (num_tokens + i, rng.py):
+        a function of the sequence's key and the position only, whatever its batch; never cut
+        (rejection sampling needs every p it drew from)."""
         dev = self.device
         keys = [seq_key(s) for s in seqs]
         rows = torch.tensor([self.rows[k] for k in keys], device=dev)
@@ -223,7 +223,9 @@ class EagleSource:
         if sample:
             params = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p]
                                    for s in seqs], dtype=torch.float32, device=dev)
-            u = uniforms((len(seqs), depth), [s.generator for s in seqs], dev)
+            first = torch.tensor([s.num_tokens for s in seqs], device=dev)[:, None]
+            u = counter_uniforms(key_tensor([s.rng_key for s in seqs], dev), first + torch.arange(depth, device=dev),
+                                 DRAFT)
             drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, params=params, u=u)
         else:  # rows keep only verified pairs either way
             drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, self.chain_min_score)
