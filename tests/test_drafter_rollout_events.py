@@ -120,28 +120,34 @@ def test_a_policy_push_makes_every_replica_busy_while_it_is_applied(model_dir) -
         sub.close()
 
 
+def _six_sequences_until_idle(s, sub, max_tokens: int, timeout_s: float) -> list:
+    """Run 3 prompts x n=2 through the server in a thread; the capacity events until the replica is IDLE again."""
+    import threading
+
+    done: list = []
+
+    def run() -> None:
+        with RolloutClient(s.grpc_address) as client:
+            params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=5)
+            done.extend(client.batch_generate(["1+2=", "3*4=", "5-1="], n=2, params=params))
+
+    t = threading.Thread(target=run)
+    t.start()
+    seen = _events_until(sub, lambda seen: seen[-1].state == IDLE and not seen[-1].heartbeat
+                         and any(x.state == BUSY for x in seen), timeout_s)
+    t.join(timeout_s)
+    assert len(done) == 6
+    return seen
+
+
 def test_capacity_events_carry_the_current_counts(model_dir) -> None:
     """BUSY says how many sequences the replica holds (running + queued, not 0), and the count follows the work while it stays
     BUSY: heartbeats and the snapshot repeat the latest count, never the one of the first submission."""
-    import threading
-
     with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.2) as s:
         cap = s.server.capacity
         sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
         assert [e.state for e in sub.snapshot()] == [IDLE]
-        done: list = []
-
-        def run() -> None:
-            with RolloutClient(s.grpc_address) as client:
-                params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=5)
-                done.extend(client.batch_generate(["1+2=", "3*4=", "5-1="], n=2, params=params))
-
-        t = threading.Thread(target=run)
-        t.start()
-        seen = _events_until(sub, lambda seen: seen[-1].state == IDLE and not seen[-1].heartbeat
-                             and any(x.state == BUSY for x in seen), 30)
-        t.join(30)
-        assert len(done) == 6
+        seen = _six_sequences_until_idle(s, sub, max_tokens=48, timeout_s=30)
         busy = [e for e in seen if e.state == BUSY]
         assert busy and all(e.running + e.queued >= 1 for e in busy), [(e.running, e.queued) for e in busy]
         assert max(e.running for e in busy) == 6, [(e.heartbeat, e.running) for e in busy]
@@ -154,26 +160,12 @@ def test_capacity_events_split_running_from_queued_and_carry_kv_use(model_dir) -
     """The engine runs at most max_num_seqs=2 sequences at once: of 6 submitted, the events say 2 run and 4 wait
     (the engine's own split, reported with each step), with the KV cache's use; they add up to what the replica
     holds, and IDLE holds nothing."""
-    import threading
-
     with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.2,
                       engine={"max_num_seqs": 2}) as s:
         cap = s.server.capacity
         sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
         assert [e.state for e in sub.snapshot()] == [IDLE]
-        done: list = []
-
-        def run() -> None:
-            with RolloutClient(s.grpc_address) as client:
-                params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=5)
-                done.extend(client.batch_generate(["1+2=", "3*4=", "5-1="], n=2, params=params))
-
-        t = threading.Thread(target=run)
-        t.start()
-        seen = _events_until(sub, lambda seen: seen[-1].state == IDLE and not seen[-1].heartbeat
-                             and any(x.state == BUSY for x in seen), 60)
-        t.join(60)
-        assert len(done) == 6
+        seen = _six_sequences_until_idle(s, sub, max_tokens=32, timeout_s=60)
         counts = [(e.state, e.running, e.queued, round(e.kv_usage, 3)) for e in seen if not e.heartbeat]
         busy = [e for e in seen if e.state == BUSY]
         assert all(e.running <= 2 and e.running + e.queued <= 6 for e in busy), counts

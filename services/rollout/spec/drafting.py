@@ -117,12 +117,12 @@ class EagleSource:
     # buffered during plain decoding) alone, so that one long backlog does not pad every row
     FEED_BATCH_MAX = 16
 
-    @torch.inference_mode()
     def catch_up(self, seqs: list[Sequence]) -> None:
         """Feed the pairs buffered while the sequences were decoded without speculation (what `draft` would
         do first): the decoder times this apart, so the backlog is not charged to the arm drafted next."""
         self._feed_pending(seqs)
 
+    @torch.inference_mode()
     def _feed(self, seqs: list[Sequence]) -> list[bool]:
         """Feed every sequence's pending pairs; per sequence, True when its root pair has been fed (warm)."""
         self._feed_pending(seqs)
@@ -137,6 +137,7 @@ class EagleSource:
             warm.append(key in self.last_h)
         return warm
 
+    @torch.inference_mode()
     def _feed_pending(self, seqs: list[Sequence]) -> None:
         """Feed the pending pairs of `seqs` into their drafter rows (short runs batched, long ones alone)."""
         jobs = []
