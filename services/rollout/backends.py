@@ -9,7 +9,9 @@ The interface (see `services/rollout/engine/engine.py`): constructed as
 `model_config`, `max_model_len`, `versions`, `add_request`, `abort_request`,
 `holds` (a request still has sequences there), `step`, `has_unfinished`,
 `load` (running, queued, KV use; read after every step), `stats`,
-`expected_weights`, `update_weights`.
+`expected_weights`, `update_weights`; optionally `release()` / `resume()`, which free
+device memory while a colocated trainer has borrowed the device and take it back
+(`Rollout.LendDevices`; called only when the engine holds no sequences).
 """
 
 from __future__ import annotations

@@ -90,6 +90,12 @@ class RolloutClient:
     def status(self) -> rollout_pb2.RolloutStatus:
         return self.stub.GetStatus(rollout_pb2.StatusRequest(), timeout=self.timeout_s)
 
+    def lend_devices(self, lend: bool, lease_s: float = 0.0, holder: str = "trainer") -> rollout_pb2.LendResponse:
+        """Colocated placement: lend the replicas' devices to the trainer for `lease_s` (or renew), or take them
+        back (`lend=False`); returns once the replicas have released (resumed)."""
+        req = rollout_pb2.LendRequest(lend=lend, lease_s=lease_s, holder=holder)
+        return self.stub.LendDevices(req, metadata=self._control_metadata(), timeout=self.timeout_s)
+
     def _control_metadata(self) -> tuple[tuple[str, str], ...] | None:
         return (("authorization", bearer(self.control_token)),) if self.control_token else None
 

@@ -276,10 +276,31 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         for chunk in iter_chunks(manifest, payload):
             yield chunk
 
+    async def LendDevices(self, request: rollout_pb2.LendRequest, context: grpc.aio.ServicerContext
+                          ) -> rollout_pb2.LendResponse:
+        """Colocated placement: lend the replicas' devices to the trainer, or take them back (lease.py)."""
+        why = self.auth.check(context.invocation_metadata())
+        if why is not None:
+            self._reject("unauthenticated")
+            log.warning("control_call_refused", method="LendDevices", reason=why)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"LendDevices: {why}")
+        if request.lend and not request.lease_s > 0:
+            self._reject("invalid_request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"LendDevices: lease_s must be > 0, got {request.lease_s}")
+        try:
+            if request.lend:
+                r = await self.pool.lend(request.holder, request.lease_s, self.config.update_timeout_s)
+            else:
+                r = await self.pool.take_back(self.config.update_timeout_s)
+        except (WeightUpdateError, TimeoutError) as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"LendDevices: {e or 'a replica did not answer in time'}")
+        return rollout_pb2.LendResponse(lent=bool(self.pool.lent_to), expires_in_s=r["expires_in_s"],
+                                        replicas=r["replicas"], seconds=r["seconds"])
+
     async def GetStatus(self, request: rollout_pb2.StatusRequest, context: grpc.aio.ServicerContext
                         ) -> rollout_pb2.RolloutStatus:
         status = rollout_pb2.RolloutStatus(
-            model=self.model_name, backend=self.config.backend,
+            model=self.model_name, backend=self.config.backend, lent_to=self.pool.lent_to,
             versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter))
         for s in await self.pool.snapshot():
             r = status.replicas.add(replica_id=s.replica_id, device=s.device, alive=s.alive)
@@ -287,7 +308,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 r.state = common_pb2.REPLICA_STATE_UNSPECIFIED if s.alive else common_pb2.REPLICA_STATE_DRAINING
                 continue
             busy = s.stats.running or s.stats.queued or s.outstanding
-            r.state = common_pb2.REPLICA_STATE_BUSY if busy else common_pb2.REPLICA_STATE_IDLE
+            rest = common_pb2.REPLICA_STATE_LENT if status.lent_to else common_pb2.REPLICA_STATE_IDLE
+            r.state = common_pb2.REPLICA_STATE_BUSY if busy else rest
             r.running, r.queued, r.kv_usage = s.stats.running, s.stats.queued, s.stats.kv_usage
             r.versions.policy, r.versions.drafter = s.stats.versions.policy, s.stats.versions.drafter
             r.spec.CopyFrom(spec_status(s.stats.spec, self.config.spec.mode if self.config.backend == "native" else ""))

@@ -1,6 +1,6 @@
 """Typed messages between the front process and its replica processes.
 
-    front --Command--> replica      (AddRequest, AbortRequest, ApplyWeights, QueryStats, Shutdown)
+    front --Command--> replica      (AddRequest, AbortRequest, ApplyWeights, Lend, QueryStats, Shutdown)
     replica --Event--> front        (Ready, StepEvents, Aborted, RequestFailed, Reply, Fatal)
 
 Both directions travel over one duplex `multiprocessing` pipe per replica
@@ -47,6 +47,16 @@ class ApplyWeights:
 
 
 @dataclass(frozen=True)
+class Lend:
+    """The device goes to the colocated trainer (`lent`) or comes back. Lending releases what the engine can
+    free (`release()`, e.g. SGLang's KV cache) once it holds no sequences; answered with `Reply(cmd_id)` when done
+    (cmd_id 0: nobody waits for the answer)."""
+
+    cmd_id: int
+    lent: bool
+
+
+@dataclass(frozen=True)
 class QueryStats:
     cmd_id: int
 
@@ -56,7 +66,7 @@ class Shutdown:
     pass
 
 
-Command = AddRequest | AbortRequest | ApplyWeights | QueryStats | Shutdown
+Command = AddRequest | AbortRequest | ApplyWeights | Lend | QueryStats | Shutdown
 
 
 # ---- replica -> front -------------------------------------------------------

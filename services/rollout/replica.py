@@ -2,8 +2,8 @@
 
     front --Command--> [drain commands] -> [engine.step() if it has work] --StepEvents--> front
 
-The loop drains every pending command (add, abort, apply weights, stats)
-before each engine step, so a weight update always lands *between* two
+The loop drains every pending command (add, abort, apply weights, lend,
+stats) before each engine step, so a weight update always lands *between* two
 steps, never inside one. When the engine has nothing to do the loop blocks on
 the pipe (no busy spin) until the next command arrives. If the front goes
 away (the pipe closes) the replica exits.
@@ -13,6 +13,10 @@ use) for the front's capacity events. An abort is answered (`Aborted`) once the
 engine holds none of the request's sequences: at once for the native engine,
 after the step that reports their end for one that ends them asynchronously
 (SGLang). Until then the front counts them as work on this replica.
+
+A lend (the colocated trainer borrows the device) calls the engine's optional
+`release()` once it holds no sequences, then answers; taking the device back
+calls `resume()` before any command that follows it in the pipe.
 
 Errors: a request the engine refuses (ValueError) is reported back as
 `RequestFailed` and the loop goes on; a weight push that fails validation is
@@ -36,6 +40,7 @@ from tlt.services.rollout.ipc import (
     ApplyWeights,
     EngineLoad,
     Fatal,
+    Lend,
     QueryStats,
     Ready,
     ReplicaInfo,
@@ -139,10 +144,12 @@ class ReplicaLoop:
         self.features = features  # a rollout.features.FeaturePublisher when features go to the drafter
         self.running = True
         self._aborts: list[AbortRequest] = []  # not answered yet: the engine still holds sequences of theirs
+        self._lend: Lend | None = None  # a lend waiting for the engine to finish its sequences
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: self._abort,
             ApplyWeights: self._apply_weights,
+            Lend: self._lend_cmd,
             QueryStats: self._stats,
             Shutdown: self._shutdown,
         }
@@ -167,6 +174,8 @@ class ReplicaLoop:
                     self.conn.send(StepEvents(steps=steps, finished=finished, load=self._load()))
                 if self._aborts:
                     self._answer_aborts()
+                if self._lend is not None and not self.engine.has_unfinished():
+                    self._release()
 
     def _drain(self) -> None:
         while self.running and self.conn.poll(0):
@@ -197,6 +206,41 @@ class ReplicaLoop:
             load = self._load()
             for a in done:
                 self.conn.send(Aborted(a.cmd_id, load))
+
+    def _lend_cmd(self, cmd: Lend) -> None:
+        """Lend: release what the engine can free once it holds no sequences (now, or after the step that ends
+        its last one). Take back: resume (before any request that follows it in the pipe)."""
+        if cmd.lent:
+            self._lend = cmd
+            if not self.engine.has_unfinished():
+                self._release()
+            return
+        if self._lend is not None:  # taken back before it was released: that lend is over, and answered
+            self._answer(self._lend.cmd_id, "")
+            self._lend = None
+        error = ""
+        t0 = time.perf_counter()
+        try:
+            if hasattr(self.engine, "resume"):
+                self.engine.resume()
+        except ValueError as e:
+            error = f"replica {self.replica_id}: resume failed: {e}"
+        self._answer(cmd.cmd_id, error, time.perf_counter() - t0)
+
+    def _release(self) -> None:
+        cmd, self._lend = self._lend, None
+        error = ""
+        t0 = time.perf_counter()
+        try:
+            if hasattr(self.engine, "release"):  # the native engine keeps its fixed KV budget (docs/DEPLOY.md)
+                self.engine.release()
+        except ValueError as e:
+            error = f"replica {self.replica_id}: release failed: {e}"
+        self._answer(cmd.cmd_id, error, time.perf_counter() - t0)  # type: ignore[union-attr]
+
+    def _answer(self, cmd_id: int, error: str, seconds: float = 0.0) -> None:
+        if cmd_id:
+            self.conn.send(Reply(cmd_id, error=error, seconds=seconds))
 
     def _load(self) -> EngineLoad:
         running, queued, kv_usage = self.engine.load()

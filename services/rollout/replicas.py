@@ -25,7 +25,8 @@ the way to it), and carry its KV use; a change of that split, or of KV use by a 
 published too (coalesced, one event per loop turn). Applying a policy push is work too: the
 replica is BUSY while it copies the new weights in (a drafter worker training on its cores
 meanwhile made the apply several times slower with spinning OpenMP threads, `spin_wait`). Each
-change is published at once (drafter workers preempt on BUSY).
+change is published at once (drafter workers preempt on BUSY). While the devices are lent to a
+colocated trainer (`lend`, services/rollout/lease.py), a replica with nothing to do is LENT instead of IDLE.
 
 Weight updates (`update_weights`) are all-or-nothing in the sense that
 matters: the payload is validated entirely here (checksum, sizes, names,
@@ -57,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlt.services.common.logging import get_logger
+from tlt.services.rollout.lease import DeviceLease
 from tlt.services.rollout.ipc import (
     Aborted,
     AbortRequest,
@@ -64,6 +66,7 @@ from tlt.services.rollout.ipc import (
     ApplyWeights,
     EngineLoad,
     Fatal,
+    Lend,
     QueryStats,
     Ready,
     ReplicaInfo,
@@ -137,6 +140,14 @@ class _Replica:
         return self.outstanding > 0 or self.applying
 
 
+def _failures(live: list[_Replica], replies: list[Any]) -> list[str]:
+    """What went wrong on each replica of a command sent to all; one that died meanwhile serves nothing any more:
+    it is not a failure."""
+    return [f"replica {r.replica_id}: {x.error if isinstance(x, Reply) else repr(x)}"
+            for r, x in zip(live, replies)
+            if (not isinstance(x, Reply) or x.error) and not isinstance(x, ReplicaUnavailableError)]
+
+
 class ReplicaPool:
     """N engine replica processes behind one async interface."""
 
@@ -169,6 +180,7 @@ class ReplicaPool:
         self.capacity = capacity  # a common.events.CapacitySink, or None
         self.features_push = features_push
         self.features_max_tokens = features_max_tokens
+        self.lease: DeviceLease | None = None  # set on the loop in start()
 
     # ---- capacity events ---------------------------------------------------------------------
 
@@ -209,11 +221,15 @@ class ReplicaPool:
         else:
             self._schedule_refresh(rep)
 
-    def _maybe_idle(self, rep: _Replica) -> None:
+    def _rest_state(self) -> int:
+        """What a replica with nothing to do is: IDLE, or LENT while a colocated trainer has the devices."""
         from tlt.v1 import common_pb2
 
+        return common_pb2.REPLICA_STATE_LENT if self.lent_to else common_pb2.REPLICA_STATE_IDLE
+
+    def _maybe_idle(self, rep: _Replica) -> None:
         if not rep.has_work and rep.alive and not self._stopping:
-            self._publish_state(rep, common_pb2.REPLICA_STATE_IDLE)
+            self._publish_state(rep, self._rest_state())
         else:
             self._schedule_refresh(rep)  # still busy: its count (or versions) changed
 
@@ -232,7 +248,7 @@ class ReplicaPool:
         rep.refresh_scheduled = False
         if rep.published is None or not rep.alive or self._stopping or rep.error:
             return
-        state = common_pb2.REPLICA_STATE_BUSY if rep.has_work else common_pb2.REPLICA_STATE_IDLE
+        state = common_pb2.REPLICA_STATE_BUSY if rep.has_work else self._rest_state()
         if state != rep.published[0]:
             return  # a transition is published where it happens, never from here
         if self._key(rep, state) != rep.published:
@@ -242,6 +258,7 @@ class ReplicaPool:
 
     async def start(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
+        self.lease = DeviceLease(self._loop, self._lease_lapsed)
         for i in range(self.num_replicas):
             self.replicas.append(self._spawn(i))
         try:
@@ -304,6 +321,8 @@ class ReplicaPool:
                     raise WeightUpdateError(f"restarted replica has versions {versions}, the pool serves {want}")
                 if self._stopping or rep.error:
                     return
+                if self.lent_to:  # a colocated trainer has the devices: the new replica frees its share too
+                    await self._ask(rep, lambda cid: Lend(cid, True), timeout_s)
                 rep.alive = True
         except (TimeoutError, WeightUpdateError, ReplicaUnavailableError) as e:
             log.error("replica_restart_failed", replica=i, restart=n, error=str(e)[-1000:])
@@ -463,6 +482,8 @@ class ReplicaPool:
         p = _Pending(request, rep, request.n, want_steps)
         self._pending[request.request_id] = p
         rep.outstanding += request.n
+        if self.lent_to:  # counted in first: this replica goes from LENT straight to BUSY, never IDLE between
+            self._take_back_now("a request arrived")
         self._busy(rep)  # counted first: BUSY carries the sequences that made it busy
         rep.outbox.put(AddRequest(request))
         finished = 0
@@ -548,6 +569,9 @@ class ReplicaPool:
             busy = live if kind == "policy" else []
             for r in busy:
                 r.applying = True
+            if busy and self.lent_to:  # the replicas copy the weights in on their devices (LENT -> BUSY)
+                self._take_back_now("a policy push arrived")
+            for r in busy:
                 self._busy(r)
             try:
                 return await self._apply_on(live, kind, manifest.version, blob, data, timeout_s)
@@ -576,12 +600,7 @@ class ReplicaPool:
             *(self._ask(r, lambda cid: ApplyWeights(cid, kind, version, blob, data), timeout_s) for r in live),
             return_exceptions=True,
         )
-        # A replica that died meanwhile serves nothing any more: it is not a failed apply.
-        failed = [
-            f"replica {r.replica_id}: {x.error if isinstance(x, Reply) else repr(x)}"
-            for r, x in zip(live, replies)
-            if (not isinstance(x, Reply) or x.error) and not isinstance(x, ReplicaUnavailableError)
-        ]
+        failed = _failures(live, replies)
         applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
         if failed:
             if applied:
@@ -602,3 +621,64 @@ class ReplicaPool:
             self._schedule_refresh(r)
         log.info("weights_updated", kind=kind, version=version, replicas=applied)
         return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
+
+    # ---- colocated trainer: lending the devices (services/rollout/lease.py) ---------------
+
+    @property
+    def lent_to(self) -> str:
+        """Who has borrowed the replicas' devices; "" when nobody has."""
+        return self.lease.holder if self.lease is not None else ""
+
+    async def lend(self, holder: str, lease_s: float, timeout_s: float) -> dict:
+        """Lend the devices to `holder` for `lease_s` (or renew the lease): idle replicas publish LENT and release
+        what their backend can free. Returns once every live replica has released (one still finishing aborted
+        sequences releases after them). Raises WeightUpdateError when a replica could not release."""
+        assert self.lease is not None, "start() first"
+        t0 = time.perf_counter()
+        live = [r for r in self.replicas if r.alive]
+        if not self.lease.grant(holder, lease_s):
+            return {"replicas": [r.replica_id for r in live], "seconds": 0.0, "expires_in_s": self.lease.expires_in()}
+        log.info("devices_lent", holder=self.lent_to, lease_s=lease_s, replicas=[r.replica_id for r in live])
+        for r in live:
+            self._maybe_idle(r)
+        replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, True), timeout_s) for r in live),
+                                       return_exceptions=True)
+        failed = _failures(live, replies)
+        if failed:
+            self._take_back_now("a replica could not release")
+            raise WeightUpdateError("lend failed, devices taken back: " + "; ".join(failed))
+        return {"replicas": [r.replica_id for r in live], "seconds": time.perf_counter() - t0,
+                "expires_in_s": self.lease.expires_in()}
+
+    async def take_back(self, timeout_s: float) -> dict:
+        """End the lend now; returns once every live replica has resumed (nothing to do when nothing was lent)."""
+        t0 = time.perf_counter()
+        live = [r for r in self.replicas if r.alive]
+        if not self.lent_to:
+            return {"replicas": [r.replica_id for r in live], "seconds": 0.0, "expires_in_s": 0.0}
+        self._end_lease("taken back")
+        replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, False), timeout_s) for r in live),
+                                       return_exceptions=True)
+        failed = _failures(live, replies)
+        if failed:
+            raise WeightUpdateError("taking the devices back failed: " + "; ".join(failed))
+        return {"replicas": [r.replica_id for r in live], "seconds": time.perf_counter() - t0, "expires_in_s": 0.0}
+
+    def _take_back_now(self, why: str) -> None:
+        """End the lend without waiting: each replica resumes before anything sent to it after this (one pipe)."""
+        self._end_lease(why)
+        for r in self.replicas:
+            if r.alive:
+                r.outbox.put(Lend(0, False))
+
+    def _end_lease(self, why: str) -> None:
+        holder = self.lease.end() if self.lease is not None else ""
+        if holder:
+            log.info("devices_taken_back", holder=holder, why=why)
+            for r in self.replicas:
+                self._maybe_idle(r)
+
+    def _lease_lapsed(self) -> None:
+        log.warning("device_lease_lapsed", holder=self.lent_to,
+                    detail="the borrower neither renewed nor gave the devices back (crashed?); taking them back")
+        self._take_back_now("the lease lapsed")

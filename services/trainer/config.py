@@ -61,6 +61,16 @@ class TrainerConfig(ServiceConfig):
     weight_push: Literal["grpc", "shm", "none"] = Field(
         "grpc", description="how new policy weights reach the rollout server: gRPC chunks, same-host shm, or not at all"
     )
+    lend_rollout_devices: bool = Field(
+        False, description="colocated placement (rollout and trainer share the devices): borrow the rollout "
+        "replicas' devices (Rollout.LendDevices) for the old-logprob pass and the update, and give them back "
+        "before the weight push. Lent replicas publish LENT instead of IDLE, so drafter workers do not train "
+        "on the devices the trainer uses, and SGLang releases its KV cache (release_tags)"
+    )
+    lend_lease_s: float = Field(
+        60.0, gt=0, description="the lend lapses after this long unless renewed (the trainer renews it every "
+        "third of it): a trainer killed mid-update gives the devices back by itself"
+    )
 
     # -- data ---------------------------------------------------------------------
     data_path: str | None = Field(

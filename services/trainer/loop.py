@@ -4,8 +4,9 @@
     per step:
       prompts (PromptSampler) -> collect (rollout stream + rewards as they finish)
       -> check every completion came from the current policy version
+      -> [lend_rollout_devices: borrow the rollout's devices (colocate.py)]
       -> grpo_step (old logprobs, advantages, DeepSpeed update, version + 1)
-      -> push weights -> metrics.jsonl line -> held-out eval (when due) -> checkpoint
+      -> [give the devices back] -> push weights -> metrics.jsonl line -> held-out eval (when due) -> checkpoint
     held-out eval (evaluate.py): before step 0, every eval_interval steps, after the last -> eval.jsonl
     end: final checkpoint, the trained policy as a Hugging Face folder (output_dir/policy)
 
@@ -94,10 +95,13 @@ def train(cfg: TrainerConfig) -> TrainSummary:
             prompts = sampler.next_batch(cfg.prompts_per_step)
             rollout = services.rollout(prompts, step, policy.version) if services else None
             rollout = broadcast(rollout)
+            lend_s = services.borrow() if services else 0.0
             result = grpo_step(policy, rollout.samples, step, reference, with_features=features is not None)
             m = result.metrics
             if features is not None:  # hidden states of the pre-update weights: version - 1
                 m.times["features_push_s"] = features.push(result, policy.version - 1)
+            if services and services.loan is not None:
+                m.times["lend_s"] = lend_s + services.give_back()
             m.times.update(rollout.times)
             m.sd_verify_steps, m.sd_accepted_tokens = rollout.spec.verify_steps, rollout.spec.accepted_tokens
             m.sd_plain_steps, m.drafter_version = rollout.spec.plain_steps, rollout.spec.drafter_version
@@ -175,6 +179,11 @@ class _Services:
         self.clients = [RolloutClient(a, control_token=cfg.rollout_token) for a in cfg.rollout_addresses]
         self.rewards = make_reward_source(cfg)
         self.publisher = None
+        self.loan = None
+        if cfg.lend_rollout_devices:
+            from tlt.services.trainer.colocate import DeviceLoan
+
+            self.loan = DeviceLoan(self.clients, cfg.lend_lease_s)
 
     def sync(self, policy) -> int:  # noqa: ANN001
         from tlt.services.trainer.weight_sync import WeightPublisher
@@ -207,6 +216,13 @@ class _Services:
         if self.publisher is not None:
             check_versions((s.policy_version for s in result.samples), version)
         return result
+
+    def borrow(self) -> float:
+        """Colocated: the rollout's devices are the trainer's until give_back() (seconds it took; 0 when off)."""
+        return self.loan.borrow() if self.loan is not None else 0.0
+
+    def give_back(self) -> float:
+        return self.loan.give_back() if self.loan is not None else 0.0
 
     def publish(self, policy, m, prompts, t_step: float) -> None:  # noqa: ANN001
         """Push the new weights, then write the step's metrics line (before its checkpoint)."""
@@ -249,6 +265,13 @@ class _Services:
                 shutil.copy(src, final / name)
 
     def close(self) -> None:
+        if self.loan is not None and self.loan.held:  # a step that failed mid-update: the devices go back now
+            from tlt.services.trainer.colocate import LendError
+
+            try:
+                self.loan.give_back()
+            except LendError as e:
+                log.warning("device_give_back_failed", error=str(e)[:300], detail="the rollout's lease lapses by itself")
         self.rewards.close()
         for c in self.clients:
             c.close()

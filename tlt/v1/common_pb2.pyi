@@ -30,6 +30,7 @@ class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_STATE_BUSY: _ClassVar[ReplicaState]
     REPLICA_STATE_IDLE: _ClassVar[ReplicaState]
     REPLICA_STATE_DRAINING: _ClassVar[ReplicaState]
+    REPLICA_STATE_LENT: _ClassVar[ReplicaState]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -45,6 +46,7 @@ REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_BUSY: ReplicaState
 REPLICA_STATE_IDLE: ReplicaState
 REPLICA_STATE_DRAINING: ReplicaState
+REPLICA_STATE_LENT: ReplicaState
 
 class WeightVersions(_message.Message):
     __slots__ = ("policy", "drafter", "policy_min")

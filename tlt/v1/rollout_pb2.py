@@ -25,55 +25,59 @@ _sym_db = _symbol_database.Default()
 from tlt.v1 import common_pb2 as tlt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tlt/v1/rollout.proto\x12\x06tlt.v1\x1a\x13tlt/v1/common.proto\"\xa9\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x05\x12\x17\n\x0freturn_features\x18\x0b \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"[\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x10.tlt.v1.TokenIdsH\x00\x12\x11\n\treference\x18\x03 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"|\n\x14\x42\x61tchGenerateRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x1f\n\x07prompts\x18\x02 \x03(\x0b\x32\x0e.tlt.v1.Prompt\x12\t\n\x01n\x18\x03 \x01(\x05\x12&\n\x06params\x18\x04 \x01(\x0b\x32\x16.tlt.v1.SamplingParams\"x\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x06prompt\x18\x02 \x01(\x0b\x32\x0e.tlt.v1.Prompt\x12\t\n\x01n\x18\x03 \x01(\x05\x12&\n\x06params\x18\x04 \x01(\x0b\x32\x16.tlt.v1.SamplingParams\";\n\x10GenerateResponse\x12\'\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x12.tlt.v1.Completion\"1\n\nTopLogprob\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"V\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\x12\x1a\n\x12plain_decode_steps\x18\x03 \x01(\x05\"\x98\x03\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\x05\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12(\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x12.tlt.v1.TopLogprob\x12+\n\rfinish_reason\x18\t \x01(\x0e\x32\x14.tlt.v1.FinishReason\x12(\n\x08versions\x18\n \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12\x1f\n\x04spec\x18\x0b \x01(\x0b\x32\x11.tlt.v1.SpecStats\x12\x12\n\nreplica_id\x18\x0c \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\r \x01(\x0c\x12\x13\n\x0bhidden_size\x18\x0e \x01(\x05\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12\x11\n\treference\x18\x10 \x01(\t\"\x9f\x01\n\x0eWeightManifest\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.tlt.v1.WeightKind\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12#\n\x07tensors\x18\x03 \x03(\x0b\x32\x12.tlt.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x10\n\x08shm_path\x18\x06 \x01(\t\"Q\n\x0bWeightChunk\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.tlt.v1.WeightManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"D\n\x11GetWeightsRequest\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.tlt.v1.WeightKind\x12\r\n\x05names\x18\x02 \x03(\t\"\x8e\x01\n\x15UpdateWeightsResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12 \n\x04kind\x18\x03 \x01(\x0e\x32\x12.tlt.v1.WeightKind\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x10\n\x08replicas\x18\x06 \x03(\x05\"\x0f\n\rStatusRequest\"\xdc\x01\n\nSpecStatus\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\x08\x12\x0b\n\x03\x61rm\x18\x03 \x01(\t\x12\x17\n\x0fmean_accept_len\x18\x04 \x01(\x01\x12\x19\n\x11last_step_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x06 \x01(\x03\x12\x13\n\x0bplain_steps\x18\x07 \x01(\x03\x12$\n\x06\x62\x61ndit\x18\x08 \x03(\x0b\x32\x14.tlt.v1.BanditBucket\x12\x1e\n\x04\x61rms\x18\t \x03(\x0b\x32\x10.tlt.v1.ArmCount\"d\n\x0c\x42\x61nditBucket\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x10\n\x08\x65xplored\x18\x02 \x01(\x03\x12\x11\n\texploited\x18\x03 \x01(\x03\x12\x1f\n\x04\x61rms\x18\x04 \x03(\x0b\x32\x11.tlt.v1.BanditArm\"P\n\tBanditArm\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x15\n\rmedian_reward\x18\x03 \x01(\x01\x12\x0e\n\x06\x63hosen\x18\x04 \x01(\x03\":\n\x08\x41rmCount\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x12\n\naccept_len\x18\x03 \x01(\x01\"\xe6\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.tlt.v1.ReplicaState\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12(\n\x08versions\x18\x07 \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12 \n\x04spec\x18\x08 \x01(\x0b\x32\x12.tlt.v1.SpecStatus\x12\r\n\x05\x61live\x18\t \x01(\x08\"\x82\x01\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\'\n\x08replicas\x18\x03 \x03(\x0b\x32\x15.tlt.v1.ReplicaStatus\x12(\n\x08versions\x18\x04 \x01(\x0b\x32\x16.tlt.v1.WeightVersions*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcf\x02\n\x07Rollout\x12\x43\n\rBatchGenerate\x12\x1c.tlt.v1.BatchGenerateRequest\x1a\x12.tlt.v1.Completion0\x01\x12=\n\x08Generate\x12\x17.tlt.v1.GenerateRequest\x1a\x18.tlt.v1.GenerateResponse\x12\x45\n\rUpdateWeights\x12\x13.tlt.v1.WeightChunk\x1a\x1d.tlt.v1.UpdateWeightsResponse(\x01\x12>\n\nGetWeights\x12\x19.tlt.v1.GetWeightsRequest\x1a\x13.tlt.v1.WeightChunk0\x01\x12\x39\n\tGetStatus\x12\x15.tlt.v1.StatusRequest\x1a\x15.tlt.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tlt/v1/rollout.proto\x12\x06tlt.v1\x1a\x13tlt/v1/common.proto\"<\n\x0bLendRequest\x12\x0c\n\x04lend\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x0e\n\x06holder\x18\x03 \x01(\t\"U\n\x0cLendResponse\x12\x0c\n\x04lent\x18\x01 \x01(\x08\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\x01\x12\x10\n\x08replicas\x18\x03 \x03(\x05\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xa9\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x05\x12\x17\n\x0freturn_features\x18\x0b \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"[\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x10.tlt.v1.TokenIdsH\x00\x12\x11\n\treference\x18\x03 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"|\n\x14\x42\x61tchGenerateRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x1f\n\x07prompts\x18\x02 \x03(\x0b\x32\x0e.tlt.v1.Prompt\x12\t\n\x01n\x18\x03 \x01(\x05\x12&\n\x06params\x18\x04 \x01(\x0b\x32\x16.tlt.v1.SamplingParams\"x\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x06prompt\x18\x02 \x01(\x0b\x32\x0e.tlt.v1.Prompt\x12\t\n\x01n\x18\x03 \x01(\x05\x12&\n\x06params\x18\x04 \x01(\x0b\x32\x16.tlt.v1.SamplingParams\";\n\x10GenerateResponse\x12\'\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x12.tlt.v1.Completion\"1\n\nTopLogprob\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"V\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\x12\x1a\n\x12plain_decode_steps\x18\x03 \x01(\x05\"\x98\x03\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\x05\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12(\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x12.tlt.v1.TopLogprob\x12+\n\rfinish_reason\x18\t \x01(\x0e\x32\x14.tlt.v1.FinishReason\x12(\n\x08versions\x18\n \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12\x1f\n\x04spec\x18\x0b \x01(\x0b\x32\x11.tlt.v1.SpecStats\x12\x12\n\nreplica_id\x18\x0c \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\r \x01(\x0c\x12\x13\n\x0bhidden_size\x18\x0e \x01(\x05\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12\x11\n\treference\x18\x10 \x01(\t\"\x9f\x01\n\x0eWeightManifest\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.tlt.v1.WeightKind\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12#\n\x07tensors\x18\x03 \x03(\x0b\x32\x12.tlt.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x10\n\x08shm_path\x18\x06 \x01(\t\"Q\n\x0bWeightChunk\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.tlt.v1.WeightManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"D\n\x11GetWeightsRequest\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.tlt.v1.WeightKind\x12\r\n\x05names\x18\x02 \x03(\t\"\x8e\x01\n\x15UpdateWeightsResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12 \n\x04kind\x18\x03 \x01(\x0e\x32\x12.tlt.v1.WeightKind\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x10\n\x08replicas\x18\x06 \x03(\x05\"\x0f\n\rStatusRequest\"\xdc\x01\n\nSpecStatus\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\x08\x12\x0b\n\x03\x61rm\x18\x03 \x01(\t\x12\x17\n\x0fmean_accept_len\x18\x04 \x01(\x01\x12\x19\n\x11last_step_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x06 \x01(\x03\x12\x13\n\x0bplain_steps\x18\x07 \x01(\x03\x12$\n\x06\x62\x61ndit\x18\x08 \x03(\x0b\x32\x14.tlt.v1.BanditBucket\x12\x1e\n\x04\x61rms\x18\t \x03(\x0b\x32\x10.tlt.v1.ArmCount\"d\n\x0c\x42\x61nditBucket\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x10\n\x08\x65xplored\x18\x02 \x01(\x03\x12\x11\n\texploited\x18\x03 \x01(\x03\x12\x1f\n\x04\x61rms\x18\x04 \x03(\x0b\x32\x11.tlt.v1.BanditArm\"P\n\tBanditArm\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x15\n\rmedian_reward\x18\x03 \x01(\x01\x12\x0e\n\x06\x63hosen\x18\x04 \x01(\x03\":\n\x08\x41rmCount\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x12\n\naccept_len\x18\x03 \x01(\x01\"\xe6\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.tlt.v1.ReplicaState\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12(\n\x08versions\x18\x07 \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12 \n\x04spec\x18\x08 \x01(\x0b\x32\x12.tlt.v1.SpecStatus\x12\r\n\x05\x61live\x18\t \x01(\x08\"\x93\x01\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\'\n\x08replicas\x18\x03 \x03(\x0b\x32\x15.tlt.v1.ReplicaStatus\x12(\n\x08versions\x18\x04 \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12\x0f\n\x07lent_to\x18\x05 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x89\x03\n\x07Rollout\x12\x43\n\rBatchGenerate\x12\x1c.tlt.v1.BatchGenerateRequest\x1a\x12.tlt.v1.Completion0\x01\x12=\n\x08Generate\x12\x17.tlt.v1.GenerateRequest\x1a\x18.tlt.v1.GenerateResponse\x12\x45\n\rUpdateWeights\x12\x13.tlt.v1.WeightChunk\x1a\x1d.tlt.v1.UpdateWeightsResponse(\x01\x12>\n\nGetWeights\x12\x19.tlt.v1.GetWeightsRequest\x1a\x13.tlt.v1.WeightChunk0\x01\x12\x39\n\tGetStatus\x12\x15.tlt.v1.StatusRequest\x1a\x15.tlt.v1.RolloutStatus\x12\x38\n\x0bLendDevices\x12\x13.tlt.v1.LendRequest\x1a\x14.tlt.v1.LendResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tlt.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2640
-  _globals['_FINISHREASON']._serialized_end=2760
-  _globals['_SAMPLINGPARAMS']._serialized_start=54
-  _globals['_SAMPLINGPARAMS']._serialized_end=351
-  _globals['_PROMPT']._serialized_start=353
-  _globals['_PROMPT']._serialized_end=444
-  _globals['_TOKENIDS']._serialized_start=446
-  _globals['_TOKENIDS']._serialized_end=469
-  _globals['_BATCHGENERATEREQUEST']._serialized_start=471
-  _globals['_BATCHGENERATEREQUEST']._serialized_end=595
-  _globals['_GENERATEREQUEST']._serialized_start=597
-  _globals['_GENERATEREQUEST']._serialized_end=717
-  _globals['_GENERATERESPONSE']._serialized_start=719
-  _globals['_GENERATERESPONSE']._serialized_end=778
-  _globals['_TOPLOGPROB']._serialized_start=780
-  _globals['_TOPLOGPROB']._serialized_end=829
-  _globals['_SPECSTATS']._serialized_start=831
-  _globals['_SPECSTATS']._serialized_end=917
-  _globals['_COMPLETION']._serialized_start=920
-  _globals['_COMPLETION']._serialized_end=1328
-  _globals['_WEIGHTMANIFEST']._serialized_start=1331
-  _globals['_WEIGHTMANIFEST']._serialized_end=1490
-  _globals['_WEIGHTCHUNK']._serialized_start=1492
-  _globals['_WEIGHTCHUNK']._serialized_end=1573
-  _globals['_GETWEIGHTSREQUEST']._serialized_start=1575
-  _globals['_GETWEIGHTSREQUEST']._serialized_end=1643
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1646
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1788
-  _globals['_STATUSREQUEST']._serialized_start=1790
-  _globals['_STATUSREQUEST']._serialized_end=1805
-  _globals['_SPECSTATUS']._serialized_start=1808
-  _globals['_SPECSTATUS']._serialized_end=2028
-  _globals['_BANDITBUCKET']._serialized_start=2030
-  _globals['_BANDITBUCKET']._serialized_end=2130
-  _globals['_BANDITARM']._serialized_start=2132
-  _globals['_BANDITARM']._serialized_end=2212
-  _globals['_ARMCOUNT']._serialized_start=2214
-  _globals['_ARMCOUNT']._serialized_end=2272
-  _globals['_REPLICASTATUS']._serialized_start=2275
-  _globals['_REPLICASTATUS']._serialized_end=2505
-  _globals['_ROLLOUTSTATUS']._serialized_start=2508
-  _globals['_ROLLOUTSTATUS']._serialized_end=2638
-  _globals['_ROLLOUT']._serialized_start=2763
-  _globals['_ROLLOUT']._serialized_end=3098
+  _globals['_FINISHREASON']._serialized_start=2806
+  _globals['_FINISHREASON']._serialized_end=2926
+  _globals['_LENDREQUEST']._serialized_start=53
+  _globals['_LENDREQUEST']._serialized_end=113
+  _globals['_LENDRESPONSE']._serialized_start=115
+  _globals['_LENDRESPONSE']._serialized_end=200
+  _globals['_SAMPLINGPARAMS']._serialized_start=203
+  _globals['_SAMPLINGPARAMS']._serialized_end=500
+  _globals['_PROMPT']._serialized_start=502
+  _globals['_PROMPT']._serialized_end=593
+  _globals['_TOKENIDS']._serialized_start=595
+  _globals['_TOKENIDS']._serialized_end=618
+  _globals['_BATCHGENERATEREQUEST']._serialized_start=620
+  _globals['_BATCHGENERATEREQUEST']._serialized_end=744
+  _globals['_GENERATEREQUEST']._serialized_start=746
+  _globals['_GENERATEREQUEST']._serialized_end=866
+  _globals['_GENERATERESPONSE']._serialized_start=868
+  _globals['_GENERATERESPONSE']._serialized_end=927
+  _globals['_TOPLOGPROB']._serialized_start=929
+  _globals['_TOPLOGPROB']._serialized_end=978
+  _globals['_SPECSTATS']._serialized_start=980
+  _globals['_SPECSTATS']._serialized_end=1066
+  _globals['_COMPLETION']._serialized_start=1069
+  _globals['_COMPLETION']._serialized_end=1477
+  _globals['_WEIGHTMANIFEST']._serialized_start=1480
+  _globals['_WEIGHTMANIFEST']._serialized_end=1639
+  _globals['_WEIGHTCHUNK']._serialized_start=1641
+  _globals['_WEIGHTCHUNK']._serialized_end=1722
+  _globals['_GETWEIGHTSREQUEST']._serialized_start=1724
+  _globals['_GETWEIGHTSREQUEST']._serialized_end=1792
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1795
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1937
+  _globals['_STATUSREQUEST']._serialized_start=1939
+  _globals['_STATUSREQUEST']._serialized_end=1954
+  _globals['_SPECSTATUS']._serialized_start=1957
+  _globals['_SPECSTATUS']._serialized_end=2177
+  _globals['_BANDITBUCKET']._serialized_start=2179
+  _globals['_BANDITBUCKET']._serialized_end=2279
+  _globals['_BANDITARM']._serialized_start=2281
+  _globals['_BANDITARM']._serialized_end=2361
+  _globals['_ARMCOUNT']._serialized_start=2363
+  _globals['_ARMCOUNT']._serialized_end=2421
+  _globals['_REPLICASTATUS']._serialized_start=2424
+  _globals['_REPLICASTATUS']._serialized_end=2654
+  _globals['_ROLLOUTSTATUS']._serialized_start=2657
+  _globals['_ROLLOUTSTATUS']._serialized_end=2804
+  _globals['_ROLLOUT']._serialized_start=2929
+  _globals['_ROLLOUT']._serialized_end=3322
 # @@protoc_insertion_point(module_scope)

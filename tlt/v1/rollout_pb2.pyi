@@ -19,6 +19,28 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class LendRequest(_message.Message):
+    __slots__ = ("lend", "lease_s", "holder")
+    LEND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    lend: bool
+    lease_s: float
+    holder: str
+    def __init__(self, lend: _Optional[bool] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class LendResponse(_message.Message):
+    __slots__ = ("lent", "expires_in_s", "replicas", "seconds")
+    LENT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lent: bool
+    expires_in_s: float
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    seconds: float
+    def __init__(self, lent: _Optional[bool] = ..., expires_in_s: _Optional[float] = ..., replicas: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "return_features")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -276,13 +298,15 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ReplicaState, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_usage: _Optional[float] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "backend", "replicas", "versions")
+    __slots__ = ("model", "backend", "replicas", "versions", "lent_to")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LENT_TO_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     versions: _common_pb2.WeightVersions
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ...) -> None: ...
+    lent_to: str
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., lent_to: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,11 @@ class RolloutStub:
                 request_serializer=tlt_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
                 response_deserializer=tlt_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.LendDevices = channel.unary_unary(
+                '/tlt.v1.Rollout/LendDevices',
+                request_serializer=tlt_dot_v1_dot_rollout__pb2.LendRequest.SerializeToString,
+                response_deserializer=tlt_dot_v1_dot_rollout__pb2.LendResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -104,6 +109,19 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LendDevices(self, request, context):
+        """Colocated placement: the trainer borrows the replicas' devices for its
+        old-logprob pass and update, and gives them back before its weight push.
+        While lent, idle replicas publish LENT (drafter workers do not train on
+        them) and release what their backend can free (SGLang: release_tags).
+        Answered once every live replica has released. A lend lasts lease_s
+        unless renewed by another lend; any new work (a request, a policy push)
+        takes the devices back first. Control plane: same token as UpdateWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +149,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=tlt_dot_v1_dot_rollout__pb2.StatusRequest.FromString,
                     response_serializer=tlt_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'LendDevices': grpc.unary_unary_rpc_method_handler(
+                    servicer.LendDevices,
+                    request_deserializer=tlt_dot_v1_dot_rollout__pb2.LendRequest.FromString,
+                    response_serializer=tlt_dot_v1_dot_rollout__pb2.LendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +291,33 @@ class Rollout:
             '/tlt.v1.Rollout/GetStatus',
             tlt_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
             tlt_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LendDevices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tlt.v1.Rollout/LendDevices',
+            tlt_dot_v1_dot_rollout__pb2.LendRequest.SerializeToString,
+            tlt_dot_v1_dot_rollout__pb2.LendResponse.FromString,
             options,
             channel_credentials,
             insecure,

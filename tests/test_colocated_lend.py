@@ -1,0 +1,239 @@
+"""Colocated placement: the trainer borrows the rollout replicas' devices (Rollout.LendDevices) for its
+old-logprob pass and update. Real server, real replica processes, real gRPC and ZeroMQ on 127.0.0.1.
+
+While lent, an idle replica publishes LENT, not IDLE, so that a drafter worker (which trains only on IDLE) does
+not train on the device the trainer is using; the lend ends when the trainer takes the devices back, when new work
+arrives, or when its lease lapses (a trainer killed mid-update must not keep the drafter off forever). The SGLang
+backend's `release()` / `resume()` hooks run in the replica; `tests/lend_engine.py` is a native engine with the
+same hooks (SGLang itself needs a GPU) that records when they run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from rollout_helpers import ServerThread, tiny_checkpoint
+from tlt.services.common.events import CapacitySubscriber
+from tlt.services.rollout.client import RolloutClient
+from tlt.v1 import common_pb2, rollout_pb2
+
+BUSY, IDLE, LENT = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE, common_pb2.REPLICA_STATE_LENT
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
+
+
+def _changes(sub, until, timeout_s: float = 10.0) -> list[tuple[int, int]]:  # noqa: ANN001
+    """(replica, state) of every non-heartbeat event until `until(changes)` holds, or the timeout."""
+    seen: list[tuple[int, int]] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not until(seen):
+        e = sub.recv(0.2)
+        if e is not None and not e.heartbeat:
+            seen.append((e.replica_id, e.state))
+    return seen
+
+
+def _states_of(seen: list[tuple[int, int]], replica: int) -> list[int]:
+    """The replica's state changes (a count change repeats the state: collapsed)."""
+    out: list[int] = []
+    for r, st in seen:
+        if r == replica and (not out or out[-1] != st):
+            out.append(st)
+    return out
+
+
+def _last(seen: list[tuple[int, int]]) -> dict[int, int]:
+    return {r: st for r, st in seen}
+
+
+def _server(model_dir, **kw):  # noqa: ANN001, ANN202
+    return ServerThread(model_dir, replicas=2, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3, **kw)
+
+
+def test_lent_replicas_say_lent_until_taken_back(model_dir) -> None:
+    with _server(model_dir) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert sorted((e.replica_id, e.state) for e in sub.snapshot()) == [(0, IDLE), (1, IDLE)]
+        with RolloutClient(s.grpc_address) as client:
+            r = client.lend_devices(True, lease_s=60, holder="trainer")
+            assert r.lent and sorted(r.replicas) == [0, 1] and 55 < r.expires_in_s <= 60
+            seen = _changes(sub, lambda c: _last(c) == {0: LENT, 1: LENT})
+            assert _last(seen) == {0: LENT, 1: LENT}, seen
+            # a late subscriber learns it at once, and status says who has the devices
+            late = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+            assert sorted((e.replica_id, e.state) for e in late.snapshot()) == [(0, LENT), (1, LENT)]
+            late.close()
+            st = client.status()
+            assert st.lent_to == "trainer" and [x.state for x in st.replicas] == [LENT, LENT]
+            # renewing sends no new state
+            assert client.lend_devices(True, lease_s=60).lent
+            assert _changes(sub, lambda c: False, timeout_s=0.8) == []
+            back = client.lend_devices(False)
+            assert not back.lent and sorted(back.replicas) == [0, 1]
+            seen = _changes(sub, lambda c: _last(c) == {0: IDLE, 1: IDLE})
+            assert _last(seen) == {0: IDLE, 1: IDLE} and all(st == IDLE for _, st in seen), seen
+            st = client.status()
+            assert st.lent_to == "" and [x.state for x in st.replicas] == [IDLE, IDLE]
+        sub.close()
+
+
+def test_work_takes_the_devices_back_and_the_served_replica_never_says_idle_between(model_dir) -> None:
+    """LENT -> BUSY directly: an IDLE in between would let a drafter worker start on a device about to decode."""
+    with _server(model_dir) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        sub.snapshot()
+        with RolloutClient(s.grpc_address) as client:
+            client.lend_devices(True, lease_s=60)
+            _changes(sub, lambda c: _last(c) == {0: LENT, 1: LENT})
+            params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=6)
+            done = client.generate("1+2=", n=1, params=params)
+            assert len(done) == 1 and done[0].token_ids
+            seen = _changes(sub, lambda c: _last(c) == {0: IDLE, 1: IDLE})
+            served = next(r for r, st in seen if st == BUSY)
+            other = 1 - served
+            assert _states_of(seen, served) == [BUSY, IDLE], seen
+            assert _states_of(seen, other) == [IDLE], seen
+            assert client.status().lent_to == ""
+        sub.close()
+
+
+def test_a_policy_push_takes_the_devices_back(model_dir) -> None:
+    import safetensors.torch
+
+    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    with _server(model_dir) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        sub.snapshot()
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            client.lend_devices(True, lease_s=60)
+            _changes(sub, lambda c: _last(c) == {0: LENT, 1: LENT})
+            assert client.update_weights(weights, "policy", 1).ok
+            seen = _changes(sub, lambda c: _last(c) == {0: IDLE, 1: IDLE})
+            for r in (0, 1):
+                assert _states_of(seen, r) == [BUSY, IDLE], seen
+            assert client.status().lent_to == ""
+        sub.close()
+
+
+def test_the_lease_lapses_when_the_borrower_goes_quiet(model_dir) -> None:
+    with _server(model_dir) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        sub.snapshot()
+        with RolloutClient(s.grpc_address) as client:
+            t0 = time.monotonic()
+            client.lend_devices(True, lease_s=1.0)
+            _changes(sub, lambda c: _last(c) == {0: LENT, 1: LENT})
+            client.lend_devices(True, lease_s=1.0)  # renewed at ~t0: lapses ~1 s after this
+            seen = _changes(sub, lambda c: _last(c) == {0: IDLE, 1: IDLE})
+            waited = time.monotonic() - t0
+            assert _last(seen) == {0: IDLE, 1: IDLE} and 0.9 < waited < 5, (seen, waited)
+            assert client.status().lent_to == ""
+        sub.close()
+
+
+def test_lend_is_control_plane_and_checks_its_lease(model_dir) -> None:
+    with _server(model_dir, control_token="s3cret") as s:
+        with RolloutClient(s.grpc_address) as anon:
+            with pytest.raises(grpc.RpcError) as e:
+                anon.lend_devices(True, lease_s=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with RolloutClient(s.grpc_address, control_token="s3cret") as client:
+            with pytest.raises(grpc.RpcError) as e:
+                client.lend_devices(True, lease_s=0)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert client.status().lent_to == ""
+            assert client.lend_devices(True, lease_s=10).lent
+
+
+def test_backend_release_waits_for_running_sequences_and_resume_comes_before_new_work(model_dir, tmp_path,
+                                                                                        monkeypatch) -> None:
+    log = tmp_path / "lend.log"
+    log.write_text("")
+    monkeypatch.setenv("TLT_TEST_LEND_LOG", str(log))  # inherited by the spawned replica
+    with ServerThread(model_dir, replicas=1, backend="lend_engine:LendRecordingEngine") as s:
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            import threading
+
+            out: list = []
+            t = threading.Thread(target=lambda: out.extend(client.generate("1+2=", n=2, params=params)))
+            t.start()
+            deadline = time.monotonic() + 30
+            while log.read_text().count("add") < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # the pool lends; the engine still runs the request: release comes after its sequences end
+            s.call(s.server.pool.lend("trainer", 60, 60))
+            t.join(30)
+            assert len(out) == 2 and all(len(c.token_ids) == 40 for c in out)
+            assert log.read_text().split() == ["add", "release"]
+            params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=4)
+            assert len(client.generate("2+2=", n=1, params=params)) == 1  # resumed first, then added
+            assert log.read_text().split() == ["add", "release", "resume", "add"]
+
+
+def test_the_trainer_keeps_its_loan_alive_past_the_lease_and_gives_it_back(model_dir) -> None:
+    from tlt.services.trainer.colocate import DeviceLoan
+
+    with ServerThread(model_dir, replicas=1) as s, RolloutClient(s.grpc_address) as client:
+        loan = DeviceLoan([client], lease_s=0.6)
+        loan.borrow()
+        time.sleep(1.5)  # 2.5 leases: only the renewals keep it
+        assert client.status().lent_to == "trainer"
+        loan.give_back()
+        assert client.status().lent_to == "" and not loan.held
+        loan.give_back()  # idempotent
+
+
+def test_a_colocated_trainer_lends_the_devices_for_each_update_only(random_model_dir, tmp_path) -> None:
+    """tlt's trainer with lend_rollout_devices: each step's old-logprob pass and update run while the replica is
+    LENT (a drafter worker stays off), and the rollouts and pushes never are."""
+    import json
+    import threading
+
+    from test_trainer_loop import config
+
+    from tlt.services.trainer.loop import train
+
+    with ServerThread(random_model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*",
+                      capacity_heartbeat_s=0.3) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        sub.snapshot()
+        seen: list[tuple[int, int]] = []
+        stop = threading.Event()
+
+        def listen() -> None:
+            while not stop.is_set():
+                e = sub.recv(0.1)
+                if e is not None and not e.heartbeat:
+                    seen.append((e.replica_id, e.state))
+
+        t = threading.Thread(target=listen)
+        t.start()
+        try:
+            train(config(random_model_dir, s.grpc_address, tmp_path / "run", lend_rollout_devices=True))
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            t.join()
+        sub.close()
+        with RolloutClient(s.grpc_address) as client:
+            assert client.status().lent_to == ""
+    states = _states_of(seen, 0)
+    # per step: rollout BUSY -> IDLE -> LENT (update) -> IDLE -> BUSY (push) -> IDLE
+    assert states.count(LENT) == 2, states
+    for i, st in enumerate(states):
+        if st == LENT:
+            assert states[i - 2: i] == [BUSY, IDLE] and states[i + 1: i + 3] == [IDLE, BUSY], states
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(m["times"]["lend_s"] > 0 for m in lines)
