@@ -13,20 +13,7 @@ Load balancing: each request goes to the live replica with the fewest
 outstanding sequences (counted here, at submit and finish, so it is exact and
 immediate), ties broken round-robin.
 
-Capacity events (when a `capacity` sink is given): a replica is BUSY from the moment a request
-is handed to it while it had nothing outstanding, and IDLE again when its last outstanding
-sequence finishes, fails or is aborted (the counts here are exact, see above); DRAINING when it
-dies or the pool stops. An aborted request (client gone) stays outstanding until its replica answers
-that its engine dropped the sequences (`Aborted`): the replica may be in the middle of a step that
-decodes them, and a drafter worker must not start training on a device that still decodes. The
-events split what is outstanding into `running` (the engine's running sequences, as of the load it
-reported with its last step or abort) and `queued` (the rest: waiting in its scheduler or still on
-the way to it), and carry its KV use; a change of that split, or of KV use by a percent, is
-published too (coalesced, one event per loop turn). Applying a policy push is work too: the
-replica is BUSY while it copies the new weights in (a drafter worker training on its cores
-meanwhile made the apply several times slower with spinning OpenMP threads, `spin_wait`). Each
-change is published at once (drafter workers preempt on BUSY). While the devices are lent to a
-colocated trainer (`lend`, services/rollout/lease.py), a replica with nothing to do is LENT instead of IDLE.
+Capacity events and lending the devices to a colocated trainer: pool_states.py.
 
 Weight updates (`update_weights`) are all-or-nothing in the sense that
 matters: the payload is validated entirely here (checksum, sizes, names,
@@ -58,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlt.services.common.logging import get_logger
-from tlt.services.rollout.lease import DeviceLease
 from tlt.services.rollout.ipc import (
     Aborted,
     AbortRequest,
@@ -76,22 +62,12 @@ from tlt.services.rollout.ipc import (
     Shutdown,
     StepEvents,
 )
+from tlt.services.rollout.errors import InvalidRequestError, ReplicaUnavailableError, WeightUpdateError
+from tlt.services.rollout.pool_states import CapacityStates, failures
 from tlt.services.rollout.replica import replica_main
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest, StepOutput, Versions
 
 log = get_logger("rollout.replicas")
-
-
-class InvalidRequestError(ValueError):
-    """The engine refused the request; the message is fit for a 400 answer."""
-
-
-class ReplicaUnavailableError(RuntimeError):
-    """No live replica, or the replica serving a request died."""
-
-
-class WeightUpdateError(ValueError):
-    """A weight push was rejected (validation) or failed to apply; nothing changed unless the message says so."""
 
 
 @dataclass
@@ -140,15 +116,7 @@ class _Replica:
         return self.outstanding > 0 or self.applying
 
 
-def _failures(live: list[_Replica], replies: list[Any]) -> list[str]:
-    """What went wrong on each replica of a command sent to all; one that died meanwhile serves nothing any more:
-    it is not a failure."""
-    return [f"replica {r.replica_id}: {x.error if isinstance(x, Reply) else repr(x)}"
-            for r, x in zip(live, replies)
-            if (not isinstance(x, Reply) or x.error) and not isinstance(x, ReplicaUnavailableError)]
-
-
-class ReplicaPool:
+class ReplicaPool(CapacityStates):
     """N engine replica processes behind one async interface."""
 
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
@@ -180,85 +148,13 @@ class ReplicaPool:
         self.capacity = capacity  # a common.events.CapacitySink, or None
         self.features_push = features_push
         self.features_max_tokens = features_max_tokens
-        self.lease: DeviceLease | None = None  # set on the loop in start()
-
-    # ---- capacity events ---------------------------------------------------------------------
-
-    @staticmethod
-    def _counts(rep: _Replica) -> tuple[int, int]:
-        """(running, queued) on `rep`; they add up to its exact outstanding count. The engine's running count is
-        as of its last report, so it is capped by what is outstanding now (a sequence finished since is not)."""
-        outstanding = max(rep.outstanding, 0)
-        running = min(rep.load.running, outstanding)
-        return running, outstanding - running
-
-    def _key(self, rep: _Replica, state: int) -> tuple:
-        """What a capacity event of `rep` says; a new event goes out when it changes (KV use by whole percents)."""
-        return (state, *self._counts(rep), round(rep.load.kv_usage * 100), self.versions.policy, self.versions.drafter)
-
-    def _publish_state(self, rep: _Replica, state: int) -> None:
-        if self.capacity is None:
-            return
-        from tlt.v1 import common_pb2, events_pb2
-
-        v = self.versions
-        running, queued = self._counts(rep)
-        rep.published = self._key(rep, state)
-        self.capacity.publish(events_pb2.CapacityEvent(
-            replica_id=rep.replica_id, device=rep.info.device if rep.info else "", state=state,
-            running=running, queued=queued, kv_usage=rep.load.kv_usage,
-            versions=common_pb2.WeightVersions(policy=v.policy, drafter=v.drafter)))
-
-    def _busy(self, rep: _Replica) -> None:
-        """Call once the new work is counted in (outstanding / applying): BUSY at once when it was not,
-        else the new count follows (coalesced per loop turn)."""
-        from tlt.v1 import common_pb2
-
-        if self.capacity is None:
-            return
-        if rep.published is None or rep.published[0] != common_pb2.REPLICA_STATE_BUSY:
-            self._publish_state(rep, common_pb2.REPLICA_STATE_BUSY)
-        else:
-            self._schedule_refresh(rep)
-
-    def _rest_state(self) -> int:
-        """What a replica with nothing to do is: IDLE, or LENT while a colocated trainer has the devices."""
-        from tlt.v1 import common_pb2
-
-        return common_pb2.REPLICA_STATE_LENT if self.lent_to else common_pb2.REPLICA_STATE_IDLE
-
-    def _maybe_idle(self, rep: _Replica) -> None:
-        if not rep.has_work and rep.alive and not self._stopping:
-            self._publish_state(rep, self._rest_state())
-        else:
-            self._schedule_refresh(rep)  # still busy: its count (or versions) changed
-
-    def _schedule_refresh(self, rep: _Replica) -> None:
-        """Re-publish `rep`'s state with its current count and versions (heartbeats and the snapshot repeat
-        the last event, so a count that changes while the state does not must be sent too). Once per loop
-        turn: a batch of submissions or a step's finished sequences make one event."""
-        if self.capacity is None or rep.refresh_scheduled or self._loop is None:
-            return
-        rep.refresh_scheduled = True
-        self._loop.call_soon(self._refresh, rep)
-
-    def _refresh(self, rep: _Replica) -> None:
-        from tlt.v1 import common_pb2
-
-        rep.refresh_scheduled = False
-        if rep.published is None or not rep.alive or self._stopping or rep.error:
-            return
-        state = common_pb2.REPLICA_STATE_BUSY if rep.has_work else self._rest_state()
-        if state != rep.published[0]:
-            return  # a transition is published where it happens, never from here
-        if self._key(rep, state) != rep.published:
-            self._publish_state(rep, state)
+        self.lease = None  # a lease.DeviceLease, made on the loop in start()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
-        self.lease = DeviceLease(self._loop, self._lease_lapsed)
+        self.lease = self._new_lease()
         for i in range(self.num_replicas):
             self.replicas.append(self._spawn(i))
         try:
@@ -600,7 +496,7 @@ class ReplicaPool:
             *(self._ask(r, lambda cid: ApplyWeights(cid, kind, version, blob, data), timeout_s) for r in live),
             return_exceptions=True,
         )
-        failed = _failures(live, replies)
+        failed = failures(live, replies)
         applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
         if failed:
             if applied:
@@ -621,64 +517,3 @@ class ReplicaPool:
             self._schedule_refresh(r)
         log.info("weights_updated", kind=kind, version=version, replicas=applied)
         return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
-
-    # ---- colocated trainer: lending the devices (services/rollout/lease.py) ---------------
-
-    @property
-    def lent_to(self) -> str:
-        """Who has borrowed the replicas' devices; "" when nobody has."""
-        return self.lease.holder if self.lease is not None else ""
-
-    async def lend(self, holder: str, lease_s: float, timeout_s: float) -> dict:
-        """Lend the devices to `holder` for `lease_s` (or renew the lease): idle replicas publish LENT and release
-        what their backend can free. Returns once every live replica has released (one still finishing aborted
-        sequences releases after them). Raises WeightUpdateError when a replica could not release."""
-        assert self.lease is not None, "start() first"
-        t0 = time.perf_counter()
-        live = [r for r in self.replicas if r.alive]
-        if not self.lease.grant(holder, lease_s):
-            return {"replicas": [r.replica_id for r in live], "seconds": 0.0, "expires_in_s": self.lease.expires_in()}
-        log.info("devices_lent", holder=self.lent_to, lease_s=lease_s, replicas=[r.replica_id for r in live])
-        for r in live:
-            self._maybe_idle(r)
-        replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, True), timeout_s) for r in live),
-                                       return_exceptions=True)
-        failed = _failures(live, replies)
-        if failed:
-            self._take_back_now("a replica could not release")
-            raise WeightUpdateError("lend failed, devices taken back: " + "; ".join(failed))
-        return {"replicas": [r.replica_id for r in live], "seconds": time.perf_counter() - t0,
-                "expires_in_s": self.lease.expires_in()}
-
-    async def take_back(self, timeout_s: float) -> dict:
-        """End the lend now; returns once every live replica has resumed (nothing to do when nothing was lent)."""
-        t0 = time.perf_counter()
-        live = [r for r in self.replicas if r.alive]
-        if not self.lent_to:
-            return {"replicas": [r.replica_id for r in live], "seconds": 0.0, "expires_in_s": 0.0}
-        self._end_lease("taken back")
-        replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, False), timeout_s) for r in live),
-                                       return_exceptions=True)
-        failed = _failures(live, replies)
-        if failed:
-            raise WeightUpdateError("taking the devices back failed: " + "; ".join(failed))
-        return {"replicas": [r.replica_id for r in live], "seconds": time.perf_counter() - t0, "expires_in_s": 0.0}
-
-    def _take_back_now(self, why: str) -> None:
-        """End the lend without waiting: each replica resumes before anything sent to it after this (one pipe)."""
-        self._end_lease(why)
-        for r in self.replicas:
-            if r.alive:
-                r.outbox.put(Lend(0, False))
-
-    def _end_lease(self, why: str) -> None:
-        holder = self.lease.end() if self.lease is not None else ""
-        if holder:
-            log.info("devices_taken_back", holder=holder, why=why)
-            for r in self.replicas:
-                self._maybe_idle(r)
-
-    def _lease_lapsed(self) -> None:
-        log.warning("device_lease_lapsed", holder=self.lent_to,
-                    detail="the borrower neither renewed nor gave the devices back (crashed?); taking them back")
-        self._take_back_now("the lease lapsed")

@@ -1,0 +1,15 @@
+"""What the replica pool raises; the servers map them to status codes (400 / 503 / a refused push)."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """The engine refused the request; the message is fit for a 400 answer."""
+
+
+class ReplicaUnavailableError(RuntimeError):
+    """No live replica, or the replica serving a request died."""
+
+
+class WeightUpdateError(ValueError):
+    """A weight push was rejected (validation) or failed to apply; nothing changed unless the message says so."""
