@@ -2,8 +2,11 @@
 
 Defaults run on a laptop and bind loopback only. Limits keep one bad client
 from exhausting the server: a gRPC message size cap, a per-item size cap
-(reported per item as ok=false), a batch size cap and a bound on requests in
-flight per stream (the stream stops reading until results go out).
+(reported per item as ok=false), a batch size cap, a bound on requests in
+flight per stream and a bound on the items one stream holds unsent (being
+scored or scored and waiting for the client to read them): at either bound
+the stream stops reading requests until results go out, and gRPC flow
+control then holds the client back.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ class RewardConfig(ServiceConfig):
     )
     max_inflight_per_stream: int = Field(
         256, ge=1, description="items of one ScoreStream being scored at once; reading pauses beyond"
+    )
+    max_unsent_per_stream: int = Field(
+        1024,
+        ge=1,
+        description="items one ScoreStream holds unsent (being scored, or scored and waiting for the client to "
+        "read them); reading pauses at this many until the client reads, so a client that stops reading "
+        "cannot grow the server's memory",
     )
     grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight calls may take to finish")
     metrics_port: int = Field(

@@ -6,8 +6,12 @@
 `ScoreStream` reads requests while earlier ones are being scored and sends
 each response as soon as it is ready, so responses come back in completion
 order and are matched by id; at most `max_inflight_per_stream` items of one
-stream are in flight (reading pauses beyond, which is gRPC flow control for
-the client).
+stream are in flight and at most `max_unsent_per_stream` are held unsent
+(being scored, or scored and not yet sent: `StreamWindow`). At either bound
+the stream stops reading requests, which is gRPC flow control for the client:
+a client that sends without reading is held back instead of growing the
+server's memory. grpc asks the handler for the next response only once the
+previous one is sent, so a result counts as sent when it is asked for again.
 
 Each item is its own error boundary: a malformed item (no id, over the size
 limit, no reference) or a verifier that raises gives that item ok=false with
@@ -28,7 +32,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -58,6 +62,37 @@ def _decoded(raw_requests: Iterator[bytes]) -> Iterator[reward_pb2.ScoreRequest]
             raise UndecodableRequest(f"message {i} of the stream is not a tlt.v1.ScoreRequest: {e}") from e
 
 
+class StreamWindow:
+    """The items one ScoreStream holds unsent: read from the client and not yet sent back.
+
+    The stream's reader `take`s a place before it scores an item and the handler `give`s it back once the
+    item's result is sent, so a client that stops reading stops the reader at `limit` items (a queue of
+    finished results without this bound grew without limit). `peak` is the most it ever held.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def take(self, active: Callable[[], bool]) -> bool:
+        """Wait for a place; False (and no place) once `active()` says the call is over."""
+        with self._cond:
+            while self.held >= self.limit:
+                if not active():
+                    return False
+                self._cond.wait(0.5)
+            self.held += 1
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self) -> None:
+        with self._cond:
+            self.held -= 1
+            self._cond.notify()
+
+
 class RewardMetrics:
     """Prometheus metrics of one reward server."""
 
@@ -79,6 +114,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self.verifier = verifier or get_verifier(config.kind)
         self.m = RewardMetrics()
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="reward-score")
+        self.streams: set[StreamWindow] = set()  # the windows of the ScoreStream calls open now
+        self._streams_lock = threading.Lock()
 
     def _check(self, item: reward_pb2.ScoreRequest) -> tuple[str, str] | None:
         """(reason label, message) when the item cannot be scored."""
@@ -123,7 +160,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     def ScoreStream(
         self, request_iterator: Iterator[reward_pb2.ScoreRequest], context: grpc.ServicerContext
     ) -> Iterator[reward_pb2.ScoreResponse]:
-        ready: queue.Queue[object] = queue.Queue()
+        ready: queue.Queue[object] = queue.Queue()  # bounded by `window`: every item in it holds a place
+        window = StreamWindow(self.config.max_unsent_per_stream)
         slots = threading.BoundedSemaphore(self.config.max_inflight_per_stream)
         # how many submitted items have no result queued yet: a count, not their futures, so an item leaves
         # the stream's state once its result is queued (a list of every future kept every result for the
@@ -146,6 +184,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             nonlocal unqueued
             try:
                 for item in request_iterator:
+                    if not window.take(context.is_active):
+                        return
                     while not slots.acquire(timeout=0.5):
                         if not context.is_active():
                             return
@@ -162,23 +202,30 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                     queued.wait_for(lambda: unqueued == 0)  # every result is queued before _DONE
                 ready.put(_DONE)
 
-        reader = threading.Thread(target=read, name="reward-stream-reader", daemon=True)
-        reader.start()
-        while True:
-            try:
-                out = ready.get(timeout=0.5)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            if out is _DONE:
-                break
-            yield out  # type: ignore[misc]
-        if failed and isinstance(failed[0], UndecodableRequest):
-            self.m.errors.labels(reason="undecodable").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(failed[0]))
-        if failed:
-            raise failed[0]
+        with self._streams_lock:
+            self.streams.add(window)
+        try:
+            reader = threading.Thread(target=read, name="reward-stream-reader", daemon=True)
+            reader.start()
+            while True:
+                try:
+                    out = ready.get(timeout=0.5)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                if out is _DONE:
+                    break
+                yield out  # type: ignore[misc]
+                window.give()  # grpc asks for the next response only once this one is sent
+            if failed and isinstance(failed[0], UndecodableRequest):
+                self.m.errors.labels(reason="undecodable").inc()
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(failed[0]))
+            if failed:
+                raise failed[0]
+        finally:  # also when grpc drops the generator of a cancelled call
+            with self._streams_lock:
+                self.streams.discard(window)
 
 
 def _register(servicer: RewardServicer, server: grpc.Server) -> None:
