@@ -6,7 +6,9 @@
              from the coordinator, sharing them) + optimizer (own checkpoint)
              onto the device; loop { check events; batch from the coordinator; one micro-step;
              every submit_every steps: send delta, checkpoint, re-pull }
-    BUSY / DRAINING (seen between two micro-steps) -> stop; copy state off the device and free it
+    BUSY / DRAINING (seen between two micro-steps), or IDLE not heard again (heartbeat or event) for
+    `stale_s` (a silent feed: the rollout froze or its network path broke)
+          -> stop; copy state off the device and free it
              (`released`), then send the delta, checkpoint atomically, report the window
 
 So a worker never starts a micro-step after its replica turned busy: the busy-to-released latency
@@ -15,7 +17,9 @@ is at most one micro-step plus the release. Optimizer state and step counts live
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
 coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
 a timeout; a coordinator that does not answer makes the worker wait and retry, not crash, and a batch
-request it answers with an error (a batch it cannot build) is skipped, logged, and asked again.
+request it answers with an error (a batch it cannot build) is skipped, logged, and asked again. A delta
+it refuses (e.g. non-finite after a diverged step) is logged and dropped together with the optimizer state
+that produced it (back to the last checkpoint), as a kill -9 would lose it; the worker trains on.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class DrafterWorker:
         # not repeated for `stale_s` (a restarted rollout's predecessor) stop counting
         self._states: dict[tuple[str, int], tuple[int, float]] = {}
         self.stale_s = STALE_S
+        self._heard = 0.0  # monotonic time `state` was last heard (heartbeats too): see `_idle_now`
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
         self._deferred: _Deferred | None = None  # what the last window left to send and save (see `window`)
@@ -161,6 +166,7 @@ class DrafterWorker:
             return
         else:
             state = event.state  # type: ignore[attr-defined]
+        self._heard = time.monotonic()
         if mine:
             self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
         if state != IDLE:
@@ -172,9 +178,23 @@ class DrafterWorker:
             self.last_busy = float(event.timestamp)  # type: ignore[attr-defined]
         self.state = state
 
+    def _idle_now(self) -> bool:
+        """The last state is IDLE and was heard within `stale_s`: a feed gone silent (a frozen, stopped or
+        cut-off rollout still holding its port) no longer counts as idle, as in RolloutIdle."""
+        return self.state == IDLE and time.monotonic() - self._heard < self.stale_s
+
     def _may_train(self) -> bool:
         """The replica is idle and this idle period's budget (window_max_steps) is not used up."""
-        return self.state == IDLE and not self.budget_spent
+        return self._idle_now() and not self.budget_spent
+
+    def _check_silence(self) -> None:
+        """An IDLE gone stale ends an open window as a BUSY event would, dated when it went stale."""
+        if self.busy_seen or self.state != IDLE or self._idle_now():
+            return
+        self.busy_seen = True
+        self.last_busy = time.time() - (time.monotonic() - self._heard - self.stale_s)
+        log.warning("capacity_feed_silent", worker=self.worker_id, replica=self.replica_id,
+                    silent_s=round(time.monotonic() - self._heard, 2))
 
     def _poll_events(self, timeout_s: float) -> None:
         """Read EVERY queued event (heartbeats pile up during a long step), waiting up to `timeout_s` for one."""
@@ -182,9 +202,10 @@ class DrafterWorker:
         while True:
             e = self.sub.recv(max(0.001, deadline - time.monotonic()))  # recv(0) would not even look
             if e is None:
-                return
+                break
             self._see(e)
             deadline = time.monotonic()  # got one: drain the rest without waiting
+        self._check_silence()  # after draining: heartbeats queued during a long step are not silence
 
     # ---- main loop
     def run(self, stop: object = None, max_windows: int | None = None) -> None:
@@ -315,22 +336,41 @@ class DrafterWorker:
         d = self._deferred
         if d is None:
             return
-        if d.steps:
-            self._send_delta(d.local, d.base, d.base_version, d.steps, d.losses)  # raises: kept for the next try
+        if d.steps and not self._send_delta(d.local, d.base, d.base_version, d.steps, d.losses):  # unavailable: raises, kept
+            self._deferred = None  # refused: its optimizer state goes too; the next window loads the checkpoint
+            return
         self._checkpoint(d.opt_state)
         self._deferred = None
 
-    def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, losses: list[float]) -> None:
+    def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, losses: list[float]) -> bool:
+        """False when the coordinator refused it (logged): resending the same delta would be refused again, and
+        dying would stop this worker for good, so the caller drops it."""
         delta = {k: local[k] - base[k] for k in local}
         m, p = tensors_message(delta, base_version)
         loss = sum(losses) / max(1, len(losses))
-        self.client.ask(update=drafter_pb2.DeltaUpdate(base_version=base_version, manifest=m, payload=p,
-                                                       micro_steps=steps, mean_loss=loss))
+        try:
+            self.client.ask(update=drafter_pb2.DeltaUpdate(base_version=base_version, manifest=m, payload=p,
+                                                           micro_steps=steps, mean_loss=loss))
+        except CoordinatorRefused as e:
+            log.warning("delta_refused", worker=self.worker_id, base_version=base_version, steps=steps,
+                        error=str(e)[:300])
+            return False
+        return True
 
     def _submit(self, drafter: torch.nn.Module, base: dict, base_version: int, steps: int, res: WindowResult,
                 opt: torch.optim.Optimizer) -> None:
-        self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:])  # type: ignore[arg-type]
-        self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)
+        if self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:]):  # type: ignore[arg-type]
+            self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)
+        else:  # the optimizer state that made the refused delta (non-finite moments, typically) must not go on
+            self._restore_optimizer(opt)
+
+    def _restore_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """Back to the last checkpoint's optimizer state, or a fresh one when there is none."""
+        saved = load_state(self.ckpt)
+        if saved is not None and saved.get("optimizer"):
+            opt.load_state_dict(saved["optimizer"])
+        else:
+            opt.state.clear()
 
     def _checkpoint(self, opt_state: dict, extra_steps: int = 0) -> None:
         save_atomic(self.ckpt, {"optimizer": opt_state, "micro_steps": self.total_steps + extra_steps,

@@ -1,0 +1,315 @@
+"""The drafter coordinator without the rollout server: the real coordinator (ROUTER, feature buffer, gating,
+checkpoint) with a real CapacityPublisher (ZeroMQ on 127.0.0.1) playing the rollout's replicas, real target
+features of a tiny random Qwen2, from tests/drafter_helpers.py. The rollout's UpdateWeights is replaced by a
+recording function (the integration test uses the real server). Stand-ins, not the real thing: the gate tests
+script `mean_accept_length`'s scores so that the candidate wins or loses by construction."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from drafter_helpers import BUSY, IDLE, feature_samples, make, state
+from rollout_helpers import tiny_checkpoint
+from tlt.services.drafter.config import DrafterServiceConfig
+from tlt.services.drafter.coordinator import Coordinator
+from tlt.services.drafter.training import load_state
+from tlt.services.rollout.client import WeightPushError
+from tlt.v1 import events_pb2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="module")
+def samples(model_dir):
+    return feature_samples(model_dir)
+
+
+def test_candidates_are_evaluated_only_while_every_replica_is_idle(tmp_path, model_dir, samples) -> None:
+    """The gate's evaluation is seconds of CPU: it waits until no replica decodes, and gives the CPU back
+    (nothing recorded, nothing pushed) the moment one turns busy."""
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes)  # both replicas BUSY
+    real = coordinator_mod.mean_accept_length
+    calls: list[bool] = []  # per evaluation call: was the rollout idle when it started?
+    try:
+        with coord._lock:
+            coord.candidate_version = 1  # a candidate to evaluate (as after a worker's delta)
+        time.sleep(1.5)  # many gate ticks (eval_interval_s = 0.2) while busy
+        assert not coord.acceptance and not pushes
+        state(pub, 1, IDLE)  # one replica idle is not enough
+        time.sleep(1.0)
+        assert not coord.acceptance
+
+        def interrupting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+            calls.append(coord.rollout.idle())
+            state(pub, 1, BUSY)  # a rollout starts while the candidate is being evaluated
+            deadline = time.monotonic() + 5
+            while not should_stop() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return real(drafter, held, depth, should_stop)
+
+        coordinator_mod.mean_accept_length = interrupting
+        state(pub, 0, IDLE)
+        deadline = time.monotonic() + 10
+        while coord.interrupted_evals == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coord.interrupted_evals >= 1 and calls[0] is True
+        assert not coord.acceptance and not pushes and coord._evaluated == 0  # retried at the next idle moment
+        coordinator_mod.mean_accept_length = real
+        state(pub, 1, IDLE)
+        deadline = time.monotonic() + 20
+        while not coord.acceptance and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coord.acceptance and coord.acceptance[-1].drafter_version == 1  # evaluated once all were idle
+    finally:
+        coordinator_mod.mean_accept_length = real
+        coord.close()
+        pub.close()
+
+
+def test_bad_feature_sequences_are_refused_at_ingest_and_counted(tmp_path, model_dir, capfd) -> None:
+    """A FeatureSequence that decodes but does not fit the model (hidden size, feature byte length, token ids
+    outside the vocabulary, non-finite features) is refused when it arrives on the features socket, counted
+    in the status and logged with its sender; before, it sat in the buffer and made batch() raise. Real
+    FeaturePusher -> FeaturePuller over ZeroMQ on 127.0.0.1 into a real coordinator."""
+    import numpy as np
+
+    from tlt.services.common.events import FeaturePuller, FeaturePusher
+
+    puller = FeaturePuller("tcp://127.0.0.1:*")
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
+                               eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model_dir), puller, None).start()
+    pusher = FeaturePusher(puller.endpoint)
+    h, vocab = coord.drafter_cfg.hidden_size, coord.drafter_cfg.vocab_size
+
+    def seq(name: str, n: int = 12, hidden: int = h, tokens: list[int] | None = None, nbytes: int | None = None,
+            value: float = 0.5) -> events_pb2.FeatureSequence:
+        feats = np.full((n, hidden), value, np.float16).tobytes()
+        return events_pb2.FeatureSequence(seq_id=name, token_ids=tokens or list(range(5, 5 + n)), response_start=3,
+                                          hidden_size=hidden, features=feats[:nbytes], replica_id=7)
+
+    bad = [seq("wide", hidden=h + 8), seq("short_bytes", nbytes=12 * h * 2 - 2),
+           seq("vocab", tokens=[5] * 11 + [vocab]), seq("negative", tokens=[-1] + [5] * 11),
+           seq("nan", value=float("nan"))]
+    try:
+        deadline = time.monotonic() + 10
+        while not pusher.push(events_pb2.FeatureBatch(sequences=[seq("good"), *bad], source="rollout")):
+            assert time.monotonic() < deadline, "the puller never connected"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while coord.buffer.received_sequences < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert coord.buffer.received_sequences == 6
+        assert coord.buffer.stats() == (1, 10)  # the good sequence only: one window, from response_start - 1
+        assert coord.buffer.batch(2, 16) is not None  # batch() no longer raises on what was let in
+        st = coord.status()
+        assert st.features_rejected == 5 and st.buffer_sequences == 1
+        err = capfd.readouterr()
+        logged = err.err + err.out
+        for s in bad:
+            assert f"seq_id={s.seq_id}" in logged, logged
+        assert "feature_sequence_rejected" in logged and "replica=7" in logged and "source=rollout" in logged
+    finally:
+        pusher.close()
+        coord.close()
+        puller.close()
+
+
+def test_serving_drafter_is_scored_once_per_held_out_set(tmp_path, model_dir, samples) -> None:
+    """Between two rollouts several candidates are scored against the same held-out set; the serving
+    drafter's score is reused (it is ~0.4 CPU-s per scoring on the tiny model, in the trainer's time on a
+    CPU machine) and recomputed when the held-out set, the serving drafter or the policy changes."""
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)  # the gate never fires
+    real = coordinator_mod.mean_accept_length
+    calls: list[int] = []
+
+    def counting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+        calls.append(len(held))
+        return real(drafter, held, depth, None)
+
+    coord.rollout = None  # scoring is called directly here, not through the gate
+    coordinator_mod.mean_accept_length = counting
+    try:
+        with coord._lock:
+            coord.candidate_version = 1  # the candidate is still the serving drafter: never better
+        first = coord.evaluate_and_publish()
+        assert len(calls) == 2 and not first.published  # candidate, then serving
+        with coord._lock:
+            coord.candidate_version = 2
+        second = coord.evaluate_and_publish()
+        assert len(calls) == 3  # the candidate only
+        assert second.serving_accept_len == first.serving_accept_len
+        coord.buffer.add_samples(samples[:1], holdout=True)  # a new held-out window
+        third = coord.evaluate_and_publish()
+        assert len(calls) == 5 and calls[-1] == calls[0] + 1  # both scored again, on the larger set
+        with coord._lock:
+            coord.serving_version = 7  # a published drafter would change it
+        coord.evaluate_and_publish()
+        assert len(calls) == 7
+        assert third is not None
+    finally:
+        coordinator_mod.mean_accept_length = real
+        coord.close()
+        pub.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_evaluation_sched_idle_puts_only_the_gate_thread_in_sched_idle(tmp_path, model_dir, samples) -> None:
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, evaluation_sched="idle")
+    try:
+        gate = next(t for t in coord._threads if t.name == "drafter-gate")
+        others = [t for t in coord._threads if t.name != "drafter-gate"]
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(gate.native_id) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.sched_getscheduler(gate.native_id) == os.SCHED_IDLE
+        assert all(os.sched_getscheduler(t.native_id) != os.SCHED_IDLE for t in others)  # ingest, router, saver
+        assert os.sched_getscheduler(0) != os.SCHED_IDLE
+    finally:
+        coord.close()
+        pub.close()
+
+
+def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path, model_dir, monkeypatch) -> None:
+    """The rollout serves a published drafter at once; a coordinator killed (-9) right after the publish,
+    before its background saver ran, must not restart with an older candidate/serving version (it would
+    reuse a version number the rollout serves with other weights, and gate against a stale serving one)."""
+    import numpy as np
+
+    import tlt.services.drafter.coordinator as coordinator_mod
+    from tlt.services.drafter.packing import Sample
+
+    pushes: list = []
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
+                               gate_when_idle=False)
+    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append(v))  # not started: no saver
+    try:
+        h = coord.drafter_cfg.hidden_size
+        g = np.random.default_rng(0)
+        coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
+                                         g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+        with coord._lock:
+            coord.candidate_version = 3  # as after three deltas
+        rec = coord.evaluate_and_publish()
+        assert rec is not None and rec.published and pushes == [3]
+        saved = load_state(coord.ckpt)  # what a restart after kill -9 would see
+        assert saved is not None and saved["serving_version"] == 3 and saved["candidate_version"] >= 3
+        again = Coordinator(cfg, str(model_dir), None, None)  # the restart
+        try:
+            assert again.serving_version == 3 and again.candidate_version >= 3 and again.acceptance[-1].published
+        finally:
+            again._router.close()
+            again._ctx.term()
+    finally:  # never started: only its socket to close
+        coord._router.close()
+        coord._ctx.term()
+
+
+def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, model_dir, monkeypatch) -> None:
+    """The gate's boundary logs a failed push and retries later: the candidate must stay due (it was marked
+    evaluated before the push, so a failed push waited for the next delta, which may never come)."""
+    import numpy as np
+
+    import tlt.services.drafter.coordinator as coordinator_mod
+    from tlt.services.drafter.packing import Sample
+
+    pushes: list = []
+
+    def publish(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        if len(pushes) == 1:
+            raise ConnectionError("rollout unavailable")
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
+                               gate_when_idle=False)
+    coord = Coordinator(cfg, str(model_dir), None, publish)  # not started: the gate is called by hand
+    try:
+        h = coord.drafter_cfg.hidden_size
+        g = np.random.default_rng(0)
+        coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
+                                         g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+        with coord._lock:
+            coord.candidate_version = 3
+        scores = iter([(2.0, 10), (1.0, 10), (2.0, 10), (1.0, 10)])  # candidate, serving; twice
+        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+        with pytest.raises(ConnectionError):
+            coord.evaluate_and_publish()
+        assert coord.candidate_version > coord._evaluated and coord.serving_version < 3  # still due, not serving
+        rec = coord.evaluate_and_publish()  # the next gate, no new delta
+        assert rec is not None and rec.published and pushes == [3, 3] and coord.serving_version == 3
+    finally:
+        coord._router.close()
+        coord._ctx.term()
+
+
+def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, model_dir) -> None:
+    """`tlt run --resume` restarts the rollout with its initial drafter while the coordinator restores
+    serving version N: without a push of N the rollout drafted with the initial drafter until a candidate
+    beat N by the margin. A rollout that already serves N or a newer one (only the drafter service
+    restarted) refuses it, which ends the republish too: told by the version the refusal carries
+    (`WeightPushError.serving_version`), not by the words of its message. A refusal from a rollout that
+    serves an older drafter (e.g. the push failed validation) is retried, whatever its message says.
+    `publish` stands in for the gRPC push (tests/test_rollout_hotswap.py checks the real refusal's version)."""
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False)
+    first = Coordinator(cfg, str(model_dir), None, None)
+    try:
+        with first._lock:
+            first.serving_version = first.candidate_version = 3
+        first.save_now()
+    finally:
+        first._router.close()
+        first._ctx.term()
+
+    for serving in (None, 3, 5):  # None: the push is taken; else the version the refusing rollout serves
+        pushes: list[int] = []
+
+        def publish(tensors, version):  # noqa: ANN001
+            pushes.append(version)
+            assert not any("embed" in k or "lm_head" in k for k in tensors)
+            if serving is not None:
+                raise WeightPushError(f"drafter v{version} refused: the replicas serve v{serving}", serving)
+
+        coord = Coordinator(cfg, str(model_dir), None, publish).start()
+        try:
+            deadline = time.monotonic() + 10
+            while coord._republish_due and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # a few more gate rounds: no second push
+            assert pushes == [3] and not coord._republish_due
+        finally:
+            coord.close()
+
+    pushes = []
+
+    def older(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        raise WeightPushError(f"drafter version {version} is not newer than ... (a message that says so wrongly)", 2)
+
+    coord = Coordinator(cfg, str(model_dir), None, older).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not pushes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert pushes == [3] and coord._republish_due  # the rollout serves v2 < 3: pushed again later
+    finally:
+        coord.close()

@@ -1,0 +1,450 @@
+"""The elastic drafter workers without the rollout server: a real CapacityPublisher (ZeroMQ on 127.0.0.1)
+plays the rollout's replicas, real workers (threads here, a `tlt drafter worker` process for kill -9) train
+on real target features of a tiny random Qwen2 (transformers forward, post-norm last layer) against the real
+coordinator (ROUTER, buffer, gating), all from tests/drafter_helpers.py. The rollout's UpdateWeights is
+replaced by a recording function (the integration test uses the real server). Stand-in, not the real thing:
+`StubbedWorker` replaces a real worker's coordinator and capacity feed by in-process stubs so that BUSY lands
+at an exact micro-step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from drafter_helpers import BUSY, IDLE, StubbedWorker, feature_samples, make, state, wait_for
+from rollout_helpers import tiny_checkpoint
+from tlt.services.common.events import CapacityPublisher
+from tlt.services.drafter.training import load_state
+from tlt.services.drafter.worker import DrafterWorker
+from tlt.v1 import common_pb2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="module")
+def samples(model_dir):
+    return feature_samples(model_dir)
+
+
+def test_trains_only_while_idle_is_preempted_and_publishes(tmp_path, model_dir, samples) -> None:
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes)
+    workers = [DrafterWorker(cfg, str(model_dir), i, i, coord.endpoint) for i in (0, 1)]
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        assert coord.candidate_version == 0 and not coord.windows  # both replicas busy: nothing trains
+        log = []
+        for cycle in range(3):
+            for r in (0, 1):
+                log.append(state(pub, r, IDLE))
+            time.sleep(1.5)
+            for r in (0, 1):
+                log.append(state(pub, r, BUSY))
+            deadline = time.monotonic() + 10
+            while len(coord.windows) < 2 * (cycle + 1) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        wins = list(coord.windows)
+        assert len(wins) == 6 and all(w.preempted and w.micro_steps > 0 for w in wins)
+        for w in wins:  # each window lies inside an IDLE interval of its replica and ends after BUSY
+            idle = [e.timestamp for e in log if e.replica_id == w.replica_id and e.state == IDLE and e.timestamp <= w.start]
+            busy = [e.timestamp for e in log if e.replica_id == w.replica_id and e.state == BUSY and e.timestamp > idle[-1]]
+            assert w.busy_timestamp == busy[0] and w.released >= busy[0]
+            assert w.released - w.busy_timestamp < 2.0
+        assert coord.preemptions == 6 and coord.candidate_version > 0
+        for r in (0, 1):  # the coordinator evaluates and publishes while the whole rollout is idle
+            state(pub, r, IDLE)
+        deadline = time.monotonic() + 20
+        while not pushes and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pushes, [(a.candidate_accept_len, a.serving_accept_len) for a in coord.acceptance]
+        names, version = pushes[0]
+        assert all(not ("embed" in n or "lm_head" in n) for n in names) and version > 0
+        rec = [a for a in coord.acceptance if a.published][0]
+        assert rec.candidate_accept_len > rec.serving_accept_len
+        st = coord.status()
+        assert st.serving_version == pushes[-1][1] and st.preemptions == 6 and len(st.workers) == 2
+        text = coord.metrics.render().decode()
+        assert "drafter_preemptions_total 6.0" in text and "drafter_release_seconds_count 6.0" in text
+    finally:
+        stop.set()
+        for r in (0, 1):
+            state(pub, r, BUSY)
+        for t in threads:
+            t.join(20)
+        for w in workers:
+            w.close()
+        coord.close()
+        pub.close()
+
+
+def test_kill_minus_9_worker_resumes_from_its_checkpoint(tmp_path, model_dir, samples) -> None:
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, submit_every=3)
+    cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", str(model_dir), "--coordinator",
+           coord.endpoint, "--replica", "0", "--config-json", cfg.model_dump_json()]
+    ckpt = tmp_path / "ckpt" / "worker-0.pt"
+    proc = subprocess.Popen(cmd)
+    try:
+        state(pub, 0, IDLE)
+        deadline = time.monotonic() + 90
+        while (load_state(ckpt) or {}).get("micro_steps", 0) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-window, possibly mid-step
+        proc.wait(10)
+        saved = load_state(ckpt)
+        assert saved["micro_steps"] >= 6 and saved["optimizer"]["state"]
+        version = coord.candidate_version
+        assert version == coord.deltas and version >= 2  # only whole deltas were applied
+        assert coord.status().candidate_version == version  # the coordinator keeps answering
+        proc = subprocess.Popen(cmd)  # restart: continues from the checkpoint
+        deadline = time.monotonic() + 90
+        while (load_state(ckpt) or {}).get("micro_steps", 0) <= saved["micro_steps"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert load_state(ckpt)["micro_steps"] > saved["micro_steps"]
+        state(pub, 0, BUSY)
+        deadline = time.monotonic() + 20
+        while not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coord.windows and coord.windows[-1].preempted
+        assert coord.candidate_version == coord.deltas > version
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(20)
+        coord.close()
+        pub.close()
+
+
+def test_rollout_idle_workers_train_only_while_every_replica_is_idle(tmp_path, model_dir, samples) -> None:
+    """train_when = rollout_idle (CPU replicas sharing caches): worker 0 waits while replica 1 still decodes
+    although its own replica is idle, and replica 1 turning busy ends its window."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, train_when="rollout_idle")
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        state(pub, 0, IDLE)  # its own replica is done, replica 1 decodes
+        time.sleep(1.5)
+        assert not coord.windows and worker.total_steps == 0
+        state(pub, 1, IDLE)
+        deadline = time.monotonic() + 10
+        while worker.total_steps == 0 and not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        busy = state(pub, 1, BUSY)  # the OTHER replica's rollout starts: the window ends
+        deadline = time.monotonic() + 10
+        while not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (w,) = coord.windows
+        assert w.preempted and w.micro_steps > 0 and w.busy_timestamp == busy.timestamp
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("train_when", ["rollout_idle", "replica_idle"])
+def test_a_worker_trains_again_after_the_rollout_restarts(tmp_path, model_dir, samples, train_when) -> None:
+    """The rollout server restarts on the same endpoints under a new server_id (`rollout-<pid>`) after its
+    replicas went DRAINING. A rollout_idle worker kept the dead server's DRAINING states for good and never
+    trained again; they must stop counting once stale (as in RolloutIdle). The per-replica mode follows the
+    new server's state of its replica. Real publishers on 127.0.0.1, a real coordinator and worker."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, server_id="rollout-111", train_when=train_when,
+                           eval_interval_s=1e9)
+    pub_ep, snap_ep = pub.pub_endpoint, pub.snapshot_endpoint
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    worker.stale_s = 1.0  # heartbeats every 0.2 s here
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    new = None
+    try:
+        for r in (0, 1):
+            state(pub, r, IDLE)
+        assert wait_for(lambda: coord.candidate_version > 0, 20)  # a first delta: it trains
+        for r in (0, 1):
+            state(pub, r, common_pb2.REPLICA_STATE_DRAINING)  # shutting down
+        assert wait_for(lambda: len(coord.windows) == 1, 10) and coord.windows[0].preempted
+        pub.close()
+        version = coord.candidate_version
+        new = CapacityPublisher(pub_ep, snap_ep, server_id="rollout-222", heartbeat_s=0.2)  # the restart
+        for r in (0, 1):
+            state(new, r, IDLE)
+        # trains again, as before the restart: the deferred delta (if any) and at least one new one arrive
+        assert wait_for(lambda: coord.candidate_version >= version + 2, 15), (worker.state, worker._states)
+        for r in (0, 1):
+            state(new, r, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 2, 20)
+        assert coord.windows[1].micro_steps > 0 and thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        coord.close()
+        (new or pub).close()
+
+
+def test_a_worker_survives_a_batch_the_coordinator_cannot_build(tmp_path, model_dir, samples) -> None:
+    """The coordinator answers a batch request with an error (here: two windows of different widths in the
+    buffer, put there directly, as ingest now refuses them); the worker logs it, skips the batch and keeps
+    going, instead of dying with every other worker that draws the same data. Real coordinator and worker
+    over ZeroMQ on 127.0.0.1."""
+    import dataclasses
+
+    import numpy as np
+
+    from tlt.services.drafter.packing import Sample
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)
+    h = coord.drafter_cfg.hidden_size
+    poison = [Sample(f"p{w}", np.arange(5, 13, dtype=np.int32), np.zeros((8, w), np.float16), 1, 99)
+              for w in (h, h + 1)]
+    coord.buffer.add_samples(poison)  # the newest version: drawn first, and pack() cannot join them
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        state(pub, 0, IDLE)
+        assert wait_for(lambda: 0 in coord.workers and coord.workers[0].training, 10)  # it asked for a batch
+        time.sleep(1.0)  # several refused batches
+        assert thread.is_alive() and coord.candidate_version == 0
+        coord.buffer.add_samples([dataclasses.replace(s, policy_version=100) for s in samples[3:]])  # newer data
+        assert wait_for(lambda: coord.candidate_version > 0, 20)  # it trains on it
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 1, 20)
+        assert coord.windows[0].micro_steps > 0 and thread.is_alive()
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
+
+
+def test_window_max_steps_trains_a_budget_per_idle_period(tmp_path, model_dir, samples) -> None:
+    """A worker with window_max_steps = 4 trains 4 micro-steps in an idle period, sends them at once (the
+    replica is still idle), and trains again only after its replica has been busy and idle again."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, window_max_steps=4, eval_interval_s=1e9)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        state(pub, 0, IDLE)
+        deadline = time.monotonic() + 20
+        while not coord.windows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.0)  # an idle period long enough for many more steps (heartbeats say IDLE meanwhile)
+        wins = list(coord.windows)
+        assert len(wins) == 1 and wins[0].micro_steps == 4 and not wins[0].preempted, wins
+        assert coord.candidate_version == 1  # the 4 steps were sent without waiting for the next window
+        state(pub, 0, BUSY)
+        time.sleep(0.3)
+        state(pub, 0, IDLE)  # a new idle period: a new budget
+        deadline = time.monotonic() + 20
+        while len(coord.windows) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        wins = list(coord.windows)
+        assert len(wins) == 2 and wins[1].micro_steps == 4 and coord.candidate_version == 2, wins
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
+
+
+def test_optimizer_state_carries_over_preempted_windows(tmp_path, model_dir) -> None:
+    """A preempted window defers its optimizer checkpoint to the next idle window; that window must train
+    with it (Adam's moments and step count continue), not with the checkpoint from before the last window.
+    A stub coordinator and event feed drive two windows of 3 and 2 micro-steps, preempted by BUSY."""
+    stub = StubbedWorker(tmp_path, model_dir)
+    worker = stub.worker
+    for steps in (3, 2):
+        worker.state, stub.busy_after = IDLE, steps
+        res = worker.window()
+        assert res.preempted and res.micro_steps == steps
+    worker._flush()
+    saved = load_state(worker.ckpt)
+    assert saved["micro_steps"] == 5
+    assert {int(s["step"]) for s in saved["optimizer"]["state"].values()} == {5}
+
+
+def test_busy_during_a_step_defers_the_due_submission(tmp_path, model_dir, monkeypatch) -> None:
+    """BUSY arriving during the micro-step after which a submission is due: the worker stops there and
+    defers the delta, checkpoint and re-pull (seconds of serialisation and disk on a real drafter) to its
+    next idle window, as for any preemption, instead of doing them on the busy replica's time."""
+    import tlt.services.drafter.worker as worker_mod
+
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=3)
+    real, steps = worker_mod.micro_step, []
+
+    def step(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real(*a, **k)
+        steps.append(1)
+        if len(steps) == 3:  # the replica turns busy while the 3rd step runs
+            stub.busy()
+        return out
+
+    monkeypatch.setattr(worker_mod, "micro_step", step)
+    stub.worker.state, stub.busy_after = IDLE, 10**6
+    res = stub.worker.window()
+    assert res.preempted and res.micro_steps == 3
+    assert stub.asks == ["pull", "batch_request", "batch_request", "batch_request", "window"], stub.asks
+    assert stub.worker._deferred is not None and stub.worker._deferred.steps == 3
+    stub.worker._flush()  # the next idle moment sends all three steps
+    assert stub.asks[-1] == "update" and stub.version == 1
+
+
+@pytest.mark.parametrize("train_when", ["replica_idle", "rollout_idle"])
+def test_a_silent_capacity_feed_stops_training(tmp_path, model_dir, samples, train_when) -> None:
+    """The rollout's capacity feed goes silent while its replicas were IDLE (the server froze, was SIGSTOPped or
+    lost its network path): the worker kept its last IDLE and trained on, for good, on a device that may be
+    busy. An IDLE not heard again (heartbeat or event) for `stale_s` must end the window within a micro-step,
+    as a BUSY event does, and no window may open until the feed speaks again; then it trains again. Real
+    CapacityPublisher (closed to silence it, then a new one on the same endpoints), coordinator and worker."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, train_when=train_when, eval_interval_s=1e9)
+    pub_ep, snap_ep = pub.pub_endpoint, pub.snapshot_endpoint
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    worker.stale_s = 1.0  # heartbeats every 0.2 s here
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    new = None
+    try:
+        for r in (0, 1):
+            state(pub, r, IDLE)
+        assert wait_for(lambda: 0 in coord.workers and coord.workers[0].training, 20)  # it trains
+        silent_at = time.time()
+        pub.close()  # no more heartbeats; the last state heard was IDLE
+        assert wait_for(lambda: len(coord.windows) == 1, 10), "the worker trains on with a silent capacity feed"
+        (w,) = coord.windows
+        assert w.preempted and w.micro_steps > 0 and silent_at < w.busy_timestamp <= w.released
+        assert w.released - w.busy_timestamp < 2.0
+        time.sleep(1.0)  # still silent: no new window
+        assert len(coord.windows) == 1 and not coord.workers[0].training
+        new = CapacityPublisher(pub_ep, snap_ep, heartbeat_s=0.2)  # the feed is back
+        for r in (0, 1):
+            state(new, r, IDLE)
+        assert wait_for(lambda: coord.workers[0].training, 20)  # trains again
+        for r in (0, 1):
+            state(new, r, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 2, 20)
+        assert coord.windows[1].micro_steps > 0 and thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        coord.close()
+        (new or pub).close()
+
+
+def test_a_refused_delta_is_dropped_and_the_worker_trains_on(tmp_path, model_dir, samples, capfd) -> None:
+    """The coordinator refuses a delta it cannot apply (here: non-finite, as from a diverged step; real
+    training on features made non-finite by `feature_noise = inf`). The CoordinatorRefused ended the worker's
+    run() and, as a `tlt drafter worker` process, the worker for good. It must log the refusal, drop the delta
+    together with the optimizer state that produced it (back to its last checkpoint) and train on: once the
+    features are sane again its next delta is taken. Real coordinator, worker and publisher on 127.0.0.1."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, submit_every=2, eval_interval_s=1e9)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    worker.cfg = cfg.model_copy(update={"feature_noise": float("inf")})  # every step yields non-finite weights
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    logged: list[str] = []
+
+    def log_has(text: str) -> bool:
+        out = capfd.readouterr()
+        logged.append(out.err + out.out)
+        return text in "".join(logged)
+
+    try:
+        state(pub, 0, IDLE)
+        assert wait_for(lambda: log_has("non-finite values"), 30), "the coordinator never refused a delta"
+        time.sleep(0.5)
+        assert thread.is_alive(), "a refused delta ended the worker's run()"
+        assert log_has("delta_refused") and coord.candidate_version == 0
+        worker.cfg = cfg  # sane features again
+        assert wait_for(lambda: coord.candidate_version > 0, 30)  # the next delta is taken
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 1, 20)
+        assert coord.windows[0].micro_steps > 0 and thread.is_alive()
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
+
+
+def test_a_refused_deferred_delta_is_dropped_and_the_worker_trains_on(tmp_path, model_dir, samples, capfd) -> None:
+    """As above for a preempted window's delta, sent at the start of the next idle window (`_flush`): the
+    refusal ended that window and run(). It must be dropped with its optimizer state (the next window starts
+    from the last checkpoint, here none: a fresh optimizer) and the window train on; the next window's
+    deferred delta, made from sane features, is taken."""
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, submit_every=1000, eval_interval_s=1e9)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    worker.cfg = cfg.model_copy(update={"feature_noise": float("inf")})  # every step yields non-finite weights
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    logged: list[str] = []
+
+    def log_has(text: str) -> bool:
+        out = capfd.readouterr()
+        logged.append(out.err + out.out)
+        return text in "".join(logged)
+
+    try:
+        state(pub, 0, IDLE)
+        assert wait_for(lambda: 0 in coord.workers and coord.workers[0].training, 20)
+        time.sleep(0.5)
+        state(pub, 0, BUSY)  # preempted: its non-finite delta waits for the next idle window
+        assert wait_for(lambda: len(coord.windows) == 1, 20) and coord.windows[0].micro_steps > 0
+        assert not log_has("non-finite values")  # not sent yet
+        worker.cfg = cfg  # sane features again
+        state(pub, 0, IDLE)  # the next window sends it first: refused
+        assert wait_for(lambda: log_has("non-finite values"), 20), "the coordinator never refused the delta"
+        assert wait_for(lambda: coord.workers[0].training, 10), "a refused deferred delta ended the window"
+        time.sleep(0.5)
+        assert thread.is_alive() and log_has("delta_refused") and coord.candidate_version == 0
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 2, 20) and coord.windows[1].micro_steps > 0
+        state(pub, 0, IDLE)  # the second window's delta is sent now, and taken
+        assert wait_for(lambda: coord.candidate_version == 1, 20)
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
