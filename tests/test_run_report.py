@@ -216,7 +216,7 @@ def test_live_rows_wait_for_the_drafter_window_that_trains_through_the_step(tmp_
 
 
 def test_drafter_sampler_knows_when_every_window_is_on_file(tmp_path: Path) -> None:
-    # Real drafter service parts (as tests/test_drafter_service.py): a CapacityPublisher on 127.0.0.1 plays
+    # Real drafter service parts (as tests/test_drafter_worker.py): a CapacityPublisher on 127.0.0.1 plays
     # the rollout's replica, the real coordinator with its gRPC status server, one real worker (a thread)
     # training a tiny random Qwen2's drafter on real features. The sampler polls by hand (no thread).
     import threading
