@@ -237,3 +237,42 @@ def test_a_colocated_trainer_lends_the_devices_for_each_update_only(random_model
             assert states[i - 2: i] == [BUSY, IDLE] and states[i + 1: i + 3] == [IDLE, BUSY], states
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(m["times"]["lend_s"] > 0 for m in lines)
+
+
+def test_a_drafter_worker_stops_on_lent_and_trains_again_when_the_trainer_gives_back(tmp_path, model_dir) -> None:
+    """The drafter side of the lend: a real worker (thread) against the real coordinator and a real capacity
+    publisher playing the replica (tests/drafter_helpers.py). LENT ends its window like BUSY, no window opens
+    while the device stays LENT, and the next IDLE trains again."""
+    import threading
+
+    from drafter_helpers import feature_samples, make, state, wait_for
+
+    from tlt.services.drafter.worker import DrafterWorker
+
+    pub, cfg, coord = make(tmp_path, model_dir, feature_samples(model_dir), [], publish_margin=1e9)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    t = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        state(pub, 0, IDLE)
+        time.sleep(1.5)  # trains
+        lent = state(pub, 0, LENT)
+        assert wait_for(lambda: len(coord.windows) == 1, 10)
+        w = coord.windows[0]
+        assert w.micro_steps > 0 and w.preempted, "no training on an IDLE replica, or LENT did not end it"
+        assert w.busy_timestamp == lent.timestamp and w.released - lent.timestamp < 2.0
+        time.sleep(1.5)  # LENT all along (heartbeats repeat it): no window opens
+        assert len(coord.windows) == 1 and worker.windows == 1
+        state(pub, 0, IDLE)  # given back
+        time.sleep(1.5)
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 2, 10)
+        assert coord.windows[1].micro_steps > 0, "no training after the devices came back"
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        t.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
