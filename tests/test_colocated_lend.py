@@ -276,3 +276,39 @@ def test_a_drafter_worker_stops_on_lent_and_trains_again_when_the_trainer_gives_
         worker.close()
         coord.close()
         pub.close()
+
+
+def test_min_idle_s_keeps_a_worker_out_of_the_gap_before_the_lend(tmp_path, model_dir) -> None:
+    """Colocated, the replica is IDLE for a moment between the rollout's end and the trainer's lend; with
+    `min_idle_s` no window opens in it (it would load the drafter onto the device the trainer starts on), and a
+    longer idle period still trains."""
+    import threading
+
+    from drafter_helpers import feature_samples, make, state, wait_for
+
+    from tlt.services.drafter.worker import DrafterWorker
+
+    pub, cfg, coord = make(tmp_path, model_dir, feature_samples(model_dir), [], publish_margin=1e9, min_idle_s=1.0)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    t = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        for _ in range(3):  # rollout ends, the lend follows 0.4 s later: three steps' worth
+            state(pub, 0, IDLE)
+            time.sleep(0.4)
+            state(pub, 0, LENT)
+            time.sleep(0.3)
+            state(pub, 0, BUSY)
+        assert worker.windows == 0 and not coord.windows
+        state(pub, 0, IDLE)  # a real idle period
+        time.sleep(2.5)
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 1, 10) and coord.windows[0].micro_steps > 0
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        t.join(20)
+        worker.close()
+        coord.close()
+        pub.close()

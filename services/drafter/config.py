@@ -72,6 +72,12 @@ class DrafterServiceConfig(ServiceConfig):
         "replica's next BUSY -> IDLE (0: trains until the replica turns busy). Where the replica's idle period is "
         "someone else's busy time (a CPU machine shared with the policy trainer), this caps what the drafter takes"
     )
+    min_idle_s: float = Field(
+        0.0, ge=0, description="a window opens only once the replica has been idle this long (0: at once). Colocated "
+        "with the policy trainer (one GPU), the replica is idle for a moment between the end of the rollout and the "
+        "trainer's LendDevices: a window opened there would load the drafter and its optimizer onto the device just "
+        "as the trainer starts on it"
+    )
     submit_every: int = Field(20, ge=1, description="micro-steps between delta submissions inside a long window")
     threads: int = Field(1, ge=0, description="torch threads per worker and for the coordinator's evaluations on CPU (0: leave torch's default)")
     device: str = Field("cpu", description="worker device template: cpu, or cuda (a worker uses cuda:<replica>)")

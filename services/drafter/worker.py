@@ -127,6 +127,7 @@ class DrafterWorker:
         self._states: dict[tuple[str, int], tuple[int, float]] = {}
         self.stale_s = STALE_S
         self._heard = 0.0  # monotonic time `state` was last heard (heartbeats too): see `_idle_now`
+        self._idle_since = 0.0  # monotonic time the replica last turned IDLE (min_idle_s)
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
         self._deferred: _Deferred | None = None  # what the last window left to send and save (see `window`)
@@ -171,6 +172,8 @@ class DrafterWorker:
             self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
         if state != IDLE:
             self.budget_spent = False  # window_max_steps: a new idle period may train again
+        if state == IDLE and self.state != IDLE:
+            self._idle_since = time.monotonic()
         if state != IDLE and not self.busy_seen:
             # the FIRST non-idle event since the window opened ends it, even when the replica is idle
             # again by the time we read it (a short request arrived during a long step)
@@ -184,8 +187,10 @@ class DrafterWorker:
         return self.state == IDLE and time.monotonic() - self._heard < self.stale_s
 
     def _may_train(self) -> bool:
-        """The replica is idle and this idle period's budget (window_max_steps) is not used up."""
-        return self._idle_now() and not self.budget_spent
+        """The replica is idle, has been for `min_idle_s`, and this idle period's budget (window_max_steps) is
+        not used up."""
+        settled = time.monotonic() - self._idle_since >= self.cfg.min_idle_s
+        return self._idle_now() and settled and not self.budget_spent
 
     def _check_silence(self) -> None:
         """An IDLE gone stale ends an open window as a BUSY event would, dated when it went stale."""

@@ -168,9 +168,14 @@ class CapacityStates:
         live = [r for r in self.replicas if r.alive]
         if not self.lent_to:
             return {"replicas": [r.replica_id for r in live], "seconds": 0.0, "expires_in_s": 0.0}
-        self._end_lease("taken back")
-        replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, False), timeout_s) for r in live),
-                                       return_exceptions=True)
+        holder = self.lease.end() if self.lease is not None else ""
+        try:  # IDLE only once the replicas have resumed (SGLang: its KV cache is back before a worker may start)
+            replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, False), timeout_s) for r in live),
+                                           return_exceptions=True)
+        finally:
+            log.info("devices_taken_back", holder=holder, why="given back")
+            for r in self.replicas:
+                self._maybe_idle(r)
         failed = failures(live, replies)
         if failed:
             raise WeightUpdateError("taking the devices back failed: " + "; ".join(failed))
