@@ -312,3 +312,14 @@ def test_min_idle_s_keeps_a_worker_out_of_the_gap_before_the_lend(tmp_path, mode
         worker.close()
         coord.close()
         pub.close()
+
+
+def test_a_refused_lend_fails_the_trainer_clearly_and_leaves_nothing_lent(model_dir) -> None:
+    from tlt.services.trainer.colocate import DeviceLoan, LendError
+
+    with ServerThread(model_dir, replicas=1, control_token="s3cret") as s:
+        with RolloutClient(s.grpc_address) as anon, RolloutClient(s.grpc_address, control_token="s3cret") as ok:
+            loan = DeviceLoan([ok, anon], lease_s=30)  # the first server lends, the second refuses
+            with pytest.raises(LendError, match="UNAUTHENTICATED"):
+                loan.borrow()
+            assert not loan.held and ok.status().lent_to == ""  # the one already lent was given back

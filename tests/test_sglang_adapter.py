@@ -385,3 +385,27 @@ def test_without_sglang_the_backend_says_how_to_get_it(model_dir, tmp_path):
     with pytest.raises(ModuleNotFoundError, match=r"tlt\[sglang\]"):
         SGLangEngine(model_dir, SGLangBackendConfig(draft_model_path="/drafter"), run_dir=str(tmp_path))
     assert (tmp_path / "sglang-adaptive-spec.json").exists()  # written before SGLang would start
+
+
+def test_a_replica_lend_releases_and_a_take_back_resumes_the_sglang_engine(model_dir):
+    """The colocated lend as the replica process runs it (services/rollout/replica.py) on the real adapter over
+    the fake SGLang: Lend(true) releases the configured tags and answers; Lend(false) resumes before the request
+    that follows it in the pipe is added."""
+    from multiprocessing import Pipe
+
+    from tlt.services.rollout.ipc import AddRequest, Lend, Reply
+    from tlt.services.rollout.replica import ReplicaLoop
+
+    eng, fake = make_engine(model_dir, release_tags=["kv_cache"])
+    front, back = Pipe()
+    loop = ReplicaLoop(eng, back, 0)
+    front.send(Lend(7, True))
+    loop._drain()
+    reply = front.recv()
+    assert isinstance(reply, Reply) and reply.cmd_id == 7 and not reply.error
+    assert fake.calls == [("release", ("kv_cache",))]
+    front.send(Lend(0, False))
+    front.send(AddRequest(GenerationRequest("r", (1, 2), SamplingParams(max_tokens=2))))
+    loop._drain()
+    assert fake.calls[1] == ("resume", ("kv_cache",)) and eng.has_unfinished()
+    assert not front.poll(0.1)  # cmd_id 0: nobody waits for an answer, and the request was accepted
