@@ -33,7 +33,7 @@ def test_step_row_derives_sd_share_acceptance_and_idle_windows() -> None:
     m = {"step": 3, "policy_version": 4, "started_at": 100.0, "reward_mean": 0.5, "accuracy": 0.25, "tokens": 200,
          "sd_verify_steps": 40, "sd_accepted_tokens": 120, "drafter_version": 2,
          "times": {"step_s": 10.0, "rollout_s": 4.0, "reward_tail_s": 0.1, "old_logprobs_s": 1.0, "update_s": 4.0,
-                   "push_s": 0.5}}
+                   "push_s": 0.5, "lend_s": 0.25}}
     samples = [sample(100, 32), sample(101, 16), sample(103, 4), sample(104.5, 0)]
     windows = [IdleWindow(0, 0, 95.0, 101.0, 5, True), IdleWindow(0, 0, 104.0, 107.0, 9, True),
                IdleWindow(1, 1, 111.0, 115.0, 3, False)]  # the last one is after the step
@@ -41,7 +41,7 @@ def test_step_row_derives_sd_share_acceptance_and_idle_windows() -> None:
     assert r.tail_s == pytest.approx(3.0)  # [101, 104): 16 then 4 running; rollout ends at 104
     assert r.sd_share == pytest.approx(0.6) and r.accept_len == pytest.approx(3.0)
     assert r.idle_windows == 2 and r.idle_train_s == pytest.approx(1.0 + 3.0)
-    assert (r.step_s, r.rollout_s, r.update_s, r.drafter_version) == (10.0, 4.0, 4.0, 2)
+    assert (r.step_s, r.rollout_s, r.update_s, r.drafter_version, r.lend_s) == (10.0, 4.0, 4.0, 2, 0.25)
 
 
 def test_to_toml_round_trips_nested_service_sections() -> None:

@@ -98,6 +98,8 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     parts = [("rollout (tail)", [r.tail_s for r in rows]), ("rollout (rest)", [max(0.0, r.rollout_s - r.tail_s) for r in rows]),
              ("reward wait", [r.reward_s for r in rows]), ("old logprobs", [r.logprobs_s for r in rows]),
              ("update", [r.update_s for r in rows]), ("weight push", [r.push_s for r in rows])]
+    if any(r.lend_s for r in rows):  # colocated: the devices borrowed from the rollout and given back
+        parts.append(("device lend", [r.lend_s for r in rows]))
     bottom = [0.0] * len(rows)
     for label, vals in parts:
         ax.bar(steps, vals, bottom=bottom, label=label)

@@ -74,6 +74,7 @@ class StepRow:
     idle_windows: int  # drafter training windows overlapping the step
     idle_train_s: float  # their overlap with the step, summed
     drafter_version: int
+    lend_s: float = 0.0  # colocated: borrowing the rollout's devices and giving them back (lend_rollout_devices)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -136,7 +137,7 @@ def step_row(m: dict, samples: list[TimelineSample], windows: list[IdleWindow], 
         response_len=float(m.get("response_len_mean", 0.0)),
         sd_share=accepted / tokens if tokens else 0.0, accept_len=accepted / verify if verify else 0.0,
         idle_windows=len(overlap), idle_train_s=sum(s for _, s in overlap),
-        drafter_version=int(m.get("drafter_version", -1)),
+        drafter_version=int(m.get("drafter_version", -1)), lend_s=float(times.get("lend_s", 0.0)),
     )
 
 
