@@ -22,15 +22,11 @@ PyTorch references.
 from __future__ import annotations
 
 import functools
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from kernel_params import run_interpreter_child
 from tlt.kernels.launch import interpreter_ready, resolve_impl
 from tlt.model.layer_ops import onednn_works
 from tlt.model.transformer import AttentionMetadata, attend_groups
@@ -59,16 +55,7 @@ def ckpt(tmp_path_factory):
 def test_engine_on_kernels_in_child() -> None:
     if interpreter_ready():
         pytest.skip("this process already runs the interpreter: the cases run directly")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "test_interpreter_", __file__],
-        env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-8000:]
-    passed = re.search(r"(\d+) passed", output)
-    assert passed is not None and int(passed.group(1)) == INTERPRETER_CASES, output[-4000:]
-    assert "skipped" not in output, f"interpreter cases skipped in the child:\n{output[-4000:]}"
+    run_interpreter_child(["-k", "test_interpreter_", __file__], exactly=INTERPRETER_CASES)
 
 
 def test_auto_is_the_pytorch_path_on_cpu(ckpt) -> None:

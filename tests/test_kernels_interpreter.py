@@ -12,14 +12,11 @@ faked; the child runs the real kernels in the real interpreter on CPU.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from kernel_params import run_interpreter_child
 from tlt.kernels.launch import interpreter_ready
 
 PARITY_FILES = [
@@ -35,14 +32,4 @@ def test_parity_suite_under_interpreter() -> None:
         pytest.skip("this process already runs the interpreter: the parity cases run directly")
     here = Path(__file__).parent
     files = [str(here / name) for name in PARITY_FILES]
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-         "-k", "interpreter", *files],
-        env=env, cwd=here.parent, capture_output=True, text=True, timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-8000:]
-    passed = re.search(r"(\d+) passed", output)
-    assert passed is not None and int(passed.group(1)) >= 40, output[-4000:]
-    assert "skipped" not in output, f"interpreter cases skipped in the child:\n{output[-4000:]}"
+    run_interpreter_child(["-m", "not slow and not gpu", "-k", "interpreter", *files], at_least=40)
