@@ -76,3 +76,27 @@ def test_a_restarted_rollout_is_not_held_back_by_its_predecessor():
             new.close()
     finally:
         watch.close()
+
+
+def test_a_gpu_lent_to_the_trainer_lets_the_cpu_evaluation_run_a_lent_cpu_does_not():
+    """Colocated: while the trainer has the devices the replicas say LENT. The coordinator evaluates on its CPU, so
+    a LENT GPU replica does not hold the gate (else a one-GPU box never publishes); a LENT CPU replica does (the
+    trainer computes on those cores)."""
+    lent = common_pb2.REPLICA_STATE_LENT
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.1)
+    try:
+        watch = RolloutIdle(pub.pub_endpoint, pub.snapshot_endpoint)
+        try:
+            pub.publish(CapacityEvent(replica_id=0, state=lent, device="cuda:0"))
+            assert _until(watch.idle)
+            pub.publish(CapacityEvent(replica_id=0, state=lent, device="cpu"))
+            assert _until(watch.busy)
+            pub.publish(CapacityEvent(replica_id=0, state=lent, device=""))  # unknown: taken for a CPU
+            time.sleep(0.3)
+            assert watch.busy()
+            pub.publish(CapacityEvent(replica_id=0, state=IDLE, device="cpu"))
+            assert _until(watch.idle)
+        finally:
+            watch.close()
+    finally:
+        pub.close()

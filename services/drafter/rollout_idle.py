@@ -10,6 +10,11 @@ their cores (`tlt bench drafter-drift --overhead`, BENCHMARKS.md "Session 5": +5
 the tiny model). Workers only train on their own idle replica; the coordinator is not tied to one
 replica, so its heavy work waits until every replica is idle (between rollouts: the trainer's phase).
 
+A replica LENT to a colocated trainer (Rollout.LendDevices) counts as idle here when its device is a GPU:
+the evaluation runs on the coordinator's CPU and does not touch it, and in a colocated deployment the
+trainer's phase is the only time the rollout is not decoding (a one-GPU box would otherwise never publish).
+A LENT CPU replica is not idle: the trainer computes on those cores. Workers never train on LENT.
+
 Without capacity endpoints (a coordinator with no rollout to watch) `idle()` is always True. When the
 feed goes quiet for `stale_s` (heartbeats arrive about once a second), the last states are not
 trusted: `idle()` is False until events arrive again, so a dead publisher never lets work through.
@@ -30,6 +35,7 @@ from tlt.v1 import common_pb2
 log = get_logger("drafter.rollout_idle")
 
 IDLE = common_pb2.REPLICA_STATE_IDLE
+LENT = common_pb2.REPLICA_STATE_LENT
 
 
 STALE_S = 5.0  # a replica's state not repeated this long no longer counts (heartbeats come about once a second)
@@ -70,8 +76,11 @@ class RolloutIdle:
     def busy(self) -> bool:
         return not self.idle()
 
-    def see(self, server_id: str, replica_id: int, state: int) -> None:
-        """Record one replica's state (the watcher thread calls this for every event)."""
+    def see(self, server_id: str, replica_id: int, state: int, device: str = "") -> None:
+        """Record one replica's state (the watcher thread calls this for every event). LENT on a GPU counts as
+        IDLE (see the module docstring); an unknown device is taken for a CPU."""
+        if state == LENT and device and not device.startswith("cpu"):
+            state = IDLE
         with self._lock:
             self._states[(server_id, replica_id)] = (state, time.monotonic())
 
@@ -81,14 +90,14 @@ class RolloutIdle:
             while not self._stop.is_set():
                 try:
                     for e in sub.snapshot(timeout_s=2.0):
-                        self.see(e.server_id, e.replica_id, e.state)
+                        self.see(e.server_id, e.replica_id, e.state, e.device)
                     break
                 except (TimeoutError, ValueError) as e:  # the rollout is not up yet: ask again
                     log.debug("capacity_snapshot_retry", error=str(e))
             while not self._stop.is_set():
                 e = sub.recv(0.2)
                 if e is not None:
-                    self.see(e.server_id, e.replica_id, e.state)
+                    self.see(e.server_id, e.replica_id, e.state, e.device)
         finally:
             sub.close()
 
