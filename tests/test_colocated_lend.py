@@ -323,3 +323,38 @@ def test_a_refused_lend_fails_the_trainer_clearly_and_leaves_nothing_lent(model_
             with pytest.raises(LendError, match="UNAUTHENTICATED"):
                 loan.borrow()
             assert not loan.held and ok.status().lent_to == ""  # the one already lent was given back
+
+
+def test_a_replica_restarted_during_a_lend_comes_back_lent_and_released(model_dir, tmp_path, monkeypatch) -> None:
+    """kill -9 of a replica while the trainer has the devices: the pool's restart replays the lend, so the new
+    process frees its share too (`release` in its log) and says LENT, not IDLE, until the trainer gives back."""
+    import os
+    import signal
+
+    log = tmp_path / "lend.log"
+    log.write_text("")
+    monkeypatch.setenv("TLT_TEST_LEND_LOG", str(log))
+    with ServerThread(model_dir, replicas=1, backend="lend_engine:LendRecordingEngine", max_restarts=1,
+                      capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        sub.snapshot()
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            client.lend_devices(True, lease_s=120)
+            assert log.read_text().split() == ["release"]
+            old = s.server.replica_pids()[0]
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                st = client.status()
+                if st.replicas[0].alive and s.server.replica_pids()[0] != old:
+                    break
+                time.sleep(0.2)
+            assert st.replicas[0].alive and st.replicas[0].state == LENT and st.lent_to == "trainer"
+            seen = _changes(sub, lambda c: bool(c) and c[-1] == (0, LENT))
+            assert seen and seen[-1] == (0, LENT) and (0, IDLE) not in seen, seen  # DRAINING, then LENT
+            assert log.read_text().split() == ["release", "release"]  # the new process released its share
+            client.lend_devices(False)
+            assert log.read_text().split() == ["release", "release", "resume"]
+            assert _changes(sub, lambda c: bool(c) and c[-1] == (0, IDLE))[-1] == (0, IDLE)
+        sub.close()
