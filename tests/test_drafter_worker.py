@@ -391,6 +391,12 @@ def test_a_refused_delta_is_dropped_and_the_worker_trains_on(tmp_path, model_dir
         time.sleep(0.5)
         assert thread.is_alive(), "a refused delta ended the worker's run()"
         assert log_has("delta_refused") and coord.candidate_version == 0
+        st = coord.status()  # the operator sees it: status (total and per worker) and /metrics
+        assert st.deltas_refused >= 1 and st.workers[0].deltas_refused >= 1  # (the worker may refuse more meanwhile)
+        import re
+
+        metric = re.search(r"^drafter_deltas_refused_total (\S+)$", coord.metrics.render().decode(), re.M)
+        assert metric is not None and float(metric.group(1)) >= st.deltas_refused
         worker.cfg = cfg  # sane features again
         assert wait_for(lambda: coord.candidate_version > 0, 30)  # the next delta is taken
         state(pub, 0, BUSY)

@@ -89,6 +89,7 @@ class Coordinator:
         self.workers: dict[int, drafter_pb2.WorkerStatus] = {}
         self.preemptions = 0
         self.deltas = 0
+        self.deltas_refused = 0  # since this process started (not checkpointed: a count for status and /metrics)
         self._evaluated = 0
         self._last_eval = 0.0
         # the serving drafter's last score: ((serving version, shared policy version), the held-out samples
@@ -112,6 +113,8 @@ class Coordinator:
         self.m_rejected = self.metrics.counter("feature_batches_rejected_total", "batches from the other source")
         self.m_preempt = self.metrics.counter("preemptions_total", "training windows ended by a BUSY event")
         self.m_steps = self.metrics.counter("micro_steps_total", "drafter micro-steps reported by workers")
+        self.m_deltas_refused = self.metrics.counter("deltas_refused_total", "worker deltas refused (wrong tensors or "
+                                                     "non-finite: a diverged step)")
         self.m_release = self.metrics.histogram("release_seconds", "BUSY event -> worker freed the device",
                                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.m_accept = self.metrics.gauge("accept_len", "held-out greedy acceptance length", ("drafter",))
@@ -245,7 +248,14 @@ class Coordinator:
             batch = self.buffer.batch(rows, tokens)
             return drafter_pb2.CoordinatorMessage(batch=batch.to_proto() if batch else drafter_pb2.TrainBatch())
         if kind == "update":
-            return drafter_pb2.CoordinatorMessage(candidate_version=self.apply_delta(msg.update))
+            try:
+                return drafter_pb2.CoordinatorMessage(candidate_version=self.apply_delta(msg.update))
+            except ValueError as e:  # counted where an operator looks (status, /metrics); the worker gets the error
+                self.deltas_refused += 1
+                w.deltas_refused += 1
+                self.m_deltas_refused.inc()
+                log.warning("delta_refused", worker=msg.worker_id, error=str(e)[:300])
+                raise
         if kind == "window":
             win = msg.window
             w.training = False
@@ -400,6 +410,7 @@ class Coordinator:
                 latest_policy=common_pb2.WeightVersions(policy=self.latest_policy, drafter=self.serving_version),
                 buffer_sequences=seqs, buffer_tokens=toks,
                 features_dropped=self.buffer.sender_dropped, features_rejected=self.buffer.rejected,
+                deltas_refused=self.deltas_refused,
                 workers=list(self.workers.values()),
                 windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions,
                 shared_policy_version=self.shared.current.policy_version,

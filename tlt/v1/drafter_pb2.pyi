@@ -54,7 +54,7 @@ class AcceptanceRecord(_message.Message):
     def __init__(self, drafter_version: _Optional[int] = ..., policy_version: _Optional[int] = ..., candidate_accept_len: _Optional[float] = ..., serving_accept_len: _Optional[float] = ..., published: _Optional[bool] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "replica_id", "training", "micro_steps", "preemptions", "alive", "shared_policy_version", "shared_fetch_failures")
+    __slots__ = ("worker_id", "replica_id", "training", "micro_steps", "preemptions", "alive", "shared_policy_version", "shared_fetch_failures", "deltas_refused")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class WorkerStatus(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     SHARED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARED_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     replica_id: int
     training: bool
@@ -71,10 +72,11 @@ class WorkerStatus(_message.Message):
     alive: bool
     shared_policy_version: int
     shared_fetch_failures: int
-    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., training: _Optional[bool] = ..., micro_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., alive: _Optional[bool] = ..., shared_policy_version: _Optional[int] = ..., shared_fetch_failures: _Optional[int] = ...) -> None: ...
+    deltas_refused: int
+    def __init__(self, worker_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., training: _Optional[bool] = ..., micro_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., alive: _Optional[bool] = ..., shared_policy_version: _Optional[int] = ..., shared_fetch_failures: _Optional[int] = ..., deltas_refused: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("serving_version", "candidate_version", "latest_policy", "buffer_sequences", "buffer_tokens", "features_dropped", "workers", "windows", "acceptance", "preemptions", "shared_policy_version", "shared_fetch_failures", "shared_fetch_error", "features_rejected")
+    __slots__ = ("serving_version", "candidate_version", "latest_policy", "buffer_sequences", "buffer_tokens", "features_dropped", "workers", "windows", "acceptance", "preemptions", "shared_policy_version", "shared_fetch_failures", "shared_fetch_error", "features_rejected", "deltas_refused")
     SERVING_VERSION_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class DrafterStatus(_message.Message):
     SHARED_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     SHARED_FETCH_ERROR_FIELD_NUMBER: _ClassVar[int]
     FEATURES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     serving_version: int
     candidate_version: int
     latest_policy: _common_pb2.WeightVersions
@@ -103,7 +106,8 @@ class DrafterStatus(_message.Message):
     shared_fetch_failures: int
     shared_fetch_error: str
     features_rejected: int
-    def __init__(self, serving_version: _Optional[int] = ..., candidate_version: _Optional[int] = ..., latest_policy: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., buffer_sequences: _Optional[int] = ..., buffer_tokens: _Optional[int] = ..., features_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., windows: _Optional[_Iterable[_Union[TrainingWindow, _Mapping]]] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceRecord, _Mapping]]] = ..., preemptions: _Optional[int] = ..., shared_policy_version: _Optional[int] = ..., shared_fetch_failures: _Optional[int] = ..., shared_fetch_error: _Optional[str] = ..., features_rejected: _Optional[int] = ...) -> None: ...
+    deltas_refused: int
+    def __init__(self, serving_version: _Optional[int] = ..., candidate_version: _Optional[int] = ..., latest_policy: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., buffer_sequences: _Optional[int] = ..., buffer_tokens: _Optional[int] = ..., features_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., windows: _Optional[_Iterable[_Union[TrainingWindow, _Mapping]]] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceRecord, _Mapping]]] = ..., preemptions: _Optional[int] = ..., shared_policy_version: _Optional[int] = ..., shared_fetch_failures: _Optional[int] = ..., shared_fetch_error: _Optional[str] = ..., features_rejected: _Optional[int] = ..., deltas_refused: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("worker_id", "replica_id", "pid")
