@@ -148,9 +148,10 @@ def test_lend_is_control_plane_and_checks_its_lease(model_dir) -> None:
                 anon.lend_devices(True, lease_s=10)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with RolloutClient(s.grpc_address, control_token="s3cret") as client:
-            with pytest.raises(grpc.RpcError) as e:
-                client.lend_devices(True, lease_s=0)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            for bad in (0, -1, float("nan"), float("inf"), 1e9):
+                with pytest.raises(grpc.RpcError) as e:
+                    client.lend_devices(True, lease_s=bad)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
             assert client.status().lent_to == ""
             assert client.lend_devices(True, lease_s=10).lent
 
@@ -187,6 +188,7 @@ def test_the_trainer_keeps_its_loan_alive_past_the_lease_and_gives_it_back(model
     with ServerThread(model_dir, replicas=1) as s, RolloutClient(s.grpc_address) as client:
         loan = DeviceLoan([client], lease_s=0.6)
         loan.borrow()
+        assert loan.borrow() == 0.0 and loan.held  # borrowing what it holds starts nothing twice
         time.sleep(1.5)  # 2.5 leases: only the renewals keep it
         assert client.status().lent_to == "trainer"
         loan.give_back()

@@ -101,6 +101,9 @@ def completion_message(c: CompletionOutput, prompt_index: int, reference: str, h
     return msg
 
 
+MAX_LEASE_S = 86400.0  # a day: a lend is renewed well within it; a longer one is a mistake, not a plan
+
+
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
                  rejected: Any = None) -> None:
@@ -284,9 +287,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             self._reject("unauthenticated")
             log.warning("control_call_refused", method="LendDevices", reason=why)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"LendDevices: {why}")
-        if request.lend and not request.lease_s > 0:
+        if request.lend and not 0 < request.lease_s <= MAX_LEASE_S:
             self._reject("invalid_request")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"LendDevices: lease_s must be > 0, got {request.lease_s}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"LendDevices: lease_s must be in (0, {MAX_LEASE_S:g}], got {request.lease_s}")
         try:
             if request.lend:
                 r = await self.pool.lend(request.holder, request.lease_s, self.config.update_timeout_s)

@@ -43,6 +43,8 @@ class DeviceLoan:
         """Lend every server's devices to this trainer; returns the seconds it took (the replicas' releases)."""
         import grpc
 
+        if self.held:  # already borrowed (and renewed by its thread): nothing to start twice
+            return 0.0
         t0 = time.perf_counter()
         for c in self.clients:
             try:
