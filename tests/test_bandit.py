@@ -153,3 +153,34 @@ def test_first_bucket_label_covers_the_batches_routed_to_it():
     assert bandit.bucket(1) == 0
     assert [bandit.label(i) for i in range(2)] == ["1-4", ">=5"]
     assert BucketedEpsilonGreedy(thresholds=(3,), bucket_arms=[[A]]).label(0) == ">=1"
+
+
+@pytest.mark.parametrize("keep,flips", [(8, True), (300, False)])
+def test_a_new_drafter_takes_over_the_medians_within_a_few_steps(keep, flips):
+    """300 rewards of a drafter that was never right (A far below plain), then a hot-swap to a good one. Kept
+    whole, the stale window outvotes 9 good rewards and the bandit stays on plain; cut to the last 8, the 9 new
+    rewards are the median's majority and A is chosen. The plain arm's window does not depend on the drafter."""
+    plain = Arm.parse("plain")
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, plain]], epsilon=0.0)
+    for _ in range(300):
+        bandit.record(4, A, 1, 1.0)
+        bandit.record(4, plain, 4, 1.0)
+    assert bandit.choose(4) == plain
+    bandit.drafter_changed(keep)
+    for _ in range(9):
+        bandit.record(4, A, 12, 1.0)
+    assert (bandit.choose(4) == A) is flips
+    stats = {a.arm: a.samples for a in bandit.snapshot()[0].arms}
+    assert stats == {A.name: min(keep + 9, 300), "plain": 300}  # (a window holds 300)
+
+
+def test_forgetting_a_drafter_entirely_makes_its_arms_untried():
+    plain = Arm.parse("plain")
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[plain, A]], epsilon=0.0)
+    bandit.record(2, plain, 8, 1.0)
+    bandit.record(2, A, 1, 1.0)
+    assert bandit.choose(2) == plain
+    bandit.drafter_changed(0)
+    assert bandit.choose(2) == A  # untried first: the new drafter is measured at once
+    with pytest.raises(ValueError, match="keep"):
+        bandit.drafter_changed(-1)

@@ -249,8 +249,13 @@ def test_drafter_weight_push_through_the_engine(ckpt):
         eng.update_weights("drafter", partial, 3)
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # a bad push changes nothing
     assert eng.versions.drafter == -1
+    bandit = eng.spec_decoder.bandit
+    arm = bandit.arms[0][0]
+    for _ in range(20):
+        bandit.record(1, arm, 1, 1.0)  # the old drafter's rewards
     eng.update_weights("drafter", new, 3)
     assert eng.versions.drafter == 3
+    assert len(bandit._rewards[0][arm][1]) == SpecConfig().rewards_kept_on_swap  # the push cut them to the last few
     assert all(torch.equal(new[k], v) for k, v in drafter.state_dict().items())
     plain = _engine(ckpt).generate(_requests(1, 1, 12))
     assert [c.token_ids for c in eng.generate(_requests(1, 1, 12))] == [c.token_ids for c in plain]

@@ -15,6 +15,11 @@ one measured at batch 2 whatever their shapes (a rollout's batch only falls thro
 the arm tried first is measured at its largest batch). The bucket still decides which arms compete
 and holds their statistics; each (arm, batch size) keeps its own window of the last `window` rewards.
 
+A new drafter (a hot-swap) makes the drafting arms' rewards stale: `drafter_changed(keep)` cuts each
+drafting arm's windows to their last `keep` rewards (the "plain" arm's stay: they do not depend on the
+drafter), so the new drafter's rewards take over the medians within a few steps instead of after half a
+window (300 rewards of a drafter that was never right kept an improved one unused).
+
 Reward of one SD step = tokens kept over the whole batch (accepted drafts + one bonus per
 sequence, less what a stop cut off: the engine passes the count it appended) / step wall time:
 measured tokens per second. A guard skips arms whose
@@ -58,6 +63,11 @@ class _Window:
             del self.sorted[bisect.bisect_left(self.sorted, old)]
         self.recent.append(reward)
         bisect.insort(self.sorted, reward)
+
+    def keep_last(self, n: int) -> None:
+        while len(self.recent) > n:
+            old = self.recent.popleft()
+            del self.sorted[bisect.bisect_left(self.sorted, old)]
 
     def median(self) -> float:
         xs, n = self.sorted, len(self.sorted)
@@ -180,6 +190,20 @@ class BucketedEpsilonGreedy:
             by_size[batch_size] = _Window(self.window)
         by_size[batch_size].add(reward)
         return reward
+
+    def drafter_changed(self, keep: int) -> None:
+        """The drafter was replaced: keep only the last `keep` rewards of each drafting arm (0: forget them, so
+        the arms are tried again first); "plain" keeps its window."""
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        for by_arm in self._rewards:
+            for arm, by_size in by_arm.items():
+                if arm.is_plain:
+                    continue
+                for size in list(by_size):
+                    by_size[size].keep_last(keep)
+                    if not by_size[size]:
+                        del by_size[size]
 
     def snapshot(self) -> tuple[BucketStats, ...]:
         out = []

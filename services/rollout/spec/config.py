@@ -43,6 +43,11 @@ class SpecConfig(ServiceConfig):
     static_arm: str = Field("8_4_16", description="the arm used in static mode")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="bandit exploration probability")
     window: int = Field(300, ge=1, description="bandit sliding window of rewards per arm (median over it)")
+    rewards_kept_on_swap: int = Field(
+        8, ge=0, description="when a new drafter is pushed, each drafting arm keeps only its last this many rewards "
+        "per batch size (the 'plain' arm keeps all): the new drafter's rewards decide within a few steps (0: forget "
+        "them, every arm is tried again; >= window: keep all, TLT's reference)"
+    )
     verify_token_budget: int = Field(
         2048, ge=0, description="most draft tokens one verify step may check over the batch (0 = no limit). "
         "adaptive: the bandit skips arms whose draft_tokens x batch exceeds it, and a step where no arm of the "

@@ -350,6 +350,7 @@ class SpecDecoder:
             raise ValueError("this engine drafts with n-grams (spec drafter = 'ngram'); it has no drafter weights to update")
         self.source.drafter.load_tensors(tensors)  # validates everything before copying
         self.source.reset()
+        self.bandit.drafter_changed(self.config.rewards_kept_on_swap)  # the old drafter's rewards no longer hold
 
     def stats(self) -> dict:
         return {
