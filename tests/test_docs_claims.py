@@ -32,18 +32,12 @@ from pathlib import Path
 
 import pytest
 
+from test_deploy_docs import SECTIONS, config_class  # preset section -> its config class
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 IDS = [str(p.relative_to(ROOT)) for p in PAGES]
 
-SECTIONS = {  # preset section -> its config class (as in services/trainer/run_config.py and the serve modules)
-    "rollout": ("tlt.services.rollout.config", "RolloutConfig"),
-    "trainer": ("tlt.services.trainer.config", "TrainerConfig"),
-    "reward": ("tlt.services.reward.config", "RewardConfig"),
-    "drafter": ("tlt.services.drafter.config", "DrafterServiceConfig"),
-    "sglang": ("tlt.services.rollout.sglang_backend.config", "SGLangBackendConfig"),
-    "run": ("tlt.services.trainer.run_config", "RunConfig"),
-}
 TOP_DIRS = ("services", "tlt", "kernels", "deploy", "docs", "tests", "proto")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$|<|\*|^\.\.\.$")  # FILE, N, runs/<id>, ...: a value the reader fills in
 
@@ -92,11 +86,6 @@ def spans(text: str) -> Iterator[tuple[int, str]]:
 
 
 # -- config fields -----------------------------------------------------------------------------------
-
-
-def config_class(section: str):
-    module, name = SECTIONS[section]
-    return getattr(importlib.import_module(module), name)
 
 
 def field_problem(section: str, path: list[str]) -> str | None:

@@ -173,9 +173,7 @@ class CapacityStates:
             replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, False), timeout_s) for r in live),
                                            return_exceptions=True)
         finally:
-            log.info("devices_taken_back", holder=holder, why="given back")
-            for r in self.replicas:
-                self._maybe_idle(r)
+            self._taken_back(holder, "given back")
         failed = failures(live, replies)
         if failed:
             raise WeightUpdateError("taking the devices back failed: " + "; ".join(failed))
@@ -189,7 +187,10 @@ class CapacityStates:
                 r.outbox.put(Lend(0, False))
 
     def _end_lease(self, why: str) -> None:
-        holder = self.lease.end() if self.lease is not None else ""
+        self._taken_back(self.lease.end() if self.lease is not None else "", why)
+
+    def _taken_back(self, holder: str, why: str) -> None:
+        """The lend `holder` had is over: replicas with nothing to do say IDLE again."""
         if holder:
             log.info("devices_taken_back", holder=holder, why=why)
             for r in self.replicas:
