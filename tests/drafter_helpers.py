@@ -10,9 +10,15 @@ in-process stubs so that BUSY lands at an exact micro-step.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import pytest
 import torch
+
+from rollout_helpers import tiny_checkpoint
 
 from tlt.services.common.events import CapacityPublisher
 from tlt.services.drafter.collect import sample_features
@@ -22,6 +28,34 @@ from tlt.services.drafter.worker import DrafterWorker
 from tlt.v1 import common_pb2, events_pb2
 
 BUSY, IDLE = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):  # noqa: ANN001, ANN201 - import into a test module to use it
+    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="module")
+def samples(model_dir):  # noqa: ANN001, ANN201
+    return feature_samples(model_dir)
+
+
+@contextmanager
+def running(worker, pub, coord) -> Iterator[threading.Thread]:  # noqa: ANN001
+    """`worker.run` in a thread; on the way out the worker is stopped (its replica published BUSY, so a window
+    ends), joined and closed, then the coordinator and the publisher."""
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        state(pub, worker.replica_id, BUSY)
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()
 
 
 def feature_samples(model_dir):  # noqa: ANN001, ANN201

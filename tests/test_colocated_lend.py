@@ -15,17 +15,14 @@ import time
 import grpc
 import pytest
 
-from rollout_helpers import ServerThread, tiny_checkpoint
+from drafter_helpers import make, model_dir, running, samples, state, wait_for  # noqa: F401 (fixtures)
+from rollout_helpers import ServerThread
 from tlt.services.common.events import CapacitySubscriber
+from tlt.services.drafter.worker import DrafterWorker
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import common_pb2, rollout_pb2
 
 BUSY, IDLE, LENT = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE, common_pb2.REPLICA_STATE_LENT
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
 
 
 def _changes(sub, until, timeout_s: float = 10.0) -> list[tuple[int, int]]:  # noqa: ANN001
@@ -241,22 +238,13 @@ def test_a_colocated_trainer_lends_the_devices_for_each_update_only(random_model
     assert len(lines) == 2 and all(m["times"]["lend_s"] > 0 for m in lines)
 
 
-def test_a_drafter_worker_stops_on_lent_and_trains_again_when_the_trainer_gives_back(tmp_path, model_dir) -> None:
+def test_a_drafter_worker_stops_on_lent_and_trains_again_when_the_trainer_gives_back(tmp_path, model_dir, samples) -> None:
     """The drafter side of the lend: a real worker (thread) against the real coordinator and a real capacity
     publisher playing the replica (tests/drafter_helpers.py). LENT ends its window like BUSY, no window opens
     while the device stays LENT, and the next IDLE trains again."""
-    import threading
-
-    from drafter_helpers import feature_samples, make, state, wait_for
-
-    from tlt.services.drafter.worker import DrafterWorker
-
-    pub, cfg, coord = make(tmp_path, model_dir, feature_samples(model_dir), [], publish_margin=1e9)
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], publish_margin=1e9)
     worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
-    stop = threading.Event()
-    t = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    t.start()
-    try:
+    with running(worker, pub, coord):
         state(pub, 0, IDLE)
         time.sleep(1.5)  # trains
         lent = state(pub, 0, LENT)
@@ -271,31 +259,15 @@ def test_a_drafter_worker_stops_on_lent_and_trains_again_when_the_trainer_gives_
         state(pub, 0, BUSY)
         assert wait_for(lambda: len(coord.windows) == 2, 10)
         assert coord.windows[1].micro_steps > 0, "no training after the devices came back"
-    finally:
-        stop.set()
-        state(pub, 0, BUSY)
-        t.join(20)
-        worker.close()
-        coord.close()
-        pub.close()
 
 
-def test_min_idle_s_keeps_a_worker_out_of_the_gap_before_the_lend(tmp_path, model_dir) -> None:
+def test_min_idle_s_keeps_a_worker_out_of_the_gap_before_the_lend(tmp_path, model_dir, samples) -> None:
     """Colocated, the replica is IDLE for a moment between the rollout's end and the trainer's lend; with
     `min_idle_s` no window opens in it (it would load the drafter onto the device the trainer starts on), and a
     longer idle period still trains."""
-    import threading
-
-    from drafter_helpers import feature_samples, make, state, wait_for
-
-    from tlt.services.drafter.worker import DrafterWorker
-
-    pub, cfg, coord = make(tmp_path, model_dir, feature_samples(model_dir), [], publish_margin=1e9, min_idle_s=1.0)
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], publish_margin=1e9, min_idle_s=1.0)
     worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
-    stop = threading.Event()
-    t = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    t.start()
-    try:
+    with running(worker, pub, coord):
         for _ in range(3):  # rollout ends, the lend follows 0.4 s later: three steps' worth
             state(pub, 0, IDLE)
             time.sleep(0.4)
@@ -307,13 +279,6 @@ def test_min_idle_s_keeps_a_worker_out_of_the_gap_before_the_lend(tmp_path, mode
         time.sleep(2.5)
         state(pub, 0, BUSY)
         assert wait_for(lambda: len(coord.windows) == 1, 10) and coord.windows[0].micro_steps > 0
-    finally:
-        stop.set()
-        state(pub, 0, BUSY)
-        t.join(20)
-        worker.close()
-        coord.close()
-        pub.close()
 
 
 def test_a_refused_lend_fails_the_trainer_clearly_and_leaves_nothing_lent(model_dir) -> None:

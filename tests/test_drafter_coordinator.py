@@ -11,23 +11,12 @@ import time
 
 import pytest
 
-from drafter_helpers import BUSY, IDLE, feature_samples, make, state
-from rollout_helpers import tiny_checkpoint
+from drafter_helpers import BUSY, IDLE, make, model_dir, samples, state  # noqa: F401 (fixtures)
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import Coordinator
 from tlt.services.drafter.training import load_state
 from tlt.services.rollout.client import WeightPushError
 from tlt.v1 import events_pb2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
-
-
-@pytest.fixture(scope="module")
-def samples(model_dir):
-    return feature_samples(model_dir)
 
 
 def test_candidates_are_evaluated_only_while_every_replica_is_idle(tmp_path, model_dir, samples) -> None:

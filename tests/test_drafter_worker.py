@@ -17,22 +17,11 @@ import time
 
 import pytest
 
-from drafter_helpers import BUSY, IDLE, StubbedWorker, feature_samples, make, state, wait_for
-from rollout_helpers import tiny_checkpoint
+from drafter_helpers import BUSY, IDLE, StubbedWorker, make, model_dir, running, samples, state, wait_for  # noqa: F401
 from tlt.services.common.events import CapacityPublisher
 from tlt.services.drafter.training import load_state
 from tlt.services.drafter.worker import DrafterWorker
 from tlt.v1 import common_pb2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("m"))
-
-
-@pytest.fixture(scope="module")
-def samples(model_dir):
-    return feature_samples(model_dir)
 
 
 def test_trains_only_while_idle_is_preempted_and_publishes(tmp_path, model_dir, samples) -> None:
@@ -248,10 +237,7 @@ def test_window_max_steps_trains_a_budget_per_idle_period(tmp_path, model_dir, s
     pushes: list = []
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, window_max_steps=4, eval_interval_s=1e9)
     worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with running(worker, pub, coord):
         time.sleep(0.5)
         state(pub, 0, IDLE)
         deadline = time.monotonic() + 20
@@ -270,13 +256,6 @@ def test_window_max_steps_trains_a_budget_per_idle_period(tmp_path, model_dir, s
         time.sleep(1.0)
         wins = list(coord.windows)
         assert len(wins) == 2 and wins[1].micro_steps == 4 and coord.candidate_version == 2, wins
-    finally:
-        stop.set()
-        state(pub, 0, BUSY)
-        thread.join(20)
-        worker.close()
-        coord.close()
-        pub.close()
 
 
 def test_optimizer_state_carries_over_preempted_windows(tmp_path, model_dir) -> None:
@@ -365,6 +344,18 @@ def test_a_silent_capacity_feed_stops_training(tmp_path, model_dir, samples, tra
         (new or pub).close()
 
 
+def _log_reader(capfd):  # noqa: ANN001, ANN202
+    """log_has(text): whether `text` was logged since the test began (capfd's reads, accumulated)."""
+    logged: list[str] = []
+
+    def log_has(text: str) -> bool:
+        out = capfd.readouterr()
+        logged.append(out.err + out.out)
+        return text in "".join(logged)
+
+    return log_has
+
+
 def test_a_refused_delta_is_dropped_and_the_worker_trains_on(tmp_path, model_dir, samples, capfd) -> None:
     """The coordinator refuses a delta it cannot apply (here: non-finite, as from a diverged step; real
     training on features made non-finite by `feature_noise = inf`). The CoordinatorRefused ended the worker's
@@ -375,17 +366,8 @@ def test_a_refused_delta_is_dropped_and_the_worker_trains_on(tmp_path, model_dir
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, submit_every=2, eval_interval_s=1e9)
     worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
     worker.cfg = cfg.model_copy(update={"feature_noise": float("inf")})  # every step yields non-finite weights
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
-    logged: list[str] = []
-
-    def log_has(text: str) -> bool:
-        out = capfd.readouterr()
-        logged.append(out.err + out.out)
-        return text in "".join(logged)
-
-    try:
+    log_has = _log_reader(capfd)
+    with running(worker, pub, coord) as thread:
         state(pub, 0, IDLE)
         assert wait_for(lambda: log_has("non-finite values"), 30), "the coordinator never refused a delta"
         time.sleep(0.5)
@@ -402,13 +384,6 @@ def test_a_refused_delta_is_dropped_and_the_worker_trains_on(tmp_path, model_dir
         state(pub, 0, BUSY)
         assert wait_for(lambda: len(coord.windows) == 1, 20)
         assert coord.windows[0].micro_steps > 0 and thread.is_alive()
-    finally:
-        stop.set()
-        state(pub, 0, BUSY)
-        thread.join(20)
-        worker.close()
-        coord.close()
-        pub.close()
 
 
 def test_a_refused_deferred_delta_is_dropped_and_the_worker_trains_on(tmp_path, model_dir, samples, capfd) -> None:
@@ -420,17 +395,8 @@ def test_a_refused_deferred_delta_is_dropped_and_the_worker_trains_on(tmp_path, 
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, submit_every=1000, eval_interval_s=1e9)
     worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
     worker.cfg = cfg.model_copy(update={"feature_noise": float("inf")})  # every step yields non-finite weights
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
-    logged: list[str] = []
-
-    def log_has(text: str) -> bool:
-        out = capfd.readouterr()
-        logged.append(out.err + out.out)
-        return text in "".join(logged)
-
-    try:
+    log_has = _log_reader(capfd)
+    with running(worker, pub, coord) as thread:
         state(pub, 0, IDLE)
         assert wait_for(lambda: 0 in coord.workers and coord.workers[0].training, 20)
         time.sleep(0.5)
@@ -447,10 +413,3 @@ def test_a_refused_deferred_delta_is_dropped_and_the_worker_trains_on(tmp_path, 
         assert wait_for(lambda: len(coord.windows) == 2, 20) and coord.windows[1].micro_steps > 0
         state(pub, 0, IDLE)  # the second window's delta is sent now, and taken
         assert wait_for(lambda: coord.candidate_version == 1, 20)
-    finally:
-        stop.set()
-        state(pub, 0, BUSY)
-        thread.join(20)
-        worker.close()
-        coord.close()
-        pub.close()
