@@ -218,25 +218,23 @@ class ReplicaLoop:
         if self._lend is not None:  # taken back before it was released: that lend is over, and answered
             self._answer(self._lend.cmd_id, "")
             self._lend = None
-        error = ""
-        t0 = time.perf_counter()
-        try:
-            if hasattr(self.engine, "resume"):
-                self.engine.resume()
-        except ValueError as e:
-            error = f"replica {self.replica_id}: resume failed: {e}"
-        self._answer(cmd.cmd_id, error, time.perf_counter() - t0)
+        self._hook("resume", cmd.cmd_id)
 
     def _release(self) -> None:
         cmd, self._lend = self._lend, None
-        error = ""
-        t0 = time.perf_counter()
+        self._hook("release", cmd.cmd_id)  # type: ignore[union-attr]
+
+    def _hook(self, name: str, cmd_id: int) -> None:
+        """Run the engine's optional colocation hook `name` (release / resume; the native engine has neither: it
+        keeps its fixed KV budget, docs/DEPLOY.md) and answer `cmd_id` with how it went."""
+        error, t0 = "", time.perf_counter()
         try:
-            if hasattr(self.engine, "release"):  # the native engine keeps its fixed KV budget (docs/DEPLOY.md)
-                self.engine.release()
+            hook = getattr(self.engine, name, None)
+            if hook is not None:
+                hook()
         except ValueError as e:
-            error = f"replica {self.replica_id}: release failed: {e}"
-        self._answer(cmd.cmd_id, error, time.perf_counter() - t0)  # type: ignore[union-attr]
+            error = f"replica {self.replica_id}: {name} failed: {e}"
+        self._answer(cmd_id, error, time.perf_counter() - t0)
 
     def _answer(self, cmd_id: int, error: str, seconds: float = 0.0) -> None:
         if cmd_id:
