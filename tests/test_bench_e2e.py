@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlt.bench.e2e import pair_ratios, run_order
+from tlt.bench.e2e import pair_ratios, rollout_bound, run_order
 
 
 def test_one_pair_is_the_old_order():
@@ -40,3 +40,17 @@ def test_pair_ratios_by_hand():
     assert got["step_time_ratio_range"] == pytest.approx([0.8, 1.25])
     assert got["rollout_time_ratios"] == pytest.approx([1.5, 0.5, 1.2])
     assert got["rollout_time_ratio_median"] == pytest.approx(1.2)
+
+
+def test_rollout_bound_by_hand():
+    # baseline: 5 s steps of which 1 s rollout; TLT's rollout 0.5 s (2x), its steps 6 s (costs elsewhere)
+    got = rollout_bound({"mean_step_s": 6.0, "mean_rollout_s": 0.5}, {"mean_step_s": 5.0, "mean_rollout_s": 1.0})
+    assert got["rollout_share"] == pytest.approx(0.2)
+    assert got["step_ratio_ceiling"] == pytest.approx(5.0 / 4.0)  # an instant rollout: 5 s -> 4 s
+    assert got["step_ratio_from_rollout"] == pytest.approx(5.0 / 4.5)  # the 2x rollout alone: 5 s -> 4.5 s
+    # a rollout-dominated step (the paper's regime): 80% rollout, 2x faster -> 1.67x at most from it
+    got = rollout_bound({"mean_step_s": 6.0, "mean_rollout_s": 4.0}, {"mean_step_s": 10.0, "mean_rollout_s": 8.0})
+    assert got["step_ratio_ceiling"] == pytest.approx(5.0)
+    assert got["step_ratio_from_rollout"] == pytest.approx(10.0 / 6.0)
+    assert rollout_bound({"mean_step_s": 1.0, "mean_rollout_s": 1.0}, {"mean_step_s": 0.0, "mean_rollout_s": 0.0}) == {
+        "rollout_share": 0.0, "step_ratio_ceiling": 0.0, "step_ratio_from_rollout": 0.0}

@@ -10,7 +10,9 @@
 Each is the real `tlt run` command in a subprocess, one after the other (they
 share the machine). Reported: mean step time of each (all steps, and without
 the first step, which includes warm-up), the step-time ratio baseline / TLT,
-the rollout-time ratio, the held-out accuracy curves (eval.jsonl, when the
+the rollout-time ratio, `rollout_bound` (the baseline's rollout share of a step, the ratio ceiling
+1 / (1 - share) that even an instant rollout could not pass, and the ratio the measured rollout times
+alone would give: TLT only speeds up rollouts), the held-out accuracy curves (eval.jsonl, when the
 preset evaluates), and the reward curves overlaid in reward.png. The
 reward curves "agree" when TLT's mean absolute per-step reward difference from
 the baseline is at most 1.5x that between the two baseline seeds (a noise
@@ -102,6 +104,24 @@ def pair_ratios(results: dict[str, dict], pairs: int) -> dict:
             "rollout_time_ratio_range": [min(rollout), max(rollout)]}
 
 
+def rollout_bound(t: dict, b: dict) -> dict:
+    """What the rollout alone can explain of the step-time ratio (Amdahl's law on the measured means).
+
+    rollout_share: the baseline's rollout time over its step time. step_ratio_ceiling: the ratio if TLT's
+    rollout took no time at all and nothing else changed, 1 / (1 - share): the most any rollout speed-up can
+    give on this preset (TLT attacks only the rollout). step_ratio_from_rollout: the ratio if TLT's steps
+    differed from the baseline's only by the measured rollout times; the measured ratio falls short of it by
+    what TLT costs outside the rollout (the drafter service's share of the cores, for one).
+    """
+    step_b, roll_b, roll_t = b["mean_step_s"], b["mean_rollout_s"], t["mean_rollout_s"]
+    if step_b <= 0:
+        return {"rollout_share": 0.0, "step_ratio_ceiling": 0.0, "step_ratio_from_rollout": 0.0}
+    rest = step_b - roll_b
+    return {"rollout_share": roll_b / step_b,
+            "step_ratio_ceiling": step_b / rest if rest > 0 else float("inf"),
+            "step_ratio_from_rollout": step_b / (rest + roll_t) if rest + roll_t > 0 else float("inf")}
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import shutil
@@ -151,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                                         if t["mean_step_s_after_first"] else 0.0),
         "rollout_time_ratio": b["mean_rollout_s"] / t["mean_rollout_s"] if t["mean_rollout_s"] else 0.0,
         "reward_diff_tlt_vs_baseline": abs(t["mean_reward"] - b["mean_reward"]),
+        "rollout_bound": rollout_bound(t, b),  # what the rollout alone can explain of the ratio (pair 1)
         "reward_step_mad_tlt_vs_baseline": _mean([abs(x - y) for x, y in zip(t["reward"], b["reward"])]),
     }
     if args.pairs > 1:
