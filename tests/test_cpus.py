@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tlt.services.common.cpus import available_cpus, cpu_group, pin
+from tlt.services.common.cpus import available_cpus, cgroup_cpu_limit, cpu_group, pin, replica_threads, usable_cores
 
 
 def test_groups_by_hand():
@@ -74,3 +74,56 @@ def test_run_when_idle_puts_every_thread_of_the_process_in_sched_idle():
     assert set(policies.values()) == {os.SCHED_IDLE}, policies
     assert after == [os.SCHED_IDLE]
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the test process itself is untouched
+
+
+def test_cgroup_cpu_limit_reads_v2_and_v1_quotas(tmp_path):
+    """docker --cpus / a Kubernetes CPU limit show only in the cgroup: affinity still lists every host core."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_limit(str(v2)) == pytest.approx(2.5)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(v2)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(str(v1)) == pytest.approx(2.0)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_limit(str(v1)) is None
+    assert cgroup_cpu_limit(str(tmp_path / "none")) is None  # no cgroup files (macOS, a bare sandbox)
+    (v2 / "cpu.max").write_text("garbage\n")
+    assert cgroup_cpu_limit(str(v2)) is None
+
+
+def test_usable_cores_is_the_affinity_capped_by_the_quota(tmp_path):
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert usable_cores(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a core still runs one thread
+    assert usable_cores(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(str(tmp_path)) == len(available_cpus())
+
+
+def test_replicas_that_share_cores_do_not_spin():
+    """Spinning OpenMP threads of two processes on the same cores wait out each other's time slices: two
+    2-thread decode loops on 2 cores ran 17x slower each with GOMP_SPINCOUNT=300000 than passive
+    (BENCHMARKS.md, "Session 11"). A replica spins only when its cores are its own."""
+    assert replica_threads(replicas=1, threads_per_replica=0, cores=2) == (2, True)
+    assert replica_threads(replicas=2, threads_per_replica=0, cores=2) == (1, True)  # one thread: no barriers
+    assert replica_threads(replicas=2, threads_per_replica=2, cores=2) == (2, False)  # the groups wrap: shared
+    assert replica_threads(replicas=4, threads_per_replica=0, cores=2) == (1, True)
+    assert replica_threads(replicas=3, threads_per_replica=0, cores=8) == (2, True)
+    assert replica_threads(replicas=1, threads_per_replica=4, cores=2) == (4, False)  # more threads than cores
+
+
+def test_a_server_whose_replicas_share_cores_starts_them_without_spinning(random_model_dir):
+    """The real server and replica processes: asked for 2 replicas x (all the cores) threads, the groups
+    overlap, so the pool gets spin_wait off; one replica on its own cores keeps it."""
+    from rollout_helpers import ServerThread
+
+    cores = usable_cores()
+    with ServerThread(random_model_dir, replicas=2, threads_per_replica=cores, spin_wait=True) as s:
+        assert s.server.pool.spin_wait is False
+    with ServerThread(random_model_dir, replicas=1, threads_per_replica=cores, spin_wait=True) as s:
+        assert s.server.pool.spin_wait is True

@@ -10,6 +10,7 @@ Linux only (os.sched_setaffinity); elsewhere pinning is a no-op and says so.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def available_cpus() -> list[int]:
@@ -17,6 +18,42 @@ def available_cpus() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """This process's cgroup CPU quota in cores (docker --cpus, a Kubernetes CPU limit), None when there is none
+    or it cannot be read. A quota is invisible to the affinity mask, which still lists every host core, so a
+    container limited to 2 CPUs on a 64-core host would otherwise start 64 threads per replica.
+    cgroup v2: `cpu.max` ("quota period" or "max period"); v1: `cpu/cpu.cfs_quota_us` (-1: none) over
+    `cpu/cpu.cfs_period_us`."""
+    base = Path(root)
+    try:
+        if (base / "cpu.max").is_file():
+            quota, period = (base / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        if (base / "cpu" / "cpu.cfs_quota_us").is_file():
+            quota_us = int((base / "cpu" / "cpu.cfs_quota_us").read_text())
+            return None if quota_us <= 0 else quota_us / int((base / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):  # an unreadable or unexpected file: no limit known
+        return None
+    return None
+
+
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process can really keep busy: its affinity mask, capped by the cgroup quota (at least 1)."""
+    cores = len(available_cpus())
+    limit = cgroup_cpu_limit(cgroup_root)
+    return cores if limit is None else max(1, min(cores, int(limit)))
+
+
+def replica_threads(replicas: int, threads_per_replica: int, cores: int) -> tuple[int, bool]:
+    """(torch threads per replica, whether its OpenMP threads may spin at barriers). 0 threads: the cores shared
+    out evenly. Spinning pays only on cores a replica has to itself: where replicas x threads exceeds the cores,
+    each spinning thread burns the slice its sibling on a shared core needs (BENCHMARKS.md, "Session 11": two
+    2-thread decode loops on 2 cores ran 17x slower each than with passive waits). One thread never waits at a
+    barrier, so it may always spin (nothing changes)."""
+    threads = threads_per_replica or max(1, cores // replicas)
+    return threads, threads == 1 or replicas * threads <= cores
 
 
 def cpu_group(index: int, threads: int, cpus: list[int] | None = None) -> list[int]:

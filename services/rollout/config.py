@@ -30,7 +30,8 @@ class RolloutConfig(ServiceConfig):
     )
     replicas: int = Field(1, ge=1, le=64, description="engine replicas (data parallel), one process each")
     threads_per_replica: int = Field(
-        0, ge=0, description="torch CPU threads per replica process; 0: the machine's cores divided by replicas"
+        0, ge=0, description="torch CPU threads per replica process; 0: the usable cores (affinity, capped by a container's CPU "
+        "quota) divided by replicas"
     )
     pin_cpus: bool = Field(
         True, description="CPU replicas: pin replica i to its own threads_per_replica cores (services/common/cpus.py), "
@@ -40,8 +41,9 @@ class RolloutConfig(ServiceConfig):
         True, description="CPU replicas: OpenMP threads spin briefly at barriers before sleeping (GOMP_SPINCOUNT, "
         "services/common/cpus.py) instead of the passive wait every other service uses. A decoding replica has its "
         "cores to itself in an RL step, and a decode step is many small parallel kernels: waking sleeping threads "
-        "for each one cost 23% of the rollout time of `tlt run` (BENCHMARKS.md). False on a machine shared with "
-        "other jobs; no effect with one thread per replica"
+        "for each one cost 23% of the rollout time of `tlt run` (BENCHMARKS.md). Off by itself where replicas x "
+        "threads exceeds the usable cores (replicas sharing cores spin against each other: 17x slower); set false "
+        "on a machine shared with other jobs; no effect with one thread per replica"
     )
     max_n: int = Field(64, ge=1, description="largest n (samples per prompt) a request may ask for")
     max_prompts_per_batch: int = Field(4096, ge=1, description="largest number of prompts in one BatchGenerate")

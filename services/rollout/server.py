@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt.services.common.auth import is_loopback
+from tlt.services.common.cpus import replica_threads, usable_cores
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout.config import RolloutConfig
@@ -68,7 +69,11 @@ class RolloutServer:
 
         cfg = self.config
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_dir)
-        threads = cfg.threads_per_replica or max(1, (os.cpu_count() or 1) // cfg.replicas)
+        cores = usable_cores()  # the affinity mask capped by a container's CPU quota, not the host's core count
+        threads, spin_ok = replica_threads(cfg.replicas, cfg.threads_per_replica, cores)
+        if cfg.spin_wait and not spin_ok:
+            log.warning("spin_wait_off", replicas=cfg.replicas, threads_per_replica=threads, cores=cores,
+                        reason="replicas x threads exceeds the cores: replicas sharing cores must wait passively")
         if cfg.capacity_pub:
             from tlt.services.common.events import CapacityPublisher
 
@@ -78,7 +83,7 @@ class RolloutServer:
         self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads, self.capacity,
                                 cfg.features_push, cfg.features_max_tokens,
                                 cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts,
-                                pin_cpus=cfg.pin_cpus, spin_wait=cfg.spin_wait)
+                                pin_cpus=cfg.pin_cpus, spin_wait=cfg.spin_wait and spin_ok)
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
         await self.pool.start(cfg.startup_timeout_s)
 
