@@ -117,7 +117,7 @@ class TrainerConfig(ServiceConfig):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     seed: int = Field(0, description="seed of data order, sampling seeds and torch RNG")
     steps: int = Field(20, ge=1, description="RL steps to run")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU; 0 keeps torch's default")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU; 0 keeps torch's default, capped by a container's CPU quota (cgroup)")
 
     # -- checkpoints ----------------------------------------------------------------
     checkpoint_interval: int = Field(5, ge=0, description="save trainer state every N steps (0: only at the end)")

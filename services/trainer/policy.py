@@ -171,8 +171,12 @@ class Policy:
         self.version = version
         on_gpu = torch.cuda.is_available()
         self.bf16 = on_gpu if cfg.bf16 is None else cfg.bf16
-        if cfg.torch_threads and not on_gpu:
-            torch.set_num_threads(cfg.torch_threads)
+        if not on_gpu:  # 0: torch's default, but never more than a container's CPU quota allows
+            from tlt.services.common.cpus import usable_cores
+
+            threads = cfg.torch_threads or min(torch.get_num_threads(), usable_cores())
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         seed_everything(cfg.seed)
         init_process_group()
         if model is None:
