@@ -90,6 +90,16 @@ CASES = [
      "content"),
     ("both_max_tokens", "chat/completions", ok_chat(M, max_completion_tokens=3), 400, "not both"),
     ("body_too_large", "completions", ok_completion(M, prompt="x" * 100_000), 413, "over the limit"),
+    # a lone UTF-16 surrogate (escaped, or raw as UTF-8 bytes: json takes both) is no Unicode text: the
+    # tokenizer raised TypeError and the client got a plain-text 500
+    ("lone_surrogate_escape", "completions", b'{"model": "{model}", "prompt": "a\\ud800b", "max_tokens": 2}', 400,
+     "not valid Unicode"),
+    ("lone_surrogate_raw_chat", "chat/completions",
+     b'{"model": "{model}", "messages": [{"role": "user", "content": "a\xed\xa0\x80b"}], "max_tokens": 2}', 400,
+     "not valid Unicode"),
+    # json recurses per nesting level: a RecursionError, answered as a plain-text 500
+    ("deeply_nested", "completions", b'{"model": "{model}", "prompt": "hi", "user": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+     400, "nested too deeply"),
 ]
 
 

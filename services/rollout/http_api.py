@@ -82,6 +82,16 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), first
 
 
+def _is_unicode(obj: Any) -> bool:
+    """No lone UTF-16 surrogate in any string: `json` decodes `"\\ud800"` (and its raw UTF-8 bytes) to one, which
+    the tokenizer cannot encode (a TypeError: a 500 instead of the client's 400)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _Sse:
     @staticmethod
     def data(obj: BaseModel | dict) -> bytes:
@@ -183,10 +193,16 @@ class OpenAIServer:
                 raise ApiError(413, f"request body is over the limit of {limit} bytes", code="too_large")
         try:
             obj = json.loads(body)
+            unicode = _is_unicode(obj)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:  # json recurses per nesting level: 1 MB of `[[[[` is far past the limit
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+        if not unicode:
+            raise ApiError(400, "request body holds a string that is not valid Unicode (a lone surrogate such as "
+                                "\\ud800)", code="invalid_json")
         try:
             req = cls.model_validate(obj)
         except ValidationError as e:
