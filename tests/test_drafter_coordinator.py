@@ -302,3 +302,110 @@ def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, m
         assert pushes == [3] and coord._republish_due  # the rollout serves v2 < 3: pushed again later
     finally:
         coord.close()
+
+
+def test_a_durable_checkpoint_fsyncs_its_folder_after_the_rename(tmp_path, monkeypatch) -> None:
+    """`save_atomic(fsync=True)` (coordinator.pt before and after a publish) promises a state that survives a
+    power loss. The file's own fsync does not make the rename durable: until the folder's entry is on disk a
+    power loss can bring back the old coordinator.pt, and with it a serving version below what the rollout
+    serves. The real fsync runs; the spy only records what was fsynced, and when."""
+    from tlt.services.drafter.training import save_atomic
+
+    path = tmp_path / "ckpt" / "coordinator.pt"
+    calls: list[tuple[str, int, bool]] = []  # (what, inode, was the rename done?)
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.fstat(fd).st_ino, path.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(("replace", 0, False)), real_replace(a, b)))
+    save_atomic(path, {"serving_version": 3}, fsync=True)
+    folder = os.stat(path.parent).st_ino
+    assert load_state(path) == {"serving_version": 3}
+    assert ("fsync", folder, True) in calls, calls
+    assert calls.index(("fsync", folder, True)) > calls.index(("replace", 0, False))
+    calls.clear()
+    save_atomic(path, {"serving_version": 4})  # without fsync (the frequent saves): no flush at all
+    assert [c for c in calls if c[0] == "fsync"] == []
+
+
+def test_a_batch_request_cannot_ask_for_more_than_the_configured_batch(tmp_path, model_dir, samples) -> None:
+    """The router thread builds every worker's batch while the others wait. A buggy or hostile peer's
+    BatchRequest(rows=10**6) kept it busy for 32 s (every worker timed out) and allocated gigabytes of
+    padding (a larger one: a MemoryError, or the OOM killer); max_tokens = 10**6 packs the whole buffer into
+    one row. A request is served at most the configured batch_rows x batch_tokens. Real ROUTER over ZeroMQ."""
+    import zmq
+
+    from tlt.v1 import drafter_pb2
+
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9)
+    ctx = zmq.Context()
+    try:
+        for rows, tokens in ((20000, 0), (0, 10**6), (1, 32)):
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(coord.endpoint)
+            req = drafter_pb2.WorkerMessage(worker_id=9, batch_request=drafter_pb2.BatchRequest(rows=rows,
+                                                                                               max_tokens=tokens))
+            sock.send(req.SerializeToString())
+            assert sock.poll(30_000), "the coordinator did not answer"
+            batch = drafter_pb2.CoordinatorMessage.FromString(sock.recv()).batch
+            sock.close()
+            assert 0 < batch.rows <= cfg.batch_rows and 0 < batch.length <= cfg.batch_tokens, (rows, tokens)
+            if rows == 1:  # a smaller batch than the configured one is still served as asked
+                assert batch.rows == 1 and batch.length <= 32
+    finally:
+        ctx.term()
+        coord.close()
+        pub.close()
+
+
+def test_a_push_that_failed_is_sent_again_even_when_no_longer_better(tmp_path, model_dir, monkeypatch) -> None:
+    """A push that fails on one replica of two leaves that one on the old drafter and the other on the new
+    one; the rollout keeps reporting the old version and asks for the push again (replicas.py). The gate only
+    re-evaluated: once the candidate no longer won by the margin (new held-out data, noise) it was never
+    pushed again, and the replicas drafted with different drafters for good. The failed push must be sent
+    again as it was until it lands. `publish` stands in for the gRPC push (the refusal is the one
+    ReplicaPool.update_weights gives); the gate's scores are scripted."""
+    import numpy as np
+
+    import tlt.services.drafter.coordinator as coordinator_mod
+    from tlt.services.drafter.packing import Sample
+
+    pushes: list[int] = []
+
+    def publish(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        if len(pushes) == 1:
+            raise WeightPushError(f"update applied on replicas [0] but FAILED on: replica 1: died (replicas now "
+                                  f"serve different weights; push again)", 0)
+
+    scores = []  # the candidate wins the first evaluation, then ties with the serving drafter
+
+    def score(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        scores.append(1)
+        return (2.0, 10) if len(scores) == 1 else (1.0, 10)
+
+    monkeypatch.setattr(coordinator_mod, "mean_accept_length", score)
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
+                               gate_when_idle=False, eval_interval_s=0.2)
+    coord = Coordinator(cfg, str(model_dir), None, publish)
+    h = coord.drafter_cfg.hidden_size
+    g = np.random.default_rng(0)
+    coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
+                                     g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+    with coord._lock:
+        coord.candidate_version = 3
+    coord.start()
+    try:
+        deadline = time.monotonic() + 15
+        while (len(pushes) < 2 or coord.serving_version != 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pushes == [3, 3] and coord.serving_version == 3, (pushes, coord.serving_version, len(scores))
+        time.sleep(0.6)  # landed: not sent a third time
+        assert pushes == [3, 3] and load_state(coord.ckpt)["serving_version"] == 3
+    finally:
+        coord.close()

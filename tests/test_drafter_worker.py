@@ -413,3 +413,102 @@ def test_a_refused_deferred_delta_is_dropped_and_the_worker_trains_on(tmp_path, 
         assert wait_for(lambda: len(coord.windows) == 2, 20) and coord.windows[1].micro_steps > 0
         state(pub, 0, IDLE)  # the second window's delta is sent now, and taken
         assert wait_for(lambda: coord.candidate_version == 1, 20)
+
+
+def test_a_delta_resent_after_a_lost_answer_is_applied_once(tmp_path, model_dir, samples) -> None:
+    """A deferred delta whose answer does not come within the worker's timeout (a slow coordinator; here its
+    lock is held longer than the timeout, as a long save or evaluation could) is kept and sent again at the
+    next idle moment, but the coordinator had applied it: the candidate moved by the same change twice. The
+    resend must answer with the version the first send made and change nothing; the worker's next, different
+    delta is applied. Real coordinator and worker over ZeroMQ on 127.0.0.1."""
+    import torch
+
+    from tlt.services.drafter.coordinator import Coordinator, tensors_message
+    from tlt.services.drafter.training import own_tensors
+    from tlt.services.drafter.worker import CoordinatorUnavailable, _Deferred
+    from tlt.v1 import drafter_pb2
+
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9, pin_cpus=False)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    worker.client.timeout_s = 0.5
+    try:
+        base = own_tensors(coord.candidate)
+        worker._deferred = _Deferred({k: v + 0.01 for k, v in base.items()}, base, 0, 5, [1.0], {})
+
+        def slow() -> None:
+            with coord._lock:
+                time.sleep(1.5)
+
+        holder = threading.Thread(target=slow)
+        holder.start()
+        time.sleep(0.1)
+        with pytest.raises(CoordinatorUnavailable):
+            worker._flush()
+        holder.join()
+        assert wait_for(lambda: coord.candidate_version == 1, 5)  # applied, after the worker gave up waiting
+        assert worker._deferred is not None  # the worker cannot know: it sends it again
+        worker._flush()
+        assert worker._deferred is None and coord.candidate_version == 1 and coord.deltas == 1
+        assert torch.allclose(coord.candidate.state_dict()["fc.weight"], base["fc.weight"] + 0.01)
+        worker._deferred = _Deferred({k: v + 0.02 for k, v in base.items()}, base, 0, 5, [1.0], {})
+        worker._flush()  # a new change from the same base: applied
+        assert coord.candidate_version == 2
+        assert torch.allclose(coord.candidate.state_dict()["fc.weight"], base["fc.weight"] + 0.03)
+        coord.save_now()  # a coordinator restarted from its checkpoint knows it too
+        again = Coordinator(cfg, str(model_dir), None, None)
+        try:
+            m, p = tensors_message({k: v + 0.02 - base[k] for k, v in base.items()}, 0)
+            upd = drafter_pb2.DeltaUpdate(base_version=0, manifest=m, payload=p, micro_steps=5)
+            assert again.apply_delta(upd, 0) == 2 and again.candidate_version == 2
+        finally:  # never started: only its socket to close
+            again._router.close()
+            again._ctx.term()
+    finally:
+        worker.close()
+        coord.close()
+        pub.close()
+
+
+def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, model_dir, samples) -> None:
+    """The worker's first act is a snapshot of every replica's state. A snapshot socket that answers garbage
+    (a buggy peer) or not at all within 30 s (a rollout slower to start than the worker, or restarting) raised
+    out of run(): a `tlt drafter worker` process exited for good and nothing restarts it. It must ask again
+    until the rollout answers and then train as usual. Real ZeroMQ on 127.0.0.1: a raw REP socket answers
+    garbage once, then the real CapacityPublisher comes up on the same endpoints."""
+    import zmq
+
+    from tlt.services.common.ports import free_port
+
+    snap, capp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9, capacity_pub=capp,
+                           capacity_snapshot=snap, pin_cpus=False)
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.REP)
+    rep.setsockopt(zmq.LINGER, 0)
+    rep.bind(snap)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    rollout = None
+    try:
+        assert rep.poll(10_000), "the worker never asked for a snapshot"
+        rep.recv()
+        rep.send(b"\xff not an envelope")
+        rep.close()
+        time.sleep(0.5)
+        assert thread.is_alive(), "a garbage snapshot answer ended the worker's run()"
+        rollout = CapacityPublisher(capp, snap, heartbeat_s=0.2)
+        state(rollout, 0, IDLE)
+        assert wait_for(lambda: 0 in coord.workers and coord.workers[0].training, 30)
+        state(rollout, 0, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 1, 20) and coord.windows[0].micro_steps > 0
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        if rollout is not None:
+            rollout.close()
+        ctx.term()
+        coord.close()
+        pub.close()

@@ -10,12 +10,14 @@
     everything --> DrafterStatus (gRPC tlt.v1.Drafter/GetStatus)
 
 Workers train asynchronously from the candidate they pulled and send back their change (a delta), so
-any number of workers can join, leave or die: a delta is applied whole or not at all, and the
-candidate with its version, the serving drafter and the history are checkpointed atomically after
-every change (`coordinator.pt`, written by a background saver at most every 0.5 s so the workers'
-requests never wait on the disk), so a restarted coordinator continues from a consistent state. The
+any number of workers can join, leave or die: a delta is applied whole or not at all, and once (a
+worker that sends it again after a lost answer gets the version it made), and the candidate with its
+version, the serving drafter and the history are checkpointed atomically after every change
+(`coordinator.pt`, written by a background saver at most every 0.5 s so the workers' requests never
+wait on the disk), so a restarted coordinator continues from a consistent state. The
 published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head are
-never among them (asserted).
+never among them (asserted). A push that fails (possibly on some replicas only) is sent again as it
+was until it lands, whatever later evaluations say.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
 from tlt.services.rollout.client import WeightPushError
-from tlt.v1 import common_pb2, drafter_pb2
+from tlt.v1 import common_pb2, drafter_pb2, rollout_pb2
 
 log = get_logger("drafter.coordinator")
 
@@ -54,8 +56,6 @@ def tensors_message(tensors: dict[str, torch.Tensor], version: int) -> tuple[byt
 
 
 def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
-    from tlt.v1 import rollout_pb2
-
     return unpack(rollout_pb2.WeightManifest.FromString(manifest), payload, None)
 
 
@@ -90,6 +90,9 @@ class Coordinator:
         self.preemptions = 0
         self.deltas = 0
         self.deltas_refused = 0  # since this process started (not checkpointed: a count for status and /metrics)
+        # worker id -> ((base version, payload sha256) of its last applied delta, the version it made): a worker
+        # whose answer timed out sends the same delta again, which must not be applied twice (checkpointed)
+        self._applied: dict[int, tuple[tuple[int, str], int]] = {}
         self._evaluated = 0
         self._last_eval = 0.0
         # the serving drafter's last score: ((serving version, shared policy version), the held-out samples
@@ -105,6 +108,9 @@ class Coordinator:
         # a candidate beat it by the margin.
         self._republish_due = self.serving_version > 0
         self._republish_at = 0.0
+        # a candidate push that failed, sent again as it was until it lands (see `push_pending`)
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending_at = 0.0
         self.metrics = Metrics("drafter")
         self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
         self.m_buffer = self.metrics.gauge("buffer_windows", "training windows in the feature buffer")
@@ -161,6 +167,7 @@ class Coordinator:
         self.serving_version = int(state["serving_version"])
         self.preemptions = int(state.get("preemptions", 0))
         self.deltas = int(state.get("deltas", 0))
+        self._applied = dict(state.get("applied", {}))
         for blob in state.get("acceptance", []):
             self.acceptance.append(drafter_pb2.AcceptanceRecord.FromString(blob))
         for blob in state.get("windows", []):
@@ -189,7 +196,8 @@ class Coordinator:
         return ({
             "candidate": own_tensors(self.candidate), "candidate_version": self.candidate_version,
             "serving": self.serving, "serving_version": self.serving_version, "preemptions": self.preemptions,
-            "deltas": self.deltas, "acceptance": [a.SerializeToString() for a in self.acceptance],
+            "deltas": self.deltas, "applied": dict(self._applied),
+            "acceptance": [a.SerializeToString() for a in self.acceptance],
             "windows": [w.SerializeToString() for w in self.windows],
         })
 
@@ -243,13 +251,15 @@ class Coordinator:
                     version=self.candidate_version, manifest=m, payload=p))
         if kind == "batch_request":
             w.training = True
-            rows = msg.batch_request.rows or self.cfg.batch_rows
-            tokens = msg.batch_request.max_tokens or self.cfg.batch_tokens
+            # smaller than the configured batch if asked, never larger: this thread builds it while every other
+            # worker waits (a peer's rows=10**6 took it 30 s and gigabytes of padding)
+            rows = min(msg.batch_request.rows or self.cfg.batch_rows, self.cfg.batch_rows)
+            tokens = min(msg.batch_request.max_tokens or self.cfg.batch_tokens, self.cfg.batch_tokens)
             batch = self.buffer.batch(rows, tokens)
             return drafter_pb2.CoordinatorMessage(batch=batch.to_proto() if batch else drafter_pb2.TrainBatch())
         if kind == "update":
             try:
-                return drafter_pb2.CoordinatorMessage(candidate_version=self.apply_delta(msg.update))
+                return drafter_pb2.CoordinatorMessage(candidate_version=self.apply_delta(msg.update, msg.worker_id))
             except ValueError as e:  # counted where an operator looks (status, /metrics); the worker gets the error
                 self.deltas_refused += 1
                 w.deltas_refused += 1
@@ -272,9 +282,17 @@ class Coordinator:
             return drafter_pb2.CoordinatorMessage(status=self.status())
         raise ValueError(f"unknown worker message {kind!r}")
 
-    def apply_delta(self, upd: drafter_pb2.DeltaUpdate) -> int:
-        delta = tensors_from(upd.manifest, upd.payload)
+    def apply_delta(self, upd: drafter_pb2.DeltaUpdate, worker_id: int | None = None) -> int:
+        """Add a worker's delta to the candidate; returns the version it made. The same delta sent again by
+        the same worker (its answer came after the worker's timeout, so the worker kept it) is not added twice:
+        the answer is the version it made the first time."""
+        delta = tensors_from(upd.manifest, upd.payload)  # validated: the payload matches the manifest's sha256
+        key = (int(upd.base_version), rollout_pb2.WeightManifest.FromString(upd.manifest).sha256)
         with self._lock:
+            done = self._applied.get(worker_id) if worker_id is not None else None
+            if done is not None and done[0] == key:
+                log.info("delta_resent", worker=worker_id, base_version=upd.base_version, version=done[1])
+                return done[1]
             own = self.candidate.state_dict()
             bad = sorted(set(delta) ^ set(own))
             if bad:
@@ -286,6 +304,8 @@ class Coordinator:
                 own[k].add_(d.to(own[k].dtype))
             self.candidate_version += 1
             self.deltas += 1
+            if worker_id is not None:
+                self._applied[worker_id] = (key, self.candidate_version)
             self._save()
             return self.candidate_version
 
@@ -303,6 +323,13 @@ class Coordinator:
                     except Exception as e:  # the rollout may not be up yet: try again in a while
                         log.warning("drafter_republish_failed", version=self.serving_version, error=repr(e)[:300])
                         self._republish_at = time.monotonic() + REPUBLISH_RETRY_S
+            if self._pending is not None and time.monotonic() >= self._pending_at:
+                if self.rollout is None or not self.rollout.busy():
+                    try:
+                        self.push_pending()
+                    except Exception as e:  # deliberate boundary: the rollout may be down; try again in a while
+                        log.warning("drafter_push_retry_failed", version=self._pending[1], error=repr(e)[:300])
+                        self._pending_at = time.monotonic() + REPUBLISH_RETRY_S
             if self.candidate_version > self._evaluated and time.monotonic() - self._last_eval >= self.cfg.eval_interval_s:
                 if self.rollout is not None and self.rollout.busy():
                     continue  # a replica decodes: this work would take its CPU (BENCHMARKS.md, "Session 5")
@@ -334,6 +361,26 @@ class Coordinator:
                 raise
             log.info("drafter_republish_not_needed", version=version, serving=e.serving_version)
         self._republish_due = False
+
+    def push_pending(self) -> None:
+        """Send the candidate push that failed again, as it was, whatever the evaluations said since: a push that
+        failed on some replicas left those on the old drafter and the others on this one (the rollout reports
+        the old version and asks for the push again), and a later candidate that no longer wins by the margin
+        would never repair that. A rollout that already serves this version or a newer one ends it too."""
+        if self._pending is None or self.publish_fn is None:
+            return
+        tensors, version = self._pending
+        try:
+            self.publish_fn(tensors, version)
+            log.info("drafter_push_retried", version=version)
+        except WeightPushError as e:
+            if e.serving_version is None or e.serving_version < version:
+                raise
+        with self._lock:
+            if version > self.serving_version:
+                self.serving, self.serving_version = tensors, version
+        self._pending = None
+        self.save_now()
 
     def refresh_shared(self) -> bool:
         """Fetch the policy's embedding / lm_head if a newer policy was seen (on failure keep ours); True: swapped."""
@@ -378,7 +425,12 @@ class Coordinator:
             leaked = [k for k in cand if "embed" in k or "lm_head" in k]
             assert not leaked, f"a drafter push must never carry the target's embedding/lm_head: {leaked}"
             self.save_now()  # the rollout will serve `version`: a restart must never number a candidate <= it
-            self.publish_fn(cand, version)
+            try:
+                self.publish_fn(cand, version)
+            except Exception:
+                self._pending, self._pending_at = (cand, version), 0.0  # some replicas may serve it now
+                raise
+            self._pending = None
             rec.published = True
             with self._lock:
                 self.serving, self.serving_version = cand, version

@@ -6,9 +6,9 @@
 
 Optimiser: AdamW with betas (0.9, 0.95), gradient norm clipped (TLT.md section 3); optional
 uniform noise U(-noise, noise) on the input features (offline warm-up). `save_atomic` writes a
-checkpoint to a temporary file in the same folder, fsyncs it and renames it over the old one, so a
-`kill -9` at any moment leaves either the old or the new state, never a torn file (add fsync for
-power loss).
+checkpoint to a temporary file in the same folder and renames it over the old one, so a `kill -9` at
+any moment leaves either the old or the new state, never a torn file (`fsync=True`, for power loss,
+also fsyncs the file before and its folder after the rename).
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ def save_atomic(path: str | Path, obj: Any, fsync: bool = False) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+    if fsync:  # the rename is durable only once the folder's entry is on disk (else the old file comes back)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_state(path: str | Path) -> Any | None:

@@ -212,11 +212,28 @@ class DrafterWorker:
             deadline = time.monotonic()  # got one: drain the rest without waiting
         self._check_silence()  # after draining: heartbeats queued during a long step are not silence
 
+    def _snapshot(self, stop: object) -> bool:
+        """Every replica's state from the rollout's snapshot socket, asked again until it answers (False: `stop`
+        came first). A rollout slower to start than the worker, restarting, or answering garbage makes the
+        worker wait: an exception here ended a `tlt drafter worker` process for good (nothing restarts it)."""
+        failures = 0
+        while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+            try:
+                for e in self.sub.snapshot(timeout_s=2.0):
+                    self._see(e)
+                return True
+            except (TimeoutError, ValueError) as e:
+                failures += 1
+                if failures == 1:  # once: a rollout still loading would repeat it every 2 s
+                    log.warning("capacity_snapshot_retry", worker=self.worker_id, error=str(e)[:300])
+                time.sleep(0.5)
+        return False
+
     # ---- main loop
     def run(self, stop: object = None, max_windows: int | None = None) -> None:
         """Until `stop.is_set()` (a threading.Event-like) or `max_windows` windows ran."""
-        for e in self.sub.snapshot(timeout_s=30.0):
-            self._see(e)
+        if not self._snapshot(stop):
+            return
         self.client.ask(hello=drafter_pb2.WorkerHello(worker_id=self.worker_id, replica_id=self.replica_id,
                                                       pid=os.getpid()))
         log.info("worker_started", worker=self.worker_id, replica=self.replica_id, device=self.device,
