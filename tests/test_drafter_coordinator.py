@@ -409,3 +409,24 @@ def test_a_push_that_failed_is_sent_again_even_when_no_longer_better(tmp_path, m
         assert pushes == [3, 3] and load_state(coord.ckpt)["serving_version"] == 3
     finally:
         coord.close()
+
+
+def test_a_save_removes_the_temporary_files_of_writers_killed_mid_save(tmp_path) -> None:
+    """A kill -9 during torch.save leaves `.coordinator.pt.<pid>.tmp` behind (a whole checkpoint: ~1 GB for a
+    real drafter with its optimizer state); the next save removes those of pids that no longer run."""
+    import subprocess
+    import sys
+
+    from tlt.services.drafter.training import save_atomic
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ckpt = tmp_path / "coordinator.pt"
+    stale = tmp_path / f".coordinator.pt.{dead.pid}.tmp"
+    live = tmp_path / f".coordinator.pt.{os.getppid()}.tmp"  # a writer that still runs: never touched
+    other = tmp_path / f".worker.pt.{dead.pid}.tmp"  # another checkpoint's file: not this save's business
+    for f in (stale, live, other):
+        f.write_bytes(b"partial")
+    save_atomic(ckpt, {"x": 1})
+    assert not stale.exists() and live.exists() and other.exists()
+    assert load_state(ckpt) == {"x": 1}

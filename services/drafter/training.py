@@ -118,6 +118,7 @@ def save_atomic(path: str | Path, obj: Any, fsync: bool = False) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_writers_files(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
@@ -131,6 +132,22 @@ def save_atomic(path: str | Path, obj: Any, fsync: bool = False) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _remove_dead_writers_files(path: Path) -> None:
+    """Delete the temporary files of writers of `path` that were killed mid-save (`.name.<pid>.tmp` of a pid that
+    no longer runs): each is a whole checkpoint (a drafter's weights and optimizer state), and a worker killed
+    repeatedly during saves would otherwise fill the disk with them. A live pid's file is left alone."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # alive, another user's process
+            continue
 
 
 def load_state(path: str | Path) -> Any | None:
