@@ -190,3 +190,24 @@ def test_chat_template_error_is_a_400(tmp_path):
         assert "System message must be first" in err["message"] and err["param"] == "messages"
         ok = {**bad, "messages": bad["messages"][::-1]}
         assert httpx.post(f"{s.base_url}/chat/completions", json=ok, timeout=30).status_code == 200
+
+
+def test_an_unforeseen_server_error_is_a_500_in_the_error_shape(tmp_path):
+    """A checkpoint whose chat template fails with something other than a template error (here a division by
+    zero) is no fault of the client's: a 500, but in the OpenAI error shape (an SDK parses it), not plain text;
+    the server goes on serving."""
+    model = tiny_checkpoint(tmp_path / "model")
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ("{%- for m in messages %}{%- if m['role'] == 'system' %}{{ 1 / 0 }}{%- endif %}"
+                            "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+                            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    with ServerThread(model, replicas=1) as s:
+        bad = {"model": s.model_name, "max_tokens": 2, "messages": [{"role": "system", "content": "b"}]}
+        r = httpx.post(f"{s.base_url}/chat/completions", json=bad, timeout=30)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "internal_error" and "ZeroDivisionError" in err["message"]
+        ok = {**bad, "messages": [{"role": "user", "content": "a"}]}
+        assert httpx.post(f"{s.base_url}/chat/completions", json=ok, timeout=30).status_code == 200

@@ -146,6 +146,14 @@ class OpenAIServer:
                                     "authentication_error", code="invalid_api_key").response()
             return await call_next(request)
 
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+            # the boundary for what no handler foresaw (a checkpoint's broken chat template, a bug): the client
+            # still gets the error shape, the log the traceback (uvicorn prints it as the exception goes on up)
+            self.m_rejected.labels("internal_error").inc()
+            return ApiError(500, f"internal error while serving {request.url.path}: {type(e).__name__}: {e}"[:500],
+                            "server_error", code="internal_error").response()
+
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
             kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
