@@ -249,6 +249,8 @@ class DrafterWorker:
                     self.window(stop)
                 except CoordinatorUnavailable as e:
                     log.warning("coordinator_unavailable", error=str(e))
+                    if self.device.startswith("cuda"):  # the window's drafter and optimizer died with it: hand
+                        torch.cuda.empty_cache()  # their memory back to the replica now, not after the next window
                     time.sleep(1.0)
         finally:
             try:
