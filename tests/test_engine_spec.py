@@ -153,3 +153,40 @@ def test_a_prefill_chunk_cut_to_one_token_is_not_speculated(ckpt):
         done.update((c.request_id, c.token_ids) for c in engine.step()[1])
     assert done == {c.request_id: c.token_ids for c in plain}
     assert engine.stats().spec["verify_steps"] > 0
+
+
+def _check_blocks(engine: LLMEngine) -> None:
+    """Every KV block's ref count is the number of live sequences holding it, and it is free iff that is 0."""
+    from collections import Counter
+
+    bm = engine.block_manager
+    held = Counter(b for s in engine.scheduler.running for b in s.block_table)
+    assert all(not s.block_table for s in engine.scheduler.waiting)
+    for b in bm.blocks:
+        assert b.ref_count == held.get(b.id, 0) and (b.id in bm.free) == (b.ref_count == 0), b.id
+
+
+def test_speculation_under_preemption_and_prefix_sharing(ckpt):
+    """Tree speculation in a KV cache too small for the batch: sequences are preempted mid-speculation
+    (their draft blocks freed) and recomputed, siblings share prompt blocks, accepted side branches are
+    copied (kv_copies). Seeded samples stay token-identical to plain decoding in a roomy cache, every block
+    is accounted for after every step, and a second wave of the same prompts, reusing the cached prefix
+    blocks the first wave's speculating sequences left, is identical too."""
+    params = SamplingParams(temperature=0.9, top_k=6, seed=11, max_tokens=30, ignore_eos=True, logprobs=0)
+    waves = [[GenerationRequest(f"{w}{i}", p, params, 3) for i, p in enumerate(_prompts()[:4])] for w in "ab"]
+    plain = LLMEngine(ckpt, EngineConfig(block_size=4)).generate(waves[0])
+    engine = LLMEngine(ckpt, EngineConfig(block_size=4, num_kv_blocks=26))
+    engine.enable_spec(SpecConfig(mode="static", static_arm="4_2_8", threshold=64, hysteresis_steps=1, drafter="ngram"))
+    for wave in waves:
+        for r in wave:
+            engine.add_request(r)
+        done = {}
+        while engine.has_unfinished():
+            done.update(((c.request_id[1:], c.sample_index), c) for c in engine.step()[1])
+            _check_blocks(engine)
+        assert [done[(c.request_id[1:], c.sample_index)].token_ids for c in plain] == [c.token_ids for c in plain]
+        assert all(done[(c.request_id[1:], c.sample_index)].logprobs == pytest.approx(c.logprobs, abs=1e-4) for c in plain)
+        assert engine.block_manager.num_free == 26
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_blocks > 0
+    assert stats.spec["verify_steps"] > 0 and stats.spec["kv_copies"] > 0
