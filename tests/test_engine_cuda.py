@@ -107,3 +107,38 @@ def test_cuda_verify_graphs_are_greedy_lossless(ckpt) -> None:
     assert stats["emitted_tokens"] > stats["verify_steps"], "drafts were accepted"
     pool = engine.runner.verify_graphs
     assert pool is not None and sum(pool.per_shape.values()) == stats["verify_steps"]
+
+
+@pytest.mark.parametrize("arm,sample", [("3_1_4", False), ("3_2_6", False), ("3_1_4", True)])
+def test_cuda_learned_drafter_is_lossless(ckpt, arm, sample) -> None:
+    """The learned (EAGLE) drafter drafts on the GPU: its trees must meet the decoder's CPU masks and the cold
+    rows' CPU trees (before session 11 the first verify step raised "Expected all tensors to be on the same
+    device"). Greedy: the plain tokens exactly; sampled chains (rejection sampling on the device): they run, and
+    every completion has its full length."""
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    prompts = _prompts(6, seed=4)
+    lengths = [16, 5, 11, 9, 14, 3]
+
+    def run(with_spec: bool):  # noqa: ANN202
+        engine = LLMEngine(ckpt, EngineConfig(device="cuda", block_size=16, max_num_seqs=8))
+        if with_spec:
+            torch.manual_seed(0)
+            cfg = DrafterConfig.from_model_config(engine.model_config)
+            drafter = Drafter(cfg, engine.model.embed, engine.model.lm_head).to(engine.model.device).eval()
+            engine.enable_spec(SpecConfig(mode="static", static_arm=arm, drafter="learned", threshold=64,
+                                          hysteresis_steps=1, drafter_path="(in memory)"), drafter)
+        if sample:
+            reqs = [GenerationRequest(f"s{i}", p, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i))
+                    for i, (p, n) in enumerate(zip(prompts, lengths))]
+        else:
+            reqs = _greedy(prompts, lengths)
+        return engine, engine.generate(reqs)
+
+    engine, got = run(True)
+    assert engine.stats().spec["verify_steps"] > 0
+    if sample:
+        assert [len(o.token_ids) for o in got] == lengths
+    else:
+        _, plain = run(False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in plain]

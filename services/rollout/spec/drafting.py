@@ -182,7 +182,8 @@ class EagleSource:
         trees: list[DraftTree | None] = [None] * len(seqs)
         idx = [i for i, w in enumerate(warm) if w]
         if sample and arm.topk == 1 and len(idx) == len(seqs):
-            return self._chain(seqs, arm, sample=True)
+            tree, counts = self._chain(seqs, arm, sample=True)
+            return _structure_on_cpu(tree), counts.cpu()
         if idx:
             warm_seqs = [seqs[i] for i in idx]
             if arm.topk == 1:
@@ -190,6 +191,7 @@ class EagleSource:
             else:
                 batch = self._tree(warm_seqs, arm)
                 counts = torch.full((len(idx),), batch.num_nodes, dtype=torch.long)
+            batch, counts = _structure_on_cpu(batch), counts.cpu()
             if len(idx) == len(seqs):  # all warm (the usual case): already one [B, N] batch
                 return batch, counts
             for j, i in enumerate(idx):
@@ -332,3 +334,12 @@ class EagleSource:
         self.fed_pos.clear()
         self.last_h.clear()
         self.runtime.refresh()
+
+
+def _structure_on_cpu(tree: DraftTree) -> DraftTree:
+    """The tree's tokens, parents, depths and scores on the CPU, where the decoder builds its masks and counts and
+    the n-gram source and cold rows build theirs (`pad_trees` joins them): a drafter on a GPU drafts there, and
+    mixing its trees with CPU tensors raised "Expected all tensors to be on the same device" at the first verify
+    step. `draft_probs` (the sampled chains' p, [B, N - 1, V]) stays on the drafter's device: the acceptance
+    runs there. A no-op on CPU."""
+    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depth.cpu(), tree.score.cpu(), tree.draft_probs)
