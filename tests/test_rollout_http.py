@@ -37,6 +37,9 @@ def client(server):
 def test_models(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model_name]
+    assert client.models.retrieve(server.model_name).id == server.model_name  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
 
 
 def test_completion_greedy_matches_transformers(client, server, model_dir):

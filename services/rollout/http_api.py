@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI, served by uvicorn).
 
     POST /v1/completions, /v1/chat/completions   (JSON or SSE stream)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
 
     body -> size check (413) -> JSON (400) -> strict pydantic model (400) -> model id (404)
          -> tokenize (chat template for chat) -> length checks (400) -> GenerationRequest per prompt
@@ -162,6 +162,7 @@ class OpenAIServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])  # ids may hold slashes
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return app
@@ -184,8 +185,17 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.pool.info.max_model_len)])
+        return ModelList(data=[self._card()])
+
+    async def model(self, model: str) -> ModelCard:
+        """GET /v1/models/{model} (the OpenAI SDK's `models.retrieve`): this server's card, else 404."""
+        if model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")
+        return self._card()
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.pool.info.max_model_len)
 
     # ---- request parsing ---------------------------------------------------------------------
 
