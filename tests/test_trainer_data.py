@@ -31,6 +31,7 @@ def test_jsonl_loads_prompt_and_answer(tmp_path):
         ('{"prompt": "a"}\n', "missing field(s) ['answer']"),
         ('[1, 2]\n', "expected an object"),
         ('{"prompt": "", "answer": "1"}\n', "'prompt' must be a non-empty string"),
+        ('{"prompt": " \\n\\t ", "answer": "1"}\n', "d.jsonl:1: 'prompt' must be a non-empty string"),  # blank
         ('{"prompt": "a", "answer": ""}\n', "d.jsonl:1: 'answer' is empty"),  # a row without its answer
         ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "  "}\n', "d.jsonl:2: 'answer' is empty"),
         ('{"prompt": "a", "answer": NaN}\n', "'answer' is empty (nan)"),  # json.loads takes NaN
@@ -42,6 +43,21 @@ def test_bad_jsonl_says_what_and_where(tmp_path, content, message):
     p.write_text(content)
     with pytest.raises(DataError, match=re.escape(message)):
         load_prompts(p)
+
+
+def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):
+    # a Latin-1 export: the decode error used to escape as a bare UnicodeDecodeError naming neither file nor line
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: not UTF-8 text")):
+        load_prompts(p)
+
+
+def test_jsonl_with_a_utf8_bom_loads(tmp_path):
+    # Windows editors save "UTF-8 with BOM": json.loads refused the first line ("Unexpected UTF-8 BOM")
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "1"}\r\n{"prompt": "b", "answer": "2"}\r\n')
+    assert [(i.prompt, i.answer) for i in load_prompts(p)] == [("a", "1"), ("b", "2")]
 
 
 def test_missing_and_unknown_files(tmp_path):

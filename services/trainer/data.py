@@ -12,6 +12,7 @@ of the batch comes from the start of the next epoch's permutation.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def _item(index: int, row: object, where: str) -> PromptItem:
     if missing:
         raise DataError(f"{where}: missing field(s) {missing}; every row needs 'prompt' (text) and 'answer'")
     prompt, answer = row["prompt"], row["answer"]
-    if not isinstance(prompt, str) or not prompt:
+    if not isinstance(prompt, str) or not prompt.strip():  # a blank prompt is no prompt, as for 'answer'
         raise DataError(f"{where}: 'prompt' must be a non-empty string")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DataError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
@@ -43,17 +44,32 @@ def _item(index: int, row: object, where: str) -> PromptItem:
     return PromptItem(index=index, prompt=prompt, answer=str(answer))
 
 
+def _utf8_text(path: Path) -> str:
+    """The file's text; a DataError naming the line of the first byte that is not UTF-8.
+
+    Decoded whole, not by a text-mode file: that decodes ahead in chunks, so its error names no line.
+    """
+    data = path.read_bytes()
+    data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data  # a BOM (Windows editors write one) is no data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[: e.start].decode("utf-8")
+        lineno = before.replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
+        raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); re-save the file as UTF-8") from None
+
+
 def load_jsonl(path: Path) -> list[PromptItem]:
     items: list[PromptItem] = []
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            items.append(_item(len(items), row, f"{path}:{lineno}"))
+    # newline=None: the universal newlines a text-mode open() reads (\n, \r\n, \r)
+    for lineno, line in enumerate(io.StringIO(_utf8_text(path), newline=None), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        items.append(_item(len(items), row, f"{path}:{lineno}"))
     return items
 
 
