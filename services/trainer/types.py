@@ -56,7 +56,11 @@ class StepMetrics:
     response_len_mean: float = 0.0
     response_len_max: int = 0
     truncated_fraction: float = 0.0
-    rollout_logprob_max_diff: float = 0.0  # |trainer old logprob - rollout logprob|, diagnostics
+    # |trainer old logprob - rollout logprob|, diagnostics (~1e-6 at top_p = 1). With top_p < 1 or top_k it is
+    # large by design (~0.2): the rollout reports the truncated distribution it sampled from, the trainer
+    # scores the full softmax; the PPO ratio compares the trainer's own passes, as verl does, although the samples
+    # come from the truncated distribution (a known off-policy gap of top_p/top_k in RL: keep them off to avoid it)
+    rollout_logprob_max_diff: float = 0.0
     tokens: int = 0
     # Speculative decoding during this step's rollout, summed over its completions (SpecStats):
     sd_verify_steps: int = 0  # per-sequence verify passes
