@@ -26,6 +26,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TLT_AUTH_TOKEN", "tests-" + os.urandom(8).hex())
 
 
+@pytest.fixture(autouse=True)
+def _process_cpu_settings_restored():
+    """A drafter worker built in a test pins the calling thread to its replica's cores and sets torch's thread count,
+    as it should in its own process; in the pytest process that left every later test (and every server and replica
+    they start, which inherit the affinity) on one core with one torch thread. Put both back after each test."""
+    import sys
+
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    if affinity is not None and os.sched_getaffinity(0) != affinity:
+        os.sched_setaffinity(0, affinity)
+    torch = sys.modules.get("torch")
+    if threads is not None and torch is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     if not (TINY_MODEL_DIR / ".complete").exists():

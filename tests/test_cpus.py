@@ -122,8 +122,8 @@ def test_a_server_whose_replicas_share_cores_starts_them_without_spinning(random
     overlap, so the pool gets spin_wait off; one replica on its own cores keeps it."""
     from rollout_helpers import ServerThread
 
-    cores = usable_cores()
-    with ServerThread(random_model_dir, replicas=2, threads_per_replica=cores, spin_wait=True) as s:
+    threads = max(2, usable_cores())  # at least 2: one thread never waits at a barrier, so it may spin
+    with ServerThread(random_model_dir, replicas=2, threads_per_replica=threads, spin_wait=True) as s:
         assert s.server.pool.spin_wait is False
-    with ServerThread(random_model_dir, replicas=1, threads_per_replica=cores, spin_wait=True) as s:
+    with ServerThread(random_model_dir, replicas=1, threads_per_replica=usable_cores(), spin_wait=True) as s:
         assert s.server.pool.spin_wait is True
