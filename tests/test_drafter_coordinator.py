@@ -19,6 +19,24 @@ from tlt.services.rollout.client import WeightPushError
 from tlt.v1 import events_pb2
 
 
+def gated_coordinator(tmp_path, model_dir, publish, **cfg) -> Coordinator:
+    """A coordinator (not started) whose gate publishes on any gain, with one held-out window to score on;
+    the scores themselves are scripted by the tests (monkeypatched `mean_accept_length`)."""
+    import numpy as np
+
+    from tlt.services.drafter.packing import Sample
+
+    cfg = DrafterServiceConfig(**{"coordinator_bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(tmp_path / "ckpt"),
+                                  "window_tokens": 16, "batch_tokens": 16, "min_eval_tokens": 8, "publish_margin": 0.0,
+                                  "gate_when_idle": False, **cfg})
+    coord = Coordinator(cfg, str(model_dir), None, publish)
+    h = coord.drafter_cfg.hidden_size
+    g = np.random.default_rng(0)
+    coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
+                                     g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+    return coord
+
+
 def test_candidates_are_evaluated_only_while_every_replica_is_idle(tmp_path, model_dir, samples) -> None:
     """The gate's evaluation is seconds of CPU: it waits until no replica decodes, and gives the CPU back
     (nothing recorded, nothing pushed) the moment one turns busy."""
@@ -177,21 +195,11 @@ def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path
     """The rollout serves a published drafter at once; a coordinator killed (-9) right after the publish,
     before its background saver ran, must not restart with an older candidate/serving version (it would
     reuse a version number the rollout serves with other weights, and gate against a stale serving one)."""
-    import numpy as np
-
     import tlt.services.drafter.coordinator as coordinator_mod
-    from tlt.services.drafter.packing import Sample
 
     pushes: list = []
-    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
-                               gate_when_idle=False)
-    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append(v))  # not started: no saver
+    coord = gated_coordinator(tmp_path, model_dir, lambda t, v: pushes.append(v))  # not started: no saver
     try:
-        h = coord.drafter_cfg.hidden_size
-        g = np.random.default_rng(0)
-        coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
-                                         g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
         scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
         monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
         with coord._lock:
@@ -200,7 +208,7 @@ def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path
         assert rec is not None and rec.published and pushes == [3]
         saved = load_state(coord.ckpt)  # what a restart after kill -9 would see
         assert saved is not None and saved["serving_version"] == 3 and saved["candidate_version"] >= 3
-        again = Coordinator(cfg, str(model_dir), None, None)  # the restart
+        again = Coordinator(coord.cfg, str(model_dir), None, None)  # the restart
         try:
             assert again.serving_version == 3 and again.candidate_version >= 3 and again.acceptance[-1].published
         finally:
@@ -214,10 +222,7 @@ def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path
 def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, model_dir, monkeypatch) -> None:
     """The gate's boundary logs a failed push and retries later: the candidate must stay due (it was marked
     evaluated before the push, so a failed push waited for the next delta, which may never come)."""
-    import numpy as np
-
     import tlt.services.drafter.coordinator as coordinator_mod
-    from tlt.services.drafter.packing import Sample
 
     pushes: list = []
 
@@ -226,15 +231,8 @@ def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, 
         if len(pushes) == 1:
             raise ConnectionError("rollout unavailable")
 
-    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
-                               gate_when_idle=False)
-    coord = Coordinator(cfg, str(model_dir), None, publish)  # not started: the gate is called by hand
+    coord = gated_coordinator(tmp_path, model_dir, publish)  # not started: the gate is called by hand
     try:
-        h = coord.drafter_cfg.hidden_size
-        g = np.random.default_rng(0)
-        coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
-                                         g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
         with coord._lock:
             coord.candidate_version = 3
         scores = iter([(2.0, 10), (1.0, 10), (2.0, 10), (1.0, 10)])  # candidate, serving; twice
@@ -369,10 +367,7 @@ def test_a_push_that_failed_is_sent_again_even_when_no_longer_better(tmp_path, m
     pushed again, and the replicas drafted with different drafters for good. The failed push must be sent
     again as it was until it lands. `publish` stands in for the gRPC push (the refusal is the one
     ReplicaPool.update_weights gives); the gate's scores are scripted."""
-    import numpy as np
-
     import tlt.services.drafter.coordinator as coordinator_mod
-    from tlt.services.drafter.packing import Sample
 
     pushes: list[int] = []
 
@@ -389,14 +384,7 @@ def test_a_push_that_failed_is_sent_again_even_when_no_longer_better(tmp_path, m
         return (2.0, 10) if len(scores) == 1 else (1.0, 10)
 
     monkeypatch.setattr(coordinator_mod, "mean_accept_length", score)
-    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                               window_tokens=16, batch_tokens=16, min_eval_tokens=8, publish_margin=0.0,
-                               gate_when_idle=False, eval_interval_s=0.2)
-    coord = Coordinator(cfg, str(model_dir), None, publish)
-    h = coord.drafter_cfg.hidden_size
-    g = np.random.default_rng(0)
-    coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
-                                     g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+    coord = gated_coordinator(tmp_path, model_dir, publish, eval_interval_s=0.2)
     with coord._lock:
         coord.candidate_version = 3
     coord.start()

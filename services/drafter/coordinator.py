@@ -353,14 +353,20 @@ class Coordinator:
             return
         with self._lock:
             tensors, version = dict(self.serving), self.serving_version
+        self._push_unless_served(tensors, version, "drafter_republished")
+        self._republish_due = False
+
+    def _push_unless_served(self, tensors: dict[str, torch.Tensor], version: int, event: str) -> None:
+        """Push `version` to the rollout; a refusal because it already serves this version or a newer one
+        (`WeightPushError.serving_version`) is success too. Any other failure raises."""
+        assert self.publish_fn is not None
         try:
             self.publish_fn(tensors, version)
-            log.info("drafter_republished", version=version)
+            log.info(event, version=version)
         except WeightPushError as e:
             if e.serving_version is None or e.serving_version < version:
                 raise
-            log.info("drafter_republish_not_needed", version=version, serving=e.serving_version)
-        self._republish_due = False
+            log.info("drafter_push_not_needed", version=version, serving=e.serving_version)
 
     def push_pending(self) -> None:
         """Send the candidate push that failed again, as it was, whatever the evaluations said since: a push that
@@ -370,12 +376,7 @@ class Coordinator:
         if self._pending is None or self.publish_fn is None:
             return
         tensors, version = self._pending
-        try:
-            self.publish_fn(tensors, version)
-            log.info("drafter_push_retried", version=version)
-        except WeightPushError as e:
-            if e.serving_version is None or e.serving_version < version:
-                raise
+        self._push_unless_served(tensors, version, "drafter_push_retried")
         with self._lock:
             if version > self.serving_version:
                 self.serving, self.serving_version = tensors, version
