@@ -278,10 +278,10 @@ def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, m
         coord = Coordinator(cfg, str(model_dir), None, publish).start()
         try:
             deadline = time.monotonic() + 10
-            while coord._republish_due and time.monotonic() < deadline:
+            while coord._pending is not None and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(0.5)  # a few more gate rounds: no second push
-            assert pushes == [3] and not coord._republish_due
+            assert pushes == [3] and coord._pending is None
         finally:
             coord.close()
 
@@ -297,7 +297,7 @@ def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, m
         while not pushes and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        assert pushes == [3] and coord._republish_due  # the rollout serves v2 < 3: pushed again later
+        assert pushes == [3] and (coord._pending is not None)  # the rollout serves v2 < 3: pushed again later
     finally:
         coord.close()
 

@@ -59,7 +59,7 @@ def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
     return unpack(rollout_pb2.WeightManifest.FromString(manifest), payload, None)
 
 
-REPUBLISH_RETRY_S = 2.0  # a restored serving drafter's push is retried this often until the rollout takes it
+PUSH_RETRY_S = 2.0  # a push owed to the rollout (`push_pending`) is retried this often until it lands
 
 
 class Coordinator:
@@ -103,13 +103,12 @@ class Coordinator:
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's
         self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
         self._restore()
-        # A restored serving drafter (version > 0) is pushed again once: after a restart (`tlt run --resume`)
-        # the rollout starts from its initial drafter and would otherwise run without the trained one until
-        # a candidate beat it by the margin.
-        self._republish_due = self.serving_version > 0
-        self._republish_at = 0.0
-        # a candidate push that failed, sent again as it was until it lands (see `push_pending`)
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        # A push still owed to the rollout (`push_pending`), sent as it is until it lands: a candidate push that
+        # failed, or a restored serving drafter (version > 0): after a restart (`tlt run --resume`) the rollout
+        # starts from its initial drafter and would otherwise run without the trained one until a candidate beat
+        # it by the margin.
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = (
+            (dict(self.serving), self.serving_version) if self.serving_version > 0 else None)
         self._pending_at = 0.0
         self.metrics = Metrics("drafter")
         self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
@@ -286,8 +285,9 @@ class Coordinator:
         """Add a worker's delta to the candidate; returns the version it made. The same delta sent again by
         the same worker (its answer came after the worker's timeout, so the worker kept it) is not added twice:
         the answer is the version it made the first time."""
-        delta = tensors_from(upd.manifest, upd.payload)  # validated: the payload matches the manifest's sha256
-        key = (int(upd.base_version), rollout_pb2.WeightManifest.FromString(upd.manifest).sha256)
+        manifest = rollout_pb2.WeightManifest.FromString(upd.manifest)
+        delta = unpack(manifest, upd.payload, None)  # validated: the payload matches the manifest's sha256
+        key = (int(upd.base_version), manifest.sha256)
         with self._lock:
             done = self._applied.get(worker_id) if worker_id is not None else None
             if done is not None and done[0] == key:
@@ -316,20 +316,13 @@ class Coordinator:
 
             log.info("evaluation_sched", sched="idle" if this_thread_when_idle() else "unsupported")
         while not self._stop.wait(0.2):
-            if self._republish_due and time.monotonic() >= self._republish_at:
-                if self.rollout is None or not self.rollout.busy():
-                    try:
-                        self.republish_serving()
-                    except Exception as e:  # the rollout may not be up yet: try again in a while
-                        log.warning("drafter_republish_failed", version=self.serving_version, error=repr(e)[:300])
-                        self._republish_at = time.monotonic() + REPUBLISH_RETRY_S
             if self._pending is not None and time.monotonic() >= self._pending_at:
                 if self.rollout is None or not self.rollout.busy():
                     try:
                         self.push_pending()
-                    except Exception as e:  # deliberate boundary: the rollout may be down; try again in a while
+                    except Exception as e:  # deliberate boundary: the rollout may be down or not up yet; try again
                         log.warning("drafter_push_retry_failed", version=self._pending[1], error=repr(e)[:300])
-                        self._pending_at = time.monotonic() + REPUBLISH_RETRY_S
+                        self._pending_at = time.monotonic() + PUSH_RETRY_S
             if self.candidate_version > self._evaluated and time.monotonic() - self._last_eval >= self.cfg.eval_interval_s:
                 if self.rollout is not None and self.rollout.busy():
                     continue  # a replica decodes: this work would take its CPU (BENCHMARKS.md, "Session 5")
@@ -343,40 +336,26 @@ class Coordinator:
                     log.error("drafter_publish_failed", error=repr(e))
                 self._last_eval = time.monotonic()
 
-    def republish_serving(self) -> None:
-        """Push the serving drafter restored from the checkpoint to the rollout, which restarted with its
-        initial one. A rollout that already serves this version or a newer one (only this service restarted)
-        refuses it and reports the version it serves (`WeightPushError.serving_version`): nothing to do.
-        Any other refusal raises (retried later)."""
-        if self.publish_fn is None:
-            self._republish_due = False
+    def push_pending(self) -> None:
+        """Send the push still owed to the rollout, as it is, whatever the evaluations said since.
+        - a candidate push that failed: it may have failed on some replicas only, leaving those on the old
+          drafter and the others on this one, and a later candidate that no longer wins by the margin would
+          never repair that;
+        - the serving drafter restored from the checkpoint: the restarted rollout serves its initial one.
+        A rollout that already serves this version or a newer one refuses it and says which
+        (`WeightPushError.serving_version`; e.g. only this service restarted): that ends it too. Any other
+        refusal raises (retried later)."""
+        if self._pending is None or self.publish_fn is None:
+            self._pending = None  # nowhere to push (a coordinator without a rollout)
             return
-        with self._lock:
-            tensors, version = dict(self.serving), self.serving_version
-        self._push_unless_served(tensors, version, "drafter_republished")
-        self._republish_due = False
-
-    def _push_unless_served(self, tensors: dict[str, torch.Tensor], version: int, event: str) -> None:
-        """Push `version` to the rollout; a refusal because it already serves this version or a newer one
-        (`WeightPushError.serving_version`) is success too. Any other failure raises."""
-        assert self.publish_fn is not None
+        tensors, version = self._pending
         try:
             self.publish_fn(tensors, version)
-            log.info(event, version=version)
+            log.info("drafter_pushed", version=version, retried=True)
         except WeightPushError as e:
             if e.serving_version is None or e.serving_version < version:
                 raise
             log.info("drafter_push_not_needed", version=version, serving=e.serving_version)
-
-    def push_pending(self) -> None:
-        """Send the candidate push that failed again, as it was, whatever the evaluations said since: a push that
-        failed on some replicas left those on the old drafter and the others on this one (the rollout reports
-        the old version and asks for the push again), and a later candidate that no longer wins by the margin
-        would never repair that. A rollout that already serves this version or a newer one ends it too."""
-        if self._pending is None or self.publish_fn is None:
-            return
-        tensors, version = self._pending
-        self._push_unless_served(tensors, version, "drafter_push_retried")
         with self._lock:
             if version > self.serving_version:
                 self.serving, self.serving_version = tensors, version
