@@ -58,9 +58,7 @@ class _Window:
         self.size = size
 
     def add(self, reward: float) -> None:
-        if len(self.recent) == self.size:
-            old = self.recent.popleft()
-            del self.sorted[bisect.bisect_left(self.sorted, old)]
+        self.keep_last(self.size - 1)  # room for this one
         self.recent.append(reward)
         bisect.insort(self.sorted, reward)
 
