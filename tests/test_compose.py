@@ -136,11 +136,16 @@ def test_model_path_is_required(raw):
         interpolate(raw, {})
 
 
+TOKEN_FILE = "/run/tlt/token"
+
+
 def test_every_service_has_command_healthcheck_and_volumes(raw):
     doc = interpolate(raw, BASE_ENV)
-    assert set(doc["services"]) == {"rollout", "reward", "drafter", "trainer"}
+    assert set(doc["services"]) == {"token", "rollout", "reward", "drafter", "trainer"}
     declared = set(doc.get("volumes") or {})
     for name, svc in doc["services"].items():
+        if name == "token":  # the one-shot job that writes the control token (test below)
+            continue
         assert svc.get("command"), f"{name} has no command"
         hc = svc.get("healthcheck")
         assert hc and hc["test"][0] == "CMD" and not hc.get("disable"), f"{name} has no health check"
@@ -155,6 +160,44 @@ def test_every_service_has_command_healthcheck_and_volumes(raw):
                     assert source in declared, f"{name} uses undeclared volume {source}"
         assert svc["shm_size"] == "16gb"
         assert "TLT_PRESET=1gpu" in svc["environment"]
+
+
+def test_a_control_token_is_made_once_and_read_by_every_control_plane_service(raw):
+    """`MODEL_PATH=... docker compose up` alone used to leave TLT_AUTH_TOKEN empty: the rollout (bound to
+    0.0.0.0) refused every weight push, and the trainer failed after its first RL step. The `token` job
+    writes one into a volume first; the rollout, the drafter and the trainer read it (an exported
+    TLT_AUTH_TOKEN still wins: services/common/auth.py)."""
+    doc = interpolate(raw, BASE_ENV)
+    token = doc["services"]["token"]
+    assert token["command"] == ["python", "/app/deploy/make_token.py", TOKEN_FILE] and token["restart"] == "no"
+    assert token["volumes"] == [f"tlt-auth:{TOKEN_FILE.rsplit('/', 1)[0]}"]  # writable, nothing else mounted
+    assert "tlt-auth" in doc["volumes"]
+    for name in ("rollout", "drafter", "trainer"):
+        svc = doc["services"][name]
+        assert f"TLT_AUTH_TOKEN_FILE={TOKEN_FILE}" in svc["environment"], name
+        assert "tlt-auth:/run/tlt:ro" in svc["volumes"], name
+        assert svc["depends_on"]["token"] == {"condition": "service_completed_successfully"}, name
+    reward = doc["services"]["reward"]  # no control plane: needs no token
+    assert not any("TOKEN" in e for e in reward["environment"])
+
+
+def test_make_token_writes_once_and_keeps_the_token_across_restarts(tmp_path):
+    import stat
+    import subprocess
+    import sys
+
+    path = tmp_path / "auth" / "token"
+    cmd = [sys.executable, str(ROOT / "deploy" / "make_token.py"), str(path)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0 and "written" in first.stdout
+    token = path.read_text().strip()
+    assert len(token) >= 43 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "kept" in again.stdout and path.read_text().strip() == token
+    path.write_text("\n")  # an empty file (a crash before the rename cannot leave one, a person can)
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    assert path.read_text().strip() not in ("", token)
+    assert [p.name for p in path.parent.iterdir()] == ["token"]  # no temp file left behind
 
 
 def _gpus(doc, service):
@@ -283,7 +326,7 @@ def test_service_configs_from_compose_agree_on_addresses_and_ports(raw, variant,
     _, reward = service_config(doc, "reward", env, monkeypatch)
     dns, drafter = service_config(doc, "drafter", env, monkeypatch)
     _, trainer = service_config(doc, "trainer", env, monkeypatch)
-    hc = {s: _check_ports(doc["services"][s]["healthcheck"]["test"]) for s in doc["services"]}
+    hc = {s: _check_ports(v["healthcheck"]["test"]) for s, v in doc["services"].items() if "healthcheck" in v}
 
     assert rollout.host == reward.host == drafter.host == "0.0.0.0"  # reachable from the other containers
     assert hc["rollout"] == {rollout.http_port, rollout.grpc_port}
@@ -361,8 +404,10 @@ class LocalMap:
     def arg(self, a: str) -> str:
         if a in ("tlt", "deepspeed", "python"):
             return str(self.bin / a)
-        if a == "/app/deploy/healthcheck.py":
-            return str(ROOT / "deploy" / "healthcheck.py")
+        if a.startswith("/app/deploy/"):
+            return str(ROOT / a.removeprefix("/app/"))
+        if a.startswith("/run/tlt/"):
+            return str(self.scratch / a.removeprefix("/"))
         if a == "/models/policy":
             return self.model_dir
         if a == "1gpu":
@@ -389,6 +434,14 @@ class LocalMap:
                         env[k] = str(self.scratch) + env[k]
         env["TLT_PRESET"] = "cpu-tiny"
         return env
+
+    def run_token_job(self, doc: dict) -> None:
+        """What `depends_on: token: service_completed_successfully` does before the other services start."""
+        import subprocess
+
+        job = doc["services"]["token"]
+        subprocess.run([self.arg(a) for a in job["command"]], env=self.env(job.get("environment", [])), check=True,
+                       capture_output=True, timeout=60)
 
 
 def _start(cmd: list[str], env: dict[str, str], log: Path):
@@ -435,6 +488,7 @@ def test_compose_command_runs_locally_and_passes_its_health_check(raw, service, 
     cmd_entry = next(c for c in COMMANDS if c.path == tuple(args[: len(c.path)]))
     assert _available(cmd_entry), f"`tlt {' '.join(cmd_entry.path)}`: {cmd_entry.module} is missing"
     m = LocalMap(random_model_dir, tmp_path)
+    m.run_token_job(doc)
     proc = _start([m.arg(a) for a in svc["command"]], m.env(svc["environment"]), tmp_path / f"{service}.log")
     try:
         check = [m.arg(a) for a in svc["healthcheck"]["test"][1:]]
@@ -492,6 +546,7 @@ def test_compose_stack_trains_one_step_locally(raw, random_model_dir, tmp_path):
             pytest.skip(f"`tlt {' '.join(path)}` is not implemented yet")
     servers = ["rollout", "reward"] + (["drafter"] if _available(next(c for c in COMMANDS if c.path == ("drafter", "serve"))) else [])
     procs = {}
+    m.run_token_job(doc)
     try:
         for name in servers:
             svc = doc["services"][name]

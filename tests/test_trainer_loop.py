@@ -87,3 +87,24 @@ def test_resume_continues_versions_and_data(random_model_dir, tmp_path):
 
     sampler = PromptSampler(synthetic_prompts(64, 0), seed=0)
     assert [m["prompt_indices"] for m in lines] == [[p.index for p in sampler.next_batch(2)] for _ in range(2)]
+
+
+def test_a_trainer_whose_token_the_rollout_refuses_stops_before_its_first_step(random_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """A missing or wrong control token used to surface at the first weight push, after a whole RL step
+    (rollout, rewards, update) had been spent; GetStatus now says whether the caller's token would pass."""
+    from tlt.services.rollout.client import ControlRefusedError, RolloutClient
+
+    monkeypatch.setenv("TLT_AUTH_TOKEN", "the-rollout-token")
+    with ServerThread(random_model_dir, replicas=1) as server:
+        monkeypatch.delenv("TLT_AUTH_TOKEN")
+        with RolloutClient(server.grpc_address, control_token="the-rollout-token") as ok, \
+                RolloutClient(server.grpc_address, control_token="") as none:
+            assert ok.status().control_refused == ""
+            assert "without 'authorization" in none.status().control_refused
+        cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", rollout_token="a-wrong-token")
+        with pytest.raises(ControlRefusedError, match="wrong token"):
+            train(cfg)
+        with RolloutClient(server.grpc_address) as client:
+            served = client.status().replicas[0].versions.policy
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and served == 0

@@ -27,6 +27,10 @@ _OPTIONS = client_options(256 << 20)
 _KINDS = {"policy": common_pb2.WEIGHT_KIND_POLICY, "drafter": common_pb2.WEIGHT_KIND_DRAFTER}
 
 
+class ControlRefusedError(RuntimeError):
+    """The rollout server would refuse this client's control-plane calls (its token is missing or wrong)."""
+
+
 class WeightPushError(RuntimeError):
     """The server refused a weight push (it changed nothing); the message says why, for people.
 
@@ -88,7 +92,18 @@ class RolloutClient:
         return list(self.stub.Generate(req, timeout=self.timeout_s).completions)
 
     def status(self) -> rollout_pb2.RolloutStatus:
-        return self.stub.GetStatus(rollout_pb2.StatusRequest(), timeout=self.timeout_s)
+        """The server's status; `control_refused` says whether this client's token would pass the control plane."""
+        return self.stub.GetStatus(rollout_pb2.StatusRequest(), metadata=self._control_metadata(), timeout=self.timeout_s)
+
+    def check_control(self) -> None:
+        """Raise ControlRefusedError now if the server would refuse this client's weight pushes (a missing or
+        wrong token), instead of at the first push after a whole RL step."""
+        why = self.status().control_refused
+        if why:
+            raise ControlRefusedError(
+                f"rollout server {self.address} refuses this client's control-plane calls (weight pushes): {why}. "
+                "Give the rollout server and this client the same token: TLT_AUTH_TOKEN, TLT_AUTH_TOKEN_FILE or "
+                "the config's token field")
 
     def lend_devices(self, lend: bool, lease_s: float = 0.0, holder: str = "trainer") -> rollout_pb2.LendResponse:
         """Colocated placement: lend the replicas' devices to the trainer for `lease_s` (or renew), or take them

@@ -305,7 +305,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                         ) -> rollout_pb2.RolloutStatus:
         status = rollout_pb2.RolloutStatus(
             model=self.model_name, backend=self.config.backend, lent_to=self.pool.lent_to,
-            versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter))
+            versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter),
+            control_refused=self.auth.check(context.invocation_metadata()) or "")
         for s in await self.pool.snapshot():
             r = status.replicas.add(replica_id=s.replica_id, device=s.device, alive=s.alive)
             if s.stats is None:  # dead (DRAINING, as its capacity events say) or not answering in time

@@ -203,6 +203,9 @@ class _Services:
                     f"rollout server {c.address} not reachable within {self.cfg.connect_timeout_s}s; start it "
                     "(tlt rollout serve --model DIR) or fix rollout_addresses"
                 ) from None
+        if self.cfg.weight_push != "none" or self.loan is not None:
+            for c in self.clients:  # a missing or wrong token: refused now, not at the first push after a step
+                c.check_control()
         if self.cfg.weight_push != "none":
             self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
             sync_weights(policy, self.publisher, self.clients)

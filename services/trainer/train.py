@@ -37,9 +37,15 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
+    from tlt.services.rollout.client import ControlRefusedError
+    from tlt.services.trainer.collect import RolloutError
     from tlt.services.trainer.loop import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except (ControlRefusedError, RolloutError) as e:  # what to fix is in the message: no traceback
+        get_logger("trainer").error("train_failed", error=str(e))
+        return 1
     get_logger("trainer").info("train_done", steps=summary.steps_done, policy_version=summary.policy_version,
                                resumed_from=summary.resumed_from, output_dir=summary.output_dir)
     return 0
