@@ -285,3 +285,15 @@ def test_drafter_sampler_knows_when_every_window_is_on_file(tmp_path: Path) -> N
         sampler.channel.close()
         coord.close()
         pub.close()
+
+
+def test_tlt_report_on_a_run_cut_off_before_its_first_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh trainer deletes metrics.jsonl and writes its first line after step 0: a run stopped before that is
+    still a run folder (run.json); `tlt report` called it not one."""
+    from tlt.cli import main
+
+    (tmp_path / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "tail_threshold": 16}))
+    (tmp_path / "timeline.jsonl").write_text(sample(100, 24).to_json() + "\n" + '{"t": 100.1, "runn')  # cut by a kill
+    assert main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "report.html")
+    assert "0 steps" in (tmp_path / "report.html").read_text()

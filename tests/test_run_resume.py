@@ -130,6 +130,9 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     assert "Held-out accuracy (4 problems" in page and "eval_accuracy=" in out
     for name in ("logs/reward.log", "logs/rollout.log", "logs/trainer.log", "checkpoints/latest", "policy/config.json"):
         assert (run_dir / name).exists(), name
+    # pids.json, rewritten once the trainer starts, still lists the rollout's replica (and the drafter's worker)
+    pids = json.loads((run_dir / "pids.json").read_text())
+    assert pids["trainer"] and len(pids["rollout_replicas"]) == 1 and len(pids["drafter_workers"]) == 1, pids
     assert all(pid_gone(p) for p in all_pids(run_dir))
 
 
@@ -212,3 +215,78 @@ def test_resume_with_set_takes_this_launchs_value(tmp_path: Path) -> None:
     assert lr() == 2e-5  # a resume without --set keeps the last one
     assert lr("--set", "trainer.lr=1e-5") == 1e-5  # back to the first value: it was ignored (already in run.json)
     assert json.loads((runs / "r" / "run.json").read_text())["tail_threshold"] == 16  # cpu-tiny's SD threshold
+
+
+def _fake_model(tmp_path: Path) -> tuple[Path, Path]:
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # prepare_run only checks that a model is there
+    return model, runs
+
+
+def _closed(plan):  # noqa: ANN001, ANN202 - RunPlan
+    if plan.lock is not None:
+        plan.lock.close()  # this launch is over (kill -9 releases the lock too)
+    return plan
+
+
+def test_resume_with_another_seed_or_data_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """The trainer's checkpoint holds a data position for its seed and data set; a resume with another one
+    failed only in the trainer, after every service had started, and run.json kept the new seed: every later
+    `tlt run --resume` failed the same way. Refused up front now, and run.json keeps the run's options.
+    (The checkpoint is its `latest` pointer only: all prepare_run reads of it.)"""
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    assert _closed(_plan(runs, model, "--run-id", "new")).run_dir.is_dir()
+    _closed(_plan(runs, model, "--run-id", "new", "--seed", "3"))  # no checkpoint yet: the run starts over anyway
+    _closed(_plan(runs, model, "--run-id", "r"))
+    (runs / "r" / "checkpoints").mkdir(parents=True)
+    (runs / "r" / "checkpoints" / "latest").write_text("step-00000002\n")
+    for change in (["--seed", "7"], ["--set", "trainer.seed=7"], ["--set", "trainer.synthetic_problems=64"]):
+        with pytest.raises(ServiceError, match="a resume keeps"):
+            _plan(runs, model, "--run-id", "r", *change)
+        saved = json.loads((runs / "r" / "run.json").read_text())
+        assert saved["seed"] is None and saved["overrides"] == [f"run.runs_dir={runs}"], change
+        _closed(_plan(runs, model, "--resume", str(runs / "r")))  # the refusal left the folder unlocked
+    plan = _closed(_plan(runs, model, "--resume", str(runs / "r"), "--set", "trainer.lr=1e-5"))  # the rest may change
+    assert load_config(TrainerConfig, "trainer", plan.config_path).seed == 0
+    # with trainer.resume = false the trainer starts over: any seed
+    plan = _closed(_plan(runs, model, "--run-id", "r", "--seed", "7", "--set", "trainer.resume=false"))
+    assert load_config(TrainerConfig, "trainer", plan.config_path).seed == 7
+
+
+def test_an_invalid_set_is_refused_and_not_kept_for_the_next_launch(tmp_path: Path) -> None:
+    """A mistyped --set failed only in the service that loads it, after the others had started; run.json kept it,
+    and a later launch without it re-applied it (an unknown field can never be set back)."""
+    from tlt.services.common.config import ConfigError
+
+    model, runs = _fake_model(tmp_path)
+    _closed(_plan(runs, model, "--run-id", "r"))
+    for bad in ("trainer.lrr=1e-5", "trainer.micro_batch_size=3", "rollout.replicas=0", "reward.workers=-1"):
+        with pytest.raises(ConfigError):
+            _plan(runs, model, "--run-id", "r", "--set", bad)
+        assert bad not in json.loads((runs / "r" / "run.json").read_text())["overrides"]
+    assert _closed(_plan(runs, model, "--run-id", "r")).resumed
+
+
+def test_a_resumed_launch_shows_only_the_evals_its_trainer_keeps(tmp_path: Path) -> None:
+    """Killed after the eval after 4 steps but before checkpoint 4: the resumed trainer drops that eval and runs
+    it again; the launch showed the killed run's line as well (two 'held-out accuracy after 4 steps')."""
+    from tlt.services.trainer.evaluate import EvalRecord, read_evals
+    from tlt.services.trainer.launcher import Launcher
+
+    model, runs = _fake_model(tmp_path)
+    run_dir = _closed(_plan(runs, model, "--run-id", "r")).run_dir
+    evals = run_dir / "eval.jsonl"
+    evals.write_text("".join(json.dumps(EvalRecord(k, k, 0.5, 4, 1, 1.0, 1.0).as_dict()) + "\n" for k in (0, 2, 4)))
+    plan = _closed(_plan(runs, model, "--run-id", "r"))
+    assert Launcher(plan, quiet=True)._show_evals(0, None) == 0  # no checkpoint: the trainer starts over
+    evals.write_text("".join(json.dumps(EvalRecord(k, k, 0.5, 4, 1, 1.0, 1.0).as_dict()) + "\n" for k in (0, 2, 4)))
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text("step-00000002\n")
+    launcher = Launcher(_closed(_plan(runs, model, "--run-id", "r")), quiet=True)
+    assert launcher._show_evals(0, None) == 2
+    assert [e.after_steps for e in read_evals(evals)] == [0, 2]  # what the resumed trainer keeps (loop.py)

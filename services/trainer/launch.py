@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in this folder")
     parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
     parser.add_argument("--baseline", action="store_true", help="speculative decoding off and no drafter")
-    parser.add_argument("--seed", type=int, default=None, help="trainer seed (data order, sampling)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="trainer seed (data order, torch RNG); a resume from a checkpoint keeps the run's")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a preset value, e.g. trainer.lr=3e-5 or run.poll_interval_s=0.2; repeatable")
     parser.add_argument("--no-report", action="store_true", help="do not write report.html at the end")

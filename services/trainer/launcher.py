@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tlt.services.common.config import cli_overrides, load_config, preset_path, read_preset
+from tlt.services.common.config import ConfigError, cli_overrides, load_config, preset_path, read_preset
 from tlt.services.common.logging import get_logger
 from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
 from tlt.services.trainer.run_config import RunConfig, resolve_services, spec_section, to_toml
@@ -90,6 +90,47 @@ def _checkpoint_steps(run_dir: Path) -> int:
     return int(pointer.read_text().strip().removeprefix("step-")) if pointer.is_file() else 0
 
 
+def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
+    """Load every section a service of this run will load (ConfigError when one is invalid), before run.json
+    records this launch's --set: a mistyped one failed only in its service, after the others had started, and
+    run.json kept it for every later launch of the folder (an unknown field could never be set back)."""
+    from tlt.services.reward.config import RewardConfig
+    from tlt.services.rollout.config import RolloutConfig
+    from tlt.services.trainer.config import TrainerConfig
+
+    sections: list[tuple[type, str]] = [(RewardConfig, "reward"), (RolloutConfig, "rollout"),
+                                        (TrainerConfig, "trainer")]
+    if switches["drafter"]:
+        from tlt.services.drafter.config import DrafterServiceConfig
+
+        sections.append((DrafterServiceConfig, "drafter"))
+    for cls, name in sections:
+        load_config(cls, name, None, services.get(name, {}))
+
+
+DATA_FIELDS = ("seed", "data_path", "synthetic_problems")  # what the checkpoint's data position is a position in
+
+
+def _check_same_data(run_dir: Path, trainer: dict[str, Any]) -> None:
+    """Refuse a resume whose trainer would draw other prompts than the checkpoint's (another --seed or data set).
+    The trainer refuses it too (PromptSampler.load_state_dict), but only after every service has started, and
+    run.json then held the new value: every later resume of the folder failed the same way."""
+    from tlt.services.trainer.config import TrainerConfig
+
+    old_path = run_dir / "config.toml"
+    if not old_path.exists():
+        return
+    old = load_config(TrainerConfig, "trainer", old_path)
+    new = load_config(TrainerConfig, "trainer", None, trainer)
+    if not new.resume:  # the trainer starts over
+        return
+    changed = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"
+               for k in DATA_FIELDS if getattr(old, k) != getattr(new, k)]
+    if changed:
+        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
+                           f"trained on ({', '.join(changed)}); drop that option, or start a new run (--run-id)")
+
+
 LOCK_FILE = ".lock"
 
 
@@ -153,6 +194,13 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
         raise ServiceError(f"{run_dir} is in use by another `tlt run` (pid {holder or '?'}); wait for it, "
                            f"or start this one in another folder (--run-id)")
     services, switches = resolve_services(preset, run_cfg, run_dir)
+    try:
+        _validate(services, switches)
+        if _checkpoint_steps(run_dir):
+            _check_same_data(run_dir, services["trainer"])
+    except (ServiceError, ConfigError):
+        lock.close()
+        raise
     if run_cfg.speculation and not switches["speculation"]:
         log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")
     if run_cfg.drafter and switches["speculation"] and not switches["drafter"]:
@@ -178,17 +226,30 @@ class Launcher:
         self.services: list[ServiceProcess] = []  # in start order; stopped in reverse
         self.trainer: ServiceProcess | None = None
         self.samplers: list[Any] = []
+        self.ready: dict[str, dict] = {}  # each started service's ready file (ports, replica / worker pids)
         self._rows_shown = 0
         # A resumed trainer drops metrics.jsonl's lines of the steps after its checkpoint and runs them again;
         # until it has, those lines are the interrupted run's: shown, each of those steps would show twice.
         self._launched = time.time()
         self._resumes_at = _checkpoint_steps(plan.run_dir)
+        self._drop_evals_to_redo()
         self._eval_size = -1  # size of eval.jsonl when last read
         # Control-plane token for this run (services/common/auth.py): the caller's TLT_AUTH_TOKEN if set, else a
         # fresh random one; every child gets it in its environment (never on a command line or in config.toml).
         from tlt.services.common.auth import TOKEN_ENV, new_token, resolve_token
 
         self.child_env = {TOKEN_ENV: resolve_token() or new_token()}
+
+    def _drop_evals_to_redo(self) -> None:
+        """Drop the held-out evals the resumed trainer drops and runs again (loop.py), as it will: eval.jsonl
+        holds no time to tell the killed run's lines from the new ones by, and shown, each would show twice."""
+        from tlt.services.trainer.evaluate import trim_evals
+
+        path = self.plan.run_dir / "eval.jsonl"
+        if self._resumes_at:
+            trim_evals(path, self._resumes_at)
+        else:
+            path.unlink(missing_ok=True)
 
     # -- start ---------------------------------------------------------------------------------
     def _service(self, name: str, argv: list[str], ready: bool = True) -> ServiceProcess:
@@ -213,9 +274,9 @@ class Launcher:
                 "drafter", "serve", "--model", model, "--workers", str(workers), "--preset", cfg,
                 "--ready-file", str(plan.run_dir / "logs" / "drafter.ready"))))
         deadline = time.monotonic() + plan.run.startup_timeout_s
-        info = {p.name: p.wait_ready(deadline) for p in started}
-        self._write_pids(info)
-        return info
+        self.ready = {p.name: p.wait_ready(deadline) for p in started}
+        self._write_pids()
+        return self.ready
 
     def prepare_drafter(self) -> None:
         """The learned drafter the rollout starts with (run_dir/drafter-init), made once per run folder."""
@@ -238,7 +299,9 @@ class Launcher:
             p.stop(1)
         tmp.rename(path)
 
-    def _write_pids(self, info: dict[str, dict]) -> None:
+    def _write_pids(self) -> None:
+        """pids.json: every child's pid (rewritten with the trainer's; the replicas and workers stay listed)."""
+        info = self.ready
         pids = {p.name: p.pid for p in self.services}
         pids["launcher"] = os.getpid()
         pids["rollout_replicas"] = info.get("rollout", {}).get("replica_pids", [])
@@ -265,7 +328,7 @@ class Launcher:
         self.start_services()
         self.start_samplers()
         self.trainer = self._service("trainer", tlt_command("train", "--config", str(plan.config_path)), ready=False)
-        self._write_pids({})
+        self._write_pids()
         return self.watch()
 
     def _rows(self) -> list:  # StepRow

@@ -226,7 +226,8 @@ def add_arguments(parser) -> None:  # noqa: ANN001 - argparse.ArgumentParser
 def run(args) -> int:  # noqa: ANN001 - argparse.Namespace
     """`tlt report RUN_DIR`: (re)write RUN_DIR/report.html and its plots from the run's files."""
     run_dir = Path(args.run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
+    # run.json alone: a run stopped before its first step (a fresh trainer deletes metrics.jsonl until then)
+    if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "run.json").is_file():
         sys.exit(f"tlt report: {run_dir} holds no metrics.jsonl; give a run folder written by `tlt run` (runs/<id>)")
     print(write_report(run_dir, args.threshold))
     return 0
