@@ -73,3 +73,19 @@ def test_get_weights_serves_the_latest_policy_to_the_token_holder(model_dir, ori
                 with pytest.raises(grpc.RpcError) as e:
                     other.get_weights([EMBED])
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_get_weights_after_a_partial_push_serves_untouched_tensors_from_the_checkpoint(model_dir, original):
+    """A policy push may carry only some tensors (a valid partial update); the replicas then serve the pushed ones
+    and, for every other tensor, still the start checkpoint's. GetWeights must answer those too (the drafter
+    service asks for the embedding and lm_head after every policy version), not NOT_FOUND."""
+    head = original[LM_HEAD] * 1.5
+    with ServerThread(model_dir, replicas=1, control_token=TOKEN) as s, \
+            RolloutClient(s.grpc_address, control_token=TOKEN, timeout_s=60) as client:
+        assert client.update_weights({LM_HEAD: head}, "policy", 1).ok
+        version, got = client.get_weights([EMBED, LM_HEAD])
+        assert version == 1 and list(got) == [EMBED, LM_HEAD]
+        assert torch.equal(got[LM_HEAD], head) and torch.equal(got[EMBED], original[EMBED])
+        with pytest.raises(grpc.RpcError) as e:  # a name neither pushed nor in the checkpoint is still unknown
+            client.get_weights([LM_HEAD, "model.no_such.weight"])
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "model.no_such.weight" in e.value.details()

@@ -303,3 +303,48 @@ def test_a_command_to_a_dead_replica_fails_at_once(model_dir):
         with pytest.raises(ReplicaUnavailableError, match="replica 0 died"):
             s.call(pool._ask(rep, QueryStats, 20.0), timeout=40)
         assert time.monotonic() - t0 < 5
+
+
+def test_a_prompt_prefilled_across_a_swap_is_stamped_with_both_versions(model_dir):
+    """A long prompt is prefilled in chunks over several engine steps. A swap that lands between two of its chunks
+    leaves the earlier chunks' K/V computed by the old weights, so every token it emits is of the new weights over
+    old K/V: the completion must say policy_min = the old version, as a decode that straddles a swap does (the
+    trainer reads it to tell a mixed sample). Engine level (the replica loop calls the same step/update_weights)
+    so the swap lands mid-prefill deterministically."""
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    engine = LLMEngine(model_dir, EngineConfig(max_model_len=256, max_num_batched_tokens=16, block_size=16))
+    prompt = tuple(range(5, 5 + 60))  # 60 prompt tokens: 4 chunks of at most 16
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request(GenerationRequest("long", prompt, params))
+    steps, finished = engine.step()
+    assert not steps and not finished  # the first chunk only: nothing emitted yet
+    engine.update_weights("policy", {"lm_head.weight": original["lm_head.weight"] * 1.5}, 1)
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()[1]
+    (c,) = done
+    assert c.versions.policy == 1 and c.versions.policy_min == 0
+
+
+def test_drafter_push_with_integer_or_bool_tensors_is_refused(drafter_server, model_dir):
+    """A drafter push is cast to the serving drafter's float dtype (the coordinator trains in fp32, a GPU rollout
+    drafts in bf16), but an integer or bool tensor is no drafter weight: casting it would silently serve a broken
+    drafter (acceptance ~1). It must be refused whole like any other malformed push, with the reason."""
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    client = drafter_server
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    torch.manual_seed(5)
+    own = Drafter(cfg, original["model.embed_tokens.weight"], original["lm_head.weight"]).state_dict()
+    serving = client.status().versions.drafter
+    for dtype in (torch.int32, torch.bool):
+        with pytest.raises(WeightPushError, match="dtype") as refused:
+            client.update_weights({**own, "fc.weight": own["fc.weight"].to(dtype)}, "drafter", serving + 1)
+        assert "replica 0: replica 0" not in str(refused.value)  # each replica named once in the reason
+    assert client.status().versions.drafter == serving
+    assert client.update_weights({k: v.half() for k, v in own.items()}, "drafter", serving + 1).ok  # float: cast

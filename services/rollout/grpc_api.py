@@ -5,19 +5,20 @@
     Generate:      one prompt x n -> all completions at once
     UpdateWeights: manifest + chunks -> assemble -> validate (checksum, sizes, names, shapes, dtypes vs the
                    engine's expected_weights) -> every replica applies it between two engine steps
-    GetWeights:    names -> those tensors of the policy the replicas serve (the latest applied push, or the
-                   start checkpoint as version 0) as manifest + chunks; the drafter service fetches the
-                   target's embedding and lm_head with it after a policy update
+    GetWeights:    names -> those tensors of the policy the replicas serve (as the pushes left them; a tensor no
+                   push carried is the start checkpoint's) and its version, as manifest + chunks; the drafter
+                   service fetches the target's embedding and lm_head with it after a policy update
     GetStatus:     per replica: state, running, queued, KV use, versions, SD status, alive
 
 Weight swaps and in-flight requests: requests are NOT paused, aborted or
 restarted. A swap lands on each replica between two engine steps; sequences
 already running continue with the new weights from the next step on (their KV
 cache, computed by the old weights, is kept). The engine records the policy
-version of every token (`services/rollout/engine/engine.py`); a Completion's
-`versions.policy` is the NEWEST version that produced any of its tokens. The
-oldest (`Versions.policy_min`, set only for a sequence that straddled a swap)
-is `versions.policy_min` over gRPC (unset otherwise: `HasField`) and
+version of every step that ran a sequence, prefill chunks included
+(`services/rollout/engine/engine.py`); a Completion's `versions.policy` is the
+NEWEST version that computed any of its tokens or prompt K/V. The oldest
+(`Versions.policy_min`, set only for a sequence that straddled a swap) is
+`versions.policy_min` over gRPC (unset otherwise: `HasField`) and
 `tlt_versions.policy_min` over HTTP. The trainer pushes between rollout
 phases, when nothing is in flight, so its completions never straddle.
 
@@ -323,20 +324,27 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
 def policy_weights(model_dir: str, latest: tuple[int, bytes, bytes] | None, start_version: int,
                    names: list[str]) -> tuple[rollout_pb2.WeightManifest, bytearray]:
-    """The named policy tensors the replicas serve, packed: from the latest applied push `latest` (version,
-    manifest, payload), else from the checkpoint folder they started from (`start_version`). KeyError names
-    the missing ones (a push that did not carry a tensor cannot say what the replicas hold for it)."""
+    """The named policy tensors the replicas serve, packed, under the version they serve: each from the latest
+    applied push `latest` (version, manifest, payload: every tensor any push carried) when a push carried it, else
+    from the checkpoint folder they started from, which no push overwrote. KeyError names those in neither."""
     from tlt.model.loader import CheckpointError, read_tensors
-    from tlt.services.common.weights import pack_state_dict, select
+    from tlt.services.common.weights import merge, pack_state_dict, select
 
-    if latest is not None:
-        _, blob, payload = latest
-        return select(rollout_pb2.WeightManifest.FromString(blob), payload, names)
+    pushed = None if latest is None else rollout_pb2.WeightManifest.FromString(latest[1])
+    held = set() if pushed is None else {s.name for s in pushed.tensors}
+    rest = [n for n in names if n not in held]
+    version = start_version if latest is None else latest[0]
+    if pushed is not None and not rest:
+        return select(pushed, latest[2], names)
     try:
-        tensors = read_tensors(model_dir, names)
+        tensors = read_tensors(model_dir, rest)
     except CheckpointError as e:
         raise KeyError(str(e)) from None
-    return pack_state_dict({n: tensors[n] for n in names}, common_pb2.WEIGHT_KIND_POLICY, start_version)
+    manifest, payload = pack_state_dict({n: tensors[n] for n in rest}, common_pb2.WEIGHT_KIND_POLICY, version)
+    if pushed is None:
+        return manifest, payload
+    manifest, merged = merge(manifest, payload, *select(pushed, latest[2], [n for n in names if n in held]))
+    return select(manifest, merged, names)  # in the order asked, as when one source holds them all
 
 
 def spec_status(sp: dict, configured_mode: str = "") -> rollout_pb2.SpecStatus:

@@ -255,7 +255,7 @@ class ReplicaLoop:
             tensors = unpack(manifest, cmd.payload, None)
             self.engine.update_weights(cmd.kind, tensors, cmd.version)
         except (WeightValidationError, ValueError) as e:
-            self.conn.send(Reply(cmd.cmd_id, error=f"replica {self.replica_id}: {e}"))
+            self.conn.send(Reply(cmd.cmd_id, error=str(e)))  # the pool names the replica (pool_states.failures)
             return
         if self.features is not None and self.engine.versions.policy != before:
             sched = self.engine.scheduler  # unfinished sequences' features end at this step

@@ -306,7 +306,7 @@ class Drafter(nn.Module):
         (out / CONFIG_FILE).write_text(self.cfg.to_json())
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Validate names/shapes strictly (the shared embed/lm_head are refused), then copy in place."""
+        """Validate names/shapes/float dtypes strictly (the shared embed/lm_head are refused), then copy in place."""
         shared = [k for k in tensors if "embed" in k or "lm_head" in k]
         if shared:
             raise DrafterError(f"drafter weights must not carry the target's embedding/lm_head, found {shared}")
@@ -317,6 +317,8 @@ class Drafter(nn.Module):
         for k, t in tensors.items():
             if tuple(t.shape) != tuple(own[k].shape):
                 raise DrafterError(f"drafter tensor {k}: shape {tuple(t.shape)}, expected {tuple(own[k].shape)}")
+            if not t.dtype.is_floating_point:  # a float is cast to ours (fp32 trained, bf16 served)
+                raise DrafterError(f"drafter tensor {k}: dtype {t.dtype}, expected a floating point dtype")
         with torch.no_grad():
             for k, t in tensors.items():
                 own[k].copy_(t)

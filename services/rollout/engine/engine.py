@@ -13,10 +13,11 @@ Aborted requests (`abort_request`) are dropped silently: nothing is emitted for 
 Weight swaps (`update_weights`) are validated entirely with the loader's
 checks, then applied in place between two steps (callers never call it during
 `step`). In-flight sequences CONTINUE with the new weights (their cached K/V
-is kept): each emitted token records the policy version that produced it and
+is kept): every step records its policy version on each sequence it ran (a
+prefill chunk that emits nothing included: its K/V feeds the later tokens) and
 a completion is stamped `versions.policy` = newest version used and
-`versions.policy_min` = oldest when they differ (None when all tokens came
-from one version), so a mixed rollout is always visible to the trainer.
+`versions.policy_min` = oldest when they differ (None when one version did all
+of it), so a mixed rollout is always visible to the trainer.
 The prefix cache is reset by a policy swap: a request added after it never
 reuses prompt K/V computed with the old weights.
 
@@ -181,6 +182,8 @@ class LLMEngine:
         if not batch.seqs:
             return [], []
         self._steps += 1
+        for seq in batch.seqs:  # a prefill chunk emits nothing, yet its K/V is of these weights: count it too
+            seq.record_version(self.versions.policy)
         if self.spec_decoder is not None and self.spec_decoder.wants(batch):
             emissions = self.spec_decoder.decode(batch.seqs)  # None: no KV room for drafts, decode plainly
             if emissions is not None:
@@ -204,7 +207,6 @@ class LLMEngine:
 
     def _emit(self, seqs, tokens, logprobs, hidden, tops, verified: bool) -> tuple[list[StepOutput], list[CompletionOutput]]:
         """Append each sequence's new tokens with per-token stop checks (tokens after a stop are dropped)."""
-        policy = self.versions.policy
         steps: list[StepOutput] = []
         done: list[CompletionOutput] = []
         rows = None  # a plain step's features: one conversion for the batch, not one per sequence
@@ -220,7 +222,6 @@ class LLMEngine:
             for j, tok in enumerate(tokens[k]):
                 seq.token_ids.append(tok)
                 new.append(tok)
-                seq.record_version(policy)
                 if seq.logprobs is not None:
                     seq.logprobs.append(logprobs[k][j])
                 if seq.top_logprobs is not None:

@@ -63,7 +63,7 @@ class Sequence:
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
         self.features: list[torch.Tensor] | None = [] if params.return_features else None  # [n, H] fp16 chunks, one per step
-        self.policy_versions: tuple[int, int] | None = None  # (oldest, newest) over emitted tokens
+        self.policy_versions: tuple[int, int] | None = None  # (oldest, newest) over the steps that ran it
         self.finish_reason: FinishReason | None = None
         self.text: str | None = None  # output text cut before the stop string that finished it
         self.stop_checked_len = 0
