@@ -232,9 +232,11 @@ class _Services:
         from tlt.services.trainer.weight_sync import policy_tensors, resolve_dtype
 
         if self.publisher is not None:
+            t_gather = time.perf_counter()  # the state dict to the host in the push dtype: a device copy on GPU
             tensors = policy_tensors(policy.module, resolve_dtype(self.cfg.push_dtype, policy.bf16))
+            gather_s = time.perf_counter() - t_gather
             report = self.publisher.push(tensors, policy.version)
-            m.times["push_s"] = report.seconds
+            m.times["push_s"] = gather_s + report.seconds
             m.times["push_apply_s"] = report.apply_seconds
         m.times["step_s"] = time.perf_counter() - t_step
         _append(self.metrics_path, {**m.as_dict(), "prompt_indices": [p.index for p in prompts]})
