@@ -120,3 +120,23 @@ def test_reset_prefix_cache_stops_sharing_held_and_freed_blocks():
     assert bm.allocate(seq(range(20, 30), "b", 1), set()) == 0  # freed cached blocks: no hit either
     bm.free_seq(a)
     assert bm.num_free == 10 - 6 and bm.shared_hits == 0
+
+
+def test_a_prefix_block_is_shared_only_under_its_own_whole_prefix(monkeypatch):
+    """The prefix cache keyed each block by Python's `hash((parent key, tokens))`: deterministic and not
+    collision-resistant (64 bits, no secret), and a hit compared only the block's own tokens. Two first blocks
+    with colliding keys (craftable offline, as in vLLM's CVE-2025-25183) made a later prompt reuse K/V computed
+    under another prompt's context: wrong output, or a view of another request's prompt. Here Python's `hash`
+    is replaced by one that ignores the parent (every parent key "collides"); the block keys must not care."""
+    import tlt.services.rollout.engine.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "hash", lambda t: hash(t[1]), raising=False)
+    bm = BlockManager(num_blocks=12, block_size=4)
+    x, x2, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    d, a, b = seq(x2 + [13, 14, 15, 16] + [0], "d"), seq(x + y + [0], "a"), seq(x2 + y + [0], "b")
+    for s in (d, a):
+        bm.allocate(s, set())
+        s.num_computed = 9
+        bm.mark_computed(s)
+    assert bm.allocate(b, set()) == 4  # its first block is d's (same tokens from the start); not a's second
+    assert b.block_table[0] == d.block_table[0] and b.block_table[1] not in a.block_table

@@ -2,9 +2,13 @@
 
 Each sequence holds a block table (block ids, `block_size` tokens each). A
 full block whose tokens lie inside the sequence's known prefix (all tokens but
-the last) is registered under a hash of (previous block's hash, its tokens);
+the last) is registered under a key that digests its whole prefix (the
+previous block's key and its own tokens, BLAKE2b, 128 bits: `chain_key`);
 a later sequence with the same prefix reuses it (ref count + 1) instead of
-computing it again. That is how the n samples of one GRPO prompt prefill the
+computing it again. The key must be collision-resistant: a hit compares only
+the block's own tokens, so two prefixes with one key would share K/V computed
+under another context (Python's `hash` is 64 bits, unkeyed and craftable,
+which is how vLLM's prefix cache was attacked, CVE-2025-25183). That is how the n samples of one GRPO prompt prefill the
 prompt once. The block holding the last prompt token is never shared, so a
 sequence only ever writes into blocks it owns alone (no copy-on-write needed;
 the partial tail is recomputed per sample, at most block_size tokens).
@@ -23,9 +27,19 @@ K/V stale for new requests; sequences holding blocks keep using them).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from tlt.services.rollout.engine.sequence import Sequence
+
+
+ROOT_KEY = b""  # the parent key of a sequence's first block
+
+
+def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The prefix-cache key of a block: a 128-bit BLAKE2b digest of its parent's key and its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class Block:
@@ -34,7 +48,7 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None  # chain_key of its prefix while shareable
         self.token_ids: tuple[int, ...] = ()
         self.computed = False
 
@@ -47,7 +61,7 @@ class BlockManager:
         self.prefix_sharing = prefix_sharing
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.by_hash: dict[int, Block] = {}
+        self.by_hash: dict[bytes, Block] = {}
         self.shared_hits = 0  # blocks reused instead of recomputed (for stats and tests)
 
     @property
@@ -84,11 +98,11 @@ class BlockManager:
         total = self.blocks_needed(len(toks))
         shareable = (len(toks) - 1) // bs if self.prefix_sharing else 0
         hits: list[Block] = []
-        hashes: list[int] = []
-        h = 0
+        hashes: list[bytes] = []
+        h = ROOT_KEY
         for i in range(shareable):
             chunk = tuple(toks[i * bs : (i + 1) * bs])
-            h = hash((h, chunk))
+            h = chain_key(h, chunk)
             hashes.append(h)
             if len(hits) == i:
                 b = self.by_hash.get(h)
