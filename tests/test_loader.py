@@ -166,6 +166,20 @@ def test_config_refuses_an_activation_the_native_model_does_not_run():
     assert ModelConfig.from_hf(cfg).head_dim == 8
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_config_refuses_an_o_proj_bias_by_name(family):
+    """attention_bias=true gives Llama and Qwen3 an o_proj bias too: it used to fail later, at the tensors,
+    as "unexpected tensor ...o_proj.bias"."""
+    cls, arch = {"llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
+                 "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM")}[family]
+    cfg = cls(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, attention_bias=True).to_dict()
+    cfg["architectures"] = [arch]
+    with pytest.raises(UnsupportedModelError, match="attention_bias=true is not supported"):
+        ModelConfig.from_hf(cfg)
+    cfg["attention_bias"] = False
+    assert not ModelConfig.from_hf(cfg).attention_bias
+
+
 def test_qwen3_head_dim_defaults_like_transformers():
     cfg = transformers.Qwen3Config(hidden_size=512, num_attention_heads=8, num_key_value_heads=2).to_dict()
     cfg["architectures"] = ["Qwen3ForCausalLM"]

@@ -101,6 +101,9 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported (the native MLP is SwiGLU: silu)")
+        if attention_bias and not qwen2:  # Llama / Qwen3 put it on o_proj too, which the native layer has no slot for
+            raise UnsupportedModelError(f"attention_bias=true is not supported for {arch} (a bias on o_proj as well as "
+                                        "q/k/v); Qwen2's q/k/v bias is")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported")
         return cls(
