@@ -7,6 +7,7 @@ with the task tokenizer, the `openai` client. Nothing is faked.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -288,6 +289,29 @@ def test_non_streaming_request_aborted_when_the_client_goes(server):
     assert used < 200, f"the abandoned request ran {used} engine steps (all of it: 250)"
     snap = server.call(pool.snapshot())[0]
     assert snap.stats.running == 0 and snap.stats.queued == 0 and snap.stats.kv_usage == 0.0
+
+
+def test_a_client_gone_leaves_no_asyncio_error(server):
+    """A non-streaming request abandoned by its client is routine (a trainer's timeout): it must not log
+    "_GatheringFuture exception was never retrieved" with a traceback, as it did for each one."""
+    import gc
+
+    seen: list[dict] = []
+    server.loop.call_soon_threadsafe(server.loop.set_exception_handler, lambda _loop, ctx: seen.append(ctx))
+    try:
+        body = {"model": server.model_name, "prompt": "1", "max_tokens": 250, "n": 8, "temperature": 1.0,
+                "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.base_url}/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 30
+        while server.server.pool.replicas[0].outstanding and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        server.call(asyncio.sleep(0))  # the handler's task has ended on the loop
+        gc.collect()
+    finally:
+        server.loop.call_soon_threadsafe(server.loop.set_exception_handler, None)
+    assert not seen, [c.get("message") for c in seen]
 
 
 def test_null_means_the_default(server):

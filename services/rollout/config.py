@@ -64,7 +64,8 @@ class RolloutConfig(ServiceConfig):
         "", description="API key required as 'Authorization: Bearer <key>' on /v1/*; empty: $TLT_API_KEY, else none"
     )
     max_restarts: int = Field(
-        5, ge=0, description="times a dead replica process is restarted (weights replayed before it serves); 0: never"
+        5, ge=0, description="times in a row a dead replica process is restarted (weights replayed before it serves); "
+        "a replica that served 10 minutes before it died counts from 0 again; 0: never"
     )
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for every replica to load its model")
     update_timeout_s: float = Field(600.0, gt=0, description="how long a weight update may take on every replica")

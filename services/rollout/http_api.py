@@ -68,6 +68,14 @@ class ApiError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
+def _pool_error(e: InvalidRequestError | ReplicaUnavailableError) -> ApiError:
+    """What the pool raised, as the client sees it: 400 (the engine refused it) or 503 (its replica died, or the
+    server is shutting down)."""
+    if isinstance(e, InvalidRequestError):
+        return ApiError(400, str(e))
+    return ApiError(503, str(e), "server_error", code="unavailable")
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     parts, first = [], None
     for err in e.errors()[:5]:
@@ -284,14 +292,14 @@ class OpenAIServer:
             if not gathered.done() and gone.exception() is None:
                 raise ApiError(499, "the client closed the connection; its request was aborted", code="client_closed")
             return list(await gathered)
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e)) from None
-        except ReplicaUnavailableError as e:
-            raise ApiError(503, str(e), "server_error", code="unavailable") from None
+        except (InvalidRequestError, ReplicaUnavailableError) as e:
+            raise _pool_error(e) from None
         finally:
             gone.cancel()
             for t in tasks:  # closing generate() aborts what is still running
                 t.cancel()
+            # a cancelled task ends the gather with CancelledError that nobody awaits: asyncio would log it
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _merged(self, reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, StepOutput | CompletionOutput]]:
         """Every request's events, tagged with the prompt index, in arrival order."""
@@ -420,14 +428,11 @@ class OpenAIServer:
             try:
                 async for b in body:
                     yield b
-            except ApiError as e:
-                status = e.status
-                self.m_rejected.labels(e.code or f"http_{e.status}").inc()
-                yield _Sse.data(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, code=e.code)))
-            except (InvalidRequestError, ReplicaUnavailableError) as e:
-                status = 400 if isinstance(e, InvalidRequestError) else 503
-                yield _Sse.data(ErrorResponse(error=ErrorBody(
-                    message=str(e), type="invalid_request_error" if status == 400 else "server_error")))
+            except (ApiError, InvalidRequestError, ReplicaUnavailableError) as e:
+                err = e if isinstance(e, ApiError) else _pool_error(e)  # as a non-streaming request's: same code,
+                status = err.status  # counted in rollout_rejected_total the same
+                self.m_rejected.labels(err.code or f"http_{err.status}").inc()
+                yield _Sse.data(ErrorResponse(error=ErrorBody(message=err.message, type=err.type, code=err.code)))
             yield _Sse.done
             self._count(endpoint, status, t0)
 

@@ -24,7 +24,9 @@ loudly and is named in the error. One update at a time.
 
 Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
 OOM, kill -9) fails its in-flight requests with ReplicaUnavailableError and
-is started again after a back-off (1 s, doubling, at most 30 s). The pool
+is started again after a back-off (1 s, doubling, at most 30 s). `max_restarts`
+bounds a crash loop, not a server's lifetime: a replica that served for
+`RESTART_WINDOW_S` before it died starts again from restart 1. The pool
 keeps what the replicas hold from the applied policy and drafter pushes (the latest push, plus the
 tensors of earlier ones a partial push did not carry: manifest + payload, in
 this process's memory; gRPC GetWeights reads the policy's too); a restarted replica loads the model folder, then
@@ -69,6 +71,8 @@ from tlt.services.rollout.types import CompletionOutput, GenerationRequest, Step
 
 log = get_logger("rollout.replicas")
 
+RESTART_WINDOW_S = 600.0  # a replica up this long before it died is not crash-looping: its restart count starts over
+
 
 @dataclass
 class _Pending:
@@ -107,6 +111,7 @@ class _Replica:
         self.outbox: queue.Queue = queue.Queue()
         self.ready = asyncio.get_running_loop().create_future()
         self.restarted = False  # a restarted replica serves only once the latest weights are replayed
+        self.up_since = 0.0  # time.monotonic() when it began to serve; 0 while it never has
         self.published: tuple | None = None  # ReplicaPool._key of its last capacity event
         self.refresh_scheduled = False
 
@@ -127,7 +132,8 @@ class ReplicaPool(CapacityStates):
         self.pin_cpus = pin_cpus
         self.spin_wait = spin_wait
         self.max_restarts = max_restarts
-        self.restarts: dict[int, int] = {}  # replica id -> restarts so far
+        self.restarts: dict[int, int] = {}  # replica id -> restarts in a row (see RESTART_WINDOW_S)
+        self.restart_window_s = RESTART_WINDOW_S
         self._latest: dict[str, tuple[int, bytes, bytes]] = {}  # kind -> (version, manifest, payload) applied
         self._restart_tasks: set[asyncio.Task] = set()
         self._info: ReplicaInfo | None = None
@@ -144,6 +150,7 @@ class ReplicaPool(CapacityStates):
         self._update_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._refusing = ""  # why new requests are refused (the server is shutting down); "" while serving
         self.versions = Versions()
         self.capacity = capacity  # a common.events.CapacitySink, or None
         self.features_push = features_push
@@ -158,7 +165,7 @@ class ReplicaPool(CapacityStates):
         for i in range(self.num_replicas):
             self.replicas.append(self._spawn(i))
         try:
-            await asyncio.wait_for(asyncio.gather(*(r.ready for r in self.replicas)), timeout_s)
+            await self._all_ready(timeout_s)
         except BaseException:
             await self.stop()
             raise
@@ -166,6 +173,19 @@ class ReplicaPool(CapacityStates):
         self.versions = self.replicas[0].info.versions  # type: ignore[union-attr]
         for rep in self.replicas:
             self._maybe_idle(rep)
+
+    async def _all_ready(self, timeout_s: float) -> None:
+        """Wait until every replica has loaded its model; raise the first failure, or TimeoutError. Waits without
+        cancelling the replicas' `ready` futures when it is cancelled or times out (a gather would, and a replica
+        still loading then answers Ready to a cancelled future, and its failure is logged as never retrieved)."""
+        readies = [r.ready for r in self.replicas]
+        done, waiting = await asyncio.wait(readies, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        errors = [e for e in (f.exception() for f in done) if e is not None]  # each retrieved: none logged
+        if errors:
+            raise errors[0]
+        if waiting:
+            slow = [r.replica_id for r in self.replicas if not r.ready.done()]
+            raise TimeoutError(f"replicas {slow} did not load the model within {timeout_s}s")
 
     def _spawn(self, i: int) -> _Replica:
         ctx = mp.get_context("spawn")
@@ -220,6 +240,7 @@ class ReplicaPool(CapacityStates):
                 if self.lent_to:  # a colocated trainer has the devices: the new replica frees its share too
                     await self._ask(rep, lambda cid: Lend(cid, True), timeout_s)
                 rep.alive = True
+                rep.up_since = time.monotonic()
         except (TimeoutError, WeightUpdateError, ReplicaUnavailableError) as e:
             log.error("replica_restart_failed", replica=i, restart=n, error=str(e)[-1000:])
             if rep.process.is_alive():
@@ -241,6 +262,8 @@ class ReplicaPool(CapacityStates):
             rep.outbox.put(None)
         deadline = time.monotonic() + timeout_s
         for rep in self.replicas:
+            if not rep.ready.done():  # still loading its model: it reads the Shutdown only once loaded (minutes)
+                rep.process.kill()
             await asyncio.to_thread(rep.process.join, max(0.1, deadline - time.monotonic()))
             if rep.process.is_alive():
                 rep.process.kill()
@@ -249,6 +272,15 @@ class ReplicaPool(CapacityStates):
         for p in list(self._pending.values()):
             p.events.put_nowait(ReplicaUnavailableError("the server is shutting down"))
         self._pending.clear()
+
+    def refuse_requests(self, why: str) -> None:
+        """Fail every request in flight, and refuse new ones, with ReplicaUnavailableError(why): the first step of a
+        shutdown. Left running, they would keep the HTTP and gRPC servers waiting out their grace periods and then
+        be cut off (a plain-text 500, an SSE stream with no [DONE]); failed here, each client gets a clear 503 /
+        UNAVAILABLE at once, and each request's abort reaches its replica before the Shutdown does."""
+        self._refusing = why
+        for p in self._pending.values():
+            p.events.put_nowait(ReplicaUnavailableError(why))
 
     @property
     def info(self) -> ReplicaInfo:
@@ -265,16 +297,24 @@ class ReplicaPool(CapacityStates):
                 return
 
     def _reader(self, rep: _Replica) -> None:
-        assert self._loop is not None
         while True:
             try:
                 event = rep.conn.recv()
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._on_dead, rep, "replica process exited")
+                self._to_loop(self._on_dead, rep, "replica process exited")
                 return
-            self._loop.call_soon_threadsafe(self._on_event, rep, event)
-            if isinstance(event, Fatal):
+            if not self._to_loop(self._on_event, rep, event) or isinstance(event, Fatal):
                 return
+
+    def _to_loop(self, fn: Any, *args: Any) -> bool:
+        """Call `fn(*args)` on the loop; False once the loop is closed: the server stopped, and a replica it killed
+        or shut down may still be read from here after that (nobody is left to tell)."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
     # ---- events (on the loop) ------------------------------------------------------------
 
@@ -313,6 +353,7 @@ class ReplicaPool(CapacityStates):
         elif isinstance(event, Ready):
             rep.info = event.info
             rep.alive = not rep.restarted  # a restarted one waits for the replay in _restart
+            rep.up_since = time.monotonic() if rep.alive else 0.0
             rep.ready.set_result(event.info)
             log.info("replica_up", replica=rep.replica_id, pid=event.info.pid, device=event.info.device)
         elif isinstance(event, Fatal):
@@ -328,7 +369,10 @@ class ReplicaPool(CapacityStates):
         else:
             log.error("replica_dead", replica=rep.replica_id, error=why[-2000:])
         if not rep.ready.done():
-            rep.ready.set_exception(ReplicaUnavailableError(f"replica {rep.replica_id} failed to start: {why}"))
+            if self._stopping:  # killed while it loaded: nobody waits for it any more
+                rep.ready.cancel()
+            else:
+                rep.ready.set_exception(ReplicaUnavailableError(f"replica {rep.replica_id} failed to start: {why}"))
         for rid, p in list(self._pending.items()):
             if p.replica is rep:
                 del self._pending[rid]
@@ -347,6 +391,8 @@ class ReplicaPool(CapacityStates):
 
             self._publish_state(rep, common_pb2.REPLICA_STATE_DRAINING)
             if self.replicas and self.replicas[rep.replica_id] is rep and (rep.info is not None or rep.restarted):
+                if rep.up_since and time.monotonic() - rep.up_since >= self.restart_window_s:
+                    self.restarts[rep.replica_id] = 0  # it served a good while: a crash days apart is not a loop
                 if self.restarts.get(rep.replica_id, 0) < self.max_restarts:
                     task = asyncio.ensure_future(self._restart(rep))
                     self._restart_tasks.add(task)
@@ -372,6 +418,8 @@ class ReplicaPool(CapacityStates):
         Raises InvalidRequestError if the engine refuses it, ReplicaUnavailableError if its
         replica dies. Closing the iterator early (client gone) aborts the request.
         """
+        if self._refusing:
+            raise ReplicaUnavailableError(self._refusing)
         if request.request_id in self._pending:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         rep = self._pick()

@@ -14,6 +14,10 @@ cleanly on SIGINT / SIGTERM.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +79,26 @@ def export_preset(preset: str | None, environ: dict | None = None) -> None:
         env["TLT_PRESET"] = str(preset_path(preset).resolve())
 
 
+async def started_unless_stopped(start: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Run `start` unless `stop` is set first; then cancel it and return False. A SIGTERM while the replicas load
+    (minutes for a large model on a GPU) must stop the server then, not once it is up and its ready file written
+    (an orchestrator's grace period runs out first, and a launcher waiting on the file connects to a dying server)."""
+    starting = asyncio.ensure_future(start)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if starting.done():
+        starting.result()  # raises why the server could not start
+        return True
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting  # what the start had brought up so far is shut down as it is cancelled
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import json
     import os
     import signal
@@ -99,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await server.start()
+            if not await started_unless_stopped(server.start(), stop):
+                log.info("rollout_stopping", during="startup")
+                return
             if args.ready_file:
                 tmp = Path(args.ready_file + ".tmp")
                 tmp.write_text(json.dumps({"http_port": server.http_port, "grpc_port": server.grpc_port,

@@ -2,7 +2,7 @@
 
     start():  tokenizer (front-side, for prompts and streamed text) -> ReplicaPool (N processes, model loaded)
               -> gRPC server (tlt.v1.Rollout) -> uvicorn (OpenAI HTTP) ; ports bound (0 = a free port)
-    stop():   gRPC stops (grace) -> uvicorn exits -> replicas shut down
+    stop():   requests in flight fail (503 / UNAVAILABLE) -> gRPC stops (grace) -> uvicorn exits -> replicas shut down
 
 Everything runs on one asyncio loop; `tlt rollout serve` runs it on the main
 thread until SIGINT/SIGTERM, tests run it on a thread of their own.
@@ -121,6 +121,8 @@ class RolloutServer:
                         hint="reachable from other machines; set TLT_API_KEY to protect /v1/*")
 
     async def stop(self) -> None:
+        if self.pool is not None:  # requests in flight end now with a clear 503 / UNAVAILABLE, not cut off later
+            self.pool.refuse_requests("the server is shutting down")
         if self._grpc is not None:
             await self._grpc.stop(grace=2.0)
         if self._http is not None:

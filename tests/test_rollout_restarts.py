@@ -1,0 +1,81 @@
+"""`max_restarts` bounds a crash loop, not the server's lifetime: a replica that served a while counts from 0 again.
+
+A real rollout server (one real replica process with the native engine, real grpc.aio) on 127.0.0.1; the test
+SIGKILLs the replica by the pid the server reports (a process this test started). `restart_window_s` (600 s in
+service) is shortened on the real pool so the test takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from rollout_helpers import ServerThread, tiny_checkpoint
+
+from tlt.services.rollout.client import RolloutClient
+from tlt.v1 import rollout_pb2
+
+WINDOW_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("restarts-model"))
+
+
+def _kill_and_wait(s: ServerThread, c: RolloutClient, restarted: bool) -> None:
+    """SIGKILL replica 0; then wait for a new process serving (restarted) or check none comes (not restarted)."""
+    old = s.server.replica_pids()[0]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + (120 if restarted else 8)  # not restarted: the back-off is 1-2 s, the load ~3 s
+    while time.monotonic() < deadline:
+        if c.status().replicas[0].alive and s.server.replica_pids()[0] != old:
+            break
+        time.sleep(0.1)
+    back = c.status().replicas[0].alive and s.server.replica_pids()[0] != old
+    assert back == restarted, (back, s.server.pool.restarts)
+
+
+def test_a_replica_that_served_a_while_is_restarted_again(model_dir):
+    with ServerThread(model_dir, replicas=1, max_restarts=1) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        s.server.pool.restart_window_s = WINDOW_S
+        time.sleep(WINDOW_S)
+        _kill_and_wait(s, c, restarted=True)  # restart 1 of 1
+        time.sleep(WINDOW_S + 0.5)  # served a while: the next death is not part of a crash loop
+        _kill_and_wait(s, c, restarted=True)
+        assert s.server.pool.restarts == {0: 1}
+        assert len(c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=4))[0].token_ids) == 4
+        _kill_and_wait(s, c, restarted=False)  # died again at once: a crash loop, and max_restarts=1 is spent
+        assert s.server.pool.restarts == {0: 1}
+
+
+def _rejected_unavailable(base: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith('rollout_rejected_total{reason="unavailable"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_stream_cut_by_a_replica_death_ends_like_a_non_streaming_request(model_dir):
+    """The SSE error chunk carries the same `code` as the 503 a non-streaming request gets ("unavailable"), and
+    counts in rollout_rejected_total{reason="unavailable"} the same: a stream's death was neither."""
+    with ServerThread(model_dir, replicas=1) as s:
+        base = s.base_url.removesuffix("/v1")
+        before = _rejected_unavailable(base)
+        body = {"model": s.model_name, "prompt": "1+2=", "max_tokens": 200, "n": 32, "ignore_eos": True,
+                "temperature": 1.0, "stream": True}
+        with httpx.stream("POST", f"{s.base_url}/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            assert "error" not in first, first
+            os.kill(s.server.replica_pids()[0], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert "replica 0 died" in error["message"], error
+        assert (error["type"], error["code"]) == ("server_error", "unavailable"), error
+        assert _rejected_unavailable(base) == before + 1

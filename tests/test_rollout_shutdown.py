@@ -1,0 +1,119 @@
+"""Stopping `tlt rollout serve` (SIGTERM): requests in flight end clearly and at once, and every process exits.
+
+Real parts: `tlt rollout serve` as a subprocess with two replica processes running the native engine on a
+tiny random checkpoint, httpx and the real gRPC client on 127.0.0.1. Nothing is faked.
+
+The requests are long (n=64 x 200 tokens, at most 4 sequences decoded at a time per replica), so they are
+still decoding when the SIGTERM arrives: each must get the shutdown's error in its protocol's shape (HTTP 503
+in the OpenAI error shape, an SSE error chunk then `[DONE]`, gRPC UNAVAILABLE), not a connection cut after
+the HTTP server's grace period (a plain-text 500, a stream with no `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import grpc
+import httpx
+import psutil
+import pytest
+
+from rollout_helpers import ServeProcess, pid_gone, tiny_checkpoint
+from tlt.services.rollout.client import RolloutClient
+from tlt.v1 import rollout_pb2
+
+LONG = {"prompt": "1+2=", "max_tokens": 200, "ignore_eos": True, "n": 64, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("shutdown-model"))
+
+
+def test_sigterm_fails_requests_in_flight_clearly_and_exits(model_dir, tmp_path):
+    results: dict = {}
+    with ServeProcess(model_dir, tmp_path, replicas=2, extra=("--set", "engine.max_num_seqs=4")) as s:
+        body = {"model": model_dir.name, **LONG}
+        grpc_address = f"127.0.0.1:{s.info['grpc_port']}"
+        children = [p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)]
+
+        def http() -> None:
+            r = httpx.post(f"{s.base_url}/completions", json=body, timeout=60)
+            results["http"] = (r.status_code, r.headers.get("content-type", ""), r.text)
+
+        def batch() -> None:
+            with RolloutClient(grpc_address, timeout_s=60) as c:
+                try:
+                    results["grpc"] = len(list(c.batch_generate(["3*4="], n=64, params=rollout_pb2.SamplingParams(
+                        max_tokens=200, ignore_eos=True, temperature=1.0))))
+                except grpc.RpcError as e:
+                    results["grpc"] = (e.code(), e.details())
+
+        threads = [threading.Thread(target=http), threading.Thread(target=batch)]
+        with httpx.stream("POST", f"{s.base_url}/completions", json={**body, "stream": True}, timeout=60) as r, \
+                RolloutClient(grpc_address, timeout_s=10) as status:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            assert first.startswith("data: {") and "error" not in first, first
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 20  # both others counted in (the stream still holds some)
+            while sum(x.running + x.queued for x in status.status().replicas) <= 2 * 64:
+                assert time.monotonic() < deadline, status.status()
+                time.sleep(0.05)
+            t_term = time.monotonic()
+            s.proc.terminate()
+            rest = [line for line in lines if line]
+        for t in threads:
+            t.join(30)
+        s.proc.wait(30)
+        took = time.monotonic() - t_term
+
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert "shutting down" in error["message"] and (error["type"], error["code"]) == ("server_error", "unavailable")
+    status, content_type, text = results["http"]
+    assert status == 503 and content_type.startswith("application/json"), (status, text[:300])
+    error = json.loads(text)["error"]
+    assert "shutting down" in error["message"] and error["code"] == "unavailable", error
+    code, details = results["grpc"]
+    assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, results["grpc"]
+    assert s.proc.returncode == 0
+    deadline = time.monotonic() + 10  # the replicas are joined before exit; multiprocessing's resource tracker
+    while not all(pid_gone(p) for p in children) and time.monotonic() < deadline:  # follows its parent out
+        time.sleep(0.1)
+    assert all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
+    assert took < 20, f"shutdown took {took:.1f}s"
+
+
+def test_sigterm_while_the_replicas_load_stops_at_once(model_dir, tmp_path):
+    """A SIGTERM during startup stops the server then: no ready file (nothing to connect to), replicas gone (killed:
+    a replica reads the Shutdown only once its model is loaded), and no asyncio error in the log."""
+    ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
+    serve = ServeProcess(model_dir, tmp_path, replicas=2)
+    with log.open("w") as out:
+        proc = subprocess.Popen(serve.cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        children: list[int] = []
+        while "replicas_starting" not in log.read_text() or len(children) < 3:  # signal handlers in place, and
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]  # the 2 replicas
+            time.sleep(0.02)  # and multiprocessing's resource tracker spawned (they take seconds to load)
+            children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.terminate()
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert not ready.exists(), "a ready file was written by a server told to stop while it started"
+    text = log.read_text()
+    assert "rollout_serving" not in text
+    assert "Traceback" not in text and "never retrieved" not in text, text[-3000:]
+    deadline = time.monotonic() + 10
+    while not all(pid_gone(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children and all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
