@@ -108,3 +108,20 @@ def test_a_trainer_whose_token_the_rollout_refuses_stops_before_its_first_step(r
         with RolloutClient(server.grpc_address) as client:
             served = client.status().replicas[0].versions.policy
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and served == 0
+
+
+def test_a_step_whose_replica_died_is_rolled_out_again_once_the_replica_is_back(random_model_dir, tmp_path):
+    """A replica that dies (OOM, kill -9) fails its requests with UNAVAILABLE and the rollout server restarts
+    it; the trainer used to fail the step and stop the run, losing the steps since its last checkpoint. Now it
+    drops the step's partial rollout, waits until every replica serves again and rolls the step out anew."""
+    import os
+    import signal
+
+    with ServerThread(random_model_dir, replicas=1, max_restarts=1) as server:
+        os.kill(server.server.pool.replicas[0].process.pid, signal.SIGKILL)  # dead before step 0's rollout
+        cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", steps=1, rollout_retries=1)
+        summary = train(cfg)
+        restarts = dict(server.server.pool.restarts)
+    assert summary.steps_done == 1 and restarts == {0: 1}
+    (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert line["rollout_retries"] == 1 and line["policy_version"] == 1

@@ -7,7 +7,11 @@
 Streams are read by one thread per server and funnelled through a queue to
 this thread, which owns the reward batch (so a reward source need not be
 thread-safe). An aborted completion, a failed stream or a missing reward
-fails the step with a message naming the server and the prompt.
+fails the step with a message naming the server and the prompt; a stream
+that failed because a replica died is a ReplicaLostError, which the trainer
+answers by rolling the step out again once the replicas are back (loop.py).
+Whatever fails, the step's other streams are cancelled (their servers stop
+generating for it).
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ class RolloutError(RuntimeError):
     """The rollout server failed to produce a completion of this step."""
 
 
+class ReplicaLostError(RolloutError):
+    """A rollout server answered UNAVAILABLE: a replica died mid-step (it restarts it), or it is shutting down."""
+
+
 @dataclass(frozen=True)
 class SpecTotals:
     """The completions' SpecStats summed: how much of the rollout was speculative, and how well it accepted."""
@@ -48,6 +56,7 @@ class RolloutResult:
     samples: list[ScoredCompletion]
     times: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_tail_s (wait after the last sample)
     spec: SpecTotals = field(default_factory=lambda: SpecTotals())  # SD counters summed over the completions
+    retries: int = 0  # times the step was rolled out again after a replica died (loop.py)
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float) -> rollout_pb2.SamplingParams:
@@ -55,16 +64,20 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float) -> rollou
     return rollout_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
 
 
-def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out: queue.Queue) -> None:  # noqa: ANN001
+def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out: queue.Queue,  # noqa: ANN001
+          streams: list) -> None:
     """Thread body: move one server's completions into `out` (then _END, or the error)."""
     try:
         stream = client.batch_generate([p.prompt for p in prompts], n=n, params=params,
                                        references=[p.answer for p in prompts], batch_id=batch_id)
+        streams.append(stream)
         for c in stream:
             out.put((client, prompts, c))
         out.put(_END)
     except grpc.RpcError as e:  # deliberate boundary: handed to the step, which fails with it
-        out.put(RolloutError(f"rollout server {client.address} failed: {e.code()} {e.details()}"))
+        lost = e.code() == grpc.StatusCode.UNAVAILABLE
+        out.put((ReplicaLostError if lost else RolloutError)(
+            f"rollout server {client.address} failed: {e.code()} {e.details()}"))
 
 
 def collect(
@@ -82,13 +95,24 @@ def collect(
     global_index = {id(ps): list(range(j, len(prompts), len(clients))) for j, (_, ps) in enumerate(shards)}
     shards = [(c, ps) for c, ps in shards if ps]
     q: queue.Queue = queue.Queue()
-    threads = [threading.Thread(target=_read, args=(c, ps, n, params, f"step{step}-s{j}", q), daemon=True)
+    streams: list = []  # the servers' BatchGenerate calls, cancelled if the step fails
+    threads = [threading.Thread(target=_read, args=(c, ps, n, params, f"step{step}-s{j}", q, streams), daemon=True)
                for j, (c, ps) in enumerate(shards)]
     for t in threads:
         t.start()
+    try:
+        return _gather(prompts, rewards, n, step, q, len(threads), global_index, t0)
+    except BaseException:
+        for st in list(streams):
+            st.cancel()
+        raise
+
+
+def _gather(prompts: Sequence[PromptItem], rewards: RewardSource, n: int, step: int | str, q: queue.Queue,
+            left: int, global_index: dict[int, list[int]], t0: float) -> RolloutResult:
+    """Read every stream's completions off `q`, scoring each as it arrives; then the step's scored samples."""
     batch = rewards.begin()
     pending: dict[str, tuple[int, rollout_pb2.Completion]] = {}
-    left = len(threads)
     last_arrival = t0
     while left:
         item = q.get()

@@ -47,6 +47,10 @@ class TrainerConfig(ServiceConfig):
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward call, seconds")
     reward_retries: int = Field(2, ge=0, description="retries of a failed reward call before the step fails")
     connect_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the rollout server(s) and the reward server at start")
+    rollout_retries: int = Field(2, ge=0, description="times a step is rolled out again (its partial rollout dropped) "
+                                 "after a rollout replica died mid-step and was restarted; 0: the step fails")
+    rollout_retry_wait_s: float = Field(600.0, gt=0, description="how long to wait for every replica to serve again "
+                                        "before a rollout retry (a restarted replica reloads its model)")
     push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of pushed weights; must match the rollout engine's (auto: bf16 when training bf16, else fp32)"
     )

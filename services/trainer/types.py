@@ -67,6 +67,7 @@ class StepMetrics:
     sd_accepted_tokens: int = 0  # tokens those passes emitted (incl. the bonus token)
     sd_plain_steps: int = 0  # per-sequence plain decode steps
     drafter_version: int = -1  # newest drafter version stamped on a completion (-1: no drafter)
+    rollout_retries: int = 0  # times this step was rolled out again after a rollout replica died
     started_at: float = 0.0  # unix time the step began (places the step on the run's timeline)
     times: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
