@@ -15,6 +15,7 @@ import json
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -117,3 +118,38 @@ def test_sigterm_while_the_replicas_load_stops_at_once(model_dir, tmp_path):
     while not all(pid_gone(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert children and all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
+
+
+def test_a_signal_to_the_whole_process_group_stops_the_replicas_through_the_front(model_dir, tmp_path):
+    """`tlt run` stops a service with SIGTERM to its process group, and Ctrl-C in a terminal sends SIGINT to the
+    foreground group: the replicas got the signal too, died before the front began its stop, and every normal
+    stop was logged as `replica_dead` (an error). They ignore both now; the front shuts them down."""
+    import os
+    import signal
+
+    serve = ServeProcess(model_dir, tmp_path, replicas=2)
+    log = tmp_path / "group.log"
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        ready = Path(serve.cmd[serve.cmd.index("--ready-file") + 1])
+        ready.unlink(missing_ok=True)
+        with log.open("w") as out:
+            proc = subprocess.Popen(serve.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            os.killpg(proc.pid, sig)
+            assert proc.wait(60) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        text = log.read_text()
+        assert "replica_dead" not in text and "Traceback" not in text, text[-3000:]
+        assert text.count("replica_stopped") == 2, text[-3000:]
+        deadline = time.monotonic() + 10
+        while not all(pid_gone(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]

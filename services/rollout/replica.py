@@ -60,6 +60,13 @@ def replica_main(
     """Process entry point (multiprocessing spawn target). `features_push`: drafter feature PULL endpoint.
     `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`.
     `spin_wait`: its OpenMP threads spin briefly at barriers (`services.common.cpus.spin_at_barriers`)."""
+    import signal
+
+    # The front stops a replica (Shutdown over the pipe; it exits on the pipe's EOF if the front dies). A signal
+    # to the whole process group (`tlt run` stopping the service, Ctrl-C in a terminal) must not kill it before
+    # the front has begun its own stop: every normal stop was logged as `replica_dead`.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     spinning = False
     if spin_wait:  # before torch is imported: libgomp reads it then
         from tlt.services.common.cpus import spin_at_barriers
