@@ -176,10 +176,12 @@ class OpenAIServer:
         return app
 
     async def health(self) -> JSONResponse:
-        alive = sum(r.alive for r in self.pool.replicas)
-        status = 200 if alive else 503
-        return JSONResponse({"status": "ok" if alive else "no live replica", "replicas_alive": alive,
-                             "replicas": len(self.pool.replicas)}, status_code=status)
+        """200 while any replica serves ("degraded" when some are dead or restarting: a health check must not
+        restart the whole server for one replica the pool restarts itself), 503 when none does."""
+        alive, total = sum(r.alive for r in self.pool.replicas), len(self.pool.replicas)
+        state = "ok" if alive == total else "degraded" if alive else "no live replica"
+        return JSONResponse({"status": state, "replicas_alive": alive, "replicas": total},
+                            status_code=200 if alive else 503)
 
     async def metrics_endpoint(self) -> Response:
         for s in await self.pool.snapshot(timeout_s=2.0):
