@@ -79,3 +79,30 @@ def test_a_stream_cut_by_a_replica_death_ends_like_a_non_streaming_request(model
         assert "replica 0 died" in error["message"], error
         assert (error["type"], error["code"]) == ("server_error", "unavailable"), error
         assert _rejected_unavailable(base) == before + 1
+
+
+def test_a_stalled_replica_is_killed_and_restarted_and_its_requests_fail_clearly(model_dir):
+    """A replica that hangs (a deadlock, a GPU hang; here SIGSTOP) used to hold its requests forever: no error,
+    /health ok, an RL step stalled with nothing in any log. A replica with work that sends nothing for
+    `stall_timeout_s` is now killed and restarted like one that died, and its requests fail with UNAVAILABLE."""
+    import grpc
+
+    with ServerThread(model_dir, replicas=1, max_restarts=1, stall_timeout_s=1.5) as s, \
+            RolloutClient(s.grpc_address, timeout_s=30) as c:
+        params = rollout_pb2.SamplingParams(max_tokens=4)
+        assert len(list(c.batch_generate(["1+1="], n=2, params=params))) == 2  # idle time before is not a stall
+        time.sleep(2.0)
+        old = s.server.replica_pids()[0]
+        os.kill(old, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.batch_generate(["2+2="], n=2, params=params))
+        took = time.monotonic() - t0
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "stalled" in err.value.details(), err.value
+        assert took < 15, took
+        deadline = time.monotonic() + 120
+        while not (c.status().replicas[0].alive and s.server.replica_pids()[0] != old):
+            assert time.monotonic() < deadline, s.server.pool.restarts
+            time.sleep(0.1)
+        assert len(list(c.batch_generate(["3+3="], n=2, params=params))) == 2
+        assert s.server.pool.restarts == {0: 1}

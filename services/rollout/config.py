@@ -68,6 +68,10 @@ class RolloutConfig(ServiceConfig):
         "a replica that served 10 minutes before it died counts from 0 again; 0: never"
     )
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for every replica to load its model")
+    stall_timeout_s: float = Field(
+        300.0, ge=0, description="a replica with sequences outstanding that sends nothing this long hangs: it is "
+        "killed, its requests fail with UNAVAILABLE and it is restarted (max_restarts); 0: never"
+    )
     update_timeout_s: float = Field(600.0, gt=0, description="how long a weight update may take on every replica")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the native engine's config, per replica")
     spec: SpecConfig = Field(

@@ -26,7 +26,11 @@ Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
 OOM, kill -9) fails its in-flight requests with ReplicaUnavailableError and
 is started again after a back-off (1 s, doubling, at most 30 s). `max_restarts`
 bounds a crash loop, not a server's lifetime: a replica that served for
-`RESTART_WINDOW_S` before it died starts again from restart 1. The pool
+`RESTART_WINDOW_S` before it died starts again from restart 1. A replica
+that hangs (a deadlock, a GPU hang) is treated as dead: one with sequences
+outstanding that has sent nothing for `stall_timeout_s` is killed (SIGKILL),
+its requests fail with ReplicaUnavailableError("... stalled ..."), and it is
+restarted like any dead replica. The pool
 keeps what the replicas hold from the applied policy and drafter pushes (the latest push, plus the
 tensors of earlier ones a partial push did not carry: manifest + payload, in
 this process's memory; gRPC GetWeights reads the policy's too); a restarted replica loads the model folder, then
@@ -112,6 +116,7 @@ class _Replica:
         self.ready = asyncio.get_running_loop().create_future()
         self.restarted = False  # a restarted replica serves only once the latest weights are replayed
         self.up_since = 0.0  # time.monotonic() when it began to serve; 0 while it never has
+        self.heard = time.monotonic()  # last event from it, or when it was handed work while it had none
         self.published: tuple | None = None  # ReplicaPool._key of its last capacity event
         self.refresh_scheduled = False
 
@@ -127,8 +132,10 @@ class ReplicaPool(CapacityStates):
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
                  spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False,
-                 spin_wait: bool = False) -> None:
+                 spin_wait: bool = False, stall_timeout_s: float = 0.0) -> None:
         self.model_dir = model_dir
+        self.stall_timeout_s = stall_timeout_s  # 0: no watchdog
+        self._watchdog: asyncio.Task | None = None
         self.pin_cpus = pin_cpus
         self.spin_wait = spin_wait
         self.max_restarts = max_restarts
@@ -173,6 +180,26 @@ class ReplicaPool(CapacityStates):
         self.versions = self.replicas[0].info.versions  # type: ignore[union-attr]
         for rep in self.replicas:
             self._maybe_idle(rep)
+        if self.stall_timeout_s > 0:
+            self._watchdog = asyncio.ensure_future(self._watch_stalls())
+
+    async def _watch_stalls(self) -> None:
+        """Kill a live replica that has sequences outstanding and has sent nothing for `stall_timeout_s` (it hangs):
+        `_on_dead` fails its requests and restarts it. A policy push being applied is not a stall (it answers once
+        done, within `update_timeout_s`); an engine step, however long its prefill, sends its events when done."""
+        period = min(5.0, self.stall_timeout_s / 4)
+        while not self._stopping:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for rep in list(self.replicas):
+                silent = now - rep.heard
+                if rep.alive and not rep.error and rep.outstanding > 0 and not rep.applying \
+                        and silent > self.stall_timeout_s:
+                    log.error("replica_stalled", replica=rep.replica_id, pid=rep.process.pid,
+                              silent_s=round(silent, 1), outstanding=rep.outstanding)
+                    self._on_dead(rep, f"stalled: no progress for {silent:.0f}s with {rep.outstanding} sequences "
+                                       "outstanding; killed")
+                    rep.process.kill()
 
     async def _all_ready(self, timeout_s: float) -> None:
         """Wait until every replica has loaded its model; raise the first failure, or TimeoutError. Waits without
@@ -251,6 +278,8 @@ class ReplicaPool(CapacityStates):
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for t in list(self._restart_tasks):
             t.cancel()
         from tlt.v1 import common_pb2
@@ -319,6 +348,7 @@ class ReplicaPool(CapacityStates):
     # ---- events (on the loop) ------------------------------------------------------------
 
     def _on_event(self, rep: _Replica, event: Any) -> None:
+        rep.heard = time.monotonic()
         if isinstance(event, StepEvents):
             rep.load = event.load
             for s in event.steps:
@@ -425,6 +455,8 @@ class ReplicaPool(CapacityStates):
         rep = self._pick()
         p = _Pending(request, rep, request.n, want_steps)
         self._pending[request.request_id] = p
+        if rep.outstanding == 0:  # the stall clock starts now, not at its last event before an idle spell
+            rep.heard = time.monotonic()
         rep.outstanding += request.n
         if self.lent_to:  # counted in first: this replica goes from LENT straight to BUSY, never IDLE between
             self._take_back_now("a request arrived")

@@ -83,7 +83,8 @@ class RolloutServer:
         self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads, self.capacity,
                                 cfg.features_push, cfg.features_max_tokens,
                                 cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts,
-                                pin_cpus=cfg.pin_cpus, spin_wait=cfg.spin_wait and spin_ok)
+                                pin_cpus=cfg.pin_cpus, spin_wait=cfg.spin_wait and spin_ok,
+                                stall_timeout_s=cfg.stall_timeout_s)
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
         await self.pool.start(cfg.startup_timeout_s)
 
