@@ -125,3 +125,19 @@ def test_a_step_whose_replica_died_is_rolled_out_again_once_the_replica_is_back(
     assert summary.steps_done == 1 and restarts == {0: 1}
     (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert line["rollout_retries"] == 1 and line["policy_version"] == 1
+
+
+def test_the_held_out_eval_is_also_redone_after_a_replica_death(random_model_dir, tmp_path):
+    import os
+    import signal
+
+    with ServerThread(random_model_dir, replicas=1, max_restarts=1) as server:
+        os.kill(server.server.pool.replicas[0].process.pid, signal.SIGKILL)  # dead before the step-0 eval
+        cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", steps=1, rollout_retries=1,
+                     eval_problems=4, eval_samples=1)
+        summary = train(cfg)
+    assert summary.steps_done == 1
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["after_steps"] for e in evals] == [0, 1] and all(e["samples"] == 1 for e in evals)
+    (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert line["rollout_retries"] == 0  # the eval's retry had waited for the replica: the step found it serving

@@ -9,7 +9,7 @@ this thread, which owns the reward batch (so a reward source need not be
 thread-safe). An aborted completion, a failed stream or a missing reward
 fails the step with a message naming the server and the prompt; a stream
 that failed because a replica died is a ReplicaLostError, which the trainer
-answers by rolling the step out again once the replicas are back (loop.py).
+answers by rolling the step out again once the replicas are back (`collect_retrying`).
 Whatever fails, the step's other streams are cancelled (their servers stop
 generating for it).
 """
@@ -78,6 +78,46 @@ def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out:
         lost = e.code() == grpc.StatusCode.UNAVAILABLE
         out.put((ReplicaLostError if lost else RolloutError)(
             f"rollout server {client.address} failed: {e.code()} {e.details()}"))
+
+
+def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: RewardSource, n: int,
+                     params: rollout_pb2.SamplingParams, step: int | str, retries: int, wait_s: float) -> RolloutResult:
+    """`collect`, where a replica that died mid-rollout (the server restarts it and replays the weights) costs a
+    redo, not the run: up to `retries` times the partial rollout is dropped and the same prompts are rolled out
+    anew (fresh samples) once every replica serves again (`wait_serving`). `result.retries` says how many."""
+    from tlt.services.common.logging import get_logger
+
+    done = 0
+    while True:
+        try:
+            result = collect(prompts, clients, rewards, n, params, step)
+            result.retries = done
+            return result
+        except ReplicaLostError as e:
+            if done >= retries:
+                raise
+            done += 1
+            get_logger("trainer").warning("rollout_retry", step=step, attempt=done, error=str(e)[:300])
+            wait_serving(clients, wait_s)
+
+
+def wait_serving(clients: Sequence, timeout_s: float) -> None:
+    """Until every replica of every rollout server is alive and not draining (a restarted one is marked alive only
+    once the latest weights are replayed into it); RolloutError after `timeout_s`."""
+    from tlt.v1 import common_pb2
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if all(st.replicas and all(r.alive and r.state != common_pb2.REPLICA_STATE_DRAINING for r in st.replicas)
+                   for st in (c.status() for c in clients)):
+                return
+        except grpc.RpcError:  # the server itself is down or restarting: keep asking until the deadline
+            pass
+        if time.monotonic() > deadline:
+            raise RolloutError(f"the rollout replicas did not all serve again within {timeout_s}s of a replica death; "
+                               "see the rollout server's log (replica_restart_failed?)")
+        time.sleep(0.5)
 
 
 def collect(

@@ -67,12 +67,13 @@ def due(cfg: TrainerConfig, steps_done: int) -> bool:
 def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, steps_done: int,  # noqa: ANN001
              version: int, check_version: bool = True) -> EvalRecord:
     """Score the eval set with the policy the rollout server(s) serve now (checked to be `version`)."""
-    from tlt.services.trainer.collect import collect, sampling_params
+    from tlt.services.trainer.collect import collect_retrying, sampling_params
     from tlt.services.trainer.weight_sync import check_versions
 
     t0 = time.perf_counter()
     params = sampling_params(cfg.max_tokens, cfg.eval_temperature, 1.0)
-    result = collect(items, clients, rewards, cfg.eval_samples, params, f"eval{steps_done}")
+    result = collect_retrying(items, clients, rewards, cfg.eval_samples, params, f"eval{steps_done}",
+                              cfg.rollout_retries, cfg.rollout_retry_wait_s)  # a replica death: redone, as a step
     if check_version:
         check_versions((s.policy_version for s in result.samples), version)
     correct = sum(s.correct for s in result.samples)

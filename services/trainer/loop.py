@@ -213,49 +213,14 @@ class _Services:
         return policy.version
 
     def rollout(self, prompts, step: int, version: int):  # noqa: ANN001, ANN201
-        """The step's scored samples. A replica that died mid-step (the server restarts it and replays the
-        weights) costs a redo of the step's rollout, not the run: up to `rollout_retries` times, the partial
-        rollout is dropped and the step rolled out anew (the same prompts, fresh samples) once every replica
-        serves again."""
-        from tlt.services.trainer.collect import ReplicaLostError, collect
+        from tlt.services.trainer.collect import collect_retrying
         from tlt.services.trainer.weight_sync import check_versions
 
-        retries = 0
-        while True:
-            try:
-                result = collect(prompts, self.clients, self.rewards, self.cfg.n_samples, self.params, step)
-                break
-            except ReplicaLostError as e:
-                if retries >= self.cfg.rollout_retries:
-                    raise
-                retries += 1
-                log.warning("rollout_retry", step=step, attempt=retries, error=str(e)[:300])
-                self._wait_serving(self.cfg.rollout_retry_wait_s)
-        result.retries = retries
+        result = collect_retrying(prompts, self.clients, self.rewards, self.cfg.n_samples, self.params, step,
+                                  self.cfg.rollout_retries, self.cfg.rollout_retry_wait_s)
         if self.publisher is not None:
             check_versions((s.policy_version for s in result.samples), version)
         return result
-
-    def _wait_serving(self, timeout_s: float) -> None:
-        """Until every replica of every rollout server is alive and not draining (a restarted one is marked alive
-        only once the latest weights are replayed into it); RolloutError after `timeout_s`."""
-        import grpc
-
-        from tlt.services.trainer.collect import RolloutError
-        from tlt.v1 import common_pb2
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if all(st.replicas and all(r.alive and r.state != common_pb2.REPLICA_STATE_DRAINING
-                                           for r in st.replicas) for st in (c.status() for c in self.clients)):
-                    return
-            except grpc.RpcError:  # the server itself is down or restarting: keep asking until the deadline
-                pass
-            if time.monotonic() > deadline:
-                raise RolloutError(f"the rollout replicas did not all serve again within {timeout_s}s of a replica "
-                                   "death; see the rollout server's log (replica_restart_failed?)")
-            time.sleep(0.5)
 
     def borrow(self) -> float:
         """Colocated: the rollout's devices are the trainer's until give_back() (seconds it took; 0 when off)."""
