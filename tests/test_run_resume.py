@@ -272,6 +272,18 @@ def test_an_invalid_set_is_refused_and_not_kept_for_the_next_launch(tmp_path: Pa
     assert _closed(_plan(runs, model, "--run-id", "r")).resumed
 
 
+def test_a_set_of_an_unknown_section_is_refused_by_name(tmp_path: Path) -> None:
+    """`--set trainr.lr=1` was silently ignored (no service reads a [trainr] section) and kept in run.json."""
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    for bad in ("trainr.lr=1e-5", "spec.threshold=8"):
+        with pytest.raises(ServiceError, match="unknown section"):
+            _plan(runs, model, "--run-id", "r", "--set", bad)
+    assert not (runs / "r" / "run.json").exists()
+    _closed(_plan(runs, model, "--run-id", "r", "--set", "rollout.spec.threshold=8"))
+
+
 def test_a_resumed_launch_shows_only_the_evals_its_trainer_keeps(tmp_path: Path) -> None:
     """Killed after the eval after 4 steps but before checkpoint 4: the resumed trainer drops that eval and runs
     it again; the launch showed the killed run's line as well (two 'held-out accuracy after 4 steps')."""

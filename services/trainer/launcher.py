@@ -38,11 +38,18 @@ class RunPlan:
     lock: Any = field(default=None, compare=False, repr=False)  # the run folder's lock, held while this plan runs
 
 
+SECTIONS = ("run", "rollout", "trainer", "drafter", "reward", "sglang")  # what a `tlt run` preset's services read
+
+
 def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
-    """'trainer.lr' -> preset['trainer']['lr']; 'rollout.engine.max_num_seqs' -> nested."""
+    """'trainer.lr' -> preset['trainer']['lr']; 'rollout.engine.max_num_seqs' -> nested. A section no service
+    reads is refused (it was silently ignored, and kept in run.json)."""
     parts = key.split(".")
     if len(parts) < 2:
         raise ServiceError(f"override {key!r} must name a section: SECTION.FIELD=VALUE (e.g. trainer.lr=3e-5)")
+    if parts[0] not in SECTIONS:
+        raise ServiceError(f"override {key!r}: unknown section {parts[0]!r}; the sections are {', '.join(SECTIONS)} "
+                           "(nested: rollout.engine.FIELD, rollout.spec.FIELD)")
     node = preset
     for p in parts[:-1]:
         node = node.setdefault(p, {})
