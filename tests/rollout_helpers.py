@@ -142,3 +142,13 @@ def pid_gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def assert_all_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    """Every process in `pids` exits within `timeout_s` (a zombie counts as gone)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not all(pid_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(pid_gone(p) for p in pids), [p for p in pids if not pid_gone(p)]

@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from rollout_helpers import ServeProcess, pid_gone, tiny_checkpoint
+from rollout_helpers import ServeProcess, assert_all_gone, tiny_checkpoint
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import rollout_pb2
 
@@ -83,10 +83,7 @@ def test_sigterm_fails_requests_in_flight_clearly_and_exits(model_dir, tmp_path)
     code, details = results["grpc"]
     assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, results["grpc"]
     assert s.proc.returncode == 0
-    deadline = time.monotonic() + 10  # the replicas are joined before exit; multiprocessing's resource tracker
-    while not all(pid_gone(p) for p in children) and time.monotonic() < deadline:  # follows its parent out
-        time.sleep(0.1)
-    assert all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
+    assert_all_gone(children)  # the replicas are joined before exit; multiprocessing's resource tracker follows
     assert took < 20, f"shutdown took {took:.1f}s"
 
 
@@ -114,10 +111,8 @@ def test_sigterm_while_the_replicas_load_stops_at_once(model_dir, tmp_path):
     text = log.read_text()
     assert "rollout_serving" not in text
     assert "Traceback" not in text and "never retrieved" not in text, text[-3000:]
-    deadline = time.monotonic() + 10
-    while not all(pid_gone(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert children and all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
+    assert children
+    assert_all_gone(children)
 
 
 def test_a_signal_to_the_whole_process_group_stops_the_replicas_through_the_front(model_dir, tmp_path):
@@ -149,7 +144,4 @@ def test_a_signal_to_the_whole_process_group_stops_the_replicas_through_the_fron
         text = log.read_text()
         assert "replica_dead" not in text and "Traceback" not in text, text[-3000:]
         assert text.count("replica_stopped") == 2, text[-3000:]
-        deadline = time.monotonic() + 10
-        while not all(pid_gone(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
+        assert_all_gone(children)

@@ -193,8 +193,7 @@ class ReplicaPool(CapacityStates):
             now = time.monotonic()
             for rep in list(self.replicas):
                 silent = now - rep.heard
-                if rep.alive and not rep.error and rep.outstanding > 0 and not rep.applying \
-                        and silent > self.stall_timeout_s:
+                if rep.alive and rep.outstanding > 0 and not rep.applying and silent > self.stall_timeout_s:
                     log.error("replica_stalled", replica=rep.replica_id, pid=rep.process.pid,
                               silent_s=round(silent, 1), outstanding=rep.outstanding)
                     self._on_dead(rep, f"stalled: no progress for {silent:.0f}s with {rep.outstanding} sequences "
@@ -298,8 +297,7 @@ class ReplicaPool(CapacityStates):
                 rep.process.kill()
                 await asyncio.to_thread(rep.process.join, 5)
             rep.alive = False
-        for p in list(self._pending.values()):
-            p.events.put_nowait(ReplicaUnavailableError("the server is shutting down"))
+        self.refuse_requests("the server is shutting down")  # what is still waiting (RolloutServer.stop did it first)
         self._pending.clear()
 
     def refuse_requests(self, why: str) -> None:

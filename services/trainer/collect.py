@@ -56,7 +56,7 @@ class RolloutResult:
     samples: list[ScoredCompletion]
     times: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_tail_s (wait after the last sample)
     spec: SpecTotals = field(default_factory=lambda: SpecTotals())  # SD counters summed over the completions
-    retries: int = 0  # times the step was rolled out again after a replica died (loop.py)
+    retries: int = 0  # times the step was rolled out again after a replica died (`collect_retrying`)
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float) -> rollout_pb2.SamplingParams:

@@ -86,5 +86,10 @@ def read_evals(path: Path) -> list[EvalRecord]:
 
 
 def trim_evals(path: Path, steps_done: int) -> None:
-    """On resume after `steps_done` steps: drop evals of later steps (the killed run's), atomically."""
-    trim_jsonl(path, lambda r: r["after_steps"] <= steps_done)
+    """Keep the evals a trainer that starts after `steps_done` steps keeps: on a resume those up to its checkpoint
+    (later ones are the killed run's, run again), atomically; on a fresh start (0) none (step 0's is run again).
+    The trainer does it as it starts (loop.py), and `tlt run` before, so that it shows each eval once."""
+    if steps_done:
+        trim_jsonl(path, lambda r: r["after_steps"] <= steps_done)
+    else:
+        path.unlink(missing_ok=True)

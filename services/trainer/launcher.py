@@ -19,6 +19,7 @@ from typing import Any
 
 from tlt.services.common.config import ConfigError, cli_overrides, load_config, preset_path, read_preset
 from tlt.services.common.logging import get_logger
+from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
 from tlt.services.trainer.run_config import RunConfig, resolve_services, spec_section, to_toml
 
@@ -239,24 +240,13 @@ class Launcher:
         # until it has, those lines are the interrupted run's: shown, each of those steps would show twice.
         self._launched = time.time()
         self._resumes_at = _checkpoint_steps(plan.run_dir)
-        self._drop_evals_to_redo()
+        trim_evals(plan.run_dir / "eval.jsonl", self._resumes_at)  # as the trainer will: each eval shown once
         self._eval_size = -1  # size of eval.jsonl when last read
         # Control-plane token for this run (services/common/auth.py): the caller's TLT_AUTH_TOKEN if set, else a
         # fresh random one; every child gets it in its environment (never on a command line or in config.toml).
         from tlt.services.common.auth import TOKEN_ENV, new_token, resolve_token
 
         self.child_env = {TOKEN_ENV: resolve_token() or new_token()}
-
-    def _drop_evals_to_redo(self) -> None:
-        """Drop the held-out evals the resumed trainer drops and runs again (loop.py), as it will: eval.jsonl
-        holds no time to tell the killed run's lines from the new ones by, and shown, each would show twice."""
-        from tlt.services.trainer.evaluate import trim_evals
-
-        path = self.plan.run_dir / "eval.jsonl"
-        if self._resumes_at:
-            trim_evals(path, self._resumes_at)
-        else:
-            path.unlink(missing_ok=True)
 
     # -- start ---------------------------------------------------------------------------------
     def _service(self, name: str, argv: list[str], ready: bool = True) -> ServiceProcess:

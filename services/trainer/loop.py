@@ -164,10 +164,9 @@ class _Services:
         self.eval_path = out / "eval.jsonl"
         if start:
             trim_jsonl(self.metrics_path, lambda m: m["step"] < start)
-            trim_evals(self.eval_path, start)
         else:
             self.metrics_path.unlink(missing_ok=True)
-            self.eval_path.unlink(missing_ok=True)
+        trim_evals(self.eval_path, start)
         self.eval_items = eval_items(cfg) if cfg.eval_problems else []
         self.prom = Metrics("trainer")
         self.g_step = self.prom.gauge("step", "RL steps done")

@@ -5,13 +5,15 @@ full block whose tokens lie inside the sequence's known prefix (all tokens but
 the last) is registered under a key that digests its whole prefix (the
 previous block's key and its own tokens, BLAKE2b, 128 bits: `chain_key`);
 a later sequence with the same prefix reuses it (ref count + 1) instead of
-computing it again. The key must be collision-resistant: a hit compares only
-the block's own tokens, so two prefixes with one key would share K/V computed
-under another context (Python's `hash` is 64 bits, unkeyed and craftable,
-which is how vLLM's prefix cache was attacked, CVE-2025-25183). That is how the n samples of one GRPO prompt prefill the
+computing it again. That is how the n samples of one GRPO prompt prefill the
 prompt once. The block holding the last prompt token is never shared, so a
 sequence only ever writes into blocks it owns alone (no copy-on-write needed;
 the partial tail is recomputed per sample, at most block_size tokens).
+
+The key must be collision-resistant: a hit compares only the block's own
+tokens, so two prefixes with one key would share K/V computed under another
+context (Python's `hash` is 64 bits, unkeyed and craftable, which is how
+vLLM's prefix cache was attacked, CVE-2025-25183).
 
 A shared block must already hold K/V when the sharer reads it: either it is
 `computed`, or it is being written in the same step by a sequence scheduled
