@@ -348,3 +348,26 @@ def test_drafter_push_with_integer_or_bool_tensors_is_refused(drafter_server, mo
         assert "replica 0: replica 0" not in str(refused.value)  # each replica named once in the reason
     assert client.status().versions.drafter == serving
     assert client.update_weights({k: v.half() for k, v in own.items()}, "drafter", serving + 1).ok  # float: cast
+
+
+def test_a_push_is_assembled_off_the_event_loop(server, client, model_dir, monkeypatch):
+    """Assembling a push (joining its chunks, or reading its /dev/shm file) takes seconds for a 7B model's 14 GB.
+    Done on the event loop, it froze every HTTP stream, gRPC call and health check of the server meanwhile; it now
+    runs in a worker thread. (Spied on the real function; a stale version, so the module's server is unchanged.)"""
+    import threading
+
+    from tlt.services.common import weights
+
+    threads = []
+    real = weights.assemble
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weights, "assemble", spy)
+    state = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    for shm in (False, True):
+        with pytest.raises(WeightPushError, match="not newer"):
+            client.update_weights({"model.norm.weight": state["model.norm.weight"]}, "policy", 0, shm=shm)
+    assert len(threads) == 2 and server._thread not in threads, threads

@@ -106,3 +106,60 @@ def test_a_stalled_replica_is_killed_and_restarted_and_its_requests_fail_clearly
             time.sleep(0.1)
         assert len(list(c.batch_generate(["3+3="], n=2, params=params))) == 2
         assert s.server.pool.restarts == {0: 1}
+
+
+def test_a_push_a_replica_does_not_answer_in_time_never_lands_later(model_dir):
+    """A replica that does not answer a weight push within `update_timeout_s` (here SIGSTOPped) is in an unknown
+    state: it may apply the push a moment later. The push is reported failed and the pool keeps serving version 0,
+    so a replica that applied it late would serve version 1 under a status that says 0, and the trainer would see
+    completions of a policy it believes was never pushed. Such a replica is now killed and restarted with the
+    weights the pool serves replayed: afterwards every completion carries the version the status reports."""
+    import safetensors.torch
+
+    from tlt.services.rollout.client import WeightPushError
+
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    changed = {"model.norm.weight": original["model.norm.weight"] * 1.25}
+    params = rollout_pb2.SamplingParams(max_tokens=4)
+    with ServerThread(model_dir, replicas=1, max_restarts=1, update_timeout_s=1.0) as s, \
+            RolloutClient(s.grpc_address, timeout_s=60) as c:
+        old = s.server.replica_pids()[0]
+        os.kill(old, signal.SIGSTOP)
+        try:
+            with pytest.raises(WeightPushError, match="replica 0") as err:
+                c.update_weights(changed, "policy", 1)
+            assert "restart" in str(err.value), err.value
+        finally:
+            os.kill(old, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while not (c.status().replicas[0].alive and s.server.replica_pids()[0] != old):
+            assert time.monotonic() < deadline, "the replica that missed the push was not restarted"
+            time.sleep(0.1)
+        assert c.status().versions.policy == 0
+        outs = list(c.batch_generate(["1+2=", "3+4="], n=2, params=params))
+        assert {o.versions.policy for o in outs} == {0}
+        assert c.update_weights(changed, "policy", 1).ok  # the same push, again: it lands now
+        assert {o.versions.policy for o in c.batch_generate(["1+2="], n=2, params=params)} == {1}
+
+
+def test_a_replica_whose_process_lingers_after_it_died_is_killed_before_its_replacement_starts(model_dir):
+    """A replica that reported itself dead (Fatal) but whose process does not exit (a GPU teardown that hangs; here
+    SIGSTOP) held its memory while its replacement started beside it. Now it is given `exit_grace_s` to exit and
+    then killed, and its replacement starts only once it is gone."""
+    with ServerThread(model_dir, replicas=1, max_restarts=1) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        pool = s.server.pool
+        pool.exit_grace_s = 1.0
+        dead = pool.replicas[0]
+        os.kill(dead.process.pid, signal.SIGSTOP)
+        s.loop.call_soon_threadsafe(pool._on_dead, dead, "engine failed: (test) the replica reported Fatal")
+        deadline = time.monotonic() + 120
+        while pool.replicas[0] is dead:
+            assert time.monotonic() < deadline, "no replacement was started"
+            time.sleep(0.05)
+        alive_beside = dead.process.is_alive()
+        if alive_beside:
+            os.kill(dead.process.pid, signal.SIGKILL)
+        assert not alive_beside, "the replacement started while the dead replica's process still ran"
+        while not c.status().replicas[0].alive:
+            assert time.monotonic() < deadline, "the replacement did not come up"
+            time.sleep(0.1)

@@ -237,7 +237,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                     ok=False, error=f"weight stream is over max_weight_bytes={self.config.max_weight_bytes}")
             chunks.append(chunk)
         try:
-            manifest, payload = assemble(chunks, max_total_bytes=self.config.max_weight_bytes)
+            # a worker thread: joining the chunks (or reading the shm file) of a large model takes seconds
+            manifest, payload = await asyncio.to_thread(assemble, chunks, max_total_bytes=self.config.max_weight_bytes)
         except WeightValidationError as e:
             self._reject("weights_invalid")
             return rollout_pb2.UpdateWeightsResponse(ok=False, error=str(e))

@@ -20,7 +20,11 @@ matters: the payload is validated entirely here (checksum, sizes, names,
 shapes, dtypes against the replicas' `expected_weights`) before any replica
 sees it; then every live replica applies it between two engine steps. A
 replica that still fails to apply it (an engine bug) makes the call fail
-loudly and is named in the error. One update at a time.
+loudly and is named in the error. A replica that does not answer within the
+update timeout might still apply the push later, under versions the pool never
+had: it is killed (`_kill`) and counts as one that died meanwhile, so the push
+holds if any other replica applied it (the restarted replica gets it replayed)
+and fails otherwise (it gets the previous weights). One update at a time.
 
 Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
 OOM, kill -9) fails its in-flight requests with ReplicaUnavailableError and
@@ -76,6 +80,7 @@ from tlt.services.rollout.types import CompletionOutput, GenerationRequest, Step
 log = get_logger("rollout.replicas")
 
 RESTART_WINDOW_S = 600.0  # a replica up this long before it died is not crash-looping: its restart count starts over
+EXIT_GRACE_S = 5.0  # a dead replica's process that has not exited this long after is killed before its replacement starts
 
 
 @dataclass
@@ -141,6 +146,7 @@ class ReplicaPool(CapacityStates):
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}  # replica id -> restarts in a row (see RESTART_WINDOW_S)
         self.restart_window_s = RESTART_WINDOW_S
+        self.exit_grace_s = EXIT_GRACE_S
         self._latest: dict[str, tuple[int, bytes, bytes]] = {}  # kind -> (version, manifest, payload) applied
         self._restart_tasks: set[asyncio.Task] = set()
         self._info: ReplicaInfo | None = None
@@ -196,9 +202,14 @@ class ReplicaPool(CapacityStates):
                 if rep.alive and rep.outstanding > 0 and not rep.applying and silent > self.stall_timeout_s:
                     log.error("replica_stalled", replica=rep.replica_id, pid=rep.process.pid,
                               silent_s=round(silent, 1), outstanding=rep.outstanding)
-                    self._on_dead(rep, f"stalled: no progress for {silent:.0f}s with {rep.outstanding} sequences "
-                                       "outstanding; killed")
-                    rep.process.kill()
+                    self._kill(rep, f"stalled: no progress for {silent:.0f}s with {rep.outstanding} sequences "
+                                    "outstanding; killed")
+
+    def _kill(self, rep: _Replica, why: str) -> None:
+        """Treat a live replica in an unknown state (hung, or silent on a command it may still carry out) as dead:
+        fail its requests and commands at once (`_on_dead`, which restarts it), then SIGKILL its process."""
+        self._on_dead(rep, why)
+        rep.process.kill()
 
     async def _all_ready(self, timeout_s: float) -> None:
         """Wait until every replica has loaded its model; raise the first failure, or TimeoutError. Waits without
@@ -240,7 +251,11 @@ class ReplicaPool(CapacityStates):
         i = dead.replica_id
         n = self.restarts.get(i, 0) + 1
         self.restarts[i] = n
-        await asyncio.to_thread(dead.process.join, 5)
+        await asyncio.to_thread(dead.process.join, self.exit_grace_s)
+        if dead.process.is_alive():  # reported its death (Fatal) but hangs on its way out: it still holds its memory
+            log.warning("replica_killed_on_exit", replica=i, pid=dead.process.pid, grace_s=self.exit_grace_s)
+            dead.process.kill()
+            await asyncio.to_thread(dead.process.join, 10)
         await asyncio.sleep(min(30.0, 2.0 ** (n - 1)))
         if self._stopping:
             return
@@ -539,7 +554,7 @@ class ReplicaPool(CapacityStates):
             live = [r for r in self.replicas if r.alive]
             if not live:
                 raise ReplicaUnavailableError("no live engine replica")
-            blob, data = manifest.SerializeToString(), bytes(payload)
+            blob, data = manifest.SerializeToString(), await asyncio.to_thread(bytes, payload)  # GBs: off the loop
             busy = live if kind == "policy" else []
             for r in busy:
                 r.applying = True
@@ -574,6 +589,11 @@ class ReplicaPool(CapacityStates):
             *(self._ask(r, lambda cid: ApplyWeights(cid, kind, version, blob, data), timeout_s) for r in live),
             return_exceptions=True,
         )
+        for r, x in zip(live, replies):
+            if isinstance(x, TimeoutError):  # it may still apply the push later, under versions the pool never had
+                self._kill(r, f"no answer to the {kind} v{version} push within {timeout_s:g}s (update_timeout_s); "
+                              "killed and restarted with the weights the pool serves")
+        replies = [ReplicaUnavailableError(r.error) if isinstance(x, TimeoutError) else x for r, x in zip(live, replies)]
         failed = failures(live, replies)
         applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
         if failed:
@@ -585,7 +605,8 @@ class ReplicaPool(CapacityStates):
                 )
             raise WeightUpdateError("; ".join(failed))
         if not applied:
-            raise ReplicaUnavailableError("every replica died during the weight update")
+            why = "; ".join(f"replica {r.replica_id}: {r.error.splitlines()[-1]}" for r in live if r.error)
+            raise ReplicaUnavailableError(f"no replica applied the push, each died meanwhile: {why}")
         # Replayed to a restarted replica (and served by GetWeights): what the replicas now hold, i.e. this push
         # plus the tensors of earlier pushes it did not carry (a partial push leaves those as they were).
         held = await asyncio.to_thread(self._held_after, self._latest.get(kind), version, blob, data)
