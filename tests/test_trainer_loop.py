@@ -141,3 +141,53 @@ def test_the_held_out_eval_is_also_redone_after_a_replica_death(random_model_dir
     assert [e["after_steps"] for e in evals] == [0, 1] and all(e["samples"] == 1 for e in evals)
     (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert line["rollout_retries"] == 0  # the eval's retry had waited for the replica: the step found it serving
+
+
+def test_a_step_refused_by_a_busy_rollout_server_is_rolled_out_again_once_there_is_room(random_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """A rollout server shared with other clients refuses a request it has no room for (RESOURCE_EXHAUSTED,
+    `max_pending_sequences`). The trainer asks again after a wait instead of ending the run. Here another client's
+    request holds one of the 8 places (its replica SIGSTOPped until the trainer has been refused once)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer import collect
+    from tlt.v1 import rollout_pb2
+
+    monkeypatch.setattr(collect, "BUSY_WAIT_S", 0.5)
+    with ServerThread(random_model_dir, replicas=1, max_pending_sequences=8) as server, \
+            RolloutClient(server.grpc_address, timeout_s=120) as other:
+        pool, pid = server.server.pool, server.server.replica_pids()[0]
+        params = rollout_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
+        held = threading.Thread(target=lambda: list(other.batch_generate(["1+1="], n=1, params=params)))
+        held.start()
+        while pool.pending_sequences < 1:
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGSTOP)
+        metrics = server.base_url.removesuffix("/v1") + "/metrics"
+
+        def release_once_refused() -> None:
+            deadline = time.monotonic() + 120
+            while 'rollout_rejected_total{reason="overloaded"} 1.0' not in httpx.get(metrics).text:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGCONT)
+
+        releaser = threading.Thread(target=release_once_refused)
+        releaser.start()
+        try:
+            summary = train(config(random_model_dir, server.grpc_address, tmp_path / "run", steps=1,
+                                   rollout_retries=2))
+        finally:
+            releaser.join(130)
+            os.kill(pid, signal.SIGCONT)
+            held.join(60)
+    assert summary.steps_done == 1
+    (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert line["rollout_retries"] >= 1 and line["policy_version"] == 1

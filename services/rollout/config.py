@@ -47,6 +47,11 @@ class RolloutConfig(ServiceConfig):
     )
     max_n: int = Field(64, ge=1, description="largest n (samples per prompt) a request may ask for")
     max_prompts_per_batch: int = Field(4096, ge=1, description="largest number of prompts in one BatchGenerate")
+    max_pending_sequences: int = Field(
+        65536, ge=0, description="most sequences (a request's prompts x n) the replicas may hold at once, running or "
+        "waiting; a request that would pass it gets 429 with Retry-After (gRPC RESOURCE_EXHAUSTED), one that alone "
+        "is larger gets 400; checked as each request arrives; 0: no limit"
+    )
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="largest HTTP request body in bytes; larger gets 413"
     )

@@ -22,7 +22,8 @@ NEWEST version that computed any of its tokens or prompt K/V. The oldest
 `tlt_versions.policy_min` over HTTP. The trainer pushes between rollout
 phases, when nothing is in flight, so its completions never straddle.
 
-Invalid requests get INVALID_ARGUMENT with the reason; a bad weight push
+Invalid requests get INVALID_ARGUMENT with the reason; a request the server
+has no room for now (`max_pending_sequences`) gets RESOURCE_EXHAUSTED; a bad weight push
 answers ok=false with the reason and changes nothing; a missing or wrong
 control token on UpdateWeights or GetWeights gets UNAUTHENTICATED (policy: services/common/
 auth.py). Every refusal counts in rollout_rejected_total{reason}.
@@ -40,6 +41,7 @@ import grpc
 from tlt.services.common.auth import ControlAuth
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.config import RolloutConfig
+from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
 from tlt.services.rollout.types import CompletionOutput, FinishReason, GenerationRequest, SamplingParams
 from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -149,7 +151,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} is over the "
                                  f"context length {info.max_model_len}")
             out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), params, n))
+        self.pool.admit(len(out) * n)  # InvalidRequestError (alone too large) is a ValueError; OverloadedError: busy
         return out
+
+    async def _refuse_overloaded(self, e: OverloadedError, context: grpc.aio.ServicerContext) -> None:
+        self._reject("overloaded")
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def _stream(self, reqs: list[GenerationRequest], refs: list[str]
                       ) -> AsyncIterator[rollout_pb2.Completion]:
@@ -189,6 +196,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except ValueError as e:
             self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except OverloadedError as e:
+            await self._refuse_overloaded(e, context)
         try:
             async for msg in self._stream(reqs, [p.reference for p in request.prompts]):
                 yield msg
@@ -206,6 +215,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except ValueError as e:
             self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except OverloadedError as e:
+            await self._refuse_overloaded(e, context)
         try:
             outs = [m async for m in self._stream(reqs, [request.prompt.reference])]
         except InvalidRequestError as e:

@@ -52,6 +52,7 @@ from tlt.services.rollout.openai_schema import (
     ModelList,
     Usage,
 )
+from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError
 from tlt.services.rollout.spec_metrics import SpecMetrics
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest, SamplingParams, StepOutput
@@ -59,13 +60,14 @@ from tlt.services.rollout.types import CompletionOutput, GenerationRequest, Samp
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 def _pool_error(e: InvalidRequestError | ReplicaUnavailableError) -> ApiError:
@@ -268,6 +270,14 @@ class OpenAIServer:
 
     def _requests(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str
                   ) -> list[GenerationRequest]:
+        """The engine requests of one API request, once the server has room for them (`ReplicaPool.admit`): 400 for
+        one larger than `max_pending_sequences`, 429 with Retry-After (which the OpenAI SDKs honour) when busy."""
+        try:
+            self.pool.admit(len(prompts) * n)
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param="n", code="too_many_sequences") from None
+        except OverloadedError as e:
+            raise ApiError(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"}) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
         self.m_prompt.inc(sum(len(p) for p in prompts))
         return [GenerationRequest(f"{rid}-{i}", tuple(p), params, n) for i, p in enumerate(prompts)]

@@ -72,7 +72,12 @@ from tlt.services.rollout.ipc import (
     Shutdown,
     StepEvents,
 )
-from tlt.services.rollout.errors import InvalidRequestError, ReplicaUnavailableError, WeightUpdateError
+from tlt.services.rollout.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    ReplicaUnavailableError,
+    WeightUpdateError,
+)
 from tlt.services.rollout.pool_states import CapacityStates, failures
 from tlt.services.rollout.replica import replica_main
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest, StepOutput, Versions
@@ -137,8 +142,9 @@ class ReplicaPool(CapacityStates):
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
                  spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False,
-                 spin_wait: bool = False, stall_timeout_s: float = 0.0) -> None:
+                 spin_wait: bool = False, stall_timeout_s: float = 0.0, max_pending_sequences: int = 0) -> None:
         self.model_dir = model_dir
+        self.max_pending_sequences = max_pending_sequences  # 0: no limit (see admit)
         self.stall_timeout_s = stall_timeout_s  # 0: no watchdog
         self._watchdog: asyncio.Task | None = None
         self.pin_cpus = pin_cpus
@@ -445,6 +451,27 @@ class ReplicaPool(CapacityStates):
                               max_restarts=self.max_restarts)
 
     # ---- requests ------------------------------------------------------------------------
+
+    @property
+    def pending_sequences(self) -> int:
+        """Sequences handed to the replicas and not yet finished, failed or dropped: running or waiting."""
+        return sum(r.outstanding for r in self.replicas)
+
+    def admit(self, sequences: int) -> None:
+        """Refuse a request of `sequences` (its prompts x n, all at once) that would take the replicas past
+        `max_pending_sequences`: InvalidRequestError when it alone is larger (waiting cannot help), OverloadedError
+        when it would fit once others finish. A check, not a reservation: requests arriving within one event loop
+        turn may pass it together, by at most their own sizes."""
+        limit = self.max_pending_sequences
+        if not limit:
+            return
+        if sequences > limit:
+            raise InvalidRequestError(f"{sequences} sequences (prompts x n) in one request is over the server's "
+                                      f"max_pending_sequences={limit}")
+        pending = self.pending_sequences
+        if pending + sequences > limit:
+            raise OverloadedError(f"the server is busy: {pending} sequences pending, and {sequences} more would pass "
+                                  f"max_pending_sequences={limit}; retry later")
 
     def _pick(self) -> _Replica:
         live = [r for r in self.replicas if r.alive]

@@ -37,8 +37,20 @@ class RolloutError(RuntimeError):
     """The rollout server failed to produce a completion of this step."""
 
 
-class ReplicaLostError(RolloutError):
+class RetryableRolloutError(RolloutError):
+    """A failure that rolling the step out again can mend (`collect_retrying`)."""
+
+
+class ReplicaLostError(RetryableRolloutError):
     """A rollout server answered UNAVAILABLE: a replica died mid-step (it restarts it), or it is shutting down."""
+
+
+class RolloutBusyError(RetryableRolloutError):
+    """A rollout server answered RESOURCE_EXHAUSTED: other clients' requests fill it (its `max_pending_sequences`)."""
+
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE: ReplicaLostError, grpc.StatusCode.RESOURCE_EXHAUSTED: RolloutBusyError}
+BUSY_WAIT_S = 5.0  # first wait before a busy server is asked again; doubles per retry
 
 
 @dataclass(frozen=True)
@@ -75,16 +87,16 @@ def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out:
             out.put((client, prompts, c))
         out.put(_END)
     except grpc.RpcError as e:  # deliberate boundary: handed to the step, which fails with it
-        lost = e.code() == grpc.StatusCode.UNAVAILABLE
-        out.put((ReplicaLostError if lost else RolloutError)(
-            f"rollout server {client.address} failed: {e.code()} {e.details()}"))
+        out.put(_RETRYABLE.get(e.code(), RolloutError)(f"rollout server {client.address} failed: {e.code()} {e.details()}"))
 
 
 def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: RewardSource, n: int,
                      params: rollout_pb2.SamplingParams, step: int | str, retries: int, wait_s: float) -> RolloutResult:
     """`collect`, where a replica that died mid-rollout (the server restarts it and replays the weights) costs a
     redo, not the run: up to `retries` times the partial rollout is dropped and the same prompts are rolled out
-    anew (fresh samples) once every replica serves again (`wait_serving`). `result.retries` says how many."""
+    anew (fresh samples) once every replica serves again (`wait_serving`). A server too busy with other clients'
+    requests to take the step's (RESOURCE_EXHAUSTED) is asked again the same way, after BUSY_WAIT_S, doubling.
+    `result.retries` says how many."""
     from tlt.services.common.logging import get_logger
 
     done = 0
@@ -93,12 +105,15 @@ def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: 
             result = collect(prompts, clients, rewards, n, params, step)
             result.retries = done
             return result
-        except ReplicaLostError as e:
+        except RetryableRolloutError as e:
             if done >= retries:
                 raise
             done += 1
             get_logger("trainer").warning("rollout_retry", step=step, attempt=done, error=str(e)[:300])
-            wait_serving(clients, wait_s)
+            if isinstance(e, RolloutBusyError):
+                time.sleep(min(wait_s, BUSY_WAIT_S * 2 ** (done - 1)))
+            else:
+                wait_serving(clients, wait_s)
 
 
 def wait_serving(clients: Sequence, timeout_s: float) -> None:

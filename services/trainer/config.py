@@ -48,7 +48,8 @@ class TrainerConfig(ServiceConfig):
     reward_retries: int = Field(2, ge=0, description="retries of a failed reward call before the step fails")
     connect_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the rollout server(s) and the reward server at start")
     rollout_retries: int = Field(2, ge=0, description="times a step is rolled out again (its partial rollout dropped) "
-                                 "after a rollout replica died mid-step and was restarted; 0: the step fails")
+                                 "after a rollout replica died mid-step and was restarted, or the rollout server "
+                                 "was too busy with other clients to take it (5 s later, doubling); 0: the step fails")
     rollout_retry_wait_s: float = Field(600.0, gt=0, description="how long to wait for every replica to serve again "
                                         "before a rollout retry (a restarted replica reloads its model)")
     push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -1,0 +1,82 @@
+"""Admission control: `max_pending_sequences` bounds the sequences the replicas hold (running or waiting).
+
+Without it a server took every request it was sent: a burst of clients queued without bound, memory grew with the
+queue and every request's latency with it, and no client was told to back off. A request that would pass the limit
+now gets 429 with Retry-After over HTTP (the OpenAI SDK raises RateLimitError, and retries by itself when allowed)
+and RESOURCE_EXHAUSTED over gRPC; one larger than the limit on its own gets 400 / INVALID_ARGUMENT (waiting cannot
+help it). Requests admitted before are untouched, and once they finish the same request is served.
+
+Real parts: the rollout server on 127.0.0.1 (one replica process, native engine, real grpc.aio and HTTP), the
+openai SDK. The replica is SIGSTOPped (a process this test started) to hold its sequences pending while the test
+looks, so the check does not race a tiny model that decodes in a second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from rollout_helpers import ServerThread, tiny_checkpoint
+
+from tlt.services.rollout.client import RolloutClient
+from tlt.v1 import rollout_pb2
+
+LIMIT = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("admission-model"))
+
+
+def _rejected(base: str, reason: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(f'rollout_rejected_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_server_at_its_limit_answers_429_and_resource_exhausted_and_serves_once_there_is_room(model_dir):
+    params = rollout_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
+    with ServerThread(model_dir, replicas=1, max_pending_sequences=LIMIT) as s, \
+            RolloutClient(s.grpc_address, timeout_s=120) as c:
+        base = s.base_url.removesuffix("/v1")
+        body = {"model": s.model_name, "prompt": "1+2=", "max_tokens": 4}
+        alone = httpx.post(f"{s.base_url}/completions", json={**body, "n": LIMIT + 1}, timeout=60)
+        assert alone.status_code == 400 and "max_pending_sequences=8" in alone.json()["error"]["message"], alone.text
+
+        held: list = []
+        first = threading.Thread(target=lambda: held.extend(c.batch_generate(["1+1=", "2+2="], n=3, params=params)))
+        first.start()
+        deadline = time.monotonic() + 60
+        while s.server.pool.pending_sequences < 6:
+            assert time.monotonic() < deadline, s.server.pool.pending_sequences
+            time.sleep(0.005)
+        pid = s.server.replica_pids()[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            before = _rejected(base, "overloaded")
+            busy = httpx.post(f"{s.base_url}/completions", json={**body, "n": 3}, timeout=60)
+            assert busy.status_code == 429, busy.text
+            assert busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["code"] == "overloaded" and "6 sequences pending" in busy.text
+            sdk = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0)
+            with pytest.raises(openai.RateLimitError):
+                sdk.completions.create(model=s.model_name, prompt=["1+2=", "3+4="], max_tokens=4, n=2)
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate("1+2=", n=3, params=rollout_pb2.SamplingParams(max_tokens=4))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert _rejected(base, "overloaded") == before + 3
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        first.join(120)
+        assert len(held) == 6 and all(len(x.token_ids) == 200 for x in held)  # the admitted request was untouched
+        assert s.server.pool.pending_sequences == 0
+        ok = httpx.post(f"{s.base_url}/completions", json={**body, "n": LIMIT}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == LIMIT, ok.text
