@@ -297,3 +297,21 @@ def test_tlt_report_on_a_run_cut_off_before_its_first_step(tmp_path: Path, capsy
     assert main(["report", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "report.html")
     assert "0 steps" in (tmp_path / "report.html").read_text()
+
+
+def test_a_line_cut_by_a_killed_launch_does_not_swallow_the_next_launchs_first_sample(tmp_path):
+    """`tlt run` killed with -9 can leave timeline.jsonl ending mid-line. The resumed launch appended to it, its first
+    sample joined the cut line, and reading dropped both. The sampler now starts its records on a new line.
+    (A real RolloutSampler, not started: its first record is written by hand; nothing is polled.)"""
+    from tlt.services.trainer.run_monitor import RolloutSampler
+    from tlt.services.trainer.run_stats import TimelineSample, read_timeline
+
+    path = tmp_path / "timeline.jsonl"
+    first = TimelineSample(1.0, (3,), (0,), (True,), 1, 0)
+    path.write_text(first.to_json() + "\n" + TimelineSample(2.0, (2,), (0,), (True,), 1, 0).to_json()[:17])
+    sampler = RolloutSampler("127.0.0.1:9", path, 1.0)
+    resumed = TimelineSample(3.0, (1,), (0,), (False,), 2, 0)
+    sampler.out.write(resumed.to_json() + "\n")
+    sampler.out.close()
+    sampler.client.close()
+    assert read_timeline(path) == [first, resumed]

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from tlt.services.common.logging import get_logger
-from tlt.services.trainer.run_stats import IdleWindow, TimelineSample
+from tlt.services.trainer.run_stats import IdleWindow, TimelineSample, open_append
 
 log = get_logger("run.monitor")
 
@@ -52,7 +52,7 @@ class RolloutSampler(_Poller):
 
         super().__init__(interval_s)
         self.client = RolloutClient(address, timeout_s=5.0)
-        self.out = path.open("a")
+        self.out = open_append(path)
         self.samples = 0
 
     def poll(self) -> None:
@@ -105,7 +105,7 @@ class DrafterSampler(_Poller):
                 self.seen.add(key)
                 new.append(IdleWindow(w.worker_id, w.replica_id, w.start, w.end, int(w.micro_steps), bool(w.preempted)))
         if new:
-            with self.windows_path.open("a") as f:
+            with open_append(self.windows_path) as f:
                 for w in new:
                     f.write(json.dumps(w.__dict__) + "\n")
         tmp = self.status_path.with_suffix(".tmp")

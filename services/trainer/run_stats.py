@@ -18,6 +18,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TextIO
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,20 @@ def read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError:  # a line cut by a kill -9 mid-write: the rest is still good
                 continue
     return out
+
+
+def open_append(path: Path) -> TextIO:
+    """`path` opened to append JSON lines, starting on a new line: a launch killed mid-write (kill -9) left a cut
+    last line, and the next launch's first record would join it and be lost with it when read (`read_jsonl`)."""
+    cut = False
+    if path.exists() and path.stat().st_size > 0:
+        with path.open("rb") as old:
+            old.seek(-1, 2)
+            cut = old.read(1) != b"\n"
+    f = path.open("a")
+    if cut:
+        f.write("\n")
+    return f
 
 
 def trim_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
