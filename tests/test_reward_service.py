@@ -95,6 +95,29 @@ def test_equivalent_numbers_exactly() -> None:
     assert not equivalent("1/0", "0")
 
 
+def test_latex_thousands_separator() -> None:
+    r"""`1{,}000` is how LaTeX (and models trained on MATH-style solutions) write a thousands separator; only the
+    bare `1,000` was recognised, so `\boxed{1{,}000}` was scored wrong against 1000."""
+    assert normalize(r"1{,}000") == "1000"
+    assert math_verifier("", r"so \boxed{1{,}234{,}567}.", "1234567")
+    assert math_verifier("", r"\boxed{-1{,}000.5}", "-1000.5")
+    assert math_verifier("", r"\boxed{\$1{,}000}", "1,000")
+    assert not math_verifier("", r"\boxed{1{,}2}", "12")  # not a thousands group: a list, left as it is
+
+
+def test_units_after_a_number_are_dropped() -> None:
+    r"""`\boxed{12\text{ cm}}` normalised to `12cm` and was scored wrong against 12 (math-verify and the
+    MATH `strip_string` drop such units); only a `\text{...}`/`\mbox{...}` of words after a plain number is a unit."""
+    assert math_verifier("", r"\boxed{12\text{ cm}}", "12")
+    assert math_verifier("", r"\boxed{5 \text{ dollars}}.", "5")
+    assert math_verifier("", r"\boxed{865 \mbox{ inches}^2}", "865")
+    assert math_verifier("", r"\boxed{\frac{1}{2}\text{ hours}}", "0.5")
+    assert math_verifier("", r"\boxed{10}", r"10\text{ inches}")  # a reference with units too
+    assert not math_verifier("", r"\boxed{5\text{ or }6}", "5")  # not a unit: something follows it
+    assert not math_verifier("", r"\boxed{x\text{ cm}}", "x")  # only after a plain number
+    assert not math_verifier("", r"\boxed{12\text{ cm}}", "13")
+
+
 def test_math_verifier_takes_the_whole_marked_answer() -> None:
     """The answer after `answer:` is the whole token, not its leading integer: `answer: 7.5` was scored
     correct against 7 (and wrong against 7.5)."""

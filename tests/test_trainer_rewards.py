@@ -188,3 +188,23 @@ def test_wait_ready_returns_once_the_reward_server_is_up():
             src.wait_ready(5.0)
         finally:
             src.close()
+
+
+def test_a_generator_function_that_raises_fails_with_reward_error():
+    """A reward function written as a generator (`yield` per completion) runs its code only when its values are
+    read; reading them was outside the error boundary, so its exception escaped raw instead of as the
+    RewardError that names the function."""
+
+    def per_completion(prompts, completions, **kw):
+        for c in completions:
+            yield {"ok": 1.0}[c]
+
+    good = FunctionRewards([per_completion]).begin()
+    good.submit("k0", "p", "ok", "a")
+    assert good.results()["k0"].reward == 1.0
+    batch = FunctionRewards([per_completion]).begin()
+    batch.submit("k0", "p", "ok", "a")
+    batch.submit("k1", "p", "bad", "a")
+    with pytest.raises(RewardError, match=r"reward function .*per_completion raised KeyError: 'bad'") as e:
+        batch.results()
+    assert isinstance(e.value.__cause__, KeyError)

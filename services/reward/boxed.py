@@ -7,15 +7,21 @@ r"""`\boxed{...}` answer extraction and normalisation for general math answers.
 Extraction takes the LAST `\boxed` (or `\fbox`) in the text and its balanced
 brace group, so nested braces (`\boxed{\frac{a}{b}}`) are kept whole and
 escaped braces (`\{`, `\}`) do not count; `\boxed 5` (no braces) takes the
-next token. An unclosed group means no answer.
+next token. An unclosed group means no answer. With several boxed answers
+only the last counts (MATH's `last_boxed_only_string` rule): `\boxed{2}` and
+`\boxed{3}` is the answer 3.
 
 Normalisation is deliberately conservative: it removes presentation (spaces,
 `$`, `\left`/`\right`, spacing commands, `\text{}` wrappers, degree and
-percent signs, a leading `x =`, thousands separators, a trailing period) and
-rewrites `\dfrac`/`\tfrac` to `\frac`. Two answers are equivalent when their
-normal forms are equal, or when both are plain numbers (integers, decimals,
-`a/b`, `\frac{a}{b}`) with exactly the same rational value. It does not do
-symbolic algebra: `2x+2` and `2(x+1)` are different answers here.
+percent signs, a leading `x =`, thousands separators `1,000` and LaTeX's
+`1{,}000`, a trailing period, units: a `\text{ cm}` or `\mbox{ cm}` of words
+after a plain number, optionally squared or cubed, as math-verify and MATH's
+`strip_string` drop them) and rewrites `\dfrac`/`\tfrac` to `\frac`. A
+percent sign is dropped, not divided out: `50\%` equals 50, not 0.5. Two
+answers are equivalent when their normal forms are equal, or when both are
+plain numbers (integers, decimals, `a/b`, `\frac{a}{b}`) with exactly the same
+rational value. It does not do symbolic algebra: `2x+2` and `2(x+1)` are
+different answers here.
 """
 
 from __future__ import annotations
@@ -86,9 +92,32 @@ _FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
 _LHS = re.compile(r"^[a-zA-Z](_\{?\w+\}?)?=(?!=)")
 
 
+_UNIT_COMMANDS = (r"\text", r"\mbox")  # not \mathrm: `2\mathrm{i}` is a number, not 2 of a unit
+_UNIT_WORDS = re.compile(r"[A-Za-z .~]*[A-Za-z][A-Za-z .~]*", re.ASCII)
+_UNIT_TAIL = re.compile(r"\s*(\^\{?[23]\}?)?\s*\.?\s*")  # cm^2, m^{3}, a sentence's period
+
+
+def _without_units(s: str) -> str:
+    r"""`s` without a unit after a plain number (`12\text{ cm}` -> `12`), else `s` as it is.
+
+    Unwrapping the `\text{}` instead made `12cm`, which never equals the reference 12. Only words after
+    something that normalises to a plain number, with nothing but a power or a period after them, are a
+    unit: `5\text{ or }6` and `x\text{ cm}` are kept whole.
+    """
+    for cmd in _UNIT_COMMANDS:
+        k = s.find(cmd + "{")
+        if k <= 0:
+            continue
+        end = _group_end(s, k + len(cmd))
+        if (end is not None and _UNIT_WORDS.fullmatch(s[k + len(cmd) + 1 : end - 1])
+                and _UNIT_TAIL.fullmatch(s[end:]) and as_number(normalize(s[:k])) is not None):
+            return s[:k]
+    return s
+
+
 def normalize(answer: str) -> str:
     """A canonical string for an answer (see the module docstring for what is removed)."""
-    s = answer.strip()
+    s = _without_units(answer.strip())
     for cmd in (r"\text", r"\textbf", r"\mathrm", r"\mathbf", r"\mbox", r"\boxed"):
         s = _unwrap(s, cmd)
     s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
@@ -98,8 +127,8 @@ def normalize(answer: str) -> str:
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
     s = _LHS.sub("", s)
     s = s.rstrip(".")
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
+    if _THOUSANDS.match(s.replace("{,}", ",")):  # `1{,}000`: LaTeX's thousands separator
+        s = s.replace("{,}", "").replace(",", "")
     if s.startswith("+"):
         s = s[1:]
     return s.lower()

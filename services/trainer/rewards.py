@@ -102,17 +102,20 @@ class _FunctionBatch:
         """`fn`'s values for the batch; a RewardError naming `fn` when it raises or returns no sequence.
 
         The contract is batch-shaped, so one bad completion fails the whole call: the step fails with the
-        function's name and error (chained), as for every other reward that cannot be had.
+        function's name and error (chained), as for every other reward that cannot be had. The values are
+        read inside the boundary too: a generator function's code runs only as they are read.
         """
         try:
             values = _call(fn, self._prompts, self._completions, self._answers)
+            if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+                raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} "
+                                  "numbers is required")
+            return list(values)
+        except RewardError:
+            raise
         except Exception as e:  # noqa: BLE001 - the user's code: re-raised as the step's RewardError
             raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} "
                               f"(scoring {len(self._keys)} completions, first {self._keys[:1]})") from e
-        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-            raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} numbers "
-                              "is required")
-        return list(values)
 
     def results(self) -> dict[str, RewardResult]:
         totals = [0.0] * len(self._keys)
