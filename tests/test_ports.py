@@ -81,7 +81,42 @@ def test_rollout_server_refuses_a_grpc_port_another_server_serves(tmp_path):
             await server.stop()
 
     try:
-        with pytest.raises(OSError, match=f"could not bind gRPC to 127.0.0.1:{port}"):
+        with pytest.raises(OSError, match=f"rollout gRPC server could not bind 127.0.0.1:{port}"):
             asyncio.run(start_then_stop())
+        assert server.pool is None  # refused before any replica loaded the model
     finally:
         other.stop(0)
+
+
+def test_a_port_in_use_or_a_bad_setting_fails_at_once_with_one_line_not_a_traceback(tmp_path):
+    """`tlt rollout serve` used to load the model into every replica (minutes for a large model) and only then find
+    its HTTP port taken, and end in a traceback; `tlt reward serve` too, and a bad `--set` of the rollout likewise.
+    Now the ports are bound first, and these (the user's to fix) end with one log line and exit code 2.
+    Real CLI processes; the port is held by a plain listening socket of this test."""
+    import subprocess
+    import sys
+
+    from rollout_helpers import tiny_checkpoint
+
+    model = tiny_checkpoint(tmp_path / "model")
+    tlt = [sys.executable, "-m", "tlt.cli"]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cases = {
+            "rollout http": [*tlt, "rollout", "serve", "--model", str(model), "--http-port", str(port),
+                             "--grpc-port", "0", "--insecure-local"],
+            "rollout grpc": [*tlt, "rollout", "serve", "--model", str(model), "--grpc-port", str(port),
+                             "--http-port", "0", "--insecure-local"],
+            "reward": [*tlt, "reward", "serve", "--port", str(port)],
+        }
+        for name, cmd in cases.items():
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            out = r.stdout + r.stderr
+            assert r.returncode == 2 and "port_in_use" in out and f"127.0.0.1:{port}" in out, (name, out[-2000:])
+            assert "Traceback" not in out and "replicas_starting" not in out, (name, out[-2000:])
+    r = subprocess.run([*tlt, "rollout", "serve", "--model", str(model), "--set", "rollout.http_port=1"],
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "bad_config" in out and "Traceback" not in out, out[-2000:]

@@ -159,7 +159,17 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(json=True if args.log_json else None, level=args.log_level)
     module = importlib.import_module(args._command.module)
-    return int(module.run(args) or 0)
+    from tlt.services.common.config import ConfigError
+    from tlt.services.common.ports import PortInUseError
+
+    try:
+        return int(module.run(args) or 0)
+    except (ConfigError, PortInUseError) as e:  # the user's to fix, and the message says how: no traceback
+        from tlt.services.common.logging import get_logger
+
+        get_logger("tlt").error("bad_config" if isinstance(e, ConfigError) else "port_in_use", error=str(e),
+                                command=" ".join(args._command.path))
+        return 2
 
 
 if __name__ == "__main__":

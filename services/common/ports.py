@@ -14,6 +14,40 @@ from __future__ import annotations
 import random
 import socket
 from pathlib import Path
+from typing import Any
+
+class PortInUseError(OSError):
+    """A server could not bind its port: another process listens on it, or the host is not this machine's."""
+
+
+def bind_grpc(server: Any, host: str, port: int, what: str) -> int:
+    """`server.add_insecure_port(host:port)` (grpc or grpc.aio) -> the bound port; PortInUseError when it cannot bind
+    (grpc raises RuntimeError on some versions and returns 0 on others)."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise PortInUseError(in_use_message(what, host, port))
+    return bound
+
+
+def bind_tcp(host: str, port: int, what: str) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR, not listening yet); PortInUseError when it cannot bind."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PortInUseError(f"{in_use_message(what, host, port)} ({e.strerror})") from None
+    return sock
+
+
+def in_use_message(what: str, host: str, port: int) -> str:
+    return (f"{what} could not bind {host}:{port}: another process listens on that port, or {host} is not an address "
+            "of this machine; choose another port (0 picks a free one)")
+
 
 RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 20000  # the lowest port drawn: clear of the low ports other services commonly listen on

@@ -49,14 +49,13 @@ def start_status_server(coordinator: object, host: str, port: int) -> tuple[obje
 
     import grpc
 
+    from tlt.services.common.ports import bind_grpc
     from tlt.v1 import drafter_pb2_grpc
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
     servicer = type("DrafterServicer", (StatusService, drafter_pb2_grpc.DrafterServicer), {})(coordinator)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind the drafter status gRPC server to {host}:{port}")
+    bound = bind_grpc(server, host, port, "the drafter status gRPC server")
     server.start()
     return server, bound
 

@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
+from tlt.services.common.ports import bind_grpc
 from tlt.services.reward.config import RewardConfig
 from tlt.services.reward.verifiers import Verifier, get_verifier
 from tlt.v1 import reward_pb2, reward_pb2_grpc
@@ -273,9 +274,7 @@ class RewardServer:
         return f"{self.config.host}:{self.port}"
 
     def start(self) -> RewardServer:
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        self.port = bind_grpc(self._server, self.config.host, self.config.port, "the reward server")
         self._server.start()
         log.info("reward_serving", host=self.config.host, port=self.port, kind=self.config.kind,
                  workers=self.config.workers)

@@ -1,7 +1,8 @@
 """`RolloutServer`: the front process — replicas, the HTTP API and the gRPC API on one event loop.
 
-    start():  tokenizer (front-side, for prompts and streamed text) -> ReplicaPool (N processes, model loaded)
-              -> gRPC server (tlt.v1.Rollout) -> uvicorn (OpenAI HTTP) ; ports bound (0 = a free port)
+    start():  both ports bound (0 = a free port; one in use fails here, not after minutes of model loading)
+              -> tokenizer (front-side, for prompts and streamed text) -> ReplicaPool (N processes, model loaded)
+              -> gRPC server (tlt.v1.Rollout) -> uvicorn (OpenAI HTTP) serving on the bound ports
     stop():   requests in flight fail (503 / UNAVAILABLE) -> gRPC stops (grace) -> uvicorn exits -> replicas shut down
 
 Everything runs on one asyncio loop; `tlt rollout serve` runs it on the main
@@ -21,6 +22,7 @@ from tlt.services.common.auth import is_loopback
 from tlt.services.common.cpus import replica_threads, usable_cores
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
+from tlt.services.common.ports import bind_grpc, bind_tcp
 from tlt.services.rollout.config import RolloutConfig
 
 log = get_logger("rollout.server")
@@ -56,6 +58,7 @@ class RolloutServer:
         self._http: Any = None
         self._http_task: asyncio.Task | None = None
         self._grpc: Any = None
+        self._http_sock: socket.socket | None = None  # bound before the replicas load, served once they have
         self.capacity: Any = None  # CapacityPublisher when [rollout] capacity_pub is set
 
     async def start(self) -> None:
@@ -68,6 +71,10 @@ class RolloutServer:
         from tlt.v1 import rollout_pb2_grpc
 
         cfg = self.config
+        self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
+        self.grpc_port = bind_grpc(self._grpc, cfg.host, cfg.grpc_port, "the rollout gRPC server")
+        self._http_sock = bind_tcp(cfg.host, cfg.http_port, "the rollout HTTP server")
+        self.http_port = self._http_sock.getsockname()[1]
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_dir)
         cores = usable_cores()  # the affinity mask capped by a container's CPU quota, not the host's core count
         threads, spin_ok = replica_threads(cfg.replicas, cfg.threads_per_replica, cores)
@@ -92,24 +99,11 @@ class RolloutServer:
         metrics = Metrics("rollout")
         openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics)
         service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected)
-        self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         rollout_pb2_grpc.add_RolloutServicer_to_server(service, self._grpc)
-        try:
-            self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
-        except RuntimeError:  # grpc.aio raises where grpc (sync) returns 0
-            self.grpc_port = 0
-        if self.grpc_port == 0:
-            raise OSError(f"could not bind gRPC to {cfg.host}:{cfg.grpc_port} (address in use?)")
         await self._grpc.start()
 
-        app = openai_server.app
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.host, cfg.http_port))
-        self.http_port = sock.getsockname()[1]
-        self._http = _uvicorn_server(app, "warning")
-        self._http_task = asyncio.ensure_future(self._http.serve(sockets=[sock]))
+        self._http = _uvicorn_server(openai_server.app, "warning")
+        self._http_task = asyncio.ensure_future(self._http.serve(sockets=[self._http_sock]))
         while not self._http.started:
             if self._http_task.done():
                 self._http_task.result()  # raises why uvicorn could not start
@@ -131,6 +125,8 @@ class RolloutServer:
             self._http.should_exit = True
             if self._http_task is not None:
                 await self._http_task
+        if self._http_sock is not None:  # uvicorn closed it if it served; a start that failed before had not
+            self._http_sock.close()
         if self.pool is not None:
             await self.pool.stop()
         if self.capacity is not None:
