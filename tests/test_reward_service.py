@@ -466,3 +466,25 @@ def test_cli_rejects_bad_config() -> None:
     )
     assert proc.returncode == 2
     assert b"unknown reward kind 'poetry'" in proc.stderr
+
+
+def test_a_score_call_past_its_deadline_stops_scoring() -> None:
+    """A `Score` batch kept being scored after its caller's deadline had passed. The client retries
+    DEADLINE_EXCEEDED, so a server already too slow got the same batch again on top of the first: the load that
+    made it slow grew with every retry. Items not begun by the time the call ends are now skipped."""
+    scored = []
+
+    def slow(prompt: str, completion: str, reference: str) -> bool:
+        scored.append(reference)
+        time.sleep(0.2)
+        return True
+
+    with RewardServer(_config(workers=1), verifier=slow) as s:
+        with grpc.insecure_channel(s.address) as channel:
+            stub = reward_pb2_grpc.RewardStub(channel)
+            items = [Req(id=f"i{k}", completion="1", reference=str(k)) for k in range(20)]
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Score(reward_pb2.ScoreBatchRequest(items=items), timeout=0.3)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(4.5)  # all 20 would take 4 s on one worker
+        assert len(scored) <= 4, scored

@@ -2,7 +2,9 @@
 
     ScoreRequest --check--> verifier(prompt, completion, reference) --> ScoreResponse(id, reward, ok, correct)
 
-`Score` scores a batch on the worker pool and answers in request order.
+`Score` scores a batch on the worker pool and answers in request order; items
+not begun when the call ends (its deadline passed: the client will retry it)
+are skipped, counted as `errors_total{reason="call_ended"}`.
 `ScoreStream` reads requests while earlier ones are being scored and sends
 each response as soon as it is ready, so responses come back in completion
 order and are matched by id; at most `max_inflight_per_stream` items of one
@@ -156,7 +158,16 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{n} items in one Score call, over the limit of {self.config.max_batch_items}; split the batch",
             )
-        return reward_pb2.ScoreBatchResponse(results=list(self.pool.map(self.score_one, request.items)))
+
+        def unless_ended(item: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+            # past its deadline (or cancelled) nobody reads the answer, and the client retries DEADLINE_EXCEEDED:
+            # scoring on would add the retry's load to the server that was too slow for the first call
+            if not context.is_active():
+                self.m.errors.labels(reason="call_ended").inc()
+                return reward_pb2.ScoreResponse(id=item.id, ok=False, error="the call ended before this item was scored")
+            return self.score_one(item)
+
+        return reward_pb2.ScoreBatchResponse(results=list(self.pool.map(unless_ended, request.items)))
 
     def ScoreStream(
         self, request_iterator: Iterator[reward_pb2.ScoreRequest], context: grpc.ServicerContext
