@@ -333,3 +333,21 @@ def test_any_single_bit_flip_is_rejected(tensors: dict[str, torch.Tensor], data:
     payload[i] ^= 1 << data.draw(st.integers(0, 7))
     with pytest.raises(W.WeightValidationError, match="checksum"):
         W.unpack(manifest, payload)
+
+
+def test_sweep_removes_a_dead_writers_file_whose_pid_a_live_process_reuses() -> None:
+    """Files were keyed on the writer's pid alone. A pid is reused: in a restarted container the trainer gets the
+    same small pid again, so the file its killed predecessor left (GBs of weights in /dev/shm) looked live to the
+    sweep forever. Here the reused pid is this process's own, with another start time."""
+    import os
+
+    reused = W.shm_dir() / f"{W.SHM_PREFIX}{os.getpid()}.1-feedface.bin"  # started at tick 1: not this process
+    reused.write_bytes(b"old")
+    live = W.write_shm(b"new")
+    try:
+        removed = W.sweep_stale_shm()
+        assert str(reused) in removed and not reused.exists()
+        assert Path(live).exists() and live not in removed
+    finally:
+        W.remove_shm(live)
+        W.remove_shm(str(reused))

@@ -24,7 +24,8 @@ Same-host shortcut: `write_shm(payload)` writes the payload to a file under
 reads the file. Cleanup: the SENDER owns the file and removes it once the
 UpdateWeights call has returned (use `shm_payload(...)` as a context manager,
 which removes it even when the call fails); `sweep_stale_shm()` removes files
-left by processes that died. The receiver only reads.
+left by processes that died (a file's name carries its writer's pid and start
+time, so a reused pid does not keep a dead writer's file). The receiver only reads.
 """
 
 from __future__ import annotations
@@ -330,7 +331,7 @@ def shm_dir() -> Path:
 
 def write_shm(payload: Buffer) -> str:
     """Write the payload to a new file in shared memory and return its path (the caller removes it)."""
-    final = shm_dir() / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.bin"
+    final = shm_dir() / f"{SHM_PREFIX}{_writer_id(os.getpid())}-{uuid.uuid4().hex}.bin"
     tmp = final.with_suffix(".part")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -380,18 +381,40 @@ def shm_payload(manifest: WeightManifest, payload: Buffer) -> Iterator[WeightMan
         remove_shm(path)
 
 
+def _start_ticks(pid: int) -> str:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); "" where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "(comm)", which may hold spaces
+    return fields[19] if len(fields) > 19 else ""
+
+
+def _writer_id(pid: int) -> str:
+    """`pid.start` of a writer: a pid alone is reused (in a restarted container the trainer gets the same small
+    pid again), and a file of a dead writer whose pid a live process now has would never be swept."""
+    start = _start_ticks(pid)
+    return f"{pid}.{start}" if start else str(pid)
+
+
 def sweep_stale_shm() -> list[str]:
-    """Remove TLT weight files whose writer process no longer exists; return their paths."""
+    """Remove TLT weight files whose writer process no longer exists (its pid is gone, or now belongs to a process
+    that started at another time); return their paths."""
     removed = []
     for p in shm_dir().glob(f"{SHM_PREFIX}*"):
-        pid_text = p.name[len(SHM_PREFIX) :].split("-", 1)[0]
+        writer = p.name[len(SHM_PREFIX) :].split("-", 1)[0]
+        pid_text, _, start = writer.partition(".")
         if not pid_text.isdigit():
             continue
         try:
             os.kill(int(pid_text), 0)
+            gone = bool(start) and _start_ticks(int(pid_text)) not in ("", start)
         except ProcessLookupError:
+            gone = True
+        except PermissionError:
+            gone = bool(start) and _start_ticks(int(pid_text)) not in ("", start)  # alive, someone else's
+        if gone:
             remove_shm(str(p))
             removed.append(str(p))
-        except PermissionError:
-            continue  # alive, owned by someone else
     return removed
