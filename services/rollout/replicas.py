@@ -619,7 +619,7 @@ class ReplicaPool(CapacityStates):
         for r, x in zip(live, replies):
             if isinstance(x, TimeoutError):  # it may still apply the push later, under versions the pool never had
                 self._kill(r, f"no answer to the {kind} v{version} push within {timeout_s:g}s (update_timeout_s); "
-                              "killed and restarted with the weights the pool serves")
+                              "killed (a restart gets the weights the pool serves)")
         replies = [ReplicaUnavailableError(r.error) if isinstance(x, TimeoutError) else x for r, x in zip(live, replies)]
         failed = failures(live, replies)
         applied = [r.replica_id for r, x in zip(live, replies) if isinstance(x, Reply) and not x.error]
