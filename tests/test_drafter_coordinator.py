@@ -418,3 +418,99 @@ def test_a_save_removes_the_temporary_files_of_writers_killed_mid_save(tmp_path)
     save_atomic(ckpt, {"x": 1})
     assert not stale.exists() and live.exists() and other.exists()
     assert load_state(ckpt) == {"x": 1}
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_push_cut_by_a_coordinator_kill_is_still_owed_after_the_restart(tmp_path, model_dir, monkeypatch,
+                                                                          landed) -> None:
+    """kill -9 while a candidate push is in flight (or while a failed one waits to be sent again): the disk holds
+    the checkpoint written before the push, serving version 0. The restarted coordinator forgot the push: a push
+    that landed left it gating new candidates against the drafter the rollout no longer serves, and one that
+    landed on some replicas only (`landed=False`) was never sent again, the replicas drafting with different
+    drafters until a candidate won by the margin. The owed push is checkpointed and sent (or, refused as already
+    served, adopted as serving) by the restarted coordinator. `publish` stands in for the gRPC push; the kill is
+    a copy of the checkpoint folder as the push runs (what a kill -9 at that moment leaves on disk)."""
+    import shutil
+
+    import torch
+
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    killed = tmp_path / "at-kill"
+
+    def publish(tensors, version):  # noqa: ANN001
+        shutil.copytree(tmp_path / "ckpt", killed)
+        if not landed:
+            raise WeightPushError("update applied on replicas [0] but FAILED on: replica 1: died", 0)
+
+    coord = gated_coordinator(tmp_path, model_dir, publish)  # not started: no saver, the gate is called by hand
+    try:
+        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+        with coord._lock:
+            for v in coord.candidate.parameters():
+                v.add_(0.01)  # the candidate differs from the initial serving drafter
+            coord.candidate_version = 3
+        pushed = {k: v.clone() for k, v in coord.candidate.state_dict().items()}
+        if landed:
+            assert coord.evaluate_and_publish().published
+        else:
+            with pytest.raises(WeightPushError):
+                coord.evaluate_and_publish()
+    finally:
+        coord._router.close()
+        coord._ctx.term()
+
+    pushes: list[int] = []
+
+    def again_publish(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        if landed:  # the rollout serves it already
+            raise WeightPushError(f"drafter version {version} is not newer than the serving {version}", version)
+
+    cfg = coord.cfg.model_copy(update={"checkpoint_dir": str(killed)})
+    again = Coordinator(cfg, str(model_dir), None, again_publish)  # the restart
+    try:
+        again.push_pending()
+        assert pushes == [3] and again.serving_version == 3
+        assert all(torch.equal(again.serving[k], pushed[k]) for k in pushed)
+        assert load_state(again.ckpt)["serving_version"] == 3
+    finally:
+        again._router.close()
+        again._ctx.term()
+
+
+def test_a_failed_checkpoint_write_does_not_stop_later_ones(tmp_path, model_dir) -> None:
+    """The background saver writes coordinator.pt after every change. A write that failed (a full disk, an I/O
+    error) raised out of the saver thread, which ended: nothing was checkpointed again (silently), and a later
+    kill -9 lost every delta since. The saver logs the failure and writes again. The failure is real: a folder
+    sits where the saver's temporary file goes."""
+    from tlt.services.drafter.coordinator import tensors_message
+    from tlt.services.drafter.training import own_tensors
+    from tlt.v1 import drafter_pb2
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False, eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model_dir), None, None).start()
+    blocker = coord.ckpt.parent / f".{coord.ckpt.name}.{os.getpid()}.tmp"
+    blocker.mkdir(parents=True)
+    try:
+        zero = {k: v * 0 for k, v in own_tensors(coord.candidate).items()}
+
+        def delta(base: int) -> drafter_pb2.DeltaUpdate:
+            m, p = tensors_message(zero, base)
+            return drafter_pb2.DeltaUpdate(base_version=base, manifest=m, payload=p, micro_steps=1)
+
+        assert coord.apply_delta(delta(0)) == 1
+        time.sleep(2.0)  # the saver tried (and failed)
+        assert load_state(coord.ckpt) is None
+        blocker.rmdir()  # the disk is fine again
+        assert coord.apply_delta(delta(1)) == 2
+        deadline = time.monotonic() + 10
+        while (load_state(coord.ckpt) or {}).get("candidate_version") != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (load_state(coord.ckpt) or {}).get("candidate_version") == 2
+    finally:
+        if blocker.exists():
+            blocker.rmdir()
+        coord.close()

@@ -512,3 +512,111 @@ def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, mod
         ctx.term()
         coord.close()
         pub.close()
+
+
+def test_busy_during_a_delta_send_stops_before_the_checkpoint_and_the_pull(tmp_path, model_dir) -> None:
+    """BUSY arriving while a window's due delta is being sent: the worker went on to write its optimizer
+    checkpoint (twice the drafter's size: seconds on a real one) and to pull the whole candidate back, on the
+    busy replica's time and with the drafter still on its device, before it looked at the events again. It
+    must release the device right after the send and write the checkpoint at the next idle moment."""
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=2)
+    real_ask = stub.ask
+
+    def ask(**body):  # noqa: ANN003, ANN202
+        reply = real_ask(**body)
+        if "update" in body:
+            stub.busy()  # the replica turns busy while the delta is on its way
+        return reply
+
+    stub.worker.client = type("Client", (), {"ask": staticmethod(ask), "shared_policy_version": 0,
+                                             "shared_fetch_failures": 0})()
+    stub.worker.state, stub.busy_after = IDLE, 10**6
+    res = stub.worker.window()
+    assert res.preempted and res.micro_steps == 2 and stub.version == 1
+    assert stub.asks == ["pull", "batch_request", "batch_request", "update", "window"], stub.asks
+    assert load_state(stub.worker.ckpt) is None  # not written on the busy replica's time
+    assert stub.worker._deferred is not None and stub.worker._deferred.steps == 0  # only the checkpoint is due
+    stub.worker._flush()  # the next idle moment
+    saved = load_state(stub.worker.ckpt)
+    assert saved["micro_steps"] == 2 and {int(s["step"]) for s in saved["optimizer"]["state"].values()} == {2}
+    assert stub.asks[-1] == "window" and stub.version == 1  # nothing sent twice
+
+
+def test_a_worker_started_before_its_coordinator_waits_for_it(tmp_path, model_dir, samples) -> None:
+    """A worker (re)started while its coordinator is down, e.g. being restarted after a kill -9, asks it hello
+    first; no answer within the timeout raised out of run() and the `tlt drafter worker` process exited for good
+    (nothing restarts it), although every later request of a worker waits for the coordinator and retries. It
+    must ask again until the coordinator answers, then train. Real ZeroMQ on 127.0.0.1: the coordinator comes up
+    on its endpoint after the worker has given up once."""
+    from tlt.services.common.ports import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    cfg_kw = dict(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint, coordinator_bind=endpoint,
+                  checkpoint_dir=str(tmp_path / "ckpt"), window_tokens=64, batch_tokens=64, batch_rows=2,
+                  eval_interval_s=1e9, pin_cpus=False)
+    from tlt.services.drafter.config import DrafterServiceConfig
+    from tlt.services.drafter.coordinator import Coordinator
+
+    cfg = DrafterServiceConfig(**cfg_kw)
+    state(pub, 0, BUSY)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, endpoint)
+    worker.client.timeout_s = 0.5
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    coord = None
+    try:
+        time.sleep(2.0)  # several hellos unanswered
+        assert thread.is_alive(), "an unanswered hello ended the worker's run()"
+        coord = Coordinator(cfg, str(model_dir), None, None).start()
+        coord.buffer.add_samples(samples)
+        assert wait_for(lambda: 0 in coord.workers, 20)
+        state(pub, 0, IDLE)
+        assert wait_for(lambda: coord.workers[0].training, 20)
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: len(coord.windows) == 1, 20) and coord.windows[0].micro_steps > 0
+    finally:
+        stop.set()
+        state(pub, 0, BUSY)
+        thread.join(20)
+        worker.close()
+        if coord is not None:
+            coord.close()
+        pub.close()
+
+
+def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir) -> None:
+    """`tlt drafter serve` started its workers as plain children: killed with -9 (OOM killer, a crashed host
+    process), it left them running, and the restarted service started a second worker for every replica, under
+    the same ids and checkpoint files, training side by side on the same devices. A worker must exit with the
+    process that started it (as services do with `tlt run`'s launcher); the restarted service starts new ones,
+    which resume from the checkpoints. Real processes: `tlt drafter serve --workers 1`, killed by its pid."""
+    import json
+
+    from rollout_helpers import pid_gone
+
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    state(pub, 0, BUSY)
+    ready = tmp_path / "ready.json"
+    sets = {"capacity_pub": pub.pub_endpoint, "capacity_snapshot": pub.snapshot_endpoint,
+            "features_bind": "tcp://127.0.0.1:*", "coordinator_bind": "tcp://127.0.0.1:*", "status_port": 0,
+            "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0}
+    cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model_dir), "--workers", "1",
+           "--ready-file", str(ready)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    serve = subprocess.Popen(cmd)
+    worker = 0
+    try:
+        assert wait_for(lambda: ready.exists() or serve.poll() is not None, 90) and ready.exists()
+        worker = json.loads(ready.read_text())["worker_pids"][0]
+        time.sleep(1.0)
+        assert not pid_gone(worker)
+        serve.send_signal(signal.SIGKILL)
+        serve.wait(10)
+        assert wait_for(lambda: pid_gone(worker), 30), "a worker outlived its drafter service's kill -9"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        if worker and not pid_gone(worker):
+            os.kill(worker, signal.SIGKILL)
+        pub.close()

@@ -17,7 +17,8 @@ version, the serving drafter and the history are checkpointed atomically after e
 wait on the disk), so a restarted coordinator continues from a consistent state. The
 published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head are
 never among them (asserted). A push that fails (possibly on some replicas only) is sent again as it
-was until it lands, whatever later evaluations say.
+was until it lands, whatever later evaluations say; a push in flight or owed is in the checkpoint, so a
+restarted coordinator sends it again too (or, refused as already served, takes it as the serving drafter).
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ class Coordinator:
         self.interrupted_evals = 0  # evaluations given up because a replica turned busy
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's
         self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
+        self._restored_pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._restore()
         # A push still owed to the rollout (`push_pending`), sent as it is until it lands: a candidate push that
         # failed, or a restored serving drafter (version > 0): after a restart (`tlt run --resume`) the rollout
         # starts from its initial drafter and would otherwise run without the trained one until a candidate beat
         # it by the margin.
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = (
+        # A push owed when the last process died (in flight or failed: checkpointed with it) comes first.
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = self._restored_pending or (
             (dict(self.serving), self.serving_version) if self.serving_version > 0 else None)
         self._pending_at = 0.0
         self.metrics = Metrics("drafter")
@@ -167,6 +170,9 @@ class Coordinator:
         self.preemptions = int(state.get("preemptions", 0))
         self.deltas = int(state.get("deltas", 0))
         self._applied = dict(state.get("applied", {}))
+        pending = state.get("pending")
+        if pending is not None:  # the last process died with this push in flight or failed: still owed
+            self._restored_pending = (pending["tensors"], int(pending["version"]))
         for blob in state.get("acceptance", []):
             self.acceptance.append(drafter_pb2.AcceptanceRecord.FromString(blob))
         for blob in state.get("windows", []):
@@ -180,9 +186,18 @@ class Coordinator:
         while not self._stop.is_set():
             if self._dirty.wait(0.5) and not self._stop.is_set():
                 time.sleep(0.5)
-                self.save_now()
+                self._try_save()
         if self._dirty.is_set():
+            self._try_save()
+
+    def _try_save(self) -> None:
+        """`save_now` for the saver thread: a failed write (full disk, I/O error) is logged and tried again at the
+        next round, instead of ending the thread and with it every later checkpoint."""
+        try:
             self.save_now()
+        except Exception as e:  # deliberate boundary: the saver must outlive a bad moment of the disk
+            self._dirty.set()
+            log.error("coordinator_checkpoint_failed", path=str(self.ckpt), error=repr(e)[:300])
 
     def save_now(self) -> None:
         with self._save_lock:  # the saver and the gate (after a publish): one writer, snapshots in order
@@ -196,6 +211,7 @@ class Coordinator:
             "candidate": own_tensors(self.candidate), "candidate_version": self.candidate_version,
             "serving": self.serving, "serving_version": self.serving_version, "preemptions": self.preemptions,
             "deltas": self.deltas, "applied": dict(self._applied),
+            "pending": None if self._pending is None else {"tensors": self._pending[0], "version": self._pending[1]},
             "acceptance": [a.SerializeToString() for a in self.acceptance],
             "windows": [w.SerializeToString() for w in self.windows],
         })
@@ -359,7 +375,7 @@ class Coordinator:
         with self._lock:
             if version > self.serving_version:
                 self.serving, self.serving_version = tensors, version
-        self._pending = None
+            self._pending = None
         self.save_now()
 
     def refresh_shared(self) -> bool:
@@ -404,15 +420,18 @@ class Coordinator:
         if better and self.publish_fn is not None:
             leaked = [k for k in cand if "embed" in k or "lm_head" in k]
             assert not leaked, f"a drafter push must never carry the target's embedding/lm_head: {leaked}"
-            self.save_now()  # the rollout will serve `version`: a restart must never number a candidate <= it
+            # Owed from now on, and checkpointed as owed: a restart during or after a failed push sends it again
+            # (some replicas may serve it), and one after a push that landed learns it is the serving one.
+            self._pending, self._pending_at = (cand, version), 0.0
             try:
-                self.publish_fn(cand, version)
+                self.save_now()  # the rollout will serve `version`: a restart must never number a candidate <= it
             except Exception:
-                self._pending, self._pending_at = (cand, version), 0.0  # some replicas may serve it now
+                self._pending = None  # not on disk: not pushed either
                 raise
-            self._pending = None
+            self.publish_fn(cand, version)  # raises: left pending, retried by the gate loop
             rec.published = True
-            with self._lock:
+            with self._lock:  # together: a checkpoint holds the push as owed or as serving, never neither
+                self._pending = None
                 self.serving, self.serving_version = cand, version
         self._evaluated = version  # after the push: a push that raised leaves this candidate due, retried next gate
         self.m_accept.labels("candidate").set(cand_len)

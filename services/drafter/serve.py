@@ -6,7 +6,8 @@ Runs the coordinator (feature PULL, worker ROUTER, gated publishing to the rollo
 UpdateWeights(kind=drafter), the target's embedding / lm_head refreshed over GetWeights), the
 `tlt.v1.Drafter/GetStatus` gRPC server, and starts `--workers` worker processes (`tlt drafter
 worker --replica i`, one per rollout replica i). More workers can join later on their own with `tlt drafter worker --coordinator ADDR --replica K`; a worker that
-exits or is killed leaves the coordinator and the other workers running. `--ready-file PATH`
+exits or is killed leaves the coordinator and the other workers running, while the workers this command started
+exit with it (even after a kill -9: a restarted service starts them again, and they resume their checkpoints). `--ready-file PATH`
 writes JSON {pid, status_port, coordinator, features, worker_pids} once serving. SIGINT/SIGTERM
 stops the workers (they end their window cleanly) and then the coordinator.
 """
@@ -96,10 +97,13 @@ def run(args: argparse.Namespace) -> int:
     server, port = start_status_server(coordinator, cfg.host, cfg.status_port)  # type: ignore[attr-defined]
     exporter = coordinator.metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port else None  # type: ignore[attr-defined]
     procs = []
+    # The workers exit with this process, even when it is killed with -9 (tlt.cli's TLT_DIE_WITH_PARENT): left
+    # running, they met the restarted service's new workers, two per replica under one id and checkpoint file.
+    env = {**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid())}
     for i in range(args.workers):
         cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", args.model, "--coordinator",
                coordinator.endpoint, "--replica", str(i), "--worker-id", str(i), "--config-json", cfg.model_dump_json()]  # type: ignore[attr-defined]
-        procs.append(subprocess.Popen(cmd))
+        procs.append(subprocess.Popen(cmd, env=env))
     if cfg.threads:  # type: ignore[attr-defined]
         import torch
 

@@ -5,7 +5,8 @@
              (GetWeights, shared.py; on failure train on with the old ones); load drafter (candidate
              from the coordinator, sharing them) + optimizer (own checkpoint)
              onto the device; loop { check events; batch from the coordinator; one micro-step;
-             every submit_every steps: send delta, checkpoint, re-pull }
+             every submit_every steps: send delta, checkpoint, re-pull (a BUSY during the send: stop there,
+             the checkpoint deferred) }
     BUSY / DRAINING (seen between two micro-steps), or IDLE not heard again (heartbeat or event) for
     `stale_s` (a silent feed: the rollout froze or its network path broke)
           -> stop; copy state off the device and free it
@@ -16,7 +17,8 @@ is at most one micro-step plus the release. Optimizer state and step counts live
 `<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
 coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
-a timeout; a coordinator that does not answer makes the worker wait and retry, not crash, and a batch
+a timeout; a coordinator that does not answer (its first hello included) makes the worker wait and retry, not
+crash, and a batch
 request it answers with an error (a batch it cannot build) is skipped, logged, and asked again. A delta
 it refuses (e.g. non-finite after a diverged step) is logged and dropped together with the optimizer state
 that produced it (back to the last checkpoint), as a kill -9 would lose it; the worker trains on.
@@ -232,10 +234,8 @@ class DrafterWorker:
     # ---- main loop
     def run(self, stop: object = None, max_windows: int | None = None) -> None:
         """Until `stop.is_set()` (a threading.Event-like) or `max_windows` windows ran."""
-        if not self._snapshot(stop):
+        if not (self._snapshot(stop) and self._hello(stop)):
             return
-        self.client.ask(hello=drafter_pb2.WorkerHello(worker_id=self.worker_id, replica_id=self.replica_id,
-                                                      pid=os.getpid()))
         log.info("worker_started", worker=self.worker_id, replica=self.replica_id, device=self.device,
                  resumed_steps=self.total_steps)
         try:
@@ -257,6 +257,22 @@ class DrafterWorker:
                 self._flush()  # leaving: nothing deferred may be lost
             except CoordinatorUnavailable as e:
                 log.warning("final_flush_failed", error=str(e))
+
+    def _hello(self, stop: object) -> bool:
+        """Say hello to the coordinator, asked again until it answers (False: `stop` came first). A coordinator not
+        up yet or restarting (after a kill -9) made the worker's process exit for good: nothing restarts it."""
+        failures = 0
+        while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+            try:
+                self.client.ask(hello=drafter_pb2.WorkerHello(worker_id=self.worker_id, replica_id=self.replica_id,
+                                                              pid=os.getpid()))
+                return True
+            except CoordinatorUnavailable as e:
+                failures += 1
+                if failures == 1:  # once: a coordinator still starting would repeat it every timeout
+                    log.warning("coordinator_hello_retry", worker=self.worker_id, error=str(e)[:300])
+                time.sleep(0.5)
+        return False
 
     def window(self, stop: object = None) -> WindowResult:
         """One training window on an idle replica; returns when it turns busy (or `stop`)."""
@@ -308,13 +324,23 @@ class DrafterWorker:
                 res.preempted = True
                 break
             if since_submit >= self.cfg.submit_every:
-                self._submit(drafter, base, base_version, since_submit, res, opt)
-                base, base_version = self._pull(drafter)
+                busy = self._submit(drafter, base, base_version, since_submit, res, opt)
                 since_submit = 0
+                if busy:  # turned busy during the send: the checkpoint waits (deferred), no re-pull
+                    res.preempted = True
+                    break
+                self._poll_events(0.0)
+                if self.busy_seen:  # turned busy during the checkpoint: release now; the next window pulls
+                    res.preempted = True
+                    break
+                base, base_version = self._pull(drafter)
             if self.cfg.window_max_steps and res.micro_steps >= self.cfg.window_max_steps:
                 if since_submit:  # the replica is still idle: send the change now rather than defer it
-                    self._submit(drafter, base, base_version, since_submit, res, opt)
+                    busy = self._submit(drafter, base, base_version, since_submit, res, opt)
                     since_submit = 0
+                    if busy:  # a BUSY ends this idle period (and its budget) as in the loop above
+                        res.preempted = True
+                        break
                 self.budget_spent = True  # no more training until the replica is busy and idle again
                 break
         # stop: copy what must survive off the device, then free the device
@@ -382,11 +408,18 @@ class DrafterWorker:
         return True
 
     def _submit(self, drafter: torch.nn.Module, base: dict, base_version: int, steps: int, res: WindowResult,
-                opt: torch.optim.Optimizer) -> None:
-        if self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:]):  # type: ignore[arg-type]
-            self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)
-        else:  # the optimizer state that made the refused delta (non-finite moments, typically) must not go on
-            self._restore_optimizer(opt)
+                opt: torch.optim.Optimizer) -> bool:
+        """Send the window's change, then checkpoint the optimizer, unless the replica turned busy during the
+        send: then the checkpoint (twice the drafter's size) waits for the next idle moment, as after any
+        preemption, and this returns True (the caller ends the window)."""
+        if not self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:]):  # type: ignore[arg-type]
+            self._restore_optimizer(opt)  # the optimizer state that made the refused delta must not go on
+            return False
+        self._poll_events(0.0)
+        if self.busy_seen:
+            return True
+        self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)
+        return False
 
     def _restore_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """Back to the last checkpoint's optimizer state, or a fresh one when there is none."""
