@@ -361,3 +361,48 @@ def test_bandit_median_reward_metric_follows_the_bucket_s_current_batch_size():
     text = metrics.render().decode()
     assert _metric(text, "rollout_spec_bandit_median_reward", bucket=">=2", arm="8_4_16") == [1050.0]
     assert _metric(text, "rollout_spec_bandit_median_reward", bucket=">=2", arm="4_1_5") == []  # no data at 3
+
+
+def test_chat_logprob_bytes_rebuild_the_text(client, server, model_dir):
+    """OpenAI's `bytes` exist so that a client can join a token run back into text when a character is split
+    over several tokens. A byte piece's `bytes` were the UTF-8 of its vocabulary string (GPT-2's 'Ã' for the
+    byte 0xC3, i.e. [195, 131]): joined they gave mojibake instead of the message's text."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    specials = set(tok.all_special_tokens)
+    r = client.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "é中"}],
+                                       max_tokens=40, temperature=1.0, seed=11, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = [t for t in r.choices[0].logprobs.content if t.token not in specials]
+    # the byte-level tiny tokenizer splits most non-ASCII characters: the sample holds byte pieces
+    vocab = tok.get_vocab()
+    assert any(t.token in vocab and "\ufffd" in tok.decode([vocab[t.token]]) for t in content), content
+    joined = b"".join(bytes(t.bytes) for t in content)
+    assert joined.decode("utf-8", errors="replace") == r.choices[0].message.content
+    for t in content:
+        for alt in t.top_logprobs:
+            assert alt.bytes and all(0 <= b < 256 for b in alt.bytes)
+
+
+def test_chat_history_replays_the_sdk_s_own_message(client, server, model_dir):
+    """A multi-turn client appends the reply to its history, often as `message.model_dump()`, which holds the
+    OpenAI assistant message's other fields as null (refusal, tool_calls, function_call, audio, annotations).
+    Every such follow-up was a 400 "unknown parameter 'messages.1.refusal'". Null is accepted; a real tool call
+    is refused by name, and a truly unknown field still gets its 400."""
+    user = {"role": "user", "content": "2+2="}
+    first = client.chat.completions.create(model=server.model_name, messages=[user], max_tokens=4, temperature=0)
+    replayed = first.choices[0].message.model_dump()
+    assert "refusal" in replayed and "tool_calls" in replayed
+    follow = {"role": "user", "content": "and 3+3="}
+    r = client.chat.completions.create(model=server.model_name, messages=[user, replayed, follow], max_tokens=4,
+                                       temperature=0)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    history = [user, {"role": "assistant", "content": first.choices[0].message.content}, follow]
+    ids = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]: tools are not supported"):
+        client.chat.completions.create(model=server.model_name, max_tokens=4, messages=[
+            user, {"role": "assistant", "content": None, "tool_calls": [call]}, follow])
+    with pytest.raises(openai.BadRequestError, match="unknown parameter 'messages.0.colour'"):
+        client.chat.completions.create(model=server.model_name, max_tokens=4,
+                                       messages=[{**user, "colour": "red"}])

@@ -17,6 +17,7 @@ is never sent.
 from __future__ import annotations
 
 import math
+import re
 
 from typing import Any
 
@@ -52,8 +53,33 @@ def response_versions(outputs: list[CompletionOutput]) -> TltVersions | None:
 def _token_text(tokenizer: Any, token_id: int) -> str:
     """A token's text; a byte piece of a multi-byte character (which decodes to U+FFFD alone)
     is shown by its vocabulary string instead, so different tokens never share a key."""
+    return _token_text_and_bytes(tokenizer, token_id)[0]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Qwen, Llama 3, ...), reversed: vocabulary character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(rest)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def _token_text_and_bytes(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
+    """The token's text (as `_token_text`) and its own UTF-8 bytes: OpenAI's `bytes`, which clients join to
+    rebuild a character split over several tokens. A byte piece's bytes are the byte(s) its vocabulary string
+    stands for (`<0xE4>`, or GPT-2's byte alphabet), not the encoding of that string (which joined gave mojibake)."""
     text = tokenizer.decode([token_id])
-    return tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else text
+    if "\ufffd" not in text:
+        return text, list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+        return piece, [int(m.group(1), 16)]
+    if all(ch in _BYTE_LEVEL for ch in piece):
+        return piece, [_BYTE_LEVEL[ch] for ch in piece]
+    return piece, list(text.encode())
 
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a (near) zero-probability token
@@ -90,13 +116,13 @@ def chat_logprobs(
 ) -> ChoiceLogprobs:
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs or [])):
-        text = _token_text(tokenizer, tid)
+        text, raw = _token_text_and_bytes(tokenizer, tid)
         alts = []
         if k > 0 and top is not None and i < len(top):
             for aid, alp in sorted(top[i].items(), key=lambda kv: -kv[1])[:k]:
-                at = _token_text(tokenizer, aid)
-                alts.append(TopLogprobEntry(token=at, logprob=_lp(alp), bytes=list(at.encode())))
-        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=list(text.encode()), top_logprobs=alts))
+                at, araw = _token_text_and_bytes(tokenizer, aid)
+                alts.append(TopLogprobEntry(token=at, logprob=_lp(alp), bytes=araw))
+        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=raw, top_logprobs=alts))
     return ChoiceLogprobs(content=content)
 
 

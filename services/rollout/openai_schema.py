@@ -114,6 +114,23 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # The other fields of an OpenAI assistant message: the SDK's response message carries them (null), so a
+    # reply replayed into the next turn's history (`messages.append(r.choices[0].message.model_dump())`) holds
+    # them. Null is accepted; a value is refused by `unsupported()` (this server makes no tool calls or audio).
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any | None = None
+    audio: Any | None = None
+    annotations: list[Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tool_calls or self.function_call is not None:
+            return "tools are not supported (a message has tool_calls or function_call)"
+        if self.audio is not None:
+            return "audio is not supported"
+        if self.refusal is not None or self.annotations:
+            return "assistant messages with a refusal or annotations are not supported"
+        return None
 
     def text(self) -> str:
         if self.content is None:
@@ -142,6 +159,9 @@ class ChatCompletionRequest(_Sampling):
             return "tools are not supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs: true"
+        for i, m in enumerate(self.messages):
+            if (why := m.unsupported()) is not None:
+                return f"messages[{i}]: {why}"
         return super().unsupported()
 
 
