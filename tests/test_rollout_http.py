@@ -8,6 +8,7 @@ with the task tokenizer, the `openai` client. Nothing is faked.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -322,12 +323,12 @@ def test_null_means_the_default(server):
     r = httpx.post(f"{server.base_url}/completions", timeout=60,
                    json={"model": server.model_name, "prompt": "1+1=", "max_tokens": 3, "echo": None, **nulls})
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"]) == 1 and "logprobs" not in r.json()["choices"][0]
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
     r = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
                    json={"model": server.model_name, "messages": [{"role": "user", "content": "1+1="}],
                          "max_tokens": 3, "top_logprobs": None, **nulls})
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"]) == 1 and "logprobs" not in r.json()["choices"][0]
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
     r = httpx.post(f"{server.base_url}/completions", timeout=60, json={"model": None, "prompt": "1"})
     assert r.status_code == 400 and "model" in r.json()["error"]["message"]
 
@@ -406,3 +407,22 @@ def test_chat_history_replays_the_sdk_s_own_message(client, server, model_dir):
     with pytest.raises(openai.BadRequestError, match="unknown parameter 'messages.0.colour'"):
         client.chat.completions.create(model=server.model_name, max_tokens=4,
                                        messages=[{**user, "colour": "red"}])
+
+
+def test_nullable_keys_are_sent_as_null_as_the_openai_api_sends_them(server):
+    """`finish_reason` is in every streamed choice (null until the last chunk), `logprobs` in every choice (null
+    when not asked for), `param` and `code` in every error: the API reference's own examples read them by key.
+    They were left out when null, and `chunk["choices"][0]["finish_reason"]` raised KeyError."""
+    base = {"model": server.model_name, "max_tokens": 4, "ignore_eos": True}
+    for path, extra in (("completions", {"prompt": "1+1="}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "1+1="}]})):
+        with httpx.stream("POST", f"{server.base_url}/{path}", json={**base, **extra, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(x.removeprefix("data: ")) for x in r.iter_lines() if x and x != "data: [DONE]"]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        assert choices and all("finish_reason" in c and "logprobs" in c for c in choices), (path, chunks)
+        assert [c["finish_reason"] for c in choices][-1] == "length"
+        assert all(c["finish_reason"] is None for c in choices[:-1])
+        whole = httpx.post(f"{server.base_url}/{path}", json={**base, **extra}, timeout=60).json()
+        assert whole["choices"][0]["logprobs"] is None and whole["choices"][0]["finish_reason"] == "length"
+    bad = httpx.post(f"{server.base_url}/completions", json={**base, "prompt": "1", "n": 0}, timeout=60).json()
+    assert "param" in bad["error"] and "code" in bad["error"], bad

@@ -12,9 +12,9 @@ rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from tlt.services.rollout.types import SamplingParams
 
@@ -203,7 +203,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-class CompletionChoice(BaseModel):
+class _KeepsNulls(BaseModel):
+    """A response object whose `nullable` keys the OpenAI API always sends, null or not. Responses are dumped
+    without their None fields (the optional extensions), and these went with them: a client that reads
+    `chunk["choices"][0]["finish_reason"]`, as the API reference shows, got a KeyError on every chunk but
+    the last."""
+
+    keep_null: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _with_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        for key in self.keep_null:
+            out.setdefault(key, None)
+        return out
+
+
+class CompletionChoice(_KeepsNulls):
+    keep_null = ("logprobs", "finish_reason")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -247,7 +264,8 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_KeepsNulls):
+    keep_null = ("logprobs", "finish_reason")
     index: int
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None = None
@@ -255,7 +273,8 @@ class ChatChoice(BaseModel):
     tlt_versions: TltVersions | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_KeepsNulls):
+    keep_null = ("logprobs", "finish_reason")
     index: int
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
@@ -283,7 +302,8 @@ class ChatCompletionChunk(BaseModel):
     tlt_versions: TltVersions | None = None
 
 
-class ErrorBody(BaseModel):
+class ErrorBody(_KeepsNulls):
+    keep_null = ("param", "code")
     message: str
     type: str
     param: str | None = None
