@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +76,32 @@ def test_incomplete_save_is_ignored_and_cleaned(tmp_path):
     assert ckpt.latest() == first
     second = ckpt.save(p, s, steps_done=3)
     assert ckpt.latest() == second and not partial.exists() and not first.exists()  # keep=1 pruned the old one
+
+
+@pytest.mark.parametrize("change", [{"hidden_size": 64}, {"eos_token_id": 5}])
+def test_checkpoint_of_another_model_is_refused_before_loading(tmp_path, change):
+    # the default output_dir (runs/latest) and resume=true pick up a checkpoint of whatever model ran there before:
+    # another shape failed with torch's page of "size mismatch" lines (naming neither the checkpoint nor the fix),
+    # and a same-shape variant (base vs instruct: another eos token) silently continued the old run's weights
+    from transformers import Qwen2ForCausalLM
+
+    from tlt.services.trainer.checkpoint import CheckpointError
+
+    ckpt = CheckpointManager(tmp_path / "ck", keep=1)
+    s = PromptSampler(synthetic_prompts(4, seed=0), seed=0)
+    path = ckpt.save(Policy(config(), model=tiny_qwen2(0)), s, steps_done=1)
+    other_cfg = tiny_qwen2(0).config
+    for k, v in change.items():
+        setattr(other_cfg, k, v)
+    torch.manual_seed(1)
+    other = Policy(config(), model=Qwen2ForCausalLM(other_cfg))
+    before = _params(other)
+    with pytest.raises(CheckpointError, match=re.escape(f"{path} is a checkpoint of another model")) as e:
+        ckpt.load(other, PromptSampler(synthetic_prompts(4, seed=0), seed=0))
+    assert next(iter(change)) in str(e.value) and "output_dir" in str(e.value)
+    assert other.version == 0
+    for k, v in _params(other).items():  # refused before DeepSpeed loaded anything
+        assert torch.equal(v, before[k])
 
 
 def _lines(path):

@@ -60,6 +60,34 @@ def test_jsonl_with_a_utf8_bom_loads(tmp_path):
     assert [(i.prompt, i.answer) for i in load_prompts(p)] == [("a", "1"), ("b", "2")]
 
 
+def test_integral_float_answers_are_integers(tmp_path):
+    # pandas writes an int column with a missing value as float64, and some JSON writers emit 42.0: the answer
+    # used to be "42.0", which the task verifier refused (int("42.0") raised: every step failed on its reward)
+    from tlt.task import verify
+
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": 42.0}, {"prompt": "b", "answer": -3.0},
+                                           {"prompt": "c", "answer": 0.5}, {"prompt": "d", "answer": 7}])
+    items = load_prompts(p)
+    assert [i.answer for i in items] == ["42", "-3", "0.5", "7"]
+    assert verify("answer: 42", items[0].answer) and verify("answer: -3", items[1].answer)
+
+
+def test_json_file_holding_one_array_loads(tmp_path):
+    # json.dump(rows, f, indent=2) or pandas to_json(orient="records"): a .json file is read as JSONL, and its first
+    # line "[" was refused as "d.json:1: not valid JSON", although the file is valid JSON
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": 2}]
+    pretty = tmp_path / "d.json"
+    pretty.write_text(json.dumps(rows, indent=2))
+    one_line = tmp_path / "e.json"
+    one_line.write_text(json.dumps(rows))
+    for p in (pretty, one_line):
+        assert [(i.index, i.prompt, i.answer) for i in load_prompts(p)] == [(0, "a", "1"), (1, "b", "2")]
+    bad = tmp_path / "f.json"
+    bad.write_text('[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b"}\n]\n')
+    with pytest.raises(DataError, match=re.escape(f"{bad} item 1: missing field(s) ['answer']")):
+        load_prompts(bad)
+
+
 def test_missing_and_unknown_files(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_prompts(tmp_path / "nope.jsonl")
@@ -114,3 +142,19 @@ def test_sampler_refuses_state_of_other_data():
     s = PromptSampler(synthetic_prompts(4, seed=0), seed=0)
     with pytest.raises(DataError, match="same data and seed"):
         PromptSampler(synthetic_prompts(5, seed=0), seed=0).load_state_dict(s.state_dict())
+
+
+def test_tlt_train_with_a_bad_data_file_ends_with_one_line_naming_it(tmp_path):
+    """`tlt train` on a data file with a bad line ended in a traceback (the message last); it now logs the file and
+    line and exits 2, before it connects to anything (the rollout address here is closed). Real CLI process."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=" "answer": 4}\n')
+    r = subprocess.run([sys.executable, "-m", "tlt.cli", "train", "--config", "cpu-tiny", "--set", f"data_path={bad}",
+                        "--set", "eval_problems=0", "--set", 'rollout_addresses=["127.0.0.1:1"]',
+                        "--set", f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "train_refused" in out and f"{bad}:2: not valid JSON" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]

@@ -3,7 +3,7 @@
     <output_dir>/checkpoints/
         step-00000004/            one complete checkpoint (after 4 finished steps)
             engine/               DeepSpeed: model, optimizer (ZeRO partitions), LR scheduler
-            trainer_state.pt      steps done, policy version, data position, RNG states
+            trainer_state.pt      steps done, policy version, data position, RNG states, model config
         latest                    text file naming the newest complete checkpoint
         .tmp-step-00000006/       a save in progress (ignored, removed on the next save)
 
@@ -37,6 +37,14 @@ log = get_logger("trainer.checkpoint")
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
 ENGINE_TAG = "engine"
+# Config keys that do not tell one model from another: they change with the transformers version, the dtype the
+# weights were loaded in, the folder's name, or runtime switches (the trainer turns use_cache off).
+_NOT_IDENTITY = frozenset({"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
+                           "output_hidden_states", "output_attentions", "return_dict"})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be resumed into this run; the message names it and the fix."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,31 @@ class TrainerState:
     policy_version: int
     sampler: dict[str, int]
     rng: dict[str, Any]
+    model: dict[str, Any] | None = None  # model_identity() of the trained model (None: saved before it was kept)
+
+
+def model_identity(config) -> dict[str, Any]:  # noqa: ANN001 - a transformers PretrainedConfig
+    """The model's config as plain data, less the keys that do not identify the model."""
+    return {k: v for k, v in config.to_dict().items() if k not in _NOT_IDENTITY and not k.startswith("_")}
+
+
+def check_same_model(saved: dict[str, Any] | None, current: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint of another model, before any of its state is loaded.
+
+    Resume is on by default in a default output_dir, so a run of a new model meets the old run's checkpoint:
+    another shape failed deep in torch's load_state_dict, and a same-shape variant (another eos token) silently
+    replaced the new model's weights with the old run's. Keys only one side has (a transformers upgrade) are skipped.
+    """
+    if saved is None:
+        return
+    differ = sorted(k for k in saved.keys() & current.keys() if saved[k] != current[k])
+    if differ:
+        k = differ[0]
+        raise CheckpointError(
+            f"{path} is a checkpoint of another model ({k}: {saved[k]!r} there, {current[k]!r} in this run's model; "
+            f"{len(differ)} config field(s) differ): to train this model set another output_dir (or resume=false "
+            "to start over in this one); to continue that run, use the model it was started from"
+        )
 
 
 def capture_rng() -> dict[str, Any]:
@@ -113,7 +146,8 @@ class CheckpointManager:
         policy.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False)
         barrier()
         if is_main():
-            state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng())
+            state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng(),
+                                 model_identity(policy.model_config))
             torch.save(state.__dict__, tmp / STATE_FILE)
             _fsync_tree(tmp)
             if final.exists():  # an older run got this far before being resumed from an earlier checkpoint
@@ -143,11 +177,12 @@ class CheckpointManager:
         path = path or self.latest()
         if path is None:
             return None
+        raw = torch.load(path / STATE_FILE, weights_only=False)  # our own file: RNG states are not tensors
+        state = TrainerState(**raw)
+        check_same_model(state.model, model_identity(policy.model_config), path)
         load_path, _ = policy.engine.load_checkpoint(str(path), tag=ENGINE_TAG)
         if load_path is None:
             raise FileNotFoundError(f"DeepSpeed found no engine state in {path}")
-        raw = torch.load(path / STATE_FILE, weights_only=False)  # our own file: RNG states are not tensors
-        state = TrainerState(**raw)
         sampler.load_state_dict(state.sampler)
         restore_rng(state.rng)
         policy.version = state.policy_version

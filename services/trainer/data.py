@@ -1,6 +1,6 @@
 """Prompt data for RL: (prompt, answer) pairs, seeded epochs, a resumable position.
 
-    JSONL / Parquet file (fields "prompt", "answer")  -> PromptItem list
+    JSONL (or one JSON array) / Parquet file (fields "prompt", "answer")  -> PromptItem list
     or the synthetic task (tlt.task.generate_problems) -> PromptItem list
     PromptSampler: epoch e visits every item once in permutation(seed, e);
                    next_batch(k) returns the next k items; state_dict() /
@@ -41,7 +41,19 @@ def _item(index: int, row: object, where: str) -> PromptItem:
     # an empty answer or a NaN (a missing value in many writers) is no answer: every sample would score 0
     if (isinstance(answer, str) and not answer.strip()) or (isinstance(answer, float) and not math.isfinite(answer)):
         raise DataError(f"{where}: 'answer' is empty ({answer!r}); every row needs the reference answer")
-    return PromptItem(index=index, prompt=prompt, answer=str(answer))
+    return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer))
+
+
+def _answer_text(answer: str | int | float) -> str:
+    """The reference answer as text; a float with an integer value is written as that integer.
+
+    pandas stores an int column with a missing value as float64 (so its Parquet holds 42.0), and some JSON
+    writers emit 42.0: str() gave "42.0", which the task verifier refuses (int("42.0") raises) and which no
+    integer answer string matches.
+    """
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer)
 
 
 def _utf8_text(path: Path) -> str:
@@ -59,10 +71,26 @@ def _utf8_text(path: Path) -> str:
         raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); re-save the file as UTF-8") from None
 
 
+def _load_json_array(path: Path, text: str) -> list[PromptItem]:
+    """A file holding one JSON array of rows (json.dump(rows, f, indent=2), pandas to_json(orient="records")).
+
+    Read as JSONL, its first line "[" was refused as not valid JSON; a JSONL row is never an array, so a file
+    that starts with "[" is read whole.
+    """
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    return [_item(i, row, f"{path} item {i}") for i, row in enumerate(rows)]
+
+
 def load_jsonl(path: Path) -> list[PromptItem]:
+    text = _utf8_text(path)
+    if text.lstrip().startswith("["):
+        return _load_json_array(path, text)
     items: list[PromptItem] = []
     # newline=None: the universal newlines a text-mode open() reads (\n, \r\n, \r)
-    for lineno, line in enumerate(io.StringIO(_utf8_text(path), newline=None), 1):
+    for lineno, line in enumerate(io.StringIO(text, newline=None), 1):
         if not line.strip():
             continue
         try:

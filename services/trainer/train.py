@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
     from tlt.services.rollout.client import ControlRefusedError
+    from tlt.services.trainer.checkpoint import CheckpointError
     from tlt.services.trainer.collect import RolloutError
+    from tlt.services.trainer.data import DataError
     from tlt.services.trainer.loop import train
 
     try:
@@ -46,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     except (ControlRefusedError, RolloutError) as e:  # what to fix is in the message: no traceback
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
+    except (DataError, CheckpointError) as e:  # the user's data or output_dir: the message names the file and fix
+        get_logger("trainer").error("train_refused", error=str(e))
+        return 2
     get_logger("trainer").info("train_done", steps=summary.steps_done, policy_version=summary.policy_version,
                                resumed_from=summary.resumed_from, output_dir=summary.output_dir)
     return 0
