@@ -63,12 +63,7 @@ def test_raising_or_shapeless_function_fails_with_reward_error():
     def picky(prompts, completions, **kw):
         return [{"ok": 1.0}[c] for c in completions]
 
-    batch = FunctionRewards([picky]).begin()
-    batch.submit("k0", "p", "ok", "a")
-    batch.submit("k1", "p", "bad", "a")
-    with pytest.raises(RewardError, match=r"reward function .*picky raised KeyError: 'bad'") as e:
-        batch.results()
-    assert isinstance(e.value.__cause__, KeyError)
+    _fails_naming_the_function(picky)
     none = FunctionRewards([lambda prompts, completions, **kw: None]).begin()
     none.submit("k0", "p", "c", "a")
     with pytest.raises(RewardError, match="returned None; a list of 1 numbers is required"):
@@ -202,9 +197,15 @@ def test_a_generator_function_that_raises_fails_with_reward_error():
     good = FunctionRewards([per_completion]).begin()
     good.submit("k0", "p", "ok", "a")
     assert good.results()["k0"].reward == 1.0
-    batch = FunctionRewards([per_completion]).begin()
+    _fails_naming_the_function(per_completion)
+
+
+def _fails_naming_the_function(fn) -> None:  # noqa: ANN001
+    """Scoring completions "ok" and "bad" with `fn` (which raises KeyError on "bad") fails with the RewardError
+    naming `fn`, the KeyError chained."""
+    batch = FunctionRewards([fn]).begin()
     batch.submit("k0", "p", "ok", "a")
     batch.submit("k1", "p", "bad", "a")
-    with pytest.raises(RewardError, match=r"reward function .*per_completion raised KeyError: 'bad'") as e:
+    with pytest.raises(RewardError, match=rf"reward function .*{fn.__name__} raised KeyError: 'bad'") as e:
         batch.results()
     assert isinstance(e.value.__cause__, KeyError)
