@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+
 class PortInUseError(OSError):
     """A server could not bind its port: another process listens on it, or the host is not this machine's."""
 
