@@ -150,3 +150,67 @@ def test_policy_loss_approx_kl_estimates_kl_old_to_new_under_old_samples():
     assert float((per_token * weights).sum()) == pytest.approx(exact, rel=1e-4)
     # and policy_loss's metric is that estimator (its plain mean over these 50 tokens)
     assert out.approx_kl.item() == pytest.approx(float(per_token.mean()), rel=1e-5)
+
+
+def test_policy_loss_huge_log_ratio_stays_finite():
+    # A stale or mismatched old logprob can put the log-ratio at +100: e^100 overflows float32 to inf,
+    # and with A < 0 the loss -A * ratio is inf and the gradients NaN. The log-ratio is clamped to
+    # [-20, 20] first, so that token's surrogate is -A * e^20 and the clamp passes it no gradient.
+    old = torch.tensor([[-1.0, -1.0, -101.0]])
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)  # log-ratios [0, 0, +100]
+    mask = torch.ones(1, 3)
+    adv = torch.tensor([-2.0])
+    out = policy_loss(logp, old, adv, mask)
+    assert torch.isfinite(out.loss)
+    # tokens 0, 1: ratio 1 -> max(2, 2) = 2 each; token 2: max(2 e^20, 2 * 1.2) = 2 e^20; mean over 3
+    assert out.loss.item() == pytest.approx((2.0 + 2.0 + 2.0 * math.exp(20.0)) / 3, rel=1e-6)
+    assert torch.isfinite(out.approx_kl) and torch.isfinite(out.ratio_mean)
+    out.loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    # d l / d logp = -A * ratio / 3 = 2/3 on the two in-range tokens; 0 on the clamped one
+    torch.testing.assert_close(logp.grad, torch.tensor([[2 / 3, 2 / 3, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_policy_loss_huge_log_ratio_on_padding_is_ignored():
+    # Padding positions hold arbitrary logprobs: inf * 0 would be NaN, a clamped value * 0 is 0.
+    _, old, adv, mask = _policy_case()
+    logp = old.clone()
+    logp[0, 2] = old[0, 2] + 100.0  # seq 0's padding token
+    logp.requires_grad_(True)
+    out = policy_loss(logp, old, adv, mask)
+    assert out.loss.item() == pytest.approx(0.8, abs=1e-6)  # as on-policy: padding contributes nothing
+    out.loss.backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_policy_loss_in_range_is_bit_identical_to_unclamped_formula():
+    # The clamp must not move any normal-range value: compare with the plain formula, exactly.
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(4, 9, generator=g) * 5
+    logp = old + torch.randn(4, 9, generator=g) * 2  # log-ratios mostly within +-6
+    adv = torch.randn(4, generator=g)
+    mask = (torch.rand(4, 9, generator=g) > 0.2).float()
+    ratio = torch.exp(logp - old)
+    a = adv.unsqueeze(1)
+    per_token = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
+    expected = (per_token * mask).sum() / mask.sum()
+    assert torch.equal(policy_loss(logp, old, adv, mask).loss, expected)
+    r = old - logp
+    assert torch.equal(kl_k3(logp, old, mask), (torch.exp(r) - r - 1.0) * mask)
+
+
+def test_kl_k3_huge_exponent_stays_finite():
+    # r = ref - logp = +100 (the policy gives a token e^-100 of the reference's probability): e^r is
+    # inf in float32. The exponent is clamped to [-20, 20]; its gradient there is 0, not NaN.
+    logp = torch.tensor([[-101.0, -1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.5, -101.0]])  # r = [+100, -0.5, -100]
+    mask = torch.ones(1, 3)
+    k = kl_k3(logp, ref, mask)
+    assert torch.isfinite(k).all()
+    # r = +100 -> clamped 20: e^20 - 21; r = -0.5: e^-0.5 - 0.5 = 0.106531; r = -100 -> -20: e^-20 + 19
+    expected = torch.tensor([[math.exp(20.0) - 21.0, math.exp(-0.5) - 0.5, math.exp(-20.0) + 19.0]])
+    torch.testing.assert_close(k, expected, rtol=1e-6, atol=1e-6)
+    k.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    # d k3 / d logp = -(e^r - 1) inside the clamp, 0 outside
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 1.0 - math.exp(-0.5), 0.0]]), atol=1e-6, rtol=0)

@@ -14,6 +14,9 @@ Deliberate choices (and departures from the original GRPO paper):
   the whole mini-batch's token count, making gradient accumulation exact.
 - Asymmetric clipping is allowed (clip_low, clip_high: DAPO's clip-higher).
 - `scale_by_std=False` is Dr. GRPO: advantages are only centred per group.
+- Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp
+  (as verl does), in the PPO ratio and in k3, so a stale or mismatched
+  logprob cannot overflow to inf and turn the gradients into NaN.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# exp(20) = 4.85e8: finite in float32/bf16, and no in-range ratio (|log-ratio| < 20) is touched.
+LOG_RATIO_CLAMP = 20.0
 
 
 def group_advantages(
@@ -100,19 +106,27 @@ def policy_loss(
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] (one per sequence,
     broadcast over its tokens) or [B, T].
 
-        ratio  = exp(logp - logp_old)
+        ratio  = exp(clamp(logp - logp_old, -20, 20))
         l_tok  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
         loss   = sum(l_tok * mask) / num_tokens
 
     Taking the max of the two negated surrogates is the pessimistic bound:
     the gradient vanishes once the ratio has moved past the clip in the
     direction the advantage favours. `clip_fraction` counts those tokens.
+
+    The log-ratio clamp (LOG_RATIO_CLAMP) is an overflow guard, not part of
+    the objective: e^100 is inf in float32, so one token with stale old
+    logprobs would make the loss inf (A < 0) and every gradient NaN, and inf
+    on a padding token times mask 0 is NaN too. A clamped token contributes
+    at most |A| * e^20 to the loss and no gradient (like dual-clip PPO, the
+    token is dropped rather than followed). Inside the clamp the values are
+    bit-identical to the unclamped formula.
     """
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     advantages = advantages.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -131,14 +145,21 @@ def policy_loss(
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || pi_ref) on tokens sampled from pi.
 
-        r  = logp_ref - logp
+        r  = clamp(logp_ref - logp, -20, 20)
         k3 = exp(r) - r - 1
 
     Non-negative (e^r >= 1 + r), zero when the two agree, unbiased with lower
     variance than -r (Schulman, "Approximating KL divergence"). Differentiable
     in `logprobs`. Zero outside `mask`. Aggregate with `masked_mean`.
+
+    The exponent is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] so e^r stays
+    finite (k3 <= e^20 - 21); a clamped token has no gradient. The value itself
+    is not capped (verl also clips k3 to [-10, 10]): a cap that low (reached at
+    r = 2.6, a reference 13x likelier than the policy) would drop the KL pull
+    on exactly the tokens that drifted most. Inside the clamp the values are
+    bit-identical to the unclamped formula.
     """
-    r = ref_logprobs - logprobs
+    r = torch.clamp(ref_logprobs - logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (torch.exp(r) - r - 1.0) * mask.to(logprobs.dtype)
 
 
