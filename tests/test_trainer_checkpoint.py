@@ -104,6 +104,25 @@ def test_checkpoint_of_another_model_is_refused_before_loading(tmp_path, change)
         assert torch.equal(v, before[k])
 
 
+def test_checkpoint_of_edited_data_of_the_same_size_is_refused_before_loading(tmp_path):
+    # the data file edited to the same number of prompts resumed into other prompts without a word; the refusal
+    # is a DataError, which `tlt train` reports in one line with exit 2 (like another seed or prompt count)
+    from tlt.services.trainer.data import DataError
+    from tlt.services.trainer.types import PromptItem
+
+    items = synthetic_prompts(4, seed=0)
+    ckpt = CheckpointManager(tmp_path / "ck", keep=1)
+    ckpt.save(Policy(config(), model=tiny_qwen2(0)), PromptSampler(items, seed=0), steps_done=1)
+    edited = items[:1] + [PromptItem(1, items[1].prompt + " ", items[1].answer)] + items[2:]
+    other = Policy(config(), model=tiny_qwen2(seed=7))
+    before = _params(other)
+    with pytest.raises(DataError, match="4 prompts of other content"):
+        ckpt.load(other, PromptSampler(edited, seed=0))
+    assert other.version == 0
+    for k, v in _params(other).items():  # refused before DeepSpeed loaded anything
+        assert torch.equal(v, before[k])
+
+
 def _lines(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 

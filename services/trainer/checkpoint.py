@@ -51,7 +51,7 @@ class CheckpointError(ValueError):
 class TrainerState:
     steps_done: int
     policy_version: int
-    sampler: dict[str, int]
+    sampler: dict[str, Any]  # PromptSampler.state_dict(): position, seed, size, content fingerprint
     rng: dict[str, Any]
     model: dict[str, Any] | None = None  # model_identity() of the trained model (None: saved before it was kept)
 
@@ -180,10 +180,10 @@ class CheckpointManager:
         raw = torch.load(path / STATE_FILE, weights_only=False)  # our own file: RNG states are not tensors
         state = TrainerState(**raw)
         check_same_model(state.model, model_identity(policy.model_config), path)
+        sampler.load_state_dict(state.sampler)  # DataError for other data: refused, like another model, before loading
         load_path, _ = policy.engine.load_checkpoint(str(path), tag=ENGINE_TAG)
         if load_path is None:
             raise FileNotFoundError(f"DeepSpeed found no engine state in {path}")
-        sampler.load_state_dict(state.sampler)
         restore_rng(state.rng)
         policy.version = state.policy_version
         log.info("checkpoint_loaded", path=str(path), steps_done=state.steps_done, policy_version=state.policy_version)
