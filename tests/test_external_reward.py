@@ -30,6 +30,8 @@ SERVER = textwrap.dedent(
     import sys
     from concurrent import futures
 
+    import json
+
     import grpc
 
     from tlt.v1 import reward_pb2, reward_pb2_grpc  # generated into this folder, not the tlt package
@@ -38,7 +40,9 @@ SERVER = textwrap.dedent(
     def score(item):
         if "refuse" in item.completion:
             return reward_pb2.ScoreResponse(id=item.id, ok=False, error="external rule refuses this one")
-        return reward_pb2.ScoreResponse(id=item.id, ok=True, reward=0.25 * item.completion.count("x"),
+        # data set columns arrive as metadata: a text value as is, any other value as JSON
+        bonus = len(item.metadata.get("name", "")) + sum(json.loads(item.metadata.get("weights", "[]")))
+        return reward_pb2.ScoreResponse(id=item.id, ok=True, reward=0.25 * item.completion.count("x") + bonus,
                                         correct=item.completion.strip().endswith(item.reference))
 
 
@@ -120,6 +124,20 @@ def test_trainer_reward_path_gets_external_rewards(external_server):
             assert results[key].correct is True
     finally:
         source.close()
+
+
+def test_data_set_columns_reach_the_external_server_as_metadata(external_server):
+    # ScoreRequest.metadata (map<string, string>) carries a row's other columns: text as is, the rest as JSON
+    source = GrpcRewards(external_server["address"], concurrency=2, timeout_s=10, retries=0)
+    try:
+        batch = source.begin()
+        batch.submit("plain", "q", "xx", "1")
+        batch.submit("cols", "q", "xx", "1", extra={"name": "abc", "weights": [0.5, 2], "meta": {"k": None}})
+        results = batch.results()
+    finally:
+        source.close()
+    assert results["plain"].reward == pytest.approx(0.5)
+    assert results["cols"].reward == pytest.approx(0.5 + 3 + 2.5)  # len("abc") + sum([0.5, 2])
 
 
 def test_refused_completion_fails_the_step_clearly(external_server):

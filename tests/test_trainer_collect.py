@@ -24,6 +24,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.submits: list[tuple[float, str, str, str, str]] = []
+        self.extras: dict[str, dict] = {}
         self.results_at = 0.0
         self.threads: set[int] = set()
 
@@ -31,9 +32,10 @@ class Recorder:
         rec = self
 
         class Batch:
-            def submit(self, key, prompt, completion, answer):
+            def submit(self, key, prompt, completion, answer, extra=None):
                 rec.threads.add(threading.get_ident())
                 rec.submits.append((time.perf_counter(), key, prompt, completion, answer))
+                rec.extras[key] = extra
 
             def results(self):
                 rec.results_at = time.perf_counter()
@@ -58,7 +60,7 @@ def test_collect_over_two_streams(random_model_dir, server):
 
     tok = AutoTokenizer.from_pretrained(random_model_dir)
     prompts = [PromptItem(i, f"<|im_start|>user\nCompute mod 10: {i} +{i + 1}<|im_end|>\n<|im_start|>assistant\n",
-                          str(i)) for i in range(5)]
+                          str(i), extra={"solution": f"s{i}"} if i % 2 else {}) for i in range(5)]
     rec = Recorder()
     clients = [RolloutClient(server.grpc_address), RolloutClient(server.grpc_address)]
     try:
@@ -74,6 +76,7 @@ def test_collect_over_two_streams(random_model_dir, server):
         # the completion was generated from this prompt and scored against its own answer
         assert list(s.prompt_ids) == tok.encode(item.prompt)
         assert by_key[f"7-{s.prompt_index}-{s.sample_index}"] == (item.prompt, item.answer)
+        assert rec.extras[f"7-{s.prompt_index}-{s.sample_index}"] == item.extra  # the row's other columns too
         assert s.reward == float(len(s.text)) and 1 <= len(s.response_ids) <= 8
         assert s.rollout_logprobs is not None and len(s.rollout_logprobs) == len(s.response_ids)
         assert s.policy_version == 0

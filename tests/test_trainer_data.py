@@ -24,6 +24,29 @@ def test_jsonl_loads_prompt_and_answer(tmp_path):
     assert [(i.index, i.prompt, i.answer) for i in items] == [(0, "1+1=", "2"), (1, "2*3=", "6")]
 
 
+def test_jsonl_keeps_the_other_columns_for_reward_functions(tmp_path):
+    # TRL passes a data set's other columns to reward functions; only prompt and answer were kept
+    rows = [{"prompt": "1+1=", "answer": "2", "solution": "1+1 is 2", "meta": {"level": 1, "tags": ["add"]}},
+            {"prompt": "2*3=", "answer": 6, "difficulty": None, "weights": [0.5, 1]}]
+    items = load_prompts(write_jsonl(tmp_path / "d.jsonl", rows))
+    assert items[0].extra == {"solution": "1+1 is 2", "meta": {"level": 1, "tags": ["add"]}}
+    assert items[1].extra == {"difficulty": None, "weights": [0.5, 1]}
+    assert items[1].answer == "6"  # the answer stays the text it was, not among the extra columns
+    pretty = tmp_path / "d.json"  # one JSON array: the same
+    pretty.write_text(json.dumps(rows, indent=2))
+    assert load_prompts(pretty) == items
+
+
+@pytest.mark.parametrize("name", ["prompts", "completions", "answers"])
+def test_a_column_named_like_a_reward_keyword_is_refused(tmp_path, name):
+    # a reward function gets prompts=, completions= and answers= (the 'answer' values) itself: a column of that
+    # name could not be passed beside them
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2", name: "x"}])
+    with pytest.raises(DataError, match=re.escape(f"d.jsonl:2: column {name!r} clashes with the reward function "
+                                                  "keyword")):
+        load_prompts(p)
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -106,8 +129,8 @@ def test_parquet(tmp_path):
         with pytest.raises(DataError, match="pip install pyarrow"):
             load_prompts(p)
         return
-    pq.write_table(pa.table({"prompt": ["x", "y"], "answer": ["1", "2"]}), p)
-    assert [i.answer for i in load_prompts(p)] == ["1", "2"]
+    pq.write_table(pa.table({"prompt": ["x", "y"], "answer": ["1", "2"], "solution": ["s1", "s2"]}), p)
+    assert [(i.answer, i.extra) for i in load_prompts(p)] == [("1", {"solution": "s1"}), ("2", {"solution": "s2"})]
 
 
 def test_synthetic_default_is_the_task():
@@ -142,6 +165,40 @@ def test_sampler_refuses_state_of_other_data():
     s = PromptSampler(synthetic_prompts(4, seed=0), seed=0)
     with pytest.raises(DataError, match="same data and seed"):
         PromptSampler(synthetic_prompts(5, seed=0), seed=0).load_state_dict(s.state_dict())
+
+
+def test_sampler_refuses_state_of_edited_data_of_the_same_size(tmp_path):
+    # A data file edited to the same number of prompts resumed silently: the saved position then pointed into
+    # other prompts (another order and content). The state carries a fingerprint of the content.
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    p = write_jsonl(tmp_path / "d.jsonl", rows)
+    s = PromptSampler(load_prompts(p), seed=0)
+    s.next_batch(4)
+    state = s.state_dict()
+    edits = {"prompt": dict(rows[2], prompt="2+2="), "answer": dict(rows[2], answer="4"),
+             "order": None, "extra column": dict(rows[2], solution="3")}
+    for what, row in edits.items():
+        changed = rows[:2] + [row] + rows[3:] if row is not None else rows[1:] + rows[:1]
+        write_jsonl(p, changed)
+        edited = PromptSampler(load_prompts(p), seed=0)
+        with pytest.raises(DataError, match=r"6 prompts of other content .*resume with the same data and seed"):
+            edited.load_state_dict(state)
+    write_jsonl(p, rows)  # the same content again (another file object, same text): resumes where it was
+    same = PromptSampler(load_prompts(p), seed=0)
+    same.load_state_dict(state)
+    assert same.next_batch(2) == s.next_batch(2)
+
+
+def test_sampler_resumes_a_state_saved_without_a_fingerprint():
+    # checkpoints written before the fingerprint was kept hold only epoch, position, seed and size
+    items = synthetic_prompts(5, seed=0)
+    s = PromptSampler(items, seed=2)
+    s.next_batch(3)
+    old = {k: v for k, v in s.state_dict().items() if k != "fingerprint"}
+    assert set(old) == {"epoch", "position", "seed", "size"}
+    resumed = PromptSampler(items, seed=2)
+    resumed.load_state_dict(old)
+    assert resumed.next_batch(4) == s.next_batch(4)
 
 
 def test_tlt_train_with_a_bad_data_file_ends_with_one_line_naming_it(tmp_path):

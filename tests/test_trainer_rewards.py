@@ -115,6 +115,41 @@ def test_trl_keyword_functions():
     assert (res["a"].reward, res["b"].reward) == (5.0, 1.0)
 
 
+def test_extra_columns_reach_python_reward_functions_as_lists(tmp_path):
+    """TRL passes every other column of the data set as a keyword list aligned with the completions: a function
+    needing `solution` got only `answer`. Rows come from a real JSONL file; a row without a column gets None."""
+    import json
+
+    from tlt.services.trainer.data import load_prompts
+
+    rows = [{"prompt": "1+1=", "answer": "2", "solution": "two", "difficulty": 1},
+            {"prompt": "2+2=", "answer": "4", "solution": "four"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = load_prompts(data)
+    seen = {}
+
+    def by_solution(prompts, completions, solution, **kw):  # TRL's signature for a data set with 'solution'
+        seen.update(kw, prompts=prompts, solution=solution)
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    def keyword_only(completions, solution):  # names the column, takes no **kw: gets that one only
+        return [0.5 * (s in c) for c, s in zip(completions, solution)]
+
+    batch = FunctionRewards([by_solution, keyword_only, exact, task_rewards()._fns[0][0]]).begin()
+    texts = {0: ["two", "answer: 2"], 1: ["five", "four"]}  # n = 2 samples of each prompt
+    for item in items:
+        for k, text in enumerate(texts[item.index]):
+            batch.submit(f"p{item.index}-k{k}", item.prompt, text, item.answer, extra=item.extra)
+    res = batch.results()
+    assert seen["solution"] == ["two", "two", "four", "four"]
+    assert seen["difficulty"] == [1, 1, None, None]
+    assert seen["answer"] == seen["answers"] == ["2", "2", "4", "4"] and seen["prompts"][2] == "2+2="
+    # by_solution + keyword_only + exact (answer) + the task verifier (answers):
+    #   p0-k0 "two": 1 + 0.5 + 0 + 0;  p0-k1 "answer: 2": 0 + 0 + 0 + 1;  p1-k0 "five": 0;  p1-k1 "four": 1 + 0.5
+    assert {k: r.reward for k, r in res.items()} == {"p0-k0": 1.5, "p0-k1": 1.0, "p1-k0": 0.0, "p1-k1": 1.5}
+
+
 def test_task_verifier_scores_an_integer_too_long_for_int():
     """`answer: 111...1` (over 4300 digits) made int() raise ValueError inside the built-in task reward, which
     failed the whole step on one degenerate sample instead of scoring it 0."""

@@ -2,6 +2,9 @@
 
     ScoreRequest --check--> verifier(prompt, completion, reference) --> ScoreResponse(id, reward, ok, correct)
 
+`ScoreRequest.metadata` (the trainer sends a data row's other columns there) is
+not read by the built-in verifiers; a server of your own may use it.
+
 `Score` scores a batch on the worker pool and answers in request order; items
 not begun when the call ends (its deadline passed: the client will retry it)
 are skipped, counted as `errors_total{reason="call_ended"}`.

@@ -41,7 +41,8 @@ class TrainerConfig(ServiceConfig):
     )
     reward_address: str = Field("127.0.0.1:50061", description="gRPC host:port of the reward service (reward='grpc')")
     reward_function: str = Field(
-        "", description="'module:function' with the TRL contract f(prompts, completions, **kw) -> list[float]"
+        "", description="'module:function' with the TRL contract f(prompts, completions, **kw) -> list[float]; "
+        "kw: answer (= answers) and each other column of the data file, one list entry per completion"
     )
     reward_concurrency: int = Field(32, ge=1, description="completions scored at once by the gRPC reward client")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward call, seconds")

@@ -1,20 +1,26 @@
 """Reward sources behind one interface: score completions as they arrive.
 
     source.begin() -> RewardBatch
-    batch.submit(key, prompt, completion, answer)   # called as each completion streams in
-    batch.results() -> {key: RewardResult}           # waits for the rest; raises RewardError
+    batch.submit(key, prompt, completion, answer, extra)   # called as each completion streams in
+    batch.results() -> {key: RewardResult}                  # waits for the rest; raises RewardError
+
+`extra` is the data row's other columns (PromptItem.extra: JSON values).
 
 Two sources:
 - `FunctionRewards`: in-process Python functions with TRL's contract
   `f(prompts, completions, **kw) -> list[float]`, called once per step on the
   whole batch (the contract is batch-shaped) with the reference answers as
-  keyword arguments `answer` / `answers` (only those the function accepts,
-  unless it takes **kw); by keyword, as TRL calls them, when the function
-  names a `completions` parameter. Several functions are summed with weights.
+  keyword arguments `answer` / `answers`, and each extra column of the data
+  as a keyword list aligned with the completions (TRL's convention; None
+  where a row lacks the column). Only the keywords the function names are
+  passed, unless it takes **kw; by keyword, as TRL calls them, when the
+  function names a `completions` parameter. Several functions are summed
+  with weights.
 - `GrpcRewards`: any `tlt.v1.Reward` server through `RewardClient`; each
   completion is submitted the moment it arrives from the rollout stream, so
   scoring overlaps the long tail of decoding. The client bounds concurrency,
-  applies the timeout and retries transport failures.
+  applies the timeout and retries transport failures. Extra columns travel
+  in `ScoreRequest.metadata`: a text value as is, any other value as JSON.
 
 A reward that cannot be had (server unreachable after retries, a call
 refused, `ok=false` in a response, a function that raises or returns the
@@ -26,12 +32,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 RewardFn = Callable[..., list[float]]
 
@@ -47,7 +54,8 @@ class RewardResult:
 
 
 class RewardBatch(Protocol):
-    def submit(self, key: str, prompt: str, completion: str, answer: str) -> None: ...
+    def submit(self, key: str, prompt: str, completion: str, answer: str,
+               extra: Mapping[str, Any] | None = None) -> None: ...
     def results(self) -> dict[str, RewardResult]: ...
 
 
@@ -66,15 +74,18 @@ def _check_value(key: str, value: object, origin: str) -> float:
 # -- in-process functions ----------------------------------------------------------------
 
 
-def _call(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+def _call(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str],
+          columns: Mapping[str, list[Any]]) -> list[float]:
     """Call `fn` as TRL does, by keyword, when it names a `completions` parameter, else positionally.
 
     TRL's functions take `completions` first (`think_format_reward(completions, **kwargs)`) and get
     `prompts` among the keywords, so a positional (prompts, completions) call fails on them.
+    `columns` (the data's extra columns, one list each) go as keywords, like the answers.
     """
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kw = {k: answers for k in ("answer", "answers") if takes_any or k in params}
+    kw = {k: v for k, v in columns.items() if takes_any or k in params}
+    kw.update({k: answers for k in ("answer", "answers") if takes_any or k in params})
     if "completions" in params and all(
         params[k].kind is not inspect.Parameter.POSITIONAL_ONLY for k in ("prompts", "completions") if k in params
     ):
@@ -91,14 +102,22 @@ class _FunctionBatch:
         self._prompts: list[str] = []
         self._completions: list[str] = []
         self._answers: list[str] = []
+        self._extras: list[Mapping[str, Any]] = []
 
-    def submit(self, key: str, prompt: str, completion: str, answer: str) -> None:
+    def submit(self, key: str, prompt: str, completion: str, answer: str,
+               extra: Mapping[str, Any] | None = None) -> None:
         self._keys.append(key)
         self._prompts.append(prompt)
         self._completions.append(completion)
         self._answers.append(answer)
+        self._extras.append(extra or {})
 
-    def _values(self, fn: RewardFn, name: str) -> list[object]:
+    def _columns(self) -> dict[str, list[Any]]:
+        """Each extra column as one list aligned with the completions; None where a row lacks it."""
+        names = dict.fromkeys(k for e in self._extras for k in e)
+        return {k: [e.get(k) for e in self._extras] for k in names}
+
+    def _values(self, fn: RewardFn, name: str, columns: Mapping[str, list[Any]]) -> list[object]:
         """`fn`'s values for the batch; a RewardError naming `fn` when it raises or returns no sequence.
 
         The contract is batch-shaped, so one bad completion fails the whole call: the step fails with the
@@ -106,7 +125,7 @@ class _FunctionBatch:
         read inside the boundary too: a generator function's code runs only as they are read.
         """
         try:
-            values = _call(fn, self._prompts, self._completions, self._answers)
+            values = _call(fn, self._prompts, self._completions, self._answers, columns)
             if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
                 raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} "
                                   "numbers is required")
@@ -119,9 +138,10 @@ class _FunctionBatch:
 
     def results(self) -> dict[str, RewardResult]:
         totals = [0.0] * len(self._keys)
+        columns = self._columns()
         for fn, weight in self._fns:
             name = getattr(fn, "__qualname__", repr(fn))
-            values = self._values(fn, name)
+            values = self._values(fn, name, columns)
             if len(values) != len(self._keys):
                 raise RewardError(f"reward function {name} returned {len(values)} values for {len(self._keys)} completions")
             for i, v in enumerate(values):
@@ -173,12 +193,16 @@ class _GrpcBatch:
         self._client = client
         self._futures: dict[str, Future] = {}
 
-    def submit(self, key: str, prompt: str, completion: str, answer: str) -> None:
+    def submit(self, key: str, prompt: str, completion: str, answer: str,
+               extra: Mapping[str, Any] | None = None) -> None:
         from tlt.v1 import reward_pb2
 
         if key in self._futures:
             raise ValueError(f"completion {key} submitted twice")
-        req = reward_pb2.ScoreRequest(id=key, prompt=prompt, completion=completion, reference=answer)
+        # metadata is map<string, string>: a text column as is, any other JSON value as its JSON text
+        metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (extra or {}).items()}
+        req = reward_pb2.ScoreRequest(id=key, prompt=prompt, completion=completion, reference=answer,
+                                      metadata=metadata)
         self._futures[key] = self._client.submit(req)
 
     def results(self) -> dict[str, RewardResult]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,8 @@ class PromptItem:
     index: int  # position in the data set
     prompt: str
     answer: str
+    # The row's other columns (JSON values), for reward functions: TRL passes each as a keyword list.
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
