@@ -90,3 +90,44 @@ def test_static_arm_must_fit_the_verify_token_budget_at_the_threshold():
     # adaptive mode never runs the static arm (its bandit skips arms over the budget); off runs nothing
     for mode in ("adaptive", "off"):
         load_config(SpecConfig, "spec", overrides={"mode": mode, "static_arm": "8_4_48", "threshold": 64})
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from tlt.services.rollout.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--model", "m", *argv])
+
+
+def test_rollout_serve_takes_the_threshold_and_arms_as_flags() -> None:
+    # the interface the SD issue names: `tlt rollout serve ... --spec-threshold 32 --spec-arms 8_4_48,8_4_32,...`;
+    # both were reachable only as `--set spec.threshold=...` / a TOML list of lists
+    from tlt.services.rollout.serve import build_config
+
+    cfg = build_config(_serve_args("--spec", "adaptive", "--spec-threshold", "16", "--spec-arms", "8_4_16,4_1_5,plain"))
+    assert cfg.spec.threshold == 16
+    assert cfg.spec.bucket_arms == (("8_4_16", "4_1_5", "plain"),) * len(cfg.spec.bucket_thresholds)
+    # one list per bucket, `/` between buckets (cpu-tiny has 3 buckets: 1, 2-4, >= 5)
+    assert cfg.spec.bucket_thresholds == (1, 2, 5)
+    cfg = build_config(_serve_args("--spec-arms", "12_1_13,8_1_9/8_1_9/4_1_5,plain"))
+    assert cfg.spec.bucket_arms == (("12_1_13", "8_1_9"), ("8_1_9",), ("4_1_5", "plain"))
+    # static mode runs one arm: --spec-arms names it
+    cfg = build_config(_serve_args("--spec", "static", "--spec-arms", "4_1_5"))
+    assert (cfg.spec.mode, cfg.spec.static_arm) == ("static", "4_1_5")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (("--spec", "static", "--spec-arms", "4_1_5,8_1_9"), "static mode runs one arm"),
+    (("--spec-arms", "8_4_16/4_1_5"), "one arm list per bucket"),
+    (("--spec-arms", "8_x_4"), "steps_topk_drafttokens"),
+    (("--spec-arms", "8_4_16,,4_1_5"), "empty arm"),
+    (("--spec-threshold", "0"), "threshold"),
+])
+def test_rollout_serve_refuses_bad_spec_flags_with_the_fix(argv, needle) -> None:
+    from tlt.services.rollout.serve import build_config
+
+    with pytest.raises(ConfigError, match=needle):
+        build_config(_serve_args(*argv))

@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None, help="engine backend: native (default) or sglang")
     parser.add_argument("--spec", default=None, choices=("off", "static", "adaptive"),
                         help="speculative decoding mode (native engine; default from the preset: adaptive)")
+    parser.add_argument("--spec-threshold", type=int, default=None, metavar="N",
+                        help="speculate only while the running batch is <= N (default from the preset: 32)")
+    parser.add_argument("--spec-arms", default=None, metavar="ARMS",
+                        help="arms steps_topk_drafttokens, comma-separated (e.g. 8_4_48,8_4_32,8_4_16,8_4_8; 'plain' "
+                        "does not speculate). adaptive: every batch-size bucket chooses among them, or give one list "
+                        "per bucket with '/' between buckets; static: the one arm it runs")
     parser.add_argument("--drafter", default=None, help="learned EAGLE drafter folder (else the model-free n-gram drafter)")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -48,6 +54,8 @@ def build_config(args: argparse.Namespace) -> object:
     flat = cli_overrides(args.overrides)
     if args.spec is not None:
         flat["spec.mode"] = args.spec
+    if getattr(args, "spec_threshold", None) is not None:
+        flat["spec.threshold"] = args.spec_threshold
     if args.drafter is not None:
         flat.update({"spec.drafter": "learned", "spec.drafter_path": args.drafter})
     overrides: dict = {k: v for k, v in flat.items() if "." not in k}
@@ -64,7 +72,28 @@ def build_config(args: argparse.Namespace) -> object:
                         ("grpc_port", "grpc_port"), ("backend", "backend"), ("insecure_local", "insecure_local")):
         if getattr(args, flag, None) is not None:
             overrides[field] = getattr(args, flag)
+    if getattr(args, "spec_arms", None) is None:
+        return load_config(RolloutConfig, "rollout", args.preset, overrides)
+    # where --spec-arms goes depends on the mode and the bucket count, which the preset or environment may set
+    spec = load_config(RolloutConfig, "rollout", args.preset, overrides).spec
+    overrides.setdefault("spec", {}).update(_arms_override(args.spec_arms, spec.mode, len(spec.bucket_thresholds)))
     return load_config(RolloutConfig, "rollout", args.preset, overrides)
+
+
+def _arms_override(text: str, mode: str, buckets: int) -> dict:
+    """`--spec-arms` as [rollout.spec] fields: static -> static_arm; otherwise bucket_arms, the one list for every
+    bucket, or one list per bucket with '/' between them (SpecConfig checks that count and each arm)."""
+    from tlt.services.common.config import ConfigError
+
+    lists = [[a.strip() for a in part.split(",")] for part in text.split("/")]
+    if any(a == "" for arms in lists for a in arms):
+        raise ConfigError(f"--spec-arms {text!r} has an empty arm; give arms like 8_4_16,4_1_5 ('/' between buckets)")
+    if mode == "static":
+        if len(lists) != 1 or len(lists[0]) != 1:
+            raise ConfigError(f"--spec-arms {text!r}: static mode runs one arm at every small batch; name one "
+                              "(e.g. --spec-arms 8_4_16), or use --spec adaptive to choose among several")
+        return {"static_arm": lists[0][0]}
+    return {"bucket_arms": lists * buckets if len(lists) == 1 else lists}
 
 
 def export_preset(preset: str | None, environ: dict | None = None) -> None:

@@ -77,7 +77,7 @@ class SpecConfig(ServiceConfig):
     @model_validator(mode="after")
     def _check(self) -> SpecConfig:
         problems = []
-        for a in (a for bucket in self.bucket_arms for a in bucket):
+        for a in dict.fromkeys(a for bucket in self.bucket_arms for a in bucket):  # each arm named once
             try:
                 Arm.parse(a)
             except ValueError as e:
