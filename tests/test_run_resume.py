@@ -302,3 +302,18 @@ def test_a_resumed_launch_shows_only_the_evals_its_trainer_keeps(tmp_path: Path)
     launcher = Launcher(_closed(_plan(runs, model, "--run-id", "r")), quiet=True)
     assert launcher._show_evals(0, None) == 2
     assert [e.after_steps for e in read_evals(evals)] == [0, 2]  # what the resumed trainer keeps (loop.py)
+
+
+@pytest.mark.parametrize("steps", ["0", "-3", "two"])
+def test_run_refuses_a_step_count_below_one(steps: str, capsys) -> None:
+    """`tlt run --steps 0` ran the preset's 50 steps: 0 was taken for "not given"."""
+    import argparse
+
+    from tlt.services.trainer.launch import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--steps", steps])
+    assert e.value.code == 2 and "--steps" in capsys.readouterr().err
+    assert parser.parse_args(["--steps", "3"]).steps == 3
