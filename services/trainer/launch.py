@@ -23,20 +23,11 @@ from __future__ import annotations
 import argparse
 
 
-def _steps(text: str) -> int:
-    """`--steps`: a count of at least 1 (0 was taken for "not given": `--steps 0` ran the preset's steps)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: give at least 1 step (leave --steps out for the preset's)")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="config preset name or .toml path (default cpu-tiny)")
-    parser.add_argument("--steps", type=_steps, default=None, help="RL steps (default: the preset's)")
+    from tlt.bench import at_least  # 0 was taken for "not given": `--steps 0` ran the preset's steps
+
+    parser.add_argument("--steps", type=at_least(1), default=None, help="RL steps (default: the preset's)")
     parser.add_argument("--run-id", default=None, help="run folder name under runs_dir (default: <preset>, continued if it was "
                         "interrupted; <preset>-<time> if that one is finished or in use)")
     parser.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in this folder")
