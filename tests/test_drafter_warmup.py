@@ -42,3 +42,27 @@ def test_heldout_split_keeps_every_window_of_a_sequence_together() -> None:
     base = lambda xs: {s.seq_id.rsplit("@", 1)[0] for s in xs}  # noqa: E731
     assert base(held) == {"p7-0", "p15-0"} and not base(held) & base(train)
     assert len(held) == 6 and len(train) + len(held) == len(samples)
+
+
+def test_drafter_commands_given_a_wrong_folder_fail_with_one_line_not_a_traceback(tmp_path) -> None:
+    """`tlt drafter warmup --model` / `export --drafter` pointed at a folder that is not a checkpoint ended in a
+    transformers traceback (rc 1) or one of our own errors as a traceback; now one log line naming the folder, rc 2."""
+    model = random_checkpoint(tmp_path / "m")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tlt = [sys.executable, "-m", "tlt.cli", "drafter"]
+    cases = {
+        "warmup, no checkpoint": ([*tlt, "warmup", "--model", str(empty), "--out", str(tmp_path / "o1")], "no config.json"),
+        "warmup, missing": ([*tlt, "warmup", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")],
+                            "does not exist"),
+        "export, no drafter": ([*tlt, "export", "--drafter", str(empty), "--model", str(model), "--out",
+                                str(tmp_path / "o3")], "is not a drafter folder"),
+        "export, no model": ([*tlt, "export", "--drafter", str(empty), "--model", str(empty), "--out",
+                              str(tmp_path / "o4")], "no config.json"),
+    }
+    for name, (cmd, needle) in cases.items():
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        out = r.stdout + r.stderr
+        assert r.returncode == 2 and needle in out and str(tmp_path) in out, (name, out[-2000:])
+        assert "Traceback" not in out, (name, out[-2000:])
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))  # nothing half-written

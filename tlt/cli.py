@@ -164,12 +164,31 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(module.run(args) or 0)
-    except (ConfigError, PortInUseError) as e:  # the user's to fix, and the message says how: no traceback
+    except Exception as e:  # the user's to fix, and the message says how: one line, no traceback
+        event = _user_error(e, {ConfigError: "bad_config", PortInUseError: "port_in_use"})
+        if event is None:
+            raise
         from tlt.services.common.logging import get_logger
 
-        get_logger("tlt").error("bad_config" if isinstance(e, ConfigError) else "port_in_use", error=str(e),
-                                command=" ".join(args._command.path))
+        get_logger("tlt").error(event, error=str(e), command=" ".join(args._command.path))
         return 2
+
+
+# Errors about a folder the user named (not a checkpoint, not a drafter, tensors that do not fit), by the module
+# that defines them: looked up only when the command imported it, so `tlt` itself does not import torch.
+_FOLDER_ERRORS = (("tlt.model.loader", "CheckpointError"), ("tlt.model.drafter", "DrafterError"))
+
+
+def _user_error(e: Exception, known: dict[type, str]) -> str | None:
+    """The log event for an error the user is to fix, or None for a bug (which keeps its traceback)."""
+    for cls, event in known.items():
+        if isinstance(e, cls):
+            return event
+    for module, name in _FOLDER_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            return "bad_checkpoint"
+    return None
 
 
 if __name__ == "__main__":

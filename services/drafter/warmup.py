@@ -73,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ttt_steps < 1:
         print(f"error: --ttt-steps must be >= 1, got {args.ttt_steps}", file=sys.stderr)
         return 2
+    from tlt.model.loader import read_model_config
+
+    read_model_config(args.model)  # CheckpointError naming the folder (tlt: one line, exit 2), not a transformers trace
     torch.manual_seed(args.seed)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.model)
