@@ -426,3 +426,41 @@ def test_nullable_keys_are_sent_as_null_as_the_openai_api_sends_them(server):
         assert whole["choices"][0]["logprobs"] is None and whole["choices"][0]["finish_reason"] == "length"
     bad = httpx.post(f"{server.base_url}/completions", json={**base, "prompt": "1", "n": 0}, timeout=60).json()
     assert "param" in bad["error"] and "code" in bad["error"], bad
+
+
+def test_tool_message_replayed_with_its_tool_call_id(client, server, model_dir):
+    """A conversation replayed by the OpenAI SDK holds a `tool` message with its `tool_call_id` (and maybe a
+    `name`). It was a 400 "unknown parameter 'messages.2.tool_call_id'". The message goes to the chat template
+    like any other role, its `tool_call_id` and `name` with it (as vLLM does), so the prompt is the template's
+    rendering of exactly these messages. A `tool_call_id` on another role means nothing and is refused by name."""
+    messages = [
+        {"role": "user", "content": "2+2=", "name": "alice"},
+        {"role": "assistant", "content": "I will ask the calculator."},
+        {"role": "tool", "tool_call_id": "call_1", "name": "calc", "content": "4"},
+        {"role": "user", "content": "so 2+2="},
+    ]
+    r = client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=4, temperature=0)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)
+    assert "<|im_start|>tool\n4<|im_end|>" in tok.decode(ids)  # the tool message is in the prompt, as its role
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]: tool_call_id is only for role 'tool'"):
+        client.chat.completions.create(model=server.model_name, max_tokens=4,
+                                       messages=[{"role": "user", "content": "1", "tool_call_id": "call_1"}])
+
+
+@pytest.mark.parametrize("path, extra", [("completions", {"prompt": "1+1="}),
+                                         ("chat/completions", {"messages": [{"role": "user", "content": "1+1="}]})])
+def test_stream_options_without_stream_is_a_400(server, path, extra):
+    """As the OpenAI API answers: `stream_options` without `stream: true` is a 400 naming the parameter (it was
+    accepted and ignored). `stream_options: null` is "not set" and still fine."""
+    base = {"model": server.model_name, "max_tokens": 2, **extra}
+    for stream in ({}, {"stream": False}, {"stream": None}):
+        r = httpx.post(f"{server.base_url}/{path}", timeout=60,
+                       json={**base, **stream, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400, (stream, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "stream_options" and err["type"] == "invalid_request_error", err
+        assert "only allowed when 'stream' is enabled" in err["message"], err
+    r = httpx.post(f"{server.base_url}/{path}", timeout=60, json={**base, "stream": False, "stream_options": None})
+    assert r.status_code == 200, r.text

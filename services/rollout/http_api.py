@@ -243,6 +243,9 @@ class OpenAIServer:
                            "not_found_error", "model", "model_not_found")
         if (why := req.unsupported()) is not None:
             raise ApiError(400, why)
+        if req.stream_options is not None and not req.stream:  # the OpenAI API's own check and wording
+            raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                           param="stream_options")
         if req.n > self.config.max_n:
             raise ApiError(400, f"n={req.n} is over the limit of {self.config.max_n}", param="n")
         return req
@@ -466,7 +469,7 @@ class OpenAIServer:
         params = self._params(req, max_tokens, top if req.logprobs else None)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)

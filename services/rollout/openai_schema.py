@@ -7,7 +7,8 @@ TLT extensions beside the OpenAI fields: `top_k`,
 `min_p`, `ignore_eos`, `stop_token_ids`; every response carries the weight
 versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
 honour (penalties, logit_bias, echo, suffix, tools) are refused with a 400
-rather than silently ignored.
+rather than silently ignored. A `tool` message in the history (a tool's result,
+with its `tool_call_id`) is text for the chat template like any other role.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # on a `tool` message: the call it answers (the SDK sends it on replay)
     # The other fields of an OpenAI assistant message: the SDK's response message carries them (null), so a
     # reply replayed into the next turn's history (`messages.append(r.choices[0].message.model_dump())`) holds
     # them. Null is accepted; a value is refused by `unsupported()` (this server makes no tool calls or audio).
@@ -124,6 +126,8 @@ class ChatMessage(_Strict):
     annotations: list[Any] | None = None
 
     def unsupported(self) -> str | None:
+        if self.tool_call_id is not None and self.role != "tool":
+            return "tool_call_id is only for role 'tool'"
         if self.tool_calls or self.function_call is not None:
             return "tools are not supported (a message has tool_calls or function_call)"
         if self.audio is not None:
@@ -138,6 +142,16 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template sees it: role and text, plus `name` and `tool_call_id` when given
+        (as vLLM passes them: a template may render them; the tiny task template ignores them)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ResponseFormat(_Strict):
