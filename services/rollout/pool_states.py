@@ -34,7 +34,7 @@ from tlt.services.rollout.ipc import Lend, Reply
 from tlt.services.rollout.lease import DeviceLease
 
 if TYPE_CHECKING:
-    from tlt.services.rollout.replicas import _Replica
+    from tlt.services.rollout.replica_lifecycle import _Replica
 
 log = get_logger("rollout.replicas")
 
