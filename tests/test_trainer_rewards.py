@@ -168,6 +168,48 @@ def test_load_function():
         load_function("tlt.task:nope")
 
 
+def test_a_reward_module_in_the_current_directory_is_found_without_pythonpath(tmp_path, monkeypatch):
+    """`reward_function = "myreward:f"` with myreward.py in the directory `tlt train` runs from: the `tlt`
+    script (unlike `python -m tlt.cli`) does not put that directory on sys.path, so the import failed with a
+    ModuleNotFoundError traceback. The sys.path below is the script's: no cwd entry."""
+    import os
+    import sys
+
+    (tmp_path / "tlt_test_cwd_reward.py").write_text(
+        "def accuracy(completions, solution, **kw):\n"
+        "    return [float(c == s) for c, s in zip(completions, solution)]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", os.getcwd())])
+    monkeypatch.delitem(sys.modules, "tlt_test_cwd_reward", raising=False)
+    try:
+        fn = load_function("tlt_test_cwd_reward:accuracy")
+    finally:
+        sys.modules.pop("tlt_test_cwd_reward", None)
+    assert fn(completions=["4", "5"], solution=["4", "4"]) == [1.0, 0.0]
+
+
+def test_tlt_train_with_a_reward_module_it_cannot_find_ends_with_one_line_saying_where_it_looked(tmp_path,
+                                                                                                random_model_dir):
+    """A reward_function whose module is nowhere: `tlt train` (the real console script, run from tmp_path) ended
+    in a ModuleNotFoundError traceback after loading the model; it now exits 2 before loading anything, with a
+    message naming the module, the directory searched and PYTHONPATH. The rollout address is closed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tlt = Path(sys.executable).with_name("tlt")
+    assert tlt.is_file(), f"the project's console script {tlt} is missing: install the project (make test does)"
+    r = subprocess.run([str(tlt), "train", "--config", "cpu-tiny", "--set", "reward=python",
+                        "--set", "reward_function=no_such_reward_module:accuracy", "--set", "eval_problems=0",
+                        "--set", f"model_dir={random_model_dir}",
+                        "--set", 'rollout_addresses=["127.0.0.1:1"]', "--set", f"output_dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "train_refused" in out, out[-2000:]
+    assert "no_such_reward_module" in out and str(tmp_path) in out and "PYTHONPATH" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+
+
 def test_builtin_reward_server_via_trainer_path():
     from tlt.services.reward.config import RewardConfig
     from tlt.services.reward.server import RewardServer

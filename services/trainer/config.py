@@ -80,7 +80,8 @@ class TrainerConfig(ServiceConfig):
 
     # -- data ---------------------------------------------------------------------
     data_path: str | None = Field(
-        None, description="JSONL or Parquet file with 'prompt' and 'answer' fields; default: the synthetic task"
+        None, description="JSONL or Parquet (needs pyarrow) file with 'prompt' and 'answer' fields; default: the "
+        "synthetic task"
     )
     synthetic_problems: int = Field(2048, ge=1, description="size of the synthetic data set when data_path is unset")
 

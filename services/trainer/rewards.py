@@ -35,6 +35,8 @@ import inspect
 import json
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -167,15 +169,43 @@ class FunctionRewards:
         pass
 
 
+class RewardFunctionError(ValueError):
+    """reward_function names no function that can be imported: a configuration error, found before training."""
+
+
 def load_function(spec: str) -> RewardFn:
-    """'package.module:function' -> the function (the user's reward, on PYTHONPATH)."""
+    """'package.module:function' -> the function (the user's reward). The module is imported from the Python path,
+    else from the current directory: `python -m tlt.cli` puts that directory on the path, the `tlt` script does not,
+    and a reward file beside the config should be found either way."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward function {spec!r} must look like 'module:function'")
-    fn = getattr(importlib.import_module(module_name), attr, None)
+        raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
+    fn = getattr(_import_user_module(spec, module_name), attr, None)
     if not callable(fn):
-        raise ValueError(f"{spec!r}: {module_name} has no callable {attr!r}")
+        raise RewardFunctionError(f"{spec!r}: {module_name} has no callable {attr!r}")
     return fn
+
+
+def _import_user_module(spec: str, name: str) -> Any:
+    def missing(e: ModuleNotFoundError) -> bool:  # the module itself (or its package), not something it imports
+        return e.name is not None and (name == e.name or name.startswith(e.name + "."))
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if not missing(e):
+            raise
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # last: the directory never shadows an installed package
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if not missing(e):
+                raise
+    raise RewardFunctionError(
+        f"reward_function {spec!r}: no module {name!r} on the Python path or in the current directory {cwd}; "
+        f"put {name.replace('.', '/')}.py there or add its folder to PYTHONPATH")
 
 
 def task_rewards() -> FunctionRewards:

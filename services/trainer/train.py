@@ -1,6 +1,8 @@
 """`tlt train`: run the GRPO trainer against running rollout (and reward) services.
 
+    export TLT_AUTH_TOKEN=$(openssl rand -hex 32)   # the rollout applies only pushes that carry it
     tlt rollout serve --model artifacts/tiny --grpc-port 50051 &
+    tlt reward serve --port 50061 &                  # cpu-tiny scores with reward = "grpc"
     tlt train --config cpu-tiny --set steps=10 --set output_dir=runs/demo
 
 Config: the [trainer] section of the preset or TOML file given with --config
@@ -37,6 +39,14 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
+    if cfg.reward == "python":  # a reward function that cannot be imported: say so before loading the model
+        from tlt.services.trainer.rewards import RewardFunctionError, load_function
+
+        try:
+            load_function(cfg.reward_function)
+        except RewardFunctionError as e:
+            get_logger("trainer").error("train_refused", error=str(e))
+            return 2
     from tlt.services.rollout.client import ControlRefusedError
     from tlt.services.trainer.checkpoint import CheckpointError
     from tlt.services.trainer.collect import RolloutError
