@@ -190,3 +190,24 @@ def test_speculation_under_preemption_and_prefix_sharing(ckpt):
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_hit_blocks > 0
     assert stats.spec["verify_steps"] > 0 and stats.spec["kv_copies"] > 0
+
+
+def test_a_learned_drafter_loaded_at_start_is_version_0_and_ngram_is_none(ckpt):
+    """common.proto: drafter version 0 = the weights loaded at start, -1 = none. The native engine stamped -1
+    on every completion until the first push even when `--drafter DIR` had loaded a drafter (the SGLang
+    backend said 0), so a client could not tell a served drafter from none."""
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base = {"mode": "static", "static_arm": "4_2_8", "threshold": 64, "hysteresis_steps": 1}
+    learned = LLMEngine(ckpt, EngineConfig(block_size=8))
+    drafter = Drafter(DrafterConfig.from_model_config(learned.model_config), learned.model.embed,
+                      learned.model.lm_head).eval()
+    learned.enable_spec(SpecConfig(**base, drafter="learned", drafter_path="(in memory)"), drafter)
+    ngram = LLMEngine(ckpt, EngineConfig(block_size=8))
+    ngram.enable_spec(SpecConfig(**base, drafter="ngram"))
+    for engine, want in ((learned, 0), (ngram, -1), (LLMEngine(ckpt, EngineConfig(block_size=8)), -1)):
+        out = engine.generate([GenerationRequest("v", _prompts()[0], greedy)])
+        assert out[0].versions.drafter == want and engine.stats().versions.drafter == want
+    learned.update_weights("drafter", {k: v.detach().clone() for k, v in drafter.state_dict().items()}, 3)
+    assert learned.generate([GenerationRequest("w", _prompts()[0], greedy)])[0].versions.drafter == 3

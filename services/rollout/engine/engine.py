@@ -305,6 +305,8 @@ class LLMEngine:
             return
         self.spec_decoder = decoder
         self.scheduler.on_release = decoder.release
+        if spec_config.drafter == "learned":  # common.proto: 0 = the drafter loaded at start (-1: none, n-gram)
+            self.versions = Versions(policy=self.versions.policy, drafter=0)
 
     # ------------------------------------------------------------------ helpers
     def stats(self) -> EngineStats:
