@@ -31,10 +31,12 @@ def test_bench_engine_json(tmp_path, capsys):
     assert all(r["identical"] and r["native_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in out["results"])
 
 
-def test_bench_engine_rejects_missing_model(tmp_path):
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    assert bench.run(parser.parse_args(["--model", str(tmp_path / "nope")])) == 2
+def test_bench_engine_rejects_missing_model(tmp_path, capsys):
+    from tlt.cli import main
+
+    assert main(["bench", "engine", "--model", str(tmp_path / "nope")]) == 2
+    captured = capsys.readouterr()
+    assert "does not exist" in captured.out + captured.err
 
 
 def test_bench_engine_native_runs_prefill_every_time(tmp_path, capsys, monkeypatch):

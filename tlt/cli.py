@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tlt.services.common.logging import configure_logging
 
-    configure_logging(json=True if args.log_json else None, level=args.log_level)
+    try:
+        configure_logging(json=True if args.log_json else None, level=args.log_level)
+    except ValueError as e:  # an unknown level from --log-level or TLT_LOG_LEVEL: a usage error, exit 2
+        parser.error(f"{e} (--log-level or TLT_LOG_LEVEL)")
     module = importlib.import_module(args._command.module)
     from tlt.services.common.config import ConfigError
     from tlt.services.common.ports import PortInUseError

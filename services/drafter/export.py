@@ -56,7 +56,9 @@ def sglang_tensors(own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def sglang_config(target_config: dict) -> dict:
     family = target_config.get("model_type", "")
     if family not in ARCHITECTURES:
-        raise ValueError(f"SGLang has EAGLE loaders for {sorted(ARCHITECTURES)} targets, not {family!r}")
+        from tlt.services.common.config import ConfigError  # the user's --model: `tlt` reports it in one line
+
+        raise ConfigError(f"SGLang has EAGLE loaders for {sorted(ARCHITECTURES)} targets, not {family!r}")
     cfg = dict(target_config)
     cfg["architectures"] = [ARCHITECTURES[family]]
     cfg["num_hidden_layers"] = 1
@@ -74,26 +76,49 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     _, embed, head = target_shared(model_dir)
     drafter = load_drafter(drafter_dir, embed, head)  # validates names and shapes against the target
     own = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
-    target_config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = sglang_config(json.loads((Path(model_dir) / "config.json").read_text()))  # refused before writing
+    tensors = sglang_tensors(own)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = sglang_tensors(own)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(sglang_config(target_config), indent=2, sort_keys=True))
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     assert set(load_file(str(out / WEIGHTS_FILE))) == set(tensors)
     return out
 
 
+def check_out(out_dir: str | Path) -> None:
+    """ConfigError unless `out_dir` is new, empty or an earlier export: the export writes config.json and
+    model.safetensors there, which in the target's or the drafter's folder (or any other model) replaced its own."""
+    from tlt.model.drafter import CONFIG_FILE
+    from tlt.services.common.config import ConfigError
+
+    out = Path(out_dir)
+    hint = "give the export its own folder (e.g. artifacts/tiny-drafter-sglang)"
+    if (out / CONFIG_FILE).is_file():
+        raise ConfigError(f"--out {out} is a drafter folder ({CONFIG_FILE}); {hint}")
+    cfg_path = out / "config.json"
+    if cfg_path.is_file():
+        try:
+            archs = json.loads(cfg_path.read_text()).get("architectures") or []
+        except (json.JSONDecodeError, AttributeError):
+            archs = []
+        if not set(archs) & set(ARCHITECTURES.values()):
+            raise ConfigError(f"--out {out} holds a model that is not an SGLang EAGLE export ({cfg_path}); {hint}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.cli_args import out_folder
+
     parser.add_argument("--drafter", required=True, help="drafter folder (drafter_config.json + model.safetensors)")
     parser.add_argument("--model", required=True, help="the target checkpoint folder the drafter belongs to")
     parser.add_argument("--format", choices=("sglang-eagle",), default="sglang-eagle", help="export format")
-    parser.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
+    parser.add_argument("--out", type=out_folder, required=True, help="output folder (config.json + model.safetensors)")
 
 
 def run(args: argparse.Namespace) -> int:
     from tlt.services.common.logging import get_logger
 
+    check_out(args.out)
     out = export_sglang(args.drafter, args.model, args.out)
     get_logger("drafter.export").info("drafter_exported", out=str(out), format=args.format)
     print(out)

@@ -18,12 +18,15 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.cli_args import at_least, out_file
+
     parser.add_argument("--model", required=True, help="the target (policy) checkpoint folder")
-    parser.add_argument("--workers", type=int, default=1, help="worker processes to start, one per replica 0..N-1")
+    parser.add_argument("--workers", type=at_least(0), default=1, help="worker processes to start, one per replica 0..N-1")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [drafter] field; repeatable")
-    parser.add_argument("--ready-file", default=None, help="write endpoints and pids here as JSON when ready")
+    parser.add_argument("--ready-file", type=out_file, default=None,
+                        help="write endpoints and pids here as JSON when ready")
 
 
 def build_config(preset: str, overrides: list[str], config_json: str = "") -> object:
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if args.ready_file:
+        Path(args.ready_file).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(args.ready_file + ".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "status_port": port, "coordinator": coordinator.endpoint,
                                    "features": puller.endpoint, "worker_pids": [p.pid for p in procs]}))

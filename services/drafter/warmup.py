@@ -21,19 +21,21 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.cli_args import at_least, non_negative_float, out_folder, positive_float
+
     parser.add_argument("--model", required=True, help="the target checkpoint folder")
-    parser.add_argument("--out", required=True, help="where to write the drafter folder")
-    parser.add_argument("--problems", type=int, default=64, help="task problems to collect features on")
-    parser.add_argument("--epochs", type=int, default=4, help="passes over the training windows")
+    parser.add_argument("--out", type=out_folder, required=True, help="where to write the drafter folder")
+    parser.add_argument("--problems", type=at_least(1), default=64, help="task problems to collect features on")
+    parser.add_argument("--epochs", type=at_least(1), default=4, help="passes over the training windows")
     parser.add_argument("--data", choices=("samples", "reference"), default="samples",
                         help="the model's own samples (default) or the task's reference solutions")
-    parser.add_argument("--max-new-tokens", type=int, default=160, help="longest sampled answer")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the target")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--noise", type=float, default=0.1, help="uniform noise half-width on input features")
-    parser.add_argument("--rows", type=int, default=8, help="packed rows per batch")
-    parser.add_argument("--row-tokens", type=int, default=256, help="tokens per packed row")
-    parser.add_argument("--depth", type=int, default=6, help="chain depth of the acceptance evaluation")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=160, help="longest sampled answer")
+    parser.add_argument("--temperature", type=non_negative_float, default=1.0, help="sampling temperature of the target")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--noise", type=non_negative_float, default=0.1, help="uniform noise half-width on input features")
+    parser.add_argument("--rows", type=at_least(1), default=8, help="packed rows per batch")
+    parser.add_argument("--row-tokens", type=at_least(2), default=256, help="tokens per packed row")
+    parser.add_argument("--depth", type=at_least(1), default=6, help="chain depth of the acceptance evaluation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", default="", help="start from this drafter folder instead of random")
     parser.add_argument("--ttt-steps", type=int, default=1,
@@ -76,6 +78,15 @@ def run(args: argparse.Namespace) -> int:
     from tlt.model.loader import read_model_config
 
     read_model_config(args.model)  # CheckpointError naming the folder (tlt: one line, exit 2), not a transformers trace
+    if args.init:
+        from tlt.model.drafter import check_drafter_folder
+
+        check_drafter_folder(args.init)  # before minutes of sampling, not after
+    if (Path(args.out) / "config.json").is_file():  # the drafter's model.safetensors would replace the model's
+        from tlt.services.common.config import ConfigError
+
+        raise ConfigError(f"--out {args.out} is a model checkpoint folder (config.json); give the drafter its own "
+                          "folder (e.g. artifacts/tiny-drafter)")
     torch.manual_seed(args.seed)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.model)

@@ -15,6 +15,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.cli_args import out_file
+
     parser.add_argument("--kind", default=None, help="reward kind (verifier): math")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="gRPC port (default 50061; 0: a free one)")
@@ -22,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [reward] field; repeatable")
-    parser.add_argument("--ready-file", default=None, help="write the bound port and pid here as JSON when ready")
+    parser.add_argument("--ready-file", type=out_file, default=None,
+                        help="write the bound port and pid here as JSON when ready")
 
 
 def build_config(args: argparse.Namespace) -> object:
@@ -66,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             exporter = server.metrics.serve(config.metrics_port, host=config.host)
             log.info("reward_metrics", port=exporter.port)
         if args.ready_file:
+            Path(args.ready_file).parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(json.dumps({"port": server.port, "pid": os.getpid()}))
             tmp.replace(args.ready_file)

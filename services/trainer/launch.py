@@ -25,13 +25,13 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="config preset name or .toml path (default cpu-tiny)")
-    from tlt.bench import at_least  # 0 was taken for "not given": `--steps 0` ran the preset's steps
+    from tlt.cli_args import at_least, non_empty  # 0 was taken for "not given": `--steps 0` ran the preset's steps
 
     parser.add_argument("--steps", type=at_least(1), default=None, help="RL steps (default: the preset's)")
-    parser.add_argument("--run-id", default=None, help="run folder name under runs_dir (default: <preset>, continued if it was "
+    parser.add_argument("--run-id", type=run_id, default=None, help="run folder name under runs_dir (default: <preset>, continued if it was "
                         "interrupted; <preset>-<time> if that one is finished or in use)")
-    parser.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in this folder")
-    parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
+    parser.add_argument("--resume", type=non_empty, default=None, metavar="RUN_DIR", help="continue the run in this folder")
+    parser.add_argument("--model", type=non_empty, default=None, help="policy checkpoint folder (default: [run] model_dir)")
     parser.add_argument("--baseline", action="store_true", help="speculative decoding off and no drafter")
     parser.add_argument("--seed", type=int, default=None,
                         help="trainer seed (data order, torch RNG); a resume from a checkpoint keeps the run's")
@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a preset value, e.g. trainer.lr=3e-5 or run.poll_interval_s=0.2; repeatable")
     parser.add_argument("--no-report", action="store_true", help="do not write report.html at the end")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table (logs only)")
+
+
+def run_id(text: str) -> str:
+    """argparse `type` of --run-id: one folder name under runs_dir ('' meant the default run; '../x' escaped
+    runs_dir)."""
+    if not text.strip() or text in (".", "..") or "/" in text:
+        raise argparse.ArgumentTypeError(f"must be a folder name under runs_dir (no '/', not '.' or '..'), got {text!r}")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from tlt.bench import at_least
+from tlt.cli_args import at_least, out_file
 
 PROMPT_SEED_STRIDE = 1_000_003  # prompt generators of different --seed values never meet (tags stay far below it)
 
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-set", dest="drafter_sets", action="append", default=[], metavar="FIELD=VALUE",
                         help="--overhead: a [drafter] field for `tlt drafter serve` (e.g. train_when=rollout_idle); "
                              "repeatable")
-    parser.add_argument("--out", default="", help="write the figures as JSON here")
+    parser.add_argument("--out", type=out_file, default=None, help="write the figures as JSON here")
 
 
 def _teacher(vocab: int, lo: int, hi: int, seed: int):  # noqa: ANN202
@@ -58,6 +58,16 @@ def _teacher(vocab: int, lo: int, hi: int, seed: int):  # noqa: ANN202
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.drafter_sets and not args.overhead:
+        import sys
+
+        print("error: --drafter-set applies to --overhead only (the drift bench trains its drafter in process)",
+              file=sys.stderr)
+        return 2
+    if args.model:
+        from tlt.model.loader import check_checkpoint
+
+        check_checkpoint(args.model)  # not a checkpoint: one line, exit 2, before any work
     if args.overhead:
         from tlt.bench.drafter_overhead import measure_overhead
 
@@ -161,5 +171,6 @@ def run(args: argparse.Namespace) -> int:
            "seconds": round(time.time() - t0, 1), "model": model_dir}
     print(json.dumps({k: v for k, v in res.items() if k != "history"}, indent=2))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
     return 0

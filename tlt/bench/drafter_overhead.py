@@ -191,5 +191,6 @@ def measure_overhead(args: argparse.Namespace) -> int:
            "times": {k: [round(x, 3) for x in v] for k, v in times.items()}, "batch_max_tokens": LONG_TAIL}
     print(json.dumps(res, indent=2))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from tlt.bench import at_least
+from tlt.cli_args import at_least, out_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemptions", type=at_least(1), default=50, help="how many BUSY events to measure")
     parser.add_argument("--batch-rows", type=at_least(1), default=4, help="packed rows per micro-step")
     parser.add_argument("--batch-tokens", type=at_least(8), default=256, help="tokens per packed row")
-    parser.add_argument("--out", default="", help="write the figures as JSON here")
+    parser.add_argument("--out", type=out_file, default=None, help="write the figures as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.drafter.coordinator import Coordinator
     from tlt.v1 import common_pb2, events_pb2
 
+    if args.model:
+        from tlt.model.loader import check_checkpoint
+
+        check_checkpoint(args.model)  # not a checkpoint: one line, exit 2, before any work
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="tlt-preempt-"))
     model_dir = args.model
@@ -93,5 +97,6 @@ def run(args: argparse.Namespace) -> int:
            "batch": f"{args.batch_rows}x{args.batch_tokens}", "model": model_dir}
     print(json.dumps(res, indent=2))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
     return 0

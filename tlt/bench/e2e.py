@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 
-from tlt.bench import at_least
+from tlt.cli_args import at_least, non_empty, out_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise-seed", type=int, default=1, help="seed of the repeated baseline (-1: skip it)")
     parser.add_argument("--pairs", type=at_least(1), default=1,
                         help="TLT / baseline pairs, in alternating order; the ratio's median and range over them")
-    parser.add_argument("--model", default=None, help="policy checkpoint folder (default: [run] model_dir)")
-    parser.add_argument("--out", default="runs/bench-e2e", help="folder for the three run folders and the results")
+    parser.add_argument("--model", type=non_empty, default=None, help="policy checkpoint folder (default: [run] model_dir)")
+    parser.add_argument("--out", type=out_folder, default="runs/bench-e2e", help="folder for the three run folders and the results")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="passed to every `tlt run` (e.g. trainer.max_tokens=64); repeatable")
 
@@ -138,10 +138,19 @@ def run(args: argparse.Namespace) -> int:
 
     log = get_logger("bench.e2e")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     runs = {name: (args.seed, baseline) for name, baseline in run_order(args.pairs)}
     if args.noise_seed >= 0:
         runs["baseline-noise"] = (args.noise_seed, True)
+    # each run starts afresh: its old folder is deleted below, so only ever a run folder (`--out .` in the
+    # repository named ./tlt, the package)
+    from tlt.services.common.config import ConfigError, preset_path
+
+    preset_path(args.preset)  # an unknown preset: ConfigError now, not in the first run's log
+    taken = [str(out / n) for n in runs if (out / n).exists() and not (out / n / "run.json").is_file()]
+    if taken:
+        raise ConfigError(f"--out {args.out}: {', '.join(taken)} is not a run folder (no run.json), and the bench "
+                          "deletes each run's old folder before it starts; give another --out (e.g. runs/bench-e2e)")
+    out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name, (seed, baseline) in runs.items():
         if (out / name).exists():

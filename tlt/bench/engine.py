@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from tlt.bench import at_least, positive_ints
+from tlt.cli_args import at_least, positive_ints
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=at_least(1), default=64, help="new tokens per sequence")
     parser.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt length in tokens")
     parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads for both sides")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per side and batch size (best is kept)")
+    parser.add_argument("--repeats", type=at_least(1), default=2, help="timed runs per side and batch size (best is kept)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -44,11 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     sizes = args.batch_sizes
-    resolved = resolve_model(args.model)
-    if resolved is None:
-        print(f"error: {args.model} is not a checkpoint folder", file=sys.stderr)
-        return 2
-    model_dir, source = resolved
+    model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None

@@ -98,7 +98,7 @@ import argparse
 import json
 import sys
 
-from tlt.bench import at_least
+from tlt.cli_args import at_least
 from tlt.bench.rollout_report import BUCKETS, add_speedups, median_result, mode_result, print_table
 
 MODES = ("off", "ngram", "static-ngram", "learned", "static-learned")
@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandit", choices=("fresh", "keep"), default="fresh",
                         help="adaptive modes: a cold bandit in every run (fresh), or each round's bandit starting from "
                              "the previous round's, as a rollout server's does across RL steps (keep)")
-    parser.add_argument("--min-tokens", type=int, default=0,
+    parser.add_argument("--min-tokens", type=at_least(0), default=0,
                         help="task workload: keep only problems whose reference solution has at least this many "
                              "tokens (0: off), for a workload of long sequences only")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -357,6 +357,9 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        print(f"error: --modes {args.modes!r} names no mode; choose from {list(MODES)}", file=sys.stderr)
+        return 2
     bad = [m for m in modes if m not in MODES]
     if bad:
         print(f"error: unknown modes {bad}; choose from {list(MODES)}", file=sys.stderr)
@@ -385,11 +388,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: --arms {args.arms!r}: {e}", file=sys.stderr)
             return 2
-    resolved = resolve_model(args.model)
-    if resolved is None:
-        print(f"error: {args.model} is not a checkpoint folder", file=sys.stderr)
-        return 2
-    model_dir, source = resolved
+    model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
 
     sampled = args.temperature > 0
     if args.workload == "task":

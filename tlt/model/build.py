@@ -30,13 +30,18 @@ TRAIN_SEED_OFFSET = 17  # training problems use seed + this (+ the row index str
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny", help="model preset (tlt.model.presets.MODEL_PRESETS)")
-    parser.add_argument("--out", required=True, help="output folder (built in a temp folder, renamed at the end)")
+    from tlt.cli_args import at_least, out_folder, positive_float
+    from tlt.model.presets import MODEL_PRESETS  # plain dicts: no heavy import
+
+    parser.add_argument("--preset", default="tiny", choices=sorted(MODEL_PRESETS), help="model preset")
+    parser.add_argument("--out", type=out_folder, required=True,
+                        help="output folder (built in a temp folder, renamed at the end; replaces an older model)")
     parser.add_argument("--seed", type=int, default=0, help="seed of tokenizer data, init, training data")
-    parser.add_argument("--max-steps", type=int, default=None, help="override the preset's optimizer steps")
-    parser.add_argument("--time-budget", type=float, default=None, help="override the training wall-clock guard (s)")
-    parser.add_argument("--eval-n", type=int, default=200, help="held-out problems evaluated at the end (0: skip)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's)")
+    parser.add_argument("--max-steps", type=at_least(1), default=None, help="override the preset's optimizer steps")
+    parser.add_argument("--time-budget", type=positive_float, default=None,
+                        help="override the training wall-clock guard (s)")
+    parser.add_argument("--eval-n", type=at_least(0), default=200, help="held-out problems evaluated at the end (0: skip)")
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: the preset's)")
 
 
 def packed_batches(tokenizer: Any, seq_len: int, batch_size: int, seed: int) -> Iterator[dict[str, Any]]:
@@ -111,12 +116,18 @@ def build_model(
     if preset not in MODEL_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(MODEL_PRESETS)}")
     spec = MODEL_PRESETS[preset]
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        from tlt.services.common.config import ConfigError
+
+        # the finished build takes the place of `out` and what was there is deleted: only ever an older model
+        raise ConfigError(f"{out} holds files and is not a model folder (no config.json); the build replaces its "
+                          "--out, so give a new or empty folder")
     train = dict(spec["train"])
     steps = max_steps if max_steps is not None else train["max_steps"]
     budget = time_budget_s if time_budget_s is not None else train["time_budget_s"]
     torch.set_num_threads(threads or train["threads"])
 
-    out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     t_start = time.monotonic()

@@ -329,11 +329,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def load_drafter(folder: str | Path, embed: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
-    """Build a Drafter from a folder written by `Drafter.save`, sharing the target's embed/lm_head."""
+def check_drafter_folder(folder: str | Path) -> None:
+    """DrafterError unless `folder` holds a drafter's two files (cheap: nothing is read)."""
     src = Path(folder)
     if not (src / CONFIG_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
         raise DrafterError(f"{src} is not a drafter folder: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+
+
+def load_drafter(folder: str | Path, embed: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
+    """Build a Drafter from a folder written by `Drafter.save`, sharing the target's embed/lm_head."""
+    src = Path(folder)
+    check_drafter_folder(src)
     drafter = Drafter(DrafterConfig.from_json((src / CONFIG_FILE).read_text()), embed, lm_head)
     drafter.load_tensors(load_file(str(src / WEIGHTS_FILE)))
     return drafter

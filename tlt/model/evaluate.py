@@ -149,12 +149,14 @@ def eval_problems(n: int, seed: int = 0) -> list[Problem]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.cli_args import at_least
+
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder (e.g. artifacts/tiny)")
     parser.add_argument("--n", type=int, default=200, help="held-out problems")
     parser.add_argument("--samples", type=int, default=1, help="sampled responses per problem for the length tail")
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling")
-    parser.add_argument("--batch-size", type=int, default=64, help="generate batch size")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--batch-size", type=at_least(1), default=64, help="generate batch size")
+    parser.add_argument("--threads", type=at_least(1), default=2, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -170,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tlt.model.loader import check_checkpoint
+
+    check_checkpoint(args.model)  # CheckpointError naming what is missing (tlt: one line, exit 2), not a transformers trace
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

@@ -2,6 +2,7 @@
 
     load_checkpoint(dir) -> (ModelConfig, {hf_name: Tensor})
     read_tensors(dir, names) -> {hf_name: Tensor}   (only those, e.g. the embedding and lm_head)
+    check_checkpoint(dir)                           (config and weight files there; nothing loaded)
 
 Reads `config.json` (+ `generation_config.json` for eos ids) and the weights
 from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
@@ -129,6 +130,18 @@ def _weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def check_checkpoint(model_dir: str | Path, architecture: bool = True) -> None:
+    """CheckpointError unless the folder is a checkpoint with weights, and (`architecture`) one the native engine
+    can run; cheap: reads config.json and file names, no tensors. Commands call it before they load or start
+    anything. architecture=False for the SGLang backend, which serves architectures the native engine does not."""
+    folder = Path(model_dir)
+    if architecture:
+        read_model_config(folder)
+    elif not (folder / "config.json").is_file():
+        read_model_config(folder)  # its CheckpointError: no folder, or no config.json
+    _weight_files(folder)
 
 
 def read_tensors(model_dir: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -11,9 +11,11 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n", type=int, required=True, help="number of problems")
+    from tlt.cli_args import at_least, out_file
+
+    parser.add_argument("--n", type=at_least(0), required=True, help="number of problems")
     parser.add_argument("--seed", type=int, default=0, help="generator seed (same seed, same problems)")
-    parser.add_argument("--out", required=True, help="output JSONL file ('-' for stdout)")
+    parser.add_argument("--out", type=out_file, required=True, help="output JSONL file ('-' for stdout)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,8 +25,6 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.task import format_prompt, generate_problems
 
-    if args.n < 0:
-        raise SystemExit("--n must be >= 0")
     lines = [
         json.dumps({"prompt": format_prompt(p), "question": p.prompt, "answer": p.answer, "steps": p.steps})
         for p in generate_problems(args.n, args.seed)

@@ -1,0 +1,262 @@
+"""Every `tlt` command refuses a user's mistake the way the CLI promises: one line saying what is wrong, exit
+status 2, no traceback, nothing half-written left behind; a value that would be misread (a negative count run
+as zero, an empty path taken for "the default" or the current folder) is refused too.
+
+Parsing cases use the real `tlt` parser (nothing runs past parsing). The other cases run `tlt.cli.main` in this
+process or, for servers and the top-level options, `python -m tlt.cli` in a subprocess with a bounded timeout.
+Models are random tiny checkpoints built here (tlt.model.testing); nothing loads artifacts/tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tlt.cli import build_parser, main
+
+# (argv, the option the error names). {file}: an existing file, {dir}: an existing folder holding a file,
+# {new}: a path that does not exist yet, {ckpt}: a folder holding a config.json (a model checkpoint).
+REFUSED_AT_PARSING = [
+    (["model", "build", "--preset", "nope", "--out", "{new}"], "--preset"),
+    (["model", "build", "--out", "{file}"], "--out"),
+    (["model", "build", "--out", ""], "--out"),
+    (["model", "build", "--out", "{new}", "--max-steps", "0"], "--max-steps"),
+    (["model", "build", "--out", "{new}", "--max-steps", "-1"], "--max-steps"),
+    (["model", "build", "--out", "{new}", "--eval-n", "-3"], "--eval-n"),
+    (["model", "build", "--out", "{new}", "--threads", "0"], "--threads"),
+    (["model", "build", "--out", "{new}", "--time-budget", "0"], "--time-budget"),
+    (["model", "build", "--out", "{new}", "--time-budget", "nan"], "--time-budget"),
+    (["model", "eval", "--model", "{dir}", "--batch-size", "0"], "--batch-size"),
+    (["model", "eval", "--model", "{dir}", "--threads", "0"], "--threads"),
+    (["task", "export", "--n", "-3", "--out", "-"], "--n"),
+    (["task", "export", "--n", "2", "--out", "{dir}"], "--out"),
+    (["task", "export", "--n", "2", "--out", ""], "--out"),
+    (["task", "export", "--n", "2", "--out", "{file}/x.jsonl"], "--out"),
+    (["rollout", "serve", "--model", "{dir}", "--ready-file", "{dir}"], "--ready-file"),
+    (["reward", "serve", "--ready-file", ""], "--ready-file"),
+    (["drafter", "serve", "--model", "{dir}", "--workers", "-1"], "--workers"),
+    (["drafter", "serve", "--model", "{dir}", "--ready-file", "{file}/r.json"], "--ready-file"),
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:1", "--replica", "-1"], "--replica"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{file}"], "--out"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "0"], "--problems"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--epochs", "0"], "--epochs"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--rows", "0"], "--rows"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--row-tokens", "1"], "--row-tokens"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--depth", "0"], "--depth"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--temperature", "-1"], "--temperature"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--lr", "0"], "--lr"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--noise", "-0.1"], "--noise"),
+    (["drafter", "export", "--drafter", "{dir}", "--model", "{dir}", "--out", ""], "--out"),
+    (["drafter", "export", "--drafter", "{dir}", "--model", "{dir}", "--out", "{file}"], "--out"),
+    (["run", "--run-id", ""], "--run-id"),
+    (["run", "--run-id", "../escaped"], "--run-id"),
+    (["run", "--run-id", "a/b"], "--run-id"),
+    (["run", "--resume", ""], "--resume"),
+    (["run", "--model", ""], "--model"),
+    (["bench", "engine", "--repeats", "0"], "--repeats"),
+    (["bench", "rollout", "--min-tokens", "-1"], "--min-tokens"),
+    (["bench", "drafter-drift", "--out", "{dir}"], "--out"),
+    (["bench", "drafter-preemption", "--out", "{file}/x.json"], "--out"),
+    (["bench", "e2e", "--out", "{file}"], "--out"),
+    (["bench", "e2e", "--out", ""], "--out"),
+]
+
+# The limits themselves, and paths that are fine, still parse.
+ACCEPTED = [
+    ["model", "build", "--out", "{new}", "--max-steps", "1", "--eval-n", "0", "--time-budget", "0.5"],
+    ["model", "build", "--out", "{ckpt}"],  # a rebuild replaces an older model
+    ["task", "export", "--n", "0", "--out", "{new}/sub/task.jsonl"],
+    ["rollout", "serve", "--model", "{dir}", "--ready-file", "{new}/sub/ready.json"],
+    ["drafter", "serve", "--model", "{dir}", "--workers", "0"],
+    ["drafter", "warmup", "--model", "{dir}", "--out", "{dir}", "--temperature", "0", "--noise", "0"],
+    ["run", "--run-id", "my-run_2"],
+    ["bench", "e2e", "--out", "{dir}"],
+]
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "kept").write_text("x")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    return {k: str(tmp_path / k) for k in ("file", "dir", "new", "ckpt")}
+
+
+def _fill(argv: list[str], paths: dict[str, str]) -> list[str]:
+    return [a.format(**paths) for a in argv]
+
+
+def test_bad_arguments_are_usage_errors_naming_the_option(paths, capsys) -> None:
+    parser = build_parser()
+    wrong = []
+    for argv, option in REFUSED_AT_PARSING:
+        try:
+            parser.parse_args(_fill(argv, paths))
+        except SystemExit as e:
+            err = capsys.readouterr().err
+            if e.code != 2 or f"argument {option}" not in err:
+                wrong.append((argv, e.code, err.strip().splitlines()[-1:]))
+        else:
+            wrong.append((argv, "accepted"))
+    for argv in ACCEPTED:
+        parser.parse_args(_fill(argv, paths))
+    assert not wrong, wrong
+    assert sorted(os.listdir(Path(paths["dir"]))) == ["kept"] and not Path(paths["new"]).exists()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A random qwen2 target and its drafter, a qwen3 target and its drafter, a folder with config.json only."""
+    from tlt.model.testing import random_checkpoint
+    from tlt.services.drafter.training import new_drafter
+
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for family in ("qwen2", "qwen3"):
+        model = random_checkpoint(root / family, family=family, num_hidden_layers=2)
+        new_drafter(model, seed=1).save(root / f"{family}-drafter")
+        out[family], out[f"{family}-drafter"] = str(model), str(root / f"{family}-drafter")
+    (root / "cfgonly").mkdir()
+    (root / "cfgonly" / "config.json").write_text((root / "qwen2" / "config.json").read_text())
+    out["cfgonly"] = str(root / "cfgonly")
+    return out
+
+
+def test_bad_folders_are_refused_before_any_work(models, tmp_path, capfd) -> None:
+    """main() returns 2 (one log line) instead of a traceback, before loading or writing anything."""
+    new = str(tmp_path / "new")
+    cases = [
+        ["model", "eval", "--model", models["cfgonly"], "--n", "1"],  # no weights: was an OSError from transformers
+        ["model", "eval", "--model", new, "--n", "1"],
+        ["bench", "engine", "--model", models["cfgonly"], "--batch-sizes", "1", "--max-tokens", "2"],
+        ["bench", "drafter-drift", "--model", new],
+        ["bench", "drafter-preemption", "--model", new],
+        ["bench", "rollout", "--modes", " , ", "--prompts", "1", "--n", "1", "--max-tokens", "4"],  # ran no mode
+        ["bench", "e2e", "--out", new, "--preset", "nope", "--steps", "1"],  # was found by the first run: --out made
+        # an unsupported target for SGLang: was a ValueError after model.safetensors was written
+        ["drafter", "export", "--drafter", models["qwen3-drafter"], "--model", models["qwen3"], "--out", new],
+        # the drafter's init folder is checked before the target samples anything
+        ["drafter", "warmup", "--model", models["qwen2"], "--out", new, "--init", str(tmp_path / "nope"),
+         "--data", "reference", "--problems", "8"],
+    ]
+    wrong = []
+    for argv in cases:
+        try:
+            rc = main(argv)
+        except Exception as e:  # noqa: BLE001 - what the user would have seen as a traceback
+            rc = f"{type(e).__name__}: {e}"
+        err = capfd.readouterr().err
+        if rc != 2 or "features" in err:
+            wrong.append((argv[:2], rc, err.strip().splitlines()[-1:]))
+    assert not wrong, wrong
+    assert not Path(new).exists()
+
+
+def test_an_export_never_overwrites_the_target_or_the_drafter(models, tmp_path) -> None:
+    """`--out` naming the target (or the drafter) folder wrote config.json and model.safetensors over its own."""
+    import shutil
+
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    shutil.copytree(models["qwen2"], target)
+    shutil.copytree(models["qwen2-drafter"], drafter)
+    before = {p: p.read_bytes() for d in (target, drafter) for p in d.iterdir()}
+    for out in (target, drafter):
+        rc = main(["drafter", "export", "--drafter", str(drafter), "--model", str(target), "--out", str(out)])
+        assert rc == 2, out
+    assert {p: p.read_bytes() for d in (target, drafter) for p in d.iterdir()} == before
+
+
+def test_bench_e2e_never_deletes_a_folder_that_is_not_its_run(tmp_path) -> None:
+    """`--out .` in the repository removed ./tlt (the package) as the stale "tlt" run folder."""
+    (tmp_path / "tlt").mkdir()
+    (tmp_path / "tlt" / "keep.py").write_text("x")
+    # (a missing --model: had the bench gone on, its first `tlt run` would have stopped at once)
+    assert main(["bench", "e2e", "--out", str(tmp_path), "--steps", "1", "--noise-seed", "-1",
+                 "--model", str(tmp_path / "missing")]) == 2
+    assert (tmp_path / "tlt" / "keep.py").read_text() == "x"
+
+
+def test_model_build_never_replaces_a_folder_that_is_not_a_model(tmp_path) -> None:
+    """The build swaps its result in place of --out, deleting what was there: only an older model may go."""
+    keep = tmp_path / "notes"
+    keep.mkdir()
+    (keep / "a.txt").write_text("x")
+    assert main(["model", "build", "--out", str(keep), "--max-steps", "1", "--eval-n", "0"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"] and (keep / "a.txt").read_text() == "x"
+
+
+def _tlt(*argv: str, env: dict | None = None, timeout: float = 60, cwd: str | None = None):
+    return subprocess.run([sys.executable, "-m", "tlt.cli", *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def _one_line_refusal(p: subprocess.CompletedProcess) -> str:
+    return "" if p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.strip() else \
+        f"rc={p.returncode} {p.stderr.strip().splitlines()[-1:]}"
+
+
+def test_whole_commands_refuse_with_one_line(models, tmp_path) -> None:
+    """End to end, as a user runs them: servers refuse before starting replicas (ports 0: nothing is taken)."""
+    ports = ["--http-port", "0", "--grpc-port", "0"]
+    cases = {
+        "unknown model preset": (["model", "build", "--preset", "nope", "--out", str(tmp_path / "m")], None),
+        "unknown --log-level": (["--log-level", "nope", "task", "export", "--n", "1", "--out", "-"], None),
+        "unknown TLT_LOG_LEVEL": (["task", "export", "--n", "1", "--out", "-"], {"TLT_LOG_LEVEL": "nope"}),
+        "checkpoint without weights": (["rollout", "serve", "--model", models["cfgonly"], *ports], None),
+        "unknown backend": (["rollout", "serve", "--model", models["qwen2"], "--backend", "nope", *ports], None),
+        "missing drafter": (["rollout", "serve", "--model", models["qwen2"], "--drafter", str(tmp_path / "d"),
+                             *ports], None),
+    }
+    wrong = {}
+    for name, (argv, env) in cases.items():
+        p = _tlt(*argv, env=env)
+        if _one_line_refusal(p):
+            wrong[name] = _one_line_refusal(p)
+    assert not wrong, wrong
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_ready_file_in_a_new_folder_is_written(tmp_path) -> None:
+    """`--ready-file runs/x/ready.json` with runs/x missing: the server ran, then died writing the file."""
+    ready = tmp_path / "sub" / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "tlt.cli", "reward", "serve", "--port", "0", "--ready-file",
+                             str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "no ready file in 30 s"
+        assert json.loads(ready.read_text())["pid"] == proc.pid
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_the_rollout_checks_the_architecture_only_for_the_native_engine(tmp_path: Path) -> None:
+    """The check before start must not refuse what SGLang serves: an architecture the native engine lacks is
+    the native engine's error, not the SGLang backend's."""
+    from tlt.model.loader import CheckpointError
+    from tlt.services.rollout.config import RolloutConfig
+    from tlt.services.rollout.serve import check_before_start
+
+    model = tmp_path / "mistral"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
+    (model / "model.safetensors").write_bytes(b"")
+    check_before_start(str(model), RolloutConfig(backend="sglang"))
+    with pytest.raises(CheckpointError, match="unsupported architecture"):
+        check_before_start(str(model), RolloutConfig(backend="native"))
+    (model / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no weights"):
+        check_before_start(str(model), RolloutConfig(backend="sglang"))
