@@ -260,3 +260,36 @@ def test_the_rollout_checks_the_architecture_only_for_the_native_engine(tmp_path
     (model / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no weights"):
         check_before_start(str(model), RolloutConfig(backend="sglang"))
+
+
+def test_a_config_file_without_the_commands_section_is_refused(tmp_path: Path, capsys) -> None:
+    """`tlt train --config FILE` with no [trainer] in FILE (a typo such as [trainr], or another service's file)
+    silently trained with every default; the servers' --preset files likewise."""
+    import argparse
+
+    from tlt.services.common.config import ConfigError
+    from tlt.services.reward import serve as reward_serve
+    from tlt.services.rollout import serve as rollout_serve
+
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[trainr]\nsteps = 3\n\n[rollouts]\nreplicas = 1\n\n[rewrd]\nkind = 'math'\n")
+    assert main(["train", "--config", str(typo), "--print-config"]) == 2
+    err = capsys.readouterr()
+    assert "no [trainer] section" in err.out + err.err and "trainr" in err.out + err.err
+    for serve, section in ((rollout_serve, "rollout"), (reward_serve, "reward")):
+        parser = argparse.ArgumentParser()
+        serve.add_arguments(parser)
+        argv = ["--preset", str(typo)] + (["--model", "m"] if serve is rollout_serve else [])
+        with pytest.raises(ConfigError, match=rf"no \[{section}\] section"):
+            serve.build_config(parser.parse_args(argv))
+    good = tmp_path / "good.toml"
+    good.write_text("[trainer]\nsteps = 3\n")
+    assert main(["train", "--config", str(good), "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+
+
+def test_a_set_without_a_field_name_says_so(capsys) -> None:
+    """`--set =1` was reported as "unknown field '(config)'"."""
+    assert main(["train", "--set", "=1", "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert "no field name" in captured.out + captured.err

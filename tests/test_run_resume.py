@@ -317,3 +317,21 @@ def test_run_refuses_a_step_count_below_one(steps: str, capsys) -> None:
         parser.parse_args(["--steps", steps])
     assert e.value.code == 2 and "--steps" in capsys.readouterr().err
     assert parser.parse_args(["--steps", "3"]).steps == 3
+
+
+def test_a_refused_new_run_leaves_no_folder_behind(tmp_path: Path) -> None:
+    """A new run refused for a bad --set left runs/<id>/ holding only its .lock (the folder was made, and
+    locked, before the settings were checked)."""
+    from tlt.services.common.config import ConfigError
+
+    model, runs = tmp_path / "model", tmp_path / "runs"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="nope"):
+        _plan(runs, model, "--run-id", "x", "--set", "trainer.nope=1")
+    assert not (runs / "x").exists()
+    kept = _plan(runs, model, "--run-id", "y")  # an existing run folder refused the same way is kept
+    kept.lock.close()
+    with pytest.raises(ConfigError, match="nope"):
+        _plan(runs, model, "--run-id", "y", "--set", "trainer.nope=1")
+    assert (runs / "y" / "run.json").is_file()

@@ -110,6 +110,8 @@ def cli_overrides(pairs: Sequence[str]) -> dict[str, Any]:
         if "=" not in pair:
             raise ConfigError(f"override {pair!r} must look like field=value")
         key, value = pair.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"override {pair!r} has no field name; it must look like field=value")
         out[key.strip()] = _parse_literal(value.strip())
     return out
 
@@ -120,11 +122,18 @@ def load_config(
     preset: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    require_section: bool = False,
 ) -> T:
-    """Build `cls` from a preset section, the environment and explicit overrides."""
+    """Build `cls` from a preset section, the environment and explicit overrides. `require_section`: the
+    preset file must have [section] (a command's own --config / --preset: a file without it, e.g. a typo in the
+    header, would otherwise configure nothing and leave every default, silently)."""
     sources: dict[str, str] = {}
     values: dict[str, Any] = {}
-    from_preset = read_preset(preset).get(section, {})
+    whole = read_preset(preset)
+    if require_section and preset is not None and section not in whole:
+        raise ConfigError(f"{preset_path(preset)} has no [{section}] section (its sections: "
+                          f"{', '.join(sorted(whole)) or 'none'}); add [{section}], or give a file that has it")
+    from_preset = whole.get(section, {})
     if not isinstance(from_preset, dict):
         raise ConfigError(f"preset {preset}: [{section}] must be a table of field = value, not {from_preset!r}")
     layers = [

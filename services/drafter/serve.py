@@ -35,7 +35,7 @@ def build_config(preset: str, overrides: list[str], config_json: str = "") -> ob
 
     if config_json:
         return DrafterServiceConfig.model_validate_json(config_json)
-    return load_config(DrafterServiceConfig, "drafter", preset, cli_overrides(overrides))
+    return load_config(DrafterServiceConfig, "drafter", preset, cli_overrides(overrides), require_section=True)
 
 
 class StatusService:

@@ -36,7 +36,7 @@ def build_config(args: argparse.Namespace) -> object:
     for field in ("kind", "host", "port", "workers"):
         if getattr(args, field) is not None:
             overrides[field] = getattr(args, field)
-    return load_config(RewardConfig, "reward", args.preset, overrides)
+    return load_config(RewardConfig, "reward", args.preset, overrides, require_section=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -77,11 +77,11 @@ def build_config(args: argparse.Namespace) -> object:
         if getattr(args, flag, None) is not None:
             overrides[field] = getattr(args, flag)
     if getattr(args, "spec_arms", None) is None:
-        return load_config(RolloutConfig, "rollout", args.preset, overrides)
+        return load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
     # where --spec-arms goes depends on the mode and the bucket count, which the preset or environment may set
-    spec = load_config(RolloutConfig, "rollout", args.preset, overrides).spec
+    spec = load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True).spec
     overrides.setdefault("spec", {}).update(_arms_override(args.spec_arms, spec.mode, len(spec.bucket_thresholds)))
-    return load_config(RolloutConfig, "rollout", args.preset, overrides)
+    return load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
 
 
 def _arms_override(text: str, mode: str, buckets: int) -> dict:

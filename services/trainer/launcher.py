@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -195,6 +196,7 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
     if not Path(run_cfg.model_dir, "config.json").exists():
         raise ServiceError(f"no model in {run_cfg.model_dir}; build it with `make model` "
                            f"(tlt model build --preset tiny --out {run_cfg.model_dir})")
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = _lock_run_dir(run_dir)
     if lock is None:
@@ -208,6 +210,8 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
             _check_same_data(run_dir, services["trainer"])
     except (ServiceError, ConfigError):
         lock.close()
+        if created:  # a new run refused: no folder holding only its .lock is left behind
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
     if run_cfg.speculation and not switches["speculation"]:
         log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")

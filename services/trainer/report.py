@@ -228,7 +228,9 @@ def run(args) -> int:  # noqa: ANN001 - argparse.Namespace
     run_dir = Path(args.run_dir)
     # run.json alone: a run stopped before its first step (a fresh trainer deletes metrics.jsonl until then)
     if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "run.json").is_file():
-        sys.exit(f"tlt report: {run_dir} holds no metrics.jsonl; give a run folder written by `tlt run` (runs/<id>)")
+        print(f"tlt report: {run_dir} holds no metrics.jsonl; give a run folder written by `tlt run` (runs/<id>)",
+              file=sys.stderr)
+        return 2  # a usage error, as every tlt command reports one
     print(write_report(run_dir, args.threshold))
     return 0
 

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.common.logging import get_logger
     from tlt.services.trainer.config import TrainerConfig
 
-    cfg = load_config(TrainerConfig, "trainer", args.config, cli_overrides(args.overrides))
+    cfg = load_config(TrainerConfig, "trainer", args.config, cli_overrides(args.overrides), require_section=True)
     if args.print_config:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
