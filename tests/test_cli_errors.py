@@ -46,6 +46,7 @@ REFUSED_AT_PARSING = [
     (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:1", "--replica", "-1"], "--replica"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{file}"], "--out"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "0"], "--problems"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "7"], "--problems"),  # no held-out set
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--epochs", "0"], "--epochs"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--rows", "0"], "--rows"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--row-tokens", "1"], "--row-tokens"),

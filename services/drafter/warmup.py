@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", required=True, help="the target checkpoint folder")
     parser.add_argument("--out", type=out_folder, required=True, help="where to write the drafter folder")
-    parser.add_argument("--problems", type=at_least(1), default=64, help="task problems to collect features on")
+    parser.add_argument("--problems", type=at_least(8), default=64,
+                        help="task problems to collect features on (1 in 8 is held out to score the drafter)")
     parser.add_argument("--epochs", type=at_least(1), default=4, help="passes over the training windows")
     parser.add_argument("--data", choices=("samples", "reference"), default="samples",
                         help="the model's own samples (default) or the task's reference solutions")
