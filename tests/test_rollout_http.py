@@ -464,3 +464,18 @@ def test_stream_options_without_stream_is_a_400(server, path, extra):
         assert "only allowed when 'stream' is enabled" in err["message"], err
     r = httpx.post(f"{server.base_url}/{path}", timeout=60, json={**base, "stream": False, "stream_options": None})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "1+1="}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("completions", {"prompt": "1+1=", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "1+1=", "temperature": -1}, "temperature"),
+])
+def test_a_sampling_value_out_of_range_names_its_parameter(server, path, extra, param):
+    """The engine's range checks reached the client without `param`, and a chat request's top_logprobs=21 was
+    called "logprobs", a field it had not sent."""
+    r = httpx.post(f"{server.base_url}/{path}", timeout=60, json={"model": server.model_name, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param), err

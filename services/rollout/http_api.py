@@ -253,8 +253,11 @@ class OpenAIServer:
     def _params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
             return req.sampling_params(max_tokens, logprobs)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        except ValueError as e:  # SamplingParams.validate: "<field> must ...", in the engine's names
+            message, field = str(e), str(e).split(" ", 1)[0]
+            if field == "logprobs" and isinstance(req, ChatCompletionRequest):  # the chat API's name for it
+                message, field = "top_" + message, "top_logprobs"
+            raise ApiError(400, message, param=field if field in type(req).model_fields else None) from None
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
         limit = self.pool.info.max_model_len
