@@ -126,3 +126,21 @@ def test_model_eval_refuses_an_empty_eval(random_model_dir):
     r = subprocess.run([sys.executable, "-m", "tlt.cli", "model", "eval", "--model", str(random_model_dir), "--n", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--n and --samples must be >= 1" in r.stderr
+
+
+def test_an_interrupted_build_leaves_nothing_beside_its_out(tmp_path, monkeypatch):
+    """Ctrl-C (or any failure) during a build left its `.<out>.tmp-PID` folder beside --out; the next build
+    (another pid) never cleaned it."""
+    import tlt.model.tokenizer as tokenizer
+
+    real = tokenizer.build_tokenizer
+
+    def interrupted(folder, *args, **kwargs):
+        real(folder, *args, **kwargs)  # the temp folder now holds the tokenizer
+        assert any(tmp_path.iterdir())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenizer, "build_tokenizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_model("tiny", tmp_path / "tiny", seed=0, max_steps=1, eval_n=0)
+    assert list(tmp_path.iterdir()) == []
