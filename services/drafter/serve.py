@@ -78,13 +78,11 @@ def rollout_publisher(address: str, token: str):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     import os
     import signal
     import subprocess
     import sys
     import threading
-    from pathlib import Path
 
     from tlt.services.common.events import FeaturePuller
     from tlt.services.common.logging import get_logger
@@ -117,11 +115,10 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if args.ready_file:
-        Path(args.ready_file).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(args.ready_file + ".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "status_port": port, "coordinator": coordinator.endpoint,
-                                   "features": puller.endpoint, "worker_pids": [p.pid for p in procs]}))
-        tmp.replace(args.ready_file)
+        from tlt.services.common.ready import write_ready_file
+
+        write_ready_file(args.ready_file, {"pid": os.getpid(), "status_port": port, "coordinator": coordinator.endpoint,
+                                           "features": puller.endpoint, "worker_pids": [p.pid for p in procs]})
     log.info("drafter_serving", status=f"{cfg.host}:{port}", coordinator=coordinator.endpoint,  # type: ignore[attr-defined]
              features=puller.endpoint, workers=len(procs))
     stop.wait()

@@ -40,11 +40,9 @@ def build_config(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     import os
     import signal
     import threading
-    from pathlib import Path
 
     from tlt.services.common.logging import get_logger
     from tlt.services.reward.config import RewardConfig
@@ -69,10 +67,9 @@ def run(args: argparse.Namespace) -> int:
             exporter = server.metrics.serve(config.metrics_port, host=config.host)
             log.info("reward_metrics", port=exporter.port)
         if args.ready_file:
-            Path(args.ready_file).parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(args.ready_file + ".tmp")
-            tmp.write_text(json.dumps({"port": server.port, "pid": os.getpid()}))
-            tmp.replace(args.ready_file)
+            from tlt.services.common.ready import write_ready_file
+
+            write_ready_file(args.ready_file, {"port": server.port, "pid": os.getpid()})
         while not stop.wait(1.0):
             pass
         log.info("reward_stopping", grace_s=config.grace_s)

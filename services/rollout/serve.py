@@ -149,7 +149,6 @@ async def started_unless_stopped(start: Coroutine[Any, Any, None], stop: asyncio
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     import os
     import signal
     from pathlib import Path
@@ -176,14 +175,13 @@ def run(args: argparse.Namespace) -> int:
                 log.info("rollout_stopping", during="startup")
                 return
             if args.ready_file:
-                Path(args.ready_file).parent.mkdir(parents=True, exist_ok=True)
-                tmp = Path(args.ready_file + ".tmp")
-                tmp.write_text(json.dumps({"http_port": server.http_port, "grpc_port": server.grpc_port,
-                                           "pid": os.getpid(), "replica_pids": server.replica_pids(),
-                                           **({"capacity_pub": server.capacity.pub_endpoint,
-                                               "capacity_snapshot": server.capacity.snapshot_endpoint}
-                                              if server.capacity is not None else {})}))
-                tmp.replace(args.ready_file)
+                from tlt.services.common.ready import write_ready_file
+
+                write_ready_file(args.ready_file, {
+                    "http_port": server.http_port, "grpc_port": server.grpc_port, "pid": os.getpid(),
+                    "replica_pids": server.replica_pids(),
+                    **({"capacity_pub": server.capacity.pub_endpoint,
+                        "capacity_snapshot": server.capacity.snapshot_endpoint} if server.capacity is not None else {})})
             await stop.wait()
             log.info("rollout_stopping")
         finally:

@@ -137,10 +137,8 @@ def check_checkpoint(model_dir: str | Path, architecture: bool = True) -> None:
     can run; cheap: reads config.json and file names, no tensors. Commands call it before they load or start
     anything. architecture=False for the SGLang backend, which serves architectures the native engine does not."""
     folder = Path(model_dir)
-    if architecture:
-        read_model_config(folder)
-    elif not (folder / "config.json").is_file():
-        read_model_config(folder)  # its CheckpointError: no folder, or no config.json
+    if architecture or not (folder / "config.json").is_file():
+        read_model_config(folder)  # its CheckpointError: no folder, no config.json, an architecture we cannot run
     _weight_files(folder)
 
 
