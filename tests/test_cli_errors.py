@@ -47,6 +47,7 @@ REFUSED_AT_PARSING = [
     (["drafter", "warmup", "--model", "{dir}", "--out", "{file}"], "--out"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "0"], "--problems"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "7"], "--problems"),  # no held-out set
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--ttt-steps", "0"], "--ttt-steps"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--epochs", "0"], "--epochs"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--rows", "0"], "--rows"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--row-tokens", "1"], "--row-tokens"),

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=at_least(1), default=6, help="chain depth of the acceptance evaluation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", default="", help="start from this drafter folder instead of random")
-    parser.add_argument("--ttt-steps", type=int, default=1,
+    parser.add_argument("--ttt-steps", type=at_least(1), default=1,
                         help="training-time test: also train the drafter on its own outputs this many steps deep "
                              "(1 = off; each step costs about one more forward and backward)")
 
@@ -57,7 +57,6 @@ def split_heldout(samples: list, every: int = 8) -> tuple[list, list]:
 def run(args: argparse.Namespace) -> int:
     import json
     import random
-    import sys
     import time
     from pathlib import Path
 
@@ -73,12 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from tlt.task.problems import format_prompt, generate_problems
 
     log = get_logger("drafter.warmup")
-    if args.ttt_steps < 1:
-        print(f"error: --ttt-steps must be >= 1, got {args.ttt_steps}", file=sys.stderr)
-        return 2
-    from tlt.model.loader import read_model_config
+    from tlt.model.loader import check_checkpoint
 
-    read_model_config(args.model)  # CheckpointError naming the folder (tlt: one line, exit 2), not a transformers trace
+    check_checkpoint(args.model)  # CheckpointError naming the folder (tlt: one line, exit 2), not a transformers trace
     if args.init:
         from tlt.model.drafter import check_drafter_folder
 
