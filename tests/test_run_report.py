@@ -44,6 +44,17 @@ def test_step_row_derives_sd_share_acceptance_and_idle_windows() -> None:
     assert (r.step_s, r.rollout_s, r.update_s, r.drafter_version, r.lend_s) == (10.0, 4.0, 4.0, 2, 0.25)
 
 
+def test_a_window_that_trained_no_micro_step_is_no_idle_window_used() -> None:
+    # a worker woken by IDLE and preempted before its first micro-step used no capacity; counted, it made the
+    # column read "3/9.1s" for two windows that trained, and the live table and report.html disagree on it
+    # (such a window can reach drafter.jsonl after the live row was printed)
+    m = {"step": 0, "started_at": 100.0, "times": {"step_s": 10.0}}
+    windows = [IdleWindow(0, 0, 99.0, 100.2, 0, True), IdleWindow(0, 0, 102.0, 105.0, 7, True),
+               IdleWindow(0, 0, 109.99, 110.1, 0, True)]
+    r = step_row(m, [], windows, threshold=16)
+    assert r.idle_windows == 1 and r.idle_train_s == pytest.approx(3.0)
+
+
 def test_to_toml_round_trips_nested_service_sections() -> None:
     data = {"rollout": {"host": "127.0.0.1", "replicas": 2, "engine": {"max_num_seqs": 64, "dtype": "float32"},
                         "spec": {"mode": "off", "bucket_arms": [["8_4_16"], ["4_1_5", "2_1_3"]]}},
@@ -315,3 +326,25 @@ def test_a_line_cut_by_a_killed_launch_does_not_swallow_the_next_launchs_first_s
     sampler.out.close()
     sampler.client.close()
     assert read_timeline(path) == [first, resumed]
+
+
+def test_timeline_plot_marks_held_out_evals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a held-out eval runs 800 sequences through the rollout between steps: unmarked, its batch-64 plateau read as a
+    # step's rollout (in a 6-step run evals were most of the plot)
+    from tlt.services.trainer.evaluate import EvalRecord
+
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"reward_mean": 0.5}])
+    (tmp_path / "timeline.jsonl").write_text("".join(
+        TimelineSample(t, (r,), (0,), (False,), 1, -1).to_json() + "\n" for t, r in
+        [(100.0, 0), (101.0, 64), (120.0, 64), (130.0, 0), (140.0, 32), (150.0, 0)]))
+    (tmp_path / "eval.jsonl").write_text(
+        json.dumps(EvalRecord(0, 0, 0.3, 200, 4, 1.0, 28.5, started_at=100.5).as_dict()) + "\n"
+        + json.dumps({"after_steps": 1, "policy_version": 1, "accuracy": 0.4, "problems": 200, "samples": 4,
+                      "temperature": 1.0, "seconds": 9.0}) + "\n")  # an older record: no start time, not drawn
+    write_report(tmp_path, threshold=16)
+    ax = saved["timeline.png"][0]
+    spans = [p for p in ax.patches if p.get_gid() == "held-out eval"]
+    assert len(spans) == 1
+    assert spans[0].get_x() == pytest.approx(0.5) and spans[0].get_width() == pytest.approx(28.5)
+    assert "held-out eval" in [t.get_text() for t in ax.get_legend().get_texts()]

@@ -36,6 +36,7 @@ class EvalRecord:
     samples: int
     temperature: float
     seconds: float
+    started_at: float = 0.0  # unix time the eval began (0: a record from before it was kept)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +71,7 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
     from tlt.services.trainer.collect import collect_retrying, sampling_params
     from tlt.services.trainer.weight_sync import check_versions
 
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.time()
     params = sampling_params(cfg.max_tokens, cfg.eval_temperature, 1.0)
     result = collect_retrying(items, clients, rewards, cfg.eval_samples, params, f"eval{steps_done}",
                               cfg.rollout_retries, cfg.rollout_retry_wait_s)  # a replica death: redone, as a step
@@ -78,7 +79,7 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
         check_versions((s.policy_version for s in result.samples), version)
     correct = sum(s.correct for s in result.samples)
     return EvalRecord(steps_done, version, correct / len(result.samples), len(items), cfg.eval_samples,
-                      cfg.eval_temperature, time.perf_counter() - t0)
+                      cfg.eval_temperature, time.perf_counter() - t0, started_at)
 
 
 def read_evals(path: Path) -> list[EvalRecord]:

@@ -4,7 +4,8 @@
     runs/<id>/eval.jsonl                     -> held-out accuracy after 0, k, 2k, ... steps (evaluate.py)
       -> plots/step_time.png   stacked step-time parts per step (rollout split into tail / rest)
          plots/reward.png      mean reward and accuracy per step, held-out accuracy at each eval
-         plots/timeline.png    running batch over time, SD on shaded, drafter idle windows, step starts
+         plots/timeline.png    running batch over time, SD on shaded, drafter idle windows, step starts,
+                               held-out evals
          plots/accept.png      acceptance length and SD share per step
       -> report.html           summary (held-out and rollout accuracy at start and end, mean step time),
                                the table, the plots
@@ -139,14 +140,20 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
         for r in rows:
             if r.started_at:
                 ax.axvline(r.started_at - t0, color="grey", lw=0.5, ls=":")
+        timed = [e for e in evals if e.started_at]  # eval.jsonl lines from before started_at was kept: not drawn
+        for e in timed:  # the rollout serves the eval set between steps: not a step's rollout
+            ax.axvspan(e.started_at - t0, e.started_at - t0 + e.seconds, color="grey", alpha=0.15, lw=0,
+                       gid="held-out eval")
         ax.axhline(threshold, color="tab:red", lw=0.7, ls="--", label=f"SD threshold {threshold}")
         ax.set_ylim(0, ymax * 1.15)
         ax.plot([], [], color="tab:green", alpha=0.4, lw=6, label="SD on")
         ax.plot([], [], color="tab:purple", alpha=0.6, lw=6, label="drafter idle window")
+        if timed:
+            ax.plot([], [], color="grey", alpha=0.3, lw=6, label="held-out eval")
         ax.set_xlabel("seconds since the first sample (dotted: step starts)"), ax.set_ylabel("sequences")
         ax.set_title("Running batch over time"), ax.legend(fontsize=8, loc="upper right")
         fig.tight_layout(), fig.savefig(out / "timeline.png", dpi=90), plt.close(fig)
-        made.append(("timeline.png", "Rollout running batch (sampled), speculative decoding on/off, drafter training windows"))
+        made.append(("timeline.png", "Rollout running batch (sampled), speculative decoding on/off, drafter training windows, held-out evals (grey)"))
 
     fig, ax = plt.subplots(figsize=(9, 4))
     # no verify pass: acceptance length is undefined (the table's "-"), a gap rather than a 0

@@ -72,7 +72,7 @@ class StepRow:
     response_len: float
     sd_share: float  # share of response tokens emitted by verify passes
     accept_len: float  # tokens per verify pass per sequence (incl. bonus); 0: no verify pass
-    idle_windows: int  # drafter training windows overlapping the step
+    idle_windows: int  # drafter training windows (>= 1 micro-step) overlapping the step
     idle_train_s: float  # their overlap with the step, summed
     drafter_version: int
     lend_s: float = 0.0  # colocated: borrowing the rollout's devices and giving them back (lend_rollout_devices)
@@ -138,7 +138,8 @@ def step_row(m: dict, samples: list[TimelineSample], windows: list[IdleWindow], 
     t0 = float(m.get("started_at", 0.0))
     step_s = float(times.get("step_s", 0.0))
     rollout_s = float(times.get("rollout_s", 0.0))
-    overlap = [(w, min(w.end, t0 + step_s) - max(w.start, t0)) for w in windows]
+    # windows that trained: one preempted before its first micro-step used no capacity
+    overlap = [(w, min(w.end, t0 + step_s) - max(w.start, t0)) for w in windows if w.micro_steps > 0]
     overlap = [(w, s) for w, s in overlap if s > 0]
     verify = int(m.get("sd_verify_steps", 0))
     accepted = int(m.get("sd_accepted_tokens", 0))
