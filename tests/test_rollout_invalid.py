@@ -89,6 +89,10 @@ CASES = [
     ("message_content_number", "chat/completions", {"model": M, "messages": [{"role": "user", "content": 7}]}, 400,
      "content"),
     ("both_max_tokens", "chat/completions", ok_chat(M, max_completion_tokens=3), 400, "not both"),
+    # OpenAI requires a tool message's tool_call_id (the call it answers): it was accepted without one
+    ("tool_message_without_tool_call_id", "chat/completions",
+     ok_chat(M, messages=[{"role": "user", "content": "2+2="}, {"role": "tool", "content": "4"}]), 400,
+     "Missing parameter 'tool_call_id'"),
     ("body_too_large", "completions", ok_completion(M, prompt="x" * 100_000), 413, "over the limit"),
     # a lone UTF-16 surrogate (escaped, or raw as UTF-8 bytes: json takes both) is no Unicode text: the
     # tokenizer raised TypeError and the client got a plain-text 500
@@ -120,6 +124,21 @@ def test_invalid_http_request(server, name, path, body, status, words):
     assert set(err) == {"message", "type", "param", "code"}
     assert words in err["message"], err["message"]
     assert err["type"] in ("invalid_request_error", "not_found_error")
+
+
+@pytest.mark.parametrize("tool", [{"role": "tool", "content": "4"},
+                                  {"role": "tool", "content": "4", "tool_call_id": None}])
+def test_tool_message_without_tool_call_id_names_the_parameter(server, tool):
+    """A `tool` message answers a call, named by its `tool_call_id`: OpenAI refuses one without it (or with null),
+    naming the message's field in `param`, in its own wording. The server accepted it."""
+    messages = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "calc"}, tool]
+    r = _send(server, "chat/completions", ok_chat(M, messages=messages))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.[2].tool_call_id" and err["type"] == "invalid_request_error", err
+    assert err["message"] == "Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'."
+    ok = [*messages[:2], {**tool, "tool_call_id": "call_1"}]
+    assert _send(server, "chat/completions", ok_chat(M, messages=ok)).status_code == 200
 
 
 def test_int64_extreme_seeds_are_accepted(server):

@@ -241,6 +241,8 @@ class OpenAIServer:
         if req.model != self.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
+        if (missing := req.invalid()) is not None:
+            raise ApiError(400, missing[0], param=missing[1])
         if (why := req.unsupported()) is not None:
             raise ApiError(400, why)
         if req.stream_options is not None and not req.stream:  # the OpenAI API's own check and wording

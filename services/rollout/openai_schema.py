@@ -7,8 +7,10 @@ TLT extensions beside the OpenAI fields: `top_k`,
 `min_p`, `ignore_eos`, `stop_token_ids`; every response carries the weight
 versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
 honour (penalties, logit_bias, echo, suffix, tools) are refused with a 400
-rather than silently ignored. A `tool` message in the history (a tool's result,
-with its `tool_call_id`) is text for the chat template like any other role.
+rather than silently ignored. A `tool` message in the history (a tool's result)
+is text for the chat template like any other role; as in the OpenAI API it must
+carry the `tool_call_id` of the call it answers (a 400 naming
+`messages.[i].tool_call_id` without one).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class _Sampling(_Strict):
             return f is not None and not f.is_required() and type(None) not in get_args(f.annotation)
 
         return {k: v for k, v in data.items() if v is not None or not defaulted(k)}
+
+    def invalid(self) -> tuple[str, str] | None:
+        """(message, param) of a field the OpenAI API requires in this request that is missing, in its wording;
+        None when nothing is."""
+        return None
 
     def unsupported(self) -> str | None:
         if self.presence_penalty or self.frequency_penalty:
@@ -167,6 +174,13 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
+
+    def invalid(self) -> tuple[str, str] | None:
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and m.tool_call_id is None:  # the OpenAI API's message and param for it
+                return ("Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.",
+                        f"messages.[{i}].tool_call_id")
+        return super().invalid()
 
     def unsupported(self) -> str | None:
         if self.tools or self.tool_choice not in (None, "none"):
