@@ -223,6 +223,26 @@ def test_malformed_items_get_ok_false_and_siblings_still_scored() -> None:
             assert f'tlt_reward_errors_total{{reason="{reason}"}} 1.0' in text
 
 
+def test_item_size_limit_counts_the_metadata() -> None:
+    """`ScoreRequest.metadata` (a data row's other columns) is part of the item: a huge map passed
+    max_item_bytes, which counted prompt, completion and reference only. Its keys and values count now."""
+    with RewardServer(_config(max_item_bytes=1000)) as s:
+        items = [
+            Req(id="big-value", completion="answer: 1", reference="1", metadata={"notes": "x" * 2000}),
+            Req(id="big-key", completion="answer: 1", reference="1", metadata={"k" * 995: "v"}),
+            Req(id="many", completion="answer: 1", reference="1", metadata={f"c{i:03d}": "é" for i in range(200)}),
+            Req(id="small", completion="answer: 1", reference="1", metadata={"solution": "1", "source": "gsm8k"}),
+        ]
+        out = _stub(s).Score(reward_pb2.ScoreBatchRequest(items=items), timeout=10).results
+        assert [(r.id, r.ok) for r in out] == [("big-value", False), ("big-key", False), ("many", False),
+                                              ("small", True)], out
+        assert "2015 bytes" in out[0].error and "over the limit of 1000" in out[0].error  # 9 + 1 + 5 + 2000
+        assert "1006 bytes" in out[1].error  # 9 + 1 + 995 + 1
+        assert "1210 bytes" in out[2].error  # 9 + 1 + 200 * (4 + 2): counted in UTF-8 bytes, as the text is
+        assert out[3].correct
+        assert 'tlt_reward_errors_total{reason="oversized"} 3.0' in s.metrics.render().decode()
+
+
 def test_batch_and_message_limits() -> None:
     with RewardServer(_config(max_batch_items=2, max_message_bytes=4096)) as s:
         stub = _stub(s)

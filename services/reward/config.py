@@ -24,7 +24,8 @@ class RewardConfig(ServiceConfig):
     port: int = Field(50061, ge=0, le=65535, description="gRPC port of tlt.v1.Reward (0: pick a free one)")
     workers: int = Field(4, ge=1, le=256, description="threads scoring items concurrently (shared by all calls)")
     max_item_bytes: int = Field(
-        256 << 10, ge=16, description="largest prompt + completion + reference of one item; larger gets ok=false"
+        256 << 10, ge=16, description="largest prompt + completion + reference + metadata (its keys and values) of "
+        "one item, in UTF-8 bytes; larger gets ok=false"
     )
     max_batch_items: int = Field(65536, ge=1, description="most items in one Score call; more is INVALID_ARGUMENT")
     max_message_bytes: int = Field(

@@ -3,7 +3,8 @@
     ScoreRequest --check--> verifier(prompt, completion, reference) --> ScoreResponse(id, reward, ok, correct)
 
 `ScoreRequest.metadata` (the trainer sends a data row's other columns there) is
-not read by the built-in verifiers; a server of your own may use it.
+not read by the built-in verifiers; a server of your own may use it. Its keys
+and values count in the item's size (`max_item_bytes`).
 
 `Score` scores a batch on the worker pool and answers in request order; items
 not begun when the call ends (its deadline passed: the client will retry it)
@@ -127,7 +128,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         """(reason label, message) when the item cannot be scored."""
         if not item.id:
             return "missing_id", "request has no id"
-        size = len(item.prompt.encode()) + len(item.completion.encode()) + len(item.reference.encode())
+        texts = [item.prompt, item.completion, item.reference, *item.metadata.keys(), *item.metadata.values()]
+        size = sum(len(t.encode()) for t in texts)  # the metadata too: a huge map passed the limit
         if size > self.config.max_item_bytes:
             return "oversized", f"item of {size} bytes is over the limit of {self.config.max_item_bytes}"
         if not item.reference.strip():
