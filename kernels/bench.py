@@ -20,11 +20,28 @@ import json
 from typing import Any
 
 HIDDEN, HQ, HKV, HEAD_DIM, BLOCK_SIZE, TREE_TOKENS = 3584, 28, 4, 128, 16, 48
+# The compute capabilities `--compile-only` compiles for: the GPUs Triton supports (8.0 and up) below sm_100, which
+# the ptxas compile_check runs (the Triton wheel's pre-Blackwell one) cannot assemble. Any other value aborted inside
+# LLVM (--arch 12) or ended in a ptxas traceback, after the compiling.
+COMPILE_ARCHS = (80, 86, 87, 89, 90)
+
+
+def compile_arch(text: str) -> int:
+    """argparse `type` of `--arch`: one of COMPILE_ARCHS."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0  # no capability
+    if value not in COMPILE_ARCHS:
+        raise argparse.ArgumentTypeError(f"must be a CUDA compute capability the compile check supports "
+                                         f"({', '.join(map(str, COMPILE_ARCHS))}); got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-only", action="store_true", help="no GPU: compile for --arch and report ptxas usage")
-    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only (80, 90)")
+    parser.add_argument("--arch", type=compile_arch, default=90,
+                        help=f"CUDA compute capability for --compile-only ({', '.join(map(str, COMPILE_ARCHS))})")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
     parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="context lengths (tokens)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")

@@ -44,6 +44,9 @@ REFUSED_AT_PARSING = [
     (["drafter", "serve", "--model", "{dir}", "--workers", "-1"], "--workers"),
     (["drafter", "serve", "--model", "{dir}", "--ready-file", "{file}/r.json"], "--ready-file"),
     (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:1", "--replica", "-1"], "--replica"),
+    # an empty endpoint: the worker started and retried its capacity snapshot forever, joining nothing
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "", "--replica", "0"], "--coordinator"),
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", " ", "--replica", "0"], "--coordinator"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{file}"], "--out"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "0"], "--problems"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "7"], "--problems"),  # no held-out set
@@ -78,6 +81,7 @@ ACCEPTED = [
     ["task", "export", "--n", "0", "--out", "{new}/sub/task.jsonl"],
     ["rollout", "serve", "--model", "{dir}", "--ready-file", "{new}/sub/ready.json"],
     ["drafter", "serve", "--model", "{dir}", "--workers", "0"],
+    ["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:5704", "--replica", "0"],
     ["drafter", "warmup", "--model", "{dir}", "--out", "{dir}", "--temperature", "0", "--noise", "0"],
     ["run", "--run-id", "my-run_2"],
     ["bench", "e2e", "--out", "{dir}"],

@@ -14,10 +14,11 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tlt.cli_args import at_least
+    from tlt.cli_args import at_least, non_empty
 
     parser.add_argument("--model", required=True, help="the target (policy) checkpoint folder")
-    parser.add_argument("--coordinator", required=True, help="coordinator endpoint, e.g. tcp://127.0.0.1:5704")
+    parser.add_argument("--coordinator", type=non_empty, required=True,  # '' joined nothing and retried forever
+                        help="coordinator endpoint, e.g. tcp://127.0.0.1:5704")
     parser.add_argument("--replica", type=at_least(0), required=True, help="the rollout replica whose idle time to use")
     parser.add_argument("--worker-id", type=at_least(0), default=None, help="stable id (checkpoint name); default: --replica")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")

@@ -34,11 +34,26 @@ import argparse
 from tlt.cli_args import at_least, non_empty, out_folder
 
 
+SKIP_NOISE = -1  # --noise-seed value that skips the repeated baseline run
+
+
+def noise_seed(text: str) -> int:
+    """argparse `type` of `--noise-seed`: a seed >= 0, or -1 to skip the noise run (any negative value skipped it:
+    a mistyped seed silently dropped the noise estimate)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a seed >= 0, or -1 to skip the noise run; got {text!r}") from None
+    if value < SKIP_NOISE:
+        raise argparse.ArgumentTypeError(f"must be a seed >= 0, or -1 to skip the noise run; got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--steps", type=at_least(1), default=12, help="RL steps per run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TLT and baseline runs")
-    parser.add_argument("--noise-seed", type=int, default=1, help="seed of the repeated baseline (-1: skip it)")
+    parser.add_argument("--noise-seed", type=noise_seed, default=1, help="seed of the repeated baseline (-1: skip it)")
     parser.add_argument("--pairs", type=at_least(1), default=1,
                         help="TLT / baseline pairs, in alternating order; the ratio's median and range over them")
     parser.add_argument("--model", type=non_empty, default=None, help="policy checkpoint folder (default: [run] model_dir)")
@@ -139,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     log = get_logger("bench.e2e")
     out = Path(args.out)
     runs = {name: (args.seed, baseline) for name, baseline in run_order(args.pairs)}
-    if args.noise_seed >= 0:
+    if args.noise_seed != SKIP_NOISE:
         runs["baseline-noise"] = (args.noise_seed, True)
     # each run starts afresh: its old folder is deleted below, so only ever a run folder (`--out .` in the
     # repository named ./tlt, the package)
