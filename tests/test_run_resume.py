@@ -258,6 +258,60 @@ def test_resume_with_another_seed_or_data_is_refused_before_anything_starts(tmp_
     assert load_config(TrainerConfig, "trainer", plan.config_path).seed == 7
 
 
+def test_resume_with_an_edited_data_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """The trainer's checkpoint holds a data position in its data file's content (PromptSampler's fingerprint);
+    the trainer refuses a resume after the file was edited (same settings, other prompts), but only once every
+    service had started. prepare_run compares the fingerprint too now. The checkpoint is a real one, written by
+    CheckpointManager.save; a checkpoint saved before the fingerprint was kept is checked on the count alone,
+    as the trainer does."""
+    import torch
+
+    from test_trainer_step import config, tiny_qwen2
+    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointManager
+    from tlt.services.trainer.data import DataError, PromptSampler, load_prompts
+    from tlt.services.trainer.policy import Policy
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "source": "test"} for i in range(8)]
+
+    def write(rows: list[dict]) -> None:
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write(rows)
+    opts = ["--run-id", "r", "--set", f"trainer.data_path={data}", "--set", "trainer.eval_problems=0"]
+    run_dir = _closed(_plan(runs, model, *opts)).run_dir
+    sampler = PromptSampler(load_prompts(data), 0)  # as the run's trainer has it, 2 steps of 2 prompts in
+    sampler.next_batch(4)
+    ckpt = CheckpointManager(run_dir / "checkpoints").save(Policy(config(), model=tiny_qwen2(0)), sampler, 2)
+    assert _closed(_plan(runs, model, "--run-id", "r")).resumed  # the same file: resumes
+
+    write([*rows[:3], {**rows[3], "answer": "99"}, *rows[4:]])  # edited to the same number of prompts
+    with pytest.raises(DataError, match="other content"):  # what the trainer would say, after starting everything
+        PromptSampler(load_prompts(data), 0).load_state_dict(sampler.state_dict())
+    for argv in (["--run-id", "r"], ["--resume", str(run_dir)]):
+        with pytest.raises(ServiceError, match=r"continues from its trainer checkpoint, and a resume keeps the data "
+                                               r"it was trained on \(.*prompts.jsonl was edited"):
+            _plan(runs, model, *argv)
+    write(rows[:6])  # fewer prompts
+    with pytest.raises(ServiceError, match="holds 6 prompts, 8 at the checkpoint"):
+        _plan(runs, model, "--run-id", "r")
+    data.unlink()
+    with pytest.raises(ServiceError, match="a resume keeps the data it was trained on.*does not exist"):
+        _plan(runs, model, "--run-id", "r")
+
+    write([*rows[:3], {**rows[3], "answer": "99"}, *rows[4:]])
+    saved = torch.load(ckpt / STATE_FILE, weights_only=False)  # as written before the fingerprint was kept
+    saved["sampler"] = {k: v for k, v in saved["sampler"].items() if k != "fingerprint"}
+    torch.save(saved, ckpt / STATE_FILE)
+    assert _closed(_plan(runs, model, "--run-id", "r")).resumed
+    write(rows[:6])
+    with pytest.raises(ServiceError, match="holds 6 prompts"):
+        _plan(runs, model, "--run-id", "r")
+    assert _closed(_plan(runs, model, "--run-id", "r", "--set", "trainer.resume=false")).resumed  # trainer starts over
+
+
 def test_an_invalid_set_is_refused_and_not_kept_for_the_next_launch(tmp_path: Path) -> None:
     """A mistyped --set failed only in the service that loads it, after the others had started; run.json kept it,
     and a later launch without it re-applied it (an unknown field can never be set back)."""

@@ -16,13 +16,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tlt.services.common.config import ConfigError, cli_overrides, load_config, preset_path, read_preset
 from tlt.services.common.logging import get_logger
 from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
 from tlt.services.trainer.run_config import RunConfig, resolve_services, spec_section, to_toml
+
+if TYPE_CHECKING:
+    from tlt.services.trainer.config import TrainerConfig
 
 log = get_logger("run")
 
@@ -138,6 +141,42 @@ def _check_same_data(run_dir: Path, trainer: dict[str, Any]) -> None:
     if changed:
         raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
                            f"trained on ({', '.join(changed)}); drop that option, or start a new run (--run-id)")
+    edited = _data_file_change(run_dir, new)
+    if edited:
+        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
+                           f"trained on ({edited}); restore that file, or start a new run (--run-id)")
+
+
+def _data_file_change(run_dir: Path, cfg: TrainerConfig) -> str | None:
+    """How the data file (`cfg.data_path`) differs from the one the latest checkpoint's data position is a position
+    in: its prompt count, or its content fingerprint (PromptSampler's; a checkpoint saved before it was kept is
+    checked on the count alone), as the trainer's PromptSampler.load_state_dict judges it; None when it does not.
+    The same settings with the file edited passed the check above, and only the trainer refused it, after every
+    service had started. The synthetic set is fixed by the DATA_FIELDS compared above."""
+    if not cfg.data_path:
+        return None
+    import torch
+
+    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointManager
+    from tlt.services.trainer.data import DataError, PromptSampler, load_prompts
+
+    try:
+        latest = CheckpointManager(run_dir / "checkpoints").latest()
+    except FileNotFoundError:  # `latest` names no complete checkpoint: the trainer says so
+        return None
+    if latest is None:
+        return None
+    saved = torch.load(latest / STATE_FILE, weights_only=False)["sampler"]  # our own file, as the trainer loads it
+    try:
+        now = PromptSampler(load_prompts(cfg.data_path), cfg.seed)
+    except DataError as e:  # gone, or no longer readable
+        return str(e)
+    if saved["size"] != len(now.items):
+        return f"{cfg.data_path} now holds {len(now.items)} prompts, {saved['size']} at the checkpoint"
+    if saved.get("fingerprint") not in (None, now.fingerprint):
+        return (f"{cfg.data_path} was edited since: other content in its {len(now.items)} prompts, fingerprint "
+                f"{str(saved['fingerprint'])[:12]} at the checkpoint, {now.fingerprint[:12]} now")
+    return None
 
 
 LOCK_FILE = ".lock"
