@@ -1,0 +1,175 @@
+"""`tlt config show` and `tlt config check` (config_show.py, config_check.py): what a preset sets, and every knob
+there is, without reading the source.
+
+    tlt config show [--preset P] [--set section.field=value ...] [SECTION ...]
+    tlt config check FILE
+
+`show` prints every field of the named sections (default: all of them) as valid TOML, resolved through the
+layers the services use (model defaults -> preset -> TLT_<SECTION>__<FIELD> environment -> --set), each field
+after a comment with its description and, when the value is not the default, where it comes from. The output is
+itself a preset: `tlt config show > my.toml`, edit, `tlt run --preset my.toml`. TOML has no null, so a field that
+is unset (None) is printed commented out as `# field = (unset)`; leaving it out keeps it unset.
+
+`check` loads every section of a preset file with its config class (unknown sections, unknown fields, bad
+values), the environment left out, and starts nothing.
+
+SECTION_CLASSES is the one map of a preset's sections to their config classes (the sections `tlt run` reads,
+launcher.SECTIONS). Classes are named as strings: the parser imports the command modules, and the services'
+configs import more than argparse needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tlt.services.common.config import ServiceConfig
+
+# section -> "module:Class"; nested sections ([rollout.engine], [rollout.spec]) are fields of their parent's class
+SECTION_CLASSES: dict[str, str] = {
+    "run": "tlt.services.trainer.run_config:RunConfig",
+    "rollout": "tlt.services.rollout.config:RolloutConfig",
+    "sglang": "tlt.services.rollout.sglang_backend.config:SGLangBackendConfig",
+    "reward": "tlt.services.reward.config:RewardConfig",
+    "drafter": "tlt.services.drafter.config:DrafterServiceConfig",
+    "trainer": "tlt.services.trainer.config:TrainerConfig",
+}
+
+UNSET = "(unset)"
+ORIGINS = ("preset {preset}", "environment {var}", "--set")  # the comment of a value from each layer, in order
+WIDTH = 116  # comment lines wrap here
+
+
+def config_class(section: str) -> type[ServiceConfig]:
+    module, name = SECTION_CLASSES[section].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`--set section.field=value` pairs as {section: {field: value}}, a dotted field nested
+    (`rollout.engine.max_num_seqs=32` -> {"rollout": {"engine": {"max_num_seqs": 32}}})."""
+    from tlt.services.common.config import ConfigError, cli_overrides
+
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in cli_overrides(pairs).items():
+        section, _, field = key.partition(".")
+        if not field:
+            raise ConfigError(f"--set {key}=...: name the section, SECTION.FIELD=VALUE (e.g. trainer.lr=3e-5)")
+        if section not in SECTION_CLASSES:
+            raise ConfigError(f"--set {key}=...: unknown section {section!r}; the sections are "
+                              f"{', '.join(SECTION_CLASSES)} (nested: rollout.engine.FIELD, rollout.spec.FIELD)")
+        *path, leaf = field.split(".")
+        node = out.setdefault(section, {})
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}=...: {part!r} is set as a value and used as a section by another --set")
+        node[leaf] = value
+    return out
+
+
+def _nested_class(field: Any) -> type[ServiceConfig] | None:
+    """The config class of a nested section field ([rollout.engine]), else None (a dict-valued field is a value)."""
+    from tlt.services.common.config import ServiceConfig
+
+    a = field.annotation
+    return a if isinstance(a, type) and issubclass(a, ServiceConfig) else None
+
+
+def origins(cls: type[ServiceConfig], layers: Sequence[Mapping[str, Any]],
+            path: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """Field path -> the index of the last of `layers` (this section's tables, in load_config's order) that sets
+    it; a field no layer sets is the default, and absent."""
+    out: dict[tuple[str, ...], int] = {}
+    for name, field in cls.model_fields.items():
+        if (nested := _nested_class(field)) is not None:  # each layer's [section.name] table, or nothing
+            sub = [layer[name] if isinstance(layer.get(name), Mapping) else {} for layer in layers]
+            out.update(origins(nested, sub, (*path, name)))
+            continue
+        for i, layer in enumerate(layers):
+            if name in layer:
+                out[(*path, name)] = i
+    return out
+
+
+def _toml_string(s: str) -> str:
+    escapes = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+    return '"' + "".join(escapes.get(c, c if c >= " " and c != "\x7f" else f"\\u{ord(c):04x}") for c in s) + '"'
+
+
+def toml_value(v: Any) -> str:
+    """A config value as a TOML literal (scalars, arrays, and inline tables for dict-valued fields)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)  # floats: 1e-06, 0.5, inf, nan are TOML as Python writes them
+    if isinstance(v, str):
+        return _toml_string(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{_toml_string(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} as a TOML value")
+
+
+def _comment(text: str) -> list[str]:
+    """`text` as comment lines; wrapped at spaces only, so the lines joined by a space are the text again."""
+    lines = textwrap.wrap(" ".join(text.split()), WIDTH, break_long_words=False, break_on_hyphens=False)
+    return [f"# {line}" for line in lines]
+
+
+def render(cfg: ServiceConfig, table: str, where: Mapping[tuple[str, ...], str], path: tuple[str, ...] = ()) -> str:
+    """`cfg` as the TOML table [table]: every field after its description comment (and origin, unless it is the
+    default); nested config fields follow as [table.field]."""
+    lines = [f"[{table}]"]
+    nested: list[str] = []
+    for name, field in type(cfg).model_fields.items():
+        value = getattr(cfg, name)
+        if _nested_class(field) is not None:
+            nested.append("\n\n" + "\n".join(_comment(field.description or "")) + "\n"
+                          + render(value, f"{table}.{name}", where, (*path, name)))
+            continue
+        lines += ["", *_comment(field.description or "")] if len(lines) > 1 else _comment(field.description or "")
+        if (*path, name) in where:
+            lines.append(f"# from {where[(*path, name)]}")
+        lines.append(f"# {name} = {UNSET}" if value is None else f"{name} = {toml_value(value)}")
+    return "\n".join(lines) + "\n" + "".join(nested)
+
+
+def show(preset: str, overrides: Sequence[str], sections: Sequence[str]) -> str:
+    """The TOML text of `tlt config show` (ConfigError: a bad preset, --set or environment value)."""
+    from tlt.services.common.config import env_overrides, env_prefix, load_config, read_preset
+
+    sets = section_overrides(overrides)
+    whole = read_preset(preset)
+    head = (f"tlt config show --preset {preset}: every field, after its description; a value that is not the "
+            f"default says where it comes from. A field that is unset (None) is commented out: `# field = {UNSET}`.")
+    out = ["\n".join(_comment(head))]
+    for section in dict.fromkeys(sections or SECTION_CLASSES):  # a section named twice is one TOML table
+        cls = config_class(section)
+        cfg = load_config(cls, section, preset, sets.get(section, {}))
+        layers = [whole.get(section, {}), env_overrides(section), sets.get(section, {})]  # load_config's order
+        where = {path: ORIGINS[i].format(preset=preset, var=env_prefix(section) + "__".join(path).upper())
+                 for path, i in origins(cls, layers).items()}
+        out.append(render(cfg, section, where))
+    return "\n\n".join(out)
+
+
+def check(file: str) -> int:
+    """The number of sections in `file`, every one valid; ConfigError naming every problem otherwise."""
+    from tlt.services.common.config import ConfigError, load_config, preset_path, read_preset
+
+    whole = read_preset(file)
+    problems = [f"unknown section [{s}]; the sections are {', '.join(SECTION_CLASSES)}"
+                for s in whole if s not in SECTION_CLASSES]
+    for section in (s for s in whole if s in SECTION_CLASSES):
+        try:
+            load_config(config_class(section), section, file, environ={})
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(f"{preset_path(file)}: {p}" for p in problems))
+    return len(whole)

@@ -1,0 +1,194 @@
+"""`tlt config show` and `tlt config check`, run in this process through `tlt.cli.main`.
+
+show: every field of every section, as TOML that loads back to the same values (each shipped preset), each field
+after its description and, when it is not the default, where its value comes from (preset, environment, --set).
+check: a preset file's every section validated by its config class; a bad one is exit 2 and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tlt.cli import main
+from tlt.services.common.config import PRESETS_DIR, ServiceConfig, load_config
+from tlt.services.common.config_cmd import SECTION_CLASSES, UNSET, config_class
+
+PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+FIELD = re.compile(rf"^(?:# )?(\w+) = (?:\({UNSET[1:-1]}\)$)?")  # `name = value`, or `# name = (unset)`
+
+
+@pytest.fixture(autouse=True)
+def _no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's TLT_<SECTION>__* variables would show up as origins and values."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("TLT_"):
+            monkeypatch.delenv(key)
+
+
+def _show(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(["config", "show", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def _fields(text: str) -> dict[tuple[str, str], tuple[str, list[str]]]:
+    """(table, field) -> (its line, the comment lines right above it, the last one first)."""
+    out: dict[tuple[str, str], tuple[str, list[str]]] = {}
+    lines = text.splitlines()
+    table = ""
+    for i, line in enumerate(lines):
+        if line.startswith("["):
+            table = line.strip("[]")
+            continue
+        m = FIELD.match(line)
+        if m is None or (line.startswith("# ") and not line.endswith(UNSET)):
+            continue
+        above = []
+        for prev in reversed(lines[:i]):
+            if not prev.startswith("# "):
+                break
+            above.append(prev[2:])
+        out[(table, m[1])] = (line, above)
+    return out
+
+
+def _classes() -> dict[str, type[ServiceConfig]]:
+    """Every table `show` prints -> its config class ([rollout.engine] too)."""
+    out: dict[str, type[ServiceConfig]] = {}
+
+    def walk(table: str, cls: type[ServiceConfig]) -> None:
+        out[table] = cls
+        for name, field in cls.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, ServiceConfig):
+                walk(f"{table}.{name}", field.annotation)
+
+    for section in SECTION_CLASSES:
+        walk(section, config_class(section))
+    return out
+
+
+def test_the_sections_are_the_ones_tlt_run_reads() -> None:
+    from tlt.services.trainer.launcher import SECTIONS
+
+    assert set(SECTION_CLASSES) == set(SECTIONS)
+
+
+def test_every_field_of_every_config_class_has_a_description() -> None:
+    missing = [f"{table}.{name}" for table, cls in _classes().items()
+               for name, field in cls.model_fields.items() if not (field.description or "").strip()]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_show_loads_back_to_the_same_values(preset: str, tmp_path: Path, capsys) -> None:
+    """`show --preset P > my.toml`, then `show --preset my.toml`: the same values, and the services' own."""
+    first = _show(capsys, "--preset", preset)
+    mine = tmp_path / "my.toml"
+    mine.write_text(first)
+    second = _show(capsys, "--preset", str(mine))
+    parsed = tomllib.loads(first)
+    assert tomllib.loads(second) == parsed
+    assert list(parsed) == list(SECTION_CLASSES)
+    for section, values in parsed.items():
+        cls = config_class(section)
+        assert cls(**values) == load_config(cls, section, preset), section
+    for name in (preset, str(mine)):
+        assert main(["config", "check", name]) == 0
+        assert capsys.readouterr().out.startswith("ok: ")
+
+
+def test_every_printed_field_follows_its_description(capsys) -> None:
+    fields = _fields(_show(capsys, "--preset", "1gpu"))
+    wrong = []
+    for table, cls in _classes().items():
+        for name, field in cls.model_fields.items():
+            if table != "rollout" or name not in ("engine", "spec"):  # nested sections are tables, not lines
+                line, above = fields.pop((table, name), ("", []))
+                comment = " ".join(reversed([c for c in above if not c.startswith("from ")]))
+                if comment != " ".join((field.description or "").split()):
+                    wrong.append((table, name, line, comment[:60]))
+    assert not wrong, wrong
+    assert not fields, f"printed lines of no field: {fields}"
+
+
+def test_each_value_says_where_it_comes_from(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TLT_ROLLOUT__ENGINE__MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("TLT_REWARD__WORKERS", "3")
+    monkeypatch.setenv("TLT_TRAINER__LR", "0.1")  # --set wins over it
+    fields = _fields(_show(capsys, "--preset", "cpu-tiny", "--set", "trainer.lr=0.5",
+                           "--set", "rollout.spec.threshold=3", "--set", "trainer.bf16=true"))
+    expected = {
+        ("rollout", "replicas"): ("replicas = 1", "from preset cpu-tiny"),
+        ("rollout.engine", "max_model_len"): ("max_model_len = 1024", "from preset cpu-tiny"),
+        ("rollout.engine", "max_num_seqs"): ("max_num_seqs = 7", "from environment TLT_ROLLOUT__ENGINE__MAX_NUM_SEQS"),
+        ("reward", "workers"): ("workers = 3", "from environment TLT_REWARD__WORKERS"),
+        ("trainer", "lr"): ("lr = 0.5", "from --set"),
+        ("rollout.spec", "threshold"): ("threshold = 3", "from --set"),
+        ("trainer", "bf16"): ("bf16 = true", "from --set"),
+    }
+    for key, (line, origin) in expected.items():
+        assert fields[key][0] == line and fields[key][1][0] == origin, (key, fields[key])
+    for key in (("rollout", "pin_cpus"), ("rollout.engine", "block_size"), ("trainer", "weight_decay")):  # defaults
+        assert not any(c.startswith("from ") for c in fields[key][1]), (key, fields[key])
+
+
+def test_an_unset_field_is_commented_out(capsys) -> None:
+    """TOML has no null: `bf16 = None` would not load back; `# bf16 = (unset)` leaves it unset."""
+    text = _show(capsys, "trainer")
+    assert "\n# bf16 = (unset)\n" in text and "data_path" not in tomllib.loads(text)["trainer"]
+    assert list(tomllib.loads(text)) == ["trainer"]
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["trainer.lr=-1"], "lr=-1"),
+    (["trainer.bogus=1"], "unknown field 'bogus'"),
+    (["rollout.engine.dtype=fp8"], "engine.dtype='fp8'"),
+    (["lr=3e-5"], "name the section"),
+    (["trainr.lr=3e-5"], "unknown section 'trainr'"),
+    (["trainer.lr"], "must look like field=value"),
+])
+def test_show_refuses_a_bad_set(overrides, words, capsys) -> None:
+    assert main(["config", "show", *(a for o in overrides for a in ("--set", o))]) == 2
+    captured = capsys.readouterr()
+    assert words in captured.err and "Traceback" not in captured.err and not captured.out, captured
+
+
+def test_show_refuses_an_unknown_section_at_parsing(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["config", "show", "trainr"])
+    assert e.value.code == 2 and "unknown section 'trainr'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[trainr]\nsteps = 3\n", "unknown section [trainr]"),
+    ("[trainer]\nstepz = 3\n", "unknown field 'stepz'"),
+    ("[rollout.engine]\nbogus = 1\n", "unknown field 'engine.bogus'"),
+    ("[trainer]\nsteps = 0\n", "steps=0"),
+    ("[drafter]\ncapacity_pub = ''\n", "capacity_pub=''"),
+    ("[rollout]\nreplicas = 'two'\n", "replicas='two'"),
+    ("run = 3\n", "[run] must be a table"),
+    ("[trainer\nsteps = 3\n", "not valid TOML"),
+])
+def test_check_refuses_a_bad_preset_file(text: str, words: str, tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text + "\n[reward]\nworkers = 2\n")  # a good section beside the bad one
+    assert main(["config", "check", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert words in captured.err and "Traceback" not in captured.err and not captured.out, captured.err
+
+
+def test_check_reports_every_problem_and_leaves_the_environment_out(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("TLT_TRAINER__LR", "-1")  # the file is checked, not this shell
+    assert main(["config", "check", "cpu-tiny"]) == 0
+    assert capsys.readouterr().out.startswith("ok: 5 sections")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainr]\nsteps = 3\n[trainer]\nsteps = 0\n[reward]\nkind = 'chess'\n")
+    assert main(["config", "check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown section [trainr]" in err and "steps=0" in err and "unknown reward kind 'chess'" in err
+    assert all(line.startswith((str(bad), "  ")) for line in err.splitlines()), err
