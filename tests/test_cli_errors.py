@@ -47,6 +47,16 @@ REFUSED_AT_PARSING = [
     # an empty endpoint: the worker started and retried its capacity snapshot forever, joining nothing
     (["drafter", "worker", "--model", "{dir}", "--coordinator", "", "--replica", "0"], "--coordinator"),
     (["drafter", "worker", "--model", "{dir}", "--coordinator", " ", "--replica", "0"], "--coordinator"),
+    # not a ZeroMQ endpoint: the worker started and waited forever, and failed only once the rollout was up
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "foo", "--replica", "0"], "--coordinator"),
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "127.0.0.1:5704", "--replica", "0"], "--coordinator"),
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1", "--replica", "0"], "--coordinator"),
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://:5704", "--replica", "0"], "--coordinator"),
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:*", "--replica", "0"],
+     "--coordinator"),  # a wildcard port is for a bind; a worker connects
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:70000", "--replica", "0"],
+     "--coordinator"),
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "ipc://", "--replica", "0"], "--coordinator"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{file}"], "--out"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "0"], "--problems"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "7"], "--problems"),  # no held-out set
@@ -82,6 +92,9 @@ ACCEPTED = [
     ["rollout", "serve", "--model", "{dir}", "--ready-file", "{new}/sub/ready.json"],
     ["drafter", "serve", "--model", "{dir}", "--workers", "0"],
     ["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:5704", "--replica", "0"],
+    ["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://drafter.svc:5704", "--replica", "0"],
+    ["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://[::1]:5704", "--replica", "0"],
+    ["drafter", "worker", "--model", "{dir}", "--coordinator", "ipc:///tmp/tlt-coordinator", "--replica", "0"],
     ["drafter", "warmup", "--model", "{dir}", "--out", "{dir}", "--temperature", "0", "--noise", "0"],
     ["run", "--run-id", "my-run_2"],
     ["bench", "e2e", "--out", "{dir}"],
@@ -299,3 +312,40 @@ def test_a_set_without_a_field_name_says_so(capsys) -> None:
     assert main(["train", "--set", "=1", "--print-config"]) == 2
     captured = capsys.readouterr()
     assert "no field name" in captured.out + captured.err
+
+
+DRAFTER_ENDPOINTS = ("capacity_pub", "capacity_snapshot", "features_bind", "coordinator_bind")  # ZeroMQ
+
+
+@pytest.mark.parametrize("field,value", [
+    *((f, "") for f in (*DRAFTER_ENDPOINTS, "rollout_grpc", "host", "checkpoint_dir")),
+    *((f, "foo") for f in DRAFTER_ENDPOINTS),  # no transport: a ZMQError traceback, or (capacity_*) a worker that
+    ("capacity_pub", "tcp://127.0.0.1:*"),     # waited; a wildcard port is for a bind, the drafter connects there
+    ("features_bind", "tcp://127.0.0.1"),
+])
+def test_an_empty_or_malformed_drafter_endpoint_is_refused_naming_the_field(field, value, tmp_path, capsys,
+                                                                            monkeypatch) -> None:
+    """[drafter] took '' for its endpoints: features_bind / coordinator_bind '' were a ZMQError traceback at start,
+    capacity_pub '' turned the coordinator's idle gate off without a word and crashed every worker, rollout_grpc ''
+    failed only at the first policy update. Refused when the config is loaded, from --set and the environment."""
+    argv = ["drafter", "serve", "--model", str(tmp_path / "m"), "--workers", "0"]
+    assert main([*argv, "--set", f"{field}={value}"]) == 2
+    err = capsys.readouterr()
+    assert f"{field}=" in err.out + err.err and "Traceback" not in err.out + err.err, err
+    monkeypatch.setenv(f"TLT_DRAFTER__{field.upper()}", value)
+    assert main(argv) == 2
+    assert f"{field}=" in "".join(capsys.readouterr())
+
+
+def test_drafter_endpoints_that_zeromq_takes_are_accepted() -> None:
+    from tlt.services.common.config import load_config
+    from tlt.services.drafter.config import DrafterServiceConfig
+
+    cfg = load_config(DrafterServiceConfig, "drafter", "cpu-tiny", {
+        "capacity_pub": "tcp://tlt-rollout-0.tlt-rollout:5701", "capacity_snapshot": "tcp://[::1]:5702",
+        "features_bind": "tcp://0.0.0.0:5703", "coordinator_bind": "tcp://127.0.0.1:*",
+        "rollout_grpc": "rollout:50051"},
+        environ={})
+    assert cfg.coordinator_bind == "tcp://127.0.0.1:*"
+    assert load_config(DrafterServiceConfig, "drafter", None, {"features_bind": "ipc:///tmp/tlt-features",
+                                                               "coordinator_bind": "inproc://coordinator"}, environ={})

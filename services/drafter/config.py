@@ -16,11 +16,36 @@ as fallback).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tlt.services.common.config import ServiceConfig
+
+_TCP = re.compile(r"tcp://(?P<host>[^\s/]+):(?P<port>[0-9]+|\*)")
+_NAMED = re.compile(r"(ipc|inproc)://\S+")
+
+
+def zmq_endpoint_problem(text: str, bind: bool) -> str | None:
+    """Why `text` is no ZeroMQ endpoint this side can bind (`bind`) or connect to; None when it is one.
+
+    ZeroMQ itself refuses '' or 'foo' only when a socket binds or connects: a ZMQError traceback as the service
+    starts, or never, in a worker that waits for the rollout's capacity snapshot before it connects its coordinator."""
+    shape = ("tcp://HOST:PORT (e.g. tcp://127.0.0.1:5704; PORT * or 0 picks a free one), ipc://PATH or inproc://NAME"
+             if bind else "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5704), ipc://PATH or inproc://NAME")
+    if _NAMED.fullmatch(text):
+        return None
+    m = _TCP.fullmatch(text)
+    if m is None:
+        return f"must be a ZeroMQ endpoint {shape}, got {text!r}"
+    if m["port"] == "*" or int(m["port"]) == 0:
+        return None if bind else f"port {m['port']} of {text!r} picks a free port only where one binds; give the port"
+    if int(m["port"]) > 65535:
+        return f"port {m['port']} of {text!r} is not a TCP port (1-65535)"
+    if m["host"] == "*" and not bind:
+        return f"host * of {text!r} is for a bind (every interface); give the host to connect to"
+    return None
 
 
 class DrafterServiceConfig(ServiceConfig):
@@ -125,6 +150,27 @@ class DrafterServiceConfig(ServiceConfig):
         "during decoding it slowed CPU rollouts by 57% (BENCHMARKS.md, 'Session 5')")
     min_eval_tokens: int = Field(64, ge=1, description="held-out tokens needed before a candidate may be published")
     history: int = Field(200, ge=1, description="training windows and acceptance records kept for status")
+
+    @field_validator("capacity_pub", "capacity_snapshot", "features_bind", "coordinator_bind")
+    @classmethod
+    def _zmq_endpoint(cls, v: str, info: ValidationInfo) -> str:
+        """An empty or malformed endpoint failed late: a ZMQError traceback at start (the binds), a worker that
+        crashed, or a coordinator whose idle gate was silently off (capacity_*: set gate_when_idle = false for that)."""
+        problem = zmq_endpoint_problem(v, bind=info.field_name in ("features_bind", "coordinator_bind"))
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("rollout_grpc", "host", "checkpoint_dir")
+    @classmethod
+    def _not_empty(cls, v: str, info: ValidationInfo) -> str:
+        """'' failed only at the first policy update (rollout_grpc), or was silently the current folder."""
+        if not v.strip():
+            hint = {"rollout_grpc": "give the rollout's gRPC host:port, e.g. 127.0.0.1:50051",
+                    "host": "use 127.0.0.1 for loopback or 0.0.0.0 to expose",
+                    "checkpoint_dir": "'' would be the current folder; give a folder, e.g. artifacts/drafter-online"}
+            raise ValueError(f"{info.field_name} must not be empty; {hint[str(info.field_name)]}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> DrafterServiceConfig:

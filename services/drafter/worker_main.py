@@ -13,12 +13,24 @@ from __future__ import annotations
 import argparse
 
 
+def _coordinator(text: str) -> str:
+    """argparse `type` of --coordinator: a ZeroMQ endpoint to connect to. '' or 'foo' was taken, and the worker
+    waited for its rollout forever (or failed with a ZMQError traceback once the rollout was up)."""
+    from tlt.services.drafter.config import zmq_endpoint_problem  # pydantic: the parser has it loaded already
+
+    problem = zmq_endpoint_problem(text, bind=False)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tlt.cli_args import at_least, non_empty
+    from tlt.cli_args import at_least
 
     parser.add_argument("--model", required=True, help="the target (policy) checkpoint folder")
-    parser.add_argument("--coordinator", type=non_empty, required=True,  # '' joined nothing and retried forever
-                        help="coordinator endpoint, e.g. tcp://127.0.0.1:5704")
+    parser.add_argument("--coordinator", type=_coordinator, required=True,
+                        help="coordinator endpoint, e.g. tcp://127.0.0.1:5704 (tcp://HOST:PORT, ipc://PATH or "
+                        "inproc://NAME)")
     parser.add_argument("--replica", type=at_least(0), required=True, help="the rollout replica whose idle time to use")
     parser.add_argument("--worker-id", type=at_least(0), default=None, help="stable id (checkpoint name); default: --replica")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
