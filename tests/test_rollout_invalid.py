@@ -141,6 +141,18 @@ def test_tool_message_without_tool_call_id_names_the_parameter(server, tool):
     assert _send(server, "chat/completions", ok_chat(M, messages=ok)).status_code == 200
 
 
+@pytest.mark.parametrize("role", ["user", "assistant", "system"])
+def test_tool_call_id_on_another_role_names_the_parameter(server, role):
+    """`tool_call_id` belongs to a `tool` message only; on another role the 400 came back with param null, so a
+    client could not tell which message of a long history was wrong."""
+    messages = [{"role": "user", "content": "2+2="}, {"role": role, "content": "4", "tool_call_id": "call_1"}]
+    r = _send(server, "chat/completions", ok_chat(M, messages=messages))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.[1].tool_call_id" and err["type"] == "invalid_request_error", err
+    assert err["message"] == "messages[1]: tool_call_id is only for role 'tool'", err
+
+
 def test_int64_extreme_seeds_are_accepted(server):
     """The seed check refuses only what int64 cannot hold: its two ends still generate."""
     for seed in (2**63 - 1, -(2**63)):

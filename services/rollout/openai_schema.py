@@ -9,8 +9,8 @@ versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
 honour (penalties, logit_bias, echo, suffix, tools) are refused with a 400
 rather than silently ignored. A `tool` message in the history (a tool's result)
 is text for the chat template like any other role; as in the OpenAI API it must
-carry the `tool_call_id` of the call it answers (a 400 naming
-`messages.[i].tool_call_id` without one).
+carry the `tool_call_id` of the call it answers, and no other role may
+(a 400 naming `messages.[i].tool_call_id` either way).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class _Sampling(_Strict):
         return {k: v for k, v in data.items() if v is not None or not defaulted(k)}
 
     def invalid(self) -> tuple[str, str] | None:
-        """(message, param) of a field the OpenAI API requires in this request that is missing, in its wording;
-        None when nothing is."""
+        """(message, param) of a 400 that names one field of this request: a field the OpenAI API requires that is
+        missing (in its wording), or one given where it does not belong; None when nothing is."""
         return None
 
     def unsupported(self) -> str | None:
@@ -133,8 +133,6 @@ class ChatMessage(_Strict):
     annotations: list[Any] | None = None
 
     def unsupported(self) -> str | None:
-        if self.tool_call_id is not None and self.role != "tool":
-            return "tool_call_id is only for role 'tool'"
         if self.tool_calls or self.function_call is not None:
             return "tools are not supported (a message has tool_calls or function_call)"
         if self.audio is not None:
@@ -176,10 +174,14 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any | None = None
 
     def invalid(self) -> tuple[str, str] | None:
+        """A `tool` message without `tool_call_id`, or another role with one: the 400 names the message's field
+        (`messages.[i].tool_call_id`), so a client can tell which message of a long history is wrong."""
         for i, m in enumerate(self.messages):
             if m.role == "tool" and m.tool_call_id is None:  # the OpenAI API's message and param for it
                 return ("Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.",
                         f"messages.[{i}].tool_call_id")
+            if m.role != "tool" and m.tool_call_id is not None:
+                return f"messages[{i}]: tool_call_id is only for role 'tool'", f"messages.[{i}].tool_call_id"
         return super().invalid()
 
     def unsupported(self) -> str | None:
