@@ -72,12 +72,6 @@ def _classes() -> dict[str, type[ServiceConfig]]:
     return out
 
 
-def test_the_sections_are_the_ones_tlt_run_reads() -> None:
-    from tlt.services.trainer.launcher import SECTIONS
-
-    assert set(SECTION_CLASSES) == set(SECTIONS)
-
-
 def test_every_field_of_every_config_class_has_a_description() -> None:
     missing = [f"{table}.{name}" for table, cls in _classes().items()
                for name, field in cls.model_fields.items() if not (field.description or "").strip()]

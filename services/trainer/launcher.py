@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tlt.services.common.config import ConfigError, cli_overrides, load_config, preset_path, read_preset
+from tlt.services.common.config_cmd import SECTION_CLASSES
 from tlt.services.common.logging import get_logger
 from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
@@ -43,7 +44,7 @@ class RunPlan:
     lock: Any = field(default=None, compare=False, repr=False)  # the run folder's lock, held while this plan runs
 
 
-SECTIONS = ("run", "rollout", "trainer", "drafter", "reward", "sglang")  # what a `tlt run` preset's services read
+SECTIONS = tuple(SECTION_CLASSES)  # what a `tlt run` preset's services read (`tlt config show` prints them)
 
 
 def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
