@@ -41,12 +41,9 @@ def noise_seed(text: str) -> int:
     """argparse `type` of `--noise-seed`: a seed >= 0, or -1 to skip the noise run (any negative value skipped it:
     a mistyped seed silently dropped the noise estimate)."""
     try:
-        value = int(text)
-    except ValueError:
+        return at_least(SKIP_NOISE)(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be a seed >= 0, or -1 to skip the noise run; got {text!r}") from None
-    if value < SKIP_NOISE:
-        raise argparse.ArgumentTypeError(f"must be a seed >= 0, or -1 to skip the noise run; got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
