@@ -184,3 +184,49 @@ def test_forgetting_a_drafter_entirely_makes_its_arms_untried():
     assert bandit.choose(2) == A  # untried first: the new drafter is measured at once
     with pytest.raises(ValueError, match="keep"):
         bandit.drafter_changed(-1)
+
+
+def test_budget_guard_admits_an_arm_that_exactly_fills_the_budget():
+    # "skips arms whose draft_tokens x batch_size EXCEEDS the budget": 16 x 2 = 32 = budget fits, 48 x 2 does not
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, B]], epsilon=0.0, verify_token_budget=32)
+    assert bandit.eligible(2) == (B,)
+    assert bandit.eligible(3) == ()  # 16 x 3 = 48 > 32
+    assert bandit.choose(2) == B and bandit.choose(3) is None
+
+
+def test_a_bucket_with_one_arm_never_explores():
+    # exploring among one arm is no exploration: with epsilon 1 the single arm is exploited, and the snapshot's
+    # explored / exploited counts say so
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A]], epsilon=1.0)
+    assert bandit.choose(1) == A  # untried: counted as explored once
+    bandit.record(1, A, 10, 1.0)
+    assert [bandit.choose(1) for _ in range(5)] == [A] * 5
+    snap = bandit.snapshot()[0]
+    assert (snap.explored, snap.exploited) == (1, 5)
+
+
+def test_record_rejects_a_zero_step_time_with_a_value_error():
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A]])
+    for bad in (0.0, 0, -1.0):
+        with pytest.raises(ValueError, match="step_seconds"):
+            bandit.record(1, A, 10, bad)
+
+
+def test_snapshot_after_forgetting_a_drafter_has_no_empty_windows():
+    plain = Arm.parse("plain")
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[plain, A]], epsilon=0.0)
+    bandit.record(2, plain, 8, 1.0)
+    bandit.record(2, A, 6, 1.0)
+    bandit.record(3, A, 9, 1.0)
+    bandit.drafter_changed(0)
+    stats = {s.arm: s for s in bandit.snapshot()[0].arms}  # status and /metrics read this after a hot-swap
+    assert stats[A.name].samples == 0 and stats[A.name].median_reward is None
+    assert stats[A.name].median_by_batch == {}
+    assert stats["plain"].samples == 1 and stats["plain"].median_by_batch == {2: 8.0}
+
+
+def test_thresholds_must_start_at_one_or_more():
+    with pytest.raises(ValueError, match=">= 1"):
+        BucketedEpsilonGreedy(thresholds=(0, 2), bucket_arms=[[A], [B]])
+    with pytest.raises(ValueError, match=">= 1"):
+        BucketedEpsilonGreedy(thresholds=(-3,), bucket_arms=[[A]])

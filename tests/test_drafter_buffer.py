@@ -101,3 +101,40 @@ def test_fallback_keeps_every_window_of_a_long_previous_sequence() -> None:
     buf.add_samples([sample("n", 3, version=2, h=4)])
     batch = buf.batch(rows=1, row_tokens=100)
     assert batch.sequences == 3 and batch.tokens.shape[1] == 3 + 6 + 5  # v2, then both windows of "long"
+
+
+def test_pack_skips_one_token_samples_they_have_no_pair() -> None:
+    # a one-token window has no (x_{j+1}, h_j) pair: packing it would only waste row space
+    batch, used = pack([sample("one", 1)], rows=1, row_tokens=8)
+    assert batch is None and used == []
+    batch, used = pack([sample("one", 1), sample("two", 2)], rows=1, row_tokens=8)
+    assert [s.seq_id for s in used] == ["two"] and batch.sequences == 1
+    assert batch.segment_ids.tolist() == [[0, 0]]
+
+
+def test_pack_places_a_sample_that_exactly_fills_a_row() -> None:
+    batch, used = pack([sample("a", 4)], rows=1, row_tokens=4)
+    assert [s.seq_id for s in used] == ["a"] and batch.tokens.tolist() == [[1, 2, 3, 4]]
+    # the second sample fills row 0's last 3 slots exactly: first fit puts it there, not in row 1
+    batch, used = pack([sample("a", 3), sample("b", 3)], rows=2, row_tokens=6)
+    assert batch.segment_ids.tolist() == [[0, 0, 0, 1, 1, 1], [-1, -1, -1, -1, -1, -1]]
+
+
+def test_pair_positions_restart_at_one_in_every_segment() -> None:
+    # row: a (2 tokens) then b (4 tokens): segments [0, 0, 1, 1, 1, 1]; pairs j = 0..4 sit at
+    # j - start(segment of h_j) + 1: a's pair at 1, the crossing pair at 2 (still a's), then b's pairs at 1, 2, 3
+    batch, _ = pack([sample("a", 2), sample("bb", 4)], rows=1, row_tokens=6)
+    p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
+    assert p.positions.tolist() == [[1, 2, 1, 2, 3]]
+    assert p.mask.tolist() == [[True, False, True, True, True]]
+
+
+def test_pack_carries_each_samples_response_mask() -> None:
+    # h_t is a target from t = response_start - 1: sample c (rs 3) masks t = 0, 1; sample d (rs 1) none
+    c = Sample("c", np.arange(5, dtype=np.int32), np.zeros((5, 2), np.float16), 3, 0)
+    d = Sample("d", np.arange(3, dtype=np.int32), np.zeros((3, 2), np.float16), 1, 0)
+    batch, _ = pack([c, d], rows=1, row_tokens=8)
+    assert batch.loss_mask.tolist() == [[False, False, True, True, True, True, True, True]]
+    p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
+    # pair j trains target h_{j+1}: c's pairs 0..3 -> targets h_1..h_4 = [F, T, T, T]; pair 4 crosses c -> d
+    assert p.mask.tolist() == [[False, True, True, True, False, True, True]]

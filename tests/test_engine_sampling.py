@@ -270,3 +270,31 @@ def test_engine_needs_a_tokenizer(ckpt, tmp_path):
         f.unlink()
     with pytest.raises(CheckpointError, match="no tokenizer files"):
         make(copy)
+
+
+def test_sample_a_mixed_greedy_and_sampled_batch_on_the_cpu():
+    """Greedy rows beside sampled rows keep the argmax and the raw log-softmax; a sampled row's logprobs are those of
+    the filtered distribution it was drawn from; logprobs=0 asks for no alternatives (None), k > 0 for k."""
+    from tlt.services.rollout.engine.sampler import sample
+    from tlt.services.rollout.engine.sequence import Sequence
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0, 0.0],    # greedy, logprobs=0: argmax 1
+                           [3.0, 1.0, 2.5, -2.0, 0.0],    # sampled, top_k=1: only token 0 survives -> q = one-hot
+                           [-1.0, 0.0, 1.0, 4.0, 0.5]])   # greedy, logprobs=2: argmax 3
+    params = [SamplingParams(temperature=0.0, logprobs=0),
+              SamplingParams(temperature=0.8, top_k=1, seed=5, logprobs=2),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    seqs = [Sequence("m", i, (1, 2, 3), p, 4, 5, frozenset()) for i, p in enumerate(params)]
+    before = logits.clone()
+    out = sample(logits, seqs)
+    assert out.token_ids == [1, 0, 3]
+    assert torch.equal(logits, before)  # the caller's logits are not overwritten by the filtered ones
+    raw = before.log_softmax(-1)
+    assert out.logprobs[0] == pytest.approx(float(raw[0, 1]), abs=1e-6)
+    assert out.logprobs[2] == pytest.approx(float(raw[2, 3]), abs=1e-6)
+    assert out.logprobs[1] == pytest.approx(0.0, abs=1e-6)  # log q(0) = log 1 under top_k = 1
+    assert out.top_logprobs[0] is None
+    assert set(out.top_logprobs[2]) == {3, 2}
+    assert out.top_logprobs[2][2] == pytest.approx(float(raw[2, 2]), abs=1e-6)
+    assert out.top_logprobs[1][0] == pytest.approx(0.0, abs=1e-6)
+    assert len(out.top_logprobs[1]) == 2 and min(out.top_logprobs[1].values()) == float("-inf")

@@ -214,3 +214,31 @@ def test_kl_k3_huge_exponent_stays_finite():
     assert torch.isfinite(logp.grad).all()
     # d k3 / d logp = -(e^r - 1) inside the clamp, 0 outside
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 1.0 - math.exp(-0.5), 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_group_advantages_eps_keeps_a_tiny_spread_from_being_blown_up():
+    # group [0, 1e-6]: mean 5e-7, deviations +-5e-7, std (n - 1) = 5e-7 * sqrt(2) = 7.0711e-7
+    # A = +-5e-7 / (7.0711e-7 + 1e-6) = +-0.292893 (without eps it would be +-0.707107 whatever the scale)
+    a = group_advantages(torch.tensor([[0.0, 1e-6]]), eps=1e-6)
+    torch.testing.assert_close(a, torch.tensor([[-0.292893, 0.292893]]), atol=1e-4, rtol=0)
+
+
+def test_masked_mean_and_policy_loss_of_an_all_padding_batch_are_zero_not_nan():
+    # a micro-batch whose mask is all zero (every response empty) contributes 0, not 0 / 0 = NaN
+    assert masked_mean(torch.ones(2, 3), torch.zeros(2, 3)).item() == 0.0
+    logp, old, adv, _ = _policy_case()
+    out = policy_loss(logp, old, adv, torch.zeros(2, 3))
+    assert out.loss.item() == 0.0 and out.clip_fraction.item() == 0.0
+    assert out.approx_kl.item() == 0.0 and out.ratio_mean.item() == 0.0
+    out.loss.backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_policy_loss_diagnostics_are_means_over_the_micro_batch_whatever_num_tokens():
+    # num_tokens scales the LOSS for gradient accumulation; the diagnostics stay token means over `mask`
+    logp, old, adv, mask = _policy_case()
+    out = policy_loss(logp, old, adv, mask, num_tokens=10)
+    assert out.loss.item() == pytest.approx(0.34, abs=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(2 / 5, abs=1e-6)
+    assert out.ratio_mean.item() == pytest.approx((1.5 + 1.0 + 0.5 + 0.9 + 1.1) / 5, abs=1e-6)
+    assert out.approx_kl.item() == pytest.approx(0.059547, abs=1e-5)

@@ -188,3 +188,51 @@ def test_greedy_node_targets_skip_the_filters_but_give_the_same_answer():
     assert torch.allclose(fast.logprobs, logits.log_softmax(-1))
     assert fast.tokens[:2].tolist() == mixed.tokens[:2].tolist()
     assert torch.allclose(fast.logprobs[:2], mixed.logprobs[:2])
+
+
+def test_sample_probs_past_the_end_falls_back_to_the_last_token_with_mass_not_the_last_token():
+    # u * total at the very end of the cdf (u = 1.0, the rounding case the fallback exists for) with trailing
+    # zero-probability tokens: the draw must be token 1, the last one with mass, never 2 or 3 (probability 0)
+    z = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    assert sample_probs(z, torch.tensor(1.0)).item() == 1
+    rows = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0]])
+    assert sample_probs(rows, torch.tensor([1.0, 1.0])).tolist() == [1, 3]
+
+
+def test_greedy_rows_keep_the_raw_softmax_beside_filtered_sampled_rows():
+    # NodeTargets.logprobs: greedy rows get the raw softmax whatever filters the batch carries (what the all-greedy
+    # fast path and plain decoding report); only the sampled row's distribution is filtered (top_k = 2 here)
+    logits = torch.tensor([[[3.0, 1.0, 0.0, -1.0]], [[0.0, 2.0, 1.0, -3.0]]])
+    nt = node_targets(logits, torch.tensor([0.0, 1.0]), top_k=2, u=torch.tensor([[0.5], [0.5]]))
+    raw0 = logits[0].log_softmax(-1)
+    assert torch.allclose(nt.logprobs[0], raw0) and torch.isfinite(nt.logprobs[0]).all()
+    # sampled row: top-2 of [0, 2, 1, -3] keeps tokens 1 and 2: log q = [-inf, 2 - log(e^2 + e), 1 - log(e^2 + e), -inf]
+    lse = math.log(math.exp(2.0) + math.exp(1.0))
+    assert nt.logprobs[1, 0, 0].item() == float("-inf") and nt.logprobs[1, 0, 3].item() == float("-inf")
+    assert math.isclose(nt.logprobs[1, 0, 1].item(), 2.0 - lse, rel_tol=1e-6)
+    assert math.isclose(nt.logprobs[1, 0, 2].item(), 1.0 - lse, rel_tol=1e-6)
+    assert nt.tokens.tolist() == [[0], [1]]  # argmax; u = .5 < q(1) = .731 -> token 1
+
+
+def test_chain_rejection_rejects_a_draft_the_target_rules_out_even_at_u_zero():
+    # Counter uniforms are multiples of 2**-24 from 0 (rng.py): u = 0 happens. A draft with q(x) = 0 must still be
+    # rejected (accept iff u * p(x) < q(x), strict), or the chain emits a token the target gives probability 0.
+    p = torch.tensor([[[0.5, 0.5, 0.0]]])
+    q = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]])
+    res = chain_accept_rejection(torch.tensor([[1]]), p, q, u=torch.tensor([[0.0, 0.0]]))
+    # rejected; residual max(q0 - p0, 0) = [.5, 0, 0] -> token 0
+    assert res.accept_len.tolist() == [0] and res.tokens.tolist() == [[0]] and res.path.tolist() == [[0]]
+    # the same draft with q(x) > 0 and u = 0 is accepted (u * p < q), then the bonus comes from q_1 -> token 2
+    q_ok = torch.tensor([[[0.9, 0.1, 0.0], [0.0, 0.0, 1.0]]])
+    res = chain_accept_rejection(torch.tensor([[1]]), p, q_ok, u=torch.tensor([[0.0, 0.0]]))
+    assert res.accept_len.tolist() == [1] and res.tokens.tolist() == [[1, 2]]
+
+
+def test_min_p_keeps_tokens_exactly_at_the_threshold():
+    # min_p removes tokens with p < min_p * p_max (strictly): at min_p = 1 (allowed: [0, 1]) the most likely token,
+    # and any exact tie with it, stay; removing them too would leave no token (a NaN distribution)
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.0, 5.0, 1.0, 2.0]])
+    q = filtered_probs(logits, 1.0, min_p=1.0)
+    assert q.tolist() == [[0.0, 0.5, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0]]
+    nt = node_targets(logits[:, None], 0.7, min_p=1.0, u=torch.tensor([[0.9], [0.3]]))
+    assert nt.tokens.tolist() == [[2], [1]]

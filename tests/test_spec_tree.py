@@ -132,3 +132,24 @@ def test_ancestor_mask_against_a_python_reference_on_random_padded_trees():
                 node = par[node]
                 seen.add(node)
             assert [j for j in range(len(par)) if mask[r, i, j]] == sorted(seen), (r, i)
+
+
+def test_score_ties_go_to_the_earlier_candidate():
+    """A drafter whose probabilities tie (bf16 logits do, often): the beam and the kept set take the earliest
+    candidates, as the module docstring promises. Uniform over 8 tokens, arm 3_4_10: level 1 = candidates 1-4
+    (all of the root's top 4), the beam of level 2 = its first 4 candidates (5-8, node 1's children), and the 9
+    kept drafts = the 4 at depth 1 (score -ln 8) then the 5 earliest at depth 2 (-2 ln 8): 5-8 (parent 1) and
+    9 (parent 2)."""
+    seen: list = []
+
+    def uniform(step, beam, toks):
+        seen.append(beam.tolist())
+        return torch.full((beam.shape[0], beam.shape[1], 8), -math.log(8.0))
+
+    tree = build_tree(torch.tensor([5, 6]), uniform, Arm.parse("3_4_10"))
+    assert seen == [[[0], [0]], [[1, 2, 3, 4]] * 2, [[5, 6, 7, 8]] * 2]
+    assert tree.parents.tolist() == [[-1, 0, 0, 0, 0, 1, 1, 1, 1, 2]] * 2
+    assert tree.depth.tolist() == [[0, 1, 1, 1, 1, 2, 2, 2, 2, 2]] * 2
+    # 4_4_12: the 11 kept drafts are the 4 at depth 1 and depth-2 candidates 5-11 (parents 1, 1, 1, 1, 2, 2, 2)
+    tree = build_tree(torch.tensor([5]), uniform, Arm.parse("4_4_12"))
+    assert tree.parents.tolist() == [[-1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]]
