@@ -133,8 +133,10 @@ def test_interpreter_verify_step_emulated_equals_eager(ckpt) -> None:
     where the eager step does, and leaves every other slot outside the scratch block untouched (a
     padding node or row writing into a live block, a wrong mask or table changes these)."""
     g = torch.Generator().manual_seed(0)
-    engine = LLMEngine(ckpt, EngineConfig(kernels="triton", decode_graphs="emulate", block_size=4, num_kv_blocks=40,
-                                          decode_graph_buckets=(1, 2, 4)))
+    # one thread: the bit-for-bit checks below hold for one CPU thread's maths (the interpreter child has
+    # OMP_NUM_THREADS=1; `TRITON_INTERPRET=1 pytest` on this file alone ran multi-threaded and failed them)
+    engine = LLMEngine(ckpt, EngineConfig(kernels="triton", decode_graphs="emulate", threads=1, block_size=4,
+                                          num_kv_blocks=40, decode_graph_buckets=(1, 2, 4)))
     runner, model = engine.runner, engine.model
     arm = Arm.parse("3_3_7")
     pool = runner.enable_verify_graphs({arm: (4,)})
