@@ -138,3 +138,35 @@ def test_pack_carries_each_samples_response_mask() -> None:
     p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
     # pair j trains target h_{j+1}: c's pairs 0..3 -> targets h_1..h_4 = [F, T, T, T]; pair 4 crosses c -> d
     assert p.mask.tolist() == [[False, True, True, True, False, True, True]]
+
+
+def test_holdout_is_the_newest_version_then_older_ones_newest_first_until_min_tokens() -> None:
+    buf = FeatureBuffer(10, 10, 64, 4, holdout_every=1)
+    buf.add_samples([sample("v1", 5, version=1), sample("v3a", 3, version=3), sample("v2", 4, version=2),
+                     sample("v3b", 3, version=3)], holdout=True)
+    assert [s.seq_id for s in buf.holdout(6)] == ["v3a", "v3b"]  # the newest hold exactly 6 tokens: enough
+    assert [s.seq_id for s in buf.holdout(7)] == ["v3a", "v3b", "v2"]  # 6 < 7: the next newest version
+    assert [s.seq_id for s in buf.holdout(11)] == ["v3a", "v3b", "v2", "v1"]  # 10 < 11: and the next
+    assert [s.seq_id for s in buf.holdout(100)] == ["v3a", "v3b", "v2", "v1"]  # no more to add
+
+
+def test_sender_drops_are_each_senders_running_count_not_a_sum_of_reports() -> None:
+    # dropped_before is the sender's count so far: replica 0 reports 3, then 5, then a late 4 (its latest count
+    # is 5), replica 1 reports 2 -> 5 + 2 = 7 dropped in all
+    buf = FeatureBuffer(10, 10, 8, 4, holdout_every=100)
+
+    def report(replica: int, dropped: int) -> events_pb2.FeatureBatch:
+        s = fseq(f"r{replica}d{dropped}", 3, 0)
+        s.replica_id = replica
+        return events_pb2.FeatureBatch(sequences=[s], dropped_before=dropped)
+
+    for replica, dropped in ((0, 3), (0, 5), (1, 2), (0, 4)):
+        buf.add_batch(report(replica, dropped))
+    assert buf.sender_dropped == 7 and buf.received_sequences == 4
+
+
+def test_a_previous_version_sequence_of_exactly_long_tokens_is_fallback_data() -> None:
+    buf = FeatureBuffer(max_sequences=10, max_holdout=2, window_tokens=50, long_tokens=6, holdout_every=1000)
+    buf.add_samples([sample("p6", 6, version=1), sample("p5", 5, version=1), sample("n", 3, version=2)])
+    batch = buf.batch(rows=1, row_tokens=100)
+    assert batch.sequences == 2 and batch.tokens.shape[1] == 3 + 6  # v2, then v1's 6 tokens (6 >= 6); not 5

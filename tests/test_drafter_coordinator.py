@@ -514,3 +514,32 @@ def test_a_failed_checkpoint_write_does_not_stop_later_ones(tmp_path, model_dir)
         if blocker.exists():
             blocker.rmdir()
         coord.close()
+
+
+@pytest.mark.parametrize(("cand", "serve", "margin", "published"), [
+    (2.5, 2.0, 0.25, True),    # exactly 25% better: 2.5 >= 2.0 * 1.25
+    (2.4, 2.0, 0.25, False),   # better, but by less than the margin (2.4 < 2.5)
+    (2.0, 2.0, 0.0, False),    # a tie is never published, even without a margin
+    (2.25, 2.0, 0.0, True),    # any gain without a margin
+])
+def test_the_gate_publishes_only_a_candidate_better_by_the_margin(tmp_path, model_dir, monkeypatch, cand, serve,
+                                                                  margin, published) -> None:
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    pushes: list = []
+    coord = gated_coordinator(tmp_path, model_dir, lambda t, v: pushes.append(v), publish_margin=margin,
+                              min_eval_tokens=16)  # the held-out window is exactly 16 tokens: enough
+    try:
+        scores = iter([(cand, 10), (serve, 10)])  # candidate, then serving
+        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+        with coord._lock:
+            coord.candidate_version = 2
+        rec = coord.evaluate_and_publish()
+        assert rec is not None and rec.published is published and pushes == ([2] if published else [])
+        assert (rec.candidate_accept_len, rec.serving_accept_len) == (cand, serve)
+        assert coord.serving_version == (2 if published else 0)
+        # the serving gauge shows what serves now: the candidate's score once it is published
+        assert coord.m_accept.labels("serving")._value.get() == (cand if published else serve)
+    finally:  # never started: only its socket to close
+        coord._router.close()
+        coord._ctx.term()

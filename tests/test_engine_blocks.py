@@ -140,3 +140,132 @@ def test_a_prefix_block_is_shared_only_under_its_own_whole_prefix(monkeypatch):
         bm.mark_computed(s)
     assert bm.allocate(b, set()) == 4  # its first block is d's (same tokens from the start); not a's second
     assert b.block_table[0] == d.block_table[0] and b.block_table[1] not in a.block_table
+
+
+def test_a_partly_computed_block_is_not_shared_until_its_chunk_completes_it():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq(range(10))  # shareable blocks [0-3] [4-7]
+    bm.allocate(a, set())
+    a.num_computed = 6  # a chunked prefill stopped half-way through block 1
+    bm.mark_computed(a)
+    assert [bm.blocks[b].computed for b in a.block_table] == [True, False, False]
+    assert bm.allocate(seq(range(10), i=1), set()) == BlockManager.DEFER  # block 1 still lacks K/V
+    assert bm.allocate(seq(range(4), i=2), set()) == 0  # 4 tokens: block 0 holds the last one, never shared
+    assert bm.allocate(seq(range(5), i=3), set()) == 4  # block 0 alone is complete: shared
+
+
+def test_a_revived_block_leaves_the_free_list():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = seq(range(10))
+    bm.allocate(a, set())
+    a.num_computed = 10
+    bm.mark_computed(a)
+    bm.free_seq(a)
+    assert bm.num_free == 6
+    b = seq(range(10), i=1)
+    assert bm.allocate(b, set()) == 8
+    assert bm.num_free == 3 and bm.blocks[b.block_table[0]].ref_count == 1  # 2 revived + 1 fresh taken
+    c = seq(range(50, 62), "c")  # 3 blocks: exactly the 3 free ones, none of b's
+    assert bm.allocate(c, set()) == 0
+    assert bm.num_free == 0 and not set(c.block_table) & set(b.block_table)
+
+
+def test_revived_blocks_are_not_counted_as_free_twice():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = seq(range(10))
+    bm.allocate(a, set())
+    a.num_computed = 10
+    bm.mark_computed(a)
+    bm.free_seq(a)
+    # 14 tokens: 4 blocks; [0-3] [4-7] are revived from the 3 free blocks, leaving 1 for the 2 fresh ones
+    b = seq(list(range(10)) + [20, 21, 22, 23], i=1)
+    assert bm.allocate(b, set()) == -2 and not b.block_table and bm.num_free == 3
+
+
+def test_freed_blocks_are_reused_least_recently_freed_first_so_cached_prefixes_survive():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = seq(range(10))
+    bm.allocate(a, set())
+    assert a.block_table == [0, 1, 2]
+    a.num_computed = 10
+    bm.mark_computed(a)
+    bm.free_seq(a)  # free order now 3, 4, 5, then a's blocks tail first: 2, 1, 0
+    c = seq(range(50, 62), "c")  # takes 3 blocks: the never-used 3, 4, 5
+    bm.allocate(c, set())
+    assert c.block_table == [3, 4, 5]
+    assert bm.allocate(seq(range(10), i=1), set()) == 8  # a's prefix is still cached
+
+
+def test_scheduler_admits_at_most_max_num_seqs_and_cuts_chunks_to_the_token_budget():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8)
+    a, b, c = seq(range(5), "a"), seq(range(10, 16), "b"), seq(range(20, 22), "c")
+    for s in (a, b, c):
+        sch.add(s)
+    batch = sch.schedule()
+    # a: its 5 tokens; b: the 3 left of the budget of 8; c: over the cap of 2 sequences
+    assert batch.seqs == [a, b] and batch.num_new == [5, 3] and list(sch.waiting) == [c]
+    sch.update(batch)
+    assert b.num_computed == 3
+    a.token_ids.append(99)  # a's prefill reached its end: a token was sampled
+    batch = sch.schedule()  # a decodes, b's next chunk; c still waits: 2 running
+    assert batch.seqs == [a, b] and batch.num_new == [1, 3] and list(sch.waiting) == [c]
+
+
+def test_scheduler_running_chunks_stop_at_an_exhausted_budget():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=4)
+    a, b = seq(range(6), "a"), seq(range(10, 16), "b")
+    for s in (a, b):
+        bm.allocate(s, set())
+        s.status = SeqStatus.RUNNING
+        sch.running.append(s)
+    batch = sch.schedule()
+    assert batch.seqs == [a] and batch.num_new == [4]  # a's chunk cut to the budget; none left for b
+    sch.update(batch)
+    batch = sch.schedule()
+    assert batch.seqs == [a, b] and batch.num_new == [2, 2]
+
+
+def test_siblings_admitted_in_one_step_share_the_blocks_being_computed_in_it():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq(range(10), i=0), seq(range(10), i=1)
+    sch.add(a)
+    sch.add(b)
+    batch = sch.schedule()  # a writes blocks [0-3] [4-7] this step, before b reads them
+    assert batch.seqs == [a, b] and batch.num_new == [10, 2] and b.block_table[:2] == a.block_table[:2]
+    bm2 = BlockManager(num_blocks=20, block_size=4)
+    sch2 = Scheduler(bm2, max_num_seqs=4, max_num_batched_tokens=6)
+    a, b = seq(range(10), i=0), seq(range(10), i=1)
+    sch2.add(a)
+    sch2.add(b)
+    batch = sch2.schedule()  # a's chunk of 6 completes block 0 only: b must wait for block 1
+    assert batch.seqs == [a] and batch.num_new == [6] and list(sch2.waiting) == [b] and not b.block_table
+
+
+def test_preempted_and_aborted_waiting_sequences_are_released():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    released: list = []
+    sch.on_release = released.append
+    a, b, c = seq([1, 2, 3], "a"), seq([4, 5, 6], "b"), seq([7, 8, 9], "c")
+    for s in (a, b, c):
+        sch.add(s)
+    sch.update(sch.schedule())  # a and b fill the cache; c waits
+    assert list(sch.waiting) == [c]
+    for s in (a, b):
+        s.token_ids += [7, 8]  # two sampled tokens: 5 tokens need a 3rd block each
+        s.num_computed = 4
+    sch.schedule()  # a needs a block: b (newest) is preempted and released
+    assert released == [b] and list(sch.waiting) == [b, c]
+    sch.finish(c)  # aborted while waiting
+    assert released == [b, c] and list(sch.waiting) == [b] and c.status is SeqStatus.FINISHED
+
+
+def test_a_one_token_prefill_chunk_is_not_a_decode():
+    a = seq(range(7))
+    a.num_computed = 3  # tokens 3..6 not yet cached: a chunk of 1 is part of the prefill
+    assert not ScheduledBatch([a], [1]).is_decode_only
+    a.num_computed = 6
+    assert ScheduledBatch([a], [1]).is_decode_only

@@ -298,3 +298,64 @@ def test_sample_a_mixed_greedy_and_sampled_batch_on_the_cpu():
     assert out.top_logprobs[2][2] == pytest.approx(float(raw[2, 2]), abs=1e-6)
     assert out.top_logprobs[1][0] == pytest.approx(0.0, abs=1e-6)
     assert len(out.top_logprobs[1]) == 2 and min(out.top_logprobs[1].values()) == float("-inf")
+
+
+class _BytePieces:
+    """A byte-level tokenizer in miniature: each token id is a byte string, decoding joins them and replaces a
+    split multi-byte character by U+FFFD, as a byte-level BPE tokenizer decodes."""
+
+    def __init__(self, pieces: dict[int, bytes]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _emit(seq, tokens, tok, max_model_len=100):  # noqa: ANN001, ANN202
+    """Append `tokens` one at a time as the engine does, checking after each; the reasons seen."""
+    from tlt.services.rollout.engine.stop import check_stop
+
+    reasons = []
+    for t in tokens:
+        seq.token_ids.append(t)
+        reasons.append(check_stop(seq, t, tok, max_model_len))
+    return reasons
+
+
+def _stop_seq(max_tokens=10, eos=frozenset(), prompt=(0,), **params):  # noqa: ANN001, ANN202
+    from tlt.services.rollout.engine.sequence import Sequence
+
+    return Sequence("r", 0, prompt, SamplingParams(temperature=0.0, **params), max_tokens=max_tokens, seed=0,
+                    eos_ids=eos)
+
+
+def test_stop_string_whose_last_character_alone_is_new_is_found():
+    tok = _BytePieces({0: b"", 1: b"abc", 2: b"d", 3: b"e"})
+    seq = _stop_seq(stop=("bcd",))
+    # "abc" checked: no match; then "d" completes "bcd", which starts 2 characters before the checked end
+    assert _emit(seq, [1, 2], tok) == [None, FinishReason.STOP]
+    assert seq.text == "a" and seq.output_ids == [1, 2]
+
+
+def test_the_earliest_of_several_stop_strings_cuts_the_text():
+    tok = _BytePieces({0: b"", 1: b"a", 2: b"bcxyz"})
+    seq = _stop_seq(stop=("xyz", "c"))
+    assert _emit(seq, [1, 2], tok) == [None, FinishReason.STOP]
+    assert seq.text == "ab"  # "c" (at 2) comes before "xyz" (at 3)
+
+
+def test_a_stop_string_completed_by_the_second_half_of_a_character_is_found():
+    tok = _BytePieces({0: b"", 1: b"a", 2: b"\xc3", 3: b"\xa9", 4: b"z"})  # "\xc3\xa9" is U+00E9
+    seq = _stop_seq(stop=("\u00e9",))
+    assert _emit(seq, [1, 2, 3], tok) == [None, None, FinishReason.STOP]  # "a\ufffd", then "a\u00e9"
+    assert seq.text == "a"
+
+
+def test_max_tokens_context_limit_and_eos_finish_at_exactly_their_token():
+    tok = _BytePieces({i: b"x" for i in range(10)})
+    assert _emit(_stop_seq(max_tokens=3), [5, 5, 5], tok) == [None, None, FinishReason.LENGTH]
+    # prompt of 2 + 3 outputs = the model's 5 positions: the third output is the last
+    assert _emit(_stop_seq(prompt=(0, 0)), [5, 5, 5], tok, max_model_len=5) == [None, None, FinishReason.LENGTH]
+    assert _emit(_stop_seq(eos=frozenset({7})), [5, 7], tok) == [None, FinishReason.STOP]
+    assert _emit(_stop_seq(eos=frozenset({7}), ignore_eos=True), [5, 7], tok) == [None, None]
+    assert _emit(_stop_seq(stop_token_ids=(6,)), [5, 6], tok) == [None, FinishReason.STOP]

@@ -508,3 +508,20 @@ def test_a_score_call_past_its_deadline_stops_scoring() -> None:
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         time.sleep(4.5)  # all 20 would take 4 s on one worker
         assert len(scored) <= 4, scored
+
+
+def test_an_escaped_brace_neither_opens_nor_closes_the_box() -> None:
+    assert last_boxed(r"\boxed{a\}b}") == r"a\}b"  # `\}` is text: the box closes at the last brace
+    assert last_boxed(r"\boxed{\{}") == r"\{"  # `\{` is text: the box closes at once
+    assert last_boxed(r"\boxed{a\\}") == r"a\\"  # `\\` is one escaped backslash; the brace after it closes
+
+
+def test_empty_answers_are_never_equivalent() -> None:
+    assert not equivalent("", "")
+    assert not equivalent("$ $", r"\text{}")  # both normalise to "": still no answer
+
+
+def test_a_thousands_group_follows_one_to_three_digits() -> None:
+    assert normalize("12,345") == "12345"
+    assert normalize("1234,567") == "1234,567"  # not a thousands separator: left as it is
+    assert not equivalent("1234,567", "1234567")
