@@ -161,3 +161,16 @@ def test_training_pairs_alignment_by_hand():
     assert p.target[0, :, 0].tolist() == [100, 200, 300, 400]
     assert p.positions.tolist() == [[1, 2, 3, 4]]
     assert p.mask.tolist() == [[False, True, True, True]]
+
+
+def test_load_tensors_refuses_lm_head_and_integer_tensors_and_changes_nothing():
+    d, embed, lm_head = _drafter()
+    own = {k: v.clone() for k, v in d.state_dict().items()}
+    with pytest.raises(DrafterError, match="embedding/lm_head"):  # the target's head, not the drafter's
+        d.load_tensors(dict(own, **{"lm_head.weight": lm_head}))
+    ints = dict(own, **{"fc.weight": torch.ones_like(own["fc.weight"], dtype=torch.int64)})
+    with pytest.raises(DrafterError, match="fc.weight: dtype torch.int64"):  # an int tensor is not cast silently
+        d.load_tensors(ints)
+    assert all(torch.equal(v, own[k]) for k, v in d.state_dict().items())
+    d.load_tensors({k: v.to(torch.bfloat16) for k, v in own.items()})  # any float dtype is cast to ours
+    assert all(torch.equal(v, own[k].to(torch.bfloat16).float()) for k, v in d.state_dict().items())

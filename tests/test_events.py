@@ -242,3 +242,43 @@ def test_local_feature_queue_drops_when_full() -> None:
     q.push(_batch(1))
     got = q.recv(0.1)
     assert got is not None and got.dropped_before == 6
+
+
+def test_publish_sets_seq_from_the_start_time_and_keeps_the_callers_fields() -> None:
+    start_us = time.time_ns() // 1000
+    with CapacityPublisher(ANY, ANY, server_id="srv-a", heartbeat_s=5.0) as first:
+        a = first.publish(_event(0, BUSY))
+        ev = _event(1, IDLE)
+        ev.heartbeat, ev.server_id, ev.timestamp = True, "srv-b", 123.5  # a state change is never a heartbeat
+        b = first.publish(ev)
+    assert a.seq > start_us and b.seq > start_us  # numbers start at the start time in microseconds
+    assert (a.server_id, b.server_id) == ("srv-a", "srv-b") and b.timestamp == 123.5 and not b.heartbeat
+    assert abs(a.timestamp - time.time()) < 60
+    with CapacityPublisher(ANY, ANY, server_id="srv-a", heartbeat_s=5.0) as restarted:
+        assert restarted.publish(_event(0, IDLE)).seq > a.seq  # a restarted publisher continues above
+
+
+def test_snapshot_request_with_extra_frames_and_frames_on_a_longer_topic_are_garbage(
+        publisher: CapacityPublisher) -> None:
+    publisher.publish(_event(0, IDLE))
+    request = Envelope(snapshot_request=events_pb2.SnapshotRequest()).SerializeToString()
+    with zmq.Context() as ctx, ctx.socket(zmq.REQ) as req:
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(publisher.snapshot_endpoint)
+        req.send_multipart([request, b"extra"])
+        assert req.poll(2000), "the publisher must still answer"
+        assert Envelope.FromString(req.recv()).WhichOneof("body") is None
+    assert publisher.garbage == 1
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
+        rogue.bind(ANY)
+        with CapacitySubscriber(rogue.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_endpoint) as sub:
+            probe = _event(99, IDLE)
+            deadline = time.monotonic() + 5
+            while sub.recv(0.1) is None:  # resend a probe until the subscription is live
+                assert time.monotonic() < deadline, "subscription never became live"
+                rogue.send_multipart([TOPIC, Envelope(capacity=probe).SerializeToString()])
+            while sub.recv(0.1) is not None:  # drain duplicate probes
+                pass
+            # "capx" passes the SUB prefix filter "cap" but is another topic
+            rogue.send_multipart([TOPIC + b"x", Envelope(capacity=_event(5, BUSY)).SerializeToString()])
+            assert sub.recv(0.5) is None and sub.garbage == 1 and ("", 5) not in sub.latest

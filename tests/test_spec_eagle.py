@@ -110,3 +110,91 @@ def test_chain_drafting_keeps_what_tree_drafting_keeps():
         assert chain.tokens.tolist() == tree.tokens.tolist(), arm
         assert chain.parents.tolist() == tree.parents.tolist() and chain.depth.tolist() == tree.depth.tolist()
         assert torch.allclose(chain.score, tree.score, atol=1e-5)
+
+
+def test_a_gap_after_warm_pairs_restarts_the_row_from_the_new_pairs():
+    """A warm row whose next pending pairs do not follow its last fed one (pairs were lost) is rebuilt from
+    those pairs alone: the drafts then equal a from-scratch run over them, and the row holds only them."""
+    d = _drafter()
+    src = EagleSource(d)
+    g = torch.Generator().manual_seed(5)
+    s = _seq("r", [1, 2, 3], [4, 5, 6])
+    src.observe([s], [[4, 5, 6]], [list(torch.randn(3, H, generator=g))], [3])
+    src.draft([s], Arm(2, 2, 4))  # warm: pairs at positions 3..5 fed
+    s.token_ids.extend([7, 8, 9])
+    feats = torch.randn(2, H, generator=g)
+    src.observe([s], [[8, 9]], [list(feats)], [7])  # the pair at position 6 never arrives
+    tree, counts = src.draft([s], Arm(2, 2, 4))
+    assert counts.tolist() == [4] and src.cold_starts == 0  # warm again: the new pairs reach the last token
+    ref = _reference_scores(d, [8, 9], feats, 7, tree, 0)
+    assert torch.allclose(tree.score[0], torch.tensor(ref), atol=1e-4)
+    assert int(src.cache.lengths[src.rows[("r", 0)]]) == 2
+
+
+def test_chain_confidence_cut_keeps_a_draft_whose_probability_is_exactly_the_floor():
+    """chain_min_prob keeps the drafts whose cumulative probability is AT LEAST the floor."""
+    import math
+
+    d = _drafter()
+    g = torch.Generator().manual_seed(3)
+    prompt, out = torch.randint(0, V, (4,), generator=g).tolist(), torch.randint(0, V, (7,), generator=g).tolist()
+    feats = list(torch.randn(7, H, generator=g))
+
+    def draft(**kw):
+        src = EagleSource(d, **kw)
+        s = _seq("c", prompt, out)
+        src.observe([s], [out], [feats], [4])
+        return src.draft([s], Arm(4, 1, 5))
+
+    full, counts = draft()
+    assert counts.tolist() == [5]
+    floor = float(full.score[0, 2])  # cumulative log-probability of the second draft
+    cut, counts = draft(chain_min_prob=math.exp(floor))
+    assert counts.tolist() == [3]  # root + the first two drafts
+    assert cut.tokens[0, :3].tolist() == full.tokens[0, :3].tolist()
+
+
+def test_max_pending_keeps_the_newest_pairs_and_the_row_starts_from_them():
+    d = _drafter()
+    src = EagleSource(d, max_pending=3)
+    g = torch.Generator().manual_seed(6)
+    s = _seq("r", [1, 2, 3], [4, 5, 6, 7, 8])
+    feats = torch.randn(5, H, generator=g)
+    src.observe([s], [[4, 5, 6, 7, 8]], [list(feats)], [3])  # pairs at positions 3..7; only 5..7 are kept
+    tree, counts = src.draft([s], Arm(2, 2, 4))
+    assert counts.tolist() == [4] and int(src.cache.lengths[src.rows[("r", 0)]]) == 3
+    ref = _reference_scores(d, [6, 7, 8], feats[2:], 5, tree, 0)
+    assert torch.allclose(tree.score[0], torch.tensor(ref), atol=1e-4)
+
+
+def test_pairs_observed_after_a_gap_replace_the_pending_ones():
+    d = _drafter()
+    src = EagleSource(d)
+    g = torch.Generator().manual_seed(7)
+    s = _seq("r", [1, 2, 3], [4, 5, 6, 7, 8])
+    src.observe([s], [[4]], [[torch.randn(H, generator=g)]], [3])
+    feats = torch.randn(2, H, generator=g)
+    src.observe([s], [[7, 8]], [list(feats)], [6])  # positions 4, 5 never observed: not contiguous
+    tree, counts = src.draft([s], Arm(2, 2, 4))
+    assert counts.tolist() == [4] and src.cold_starts == 0  # the new pairs reach the last token: warm
+    ref = _reference_scores(d, [7, 8], feats, 6, tree, 0)
+    assert torch.allclose(tree.score[0], torch.tensor(ref), atol=1e-4)
+    assert int(src.cache.lengths[src.rows[("r", 0)]]) == 2
+
+
+def test_a_released_row_is_reused_from_empty():
+    """Released sequences give their drafter rows back (nine sequences one after another fit in the 8 rows), and
+    a reused row starts empty: the new sequence's drafts equal a from-scratch run over its own pairs."""
+    d = _drafter()
+    src = EagleSource(d)
+    g = torch.Generator().manual_seed(8)
+    for i in range(9):
+        s = _seq(f"r{i}", [1, 2, 3], [4 + i, 5, 6])
+        feats = torch.randn(3, H, generator=g)
+        src.observe([s], [s.token_ids[3:]], [list(feats)], [3])
+        tree, counts = src.draft([s], Arm(2, 2, 4))
+        assert counts.tolist() == [4] and int(src.cache.lengths[src.rows[(f"r{i}", 0)]]) == 3
+        ref = _reference_scores(d, s.token_ids[3:], feats, 3, tree, 0)
+        assert torch.allclose(tree.score[0], torch.tensor(ref), atol=1e-4), i
+        src.release(s)
+    assert src.cache.k.shape[0] == 8 and not src.rows

@@ -68,3 +68,27 @@ def test_a_repetition_drafts_a_full_length_chain():
     idx.extend(0, [7, 5, 5, 5, 5, 5, 5, 5])
     tree = idx.propose(0, Arm(3, 1, 4))
     assert tree.tokens.tolist() == [[5, 5, 5, 5]]
+
+
+def test_ngram_source_shares_siblings_and_keeps_the_most_recent_groups():
+    from tlt.services.rollout.engine.sequence import Sequence
+    from tlt.services.rollout.spec.drafting import NgramSource
+    from tlt.services.rollout.types import SamplingParams
+
+    def seq(rid: str, k: int, out: list[int]) -> Sequence:
+        s = Sequence(rid, k, (7, 8), SamplingParams(temperature=0.0), 100, 0, frozenset())
+        s.token_ids.extend(out)
+        return s
+
+    src = NgramSource(1, 3, max_groups=2)
+    src.catch_up([seq("a", 0, [1, 2, 6, 3])])
+    tree, counts = src.draft([seq("a", 1, [1, 2])], Arm(2, 1, 3))
+    assert tree.tokens.tolist() == [[2, 6, 3]] and counts.tolist() == [3]  # sibling 0's "1 2" -> 6 3
+    src.catch_up([seq("b", 0, [1])])
+    src.catch_up([seq("c", 0, [1])])
+    assert list(src.groups) == ["b", "c"]  # at most max_groups indexes: the least recently used one goes
+    src.catch_up([seq("b", 0, [1, 4])])
+    src.catch_up([seq("d", 0, [1])])
+    assert list(src.groups) == ["b", "d"]
+    src.forget("b")
+    assert list(src.groups) == ["d"]

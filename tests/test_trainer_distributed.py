@@ -32,11 +32,12 @@ from test_trainer_step import config, make_samples, tiny_qwen2
 from tlt.services.trainer.policy import Policy
 from tlt.services.trainer.step import grpo_step
 policy = Policy(config(micro_batch_size=2, zero_stage={stage}), model=tiny_qwen2(0))
-res = grpo_step(policy, make_samples(2, 4, seed=3), step=0)
+res = grpo_step(policy, make_samples(2, 4, seed=3), step=0, with_features=True)
 if policy.rank == 0:
     torch.save({{"params": {{k: p.detach() for k, p in policy.module.named_parameters()}},
                 "loss": res.metrics.loss, "tokens": res.metrics.tokens, "version": policy.version,
-                "grad_norm": res.metrics.grad_norm}}, {out!r})
+                "grad_norm": res.metrics.grad_norm,
+                "featured": sum(f is not None for f in res.features)}}, {out!r})
 """
 
 
@@ -69,6 +70,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     res = grpo_step(one, make_samples(2, 4, seed=3), step=0)
     assert two["version"] == one.version == 1
     assert two["tokens"] == res.metrics.tokens  # metrics cover the whole step on every rank
+    assert two["featured"] == 4  # each rank's old-logprob pass covers only its own 4 of the 8 sequences
     assert abs(two["loss"] - res.metrics.loss) < 1e-5
     # Adam's first step is nearly blind to the gradient's scale; the norm is not: a wrong
     # per-rank normalisation (e.g. dividing by all tokens and then averaging) halves it.

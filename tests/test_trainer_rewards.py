@@ -1,15 +1,26 @@
 """In-process reward functions (TRL contract) and the built-in reward server through the trainer's path.
 
-Nothing is faked: the gRPC case runs the project's reward server on 127.0.0.1.
+Nothing is faked: the gRPC case runs the project's reward server on 127.0.0.1 (only the checks of bad
+responses, which that server never sends, use a stand-in client that returns futures the test resolves).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from concurrent.futures import InvalidStateError
 
 import pytest
 
-from tlt.services.trainer.rewards import FunctionRewards, GrpcRewards, RewardError, load_function, task_rewards
+from tlt.services.trainer.rewards import (
+    FunctionRewards,
+    GrpcRewards,
+    RewardError,
+    RewardResult,
+    load_function,
+    task_rewards,
+)
 
 
 def length_reward(prompts, completions, **kw):
@@ -286,3 +297,116 @@ def _fails_naming_the_function(fn) -> None:  # noqa: ANN001
     with pytest.raises(RewardError, match=rf"reward function .*{fn.__name__} raised KeyError: 'bad'") as e:
         batch.results()
     assert isinstance(e.value.__cause__, KeyError)
+
+
+# ---- checks by hand of the reward sources' contracts ------------------------------------------------------------
+
+
+class _FakeRewardClient:
+    """Stands in for RewardClient: each submit gets a Future the test resolves."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self._future = Future
+        self.requests, self.futures = [], []
+
+    def submit(self, req):  # noqa: ANN001
+        self.requests.append(req)
+        self.futures.append(self._future())
+        return self.futures[-1]
+
+
+def _response(key: str, reward: float = 1.0, ok: bool = True, correct: bool = True, error: str = ""):
+    from tlt.v1 import reward_pb2
+
+    return reward_pb2.ScoreResponse(id=key, reward=reward, ok=ok, correct=correct, error=error)
+
+
+def test_grpc_batch_checks_every_response_and_cancels_the_rest_on_failure():
+    from tlt.services.trainer.rewards import _GrpcBatch
+
+    client = _FakeRewardClient()
+    batch = _GrpcBatch(client)
+    batch.submit("k0", "p", "c", "a", {"level": "hard", "tags": ["x", 1], "n": 3})
+    assert dict(client.requests[0].metadata) == {"level": "hard", "tags": '["x", 1]', "n": "3"}  # text as is
+    with pytest.raises(ValueError, match="submitted twice"):
+        batch.submit("k0", "p", "c", "a")
+    batch.submit("k1", "p", "c", "a")
+    client.futures[0].set_result(_response("k0", ok=False, error="verifier crashed"))
+
+    def late_answer() -> None:  # so that a batch that waits for k1 fails the test instead of hanging it
+        with contextlib.suppress(InvalidStateError):
+            client.futures[1].set_result(_response("k1"))
+
+    timer = threading.Timer(1.0, late_answer)
+    timer.start()
+    try:
+        with pytest.raises(RewardError, match="could not score completion k0: verifier crashed"):
+            batch.results()
+        assert client.futures[1].cancelled()  # the step fails at once: nothing more is waited for
+    finally:
+        timer.cancel()
+
+    batch = _GrpcBatch(client := _FakeRewardClient())
+    batch.submit("k0", "p", "c", "a")
+    client.futures[0].set_result(_response("k9"))
+    with pytest.raises(RewardError, match="answered id 'k9' for completion k0"):
+        batch.results()
+
+    batch = _GrpcBatch(client := _FakeRewardClient())
+    batch.submit("k0", "p", "c", "a")
+    client.futures[0].set_result(_response("k0", reward=0.0, correct=True))
+    assert batch.results()["k0"] == RewardResult(0.0, True)  # the server's verdict, not reward > 0
+
+
+def test_function_rewards_refuse_bools_too_many_values_and_mismatched_weights():
+    def flag(prompts, completions, **kw):
+        return [True for _ in completions]
+
+    batch = FunctionRewards([flag]).begin()
+    batch.submit("k0", "p", "c", "a")
+    with pytest.raises(RewardError, match="returned True for completion k0"):
+        batch.results()
+    batch = FunctionRewards([lambda prompts, completions, **kw: [1.0, 2.0, 3.0]]).begin()
+    batch.submit("k0", "p", "c", "a")
+    batch.submit("k1", "p", "c", "a")
+    with pytest.raises(RewardError, match="returned 3 values for 2 completions"):
+        batch.results()
+    with pytest.raises(ValueError, match="2 reward functions but 1 weights"):
+        FunctionRewards([length_reward, exact], weights=[1.0])
+    with pytest.raises(ValueError, match="1 reward functions but 2 weights"):
+        FunctionRewards([length_reward], weights=[1.0, 2.0])
+
+
+def test_functions_taking_kwargs_get_answers_prompts_and_columns():
+    seen = {}
+
+    def anything(completions, **kw):
+        seen.update(kw)
+        return [0.0 for _ in completions]
+
+    def positional(prompts, completions, **kw):
+        seen["positional"] = (prompts, kw)
+        return [0.0 for _ in completions]
+
+    batch = FunctionRewards([anything, positional]).begin()
+    batch.submit("k0", "p0", "c0", "a0", {"level": 1})
+    batch.submit("k1", "p1", "c1", "a1")
+    batch.results()
+    assert seen["prompts"] == ["p0", "p1"] and seen["answer"] == seen["answers"] == ["a0", "a1"]
+    assert seen["level"] == [1, None]
+    assert seen["positional"] == (["p0", "p1"], {"level": [1, None], "answer": ["a0", "a1"], "answers": ["a0", "a1"]})
+
+
+def test_make_reward_source_passes_the_timeout_and_retries_to_the_client():
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.rewards import make_reward_source
+
+    src = make_reward_source(TrainerConfig(reward="grpc", reward_address="127.0.0.1:9", reward_timeout_s=7.5,
+                                           reward_retries=4))
+    try:
+        assert isinstance(src, GrpcRewards) and src.address == "127.0.0.1:9"
+        assert (src._client.timeout_s, src._client.retries) == (7.5, 4)
+    finally:
+        src.close()

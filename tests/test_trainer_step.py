@@ -144,3 +144,100 @@ def test_step_metrics_record_the_lr_its_updates_used():
     lrs = [grpo_step(policy, samples, step=k).metrics.lr for k in range(3)]
     want = [(0.5 + 1.0) / 2, (1.0 + 0.853553) / 2, (0.5 + 0.146447) / 2]  # mean over the step's 2 updates
     assert lrs == pytest.approx([1e-3 * w for w in want], rel=1e-5)
+
+
+# ---- step-level aggregation and checks, each against a value computed by hand ---------------------------------
+
+
+def test_a_step_must_be_whole_mini_batches_and_whole_groups():
+    policy = Policy(config(), model=tiny_qwen2())
+    # 12 sequences with mini_batch_size 8: the last mini-batch would be half a DeepSpeed accumulation
+    with pytest.raises(ValueError, match="not a multiple of mini_batch_size"):
+        grpo_step(policy, make_samples(3, 4), step=0)
+    # samples 0..3 of n=4 split over two prompts: the sample indices look whole, the group is not
+    split = [ScoredCompletion(0 if k < 2 else 1, k, (1, 2), (3,), float(k % 2)) for k in range(4)]
+    with pytest.raises(ValueError, match="incomplete or duplicated"):
+        grpo_step(policy, split + [ScoredCompletion(2, k, (1, 2), (3,), 0.0) for k in range(4)], step=0)
+
+
+def test_step_metrics_by_hand():
+    """One on-policy mini-batch (ratio 1): pg loss = -sum_i A_i * len_i / tokens; accuracy counts `correct`
+    (the verifier), not reward > 0; a zero-signal group is one whose n rewards are all equal; the rollout
+    logprob check reports the largest difference over every sequence."""
+    groups = [[2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 1.0, 1.0]]
+    lens = [[1, 2, 3, 4], [5, 1, 7, 2]]
+    prompt = (3, 4, 5)
+    # the rollout's logprobs: the policy's own, except 1.0 too low on the first (shortest) sequence trained on
+    with torch.no_grad():
+        lp = response_logprobs(tiny_qwen2().eval(), TokenBatch.build([prompt] * 8, [
+            tuple(range(10, 10 + n)) for row in lens for n in row]), temperature=1.0).logprobs
+    samples = [ScoredCompletion(g, k, prompt, tuple(range(10, 10 + lens[g][k])), groups[g][k], correct=k == 0,
+                                rollout_logprobs=tuple(float(x) - (g == 0 and k == 0)
+                                                       for x in lp[4 * g + k, : lens[g][k]]))
+               for g in range(2) for k in range(4)][::-1]
+    policy = Policy(config(), model=tiny_qwen2())
+    m = grpo_step(policy, samples, step=0).metrics
+    # group 1: mean 0.75, sample std sqrt(0.75 / 3) = 0.5 -> A = -1.5, 0.5, 0.5, 0.5 (eps 1e-6 aside); group 0: A = 0
+    tokens = sum(map(sum, lens))
+    want = -(-1.5 * 5 + 0.5 * 1 + 0.5 * 7 + 0.5 * 2) / tokens
+    assert m.tokens == tokens == 25
+    assert m.pg_loss == pytest.approx(want, rel=1e-4) and m.loss == pytest.approx(want, rel=1e-4)
+    assert m.accuracy == pytest.approx(2 / 8)  # reward > 0 would give 7 / 8
+    assert m.zero_signal_groups == pytest.approx(0.5)  # grouped [G, n]: group 0 only
+    assert m.rollout_logprob_max_diff == pytest.approx(1.0, abs=1e-4)  # the max over every sequence, not the last
+
+
+def test_clip_fraction_and_grad_norm_are_step_means(monkeypatch):
+    """Two mini-batches (two updates): clip_fraction is the token-weighted mean of the micro-batches' clip
+    fractions, grad_norm the mean of the two updates' norms."""
+    import tlt.services.trainer.step as step_mod
+
+    seen = []
+    real_loss = step_mod.policy_loss
+
+    def recording_loss(*a, **kw):
+        out = real_loss(*a, **kw)
+        seen.append((float(out.clip_fraction), float(a[3].sum())))
+        return out
+
+    monkeypatch.setattr(step_mod, "policy_loss", recording_loss)
+    policy = Policy(config(mini_batch_size=4, micro_batch_size=2, lr=0.05), model=tiny_qwen2())
+    norms = []
+    real_step = policy.step
+
+    def recording_step():
+        done = real_step()
+        if done:
+            norms.append(policy.grad_norm)
+        return done
+
+    policy.step = recording_step
+    m = grpo_step(policy, make_samples(2, 4), step=0).metrics
+    assert len(norms) == 2 and norms[0] != pytest.approx(norms[1])
+    assert m.grad_norm == pytest.approx((norms[0] + norms[1]) / 2)
+    assert len(seen) == 4 and any(c > 0 for c, _ in seen), seen  # the second mini-batch is off-policy: clipped
+    assert m.clip_fraction == pytest.approx(sum(c * t for c, t in seen) / sum(t for _, t in seen))
+
+
+def test_kl_beta_zero_ignores_the_reference(tmp_path):
+    model = tiny_qwen2()
+    model.save_pretrained(tmp_path / "ref")
+    policy = Policy(config(kl_beta=0.0, lr=1e-2), model=model)
+    reference = ReferencePolicy(str(tmp_path / "ref"), policy.device, temperature=1.0)
+    grpo_step(policy, make_samples(2, 4), step=0, reference=reference)
+    assert grpo_step(policy, make_samples(2, 4), step=1, reference=reference).metrics.kl == 0.0
+
+
+def test_gradient_clipping_is_applied():
+    # AdamW's first update is lr * g / (|g| + eps), eps 1e-8: about lr for any |g| >> 1e-8. Clipped to a global
+    # norm of 1e-12, every |g| <= 1e-12 and the update is at most lr * 1e-4.
+    lr = 1e-3
+    samples = make_samples(2, 4)
+    moved = []
+    for clip in (1.0, 1e-12):
+        policy = Policy(config(grad_clip=clip, lr=lr), model=tiny_qwen2())
+        before = {k: p.detach().clone() for k, p in policy.module.named_parameters()}
+        grpo_step(policy, samples, step=0)
+        moved.append(max(float((p.detach() - before[k]).abs().max()) for k, p in policy.module.named_parameters()))
+    assert moved[0] == pytest.approx(lr, rel=0.01)
+    assert moved[1] < lr * 1e-3

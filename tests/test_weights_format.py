@@ -351,3 +351,37 @@ def test_sweep_removes_a_dead_writers_file_whose_pid_a_live_process_reuses() -> 
     finally:
         W.remove_shm(live)
         W.remove_shm(str(reused))
+
+
+def _hand_manifest(specs: list[tuple[str, int, int]], total: int) -> tuple[rollout_pb2.WeightManifest, bytearray]:
+    """float32 tensors (name, elements, offset) over a zero payload of `total` bytes, checksum right."""
+    payload = bytearray(total)
+    tensors = [common_pb2.TensorSpec(name=n, dtype=common_pb2.DTYPE_FLOAT32, shape=[k], offset=o, nbytes=4 * k)
+               for n, k, o in specs]
+    return rollout_pb2.WeightManifest(kind=POLICY, version=1, tensors=tensors, total_bytes=total,
+                                      sha256=hashlib.sha256(payload).hexdigest()), payload
+
+
+def test_overlap_is_checked_against_the_furthest_reaching_range() -> None:
+    # a [0, 256) holds b [64, 128) and c [192, 256): both overlap a, though c does not overlap b (the range
+    # sorted just before it); checking each range only against its predecessor misses a/c
+    manifest, payload = _hand_manifest([("a", 64, 0), ("b", 16, 64), ("c", 16, 192)], 256)
+    msg = _reject(manifest, payload, "overlap")
+    assert "'a' [0, 256) and 'b' [64, 128) overlap" in msg
+    assert "'a' [0, 256) and 'c' [192, 256) overlap" in msg
+
+
+def test_an_empty_tensor_inside_another_ones_bytes_is_no_overlap() -> None:
+    # a foreign sender may put a 0-byte tensor at any offset: it shares no bytes with anything
+    manifest, payload = _hand_manifest([("a", 64, 0), ("none", 0, 64)], 256)
+    out = W.unpack(manifest, payload)
+    assert out["none"].shape == (0,) and torch.equal(out["a"], torch.zeros(64))
+
+
+def test_select_takes_a_name_asked_twice_once() -> None:
+    manifest, payload = W.pack_state_dict(_tensors(), POLICY, 4)
+    sub, sub_payload = W.select(manifest, payload, ["mask", "scalar", "mask"])
+    assert [s.name for s in sub.tensors] == ["mask", "scalar"]
+    assert [s.offset for s in sub.tensors] == [0, 64] and sub.total_bytes == 64 + 4
+    out = W.unpack(sub, sub_payload)
+    assert torch.equal(out["mask"], _tensors()["mask"]) and float(out["scalar"]) == 3.5
