@@ -16,6 +16,16 @@ def seq(tokens, sid="r", i=0):
     return Sequence(sid, i, tuple(tokens), GREEDY, max_tokens=8, seed=0, eos_ids=frozenset())
 
 
+def computed_then_freed(bm: BlockManager) -> Sequence:
+    """A 10-token sequence whose blocks were all computed (its two full blocks cached) and then freed."""
+    a = seq(range(10))
+    bm.allocate(a, set())
+    a.num_computed = 10
+    bm.mark_computed(a)
+    bm.free_seq(a)
+    return a
+
+
 def test_full_prefix_blocks_are_shared_and_last_block_is_private():
     bm = BlockManager(num_blocks=10, block_size=4)
     a, b = seq(range(10)), seq(range(10), i=1)  # 10 tokens: blocks [0-3] [4-7] [8-9]
@@ -50,11 +60,7 @@ def test_sibling_waits_for_uncomputed_prefix_unless_computed_this_step():
 
 def test_freed_computed_blocks_are_revived_and_uncomputed_ones_forgotten():
     bm = BlockManager(num_blocks=6, block_size=4)
-    a = seq(range(10))
-    bm.allocate(a, set())
-    a.num_computed = 10
-    bm.mark_computed(a)
-    bm.free_seq(a)
+    computed_then_freed(bm)
     b = seq(range(10), i=1)
     assert bm.allocate(b, set()) == 8  # hit on freed-but-cached blocks
     bm.free_seq(b)
@@ -156,11 +162,7 @@ def test_a_partly_computed_block_is_not_shared_until_its_chunk_completes_it():
 
 def test_a_revived_block_leaves_the_free_list():
     bm = BlockManager(num_blocks=6, block_size=4)
-    a = seq(range(10))
-    bm.allocate(a, set())
-    a.num_computed = 10
-    bm.mark_computed(a)
-    bm.free_seq(a)
+    computed_then_freed(bm)
     assert bm.num_free == 6
     b = seq(range(10), i=1)
     assert bm.allocate(b, set()) == 8
@@ -172,11 +174,7 @@ def test_a_revived_block_leaves_the_free_list():
 
 def test_revived_blocks_are_not_counted_as_free_twice():
     bm = BlockManager(num_blocks=3, block_size=4)
-    a = seq(range(10))
-    bm.allocate(a, set())
-    a.num_computed = 10
-    bm.mark_computed(a)
-    bm.free_seq(a)
+    computed_then_freed(bm)
     # 14 tokens: 4 blocks; [0-3] [4-7] are revived from the 3 free blocks, leaving 1 for the 2 fresh ones
     b = seq(list(range(10)) + [20, 21, 22, 23], i=1)
     assert bm.allocate(b, set()) == -2 and not b.block_table and bm.num_free == 3

@@ -136,6 +136,19 @@ def test_garbage_on_snapshot_socket_is_counted_and_answered(publisher: CapacityP
         assert [e.replica_id for e in sub.snapshot()] == [0]
 
 
+def _wait_until_live(sub: CapacitySubscriber, rogue: zmq.Socket, server_id: str = "") -> None:
+    """Resend a probe event from `rogue` until `sub` receives one (a SUB drops what arrives before its
+    subscription is live), then drain the duplicate probes."""
+    probe = _event(99, IDLE)
+    probe.server_id = server_id
+    deadline = time.monotonic() + 5
+    while sub.recv(0.1) is None:
+        assert time.monotonic() < deadline, "subscription never became live"
+        rogue.send_multipart([TOPIC, Envelope(capacity=probe).SerializeToString()])
+    while sub.recv(0.1) is not None:
+        pass
+
+
 def test_garbage_and_stale_events_on_sub_socket_are_skipped(publisher: CapacityPublisher) -> None:
     publisher.publish(_event(0, BUSY))
     with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
@@ -153,14 +166,7 @@ def test_garbage_and_stale_events_on_sub_socket_are_skipped(publisher: CapacityP
                 [TOPIC, Envelope(capacity=stale).SerializeToString()],  # older than the snapshot
                 [TOPIC, Envelope(capacity=fresh).SerializeToString()],
             ]
-            probe = _event(99, IDLE)
-            probe.server_id = "probe"
-            deadline = time.monotonic() + 5
-            while sub.recv(0.1) is None:  # resend a probe until the subscription is live
-                assert time.monotonic() < deadline, "subscription never became live"
-                rogue.send_multipart([TOPIC, Envelope(capacity=probe).SerializeToString()])
-            while sub.recv(0.1) is not None:  # drain duplicate probes
-                pass
+            _wait_until_live(sub, rogue, server_id="probe")
             for f in frames:
                 rogue.send_multipart(f)
             got = sub.recv(3.0)
@@ -272,13 +278,7 @@ def test_snapshot_request_with_extra_frames_and_frames_on_a_longer_topic_are_gar
     with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
         rogue.bind(ANY)
         with CapacitySubscriber(rogue.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_endpoint) as sub:
-            probe = _event(99, IDLE)
-            deadline = time.monotonic() + 5
-            while sub.recv(0.1) is None:  # resend a probe until the subscription is live
-                assert time.monotonic() < deadline, "subscription never became live"
-                rogue.send_multipart([TOPIC, Envelope(capacity=probe).SerializeToString()])
-            while sub.recv(0.1) is not None:  # drain duplicate probes
-                pass
+            _wait_until_live(sub, rogue)
             # "capx" passes the SUB prefix filter "cap" but is another topic
             rogue.send_multipart([TOPIC + b"x", Envelope(capacity=_event(5, BUSY)).SerializeToString()])
             assert sub.recv(0.5) is None and sub.garbage == 1 and ("", 5) not in sub.latest
