@@ -103,13 +103,8 @@ def build_model(
 ) -> dict[str, Any]:
     """Build `preset` into `out` (see the module docstring); returns the facts written to `out/.complete`."""
     import torch
-    from tqdm import tqdm
-    from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    from tlt.model.evaluate import eval_problems, evaluate
     from tlt.model.presets import MODEL_PRESETS
-    from tlt.model.testing import config_for, pad_vocab
-    from tlt.model.tokenizer import build_tokenizer
     from tlt.services.common.logging import get_logger
 
     log = get_logger("model.build")
@@ -131,93 +126,110 @@ def build_model(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:  # Ctrl-C or a failure: no half-built temp folder is left beside --out (another pid would never clean it)
-        t_start = time.monotonic()
-        tokenizer = build_tokenizer(tmp, seed=seed)
-        config = config_for(
-            "qwen2", pad_vocab(len(tokenizer)), tokenizer.eos_token_id, tokenizer.pad_token_id, **spec["model"]
-        )
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-        model.train()
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": train["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=train["lr"],
-            betas=(0.9, 0.95),
-            eps=1e-8,
-        )
-        batches = packed_batches(tokenizer, train["seq_len"], train["batch_size"], seed)
-        log.info("build_started", preset=preset, seed=seed, steps=steps, params=sum(p.numel() for p in model.parameters()))
-
-        t_train = time.monotonic()
-        tokens = loss_tokens = 0
-        done = 0
-        ema_loss = None
-        stopped_by_time = False
-        bar = tqdm(total=steps, desc=f"pre-train {preset}", unit="step", dynamic_ncols=True)
-        for step in range(steps):
-            if time.monotonic() - t_train > budget:
-                stopped_by_time = True
-                log.warning("time_budget_reached", step=step, budget_s=budget)
-                break
-            lr = lr_at(step, lr=train["lr"], warmup=train["warmup_steps"], total=steps, min_ratio=train["min_lr_ratio"])
-            for group in opt.param_groups:
-                group["lr"] = lr
-            batch = next(batches)
-            loss = model(**batch, use_cache=False).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            done += 1
-            tokens += batch["input_ids"].numel()
-            loss_tokens += int((batch["labels"] != -100).sum())
-            ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
-            bar.update(1)
-            if step % 25 == 0 or step == steps - 1:
-                log.debug("train_step", step=step, loss=round(loss.item(), 4), lr=lr, tokens=tokens)
-            bar.set_postfix(loss=f"{ema_loss:.3f}", lr=f"{lr:.1e}", tok_s=f"{tokens / (time.monotonic() - t_train):.0f}")
-        bar.close()
-        train_s = time.monotonic() - t_train
-
-        model.eval()
-        model.generation_config = GenerationConfig(
-            bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-        )
-        model.save_pretrained(tmp)
-        facts: dict[str, Any] = {
-            "preset": preset,
-            "seed": seed,
-            "steps": done,
-            "planned_steps": steps,
-            "stopped_by_time": stopped_by_time,
-            "train_seconds": round(train_s, 1),
-            "train_tokens": tokens,
-            "train_tokens_per_s": round(tokens / train_s, 1),
-            "final_loss": round(ema_loss, 4) if ema_loss is not None else None,
-            "params": sum(p.numel() for p in model.parameters()),
-        }
-        if eval_n > 0:
-            torch.set_num_threads(1)  # decode batches are tiny matrices: one thread is fastest (and immune to contention)
-            report = evaluate(model, tokenizer, eval_problems(eval_n, seed), samples=1, seed=seed)
-            facts.update(
-                eval_n=report.n,
-                accuracy=report.accuracy,
-                sampled_accuracy=report.sampled_accuracy,
-                p50_len=report.p50_len,
-                p99_len=report.p99_len,
-                tail_ratio=round(report.tail_ratio, 3),
-                accuracy_by_steps=report.accuracy_by_steps,
-            )
-        facts["build_seconds"] = round(time.monotonic() - t_start, 1)
-        facts["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        (tmp / ".complete").write_text(json.dumps(facts, indent=2) + "\n")
+        facts = _train_into(tmp, preset, spec, train, steps, budget, seed=seed, eval_n=eval_n)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("build_finished", out=str(out), **{k: v for k, v in facts.items() if k != "accuracy_by_steps"})
+    return facts
+
+
+def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, Any], steps: int, budget: float, *,
+                seed: int, eval_n: int) -> dict[str, Any]:
+    """Tokenizer, pre-training and eval of `preset` written into `tmp`; returns the facts (also in tmp/.complete)."""
+    import torch
+    from tqdm import tqdm
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    from tlt.model.evaluate import eval_problems, evaluate
+    from tlt.model.testing import config_for, pad_vocab
+    from tlt.model.tokenizer import build_tokenizer
+    from tlt.services.common.logging import get_logger
+
+    log = get_logger("model.build")
+    t_start = time.monotonic()
+    tokenizer = build_tokenizer(tmp, seed=seed)
+    config = config_for(
+        "qwen2", pad_vocab(len(tokenizer)), tokenizer.eos_token_id, tokenizer.pad_token_id, **spec["model"]
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train["lr"],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    batches = packed_batches(tokenizer, train["seq_len"], train["batch_size"], seed)
+    log.info("build_started", preset=preset, seed=seed, steps=steps, params=sum(p.numel() for p in model.parameters()))
+
+    t_train = time.monotonic()
+    tokens = loss_tokens = 0
+    done = 0
+    ema_loss = None
+    stopped_by_time = False
+    bar = tqdm(total=steps, desc=f"pre-train {preset}", unit="step", dynamic_ncols=True)
+    for step in range(steps):
+        if time.monotonic() - t_train > budget:
+            stopped_by_time = True
+            log.warning("time_budget_reached", step=step, budget_s=budget)
+            break
+        lr = lr_at(step, lr=train["lr"], warmup=train["warmup_steps"], total=steps, min_ratio=train["min_lr_ratio"])
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = next(batches)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        done += 1
+        tokens += batch["input_ids"].numel()
+        loss_tokens += int((batch["labels"] != -100).sum())
+        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        bar.update(1)
+        if step % 25 == 0 or step == steps - 1:
+            log.debug("train_step", step=step, loss=round(loss.item(), 4), lr=lr, tokens=tokens)
+        bar.set_postfix(loss=f"{ema_loss:.3f}", lr=f"{lr:.1e}", tok_s=f"{tokens / (time.monotonic() - t_train):.0f}")
+    bar.close()
+    train_s = time.monotonic() - t_train
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(tmp)
+    facts: dict[str, Any] = {
+        "preset": preset,
+        "seed": seed,
+        "steps": done,
+        "planned_steps": steps,
+        "stopped_by_time": stopped_by_time,
+        "train_seconds": round(train_s, 1),
+        "train_tokens": tokens,
+        "train_tokens_per_s": round(tokens / train_s, 1),
+        "final_loss": round(ema_loss, 4) if ema_loss is not None else None,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    if eval_n > 0:
+        torch.set_num_threads(1)  # decode batches are tiny matrices: one thread is fastest (and immune to contention)
+        report = evaluate(model, tokenizer, eval_problems(eval_n, seed), samples=1, seed=seed)
+        facts.update(
+            eval_n=report.n,
+            accuracy=report.accuracy,
+            sampled_accuracy=report.sampled_accuracy,
+            p50_len=report.p50_len,
+            p99_len=report.p99_len,
+            tail_ratio=round(report.tail_ratio, 3),
+            accuracy_by_steps=report.accuracy_by_steps,
+        )
+    facts["build_seconds"] = round(time.monotonic() - t_start, 1)
+    facts["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (tmp / ".complete").write_text(json.dumps(facts, indent=2) + "\n")
     return facts
 
 
