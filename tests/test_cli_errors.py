@@ -262,10 +262,12 @@ def test_a_ready_file_in_a_new_folder_is_written(tmp_path) -> None:
         proc.wait(30)
 
 
-def test_the_rollout_checks_the_architecture_only_for_the_native_engine(tmp_path: Path) -> None:
+def test_the_rollout_checks_the_architecture_only_for_the_native_engine(tmp_path: Path, monkeypatch) -> None:
     """The check before start must not refuse what SGLang serves: an architecture the native engine lacks is
     the native engine's error, not the SGLang backend's."""
     from tlt.model.loader import CheckpointError
+
+    monkeypatch.setenv("TLT_SGLANG__SPECULATIVE_ALGORITHM", "none")  # no drafter to check (test_sglang_serve_flags)
     from tlt.services.rollout.config import RolloutConfig
     from tlt.services.rollout.serve import check_before_start
 

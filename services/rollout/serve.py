@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (0: a free one)")
     parser.add_argument("--backend", default=None, help="engine backend: native (default) or sglang")
     parser.add_argument("--spec", default=None, choices=("off", "static", "adaptive"),
-                        help="speculative decoding mode (native engine; default from the preset: adaptive)")
+                        help="speculative decoding mode (default from the preset: adaptive); "
+                        "with --backend sglang it sets [sglang] fields")
     parser.add_argument("--spec-threshold", type=int, default=None, metavar="N",
                         help="speculate only while the running batch is <= N (default: the preset's; 16 in cpu-tiny, "
                         "32 in 1gpu and 8gpu)")
@@ -38,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="arms steps_topk_drafttokens, comma-separated (e.g. 8_4_48,8_4_32,8_4_16,8_4_8; 'plain' "
                         "does not speculate). adaptive: every batch-size bucket chooses among them, or give one list "
                         "per bucket with '/' between buckets; static: the one arm it runs")
-    parser.add_argument("--drafter", default=None, help="learned EAGLE drafter folder (else the model-free n-gram drafter)")
+    parser.add_argument("--drafter", default=None,
+                        help="learned EAGLE drafter folder (else the model-free n-gram drafter); "
+                        "with --backend sglang a `tlt drafter export --format sglang-eagle` folder")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [rollout] field (engine.* and spec.* for the nested sections); repeatable")
@@ -100,6 +103,68 @@ def _arms_override(text: str, mode: str, buckets: int) -> dict:
     return {"bucket_arms": lists * buckets if len(lists) == 1 else lists}
 
 
+def sglang_flags(args: argparse.Namespace, environ: dict | None = None) -> dict[str, Any]:
+    """The speculative flags as `[sglang]` fields: the SGLang replicas read that section (`resolve_config`),
+    never `[rollout.spec]`, which is the native engine's.
+
+        --drafter DIR        -> draft_model_path (a `tlt drafter export --format sglang-eagle` folder)
+        --spec off           -> speculative_algorithm = "none" (plain decoding, no drafter)
+        --spec static        -> adaptive = false;  --spec adaptive -> adaptive = true
+        --spec-threshold N   -> spec_batch_threshold = N
+        --spec-arms S_K_D    -> num_steps, eagle_topk, num_draft_tokens (static: one arm)
+
+    SGLang's adaptive mode picks only a chain depth per batch-size slot ([sglang] adaptive_steps), so a list of
+    arms for it is refused rather than dropped; so is a drafter with speculation off.
+    """
+    from tlt.services.common.config import ConfigError, load_config
+    from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+    from tlt.services.rollout.spec.tree import Arm
+
+    out: dict[str, Any] = {}
+    if args.spec == "off":
+        if args.drafter is not None:
+            raise ConfigError(f"--drafter {args.drafter} with --spec off: SGLang would launch without it; "
+                              "drop one of the two")
+        out["speculative_algorithm"] = "none"
+    elif args.spec is not None:
+        out["adaptive"] = args.spec == "adaptive"
+    if args.drafter is not None:
+        out["draft_model_path"] = args.drafter
+    if getattr(args, "spec_threshold", None) is not None:
+        out["spec_batch_threshold"] = args.spec_threshold
+    arms = getattr(args, "spec_arms", None)
+    if arms is not None:
+        adaptive = out.get("adaptive")
+        if adaptive is None:  # no --spec: the [sglang] section decides, as the replicas will read it
+            adaptive = load_config(SGLangBackendConfig, "sglang", args.preset, environ=environ).adaptive
+        if adaptive or "," in arms or "/" in arms:
+            raise ConfigError(f"--spec-arms {arms!r} with --backend sglang: SGLang's adaptive mode chooses only a "
+                              "chain depth per batch size; set [sglang] adaptive_steps for it, or give one arm "
+                              "with --spec static")
+        try:
+            arm = Arm.parse(arms)
+        except ValueError as e:
+            raise ConfigError(f"--spec-arms: {e}") from None
+        if arm.is_plain:
+            raise ConfigError("--spec-arms plain with --backend sglang: use --spec off for plain decoding")
+        out.update(num_steps=arm.steps, eagle_topk=arm.topk, num_draft_tokens=arm.draft_tokens)
+    return out
+
+
+def export_sglang_flags(args: argparse.Namespace, environ: dict | None = None) -> None:
+    """Put `sglang_flags` in `TLT_SGLANG__*` for the replica processes (flags win over the preset and the
+    environment, as they do for the native engine). Values are written as TOML literals, so a folder named
+    `123` stays text."""
+    import json
+    import os
+
+    from tlt.services.common.config import env_prefix
+
+    env = os.environ if environ is None else environ
+    for name, value in sglang_flags(args, dict(env)).items():
+        env[f"{env_prefix('sglang')}{name.upper()}"] = json.dumps(value)
+
+
 def check_before_start(model: str, config: Any) -> None:
     """Raise the user's error (CheckpointError, DrafterError, ConfigError) that each replica process would
     otherwise hit while loading, and report as a replica failure with its traceback."""
@@ -115,6 +180,11 @@ def check_before_start(model: str, config: Any) -> None:
     spec = config.spec
     if config.backend == "native" and spec.mode != "off" and spec.drafter == "learned":
         check_drafter_folder(spec.drafter_path)  # --drafter, or [rollout.spec] drafter_path
+    if config.backend == "sglang":
+        from tlt.services.rollout.sglang_backend.engine import resolve_config
+        from tlt.services.rollout.sglang_backend.launch import check_draft_model
+
+        check_draft_model(resolve_config(None))  # what each replica resolves: TLT_PRESET, TLT_SGLANG__*
 
 
 def export_preset(preset: str | None, environ: dict | None = None) -> None:
@@ -159,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
     log = get_logger("rollout.serve")
     config = build_config(args)
     export_preset(args.preset)
+    if config.backend == "sglang":  # type: ignore[attr-defined]
+        export_sglang_flags(args)
     if not Path(args.model, "config.json").exists():
         log.error("model_not_found", model=args.model, hint="build one with `tlt model build --out DIR`")
         return 2

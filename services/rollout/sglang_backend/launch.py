@@ -44,6 +44,42 @@ def adaptive_spec_config(cfg: SGLangBackendConfig) -> dict[str, dict[str, Any]]:
     return dict(sorted(slots.items(), key=lambda kv: int(kv[0])))
 
 
+def check_draft_model(cfg: SGLangBackendConfig, look: bool = True) -> None:
+    """ConfigError unless speculation is off or a draft model is named; with `look`, DrafterError unless that
+    folder is an SGLang EAGLE export. SGLang reads an export (config.json with an `...ForCausalLMEagle`
+    architecture and its own tensor names), not TLT's drafter folder, and fails minutes into loading otherwise."""
+    from tlt.model.drafter import CONFIG_FILE, DrafterError
+    from tlt.services.common.config import ConfigError
+    from tlt.services.drafter.export import ARCHITECTURES
+
+    if cfg.speculative_algorithm == "none":
+        return
+    folder = Path(cfg.draft_model_path) if cfg.draft_model_path else None
+    if folder is None:
+        raise ConfigError(
+            f"SGLang's {cfg.speculative_algorithm} speculative decoding needs a drafter: pass --drafter DIR (a "
+            "`tlt drafter export --format sglang-eagle` folder) or set [sglang] draft_model_path; or decode without "
+            "one: --spec off ([sglang] speculative_algorithm = 'none')"
+        )
+    if not look:
+        return
+    export = f"tlt drafter export --drafter DIR --model MODEL --format sglang-eagle --out {folder}-sglang"
+    if (folder / CONFIG_FILE).is_file():
+        raise DrafterError(f"{folder} is TLT's drafter folder; SGLang loads an export of it: {export}")
+    if not folder.is_dir():
+        raise DrafterError(f"drafter folder {folder} does not exist ([sglang] draft_model_path, or --drafter)")
+    try:
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = None
+    if archs is None or not (folder / "model.safetensors").is_file():
+        raise DrafterError(f"{folder} is not an SGLang EAGLE export: it needs config.json and model.safetensors "
+                           f"({export})")
+    if cfg.speculative_algorithm == "EAGLE" and not set(archs) & set(ARCHITECTURES.values()):
+        raise DrafterError(f"{folder} holds {archs or 'no architecture'}, not an EAGLE draft model "
+                           f"({sorted(ARCHITECTURES.values())}); write one with {export}")
+
+
 def reserved_tokens(cfg: SGLangBackendConfig) -> int:
     """Output-token slots SGLang reserves per request on top of the prompt with an EAGLE drafter.
 
@@ -96,11 +132,7 @@ def engine_kwargs(
         kwargs["enable_return_hidden_states"] = True
     if cfg.speculative_algorithm == "none":
         return kwargs
-    if not cfg.draft_model_path:
-        raise ValueError(
-            f"speculative_algorithm={cfg.speculative_algorithm} needs a drafter: pass --drafter DIR "
-            "(a `tlt drafter export` folder) or set [sglang] draft_model_path; or set speculative_algorithm = 'none'"
-        )
+    check_draft_model(cfg, look=False)  # the folder itself: checked before the replicas start (serve.py)
     if cfg.enable_memory_saver and "weights" in cfg.release_tags:
         # Releasing "weights" drops the draft model's parameters AND buffers (rotary
         # caches): SGLang's resume restores only the target's buffers
