@@ -86,6 +86,28 @@ def test_accumulation_is_exact_token_mean():
         torch.testing.assert_close(results[0][k], results[1][k], atol=2e-6, rtol=1e-4)
 
 
+def test_data_parallel_ranks_average_to_the_whole_mini_batch_token_mean(monkeypatch):
+    """Each of W ranks divides its token sum by (mini-batch tokens / W), so DeepSpeed's average over the ranks is
+    the token mean of the whole mini-batch. Ranks 0 and 1 of a 2-rank step are played here one after the other
+    (the real 2-process run is the slow tests/test_trainer_distributed.py); a loss divided by all the mini-batch's
+    tokens instead (no / W) halves the update, and only that slow test saw it before."""
+    samples = make_samples(2, 4, seed=5)
+    losses: dict[tuple[int, int], float] = {}
+    for world, rank in ((1, 0), (2, 0), (2, 1)):
+        policy = Policy(config(mini_batch_size=8, micro_batch_size=2), model=tiny_qwen2())
+        monkeypatch.setattr(policy, "world_size", world)
+        monkeypatch.setattr(policy, "rank", rank)
+        seen: list[float] = []
+        monkeypatch.setattr(policy, "backward", lambda loss, seen=seen: seen.append(float(loss.detach())))
+        monkeypatch.setattr(policy, "step", lambda: False)  # weights stay put: every rank sees the same policy
+        monkeypatch.setattr(policy, "all_reduce_stats", lambda sums, tokens, diff: (sums, tokens, diff))
+        grpo_step(policy, samples, step=0)
+        losses[world, rank] = sum(seen)
+    whole = losses[1, 0]
+    assert whole != 0.0
+    assert (losses[2, 0] + losses[2, 1]) / 2 == pytest.approx(whole, rel=1e-5)  # DeepSpeed averages the ranks
+
+
 def test_all_equal_rewards_give_zero_policy_gradient():
     samples = [ScoredCompletion(s.prompt_index, s.sample_index, s.prompt_ids, s.response_ids, 1.0)
                for s in make_samples(2, 4)]
