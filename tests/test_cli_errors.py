@@ -235,6 +235,9 @@ def test_whole_commands_refuse_with_one_line(models, tmp_path) -> None:
         "unknown backend": (["rollout", "serve", "--model", models["qwen2"], "--backend", "nope", *ports], None),
         "missing drafter": (["rollout", "serve", "--model", models["qwen2"], "--drafter", str(tmp_path / "d"),
                              *ports], None),
+        # a worker took any device and failed in torch once its replica first turned idle (or waited for it forever)
+        "unknown drafter device": (["drafter", "worker", "--model", models["qwen2"], "--coordinator",
+                                    "tcp://127.0.0.1:5704", "--replica", "0", "--set", "device=gpu"], None),
     }
     wrong = {}
     for name, (argv, env) in cases.items():
@@ -317,24 +320,42 @@ def test_a_set_without_a_field_name_says_so(capsys) -> None:
 
 
 DRAFTER_ENDPOINTS = ("capacity_pub", "capacity_snapshot", "features_bind", "coordinator_bind")  # ZeroMQ
+# each service's command, run until its config is loaded: a value that passes goes on to a missing model (drafter,
+# rollout: one line, without the field's name) or prints the config (train --print-config)
+SERVICE_ARGV = {
+    "drafter": ["drafter", "serve", "--model", "{model}", "--workers", "0"],
+    "rollout": ["rollout", "serve", "--model", "{model}", "--http-port", "0", "--grpc-port", "0"],
+    "trainer": ["train", "--print-config"],
+}
 
 
-@pytest.mark.parametrize("field,value", [
-    *((f, "") for f in (*DRAFTER_ENDPOINTS, "rollout_grpc", "host", "checkpoint_dir")),
-    *((f, "foo") for f in DRAFTER_ENDPOINTS),  # no transport: a ZMQError traceback, or (capacity_*) a worker that
-    ("capacity_pub", "tcp://127.0.0.1:*"),     # waited; a wildcard port is for a bind, the drafter connects there
-    ("features_bind", "tcp://127.0.0.1"),
+@pytest.mark.parametrize("section,field,value", [
+    *(("drafter", f, "") for f in (*DRAFTER_ENDPOINTS, "rollout_grpc", "host", "checkpoint_dir")),
+    *(("drafter", f, "foo") for f in DRAFTER_ENDPOINTS),  # no transport: a ZMQError traceback, or (capacity_*) a
+    ("drafter", "capacity_pub", "tcp://127.0.0.1:*"),  # worker that waited; a wildcard port is for a bind, the drafter
+    ("drafter", "features_bind", "tcp://127.0.0.1"),    # connects there
+    ("drafter", "rollout_grpc", "127.0.0.1"),  # no port: failed at the first policy update
+    ("drafter", "device", ""),  # failed in torch, in each worker process
+    ("drafter", "device", "gpu"),
+    ("rollout", "capacity_pub", "foo"),  # a ZMQError traceback as the server started
+    ("rollout", "features_push", "127.0.0.1:5703"),  # ... in every replica process
+    ("rollout", "engine.device", "gpu"),  # failed in torch, in every replica process
+    ("rollout", "backend", "sgl"),
+    ("trainer", "rollout_addresses", "[]"),
+    ("trainer", "drafter_features_address", "foo"),
+    ("trainer", "adam_betas", "[0.9, 1.0]"),  # AdamW's "Invalid beta parameter" as the optimizer was built
 ])
-def test_an_empty_or_malformed_drafter_endpoint_is_refused_naming_the_field(field, value, tmp_path, capsys,
-                                                                            monkeypatch) -> None:
+def test_an_empty_or_malformed_service_value_is_refused_naming_the_field(section, field, value, tmp_path, capsys,
+                                                                          monkeypatch) -> None:
     """[drafter] took '' for its endpoints: features_bind / coordinator_bind '' were a ZMQError traceback at start,
     capacity_pub '' turned the coordinator's idle gate off without a word and crashed every worker, rollout_grpc ''
-    failed only at the first policy update. Refused when the config is loaded, from --set and the environment."""
-    argv = ["drafter", "serve", "--model", str(tmp_path / "m"), "--workers", "0"]
+    failed only at the first policy update; [rollout] and [trainer] values likewise failed only in a child process,
+    in torch or after a connect timeout. Refused when the config is loaded, from --set and the environment."""
+    argv = [a.format(model=tmp_path / "m") for a in SERVICE_ARGV[section]]
     assert main([*argv, "--set", f"{field}={value}"]) == 2
     err = capsys.readouterr()
     assert f"{field}=" in err.out + err.err and "Traceback" not in err.out + err.err, err
-    monkeypatch.setenv(f"TLT_DRAFTER__{field.upper()}", value)
+    monkeypatch.setenv(f"TLT_{section.upper()}__{field.upper().replace('.', '__')}", value)
     assert main(argv) == 2
     assert f"{field}=" in "".join(capsys.readouterr())
 

@@ -171,3 +171,49 @@ def test_a_number_given_for_a_string_field_is_that_string() -> None:
     # overrides are parsed as TOML literals: `2024` became an int and a str field refused it
     cfg = load_config(DemoConfig, "demo", overrides=cli_overrides(["host=2024"]), environ={"TLT_DEMO__NAMES": "[7]"})
     assert cfg.host == "2024" and cfg.names == ["7"]
+
+
+class _Maps(ServiceConfig):
+    steps: dict[str, list[int]] = Field(default_factory=lambda: {"1": [1, 3], "2": [1]},
+                                        description="a dict-valued field (a value, not a section)")
+    spec: _Inner = Field(default_factory=_Inner, description="a nested section beside it")
+
+
+def test_a_keyed_env_var_sets_one_key_of_a_dict_field_and_keeps_the_others(tmp_path: Path) -> None:
+    # TLT_<SECTION>__<FIELD>__<KEY>: replaced the whole default map with {"1": [5]}, dropping "2"
+    cfg = load_config(_Maps, "maps", environ={"TLT_MAPS__STEPS__1": "[5]", "TLT_MAPS__STEPS__9": "[9]"})
+    assert cfg.steps == {"1": [5], "2": [1], "9": [9]}
+    preset = _preset(tmp_path, '[maps]\nsteps = {"1" = [2], "7" = [7]}\n')  # a preset's map replaces the default
+    assert load_config(_Maps, "maps", preset, environ={}).steps == {"1": [2], "7": [7]}
+    cfg = load_config(_Maps, "maps", preset, environ={"TLT_MAPS__STEPS__7": "[8]"})
+    assert cfg.steps == {"1": [2], "7": [8]}  # the key set on top of the preset's map, not of the default
+
+
+def test_a_whole_field_env_var_or_set_replaces_a_dict_field(tmp_path: Path) -> None:
+    preset = _preset(tmp_path, '[maps]\nsteps = {"1" = [2], "7" = [7]}\n')
+    # a TOML inline table was merged into the preset's map; the JSON object (what compose files write) was
+    # refused as a string
+    for whole in ('{"9" = [9]}', '{"9": [9]}', ' {"9":[9]} '):
+        assert load_config(_Maps, "maps", preset, environ={"TLT_MAPS__STEPS": whole}).steps == {"9": [9]}, whole
+    cfg = load_config(_Maps, "maps", preset, overrides=cli_overrides(['steps={"4" = [4]}']),
+                      environ={"TLT_MAPS__STEPS__1": "[5]"})
+    assert cfg.steps == {"4": [4]}
+    # a nested section still merges field by field, whichever way its fields come
+    preset = _preset(tmp_path, '[maps.spec]\nthreshold = 16\n')
+    cfg = load_config(_Maps, "maps", preset, environ={"TLT_MAPS__SPEC": '{"mode": "off"}'})
+    assert (cfg.spec.mode, cfg.spec.threshold) == ("off", 16)
+    # both ways at once in one layer: which won depended on the order of the environment
+    with pytest.raises(ConfigError, match="TLT_MAPS__STEPS__1: 'steps' is given whole by another variable"):
+        load_config(_Maps, "maps", environ={"TLT_MAPS__STEPS__1": "[5]", "TLT_MAPS__STEPS": '{"9": [9]}'})
+    with pytest.raises(ConfigError, match="steps="):  # not JSON either: still the string, refused by the field
+        load_config(_Maps, "maps", environ={"TLT_MAPS__STEPS": '{"9": [9]'})
+
+
+def test_the_sglang_adaptive_steps_map_takes_one_key_from_the_environment() -> None:
+    from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+
+    default = SGLangBackendConfig().adaptive_steps
+    cfg = load_config(SGLangBackendConfig, "sglang", environ={"TLT_SGLANG__ADAPTIVE_STEPS__1": "[1, 3]"})
+    assert cfg.adaptive_steps == {**default, "1": [1, 3]} and len(default) > 1
+    cfg = load_config(SGLangBackendConfig, "sglang", environ={"TLT_SGLANG__ADAPTIVE_STEPS": '{"1": [1, 3]}'})
+    assert cfg.adaptive_steps == {"1": [1, 3]}

@@ -131,6 +131,19 @@ def test_each_value_says_where_it_comes_from(capsys, monkeypatch: pytest.MonkeyP
         assert not any(c.startswith("from ") for c in fields[key][1]), (key, fields[key])
 
 
+def test_one_key_of_a_dict_field_is_set_and_the_others_kept(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--set sglang.adaptive_steps.1=[1,3]` and TLT_SGLANG__ADAPTIVE_STEPS__5: the map's other keys stay (they were
+    dropped: the map was the keys given, as the services would have loaded it too)."""
+    from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+
+    monkeypatch.setenv("TLT_SGLANG__ADAPTIVE_STEPS__5", "[1]")
+    shown = tomllib.loads(_show(capsys, "--set", "sglang.adaptive_steps.1=[1, 3]", "sglang"))["sglang"]
+    assert shown["adaptive_steps"] == {**SGLangBackendConfig().adaptive_steps, "1": [1, 3], "5": [1]}
+    monkeypatch.setenv("TLT_SGLANG__ADAPTIVE_STEPS__5", "[1, 3]")
+    shown = tomllib.loads(_show(capsys, "--set", 'sglang.adaptive_steps={"1" = [3]}', "sglang"))["sglang"]
+    assert shown["adaptive_steps"] == {"1": [3]}  # a whole map given replaces the map
+
+
 def test_an_unset_field_is_commented_out(capsys) -> None:
     """TOML has no null: `bf16 = None` would not load back; `# bf16 = (unset)` leaves it unset."""
     text = _show(capsys, "trainer")
@@ -165,6 +178,30 @@ def test_show_refuses_an_unknown_section_at_parsing(capsys) -> None:
     ("[trainer]\nsteps = 0\n", "steps=0"),
     ("[drafter]\ncapacity_pub = ''\n", "capacity_pub=''"),
     ("[rollout]\nreplicas = 'two'\n", "replicas='two'"),
+    # each of these was accepted here and failed only later: in torch, inside a replica or a worker process
+    ("[drafter]\ndevice = ''\n", "device=''"),
+    ("[drafter]\ndevice = 'gpu'\n", "device='gpu'"),
+    ("[drafter]\ndevice = 'cuda:1'\n", "device='cuda:1'"),  # a template: a worker used cuda:<replica> anyway
+    ("[rollout.engine]\ndevice = 'cuda:x'\n", "engine.device='cuda:x'"),
+    # ... a ZMQError as the rollout started, or in every replica process (features_push connects)
+    ("[rollout]\ncapacity_pub = 'foo'\n", "capacity_pub='foo'"),
+    ("[rollout]\ncapacity_snapshot = 'tcp://127.0.0.1'\n", "capacity_snapshot='tcp://127.0.0.1'"),
+    ("[rollout]\nfeatures_push = 'tcp://127.0.0.1:*'\n", "features_push='tcp://127.0.0.1:*'"),
+    ("[trainer]\ndrafter_features_address = 'drafter:5703'\n", "drafter_features_address='drafter:5703'"),
+    # ... "not reachable" after the whole connect timeout (120 s), or a division by zero (no rollout server)
+    ("[trainer]\nrollout_addresses = []\n", "rollout_addresses=[]"),
+    ("[trainer]\nrollout_addresses = ['rollout']\n", "rollout_addresses=['rollout']"),
+    ("[trainer]\nreward = 'grpc'\nreward_address = 'reward:0'\n", "reward_address='reward:0'"),
+    ("[drafter]\nrollout_grpc = 'tcp://127.0.0.1:50051'\n", "rollout_grpc='tcp://127.0.0.1:50051'"),
+    # ... torch.optim.AdamW's "Invalid beta parameter" as the trainer built its optimizer
+    ("[trainer]\nadam_betas = [1.5, 0.999]\n", "adam_betas=[1.5, 0.999]"),
+    # ... only once `tlt rollout serve` had loaded the model and checked the checkpoint
+    ("[rollout]\nbackend = 'sgl'\n", "backend='sgl'"),
+    # ... in every replica process, as its engine set up decode graphs
+    ("[rollout.engine]\ndecode_graph_buckets = [4, 2]\n", "engine.decode_graph_buckets=[4, 2]"),
+    ("[rollout.engine]\ndecode_graphs = 'emulate'\nkernels = 'torch'\n", "kernels = 'triton'"),
+    ("[rollout.engine]\ndecode_graphs = 'emulate'\n", "kernels = 'triton'"),  # auto is the PyTorch path on cpu
+    ("[rollout.engine]\ndecode_graphs = 'cuda'\nkernels = 'triton'\n", "CUDA device"),
     ("run = 3\n", "[run] must be a table"),
     ("[trainer\nsteps = 3\n", "not valid TOML"),
 ])
@@ -174,6 +211,24 @@ def test_check_refuses_a_bad_preset_file(text: str, words: str, tmp_path: Path, 
     assert main(["config", "check", str(bad)]) == 2
     captured = capsys.readouterr()
     assert words in captured.err and "Traceback" not in captured.err and not captured.out, captured.err
+
+
+def test_check_accepts_every_legitimate_form_of_those_values(tmp_path: Path, capsys) -> None:
+    """The checks above refuse only what would fail: ports picked at bind time, '' where it means off, names that
+    resolve only in a cluster, another engine class, a GPU the checking machine need not have."""
+    good = tmp_path / "good.toml"
+    good.write_text(
+        "[rollout]\nbackend = 'my_pkg.engine:Engine'\ncapacity_pub = 'tcp://0.0.0.0:0'\ncapacity_snapshot = ''\n"
+        "features_push = 'ipc:///tmp/tlt-features'\n"
+        "[rollout.engine]\ndevice = 'cuda:3'\ndecode_graphs = 'cuda'\ndecode_graph_buckets = [1, 8, 64]\n"
+        "[drafter]\ndevice = 'cuda'\nrollout_grpc = 'tlt-rollout-0.tlt-rollout:50051'\n"
+        "[trainer]\nrollout_addresses = ['rollout:50051', '[::1]:50051', 'dns:///rollout.svc:50051']\n"
+        "reward = 'task'\nreward_address = ''\ndrafter_features_address = ''\nadam_betas = [0.0, 0.95]\n"
+        "[sglang]\nadaptive_steps = {'1' = [1, 3]}\nnum_steps = 1\n")
+    assert main(["config", "check", str(good)]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("ok: 4 sections")
+    for name, cls in (("engine", "native"), ("sglang", "sglang")):
+        assert load_config(config_class("rollout"), "rollout", None, {"backend": cls}, environ={}).backend == cls, name
 
 
 def test_check_reports_every_problem_and_leaves_the_environment_out(tmp_path: Path, capsys, monkeypatch) -> None:

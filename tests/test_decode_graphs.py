@@ -32,7 +32,9 @@ def test_default_buckets_double_up_to_the_largest_batch():
 def test_graphs_need_the_triton_path(ckpt):
     assert EngineConfig().decode_graphs == "off"
     with pytest.raises(ValueError, match="kernels = 'triton'"):
-        LLMEngine(ckpt, EngineConfig(decode_graphs="emulate"))  # auto = the PyTorch path on CPU
+        EngineConfig(decode_graphs="emulate")  # auto = the PyTorch path on CPU: refused as the config is loaded
+    with pytest.raises(ValueError, match="kernels = 'triton'"):  # and by the engine, for a config built unchecked
+        LLMEngine(ckpt, EngineConfig.model_construct(decode_graphs="emulate"))
 
 
 def test_bad_buckets_and_modes_are_refused(ckpt):

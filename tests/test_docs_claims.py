@@ -27,6 +27,7 @@ import functools
 import importlib
 import re
 import shlex
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,7 +98,10 @@ def field_problem(section: str, path: list[str]) -> str | None:
         if part not in cls.model_fields:
             return f"[{where}] has no field {part!r}"
         if i < len(path) - 1:
-            cls = cls.model_fields[part].annotation
+            annotation = cls.model_fields[part].annotation
+            if typing.get_origin(annotation) is dict and i == len(path) - 2:
+                return None  # one key of a map field (`TLT_SGLANG__ADAPTIVE_STEPS__1`: config.py's env rules)
+            cls = annotation
             if not hasattr(cls, "model_fields"):
                 return f"[{where}] {part!r} is a value, not a section"
             where += f".{part}"

@@ -8,8 +8,13 @@ keys, a docstring per field. Values are resolved in this order, later wins:
 
 - preset: `deploy/configs/<name>.toml` (or any path), section = the service name;
 - environment: `TLT_<SECTION>__<FIELD>=value` (e.g. `TLT_ROLLOUT__REPLICAS=2`); a nested section's
-  field with one more `__` (`TLT_ROLLOUT__SPEC__THRESHOLD=8` sets `[rollout.spec] threshold`);
-- CLI: `--set field=value` pairs (values parsed as TOML literals, else strings).
+  field with one more `__` (`TLT_ROLLOUT__SPEC__THRESHOLD=8` sets `[rollout.spec] threshold`), and one
+  key of a dict-valued field likewise (`TLT_SGLANG__ADAPTIVE_STEPS__1='[1, 3]'` sets that key and keeps
+  the others, where `TLT_SGLANG__ADAPTIVE_STEPS='{"1": [1, 3]}'` replaces the whole map);
+- CLI: `--set field=value` pairs (values parsed as TOML literals, else JSON objects, else strings).
+
+Each layer updates the one before it: a nested section field by field, a dict-valued field key by key
+where its keys are given one by one, and any other value (a whole map included) replaces what was there.
 
 A bad value raises `ConfigError` naming the field, the source of the value and
 how to fix it.
@@ -17,6 +22,7 @@ how to fix it.
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.fields import FieldInfo
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 
@@ -68,10 +75,26 @@ def read_preset(preset: str | os.PathLike[str] | None) -> dict[str, Any]:
 
 
 def _parse_literal(text: str) -> Any:
+    """A TOML literal (`2`, `[1, 3]`, `{"1" = [1]}`), else a JSON object (`{"1": [1]}`, as compose and
+    Kubernetes files write a map), else the text itself."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text
+        pass
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return text
+        if isinstance(value, dict):
+            return value
+    return text
+
+
+class KeyedTable(dict):
+    """Keys that one layer gives under a field one by one (`TLT_S__FIELD__KEY=v`, `tlt config show --set
+    s.field.key=v`): each sets its key and keeps the others. A table given whole as the value (`TLT_S__FIELD=
+    '{...}'`, a preset's `field = {...}`) replaces a dict-valued field instead (`_merged`)."""
 
 
 def env_prefix(section: str) -> str:
@@ -80,27 +103,55 @@ def env_prefix(section: str) -> str:
 
 
 def env_overrides(section: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """`TLT_<SECTION>__<FIELD>` values; `TLT_<SECTION>__<SUB>__<FIELD>` nests (`{"sub": {"field": v}}`)."""
+    """`TLT_<SECTION>__<FIELD>` values; `TLT_<SECTION>__<SUB>__<FIELD>` nests (`{"sub": {"field": v}}`, the inner
+    table a KeyedTable: a nested section's field, or one key of a dict-valued field)."""
     prefix = env_prefix(section)
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
-    for k, v in env.items():
+    for k in sorted(env):  # sorted: which of two clashing variables is named does not depend on their order
         if not k.startswith(prefix):
             continue
         *path, leaf = k[len(prefix):].lower().split("__")
         node = out
         for part in path:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{k}: {part!r} is set as a value and used as a section by another variable")
-        node[leaf] = _parse_literal(v)
+            node = node.setdefault(part, KeyedTable())
+            if not isinstance(node, KeyedTable):
+                raise ConfigError(f"{k}: {part!r} is given whole by another variable; give it whole or key by key")
+        if isinstance(node.get(leaf), KeyedTable):
+            raise ConfigError(f"{k}: {leaf!r} is given key by key by other variables; give it whole or key by key")
+        node[leaf] = _parse_literal(env[k])
     return out
 
 
-def _merged(base: Any, value: Any) -> Any:
-    """A later layer's table updates an earlier one's field by field (a nested override keeps the rest)."""
-    if isinstance(base, dict) and isinstance(value, dict):
-        return {**base, **{k: _merged(base.get(k), v) for k, v in value.items()}}
+def nested_section(field: FieldInfo | None) -> type[ServiceConfig] | None:
+    """The config class of a nested section field ([rollout.engine]), else None (a dict-valued field is a value)."""
+    a = None if field is None else field.annotation
+    return a if isinstance(a, type) and issubclass(a, ServiceConfig) else None
+
+
+_MISSING = object()  # no earlier layer set the field
+
+
+def _merged(field: FieldInfo | None, base: Any, value: Any) -> Any:
+    """One layer's `value` of `field` over `base`, what the earlier layers gave it (_MISSING: none did).
+
+    A nested section's table updates it field by field (a nested override keeps the rest, the defaults included);
+    keys given one by one (KeyedTable) update a dict-valued field, starting from its default when no earlier
+    layer set it; any other value, a whole table included, replaces it."""
+    section = nested_section(field)
+    if section is not None and isinstance(value, Mapping):
+        out = dict(base) if isinstance(base, Mapping) else {}
+        for k, v in value.items():
+            if v is not None:
+                out[k] = _merged(section.model_fields.get(k), out.get(k, _MISSING), v)
+        return out
+    if isinstance(value, KeyedTable):
+        if base is _MISSING and field is not None:
+            base = field.get_default(call_default_factory=True)
+        out = dict(base) if isinstance(base, Mapping) else {}
+        for k, v in value.items():
+            out[k] = _merged(None, out.get(k, _MISSING), v)
+        return out
     return value
 
 
@@ -145,7 +196,7 @@ def load_config(
         for key, value in layer.items():
             if value is None:
                 continue
-            values[key] = _merged(values.get(key), value)
+            values[key] = _merged(cls.model_fields.get(key), values.get(key, _MISSING), value)
             sources[key] = origin
     try:
         return cls(**values)

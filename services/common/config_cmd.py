@@ -50,8 +50,9 @@ def config_class(section: str) -> type[ServiceConfig]:
 
 def section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
     """`--set section.field=value` pairs as {section: {field: value}}, a dotted field nested
-    (`rollout.engine.max_num_seqs=32` -> {"rollout": {"engine": {"max_num_seqs": 32}}})."""
-    from tlt.services.common.config import ConfigError, cli_overrides
+    (`rollout.engine.max_num_seqs=32` -> {"rollout": {"engine": {"max_num_seqs": 32}}}) in a KeyedTable: a nested
+    section's field, or one key of a dict-valued field (`sglang.adaptive_steps.1=[1, 3]`, the other keys kept)."""
+    from tlt.services.common.config import ConfigError, KeyedTable, cli_overrides
 
     out: dict[str, dict[str, Any]] = {}
     for key, value in cli_overrides(pairs).items():
@@ -64,28 +65,26 @@ def section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
         *path, leaf = field.split(".")
         node = out.setdefault(section, {})
         for part in path:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}=...: {part!r} is set as a value and used as a section by another --set")
+            node = node.setdefault(part, KeyedTable())
+            if not isinstance(node, KeyedTable):
+                raise ConfigError(f"--set {key}=...: {part!r} is given whole by another --set; give it whole or "
+                                  "key by key")
+        if isinstance(node.get(leaf), KeyedTable):
+            raise ConfigError(f"--set {key}=...: {leaf!r} is given key by key by another --set; give it whole or "
+                              "key by key")
         node[leaf] = value
     return out
-
-
-def _nested_class(field: Any) -> type[ServiceConfig] | None:
-    """The config class of a nested section field ([rollout.engine]), else None (a dict-valued field is a value)."""
-    from tlt.services.common.config import ServiceConfig
-
-    a = field.annotation
-    return a if isinstance(a, type) and issubclass(a, ServiceConfig) else None
 
 
 def origins(cls: type[ServiceConfig], layers: Sequence[Mapping[str, Any]],
             path: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
     """Field path -> the index of the last of `layers` (this section's tables, in load_config's order) that sets
     it; a field no layer sets is the default, and absent."""
+    from tlt.services.common.config import nested_section
+
     out: dict[tuple[str, ...], int] = {}
     for name, field in cls.model_fields.items():
-        if (nested := _nested_class(field)) is not None:  # each layer's [section.name] table, or nothing
+        if (nested := nested_section(field)) is not None:  # each layer's [section.name] table, or nothing
             sub = [layer[name] if isinstance(layer.get(name), Mapping) else {} for layer in layers]
             out.update(origins(nested, sub, (*path, name)))
             continue
@@ -124,11 +123,13 @@ def _comment(text: str) -> list[str]:
 def render(cfg: ServiceConfig, table: str, where: Mapping[tuple[str, ...], str], path: tuple[str, ...] = ()) -> str:
     """`cfg` as the TOML table [table]: every field after its description comment (and origin, unless it is the
     default); nested config fields follow as [table.field]."""
+    from tlt.services.common.config import nested_section
+
     lines = [f"[{table}]"]
     nested: list[str] = []
     for name, field in type(cfg).model_fields.items():
         value = getattr(cfg, name)
-        if _nested_class(field) is not None:
+        if nested_section(field) is not None:
             nested.append("\n\n" + "\n".join(_comment(field.description or "")) + "\n"
                           + render(value, f"{table}.{name}", where, (*path, name)))
             continue

@@ -16,36 +16,12 @@ as fallback).
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tlt.services.common.config import ServiceConfig
-
-_TCP = re.compile(r"tcp://(?P<host>[^\s/]+):(?P<port>[0-9]+|\*)")
-_NAMED = re.compile(r"(ipc|inproc)://\S+")
-
-
-def zmq_endpoint_problem(text: str, bind: bool) -> str | None:
-    """Why `text` is no ZeroMQ endpoint this side can bind (`bind`) or connect to; None when it is one.
-
-    ZeroMQ itself refuses '' or 'foo' only when a socket binds or connects: a ZMQError traceback as the service
-    starts, or never, in a worker that waits for the rollout's capacity snapshot before it connects its coordinator."""
-    shape = ("tcp://HOST:PORT (e.g. tcp://127.0.0.1:5704; PORT * or 0 picks a free one), ipc://PATH or inproc://NAME"
-             if bind else "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5704), ipc://PATH or inproc://NAME")
-    if _NAMED.fullmatch(text):
-        return None
-    m = _TCP.fullmatch(text)
-    if m is None:
-        return f"must be a ZeroMQ endpoint {shape}, got {text!r}"
-    if m["port"] == "*" or int(m["port"]) == 0:
-        return None if bind else f"port {m['port']} of {text!r} picks a free port only where one binds; give the port"
-    if int(m["port"]) > 65535:
-        return f"port {m['port']} of {text!r} is not a TCP port (1-65535)"
-    if m["host"] == "*" and not bind:
-        return f"host * of {text!r} is for a bind (every interface); give the host to connect to"
-    return None
+from tlt.services.common.config_values import device_problem, grpc_address_problem, zmq_endpoint_problem
 
 
 class DrafterServiceConfig(ServiceConfig):
@@ -170,6 +146,16 @@ class DrafterServiceConfig(ServiceConfig):
                     "host": "use 127.0.0.1 for loopback or 0.0.0.0 to expose",
                     "checkpoint_dir": "'' would be the current folder; give a folder, e.g. artifacts/drafter-online"}
             raise ValueError(f"{info.field_name} must not be empty; {hint[str(info.field_name)]}")
+        if info.field_name == "rollout_grpc" and (problem := grpc_address_problem(v)) is not None:
+            raise ValueError(f"rollout_grpc {problem}")  # a typo failed at the first policy update, minutes in
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        """'' or 'gpu' failed only in torch, in each worker process as it built its drafter."""
+        if (problem := device_problem(v, indexed=False)) is not None:
+            raise ValueError(f"device {problem}")
         return v
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ import argparse
 def _coordinator(text: str) -> str:
     """argparse `type` of --coordinator: a ZeroMQ endpoint to connect to. '' or 'foo' was taken, and the worker
     waited for its rollout forever (or failed with a ZMQError traceback once the rollout was up)."""
-    from tlt.services.drafter.config import zmq_endpoint_problem  # pydantic: the parser has it loaded already
+    from tlt.services.common.config_values import zmq_endpoint_problem
 
     problem = zmq_endpoint_problem(text, bind=False)
     if problem is not None:

@@ -9,9 +9,10 @@ loopback only.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from tlt.services.common.config import ServiceConfig
+from tlt.services.common.config_values import zmq_endpoint_problem
 from tlt.services.rollout.engine.config import EngineConfig
 from tlt.services.rollout.spec.config import SpecConfig
 
@@ -99,4 +100,25 @@ class RolloutConfig(ServiceConfig):
     def _host_not_empty(cls, v: str) -> str:
         if not v:
             raise ValueError("host must not be empty; use 127.0.0.1 for loopback or 0.0.0.0 to expose")
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        """An unknown name was refused only once the model's checkpoint had been checked (serve.check_before_start),
+        and never by `tlt config check`; a 'module:Class' is imported by each replica, so only its shape is checked."""
+        from tlt.services.rollout.backends import BACKENDS
+
+        if v not in BACKENDS and not (":" in v and all(part.strip() for part in v.split(":", 1))):
+            raise ValueError(f"unknown rollout backend {v!r}; use one of {sorted(BACKENDS)} or 'module:Class'")
+        return v
+
+    @field_validator("capacity_pub", "capacity_snapshot", "features_push")
+    @classmethod
+    def _zmq_endpoint(cls, v: str, info: ValidationInfo) -> str:
+        """'' is off (capacity_pub, features_push) or an ephemeral port (capacity_snapshot); a malformed endpoint was a
+        ZMQError traceback as the server started (the binds) or in every replica process (features_push connects)."""
+        if v and (problem := zmq_endpoint_problem(v, bind=info.field_name != "features_push")) is not None:
+            empty = "an ephemeral port" if info.field_name == "capacity_snapshot" else "off"
+            raise ValueError(f"{problem}; or '' for {empty}")
         return v

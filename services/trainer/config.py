@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tlt.services.common.config import ServiceConfig
+from tlt.services.common.config_values import grpc_address_problem, zmq_endpoint_problem
 
 
 class TrainerConfig(ServiceConfig):
@@ -132,6 +133,43 @@ class TrainerConfig(ServiceConfig):
     checkpoint_interval: int = Field(5, ge=0, description="save trainer state every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many recent checkpoints to keep")
     resume: bool = Field(True, description="resume from the latest checkpoint in output_dir when one exists")
+
+    @field_validator("rollout_addresses")
+    @classmethod
+    def _rollout_addresses(cls, v: list[str]) -> list[str]:
+        """[] failed as the first step spread its prompts over no server; a malformed address only after the whole
+        connect_timeout_s, as "not reachable"."""
+        if not v:
+            raise ValueError("rollout_addresses must name at least one rollout server, e.g. ['127.0.0.1:50051']")
+        for address in v:
+            if (problem := grpc_address_problem(address)) is not None:
+                raise ValueError(f"rollout_addresses: {problem}")
+        return v
+
+    @field_validator("reward_address")
+    @classmethod
+    def _reward_address(cls, v: str, info: ValidationInfo) -> str:
+        """Checked only where it is used (reward = 'grpc'); a malformed one failed after connect_timeout_s."""
+        if info.data.get("reward") == "grpc" and (problem := grpc_address_problem(v)) is not None:
+            raise ValueError(f"reward_address (reward = 'grpc') {problem}")
+        return v
+
+    @field_validator("drafter_features_address")
+    @classmethod
+    def _drafter_features_address(cls, v: str) -> str:
+        """'' is off; a malformed endpoint was a ZMQError traceback once the trainer set up its feature hook."""
+        if v and (problem := zmq_endpoint_problem(v, bind=False)) is not None:
+            raise ValueError(f"drafter_features_address {problem}; or '' for off")
+        return v
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _adam_betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        """torch.optim.AdamW refuses a beta outside [0, 1) only as the trainer builds its optimizer."""
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"adam_betas must both be in [0, 1) (AdamW's running-average decays), e.g. (0.9, 0.999); "
+                             f"got {v}")
+        return v
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainerConfig:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from tlt.services.common.config import ServiceConfig
+from tlt.services.common.config_values import device_problem
 
 
 class EngineConfig(ServiceConfig):
@@ -59,3 +60,35 @@ class EngineConfig(ServiceConfig):
     threads: int = Field(0, ge=0, description="torch intra-op threads for this replica; 0 = leave torch's default")
     seed: int = Field(0, description="seed for requests that give none (their samples still differ from each other)")
     prefix_sharing: bool = Field(True, description="share full prompt KV blocks between sequences with the same prefix")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        """'' or 'gpu' failed only in torch, in every replica process as it loaded the model. Whether the GPU is
+        there is the replica's to find: a config may be checked on a machine without it."""
+        if (problem := device_problem(v)) is not None:
+            raise ValueError(f"device {problem}")
+        return v
+
+    @field_validator("decode_graph_buckets")
+    @classmethod
+    def _buckets(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if v and (sorted(set(v)) != list(v) or v[0] < 1):
+            raise ValueError(f"decode_graph_buckets must be strictly increasing batch sizes >= 1 (e.g. [1, 8, 64]), "
+                             f"or [] for 1, 2, 4, ... up to max_num_seqs; got {list(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _graphs(self) -> EngineConfig:
+        """What decode_graphs needs, known from this config alone: every replica's engine refused it as it set up
+        its graphs (decode_graphs.py). Whether CUDA and Triton are there is the replica's to find."""
+        if self.decode_graphs == "off":
+            return self
+        if self.kernels == "torch" or (self.kernels == "auto" and self.device == "cpu"):  # auto: torch on cpu
+            raise ValueError(f"decode_graphs = {self.decode_graphs!r} needs the Triton decode path (kernels = "
+                             f"'triton'; kernels = {self.kernels!r} on device {self.device!r} is the PyTorch path); "
+                             "set kernels = 'triton', or decode_graphs = 'off'")
+        if self.decode_graphs == "cuda" and self.device == "cpu":
+            raise ValueError("decode_graphs = 'cuda' needs a CUDA device: set device = 'cuda', or decode_graphs = "
+                             "'emulate' (CPU tests) or 'off'")
+        return self
