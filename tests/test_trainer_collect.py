@@ -32,7 +32,7 @@ class Recorder:
         rec = self
 
         class Batch:
-            def submit(self, key, prompt, completion, answer, extra=None):
+            def submit(self, key, prompt, completion, answer, extra=None, **kw):  # kw: messages, completion_ids
                 rec.threads.add(threading.get_ident())
                 rec.submits.append((time.perf_counter(), key, prompt, completion, answer))
                 rec.extras[key] = extra
@@ -116,3 +116,40 @@ def test_the_same_prompt_twice_in_one_step(random_model_dir, server, servers):
     assert sorted((s.prompt_index, s.sample_index) for s in res.samples) == [(g, k) for g in range(3) for k in range(2)]
     for s in res.samples:  # the completion landed in its own prompt's group
         assert list(s.prompt_ids) == tok.encode(prompts[s.prompt_index].prompt)
+
+
+def test_a_chat_row_reaches_the_rollout_rendered_and_its_reward_function_as_trl_calls_it(random_model_dir, server,
+                                                                                          tmp_path):
+    """A TRL conversational row loaded the trainer's way (trainer_prompts: the policy's chat template) is generated
+    from its rendered text; its reward function gets the messages, `[{"role": "assistant", ...}]` completions and
+    the token ids the rollout returned (`completion_ids`), as TRL's GRPOTrainer passes them."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import trainer_prompts
+    from tlt.services.trainer.rewards import FunctionRewards
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Compute mod 10: 3 +4"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": chat, "reward_model": {"ground_truth": "7"}}) + "\n")
+    items = trainer_prompts(TrainerConfig(model_dir=str(random_model_dir), data_path=str(data),
+                                          answer_field="reward_model.ground_truth"))
+    seen = {}
+
+    def trl_reward(prompts, completions, completion_ids, **kw):
+        seen.update(kw, prompts=prompts, completions=completions, completion_ids=completion_ids)
+        return [float(len(i)) for i in completion_ids]
+
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    with RolloutClient(server.grpc_address) as client:
+        res = collect(items, [client], FunctionRewards([trl_reward]), n=2, params=sampling_params(8, 1.0, 1.0), step=1)
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert sorted(s.sample_index for s in res.samples) == [0, 1]
+    for j, s in enumerate(res.samples):  # the samples in the order they were scored
+        assert list(s.prompt_ids) == tok.encode(rendered)
+        assert seen["completion_ids"][j] == list(s.response_ids) and s.reward == len(s.response_ids)
+        assert seen["completions"][j] == [{"role": "assistant", "content": s.text}]
+    assert seen["prompts"] == [chat, chat] and seen["answer"] == ["7", "7"]

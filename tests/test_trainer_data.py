@@ -1,6 +1,7 @@
 """Prompt loading (JSONL, Parquet error path, synthetic default) and seeded, resumable sampling.
 
-Nothing is faked. Parquet is exercised for real only when pyarrow is installed.
+Nothing is faked. Parquet is exercised for real only when pyarrow is installed (it is in the dev extra); chat-message
+prompts, answer_field and the Parquet cases of verl's files: tests/test_trainer_data_chat.py.
 """
 
 from __future__ import annotations

@@ -191,3 +191,39 @@ def test_a_step_refused_by_a_busy_rollout_server_is_rolled_out_again_once_there_
     assert summary.steps_done == 1
     (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert line["rollout_retries"] >= 1 and line["policy_version"] == 1
+
+
+def test_a_verl_chat_data_file_trains_through_the_loop(random_model_dir, tmp_path, monkeypatch):
+    """train() on verl-shaped rows (chat-message prompts, the answer at reward_model.ground_truth): the trainer
+    renders each prompt with the policy's chat template as it loads the file, the rollout generates from that text,
+    and the python reward function gets the messages, TRL's assistant-message completions and `completion_ids`."""
+    from transformers import AutoTokenizer
+
+    rows = [{"data_source": "synthetic", "prompt": [{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": f"Compute mod 10: {i} +{i}"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i % 10)}} for i in range(3)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "chat_reward_probe.py").write_text(
+        "SEEN = []\n\n"
+        "def reward(prompts, completions, completion_ids, answer, data_source, **kw):\n"
+        "    SEEN.append((prompts, completions, completion_ids, answer, data_source))\n"
+        "    return [float(len(i) % 2) for i in completion_ids]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with ServerThread(random_model_dir, replicas=1) as server:
+        cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", steps=1, data_path=str(data),
+                     answer_field="reward_model.ground_truth", reward="python",
+                     reward_function="chat_reward_probe:reward")
+        assert train(cfg).steps_done == 1
+    import chat_reward_probe
+
+    [(prompts, completions, ids, answers, sources)] = chat_reward_probe.SEEN
+    assert len(prompts) == len(completions) == len(ids) == 8 and set(sources) == {"synthetic"}
+    by_question = {r["prompt"][1]["content"]: r for r in rows}
+    for p, c, i, a in zip(prompts, completions, ids, answers):
+        row = by_question[p[1]["content"]]
+        assert p == row["prompt"] and a == row["reward_model"]["ground_truth"]
+        assert c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) and 1 <= len(i) <= cfg.max_tokens
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    for c, i in zip(completions, ids):  # the ids are the completion's own tokens
+        assert tok.decode(i, skip_special_tokens=True) == c[0]["content"].replace("<|im_end|>", "")

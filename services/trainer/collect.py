@@ -186,7 +186,8 @@ def _gather(prompts: Sequence[PromptItem], rewards: RewardSource, n: int, step: 
         if key in pending:
             raise RolloutError(f"rollout server {client.address} sent prompt {g} sample {c.sample_index} twice")
         pending[key] = (g, c)
-        batch.submit(key, prompt.prompt, c.text, prompt.answer, extra=prompt.extra)
+        batch.submit(key, prompt.prompt, c.text, prompt.answer, extra=prompt.extra, messages=prompt.messages,
+                     completion_ids=tuple(c.token_ids))
         last_arrival = time.perf_counter()
     expected = len(prompts) * n
     if len(pending) != expected:

@@ -43,7 +43,9 @@ class TrainerConfig(ServiceConfig):
     reward_address: str = Field("127.0.0.1:50061", description="gRPC host:port of the reward service (reward='grpc')")
     reward_function: str = Field(
         "", description="'module:function' with the TRL contract f(prompts, completions, **kw) -> list[float]; "
-        "kw: answer (= answers) and each other column of the data file, one list entry per completion"
+        "kw: answer (= answers), completion_ids (each completion's token ids) and each other column of the data "
+        "file, one list entry per completion. Chat-message rows: prompts are the message lists and each "
+        "completion is [{'role': 'assistant', 'content': text}], as TRL passes them"
     )
     reward_concurrency: int = Field(32, ge=1, description="completions scored at once by the gRPC reward client")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward call, seconds")
@@ -81,8 +83,14 @@ class TrainerConfig(ServiceConfig):
 
     # -- data ---------------------------------------------------------------------
     data_path: str | None = Field(
-        None, description="JSONL or Parquet (needs pyarrow) file with 'prompt' and 'answer' fields; default: the "
-        "synthetic task"
+        None, description="JSONL or Parquet (needs pyarrow) file of rows with a 'prompt' and the reference answer "
+        "(answer_field); 'prompt' is text, or a list of chat messages [{role, content}] (TRL's conversational rows, "
+        "verl's rows), rendered with model_dir's chat template (add_generation_prompt); default: the synthetic task"
+    )
+    answer_field: str = Field(
+        "answer", pattern=r"^[^.]+(\.[^.]+)*$", description="field of a data_path row holding the reference answer "
+        "(text or a number); a dotted path reaches into a nested field: 'reward_model.ground_truth' for verl's "
+        "rows. The row's other fields (a nested answer's parent included) go to reward functions as columns"
     )
     synthetic_problems: int = Field(2048, ge=1, description="size of the synthetic data set when data_path is unset")
 
@@ -96,7 +104,12 @@ class TrainerConfig(ServiceConfig):
     eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0: greedy)")
     eval_data_path: str | None = Field(
         None, description="JSONL or Parquet eval prompts (its first eval_problems rows); default: the synthetic "
-        "task's held-out draw (the problems `tlt model eval` scores); required when data_path is set"
+        "task's held-out draw (the problems `tlt model eval` scores); required when data_path is set. Rows as "
+        "for data_path"
+    )
+    eval_answer_field: str | None = Field(
+        None, pattern=r"^[^.]+(\.[^.]+)*$", description="answer_field of the eval_data_path rows; default: "
+        "answer_field"
     )
 
     # -- sampling -------------------------------------------------------------------

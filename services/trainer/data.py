@@ -1,7 +1,12 @@
 """Prompt data for RL: (prompt, answer) pairs, seeded epochs, a resumable position.
 
-    JSONL (or one JSON array) / Parquet file (fields "prompt", "answer", any others) -> PromptItem list
-        (the other fields of a row are kept in `PromptItem.extra` for reward functions: rewards.py)
+    JSONL (or one JSON array) / Parquet file -> rows -> PromptItem list
+        'prompt': text, or a list of chat messages [{"role", "content"}] (TRL's conversational rows, verl's
+                  rows), rendered once here with the policy's chat template (add_generation_prompt=True);
+                  the messages are kept in `PromptItem.messages` for reward functions
+        the answer: the field `answer_field` names ("answer"; a dotted path reaches into a nested field:
+                  verl's "reward_model.ground_truth")
+        the row's other fields -> `PromptItem.extra`, for reward functions (rewards.py)
     or the synthetic task (tlt.task.generate_problems) -> PromptItem list
     PromptSampler: epoch e visits every item once in permutation(seed, e);
                    next_batch(k) returns the next k items; state_dict() /
@@ -15,13 +20,16 @@ of the batch comes from the start of the next epoch's permutation.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,30 +41,144 @@ class DataError(ValueError):
 
 
 # Keywords a reward function gets from the trainer itself (rewards.py): a column of that name could not go beside
-# them. 'prompt' and 'answer' are the row's own fields, not extra columns.
-RESERVED_COLUMNS = ("prompts", "completions", "answers")
+# them. 'prompt' and the answer are the row's own fields, not extra columns.
+RESERVED_COLUMNS = ("prompts", "completions", "answers", "completion_ids")
+ROLES = ("system", "user", "assistant")  # of a chat-message prompt's messages
+Row = tuple[object, str]  # (the parsed row, where it is: "file:line" / "file row i")
 
 
-def _item(index: int, row: object, where: str) -> PromptItem:
+def _messages(prompt: list, where: str) -> list[dict[str, Any]]:
+    """A chat-message prompt, checked: a non-empty list of {role, content} with text content, ending with the user's.
+
+    TRL renders a prompt ending with an assistant message as a prefill to continue (and adds that text to each
+    completion); that is not supported here, so such a prompt is refused rather than rendered another way.
+    """
+    if not prompt:
+        raise DataError(f"{where}: 'prompt' is an empty list; a chat prompt needs at least one message")
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: 'prompt' message {i} must be an object with 'role' and 'content', "
+                            f"got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise DataError(f"{where}: 'prompt' message {i} lacks {key!r}; every message needs 'role' and "
+                                "'content'")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: 'prompt' message {i} has role {m['role']!r}; roles are {ROLES}")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: 'prompt' message {i} 'content' must be a string, "
+                            f"got {type(m['content']).__name__}")
+    if prompt[-1]["role"] != "user":
+        raise DataError(f"{where}: 'prompt' ends with role {prompt[-1]['role']!r}; the last message must be the "
+                        "user's (the model answers it; an assistant prefill to continue is not supported)")
+    return [dict(m) for m in prompt]
+
+
+def _answer(row: dict, answer_field: str, where: str) -> object:
+    """The value at `answer_field` ("answer", or a dotted path such as "reward_model.ground_truth")."""
+    parts = answer_field.split(".")
+    value: object = row
+    for depth, key in enumerate(parts):
+        if not isinstance(value, dict):
+            raise DataError(f"{where}: {'.'.join(parts[:depth])!r} is a {type(value).__name__}, not an object "
+                            f"holding {key!r} (answer_field {answer_field!r})")
+        if key not in value:
+            raise DataError(f"{where}: no {'.'.join(parts[: depth + 1])!r} (answer_field {answer_field!r}); "
+                            "set answer_field to the path of the reference answer in your rows")
+        value = value[key]
+    return value
+
+
+def _item(index: int, row: object, where: str, answer_field: str = "answer") -> PromptItem:
+    """A row -> PromptItem; a chat-message prompt is kept in `messages` (prompt "" until `_items` renders it)."""
+    top = answer_field.split(".")[0]
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with 'prompt' and 'answer', got {type(row).__name__}")
-    missing = [k for k in ("prompt", "answer") if k not in row]
+        raise DataError(f"{where}: expected an object with 'prompt' and {top!r}, got {type(row).__name__}")
+    missing = [k for k in dict.fromkeys(("prompt", top)) if k not in row]
     if missing:
-        raise DataError(f"{where}: missing field(s) {missing}; every row needs 'prompt' (text) and 'answer'")
-    prompt, answer = row["prompt"], row["answer"]
-    if not isinstance(prompt, str) or not prompt.strip():  # a blank prompt is no prompt, as for 'answer'
-        raise DataError(f"{where}: 'prompt' must be a non-empty string")
+        raise DataError(f"{where}: missing field(s) {missing}; every row needs 'prompt' (text or chat messages) and "
+                        f"the answer at answer_field {answer_field!r}")
+    prompt, messages = row["prompt"], None
+    if isinstance(prompt, list):
+        prompt, messages = "", _messages(prompt, where)
+    elif not isinstance(prompt, str) or not prompt.strip():  # a blank prompt is no prompt, as for the answer
+        raise DataError(f"{where}: 'prompt' must be a non-empty string or a list of chat messages "
+                        f"[{{\"role\": ..., \"content\": ...}}], got {prompt!r:.60}")
+    answer = _answer(row, answer_field, where)
+    # an empty answer, a null or a NaN (a missing value in many writers) is no answer: every sample would score 0
+    if (answer is None or (isinstance(answer, str) and not answer.strip())
+            or (isinstance(answer, float) and not math.isfinite(answer))):
+        raise DataError(f"{where}: {answer_field!r} is empty ({answer!r}); every row needs the reference answer")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise DataError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
-    # an empty answer or a NaN (a missing value in many writers) is no answer: every sample would score 0
-    if (isinstance(answer, str) and not answer.strip()) or (isinstance(answer, float) and not math.isfinite(answer)):
-        raise DataError(f"{where}: 'answer' is empty ({answer!r}); every row needs the reference answer")
-    extra = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+        raise DataError(f"{where}: {answer_field!r} must be a string or a number, got {type(answer).__name__}")
+    # a dotted answer_field leaves its top-level field among the columns (verl's reward_model.style routes rewards)
+    extra = {k: v for k, v in row.items() if k not in ("prompt", answer_field)}
     for name in RESERVED_COLUMNS:
         if name in extra:
-            raise DataError(f"{where}: column {name!r} clashes with the reward function keyword {name}= (the "
-                            f"step's {name[:-1]} list, passed by the trainer); rename the column")
-    return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra)
+            raise DataError(f"{where}: column {name!r} clashes with the reward function keyword {name}= (passed "
+                            "by the trainer); rename the column")
+    return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra, messages=messages)
+
+
+def _items(rows: Iterable[Row], answer_field: str, model_dir: str | Path | None) -> list[PromptItem]:
+    """Rows -> PromptItems, chat prompts rendered; one kind of prompt per file.
+
+    A reward function gets one kind of `prompts` and `completions` per batch (TRL decides it from the first row):
+    text, or message lists. A file mixing the two would hand it both.
+    """
+    items: list[PromptItem] = []
+    wheres: list[str] = []
+    for row, where in rows:
+        item = _item(len(items), row, where, answer_field)
+        if items and (item.messages is None) != (items[0].messages is None):
+            kinds = ("text", "chat messages") if item.messages is None else ("chat messages", "text")
+            raise DataError(f"{where}: 'prompt' is {kinds[0]}, and the first row's is {kinds[1]}; a file holds one "
+                            "kind of prompt (reward functions get one kind): convert the text prompts to "
+                            '[{"role": "user", "content": ...}] or the reverse')
+        items.append(item)
+        wheres.append(where)
+    if items and items[0].messages is not None:
+        render = chat_renderer(model_dir, wheres[0])
+        items = [dataclasses.replace(it, prompt=render(it.messages, w)) for it, w in zip(items, wheres)]
+    return items
+
+
+def chat_renderer(model_dir: str | Path | None, where: str) -> Callable[[list[dict[str, Any]], str], str]:
+    """`render(messages, where)` -> the prompt text the policy's chat template makes of them, with the generation
+    prompt (the assistant turn's opening) added: what TRL's GRPOTrainer feeds its model for such a row (less a
+    leading BOS token the tokenizer adds again when the rollout encodes the text).
+
+    Rendered once at load time, so the rollout, the trainer and the checkpoint's data fingerprint all see one text.
+    """
+    if model_dir is None:
+        raise DataError(f"{where}: 'prompt' is a list of chat messages; rendering it needs the policy's tokenizer "
+                        "(model_dir: the trainer passes it; load_prompts(path, model_dir=...))")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{where}: 'prompt' is a list of chat messages, and {model_dir} holds no tokenizer to render "
+                        f"it with ({e})") from None
+    if not tok.chat_template:
+        raise DataError(f"{where}: 'prompt' is a list of chat messages, and the tokenizer in {model_dir} has no chat "
+                        "template to render it with; add one (chat_template in tokenizer_config.json, or "
+                        "chat_template.jinja) or give text prompts")
+    from jinja2 import TemplateError
+
+    # Llama 3's and Gemma's templates write the BOS token into the text, and the rollout server encodes prompt text
+    # with the tokenizer's special tokens, BOS included: the model would see two (TRL encodes the rendered text
+    # without special tokens). A tokenizer that adds BOS itself gets the text without the template's leading one.
+    bos = tok.bos_token if tok.bos_token_id is not None and tok.encode("x")[:1] == [tok.bos_token_id] else None
+
+    def render(messages: list[dict[str, Any]], at: str) -> str:
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:  # a template that raises on a role it does not take (a system turn, ...)
+            raise DataError(f"{at}: the chat template of {model_dir} refused the messages: {e}") from None
+        return text[len(bos):] if bos and text.startswith(bos) else text
+
+    return render
 
 
 def _answer_text(answer: str | int | float) -> str:
@@ -86,7 +208,7 @@ def _utf8_text(path: Path) -> str:
         raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); re-save the file as UTF-8") from None
 
 
-def _load_json_array(path: Path, text: str) -> list[PromptItem]:
+def _json_array_rows(path: Path, text: str) -> Iterable[Row]:
     """A file holding one JSON array of rows (json.dump(rows, f, indent=2), pandas to_json(orient="records")).
 
     Read as JSONL, its first line "[" was refused as not valid JSON; a JSONL row is never an array, so a file
@@ -96,14 +218,15 @@ def _load_json_array(path: Path, text: str) -> list[PromptItem]:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    return [_item(i, row, f"{path} item {i}") for i, row in enumerate(rows)]
+    return ((row, f"{path} item {i}") for i, row in enumerate(rows))
 
 
-def load_jsonl(path: Path) -> list[PromptItem]:
+def jsonl_rows(path: Path) -> Iterable[Row]:
+    """The rows of a JSONL file (or of one JSON array), each with its "file:line"."""
     text = _utf8_text(path)
     if text.lstrip().startswith("["):
-        return _load_json_array(path, text)
-    items: list[PromptItem] = []
+        yield from _json_array_rows(path, text)
+        return
     # newline=None: the universal newlines a text-mode open() reads (\n, \r\n, \r)
     for lineno, line in enumerate(io.StringIO(text, newline=None), 1):
         if not line.strip():
@@ -112,45 +235,62 @@ def load_jsonl(path: Path) -> list[PromptItem]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        items.append(_item(len(items), row, f"{path}:{lineno}"))
-    return items
+        yield row, f"{path}:{lineno}"
 
 
-def load_parquet(path: Path) -> list[PromptItem]:
+def parquet_rows(path: Path, answer_field: str = "answer") -> Iterable[Row]:
+    """The rows of a Parquet file (structs -> dicts, lists -> lists: verl's chat prompts and reward_model),
+    each with its "file row i"; a column holding what JSON cannot (bytes, dates, decimals) is refused."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or convert the file to JSONL)") from None
     table = pq.read_table(path)
-    missing = [c for c in ("prompt", "answer") if c not in table.column_names]
+    missing = [c for c in dict.fromkeys(("prompt", answer_field.split(".")[0])) if c not in table.column_names]
     if missing:
-        raise DataError(f"{path}: missing column(s) {missing}; columns are {table.column_names}")
-    items = [_item(i, row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
-    for item in items:  # a JSONL row is JSON by construction; a Parquet column may hold bytes, dates, decimals
-        for name, value in item.extra.items():
+        raise DataError(f"{path}: missing column(s) {missing}; columns are {table.column_names}; answer_field "
+                        f"names the answer's column ({answer_field!r} now)")
+    for i, row in enumerate(table.to_pylist()):
+        # a JSONL row is JSON by construction; the other columns of a Parquet row reach reward functions as they are
+        # (and the gRPC reward server as JSON text), so they must be JSON too. prompt and answer are checked by _item.
+        for name, value in row.items():
+            if name in ("prompt", answer_field):
+                continue
             try:
                 json.dumps(value)
             except (TypeError, ValueError):
-                raise DataError(f"{path} row {item.index}: column {name!r} holds a {type(value).__name__}, which is "
-                                "not JSON; drop the column or convert it (text, numbers, lists, structs)") from None
-    return items
+                raise DataError(f"{path} row {i}: column {name!r} holds a {type(value).__name__}, which is not JSON; "
+                                "drop the column or convert it (text, numbers, lists, structs)") from None
+        yield row, f"{path} row {i}"
 
 
-def load_prompts(path: str | Path) -> list[PromptItem]:
-    """Read a JSONL or Parquet prompt file (by extension)."""
+def load_prompts(path: str | Path, answer_field: str = "answer",
+                 model_dir: str | Path | None = None) -> list[PromptItem]:
+    """Read a JSONL or Parquet prompt file (by extension): the answer at `answer_field` (a dotted path reaches into
+    nested fields), chat-message prompts rendered with the chat template of the tokenizer in `model_dir`."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"prompt file {p} does not exist")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        items = load_jsonl(p)
+        rows = jsonl_rows(p)
     elif suffix in (".parquet", ".pq"):
-        items = load_parquet(p)
+        rows = parquet_rows(p, answer_field)
     else:
         raise DataError(f"{p}: unknown prompt file type {suffix!r}; use .jsonl or .parquet")
+    items = _items(rows, answer_field, model_dir)
     if not items:
         raise DataError(f"{p}: no prompts in the file")
     return items
+
+
+def trainer_prompts(cfg) -> list[PromptItem]:  # noqa: ANN001 - TrainerConfig
+    """The trainer's data set: `data_path` read with its `answer_field` and the policy's chat template, else the
+    synthetic task. One function, for the trainer (loop.py) and `tlt run`'s resume check (launcher.py): a position
+    in the data is a position in these very items (their fingerprint)."""
+    if cfg.data_path:
+        return load_prompts(cfg.data_path, cfg.answer_field, cfg.model_dir)
+    return synthetic_prompts(cfg.synthetic_problems, cfg.seed)
 
 
 def synthetic_prompts(n: int, seed: int) -> list[PromptItem]:
@@ -195,14 +335,15 @@ class PromptSampler:
     @cached_property
     def fingerprint(self) -> str:
         """sha256 of the items in order (each one's prompt, answer and extra columns, which reward functions
-        read): a position is a position in this content.
+        read, and its chat messages when it has them): a position is a position in this content.
 
         Without it a data file edited to the same number of prompts resumed silently into other prompts.
         One pass over the text at the first save or resume (about 0.1 s for 100 MB of prompts).
         """
         h = hashlib.sha256()
         for item in self.items:
-            h.update(json.dumps([item.prompt, item.answer, item.extra], sort_keys=True, ensure_ascii=False).encode())
+            fields = [item.prompt, item.answer, item.extra] + ([item.messages] if item.messages is not None else [])
+            h.update(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode())
             h.update(b"\n")
         return h.hexdigest()
 

@@ -43,11 +43,12 @@ class EvalRecord:
 
 
 def eval_items(cfg: TrainerConfig) -> list[PromptItem]:
-    """The fixed eval set: the first eval_problems of eval_data_path, else the synthetic held-out draw."""
+    """The fixed eval set: the first eval_problems of eval_data_path (read as data_path is: its answer at
+    eval_answer_field, chat prompts rendered with model_dir's template), else the synthetic held-out draw."""
     if cfg.eval_data_path:
         from tlt.services.trainer.data import DataError, load_prompts
 
-        items = load_prompts(cfg.eval_data_path)
+        items = load_prompts(cfg.eval_data_path, cfg.eval_answer_field or cfg.answer_field, cfg.model_dir)
         if len(items) < cfg.eval_problems:
             raise DataError(f"{cfg.eval_data_path}: {len(items)} prompts, eval_problems asks for {cfg.eval_problems}")
         return items[: cfg.eval_problems]

@@ -121,7 +121,8 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
         load_config(cls, name, None, services.get(name, {}))
 
 
-DATA_FIELDS = ("seed", "data_path", "synthetic_problems")  # what the checkpoint's data position is a position in
+# what the checkpoint's data position is a position in
+DATA_FIELDS = ("seed", "data_path", "answer_field", "synthetic_problems")
 
 
 def _check_same_data(run_dir: Path, trainer: dict[str, Any]) -> None:
@@ -159,7 +160,7 @@ def _data_file_change(run_dir: Path, cfg: TrainerConfig) -> str | None:
     import torch
 
     from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointManager
-    from tlt.services.trainer.data import DataError, PromptSampler, load_prompts
+    from tlt.services.trainer.data import DataError, PromptSampler, trainer_prompts
 
     try:
         latest = CheckpointManager(run_dir / "checkpoints").latest()
@@ -169,7 +170,7 @@ def _data_file_change(run_dir: Path, cfg: TrainerConfig) -> str | None:
         return None
     saved = torch.load(latest / STATE_FILE, weights_only=False)["sampler"]  # our own file, as the trainer loads it
     try:
-        now = PromptSampler(load_prompts(cfg.data_path), cfg.seed)
+        now = PromptSampler(trainer_prompts(cfg), cfg.seed)  # as the trainer reads it (chat template, answer_field)
     except DataError as e:  # gone, or no longer readable
         return str(e)
     if saved["size"] != len(now.items):

@@ -63,13 +63,12 @@ def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
 
 def train(cfg: TrainerConfig) -> TrainSummary:
     from tlt.services.trainer.checkpoint import CheckpointManager
-    from tlt.services.trainer.data import PromptSampler, load_prompts, synthetic_prompts
+    from tlt.services.trainer.data import PromptSampler, trainer_prompts
     from tlt.services.trainer.distributed import broadcast, is_main
     from tlt.services.trainer.policy import Policy, ReferencePolicy
     from tlt.services.trainer.step import grpo_step
 
-    items = load_prompts(cfg.data_path) if cfg.data_path else synthetic_prompts(cfg.synthetic_problems, cfg.seed)
-    sampler = PromptSampler(items, cfg.seed)  # every rank keeps the same position (checkpoints)
+    sampler = PromptSampler(trainer_prompts(cfg), cfg.seed)  # every rank keeps the same position (checkpoints)
     policy = Policy(cfg)
     reference = None
     if cfg.kl_beta > 0:

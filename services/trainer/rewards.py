@@ -1,10 +1,13 @@
 """Reward sources behind one interface: score completions as they arrive.
 
     source.begin() -> RewardBatch
-    batch.submit(key, prompt, completion, answer, extra)   # called as each completion streams in
+    batch.submit(key, prompt, completion, answer, extra,    # called as each completion streams in
+                 messages=, completion_ids=)
     batch.results() -> {key: RewardResult}                  # waits for the rest; raises RewardError
 
-`extra` is the data row's other columns (PromptItem.extra: JSON values).
+`extra` is the data row's other columns (PromptItem.extra: JSON values); `messages` the row's chat messages when
+its prompt was a list of them (PromptItem.messages; `prompt` is then their rendered text); `completion_ids` the
+completion's token ids, as the rollout returned them.
 
 Two sources:
 - `FunctionRewards`: in-process Python functions with TRL's contract
@@ -15,12 +18,18 @@ Two sources:
   where a row lacks the column). Only the keywords the function names are
   passed, unless it takes **kw; by keyword, as TRL calls them, when the
   function names a `completions` parameter. Several functions are summed
-  with weights.
+  with weights. As TRL's GRPOTrainer does (trl/trainer/grpo_trainer.py,
+  `_generate_and_score_completions`), a chat-message row's function gets
+  `prompts` as the message lists and each completion as
+  `[{"role": "assistant", "content": text}]`, and `completion_ids` (each
+  completion's token ids) when it names that keyword or takes **kw.
 - `GrpcRewards`: any `tlt.v1.Reward` server through `RewardClient`; each
   completion is submitted the moment it arrives from the rollout stream, so
   scoring overlaps the long tail of decoding. The client bounds concurrency,
   applies the timeout and retries transport failures. Extra columns travel
   in `ScoreRequest.metadata`: a text value as is, any other value as JSON.
+  A server always gets text: a chat row's prompt as the rendered chat
+  template, the completion as its text; no messages, no token ids.
 
 A reward that cannot be had (server unreachable after retries, a call
 refused, `ok=false` in a response, a function that raises or returns the
@@ -55,9 +64,13 @@ class RewardResult:
     correct: bool  # the verifier's verdict when the source gives one, else reward > 0
 
 
+Messages = Sequence[Mapping[str, Any]]  # a chat prompt: [{"role": ..., "content": ...}, ...]
+
+
 class RewardBatch(Protocol):
     def submit(self, key: str, prompt: str, completion: str, answer: str,
-               extra: Mapping[str, Any] | None = None) -> None: ...
+               extra: Mapping[str, Any] | None = None, messages: Messages | None = None,
+               completion_ids: Sequence[int] | None = None) -> None: ...
     def results(self) -> dict[str, RewardResult]: ...
 
 
@@ -76,18 +89,21 @@ def _check_value(key: str, value: object, origin: str) -> float:
 # -- in-process functions ----------------------------------------------------------------
 
 
-def _call(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str],
-          columns: Mapping[str, list[Any]]) -> list[float]:
+def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: list[str],
+          columns: Mapping[str, list[Any]], completion_ids: list[list[int]] | None = None) -> list[float]:
     """Call `fn` as TRL does, by keyword, when it names a `completions` parameter, else positionally.
 
     TRL's functions take `completions` first (`think_format_reward(completions, **kwargs)`) and get
     `prompts` among the keywords, so a positional (prompts, completions) call fails on them.
-    `columns` (the data's extra columns, one list each) go as keywords, like the answers.
+    `columns` (the data's extra columns, one list each) go as keywords, like the answers and the
+    completions' token ids (`completion_ids`, when every completion came with them).
     """
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kw = {k: v for k, v in columns.items() if takes_any or k in params}
     kw.update({k: answers for k in ("answer", "answers") if takes_any or k in params})
+    if completion_ids is not None and (takes_any or "completion_ids" in params):
+        kw["completion_ids"] = completion_ids
     if "completions" in params and all(
         params[k].kind is not inspect.Parameter.POSITIONAL_ONLY for k in ("prompts", "completions") if k in params
     ):
@@ -105,14 +121,28 @@ class _FunctionBatch:
         self._completions: list[str] = []
         self._answers: list[str] = []
         self._extras: list[Mapping[str, Any]] = []
+        self._messages: list[Messages | None] = []
+        self._ids: list[Sequence[int] | None] = []
 
     def submit(self, key: str, prompt: str, completion: str, answer: str,
-               extra: Mapping[str, Any] | None = None) -> None:
+               extra: Mapping[str, Any] | None = None, messages: Messages | None = None,
+               completion_ids: Sequence[int] | None = None) -> None:
         self._keys.append(key)
         self._prompts.append(prompt)
         self._completions.append(completion)
         self._answers.append(answer)
         self._extras.append(extra or {})
+        self._messages.append(messages)
+        self._ids.append(completion_ids)
+
+    def _trl_inputs(self) -> tuple[list[Any], list[Any]]:
+        """(prompts, completions) as TRL hands them to a function: texts, or for a chat-message row its messages and
+        `[{"role": "assistant", "content": text}]`. Fresh lists per call: a function may edit them (TRL's own trainer
+        pops a prefill off a prompt), and the row's messages are read again by every later step."""
+        prompts = [p if m is None else [dict(x) for x in m] for p, m in zip(self._prompts, self._messages)]
+        completions = [c if m is None else [{"role": "assistant", "content": c}]
+                       for c, m in zip(self._completions, self._messages)]
+        return prompts, completions
 
     def _columns(self) -> dict[str, list[Any]]:
         """Each extra column as one list aligned with the completions; None where a row lacks it."""
@@ -127,7 +157,8 @@ class _FunctionBatch:
         read inside the boundary too: a generator function's code runs only as they are read.
         """
         try:
-            values = _call(fn, self._prompts, self._completions, self._answers, columns)
+            ids = None if any(i is None for i in self._ids) else [list(i) for i in self._ids]
+            values = _call(fn, *self._trl_inputs(), self._answers, columns, ids)
             if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
                 raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} "
                                   "numbers is required")
@@ -209,10 +240,15 @@ def _import_user_module(spec: str, name: str) -> Any:
 
 
 def task_rewards() -> FunctionRewards:
-    """The built-in verifier of the synthetic task (1.0 for the exact answer, else 0.0)."""
+    """The built-in verifier of the synthetic task (1.0 for the exact answer, else 0.0), on text completions or
+    chat-message ones (`[{"role": "assistant", "content": text}]`: the data's prompts were chat messages)."""
     from tlt.task import reward
 
-    return FunctionRewards([reward])
+    def task_reward(prompts: list[Any], completions: list[Any], answers: list[str]) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return reward(prompts, texts, answers)
+
+    return FunctionRewards([task_reward])
 
 
 # -- gRPC reward service --------------------------------------------------------------------
@@ -224,7 +260,9 @@ class _GrpcBatch:
         self._futures: dict[str, Future] = {}
 
     def submit(self, key: str, prompt: str, completion: str, answer: str,
-               extra: Mapping[str, Any] | None = None) -> None:
+               extra: Mapping[str, Any] | None = None, messages: Messages | None = None,
+               completion_ids: Sequence[int] | None = None) -> None:
+        """One ScoreRequest: text only (`prompt` is a chat row's rendered template); messages and ids are not sent."""
         from tlt.v1 import reward_pb2
 
         if key in self._futures:

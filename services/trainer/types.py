@@ -19,6 +19,9 @@ class PromptItem:
     answer: str
     # The row's other columns (JSON values), for reward functions: TRL passes each as a keyword list.
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
+    # The row's chat messages when its prompt was a list of {role, content} (TRL's conversational rows): `prompt` is
+    # then their rendering by the policy's chat template, and reward functions get these, as TRL passes them.
+    messages: list[dict[str, str]] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
