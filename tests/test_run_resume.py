@@ -338,6 +338,21 @@ def test_a_set_of_an_unknown_section_is_refused_by_name(tmp_path: Path) -> None:
     _closed(_plan(runs, model, "--run-id", "r", "--set", "rollout.spec.threshold=8"))
 
 
+def test_a_set_of_one_key_of_a_map_keeps_the_others(tmp_path: Path) -> None:
+    """`tlt run --set sglang.adaptive_steps.1=[1, 3]` wrote {"1": [1, 3]} into the run's preset, which replaced the
+    whole default map (buckets 2, 5 and 21 gone), where `tlt config show --set` and TLT_SGLANG__ADAPTIVE_STEPS__1
+    set that one key (services/common/config.py)."""
+    from tlt.services.common.config import load_config
+    from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+
+    model, runs = _fake_model(tmp_path)
+    plan = _closed(_plan(runs, model, "--run-id", "r", "--set", "sglang.adaptive_steps.1=[1, 3]"))
+    steps = load_config(SGLangBackendConfig, "sglang", plan.config_path, environ={}).adaptive_steps
+    assert steps == {**SGLangBackendConfig().adaptive_steps, "1": [1, 3]}
+    plan = _closed(_plan(runs, model, "--run-id", "r2", "--set", 'sglang.adaptive_steps={"4" = [3]}'))
+    assert load_config(SGLangBackendConfig, "sglang", plan.config_path, environ={}).adaptive_steps == {"4": [3]}
+
+
 def test_a_resumed_launch_shows_only_the_evals_its_trainer_keeps(tmp_path: Path) -> None:
     """Killed after the eval after 4 steps but before checkpoint 4: the resumed trainer drops that eval and runs
     it again; the launch showed the killed run's line as well (two 'held-out accuracy after 4 steps')."""

@@ -170,14 +170,9 @@ def check_before_start(model: str, config: Any) -> None:
     otherwise hit while loading, and report as a replica failure with its traceback."""
     from tlt.model.drafter import check_drafter_folder
     from tlt.model.loader import check_checkpoint
-    from tlt.services.common.config import ConfigError
-    from tlt.services.rollout.backends import BACKENDS
 
     check_checkpoint(model, architecture=config.backend == "native")  # SGLang serves architectures we do not
-    if config.backend not in BACKENDS and ":" not in config.backend:
-        raise ConfigError(f"unknown rollout backend {config.backend!r}; use one of {sorted(BACKENDS)} or "
-                          "'module:Class' (--backend, or [rollout] backend)")
-    spec = config.spec
+    spec = config.spec  # (an unknown backend: refused as the config loads, RolloutConfig._known_backend)
     if config.backend == "native" and spec.mode != "off" and spec.drafter == "learned":
         check_drafter_folder(spec.drafter_path)  # --drafter, or [rollout.spec] drafter_path
     if config.backend == "sglang":

@@ -14,12 +14,20 @@ import os
 import shutil
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt.services.common.config import ConfigError, cli_overrides, load_config, preset_path, read_preset
-from tlt.services.common.config_cmd import SECTION_CLASSES
+from tlt.services.common.config import (
+    ConfigError,
+    cli_overrides,
+    load_config,
+    nested_section,
+    preset_path,
+    read_preset,
+)
+from tlt.services.common.config_cmd import SECTION_CLASSES, config_class
 from tlt.services.common.logging import get_logger
 from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
@@ -56,10 +64,19 @@ def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
     if parts[0] not in SECTIONS:
         raise ServiceError(f"override {key!r}: unknown section {parts[0]!r}; the sections are {', '.join(SECTIONS)} "
                            "(nested: rollout.engine.FIELD, rollout.spec.FIELD)")
-    node = preset
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
+    node, cls = preset.setdefault(parts[0], {}), config_class(parts[0])
+    for p in parts[1:-1]:
+        field = getattr(cls, "model_fields", {}).get(p)
+        if p not in node:  # one key of a map the preset does not set: the others keep their defaults, as
+            # TLT_<S>__<FIELD>__<KEY> and `tlt config show --set` keep them; a nested section starts empty
+            node[p] = dict(field.get_default(call_default_factory=True)) if _is_map(field) else {}
+        node, cls = node[p], nested_section(field)
     node[parts[-1]] = value
+
+
+def _is_map(field: Any) -> bool:
+    """A dict-valued config field ([sglang] adaptive_steps), not a nested section."""
+    return field is not None and nested_section(field) is None and typing.get_origin(field.annotation) is dict
 
 
 def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], RunConfig]:
