@@ -52,6 +52,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("config", "show"), "tlt.services.common.config_show",
             "every field of a preset's sections as TOML, with its description and where its value comes from"),
     Command(("config", "check"), "tlt.services.common.config_check", "validate every section of a preset file"),
+    Command(("data", "check"), "tlt.services.trainer.data_check",
+            "read a prompt file as the trainer will and measure it against the rollout's context"),
     Command(("report",), "tlt.services.trainer.report", "(re)write a run folder's report.html and plots"),
     Command(("bench", "engine"), "tlt.bench.engine", "native engine vs transformers generate"),
     Command(("bench", "rollout"), "tlt.bench.rollout", "long-tail rollout: SD off / static / adaptive / model-free"),

@@ -1,0 +1,264 @@
+"""`tlt data check`: a prompt file read as the trainer reads it, measured against the rollout's context.
+
+Run in this process through `tlt.cli.main`, on real files written here (JSONL, Parquet via pyarrow) and a real tiny
+checkpoint (tests/rollout_helpers.py: the task tokenizer, one token per digit, no BOS, a ChatML template, and a
+config.json with max_position_embeddings = 256). Nothing is faked.
+
+The figures are checked against values worked out by hand: a prompt of k digits is k tokens with this tokenizer (each
+digit is its own token), so a file of such prompts has known lengths, percentiles and fits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tlt.cli import main
+
+MAX_MODEL_LEN = 64
+MAX_TOKENS = 16  # so a prompt fits the rollout's context with up to 64 - 16 = 48 tokens
+
+
+@pytest.fixture(autouse=True)
+def _no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's TLT_<SECTION>__* variables would change the resolved config."""
+    for key in list(os.environ):
+        if key.startswith("TLT_"):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollout_helpers import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.mktemp("policy"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture
+def preset(tmp_path: Path, model_dir: Path) -> Path:
+    """A preset as a user writes one: the policy, max_tokens, and the rollout engine's context."""
+    p = tmp_path / "my.toml"
+    p.write_text(f'[trainer]\nmodel_dir = "{model_dir}"\nmax_tokens = {MAX_TOKENS}\neval_problems = 0\n\n'
+                 f"[rollout.engine]\nmax_model_len = {MAX_MODEL_LEN}\n")
+    return p
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def digits(k: int) -> str:
+    return "7" * k
+
+
+def check(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    """`tlt data check ... --json`: (exit status, the parsed report)."""
+    rc = main(["data", "check", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+# -- the figures ---------------------------------------------------------------------------------------------------
+
+
+def test_prompt_lengths_are_counted_with_the_policy_tokenizer(tmp_path, preset, tok, capsys) -> None:
+    lengths = [13, 3, 40, 8, 5]
+    assert [len(tok.encode(digits(k))) for k in lengths] == lengths  # one token per digit, nothing added
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": digits(k), "answer": i} for i, k in enumerate(lengths)])
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset))
+    assert rc == 0 and r["status"] == "ok" and r["warnings"] == []
+    assert r["rows"] == 5 and r["prompt_kind"] == "text" and r["answer_field"] == "answer"
+    # sorted 3 5 8 13 40; nearest rank: p50 = the 3rd of 5, p99 = the 5th
+    assert r["prompt_tokens"] == {"min": 3, "p50": 8, "p99": 40, "max": 40}
+    assert r["answers"] == ["0", "1", "2"] and r["distinct_answers"] == 5
+    assert r["max_model_len"] == MAX_MODEL_LEN and r["max_tokens"] == MAX_TOKENS
+    assert r["too_long"] == {"count": 0, "rows": []}
+
+
+def test_prompts_leaving_no_room_for_max_tokens_are_named(tmp_path, preset, capsys) -> None:
+    """64 - 16 = 48: a 48-token prompt fits exactly; 49 and 70 tokens would be refused by the rollout server."""
+    lengths = [10, 49, 48, 20, 70, 1]
+    rows = [{"prompt": digits(k), "answer": 1} for k in lengths]
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))  # a blank line 2
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset))
+    assert rc == 1 and r["status"] == "warn"
+    assert r["too_long"] == {"count": 2, "rows": [f"{data}:3", f"{data}:6"]}  # the file's own line numbers
+    assert len(r["warnings"]) == 1 and "2 prompts" in r["warnings"][0]
+    rc = main(["data", "check", "--data", str(data), "--preset", str(preset)])
+    out = capsys.readouterr().out
+    assert rc == 1 and f"{data}:3" in out and f"{data}:6" in out and "max_model_len 64" in out
+
+
+def test_the_resolved_config_decides_the_room(tmp_path, preset, capsys, monkeypatch) -> None:
+    """The environment and --set change max_tokens and max_model_len as they do for the services."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": digits(k), "answer": 1} for k in (30, 40)])
+    assert check(capsys, "--data", str(data), "--preset", str(preset))[1]["too_long"]["count"] == 0
+    monkeypatch.setenv("TLT_TRAINER__MAX_TOKENS", "30")  # 64 - 30 = 34: the 40-token prompt no longer fits
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset))
+    assert rc == 1 and r["max_tokens"] == 30 and r["too_long"] == {"count": 1, "rows": [f"{data}:2"]}
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "trainer.max_tokens=34",
+                  "--set", "rollout.engine.max_model_len=63")  # 63 - 34 = 29: neither fits
+    assert rc == 1 and r["max_tokens"] == 34 and r["max_model_len"] == 63 and r["too_long"]["count"] == 2
+    # max_model_len = 0: the model's max_position_embeddings (256), as the native engine takes it
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "rollout.engine.max_model_len=0")
+    assert rc == 0 and r["max_model_len"] == 256
+
+
+def test_a_verl_parquet_file_with_a_dotted_answer_field(tmp_path, preset, tok, capsys) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": "train", "index": i}} for i in range(4)]
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--answer-field", "reward_model.ground_truth")
+    assert rc == 0, r
+    assert r["prompt_kind"] == "chat messages" and r["answer_field"] == "reward_model.ground_truth"
+    assert r["answers"] == ["0", "2", "4"] and r["distinct_answers"] == 4
+    assert r["columns"] == {"data_source": 4, "ability": 4, "reward_model": 4, "extra_info": 4}
+    n = [len(tok.encode(tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)))
+         for row in rows]
+    assert r["prompt_tokens"]["min"] == min(n) and r["prompt_tokens"]["max"] == max(n)
+
+
+def test_show_prints_chat_prompts_as_the_model_sees_them(tmp_path, preset, tok, capsys) -> None:
+    chat = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 1+1?"}]
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == ("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nWhat is 1+1?"
+                        "<|im_end|>\n<|im_start|>assistant\n")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": chat, "answer": "2"},
+                                              {"prompt": [{"role": "user", "content": "3*3="}], "answer": 9}])
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--show", "1")
+    assert rc == 0
+    assert r["shown"] == [{"row": f"{data}:1", "prompt": rendered, "tokens": len(tok.encode(rendered)),
+                           "answer": "2"}]
+    assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--show", "2"]) == 0
+    out = capsys.readouterr().out
+    assert rendered in out and "<|im_start|>user\n3*3=<|im_end|>\n<|im_start|>assistant\n" in out
+
+
+def test_tokens_counted_with_special_tokens_as_the_rollout_server_encodes(tmp_path, model_dir, capsys) -> None:
+    """The rollout server encodes prompt text with tokenizer.encode(text): special tokens added. A tokenizer that
+    adds a BOS token makes each prompt one token longer, and the room check counts it."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    bos_dir = tmp_path / "bos"
+    bos_dir.mkdir()
+    for f in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        if (model_dir / f).exists():
+            shutil.copy(model_dir / f, bos_dir / f)
+    t = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos = t.token_to_id("<|endoftext|>")
+    t.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    t.save(str(bos_dir / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": digits(k), "answer": 1} for k in (10, 48)])
+    p = tmp_path / "p.toml"
+    p.write_text(f'[trainer]\nmax_tokens = 16\n\n[rollout.engine]\nmax_model_len = 64\n')
+    rc, r = check(capsys, "--data", str(data), "--preset", str(p), "--model", str(bos_dir))
+    assert r["prompt_tokens"] == {"min": 11, "p50": 11, "p99": 49, "max": 49}
+    assert rc == 1 and r["too_long"] == {"count": 1, "rows": [f"{data}:2"]} and r["model_dir"] == str(bos_dir)
+
+
+def test_duplicates_are_counted_and_conflicting_answers_warned(tmp_path, preset, capsys) -> None:
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4},
+                                                 {"prompt": "1+1=", "answer": 2}, {"prompt": "1+1=", "answer": 2}])
+    rc, r = check(capsys, "--data", str(same), "--preset", str(preset))
+    assert rc == 0 and r["duplicates"] == {"count": 2, "conflicting": 0, "rows": []} and r["distinct_answers"] == 2
+    clash = write_jsonl(tmp_path / "clash.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4},
+                                                   {"prompt": "1+1=", "answer": 3}])
+    rc, r = check(capsys, "--data", str(clash), "--preset", str(preset))
+    assert rc == 1 and r["duplicates"] == {"count": 1, "conflicting": 1, "rows": [f"{clash}:3"]}
+
+
+# -- refusals: what the trainer refuses, with its words ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, extra", [
+    ([{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2="}], []),                       # a row without its answer
+    ([{"prompt": "1+1=", "reward_model": {"style": "rule"}}], ["--answer-field", "reward_model.ground_truth"]),
+    ([{"prompt": "1+1=", "answer": 2}, {"prompt": [{"role": "user", "content": "x"}], "answer": 1}], []),  # mixed
+])
+def test_a_bad_file_is_refused_with_the_trainers_message(rows, extra, tmp_path, preset, capsys) -> None:
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import DataError, trainer_prompts
+
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    over = {"data_path": str(data)} | ({"answer_field": extra[1]} if extra else {})
+    with pytest.raises(DataError) as trainer_error:
+        trainer_prompts(load_config(TrainerConfig, "trainer", preset, over))
+    rc = main(["--log-json", "data", "check", "--data", str(data), "--preset", str(preset), *extra])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and captured.out == "" and len(lines) == 1
+    assert json.loads(lines[0])["error"] == str(trainer_error.value)
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), *extra)
+    assert rc == 2 and r == {"status": "refused", "error": str(trainer_error.value)}
+
+
+def test_a_bad_config_or_missing_model_is_refused(tmp_path, preset, capsys) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}])
+    assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--set", "trainer.max_tokens=0"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--set", "reward.kind=x"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.kind" in err and "trainer, rollout" in err
+    missing = tmp_path / "no-such-model"
+    assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and len(err.strip().splitlines()) == 1
+    assert main(["data", "check", "--data", str(tmp_path / "nope.jsonl"), "--preset", str(preset)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# -- the command ---------------------------------------------------------------------------------------------------
+
+
+def test_help_describes_every_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["data", "check", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for flag in ("--data", "--model", "--answer-field", "--preset", "--set", "--json", "--show"):
+        assert flag in out
+    from tlt.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._subparsers._group_actions[0].choices["data"]._subparsers._group_actions
+              if hasattr(a, "choices")]
+    actions = [a for a in sub.choices["check"]._actions if a.option_strings and a.dest not in ("help", "log_json")]
+    assert {a.option_strings[0] for a in actions} == {"--data", "--model", "--answer-field", "--preset", "--set",
+                                                       "--json", "--show"}
+    assert all(a.help and len(a.help) > 15 for a in actions)
+
+
+@pytest.mark.parametrize("argv, option", [(["--show", "-1"], "--show"), (["--data", ""], "--data"),
+                                          (["--model", ""], "--model"), (["--answer-field", ""], "--answer-field")])
+def test_bad_flags_are_usage_errors_naming_the_option(argv, option, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["data", "check", *argv])
+    assert e.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+def test_a_long_file_shows_progress(tmp_path, preset, capsys) -> None:
+    big = write_jsonl(tmp_path / "big.jsonl", [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(5001)])
+    assert main(["data", "check", "--data", str(big), "--preset", str(preset)]) == 0
+    captured = capsys.readouterr()
+    assert "prompt tokens" in captured.err and "5001/5001" in captured.err and "5001" in captured.out
+    small = write_jsonl(tmp_path / "small.jsonl", [{"prompt": "1+1=", "answer": 2}])
+    assert main(["data", "check", "--data", str(small), "--preset", str(preset)]) == 0
+    assert capsys.readouterr().err == ""
