@@ -217,3 +217,17 @@ def test_the_sglang_adaptive_steps_map_takes_one_key_from_the_environment() -> N
     assert cfg.adaptive_steps == {**default, "1": [1, 3]} and len(default) > 1
     cfg = load_config(SGLangBackendConfig, "sglang", environ={"TLT_SGLANG__ADAPTIVE_STEPS": '{"1": [1, 3]}'})
     assert cfg.adaptive_steps == {"1": [1, 3]}
+
+
+def test_a_rule_across_fields_is_reported_without_dumping_the_whole_section() -> None:
+    """A model-level rule (eval_problems > 0 with your own data_path needs eval_data_path) was reported as
+    `(config)={...every field of the section...} (from defaults): Value error, ...`: one unreadable line that
+    blamed the defaults for values the user had given."""
+    from tlt.services.trainer.config import TrainerConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainerConfig, "trainer", "cpu-tiny", {"data_path": "/tmp/d.jsonl"}, environ={})
+    text = str(e.value)
+    assert "(config)=" not in text and "'lr_schedule'" not in text and "Value error" not in text
+    assert "eval_problems > 0 with your own data_path needs eval_data_path" in text
+    assert "command line" in text and "preset" in text  # where the section's values came from

@@ -203,7 +203,12 @@ def load_config(
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            field = ".".join(str(x) for x in err["loc"]) or "(config)"
+            if not err["loc"]:  # a rule across fields (a model validator): its input is the whole section
+                given = ", ".join(dict.fromkeys(sources.values())) or "defaults"
+                message = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{message} (this section's values from: {given})")
+                continue
+            field = ".".join(str(x) for x in err["loc"])
             origin = sources.get(str(err["loc"][0]) if err["loc"] else "", "defaults")
             if err["type"] == "extra_forbidden":
                 known = ", ".join(sorted(cls.model_fields))
