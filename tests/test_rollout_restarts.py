@@ -84,10 +84,11 @@ def test_a_stream_cut_by_a_replica_death_ends_like_a_non_streaming_request(model
 def test_a_stalled_replica_is_killed_and_restarted_and_its_requests_fail_clearly(model_dir):
     """A replica that hangs (a deadlock, a GPU hang; here SIGSTOP) used to hold its requests forever: no error,
     /health ok, an RL step stalled with nothing in any log. A replica with work that sends nothing for
-    `stall_timeout_s` is now killed and restarted like one that died, and its requests fail with UNAVAILABLE."""
+    `stall_timeout_s` is now killed and restarted like one that died, and its requests fail with UNAVAILABLE
+    (redispatch_limit=0: with re-dispatch they would wait for the restart, tests/test_rollout_redispatch.py)."""
     import grpc
 
-    with ServerThread(model_dir, replicas=1, max_restarts=1, stall_timeout_s=1.5) as s, \
+    with ServerThread(model_dir, replicas=1, max_restarts=1, stall_timeout_s=1.5, redispatch_limit=0) as s, \
             RolloutClient(s.grpc_address, timeout_s=30) as c:
         params = rollout_pb2.SamplingParams(max_tokens=4)
         assert len(list(c.batch_generate(["1+1="], n=2, params=params))) == 2  # idle time before is not a stall

@@ -51,6 +51,27 @@ def test_streams_become_steps_and_completions(model_dir):
     assert eng.stats().running == 1 and eng.stats().spec["mean_accept_len"] == 1.5
 
 
+def test_a_redispatched_subset_of_samples_keeps_each_samples_index_and_seed(model_dir):
+    """The replica pool re-issues only the samples a dead replica had not finished (`sample_indices`,
+    services/rollout/replicas.py); SGLang ran samples 0..len-1 instead: samples 0 and 1 again (duplicates of
+    finished ones, with their seeds) in place of 1 and 3, so the pool refused to re-dispatch a partly finished
+    request to an SGLang replica."""
+    eng, fake = make_engine(model_dir)
+    assert eng.runs_sample_subsets
+    params = SamplingParams(temperature=1.0, seed=7)
+    whole = {c.rid: c for c in generate_calls(GenerationRequest("w", (1, 2, 3), params, n=4), 64, False)}
+    eng.add_request(GenerationRequest("r", (1, 2, 3), params, n=4, sample_indices=(1, 3)))
+    assert [c for c in fake.calls if c[0] == "submit"] == [("submit", "r#1"), ("submit", "r#3")]
+    for i in (1, 3):  # the same per-sample seed as in the whole request
+        assert dict(fake.submitted[f"r#{i}"].sampling_params)["sampling_seed"] == \
+            dict(whole[f"w#{i}"].sampling_params)["sampling_seed"]
+    fake.feed(sglang_chunk("r#3", [4, 2], [-0.1, -0.2], {"type": "stop", "matched": 2}, "a"))
+    steps, (c,) = eng.step()
+    assert steps[0].sample_index == 3 and c.sample_index == 3
+    with pytest.raises(ValueError, match="sample_indices"):
+        eng.add_request(GenerationRequest("bad", (1,), n=2, sample_indices=(2,)))
+
+
 def test_abort_reports_an_aborted_completion(model_dir):
     eng, fake = make_engine(model_dir)
     eng.add_request(GenerationRequest("r", (1,), n=1))

@@ -2,7 +2,8 @@
 
 `max_pending_sequences` bounds the sequences handed to the replicas and not yet finished, failed or dropped
 (running or waiting, `pending_sequences`): the pool counts them exactly per replica (`_Replica.outstanding`,
-at submit, finish, failure, abort answer and death). The HTTP and gRPC handlers call `admit` with a request's
+at submit, finish, failure, abort answer and death), plus the unfinished ones of requests whose replica died and
+that wait for one to serve again (re-dispatch, replicas.py). The HTTP and gRPC handlers call `admit` with a request's
 prompts x n before they submit it: 400 / INVALID_ARGUMENT when it alone is over the limit, 429 / RESOURCE_EXHAUSTED
 when it would fit once others finish.
 
@@ -19,11 +20,14 @@ from tlt.services.rollout.errors import InvalidRequestError, OverloadedError
 class Admission:
     max_pending_sequences: int  # 0: no limit
     replicas: list[Any]
+    _pending: dict[str, Any]  # request id -> replicas._Pending
 
     @property
     def pending_sequences(self) -> int:
-        """Sequences handed to the replicas and not yet finished, failed or dropped: running or waiting."""
-        return sum(r.outstanding for r in self.replicas)
+        """Sequences handed to the replicas and not yet finished, failed or dropped (running or waiting), and those
+        waiting to be re-dispatched once a replica serves again."""
+        parked = sum(p.remaining for p in self._pending.values() if p.replica is None)
+        return sum(r.outstanding for r in self.replicas) + parked
 
     def admit(self, sequences: int) -> None:
         """Refuse a request of `sequences` (its prompts x n, all at once) that would take the replicas past

@@ -11,7 +11,10 @@ The interface (see `services/rollout/engine/engine.py`): constructed as
 `load` (running, queued, KV use; read after every step), `stats`,
 `expected_weights`, `update_weights`; optionally `release()` / `resume()`, which free
 device memory while a colocated trainer has borrowed the device and take it back
-(`Rollout.LendDevices`; called only when the engine holds no sequences).
+(`Rollout.LendDevices`; called only when the engine holds no sequences). An engine whose `add_request` runs
+only a request's `sample_indices` (each with the seed it has in the whole request) says so with a class
+attribute `runs_sample_subsets = True`: the pool then re-issues just the unfinished samples of a request whose
+replica died (replicas.py); without it only requests none of whose samples had finished are re-issued.
 """
 
 from __future__ import annotations

@@ -76,7 +76,16 @@ class RolloutConfig(ServiceConfig):
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for every replica to load its model")
     stall_timeout_s: float = Field(
         300.0, ge=0, description="a replica with sequences outstanding that sends nothing this long hangs: it is "
-        "killed, its requests fail with UNAVAILABLE and it is restarted (max_restarts); 0: never"
+        "killed, its requests are re-dispatched like a dead replica's (redispatch_limit) or fail with UNAVAILABLE, "
+        "and it is restarted (max_restarts); 0: never"
+    )
+    redispatch_limit: int = Field(
+        1, ge=0, description="times one request's samples that had not finished when its replica died (exit, kill, "
+        "stall) are re-issued to another live replica, or to the restarted one when none other is alive, so its "
+        "caller still gets each of its n completions once (a seeded sample keeps its seed); past it, or with no "
+        "replica alive or restarting, the request fails with UNAVAILABLE as a stream that already sent tokens "
+        "does. 1 by default: a request that itself crashes its replica then costs one more replica, not several; "
+        "0: never re-dispatch"
     )
     update_timeout_s: float = Field(600.0, gt=0, description="how long a weight update may take on every replica")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="the native engine's config, per replica")

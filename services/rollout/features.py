@@ -44,7 +44,7 @@ class FeaturePublisher:
         """The request with return_features on; remembers to strip them when the client did not ask."""
         if request.params.return_features:
             return request
-        self._strip[request.request_id] = request.n
+        self._strip[request.request_id] = len(request.samples)
         return dataclasses.replace(request, params=dataclasses.replace(request.params, return_features=True))
 
     def policy_changed(self, old_version: int, unfinished: Iterable[Any]) -> None:

@@ -85,6 +85,7 @@ class ReplicaInfo:
     versions: Versions
     expected_weights: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, torch dtype name)
     pid: int
+    runs_sample_subsets: bool = False  # its engine runs a request's `sample_indices` alone (re-dispatch, replicas.py)
 
 
 @dataclass(frozen=True)

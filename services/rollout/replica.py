@@ -108,6 +108,7 @@ def replica_main(
         versions=engine.versions,
         expected_weights={k: (tuple(s), str(d).removeprefix("torch.")) for k, (s, d) in engine.expected_weights().items()},
         pid=os.getpid(),
+        runs_sample_subsets=bool(getattr(engine, "runs_sample_subsets", False)),
     )
     conn.send(Ready(info))
     log.info("replica_ready", replica=replica_id, pid=info.pid, threads=torch.get_num_threads(), device=info.device,

@@ -6,13 +6,17 @@ Each replica is a `multiprocessing` spawn process (`replica.replica_main`) with 
 `_Replica` is the front process's handle on it: the process, its pipe and the pool's bookkeeping of it.
 
 Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
-OOM, kill -9) fails its in-flight requests with ReplicaUnavailableError and
-is started again after a back-off (1 s, doubling, at most 30 s). `max_restarts`
+OOM, kill -9) hands its in-flight requests back to the pool, which re-dispatches
+their unfinished samples (`redispatch_limit`, replicas.py: `_rehome`) or fails
+them with ReplicaUnavailableError, and is started again after a back-off (1 s,
+doubling, at most 30 s); requests that wait for it (no other replica alive) go to
+it once it serves, or fail when its restart fails. `max_restarts`
 bounds a crash loop, not a server's lifetime: a replica that served for
 `RESTART_WINDOW_S` before it died starts again from restart 1. A replica
 that hangs (a deadlock, a GPU hang) is treated as dead: one with sequences
 outstanding that has sent nothing for `stall_timeout_s` is killed (SIGKILL),
-its requests fail with ReplicaUnavailableError("... stalled ..."), and it is
+its requests are handed back like a dead one's (those that cannot go on fail
+with ReplicaUnavailableError("... stalled ...")), and it is
 restarted like any dead replica. A dead replica's process that has not exited
 `EXIT_GRACE_S` after is killed before its replacement starts (it still holds
 its memory).
@@ -117,6 +121,8 @@ class ReplicaLifecycle:
         def _new_lease(self) -> Any: ...
         def _maybe_idle(self, rep: _Replica) -> None: ...
         def _publish_state(self, rep: _Replica, state: int) -> None: ...
+        def _rehome(self, dead: _Replica, why: str) -> None: ...
+        def _settle_parked(self) -> None: ...
 
     async def start(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
@@ -137,8 +143,9 @@ class ReplicaLifecycle:
 
     async def _watch_stalls(self) -> None:
         """Kill a live replica that has sequences outstanding and has sent nothing for `stall_timeout_s` (it hangs):
-        `_on_dead` fails its requests and restarts it. A policy push being applied is not a stall (it answers once
-        done, within `update_timeout_s`); an engine step, however long its prefill, sends its events when done."""
+        `_on_dead` re-dispatches or fails its requests and restarts it. A policy push being applied is not a stall
+        (it answers once done, within `update_timeout_s`); an engine step, however long its prefill, sends its events
+        when done."""
         period = min(5.0, self.stall_timeout_s / 4)
         while not self._stopping:
             await asyncio.sleep(period)
@@ -153,7 +160,8 @@ class ReplicaLifecycle:
 
     def _kill(self, rep: _Replica, why: str) -> None:
         """Treat a live replica in an unknown state (hung, or silent on a command it may still carry out) as dead:
-        fail its requests and commands at once (`_on_dead`, which restarts it), then SIGKILL its process."""
+        re-dispatch or fail its requests and fail its commands at once (`_on_dead`, which restarts it; what it sends
+        until the kill lands is dropped), then SIGKILL its process."""
         self._on_dead(rep, why)
         rep.process.kill()
 
@@ -193,7 +201,14 @@ class ReplicaLifecycle:
         return rep
 
     async def _restart(self, dead: _Replica, timeout_s: float = 300.0) -> None:
-        """Start a replacement for a dead replica, replay the latest pushes, then route to it."""
+        """Start a replacement for a dead replica, replay the latest pushes, then route to it; the requests waiting
+        for a replica go to it then, or fail when it did not come up and no other restart is under way."""
+        try:
+            await self._restart_once(dead, timeout_s)
+        finally:
+            self._settle_parked()
+
+    async def _restart_once(self, dead: _Replica, timeout_s: float) -> None:
         i = dead.replica_id
         n = self.restarts.get(i, 0) + 1
         self.restarts[i] = n
@@ -275,10 +290,6 @@ class ReplicaLifecycle:
                 rep.ready.cancel()
             else:
                 rep.ready.set_exception(ReplicaUnavailableError(f"replica {rep.replica_id} failed to start: {why}"))
-        for rid, p in list(self._pending.items()):
-            if p.replica is rep:
-                del self._pending[rid]
-                p.events.put_nowait(ReplicaUnavailableError(f"replica {rep.replica_id} died: {why.splitlines()[-1]}"))
         for cmd_id, (owner, fut) in list(self._replies.items()):
             if owner is rep:  # a command the dead replica will never answer
                 del self._replies[cmd_id]
@@ -302,3 +313,4 @@ class ReplicaLifecycle:
                 else:
                     log.error("replica_not_restarted", replica=rep.replica_id, restarts=self.restarts.get(rep.replica_id, 0),
                               max_restarts=self.max_restarts)
+        self._rehome(rep, why)  # once it is known whether a restart is coming: requests may wait for it

@@ -26,6 +26,17 @@ had: it is killed (`_kill`) and counts as one that died meanwhile, so the push
 holds if any other replica applied it (the restarted replica gets it replayed)
 and fails otherwise (it gets the previous weights). One update at a time.
 
+Re-dispatch (`redispatch_limit` > 0): when a replica dies (its process exits, or the stall watchdog or an
+update timeout kills it), each request it held goes on elsewhere instead of failing: the samples of it that had
+not finished (none of their completions went to the caller yet) are re-issued, under the request's id, to the
+least-loaded live replica, or, with none alive, to the restarted one once it serves again. Each keeps its sample
+index (`GenerationRequest.sample_indices`), so its per-sample seed (`engine/sequence.py: seed_for(seed, i)`): a
+seeded request gives the same completions whether or not a replica died, and the caller gets each index once.
+What comes late from the dead replica is dropped (only the replica a request is on now counts). A request
+fails with ReplicaUnavailableError as before when it was re-dispatched `redispatch_limit` times already, when
+no replica is alive and none is restarting, when its stream already sent tokens (`want_steps`: those cannot be
+taken back) and when its backend cannot run a subset of a request's samples and some had finished.
+
 Replica processes (spawn, death, restart, the stall watchdog): replica_lifecycle.py.
 Admission control (`admit`, `max_pending_sequences`): admission.py.
 """
@@ -36,7 +47,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tlt.services.common.logging import get_logger
@@ -70,10 +81,15 @@ log = get_logger("rollout.replicas")
 @dataclass
 class _Pending:
     request: GenerationRequest
-    replica: "_Replica"
+    replica: "_Replica | None"  # None: its replica died and it waits for one to serve again (`_settle_parked`)
     remaining: int
     want_steps: bool
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: set[int] = field(default_factory=set)  # sample indices whose completion went to the caller
+    stepped: bool = False  # a StepOutput went to the caller: its tokens of unfinished samples cannot be taken back
+    redispatches: int = 0
+    lost: str = ""  # why its last replica was lost ("replica 1 died: ..."); the error if it cannot go on
+    lost_from: int = -1  # that replica's id
 
 
 @dataclass
@@ -95,8 +111,11 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
     def __init__(self, model_dir: str, backend: str, engine_config: Any, replicas: int, threads_per_replica: int,
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
                  spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False,
-                 spin_wait: bool = False, stall_timeout_s: float = 0.0, max_pending_sequences: int = 0) -> None:
+                 spin_wait: bool = False, stall_timeout_s: float = 0.0, max_pending_sequences: int = 0,
+                 redispatch_limit: int = 0) -> None:
         self.model_dir = model_dir
+        self.redispatch_limit = redispatch_limit  # 0: a dead replica's requests fail (see the module docstring)
+        self.redispatches = 0  # requests re-dispatched since start, each time counted
         self.max_pending_sequences = max_pending_sequences  # 0: no limit (see admit)
         self.stall_timeout_s = stall_timeout_s  # 0: no watchdog
         self._watchdog: asyncio.Task | None = None
@@ -180,12 +199,14 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
             rep.load = event.load
             for s in event.steps:
                 p = self._pending.get(s.request_id)
-                if p is not None and p.want_steps:
+                if p is not None and p.replica is rep and p.want_steps:
+                    p.stepped = True
                     p.events.put_nowait(s)
             for c in event.finished:
                 p = self._pending.get(c.request_id)
-                if p is None:
-                    continue  # aborted here already
+                if p is None or p.replica is not rep:
+                    continue  # aborted here already, or sent by a replica the pool counts dead (re-dispatched)
+                p.finished.add(c.sample_index)
                 p.events.put_nowait(c)
                 p.remaining -= 1
                 rep.outstanding -= 1
@@ -198,8 +219,9 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
             rep.outstanding -= rep.aborting.pop(event.cmd_id, 0)
             self._maybe_idle(rep)
         elif isinstance(event, RequestFailed):
-            p = self._pending.pop(event.request_id, None)
-            if p is not None:
+            p = self._pending.get(event.request_id)
+            if p is not None and p.replica is rep:
+                del self._pending[event.request_id]
                 rep.outstanding -= p.remaining
                 p.events.put_nowait(InvalidRequestError(event.message))
                 self._maybe_idle(rep)
@@ -230,26 +252,22 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
     ) -> AsyncIterator[StepOutput | CompletionOutput]:
         """Yield the request's StepOutputs (when asked) and its n CompletionOutputs as they come.
 
-        Raises InvalidRequestError if the engine refuses it, ReplicaUnavailableError if its
-        replica dies. Closing the iterator early (client gone) aborts the request.
+        Raises InvalidRequestError if the engine refuses it, ReplicaUnavailableError if its replica dies and
+        it cannot be re-dispatched (`_cannot_redispatch`). Closing the iterator early (client gone) aborts the
+        request on the replica it is on then.
         """
         if self._refusing:
             raise ReplicaUnavailableError(self._refusing)
         if request.request_id in self._pending:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         rep = self._pick()
-        p = _Pending(request, rep, request.n, want_steps)
+        total = len(request.samples)
+        p = _Pending(request, None, total, want_steps)
         self._pending[request.request_id] = p
-        if rep.outstanding == 0:  # the stall clock starts now, not at its last event before an idle spell
-            rep.heard = time.monotonic()
-        rep.outstanding += request.n
-        if self.lent_to:  # counted in first: this replica goes from LENT straight to BUSY, never IDLE between
-            self._take_back_now("a request arrived")
-        self._busy(rep)  # counted first: BUSY carries the sequences that made it busy
-        rep.outbox.put(AddRequest(request))
+        self._hand(p, rep, request)
         finished = 0
         try:
-            while finished < request.n:
+            while finished < total:
                 ev = await p.events.get()
                 if isinstance(ev, Exception):
                     raise ev
@@ -259,7 +277,78 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         finally:
             if self._pending.get(request.request_id) is p:
                 del self._pending[request.request_id]
-                self._abort(rep, request.request_id, p.remaining)
+                if p.replica is not None:  # where it is now: it may have been re-dispatched since
+                    self._abort(p.replica, request.request_id, p.remaining)
+
+    def _hand(self, p: _Pending, rep: _Replica, request: GenerationRequest) -> None:
+        """Send `request` (all of `p`, or its unfinished samples) to `rep`, its `p.remaining` sequences counted in."""
+        p.replica = rep
+        if rep.outstanding == 0:  # the stall clock starts now, not at its last event before an idle spell
+            rep.heard = time.monotonic()
+        rep.outstanding += p.remaining
+        if self.lent_to:  # counted in first: this replica goes from LENT straight to BUSY, never IDLE between
+            self._take_back_now("a request arrived")
+        self._busy(rep)  # counted first: BUSY carries the sequences that made it busy
+        rep.outbox.put(AddRequest(request))
+
+    # ---- re-dispatch (see the module docstring) -------------------------------------------
+
+    def _rehome(self, dead: _Replica, why: str) -> None:
+        """The requests `dead` held (it died; its counts are dropped): re-dispatch each that may go on, else fail
+        it with ReplicaUnavailableError. Called by `_on_dead` once it decided whether `dead` restarts."""
+        lost = f"replica {dead.replica_id} died: {why.splitlines()[-1]}"
+        for rid, p in list(self._pending.items()):
+            if p.replica is not dead:
+                continue
+            p.replica, p.lost, p.lost_from = None, lost, dead.replica_id
+            refusal = self._cannot_redispatch(p)
+            if refusal is not None:
+                del self._pending[rid]
+                p.events.put_nowait(ReplicaUnavailableError(lost + refusal))
+        self._settle_parked()
+
+    def _cannot_redispatch(self, p: _Pending) -> str | None:
+        """Why `p` must fail rather than go on (appended to its error); None when it may be re-dispatched."""
+        if self._stopping or self._refusing or not self.redispatch_limit:
+            return ""
+        if p.redispatches >= self.redispatch_limit:
+            times = f"{p.redispatches} time{'s' if p.redispatches != 1 else ''}"
+            return f" (the request was re-dispatched {times} already, redispatch_limit={self.redispatch_limit})"
+        if p.want_steps and p.stepped:
+            return " (its stream already sent tokens of samples that had not finished: not re-dispatched)"
+        if p.finished and not self.info.runs_sample_subsets:
+            return f" (the {self.backend!r} backend cannot re-issue the unfinished samples of a request alone)"
+        return None
+
+    def _settle_parked(self) -> None:
+        """Re-dispatch the requests waiting for a replica when one serves; fail them when none is alive and none is
+        restarting (a restart that fails settles them again, `_restart`)."""
+        parked = [(rid, p) for rid, p in self._pending.items() if p.replica is None]
+        if not parked or self._stopping or self._refusing:  # refuse_requests failed them all
+            return
+        if any(r.alive for r in self.replicas):
+            for _, p in parked:
+                self._redispatch(p)
+        elif not self._restart_coming():
+            for rid, p in parked:
+                del self._pending[rid]
+                p.events.put_nowait(ReplicaUnavailableError(p.lost + " (no replica alive, none restarting)"))
+
+    def _restart_coming(self) -> bool:
+        current = asyncio.current_task()
+        return any(not t.done() for t in self._restart_tasks if t is not current)
+
+    def _redispatch(self, p: _Pending) -> None:
+        """Re-issue the samples of `p` that have not finished to the least-loaded live replica, each with its index."""
+        rep = self._pick()
+        left = tuple(i for i in p.request.samples if i not in p.finished)
+        request = replace(p.request, sample_indices=left) if p.finished else p.request
+        p.redispatches += 1
+        self.redispatches += 1
+        log.warning("request_redispatched", request_id=p.request.request_id, from_replica=p.lost_from,
+                    to_replica=rep.replica_id, sequences=len(left), sample_indices=list(left),
+                    redispatch=p.redispatches, why=p.lost)
+        self._hand(p, rep, request)
 
     def _abort(self, rep: _Replica, request_id: str, sequences: int) -> None:
         """Ask `rep` to drop a request the client gave up on. Its `sequences` stay outstanding (BUSY) until the

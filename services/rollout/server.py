@@ -91,7 +91,7 @@ class RolloutServer:
                                 cfg.features_push, cfg.features_max_tokens,
                                 cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts,
                                 pin_cpus=cfg.pin_cpus, spin_wait=cfg.spin_wait and spin_ok,
-                                stall_timeout_s=cfg.stall_timeout_s,
+                                stall_timeout_s=cfg.stall_timeout_s, redispatch_limit=cfg.redispatch_limit,
                                 max_pending_sequences=cfg.max_pending_sequences)
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
         await self.pool.start(cfg.startup_timeout_s)

@@ -87,6 +87,18 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
+    # Which of the n samples to run; empty: all. The replica pool re-issues the samples that had not finished when
+    # a request's replica died (replicas.py): each keeps its index, so its per-sample seed, and completes once.
+    sample_indices: tuple[int, ...] = ()
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        """The sample indices this request runs: `sample_indices`, or 0..n-1. ValueError unless they are distinct
+        indices below n (checked here, for every backend that honours them)."""
+        samples = self.sample_indices or tuple(range(self.n))
+        if len(set(samples)) != len(samples) or any(not 0 <= i < self.n for i in samples):
+            raise ValueError(f"sample_indices must be distinct indices in [0, n={self.n}), got {list(samples)}")
+        return samples
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ drafter (v1), then SIGKILLs replica 0 by the pid the server reports (a
 process this test started). Checked:
 
 - requests keep being served by the live replica while replica 0 is down
-  (a request that was on the killed replica fails with UNAVAILABLE, none other);
+  (a request that was on the killed replica is re-dispatched to it, or fails with UNAVAILABLE; none other);
 - the replacement gets a new pid, and is routed to only once its versions
   equal the pool's (policy 1, drafter 1) — GetStatus shows them per replica;
 - greedy tokens from BOTH replicas afterwards equal the v1 tokens (the replay

@@ -76,6 +76,8 @@ class EngineStats:
 
 
 class LLMEngine:
+    runs_sample_subsets = True  # add_request honours GenerationRequest.sample_indices (backends.py)
+
     def __init__(self, model_dir: str | Path, config: EngineConfig, replica_id: int = 0) -> None:
         from transformers import AutoTokenizer
 
@@ -133,6 +135,7 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already running")
         if not isinstance(req.n, int) or req.n < 1:
             raise ValueError(f"n must be a positive integer, got {req.n!r}")
+        samples = req.samples  # ValueError unless distinct indices below n
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt has {n_prompt} tokens; the context limit is {self.max_model_len}")
         vocab = self.model_config.vocab_size
@@ -149,7 +152,7 @@ class LLMEngine:
                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise num_kv_blocks/kv_cache_mb"
             )
         seed = p.seed if p.seed is not None else hash((self.config.seed, self.replica_id, next(self._seed_counter)))
-        seqs = [Sequence(req.request_id, i, req.prompt_token_ids, p, max_tokens, seed, self.eos_ids) for i in range(req.n)]
+        seqs = [Sequence(req.request_id, i, req.prompt_token_ids, p, max_tokens, seed, self.eos_ids) for i in samples]
         self._seqs[req.request_id] = seqs
         for s in seqs:
             self.scheduler.add(s)

@@ -100,6 +100,8 @@ def resolve_config(config: Any) -> SGLangBackendConfig:
 class SGLangEngine:
     """One replica's SGLang engine, speaking the native engine's interface."""
 
+    runs_sample_subsets = True  # add_request honours GenerationRequest.sample_indices (replica re-dispatch)
+
     def __init__(
         self,
         model_dir: str,
@@ -174,7 +176,7 @@ class SGLangEngine:
                                                         if self.reserved_tokens else ""))
         default_max = limit - n_prompt
         calls = generate_calls(req, default_max, self.config.return_hidden_states)
-        for i, call in enumerate(calls):
+        for i, call in zip(req.samples, calls):
             self._samples[call.rid] = SampleState(
                 request_id=req.request_id,
                 sample_index=i,

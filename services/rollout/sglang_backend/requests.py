@@ -113,7 +113,8 @@ def sglang_sampling(params: SamplingParams, sample_index: int, default_max_token
 
 
 def generate_calls(req: GenerationRequest, default_max_tokens: int, features_enabled: bool) -> list[GenerateCall]:
-    """The n per-sample calls of one TLT request."""
+    """The per-sample calls of one TLT request: its n samples, or the `sample_indices` the replica pool re-issues
+    after a replica died, each with its own index and so its own seed."""
     if SAMPLE_SEP in req.request_id:
         raise ValueError(f"request_id must not contain {SAMPLE_SEP!r}: {req.request_id!r}")
     req.params.validate()
@@ -129,7 +130,7 @@ def generate_calls(req: GenerationRequest, default_max_tokens: int, features_ena
             top_logprobs_num=int(logprobs or 0),
             return_hidden_states=bool(req.params.return_features),
         )
-        for i in range(req.n)
+        for i in req.samples
     ]
 
 
