@@ -10,6 +10,9 @@ thread-safe). An aborted completion, a failed stream or a missing reward
 fails the step with a message naming the server and the prompt; a stream
 that failed because a replica died is a ReplicaLostError, which the trainer
 answers by rolling the step out again once the replicas are back (`collect_retrying`).
+The rollout server itself first re-issues a dead replica's unfinished samples to
+another replica (`[rollout] redispatch_limit`, services/rollout/replicas.py), so
+the stream goes on; UNAVAILABLE reaches the trainer only when it cannot.
 Whatever fails, the step's other streams are cancelled (their servers stop
 generating for it).
 """
@@ -42,7 +45,8 @@ class RetryableRolloutError(RolloutError):
 
 
 class ReplicaLostError(RetryableRolloutError):
-    """A rollout server answered UNAVAILABLE: a replica died mid-step (it restarts it), or it is shutting down."""
+    """A rollout server answered UNAVAILABLE: a replica died mid-step and its samples could not be re-dispatched
+    (the server restarts it), or the server is shutting down."""
 
 
 class RolloutBusyError(RetryableRolloutError):
