@@ -387,8 +387,10 @@ def test_chat_logprob_bytes_rebuild_the_text(client, server, model_dir):
 def test_chat_history_replays_the_sdk_s_own_message(client, server, model_dir):
     """A multi-turn client appends the reply to its history, often as `message.model_dump()`, which holds the
     OpenAI assistant message's other fields as null (refusal, tool_calls, function_call, audio, annotations).
-    Every such follow-up was a 400 "unknown parameter 'messages.1.refusal'". Null is accepted; a real tool call
-    is refused by name, and a truly unknown field still gets its 400."""
+    Every such follow-up was a 400 "unknown parameter 'messages.1.refusal'". Null is accepted, and so is a
+    message with tool calls (the template renders what it renders of it); `tools` are refused with a template
+    that ignores them, as the shipped tiny one does (the model would never see them); a truly unknown field
+    still gets its 400. tests/test_rollout_tools.py covers tools with a template that renders them."""
     user = {"role": "user", "content": "2+2="}
     first = client.chat.completions.create(model=server.model_name, messages=[user], max_tokens=4, temperature=0)
     replayed = first.choices[0].message.model_dump()
@@ -401,9 +403,17 @@ def test_chat_history_replays_the_sdk_s_own_message(client, server, model_dir):
     ids = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert r.usage.prompt_tokens == len(ids)
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]: tools are not supported"):
-        client.chat.completions.create(model=server.model_name, max_tokens=4, messages=[
-            user, {"role": "assistant", "content": None, "tool_calls": [call]}, follow])
+    with_call = [user, {"role": "assistant", "content": None, "tool_calls": [call]}, follow]
+    r = client.chat.completions.create(model=server.model_name, max_tokens=4, messages=with_call)
+    history = [user, {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "f",
+                                                                                              "arguments": {}}}]},
+               follow]
+    ids = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="this model's chat template does not render tools") as e:
+        client.chat.completions.create(model=server.model_name, max_tokens=4, messages=[user], tools=[tool])
+    assert e.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError, match="unknown parameter 'messages.0.colour'"):
         client.chat.completions.create(model=server.model_name, max_tokens=4,
                                        messages=[{**user, "colour": "red"}])

@@ -9,6 +9,8 @@ loopback only.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, ValidationInfo, field_validator
 
 from tlt.services.common.config import ServiceConfig
@@ -55,6 +57,13 @@ class RolloutConfig(ServiceConfig):
     )
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="largest HTTP request body in bytes; larger gets 413"
+    )
+    tool_call_parser: Literal["hermes", "none"] = Field(
+        "hermes", description="how /v1/chat/completions finds the tool calls in a completion of a request with "
+        "tools (tool_choice not 'none'): 'hermes' parses the <tool_call>{\"name\": ..., \"arguments\": {...}}"
+        "</tool_call> blocks Qwen2.5, Qwen3 and Hermes models write into message.tool_calls (finish_reason "
+        "'tool_calls'; a block that is no call to one of the request's tools stays text); 'none' never parses: "
+        "the text is returned as content (services/rollout/tool_calls.py)"
     )
     max_weight_bytes: int = Field(
         16 << 30, ge=1, description="largest UpdateWeights payload in bytes; larger is rejected before reading on"

@@ -4,8 +4,9 @@
     GET  /v1/models, /v1/models/{id}, /health, /metrics
 
     body -> size check (413) -> JSON (400) -> strict pydantic model (400) -> model id (404)
-         -> tokenize (chat template for chat) -> length checks (400) -> GenerationRequest per prompt
-         -> ReplicaPool.generate -> OpenAI choices (+ tlt_versions) or SSE `data: {...}` ... `data: [DONE]`
+         -> tokenize (chat template for chat, tools included) -> length checks (400) -> GenerationRequest
+         per prompt -> ReplicaPool.generate -> OpenAI choices (+ tlt_versions; a chat with tools: calls parsed
+         from each choice's text, tool_calls.py) or SSE `data: {...}` ... `data: [DONE]`
 
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`: 400
 for anything wrong with the request (FastAPI's 422 never reaches a client),
@@ -42,7 +43,6 @@ from tlt.services.rollout.openai_schema import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -474,56 +474,68 @@ class OpenAIServer:
         params = self._params(req, max_tokens, top if req.logprobs else None)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        messages = [m.for_template() for m in req.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-        except (TemplateError, ValueError) as e:  # the template's raise_exception: e.g. roles out of order
-            raise ApiError(400, f"the model's chat template refused the messages: {e}", param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        ids = [int(t) for t in ids]
+        ids = self._chat_prompt(req)
         self._check_prompt(ids, params, "the chat prompt")
+        tools = conv.tool_parsing(req, self.config.tool_call_parser)
         reqs = self._requests([ids], params, req.n, "chatcmpl")
         rid = reqs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse("chat", t0, self._chat_stream(rid, reqs, [ids], params, req, include_usage))
+            return self._sse("chat", t0, self._chat_stream(rid, reqs, [ids], params, req, tools, include_usage))
         (outs,) = await self._collect(reqs, request)
-        choices = [conv.chat_choice(self.tokenizer, c.sample_index, c, req.logprobs, top) for c in outs]
+        choices = [conv.chat_choice(self.tokenizer, c.sample_index, c, req.logprobs, top, tools) for c in outs]
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=int(time.time()), model=self.model_name, choices=choices,
             usage=self._usage([ids], outs), tlt_versions=conv.response_versions(outs)).model_dump(exclude_none=True))
 
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids: the model's chat template over the messages, and over the tools when given.
+
+        A template that renders the same text with and without the tools ignores them (the tiny task template
+        does): the model would never learn it has tools, and its calls could not be parsed; a 400 says so
+        rather than a rollout that silently has no tools. Checked on this request's own messages (a template
+        may render tools only beside a system message, say): two extra renders, no tokenisation."""
+        messages = [m.for_template() for m in req.messages]
+        tools = req.tools or None
+
+        def render(tokenize: bool, with_tools: list[Any] | None) -> Any:
+            return self.tokenizer.apply_chat_template(messages, tools=with_tools, add_generation_prompt=True,
+                                                      tokenize=tokenize, return_dict=False)
+
+        try:
+            if tools is not None and render(False, tools) == render(False, None):
+                raise ApiError(400, "this model's chat template does not render tools, so the model would not see "
+                                    "them; use a checkpoint whose template does (Qwen2.5, Qwen3, Hermes), or send "
+                                    "no tools", param="tools")
+            ids = render(True, tools)
+        except (TemplateError, ValueError) as e:  # the template's raise_exception: e.g. roles out of order
+            raise ApiError(400, f"the model's chat template refused the messages: {e}", param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
     async def _chat_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
-                           params: SamplingParams, req: ChatCompletionRequest, include_usage: bool
-                           ) -> AsyncIterator[bytes]:
+                           params: SamplingParams, req: ChatCompletionRequest, tools: conv.ToolParsing | None,
+                           include_usage: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
-        streams: dict[int, conv.TextStream] = {}
+        streams: dict[int, conv.ChatChoiceStream] = {}
         outs: list[CompletionOutput] = []
 
         def chunk(choice: ChatChunkChoice) -> bytes:
             return _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
 
         for i in range(req.n):
-            yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+            streams[i] = conv.ChatChoiceStream(self.tokenizer, i, params.stop, tools)
+            yield chunk(streams[i].start())
         async for _, ev in self._merged(reqs):
-            ts = streams.setdefault(ev.sample_index, conv.TextStream(self.tokenizer, params.stop))
+            cs = streams[ev.sample_index]
             if isinstance(ev, StepOutput):
-                if ev.finished:  # as in _completion_stream: the final text comes with the CompletionOutput
-                    continue
-                delta = ts.push(ev.new_token_ids)
-                if delta:
-                    yield chunk(ChatChunkChoice(index=ev.sample_index, delta=ChatDelta(content=delta)))
+                for choice in cs.push(ev):
+                    yield chunk(choice)
             else:
                 outs.append(ev)
-                lp = None
-                if req.logprobs:
-                    lp = conv.chat_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
-                                            req.top_logprobs or 0)
-                yield chunk(ChatChunkChoice(index=ev.sample_index, delta=ChatDelta(content=ts.finish(ev.text)),
-                                            logprobs=lp, finish_reason=conv.finish_reason(ev),
-                                            tlt_versions=conv.tlt_versions(ev.versions)))
+                for choice in cs.finish(ev, req.logprobs, req.top_logprobs or 0):
+                    yield chunk(choice)
         usage = self._usage(prompts, outs)
         if include_usage:
             yield _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],

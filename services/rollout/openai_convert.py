@@ -3,6 +3,15 @@
     CompletionOutput -> CompletionChoice / ChatChoice          (non-streaming)
     StepOutput* -> TextStream.push -> text delta (SSE chunk)    (streaming)
     CompletionOutput -> TextStream.finish -> the rest of the text
+    chat: StepOutput* / CompletionOutput -> ChatChoiceStream -> ChatChunkChoice*
+
+Tool calls (a chat request with tools, tool_choice not "none", `[rollout]
+tool_call_parser` "hermes"): each choice's finished text goes through
+`tool_calls.parse_hermes` on its own; its calls become `tool_calls` (ids drawn
+here) and finish_reason "tool_calls". A stream sends content until a
+`<tool_call>` starts (holding back an end that may begin one, and trailing
+whitespace, which the parsed content drops) and the calls at the finish, one
+chunk each.
 
 Streaming text: each sample's tokens are decoded in full after every step and
 only the stable prefix is sent: a trailing U+FFFD (a multi-byte character cut
@@ -18,20 +27,29 @@ from __future__ import annotations
 
 import math
 import re
-
+import secrets
+import string
+from dataclasses import dataclass
 from typing import Any
 
 from tlt.services.rollout.openai_schema import (
     ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    ChatDelta,
     ChatMessageOut,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCall,
     TltVersions,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprobEntry,
 )
-from tlt.services.rollout.types import CompletionOutput, Versions
+from tlt.services.rollout.tool_calls import TOOL_CALL_START, ParsedText, parse_hermes, partial_start
+from tlt.services.rollout.types import CompletionOutput, FinishReason, StepOutput, Versions
 
 
 def tlt_versions(v: Versions) -> TltVersions:
@@ -135,13 +153,48 @@ def completion_choice(tokenizer: Any, index: int, c: CompletionOutput, logprobs:
     )
 
 
-def chat_choice(tokenizer: Any, index: int, c: CompletionOutput, logprobs: bool, top_logprobs: int) -> ChatChoice:
+@dataclass(frozen=True)
+class ToolParsing:
+    """How a chat request's completions are parsed for tool calls (None: they are not)."""
+
+    names: frozenset[str]  # the request's tools: a call to another name stays text
+    parallel: bool = True  # parallel_tool_calls; False keeps the first call only
+
+    def parse(self, c: CompletionOutput) -> ParsedText:
+        return parse_hermes(c.text, self.names, self.parallel, truncated=c.finish_reason != FinishReason.STOP)
+
+
+def tool_parsing(req: ChatCompletionRequest, parser: str) -> ToolParsing | None:
+    """How a request's completions are parsed for tool calls (`parser`: `[rollout] tool_call_parser`): not at all
+    without tools, with tool_choice "none" (the tools are still in the prompt), or with the parser "none"."""
+    if not req.parses_tools() or parser == "none":
+        return None
+    return ToolParsing(req.tool_names(), req.parallel_tool_calls)
+
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def tool_call_id() -> str:
+    """`call_` + 24 random letters and digits, the OpenAI API's shape."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+def _tool_calls(parsed: ParsedText) -> list[ToolCall]:
+    return [ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in parsed.calls]
+
+
+def chat_choice(tokenizer: Any, index: int, c: CompletionOutput, logprobs: bool, top_logprobs: int,
+                tools: ToolParsing | None = None) -> ChatChoice:
     lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, top_logprobs) if logprobs else None
+    parsed = tools.parse(c) if tools is not None else ParsedText(c.text, ())
+    calls = _tool_calls(parsed)
     return ChatChoice(
         index=index,
-        message=ChatMessageOut(content=c.text),
+        message=ChatMessageOut(content=parsed.content, tool_calls=calls or None),
         logprobs=lp,
-        finish_reason=finish_reason(c),
+        finish_reason="tool_calls" if calls else finish_reason(c),
         tlt_versions=tlt_versions(c.versions),
     )
 
@@ -158,9 +211,12 @@ class TextStream:
     already-read window; new text is taken only when it does not end in U+FFFD.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], tool_calls: bool = False) -> None:
         self.tokenizer = tokenizer
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.tool_calls = tool_calls  # send nothing from a `<tool_call>` on (and hold what may begin one)
+        self.block_at = -1  # where the first `<tool_call>` starts in `text`, once seen
+        self.scanned = 0  # `text` before this holds no `<tool_call>` that ends before it
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -178,6 +234,13 @@ class TextStream:
             self.text += after[len(before):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         stable = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
+        if self.tool_calls:
+            if self.block_at < 0:  # each step searches only its new text (and a start the last step cut in two)
+                self.block_at = self.text.find(TOOL_CALL_START, max(0, self.scanned - len(TOOL_CALL_START) + 1))
+                self.scanned = len(self.text)
+            if self.block_at >= 0:
+                stable = stable[:self.block_at]
+            stable = stable[: len(stable) - partial_start(stable)].rstrip()
         if len(stable) <= len(self.sent) or not stable.startswith(self.sent):
             return ""
         delta, self.sent = stable[len(self.sent):], stable
@@ -188,3 +251,44 @@ class TextStream:
             return ""  # cannot take back what was sent; the engine's text differs only past it
         delta, self.sent = final_text[len(self.sent):], final_text
         return delta
+
+
+class ChatChoiceStream:
+    """One chat choice of a stream: its chunks as the engine's steps arrive, then its last ones.
+
+    Without tool parsing: content deltas, then the rest of the text with finish_reason. With it: content until a
+    block starts (TextStream holds it back), then at the finish the rest of the parsed content, one chunk per
+    call (`delta.tool_calls = [{index, id, type, function}]`) and a last chunk with finish_reason "tool_calls"."""
+
+    def __init__(self, tokenizer: Any, index: int, stop: tuple[str, ...], tools: ToolParsing | None) -> None:
+        self.tokenizer, self.index, self.tools = tokenizer, index, tools
+        self.text = TextStream(tokenizer, stop, tool_calls=tools is not None)
+
+    def start(self) -> ChatChunkChoice:
+        """The role chunk every choice opens with; its content "" (as the OpenAI API sends it) is left out with
+        tools, where the message may turn out to be calls only (content null, as a non-streamed one has it)."""
+        return ChatChunkChoice(index=self.index, delta=ChatDelta(role="assistant",
+                                                                 content=None if self.tools is not None else ""))
+
+    def push(self, step: StepOutput) -> list[ChatChunkChoice]:
+        if step.finished:  # its tokens may end in a stop string: the CompletionOutput's cut text follows
+            return []
+        delta = self.text.push(step.new_token_ids)
+        return [ChatChunkChoice(index=self.index, delta=ChatDelta(content=delta))] if delta else []
+
+    def finish(self, c: CompletionOutput, logprobs: bool, top_logprobs: int) -> list[ChatChunkChoice]:
+        lp = None
+        if logprobs:
+            lp = chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, top_logprobs)
+        last = dict(index=self.index, logprobs=lp, tlt_versions=tlt_versions(c.versions))
+        parsed = self.tools.parse(c) if self.tools is not None else ParsedText(c.text, ())
+        if not parsed.calls:
+            return [ChatChunkChoice(delta=ChatDelta(content=self.text.finish(c.text)), finish_reason=finish_reason(c),
+                                    **last)]
+        out = []
+        if rest := self.text.finish(parsed.content or ""):
+            out.append(ChatChunkChoice(index=self.index, delta=ChatDelta(content=rest)))
+        for k, call in enumerate(_tool_calls(parsed)):
+            out.append(ChatChunkChoice(index=self.index, delta=ChatDelta(tool_calls=[
+                ToolCallDelta(index=k, **call.model_dump())])))
+        return [*out, ChatChunkChoice(delta=ChatDelta(), finish_reason="tool_calls", **last)]

@@ -6,18 +6,36 @@ default, as in the OpenAI API) and converted to the engine's `SamplingParams`.
 TLT extensions beside the OpenAI fields: `top_k`,
 `min_p`, `ignore_eos`, `stop_token_ids`; every response carries the weight
 versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
-honour (penalties, logit_bias, echo, suffix, tools) are refused with a 400
+honour (penalties, logit_bias, echo, suffix, a `tool_choice` that forces a
+call, the deprecated `functions` / `function_call`) are refused with a 400
 rather than silently ignored. A `tool` message in the history (a tool's result)
 is text for the chat template like any other role; as in the OpenAI API it must
 carry the `tool_call_id` of the call it answers, and no other role may
 (a 400 naming `messages.[i].tool_call_id` either way).
+
+Tools: `tools` are checked here (a 400 naming e.g. `tools.[2].function.name`)
+and handed as sent to the chat template; an assistant message's `tool_calls`
+(the OpenAI form: `arguments` a JSON string) reach the template in the form HF
+templates read (`arguments` the decoded mapping). The calls a completion makes
+are parsed from its text (tool_calls.py) into `ChatMessageOut.tool_calls`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tlt.services.rollout.types import SamplingParams
 
@@ -118,23 +136,107 @@ class ContentPart(_Strict):
     text: str
 
 
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # the OpenAI API's rule for a function's name
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None  # OpenAI's strict schema adherence: accepted, not enforced (no constrained decoding)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.fullmatch(v):
+            raise ValueError(f"a function name must match {TOOL_NAME.pattern} (got {v!r})")
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def tool_problem(i: int, raw: Any) -> tuple[str, str] | None:
+    """(message, param) of the 400 for `tools[i]`, naming the field as the OpenAI API does
+    (`tools.[2].function.name`); None when it is a valid function tool."""
+    try:
+        Tool.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join([f"tools.[{i}]", *(str(x) for x in err["loc"])])
+        if err["type"] == "extra_forbidden":
+            return f"unknown parameter {param!r}", param
+        if err["type"] == "missing":
+            return f"missing required parameter {param!r}", param
+        if err["type"] in ("literal_error", "dict_type", "model_type"):
+            want = {"literal_error": "'function' (the only tool type served)", "dict_type": "a JSON object",
+                    "model_type": "a JSON object"}[err["type"]]
+            return f"{param} must be {want}, got {err.get('input')!r}"[:300], param
+        return f"{param}: {err['msg'].removeprefix('Value error, ')}"[:300], param
+    return None
+
+
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # JSON of an object, as the OpenAI API carries it
+    parsed_arguments: Any | None = None  # the SDK's own parse of `arguments` in a streamed message: ignored
+
+
+class ToolCallIn(_Strict):
+    """A call in an assistant message of the history (the SDK replays its response message with them; a message
+    its stream helper put together also holds each call's `index` and the SDK's `parsed_arguments`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+    index: int | None = None  # its place in a streamed message: ignored
+
+    def for_template(self) -> dict[str, Any]:
+        """HF chat templates (Qwen's, Hermes') read `arguments` as a mapping (`tojson` of it, or its items);
+        `invalid()` has checked that the JSON string holds an object."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):  # RecursionError: `[[[[...` nested past the interpreter's stack
+        return False
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # on a `tool` message: the call it answers (the SDK sends it on replay)
+    tool_calls: list[ToolCallIn] | None = None  # on an assistant message: the calls it made
     # The other fields of an OpenAI assistant message: the SDK's response message carries them (null), so a
     # reply replayed into the next turn's history (`messages.append(r.choices[0].message.model_dump())`) holds
-    # them. Null is accepted; a value is refused by `unsupported()` (this server makes no tool calls or audio).
+    # them. Null is accepted; a value is refused (`unsupported()`, `invalid()`): this server makes no audio or
+    # refusals, and the deprecated `function_call` is not served.
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
     function_call: Any | None = None
     audio: Any | None = None
     annotations: list[Any] | None = None
+    parsed: Any | None = None  # the SDK's client-side parse of the content (its stream helper adds it): ignored
+
+    def invalid(self, i: int) -> tuple[str, str] | None:
+        """(message, param) of a 400 for this message, the `i`th of the history."""
+        if self.function_call is not None:
+            return (f"messages[{i}]: function_call (the deprecated functions API) is not supported; use tool_calls",
+                    f"messages.[{i}].function_call")
+        if self.tool_calls and self.role != "assistant":
+            return f"messages[{i}]: tool_calls are only for role 'assistant'", f"messages.[{i}].tool_calls"
+        for j, call in enumerate(self.tool_calls or ()):
+            if not _json_object(call.function.arguments):
+                param = f"messages.[{i}].tool_calls.[{j}].function.arguments"
+                return (f"{param} must be a JSON object in a string (got {call.function.arguments!r})"[:300], param)
+        return None
 
     def unsupported(self) -> str | None:
-        if self.tool_calls or self.function_call is not None:
-            return "tools are not supported (a message has tool_calls or function_call)"
         if self.audio is not None:
             return "audio is not supported"
         if self.refusal is not None or self.annotations:
@@ -148,14 +250,16 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(p.text for p in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template sees it: role and text, plus `name` and `tool_call_id` when given
-        (as vLLM passes them: a template may render them; the tiny task template ignores them)."""
-        out = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role and text, plus `name`, `tool_call_id` and `tool_calls`
+        when given (as vLLM passes them: a template may render them; the tiny task template ignores them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
         return out
 
 
@@ -164,29 +268,60 @@ class ResponseFormat(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
+    """tool_choice: "auto" (the default with tools): the model's text is parsed for calls; "none": the tools are
+    still rendered into the prompt (as vLLM does unless started with --exclude-tools-when-tool-choice-none: the
+    prompt is the same whatever the choice) and the text is not parsed. "required" and a named function are refused: forcing a call
+    needs constrained decoding, which this server does not do. parallel_tool_calls=false keeps only the first
+    call of a completion (the model may still write more; they are dropped)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by `invalid()`, which names the field (`tools.[2].function.name`)
     tool_choice: Any | None = None
+    parallel_tool_calls: bool = True
+    functions: Any | None = None  # the deprecated functions API: refused by `invalid()`
+    function_call: Any | None = None
 
     def invalid(self) -> tuple[str, str] | None:
         """A `tool` message without `tool_call_id`, or another role with one: the 400 names the message's field
-        (`messages.[i].tool_call_id`), so a client can tell which message of a long history is wrong."""
+        (`messages.[i].tool_call_id`), so a client can tell which message of a long history is wrong. Likewise a
+        malformed tool (`tools.[i]...`), a tool call's `arguments` that hold no JSON object, or a `tool_choice`
+        that cannot be honoured."""
         for i, m in enumerate(self.messages):
             if m.role == "tool" and m.tool_call_id is None:  # the OpenAI API's message and param for it
                 return ("Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.",
                         f"messages.[{i}].tool_call_id")
             if m.role != "tool" and m.tool_call_id is not None:
                 return f"messages[{i}]: tool_call_id is only for role 'tool'", f"messages.[{i}].tool_call_id"
+            if (problem := m.invalid(i)) is not None:
+                return problem
+        for field in ("functions", "function_call"):
+            if getattr(self, field) is not None:
+                return (f"{field} (the deprecated functions API) is not supported; use tools and tool_choice",
+                        field)
+        for i, tool in enumerate(self.tools or ()):
+            if (problem := tool_problem(i, tool)) is not None:
+                return problem
+        choice = self.tool_choice
+        if choice == "required" or isinstance(choice, dict):
+            return (f"tool_choice {choice!r} is not supported: forcing a tool call needs constrained decoding, "
+                    "which this server does not do; use 'auto' (the model decides) or 'none'", "tool_choice")
+        if choice not in (None, "none", "auto"):
+            return f"tool_choice must be 'none' or 'auto' (got {choice!r})", "tool_choice"
         return super().invalid()
 
+    def parses_tools(self) -> bool:
+        """Whether the completions' text is parsed for tool calls: tools given and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools or ())
+
     def unsupported(self) -> str | None:
-        if self.tools or self.tool_choice not in (None, "none"):
-            return "tools are not supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs: true"
         for i, m in enumerate(self.messages):
@@ -284,14 +419,34 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class ChatMessageOut(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # compact JSON of an object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessageOut(_KeepsNulls):
+    keep_null = ("content",)  # null when the message is all tool calls, as the OpenAI API sends it
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolCallDelta(ToolCall):
+    """A streamed call: sent whole, in one chunk of its own, `index` its place in the message's `tool_calls`."""
+
+    index: int
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChoice(_KeepsNulls):
