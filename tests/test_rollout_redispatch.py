@@ -104,6 +104,12 @@ def test_a_batch_whose_replica_dies_mid_flight_gets_every_completion_once(model_
         assert pool.redispatches >= 1
         _wait(lambda: pool.pending_sequences == 0, "sequences still counted outstanding", 10)
         assert pool.replicas[survivor].outstanding == 0 and not pool._pending
+        # what an operator sees: the death and the re-dispatches on /metrics (a counter each, not only the log)
+        text = httpx.get(f"http://127.0.0.1:{s.server.http_port}/metrics", timeout=10).text
+        assert f'rollout_replica_deaths_total{{replica="{killed}"}} 1.0' in text, text
+        assert f"rollout_redispatched_requests_total {float(pool.redispatches)}" in text, text
+        again = httpx.get(f"http://127.0.0.1:{s.server.http_port}/metrics", timeout=10).text  # not counted twice
+        assert f'rollout_replica_deaths_total{{replica="{killed}"}} 1.0' in again
 
 
 def test_a_seeded_batch_gives_the_same_completions_whether_or_not_a_replica_died(model_dir):

@@ -131,6 +131,11 @@ class OpenAIServer:
         self.m_queued = metrics.gauge("replica_queued", "queued sequences per replica", ("replica",))
         self.m_kv = metrics.gauge("replica_kv_usage", "KV cache use per replica (0..1)", ("replica",))
         self.m_alive = metrics.gauge("replica_alive", "1 when the replica process is serving", ("replica",))
+        self.m_deaths = metrics.counter("replica_deaths", "replica processes that died or were killed (stall, update "
+                                        "timeout) while serving", ("replica",))
+        self.m_redispatched = metrics.counter("redispatched_requests", "requests whose unfinished samples were "
+                                              "re-issued to another replica after theirs died (redispatch_limit)")
+        self._counted: dict[str, int] = {}  # pool totals already added to those counters (added at scrape)
         self.m_rejected = metrics.counter("rejected_total", "requests and weight pushes refused, by reason",
                                           ("reason",))
         self.m_spec = SpecMetrics(metrics)
@@ -194,7 +199,15 @@ class OpenAIServer:
                 self.m_queued.labels(r).set(s.stats.queued)
                 self.m_kv.labels(r).set(s.stats.kv_usage)
                 self.m_spec.update(s.replica_id, s.stats.spec)
+        self._count_up(self.m_redispatched, "redispatched", self.pool.redispatches)
+        for replica, deaths in self.pool.deaths.items():
+            self._count_up(self.m_deaths.labels(str(replica)), f"deaths{replica}", deaths)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    def _count_up(self, counter: Any, key: str, total: int) -> None:
+        """Bring a Prometheus counter to the pool's running total (which only grows) by adding what is new."""
+        counter.inc(total - self._counted.get(key, 0))
+        self._counted[key] = total
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card()])

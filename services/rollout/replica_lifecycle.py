@@ -96,6 +96,7 @@ class ReplicaLifecycle:
     spin_wait: bool
     max_restarts: int
     restarts: dict[int, int]
+    deaths: dict[int, int]
     restart_window_s: float
     exit_grace_s: float
     stall_timeout_s: float
@@ -284,6 +285,7 @@ class ReplicaLifecycle:
         if self._stopping:
             log.info("replica_stopped", replica=rep.replica_id)
         else:
+            self.deaths[rep.replica_id] = self.deaths.get(rep.replica_id, 0) + 1  # /metrics: replica_deaths_total
             log.error("replica_dead", replica=rep.replica_id, error=why[-2000:])
         if not rep.ready.done():
             if self._stopping:  # killed while it loaded: nobody waits for it any more

@@ -123,6 +123,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         self.spin_wait = spin_wait
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}  # replica id -> restarts in a row (see RESTART_WINDOW_S)
+        self.deaths: dict[int, int] = {}  # replica id -> times its process died or was killed since start
         self.restart_window_s = RESTART_WINDOW_S
         self.exit_grace_s = EXIT_GRACE_S
         self._latest: dict[str, tuple[int, bytes, bytes]] = {}  # kind -> (version, manifest, payload) applied
