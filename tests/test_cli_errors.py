@@ -319,6 +319,59 @@ def test_a_set_without_a_field_name_says_so(capsys) -> None:
     assert "no field name" in captured.out + captured.err
 
 
+def test_a_server_removes_a_ready_file_left_by_an_earlier_run(tmp_path: Path) -> None:
+    """A restarted server left its predecessor's ready file in place until it was ready itself: a script waiting for
+    the file (as the README's users and this project's own tests do) read the old, dead ports at once; and a server
+    that then failed to start left that file saying it was up."""
+    import socket
+
+    stale = tmp_path / "ready.json"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        stale.write_text(json.dumps({"port": 1, "pid": 1}))
+        assert main(["reward", "serve", "--port", str(busy.getsockname()[1]), "--ready-file", str(stale)]) == 2
+    assert not stale.exists()
+    stale.write_text(json.dumps({"http_port": 1, "grpc_port": 2, "pid": 1, "replica_pids": []}))
+    assert main(["rollout", "serve", "--model", str(tmp_path / "no-model"), "--ready-file", str(stale)]) == 2
+    assert not stale.exists()
+
+
+def test_a_set_naming_the_commands_own_section_says_to_drop_it(capsys) -> None:
+    """`tlt run --set trainer.lr=3e-5` is the documented form; the same --set given to `tlt train` was "unknown
+    field 'trainer.lr'" followed by a list of fields holding lr, and `tlt rollout serve --set rollout.replicas=2` was
+    "unknown nested override(s)", neither saying what to type instead."""
+    import argparse
+
+    from tlt.services.common.config import ConfigError
+    from tlt.services.rollout import serve as rollout_serve
+
+    assert main(["train", "--set", "trainer.lr=0.5", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "--set lr=0.5 " in err and "without the section" in err, err
+    parser = argparse.ArgumentParser()
+    rollout_serve.add_arguments(parser)
+    with pytest.raises(ConfigError, match=r"without the section: --set replicas=2 "):
+        rollout_serve.build_config(parser.parse_args(["--model", "m", "--set", "rollout.replicas=2"]))
+    with pytest.raises(ConfigError, match=r"without the section: --set engine.max_num_seqs=8 "):
+        rollout_serve.build_config(parser.parse_args(["--model", "m", "--set", "rollout.engine.max_num_seqs=8"]))
+
+
+def test_a_refusal_naming_several_fields_prints_one_line_each(capsys, monkeypatch) -> None:
+    """The readable log printed a multi-line refusal as one repr: error="invalid [trainer] config:\\n  lr=...\\n
+    steps=...", every problem after a literal backslash-n on one long line."""
+    monkeypatch.delenv("TLT_LOG_JSON", raising=False)
+    assert main(["--log-json", "train", "--set", "lr=fast", "--set", "steps=-3", "--print-config"]) == 2
+    record = json.loads(capsys.readouterr().err)  # JSON logs keep the whole message in the one record
+    assert record["error"].startswith("invalid [trainer] config:\n  lr='fast'"), record
+    assert main(["train", "--set", "lr=fast", "--set", "steps=-3", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "\\n" not in err, err
+    lines = err.splitlines()
+    assert "bad_config" in lines[0] and "invalid [trainer] config:" in lines[0], err
+    assert lines[1].startswith("  lr='fast'") and lines[2].startswith("  steps=-3"), err
+
+
 DRAFTER_ENDPOINTS = ("capacity_pub", "capacity_snapshot", "features_bind", "coordinator_bind")  # ZeroMQ
 # each service's command, run until its config is loaded: a value that passes goes on to a missing model (drafter,
 # rollout: one line, without the field's name) or prints the config (train --print-config)

@@ -167,6 +167,18 @@ def test_env_reaches_a_nested_section_and_keeps_its_other_fields(tmp_path: Path)
         load_config(_Outer, "outer", preset, environ={"TLT_OUTER__SPEC__BOGUS": "1"})
 
 
+def test_unknown_nested_field_names_the_nested_sections_fields(tmp_path: Path) -> None:
+    # a typo in [outer.spec] listed the fields of [outer] (replicas, spec), none of them the one meant
+    preset = _preset(tmp_path, "[outer.spec]\nthreshhold = 16\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(_Outer, "outer", preset, environ={})
+    msg = str(e.value)
+    assert "unknown field 'spec.threshhold'" in msg, msg
+    assert "did you mean 'threshold'?" in msg and "known fields of [outer.spec]: mode, threshold" in msg, msg
+    with pytest.raises(ConfigError, match=r"did you mean 'port'\? known fields of \[demo\]: host, names"):
+        load_config(DemoConfig, "demo", _preset(tmp_path, "[demo]\nprot = 1\n"), environ={})
+
+
 def test_a_number_given_for_a_string_field_is_that_string() -> None:
     # overrides are parsed as TOML literals: `2024` became an int and a str field refused it
     cfg = load_config(DemoConfig, "demo", overrides=cli_overrides(["host=2024"]), environ={"TLT_DEMO__NAMES": "[7]"})

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tlt.cli import main
-from tlt.services.common.config import PRESETS_DIR, ServiceConfig, load_config
+from tlt.services.common.config import PRESETS_DIR, ConfigError, ServiceConfig, load_config
 from tlt.services.common.config_cmd import SECTION_CLASSES, UNSET, config_class
 
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
@@ -241,3 +241,26 @@ def test_check_reports_every_problem_and_leaves_the_environment_out(tmp_path: Pa
     err = capsys.readouterr().err
     assert "unknown section [trainr]" in err and "steps=0" in err and "unknown reward kind 'chess'" in err
     assert all(line.startswith((str(bad), "  ")) for line in err.splitlines()), err
+
+
+def test_check_refuses_max_tokens_that_leave_no_room_for_a_prompt(tmp_path: Path, capsys) -> None:
+    """[trainer] max_tokens at or above [rollout.engine] max_model_len passed `tlt config check` ("ok") and `tlt run`
+    started every service, then the rollout refused each of the first step's requests (context_length_exceeded)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nmax_tokens = 2000\n[rollout.engine]\nmax_model_len = 512\n")
+    assert main(["config", "check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens=2000" in err and "max_model_len=512" in err, err
+    from tlt.services.trainer.launcher import _validate
+
+    services = {"trainer": {"max_tokens": 2000}, "rollout": {"engine": {"max_model_len": 512}}}
+    with pytest.raises(ConfigError, match="max_tokens=2000"):  # `tlt run`, before anything starts
+        _validate(services, {"drafter": False})
+    # room left, the model's own context (0: known only once the model is loaded), or another backend: accepted
+    for text in ("[trainer]\nmax_tokens = 500\n[rollout.engine]\nmax_model_len = 512\n",
+                 "[trainer]\nmax_tokens = 2000\n",
+                 "[trainer]\nmax_tokens = 2000\n[rollout]\nbackend = 'sglang'\n"
+                 "[rollout.engine]\nmax_model_len = 512\n"):
+        bad.write_text(text)
+        assert main(["config", "check", str(bad)]) == 0, capsys.readouterr().err
+    _validate({"trainer": {"max_tokens": 500}, "rollout": {"engine": {"max_model_len": 512}}}, {"drafter": False})

@@ -71,8 +71,32 @@ def _available(cmd: Command) -> bool:
         return False
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows an option's default after its help, unless the help already speaks of one or there is none to show
+    (None, off, empty): `--n N  held-out problems` left the user to guess how many."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text or text == argparse.SUPPRESS
+                or default is None or default is False or default is argparse.SUPPRESS or default in ("", [])):
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tlt")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tlt", description="TLT: fast, lossless RL rollouts for reasoning LLMs")
+    parser.add_argument("--version", action="version", version=f"tlt {_version()}")
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of readable text")
     parser.add_argument("--log-level", default=None, help="debug, info (default), warning, error")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -82,14 +106,15 @@ def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentP
         if not _available(cmd):
             continue
         if len(cmd.path) == 1:
-            sub = top.add_parser(cmd.path[0], help=cmd.help, description=cmd.help)
+            sub = top.add_parser(cmd.path[0], help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter)
         else:
             group, name = cmd.path
             if group not in groups:
                 gp = top.add_parser(group, help=f"{group} commands")
                 groups[group] = gp.add_subparsers(dest=f"{group}_command", metavar="SUBCOMMAND")
                 groups[group].required = True
-            sub = groups[group].add_parser(name, help=cmd.help, description=cmd.help)
+            sub = groups[group].add_parser(name, help=cmd.help, description=cmd.help,
+                                           formatter_class=_HelpFormatter)
         sub.set_defaults(_command=cmd)
         sub.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         importlib.import_module(cmd.module).add_arguments(sub)
@@ -166,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(json=True if args.log_json else None, level=args.log_level)
     except ValueError as e:  # an unknown level from --log-level or TLT_LOG_LEVEL: a usage error, exit 2
         parser.error(f"{e} (--log-level or TLT_LOG_LEVEL)")
+    if getattr(args, "ready_file", None):  # a server's: one left by an earlier run names its dead ports and pids
+        from pathlib import Path
+
+        Path(args.ready_file).unlink(missing_ok=True)
     module = importlib.import_module(args._command.module)
     from tlt.services.common.config import ConfigError
     from tlt.services.common.ports import PortInUseError

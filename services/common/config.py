@@ -167,6 +167,32 @@ def cli_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def own_section_hint(section: str, key: str, value: Any) -> str:
+    """A command's `--set section.field=value` naming its own section (the form `tlt run --set` takes): what to
+    type instead."""
+    field = key.removeprefix(f"{section}.")
+    shown = json.dumps(value) if isinstance(value, (bool, dict, list)) else str(value)
+    return (f"--set {key}=...: this command's --set takes [{section}] fields, named without the section: "
+            f"--set {field}={shown} (`tlt run --set` is the one that takes {section}.{field})")
+
+
+def _known_fields(cls: type[BaseModel], section: str, loc: Sequence[Any]) -> str:
+    """'did you mean ...? known fields of [section.sub]: ...' for the unknown field at `loc`: a typo in a nested
+    section ([rollout.engine]) is named among that section's fields, not the outer one's."""
+    import difflib
+
+    owner, names = cls, [section]
+    for part in loc[:-1]:
+        annotation = owner.model_fields[str(part)].annotation if str(part) in owner.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        owner, names = annotation, [*names, str(part)]
+    known = sorted(owner.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}known fields of [{'.'.join(names)}]: {', '.join(known)}"
+
+
 def load_config(
     cls: type[T],
     section: str,
@@ -210,9 +236,10 @@ def load_config(
                 continue
             field = ".".join(str(x) for x in err["loc"])
             origin = sources.get(str(err["loc"][0]) if err["loc"] else "", "defaults")
-            if err["type"] == "extra_forbidden":
-                known = ", ".join(sorted(cls.model_fields))
-                problems.append(f"unknown field {field!r} (from {origin}); known fields of [{section}]: {known}")
+            if err["type"] == "extra_forbidden" and origin == "command line" and field.startswith(f"{section}."):
+                problems.append(own_section_hint(section, field, err.get("input")))
+            elif err["type"] == "extra_forbidden":
+                problems.append(f"unknown field {field!r} (from {origin}); " + _known_fields(cls, section, err["loc"]))
             else:
                 desc = cls.model_fields[field].description if field in cls.model_fields else None
                 hint = f" — {desc}" if desc else ""

@@ -159,6 +159,18 @@ def show(preset: str, overrides: Sequence[str], sections: Sequence[str]) -> str:
     return "\n\n".join(out)
 
 
+def context_problem(trainer: Any, rollout: Any) -> str | None:
+    """Why no prompt can be rolled out with these [trainer] and [rollout] configs, or None: max_tokens at or above
+    the native engine's max_model_len leaves no room for a prompt, and the rollout refuses every request of the
+    first step (context_length_exceeded), after every service has started. max_model_len 0 (the model's own) and
+    other backends are known only once the model is loaded."""
+    limit = rollout.engine.max_model_len
+    if rollout.backend != "native" or limit <= 0 or trainer.max_tokens < limit:
+        return None
+    return (f"[trainer] max_tokens={trainer.max_tokens} leaves no room for a prompt under [rollout.engine] "
+            f"max_model_len={limit}: the rollout would refuse every request; lower max_tokens or raise max_model_len")
+
+
 def check(file: str) -> int:
     """The number of sections in `file`, every one valid; ConfigError naming every problem otherwise."""
     from tlt.services.common.config import ConfigError, load_config, preset_path, read_preset
@@ -166,11 +178,17 @@ def check(file: str) -> int:
     whole = read_preset(file)
     problems = [f"unknown section [{s}]; the sections are {', '.join(SECTION_CLASSES)}"
                 for s in whole if s not in SECTION_CLASSES]
+    loaded: dict[str, Any] = {}
     for section in (s for s in whole if s in SECTION_CLASSES):
         try:
-            load_config(config_class(section), section, file, environ={})
+            loaded[section] = load_config(config_class(section), section, file, environ={})
         except ConfigError as e:
             problems.append(str(e))
+    if not problems and ("trainer" in whole or "rollout" in whole):
+        trainer = loaded.get("trainer") or load_config(config_class("trainer"), "trainer", None, environ={})
+        rollout = loaded.get("rollout") or load_config(config_class("rollout"), "rollout", None, environ={})
+        if (problem := context_problem(trainer, rollout)) is not None:
+            problems.append(problem)
     if problems:
         raise ConfigError("\n".join(f"{preset_path(file)}: {p}" for p in problems))
     return len(whole)

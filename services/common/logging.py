@@ -38,6 +38,24 @@ class _StderrLogger:
         return _StderrLogger()
 
 
+class _ReadableRenderer:
+    """structlog's ConsoleRenderer, except for a string value of several lines (a refusal naming each bad field on
+    its own line): the log line keeps its first line and the others follow it as they are, indented, where the
+    console renderer printed the whole value as one repr with a literal '\\n' between the lines."""
+
+    def __init__(self, colors: bool) -> None:
+        self._console = structlog.dev.ConsoleRenderer(colors=colors)
+
+    def __call__(self, logger: object, name: str, event_dict: structlog.typing.EventDict) -> str:
+        below: list[str] = []
+        for key, value in list(event_dict.items()):
+            if key not in ("event", "exception", "stack") and isinstance(value, str) and "\n" in value.strip():
+                first, *rest = value.strip().splitlines()
+                event_dict[key] = first
+                below += [line if line.startswith((" ", "\t")) else f"  {line}" for line in rest]
+        return "\n".join([self._console(logger, name, event_dict), *below])
+
+
 def configure_logging(json: bool | None = None, level: str | None = None, service: str | None = None) -> None:
     if json is None:
         json = os.environ.get("TLT_LOG_JSON", "0") not in ("", "0", "false")
@@ -52,7 +70,7 @@ def configure_logging(json: bool | None = None, level: str | None = None, servic
     if json:
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+        processors += [_ReadableRenderer(colors=sys.stderr.isatty())]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),

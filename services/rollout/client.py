@@ -1,7 +1,8 @@
 """`RolloutClient`: the trainer's small, synchronous gRPC client for the rollout service.
 
+    from tlt.v1 import rollout_pb2
     client = RolloutClient("127.0.0.1:50051")
-    for c in client.batch_generate(["1+2=", "3*4="], n=4, params=SamplingParamsMsg(max_tokens=64)):
+    for c in client.batch_generate(["1+2=", "3*4="], n=4, params=rollout_pb2.SamplingParams(max_tokens=64)):
         ...  # one tlt.v1.Completion per sequence, in finishing order, stamped with versions
     client.update_weights(model.state_dict(), kind="policy", version=3)   # raises WeightPushError if refused
     version, tensors = client.get_weights(["lm_head.weight"])   # what the replicas serve now (control plane)

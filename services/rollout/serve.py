@@ -24,10 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tlt.cli_args import out_file
 
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)")
-    parser.add_argument("--replicas", type=int, default=None, help="engine replicas, one process each")
-    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    parser.add_argument("--http-port", type=int, default=None, help="OpenAI HTTP port (0: a free one)")
-    parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (0: a free one)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="engine replicas, one process each (default: the preset's; 1 in cpu-tiny)")
+    parser.add_argument("--host", default=None, help="bind address (default: the preset's, 127.0.0.1)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="OpenAI HTTP port (0: a free one; default: the preset's, 8000)")
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help="gRPC port (0: a free one; default: the preset's, 50051)")
     parser.add_argument("--backend", default=None, help="engine backend: native (default) or sglang")
     parser.add_argument("--spec", default=None, choices=("off", "static", "adaptive"),
                         help="speculative decoding mode (default from the preset: adaptive); "
@@ -68,8 +71,10 @@ def build_config(args: argparse.Namespace) -> object:
     overrides: dict = {k: v for k, v in flat.items() if "." not in k}
     bad = [k for k in flat if "." in k and k.split(".", 1)[0] not in NESTED]
     if bad:
-        from tlt.services.common.config import ConfigError
+        from tlt.services.common.config import ConfigError, own_section_hint
 
+        if bad[0].startswith("rollout."):
+            raise ConfigError(own_section_hint("rollout", bad[0], flat[bad[0]]))
         raise ConfigError(f"unknown nested override(s) {bad}; nested sections of [rollout]: {', '.join(NESTED)}")
     for section in NESTED:  # only the keys given: load_config merges them field by field over the preset and
         nested = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(f"{section}.")}  # environment

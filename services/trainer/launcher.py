@@ -134,8 +134,11 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
         from tlt.services.drafter.config import DrafterServiceConfig
 
         sections.append((DrafterServiceConfig, "drafter"))
-    for cls, name in sections:
-        load_config(cls, name, None, services.get(name, {}))
+    loaded = {name: load_config(cls, name, None, services.get(name, {})) for cls, name in sections}
+    from tlt.services.common.config_cmd import context_problem
+
+    if (problem := context_problem(loaded["trainer"], loaded["rollout"])) is not None:
+        raise ConfigError(problem)
 
 
 # what the checkpoint's data position is a position in
