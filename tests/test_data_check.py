@@ -224,6 +224,11 @@ def test_a_bad_config_or_missing_model_is_refused(tmp_path, preset, capsys) -> N
     assert str(missing) in err and len(err.strip().splitlines()) == 1
     assert main(["data", "check", "--data", str(tmp_path / "nope.jsonl"), "--preset", str(preset)]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # max_tokens at or above max_model_len: no prompt fits at all (it printed "-46 prompt tokens at most", exit 1)
+    assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--set", "trainer.max_tokens=64",
+                 "--set", "rollout.engine.max_model_len=50"]) == 2
+    err = capsys.readouterr().err
+    assert "leaves no room for a prompt" in err and "-14" not in err
 
 
 # -- the command ---------------------------------------------------------------------------------------------------

@@ -159,13 +159,15 @@ def show(preset: str, overrides: Sequence[str], sections: Sequence[str]) -> str:
     return "\n\n".join(out)
 
 
-def context_problem(trainer: Any, rollout: Any) -> str | None:
+def context_problem(trainer: Any, rollout: Any, limit: int | None = None) -> str | None:
     """Why no prompt can be rolled out with these [trainer] and [rollout] configs, or None: max_tokens at or above
     the native engine's max_model_len leaves no room for a prompt, and the rollout refuses every request of the
     first step (context_length_exceeded), after every service has started. max_model_len 0 (the model's own) and
-    other backends are known only once the model is loaded."""
-    limit = rollout.engine.max_model_len
-    if rollout.backend != "native" or limit <= 0 or trainer.max_tokens < limit:
+    other backends are known only once the model is loaded: `limit` is then the context length the caller read
+    from the model."""
+    if limit is None:
+        limit = rollout.engine.max_model_len if rollout.backend == "native" else 0
+    if limit <= 0 or trainer.max_tokens < limit:
         return None
     return (f"[trainer] max_tokens={trainer.max_tokens} leaves no room for a prompt under [rollout.engine] "
             f"max_model_len={limit}: the rollout would refuse every request; lower max_tokens or raise max_model_len")

@@ -199,9 +199,14 @@ def check(trainer: Any, rollout: Any, show: int = 0) -> DataReport:
     """The report on `trainer.data_path`; DataError / ConfigError when the trainer would refuse it."""
     from tlt.services.trainer.data import trainer_prompts
 
+    from tlt.services.common.config import ConfigError
+    from tlt.services.common.config_cmd import context_problem
+
     items = trainer_prompts(trainer)
     tok = load_tokenizer(trainer.model_dir)
     max_model_len = context_length(trainer.model_dir, rollout)
+    if (problem := context_problem(trainer, rollout, max_model_len)) is not None:
+        raise ConfigError(problem)  # no prompt fits at all: refused, as tlt config check and tlt run refuse it
     where = row_labels(trainer.data_path, trainer.answer_field)
     lengths = prompt_lengths(tok, [it.prompt for it in items])
     ordered = sorted(lengths)
