@@ -243,3 +243,29 @@ def test_a_rule_across_fields_is_reported_without_dumping_the_whole_section() ->
     assert "(config)=" not in text and "'lr_schedule'" not in text and "Value error" not in text
     assert "eval_problems > 0 with your own data_path needs eval_data_path" in text
     assert "command line" in text and "preset" in text  # where the section's values came from
+
+
+def test_a_misspelt_environment_variable_is_named_not_silently_ignored() -> None:
+    """TLT_ROLOUT__REPLICAS=2 (a misspelt section) and TLT_ROLLOUT_REPLICAS=2 (one underscore) were read by
+    nothing, silently: the server ran with 1 replica and nothing said why."""
+    from tlt.services.common.config import unknown_environment
+
+    env = {"TLT_ROLOUT__REPLICAS": "2", "TLT_ROLLOUT_REPLICAS": "2", "TLT_TRAINR__LR": "1e-5", "TLT_COLOUR": "1",
+           "TLT_ROLLOUT__REPLICAS": "2", "TLT_SGLANG__ADAPTIVE_STEPS__1": "[1]", "TLT_PRESET": "1gpu",
+           "TLT_AUTH_TOKEN": "x", "TLT_LOG_JSON": "1", "PATH": "/bin", "TLTX__Y": "1"}
+    problems = unknown_environment(env)
+    assert len(problems) == 4, problems  # the known sections' variables, the plain ones and non-TLT ones pass
+    text = "\n".join(problems)
+    assert "TLT_ROLOUT__REPLICAS" in text and "did you mean TLT_ROLLOUT__" in text
+    assert "TLT_ROLLOUT_REPLICAS" in text and "TLT_ROLLOUT__REPLICAS" in text.split("TLT_ROLLOUT_REPLICAS", 1)[1]
+    assert "TLT_TRAINR__LR" in text and "TLT_TRAINER__" in text
+    assert "TLT_COLOUR" in text
+
+
+def test_tlt_warns_of_a_misspelt_environment_variable(monkeypatch, capsys) -> None:
+    from tlt.cli import main
+
+    monkeypatch.setenv("TLT_ROLOUT__REPLICAS", "2")
+    assert main(["config", "show", "run"]) == 0
+    err = capsys.readouterr().err
+    assert "unknown_environment" in err and "TLT_ROLOUT__REPLICAS" in err

@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(json=True if args.log_json else None, level=args.log_level)
     except ValueError as e:  # an unknown level from --log-level or TLT_LOG_LEVEL: a usage error, exit 2
         parser.error(f"{e} (--log-level or TLT_LOG_LEVEL)")
+    from tlt.services.common.config import unknown_environment
+    from tlt.services.common.logging import get_logger
+
+    for problem in unknown_environment(os.environ):  # a misspelt TLT_* variable configured nothing, silently
+        get_logger("tlt").warning("unknown_environment", problem=problem)
     if getattr(args, "ready_file", None):  # a server's: one left by an earlier run names its dead ports and pids
         from pathlib import Path
 

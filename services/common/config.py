@@ -167,6 +167,45 @@ def cli_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+# TLT_* variables read as they are, not as config fields (services/common/auth.py, logging.py, tlt/cli.py,
+# procs.py; TLT_IMAGE is docker compose's image tag)
+PLAIN_ENVIRONMENT = ("TLT_PRESET", "TLT_AUTH_TOKEN", "TLT_AUTH_TOKEN_FILE", "TLT_API_KEY", "TLT_LOG_JSON",
+                     "TLT_LOG_LEVEL", "TLT_DIE_WITH_PARENT", "TLT_IMAGE")
+
+
+def unknown_environment(environ: Mapping[str, str], sections: Sequence[str] | None = None) -> list[str]:
+    """The TLT_* variables nothing reads, each with what was likely meant: a misspelt section (TLT_ROLOUT__X) or
+    one underscore after it (TLT_ROLLOUT_X) configured nothing, silently. `sections`: the config sections
+    (default: the preset's, config_cmd.SECTION_CLASSES)."""
+    import difflib
+
+    if sections is None:
+        from tlt.services.common.config_cmd import SECTION_CLASSES
+
+        sections = list(SECTION_CLASSES)
+    prefixes = {env_prefix(s): s for s in sections}
+    problems = []
+    for key in sorted(environ):
+        if not key.startswith("TLT_") or key in PLAIN_ENVIRONMENT or any(key.startswith(p) for p in prefixes):
+            continue
+        head = key[len("TLT_"):]
+        if "__" in head:
+            section, rest = head.split("__", 1)
+            close = difflib.get_close_matches(section.lower(), list(sections), n=1)
+            hint = f"; did you mean {env_prefix(close[0])}{rest}?" if close else ""
+            problems.append(f"{key}: no config section [{section.lower()}] (sections: {', '.join(sections)}){hint}")
+            continue
+        section = next((s for s in sections if head.lower().startswith(f"{s.replace('-', '_')}_")), None)
+        if section is not None:
+            field = head[len(section) + 1:]
+            problems.append(f"{key}: a config variable has two underscores after its section: "
+                            f"{env_prefix(section)}{field}")
+        else:
+            problems.append(f"{key}: not a variable TLT reads (config: TLT_<SECTION>__<FIELD>; others: "
+                            f"{', '.join(PLAIN_ENVIRONMENT)})")
+    return problems
+
+
 def own_section_hint(section: str, key: str, value: Any) -> str:
     """A command's `--set section.field=value` naming its own section (the form `tlt run --set` takes): what to
     type instead."""
