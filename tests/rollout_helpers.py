@@ -152,3 +152,18 @@ def assert_all_gone(pids: list[int], timeout_s: float = 10.0) -> None:
     while not all(pid_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(pid_gone(p) for p in pids), [p for p in pids if not pid_gone(p)]
+
+
+def stream_then_kill(s: "ServerThread", body: dict, replica: Any) -> list[str]:
+    """POST a streamed /v1/completions `body`; once its first chunk arrived, SIGKILL the replica `replica()` names
+    (a process the test started); the non-empty SSE lines that follow it."""
+    import signal
+
+    import httpx
+
+    with httpx.stream("POST", f"{s.base_url}/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert "error" not in first, first
+        os.kill(s.server.replica_pids()[replica()], signal.SIGKILL)
+        return [line for line in lines if line]

@@ -25,7 +25,7 @@ from collections import Counter
 import grpc
 import httpx
 import pytest
-from rollout_helpers import ENGINE_TEST_SETTINGS, ServerThread, tiny_checkpoint
+from rollout_helpers import ENGINE_TEST_SETTINGS, ServerThread, stream_then_kill, tiny_checkpoint
 
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import rollout_pb2
@@ -184,13 +184,14 @@ def test_a_stream_that_already_sent_tokens_fails_as_before_instead_of_repeating_
         pool = s.server.pool
         body = {"model": s.model_name, "prompt": "1+2=", "max_tokens": 240, "n": 8, "ignore_eos": True,
                 "temperature": 1.0, "stream": True}
-        with httpx.stream("POST", f"{s.base_url}/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
-            assert "error" not in first, first
-            holder = next(rep.replica_id for rep in pool.replicas if rep.outstanding > 0)
-            os.kill(s.server.replica_pids()[holder], signal.SIGKILL)
-            rest = [line for line in lines if line]
+        held: list[int] = []
+
+        def holder_of_the_stream() -> int:
+            held.append(next(r.replica_id for r in pool.replicas if r.outstanding > 0))
+            return held[0]
+
+        rest = stream_then_kill(s, body, holder_of_the_stream)
+        holder = held[0]
         assert rest[-1] == "data: [DONE]", rest[-3:]
         assert f"replica {holder} died" in rest[-2], rest[-2]
         assert pool.redispatches == 0

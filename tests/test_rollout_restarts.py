@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from rollout_helpers import ServerThread, tiny_checkpoint
+from rollout_helpers import ServerThread, stream_then_kill, tiny_checkpoint
 
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import rollout_pb2
@@ -68,12 +68,7 @@ def test_a_stream_cut_by_a_replica_death_ends_like_a_non_streaming_request(model
         before = _rejected_unavailable(base)
         body = {"model": s.model_name, "prompt": "1+2=", "max_tokens": 200, "n": 32, "ignore_eos": True,
                 "temperature": 1.0, "stream": True}
-        with httpx.stream("POST", f"{s.base_url}/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
-            assert "error" not in first, first
-            os.kill(s.server.replica_pids()[0], signal.SIGKILL)
-            rest = [line for line in lines if line]
+        rest = stream_then_kill(s, body, lambda: 0)
         assert rest[-1] == "data: [DONE]", rest[-3:]
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert "replica 0 died" in error["message"], error
