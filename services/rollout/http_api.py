@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI, served by uvicorn).
 
     POST /v1/completions, /v1/chat/completions   (JSON or SSE stream)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics   (HEAD too: the same status and headers, no body)
 
     body -> size check (413) -> JSON (400) -> strict pydantic model (400) -> model id (404)
          -> tokenize (chat template for chat, tools included) -> length checks (400) -> GenerationRequest
@@ -174,10 +174,13 @@ class OpenAIServer:
             kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
             return ApiError(e.status_code, str(e.detail), kind).response()
 
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])  # ids may hold slashes
+        # HEAD as GET without the body (load balancers' and probes' health checks): FastAPI's routes, unlike
+        # Starlette's own, do not add HEAD to a GET route; uvicorn sends a HEAD response's headers only
+        get = ["GET", "HEAD"]
+        app.add_api_route("/health", self.health, methods=get)
+        app.add_api_route("/metrics", self.metrics_endpoint, methods=get)
+        app.add_api_route("/v1/models", self.models, methods=get)
+        app.add_api_route("/v1/models/{model:path}", self.model, methods=get)  # ids may hold slashes
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return app
@@ -314,7 +317,11 @@ class OpenAIServer:
     async def _collect(self, reqs: list[GenerationRequest], request: Request) -> list[list[CompletionOutput]]:
         """Every request's completions; a client that goes away meanwhile aborts them (nothing decodes for nobody)."""
         async def one(r: GenerationRequest) -> list[CompletionOutput]:
-            outs = [c async for c in self.pool.generate(r) if isinstance(c, CompletionOutput)]
+            outs = []
+            async for c in self.pool.generate(r):
+                if isinstance(c, CompletionOutput):
+                    self.m_gen.inc(len(c.token_ids))  # as each sample finishes: an aborted request's count too
+                    outs.append(c)
             return sorted(outs, key=lambda c: c.sample_index)
 
         tasks = [asyncio.ensure_future(one(r)) for r in reqs]
@@ -335,13 +342,21 @@ class OpenAIServer:
             gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _merged(self, reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, StepOutput | CompletionOutput]]:
-        """Every request's events, tagged with the prompt index, in arrival order."""
+        """Every request's events, tagged with the prompt index, in arrival order. Generated tokens are counted
+        as their steps arrive (a stream the client leaves mid-way counts what it was sent and more); a sample's
+        CompletionOutput adds what its steps did not carry, so a finished one counts len(token_ids), as usage."""
         q: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(i: int, r: GenerationRequest) -> None:
+            stepped: dict[int, int] = {}  # sample index -> tokens counted from its steps
             try:
                 async for ev in self.pool.generate(r, want_steps=True):
+                    if isinstance(ev, StepOutput):
+                        stepped[ev.sample_index] = stepped.get(ev.sample_index, 0) + len(ev.new_token_ids)
+                        self.m_gen.inc(len(ev.new_token_ids))
+                    else:
+                        self.m_gen.inc(max(0, len(ev.token_ids) - stepped.pop(ev.sample_index, 0)))
                     q.put_nowait((i, ev))
             except (InvalidRequestError, ReplicaUnavailableError) as e:
                 q.put_nowait((i, e))
@@ -364,8 +379,7 @@ class OpenAIServer:
 
     def _usage(self, prompts: list[list[int]], outs: list[CompletionOutput]) -> Usage:
         p = sum(len(x) for x in prompts)
-        c = sum(len(o.token_ids) for o in outs)
-        self.m_gen.inc(c)
+        c = sum(len(o.token_ids) for o in outs)  # generated_tokens_total counts them as they come (_collect, _merged)
         return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     def _count(self, endpoint: str, status: int, t0: float) -> None:
@@ -452,8 +466,6 @@ class OpenAIServer:
             yield _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                usage=self._usage(prompts, outs),
                                                tlt_versions=conv.response_versions(outs)))
-        else:
-            self._usage(prompts, outs)
 
     def _sse(self, endpoint: str, t0: float, body: AsyncIterator[bytes]) -> StreamingResponse:
         async def wrapped() -> AsyncIterator[bytes]:
@@ -549,7 +561,7 @@ class OpenAIServer:
                 outs.append(ev)
                 for choice in cs.finish(ev, req.logprobs, req.top_logprobs or 0):
                     yield chunk(choice)
-        usage = self._usage(prompts, outs)
         if include_usage:
             yield _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
-                                                usage=usage, tlt_versions=conv.response_versions(outs)))
+                                                usage=self._usage(prompts, outs),
+                                                tlt_versions=conv.response_versions(outs)))

@@ -113,17 +113,27 @@ def _lp(x: float) -> float:
 def completion_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int
 ) -> CompletionLogprobs:
+    """The legacy completions API's logprobs. Each position's `top_logprobs` holds the `k` most likely tokens and
+    the sampled one besides when it is not among them (its logprob the position's `token_logprobs` value): "The
+    API will always return the logprob of the sampled token, so there may be up to logprobs+1 elements in the
+    response" (OpenAI's reference for `logprobs`). The chat API has no such rule: see `chat_logprobs`."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
+    token_logprobs = [_lp(x) for x in (logprobs or [])]
     top_out = None
     if k > 0 and top is not None:
-        top_out = [{_token_text(tokenizer, i): _lp(lp) for i, lp in alt.items()} for alt in top]
+        top_out = []
+        for i, alt in enumerate(top):
+            entry = {_token_text(tokenizer, a): _lp(lp) for a, lp in alt.items()}
+            if i < len(token_ids) and i < len(token_logprobs) and token_ids[i] not in alt:
+                entry.setdefault(tokens[i], token_logprobs[i])
+            top_out.append(entry)
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[_lp(x) for x in (logprobs or [])],
+        token_logprobs=token_logprobs,
         top_logprobs=top_out,
         text_offset=offsets,
     )
@@ -132,6 +142,10 @@ def completion_logprobs(
 def chat_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int
 ) -> ChoiceLogprobs:
+    """The chat API's logprobs: each token with its logprob, and its `top_logprobs` the `k` most likely tokens only
+    (OpenAI's reference: "List of the most likely tokens and their log probability, at this token position"). The
+    sampled token is the entry itself, not added to its alternatives when it is not among them, unlike the legacy
+    completions API's up to logprobs+1 (`completion_logprobs`)."""
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs or [])):
         text, raw = _token_text_and_bytes(tokenizer, tid)

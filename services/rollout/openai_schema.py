@@ -136,6 +136,31 @@ class ContentPart(_Strict):
     text: str
 
 
+def content_part_problem(i: int, j: int, raw: Any) -> tuple[str, str] | None:
+    """(message, param) of the 400 for part `j` of message `i`'s content, naming the field as the OpenAI API does
+    (`messages.[0].content.[1].type`); None when it is a text part. Only text is served: an `image_url` part (what
+    the SDK sends for vision), `input_audio`, `file` or `refusal` is refused by its type, in one line, rather
+    than with the pydantic errors of every member of a union."""
+    param = f"messages.[{i}].content.[{j}]"
+    if not isinstance(raw, dict):
+        return f"{param} must be a content part (a JSON object), got {raw!r}"[:300], param
+    kind = raw.get("type")
+    if kind != "text":
+        return (f"messages[{i}].content[{j}]: only text content parts (type 'text') are supported; got type "
+                f"{kind!r}"[:300], f"{param}.type")
+    try:
+        ContentPart.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join([param, *(str(x) for x in err["loc"])])
+        if err["type"] == "extra_forbidden":
+            return f"unknown parameter {param!r}", param
+        if err["type"] == "missing":
+            return f"missing required parameter {param!r}", param
+        return f"{param}: {err['msg']} (got {err.get('input')!r})"[:300], param
+    return None
+
+
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # the OpenAI API's rule for a function's name
 
 
@@ -209,7 +234,7 @@ def _json_object(text: str) -> bool:
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[Any] | None = None  # a list: content parts, checked by `invalid()` (text ones only)
     name: str | None = None
     tool_call_id: str | None = None  # on a `tool` message: the call it answers (the SDK sends it on replay)
     tool_calls: list[ToolCallIn] | None = None  # on an assistant message: the calls it made
@@ -225,6 +250,9 @@ class ChatMessage(_Strict):
 
     def invalid(self, i: int) -> tuple[str, str] | None:
         """(message, param) of a 400 for this message, the `i`th of the history."""
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if (problem := content_part_problem(i, j, part)) is not None:
+                return problem
         if self.function_call is not None:
             return (f"messages[{i}]: function_call (the deprecated functions API) is not supported; use tool_calls",
                     f"messages.[{i}].function_call")
@@ -248,7 +276,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p["text"] for p in self.content)  # text parts only (`invalid()`)
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: role and text, plus `name`, `tool_call_id` and `tool_calls`
@@ -289,7 +317,8 @@ class ChatCompletionRequest(_Sampling):
     def invalid(self) -> tuple[str, str] | None:
         """A `tool` message without `tool_call_id`, or another role with one: the 400 names the message's field
         (`messages.[i].tool_call_id`), so a client can tell which message of a long history is wrong. Likewise a
-        malformed tool (`tools.[i]...`), a tool call's `arguments` that hold no JSON object, or a `tool_choice`
+        malformed tool (`tools.[i]...`), a tool call's `arguments` that hold no JSON object, a content part that is
+        not text (`messages.[i].content.[j].type`), `top_logprobs` without `logprobs: true`, or a `tool_choice`
         that cannot be honoured."""
         for i, m in enumerate(self.messages):
             if m.role == "tool" and m.tool_call_id is None:  # the OpenAI API's message and param for it
@@ -299,6 +328,8 @@ class ChatCompletionRequest(_Sampling):
                 return f"messages[{i}]: tool_call_id is only for role 'tool'", f"messages.[{i}].tool_call_id"
             if (problem := m.invalid(i)) is not None:
                 return problem
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs needs logprobs: true", "top_logprobs"
         for field in ("functions", "function_call"):
             if getattr(self, field) is not None:
                 return (f"{field} (the deprecated functions API) is not supported; use tools and tool_choice",
@@ -322,8 +353,6 @@ class ChatCompletionRequest(_Sampling):
         return frozenset(t["function"]["name"] for t in self.tools or ())
 
     def unsupported(self) -> str | None:
-        if self.top_logprobs and not self.logprobs:
-            return "top_logprobs needs logprobs: true"
         for i, m in enumerate(self.messages):
             if (why := m.unsupported()) is not None:
                 return f"messages[{i}]: {why}"

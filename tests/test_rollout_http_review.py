@@ -1,0 +1,183 @@
+"""Findings of a new user's review of the OpenAI-compatible HTTP API, each pinned by a test: HEAD on the GET routes,
+`param` of a refused top_logprobs, the sampled token among a completion's top logprobs, a 400 naming a non-text
+content part, and rollout_generated_tokens_total for requests that end early.
+
+Real parts: the rollout server (uvicorn on a free 127.0.0.1 port), one replica process running the native engine on
+a tiny random Qwen2 checkpoint with the task tokenizer, httpx and the official `openai` client. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from rollout_helpers import ServerThread, tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerThread(tiny_checkpoint(tmp_path_factory.mktemp("rollout_review_model")), replicas=1) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+
+
+def test_head_answers_as_get_without_a_body(server):
+    """`curl -I /health` (load balancers' and probes' check) was a 405: FastAPI routes take no HEAD for GET."""
+    root = server.base_url.removesuffix("/v1")
+    for path in ("/health", "/v1/models", f"/v1/models/{server.model_name}", "/metrics"):
+        get, head = httpx.get(root + path), httpx.head(root + path)
+        assert head.status_code == get.status_code == 200, (path, head.status_code)
+        assert head.content == b"", path
+        assert head.headers["content-type"] == get.headers["content-type"], path
+        if path != "/metrics":  # its body changes between two scrapes
+            assert int(head.headers["content-length"]) == len(get.content), path
+    assert httpx.head(f"{root}/v1/models/no-such-model").status_code == 404
+    assert httpx.head(f"{server.base_url}/completions").status_code == 405  # a POST route stays POST only
+
+
+def test_top_logprobs_without_logprobs_names_its_parameter(client, server):
+    """The refusal came with `"param": null`: it names top_logprobs, as the SDK's BadRequestError.param shows."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "1+1="}],
+                                       max_tokens=3, top_logprobs=2)
+    assert e.value.param == "top_logprobs", e.value.body
+    assert "top_logprobs needs logprobs: true" in e.value.message
+
+
+def test_an_image_part_is_one_400_naming_the_part_s_type(client, server):
+    """What the SDK sends for vision was refused with the pydantic errors of four union members; now one line that
+    says only text parts are served, naming `messages.[i].content.[j].type`. Text parts still work."""
+    parts = [{"type": "text", "text": "what is in"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                                        "iVBORw0KGgo="}}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=3)
+    assert e.value.param == "messages.[1].content.[1].type", e.value.body
+    assert e.value.body["message"] == ("messages[1].content[1]: only text content parts (type 'text') are supported; "
+                                       "got type 'image_url'")
+    r = httpx.post(f"{server.base_url}/chat/completions", timeout=60, json={
+        "model": server.model_name, "max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.[0].content.[0].text", r.text
+    ok = client.chat.completions.create(model=server.model_name, max_tokens=3, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "1="}]}])
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def _check_holds_sampled(lp, k: int) -> int:
+    """Every position's top_logprobs holds its sampled token, at its token_logprobs value, and at most k+1
+    entries; returns how many positions sampled a token outside the top k."""
+    outside = 0
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert tok in top and top[tok] == pytest.approx(chosen, abs=1e-5), (tok, chosen, top)
+        assert k <= len(top) <= k + 1, top
+        if len(top) == k + 1:
+            outside += 1
+            assert min(v for t, v in top.items() if t != tok) >= chosen, top  # the k others are the likelier ones
+    return outside
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(client, server):
+    """OpenAI's legacy completions: "The API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements". A token sampled outside the top k was missing from its position's list. The
+    random model's distribution is flat: at temperature 1 most tokens are sampled outside the top 1."""
+    kw = dict(model=server.model_name, prompt="3*4=", max_tokens=24, logprobs=1, temperature=1.0, seed=17,
+              extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kw).choices[0].logprobs
+    assert len(lp.tokens) == 24
+    assert _check_holds_sampled(lp, 1) > 0, "no token sampled outside the top 1: the test checks nothing"
+    last = [c for c in client.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
+    assert last[-1].choices[0].logprobs.top_logprobs == lp.top_logprobs  # a stream's last chunk: the same lists
+
+
+def _generated(server) -> float:
+    text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics").text
+    (value,) = re.findall(r"^rollout_generated_tokens_total (\S+)$", text, re.M)
+    return float(value)
+
+
+def _settle(server) -> None:
+    """The aborted request has left the replica (its abort reached the engine)."""
+    pool = server.server.pool
+    deadline = time.monotonic() + 30
+    while pool.replicas[0].outstanding and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.replicas[0].outstanding == 0
+    time.sleep(0.2)
+
+
+def test_generated_tokens_count_requests_that_end_early(client, server):
+    """A stream the client closed mid-way left rollout_generated_tokens_total where it was, though it had been sent
+    tokens. Finished requests (plain, streamed, chat streamed) count exactly their usage, never twice."""
+    start = _generated(server)
+    plain = client.completions.create(model=server.model_name, prompt="2+2=", max_tokens=20, temperature=1.0,
+                                      seed=3, extra_body={"ignore_eos": True})
+    streamed = [c for c in client.completions.create(model=server.model_name, prompt="2+3=", max_tokens=17,
+                                                     stream=True, stream_options={"include_usage": True},
+                                                     temperature=1.0, seed=4) if c.usage is not None]
+    chat = [c for c in client.chat.completions.create(model=server.model_name, max_tokens=13, stream=True,
+                                                      messages=[{"role": "user", "content": "5+5="}], n=2,
+                                                      stream_options={"include_usage": True}, temperature=1.0)
+            if c.usage is not None]
+    finished = plain.usage.completion_tokens + streamed[0].usage.completion_tokens + chat[0].usage.completion_tokens
+    assert _generated(server) - start == finished
+    body = {"model": server.model_name, "prompt": "1", "max_tokens": 230, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True, "stream": True}
+    received = 0
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                received += 1  # a chunk of text holds one token or more
+                if received == 60:
+                    break  # the client goes away mid-stream
+    assert received == 60
+    _settle(server)
+    cancelled = _generated(server) - start - finished
+    assert 60 <= cancelled <= 230, cancelled
+
+
+def test_a_non_streamed_request_whose_client_goes_counts_its_finished_samples(server):
+    """A non-streamed request aborted by its client (499) counted nothing, though some of its samples had finished.
+    Seeded sampling is reproducible: a first run (gRPC, for the token ids) picks a stop token that ends sample 0
+    after a few tokens and never comes in sample 1; the client leaves the second run while sample 1 still decodes."""
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.v1 import rollout_pb2
+
+    prompt, seed, max_tokens = [100, 200, 30], 21, 230
+    grpc_client = RolloutClient(server.grpc_address, timeout_s=60)
+    try:
+        params = rollout_pb2.SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+        done = {c.sample_index: list(c.token_ids) for c in grpc_client.generate(prompt, n=2, params=params)}
+    finally:
+        grpc_client.close()
+    first, other = done[0], done[1]
+    end = next(j for j in range(2, 12) if first[j] not in first[:j] and first[j] not in other)
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "n": 2, "temperature": 1.0,
+            "seed": seed, "ignore_eos": True, "stop_token_ids": [first[end]]}
+    pool = server.server.pool
+
+    def steps() -> int:
+        return server.call(pool.snapshot())[0].stats.steps
+
+    async def leave_mid_way() -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            before = steps()
+            task = asyncio.ensure_future(c.post(f"{server.base_url}/completions", json=body))
+            while steps() - before < end + 10 and not task.done():  # sample 0 has stopped by then
+                await asyncio.sleep(0.005)
+            assert not task.done(), "the request finished before its client could leave"
+            task.cancel()
+
+    start = _generated(server)
+    asyncio.run(leave_mid_way())
+    _settle(server)
+    assert end + 1 <= _generated(server) - start <= 2 * max_tokens
