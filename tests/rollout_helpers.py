@@ -1,7 +1,8 @@
 """Shared helpers for the rollout server tests: a tiny checkpoint and a real server on loopback.
 
 `tiny_checkpoint(dir)` writes a seeded, randomly initialised Qwen2 checkpoint
-with the task tokenizer (chat template included). `ServerThread` runs the
+with the task tokenizer (chat template included); `hermes_checkpoint(dir)` the same
+with a small Hermes-style chat template that renders tools. `ServerThread` runs the
 real `RolloutServer` (real replica processes with the real native engine,
 real uvicorn, real grpc.aio) on an event loop in a background thread, on free
 ports of 127.0.0.1. `ServeProcess` runs `tlt rollout serve` as a subprocess.
@@ -39,6 +40,33 @@ def tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(out_dir)
     return out_dir
+
+
+# Renders the tools' JSON in a system block, an assistant's calls as <tool_call> blocks (arguments as the
+# mapping HF templates expect: `tojson` of a string would render a quoted string), tool results as a user turn.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"
+    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for tc in m.tool_calls %}<tool_call>\n{{ {'name': tc.function.name, 'arguments': tc.function.arguments}"
+    " | tojson }}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def hermes_checkpoint(out_dir: Path) -> Path:
+    """`tiny_checkpoint` whose tokenizer's chat template is HERMES_TEMPLATE (the shipped tiny template does not
+    render tools)."""
+    d = tiny_checkpoint(out_dir)
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = HERMES_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return d
 
 
 def rollout_config(**overrides: Any) -> Any:

@@ -7,9 +7,10 @@ real server (uvicorn on 127.0.0.1, one replica running the native engine) driven
 tiny checkpoint whose chat template is a small Hermes-style one written here (the shipped tiny template does
 not render tools, and stays as it is: tests/test_rollout_http.py checks it is refused with tools).
 
-What cannot be exercised end to end, and why: a random tiny model does not write a `<tool_call>` block, and no
+What is not exercised end to end here, and why: a random tiny model does not write a `<tool_call>` block, and no
 request field can make it (logit_bias is refused, and constrained decoding is not offered), so a response that
-holds tool calls never comes from the engine here. The text -> tool_calls step is covered by the parser tests
+holds tool calls never comes from the engine here (tests/test_rollout_scripted_tools.py does that, with the native
+engine's next-token choice scripted). The text -> tool_calls step is covered by the parser tests
 and by the builders fed `CompletionOutput`s / `StepOutput`s holding tool-call text, i.e. the very functions the
 server calls (`conv.chat_choice`, `conv.ChatChoiceStream`); the server tests cover everything around them
 (rendering, replay, refusals, the streaming path with tools on).
@@ -28,7 +29,7 @@ import transformers
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from rollout_helpers import ServerThread, tiny_checkpoint
+from rollout_helpers import ServerThread, hermes_checkpoint
 
 NAMES = frozenset({"get_weather", "add"})
 WEATHER = {"type": "function", "function": {
@@ -323,30 +324,9 @@ def test_streamed_choice_without_tools_is_unchanged(tok):
 
 # ---- the real server, with a Hermes-style chat template -------------------------------------------
 
-# Renders the tools' JSON in a system block, an assistant's calls as <tool_call> blocks (arguments as the
-# mapping HF templates expect: `tojson` of a string would render a quoted string), tool results as a user turn.
-HERMES_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"
-    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{%- for tc in m.tool_calls %}<tool_call>\n{{ {'name': tc.function.name, 'arguments': tc.function.arguments}"
-    " | tojson }}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tiny_checkpoint(tmp_path_factory.mktemp("rollout_tools_model"))
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = HERMES_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return d
+    return hermes_checkpoint(tmp_path_factory.mktemp("rollout_tools_model"))
 
 
 @pytest.fixture(scope="module")
