@@ -27,19 +27,29 @@ has no room for now (`max_pending_sequences`) gets RESOURCE_EXHAUSTED; a bad wei
 answers ok=false with the reason and changes nothing; a missing or wrong
 control token on UpdateWeights or GetWeights gets UNAUTHENTICATED (policy: services/common/
 auth.py). Every refusal counts in rollout_rejected_total{reason}.
+
+Metrics (the server's one registry, served on the HTTP API's /metrics): every call counts once in
+rollout_grpc_requests_total{method, code} with the status it ended with (OK, INVALID_ARGUMENT, CANCELLED, ...; a
+weight push answered ok=false is OK there and counted by reason in rollout_rejected_total). Generate and
+BatchGenerate add to rollout_prompt_tokens_total (each prompt once, whatever n: OpenAI's usage.prompt_tokens) and
+rollout_generated_tokens_total (each completion's tokens as it arrives: a BatchGenerate cancelled mid-way counts
+the completions that had finished), the counters the HTTP API adds to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from tlt.services.common.auth import ControlAuth
 from tlt.services.common.logging import get_logger
+from tlt.services.common.metrics import Metrics
 from tlt.services.rollout.config import RolloutConfig
 from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
@@ -104,19 +114,75 @@ def completion_message(c: CompletionOutput, prompt_index: int, reference: str, h
     return msg
 
 
+def _status(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    """The status code a call ended with: the one set by `context.abort` (or `set_code`), CANCELLED for a call
+    cancelled by its client or the server's stop (DEADLINE_EXCEEDED once its deadline passed), UNKNOWN for an
+    exception grpc.aio answers as such, else OK."""
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        left = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "UNKNOWN" if error is not None else "OK"
+
+
+def counted(method: Callable) -> Callable:
+    """Count each call of an RPC method once in rollout_grpc_requests_total{method, code} (`RolloutService._calls`),
+    streaming ones (async generators) included."""
+    name = method.__name__
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self: "RolloutService", request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            inner, error = method(self, request, context), None
+            try:
+                async for item in inner:
+                    yield item
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                await inner.aclose()
+                self._count_call(name, _status(context, error))
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self: "RolloutService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        error = None
+        try:
+            return await method(self, request, context)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._count_call(name, _status(context, error))
+    return unary
+
+
 MAX_LEASE_S = 86400.0  # a day: a lend is renewed well within it; a longer one is a mistake, not a plan
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
-                 rejected: Any = None) -> None:
+                 rejected: Any = None, metrics: Metrics | None = None, prompt_tokens: Any = None,
+                 generated_tokens: Any = None) -> None:
+        """`metrics`: the server's registry (rollout_grpc_requests_total is made on it); `rejected`,
+        `prompt_tokens`, `generated_tokens`: the HTTP API's counters of that registry, which gRPC calls add to."""
         self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
         self.auth = ControlAuth.build(config.host, config.control_token, config.insecure_local)
         self.rejected = rejected  # Counter tlt rollout_rejected_total{reason}, shared with the HTTP API
+        self.prompt_tokens, self.generated_tokens = prompt_tokens, generated_tokens  # shared likewise
+        self._calls = None if metrics is None else metrics.counter(
+            "grpc_requests_total", "gRPC calls by method and the status code they ended with (refusals are "
+            "also in rejected_total by reason)", ("method", "code"))
 
     def _reject(self, reason: str) -> None:
         if self.rejected is not None:
             self.rejected.labels(reason).inc()
+
+    def _count_call(self, method: str, code: str) -> None:
+        if self._calls is not None:
+            self._calls.labels(method, code).inc()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -152,6 +218,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                                  f"context length {info.max_model_len}")
             out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), params, n))
         self.pool.admit(len(out) * n)  # InvalidRequestError (alone too large) is a ValueError; OverloadedError: busy
+        if self.prompt_tokens is not None:  # once per prompt, whatever n (OpenAI's usage.prompt_tokens)
+            self.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in out))
         return out
 
     async def _refuse_overloaded(self, e: OverloadedError, context: grpc.aio.ServicerContext) -> None:
@@ -168,6 +236,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             try:
                 async for c in self.pool.generate(r):
                     if isinstance(c, CompletionOutput):
+                        if self.generated_tokens is not None:  # as each arrives: a cancelled call counts these
+                            self.generated_tokens.inc(len(c.token_ids))
                         q.put_nowait(completion_message(c, i, refs[i], hidden))
             except (InvalidRequestError, ReplicaUnavailableError) as e:
                 q.put_nowait(e)
@@ -188,6 +258,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             for t in tasks:
                 t.cancel()
 
+    @counted
     async def BatchGenerate(self, request: rollout_pb2.BatchGenerateRequest, context: grpc.aio.ServicerContext
                             ) -> AsyncIterator[rollout_pb2.Completion]:
         batch_id = request.batch_id or uuid.uuid4().hex
@@ -207,6 +278,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except ReplicaUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
+    @counted
     async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> rollout_pb2.GenerateResponse:
         rid = request.request_id or uuid.uuid4().hex
@@ -229,6 +301,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
     # ---- control -------------------------------------------------------------------------
 
+    @counted
     async def UpdateWeights(self, request_iterator: AsyncIterator[rollout_pb2.WeightChunk],
                             context: grpc.aio.ServicerContext) -> rollout_pb2.UpdateWeightsResponse:
         from tlt.services.common.weights import WeightValidationError, assemble
@@ -270,6 +343,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             ok=True, kind=manifest.kind, version=v.policy if kind == "policy" else v.drafter,
             apply_seconds=result["seconds"], replicas=result["replicas"])
 
+    @counted
     async def GetWeights(self, request: rollout_pb2.GetWeightsRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[rollout_pb2.WeightChunk]:
         from tlt.services.common.weights import iter_chunks
@@ -292,6 +366,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         for chunk in iter_chunks(manifest, payload):
             yield chunk
 
+    @counted
     async def LendDevices(self, request: rollout_pb2.LendRequest, context: grpc.aio.ServicerContext
                           ) -> rollout_pb2.LendResponse:
         """Colocated placement: lend the replicas' devices to the trainer, or take them back (lease.py)."""
@@ -314,6 +389,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.LendResponse(lent=bool(self.pool.lent_to), expires_in_s=r["expires_in_s"],
                                         replicas=r["replicas"], seconds=r["seconds"])
 
+    @counted
     async def GetStatus(self, request: rollout_pb2.StatusRequest, context: grpc.aio.ServicerContext
                         ) -> rollout_pb2.RolloutStatus:
         status = rollout_pb2.RolloutStatus(

@@ -125,8 +125,11 @@ class OpenAIServer:
                                           ("endpoint", "status"))
         self.m_latency = metrics.histogram("http_request_seconds", "HTTP request time to the last byte",
                                            ("endpoint",))
-        self.m_prompt = metrics.counter("prompt_tokens_total", "prompt tokens received")
-        self.m_gen = metrics.counter("generated_tokens_total", "tokens generated")
+        # shared with the gRPC API (server.py): the trainer's BatchGenerate traffic counts here too
+        self.m_prompt = metrics.counter("prompt_tokens_total", "prompt tokens of the requests admitted, HTTP and gRPC: "
+                                        "each prompt once whatever n, as OpenAI's usage.prompt_tokens")
+        self.m_gen = metrics.counter("generated_tokens_total", "tokens generated for HTTP and gRPC requests, counted "
+                                     "as they arrive (a request that ends early counts what it had been given)")
         self.m_running = metrics.gauge("replica_running", "running sequences per replica", ("replica",))
         self.m_queued = metrics.gauge("replica_queued", "queued sequences per replica", ("replica",))
         self.m_kv = metrics.gauge("replica_kv_usage", "KV cache use per replica (0..1)", ("replica",))
@@ -260,7 +263,7 @@ class OpenAIServer:
         if (missing := req.invalid()) is not None:
             raise ApiError(400, missing[0], param=missing[1])
         if (why := req.unsupported()) is not None:
-            raise ApiError(400, why)
+            raise ApiError(400, why[0], param=why[1])
         if req.stream_options is not None and not req.stream:  # the OpenAI API's own check and wording
             raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                            param="stream_options")

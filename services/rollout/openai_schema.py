@@ -8,10 +8,12 @@ TLT extensions beside the OpenAI fields: `top_k`,
 versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
 honour (penalties, logit_bias, echo, suffix, a `tool_choice` that forces a
 call, the deprecated `functions` / `function_call`) are refused with a 400
-rather than silently ignored. A `tool` message in the history (a tool's result)
-is text for the chat template like any other role; as in the OpenAI API it must
-carry the `tool_call_id` of the call it answers, and no other role may
-(a 400 naming `messages.[i].tool_call_id` either way).
+naming the field in `param` (`messages.[i].audio` for a message's), rather
+than silently ignored. A `tool_choice` without `tools` is a 400 as in the
+OpenAI API, in its words (vLLM lets "none" through). A `tool` message in the
+history (a tool's result) is text for the chat template like any other role;
+as in the OpenAI API it must carry the `tool_call_id` of the call it answers,
+and no other role may (a 400 naming `messages.[i].tool_call_id` either way).
 
 Tools: `tools` are checked here (a 400 naming e.g. `tools.[2].function.name`)
 and handed as sent to the chat template; an assistant message's `tool_calls`
@@ -88,11 +90,13 @@ class _Sampling(_Strict):
         missing (in its wording), or one given where it does not belong; None when nothing is."""
         return None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
+        """(message, param) of the 400 for a field this server does not honour, named as `invalid()` names one."""
         if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported (they would change the policy's distribution)"
+            return ("presence_penalty and frequency_penalty are not supported (they would change the policy's "
+                    "distribution)", "presence_penalty" if self.presence_penalty else "frequency_penalty")
         if self.logit_bias:
-            return "logit_bias is not supported (it would change the policy's distribution)"
+            return "logit_bias is not supported (it would change the policy's distribution)", "logit_bias"
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -121,13 +125,13 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
-            return "echo is not supported"
+            return "echo is not supported", "echo"
         if self.suffix:
-            return "suffix is not supported"
+            return "suffix is not supported", "suffix"
         if self.best_of is not None and self.best_of != self.n:
-            return "best_of other than n is not supported"
+            return "best_of other than n is not supported", "best_of"
         return super().unsupported()
 
 
@@ -264,11 +268,14 @@ class ChatMessage(_Strict):
                 return (f"{param} must be a JSON object in a string (got {call.function.arguments!r})"[:300], param)
         return None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self, i: int) -> tuple[str, str] | None:
+        """(message, param) of a 400 for a field of this message, the `i`th, that is not served."""
         if self.audio is not None:
-            return "audio is not supported"
+            return f"messages[{i}]: audio is not supported", f"messages.[{i}].audio"
         if self.refusal is not None or self.annotations:
-            return "assistant messages with a refusal or annotations are not supported"
+            field = "refusal" if self.refusal is not None else "annotations"
+            return (f"messages[{i}]: assistant messages with a refusal or annotations are not supported",
+                    f"messages.[{i}].{field}")
         return None
 
     def text(self) -> str:
@@ -298,7 +305,8 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_Sampling):
     """tool_choice: "auto" (the default with tools): the model's text is parsed for calls; "none": the tools are
     still rendered into the prompt (as vLLM does unless started with --exclude-tools-when-tool-choice-none: the
-    prompt is the same whatever the choice) and the text is not parsed. "required" and a named function are refused: forcing a call
+    prompt is the same whatever the choice) and the text is not parsed; either without `tools` is refused, as the
+    OpenAI API refuses it. "required" and a named function are refused: forcing a call
     needs constrained decoding, which this server does not do. parallel_tool_calls=false keeps only the first
     call of a completion (the model may still write more; they are dropped)."""
 
@@ -318,8 +326,8 @@ class ChatCompletionRequest(_Sampling):
         """A `tool` message without `tool_call_id`, or another role with one: the 400 names the message's field
         (`messages.[i].tool_call_id`), so a client can tell which message of a long history is wrong. Likewise a
         malformed tool (`tools.[i]...`), a tool call's `arguments` that hold no JSON object, a content part that is
-        not text (`messages.[i].content.[j].type`), `top_logprobs` without `logprobs: true`, or a `tool_choice`
-        that cannot be honoured."""
+        not text (`messages.[i].content.[j].type`), `top_logprobs` without `logprobs: true`, a `tool_choice`
+        without `tools` (as the OpenAI API refuses it), or one that cannot be honoured."""
         for i, m in enumerate(self.messages):
             if m.role == "tool" and m.tool_call_id is None:  # the OpenAI API's message and param for it
                 return ("Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.",
@@ -338,6 +346,9 @@ class ChatCompletionRequest(_Sampling):
             if (problem := tool_problem(i, tool)) is not None:
                 return problem
         choice = self.tool_choice
+        if choice is not None and not self.tools:  # the OpenAI API's message and param, "none" too
+            return ("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+                    "tool_choice")
         if choice == "required" or isinstance(choice, dict):
             return (f"tool_choice {choice!r} is not supported: forcing a tool call needs constrained decoding, "
                     "which this server does not do; use 'auto' (the model decides) or 'none'", "tool_choice")
@@ -352,10 +363,10 @@ class ChatCompletionRequest(_Sampling):
     def tool_names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools or ())
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         for i, m in enumerate(self.messages):
-            if (why := m.unsupported()) is not None:
-                return f"messages[{i}]: {why}"
+            if (why := m.unsupported(i)) is not None:
+                return why
         return super().unsupported()
 
 
