@@ -231,6 +231,72 @@ def test_a_bad_config_or_missing_model_is_refused(tmp_path, preset, capsys) -> N
     assert "leaves no room for a prompt" in err and "-14" not in err
 
 
+# -- the eval file: read as the trainer reads it (evaluate.py eval_items), when it evaluates ---------------------
+
+
+def eval_preset(tmp_path: Path, model_dir: Path, eval_file: Path, problems: int, answer_field: str = "") -> Path:
+    p = tmp_path / "eval.toml"
+    field = f'eval_answer_field = "{answer_field}"\n' if answer_field else ""
+    p.write_text(f'[trainer]\nmodel_dir = "{model_dir}"\nmax_tokens = {MAX_TOKENS}\neval_problems = {problems}\n'
+                 f'eval_data_path = "{eval_file}"\n{field}\n[rollout.engine]\nmax_model_len = {MAX_MODEL_LEN}\n')
+    return p
+
+
+def test_the_eval_file_is_checked_too(tmp_path, model_dir, capsys) -> None:
+    """`tlt data check` read [trainer] data_path only: an eval file with prompts the rollout refuses passed. Its
+    first eval_problems rows are what the trainer evaluates: a too-long prompt among them warns (exit 1), one
+    after them does not count. Its answer is read at eval_answer_field."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": digits(k), "answer": 1} for k in (5, 9)])
+    lengths = [10, 49, 3, 48, 7, 70]  # 49 (row 2) is too long and evaluated; 70 (row 6) is past eval_problems
+    ev = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": digits(k), "solution": i} for i, k in enumerate(lengths)])
+    preset = eval_preset(tmp_path, model_dir, ev, 4, "solution")
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset))
+    assert rc == 1 and r["status"] == "warn" and r["too_long"]["count"] == 0 and r["rows"] == 2
+    assert r["eval"] == {"file": str(ev), "rows": 6, "evaluated": 4, "prompt_kind": "text",
+                         "answer_field": "solution", "prompt_tokens": {"min": 3, "max": 49},
+                         "too_long": {"count": 1, "rows": [f"{ev}:2"]}}
+    assert len(r["warnings"]) == 1 and "1 prompt of the eval file" in r["warnings"][0] and f"{ev}:2" in r["warnings"][0]
+    rc = main(["data", "check", "--data", str(data), "--preset", str(preset)])
+    out = capsys.readouterr().out
+    assert rc == 1 and f"{ev}: 6 rows, the first 4 evaluated" in out and f"eval too long  1: {ev}:2" in out
+    # the three rows that fit: ok, and the eval line is there
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "trainer.eval_problems=1")
+    assert rc == 0 and r["eval"]["evaluated"] == 1 and r["eval"]["too_long"]["count"] == 0
+    # eval_problems = 0: the trainer reads no eval file, and neither does the check (a missing one passes)
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "trainer.eval_problems=0",
+                  "--set", f"trainer.eval_data_path={tmp_path / 'nope.jsonl'}")
+    assert rc == 0 and r["eval"] is None
+
+
+@pytest.mark.parametrize("rows, problems, answer_field", [
+    ([{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2="}], 2, ""),                  # a row without its answer
+    ([{"prompt": "1+1=", "answer": 2}], 1, "solution"),                             # eval_answer_field not there
+    ([{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}], 3, ""),     # fewer rows than eval_problems
+    (None, 1, ""),                                                                   # no such file
+])
+def test_a_bad_eval_file_is_refused_with_the_trainers_message(rows, problems, answer_field, tmp_path, model_dir,
+                                                               capsys) -> None:
+    """A bad eval file was refused only when `tlt train` started (eval_items); the check refuses it with the
+    trainer's DataError, word for word, exit 2, while the data file itself is fine."""
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import DataError
+    from tlt.services.trainer.evaluate import eval_items
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}])
+    ev = tmp_path / "eval.jsonl" if rows is None else write_jsonl(tmp_path / "eval.jsonl", rows)
+    preset = eval_preset(tmp_path, model_dir, ev, problems, answer_field)
+    with pytest.raises(DataError) as trainer_error:
+        eval_items(load_config(TrainerConfig, "trainer", preset, {"data_path": str(data)}))
+    rc = main(["--log-json", "data", "check", "--data", str(data), "--preset", str(preset)])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and captured.out == "" and len(lines) == 1
+    assert json.loads(lines[0])["error"] == str(trainer_error.value)
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset))
+    assert rc == 2 and r == {"status": "refused", "error": str(trainer_error.value)}
+
+
 # -- the command ---------------------------------------------------------------------------------------------------
 
 

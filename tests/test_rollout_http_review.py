@@ -1,6 +1,7 @@
 """Findings of a new user's review of the OpenAI-compatible HTTP API, each pinned by a test: HEAD on the GET routes,
 `param` of a refused top_logprobs, the sampled token among a completion's top logprobs, a 400 naming a non-text
-content part, and rollout_generated_tokens_total for requests that end early.
+content part, and rollout_generated_tokens_total for requests that end early (their unfinished samples' tokens
+included).
 
 Real parts: the rollout server (uvicorn on a free 127.0.0.1 port), one replica process running the native engine on
 a tiny random Qwen2 checkpoint with the task tokenizer, httpx and the official `openai` client. Nothing is faked.
@@ -145,10 +146,9 @@ def test_generated_tokens_count_requests_that_end_early(client, server):
     assert 60 <= cancelled <= 230, cancelled
 
 
-def test_a_non_streamed_request_whose_client_goes_counts_its_finished_samples(server):
-    """A non-streamed request aborted by its client (499) counted nothing, though some of its samples had finished.
-    Seeded sampling is reproducible: a first run (gRPC, for the token ids) picks a stop token that ends sample 0
-    after a few tokens and never comes in sample 1; the client leaves the second run while sample 1 still decodes."""
+def _stop_early(server) -> tuple[int, dict]:
+    """Seeded sampling is reproducible: a first run (gRPC, for the token ids) picks a stop token that ends sample 0
+    after a few tokens and never comes in sample 1. Returns (its position in sample 0, the request body with it)."""
     from tlt.services.rollout.client import RolloutClient
     from tlt.v1 import rollout_pb2
 
@@ -161,23 +161,50 @@ def test_a_non_streamed_request_whose_client_goes_counts_its_finished_samples(se
         grpc_client.close()
     first, other = done[0], done[1]
     end = next(j for j in range(2, 12) if first[j] not in first[:j] and first[j] not in other)
-    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "n": 2, "temperature": 1.0,
-            "seed": seed, "ignore_eos": True, "stop_token_ids": [first[end]]}
-    pool = server.server.pool
+    return end, {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "n": 2, "temperature": 1.0,
+                 "seed": seed, "ignore_eos": True, "stop_token_ids": [first[end]]}
 
-    def steps() -> int:
-        return server.call(pool.snapshot())[0].stats.steps
 
-    async def leave_mid_way() -> None:
+def _steps(server) -> int:
+    """The engine steps replica 0 ran since it started."""
+    return server.call(server.server.pool.snapshot())[0].stats.steps
+
+
+def _leave_mid_way(server, body: dict, after_steps: int) -> int:
+    """POST `body` (not streamed) and leave once the engine ran `after_steps` steps of it; returns the steps it ran
+    before it left."""
+    async def run() -> int:
         async with httpx.AsyncClient(timeout=60) as c:
-            before = steps()
+            before = _steps(server)
             task = asyncio.ensure_future(c.post(f"{server.base_url}/completions", json=body))
-            while steps() - before < end + 10 and not task.done():  # sample 0 has stopped by then
+            while _steps(server) - before < after_steps and not task.done():
                 await asyncio.sleep(0.005)
             assert not task.done(), "the request finished before its client could leave"
             task.cancel()
+            return before
 
+    return asyncio.run(run())
+
+
+def test_a_non_streamed_request_whose_client_goes_counts_its_finished_samples(server):
+    """A non-streamed request aborted by its client (499) counted nothing, though some of its samples had finished.
+    The client leaves while sample 1 still decodes (sample 0 stopped at its stop token)."""
+    end, body = _stop_early(server)
     start = _generated(server)
-    asyncio.run(leave_mid_way())
+    _leave_mid_way(server, body, end + 10)  # sample 0 has stopped by then
     _settle(server)
-    assert end + 1 <= _generated(server) - start <= 2 * max_tokens
+    assert end + 1 <= _generated(server) - start <= 2 * body["max_tokens"]
+
+
+def test_a_non_streamed_request_whose_client_goes_counts_what_its_unfinished_samples_generated(server):
+    """Only finished samples were counted: the tokens sample 1 had generated when its client left (499) were work
+    the engine did, yet rollout_generated_tokens_total never saw them. Counted at the pool from every engine step,
+    the counter matches the engine exactly: each step of this request decoded one token of sample 1 (prefill
+    included), and sample 0 stopped after end + 1 tokens."""
+    end, body = _stop_early(server)
+    start = _generated(server)
+    before = _leave_mid_way(server, body, end + 20)
+    _settle(server)  # the abort reached the engine: it runs no step of the request any more
+    ran = _steps(server) - before
+    assert ran >= end + 20
+    assert _generated(server) - start == end + 1 + ran

@@ -3,8 +3,9 @@ without `tools`.
 
 1. rollout_prompt_tokens_total and rollout_generated_tokens_total counted HTTP requests only: the RL trainer's whole
    rollout (gRPC BatchGenerate) was invisible. gRPC calls now add to them (each prompt once whatever n, as OpenAI's
-   usage.prompt_tokens; each completion's tokens as it arrives, so a cancelled BatchGenerate counts what finished),
-   and every call counts in rollout_grpc_requests_total{method, code}.
+   usage.prompt_tokens; generated tokens are counted at the pool from every engine step, so a cancelled
+   BatchGenerate counts what its unfinished samples had generated too), and every call counts in
+   rollout_grpc_requests_total{method, code}.
 2. Refusals of fields the server does not honour (penalties, logit_bias, echo, suffix, best_of, a message's audio,
    refusal, annotations) came with `"param": null`; they name the field, as the OpenAI API does.
 3. `tool_choice` with no `tools` was accepted; the OpenAI API refuses it (400, param `tool_choice`).
@@ -90,15 +91,19 @@ def test_batch_generate_counts_its_tokens_and_the_call(server, grpc_client):
     assert grew(before, after, "rollout_rejected_total", reason="invalid_request") == 1
 
 
-def test_a_cancelled_batch_generate_counts_the_completions_that_finished(server, grpc_client):
+def test_a_cancelled_batch_generate_counts_what_it_generated(server, grpc_client):
     """Seeded sampling is reproducible: a first run picks a stop token that ends sample 0 after a few tokens and
     never comes in sample 1; the caller cancels the second run once sample 0 has arrived. The generated counter
-    grows by sample 0's tokens exactly (sample 1 was aborted unfinished), the call counts as CANCELLED."""
+    grows by what the engine generated: sample 0's tokens and the one token of sample 1 each engine step of the
+    call decoded until its abort reached the engine (only sample 0's were counted before); the call counts as
+    CANCELLED."""
     prompt, max_tokens = [100, 200, 30], 230
     params = rollout_pb2.SamplingParams(temperature=1.0, seed=21, max_tokens=max_tokens, ignore_eos=True)
     first, other = (list(c.token_ids) for c in grpc_client.generate(prompt, n=2, params=params))
     end = next(j for j in range(2, 12) if first[j] not in first[:j] and first[j] not in other)
     params.stop_token_ids.append(first[end])
+    pool = server.server.pool
+    steps = server.call(pool.snapshot())[0].stats.steps
     before = scrape(server)
     call = grpc_client.batch_generate([prompt], n=2, params=params)
     got = next(call)
@@ -108,7 +113,13 @@ def test_a_cancelled_batch_generate_counts_the_completions_that_finished(server,
     while not grew(before, after := scrape(server), CALLS, method="BatchGenerate", code="CANCELLED"):
         assert time.monotonic() < deadline, "the cancelled call was never counted"
         time.sleep(0.05)
-    assert grew(before, after, GENERATED) == end + 1
+    while pool.replicas[0].outstanding:  # until the abort reached the engine: it runs no step of the call any more
+        assert time.monotonic() < deadline, "the cancelled call was never aborted"
+        time.sleep(0.05)
+    ran = server.call(pool.snapshot())[0].stats.steps - steps
+    after = scrape(server)
+    assert ran >= end + 1
+    assert grew(before, after, GENERATED) == end + 1 + ran
     assert grew(before, after, PROMPT) == len(prompt)
     assert grew(before, after, CALLS, method="BatchGenerate", code="OK") == 0
 
@@ -116,7 +127,7 @@ def test_a_cancelled_batch_generate_counts_the_completions_that_finished(server,
 def test_the_counters_help_says_what_they_count(server):
     text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics", timeout=30).text
     assert re.search(rf"^# HELP {PROMPT} .*HTTP and gRPC.*each prompt once whatever n", text, re.M)
-    assert re.search(rf"^# HELP {GENERATED} .*HTTP and gRPC", text, re.M)
+    assert re.search(rf"^# HELP {GENERATED} .*HTTP and gRPC.*at each engine step.*re-dispatched", text, re.M)
 
 
 USER = {"role": "user", "content": "1+2="}

@@ -11,12 +11,14 @@ started) while a BatchGenerate is in flight. Nothing is faked. Checked:
 - with no other replica alive the request waits for the restarted one; `redispatch_limit` bounds how often, and
   0 keeps the old failure (UNAVAILABLE);
 - a stream that already sent tokens is not re-dispatched (they cannot be taken back): it fails as before;
-- a client that goes away after its request was re-dispatched aborts it on the replica it went to.
+- a client that goes away after its request was re-dispatched aborts it on the replica it went to;
+- rollout_generated_tokens_total counts the tokens a re-dispatched sample regenerates (real work) too.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -110,6 +112,11 @@ def test_a_batch_whose_replica_dies_mid_flight_gets_every_completion_once(model_
         assert f"rollout_redispatched_requests_total {float(pool.redispatches)}" in text, text
         again = httpx.get(f"http://127.0.0.1:{s.server.http_port}/metrics", timeout=10).text  # not counted twice
         assert f'rollout_replica_deaths_total{{replica="{killed}"}} 1.0' in again
+        # generated tokens: every completion's, and what the dead replica had generated of the samples it lost
+        # (the survivor generated them again: the engines did that work twice); only completions were counted
+        (generated,) = re.findall(r"^rollout_generated_tokens_total (\S+)$", again, re.M)
+        assert float(generated) > sum(len(o.token_ids) for o in outs)
+        assert float(generated) == pool.generated_tokens
 
 
 def test_a_seeded_batch_gives_the_same_completions_whether_or_not_a_replica_died(model_dir):

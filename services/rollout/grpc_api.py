@@ -31,9 +31,10 @@ auth.py). Every refusal counts in rollout_rejected_total{reason}.
 Metrics (the server's one registry, served on the HTTP API's /metrics): every call counts once in
 rollout_grpc_requests_total{method, code} with the status it ended with (OK, INVALID_ARGUMENT, CANCELLED, ...; a
 weight push answered ok=false is OK there and counted by reason in rollout_rejected_total). Generate and
-BatchGenerate add to rollout_prompt_tokens_total (each prompt once, whatever n: OpenAI's usage.prompt_tokens) and
-rollout_generated_tokens_total (each completion's tokens as it arrives: a BatchGenerate cancelled mid-way counts
-the completions that had finished), the counters the HTTP API adds to.
+BatchGenerate add to rollout_prompt_tokens_total (each prompt once, whatever n: OpenAI's usage.prompt_tokens), the
+counter the HTTP API adds to; rollout_generated_tokens_total is counted for both APIs at the pool, at each engine
+step (ReplicaPool.generated_tokens: a BatchGenerate cancelled mid-way counts what its unfinished samples had
+generated too).
 """
 
 from __future__ import annotations
@@ -164,14 +165,13 @@ MAX_LEASE_S = 86400.0  # a day: a lend is renewed well within it; a longer one i
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
-                 rejected: Any = None, metrics: Metrics | None = None, prompt_tokens: Any = None,
-                 generated_tokens: Any = None) -> None:
+                 rejected: Any = None, metrics: Metrics | None = None, prompt_tokens: Any = None) -> None:
         """`metrics`: the server's registry (rollout_grpc_requests_total is made on it); `rejected`,
-        `prompt_tokens`, `generated_tokens`: the HTTP API's counters of that registry, which gRPC calls add to."""
+        `prompt_tokens`: the HTTP API's counters of that registry, which gRPC calls add to."""
         self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
         self.auth = ControlAuth.build(config.host, config.control_token, config.insecure_local)
         self.rejected = rejected  # Counter tlt rollout_rejected_total{reason}, shared with the HTTP API
-        self.prompt_tokens, self.generated_tokens = prompt_tokens, generated_tokens  # shared likewise
+        self.prompt_tokens = prompt_tokens  # shared likewise
         self._calls = None if metrics is None else metrics.counter(
             "grpc_requests_total", "gRPC calls by method and the status code they ended with (refusals are "
             "also in rejected_total by reason)", ("method", "code"))
@@ -236,8 +236,6 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             try:
                 async for c in self.pool.generate(r):
                     if isinstance(c, CompletionOutput):
-                        if self.generated_tokens is not None:  # as each arrives: a cancelled call counts these
-                            self.generated_tokens.inc(len(c.token_ids))
                         q.put_nowait(completion_message(c, i, refs[i], hidden))
             except (InvalidRequestError, ReplicaUnavailableError) as e:
                 q.put_nowait(e)

@@ -128,8 +128,10 @@ class OpenAIServer:
         # shared with the gRPC API (server.py): the trainer's BatchGenerate traffic counts here too
         self.m_prompt = metrics.counter("prompt_tokens_total", "prompt tokens of the requests admitted, HTTP and gRPC: "
                                         "each prompt once whatever n, as OpenAI's usage.prompt_tokens")
-        self.m_gen = metrics.counter("generated_tokens_total", "tokens generated for HTTP and gRPC requests, counted "
-                                     "as they arrive (a request that ends early counts what it had been given)")
+        self.m_gen = metrics.counter("generated_tokens_total", "tokens the engines generated for HTTP and gRPC "
+                                     "requests, counted at each engine step: a request whose client went away counts "
+                                     "what its unfinished samples had generated, a re-dispatched sample's tokens "
+                                     "count again as it regenerates them")
         self.m_running = metrics.gauge("replica_running", "running sequences per replica", ("replica",))
         self.m_queued = metrics.gauge("replica_queued", "queued sequences per replica", ("replica",))
         self.m_kv = metrics.gauge("replica_kv_usage", "KV cache use per replica (0..1)", ("replica",))
@@ -206,6 +208,7 @@ class OpenAIServer:
                 self.m_kv.labels(r).set(s.stats.kv_usage)
                 self.m_spec.update(s.replica_id, s.stats.spec)
         self._count_up(self.m_redispatched, "redispatched", self.pool.redispatches)
+        self._count_up(self.m_gen, "generated", self.pool.generated_tokens)
         for replica, deaths in self.pool.deaths.items():
             self._count_up(self.m_deaths.labels(str(replica)), f"deaths{replica}", deaths)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -323,7 +326,6 @@ class OpenAIServer:
             outs = []
             async for c in self.pool.generate(r):
                 if isinstance(c, CompletionOutput):
-                    self.m_gen.inc(len(c.token_ids))  # as each sample finishes: an aborted request's count too
                     outs.append(c)
             return sorted(outs, key=lambda c: c.sample_index)
 
@@ -345,21 +347,13 @@ class OpenAIServer:
             gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _merged(self, reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, StepOutput | CompletionOutput]]:
-        """Every request's events, tagged with the prompt index, in arrival order. Generated tokens are counted
-        as their steps arrive (a stream the client leaves mid-way counts what it was sent and more); a sample's
-        CompletionOutput adds what its steps did not carry, so a finished one counts len(token_ids), as usage."""
+        """Every request's events, tagged with the prompt index, in arrival order."""
         q: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(i: int, r: GenerationRequest) -> None:
-            stepped: dict[int, int] = {}  # sample index -> tokens counted from its steps
             try:
                 async for ev in self.pool.generate(r, want_steps=True):
-                    if isinstance(ev, StepOutput):
-                        stepped[ev.sample_index] = stepped.get(ev.sample_index, 0) + len(ev.new_token_ids)
-                        self.m_gen.inc(len(ev.new_token_ids))
-                    else:
-                        self.m_gen.inc(max(0, len(ev.token_ids) - stepped.pop(ev.sample_index, 0)))
                     q.put_nowait((i, ev))
             except (InvalidRequestError, ReplicaUnavailableError) as e:
                 q.put_nowait((i, e))
@@ -382,7 +376,7 @@ class OpenAIServer:
 
     def _usage(self, prompts: list[list[int]], outs: list[CompletionOutput]) -> Usage:
         p = sum(len(x) for x in prompts)
-        c = sum(len(o.token_ids) for o in outs)  # generated_tokens_total counts them as they come (_collect, _merged)
+        c = sum(len(o.token_ids) for o in outs)  # generated_tokens_total counts them at the pool (ReplicaPool)
         return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     def _count(self, endpoint: str, status: int, t0: float) -> None:

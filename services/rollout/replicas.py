@@ -37,6 +37,12 @@ fails with ReplicaUnavailableError as before when it was re-dispatched `redispat
 no replica is alive and none is restarting, when its stream already sent tokens (`want_steps`: those cannot be
 taken back) and when its backend cannot run a subset of a request's samples and some had finished.
 
+Generated tokens (`generated_tokens`, /metrics' rollout_generated_tokens_total) are counted here, once, from
+every engine step (each StepEvents carries every running sample's new tokens, whether or not its caller asked
+for steps): a request whose caller went away counts what its unfinished samples had generated until its abort
+reached the engine, and a re-dispatched sample's tokens count again as it regenerates them (the engine did that
+work twice). What a replica the pool counts dead still sends is not counted.
+
 Replica processes (spawn, death, restart, the stall watchdog): replica_lifecycle.py.
 Admission control (`admit`, `max_pending_sequences`): admission.py.
 """
@@ -116,6 +122,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         self.model_dir = model_dir
         self.redispatch_limit = redispatch_limit  # 0: a dead replica's requests fail (see the module docstring)
         self.redispatches = 0  # requests re-dispatched since start, each time counted
+        self.generated_tokens = 0  # tokens the engines generated since start (`_on_event`): /metrics' counter
         self.max_pending_sequences = max_pending_sequences  # 0: no limit (see admit)
         self.stall_timeout_s = stall_timeout_s  # 0: no watchdog
         self._watchdog: asyncio.Task | None = None
@@ -198,6 +205,8 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         rep.heard = time.monotonic()
         if isinstance(event, StepEvents):
             rep.load = event.load
+            if not rep.error:  # a replica counted dead (killed) may still send steps: dropped, as below
+                self.generated_tokens += sum(len(s.new_token_ids) for s in event.steps)
             for s in event.steps:
                 p = self._pending.get(s.request_id)
                 if p is not None and p.replica is rep and p.want_steps:

@@ -7,15 +7,19 @@
       -> each prompt encoded as the rollout server encodes prompt text (tokenizer.encode: special tokens added)
       -> a report: rows, prompt kind, answers, columns, prompt tokens, prompts that leave no room for max_tokens
          under the rollout's max_model_len, duplicates; --show N: the first N prompts as the model sees them
+      -> with eval_problems > 0 and an eval_data_path: eval_items(cfg), the trainer's eval set (its first
+         eval_problems rows; evaluate.py), refused as the trainer refuses it, its rows and too-long prompts reported
 
 Without it a bad row or a wrong answer_field showed only after minutes of service start-up, and a prompt too long
 for the rollout's context only at the step that drew it: the rollout server refuses a request holding one
-(INVALID_ARGUMENT), and the trainer stops there.
+(INVALID_ARGUMENT), and the trainer stops there. The same holds for the eval file, read when the trainer starts
+and sent at its first eval.
 
 Exit status: 0 usable; 1 usable with warnings that stop or spoil a run: prompts that leave fewer than
-[trainer] max_tokens tokens under max_model_len (the step that draws one fails), the same prompt with different
-answers (the reward contradicts itself); 2 refused (the trainer's DataError, a ConfigError, no tokenizer in the
-model folder). Identical duplicate rows are counted but do not warn: they only weigh a prompt more in an epoch.
+[trainer] max_tokens tokens under max_model_len (the step that draws one fails; an eval prompt: the eval fails),
+the same prompt with different answers (the reward contradicts itself); 2 refused (the trainer's DataError, of
+the data or the eval file, a ConfigError, no tokenizer in the model folder). Identical duplicate rows are counted
+but do not warn: they only weigh a prompt more in an epoch.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ SECTIONS = ("trainer", "rollout")  # what --set may override: the two sections t
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tlt.cli_args import at_least, non_empty  # '' was taken for the default; --show -1 for 0
 
-    parser.epilog = ("Exit status: 0 usable; 1 usable with warnings (prompts leaving fewer than max_tokens tokens "
+    parser.epilog = ("Checks [trainer] eval_data_path too (its first eval_problems rows) when eval_problems > 0. "
+                     "Exit status: 0 usable; 1 usable with warnings (prompts leaving fewer than max_tokens tokens "
                      "under the rollout's max_model_len; the same prompt with different answers); 2 refused, with "
-                     "the trainer's own message (a bad row, a wrong answer_field, a bad config, no tokenizer).")
+                     "the trainer's own message (a bad row, a wrong answer_field, a bad eval file, a bad config, no "
+                     "tokenizer).")
     parser.add_argument("--data", type=non_empty, default=None, metavar="FILE",
                         help="prompt file to check, JSONL / JSON array / Parquet (default: [trainer] data_path)")
     parser.add_argument("--model", type=non_empty, default=None, metavar="DIR",
@@ -81,6 +87,9 @@ class DataReport:
     duplicates: dict[str, Any]  # count (rows repeating an earlier prompt), conflicting (prompts with >1 answer), rows
     warnings: list[str] = field(default_factory=list)
     shown: list[dict[str, Any]] = field(default_factory=list)
+    # the eval file as the trainer reads it (None: no eval_data_path, or eval_problems = 0): file, rows (in the
+    # file), evaluated (its first eval_problems), prompt_kind, answer_field, prompt_tokens, too_long (of those)
+    eval: dict[str, Any] | None = None
 
 
 def section_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:
@@ -240,8 +249,35 @@ def check(trainer: Any, rollout: Any, show: int = 0) -> DataReport:
         report.warnings.append(
             f"different answers for {_prompts(dups['conflicting'])} in different rows: the same completion is "
             f"rewarded both ways; keep one answer per prompt (rows with another answer: {', '.join(dups['rows'])})")
+    if trainer.eval_problems and trainer.eval_data_path:
+        report.eval = check_eval(trainer, tok, room)
+        if report.eval["too_long"]["count"]:
+            rows = report.eval["too_long"]["rows"]
+            report.warnings.append(
+                f"no room for max_tokens {trainer.max_tokens} under max_model_len {max_model_len} in "
+                f"{_prompts(report.eval['too_long']['count'])} of the eval file (longer than {room} tokens): the "
+                "rollout server refuses a request holding one and the eval fails; shorten or drop them, or raise "
+                f"[rollout.engine] max_model_len / lower [trainer] max_tokens ({', '.join(rows)}"
+                f"{', ...' if report.eval['too_long']['count'] > NAMED_ROWS else ''})")
     report.status = "warn" if report.warnings else "ok"
     return report
+
+
+def check_eval(trainer: Any, tok: Any, room: int) -> dict[str, Any]:
+    """The eval set as the trainer loads it (`eval_items`: its DataError, word for word): rows, prompt tokens, and
+    the rows longer than `room` tokens among those it evaluates."""
+    from tlt.services.trainer.evaluate import eval_items
+
+    items = eval_items(trainer)
+    answer_field = trainer.eval_answer_field or trainer.answer_field
+    where = row_labels(trainer.eval_data_path, answer_field)
+    lengths = prompt_lengths(tok, [it.prompt for it in items])
+    ordered = sorted(lengths)
+    too_long = [w for w, n in zip(where, lengths) if n > room]
+    return {"file": str(trainer.eval_data_path), "rows": len(where), "evaluated": len(items),
+            "prompt_kind": "text" if items[0].messages is None else "chat messages", "answer_field": answer_field,
+            "prompt_tokens": {"min": ordered[0], "max": ordered[-1]},
+            "too_long": {"count": len(too_long), "rows": too_long[:NAMED_ROWS]}}
 
 
 def _prompts(n: int) -> str:
@@ -267,6 +303,14 @@ def format_report(r: DataReport) -> str:
         f"  duplicates     {r.duplicates['count']} (rows repeating an earlier prompt); "
         f"{r.duplicates['conflicting']} with different answers",
     ]
+    if (e := r.eval) is not None:
+        lines += [
+            f"  eval           {e['file']}: {e['rows']} rows, the first {e['evaluated']} evaluated (eval_problems); "
+            f"prompts: {e['prompt_kind']}; answer field {e['answer_field']}; prompt tokens min "
+            f"{e['prompt_tokens']['min']}  max {e['prompt_tokens']['max']}",
+            f"  eval too long  {e['too_long']['count']}" + (f": {', '.join(e['too_long']['rows'])}"
+                                                            if e["too_long"]["rows"] else ""),
+        ]
     lines += [f"warning: {w}" for w in r.warnings]
     for s in r.shown:
         lines += [f"--- {s['row']} ({s['tokens']} tokens, answer {s['answer']}) ---", s["prompt"]]
