@@ -35,6 +35,9 @@ REFUSED_AT_PARSING = [
     (["model", "build", "--out", "{new}", "--time-budget", "nan"], "--time-budget"),
     (["model", "eval", "--model", "{dir}", "--batch-size", "0"], "--batch-size"),
     (["model", "eval", "--model", "{dir}", "--threads", "0"], "--threads"),
+    # checked only after parsing: "error: --n and --samples must be >= 1", unlike every other count
+    (["model", "eval", "--model", "{dir}", "--n", "0"], "--n"),
+    (["model", "eval", "--model", "{dir}", "--samples", "-1"], "--samples"),
     (["task", "export", "--n", "-3", "--out", "-"], "--n"),
     (["task", "export", "--n", "2", "--out", "{dir}"], "--out"),
     (["task", "export", "--n", "2", "--out", ""], "--out"),
@@ -57,6 +60,9 @@ REFUSED_AT_PARSING = [
     (["drafter", "worker", "--model", "{dir}", "--coordinator", "tcp://127.0.0.1:70000", "--replica", "0"],
      "--coordinator"),
     (["drafter", "worker", "--model", "{dir}", "--coordinator", "ipc://", "--replica", "0"], "--coordinator"),
+    # inproc:// reaches only sockets of the same process: the worker (its own process) waited forever
+    (["drafter", "worker", "--model", "{dir}", "--coordinator", "inproc://coordinator", "--replica", "0"],
+     "--coordinator"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{file}"], "--out"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "0"], "--problems"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--problems", "7"], "--problems"),  # no held-out set

@@ -61,3 +61,10 @@ def test_rollout_serve_help_names_the_ports_and_replicas_it_uses_by_default() ->
     for words in ("replicas, one process each (default: the preset's; 1 in cpu-tiny)",
                   "(0: a free one; default: the preset's, 8000)", "(0: a free one; default: the preset's, 50051)"):
         assert words in text, words
+
+
+def test_every_option_says_what_it_does() -> None:
+    """`tlt drafter warmup --help` listed a bare `--seed SEED`, with neither what it seeds nor its default."""
+    bare = [f"tlt {' '.join(path)} {a.option_strings[-1]}" for path, sub in _subparsers(build_parser())
+            for a in sub._actions if a.option_strings and a.help is None]
+    assert not bare, bare

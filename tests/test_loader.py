@@ -64,6 +64,9 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
 def test_missing_folder_and_config(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nope")
+    (tmp_path / "config.json").write_text("{}")  # the checkpoint's config.json given for its folder
+    with pytest.raises(CheckpointError, match="config.json is a file; give the checkpoint folder"):
+        load_checkpoint(tmp_path / "config.json")  # it said "checkpoint folder .../config.json does not exist"
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no config.json"):
         load_checkpoint(tmp_path / "empty")

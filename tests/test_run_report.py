@@ -348,3 +348,28 @@ def test_timeline_plot_marks_held_out_evals(tmp_path: Path, monkeypatch: pytest.
     assert len(spans) == 1
     assert spans[0].get_x() == pytest.approx(0.5) and spans[0].get_width() == pytest.approx(28.5)
     assert "held-out eval" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_report_of_a_run_stopped_before_its_first_eval_does_not_say_evals_were_off(tmp_path: Path) -> None:
+    """A run configured for held-out evals but stopped before the first: the report blamed eval_problems = 0 and
+    printed a rollout accuracy of 0.000 over "the first 0 steps"."""
+    (tmp_path / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "tail_threshold": 16}))
+    (tmp_path / "config.toml").write_text("[trainer]\neval_problems = 200\n")
+    page = write_report(tmp_path).read_text()
+    assert "eval_problems = 0" not in page and "No held-out eval recorded" in page
+    assert "first 0 steps" not in page and "No step finished" in page
+    (tmp_path / "config.toml").write_text("[trainer]\neval_problems = 0\n")
+    assert "eval_problems = 0" in write_report(tmp_path).read_text()
+
+
+@pytest.mark.parametrize("threshold", ["0", "-5"])
+def test_tlt_report_refuses_a_tail_threshold_below_one(tmp_path: Path, threshold: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`--threshold -5` wrote "running batch between 1 and -5" into the report and an empty tail column."""
+    from tlt.cli import main
+
+    (tmp_path / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "tail_threshold": 16}))
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(tmp_path), "--threshold", threshold])
+    assert e.value.code == 2 and "--threshold" in capsys.readouterr().err
+    assert not (tmp_path / "report.html").exists()

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=at_least(1), default=8, help="packed rows per batch")
     parser.add_argument("--row-tokens", type=at_least(2), default=256, help="tokens per packed row")
     parser.add_argument("--depth", type=at_least(1), default=6, help="chain depth of the acceptance evaluation")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the problems, sampling, init and training")
     parser.add_argument("--init", default="", help="start from this drafter folder instead of random")
     parser.add_argument("--ttt-steps", type=at_least(1), default=1,
                         help="training-time test: also train the drafter on its own outputs this many steps deep "

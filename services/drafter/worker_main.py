@@ -19,6 +19,9 @@ def _coordinator(text: str) -> str:
     from tlt.services.common.config_values import zmq_endpoint_problem
 
     problem = zmq_endpoint_problem(text, bind=False)
+    if problem is None and text.startswith("inproc://"):  # this command is a process of its own: it waited forever
+        problem = (f"{text!r} reaches only sockets inside one process, and a worker is a process of its own; "
+                   "give the coordinator's tcp://HOST:PORT or ipc://PATH")
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     return text
@@ -29,8 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", required=True, help="the target (policy) checkpoint folder")
     parser.add_argument("--coordinator", type=_coordinator, required=True,
-                        help="coordinator endpoint, e.g. tcp://127.0.0.1:5704 (tcp://HOST:PORT, ipc://PATH or "
-                        "inproc://NAME)")
+                        help="coordinator endpoint, e.g. tcp://127.0.0.1:5704 (tcp://HOST:PORT or ipc://PATH)")
     parser.add_argument("--replica", type=at_least(0), required=True, help="the rollout replica whose idle time to use")
     parser.add_argument("--worker-id", type=at_least(0), default=None, help="stable id (checkpoint name); default: --replica")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")

@@ -175,14 +175,36 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     return made
 
 
-def _eval_line(evals: list[EvalRecord]) -> str:
+def _configured_eval_problems(run_dir: Path) -> int | None:
+    """[trainer] eval_problems of the run's resolved config.toml; None when it cannot be read."""
+    import tomllib
+
+    try:
+        value = tomllib.loads((run_dir / "config.toml").read_text()).get("trainer", {}).get("eval_problems")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None) -> str:
     if not evals:
-        return "<p>No held-out eval in this run ([trainer] eval_problems = 0).</p>"
+        if eval_problems == 0:
+            return "<p>No held-out eval in this run ([trainer] eval_problems = 0).</p>"
+        return "<p>No held-out eval recorded (eval.jsonl is missing or empty: the run stopped before its first).</p>"
     first, last = evals[0], evals[-1]
     curve = ", ".join(f"{e.after_steps}: {e.accuracy:.3f}" for e in evals)
     return (f"<p>Held-out accuracy ({first.problems} problems x {first.samples} samples, temperature "
             f"{first.temperature:g}): <b>{first.accuracy:.3f}</b> after {first.after_steps} steps &rarr; "
             f"<b>{last.accuracy:.3f}</b> after {last.after_steps} steps (every eval: {curve}).</p>")
+
+
+def _rollout_line(s: Summary) -> str:
+    if not s.steps:
+        return "<p>No step finished, so no rollout accuracy or reward.</p>"
+    k = f"the first {s.k} steps" if s.k > 1 else "the first step"
+    last = f"the last {s.k} steps" if s.k > 1 else "the last step"
+    return (f"<p>Rollout accuracy: <b>{s.acc_start:.3f}</b> (mean of {k}) &rarr; <b>{s.acc_end:.3f}</b> ({last});\n"
+            f"mean reward {s.reward_start:.3f} &rarr; {s.reward_end:.3f}.</p>")
 
 
 def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
@@ -211,9 +233,8 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}figure{{margin:1e
 <p>preset <code>{esc(str(info.get('preset', '?')))}</code>, speculative decoding <b>{'on' if switches.get('speculation') else 'off'}</b>,
 online drafter <b>{'on' if switches.get('drafter') else 'off'}</b>, {s.steps} steps,
 mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
-{_eval_line(evals)}
-<p>Rollout accuracy: <b>{s.acc_start:.3f}</b> (mean of the first {s.k} steps) &rarr; <b>{s.acc_end:.3f}</b> (last {s.k} steps);
-mean reward {s.reward_start:.3f} &rarr; {s.reward_end:.3f}.</p>
+{_eval_line(evals, _configured_eval_problems(run_dir))}
+{_rollout_line(s)}
 {figs}
 <h2>Per step</h2><p>times in seconds; tail = rollout time with the running batch between 1 and {threshold} (sampled);
 reward = reward wait after the last completion (scoring overlaps the rollout); SD% = response tokens from
@@ -226,7 +247,9 @@ speculative verify passes; accept = tokens per verify pass; idle = drafter train
 
 def add_arguments(parser) -> None:  # noqa: ANN001 - argparse.ArgumentParser
     parser.add_argument("run_dir", help="a run folder written by `tlt run` (runs/<id>)")
-    parser.add_argument("--threshold", type=int, default=None,
+    from tlt.cli_args import at_least
+
+    parser.add_argument("--threshold", type=at_least(1), default=None,
                         help="tail threshold (running batch); default: the run's own, from run.json")
 
 

@@ -152,8 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tlt.cli_args import at_least
 
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder (e.g. artifacts/tiny)")
-    parser.add_argument("--n", type=int, default=200, help="held-out problems")
-    parser.add_argument("--samples", type=int, default=1, help="sampled responses per problem for the length tail")
+    parser.add_argument("--n", type=at_least(1), default=200, help="held-out problems")
+    parser.add_argument("--samples", type=at_least(1), default=1,
+                        help="sampled responses per problem for the length tail")
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling")
     parser.add_argument("--batch-size", type=at_least(1), default=64, help="generate batch size")
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch CPU threads")
@@ -162,12 +163,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
-
-    import sys
-
-    if args.n < 1 or args.samples < 1:
-        print(f"error: --n and --samples must be >= 1, got {args.n} and {args.samples}", file=sys.stderr)
-        return 2
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

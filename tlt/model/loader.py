@@ -34,6 +34,8 @@ class CheckpointError(ValueError):
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
     folder = Path(model_dir)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file; give the checkpoint folder that holds config.json")
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     cfg_path = folder / "config.json"
