@@ -67,6 +67,29 @@ def test_bad_function_output_fails_clearly(fn, message):
         batch.results()
 
 
+def test_a_function_may_return_none_for_what_it_does_not_score_as_trl_allows():
+    """TRL's multi-task convention: a reward function returns None for a completion it does not apply to (a math
+    verifier on a code task), and the completion's reward is the weighted sum of the functions that did score it.
+    TLT refused the step ("returned None ... a finite number is required"). A completion no function scored has no
+    reward at all: TRL sums it to 0 with a warning; TLT refuses it, as it refuses every reward it cannot have."""
+    def math_only(prompts, completions, task, **kw):
+        return [1.0 if t == "math" else None for t in task]
+
+    def code_only(prompts, completions, task, **kw):
+        return [0.5 if t == "code" else None for t in task]
+
+    batch = FunctionRewards([math_only, code_only], weights=[1.0, 2.0]).begin()
+    batch.submit("m", "p", "c", "a", extra={"task": "math"})
+    batch.submit("c", "p", "c", "a", extra={"task": "code"})
+    res = batch.results()
+    assert (res["m"].reward, res["c"].reward) == (1.0, 1.0)
+    batch = FunctionRewards([math_only, code_only]).begin()
+    batch.submit("m", "p", "c", "a", extra={"task": "math"})
+    batch.submit("x", "p", "c", "a", extra={"task": "poetry"})
+    with pytest.raises(RewardError, match=r"no reward function scored completion x.*math_only.*code_only"):
+        batch.results()
+
+
 def test_raising_or_shapeless_function_fails_with_reward_error():
     """A function that raised (on one completion: the call is batch-shaped) or returned None escaped as its own
     KeyError / TypeError ("object of type 'NoneType' has no len()"), not the RewardError naming the function."""

@@ -18,7 +18,9 @@ Two sources:
   where a row lacks the column). Only the keywords the function names are
   passed, unless it takes **kw; by keyword, as TRL calls them, when the
   function names a `completions` parameter. Several functions are summed
-  with weights. As TRL's GRPOTrainer does (trl/trainer/grpo_trainer.py,
+  with weights; a function may return None for a completion it does not
+  score (TRL's multi-task convention), but each completion needs a score
+  from at least one. As TRL's GRPOTrainer does (trl/trainer/grpo_trainer.py,
   `_generate_and_score_completions`), a chat-message row's function gets
   `prompts` as the message lists and each completion as
   `[{"role": "assistant", "content": text}]`, and `completion_ids` (each
@@ -170,15 +172,29 @@ class _FunctionBatch:
                               f"(scoring {len(self._keys)} completions, first {self._keys[:1]})") from e
 
     def results(self) -> dict[str, RewardResult]:
+        """The weighted sum of the functions' values per completion. A function may return None for a completion
+        it does not score (TRL's multi-task convention: the others' values make its reward); a completion that no
+        function scored has no reward, and the step fails (TRL sums it to 0 with a warning)."""
         totals = [0.0] * len(self._keys)
+        scored = [False] * len(self._keys)
         columns = self._columns()
+        names = []
         for fn, weight in self._fns:
             name = getattr(fn, "__qualname__", repr(fn))
+            names.append(name)
             values = self._values(fn, name, columns)
             if len(values) != len(self._keys):
                 raise RewardError(f"reward function {name} returned {len(values)} values for {len(self._keys)} completions")
             for i, v in enumerate(values):
+                if v is None:
+                    continue
                 totals[i] += weight * _check_value(self._keys[i], v, f"reward function {name}")
+                scored[i] = True
+        if not all(scored):
+            key = self._keys[scored.index(False)]
+            raise RewardError(f"no reward function scored completion {key}: each of {', '.join(names)} returned "
+                              "None for it (None is for completions a function does not apply to; one of them "
+                              "must score each completion)")
         return {k: RewardResult(t, t > 0) for k, t in zip(self._keys, totals)}
 
 
