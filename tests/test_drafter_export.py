@@ -30,6 +30,10 @@ def test_export_names_and_config(tmp_path, family, arch, bias) -> None:
     subprocess.run([sys.executable, "-m", "tlt.cli", "drafter", "export", "--drafter", str(tmp_path / "d"),
                     "--model", str(model), "--format", "sglang-eagle", "--out", str(out)], check=True)
     t = load_file(str(out / "model.safetensors"))
+    # readable like the config beside them, by the SGLang process's user too (safetensors wrote 0600)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
+    mode = {f: (tmp_path / "d" / f).stat().st_mode & 0o777 for f in ("model.safetensors", "drafter_config.json")}
+    assert mode["model.safetensors"] == mode["drafter_config.json"]
     want = {"fc.weight", "fc.bias", *(f"layers.0.{n}" for n in LAYER)}
     if bias:
         want |= {f"layers.0.self_attn.{p}_proj.bias" for p in "qkv"}

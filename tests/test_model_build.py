@@ -70,6 +70,8 @@ def test_short_build_loads_offline_and_generates(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temp folder was renamed away
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).is_file(), name
+    # the weights are readable like the config beside them (safetensors wrote them 0600 whatever the umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -56,6 +56,9 @@ def test_two_steps_push_weights_and_next_rollout_carries_new_version(random_mode
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy", local_files_only=True)
     assert (tmp_path / "run" / "policy" / "tokenizer.json").exists()
+    policy = tmp_path / "run" / "policy"  # weights readable like the config beside them (safetensors wrote 0600)
+    assert {p.stat().st_mode & 0o777 for p in policy.glob("*.safetensors")} == {(policy / "config.json").stat().st_mode
+                                                                                 & 0o777}
     # the old-logprob pass's hidden states reached the drafter's PULL socket (a push that
     # finds no connected peer yet is dropped by design, so at least one of the two steps)
     assert batches, "no trainer features received"

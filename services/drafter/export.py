@@ -71,6 +71,7 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     from safetensors.torch import load_file, save_file
 
     from tlt.model.drafter import WEIGHTS_FILE, load_drafter
+    from tlt.model.files import share_weights
     from tlt.services.drafter.training import target_shared
 
     _, embed, head = target_shared(model_dir)
@@ -81,6 +82,7 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    share_weights(out)  # safetensors wrote it 0600: the SGLang process may run as another user
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     assert set(load_file(str(out / WEIGHTS_FILE))) == set(tensors)
     return out

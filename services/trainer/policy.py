@@ -274,7 +274,10 @@ class Policy:
         return {k: v.detach().to("cpu") for k, v in self.engine.module.state_dict().items()}
 
     def save_pretrained(self, out_dir: str) -> None:
+        from tlt.model.files import share_weights
+
         self.engine.module.save_pretrained(out_dir)
+        share_weights(out_dir)  # safetensors wrote them 0600: the rollout server may run as another user
 
 
 class ReferencePolicy:

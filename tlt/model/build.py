@@ -143,6 +143,7 @@ def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, A
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     from tlt.model.evaluate import eval_problems, evaluate
+    from tlt.model.files import share_weights
     from tlt.model.testing import config_for, pad_vocab
     from tlt.model.tokenizer import build_tokenizer
     from tlt.services.common.logging import get_logger
@@ -203,6 +204,7 @@ def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, A
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     model.save_pretrained(tmp)
+    share_weights(tmp)  # safetensors wrote them 0600
     facts: dict[str, Any] = {
         "preset": preset,
         "seed": seed,

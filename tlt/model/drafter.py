@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tlt.model.config import ModelConfig, RopeScaling
+from tlt.model.files import share_weights
 from tlt.model.transformer import rms_norm, rope_inv_freq
 
 WEIGHTS_FILE = "model.safetensors"
@@ -304,6 +305,7 @@ class Drafter(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS_FILE))
         (out / CONFIG_FILE).write_text(self.cfg.to_json())
+        share_weights(out)  # safetensors wrote it 0600
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Validate names/shapes/float dtypes strictly (the shared embed/lm_head are refused), then copy in place."""
