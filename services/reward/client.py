@@ -101,7 +101,7 @@ class RewardClient:
                 last = e
                 log.debug("reward_retry", what=what, attempt=attempt + 1, code=str(code))
         raise RewardUnavailableError(
-            f"reward server {self.address} unavailable for {what} after {self.retries + 1} attempts: "
+            f"reward server {self.address} unavailable for {what} after {_attempts(self.retries + 1)}: "
             f"{last.code() if isinstance(last, grpc.Call) else ''} {_details(last)}"
         ) from last
 
@@ -176,7 +176,7 @@ class RewardClient:
             failures += 1
             if failures > self.retries:
                 raise RewardUnavailableError(
-                    f"reward server {self.address} unavailable for ScoreStream after {failures} attempts "
+                    f"reward server {self.address} unavailable for ScoreStream after {_attempts(failures)} "
                     f"({stream.pending()} items unanswered): {code} {detail}"
                 ) from error
             log.debug("reward_stream_retry", attempt=failures, code=str(code), unanswered=stream.pending())
@@ -228,6 +228,10 @@ def _in_request_order(address: str, items: list[ScoreRequest], results: list[Sco
     if len(set(ids)) != len(ids) or set(by_id) != set(ids):
         raise RewardCallError(f"reward server {address} answered ids {sorted(by_id)} for items {sorted(set(ids))}")
     return [by_id[i] for i in ids]
+
+
+def _attempts(n: int) -> str:
+    return f"{n} attempt" if n == 1 else f"{n} attempts"
 
 
 def _details(e: grpc.RpcError | None) -> str:

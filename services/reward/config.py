@@ -11,7 +11,7 @@ control then holds the client back.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tlt.services.common.config import ServiceConfig
 
@@ -19,7 +19,11 @@ from tlt.services.common.config import ServiceConfig
 class RewardConfig(ServiceConfig):
     """The [reward] section."""
 
-    kind: str = Field("math", description="reward kind (verifier): math")
+    kind: str = Field("math", description="reward kind: math (the built-in verifier) or python (`function`)")
+    function: str = Field(
+        "", description="with kind python: the TRL-style reward function `module:function` (the module on "
+        "PYTHONPATH or in the current directory), called per item; it must be thread-safe, or set workers = 1"
+    )
     host: str = Field("127.0.0.1", description="address the gRPC server binds; loopback unless you mean to expose it")
     port: int = Field(50061, ge=0, le=65535, description="gRPC port of tlt.v1.Reward (0: pick a free one)")
     workers: int = Field(4, ge=1, le=256, description="threads scoring items concurrently (shared by all calls)")
@@ -51,9 +55,17 @@ class RewardConfig(ServiceConfig):
     def _known_kind(cls, v: str) -> str:
         from tlt.services.reward.verifiers import KINDS
 
-        if v not in KINDS:
-            raise ValueError(f"unknown reward kind {v!r}; choose one of {sorted(KINDS)}")
+        if v not in KINDS and v != "python":
+            raise ValueError(f"unknown reward kind {v!r}; choose one of {sorted([*KINDS, 'python'])}")
         return v
+
+    @model_validator(mode="after")
+    def _function_with_python(self) -> RewardConfig:
+        if self.kind == "python" and not self.function:
+            raise ValueError("kind python needs function = 'module:function' (tlt reward serve --function)")
+        if self.function and self.kind != "python":
+            raise ValueError(f"function is read only with kind = 'python', not {self.kind!r}; drop one of them")
+        return self
 
     @field_validator("host")
     @classmethod

@@ -1,12 +1,20 @@
 """`tlt reward serve`: run the gRPC reward server (tlt.v1.Reward) until SIGINT / SIGTERM.
 
     tlt reward serve --kind math --port 50061 [--host 127.0.0.1] [--workers N]
+    tlt reward serve --function my_rewards:accuracy --port 50061     # kind python: your TRL-style function
 
 Config: the [reward] section of the preset (default cpu-tiny), then
 TLT_REWARD__* environment variables, then `--set field=value`, then the
 explicit flags. `--port 0` picks a free port; `--ready-file PATH` writes JSON
 {port, pid} once serving. On SIGTERM the server refuses new calls, lets
 in-flight ones finish for `grace_s`, and exits 0.
+
+`--function module:function` (or `[reward] kind = "python"` with `function`)
+serves a TRL-style `f(prompts, completions, **kw) -> list[float]`, called per
+item with one-element lists (services/reward/function.py). It is loaded before
+the port is bound: a module that cannot be found or a name that is not
+callable exits 2 with one line. It is called from `workers` threads at once:
+it must be thread-safe, or pass `--workers 1`.
 """
 
 from __future__ import annotations
@@ -17,7 +25,11 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tlt.cli_args import out_file
 
-    parser.add_argument("--kind", default=None, help="reward kind (verifier): math")
+    parser.add_argument("--kind", default=None, help="reward kind: math (the built-in verifier) or python")
+    parser.add_argument("--function", default=None, metavar="MODULE:FUNCTION",
+                        help="serve a TRL-style reward function f(prompts, completions, **kw) -> list[float], "
+                        "called per item (implies --kind python; the module on PYTHONPATH or in the current "
+                        "directory; it must be thread-safe, or pass --workers 1)")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="gRPC port (default 50061; 0: a free one)")
     parser.add_argument("--workers", type=int, default=None, help="threads scoring items concurrently")
@@ -33,7 +45,9 @@ def build_config(args: argparse.Namespace) -> object:
     from tlt.services.reward.config import RewardConfig
 
     overrides = cli_overrides(args.overrides)
-    for field in ("kind", "host", "port", "workers"):
+    if args.function is not None and args.kind is None:
+        overrides["kind"] = "python"
+    for field in ("kind", "function", "host", "port", "workers"):
         if getattr(args, field) is not None:
             overrides[field] = getattr(args, field)
     return load_config(RewardConfig, "reward", args.preset, overrides, require_section=True)
@@ -60,7 +74,14 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
-    server = RewardServer(config).start()
+    from tlt.services.trainer.rewards import RewardFunctionError
+
+    try:
+        server = RewardServer(config)  # kind python: the function is loaded here, before the port is bound
+    except RewardFunctionError as e:
+        log.error("bad_reward_function", error=str(e))
+        return 2
+    server.start()
     exporter = None
     try:
         if config.metrics_port:

@@ -1,10 +1,15 @@
-"""The gRPC reward server: `tlt.v1.Reward` over a verifier, scoring items concurrently.
+"""The gRPC reward server: `tlt.v1.Reward` over a verifier or a reward function, scoring items concurrently.
 
     ScoreRequest --check--> verifier(prompt, completion, reference) --> ScoreResponse(id, reward, ok, correct)
+    ScoreRequest --check--> f(prompts=[prompt], completions=[completion], answer=[reference], **metadata)
+                        --> ScoreResponse(id, reward=f's value, ok, correct=reward > 0)          (kind python)
 
 `ScoreRequest.metadata` (the trainer sends a data row's other columns there) is
-not read by the built-in verifiers; a server of your own may use it. Its keys
-and values count in the item's size (`max_item_bytes`).
+not read by the built-in verifiers; a reward function (`kind = "python"`,
+services/reward/function.py) gets each entry as a keyword list. Its keys
+and values count in the item's size (`max_item_bytes`). Items are scored on
+`workers` threads at once: a verifier or function must be thread-safe (or
+`workers = 1`).
 
 `Score` scores a batch on the worker pool and answers in request order; items
 not begun when the call ends (its deadline passed: the client will retry it)
@@ -20,8 +25,9 @@ server's memory. grpc asks the handler for the next response only once the
 previous one is sent, so a result counts as sent when it is asked for again.
 
 Each item is its own error boundary: a malformed item (no id, over the size
-limit, no reference) or a verifier that raises gives that item ok=false with
-the reason, counts an error, and never fails the call or its siblings.
+limit, no reference for a verifier) or a verifier that raises (a function that
+raises or returns no finite number) gives that item ok=false with the reason,
+counts an error, and never fails the call or its siblings.
 
 A streamed message that is not a ScoreRequest at all ends its stream with
 INVALID_ARGUMENT (after the items before it are answered), counted as
@@ -48,6 +54,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.common.ports import bind_grpc
 from tlt.services.reward.config import RewardConfig
+from tlt.services.reward.function import FunctionScorer, ItemError
 from tlt.services.reward.verifiers import Verifier, get_verifier
 from tlt.v1 import reward_pb2, reward_pb2_grpc
 
@@ -114,11 +121,14 @@ class RewardMetrics:
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    """Scores items with `verifier` on a shared thread pool."""
+    """Scores items with `verifier` (else config.kind's, or config.function's) on a shared thread pool.
+
+    kind python loads the function here: RewardFunctionError when it cannot be imported."""
 
     def __init__(self, config: RewardConfig, verifier: Verifier | None = None) -> None:
         self.config = config
-        self.verifier = verifier or get_verifier(config.kind)
+        self.function = FunctionScorer(config.function) if verifier is None and config.kind == "python" else None
+        self.verifier = None if self.function is not None else (verifier or get_verifier(config.kind))
         self.m = RewardMetrics()
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="reward-score")
         self.streams: set[StreamWindow] = set()  # the windows of the ScoreStream calls open now
@@ -132,7 +142,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         size = sum(len(t.encode()) for t in texts)  # the metadata too: a huge map passed the limit
         if size > self.config.max_item_bytes:
             return "oversized", f"item of {size} bytes is over the limit of {self.config.max_item_bytes}"
-        if not item.reference.strip():
+        if self.function is None and not item.reference.strip():  # a function decides what none means
             return "missing_reference", "request has no reference answer to check against"
         return None
 
@@ -145,7 +155,15 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         start = time.perf_counter()
         self.m.inflight.inc()
         try:
-            correct = bool(self.verifier(item.prompt, item.completion, item.reference))
+            if self.function is not None:
+                reward, correct = self.function(item)
+            else:
+                correct = bool(self.verifier(item.prompt, item.completion, item.reference))
+                reward = 1.0 if correct else 0.0
+        except ItemError as e:  # the function raised, returned None or no finite number: said in the message
+            self.m.errors.labels(reason="function_error").inc()
+            log.warning("function_failed", id=item.id, error=str(e))
+            return reward_pb2.ScoreResponse(id=item.id, ok=False, error=str(e))
         except Exception as e:  # noqa: BLE001 - a verifier bug must not take down the call; it is reported
             self.m.errors.labels(reason="verifier_error").inc()
             log.warning("verifier_failed", id=item.id, error=repr(e))
@@ -154,7 +172,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             self.m.inflight.dec()
             self.m.latency.observe(time.perf_counter() - start)
         self.m.scored.labels(correct=str(correct).lower()).inc()
-        return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=correct, reward=1.0 if correct else 0.0)
+        return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=correct, reward=reward)
 
     def Score(self, request: reward_pb2.ScoreBatchRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreBatchResponse:
         n = len(request.items)
@@ -293,6 +311,7 @@ class RewardServer:
         self.port = bind_grpc(self._server, self.config.host, self.config.port, "the reward server")
         self._server.start()
         log.info("reward_serving", host=self.config.host, port=self.port, kind=self.config.kind,
+                 **({"function": self.config.function} if self.servicer.function is not None else {}),
                  workers=self.config.workers)
         return self
 
