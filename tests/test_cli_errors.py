@@ -431,3 +431,17 @@ def test_drafter_endpoints_that_zeromq_takes_are_accepted() -> None:
     assert cfg.coordinator_bind == "tcp://127.0.0.1:*"
     assert load_config(DrafterServiceConfig, "drafter", None, {"features_bind": "ipc:///tmp/tlt-features",
                                                                "coordinator_bind": "inproc://coordinator"}, environ={})
+
+
+def test_the_library_used_without_the_cli_logs_at_info_not_debug(tmp_path: Path) -> None:
+    """A script that uses a client as a library (RewardClient, RolloutClient) never calls configure_logging;
+    structlog's own default then printed every debug line (`[debug] reward_retry ...`) on the user's terminal."""
+    code = ("from tlt.services.common.logging import get_logger\n"
+            "log = get_logger('lib')\nlog.debug('quiet_please')\nlog.info('shown')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLT_LOG")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "shown" in out.stderr and "quiet_please" not in out.stderr + out.stdout
+    env["TLT_LOG_LEVEL"] = "debug"  # the documented switch still opens them
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert "quiet_please" in out.stderr

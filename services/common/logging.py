@@ -82,4 +82,12 @@ def configure_logging(json: bool | None = None, level: str | None = None, servic
 
 
 def get_logger(name: str | None = None) -> structlog.typing.FilteringBoundLogger:
+    """A logger; in a process that never configured logging (a script using a client as a library), the
+    defaults `tlt` sets first: info level (TLT_LOG_LEVEL), on stderr. structlog's own default printed every
+    debug line, on stdout."""
+    if not structlog.is_configured():
+        try:
+            configure_logging()
+        except ValueError:  # a bad TLT_LOG_LEVEL: `tlt` reports it as a usage error when it configures
+            configure_logging(level="info")
     return structlog.get_logger(name) if name else structlog.get_logger()
