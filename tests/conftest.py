@@ -58,3 +58,18 @@ def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tlt.model.testing import random_checkpoint
 
     return random_checkpoint(tmp_path_factory.mktemp("random-qwen2"), family="qwen2")
+
+
+@pytest.fixture(scope="session")
+def hermes_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose chat template renders tools Hermes-style (tests/rollout_helpers.py)."""
+    from rollout_helpers import hermes_checkpoint
+
+    return hermes_checkpoint(tmp_path_factory.mktemp("hermes-model"))
+
+
+@pytest.fixture(scope="session")
+def hermes_tok(hermes_model_dir: Path):  # noqa: ANN201 - a transformers tokenizer
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(hermes_model_dir)

@@ -195,3 +195,12 @@ def stream_then_kill(s: "ServerThread", body: dict, replica: Any) -> list[str]:
         assert "error" not in first, first
         os.kill(s.server.replica_pids()[replica()], signal.SIGKILL)
         return [line for line in lines if line]
+
+
+# Two function tools for the tool-calling tests (tests/test_rollout_tools.py, tests/test_rollout_scripted_tools.py)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+TOOLS = [WEATHER, ADD]

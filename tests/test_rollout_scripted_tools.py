@@ -18,17 +18,10 @@ import json
 
 import openai
 import pytest
-import transformers
 
-from rollout_helpers import ServerThread, hermes_checkpoint
+from rollout_helpers import TOOLS, ServerThread
 from scripted_engine import SCRIPT_ENV
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
-TOOLS = [WEATHER, ADD]
 
 
 def call_block(name: str, arguments: dict) -> str:
@@ -47,21 +40,11 @@ REPLIES = {ONE: ONE_TEXT, TWO: TWO_TEXT, GOOD: GOOD_TEXT, BAD: BAD_TEXT, RESULT:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return hermes_checkpoint(tmp_path_factory.mktemp("scripted_tools_model"))
-
-
-@pytest.fixture(scope="module")
-def hf_tok(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
+def server(hermes_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(SCRIPT_ENV, json.dumps(list(REPLIES.items())))  # inherited by the spawned replica
         # the tiny tokenizer spends about a token per character of the tools' JSON
-        with ServerThread(model_dir, replicas=1, backend="scripted_engine:ScriptedEngine",
+        with ServerThread(hermes_model_dir, replicas=1, backend="scripted_engine:ScriptedEngine",
                           engine={"max_model_len": 1024}) as s:
             yield s
 
@@ -75,12 +58,12 @@ def user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-def scripted_tokens(hf_tok, text: str) -> int:
-    return len(hf_tok.encode(text, add_special_tokens=False)) + 1  # + the EOS that ends the script
+def scripted_tokens(hermes_tok, text: str) -> int:
+    return len(hermes_tok.encode(text, add_special_tokens=False)) + 1  # + the EOS that ends the script
 
 
-def prompt_ids(hf_tok, messages, tools=None) -> list[int]:
-    return hf_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+def prompt_ids(hermes_tok, messages, tools=None) -> list[int]:
+    return hermes_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                       return_dict=True)["input_ids"]
 
 
@@ -99,7 +82,7 @@ def calls(message) -> list[tuple[str, str, dict]]:
     return [(t.type, t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or ()]
 
 
-def test_the_model_writes_text_and_a_call(client, server, hf_tok):
+def test_the_model_writes_text_and_a_call(client, server, hermes_tok):
     """Non-streaming: the text before the block is the content, the block is the call, finish_reason
     "tool_calls"; usage and logprobs count every scripted token. Without tools the same generation is all text."""
     r, _ = chat(client, server, [user(ONE)], False, logprobs=True)
@@ -108,15 +91,15 @@ def test_the_model_writes_text_and_a_call(client, server, hf_tok):
     assert c.message.content == "I will look it up."
     assert calls(c.message) == [("function", "get_weather", {"city": "Paris"})]
     assert c.message.tool_calls[0].id.startswith("call_")
-    assert r.usage.completion_tokens == scripted_tokens(hf_tok, ONE_TEXT) == len(c.logprobs.content)
-    assert r.usage.prompt_tokens == len(prompt_ids(hf_tok, [user(ONE)], TOOLS))
+    assert r.usage.completion_tokens == scripted_tokens(hermes_tok, ONE_TEXT) == len(c.logprobs.content)
+    assert r.usage.prompt_tokens == len(prompt_ids(hermes_tok, [user(ONE)], TOOLS))
     plain = client.chat.completions.create(model=server.model_name, messages=[user(ONE)], temperature=0,
                                            max_tokens=300)
     assert plain.choices[0].message.content == ONE_TEXT and plain.choices[0].finish_reason == "stop"
     assert plain.choices[0].message.tool_calls is None
 
 
-def test_streamed_call_is_the_non_streamed_message(client, server, hf_tok):
+def test_streamed_call_is_the_non_streamed_message(client, server, hermes_tok):
     """`client.chat.completions.stream(...)`: the accumulated message and finish reason are the non-streamed
     ones, usage too; no part of the block was ever sent as content."""
     whole, _ = chat(client, server, [user(ONE)], False)
@@ -126,7 +109,7 @@ def test_streamed_call_is_the_non_streamed_message(client, server, hf_tok):
     assert c.message.content == w.message.content == "I will look it up."
     assert calls(c.message) == calls(w.message) == [("function", "get_weather", {"city": "Paris"})]
     assert "<tool" not in sent and sent.rstrip() == "I will look it up."
-    assert final.usage.completion_tokens == whole.usage.completion_tokens == scripted_tokens(hf_tok, ONE_TEXT)
+    assert final.usage.completion_tokens == whole.usage.completion_tokens == scripted_tokens(hermes_tok, ONE_TEXT)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -145,7 +128,7 @@ def test_two_calls_and_parallel_tool_calls_false(client, server, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_malformed_block_stays_content(client, server, hf_tok, stream):
+def test_a_malformed_block_stays_content(client, server, hermes_tok, stream):
     """A block one brace short is no call: the whole text is the content, finish_reason "stop". The same
     block well-formed (the control, same server and path) is a call."""
     r, _ = chat(client, server, [user(GOOD)], stream)
@@ -155,11 +138,11 @@ def test_a_malformed_block_stays_content(client, server, hf_tok, stream):
     c = r.choices[0]
     assert c.message.content == BAD_TEXT and c.finish_reason == "stop" and c.message.tool_calls is None
     assert sent in (None, BAD_TEXT)
-    assert r.usage.completion_tokens == scripted_tokens(hf_tok, BAD_TEXT)
+    assert r.usage.completion_tokens == scripted_tokens(hermes_tok, BAD_TEXT)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_agent_loop_call_result_answer(client, server, hf_tok, stream):
+def test_agent_loop_call_result_answer(client, server, hermes_tok, stream):
     """An agent's loop: the model calls a tool; the SDK's message and the tool's result are appended and the
     model asked again; it answers (its script is keyed on the result, so the answer shows the result reached
     the prompt). The second prompt is the template's rendering of that history with the tools: the call as a
@@ -171,12 +154,12 @@ def test_agent_loop_call_result_answer(client, server, hf_tok, stream):
     r, _ = chat(client, server, history, False)
     c = r.choices[0]
     assert c.message.content == FINAL_TEXT and c.finish_reason == "stop" and c.message.tool_calls is None
-    assert r.usage.completion_tokens == scripted_tokens(hf_tok, FINAL_TEXT)
+    assert r.usage.completion_tokens == scripted_tokens(hermes_tok, FINAL_TEXT)
     hf_history = [user(ONE), {"role": "assistant", "content": "I will look it up.", "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
-    ids = prompt_ids(hf_tok, hf_history, TOOLS)
-    text = hf_tok.decode(ids)
+    ids = prompt_ids(hermes_tok, hf_history, TOOLS)
+    text = hermes_tok.decode(ids)
     assert ('I will look it up.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
             in text)
     assert f"<tool_response>\n{RESULT}\n</tool_response>" in text and "<tools>" in text

@@ -25,19 +25,12 @@ import re
 import httpx
 import openai
 import pytest
-import transformers
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from rollout_helpers import ServerThread, hermes_checkpoint
+from rollout_helpers import ADD, TOOLS, WEATHER, ServerThread
 
 NAMES = frozenset({"get_weather", "add"})
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
-TOOLS = [WEATHER, ADD]
 
 
 def call_block(name: str, arguments) -> str:
@@ -325,19 +318,9 @@ def test_streamed_choice_without_tools_is_unchanged(tok):
 # ---- the real server, with a Hermes-style chat template -------------------------------------------
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return hermes_checkpoint(tmp_path_factory.mktemp("rollout_tools_model"))
-
-
-@pytest.fixture(scope="module")
-def hf_tok(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
+def server(hermes_model_dir):
     # the tiny tokenizer, trained on arithmetic, spends about a token per character of the tools' JSON
-    with ServerThread(model_dir, replicas=1, engine={"max_model_len": 1024}) as s:
+    with ServerThread(hermes_model_dir, replicas=1, engine={"max_model_len": 1024}) as s:
         yield s
 
 
@@ -346,23 +329,23 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
 
 
-def prompt_ids(hf_tok, messages, tools=None) -> list[int]:
-    return hf_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+def prompt_ids(hermes_tok, messages, tools=None) -> list[int]:
+    return hermes_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                       return_dict=True)["input_ids"]
 
 
 USER = {"role": "user", "content": "Weather in Paris?"}
 
 
-def test_tools_reach_the_prompt(client, server, hf_tok):
+def test_tools_reach_the_prompt(client, server, hermes_tok):
     """The tools are rendered by the model's template (prompt_tokens = HF's `apply_chat_template(tools=...)`
     of the same inputs, more than without them); tool_choice "none" renders them too (vLLM's default: the
     model sees its tools, its text is just not parsed)."""
     kw = dict(model=server.model_name, messages=[USER], max_tokens=4, temperature=0)
     plain = client.chat.completions.create(**kw)
-    assert plain.usage.prompt_tokens == len(prompt_ids(hf_tok, [USER]))
-    with_tools = prompt_ids(hf_tok, [USER], TOOLS)
-    assert "<tools>" in hf_tok.decode(with_tools) and '"name": "get_weather"' in hf_tok.decode(with_tools)
+    assert plain.usage.prompt_tokens == len(prompt_ids(hermes_tok, [USER]))
+    with_tools = prompt_ids(hermes_tok, [USER], TOOLS)
+    assert "<tools>" in hermes_tok.decode(with_tools) and '"name": "get_weather"' in hermes_tok.decode(with_tools)
     for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {"parallel_tool_calls": False}):
         r = client.chat.completions.create(tools=TOOLS, **choice, **kw)
         assert r.usage.prompt_tokens == len(with_tools) > plain.usage.prompt_tokens, choice
@@ -399,11 +382,11 @@ def sdk_message_with_a_call(tok, streamed: bool):
 
 
 @pytest.mark.parametrize("dump, streamed", [("model_dump", False), ("to_dict", False), ("model_dump", True)])
-def test_multi_turn_replay_of_an_sdk_message_with_tool_calls(client, server, hf_tok, dump, streamed):
+def test_multi_turn_replay_of_an_sdk_message_with_tool_calls(client, server, hermes_tok, dump, streamed):
     """An agent loop appends the SDK's response message (`model_dump()` or `to_dict()`, of a response or of a
     stream) and the tool's result, then asks again: accepted, and rendered as the template renders the HF form
     of the history (the call's `arguments` as a mapping, not the JSON string the OpenAI API carries)."""
-    msg = sdk_message_with_a_call(hf_tok, streamed)
+    msg = sdk_message_with_a_call(hermes_tok, streamed)
     call = msg.tool_calls[0]
     history = [USER, getattr(msg, dump)(), {"role": "tool", "tool_call_id": call.id, "content": "22C, sunny"}]
     r = client.chat.completions.create(model=server.model_name, messages=history, tools=TOOLS, max_tokens=4,
@@ -411,13 +394,13 @@ def test_multi_turn_replay_of_an_sdk_message_with_tool_calls(client, server, hf_
     hf_history = [USER, {"role": "assistant", "content": "Checking.", "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "22C, sunny"}]
-    ids = prompt_ids(hf_tok, hf_history, TOOLS)
-    text = hf_tok.decode(ids)
+    ids = prompt_ids(hermes_tok, hf_history, TOOLS)
+    text = hermes_tok.decode(ids)
     assert 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\n22C, sunny\n</tool_response>" in text
     as_string = [*hf_history[:1], json.loads(json.dumps(hf_history[1])), hf_history[2]]
     as_string[1]["tool_calls"][0]["function"]["arguments"] = call.function.arguments
-    assert len(prompt_ids(hf_tok, as_string, TOOLS)) != len(ids)  # the count tells the two renderings apart
+    assert len(prompt_ids(hermes_tok, as_string, TOOLS)) != len(ids)  # the count tells the two renderings apart
     assert r.usage.prompt_tokens == len(ids)
 
 
