@@ -30,11 +30,10 @@ auth.py). Every refusal counts in rollout_rejected_total{reason}.
 
 Metrics (the server's one registry, served on the HTTP API's /metrics): every call counts once in
 rollout_grpc_requests_total{method, code} with the status it ended with (OK, INVALID_ARGUMENT, CANCELLED, ...; a
-weight push answered ok=false is OK there and counted by reason in rollout_rejected_total). Generate and
-BatchGenerate add to rollout_prompt_tokens_total (each prompt once, whatever n: OpenAI's usage.prompt_tokens), the
-counter the HTTP API adds to; rollout_generated_tokens_total is counted for both APIs at the pool, at each engine
-step (ReplicaPool.generated_tokens: a BatchGenerate cancelled mid-way counts what its unfinished samples had
-generated too).
+weight push answered ok=false is OK there and counted by reason in rollout_rejected_total).
+rollout_prompt_tokens_total and rollout_generated_tokens_total are counted for both APIs at the pool
+(ReplicaPool.prompt_tokens: each prompt once, whatever n, as OpenAI's usage.prompt_tokens; generated_tokens at
+each engine step: a BatchGenerate cancelled mid-way counts what its unfinished samples had generated too).
 """
 
 from __future__ import annotations
@@ -165,13 +164,12 @@ MAX_LEASE_S = 86400.0  # a day: a lend is renewed well within it; a longer one i
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
-                 rejected: Any = None, metrics: Metrics | None = None, prompt_tokens: Any = None) -> None:
-        """`metrics`: the server's registry (rollout_grpc_requests_total is made on it); `rejected`,
-        `prompt_tokens`: the HTTP API's counters of that registry, which gRPC calls add to."""
+                 rejected: Any = None, metrics: Metrics | None = None) -> None:
+        """`metrics`: the server's registry (rollout_grpc_requests_total is made on it); `rejected`: the HTTP API's
+        counter of that registry, which gRPC refusals add to."""
         self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
         self.auth = ControlAuth.build(config.host, config.control_token, config.insecure_local)
         self.rejected = rejected  # Counter tlt rollout_rejected_total{reason}, shared with the HTTP API
-        self.prompt_tokens = prompt_tokens  # shared likewise
         self._calls = None if metrics is None else metrics.counter(
             "grpc_requests_total", "gRPC calls by method and the status code they ended with (refusals are "
             "also in rejected_total by reason)", ("method", "code"))
@@ -218,8 +216,6 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                                  f"context length {info.max_model_len}")
             out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), params, n))
         self.pool.admit(len(out) * n)  # InvalidRequestError (alone too large) is a ValueError; OverloadedError: busy
-        if self.prompt_tokens is not None:  # once per prompt, whatever n (OpenAI's usage.prompt_tokens)
-            self.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in out))
         return out
 
     async def _refuse_overloaded(self, e: OverloadedError, context: grpc.aio.ServicerContext) -> None:

@@ -51,6 +51,7 @@ from tlt.services.rollout.openai_schema import (
     ModelCard,
     ModelList,
     Usage,
+    field_problem,
 )
 from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError
@@ -81,14 +82,8 @@ def _pool_error(e: InvalidRequestError | ReplicaUnavailableError) -> ApiError:
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     parts, first = [], None
     for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err["loc"])
         first = first or (str(err["loc"][0]) if err["loc"] else None)
-        if err["type"] == "extra_forbidden":
-            parts.append(f"unknown parameter {loc!r}")
-        elif err["type"] == "missing":
-            parts.append(f"missing required parameter {loc!r}")
-        else:
-            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})"[:300])
+        parts.append(field_problem(err)[0])
     return "invalid request: " + "; ".join(parts), first
 
 
@@ -209,6 +204,7 @@ class OpenAIServer:
                 self.m_spec.update(s.replica_id, s.stats.spec)
         self._count_up(self.m_redispatched, "redispatched", self.pool.redispatches)
         self._count_up(self.m_gen, "generated", self.pool.generated_tokens)
+        self._count_up(self.m_prompt, "prompt", self.pool.prompt_tokens)
         for replica, deaths in self.pool.deaths.items():
             self._count_up(self.m_deaths.labels(str(replica)), f"deaths{replica}", deaths)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -309,7 +305,6 @@ class OpenAIServer:
         except OverloadedError as e:
             raise ApiError(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"}) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        self.m_prompt.inc(sum(len(p) for p in prompts))
         return [GenerationRequest(f"{rid}-{i}", tuple(p), params, n) for i, p in enumerate(prompts)]
 
     # ---- generation ----------------------------------------------------------------------------
@@ -323,10 +318,7 @@ class OpenAIServer:
     async def _collect(self, reqs: list[GenerationRequest], request: Request) -> list[list[CompletionOutput]]:
         """Every request's completions; a client that goes away meanwhile aborts them (nothing decodes for nobody)."""
         async def one(r: GenerationRequest) -> list[CompletionOutput]:
-            outs = []
-            async for c in self.pool.generate(r):
-                if isinstance(c, CompletionOutput):
-                    outs.append(c)
+            outs = [c async for c in self.pool.generate(r) if isinstance(c, CompletionOutput)]
             return sorted(outs, key=lambda c: c.sample_index)
 
         tasks = [asyncio.ensure_future(one(r)) for r in reqs]
@@ -516,25 +508,24 @@ class OpenAIServer:
         A template that renders the same text with and without the tools ignores them (the tiny task template
         does): the model would never learn it has tools, and its calls could not be parsed; a 400 says so
         rather than a rollout that silently has no tools. Checked on this request's own messages (a template
-        may render tools only beside a system message, say): two extra renders, no tokenisation."""
+        may render tools only beside a system message, say): one extra render without them, no tokenisation.
+        The text is tokenised as apply_chat_template(tokenize=True) does: without adding special tokens."""
         messages = [m.for_template() for m in req.messages]
         tools = req.tools or None
 
-        def render(tokenize: bool, with_tools: list[Any] | None) -> Any:
+        def render(with_tools: list[Any] | None) -> str:
             return self.tokenizer.apply_chat_template(messages, tools=with_tools, add_generation_prompt=True,
-                                                      tokenize=tokenize, return_dict=False)
+                                                      tokenize=False)
 
         try:
-            if tools is not None and render(False, tools) == render(False, None):
+            text = render(tools)
+            if tools is not None and text == render(None):
                 raise ApiError(400, "this model's chat template does not render tools, so the model would not see "
                                     "them; use a checkpoint whose template does (Qwen2.5, Qwen3, Hermes), or send "
                                     "no tools", param="tools")
-            ids = render(True, tools)
         except (TemplateError, ValueError) as e:  # the template's raise_exception: e.g. roles out of order
             raise ApiError(400, f"the model's chat template refused the messages: {e}", param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     async def _chat_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
                            params: SamplingParams, req: ChatCompletionRequest, tools: conv.ToolParsing | None,

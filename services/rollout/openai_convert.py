@@ -178,6 +178,11 @@ class ToolParsing:
         return parse_hermes(c.text, self.names, self.parallel, truncated=c.finish_reason != FinishReason.STOP)
 
 
+def parsed_text(tools: ToolParsing | None, c: CompletionOutput) -> ParsedText:
+    """A finished choice's text as content and calls: parsed when the request has tool parsing, else all content."""
+    return tools.parse(c) if tools is not None else ParsedText(c.text, ())
+
+
 def tool_parsing(req: ChatCompletionRequest, parser: str) -> ToolParsing | None:
     """How a request's completions are parsed for tool calls (`parser`: `[rollout] tool_call_parser`): not at all
     without tools, with tool_choice "none" (the tools are still in the prompt), or with the parser "none"."""
@@ -202,7 +207,7 @@ def _tool_calls(parsed: ParsedText) -> list[ToolCall]:
 def chat_choice(tokenizer: Any, index: int, c: CompletionOutput, logprobs: bool, top_logprobs: int,
                 tools: ToolParsing | None = None) -> ChatChoice:
     lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, top_logprobs) if logprobs else None
-    parsed = tools.parse(c) if tools is not None else ParsedText(c.text, ())
+    parsed = parsed_text(tools, c)
     calls = _tool_calls(parsed)
     return ChatChoice(
         index=index,
@@ -295,7 +300,7 @@ class ChatChoiceStream:
         if logprobs:
             lp = chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, top_logprobs)
         last = dict(index=self.index, logprobs=lp, tlt_versions=tlt_versions(c.versions))
-        parsed = self.tools.parse(c) if self.tools is not None else ParsedText(c.text, ())
+        parsed = parsed_text(self.tools, c)
         if not parsed.calls:
             return [ChatChunkChoice(delta=ChatDelta(content=self.text.finish(c.text)), finish_reason=finish_reason(c),
                                     **last)]

@@ -140,6 +140,17 @@ class ContentPart(_Strict):
     text: str
 
 
+def field_problem(err: Any, prefix: str = "") -> tuple[str, str]:
+    """(message, param) of one pydantic error, its location under `prefix`, in the API's words: an unknown
+    parameter, a missing required one, else the field's error and the value given."""
+    param = ".".join([*([prefix] if prefix else []), *(str(x) for x in err["loc"])])
+    if err["type"] == "extra_forbidden":
+        return f"unknown parameter {param!r}", param
+    if err["type"] == "missing":
+        return f"missing required parameter {param!r}", param
+    return f"{param}: {err['msg']} (got {err.get('input')!r})"[:300], param
+
+
 def content_part_problem(i: int, j: int, raw: Any) -> tuple[str, str] | None:
     """(message, param) of the 400 for part `j` of message `i`'s content, naming the field as the OpenAI API does
     (`messages.[0].content.[1].type`); None when it is a text part. Only text is served: an `image_url` part (what
@@ -155,13 +166,7 @@ def content_part_problem(i: int, j: int, raw: Any) -> tuple[str, str] | None:
     try:
         ContentPart.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join([param, *(str(x) for x in err["loc"])])
-        if err["type"] == "extra_forbidden":
-            return f"unknown parameter {param!r}", param
-        if err["type"] == "missing":
-            return f"missing required parameter {param!r}", param
-        return f"{param}: {err['msg']} (got {err.get('input')!r})"[:300], param
+        return field_problem(e.errors()[0], param)
     return None
 
 
@@ -195,10 +200,8 @@ def tool_problem(i: int, raw: Any) -> tuple[str, str] | None:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join([f"tools.[{i}]", *(str(x) for x in err["loc"])])
-        if err["type"] == "extra_forbidden":
-            return f"unknown parameter {param!r}", param
-        if err["type"] == "missing":
-            return f"missing required parameter {param!r}", param
+        if err["type"] in ("extra_forbidden", "missing"):
+            return field_problem(err, f"tools.[{i}]")
         if err["type"] in ("literal_error", "dict_type", "model_type"):
             want = {"literal_error": "'function' (the only tool type served)", "dict_type": "a JSON object",
                     "model_type": "a JSON object"}[err["type"]]

@@ -123,6 +123,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         self.redispatch_limit = redispatch_limit  # 0: a dead replica's requests fail (see the module docstring)
         self.redispatches = 0  # requests re-dispatched since start, each time counted
         self.generated_tokens = 0  # tokens the engines generated since start (`_on_event`): /metrics' counter
+        self.prompt_tokens = 0  # prompt tokens of the requests submitted, each once whatever n (`generate`): likewise
         self.max_pending_sequences = max_pending_sequences  # 0: no limit (see admit)
         self.stall_timeout_s = stall_timeout_s  # 0: no watchdog
         self._watchdog: asyncio.Task | None = None
@@ -274,6 +275,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         total = len(request.samples)
         p = _Pending(request, None, total, want_steps)
         self._pending[request.request_id] = p
+        self.prompt_tokens += len(request.prompt_token_ids)  # once, whatever n (OpenAI's usage.prompt_tokens)
         self._hand(p, rep, request)
         finished = 0
         try:

@@ -100,7 +100,7 @@ class RolloutServer:
         openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics)
         # one registry: gRPC calls count on the same /metrics (the HTTP app serves it) and add to the same counters
         service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected,
-                                 metrics=metrics, prompt_tokens=openai_server.m_prompt)
+                                 metrics=metrics)
         rollout_pb2_grpc.add_RolloutServicer_to_server(service, self._grpc)
         await self._grpc.start()
 
