@@ -88,6 +88,16 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     return out
 
 
+def export_architectures(folder: str | Path) -> list[str] | None:
+    """The `architectures` of `folder`'s config.json ([] when it names none), or None when there is no readable
+    config.json: what tells an SGLang EAGLE export (`ARCHITECTURES`' values) from another model."""
+    try:
+        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):  # missing, not JSON, or JSON that is no object
+        return None
+    return list(archs or [])
+
+
 def check_out(out_dir: str | Path) -> None:
     """ConfigError unless `out_dir` is new, empty or an earlier export: the export writes config.json and
     model.safetensors there, which in the target's or the drafter's folder (or any other model) replaced its own."""
@@ -100,11 +110,7 @@ def check_out(out_dir: str | Path) -> None:
         raise ConfigError(f"--out {out} is a drafter folder ({CONFIG_FILE}); {hint}")
     cfg_path = out / "config.json"
     if cfg_path.is_file():
-        try:
-            archs = json.loads(cfg_path.read_text()).get("architectures") or []
-        except (json.JSONDecodeError, AttributeError):
-            archs = []
-        if not set(archs) & set(ARCHITECTURES.values()):
+        if not set(export_architectures(out) or []) & set(ARCHITECTURES.values()):
             raise ConfigError(f"--out {out} holds a model that is not an SGLang EAGLE export ({cfg_path}); {hint}")
 
 

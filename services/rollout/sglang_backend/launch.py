@@ -50,7 +50,7 @@ def check_draft_model(cfg: SGLangBackendConfig, look: bool = True) -> None:
     architecture and its own tensor names), not TLT's drafter folder, and fails minutes into loading otherwise."""
     from tlt.model.drafter import CONFIG_FILE, DrafterError
     from tlt.services.common.config import ConfigError
-    from tlt.services.drafter.export import ARCHITECTURES
+    from tlt.services.drafter.export import ARCHITECTURES, export_architectures
 
     if cfg.speculative_algorithm == "none":
         return
@@ -68,10 +68,7 @@ def check_draft_model(cfg: SGLangBackendConfig, look: bool = True) -> None:
         raise DrafterError(f"{folder} is TLT's drafter folder; SGLang loads an export of it: {export}")
     if not folder.is_dir():
         raise DrafterError(f"drafter folder {folder} does not exist ([sglang] draft_model_path, or --drafter)")
-    try:
-        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        archs = None
+    archs = export_architectures(folder)
     if archs is None or not (folder / "model.safetensors").is_file():
         raise DrafterError(f"{folder} is not an SGLang EAGLE export: it needs config.json and model.safetensors "
                            f"({export})")
