@@ -183,10 +183,10 @@ def unknown_environment(environ: Mapping[str, str], sections: Sequence[str] | No
         from tlt.services.common.config_cmd import SECTION_CLASSES
 
         sections = list(SECTION_CLASSES)
-    prefixes = {env_prefix(s): s for s in sections}
+    prefixes = tuple(env_prefix(s) for s in sections)
     problems = []
     for key in sorted(environ):
-        if not key.startswith("TLT_") or key in PLAIN_ENVIRONMENT or any(key.startswith(p) for p in prefixes):
+        if not key.startswith("TLT_") or key in PLAIN_ENVIRONMENT or key.startswith(prefixes):
             continue
         head = key[len("TLT_"):]
         if "__" in head:
@@ -222,10 +222,10 @@ def _known_fields(cls: type[BaseModel], section: str, loc: Sequence[Any]) -> str
 
     owner, names = cls, [section]
     for part in loc[:-1]:
-        annotation = owner.model_fields[str(part)].annotation if str(part) in owner.model_fields else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        inner = nested_section(owner.model_fields.get(str(part)))
+        if inner is None:
             break
-        owner, names = annotation, [*names, str(part)]
+        owner, names = inner, [*names, str(part)]
     known = sorted(owner.model_fields)
     close = difflib.get_close_matches(str(loc[-1]), known, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
