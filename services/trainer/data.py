@@ -264,21 +264,25 @@ def parquet_rows(path: Path, answer_field: str = "answer") -> Iterable[Row]:
         yield row, f"{path} row {i}"
 
 
-def load_prompts(path: str | Path, answer_field: str = "answer",
-                 model_dir: str | Path | None = None) -> list[PromptItem]:
-    """Read a JSONL or Parquet prompt file (by extension): the answer at `answer_field` (a dotted path reaches into
-    nested fields), chat-message prompts rendered with the chat template of the tokenizer in `model_dir`."""
+def file_rows(path: str | Path, answer_field: str = "answer") -> Iterable[Row]:
+    """The rows of a JSONL or Parquet prompt file (by extension), each with where it is."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"prompt file {p} does not exist")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        rows = jsonl_rows(p)
-    elif suffix in (".parquet", ".pq"):
-        rows = parquet_rows(p, answer_field)
-    else:
-        raise DataError(f"{p}: unknown prompt file type {suffix!r}; use .jsonl or .parquet")
-    items = _items(rows, answer_field, model_dir)
+        return jsonl_rows(p)
+    if suffix in (".parquet", ".pq"):
+        return parquet_rows(p, answer_field)
+    raise DataError(f"{p}: unknown prompt file type {suffix!r}; use .jsonl or .parquet")
+
+
+def load_prompts(path: str | Path, answer_field: str = "answer",
+                 model_dir: str | Path | None = None) -> list[PromptItem]:
+    """Read a JSONL or Parquet prompt file (by extension): the answer at `answer_field` (a dotted path reaches into
+    nested fields), chat-message prompts rendered with the chat template of the tokenizer in `model_dir`."""
+    p = Path(path)
+    items = _items(file_rows(p, answer_field), answer_field, model_dir)
     if not items:
         raise DataError(f"{p}: no prompts in the file")
     return items

@@ -162,11 +162,9 @@ def context_length(model_dir: str, rollout: Any) -> int:
 def row_labels(path: str, answer_field: str) -> list[str]:
     """Each row's "file:line" / "file item i" / "file row i", as DataError messages name it (row i is item i:
     the reader skips blank lines only)."""
-    from tlt.services.trainer.data import jsonl_rows, parquet_rows
+    from tlt.services.trainer.data import file_rows
 
-    p = Path(path)
-    rows = parquet_rows(p, answer_field) if p.suffix.lower() in (".parquet", ".pq") else jsonl_rows(p)
-    return [where for _, where in rows]
+    return [where for _, where in file_rows(path, answer_field)]
 
 
 def prompt_lengths(tok: Any, texts: list[str]) -> list[int]:
