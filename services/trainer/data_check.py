@@ -215,10 +215,8 @@ def check(trainer: Any, rollout: Any, show: int = 0) -> DataReport:
     if (problem := context_problem(trainer, rollout, max_model_len)) is not None:
         raise ConfigError(problem)  # no prompt fits at all: refused, as tlt config check and tlt run refuse it
     where = row_labels(trainer.data_path, trainer.answer_field)
-    lengths = prompt_lengths(tok, [it.prompt for it in items])
-    ordered = sorted(lengths)
     room = max_model_len - trainer.max_tokens  # the longest prompt the rollout takes with max_tokens
-    too_long = [w for w, n in zip(where, lengths) if n > room]
+    lengths, ordered, too_long = _measure(tok, items, where, room)
     columns: dict[str, int] = {}
     for it in items:
         for name in it.extra:
@@ -237,26 +235,17 @@ def check(trainer: Any, rollout: Any, show: int = 0) -> DataReport:
                for i in range(min(show, len(items)))],
     )
     if too_long:
-        report.warnings.append(
-            f"no room for max_tokens {trainer.max_tokens} under max_model_len {max_model_len} in "
-            f"{_prompts(len(too_long))} (longer than {room} tokens): the rollout server refuses a request holding "
-            "one and the step that draws it fails; shorten or drop them, or raise [rollout.engine] max_model_len / "
-            f"lower [trainer] max_tokens ({', '.join(too_long[:NAMED_ROWS])}"
-            f"{', ...' if len(too_long) > NAMED_ROWS else ''})")
+        report.warnings.append(_too_long(len(too_long), too_long[:NAMED_ROWS], trainer.max_tokens, max_model_len,
+                                         room, "", "the step that draws it fails"))
     if dups["conflicting"]:
         report.warnings.append(
             f"different answers for {_prompts(dups['conflicting'])} in different rows: the same completion is "
             f"rewarded both ways; keep one answer per prompt (rows with another answer: {', '.join(dups['rows'])})")
     if trainer.eval_problems and trainer.eval_data_path:
         report.eval = check_eval(trainer, tok, room)
-        if report.eval["too_long"]["count"]:
-            rows = report.eval["too_long"]["rows"]
-            report.warnings.append(
-                f"no room for max_tokens {trainer.max_tokens} under max_model_len {max_model_len} in "
-                f"{_prompts(report.eval['too_long']['count'])} of the eval file (longer than {room} tokens): the "
-                "rollout server refuses a request holding one and the eval fails; shorten or drop them, or raise "
-                f"[rollout.engine] max_model_len / lower [trainer] max_tokens ({', '.join(rows)}"
-                f"{', ...' if report.eval['too_long']['count'] > NAMED_ROWS else ''})")
+        if count := report.eval["too_long"]["count"]:
+            report.warnings.append(_too_long(count, report.eval["too_long"]["rows"], trainer.max_tokens,
+                                             max_model_len, room, " of the eval file", "the eval fails"))
     report.status = "warn" if report.warnings else "ok"
     return report
 
@@ -269,13 +258,26 @@ def check_eval(trainer: Any, tok: Any, room: int) -> dict[str, Any]:
     items = eval_items(trainer)
     answer_field = trainer.eval_answer_field or trainer.answer_field
     where = row_labels(trainer.eval_data_path, answer_field)
-    lengths = prompt_lengths(tok, [it.prompt for it in items])
-    ordered = sorted(lengths)
-    too_long = [w for w, n in zip(where, lengths) if n > room]
+    _, ordered, too_long = _measure(tok, items, where, room)
     return {"file": str(trainer.eval_data_path), "rows": len(where), "evaluated": len(items),
             "prompt_kind": "text" if items[0].messages is None else "chat messages", "answer_field": answer_field,
             "prompt_tokens": {"min": ordered[0], "max": ordered[-1]},
             "too_long": {"count": len(too_long), "rows": too_long[:NAMED_ROWS]}}
+
+
+def _measure(tok: Any, items: list[Any], where: list[str], room: int) -> tuple[list[int], list[int], list[str]]:
+    """(each prompt's tokens, the same sorted, the rows of the prompts longer than `room` tokens)."""
+    lengths = prompt_lengths(tok, [it.prompt for it in items])
+    return lengths, sorted(lengths), [w for w, n in zip(where, lengths) if n > room]
+
+
+def _too_long(count: int, rows: list[str], max_tokens: int, max_model_len: int, room: int, in_file: str,
+              fails: str) -> str:
+    """The warning for `count` prompts longer than `room` tokens (`rows`: the first few)."""
+    return (f"no room for max_tokens {max_tokens} under max_model_len {max_model_len} in {_prompts(count)}{in_file} "
+            f"(longer than {room} tokens): the rollout server refuses a request holding one and {fails}; shorten or "
+            f"drop them, or raise [rollout.engine] max_model_len / lower [trainer] max_tokens ({', '.join(rows)}"
+            f"{', ...' if count > NAMED_ROWS else ''})")
 
 
 def _prompts(n: int) -> str:
