@@ -76,7 +76,7 @@ def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
 
 def _is_map(field: Any) -> bool:
     """A dict-valued config field ([sglang] adaptive_steps), not a nested section."""
-    return field is not None and nested_section(field) is None and typing.get_origin(field.annotation) is dict
+    return field is not None and typing.get_origin(field.annotation) is dict
 
 
 def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], RunConfig]:
