@@ -45,6 +45,8 @@ USER_REWARD = textwrap.dedent(
         bonus = 0.5 if kw.get("task") == ["add"] else 0.0  # a metadata column
         bonus += sum(kw.get("weights", [[]])[0])  # a JSON column, decoded
         bonus += 100 * (kw.get("info", [{}])[0] == {"k": None, "n": [1, "x"]})
+        bonus += 1000 * (kw.get("solution") == ["42"])  # a text column that reads as JSON stays text
+        bonus += 10000 * (kw.get("count") == [42] and type(kw["count"][0]) is int)  # a number column is a number
         return [(1.0 if text.strip().endswith(answer) else 0.0) + bonus]
     '''
 )
@@ -105,6 +107,20 @@ def test_the_trainer_grpc_path_sends_columns_the_function_reads(served) -> None:
         source.close()
     assert results["k0"].reward == pytest.approx(1.0 + 0.5 + 0.75) and results["k0"].correct
     assert results["k1"].reward == pytest.approx(100.0) and results["k1"].correct
+
+
+def test_a_text_column_that_reads_as_json_arrives_as_text(served) -> None:
+    """The map carries text; `json_metadata_keys` says which values are JSON, so "42" stays "42" and 42 stays 42."""
+    source = GrpcRewards(served["address"], concurrency=2, timeout_s=10, retries=0)
+    try:
+        batch = source.begin()
+        batch.submit("t", "q", "answer: 51", "51", extra={"solution": "42", "count": 42})
+        batch.submit("f", "q", "answer: 51", "51", extra={"solution": 42, "count": "42"})  # the other way round
+        results = batch.results()
+    finally:
+        source.close()
+    assert results["t"].reward == pytest.approx(1.0 + 1000 + 10000)
+    assert results["f"].reward == pytest.approx(1.0)
 
 
 def test_a_function_returning_none_or_raising_answers_ok_false_naming_it(served) -> None:
@@ -180,3 +196,16 @@ def test_a_function_returning_a_bad_value_answers_ok_false(tmp_path, monkeypatch
         results = client.score([Req(id=k, completion=k, reference="1") for k in ("nan", "two", "text", "bool")])
     assert [r.ok for r in results] == [False] * 4, results
     assert all("bad_reward:bad" in r.error for r in results), results
+
+
+def test_a_key_listed_as_json_whose_value_is_not_json_is_that_items_error() -> None:
+    from tlt.services.reward.function import FunctionScorer, ItemError
+
+    def score(completions, **kw):  # noqa: ANN001, ANN003
+        return [float(kw["n"][0])]
+
+    scorer = FunctionScorer("inline:score", fn=score)
+    assert scorer(Req(id="a", completion="x", metadata={"n": "3"}, json_metadata_keys=["n"])) == (3.0, True)
+    assert scorer(Req(id="b", completion="x", metadata={"n": "3"})) == (3.0, True)  # text "3": float() reads it
+    with pytest.raises(ItemError, match="'n' is listed in json_metadata_keys but is not JSON"):
+        scorer(Req(id="c", completion="x", metadata={"n": "three"}, json_metadata_keys=["n"]))

@@ -353,6 +353,7 @@ def test_grpc_batch_checks_every_response_and_cancels_the_rest_on_failure():
     batch = _GrpcBatch(client)
     batch.submit("k0", "p", "c", "a", {"level": "hard", "tags": ["x", 1], "n": 3})
     assert dict(client.requests[0].metadata) == {"level": "hard", "tags": '["x", 1]', "n": "3"}  # text as is
+    assert sorted(client.requests[0].json_metadata_keys) == ["n", "tags"]  # which values are JSON, not text
     with pytest.raises(ValueError, match="submitted twice"):
         batch.submit("k0", "p", "c", "a")
     batch.submit("k1", "p", "c", "a")

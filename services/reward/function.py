@@ -7,9 +7,9 @@ module on PYTHONPATH or in the current directory) and called per item as the tra
 (`tlt.services.trainer.rewards._call`: by keyword when it names `completions`, else positionally), with
 one-element lists: `prompts=[prompt]`, `completions=[completion]`, `answer` / `answers` = `[reference]`, and
 each `ScoreRequest.metadata` entry as a one-element keyword list. Metadata values are decoded as the trainer's
-`GrpcRewards` encodes a data row's columns (a text value as is, any other value as JSON): a value that parses
-as JSON arrives decoded (a list, a dict, a number, true / false / null), any other value as its text. So a
-text column whose value reads as JSON (`"42"`, `"true"`) arrives as 42 / True: the map carries no types.
+`GrpcRewards` encodes a data row's columns: a text value as is, any other value (a number, true / false / null,
+a list, a dict) as its JSON text with its key in `ScoreRequest.json_metadata_keys`. So a key listed there arrives
+decoded and any other as its text: a text column "42" stays "42", a number column 42 arrives as 42.
 No `completion_ids`: a request has text only.
 
 The value becomes the reward (a finite number; `correct` is reward > 0, as in-process); a function that
@@ -22,10 +22,9 @@ The server calls the function from `workers` threads at once: it must be thread-
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from typing import Any
 
-from tlt.services.trainer.rewards import RewardError, RewardFn, _call, _check_value, load_function
+from tlt.services.trainer.rewards import RewardError, RewardFn, _FunctionBatch, load_function
 from tlt.v1 import reward_pb2
 
 
@@ -33,40 +32,37 @@ class ItemError(Exception):
     """The function gave this item no reward; the message is the item's `error`."""
 
 
-def decode_metadata(value: str) -> Any:
-    """A metadata value as the data row held it, as far as `GrpcRewards`' encoding tells (see the docstring)."""
-    try:
-        decoded = json.loads(value)
-    except ValueError:
-        return value
-    return value if isinstance(decoded, str) else decoded  # a text value is never sent JSON-encoded
+def decode_metadata(item: reward_pb2.ScoreRequest) -> dict[str, Any]:
+    """The request's metadata as the data row held it (see the docstring)."""
+    json_keys = set(item.json_metadata_keys)
+    columns: dict[str, Any] = {}
+    for key, value in item.metadata.items():
+        if key not in json_keys:
+            columns[key] = value
+            continue
+        try:
+            columns[key] = json.loads(value)
+        except ValueError as e:
+            raise ItemError(f"metadata {key!r} is listed in json_metadata_keys but is not JSON: {e}") from None
+    return columns
 
 
 class FunctionScorer:
-    """Scores one ScoreRequest with a TRL-style reward function: (reward, correct), or ItemError."""
+    """Scores one ScoreRequest with a TRL-style reward function: (reward, correct), or ItemError.
+
+    The item goes through the trainer's own in-process path (`_FunctionBatch`, a batch of one), so a served
+    function is called, checked and its errors worded exactly as `[trainer] reward = "python"` does."""
 
     def __init__(self, spec: str, fn: RewardFn | None = None) -> None:
         self.spec = spec
         self.fn = fn if fn is not None else load_function(spec)  # RewardFunctionError: a config error
 
     def __call__(self, item: reward_pb2.ScoreRequest) -> tuple[float, bool]:
-        columns = {k: [decode_metadata(v)] for k, v in item.metadata.items()}
+        extra = decode_metadata(item)
+        batch = _FunctionBatch([(self.fn, 1.0)], names=[self.spec])
+        batch.submit(item.id, item.prompt, item.completion, item.reference, extra=extra)
         try:
-            values = _call(self.fn, [item.prompt], [item.completion], [item.reference], columns)
-            if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-                raise ItemError(f"reward function {self.spec} returned {values!r}; a list of 1 number is required")
-            values = list(values)
-        except ItemError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the user's code: this item's error
-            raise ItemError(f"reward function {self.spec} raised {type(e).__name__}: {e}") from e
-        if len(values) != 1:
-            raise ItemError(f"reward function {self.spec} returned {len(values)} values for 1 completion")
-        if values[0] is None:
-            raise ItemError(f"reward function {self.spec} returned None for this completion (it does not score it); "
-                            "a served function is the only one scoring the item, so it must return a number")
-        try:
-            reward = _check_value(item.id, values[0], f"reward function {self.spec}")
-        except RewardError as e:
-            raise ItemError(str(e)) from None
-        return reward, reward > 0
+            result = batch.results()[item.id]
+        except RewardError as e:  # raised, returned None (no other function scores the item), or no finite number
+            raise ItemError(str(e)) from e
+        return result.reward, result.correct

@@ -29,7 +29,8 @@ Two sources:
   completion is submitted the moment it arrives from the rollout stream, so
   scoring overlaps the long tail of decoding. The client bounds concurrency,
   applies the timeout and retries transport failures. Extra columns travel
-  in `ScoreRequest.metadata`: a text value as is, any other value as JSON.
+  in `ScoreRequest.metadata`: a text value as is, any other value as JSON
+  (its key listed in `json_metadata_keys`).
   A server always gets text: a chat row's prompt as the rendered chat
   template, the completion as its text; no messages, no token ids.
 
@@ -116,8 +117,10 @@ def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: lis
 
 
 class _FunctionBatch:
-    def __init__(self, fns: Sequence[tuple[RewardFn, float]]) -> None:
+    def __init__(self, fns: Sequence[tuple[RewardFn, float]], names: Sequence[str] | None = None) -> None:
         self._fns = fns
+        # how errors name each function: its qualified name, or what the user wrote (a served "module:function")
+        self._names = list(names) if names is not None else [getattr(fn, "__qualname__", repr(fn)) for fn, _ in fns]
         self._keys: list[str] = []
         self._prompts: list[str] = []
         self._completions: list[str] = []
@@ -178,10 +181,7 @@ class _FunctionBatch:
         totals = [0.0] * len(self._keys)
         scored = [False] * len(self._keys)
         columns = self._columns()
-        names = []
-        for fn, weight in self._fns:
-            name = getattr(fn, "__qualname__", repr(fn))
-            names.append(name)
+        for (fn, weight), name in zip(self._fns, self._names):
             values = self._values(fn, name, columns)
             if len(values) != len(self._keys):
                 raise RewardError(f"reward function {name} returned {len(values)} values for {len(self._keys)} completions")
@@ -192,7 +192,7 @@ class _FunctionBatch:
                 scored[i] = True
         if not all(scored):
             key = self._keys[scored.index(False)]
-            raise RewardError(f"no reward function scored completion {key}: each of {', '.join(names)} returned "
+            raise RewardError(f"no reward function scored completion {key}: each of {', '.join(self._names)} returned "
                               "None for it (None is for completions a function does not apply to; one of them "
                               "must score each completion)")
         return {k: RewardResult(t, t > 0) for k, t in zip(self._keys, totals)}
@@ -283,10 +283,13 @@ class _GrpcBatch:
 
         if key in self._futures:
             raise ValueError(f"completion {key} submitted twice")
-        # metadata is map<string, string>: a text column as is, any other JSON value as its JSON text
-        metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (extra or {}).items()}
+        # metadata is map<string, string>: a text column as is, any other JSON value as its JSON text, its key then
+        # listed in json_metadata_keys (so a server tells the text "42" from the number 42)
+        extra = extra or {}
+        metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in extra.items()}
+        json_keys = sorted(k for k, v in extra.items() if not isinstance(v, str))
         req = reward_pb2.ScoreRequest(id=key, prompt=prompt, completion=completion, reference=answer,
-                                      metadata=metadata)
+                                      metadata=metadata, json_metadata_keys=json_keys)
         self._futures[key] = self._client.submit(req)
 
     def results(self) -> dict[str, RewardResult]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tlt/v1/reward.proto\x12\x06tlt.v1\"\xb8\x01\n\x0cScoreRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x34\n\x08metadata\x18\x05 \x03(\x0b\x32\".tlt.v1.ScoreRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"W\n\rScoreResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07\x63orrect\x18\x05 \x01(\x08\"8\n\x11ScoreBatchRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.tlt.v1.ScoreRequest\"<\n\x12ScoreBatchResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.tlt.v1.ScoreResponse2\x88\x01\n\x06Reward\x12>\n\x05Score\x12\x19.tlt.v1.ScoreBatchRequest\x1a\x1a.tlt.v1.ScoreBatchResponse\x12>\n\x0bScoreStream\x12\x14.tlt.v1.ScoreRequest\x1a\x15.tlt.v1.ScoreResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tlt/v1/reward.proto\x12\x06tlt.v1\"\xd4\x01\n\x0cScoreRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x34\n\x08metadata\x18\x05 \x03(\x0b\x32\".tlt.v1.ScoreRequest.MetadataEntry\x12\x1a\n\x12json_metadata_keys\x18\x06 \x03(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"W\n\rScoreResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07\x63orrect\x18\x05 \x01(\x08\"8\n\x11ScoreBatchRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.tlt.v1.ScoreRequest\"<\n\x12ScoreBatchResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.tlt.v1.ScoreResponse2\x88\x01\n\x06Reward\x12>\n\x05Score\x12\x19.tlt.v1.ScoreBatchRequest\x1a\x1a.tlt.v1.ScoreBatchResponse\x12>\n\x0bScoreStream\x12\x14.tlt.v1.ScoreRequest\x1a\x15.tlt.v1.ScoreResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_SCOREREQUEST_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SCOREREQUEST']._serialized_start=32
-  _globals['_SCOREREQUEST']._serialized_end=216
-  _globals['_SCOREREQUEST_METADATAENTRY']._serialized_start=169
-  _globals['_SCOREREQUEST_METADATAENTRY']._serialized_end=216
-  _globals['_SCORERESPONSE']._serialized_start=218
-  _globals['_SCORERESPONSE']._serialized_end=305
-  _globals['_SCOREBATCHREQUEST']._serialized_start=307
-  _globals['_SCOREBATCHREQUEST']._serialized_end=363
-  _globals['_SCOREBATCHRESPONSE']._serialized_start=365
-  _globals['_SCOREBATCHRESPONSE']._serialized_end=425
-  _globals['_REWARD']._serialized_start=428
-  _globals['_REWARD']._serialized_end=564
+  _globals['_SCOREREQUEST']._serialized_end=244
+  _globals['_SCOREREQUEST_METADATAENTRY']._serialized_start=197
+  _globals['_SCOREREQUEST_METADATAENTRY']._serialized_end=244
+  _globals['_SCORERESPONSE']._serialized_start=246
+  _globals['_SCORERESPONSE']._serialized_end=333
+  _globals['_SCOREBATCHREQUEST']._serialized_start=335
+  _globals['_SCOREBATCHREQUEST']._serialized_end=391
+  _globals['_SCOREBATCHRESPONSE']._serialized_start=393
+  _globals['_SCOREBATCHRESPONSE']._serialized_end=453
+  _globals['_REWARD']._serialized_start=456
+  _globals['_REWARD']._serialized_end=592
 # @@protoc_insertion_point(module_scope)

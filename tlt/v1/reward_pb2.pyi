@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("id", "prompt", "completion", "reference", "metadata")
+    __slots__ = ("id", "prompt", "completion", "reference", "metadata", "json_metadata_keys")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -20,12 +20,14 @@ class ScoreRequest(_message.Message):
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    JSON_METADATA_KEYS_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt: str
     completion: str
     reference: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    json_metadata_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., json_metadata_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("id", "reward", "ok", "error", "correct")
