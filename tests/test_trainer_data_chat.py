@@ -80,8 +80,10 @@ def test_text_prompts_keep_no_messages_and_need_no_tokenizer(tmp_path):
         ([{"content": "hi"}], "d.jsonl:1: 'prompt' message 0 lacks 'role'"),
         ([{"role": "robot", "content": "hi"}], "d.jsonl:1: 'prompt' message 0 has role 'robot'; roles are"),
         ([{"role": "user", "content": 5}], "d.jsonl:1: 'prompt' message 0 'content' must be a string, got int"),
-        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure:"}],
-         "d.jsonl:1: 'prompt' ends with role 'assistant'; the last message must be the user's"),
+        ([{"role": "assistant", "content": "Sure:"}],
+         "d.jsonl:1: 'prompt' ends with an assistant prefill but has no user message before it"),
+        ([{"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}],
+         "d.jsonl:1: 'prompt' ends with role 'system'; the last message must be the user's"),
         ({"role": "user", "content": "hi"}, "d.jsonl:1: 'prompt' must be a non-empty string or a list of chat"),
     ],
 )
@@ -89,6 +91,23 @@ def test_bad_chat_prompts_say_what_and_where(tmp_path, model_dir, prompt, messag
     p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt, "answer": "1"}])
     with pytest.raises(DataError, match=re.escape(message)):
         load_prompts(p, model_dir=model_dir)
+
+
+PREFILL = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "<think>"}]
+
+
+def test_a_prompt_ending_with_an_assistant_message_is_a_prefill_the_model_continues(tmp_path, model_dir):
+    """As TRL's maybe_apply_chat_template: the final assistant turn is left open (continue_final_message), with no
+    generation prompt after it, so the model's completion continues the prefill's text."""
+    from transformers import AutoTokenizer
+
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PREFILL, "answer": "2"}])
+    items = load_prompts(p, model_dir=model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    want = tok.apply_chat_template(PREFILL, tokenize=False, continue_final_message=True)
+    assert items[0].prompt == want  # independently: the ChatML text, the assistant turn open after the prefill
+    assert want == "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n<think>"
+    assert items[0].messages == PREFILL
 
 
 def test_a_file_mixing_text_and_chat_prompts_is_refused(tmp_path, model_dir):

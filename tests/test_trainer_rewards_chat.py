@@ -57,6 +57,30 @@ def test_chat_rows_reach_functions_as_message_lists(chat_items):
     assert seen["level"] == [1, 1, None] and seen["answers"] == ["2", "2", "4"]
 
 
+def test_a_prefill_is_popped_off_the_prompt_and_opens_each_completion(tmp_path):
+    """TRL (grpo_trainer.py, _generate_and_score_completions): `bootstrap = prompt.pop()["content"]` when the prompt
+    ends with an assistant message, and the completion is `[{"role": "assistant", "content": bootstrap + text}]`."""
+    from tlt.model.tokenizer import build_tokenizer
+    from tlt.services.trainer.data import load_prompts
+
+    build_tokenizer(tmp_path / "model")
+    prefill = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "<think>"}]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": prefill, "answer": "2"}) + "\n")
+    items = load_prompts(tmp_path / "d.jsonl", model_dir=tmp_path / "model")
+    seen = {}
+
+    def trl_style(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions)
+        return [float(c[0]["content"].startswith("<think>")) for c in completions]
+
+    batch = FunctionRewards([trl_style]).begin()
+    submit_all(batch, items, {0: [" 1+1 </think> 2"]})
+    assert [r.reward for r in batch.results().values()] == [1.0]
+    assert seen["prompts"] == [prefill[:1]]
+    assert seen["completions"] == [[{"role": "assistant", "content": "<think> 1+1 </think> 2"}]]
+    assert items[0].messages == prefill  # the row keeps its prefill for the next step
+
+
 def test_a_function_editing_its_prompt_lists_changes_no_other_completion(chat_items):
     # TRL's own trainer pops a prefilled assistant turn off `prompt`; a function doing the like must not change the
     # item's messages (every later step reads them) or the next sample's prompt

@@ -48,10 +48,8 @@ Row = tuple[object, str]  # (the parsed row, where it is: "file:line" / "file ro
 
 
 def _messages(prompt: list, where: str) -> list[dict[str, Any]]:
-    """A chat-message prompt, checked: a non-empty list of {role, content} with text content, ending with the user's.
-
-    TRL renders a prompt ending with an assistant message as a prefill to continue (and adds that text to each
-    completion); that is not supported here, so such a prompt is refused rather than rendered another way.
+    """A chat-message prompt, checked: a non-empty list of {role, content} with text content, ending with the user's
+    message, or with an assistant message after one: a prefill the model continues (TRL's convention, `is_prefill`).
     """
     if not prompt:
         raise DataError(f"{where}: 'prompt' is an empty list; a chat prompt needs at least one message")
@@ -68,10 +66,23 @@ def _messages(prompt: list, where: str) -> list[dict[str, Any]]:
         if not isinstance(m["content"], str):
             raise DataError(f"{where}: 'prompt' message {i} 'content' must be a string, "
                             f"got {type(m['content']).__name__}")
-    if prompt[-1]["role"] != "user":
-        raise DataError(f"{where}: 'prompt' ends with role {prompt[-1]['role']!r}; the last message must be the "
-                        "user's (the model answers it; an assistant prefill to continue is not supported)")
+    last = prompt[-1]["role"]
+    if last == "assistant" and not any(m["role"] == "user" for m in prompt):
+        raise DataError(f"{where}: 'prompt' ends with an assistant prefill but has no user message before it; a "
+                        "prefill opens the answer to the user's message")
+    if last not in ("user", "assistant"):
+        raise DataError(f"{where}: 'prompt' ends with role {last!r}; the last message must be the user's (the model "
+                        "answers it), or an assistant prefill the model continues")
     return [dict(m) for m in prompt]
+
+
+def is_prefill(messages: list[dict[str, Any]] | None) -> bool:
+    """True when a chat prompt ends with an assistant message: the opening of the answer, which the model continues.
+
+    As TRL does: the chat template leaves that turn open (`continue_final_message`, no generation prompt), and a reward
+    function gets the prompt without it and each completion as that message's text + the generated text.
+    """
+    return bool(messages) and messages[-1]["role"] == "assistant"
 
 
 def _answer(row: dict, answer_field: str, where: str) -> object:
@@ -145,7 +156,7 @@ def _items(rows: Iterable[Row], answer_field: str, model_dir: str | Path | None)
 
 def chat_renderer(model_dir: str | Path | None, where: str) -> Callable[[list[dict[str, Any]], str], str]:
     """`render(messages, where)` -> the prompt text the policy's chat template makes of them, with the generation
-    prompt (the assistant turn's opening) added: what TRL's GRPOTrainer feeds its model for such a row (less a
+    prompt (the assistant turn's opening) added, or for a prefill (`is_prefill`) that assistant turn left open: what TRL's GRPOTrainer feeds its model for such a row (less a
     leading BOS token the tokenizer adds again when the rollout encodes the text).
 
     Rendered once at load time, so the rollout, the trainer and the checkpoint's data fingerprint all see one text.
@@ -173,7 +184,10 @@ def chat_renderer(model_dir: str | Path | None, where: str) -> Callable[[list[di
 
     def render(messages: list[dict[str, Any]], at: str) -> str:
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if is_prefill(messages):  # the assistant turn stays open after the prefill's text
+                text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+            else:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except TemplateError as e:  # a template that raises on a role it does not take (a system turn, ...)
             raise DataError(f"{at}: the chat template of {model_dir} refused the messages: {e}") from None
         return text[len(bos):] if bos and text.startswith(bos) else text

@@ -54,6 +54,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tlt.services.trainer.data import is_prefill
+
 RewardFn = Callable[..., list[float]]
 
 
@@ -144,9 +146,18 @@ class _FunctionBatch:
         """(prompts, completions) as TRL hands them to a function: texts, or for a chat-message row its messages and
         `[{"role": "assistant", "content": text}]`. Fresh lists per call: a function may edit them (TRL's own trainer
         pops a prefill off a prompt), and the row's messages are read again by every later step."""
-        prompts = [p if m is None else [dict(x) for x in m] for p, m in zip(self._prompts, self._messages)]
-        completions = [c if m is None else [{"role": "assistant", "content": c}]
-                       for c, m in zip(self._completions, self._messages)]
+        prompts: list[Any] = []
+        completions: list[Any] = []
+        for p, c, m in zip(self._prompts, self._completions, self._messages):
+            if m is None:
+                prompts.append(p)
+                completions.append(c)
+                continue
+            # a prefill (a final assistant message, continued by the model) leaves the prompt and opens the
+            # completion, as TRL's `bootstrap = prompt.pop()["content"]` does
+            opening = m[-1]["content"] if is_prefill(m) else ""
+            prompts.append([dict(x) for x in (m[:-1] if is_prefill(m) else m)])
+            completions.append([{"role": "assistant", "content": opening + c}])
         return prompts, completions
 
     def _columns(self) -> dict[str, list[Any]]:
