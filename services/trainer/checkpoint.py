@@ -142,7 +142,7 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         barrier()
-        # Collective: with ZeRO 1/2 every rank writes its optimizer partition.
+        # Collective: with ZeRO 1/2 every rank writes its optimizer partition, with ZeRO-3 its parameters' too.
         policy.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False)
         barrier()
         if is_main():

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tlt.services.trainer.dynamic_sampling import Selection
 from tlt.services.trainer.rewards import RewardSource
 from tlt.services.trainer.types import PromptItem, ScoredCompletion
 from tlt.v1 import rollout_pb2
@@ -73,6 +74,8 @@ class RolloutResult:
     times: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_tail_s (wait after the last sample)
     spec: SpecTotals = field(default_factory=lambda: SpecTotals())  # SD counters summed over the completions
     retries: int = 0  # times the step was rolled out again after a replica died (`collect_retrying`)
+    rounds: int = 1  # rollout rounds the step took (dynamic sampling, dynamic_sampling.py)
+    selection: Selection | None = None  # what dynamic sampling kept, and the stats of everything it generated
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float) -> rollout_pb2.SamplingParams:

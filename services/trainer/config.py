@@ -7,7 +7,7 @@ on a laptop CPU against the tiny model in artifacts/tiny.
 Batch arithmetic of one step:
 
     prompts_per_step x n_samples = sequences per step
-    sequences per step = k x mini_batch_size     (k optimizer updates per step)
+    sequences per step = k x mini_batch_size     (k x ppo_epochs optimizer updates per step)
     mini_batch_size    = m x micro_batch_size x ranks   (m = gradient accumulation)
 """
 
@@ -115,6 +115,16 @@ class TrainerConfig(ServiceConfig):
     # -- sampling -------------------------------------------------------------------
     prompts_per_step: int = Field(8, ge=1, description="prompts sampled per RL step")
     n_samples: int = Field(4, ge=1, description="samples per prompt (the GRPO group size)")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling: a group whose rewards are all equal (advantage 0, no gradient) "
+        "is replaced by one from further rounds of prompts_per_step fresh prompts, rolled out until the step has "
+        "prompts_per_step groups with a reward spread or dynamic_sampling_max_rounds ran; then flat groups fill up. "
+        "reward_mean / accuracy then describe every completion generated (step metrics sampling_rounds, "
+        "groups_generated, zero_signal_groups_trained)"
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        4, ge=1, description="rollout rounds a step may take at most with dynamic_sampling (the first included)"
+    )
     max_tokens: int = Field(96, ge=1, description="maximum response tokens per sample")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also applied to trainer logprobs)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold for rollouts")
@@ -129,11 +139,44 @@ class TrainerConfig(ServiceConfig):
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip: ratio floor is 1 - clip_low")
     clip_high: float = Field(0.2, gt=0, description="PPO clip: ratio ceiling is 1 + clip_high (DAPO clip-higher > clip_low)")
     kl_beta: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference model; 0 loads no reference")
-    scale_adv_by_std: bool = Field(True, description="divide advantages by the group std (False = Dr. GRPO)")
+    scale_adv_by_std: bool = Field(True, description="divide advantages by the group std (False = Dr. GRPO); "
+                                   "advantage_estimator='grpo' only: 'rloo' never divides (as in verl, whose "
+                                   "norm_adv_by_std_in_grpo only applies to GRPO)")
     adv_eps: float = Field(1e-6, gt=0, description="added to the group std before dividing")
+    advantage_estimator: Literal["grpo", "rloo"] = Field(
+        "grpo", description="'grpo': (r_i - group mean) / (group std + adv_eps) (scale_adv_by_std); 'rloo': "
+        "REINFORCE leave-one-out, A_i = r_i - mean of the other n - 1 rewards of its group (= n / (n - 1) x "
+        "(r_i - group mean); not divided by the std). Either way a group of one sample or of equal rewards gets 0"
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how the per-token PPO, KL and entropy terms become one loss (and pg_loss, kl, "
+        "entropy in the step metrics): 'token-mean' sums over every response token of the mini-batch / its "
+        "tokens (DAPO); 'seq-mean-token-mean' averages each sequence's tokens, then the sequences (the GRPO "
+        "paper: short responses weigh more per token); 'seq-mean-token-sum-norm' divides each sequence's token "
+        "sum by the constant max_tokens, then averages the sequences (Dr. GRPO). Exact under gradient "
+        "accumulation and data parallel (each rank divides by the mini-batch's tokens or sequences / ranks)"
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="entropy bonus: loss -= entropy_coef x the entropy aggregated as loss_agg says, "
+        "with its gradient (0: the entropy is only logged, detached)"
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over each step's rollout batch, each shuffled into mini-batches with its "
+        "own seed; old (and reference) logprobs are computed once, before the first, so the step makes "
+        "ppo_epochs x (sequences per step / mini_batch_size) optimizer updates (the LR schedule counts them). "
+        "The step's loss, clip_fraction, ... metrics are means over every pass"
+    )
+    overlong_filter: bool = Field(
+        False, description="DAPO's overlong filtering: a response cut at max_tokens (finish_reason 'length') is "
+        "left out of the loss (its tokens out of numerator and denominator); its reward still enters its "
+        "group's advantages. The step records the share left out (overlong_filtered_fraction)"
+    )
     mini_batch_size: int = Field(16, ge=1, description="sequences per optimizer update")
     micro_batch_size: int = Field(4, ge=1, description="sequences per forward/backward pass")
-    zero_stage: Literal[0, 1, 2] = Field(0, description="DeepSpeed ZeRO stage (0, 1 or 2; 3 is not supported)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage: 0 none; 1 partitions the optimizer "
+                                        "state over the ranks, 2 also the gradients, 3 also the parameters (for "
+                                        "policies whose weights + gradients + Adam state do not fit one device; "
+                                        "every push and the final export gather the weights)")
     bf16: bool | None = Field(None, description="bf16 training; default: on with a GPU, off (fp32) on CPU")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     seed: int = Field(0, description="seed of the data order and the torch RNG. Sampling is seeded by the rollout "

@@ -10,7 +10,7 @@ GPU, gloo on CPU.
 DeepSpeed probes and JIT-compiles C++ ops on first use (on CPU its
 shared-memory all-reduce is built when the process group starts: about a
 minute of compiling, and a failing `-laio` link probe). The trainer hands
-DeepSpeed a torch optimizer and uses ZeRO <= 2, which need none of those ops,
+DeepSpeed a torch optimizer, which at ZeRO stages 0-3 needs none of those ops,
 so `no_jit_ops()` marks every op unavailable before the probe runs: DeepSpeed
 then falls back to plain torch.distributed (gloo / NCCL) and compiles nothing.
 """

@@ -8,10 +8,15 @@ Shapes: B sequences, T response positions. `mask` is 1.0 on real response
 tokens and 0.0 on padding. Per-token outputs are zero outside the mask.
 
 Deliberate choices (and departures from the original GRPO paper):
-- Token-mean aggregation (DAPO / Dr. GRPO): the loss is the mean over every
-  response token of the mini-batch, not a mean of per-sequence means, so long
-  responses are not down-weighted. `num_tokens` lets a micro-batch divide by
-  the whole mini-batch's token count, making gradient accumulation exact.
+- Token-mean aggregation (DAPO / Dr. GRPO) by default: the loss is the mean
+  over every response token of the mini-batch, not a mean of per-sequence
+  means, so long responses are not down-weighted. `num_tokens` lets a
+  micro-batch divide by the whole mini-batch's token count, making gradient
+  accumulation exact. `aggregate` also offers the original GRPO paper's
+  seq-mean-token-mean and Dr. GRPO's seq-mean-token-sum-norm (a sum over each
+  sequence's tokens divided by a constant), with `num_seqs` playing the part
+  of `num_tokens` (exact accumulation over a mini-batch's sequences).
+- Leave-one-out baselines (RLOO) beside the group-normalised ones.
 - Asymmetric clipping is allowed (clip_low, clip_high: DAPO's clip-higher).
 - `scale_by_std=False` is Dr. GRPO: advantages are only centred per group.
 - Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp
@@ -27,6 +32,9 @@ import torch
 
 # exp(20) = 4.85e8: finite in float32/bf16, and no in-range ratio (|log-ratio| < 20) is touched.
 LOG_RATIO_CLAMP = 20.0
+
+# [trainer] loss_agg's values (config.py spells them as a Literal).
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def group_advantages(
@@ -72,6 +80,36 @@ def group_advantages(
     return centred.reshape(rewards.shape)
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """REINFORCE leave-one-out (RLOO, Ahmadian et al. 2024): each sample's baseline is the mean reward of the
+    other n - 1 samples of its group.
+
+    rewards: [G, n] or flat [G*n] with `group_size=n`, as for `group_advantages`. Returns the same shape:
+
+        A_i = r_i - (sum_j r_j - r_i) / (n - 1)   (= n / (n - 1) * (r_i - mean(r_group)))
+
+    No division by the group std (verl's RLOO has none either). A group of one sample has no other sample:
+    0 (verl leaves it at r_i). A group whose rewards are all equal is exactly 0, as in `group_advantages`.
+    """
+    flat = rewards.dim() == 1
+    if flat:
+        if group_size is None or group_size < 1 or rewards.numel() % group_size:
+            raise ValueError(f"flat rewards of length {rewards.numel()} need group_size dividing it, got {group_size}")
+        grouped = rewards.reshape(-1, group_size)
+    elif rewards.dim() == 2:
+        grouped = rewards
+    else:
+        raise ValueError(f"rewards must be [G, n] or [G*n], got shape {tuple(rewards.shape)}")
+    grouped = grouped.float()
+    n = grouped.shape[1]
+    if n < 2:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
+    adv = grouped - baseline
+    equal = (grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True))
+    return adv.masked_fill(equal, 0.0).reshape(rewards.shape)
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
 
@@ -82,9 +120,70 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | No
     return masked_sum(values, mask) / denom
 
 
+def _check_loss_agg(loss_agg: str) -> None:
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
+
+
+def loss_units(mask: torch.Tensor, loss_agg: str = "token-mean") -> int:
+    """What a loss of `loss_agg` averages over: tokens in `mask` (token-mean), else the sequences (rows) with at
+    least one token in it. A row with none (a masked-out sequence) is no sequence of the loss."""
+    _check_loss_agg(loss_agg)
+    if loss_agg == "token-mean":
+        return int(mask.sum())
+    return int((mask.sum(dim=-1) > 0).sum())
+
+
+def aggregated_sum(
+    values: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token-mean", max_tokens: int | None = None
+) -> torch.Tensor:
+    """The numerator of `aggregate`: the sum over the batch's loss units of each unit's value.
+
+        token-mean:               sum_i sum_t m_it v_it
+        seq-mean-token-mean:      sum_i (sum_t m_it v_it) / (sum_t m_it)   (0 for a row with no token)
+        seq-mean-token-sum-norm:  sum_i (sum_t m_it v_it) / max_tokens     (Dr. GRPO's constant)
+
+    Additive over rows, so micro-batches of a mini-batch sum to the mini-batch's value.
+    """
+    _check_loss_agg(loss_agg)
+    mask = mask.to(values.dtype)
+    if loss_agg == "token-mean":
+        return masked_sum(values, mask)
+    per_seq = (values * mask).sum(dim=-1)
+    if loss_agg == "seq-mean-token-mean":
+        return (per_seq / mask.sum(dim=-1).clamp(min=1.0)).sum()
+    if max_tokens is None or max_tokens < 1:
+        raise ValueError(f"loss_agg 'seq-mean-token-sum-norm' needs max_tokens >= 1 (its constant), got {max_tokens}")
+    return per_seq.sum() / float(max_tokens)
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg: str = "token-mean",
+    denom: float | None = None,
+    max_tokens: int | None = None,
+) -> torch.Tensor:
+    """Per-token `values` [B, T] to one number, the way `loss_agg` says:
+
+        token-mean:               sum_{i,t} m v / N_tokens                      (DAPO; today's default)
+        seq-mean-token-mean:      (1 / N_seqs) sum_i [sum_t m v / sum_t m]      (the GRPO paper)
+        seq-mean-token-sum-norm:  (1 / N_seqs) sum_i [sum_t m v / max_tokens]   (Dr. GRPO)
+
+    i.e. `aggregated_sum(values, mask, loss_agg, max_tokens) / denom`. `denom` defaults to `loss_units(mask)`
+    (at least 1); pass the whole mini-batch's units (divided by the data-parallel ranks) to make gradient
+    accumulation exact. token-mean is computed as `masked_mean` (bit-identical to it).
+    """
+    _check_loss_agg(loss_agg)
+    if loss_agg == "token-mean":
+        return masked_mean(values, mask, denom)
+    d = float(denom) if denom is not None else float(max(1, loss_units(mask, loss_agg)))
+    return aggregated_sum(values, mask, loss_agg, max_tokens) / d
+
+
 @dataclass(frozen=True)
 class PolicyLossOutput:
-    """The differentiable loss and detached diagnostics (token means over `mask`)."""
+    """The differentiable loss and detached diagnostics (token means over `mask`, whatever `loss_agg`)."""
 
     loss: torch.Tensor         # scalar, requires grad
     clip_fraction: torch.Tensor  # share of tokens whose gradient the clip removed
@@ -100,19 +199,28 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     num_tokens: float | None = None,
+    loss_agg: str = "token-mean",
+    max_tokens: int | None = None,
+    num_seqs: float | None = None,
 ) -> PolicyLossOutput:
-    """PPO-clip surrogate with token-mean aggregation.
+    """PPO-clip surrogate with token-mean aggregation (or another `loss_agg`, see `aggregate`).
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] (one per sequence,
     broadcast over its tokens) or [B, T].
 
         ratio  = exp(clamp(logp - logp_old, -20, 20))
         l_tok  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
-        loss   = sum(l_tok * mask) / num_tokens
+        loss   = sum(l_tok * mask) / num_tokens                        (token-mean)
+        loss   = aggregate(l_tok, mask, loss_agg, num_seqs, max_tokens)  (seq-mean-*)
 
     Taking the max of the two negated surrogates is the pessimistic bound:
     the gradient vanishes once the ratio has moved past the clip in the
     direction the advantage favours. `clip_fraction` counts those tokens.
+
+    `num_tokens` (token-mean) or `num_seqs` (the seq-mean modes) is the whole
+    mini-batch's count of loss units (divided by the data-parallel ranks), so a
+    micro-batch's loss sums to the mini-batch's under gradient accumulation;
+    default: this batch's own (at least 1). `max_tokens` is Dr. GRPO's constant.
 
     The log-ratio clamp (LOG_RATIO_CLAMP) is an overflow guard, not part of
     the objective: e^100 is inf in float32, so one token with stale old
@@ -131,8 +239,11 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    loss = masked_mean(per_token, mask, num_tokens)
-    with torch.no_grad():
+    if loss_agg == "token-mean":
+        loss = masked_mean(per_token, mask, num_tokens)
+    else:
+        loss = aggregate(per_token, mask, loss_agg, num_seqs, max_tokens)
+    with torch.no_grad():  # token means whatever loss_agg is (verl logs clipfrac and ppo_kl so too)
         clip_fraction = masked_mean((clipped > unclipped).to(mask.dtype), mask)
         # The tokens were sampled from pi_old, so kl_k3's "pi" is the old policy: r = log(pi / pi_old),
         # k3 = ratio - 1 - log(ratio), unbiased for KL(old || new). (Swapped, as before session 8, its
@@ -167,7 +278,8 @@ def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     """Per-token entropy of softmax(logits): H = logsumexp(z) - sum(softmax(z) * z).
 
     logits: [B, T, V]; mask: [B, T]. Returns [B, T], zero outside `mask`.
-    Computed in float32 from the logits (stable; no log(0)).
+    Computed in float32 from the logits (stable; no log(0)). Differentiable in
+    `logits` where grad is enabled (an entropy bonus, [trainer] entropy_coef).
     """
     z = logits.float()
     p = torch.softmax(z, dim=-1)

@@ -13,13 +13,16 @@
 Under the DeepSpeed launcher with W ranks, rank 0 alone talks to the
 services (rollout, rewards, pushes) and writes metrics; it broadcasts each
 step's scored completions and every rank trains on its share (step.py).
+Under ZeRO-3 (parameters partitioned) reading the whole weights is a
+collective: every rank takes part in each push's gather and in the final
+export (Policy.save_pretrained), and rank 0 alone sends / writes them.
 
 Exactly-once bookkeeping: a step's metrics line is written before its
 checkpoint; on resume from the checkpoint after k steps, lines of steps >= k
 (written by the killed run after its last checkpoint) are dropped, and those
 steps run again from the same data position. When the kill fell between a
 push and the next checkpoint, the rollout server serves a newer version than
-the resumed trainer: `sync_weights` pushes the resumed weights under a newer
+the resumed trainer: `sync_version` + a push send the resumed weights under a newer
 version number (versions only grow), so rollouts never mix the two.
 """
 
@@ -48,17 +51,29 @@ class TrainSummary:
     output_dir: str
 
 
-def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
-    """Make every rollout server serve the trainer's weights before the first rollout."""
-    from tlt.services.trainer.weight_sync import policy_tensors, resolve_dtype
-
+def sync_version(policy, clients) -> bool:  # noqa: ANN001
+    """Before the first rollout (rank 0): True when the rollout servers must get the trainer's weights pushed,
+    under `policy.version`, raised here past every server's own version."""
     serving = [c.status().versions.policy for c in clients]
     if all(v == policy.version for v in serving):
-        return  # fresh start (both 0, the model folder) or a resume that pushed this very version
+        return False  # fresh start (both 0, the model folder) or a resume that pushed this very version
     # Servers refuse a version not newer than their own, and one server may lag the others (restarted).
     policy.version = max(policy.version, max(serving) + 1)
-    tensors = policy_tensors(policy.module, resolve_dtype(policy.cfg.push_dtype, policy.bf16))
-    publisher.push(tensors, policy.version)
+    return True
+
+
+def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
+    """Make every rollout server serve the trainer's weights before the first rollout (one process; `train`
+    runs the two halves itself, so that under ZeRO-3 every rank takes part in the push's gather)."""
+    if sync_version(policy, clients):
+        publisher.push(push_tensors(policy), policy.version)
+
+
+def push_tensors(policy):  # noqa: ANN001, ANN201
+    """The weights as the rollout gets them. Under ZeRO-3 a collective: every rank calls it, rank 0 gets them."""
+    from tlt.services.trainer.weight_sync import policy_tensors, resolve_dtype
+
+    return policy_tensors(policy.module, resolve_dtype(policy.cfg.push_dtype, policy.bf16))
 
 
 def train(cfg: TrainerConfig) -> TrainSummary:
@@ -85,15 +100,26 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     services = _Services(cfg, out, start) if is_main() else None
     features = _FeatureHook(cfg.drafter_features_address) if cfg.drafter_features_address else None
     try:
-        version = services.sync(policy) if services else None
-        policy.version = broadcast(version)
+        synced = services.sync(policy) if services else None  # rank 0: (version, whether to push it)
+        policy.version, push_due = broadcast(synced)
+        if push_due:  # every rank: under ZeRO-3 the gather is a collective; rank 0 sends
+            tensors = push_tensors(policy)
+            if services:
+                services.publisher.push(tensors, policy.version)
+            del tensors
         if services and start == 0:
             services.evaluate(0, policy.version)
         for step in range(start, cfg.steps):
             t_step, t_wall = time.perf_counter(), time.time()
             prompts = sampler.next_batch(cfg.prompts_per_step)
-            rollout = services.rollout(prompts, step, policy.version) if services else None
+            more = lambda: sampler.next_batch(cfg.prompts_per_step)  # noqa: E731 - dynamic sampling's next round
+            rollout = services.rollout(prompts, step, policy.version, more) if services else None
             rollout = broadcast(rollout)
+            if services is None:  # the other ranks' samplers move on as rank 0's did (their checkpoints agree)
+                for _ in range(rollout.rounds - 1):
+                    more()
+            if rollout.selection is not None:
+                prompts = rollout.selection.prompts
             lend_s = services.borrow() if services else 0.0
             result = grpo_step(policy, rollout.samples, step, reference, with_features=features is not None)
             m = result.metrics
@@ -105,15 +131,19 @@ def train(cfg: TrainerConfig) -> TrainSummary:
             m.sd_verify_steps, m.sd_accepted_tokens = rollout.spec.verify_steps, rollout.spec.accepted_tokens
             m.sd_plain_steps, m.drafter_version = rollout.spec.plain_steps, rollout.spec.drafter_version
             m.rollout_retries = rollout.retries
+            _record_sampling(m, rollout, cfg.prompts_per_step)
             m.started_at = t_wall
             done = step + 1
             if services:
                 services.publish(policy, m, prompts, t_step)
                 services.evaluate(done, policy.version)
+            elif policy.gathers and cfg.weight_push != "none":
+                push_tensors(policy)  # ZeRO-3: this rank's part of the gather rank 0 pushes (it keeps nothing)
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 ckpt.save(policy, sampler, done)
+        policy.save_pretrained(str(out / "policy"))  # every rank (ZeRO-3 gathers); rank 0 writes
         if services:
-            services.export(policy)
+            services.export()
     finally:
         if services:
             services.close()
@@ -184,7 +214,8 @@ class _Services:
 
             self.loan = DeviceLoan(self.clients, cfg.lend_lease_s)
 
-    def sync(self, policy) -> int:  # noqa: ANN001
+    def sync(self, policy) -> tuple[int, bool]:  # noqa: ANN001
+        """Wait for the services; (the policy version, whether the rollout needs the weights pushed first)."""
         from tlt.services.trainer.weight_sync import WeightPublisher
 
         import grpc
@@ -207,10 +238,19 @@ class _Services:
                 c.check_control()
         if self.cfg.weight_push != "none":
             self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
-            sync_weights(policy, self.publisher, self.clients)
-        return policy.version
+            return policy.version, sync_version(policy, self.clients)
+        return policy.version, False
 
-    def rollout(self, prompts, step: int, version: int):  # noqa: ANN001, ANN201
+    def rollout(self, prompts, step: int, version: int, more):  # noqa: ANN001, ANN201
+        """The step's scored samples; with dynamic sampling, further rounds on `more()` (dynamic_sampling.py)."""
+        from tlt.services.trainer.dynamic_sampling import roll_out_rounds
+
+        if not self.cfg.dynamic_sampling:
+            return self._collect(prompts, step, version)
+        return roll_out_rounds(prompts, more, lambda ps, r: self._collect(ps, step if r == 0 else f"{step}.{r}", version),
+                               self.cfg.prompts_per_step, self.cfg.n_samples, self.cfg.dynamic_sampling_max_rounds)
+
+    def _collect(self, prompts, step: int | str, version: int):  # noqa: ANN001, ANN202
         from tlt.services.trainer.collect import collect_retrying
         from tlt.services.trainer.weight_sync import check_versions
 
@@ -261,9 +301,9 @@ class _Services:
         log.info("eval", after_steps=steps_done, version=version, accuracy=round(r.accuracy, 4),
                  problems=r.problems, samples=r.samples, seconds=round(r.seconds, 2))
 
-    def export(self, policy) -> None:  # noqa: ANN001
+    def export(self) -> None:
+        """The tokenizer files next to the trained policy's weights (written by Policy.save_pretrained)."""
         final = self.out / "policy"
-        policy.save_pretrained(str(final))
         for name in TOKENIZER_FILES:
             src = Path(self.cfg.model_dir) / name
             if src.is_file() and not (final / name).exists():
@@ -280,6 +320,18 @@ class _Services:
         self.rewards.close()
         for c in self.clients:
             c.close()
+
+
+def _record_sampling(m, rollout, want: int) -> None:  # noqa: ANN001 - StepMetrics, RolloutResult
+    """Dynamic sampling's figures in the step's metrics: the reward figures over every completion generated."""
+    sel = rollout.selection
+    if sel is None:
+        m.groups_generated, m.zero_signal_groups_trained = want, m.zero_signal_groups
+        return
+    m.sampling_rounds, m.groups_generated = sel.rounds, sel.groups_generated
+    m.zero_signal_groups_trained = m.zero_signal_groups  # grpo_step saw only the kept groups
+    m.reward_mean, m.reward_std, m.accuracy = sel.reward_mean, sel.reward_std, sel.accuracy
+    m.zero_signal_groups = sel.zero_signal_groups
 
 
 def _append(path: Path, record: dict) -> None:

@@ -4,8 +4,11 @@
     (prompt ids, response ids) x B -> TokenBatch (right-padded) -> per-token response logprobs
 
 The optimizer is a plain `torch.optim.AdamW` handed to DeepSpeed, so DeepSpeed
-builds no extension (the CPU install has DS_BUILD_OPS=0). ZeRO stage 0, 1 or 2;
-bf16 on GPU, fp32 on CPU; DeepSpeed does gradient clipping and accumulation
+builds no extension (the CPU install has DS_BUILD_OPS=0). ZeRO stage 0-3; at 3
+the parameters are partitioned over the ranks (loaded partitioned under
+deepspeed.zero.Init), so reading them whole (`state_dict_for_push`,
+`save_pretrained`, weight_sync.policy_tensors) gathers them: a collective of
+every rank. bf16 on GPU, fp32 on CPU; DeepSpeed does gradient clipping and accumulation
 (`gradient_accumulation_steps` = mini / micro batch). The training loop calls
 `backward(loss)` then `step()` once per micro-batch: DeepSpeed applies the
 optimizer only at the accumulation boundary. Losses arrive already divided by
@@ -18,6 +21,7 @@ optimizer, no DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Sequence
@@ -94,8 +98,11 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_hidden: bool = False,
+    entropy_grad: bool = False,
 ) -> TokenLogprobs:
     """Forward `batch` through `model` (a HF causal LM or a DeepSpeed engine around one).
+
+    The entropy (`with_entropy`) is a detached diagnostic unless `entropy_grad` (an entropy bonus in the loss).
 
     logp(x_j) = z[x_j] - logsumexp(z), z = logits at response_index / temperature:
     the same temperature the rollout sampled with, so old / new / reference
@@ -115,7 +122,7 @@ def response_logprobs(
     logp = (chosen - torch.logsumexp(z, dim=-1)) * batch.response_mask
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.no_grad() if not entropy_grad else contextlib.nullcontext():
             entropy = entropy_from_logits(z, batch.response_mask)
     hidden = out.hidden_states[-1].detach() if with_hidden else None
     return TokenLogprobs(logp, batch.response_mask, entropy, hidden)
@@ -146,7 +153,24 @@ def lr_lambda(warmup: int, total: int, schedule: str):
     return f
 
 
-def load_hf_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+class _Zero3Loading:
+    """What `transformers` asks of the HfDeepSpeedConfig it looks up (a weak reference) while loading a model.
+
+    With one registered, `from_pretrained` builds the model inside `deepspeed.zero.Init(config)` (each parameter
+    partitioned as it is created) and copies the checkpoint in one module at a time: no rank ever holds the
+    whole model. transformers' own HfDeepSpeedConfig needs `accelerate`, which the trainer does not install;
+    this holds exactly the two things transformers reads (`is_zero3()`, `.config`).
+    """
+
+    def __init__(self, ds_config: dict) -> None:
+        self.config = ds_config
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+def load_hf_model(model_dir: str, dtype: torch.dtype, zero3_config: dict | None = None) -> torch.nn.Module:
+    """The HF model in `model_dir`; with a ZeRO-3 DeepSpeed config, built already partitioned (collective)."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
@@ -156,7 +180,42 @@ def load_hf_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
             f"model_dir {model_dir!r} is not a Hugging Face checkpoint folder (no config.json); build the tiny "
             "model with `make model` (tlt model build --preset tiny --out artifacts/tiny) or set model_dir"
         )
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    if zero3_config is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    loading = _Zero3Loading(zero3_config)
+    set_hf_deepspeed_config(loading)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    finally:  # later loads (the frozen reference model) are plain full models
+        unset_hf_deepspeed_config()
+
+
+# Extra `zero_optimization` settings at stage 3 (DeepSpeed's defaults otherwise). Of note: parameters of at most
+# stage3_param_persistence_threshold (1e5) elements, norms and biases, stay whole on every rank after first use.
+ZERO3_OPTIONS: dict = {}
+
+
+def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
+    per_update = cfg.micro_batch_size * world_size
+    if cfg.mini_batch_size % per_update:
+        raise ValueError(
+            f"mini_batch_size ({cfg.mini_batch_size}) must be a multiple of micro_batch_size x ranks "
+            f"({cfg.micro_batch_size} x {world_size}); lower micro_batch_size or raise mini_batch_size"
+        )
+    zero = {"stage": cfg.zero_stage, **(ZERO3_OPTIONS if cfg.zero_stage == 3 else {})}
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.mini_batch_size // per_update,
+        "train_batch_size": cfg.mini_batch_size,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 class Policy:
@@ -179,8 +238,11 @@ class Policy:
                 torch.set_num_threads(threads)
         seed_everything(cfg.seed)
         init_process_group()
-        if model is None:
-            model = load_hf_model(cfg.model_dir, torch.float32)
+        self.world_size = torch.distributed.get_world_size()
+        self.rank = torch.distributed.get_rank()
+        ds_config = deepspeed_config(cfg, self.world_size, self.bf16)
+        if model is None:  # ZeRO-3: loaded partitioned. A model passed in whole is partitioned by initialize()
+            model = load_hf_model(cfg.model_dir, torch.float32, ds_config if cfg.zero_stage == 3 else None)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -188,29 +250,10 @@ class Policy:
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
-        updates_per_step = cfg.sequences_per_step // cfg.mini_batch_size
+        updates_per_step = cfg.ppo_epochs * (cfg.sequences_per_step // cfg.mini_batch_size)  # every pass's updates
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.warmup_steps, cfg.steps * updates_per_step, cfg.lr_schedule)
         )
-        self.world_size = torch.distributed.get_world_size()
-        self.rank = torch.distributed.get_rank()
-        per_update = cfg.micro_batch_size * self.world_size
-        if cfg.mini_batch_size % per_update:
-            raise ValueError(
-                f"mini_batch_size ({cfg.mini_batch_size}) must be a multiple of micro_batch_size x ranks "
-                f"({cfg.micro_batch_size} x {self.world_size}); lower micro_batch_size or raise mini_batch_size"
-            )
-        ds_config = {
-            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            "gradient_accumulation_steps": cfg.mini_batch_size // per_update,
-            "train_batch_size": cfg.mini_batch_size,
-            "gradient_clipping": cfg.grad_clip,
-            "zero_optimization": {"stage": cfg.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": self.bf16},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
@@ -221,8 +264,10 @@ class Policy:
         self._grad_norm: float | None = None
 
     # -- forward ------------------------------------------------------------------
-    def logprobs(self, batch: TokenBatch, with_entropy: bool = False, with_hidden: bool = False) -> TokenLogprobs:
-        return response_logprobs(self.engine, batch.to(self.device), self.cfg.temperature, with_entropy, with_hidden)
+    def logprobs(self, batch: TokenBatch, with_entropy: bool = False, with_hidden: bool = False,
+                 entropy_grad: bool = False) -> TokenLogprobs:
+        return response_logprobs(self.engine, batch.to(self.device), self.cfg.temperature, with_entropy, with_hidden,
+                                 entropy_grad)
 
     # -- update ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -253,6 +298,12 @@ class Policy:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    @property
+    def gathers(self) -> bool:
+        """ZeRO-3: each rank holds a partition of the weights; reading them whole (a push, the export) is a
+        collective every rank must take part in, in the same order, even where only rank 0 uses the result."""
+        return self.cfg.zero_stage == 3
+
     def all_reduce_stats(self, sums: dict[str, float], tokens: int, max_diff: float) -> tuple[dict[str, float], int, float]:
         """Sum per-rank diagnostic sums and token counts over the ranks (max for the logprob gap)."""
         import torch.distributed as dist
@@ -270,14 +321,26 @@ class Policy:
         self.engine.train(mode)
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
-        """Full weights in HF names (ZeRO 0-2 keep full parameters on every rank), on CPU."""
-        return {k: v.detach().to("cpu") for k, v in self.engine.module.state_dict().items()}
+        """Full weights in HF names, on CPU. ZeRO 0-2 keep full parameters on every rank; under ZeRO-3 they are
+        gathered: a collective every rank must call, and only rank 0 gets them (other ranks: {})."""
+        from tlt.services.trainer.weight_sync import full_state_dict
+
+        return full_state_dict(self.engine.module)
 
     def save_pretrained(self, out_dir: str) -> None:
+        """The policy as a Hugging Face folder, written by rank 0. Every rank calls it: under ZeRO-3 the weights
+        are gathered (collective) and rank 0 writes them; at stages 0-2 the other ranks return at once."""
         from tlt.model.files import share_weights
+        from tlt.services.trainer.weight_sync import full_state_dict
 
-        self.engine.module.save_pretrained(out_dir)
-        share_weights(out_dir)  # safetensors wrote them 0600: the rollout server may run as another user
+        if self.gathers:
+            state = full_state_dict(self.engine.module, keep=self.rank == 0)
+            if self.rank == 0:
+                self.engine.module.save_pretrained(out_dir, state_dict=state)
+        elif self.rank == 0:
+            self.engine.module.save_pretrained(out_dir)
+        if self.rank == 0:
+            share_weights(out_dir)  # safetensors wrote them 0600: the rollout server may run as another user
 
 
 class ReferencePolicy:

@@ -1,19 +1,23 @@
 """One GRPO update from a step's scored completions.
 
     ScoredCompletion x (G prompts x n samples)
-      -> group advantages (per prompt)                      grpo.group_advantages
+      -> group advantages (per prompt)                      grpo.group_advantages / grpo.rloo_advantages
       -> old logprobs (no grad; optional hidden states)     policy.logprobs
       -> reference logprobs (only when kl_beta > 0)
-      -> shuffled mini-batches -> micro-batches grouped by length:
-           loss = PPO-clip token-mean + kl_beta * k3 KL     grpo.policy_loss / grpo.kl_k3
+      -> ppo_epochs x shuffled mini-batches -> micro-batches grouped by length:
+           loss = PPO-clip + kl_beta * k3 KL                grpo.policy_loss / grpo.kl_k3
+                  - entropy_coef * entropy, each aggregated as loss_agg says (grpo.aggregate)
            DeepSpeed backward, step (optimizer at each mini-batch boundary)
       -> policy version + 1, StepMetrics
 
-Every mini-batch's loss is divided by that mini-batch's response-token count,
-so gradient accumulation over its micro-batches gives exactly the token-mean.
-Data parallel (W ranks under the DeepSpeed launcher): every rank holds the
-same completions (the loop broadcasts them), computes the same advantages and
-the same seeded shuffle, and trains on its 1/W of each mini-batch.
+Every mini-batch's loss is divided by that mini-batch's count of loss units
+(response tokens for token-mean, sequences for the seq-mean modes), so
+gradient accumulation over its micro-batches gives exactly the aggregate of
+the whole mini-batch. overlong_filter drops truncated responses from both the
+sums and the counts. Data parallel (W ranks under the DeepSpeed launcher):
+every rank holds the same completions (the loop broadcasts them), computes the
+same advantages and the same seeded shuffles, and trains on its 1/W of each
+mini-batch.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from tlt.services.trainer.config import TrainerConfig
-from tlt.services.trainer.grpo import group_advantages, kl_k3, masked_sum, policy_loss
+from tlt.services.trainer.grpo import (
+    aggregated_sum,
+    group_advantages,
+    kl_k3,
+    loss_units,
+    policy_loss,
+    rloo_advantages,
+)
 from tlt.services.trainer.policy import Policy, ReferencePolicy, TokenBatch
 from tlt.services.trainer.types import ScoredCompletion, StepMetrics
 
@@ -67,6 +78,13 @@ def _by_length(idx: Sequence[int], ordered: Sequence[ScoredCompletion]) -> list[
     return sorted(idx, key=lambda k: (len(ordered[k].prompt_ids) + len(ordered[k].response_ids), k))
 
 
+def _units(idx: Sequence[int], ordered: Sequence[ScoredCompletion], keep: Sequence[bool], loss_agg: str) -> int:
+    """Loss units of the sequences `idx` (as grpo.loss_units counts them on a mask): their response tokens
+    (token-mean), else how many of them have a response token; sequences not kept (overlong_filter) count 0."""
+    lengths = [len(ordered[k].response_ids) for k in idx if keep[k]]
+    return sum(lengths) if loss_agg == "token-mean" else sum(1 for n in lengths if n > 0)
+
+
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t[:, :width]
 
@@ -89,15 +107,24 @@ def grpo_step(
     device = policy.device
 
     rewards = torch.tensor([s.reward for s in ordered], dtype=torch.float32)
-    adv = group_advantages(rewards, group_size=n, eps=cfg.adv_eps, scale_by_std=cfg.scale_adv_by_std)
+    if cfg.advantage_estimator == "rloo":
+        adv = rloo_advantages(rewards, group_size=n)
+    else:
+        adv = group_advantages(rewards, group_size=n, eps=cfg.adv_eps, scale_by_std=cfg.scale_adv_by_std)
     r_len = max(1, max(len(s.response_ids) for s in ordered))
+    # DAPO's overlong filtering: a response cut at max_tokens leaves the loss (its reward stayed in the advantages).
+    keep = [not (cfg.overlong_filter and s.finish_reason == "length") for s in ordered]
+    keep_t = torch.tensor(keep, dtype=torch.float32)
 
-    # Mini-batches are drawn from one seeded shuffle that every rank computes alike;
-    # rank r trains on positions r, r + W, ... of each mini-batch (data parallel).
+    # Each pass's mini-batches are drawn from one seeded shuffle that every rank computes alike (the first pass's
+    # is the one a 1-epoch step draws); rank r trains on positions r, r + W, ... of each mini-batch (data parallel).
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-    order = torch.randperm(b, generator=gen).tolist()
-    minis = [order[m0 : m0 + cfg.mini_batch_size] for m0 in range(0, b, cfg.mini_batch_size)]
-    mine = _by_length([k for mini in minis for k in mini[rank::world]], ordered)
+    passes: list[list[list[int]]] = []
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(b, generator=gen).tolist()
+        passes.append([order[m0 : m0 + cfg.mini_batch_size] for m0 in range(0, b, cfg.mini_batch_size)])
+    first = {k for mini in passes[0] for k in mini[rank::world]}  # features: the sequences of this rank's first pass
+    mine = _by_length(sorted({k for minis in passes for mini in minis for k in mini[rank::world]}), ordered)
 
     # -- old (and reference) logprobs: one no-grad pass over this rank's sequences ------
     t0 = time.perf_counter()
@@ -117,7 +144,7 @@ def grpo_step(
             if ref is not None:
                 ref[idx] = _pad_to(reference.logprobs(batch).float().cpu(), r_len)
             for j, (k, s) in enumerate(zip(idx, chunk)):
-                if features is not None and out.hidden is not None:
+                if features is not None and out.hidden is not None and k in first:
                     length = len(s.prompt_ids) + len(s.response_ids)
                     features[k] = out.hidden[j, :length].to("cpu", torch.float16)
                 if s.rollout_logprobs is not None and s.response_ids:
@@ -129,66 +156,76 @@ def grpo_step(
     # -- updates ---------------------------------------------------------------------
     t0 = time.perf_counter()
     policy.train(True)
-    sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "clip": 0.0, "akl": 0.0}
-    total_tokens = 0
+    # loss, pg, kl, ent: sums of loss units' values (the aggregate's numerators), over `units`; clip and akl:
+    # token sums over `ltok` (the loss's tokens). Every pass adds to them: the step's means are over every pass.
+    sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "clip": 0.0, "akl": 0.0, "units": 0.0, "ltok": 0.0}
+    total_tokens = 0  # response tokens of the step's batch (its first pass), as the rollout generated them
     updates = 0
     grad_norms: list[float] = []
     lrs: list[float] = []  # the LR each optimizer update of this step used
-    for mini in minis:
-        # DeepSpeed averages gradients over the W ranks, so each rank divides its token
-        # sum by (mini-batch tokens / W): the average is then the exact token mean.
-        mini_tokens = sum(len(ordered[k].response_ids) for k in mini)
-        denom = max(1, mini_tokens) / world
-        local = _by_length(mini[rank::world], ordered)
-        for u0 in range(0, len(local), mb):
-            idx = local[u0 : u0 + mb]
-            chunk = [ordered[k] for k in idx]
-            batch = _batch(chunk, policy.pad_id)
-            out = policy.logprobs(batch, with_entropy=True)
-            width = out.logprobs.shape[1]
-            mask = out.mask
-            old_mb = _pad_to(old[idx], width).to(device)
-            pl = policy_loss(out.logprobs, old_mb, adv[idx].to(device), mask, cfg.clip_low, cfg.clip_high,
-                             num_tokens=denom)
-            loss = pl.loss
-            kl_sum = torch.zeros((), device=device)
-            if ref is not None:
-                kl_tok = kl_k3(out.logprobs, _pad_to(ref[idx], width).to(device), mask)
-                kl_sum = masked_sum(kl_tok, mask)
-                loss = loss + cfg.kl_beta * kl_sum / denom
-            policy.backward(loss)
-            lr = policy.lr  # read before step(): the scheduler moves on to the next update's LR inside it
-            if policy.step():
-                updates += 1
-                lrs.append(lr)
-                if policy.grad_norm is not None:
-                    grad_norms.append(policy.grad_norm)
-            tokens = float(mask.sum())
-            total_tokens += int(tokens)
-            # Diagnostics weighted by tokens so their step mean is a token mean.
-            sums["loss"] += float(loss.detach()) * denom
-            sums["pg"] += float(pl.loss.detach()) * denom
-            sums["kl"] += float(kl_sum.detach())
-            sums["ent"] += float(masked_sum(out.entropy, mask))
-            sums["clip"] += float(pl.clip_fraction) * tokens
-            sums["akl"] += float(pl.approx_kl) * tokens
+    agg = cfg.loss_agg
+    for epoch, minis in enumerate(passes):
+        for mini in minis:
+            # DeepSpeed averages gradients over the W ranks, so each rank divides its sums by (the mini-batch's
+            # loss units / W): the average is then the exact aggregate of the whole mini-batch.
+            denom = max(1, _units(mini, ordered, keep, agg)) / world
+            units_kw = {"num_tokens": denom} if agg == "token-mean" else {"num_seqs": denom}
+            local = _by_length(mini[rank::world], ordered)
+            for u0 in range(0, len(local), mb):
+                idx = local[u0 : u0 + mb]
+                chunk = [ordered[k] for k in idx]
+                batch = _batch(chunk, policy.pad_id)
+                out = policy.logprobs(batch, with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
+                width = out.logprobs.shape[1]
+                mask = out.mask * keep_t[idx].to(device).unsqueeze(1) if cfg.overlong_filter else out.mask
+                old_mb = _pad_to(old[idx], width).to(device)
+                pl = policy_loss(out.logprobs, old_mb, adv[idx].to(device), mask, cfg.clip_low, cfg.clip_high,
+                                 loss_agg=agg, max_tokens=cfg.max_tokens, **units_kw)
+                loss = pl.loss
+                kl_sum = torch.zeros((), device=device)
+                if ref is not None:
+                    kl_tok = kl_k3(out.logprobs, _pad_to(ref[idx], width).to(device), mask)
+                    kl_sum = aggregated_sum(kl_tok, mask, agg, cfg.max_tokens)
+                    loss = loss + cfg.kl_beta * kl_sum / denom
+                ent_sum = aggregated_sum(out.entropy, mask, agg, cfg.max_tokens)
+                if cfg.entropy_coef > 0:
+                    loss = loss - cfg.entropy_coef * ent_sum / denom
+                policy.backward(loss)
+                lr = policy.lr  # read before step(): the scheduler moves on to the next update's LR inside it
+                if policy.step():
+                    updates += 1
+                    lrs.append(lr)
+                    if policy.grad_norm is not None:
+                        grad_norms.append(policy.grad_norm)
+                if epoch == 0:
+                    total_tokens += int(out.mask.sum())
+                tokens = float(mask.sum())
+                sums["loss"] += float(loss.detach()) * denom
+                sums["pg"] += float(pl.loss.detach()) * denom
+                sums["kl"] += float(kl_sum.detach())
+                sums["ent"] += float(ent_sum.detach())
+                sums["units"] += float(loss_units(mask, agg))
+                sums["clip"] += float(pl.clip_fraction) * tokens
+                sums["akl"] += float(pl.approx_kl) * tokens
+                sums["ltok"] += tokens
     if world > 1:  # every rank reports the whole step
         sums, total_tokens, logprob_diff = policy.all_reduce_stats(sums, total_tokens, logprob_diff)
     times["update_s"] = time.perf_counter() - t0
     policy.version += 1
 
-    tok = max(1, total_tokens)
+    units = max(1.0, sums["units"])
+    ltok = max(1.0, sums["ltok"])
     lengths = torch.tensor([len(s.response_ids) for s in ordered], dtype=torch.float32)
     grouped = rewards.reshape(-1, n)
     metrics = StepMetrics(
         step=step,
         policy_version=policy.version,
-        loss=sums["loss"] / tok,
-        pg_loss=sums["pg"] / tok,
-        kl=sums["kl"] / tok,
-        entropy=sums["ent"] / tok,
-        clip_fraction=sums["clip"] / tok,
-        approx_kl=sums["akl"] / tok,
+        loss=sums["loss"] / units,
+        pg_loss=sums["pg"] / units,
+        kl=sums["kl"] / units,
+        entropy=sums["ent"] / units,
+        clip_fraction=sums["clip"] / ltok,
+        approx_kl=sums["akl"] / ltok,
         grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         lr=sum(lrs) / len(lrs) if lrs else policy.lr,
         optimizer_updates=updates,
@@ -199,6 +236,7 @@ def grpo_step(
         response_len_mean=float(lengths.mean()),
         response_len_max=int(lengths.max()),
         truncated_fraction=sum(s.finish_reason == "length" for s in ordered) / b,
+        overlong_filtered_fraction=keep.count(False) / b,
         rollout_logprob_max_diff=logprob_diff,
         tokens=total_tokens,
         times=times,

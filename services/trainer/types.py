@@ -42,7 +42,13 @@ class ScoredCompletion:
 
 @dataclass
 class StepMetrics:
-    """What one RL step did; every field is a plain number so it serialises as JSON."""
+    """What one RL step did; every field is a plain number so it serialises as JSON.
+
+    loss, pg_loss, kl and entropy are aggregated as [trainer] loss_agg says (token means by default; loss =
+    pg_loss + kl_beta x kl - entropy_coef x entropy), clip_fraction and approx_kl are token means. With
+    ppo_epochs > 1 they are means over every pass (each sequence counted once per pass), grad_norm and lr
+    means over every update; tokens and the rollout fields count the step's batch once.
+    """
 
     step: int
     policy_version: int
@@ -62,6 +68,7 @@ class StepMetrics:
     response_len_mean: float = 0.0
     response_len_max: int = 0
     truncated_fraction: float = 0.0
+    overlong_filtered_fraction: float = 0.0  # share of sequences [trainer] overlong_filter left out of the loss
     # |trainer old logprob - rollout logprob|, diagnostics (~1e-6 at top_p = 1). With top_p < 1 or top_k it is
     # large by design (~0.2): the rollout reports the truncated distribution it sampled from, the trainer
     # scores the full softmax; the PPO ratio compares the trainer's own passes, as verl does, although the samples
@@ -74,6 +81,12 @@ class StepMetrics:
     sd_plain_steps: int = 0  # per-sequence plain decode steps
     drafter_version: int = -1  # newest drafter version stamped on a completion (-1: no drafter)
     rollout_retries: int = 0  # times this step was rolled out again after a rollout replica died
+    # Dynamic sampling ([trainer] dynamic_sampling): rollout rounds the step took, prompt groups they generated, and the
+    # share of flat groups (all rewards equal) among those it trained on. zero_signal_groups, reward_mean, reward_std
+    # and accuracy are over every generated completion (all rounds).
+    sampling_rounds: int = 1
+    groups_generated: int = 0
+    zero_signal_groups_trained: float = 0.0
     started_at: float = 0.0  # unix time the step began (places the step on the run's timeline)
     times: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 

@@ -1,6 +1,7 @@
 """Push the policy's new weights to every rollout server after each update.
 
-    Policy module -> policy_tensors (HF names, rollout dtype, tied lm_head dropped)
+    Policy module -> policy_tensors (HF names, rollout dtype, tied lm_head dropped; ZeRO-3: gathered,
+                                     a collective of every rank, rank 0 sends)
                   -> RolloutClient.update_weights (gRPC UpdateWeights: manifest + chunks,
                      or a /dev/shm file named in the manifest on the same host)
                   -> PushReport (bytes, seconds, server-side apply seconds, replicas)
@@ -40,19 +41,62 @@ class PushReport:
     replicas: tuple[int, ...]
 
 
+def partitioned(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the module's parameters (each rank holds a slice of each)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def full_state_dict(module: torch.nn.Module, dtype: torch.dtype | None = None, skip: tuple[str, ...] = (),
+                    keep: bool | None = None) -> dict[str, torch.Tensor]:
+    """module.state_dict() whole, on CPU, floating tensors cast to `dtype` (None: as they are), less `skip`.
+
+    Under ZeRO-3 the module's parameters are empty outside a forward: each is gathered
+    (an all-gather over the ranks, one parameter at a time, so the device never holds more
+    than one whole tensor beyond its partitions), copied to the host, and partitioned again.
+    That is a collective: every rank must call this, with the same arguments, even where
+    only rank 0 uses the result; `keep` (default: rank 0 only under ZeRO-3) says whether
+    this rank copies the tensors out, others return {}. Tied parameters are gathered once
+    and stay one tensor under both names.
+    """
+    import torch.distributed as dist
+
+    zero3 = partitioned(module)
+    if keep is None:
+        keep = not zero3 or not dist.is_initialized() or dist.get_rank() == 0
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
+
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if name in skip:
+            continue
+        if id(t) in done:
+            out[name] = done[id(t)]
+            continue
+        if zero3 and hasattr(t, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                value = host(t) if keep else None
+        else:
+            value = host(t) if keep else None
+        if keep:
+            out[name] = done[id(t)] = value
+    return out
+
+
 def policy_tensors(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The module's weights as the rollout engine names them, cast to the engine's dtype, on CPU.
 
     A tied lm_head shares the embedding's storage and is not a tensor of its
-    own in the checkpoint format, so it is left out.
+    own in the checkpoint format, so it is left out. Under ZeRO-3 this is a
+    collective (`full_state_dict`): every rank calls it, rank 0 gets the
+    tensors and the other ranks {}.
     """
     tied = bool(getattr(getattr(module, "config", None), "tie_word_embeddings", False))
-    out = {}
-    for name, t in module.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        out[name] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
-    return out
+    return full_state_dict(module, dtype, skip=("lm_head.weight",) if tied else ())
 
 
 def resolve_dtype(name: str, trainer_bf16: bool) -> torch.dtype:
