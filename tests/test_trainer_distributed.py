@@ -42,23 +42,10 @@ if policy.rank == 0:
 
 
 def _run_two_ranks(tmp_path, stage: int) -> dict:
+    from test_trainer_zero3 import run_two_ranks
+
     out = tmp_path / f"rank0-{stage}.pt"
-    script = RANK_SCRIPT.format(tests=str(TESTS), out=str(out), stage=stage)
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, text in zip(procs, outputs):
-        assert p.returncode == 0, text[-3000:]
+    run_two_ranks(RANK_SCRIPT.format(tests=str(TESTS), out=str(out), stage=stage), timeout=240)
     return torch.load(out)
 
 

@@ -277,7 +277,8 @@ else:
 """
 
 
-def _run_two_ranks(script: str, timeout: float = 300) -> None:
+def run_two_ranks(script: str, timeout: float = 300) -> None:
+    """`python -c script` as ranks 0 and 1 of a gloo group on 127.0.0.1; fails with every rank's output tail."""
     port = str(free_port())
     procs = []
     for rank in (0, 1):
@@ -301,7 +302,7 @@ def test_two_ranks_at_stage3_match_one_rank(tmp_path):
 
     out = tmp_path / "rank0.pt"
     t0 = time.perf_counter()
-    _run_two_ranks(RANK_SCRIPT.format(tests=str(TESTS), out=str(out), saved=str(tmp_path / "policy"),
+    run_two_ranks(RANK_SCRIPT.format(tests=str(TESTS), out=str(out), saved=str(tmp_path / "policy"),
                                       ckpt=str(tmp_path / "ck")))
     two = torch.load(out)
     print(f"two ranks: {time.perf_counter() - t0:.1f}s")
@@ -384,7 +385,7 @@ def test_two_rank_stage3_loop_pushes_exports_and_resumes(random_model_dir, tmp_p
         with ServerThread(random_model_dir, replicas=1) as server:
             script = LOOP_SCRIPT.format(model=str(random_model_dir), address=server.grpc_address, out=str(out),
                                         steps=steps)
-            _run_two_ranks(script, timeout=500)
+            run_two_ranks(script, timeout=500)
             with RolloutClient(server.grpc_address) as client:
                 serving = client.status().versions.policy
         assert serving == steps

@@ -37,6 +37,17 @@ LOG_RATIO_CLAMP = 20.0
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def _grouped(rewards: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """[G, n] float32 rewards from [G, n], or from flat [G*n] with `group_size=n` (a group's samples adjacent)."""
+    if rewards.dim() == 1:
+        if group_size is None or group_size < 1 or rewards.numel() % group_size:
+            raise ValueError(f"flat rewards of length {rewards.numel()} need group_size dividing it, got {group_size}")
+        return rewards.reshape(-1, group_size).float()
+    if rewards.dim() == 2:
+        return rewards.float()
+    raise ValueError(f"rewards must be [G, n] or [G*n], got shape {tuple(rewards.shape)}")
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,
@@ -56,16 +67,7 @@ def group_advantages(
     signal: its advantages are exactly 0 (0 / (0 + eps)), never NaN. A group
     of one sample also gets 0 (its std is undefined).
     """
-    flat = rewards.dim() == 1
-    if flat:
-        if group_size is None or group_size < 1 or rewards.numel() % group_size:
-            raise ValueError(f"flat rewards of length {rewards.numel()} need group_size dividing it, got {group_size}")
-        grouped = rewards.reshape(-1, group_size)
-    elif rewards.dim() == 2:
-        grouped = rewards
-    else:
-        raise ValueError(f"rewards must be [G, n] or [G*n], got shape {tuple(rewards.shape)}")
-    grouped = grouped.float()
+    grouped = _grouped(rewards, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std:
         n = grouped.shape[1]
@@ -91,16 +93,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int | None = None) -> tor
     No division by the group std (verl's RLOO has none either). A group of one sample has no other sample:
     0 (verl leaves it at r_i). A group whose rewards are all equal is exactly 0, as in `group_advantages`.
     """
-    flat = rewards.dim() == 1
-    if flat:
-        if group_size is None or group_size < 1 or rewards.numel() % group_size:
-            raise ValueError(f"flat rewards of length {rewards.numel()} need group_size dividing it, got {group_size}")
-        grouped = rewards.reshape(-1, group_size)
-    elif rewards.dim() == 2:
-        grouped = rewards
-    else:
-        raise ValueError(f"rewards must be [G, n] or [G*n], got shape {tuple(rewards.shape)}")
-    grouped = grouped.float()
+    grouped = _grouped(rewards, group_size)
     n = grouped.shape[1]
     if n < 2:
         return torch.zeros_like(rewards, dtype=torch.float32)
