@@ -120,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0: greedy, modes must match token for token; > 0: seeded sampling (no identity check)")
     parser.add_argument("--threshold", type=at_least(1), default=16, help="SD runs while the running batch is <= this")
     parser.add_argument("--static-arm", default="8_4_16", help="arm of the static modes")
+    parser.add_argument("--verify-budget", type=at_least(0), default=None,
+                        help="SpecConfig.verify_token_budget: most draft tokens one verify step checks over the batch "
+                             "(0 = no limit; default: SpecConfig's); a static arm needs draft_tokens x threshold "
+                             "within it")
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms (steps_topk_drafttokens) of the adaptive modes' bandit in every "
                              "batch-size bucket, e.g. 6_1_7,8_1_9,8_4_16 (default: SpecConfig's per-bucket arms)")
@@ -248,6 +252,8 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms):  # noqa: ANN
 
     learned = mode.endswith("learned")
     extra = {} if bucket_arms is None else {"bucket_arms": bucket_arms}
+    if args.verify_budget is not None:
+        extra["verify_token_budget"] = args.verify_budget
     return SpecConfig(mode="static" if mode.startswith("static") else "adaptive", threshold=args.threshold,
                       hysteresis_steps=2, static_arm=args.static_arm, drafter="learned" if learned else "ngram",
                       drafter_path=args.drafter or "", chain_min_prob=args.chain_min_prob,

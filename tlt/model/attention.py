@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.model.layer_ops import group_attention_fn
+from tlt.model.layer_ops import fold_mask, group_attention_fn
 
 
 @dataclass
@@ -50,6 +50,16 @@ class AttentionGroup:
     # SDPA groups: the K and V gather buffers of this step, allocated by the first layer and reused by the
     # others (a fresh buffer per layer page-faults: ~5x the copy itself for a batch-64 decode on CPU)
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+    # SDPA groups: `mask` folded for the query heads per K/V head (`layer_ops.fold_mask`), made by the first
+    # layer and reused by the others; `folded` says it was made (a None mask folds to None)
+    folded_mask: torch.Tensor | None = None
+    folded: bool = False
+
+    def sdpa_mask(self, groups: int) -> torch.Tensor | None:
+        """`mask` as `layer_ops.grouped_sdpa` takes it with `groups` query heads per K/V head (once per step)."""
+        if not self.folded:
+            self.folded_mask, self.folded = fold_mask(self.mask, groups), True
+        return self.folded_mask
 
 
 @dataclass
@@ -189,7 +199,8 @@ def attend_groups(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: Att
             if g.scratch is None:
                 shape = (g.block_index.shape[0], *kc.shape[1:])
                 g.scratch = (kc.new_empty(shape), vc.new_empty(shape))
-            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.mask, g.max_q, scale, *g.scratch)
+            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.sdpa_mask(nh // kc.shape[2]), g.max_q,
+                                    scale, *g.scratch)
         if out is None:
             return og
         out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tlt.model.drafter import Drafter, DrafterCache
-from tlt.model.layer_ops import linear, onednn_works, pack, rms
+from tlt.model.layer_ops import fold_mask, grouped_sdpa, linear, onednn_works, pack, rms
 from tlt.model.transformer import rope_table, signed_sin
 
 
@@ -58,7 +58,7 @@ def drafter_layer(
     else:  # a row copy (index_select; ck[rows] would be a much slower per-element gather)
         k = ck[:, :, :span].index_select(0, rows)
         v = cv[:, :, :span].index_select(0, rows)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != kvh)
+    o = grouped_sdpa(q, k, v, fold_mask(mask, nh // kvh), None)  # GQA without copying K/V (layer_ops)
     x2 = x2 + linear(o.transpose(1, 2).reshape(b * t, nh * d), o_w, None, packed)
     gu = linear(rms(x2, ln2, eps, exact_hf), gu_w, None, packed)
     x2 = x2 + linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w, None, packed)

@@ -3,6 +3,11 @@
     pre_attention(x, ...)      RMSNorm -> qkv projection (+bias) -> Qwen3 q/k RMSNorm -> RoPE
                                -> K/V written to their cache slots -> returns q [T, nh, d]
     post_attention(x, o, ...)  o_proj + residual -> RMSNorm -> SwiGLU MLP + residual -> x
+    group_attention(q, ...)    SDPA over K/V gathered from the paged cache (prefill, verify, small decode)
+    dense_attention(q, ...)    SDPA over the decode mirror's dense K/V (large decode batches)
+
+Both attention functions run grouped-query attention as `grouped_sdpa`: each K/V head's query heads
+folded into query rows, so K/V are never copied per query head.
 
 Scripting keeps the ~25 kernels of a layer out of the Python interpreter (about a tenth of a batch-1
 CPU decode step); if scripting is unavailable the same Python functions run unscripted.
@@ -89,6 +94,36 @@ def post_attention(
     return x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w, None, packed)
 
 
+def grouped_sdpa(
+    qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[float],  # noqa: UP045
+) -> torch.Tensor:
+    """SDPA of nh query heads over kvh K/V heads (GQA, MQA, MHA) without copying K/V: [B, nh, L, d] over
+    [B, kvh, S, d] -> [B, nh, L, d].
+
+    The g = nh / kvh query heads that share a K/V head become g x L query rows of that head: head
+    h = j * g + m's row i is row m * L + i of K/V head j, the pairing `enable_gqa` makes. `mask` comes
+    folded to match (`fold_mask`): [B, 1, g * L, S], or [B, 1, 1, S] / None, which broadcast. SDPA's own
+    `enable_gqa` expands K and V to nh heads first, a copy of every key and value per call: on the CI
+    CPU the folded call is 1.1-2x faster on the tiny model's decode and verify shapes (BENCHMARKS.md,
+    "Session 17"). The same dot products and softmax per query row; for L > 1 bitwise the expanded
+    call's output (one query row at a time, L = 1, takes another SDPA kernel: within 1e-6).
+    """
+    b, nh, q_len, d = qg.shape
+    kvh = k.shape[1]
+    if nh == kvh:
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(qg.reshape(b, kvh, nh // kvh * q_len, d), k, v, attn_mask=mask, scale=scale)
+    return o.view(b, nh, q_len, d)
+
+
+def fold_mask(mask: Optional[torch.Tensor], groups: int) -> Optional[torch.Tensor]:  # noqa: UP045
+    """A [B, 1, L, S] mask for `grouped_sdpa`'s folded queries (`groups` = nh / kvh query heads per K/V
+    head): [B, 1, groups * L, S]. A mask of one query row, or none, broadcasts as it is."""
+    if mask is None or groups == 1 or mask.shape[2] == 1:
+        return mask
+    return mask.repeat(1, 1, groups, 1)
+
+
 def group_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, q_index: Optional[torch.Tensor],  # noqa: UP045
     block_index: torch.Tensor, lk: int, mask: Optional[torch.Tensor], max_q: int, scale: float,  # noqa: UP045
@@ -98,7 +133,8 @@ def group_attention(
 
     q: [T, nh, d] flat new tokens; q_index [G, max_q] picks each sequence's (padded) queries, None when
     row g is flat token g; kc/vc [num_blocks, block_size, kvh, d]; block_index [G * nb] each sequence's
-    blocks; keys are the first lk positions of those blocks; mask [G, 1, max_q, lk] (None: all visible).
+    blocks; keys are the first lk positions of those blocks; mask [G, 1, max_q, lk] folded for the
+    query heads per K/V head (`fold_mask`; None: all visible).
     """
     nh, d, kvh = q.shape[1], q.shape[2], kc.shape[2]
     if q_index is not None:
@@ -108,7 +144,7 @@ def group_attention(
     # gather whole blocks (contiguous copies), then keep the first lk key positions: [G, kvh, lk, d]
     kg = torch.index_select(kc, 0, block_index, out=k_buf).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
     vg = torch.index_select(vc, 0, block_index, out=v_buf).view(g, -1, kvh, d)[:, :lk].transpose(1, 2)
-    og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=nh != kvh)
+    og = grouped_sdpa(qg, kg, vg, mask, scale)
     return og.transpose(1, 2).reshape(g * max_q, nh * d)
 
 
@@ -121,16 +157,16 @@ def dense_attention(
     q: [B, nh, d] one new token per row, whose K/V the cache holds at `slots` (k_flat/v_flat
     [num_slots, kvh, d]); rows [B * kvh], when given, is where they go in kd/vd [B, kvh, cap, d]
     (appended here, in the script: a decode step's mirror work costs no interpreter time per layer).
-    Keys are the first lk positions; mask [B, 1, 1, lk] (None: all visible). The same SDPA call as
-    `group_attention` on the same values: bitwise the same output.
+    Keys are the first lk positions; mask [B, 1, 1, lk] (None: all visible; one query row needs no
+    folding for `grouped_sdpa`). The same SDPA call as `group_attention` on the same values: bitwise
+    the same output.
     """
-    b, nh, d, kvh = q.shape[0], q.shape[1], q.shape[2], kd.shape[1]
+    b, nh, d = q.shape[0], q.shape[1], q.shape[2]
     if rows is not None:
         kd.view(-1, d).index_copy_(0, rows, k_flat.index_select(0, slots).view(-1, d))
         vd.view(-1, d).index_copy_(0, rows, v_flat.index_select(0, slots).view(-1, d))
     qg = q.view(b, 1, nh, d).transpose(1, 2)
-    og = F.scaled_dot_product_attention(qg, kd[:, :, :lk], vd[:, :, :lk], attn_mask=mask, scale=scale,
-                                        enable_gqa=nh != kvh)
+    og = grouped_sdpa(qg, kd[:, :, :lk], vd[:, :, :lk], mask, scale)
     return og.transpose(1, 2).reshape(b, nh * d)
 
 
