@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
+from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy, size_class
 from tlt.services.rollout.spec.tree import Arm
 
 A, B, C = Arm.parse("8_4_48"), Arm.parse("8_4_16"), Arm.parse("4_1_5")
@@ -230,3 +230,39 @@ def test_thresholds_must_start_at_one_or_more():
         BucketedEpsilonGreedy(thresholds=(0, 2), bucket_arms=[[A], [B]])
     with pytest.raises(ValueError, match=">= 1"):
         BucketedEpsilonGreedy(thresholds=(-3,), bucket_arms=[[A]])
+
+
+def test_size_classes_above_exact_sizes():
+    """Exact sizes up to `exact_sizes`; above, classes a factor <= 2^(1/4) wide that tile every size once."""
+    assert [size_class(b) for b in range(1, 17)] == list(range(1, 17))
+    starts = sorted({size_class(b) for b in range(17, 1000)})
+    assert starts[:10] == [17, 21, 25, 30, 36, 43, 52, 62, 74, 89]
+    for lo, hi in zip(starts, starts[1:]):  # class [lo, hi - 1]
+        assert all(size_class(b) == lo for b in range(lo, hi))
+        assert (hi - 1) / lo <= 2**0.25
+    assert size_class(5, exact_sizes=4) == 5 and size_class(4, exact_sizes=4) == 4
+    assert [size_class(b, exact_sizes=1) for b in (1, 2, 3)] == [1, 2, 3]  # classes of one size while ratio < 2
+
+
+def test_a_large_falling_batch_exploits_instead_of_exploring_every_new_size():
+    """A rollout's batch above the exact sizes falls by several sequences a step and rarely repeats a size. With
+    windows per exact size every step would be an untried size (each arm tried again, in list order, whatever
+    it did one size up); within classes the bandit learns that drafting does not pay and stays on plain."""
+    plain, chain = Arm.parse("plain"), Arm.parse("3_1_4")
+    tokens_per_seq_second = {plain: 10.0, chain: 4.0}  # a drafter that is never right: verify passes cost 2.5x
+
+    def rollout(bandit: BucketedEpsilonGreedy) -> int:
+        chosen = 0
+        for batch in range(64, 16, -3):  # 16 steps at 16 distinct sizes
+            arm = bandit.choose(batch)
+            bandit.record(batch, arm, emitted_tokens=int(tokens_per_seq_second[arm] * batch), step_seconds=1.0)
+            chosen += arm == chain
+        return chosen
+
+    classes = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[chain, plain]], epsilon=0.0)
+    exact = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[chain, plain]], epsilon=0.0, exact_sizes=1000)
+    assert rollout(exact) == 16  # the first arm at every new size: never learns
+    assert rollout(classes) <= 8  # once per class (17-20, ..., 62-73: 8 classes), then plain
+    assert rollout(classes) == 0  # the next rollout (the bandit lives across RL steps): plain throughout
+    with pytest.raises(ValueError, match="exact_sizes"):
+        BucketedEpsilonGreedy(exact_sizes=0)

@@ -1,4 +1,4 @@
-"""The decoder layer's maths around attention, as two TorchScript functions used on every device and dtype.
+"""The decoder layer's maths around attention, as TorchScript functions used on every device and dtype.
 
     pre_attention(x, ...)      RMSNorm -> qkv projection (+bias) -> Qwen3 q/k RMSNorm -> RoPE
                                -> K/V written to their cache slots -> returns q [T, nh, d]

@@ -14,6 +14,12 @@ grows with the batch, so within the 2-4 bucket an arm whose rewards came from ba
 one measured at batch 2 whatever their shapes (a rollout's batch only falls through a bucket, so
 the arm tried first is measured at its largest batch). The bucket still decides which arms compete
 and holds their statistics; each (arm, batch size) keeps its own window of the last `window` rewards.
+Above `exact_sizes` (default 16) the "batch size" is a class of sizes within a factor 2^(1/4) of
+each other (17-20, 21-24, 25-29, 30-35, ...; `size_class`): at large batch the running batch rarely
+repeats a size (several sequences finish per step), so exact sizes would make nearly every step an
+untried size and the bandit would only ever explore (seen with SD on up to batch 64 on CPU: a
+random drafter was tried at every new size); and there tokens/s changes by a few percent across a
+class, where at batch 2-4 it changes by 2x.
 
 A new drafter (a hot-swap) makes the drafting arms' rewards stale: `drafter_changed(keep)` cuts each
 drafting arm's windows to their last `keep` rewards (the "plain" arm's stay: they do not depend on the
@@ -32,6 +38,7 @@ step loop owns it.
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -40,6 +47,22 @@ from dataclasses import dataclass
 from tlt.services.rollout.spec.tree import Arm
 
 DEFAULT_THRESHOLDS = (1, 2, 5, 21)
+EXACT_SIZES = 16  # batch sizes compared exactly; above, classes a factor CLASS_RATIO wide
+CLASS_RATIO = 2**0.25
+
+
+def size_class(batch_size: int, exact_sizes: int = EXACT_SIZES) -> int:
+    """The batch size whose statistics a step at `batch_size` uses: itself up to `exact_sizes`, else the smallest
+    size of its class. Classes start at exact_sizes + 1 and each next one at ceil(start x 2^(1/4)) (at least
+    one further): 17, 21, 25, 30, 36, 43, 52, 62, 74, 89, ... for the default 16."""
+    if batch_size <= exact_sizes:
+        return batch_size
+    start = exact_sizes + 1
+    while True:
+        nxt = max(start + 1, math.ceil(start * CLASS_RATIO))
+        if batch_size < nxt:
+            return start
+        start = nxt
 DEFAULT_BUCKET_ARMS = (
     ("8_4_48", "8_4_32", "8_4_16"),
     ("8_4_32", "8_4_16", "8_4_8"),
@@ -81,7 +104,7 @@ class ArmStats:
     samples: int  # rewards held, over every batch size of the bucket
     median_reward: float | None  # tokens/s at the bucket's latest batch size (what choices compare); None: no data
     chosen: int
-    median_by_batch: dict[int, float]  # batch size -> median reward at that size
+    median_by_batch: dict[int, float]  # batch size (above exact_sizes: its class's smallest) -> median reward
 
 
 @dataclass(frozen=True)
@@ -102,6 +125,7 @@ class BucketedEpsilonGreedy:
         window: int = 300,
         verify_token_budget: int | None = None,
         seed: int = 0,
+        exact_sizes: int = EXACT_SIZES,
     ) -> None:
         if len(thresholds) != len(bucket_arms):
             raise ValueError(f"{len(thresholds)} bucket thresholds but {len(bucket_arms)} arm lists; give one arm list per bucket")
@@ -111,6 +135,9 @@ class BucketedEpsilonGreedy:
             raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if exact_sizes < 1:
+            raise ValueError(f"exact_sizes must be >= 1, got {exact_sizes}")
+        self.exact_sizes = exact_sizes
         self.thresholds = tuple(thresholds)
         self.arms = tuple(tuple(a if isinstance(a, Arm) else Arm.parse(a) for a in arms) for arms in bucket_arms)
         for i, arms in enumerate(self.arms):
@@ -159,7 +186,8 @@ class BucketedEpsilonGreedy:
         if not arms:
             self._over_budget[b] += 1
             return None
-        here = [self._rewards[b][a].get(batch_size) for a in arms]  # each arm's rewards at this batch size
+        size = size_class(batch_size, self.exact_sizes)
+        here = [self._rewards[b][a].get(size) for a in arms]  # each arm's rewards at this batch size (class)
         untried = [a for a, r in zip(arms, here) if not r]
         if untried:
             arm = untried[0]
@@ -183,10 +211,11 @@ class BucketedEpsilonGreedy:
             raise ValueError(f"arm {arm} is not in bucket {self.label(b)} ({[str(a) for a in self.arms[b]]})")
         reward = emitted_tokens / step_seconds
         by_size = self._rewards[b][arm]
-        self._latest_size[b] = batch_size
-        if batch_size not in by_size:
-            by_size[batch_size] = _Window(self.window)
-        by_size[batch_size].add(reward)
+        size = size_class(batch_size, self.exact_sizes)
+        self._latest_size[b] = size
+        if size not in by_size:
+            by_size[size] = _Window(self.window)
+        by_size[size].add(reward)
         return reward
 
     def drafter_changed(self, keep: int) -> None:

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tlt.services.common.config import ServiceConfig
-from tlt.services.rollout.spec.bandit import DEFAULT_BUCKET_ARMS, DEFAULT_THRESHOLDS
+from tlt.services.rollout.spec.bandit import DEFAULT_BUCKET_ARMS, DEFAULT_THRESHOLDS, EXACT_SIZES
 from tlt.services.rollout.spec.tree import Arm
 
 
@@ -43,6 +43,10 @@ class SpecConfig(ServiceConfig):
     static_arm: str = Field("8_4_16", description="the arm used in static mode")
     epsilon: float = Field(0.1, ge=0.0, le=1.0, description="bandit exploration probability")
     window: int = Field(300, ge=1, description="bandit sliding window of rewards per arm (median over it)")
+    exact_sizes: int = Field(
+        EXACT_SIZES, ge=1, description="the bandit compares arms at exactly the running batch size up to this; above "
+        "it, within classes of sizes a factor 2^(1/4) apart (a large batch rarely repeats a size)"
+    )
     rewards_kept_on_swap: int = Field(
         8, ge=0, description="when a new drafter is pushed, each drafting arm keeps only its last this many rewards "
         "per batch size (the 'plain' arm keeps all): the new drafter's rewards decide within a few steps (0: forget "

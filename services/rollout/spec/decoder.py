@@ -96,7 +96,7 @@ class SpecDecoder:
         self.switch = SpecSwitch(config.threshold, config.hysteresis_steps)
         self.static_arm = Arm.parse(config.static_arm)
         self.bandit = BucketedEpsilonGreedy(config.bucket_thresholds, config.arms(), config.epsilon, config.window,
-                                            config.verify_token_budget or None, config.seed)
+                                            config.verify_token_budget or None, config.seed, config.exact_sizes)
         if config.drafter == "learned":
             if drafter is None:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
