@@ -49,7 +49,7 @@ def _bench(capsys, argv: list[str]) -> tuple[int, dict]:
 
 # the JSON fields of a single-round report (before --repeats existed)
 R1_REPORT_KEYS = {"model", "workload", "temperature", "requests", "sequences", "lengths_p50", "lengths_max",
-                  "threshold", "arms", "clock", "bandit", "results"}
+                  "threshold", "arms", "buckets", "bucket_arms", "clock", "bandit", "results"}
 R1_RESULT_KEYS = {"mode", "wall_s", "tokens", "tok_per_s", "tail_s", "tail_share", "tail_tok_per_s", "tail4_tok_per_s",
                   "buckets", "steps", "decode_steps", "verify_steps", "verified_seq_steps", "sd_step_share",
                   "mean_accept_len", "arms", "identical_to_first_mode", "speedup_vs_off", "tail4_speedup"}
@@ -108,6 +108,24 @@ def test_bench_rollout_sampled_task_groups(capsys, random_model_dir):
     assert all(r["identical_to_first_mode"] is None for r in modes.values())
     assert sum(x["tokens"] for x in modes["ngram"]["buckets"].values()) == modes["ngram"]["tokens"] > 0
     assert set(modes["ngram"]["arms"]) <= {"6_1_7", "8_4_16"} and modes["ngram"]["verify_steps"] > 0
+
+
+def test_bench_rollout_takes_bucket_thresholds_and_arms_per_bucket(capsys, random_model_dir):
+    """`--buckets` and '/' in `--arms` give the adaptive bandit its buckets and each its own arms (as
+    `tlt rollout serve --spec-arms` does): 6 sequences decoding at batch 6 -> 1 meet both buckets' arms."""
+    rc, report = _bench(capsys, ["--model", str(random_model_dir), "--prompts", "6", "--n", "1", "--median-tokens",
+                                 "12", "--sigma", "0.8", "--max-tokens", "24", "--modes", "off,ngram", "--threshold",
+                                 "8", "--buckets", "1,4", "--arms", "3_1_4/6_1_7,plain"])
+    assert rc == 0 and report["buckets"] == [1, 4] and report["bucket_arms"] == [["3_1_4"], ["6_1_7", "plain"]]
+    assert report["arms"] is None  # no single list shared by every bucket
+    used = set(next(r for r in report["results"] if r["mode"] == "ngram")["arms"])
+    assert "3_1_4" in used and used & {"6_1_7", "plain"}, used
+    for bad in (["--buckets", "1,4", "--arms", "3_1_4/6_1_7/plain"],  # three lists for two buckets
+                ["--buckets", "4,1", "--arms", "3_1_4"], ["--buckets", "1,x", "--arms", "3_1_4"],
+                ["--buckets", "1,4"]):  # buckets without arms
+        parser = argparse.ArgumentParser()
+        rollout.add_arguments(parser)
+        assert rollout.run(parser.parse_args(["--model", str(random_model_dir), "--modes", "off,ngram", *bad])) == 2, bad
 
 
 def test_bench_rollout_sampled_table_and_bad_flags(capsys, random_model_dir):

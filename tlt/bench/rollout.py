@@ -86,8 +86,10 @@ unlikely to be accepted cost neither drafting nor verification.
 
 Modes: off; ngram (adaptive bandit, model-free drafter); static-ngram (one fixed arm, `--static-arm`);
 learned and static-learned (the EAGLE drafter from `--drafter DIR`, skipped without it). `--arms
-A,B,C` gives the adaptive modes' bandit these arms in every batch-size bucket (default: SpecConfig's
-per-bucket arms). The model is `--model DIR`, else `artifacts/tiny` when it exists, else a random
+A,B,C` gives the adaptive modes' bandit these arms in every batch-size bucket, `--arms A,B/C,D/...` one
+list per bucket (default: SpecConfig's per-bucket arms), and `--buckets 1,2,5,17,64` where the buckets start
+(with `--arms`). `--verify-budget N` sets SpecConfig.verify_token_budget (0: none), e.g. for speculating at
+every batch size (`--threshold 256`), where a static arm's draft_tokens x threshold must fit it. The model is `--model DIR`, else `artifacts/tiny` when it exists, else a random
 checkpoint with the tiny preset's shape (a random model repeats itself a lot, which flatters the
 n-gram drafter: say which model you used).
 """
@@ -126,7 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "within it")
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms (steps_topk_drafttokens) of the adaptive modes' bandit in every "
-                             "batch-size bucket, e.g. 6_1_7,8_1_9,8_4_16 (default: SpecConfig's per-bucket arms)")
+                             "batch-size bucket, e.g. 6_1_7,8_1_9,8_4_16, or one list per bucket with '/' between "
+                             "them (default: SpecConfig's per-bucket arms)")
+    parser.add_argument("--buckets", default=None,
+                        help="comma-separated ascending batch sizes where the adaptive modes' bandit buckets start, "
+                             "e.g. 1,2,5,17,64 (default: SpecConfig's 1,2,5,21)")
     parser.add_argument("--chain-min-prob", type=float, default=0.0,
                         help="learned modes, chain arms: cut each sequence's chain at the first draft whose cumulative "
                              "draft probability is below this (SpecConfig.chain_min_prob; 0 = full depth)")
@@ -252,6 +258,8 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms):  # noqa: ANN
 
     learned = mode.endswith("learned")
     extra = {} if bucket_arms is None else {"bucket_arms": bucket_arms}
+    if args.buckets is not None and not mode.startswith("static"):
+        extra["bucket_thresholds"] = tuple(int(b) for b in args.buckets.split(","))
     if args.verify_budget is not None:
         extra["verify_token_budget"] = args.verify_budget
     return SpecConfig(mode="static" if mode.startswith("static") else "adaptive", threshold=args.threshold,
@@ -386,14 +394,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --temperature must be >= 0, got {args.temperature}", file=sys.stderr)
         return 2
     bucket_arms = None
-    if args.arms is not None:
-        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
-        bucket_arms = tuple(arms for _ in SpecConfig().bucket_thresholds)  # the same arms in every bucket
-        try:
-            _spec_config("ngram", args, bucket_arms)
-        except ValueError as e:
-            print(f"error: --arms {args.arms!r}: {e}", file=sys.stderr)
-            return 2
+    try:
+        buckets = SpecConfig().bucket_thresholds
+        if args.buckets is not None:
+            buckets = tuple(int(b) for b in args.buckets.split(","))
+        if args.arms is not None:
+            lists = [tuple(a.strip() for a in part.split(",") if a.strip()) for part in args.arms.split("/")]
+            bucket_arms = tuple(lists[0] for _ in buckets) if len(lists) == 1 else tuple(lists)
+        if args.buckets is not None and bucket_arms is None:
+            raise ValueError("--buckets needs --arms: one list for every bucket, or one per bucket with '/' between")
+        _spec_config("ngram", args, bucket_arms)
+    except ValueError as e:
+        print(f"error: --buckets {args.buckets!r} / --arms {args.arms!r}: {e}", file=sys.stderr)
+        return 2
     model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
 
     sampled = args.temperature > 0
@@ -460,7 +473,9 @@ def run(args: argparse.Namespace) -> int:
     report = {"model": source, "workload": args.workload, "temperature": args.temperature,
               "requests": len(requests), "sequences": num_seqs,
               "lengths_p50": int(lengths.float().median()), "lengths_max": int(lengths.max()),
-              "threshold": args.threshold, "arms": list(bucket_arms[0]) if bucket_arms else None,
+              "threshold": args.threshold,
+              "arms": list(bucket_arms[0]) if bucket_arms and len(set(bucket_arms)) == 1 else None,
+              "buckets": list(buckets), "bucket_arms": [list(a) for a in bucket_arms] if bucket_arms else None,
               "clock": args.clock, "bandit": args.bandit, "results": results}
     if args.min_tokens:
         report["min_tokens"] = args.min_tokens
