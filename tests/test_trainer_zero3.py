@@ -394,3 +394,45 @@ def test_two_rank_stage3_loop_pushes_exports_and_resumes(random_model_dir, tmp_p
     loaded = AutoModelForCausalLM.from_pretrained(out / "policy", local_files_only=True)
     w = loaded.model.embed_tokens.weight
     assert w.numel() > 0 and torch.isfinite(w).all()
+
+
+TIED_SCRIPT = """
+import sys, torch
+import torch.distributed as dist
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from test_trainer_step import config, make_samples
+from test_trainer_zero3 import _gathered, tied_qwen2
+from tlt.services.trainer.policy import Policy
+from tlt.services.trainer.step import grpo_step
+import tlt.services.trainer.policy as policy_mod
+policy_mod.ZERO3_OPTIONS = {{"stage3_param_persistence_threshold": 0}}
+policy = Policy(config(micro_batch_size=2, zero_stage=3), model=tied_qwen2(0))
+grpo_step(policy, make_samples(2, 4, seed=3), step=0)
+state = policy.state_dict_for_push()  # collective: every rank, rank 0 keeps
+policy.save_pretrained({saved!r})  # collective: every rank, rank 0 writes
+full = _gathered(policy.module)  # the ranks are still in step: one more gather of every parameter together
+marker = torch.tensor([float(policy.rank + 1)])
+dist.all_reduce(marker)
+assert marker.item() == 3.0, marker
+if policy.rank == 0:
+    torch.save({{"state": state, "full": full}}, {out!r})
+else:
+    assert state == {{}}, "only rank 0 keeps the gathered tensors"
+"""
+
+
+def test_two_ranks_gather_a_tied_model_in_step(tmp_path):
+    """A tied lm_head is the embedding's parameter under a second name: gathered once on every rank. Rank 0, which
+    keeps the tensors, reused its copy for the second name; the others gathered it again, an all-gather rank 0 never
+    joined (the export of a tied model, Qwen2.5-0.5B's kind, hung or crossed the next collective)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "rank0.pt"
+    run_two_ranks(TIED_SCRIPT.format(tests=str(TESTS), out=str(out), saved=str(tmp_path / "policy")), timeout=180)
+    two = torch.load(out)
+    assert two["state"]["lm_head.weight"] is two["state"]["model.embed_tokens.weight"]
+    _assert_close(two["state"], two["full"], atol=0, rtol=0)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", local_files_only=True)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    _assert_close({k: v.detach() for k, v in loaded.state_dict().items()}, two["full"], atol=0, rtol=0)

@@ -68,12 +68,14 @@ def full_state_dict(module: torch.nn.Module, dtype: torch.dtype | None = None, s
         return t.detach().to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
 
     out: dict[str, torch.Tensor] = {}
-    done: dict[int, torch.Tensor] = {}
+    # On every rank, keeping or not: a rank that gathered a tied parameter twice ran an all-gather the others skip.
+    done: dict[int, torch.Tensor | None] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         if name in skip:
             continue
         if id(t) in done:
-            out[name] = done[id(t)]
+            if keep:
+                out[name] = done[id(t)]
             continue
         if zero3 and hasattr(t, "ds_id"):
             import deepspeed
@@ -82,8 +84,9 @@ def full_state_dict(module: torch.nn.Module, dtype: torch.dtype | None = None, s
                 value = host(t) if keep else None
         else:
             value = host(t) if keep else None
+        done[id(t)] = value
         if keep:
-            out[name] = done[id(t)] = value
+            out[name] = value
     return out
 
 
