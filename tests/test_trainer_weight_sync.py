@@ -139,6 +139,45 @@ def test_sync_weights_brings_every_server_to_the_trainer(serving, trainer, pushe
     assert policy.version == want and [s.version for s in servers] == [want] * len(servers)
 
 
+
+class _ReadyServer(_VersionedServer):
+    """A _VersionedServer that `_Services.sync` can wait for and check the control token of."""
+
+    def wait_ready(self, timeout_s):
+        pass
+
+    def check_control(self):
+        pass
+
+
+@pytest.mark.parametrize("serving, trainer, pushed", [
+    ((5, 5), 5, None),
+    ((5, 0), 5, 6),
+    ((0, 0), 5, 5),
+    ((7, 6), 5, 8),     # killed after pushes the checkpoint does not know: a newer version than any served
+])
+def test_the_loops_startup_sync_hands_every_rank_the_raised_version(serving, trainer, pushed):
+    """train() runs the sync in two halves: rank 0's `_Services.sync` says (version, push due), every rank takes
+    that version (broadcast) and joins the push (ZeRO-3 gathers), rank 0 sends it. The version handed on must be
+    the one sync_version raised past the servers', or the push is refused as not newer."""
+    from types import SimpleNamespace
+
+    from tlt.services.trainer.loop import _Services, push_tensors
+
+    servers = [_ReadyServer(v) for v in serving]
+    services = object.__new__(_Services)  # rank 0's side without its metrics files, Prometheus or gRPC clients
+    services.cfg = SimpleNamespace(weight_push="grpc", connect_timeout_s=1.0)
+    services.clients, services.rewards, services.loan = servers, SimpleNamespace(), None
+    policy = SimpleNamespace(version=trainer, module=torch.nn.Linear(2, 2), bf16=False,
+                             cfg=SimpleNamespace(push_dtype="float32"))
+    version, push_due = services.sync(policy)  # what rank 0 broadcasts; train() sets it as every rank's version
+    want = trainer if pushed is None else pushed
+    assert (version, push_due) == (want, pushed is not None)
+    if push_due:
+        services.publisher.push(push_tensors(policy), version)
+    assert [s.version for s in servers] == [want] * len(servers)
+
+
 def test_shm_publisher_removes_the_files_of_a_trainer_killed_mid_push():
     """A trainer SIGKILLed while its shm push was in flight leaves its file in /dev/shm (no `finally` runs);
     the next shm publisher (the resumed trainer) removes it, and leaves a live writer's file alone."""

@@ -238,7 +238,8 @@ class _Services:
                 c.check_control()
         if self.cfg.weight_push != "none":
             self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
-            return policy.version, sync_version(policy, self.clients)
+            push_due = sync_version(policy, self.clients)  # first: it raises policy.version past the servers'
+            return policy.version, push_due
         return policy.version, False
 
     def rollout(self, prompts, step: int, version: int, more):  # noqa: ANN001, ANN201
