@@ -277,12 +277,13 @@ else:
 """
 
 
-def run_two_ranks(script: str, timeout: float = 300) -> None:
-    """`python -c script` as ranks 0 and 1 of a gloo group on 127.0.0.1; fails with every rank's output tail."""
+def run_two_ranks(script: str, timeout: float = 300, ranks: int = 2) -> None:
+    """`python -c script` as ranks 0 and 1 (0 .. ranks - 1) of a gloo group on 127.0.0.1; fails with every rank's
+    output tail."""
     port = str(free_port())
     procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+    for rank in range(ranks):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -293,7 +294,7 @@ def run_two_ranks(script: str, timeout: float = 300) -> None:
             if p.poll() is None:
                 p.kill()
     codes = [p.returncode for p in procs]
-    assert codes == [0, 0], "\n".join(f"--- rank {r} exited {c}:\n{t[-2500:]}" for r, (c, t) in
+    assert codes == [0] * ranks, "\n".join(f"--- rank {r} exited {c}:\n{t[-2500:]}" for r, (c, t) in
                                        enumerate(zip(codes, outputs)))
 
 
@@ -436,3 +437,37 @@ def test_two_ranks_gather_a_tied_model_in_step(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", local_files_only=True)
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     _assert_close({k: v.detach() for k, v in loaded.state_dict().items()}, two["full"], atol=0, rtol=0)
+
+
+EPOCHS_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from test_trainer_step import config, make_samples, tiny_qwen2
+from test_trainer_zero3 import _gathered
+from tlt.services.trainer.policy import Policy
+from tlt.services.trainer.step import grpo_step
+import tlt.services.trainer.policy as policy_mod
+policy_mod.ZERO3_OPTIONS = {{"stage3_param_persistence_threshold": 0}}
+cfg = config(prompts_per_step=3, n_samples=4, mini_batch_size=6, micro_batch_size=2, ppo_epochs=2, zero_stage=3)
+policy = Policy(cfg, model=tiny_qwen2(0))
+losses = [grpo_step(policy, make_samples(3, 4, seed=s), step=s).metrics.loss for s in range(3)]
+full = _gathered(policy.module)
+if policy.rank == 0:
+    torch.save({{"losses": losses, "full": full}}, {out!r})
+"""
+
+
+def test_three_ranks_at_stage3_with_ppo_epochs_match_one_rank(tmp_path):
+    """ppo_epochs = 2 over W = 3 ranks: a rank's later passes train on sequences of other ranks' first pass, and
+    each needs their old logprobs. At stage 3 every forward is a collective (each layer's weights all-gathered),
+    so each rank must run as many no-grad forwards as the others: one over the union of its sequences of every
+    pass ran 3 on one rank and 4 on another at step 2 here (with 2 ranks the unions are always the same size)."""
+    out = tmp_path / "rank0.pt"
+    run_two_ranks(EPOCHS_SCRIPT.format(tests=str(TESTS), out=str(out)), timeout=240, ranks=3)
+    three = torch.load(out)
+    one = Policy(config(prompts_per_step=3, n_samples=4, mini_batch_size=6, micro_batch_size=2, ppo_epochs=2),
+                 model=tiny_qwen2(0))  # one rank, stage 0: the reference updates
+    losses = [grpo_step(one, make_samples(3, 4, seed=s), step=s).metrics.loss for s in range(3)]
+    assert three["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
+    _assert_close(three["full"], _gathered(one.module), atol=2e-5, rtol=1e-4)

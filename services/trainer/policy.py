@@ -317,6 +317,14 @@ class Policy:
         vals = t.tolist()
         return dict(zip(keys, vals[:-1])), int(vals[-1]), float(m.item())
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks (a collective every rank calls), on CPU."""
+        import torch.distributed as dist
+
+        x = t.to(self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+        dist.all_reduce(x)
+        return x.cpu()
+
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 

@@ -124,7 +124,9 @@ def grpo_step(
         order = torch.randperm(b, generator=gen).tolist()
         passes.append([order[m0 : m0 + cfg.mini_batch_size] for m0 in range(0, b, cfg.mini_batch_size)])
     first = {k for mini in passes[0] for k in mini[rank::world]}  # features: the sequences of this rank's first pass
-    mine = _by_length(sorted({k for minis in passes for mini in minis for k in mini[rank::world]}), ordered)
+    # Old logprobs of this rank's first-pass share: as many sequences, so as many forwards, as every other rank
+    # (under ZeRO-3 each forward is a collective). Later passes also train on other ranks' shares: summed below.
+    mine = _by_length(sorted(first), ordered)
 
     # -- old (and reference) logprobs: one no-grad pass over this rank's sequences ------
     t0 = time.perf_counter()
@@ -151,6 +153,10 @@ def grpo_step(
                     got = out.logprobs[j, : len(s.response_ids)].float().cpu()
                     want = torch.tensor(s.rollout_logprobs[: len(s.response_ids)], dtype=torch.float32)
                     logprob_diff = max(logprob_diff, float((got[: len(want)] - want).abs().max()))
+    if world > 1 and cfg.ppo_epochs > 1:  # every rank's rows on every rank (each row is non-zero on one rank only)
+        old = policy.all_reduce_sum(old)
+        if ref is not None:
+            ref = policy.all_reduce_sum(ref)
     times["old_logprobs_s"] = time.perf_counter() - t0
 
     # -- updates ---------------------------------------------------------------------
