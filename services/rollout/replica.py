@@ -52,12 +52,42 @@ from tlt.services.rollout.ipc import (
 )
 
 
-def replica_main(
+def replica_main(*args: Any, **kwargs: Any) -> None:
+    """Process entry point (multiprocessing spawn target): `serve_replica`, then the process ends at once.
+
+    A normal interpreter exit tears down every module and object first: about a second once torch and a
+    tokenizer are loaded, which every stop and restart of a replica waited for. Nothing of the replica's needs
+    it: its pipe is closed, its sockets linger 0 and its logs are flushed here. The atexit handlers still run
+    (SGLang's engine stops its scheduler processes in one; multiprocessing's own clean-up is another). An
+    exception that escaped (none should) is printed and ends the process with 1, as a normal exit would."""
+    import atexit
+    import sys
+
+    code = 0
+    try:
+        serve_replica(*args, **kwargs)
+    except BaseException:  # deliberate boundary: the process ends here either way
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()
+        except BaseException:  # deliberate boundary: a failing handler must not keep the process alive
+            traceback.print_exc()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def serve_replica(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
     features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "", pin_cpus: bool = False,
     spin_wait: bool = False,
 ) -> None:
-    """Process entry point (multiprocessing spawn target). `features_push`: drafter feature PULL endpoint.
+    """The replica's life in its process. `features_push`: drafter feature PULL endpoint.
     `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`.
     `spin_wait`: its OpenMP threads spin briefly at barriers (`services.common.cpus.spin_at_barriers`)."""
     import signal
