@@ -213,7 +213,9 @@ def test_interpreter_decode_graph_buckets_emulated(ckpt, calls) -> None:
     lengths = [12, 3, 9, 6, 10]  # after the prefill step: batch 5 for 2 steps, 4 for 3, 3 for 3, 2 for 1, 1 for 2
 
     def run(kernels: str, **kw):  # noqa: ANN202
-        engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, block_size=4, **kw))
+        # max_model_len 32 (the longest request needs 19): tables 8 blocks wide, not the model's 64 (the
+        # interpreter runs each block of a padded table)
+        engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, block_size=4, max_model_len=32, **kw))
         reqs = [GenerationRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                                                      logprobs=0))
                 for i, (p, n) in enumerate(zip(prompts, lengths))]

@@ -188,7 +188,10 @@ def test_interpreter_greedy_lossless_with_verify_graphs_emulated(ckpt) -> None:
                       bucket_arms=(("3_2_6",), ("2_1_3",), ("2_2_4",)), epsilon=0.0)
 
     def run(spec_config: SpecConfig | None, graphs: str):  # noqa: ANN202
-        engine = LLMEngine(ckpt, EngineConfig(kernels="triton", block_size=4, max_num_seqs=8, decode_graphs=graphs))
+        # max_model_len 40 (the longest request needs 21 + a tree): tables 10 blocks wide, not the model's 64; the
+        # interpreter runs each block of a padded table, and the test took 50 s with them
+        engine = LLMEngine(ckpt, EngineConfig(kernels="triton", block_size=4, max_num_seqs=8, decode_graphs=graphs,
+                                              max_model_len=40))
         if spec_config is not None:
             engine.enable_spec(spec_config)
         reqs = [GenerationRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
