@@ -145,3 +145,26 @@ def test_a_signal_to_the_whole_process_group_stops_the_replicas_through_the_fron
         assert "replica_dead" not in text and "Traceback" not in text, text[-3000:]
         assert text.count("replica_stopped") == 2, text[-3000:]
         assert_all_gone(children)
+
+
+def test_a_front_tokenizer_that_fails_while_the_replicas_load_stops_them(random_model_dir, monkeypatch):
+    """The front loads its tokenizer on a thread while the replicas load (their start overlaps the front's 3 s of
+    imports). When that load fails, start() raises its error, not a later one, and stop() ends the replicas that
+    were loading."""
+    from rollout_helpers import ServerThread
+    from tlt.services.rollout import server as server_mod
+
+    def fails(model_dir: str) -> None:
+        time.sleep(0.5)  # the replicas are spawned and loading
+        raise OSError("(test) the front could not read the tokenizer")
+
+    monkeypatch.setattr(server_mod, "_front_tokenizer", fails)
+    st = ServerThread(random_model_dir, replicas=2)
+    try:
+        with pytest.raises(OSError, match=r"\(test\) the front could not read"):
+            st.__enter__()
+        pids = st.server.replica_pids()
+        assert len(pids) == 2  # spawned before the tokenizer failed
+    finally:
+        st.__exit__(None, None, None)
+    assert_all_gone(pids)

@@ -1,8 +1,9 @@
 """`RolloutServer`: the front process — replicas, the HTTP API and the gRPC API on one event loop.
 
     start():  both ports bound (0 = a free port; one in use fails here, not after minutes of model loading)
-              -> tokenizer (front-side, for prompts and streamed text) -> ReplicaPool (N processes, model loaded)
-              -> gRPC server (tlt.v1.Rollout) -> uvicorn (OpenAI HTTP) serving on the bound ports
+              -> ReplicaPool (N processes, model loaded), and meanwhile the front's tokenizer (for prompts and
+                 streamed text) and API modules on a thread -> gRPC server (tlt.v1.Rollout) -> uvicorn (OpenAI
+                 HTTP) serving on the bound ports
     stop():   requests in flight fail (503 / UNAVAILABLE) -> gRPC stops (grace) -> uvicorn exits -> replicas shut down
 
 Everything runs on one asyncio loop; `tlt rollout serve` runs it on the main
@@ -47,6 +48,16 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
                                   timeout_graceful_shutdown=5))
 
 
+def _front_tokenizer(model_dir: str) -> Any:
+    """The front's tokenizer, with the API modules imported: run on a thread while the replicas load."""
+    from transformers import AutoTokenizer
+
+    import tlt.services.rollout.grpc_api  # noqa: F401
+    import tlt.services.rollout.http_api  # noqa: F401
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 class RolloutServer:
     def __init__(self, model_dir: str | os.PathLike[str], config: RolloutConfig) -> None:
         self.model_dir = str(Path(model_dir).resolve())
@@ -63,19 +74,14 @@ class RolloutServer:
 
     async def start(self) -> None:
         import grpc
-        from transformers import AutoTokenizer
 
-        from tlt.services.rollout.grpc_api import RolloutService
-        from tlt.services.rollout.http_api import OpenAIServer
         from tlt.services.rollout.replicas import ReplicaPool
-        from tlt.v1 import rollout_pb2_grpc
 
         cfg = self.config
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         self.grpc_port = bind_grpc(self._grpc, cfg.host, cfg.grpc_port, "the rollout gRPC server")
         self._http_sock = bind_tcp(cfg.host, cfg.http_port, "the rollout HTTP server")
         self.http_port = self._http_sock.getsockname()[1]
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_dir)
         cores = usable_cores()  # the affinity mask capped by a container's CPU quota, not the host's core count
         threads, spin_ok = replica_threads(cfg.replicas, cfg.threads_per_replica, cores)
         if cfg.spin_wait and not spin_ok:
@@ -94,7 +100,18 @@ class RolloutServer:
                                 stall_timeout_s=cfg.stall_timeout_s, redispatch_limit=cfg.redispatch_limit,
                                 max_pending_sequences=cfg.max_pending_sequences)
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
-        await self.pool.start(cfg.startup_timeout_s)
+        # The front's own imports and tokenizer (3 s in a fresh `tlt rollout serve`) while the replicas load.
+        replicas_up = asyncio.ensure_future(self.pool.start(cfg.startup_timeout_s))
+        try:
+            tokenizer = await asyncio.to_thread(_front_tokenizer, self.model_dir)
+            await replicas_up
+        except BaseException:  # a tokenizer that fails, or start() cancelled: the pool's start goes too
+            replicas_up.cancel()
+            await asyncio.gather(replicas_up, return_exceptions=True)
+            raise
+        from tlt.services.rollout.grpc_api import RolloutService
+        from tlt.services.rollout.http_api import OpenAIServer
+        from tlt.v1 import rollout_pb2_grpc
 
         metrics = Metrics("rollout")
         openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics)
