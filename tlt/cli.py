@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # Errors about a folder the user named (not a checkpoint, not a drafter, tensors that do not fit), by the module
 # that defines them: looked up only when the command imported it, so `tlt` itself does not import torch.
-_FOLDER_ERRORS = (("tlt.model.loader", "CheckpointError"), ("tlt.model.drafter", "DrafterError"))
+_FOLDER_ERRORS = (("tlt.model.folder", "CheckpointError"), ("tlt.model.drafter", "DrafterError"))
 
 
 def _user_error(e: Exception, known: dict[type, str]) -> str | None:

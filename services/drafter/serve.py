@@ -84,13 +84,16 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import threading
 
-    from tlt.services.common.events import FeaturePuller
+    from tlt.model.folder import check_checkpoint
     from tlt.services.common.logging import get_logger
-    from tlt.services.drafter.coordinator import Coordinator
-    from tlt.services.drafter.shared import rollout_fetch
 
     log = get_logger("drafter.serve")
     cfg = build_config(args.preset, args.overrides)
+    check_checkpoint(args.model)  # not a checkpoint: one line, exit 2, before torch loads
+    from tlt.services.common.events import FeaturePuller
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.shared import rollout_fetch
+
     puller = FeaturePuller(cfg.features_bind)  # type: ignore[attr-defined]
     fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
     coordinator = Coordinator(cfg, args.model, puller, rollout_publisher(cfg.rollout_grpc, cfg.control_token),  # type: ignore[attr-defined]

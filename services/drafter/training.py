@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from tlt.model.drafter import Drafter, DrafterConfig, load_drafter
-from tlt.model.loader import _weight_files, read_model_config
+from tlt.model.folder import read_model_config, weight_files
 from tlt.services.drafter.loss import DrafterLoss, drafter_loss
 from tlt.services.drafter.packing import PackedBatch, PackedPairs, packed_pairs
 
@@ -32,7 +32,7 @@ def target_shared(model_dir: str | Path, device: str = "cpu") -> tuple[DrafterCo
     """The drafter config for a target, and the target's embedding and lm_head (fp32), read from its folder."""
     cfg = read_model_config(model_dir)
     want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-    for path in _weight_files(Path(model_dir)):
+    for path in weight_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in want:

@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from tlt.model.folder import check_checkpoint
+
+    # CheckpointError naming the folder (tlt: one line, exit 2), not a transformers trace; before torch loads
+    check_checkpoint(args.model)
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,9 +76,6 @@ def run(args: argparse.Namespace) -> int:
     from tlt.task.problems import format_prompt, generate_problems
 
     log = get_logger("drafter.warmup")
-    from tlt.model.loader import check_checkpoint
-
-    check_checkpoint(args.model)  # CheckpointError naming the folder (tlt: one line, exit 2), not a transformers trace
     if args.init:
         from tlt.model.drafter import check_drafter_folder
 

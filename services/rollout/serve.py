@@ -174,7 +174,7 @@ def check_before_start(model: str, config: Any) -> None:
     """Raise the user's error (CheckpointError, DrafterError, ConfigError) that each replica process would
     otherwise hit while loading, and report as a replica failure with its traceback."""
     from tlt.model.drafter import check_drafter_folder
-    from tlt.model.loader import check_checkpoint
+    from tlt.model.folder import check_checkpoint
 
     check_checkpoint(model, architecture=config.backend == "native")  # SGLang serves architectures we do not
     spec = config.spec  # (an unknown backend: refused as the config loads, RolloutConfig._known_backend)

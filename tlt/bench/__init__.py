@@ -15,7 +15,7 @@ def resolve_model(arg: str | None) -> tuple[Path, str]:
     tiny preset's shape.
     """
     if arg:
-        from tlt.model.loader import check_checkpoint
+        from tlt.model.folder import check_checkpoint
 
         check_checkpoint(arg)
         return Path(arg), arg

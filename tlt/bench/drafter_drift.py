@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.model:
-        from tlt.model.loader import check_checkpoint
+        from tlt.model.folder import check_checkpoint
 
         check_checkpoint(args.model)  # not a checkpoint: one line, exit 2, before any work
     if args.overhead:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.v1 import common_pb2, events_pb2
 
     if args.model:
-        from tlt.model.loader import check_checkpoint
+        from tlt.model.folder import check_checkpoint
 
         check_checkpoint(args.model)  # not a checkpoint: one line, exit 2, before any work
     torch.set_num_threads(1)

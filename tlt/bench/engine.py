@@ -34,17 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tlt.bench import resolve_model
+
+    model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2), before torch loads
     import torch
     import transformers
 
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.engine.engine import LLMEngine
-    from tlt.bench import resolve_model
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
     torch.set_num_threads(args.threads)
     sizes = args.batch_sizes
-    model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None

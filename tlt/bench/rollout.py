@@ -362,14 +362,9 @@ def _hook_cost(engine, requests, repeats: int = 20000) -> dict:  # noqa: ANN001
 def run(args: argparse.Namespace) -> int:
     import time
 
-    import torch
-
     from tlt.bench import resolve_model
-    from tlt.services.rollout.engine.config import EngineConfig
-    from tlt.services.rollout.engine.engine import LLMEngine
     from tlt.services.rollout.spec.config import SpecConfig
 
-    torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         print(f"error: --modes {args.modes!r} names no mode; choose from {list(MODES)}", file=sys.stderr)
@@ -408,6 +403,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --buckets {args.buckets!r} / --arms {args.arms!r}: {e}", file=sys.stderr)
         return 2
     model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
+    import torch  # after every check: a wrong argument fails at once, not after torch has loaded
+
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+
+    torch.set_num_threads(args.threads)
 
     sampled = args.temperature > 0
     if args.workload == "task":

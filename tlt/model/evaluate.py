@@ -164,12 +164,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from tlt.model.folder import check_checkpoint
+
+    # CheckpointError naming what is missing (tlt: one line, exit 2), not a transformers trace; before torch loads
+    check_checkpoint(args.model)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tlt.model.loader import check_checkpoint
-
-    check_checkpoint(args.model)  # CheckpointError naming what is missing (tlt: one line, exit 2), not a transformers trace
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

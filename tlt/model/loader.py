@@ -2,7 +2,8 @@
 
     load_checkpoint(dir) -> (ModelConfig, {hf_name: Tensor})
     read_tensors(dir, names) -> {hf_name: Tensor}   (only those, e.g. the embedding and lm_head)
-    check_checkpoint(dir)                           (config and weight files there; nothing loaded)
+    check_checkpoint(dir)                           (config and weight files there; nothing loaded: folder.py,
+                                                     without torch, re-exported here)
 
 Reads `config.json` (+ `generation_config.json` for eos ids) and the weights
 from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
@@ -22,37 +23,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tlt.model.config import ModelConfig, UnsupportedModelError
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder or a weight update cannot be used; the message says why."""
-
-
-def read_model_config(model_dir: str | Path) -> ModelConfig:
-    folder = Path(model_dir)
-    if folder.exists() and not folder.is_dir():
-        raise CheckpointError(f"{folder} is a file; give the checkpoint folder that holds config.json")
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{folder} has no config.json; a Hugging Face checkpoint folder is expected")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-    gen_path = folder / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    try:
-        return ModelConfig.from_hf(cfg, gen)
-    except UnsupportedModelError as e:
-        raise CheckpointError(f"{cfg_path}: {e}") from e
-    except KeyError as e:
-        raise CheckpointError(f"{cfg_path}: missing field {e.args[0]!r}") from e
+from tlt.model.config import ModelConfig
+from tlt.model.folder import (  # noqa: F401  (re-exported: the folder checks, which need no torch)
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    check_checkpoint,
+    read_model_config,
+    weight_files,
+)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -116,39 +95,11 @@ def validate_tensors(
             raise CheckpointError(f"checkpoint is missing tensor(s) {missing[:3]}{more}")
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
-        files = [folder / f for f in dict.fromkeys(weight_map.values())]
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"shard {f.name} named in {INDEX_FILE} is missing from {folder}")
-        return files
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
-
-
-def check_checkpoint(model_dir: str | Path, architecture: bool = True) -> None:
-    """CheckpointError unless the folder is a checkpoint with weights, and (`architecture`) one the native engine
-    can run; cheap: reads config.json and file names, no tensors. Commands call it before they load or start
-    anything. architecture=False for the SGLang backend, which serves architectures the native engine does not."""
-    folder = Path(model_dir)
-    if architecture or not (folder / "config.json").is_file():
-        read_model_config(folder)  # its CheckpointError: no folder, no config.json, an architecture we cannot run
-    _weight_files(folder)
-
-
 def read_tensors(model_dir: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Only the named tensors of a checkpoint folder, as stored (dtype kept); CheckpointError names any missing."""
     want = set(names)
     found: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(model_dir)):
+    for path in weight_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in want.intersection(f.keys()):
                 found[name] = f.get_tensor(name)
@@ -165,7 +116,7 @@ def load_checkpoint(
     folder = Path(model_dir)
     cfg = read_model_config(folder)
     tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(folder):
+    for path in weight_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORABLE_SUFFIXES):

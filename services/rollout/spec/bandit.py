@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tlt.services.rollout.spec.tree import Arm
+from tlt.services.rollout.spec.arm import Arm
 
 DEFAULT_THRESHOLDS = (1, 2, 5, 21)
 EXACT_SIZES = 16  # batch sizes compared exactly; above, classes a factor CLASS_RATIO wide

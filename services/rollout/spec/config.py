@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from tlt.services.common.config import ServiceConfig
 from tlt.services.rollout.spec.bandit import DEFAULT_BUCKET_ARMS, DEFAULT_THRESHOLDS, EXACT_SIZES
-from tlt.services.rollout.spec.tree import Arm
+from tlt.services.rollout.spec.arm import Arm
 
 
 class SpecConfig(ServiceConfig):

@@ -1,0 +1,74 @@
+"""A checkpoint folder's checks that read no tensors, without torch: a command checks the folder it was given
+before it imports torch and transformers (seconds), so a wrong path fails at once.
+
+    check_checkpoint(dir)   config.json readable, an architecture the native engine runs, weight files there
+    read_model_config(dir)  -> ModelConfig (config.json + generation_config.json)
+    weight_files(dir)       -> the safetensors files (single file or the shards of the index)
+
+Everything raises `CheckpointError` naming the folder; `tlt.model.loader` loads the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tlt.model.config import ModelConfig, UnsupportedModelError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or a weight update cannot be used; the message says why."""
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    folder = Path(model_dir)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file; give the checkpoint folder that holds config.json")
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder} has no config.json; a Hugging Face checkpoint folder is expected")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    try:
+        return ModelConfig.from_hf(cfg, gen)
+    except UnsupportedModelError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path}: missing field {e.args[0]!r}") from e
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} named in {INDEX_FILE} is missing from {folder}")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def check_checkpoint(model_dir: str | Path, architecture: bool = True) -> None:
+    """CheckpointError unless the folder is a checkpoint with weights, and (`architecture`) one the native engine
+    can run; cheap: reads config.json and file names, no tensors. Commands call it before they load or start
+    anything. architecture=False for the SGLang backend, which serves architectures the native engine does not."""
+    folder = Path(model_dir)
+    if architecture or not (folder / "config.json").is_file():
+        read_model_config(folder)  # its CheckpointError: no folder, no config.json, an architecture we cannot run
+    weight_files(folder)
