@@ -163,7 +163,7 @@ def test_a_cancelled_stream_leaves_nothing_behind(client: str) -> None:
             _wait_until_still(seen)
             assert len(s.servicer.streams) == 1
             call.cancel()
-            deadline = time.monotonic() + 3
+            deadline = time.monotonic() + 10  # a bound for a failure, not a speed target (CI runs slower)
             while time.monotonic() < deadline and (
                 s.servicer.streams
                 or {t for t in threading.enumerate() if t.name == "reward-stream-reader"} - readers_before
@@ -175,6 +175,6 @@ def test_a_cancelled_stream_leaves_nothing_behind(client: str) -> None:
             assert not left, f"{len(left)} reader thread(s) of the cancelled stream still alive"
         assert [r.id for r in _stub(s).ScoreStream(iter([Req(id="after", reference="1")]), timeout=10)] == ["after"]
         start = time.monotonic()
-        assert s.stop(0) and time.monotonic() - start < 2
+        assert s.stop(0) and time.monotonic() - start < 10  # not held by the cancelled stream's 30 s wait
 
 # ---- the client -------------------------------------------------------------------------------
