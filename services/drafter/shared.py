@@ -48,7 +48,7 @@ def shared_names(tied: bool) -> list[str]:
 def rollout_fetch(model_dir: str, address: str, token: str, timeout_s: float = 300.0) -> Fetch:
     """A `Fetch` of the target in `model_dir` from the rollout at `address` (gRPC GetWeights, a control-plane
     call: `token`, else $TLT_AUTH_TOKEN)."""
-    from tlt.model.loader import read_model_config
+    from tlt.model.folder import read_model_config
 
     tied = read_model_config(model_dir).tie_word_embeddings
 

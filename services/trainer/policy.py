@@ -304,12 +304,18 @@ class Policy:
         collective every rank must take part in, in the same order, even where only rank 0 uses the result."""
         return self.cfg.zero_stage == 3
 
+    def _comm_device(self) -> torch.device:
+        """Where a collective's tensor must be: the GPU under NCCL, the CPU under gloo."""
+        import torch.distributed as dist
+
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
     def all_reduce_stats(self, sums: dict[str, float], tokens: int, max_diff: float) -> tuple[dict[str, float], int, float]:
         """Sum per-rank diagnostic sums and token counts over the ranks (max for the logprob gap)."""
         import torch.distributed as dist
 
         keys = sorted(sums)
-        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        dev = self._comm_device()
         t = torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64, device=dev)
         dist.all_reduce(t)
         m = torch.tensor([max_diff], dtype=torch.float64, device=dev)
@@ -321,7 +327,7 @@ class Policy:
         """`t` summed over the ranks (a collective every rank calls), on CPU."""
         import torch.distributed as dist
 
-        x = t.to(self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+        x = t.to(self._comm_device())
         dist.all_reduce(x)
         return x.cpu()
 

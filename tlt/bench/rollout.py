@@ -89,9 +89,9 @@ learned and static-learned (the EAGLE drafter from `--drafter DIR`, skipped with
 A,B,C` gives the adaptive modes' bandit these arms in every batch-size bucket, `--arms A,B/C,D/...` one
 list per bucket (default: SpecConfig's per-bucket arms), and `--buckets 1,2,5,17,64` where the buckets start
 (with `--arms`). `--verify-budget N` sets SpecConfig.verify_token_budget (0: none), e.g. for speculating at
-every batch size (`--threshold 256`), where a static arm's draft_tokens x threshold must fit it. The model is `--model DIR`, else `artifacts/tiny` when it exists, else a random
-checkpoint with the tiny preset's shape (a random model repeats itself a lot, which flatters the
-n-gram drafter: say which model you used).
+every batch size (`--threshold 256`), where a static arm's draft_tokens x threshold must fit it. The model
+is `--model DIR`, else `artifacts/tiny` when it exists, else a random checkpoint with the tiny preset's
+shape (a random model repeats itself a lot, which flatters the n-gram drafter: say which model you used).
 """
 
 from __future__ import annotations
@@ -253,13 +253,13 @@ def _bucket(batch: int) -> str:
     return next(label for lo, hi, label in BUCKETS if batch >= lo and (hi is None or batch <= hi))
 
 
-def _spec_config(mode: str, args: argparse.Namespace, bucket_arms):  # noqa: ANN001, ANN202
+def _spec_config(mode: str, args: argparse.Namespace, bucket_arms, buckets=None):  # noqa: ANN001, ANN202
     from tlt.services.rollout.spec.config import SpecConfig
 
     learned = mode.endswith("learned")
     extra = {} if bucket_arms is None else {"bucket_arms": bucket_arms}
-    if args.buckets is not None and not mode.startswith("static"):
-        extra["bucket_thresholds"] = tuple(int(b) for b in args.buckets.split(","))
+    if buckets is not None and not mode.startswith("static"):
+        extra["bucket_thresholds"] = buckets
     if args.verify_budget is not None:
         extra["verify_token_budget"] = args.verify_budget
     return SpecConfig(mode="static" if mode.startswith("static") else "adaptive", threshold=args.threshold,
@@ -389,16 +389,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --temperature must be >= 0, got {args.temperature}", file=sys.stderr)
         return 2
     bucket_arms = None
+    given = None  # --buckets, parsed
     try:
         buckets = SpecConfig().bucket_thresholds
         if args.buckets is not None:
-            buckets = tuple(int(b) for b in args.buckets.split(","))
+            buckets = given = tuple(int(b) for b in args.buckets.split(","))
         if args.arms is not None:
             lists = [tuple(a.strip() for a in part.split(",") if a.strip()) for part in args.arms.split("/")]
             bucket_arms = tuple(lists[0] for _ in buckets) if len(lists) == 1 else tuple(lists)
         if args.buckets is not None and bucket_arms is None:
             raise ValueError("--buckets needs --arms: one list for every bucket, or one per bucket with '/' between")
-        _spec_config("ngram", args, bucket_arms)
+        _spec_config("ngram", args, bucket_arms, given)
     except ValueError as e:
         print(f"error: --buckets {args.buckets!r} / --arms {args.arms!r}: {e}", file=sys.stderr)
         return 2
@@ -432,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
         for mode in ran:
             engine = new_engine()
             if mode != "off":
-                engine.enable_spec(_spec_config(mode, args, bucket_arms if not mode.startswith("static") else None))
+                engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
             _warm_up(engine, requests)
     rounds: list[list[dict]] = []  # per round, the results of the modes that ran, in --modes order
     reference, run_index = None, 0
@@ -442,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
         for mode in ran:
             engine = new_engine()
             if mode != "off":
-                engine.enable_spec(_spec_config(mode, args, bucket_arms if not mode.startswith("static") else None))
+                engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
                 if args.bandit == "keep":
                     engine.spec_decoder.bandit = bandits.setdefault(mode, engine.spec_decoder.bandit)
             bandit = engine.spec_decoder.bandit if engine.spec_decoder is not None else None
@@ -484,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
         report["hook_cost"] = {}
         for mode in (m for m in ran if m in ("ngram", "learned")):
             engine = new_engine()
-            engine.enable_spec(_spec_config(mode, args, bucket_arms))
+            engine.enable_spec(_spec_config(mode, args, bucket_arms, given))
             report["hook_cost"][mode] = _hook_cost(engine, requests)
     if args.repeats > 1:
         report["repeats"] = args.repeats

@@ -2,8 +2,7 @@
 
     load_checkpoint(dir) -> (ModelConfig, {hf_name: Tensor})
     read_tensors(dir, names) -> {hf_name: Tensor}   (only those, e.g. the embedding and lm_head)
-    check_checkpoint(dir)                           (config and weight files there; nothing loaded: folder.py,
-                                                     without torch, re-exported here)
+    (the folder checks that read no tensors, check_checkpoint and read_model_config: folder.py, without torch)
 
 Reads `config.json` (+ `generation_config.json` for eos ids) and the weights
 from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
@@ -16,7 +15,6 @@ the tensor, what was expected and what was found.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,14 +22,7 @@ import torch
 from safetensors import safe_open
 
 from tlt.model.config import ModelConfig
-from tlt.model.folder import (  # noqa: F401  (re-exported: the folder checks, which need no torch)
-    INDEX_FILE,
-    SINGLE_FILE,
-    CheckpointError,
-    check_checkpoint,
-    read_model_config,
-    weight_files,
-)
+from tlt.model.folder import CheckpointError, read_model_config, weight_files
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

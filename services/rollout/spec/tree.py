@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.services.rollout.spec.arm import PLAIN, Arm  # noqa: F401  (re-exported)
+from tlt.services.rollout.spec.arm import Arm  # its home: arm.py (no torch); imported from here too
 
 
 @dataclass(frozen=True)
