@@ -118,6 +118,18 @@ def test_units_after_a_number_are_dropped() -> None:
     assert not math_verifier("", r"\boxed{12\text{ cm}}", "13")
 
 
+def test_command_words_are_not_cut_or_folded() -> None:
+    r"""`\left`/`\right` were removed as substrings (`\leftarrow` == `\rightarrow`), a bare `\circ` (composition)
+    as if a degree sign, and lower() folded command names (`\Delta` == `\delta`); `\boxed2` is a box in TeX."""
+    assert not math_verifier("", r"\boxed{\leftarrow}", r"\rightarrow")
+    assert not math_verifier("", r"\boxed{f \circ g}", "fg") and math_verifier("", r"\boxed{f\circ g}", r"f \circ g")
+    assert not math_verifier("", r"\boxed{\Delta}", r"\delta") and math_verifier("", r"\boxed{\Delta}", r"\Delta")
+    assert math_verifier("", r"\boxed{\left( 1, 2 \right)}", "(1,2)")  # the sizing commands still go
+    assert math_verifier("", r"\boxed{\displaystyle\frac12}", "0.5")
+    assert math_verifier("", r"\boxed{90^\circ}", "90") and math_verifier("", r"\boxed{\text{Yes}}", "yes")
+    assert math_verifier("", r"so \boxed2.", "2") and last_boxed(r"\boxedfoo{2}") is None
+
+
 def test_math_verifier_takes_the_whole_marked_answer() -> None:
     """The answer after `answer:` is the whole token, not its leading integer: `answer: 7.5` was scored
     correct against 7 (and wrong against 7.5)."""

@@ -48,6 +48,16 @@ def test_a_column_named_like_a_reward_keyword_is_refused(tmp_path, name):
         load_prompts(p)
 
 
+def test_an_answer_column_beside_another_answer_field_is_refused(tmp_path):
+    # answer_field names the reference's column; the trainer passes that as answer=, so a column called 'answer'
+    # (GSM8K's worked solutions) would reach a reward function replaced by the reference, silently
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2*21?", "solution": "42", "answer": "#### 42 because ..."}])
+    with pytest.raises(DataError, match=re.escape("d.jsonl:1: column 'answer' clashes with the reward function "
+                                                  "keyword answer=")):
+        load_prompts(p, answer_field="solution")
+    assert load_prompts(p)[0].extra == {"solution": "42"}  # as the answer field itself, it is the reference
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -132,6 +142,14 @@ def test_parquet(tmp_path):
         return
     pq.write_table(pa.table({"prompt": ["x", "y"], "answer": ["1", "2"], "solution": ["s1", "s2"]}), p)
     assert [(i.answer, i.extra) for i in load_prompts(p)] == [("1", {"solution": "s1"}), ("2", {"solution": "s2"})]
+
+    # not Parquet at all (JSONL so named), cut short, empty: refused as the data's fault, not a pyarrow traceback
+    good = p.read_bytes()
+    for name, content in [("jsonl", b'{"prompt": "x", "answer": "1"}\n'), ("cut", good[: len(good) // 2]), ("empty", b"")]:
+        bad = tmp_path / f"{name}.parquet"
+        bad.write_bytes(content)
+        with pytest.raises(DataError, match=re.escape(f"{bad}: not a readable Parquet file")):
+            load_prompts(bad)
 
 
 def test_synthetic_default_is_the_task():

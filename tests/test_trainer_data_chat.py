@@ -196,9 +196,13 @@ def test_verl_rows_with_a_nested_answer_field(tmp_path, model_dir):
 
 
 def test_a_top_level_answer_field_is_not_kept_as_a_column(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "solution": "7", "answer": "ignored"}])
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "solution": "7", "note": "kept"}])
     items = load_prompts(p, answer_field="solution")
-    assert (items[0].answer, items[0].extra) == ("7", {"answer": "ignored"})
+    assert (items[0].answer, items[0].extra) == ("7", {"note": "kept"})
+    # a column 'answer' beside it would reach reward functions replaced by the reference (answer=): refused
+    p = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "q", "solution": "7", "answer": "ignored"}])
+    with pytest.raises(DataError, match="column 'answer' clashes"):
+        load_prompts(p, answer_field="solution")
 
 
 @pytest.mark.parametrize(

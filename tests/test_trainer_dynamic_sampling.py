@@ -52,6 +52,18 @@ def test_a_step_short_of_informative_groups_fills_up_with_flat_ones_in_draw_orde
     assert sorted({s.prompt_index for s in sel.samples}) == [0, 1, 2]
 
 
+def test_rewards_equal_in_float32_are_a_flat_group_as_in_the_advantages():
+    # summed reward functions: 0.1 + 0.2 is 0.30000000000000004, not 0.3; the step's advantages (float32) call
+    # the group flat (all 0), so dynamic sampling must not keep it as informative
+    from tlt.services.trainer.grpo import group_advantages
+
+    rewards = [0.1 + 0.2, 0.3, 0.3, 0.3]
+    assert group_advantages(torch.tensor([rewards]), eps=1e-6).abs().max() == 0
+    sel = select_groups([([item(1), item(2)], group(0, rewards) + group(1, [0, 1, 0, 0]))], want=1, n=4)
+    assert [p.index for p in sel.prompts] == [2] and sel.informative_groups == 1
+    assert sel.zero_signal_groups == pytest.approx(1 / 2)
+
+
 def test_select_refuses_incomplete_groups():
     with pytest.raises(ValueError, match="prompt 0 has 1 samples, expected 2"):
         select_groups([([item(1)], group(0, [1, 0])[:1])], want=1, n=2)

@@ -12,7 +12,7 @@ only the last counts (MATH's `last_boxed_only_string` rule): `\boxed{2}` and
 `\boxed{3}` is the answer 3.
 
 Normalisation is deliberately conservative: it removes presentation (spaces,
-`$`, `\left`/`\right`, spacing commands, `\text{}` wrappers, degree and
+`$`, `\left`/`\right` (not `\leftarrow`), spacing commands, `\text{}` wrappers, degree and
 percent signs, a leading `x =`, thousands separators `1,000` and LaTeX's
 `1{,}000`, a trailing period, units: a `\text{ cm}` or `\mbox{ cm}` of words
 after a plain number, optionally squared or cubed, as math-verify and MATH's
@@ -21,7 +21,10 @@ percent sign is dropped, not divided out: `50\%` equals 50, not 0.5. Two
 answers are equivalent when their normal forms are equal, or when both are
 plain numbers (integers, decimals, `a/b`, `\frac{a}{b}`) with exactly the same
 rational value. It does not do symbolic algebra: `2x+2` and `2(x+1)` are
-different answers here.
+different answers here. Letters are compared without case (`\text{Yes}` is
+`yes`, a choice `(A)` is `(a)`), command names with it: `\Delta` is not
+`\delta`. A degree sign is only `^\circ` / `^{\circ}`: a bare `\circ` is
+function composition and stays.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ def last_boxed(text: str) -> str | None:
     if j < len(text) and text[j] == "{":
         end = _group_end(text, j)
         return None if end is None else text[j + 1 : end - 1]
-    if j == rest:  # `\boxedfoo`: another command, not a box
-        return None
+    if j == rest and text[j : j + 1].isalpha():  # `\boxedfoo`: another command, not a box (`\boxed2` is a box:
+        return None                            # a TeX command word ends at the first non-letter)
     m = re.match(r"[^\s$]+", text[j:])
     return m.group(0).rstrip(".") if m else None
 
@@ -85,8 +88,10 @@ def _unwrap(text: str, command: str) -> str:
     return "".join(out)
 
 
-_REMOVE = (r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\ ", r"\displaystyle", "^{\\circ}", "^\\circ",
-           r"\circ", r"\%", "%", r"\$", "$")
+_REMOVE = (r"\!", r"\,", r"\;", r"\:", r"\ ", "^{\\circ}", "^\\circ", r"\%", "%", r"\$", "$")
+# whole command words only: `\leftarrow` is not `\left` + `arrow`
+_REMOVE_WORDS = re.compile(r"\\(?:left|right|displaystyle)(?![A-Za-z])")
+_COMMAND_WORD = re.compile(r"\\[A-Za-z]+")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$", re.ASCII)
 _FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
 _LHS = re.compile(r"^[a-zA-Z](_\{?\w+\}?)?=(?!=)")
@@ -121,6 +126,7 @@ def normalize(answer: str) -> str:
     for cmd in (r"\text", r"\textbf", r"\mathrm", r"\mathbf", r"\mbox", r"\boxed"):
         s = _unwrap(s, cmd)
     s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
+    s = _REMOVE_WORDS.sub("", s)
     for token in _REMOVE:
         s = s.replace(token, "")
     s = "".join(s.split())
@@ -131,7 +137,17 @@ def normalize(answer: str) -> str:
         s = s.replace("{,}", "").replace(",", "")
     if s.startswith("+"):
         s = s[1:]
-    return s.lower()
+    return _lower_but_commands(s)
+
+
+def _lower_but_commands(s: str) -> str:
+    r"""`s` in lower case except its command words: `\Delta` stays apart from `\delta`, `\text{Yes}` -> yes."""
+    out, i = [], 0
+    for m in _COMMAND_WORD.finditer(s):
+        out += [s[i : m.start()].lower(), m.group(0)]
+        i = m.end()
+    out.append(s[i:].lower())
+    return "".join(out)
 
 
 # re.ASCII: numbers are written in ASCII digits (\d would take other scripts' digits, which int() and

@@ -128,6 +128,9 @@ def _item(index: int, row: object, where: str, answer_field: str = "answer") -> 
         if name in extra:
             raise DataError(f"{where}: column {name!r} clashes with the reward function keyword {name}= (passed "
                             "by the trainer); rename the column")
+    if "answer" in extra:  # answer_field names another column: the trainer passes that one as answer=
+        raise DataError(f"{where}: column 'answer' clashes with the reward function keyword answer=, which carries "
+                        f"the reference answer (answer_field {answer_field!r}); rename the column")
     return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra, messages=messages)
 
 
@@ -259,7 +262,12 @@ def parquet_rows(path: Path, answer_field: str = "answer") -> Iterable[Row]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or convert the file to JSONL)") from None
-    table = pq.read_table(path)
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:  # not Parquet (a JSONL file so named), truncated, empty
+        raise DataError(f"{path}: not a readable Parquet file ({e}); write it again, or name a JSONL file .jsonl") from None
     missing = [c for c in dict.fromkeys(("prompt", answer_field.split(".")[0])) if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; columns are {table.column_names}; answer_field "

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tlt.services.trainer.types import PromptItem, ScoredCompletion
 
 if TYPE_CHECKING:
@@ -47,8 +49,13 @@ class Selection:
 
 
 def informative(samples: Sequence[ScoredCompletion]) -> bool:
-    """True when the group's rewards are not all equal: some sample has a non-zero advantage."""
-    return max(s.reward for s in samples) != min(s.reward for s in samples)
+    """True when the group's rewards are not all equal: some sample has a non-zero advantage.
+
+    Compared in float32, as the step's advantages are (`grpo.group_advantages`): rewards that differ only past
+    float32's precision (0.1 + 0.2 against 0.3, from summed reward functions) are a flat group there too.
+    """
+    rewards = np.asarray([s.reward for s in samples], dtype=np.float32)
+    return bool(rewards.max() != rewards.min())
 
 
 def select_groups(rounds: Sequence[Round], want: int, n: int) -> Selection:
