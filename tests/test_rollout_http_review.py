@@ -208,3 +208,46 @@ def test_a_non_streamed_request_whose_client_goes_counts_what_its_unfinished_sam
     ran = _steps(server) - before
     assert ran >= end + 20
     assert _generated(server) - start == end + 1 + ran
+
+
+def _rejected(server) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics").text
+    return {m[0]: float(m[1]) for m in re.findall(r'^rollout_rejected_total\{reason="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def test_a_client_gone_while_sending_its_body_counts_as_client_closed(server):
+    """starlette's ClientDisconnect, raised while the body was read, escaped to the catch-all handler: a 500
+    internal_error with an 'Exception in ASGI application' traceback, for what is a client leaving (499)."""
+    import socket
+
+    before = _rejected(server)
+    host, port = server.base_url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000\r\n\r\n{\"model\": \"m\", ")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while (after := _rejected(server)) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {"client_closed": 1.0}
+
+
+def test_text_offset_indexes_the_text_the_choice_returns(server):
+    """text_offset was summed over the tokens' display strings: a character split over byte pieces (日 is three
+    GPT-2 pieces) counted three, a special token its whole `<|im_end|>`, so every later offset pointed past its
+    token in `text` (decoded without special tokens)."""
+    import transformers
+
+    from tlt.services.rollout.openai_convert import completion_logprobs
+
+    tok = transformers.AutoTokenizer.from_pretrained(server.server.model_dir)
+    for s in ("日本x", "a<|im_end|>b", "é€x"):
+        ids = tok.encode(s)
+        text = tok.decode(ids, skip_special_tokens=True)
+        offsets = completion_logprobs(tok, ids, [-1.0] * len(ids), None, 0, text).text_offset
+        assert len(offsets) == len(ids) and offsets == sorted(offsets) and text[offsets[-1]:] == s[-1], (s, offsets)
+        # every token starts at (or inside) the character its first byte belongs to
+        for i, o in enumerate(offsets):
+            assert tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd") == text[:o], (s, i, offsets)
+    ids = tok.encode("abc")
+    assert completion_logprobs(tok, ids, [-1.0] * 3, None, 0, "a").text_offset[-1] <= 1  # a stop string cut it

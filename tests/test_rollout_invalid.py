@@ -89,6 +89,13 @@ CASES = [
     ("message_content_number", "chat/completions", {"model": M, "messages": [{"role": "user", "content": 7}]}, 400,
      "content"),
     ("both_max_tokens", "chat/completions", ok_chat(M, max_completion_tokens=3), 400, "not both"),
+    # stop ids the vocabulary does not hold were taken silently (they could never stop anything)
+    ("stop_token_id_out_of_vocab", "completions", ok_completion(M, stop_token_ids=[10**9]), 400, "stop_token_ids"),
+    ("stop_token_id_negative", "chat/completions", ok_chat(M, stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("max_completion_tokens_zero", "chat/completions", ok_chat(M, max_tokens=None, max_completion_tokens=0), 400,
+     "max_completion_tokens must be"),
+    ("max_completion_tokens_beyond_context", "chat/completions",
+     ok_chat(M, max_tokens=None, max_completion_tokens=CTX), 400, "lower max_completion_tokens"),
     # OpenAI requires a tool message's tool_call_id (the call it answers): it was accepted without one
     ("tool_message_without_tool_call_id", "chat/completions",
      ok_chat(M, messages=[{"role": "user", "content": "2+2="}, {"role": "tool", "content": "4"}]), 400,
@@ -168,6 +175,15 @@ def test_unknown_route_and_method(server):
     assert r.status_code == 405 and "error" in r.json()
 
 
+@pytest.mark.parametrize("name, param", [("too_many_stops", "stop"), ("stop_token_id_out_of_vocab", "stop_token_ids"),
+                                         ("stop_token_id_negative", "stop_token_ids"),
+                                         ("max_completion_tokens_zero", "max_completion_tokens"),
+                                         ("max_completion_tokens_beyond_context", "max_completion_tokens")])
+def test_the_error_names_the_parameter_as_the_request_gave_it(server, name, param):
+    (path, body) = next((c[1], c[2]) for c in CASES if c[0] == name)
+    assert _send(server, path, body).json()["error"]["param"] == param
+
+
 def test_invalid_grpc_requests(server):
     client = RolloutClient(server.grpc_address, timeout_s=30)
     bad = [
@@ -179,6 +195,7 @@ def test_invalid_grpc_requests(server):
         ([], 1, rollout_pb2.SamplingParams(max_tokens=4), "no prompts"),
         (["1"], 1, rollout_pb2.SamplingParams(max_tokens=-2), "max_tokens"),
         (["1"], 1, rollout_pb2.SamplingParams(max_tokens=4, temperature=1e-40), "temperature"),
+        (["1"], 1, rollout_pb2.SamplingParams(max_tokens=4, stop_token_ids=[10**9]), "stop_token_ids"),
     ]
     for prompts, n, params, words in bad:
         with pytest.raises(grpc.RpcError) as e:

@@ -209,6 +209,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 raise ValueError(f"prompt {i} is empty")
             if any(not 0 <= t < info.vocab_size for t in ids):
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {info.vocab_size})")
+            if any(t >= info.vocab_size for t in params.stop_token_ids):
+                raise ValueError(f"stop_token_ids holds ids outside the vocabulary [0, {info.vocab_size})")
             if len(ids) >= info.max_model_len:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; the context length is {info.max_model_len}")
             if params.max_tokens is not None and len(ids) + params.max_tokens > info.max_model_len:

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tlt.services.common.auth import resolve_api_key, token_matches
 from tlt.services.common.metrics import Metrics
@@ -235,10 +236,14 @@ class OpenAIServer:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body of {declared} bytes is over the limit of {limit}", code="too_large")
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise ApiError(413, f"request body is over the limit of {limit} bytes", code="too_large")
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise ApiError(413, f"request body is over the limit of {limit} bytes", code="too_large")
+        except ClientDisconnect:  # gone while sending its body: as gone while waiting for its answer
+            raise ApiError(499, "the client closed the connection before its request body was in",
+                           code="client_closed") from None
         try:
             obj = json.loads(body)
             unicode = _is_unicode(obj)
@@ -277,22 +282,26 @@ class OpenAIServer:
             message, field = str(e), str(e).split(" ", 1)[0]
             if field == "logprobs" and isinstance(req, ChatCompletionRequest):  # the chat API's name for it
                 message, field = "top_" + message, "top_logprobs"
+            if field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:  # the name it came as
+                message, field = message.replace("max_tokens", "max_completion_tokens", 1), "max_completion_tokens"
             raise ApiError(400, message, param=field if field in type(req).model_fields else None) from None
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
+    def _check_prompt(self, ids: list[int], params: SamplingParams, where: str, max_tokens_name: str = "max_tokens") -> None:
         limit = self.pool.info.max_model_len
         vocab = self.pool.info.vocab_size
         if not ids:
             raise ApiError(400, f"{where} is empty", param="prompt")
         if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"{where} has token ids outside the vocabulary [0, {vocab})", param="prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ApiError(400, f"stop_token_ids holds ids outside the vocabulary [0, {vocab})", param="stop_token_ids")
         if len(ids) >= limit:
             raise ApiError(400, f"{where} has {len(ids)} tokens; the context length is {limit} "
                                 "(prompt + max_tokens must fit)", param="prompt", code="context_length_exceeded")
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise ApiError(400, f"max_tokens={params.max_tokens} plus the {len(ids)}-token {where} is over the "
-                                f"context length {limit}; lower max_tokens to at most {limit - len(ids)}",
-                           param="max_tokens", code="context_length_exceeded")
+            raise ApiError(400, f"{max_tokens_name}={params.max_tokens} plus the {len(ids)}-token {where} is over the "
+                                f"context length {limit}; lower {max_tokens_name} to at most {limit - len(ids)}",
+                           param=max_tokens_name, code="context_length_exceeded")
 
     def _requests(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str
                   ) -> list[GenerationRequest]:
@@ -449,7 +458,7 @@ class OpenAIServer:
                 lp = None
                 if params.logprobs is not None:
                     lp = conv.completion_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
-                                                  params.logprobs)
+                                                  params.logprobs, ev.text)
                 yield chunk(index, ts.finish(ev.text), conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
         if include_usage:
             yield _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
@@ -489,7 +498,8 @@ class OpenAIServer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
         ids = self._chat_prompt(req)
-        self._check_prompt(ids, params, "the chat prompt")
+        self._check_prompt(ids, params, "the chat prompt",
+                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         tools = conv.tool_parsing(req, self.config.tool_call_parser)
         reqs = self._requests([ids], params, req.n, "chatcmpl")
         rid = reqs[0].request_id.rsplit("-", 1)[0]

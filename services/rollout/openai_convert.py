@@ -110,18 +110,41 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
+def text_offsets(tokenizer: Any, token_ids: list[int], text: str | None = None) -> list[int]:
+    """Where each token starts in the choice's text (the completions API's `text_offset`), in characters.
+
+    Counted over the tokens' UTF-8 bytes as the text decodes them, not over their display strings: a byte piece of
+    a multi-byte character (`日` is three GPT-2 pieces) adds one character, not three, and a token that starts
+    inside a character points at that character; a special token (`<|im_end|>`) adds nothing, as the text is
+    decoded without them. `text`: offsets past its end (a stop string cut it) are clamped to its length.
+    """
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    offsets, chars, pending = [], 0, 0  # characters begun so far; bytes still due to the last one begun
+    for t in token_ids:
+        offsets.append(chars - 1 if pending else chars)  # inside a character: where that character starts
+        if t in special:
+            continue
+        for b in _token_text_and_bytes(tokenizer, t)[1]:
+            if b & 0xC0 == 0x80 and pending:  # a continuation byte of the character begun
+                pending -= 1
+            else:  # a lead byte (or a stray continuation byte: U+FFFD in the text, one character)
+                chars, pending = chars + 1, (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0)
+    if text is not None:
+        offsets = [min(o, len(text)) for o in offsets]
+    return offsets
+
+
 def completion_logprobs(
-    tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int
+    tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int,
+    text: str | None = None,
 ) -> CompletionLogprobs:
     """The legacy completions API's logprobs. Each position's `top_logprobs` holds the `k` most likely tokens and
     the sampled one besides when it is not among them (its logprob the position's `token_logprobs` value): "The
     API will always return the logprob of the sampled token, so there may be up to logprobs+1 elements in the
-    response" (OpenAI's reference for `logprobs`). The chat API has no such rule: see `chat_logprobs`."""
+    response" (OpenAI's reference for `logprobs`). The chat API has no such rule: see `chat_logprobs`.
+    `text`: the choice's text, which `text_offset` indexes (`text_offsets`)."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
+    offsets = text_offsets(tokenizer, token_ids, text)
     token_logprobs = [_lp(x) for x in (logprobs or [])]
     top_out = None
     if k > 0 and top is not None:
@@ -161,7 +184,7 @@ def chat_logprobs(
 def completion_choice(tokenizer: Any, index: int, c: CompletionOutput, logprobs: int | None) -> CompletionChoice:
     lp = None
     if logprobs is not None:
-        lp = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, logprobs)
+        lp = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs, logprobs, c.text)
     return CompletionChoice(
         index=index, text=c.text, logprobs=lp, finish_reason=finish_reason(c), tlt_versions=tlt_versions(c.versions)
     )

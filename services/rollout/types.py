@@ -72,7 +72,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if len(self.stop) > 16:
-            raise ValueError(f"at most 16 stop strings, got {len(self.stop)}")
+            raise ValueError(f"stop holds at most 16 strings, got {len(self.stop)}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {list(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:
