@@ -211,3 +211,41 @@ def test_a_learned_drafter_loaded_at_start_is_version_0_and_ngram_is_none(ckpt):
         assert out[0].versions.drafter == want and engine.stats().versions.drafter == want
     learned.update_weights("drafter", {k: v.detach().clone() for k, v in drafter.state_dict().items()}, 3)
     assert learned.generate([GenerationRequest("w", _prompts()[0], greedy)])[0].versions.drafter == 3
+
+
+def test_rejection_sampled_chains_do_not_depend_on_a_greedy_neighbour(ckpt):
+    """chain_sampling (learned chains verified by rejection sampling) applied to a step only when EVERY sequence
+    sampled and EVERY drafter row was warm; otherwise the whole batch fell back to the tree walk, which emits other
+    tokens for the same key. So a seeded request's samples changed with a greedy request beside it. Now each row
+    takes its own path (a cold row's: tests/test_spec_eagle.py). A step that decodes plainly (a newcomer's prefill
+    beside it) still emits plain decoding's token: SpecConfig.chain_sampling says so. Also: the rejection path's
+    logprobs were the log of a float32 softmax, -inf wherever a probability underflowed; now log_softmax, as plain
+    sampling's."""
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    spec = SpecConfig(mode="static", static_arm="4_1_5", threshold=64, hysteresis_steps=1, drafter="learned",
+                      drafter_path="(in memory)", chain_sampling=True, verify_token_budget=0)
+    params = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=123, logprobs=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def engine(with_spec: bool = True) -> LLMEngine:
+        e = LLMEngine(ckpt, EngineConfig(block_size=8))
+        if with_spec:
+            torch.manual_seed(0)
+            e.enable_spec(spec, Drafter(DrafterConfig.from_model_config(e.model_config), e.model.embed,
+                                        e.model.lm_head).eval())
+        return e
+
+    def run(others):
+        e = engine()
+        out = e.generate([GenerationRequest("A", _prompts()[0], params),
+                          *(GenerationRequest(f"o{i}", p, greedy) for i, p in enumerate(others))])
+        assert e.stats().spec["verify_steps"] > 5
+        return {c.request_id: c for c in out}
+
+    alone = run([])["A"]
+    assert all(lp > -1e4 for lp in alone.logprobs) and all(v > -1e4 for t in alone.top_logprobs for v in t.values())
+    crowded = run(_prompts()[1:4])
+    assert crowded["A"].token_ids == alone.token_ids
+    plain = engine(with_spec=False).generate([GenerationRequest(f"o{i}", p, greedy) for i, p in enumerate(_prompts()[1:4])])
+    assert [crowded[f"o{i}"].token_ids for i in range(3)] == [c.token_ids for c in plain]  # greedy stays lossless

@@ -198,3 +198,38 @@ def test_a_released_row_is_reused_from_empty():
         assert torch.allclose(tree.score[0], torch.tensor(ref), atol=1e-4), i
         src.release(s)
     assert src.cache.k.shape[0] == 8 and not src.rows
+
+
+def test_a_sampled_chain_is_drafted_the_same_beside_a_cold_or_greedy_row():
+    """sample (rejection-sampled chains) is per row: a warm sampling row gets its sampled chain and its p whatever
+    its neighbours are. It used to apply only when every row sampled and was warm; one cold or greedy neighbour
+    turned the whole batch to deterministic drafts (and the decoder to the tree walk), so a seeded request's
+    tokens depended on the batch."""
+    g = torch.Generator().manual_seed(7)
+    sampling = SamplingParams(temperature=0.9, top_k=30, seed=11)
+
+    def seq(rid, params, short=False):
+        s = Sequence(rid, 0, (1, 2, 3), params, 100, 5, frozenset())
+        s.token_ids.extend(torch.randint(0, V, (6,), generator=g).tolist())
+        out = s.token_ids[3:-1] if short else s.token_ids[3:]  # short: no pair for the last token, the row is cold
+        return s, (out, list(torch.randn(len(out), H, generator=g)), 3)
+
+    warm, warm_pairs = seq("w", sampling)
+    cold, cold_pairs = seq("c", sampling, short=True)
+    greedy, greedy_pairs = seq("g", SamplingParams(temperature=0.0))
+    arm = Arm(4, 1, 5)
+
+    def draft(rows):
+        src = EagleSource(_drafter())
+        for s, (toks, feats, first) in rows:
+            src.observe([s], [toks], [feats], [first])
+        return src.draft([s for s, _ in rows], arm, sample=[s.params.temperature > 0 for s, _ in rows])
+
+    alone, _ = draft([(warm, warm_pairs)])
+    assert alone.sampled.tolist() == [True] and alone.draft_probs.shape == (1, 4, V)
+    for others in ([(cold, cold_pairs)], [(greedy, greedy_pairs)], [(greedy, greedy_pairs), (cold, cold_pairs)]):
+        mixed, counts = draft([(warm, warm_pairs), *others])
+        assert mixed.sampled.tolist() == [True] + [False] * len(others)
+        assert mixed.tokens[0].tolist() == alone.tokens[0].tolist() and counts[0] == 5
+        assert torch.equal(mixed.draft_probs[0], alone.draft_probs[0])
+        assert (mixed.draft_probs[1:] == 0).all()

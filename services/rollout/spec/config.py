@@ -64,13 +64,16 @@ class SpecConfig(ServiceConfig):
         "(0 = always the arm's full depth). Lossless: it changes only what is proposed"
     )
     chain_sampling: bool = Field(
-        True, description="learned chains (topk = 1) when every sequence in the step samples (temperature > 0): draw "
-        "the drafts from the drafter's own tempered distribution p and verify by rejection sampling (accept with "
-        "min(1, q/p), else draw from max(q - p, 0)); false: greedy drafts verified by the tree walk. Both are exact in "
+        True, description="learned chains (topk = 1), for each sequence that samples (temperature > 0) and whose "
+        "drafter row is warm: draw the drafts from the drafter's own tempered distribution p and verify by rejection "
+        "sampling (accept with min(1, q/p), else draw from max(q - p, 0)); the step's other sequences (greedy, cold) "
+        "take greedy drafts and the tree walk. false: greedy drafts and the tree walk for all. Both are exact in "
         "distribution, but only the tree walk emits the tokens plain decoding would: with it a seeded request gives "
-        "the same samples whether SD is off, static or adaptive, whatever the load; rejection-sampled chains "
-        "(deterministic per seed and batch-independent too) emit other tokens, so a seeded request whose steps take "
-        "them reproduces only when the same steps do. Set false for seed reproducibility across SD states"
+        "the same samples whether SD is off, static or adaptive, whatever the load. Rejection-sampled chains are "
+        "deterministic per seed and do not depend on the other sequences of a verify step, but emit other tokens "
+        "than a plain step; a seeded request reproduces only when the same of its steps speculate (a prefill beside "
+        "it, the verify budget or a full KV cache makes a step plain). Set false for seed reproducibility across SD "
+        "states and loads"
     )
     drafter: Literal["learned", "ngram"] = Field("ngram", description="learned EAGLE drafter, or model-free n-gram matching")
     drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")

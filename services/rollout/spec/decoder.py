@@ -8,7 +8,7 @@
                      passes stay eager) -> one target token per node (argmax, or one draw from
                      the filtered q with the counter uniform of the position the node's token takes,
                      rng.py: the draw plain decoding makes there) -> tree walk (accept.py);
-                     chains SAMPLED from the drafter (`chain_sampling`, every sequence sampling):
+                     chains SAMPLED from the drafter (`chain_sampling`, per sequence that samples):
                      rejection sampling min(1, q/p) against the filtered q instead (accept.py; exact in
                      distribution, but not seeded-identical to plain decoding: SpecConfig.chain_sampling)
                   -> copy the accepted nodes' K/V to their final slots -> SpecEmission per sequence
@@ -57,10 +57,57 @@ from tlt.services.rollout.spec.accept import (
 from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
-from tlt.services.rollout.spec.filters import filtered_probs
+from tlt.services.rollout.spec.filters import filter_logits
 from tlt.services.rollout.spec.rng import ACCEPT, PLAIN, RESIDUAL, counter_uniforms, key_tensor
 from tlt.services.rollout.spec.switch import SpecSwitch
 from tlt.services.rollout.spec.tree import Arm, DraftTree, ancestor_mask, is_chain
+
+
+def _rejection(full: torch.Tensor, tree: DraftTree, filters: tuple[torch.Tensor, ...], keys: torch.Tensor,
+               first: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+    """Chains sampled from the drafter's p, verified by rejection sampling -> (result, node log q [B, N, V]).
+
+    ACCEPT's counter uniform decides draft i (position c + 1 + i), RESIDUAL's draws the step's last token. The
+    logprobs are log_softmax of the filtered logits, as plain sampling's: log of the softmax gave -inf wherever a
+    probability underflowed (most alternatives at a low temperature)."""
+    dev = full.device
+    temps, top_k, top_p, min_p = (f[:, None] for f in filters)
+    logq = filter_logits(full, temps, top_k, top_p, min_p).log_softmax(-1)
+    s_len = tree.num_nodes - 1
+    u = torch.cat([counter_uniforms(keys, first + torch.arange(s_len, device=dev), ACCEPT),
+                   counter_uniforms(keys, first, RESIDUAL)], 1)
+    res = chain_accept_rejection(tree.tokens[:, 1:].to(dev), tree.draft_probs.to(dev), logq.exp(), u=u)
+    return res, logq  # the distribution each emitted token is distributed as
+
+
+def _walk(full: torch.Tensor, tree: DraftTree, filters: tuple[torch.Tensor, ...], keys: torch.Tensor,
+          first: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+    """Deterministic drafts, verified by the tree walk with plain decoding's uniform at each position."""
+    u = counter_uniforms(keys, first + tree.depth.to(full.device), PLAIN)
+    nt = node_targets(full, *filters, u)
+    return tree_accept(tree.tokens.to(full.device), tree.parents.to(full.device), nt.tokens), nt.logprobs
+
+
+def _rows(tree: DraftTree, ix: torch.Tensor) -> DraftTree:
+    """Rows `ix` (CPU indices) of a batch of trees."""
+    probs = None if tree.draft_probs is None else tree.draft_probs[ix.to(tree.draft_probs.device)]
+    return DraftTree(tree.tokens[ix], tree.parents[ix], tree.depth[ix], tree.score[ix], probs)
+
+
+def _join(parts: list[tuple[torch.Tensor, AcceptResult, torch.Tensor]], b: int) -> tuple[AcceptResult, torch.Tensor]:
+    """Per-row results of row subsets (CPU indices, result, node logprobs) -> one batch's, padded with -1."""
+    width = max(r.tokens.shape[1] for _, r, _ in parts)
+    ref, lp0 = parts[0][1], parts[0][2]
+    dev = ref.tokens.device
+    accept_len = ref.accept_len.new_zeros(b)
+    tokens = ref.tokens.new_full((b, width), -1)
+    path = ref.path.new_full((b, width), -1)
+    logprobs = lp0.new_empty(b, *lp0.shape[1:])
+    for ix, r, lp in parts:
+        ix = ix.to(dev)
+        w = r.tokens.shape[1]
+        accept_len[ix], tokens[ix, :w], path[ix, :w], logprobs[ix] = r.accept_len, r.tokens, r.path, lp
+    return AcceptResult(accept_len, tokens, path), logprobs
 
 
 @dataclass
@@ -161,9 +208,9 @@ class SpecDecoder:
             self._behind = True
             return None
         catch_up = self._catch_up(seqs) if self._behind else 0.0
-        if isinstance(self.source, EagleSource):  # sampled chains when every sequence samples (see SpecConfig)
-            sample = (self.config.chain_sampling and arm.topk == 1
-                      and all(s.params.temperature > 0 and s.rng_key is not None for s in seqs))
+        if isinstance(self.source, EagleSource):  # sampled chains for the sequences that sample (see SpecConfig)
+            sample = [self.config.chain_sampling and arm.topk == 1 and s.params.temperature > 0
+                      and s.rng_key is not None for s in seqs]
             tree, counts = self.source.draft(seqs, arm, sample=sample)
         else:
             tree, counts = self.source.draft(seqs, arm)
@@ -196,18 +243,20 @@ class SpecDecoder:
         # decides position c + 1 + d; greedy rows (no key) take key 0 and never use theirs
         keys = key_tensor([s.rng_key or 0 for s in seqs], dev)
         first = torch.tensor(ctx, device=dev)[:, None] + 1
-        if tree.draft_probs is not None:  # drafts sampled from p: rejection sampling against the filtered q
-            q = filtered_probs(full, temps[:, None], top_k[:, None], top_p[:, None], min_p[:, None])
-            s_len = tree.num_nodes - 1  # ACCEPT decides draft i (position c + 1 + i); RESIDUAL the step's last draw
-            u = torch.cat([counter_uniforms(keys, first + torch.arange(s_len, device=dev), ACCEPT),
-                           counter_uniforms(keys, first, RESIDUAL)], 1)
-            res = chain_accept_rejection(tree.tokens[:, 1:].to(dev), tree.draft_probs.to(dev), q, u=u)
-            node_logprobs = q.log()  # the distribution each emitted token is distributed as
-        else:
-            u = counter_uniforms(keys, first + tree.depth.to(dev), PLAIN)  # plain decoding's uniform at each position
-            nt = node_targets(full, temps, top_k, top_p, min_p, u)
-            res = tree_accept(tree.tokens.to(dev), tree.parents.to(dev), nt.tokens)
-            node_logprobs = nt.logprobs
+        # rows whose drafts were sampled from p: rejection sampling against the filtered q; the others: the tree walk
+        rej = None if tree.draft_probs is None else (tree.sampled if tree.sampled is not None
+                                                     else torch.ones(b, dtype=torch.bool))
+        filters = (temps, top_k, top_p, min_p)
+        if rej is None or not bool(rej.any()):
+            res, node_logprobs = _walk(full, tree, filters, keys, first)
+        elif bool(rej.all()):
+            res, node_logprobs = _rejection(full, tree, filters, keys, first)
+        else:  # a batch of both (a greedy or a cold neighbour): each row as it would be alone
+            ri, wi = rej.nonzero().squeeze(1), (~rej).nonzero().squeeze(1)
+            parts = [(ix, *fn(full[ix.to(dev)], _rows(tree, ix), tuple(f[ix.to(dev)] for f in filters),
+                              keys[ix.to(dev)], first[ix.to(dev)]))
+                     for ix, fn in ((ri, _rejection), (wi, _walk))]
+            res, node_logprobs = _join(parts, b)
         lps = emitted_logprobs(res, node_logprobs).cpu()
         res = AcceptResult(res.accept_len.cpu(), res.tokens.cpu(), res.path.cpu())  # hid stays on the device
         src, dst, out = [], [], []

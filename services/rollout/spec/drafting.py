@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 
@@ -173,17 +174,25 @@ class EagleSource:
             self.last_h[key] = out[b, n[b] - 1]
 
     @torch.inference_mode()
-    def draft(self, seqs: list[Sequence], arm: Arm, sample: bool = False) -> tuple[DraftTree, torch.Tensor]:
-        """Draft trees for `seqs` -> (trees [B, N], node counts [B]). sample=True (chain arms, every
-        sequence sampling): when every sequence is warm, the chain's drafts are drawn from the drafter's
-        own tempered distribution with counter uniforms (rng.py), and the tree carries `draft_probs`
-        for rejection sampling; otherwise the drafts are deterministic (the tree walk verifies them)."""
+    def draft(self, seqs: list[Sequence], arm: Arm, sample: bool | list[bool] = False) -> tuple[DraftTree, torch.Tensor]:
+        """Draft trees for `seqs` -> (trees [B, N], node counts [B]). sample (per sequence, or for all; chain
+        arms only): a warm sequence's chain drafts are drawn from the drafter's own tempered distribution with
+        counter uniforms (rng.py), and the tree carries `draft_probs` and `sampled` for rejection sampling of
+        those rows; the other rows' drafts are deterministic (the tree walk verifies them). Per row, so a
+        sequence's path never depends on what else is in the batch (a greedy or a cold neighbour)."""
         warm = self._feed(seqs)
         trees: list[DraftTree | None] = [None] * len(seqs)
-        idx = [i for i, w in enumerate(warm) if w]
-        if sample and arm.topk == 1 and len(idx) == len(seqs):
+        flags = sample if isinstance(sample, list) else [sample] * len(seqs)
+        sampled = [i for i, w in enumerate(warm) if w and flags[i]] if arm.topk == 1 else []
+        if sampled and len(sampled) == len(seqs):  # the usual case when sampling: one batch, nothing to join
             tree, counts = self._chain(seqs, arm, sample=True)
-            return _structure_on_cpu(tree), counts.cpu()
+            return replace(_structure_on_cpu(tree), sampled=torch.ones(len(seqs), dtype=torch.bool)), counts.cpu()
+        idx = [i for i, w in enumerate(warm) if w and i not in sampled]
+        if sampled:
+            s_tree, _ = self._chain([seqs[i] for i in sampled], arm, sample=True)
+            for j, i in enumerate(sampled):  # never cut: every row has all its drafts
+                trees[i] = DraftTree(s_tree.tokens[j : j + 1].cpu(), s_tree.parents[j : j + 1].cpu(),
+                                     s_tree.depth[j : j + 1].cpu(), s_tree.score[j : j + 1].cpu())
         if idx:
             warm_seqs = [seqs[i] for i in idx]
             if arm.topk == 1:
@@ -201,7 +210,16 @@ class EagleSource:
         for i, s in enumerate(seqs):
             if trees[i] is None:
                 trees[i] = trie_tree(s.token_ids[-1], [], 1)
-        return pad_trees(trees)  # type: ignore[arg-type]
+        tree, counts = pad_trees(trees)  # type: ignore[arg-type]
+        if sampled:  # the sampled rows' p beside the others' (zeros, never read: `sampled` says which rows)
+            probs = s_tree.draft_probs
+            assert probs is not None and tree.num_nodes == probs.shape[1] + 1, "sampled chains are the longest"
+            all_probs = probs.new_zeros(len(seqs), *probs.shape[1:])
+            all_probs[torch.tensor(sampled, device=probs.device)] = probs
+            rows = torch.zeros(len(seqs), dtype=torch.bool)
+            rows[sampled] = True
+            tree = replace(tree, draft_probs=all_probs, sampled=rows)
+        return tree, counts
 
     def _chain(self, seqs: list[Sequence], arm: Arm, sample: bool = False) -> tuple[DraftTree, torch.Tensor]:
         """topk = 1: the tree `build_tree` would keep (the first draft_tokens - 1 drafts of the greedy
@@ -342,4 +360,5 @@ def _structure_on_cpu(tree: DraftTree) -> DraftTree:
     mixing its trees with CPU tensors raised "Expected all tensors to be on the same device" at the first verify
     step. `draft_probs` (the sampled chains' p, [B, N - 1, V]) stays on the drafter's device: the acceptance
     runs there. A no-op on CPU."""
-    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depth.cpu(), tree.score.cpu(), tree.draft_probs)
+    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depth.cpu(), tree.score.cpu(), tree.draft_probs,
+                     tree.sampled)

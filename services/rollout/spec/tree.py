@@ -36,7 +36,8 @@ class DraftTree:
     (root 0). `score` [B, N] is the cumulative draft log-probability (0 at the root).
     `draft_probs` [B, N - 1, V], only for chains SAMPLED from the drafter: the distribution p that
     node i + 1's token was drawn from (verified by rejection sampling, `chain_accept_rejection`);
-    None for deterministic drafts (verified by the tree walk).
+    None for deterministic drafts (verified by the tree walk). `sampled` [B] bool (CPU): which rows'
+    drafts were sampled (their draft_probs rows are p); the others are verified by the tree walk.
     """
 
     tokens: torch.Tensor
@@ -44,6 +45,7 @@ class DraftTree:
     depth: torch.Tensor
     score: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
