@@ -107,7 +107,9 @@ def micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch,
     loss.backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
     opt.step()
-    return replace(res, loss=loss)  # the plain pairs' figures; loss is what was optimised
+    # the plain pairs' figures; loss is what was optimised, detached: its graph holds every parameter and
+    # gradient, so a caller keeping the record kept the drafter alive on the device after "releasing" it
+    return replace(res, loss=loss.detach())
 
 
 def save_atomic(path: str | Path, obj: Any, fsync: bool = False) -> None:

@@ -30,7 +30,7 @@ import gc
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import zmq
@@ -138,6 +138,7 @@ class DrafterWorker:
         self.preemptions = int(saved.get("preemptions", 0))
         self.budget_spent = False  # window_max_steps reached in this idle period of the replica
         self.windows = 0
+        self.checkpoint_failures = 0  # optimizer checkpoints that could not be written (retried)
         self._gen = torch.Generator().manual_seed(worker_id)
         self.drafter_cfg, embed, head = target_shared(model_dir)  # --model is policy version 0
         self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # on the CPU between windows
@@ -245,12 +246,16 @@ class DrafterWorker:
                 self._poll_events(0.0 if self._may_train() else 0.2)  # the latest state, not a stale one
                 if not self._may_train():
                     continue
+                failed = False
                 try:
                     self.window(stop)
                 except CoordinatorUnavailable as e:
                     log.warning("coordinator_unavailable", error=str(e))
-                    if self.device.startswith("cuda"):  # the window's drafter and optimizer died with it: hand
-                        torch.cuda.empty_cache()  # their memory back to the replica now, not after the next window
+                    failed = True
+                if failed:  # out of the except block: its traceback no longer holds the window's frame, so the
+                    if self.device.startswith("cuda"):  # drafter and optimizer are gone; hand their memory back
+                        gc.collect()  # to the replica now, not after the next window
+                        torch.cuda.empty_cache()
                     time.sleep(1.0)
         finally:
             try:
@@ -282,12 +287,15 @@ class DrafterWorker:
         self.shared.refresh()  # between windows only: a window trains with one embedding / lm_head throughout
         self.client.shared_policy_version = shared_version = self.shared.current.policy_version
         self.client.shared_fetch_failures = self.shared.failures
+        # what the last window left for an idle moment: this is one. Before anything goes on the device, and before
+        # reading the checkpoint, which only then holds the optimizer state the last window ended with
+        if self._flush(stop_on_busy=True):  # turned busy during the send: the checkpoint waits, nothing trains
+            res.preempted = True
+            res.released = time.time()
+            return self._close_window(res, start, shared_version)
         embed, head = self.shared.current.embed, self.shared.current.lm_head
         drafter = Drafter(self.drafter_cfg, embed.to(self.device), head.to(self.device)).to(self.device)
         opt = make_optimizer(drafter, self.cfg.lr, self.cfg.weight_decay)
-        # what the last window left for an idle moment: this is one. Before reading the checkpoint, which
-        # only then holds the optimizer state the last window ended with
-        self._flush()
         saved = load_state(self.ckpt)
         if saved is not None and saved.get("optimizer"):
             opt.load_state_dict(saved["optimizer"])
@@ -317,7 +325,8 @@ class DrafterWorker:
             loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
                               self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps)
             res.micro_steps += 1
-            res.losses.append(float(loss.loss.detach()))
+            res.losses.append(float(loss.loss))
+            del loss
             since_submit += 1
             self._poll_events(0.0)
             if self.busy_seen:  # turned busy during the step: stop now; a due submission waits (deferred)
@@ -353,15 +362,19 @@ class DrafterWorker:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         res.released = time.time()
-        if res.preempted:
-            res.busy_timestamp = self.last_busy
-            self.preemptions += 1
         self.total_steps += res.micro_steps
         # The replica is busy again: sending the change and writing the checkpoint would take CPU from it,
         # so they wait for the next idle window, or `run`'s exit (`_flush`); a kill -9 before then loses
         # at most these `since_submit` micro-steps and the worker resumes from the last checkpoint.
         self._deferred = _Deferred(local, base, base_version, since_submit,
                                    res.losses[-since_submit:] if since_submit else [], opt_state)
+        return self._close_window(res, start, shared_version)
+
+    def _close_window(self, res: WindowResult, start: float, shared_version: int) -> WindowResult:
+        """Count a preemption and report the window to the coordinator (its training-window log)."""
+        if res.preempted:
+            res.busy_timestamp = self.last_busy
+            self.preemptions += 1
         win = drafter_pb2.TrainingWindow(
             worker_id=self.worker_id, replica_id=self.replica_id, start=start, end=res.released,
             micro_steps=res.micro_steps, preempted=res.preempted, busy_timestamp=res.busy_timestamp,
@@ -381,16 +394,27 @@ class DrafterWorker:
         drafter.load_tensors(tensors)  # type: ignore[operator]
         return tensors, cand.version
 
-    def _flush(self) -> None:
-        """Send the change and write the checkpoint the last window deferred (see `window`)."""
+    def _flush(self, stop_on_busy: bool = False) -> bool:
+        """Send the change and write the checkpoint the last window deferred (see `window`).
+
+        stop_on_busy (an idle moment, not the exit): when the replica turned busy during the send, the checkpoint
+        waits again (the change is sent: only it stays deferred) and this returns True. A checkpoint that cannot be
+        written (a full disk) stays deferred too: logged, retried at the next idle moment."""
         d = self._deferred
         if d is None:
-            return
-        if d.steps and not self._send_delta(d.local, d.base, d.base_version, d.steps, d.losses):  # unavailable: raises, kept
-            self._deferred = None  # refused: its optimizer state goes too; the next window loads the checkpoint
-            return
-        self._checkpoint(d.opt_state)
-        self._deferred = None
+            return False
+        if d.steps:
+            if not self._send_delta(d.local, d.base, d.base_version, d.steps, d.losses):  # unavailable: raises, kept
+                self._deferred = None  # refused: its optimizer state goes too; the next window loads the checkpoint
+                return False
+            self._deferred = d = replace(d, steps=0, losses=[])  # sent: never again
+            if stop_on_busy:
+                self._poll_events(0.0)
+                if self.busy_seen:
+                    return True
+        if self._checkpoint(d.opt_state):
+            self._deferred = None
+        return False
 
     def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, losses: list[float]) -> bool:
         """False when the coordinator refused it (logged): resending the same delta would be refused again, and
@@ -418,7 +442,7 @@ class DrafterWorker:
         self._poll_events(0.0)
         if self.busy_seen:
             return True
-        self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)
+        self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)  # failed: the window's end defers one
         return False
 
     def _restore_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -429,9 +453,18 @@ class DrafterWorker:
         else:
             opt.state.clear()
 
-    def _checkpoint(self, opt_state: dict, extra_steps: int = 0) -> None:
-        save_atomic(self.ckpt, {"optimizer": opt_state, "micro_steps": self.total_steps + extra_steps,
-                                "preemptions": self.preemptions})
+    def _checkpoint(self, opt_state: dict, extra_steps: int = 0) -> bool:
+        """Write the optimizer checkpoint; False (logged, counted) when it cannot be written: one failed write (a
+        full disk) stopped the worker's process for good, and nothing restarts it; the coordinator's own checkpoint
+        failures are retried the same way."""
+        try:
+            save_atomic(self.ckpt, {"optimizer": opt_state, "micro_steps": self.total_steps + extra_steps,
+                                    "preemptions": self.preemptions})
+        except OSError as e:
+            self.checkpoint_failures += 1
+            log.error("worker_checkpoint_failed", worker=self.worker_id, path=str(self.ckpt), error=repr(e)[:300])
+            return False
+        return True
 
     def close(self) -> None:
         self.sub.close()

@@ -1,0 +1,143 @@
+"""What a drafter worker leaves behind when its replica turns busy, or its window fails (found by review).
+
+- At release (BUSY seen -> device freed) the window still held the drafter's parameters and gradients through
+  the last micro-step's loss record (its autograd graph), so `torch.cuda.empty_cache()` freed nothing of them.
+- A window aborted by CoordinatorUnavailable was released inside the `except` block, whose traceback still held
+  the window's frame (drafter, optimizer, the device copies of embed / lm_head).
+- The change a preempted window deferred is sent when the next window opens; a BUSY during that send was not
+  looked at: the worker still wrote the optimizer checkpoint and pulled the whole candidate on the busy replica's
+  time (the in-window path already stopped, test_drafter_worker.py).
+- One failed checkpoint write (a full disk) ended `run()`, so the worker process, for good.
+
+The worker and its training are real (a tiny checkpoint, `tests/drafter_helpers.py`); the coordinator is the
+in-process stub of those helpers. There is no GPU here: a device name that answers startswith("cuda") takes the
+worker's CUDA branch, and `torch.cuda.empty_cache` is replaced by a probe that counts what is still alive.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import weakref
+
+import torch
+
+import tlt.services.drafter.worker as wmod
+from drafter_helpers import IDLE, StubbedWorker, model_dir  # noqa: F401
+from tlt.services.drafter.training import load_state
+from tlt.services.drafter.worker import CoordinatorUnavailable
+
+
+class _CudaName(str):
+    """"cpu" that says it is a CUDA device: the worker runs its empty_cache branch (a probe here)."""
+
+    def startswith(self, prefix, *args):  # type: ignore[override]
+        return prefix == "cuda" or str.startswith(self, prefix, *args)
+
+
+def _track_drafters(monkeypatch) -> list:
+    refs: list = []
+    real = wmod.Drafter
+
+    class Tracked(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            refs.append(weakref.ref(self))
+            refs.extend(weakref.ref(p) for p in self.parameters())
+
+    monkeypatch.setattr(wmod, "Drafter", Tracked)
+    return refs
+
+
+def test_nothing_of_the_drafter_is_alive_when_a_preempted_window_releases_the_device(tmp_path, model_dir, monkeypatch):
+    stub = StubbedWorker(tmp_path, model_dir)
+    w = stub.worker
+    w.device = _CudaName("cpu")
+    w.state, w._heard = IDLE, 1e18
+    stub.busy_after = 2  # BUSY after the third batch request: micro-steps, then the release
+    refs = _track_drafters(monkeypatch)
+    alive_at_release = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_at_release.append(sum(r() is not None for r in refs)))
+    res = w.window()
+    assert res.preempted and res.micro_steps >= 1 and len(refs) > 1
+    assert alive_at_release == [0]
+
+
+def test_nothing_of_the_drafter_is_alive_when_a_window_fails_on_the_coordinator(tmp_path, model_dir, monkeypatch):
+    stub = StubbedWorker(tmp_path, model_dir)
+    w = stub.worker
+    w.device = _CudaName("cpu")
+    w.state, w._heard, w._idle_since = IDLE, 1e18, 0.0
+    stub.snapshot = lambda timeout_s=2.0: []
+    stub.busy_after = 100
+    stub_ask, batches = stub.ask, []
+
+    def ask(**body):
+        if "batch_request" in body:
+            batches.append(1)
+            if len(batches) == 2:  # the coordinator restarting: the second batch request times out
+                raise CoordinatorUnavailable("no answer")
+        return stub_ask(**body)
+
+    w.client.ask = ask
+    refs = _track_drafters(monkeypatch)
+    stop, alive = threading.Event(), []
+
+    def probe():
+        alive.append(sum(r() is not None for r in refs))
+        stop.set()
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", probe)
+    monkeypatch.setattr(wmod.time, "sleep", lambda s: None)
+    w.run(stop)
+    assert len(refs) > 1 and alive[:1] == [0]
+
+
+def test_a_busy_during_the_window_opening_send_skips_the_checkpoint_and_the_pull(tmp_path, model_dir):
+    stub = StubbedWorker(tmp_path, model_dir)
+    w = stub.worker
+    w.state, stub.busy_after = IDLE, 2
+    res = w.window()  # preempted after 2 micro-steps: the change and the checkpoint wait
+    assert res.preempted and w._deferred is not None and w._deferred.steps == 2 and load_state(w.ckpt) is None
+    real_ask = stub.ask
+
+    def ask(**body):
+        reply = real_ask(**body)
+        if "update" in body:
+            stub.busy()  # the replica turns busy while the deferred change is on its way
+        return reply
+
+    w.client = type("Client", (), {"ask": staticmethod(ask), "shared_policy_version": 0, "shared_fetch_failures": 0})()
+    w.state, stub.busy_after, stub.asks[:] = IDLE, 10**6, []
+    res = w.window()
+    assert res.preempted and res.micro_steps == 0
+    assert stub.asks.count("update") == 1 and "pull" not in stub.asks and load_state(w.ckpt) is None
+    assert w._deferred is not None and w._deferred.steps == 0  # sent; only the checkpoint still waits
+    w.state = IDLE  # the next idle moment: the checkpoint, and no second copy of the change
+    w._flush(stop_on_busy=True)
+    assert load_state(w.ckpt) is not None and w._deferred is None and stub.asks.count("update") == 1
+
+
+def test_a_checkpoint_that_cannot_be_written_is_retried_not_fatal(tmp_path, model_dir, monkeypatch):
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=2)
+    w = stub.worker
+    w.state, w._heard, w._idle_since = IDLE, 1e18, 0.0
+    stub.snapshot = lambda timeout_s=2.0: []
+    stub.busy_after = 100
+    real, calls = wmod.save_atomic, []
+
+    def full_disk_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(wmod, "save_atomic", full_disk_once)
+    stop = threading.Event()
+    timer = threading.Timer(3.0, stop.set)
+    timer.start()
+    try:
+        w.run(stop)  # raised OSError before
+    finally:
+        timer.cancel()
+    assert w.checkpoint_failures == 1 and len(calls) >= 2 and load_state(w.ckpt) is not None
