@@ -96,8 +96,12 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(client, server):
     lp = client.completions.create(**kw).choices[0].logprobs
     assert len(lp.tokens) == 24
     assert _check_holds_sampled(lp, 1) > 0, "no token sampled outside the top 1: the test checks nothing"
-    last = [c for c in client.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
-    assert last[-1].choices[0].logprobs.top_logprobs == lp.top_logprobs  # a stream's last chunk: the same lists
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    # each chunk carries its tokens' logprobs (they all came in the last one before); joined: the same lists
+    assert sum(c.logprobs is not None for c in chunks) > 1
+    joined = [x for c in chunks if c.logprobs is not None for x in c.logprobs.top_logprobs]
+    assert joined == lp.top_logprobs
+    assert [o for c in chunks if c.logprobs is not None for o in c.logprobs.text_offset] == lp.text_offset
 
 
 def _generated(server) -> float:
@@ -251,3 +255,29 @@ def test_text_offset_indexes_the_text_the_choice_returns(server):
             assert tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd") == text[:o], (s, i, offsets)
     ids = tok.encode("abc")
     assert completion_logprobs(tok, ids, [-1.0] * 3, None, 0, "a").text_offset[-1] <= 1  # a stop string cut it
+
+
+def test_streamed_logprobs_come_with_their_chunks_and_join_to_the_non_streamed_ones(client, server):
+    """OpenAI and vLLM send each chunk's tokens' logprobs with that chunk; here every text chunk but the last came
+    with `logprobs: null` and the last carried the whole choice's. Now a text chunk carries the tokens that came
+    before it (a token whose text is held back, a part of a character or of a possible stop string, goes with the
+    next), and the lists joined are the non-streamed response's, completions and chat alike."""
+    kw = dict(model=server.model_name, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt="12+7=", logprobs=2, **kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(prompt="12+7=", logprobs=2, stream=True, **kw)
+              if c.choices]
+    texts = [c for c in chunks if c.text]
+    assert len(texts) > 2 and all(c.logprobs is not None and c.logprobs.tokens for c in texts[1:])
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks if c.logprobs for x in getattr(c.logprobs, field)] == getattr(full.logprobs, field)
+    assert "".join(c.text for c in chunks) == full.text
+
+    messages = [{"role": "user", "content": "12+7="}]
+    whole = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw).choices[0]
+    parts = [c.choices[0] for c in client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2,
+                                                                    stream=True, **kw) if c.choices]
+    with_content = [c for c in parts if c.delta.content]
+    assert len(with_content) > 2 and all(c.logprobs is not None for c in with_content[1:])
+    joined = [t for c in parts if c.logprobs for t in c.logprobs.content]
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in joined] == \
+        [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in whole.logprobs.content]

@@ -226,7 +226,7 @@ def stream_choice(tok, text: str, tools, finish: str = "stop", stop: tuple[str, 
             sent += ch.delta.content or ""
             assert tools is None or "<tool_call" not in sent  # with tools, no part of a block leaves as content
         i += k
-    choices += stream.finish(c, False, 0)
+    choices += stream.finish(c)
     return [json.loads(json.dumps(Chunk(id="chatcmpl-1", created=0, model="m", choices=[ch])
                                   .model_dump(exclude_none=True))) for ch in choices]
 

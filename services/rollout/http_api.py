@@ -444,21 +444,31 @@ class OpenAIServer:
             return _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                 CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, tlt_versions=versions)]))
 
+        k = params.logprobs
+        # per choice: its logprobs, sent with the chunks (conv.StreamLogprobs), and their text offsets so far
+        lps: dict[int, tuple[conv.StreamLogprobs, conv.TextOffsets]] = {}
         async for pi, ev in self._merged(reqs):
             index = pi * n + ev.sample_index
             ts = streams.setdefault(index, conv.TextStream(self.tokenizer, params.stop))
+            if k is not None and index not in lps:
+                lps[index] = (conv.StreamLogprobs(k), conv.TextOffsets(self.tokenizer))
             if isinstance(ev, StepOutput):
                 if ev.finished:  # its tokens may end in a stop string: the CompletionOutput's cut text follows
                     continue
+                if k is not None:
+                    lps[index][0].push(ev)
                 delta = ts.push(ev.new_token_ids)
                 if delta:
-                    yield chunk(index, delta)
+                    lp = None
+                    if k is not None and (ready := lps[index][0].take()) is not None:
+                        lp = conv.completion_logprobs(self.tokenizer, *ready, k, offsets=lps[index][1])
+                    yield chunk(index, delta, lp=lp)
             else:
                 outs.append(ev)
                 lp = None
-                if params.logprobs is not None:
-                    lp = conv.completion_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
-                                                  params.logprobs, ev.text)
+                if k is not None:
+                    stream_lp, offsets = lps[index]
+                    lp = conv.completion_logprobs(self.tokenizer, *stream_lp.rest(ev), k, ev.text, offsets)
                 yield chunk(index, ts.finish(ev.text), conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
         if include_usage:
             yield _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
@@ -548,7 +558,8 @@ class OpenAIServer:
             return _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
 
         for i in range(req.n):
-            streams[i] = conv.ChatChoiceStream(self.tokenizer, i, params.stop, tools)
+            streams[i] = conv.ChatChoiceStream(self.tokenizer, i, params.stop, tools, bool(req.logprobs),
+                                               req.top_logprobs or 0)
             yield chunk(streams[i].start())
         async for _, ev in self._merged(reqs):
             cs = streams[ev.sample_index]
@@ -557,7 +568,7 @@ class OpenAIServer:
                     yield chunk(choice)
             else:
                 outs.append(ev)
-                for choice in cs.finish(ev, req.logprobs, req.top_logprobs or 0):
+                for choice in cs.finish(ev):
                     yield chunk(choice)
         if include_usage:
             yield _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],

@@ -110,41 +110,50 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
-def text_offsets(tokenizer: Any, token_ids: list[int], text: str | None = None) -> list[int]:
-    """Where each token starts in the choice's text (the completions API's `text_offset`), in characters.
+class TextOffsets:
+    """Where each token starts in the choice's text (the completions API's `text_offset`), in characters, fed
+    token by token (a stream feeds each chunk's tokens in turn).
 
     Counted over the tokens' UTF-8 bytes as the text decodes them, not over their display strings: a byte piece of
     a multi-byte character (`日` is three GPT-2 pieces) adds one character, not three, and a token that starts
     inside a character points at that character; a special token (`<|im_end|>`) adds nothing, as the text is
-    decoded without them. `text`: offsets past its end (a stop string cut it) are clamped to its length.
+    decoded without them.
     """
-    special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    offsets, chars, pending = [], 0, 0  # characters begun so far; bytes still due to the last one begun
-    for t in token_ids:
-        offsets.append(chars - 1 if pending else chars)  # inside a character: where that character starts
-        if t in special:
-            continue
-        for b in _token_text_and_bytes(tokenizer, t)[1]:
-            if b & 0xC0 == 0x80 and pending:  # a continuation byte of the character begun
-                pending -= 1
-            else:  # a lead byte (or a stray continuation byte: U+FFFD in the text, one character)
-                chars, pending = chars + 1, (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0)
-    if text is not None:
-        offsets = [min(o, len(text)) for o in offsets]
-    return offsets
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        self.chars = 0  # characters begun so far
+        self.pending = 0  # bytes still due to the last character begun
+
+    def feed(self, token_ids: list[int], text: str | None = None) -> list[int]:
+        """The offsets of `token_ids` (the next tokens); `text` (the whole choice's): clamped to its length, for
+        tokens past a stop string that cut it."""
+        offsets = []
+        for t in token_ids:
+            offsets.append(self.chars - 1 if self.pending else self.chars)  # inside a character: where it starts
+            if t in self.special:
+                continue
+            for b in _token_text_and_bytes(self.tokenizer, t)[1]:
+                if b & 0xC0 == 0x80 and self.pending:  # a continuation byte of the character begun
+                    self.pending -= 1
+                else:  # a lead byte (or a stray continuation byte: U+FFFD in the text, one character)
+                    self.chars, self.pending = self.chars + 1, (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0)
+        return offsets if text is None else [min(o, len(text)) for o in offsets]
 
 
 def completion_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int,
-    text: str | None = None,
+    text: str | None = None, offsets: TextOffsets | None = None,
 ) -> CompletionLogprobs:
     """The legacy completions API's logprobs. Each position's `top_logprobs` holds the `k` most likely tokens and
     the sampled one besides when it is not among them (its logprob the position's `token_logprobs` value): "The
     API will always return the logprob of the sampled token, so there may be up to logprobs+1 elements in the
     response" (OpenAI's reference for `logprobs`). The chat API has no such rule: see `chat_logprobs`.
-    `text`: the choice's text, which `text_offset` indexes (`text_offsets`)."""
+    `text`: the choice's text, which `text_offset` indexes (`TextOffsets`); `offsets`: a stream's, fed its earlier
+    chunks' tokens."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
-    offsets = text_offsets(tokenizer, token_ids, text)
+    text_offset = (offsets or TextOffsets(tokenizer)).feed(token_ids, text)
     token_logprobs = [_lp(x) for x in (logprobs or [])]
     top_out = None
     if k > 0 and top is not None:
@@ -158,7 +167,7 @@ def completion_logprobs(
         tokens=tokens,
         token_logprobs=token_logprobs,
         top_logprobs=top_out,
-        text_offset=offsets,
+        text_offset=text_offset,
     )
 
 
@@ -295,6 +304,44 @@ class TextStream:
         return delta
 
 
+class StreamLogprobs:
+    """A streamed choice's logprobs, each token's sent with the chunk that follows it (as OpenAI and vLLM send
+    them; they all came in the last chunk before): the engine's steps' tokens wait until a text chunk goes out and
+    go with it; the last chunk takes the rest from the completion, so the chunks' lists join to the non-streamed
+    response's. A backend whose steps lack them (SGLang's carry no alternatives) sends them all at the end."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.sent = 0  # tokens whose logprobs went out
+        self.ids: list[int] = []
+        self.lps: list[float] = []
+        self.tops: list[dict[int, float]] = []
+        self.per_step = True
+
+    def push(self, step: StepOutput) -> None:
+        if step.new_logprobs is None or (self.k > 0 and step.new_top_logprobs is None):
+            self.per_step = False
+        if self.per_step:
+            self.ids += step.new_token_ids
+            self.lps += step.new_logprobs or []
+            self.tops += step.new_top_logprobs or []
+
+    def take(self) -> tuple[list[int], list[float], list[dict[int, float]] | None] | None:
+        """The waiting tokens (ids, logprobs, alternatives), for the chunk going out; None: nothing to send now."""
+        if not self.per_step or not self.ids:
+            return None
+        out = (self.ids, self.lps, self.tops if self.k > 0 else None)
+        self.sent += len(self.ids)
+        self.ids, self.lps, self.tops = [], [], []
+        return out
+
+    def rest(self, c: CompletionOutput) -> tuple[list[int], list[float] | None, list[dict[int, float]] | None]:
+        """The tokens the last chunk carries: the completion's after those already sent."""
+        n = self.sent
+        return (c.token_ids[n:], None if c.logprobs is None else c.logprobs[n:],
+                None if c.top_logprobs is None else c.top_logprobs[n:])
+
+
 class ChatChoiceStream:
     """One chat choice of a stream: its chunks as the engine's steps arrive, then its last ones.
 
@@ -302,9 +349,11 @@ class ChatChoiceStream:
     block starts (TextStream holds it back), then at the finish the rest of the parsed content, one chunk per
     call (`delta.tool_calls = [{index, id, type, function}]`) and a last chunk with finish_reason "tool_calls"."""
 
-    def __init__(self, tokenizer: Any, index: int, stop: tuple[str, ...], tools: ToolParsing | None) -> None:
+    def __init__(self, tokenizer: Any, index: int, stop: tuple[str, ...], tools: ToolParsing | None,
+                 logprobs: bool = False, top_logprobs: int = 0) -> None:
         self.tokenizer, self.index, self.tools = tokenizer, index, tools
         self.text = TextStream(tokenizer, stop, tool_calls=tools is not None)
+        self.logprobs = StreamLogprobs(top_logprobs) if logprobs else None
 
     def start(self) -> ChatChunkChoice:
         """The role chunk every choice opens with; its content "" (as the OpenAI API sends it) is left out with
@@ -315,13 +364,20 @@ class ChatChoiceStream:
     def push(self, step: StepOutput) -> list[ChatChunkChoice]:
         if step.finished:  # its tokens may end in a stop string: the CompletionOutput's cut text follows
             return []
+        if self.logprobs is not None:
+            self.logprobs.push(step)
         delta = self.text.push(step.new_token_ids)
-        return [ChatChunkChoice(index=self.index, delta=ChatDelta(content=delta))] if delta else []
-
-    def finish(self, c: CompletionOutput, logprobs: bool, top_logprobs: int) -> list[ChatChunkChoice]:
+        if not delta:
+            return []
         lp = None
-        if logprobs:
-            lp = chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, top_logprobs)
+        if self.logprobs is not None and (ready := self.logprobs.take()) is not None:
+            lp = chat_logprobs(self.tokenizer, *ready, self.logprobs.k)
+        return [ChatChunkChoice(index=self.index, delta=ChatDelta(content=delta), logprobs=lp)]
+
+    def finish(self, c: CompletionOutput) -> list[ChatChunkChoice]:
+        lp = None
+        if self.logprobs is not None:
+            lp = chat_logprobs(self.tokenizer, *self.logprobs.rest(c), self.logprobs.k)
         last = dict(index=self.index, logprobs=lp, tlt_versions=tlt_versions(c.versions))
         parsed = parsed_text(self.tools, c)
         if not parsed.calls:

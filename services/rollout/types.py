@@ -124,6 +124,7 @@ class StepOutput:
     new_logprobs: list[float] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
+    new_top_logprobs: list[dict[int, float]] | None = None  # with logprobs=k > 0: each new token's alternatives
 
 
 @dataclass

@@ -241,8 +241,10 @@ class LLMEngine:
             if verified:  # the tokens kept: a stop or max_tokens cuts the rest of an accepted path
                 seq.spec.accepted_tokens += len(new)
             steps.append(StepOutput(seq.request_id, seq.sample_index, new,
-                                    None if seq.logprobs is None else seq.logprobs[-len(new):],
-                                    finished=reason is not None, finish_reason=reason))
+                                    None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new):],
+                                    finished=reason is not None, finish_reason=reason,
+                                    new_top_logprobs=None if seq.top_logprobs is None
+                                    else seq.top_logprobs[len(seq.top_logprobs) - len(new):]))
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
