@@ -72,6 +72,19 @@ def test_a_redispatched_subset_of_samples_keeps_each_samples_index_and_seed(mode
         eng.add_request(GenerationRequest("bad", (1,), n=2, sample_indices=(2,)))
 
 
+def test_a_seed_sglang_would_drop_is_named_once(model_dir, capsys):
+    """SGLang applies sampling_seed only in its deterministic-inference mode; without [sglang]
+    deterministic_inference the seed is still sent (harmless) and the replica says, once, that it is not applied."""
+    eng, _ = make_engine(model_dir)
+    for i in range(3):
+        eng.add_request(GenerationRequest(f"s{i}", (1, 2, 3), SamplingParams(temperature=1.0, seed=i)))
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("sglang_seed_ignored") == 1 and eng._seed_warned
+    quiet, _ = make_engine(model_dir, deterministic_inference=True)
+    quiet.add_request(GenerationRequest("s", (1, 2, 3), SamplingParams(temperature=1.0, seed=1)))
+    assert not quiet._seed_warned
+
+
 def test_abort_reports_an_aborted_completion(model_dir):
     eng, fake = make_engine(model_dir)
     eng.add_request(GenerationRequest("r", (1,), n=1))
@@ -136,7 +149,7 @@ def test_drafter_update_pauses_in_place_without_flush(model_dir):
     eng, fake = make_engine(model_dir)
     eng.update_weights("drafter", {"fc.weight": torch.ones(8, 16)}, version=4)
     assert fake.calls == [("pause", "in_place"), ("begin", "draft"),
-                          ("update", "draft", False, "4", ("fc.weight", "fc.bias")), ("end",), ("continue",)]
+                          ("update", "draft", False, None, ("fc.weight", "fc.bias")), ("end",), ("continue",)]
     assert eng.versions.drafter == 4 and eng.versions.policy == 0
 
 
@@ -173,7 +186,7 @@ def test_resume_repushes_the_drafter(model_dir):
     eng.resume()
     assert fake.calls == [("release", ("kv_cache", "weights")), ("resume", ("kv_cache", "weights")),
                           ("pause", "in_place"), ("begin", "draft"),
-                          ("update", "draft", False, "2", ("fc.weight", "fc.bias")), ("end",), ("continue",)]
+                          ("update", "draft", False, None, ("fc.weight", "fc.bias")), ("end",), ("continue",)]
     assert eng.stats().spec["drafter_repushes"] == 1
     eng.add_request(GenerationRequest("r", (1,)))
     with pytest.raises(ValueError, match="cannot release"):

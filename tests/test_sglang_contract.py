@@ -56,6 +56,15 @@ def test_engine_kwargs_adaptive_and_static(tmp_path):
     assert "speculative_adaptive" not in kw
 
 
+def test_per_request_seeds_need_sglangs_deterministic_mode():
+    """SGLang keeps a request's sampling_seed only with enable_deterministic_inference (its sampling_batch_info and
+    sampler read it only then): seeds were sent and silently dropped. The option sets it; without it the engine
+    says so once (test_sglang_adapter)."""
+    assert "enable_deterministic_inference" not in engine_kwargs(SGLangBackendConfig(speculative_algorithm="none"), "/m", 0)
+    kw = engine_kwargs(SGLangBackendConfig(speculative_algorithm="none", deterministic_inference=True), "/m", 0)
+    assert kw["enable_deterministic_inference"] is True
+
+
 def test_config_refuses_what_sglang_refuses():
     with pytest.raises(ValueError, match="eagle_topk = 1"):
         SGLangBackendConfig(eagle_topk=4)  # adaptive needs a chain
@@ -165,7 +174,7 @@ def test_real_update_req_input(io_struct):
 
     obj = to_update_req_input(tensor_update_call("drafter", ["fc.weight"], 7), [b"x"])
     assert isinstance(obj, io_struct.UpdateWeightsFromTensorReqInput)
-    assert (obj.selector, obj.flush_cache, obj.weight_version, obj.serialized_named_tensors) == ("draft", False, "7", [b"x"])
+    assert (obj.selector, obj.flush_cache, obj.weight_version, obj.serialized_named_tensors) == ("draft", False, None, [b"x"])
     assert io_struct.BeginWeightUpdateReqInput(selector="target").selector == "target"
     assert io_struct.PauseGenerationReqInput(mode="retract").mode == "retract"
 

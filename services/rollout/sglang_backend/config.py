@@ -37,7 +37,11 @@ class SGLangBackendConfig(ServiceConfig):
     )
     dtype: Literal["auto", "bfloat16", "float16"] = Field("bfloat16", description="weights and activations dtype")
     max_running_requests: int = Field(0, ge=0, description="cap on concurrently decoded requests; 0: SGLang decides")
-    random_seed: int = Field(0, description="SGLang's random_seed (per-request seeds still apply)")
+    random_seed: int = Field(0, description="SGLang's random_seed")
+    deterministic_inference: bool = Field(
+        False, description="SGLang's enable_deterministic_inference: per-request seeds (a request's `seed`) take "
+        "effect only with it (SGLang drops sampling_seed otherwise); it restricts attention backends and costs speed"
+    )
     speculative_algorithm: Literal["none", "EAGLE", "EAGLE3"] = Field(
         "EAGLE", description="draft model family: EAGLE (TLT's drafter export), EAGLE3, or none (plain decoding)"
     )

@@ -138,6 +138,7 @@ class SGLangEngine:
         self._client = client
         self._samples: dict[str, SampleState] = {}
         self._released: set[str] = set()
+        self._seed_warned = False  # "sglang_seed_ignored" logged (once)
         self._drafter: dict[str, Any] | None = None  # last pushed drafter, CPU copies
         self._steps = 0
         self._verify_steps = 0
@@ -175,6 +176,10 @@ class SGLangEngine:
                              f"{self.max_model_len}" + (f" ({self.reserved_tokens} reserved for drafts)"
                                                         if self.reserved_tokens else ""))
         default_max = limit - n_prompt
+        if req.params.seed is not None and not self.config.deterministic_inference and not self._seed_warned:
+            self._seed_warned = True  # once: an RL rollout seeds every request
+            log.warning("sglang_seed_ignored", request_id=req.request_id,
+                        hint="SGLang applies per-request seeds only with [sglang] deterministic_inference = true")
         calls = generate_calls(req, default_max, self.config.return_hidden_states)
         for i, call in zip(req.samples, calls):
             self._samples[call.rid] = SampleState(

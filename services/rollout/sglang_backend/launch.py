@@ -125,6 +125,8 @@ def engine_kwargs(
     }
     if cfg.max_running_requests:
         kwargs["max_running_requests"] = cfg.max_running_requests
+    if cfg.deterministic_inference:
+        kwargs["enable_deterministic_inference"] = True
     if cfg.return_hidden_states:
         kwargs["enable_return_hidden_states"] = True
     if cfg.speculative_algorithm == "none":

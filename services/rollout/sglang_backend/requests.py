@@ -56,7 +56,7 @@ class TensorUpdateCall:
 
     selector: Selector
     names: tuple[str, ...]
-    weight_version: str
+    weight_version: str | None  # SGLang's server-wide weight version: the policy's; None leaves it as it is
     flush_cache: bool = False  # the session flushes once, after end_weight_update
 
 
@@ -90,7 +90,9 @@ def sglang_sampling(params: SamplingParams, sample_index: int, default_max_token
 
     top_k <= 0 means "no top-k" in TLT; SGLang's default (TOP_K_ALL) means the
     same, so the key is left out. A seeded request gives sample i the seed
-    seed + i, so the n samples differ and each is reproducible.
+    seed + i, so the n samples differ; SGLang honours `sampling_seed` only in
+    its deterministic-inference mode (`[sglang] deterministic_inference`,
+    checked in SGLang's sampling_batch_info / sampler), else it is dropped.
     """
     out: dict[str, Any] = {
         "temperature": float(params.temperature),
@@ -178,7 +180,9 @@ def tensor_update_call(kind: str, names: list[str], version: int) -> TensorUpdat
             # The drafter shares the target's embed_tokens / lm_head; pushing them
             # as "draft" weights would overwrite the policy's copy (TLT.md section 6).
             raise ValueError(f"a drafter update must not carry the target's shared weights: {shared}")
-        return TensorUpdateCall(selector="draft", names=tuple(names), weight_version=str(version))
+        # None: SGLang's weight_version is server-wide (its server info, its outputs' version spans) and names the
+        # policy; a drafter push that set it made SGLang report the drafter's version as the policy's
+        return TensorUpdateCall(selector="draft", names=tuple(names), weight_version=None)
     raise ValueError(f"unknown weight kind {kind!r}; expected 'policy' or 'drafter'")
 
 
