@@ -373,3 +373,15 @@ def test_tlt_report_refuses_a_tail_threshold_below_one(tmp_path: Path, threshold
         main(["report", str(tmp_path), "--threshold", threshold])
     assert e.value.code == 2 and "--threshold" in capsys.readouterr().err
     assert not (tmp_path / "report.html").exists()
+
+
+def test_a_run_config_with_any_text_is_valid_toml() -> None:
+    """config.toml is read by every service; json.dumps wrote a character outside the BMP (`--run-id exp-🚀` makes
+    the run's paths hold one) as a UTF-16 surrogate pair, which TOML refuses, so every service failed to start."""
+    import tomllib
+
+    from tlt.services.trainer.run_config import to_toml
+
+    data = {"trainer": {"output_dir": "runs/exp-🚀", "note": 'a "quote", a \\ and a\ttab\n', "lr": 1e-5, "ok": True,
+                        "stop": ["ü", "</s>"]}, "rollout": {"engine": {"name": "日本"}}}
+    assert tomllib.loads(to_toml(data)) == data

@@ -147,10 +147,13 @@ def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: 
         time.sleep(0.2)
     children = all_pids(run_dir)
     proc.send_signal(signal.SIGTERM)
-    rc, out = wait_exit(proc, 120)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)  # an impatient second one, while the services stop: it used to cut the stop
+    rc, out = wait_exit(proc, 120)  # short with a traceback, rc -2 and no report
     assert rc == 130, out[-3000:]
     assert all(pid_gone(p) for p in children), [p for p in children if not pid_gone(p)]
     assert "tlt run --resume" in out  # tells how to continue
+    assert "Traceback" not in out and "run_done" in out and (run_dir / "report.html").exists(), out[-3000:]
 
 
 def _plan(runs: Path, model: Path, *argv: str):
@@ -215,6 +218,18 @@ def test_resume_with_set_takes_this_launchs_value(tmp_path: Path) -> None:
     assert lr() == 2e-5  # a resume without --set keeps the last one
     assert lr("--set", "trainer.lr=1e-5") == 1e-5  # back to the first value: it was ignored (already in run.json)
     assert json.loads((runs / "r" / "run.json").read_text())["tail_threshold"] == 16  # cpu-tiny's SD threshold
+
+
+def test_a_set_of_the_step_count_beats_the_steps_the_run_was_started_with(tmp_path: Path) -> None:
+    """A run started with --steps 3 kept 3 on a resume with --set trainer.steps=10 (or run.steps=10): the saved
+    --steps beat every section, though run.json recorded the new --set."""
+    model, runs = _fake_model(tmp_path)
+    assert _closed(_plan(runs, model, "--run-id", "r", "--steps", "3")).steps == 3
+    assert _closed(_plan(runs, model, "--run-id", "r")).steps == 3  # a resume keeps it
+    assert _closed(_plan(runs, model, "--run-id", "r", "--set", "trainer.steps=10")).steps == 10
+    assert _closed(_plan(runs, model, "--run-id", "r")).steps == 10  # and keeps the new one
+    assert _closed(_plan(runs, model, "--run-id", "r", "--set", "run.steps=12")).steps == 12
+    assert _closed(_plan(runs, model, "--run-id", "r", "--steps", "4")).steps == 4
 
 
 def _fake_model(tmp_path: Path) -> tuple[Path, Path]:
@@ -312,6 +327,33 @@ def test_resume_with_an_edited_data_file_is_refused_before_anything_starts(tmp_p
     assert _closed(_plan(runs, model, "--run-id", "r", "--set", "trainer.resume=false")).resumed  # trainer starts over
 
 
+def test_resume_with_another_model_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """`--resume ... --model OTHER` failed only in the trainer (a checkpoint of another model), after every service
+    had started, and run.json then named the other model: no later resume of the folder could start. The checkpoint
+    is a real one (CheckpointManager.save of a tiny Qwen2)."""
+    from test_trainer_step import config, tiny_qwen2
+    from tlt.services.trainer.checkpoint import CheckpointManager
+    from tlt.services.trainer.data import PromptSampler, synthetic_prompts
+    from tlt.services.trainer.policy import Policy
+    from tlt.services.trainer.procs import ServiceError
+
+    runs = tmp_path / "runs"
+    model, other = tmp_path / "model", tmp_path / "other"
+    tiny_qwen2(0).config.save_pretrained(model)
+    wider = tiny_qwen2(0).config
+    wider.intermediate_size = 96
+    wider.save_pretrained(other)
+    run_dir = _closed(_plan(runs, model, "--run-id", "r")).run_dir
+    CheckpointManager(run_dir / "checkpoints").save(Policy(config(), model=tiny_qwen2(0)),
+                                                    PromptSampler(synthetic_prompts(8, seed=0), 0), 2)
+    assert _closed(_plan(runs, model, "--resume", str(run_dir))).resumed  # its own model: resumes
+    with pytest.raises(ServiceError, match=r"checkpoint of another model \(intermediate_size: 64 there, 96"):
+        _plan(runs, other, "--resume", str(run_dir))
+    assert json.loads((run_dir / "run.json").read_text())["model"] == str(model)  # run.json kept the run's model
+    assert _closed(_plan(runs, model, "--resume", str(run_dir))).resumed
+    assert _closed(_plan(runs, other, "--run-id", "r", "--set", "trainer.resume=false")).resumed  # starts over
+
+
 def test_an_invalid_set_is_refused_and_not_kept_for_the_next_launch(tmp_path: Path) -> None:
     """A mistyped --set failed only in the service that loads it, after the others had started; run.json kept it,
     and a later launch without it re-applied it (an unknown field can never be set back)."""
@@ -336,6 +378,21 @@ def test_a_set_of_an_unknown_section_is_refused_by_name(tmp_path: Path) -> None:
             _plan(runs, model, "--run-id", "r", "--set", bad)
     assert not (runs / "r" / "run.json").exists()
     _closed(_plan(runs, model, "--run-id", "r", "--set", "rollout.spec.threshold=8"))
+
+
+def test_a_preset_file_with_an_unknown_section_is_refused_by_name(tmp_path: Path) -> None:
+    """`tlt config show > my.toml`, edit, `tlt run --preset my.toml`: a misspelt [trainr] was copied into the run's
+    config.toml and ignored, so the trainer ran on its defaults (`tlt config check` refused the same file)."""
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    preset = tmp_path / "my.toml"
+    preset.write_text("[trainr]\nlr = 3e-5\n\n[trainer]\nsteps = 2\n")
+    with pytest.raises(ServiceError, match=r"my.toml: unknown section \[trainr\]; the sections are run, "):
+        _plan(runs, model, "--run-id", "t", "--preset", str(preset))
+    assert not (runs / "t").exists()
+    preset.write_text("[trainer]\nsteps = 2\n")
+    assert _closed(_plan(runs, model, "--run-id", "t", "--preset", str(preset))).steps == 2
 
 
 def test_a_set_of_one_key_of_a_map_keeps_the_others(tmp_path: Path) -> None:

@@ -83,6 +83,14 @@ def run(args: argparse.Namespace) -> int:
         log.warning("run_interrupted", run_dir=str(plan.run_dir), hint=f"continue with: tlt run --resume {plan.run_dir}")
         rc = 130
     finally:
+        # a second Ctrl-C / SIGTERM raised KeyboardInterrupt inside the orderly stop: a traceback, services left to
+        # the parent-death signal, no report; now it is said and the stop goes on
+        def stopping(signum: int, frame: object) -> None:
+            log.warning("run_stopping", hint="the services are being stopped in order; kill -9 the launcher to end "
+                                             "at once (its children die with it)")
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, stopping)
         launcher.shutdown()
     if not args.no_report:
         from tlt.services.trainer.report import write_report

@@ -79,6 +79,11 @@ def _is_map(field: Any) -> bool:
     return field is not None and typing.get_origin(field.annotation) is dict
 
 
+def _sets_steps(overrides: list[str]) -> bool:
+    """Whether these --set options name the run's step count."""
+    return any(o.split("=", 1)[0].strip() in ("trainer.steps", "run.steps") for o in overrides)
+
+
 def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], RunConfig]:
     """(what this launch was asked for, merged over a resumed run's run.json; the preset; RunConfig)."""
     inputs = {
@@ -87,10 +92,16 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
         "overrides": [o for o in saved.get("overrides", []) if o not in args.overrides] + list(args.overrides),
         "baseline": bool(args.baseline or saved.get("baseline", False)),
         "seed": args.seed if args.seed is not None else saved.get("seed"),
-        "steps": args.steps if args.steps is not None else saved.get("steps"),
+        # a --set of the step count in this launch beats the --steps the run was started with (it was recorded
+        # in run.json and silently lost to it)
+        "steps": args.steps if args.steps is not None or _sets_steps(args.overrides) else saved.get("steps"),
         "model": args.model or saved.get("model"),
     }
     preset = read_preset(preset_path(inputs["preset"]))
+    unknown = [name for name in preset if name not in SECTIONS]
+    if unknown:  # a misspelt [trainr] was copied into config.toml and ignored: its service ran on defaults
+        raise ServiceError(f"{preset_path(inputs['preset'])}: unknown section [{unknown[0]}]; the sections are "
+                           f"{', '.join(SECTIONS)} (`tlt config check FILE` checks a preset file)")
     for key, value in cli_overrides(inputs["overrides"]).items():
         _apply_override(preset, key, value)
     run_over: dict[str, Any] = {}
@@ -167,6 +178,37 @@ def _check_same_data(run_dir: Path, trainer: dict[str, Any]) -> None:
     if edited:
         raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
                            f"trained on ({edited}); restore that file, or start a new run (--run-id)")
+
+
+def _check_same_model(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> None:
+    """Refuse a resume with another model (`--model`) than the checkpoint's, before any service starts and before
+    run.json records it: the trainer refuses it too (checkpoint.check_same_model), but only after every service had
+    started, and run.json then named the new model, so no later resume of the folder could start."""
+    from tlt.services.trainer.config import TrainerConfig
+
+    if not load_config(TrainerConfig, "trainer", None, trainer).resume:  # the trainer starts over
+        return
+    import torch
+    from transformers import AutoConfig
+
+    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, check_same_model, \
+        model_identity
+
+    try:
+        latest = CheckpointManager(run_dir / "checkpoints").latest()
+    except FileNotFoundError:  # `latest` names no complete checkpoint: the trainer says so
+        return
+    if latest is None:
+        return
+    saved = torch.load(latest / STATE_FILE, weights_only=False).get("model")  # our own file
+    try:
+        current = model_identity(AutoConfig.from_pretrained(model_dir))
+    except (OSError, ValueError):  # not a model transformers reads: the trainer says so, as without a checkpoint
+        return
+    try:
+        check_same_model(saved, current, latest)
+    except CheckpointError as e:
+        raise ServiceError(f"{e} (--model {model_dir}; drop --model to resume with the run's own)") from None
 
 
 def _data_file_change(run_dir: Path, cfg: TrainerConfig) -> str | None:
@@ -269,6 +311,7 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
         _validate(services, switches)
         if _checkpoint_steps(run_dir):
             _check_same_data(run_dir, services["trainer"])
+            _check_same_model(run_dir, services["trainer"], run_cfg.model_dir)
     except (ServiceError, ConfigError):
         lock.close()
         if created:  # a new run refused: no folder holding only its .lock is left behind
@@ -480,6 +523,10 @@ class Launcher:
             s.close()
         self.samplers = []
         for p in reversed(self.services):
-            rc = p.stop(self.plan.run.stop_timeout_s)
+            try:
+                rc = p.stop(self.plan.run.stop_timeout_s)
+            except Exception as e:  # one service that will not stop must not leave the others running
+                log.error("service_stop_failed", service=p.name, error=repr(e)[:300])
+                continue
             log.debug("service_stopped", service=p.name, rc=rc)
         self.services = []

@@ -14,13 +14,13 @@ everything that must survive a restart lives in files under the run folder).
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from tlt.services.common.config import ServiceConfig
+from tlt.services.common.config_cmd import toml_value
 from tlt.services.common.ports import free_ports
 
 
@@ -117,23 +117,13 @@ def resolve_services(preset: dict[str, Any], run: RunConfig, run_dir: Path) -> t
 
 # -- a minimal TOML writer for the resolved config (tomllib only reads) ---------------------------
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} {v!r} as a TOML value")
-
-
 def to_toml(data: dict[str, Any], prefix: str = "") -> str:
     """Tables of scalars / arrays, nested tables as [a.b]; enough for service configs."""
     scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
     tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    out = [f"{k} = {_value(v)}" for k, v in scalars.items() if v is not None]
+    # toml_value, not JSON: json.dumps wrote a character outside the BMP (an emoji in a --run-id) as a UTF-16
+    # surrogate pair, which TOML refuses: every service then failed to read config.toml
+    out = [f"{k} = {toml_value(v)}" for k, v in scalars.items() if v is not None]
     text = "\n".join(out) + ("\n" if out else "")
     for name, table in tables.items():
         full = f"{prefix}.{name}" if prefix else name
