@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlt.bench.e2e import pair_ratios, rollout_bound, run_order
+from tlt.bench.e2e import SKIP_NOISE, pair_ratios, planned_runs, rollout_bound, run_order
 
 
 def test_one_pair_is_the_old_order():
@@ -54,3 +54,18 @@ def test_rollout_bound_by_hand():
     assert got["step_ratio_from_rollout"] == pytest.approx(10.0 / 6.0)
     assert rollout_bound({"mean_step_s": 1.0, "mean_rollout_s": 1.0}, {"mean_step_s": 0.0, "mean_rollout_s": 0.0}) == {
         "rollout_share": 0.0, "step_ratio_ceiling": 0.0, "step_ratio_from_rollout": 0.0}
+
+
+def test_the_noise_run_keeps_the_prompts_and_changes_only_the_sampling_seed():
+    """The noise run was the baseline with another trainer --seed, which picks the synthetic problem set and its
+    order: it saw other prompts at every step, and prompt difficulty made the "noise" the reward check compares
+    with 5x larger than TLT-vs-baseline's difference could be. Now only the rollout's sampling seed changes."""
+    from tlt.services.trainer.data import PromptSampler, synthetic_prompts
+
+    runs = planned_runs(3, 1, 7)
+    assert runs == {"tlt": (3, False, ()), "baseline": (3, True, ()),
+                    "baseline-noise": (3, True, ("rollout.engine.seed=7",))}
+    assert "baseline-noise" not in planned_runs(3, 2, SKIP_NOISE)
+    # what the trainer draws from its --seed: the same for all three runs
+    draw = [[p.prompt for p in PromptSampler(synthetic_prompts(64, s), s).next_batch(8)] for s, _, _ in runs.values()]
+    assert draw[0] == draw[1] == draw[2]

@@ -5,7 +5,8 @@
     TLT       `tlt run --seed S`             speculative decoding as [rollout.spec] says (adaptive),
                                              online drafter when the rollout drafts with a learned one
     baseline  `tlt run --seed S --baseline`  the same system with speculation off and no drafter
-    noise     `tlt run --seed S' --baseline` the baseline again with another seed: run-to-run noise
+    noise     `tlt run --seed S --baseline --set rollout.engine.seed=S'`  the baseline again with another
+                                             sampling seed: the same prompts in the same order, other samples
 
 Each is the real `tlt run` command in a subprocess, one after the other (they
 share the machine). Reported: mean step time of each (all steps, and without
@@ -15,9 +16,12 @@ the rollout-time ratio, `rollout_bound` (the baseline's rollout share of a step,
 alone would give: TLT only speeds up rollouts), the held-out accuracy curves (eval.jsonl, when the
 preset evaluates), and the reward curves overlaid in reward.png. The
 reward curves "agree" when TLT's mean absolute per-step reward difference from
-the baseline is at most 1.5x that between the two baseline seeds (a noise
+the baseline is at most 1.5x that between the two baselines (a noise
 estimate from one pair of runs, hence the margin); the difference of the run
-means is reported beside it.
+means is reported beside it. The noise run keeps the trainer seed (the data set
+and its order, as TLT and the baseline share them) and changes only the
+rollout's sampling seed: with another trainer seed it drew other prompts every
+step, and prompt difficulty inflated the "noise" the check compares with.
 
 `--pairs K` runs TLT and the baseline K times, in alternating order (tlt, baseline, baseline, tlt,
 tlt, ...: a machine that drifts slower or faster over the bench favours neither), and reports each
@@ -50,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--steps", type=at_least(1), default=12, help="RL steps per run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TLT and baseline runs")
-    parser.add_argument("--noise-seed", type=noise_seed, default=1, help="seed of the repeated baseline (-1: skip it)")
+    parser.add_argument("--noise-seed", type=noise_seed, default=1,
+                        help="rollout sampling seed ([rollout.engine] seed) of the repeated baseline, which keeps "
+                             "--seed's prompts (-1: skip it)")
     parser.add_argument("--pairs", type=at_least(1), default=1,
                         help="TLT / baseline pairs, in alternating order; the ratio's median and range over them")
     parser.add_argument("--model", type=non_empty, default=None, help="policy checkpoint folder (default: [run] model_dir)")
@@ -59,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to every `tlt run` (e.g. trainer.max_tokens=64); repeatable")
 
 
-def _run(name: str, out, args: argparse.Namespace, seed: int, baseline: bool) -> int:  # noqa: ANN001
+def _run(name: str, out, args: argparse.Namespace, seed: int, baseline: bool,  # noqa: ANN001
+         extra: tuple[str, ...] = ()) -> int:
     import subprocess
     import sys
 
@@ -71,11 +78,20 @@ def _run(name: str, out, args: argparse.Namespace, seed: int, baseline: bool) ->
         cmd += ["--model", args.model]
     if baseline:
         cmd.append("--baseline")
-    for o in args.overrides:
+    for o in (*args.overrides, *extra):  # the run's own last: the noise run's sampling seed
         cmd += ["--set", o]
-    get_logger("bench.e2e").info("bench_run", name=name, seed=seed, baseline=baseline)
+    get_logger("bench.e2e").info("bench_run", name=name, seed=seed, baseline=baseline, extra=list(extra))
     with (out / f"{name}.out").open("w") as f:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def planned_runs(seed: int, pairs: int, noise: int) -> dict[str, tuple[int, bool, tuple[str, ...]]]:
+    """name -> (trainer --seed, --baseline, its own --set options), in run order. Every run has the same trainer
+    seed (data set and order); the noise run changes only the rollout's sampling seed."""
+    runs: dict[str, tuple[int, bool, tuple[str, ...]]] = {name: (seed, baseline, ()) for name, baseline in run_order(pairs)}
+    if noise != SKIP_NOISE:
+        runs["baseline-noise"] = (seed, True, (f"rollout.engine.seed={noise}",))
+    return runs
 
 
 def _mean(xs: list[float]) -> float:
@@ -150,9 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = get_logger("bench.e2e")
     out = Path(args.out)
-    runs = {name: (args.seed, baseline) for name, baseline in run_order(args.pairs)}
-    if args.noise_seed != SKIP_NOISE:
-        runs["baseline-noise"] = (args.noise_seed, True)
+    runs = planned_runs(args.seed, args.pairs, args.noise_seed)
     # each run starts afresh: its old folder is deleted below, so only ever a run folder (`--out .` in the
     # repository named ./tlt, the package)
     from tlt.services.common.config import ConfigError, preset_path
@@ -164,10 +178,10 @@ def run(args: argparse.Namespace) -> int:
                           "deletes each run's old folder before it starts; give another --out (e.g. runs/bench-e2e)")
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, (seed, baseline) in runs.items():
+    for name, (seed, baseline, extra) in runs.items():
         if (out / name).exists():
             shutil.rmtree(out / name)  # a fresh run each time (an existing folder would be resumed)
-        rc = _run(name, out, args, seed, baseline)
+        rc = _run(name, out, args, seed, baseline, extra)
         if rc != 0:
             log.error("bench_run_failed", name=name, rc=rc, log=str(out / f"{name}.out"))
             return rc
@@ -176,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         evals = read_evals(out / name / "eval.jsonl")
         results[name] = {
             "eval_after_steps": [e.after_steps for e in evals], "eval_accuracy": [e.accuracy for e in evals],
-            "seed": seed, "switches": info["switches"], "steps": len(rows),
+            "seed": seed, "sampling_seed": extra[0].split("=")[1] if extra else None,
+            "switches": info["switches"], "steps": len(rows),
             "step_s": [r.step_s for r in rows], "rollout_s": [r.rollout_s for r in rows],
             "reward": [r.reward for r in rows], "accuracy": [r.accuracy for r in rows],
             "sd_share": [r.sd_share for r in rows], "accept_len": [r.accept_len for r in rows],
