@@ -52,7 +52,8 @@ R1_REPORT_KEYS = {"model", "workload", "temperature", "requests", "sequences", "
                   "threshold", "arms", "buckets", "bucket_arms", "clock", "bandit", "results"}
 R1_RESULT_KEYS = {"mode", "wall_s", "tokens", "tok_per_s", "tail_s", "tail_share", "tail_tok_per_s", "tail4_tok_per_s",
                   "buckets", "steps", "decode_steps", "verify_steps", "verified_seq_steps", "sd_step_share",
-                  "mean_accept_len", "arms", "identical_to_first_mode", "speedup_vs_off", "tail4_speedup"}
+                  "mean_accept_len", "arms", "identical_to_first_mode", "speedup_vs_off", "tok_speedup_vs_off",
+                  "tail4_speedup"}
 R1_BUCKET_KEYS = {"tokens", "seconds", "steps", "tok_per_s", "speedup_vs_off"}
 
 
@@ -86,6 +87,7 @@ def test_bench_rollout_report_buckets_tail_and_arms(capsys, random_model_dir):
         want = round(x["tok_per_s"] / off["buckets"][label]["tok_per_s"], 2) if label in off["buckets"] else None
         assert x["speedup_vs_off"] == want
     assert ng["tail4_speedup"] == round(ng["tail4_tok_per_s"] / off["tail4_tok_per_s"], 2)
+    assert ng["tok_speedup_vs_off"] == round(ng["tok_per_s"] / off["tok_per_s"], 2) and off["tok_speedup_vs_off"] == 1.0
     arms = ng["arms"]
     assert arms and ng["verify_steps"] > 0
     assert sum(a["verify_steps"] for a in arms.values()) == ng["verify_steps"]
@@ -340,3 +342,27 @@ def test_bench_rollout_warms_every_mode_up_before_timing(capsys, random_model_di
     parser = argparse.ArgumentParser()
     rollout.add_arguments(parser)
     assert rollout.run(parser.parse_args([*common, "--warmup", "-1"])) == 2
+
+
+def test_the_plain_arm_is_no_verify_step_in_the_accept_length_over_rounds():
+    """With --repeats R > 1 the accept length (tokens per sequence per verify step) was summed over every arm, the
+    bandit's "plain" arm (one token per sequence, no verify pass) included: two rounds of 2.21 reported 1.19.
+    Each round's own figure (the engine's) counts verify steps only; so does the median result now."""
+    from tlt.bench.rollout_report import MEDIAN_FIELDS, median_result
+
+    def run(i: int) -> dict:
+        return {"mode": "ngram", **{k: 1.0 + i for k in MEDIAN_FIELDS}, "buckets": {}, "mean_accept_len": 2.21,
+                "identical_to_first_mode": True,
+                "arms": {"8_4_16": {"verify_steps": 50, "seq_steps": 100, "emitted": 221},
+                         "plain": {"verify_steps": 400, "seq_steps": 1600, "emitted": 1600}}}
+
+    res = median_result([run(0), run(1)], sampled=False)
+    assert res["mean_accept_len"] == 2.21
+    assert res["arms"]["plain"]["verify_steps"] == 800  # the choices are still counted, as choices
+
+
+def test_a_figure_that_was_not_measured_is_printed_as_a_dash():
+    from tlt.bench.rollout_report import _num, _x
+
+    assert _x(None) == "-" and _x(None, [1.0, 2.0]) == "-" and _num(None, 2) == "-"
+    assert _x(1.5, [1.2, 1.7]) == "1.50 (1.20-1.70)" and _num(0.0, 2) == "0.00"

@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 from tlt.cli_args import at_least
@@ -474,7 +475,8 @@ def run(args: argparse.Namespace) -> int:
         lengths = torch.tensor([len(v) for v in (reference or {}).values()] or [0], dtype=torch.float32)
     report = {"model": source, "workload": args.workload, "temperature": args.temperature,
               "requests": len(requests), "sequences": num_seqs,
-              "lengths_p50": int(lengths.float().median()), "lengths_max": int(lengths.max()),
+              # the median (torch's median is the lower of the two middle values)
+              "lengths_p50": statistics.median(lengths.flatten().tolist()), "lengths_max": int(lengths.max()),
               "threshold": args.threshold,
               "arms": list(bucket_arms[0]) if bucket_arms and len(set(bucket_arms)) == 1 else None,
               "buckets": list(buckets), "bucket_arms": [list(a) for a in bucket_arms] if bucket_arms else None,
