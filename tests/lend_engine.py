@@ -7,6 +7,7 @@ memory)."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from tlt.services.rollout.engine.engine import LLMEngine
@@ -24,6 +25,9 @@ class LendRecordingEngine(LLMEngine):
     def release(self) -> None:
         if self.has_unfinished():
             raise ValueError("cannot release while sequences run")
+        if (delay := float(os.environ.get("TLT_TEST_RELEASE_S", "0"))) > 0:  # SGLang's release is not instant
+            self._log("release-start")
+            time.sleep(delay)
         self.released = True
         self._log("release")
 

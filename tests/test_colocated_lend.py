@@ -325,3 +325,78 @@ def test_a_replica_restarted_during_a_lend_comes_back_lent_and_released(model_di
             assert log.read_text().split() == ["release", "release", "resume"]
             assert _changes(sub, lambda c: bool(c) and c[-1] == (0, IDLE))[-1] == (0, IDLE)
         sub.close()
+
+
+def test_a_lend_waiting_for_sequences_that_are_aborted_is_answered(tmp_path) -> None:
+    """A lend that arrives while the engine decodes waits for its sequences to end; the replica loop released it
+    only after an engine step. Sequences that leave by an abort end no step (the trainer cancels a rollout's
+    stragglers, then borrows the devices), so the lend was never answered and LendDevices timed out after
+    update_timeout_s. The real replica loop and native engine, in a thread, over a real pipe."""
+    import threading
+    from multiprocessing import Pipe
+
+    from rollout_helpers import ENGINE_TEST_SETTINGS, tiny_checkpoint
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.ipc import AbortRequest, AddRequest, Lend, Reply, Shutdown, StepEvents
+    from tlt.services.rollout.replica import ReplicaLoop
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    engine = LLMEngine(tiny_checkpoint(tmp_path), EngineConfig(**ENGINE_TEST_SETTINGS))
+    front, back = Pipe(duplex=True)
+    loop = threading.Thread(target=ReplicaLoop(engine, back, 0).run, daemon=True)
+    loop.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        front.send(AddRequest(GenerationRequest("r", (1, 2, 3), params, n=8)))
+        while not isinstance(front.recv(), StepEvents):  # it is decoding
+            pass
+        front.send(Lend(7, True))  # the trainer borrows the devices: the lend waits for the sequences
+        front.send(AbortRequest("r", 8))  # the rollout's stragglers are cancelled
+        answered, deadline = False, time.monotonic() + 10
+        while not answered and time.monotonic() < deadline:
+            if front.poll(0.1):
+                ev = front.recv()
+                answered = isinstance(ev, Reply) and ev.cmd_id == 7 and not ev.error
+        assert answered and not engine.has_unfinished()
+    finally:
+        front.send(Shutdown())
+        loop.join(10)
+
+
+def test_a_replica_restarted_during_a_lend_that_ends_meanwhile_comes_back_resumed(model_dir, tmp_path,
+                                                                                   monkeypatch) -> None:
+    """A replica restarted while the devices are lent is told to release before it serves. When the trainer gave
+    the devices back while that release ran, the take-back reached only the live replicas, not this one: it came
+    back released while the pool said nothing was lent, and every request routed to it was refused ("released:
+    resume first"). The release here takes 1.5 s, as SGLang's KV-cache release is not instant."""
+    import asyncio
+    import os
+    import signal
+
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    log = tmp_path / "lend.log"
+    log.write_text("")
+    monkeypatch.setenv("TLT_TEST_LEND_LOG", str(log))
+    monkeypatch.setenv("TLT_TEST_RELEASE_S", "1.5")
+
+    async def scenario(pool) -> list:
+        await pool.lend("trainer", 120, 30)
+        os.kill(pool.replicas[0].process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while log.read_text().split().count("release-start") < 2:  # the restarted replica is releasing
+            assert time.monotonic() < deadline, log.read_text()
+            await asyncio.sleep(0.02)
+        assert not pool.replicas[0].alive
+        await pool.take_back(30)  # the trainer gives the devices back now
+        while not pool.replicas[0].alive:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        req = GenerationRequest("after", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=4))
+        return [c async for c in pool.generate(req)]
+
+    with ServerThread(model_dir, replicas=1, backend="lend_engine:LendRecordingEngine", max_restarts=1) as s:
+        outs = s.call(scenario(s.server.pool), timeout=150)
+        assert len(outs) == 1 and s.server.pool.lent_to == ""
+        assert log.read_text().split()[-3:] == ["release", "resume", "add"]

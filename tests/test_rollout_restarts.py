@@ -104,6 +104,28 @@ def test_a_stalled_replica_is_killed_and_restarted_and_its_requests_fail_clearly
         assert s.server.pool.restarts == {0: 1}
 
 
+def test_a_long_chunked_prefill_is_progress_not_a_stall(tmp_path):
+    """The steps of a chunked prefill emit nothing until the first token, so a replica prefilling a long prompt sent
+    nothing for as long, and the stall watchdog killed a replica that was working (and the next one the request was
+    re-dispatched to). A replica now says it steps (an empty StepEvents) at least every PROGRESS_EVERY_S."""
+    import asyncio
+
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    from tlt.services.rollout.engine.testing import random_checkpoint
+
+    async def prefill_then_decode(pool) -> list:
+        prompt = tuple(5 + (i * 7) % 200 for i in range(3500))  # 219 prefill steps of 16 tokens, no token out
+        return [c async for c in pool.generate(GenerationRequest("long", prompt, SamplingParams(max_tokens=2)))]
+
+    model = random_checkpoint(tmp_path / "m", max_position_embeddings=4096)  # 12 layers: ~10-30 ms a chunk
+    with ServerThread(model, replicas=1, max_restarts=0, redispatch_limit=0, stall_timeout_s=1.5,
+                      engine={"max_model_len": 4096, "max_num_batched_tokens": 16, "num_kv_blocks": 256}) as s:
+        t0 = time.monotonic()
+        outs = s.call(prefill_then_decode(s.server.pool), timeout=120)
+        assert len(outs) == 1 and s.server.pool.deaths == {} and time.monotonic() - t0 > 1.5  # outlasts the stall timeout
+
+
 def test_a_push_a_replica_does_not_answer_in_time_never_lands_later(model_dir):
     """A replica that does not answer a weight push within `update_timeout_s` (here SIGSTOPped) is in an unknown
     state: it may apply the push a moment later. The push is reported failed and the pool keeps serving version 0,

@@ -51,6 +51,10 @@ from tlt.services.rollout.ipc import (
     StepEvents,
 )
 
+# a replica whose steps emit nothing (a long chunked prefill) still tells the front it works this often (the
+# stall watchdog, replica_lifecycle._watch_stalls, counts silence)
+PROGRESS_EVERY_S = 1.0
+
 
 def replica_main(*args: Any, **kwargs: Any) -> None:
     """Process entry point (multiprocessing spawn target): `serve_replica`, then the process ends at once.
@@ -183,6 +187,8 @@ class ReplicaLoop:
         self.running = True
         self._aborts: list[AbortRequest] = []  # not answered yet: the engine still holds sequences of theirs
         self._lend: Lend | None = None  # a lend waiting for the engine to finish its sequences
+        self._sent = time.monotonic()  # when StepEvents last went to the front
+        self._steps_seen: int | None = None  # the engine's steps_run at the last look (_ran_a_step)
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: self._abort,
@@ -210,10 +216,27 @@ class ReplicaLoop:
                         if c.features is not None:
                             c.features = c.features.detach().to("cpu").half().numpy()
                     self.conn.send(StepEvents(steps=steps, finished=finished, load=self._load()))
+                    self._sent = time.monotonic()
+                elif time.monotonic() - self._sent >= PROGRESS_EVERY_S and self._ran_a_step():
+                    # a step that emitted nothing (a chunk of a long prefill) is progress too: say so, or the
+                    # front's stall watchdog counts the silence and kills a replica that is working
+                    self.conn.send(StepEvents(steps=[], finished=[], load=self._load()))
+                    self._sent = time.monotonic()
                 if self._aborts:
                     self._answer_aborts()
-                if self._lend is not None and not self.engine.has_unfinished():
-                    self._release()
+            # every turn, not only after a step: sequences that leave by an abort end no step, and a lend that
+            # waited for them was never answered (the trainer's LendDevices timed out)
+            if self._lend is not None and not self.engine.has_unfinished():
+                self._release()
+
+    def _ran_a_step(self) -> bool:
+        """Whether the engine computed something since the last call: its `steps_run` moved. An engine without
+        that count (SGLang's adapter, whose step polls an engine that may hang) never claims progress it cannot
+        see; its silence stays a stall."""
+        steps = getattr(self.engine, "steps_run", None)
+        moved = steps is not None and steps != self._steps_seen
+        self._steps_seen = steps
+        return moved
 
     def _drain(self) -> None:
         while self.running and self.conn.poll(0):

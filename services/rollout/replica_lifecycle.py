@@ -145,8 +145,8 @@ class ReplicaLifecycle:
     async def _watch_stalls(self) -> None:
         """Kill a live replica that has sequences outstanding and has sent nothing for `stall_timeout_s` (it hangs):
         `_on_dead` re-dispatches or fails its requests and restarts it. A policy push being applied is not a stall
-        (it answers once done, within `update_timeout_s`); an engine step, however long its prefill, sends its events
-        when done."""
+        (it answers once done, within `update_timeout_s`); an engine step sends its events when done, and steps that
+        emit nothing (the chunks of a long prefill) send empty ones at least every `replica.PROGRESS_EVERY_S`."""
         period = min(5.0, self.stall_timeout_s / 4)
         while not self._stopping:
             await asyncio.sleep(period)
@@ -242,6 +242,8 @@ class ReplicaLifecycle:
                     return
                 if self.lent_to:  # a colocated trainer has the devices: the new replica frees its share too
                     await self._ask(rep, lambda cid: Lend(cid, True), timeout_s)
+                    if not self.lent_to:  # taken back (or lapsed) meanwhile: that reached only the live replicas,
+                        rep.outbox.put(Lend(0, False))  # so this one resumes, before any request sent after it
                 rep.alive = True
                 rep.up_since = time.monotonic()
         except (TimeoutError, WeightUpdateError, ReplicaUnavailableError) as e:

@@ -168,6 +168,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def steps_run(self) -> int:
+        """Steps that computed a batch (a prefill chunk that emits nothing included): the replica's progress."""
+        return self._steps
+
     def holds(self, request_id: str) -> bool:
         """Whether any sequence of the request is still here (an abort drops them at once)."""
         return request_id in self._seqs
