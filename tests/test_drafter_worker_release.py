@@ -141,3 +141,34 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_not_fatal(tmp_path, mode
     finally:
         timer.cancel()
     assert w.checkpoint_failures == 1 and len(calls) >= 2 and load_state(w.ckpt) is not None
+
+
+def test_a_window_after_a_failed_checkpoint_trains_on_from_the_unsaved_optimizer_state(tmp_path, model_dir,
+                                                                                      monkeypatch):
+    """When the window-opening checkpoint could not be written, the window read the optimizer state from the
+    (older, here missing) checkpoint file: the Adam moments of the deferred state, still in memory, were dropped,
+    and the next write saved a state descended from the stale one."""
+    stub = StubbedWorker(tmp_path, model_dir)
+    w = stub.worker
+    w.state, stub.busy_after = IDLE, 2
+    w.window()  # 2 micro-steps, preempted: the change and the checkpoint wait
+    deferred = w._deferred.opt_state
+    assert deferred["state"]
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wmod, "save_atomic", full_disk)
+    loaded = []
+    real_make = wmod.make_optimizer
+
+    def make(*a, **k):
+        opt = real_make(*a, **k)
+        real_load = opt.load_state_dict
+        opt.load_state_dict = lambda sd: (loaded.append(sd), real_load(sd))[1]
+        return opt
+
+    monkeypatch.setattr(wmod, "make_optimizer", make)
+    w.state, stub.busy_after = IDLE, 1
+    w.window()
+    assert w.checkpoint_failures >= 1 and loaded and loaded[0] is deferred

@@ -281,3 +281,28 @@ def test_streamed_logprobs_come_with_their_chunks_and_join_to_the_non_streamed_o
     joined = [t for c in parts if c.logprobs for t in c.logprobs.content]
     assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in joined] == \
         [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in whole.logprobs.content]
+
+
+def test_streamed_text_offsets_stay_inside_a_text_cut_by_a_stop_string(server):
+    """A chunk took the logprobs of every token so far, also of tokens whose text was held back as the possible
+    start of a stop string; when the stop string completed, their streamed offsets pointed past the returned text
+    (the non-streamed response clamps them). A chunk now takes only tokens whose text has begun to go out.
+    The server's own choice stream (`CompletionChoiceStream`) and tokenizer, one character per token."""
+    import transformers
+
+    from tlt.services.rollout import openai_convert as conv
+    from tlt.services.rollout.types import CompletionOutput, FinishReason, StepOutput, Versions
+
+    tok = transformers.AutoTokenizer.from_pretrained(server.server.model_dir)
+    ids = [tok.convert_tokens_to_ids(ch) for ch in "abcdefXYZ"]
+    assert tok.decode(ids) == "abcdefXYZ"
+    stream, chunks = conv.CompletionChoiceStream(tok, ("XYZ",), 0), []
+    for i, t in enumerate(ids):  # the step that completes the stop string is the finished one
+        text, lp = stream.push(StepOutput("r", 0, [t], [-1.0], finished=i == len(ids) - 1))
+        chunks.append((text, lp))
+    done = CompletionOutput("r", 0, [1], ids, "abcdef", FinishReason.STOP, Versions(), logprobs=[-1.0] * len(ids))
+    chunks.append(stream.finish(done))
+    offsets = [o for _, lp in chunks if lp is not None for o in lp.text_offset]
+    whole = conv.completion_logprobs(tok, ids, done.logprobs, None, 0, done.text).text_offset
+    assert "".join(text for text, _ in chunks) == "abcdef"
+    assert offsets == whole == [0, 1, 2, 3, 4, 5, 6, 6, 6]

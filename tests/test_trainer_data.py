@@ -56,6 +56,10 @@ def test_an_answer_column_beside_another_answer_field_is_refused(tmp_path):
                                                   "keyword answer=")):
         load_prompts(p, answer_field="solution")
     assert load_prompts(p)[0].extra == {"solution": "42"}  # as the answer field itself, it is the reference
+    # a dotted answer_field inside the 'answer' column: that column holds the reference, as before
+    nested = write_jsonl(tmp_path / "n.jsonl", [{"prompt": "1+1=", "answer": {"value": "2", "note": "n"}}])
+    assert [(i.answer, i.extra) for i in load_prompts(nested, answer_field="answer.value")] == [
+        ("2", {"answer": {"value": "2", "note": "n"}})]
 
 
 @pytest.mark.parametrize(

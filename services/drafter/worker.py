@@ -139,6 +139,7 @@ class DrafterWorker:
         self.budget_spent = False  # window_max_steps reached in this idle period of the replica
         self.windows = 0
         self.checkpoint_failures = 0  # optimizer checkpoints that could not be written (retried)
+        self._unsaved_opt: dict | None = None  # the optimizer state of the last checkpoint that could not be written
         self._gen = torch.Generator().manual_seed(worker_id)
         self.drafter_cfg, embed, head = target_shared(model_dir)  # --model is policy version 0
         self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # on the CPU between windows
@@ -296,9 +297,7 @@ class DrafterWorker:
         embed, head = self.shared.current.embed, self.shared.current.lm_head
         drafter = Drafter(self.drafter_cfg, embed.to(self.device), head.to(self.device)).to(self.device)
         opt = make_optimizer(drafter, self.cfg.lr, self.cfg.weight_decay)
-        saved = load_state(self.ckpt)
-        if saved is not None and saved.get("optimizer"):
-            opt.load_state_dict(saved["optimizer"])
+        self._restore_optimizer(opt)
         base, base_version = self._pull(drafter)
         since_submit = 0
         while True:
@@ -446,10 +445,15 @@ class DrafterWorker:
         return False
 
     def _restore_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        """Back to the last checkpoint's optimizer state, or a fresh one when there is none."""
-        saved = load_state(self.ckpt)
-        if saved is not None and saved.get("optimizer"):
-            opt.load_state_dict(saved["optimizer"])
+        """The last saved optimizer state: the checkpoint's, or the newer one a failed write left in memory (a
+        full disk; reading the file went back to an older state, and the next write lost the newer one), or a
+        fresh one when there is neither."""
+        state = self._unsaved_opt
+        if state is None:
+            saved = load_state(self.ckpt)
+            state = saved.get("optimizer") if saved is not None else None
+        if state:
+            opt.load_state_dict(state)
         else:
             opt.state.clear()
 
@@ -462,8 +466,10 @@ class DrafterWorker:
                                     "preemptions": self.preemptions})
         except OSError as e:
             self.checkpoint_failures += 1
+            self._unsaved_opt = opt_state  # what the checkpoint holds for now (_restore_optimizer)
             log.error("worker_checkpoint_failed", worker=self.worker_id, path=str(self.ckpt), error=repr(e)[:300])
             return False
+        self._unsaved_opt = None
         return True
 
     def close(self) -> None:

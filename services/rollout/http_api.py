@@ -436,7 +436,7 @@ class OpenAIServer:
 
     async def _completion_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
                                  params: SamplingParams, n: int, include_usage: bool) -> AsyncIterator[bytes]:
-        streams: dict[int, conv.TextStream] = {}
+        streams: dict[int, conv.CompletionChoiceStream] = {}
         outs: list[CompletionOutput] = []
         created = int(time.time())
 
@@ -444,32 +444,17 @@ class OpenAIServer:
             return _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                 CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, tlt_versions=versions)]))
 
-        k = params.logprobs
-        # per choice: its logprobs, sent with the chunks (conv.StreamLogprobs), and their text offsets so far
-        lps: dict[int, tuple[conv.StreamLogprobs, conv.TextOffsets]] = {}
         async for pi, ev in self._merged(reqs):
             index = pi * n + ev.sample_index
-            ts = streams.setdefault(index, conv.TextStream(self.tokenizer, params.stop))
-            if k is not None and index not in lps:
-                lps[index] = (conv.StreamLogprobs(k), conv.TextOffsets(self.tokenizer))
+            cs = streams.setdefault(index, conv.CompletionChoiceStream(self.tokenizer, params.stop, params.logprobs))
             if isinstance(ev, StepOutput):
-                if ev.finished:  # its tokens may end in a stop string: the CompletionOutput's cut text follows
-                    continue
-                if k is not None:
-                    lps[index][0].push(ev)
-                delta = ts.push(ev.new_token_ids)
+                delta, lp = cs.push(ev)
                 if delta:
-                    lp = None
-                    if k is not None and (ready := lps[index][0].take()) is not None:
-                        lp = conv.completion_logprobs(self.tokenizer, *ready, k, offsets=lps[index][1])
                     yield chunk(index, delta, lp=lp)
             else:
                 outs.append(ev)
-                lp = None
-                if k is not None:
-                    stream_lp, offsets = lps[index]
-                    lp = conv.completion_logprobs(self.tokenizer, *stream_lp.rest(ev), k, ev.text, offsets)
-                yield chunk(index, ts.finish(ev.text), conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
+                text, lp = cs.finish(ev)
+                yield chunk(index, text, conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
         if include_usage:
             yield _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                usage=self._usage(prompts, outs),

@@ -144,16 +144,16 @@ class TextOffsets:
 
 def completion_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int,
-    text: str | None = None, offsets: TextOffsets | None = None,
+    text: str | None = None, offsets: TextOffsets | list[int] | None = None,
 ) -> CompletionLogprobs:
     """The legacy completions API's logprobs. Each position's `top_logprobs` holds the `k` most likely tokens and
     the sampled one besides when it is not among them (its logprob the position's `token_logprobs` value): "The
     API will always return the logprob of the sampled token, so there may be up to logprobs+1 elements in the
     response" (OpenAI's reference for `logprobs`). The chat API has no such rule: see `chat_logprobs`.
-    `text`: the choice's text, which `text_offset` indexes (`TextOffsets`); `offsets`: a stream's, fed its earlier
-    chunks' tokens."""
+    `text`: the choice's text, which `text_offset` indexes (`TextOffsets`); `offsets`: these tokens' offsets
+    already counted (a stream's, `StreamLogprobs`)."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
-    text_offset = (offsets or TextOffsets(tokenizer)).feed(token_ids, text)
+    text_offset = offsets if isinstance(offsets, list) else (offsets or TextOffsets(tokenizer)).feed(token_ids, text)
     token_logprobs = [_lp(x) for x in (logprobs or [])]
     top_out = None
     if k > 0 and top is not None:
@@ -308,17 +308,25 @@ class StreamLogprobs:
     """A streamed choice's logprobs, each token's sent with the chunk that follows it (as OpenAI and vLLM send
     them; they all came in the last chunk before): the engine's steps' tokens wait until a text chunk goes out and
     go with it; the last chunk takes the rest from the completion, so the chunks' lists join to the non-streamed
-    response's. A backend whose steps lack them (SGLang's carry no alternatives) sends them all at the end."""
+    response's. A backend whose steps lack them (SGLang's carry no alternatives) sends them all at the end.
 
-    def __init__(self, k: int) -> None:
+    With a tokenizer (the completions API) each token's `text_offset` is kept too, and a chunk takes only the
+    tokens whose text has begun to go out (`take(limit)`): one whose text is held back (it may start a stop string)
+    waits, so an offset never points past the text the choice ends up returning."""
+
+    def __init__(self, k: int, tokenizer: Any = None) -> None:
         self.k = k
         self.sent = 0  # tokens whose logprobs went out
         self.ids: list[int] = []
         self.lps: list[float] = []
         self.tops: list[dict[int, float]] = []
         self.per_step = True
+        self._offsets = TextOffsets(tokenizer) if tokenizer is not None else None
+        self.offsets: list[int] = []  # text_offset of every token pushed, from the first
 
     def push(self, step: StepOutput) -> None:
+        if self._offsets is not None:
+            self.offsets += self._offsets.feed(step.new_token_ids)
         if step.new_logprobs is None or (self.k > 0 and step.new_top_logprobs is None):
             self.per_step = False
         if self.per_step:
@@ -326,20 +334,63 @@ class StreamLogprobs:
             self.lps += step.new_logprobs or []
             self.tops += step.new_top_logprobs or []
 
-    def take(self) -> tuple[list[int], list[float], list[dict[int, float]] | None] | None:
-        """The waiting tokens (ids, logprobs, alternatives), for the chunk going out; None: nothing to send now."""
+    def take(self, limit: int | None = None) -> tuple[list[int], list[float], list[dict[int, float]] | None,
+                                                     list[int] | None] | None:
+        """The waiting tokens (ids, logprobs, alternatives, text offsets) for the chunk going out, those whose
+        offset is below `limit` (the characters sent) when given; None: nothing to send now."""
         if not self.per_step or not self.ids:
             return None
-        out = (self.ids, self.lps, self.tops if self.k > 0 else None)
-        self.sent += len(self.ids)
-        self.ids, self.lps, self.tops = [], [], []
+        n = len(self.ids)
+        if limit is not None and self._offsets is not None:
+            n = sum(1 for o in self.offsets[self.sent : self.sent + n] if o < limit)  # offsets never decrease
+        if n == 0:
+            return None
+        offs = self.offsets[self.sent : self.sent + n] if self._offsets is not None else None
+        out = (self.ids[:n], self.lps[:n], self.tops[:n] if self.k > 0 else None, offs)
+        self.sent += n
+        self.ids, self.lps, self.tops = self.ids[n:], self.lps[n:], self.tops[n:]
         return out
 
-    def rest(self, c: CompletionOutput) -> tuple[list[int], list[float] | None, list[dict[int, float]] | None]:
-        """The tokens the last chunk carries: the completion's after those already sent."""
+    def rest(self, c: CompletionOutput) -> tuple[list[int], list[float] | None, list[dict[int, float]] | None,
+                                                 list[int] | None]:
+        """The tokens the last chunk carries: the completion's after those already sent, with their offsets
+        clamped to the completion's text (as the non-streamed response's)."""
         n = self.sent
+        offs = None
+        if self._offsets is not None:
+            self.offsets += self._offsets.feed(c.token_ids[len(self.offsets):])  # the last step's, never pushed
+            offs = [min(o, len(c.text)) for o in self.offsets[n : len(c.token_ids)]]
         return (c.token_ids[n:], None if c.logprobs is None else c.logprobs[n:],
-                None if c.top_logprobs is None else c.top_logprobs[n:])
+                None if c.top_logprobs is None else c.top_logprobs[n:], offs)
+
+
+class CompletionChoiceStream:
+    """One completions choice of a stream: (text delta, logprobs) per engine step, then the last ones."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], logprobs: int | None) -> None:
+        self.tokenizer, self.k = tokenizer, logprobs
+        self.text = TextStream(tokenizer, stop)
+        self.logprobs = StreamLogprobs(logprobs, tokenizer) if logprobs is not None else None
+
+    def push(self, step: StepOutput) -> tuple[str, CompletionLogprobs | None]:
+        """The text that can go out after this step ("" : none yet) and the logprobs of the tokens it carries."""
+        if step.finished:  # its tokens may end in a stop string: the CompletionOutput's cut text follows
+            return "", None
+        if self.logprobs is not None:
+            self.logprobs.push(step)
+        delta = self.text.push(step.new_token_ids)
+        if not delta or self.logprobs is None or (ready := self.logprobs.take(len(self.text.sent))) is None:
+            return delta, None
+        *rows, offsets = ready
+        return delta, completion_logprobs(self.tokenizer, *rows, self.k, offsets=offsets)  # type: ignore[arg-type]
+
+    def finish(self, c: CompletionOutput) -> tuple[str, CompletionLogprobs | None]:
+        """The rest of the (cut) text and the logprobs of the tokens not sent yet."""
+        lp = None
+        if self.logprobs is not None:
+            *rows, offsets = self.logprobs.rest(c)
+            lp = completion_logprobs(self.tokenizer, *rows, self.k, c.text, offsets)  # type: ignore[arg-type]
+        return self.text.finish(c.text), lp
 
 
 class ChatChoiceStream:
@@ -371,13 +422,13 @@ class ChatChoiceStream:
             return []
         lp = None
         if self.logprobs is not None and (ready := self.logprobs.take()) is not None:
-            lp = chat_logprobs(self.tokenizer, *ready, self.logprobs.k)
+            lp = chat_logprobs(self.tokenizer, *ready[:3], self.logprobs.k)
         return [ChatChunkChoice(index=self.index, delta=ChatDelta(content=delta), logprobs=lp)]
 
     def finish(self, c: CompletionOutput) -> list[ChatChunkChoice]:
         lp = None
         if self.logprobs is not None:
-            lp = chat_logprobs(self.tokenizer, *self.logprobs.rest(c), self.logprobs.k)
+            lp = chat_logprobs(self.tokenizer, *self.logprobs.rest(c)[:3], self.logprobs.k)
         last = dict(index=self.index, logprobs=lp, tlt_versions=tlt_versions(c.versions))
         parsed = parsed_text(self.tools, c)
         if not parsed.calls:

@@ -128,7 +128,7 @@ def _item(index: int, row: object, where: str, answer_field: str = "answer") -> 
         if name in extra:
             raise DataError(f"{where}: column {name!r} clashes with the reward function keyword {name}= (passed "
                             "by the trainer); rename the column")
-    if "answer" in extra:  # answer_field names another column: the trainer passes that one as answer=
+    if "answer" in extra and answer_field.split(".")[0] != "answer":  # another column is the reference (answer=)
         raise DataError(f"{where}: column 'answer' clashes with the reward function keyword answer=, which carries "
                         f"the reference answer (answer_field {answer_field!r}); rename the column")
     return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra, messages=messages)

@@ -89,14 +89,18 @@ def run(args: argparse.Namespace) -> int:
             log.warning("run_stopping", hint="the services are being stopped in order; kill -9 the launcher to end "
                                              "at once (its children die with it)")
 
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, stopping)
+        previous = {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         launcher.shutdown()
+        for sig, handler in previous.items():  # stopped: a signal interrupts what is left (the report) again
+            signal.signal(sig, handler)
     if not args.no_report:
         from tlt.services.trainer.report import write_report
 
-        path = write_report(plan.run_dir, plan.tail_threshold)
-        log.info("report_written", path=str(path))
+        try:
+            path = write_report(plan.run_dir, plan.tail_threshold)
+            log.info("report_written", path=str(path))
+        except KeyboardInterrupt:  # the services are stopped already; `tlt report DIR` writes it later
+            log.warning("report_skipped", hint=f"write it with: tlt report {plan.run_dir}")
     from tlt.services.trainer.evaluate import read_evals
 
     evals = read_evals(plan.run_dir / "eval.jsonl")
