@@ -107,6 +107,11 @@ from tlt.bench.rollout_report import BUCKETS, add_speedups, median_result, mode_
 MODES = ("off", "ngram", "static-ngram", "learned", "static-learned")
 
 
+def _whole(x: float) -> float | int:
+    """28.0 -> 28 (a median of whole lengths is whole unless it falls between two)."""
+    return int(x) if x == int(x) else x
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: artifacts/tiny, else a random tiny-shaped one)")
     parser.add_argument("--drafter", default=None, help="drafter folder for the learned modes")
@@ -476,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"model": source, "workload": args.workload, "temperature": args.temperature,
               "requests": len(requests), "sequences": num_seqs,
               # the median (torch's median is the lower of the two middle values)
-              "lengths_p50": statistics.median(lengths.flatten().tolist()), "lengths_max": int(lengths.max()),
+              "lengths_p50": _whole(statistics.median(lengths.flatten().tolist())), "lengths_max": int(lengths.max()),
               "threshold": args.threshold,
               "arms": list(bucket_arms[0]) if bucket_arms and len(set(bucket_arms)) == 1 else None,
               "buckets": list(buckets), "bucket_arms": [list(a) for a in bucket_arms] if bucket_arms else None,
