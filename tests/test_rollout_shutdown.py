@@ -168,3 +168,29 @@ def test_a_front_tokenizer_that_fails_while_the_replicas_load_stops_them(random_
     finally:
         st.__exit__(None, None, None)
     assert_all_gone(pids)
+
+
+def test_a_call_to_a_rollout_server_that_hangs_ends_instead_of_waiting_forever(model_dir, tmp_path):
+    """A hung rollout front (a deadlock, a frozen cgroup; here SIGSTOP) keeps its TCP connection open: a trainer's
+    rollout call (no deadline) waited for it forever while `tlt run` saw every process alive. The client pings the
+    connection while a call runs; an unanswered ping ends the call with UNAVAILABLE (pings every 1 s, 2 s to answer,
+    here; 30 s / 30 s by default)."""
+    import os
+    import signal
+
+    with ServeProcess(model_dir, tmp_path) as s:
+        address = f"127.0.0.1:{s.info['grpc_port']}"
+        params = rollout_pb2.SamplingParams(max_tokens=4)
+        with RolloutClient(address, keepalive_s=(1.0, 2.0)) as c:
+            assert len(list(c.batch_generate(["1+1="], n=2, params=params))) == 2  # pings of a live server: fine
+            time.sleep(3.0)  # idle: no pings (none without a call), nothing breaks
+            assert len(list(c.batch_generate(["2+2="], n=2, params=params))) == 2
+            os.kill(s.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    list(c.batch_generate(["3+3="], n=2, params=params))
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                assert time.monotonic() - t0 < 20  # grpc's own ping timeout was 60 s
+            finally:
+                os.kill(s.proc.pid, signal.SIGCONT)

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from tlt.services.common.auth import bearer, resolve_token
-from tlt.services.common.channels import client_options
+from tlt.services.common.channels import client_options, keepalive_options
 from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 # 256 MiB messages (weight pushes); own connection, reconnect back-off capped at 1 s (channels.py)
@@ -50,10 +50,18 @@ def make_prompt(p: str | Sequence[int], reference: str = "") -> rollout_pb2.Prom
     return rollout_pb2.Prompt(token_ids=rollout_pb2.TokenIds(ids=list(p)), reference=reference)
 
 
+KEEPALIVE_S = (30.0, 30.0)  # ping a call's connection every 30 s; a server silent 30 s more ends the call
+
+
 class RolloutClient:
-    def __init__(self, address: str, control_token: str = "", timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, control_token: str = "", timeout_s: float | None = None,
+                 keepalive_s: tuple[float, float] | None = KEEPALIVE_S) -> None:
+        """keepalive_s: (every, timeout) of the connection's pings while a call runs (`channels.keepalive_options`):
+        a rollout server that hangs ends the calls waiting on it with UNAVAILABLE (a trainer's rollout has no
+        deadline, and waited forever); None: no pings."""
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        options = _OPTIONS + (keepalive_options(*keepalive_s) if keepalive_s is not None else [])
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
         self.control_token = resolve_token(control_token)  # else $TLT_AUTH_TOKEN / $TLT_AUTH_TOKEN_FILE
         self.timeout_s = timeout_s

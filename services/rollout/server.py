@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt.services.common.auth import is_loopback
+from tlt.services.common.channels import SERVER_KEEPALIVE
 from tlt.services.common.cpus import replica_threads, usable_cores
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
@@ -34,6 +35,7 @@ GRPC_OPTIONS = [
     # grpc sets SO_REUSEPORT by default: a second server on a port another one already serves would start
     # without error and the kernel would split connections (weight pushes too) between the two processes.
     ("grpc.so_reuseport", 0),
+    *SERVER_KEEPALIVE,  # the clients ping while their calls wait (RolloutClient keepalive_s)
 ]
 
 
