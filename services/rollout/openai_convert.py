@@ -144,7 +144,7 @@ class TextOffsets:
 
 def completion_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int,
-    text: str | None = None, offsets: TextOffsets | list[int] | None = None,
+    text: str | None = None, offsets: list[int] | None = None,
 ) -> CompletionLogprobs:
     """The legacy completions API's logprobs. Each position's `top_logprobs` holds the `k` most likely tokens and
     the sampled one besides when it is not among them (its logprob the position's `token_logprobs` value): "The
@@ -153,7 +153,7 @@ def completion_logprobs(
     `text`: the choice's text, which `text_offset` indexes (`TextOffsets`); `offsets`: these tokens' offsets
     already counted (a stream's, `StreamLogprobs`)."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
-    text_offset = offsets if isinstance(offsets, list) else (offsets or TextOffsets(tokenizer)).feed(token_ids, text)
+    text_offset = offsets if offsets is not None else TextOffsets(tokenizer).feed(token_ids, text)
     token_logprobs = [_lp(x) for x in (logprobs or [])]
     top_out = None
     if k > 0 and top is not None:

@@ -156,81 +156,76 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
 DATA_FIELDS = ("seed", "data_path", "answer_field", "synthetic_problems")
 
 
-def _check_same_data(run_dir: Path, trainer: dict[str, Any]) -> None:
-    """Refuse a resume whose trainer would draw other prompts than the checkpoint's (another --seed or data set).
-    The trainer refuses it too (PromptSampler.load_state_dict), but only after every service has started, and
-    run.json then held the new value: every later resume of the folder failed the same way."""
-    from tlt.services.trainer.config import TrainerConfig
-
-    old_path = run_dir / "config.toml"
-    if not old_path.exists():
-        return
-    old = load_config(TrainerConfig, "trainer", old_path)
-    new = load_config(TrainerConfig, "trainer", None, trainer)
-    if not new.resume:  # the trainer starts over
-        return
-    changed = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"
-               for k in DATA_FIELDS if getattr(old, k) != getattr(new, k)]
-    if changed:
-        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
-                           f"trained on ({', '.join(changed)}); drop that option, or start a new run (--run-id)")
-    edited = _data_file_change(run_dir, new)
-    if edited:
-        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
-                           f"trained on ({edited}); restore that file, or start a new run (--run-id)")
-
-
-def _check_same_model(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> None:
-    """Refuse a resume with another model (`--model`) than the checkpoint's, before any service starts and before
-    run.json records it: the trainer refuses it too (checkpoint.check_same_model), but only after every service had
-    started, and run.json then named the new model, so no later resume of the folder could start."""
-    from tlt.services.trainer.config import TrainerConfig
-
-    if not load_config(TrainerConfig, "trainer", None, trainer).resume:  # the trainer starts over
-        return
+def _latest_state(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The run's latest complete trainer checkpoint and its state (our own file, as the trainer loads it); None when
+    there is none, or `latest` names no complete one (the trainer says so)."""
     import torch
-    from transformers import AutoConfig
 
-    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, check_same_model, \
-        model_identity
+    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointManager
 
     try:
         latest = CheckpointManager(run_dir / "checkpoints").latest()
-    except FileNotFoundError:  # `latest` names no complete checkpoint: the trainer says so
+    except FileNotFoundError:
+        return None
+    return None if latest is None else (latest, torch.load(latest / STATE_FILE, weights_only=False))
+
+
+def _check_resume(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> None:
+    """Refuse a resume whose trainer would draw other prompts than the checkpoint's (another --seed, data set or
+    data file) or train another model (`--model`). The trainer refuses both too (PromptSampler.load_state_dict,
+    checkpoint.check_same_model), but only after every service had started, and run.json then held the new value:
+    every later resume of the folder failed the same way."""
+    from tlt.services.trainer.config import TrainerConfig
+
+    old_path = run_dir / "config.toml"
+    new = load_config(TrainerConfig, "trainer", None, trainer)
+    if not new.resume:  # the trainer starts over
         return
-    if latest is None:
+    if old_path.exists():
+        old = load_config(TrainerConfig, "trainer", old_path)
+        changed = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"
+                   for k in DATA_FIELDS if getattr(old, k) != getattr(new, k)]
+        if changed:
+            raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
+                               f"trained on ({', '.join(changed)}); drop that option, or start a new run (--run-id)")
+    state = _latest_state(run_dir)
+    if state is None:
         return
-    saved = torch.load(latest / STATE_FILE, weights_only=False).get("model")  # our own file
+    if old_path.exists() and (edited := _data_file_change(run_dir, new, state)):
+        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
+                           f"trained on ({edited}); restore that file, or start a new run (--run-id)")
+    _check_same_model(state, model_dir)
+
+
+def _check_same_model(state: tuple[Path, dict[str, Any]], model_dir: str) -> None:
+    """`--model` must be the model the checkpoint `state` trained (checkpoint.check_same_model)."""
+    from transformers import AutoConfig
+
+    from tlt.services.trainer.checkpoint import CheckpointError, check_same_model, model_identity
+
     try:
         current = model_identity(AutoConfig.from_pretrained(model_dir))
     except (OSError, ValueError):  # not a model transformers reads: the trainer says so, as without a checkpoint
         return
     try:
-        check_same_model(saved, current, latest)
+        check_same_model(state[1].get("model"), current, state[0])
     except CheckpointError as e:
         raise ServiceError(f"{e} (--model {model_dir}; drop --model to resume with the run's own)") from None
 
 
-def _data_file_change(run_dir: Path, cfg: TrainerConfig) -> str | None:
+def _data_file_change(run_dir: Path, cfg: TrainerConfig, state: tuple[Path, dict[str, Any]] | None = None) -> str | None:
     """How the data file (`cfg.data_path`) differs from the one the latest checkpoint's data position is a position
-    in: its prompt count, or its content fingerprint (PromptSampler's; a checkpoint saved before it was kept is
-    checked on the count alone), as the trainer's PromptSampler.load_state_dict judges it; None when it does not.
-    The same settings with the file edited passed the check above, and only the trainer refused it, after every
-    service had started. The synthetic set is fixed by the DATA_FIELDS compared above."""
+    in (`state`: that checkpoint, `_latest_state`, read here when not given): its prompt count, or its content
+    fingerprint (PromptSampler's; a checkpoint saved before it was kept is checked on the count alone), as the
+    trainer's PromptSampler.load_state_dict judges it; None when it does not. The synthetic set is fixed by the
+    DATA_FIELDS compared before."""
     if not cfg.data_path:
         return None
-    import torch
-
-    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointManager
+    if state is None and (state := _latest_state(run_dir)) is None:
+        return None
+    saved = state[1]["sampler"]
     from tlt.services.trainer.data import DataError, PromptSampler, trainer_prompts
 
-    try:
-        latest = CheckpointManager(run_dir / "checkpoints").latest()
-    except FileNotFoundError:  # `latest` names no complete checkpoint: the trainer says so
-        return None
-    if latest is None:
-        return None
-    saved = torch.load(latest / STATE_FILE, weights_only=False)["sampler"]  # our own file, as the trainer loads it
     try:
         now = PromptSampler(trainer_prompts(cfg), cfg.seed)  # as the trainer reads it (chat template, answer_field)
     except DataError as e:  # gone, or no longer readable
@@ -310,8 +305,7 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
     try:
         _validate(services, switches)
         if _checkpoint_steps(run_dir):
-            _check_same_data(run_dir, services["trainer"])
-            _check_same_model(run_dir, services["trainer"], run_cfg.model_dir)
+            _check_resume(run_dir, services["trainer"], run_cfg.model_dir)
     except (ServiceError, ConfigError):
         lock.close()
         if created:  # a new run refused: no folder holding only its .lock is left behind

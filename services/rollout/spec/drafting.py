@@ -189,10 +189,9 @@ class EagleSource:
             return replace(_structure_on_cpu(tree), sampled=torch.ones(len(seqs), dtype=torch.bool)), counts.cpu()
         idx = [i for i, w in enumerate(warm) if w and i not in sampled]
         if sampled:
-            s_tree, _ = self._chain([seqs[i] for i in sampled], arm, sample=True)
+            s_tree = _structure_on_cpu(self._chain([seqs[i] for i in sampled], arm, sample=True)[0])
             for j, i in enumerate(sampled):  # never cut: every row has all its drafts
-                trees[i] = DraftTree(s_tree.tokens[j : j + 1].cpu(), s_tree.parents[j : j + 1].cpu(),
-                                     s_tree.depth[j : j + 1].cpu(), s_tree.score[j : j + 1].cpu())
+                trees[i] = _row(s_tree, j, s_tree.num_nodes)
         if idx:
             warm_seqs = [seqs[i] for i in idx]
             if arm.topk == 1:
@@ -204,9 +203,7 @@ class EagleSource:
             if len(idx) == len(seqs):  # all warm (the usual case): already one [B, N] batch
                 return batch, counts
             for j, i in enumerate(idx):
-                n = int(counts[j])
-                trees[i] = DraftTree(batch.tokens[j : j + 1, :n], batch.parents[j : j + 1, :n],
-                                     batch.depth[j : j + 1, :n], batch.score[j : j + 1, :n])
+                trees[i] = _row(batch, j, int(counts[j]))
         for i, s in enumerate(seqs):
             if trees[i] is None:
                 trees[i] = trie_tree(s.token_ids[-1], [], 1)
@@ -352,6 +349,12 @@ class EagleSource:
         self.fed_pos.clear()
         self.last_h.clear()
         self.runtime.refresh()
+
+
+def _row(tree: DraftTree, j: int, n: int) -> DraftTree:
+    """Row j of a batch of trees, its first n nodes (the structure: `pad_trees` joins rows again)."""
+    return DraftTree(tree.tokens[j : j + 1, :n], tree.parents[j : j + 1, :n], tree.depth[j : j + 1, :n],
+                     tree.score[j : j + 1, :n])
 
 
 def _structure_on_cpu(tree: DraftTree) -> DraftTree:
