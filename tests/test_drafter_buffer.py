@@ -170,3 +170,28 @@ def test_a_previous_version_sequence_of_exactly_long_tokens_is_fallback_data() -
     buf.add_samples([sample("p6", 6, version=1), sample("p5", 5, version=1), sample("n", 3, version=2)])
     batch = buf.batch(rows=1, row_tokens=100)
     assert batch.sequences == 2 and batch.tokens.shape[1] == 3 + 6  # v2, then v1's 6 tokens (6 >= 6); not 5
+
+
+def test_drops_are_summed_over_trainer_ranks_and_over_a_restarted_replica() -> None:
+    # Every trainer rank has its own pusher and tags its sequences replica -1; a restarted rollout replica has a
+    # new pusher whose count starts again at 0. Keyed by replica id, the drafter took the max and hid drops.
+    import torch
+
+    from tlt.services.common.events_local import LocalFeatureQueue
+    from tlt.services.drafter.trainer_hook import push_trainer_features
+
+    buf = FeatureBuffer(100, 100, 16, 4, holdout_every=1000, hidden_size=4)
+    for drops in (3, 5):  # two ranks
+        rank = LocalFeatureQueue(maxsize=1)
+        push = lambda q=rank: push_trainer_features(q, [[1, 2, 3, 4]], [torch.randn(4, 4)], [2], 1)  # noqa: E731
+        assert push()
+        for _ in range(drops):
+            assert not push()  # the queue is full: dropped and counted by this rank's pusher
+        buf.add_batch(rank.recv(0.1))
+        assert push()  # carries this rank's count
+        buf.add_batch(rank.recv(0.1))
+    assert buf.sender_dropped == 8
+    for life, drops in ((0, 10), (1, 4)):  # replica 0 before and after a restart: two pushers
+        s = fseq(f"life{life}", 3, 0, h=4)
+        buf.add_batch(events_pb2.FeatureBatch(sequences=[s], dropped_before=drops, sender=f"replica0-life{life}"))
+    assert buf.sender_dropped == 8 + 14

@@ -100,3 +100,19 @@ def test_a_gpu_lent_to_the_trainer_lets_the_cpu_evaluation_run_a_lent_cpu_does_n
             watch.close()
     finally:
         pub.close()
+
+
+def test_a_heartbeat_slower_than_the_staleness_rule_allows_is_refused() -> None:
+    # A state not repeated for STALE_S (5 s) counts as busy: with heartbeats every 6 s a live, idle rollout went
+    # stale between two heartbeats and every training window ended with capacity_feed_silent.
+    import pytest
+
+    from tlt.services.common.config import ConfigError, cli_overrides, load_config
+    from tlt.services.common.events import STALE_S
+    from tlt.services.rollout.config import RolloutConfig
+
+    assert load_config(RolloutConfig, "rollout", environ={}).capacity_heartbeat_s * 2 <= STALE_S
+    with pytest.raises(ConfigError, match="busy"):
+        load_config(RolloutConfig, "rollout", overrides=cli_overrides(["capacity_heartbeat_s=6"]), environ={})
+    ok = load_config(RolloutConfig, "rollout", overrides=cli_overrides(["capacity_heartbeat_s=2.5"]), environ={})
+    assert ok.capacity_heartbeat_s == 2.5

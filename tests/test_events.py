@@ -282,3 +282,25 @@ def test_snapshot_request_with_extra_frames_and_frames_on_a_longer_topic_are_gar
             # "capx" passes the SUB prefix filter "cap" but is another topic
             rogue.send_multipart([TOPIC + b"x", Envelope(capacity=_event(5, BUSY)).SerializeToString()])
             assert sub.recv(0.5) is None and sub.garbage == 1 and ("", 5) not in sub.latest
+
+
+def test_a_batch_over_the_frame_limit_goes_as_several_frames_and_a_sequence_over_it_is_dropped() -> None:
+    # A whole RL batch can finish in one engine step; serialized as one frame it can pass protobuf's 2 GiB
+    # limit and the encode error killed the replica. Here the limit is 10 kB instead of 256 MiB.
+    assert FeaturePusher.__init__.__defaults__[-1] < 2**31 - (64 << 20)  # the default frame stays under 2 GiB
+    with FeaturePuller(ANY) as puller, FeaturePusher(puller.endpoint, max_frame_bytes=10_000) as pusher:
+        deadline = time.monotonic() + 5
+        while not pusher.push(_batch(1)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # wait for the TCP connection
+        assert puller.recv(2.0) is not None
+        before = pusher.dropped  # pushes before the connection was up
+        batch = _batch(7, size=3_000)  # ~21 kB: three frames of at most three sequences
+        batch.sequences.append(events_pb2.FeatureSequence(seq_id="huge", token_ids=[1], features=b"\0" * 20_000))
+        assert not pusher.push(batch)  # not all of it went
+        frames = []
+        while (b := puller.recv(0.5)) is not None:
+            frames.append(b)
+        assert sorted(s.seq_id for f in frames for s in f.sequences) == [f"s{i}" for i in range(7)]
+        assert len(frames) == 3 and all(f.ByteSize() <= 10_000 for f in frames)
+        assert pusher.dropped == before + 1 and {f.dropped_before for f in frames} == {before + 1}
+        assert {f.sender for f in frames} == {pusher.sender} and {f.source for f in frames} == {"rollout"}

@@ -16,7 +16,11 @@ publisher continues above its old numbers.
 
 Features: the pusher uses a small send high-water mark and non-blocking sends;
 when the drafter is slow or absent the batch is dropped and counted (the next
-batch carries the running count in `dropped_before`). The rollout never waits.
+batch carries the running count in `dropped_before`, and the pusher's `sender`
+id, so the drafter sums the counts of every process and rank). The rollout
+never waits. A batch is sent as frames of at most `MAX_FRAME_BYTES`: a whole RL
+batch that finishes in one step can pass protobuf's 2 GiB message limit; a
+single sequence over the limit is dropped and counted.
 
 Garbage (undecodable frames, or an Envelope with the wrong body) is counted
 on every socket and skipped; nothing crashes on it. The small interfaces the
@@ -28,11 +32,12 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Protocol
 
 import zmq
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 
 from tlt.services.common.logging import get_logger
 from tlt.v1 import events_pb2
@@ -252,13 +257,39 @@ class CapacitySubscriber:
         self.close()
 
 
+STALE_S = 5.0  # a replica's state not repeated this long no longer counts: heartbeats must come well within it
+MAX_FRAME_BYTES = 256 << 20  # one feature frame; protobuf refuses messages over 2 GiB
+
+
+def split_batch(batch: FeatureBatch, max_bytes: int) -> tuple[list[FeatureBatch], int]:
+    """`batch` as batches of at most `max_bytes` serialized each (`batch` itself when it fits), and how many of its
+    sequences are too big to send alone."""
+    if batch.ByteSize() <= max_bytes:
+        return [batch], 0
+    parts: list[FeatureBatch] = []
+    too_big, size = 0, max_bytes + 1
+    for seq in batch.sequences:
+        n = seq.ByteSize() + 16  # the field's tag and length
+        if n > max_bytes:
+            too_big += 1
+            continue
+        if size + n > max_bytes:
+            parts.append(FeatureBatch(source=batch.source))
+            size = 0
+        parts[-1].sequences.append(seq)
+        size += n
+    return parts, too_big
+
+
 class FeaturePusher:
     """PUSH of FeatureBatch that never blocks: a full queue or no consumer drops the batch. Thread-safe."""
 
-    def __init__(self, connect: str, hwm: int = 4) -> None:
+    def __init__(self, connect: str, hwm: int = 4, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.dropped = 0  # sequences dropped so far
         self.dropped_batches = 0
         self.sent = 0
+        self.sender = uuid.uuid4().hex  # the drafter sums drops per sender: every pusher is its own
+        self.max_frame_bytes = max_frame_bytes
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
@@ -268,21 +299,33 @@ class FeaturePusher:
         self._sock.connect(connect)
 
     def push(self, batch: FeatureBatch) -> bool:
-        """Send `batch` if it can go now; otherwise count it as dropped. True when sent.
+        """Send `batch` if it can go now, in frames of at most `max_frame_bytes`; count what cannot go as dropped.
+        True when all of it was sent.
 
-        Sets `batch.dropped_before` to the running drop count before sending.
+        Sets `dropped_before` (the running drop count) and `sender` on each frame's batch before sending it.
         """
         with self._lock:
-            batch.dropped_before = self.dropped
-            frame = Envelope(features=batch).SerializeToString()
-            try:
-                self._sock.send(frame, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self.dropped += len(batch.sequences)
+            parts, too_big = split_batch(batch, self.max_frame_bytes)
+            if too_big:
+                self.dropped += too_big
                 self.dropped_batches += 1
-                return False
-            self.sent += 1
-            return True
+                log.warning("feature_sequence_too_big", sequences=too_big, max_frame_bytes=self.max_frame_bytes,
+                            total=self.dropped)
+            sent = 0
+            for part in parts:
+                part.dropped_before, part.sender = self.dropped, self.sender
+                try:
+                    frame = Envelope(features=part).SerializeToString()
+                    self._sock.send(frame, flags=zmq.NOBLOCK)
+                except (zmq.Again, EncodeError) as e:
+                    self.dropped += len(part.sequences)
+                    self.dropped_batches += 1
+                    if isinstance(e, EncodeError):
+                        log.warning("feature_batch_unencodable", error=str(e), total=self.dropped)
+                    continue
+                self.sent += 1
+                sent += 1
+            return not too_big and sent == len(parts)
 
     def close(self) -> None:
         with self._lock:

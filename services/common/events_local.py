@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 
 from tlt.v1 import events_pb2
 
@@ -92,12 +93,13 @@ class LocalFeatureQueue:
     def __init__(self, maxsize: int = 4) -> None:
         self.dropped = 0
         self.dropped_batches = 0
+        self.sender = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._queue: queue.Queue[FeatureBatch] = queue.Queue(maxsize=maxsize)
 
     def push(self, batch: FeatureBatch) -> bool:
         with self._lock:
-            batch.dropped_before = self.dropped
+            batch.dropped_before, batch.sender = self.dropped, self.sender
             try:
                 self._queue.put_nowait(batch)
             except queue.Full:

@@ -79,7 +79,7 @@ class FeatureBuffer:
         self._count = 0
         self.received_sequences = 0
         self.sender_dropped = 0  # sequences the senders dropped (summed over senders)
-        self._dropped: dict[int, int] = {}
+        self._dropped: dict[str, int] = {}  # sender -> its running drop count
         self.rejected = 0  # sequences refused at ingest (see `problem`)
 
     def add_batch(self, batch: events_pb2.FeatureBatch) -> int:
@@ -101,8 +101,9 @@ class FeatureBuffer:
             added += len(parts)
         with self._lock:
             self.received_sequences += len(batch.sequences)
-            if batch.sequences:  # each sender (replica) counts its own drops
-                key = int(batch.sequences[0].replica_id)
+            # each sender (a pusher: one per process and rank, a restarted process a new one) counts its own drops
+            key = batch.sender or (f"replica-{batch.sequences[0].replica_id}" if batch.sequences else "")
+            if key:
                 self._dropped[key] = max(self._dropped.get(key, 0), int(batch.dropped_before))
                 self.sender_dropped = sum(self._dropped.values())
         return added

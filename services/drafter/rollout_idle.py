@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tlt.services.common.events import CapacitySubscriber
+from tlt.services.common.events import STALE_S, CapacitySubscriber
 from tlt.services.common.logging import get_logger
 from tlt.v1 import common_pb2
 
@@ -36,9 +36,6 @@ log = get_logger("drafter.rollout_idle")
 
 IDLE = common_pb2.REPLICA_STATE_IDLE
 LENT = common_pb2.REPLICA_STATE_LENT
-
-
-STALE_S = 5.0  # a replica's state not repeated this long no longer counts (heartbeats come about once a second)
 
 
 def all_idle(states: dict[tuple[str, int], int]) -> bool:

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from tlt.services.common.config import ServiceConfig
 from tlt.services.common.config_values import zmq_endpoint_problem
+from tlt.services.common.events import STALE_S
 from tlt.services.rollout.engine.config import EngineConfig
 from tlt.services.rollout.spec.config import SpecConfig
 
@@ -107,7 +108,11 @@ class RolloutConfig(ServiceConfig):
     capacity_snapshot: str = Field(
         "", description="ZeroMQ endpoint to bind the capacity snapshot REP on (late subscribers); empty: an ephemeral port"
     )
-    capacity_heartbeat_s: float = Field(1.0, gt=0, description="seconds between capacity heartbeats")
+    capacity_heartbeat_s: float = Field(
+        1.0, gt=0, le=STALE_S / 2,
+        description=f"seconds between capacity heartbeats; at most {STALE_S / 2:g}: the drafter counts a replica whose "
+        f"state was not repeated for {STALE_S:g} s as busy",
+    )
     features_push: str = Field(
         "", description="drafter feature PULL endpoint each replica PUSHes finished sequences' features to; empty: off"
     )
