@@ -95,6 +95,25 @@ def test_rollout_failure_fails_the_step(server):
                     params=sampling_params(100_000, 1.0, 1.0), step=0)
 
 
+def test_a_request_that_cannot_be_sent_fails_the_step_instead_of_waiting_forever(server):
+    # a reader thread that died of anything but a gRPC error never said so, and collect waited on its queue forever
+    from tlt.services.rollout.client import RolloutClient
+
+    result: list = []
+    with RolloutClient(server.grpc_address) as client:
+        def run() -> None:
+            try:
+                collect([PromptItem(0, "half an emoji \ud83d", "1")], [client], Recorder(), n=2,
+                        params=sampling_params(4, 1.0, 1.0), step=0)
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                result.append(e)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "collect still waiting after 30 s"
+    assert isinstance(result[0], RolloutError) and "UnicodeEncodeError" in str(result[0])
+
+
 @pytest.mark.parametrize("servers", [1, 2])
 def test_the_same_prompt_twice_in_one_step(random_model_dir, server, servers):
     """The sampler wraps around an epoch inside one step (or the data has fewer prompts than a step asks for):

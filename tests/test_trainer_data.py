@@ -91,6 +91,20 @@ def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):
         load_prompts(p)
 
 
+@pytest.mark.parametrize("row", [
+    '{"prompt": "what is 2+2? \\ud83d", "answer": "4"}',  # half an emoji, as scraped data has it
+    '{"prompt": [{"role": "user", "content": "hi \\udc00"}], "answer": "4"}',
+    '{"prompt": "2+2?", "answer": "4\\ud83d"}',
+])
+def test_a_lone_surrogate_is_refused_naming_the_line(tmp_path, row):
+    # json.loads accepts "\ud83d"; the rollout request could not be encoded and its reader thread died, which left
+    # the trainer waiting forever at the first rollout
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a", "answer": "1"}\n' + row + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: the prompt or answer holds text that is not valid Unicode")):
+        load_prompts(p)
+
+
 def test_jsonl_with_a_utf8_bom_loads(tmp_path):
     # Windows editors save "UTF-8 with BOM": json.loads refused the first line ("Unexpected UTF-8 BOM")
     p = tmp_path / "d.jsonl"

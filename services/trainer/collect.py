@@ -95,6 +95,10 @@ def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out:
         out.put(_END)
     except grpc.RpcError as e:  # deliberate boundary: handed to the step, which fails with it
         out.put(_RETRYABLE.get(e.code(), RolloutError)(f"rollout server {client.address} failed: {e.code()} {e.details()}"))
+    except Exception as e:  # anything else (a request that cannot be encoded): the step fails with it, never waits
+        err = RolloutError(f"rollout from {client.address} failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        out.put(err)
 
 
 def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: RewardSource, n: int,

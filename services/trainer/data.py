@@ -131,7 +131,20 @@ def _item(index: int, row: object, where: str, answer_field: str = "answer") -> 
     if "answer" in extra and answer_field.split(".")[0] != "answer":  # another column is the reference (answer=)
         raise DataError(f"{where}: column 'answer' clashes with the reward function keyword answer=, which carries "
                         f"the reference answer (answer_field {answer_field!r}); rename the column")
+    texts = [prompt, answer] + [m.get("content") for m in messages or ()]
+    for text in texts:  # half of a surrogate pair (cut-off emoji in scraped data) cannot go over gRPC as UTF-8
+        if isinstance(text, str) and not _utf8(text):
+            raise DataError(f"{where}: the prompt or answer holds text that is not valid Unicode (a lone surrogate, "
+                            f"e.g. half an emoji: {text.encode('utf-8', 'backslashreplace')[:80]!r}); fix the row")
     return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra, messages=messages)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _items(rows: Iterable[Row], answer_field: str, model_dir: str | Path | None) -> list[PromptItem]:
