@@ -263,3 +263,32 @@ def test_gradient_clipping_is_applied():
         moved.append(max(float((p.detach() - before[k]).abs().max()) for k, p in policy.module.named_parameters()))
     assert moved[0] == pytest.approx(lr, rel=0.01)
     assert moved[1] < lr * 1e-3
+
+
+def test_a_model_with_dropout_still_takes_an_on_policy_first_mini_batch():
+    # old logprobs come from an eval-mode pass, the update from a train-mode one: a checkpoint whose config keeps
+    # dropout (attention_dropout here) made the first mini-batch off-policy (approx_kl 1.25e-4, not 0)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
+        attention_dropout=0.3))
+    policy = Policy(config(mini_batch_size=8, micro_batch_size=8), model=model)
+    m = grpo_step(policy, make_samples(2, 4, seed=3), step=0).metrics
+    assert m.clip_fraction == 0.0 and m.approx_kl == pytest.approx(0.0, abs=1e-7)
+    assert policy.module.config.attention_dropout == 0.3  # the saved checkpoints keep the model's config
+
+
+def test_a_reference_of_another_vocabulary_is_refused(tmp_path):
+    # its KL compared unrelated token ids (a larger vocabulary) or failed after a whole rollout (a smaller one)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tlt.services.trainer.policy import ModelMismatchError
+
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).save_pretrained(tmp_path)
+    with pytest.raises(ModelMismatchError, match="vocabulary of 64 tokens, the policy 48"):
+        ReferencePolicy(str(tmp_path), torch.device("cpu"), 1.0, vocab_size=VOCAB)
+    assert ReferencePolicy(str(tmp_path), torch.device("cpu"), 1.0, vocab_size=64).model.config.vocab_size == 64

@@ -90,7 +90,8 @@ def train(cfg: TrainerConfig) -> TrainSummary:
         import torch
 
         ref_dtype = torch.bfloat16 if policy.bf16 else torch.float32
-        reference = ReferencePolicy(cfg.reference_model_dir or cfg.model_dir, policy.device, cfg.temperature, ref_dtype)
+        reference = ReferencePolicy(cfg.reference_model_dir or cfg.model_dir, policy.device, cfg.temperature, ref_dtype,
+                                    vocab_size=policy.model_config.vocab_size)
     out = Path(cfg.output_dir)
     ckpt = CheckpointManager(out / "checkpoints", cfg.keep_checkpoints)
     start, resumed_from = 0, None

@@ -218,6 +218,23 @@ def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
     }
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Zero every dropout of `model` in place (its config, and so its saved checkpoints, unchanged); returns how many
+    were non-zero. Old logprobs come from an eval-mode pass and the update from a train-mode one: with dropout on, the
+    first mini-batch would not be on-policy (ratio != 1) and clipping and approx_kl would measure dropout noise.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p, changed = 0.0, changed + 1
+        for name in ("attention_dropout", "dropout"):  # the float attention modules pass to sdpa while training
+            value = getattr(module, name, None)
+            if isinstance(value, float) and value:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed
+
+
 class Policy:
     """The trained policy: DeepSpeed engine + weight version (one per finished RL step)."""
 
@@ -243,6 +260,7 @@ class Policy:
         ds_config = deepspeed_config(cfg, self.world_size, self.bf16)
         if model is None:  # ZeRO-3: loaded partitioned. A model passed in whole is partitioned by initialize()
             model = load_hf_model(cfg.model_dir, torch.float32, ds_config if cfg.zero_stage == 3 else None)
+        disable_dropout(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -357,10 +375,28 @@ class Policy:
             share_weights(out_dir)  # safetensors wrote them 0600: the rollout server may run as another user
 
 
-class ReferencePolicy:
-    """Frozen reference model for the KL term (eval mode, no grad, no optimizer)."""
+class ModelMismatchError(ValueError):
+    """A model folder that cannot serve with the policy (the KL reference of another vocabulary)."""
 
-    def __init__(self, model_dir: str, device: torch.device, temperature: float, dtype: torch.dtype = torch.float32):
+
+class ReferencePolicy:
+    """Frozen reference model for the KL term (eval mode, no grad, no optimizer).
+
+    With `vocab_size` (the policy's), a reference of another vocabulary is refused: its KL would compare unrelated
+    token ids (a larger vocabulary) or fail deep in a step after a whole rollout (a smaller one).
+    """
+
+    def __init__(self, model_dir: str, device: torch.device, temperature: float, dtype: torch.dtype = torch.float32,
+                 vocab_size: int | None = None):
+        if vocab_size is not None:
+            from transformers import AutoConfig
+
+            ref_vocab = getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "vocab_size", None)
+            if ref_vocab != vocab_size:
+                raise ModelMismatchError(
+                    f"reference_model_dir {model_dir!r} has a vocabulary of {ref_vocab} tokens, the policy {vocab_size}:"
+                    " the KL reference must share the policy's tokenizer (leave reference_model_dir empty to use "
+                    "model_dir)")
         self.model = load_hf_model(model_dir, dtype).to(device).eval()
         self.model.requires_grad_(False)
         self.device = device

@@ -52,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.trainer.collect import RolloutError
     from tlt.services.trainer.data import DataError
     from tlt.services.trainer.loop import train
+    from tlt.services.trainer.policy import ModelMismatchError
 
     try:
         summary = train(cfg)
     except (ControlRefusedError, RolloutError) as e:  # what to fix is in the message: no traceback
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
-    except (DataError, CheckpointError) as e:  # the user's data or output_dir: the message names the file and fix
+    except (DataError, CheckpointError, ModelMismatchError) as e:  # the user's data, output_dir or model folders
         get_logger("trainer").error("train_refused", error=str(e))
         return 2
     get_logger("trainer").info("train_done", steps=summary.steps_done, policy_version=summary.policy_version,
