@@ -198,6 +198,17 @@ def test_a_function_returning_a_bad_value_answers_ok_false(tmp_path, monkeypatch
     assert all("bad_reward:bad" in r.error for r in results), results
 
 
+def test_a_reward_beyond_a_32_bit_float_answers_ok_false(tmp_path, monkeypatch) -> None:
+    # finite in Python, but the proto's reward is a 32-bit float: 1e39 went out as inf with ok=true
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "big_reward.py").write_text("def big(prompts, completions, **kw):\n    return [float(c) for c in completions]\n")
+    config = RewardConfig(kind="python", function="big_reward:big", port=0)
+    with RewardServer(config) as server, RewardClient(server.address, timeout_s=10, retries=0) as client:
+        results = client.score([Req(id=k, completion=k, reference="1") for k in ("1e39", "-1e39", "3e38")])
+    assert [r.ok for r in results] == [False, False, True], results
+    assert "too large" in results[0].error and results[2].reward == pytest.approx(3e38, rel=1e-6)
+
+
 def test_a_key_listed_as_json_whose_value_is_not_json_is_that_items_error() -> None:
     from tlt.services.reward.function import FunctionScorer, ItemError
 

@@ -18,7 +18,7 @@ import pytest
 
 from test_reward_service import Req, _config, _stub
 from tlt.services.reward.server import RewardServer
-from tlt.v1 import reward_pb2_grpc
+from tlt.v1 import reward_pb2, reward_pb2_grpc
 
 
 def _delay_verifier(prompt: str, completion: str, reference: str) -> bool:
@@ -178,3 +178,48 @@ def test_a_cancelled_stream_leaves_nothing_behind(client: str) -> None:
         assert s.stop(0) and time.monotonic() - start < 10  # not held by the cancelled stream's 30 s wait
 
 # ---- the client -------------------------------------------------------------------------------
+
+
+def test_score_stream_sends_each_item_once() -> None:
+    # the client's first attempt sent every item twice (from its resend list and again from its queue): the
+    # server scored 200 items for 100 answers
+    from tlt.services.reward.client import RewardClient
+
+    scored: list[str] = []
+    lock = threading.Lock()
+
+    def counting(prompt: str, completion: str, reference: str) -> bool:
+        with lock:
+            scored.append(completion)
+        return True
+
+    with RewardServer(_config(), verifier=counting) as s, RewardClient(s.address, timeout_s=10, retries=0) as c:
+        out = list(c.score_stream(Req(id=f"i{k}", completion=f"i{k}", reference="1") for k in range(100)))
+    assert len(out) == 100 and sorted(scored) == sorted(f"i{k}" for k in range(100))
+
+
+def test_items_of_an_ended_stream_are_not_scored_ahead_of_live_calls() -> None:
+    # a stream cut by its deadline left its queued items on the shared pool, scored for nobody while a live call
+    # waited behind them; Score already skipped such items (call_ended)
+    scored: list[str] = []
+
+    def slow(prompt: str, completion: str, reference: str) -> bool:
+        if completion != "fast":
+            time.sleep(0.3)
+            scored.append(completion)
+        return True
+
+    with RewardServer(_config(workers=1), verifier=slow) as s:
+        def items() -> Iterator:
+            yield from (Req(id=f"s{i}", completion=f"s{i}", reference="1") for i in range(12))
+            time.sleep(30)  # the stream stays open; its deadline ends it
+
+        with pytest.raises(grpc.RpcError) as e:
+            list(_stub(s).ScoreStream(items(), timeout=0.5))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        t = time.monotonic()
+        live = _stub(s).Score(reward_pb2.ScoreBatchRequest(items=[Req(id="f", completion="fast", reference="1")]),
+                              timeout=10)
+        waited = time.monotonic() - t
+    assert live.results[0].ok and waited < 1.5, f"a live item waited {waited:.2f} s behind the ended stream's"
+    assert len(scored) <= 4, scored

@@ -278,7 +278,8 @@ class _StreamState:
             self._incoming.put(_END)
 
     def feed(self, attempt_over: threading.Event) -> Iterator[ScoreRequest]:
-        """One attempt's request stream: every unanswered item, then new ones as they are read.
+        """One attempt's request stream: every unanswered item, then new ones as they are read (each item once: an
+        unanswered item is also still queued in `_incoming` when this attempt starts).
 
         grpc keeps reading an ended attempt's stream in its own thread; once `attempt_over` is set that
         thread stops taking items and puts back one it took, else the item went to the dead call and was
@@ -288,6 +289,7 @@ class _StreamState:
             now = time.monotonic()  # a resent item gets a fresh `timeout_s`
             self._unanswered = {k: (item, now) for k, (item, _) in self._unanswered.items()}
             resend = [item for item, _ in self._unanswered.values()]
+        sent = {item.id for item in resend}
         yield from resend
         while not attempt_over.is_set():
             try:
@@ -297,6 +299,8 @@ class _StreamState:
             if item is _END or attempt_over.is_set():
                 self._incoming.put(item)  # for the next attempt (all of them must see _END)
                 return
+            if item.id in sent:  # type: ignore[attr-defined]
+                continue
             yield item  # type: ignore[misc]
 
     def answered(self, response: ScoreResponse) -> bool:

@@ -41,6 +41,7 @@ server's books and `server.stop()` never returns (grpcio 1.85; the unary
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -60,6 +61,7 @@ from tlt.v1 import reward_pb2, reward_pb2_grpc
 
 log = get_logger("reward")
 _DONE = object()
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of the proto's 32-bit reward field
 _STOP_TIMEOUT_S = 10.0  # beyond the grace period: stop() gives up waiting for grpc and says so
 
 
@@ -171,8 +173,20 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         finally:
             self.m.inflight.dec()
             self.m.latency.observe(time.perf_counter() - start)
+        if abs(reward) > FLOAT32_MAX:  # the proto's reward is a 32-bit float: 1e39 arrived as inf, with ok=true
+            self.m.errors.labels(reason="function_error").inc()
+            return reward_pb2.ScoreResponse(id=item.id, ok=False, error=f"reward {reward!r} is too large for the "
+                                            "reward field (a 32-bit float, at most 3.4e38)")
         self.m.scored.labels(correct=str(correct).lower()).inc()
         return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=correct, reward=reward)
+
+    def score_unless_ended(self, context: grpc.ServicerContext, item: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        """`score_one`, or a refusal when the call already ended: past its deadline (or cancelled) nobody reads the
+        answer, and the client retries it: scoring on would add the retry's load to the server that was too slow."""
+        if not context.is_active():
+            self.m.errors.labels(reason="call_ended").inc()
+            return reward_pb2.ScoreResponse(id=item.id, ok=False, error="the call ended before this item was scored")
+        return self.score_one(item)
 
     def Score(self, request: reward_pb2.ScoreBatchRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreBatchResponse:
         n = len(request.items)
@@ -182,15 +196,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                 f"{n} items in one Score call, over the limit of {self.config.max_batch_items}; split the batch",
             )
 
-        def unless_ended(item: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
-            # past its deadline (or cancelled) nobody reads the answer, and the client retries DEADLINE_EXCEEDED:
-            # scoring on would add the retry's load to the server that was too slow for the first call
-            if not context.is_active():
-                self.m.errors.labels(reason="call_ended").inc()
-                return reward_pb2.ScoreResponse(id=item.id, ok=False, error="the call ended before this item was scored")
-            return self.score_one(item)
-
-        return reward_pb2.ScoreBatchResponse(results=list(self.pool.map(unless_ended, request.items)))
+        results = self.pool.map(functools.partial(self.score_unless_ended, context), request.items)
+        return reward_pb2.ScoreBatchResponse(results=list(results))
 
     def ScoreStream(
         self, request_iterator: Iterator[reward_pb2.ScoreRequest], context: grpc.ServicerContext
@@ -224,7 +231,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                     while not slots.acquire(timeout=0.5):
                         if not context.is_active():
                             return
-                    fut = self.pool.submit(self.score_one, item)
+                    fut = self.pool.submit(self.score_unless_ended, context, item)
                     with queued:
                         unqueued += 1
                     fut.add_done_callback(deliver)
