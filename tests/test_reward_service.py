@@ -118,6 +118,21 @@ def test_units_after_a_number_are_dropped() -> None:
     assert not math_verifier("", r"\boxed{12\text{ cm}}", "13")
 
 
+def test_unit_stripping_takes_linear_time_on_degenerate_completions() -> None:
+    r"""Three `\s*` in a row after a `\text{unit}` backtracked cubically (1,600 spaces: 19 s for one item) and the
+    unit-words pattern quadratically (34 kB of words: 4 s; 256 kB, the item limit, ~4 min), each holding a reward
+    worker. Not a speed target: the bound is 10x above what linear patterns take even on a loaded CI machine."""
+    import time
+
+    cases = [(r"\boxed{5\text{ cm}" + " " * 1600 + ",}", "5"), (r"\boxed{5\text{" + "ab " * 30000 + "1}}", "5")]
+    for completion, reference in cases:
+        t = time.perf_counter()
+        assert not math_verifier("", completion, reference)
+        assert time.perf_counter() - t < 2.0
+    assert math_verifier("", r"\boxed{5\text{ cm}" + " " * 1600 + "}", "5")  # whitespace after a unit is nothing
+    assert math_verifier("", r"\boxed{5\text{ cm}^2 .}", "5") and not math_verifier("", r"\boxed{5\text{ .~}}", "5")
+
+
 def test_command_words_are_not_cut_or_folded() -> None:
     r"""`\left`/`\right` were removed as substrings (`\leftarrow` == `\rightarrow`), a bare `\circ` (composition)
     as if a degree sign, and lower() folded command names (`\Delta` == `\delta`); `\boxed2` is a box in TeX."""

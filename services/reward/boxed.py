@@ -98,8 +98,14 @@ _LHS = re.compile(r"^[a-zA-Z](_\{?\w+\}?)?=(?!=)")
 
 
 _UNIT_COMMANDS = (r"\text", r"\mbox")  # not \mathrm: `2\mathrm{i}` is a number, not 2 of a unit
-_UNIT_WORDS = re.compile(r"[A-Za-z .~]*[A-Za-z][A-Za-z .~]*", re.ASCII)
-_UNIT_TAIL = re.compile(r"\s*(\^\{?[23]\}?)?\s*\.?\s*")  # cm^2, m^{3}, a sentence's period
+# Linear-time patterns only: `[..]*[A-Za-z][..]*` and three `\s*` in a row backtracked (seconds to minutes on a
+# long run of spaces, as degenerate RL outputs have), holding a reward worker per item.
+_UNIT_WORDS = re.compile(r"[A-Za-z .~]+", re.ASCII)  # and at least one letter (`_unit_words`)
+_UNIT_TAIL = re.compile(r"(\^\{?[23]\}?)?\s*\.?")  # after strip(): cm^2, m^{3}, a sentence's period
+
+
+def _unit_words(s: str) -> bool:
+    return _UNIT_WORDS.fullmatch(s) is not None and any(c.isalpha() for c in s)
 
 
 def _without_units(s: str) -> str:
@@ -114,8 +120,8 @@ def _without_units(s: str) -> str:
         if k <= 0:
             continue
         end = _group_end(s, k + len(cmd))
-        if (end is not None and _UNIT_WORDS.fullmatch(s[k + len(cmd) + 1 : end - 1])
-                and _UNIT_TAIL.fullmatch(s[end:]) and as_number(normalize(s[:k])) is not None):
+        if (end is not None and _unit_words(s[k + len(cmd) + 1 : end - 1])
+                and _UNIT_TAIL.fullmatch(s[end:].strip()) and as_number(normalize(s[:k])) is not None):
             return s[:k]
     return s
 
