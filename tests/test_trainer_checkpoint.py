@@ -78,6 +78,42 @@ def test_incomplete_save_is_ignored_and_cleaned(tmp_path):
     assert ckpt.latest() == second and not partial.exists() and not first.exists()  # keep=1 pruned the old one
 
 
+class _Killed(BaseException):
+    """A kill -9 at that line of the save."""
+
+
+@pytest.mark.parametrize("kill_at", ["rename", "replace", "rmtree"])
+def test_a_save_over_the_checkpoint_latest_names_survives_a_kill_at_any_point(tmp_path, monkeypatch, kill_at):
+    # a run restarted with resume=false in a folder an older run left checkpoints in saves step 2 again: the old
+    # step-2 folder, the one `latest` named, was deleted before the new one was renamed into place, and a kill
+    # in between left `latest` naming nothing (every later resume: FileNotFoundError)
+    from tlt.services.trainer import checkpoint as ck
+
+    ckpt = CheckpointManager(tmp_path / "ck", keep=2)
+    p = Policy(config(), model=tiny_qwen2())
+    s = PromptSampler(synthetic_prompts(4, seed=0), seed=0)
+    old = ckpt.save(p, s, steps_done=2)
+    p.version = 7  # the new run's state differs from the old run's
+    real = {"rename": ck.os.rename, "replace": ck.os.replace, "rmtree": ck.shutil.rmtree}
+
+    def killed(*a, **kw):
+        if kill_at == "rmtree" and ".tmp-" in str(a[0]):
+            return real["rmtree"](*a, **kw)  # the stale-tmp sweep before the save
+        raise _Killed
+
+    monkeypatch.setattr(ck.os if kill_at != "rmtree" else ck.shutil, kill_at, killed)
+    with pytest.raises(_Killed):
+        ckpt.save(p, s, steps_done=2)
+    monkeypatch.undo()
+    latest = ckpt.latest()  # never a FileNotFoundError
+    state = torch.load(latest / ck.STATE_FILE, weights_only=False)
+    assert state["policy_version"] == (7 if kill_at == "rmtree" else 0) and (latest == old) == (kill_at != "rmtree")
+    assert CheckpointManager.steps_of((tmp_path / "ck" / "latest").read_text()) == 2
+    again = ckpt.save(p, s, steps_done=2)  # the restarted save completes and cleans up every other step-2 folder
+    assert ckpt.latest() == again
+    assert [d.name for d in (tmp_path / "ck").iterdir() if d.is_dir()] == [again.name]
+
+
 @pytest.mark.parametrize("change", [{"hidden_size": 64}, {"eos_token_id": 5}])
 def test_checkpoint_of_another_model_is_refused_before_loading(tmp_path, change):
     # the default output_dir (runs/latest) and resume=true pick up a checkpoint of whatever model ran there before:

@@ -122,6 +122,12 @@ class CheckpointManager:
     def name(steps_done: int) -> str:
         return f"step-{steps_done:08d}"
 
+    @staticmethod
+    def steps_of(name: str) -> int:
+        """Steps done in the checkpoint folder `name`: `step-00000002`, or `step-00000002.1` for a second save of
+        the same step (a run that restarted from an earlier checkpoint writes beside the older run's)."""
+        return int(name.strip().removeprefix("step-").split(".")[0])
+
     def latest(self) -> Path | None:
         pointer = self.root / LATEST
         if not pointer.is_file():
@@ -150,8 +156,14 @@ class CheckpointManager:
                                  model_identity(policy.model_config))
             torch.save(state.__dict__, tmp / STATE_FILE)
             _fsync_tree(tmp)
-            if final.exists():  # an older run got this far before being resumed from an earlier checkpoint
-                shutil.rmtree(final)
+            # An older run got this far before being resumed from an earlier checkpoint: its folder may be the one
+            # `latest` names, so it is removed only after `latest` names the new one (never a moment without a
+            # complete checkpoint to resume from, whenever a kill -9 comes).
+            older = [p for p in self.root.glob("step-*") if p.is_dir() and self.steps_of(p.name) == steps_done]
+            k = 0
+            while final.exists():
+                k += 1
+                final = self.root / f"{self.name(steps_done)}.{k}"
             os.rename(tmp, final)
             pointer_tmp = self.root / f".{LATEST}.tmp"
             pointer_tmp.write_text(final.name + "\n")
@@ -159,13 +171,16 @@ class CheckpointManager:
                 os.fsync(f.fileno())
             os.replace(pointer_tmp, self.root / LATEST)
             _fsync_dir(self.root)
+            for p in older:
+                shutil.rmtree(p, ignore_errors=True)
             self._prune(final)
             log.info("checkpoint_saved", path=str(final), steps_done=steps_done, policy_version=policy.version)
         barrier()
         return final
 
     def _prune(self, newest: Path) -> None:
-        done = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        done = sorted((p for p in self.root.glob("step-*") if p.is_dir()),
+                      key=lambda p: (self.steps_of(p.name), len(p.name), p.name))
         for old in done[: -self.keep]:
             if old != newest:
                 shutil.rmtree(old, ignore_errors=True)

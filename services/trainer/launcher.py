@@ -122,13 +122,17 @@ def _finished(run_dir: Path) -> bool:
     if not pointer.is_file() or not (run_dir / "config.toml").exists():
         return False
     steps = load_config(TrainerConfig, "trainer", run_dir / "config.toml").steps
-    return int(pointer.read_text().strip().removeprefix("step-")) >= steps
+    from tlt.services.trainer.checkpoint import CheckpointManager
+
+    return CheckpointManager.steps_of(pointer.read_text()) >= steps
 
 
 def _checkpoint_steps(run_dir: Path) -> int:
     """Steps done at the run folder's last trainer checkpoint (0: none): where its trainer resumes."""
+    from tlt.services.trainer.checkpoint import CheckpointManager
+
     pointer = run_dir / "checkpoints" / "latest"
-    return int(pointer.read_text().strip().removeprefix("step-")) if pointer.is_file() else 0
+    return CheckpointManager.steps_of(pointer.read_text()) if pointer.is_file() else 0
 
 
 def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
