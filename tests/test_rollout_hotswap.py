@@ -371,3 +371,38 @@ def test_a_push_is_assembled_off_the_event_loop(server, client, model_dir, monke
         with pytest.raises(WeightPushError, match="not newer"):
             client.update_weights({"model.norm.weight": state["model.norm.weight"]}, "policy", 0, shm=shm)
     assert len(threads) == 2 and server._thread not in threads, threads
+
+
+def test_a_push_whose_caller_goes_away_mid_apply_is_still_recorded(model_dir):
+    """The push's RPC ended (its deadline; a killed trainer likewise) while the replica was applying it: the
+    replica applied it anyway, but the pool never recorded it, so GetStatus and GetWeights said v0 while
+    completions said v1, and a resumed trainer at v0 saw nothing to push (then StaleWeightsError at every resume).
+    The replica is stopped (SIGSTOP) for 3 s to hold the push past the caller's 1.5 s deadline."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import grpc
+
+    with ServerThread(model_dir, replicas=1, update_timeout_s=60.0) as s, \
+            RolloutClient(s.grpc_address, timeout_s=60) as c, RolloutClient(s.grpc_address, timeout_s=1.5) as short:
+        _, w0 = c.get_weights(["lm_head.weight"])
+        new = {"lm_head.weight": torch.zeros_like(w0["lm_head.weight"])}
+        pid = s.server.replica_pids()[0]
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                short.update_weights(new, kind="policy", version=1)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            resume.join()
+        deadline = time.monotonic() + 30
+        while c.status().versions.policy != 1:
+            assert time.monotonic() < deadline, "the pool never recorded the push its replica applied"
+            time.sleep(0.1)
+        done = c.generate("1+1=", params=GREEDY)[0]
+        version, got = c.get_weights(["lm_head.weight"])
+        assert done.versions.policy == version == 1 and not got["lm_head.weight"].any()

@@ -148,6 +148,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         self._cmd_ids = itertools.count(1)
         self._rr = itertools.count()
         self._update_lock = asyncio.Lock()
+        self._pushes: set[asyncio.Task] = set()  # running pushes (kept: a cancelled caller does not end them)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._refusing = ""  # why new requests are refused (the server is shutting down); "" while serving
@@ -404,7 +405,23 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         return self._latest.get(kind)
 
     async def update_weights(self, kind: str, manifest: Any, payload: bytes | bytearray, timeout_s: float) -> dict:
-        """Validate then apply a push on every live replica. Returns versions and timings; raises WeightUpdateError."""
+        """Validate then apply a push on every live replica. Returns versions and timings; raises WeightUpdateError.
+
+        The push runs to its end even when the caller is cancelled (its RPC's deadline passed, or the trainer was
+        killed): replicas sent it apply it, so the pool must record it, or it would report and replay the old
+        weights (and versions) while the replicas serve and stamp the new ones.
+        """
+        task = asyncio.ensure_future(self._update_weights(kind, manifest, payload, timeout_s))
+        self._pushes.add(task)
+        task.add_done_callback(self._push_done)
+        return await asyncio.shield(task)
+
+    def _push_done(self, task: asyncio.Task) -> None:
+        self._pushes.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # retrieved: no "never retrieved" noise
+            log.debug("weight_update_ended_with", error=str(task.exception()))
+
+    async def _update_weights(self, kind: str, manifest: Any, payload: bytes | bytearray, timeout_s: float) -> dict:
         import torch
 
         from tlt.services.common.weights import WeightValidationError, validate
