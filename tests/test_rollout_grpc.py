@@ -188,3 +188,25 @@ def test_batch_generate_references_must_match_the_prompts():
     with RolloutClient("127.0.0.1:9") as c:  # refused before anything is sent
         with pytest.raises(ValueError, match="3 prompts but 2 references"):
             c.batch_generate(["1+1=", "2+2=", "3+3="], references=["2", "4"])
+
+
+def test_prompt_text_is_tokenized_off_the_event_loop(server, client, monkeypatch):
+    """A slow tokenizer takes ~2 s a MB, and a gRPC message may hold 256 MB: encoded on the event loop, one big
+    text prompt froze every other call and /health for tens of seconds (10 MB: 30 s) before it was refused for its
+    length. (Spied on the front's real tokenizer class.)"""
+    import grpc
+
+    threads = []
+    tokenizer = type(transformers.AutoTokenizer.from_pretrained(server.server.model_dir))
+    real = tokenizer.encode
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("1+2= " * 2000, params=rollout_pb2.SamplingParams(max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in e.value.details()
+    assert threads and server._thread not in threads, threads
+    assert client.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=2))[0].token_ids

@@ -184,8 +184,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def _requests(self, prompts: Any, n: int, p: rollout_pb2.SamplingParams, prefix: str
-                  ) -> list[GenerationRequest]:
+    async def _requests(self, prompts: Any, n: int, p: rollout_pb2.SamplingParams, prefix: str
+                        ) -> list[GenerationRequest]:
         """Validate and convert; raises ValueError with a message for INVALID_ARGUMENT."""
         n = n or 1
         if not 1 <= n <= self.config.max_n:
@@ -196,23 +196,27 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             raise ValueError(f"{len(prompts)} prompts is over the limit of {self.config.max_prompts_per_batch}")
         params = sampling_params(p)
         info = self.pool.info
+        # Off the event loop: a slow tokenizer takes ~2 s a MB of text, and a message may hold 256 MB; on the loop
+        # it froze every other call, /health included, before the prompt was refused for its length.
+        texts = {i: prompt.text for i, prompt in enumerate(prompts) if prompt.WhichOneof("input") == "text"}
+        encoded = dict(zip(texts, await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts.values()])))
         out = []
         for i, prompt in enumerate(prompts):
             kind = prompt.WhichOneof("input")
             if kind == "text":
-                ids = self.tokenizer.encode(prompt.text)
+                ids = encoded[i]
             elif kind == "token_ids":
                 ids = list(prompt.token_ids.ids)
             else:
                 raise ValueError(f"prompt {i} has neither text nor token_ids")
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
+            if len(ids) >= info.max_model_len:  # before the per-token check: a huge prompt is refused at once
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; the context length is {info.max_model_len}")
             if any(not 0 <= t < info.vocab_size for t in ids):
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {info.vocab_size})")
             if any(t >= info.vocab_size for t in params.stop_token_ids):
                 raise ValueError(f"stop_token_ids holds ids outside the vocabulary [0, {info.vocab_size})")
-            if len(ids) >= info.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; the context length is {info.max_model_len}")
             if params.max_tokens is not None and len(ids) + params.max_tokens > info.max_model_len:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} is over the "
                                  f"context length {info.max_model_len}")
@@ -259,7 +263,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                             ) -> AsyncIterator[rollout_pb2.Completion]:
         batch_id = request.batch_id or uuid.uuid4().hex
         try:
-            reqs = self._requests(request.prompts, request.n, request.params, f"{batch_id}-{uuid.uuid4().hex[:8]}")
+            reqs = await self._requests(request.prompts, request.n, request.params,
+                                        f"{batch_id}-{uuid.uuid4().hex[:8]}")
         except ValueError as e:
             self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -279,7 +284,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                        ) -> rollout_pb2.GenerateResponse:
         rid = request.request_id or uuid.uuid4().hex
         try:
-            reqs = self._requests([request.prompt], request.n, request.params, f"{rid}-{uuid.uuid4().hex[:8]}")
+            reqs = await self._requests([request.prompt], request.n, request.params, f"{rid}-{uuid.uuid4().hex[:8]}")
         except ValueError as e:
             self._reject("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
