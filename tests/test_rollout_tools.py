@@ -76,6 +76,14 @@ def test_malformed_json_stays_text_and_the_good_call_is_still_parsed():
     assert p.content == bad
 
 
+@pytest.mark.parametrize("args", ['{"a": NaN}', '{"a": -Infinity}', '"{\\"a\\": Infinity}"'])
+def test_arguments_python_reads_but_json_does_not_are_no_call(args):
+    # json.loads took NaN and Infinity, and arguments went out as '{"a":NaN}', which JSON.parse and most SDKs refuse
+    text = '<tool_call>\n{"name": "add", "arguments": ' + args + '}\n</tool_call>'
+    p = parse(text)
+    assert p.calls == () and p.content == text
+
+
 @pytest.mark.parametrize("body", [
     {"name": "rm_rf", "arguments": {}},            # not among the request's tools
     {"arguments": {"city": "Paris"}},              # no name

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -51,19 +52,28 @@ class ParsedText:
     calls: tuple[ParsedCall, ...]
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python reads them, strict parsers (JSON.parse) refuse
+
+
+def _strict_json(text: str) -> Any:
+    return json.loads(text, parse_constant=_no_constant)
+
+
 def _call(body: str, names: frozenset[str]) -> ParsedCall | None:
-    """The call one block's body holds, or None when it is not a well-formed call to one of `names`."""
+    """The call one block's body holds, or None when it is not a well-formed call to one of `names` (in strict
+    JSON: `arguments` go out as JSON every client can parse)."""
     try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: a model that wrote `[[[[...` a long way
+        obj = _strict_json(body)
+    except (ValueError, RecursionError):  # RecursionError: a model that wrote `[[[[...` a long way
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments")
     if isinstance(args, str):  # double-encoded: '"arguments": "{\"city\": \"Paris\"}"'
         try:
-            args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
+            args = _strict_json(args)
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
