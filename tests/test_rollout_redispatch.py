@@ -69,6 +69,13 @@ def test_the_engine_runs_a_subset_of_samples_each_as_it_runs_in_the_whole_reques
     for bad in ((5,), (1, 1), (-1,)):
         with pytest.raises(ValueError, match="sample_indices"):
             engine.add_request(GenerationRequest(f"bad{bad}", (5, 6, 7), params, n=5, sample_indices=bad))
+    # the batch API too: it collected every index of range(n) and raised KeyError after all the work was done
+    got = engine.generate([GenerationRequest("gen", (5, 6, 7), params, n=5, sample_indices=(4, 1))])
+    assert [(c.sample_index, c.token_ids) for c in got] == [(4, whole[4]), (1, whole[1])]
+    with pytest.raises(ValueError, match="sample_indices"):  # checked whole: the good request is not left running
+        engine.generate([GenerationRequest("ok", (5, 6, 7), params, n=2),
+                         GenerationRequest("bad", (5, 6, 7), params, n=2, sample_indices=(2,))])
+    assert not engine.has_unfinished()
 
 
 def _wait(cond, what: str, timeout_s: float = 120.0) -> None:

@@ -333,7 +333,13 @@ class LLMEngine:
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[CompletionOutput]:
-        """Add every request, step until all are done; completions in request order, then sample order."""
+        """Add every request, step until all are done; completions in request order, then sample order (the samples
+        each request runs: `sample_indices` when given). The list is checked whole first (ValueError): a bad request
+        must not leave those before it running with no caller."""
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids) or any(i in self._seqs for i in ids):
+            raise ValueError("generate() needs distinct request ids that are not already running")
+        samples = [r.samples for r in requests]  # ValueError for bad sample_indices, before any request is added
         for r in requests:
             self.add_request(r)
         wanted = {r.request_id for r in requests}
@@ -342,4 +348,4 @@ class LLMEngine:
             _, done = self.step()
             for c in done:
                 got[(c.request_id, c.sample_index)] = c
-        return [got[(r.request_id, i)] for r in requests for i in range(r.n)]
+        return [got[(r.request_id, i)] for r, indices in zip(requests, samples) for i in indices]
