@@ -105,6 +105,18 @@ def test_no_room_for_drafts_falls_back_to_plain_decoding(ckpt):
     spec = _spec_generate(eng, dec, _requests(1, 1, 20))
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert dec.stats()["no_room"] > 0 and dec.stats()["verify_steps"] > 0
+    # the decision is exported: on /metrics and in gRPC GetStatus (neither carried it)
+    from tlt.services.common.metrics import Metrics
+    from tlt.services.rollout.grpc_api import spec_status
+    from tlt.services.rollout.spec_metrics import SpecMetrics
+
+    metrics = Metrics("rollout")
+    SpecMetrics(metrics).update(0, dec.stats())
+    line = next(x for x in metrics.render().decode().splitlines() if x.startswith("rollout_spec_no_room_steps{"))
+    assert float(line.split()[-1]) == dec.stats()["no_room"]
+    status = spec_status(dec.stats())
+    assert (status.no_room, status.over_budget, status.switches) == (
+        dec.stats()["no_room"], dec.stats()["over_budget"], dec.stats()["switches"])
 
 
 def test_drafts_never_pass_the_context_limit(ckpt):

@@ -449,6 +449,9 @@ def spec_status(sp: dict, configured_mode: str = "") -> rollout_pb2.SpecStatus:
         last_step_seconds=float(sp.get("last_step_seconds", 0.0)),
         verify_steps=int(sp.get("verify_steps", 0)),
         plain_steps=int(sp.get("plain_steps", 0)),
+        no_room=int(sp.get("no_room", 0)),
+        over_budget=int(sp.get("over_budget", 0)),
+        switches=int(sp.get("switches", 0)),
         bandit=[rollout_pb2.BanditBucket(
             bucket=b["bucket"], explored=b["explored"], exploited=b["exploited"],
             arms=[rollout_pb2.BanditArm(arm=a["arm"], samples=a["samples"], median_reward=a["median_reward"] or 0.0,

@@ -1,8 +1,9 @@
 """Prometheus view of each replica's speculative decoding (GET /metrics, namespace `rollout`).
 
 Every decision the adaptive engine takes is visible here, per replica: whether SD is on, how many
-verify and plain steps ran, the last verify step's wall time, the accept length, and per arm how
-often it was chosen and the tokens per sequence it kept; with the adaptive mode, the bandit's view
+verify and plain steps ran (and why a chosen arm decoded plainly: no room, over budget), the last
+step's wall time, the accept length, and per arm how often it was chosen and the tokens per
+sequence it kept; with the adaptive mode, the bandit's view
 per batch-size bucket (explored / exploited choices, each arm's median reward in tokens/s). The
 values are read from the replicas' stats at scrape time (the engine keeps the running counts), so
 the counts are gauges of monotone totals.
@@ -24,7 +25,10 @@ class SpecMetrics:
         self.plain = metrics.gauge("spec_plain_steps", "engine steps run without speculation (prefill included)", r)
         self.over_budget = metrics.gauge("spec_over_budget_steps", "steps SD would have run but decoded plainly: "
                                          "no arm fit the verify-token budget at the batch size", r)
-        self.step = metrics.gauge("spec_last_step_seconds", "wall time of the last verify step (the whole engine step)", r)
+        self.no_room = metrics.gauge("spec_no_room_steps", "steps an arm was chosen but its drafts did not fit (no KV "
+                                     "blocks, or past the context limit) and decoded plainly", r)
+        self.step = metrics.gauge("spec_last_step_seconds", "wall time of the last engine step whose arm the decoder "
+                                  "chose (a verify step, or the adaptive mode's plain arm)", r)
         self.catch_up = metrics.gauge("spec_catch_up_seconds", "drafter catch-up after steps without SD (total; in "
                                       "the step times, left out of the bandit's rewards)", r)
         self.accept = metrics.gauge("spec_mean_accept_len", "tokens per sequence per verify step (bonus included)", r)
@@ -48,6 +52,7 @@ class SpecMetrics:
         self.verify.labels(r).set(spec.get("verify_steps", 0))
         self.plain.labels(r).set(spec.get("plain_steps", 0))
         self.over_budget.labels(r).set(spec.get("over_budget", 0))
+        self.no_room.labels(r).set(spec.get("no_room", 0))
         self.step.labels(r).set(spec.get("last_step_seconds", 0.0))
         self.catch_up.labels(r).set(spec.get("catch_up_seconds", 0.0))
         self.accept.labels(r).set(spec.get("mean_accept_len", 0.0))

@@ -220,7 +220,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SpecStatus(_message.Message):
-    __slots__ = ("mode", "active", "arm", "mean_accept_len", "last_step_seconds", "verify_steps", "plain_steps", "bandit", "arms")
+    __slots__ = ("mode", "active", "arm", "mean_accept_len", "last_step_seconds", "verify_steps", "plain_steps", "bandit", "arms", "no_room", "over_budget", "switches")
     MODE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     ARM_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,9 @@ class SpecStatus(_message.Message):
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     BANDIT_FIELD_NUMBER: _ClassVar[int]
     ARMS_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
     mode: str
     active: bool
     arm: str
@@ -239,7 +242,10 @@ class SpecStatus(_message.Message):
     plain_steps: int
     bandit: _containers.RepeatedCompositeFieldContainer[BanditBucket]
     arms: _containers.RepeatedCompositeFieldContainer[ArmCount]
-    def __init__(self, mode: _Optional[str] = ..., active: _Optional[bool] = ..., arm: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., last_step_seconds: _Optional[float] = ..., verify_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., bandit: _Optional[_Iterable[_Union[BanditBucket, _Mapping]]] = ..., arms: _Optional[_Iterable[_Union[ArmCount, _Mapping]]] = ...) -> None: ...
+    no_room: int
+    over_budget: int
+    switches: int
+    def __init__(self, mode: _Optional[str] = ..., active: _Optional[bool] = ..., arm: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., last_step_seconds: _Optional[float] = ..., verify_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., bandit: _Optional[_Iterable[_Union[BanditBucket, _Mapping]]] = ..., arms: _Optional[_Iterable[_Union[ArmCount, _Mapping]]] = ..., no_room: _Optional[int] = ..., over_budget: _Optional[int] = ..., switches: _Optional[int] = ...) -> None: ...
 
 class BanditBucket(_message.Message):
     __slots__ = ("bucket", "explored", "exploited", "arms")
