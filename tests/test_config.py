@@ -132,6 +132,15 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
     assert "not valid TOML" in str(e.value)
 
 
+def test_a_folder_an_empty_name_or_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    # each escaped as a traceback (IsADirectoryError, UnicodeDecodeError) from every --preset / --config
+    utf16 = tmp_path / "utf16.toml"
+    utf16.write_bytes("[demo]\nport = 3\n".encode("utf-16"))
+    for preset, says in ((tmp_path, "is a folder"), ("", "empty"), (utf16, "not UTF-8")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(DemoConfig, "demo", preset, environ={})
+
+
 def test_section_not_a_table(tmp_path: Path) -> None:
     preset = _preset(tmp_path, "demo = 3\n")
     with pytest.raises(ConfigError, match=r"\[demo\]"):

@@ -51,10 +51,14 @@ class ServiceConfig(BaseModel):
 
 def preset_path(preset: str | os.PathLike[str]) -> Path:
     """Resolve a preset name (`cpu-tiny`) or a path to a TOML file."""
+    if not str(preset).strip():
+        raise ConfigError("the config name is empty; give a preset name or a path to a .toml file")
     p = Path(preset)
     if p.suffix == ".toml" or p.exists():
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a folder; give the path to a .toml file")
         return p
     candidate = PRESETS_DIR / f"{preset}.toml"
     if not candidate.exists():
@@ -72,6 +76,10 @@ def read_preset(preset: str | os.PathLike[str] | None) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text, as TOML must be ({e.reason} at byte {e.start}); save it as UTF-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from e
 
 
 def _parse_literal(text: str) -> Any:
