@@ -154,6 +154,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "cfgonly").mkdir()
     (root / "cfgonly" / "config.json").write_text((root / "qwen2" / "config.json").read_text())
     out["cfgonly"] = str(root / "cfgonly")
+    (root / "notok").mkdir()  # config and weights, no tokenizer files
+    for name in ("config.json", "model.safetensors"):
+        (root / "notok" / name).write_bytes((root / "qwen2" / name).read_bytes())
+    out["notok"] = str(root / "notok")
     return out
 
 
@@ -163,6 +167,11 @@ def test_bad_folders_are_refused_before_any_work(models, tmp_path, capfd) -> Non
     cases = [
         ["model", "eval", "--model", models["cfgonly"], "--n", "1"],  # no weights: was an OSError from transformers
         ["model", "eval", "--model", new, "--n", "1"],
+        # no tokenizer files: eval died in transformers, serve after loading the weights in every replica, and data
+        # check counted 0 tokens in every prompt and said "ok"
+        ["model", "eval", "--model", models["notok"], "--n", "1"],
+        ["rollout", "serve", "--model", models["notok"], "--http-port", "0", "--grpc-port", "0"],
+        ["data", "check", "--model", models["notok"], "--set", "trainer.eval_problems=0"],
         ["bench", "engine", "--model", models["cfgonly"], "--batch-sizes", "1", "--max-tokens", "2"],
         ["bench", "drafter-drift", "--model", new],
         ["bench", "drafter-preemption", "--model", new],
@@ -284,6 +293,7 @@ def test_the_rollout_checks_the_architecture_only_for_the_native_engine(tmp_path
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
     (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer_config.json").write_text("{}")  # the front tokenizes for either backend
     check_before_start(str(model), RolloutConfig(backend="sglang"))
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         check_before_start(str(model), RolloutConfig(backend="native"))

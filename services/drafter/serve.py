@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = get_logger("drafter.serve")
     cfg = build_config(args.preset, args.overrides)
-    check_checkpoint(args.model)  # not a checkpoint: one line, exit 2, before torch loads
+    check_checkpoint(args.model, tokenizer=False)  # not a checkpoint: one line, exit 2, before torch loads
     from tlt.services.common.events import FeaturePuller
     from tlt.services.drafter.coordinator import Coordinator
     from tlt.services.drafter.shared import rollout_fetch

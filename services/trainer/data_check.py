@@ -133,6 +133,11 @@ def load_tokenizer(model_dir: str) -> Any:
                           "[trainer] model_dir")
     from transformers import AutoTokenizer
 
+    from tlt.model.folder import TOKENIZER_FILES, has_tokenizer
+
+    if not has_tokenizer(model_dir):  # transformers may load an empty tokenizer: every prompt 0 tokens, "ok"
+        raise ConfigError(f"model_dir {model_dir} holds no tokenizer files ({' / '.join(TOKENIZER_FILES)}) to count "
+                          "prompt tokens with; give the policy checkpoint with --model DIR")
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:

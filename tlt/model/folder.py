@@ -64,11 +64,22 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def check_checkpoint(model_dir: str | Path, architecture: bool = True) -> None:
-    """CheckpointError unless the folder is a checkpoint with weights, and (`architecture`) one the native engine
-    can run; cheap: reads config.json and file names, no tensors. Commands call it before they load or start
-    anything. architecture=False for the SGLang backend, which serves architectures the native engine does not."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def check_checkpoint(model_dir: str | Path, architecture: bool = True, tokenizer: bool = True) -> None:
+    """CheckpointError unless the folder is a checkpoint with weights, (`tokenizer`) tokenizer files, and
+    (`architecture`) one the native engine can run; cheap: reads config.json and file names, no tensors. Commands
+    call it before they load or start anything. architecture=False for the SGLang backend, which serves
+    architectures the native engine does not."""
     folder = Path(model_dir)
     if architecture or not (folder / "config.json").is_file():
         read_model_config(folder)  # its CheckpointError: no folder, no config.json, an architecture we cannot run
     weight_files(folder)
+    if tokenizer and not has_tokenizer(folder):  # found before the weights load (minutes for a large model)
+        raise CheckpointError(f"{folder} has no tokenizer files ({' / '.join(TOKENIZER_FILES)}); save the "
+                              "tokenizer with the model (tokenizer.save_pretrained(DIR))")

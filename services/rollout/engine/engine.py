@@ -46,6 +46,7 @@ import torch
 
 from tlt.model.config import ModelConfig
 from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint, validate_tensors
+from tlt.model.folder import TOKENIZER_FILES, has_tokenizer
 from tlt.model.transformer import build_model
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.engine.block_manager import BlockManager
@@ -94,8 +95,8 @@ class LLMEngine:
                                  max_len=self.max_model_len + 128,  # + room for draft-tree positions
                                  kernels=config.kernels)
         del tensors
-        if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise CheckpointError(f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        if not has_tokenizer(model_dir):
+            raise CheckpointError(f"{model_dir} has no tokenizer files ({' / '.join(TOKENIZER_FILES)})")
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_mb)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_sharing)
