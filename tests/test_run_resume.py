@@ -380,6 +380,33 @@ def test_a_set_of_an_unknown_section_is_refused_by_name(tmp_path: Path) -> None:
     _closed(_plan(runs, model, "--run-id", "r", "--set", "rollout.spec.threshold=8"))
 
 
+def test_a_set_into_a_value_or_a_value_for_a_section_is_refused_by_name(tmp_path: Path) -> None:
+    """Each was a traceback (TypeError, AttributeError); `tlt config show --set` refused them cleanly."""
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    for bad, says in (("trainer.lr.x=1", "trainer.lr is a value"), ("rollout.engine.max_num_seqs.x=1", "is a value"),
+                      ("rollout.spec=3", r"rollout.spec is a section"), ("rollout.engine=off", "is a section")):
+        with pytest.raises(ServiceError, match=says):
+            _plan(runs, model, "--run-id", "r", "--set", bad)
+
+
+def test_the_environment_beats_the_presets_run_section_and_the_command_line_beats_both(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """The preset's [run] went in as the command-line layer, so TLT_RUN__* lost to it (while `tlt config show`
+    said the environment's value was in force): the README's order is defaults, preset, environment, command line."""
+    model, runs = _fake_model(tmp_path)
+    preset = tmp_path / "p.toml"
+    preset.write_text("[run]\nsteps = 7\npoll_interval_s = 0.1\n")
+    monkeypatch.setenv("TLT_RUN__POLL_INTERVAL_S", "0.5")
+    monkeypatch.setenv("TLT_RUN__STEPS", "3")
+    plan = _closed(_plan(runs, model, "--run-id", "e", "--preset", str(preset)))
+    assert (plan.run.steps, plan.run.poll_interval_s) == (3, 0.5)
+    plan = _closed(_plan(runs, model, "--run-id", "f", "--preset", str(preset), "--set", "run.poll_interval_s=0.25",
+                         "--steps", "2"))
+    assert (plan.run.steps, plan.run.poll_interval_s) == (2, 0.25)
+
+
 def test_a_preset_file_with_an_unknown_section_is_refused_by_name(tmp_path: Path) -> None:
     """`tlt config show > my.toml`, edit, `tlt run --preset my.toml`: a misspelt [trainr] was copied into the run's
     config.toml and ignored, so the trainer ran on its defaults (`tlt config check` refused the same file)."""

@@ -65,12 +65,19 @@ def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
         raise ServiceError(f"override {key!r}: unknown section {parts[0]!r}; the sections are {', '.join(SECTIONS)} "
                            "(nested: rollout.engine.FIELD, rollout.spec.FIELD)")
     node, cls = preset.setdefault(parts[0], {}), config_class(parts[0])
-    for p in parts[1:-1]:
+    for i, p in enumerate(parts[1:-1], 1):
         field = getattr(cls, "model_fields", {}).get(p)
         if p not in node:  # one key of a map the preset does not set: the others keep their defaults, as
             # TLT_<S>__<FIELD>__<KEY> and `tlt config show --set` keep them; a nested section starts empty
             node[p] = dict(field.get_default(call_default_factory=True)) if _is_map(field) else {}
+        if not isinstance(node[p], dict):  # trainer.lr.x=1: lr is a value, not a section or a map
+            raise ServiceError(f"override {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section; set it "
+                               f"as {'.'.join(parts[: i + 1])}=VALUE")
         node, cls = node[p], nested_section(field)
+    field = getattr(cls, "model_fields", {}).get(parts[-1])
+    if nested_section(field) is not None and not isinstance(value, dict):  # rollout.spec=3
+        raise ServiceError(f"override {key!r}: {key} is a section ([{key}]); set one of its fields as "
+                           f"{key}.FIELD=VALUE")
     node[parts[-1]] = value
 
 
@@ -97,21 +104,25 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
         "steps": args.steps if args.steps is not None or _sets_steps(args.overrides) else saved.get("steps"),
         "model": args.model or saved.get("model"),
     }
-    preset = read_preset(preset_path(inputs["preset"]))
+    path = preset_path(inputs["preset"])
+    preset = read_preset(path)
     unknown = [name for name in preset if name not in SECTIONS]
     if unknown:  # a misspelt [trainr] was copied into config.toml and ignored: its service ran on defaults
         raise ServiceError(f"{preset_path(inputs['preset'])}: unknown section [{unknown[0]}]; the sections are "
                            f"{', '.join(SECTIONS)} (`tlt config check FILE` checks a preset file)")
-    for key, value in cli_overrides(inputs["overrides"]).items():
+    overrides = cli_overrides(inputs["overrides"])
+    for key, value in overrides.items():
         _apply_override(preset, key, value)
-    run_over: dict[str, Any] = {}
+    # [run]: the preset file's, then TLT_RUN__* (the environment layer: passing the preset's values as the
+    # command-line layer made them beat it), then --set run.*, --steps, --model and --baseline
+    run_over: dict[str, Any] = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("run.")}
     if inputs["steps"]:
         run_over["steps"] = inputs["steps"]
     if inputs["model"]:
         run_over["model_dir"] = inputs["model"]
     if inputs["baseline"]:
         run_over.update(speculation=False, drafter=False)
-    return inputs, preset, load_config(RunConfig, "run", None, {**preset.get("run", {}), **run_over})
+    return inputs, preset, load_config(RunConfig, "run", path, run_over)
 
 
 def _finished(run_dir: Path) -> bool:
