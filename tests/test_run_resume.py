@@ -391,6 +391,22 @@ def test_a_set_into_a_value_or_a_value_for_a_section_is_refused_by_name(tmp_path
             _plan(runs, model, "--run-id", "r", "--set", bad)
 
 
+def test_a_run_file_that_cannot_be_read_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A truncated run.json (it was written in place: a kill or a full disk) or one holding a list was a traceback at
+    every later launch of the folder; it is now written whole or not at all, and a bad one is refused by name."""
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    plan = _closed(_plan(runs, model, "--run-id", "r"))
+    assert json.loads((plan.run_dir / "run.json").read_text())["preset"] == "cpu-tiny"
+    assert not list(plan.run_dir.glob(".*.tmp"))
+    for text in ('{"preset": "cpu-ti', "[1, 2]"):
+        (plan.run_dir / "run.json").write_text(text)
+        for argv in (("--run-id", "r"), ("--resume", str(plan.run_dir))):
+            with pytest.raises(ServiceError, match="run.json is not a valid run file"):
+                _plan(runs, model, *argv)
+
+
 def test_the_environment_beats_the_presets_run_section_and_the_command_line_beats_both(tmp_path: Path,
                                                                                         monkeypatch) -> None:
     """The preset's [run] went in as the command-line layer, so TLT_RUN__* lost to it (while `tlt config show`

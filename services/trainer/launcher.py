@@ -291,7 +291,7 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
         run_dir = Path(args.resume)
         if not (run_dir / "run.json").exists():
             raise ServiceError(f"{run_dir} is not a run folder (no run.json); start one with `tlt run`")
-        saved = json.loads((run_dir / "run.json").read_text())
+        saved = _run_file(run_dir)
     inputs, preset, run_cfg = _inputs(args, saved)
     if not args.resume:
         stem = Path(inputs["preset"]).stem
@@ -299,7 +299,7 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
         if not args.run_id and (_finished(run_dir) or _in_use(run_dir)):  # done, or another `tlt run`'s
             run_dir = Path(run_cfg.runs_dir) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         if (run_dir / "run.json").exists():  # continue it with the options it was started with
-            saved = json.loads((run_dir / "run.json").read_text())
+            saved = _run_file(run_dir)
             inputs, preset, run_cfg = _inputs(args, saved)
     resumed = (run_dir / "run.json").exists()
     preset_name, overrides, baseline = inputs["preset"], inputs["overrides"], inputs["baseline"]
@@ -331,17 +331,38 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
     if run_cfg.drafter and switches["speculation"] and not switches["drafter"]:
         log.warning("drafter_off", reason="the rollout does not draft with a learned drafter, or no drafter service")
     config_path = run_dir / "config.toml"
-    config_path.write_text(f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start\n\n"
-                           + to_toml(services))
+    _write_atomic(config_path, f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start"
+                  "\n\n" + to_toml(services))
     steps = int(services["trainer"].get("steps", 20))
     spec = spec_section(preset)
     threshold = run_cfg.tail_threshold or int(spec.get("threshold", 32))
-    (run_dir / "run.json").write_text(json.dumps({
+    _write_atomic(run_dir / "run.json", json.dumps({
         "preset": str(preset_name), "overrides": overrides, "baseline": baseline, "seed": seed,
         "steps": steps_arg, "model": model, "switches": switches, "created": saved.get("created", time.time()),
         "tail_threshold": threshold,  # what report.html counts as tail (a regenerated report reads it)
     }, indent=2))
     return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed, lock)
+
+
+def _run_file(run_dir: Path) -> dict[str, Any]:
+    """A run folder's run.json; ServiceError for one that cannot be read (it was a traceback at every launch)."""
+    path = run_dir / "run.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ServiceError(f"{path} is not a valid run file ({e}); start a new run (another --run-id)") from None
+    if not isinstance(saved, dict):
+        raise ServiceError(f"{path} is not a valid run file (a JSON {type(saved).__name__}, not an object); start a "
+                           "new run (another --run-id)")
+    return saved
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a kill or a full disk left a truncated run.json: every later launch of
+    the folder failed)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 class Launcher:
