@@ -278,3 +278,12 @@ def test_tlt_warns_of_a_misspelt_environment_variable(monkeypatch, capsys) -> No
     assert main(["config", "show", "run"]) == 0
     err = capsys.readouterr().err
     assert "unknown_environment" in err and "TLT_ROLOUT__REPLICAS" in err
+
+
+def test_true_or_false_for_a_number_is_refused() -> None:
+    # pydantic reads true as 1 for an int field: `steps = true` loaded as one step, and `config show` wrote 1
+    with pytest.raises(ConfigError, match="true is not a number"):
+        load_config(DemoConfig, "demo", overrides=cli_overrides(["port=true"]), environ={})
+    with pytest.raises(ConfigError, match="false is not a number"):
+        load_config(DemoConfig, "demo", environ={"TLT_DEMO__RATIO": "false"})
+    assert load_config(DemoConfig, "demo", overrides=cli_overrides(["port=3"]), environ={}).port == 3

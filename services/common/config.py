@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "configs"
@@ -41,12 +43,26 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid. The message says how to fix it."""
 
 
+_UNIONS = (typing.Union, types.UnionType)
+
+
 class ServiceConfig(BaseModel):
     """Base of every service config: immutable and strict about unknown keys."""
 
     # coerce_numbers_to_str: an override is parsed as a TOML literal, so a string field set to `2024` (a
     # served model name, a token) arrives as an int; it is the string the user typed.
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, coerce_numbers_to_str=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for an int field: `steps = true` loaded as one step, without a word
+        if isinstance(v, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = set(typing.get_args(annotation)) if typing.get_origin(annotation) in _UNIONS else {annotation}
+            if kinds & {int, float} and bool not in kinds:
+                raise ValueError(f"{str(v).lower()} is not a number")
+        return v
 
 
 def preset_path(preset: str | os.PathLike[str]) -> Path:
