@@ -359,3 +359,87 @@ def test_max_tokens_context_limit_and_eos_finish_at_exactly_their_token():
     assert _emit(_stop_seq(eos=frozenset({7})), [5, 7], tok) == [None, FinishReason.STOP]
     assert _emit(_stop_seq(eos=frozenset({7}), ignore_eos=True), [5, 7], tok) == [None, None]
     assert _emit(_stop_seq(stop_token_ids=(6,)), [5, 6], tok) == [None, FinishReason.STOP]
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2 / Mistral / TinyLlama style tokenizer (the decoder transformers' LlamaConverter writes, whose
+    Strip(" ", 1, 0) drops the first token's leading space), built in code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, "\u2581The": 2, "\u2581answer": 3, "\u2581is": 4, "\u2581Paris": 5,
+             "\u2581Observation": 6, ":": 7, "<0xC3>": 8, "<0xA9>": 9, "\u2581caf": 10}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_sentencepiece_outputs_leading_space_is_kept_and_a_stop_string_on_it_found():
+    """The output was decoded alone, so the decoder's strip took the space the model wrote: the stop string
+    " Observation:" at the start of the output was never found, and prompt + completion lost a space."""
+    from tlt.services.rollout.engine.detok import continuation_text
+
+    tok = _sentencepiece_tokenizer()
+    prompt, out = (2, 3, 4), [6, 7, 5]  # "The answer is" + " Observation: Paris"
+    whole = tok.decode([*prompt, *out])
+    assert continuation_text(tok, prompt, out) == whole[len(tok.decode(prompt)):] == " Observation: Paris"
+    seq = _stop_seq(prompt=prompt, stop=(" Observation:",))
+    assert _emit(seq, out[:2], tok) == [None, FinishReason.STOP] and seq.text == ""
+    seq = _stop_seq(prompt=prompt, stop=(" Paris",))
+    assert _emit(seq, out, tok) == [None, None, FinishReason.STOP] and seq.text == " Observation:"
+
+
+def test_incremental_text_is_the_one_shot_text_and_decodes_a_window_not_the_output():
+    """Every token decoded the whole output for the stop check (quadratic: ~1 ms a token per sequence at 4k
+    tokens on the engine's loop). The window's text must equal one decode of prompt + output, characters split
+    into byte-fallback pieces included, while each decode sees a bounded number of tokens."""
+    import random
+
+    from tlt.services.rollout.engine.detok import CONTEXT_TOKENS, IncrementalText, continuation_text
+
+    tok = _sentencepiece_tokenizer()
+    longest = []
+    real = type(tok).decode
+
+    def spy(self, ids, *a, **kw):  # noqa: ANN001, ANN202
+        longest.append(len(ids))
+        return real(self, ids, *a, **kw)
+
+    rng = random.Random(0)
+    for trial in range(30):
+        prompt = [rng.choice([2, 3, 4, 10]) for _ in range(rng.randint(1, 8))]
+        # (8, 9): "é" in two byte pieces, a character split across tokens (valid UTF-8: a sampled invalid byte
+        # run decodes to a different count of U+FFFD depending on where a window cuts it, as in vLLM)
+        out = [t for _ in range(rng.randint(1, 300)) for t in rng.choice([[2], [3], [4], [5], [6], [7], [10], [8, 9]])]
+        inc = IncrementalText(tok, prompt)
+        type(tok).decode, longest[:] = spy, []
+        try:
+            for t in out:
+                inc.push([t])
+            inc.flush()
+        finally:
+            type(tok).decode = real
+        assert inc.text == continuation_text(tok, prompt, out), trial
+        assert max(longest) <= CONTEXT_TOKENS + 4, max(longest)  # a window, however long the output
+    seq = _stop_seq(max_tokens=1000, prompt=(2, 3), stop=("zzz",))  # the engine's stop check decodes the same way
+    type(tok).decode, longest[:] = spy, []
+    try:
+        assert set(_emit(seq, [5, 6, 7] * 100, tok, max_model_len=1000)) == {None}
+    finally:
+        type(tok).decode = real
+    assert max(longest) <= CONTEXT_TOKENS + 4, max(longest)
+
+
+def test_the_streamed_text_of_a_sentencepiece_output_joins_to_its_completion_text():
+    # the HTTP stream decodes as the engine does (after the prompt's last tokens): a stream that dropped the
+    # leading space could not be completed by the engine's text (TextStream.finish sends nothing it cannot append)
+    from tlt.services.rollout.engine.detok import continuation_text
+    from tlt.services.rollout.openai_convert import TextStream
+
+    tok = _sentencepiece_tokenizer()
+    prompt, out = (2, 3, 4), [6, 7, 5]
+    stream = TextStream(tok, (), prompt=prompt)
+    deltas = [stream.push([t]) for t in out]
+    assert deltas[0] == " Observation"
+    assert "".join(deltas) + stream.finish(continuation_text(tok, prompt, out)) == " Observation: Paris"

@@ -446,7 +446,10 @@ class OpenAIServer:
 
         async for pi, ev in self._merged(reqs):
             index = pi * n + ev.sample_index
-            cs = streams.setdefault(index, conv.CompletionChoiceStream(self.tokenizer, params.stop, params.logprobs))
+            if index not in streams:  # decoded after its prompt's last tokens, as the engine decodes it
+                streams[index] = conv.CompletionChoiceStream(self.tokenizer, params.stop, params.logprobs,
+                                                             reqs[pi].prompt_token_ids)
+            cs = streams[index]
             if isinstance(ev, StepOutput):
                 delta, lp = cs.push(ev)
                 if delta:
@@ -544,7 +547,7 @@ class OpenAIServer:
 
         for i in range(req.n):
             streams[i] = conv.ChatChoiceStream(self.tokenizer, i, params.stop, tools, bool(req.logprobs),
-                                               req.top_logprobs or 0)
+                                               req.top_logprobs or 0, reqs[0].prompt_token_ids)
             yield chunk(streams[i].start())
         async for _, ev in self._merged(reqs):
             cs = streams[ev.sample_index]

@@ -29,9 +29,11 @@ import math
 import re
 import secrets
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tlt.services.rollout.engine.detok import IncrementalText
 from tlt.services.rollout.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -257,33 +259,27 @@ def finish_reason(c: CompletionOutput) -> str:
 class TextStream:
     """Incremental text of one sample for SSE: only text that can no longer change is sent.
 
-    Decoding is windowed (cost per step independent of the sequence length): the
-    tokens from `prefix_offset` on are decoded and compared with the decode of the
-    already-read window; new text is taken only when it does not end in U+FFFD.
+    Decoded as the engine decodes it (`engine/detok.IncrementalText`: in a window, cost per step independent of
+    the sequence length; after the prompt's last tokens, so a SentencePiece decoder's strip of the first token's
+    space falls on the prompt): the streamed text joins to the completion's.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], tool_calls: bool = False) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], tool_calls: bool = False,
+                 prompt: Sequence[int] = ()) -> None:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.tool_calls = tool_calls  # send nothing from a `<tool_call>` on (and hold what may begin one)
         self.block_at = -1  # where the first `<tool_call>` starts in `text`, once seen
         self.scanned = 0  # `text` before this holds no `<tool_call>` that ends before it
-        self.token_ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""  # decoded so far (stable characters only)
+        self.decoded = IncrementalText(tokenizer, prompt)
         self.sent = ""
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    @property
+    def text(self) -> str:
+        """Decoded so far (stable characters only)."""
+        return self.decoded.text
 
     def push(self, new_token_ids: list[int]) -> str:
-        self.token_ids.extend(new_token_ids)
-        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        after = self._decode(self.token_ids[self.prefix_offset:])
-        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
-            self.text += after[len(before):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.decoded.push(new_token_ids)
         stable = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
         if self.tool_calls:
             if self.block_at < 0:  # each step searches only its new text (and a start the last step cut in two)
@@ -367,9 +363,9 @@ class StreamLogprobs:
 class CompletionChoiceStream:
     """One completions choice of a stream: (text delta, logprobs) per engine step, then the last ones."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], logprobs: int | None) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], logprobs: int | None, prompt: Sequence[int] = ()) -> None:
         self.tokenizer, self.k = tokenizer, logprobs
-        self.text = TextStream(tokenizer, stop)
+        self.text = TextStream(tokenizer, stop, prompt=prompt)
         self.logprobs = StreamLogprobs(logprobs, tokenizer) if logprobs is not None else None
 
     def push(self, step: StepOutput) -> tuple[str, CompletionLogprobs | None]:
@@ -401,9 +397,9 @@ class ChatChoiceStream:
     call (`delta.tool_calls = [{index, id, type, function}]`) and a last chunk with finish_reason "tool_calls"."""
 
     def __init__(self, tokenizer: Any, index: int, stop: tuple[str, ...], tools: ToolParsing | None,
-                 logprobs: bool = False, top_logprobs: int = 0) -> None:
+                 logprobs: bool = False, top_logprobs: int = 0, prompt: Sequence[int] = ()) -> None:
         self.tokenizer, self.index, self.tools = tokenizer, index, tools
-        self.text = TextStream(tokenizer, stop, tool_calls=tools is not None)
+        self.text = TextStream(tokenizer, stop, tool_calls=tools is not None, prompt=prompt)
         self.logprobs = StreamLogprobs(top_logprobs) if logprobs else None
 
     def start(self) -> ChatChunkChoice:

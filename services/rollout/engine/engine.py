@@ -45,13 +45,14 @@ from pathlib import Path
 import torch
 
 from tlt.model.config import ModelConfig
-from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint, validate_tensors
 from tlt.model.folder import TOKENIZER_FILES, has_tokenizer
+from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint, validate_tensors
 from tlt.model.transformer import build_model
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.engine.block_manager import BlockManager
 from tlt.services.rollout.engine.config import EngineConfig
 from tlt.services.rollout.engine.decode_graphs import default_buckets
+from tlt.services.rollout.engine.detok import continuation_text
 from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.sampler import sample
 from tlt.services.rollout.engine.scheduler import Scheduler
@@ -264,7 +265,9 @@ class LLMEngine:
             if self.spec_decoder is not None:
                 self.spec_decoder.forget(seq.request_id)
         oldest, newest = seq.policy_versions or (self.versions.policy, self.versions.policy)
-        text = seq.text if seq.text is not None else self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        text = seq.text
+        if text is None:  # after the prompt's last tokens: a SentencePiece decoder strips the first token's space
+            text = continuation_text(self.tokenizer, seq.token_ids[: seq.prompt_len], seq.output_ids)
         return CompletionOutput(
             request_id=seq.request_id,
             sample_index=seq.sample_index,

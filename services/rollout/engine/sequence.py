@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 
 import torch
 
@@ -35,7 +36,8 @@ class Sequence:
     __slots__ = (
         "request_id", "sample_index", "params", "token_ids", "prompt_len", "max_tokens", "num_computed",
         "block_table", "status", "arrival", "rng_key", "logprobs", "top_logprobs", "features",
-        "policy_versions", "finish_reason", "text", "stop_checked_len", "eos_ids", "stop_ids", "num_preemptions", "spec",
+        "policy_versions", "finish_reason", "text", "stop_checked_len", "detok", "eos_ids", "stop_ids", "num_preemptions",
+        "spec",
     )
 
     def __init__(
@@ -67,6 +69,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.text: str | None = None  # output text cut before the stop string that finished it
         self.stop_checked_len = 0
+        self.detok: Any = None  # the output's incremental text (engine/detok.py), made by the first stop-string check
         self.eos_ids = frozenset() if params.ignore_eos else eos_ids
         self.stop_ids = frozenset(params.stop_token_ids)
         self.num_preemptions = 0

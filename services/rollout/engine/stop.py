@@ -3,13 +3,15 @@
     stop_token_ids -> eos (unless ignore_eos) -> stop strings -> max_tokens -> context limit
 
 Stop strings are matched on the detokenised output (the checkpoint's HF
-tokenizer); only the tail that could contain a new match is searched. The
+tokenizer, incrementally and after the prompt's last tokens: engine/detok.py);
+only the tail that could contain a new match is searched. The
 completion's text is cut before the stop string (OpenAI semantics); the
 token that completed it stays in token_ids (its logprob is part of the rollout).
 """
 
 from __future__ import annotations
 
+from tlt.services.rollout.engine.detok import IncrementalText
 from tlt.services.rollout.engine.sequence import Sequence
 from tlt.services.rollout.types import FinishReason
 
@@ -25,13 +27,19 @@ def check_stop(seq: Sequence, token: int, tokenizer, max_model_len: int) -> Fini
 
 
 def _stop_string(seq: Sequence, tokenizer) -> bool:
-    text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+    # incremental (each token's decode independent of the output's length) and after the prompt's last tokens
+    # (a SentencePiece decoder strips the first token's space): engine/detok.py
+    if seq.detok is None:
+        seq.detok = IncrementalText(tokenizer, seq.token_ids[: seq.prompt_len])
+    detok = seq.detok
+    if not detok.push(seq.output_ids[detok.fed:]):
+        return False  # no new stable text (half a character): nothing new to search
+    text = detok.text
     longest = max(len(s) for s in seq.params.stop)
     start = max(0, seq.stop_checked_len - longest + 1)
     hits = [p for p in (text.find(s, start) for s in seq.params.stop) if p >= 0]
     if hits:
         seq.text = text[: min(hits)]
         return True
-    # a trailing U+FFFD may be half a multi-byte character that the next token completes
-    seq.stop_checked_len = len(text.rstrip("\ufffd"))
+    seq.stop_checked_len = len(text)
     return False

@@ -1,0 +1,79 @@
+"""Output text from token ids: incrementally, in a short window, with the prompt's last tokens as context.
+
+    context = the prompt's last CONTEXT_TOKENS ids          (never part of the returned text)
+    push(new ids) -> decode(ids[prefix:]) minus decode(ids[prefix:read])   (the new, stable text)
+
+Two reasons, both as vLLM's detokenizer does it:
+
+- Cost: the stop-string check decoded the whole output at every token (quadratic: ~1 ms a token per sequence
+  at 4k tokens, 70 ms of CPU a step at batch 64 on the engine's loop). The window makes each token's decode
+  independent of the length.
+- Correctness: SentencePiece tokenizers (Llama 2, Mistral, TinyLlama) decode with `Strip(" ", 1, 0)`, which drops
+  the first token's leading space, so an output decoded on its own lost the space the model wrote (`"▁Observation"`
+  -> "Observation"): a stop string " Observation:" at the start of the output was never found, and prompt +
+  completion lost a space. With the prompt's last tokens before it, the strip falls on the context.
+
+Text is taken only when it does not end in U+FFFD (half of a multi-byte character the next token completes) and
+extends what the window decoded before; `flush` takes what is still held at the end of the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def continuation_text(tokenizer: Any, prompt: Sequence[int], output: Sequence[int]) -> str:
+    """The text `output` adds after `prompt` (one decode). Where the context's text is not a prefix of the whole's
+    (a prompt ending inside a character), the output decoded on its own."""
+    context = list(prompt[-CONTEXT_TOKENS:])
+    if not context:
+        return _decode(tokenizer, output)
+    before, whole = _decode(tokenizer, context), _decode(tokenizer, [*context, *output])
+    return whole[len(before):] if whole.startswith(before) else _decode(tokenizer, output)
+
+
+class IncrementalText:
+    """The text of a growing output, `text` (stable characters only), fed token by token or step by step."""
+
+    @property
+    def fed(self) -> int:
+        """Output tokens pushed so far."""
+        return len(self.ids) - self.context_len
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt[-CONTEXT_TOKENS:])
+        self.context_len = len(self.ids)
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add tokens; the text they made stable ("" while a character or a merge is still open)."""
+        self.ids.extend(new_ids)
+        before = _decode(self.tokenizer, self.ids[self.prefix_offset:self.read_offset])
+        after = _decode(self.tokenizer, self.ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+            new = after[len(before):]
+            self.text += new
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return new
+        return ""
+
+    def flush(self) -> str:
+        """The end of the stream: the text still held (a U+FFFD that nothing completed stays one)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        before = _decode(self.tokenizer, self.ids[self.prefix_offset:self.read_offset])
+        after = _decode(self.tokenizer, self.ids[self.prefix_offset:])
+        new = after[len(before):] if after.startswith(before) else _decode(self.tokenizer, self.ids[self.read_offset:])
+        self.text += new
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new
