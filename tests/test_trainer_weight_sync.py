@@ -81,6 +81,31 @@ def test_push_grpc_and_shm_then_rollout_uses_new_weights(random_model_dir):
         assert greedy(client, prompt) == (want, 2)
 
 
+def test_a_fresh_trainer_pushes_its_weights_to_a_rollout_started_from_another_checkpoint(random_model_dir,
+                                                                                           tmp_path):
+    """Both at version 0 made the startup sync push nothing: a rollout started from another checkpoint of the same
+    shapes (another seed here; in practice base vs instruct, or another run's policy folder) served the step-0 eval
+    and every rollout from that model, and GRPO took its samples as on-policy. Now the sync compares two probe
+    tensors and pushes when they differ; from the same folder it still pushes nothing."""
+    from tlt.model.testing import random_checkpoint
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer.loop import sync_weights
+
+    torch.set_num_threads(1)
+    other = random_checkpoint(tmp_path / "other", family="qwen2", seed=5)
+    cfg = TrainerConfig(model_dir=str(random_model_dir), prompts_per_step=1, n_samples=4, mini_batch_size=4,
+                        micro_batch_size=4)
+    policy = Policy(cfg)
+    prompt = [5, 6, 7, 8]
+    want = hf_greedy(policy.module.eval(), prompt)
+    for served, pushes in ((random_model_dir, False), (other, True)):
+        with ServerThread(served, replicas=1) as server, RolloutClient(server.grpc_address) as client:
+            policy.version = 0
+            sync_weights(policy, WeightPublisher([client]), [client])
+            assert policy.version == int(pushes) and client.status().versions.policy == int(pushes)
+            assert greedy(client, prompt) == (want, int(pushes))
+
+
 def test_check_versions():
     check_versions([3, 3, 3], 3)
     with pytest.raises(StaleWeightsError, match=r"version\(s\) \[2\] but version 3 was pushed"):

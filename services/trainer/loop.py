@@ -56,10 +56,33 @@ def sync_version(policy, clients) -> bool:  # noqa: ANN001
     under `policy.version`, raised here past every server's own version."""
     serving = [c.status().versions.policy for c in clients]
     if all(v == policy.version for v in serving):
-        return False  # fresh start (both 0, the model folder) or a resume that pushed this very version
+        # a resume that pushed this very version; or a fresh start (both 0), where equal versions prove nothing: a
+        # rollout started from another checkpoint of the same shapes would sample every rollout from that model
+        if policy.version > 0 or policy.gathers or all(_serves_these_weights(policy, c) for c in clients):
+            return False
+        log.warning("rollout_serves_other_weights", action="pushing the trainer's weights before the first rollout")
     # Servers refuse a version not newer than their own, and one server may lag the others (restarted).
     policy.version = max(policy.version, max(serving) + 1)
     return True
+
+
+def _serves_these_weights(policy, client) -> bool:  # noqa: ANN001
+    """Whether the rollout's start checkpoint holds the trainer's weights, by two probes: its smallest matrix and
+    smallest vector (a few MB for a 7B model), compared exactly in the dtype the rollout serves them in. Not under
+    ZeRO-3 (the caller skips it: reading a partitioned weight is a collective of every rank)."""
+    import grpc
+    import torch
+
+    params = dict(policy.module.named_parameters())
+    probes = [min((p.numel(), n) for n, p in params.items() if p.dim() == dim)[1] for dim in (2, 1)
+              if any(p.dim() == dim for p in params.values())]
+    try:
+        _, served = client.get_weights(probes)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        return False  # a tensor the rollout's model lacks: not this model (the push says what differs)
+    return all(torch.equal(served[n], params[n].detach().to("cpu", served[n].dtype)) for n in probes)
 
 
 def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
