@@ -307,7 +307,7 @@ class _BytePieces:
     def __init__(self, pieces: dict[int, bytes]) -> None:
         self.pieces = pieces
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+    def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:  # noqa: ANN001, ANN003
         return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
 
@@ -443,3 +443,28 @@ def test_the_streamed_text_of_a_sentencepiece_output_joins_to_its_completion_tex
     deltas = [stream.push([t]) for t in out]
     assert deltas[0] == " Observation"
     assert "".join(deltas) + stream.finish(continuation_text(tok, prompt, out)) == " Observation: Paris"
+
+
+def test_a_tokenizer_that_cleans_up_spaces_still_finds_stop_strings_and_streams_its_text():
+    """transformers' clean_up_tokenization_spaces rewrites text already decoded when the next token comes
+    (" it '" then "s": " it's"): the window's earlier text was no prefix of the new one, the incremental text
+    stopped growing for good, and a stop string after it was never found."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from tlt.services.rollout.engine.detok import continuation_text
+    from tlt.services.rollout.openai_convert import TextStream
+
+    vocab = {"<unk>": 0, "\u0120it": 1, "\u0120'": 2, "s": 3, "\u0120STOP": 4, "\u0120ok": 5, "\u0120hi": 6, "\u0120.": 7}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", clean_up_tokenization_spaces=True)
+    out = [1, 2, 3, 5, 7, 5, 4, 5]
+    assert continuation_text(tok, (6,), out) == tok.decode(out) == " it's ok. ok STOP ok"
+    seq = _stop_seq(max_tokens=20, prompt=(6,), stop=(" STOP",))
+    assert _emit(seq, out[:7], tok)[-1] == FinishReason.STOP and seq.text == " it's ok. ok"
+    seq = _stop_seq(max_tokens=20, prompt=(6,), stop=("it's",))  # only the cleaned text holds it
+    assert _emit(seq, out[:3], tok)[-1] == FinishReason.STOP and seq.text == " "
+    stream = TextStream(tok, (), prompt=(6,))
+    sent = "".join(stream.push([x]) for x in out)
+    assert sent + stream.finish(continuation_text(tok, (6,), out)) == " it's ok. ok STOP ok"

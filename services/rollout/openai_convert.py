@@ -13,10 +13,13 @@ here) and finish_reason "tool_calls". A stream sends content until a
 whitespace, which the parsed content drops) and the calls at the finish, one
 chunk each.
 
-Streaming text: each sample's tokens are decoded in full after every step and
-only the stable prefix is sent: a trailing U+FFFD (a multi-byte character cut
-in half) is held back, and so are the last `len(longest stop string) - 1`
-characters (the start of a stop string not completed yet). The step that
+Streaming text: each sample's tokens are decoded incrementally after every
+step, in a window after the prompt's last tokens, as the engine decodes them
+(engine/detok.py), and only the stable prefix is sent: a trailing U+FFFD (a
+multi-byte character cut in half) is held back, and so are the last
+`len(longest stop string) - 1` characters (the start of a stop string not
+completed yet), and with a tokenizer that cleans up spaces the last few that
+its cleanup may still rewrite. The step that
 finishes a sample is not pushed (its tokens may complete a stop string, and
 text after one): on finish the engine's own final text is authoritative and
 the stream sends what remains of it. So text the engine cuts at a stop string
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tlt.services.rollout.engine.detok import IncrementalText
+from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText, clean, cleans_up
 from tlt.services.rollout.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -266,20 +269,18 @@ class TextStream:
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...], tool_calls: bool = False,
                  prompt: Sequence[int] = ()) -> None:
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.cleanup = cleans_up(tokenizer)  # the cleaned text's tail may still change: held back too
+        self.holdback = max((len(s) for s in stop), default=1) - 1 + (CLEANUP_HOLDBACK if self.cleanup else 0)
         self.tool_calls = tool_calls  # send nothing from a `<tool_call>` on (and hold what may begin one)
         self.block_at = -1  # where the first `<tool_call>` starts in `text`, once seen
         self.scanned = 0  # `text` before this holds no `<tool_call>` that ends before it
         self.decoded = IncrementalText(tokenizer, prompt)
+        self.text = ""  # decoded so far (stable characters only), cleaned as the completion's text is
         self.sent = ""
 
-    @property
-    def text(self) -> str:
-        """Decoded so far (stable characters only)."""
-        return self.decoded.text
-
     def push(self, new_token_ids: list[int]) -> str:
-        self.decoded.push(new_token_ids)
+        if self.decoded.push(new_token_ids):
+            self.text = clean(self.decoded.tokenizer, self.decoded.text) if self.cleanup else self.decoded.text
         stable = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
         if self.tool_calls:
             if self.block_at < 0:  # each step searches only its new text (and a start the last step cut in two)

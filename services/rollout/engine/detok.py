@@ -15,6 +15,12 @@ Two reasons, both as vLLM's detokenizer does it:
 
 Text is taken only when it does not end in U+FFFD (half of a multi-byte character the next token completes) and
 extends what the window decoded before; `flush` takes what is still held at the end of the stream.
+
+Windows decode without transformers' `clean_up_tokenization_spaces` (" 's" -> "'s", " ." -> "."), which rewrites
+text already decoded when the next token comes (" it '" then "s": " it's"): the window's earlier text was then no
+prefix of the new, and the text stopped growing for good. `text` is the raw text; `clean` applies the tokenizer's
+cleanup, as one `decode` would, to whatever reads it (the stop check, the stream, the completion), and its last
+`CLEANUP_HOLDBACK` characters may still change when more text comes.
 """
 
 from __future__ import annotations
@@ -23,20 +29,31 @@ from collections.abc import Sequence
 from typing import Any
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+CLEANUP_HOLDBACK = 5  # cleaned characters later text may still rewrite (the longest pattern: " n't", " 've")
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def cleans_up(tokenizer: Any) -> bool:
+    """Whether the tokenizer's `decode` cleans up spaces by default (older tokenizers; Qwen, Llama, Mistral: no)."""
+    return bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+
+
+def clean(tokenizer: Any, text: str) -> str:
+    """`text` as the tokenizer's own `decode` would return it (its space cleanup, where it has one)."""
+    return tokenizer.clean_up_tokenization(text) if cleans_up(tokenizer) else text
 
 
 def continuation_text(tokenizer: Any, prompt: Sequence[int], output: Sequence[int]) -> str:
-    """The text `output` adds after `prompt` (one decode). Where the context's text is not a prefix of the whole's
-    (a prompt ending inside a character), the output decoded on its own."""
+    """The text `output` adds after `prompt` (one decode), cleaned as the tokenizer's `decode` cleans. Where the
+    context's text is not a prefix of the whole's (a prompt ending inside a character), the output on its own."""
     context = list(prompt[-CONTEXT_TOKENS:])
     if not context:
-        return _decode(tokenizer, output)
+        return clean(tokenizer, _decode(tokenizer, output))
     before, whole = _decode(tokenizer, context), _decode(tokenizer, [*context, *output])
-    return whole[len(before):] if whole.startswith(before) else _decode(tokenizer, output)
+    return clean(tokenizer, whole[len(before):] if whole.startswith(before) else _decode(tokenizer, output))
 
 
 class IncrementalText:
