@@ -158,6 +158,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name in ("config.json", "model.safetensors"):
         (root / "notok" / name).write_bytes((root / "qwen2" / name).read_bytes())
     out["notok"] = str(root / "notok")
+    (root / "novocab").mkdir()  # tokenizer_config.json without a vocabulary: loaded as 3 special tokens
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (root / "novocab" / name).write_bytes((root / "qwen2" / name).read_bytes())
+    out["novocab"] = str(root / "novocab")
     return out
 
 
@@ -172,6 +176,8 @@ def test_bad_folders_are_refused_before_any_work(models, tmp_path, capfd) -> Non
         ["model", "eval", "--model", models["notok"], "--n", "1"],
         ["rollout", "serve", "--model", models["notok"], "--http-port", "0", "--grpc-port", "0"],
         ["data", "check", "--model", models["notok"], "--set", "trainer.eval_problems=0"],
+        ["data", "check", "--model", models["novocab"], "--set", "trainer.eval_problems=0"],
+        ["model", "eval", "--model", models["novocab"], "--n", "1"],
         ["bench", "engine", "--model", models["cfgonly"], "--batch-sizes", "1", "--max-tokens", "2"],
         ["bench", "drafter-drift", "--model", new],
         ["bench", "drafter-preemption", "--model", new],
@@ -293,7 +299,7 @@ def test_the_rollout_checks_the_architecture_only_for_the_native_engine(tmp_path
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
     (model / "model.safetensors").write_bytes(b"")
-    (model / "tokenizer_config.json").write_text("{}")  # the front tokenizes for either backend
+    (model / "tokenizer.json").write_text("{}")  # the front tokenizes for either backend (only the name is checked)
     check_before_start(str(model), RolloutConfig(backend="sglang"))
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         check_before_start(str(model), RolloutConfig(backend="native"))

@@ -51,7 +51,7 @@ def _checkpoint(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
     (folder / "model.safetensors").write_bytes(b"")
-    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
     return folder
 
 

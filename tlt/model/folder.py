@@ -64,11 +64,14 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# A tokenizer's vocabulary, in any of the forms transformers loads: tokenizer_config.json alone holds none (it
+# loaded as a tokenizer of its 3 special tokens that encoded every prompt to nothing).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json + merges.txt")
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
-    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+    folder = Path(model_dir)
+    return any(all((folder / f).is_file() for f in group.split(" + ")) for group in TOKENIZER_FILES)
 
 
 def check_checkpoint(model_dir: str | Path, architecture: bool = True, tokenizer: bool = True) -> None:
