@@ -287,3 +287,19 @@ def test_true_or_false_for_a_number_is_refused() -> None:
     with pytest.raises(ConfigError, match="false is not a number"):
         load_config(DemoConfig, "demo", environ={"TLT_DEMO__RATIO": "false"})
     assert load_config(DemoConfig, "demo", overrides=cli_overrides(["port=3"]), environ={}).port == 3
+    # inside a list, a tuple or a dict's values too (the engine's decode_graph_buckets, the bandit's thresholds)
+    for kv in ("buckets=[true, 2]", "pair=[1, false]", "steps={\"a\" = [2, true]}", "ratio_or_none=true"):
+        with pytest.raises(ConfigError, match="is not a number"):
+            load_config(Numbers, "demo", overrides=cli_overrides([kv]), environ={})
+    ok = load_config(Numbers, "demo", overrides=cli_overrides(["buckets=[1, 2]", "flags=[true]", "either=true"]),
+                     environ={})
+    assert (ok.buckets, ok.flags, ok.either) == ((1, 2), [True], True)
+
+
+class Numbers(ServiceConfig):
+    buckets: tuple[int, ...] = Field((), description="batch sizes")
+    pair: tuple[int, float] = Field((1, 1.0), description="a pair")
+    steps: dict[str, list[int]] = Field(default_factory=dict, description="steps by name")
+    ratio_or_none: float | None = Field(None, description="a ratio")
+    flags: list[bool] = Field(default_factory=list, description="flags")
+    either: bool | int = Field(0, description="a flag or a count")

@@ -46,6 +46,24 @@ class ConfigError(ValueError):
 _UNIONS = (typing.Union, types.UnionType)
 
 
+def _bool_for_number(annotation: Any, value: Any) -> tuple[bool] | None:
+    """(the bool,) where `value` holds true or false at a place `annotation` wants a number (a field, an item of a
+    list or tuple field, a value of a dict field), else None."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in _UNIONS:
+        if isinstance(value, bool) and bool in args:
+            return None
+        return next((b for a in args if a is not type(None) and (b := _bool_for_number(a, value))), None)
+    if isinstance(value, bool):
+        return (value,) if annotation in (int, float) else None
+    if origin in (list, tuple, set, frozenset) and isinstance(value, (list, tuple)):
+        items = args[:1] * len(value) if origin is not tuple or (len(args) == 2 and args[1] is Ellipsis) else args
+        return next((b for a, x in zip(items, value) if (b := _bool_for_number(a, x))), None)
+    if origin is dict and isinstance(value, dict) and len(args) == 2:
+        return next((b for x in value.values() if (b := _bool_for_number(args[1], x))), None)
+    return None
+
+
 class ServiceConfig(BaseModel):
     """Base of every service config: immutable and strict about unknown keys."""
 
@@ -57,11 +75,8 @@ class ServiceConfig(BaseModel):
     @classmethod
     def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
         # pydantic reads true as 1 for an int field: `steps = true` loaded as one step, without a word
-        if isinstance(v, bool) and info.field_name is not None:
-            annotation = cls.model_fields[info.field_name].annotation
-            kinds = set(typing.get_args(annotation)) if typing.get_origin(annotation) in _UNIONS else {annotation}
-            if kinds & {int, float} and bool not in kinds:
-                raise ValueError(f"{str(v).lower()} is not a number")
+        if info.field_name is not None and (b := _bool_for_number(cls.model_fields[info.field_name].annotation, v)):
+            raise ValueError(f"{str(b[0]).lower()} is not a number")
         return v
 
 
