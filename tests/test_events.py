@@ -301,6 +301,6 @@ def test_a_batch_over_the_frame_limit_goes_as_several_frames_and_a_sequence_over
         while (b := puller.recv(0.5)) is not None:
             frames.append(b)
         assert sorted(s.seq_id for f in frames for s in f.sequences) == [f"s{i}" for i in range(7)]
-        assert len(frames) == 3 and all(f.ByteSize() <= 10_000 for f in frames)
+        assert len(frames) == 3 and all(len(Envelope(features=f).SerializeToString()) <= 10_000 for f in frames)
         assert pusher.dropped == before + 1 and {f.dropped_before for f in frames} == {before + 1}
         assert {f.sender for f in frames} == {pusher.sender} and {f.source for f in frames} == {"rollout"}

@@ -223,3 +223,25 @@ def test_items_of_an_ended_stream_are_not_scored_ahead_of_live_calls() -> None:
         waited = time.monotonic() - t
     assert live.results[0].ok and waited < 1.5, f"a live item waited {waited:.2f} s behind the ended stream's"
     assert len(scored) <= 4, scored
+
+
+def test_an_id_reused_after_its_answer_is_sent_in_the_same_attempt() -> None:
+    # the attempt's de-dup of resent items kept every id for its whole life: a later item reusing an answered id
+    # (the client allows it once the first is answered) waited for the stall timeout and a new attempt
+    from tlt.services.reward.client import _StreamState
+
+    go = threading.Event()
+
+    def items() -> Iterator:
+        yield Req(id="a", completion="first")
+        go.wait(5)
+        yield Req(id="a", completion="second")
+
+    state = _StreamState(items())
+    time.sleep(0.2)  # the pump has read the first item
+    over = threading.Event()
+    feed = state.feed(over)
+    assert next(feed).completion == "first" and state.answered(reward_pb2.ScoreResponse(id="a", ok=True))
+    go.set()
+    assert next(feed).completion == "second"
+    over.set()

@@ -259,21 +259,23 @@ class CapacitySubscriber:
 
 STALE_S = 5.0  # a replica's state not repeated this long no longer counts: heartbeats must come well within it
 MAX_FRAME_BYTES = 256 << 20  # one feature frame; protobuf refuses messages over 2 GiB
+FRAME_OVERHEAD = 256  # bytes a frame needs besides its sequences
 
 
 def split_batch(batch: FeatureBatch, max_bytes: int) -> tuple[list[FeatureBatch], int]:
     """`batch` as batches of at most `max_bytes` serialized each (`batch` itself when it fits), and how many of its
     sequences are too big to send alone."""
-    if batch.ByteSize() <= max_bytes:
+    if batch.ByteSize() + FRAME_OVERHEAD <= max_bytes:
         return [batch], 0
     parts: list[FeatureBatch] = []
-    too_big, size = 0, max_bytes + 1
+    room = max_bytes - FRAME_OVERHEAD  # the frame's own fields (source, sender, dropped_before) and the Envelope
+    too_big, size = 0, room + 1
     for seq in batch.sequences:
         n = seq.ByteSize() + 16  # the field's tag and length
-        if n > max_bytes:
+        if n > room:
             too_big += 1
             continue
-        if size + n > max_bytes:
+        if size + n > room:
             parts.append(FeatureBatch(source=batch.source))
             size = 0
         parts[-1].sequences.append(seq)

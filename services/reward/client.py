@@ -300,6 +300,7 @@ class _StreamState:
                 self._incoming.put(item)  # for the next attempt (all of them must see _END)
                 return
             if item.id in sent:  # type: ignore[attr-defined]
+                sent.discard(item.id)  # type: ignore[attr-defined]  # once: a later item may reuse an answered id
                 continue
             yield item  # type: ignore[misc]
 
