@@ -46,10 +46,17 @@ def clean(tokenizer: Any, text: str) -> str:
     return tokenizer.clean_up_tokenization(text) if cleans_up(tokenizer) else text
 
 
+def _context(tokenizer: Any, prompt: Sequence[int]) -> list[int]:
+    """The prompt's last tokens to decode the output after; none when the prompt ends inside a character (its
+    U+FFFD would take the output's first bytes: the output's text is then its own, as the engine always had it)."""
+    context = list(prompt[-CONTEXT_TOKENS:])
+    return context if context and not _decode(tokenizer, context).endswith("\ufffd") else []
+
+
 def continuation_text(tokenizer: Any, prompt: Sequence[int], output: Sequence[int]) -> str:
     """The text `output` adds after `prompt` (one decode), cleaned as the tokenizer's `decode` cleans. Where the
-    context's text is not a prefix of the whole's (a prompt ending inside a character), the output on its own."""
-    context = list(prompt[-CONTEXT_TOKENS:])
+    context's text is not a prefix of the whole's, the output on its own."""
+    context = _context(tokenizer, prompt)
     if not context:
         return clean(tokenizer, _decode(tokenizer, output))
     before, whole = _decode(tokenizer, context), _decode(tokenizer, [*context, *output])
@@ -66,7 +73,7 @@ class IncrementalText:
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt[-CONTEXT_TOKENS:])
+        self.ids: list[int] = _context(tokenizer, prompt)
         self.context_len = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
