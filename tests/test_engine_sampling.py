@@ -468,3 +468,56 @@ def test_a_tokenizer_that_cleans_up_spaces_still_finds_stop_strings_and_streams_
     stream = TextStream(tok, (), prompt=(6,))
     sent = "".join(stream.push([x]) for x in out)
     assert sent + stream.finish(continuation_text(tok, (6,), out)) == " it's ok. ok STOP ok"
+
+
+def test_the_prompt_context_reaches_past_special_tokens_and_starts_on_a_character():
+    """The context was exactly the prompt's last 5 tokens: 5 special tokens (which the decode skips) left the strip
+    to the output again, and a cut inside a byte-fallback character made the whole run U+FFFD, so the context was
+    dropped; either way a Llama-2 style output lost its leading space and a stop string on it."""
+    from tlt.services.rollout.engine.detok import continuation_text
+
+    tok = _sentencepiece_tokenizer()
+    for prompt in ((2, 3, 4, 1, 1, 1, 1, 1), (2, 3, 4, 8, 9, 8, 9, 8, 9)):  # ... </s> x5; ... "ééé" in byte pieces
+        assert continuation_text(tok, prompt, [5]) == " Paris", prompt
+        seq = _stop_seq(prompt=prompt, stop=(" Paris",))
+        assert _emit(seq, [5], tok) == [FinishReason.STOP] and seq.text == ""
+
+
+def test_a_stray_byte_does_not_freeze_the_text():
+    """A byte after a byte-fallback character turns the whole run into U+FFFD, so the window's earlier text ("é")
+    was no prefix of the new one ("���"), and a prefix check froze the text for good: a stop string after it was
+    never found, and the stream sent nothing more."""
+    from tlt.services.rollout.openai_convert import TextStream
+
+    tok = _sentencepiece_tokenizer()
+    out = [4, 8, 9, 9, 4, 5, 6, 7]  # " is" "é" <stray 0xA9> " is Paris Observation:"
+    seq = _stop_seq(max_tokens=20, prompt=(2, 3), stop=(" Paris",))
+    assert _emit(seq, out[:6], tok)[-1] == FinishReason.STOP and seq.text.endswith(" is")
+    stream = TextStream(tok, (), prompt=(2, 3))
+    assert "".join(stream.push([t]) for t in out).endswith(" Observation:")
+
+
+def test_a_stream_never_sends_text_it_holds_back():
+    # text shorter than the holdback: a negative slice end took characters from the end instead of none
+    from tlt.services.rollout.openai_convert import TextStream
+
+    tok = _BytePieces({1: b" the", 2: b" it"})
+    stream = TextStream(tok, ("x" * 12,))  # holds back 11 characters
+    assert [stream.push([1]), stream.push([2])] == ["", ""]
+    assert stream.finish(" the it") == " the it"
+
+
+def test_a_bpe_tokenizer_is_not_cleaned_up_as_transformers_does_not_clean_it():
+    # transformers 5 skips clean_up_tokenization_spaces for a BPE model (it would corrupt BPE text): cleaning it
+    # here found stop strings in text the completion would not hold
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from tlt.services.rollout.engine.detok import cleans_up, continuation_text
+
+    vocab = {"<unk>": 0, "\u0120it": 1, "\u0120.": 2, "\u0120'": 3, "s": 4}
+    t = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", clean_up_tokenization_spaces=True)
+    assert not cleans_up(tok)
+    assert continuation_text(tok, (1,), [1, 2, 3, 4]) == tok.decode([1, 2, 3, 4]) == " it . 's"

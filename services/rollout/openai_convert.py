@@ -281,7 +281,7 @@ class TextStream:
     def push(self, new_token_ids: list[int]) -> str:
         if self.decoded.push(new_token_ids):
             self.text = clean(self.decoded.tokenizer, self.decoded.text) if self.cleanup else self.decoded.text
-        stable = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
+        stable = self.text[: max(0, len(self.text) - self.holdback)]  # (a negative end took from the end)
         if self.tool_calls:
             if self.block_at < 0:  # each step searches only its new text (and a start the last step cut in two)
                 self.block_at = self.text.find(TOOL_CALL_START, max(0, self.scanned - len(TOOL_CALL_START) + 1))

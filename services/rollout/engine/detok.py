@@ -14,7 +14,7 @@ Two reasons, both as vLLM's detokenizer does it:
   completion lost a space. With the prompt's last tokens before it, the strip falls on the context.
 
 Text is taken only when it does not end in U+FFFD (half of a multi-byte character the next token completes) and
-extends what the window decoded before; `flush` takes what is still held at the end of the stream.
+is longer than what the window decoded before; `flush` takes what is still held at the end of the stream.
 
 Windows decode without transformers' `clean_up_tokenization_spaces` (" 's" -> "'s", " ." -> "."), which rewrites
 text already decoded when the next token comes (" it '" then "s": " it's"): the window's earlier text was then no
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+MAX_CONTEXT_TOKENS = 32  # past trailing special tokens, at most this many
 CLEANUP_HOLDBACK = 5  # cleaned characters later text may still rewrite (the longest pattern: " n't", " 've")
 
 
@@ -37,8 +38,15 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 def cleans_up(tokenizer: Any) -> bool:
-    """Whether the tokenizer's `decode` cleans up spaces by default (older tokenizers; Qwen, Llama, Mistral: no)."""
-    return bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    """Whether the tokenizer's `decode` cleans up spaces by default (older tokenizers; Qwen, Llama, Mistral: no).
+    As transformers 5 decides it: a BPE model's cleanup is skipped (it would corrupt BPE text) unless forced."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    force = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if force is None or backend is None:  # a transformers without the BPE exception, or a slow tokenizer
+        return True
+    return bool(force) or type(backend.model).__name__ != "BPE"
 
 
 def clean(tokenizer: Any, text: str) -> str:
@@ -47,10 +55,20 @@ def clean(tokenizer: Any, text: str) -> str:
 
 
 def _context(tokenizer: Any, prompt: Sequence[int]) -> list[int]:
-    """The prompt's last tokens to decode the output after; none when the prompt ends inside a character (its
-    U+FFFD would take the output's first bytes: the output's text is then its own, as the engine always had it)."""
-    context = list(prompt[-CONTEXT_TOKENS:])
-    return context if context and not _decode(tokenizer, context).endswith("\ufffd") else []
+    """The prompt's last tokens to decode the output after: at least CONTEXT_TOKENS, more while they decode to no
+    text (special tokens, which the decode skips: the strip would fall on the output again), starting on a
+    character's first byte (a byte-fallback run cut inside a character decodes to U+FFFD throughout, whole
+    characters after it too). None when the prompt ends inside a character (its U+FFFD would take the output's
+    first bytes: the output's text is then its own, as the engine always had it)."""
+    start = max(0, len(prompt) - CONTEXT_TOKENS)
+    while start > 0 and len(prompt) - start < MAX_CONTEXT_TOKENS and not _decode(tokenizer, prompt[start:]):
+        start -= 1
+    for _ in range(3):  # a UTF-8 character has at most 3 continuation bytes
+        if start > 0 and _decode(tokenizer, prompt[start:]).startswith("\ufffd"):
+            start -= 1
+    context = list(prompt[start:])
+    text = _decode(tokenizer, context)
+    return [] if text.endswith("\ufffd") else context
 
 
 def continuation_text(tokenizer: Any, prompt: Sequence[int], output: Sequence[int]) -> str:
@@ -84,7 +102,9 @@ class IncrementalText:
         self.ids.extend(new_ids)
         before = _decode(self.tokenizer, self.ids[self.prefix_offset:self.read_offset])
         after = _decode(self.tokenizer, self.ids[self.prefix_offset:])
-        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+        # By length, as vLLM: where `after` does not extend `before` (a stray byte after a byte-fallback character
+        # turns the whole run into U+FFFD), a prefix check froze the text for good; this goes on past it.
+        if len(after) > len(before) and not after.endswith("\ufffd"):
             new = after[len(before):]
             self.text += new
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -97,7 +117,7 @@ class IncrementalText:
             return ""
         before = _decode(self.tokenizer, self.ids[self.prefix_offset:self.read_offset])
         after = _decode(self.tokenizer, self.ids[self.prefix_offset:])
-        new = after[len(before):] if after.startswith(before) else _decode(self.tokenizer, self.ids[self.read_offset:])
+        new = after[len(before):]
         self.text += new
         self.prefix_offset = self.read_offset = len(self.ids)
         return new
