@@ -189,3 +189,45 @@ def test_qwen3_head_dim_defaults_like_transformers():
     del cfg["head_dim"]  # a config.json written without it: Qwen3Config's default (128), not hidden / heads (64)
     assert transformers.Qwen3Config(**cfg).head_dim == 128
     assert ModelConfig.from_hf(cfg).head_dim == 128
+
+
+def test_llama3_rope_original_context_is_the_one_transformers_uses(tmp_path):
+    """The native engine took the rope block's original_max_position_embeddings, else 8192; transformers takes a
+    top-level one first, then the block's, then max_position_embeddings: other RoPE frequencies (max |dlogit| 0.15
+    on a tiny Llama) on the same folder, so the rollout sampled from another model than the trainer's."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "vocab_size": 50, "max_position_embeddings": 256, "rope_theta": 5e5}
+    cases = []
+    for form in ("rope_parameters", "rope_scaling"):  # transformers 5's form, and the legacy one most files have
+        for block in (None, 8192):
+            for top in (None, 64):
+                block_cfg = {**rope, **({"original_max_position_embeddings": block} if block else {})}
+                if form == "rope_parameters":
+                    block_cfg["rope_theta"] = 5e5
+                cases.append({**base, form: block_cfg, **({"original_max_position_embeddings": top} if top else {})})
+    seen = set()
+    for cfg in cases:  # what the trainer's model runs with: the config once the model is built (its init settles it)
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+        want = model.config.rope_parameters["original_max_position_embeddings"]
+        got = ModelConfig.from_hf(cfg).rope_scaling
+        assert got.original_max_position_embeddings == want, (cfg, got, want)
+        seen.add(want)
+    assert seen == {64, 256, 8192}
+
+
+def test_config_without_architectures_goes_by_model_type_and_bad_fields_are_checkpoint_errors(tmp_path):
+    from tlt.model.folder import read_model_config
+
+    path, _ = _save(tmp_path, "qwen2", tie=False)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "architectures"}))
+    assert read_model_config(path).architecture == "Qwen2ForCausalLM"  # as transformers loads it
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_theta": None, "rope_parameters": None}))
+    with pytest.raises(CheckpointError, match="wrong type"):  # was a TypeError traceback
+        read_model_config(path)
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "generation_config.json").write_text('{"eos_token_id": ')
+    with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
+        read_model_config(path)

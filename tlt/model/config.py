@@ -75,7 +75,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         """Normalise a HF `config.json` dict (plus optional `generation_config.json`)."""
-        archs = cfg.get("architectures") or []
+        # no `architectures` (some exporters leave it out): transformers goes by model_type, and so do we
+        archs = cfg.get("architectures") or [a for t, a in _BY_MODEL_TYPE.items() if t == cfg.get("model_type")]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
@@ -92,6 +93,11 @@ class ModelConfig:
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        if scaling:  # the pre-training context as transformers' standardize_rope_params takes it (the block's alone,
+            # defaulting to 8192, gave other RoPE frequencies than HF's): a top-level value first (Phi-3 style files),
+            # then the block's, then max_position_embeddings
+            top, block = cfg.get("original_max_position_embeddings"), scaling.get("original_max_position_embeddings")
+            scaling = {**scaling, "original_max_position_embeddings": top or block or cfg.get("max_position_embeddings")}
         rope_scaling = _rope_scaling(scaling) if scaling else None
         eos = _ids(cfg.get("eos_token_id"))
         if generation_config:
@@ -128,6 +134,9 @@ class ModelConfig:
         )
 
 
+_BY_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
 def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -148,6 +157,6 @@ def _rope_scaling(s: dict[str, Any]) -> RopeScaling | None:
             factor=float(s["factor"]),
             low_freq_factor=float(s.get("low_freq_factor", 1.0)),
             high_freq_factor=float(s.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(s.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(s.get("original_max_position_embeddings") or 8192),
         )
     raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")

@@ -37,13 +37,18 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
     gen_path = folder / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    try:
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{gen_path} is not valid JSON: {e}") from e
     try:
         return ModelConfig.from_hf(cfg, gen)
     except UnsupportedModelError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: missing field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:  # a field of the wrong type: "rope_theta": null
+        raise CheckpointError(f"{cfg_path}: a field has a value of the wrong type ({e})") from e
 
 
 def weight_files(folder: Path) -> list[Path]:
