@@ -131,3 +131,19 @@ def test_answers_match_an_independent_left_to_right_evaluation():
                 b = int(op[1:])
                 value = {"+": value + b, "-": value - b + 10, "*": value * b}[op[0]] % 10
             assert p.answer == str(value), p
+
+
+def test_sentence_punctuation_after_the_answer_and_the_reward_server_reads_it_the_same():
+    """The docstring promised sentence punctuation after the number; `?` and `:` were refused, while the reward
+    server's math verifier (the trainer's default reward) took them: a completion scored 1 in training and 0 in
+    `tlt model eval`. Wherever this module reads a number, the math verifier now gives the same verdict."""
+    from tlt.services.reward.verifiers import math_verifier
+
+    assert extract_answer("so the answer: 9?") == "9" and extract_answer("answer: 9: done") == "9"
+    assert extract_answer("answer: 9:30") is None  # a time, not the number 9
+    cases = ["answer: 9?", "answer: 9:", "answer: 9)x", "answer: 9,x", "answer: 9.x", "answer: 9.5", "answer: 9",
+             "(answer: 9)", "answer: 09!", "answer: 9x", "answer: -9.", "answer: 9<|im_end|>", "answer: 9:30"]
+    for completion in cases:
+        for reference in ("9", "-9"):
+            if extract_answer(completion) is not None:
+                assert math_verifier("", completion, reference) == verify(completion, reference), (completion, reference)

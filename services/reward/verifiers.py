@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from tlt.services.reward.boxed import equivalent, last_boxed
 from tlt.task.problems import ANSWER_MARKER
-from tlt.task.verify import same_integer
+from tlt.task.verify import extract_answer, same_integer
 
 Verifier = Callable[[str, str, str], bool]
 
@@ -53,6 +53,11 @@ def math_verifier(prompt: str, completion: str, reference: str) -> bool:
     boxed = last_boxed(completion)
     if boxed is not None:
         return equivalent(boxed, reference)
+    if _is_int(reference) and (number := extract_answer(completion)) is not None:
+        # the synthetic task's own reading (tlt.task.verify), which `tlt model eval` and reward = "task" use: the
+        # same completion must not score 1 in training and 0 in the eval; what it reads no number in (`7,000`, `9%`)
+        # is still compared as a math answer below
+        return same_integer(number, reference)
     answer = marked_answer(completion)
     if answer is None:
         return False

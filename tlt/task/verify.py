@@ -15,9 +15,9 @@ import re
 from tlt.task.problems import ANSWER_MARKER
 
 # after the digits: the end, white space, a special token, or punctuation that does not continue the number
-# (`answer: 7.` is 7; `answer: 7.5` and `answer: 7,000` are not 7). Digits are ASCII only: `\d` would also take
+# (`answer: 7.`, `answer: 7?` and `answer: 7:` are 7; `answer: 7.5`, `answer: 7,000` and `answer: 7:30` are not). Digits are ASCII only: `\d` would also take
 # other scripts' digits (`answer: ٣`, full-width `３`), which int() parses, so they would score as the number.
-_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*(-?[0-9]+)(?=$|\s|<|[;!)]|[.,](?![0-9]))")
+_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*(-?[0-9]+)(?=$|\s|<|[;!?)]|[.,:](?![0-9]))")
 
 
 def extract_answer(text: str) -> str | None:
