@@ -385,3 +385,28 @@ def test_a_run_config_with_any_text_is_valid_toml() -> None:
     data = {"trainer": {"output_dir": "runs/exp-🚀", "note": 'a "quote", a \\ and a\ttab\n', "lr": 1e-5, "ok": True,
                         "stop": ["ü", "</s>"]}, "rollout": {"engine": {"name": "日本"}}}
     assert tomllib.loads(to_toml(data)) == data
+
+
+def test_metrics_lines_are_strict_json_when_a_run_diverges(tmp_path: Path) -> None:
+    """A diverged step's NaN loss went into metrics.jsonl as a bare NaN, which jq and JSON.parse refuse."""
+    import json
+
+    from tlt.services.trainer.loop import _append
+
+    def strict(line: str) -> dict:
+        return json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+    path = tmp_path / "metrics.jsonl"
+    _append(path, {"step": 0, "loss": float("nan"), "times": {"update_s": float("inf")}, "lrs": [1e-3, float("-inf")]})
+    line = strict(path.read_text().splitlines()[0])
+    assert line == {"step": 0, "loss": None, "times": {"update_s": None}, "lrs": [1e-3, None]}
+
+
+def test_the_sd_share_is_over_the_tokens_the_rollout_generated() -> None:
+    """With dynamic sampling the SD counters covered every round but the share divided them by the tokens trained
+    on (the kept groups): a step that took two rounds showed 200%."""
+    from tlt.services.trainer.run_stats import step_row
+
+    m = {"step": 0, "tokens": 100, "sd_response_tokens": 200, "sd_accepted_tokens": 200, "sd_verify_steps": 50}
+    assert step_row(m, [], [], 16).sd_share == 1.0
+    assert step_row({**m, "sd_response_tokens": 0, "sd_accepted_tokens": 50}, [], [], 16).sd_share == 0.5  # old lines

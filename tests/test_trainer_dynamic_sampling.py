@@ -149,3 +149,22 @@ def test_dynamic_sampling_off_draws_one_round(random_model_dir, tmp_path, monkey
     (m,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert m["sampling_rounds"] == 1 and m["groups_generated"] == 2
     assert m["prompt_indices"] == [p.index for p in expected_draws(1, max_rounds=1)[0]]
+
+
+def test_the_rounds_generated_tokens_are_summed_for_the_sd_share() -> None:
+    # the SD counters cover every round; so must the share's denominator (it was the trained groups' tokens)
+    from tlt.services.trainer.collect import RolloutResult, SpecTotals
+    from tlt.services.trainer.dynamic_sampling import roll_out_rounds
+    from tlt.services.trainer.types import PromptItem, ScoredCompletion
+
+    def collect_round(prompts, r):  # noqa: ANN001, ANN202
+        samples = [ScoredCompletion(i, j, (1, 2), tuple(range(10)), float(j % 2) if r == 1 else 0.0)
+                   for i in range(len(prompts)) for j in range(2)]
+        spec = SpecTotals(5 * len(samples), 10 * len(samples), 0, 3, 10 * len(samples))
+        return RolloutResult(samples, {"rollout_s": 1.0}, spec)
+
+    items = [PromptItem(k, f"p{k}", "1") for k in range(6)]
+    rest = iter([items[2:4]])
+    res = roll_out_rounds(items[:2], lambda: next(rest), collect_round, 2, 2, 4)
+    assert res.rounds == 2 and res.spec.response_tokens == res.spec.accepted_tokens == 80
+    assert sum(len(s.response_ids) for s in res.samples) == 40  # what the step trains on: half

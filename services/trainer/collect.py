@@ -66,6 +66,7 @@ class SpecTotals:
     accepted_tokens: int = 0
     plain_steps: int = 0
     drafter_version: int = -1  # newest drafter version on a completion
+    response_tokens: int = 0  # tokens the completions generated: the SD share's denominator (all rounds)
 
 
 @dataclass
@@ -216,5 +217,6 @@ def _gather(prompts: Sequence[PromptItem], rewards: RewardSource, n: int, step: 
         ))
     done = [c for _, c in pending.values()]
     spec = SpecTotals(sum(c.spec.verify_steps for c in done), sum(c.spec.accepted_tokens for c in done),
-                      sum(c.spec.plain_decode_steps for c in done), max((c.versions.drafter for c in done), default=-1))
+                      sum(c.spec.plain_decode_steps for c in done), max((c.versions.drafter for c in done), default=-1),
+                      sum(len(c.token_ids) for c in done))
     return RolloutResult(samples, {"rollout_s": last_arrival - t0, "reward_tail_s": t_end - last_arrival}, spec)

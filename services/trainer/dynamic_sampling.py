@@ -118,5 +118,6 @@ def roll_out_rounds(first: Sequence[PromptItem], more: Callable[[], Sequence[Pro
         for k, v in r.times.items():
             times[k] = times.get(k, 0.0) + v
     spec = SpecTotals(sum(r.spec.verify_steps for r in results), sum(r.spec.accepted_tokens for r in results),
-                      sum(r.spec.plain_steps for r in results), max(r.spec.drafter_version for r in results))
+                      sum(r.spec.plain_steps for r in results), max(r.spec.drafter_version for r in results),
+                      sum(r.spec.response_tokens for r in results))
     return RolloutResult(sel.samples, times, spec, sum(r.retries for r in results), len(rounds), sel)

@@ -154,6 +154,7 @@ def train(cfg: TrainerConfig) -> TrainSummary:
             m.times.update(rollout.times)
             m.sd_verify_steps, m.sd_accepted_tokens = rollout.spec.verify_steps, rollout.spec.accepted_tokens
             m.sd_plain_steps, m.drafter_version = rollout.spec.plain_steps, rollout.spec.drafter_version
+            m.sd_response_tokens = rollout.spec.response_tokens
             m.rollout_retries = rollout.retries
             _record_sampling(m, rollout, cfg.prompts_per_step)
             m.started_at = t_wall
@@ -363,7 +364,9 @@ def _append(path: Path, record: dict) -> None:
     """One JSON line, flushed and fsynced before the checkpoint that follows it."""
     import os
 
+    from tlt.services.trainer.run_stats import json_line
+
     with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_line(record))
         f.flush()
         os.fsync(f.fileno())

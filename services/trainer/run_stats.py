@@ -15,10 +15,11 @@ tail threshold. It is a sample-based estimate, exact to one poll interval.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,29 @@ def open_append(path: Path) -> TextIO:
     return f
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinity (a diverged loss) as None, in nested dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_line(record: dict) -> str:
+    """One JSONL line, strict JSON: a NaN or an infinity is null (bare NaN / Infinity, which Python writes by default,
+    is refused by jq, JSON.parse and most readers other than Python's)."""
+    return json.dumps(_finite(record), allow_nan=False) + "\n"
+
+
 def trim_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
     """Rewrite a run's JSONL file with only the records `keep` accepts (atomically; resume bookkeeping)."""
     if not path.exists():
         return
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))
+    tmp.write_text("".join(json_line(r) for r in read_jsonl(path) if keep(r)))
     tmp.replace(path)
 
 
@@ -143,7 +161,9 @@ def step_row(m: dict, samples: list[TimelineSample], windows: list[IdleWindow], 
     overlap = [(w, s) for w, s in overlap if s > 0]
     verify = int(m.get("sd_verify_steps", 0))
     accepted = int(m.get("sd_accepted_tokens", 0))
-    tokens = int(m.get("tokens", 0))
+    # over what the rollout generated (all rounds of dynamic sampling, overlong responses too), not over the tokens
+    # trained on: a step that took 2 rounds showed a 200% share. Older metrics lines: the trained tokens
+    tokens = int(m.get("sd_response_tokens", 0)) or int(m.get("tokens", 0))
     return StepRow(
         step=int(m["step"]), policy_version=int(m.get("policy_version", 0)), started_at=t0, step_s=step_s,
         rollout_s=rollout_s, tail_s=tail_seconds(samples, t0, t0 + rollout_s, threshold) if t0 else 0.0,

@@ -79,6 +79,7 @@ class StepMetrics:
     sd_verify_steps: int = 0  # per-sequence verify passes
     sd_accepted_tokens: int = 0  # tokens those passes emitted (incl. the bonus token)
     sd_plain_steps: int = 0  # per-sequence plain decode steps
+    sd_response_tokens: int = 0  # tokens the rollout generated, every round (`tokens` counts those trained on)
     drafter_version: int = -1  # newest drafter version stamped on a completion (-1: no drafter)
     rollout_retries: int = 0  # times this step was rolled out again after a rollout replica died
     # Dynamic sampling ([trainer] dynamic_sampling): rollout rounds the step took, prompt groups they generated, and the
