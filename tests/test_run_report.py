@@ -27,6 +27,10 @@ def test_tail_seconds_counts_time_with_small_nonzero_batches() -> None:
     assert tail_seconds(s, 2, 3.5, threshold=8) == pytest.approx(1.0 + 0.5)  # clipped to the window
     assert tail_seconds(s, 0, 6, threshold=2) == pytest.approx(1.0)
     assert tail_seconds(s, 0, 6, threshold=100) == pytest.approx(5.0)
+    # several replicas: each applies the threshold to its own batch (summed, 2 x 10 running with threshold 16 was
+    # no tail although SD ran on both the whole time)
+    two = [TimelineSample(t, r, (0, 0), (True, True), 1, -1) for t, r in ((0, (10, 10)), (10, (20, 3)), (12, (0, 0)))]
+    assert tail_seconds(two, 0, 12, threshold=16) == pytest.approx(10.0)
 
 
 def test_step_row_derives_sd_share_acceptance_and_idle_windows() -> None:
@@ -115,7 +119,7 @@ def test_regenerated_report_keeps_the_runs_tail_threshold(tmp_path: Path) -> Non
                                                      for t, r in [(100, 24), (102, 8), (104, 0)]))
     (tmp_path / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "tail_threshold": 16}))
     page = write_report(tmp_path).read_text()  # as the module's __main__ calls it without a threshold
-    assert "between 1 and 16" in page and "<td>2.0</td>" in page  # tail = [102, 104) only
+    assert "at most 16" in page and "<td>2.0</td>" in page  # tail = [102, 104) only
     assert "<td>4.0</td>" in write_report(tmp_path, threshold=32).read_text()  # an explicit one still wins
 
 
@@ -129,7 +133,7 @@ def test_tlt_report_command_regenerates_a_run_folder(tmp_path: Path, capsys: pyt
     (tmp_path / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "tail_threshold": 16}))
     assert main(["report", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "report.html")
-    assert "between 1 and 16" in (tmp_path / "report.html").read_text()
+    assert "at most 16" in (tmp_path / "report.html").read_text()
     assert main(["report", str(tmp_path / "nope")]) == 2  # a usage error (it exited 1), and a clear line
     assert "holds no metrics.jsonl" in capsys.readouterr().err
 

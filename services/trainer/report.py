@@ -128,9 +128,10 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
         t0 = samples[0].t
         fig, ax = plt.subplots(figsize=(11, 4))
         ts = [s.t - t0 for s in samples]
-        xs, ys = _held(ts, [float(s.total_running) for s in samples])
-        ax.step(xs, ys, where="post", lw=0.8, label="running batch")
-        ymax = max(1, threshold, max(s.total_running for s in samples))  # what is drawn (the queue is not)
+        several = max(len(s.running) for s in samples) > 1  # the threshold is each replica's: the busiest is drawn
+        xs, ys = _held(ts, [float(s.max_running) for s in samples])
+        ax.step(xs, ys, where="post", lw=0.8, label="running batch (busiest replica)" if several else "running batch")
+        ymax = max(1, threshold, max(s.max_running for s in samples))  # what is drawn (the queue is not)
         on = [any(s.sd) and s.total_running > 0 for s in samples]  # a replica's flag holds its last step's state
         for a, b, flag in zip(ts, ts[1:], on):
             if flag and b - a <= GAP_S:
@@ -236,7 +237,7 @@ mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
 {_eval_line(evals, _configured_eval_problems(run_dir))}
 {_rollout_line(s)}
 {figs}
-<h2>Per step</h2><p>times in seconds; tail = rollout time with the running batch between 1 and {threshold} (sampled);
+<h2>Per step</h2><p>times in seconds; tail = rollout time with every replica's running batch at most {threshold}, something running (sampled);
 reward = reward wait after the last completion (scoring overlaps the rollout); SD% = response tokens from
 speculative verify passes; accept = tokens per verify pass; idle = drafter training windows during the step.</p>
 <table><tr>{head}</tr>{body}</table></body></html>"""

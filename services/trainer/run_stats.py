@@ -8,8 +8,9 @@
                   idle windows used, drafter version
 
 Tail time is measured on the sampled timeline: the part of the step's rollout
-during which the running batch (summed over replicas) was between 1 and the
-tail threshold. It is a sample-based estimate, exact to one poll interval.
+during which something ran and the running batch of every replica (each applies
+the SD threshold to its own batch) was at most the tail threshold. It is a
+sample-based estimate, exact to one poll interval.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class TimelineSample:
     @property
     def total_running(self) -> int:
         return sum(self.running)
+
+    @property
+    def max_running(self) -> int:
+        """The busiest replica's running batch: what each replica's SD threshold is compared with."""
+        return max(self.running, default=0)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -142,11 +148,12 @@ def read_windows(path: Path) -> list[IdleWindow]:
 
 
 def tail_seconds(samples: list[TimelineSample], t0: float, t1: float, threshold: int) -> float:
-    """Time in [t0, t1] during which 1 <= running batch <= threshold (each sample holds until the next)."""
+    """Time in [t0, t1] during which something ran and every replica's running batch was <= threshold (each sample
+    holds until the next). Summed over replicas, a 6-replica rollout counted only its very end as tail."""
     total = 0.0
     for a, b in zip(samples, samples[1:]):
         lo, hi = max(a.t, t0), min(b.t, t1)
-        if hi > lo and 1 <= a.total_running <= threshold:
+        if hi > lo and a.total_running >= 1 and a.max_running <= threshold:
             total += hi - lo
     return total
 
