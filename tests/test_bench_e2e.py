@@ -52,8 +52,36 @@ def test_rollout_bound_by_hand():
     got = rollout_bound({"mean_step_s": 6.0, "mean_rollout_s": 4.0}, {"mean_step_s": 10.0, "mean_rollout_s": 8.0})
     assert got["step_ratio_ceiling"] == pytest.approx(5.0)
     assert got["step_ratio_from_rollout"] == pytest.approx(10.0 / 6.0)
+    # not measured (no time): None, not 0.0 (which reads as a measurement), and never infinity (not JSON)
     assert rollout_bound({"mean_step_s": 1.0, "mean_rollout_s": 1.0}, {"mean_step_s": 0.0, "mean_rollout_s": 0.0}) == {
-        "rollout_share": 0.0, "step_ratio_ceiling": 0.0, "step_ratio_from_rollout": 0.0}
+        "rollout_share": None, "step_ratio_ceiling": None, "step_ratio_from_rollout": None}
+    assert rollout_bound({"mean_step_s": 1.0, "mean_rollout_s": 1.0}, {"mean_step_s": 2.0, "mean_rollout_s": 2.0})[
+        "step_ratio_ceiling"] is None  # the whole step was rollout: no ceiling
+
+
+def test_one_step_reports_the_steps_after_the_first_as_not_measured(tmp_path, monkeypatch, capsys):
+    """`--steps 1` has no step after the first: the bench printed 0.00 for every run and a ratio of 0.0 ("TLT
+    infinitely slower"); they are None in results.json and "-" in the table. (The runs are stubbed: a one-step run
+    folder written by hand, not `tlt run`.)"""
+    import json
+
+    from tlt.bench import e2e
+
+    def fake_run(name, out, args, seed, baseline, extra=()):  # noqa: ANN001, ANN202
+        run = out / name
+        run.mkdir(parents=True)
+        (run / "run.json").write_text(json.dumps({"switches": {"speculation": not baseline, "drafter": not baseline}}))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.5, "started_at": 1.0,
+                                                       "times": {"step_s": 3.0, "rollout_s": 1.0}}) + "\n")
+        return 0
+
+    monkeypatch.setattr(e2e, "_run", fake_run)
+    parser = __import__("argparse").ArgumentParser()
+    e2e.add_arguments(parser)
+    assert e2e.run(parser.parse_args(["--steps", "1", "--out", str(tmp_path / "b")])) == 0
+    summary = json.loads((tmp_path / "b" / "results.json").read_text())["summary"]
+    assert summary["step_time_ratio_after_first"] is None and summary["step_time_ratio"] == 1.0
+    assert "| 3.00 | - |" in capsys.readouterr().out
 
 
 def test_the_noise_run_keeps_the_prompts_and_changes_only_the_sampling_seed():

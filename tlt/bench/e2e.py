@@ -94,8 +94,22 @@ def planned_runs(seed: int, pairs: int, noise: int) -> dict[str, tuple[int, bool
     return runs
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
+def _mean(xs: list[float]) -> float | None:
+    """None for no values (`--steps 1` has no step after the first): not 0, which reads as a measurement."""
+    return sum(xs) / len(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None where either was not measured or b is 0 (a 0.0 read as "infinitely slower")."""
+    return a / b if a is not None and b else None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else abs(a - b)
+
+
+def _cell(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def pair_names(k: int) -> tuple[str, str]:
@@ -124,12 +138,14 @@ def pair_ratios(results: dict[str, dict], pairs: int) -> dict:
     step, rollout = [], []
     for k in range(1, pairs + 1):
         t, b = (results[name] for name in pair_names(k))
-        step.append(b["mean_step_s"] / t["mean_step_s"] if t["mean_step_s"] else 0.0)
-        rollout.append(b["mean_rollout_s"] / t["mean_rollout_s"] if t["mean_rollout_s"] else 0.0)
-    return {"step_time_ratios": step, "step_time_ratio_median": statistics.median(step),
-            "step_time_ratio_range": [min(step), max(step)], "rollout_time_ratios": rollout,
-            "rollout_time_ratio_median": statistics.median(rollout),
-            "rollout_time_ratio_range": [min(rollout), max(rollout)]}
+        step.append(_ratio(b["mean_step_s"], t["mean_step_s"]))
+        rollout.append(_ratio(b["mean_rollout_s"], t["mean_rollout_s"]))
+    known_step, known_rollout = [x for x in step if x is not None], [x for x in rollout if x is not None]
+    return {"step_time_ratios": step, "step_time_ratio_median": statistics.median(known_step) if known_step else None,
+            "step_time_ratio_range": [min(known_step), max(known_step)] if known_step else None,
+            "rollout_time_ratios": rollout,
+            "rollout_time_ratio_median": statistics.median(known_rollout) if known_rollout else None,
+            "rollout_time_ratio_range": [min(known_rollout), max(known_rollout)] if known_rollout else None}
 
 
 def rollout_bound(t: dict, b: dict) -> dict:
@@ -142,12 +158,11 @@ def rollout_bound(t: dict, b: dict) -> dict:
     what TLT costs outside the rollout (the drafter service's share of the cores, for one).
     """
     step_b, roll_b, roll_t = b["mean_step_s"], b["mean_rollout_s"], t["mean_rollout_s"]
-    if step_b <= 0:
-        return {"rollout_share": 0.0, "step_ratio_ceiling": 0.0, "step_ratio_from_rollout": 0.0}
-    rest = step_b - roll_b
-    return {"rollout_share": roll_b / step_b,
-            "step_ratio_ceiling": step_b / rest if rest > 0 else float("inf"),
-            "step_ratio_from_rollout": step_b / (rest + roll_t) if rest + roll_t > 0 else float("inf")}
+    if not step_b or roll_b is None or roll_t is None:
+        return {"rollout_share": None, "step_ratio_ceiling": None, "step_ratio_from_rollout": None}
+    rest = step_b - roll_b  # None, not infinity, where it is 0: results.json stays strict JSON
+    return {"rollout_share": roll_b / step_b, "step_ratio_ceiling": _ratio(step_b, rest if rest > 0 else None),
+            "step_ratio_from_rollout": _ratio(step_b, rest + roll_t if rest + roll_t > 0 else None)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,11 +217,10 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "steps": args.steps, "preset": args.preset, "overrides": args.overrides,
         "tlt_switches": t["switches"],
-        "step_time_ratio": b["mean_step_s"] / t["mean_step_s"] if t["mean_step_s"] else 0.0,
-        "step_time_ratio_after_first": (b["mean_step_s_after_first"] / t["mean_step_s_after_first"]
-                                        if t["mean_step_s_after_first"] else 0.0),
-        "rollout_time_ratio": b["mean_rollout_s"] / t["mean_rollout_s"] if t["mean_rollout_s"] else 0.0,
-        "reward_diff_tlt_vs_baseline": abs(t["mean_reward"] - b["mean_reward"]),
+        "step_time_ratio": _ratio(b["mean_step_s"], t["mean_step_s"]),
+        "step_time_ratio_after_first": _ratio(b["mean_step_s_after_first"], t["mean_step_s_after_first"]),
+        "rollout_time_ratio": _ratio(b["mean_rollout_s"], t["mean_rollout_s"]),
+        "reward_diff_tlt_vs_baseline": _diff(t["mean_reward"], b["mean_reward"]),
         "rollout_bound": rollout_bound(t, b),  # what the rollout alone can explain of the ratio (pair 1)
         "reward_step_mad_tlt_vs_baseline": _mean([abs(x - y) for x, y in zip(t["reward"], b["reward"])]),
     }
@@ -214,14 +228,15 @@ def run(args: argparse.Namespace) -> int:
         summary["pairs"] = pair_ratios(results, args.pairs)
     if "baseline-noise" in results:
         n = results["baseline-noise"]
-        summary["reward_diff_noise"] = abs(n["mean_reward"] - b["mean_reward"])
+        summary["reward_diff_noise"] = _diff(n["mean_reward"], b["mean_reward"])
         summary["reward_step_mad_noise"] = _mean([abs(x - y) for x, y in zip(n["reward"], b["reward"])])
-        summary["rewards_agree"] = summary["reward_step_mad_tlt_vs_baseline"] <= 1.5 * summary["reward_step_mad_noise"]
+        mad, noise = summary["reward_step_mad_tlt_vs_baseline"], summary["reward_step_mad_noise"]
+        summary["rewards_agree"] = None if mad is None or noise is None else mad <= 1.5 * noise
 
     fig, ax = plt.subplots(figsize=(9, 4))
     for name, r in results.items():
         line = ax.plot(range(len(r["reward"])), r["reward"], "o-" if name == "tlt" else "s--", alpha=0.5, ms=3,
-                       label=f"{name} (seed {r['seed']}, mean step {r['mean_step_s']:.1f} s)")[0]
+                       label=f"{name} (seed {r['seed']}, mean step {_cell(r['mean_step_s'], '.1f')} s)")[0]
         if r["eval_accuracy"]:
             ax.plot([k - 0.5 for k in r["eval_after_steps"]], r["eval_accuracy"], "D-", lw=2, color=line.get_color(),
                     label=f"{name}: held-out accuracy")
@@ -235,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
     for name, r in results.items():
         held = " -> ".join(f"{a:.3f}" for a in r["eval_accuracy"]) or "-"
         print(f"| {name} | {r['seed']} | {'on' if r['switches']['speculation'] else 'off'} | "
-              f"{'on' if r['switches']['drafter'] else 'off'} | {r['mean_step_s']:.2f} | {r['mean_step_s_after_first']:.2f} | "
-              f"{r['mean_rollout_s']:.2f} | {r['mean_reward']:.3f} | {held} |")
+              f"{'on' if r['switches']['drafter'] else 'off'} | {_cell(r['mean_step_s'], '.2f')} | "
+              f"{_cell(r['mean_step_s_after_first'], '.2f')} | {_cell(r['mean_rollout_s'], '.2f')} | "
+              f"{_cell(r['mean_reward'], '.3f')} | {held} |")
     log.info("bench_done", out=str(out), plot=str(out / "reward.png"))
     return 0
