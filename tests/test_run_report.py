@@ -414,3 +414,14 @@ def test_the_sd_share_is_over_the_tokens_the_rollout_generated() -> None:
     m = {"step": 0, "tokens": 100, "sd_response_tokens": 200, "sd_accepted_tokens": 200, "sd_verify_steps": 50}
     assert step_row(m, [], [], 16).sd_share == 1.0
     assert step_row({**m, "sd_response_tokens": 0, "sd_accepted_tokens": 50}, [], [], 16).sd_share == 0.5  # old lines
+
+
+def test_a_report_that_fails_is_logged_and_does_not_end_the_run(tmp_path: Path, capsys) -> None:
+    """Only KeyboardInterrupt was caught around the report: any other error (a corrupt run.json, an eval.jsonl line
+    of another version) ended `tlt run` with a traceback, and its run_done line and exit code were lost."""
+    from tlt.services.trainer.launch import report
+
+    (tmp_path / "run.json").write_text("[1, 2]")  # not a run file: write_report fails reading it
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert report(tmp_path, 16) is None
+    assert "report_failed" in capsys.readouterr().err

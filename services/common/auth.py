@@ -34,10 +34,6 @@ TOKEN_ENV = "TLT_AUTH_TOKEN"
 TOKEN_FILE_ENV = "TLT_AUTH_TOKEN_FILE"
 API_KEY_ENV = "TLT_API_KEY"
 
-# Full gRPC method names that change state or read weights; everything else is read-only or data plane.
-CONTROL_METHODS = frozenset({"/tlt.v1.Rollout/UpdateWeights", "/tlt.v1.Rollout/GetWeights"})
-
-
 class AuthConfigError(ValueError):
     """The token file named by TLT_AUTH_TOKEN_FILE cannot be read or is empty."""
 

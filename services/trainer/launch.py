@@ -49,6 +49,25 @@ def run_id(text: str) -> str:
     return text
 
 
+def report(run_dir: Path, threshold: int) -> Path | None:
+    """Write the run's report.html; a report that fails is logged, never the run's end (its `run_done` line and
+    exit code were lost to a traceback). The services are stopped already; `tlt report DIR` writes it later."""
+    from tlt.services.common.logging import get_logger
+    from tlt.services.trainer.report import write_report
+
+    log = get_logger("run")
+    try:
+        path = write_report(run_dir, threshold)
+    except KeyboardInterrupt:
+        log.warning("report_skipped", hint=f"write it with: tlt report {run_dir}")
+        return None
+    except Exception as e:  # noqa: BLE001 - the run is over either way; say why and how to retry
+        log.error("report_failed", error=f"{type(e).__name__}: {e}", hint=f"write it with: tlt report {run_dir}")
+        return None
+    log.info("report_written", path=str(path))
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     import signal
     import time
@@ -94,13 +113,7 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():  # stopped: a signal interrupts what is left (the report) again
             signal.signal(sig, handler)
     if not args.no_report:
-        from tlt.services.trainer.report import write_report
-
-        try:
-            path = write_report(plan.run_dir, plan.tail_threshold)
-            log.info("report_written", path=str(path))
-        except KeyboardInterrupt:  # the services are stopped already; `tlt report DIR` writes it later
-            log.warning("report_skipped", hint=f"write it with: tlt report {plan.run_dir}")
+        report(plan.run_dir, plan.tail_threshold)
     from tlt.services.trainer.evaluate import read_evals
 
     evals = read_evals(plan.run_dir / "eval.jsonl")
