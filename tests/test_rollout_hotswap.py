@@ -406,3 +406,34 @@ def test_a_push_whose_caller_goes_away_mid_apply_is_still_recorded(model_dir):
         done = c.generate("1+1=", params=GREEDY)[0]
         version, got = c.get_weights(["lm_head.weight"])
         assert done.versions.policy == version == 1 and not got["lm_head.weight"].any()
+
+
+def test_a_push_whose_caller_goes_away_while_it_waits_for_an_earlier_one_is_dropped(model_dir):
+    """Shielded whole, a push queued behind another ran later although nobody waited for it any more (and a
+    retry of it was then refused as not newer). Only a push already sent to the replicas runs to its end."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import grpc
+
+    with ServerThread(model_dir, replicas=1, update_timeout_s=60.0) as s, \
+            RolloutClient(s.grpc_address, timeout_s=60) as c, RolloutClient(s.grpc_address, timeout_s=1.0) as short:
+        _, w0 = c.get_weights(["lm_head.weight"])
+        pid = s.server.replica_pids()[0]
+        os.kill(pid, signal.SIGSTOP)  # the first push holds the pool's update lock while the replica is stopped
+        first = threading.Thread(target=c.update_weights, args=({"lm_head.weight": w0["lm_head.weight"] + 1}, "policy", 1))
+        first.start()
+        try:
+            time.sleep(0.5)
+            with pytest.raises(grpc.RpcError) as e:  # queued behind the first, past its deadline
+                short.update_weights({"lm_head.weight": torch.zeros_like(w0["lm_head.weight"])}, "policy", 2)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            first.join(60)
+        time.sleep(1.0)  # the queued push got the lock after the first: dropped, not applied
+        version, got = c.get_weights(["lm_head.weight"])
+        assert version == 1 and torch.equal(got["lm_head.weight"], w0["lm_head.weight"] + 1)
+        assert c.status().versions.policy == 1 and c.generate("1+1=", params=GREEDY)[0].versions.policy == 1

@@ -407,21 +407,29 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
     async def update_weights(self, kind: str, manifest: Any, payload: bytes | bytearray, timeout_s: float) -> dict:
         """Validate then apply a push on every live replica. Returns versions and timings; raises WeightUpdateError.
 
-        The push runs to its end even when the caller is cancelled (its RPC's deadline passed, or the trainer was
-        killed): replicas sent it apply it, so the pool must record it, or it would report and replay the old
-        weights (and versions) while the replicas serve and stamp the new ones.
+        A push sent to the replicas runs to its end even when the caller is cancelled (its RPC's deadline passed, or
+        the trainer was killed): they apply it, so the pool must record it, or it would report and replay the old
+        weights (and versions) while the replicas serve and stamp the new ones. One whose caller went away before
+        that (waiting for an earlier push, or being validated) is dropped: nobody waits for it, and a retry of it
+        would be refused as not newer.
         """
-        task = asyncio.ensure_future(self._update_weights(kind, manifest, payload, timeout_s))
+        abandoned = asyncio.Event()
+        task = asyncio.ensure_future(self._update_weights(kind, manifest, payload, timeout_s, abandoned))
         self._pushes.add(task)
         task.add_done_callback(self._push_done)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
 
     def _push_done(self, task: asyncio.Task) -> None:
         self._pushes.discard(task)
         if not task.cancelled() and task.exception() is not None:  # retrieved: no "never retrieved" noise
             log.debug("weight_update_ended_with", error=str(task.exception()))
 
-    async def _update_weights(self, kind: str, manifest: Any, payload: bytes | bytearray, timeout_s: float) -> dict:
+    async def _update_weights(self, kind: str, manifest: Any, payload: bytes | bytearray, timeout_s: float,
+                              abandoned: asyncio.Event) -> dict:
         import torch
 
         from tlt.services.common.weights import WeightValidationError, validate
@@ -436,6 +444,9 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
                 unknown = sorted(s.name for s in manifest.tensors if s.name not in known)
                 if unknown:
                     raise WeightUpdateError(f"unknown policy tensors (not in the model): {unknown[:10]}")
+                odd = sorted({known[s.name][1] for s in manifest.tensors if not hasattr(torch, known[s.name][1])})
+                if odd:  # a checkpoint dtype torch has no name for: say so (an AttributeError answered UNKNOWN)
+                    raise WeightUpdateError(f"the model's checkpoint stores dtype(s) {odd}, which pushes cannot match")
                 expected = {s.name: (known[s.name][0], getattr(torch, known[s.name][1])) for s in manifest.tensors}
             try:
                 await asyncio.to_thread(validate, manifest, payload, expected)
@@ -445,6 +456,8 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
             if not live:
                 raise ReplicaUnavailableError("no live engine replica")
             blob, data = manifest.SerializeToString(), await asyncio.to_thread(bytes, payload)  # GBs: off the loop
+            if abandoned.is_set():  # the last moment it can be dropped: from here the replicas apply it
+                raise WeightUpdateError(f"{kind} v{manifest.version}: the caller went away before it was applied")
             busy = live if kind == "policy" else []
             for r in busy:
                 r.applying = True
