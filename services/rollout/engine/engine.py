@@ -267,7 +267,7 @@ class LLMEngine:
         oldest, newest = seq.policy_versions or (self.versions.policy, self.versions.policy)
         text = seq.text
         if text is None and seq.detok is not None:  # the text the stop strings were looked for in
-            seq.detok.push(seq.output_ids[seq.detok.fed:])
+            seq.detok.push(seq.token_ids[seq.prompt_len + seq.detok.fed:])
             seq.detok.flush()
             text = clean(self.tokenizer, seq.detok.text)
         elif text is None:  # after the prompt's last tokens: a SentencePiece decoder strips the first token's space

@@ -32,7 +32,7 @@ def _stop_string(seq: Sequence, tokenizer) -> bool:
     if seq.detok is None:
         seq.detok = IncrementalText(tokenizer, seq.token_ids[: seq.prompt_len])
     detok = seq.detok
-    if not detok.push(seq.output_ids[detok.fed:]):
+    if not detok.push(seq.token_ids[seq.prompt_len + detok.fed:]):  # (output_ids copies the whole output)
         return False  # no new stable text (half a character): nothing new to search
     cleanup = cleans_up(tokenizer)  # matched in the text the completion returns: cleaned, where decode cleans
     text = clean(tokenizer, detok.text) if cleanup else detok.text
