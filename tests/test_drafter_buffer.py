@@ -195,3 +195,20 @@ def test_drops_are_summed_over_trainer_ranks_and_over_a_restarted_replica() -> N
         s = fseq(f"life{life}", 3, 0, h=4)
         buf.add_batch(events_pb2.FeatureBatch(sequences=[s], dropped_before=drops, sender=f"replica0-life{life}"))
     assert buf.sender_dropped == 8 + 14
+
+
+def test_holdout_takes_whole_groups_so_no_sibling_of_a_held_out_sequence_is_trained_on() -> None:
+    # every k-th SEQUENCE went to the held-out set: the other samples of its prompt trained the candidate, which then
+    # looked better on the gate's held-out set than on new prompts
+    buf = FeatureBuffer(100, 100, 64, 4, holdout_every=3)
+    seqs = []
+    for g in range(6):
+        for k in range(4):
+            s = fseq(f"g{g}/{k}", 6, 1)
+            s.group_id = f"g{g}"
+            seqs.append(s)
+    buf.add_batch(events_pb2.FeatureBatch(sequences=seqs[::2]))  # samples of one prompt arrive in several batches
+    buf.add_batch(events_pb2.FeatureBatch(sequences=seqs[1::2]))
+    held = {s.seq_id.split("/")[0] for s in buf.holdout(1000)}
+    trained = {s.seq_id.split("/")[0] for s in buf._train}
+    assert held == {"g2", "g5"} and not held & trained and len(buf.holdout(1000)) == 8

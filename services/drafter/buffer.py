@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from tlt.services.drafter.packing import PackedBatch, Sample, pack
 from tlt.v1 import events_pb2
 
 log = get_logger("drafter.buffer")
+MAX_GROUPS = 4096  # groups whose split is remembered (a prompt's samples arrive within one rollout)
 
 
 def problem(seq: events_pb2.FeatureSequence, hidden_size: int, vocab_size: int) -> str:
@@ -76,7 +77,8 @@ class FeatureBuffer:
         self._holdout: deque[Sample] = deque(maxlen=max_holdout)
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
-        self._count = 0
+        self._count = 0  # groups seen (the held-out split's counter)
+        self._groups: OrderedDict[str, bool] = OrderedDict()  # recent groups -> held out (bounded: MAX_GROUPS)
         self.received_sequences = 0
         self.sender_dropped = 0  # sequences the senders dropped (summed over senders)
         self._dropped: dict[str, int] = {}  # sender -> its running drop count
@@ -95,8 +97,7 @@ class FeatureBuffer:
                 continue
             parts = windows(seq, self.window_tokens)
             with self._lock:
-                self._count += 1
-                target = self._holdout if self._count % self.holdout_every == 0 else self._train
+                target = self._holdout if self._held_out(seq.group_id) else self._train
                 target.extend(parts)
             added += len(parts)
         with self._lock:
@@ -107,6 +108,21 @@ class FeatureBuffer:
                 self._dropped[key] = max(self._dropped.get(key, 0), int(batch.dropped_before))
                 self.sender_dropped = sum(self._dropped.values())
         return added
+
+    def _held_out(self, group: str) -> bool:
+        """Every `holdout_every`-th GROUP (a prompt's samples), whole: siblings of a held-out sequence in the
+        training set made the candidate look better on the gate's held-out set than it is on new prompts. A
+        sequence without a group counts as its own."""
+        if group and group in self._groups:
+            self._groups.move_to_end(group)
+            return self._groups[group]
+        self._count += 1
+        held = self._count % self.holdout_every == 0
+        if group:
+            self._groups[group] = held
+            if len(self._groups) > MAX_GROUPS:
+                self._groups.popitem(last=False)
+        return held
 
     def add_samples(self, samples: list[Sample], holdout: bool = False) -> None:
         with self._lock:
