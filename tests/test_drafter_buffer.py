@@ -212,3 +212,16 @@ def test_holdout_takes_whole_groups_so_no_sibling_of_a_held_out_sequence_is_trai
     held = {s.seq_id.split("/")[0] for s in buf.holdout(1000)}
     trained = {s.seq_id.split("/")[0] for s in buf._train}
     assert held == {"g2", "g5"} and not held & trained and len(buf.holdout(1000)) == 8
+
+
+def test_the_trainers_features_carry_their_prompt_group() -> None:
+    # the trainer tagged every sequence as its own group: the held-out split could not keep a prompt's samples together
+    import torch
+
+    from tlt.services.common.events_local import LocalFeatureQueue
+    from tlt.services.drafter.trainer_hook import push_trainer_features
+
+    q = LocalFeatureQueue()
+    assert push_trainer_features(q, [[1, 2, 3], [1, 2, 4], [5, 6, 7]], [torch.randn(3, 4)] * 3, [2, 2, 2], 3,
+                                 groups=["p0", "p0", "p1"])
+    assert [s.group_id for s in q.recv(0.1).sequences] == ["trainer-3-p0", "trainer-3-p0", "trainer-3-p1"]

@@ -65,11 +65,12 @@ def to_samples(seq_id: str, tokens: torch.Tensor, hidden: torch.Tensor, prompt_l
 
 
 def features_message(seq_id: str, tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int,
-                     policy_version: int, replica_id: int = -1) -> object:
+                     policy_version: int, replica_id: int = -1, group_id: str = "") -> object:
+    """`group_id`: the prompt's (its samples are held out together); default: the sequence's own."""
     from tlt.v1 import events_pb2
 
     h = hidden.detach().to("cpu", torch.float16).contiguous()
     return events_pb2.FeatureSequence(
-        seq_id=seq_id, group_id=seq_id, token_ids=[int(t) for t in tokens.tolist()], response_start=prompt_len,
+        seq_id=seq_id, group_id=group_id or seq_id, token_ids=[int(t) for t in tokens.tolist()], response_start=prompt_len,
         hidden_size=int(h.shape[-1]), features=np.ascontiguousarray(h.numpy()).tobytes(),
         policy_version=policy_version, replica_id=replica_id)

@@ -24,10 +24,11 @@ from tlt.v1 import events_pb2
 
 def push_trainer_features(pusher: FeatureSink, token_ids: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor],
                           prompt_lens: Sequence[int], policy_version: int, max_tokens: int = 4096,
-                          id_prefix: str = "trainer") -> bool:
+                          id_prefix: str = "trainer", groups: Sequence[str] | None = None) -> bool:
     """token_ids[i] (prompt + response), hidden[i] [len, H] (post-norm last layer) -> one FeatureBatch.
 
-    Sequences are cut to `max_tokens` from the start of the response (the prompt's last token kept).
+    Sequences are cut to `max_tokens` from the start of the response (the prompt's last token kept). `groups`: each
+    sequence's prompt (its samples are held out together by the drafter's buffer).
     Returns True when the batch was sent, False when it was dropped (counted by the pusher).
     """
     if not (len(token_ids) == len(hidden) == len(prompt_lens)):
@@ -40,5 +41,6 @@ def push_trainer_features(pusher: FeatureSink, token_ids: Sequence[Sequence[int]
         end = min(len(ids), start + max_tokens)
         tokens = torch.as_tensor(list(ids[start:end]))
         batch.sequences.append(features_message(f"{id_prefix}-{policy_version}-{i}", tokens, h[start:end],
-                                                p - start, policy_version))
+                                                p - start, policy_version,
+                                                group_id=f"{id_prefix}-{policy_version}-{groups[i]}" if groups else ""))
     return pusher.push(batch)

@@ -192,7 +192,8 @@ class _FeatureHook:
         mine = [(s, h) for s, h in zip(result.ordered, result.features or []) if h is not None]
         if mine:
             sent = push_trainer_features(self.pusher, [list(s.prompt_ids) + list(s.response_ids) for s, _ in mine],
-                                         [h for _, h in mine], [len(s.prompt_ids) for s, _ in mine], version)
+                                         [h for _, h in mine], [len(s.prompt_ids) for s, _ in mine], version,
+                                         groups=[f"p{s.prompt_index}" for s, _ in mine])
             if not sent:
                 log.debug("features_dropped", sequences=len(mine), dropped_total=self.pusher.dropped)
         return time.perf_counter() - t0
