@@ -495,6 +495,13 @@ def test_a_stray_byte_does_not_freeze_the_text():
     assert _emit(seq, out[:6], tok)[-1] == FinishReason.STOP and seq.text.endswith(" is")
     stream = TextStream(tok, (), prompt=(2, 3))
     assert "".join(stream.push([t]) for t in out).endswith(" Observation:")
+    # a stream fed engine steps of several tokens (speculation) joins to the completion's one-shot text
+    from tlt.services.rollout.engine.detok import continuation_text
+
+    final = continuation_text(tok, (2, 3), out)
+    stream = TextStream(tok, (".",), prompt=(2, 3))
+    sent = "".join(stream.push(out[i:i + 2]) for i in range(0, len(out), 2))
+    assert sent + stream.finish(final) == final
 
 
 def test_a_stream_never_sends_text_it_holds_back():

@@ -224,9 +224,10 @@ def test_config_without_architectures_goes_by_model_type_and_bad_fields_are_chec
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "architectures"}))
     assert read_model_config(path).architecture == "Qwen2ForCausalLM"  # as transformers loads it
-    (path / "config.json").write_text(json.dumps({**cfg, "rope_theta": None, "rope_parameters": None}))
-    with pytest.raises(CheckpointError, match="wrong type"):  # was a TypeError traceback
-        read_model_config(path)
+    for bad in ({"rope_theta": None, "rope_parameters": None}, {"rope_scaling": "llama3"}, {"num_attention_heads": 0}):
+        (path / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(CheckpointError, match="wrong type"):  # were TypeError, AttributeError, ZeroDivisionError
+            read_model_config(path)
     (path / "config.json").write_text(json.dumps(cfg))
     (path / "generation_config.json").write_text('{"eos_token_id": ')
     with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):

@@ -136,7 +136,8 @@ def test_answers_match_an_independent_left_to_right_evaluation():
 def test_sentence_punctuation_after_the_answer_and_the_reward_server_reads_it_the_same():
     """The docstring promised sentence punctuation after the number; `?` and `:` were refused, while the reward
     server's math verifier (the trainer's default reward) took them: a completion scored 1 in training and 0 in
-    `tlt model eval`. Wherever this module reads a number, the math verifier now gives the same verdict."""
+    `tlt model eval`. For a bare integer answer (no \boxed{}, which the math verifier reads first) the two now give
+    the same verdict wherever this module reads a number."""
     from tlt.services.reward.verifiers import math_verifier
 
     assert extract_answer("so the answer: 9?") == "9" and extract_answer("answer: 9: done") == "9"

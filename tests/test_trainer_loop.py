@@ -47,6 +47,7 @@ def test_two_steps_push_weights_and_next_rollout_carries_new_version(random_mode
     assert [m["step"] for m in lines] == [0, 1] and [m["policy_version"] for m in lines] == [1, 2]
     for m in lines:
         assert m["optimizer_updates"] == 1 and m["tokens"] > 0
+        assert m["sd_response_tokens"] == m["tokens"]  # the SD share's denominator: every generated token (no filter)
         assert m["times"]["push_s"] > 0 and m["times"]["rollout_s"] > 0
         # trainer and rollout compute the same logprobs for the same weights (fp32 both sides)
         assert m["rollout_logprob_max_diff"] < 1e-3
@@ -67,6 +68,7 @@ def test_two_steps_push_weights_and_next_rollout_carries_new_version(random_mode
         for seq in b.sequences:
             assert seq.hidden_size == 64 and len(seq.features) == len(seq.token_ids) * 64 * 2
             assert seq.policy_version in (0, 1) and 0 < seq.response_start < len(seq.token_ids)
+        assert len({seq.group_id for seq in b.sequences}) == 2  # two prompts' groups (the held-out split's unit)
 
 
 def test_resume_continues_versions_and_data(random_model_dir, tmp_path):

@@ -6,9 +6,10 @@ server calls it from several worker threads at once. Adding a kind means
 adding a function to `KINDS`.
 
 `math`: the answer is the content of the last `\boxed{...}` when the
-completion has one (general math), otherwise the whole token after the
-synthetic task's last `answer:` marker (`marked_answer`: `answer: 7.5` is 7.5,
-not 7). Integer answers compare as integers, like `tlt.task.verify` (`07`
+completion has one (general math); otherwise, for an integer reference, the
+integer `tlt.task.verify` reads after the last `answer:` marker (the eval's
+reading), and failing that the whole token after the marker (`marked_answer`:
+`answer: 7.5` is 7.5, not 7). Integer answers compare as integers (`07`
 equals `7`); everything else goes through `boxed.equivalent`'s normalisation.
 """
 
@@ -37,7 +38,7 @@ _MARKED = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*([^\s<]+)")  # `<`: a sp
 def marked_answer(completion: str) -> str | None:
     """The whole token after the last `answer:` marker, sentence punctuation after it dropped, or None.
 
-    Not `tlt.task.extract_answer`'s leading integer, which reads `answer: 7.5` and `answer: 7,000` as 7."""
+    Not `tlt.task.extract_answer`'s integer, which reads no number in `answer: 7.5` or `answer: 7,000`."""
     idx = completion.rfind(ANSWER_MARKER)
     m = _MARKED.match(completion, idx) if idx >= 0 else None
     if m is None:
@@ -54,9 +55,9 @@ def math_verifier(prompt: str, completion: str, reference: str) -> bool:
     if boxed is not None:
         return equivalent(boxed, reference)
     if _is_int(reference) and (number := extract_answer(completion)) is not None:
-        # the synthetic task's own reading (tlt.task.verify), which `tlt model eval` and reward = "task" use: the
-        # same completion must not score 1 in training and 0 in the eval; what it reads no number in (`7,000`, `9%`)
-        # is still compared as a math answer below
+        # the synthetic task's own reading (tlt.task.verify, which `tlt model eval` and reward = "task" use) of a
+        # bare integer answer: `answer: 9?` scored 1 here and 0 there. Still different: a \boxed{} answer (read
+        # first here, never there) and what the task reads no number in (`7,000`, `9%`, `$9$`), compared as math
         return same_integer(number, reference)
     answer = marked_answer(completion)
     if answer is None:

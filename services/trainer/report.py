@@ -109,7 +109,7 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     ax.set_xlabel("step"), ax.set_ylabel("seconds"), ax.set_title("Step time breakdown")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout(), fig.savefig(out / "step_time.png", dpi=90), plt.close(fig)
-    made.append(("step_time.png", "Step time and its parts (tail = rollout time with running batch <= %d)" % threshold))
+    made.append(("step_time.png", "Step time and its parts (tail = rollout time with every replica's running batch <= %d)" % threshold))
 
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(steps, [r.reward for r in rows], "o-", label="mean reward")

@@ -47,7 +47,8 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         raise CheckpointError(f"{cfg_path}: {e}") from e
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: missing field {e.args[0]!r}") from e
-    except (TypeError, ValueError) as e:  # a field of the wrong type: "rope_theta": null
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # "rope_theta": null, a string
+        # "rope_scaling", "num_attention_heads": 0
         raise CheckpointError(f"{cfg_path}: a field has a value of the wrong type ({e})") from e
 
 

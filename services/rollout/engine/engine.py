@@ -52,7 +52,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.rollout.engine.block_manager import BlockManager
 from tlt.services.rollout.engine.config import EngineConfig
 from tlt.services.rollout.engine.decode_graphs import default_buckets
-from tlt.services.rollout.engine.detok import clean, continuation_text
+from tlt.services.rollout.engine.detok import continuation_text
 from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.sampler import sample
 from tlt.services.rollout.engine.scheduler import Scheduler
@@ -266,11 +266,8 @@ class LLMEngine:
                 self.spec_decoder.forget(seq.request_id)
         oldest, newest = seq.policy_versions or (self.versions.policy, self.versions.policy)
         text = seq.text
-        if text is None and seq.detok is not None:  # the text the stop strings were looked for in
-            seq.detok.push(seq.token_ids[seq.prompt_len + seq.detok.fed:])
-            seq.detok.flush()
-            text = clean(self.tokenizer, seq.detok.text)
-        elif text is None:  # after the prompt's last tokens: a SentencePiece decoder strips the first token's space
+        if text is None:  # one decode after the prompt's last tokens (a SentencePiece decoder strips the first
+            # token's space), whether or not the request had stop strings: the same tokens, the same text
             text = continuation_text(self.tokenizer, seq.token_ids[: seq.prompt_len], seq.output_ids)
         return CompletionOutput(
             request_id=seq.request_id,
