@@ -72,3 +72,19 @@ def test_exported_config_loads_with_transformers(tmp_path, family) -> None:
     assert cfg.num_hidden_layers == 1 and cfg.architectures == [sglang_config(target)["architectures"][0]]
     if getattr(cfg, "layer_types", None) is not None:
         assert cfg.layer_types == ["full_attention"]
+
+
+def test_a_drafter_made_for_another_layer_shape_or_rope_is_refused(tmp_path) -> None:
+    """SGLang builds the draft layer from the exported config.json, the target's: a drafter whose heads x head_dim
+    had the same product, or whose RoPE differed (a target with rope_scaling), was exported without a word."""
+    from tlt.services.common.config import ConfigError
+    from tlt.services.drafter.export import export_sglang
+
+    model = random_checkpoint(tmp_path / "m", family="qwen2")
+    other = random_checkpoint(tmp_path / "o", family="qwen2", rope_theta=1e6)  # same shapes, other RoPE
+    new_drafter(other, seed=1).save(tmp_path / "d")
+    with pytest.raises(ConfigError, match="rope_theta: drafter 1000000.0, target 10000.0"):
+        export_sglang(tmp_path / "d", model, tmp_path / "sg")
+    assert not (tmp_path / "sg").exists()
+    new_drafter(model, seed=1).save(tmp_path / "ok")
+    assert (export_sglang(tmp_path / "ok", model, tmp_path / "sg") / "config.json").is_file()

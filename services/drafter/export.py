@@ -25,6 +25,7 @@ See docs/DRAFTER.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,8 +75,18 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     from tlt.model.files import share_weights
     from tlt.services.drafter.training import target_shared
 
-    _, embed, head = target_shared(model_dir)
-    drafter = load_drafter(drafter_dir, embed, head)  # validates names and shapes against the target
+    target, embed, head = target_shared(model_dir)
+    drafter = load_drafter(drafter_dir, embed, head)  # names and shapes against its own config; vocab, hidden: target's
+    # SGLang builds the draft layer from the config.json written here, the TARGET's: a drafter of another layer
+    # shape (heads x head_dim of the same product, another MLP width) or RoPE (a target with rope_scaling) loaded
+    # silently with the wrong heads or frequencies, or failed only inside SGLang
+    differ = [f"{f.name}: drafter {getattr(drafter.cfg, f.name)!r}, target {getattr(target, f.name)!r}"
+              for f in dataclasses.fields(target) if getattr(drafter.cfg, f.name) != getattr(target, f.name)]
+    if differ:
+        from tlt.services.common.config import ConfigError
+
+        raise ConfigError(f"the drafter in {drafter_dir} was not made for the target in {model_dir} ({'; '.join(differ)});"
+                          " export it with the model it was trained on")
     own = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
     config = sglang_config(json.loads((Path(model_dir) / "config.json").read_text()))  # refused before writing
     tensors = sglang_tensors(own)
