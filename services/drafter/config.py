@@ -117,7 +117,8 @@ class DrafterServiceConfig(ServiceConfig):
     )
     # ---- publishing
     publish_margin: float = Field(
-        0.02, ge=0, description="publish when candidate accept length >= serving x (1 + margin) on held-out data"
+        0.02, ge=0, description="publish when candidate accept length >= serving x (1 + margin) on held-out data, "
+        "and above the serving one (a tie is not published, whatever the margin)"
     )
     eval_depth: int = Field(6, ge=1, le=32, description="chain depth of the offline acceptance simulation")
     eval_interval_s: float = Field(2.0, ge=0, description="least seconds between two candidate evaluations")
