@@ -156,7 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=at_least(1), default=1,
                         help="sampled responses per problem for the length tail")
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling")
-    parser.add_argument("--batch-size", type=at_least(1), default=64, help="generate batch size")
+    parser.add_argument("--batch-size", type=at_least(1), default=64,
+                        help="generate batch size; the sampled figures depend on it (one sampling seed per batch), "
+                        "greedy accuracy does not")
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
