@@ -38,6 +38,8 @@ if policy.rank == 0:
                 "loss": res.metrics.loss, "tokens": res.metrics.tokens, "version": policy.version,
                 "grad_norm": res.metrics.grad_norm,
                 "featured": sum(f is not None for f in res.features)}}, {out!r})
+from tlt.services.trainer.distributed import shutdown_process_group
+shutdown_process_group()  # torn down together: a rank left to exit alone could abort (-6)
 """
 
 
@@ -76,6 +78,8 @@ cfg = TrainerConfig(model_dir={model!r}, rollout_addresses=[{address!r}], output
                     steps=2, checkpoint_interval=1, synthetic_problems=32, connect_timeout_s=60)
 s = train(cfg)
 print("SUMMARY", s.steps_done, s.policy_version)
+from tlt.services.trainer.distributed import shutdown_process_group
+shutdown_process_group()  # torn down together: a rank left to exit alone could abort (-6)
 """
 
 

@@ -274,6 +274,8 @@ if policy.rank == 0:
 else:
     assert pushed == {{}}, "only rank 0 keeps the pushed tensors"
     _gathered(policy.module), _gathered(b.module)  # collective: match rank 0's gathers
+from tlt.services.trainer.distributed import shutdown_process_group
+shutdown_process_group()  # torn down together: a rank left to exit alone could abort (-6)
 """
 
 
@@ -368,6 +370,8 @@ cfg = TrainerConfig(model_dir={model!r}, rollout_addresses=[{address!r}], output
                     steps={steps}, checkpoint_interval=1, synthetic_problems=32, connect_timeout_s=60)
 s = train(cfg)
 print("SUMMARY", s.steps_done, s.policy_version)
+from tlt.services.trainer.distributed import shutdown_process_group
+shutdown_process_group()  # torn down together: a rank left to exit alone could abort (-6)
 """
 
 

@@ -75,3 +75,14 @@ def barrier() -> None:
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def shutdown_process_group() -> None:
+    """Every rank done: meet, then tear the group down before the interpreter exits. Left to exit, a rank whose peer
+    had already gone could abort in gloo's threads ("terminate called without an active exception", exit -6) after
+    its work was done: a launcher then reports a finished run as failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
     except (DataError, CheckpointError, ModelMismatchError) as e:  # the user's data, output_dir or model folders
         get_logger("trainer").error("train_refused", error=str(e))
         return 2
+    from tlt.services.trainer.distributed import shutdown_process_group
+
+    shutdown_process_group()  # every rank finished: torn down together, not at each one's exit
     get_logger("trainer").info("train_done", steps=summary.steps_done, policy_version=summary.policy_version,
                                resumed_from=summary.resumed_from, output_dir=summary.output_dir)
     return 0
