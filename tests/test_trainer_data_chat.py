@@ -324,7 +324,7 @@ def test_the_launchers_resume_check_reads_the_data_as_the_trainer_does(tmp_path,
     from tlt.services.trainer.checkpoint import LATEST, STATE_FILE
     from tlt.services.trainer.config import TrainerConfig
     from tlt.services.trainer.data import trainer_prompts
-    from tlt.services.trainer.launcher import _data_file_change
+    from tlt.services.trainer.launcher import _data_file_change, _latest_state
 
     data = write_jsonl(tmp_path / "train.jsonl", [verl_row(i) for i in range(4)])
     cfg = TrainerConfig(model_dir=str(model_dir), data_path=str(data), answer_field="reward_model.ground_truth")
@@ -334,6 +334,6 @@ def test_the_launchers_resume_check_reads_the_data_as_the_trainer_does(tmp_path,
     ckpt.mkdir(parents=True)
     torch.save({"sampler": sampler.state_dict()}, ckpt / STATE_FILE)
     (ckpt.parent / LATEST).write_text(ckpt.name)
-    assert _data_file_change(tmp_path / "run", cfg) is None
+    assert _data_file_change(cfg, _latest_state(tmp_path / "run")) is None
     write_jsonl(data, [verl_row(i) for i in (0, 1, 2, 5)])  # edited: the launcher sees it
-    assert "was edited since" in _data_file_change(tmp_path / "run", cfg)
+    assert "was edited since" in _data_file_change(cfg, _latest_state(tmp_path / "run"))

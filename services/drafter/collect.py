@@ -71,6 +71,7 @@ def features_message(seq_id: str, tokens: torch.Tensor, hidden: torch.Tensor, pr
 
     h = hidden.detach().to("cpu", torch.float16).contiguous()
     return events_pb2.FeatureSequence(
-        seq_id=seq_id, group_id=group_id or seq_id, token_ids=[int(t) for t in tokens.tolist()], response_start=prompt_len,
+        seq_id=seq_id, group_id=group_id or seq_id, token_ids=[int(t) for t in tokens.tolist()],
+        response_start=prompt_len,
         hidden_size=int(h.shape[-1]), features=np.ascontiguousarray(h.numpy()).tobytes(),
         policy_version=policy_version, replica_id=replica_id)

@@ -54,8 +54,9 @@ class DrafterServiceConfig(ServiceConfig):
     long_tokens: int = Field(
         64, ge=1, description="a previous-step sequence this long or longer is fallback data (one-step offset)"
     )
-    holdout_every: int = Field(8, ge=2, description="every k-th group (a prompt's samples, whole) goes to the held-out set instead of "
-                               "training")
+    holdout_every: int = Field(
+        8, ge=2, description="every k-th group (a prompt's samples, whole) goes to the held-out set instead of training"
+    )
     holdout_sequences: int = Field(64, ge=1, description="most held-out windows kept (newest)")
     batch_rows: int = Field(4, ge=1, description="packed rows per micro-batch")
     batch_tokens: int = Field(256, ge=8, description="tokens per packed row")

@@ -85,8 +85,8 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     if differ:
         from tlt.services.common.config import ConfigError
 
-        raise ConfigError(f"the drafter in {drafter_dir} was not made for the target in {model_dir} ({'; '.join(differ)});"
-                          " export it with the model it was trained on")
+        raise ConfigError(f"the drafter in {drafter_dir} was not made for the target in {model_dir} "
+                          f"({'; '.join(differ)}); export it with the model it was trained on")
     own = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
     config = sglang_config(json.loads((Path(model_dir) / "config.json").read_text()))  # refused before writing
     tensors = sglang_tensors(own)

@@ -180,7 +180,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self.m.scored.labels(correct=str(correct).lower()).inc()
         return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=correct, reward=reward)
 
-    def score_unless_ended(self, context: grpc.ServicerContext, item: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+    def score_unless_ended(self, context: grpc.ServicerContext, item: reward_pb2.ScoreRequest
+                           ) -> reward_pb2.ScoreResponse:
         """`score_one`, or a refusal when the call already ended: past its deadline (or cancelled) nobody reads the
         answer, and the client retries it: scoring on would add the retry's load to the server that was too slow."""
         if not context.is_active():

@@ -199,7 +199,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         # Off the event loop: a slow tokenizer takes ~2 s a MB of text, and a message may hold 256 MB; on the loop
         # it froze every other call, /health included, before the prompt was refused for its length.
         texts = {i: prompt.text for i, prompt in enumerate(prompts) if prompt.WhichOneof("input") == "text"}
-        encoded = dict(zip(texts, await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts.values()])))
+        encoded = dict(zip(texts, await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts.values()]))
+                       ) if texts else {}  # token-id prompts (the trainer's): no thread hop
         out = []
         for i, prompt in enumerate(prompts):
             kind = prompt.WhichOneof("input")

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText, clean, cleans_up
+from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText
 from tlt.services.rollout.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -269,18 +269,18 @@ class TextStream:
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...], tool_calls: bool = False,
                  prompt: Sequence[int] = ()) -> None:
-        self.cleanup = cleans_up(tokenizer)  # the cleaned text's tail may still change: held back too
-        self.holdback = max((len(s) for s in stop), default=1) - 1 + (CLEANUP_HOLDBACK if self.cleanup else 0)
+        self.decoded = IncrementalText(tokenizer, prompt)
+        # the cleaned text's tail may still change: held back too
+        self.holdback = max((len(s) for s in stop), default=1) - 1 + (CLEANUP_HOLDBACK if self.decoded.cleanup else 0)
         self.tool_calls = tool_calls  # send nothing from a `<tool_call>` on (and hold what may begin one)
         self.block_at = -1  # where the first `<tool_call>` starts in `text`, once seen
         self.scanned = 0  # `text` before this holds no `<tool_call>` that ends before it
-        self.decoded = IncrementalText(tokenizer, prompt)
         self.text = ""  # decoded so far (stable characters only), cleaned as the completion's text is
         self.sent = ""
 
     def push(self, new_token_ids: list[int]) -> str:
         if self.decoded.push(new_token_ids):
-            self.text = clean(self.decoded.tokenizer, self.decoded.text) if self.cleanup else self.decoded.text
+            self.text = self.decoded.cleaned()
         stable = self.text[: max(0, len(self.text) - self.holdback)]  # (a negative end took from the end)
         if self.tool_calls:
             if self.block_at < 0:  # each step searches only its new text (and a start the last step cut in two)

@@ -25,8 +25,8 @@ class TrainerConfig(ServiceConfig):
     # -- model -----------------------------------------------------------------
     model_dir: str = Field("artifacts/tiny", description="local Hugging Face checkpoint folder of the policy (no network)")
     reference_model_dir: str | None = Field(
-        None, description="frozen reference model for the KL term, of the policy's vocabulary; default: model_dir (used "
-        "only when kl_beta > 0)"
+        None, description="frozen reference model for the KL term, of the policy's vocabulary; default: model_dir "
+        "(used only when kl_beta > 0)"
     )
     output_dir: str = Field("runs/latest", description="where checkpoints, metrics and the final policy are written")
 

@@ -206,7 +206,7 @@ def _check_resume(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> Non
     state = _latest_state(run_dir)
     if state is None:
         return
-    if old_path.exists() and (edited := _data_file_change(run_dir, new, state)):
+    if old_path.exists() and (edited := _data_file_change(new, state)):
         raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
                            f"trained on ({edited}); restore that file, or start a new run (--run-id)")
     _check_same_model(state, model_dir)
@@ -228,15 +228,13 @@ def _check_same_model(state: tuple[Path, dict[str, Any]], model_dir: str) -> Non
         raise ServiceError(f"{e} (--model {model_dir}; drop --model to resume with the run's own)") from None
 
 
-def _data_file_change(run_dir: Path, cfg: TrainerConfig, state: tuple[Path, dict[str, Any]] | None = None) -> str | None:
+def _data_file_change(cfg: TrainerConfig, state: tuple[Path, dict[str, Any]]) -> str | None:
     """How the data file (`cfg.data_path`) differs from the one the latest checkpoint's data position is a position
-    in (`state`: that checkpoint, `_latest_state`, read here when not given): its prompt count, or its content
+    in (`state`: that checkpoint, `_latest_state`): its prompt count, or its content
     fingerprint (PromptSampler's; a checkpoint saved before it was kept is checked on the count alone), as the
     trainer's PromptSampler.load_state_dict judges it; None when it does not. The synthetic set is fixed by the
     DATA_FIELDS compared before."""
     if not cfg.data_path:
-        return None
-    if state is None and (state := _latest_state(run_dir)) is None:
         return None
     saved = state[1]["sampler"]
     from tlt.services.trainer.data import DataError, PromptSampler, trainer_prompts

@@ -28,7 +28,6 @@ version number (versions only grow), so rollouts never mix the two.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from pathlib import Path
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.run_stats import json_line
 
 log = get_logger("trainer")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -364,8 +364,6 @@ def _record_sampling(m, rollout, want: int) -> None:  # noqa: ANN001 - StepMetri
 def _append(path: Path, record: dict) -> None:
     """One JSON line, flushed and fsynced before the checkpoint that follows it."""
     import os
-
-    from tlt.services.trainer.run_stats import json_line
 
     with path.open("a") as f:
         f.write(json_line(record))

@@ -394,9 +394,9 @@ class ReferencePolicy:
             ref_vocab = getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "vocab_size", None)
             if ref_vocab != vocab_size:
                 raise ModelMismatchError(
-                    f"reference_model_dir {model_dir!r} has a vocabulary of {ref_vocab} tokens, the policy {vocab_size}:"
-                    " the KL reference must share the policy's tokenizer (leave reference_model_dir empty to use "
-                    "model_dir)")
+                    f"reference_model_dir {model_dir!r} has a vocabulary of {ref_vocab} tokens, the policy "
+                    f"{vocab_size}: the KL reference must share the policy's tokenizer (leave reference_model_dir "
+                    "empty to use model_dir)")
         self.model = load_hf_model(model_dir, dtype).to(device).eval()
         self.model.requires_grad_(False)
         self.device = device

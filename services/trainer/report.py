@@ -109,7 +109,8 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     ax.set_xlabel("step"), ax.set_ylabel("seconds"), ax.set_title("Step time breakdown")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout(), fig.savefig(out / "step_time.png", dpi=90), plt.close(fig)
-    made.append(("step_time.png", "Step time and its parts (tail = rollout time with every replica's running batch <= %d)" % threshold))
+    made.append(("step_time.png", "Step time and its parts (tail = rollout time with every replica's running batch "
+                                  f"<= {threshold})"))
 
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(steps, [r.reward for r in rows], "o-", label="mean reward")
@@ -237,7 +238,8 @@ mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
 {_eval_line(evals, _configured_eval_problems(run_dir))}
 {_rollout_line(s)}
 {figs}
-<h2>Per step</h2><p>times in seconds; tail = rollout time with every replica's running batch at most {threshold}, something running (sampled);
+<h2>Per step</h2><p>times in seconds; tail = rollout time with every replica's running batch at most {threshold},
+something running (sampled);
 reward = reward wait after the last completion (scoring overlaps the rollout); SD% = response tokens from
 speculative verify passes; accept = tokens per verify pass; idle = drafter training windows during the step.</p>
 <table><tr>{head}</tr>{body}</table></body></html>"""

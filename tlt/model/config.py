@@ -97,7 +97,8 @@ class ModelConfig:
             # defaulting to 8192, gave other RoPE frequencies than HF's): a top-level value first (Phi-3 style files),
             # then the block's, then max_position_embeddings
             top, block = cfg.get("original_max_position_embeddings"), scaling.get("original_max_position_embeddings")
-            scaling = {**scaling, "original_max_position_embeddings": top or block or cfg.get("max_position_embeddings")}
+            original = top or block or cfg.get("max_position_embeddings")
+            scaling = {**scaling, "original_max_position_embeddings": original}
         rope_scaling = _rope_scaling(scaling) if scaling else None
         eos = _ids(cfg.get("eos_token_id"))
         if generation_config:

@@ -15,7 +15,8 @@ import re
 from tlt.task.problems import ANSWER_MARKER
 
 # after the digits: the end, white space, a special token, or punctuation that does not continue the number
-# (`answer: 7.`, `answer: 7?` and `answer: 7:` are 7; `answer: 7.5`, `answer: 7,000` and `answer: 7:30` are not). Digits are ASCII only: `\d` would also take
+# (`answer: 7.`, `answer: 7?` and `answer: 7:` are 7; `answer: 7.5`, `answer: 7,000` and `answer: 7:30` are
+# not). Digits are ASCII only: `\d` would also take
 # other scripts' digits (`answer: ٣`, full-width `３`), which int() parses, so they would score as the number.
 _ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*(-?[0-9]+)(?=$|\s|<|[;!?)]|[.,:](?![0-9]))")
 

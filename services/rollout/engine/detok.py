@@ -84,18 +84,24 @@ def continuation_text(tokenizer: Any, prompt: Sequence[int], output: Sequence[in
 class IncrementalText:
     """The text of a growing output, `text` (stable characters only), fed token by token or step by step."""
 
-    @property
-    def fed(self) -> int:
-        """Output tokens pushed so far."""
-        return len(self.ids) - self.context_len
-
     def __init__(self, tokenizer: Any, prompt: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
+        self.cleanup = cleans_up(tokenizer)  # decided once: `cleaned` is read at every token
         self.ids: list[int] = _context(tokenizer, prompt)
         self.context_len = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+
+    @property
+    def fed(self) -> int:
+        """Output tokens pushed so far."""
+        return len(self.ids) - self.context_len
+
+    def cleaned(self) -> str:
+        """`text` as the tokenizer's `decode` returns it (its space cleanup, where it has one: then the last
+        CLEANUP_HOLDBACK characters may still change)."""
+        return self.tokenizer.clean_up_tokenization(self.text) if self.cleanup else self.text
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add tokens; the text they made stable ("" while a character or a merge is still open)."""

@@ -36,8 +36,8 @@ class Sequence:
     __slots__ = (
         "request_id", "sample_index", "params", "token_ids", "prompt_len", "max_tokens", "num_computed",
         "block_table", "status", "arrival", "rng_key", "logprobs", "top_logprobs", "features",
-        "policy_versions", "finish_reason", "text", "stop_checked_len", "detok", "eos_ids", "stop_ids", "num_preemptions",
-        "spec",
+        "policy_versions", "finish_reason", "text", "stop_checked_len", "detok", "eos_ids", "stop_ids",
+        "num_preemptions", "spec",
     )
 
     def __init__(

@@ -11,7 +11,7 @@ token that completed it stays in token_ids (its logprob is part of the rollout).
 
 from __future__ import annotations
 
-from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText, clean, cleans_up
+from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText
 from tlt.services.rollout.engine.sequence import Sequence
 from tlt.services.rollout.types import FinishReason
 
@@ -34,13 +34,12 @@ def _stop_string(seq: Sequence, tokenizer) -> bool:
     detok = seq.detok
     if not detok.push(seq.token_ids[seq.prompt_len + detok.fed:]):  # (output_ids copies the whole output)
         return False  # no new stable text (half a character): nothing new to search
-    cleanup = cleans_up(tokenizer)  # matched in the text the completion returns: cleaned, where decode cleans
-    text = clean(tokenizer, detok.text) if cleanup else detok.text
+    text = detok.cleaned()  # matched in the text the completion returns: cleaned, where decode cleans
     longest = max(len(s) for s in seq.params.stop)
     start = max(0, seq.stop_checked_len - longest + 1)
     hits = [p for p in (text.find(s, start) for s in seq.params.stop) if p >= 0]
     if hits:
         seq.text = text[: min(hits)]
         return True
-    seq.stop_checked_len = max(0, len(text) - CLEANUP_HOLDBACK) if cleanup else len(text)
+    seq.stop_checked_len = max(0, len(text) - CLEANUP_HOLDBACK) if detok.cleanup else len(text)
     return False
