@@ -59,11 +59,15 @@ class FakeSGLang:
         self.calls: list[tuple] = []
         self.pending: list[StreamChunk] = []
         self.submitted = {}
+        self.streamed = {}  # rid -> the ids of its last chunk
         self.context_len = context_len
         self.reserved_tokens = reserved_tokens
 
     def feed(self, *chunks):
-        self.pending.extend(parse_chunk(c) for c in chunks)
+        for c in chunks:
+            chunk = parse_chunk(c)
+            self.streamed[chunk.rid] = chunk.output_ids
+            self.pending.append(chunk)
 
     def submit(self, call):
         self.submitted[call.rid] = call
@@ -89,8 +93,10 @@ class FakeSGLang:
         return out
 
     def abort(self, rid):
+        """As TokenizerManager._handle_abort_req answers a streamed request: only its last id, if any."""
         self.calls.append(("abort", rid))
-        self.feed(sglang_chunk(rid, [], finish={"type": "abort", "message": "aborted by user"}))
+        last = self.streamed.get(rid, [])[-1:]
+        self.feed(sglang_chunk(rid, last, finish={"type": "abort", "message": "aborted by user"}))
 
     def pause_generation(self, mode):
         self.calls.append(("pause", mode))

@@ -95,6 +95,22 @@ def test_abort_reports_an_aborted_completion(model_dir):
         eng.add_request(GenerationRequest("long", tuple(range(200))))
 
 
+def test_an_aborted_sample_keeps_the_tokens_it_streamed(model_dir):
+    """SGLang's abort answer for a streamed request repeats only the last id (TokenizerManager._handle_abort_req),
+    with the logprobs of all of them: the result must still be every token streamed, paired with its logprob."""
+    eng, fake = make_engine(model_dir)
+    eng.add_request(GenerationRequest("r", (1, 2, 3), SamplingParams(max_tokens=20, logprobs=0)))
+    fake.feed(sglang_chunk("r#0", [10, 11], lps=[-0.1, -0.2]))
+    fake.feed(sglang_chunk("r#0", [10, 11, 12, 13], lps=[-0.1, -0.2, -0.3, -0.4]))
+    steps, _ = eng.step()
+    streamed = [t for s in steps for t in s.new_token_ids]
+    eng.abort_request("r")
+    steps, (c,) = eng.step()
+    assert [t for s in steps for t in s.new_token_ids] == [] and steps[-1].finished
+    assert streamed == [10, 11, 12, 13] and c.token_ids == streamed
+    assert c.finish_reason is FinishReason.ABORT and c.logprobs == [-0.1, -0.2, -0.3, -0.4]
+
+
 def test_the_replica_answers_an_abort_only_once_sglang_has_ended_the_samples(model_dir):
     """SGLang ends an aborted sample asynchronously (its final chunk comes with a later poll), so the replica loop
     (real ReplicaLoop over a real pipe) answers the abort, after which the front counts the work out and may
@@ -385,6 +401,33 @@ def test_engine_client_pumps_streams_and_reports_failures(stand_in):
     pump_until(lambda: any(c.rid == "c#0" and c.finish for c in seen))
     assert [c.finish for c in seen if c.rid == "c#0"][-1] is FinishReason.ABORT
     assert client.poll(0.0) == []  # nothing left over
+
+
+def test_a_stream_that_raises_after_tokens_ends_with_them(stand_in, model_dir):
+    """SGLang raises from generate_request on an abort with an error status (KV pool full...), after streaming:
+    the completion still holds what was streamed, and the error."""
+
+    def script():
+        yield (0.0, sglang_chunk("q#0", [7, 8]))
+        raise ValueError("Abort: KV cache pool is full")
+
+    class Raising(list):
+        def __iter__(self):
+            return script()
+
+    client, _ = stand_in({"q#0": Raising()})
+    eng = SGLangEngine(model_dir, SGLangBackendConfig(speculative_algorithm="none"), client=client)
+    eng.add_request(GenerationRequest("q", (1, 2), SamplingParams(max_tokens=20)))
+    streamed, done = [], []
+    for _ in range(100):
+        steps, finished = eng.step()
+        streamed += [t for s in steps for t in s.new_token_ids]
+        done += finished
+        if done:
+            break
+    (c,) = done
+    assert streamed == [7, 8] and c.token_ids == [7, 8]
+    assert c.finish_reason is FinishReason.ABORT and "KV cache pool is full" in c.error
 
 
 def test_engine_client_control_calls_raise_sglang_refusals(stand_in):

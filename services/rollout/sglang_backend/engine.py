@@ -217,12 +217,10 @@ class SGLangEngine:
             state = self._samples.get(chunk.rid)
             if state is None:  # a late chunk of a sample already reported
                 continue
-            new_ids = chunk.output_ids[state.emitted :]
-            new_lps = chunk.logprobs[state.emitted :] if chunk.logprobs is not None else None
+            new_ids, new_lps = _take_new(chunk, state)
             if new_ids or chunk.finish is not None:
                 steps.append(StepOutput(state.request_id, state.sample_index, new_ids, new_lps,
                                         chunk.finish is not None, chunk.finish))
-            state.emitted = len(chunk.output_ids)
             if chunk.finish is not None:
                 finished.append(self._complete(chunk, state))
                 del self._samples[chunk.rid]
@@ -240,14 +238,14 @@ class SGLangEngine:
             request_id=request_id,
             sample_index=sample_index,
             prompt_token_ids=state.prompt_token_ids,
-            token_ids=list(chunk.output_ids),
-            text=chunk.text or "",
+            token_ids=list(state.token_ids),
+            text=state.text,
             finish_reason=chunk.finish or FinishReason.ABORT,
             versions=self._versions_of(state),
-            logprobs=chunk.logprobs,
-            top_logprobs=chunk.top_logprobs,
+            logprobs=state.logprobs,
+            top_logprobs=state.top_logprobs,
             spec=spec,
-            features=_features(chunk.hidden_states, len(chunk.output_ids)),
+            features=_features(chunk.hidden_states, len(state.token_ids)),
             replica_id=self.replica_id,
             error=chunk.error,
         )
@@ -386,6 +384,30 @@ class SGLangEngine:
 
 def _to_cpu(t: Any) -> Any:
     return t.detach().to("cpu", copy=True) if hasattr(t, "detach") else t
+
+
+def _take_new(chunk: StreamChunk, state: SampleState) -> tuple[list[int], list[float] | None]:
+    """The tokens (and their logprobs) a chunk adds to what the sample streamed; recorded in state.
+
+    SGLang's chunks repeat every id so far, except the last of an aborted sample: for a streamed
+    request TokenizerManager._handle_abort_req sends only the last id, and a stream that raises ends
+    with none. Such a chunk adds nothing, and the result keeps what was streamed.
+    """
+    known = len(state.token_ids)
+    new_ids = chunk.output_ids[known:]
+    end = known + len(new_ids)
+    new_lps = None
+    if chunk.logprobs is not None and len(chunk.logprobs) >= end:
+        new_lps = chunk.logprobs[known:end]
+        if known == 0 or state.logprobs is not None:
+            state.logprobs = (state.logprobs or []) + new_lps
+    if chunk.top_logprobs is not None and len(chunk.top_logprobs) >= end:
+        if known == 0 or state.top_logprobs is not None:
+            state.top_logprobs = (state.top_logprobs or []) + chunk.top_logprobs[known:end]
+    state.token_ids.extend(new_ids)
+    if chunk.text is not None and len(chunk.output_ids) >= known:
+        state.text = chunk.text
+    return new_ids, new_lps
 
 
 def _features(hidden: Any, n_tokens: int) -> Any:

@@ -22,7 +22,7 @@ whose "type" is "stop", "length" or "abort".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tlt.services.rollout.types import FinishReason, GenerationRequest, SamplingParams
@@ -219,5 +219,11 @@ class SampleState:
     prompt_token_ids: list[int]
     policy_version: int
     drafter_version: int
-    emitted: int = 0
     spanned_policy_update: bool = False
+    # What was streamed so far, kept because SGLang's last message of an aborted sample may not repeat it:
+    # TokenizerManager._handle_abort_req sends only the last id of a streamed request, and a stream that
+    # raises ends with none.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str = ""
