@@ -120,6 +120,11 @@ def test_the_sglang_drafter_is_checked_before_start(tmp_path: Path, monkeypatch)
 
     monkeypatch.setenv("TLT_SGLANG__DRAFT_MODEL_PATH", str(_export(tmp_path / "eagle")))
     serve.check_before_start(str(model), config)
+    monkeypatch.setenv("TLT_SGLANG__SPECULATIVE_ALGORITHM", "EAGLE3")
+    monkeypatch.setenv("TLT_SGLANG__RETURN_HIDDEN_STATES", "false")
+    with pytest.raises(DrafterError, match="speculative_algorithm = 'EAGLE'"):  # our export is not an EAGLE3 model
+        serve.check_before_start(str(model), config)
+    monkeypatch.delenv("TLT_SGLANG__RETURN_HIDDEN_STATES")
     monkeypatch.delenv("TLT_SGLANG__DRAFT_MODEL_PATH")
     monkeypatch.setenv("TLT_SGLANG__SPECULATIVE_ALGORITHM", "none")
     serve.check_before_start(str(model), config)

@@ -75,6 +75,11 @@ def check_draft_model(cfg: SGLangBackendConfig, look: bool = True) -> None:
     if cfg.speculative_algorithm == "EAGLE" and not set(archs) & set(ARCHITECTURES.values()):
         raise DrafterError(f"{folder} holds {archs or 'no architecture'}, not an EAGLE draft model "
                            f"({sorted(ARCHITECTURES.values())}); write one with {export}")
+    if cfg.speculative_algorithm == "EAGLE3" and set(archs) & set(ARCHITECTURES.values()):
+        # SGLang's EAGLE3 worker feeds the draft model three of the target's layers; an EAGLE-1 layer such as
+        # TLT's export (fc over 2 x hidden) fails inside SGLang, after the target has loaded.
+        raise DrafterError(f"{folder} holds {archs}, an EAGLE draft model (TLT's export), not an EAGLE3 one: set "
+                           "[sglang] speculative_algorithm = 'EAGLE'")
 
 
 def reserved_tokens(cfg: SGLangBackendConfig) -> int:
