@@ -170,6 +170,20 @@ def test_parquet(tmp_path):
             load_prompts(bad)
 
 
+def test_a_parquet_float32_answer_is_its_shortest_decimal(tmp_path):
+    """to_pylist widened float32 0.1 to 0.10000000149011612: the reference answer no right completion matches."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    table = pa.table({"prompt": ["x", "y", "z"], "answer": pa.array([0.1, 3.3, 42.0], pa.float32()),
+                      "weight": pa.array([0.1, None, 2.5], pa.float16())})
+    pq.write_table(table, p)
+    items = load_prompts(p)
+    assert [i.answer for i in items] == ["0.1", "3.3", "42"]
+    assert [i.extra["weight"] for i in items] == [0.1, None, 2.5]  # other columns: numbers still, shortest too
+
+
 def test_synthetic_default_is_the_task():
     from tlt.task import verify
 

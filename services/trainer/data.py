@@ -223,6 +223,20 @@ def _answer_text(answer: str | int | float) -> str:
     return str(answer)
 
 
+def _widen_short_floats(table: Any) -> Any:
+    """float16 / float32 columns as the float64 of their shortest decimal: to_pylist widens float32 0.1 to
+    0.10000000149011612, and a reference answer "0.10000000149011612" scores every right completion 0."""
+    import numpy as np
+    import pyarrow as pa
+
+    for i, f in enumerate(table.schema):
+        kind = np.float16 if pa.types.is_float16(f.type) else np.float32 if pa.types.is_float32(f.type) else None
+        if kind is not None:
+            values = [None if v is None else float(str(kind(v))) for v in table.column(i).to_pylist()]
+            table = table.set_column(i, pa.field(f.name, pa.float64()), pa.array(values, pa.float64()))
+    return table
+
+
 def _utf8_text(path: Path) -> str:
     """The file's text; a DataError naming the line of the first byte that is not UTF-8.
 
@@ -285,7 +299,7 @@ def parquet_rows(path: Path, answer_field: str = "answer") -> Iterable[Row]:
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; columns are {table.column_names}; answer_field "
                         f"names the answer's column ({answer_field!r} now)")
-    for i, row in enumerate(table.to_pylist()):
+    for i, row in enumerate(_widen_short_floats(table).to_pylist()):
         # a JSONL row is JSON by construction; the other columns of a Parquet row reach reward functions as they are
         # (and the gRPC reward server as JSON text), so they must be JSON too. prompt and answer are checked by _item.
         for name, value in row.items():
