@@ -228,3 +228,63 @@ def test_shm_publisher_removes_the_files_of_a_trainer_killed_mid_push():
     finally:
         W.remove_shm(str(stale))
         W.remove_shm(live)
+
+
+def test_a_trainer_terminated_mid_push_removes_its_shm_file_and_dies_of_the_signal():
+    """`tlt run`'s stop, a container's stop and the parent-death signal send SIGTERM, which ended the trainer with
+    no `finally`: a push in flight left the whole model's weights in /dev/shm. `tlt train` now unwinds first."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import threading
+    import time
+    from concurrent import futures
+    from pathlib import Path
+
+    import grpc
+
+    from tlt.services.common.weights import SHM_PREFIX, shm_dir
+    from tlt.v1 import rollout_pb2, rollout_pb2_grpc
+
+    release = threading.Event()
+
+    class SlowApply(rollout_pb2_grpc.RolloutServicer):  # a rollout whose apply takes long (a big model)
+        def UpdateWeights(self, request_iterator, context):
+            for _ in request_iterator:
+                pass
+            release.wait(60)
+            return rollout_pb2.UpdateWeightsResponse(ok=True)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    rollout_pb2_grpc.add_RolloutServicer_to_server(SlowApply(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    code = textwrap.dedent(f"""
+        import torch
+        from tlt.services.rollout.client import RolloutClient
+        from tlt.services.trainer.train import unwind_on_termination
+        from tlt.services.trainer.weight_sync import WeightPublisher
+        with unwind_on_termination():
+            WeightPublisher([RolloutClient("127.0.0.1:{port}")], "shm").push({{"w": torch.zeros(64, 64)}}, 1)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    pattern = str(shm_dir() / f"{SHM_PREFIX}{child.pid}.*")
+    try:
+        deadline = time.monotonic() + 60
+        while not glob.glob(pattern) and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert glob.glob(pattern), "the push never wrote its file"
+        child.send_signal(signal.SIGTERM)  # as procs.Service.stop does
+        child.wait(30)
+        assert child.returncode == -signal.SIGTERM  # still dies of the signal: launchers read the status
+        assert glob.glob(pattern) == []
+    finally:
+        release.set()
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        server.stop(0)
+        for left in glob.glob(pattern):
+            Path(left).unlink()
