@@ -113,6 +113,24 @@ def test_the_resolved_config_decides_the_room(tmp_path, preset, capsys, monkeypa
     # max_model_len = 0: the model's max_position_embeddings (256), as the native engine takes it
     rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "rollout.engine.max_model_len=0")
     assert rc == 0 and r["max_model_len"] == 256
+    # past the model's own context: the engine refuses to start, and so does the check
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "rollout.engine.max_model_len=512")
+    assert rc == 2 and "past the model's context 256" in r["error"]
+
+
+def test_the_sglang_backend_leaves_out_the_draft_slots_sglang_reserves(tmp_path, model_dir, capsys) -> None:
+    """With an EAGLE drafter SGLang reserves max(topk x steps, draft tokens) slots of each request's context
+    (sglang_backend/launch.py reserved_tokens; adaptive by default: the deepest candidate, 7 steps, + 1 = 8); the
+    adapter refuses prompt + reserved + max_tokens past max_position_embeddings (256), and so must the check."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": digits(k), "answer": 1} for k in (232, 236)])
+    p = tmp_path / "sglang.toml"
+    p.write_text(f'[trainer]\nmodel_dir = "{model_dir}"\nmax_tokens = 16\neval_problems = 0\n\n'
+                 '[rollout]\nbackend = "sglang"\n\n[sglang]\nspeculative_algorithm = "EAGLE"\nnum_steps = 3\n')
+    rc, r = check(capsys, "--data", str(data), "--preset", str(p))
+    assert rc == 1 and r["max_model_len"] == 248 and r["too_long"] == {"count": 1, "rows": [f"{data}:2"]}
+    p.write_text(p.read_text().replace('"EAGLE"', '"none"'))
+    rc, r = check(capsys, "--data", str(data), "--preset", str(p))
+    assert rc == 0 and r["max_model_len"] == 256
 
 
 def test_a_verl_parquet_file_with_a_dotted_answer_field(tmp_path, preset, tok, capsys) -> None:

@@ -254,6 +254,8 @@ def test_add_request_rejects_bad_requests_and_abort_frees(ckpt):
         engine.add_request(GenerationRequest("t", (1, 2), SamplingParams(temperature=-1)))
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request(GenerationRequest("v", (1, 10**6), ok))
+    with pytest.raises(ValueError, match="integers"):  # a float id passed here, then broke every later step
+        engine.add_request(GenerationRequest("f", tuple(float(t) for t in PROMPT), ok))
     engine.add_request(GenerationRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=10), n=3))
     with pytest.raises(ValueError, match="already"):
         engine.add_request(GenerationRequest("a", PROMPT, ok))
@@ -261,6 +263,40 @@ def test_add_request_rejects_bad_requests_and_abort_frees(ckpt):
     assert engine.stats().running == 3 and engine.stats().kv_usage > 0
     engine.abort_request("a")
     assert not engine.has_unfinished() and engine.stats().kv_usage == 0.0
+
+
+def test_generate_leaves_nothing_running_when_a_later_request_is_refused(ckpt):
+    engine = make(ckpt, max_model_len=64)
+    good = GenerationRequest("good", PROMPT, SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(ValueError, match="context limit"):  # refused by add_request's own checks, after "good"
+        engine.generate([good, GenerationRequest("long", tuple(range(64)))])
+    assert not engine.has_unfinished() and engine.stats().kv_usage == 0.0
+    (c,) = engine.generate([good])  # and the good one can be sent again
+    assert len(c.token_ids) == 4
+
+
+def test_unseeded_requests_draw_per_host_and_repeat_on_one(ckpt, monkeypatch):
+    """Servers started from one config (pods) drew the same samples for their i-th unseeded requests."""
+    import socket
+
+    req = GenerationRequest("x", PROMPT, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), n=4)
+
+    def samples(host: str) -> list[tuple[int, ...]]:
+        monkeypatch.setattr(socket, "gethostname", lambda: host)
+        return [tuple(c.token_ids) for c in make(ckpt).generate([req])]
+
+    pod0 = samples("rollout-0")
+    assert len(set(pod0)) == 4
+    assert samples("rollout-0") == pod0  # a rerun on the same host repeats its draws
+    assert not set(samples("rollout-1")) & set(pod0)
+
+
+def test_a_max_model_len_past_the_models_context_is_refused(ckpt):
+    from tlt.services.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_model_len 512 is past the model's context 256"):
+        make(ckpt, max_model_len=512)
+    assert make(ckpt, max_model_len=256).max_model_len == 256 and make(ckpt).max_model_len == 256
 
 
 def test_engine_needs_a_tokenizer(ckpt, tmp_path):

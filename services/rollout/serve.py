@@ -177,6 +177,11 @@ def check_before_start(model: str, config: Any) -> None:
     from tlt.model.folder import check_checkpoint
 
     check_checkpoint(model, architecture=config.backend == "native")  # SGLang serves architectures we do not
+    if config.backend == "native":
+        from tlt.model.folder import read_model_config
+        from tlt.services.rollout.engine.config import context_limit
+
+        context_limit(config.engine.max_model_len, read_model_config(model))
     spec = config.spec  # (an unknown backend: refused as the config loads, RolloutConfig._known_backend)
     if config.backend == "native" and spec.mode != "off" and spec.drafter == "learned":
         check_drafter_folder(spec.drafter_path)  # --drafter, or [rollout.spec] drafter_path

@@ -181,8 +181,9 @@ class TrainerConfig(ServiceConfig):
     bf16: bool | None = Field(None, description="bf16 training; default: on with a GPU, off (fp32) on CPU")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     seed: int = Field(0, description="seed of the data order and the torch RNG. Sampling is seeded by the rollout "
-                      "([rollout.engine] seed, the replica and the request's order), so a rerun repeats its "
-                      "completions when its requests reach the replicas in the same order (one replica: always)")
+                      "([rollout.engine] seed, the host, the replica and the request's order), so a rerun on the same "
+                      "host repeats its completions when its requests reach the replicas in the same order (one "
+                      "replica: always)")
     steps: int = Field(20, ge=1, description="RL steps to run")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU; 0 keeps torch's default, capped by a container's CPU quota (cgroup)")
 

@@ -109,8 +109,9 @@ def section_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def resolve(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(TrainerConfig, RolloutConfig) as the run's services resolve them, the command's flags last."""
+def resolve(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(TrainerConfig, RolloutConfig, the [sglang] config or None) as the run's services resolve them, the
+    command's flags last."""
     from tlt.services.common.config import ConfigError, load_config
     from tlt.services.rollout.config import RolloutConfig
     from tlt.services.trainer.config import TrainerConfig
@@ -121,7 +122,12 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any]:
     rollout = load_config(RolloutConfig, "rollout", args.preset, over["rollout"])
     if not trainer.data_path:
         raise ConfigError("no data file to check: give --data FILE, or set [trainer] data_path in the preset")
-    return trainer, rollout
+    sglang = None
+    if rollout.backend == "sglang":
+        from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
+
+        sglang = load_config(SGLangBackendConfig, "sglang", args.preset)  # its draft slots take context
+    return trainer, rollout, sglang
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -145,14 +151,23 @@ def load_tokenizer(model_dir: str) -> Any:
                           f"({' '.join(str(e).split())}); give the policy checkpoint with --model DIR") from None
 
 
-def context_length(model_dir: str, rollout: Any) -> int:
-    """The rollout's max_model_len: [rollout.engine] max_model_len, 0 (and the SGLang backend) the model's
-    max_position_embeddings, as the engine takes it (engine.py)."""
-    if rollout.backend == "native" and rollout.engine.max_model_len:
-        return rollout.engine.max_model_len
-    from transformers import AutoConfig
-
+def context_length(model_dir: str, rollout: Any, sglang: Any = None) -> int:
+    """What prompt + max_tokens may take, as the engine takes it: the native engine's max_model_len (0: the
+    model's own, engine/config.py context_limit); the SGLang backend's max_position_embeddings less the draft
+    slots SGLang reserves per request with an EAGLE drafter (`sglang`, its [sglang] config)."""
     from tlt.services.common.config import ConfigError
+
+    if rollout.backend == "native":
+        from tlt.model.folder import read_model_config
+        from tlt.services.rollout.engine.config import context_limit
+
+        return context_limit(rollout.engine.max_model_len, read_model_config(model_dir))
+    reserved = 0
+    if sglang is not None:
+        from tlt.services.rollout.sglang_backend.launch import reserved_tokens
+
+        reserved = reserved_tokens(sglang)
+    from transformers import AutoConfig
 
     try:
         n = getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "max_position_embeddings", None)
@@ -160,8 +175,8 @@ def context_length(model_dir: str, rollout: Any) -> int:
         n = None
     if not n:
         raise ConfigError(f"the rollout's context length is the model's max_position_embeddings, and {model_dir} "
-                          "has no config.json giving it: set rollout.engine.max_model_len")
-    return int(n)
+                          "has no config.json giving it")
+    return int(n) - reserved
 
 
 def row_labels(path: str, answer_field: str) -> list[str]:
@@ -207,7 +222,7 @@ def duplicates(prompts: list[str], answers: list[str], where: list[str]) -> dict
             "rows": clashing[:NAMED_ROWS]}
 
 
-def check(trainer: Any, rollout: Any, show: int = 0) -> DataReport:
+def check(trainer: Any, rollout: Any, sglang: Any = None, show: int = 0) -> DataReport:
     """The report on `trainer.data_path`; DataError / ConfigError when the trainer would refuse it."""
     from tlt.services.trainer.data import trainer_prompts
 
@@ -216,7 +231,7 @@ def check(trainer: Any, rollout: Any, show: int = 0) -> DataReport:
 
     items = trainer_prompts(trainer)
     tok = load_tokenizer(trainer.model_dir)
-    max_model_len = context_length(trainer.model_dir, rollout)
+    max_model_len = context_length(trainer.model_dir, rollout, sglang)
     if (problem := context_problem(trainer, rollout, max_model_len)) is not None:
         raise ConfigError(problem)  # no prompt fits at all: refused, as tlt config check and tlt run refuse it
     where = row_labels(trainer.data_path, trainer.answer_field)

@@ -10,7 +10,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tlt.services.common.config import ServiceConfig
+from tlt.model.config import ModelConfig
+from tlt.services.common.config import ConfigError, ServiceConfig
 from tlt.services.common.config_values import device_problem
 
 
@@ -55,10 +56,13 @@ class EngineConfig(ServiceConfig):
     )
     kv_cache_mb: float = Field(256.0, gt=0, description="KV cache memory budget in MiB when num_kv_blocks is 0")
     max_model_len: int = Field(
-        0, ge=0, description="longest prompt + completion in tokens; 0 = the model's max_position_embeddings"
+        0, ge=0, description="longest prompt + completion in tokens; 0 = the model's max_position_embeddings "
+        "(times the factor of linear RoPE scaling); more than that is refused"
     )
     threads: int = Field(0, ge=0, description="torch intra-op threads for this replica; 0 = leave torch's default")
-    seed: int = Field(0, description="seed for requests that give none (their samples still differ from each other)")
+    seed: int = Field(0, description="seed for requests that give none, mixed with the host's name and the replica: "
+                      "servers on other hosts (pods) draw other samples, a rerun on one host repeats them; the "
+                      "samples of one request still differ from each other")
     prefix_sharing: bool = Field(True, description="share full prompt KV blocks between sequences with the same prefix")
 
     @field_validator("device")
@@ -92,3 +96,15 @@ class EngineConfig(ServiceConfig):
             raise ValueError("decode_graphs = 'cuda' needs a CUDA device: set device = 'cuda', or decode_graphs = "
                              "'emulate' (CPU tests) or 'off'")
         return self
+
+
+def context_limit(max_model_len: int, model: ModelConfig) -> int:
+    """The engine's context: max_model_len, or the model's own when 0. ConfigError past the model's own, whose
+    positions it was never trained on (RoPE extrapolates there silently: a zero too many in a preset)."""
+    trained = model.max_position_embeddings
+    if model.rope_scaling is not None and model.rope_scaling.rope_type == "linear":
+        trained = int(trained * model.rope_scaling.factor)  # as vLLM derives it; llama3's is already in the field
+    if max_model_len > trained:
+        raise ConfigError(f"[rollout.engine] max_model_len {max_model_len} is past the model's context {trained} "
+                          "(config.json max_position_embeddings): lower it, or 0 for the model's own")
+    return max_model_len or trained

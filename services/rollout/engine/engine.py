@@ -37,7 +37,10 @@ forward that sampled it, as fp16.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import numbers
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +53,7 @@ from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint,
 from tlt.model.transformer import build_model
 from tlt.services.common.logging import get_logger
 from tlt.services.rollout.engine.block_manager import BlockManager
-from tlt.services.rollout.engine.config import EngineConfig
+from tlt.services.rollout.engine.config import EngineConfig, context_limit
 from tlt.services.rollout.engine.decode_graphs import default_buckets
 from tlt.services.rollout.engine.detok import continuation_text
 from tlt.services.rollout.engine.model_runner import ModelRunner
@@ -91,7 +94,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         cfg, tensors = load_checkpoint(model_dir, dtype=self.dtype, device=self.device)
         self.model_config: ModelConfig = cfg
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = context_limit(config.max_model_len, cfg)
         self.model = build_model(cfg, tensors, dtype=self.dtype, device=self.device,
                                  max_len=self.max_model_len + 128,  # + room for draft-tree positions
                                  kernels=config.kernels)
@@ -111,6 +114,7 @@ class LLMEngine:
         )
         self._seqs: dict[str, list[Sequence]] = {}
         self._seed_counter = itertools.count()
+        self._seed_base = host_seed(config.seed)
         self._steps = 0
         self.spec_decoder = None  # a SpecDecoder replaces plain decode for small batches when attached
         log.info("engine_ready", replica=replica_id, arch=cfg.architecture, layers=cfg.num_layers,
@@ -141,8 +145,8 @@ class LLMEngine:
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt has {n_prompt} tokens; the context limit is {self.max_model_len}")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not _token_id(t) or not 0 <= t < vocab for t in req.prompt_token_ids):  # 5.0: the block hash
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")  # failed at every later step
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(
@@ -153,7 +157,7 @@ class LLMEngine:
                 f"prompt + max_tokens ({n_prompt + max_tokens} tokens) does not fit in the KV cache "
                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise num_kv_blocks/kv_cache_mb"
             )
-        seed = p.seed if p.seed is not None else hash((self.config.seed, self.replica_id, next(self._seed_counter)))
+        seed = p.seed if p.seed is not None else hash((self._seed_base, self.replica_id, next(self._seed_counter)))
         seqs = [Sequence(req.request_id, i, req.prompt_token_ids, p, max_tokens, seed, self.eos_ids) for i in samples]
         self._seqs[req.request_id] = seqs
         for s in seqs:
@@ -345,8 +349,15 @@ class LLMEngine:
         if len(set(ids)) != len(ids) or any(i in self._seqs for i in ids):
             raise ValueError("generate() needs distinct request ids that are not already running")
         samples = [r.samples for r in requests]  # ValueError for bad sample_indices, before any request is added
-        for r in requests:
-            self.add_request(r)
+        added: list[str] = []
+        try:
+            for r in requests:
+                self.add_request(r)  # its own checks (context, KV fit, params) may refuse a later request
+                added.append(r.request_id)
+        except ValueError:
+            for request_id in added:  # nothing of the list stays running with no caller
+                self.abort_request(request_id)
+            raise
         wanted = {r.request_id for r in requests}
         got: dict[tuple[str, int], CompletionOutput] = {}
         while any(k in self._seqs for k in wanted) and self.has_unfinished():
@@ -354,3 +365,18 @@ class LLMEngine:
             for c in done:
                 got[(c.request_id, c.sample_index)] = c
         return [got[(r.request_id, i)] for r, indices in zip(requests, samples) for i in indices]
+
+
+def _token_id(t: object) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)  # numpy / torch ints too
+
+
+def host_seed(seed: int) -> int:
+    """The base of the seeds of requests that give none: [rollout.engine] seed mixed with the host's name.
+
+    Rollout servers started from one config (pods of a deployment) would otherwise draw the same random
+    numbers for their i-th requests: the same prompt sent to two of them got the same samples. A rerun on
+    the same host still repeats its draws (tuples of ints hash the same in every process).
+    """
+    digest = hashlib.blake2b(f"{seed}:{socket.gethostname()}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
