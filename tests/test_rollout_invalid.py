@@ -54,6 +54,8 @@ CASES = [
     ("max_tokens_zero", "completions", ok_completion(M, max_tokens=0), 400, "max_tokens"),
     ("max_tokens_negative", "completions", ok_completion(M, max_tokens=-3), 400, "max_tokens"),
     ("max_tokens_beyond_context", "completions", ok_completion(M, max_tokens=CTX), 400, "context length"),
+    ("max_tokens_beyond_context_chat", "chat/completions", ok_chat(M, max_tokens=CTX), 400,
+     f"max_tokens={CTX} plus the chat prompt ("),
     ("prompt_longer_than_context", "completions", ok_completion(M, prompt=list(range(10, 10 + CTX))), 400,
      "context length"),
     ("empty_prompt", "completions", ok_completion(M, prompt=""), 400, "empty"),

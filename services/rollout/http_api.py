@@ -299,7 +299,7 @@ class OpenAIServer:
             raise ApiError(400, f"{where} has {len(ids)} tokens; the context length is {limit} "
                                 "(prompt + max_tokens must fit)", param="prompt", code="context_length_exceeded")
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise ApiError(400, f"{max_tokens_name}={params.max_tokens} plus the {len(ids)}-token {where} is over the "
+            raise ApiError(400, f"{max_tokens_name}={params.max_tokens} plus {where} ({len(ids)} tokens) is over the "
                                 f"context length {limit}; lower {max_tokens_name} to at most {limit - len(ids)}",
                            param=max_tokens_name, code="context_length_exceeded")
 
