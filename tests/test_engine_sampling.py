@@ -564,3 +564,29 @@ def test_a_bpe_tokenizer_is_not_cleaned_up_as_transformers_does_not_clean_it():
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", clean_up_tokenization_spaces=True)
     assert not cleans_up(tok)
     assert continuation_text(tok, (1,), [1, 2, 3, 4]) == tok.decode([1, 2, 3, 4]) == " it . 's"
+
+
+def test_a_sentencepiece_tokens_logprobs_keep_its_leading_space():
+    """Each logprob's token was decoded on its own, so the decoder's strip took the space of every `▁word` token:
+    the tokens read "Observation", ":", "Paris" in a text " Observation: Paris", `text_offset` drifted one
+    character left per word, and the chat `bytes`, joined as OpenAI documents, did not rebuild the content."""
+    from tlt.model.tokenizer import test_tokenizer
+    from tlt.services.rollout.engine.detok import continuation_text
+    from tlt.services.rollout.openai_convert import _token_text_and_bytes, chat_logprobs, completion_logprobs
+
+    tok = _sentencepiece_tokenizer()
+    prompt, out = (2, 3, 4), [6, 7, 5, 10, 8, 9]  # "The answer is" + " Observation: Paris café" (é in 2 byte pieces)
+    text = continuation_text(tok, prompt, out)
+    assert text == " Observation: Paris caf\u00e9"
+    lp = completion_logprobs(tok, out, [-0.1] * len(out), [{5: -0.1, 6: -0.2}] * len(out), 1, text)
+    assert lp.tokens == [" Observation", ":", " Paris", " caf", "<0xC3>", "<0xA9>"]
+    assert lp.text_offset == [0, 12, 13, 19, 23, 23]
+    assert lp.top_logprobs[0] == {" Paris": -0.1, " Observation": -0.2}
+    chat = chat_logprobs(tok, out, [-0.1] * len(out), None, 0)
+    assert bytes(b for c in chat.content for b in c.bytes).decode() == text
+    # a byte-level BPE tokenizer's (GPT-2, Qwen, Llama 3: the task's) tokens read as before, on their own
+    task = test_tokenizer()
+    for i in range(len(task)):
+        alone = task.decode([i])
+        if "\ufffd" not in alone:
+            assert _token_text_and_bytes(task, i) == (alone, list(alone.encode())), i

@@ -306,3 +306,85 @@ def test_streamed_text_offsets_stay_inside_a_text_cut_by_a_stop_string(server):
     whole = conv.completion_logprobs(tok, ids, done.logprobs, None, 0, done.text).text_offset
     assert "".join(text for text, _ in chunks) == "abcdef"
     assert offsets == whole == [0, 1, 2, 3, 4, 5, 6, 6, 6]
+
+
+def _byte_piece(tok, b: int) -> int:  # noqa: ANN001
+    """The task tokenizer's token for the single byte `b` (GPT-2's byte alphabet)."""
+    from tlt.services.rollout.openai_convert import _BYTE_LEVEL
+
+    return tok.convert_tokens_to_ids(next(ch for ch, v in _BYTE_LEVEL.items() if v == b))
+
+
+def _chunk_spans(chunks: list[tuple[str, list[int] | None]]) -> list[tuple[int, int, list[int] | None]]:
+    """Each text chunk's [start, end) in the joined text with the text offsets of the logprobs it carries."""
+    spans, pos = [], 0
+    for text, offsets in chunks:
+        if text:
+            spans.append((pos, pos + len(text), offsets))
+        pos += len(text)
+    return spans
+
+
+def test_text_offset_after_a_broken_character_points_at_the_next_token_s_text():
+    """A token after a lead byte (0xE1 opens a 3-byte character) was placed inside that character even when its
+    own first byte starts a new one: the text reads U+FFFD then the token's, yet its offset was the U+FFFD's. A
+    stream then sent its logprobs with the chunk before its text, and the chunk with its text had none."""
+    from tlt.model.tokenizer import test_tokenizer
+    from tlt.services.rollout import openai_convert as conv
+    from tlt.services.rollout.types import CompletionOutput, FinishReason, StepOutput, Versions
+
+    tok = test_tokenizer()
+    lead, cont = _byte_piece(tok, 0xE1), _byte_piece(tok, 0x80)
+    n, l, x = (tok.convert_tokens_to_ids(ch) for ch in "nlx")
+    for ids, want in (([lead, n, l], [0, 1, 2]),  # "\ufffdnl"
+                      ([x, lead, n, lead, l], [0, 1, 2, 3, 4]),  # "x\ufffdn\ufffdl"
+                      ([lead, cont, n], [0, 0, 1]),  # "\ufffdn": 0xE1 0x80 is one broken character
+                      ([x, *tok.encode("日"), n], [0, 1, 1, 1, 2])):  # a whole character's pieces point at it
+        text = tok.decode(ids)
+        assert conv.completion_logprobs(tok, ids, [-1.0] * len(ids), None, 0, text).text_offset == want, (text, ids)
+
+    # streamed, one token a step; the stop string holds back one character, so a chunk can end at the U+FFFD
+    ids = [x, lead, n, l, x, lead, n, x, x]
+    text = tok.decode(ids)
+    assert text == "x\ufffdnlx\ufffdnxx"
+    stream, chunks = conv.CompletionChoiceStream(tok, ("zz",), 0), []
+    for i, t in enumerate(ids):
+        delta, lp = stream.push(StepOutput("r", 0, [t], [-1.0], finished=i == len(ids) - 1))
+        chunks.append((delta, lp and lp.text_offset))
+    delta, lp = stream.finish(CompletionOutput("r", 0, [1], ids, text, FinishReason.LENGTH, Versions(),
+                                               logprobs=[-1.0] * len(ids)))
+    chunks.append((delta, lp and lp.text_offset))
+    assert "".join(t for t, _ in chunks) == text
+    for start, end, offsets in _chunk_spans(chunks):  # each chunk carries the tokens whose text begins in it
+        assert offsets and all(start <= o < end for o in offsets), (start, end, offsets, chunks)
+
+
+def test_streamed_chat_logprobs_wait_for_the_text_held_back():
+    """A chat chunk took the logprobs of every token so far, also of tokens whose text was held back (the possible
+    start of a stop string, or of a `<tool_call>`): their logprobs went out before their text, or with no text at
+    all. A chat chunk now takes the tokens whose text has begun to go out, as a completions chunk does."""
+    from tlt.model.tokenizer import test_tokenizer
+    from tlt.services.rollout import openai_convert as conv
+    from tlt.services.rollout.types import CompletionOutput, FinishReason, StepOutput, Versions
+
+    tok = test_tokenizer()
+    for stop, tools, ids, text in (
+        (("XYZ",), None, [tok.convert_tokens_to_ids(ch) for ch in "abcXYabcXYZ"], "abcXYabc"),
+        ((), conv.ToolParsing(frozenset({"f"})), tok.encode("ab <tool_call") + tok.encode("x"), "ab <tool_callx"),
+    ):
+        stream, chunks, pos = conv.ChatChoiceStream(tok, 0, stop, tools, logprobs=True), [], 0
+        for i, t in enumerate(ids):
+            chunks += stream.push(StepOutput("r", 0, [t], [-1.0], finished=i == len(ids) - 1))
+        reason = FinishReason.STOP if stop else FinishReason.LENGTH
+        chunks += stream.finish(CompletionOutput("r", 0, [1], ids, text, reason, Versions(),
+                                                 logprobs=[-1.0] * len(ids)))
+        sent = got = ""
+        for c in chunks[:-1]:  # every token whose logprob goes out has begun to go out (in that chunk or before)
+            sent += c.delta.content or ""
+            for t in c.logprobs.content if c.logprobs else ():
+                assert len(got) < len(sent), (stop, got, t.token, sent)
+                got += t.token
+            assert text.startswith(got), (stop, got)
+        assert got, "no chunk before the last carried logprobs: the test checks nothing"
+        assert [t for c in chunks if c.logprobs for t in c.logprobs.content] == \
+            conv.chat_logprobs(tok, ids, [-1.0] * len(ids), None, 0).content

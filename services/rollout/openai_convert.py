@@ -32,11 +32,12 @@ import math
 import re
 import secrets
 import string
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText
+from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText, clean
 from tlt.services.rollout.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -88,13 +89,68 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+ANCHOR_SCAN = 1000  # the first ids searched for an anchor token (`_Reading`)
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """How one tokenizer's tokens are read one by one: each decoded after `anchor`, a plain token whose text
+    (`anchor_text`) is then cut off. A SentencePiece decoder (Llama 2, Mistral, TinyLlama) strips the first token's
+    leading space, so `▁Paris` decoded alone read "Paris" in a text " Paris"; after the anchor the strip falls on
+    it, as engine/detok.py decodes a choice's text after the prompt's last tokens. Special tokens are decoded alone
+    (`<|im_end|>`, their display string)."""
+
+    anchor: tuple[int, ...]  # (): none found, tokens are decoded alone
+    anchor_text: str
+    special: frozenset[int]
+
+
+_READINGS: weakref.WeakKeyDictionary[Any, _Reading] = weakref.WeakKeyDictionary()
+
+
+def _raw_decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _find_reading(tokenizer: Any) -> _Reading:
+    """The first of the first ANCHOR_SCAN ids that is no special token and no byte piece, and decodes alone to
+    printable text without spaces around it (a whole character, which no later byte joins)."""
+    special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+    for i in range(min(len(tokenizer), ANCHOR_SCAN)):
+        if i in special or _BYTE_FALLBACK.fullmatch(tokenizer.convert_ids_to_tokens(i) or ""):
+            continue
+        text = _raw_decode(tokenizer, [i])
+        if text and text.isprintable() and "\ufffd" not in text and text.strip() == text:
+            return _Reading((i,), text, special)
+    return _Reading((), "", special)
+
+
+def _reading(tokenizer: Any) -> _Reading:
+    """`_find_reading`, once per tokenizer (a tokenizer that takes no weak reference: every time)."""
+    try:
+        if (found := _READINGS.get(tokenizer)) is None:
+            found = _READINGS[tokenizer] = _find_reading(tokenizer)
+        return found
+    except TypeError:
+        return _find_reading(tokenizer)
+
+
+def _token_alone(tokenizer: Any, token_id: int) -> str:
+    """The token's text as it reads inside a text (`_Reading`), cleaned up as the choice's text is; where the
+    anchor's text is no prefix of the pair's, its decode alone."""
+    reading = _reading(tokenizer)
+    if reading.anchor and token_id not in reading.special:
+        whole = _raw_decode(tokenizer, [*reading.anchor, token_id])
+        if whole.startswith(reading.anchor_text):
+            return clean(tokenizer, whole[len(reading.anchor_text):])
+    return tokenizer.decode([token_id])
 
 
 def _token_text_and_bytes(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
     """The token's text (as `_token_text`) and its own UTF-8 bytes: OpenAI's `bytes`, which clients join to
     rebuild a character split over several tokens. A byte piece's bytes are the byte(s) its vocabulary string
     stands for (`<0xE4>`, or GPT-2's byte alphabet), not the encoding of that string (which joined gave mojibake)."""
-    text = tokenizer.decode([token_id])
+    text = _token_alone(tokenizer, token_id)
     if "\ufffd" not in text:
         return text, list(text.encode())
     piece = tokenizer.convert_ids_to_tokens(token_id)
@@ -121,8 +177,9 @@ class TextOffsets:
 
     Counted over the tokens' UTF-8 bytes as the text decodes them, not over their display strings: a byte piece of
     a multi-byte character (`日` is three GPT-2 pieces) adds one character, not three, and a token that starts
-    inside a character points at that character; a special token (`<|im_end|>`) adds nothing, as the text is
-    decoded without them.
+    inside a character (on a continuation byte) points at that character; one that starts a new character after
+    a character left incomplete (0xE1 then "n": the text reads U+FFFD, "n") points past its U+FFFD. A special
+    token (`<|im_end|>`) adds nothing, as the text is decoded without them.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -136,10 +193,11 @@ class TextOffsets:
         tokens past a stop string that cut it."""
         offsets = []
         for t in token_ids:
+            raw = [] if t in self.special else _token_text_and_bytes(self.tokenizer, t)[1]
+            if raw and self.pending and raw[0] & 0xC0 != 0x80:
+                self.pending = 0  # the character begun stays broken (one U+FFFD, counted): this token comes after it
             offsets.append(self.chars - 1 if self.pending else self.chars)  # inside a character: where it starts
-            if t in self.special:
-                continue
-            for b in _token_text_and_bytes(self.tokenizer, t)[1]:
+            for b in raw:
                 if b & 0xC0 == 0x80 and self.pending:  # a continuation byte of the character begun
                     self.pending -= 1
                 else:  # a lead byte (or a stray continuation byte: U+FFFD in the text, one character)
@@ -307,9 +365,9 @@ class StreamLogprobs:
     go with it; the last chunk takes the rest from the completion, so the chunks' lists join to the non-streamed
     response's. A backend whose steps lack them (SGLang's carry no alternatives) sends them all at the end.
 
-    With a tokenizer (the completions API) each token's `text_offset` is kept too, and a chunk takes only the
-    tokens whose text has begun to go out (`take(limit)`): one whose text is held back (it may start a stop string)
-    waits, so an offset never points past the text the choice ends up returning."""
+    With a tokenizer each token's `text_offset` is kept too, and a chunk takes only the tokens whose text has
+    begun to go out (`take(limit)`): one whose text is held back (it may start a stop string, or a `<tool_call>`)
+    waits, so its logprobs never go out before its text, nor an offset past the text the choice ends up returning."""
 
     def __init__(self, k: int, tokenizer: Any = None) -> None:
         self.k = k
@@ -401,7 +459,7 @@ class ChatChoiceStream:
                  logprobs: bool = False, top_logprobs: int = 0, prompt: Sequence[int] = ()) -> None:
         self.tokenizer, self.index, self.tools = tokenizer, index, tools
         self.text = TextStream(tokenizer, stop, tool_calls=tools is not None, prompt=prompt)
-        self.logprobs = StreamLogprobs(top_logprobs) if logprobs else None
+        self.logprobs = StreamLogprobs(top_logprobs, tokenizer) if logprobs else None
 
     def start(self) -> ChatChunkChoice:
         """The role chunk every choice opens with; its content "" (as the OpenAI API sends it) is left out with
@@ -418,7 +476,7 @@ class ChatChoiceStream:
         if not delta:
             return []
         lp = None
-        if self.logprobs is not None and (ready := self.logprobs.take()) is not None:
+        if self.logprobs is not None and (ready := self.logprobs.take(len(self.text.sent))) is not None:
             lp = chat_logprobs(self.tokenizer, *ready[:3], self.logprobs.k)
         return [ChatChunkChoice(index=self.index, delta=ChatDelta(content=delta), logprobs=lp)]
 
