@@ -24,7 +24,7 @@ from typing import Any
 ENGINE_TEST_SETTINGS = {"max_model_len": 256, "max_num_seqs": 64, "num_kv_blocks": 512, "block_size": 16}
 
 
-def tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+def tiny_checkpoint(out_dir: Path, seed: int = 0, max_position_embeddings: int = 256) -> Path:
     import torch
     import transformers
 
@@ -34,7 +34,7 @@ def tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     tok = build_tokenizer(out_dir)
     cfg = transformers.Qwen2Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        num_key_value_heads=2, max_position_embeddings=max_position_embeddings, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -60,8 +60,8 @@ HERMES_TEMPLATE = (
 
 def hermes_checkpoint(out_dir: Path) -> Path:
     """`tiny_checkpoint` whose tokenizer's chat template is HERMES_TEMPLATE (the shipped tiny template does not
-    render tools)."""
-    d = tiny_checkpoint(out_dir)
+    render tools), with 1024 positions: the tiny tokenizer spends about a token per character of the tools' JSON."""
+    d = tiny_checkpoint(out_dir, max_position_embeddings=1024)
     cfg_path = d / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = HERMES_TEMPLATE

@@ -115,7 +115,11 @@ def measure_overhead(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         feat_port = s.getsockname()[1]
-    engine = EngineConfig(max_model_len=512, max_num_seqs=64, num_kv_blocks=512, block_size=16)
+    from tlt.model.folder import read_model_config
+    from tlt.services.rollout.engine.config import context_limit
+
+    engine = EngineConfig(max_model_len=min(512, context_limit(0, read_model_config(model_dir))), max_num_seqs=64,
+                          num_kv_blocks=512, block_size=16)
     cfg = RolloutConfig(http_port=0, grpc_port=0, replicas=2, threads_per_replica=1, engine=engine,
                         capacity_pub="tcp://127.0.0.1:*", features_push=f"tcp://127.0.0.1:{feat_port}")
     server = RolloutServer(model_dir, cfg)

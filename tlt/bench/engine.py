@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.model.folder import read_model_config
+    from tlt.services.common.config import ConfigError
+    from tlt.services.rollout.engine.config import context_limit
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -51,10 +54,14 @@ def run(args: argparse.Namespace) -> int:
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     ctx = args.prompt_len + args.max_tokens
+    limit = context_limit(0, read_model_config(model_dir))
+    if ctx > limit:
+        raise ConfigError(f"--prompt-len + --max-tokens = {ctx} is past the model's context {limit}")
     engine = LLMEngine(
         model_dir,
         EngineConfig(dtype=args.dtype, max_num_seqs=max(sizes), threads=args.threads,
-                     max_num_batched_tokens=max(2048, max(sizes) * args.prompt_len), max_model_len=max(ctx + 1, 256)),
+                     max_num_batched_tokens=max(2048, max(sizes) * args.prompt_len),
+                     max_model_len=min(max(ctx + 1, 256), limit)),
     )
     vocab = engine.model_config.vocab_size
     rows = []

@@ -412,7 +412,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
     import torch  # after every check: a wrong argument fails at once, not after torch has loaded
 
-    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.model.folder import read_model_config
+    from tlt.services.rollout.engine.config import EngineConfig, context_limit
     from tlt.services.rollout.engine.engine import LLMEngine
 
     torch.set_num_threads(args.threads)
@@ -428,7 +429,12 @@ def run(args: argparse.Namespace) -> int:
         requests, lengths = _synthetic_requests(args)
         prompt_len = args.prompt_len
     num_seqs = sum(r.n for r in requests)
-    total_ctx = prompt_len + args.max_tokens + 64
+    limit = context_limit(0, read_model_config(model_dir))
+    if prompt_len + args.max_tokens > limit:
+        print(f"error: prompts of {prompt_len} tokens + --max-tokens {args.max_tokens} are past the model's context "
+              f"{limit}", file=sys.stderr)
+        return 2
+    total_ctx = min(prompt_len + args.max_tokens + 64, limit)
 
     def new_engine() -> LLMEngine:  # a fresh engine per run, room for every sequence at full length
         return LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
