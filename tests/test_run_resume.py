@@ -504,3 +504,125 @@ def test_a_refused_new_run_leaves_no_folder_behind(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope"):
         _plan(runs, model, "--run-id", "y", "--set", "trainer.nope=1")
     assert (runs / "y" / "run.json").is_file()
+
+
+def _clock(monkeypatch, *stamps: str) -> None:
+    """Pin the launcher's `<preset>-<time>` stamps to `stamps`, one per call (the last one repeats): 'the same
+    second' and 'a later second' without waiting for the wall clock."""
+    from tlt.services.trainer import launcher
+
+    left, strftime = list(stamps), time.strftime
+
+    def stamp(fmt: str, *when: object) -> str:
+        if fmt != "%Y%m%d-%H%M%S":  # a log line's time
+            return strftime(fmt, *when)
+        return left.pop(0) if len(left) > 1 else left[0]
+
+    monkeypatch.setattr(launcher.time, "strftime", stamp)
+
+
+def test_tlt_runs_started_in_the_same_second_each_take_a_new_folder(tmp_path: Path, monkeypatch) -> None:
+    """Three `tlt run` with no --run-id at once: the first takes `<preset>`, the other two both picked
+    `<preset>-<time>` (one-second stamps) and the third was refused as 'in use by another tlt run', where the
+    README says a second run with no --run-id takes a new folder."""
+    model, runs = _fake_model(tmp_path)
+    _clock(monkeypatch, "20260101-000000")
+    plans = [_plan(runs, model) for _ in range(3)]  # each holds its folder's lock: all three run at once
+    assert [p.run_dir.name for p in plans] == ["cpu-tiny", "cpu-tiny-20260101-000000", "cpu-tiny-20260101-000000-2"]
+    assert not any(p.resumed for p in plans)
+    for p in plans:
+        p.lock.close()
+
+
+def test_a_set_of_the_trainers_value_beats_the_run_sections_value_the_run_was_started_with(tmp_path: Path) -> None:
+    """Started with --set run.steps=6 (or run.torch_threads=2), resumed with --set trainer.steps=10: the saved
+    run.steps went over this launch's trainer.steps ([run] is applied over [trainer]), silently."""
+    import tomllib
+
+    model, runs = _fake_model(tmp_path)
+    _closed(_plan(runs, model, "--run-id", "r", "--set", "run.steps=6", "--set", "run.torch_threads=2"))
+    plan = _closed(_plan(runs, model, "--resume", str(runs / "r"), "--set", "trainer.steps=10",
+                         "--set", "trainer.torch_threads=1"))
+    assert plan.steps == 10
+    assert tomllib.loads(plan.config_path.read_text())["trainer"]["torch_threads"] == 1
+    plan = _closed(_plan(runs, model, "--run-id", "r"))  # a later resume keeps this launch's values
+    assert plan.steps == 10 and tomllib.loads(plan.config_path.read_text())["trainer"]["torch_threads"] == 1
+    overrides = json.loads((runs / "r" / "run.json").read_text())["overrides"]
+    assert not [o for o in overrides if o.startswith(("run.steps", "run.torch_threads"))], overrides
+
+
+def _checkpointed(run_dir: Path, steps: int) -> None:
+    """The trainer's checkpoint pointer after `steps` steps: all that prepare_run reads of a checkpoint."""
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    (run_dir / "checkpoints" / "latest").write_text(f"step-{steps:08d}\n")
+
+
+def test_running_tlt_run_again_continues_an_interrupted_run_in_a_preset_time_folder(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """README: 'Ctrl-C ... Run it again and the trainer continues from its last checkpoint'. With the default
+    folder `<preset>` finished, a run works in `<preset>-<time>`; after Ctrl-C there, `tlt run` again started a
+    new folder from step 0. It continues the interrupted folder of its preset now (the one launched last), and
+    takes a new folder when that one is finished, in use, or of another preset."""
+    model, runs = _fake_model(tmp_path)
+    _clock(monkeypatch, "20260101-000000", "20260101-000001", "20260101-000002", "20260101-000003")
+    _checkpointed(_closed(_plan(runs, model, "--steps", "4")).run_dir, 4)  # yesterday's run: finished
+    second = _plan(runs, model, "--steps", "4")
+    assert second.run_dir.name == "cpu-tiny-20260101-000000" and not second.resumed
+    _checkpointed(_closed(second).run_dir, 2)  # Ctrl-C after 2 of its 4 steps
+    again = _plan(runs, model)
+    assert again.run_dir == second.run_dir and again.resumed and again.steps == 4  # the options it was started with
+    other = _plan(runs, model)  # while that one runs: a new folder
+    assert other.run_dir.name == "cpu-tiny-20260101-000001" and not other.resumed
+    _closed(other)
+    os.utime(other.run_dir / "run.json", (time.time() + 5, time.time() + 5))
+    _closed(again)
+    assert _closed(_plan(runs, model)).run_dir == other.run_dir  # the interrupted folder launched last
+    _checkpointed(other.run_dir, other.steps)  # finished
+    assert _closed(_plan(runs, model)).run_dir == second.run_dir
+    mine = tmp_path / "cpu-tiny.toml"  # another preset of the same name: never continues cpu-tiny's folder
+    mine.write_text((Path(__file__).parents[1] / "deploy" / "configs" / "cpu-tiny.toml").read_text())
+    plan = _closed(_plan(runs, model, "--preset", str(mine)))
+    assert plan.run_dir not in (second.run_dir, other.run_dir) and not plan.resumed
+
+
+def test_a_runs_dir_that_cannot_hold_a_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A runs_dir under a regular file (or on a read-only mount) was a traceback and rc 1 (an OSError out of the
+    folder's mkdir), where every other refused input is one `run_not_started` line and rc 2."""
+    import argparse
+
+    from tlt.services.trainer.launch import add_arguments, run
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    runs.write_text("not a folder\n")
+    for argv in ((), ("--run-id", "r")):
+        with pytest.raises(ServiceError, match=f"cannot make the run folder {runs}/"):
+            _plan(runs, model, *argv)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--model", str(model), "--set", f"run.runs_dir={runs}", "--quiet"])) == 2
+
+
+def test_a_finished_default_folder_whose_config_no_longer_loads_does_not_block_a_new_run(tmp_path: Path) -> None:
+    """prepare_run loads the default folder's config.toml only to see whether its trainer is done; a field an
+    older TLT wrote there (or a hand edit) made that load's ConfigError refuse every new plain `tlt run`."""
+    model, runs = _fake_model(tmp_path)
+    old = runs / "cpu-tiny"
+    _checkpointed(_closed(_plan(runs, model, "--steps", "4")).run_dir, 4)
+    (old / "config.toml").write_text("[trainer]\nsteps = 4\nold_field = 1\n")
+    plan = _closed(_plan(runs, model))
+    assert plan.run_dir.name.startswith("cpu-tiny-") and not plan.resumed
+
+
+def test_the_launchers_step_count_and_tail_threshold_are_the_ones_the_services_run_with(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """TLT_TRAINER__STEPS / TLT_ROLLOUT__SPEC__THRESHOLD change what the trainer and the rollout run with (the
+    environment goes over config.toml); the launcher read both from the preset, so its progress bar counted to
+    the preset's steps and report.html drew the tail at the preset's threshold."""
+    model, runs = _fake_model(tmp_path)
+    monkeypatch.setenv("TLT_TRAINER__STEPS", "7")
+    monkeypatch.setenv("TLT_ROLLOUT__SPEC__THRESHOLD", "5")
+    plan = _closed(_plan(runs, model, "--run-id", "r"))
+    assert (plan.steps, plan.tail_threshold) == (7, 5)
+    assert json.loads((plan.run_dir / "run.json").read_text())["tail_threshold"] == 5
+    assert _closed(_plan(runs, model, "--run-id", "r", "--set", "run.tail_threshold=9")).tail_threshold == 9

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--steps", type=at_least(1), default=None, help="RL steps (default: the preset's)")
     parser.add_argument("--run-id", type=run_id, default=None, help="run folder name under runs_dir (default: <preset>, continued if it was "
-                        "interrupted; <preset>-<time> if that one is finished or in use)")
+                        "interrupted; if that one is finished or in use, the interrupted <preset>-<time> of this "
+                        "preset launched last, continued, else a new <preset>-<time>)")
     parser.add_argument("--resume", type=non_empty, default=None, metavar="RUN_DIR", help="continue the run in this folder")
     parser.add_argument("--model", type=non_empty, default=None, help="policy checkpoint folder (default: [run] model_dir)")
     parser.add_argument("--baseline", action="store_true", help="speculative decoding off and no drafter")

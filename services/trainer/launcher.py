@@ -31,7 +31,8 @@ from tlt.services.common.config_cmd import SECTION_CLASSES, config_class
 from tlt.services.common.logging import get_logger
 from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
-from tlt.services.trainer.run_config import RunConfig, resolve_services, spec_section, to_toml
+from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
+from tlt.services.trainer.run_folder import claim, default_folder, read_run_file, write_atomic
 
 if TYPE_CHECKING:
     from tlt.services.trainer.config import TrainerConfig
@@ -86,9 +87,31 @@ def _is_map(field: Any) -> bool:
     return field is not None and typing.get_origin(field.annotation) is dict
 
 
+def _key(override: str) -> str:
+    """'trainer.lr=3e-5' -> 'trainer.lr' (as cli_overrides reads it)."""
+    return override.split("=", 1)[0].strip()
+
+
+# --set keys that name one value: [run] steps / torch_threads go over [trainer]'s (run_config.resolve_services)
+SAME_VALUE = (frozenset({"trainer.steps", "run.steps"}), frozenset({"trainer.torch_threads", "run.torch_threads"}))
+
+
+def _names(key: str) -> frozenset[str]:
+    """Every --set key that sets what `key` sets."""
+    return next((names for names in SAME_VALUE if key in names), frozenset({key}))
+
+
 def _sets_steps(overrides: list[str]) -> bool:
     """Whether these --set options name the run's step count."""
-    return any(o.split("=", 1)[0].strip() in ("trainer.steps", "run.steps") for o in overrides)
+    return any(_key(o) in SAME_VALUE[0] for o in overrides)
+
+
+def _kept_overrides(saved: list[str], new: list[str]) -> list[str]:
+    """The --set options a resumed run was started (or last resumed) with that this launch's `new` leaves in force:
+    not those of a key `new` sets, under either of its names (a saved run.steps=6 went over this launch's
+    trainer.steps=10, [run] being applied over [trainer])."""
+    replaced = frozenset().union(*(_names(_key(o)) for o in new))
+    return [o for o in saved if _key(o) not in replaced]
 
 
 def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], RunConfig]:
@@ -96,7 +119,7 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
     inputs = {
         "preset": args.preset or saved.get("preset") or "cpu-tiny",
         # this launch's --set last, so that it wins over what the run was started (or last resumed) with
-        "overrides": [o for o in saved.get("overrides", []) if o not in args.overrides] + list(args.overrides),
+        "overrides": _kept_overrides(saved.get("overrides", []), args.overrides) + list(args.overrides),
         "baseline": bool(args.baseline or saved.get("baseline", False)),
         "seed": args.seed if args.seed is not None else saved.get("seed"),
         # a --set of the step count in this launch beats the --steps the run was started with (it was recorded
@@ -123,19 +146,6 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
     if inputs["baseline"]:
         run_over.update(speculation=False, drafter=False)
     return inputs, preset, load_config(RunConfig, "run", path, run_over)
-
-
-def _finished(run_dir: Path) -> bool:
-    """Whether the trainer of this run folder already did all its steps (its last checkpoint says so)."""
-    from tlt.services.trainer.config import TrainerConfig
-
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file() or not (run_dir / "config.toml").exists():
-        return False
-    steps = load_config(TrainerConfig, "trainer", run_dir / "config.toml").steps
-    from tlt.services.trainer.checkpoint import CheckpointManager
-
-    return CheckpointManager.steps_of(pointer.read_text()) >= steps
 
 
 def _checkpoint_steps(run_dir: Path) -> int:
@@ -251,55 +261,42 @@ def _data_file_change(cfg: TrainerConfig, state: tuple[Path, dict[str, Any]]) ->
     return None
 
 
-LOCK_FILE = ".lock"
-
-
-def _lock_run_dir(run_dir: Path) -> Any | None:
-    """An exclusive lock on the run folder (held until the returned file is closed or this process dies,
-    kill -9 included), or None when another `tlt run` holds it: two runs in one folder would share its
-    checkpoints and files (the second one's trainer deleted the first one's metrics.jsonl)."""
-    import fcntl
-
-    f = (run_dir / LOCK_FILE).open("a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return None
-    f.seek(0), f.truncate(), f.write(f"{os.getpid()}\n"), f.flush()
-    return f
-
-
-def _in_use(run_dir: Path) -> bool:
-    if not run_dir.is_dir():
-        return False
-    lock = _lock_run_dir(run_dir)
-    if lock is None:
-        return True
-    lock.close()
-    return False
-
-
 def prepare_run(args: argparse.Namespace) -> RunPlan:
     """The run folder and its config. `--resume DIR`, or a `--run-id` whose folder exists, continues that
-    run with the options it was started with; without `--run-id` the run is `<preset>`, continued when
-    it was interrupted, else a new `<preset>-<time>`."""
+    run with the options it was started with; without `--run-id` see default_folder (an interrupted run is
+    continued, else a new folder is taken)."""
     saved: dict[str, Any] = {}
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "run.json").exists():
             raise ServiceError(f"{run_dir} is not a run folder (no run.json); start one with `tlt run`")
-        saved = _run_file(run_dir)
+        saved = read_run_file(run_dir)
     inputs, preset, run_cfg = _inputs(args, saved)
-    if not args.resume:
-        stem = Path(inputs["preset"]).stem
-        run_dir = Path(run_cfg.runs_dir) / (args.run_id or stem)
-        if not args.run_id and (_finished(run_dir) or _in_use(run_dir)):  # done, or another `tlt run`'s
-            run_dir = Path(run_cfg.runs_dir) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if (run_dir / "run.json").exists():  # continue it with the options it was started with
-            saved = _run_file(run_dir)
-            inputs, preset, run_cfg = _inputs(args, saved)
+    if args.resume or args.run_id:
+        run_dir = Path(args.resume) if args.resume else Path(run_cfg.runs_dir) / args.run_id
+        created = not run_dir.exists()
+        lock = claim(run_dir)
+    else:
+        run_dir, lock, created = default_folder(Path(run_cfg.runs_dir), str(inputs["preset"]))
+    try:
+        return _plan_in(run_dir, lock, args, saved, (inputs, preset, run_cfg))
+    except BaseException:
+        if created:  # a new run refused: no folder holding only its .lock is left behind
+            shutil.rmtree(run_dir, ignore_errors=True)  # before the lock goes: no other run takes it meanwhile
+        lock.close()
+        raise
+
+
+def _plan_in(run_dir: Path, lock: Any, args: argparse.Namespace, saved: dict[str, Any],
+             planned: tuple[dict[str, Any], dict[str, Any], RunConfig]) -> RunPlan:
+    """prepare_run in the run folder it holds the lock of: its config.toml and run.json written."""
+    inputs, preset, run_cfg = planned
     resumed = (run_dir / "run.json").exists()
+    if resumed and not args.resume:  # continue it with the options it was started with
+        saved = read_run_file(run_dir)
+        inputs, preset, run_cfg = _inputs(args, saved)
+        if not args.run_id:  # a folder this launch picked: say which, and that it continues
+            log.info("run_continued", run_dir=str(run_dir), hint="a new run: --run-id ID")
     preset_name, overrides, baseline = inputs["preset"], inputs["overrides"], inputs["baseline"]
     seed, steps_arg, model = inputs["seed"], inputs["steps"], inputs["model"]
     if seed is not None:
@@ -307,34 +304,20 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
     if not Path(run_cfg.model_dir, "config.json").exists():
         raise ServiceError(f"no model in {run_cfg.model_dir}; build it with `make model` "
                            f"(tlt model build --preset tiny --out {run_cfg.model_dir})")
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = _lock_run_dir(run_dir)
-    if lock is None:
-        holder = (run_dir / LOCK_FILE).read_text().strip()
-        raise ServiceError(f"{run_dir} is in use by another `tlt run` (pid {holder or '?'}); wait for it, "
-                           f"or start this one in another folder (--run-id)")
     services, switches = resolve_services(preset, run_cfg, run_dir)
-    try:
-        _validate(services, switches)
-        if _checkpoint_steps(run_dir):
-            _check_resume(run_dir, services["trainer"], run_cfg.model_dir)
-    except (ServiceError, ConfigError):
-        lock.close()
-        if created:  # a new run refused: no folder holding only its .lock is left behind
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    _validate(services, switches)
+    if _checkpoint_steps(run_dir):
+        _check_resume(run_dir, services["trainer"], run_cfg.model_dir)
     if run_cfg.speculation and not switches["speculation"]:
         log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")
     if run_cfg.drafter and switches["speculation"] and not switches["drafter"]:
         log.warning("drafter_off", reason="the rollout does not draft with a learned drafter, or no drafter service")
     config_path = run_dir / "config.toml"
-    _write_atomic(config_path, f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start"
+    write_atomic(config_path, f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start"
                   "\n\n" + to_toml(services))
-    steps = int(services["trainer"].get("steps", 20))
-    spec = spec_section(preset)
-    threshold = run_cfg.tail_threshold or int(spec.get("threshold", 32))
-    _write_atomic(run_dir / "run.json", json.dumps({
+    steps, spec_threshold = _as_run(config_path)
+    threshold = run_cfg.tail_threshold or spec_threshold
+    write_atomic(run_dir / "run.json", json.dumps({
         "preset": str(preset_name), "overrides": overrides, "baseline": baseline, "seed": seed,
         "steps": steps_arg, "model": model, "switches": switches, "created": saved.get("created", time.time()),
         "tail_threshold": threshold,  # what report.html counts as tail (a regenerated report reads it)
@@ -342,25 +325,16 @@ def prepare_run(args: argparse.Namespace) -> RunPlan:
     return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed, lock)
 
 
-def _run_file(run_dir: Path) -> dict[str, Any]:
-    """A run folder's run.json; ServiceError for one that cannot be read (it was a traceback at every launch)."""
-    path = run_dir / "run.json"
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ServiceError(f"{path} is not a valid run file ({e}); start a new run (another --run-id)") from None
-    if not isinstance(saved, dict):
-        raise ServiceError(f"{path} is not a valid run file (a JSON {type(saved).__name__}, not an object); start a "
-                           "new run (another --run-id)")
-    return saved
+def _as_run(config_path: Path) -> tuple[int, int]:
+    """(the trainer's steps, the rollout's SD threshold) as the services load the run's config.toml: the environment
+    (TLT_TRAINER__STEPS, TLT_ROLLOUT__SPEC__THRESHOLD) goes over it; read from the preset, the progress bar and
+    report.html's tail missed it. 32 (SpecConfig's) for a rollout build with no [rollout.spec]."""
+    from tlt.services.rollout.config import RolloutConfig
+    from tlt.services.trainer.config import TrainerConfig
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all (a kill or a full disk left a truncated run.json: every later launch of
-    the folder failed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    steps = load_config(TrainerConfig, "trainer", config_path).steps
+    spec = getattr(load_config(RolloutConfig, "rollout", config_path), "spec", None)
+    return steps, spec.threshold if spec is not None else 32
 
 
 class Launcher:
