@@ -245,3 +245,58 @@ def test_an_id_reused_after_its_answer_is_sent_in_the_same_attempt() -> None:
     go.set()
     assert next(feed).completion == "second"
     over.set()
+
+
+class _AnswersUnderOtherIds(reward_pb2_grpc.RewardServicer):
+    """A faulty server: answers each streamed item at once, under the id `rename` gives it (twice when `twice`)."""
+
+    def __init__(self, rename: Callable[[str], str], twice: bool = False) -> None:
+        self.rename, self.twice, self.received = rename, twice, 0
+
+    def ScoreStream(self, request_iterator, context):  # noqa: ANN001, ANN201, N802
+        for r in request_iterator:
+            self.received += 1
+            for _ in range(2 if self.twice else 1):
+                yield reward_pb2.ScoreResponse(id=self.rename(r.id), ok=True, reward=1.0, correct=True)
+
+
+def _serve(servicer: reward_pb2_grpc.RewardServicer) -> tuple[grpc.Server, str]:
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    reward_pb2_grpc.add_RewardServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_stream_answer_under_an_id_never_sent_is_the_server_s_fault_not_a_silence() -> None:
+    # answers under unknown ids were dropped as duplicates: the client waited out its timeout, re-sent every item
+    # (retries + 1) times, and blamed an unavailable server ("stream closed with items unanswered"); Score() reports
+    # the same fault as a RewardCallError naming the ids
+    from tlt.services.reward.client import RewardCallError, RewardClient
+
+    servicer = _AnswersUnderOtherIds(lambda i: i + "-x")
+    server, address = _serve(servicer)
+    try:
+        with RewardClient(address, timeout_s=2.0, retries=2) as c:
+            t0 = time.monotonic()
+            with pytest.raises(RewardCallError, match=rf"reward server {address} answered id 'a-x', which it was never "
+                                                      r"sent \(items unanswered: \['a'"):
+                list(c.score_stream(Req(id=i, completion="x", reference="1") for i in "abc"))
+            took = time.monotonic() - t0
+    finally:
+        server.stop(0)
+    assert took < 1.5 and servicer.received <= 3, (took, servicer.received)  # at the first answer, nothing re-sent
+
+
+def test_a_stream_answer_sent_twice_is_dropped() -> None:
+    from tlt.services.reward.client import RewardClient
+
+    server, address = _serve(_AnswersUnderOtherIds(lambda i: i, twice=True))
+    try:
+        with RewardClient(address, timeout_s=2.0, retries=0) as c:
+            out = list(c.score_stream(Req(id=i, completion="x", reference="1") for i in "abc"))
+    finally:
+        server.stop(0)
+    assert sorted(r.id for r in out) == ["a", "b", "c"]

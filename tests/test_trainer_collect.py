@@ -14,7 +14,7 @@ import time
 import pytest
 
 from rollout_helpers import ServerThread
-from tlt.services.trainer.collect import RolloutError, collect, sampling_params
+from tlt.services.trainer.collect import RolloutError, collect, collect_retrying, sampling_params, wait_serving
 from tlt.services.trainer.rewards import RewardResult
 from tlt.services.trainer.types import PromptItem
 
@@ -40,6 +40,9 @@ class Recorder:
             def results(self):
                 rec.results_at = time.perf_counter()
                 return {k: RewardResult(float(len(c)), True) for _, k, _, c, _ in rec.submits}
+
+            def cancel(self):
+                pass
 
         return Batch()
 
@@ -172,3 +175,147 @@ def test_a_chat_row_reaches_the_rollout_rendered_and_its_reward_function_as_trl_
         assert seen["completion_ids"][j] == list(s.response_ids) and s.reward == len(s.response_ids)
         assert seen["completions"][j] == [{"role": "assistant", "content": s.text}]
     assert seen["prompts"] == [chat, chat] and seen["answer"] == ["7", "7"]
+
+
+def _prompts(k: int) -> list[PromptItem]:
+    return [PromptItem(i, f"<|im_start|>user\nCompute mod 10: {i} +{i + 1}<|im_end|>\n<|im_start|>assistant\n", str(i))
+            for i in range(k)]
+
+
+def test_a_rollout_server_that_stays_down_is_named_with_why_once_the_retries_are_spent(server):
+    """Two rollout servers, one of them gone: the step's retry waited for its replicas and failed with "the rollout
+    replicas did not all serve again ... (replica_restart_failed?)", naming neither the server nor why."""
+    from tlt.services.common.ports import free_port
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer.rewards import task_rewards
+
+    dead = f"127.0.0.1:{free_port()}"
+    clients = [RolloutClient(server.grpc_address), RolloutClient(dead)]
+    try:
+        with pytest.raises(RolloutError) as e:
+            collect_retrying(_prompts(2), clients, task_rewards(), 1, sampling_params(4, 1.0, 1.0), 0, retries=1,
+                             wait_s=1.0)
+    finally:
+        for c in clients:
+            c.close()
+    message = str(e.value)
+    assert f"{dead}: StatusCode.UNAVAILABLE" in message, message
+    assert server.grpc_address not in message, message  # the server that serves is not blamed
+
+
+def test_a_rollout_server_whose_status_hangs_is_waited_for_no_longer_than_the_retry_wait():
+    """GetStatus had no deadline (the trainer's clients have none): a rollout front that accepted the call and never
+    answered held wait_serving past `rollout_retry_wait_s`, for as long as the connection stayed up. Real gRPC."""
+    from concurrent import futures
+
+    import grpc
+
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.v1 import rollout_pb2_grpc
+
+    release = threading.Event()
+
+    class Hanging(rollout_pb2_grpc.RolloutServicer):
+        def GetStatus(self, request, context):  # noqa: ANN001, N802
+            release.wait(30)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
+    front = grpc.server(futures.ThreadPoolExecutor(4))
+    rollout_pb2_grpc.add_RolloutServicer_to_server(Hanging(), front)
+    address = f"127.0.0.1:{front.add_insecure_port('127.0.0.1:0')}"
+    front.start()
+    outcome: list = []
+    client = RolloutClient(address)
+    try:
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                wait_serving([client], 1.0)
+            except RolloutError as e:
+                outcome.append((time.monotonic() - t0, str(e)))
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "wait_serving still waiting on the hanging server after 10 s (its timeout was 1 s)"
+    finally:
+        release.set()
+        client.close()
+        front.stop(0)
+    took, message = outcome[0]
+    assert took < 3 and f"{address}: StatusCode.DEADLINE_EXCEEDED" in message, (took, message)
+
+
+class _DiesOnce:
+    """A rollout client whose first stream ends with UNAVAILABLE after `after` completions, as the stream of a
+    server whose replica died (and whose samples could not be re-dispatched) ends; later streams are the server's."""
+
+    def __init__(self, real, after: int) -> None:  # noqa: ANN001 - RolloutClient
+        self.real, self.address, self.after, self.died = real, real.address, after, False
+
+    def status(self):  # noqa: ANN201
+        return self.real.status()
+
+    def batch_generate(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
+        import grpc
+
+        inner = self.real.batch_generate(*args, **kw)
+        if self.died:
+            return inner
+        self.died = True
+        after = self.after
+
+        class Unavailable(grpc.RpcError, grpc.Call):
+            def code(self): return grpc.StatusCode.UNAVAILABLE  # noqa: E704
+            def details(self): return "replica 0 died"  # noqa: E704
+            def initial_metadata(self): return None  # noqa: E704
+            def trailing_metadata(self): return None  # noqa: E704
+            def is_active(self): return False  # noqa: E704
+            def time_remaining(self): return None  # noqa: E704
+            def cancel(self): return False  # noqa: E704
+            def add_callback(self, cb): return False  # noqa: E704
+
+        class Stream:
+            def __iter__(self):
+                for i, c in enumerate(inner):
+                    if i == after:
+                        raise Unavailable()
+                    yield c
+
+            def cancel(self) -> None:
+                inner.cancel()
+
+        return Stream()
+
+
+def test_a_dropped_partial_rollout_s_reward_calls_are_cancelled(server):
+    """A step whose stream ended UNAVAILABLE is rolled out again and its partial rollout dropped; the reward calls
+    submitted for the dropped completions went on (the reward server scored 6 completions nobody used) and held the
+    client's concurrency ahead of the retried step's. Now those not yet started are cancelled: at most the
+    `concurrency` calls already running are scored. Real rollout and reward servers."""
+    from tlt.services.reward.config import RewardConfig
+    from tlt.services.reward.server import RewardServer
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer.rewards import GrpcRewards
+
+    scored: list[str] = []
+    lock = threading.Lock()
+
+    def slow(prompt: str, completion: str, reference: str) -> bool:
+        with lock:
+            scored.append(completion)
+        time.sleep(0.2)
+        return True
+
+    concurrency = 2
+    with RewardServer(RewardConfig(host="127.0.0.1", port=0, workers=2), verifier=slow) as reward_server:
+        rewards = GrpcRewards(reward_server.address, concurrency=concurrency, timeout_s=10, retries=0)
+        try:
+            with RolloutClient(server.grpc_address) as real:
+                res = collect_retrying(_prompts(4), [_DiesOnce(real, after=6)], rewards, 4,
+                                       sampling_params(8, 1.0, 1.0), 0, retries=1, wait_s=10)
+        finally:
+            rewards.close()
+    n_scored, n_samples = len(scored), len(res.samples)
+    assert res.retries == 1 and n_samples == 16
+    assert n_scored <= n_samples + concurrency, f"{n_scored} completions scored for {n_samples}"

@@ -105,6 +105,22 @@ def test_a_lone_surrogate_is_refused_naming_the_line(tmp_path, row):
         load_prompts(p)
 
 
+@pytest.mark.parametrize(("row", "column"), [
+    ('{"prompt": "2+2?", "answer": "4", "source": "forum \\ud83d"}', "source"),
+    ('{"prompt": "2+2?", "answer": "4", "tags": ["ok", {"note": "cut \\udc00"}]}', "tags"),
+    ('{"prompt": "2+2?", "answer": "4", "meta": {"\\ud83d": 1}}', "meta"),  # keys too, at any depth
+    ('{"prompt": "2+2?", "answer": "4", "\\ud83d": 1}', "\\ud83d"),
+])
+def test_a_lone_surrogate_in_another_column_is_refused_naming_the_line_and_column(tmp_path, row, column):
+    # only the prompt, answer and messages were checked: the row loaded, and with reward = "grpc" the step failed
+    # after its whole rollout with a raw UnicodeEncodeError (metadata is sent as UTF-8 text)
+    p = tmp_path / "d.jsonl"
+    whole = '{"prompt": "a", "answer": "1", "source": "ok \U0001f600"}\n'  # a whole emoji is fine
+    p.write_text(whole + row + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: column '{column}' holds text that is not valid Unicode")):
+        load_prompts(p)
+
+
 def test_jsonl_with_a_utf8_bom_loads(tmp_path):
     # Windows editors save "UTF-8 with BOM": json.loads refused the first line ("Unexpected UTF-8 BOM")
     p = tmp_path / "d.jsonl"

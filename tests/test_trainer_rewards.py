@@ -6,6 +6,8 @@ responses, which that server never sends, use a stand-in client that returns fut
 
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import math
 import threading
@@ -284,6 +286,44 @@ def test_a_reward_server_that_is_down_fails_the_trainer_before_its_first_rollout
     assert time.monotonic() - t0 < 5
 
 
+def test_tlt_train_whose_reward_server_is_down_ends_with_one_line(tmp_path, random_model_dir, capfd):
+    """`tlt train` run() reported a rollout failure as one line (train_failed, exit status 1) but let a reward failure
+    end the trainer with a traceback. `tlt.cli.main` in this process; the reward and rollout addresses are closed."""
+    from tlt.cli import main
+    from tlt.services.common.ports import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    rc = main(["train", "--config", "cpu-tiny", "--set", "reward=grpc", "--set", f"reward_address={dead}",
+               "--set", "connect_timeout_s=0.5", "--set", "eval_problems=0", "--set", f"model_dir={random_model_dir}",
+               "--set", f'rollout_addresses=["127.0.0.1:{free_port()}"]', "--set", f"output_dir={tmp_path / 'run'}"])
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert rc == 1 and "train_failed" in text and f"reward server {dead} not reachable" in text, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+
+
+def test_tlt_train_shows_where_the_users_reward_function_raised(monkeypatch, capfd):
+    """A reward function's exception ends `tlt train` with the one-line train_failed, and with the user's own
+    traceback: the line of their code that raised is what they need to fix it."""
+    from tlt.services.trainer import loop, train
+
+    def judge(prompts, completions, **kw):
+        return [{"4": 1.0}[c] for c in completions]  # KeyError on "5"
+
+    def train_one_step(cfg):  # noqa: ANN001, ANN202 - the loop's scoring of one step, without a rollout
+        batch = FunctionRewards([judge]).begin()
+        batch.submit("k0", "2+2=", "5", "4")
+        batch.results()
+
+    monkeypatch.setattr(loop, "train", train_one_step)
+    args = argparse.Namespace(config="cpu-tiny", overrides=[], print_config=False)
+    assert train.run(args) == 1
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "train_failed" in text and "judge raised KeyError" in text, text[-2000:]
+    assert "Traceback" in text and 'return [{"4": 1.0}[c] for c in completions]' in text, text[-2000:]
+
+
 def test_wait_ready_returns_once_the_reward_server_is_up():
     from tlt.services.reward.config import RewardConfig
     from tlt.services.reward.server import RewardServer
@@ -382,6 +422,17 @@ def test_grpc_batch_checks_every_response_and_cancels_the_rest_on_failure():
     batch.submit("k0", "p", "c", "a")
     client.futures[0].set_result(_response("k0", reward=0.0, correct=True))
     assert batch.results()["k0"] == RewardResult(0.0, True)  # the server's verdict, not reward > 0
+
+
+def test_a_grpc_batch_refuses_text_it_cannot_send_with_reward_error_naming_the_completion():
+    # a lone surrogate (half an emoji) in a column's text: the request could not be encoded and protobuf's raw
+    # UnicodeEncodeError ended the step after its whole rollout
+    from tlt.services.trainer.rewards import _GrpcBatch
+
+    batch = _GrpcBatch(client := _FakeRewardClient())
+    with pytest.raises(RewardError, match="completion k0 cannot be sent to the reward server: .*surrogates"):
+        batch.submit("k0", "p", "c", "a", {"source": "forum \ud83d"})
+    assert client.requests == []
 
 
 def test_function_rewards_refuse_bools_too_many_values_and_mismatched_weights():

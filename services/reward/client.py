@@ -20,7 +20,8 @@ as does a Score answer whose results cannot be matched to its items (results
 in another order are matched by id). `close()` cancels queued and in-flight
 calls rather than waiting out their timeouts.
 A stream that breaks or stalls is reopened and the unanswered items are sent
-again; answers that arrive twice are dropped.
+again; answers that arrive twice are dropped, and one under an id never sent is
+a `RewardCallError` (a fault of the server, which re-sending would not mend).
 
 Reconnecting: each client has its own connection and a reconnect back-off capped at
 `max_reconnect_backoff_s` (1 s), so a reward server restarted on the same port is reached again
@@ -127,6 +128,7 @@ class RewardClient:
         unanswered `timeout_s` after it was read counts as a stalled stream; a
         stalled or broken stream is reopened (up to `retries` times in a row)
         and every unanswered item is sent again; duplicate answers are dropped.
+        An answer under an id that was never sent is a RewardCallError.
         """
         stream = _StreamState(items)
         failures = 0
@@ -158,6 +160,12 @@ class RewardClient:
                     if stream.answered(out):  # type: ignore[arg-type]
                         failures = 0
                         yield out  # type: ignore[misc]
+                    elif not stream.was_answered(answer_id := out.id):  # type: ignore[attr-defined]
+                        # a server fault (as Score()'s mismatched ids), not a silence: re-sending would not mend it
+                        raise RewardCallError(
+                            f"reward server {self.address} answered id {answer_id!r}, which it was never sent "
+                            f"(items unanswered: {stream.unanswered_ids(5)}); a server must answer each item under "
+                            "its id")
             finally:
                 attempt_over.set()
                 call.cancel()
@@ -257,6 +265,9 @@ class _StreamState:
     def __init__(self, items: Iterable[ScoreRequest]) -> None:
         self._lock = threading.Lock()
         self._unanswered: dict[str, tuple[ScoreRequest, float]] = {}
+        # every id answered: tells a duplicate answer (dropped) from one under an id never sent (the server's fault);
+        # one id per item for the stream's life
+        self._answered: set[str] = set()
         self._incoming: queue.Queue[object] = queue.Queue()
         self._source_done = threading.Event()
         self._source_error: list[Exception] = []
@@ -305,12 +316,21 @@ class _StreamState:
             yield item  # type: ignore[misc]
 
     def answered(self, response: ScoreResponse) -> bool:
-        """Record an answer; False for an id that is not pending (a duplicate after a resend)."""
+        """Record an answer; False for an id that is not pending (a duplicate, or an id never sent: `was_answered`)."""
         with self._lock:
             if self._unanswered.pop(response.id, None) is None:
                 return False
+            self._answered.add(response.id)
             self._last_answer = time.monotonic()
             return True
+
+    def was_answered(self, item_id: str) -> bool:
+        with self._lock:
+            return item_id in self._answered
+
+    def unanswered_ids(self, limit: int) -> list[str]:
+        with self._lock:
+            return sorted(self._unanswered)[:limit]
 
     def stalled(self, timeout_s: float) -> bool:
         now = time.monotonic()

@@ -14,7 +14,7 @@ The rollout server itself first re-issues a dead replica's unfinished samples to
 another replica (`[rollout] redispatch_limit`, services/rollout/replicas.py), so
 the stream goes on; UNAVAILABLE reaches the trainer only when it cannot.
 Whatever fails, the step's other streams are cancelled (their servers stop
-generating for it).
+generating for it), and so are its reward calls not yet started.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tlt.services.trainer.dynamic_sampling import Selection
-from tlt.services.trainer.rewards import RewardSource
+from tlt.services.trainer.rewards import RewardBatch, RewardSource
 from tlt.services.trainer.types import PromptItem, ScoredCompletion
 from tlt.v1 import rollout_pb2
 
@@ -56,6 +56,7 @@ class RolloutBusyError(RetryableRolloutError):
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE: ReplicaLostError, grpc.StatusCode.RESOURCE_EXHAUSTED: RolloutBusyError}
 BUSY_WAIT_S = 5.0  # first wait before a busy server is asked again; doubles per retry
+POLL_MIN_S = 0.5  # the shortest status poll (`wait_serving`): the one at the deadline can still find a server serving
 
 
 @dataclass(frozen=True)
@@ -130,21 +131,45 @@ def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: 
 
 def wait_serving(clients: Sequence, timeout_s: float) -> None:
     """Until every replica of every rollout server is alive and not draining (a restarted one is marked alive only
-    once the latest weights are replayed into it); RolloutError after `timeout_s`."""
-    from tlt.v1 import common_pb2
-
+    once the latest weights are replayed into it); RolloutError after `timeout_s`, naming each server that was not
+    serving and why (its last answer: the gRPC error, or which replicas were down or draining)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            if all(st.replicas and all(r.alive and r.state != common_pb2.REPLICA_STATE_DRAINING for r in st.replicas)
-                   for st in (c.status() for c in clients)):
-                return
-        except grpc.RpcError:  # the server itself is down or restarting: keep asking until the deadline
-            pass
+        # every server each round, each poll bounded by the time left: a front that accepts the call and never
+        # answers (the trainer's clients have no deadline) ends its poll, not the wait
+        not_serving = {c.address: why for c in clients
+                       if (why := _not_serving(c, max(deadline - time.monotonic(), POLL_MIN_S)))}
+        if not not_serving:
+            return
         if time.monotonic() > deadline:
-            raise RolloutError(f"the rollout replicas did not all serve again within {timeout_s}s of a replica death; "
-                               "see the rollout server's log (replica_restart_failed?)")
+            raise RolloutError(f"the rollout replicas did not all serve again within {timeout_s}s of a replica death: "
+                               + "; ".join(f"{address}: {why}" for address, why in not_serving.items())
+                               + "; start the servers that are down, or see their log (replica_restart_failed?)")
         time.sleep(0.5)
+
+
+def _not_serving(client, timeout_s: float) -> str:  # noqa: ANN001 - RolloutClient
+    """Why `client`'s server does not serve every replica now ("" when it does)."""
+    from tlt.v1 import common_pb2
+
+    try:
+        st = _status(client, timeout_s)
+    except grpc.RpcError as e:  # the server itself is down or restarting: asked again until the deadline
+        return f"{e.code()} {e.details()}"
+    if not st.replicas:
+        return "no replicas"
+    down = [f"replica {r.replica_id} {'draining' if r.alive else 'not alive'}" for r in st.replicas
+            if not r.alive or r.state == common_pb2.REPLICA_STATE_DRAINING]
+    return ", ".join(down)
+
+
+def _status(client, timeout_s: float) -> rollout_pb2.RolloutStatus:  # noqa: ANN001 - RolloutClient
+    """The server's GetStatus within `timeout_s` (RolloutClient.status() takes the client's deadline: none for the
+    trainer's). A client without a stub (a wrapper of one) is asked through its status()."""
+    stub = getattr(client, "stub", None)
+    if stub is None:
+        return client.status()
+    return stub.GetStatus(rollout_pb2.StatusRequest(), timeout=timeout_s)
 
 
 def collect(
@@ -165,20 +190,23 @@ def collect(
     streams: list = []  # the servers' BatchGenerate calls, cancelled if the step fails
     threads = [threading.Thread(target=_read, args=(c, ps, n, params, f"step{step}-s{j}", q, streams), daemon=True)
                for j, (c, ps) in enumerate(shards)]
+    batch = rewards.begin()
     for t in threads:
         t.start()
     try:
-        return _gather(prompts, rewards, n, step, q, len(threads), global_index, t0)
+        return _gather(prompts, batch, n, step, q, len(threads), global_index, t0)
     except BaseException:
         for st in list(streams):
             st.cancel()
+        # the step's partial rollout is dropped (a retry rolls it out anew): its reward calls not yet started
+        # would score completions nobody uses, ahead of the retry's in the reward client's queue
+        batch.cancel()
         raise
 
 
-def _gather(prompts: Sequence[PromptItem], rewards: RewardSource, n: int, step: int | str, q: queue.Queue,
+def _gather(prompts: Sequence[PromptItem], batch: RewardBatch, n: int, step: int | str, q: queue.Queue,
             left: int, global_index: dict[int, list[int]], t0: float) -> RolloutResult:
     """Read every stream's completions off `q`, scoring each as it arrives; then the step's scored samples."""
-    batch = rewards.begin()
     pending: dict[str, tuple[int, rollout_pb2.Completion]] = {}
     last_arrival = t0
     while left:

@@ -136,6 +136,11 @@ def _item(index: int, row: object, where: str, answer_field: str = "answer") -> 
         if isinstance(text, str) and not _utf8(text):
             raise DataError(f"{where}: the prompt or answer holds text that is not valid Unicode (a lone surrogate, "
                             f"e.g. half an emoji: {text.encode('utf-8', 'backslashreplace')[:80]!r}); fix the row")
+    # the other columns reach the reward too (a reward server's metadata is UTF-8): refused here, not after a rollout
+    for name, value in extra.items():
+        if (bad := _invalid_text({name: value})) is not None:
+            raise DataError(f"{where}: column {name!r} holds text that is not valid Unicode (a lone surrogate, e.g. "
+                            f"half an emoji: {bad.encode('utf-8', 'backslashreplace')[:80]!r}); fix the row")
     return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra, messages=messages)
 
 
@@ -145,6 +150,22 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _invalid_text(value: object) -> str | None:
+    """A string in a JSON value (object keys included, nested at any depth) that is not valid Unicode, else None."""
+    stack = [value]
+    while stack:  # not recursive: a deeply nested row must not end in a RecursionError
+        v = stack.pop()
+        if isinstance(v, str):
+            if not _utf8(v):
+                return v
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+            stack.extend(v.keys())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return None
 
 
 def _items(rows: Iterable[Row], answer_field: str, model_dir: str | Path | None) -> list[PromptItem]:

@@ -4,6 +4,7 @@
     batch.submit(key, prompt, completion, answer, extra,    # called as each completion streams in
                  messages=, completion_ids=)
     batch.results() -> {key: RewardResult}                  # waits for the rest; raises RewardError
+    batch.cancel()                                          # the step failed: drop what is not scored yet
 
 `extra` is the data row's other columns (PromptItem.extra: JSON values); `messages` the row's chat messages when
 its prompt was a list of them (PromptItem.messages; `prompt` is then their rendered text); `completion_ids` the
@@ -63,6 +64,10 @@ class RewardError(RuntimeError):
     """A completion could not be scored; the RL step cannot proceed without it."""
 
 
+class RewardFunctionFailed(RewardError):
+    """The user's reward function raised (chained as __cause__): `tlt train` prints that traceback with its line."""
+
+
 @dataclass(frozen=True)
 class RewardResult:
     reward: float
@@ -77,6 +82,7 @@ class RewardBatch(Protocol):
                extra: Mapping[str, Any] | None = None, messages: Messages | None = None,
                completion_ids: Sequence[int] | None = None) -> None: ...
     def results(self) -> dict[str, RewardResult]: ...
+    def cancel(self) -> None: ...
 
 
 class RewardSource(Protocol):
@@ -182,7 +188,7 @@ class _FunctionBatch:
         except RewardError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's code: re-raised as the step's RewardError
-            raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} "
+            raise RewardFunctionFailed(f"reward function {name} raised {type(e).__name__}: {e} "
                               f"(scoring {len(self._keys)} completions, first {self._keys[:1]})") from e
 
     def results(self) -> dict[str, RewardResult]:
@@ -207,6 +213,9 @@ class _FunctionBatch:
                               "None for it (None is for completions a function does not apply to; one of them "
                               "must score each completion)")
         return {k: RewardResult(t, t > 0) for k, t in zip(self._keys, totals)}
+
+    def cancel(self) -> None:
+        """Nothing runs before results(): a dropped batch is just never asked for them."""
 
 
 class FunctionRewards:
@@ -299,8 +308,12 @@ class _GrpcBatch:
         extra = extra or {}
         metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in extra.items()}
         json_keys = sorted(k for k, v in extra.items() if not isinstance(v, str))
-        req = reward_pb2.ScoreRequest(id=key, prompt=prompt, completion=completion, reference=answer,
-                                      metadata=metadata, json_metadata_keys=json_keys)
+        try:
+            req = reward_pb2.ScoreRequest(id=key, prompt=prompt, completion=completion, reference=answer,
+                                          metadata=metadata, json_metadata_keys=json_keys)
+        except UnicodeEncodeError as e:  # text that is no valid Unicode (a lone surrogate) cannot go as UTF-8
+            raise RewardError(f"completion {key} cannot be sent to the reward server: its prompt, answer or a column "
+                              f"holds text that is not valid Unicode ({e}); fix the data row") from e
         self._futures[key] = self._client.submit(req)
 
     def results(self) -> dict[str, RewardResult]:
@@ -319,10 +332,15 @@ class _GrpcBatch:
                     raise RewardError(f"reward server answered id {resp.id!r} for completion {key}")
                 out[key] = RewardResult(_check_value(key, resp.reward, "reward server"), bool(resp.correct))
         except RewardError:
-            for fut in self._futures.values():
-                fut.cancel()
+            self.cancel()
             raise
         return out
+
+    def cancel(self) -> None:
+        """Drop the calls not yet started (they wait in the client's queue, ahead of any later batch's); a call
+        already running ends on its own, within the client's timeout."""
+        for fut in self._futures.values():
+            fut.cancel()
 
 
 class GrpcRewards:

@@ -59,11 +59,16 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.trainer.data import DataError
     from tlt.services.trainer.loop import train
     from tlt.services.trainer.policy import ModelMismatchError
+    from tlt.services.trainer.rewards import RewardError, RewardFunctionFailed
 
     try:
         with unwind_on_termination():
             summary = train(cfg)
-    except (ControlRefusedError, RolloutError) as e:  # what to fix is in the message: no traceback
+    except (ControlRefusedError, RolloutError, RewardError) as e:  # what to fix is in the message: no traceback
+        if isinstance(e, RewardFunctionFailed) and e.__cause__ is not None:  # the user's own code: where it raised
+            import traceback
+
+            traceback.print_exception(e.__cause__)
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
     except (DataError, CheckpointError, ModelMismatchError) as e:  # the user's data, output_dir or model folders
