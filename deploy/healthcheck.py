@@ -3,6 +3,7 @@
     python deploy/healthcheck.py http http://127.0.0.1:8000/health grpc-rollout 127.0.0.1:50051
     python deploy/healthcheck.py grpc-reward 127.0.0.1:50061
     python deploy/healthcheck.py grpc-drafter 127.0.0.1:50071
+    python deploy/healthcheck.py http http://127.0.0.1:9460/metrics --when JOB_COMPLETION_INDEX=0
 
 Used by docker-compose.yml and the Kubernetes probes. Checks are (kind,
 target) pairs; each must answer within --timeout seconds. gRPC checks call a
@@ -14,6 +15,7 @@ that the port is open. No control-plane call is made, so no token is needed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -52,9 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checks", nargs="+", metavar="KIND TARGET", help=f"pairs; KIND is one of {', '.join(KINDS)}")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per check")
+    parser.add_argument("--when", metavar="NAME=VALUE", default=None,
+                        help="check only when environment variable NAME is VALUE, else exit 0 (the Kubernetes "
+                        "trainer's pods share one probe, and only the pod of global rank 0 serves /metrics)")
     args = parser.parse_args(argv)
     if len(args.checks) % 2:
         parser.error("checks come in pairs: KIND TARGET")
+    if args.when is not None:
+        name, sep, value = args.when.partition("=")
+        if not sep or not name:
+            parser.error(f"--when takes NAME=VALUE, got {args.when!r}")
+        if os.environ.get(name) != value:
+            return 0
     failures = []
     for kind, target in zip(args.checks[::2], args.checks[1::2]):
         if kind not in KINDS:

@@ -184,7 +184,9 @@ def test_k8s_commands_parse_and_probes_match_ports(workload):
     ports = {p["containerPort"] for p in c.get("ports", [])}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if probe in c:
-            targets = c[probe]["exec"]["command"][2:][1::2]
+            command = c[probe]["exec"]["command"]
+            checks = command[2 : command.index("--when")] if "--when" in command else command[2:]
+            targets = checks[1::2]
             for t in targets:
                 assert int(re.search(r":(\d+)", t).group(1)) in ports, f"{workload} {probe} checks {t}, not a container port"
     assert "readinessProbe" in c or "livenessProbe" in c
@@ -236,3 +238,21 @@ def test_guide_preset_table_matches_the_presets():
         assert m is None or int(m.group(1)) == trainer.get("zero_stage", 0), f"{name}: {m.group(0)}"
         dtype = rollout.get("engine", {}).get("dtype")
         assert {"bfloat16": "bf16", "float32": "fp32"}[dtype] in row, f"{name}: rollout dtype {dtype}"
+
+
+def test_the_trainer_pods_probe_checks_metrics_only_on_the_pod_that_serves_them(monkeypatch):
+    """Only global rank 0 serves /metrics (loop.py), on pod 0 of the Indexed Job; pod 1 (ranks 8-15) never does,
+    and a liveness probe that required it killed pod 1, and with backoffLimit 0 the whole Job, 23 minutes in."""
+    import importlib.util
+
+    (d, c), = [(d, c) for d, c in containers(k8s_docs()) if d["metadata"]["name"] == "tlt-trainer"]
+    command = c["livenessProbe"]["exec"]["command"]
+    assert command[:2] == ["python", "/app/deploy/healthcheck.py"]
+    spec = importlib.util.spec_from_file_location("healthcheck", Path(__file__).parents[1] / "deploy" / "healthcheck.py")
+    healthcheck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(healthcheck)
+    unserved = [a.replace("9460", "9") for a in command[2:]]  # port 9: nothing listens, as on pod 1
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
+    assert healthcheck.main(unserved + ["--timeout", "2"]) == 0
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")  # pod 0 is still checked
+    assert healthcheck.main(unserved + ["--timeout", "2"]) == 1
