@@ -259,6 +259,9 @@ def test_whole_commands_refuse_with_one_line(models, tmp_path) -> None:
         # RoPE past the trained length: the replicas loaded and served it silently
         "max_model_len past the model's": (["rollout", "serve", "--model", models["qwen2"], *ports],
                                            {"TLT_ROLLOUT__ENGINE__MAX_MODEL_LEN": "1000000"}),
+        # every policy push would be refused, after the server started and served a rollout
+        "push limit under the model's weights": (["rollout", "serve", "--model", models["qwen2"], *ports],
+                                                 {"TLT_ROLLOUT__MAX_WEIGHT_BYTES": "1000"}),
         # a worker took any device and failed in torch once its replica first turned idle (or waited for it forever)
         "unknown drafter device": (["drafter", "worker", "--model", models["qwen2"], "--coordinator",
                                     "tcp://127.0.0.1:5704", "--replica", "0", "--set", "device=gpu"], None),

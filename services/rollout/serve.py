@@ -181,7 +181,9 @@ def check_before_start(model: str, config: Any) -> None:
         from tlt.model.folder import read_model_config
         from tlt.services.rollout.engine.config import context_limit
 
-        context_limit(config.engine.max_model_len, read_model_config(model))
+        model_config = read_model_config(model)
+        context_limit(config.engine.max_model_len, model_config)
+        check_push_limit(model_config, config.max_weight_bytes)
     spec = config.spec  # (an unknown backend: refused as the config loads, RolloutConfig._known_backend)
     if config.backend == "native" and spec.mode != "off" and spec.drafter == "learned":
         check_drafter_folder(spec.drafter_path)  # --drafter, or [rollout.spec] drafter_path
@@ -190,6 +192,21 @@ def check_before_start(model: str, config: Any) -> None:
         from tlt.services.rollout.sglang_backend.launch import check_draft_model
 
         check_draft_model(resolve_config(None))  # what each replica resolves: TLT_PRESET, TLT_SGLANG__*
+
+
+def check_push_limit(model_config: Any, max_weight_bytes: int) -> None:
+    """ConfigError when even a bf16 push of the model's weights is over max_weight_bytes: the rollout would start,
+    serve, and refuse every policy update (a 14B policy is 27.5 GiB, the default limit 16 GiB)."""
+    import math
+
+    from tlt.model.loader import expected_tensors
+    from tlt.services.common.config import ConfigError
+
+    smallest = 2 * sum(math.prod(shape) for shape in expected_tensors(model_config).values())
+    if smallest > max_weight_bytes:
+        raise ConfigError(f"a bf16 weight push of this model is {smallest / 2**30:.1f} GiB, over [rollout] "
+                          f"max_weight_bytes = {max_weight_bytes / 2**30:.1f} GiB: every policy update would be "
+                          f"refused; raise max_weight_bytes to at least {smallest} (more for an fp32 trainer)")
 
 
 def export_preset(preset: str | None, environ: dict | None = None) -> None:
