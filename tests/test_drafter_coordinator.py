@@ -543,3 +543,136 @@ def test_the_gate_publishes_only_a_candidate_better_by_the_margin(tmp_path, mode
     finally:  # never started: only its socket to close
         coord._router.close()
         coord._ctx.term()
+
+
+class _RolloutServing:
+    """Stands in for the rollout's UpdateWeights: it serves drafter `version` (pushed by someone else: a coordinator
+    whose checkpoint_dir was lost or moved) and refuses, as the real one does, any version not newer."""
+
+    def __init__(self, version: int) -> None:
+        self.version, self.tensors, self.pushes = version, None, []
+
+    def __call__(self, tensors, version) -> None:  # noqa: ANN001
+        self.pushes.append(version)
+        if version <= self.version:
+            raise WeightPushError(f"drafter version {version} is not newer than the serving {self.version}",
+                                  self.version)
+        self.version, self.tensors = version, tensors
+
+
+@pytest.mark.parametrize("moved_on", [False, True])
+def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_path, model_dir, monkeypatch,
+                                                                          moved_on) -> None:
+    """A coordinator started on a fresh checkpoint_dir while the rollout kept serving drafter v10: its candidate v1
+    wins the gate and is refused as not newer. That refusal was taken as "already served": status said serving v1
+    while the rollout ran v10 and never got the trained weights, and every later candidate up to v10 went the same
+    way. Only a version this coordinator restored as pushed (pending or serving) may end as already served; any
+    other is renumbered above the rollout's version and sent, and the next candidate numbers above that. A candidate
+    that a worker's delta changed meanwhile (`moved_on`) gets a number of its own: one number, one drafter."""
+    import torch
+
+    import tlt.services.drafter.coordinator as coordinator_mod
+    from tlt.services.drafter.coordinator import tensors_message
+    from tlt.services.drafter.training import own_tensors
+    from tlt.v1 import drafter_pb2
+
+    def delta(base: int, by: float) -> drafter_pb2.DeltaUpdate:
+        m, p = tensors_message({k: torch.full_like(v, by) for k, v in won.items()}, base)
+        return drafter_pb2.DeltaUpdate(base_version=base, manifest=m, payload=p)
+
+    rollout = _RolloutServing(10)
+    coord = gated_coordinator(tmp_path, model_dir, rollout)  # not started: the gate is called by hand
+    try:
+        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+        with coord._lock:
+            for v in coord.candidate.parameters():
+                v.add_(0.01)  # the candidate differs from the initial serving drafter
+            coord.candidate_version = 1
+        won = own_tensors(coord.candidate)
+        with pytest.raises(WeightPushError):
+            coord.evaluate_and_publish()
+        if moved_on:
+            assert coord.apply_delta(delta(1, 0.001)) == 2
+        coord.push_pending()  # the gate loop's next round
+        assert rollout.version == 11 and rollout.pushes == [1, 1, 11], rollout.pushes
+        assert all(torch.equal(rollout.tensors[k], won[k]) for k in won)  # the weights that won the gate
+        assert coord._pending is None and coord.serving_version == 11
+        assert coord.candidate_version == (12 if moved_on else 11)
+        assert load_state(coord.ckpt)["serving_version"] == 11
+        assert coord.apply_delta(delta(coord.candidate_version, 0.0)) == (13 if moved_on else 12)
+    finally:
+        coord._router.close()
+        coord._ctx.term()
+
+
+def test_a_dead_worker_is_reported_neither_alive_nor_training(tmp_path, model_dir, samples) -> None:
+    """A worker killed with -9 mid-window stayed `alive=True, training=True` in GetStatus for good: every message
+    set alive and only a window report cleared training. A worker not heard for `worker_silent_s` (shortened here)
+    is reported not alive and not training; heard again, it is alive again. Real ROUTER over ZeroMQ; the worker is
+    a bare REQ socket that asks for a batch and then goes silent, as a killed worker does."""
+    import zmq
+
+    from tlt.v1 import drafter_pb2
+
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9)
+    coord.worker_silent_s = 2.0
+    ctx = zmq.Context()
+
+    def ask(**body) -> None:  # noqa: ANN003
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coord.endpoint)
+        sock.send(drafter_pb2.WorkerMessage(worker_id=7, replica_id=0, **body).SerializeToString())
+        assert sock.poll(10_000), "the coordinator did not answer"
+        sock.recv()
+        sock.close()
+
+    def worker7() -> drafter_pb2.WorkerStatus:
+        return {w.worker_id: w for w in coord.status().workers}[7]
+
+    try:
+        heard = time.monotonic()  # at most when the coordinator heard it
+        ask(batch_request=drafter_pb2.BatchRequest(rows=1))
+        assert worker7().alive and worker7().training
+        deadline = time.monotonic() + 10
+        while worker7().alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not worker7().alive and not worker7().training
+        assert time.monotonic() - heard >= 2.0
+        ask(hello=drafter_pb2.WorkerHello(worker_id=7, replica_id=0, pid=os.getpid() + 1))  # a restarted worker
+        assert worker7().alive and not worker7().training
+    finally:
+        ctx.term()
+        coord.close()
+        pub.close()
+
+
+def test_a_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir) -> None:
+    """`tlt drafter serve --model B` on a checkpoint_dir holding model A's coordinator.pt (the default folder is the
+    same for every model) failed with "drafter tensor fc.weight: shape (64, 128), expected ...", naming neither the
+    file nor what to do. The error (a DrafterError: one line and exit 2 from the CLI) names the checkpoint and says
+    to give [drafter] checkpoint_dir another folder. Real checkpoints of two models of different sizes."""
+    from tlt.model.drafter import DrafterError
+    from tlt.model.testing import random_checkpoint
+
+    other = random_checkpoint(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False)
+    first = Coordinator(cfg, str(model_dir), None, None)  # model A's service ran here
+    first.save_now()
+    first._router.close()
+    first._ctx.term()
+    with pytest.raises(DrafterError) as err:
+        Coordinator(cfg, str(other), None, None)
+    msg = str(err.value)
+    assert str(tmp_path / "ckpt" / "coordinator.pt") in msg and "checkpoint_dir" in msg and "\n" not in msg, msg
+
+
+def test_a_coordinator_never_started_closes(tmp_path, model_dir) -> None:
+    """close() joined threads that were never started ("cannot join thread before it is started"): a caller whose
+    setup failed between the constructor and start() could not release the coordinator's socket."""
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"))
+    coord = Coordinator(cfg, str(model_dir), None, None)
+    coord.close()
+    assert coord._router.closed

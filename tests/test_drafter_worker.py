@@ -620,3 +620,113 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
         if worker and not pid_gone(worker):
             os.kill(worker, signal.SIGKILL)
         pub.close()
+
+
+def test_a_restarted_worker_trains_with_its_configured_optimizer_settings(tmp_path, model_dir, monkeypatch) -> None:
+    """A worker restarted with a new lr or weight_decay (`tlt drafter worker --set lr=...`, e.g. lowered after its
+    deltas were refused as non-finite) trained on with the old ones: `load_state_dict` of its optimizer checkpoint
+    brings back the saved param groups' lr, weight_decay and betas too. The checkpoint's moments and step counts
+    carry over; the settings are the config's."""
+    import tlt.services.drafter.worker as worker_mod
+
+    real, seen = worker_mod.micro_step, []
+
+    def step(drafter, opt, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        g = opt.param_groups[0]
+        seen.append((g["lr"], g["weight_decay"], tuple(g["betas"])))
+        return real(drafter, opt, *a, **k)
+
+    monkeypatch.setattr(worker_mod, "micro_step", step)
+    first = StubbedWorker(tmp_path, model_dir, lr=3e-3, weight_decay=0.0)
+    first.worker.state, first.busy_after = IDLE, 2
+    first.worker.window()
+    first.worker._flush()
+    again = StubbedWorker(tmp_path, model_dir, lr=3e-5, weight_decay=0.1)  # the restart, with new settings
+    seen.clear()
+    again.worker.state, again.busy_after = IDLE, 2
+    again.worker.window()
+    again.worker._flush()
+    assert seen == [(3e-5, 0.1, (0.9, 0.95))] * 2, seen
+    saved = load_state(again.worker.ckpt)
+    assert {int(s["step"]) for s in saved["optimizer"]["state"].values()} == {4}  # Adam's state went on
+
+
+def test_busy_during_the_shared_fetch_keeps_the_deferred_delta_for_later(tmp_path, model_dir) -> None:
+    """A window opens by fetching a newer policy's embedding / lm_head (GetWeights: seconds on a real model), then
+    sends what the last window deferred. A BUSY that came during the fetch was only looked at after the send, which
+    ran on the busy replica's time. The window ends before the send, the delta still deferred; the next idle moment
+    sends it. The fetch is a stand-in that queues the BUSY as the rollout would."""
+    from tlt.services.drafter.shared import SharedTensors
+
+    stub = StubbedWorker(tmp_path, model_dir)
+    worker = stub.worker
+    worker.state, stub.busy_after = IDLE, 2
+    worker.window()  # 2 steps, preempted: delta and checkpoint deferred
+    assert worker._deferred is not None and worker._deferred.steps == 2
+    stub.asks.clear()
+
+    def fetch() -> SharedTensors:
+        stub.busy()  # the replica turns busy while the tensors come
+        cur = worker.shared.current
+        return SharedTensors(1, cur.embed.clone(), cur.lm_head.clone())
+
+    worker.shared.fetch = fetch
+    worker.shared.see(1)  # the capacity events said the rollout serves policy 1
+    worker.state, stub.busy_after = IDLE, 10**6
+    res = worker.window()
+    assert res.preempted and res.micro_steps == 0 and stub.asks == ["window"], stub.asks
+    assert worker.shared.current.policy_version == 1 and worker._deferred.steps == 2
+    assert load_state(worker.ckpt) is None  # nor was the checkpoint written
+    worker._flush()  # the next idle moment
+    assert stub.asks[-1] == "update" and stub.version == 1 and load_state(worker.ckpt)["micro_steps"] == 2
+
+
+def test_a_worker_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir) -> None:
+    """A worker-<id>.pt written for another model (checkpoint_dir shared between models) failed at the first
+    micro-step of the first idle window with "The size of tensor a (128) must match the size of tensor b (64)",
+    a traceback that ended the worker's process. The worker refuses it when it starts, with a DrafterError (one
+    line, exit 2 from the CLI) that names the file and says to give [drafter] checkpoint_dir another folder."""
+    from tlt.model.drafter import DrafterError
+    from tlt.model.testing import random_checkpoint
+
+    first = StubbedWorker(tmp_path, model_dir)
+    first.worker.state, first.busy_after = IDLE, 2
+    first.worker.window()
+    first.worker._flush()
+    other = random_checkpoint(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    with pytest.raises(DrafterError) as err:
+        StubbedWorker(tmp_path, other)
+    msg = str(err.value)
+    assert str(first.worker.ckpt) in msg and "checkpoint_dir" in msg and "\n" not in msg, msg
+
+
+def test_a_worker_whose_replica_stays_busy_is_still_reported_alive(tmp_path, model_dir, samples) -> None:
+    """The coordinator reports a worker not heard from for `worker_silent_s` as dead (a kill -9). A worker whose
+    replica is busy has nothing to ask the coordinator, and one in a long step or GetWeights fetch asks nothing
+    either: its heartbeat thread says hello every `heartbeat_s` whatever the worker does (both shortened here).
+    Once the worker has stopped it is reported dead. Real coordinator and worker over ZeroMQ on 127.0.0.1."""
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9, pin_cpus=False)
+    coord.worker_silent_s = 2.0
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    worker.heartbeat_s = 0.2
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+
+    def alive() -> bool:
+        return any(w.worker_id == 0 and w.alive for w in coord.status().workers)
+
+    try:
+        thread.start()
+        assert wait_for(alive, 20)
+        for _ in range(8):  # 4 s of a busy replica: twice the silence that marks a worker dead
+            time.sleep(0.5)
+            assert alive()
+        stop.set()
+        thread.join(20)
+        assert wait_for(lambda: not alive(), 10)
+    finally:
+        stop.set()
+        thread.join(20)
+        worker.close()
+        coord.close()
+        pub.close()

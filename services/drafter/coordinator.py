@@ -18,7 +18,11 @@ wait on the disk), so a restarted coordinator continues from a consistent state.
 published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head are
 never among them (asserted). A push that fails (possibly on some replicas only) is sent again as it
 was until it lands, whatever later evaluations say; a push in flight or owed is in the checkpoint, so a
-restarted coordinator sends it again too (or, refused as already served, takes it as the serving drafter).
+restarted coordinator sends it again too (or, refused as already served, takes it as the serving drafter). A
+push refused because the rollout serves a newer drafter than any this coordinator pushed (its checkpoint_dir is new
+or was lost while the rollout ran on) is numbered above the rollout's version and sent again. A worker not heard
+from for `WORKER_SILENT_S` (workers say hello every `WORKER_HEARTBEAT_S` while they run) is shown in status as
+neither alive nor training.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from tlt.model.drafter import DrafterError
 from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
@@ -61,6 +66,11 @@ def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
 
 
 PUSH_RETRY_S = 2.0  # a push owed to the rollout (`push_pending`) is retried this often until it lands
+WORKER_HEARTBEAT_S = 2.0  # a running worker says hello this often, whatever it does (worker.py: its own thread)
+WORKER_REQUEST_TIMEOUT_S = 10.0  # a worker's wait for an answer before it asks again on a fresh socket
+# A worker not heard from for this long is shown as neither alive nor training (killed, or cut off). A live one is
+# heard at least every heartbeat plus the timeout of one unanswered request; twice that leaves room for a slow host.
+WORKER_SILENT_S = 2 * (WORKER_HEARTBEAT_S + WORKER_REQUEST_TIMEOUT_S)
 
 
 class Coordinator:
@@ -87,7 +97,10 @@ class Coordinator:
         self.latest_policy = 0
         self.windows: deque[drafter_pb2.TrainingWindow] = deque(maxlen=config.history)
         self.acceptance: deque[drafter_pb2.AcceptanceRecord] = deque(maxlen=config.history)
-        self.workers: dict[int, drafter_pb2.WorkerStatus] = {}
+        self.workers: dict[int, drafter_pb2.WorkerStatus] = {}  # changed under the lock (status() reads them)
+        self._heard: dict[int, float] = {}  # worker id -> monotonic time of its last message
+        self._pids: dict[int, int] = {}  # worker id -> the pid its last hello gave (a new one: the worker restarted)
+        self.worker_silent_s = WORKER_SILENT_S
         self.preemptions = 0
         self.deltas = 0
         self.deltas_refused = 0  # since this process started (not checkpointed: a count for status and /metrics)
@@ -101,9 +114,10 @@ class Coordinator:
         # one held-out set between two rollouts; the serving side need not be recomputed.
         self._serving_score: tuple[tuple[int, int], list, tuple[float, int]] | None = None
         self.interrupted_evals = 0  # evaluations given up because a replica turned busy
-        # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's
-        self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
         self._restored_pending: tuple[dict[str, torch.Tensor], int] | None = None
+        # the versions the checkpoint says were pushed, or may have been (serving, and the push owed): the only ones
+        # a rollout's "already served" refusal can be about (`push_pending`)
+        self._restored_pushes: set[int] = set()
         self._restore()
         # A push still owed to the rollout (`push_pending`), sent as it is until it lands: a candidate push that
         # failed, or a restored serving drafter (version > 0): after a restart (`tlt run --resume`) the rollout
@@ -113,6 +127,9 @@ class Coordinator:
         self._pending: tuple[dict[str, torch.Tensor], int] | None = self._restored_pending or (
             (dict(self.serving), self.serving_version) if self.serving_version > 0 else None)
         self._pending_at = 0.0
+        # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's (made
+        # after the checkpoint was read: one that does not fit raises, and its thread and socket would be left behind)
+        self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
         self.metrics = Metrics("drafter")
         self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
         self.m_buffer = self.metrics.gauge("buffer_windows", "training windows in the feature buffer")
@@ -153,7 +170,8 @@ class Coordinator:
     def close(self) -> None:
         self._stop.set()
         for t in self._threads:
-            t.join(timeout=10)
+            if t.ident is not None:  # started (a caller whose setup failed before start() closes it too)
+                t.join(timeout=10)
         if self.rollout is not None:
             self.rollout.close()
         self._router.close()
@@ -163,7 +181,11 @@ class Coordinator:
         state = load_state(self.ckpt)
         if state is None:
             return
-        self.candidate.load_tensors(state["candidate"])
+        try:
+            self.candidate.load_tensors(state["candidate"])
+        except DrafterError as e:  # the default checkpoint_dir is the same for every model started from one folder
+            raise DrafterError(f"{self.ckpt} holds the drafter of another model ({e}); give [drafter] checkpoint_dir "
+                               f"a folder of its own for --model {self.model_dir}, or move that file away") from e
         self.candidate_version = int(state["candidate_version"])
         self.serving = state["serving"]
         self.serving_version = int(state["serving_version"])
@@ -173,6 +195,9 @@ class Coordinator:
         pending = state.get("pending")
         if pending is not None:  # the last process died with this push in flight or failed: still owed
             self._restored_pending = (pending["tensors"], int(pending["version"]))
+            self._restored_pushes.add(self._restored_pending[1])
+        if self.serving_version > 0:
+            self._restored_pushes.add(self.serving_version)
         for blob in state.get("acceptance", []):
             self.acceptance.append(drafter_pb2.AcceptanceRecord.FromString(blob))
         for blob in state.get("windows", []):
@@ -252,12 +277,21 @@ class Coordinator:
 
     def handle(self, msg: drafter_pb2.WorkerMessage) -> drafter_pb2.CoordinatorMessage:
         kind = msg.WhichOneof("body")
-        w = self.workers.setdefault(msg.worker_id, drafter_pb2.WorkerStatus(worker_id=msg.worker_id))
-        w.replica_id, w.alive = msg.replica_id, True
-        w.shared_policy_version, w.shared_fetch_failures = msg.shared_policy_version, msg.shared_fetch_failures
+        with self._lock:
+            now = time.monotonic()
+            joined = not self._alive(msg.worker_id, now)  # new, or back after a silence
+            self._heard[msg.worker_id] = now
+            w = self.workers.setdefault(msg.worker_id, drafter_pb2.WorkerStatus(worker_id=msg.worker_id))
+            w.replica_id, w.alive = msg.replica_id, True
+            w.shared_policy_version, w.shared_fetch_failures = msg.shared_policy_version, msg.shared_fetch_failures
+            if kind == "hello" and self._pids.get(msg.worker_id) != msg.hello.pid:
+                self._pids[msg.worker_id] = msg.hello.pid
+                w.training = False  # a (re)started process: the window its predecessor had open ended with it
+                joined = True
         self.shared.see(msg.shared_policy_version)  # a worker heard of a newer policy (capacity events)
-        if kind == "hello":
-            log.info("worker_joined", worker=msg.worker_id, replica=msg.replica_id, pid=msg.hello.pid)
+        if kind == "hello":  # also every WORKER_HEARTBEAT_S: logged when the worker (re)joins
+            if joined:
+                log.info("worker_joined", worker=msg.worker_id, replica=msg.replica_id, pid=msg.hello.pid)
             return drafter_pb2.CoordinatorMessage(status=self.status())
         if kind == "pull":
             with self._lock:
@@ -265,7 +299,8 @@ class Coordinator:
                 return drafter_pb2.CoordinatorMessage(candidate=drafter_pb2.CandidateWeights(
                     version=self.candidate_version, manifest=m, payload=p))
         if kind == "batch_request":
-            w.training = True
+            with self._lock:
+                w.training = True
             # smaller than the configured batch if asked, never larger: this thread builds it while every other
             # worker waits (a peer's rows=10**6 took it 30 s and gigabytes of padding)
             rows = min(msg.batch_request.rows or self.cfg.batch_rows, self.cfg.batch_rows)
@@ -276,26 +311,40 @@ class Coordinator:
             try:
                 return drafter_pb2.CoordinatorMessage(candidate_version=self.apply_delta(msg.update, msg.worker_id))
             except ValueError as e:  # counted where an operator looks (status, /metrics); the worker gets the error
-                self.deltas_refused += 1
-                w.deltas_refused += 1
+                with self._lock:
+                    self.deltas_refused += 1
+                    w.deltas_refused += 1
                 self.m_deltas_refused.inc()
                 log.warning("delta_refused", worker=msg.worker_id, error=str(e)[:300])
                 raise
         if kind == "window":
             win = msg.window
-            w.training = False
-            w.micro_steps += win.micro_steps
-            w.preemptions += int(win.preempted)
             self.m_steps.inc(win.micro_steps)
             if win.preempted:
                 self.m_preempt.inc()
                 self.m_release.observe(max(0.0, win.released - win.busy_timestamp))
             with self._lock:
+                w.training = False
+                w.micro_steps += win.micro_steps
+                w.preemptions += int(win.preempted)
                 self.windows.append(win)
                 self.preemptions += int(win.preempted)
                 self._save()
             return drafter_pb2.CoordinatorMessage(status=self.status())
         raise ValueError(f"unknown worker message {kind!r}")
+
+    def _alive(self, worker_id: int, now: float) -> bool:  # caller holds the lock
+        heard = self._heard.get(worker_id)
+        return heard is not None and now - heard < self.worker_silent_s
+
+    def _worker_status(self, w: drafter_pb2.WorkerStatus, now: float) -> drafter_pb2.WorkerStatus:
+        """A copy of a worker's record as status shows it: a worker silent for `worker_silent_s` (killed with -9, or
+        cut off) is neither alive nor training, whatever it last said. Caller holds the lock."""
+        out = drafter_pb2.WorkerStatus()
+        out.CopyFrom(w)
+        out.alive = self._alive(w.worker_id, now)
+        out.training = w.training and out.alive
+        return out
 
     def apply_delta(self, upd: drafter_pb2.DeltaUpdate, worker_id: int | None = None) -> int:
         """Add a worker's delta to the candidate; returns the version it made. The same delta sent again by
@@ -359,8 +408,11 @@ class Coordinator:
           never repair that;
         - the serving drafter restored from the checkpoint: the restarted rollout serves its initial one.
         A rollout that already serves this version or a newer one refuses it and says which
-        (`WeightPushError.serving_version`; e.g. only this service restarted): that ends it too. Any other
-        refusal raises (retried later)."""
+        (`WeightPushError.serving_version`). For a version the restored checkpoint says was pushed (e.g. only this
+        service restarted) that ends it too. A version this process made may be refused for a drafter this
+        coordinator does not know (its checkpoint_dir is new, or was lost while the rollout ran on): the push is
+        numbered above the rollout's version and sent again (`_renumber_pending`; one push more than needed when an
+        earlier send of it landed and only the answer was lost). Any other refusal raises (retried later)."""
         if self._pending is None or self.publish_fn is None:
             self._pending = None  # nowhere to push (a coordinator without a rollout)
             return
@@ -371,12 +423,33 @@ class Coordinator:
         except WeightPushError as e:
             if e.serving_version is None or e.serving_version < version:
                 raise
-            log.info("drafter_push_not_needed", version=version, serving=e.serving_version)
+            if version in self._restored_pushes:
+                log.info("drafter_push_not_needed", version=version, serving=e.serving_version)
+                with self._lock:  # the next candidate numbers above what the rollout serves
+                    self.candidate_version = max(self.candidate_version, e.serving_version)
+            else:
+                version = self._renumber_pending(version, e.serving_version)
+                self.publish_fn(tensors, version)  # raises: owed under its new number, retried by the gate loop
+                log.info("drafter_pushed", version=version, renumbered=True)
         with self._lock:
             if version > self.serving_version:
                 self.serving, self.serving_version = tensors, version
             self._pending = None
         self.save_now()
+
+    def _renumber_pending(self, version: int, rollout_version: int) -> int:
+        """Number the owed push of `version` above `rollout_version` (what the rollout serves) and the candidate;
+        checkpointed before it is sent, as every push is. Returns the new number. The candidate keeps a number of its
+        own: the push's when it is still the drafter the push carries, one above it when deltas changed it since (one
+        number, one drafter: a refusal of a number as already served must be about these weights)."""
+        with self._lock:
+            fresh = max(self.candidate_version, rollout_version) + 1
+            self.candidate_version = fresh if self.candidate_version == version else fresh + 1
+            self._pending = (self._pending[0], fresh)  # type: ignore[index]  # push_pending's, set
+        log.warning("drafter_push_renumbered", version=version, rollout_serves=rollout_version, now=fresh,
+                    candidate_version=self.candidate_version)
+        self.save_now()
+        return fresh
 
     def refresh_shared(self) -> bool:
         """Fetch the policy's embedding / lm_head if a newer policy was seen (on failure keep ours); True: swapped."""
@@ -455,6 +528,7 @@ class Coordinator:
         self.m_versions.labels("serving").set(self.serving_version)
         self.m_shared.set(self.shared.current.policy_version)
         self.m_shared_failed.set(self.shared.failures)
+        now = time.monotonic()
         with self._lock:
             return drafter_pb2.DrafterStatus(
                 serving_version=self.serving_version, candidate_version=self.candidate_version,
@@ -462,7 +536,7 @@ class Coordinator:
                 buffer_sequences=seqs, buffer_tokens=toks,
                 features_dropped=self.buffer.sender_dropped, features_rejected=self.buffer.rejected,
                 deltas_refused=self.deltas_refused,
-                workers=list(self.workers.values()),
+                workers=[self._worker_status(w, now) for w in self.workers.values()],
                 windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions,
                 shared_policy_version=self.shared.current.policy_version,
                 shared_fetch_failures=self.shared.failures, shared_fetch_error=self.shared.last_error)

@@ -21,13 +21,18 @@ a timeout; a coordinator that does not answer (its first hello included) makes t
 crash, and a batch
 request it answers with an error (a batch it cannot build) is skipped, logged, and asked again. A delta
 it refuses (e.g. non-finite after a diverged step) is logged and dropped together with the optimizer state
-that produced it (back to the last checkpoint), as a kill -9 would lose it; the worker trains on.
+that produced it (back to the last checkpoint), as a kill -9 would lose it; the worker trains on. While it runs,
+a thread of its own says hello every `heartbeat_s` (a worker whose replica is busy asks nothing, one in a long step
+nothing for a while): the coordinator shows a worker it has not heard from for a while as dead. A restarted worker
+trains with the lr, weight_decay and betas of its config, and the optimizer moments of its checkpoint; a
+checkpoint of another model's drafter is refused when it starts.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -38,11 +43,12 @@ import zmq
 from tlt.services.common.events import CapacitySubscriber
 from tlt.services.common.logging import get_logger
 from tlt.services.drafter.config import DrafterServiceConfig
-from tlt.services.drafter.coordinator import tensors_from, tensors_message
+from tlt.services.drafter.coordinator import (WORKER_HEARTBEAT_S, WORKER_REQUEST_TIMEOUT_S, tensors_from,
+                                               tensors_message)
 from tlt.services.drafter.packing import PackedBatch
 from tlt.services.drafter.rollout_idle import STALE_S, fresh_all_idle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
-from tlt.model.drafter import Drafter
+from tlt.model.drafter import Drafter, DrafterConfig, DrafterError
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
 from tlt.v1 import common_pb2, drafter_pb2
 
@@ -61,7 +67,8 @@ class CoordinatorRefused(RuntimeError):
 class CoordinatorClient:
     """REQ to the coordinator with a timeout; a lost answer gets a fresh socket (REQ cannot recover)."""
 
-    def __init__(self, endpoint: str, worker_id: int, replica_id: int, timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoint: str, worker_id: int, replica_id: int,
+                 timeout_s: float = WORKER_REQUEST_TIMEOUT_S) -> None:
         self.endpoint, self.worker_id, self.replica_id, self.timeout_s = endpoint, worker_id, replica_id, timeout_s
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -120,8 +127,17 @@ class DrafterWorker:
         """`fetch_shared`: where newer target embedding / lm_head come from (shared.rollout_fetch); None: never."""
         self.cfg, self.model_dir, self.worker_id, self.replica_id = cfg, model_dir, worker_id, replica_id
         self.device = f"cuda:{replica_id}" if cfg.device.startswith("cuda") else cfg.device
-        self.client = CoordinatorClient(coordinator, worker_id, replica_id)
         self.ckpt = os.path.join(cfg.checkpoint_dir, f"worker-{worker_id}.pt")
+        saved = load_state(self.ckpt) or {}
+        self.drafter_cfg, embed, head = target_shared(model_dir)  # --model is policy version 0
+        problem = _optimizer_misfit(saved.get("optimizer"), self.drafter_cfg, embed, head)
+        if problem is not None:  # else a shape error at the first micro-step of the first idle window, and the end
+            raise DrafterError(f"{self.ckpt} holds the optimizer state of another model's drafter ({problem}); give "
+                               f"[drafter] checkpoint_dir a folder of its own for --model {model_dir}, or move that "
+                               f"file away")
+        self.coordinator = coordinator
+        self.client = CoordinatorClient(coordinator, worker_id, replica_id)
+        self.heartbeat_s = WORKER_HEARTBEAT_S  # hello from a thread of its own while `run` runs (`_heartbeats`)
         self.sub = CapacitySubscriber(cfg.capacity_pub, cfg.capacity_snapshot)
         self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
         # train_when = rollout_idle: every replica's last state and when it was heard (monotonic); states
@@ -133,7 +149,6 @@ class DrafterWorker:
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
         self._deferred: _Deferred | None = None  # what the last window left to send and save (see `window`)
-        saved = load_state(self.ckpt) or {}
         self.total_steps = int(saved.get("micro_steps", 0))
         self.preemptions = int(saved.get("preemptions", 0))
         self.budget_spent = False  # window_max_steps reached in this idle period of the replica
@@ -141,7 +156,6 @@ class DrafterWorker:
         self.checkpoint_failures = 0  # optimizer checkpoints that could not be written (retried)
         self._unsaved_opt: dict | None = None  # the optimizer state of the last checkpoint that could not be written
         self._gen = torch.Generator().manual_seed(worker_id)
-        self.drafter_cfg, embed, head = target_shared(model_dir)  # --model is policy version 0
         self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # on the CPU between windows
         if cfg.threads and self.device == "cpu":
             torch.set_num_threads(cfg.threads)
@@ -240,6 +254,10 @@ class DrafterWorker:
             return
         log.info("worker_started", worker=self.worker_id, replica=self.replica_id, device=self.device,
                  resumed_steps=self.total_steps)
+        beating = threading.Event()
+        heart = threading.Thread(target=self._heartbeats, args=(beating,), daemon=True,
+                                 name=f"drafter-worker-{self.worker_id}-hello")
+        heart.start()
         try:
             while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
                 if max_windows is not None and self.windows >= max_windows:
@@ -263,6 +281,26 @@ class DrafterWorker:
                 self._flush()  # leaving: nothing deferred may be lost
             except CoordinatorUnavailable as e:
                 log.warning("final_flush_failed", error=str(e))
+            beating.set()
+            heart.join(1.0)  # a hello still waiting on a silent coordinator ends on its own (a daemon thread)
+
+    def _heartbeats(self, stop: threading.Event) -> None:
+        """Say hello every `heartbeat_s` until `stop`, whatever the worker does: the coordinator shows a worker it has
+        not heard from for WORKER_SILENT_S as neither alive nor training (killed), and a worker whose replica is busy
+        asks it nothing, one in a long micro-step, checkpoint or GetWeights fetch nothing for a while. Its own socket
+        (a ZeroMQ socket belongs to one thread); the main loop reports an unavailable coordinator."""
+        client = CoordinatorClient(self.coordinator, self.worker_id, self.replica_id)
+        hello = drafter_pb2.WorkerHello(worker_id=self.worker_id, replica_id=self.replica_id, pid=os.getpid())
+        try:
+            while not stop.wait(self.heartbeat_s):
+                client.shared_policy_version = self.client.shared_policy_version  # every message sets them in status
+                client.shared_fetch_failures = self.client.shared_fetch_failures
+                try:
+                    client.ask(hello=hello)
+                except (CoordinatorUnavailable, CoordinatorRefused):
+                    continue
+        finally:
+            client.close()
 
     def _hello(self, stop: object) -> bool:
         """Say hello to the coordinator, asked again until it answers (False: `stop` came first). A coordinator not
@@ -288,9 +326,12 @@ class DrafterWorker:
         self.shared.refresh()  # between windows only: a window trains with one embedding / lm_head throughout
         self.client.shared_policy_version = shared_version = self.shared.current.policy_version
         self.client.shared_fetch_failures = self.shared.failures
+        # The fetch takes seconds on a real model: a BUSY that came meanwhile ends the window before anything else
+        # runs on the replica's time (what the last window deferred stays deferred).
+        self._poll_events(0.0)
         # what the last window left for an idle moment: this is one. Before anything goes on the device, and before
         # reading the checkpoint, which only then holds the optimizer state the last window ended with
-        if self._flush(stop_on_busy=True):  # turned busy during the send: the checkpoint waits, nothing trains
+        if self.busy_seen or self._flush(stop_on_busy=True):  # busy during the fetch or the send: nothing trains
             res.preempted = True
             res.released = time.time()
             return self._close_window(res, start, shared_version)
@@ -447,13 +488,18 @@ class DrafterWorker:
     def _restore_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """The last saved optimizer state: the checkpoint's, or the newer one a failed write left in memory (a
         full disk; reading the file went back to an older state, and the next write lost the newer one), or a
-        fresh one when there is neither."""
+        fresh one when there is neither. The moments and step counts are the saved ones; the settings (lr,
+        weight_decay, betas) stay those `opt` was made with, the config's: `load_state_dict` brings back the saved
+        ones too, and a worker restarted with a new lr (e.g. lowered after diverged steps) trained with the old."""
         state = self._unsaved_opt
         if state is None:
             saved = load_state(self.ckpt)
             state = saved.get("optimizer") if saved is not None else None
         if state:
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             opt.load_state_dict(state)
+            for group, own in zip(opt.param_groups, settings):
+                group.update(own)
         else:
             opt.state.clear()
 
@@ -475,6 +521,23 @@ class DrafterWorker:
     def close(self) -> None:
         self.sub.close()
         self.client.close()
+
+
+def _optimizer_misfit(state: dict | None, cfg: DrafterConfig, embed: torch.Tensor, head: torch.Tensor) -> str | None:
+    """Why a saved optimizer state cannot be that of this drafter's parameters (their number, their moments'
+    shapes), or None when it fits or there is none. The drafter is built on the meta device: shapes, no memory."""
+    if not state:
+        return None
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in Drafter(cfg, embed, head).parameters()]
+    ids = [i for group in state.get("param_groups", []) for i in group.get("params", [])]
+    if len(ids) != len(shapes):
+        return f"{len(ids)} parameters, expected {len(shapes)}"
+    for i, shape in zip(ids, shapes):
+        for name, t in state.get("state", {}).get(i, {}).items():
+            if isinstance(t, torch.Tensor) and t.dim() and tuple(t.shape) != shape:
+                return f"parameter {i} {name}: shape {tuple(t.shape)}, expected {shape}"
+    return None
 
 
 def _cpu(obj: object) -> object:
