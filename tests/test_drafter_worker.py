@@ -730,3 +730,19 @@ def test_a_worker_whose_replica_stays_busy_is_still_reported_alive(tmp_path, mod
         worker.close()
         coord.close()
         pub.close()
+
+
+def test_a_worker_with_devices_of_its_own_trains_whatever_the_rollout_does(tmp_path, model_dir) -> None:
+    """train_when = always (the Kubernetes drafter has GPUs of its own): BUSY events neither keep a worker from
+    training nor end its window; a window ends at its submission, so the next one takes a newer policy's
+    embedding / lm_head. With replica_idle the same BUSY ends the window at once (the tests above)."""
+    stub = StubbedWorker(tmp_path, model_dir, train_when="always", submit_every=2)
+    worker = stub.worker
+    stub.busy()
+    worker._poll_events(0.0)
+    assert worker._may_train()  # the replica is busy: trains all the same
+    stub.busy_after = 0  # and a BUSY comes with every batch
+    res = worker.window()
+    assert not res.preempted and res.micro_steps == 2
+    assert stub.asks == ["pull", "batch_request", "batch_request", "update", "window"], stub.asks
+    assert stub.version == 1 and worker._may_train()

@@ -106,11 +106,13 @@ class DrafterServiceConfig(ServiceConfig):
         "by nothing measurable; in `tlt run` on a 2-vCPU VM both classes gave the same step times, BENCHMARKS.md "
         "'Session 7'); normal where a worker has its replica's device to itself"
     )
-    train_when: Literal["replica_idle", "rollout_idle"] = Field(
+    train_when: Literal["replica_idle", "rollout_idle", "always"] = Field(
         "replica_idle", description="when a worker trains: while the replica it watches is idle (TLT: a replica "
         "whose share of the rollout is done trains while others still decode; right where replicas have devices "
-        "of their own), or only while every replica is idle (CPU replicas share caches and memory bandwidth: "
-        "training beside a decoding replica slowed it by ~13%, BENCHMARKS.md 'Session 5')"
+        "of their own), only while every replica is idle (CPU replicas share caches and memory bandwidth: "
+        "training beside a decoding replica slowed it by ~13%, BENCHMARKS.md 'Session 5'), or always (the drafter "
+        "has devices of its own, as in the Kubernetes manifests: a window ends at each submission, so that a newer "
+        "policy's embedding / lm_head comes in between windows)"
     )
     pin_cpus: bool = Field(
         True, description="CPU workers: run on the cores of the replica they watch (cpu_group(replica, threads), as "

@@ -177,6 +177,10 @@ class DrafterWorker:
     # ---- capacity
     def _see(self, event: object) -> None:
         mine = getattr(event, "replica_id", None) == self.replica_id
+        if self.cfg.train_when == "always":  # devices of its own: the events say only which policy serves
+            if mine:
+                self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
+            return
         if self.cfg.train_when == "rollout_idle":  # every replica's state counts: idle only when all are
             now = time.monotonic()
             self._states[(event.server_id, event.replica_id)] = (event.state, now)  # type: ignore[attr-defined]
@@ -201,12 +205,17 @@ class DrafterWorker:
 
     def _idle_now(self) -> bool:
         """The last state is IDLE and was heard within `stale_s`: a feed gone silent (a frozen, stopped or
-        cut-off rollout still holding its port) no longer counts as idle, as in RolloutIdle."""
+        cut-off rollout still holding its port) no longer counts as idle, as in RolloutIdle. Always, with
+        train_when = always."""
+        if self.cfg.train_when == "always":
+            return True
         return self.state == IDLE and time.monotonic() - self._heard < self.stale_s
 
     def _may_train(self) -> bool:
         """The replica is idle, has been for `min_idle_s`, and this idle period's budget (window_max_steps) is
         not used up."""
+        if self.cfg.train_when == "always":  # no idle periods: window_max_steps bounds each window only
+            return True
         settled = time.monotonic() - self._idle_since >= self.cfg.min_idle_s
         return self._idle_now() and settled and not self.budget_spent
 
@@ -382,6 +391,8 @@ class DrafterWorker:
                 if self.busy_seen:  # turned busy during the checkpoint: release now; the next window pulls
                     res.preempted = True
                     break
+                if self.cfg.train_when == "always":  # a window per submission: the next one fetches a newer
+                    break  # policy's embedding / lm_head (shared.refresh runs between windows only)
                 base, base_version = self._pull(drafter)
             if self.cfg.window_max_steps and res.micro_steps >= self.cfg.window_max_steps:
                 if since_submit:  # the replica is still idle: send the change now rather than defer it
