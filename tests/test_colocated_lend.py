@@ -10,12 +10,15 @@ same hooks (SGLang itself needs a GPU) that records when they run.
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Any
 
 import grpc
 import pytest
 
 from drafter_helpers import make, model_dir, running, samples, state, wait_for  # noqa: F401 (fixtures)
+from lend_engine import LendRecordingEngine
 from rollout_helpers import ServerThread
 from tlt.services.common.events import CapacitySubscriber
 from tlt.services.drafter.worker import DrafterWorker
@@ -51,6 +54,18 @@ def _last(seen: list[tuple[int, int]]) -> dict[int, int]:
 
 def _server(model_dir, **kw):  # noqa: ANN001, ANN202
     return ServerThread(model_dir, replicas=2, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3, **kw)
+
+
+class SlowResumeEngine(LendRecordingEngine):
+    """`LendRecordingEngine` whose resume takes TLT_TEST_RESUME_S (SGLang re-allocating its KV cache is not instant)
+    and logs `resumed-<pid>` once done, so a test can tell which replica had resumed when it said IDLE. Runs in the
+    replica's process (backend "test_colocated_lend:SlowResumeEngine")."""
+
+    def resume(self) -> None:
+        if self.released:
+            time.sleep(float(os.environ.get("TLT_TEST_RESUME_S", "0")))
+            super().resume()
+            self._log(f"resumed-{os.getpid()}")
 
 
 def test_lent_replicas_say_lent_until_taken_back(model_dir) -> None:
@@ -400,3 +415,135 @@ def test_a_replica_restarted_during_a_lend_that_ends_meanwhile_comes_back_resume
         outs = s.call(scenario(s.server.pool), timeout=150)
         assert len(outs) == 1 and s.server.pool.lent_to == ""
         assert log.read_text().split()[-3:] == ["release", "resume", "add"]
+
+
+def _resumed_when_idle(sub, log, pids: list[int], timeout_s: float = 20.0) -> dict[int, int]:  # noqa: ANN001
+    """Replica -> how many resumes it had logged when its first IDLE since now arrived (all replicas of `pids`)."""
+    seen: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(seen) < len(pids):
+        e = sub.recv(0.1)
+        if e is not None and not e.heartbeat and e.state == IDLE and e.replica_id not in seen:
+            seen[e.replica_id] = log.read_text().split().count(f"resumed-{pids[e.replica_id]}")
+    return seen
+
+
+def test_a_replica_taken_back_by_work_or_a_lapse_says_idle_only_once_it_has_resumed(model_dir, tmp_path,
+                                                                                    monkeypatch) -> None:
+    """IDLE lets a drafter worker load onto the device: a replica must have its memory back (SGLang: its KV cache)
+    first. LendDevices(false) waited for the resumes; new work and a lapsed lease published IDLE at once and only
+    then queued the resumes, so a worker could start on a device SGLang was re-allocating."""
+    import threading
+
+    log = tmp_path / "lend.log"
+    log.write_text("")
+    monkeypatch.setenv("TLT_TEST_LEND_LOG", str(log))  # inherited by the spawned replicas
+    monkeypatch.setenv("TLT_TEST_RESUME_S", "0.5")
+    with _server(model_dir, backend="test_colocated_lend:SlowResumeEngine") as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        sub.snapshot()
+        pids = s.server.replica_pids()
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            client.lend_devices(True, lease_s=60)
+            _changes(sub, lambda c: _last(c) == {0: LENT, 1: LENT})
+            params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=2)
+            request = threading.Thread(target=client.generate, args=("1+2=",), kwargs={"n": 1, "params": params})
+            request.start()  # takes the devices back: both replicas resume (events read meanwhile)
+            assert _resumed_when_idle(sub, log, pids) == {0: 1, 1: 1}, log.read_text()
+            request.join(30)
+            client.lend_devices(True, lease_s=0.5)  # the borrower goes quiet: the lease lapses
+            assert _resumed_when_idle(sub, log, pids) == {0: 2, 1: 2}, log.read_text()
+            assert client.status().lent_to == ""
+        sub.close()
+
+
+def test_the_lease_runs_from_the_release_not_from_the_grant(model_dir, tmp_path, monkeypatch) -> None:
+    """LendDevices waits for the replicas' release (SGLang's: seconds); a lease clocked from the grant lapsed inside
+    the very call that granted it when the release took longer, and the trainer got lent=False back."""
+    log = tmp_path / "lend.log"
+    log.write_text("")
+    monkeypatch.setenv("TLT_TEST_LEND_LOG", str(log))
+    monkeypatch.setenv("TLT_TEST_RELEASE_S", "1.5")
+    with ServerThread(model_dir, replicas=1, backend="lend_engine:LendRecordingEngine") as s:
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            r = client.lend_devices(True, lease_s=1.0)
+            assert r.lent and 0.5 < r.expires_in_s <= 1.0, r
+            assert client.status().lent_to == "trainer"
+            deadline = time.monotonic() + 10
+            while client.status().lent_to and time.monotonic() < deadline:  # and it still lapses by itself
+                time.sleep(0.1)
+            assert client.status().lent_to == "" and log.read_text().split() == ["release-start", "release", "resume"]
+
+
+def test_borrow_does_not_report_a_loan_the_rollout_took_back_before_answering(model_dir, tmp_path,
+                                                                               monkeypatch) -> None:
+    """A request that reaches the rollout while its replicas release takes the devices back: LendDevices answers
+    lent=False. The trainer used to ignore that and compute on devices the drafter workers were told are IDLE.
+    It lends once more; a lend taken back twice is a LendError."""
+    import threading
+
+    from tlt.services.trainer.colocate import DeviceLoan, LendError
+
+    log = tmp_path / "lend.log"
+    log.write_text("")
+    monkeypatch.setenv("TLT_TEST_LEND_LOG", str(log))
+    monkeypatch.setenv("TLT_TEST_RELEASE_S", "1.0")
+
+    def interfere(address: str, times: int) -> threading.Thread:
+        """Send a request each time a replica starts releasing, `times` times (another client of the rollout)."""
+        def run() -> None:
+            params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=2)
+            with RolloutClient(address, timeout_s=60) as other:
+                for n in range(1, times + 1):
+                    deadline = time.monotonic() + 30
+                    while log.read_text().split().count("release-start") < n and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    other.generate("1+2=", n=1, params=params)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    with ServerThread(model_dir, replicas=1, backend="lend_engine:LendRecordingEngine") as s:
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            loan = DeviceLoan([client], lease_s=30)
+            t = interfere(s.grpc_address, 2)
+            with pytest.raises(LendError, match="took the devices back"):
+                loan.borrow()
+            t.join(30)
+            assert not loan.held and client.status().lent_to == ""
+            log.write_text("")
+            t = interfere(s.grpc_address, 1)
+            loan.borrow()  # taken back once: lent on the second try
+            t.join(30)
+            assert loan.held and client.status().lent_to == "trainer"
+            loan.give_back()
+
+
+def test_a_lease_every_rollout_server_refuses_is_refused_by_the_config() -> None:
+    """The servers refuse lease_s outside (0, MAX_LEASE_S] (inf included); the trainer's config took any positive
+    value and the run failed with a LendError only after its whole first rollout."""
+    from tlt.services.rollout.grpc_api import MAX_LEASE_S
+    from tlt.services.trainer.config import TrainerConfig
+
+    for bad in (MAX_LEASE_S + 1, float("inf"), float("nan"), 0.0):  # the servers' bound, exactly
+        with pytest.raises(ValueError, match="lend_lease_s"):
+            TrainerConfig(lend_rollout_devices=True, lend_lease_s=bad)
+    assert TrainerConfig(lend_rollout_devices=True, lend_lease_s=MAX_LEASE_S).lend_lease_s == MAX_LEASE_S
+
+
+def test_the_deploy_guide_says_the_trainer_drives_the_sglang_release() -> None:
+    """docs/DEPLOY.md's SGLang notes said nothing triggered release/resume around the trainer's update, while
+    train() borrows the devices around each update whenever [trainer] lend_rollout_devices is on (1gpu sets it)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    preset = tomllib.loads((root / "deploy" / "configs" / "1gpu.toml").read_text())
+    assert preset["trainer"]["lend_rollout_devices"] is True
+    guide = re.sub(r"\s+", " ", (root / "docs" / "DEPLOY.md").read_text())
+    bullet = guide[guide.index("- Colocated memory release"):].split(" - ", 1)[0]
+    assert "Nothing triggers release/resume" not in bullet, bullet
+    assert "grpo_step" in bullet and "`[trainer] lend_rollout_devices`" in bullet, bullet

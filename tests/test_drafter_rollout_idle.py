@@ -116,3 +116,38 @@ def test_a_heartbeat_slower_than_the_staleness_rule_allows_is_refused() -> None:
         load_config(RolloutConfig, "rollout", overrides=cli_overrides(["capacity_heartbeat_s=6"]), environ={})
     ok = load_config(RolloutConfig, "rollout", overrides=cli_overrides(["capacity_heartbeat_s=2.5"]), environ={})
     assert ok.capacity_heartbeat_s == 2.5
+
+
+def test_a_replica_dead_for_good_does_not_shut_the_gate_but_one_still_finishing_work_does():
+    """A replica that died and is not restarted (max_restarts used up) says DRAINING for good (heartbeats repeat it):
+    the gate needed every replica IDLE, so the coordinator never evaluated or published again although the live
+    replicas sat idle. A dead replica (its counts cleared) computes nothing and is left out; a DRAINING replica still
+    finishing sequences (its server stopping) counts as busy, and a rollout with no live IDLE replica is not idle."""
+    from tlt.services.drafter.rollout_idle import fresh_all_idle
+
+    draining = common_pb2.REPLICA_STATE_DRAINING
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.1)
+    try:
+        watch = RolloutIdle(pub.pub_endpoint, pub.snapshot_endpoint)
+        try:
+            pub.publish(CapacityEvent(replica_id=0, state=IDLE))
+            pub.publish(CapacityEvent(replica_id=1, state=draining))  # dead: running = queued = 0
+            assert _until(watch.idle, timeout_s=2.0)
+            pub.publish(CapacityEvent(replica_id=0, state=BUSY))  # the live replica decodes
+            assert _until(watch.busy)
+            pub.publish(CapacityEvent(replica_id=0, state=IDLE))
+            pub.publish(CapacityEvent(replica_id=1, state=draining, running=2))  # still finishing its sequences
+            time.sleep(0.3)
+            assert watch.busy()
+            pub.publish(CapacityEvent(replica_id=1, state=draining))
+            pub.publish(CapacityEvent(replica_id=0, state=draining))  # nothing live left: not idle
+            time.sleep(0.3)
+            assert watch.busy()
+        finally:
+            watch.close()
+    finally:
+        pub.close()
+    now = time.monotonic()  # the workers' train_when = rollout_idle gate, from their raw states
+    assert fresh_all_idle({("a", 0): (IDLE, now), ("a", 1): (draining, now)}, now, 5.0)
+    assert not fresh_all_idle({("a", 0): (draining, now), ("a", 1): (draining, now)}, now, 5.0)
+    assert not fresh_all_idle({("a", 0): (BUSY, now), ("a", 1): (draining, now)}, now, 5.0)

@@ -1,7 +1,7 @@
 """Is the whole rollout idle? The coordinator's own work waits for it, as the workers' training does.
 
     capacity events (SUB + snapshot, every replica) --> latest state per replica
-    idle()  True when every replica heard of is IDLE (and the feed is fresh)
+    idle()  True when every live replica heard of is IDLE, at least one (and the feed is fresh)
     busy()  the opposite, for aborting work that started while idle
 
 The coordinator's candidate evaluation (offline acceptance of candidate and serving drafter on the
@@ -14,6 +14,12 @@ A replica LENT to a colocated trainer (Rollout.LendDevices) counts as idle here 
 the evaluation runs on the coordinator's CPU and does not touch it, and in a colocated deployment the
 trainer's phase is the only time the rollout is not decoding (a one-GPU box would otherwise never publish).
 A LENT CPU replica is not idle: the trainer computes on those cores. Workers never train on LENT.
+
+A DRAINING replica is left out: the pool publishes DRAINING when a replica dies (its counts cleared: it computes
+nothing; its requests went to the others) and keeps repeating it while the replica restarts, or for good once
+`max_restarts` is used up. Counted, one dead replica shut the gate for good while the live ones sat idle. A
+DRAINING replica that still reports sequences (its server is stopping while they finish) counts as busy, and a
+rollout with no IDLE replica left is not idle.
 
 Without capacity endpoints (a coordinator with no rollout to watch) `idle()` is always True. When the
 feed goes quiet for `stale_s` (heartbeats arrive about once a second), the last states are not
@@ -36,11 +42,15 @@ log = get_logger("drafter.rollout_idle")
 
 IDLE = common_pb2.REPLICA_STATE_IDLE
 LENT = common_pb2.REPLICA_STATE_LENT
+BUSY = common_pb2.REPLICA_STATE_BUSY
+DRAINING = common_pb2.REPLICA_STATE_DRAINING
 
 
 def all_idle(states: dict[tuple[str, int], int]) -> bool:
-    """True when at least one replica was heard of and every one's last state is IDLE."""
-    return bool(states) and all(s == IDLE for s in states.values())
+    """True when every live replica's last state is IDLE, and at least one is: DRAINING ones (dead, restarting, or
+    stopped) are left out (see the module docstring)."""
+    live = [s for s in states.values() if s != DRAINING]
+    return bool(live) and all(s == IDLE for s in live)
 
 
 def fresh_all_idle(states: dict[tuple[str, int], tuple[int, float]], now: float, stale_s: float) -> bool:
@@ -64,7 +74,7 @@ class RolloutIdle:
             self._thread.start()
 
     def idle(self) -> bool:
-        """Every replica heard of is IDLE (always True without capacity endpoints)."""
+        """Every live replica heard of is IDLE, at least one (always True without capacity endpoints)."""
         if not self.enabled:
             return True
         with self._lock:
@@ -73,11 +83,14 @@ class RolloutIdle:
     def busy(self) -> bool:
         return not self.idle()
 
-    def see(self, server_id: str, replica_id: int, state: int, device: str = "") -> None:
+    def see(self, server_id: str, replica_id: int, state: int, device: str = "", sequences: int = 0) -> None:
         """Record one replica's state (the watcher thread calls this for every event). LENT on a GPU counts as
-        IDLE (see the module docstring); an unknown device is taken for a CPU."""
+        IDLE, DRAINING with `sequences` (running + queued) still on it as BUSY (see the module docstring); an
+        unknown device is taken for a CPU."""
         if state == LENT and device and not device.startswith("cpu"):
             state = IDLE
+        elif state == DRAINING and sequences > 0:
+            state = BUSY
         with self._lock:
             self._states[(server_id, replica_id)] = (state, time.monotonic())
 
@@ -87,14 +100,14 @@ class RolloutIdle:
             while not self._stop.is_set():
                 try:
                     for e in sub.snapshot(timeout_s=2.0):
-                        self.see(e.server_id, e.replica_id, e.state, e.device)
+                        self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
                     break
                 except (TimeoutError, ValueError) as e:  # the rollout is not up yet: ask again
                     log.debug("capacity_snapshot_retry", error=str(e))
             while not self._stop.is_set():
                 e = sub.recv(0.2)
                 if e is not None:
-                    self.see(e.server_id, e.replica_id, e.state, e.device)
+                    self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
         finally:
             sub.close()
 

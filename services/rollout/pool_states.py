@@ -17,6 +17,8 @@ change is published at once (drafter workers preempt on BUSY).
 Lending (`lend` / `take_back`, services/rollout/lease.py): while a colocated trainer has borrowed the
 devices, a replica with nothing to do is LENT instead of IDLE (drafter workers train only on IDLE) and its
 backend releases what it can; new work or a policy push takes the devices back first, without an IDLE between.
+However the lend ends (given back, new work, a lapsed lease), a replica says IDLE only once it has answered its
+resume: SGLang's KV cache is back before a drafter worker may start on the device.
 
 `CapacityStates` is a mixin of `ReplicaPool` (replicas.py): it reads the pool's replicas, versions, capacity
 sink and loop, and asks replicas through the pool's `_ask`.
@@ -54,6 +56,8 @@ class CapacityStates:
     lease: DeviceLease | None
     _loop: asyncio.AbstractEventLoop | None
     _stopping: bool
+    _cmd_ids: Any  # ReplicaPool's: itertools.count of command ids
+    _replies: dict[int, tuple[Any, asyncio.Future]]  # ReplicaPool's: command id -> (replica, its Reply's future)
 
     async def _ask(self, rep: Any, make: Any, timeout_s: float) -> Reply:  # ReplicaPool's
         raise NotImplementedError
@@ -101,15 +105,17 @@ class CapacityStates:
         else:
             self._schedule_refresh(rep)
 
-    def _rest_state(self) -> int:
-        """What a replica with nothing to do is: IDLE, or LENT while a colocated trainer has the devices."""
+    def _rest_state(self, rep: _Replica) -> int:
+        """What a replica with nothing to do is: IDLE, or LENT while a colocated trainer has the devices or the
+        replica has not answered its resume yet."""
         from tlt.v1 import common_pb2
 
-        return common_pb2.REPLICA_STATE_LENT if self.lent_to else common_pb2.REPLICA_STATE_IDLE
+        lent = self.lent_to or (self.lease is not None and rep in self.lease.resuming)
+        return common_pb2.REPLICA_STATE_LENT if lent else common_pb2.REPLICA_STATE_IDLE
 
     def _maybe_idle(self, rep: _Replica) -> None:
         if not rep.has_work and rep.alive and not self._stopping:
-            self._publish_state(rep, self._rest_state())
+            self._publish_state(rep, self._rest_state(rep))
         else:
             self._schedule_refresh(rep)  # still busy: its count (or versions) changed
 
@@ -128,7 +134,7 @@ class CapacityStates:
         rep.refresh_scheduled = False
         if rep.published is None or not rep.alive or self._stopping or rep.error:
             return
-        state = common_pb2.REPLICA_STATE_BUSY if rep.has_work else self._rest_state()
+        state = common_pb2.REPLICA_STATE_BUSY if rep.has_work else self._rest_state(rep)
         if state != rep.published[0]:
             return  # a transition is published where it happens, never from here
         if self._key(rep, state) != rep.published:
@@ -144,7 +150,8 @@ class CapacityStates:
     async def lend(self, holder: str, lease_s: float, timeout_s: float) -> dict:
         """Lend the devices to `holder` for `lease_s` (or renew the lease): idle replicas publish LENT and release
         what their backend can free. Returns once every live replica has released (one still finishing aborted
-        sequences releases after them). Raises WeightUpdateError when a replica could not release."""
+        sequences releases after them); the lease runs from then. Raises WeightUpdateError when a replica could
+        not release."""
         assert self.lease is not None, "start() first"
         t0 = time.perf_counter()
         live = [r for r in self.replicas if r.alive]
@@ -153,8 +160,11 @@ class CapacityStates:
         log.info("devices_lent", holder=self.lent_to, lease_s=lease_s, replicas=[r.replica_id for r in live])
         for r in live:
             self._maybe_idle(r)
-        replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, True), timeout_s) for r in live),
-                                       return_exceptions=True)
+        try:
+            replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, True), timeout_s) for r in live),
+                                           return_exceptions=True)
+        finally:  # also when the caller went away: the lease still lapses if it is never renewed
+            self.lease.start_clock()
         failed = failures(live, replies)
         if failed:
             self._take_back_now("a replica could not release")
@@ -168,33 +178,52 @@ class CapacityStates:
         live = [r for r in self.replicas if r.alive]
         if not self.lent_to:
             return {"replicas": [r.replica_id for r in live], "seconds": 0.0, "expires_in_s": 0.0}
-        holder = self.lease.end() if self.lease is not None else ""
-        try:  # IDLE only once the replicas have resumed (SGLang: its KV cache is back before a worker may start)
-            replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, False), timeout_s) for r in live),
-                                           return_exceptions=True)
-        finally:
-            self._taken_back(holder, "given back")
+        self._taken_back(self.lease.end() if self.lease is not None else "", "given back")
+        resumes = [self._resume(r) for r in live]
+        # shielded: a replica that answers after the timeout still says IDLE then, not before
+        replies = await asyncio.gather(*(asyncio.wait_for(asyncio.shield(f), timeout_s) for f in resumes),
+                                       return_exceptions=True)
         failed = failures(live, replies)
         if failed:
             raise WeightUpdateError("taking the devices back failed: " + "; ".join(failed))
         return {"replicas": [r.replica_id for r in live], "seconds": time.perf_counter() - t0, "expires_in_s": 0.0}
 
     def _take_back_now(self, why: str) -> None:
-        """End the lend without waiting: each replica resumes before anything sent to it after this (one pipe)."""
-        self._end_lease(why)
+        """End the lend without waiting: each replica resumes before anything sent to it after this (one pipe), and
+        says IDLE once it has (`_resumed`)."""
+        self._taken_back(self.lease.end() if self.lease is not None else "", why)
         for r in self.replicas:
             if r.alive:
-                r.outbox.put(Lend(0, False))
-
-    def _end_lease(self, why: str) -> None:
-        self._taken_back(self.lease.end() if self.lease is not None else "", why)
+                self._resume(r)
 
     def _taken_back(self, holder: str, why: str) -> None:
-        """The lend `holder` had is over: replicas with nothing to do say IDLE again."""
+        """Log the end of `holder`'s lend ("": nothing was lent); each replica's IDLE follows its resume."""
         if holder:
             log.info("devices_taken_back", holder=holder, why=why)
-            for r in self.replicas:
-                self._maybe_idle(r)
+
+    def _resume(self, rep: _Replica) -> asyncio.Future:
+        """Send `rep` its resume now, ahead of anything sent to it after this call; until it answers, it stays LENT
+        (SGLang: its KV cache is not back, and a drafter worker seeing IDLE would load onto the device meanwhile).
+        Returns the future of its Reply (ReplicaUnavailableError when it dies first)."""
+        assert self._loop is not None and self.lease is not None
+        cmd_id = next(self._cmd_ids)
+        fut = self._loop.create_future()
+        self._replies[cmd_id] = (rep, fut)
+        self.lease.resuming[rep] = cmd_id
+        rep.outbox.put(Lend(cmd_id, False))
+        fut.add_done_callback(lambda f: self._resumed(rep, cmd_id, f))
+        return fut
+
+    def _resumed(self, rep: _Replica, cmd_id: int, fut: asyncio.Future) -> None:
+        """`rep` answered its resume `cmd_id` (or died): IDLE now, unless a later resume is still on its way (lent and
+        taken back again meanwhile: the pipe answers them in order)."""
+        self._replies.pop(cmd_id, None)
+        error = "cancelled" if fut.cancelled() else fut.exception() or fut.result().error
+        if error and not isinstance(error, ReplicaUnavailableError):
+            log.warning("replica_resume_failed", replica=rep.replica_id, error=str(error)[:500])
+        if self.lease is not None and self.lease.resuming.get(rep) == cmd_id:
+            del self.lease.resuming[rep]
+            self._maybe_idle(rep)
 
     def _lease_lapsed(self) -> None:
         log.warning("device_lease_lapsed", holder=self.lent_to,

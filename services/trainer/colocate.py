@@ -48,12 +48,14 @@ class DeviceLoan:
         t0 = time.perf_counter()
         for c in self.clients:
             try:
-                c.lend_devices(True, self.lease_s, self.holder)
-            except grpc.RpcError as e:
+                self._lend(c)
+            except (grpc.RpcError, LendError) as e:
                 try:
                     self.give_back()  # the ones already lent
                 except LendError as back:
                     log.warning("device_give_back_failed", error=str(back)[:300])
+                if isinstance(e, LendError):
+                    raise
                 hint = " (a rollout server without LendDevices: set [trainer] lend_rollout_devices = false)" \
                     if e.code() == grpc.StatusCode.UNIMPLEMENTED else ""
                 raise LendError(f"rollout server {c.address} did not lend its devices: {e.code().name} "
@@ -62,6 +64,18 @@ class DeviceLoan:
         self._renewer = threading.Thread(target=self._renew, args=(self._stop,), name="device-lease", daemon=True)
         self._renewer.start()
         return time.perf_counter() - t0
+
+    def _lend(self, client: Any) -> None:
+        """Lend `client`'s devices. The rollout answers lent=False when new work (or a policy push) took them back
+        before the replicas had released: its replicas resumed and say IDLE, and drafter workers start on them. Lent
+        once more then (a stray request); taken back again, some other client is using the rollout: LendError."""
+        for attempt in (1, 2):
+            if client.lend_devices(True, self.lease_s, self.holder).lent:
+                return
+            log.warning("device_lend_taken_back", address=client.address, attempt=attempt)
+        raise LendError(f"rollout server {client.address} took the devices back before it lent them, twice: other "
+                        "work reached it during the lend; with [trainer] lend_rollout_devices only this trainer may "
+                        "use that rollout, or set lend_rollout_devices = false")
 
     def _renew(self, stop: threading.Event) -> None:
         import grpc

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tlt.services.common.config import ServiceConfig
 from tlt.services.common.config_values import grpc_address_problem, zmq_endpoint_problem
+from tlt.services.rollout.lease import MAX_LEASE_S  # the rollout servers' bound (asyncio and time only)
 
 
 class TrainerConfig(ServiceConfig):
@@ -78,8 +79,9 @@ class TrainerConfig(ServiceConfig):
         "on the devices the trainer uses, and SGLang releases its KV cache (release_tags)"
     )
     lend_lease_s: float = Field(
-        60.0, gt=0, description="the lend lapses after this long unless renewed (the trainer renews it every "
-        "third of it): a trainer killed mid-update gives the devices back by itself"
+        60.0, gt=0, le=MAX_LEASE_S, description="the lend lapses after this long unless renewed (the trainer renews "
+        "it every third of it): a trainer killed mid-update gives the devices back by itself; at most a day, as the "
+        "rollout servers refuse longer leases"
     )
 
     # -- data ---------------------------------------------------------------------
