@@ -52,6 +52,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout.config import RolloutConfig
 from tlt.services.rollout.errors import OverloadedError
+from tlt.services.rollout.lease import MAX_LEASE_S
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
 from tlt.services.rollout.types import CompletionOutput, FinishReason, GenerationRequest, SamplingParams
 from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -159,7 +160,6 @@ def counted(method: Callable) -> Callable:
     return unary
 
 
-MAX_LEASE_S = 86400.0  # a day: a lend is renewed well within it; a longer one is a mistake, not a plan
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
@@ -398,13 +398,16 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             model=self.model_name, backend=self.config.backend, lent_to=self.pool.lent_to,
             versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter),
             control_refused=self.auth.check(context.invocation_metadata()) or "")
+        lease = self.pool.lease  # a replica that has not answered its resume is still LENT (its capacity events)
+        resuming = {rep.replica_id for rep in lease.resuming} if lease is not None else set()
         for s in await self.pool.snapshot():
             r = status.replicas.add(replica_id=s.replica_id, device=s.device, alive=s.alive)
             if s.stats is None:  # dead (DRAINING, as its capacity events say) or not answering in time
                 r.state = common_pb2.REPLICA_STATE_UNSPECIFIED if s.alive else common_pb2.REPLICA_STATE_DRAINING
                 continue
             busy = s.stats.running or s.stats.queued or s.outstanding
-            rest = common_pb2.REPLICA_STATE_LENT if status.lent_to else common_pb2.REPLICA_STATE_IDLE
+            lent = status.lent_to or s.replica_id in resuming
+            rest = common_pb2.REPLICA_STATE_LENT if lent else common_pb2.REPLICA_STATE_IDLE
             r.state = common_pb2.REPLICA_STATE_BUSY if busy else rest
             r.running, r.queued, r.kv_usage = s.stats.running, s.stats.queued, s.stats.kv_usage
             r.versions.policy, r.versions.drafter = s.stats.versions.policy, s.stats.versions.drafter
