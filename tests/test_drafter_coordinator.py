@@ -420,6 +420,18 @@ def test_a_save_removes_the_temporary_files_of_writers_killed_mid_save(tmp_path)
     assert load_state(ckpt) == {"x": 1}
 
 
+def _a_better_candidate(coord, version: int, monkeypatch) -> None:  # noqa: ANN001
+    """Make the (unstarted) coordinator's candidate differ from its serving drafter and score above it."""
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+    monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
+    with coord._lock:
+        for v in coord.candidate.parameters():
+            v.add_(0.01)  # the candidate differs from the initial serving drafter
+        coord.candidate_version = version
+
+
 @pytest.mark.parametrize("landed", [True, False])
 def test_a_push_cut_by_a_coordinator_kill_is_still_owed_after_the_restart(tmp_path, model_dir, monkeypatch,
                                                                           landed) -> None:
@@ -434,8 +446,6 @@ def test_a_push_cut_by_a_coordinator_kill_is_still_owed_after_the_restart(tmp_pa
 
     import torch
 
-    import tlt.services.drafter.coordinator as coordinator_mod
-
     killed = tmp_path / "at-kill"
 
     def publish(tensors, version):  # noqa: ANN001
@@ -445,12 +455,7 @@ def test_a_push_cut_by_a_coordinator_kill_is_still_owed_after_the_restart(tmp_pa
 
     coord = gated_coordinator(tmp_path, model_dir, publish)  # not started: no saver, the gate is called by hand
     try:
-        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
-        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
-        with coord._lock:
-            for v in coord.candidate.parameters():
-                v.add_(0.01)  # the candidate differs from the initial serving drafter
-            coord.candidate_version = 3
+        _a_better_candidate(coord, 3, monkeypatch)
         pushed = {k: v.clone() for k, v in coord.candidate.state_dict().items()}
         if landed:
             assert coord.evaluate_and_publish().published
@@ -571,7 +576,6 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
     that a worker's delta changed meanwhile (`moved_on`) gets a number of its own: one number, one drafter."""
     import torch
 
-    import tlt.services.drafter.coordinator as coordinator_mod
     from tlt.services.drafter.coordinator import tensors_message
     from tlt.services.drafter.training import own_tensors
     from tlt.v1 import drafter_pb2
@@ -583,12 +587,7 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
     rollout = _RolloutServing(10)
     coord = gated_coordinator(tmp_path, model_dir, rollout)  # not started: the gate is called by hand
     try:
-        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
-        monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))
-        with coord._lock:
-            for v in coord.candidate.parameters():
-                v.add_(0.01)  # the candidate differs from the initial serving drafter
-            coord.candidate_version = 1
+        _a_better_candidate(coord, 1, monkeypatch)
         won = own_tensors(coord.candidate)
         with pytest.raises(WeightPushError):
             coord.evaluate_and_publish()
