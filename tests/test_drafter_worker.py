@@ -746,3 +746,5 @@ def test_a_worker_with_devices_of_its_own_trains_whatever_the_rollout_does(tmp_p
     assert not res.preempted and res.micro_steps == 2
     assert stub.asks == ["pull", "batch_request", "batch_request", "update", "window"], stub.asks
     assert stub.version == 1 and worker._may_train()
+    assert worker._deferred is None  # sent and saved at the submission: the next window writes nothing again
+    assert load_state(worker.ckpt)["micro_steps"] == 2

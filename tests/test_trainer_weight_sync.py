@@ -288,3 +288,17 @@ def test_a_trainer_terminated_mid_push_removes_its_shm_file_and_dies_of_the_sign
         server.stop(0)
         for left in glob.glob(pattern):
             Path(left).unlink()
+
+
+def test_a_trainer_under_nohup_still_ignores_the_hangup():
+    """`nohup tlt train ...` ignores SIGHUP; the trainer's own handler must not take that back."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal\nfrom tlt.services.trainer.train import unwind_on_termination\n"
+            "with unwind_on_termination():\n    os.kill(os.getpid(), signal.SIGHUP)\n    print('trained on')\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup starts it
+    assert child.returncode == 0 and "trained on" in child.stdout, child.stderr[-2000:]
+

@@ -350,6 +350,7 @@ class DrafterWorker:
         self._restore_optimizer(opt)
         base, base_version = self._pull(drafter)
         since_submit = 0
+        saved = False  # the window ends right after its checkpoint was written: nothing left to defer
         while True:
             self._poll_events(0.0)
             if self.busy_seen or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
@@ -392,7 +393,8 @@ class DrafterWorker:
                     res.preempted = True
                     break
                 if self.cfg.train_when == "always":  # a window per submission: the next one fetches a newer
-                    break  # policy's embedding / lm_head (shared.refresh runs between windows only)
+                    saved = self._unsaved_opt is None  # policy's embedding / lm_head (shared.refresh runs between
+                    break  # windows only); what it leaves is sent and, unless the write failed, saved
                 base, base_version = self._pull(drafter)
             if self.cfg.window_max_steps and res.micro_steps >= self.cfg.window_max_steps:
                 if since_submit:  # the replica is still idle: send the change now rather than defer it
@@ -417,8 +419,8 @@ class DrafterWorker:
         # The replica is busy again: sending the change and writing the checkpoint would take CPU from it,
         # so they wait for the next idle window, or `run`'s exit (`_flush`); a kill -9 before then loses
         # at most these `since_submit` micro-steps and the worker resumes from the last checkpoint.
-        self._deferred = _Deferred(local, base, base_version, since_submit,
-                                   res.losses[-since_submit:] if since_submit else [], opt_state)
+        self._deferred = None if saved else _Deferred(local, base, base_version, since_submit,
+                                                      res.losses[-since_submit:] if since_submit else [], opt_state)
         return self._close_window(res, start, shared_version)
 
     def _close_window(self, res: WindowResult, start: float, shared_version: int) -> WindowResult:

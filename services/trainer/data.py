@@ -246,7 +246,8 @@ def _answer_text(answer: str | int | float) -> str:
 
 def _widen_short_floats(table: Any) -> Any:
     """float16 / float32 columns as the float64 of their shortest decimal: to_pylist widens float32 0.1 to
-    0.10000000149011612, and a reference answer "0.10000000149011612" scores every right completion 0."""
+    0.10000000149011612, and a reference answer "0.10000000149011612" scores every right completion 0. Top-level
+    columns only (the answer is one): floats inside list or struct columns reach reward functions widened."""
     import numpy as np
     import pyarrow as pa
 

@@ -106,7 +106,8 @@ def unwind_on_termination() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
         yield
         return
-    before = {sig: signal.signal(sig, raise_terminated) for sig in wanted}
+    # a signal already ignored stays ignored: under nohup a closed terminal must not end the trainer
+    before = {sig: signal.signal(sig, raise_terminated) for sig in wanted if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     except Terminated as t:
