@@ -259,9 +259,6 @@ def test_whole_commands_refuse_with_one_line(models, tmp_path) -> None:
         # RoPE past the trained length: the replicas loaded and served it silently
         "max_model_len past the model's": (["rollout", "serve", "--model", models["qwen2"], *ports],
                                            {"TLT_ROLLOUT__ENGINE__MAX_MODEL_LEN": "1000000"}),
-        # every policy push would be refused, after the server started and served a rollout
-        "push limit under the model's weights": (["rollout", "serve", "--model", models["qwen2"], *ports],
-                                                 {"TLT_ROLLOUT__MAX_WEIGHT_BYTES": "1000"}),
         # a worker took any device and failed in torch once its replica first turned idle (or waited for it forever)
         "unknown drafter device": (["drafter", "worker", "--model", models["qwen2"], "--coordinator",
                                     "tcp://127.0.0.1:5704", "--replica", "0", "--set", "device=gpu"], None),
@@ -312,6 +309,18 @@ def test_the_rollout_checks_the_architecture_only_for_the_native_engine(tmp_path
     (model / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no weights"):
         check_before_start(str(model), RolloutConfig(backend="sglang"))
+
+
+def test_a_push_limit_under_the_models_weights_is_warned_at_start(models, capfd) -> None:
+    """Every policy push would be refused once a trainer sends one, after the server started and served a rollout;
+    a server that only serves inference takes no push, so it is a warning, not a refusal."""
+    from tlt.model.folder import read_model_config
+    from tlt.services.rollout.serve import check_push_limit
+
+    cfg = read_model_config(models["qwen2"])
+    assert not check_push_limit(cfg, 1000)
+    assert "weights_over_push_limit" in "".join(capfd.readouterr())
+    assert check_push_limit(cfg, 16 << 30)
 
 
 def test_a_config_file_without_the_commands_section_is_refused(tmp_path: Path, capsys) -> None:

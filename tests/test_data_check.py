@@ -118,6 +118,21 @@ def test_the_resolved_config_decides_the_room(tmp_path, preset, capsys, monkeypa
     assert rc == 2 and "past the model's context 256" in r["error"]
 
 
+def test_a_model_the_native_engine_cannot_read_is_refused_in_the_json_too(tmp_path, model_dir, preset, capsys) -> None:
+    """The check reads config.json as the native engine does; its CheckpointError went out as a log line only, and
+    `--json` printed nothing for a caller to parse."""
+    import shutil
+
+    other = tmp_path / "yarn"
+    shutil.copytree(model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (other / "config.json").write_text(json.dumps(cfg))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": digits(5), "answer": 1}])
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--model", str(other))
+    assert rc == 2 and r["status"] == "refused" and "yarn" in r["error"]
+
+
 def test_the_sglang_backend_leaves_out_the_draft_slots_sglang_reserves(tmp_path, model_dir, capsys) -> None:
     """With an EAGLE drafter SGLang reserves max(topk x steps, draft tokens) slots of each request's context
     (sglang_backend/launch.py reserved_tokens; adaptive by default: the deepest candidate, 7 steps, + 1 = 8); the

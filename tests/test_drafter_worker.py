@@ -21,7 +21,7 @@ from drafter_helpers import BUSY, IDLE, StubbedWorker, make, model_dir, running,
 from tlt.services.common.events import CapacityPublisher
 from tlt.services.drafter.training import load_state
 from tlt.services.drafter.worker import DrafterWorker
-from tlt.v1 import common_pb2
+from tlt.v1 import common_pb2, events_pb2
 
 
 def test_trains_only_while_idle_is_preempted_and_publishes(tmp_path, model_dir, samples) -> None:
@@ -748,3 +748,20 @@ def test_a_worker_with_devices_of_its_own_trains_whatever_the_rollout_does(tmp_p
     assert stub.version == 1 and worker._may_train()
     assert worker._deferred is None  # sent and saved at the submission: the next window writes nothing again
     assert load_state(worker.ckpt)["micro_steps"] == 2
+
+
+def test_a_rollout_idle_worker_counts_a_draining_replica_still_finishing_work_as_busy(tmp_path, model_dir) -> None:
+    """A replica dead for good (DRAINING, nothing on it) no longer keeps the gate shut; one DRAINING while it still
+    finishes sequences (its server stopping) must, for workers as for the coordinator's RolloutIdle."""
+    stub = StubbedWorker(tmp_path, model_dir, train_when="rollout_idle")
+    worker = stub.worker
+
+    def event(replica: int, state: int, running: int = 0):  # noqa: ANN202
+        return events_pb2.CapacityEvent(server_id="s", replica_id=replica, state=state, running=running,
+                                        timestamp=time.time())
+
+    worker._see(event(0, IDLE))
+    worker._see(event(1, common_pb2.REPLICA_STATE_DRAINING, running=2))
+    assert worker.state != IDLE
+    worker._see(event(1, common_pb2.REPLICA_STATE_DRAINING))  # dead for good: left out
+    assert worker.state == IDLE

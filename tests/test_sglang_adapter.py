@@ -111,6 +111,28 @@ def test_an_aborted_sample_keeps_the_tokens_it_streamed(model_dir):
     assert c.finish_reason is FinishReason.ABORT and c.logprobs == [-0.1, -0.2, -0.3, -0.4]
 
 
+def test_an_abort_answer_ahead_of_what_was_streamed_is_read_from_its_logprobs_or_not_at_all(model_dir):
+    """SGLang yields only a request's newest output to a consumer that fell behind: the short abort answer (the last
+    id, completion_tokens N, all N logprob entries and the whole text) can come with fewer than N tokens streamed.
+    Its one id was taken for the next token, paired with the first token's logprob, and its text replaced the
+    streamed one: ids, logprobs and text no longer agreed."""
+    abort = {"type": "abort", "message": "Abort in waiting queue"}
+    eng, fake = make_engine(model_dir)
+    eng.add_request(GenerationRequest("r", (1, 2, 3), SamplingParams(max_tokens=20, logprobs=0)))
+    answer = sglang_chunk("r#0", [13], finish=abort, text="abcd", completion_tokens=4)
+    answer["meta_info"]["output_token_logprobs"] = [(-0.1, 10, None), (-0.2, 11, None), (-0.3, 12, None), (-0.4, 13, None)]
+    fake.feed(answer)  # nothing streamed before it: the ids are in the logprob entries
+    _, (c,) = eng.step()
+    assert c.token_ids == [10, 11, 12, 13] and c.logprobs == [-0.1, -0.2, -0.3, -0.4] and c.text == "abcd"
+
+    eng, fake = make_engine(model_dir)
+    eng.add_request(GenerationRequest("q", (1, 2, 3), SamplingParams(max_tokens=20)))
+    fake.feed(sglang_chunk("q#0", [10], text="a"))
+    fake.feed(sglang_chunk("q#0", [13], finish=abort, text="abcd", completion_tokens=4))  # no logprobs asked
+    _, (c,) = eng.step()
+    assert c.token_ids == [10] and c.text == "a"  # what was streamed, consistent; not [10] with "abcd"
+
+
 def test_the_replica_answers_an_abort_only_once_sglang_has_ended_the_samples(model_dir):
     """SGLang ends an aborted sample asynchronously (its final chunk comes with a later poll), so the replica loop
     (real ReplicaLoop over a real pipe) answers the abort, after which the front counts the work out and may

@@ -183,7 +183,10 @@ class DrafterWorker:
             return
         if self.cfg.train_when == "rollout_idle":  # every replica's state counts: idle only when all are
             now = time.monotonic()
-            self._states[(event.server_id, event.replica_id)] = (event.state, now)  # type: ignore[attr-defined]
+            seen = event.state  # type: ignore[attr-defined]
+            if seen == common_pb2.REPLICA_STATE_DRAINING and event.running + event.queued:  # type: ignore[attr-defined]
+                seen = common_pb2.REPLICA_STATE_BUSY  # still finishing sequences (a server stopping): as RolloutIdle
+            self._states[(event.server_id, event.replica_id)] = (seen, now)  # type: ignore[attr-defined]
             state = IDLE if fresh_all_idle(self._states, now, self.stale_s) else common_pb2.REPLICA_STATE_BUSY
         elif not mine:
             return

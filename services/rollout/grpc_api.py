@@ -398,9 +398,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             model=self.model_name, backend=self.config.backend, lent_to=self.pool.lent_to,
             versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter),
             control_refused=self.auth.check(context.invocation_metadata()) or "")
+        snapshot = await self.pool.snapshot()  # a stats query waits behind a resume in the replica's pipe
         lease = self.pool.lease  # a replica that has not answered its resume is still LENT (its capacity events)
         resuming = {rep.replica_id for rep in lease.resuming} if lease is not None else set()
-        for s in await self.pool.snapshot():
+        for s in snapshot:
             r = status.replicas.add(replica_id=s.replica_id, device=s.device, alive=s.alive)
             if s.stats is None:  # dead (DRAINING, as its capacity events say) or not answering in time
                 r.state = common_pb2.REPLICA_STATE_UNSPECIFIED if s.alive else common_pb2.REPLICA_STATE_DRAINING

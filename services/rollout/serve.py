@@ -194,19 +194,23 @@ def check_before_start(model: str, config: Any) -> None:
         check_draft_model(resolve_config(None))  # what each replica resolves: TLT_PRESET, TLT_SGLANG__*
 
 
-def check_push_limit(model_config: Any, max_weight_bytes: int) -> None:
-    """ConfigError when even a bf16 push of the model's weights is over max_weight_bytes: the rollout would start,
-    serve, and refuse every policy update (a 14B policy is 27.5 GiB, the default limit 16 GiB)."""
+def check_push_limit(model_config: Any, max_weight_bytes: int) -> bool:
+    """Warn (and False) when even a bf16 push of the model's weights is over max_weight_bytes: a trainer's policy
+    updates would all be refused, after the rollout started and served (a 14B policy is 27.5 GiB, the default
+    limit 16 GiB). A warning, not a refusal: a server that only serves inference never takes a push."""
     import math
 
     from tlt.model.loader import expected_tensors
-    from tlt.services.common.config import ConfigError
+    from tlt.services.common.logging import get_logger
 
     smallest = 2 * sum(math.prod(shape) for shape in expected_tensors(model_config).values())
-    if smallest > max_weight_bytes:
-        raise ConfigError(f"a bf16 weight push of this model is {smallest / 2**30:.1f} GiB, over [rollout] "
-                          f"max_weight_bytes = {max_weight_bytes / 2**30:.1f} GiB: every policy update would be "
-                          f"refused; raise max_weight_bytes to at least {smallest} (more for an fp32 trainer)")
+    if smallest <= max_weight_bytes:
+        return True
+    get_logger("rollout").warning(
+        "weights_over_push_limit", push_gib=round(smallest / 2**30, 1), max_weight_bytes=max_weight_bytes,
+        hint=f"a trainer's weight pushes would all be refused: raise [rollout] max_weight_bytes to at least "
+             f"{smallest} (more for an fp32 trainer)")
+    return False
 
 
 def export_preset(preset: str | None, environ: dict | None = None) -> None:

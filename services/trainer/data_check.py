@@ -342,9 +342,11 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.common.logging import get_logger
     from tlt.services.trainer.data import DataError
 
+    from tlt.model.loader import CheckpointError
+
     try:
         report = check(*resolve(args), show=args.show)
-    except (DataError, ConfigError) as e:  # the user's file or config: the message names it and the fix
+    except (DataError, ConfigError, CheckpointError) as e:  # the user's file, config or model: the message says
         get_logger("data").error("data_refused", error=str(e))
         if args.json:
             print(json.dumps({"status": "refused", "error": str(e)}))

@@ -101,10 +101,11 @@ class EngineConfig(ServiceConfig):
 def context_limit(max_model_len: int, model: ModelConfig) -> int:
     """The engine's context: max_model_len, or the model's own when 0. ConfigError past the model's own, whose
     positions it was never trained on (RoPE extrapolates there silently: a zero too many in a preset)."""
-    trained = model.max_position_embeddings
+    trained, source = model.max_position_embeddings, "config.json max_position_embeddings"
     if model.rope_scaling is not None and model.rope_scaling.rope_type == "linear":
         trained = int(trained * model.rope_scaling.factor)  # as vLLM derives it; llama3's is already in the field
+        source += f" x its linear RoPE factor {model.rope_scaling.factor:g}"
     if max_model_len > trained:
         raise ConfigError(f"[rollout.engine] max_model_len {max_model_len} is past the model's context {trained} "
-                          "(config.json max_position_embeddings): lower it, or 0 for the model's own")
+                          f"({source}): lower it, or 0 for the model's own")
     return max_model_len or trained

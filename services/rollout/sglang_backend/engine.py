@@ -390,9 +390,12 @@ def _take_new(chunk: StreamChunk, state: SampleState) -> tuple[list[int], list[f
     """The tokens (and their logprobs) a chunk adds to what the sample streamed; recorded in state.
 
     SGLang's chunks repeat every id so far, except the last of an aborted sample: for a streamed
-    request TokenizerManager._handle_abort_req sends only the last id, and a stream that raises ends
-    with none. Such a chunk adds nothing, and the result keeps what was streamed.
+    request TokenizerManager._handle_abort_req sends only the last id (parse_chunk rebuilds the others
+    from its logprobs when they were asked for), and a stream that raises ends with none. A chunk short
+    of ids adds nothing, its text included, and the result keeps what was streamed.
     """
+    if chunk.short:
+        return [], None
     known = len(state.token_ids)
     new_ids = chunk.output_ids[known:]
     end = known + len(new_ids)

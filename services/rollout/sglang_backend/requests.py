@@ -74,6 +74,7 @@ class StreamChunk:
     spec_verify_ct: int = 0
     completion_tokens: int = 0
     error: str = ""
+    short: bool = False  # an abort answer with fewer ids than completion_tokens whose logprobs could not fill them
 
 
 def sample_rid(request_id: str, sample_index: int) -> str:
@@ -156,17 +157,24 @@ def parse_chunk(out: Mapping[str, Any]) -> StreamChunk:
     top = None
     if meta.get("output_top_logprobs"):
         top = [{int(tok): float(lp) for lp, tok, *_ in (alts or [])} for alts in meta["output_top_logprobs"]]
+    ids = [int(t) for t in out.get("output_ids", [])]
+    completion = int(meta.get("completion_tokens", len(ids)) or 0)
+    lp_items = meta.get("output_token_logprobs") or []
+    short = completion > len(ids)  # TokenizerManager._handle_abort_req answers a streamed request with its last id
+    if short and len(lp_items) == completion:  # its (logprob, id, text) entries hold every id
+        ids, short = [int(item[1]) for item in lp_items], False
     return StreamChunk(
         rid=str(meta["id"]),
-        output_ids=[int(t) for t in out.get("output_ids", [])],
+        output_ids=ids,
         logprobs=logprobs,
         top_logprobs=top,
         finish=finish,
         text=out.get("text"),
         hidden_states=meta.get("hidden_states"),
         spec_verify_ct=int(meta.get("spec_verify_ct", 0) or 0),
-        completion_tokens=int(meta.get("completion_tokens", len(out.get("output_ids", []))) or 0),
+        completion_tokens=completion,
         error=error,
+        short=short,
     )
 
 
