@@ -98,7 +98,7 @@ def test_a_port_in_use_or_a_bad_setting_fails_at_once_with_one_line_not_a_traceb
 
     from rollout_helpers import tiny_checkpoint
 
-    model = tiny_checkpoint(tmp_path / "model")
+    model = tiny_checkpoint(tmp_path / "model", max_position_embeddings=1024)  # cpu-tiny's max_model_len
     tlt = [sys.executable, "-m", "tlt.cli"]
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
