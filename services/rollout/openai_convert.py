@@ -34,7 +34,7 @@ import secrets
 import string
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText, clean
@@ -103,6 +103,9 @@ class _Reading:
     anchor: tuple[int, ...]  # (): none found, tokens are decoded alone
     anchor_text: str
     special: frozenset[int]
+    # token id -> (text, bytes) as `_token_text_and_bytes` reads it: fixed per tokenizer, so each token is decoded
+    # once per process (a response's logprobs read each token twice: its text and its offset)
+    read: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict, compare=False)
 
 
 _READINGS: weakref.WeakKeyDictionary[Any, _Reading] = weakref.WeakKeyDictionary()
@@ -135,10 +138,9 @@ def _reading(tokenizer: Any) -> _Reading:
         return _find_reading(tokenizer)
 
 
-def _token_alone(tokenizer: Any, token_id: int) -> str:
+def _token_alone(tokenizer: Any, token_id: int, reading: _Reading) -> str:
     """The token's text as it reads inside a text (`_Reading`), cleaned up as the choice's text is; where the
     anchor's text is no prefix of the pair's, its decode alone."""
-    reading = _reading(tokenizer)
     if reading.anchor and token_id not in reading.special:
         whole = _raw_decode(tokenizer, [*reading.anchor, token_id])
         if whole.startswith(reading.anchor_text):
@@ -150,7 +152,15 @@ def _token_text_and_bytes(tokenizer: Any, token_id: int) -> tuple[str, list[int]
     """The token's text (as `_token_text`) and its own UTF-8 bytes: OpenAI's `bytes`, which clients join to
     rebuild a character split over several tokens. A byte piece's bytes are the byte(s) its vocabulary string
     stands for (`<0xE4>`, or GPT-2's byte alphabet), not the encoding of that string (which joined gave mojibake)."""
-    text = _token_alone(tokenizer, token_id)
+    reading = _reading(tokenizer)
+    if (known := reading.read.get(token_id)) is None:
+        text, raw = _text_and_bytes(tokenizer, token_id, reading)
+        known = reading.read[token_id] = (text, tuple(raw))
+    return known[0], list(known[1])
+
+
+def _text_and_bytes(tokenizer: Any, token_id: int, reading: _Reading) -> tuple[str, list[int]]:
+    text = _token_alone(tokenizer, token_id, reading)
     if "\ufffd" not in text:
         return text, list(text.encode())
     piece = tokenizer.convert_ids_to_tokens(token_id)
