@@ -86,3 +86,100 @@ def test_kernels_compile_only_arch_is_checked_at_parsing(capsys):
     for arch in COMPILE_ARCHS:
         assert parser.parse_args(["bench", "kernels", "--compile-only", "--arch", str(arch)]).arch == arch
     assert parser.parse_args(["bench", "kernels"]).arch == 90
+
+
+class _FakeWorkerRun:
+    """`tlt bench drafter-preemption`'s loop without a worker: the publisher's BUSY event ends a training window
+    of the (fake) coordinator, except for the BUSY events in `missing` (no window within the deadline); a
+    fake clock makes the 30 s waits instant. `history` is the coordinator's window limit (it keeps the last N)."""
+
+    def __init__(self, monkeypatch, missing: set[int], preempted: bool = True,  # noqa: ANN001
+                 history: int = 200) -> None:
+        import collections
+        import subprocess
+        import sys
+        import time
+        import types
+
+        import tlt.model.folder
+        import tlt.services.common.events
+        from tlt.v1 import common_pb2, drafter_pb2
+
+        self.now, self.idle_events = 1000.0, 0
+        windows: collections.deque = collections.deque(maxlen=history)
+        run = self
+
+        class Publisher:
+            pub_endpoint, snapshot_endpoint = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+
+            def __init__(self, *a, **k) -> None:  # noqa: ANN002, ANN003
+                pass
+
+            def publish(self, event):  # noqa: ANN001, ANN202
+                if event.state == common_pb2.REPLICA_STATE_IDLE:
+                    run.idle_events += 1  # the worker trains: window idle_events - 1
+                elif run.idle_events and run.idle_events - 1 not in missing:  # BUSY ends it (k ms after, k steps)
+                    k = run.idle_events - 1
+                    windows.append(drafter_pb2.TrainingWindow(preempted=preempted, busy_timestamp=run.now,
+                                                              released=run.now + 0.001 * k, micro_steps=k))
+                return event
+
+            def close(self) -> None:
+                pass
+
+        coordinator = types.SimpleNamespace(workers={"w": 1}, windows=windows, endpoint="tcp://127.0.0.1:3",
+                                            buffer=types.SimpleNamespace(add_samples=lambda s: None),
+                                            close=lambda: None)
+        coordinator.start = lambda: coordinator
+
+        def sleep(s: float) -> None:
+            run.now += s
+
+        monkeypatch.setattr(time, "sleep", sleep)
+        monkeypatch.setattr(time, "monotonic", lambda: run.now)
+        monkeypatch.setattr(tlt.model.folder, "check_checkpoint", lambda path: None)
+        monkeypatch.setattr(tlt.services.common.events, "CapacityPublisher", Publisher)
+        # stand-ins for the modules the bench imports only to build a model and a coordinator (importing torch
+        # and transformers alone takes seconds)
+        generator = types.SimpleNamespace(manual_seed=lambda seed: generator)
+        fakes = {"torch": types.SimpleNamespace(set_num_threads=lambda n: None, Generator=lambda: generator,
+                                                randint=lambda low, high, size, generator: [low] * size[0]),
+                 "transformers": types.SimpleNamespace(AutoModelForCausalLM=types.SimpleNamespace(
+                     from_pretrained=lambda path: None)),
+                 "tlt.services.drafter.collect": types.SimpleNamespace(sample_features=lambda *a, **k: []),
+                 "tlt.services.drafter.coordinator": types.SimpleNamespace(Coordinator=lambda *a: coordinator)}
+        for name, module in fakes.items():
+            monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: types.SimpleNamespace(terminate=lambda: None,
+                                                                                        wait=lambda t: 0))
+
+    def run(self, preemptions: int) -> int:
+        from tlt.bench import drafter_preemption
+
+        parser = _parser("drafter-preemption")
+        return drafter_preemption.run(parser.parse_args(["bench", "drafter-preemption", "--model", "m",
+                                                         "--preemptions", str(preemptions)]))
+
+
+def test_drafter_preemption_counts_each_window_once(monkeypatch, capsys):
+    """A BUSY event whose window did not arrive within 30 s measured the previous (already measured) window again;
+    and past the coordinator's `history` windows the count of windows stopped growing, so every later BUSY
+    waited out the whole 30 s."""
+    import json
+
+    fake = _FakeWorkerRun(monkeypatch, missing={2})
+    assert fake.run(4) == 0
+    res = json.loads(capsys.readouterr().out)
+    # window 0 (the worker's warm-up) is not measured, window 2 never came: windows 1, 3 and 4 count, once each
+    assert res["preemptions"] == 3 and res["mean_steps_per_window"] == (1 + 3 + 4) / 3
+    assert res["max_ms"] == pytest.approx(4.0)
+    fake = _FakeWorkerRun(monkeypatch, missing=set(), history=2)
+    assert fake.run(5) == 0 and json.loads(capsys.readouterr().out)["preemptions"] == 5
+    assert fake.now - 1000.0 < 6 * 1.7  # no 30 s deadline waited out (idle windows are 0.1-0.6 s, the first + 1 s)
+
+
+def test_drafter_preemption_without_a_preempted_window_is_an_error(monkeypatch, capsys):
+    """No window ended by a BUSY event left no latency, and the percentiles of none ended in an IndexError."""
+    assert _FakeWorkerRun(monkeypatch, missing=set(), preempted=False).run(3) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "preempted" in err, err

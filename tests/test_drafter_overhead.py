@@ -59,3 +59,39 @@ def test_overhead_pairs_rounds_and_the_service_trains_between_them(tmp_path):
     assert res["training_windows"] > 0 and res["micro_steps"] > 0  # the B arm really trained
     cpu = res["cpu_s_per_round"]
     assert cpu["A"]["replicas"] > 0 and cpu["A"]["workers"] == cpu["A"]["coordinator"] == 0  # stopped in A
+
+
+def test_both_rounds_of_a_pair_decode_the_same_prompts_without_prefix_hits():
+    """The A and B rounds of a pair decoded different prompts (a new set every round): with the adaptive n-gram
+    SD the steps per round depend on the text (108 to 205 over six sets), so B / A mixed work into the overhead."""
+    from tlt.services.rollout.engine.block_manager import BlockManager
+    from tlt.services.rollout.engine.sequence import Sequence
+    from tlt.services.rollout.types import SamplingParams
+    from tlt.bench.drafter_overhead import BLOCK_SIZE, LONG_TAIL, paired_rounds
+
+    sent: list[tuple[str, list[list[int]]]] = []
+    times = paired_rounds(6, lambda arm, batch: sent.append((arm, batch)) or float(len(sent)))
+    assert [arm for arm, _ in sent] == ["A", "B", "B", "A"] * 3  # alternating order within the pairs
+    assert times == {"A": [1.0, 4.0, 5.0, 8.0, 9.0, 12.0], "B": [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]}
+    pairs = [sent[2 * r: 2 * r + 2] for r in range(6)]
+    for (_, first), (_, second) in pairs:
+        assert first == second and len(first) == len(LONG_TAIL)  # the same work in A and B
+    assert len({str(batch) for (_, batch), _ in pairs}) == 6  # pairs vary among themselves
+
+    def shared_hits(batches: list[list[list[int]]]) -> int:
+        """Prefix-cache hits of the rounds' prompts, decoded one round after another on one replica's blocks."""
+        blocks = BlockManager(512, BLOCK_SIZE)
+        for batch in batches:
+            seqs = [Sequence("r", i, tuple(p), SamplingParams(temperature=0.0), 8, 0, frozenset())
+                    for i, p in enumerate(batch)]
+            for seq in seqs:
+                blocks.allocate(seq, set())
+                seq.num_computed = len(seq.token_ids)  # prefilled: its full blocks now hold K/V
+                blocks.mark_computed(seq)
+            for seq in seqs:
+                blocks.free_seq(seq)
+        return blocks.shared_hits
+
+    assert shared_hits([batch for (_, batch), _ in pairs for _ in range(2)]) == 0  # B does not reuse A's prompt KV
+    long = [[7] * (BLOCK_SIZE + 1)]  # the check sees a hit where there is one: a prompt past a block
+    assert shared_hits([long, long]) == 1

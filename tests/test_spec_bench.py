@@ -366,3 +366,40 @@ def test_a_figure_that_was_not_measured_is_printed_as_a_dash():
 
     assert _x(None) == "-" and _x(None, [1.0, 2.0]) == "-" and _num(None, 2) == "-"
     assert _x(1.5, [1.2, 1.7]) == "1.50 (1.20-1.70)" and _num(0.0, 2) == "0.00"
+
+
+def _refused_before_the_model(capsys, monkeypatch, argv: list[str]) -> str:
+    """Run the bench on `argv`, which must be refused (exit 2) before any model is resolved; returns its stderr."""
+    import tlt.bench
+
+    def no_model(model):  # noqa: ANN001, ANN202
+        raise AssertionError(f"{argv}: the model was resolved before the arguments were checked")
+
+    monkeypatch.setattr(tlt.bench, "resolve_model", no_model)
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    assert rollout.run(parser.parse_args(argv)) == 2, argv
+    return capsys.readouterr().err
+
+
+def test_bench_rollout_checks_every_modes_spec_config_before_the_model(capsys, monkeypatch):
+    """Only the adaptive config was checked up front: a static arm over the verify budget (at --threshold 256)
+    passed, loaded the model, warmed the earlier modes up and ended in pydantic's traceback; and every SpecConfig
+    error was blamed on "--buckets None / --arms None", a bad --static-arm included."""
+    err = _refused_before_the_model(capsys, monkeypatch, ["--modes", "off,static-ngram", "--threshold", "256"])
+    assert err.count("\n") == 1 and err.startswith("error: mode static-ngram:"), err
+    assert "verify_token_budget = 2048" in err and "--verify-budget" in err and "validation error" not in err
+    err = _refused_before_the_model(capsys, monkeypatch, ["--modes", "off,ngram", "--static-arm", "bogus"])
+    assert err.count("\n") == 1 and "--static-arm" in err and "arm 'bogus'" in err, err
+    assert "--buckets None" not in err
+    err = _refused_before_the_model(capsys, monkeypatch, ["--modes", "off", "--static-arm", "bogus"])
+    assert "arm 'bogus'" in err, err  # checked even when no SD mode runs: refused, not silently ignored
+
+
+def test_bench_rollout_refuses_non_finite_temperature_and_sigma(capsys, monkeypatch):
+    """`--temperature inf` passed the `>= 0` check and `--sigma` was not checked at all: both ended in a
+    traceback after the model had loaded."""
+    for flag, value in (("--temperature", "inf"), ("--temperature", "nan"), ("--temperature", "-1"),
+                        ("--sigma", "nan"), ("--sigma", "inf"), ("--sigma", "-0.5")):
+        err = _refused_before_the_model(capsys, monkeypatch, [flag, value, "--modes", "off"])
+        assert err.count("\n") == 1 and err.startswith(f"error: {flag} must be a finite number >= 0"), err

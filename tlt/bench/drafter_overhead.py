@@ -17,24 +17,53 @@ then A x N, with the service started and stopped between the phases) could not r
 A phases differed by 10% from each other.
 
 Each round: `gap` seconds idle, then the batch (max_tokens 8 x 48 and 96, 192, 320, 480, eos
-ignored, greedy; sent 5 ms apart in that order, so the replicas get the same shares every round). The engine runs the rollout config's default SD; the coordinator never publishes
-(publish_margin is huge), which isolates the cost of training in idle windows, the feature stream
-and the capacity events on the rollout. The report also gives how many windows and micro-steps the
-workers trained (read from the drafter's GetStatus), so a B arm that trained nothing shows, and the
-mean CPU seconds per round of the replicas, the coordinator and the workers in each arm (Linux /proc):
-where an overhead comes from (a drafter process taking a replica's CPU, or replicas needing more CPU
-for the same work because something beside them thrashes the shared caches).
+ignored, greedy; sent 5 ms apart in that order, so the replicas get the same shares every round) on
+3-token prompts. Both rounds of a pair decode the same prompts (the pair's index picks them), so B / A
+compares the same work: the engine runs the rollout config's default SD, the adaptive n-gram drafter,
+whose steps per round depend on the text (108 to 205 engine steps over six prompt sets of this batch
+on artifacts/tiny); pairs differ among themselves. A prompt fits inside one KV block, so a pair's
+second round never hits its first round's prefix cache (only full prompt blocks are shared). The
+coordinator never publishes (publish_margin is huge), which isolates the cost of training in idle
+windows, the feature stream and the capacity events on the rollout. The report also gives how many
+windows and micro-steps the workers trained (read from the drafter's GetStatus), so a B arm that
+trained nothing shows, and the mean CPU seconds per round of the replicas, the coordinator and the
+workers in each arm (Linux /proc): where an overhead comes from (a drafter process taking a
+replica's CPU, or replicas needing more CPU for the same work because something beside them
+thrashes the shared caches).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 LONG_TAIL = [48] * 8 + [96, 192, 320, 480]
+BLOCK_SIZE = 16  # the replicas' KV block: a prompt of at most this many tokens has no block to share
 
 
-def _round(client, tag: int) -> float:  # noqa: ANN001
+def prompts(pair: int) -> list[list[int]]:
+    """The batch's prompts in pair `pair` of rounds (-1: the warm-up round), one per LONG_TAIL entry.
+
+    Both rounds of a pair decode these (with SD the steps a round takes depend on the text), and the
+    pairs differ among themselves (90 distinct sets), so no one prompt set decides the overhead."""
+    return [[5 + (7 * i + pair + 1) % 90, 17, 33 + i] for i in range(len(LONG_TAIL))]
+
+
+def paired_rounds(pairs: int, run_round: Callable[[str, list[list[int]]], float]) -> dict[str, list[float]]:
+    """Seconds of each arm's round in `pairs` pairs: `run_round(arm, prompts)` times one round of `arm`.
+
+    Pair r runs A then B for even r, B then A for odd r (a steady drift of the machine's speed cancels
+    within the pairs), both on `prompts(r)`."""
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for r in range(pairs):
+        batch = prompts(r)
+        for arm in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            times[arm].append(run_round(arm, batch))
+    return times
+
+
+def _round(client, batch: list[list[int]]) -> float:  # noqa: ANN001
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -46,7 +75,7 @@ def _round(client, tag: int) -> float:  # noqa: ANN001
         # random arrival the two longest could share a replica, which alone moved rounds by +-50%)
         time.sleep(0.005 * i)
         params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-        return client.generate([5 + (7 * i + tag) % 90, 17, 33 + i], n=1, params=params)
+        return client.generate(batch[i], n=1, params=params)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(LONG_TAIL)) as ex:
@@ -119,7 +148,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
     from tlt.services.rollout.engine.config import context_limit
 
     engine = EngineConfig(max_model_len=min(512, context_limit(0, read_model_config(model_dir))), max_num_seqs=64,
-                          num_kv_blocks=512, block_size=16)
+                          num_kv_blocks=512, block_size=BLOCK_SIZE)
     cfg = RolloutConfig(http_port=0, grpc_port=0, replicas=2, threads_per_replica=1, engine=engine,
                         capacity_pub="tcp://127.0.0.1:*", features_push=f"tcp://127.0.0.1:{feat_port}")
     server = RolloutServer(model_dir, cfg)
@@ -129,7 +158,6 @@ def measure_overhead(args: argparse.Namespace) -> int:
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(300)
     client = RolloutClient(f"127.0.0.1:{server.grpc_port}", timeout_s=300)
     gap = 3.0
-    times: dict[str, list[float]] = {"A": [], "B": []}
     cpu: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
     proc, status = None, None
     try:
@@ -150,18 +178,20 @@ def measure_overhead(args: argparse.Namespace) -> int:
         status_port = ready_info["status_port"]
         who = {"replicas": [r.process.pid for r in server.pool.replicas], "coordinator": [ready_info["pid"]],
                "workers": ready_info["worker_pids"]}
-        _round(client, 0)  # warm-up: the engine, and features for the workers' buffer
+        _round(client, prompts(-1))  # warm-up: the engine, and features for the workers' buffer
         time.sleep(15)  # workers up, joined, and trained once
-        tag = 1
-        for r in range(args.rounds):
-            for arm in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                os.killpg(proc.pid, signal.SIGSTOP if arm == "A" else signal.SIGCONT)
-                time.sleep(gap)  # the idle gap before the round: B's workers train in it
-                before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in who.items()}
-                times[arm].append(_round(client, tag))
-                for k, pids in who.items():  # CPU seconds each part used during the round
-                    cpu[arm].setdefault(k, []).append(sum(cpu_seconds(p) for p in pids) - before[k])
-                tag += 1
+        group = proc.pid  # the drafter service's process group
+
+        def timed(arm: str, batch: list[list[int]]) -> float:
+            os.killpg(group, signal.SIGSTOP if arm == "A" else signal.SIGCONT)
+            time.sleep(gap)  # the idle gap before the round: B's workers train in it
+            before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in who.items()}
+            seconds = _round(client, batch)
+            for k, pids in who.items():  # CPU seconds each part used during the round
+                cpu[arm].setdefault(k, []).append(sum(cpu_seconds(p) for p in pids) - before[k])
+            return seconds
+
+        times = paired_rounds(args.rounds, timed)
         os.killpg(proc.pid, signal.SIGCONT)
         with grpc.insecure_channel(f"127.0.0.1:{status_port}") as ch:
             status = drafter_pb2_grpc.DrafterStub(ch).GetStatus(drafter_pb2.DrafterStatusRequest(), timeout=30)

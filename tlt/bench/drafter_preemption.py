@@ -6,14 +6,20 @@ A real CapacityPublisher (what the rollout server runs) flips replica 0 IDLE -> 
 `tlt drafter worker` process trains on replica 0 in the idle windows (real coordinator, real
 features of the model's own greedy samples) and reports for each window the publisher's BUSY
 timestamp and the moment it had freed the device. Latency = released - busy (same host clock).
-Idle windows last a random 0.1-0.6 s so the BUSY lands at random points of a micro-step.
+Idle windows last a random 0.1-0.6 s so the BUSY lands at random points of a micro-step. Each window
+reported is measured once (the first, which includes the worker's warm-up, not at all); a BUSY whose
+window has not come 30 s later adds none, and a run where no window was preempted is an error (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
+from typing import TypeVar
 
 from tlt.cli_args import at_least, out_file
+
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-rows", type=at_least(1), default=4, help="packed rows per micro-step")
     parser.add_argument("--batch-tokens", type=at_least(8), default=256, help="tokens per packed row")
     parser.add_argument("--out", type=out_file, default=None, help="write the figures as JSON here")
+
+
+def _new_windows(windows: Iterable[T], last: T | None) -> list[T]:
+    """The windows reported after `last` (the newest one already taken; None: none yet), oldest first.
+
+    The coordinator keeps only its last `history` windows, so their count stops growing there: the newest
+    one taken, not a count, tells which windows are new."""
+    new: list[T] = []
+    for w in reversed(list(windows)):  # a copy: the coordinator's threads append to the deque meanwhile
+        if w is last:
+            break
+        new.append(w)
+    return new[::-1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,25 +91,36 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     lat: list[float] = []
     steps: list[int] = []
+    reported = 0  # windows the worker reported, the first one included
     try:
         while not coord.workers:
             time.sleep(0.1)
+        last = coord.windows[-1] if coord.windows else None
         for i in range(args.preemptions + 1):
             pub.publish(events_pb2.CapacityEvent(replica_id=0, state=idle))
             time.sleep(rng.uniform(0.1, 0.6) + (1.0 if i == 0 else 0.0))
             pub.publish(events_pb2.CapacityEvent(replica_id=0, state=busy))
             deadline = time.monotonic() + 30
-            while len(coord.windows) < i + 1 and time.monotonic() < deadline:
+            new = _new_windows(coord.windows, last)
+            while not new and time.monotonic() < deadline:
                 time.sleep(0.005)
-            w = coord.windows[-1]
-            if i > 0 and w.preempted:  # the first window includes the worker's warm-up; not measured
-                lat.append(w.released - w.busy_timestamp)
-                steps.append(w.micro_steps)
+                new = _new_windows(coord.windows, last)
+            for w in new:  # none when no window came within the deadline: the last one is measured already
+                if reported > 0 and w.preempted:  # the first window includes the worker's warm-up; not measured
+                    lat.append(w.released - w.busy_timestamp)
+                    steps.append(w.micro_steps)
+                reported += 1
+            last = new[-1] if new else last
     finally:
         proc.terminate()
         proc.wait(30)
         coord.close()
         pub.close()
+    if not lat:
+        print(f"error: no training window was preempted by a BUSY event ({reported} windows reported for "
+              f"{args.preemptions + 1} BUSY events, the first not measured); nothing to measure, see the worker's "
+              "output above", file=sys.stderr)
+        return 1
     ms = np.array(lat) * 1000
     res = {"preemptions": len(lat), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
            "max_ms": float(ms.max()), "mean_steps_per_window": float(np.mean(steps)),

@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 
@@ -274,6 +275,18 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms, buckets=None)
                       chain_sampling=args.chain_sampling == "on", **extra)
 
 
+def _first_problem(e: ValueError) -> str:
+    """The first problem of a SpecConfig error on one line (pydantic's text is several: a count, the message
+    with the whole input echoed, a link)."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError) and e.errors():
+        err = e.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        return f"{'.'.join(str(x) for x in err['loc'])}: {msg}" if err["loc"] else msg
+    return next(iter(str(e).splitlines()), type(e).__name__)
+
+
 def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]:  # noqa: ANN001
     """Decode `requests` to the end on `engine`, timing every step with `clock` (default wall time);
     returns (outputs, measurements)."""
@@ -391,9 +404,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.chain_min_prob < 1:
         print(f"error: --chain-min-prob must be in [0, 1), got {args.chain_min_prob}", file=sys.stderr)
         return 2
-    if not args.temperature >= 0:  # also rejects nan
-        print(f"error: --temperature must be >= 0, got {args.temperature}", file=sys.stderr)
-        return 2
+    for flag, value in (("--temperature", args.temperature), ("--sigma", args.sigma)):
+        if not (math.isfinite(value) and value >= 0):  # inf or nan would fail only after the model has loaded
+            print(f"error: {flag} must be a finite number >= 0, got {value}", file=sys.stderr)
+            return 2
     bucket_arms = None
     given = None  # --buckets, parsed
     try:
@@ -405,10 +419,19 @@ def run(args: argparse.Namespace) -> int:
             bucket_arms = tuple(lists[0] for _ in buckets) if len(lists) == 1 else tuple(lists)
         if args.buckets is not None and bucket_arms is None:
             raise ValueError("--buckets needs --arms: one list for every bucket, or one per bucket with '/' between")
-        _spec_config("ngram", args, bucket_arms, given)
     except ValueError as e:
         print(f"error: --buckets {args.buckets!r} / --arms {args.arms!r}: {e}", file=sys.stderr)
         return 2
+    ran = [m for m in modes if not (m.endswith("learned") and not args.drafter)]
+    # every config a run builds, before the model loads; with no SD mode to run the flags are still checked
+    # (as the adaptive mode's), so a bad value is refused rather than silently ignored
+    for mode in [m for m in ran if m != "off"] or ["ngram"]:
+        try:
+            _spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given)
+        except ValueError as e:
+            print(f"error: mode {mode}: the speculative decoding flags (--threshold, --static-arm, --arms, --buckets, "
+                  f"--verify-budget, --chain-min-prob) make no valid SpecConfig: {_first_problem(e)}", file=sys.stderr)
+            return 2
     model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
     import torch  # after every check: a wrong argument fails at once, not after torch has loaded
 
@@ -440,7 +463,6 @@ def run(args: argparse.Namespace) -> int:
         return LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
                                                  num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
 
-    ran = [m for m in modes if not (m.endswith("learned") and not args.drafter)]
     for _ in range(args.warmup):  # untimed: the process's one-time costs must not land in a timed run
         for mode in ran:
             engine = new_engine()
