@@ -507,3 +507,84 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused_before_torch_loads(tmp_pat
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert [tuple(s) for s in seen] == [(2, False)] * len(cmds), list(zip([c[:2] for c in cmds], seen))
     assert r.stderr.count(str(tmp_path / "nope")) == len(cmds) and "Traceback" not in r.stderr  # one line each
+
+
+def _drafter_variants(models: dict[str, str], root: Path) -> dict[str, Path]:
+    """Drafter folders that do not fit the qwen2 target: another vocabulary, another width, an unreadable config."""
+    import shutil
+    from dataclasses import replace
+
+    import torch
+
+    from tlt.model.drafter import CONFIG_FILE, Drafter, DrafterConfig
+    from tlt.model.folder import read_model_config
+
+    cfg = DrafterConfig.from_model_config(read_model_config(models["qwen2"]))
+    out = {}
+    for name, bad in (("vocab", replace(cfg, vocab_size=cfg.vocab_size + 8)),
+                      ("hidden", replace(cfg, hidden_size=2 * cfg.hidden_size))):
+        shared = torch.zeros(bad.vocab_size, bad.hidden_size)
+        Drafter(bad, shared, shared.clone()).save(root / name)
+        out[name] = root / name
+    shutil.copytree(models["qwen2-drafter"], root / "garbled")
+    (root / "garbled" / CONFIG_FILE).write_text("{")
+    out["garbled"] = root / "garbled"
+    return out
+
+
+def test_a_drafter_that_does_not_fit_the_model_is_refused_naming_it(models, tmp_path) -> None:
+    """A drafter of another vocabulary or hidden size (or an unreadable drafter_config.json) passed the folder check,
+    loaded in every replica after the model and failed there: two tracebacks, exit 1, headed 'replica 0 failed to
+    load <the model>'. Refused before any replica starts, one line naming the drafter's folder."""
+    from tlt.model.drafter import DrafterError
+    from tlt.services.rollout.config import RolloutConfig
+    from tlt.services.rollout.serve import check_before_start
+
+    drafters = _drafter_variants(models, tmp_path)
+    for d in drafters.values():  # each variant, as the server checks it before start
+        config = RolloutConfig(engine={"max_model_len": 0}, spec={"drafter": "learned", "drafter_path": str(d)})
+        with pytest.raises(DrafterError, match=str(d)):
+            check_before_start(models["qwen2"], config)
+    # end to end, as a user runs it (ports 0: nothing is taken)
+    p = _tlt("rollout", "serve", "--model", models["qwen2"], "--drafter", str(drafters["vocab"]), "--http-port", "0",
+             "--grpc-port", "0", timeout=120)
+    assert not _one_line_refusal(p), _one_line_refusal(p)
+    last = p.stderr.strip().splitlines()[-1]
+    assert "bad_checkpoint" in last and str(drafters["vocab"]) in last and "vocab_size" in last, last
+
+
+def test_a_replica_that_cannot_load_the_drafter_names_the_drafter(models, tmp_path) -> None:
+    """What the check before start cannot see (here weights that do not fit the drafter's own config) still fails in
+    the replica; its message named the model's folder, as if the checkpoint were broken, not the drafter."""
+    import multiprocessing as mp
+    import shutil
+
+    from tlt.model.drafter import CONFIG_FILE
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.ipc import Fatal
+    from tlt.services.rollout.replica import replica_main
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(_drafter_variants(models, tmp_path)["hidden"], drafter)  # weights of a wider drafter
+    shutil.copy(Path(models["qwen2-drafter"], CONFIG_FILE), drafter / CONFIG_FILE)  # under the target's config
+    spec = SpecConfig(drafter="learned", drafter_path=str(drafter))
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=replica_main, args=(0, models["qwen2"], "native",
+                                                  EngineConfig(num_kv_blocks=16).model_dump_json(), 1, child, "",
+                                                  4096, spec.model_dump_json()), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(60), "the replica sent nothing in 60 s"
+        event = parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(30)
+    assert isinstance(event, Fatal), event
+    headline = event.message.splitlines()[0]
+    assert f"replica 0 failed to load the drafter {drafter}" in headline, headline
+    assert "DrafterError" in event.message

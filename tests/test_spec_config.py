@@ -131,3 +131,13 @@ def test_rollout_serve_refuses_bad_spec_flags_with_the_fix(argv, needle) -> None
 
     with pytest.raises(ConfigError, match=needle):
         build_config(_serve_args(*argv))
+
+
+def test_switch_counts_decode_steps_only():
+    # a step with prefill in it never counts toward switching on (nor breaks the run), but a batch over the
+    # threshold switches SD off whatever the step computes
+    sw = SpecSwitch(threshold=4, hysteresis_steps=2)
+    got = [sw.update(b, decode) for b, decode in [(1, False), (1, False), (2, True), (3, False), (3, True),
+                                                   (3, False), (5, False), (2, True), (2, True)]]
+    assert got == [False, False, False, False, True, True, False, False, True]
+    assert sw.switches == 3

@@ -577,3 +577,27 @@ def test_no_arm_within_the_verify_token_budget_decodes_plainly(ckpt, monkeypatch
     assert verified and max(verified) <= budget, verified
     assert st["over_budget"] > 0 and st["verify_steps"] == len(verified), st
     assert sum(b["over_budget"] for b in st["bandit"]) == st["over_budget"]
+
+
+def test_hysteresis_counts_only_decode_steps(ckpt):
+    """SD switches on after `hysteresis_steps` consecutive DECODE steps at/below the threshold (SpecConfig,
+    switch.py). Counting every scheduled step let a prompt's chunked prefill satisfy the hysteresis, so the
+    first decode step already speculated; a step that prefills beside decodes must not count either."""
+    eng = LLMEngine(ckpt, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16))
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **dict(STATIC, hysteresis_steps=3)), eng.runner, eng.block_manager)
+    steps: list[tuple[bool, bool]] = []  # per engine step: (decode-only, speculated)
+    wants = dec.wants
+    dec.wants = lambda batch: steps.append((batch.is_decode_only, wants(batch))) or steps[-1][1]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eng.spec_decoder, eng.scheduler.on_release = dec, dec.release
+    eng.add_request(GenerationRequest("a", tuple(range(5, 53)), params))  # 48 tokens: 3 prefill chunks of 16
+    for _ in range(4):  # 3 prefill steps, then 1 decode step
+        eng.step()
+    assert [d for d, _ in steps] == [False, False, False, True]
+    eng.add_request(GenerationRequest("b", tuple(range(5, 25)), params))  # 20 tokens: 2 steps beside a's decodes
+    while eng.has_unfinished():
+        eng.step()
+    assert not any(s for d, s in steps if not d)
+    decodes = [s for d, s in steps if d]
+    assert decodes[:3] == [False, False, True], steps  # the 3rd decode step is the first to speculate
+    assert dec.stats()["switches"] == 1

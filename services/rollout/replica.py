@@ -124,12 +124,14 @@ def serve_replica(
 
         cores, pinned = pin_group(replica_id, threads)
         log.info("replica_cpus", replica=replica_id, cores=cores, pinned=pinned)
+    loading = model_dir  # what the failure names: the model, or the drafter once the model is up
     try:
         engine = engine_class(backend)(model_dir, config, replica_id=replica_id)
         if spec_config_json:
+            loading = spec_subject(spec_config_json)
             attach_spec(engine, spec_config_json)
     except Exception:  # deliberate boundary: report why the replica could not start, then exit
-        conn.send(Fatal(f"replica {replica_id} failed to load {model_dir}:\n{traceback.format_exc()}"))
+        conn.send(Fatal(f"replica {replica_id} failed to load {loading}:\n{traceback.format_exc()}"))
         conn.close()
         return
     info = ReplicaInfo(
@@ -165,6 +167,17 @@ def serve_replica(
             pass
     finally:
         conn.close()
+
+
+def spec_subject(spec_config_json: str) -> str:
+    """What `attach_spec` loads, for its failure message: the learned drafter's folder, else the speculative
+    decoder (a failure there is not the model's, whose folder the message named)."""
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    spec = SpecConfig.model_validate_json(spec_config_json)
+    if spec.mode != "off" and spec.drafter == "learned":
+        return f"the drafter {spec.drafter_path}"
+    return "the speculative decoder ([rollout.spec])"
 
 
 def attach_spec(engine: Any, spec_config_json: str) -> None:

@@ -187,11 +187,34 @@ def check_before_start(model: str, config: Any) -> None:
     spec = config.spec  # (an unknown backend: refused as the config loads, RolloutConfig._known_backend)
     if config.backend == "native" and spec.mode != "off" and spec.drafter == "learned":
         check_drafter_folder(spec.drafter_path)  # --drafter, or [rollout.spec] drafter_path
+        check_drafter_fits(spec.drafter_path, model, model_config)
     if config.backend == "sglang":
         from tlt.services.rollout.sglang_backend.engine import resolve_config
         from tlt.services.rollout.sglang_backend.launch import check_draft_model
 
         check_draft_model(resolve_config(None))  # what each replica resolves: TLT_PRESET, TLT_SGLANG__*
+
+
+def check_drafter_fits(folder: str, model: str, model_config: Any) -> None:
+    """DrafterError unless the drafter in `folder` can run on the model (cheap: reads drafter_config.json only).
+    It shares the model's embedding and lm_head and reads its features: another vocabulary or hidden size is found
+    only after every replica loaded the model (reported as the model failing to load)."""
+    from pathlib import Path
+
+    from tlt.model.drafter import CONFIG_FILE, DrafterConfig, DrafterError
+
+    path = Path(folder, CONFIG_FILE)
+    try:
+        drafter = DrafterConfig.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as e:  # not JSON, or not a drafter's fields
+        raise DrafterError(f"{path} is not a drafter config ({e}): write the drafter again with "
+                           f"`tlt drafter warmup --model {model} --out DIR`") from None
+    ours = (drafter.vocab_size, drafter.hidden_size)
+    theirs = (model_config.vocab_size, model_config.hidden_size)
+    if ours != theirs:
+        raise DrafterError(
+            f"drafter {folder} has vocab_size {ours[0]} and hidden_size {ours[1]}, the model {model} has {theirs[0]} "
+            f"and {theirs[1]}: pass a drafter made for this model (`tlt drafter warmup --model {model} --out DIR`)")
 
 
 def check_push_limit(model_config: Any, max_weight_bytes: int) -> bool:

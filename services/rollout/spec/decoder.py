@@ -176,8 +176,8 @@ class SpecDecoder:
         """Call once per engine step with the scheduled batch: speculate in this step?"""
         if self.config.mode == "off":
             return False
-        on = self.switch.update(len(batch.seqs))
-        speculate = on and bool(batch.seqs) and batch.is_decode_only
+        decode = bool(batch.seqs) and batch.is_decode_only
+        speculate = self.switch.update(len(batch.seqs), decode) and decode  # prefill steps do not count toward on
         self._behind |= not speculate  # the step decodes plainly: the drafter falls behind by its tokens
         return speculate
 
