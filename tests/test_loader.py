@@ -232,3 +232,44 @@ def test_config_without_architectures_goes_by_model_type_and_bad_fields_are_chec
     (path / "generation_config.json").write_text('{"eos_token_id": ')
     with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
         read_model_config(path)
+
+
+def test_config_reads_architectures_given_as_a_string():
+    # transformers loads such a file (it goes by model_type); its characters were taken as the list's items, and the
+    # error named the very architecture it listed as supported
+    base = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, model_type="llama")
+    assert ModelConfig.from_hf(dict(base, architectures="LlamaForCausalLM")).architecture == "LlamaForCausalLM"
+    with pytest.raises(UnsupportedModelError, match=r"unsupported architecture \['MixtralForCausalLM'\]"):
+        ModelConfig.from_hf(dict(base, architectures="MixtralForCausalLM"))
+
+
+def test_a_single_file_beside_an_index_is_the_one_loaded_as_transformers_does(tmp_path):
+    # transformers (the trainer's policy) loads model.safetensors when a folder holds it and a sharded index too;
+    # the rollout loaded the shards: both sides started from other weights, silently
+    path, model = _save(tmp_path, shards=True)
+    single = {k: v + 1.0 for k, v in model.state_dict().items()}
+    save_file(single, path / "model.safetensors", metadata={"format": "pt"})
+    assert (path / "model.safetensors.index.json").is_file()
+    _, tensors = load_checkpoint(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    for name, t in tensors.items():
+        assert torch.equal(t, hf[name]) and torch.equal(t, single[name]), name
+
+
+def test_a_tied_head_is_accepted_only_as_the_embedding_it_is(tmp_path):
+    # HF's state_dict() of a tied model carries lm_head.weight (the embedding's storage): a push of it is valid; a
+    # head that differs from the embedding, or comes without it, cannot be served by a model that has no head of its
+    # own, and was dropped in silence
+    path, model = _save(tmp_path, "qwen2", tie=True)
+    cfg, _ = load_checkpoint(path)
+    sd = model.state_dict()
+    embed = sd["model.embed_tokens.weight"]
+    validate_tensors(cfg, sd)
+    validate_tensors(cfg, {"lm_head.weight": embed.clone(), "model.embed_tokens.weight": embed}, partial=True)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        validate_tensors(cfg, {"lm_head.weight": embed + 1.0, "model.embed_tokens.weight": embed}, partial=True)
+    with pytest.raises(CheckpointError, match="lm_head.weight without model.embed_tokens.weight"):
+        validate_tensors(cfg, {"lm_head.weight": embed}, partial=True)
+    with pytest.raises(CheckpointError, match=r"lm_head.weight.*expected shape \(50, 32\), found \(49, 32\)"):
+        validate_tensors(cfg, {"lm_head.weight": embed[1:], "model.embed_tokens.weight": embed}, partial=True)

@@ -12,6 +12,9 @@ format of `services/common/weights.py`, a tiny random Qwen2 built in code. Nothi
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import grpc
 import pytest
 import safetensors.torch
@@ -89,3 +92,38 @@ def test_get_weights_after_a_partial_push_serves_untouched_tensors_from_the_chec
         with pytest.raises(grpc.RpcError) as e:  # a name neither pushed nor in the checkpoint is still unknown
             client.get_weights([LM_HEAD, "model.no_such.weight"])
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "model.no_such.weight" in e.value.details()
+
+
+def tied_checkpoint(out_dir: Path, stored_head: bool) -> Path:
+    """`tiny_checkpoint` with tie_word_embeddings=true; its weights file stores no lm_head.weight (as transformers
+    saves a tied model) or, `stored_head`, one equal to the embedding (as some exporters write it)."""
+    d = tiny_checkpoint(out_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tensors = safetensors.torch.load_file(str(d / "model.safetensors"))
+    tensors[LM_HEAD] = tensors[EMBED].clone()
+    if not stored_head:
+        del tensors[LM_HEAD]
+    safetensors.torch.save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("stored_head", [False, True])
+def test_get_weights_of_a_tied_model_answers_lm_head_with_the_served_embedding(tmp_path, stored_head):
+    """A tied model's head is its embedding. Its lm_head.weight was NOT_FOUND when the checkpoint stores no head;
+    when it stores one, GetWeights answered that start head, stamped with the version of a later push that changed
+    the embedding (the trainer's pushes of a tied model carry no head), while the replicas serve the new one."""
+    model_dir = tied_checkpoint(tmp_path, stored_head)
+    start = safetensors.torch.load_file(str(model_dir / "model.safetensors"))[EMBED]
+    with ServerThread(model_dir, replicas=1, control_token=TOKEN) as s, \
+            RolloutClient(s.grpc_address, control_token=TOKEN, timeout_s=60) as client:
+        version, got = client.get_weights([LM_HEAD, EMBED])
+        assert version == 0 and list(got) == [LM_HEAD, EMBED]
+        assert torch.equal(got[LM_HEAD], start) and torch.equal(got[EMBED], start)
+        new = start * 2.0
+        assert client.update_weights({EMBED: new}, "policy", 1).ok
+        version, got = client.get_weights([LM_HEAD, "model.norm.weight"])
+        assert version == 1 and list(got) == [LM_HEAD, "model.norm.weight"]
+        assert torch.equal(got[LM_HEAD], new)
+        version, got = client.get_weights([EMBED, LM_HEAD])
+        assert version == 1 and torch.equal(got[EMBED], new) and torch.equal(got[LM_HEAD], new)

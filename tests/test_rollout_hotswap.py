@@ -15,6 +15,7 @@ as the reference. Nothing is faked.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -437,3 +438,43 @@ def test_a_push_whose_caller_goes_away_while_it_waits_for_an_earlier_one_is_drop
         version, got = c.get_weights(["lm_head.weight"])
         assert version == 1 and torch.equal(got["lm_head.weight"], w0["lm_head.weight"] + 1)
         assert c.status().versions.policy == 1 and c.generate("1+1=", params=GREEDY)[0].versions.policy == 1
+
+
+def tied_checkpoint(out_dir: Path) -> Path:
+    """`tiny_checkpoint` with tie_word_embeddings=true, saved as transformers saves a tied model: no lm_head.weight."""
+    d = tiny_checkpoint(out_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tensors = safetensors.torch.load_file(str(d / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    safetensors.torch.save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_a_tied_models_state_dict_push_serves_its_embedding(tmp_path):
+    """`client.update_weights(model.state_dict(), ...)` (the client's documented use) of a tied model: HF's state
+    dict carries lm_head.weight too, the embedding's storage. It was refused as "not in the model"; it must be
+    applied and serve the pushed embedding (as transformers runs the same weights). A head that differs from the
+    embedding, or comes without it, is refused and changes nothing."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    model_dir = tied_checkpoint(tmp_path / "tied")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():  # every weight perturbed, the tied one once
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    state = model.state_dict()
+    assert state[head].data_ptr() == state[embed].data_ptr()  # tied: one storage under both names
+    with ServerThread(model_dir, replicas=1) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        before = [list(x.token_ids) for x in rollout(c)]
+        assert c.update_weights(state, "policy", 1).ok
+        after = rollout(c)
+        assert {x.versions.policy for x in after} == {1}
+        assert [list(x.token_ids) for x in after] == hf_greedy(model_dir, state) != before
+        for bad, why in (({head: state[embed] + 1.0, embed: state[embed]}, "differs from"),
+                         ({head: state[embed]}, "without")):
+            with pytest.raises(WeightPushError, match=f"lm_head.weight {why} model.embed_tokens.weight"):
+                c.update_weights(bad, "policy", 2)
+        again = rollout(c)
+        assert [list(x.token_ids) for x in again] == [list(x.token_ids) for x in after]
+        assert {x.versions.policy for x in again} == {1}

@@ -420,7 +420,30 @@ def policy_weights(model_dir: str, latest: tuple[int, bytes, bytes] | None, star
                    names: list[str]) -> tuple[rollout_pb2.WeightManifest, bytearray]:
     """The named policy tensors the replicas serve, packed, under the version they serve: each from the latest
     applied push `latest` (version, manifest, payload: every tensor any push carried) when a push carried it, else
-    from the checkpoint folder they started from, which no push overwrote. KeyError names those in neither."""
+    from the checkpoint folder they started from, which no push overwrote. KeyError names those in neither.
+
+    A tied model's (tie_word_embeddings) lm_head.weight is the embedding it serves: a head its checkpoint also
+    stores is the start one, stale once a push changed the embedding (no push keeps a tied head: the pool drops it)."""
+    from tlt.model.folder import CheckpointError, ties_word_embeddings
+    from tlt.model.loader import EMBEDDING, TIED_HEAD
+    from tlt.services.common.weights import pack_state_dict, unpack
+
+    try:
+        tied = TIED_HEAD in names and ties_word_embeddings(model_dir)
+    except CheckpointError as e:
+        raise KeyError(str(e)) from None
+    if not tied:
+        return _served_weights(model_dir, latest, start_version, names)
+    sources = [EMBEDDING if n == TIED_HEAD else n for n in names]
+    manifest, payload = _served_weights(model_dir, latest, start_version, list(dict.fromkeys(sources)))
+    tensors = unpack(manifest, payload)
+    return pack_state_dict({n: tensors[src] for n, src in zip(names, sources)}, common_pb2.WEIGHT_KIND_POLICY,
+                           manifest.version)
+
+
+def _served_weights(model_dir: str, latest: tuple[int, bytes, bytes] | None, start_version: int,
+                    names: list[str]) -> tuple[rollout_pb2.WeightManifest, bytearray]:
+    """policy_weights, each name as it is stored: pushed, else in the start checkpoint."""
     from tlt.model.loader import CheckpointError, read_tensors
     from tlt.services.common.weights import merge, pack_state_dict, select
 

@@ -432,15 +432,19 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
                               abandoned: asyncio.Event) -> dict:
         import torch
 
+        from tlt.model.loader import EMBEDDING, TIED_HEAD
         from tlt.services.common.weights import WeightValidationError, validate
 
         async with self._update_lock:
             current = self.versions.policy if kind == "policy" else self.versions.drafter
             if manifest.version <= current:
                 raise WeightUpdateError(f"{kind} version {manifest.version} is not newer than the serving {current}")
-            expected = None
+            expected, tied = None, False
             if kind == "policy":
                 known = self.info.expected_weights
+                tied = _carries_a_tied_head(known, manifest)
+                if tied:  # the embedding under its other name: its shape and dtype, then equal (_drop_tied_head)
+                    known = {**known, TIED_HEAD: known[EMBEDDING]}
                 unknown = sorted(s.name for s in manifest.tensors if s.name not in known)
                 if unknown:
                     raise WeightUpdateError(f"unknown policy tensors (not in the model): {unknown[:10]}")
@@ -452,6 +456,8 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
                 await asyncio.to_thread(validate, manifest, payload, expected)
             except WeightValidationError as e:
                 raise WeightUpdateError(str(e)) from None
+            if tied:
+                manifest = await asyncio.to_thread(_drop_tied_head, manifest, payload)
             live = [r for r in self.replicas if r.alive]
             if not live:
                 raise ReplicaUnavailableError("no live engine replica")
@@ -519,3 +525,35 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
             self._schedule_refresh(r)
         log.info("weights_updated", kind=kind, version=version, replicas=applied)
         return {"versions": self.versions, "seconds": time.perf_counter() - t0, "replicas": applied}
+
+
+def _carries_a_tied_head(known: dict[str, tuple[tuple[int, ...], str]], manifest: Any) -> bool:
+    """Whether a policy push carries lm_head.weight for a model that has no head of its own (tie_word_embeddings):
+    HF's state_dict() of a tied model does (the embedding's storage under its other name), so pushing it, as the
+    client's docstring shows, was refused as a tensor "not in the model"."""
+    from tlt.model.loader import EMBEDDING, TIED_HEAD
+
+    return TIED_HEAD not in known and EMBEDDING in known and any(s.name == TIED_HEAD for s in manifest.tensors)
+
+
+def _drop_tied_head(manifest: Any, payload: bytes | bytearray) -> Any:
+    """The validated push's manifest without its tied lm_head.weight, which must equal the embedding it carries
+    too (WeightUpdateError otherwise, as `loader.check_tied_head` says for the engine): the replicas serve that
+    embedding as the head, and no record of the push (the replay to a restarted replica, GetWeights) keeps a head
+    that a later embedding-only push would leave stale. The payload stays as it is, the head's bytes unreferenced
+    (valid: `validate` asks for no coverage), so a GB-sized push is not copied."""
+    import torch
+
+    from tlt.model.loader import EMBEDDING, TIED_HEAD, CheckpointError, check_tied_head
+
+    specs = {s.name: s for s in manifest.tensors}
+    raw = torch.frombuffer(payload if isinstance(payload, bytearray) else bytearray(payload), dtype=torch.uint8)
+    pair = {n: raw[s.offset : s.offset + s.nbytes] for n, s in specs.items() if n in (TIED_HEAD, EMBEDDING)}
+    try:  # bytes against bytes: "equal" is bit for bit (same dtype and shape: validated)
+        check_tied_head(pair)
+    except CheckpointError as e:
+        raise WeightUpdateError(str(e)) from None
+    kept = type(manifest)()
+    kept.CopyFrom(manifest)
+    del kept.tensors[[s.name for s in kept.tensors].index(TIED_HEAD)]
+    return kept

@@ -77,6 +77,8 @@ class ModelConfig:
         """Normalise a HF `config.json` dict (plus optional `generation_config.json`)."""
         # no `architectures` (some exporters leave it out): transformers goes by model_type, and so do we
         archs = cfg.get("architectures") or [a for t, a in _BY_MODEL_TYPE.items() if t == cfg.get("model_type")]
+        if isinstance(archs, str):  # "architectures": "LlamaForCausalLM" (transformers loads it): one name, not letters
+            archs = [archs]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(

@@ -3,7 +3,8 @@ before it imports torch and transformers (seconds), so a wrong path fails at onc
 
     check_checkpoint(dir)   config.json readable, an architecture the native engine runs, weight files there
     read_model_config(dir)  -> ModelConfig (config.json + generation_config.json)
-    weight_files(dir)       -> the safetensors files (single file or the shards of the index)
+    weight_files(dir)       -> the safetensors files (the single file, else the shards of the index)
+    ties_word_embeddings(dir) -> whether lm_head.weight is model.embed_tokens.weight (config.json alone)
 
 Everything raises `CheckpointError` naming the folder; `tlt.model.loader` loads the tensors.
 """
@@ -53,6 +54,11 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 def weight_files(folder: Path) -> list[Path]:
+    # model.safetensors first, as transformers takes it (the trainer's policy): with the index tried first, a folder
+    # holding both (a re-save beside stale shards) gave the rollout other weights than the trainer, silently
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
     index = folder / INDEX_FILE
     if index.is_file():
         try:
@@ -64,10 +70,18 @@ def weight_files(folder: Path) -> list[Path]:
             if not f.is_file():
                 raise CheckpointError(f"shard {f.name} named in {INDEX_FILE} is missing from {folder}")
         return files
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        return [single]
     raise CheckpointError(f"{folder} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def ties_word_embeddings(model_dir: str | Path) -> bool:
+    """Whether config.json ties lm_head.weight to model.embed_tokens.weight (false where it does not say, as
+    ModelConfig reads it): then the model's head is its embedding, whatever head the weight files also store.
+    config.json alone, so it answers for an architecture only SGLang serves too."""
+    cfg_path = Path(model_dir) / "config.json"
+    try:
+        return bool(json.loads(cfg_path.read_text()).get("tie_word_embeddings", False))
+    except (OSError, json.JSONDecodeError, AttributeError) as e:  # AttributeError: a JSON that is no object
+        raise CheckpointError(f"{cfg_path} cannot be read as a model config: {e}") from e
 
 
 # A tokenizer's vocabulary, in any of the forms transformers loads: tokenizer_config.json alone holds none (it

@@ -5,7 +5,8 @@
     (the folder checks that read no tensors, check_checkpoint and read_model_config: folder.py, without torch)
 
 Reads `config.json` (+ `generation_config.json` for eos ids) and the weights
-from `model.safetensors` or the shards listed in `model.safetensors.index.json`.
+from `model.safetensors` (first, as transformers) or the shards listed in
+`model.safetensors.index.json`.
 `expected_tensors(config)` names every tensor the native model needs with its
 shape; `validate_tensors` checks a (full or partial) set of tensors against it.
 The same check guards cold start and every hot weight swap in the engine, so a
@@ -52,8 +53,25 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# Tensors a checkpoint may carry that the model does not need (tied heads, rotary caches).
+# Tensors a checkpoint may carry that the model does not need (rotary caches; a tied head: check_tied_head).
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def check_tied_head(tensors: Mapping[str, torch.Tensor]) -> None:
+    """For a model with tie_word_embeddings: CheckpointError unless a given lm_head.weight comes with an equal
+    model.embed_tokens.weight. HF's state_dict() of a tied model carries both (one storage), so such a head is
+    the embedding under its other name and the embedding is what is served; a head alone or a different one would
+    be dropped in silence, since the model has no head of its own."""
+    head, embed = tensors.get(TIED_HEAD), tensors.get(EMBEDDING)
+    if head is None:
+        return
+    if embed is None:
+        raise CheckpointError(f"{TIED_HEAD} without {EMBEDDING}: the model ties them (tie_word_embeddings=true), "
+                              f"so give the head as {EMBEDDING}")
+    if head.dtype != embed.dtype or not torch.equal(head, embed):
+        raise CheckpointError(f"{TIED_HEAD} differs from {EMBEDDING} but the model ties them "
+                              f"(tie_word_embeddings=true); give {EMBEDDING} alone, or untie the head in config.json")
 
 
 def validate_tensors(
@@ -68,9 +86,11 @@ def validate_tensors(
     partial=False also requires every expected tensor to be present.
     """
     expected = expected_tensors(cfg)
+    if cfg.tie_word_embeddings and TIED_HEAD in tensors:  # checked as the embedding's shape and dtype, then equal
+        expected[TIED_HEAD] = expected[EMBEDDING]
     for name, t in tensors.items():
         if name not in expected:
-            if name.endswith(_IGNORABLE_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            if name.endswith(_IGNORABLE_SUFFIXES):
                 continue
             raise CheckpointError(f"unexpected tensor {name!r} for {cfg.architecture} with {cfg.num_layers} layers")
         if tuple(t.shape) != expected[name]:
@@ -79,6 +99,8 @@ def validate_tensors(
             raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {t.dtype}")
         if not t.dtype.is_floating_point:
             raise CheckpointError(f"tensor {name!r}: expected a floating point dtype, found {t.dtype}")
+    if cfg.tie_word_embeddings:
+        check_tied_head(tensors)
     if not partial:
         missing = [n for n in expected if n not in tensors]
         if missing:
