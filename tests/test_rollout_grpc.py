@@ -210,3 +210,34 @@ def test_prompt_text_is_tokenized_off_the_event_loop(server, client, monkeypatch
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in e.value.details()
     assert threads and server._thread not in threads, threads
     assert client.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_a_seeded_batch_samples_each_prompt_with_its_own_seed(client):
+    """One seed for the whole request gave every prompt the same random numbers: the same prompt twice in a seeded
+    BatchGenerate came back as two copies (other prompts drew correlated samples). Prompt i now draws from
+    prompt_seed(seed, i) (engine/sequence.py): prompt 0 from the request's seed itself, as a Generate does."""
+    params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=23)
+
+    def drawn() -> dict[tuple[int, int], list[int]]:
+        return {(c.prompt_index, c.sample_index): list(c.token_ids)
+                for c in client.batch_generate(["3+4=", "3+4="], n=2, params=params)}
+
+    batch = drawn()
+    assert sorted(batch) == [(p, k) for p in range(2) for k in range(2)]
+    assert [batch[0, k] for k in range(2)] != [batch[1, k] for k in range(2)], "the same prompt twice, sampled alike"
+    alone = client.generate("3+4=", n=2, params=params)
+    assert [list(c.token_ids) for c in alone] == [batch[0, k] for k in range(2)]  # prompt 0: the request's seed
+    assert drawn() == batch  # seeded: the whole batch again, whichever replica runs which prompt
+
+
+def test_prompt_seeds_keep_prompt_0_s_and_are_distinct_int64s():
+    from tlt.services.rollout.engine.sequence import prompt_seed
+    from tlt.services.rollout.types import SamplingParams
+
+    limit = SamplingParams.SEED_LIMIT
+    for seed in (0, 23, -1, -limit, limit - 1):
+        derived = [prompt_seed(seed, i) for i in range(64)]
+        assert derived[0] == seed and len(set(derived)) == 64, seed
+        assert all(-limit <= s < limit for s in derived)  # a valid seed, wherever it travels (int64)
+    assert prompt_seed(None, 3) is None  # unseeded stays unseeded
+    assert prompt_seed(23, 1) == prompt_seed(23, 1) != prompt_seed(24, 1)

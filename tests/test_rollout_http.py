@@ -226,6 +226,21 @@ def test_batch_of_prompts_with_n(client, server):
     assert r.usage.completion_tokens == 12
 
 
+def test_a_seeded_batch_of_prompts_samples_each_prompt_with_its_own_seed(client, server):
+    """One seed for the whole request gave every prompt of the list the same random numbers: the same prompt twice
+    came back as copies. Prompt i now draws from prompt_seed(seed, i) (engine/sequence.py); prompt 0 from the
+    request's seed itself, as a single prompt does."""
+    kw = dict(model=server.model_name, n=2, max_tokens=12, temperature=1.0, seed=23, extra_body={"ignore_eos": True})
+
+    def texts(prompt) -> list[str]:  # noqa: ANN001 - a prompt or a list of them
+        return [c.text for c in sorted(client.completions.create(prompt=prompt, **kw).choices, key=lambda c: c.index)]
+
+    batch = texts(["3+4=", "3+4="])  # choice index = prompt_index * n + sample_index
+    assert len(batch) == 4 and batch[:2] != batch[2:], "the same prompt twice, sampled alike"
+    assert texts("3+4=") == batch[:2]
+    assert texts(["3+4=", "3+4="]) == batch
+
+
 def _sse_text(server, path: str, body: dict) -> tuple[str, list[str]]:
     """A streamed request's concatenated text (completions: choices[0].text; chat: delta.content) and finish reasons."""
     import json

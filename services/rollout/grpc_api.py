@@ -1,6 +1,7 @@
 """The gRPC `tlt.v1.Rollout` service (grpc.aio, on the same event loop as the HTTP API).
 
-    BatchGenerate: prompts x n -> one GenerationRequest per prompt -> a Completion streamed per sequence
+    BatchGenerate: prompts x n -> one GenerationRequest per prompt (seeded: prompt i's seed is
+                   engine/sequence.py prompt_seed(seed, i)) -> a Completion streamed per sequence
                    as soon as it finishes (any order; prompt_index / sample_index say which)
     Generate:      one prompt x n -> all completions at once
     UpdateWeights: manifest + chunks -> assemble -> validate (checksum, sizes, names, shapes, dtypes vs the
@@ -43,6 +44,7 @@ import functools
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -51,6 +53,7 @@ from tlt.services.common.auth import ControlAuth
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout.config import RolloutConfig
+from tlt.services.rollout.engine.sequence import prompt_seed
 from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.lease import MAX_LEASE_S
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
@@ -221,7 +224,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             if params.max_tokens is not None and len(ids) + params.max_tokens > info.max_model_len:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} is over the "
                                  f"context length {info.max_model_len}")
-            out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), params, n))
+            # its own seed (prompt 0: the request's), not the request's for every prompt: their samples would be alike
+            out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), replace(params, seed=prompt_seed(params.seed, i)),
+                                         n))
         self.pool.admit(len(out) * n)  # InvalidRequestError (alone too large) is a ValueError; OverloadedError: busy
         return out
 

@@ -5,8 +5,9 @@
 
     body -> size check (413) -> JSON (400) -> strict pydantic model (400) -> model id (404)
          -> tokenize (chat template for chat, tools included) -> length checks (400) -> GenerationRequest
-         per prompt -> ReplicaPool.generate -> OpenAI choices (+ tlt_versions; a chat with tools: calls parsed
-         from each choice's text, tool_calls.py) or SSE `data: {...}` ... `data: [DONE]`
+         per prompt (seeded: prompt i's seed is engine/sequence.py prompt_seed(seed, i)) -> ReplicaPool.generate
+         -> OpenAI choices (+ tlt_versions; a chat with tools: calls parsed from each choice's text,
+         tool_calls.py) or SSE `data: {...}` ... `data: [DONE]`
 
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`: 400
 for anything wrong with the request (FastAPI's 422 never reaches a client),
@@ -26,6 +27,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,6 +41,7 @@ from tlt.services.common.auth import resolve_api_key, token_matches
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout import openai_convert as conv
 from tlt.services.rollout.config import RolloutConfig
+from tlt.services.rollout.engine.sequence import prompt_seed
 from tlt.services.rollout.openai_schema import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -314,7 +317,10 @@ class OpenAIServer:
         except OverloadedError as e:
             raise ApiError(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"}) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        return [GenerationRequest(f"{rid}-{i}", tuple(p), params, n) for i, p in enumerate(prompts)]
+        # each prompt its own seed (prompt 0: the request's), not the request's for every prompt: their samples
+        # would be alike
+        return [GenerationRequest(f"{rid}-{i}", tuple(p), replace(params, seed=prompt_seed(params.seed, i)), n)
+                for i, p in enumerate(prompts)]
 
     # ---- generation ----------------------------------------------------------------------------
 

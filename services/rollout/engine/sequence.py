@@ -3,7 +3,9 @@
 A request with n samples becomes n Sequences sharing the prompt. A sequence
 owns its token list (prompt + output), how many of those tokens already have
 K/V in the cache (`num_computed`), its block table, its 64-bit RNG key
-(from (seed, sample_index); the uniform of the token at position t is a
+(from (seed, sample_index); an API request of several prompts, one
+GenerationRequest each, seeds prompt i's with prompt_seed(seed, i)); the
+uniform of the token at position t is a
 function of (key, t) alone, `tlt.services.rollout.spec.rng`, so sampling is
 reproducible whatever else is in the batch and whether or how a step
 speculates) and what it has produced: logprobs, features, versions.
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tlt.services.rollout.types import FinishReason, SamplingParams, SpecCounters
+
+if TYPE_CHECKING:  # the servers import prompt_seed from here: their process does not load torch
+    import torch
 
 _arrival = itertools.count()
 
@@ -100,10 +103,33 @@ class Sequence:
 
 
 def seed_for(seed: int, sample_index: int) -> int:
-    """RNG key (64 bits) of sample `sample_index` of a request seeded with `seed` (stable across runs).
+    """RNG key (64 bits) of sample `sample_index` of a request seeded with `seed` (stable across runs; a request
+    of several prompts seeds each with its own, prompt_seed below, so their samples do not share keys).
 
     Taken modulo 2**64 for every seed, negative ones included (modulo 2**63 - 1 gave each negative seed
     the stream of some positive one). The multiplier is odd, so for one sample index any two int64 seeds
     (or any two uint64 seeds) get different keys; the samples of one request never share one (7919 is
     odd, and sample indices are far below 2**64 / 7919)."""
     return (seed * 1_000_003 + sample_index * 7919 + 1) % 2**64
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: 2**64 / the golden ratio, odd
+
+
+def prompt_seed(seed: int | None, prompt_index: int) -> int | None:
+    """The seed prompt `prompt_index` of a seeded request of several prompts (a BatchGenerate, a /v1/completions
+    with a list of prompts) samples with; None for an unseeded request (the engine draws one per prompt).
+
+    One seed for all of them gave every prompt the same random numbers (seed_for(seed, i) for its sample i), so
+    the prompts' samples were correlated, and the same prompt twice came back twice alike. Prompt 0 keeps `seed`
+    itself, so a one-prompt request samples as a Generate with that seed does (and as before); prompt i >= 1 gets
+    splitmix64's output i for the state `seed` (a full 64-bit mix), as an int64 like the seeds clients send
+    (SamplingParams.SEED_LIMIT). For one prompt index any two seeds get different ones (the mix is a bijection
+    of 64 bits). The GenerationRequest carries it, so a replica death's re-dispatch keeps it (replicas.py)."""
+    if seed is None or prompt_index == 0:
+        return seed
+    z = (seed + prompt_index * _GOLDEN) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return z - 2**64 if z >= 2**63 else z  # two's complement: the int64 range [-2**63, 2**63)
