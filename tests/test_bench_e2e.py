@@ -87,12 +87,20 @@ def test_one_step_reports_the_steps_after_the_first_as_not_measured(tmp_path, mo
 def test_the_noise_run_keeps_the_prompts_and_changes_only_the_sampling_seed():
     """The noise run was the baseline with another trainer --seed, which picks the synthetic problem set and its
     order: it saw other prompts at every step, and prompt difficulty made the "noise" the reward check compares
-    with 5x larger than TLT-vs-baseline's difference could be. Now only the rollout's sampling seed changes."""
+    with 5x larger than TLT-vs-baseline's difference could be. Now only the rollout's sampling seed changes: the
+    trainer's (trainer.sampling_seed), which it seeds every rollout request from; [rollout.engine] seed, which the
+    noise run set before, seeds only requests that come unseeded, so it changed nothing."""
+    from tlt.services.trainer.config import TrainerConfig
     from tlt.services.trainer.data import PromptSampler, synthetic_prompts
+    from tlt.services.trainer.evaluate import sampling_seed
 
     runs = planned_runs(3, 1, 7)
     assert runs == {"tlt": (3, False, ()), "baseline": (3, True, ()),
-                    "baseline-noise": (3, True, ("rollout.engine.seed=7",))}
+                    "baseline-noise": (3, True, ("trainer.sampling_seed=7",))}
+    (override,) = runs["baseline-noise"][2]
+    field, value = override.removeprefix("trainer.").split("=")
+    noise = TrainerConfig(seed=3, **{field: int(value)})
+    assert sampling_seed(noise) == 7 != sampling_seed(TrainerConfig(seed=3)) and noise.seed == 3
     assert "baseline-noise" not in planned_runs(3, 2, SKIP_NOISE)
     # what the trainer draws from its --seed: the same for all three runs
     draw = [[p.prompt for p in PromptSampler(synthetic_prompts(64, s), s).next_batch(8)] for s, _, _ in runs.values()]

@@ -202,3 +202,147 @@ def test_kill_minus_nine_resumes_without_lost_or_repeated_steps(random_model_dir
     evals = _lines(out / "eval.jsonl")  # held-out evals: before training and after every step, each once
     assert [e["after_steps"] for e in evals] == list(range(steps + 1))
     assert (out / "checkpoints" / "step-00000004" / "trainer_state.pt").exists()
+
+
+def _spread_reward(prompts, completions, **kw):
+    """A completion-dependent score: every group has a spread, so every step updates the weights."""
+    import zlib
+
+    return [float(zlib.crc32(c.encode()) % 7) / 6.0 for c in completions]
+
+
+class _Crash(BaseException):
+    """The trainer killed right after a checkpoint."""
+
+
+def test_a_resumed_run_redoes_the_steps_after_its_checkpoint_as_they_first_ran(random_model_dir, tmp_path,
+                                                                               monkeypatch):
+    # The trainer sent no sampling seed: the rollout drew each request's from its own per-process counter, so the
+    # resumed run (its services restarted, or here the same server, further on) sampled other completions in the
+    # steps after its checkpoint. Now each rollout server's request is seeded by the run (collect.request_seed).
+    from rollout_helpers import ServerThread
+    from safetensors.torch import load_file
+
+    from test_trainer_loop import config as loop_config
+    from tlt.services.trainer import checkpoint as ck
+    from tlt.services.trainer.loop import train
+
+    torch.set_num_threads(1)
+
+    def cfg(out):  # noqa: ANN001, ANN202
+        return loop_config(random_model_dir, server.grpc_address, out, reward="python", eval_problems=0,
+                           reward_function=f"{__name__}:_spread_reward")
+
+    real_save = ck.CheckpointManager.save
+
+    def save_then_crash(self, policy, sampler, steps_done):  # noqa: ANN001, ANN202
+        real_save(self, policy, sampler, steps_done)
+        raise _Crash(f"killed after checkpoint {steps_done}")
+
+    with ServerThread(random_model_dir, replicas=1) as server:
+        train(cfg(tmp_path / "a"))  # two steps, uninterrupted
+        monkeypatch.setattr(ck.CheckpointManager, "save", save_then_crash)
+        with pytest.raises(_Crash):
+            train(cfg(tmp_path / "b"))
+        monkeypatch.undo()
+        assert train(cfg(tmp_path / "b")).resumed_from == 1
+    keys = ("step", "prompt_indices", "tokens", "response_len_mean", "reward_mean", "loss")
+    a, b = ([{k: m[k] for k in keys} for m in _lines(tmp_path / run / "metrics.jsonl")] for run in "ab")
+    assert [m["step"] for m in a] == [0, 1] and b == a
+    p0, pa, pb = (load_file(d / "model.safetensors") for d in (random_model_dir, tmp_path / "a" / "policy",
+                                                                  tmp_path / "b" / "policy"))
+    assert any(not torch.equal(p0[k], pa[k].to(p0[k].dtype)) for k in pa)  # the steps trained
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("change, now", [({"zero_stage": 2}, "zero_stage=2"), ({"bf16": True}, "bf16=true")])
+def test_a_resume_with_another_zero_stage_or_bf16_is_refused_in_one_line_before_loading(tmp_path, change, now):
+    # DeepSpeed's optimizer state is laid out by the ZeRO stage and precision: a resume with another one failed deep in
+    # load_checkpoint (FileNotFoundError .../zero_pp_rank_0_mp_rank_00_optim_states.pt, KeyError 'dynamic_loss_scale'),
+    # and `tlt run --resume` started every service first
+    from tlt.services.trainer.checkpoint import CheckpointError
+    from tlt.services.trainer.launcher import _check_resume
+    from tlt.services.trainer.procs import ServiceError
+
+    ckpt = CheckpointManager(tmp_path / "checkpoints", keep=1)
+    path = ckpt.save(Policy(config(), model=tiny_qwen2(0)), PromptSampler(synthetic_prompts(4, seed=0), 0), 1)
+    saved = "saved with zero_stage=0, bf16=false; this run has " + now
+    with pytest.raises(ServiceError, match=re.escape(f"{tmp_path} continues from its trainer checkpoint, {saved}: ")):
+        _check_resume(tmp_path, change, model_dir=str(tmp_path))  # `tlt run`: before any service starts
+    other = Policy(config(**change), model=tiny_qwen2(seed=7))
+    before = _params(other)
+    with pytest.raises(CheckpointError, match=re.escape(f"{path} was {saved}: keep those settings")) as e:
+        ckpt.load(other, PromptSampler(synthetic_prompts(4, seed=0), seed=0))
+    assert "\n" not in str(e.value) and "resume=false" in str(e.value)
+    assert other.version == 0
+    for k, v in _params(other).items():  # refused before DeepSpeed loaded anything
+        assert torch.equal(v, before[k])
+
+
+def test_a_checkpoint_saved_before_the_engine_settings_were_kept_still_loads(tmp_path):
+    from tlt.services.trainer.checkpoint import STATE_FILE
+    from tlt.services.trainer.launcher import _check_resume
+
+    ckpt = CheckpointManager(tmp_path / "checkpoints", keep=1)
+    path = ckpt.save(Policy(config(), model=tiny_qwen2(0)), PromptSampler(synthetic_prompts(4, seed=0), 0), 1)
+    raw = torch.load(path / STATE_FILE, weights_only=False)
+    torch.save({k: v for k, v in raw.items() if k not in ("zero_stage", "bf16", "world_size")}, path / STATE_FILE)
+    _check_resume(tmp_path, {}, model_dir=str(tmp_path))
+    state = ckpt.load(Policy(config(), model=tiny_qwen2(7)), PromptSampler(synthetic_prompts(4, seed=0), 0))
+    assert state.steps_done == 1 and state.zero_stage is None
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_a_resume_trains_with_this_run_s_lr_weight_decay_and_betas(tmp_path, zero_stage):
+    # `tlt run --resume DIR --set trainer.lr=1e-5` (after diverged steps): DeepSpeed's load_checkpoint brought back the
+    # checkpoint's param_groups and the scheduler's base_lrs, and the run trained on with the old lr and weight decay
+    from tlt.services.trainer.policy import lr_lambda
+
+    items = synthetic_prompts(8, seed=0)
+    ckpt = CheckpointManager(tmp_path / "ck", keep=1)
+    a = Policy(config(zero_stage=zero_stage, warmup_steps=3, lr_schedule="cosine", steps=4), model=tiny_qwen2(0))
+    grpo_step(a, make_samples(2, 4, seed=0), step=0)
+    ckpt.save(a, PromptSampler(items, 0), steps_done=1)
+    moments = a.optimizer.state_dict()
+
+    cfg = config(zero_stage=zero_stage, warmup_steps=3, lr_schedule="cosine", steps=4, lr=1e-5, weight_decay=0.1,
+                 adam_betas=(0.8, 0.99))
+    b = Policy(cfg, model=tiny_qwen2(7))
+    ckpt.load(b, PromptSampler(items, 0))
+    factor = lr_lambda(3, 4, "cosine")
+    position = b.scheduler.last_epoch
+    assert position == a.scheduler.last_epoch == 1  # the schedule's position is the checkpoint's
+    for group in b.optimizer.param_groups:
+        assert group["lr"] == pytest.approx(1e-5 * factor(position)) and group["weight_decay"] == 0.1
+        assert tuple(group["betas"]) == (0.8, 0.99)
+    assert b.scheduler.base_lrs == [1e-5] and b.scheduler.get_last_lr() == [b.lr]
+    _assert_same(b.optimizer.state_dict(), moments)  # the Adam moments are the checkpoint's
+    grpo_step(b, make_samples(2, 4, seed=1), step=1)
+    assert b.lr == pytest.approx(1e-5 * factor(position + 1))  # the schedule goes on from the new peak lr
+
+
+def _assert_same(got, want) -> None:  # noqa: ANN001 - optimizer state dicts (nested dicts, lists and tensors)
+    """Every tensor of the optimizer state `want` (moments, step counts) equal in `got`; settings are not compared."""
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        for k, v in want.items():
+            if k != "param_groups":
+                _assert_same(got[k], v)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_same(g, w)
+
+
+def test_latest_naming_a_missing_checkpoint_is_a_one_line_refusal(tmp_path):
+    # checkpoints/latest naming a folder removed by hand (or not copied along) ended the trainer with a
+    # FileNotFoundError traceback; `tlt train` reports a CheckpointError in one line (exit 2)
+    from tlt.services.trainer.checkpoint import LATEST, CheckpointError
+    from tlt.services.trainer.launcher import _latest_state
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / LATEST).write_text("step-00000003\n")
+    with pytest.raises(CheckpointError, match="names step-00000003, which is not a complete checkpoint: .*resume="):
+        CheckpointManager(tmp_path / "checkpoints").latest()
+    assert _latest_state(tmp_path) is None  # `tlt run` leaves it to the trainer to say

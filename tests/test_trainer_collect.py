@@ -319,3 +319,62 @@ def test_a_dropped_partial_rollout_s_reward_calls_are_cancelled(server):
     n_scored, n_samples = len(scored), len(res.samples)
     assert res.retries == 1 and n_samples == 16
     assert n_scored <= n_samples + concurrency, f"{n_scored} completions scored for {n_samples}"
+
+
+def test_each_server_s_request_of_each_step_gets_its_own_seed_derived_from_the_run_alone():
+    """The trainer sent no seed: the rollout drew one from its per-process counter, so a resumed run (its services
+    restarted) rolled the steps after its checkpoint out other than the killed run had. Now each rollout server's
+    request is seeded from the run's seed, the step (round, eval) and the server's place: the same in any process,
+    and distinct for another server, step, round, eval or run seed."""
+    import os
+    import subprocess
+    import sys
+
+    from tlt.services.trainer.collect import request_seed, server_params
+
+    keys = [(0, 3, 0), (0, 3, 1), (0, 4, 0), (0, "3.1", 0), (0, "eval3", 0), (1, 3, 0), (-1, 3, 0), (2**70, 3, 0)]
+    seeds = [request_seed(*k) for k in keys]
+    assert len(set(seeds)) == len(keys), seeds
+    assert all(0 <= s < 2**63 for s in seeds)  # SamplingParams.seed is an int64
+    # not Python's hash() (salted per process): another interpreter, another hash seed, the same seed
+    code = "from tlt.services.trainer.collect import request_seed; print(request_seed(0, '3.1', 0))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
+    assert int(other.stdout) == request_seed(0, "3.1", 0)
+    run = sampling_params(8, 1.0, 1.0, seed=5)
+    own = server_params(run, 3, 1)
+    assert own.seed == request_seed(5, 3, 1) and run.seed == 5  # the run's params stay as they were
+    assert own.max_tokens == 8 and own.logprobs == 0 and own.HasField("temperature")
+    assert sampling_params(8, 1.0, 1.0, seed=-1).seed == 2**63 - 1  # any config seed fits the int64 field
+    assert not server_params(sampling_params(8, 1.0, 1.0), 3, 1).HasField("seed")  # unseeded stays unseeded
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_seeded_step_samples_the_same_completions_again_and_each_prompt_its_own(server, servers):
+    """A seeded rollout (the trainer's: sampling_params(seed=run's seed)) samples the same step the same again, or
+    redone after a replica died, and another step others; each prompt gets its own samples, the same prompt
+    twice in one request (the rollout seeds its prompts apart) or on two servers (each server's request its own
+    seed) too. Unseeded, a step sampled other completions each time it ran."""
+    from tlt.services.rollout.client import RolloutClient
+
+    a, b = _prompts(2)
+    prompts = [a, b, a, a]  # two servers: prompts 0 and 2 on the first, 3 (the second's prompt 0) on the other
+    params = sampling_params(8, 1.0, 1.0, seed=11)
+
+    def drawn(res) -> dict[tuple[int, int], tuple[int, ...]]:  # noqa: ANN001
+        return {(s.prompt_index, s.sample_index): s.response_ids for s in res.samples}
+
+    clients = [RolloutClient(server.grpc_address) for _ in range(servers)]
+    try:
+        first = drawn(collect(prompts, clients, Recorder(), n=2, params=params, step=5))
+        again = drawn(collect(prompts, clients, Recorder(), n=2, params=params, step=5))
+        later = drawn(collect(prompts, clients, Recorder(), n=2, params=params, step=6))
+        redone = collect_retrying(prompts, [_DiesOnce(clients[0], after=1), *clients[1:]], Recorder(), 2, params, 5,
+                                  retries=1, wait_s=10)
+    finally:
+        for c in clients:
+            c.close()
+    assert again == first and drawn(redone) == first and redone.retries == 1
+    groups = {g: tuple(first[g, k] for k in range(2)) for g in (0, 2, 3)}  # prompt a's three groups
+    assert len(set(groups.values())) == 3, "the same prompt twice, sampled alike"
+    assert later != first, "another step sampled the same completions"

@@ -3,7 +3,8 @@
     <output_dir>/checkpoints/
         step-00000004/            one complete checkpoint (after 4 finished steps)
             engine/               DeepSpeed: model, optimizer (ZeRO partitions), LR scheduler
-            trainer_state.pt      steps done, policy version, data position, RNG states, model config
+            trainer_state.pt      steps done, policy version, data position, RNG states, model config,
+                                  ZeRO stage / bf16 / ranks (a resume with others is refused: engine_change)
         latest                    text file naming the newest complete checkpoint
         .tmp-step-00000006/       a save in progress (ignored, removed on the next save)
 
@@ -12,8 +13,13 @@ its final name (atomic on one file system), then replaces `latest` with a
 write-temp-then-`os.replace`. A crash before the rename leaves only a `.tmp`
 folder; a crash between the rename and the pointer update leaves `latest` on
 the previous checkpoint, which is still complete. Resuming from checkpoint k
-restarts at step k with the same data position, RNG and optimizer state, so
-the steps after k are recomputed exactly as they would have run. With several
+restarts at step k with the same data position, RNG and optimizer state, and
+the rollout's sampling seeds derive from the run's seed and the step
+(collect.request_seed), so the steps after k are recomputed exactly as they
+would have run (where the rollout's numerics are deterministic: one CPU replica
+is; GPU kernels need not be). A resume keeps the ZeRO stage, bf16 and (ZeRO >= 1)
+the rank count the checkpoint was saved with; lr, weight_decay and betas are
+this run's config's (Policy.keep_configured_settings). With several
 ranks, every rank writes its DeepSpeed state into the temporary folder and
 rank 0 alone does the renames (the folder must be on a shared file system).
 RNG states saved are rank 0's.
@@ -54,6 +60,10 @@ class TrainerState:
     sampler: dict[str, Any]  # PromptSampler.state_dict(): position, seed, size, content fingerprint
     rng: dict[str, Any]
     model: dict[str, Any] | None = None  # model_identity() of the trained model (None: saved before it was kept)
+    # how the engine state is laid out (engine_settings; None: saved before they were kept)
+    zero_stage: int | None = None
+    bf16: bool | None = None
+    world_size: int | None = None
 
 
 def model_identity(config) -> dict[str, Any]:  # noqa: ANN001 - a transformers PretrainedConfig
@@ -78,6 +88,29 @@ def check_same_model(saved: dict[str, Any] | None, current: dict[str, Any], path
             f"{len(differ)} config field(s) differ): to train this model set another output_dir (or resume=false "
             "to start over in this one); to continue that run, use the model it was started from"
         )
+
+
+def engine_settings(policy) -> dict[str, Any]:  # noqa: ANN001 - Policy
+    """The settings DeepSpeed's saved state is laid out by: the ZeRO stage (which files hold the optimizer state),
+    bf16 (fp32 master weights and no loss scaler, or neither) and the number of ranks (one optimizer partition each)."""
+    return {"zero_stage": policy.cfg.zero_stage, "bf16": policy.bf16, "world_size": policy.world_size}
+
+
+def engine_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """How `current` (engine_settings) differs from the settings a checkpoint's state `saved` was made with, as
+    "saved with zero_stage=0, bf16=false; this run has zero_stage=2"; None when this run can load it. DeepSpeed
+    cannot load it across any of them: it failed deep in load_checkpoint (a missing zero_pp_rank_0 file, KeyError
+    'dynamic_loss_scale'). The rank count matters where each rank holds a partition (ZeRO >= 1). Settings the
+    checkpoint does not name (saved before they were kept) are not compared."""
+    def show(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    keys = ["zero_stage", "bf16"] + (["world_size"] if (saved.get("zero_stage") or 0) >= 1 else [])
+    differ = [k for k in keys if saved.get(k) is not None and saved[k] != current[k]]
+    if not differ:
+        return None
+    kept = ", ".join(f"{k}={show(saved[k])}" for k in keys if saved.get(k) is not None)
+    return f"saved with {kept}; this run has {', '.join(f'{k}={show(current[k])}' for k in differ)}"
 
 
 def capture_rng() -> dict[str, Any]:
@@ -133,8 +166,9 @@ class CheckpointManager:
         if not pointer.is_file():
             return None
         path = self.root / pointer.read_text().strip()
-        if not (path / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+        if not (path / STATE_FILE).is_file():  # removed by hand, or copied without it
+            raise CheckpointError(f"{pointer} names {path.name}, which is not a complete checkpoint: write the name of "
+                                  "a complete step-* folder there to resume from it, or set resume=false to start over")
         return path
 
     def save(self, policy, sampler, steps_done: int) -> Path:  # noqa: ANN001 - Policy, PromptSampler
@@ -153,7 +187,7 @@ class CheckpointManager:
         barrier()
         if is_main():
             state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng(),
-                                 model_identity(policy.model_config))
+                                 model_identity(policy.model_config), **engine_settings(policy))
             torch.save(state.__dict__, tmp / STATE_FILE)
             _fsync_tree(tmp)
             # An older run got this far before being resumed from an earlier checkpoint: its folder may be the one
@@ -195,10 +229,15 @@ class CheckpointManager:
         raw = torch.load(path / STATE_FILE, weights_only=False)  # our own file: RNG states are not tensors
         state = TrainerState(**raw)
         check_same_model(state.model, model_identity(policy.model_config), path)
+        if (change := engine_change(raw, engine_settings(policy))) is not None:
+            raise CheckpointError(f"{path} was {change}: keep those settings to resume it, or start a new run "
+                                  "(another output_dir, or resume=false)")
         sampler.load_state_dict(state.sampler)  # DataError for other data: refused, like another model, before loading
         load_path, _ = policy.engine.load_checkpoint(str(path), tag=ENGINE_TAG)
         if load_path is None:
-            raise FileNotFoundError(f"DeepSpeed found no engine state in {path}")
+            raise CheckpointError(f"DeepSpeed found no engine state in {path / ENGINE_TAG}: resume from another "
+                                  f"checkpoint (name it in {self.root / LATEST}), or set resume=false to start over")
+        policy.keep_configured_settings()  # this run's lr, weight_decay and betas, not the checkpoint's
         restore_rng(state.rng)
         policy.version = state.policy_version
         log.info("checkpoint_loaded", path=str(path), steps_done=state.steps_done, policy_version=state.policy_version)

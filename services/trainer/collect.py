@@ -1,9 +1,18 @@
 """One step's rollout: prompts -> n samples each from the rollout server(s) -> scored completions.
 
-    PromptItem x G --split round-robin--> one BatchGenerate stream per rollout server
+    PromptItem x G --split round-robin--> one BatchGenerate stream per rollout server, seeded (request_seed)
     each Completion, the moment it arrives --> reward batch.submit(...)   (scoring overlaps the tail)
     all streams done --> reward batch.results() --> ScoredCompletion x (G x n)
 
+Seeds: with a seed in the params (the trainer's run seed: sampling_params(seed=...)),
+server j's request of a step is seeded request_seed(run seed, step, j), a
+function of the run alone, so a resumed run rolls each step out as the
+uninterrupted run did, whatever the rollout served before (unseeded, the
+engine drew from a per-process counter, which restarts with the server). The
+rollout gives each prompt of a request its own seed derived from it
+(services/rollout/engine/sequence.py prompt_seed), so the prompts' samples are
+not alike. The same prompts over another number of rollout servers are other
+requests: other samples.
 Streams are read by one thread per server and funnelled through a queue to
 this thread, which owns the reward batch (so a reward source need not be
 thread-safe). An aborted completion, a failed stream or a missing reward
@@ -19,6 +28,7 @@ generating for it), and so are its reward calls not yet started.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -80,9 +90,35 @@ class RolloutResult:
     selection: Selection | None = None  # what dynamic sampling kept, and the stats of everything it generated
 
 
-def sampling_params(max_tokens: int, temperature: float, top_p: float) -> rollout_pb2.SamplingParams:
+def sampling_params(max_tokens: int, temperature: float, top_p: float,
+                    seed: int | None = None) -> rollout_pb2.SamplingParams:
+    """The rollout's sampling settings. `seed`: the run's; `collect` sends each server's request its own, derived
+    from it (request_seed). None: unseeded (the rollout draws its own seeds; not reproducible)."""
     # logprobs=0: the chosen token's logprob, kept for the logprob-agreement diagnostic.
-    return rollout_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+    params = rollout_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+    if seed is not None:
+        params.seed = seed % 2**63  # the field is an int64; a config's seed is any integer
+    return params
+
+
+def request_seed(run_seed: int, step: int | str, server: int) -> int:
+    """The seed of the request to rollout server `server` (its place in the step's clients) of `step`'s rollout (a
+    dynamic-sampling round "3.1", an eval "eval4") in a run seeded `run_seed`: a function of the run's own state,
+    so a resumed step samples as it did before the restart; another server, step or round gets another seed, a
+    retry of the step the same one. blake2b, not hash() (salted per process), into [0, 2**63): the int64 of
+    SamplingParams.seed."""
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{server}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def server_params(params: rollout_pb2.SamplingParams, step: int | str, server: int) -> rollout_pb2.SamplingParams:
+    """`params` with the seed of `server`'s request of `step` in place of the run's (unseeded: `params`)."""
+    if not params.HasField("seed"):
+        return params
+    own = rollout_pb2.SamplingParams()
+    own.CopyFrom(params)
+    own.seed = request_seed(params.seed, step, server)
+    return own
 
 
 def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out: queue.Queue,  # noqa: ANN001
@@ -107,9 +143,9 @@ def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: 
                      params: rollout_pb2.SamplingParams, step: int | str, retries: int, wait_s: float) -> RolloutResult:
     """`collect`, where a replica that died mid-rollout (the server restarts it and replays the weights) costs a
     redo, not the run: up to `retries` times the partial rollout is dropped and the same prompts are rolled out
-    anew (fresh samples) once every replica serves again (`wait_serving`). A server too busy with other clients'
-    requests to take the step's (RESOURCE_EXHAUSTED) is asked again the same way, after BUSY_WAIT_S, doubling.
-    `result.retries` says how many."""
+    anew (with the same seeds: seeded, the samples the step would have had) once every replica serves again
+    (`wait_serving`). A server too busy with other clients' requests to take the step's (RESOURCE_EXHAUSTED) is
+    asked again the same way, after BUSY_WAIT_S, doubling. `result.retries` says how many."""
     from tlt.services.common.logging import get_logger
 
     done = 0
@@ -185,10 +221,11 @@ def collect(
     # Shard j holds prompts j, j + C, ...: its prompt i is global prompt j + i * C. By position, not by
     # object: the sampler can hand the same PromptItem twice in one step (an epoch ends mid-batch).
     global_index = {id(ps): list(range(j, len(prompts), len(clients))) for j, (_, ps) in enumerate(shards)}
-    shards = [(c, ps) for c, ps in shards if ps]
+    shards = [(c, ps) for c, ps in shards if ps]  # empty ones are the last: j stays the server's place
     q: queue.Queue = queue.Queue()
     streams: list = []  # the servers' BatchGenerate calls, cancelled if the step fails
-    threads = [threading.Thread(target=_read, args=(c, ps, n, params, f"step{step}-s{j}", q, streams), daemon=True)
+    threads = [threading.Thread(target=_read, args=(c, ps, n, server_params(params, step, j), f"step{step}-s{j}", q,
+                                                    streams), daemon=True)
                for j, (c, ps) in enumerate(shards)]
     batch = rewards.begin()
     for t in threads:

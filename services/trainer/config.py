@@ -182,10 +182,12 @@ class TrainerConfig(ServiceConfig):
                                         "every push and the final export gather the weights)")
     bf16: bool | None = Field(None, description="bf16 training; default: on with a GPU, off (fp32) on CPU")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
-    seed: int = Field(0, description="seed of the data order and the torch RNG. Sampling is seeded by the rollout "
-                      "([rollout.engine] seed, the host, the replica and the request's order), so a rerun on the same "
-                      "host repeats its completions when its requests reach the replicas in the same order (one "
-                      "replica: always)")
+    seed: int = Field(0, description="seed of the data order, the torch RNG and (unless sampling_seed) the rollout's "
+                      "sampling")
+    sampling_seed: int | None = Field(None, description="seed of the rollout's sampling: each rollout server's "
+                                      "request is seeded from it, the step (or dynamic-sampling round, or eval) and the "
+                                      "server's place, and the rollout gives each prompt its own seed from that, so a resumed run or a rerun samples the completions the first run "
+                                      "did; another value samples others of the same prompts; unset: seed")
     steps: int = Field(20, ge=1, description="RL steps to run")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU; 0 keeps torch's default, capped by a container's CPU quota (cgroup)")
 

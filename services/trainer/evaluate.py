@@ -10,7 +10,9 @@ of prompts it happened to draw; the eval set is fixed, so two evals differ
 only by the policy (and, with eval_temperature > 0, by sampling noise). The
 synthetic held-out draw is the one `tlt model eval` uses (seed
 EVAL_SEED_OFFSET), independent of the trainer's seed, so runs with different
-seeds are scored on the same problems.
+seeds are scored on the same problems. Its requests are seeded as a step's
+(`sampling_seed`, the eval's `eval<k>` and the server's place: collect.request_seed),
+so a resumed run repeats the evals of the uninterrupted one.
 
 Eval time is not part of any step's time (it runs after the step's metrics
 line is written) and is recorded in the record itself.
@@ -59,6 +61,11 @@ def eval_items(cfg: TrainerConfig) -> list[PromptItem]:
     return [PromptItem(i, format_prompt(p), p.answer) for i, p in enumerate(problems)]
 
 
+def sampling_seed(cfg: TrainerConfig) -> int:
+    """The seed the run's rollout requests are seeded from (collect.request_seed): sampling_seed, else seed."""
+    return cfg.seed if cfg.sampling_seed is None else cfg.sampling_seed
+
+
 def due(cfg: TrainerConfig, steps_done: int) -> bool:
     """Evaluate after `steps_done` steps? (0 = before training.)"""
     if cfg.eval_problems == 0:
@@ -73,7 +80,7 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
     from tlt.services.trainer.weight_sync import check_versions
 
     t0, started_at = time.perf_counter(), time.time()
-    params = sampling_params(cfg.max_tokens, cfg.eval_temperature, 1.0)
+    params = sampling_params(cfg.max_tokens, cfg.eval_temperature, 1.0, seed=sampling_seed(cfg))  # as a step's
     result = collect_retrying(items, clients, rewards, cfg.eval_samples, params, f"eval{steps_done}",
                               cfg.rollout_retries, cfg.rollout_retry_wait_s)  # a replica death: redone, as a step
     if check_version:

@@ -186,20 +186,21 @@ def _latest_state(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     there is none, or `latest` names no complete one (the trainer says so)."""
     import torch
 
-    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointManager
+    from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
 
     try:
         latest = CheckpointManager(run_dir / "checkpoints").latest()
-    except FileNotFoundError:
+    except CheckpointError:
         return None
     return None if latest is None else (latest, torch.load(latest / STATE_FILE, weights_only=False))
 
 
 def _check_resume(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> None:
     """Refuse a resume whose trainer would draw other prompts than the checkpoint's (another --seed, data set or
-    data file) or train another model (`--model`). The trainer refuses both too (PromptSampler.load_state_dict,
-    checkpoint.check_same_model), but only after every service had started, and run.json then held the new value:
-    every later resume of the folder failed the same way."""
+    data file), train another model (`--model`) or could not load its engine state (another zero_stage or bf16). The
+    trainer refuses these too (PromptSampler.load_state_dict, checkpoint.check_same_model, checkpoint.engine_change),
+    but only after every service had started, and run.json then held the new value: every later resume of the
+    folder failed the same way."""
     from tlt.services.trainer.config import TrainerConfig
 
     old_path = run_dir / "config.toml"
@@ -216,10 +217,26 @@ def _check_resume(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> Non
     state = _latest_state(run_dir)
     if state is None:
         return
+    if (change := _engine_change(new, state)) is not None:
+        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, {change}: drop that option, or start a "
+                           "new run (--run-id)")
     if old_path.exists() and (edited := _data_file_change(new, state)):
         raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
                            f"trained on ({edited}); restore that file, or start a new run (--run-id)")
     _check_same_model(state, model_dir)
+
+
+def _engine_change(cfg: TrainerConfig, state: tuple[Path, dict[str, Any]]) -> str | None:
+    """How the trainer's DeepSpeed settings (ZeRO stage, bf16, ranks) differ from those the checkpoint `state` was
+    saved with (checkpoint.engine_change); None when it can load it. The trainer refuses it too, but only after
+    every service had started."""
+    from tlt.services.trainer.checkpoint import engine_change
+    from tlt.services.trainer.policy import train_bf16
+
+    # `tlt run` starts one trainer process: a world of one unless a launcher's WORLD_SIZE is inherited
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    current = {"zero_stage": cfg.zero_stage, "bf16": train_bf16(cfg), "world_size": ranks}
+    return engine_change(state[1], current)
 
 
 def _check_same_model(state: tuple[Path, dict[str, Any]], model_dir: str) -> None:

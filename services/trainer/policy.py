@@ -133,6 +133,11 @@ def _total_norm(params) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
 
 
+def train_bf16(cfg: TrainerConfig) -> bool:
+    """Whether the policy trains in bf16: `bf16`, else on with a GPU (fp32 on CPU)."""
+    return torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
@@ -246,7 +251,7 @@ class Policy:
         self.cfg = cfg
         self.version = version
         on_gpu = torch.cuda.is_available()
-        self.bf16 = on_gpu if cfg.bf16 is None else cfg.bf16
+        self.bf16 = train_bf16(cfg)
         if not on_gpu:  # 0: torch's default, but never more than a container's CPU quota allows
             from tlt.services.common.cpus import usable_cores
 
@@ -280,6 +285,19 @@ class Policy:
         # with ZeRO 0 in fp32 it clips with torch and discards the norm, so we measure it.
         self._own_grad_norm = cfg.zero_stage == 0 and not self.bf16
         self._grad_norm: float | None = None
+
+    def keep_configured_settings(self) -> None:
+        """After a checkpoint's optimizer and LR-scheduler state were loaded: lr, weight_decay and betas back to this
+        run's config, the Adam moments and the schedule's position kept. load_checkpoint brings back the saved
+        param_groups and the scheduler's base_lrs, so a run resumed with a new lr (`--set trainer.lr=1e-5` after
+        diverged steps), weight_decay or betas silently trained with the old ones."""
+        cfg, scheduler = self.cfg, self.scheduler
+        scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
+        # the groups the scheduler sets the lr of: the same dicts DeepSpeed's optimizer steps with (ZeRO too)
+        for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+            group.update(initial_lr=cfg.lr, lr=cfg.lr * factor(scheduler.last_epoch), weight_decay=cfg.weight_decay,
+                         betas=tuple(cfg.adam_betas))
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # get_last_lr()
 
     # -- forward ------------------------------------------------------------------
     def logprobs(self, batch: TokenBatch, with_entropy: bool = False, with_hidden: bool = False,

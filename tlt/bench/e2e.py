@@ -5,8 +5,8 @@
     TLT       `tlt run --seed S`             speculative decoding as [rollout.spec] says (adaptive),
                                              online drafter when the rollout drafts with a learned one
     baseline  `tlt run --seed S --baseline`  the same system with speculation off and no drafter
-    noise     `tlt run --seed S --baseline --set rollout.engine.seed=S'`  the baseline again with another
-                                             sampling seed: the same prompts in the same order, other samples
+    noise     `tlt run --seed S --baseline --set trainer.sampling_seed=S'`  the baseline again with
+                                             another sampling seed: the same prompts in the same order, other samples
 
 Each is the real `tlt run` command in a subprocess, one after the other (they
 share the machine). Reported: mean step time of each (all steps, and without
@@ -20,8 +20,11 @@ the baseline is at most 1.5x that between the two baselines (a noise
 estimate from one pair of runs, hence the margin); the difference of the run
 means is reported beside it. The noise run keeps the trainer seed (the data set
 and its order, as TLT and the baseline share them) and changes only the
-rollout's sampling seed: with another trainer seed it drew other prompts every
-step, and prompt difficulty inflated the "noise" the check compares with.
+sampling seed the trainer seeds its rollout requests from (`trainer.sampling_seed`;
+unset, it is the trainer seed): with another trainer seed it drew other prompts every
+step, and prompt difficulty inflated the "noise" the check compares with. The
+rollout's own `[rollout.engine] seed` would not do: it seeds only requests that
+come unseeded, and the trainer's never do.
 
 `--pairs K` runs TLT and the baseline K times, in alternating order (tlt, baseline, baseline, tlt,
 tlt, ...: a machine that drifts slower or faster over the bench favours neither), and reports each
@@ -55,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=at_least(1), default=12, help="RL steps per run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TLT and baseline runs")
     parser.add_argument("--noise-seed", type=noise_seed, default=1,
-                        help="rollout sampling seed ([rollout.engine] seed) of the repeated baseline, which keeps "
-                             "--seed's prompts (-1: skip it)")
+                        help="sampling seed (trainer.sampling_seed) of the repeated baseline, which keeps --seed's "
+                             "prompts (-1: skip it)")
     parser.add_argument("--pairs", type=at_least(1), default=1,
                         help="TLT / baseline pairs, in alternating order; the ratio's median and range over them")
     parser.add_argument("--model", type=non_empty, default=None, help="policy checkpoint folder (default: [run] model_dir)")
@@ -87,10 +90,10 @@ def _run(name: str, out, args: argparse.Namespace, seed: int, baseline: bool,  #
 
 def planned_runs(seed: int, pairs: int, noise: int) -> dict[str, tuple[int, bool, tuple[str, ...]]]:
     """name -> (trainer --seed, --baseline, its own --set options), in run order. Every run has the same trainer
-    seed (data set and order); the noise run changes only the rollout's sampling seed."""
+    seed (data set and order); the noise run changes only the seed its rollout requests are seeded from."""
     runs: dict[str, tuple[int, bool, tuple[str, ...]]] = {name: (seed, baseline, ()) for name, baseline in run_order(pairs)}
     if noise != SKIP_NOISE:
-        runs["baseline-noise"] = (seed, True, (f"rollout.engine.seed={noise}",))
+        runs["baseline-noise"] = (seed, True, (f"trainer.sampling_seed={noise}",))
     return runs
 
 
