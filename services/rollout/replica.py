@@ -89,12 +89,18 @@ def replica_main(*args: Any, **kwargs: Any) -> None:
 def serve_replica(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
     features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "", pin_cpus: bool = False,
-    spin_wait: bool = False,
+    spin_wait: bool = False, environ: dict[str, str] | None = None,
 ) -> None:
     """The replica's life in its process. `features_push`: drafter feature PULL endpoint.
     `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`.
-    `spin_wait`: its OpenMP threads spin briefly at barriers (`services.common.cpus.spin_at_barriers`)."""
+    `spin_wait`: its OpenMP threads spin briefly at barriers (`services.common.cpus.spin_at_barriers`).
+    `environ`: the front's environment, for a replica forked from the preloaded forkserver (replica_start.py),
+    whose own is the front's at the forkserver's start."""
     import signal
+
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
 
     # The front stops a replica (Shutdown over the pipe; it exits on the pipe's EOF if the front dies). A signal
     # to the whole process group (`tlt run` stopping the service, Ctrl-C in a terminal) must not kill it before

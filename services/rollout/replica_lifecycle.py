@@ -2,7 +2,8 @@
 
     _spawn -> Ready -> serving -> (Fatal | pipe closed | stalled | killed) -> _on_dead -> _restart -> Ready ...
 
-Each replica is a `multiprocessing` spawn process (`replica.replica_main`) with one duplex pipe, and
+Each replica is a `multiprocessing` process (`replica.replica_main`; spawned, or forked from a forkserver that
+imported torch once: replica_start.py) with one duplex pipe, and
 `_Replica` is the front process's handle on it: the process, its pipe and the pool's bookkeeping of it.
 
 Replica restarts (`max_restarts` > 0): a replica process that dies (crash,
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -45,6 +47,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.rollout.errors import ReplicaUnavailableError, WeightUpdateError
 from tlt.services.rollout.ipc import ApplyWeights, EngineLoad, Lend, QueryStats, ReplicaInfo, Reply, Shutdown
 from tlt.services.rollout.replica import replica_main
+from tlt.services.rollout.replica_start import replica_context
 from tlt.services.rollout.types import Versions
 
 log = get_logger("rollout.replicas")
@@ -181,17 +184,20 @@ class ReplicaLifecycle:
             raise TimeoutError(f"replicas {slow} did not load the model within {timeout_s}s")
 
     def _spawn(self, i: int) -> _Replica:
-        ctx = mp.get_context("spawn")
         cfg = self.engine_config
         if str(getattr(cfg, "device", "cpu")) == "cuda":  # one GPU per replica; an explicit cuda:k is kept
             cfg = cfg.model_copy(update={"device": f"cuda:{i}"})
+        # a fork of a forkserver that imported torch once, where that is the process a spawn would give
+        ctx, preloaded = replica_context(self.backend, str(getattr(cfg, "device", "cpu")), self.threads_per_replica,
+                                         self.spin_wait)
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=replica_main,
             args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
                   self.features_push, self.features_max_tokens,
                   "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus,
-                  self.spin_wait),
+                  self.spin_wait and not preloaded,  # preloaded: one thread, where a spin count does nothing
+                  dict(os.environ) if preloaded else None),
             name=f"tlt-rollout-replica-{i}",
             daemon=True,
         )
