@@ -24,6 +24,7 @@ TESTS = Path(__file__).parent
 def test_only_a_cpu_native_replica_without_a_spin_count_is_forked_and_only_in_the_forkservers_environment(
         monkeypatch):
     monkeypatch.setattr(replica_start, "_forkserver_env", replica_start.current_env())  # as if it started now
+    monkeypatch.setattr(replica_start, "_forkserver_state", replica_start.process_state())
     assert replica_context("native", "cpu", 1, spin_wait=True)[1]  # one thread: a spin count does nothing
     assert replica_context("native", "cpu", 4, spin_wait=False)[1]
     assert not replica_context("native", "cpu", 2, spin_wait=True)[1]  # libgomp read GOMP_SPINCOUNT in the server
@@ -43,18 +44,30 @@ def _parent(pid: int) -> int:
 
 
 def _serve(model_dir: Path) -> dict:
-    """Whether a 1-replica server's replica is the front's child, and greedy and seeded-sampled token ids."""
+    """Whether a 1-replica server's replica is the front's child, greedy and seeded-sampled token ids, and whether
+    the replica still counts as alive and serves after a SIGTERM to its parent (when that is not the front: the
+    forkserver, which a signal to the process group reaches too)."""
+    import signal
+    import time
+
     from rollout_helpers import ServerThread
 
     from tlt.services.rollout.client import RolloutClient
     from tlt.v1 import rollout_pb2
 
     with ServerThread(model_dir, replicas=1) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
-        parent = _parent(s.server.pool.replicas[0].process.pid)
+        replica = s.server.pool.replicas[0].process
+        parent = _parent(replica.pid)
         greedy = c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=12, ignore_eos=True))
         sampled = c.generate("1+2=", n=2, params=rollout_pb2.SamplingParams(max_tokens=12, ignore_eos=True,
                                                                             temperature=1.0, seed=5))
-        return {"front_child": parent == os.getpid(), "tokens": [list(x.token_ids) for x in greedy + sampled]}
+        survived = True
+        if parent != os.getpid():
+            os.kill(parent, signal.SIGTERM)
+            time.sleep(0.5)
+            survived = replica.is_alive() and len(c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=4))[0].token_ids) > 0
+        return {"front_child": parent == os.getpid(), "tokens": [list(x.token_ids) for x in greedy + sampled],
+                "survived_sigterm_to_forkserver": survived}
 
 
 def _child(model_dir: str) -> None:
@@ -81,3 +94,28 @@ def test_a_forked_replica_serves_what_a_spawned_one_does(tmp_path):
     assert not got["forked"]["front_child"], "the replica was spawned by the front, not forked from the forkserver"
     assert got["spawned"]["front_child"]
     assert got["forked"]["tokens"] == got["spawned"]["tokens"]
+    # killed, the forkserver took its children's exit statuses with it: multiprocessing said the replica had exited
+    assert got["forked"]["survived_sigterm_to_forkserver"]
+
+
+def test_a_replica_the_forkserver_cannot_start_is_spawned(tmp_path, monkeypatch):
+    """A forkserver that died or could not start fails the fork with EOFError: the replica is spawned instead,
+    and the server serves."""
+    import multiprocessing as mp
+    from multiprocessing import popen_forkserver
+
+    from rollout_helpers import ServerThread, tiny_checkpoint
+
+    from tlt.services.rollout import replica_lifecycle
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.v1 import rollout_pb2
+
+    def broken(self, process_obj):  # noqa: ANN001, ANN202
+        raise EOFError("(test) the forkserver is gone")
+
+    monkeypatch.setattr(popen_forkserver.Popen, "_launch", broken)
+    monkeypatch.setattr(replica_lifecycle, "replica_context", lambda *a: (mp.get_context("forkserver"), True))
+    monkeypatch.setattr(replica_lifecycle, "warm", lambda ctx: None)
+    with ServerThread(tiny_checkpoint(tmp_path), replicas=1) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        assert _parent(s.server.pool.replicas[0].process.pid) == os.getpid()  # spawned by the front
+        assert len(c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=4))[0].token_ids) > 0

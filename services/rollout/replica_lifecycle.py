@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
 import queue
 import threading
 import time
@@ -47,7 +46,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.rollout.errors import ReplicaUnavailableError, WeightUpdateError
 from tlt.services.rollout.ipc import ApplyWeights, EngineLoad, Lend, QueryStats, ReplicaInfo, Reply, Shutdown
 from tlt.services.rollout.replica import replica_main
-from tlt.services.rollout.replica_start import replica_context
+from tlt.services.rollout.replica_start import environ, replica_context, warm
 from tlt.services.rollout.types import Versions
 
 log = get_logger("rollout.replicas")
@@ -132,6 +131,7 @@ class ReplicaLifecycle:
     async def start(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
         self.lease = self._new_lease()
+        await asyncio.to_thread(warm, self._context()[0])  # the forkserver's first start imports torch: off the loop
         for i in range(self.num_replicas):
             self.replicas.append(self._spawn(i))
         try:
@@ -188,8 +188,24 @@ class ReplicaLifecycle:
         if str(getattr(cfg, "device", "cpu")) == "cuda":  # one GPU per replica; an explicit cuda:k is kept
             cfg = cfg.model_copy(update={"device": f"cuda:{i}"})
         # a fork of a forkserver that imported torch once, where that is the process a spawn would give
-        ctx, preloaded = replica_context(self.backend, str(getattr(cfg, "device", "cpu")), self.threads_per_replica,
-                                         self.spin_wait)
+        ctx, preloaded = self._context()
+        parent, proc = self._start_process(ctx, preloaded, i, cfg)
+        if proc is None:  # the forkserver failed to fork it (it died, or could not start): spawned, as before
+            log.warning("replica_spawned", replica=i, reason="the forkserver failed to start it")
+            parent, proc = self._start_process(mp.get_context("spawn"), False, i, cfg)
+        rep = _Replica(i, proc, parent)
+        threading.Thread(target=self._reader, args=(rep,), name=f"replica-{i}-reader", daemon=True).start()
+        threading.Thread(target=self._writer, args=(rep,), name=f"replica-{i}-writer", daemon=True).start()
+        return rep
+
+    def _context(self) -> tuple[Any, bool]:
+        """The multiprocessing context for this pool's replicas, and whether it is the preloaded forkserver."""
+        return replica_context(self.backend, str(getattr(self.engine_config, "device", "cpu")),
+                               self.threads_per_replica, self.spin_wait)
+
+    def _start_process(self, ctx: Any, preloaded: bool, i: int, cfg: Any) -> tuple[Any, Any]:
+        """(the front's end of the pipe, the started replica process), or (None, None) when the forkserver could
+        not fork it."""
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=replica_main,
@@ -197,16 +213,20 @@ class ReplicaLifecycle:
                   self.features_push, self.features_max_tokens,
                   "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus,
                   self.spin_wait and not preloaded,  # preloaded: one thread, where a spin count does nothing
-                  dict(os.environ) if preloaded else None),
+                  environ() if preloaded else None),
             name=f"tlt-rollout-replica-{i}",
             daemon=True,
         )
-        proc.start()
-        child.close()
-        rep = _Replica(i, proc, parent)
-        threading.Thread(target=self._reader, args=(rep,), name=f"replica-{i}-reader", daemon=True).start()
-        threading.Thread(target=self._writer, args=(rep,), name=f"replica-{i}-writer", daemon=True).start()
-        return rep
+        try:
+            proc.start()
+        except (OSError, EOFError):  # the forkserver died while starting it (a spawn's failure is the caller's)
+            if not preloaded:
+                raise
+            parent.close()
+            return None, None
+        finally:
+            child.close()
+        return parent, proc
 
     async def _restart(self, dead: _Replica, timeout_s: float = 300.0) -> None:
         """Start a replacement for a dead replica, replay the latest pushes, then route to it; the requests waiting
@@ -228,6 +248,7 @@ class ReplicaLifecycle:
         await asyncio.sleep(min(30.0, 2.0 ** (n - 1)))
         if self._stopping:
             return
+        await asyncio.to_thread(warm, self._context()[0])  # a forkserver that died starts again off the loop
         rep = self._spawn(i)
         rep.restarted = True
         self.replicas[i] = rep
@@ -276,7 +297,9 @@ class ReplicaLifecycle:
             rep.outbox.put(None)
         deadline = time.monotonic() + timeout_s
         for rep in self.replicas:
-            if not rep.ready.done():  # still loading its model: it reads the Shutdown only once loaded (minutes)
+            # still loading its model: it reads the Shutdown only once loaded (minutes). is_alive first: a forked
+            # replica is reaped by the forkserver, and its pid may be another process's once its status is read
+            if not rep.ready.done() and rep.process.is_alive():
                 rep.process.kill()
             await asyncio.to_thread(rep.process.join, max(0.1, deadline - time.monotonic()))
             if rep.process.is_alive():
