@@ -526,9 +526,10 @@ def _drafter_variants(models: dict[str, str], root: Path) -> dict[str, Path]:
         shared = torch.zeros(bad.vocab_size, bad.hidden_size)
         Drafter(bad, shared, shared.clone()).save(root / name)
         out[name] = root / name
-    shutil.copytree(models["qwen2-drafter"], root / "garbled")
-    (root / "garbled" / CONFIG_FILE).write_text("{")
-    out["garbled"] = root / "garbled"
+    for name, text in (("garbled", "{"), ("not-an-object", "[]")):
+        shutil.copytree(models["qwen2-drafter"], root / name)
+        (root / name / CONFIG_FILE).write_text(text)
+        out[name] = root / name
     return out
 
 

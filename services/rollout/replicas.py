@@ -547,8 +547,9 @@ def _drop_tied_head(manifest: Any, payload: bytes | bytearray) -> Any:
     from tlt.model.loader import EMBEDDING, TIED_HEAD, CheckpointError, check_tied_head
 
     specs = {s.name: s for s in manifest.tensors}
-    raw = torch.frombuffer(payload if isinstance(payload, bytearray) else bytearray(payload), dtype=torch.uint8)
-    pair = {n: raw[s.offset : s.offset + s.nbytes] for n, s in specs.items() if n in (TIED_HEAD, EMBEDDING)}
+    view = memoryview(payload)  # no copy of the push; frombuffer wants a writable buffer, so tensors only of slices
+    pair = {n: torch.frombuffer(bytearray(view[s.offset : s.offset + s.nbytes]), dtype=torch.uint8)
+            for n, s in specs.items() if n in (TIED_HEAD, EMBEDDING)}
     try:  # bytes against bytes: "equal" is bit for bit (same dtype and shape: validated)
         check_tied_head(pair)
     except CheckpointError as e:

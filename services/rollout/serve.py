@@ -206,7 +206,7 @@ def check_drafter_fits(folder: str, model: str, model_config: Any) -> None:
     path = Path(folder, CONFIG_FILE)
     try:
         drafter = DrafterConfig.from_json(path.read_text())
-    except (OSError, ValueError, TypeError) as e:  # not JSON, or not a drafter's fields
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, not a drafter's fields
         raise DrafterError(f"{path} is not a drafter config ({e}): write the drafter again with "
                            f"`tlt drafter warmup --model {model} --out DIR`") from None
     ours = (drafter.vocab_size, drafter.hidden_size)

@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     def stop(signum: int, frame: object) -> None:  # SIGTERM / SIGHUP: stop the children like Ctrl-C does
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop)
+    # restored on return: called in-process (a test, a script), a later SIGTERM must not raise KeyboardInterrupt
+    given = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     t0 = time.monotonic()
     try:
         rc = launcher.run()
@@ -113,6 +113,20 @@ def run(args: argparse.Namespace) -> int:
         launcher.shutdown()
         for sig, handler in previous.items():  # stopped: a signal interrupts what is left (the report) again
             signal.signal(sig, handler)
+    try:
+        return _finish(args, plan, rc, t0)
+    finally:
+        for sig, handler in given.items():
+            signal.signal(sig, handler)
+
+
+def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa: ANN001 - RunPlan
+    """The report and the closing log line of a run that ended with `rc`."""
+    import time
+
+    from tlt.services.common.logging import get_logger
+
+    log = get_logger("run")
     if not args.no_report:
         report(plan.run_dir, plan.tail_threshold)
     from tlt.services.trainer.evaluate import read_evals

@@ -218,8 +218,8 @@ def _check_resume(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> Non
     if state is None:
         return
     if (change := _engine_change(new, state)) is not None:
-        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, {change}: drop that option, or start a "
-                           "new run (--run-id)")
+        raise ServiceError(f"{run_dir} continues from its trainer checkpoint, {change}: set trainer.zero_stage and "
+                           "trainer.bf16 (default: on only with a GPU) to the checkpoint's, or start a new run (--run-id)")
     if old_path.exists() and (edited := _data_file_change(new, state)):
         raise ServiceError(f"{run_dir} continues from its trainer checkpoint, and a resume keeps the data it was "
                            f"trained on ({edited}); restore that file, or start a new run (--run-id)")
