@@ -44,7 +44,6 @@ import functools
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -53,7 +52,7 @@ from tlt.services.common.auth import ControlAuth
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout.config import RolloutConfig
-from tlt.services.rollout.engine.sequence import prompt_seed
+from tlt.services.rollout.engine.sequence import prompt_params
 from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.lease import MAX_LEASE_S
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
@@ -225,7 +224,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} is over the "
                                  f"context length {info.max_model_len}")
             # its own seed (prompt 0: the request's), not the request's for every prompt: their samples would be alike
-            out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), replace(params, seed=prompt_seed(params.seed, i)),
+            out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), prompt_params(params, i),
                                          n))
         self.pool.admit(len(out) * n)  # InvalidRequestError (alone too large) is a ValueError; OverloadedError: busy
         return out

@@ -41,7 +41,7 @@ from tlt.services.common.auth import resolve_api_key, token_matches
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout import openai_convert as conv
 from tlt.services.rollout.config import RolloutConfig
-from tlt.services.rollout.engine.sequence import prompt_seed
+from tlt.services.rollout.engine.sequence import prompt_params
 from tlt.services.rollout.openai_schema import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -319,7 +319,7 @@ class OpenAIServer:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         # each prompt its own seed (prompt 0: the request's), not the request's for every prompt: their samples
         # would be alike
-        return [GenerationRequest(f"{rid}-{i}", tuple(p), replace(params, seed=prompt_seed(params.seed, i)), n)
+        return [GenerationRequest(f"{rid}-{i}", tuple(p), prompt_params(params, i), n)
                 for i, p in enumerate(prompts)]
 
     # ---- generation ----------------------------------------------------------------------------

@@ -133,3 +133,11 @@ def prompt_seed(seed: int | None, prompt_index: int) -> int | None:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
     z ^= z >> 31
     return z - 2**64 if z >= 2**63 else z  # two's complement: the int64 range [-2**63, 2**63)
+
+
+def prompt_params(params: Any, prompt_index: int) -> Any:
+    """`params` (a SamplingParams) with the seed of prompt `prompt_index` of its request (prompt_seed): what the
+    gRPC and HTTP servers give each prompt's GenerationRequest."""
+    from dataclasses import replace
+
+    return replace(params, seed=prompt_seed(params.seed, prompt_index))
