@@ -27,7 +27,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
