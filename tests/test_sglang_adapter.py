@@ -251,6 +251,32 @@ def test_features_and_expected_weights(model_dir):
     assert eng.expected_weights() == {"model.embed_tokens.weight": ((64, 8), "bfloat16")}
 
 
+def test_expected_weights_read_the_files_transformers_reads(model_dir):
+    """A folder with model.safetensors beside a stale index and its shards (a re-save over an old sharded
+    checkpoint): the policy is model.safetensors, as transformers (the trainer) and the native engine read it
+    (tlt/model/folder.py weight_files). Globbing every *.safetensors mixed the stale shard's tensors in, so a
+    push of the real names and shapes was refused (or a stale name accepted)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(model_dir)
+    save_file({"model.embed_tokens.weight": torch.zeros(32, 8, dtype=torch.bfloat16),
+               "model.stale.weight": torch.zeros(2, dtype=torch.bfloat16)}, str(folder / "model-00001-of-00001.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors",
+                        "model.stale.weight": "model-00001-of-00001.safetensors"}}))
+    eng, fake = make_engine(model_dir)
+    assert eng.expected_weights() == {"model.embed_tokens.weight": ((64, 8), "bfloat16")}
+    eng.update_weights("policy", {"model.embed_tokens.weight": torch.ones(64, 8)}, version=1)
+    with pytest.raises(ValueError, match="unknown tensor 'model.stale.weight'"):
+        eng.update_weights("policy", {"model.stale.weight": torch.ones(2)}, version=2)
+    (folder / "model.safetensors").unlink()  # the shards alone: the index's files
+    eng2, _ = make_engine(model_dir)
+    assert set(eng2.expected_weights()) == {"model.embed_tokens.weight", "model.stale.weight"}
+
+
 def test_replica_config_comes_from_the_preset_and_environment(model_dir, monkeypatch, tmp_path):
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.sglang_backend.engine import resolve_config

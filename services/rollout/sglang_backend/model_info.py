@@ -45,11 +45,22 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
 
 
 def checkpoint_specs(folder: str) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """name -> (shape, dtype) of every tensor in a folder's *.safetensors, from the headers only."""
+    """name -> (shape, dtype) of every tensor in the folder's weight files, from the headers only.
+
+    The files are those transformers (so the trainer) and the native engine read (tlt/model/folder.py
+    weight_files: model.safetensors, else the index's shards): every *.safetensors mixed in stale shards
+    beside a re-saved model.safetensors. A folder with neither (a drafter saved under another file name)
+    falls back to every *.safetensors in it."""
     from safetensors import safe_open
 
+    from tlt.model.folder import CheckpointError, weight_files
+
+    try:
+        paths = weight_files(Path(folder))
+    except CheckpointError:
+        paths = sorted(Path(folder).glob("*.safetensors"))
     out: dict[str, tuple[tuple[int, ...], Any]] = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in paths:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 sl = f.get_slice(name)
