@@ -1,9 +1,10 @@
-"""Shared helpers for the drafter service tests (tests/test_drafter_worker.py, tests/test_drafter_coordinator.py).
+"""Shared helpers for the drafter service tests (tests/test_drafter_worker*.py, tests/test_drafter_coordinator*.py).
 
 `make` starts a real CapacityPublisher (ZeroMQ on 127.0.0.1, heartbeats every 0.2 s) that plays the
 rollout's replicas 0 and 1 (both BUSY) and a real coordinator whose buffer holds `feature_samples`, real
 target features of a tiny random Qwen2 (`rollout_helpers.tiny_checkpoint`); the rollout's UpdateWeights is
 replaced by a recording function. `state` publishes a replica's state; `wait_for` polls a condition.
+`gated_coordinator` is a coordinator (not started) whose gate the tests call by hand.
 Stand-in, not the real thing: `StubbedWorker` replaces a real worker's coordinator and capacity feed by
 in-process stubs so that BUSY lands at an exact micro-step.
 """
@@ -152,3 +153,21 @@ class StubbedWorker:
 
     def close(self) -> None:
         pass
+
+
+def gated_coordinator(tmp_path, model_dir, publish, **cfg) -> Coordinator:
+    """A coordinator (not started) whose gate publishes on any gain, with one held-out window to score on;
+    the scores themselves are scripted by the tests (monkeypatched `mean_accept_length`)."""
+    import numpy as np
+
+    from tlt.services.drafter.packing import Sample
+
+    cfg = DrafterServiceConfig(**{"coordinator_bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(tmp_path / "ckpt"),
+                                  "window_tokens": 16, "batch_tokens": 16, "min_eval_tokens": 8, "publish_margin": 0.0,
+                                  "gate_when_idle": False, **cfg})
+    coord = Coordinator(cfg, str(model_dir), None, publish)
+    h = coord.drafter_cfg.hidden_size
+    g = np.random.default_rng(0)
+    coord.buffer.add_samples([Sample("held", g.integers(0, 100, 16).astype(np.int32),
+                                     g.standard_normal((16, h)).astype(np.float16), 1, 0)], holdout=True)
+    return coord

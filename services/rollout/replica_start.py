@@ -16,7 +16,8 @@ It is used only where a fork of that server is the same process a spawn would gi
   descriptors): a front whose state changed since then spawns, except for variables nothing reads at import
   (`VOLATILE`: pytest's name of the running test, which changes with every test; the cache folder torch's
   inductor writes into the environment the first time it is asked for it, its default; the rendezvous
-  variables DeepSpeed writes when a trainer in the same process starts, which a replica never reads). A forked replica then takes
+  variables DeepSpeed writes when a trainer in the same process starts, and the one `import deepspeed` sets,
+  which torch reads only when asked whether CUDA is there, not at import). A forked replica then takes
   the front's environment as it is now (`serve_replica(environ=...)`), so what it reads later is the front's,
   as a spawned one's.
 Anything else spawns, as before, and so does a start the forkserver failed (replica_lifecycle._spawn).
@@ -38,7 +39,8 @@ PRELOAD = ["tlt.services.rollout.forkserver_preload", "torch", "transformers",
            "tlt.services.rollout.engine.engine"]
 
 VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR",
-                      "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+                      "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "PYTORCH_NVML_BASED_CUDA_CHECK"})  # `import deepspeed` sets it; torch reads it when asked for CUDA
 
 _lock = threading.Lock()
 _forkserver_env: dict[str, str] | None = None  # current_env() when this process's forkserver was first used

@@ -1,0 +1,160 @@
+"""A drafter worker preempted at an exact point of its window (a micro-step, a delta's send, the shared
+embedding / lm_head fetch): what it defers to its next idle moment (the delta, its optimizer checkpoint) and
+that its optimizer state carries over windows and restarts. `StubbedWorker` (tests/drafter_helpers.py) replaces
+a real worker's coordinator and capacity feed by in-process stubs so that BUSY lands at an exact micro-step;
+the training is real, on a tiny random Qwen2."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafter_helpers import IDLE, StubbedWorker, model_dir  # noqa: F401 (fixtures)
+from tlt.services.drafter.training import load_state
+
+
+def test_optimizer_state_carries_over_preempted_windows(tmp_path, model_dir) -> None:
+    """A preempted window defers its optimizer checkpoint to the next idle window; that window must train
+    with it (Adam's moments and step count continue), not with the checkpoint from before the last window.
+    A stub coordinator and event feed drive two windows of 3 and 2 micro-steps, preempted by BUSY."""
+    stub = StubbedWorker(tmp_path, model_dir)
+    worker = stub.worker
+    for steps in (3, 2):
+        worker.state, stub.busy_after = IDLE, steps
+        res = worker.window()
+        assert res.preempted and res.micro_steps == steps
+    worker._flush()
+    saved = load_state(worker.ckpt)
+    assert saved["micro_steps"] == 5
+    assert {int(s["step"]) for s in saved["optimizer"]["state"].values()} == {5}
+
+
+def test_busy_during_a_step_defers_the_due_submission(tmp_path, model_dir, monkeypatch) -> None:
+    """BUSY arriving during the micro-step after which a submission is due: the worker stops there and
+    defers the delta, checkpoint and re-pull (seconds of serialisation and disk on a real drafter) to its
+    next idle window, as for any preemption, instead of doing them on the busy replica's time."""
+    import tlt.services.drafter.worker as worker_mod
+
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=3)
+    real, steps = worker_mod.micro_step, []
+
+    def step(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real(*a, **k)
+        steps.append(1)
+        if len(steps) == 3:  # the replica turns busy while the 3rd step runs
+            stub.busy()
+        return out
+
+    monkeypatch.setattr(worker_mod, "micro_step", step)
+    stub.worker.state, stub.busy_after = IDLE, 10**6
+    res = stub.worker.window()
+    assert res.preempted and res.micro_steps == 3
+    assert stub.asks == ["pull", "batch_request", "batch_request", "batch_request", "window"], stub.asks
+    assert stub.worker._deferred is not None and stub.worker._deferred.steps == 3
+    stub.worker._flush()  # the next idle moment sends all three steps
+    assert stub.asks[-1] == "update" and stub.version == 1
+
+
+def test_busy_during_a_delta_send_stops_before_the_checkpoint_and_the_pull(tmp_path, model_dir) -> None:
+    """BUSY arriving while a window's due delta is being sent: the worker went on to write its optimizer
+    checkpoint (twice the drafter's size: seconds on a real one) and to pull the whole candidate back, on the
+    busy replica's time and with the drafter still on its device, before it looked at the events again. It
+    must release the device right after the send and write the checkpoint at the next idle moment."""
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=2)
+    real_ask = stub.ask
+
+    def ask(**body):  # noqa: ANN003, ANN202
+        reply = real_ask(**body)
+        if "update" in body:
+            stub.busy()  # the replica turns busy while the delta is on its way
+        return reply
+
+    stub.worker.client = type("Client", (), {"ask": staticmethod(ask), "shared_policy_version": 0,
+                                             "shared_fetch_failures": 0})()
+    stub.worker.state, stub.busy_after = IDLE, 10**6
+    res = stub.worker.window()
+    assert res.preempted and res.micro_steps == 2 and stub.version == 1
+    assert stub.asks == ["pull", "batch_request", "batch_request", "update", "window"], stub.asks
+    assert load_state(stub.worker.ckpt) is None  # not written on the busy replica's time
+    assert stub.worker._deferred is not None and stub.worker._deferred.steps == 0  # only the checkpoint is due
+    stub.worker._flush()  # the next idle moment
+    saved = load_state(stub.worker.ckpt)
+    assert saved["micro_steps"] == 2 and {int(s["step"]) for s in saved["optimizer"]["state"].values()} == {2}
+    assert stub.asks[-1] == "window" and stub.version == 1  # nothing sent twice
+
+
+def test_a_restarted_worker_trains_with_its_configured_optimizer_settings(tmp_path, model_dir, monkeypatch) -> None:
+    """A worker restarted with a new lr or weight_decay (`tlt drafter worker --set lr=...`, e.g. lowered after its
+    deltas were refused as non-finite) trained on with the old ones: `load_state_dict` of its optimizer checkpoint
+    brings back the saved param groups' lr, weight_decay and betas too. The checkpoint's moments and step counts
+    carry over; the settings are the config's."""
+    import tlt.services.drafter.worker as worker_mod
+
+    real, seen = worker_mod.micro_step, []
+
+    def step(drafter, opt, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        g = opt.param_groups[0]
+        seen.append((g["lr"], g["weight_decay"], tuple(g["betas"])))
+        return real(drafter, opt, *a, **k)
+
+    monkeypatch.setattr(worker_mod, "micro_step", step)
+    first = StubbedWorker(tmp_path, model_dir, lr=3e-3, weight_decay=0.0)
+    first.worker.state, first.busy_after = IDLE, 2
+    first.worker.window()
+    first.worker._flush()
+    again = StubbedWorker(tmp_path, model_dir, lr=3e-5, weight_decay=0.1)  # the restart, with new settings
+    seen.clear()
+    again.worker.state, again.busy_after = IDLE, 2
+    again.worker.window()
+    again.worker._flush()
+    assert seen == [(3e-5, 0.1, (0.9, 0.95))] * 2, seen
+    saved = load_state(again.worker.ckpt)
+    assert {int(s["step"]) for s in saved["optimizer"]["state"].values()} == {4}  # Adam's state went on
+
+
+def test_busy_during_the_shared_fetch_keeps_the_deferred_delta_for_later(tmp_path, model_dir) -> None:
+    """A window opens by fetching a newer policy's embedding / lm_head (GetWeights: seconds on a real model), then
+    sends what the last window deferred. A BUSY that came during the fetch was only looked at after the send, which
+    ran on the busy replica's time. The window ends before the send, the delta still deferred; the next idle moment
+    sends it. The fetch is a stand-in that queues the BUSY as the rollout would."""
+    from tlt.services.drafter.shared import SharedTensors
+
+    stub = StubbedWorker(tmp_path, model_dir)
+    worker = stub.worker
+    worker.state, stub.busy_after = IDLE, 2
+    worker.window()  # 2 steps, preempted: delta and checkpoint deferred
+    assert worker._deferred is not None and worker._deferred.steps == 2
+    stub.asks.clear()
+
+    def fetch() -> SharedTensors:
+        stub.busy()  # the replica turns busy while the tensors come
+        cur = worker.shared.current
+        return SharedTensors(1, cur.embed.clone(), cur.lm_head.clone())
+
+    worker.shared.fetch = fetch
+    worker.shared.see(1)  # the capacity events said the rollout serves policy 1
+    worker.state, stub.busy_after = IDLE, 10**6
+    res = worker.window()
+    assert res.preempted and res.micro_steps == 0 and stub.asks == ["window"], stub.asks
+    assert worker.shared.current.policy_version == 1 and worker._deferred.steps == 2
+    assert load_state(worker.ckpt) is None  # nor was the checkpoint written
+    worker._flush()  # the next idle moment
+    assert stub.asks[-1] == "update" and stub.version == 1 and load_state(worker.ckpt)["micro_steps"] == 2
+
+
+def test_a_worker_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir) -> None:
+    """A worker-<id>.pt written for another model (checkpoint_dir shared between models) failed at the first
+    micro-step of the first idle window with "The size of tensor a (128) must match the size of tensor b (64)",
+    a traceback that ended the worker's process. The worker refuses it when it starts, with a DrafterError (one
+    line, exit 2 from the CLI) that names the file and says to give [drafter] checkpoint_dir another folder."""
+    from tlt.model.drafter import DrafterError
+    from tlt.model.testing import random_checkpoint
+
+    first = StubbedWorker(tmp_path, model_dir)
+    first.worker.state, first.busy_after = IDLE, 2
+    first.worker.window()
+    first.worker._flush()
+    other = random_checkpoint(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    with pytest.raises(DrafterError) as err:
+        StubbedWorker(tmp_path, other)
+    msg = str(err.value)
+    assert str(first.worker.ckpt) in msg and "checkpoint_dir" in msg and "\n" not in msg, msg
