@@ -52,6 +52,28 @@ def _last(seen: list[tuple[int, int]]) -> dict[int, int]:
     return {r: st for r, st in seen}
 
 
+TEST_BACKENDS = frozenset({"lend_engine:LendRecordingEngine", "test_colocated_lend:SlowResumeEngine"})
+TEST_ENV = frozenset({"TLT_TEST_LEND_LOG", "TLT_TEST_RELEASE_S", "TLT_TEST_RESUME_S"})
+
+
+@pytest.fixture(autouse=True)
+def _test_backends_forked(monkeypatch):  # noqa: ANN001, ANN202
+    """Start the test backends' replicas as forks of the preloaded forkserver, as a native CPU replica's are
+    (services/rollout/replica_start.py). They are the native engine on a CPU with the lend hooks added, so a fork is
+    the process a spawn would give; but any 'module:Class' backend is spawned, and so is a replica of a front whose
+    environment changed (the TLT_TEST_* variables these tests set): a spawn imports torch again, ~8 s of a core per
+    replica start and restart on the 2-core CI machine. The TLT_TEST_* variables are read when a hook runs, never at
+    import, and a forked replica takes the front's environment as it is now (serve_replica(environ=...)): volatile.
+    What is tested (the pool's and the replica loop's lend, release and resume) runs the same either way; the
+    choice of start method itself is tested in tests/test_replica_start.py."""
+    from tlt.services.rollout import replica_lifecycle, replica_start
+
+    real = replica_start.replica_context
+    monkeypatch.setattr(replica_start, "VOLATILE", replica_start.VOLATILE | TEST_ENV)
+    monkeypatch.setattr(replica_lifecycle, "replica_context",
+                        lambda backend, *args: real("native" if backend in TEST_BACKENDS else backend, *args))
+
+
 def _server(model_dir, **kw):  # noqa: ANN001, ANN202
     return ServerThread(model_dir, replicas=2, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3, **kw)
 

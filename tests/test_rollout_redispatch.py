@@ -35,9 +35,10 @@ from tlt.v1 import rollout_pb2
 
 PROMPTS = ["1+2=", "7*3=", "12-5=", "4+4="]
 N = 4
-# seed 3 on this checkpoint: samples 0 and 3 of each prompt stop early (eos), 1 and 2 run to max_tokens, so a
-# replica killed once its first completion arrived still holds unfinished samples of the same requests
-SEEDED = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=240, seed=3)
+# seed 3 on this checkpoint: sample 0 of "1+2=" stops first (eos after 31 tokens, on its replica's first request),
+# samples 1 and 2 of it run to max_tokens, so a replica killed once its first completion arrived still holds
+# unfinished samples of the same request (for ~90 more steps: a kill takes milliseconds to land)
+SEEDED = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=120, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +161,7 @@ def _batch_in_thread(c: RolloutClient, params: rollout_pb2.SamplingParams) -> tu
     return t, result
 
 
-LONG = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=240, ignore_eos=True, seed=5)
+LONG = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True, seed=5)
 
 
 def test_with_no_other_replica_alive_the_request_waits_for_the_restarted_one(model_dir):
@@ -174,7 +175,7 @@ def test_with_no_other_replica_alive_the_request_waits_for_the_restarted_one(mod
         outs = result["outs"]
         got = Counter((o.prompt_index, o.sample_index) for o in outs)
         assert got == Counter((p, i) for p in range(2) for i in range(N)), got
-        assert all(len(o.token_ids) == 240 for o in outs)
+        assert all(len(o.token_ids) == LONG.max_tokens for o in outs)
         assert pool.restarts == {0: 1} and pool.redispatches == 2  # both prompts' requests, once each
 
 
@@ -238,7 +239,7 @@ def test_a_stalled_replicas_request_goes_on_on_the_other_replica(model_dir):
     with ServerThread(model_dir, replicas=2, stall_timeout_s=1.0) as s, \
             RolloutClient(s.grpc_address, timeout_s=60) as c:
         pool = s.server.pool
-        t, result = _batch_in_thread(c, rollout_pb2.SamplingParams(temperature=1.0, max_tokens=240, ignore_eos=True))
+        t, result = _batch_in_thread(c, rollout_pb2.SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True))
         _wait(lambda: any(rep.outstanding > 0 for rep in pool.replicas), "the batch never reached a replica", 30)
         holder = next(rep.replica_id for rep in pool.replicas if rep.outstanding > 0)
         pid = s.server.replica_pids()[holder]

@@ -30,21 +30,40 @@ def model_dir(tmp_path_factory):
 
 def _kill_and_wait(s: ServerThread, c: RolloutClient, restarted: bool) -> None:
     """SIGKILL replica 0; then wait for a new process serving (restarted) or check none comes (not restarted)."""
+    pool = s.server.pool
+    dead = pool.replicas[0]
     old = s.server.replica_pids()[0]
     os.kill(old, signal.SIGKILL)
-    deadline = time.monotonic() + (120 if restarted else 8)  # not restarted: the back-off is 1-2 s, the load ~3 s
+    if restarted:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if c.status().replicas[0].alive and s.server.replica_pids()[0] != old:
+                break
+            time.sleep(0.1)
+        back = c.status().replicas[0].alive and s.server.replica_pids()[0] != old
+        assert back, pool.restarts
+        return
+
+    async def seen() -> tuple[bool, bool]:  # read on the server's loop: between two of its callbacks
+        return bool(dead.error), bool(pool._restart_tasks)
+
+    # Not restarted: `_on_dead` (on the loop) decides at once, and a restart is a task it starts there. Wait until it
+    # ran, then check that it started none; then watch past the back-off (1-2 s) that a restart waits before it
+    # replaces the process, in case one were started another way.
+    deadline = time.monotonic() + 30
+    while not (noticed := s.call(seen()))[0]:
+        assert time.monotonic() < deadline, "the pool never saw the replica die"
+        time.sleep(0.02)
+    assert not noticed[1], ("a restart was started", pool.restarts)
+    deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
-        if c.status().replicas[0].alive and s.server.replica_pids()[0] != old:
-            break
+        assert pool.replicas[0] is dead and not c.status().replicas[0].alive, ("restarted", pool.restarts)
         time.sleep(0.1)
-    back = c.status().replicas[0].alive and s.server.replica_pids()[0] != old
-    assert back == restarted, (back, s.server.pool.restarts)
 
 
 def test_a_replica_that_served_a_while_is_restarted_again(model_dir):
     with ServerThread(model_dir, replicas=1, max_restarts=1) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
         s.server.pool.restart_window_s = WINDOW_S
-        time.sleep(WINDOW_S)
         _kill_and_wait(s, c, restarted=True)  # restart 1 of 1
         time.sleep(WINDOW_S + 0.5)  # served a while: the next death is not part of a crash loop
         _kill_and_wait(s, c, restarted=True)

@@ -15,7 +15,6 @@ import json
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -122,29 +121,36 @@ def test_a_signal_to_the_whole_process_group_stops_the_replicas_through_the_fron
     import os
     import signal
 
-    serve = ServeProcess(model_dir, tmp_path, replicas=2)
-    log = tmp_path / "group.log"
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        ready = Path(serve.cmd[serve.cmd.index("--ready-file") + 1])
-        ready.unlink(missing_ok=True)
-        with log.open("w") as out:
-            proc = subprocess.Popen(serve.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120
-            while not ready.exists():
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+    # one server per signal, both at once: a start is mostly one core's imports, and the machine has two
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    serves = {sig: ServeProcess(model_dir, tmp_path / sig.name, replicas=2) for sig in sigs}
+    procs: dict = {}
+    try:
+        for sig, serve in serves.items():
+            serve.log_file.parent.mkdir()
+            with serve.log_file.open("w") as out:
+                procs[sig] = subprocess.Popen(serve.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        for sig, serve in serves.items():
+            while not serve.ready_file.exists():
+                assert procs[sig].poll() is None and time.monotonic() < deadline, serve.log_file.read_text()[-3000:]
                 time.sleep(0.05)
-            children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        children = {sig: [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+                    for sig, proc in procs.items()}
+        for sig, proc in procs.items():
             os.killpg(proc.pid, sig)
-            assert proc.wait(60) == 0, log.read_text()[-3000:]
-        finally:
+        for sig, proc in procs.items():
+            assert proc.wait(60) == 0, (sig.name, serves[sig].log_file.read_text()[-3000:])
+    finally:
+        for proc in procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-        text = log.read_text()
-        assert "replica_dead" not in text and "Traceback" not in text, text[-3000:]
-        assert text.count("replica_stopped") == 2, text[-3000:]
-        assert_all_gone(children)
+    for sig, serve in serves.items():
+        text = serve.log_file.read_text()
+        assert "replica_dead" not in text and "Traceback" not in text, (sig.name, text[-3000:])
+        assert text.count("replica_stopped") == 2, (sig.name, text[-3000:])
+        assert_all_gone(children[sig])
 
 
 def test_a_front_tokenizer_that_fails_while_the_replicas_load_stops_them(random_model_dir, monkeypatch):
