@@ -183,8 +183,9 @@ def test_interpreter_decode_batch5_mixed_lengths(ckpt, calls) -> None:
     # 5 prompts of 3..13 tokens with a 16-token step budget: prefill is chunked, so steps mix decode rows
     # (decode kernel, gathered rows) with prefill chunks (SDPA); block_size 4 -> contexts over several blocks
     prompts = _prompts([3, 11, 6, 13, 8])
-    _, want = _generate(ckpt, "torch", prompts, 8, block_size=4, max_num_batched_tokens=16)
-    _, got = _generate(ckpt, "triton", prompts, 8, block_size=4, max_num_batched_tokens=16)
+    # 5 tokens: 3 steps mixing prefill chunks and decode rows, then 4 decode-only steps at batch 5, 3 and 2
+    _, want = _generate(ckpt, "torch", prompts, 5, block_size=4, max_num_batched_tokens=16)
+    _, got = _generate(ckpt, "triton", prompts, 5, block_size=4, max_num_batched_tokens=16)
     _same(want, got)
     assert calls["paged_decode_attention"] > 0 and "paged_tree_attention" not in calls
 
@@ -207,14 +208,16 @@ def test_interpreter_speculative_verify_tree_kernel(ckpt, calls) -> None:
 def test_interpreter_decode_graph_buckets_emulated(ckpt, calls) -> None:
     """decode_graphs = "emulate": plain decode steps on static buffers padded to a bucket (padding rows
     writing to the scratch block), tables at full width. Requests of different lengths make the batch
-    shrink 5 -> 4 -> 2 -> 1 through buckets 8, 4, 2 and 1. Tokens and logprobs must equal the eager
-    PyTorch path: a padding row writing into a live block, or a wrong table or length, changes them."""
+    shrink 5 -> 4 -> 3 -> 2 -> 1 through buckets 8, 4, 4, 2 and 1 (padding rows at batch 5 and 3). Tokens and
+    logprobs must equal the eager PyTorch path: a padding row writing into a live block, or a wrong table or
+    length, changes them (each padded step is followed by steps of the requests still running, which read the
+    cache it wrote)."""
     prompts = _prompts([3, 11, 6, 13, 8])
-    lengths = [12, 3, 9, 6, 10]  # after the prefill step: batch 5 for 2 steps, 4 for 3, 3 for 3, 2 for 1, 1 for 2
+    lengths = [6, 2, 4, 3, 5]  # after the prefill step: batch 5, 4, 3, 2 and 1 for one step each
 
     def run(kernels: str, **kw):  # noqa: ANN202
-        # max_model_len 32 (the longest request needs 19): tables 8 blocks wide, not the model's 64 (the
-        # interpreter runs each block of a padded table)
+        # max_model_len 32 (the longest request needs 16): tables (32 + 128 tree room) / 4 = 40 blocks wide, not
+        # the model's 96 (the interpreter runs each split of a padded table)
         engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, block_size=4, max_model_len=32, **kw))
         reqs = [GenerationRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                                                      logprobs=0))
@@ -225,7 +228,7 @@ def test_interpreter_decode_graph_buckets_emulated(ckpt, calls) -> None:
     engine, got = run("triton", decode_graphs="emulate", decode_graph_buckets=(1, 2, 4, 8))
     _same(want, got)
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.per_bucket == {8: 2, 4: 6, 2: 1, 1: 2}
+    assert graphs is not None and graphs.per_bucket == {8: 1, 4: 2, 2: 1, 1: 1}
     # every plain decode step went through the padded path: as many decode kernel calls as layers x replays
     assert calls["paged_decode_attention"] == 2 * sum(graphs.per_bucket.values())
     assert engine.model.k_caches[0].shape[0] == engine.block_manager.num_blocks + 1  # the scratch block

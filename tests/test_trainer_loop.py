@@ -100,8 +100,9 @@ def test_a_trainer_whose_token_the_rollout_refuses_stops_before_its_first_step(r
     (rollout, rewards, update) had been spent; GetStatus now says whether the caller's token would pass."""
     from tlt.services.rollout.client import ControlRefusedError, RolloutClient
 
-    monkeypatch.setenv("TLT_AUTH_TOKEN", "the-rollout-token")
-    with ServerThread(random_model_dir, replicas=1) as server:
+    # the server's token from its config, not the environment: a front whose environment changed since its
+    # forkserver started spawns its replica (services/rollout/replica_start.py), ~8 s of imports on 2 cores
+    with ServerThread(random_model_dir, replicas=1, control_token="the-rollout-token") as server:
         monkeypatch.delenv("TLT_AUTH_TOKEN")
         with RolloutClient(server.grpc_address, control_token="the-rollout-token") as ok, \
                 RolloutClient(server.grpc_address, control_token="") as none:
@@ -152,7 +153,9 @@ def test_a_step_refused_by_a_busy_rollout_server_is_rolled_out_again_once_there_
                                                                                        monkeypatch):
     """A rollout server shared with other clients refuses a request it has no room for (RESOURCE_EXHAUSTED,
     `max_pending_sequences`). The trainer asks again after a wait instead of ending the run. Here another client's
-    request holds one of the 8 places (its replica SIGSTOPped until the trainer has been refused once)."""
+    request holds one of the 8 places (its replica SIGSTOPped until the trainer has been refused once). The place is
+    taken as the trainer starts its first rollout: a stopped replica answers no status query (the front waits 5 s
+    for it, twice at the trainer's start), which held the test up for 10 s before the rollout it is about."""
     import os
     import re
     import signal
@@ -171,10 +174,6 @@ def test_a_step_refused_by_a_busy_rollout_server_is_rolled_out_again_once_there_
         pool, pid = server.server.pool, server.server.replica_pids()[0]
         params = rollout_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
         held = threading.Thread(target=lambda: list(other.batch_generate(["1+1="], n=1, params=params)))
-        held.start()
-        while pool.pending_sequences < 1:
-            time.sleep(0.005)
-        os.kill(pid, signal.SIGSTOP)
         metrics = server.base_url.removesuffix("/v1") + "/metrics"
 
         def refused() -> float:
@@ -189,14 +188,26 @@ def test_a_step_refused_by_a_busy_rollout_server_is_rolled_out_again_once_there_
             os.kill(pid, signal.SIGCONT)
 
         releaser = threading.Thread(target=release_once_refused)
-        releaser.start()
+        real_collect = collect.collect_retrying
+
+        def collect_with_a_place_held(*args, **kw):  # noqa: ANN002, ANN003, ANN202 - the trainer's rollouts
+            if held.ident is None:  # the step's rollout (no eval here): the place is taken as it starts
+                held.start()
+                while pool.pending_sequences < 1:
+                    time.sleep(0.005)
+                os.kill(pid, signal.SIGSTOP)
+                releaser.start()
+            return real_collect(*args, **kw)
+
+        monkeypatch.setattr(collect, "collect_retrying", collect_with_a_place_held)
         try:
             summary = train(config(random_model_dir, server.grpc_address, tmp_path / "run", steps=1,
                                    rollout_retries=5))
         finally:
-            releaser.join(130)
             os.kill(pid, signal.SIGCONT)
-            held.join(60)
+            for t in (releaser, held):
+                if t.ident is not None:  # started
+                    t.join(130)
     assert summary.steps_done == 1
     (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert line["rollout_retries"] >= 1 and line["policy_version"] == 1

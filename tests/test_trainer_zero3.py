@@ -279,25 +279,141 @@ shutdown_process_group()  # torn down together: a rank left to exit alone could 
 """
 
 
+# Each rank was a fresh `python -c script`: every one imported torch, transformers' Qwen2, DeepSpeed and (through
+# DeepSpeed's optimizer check) torch's inductor, then spent seconds tearing the interpreter down at exit; on the
+# 2-core CI machine that was most of each multi-rank test (~14 s a 2-rank test, ~25 s the 3-rank one, of which the
+# ranks' own work is 1-3 s). RANK_SERVER imports all that once, and each rank of each run is a fork of it (as the
+# rollout's replicas are forks of a forkserver, services/rollout/replica_start.py): a new process with the
+# environment, affinity and rendezvous variables the rank was given, running the same script in `__main__`.
+RANK_SERVER = r"""
+import json, os, sys, traceback
+import torch, deepspeed, transformers  # noqa: E401, F401 - what every rank script imports
+transformers.Qwen2Config, transformers.Qwen2ForCausalLM  # the lazy modules: the slow part of the import
+import tlt.services.trainer.checkpoint, tlt.services.trainer.data, tlt.services.trainer.policy  # noqa: E401, F401
+import tlt.services.trainer.step, tlt.services.trainer.weight_sync  # noqa: E401, F401
+try:  # imported by DeepSpeed's ZeRO optimizer check in every rank (it imports torch's inductor)
+    import deepspeed.runtime.zero.muon.original_muon  # noqa: F401
+except ImportError:
+    pass
+print("RANK_SERVER ready", flush=True)
+for line in sys.stdin:  # one run per line: {"script", "ranks": [{"env", "output"}], "affinity"}; EOF: exit
+    run = json.loads(line)
+    pids = []
+    for rank in run["ranks"]:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                out = os.open(rank["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(out, 1)
+                os.dup2(out, 2)
+                os.environ.clear()
+                os.environ.update(rank["env"])
+                os.sched_setaffinity(0, run["affinity"])
+                sys.argv = ["-c"]
+                exec(compile(run["script"], "<rank script>", "exec"), {"__name__": "__main__"})
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    print("RANK_SERVER codes", json.dumps(codes), flush=True)
+"""
+
+
+class _RankServer:
+    """RANK_SERVER in its own process group (a hung run is ended by killing the group), its protocol lines read by
+    a thread; started at the first run of this pytest process, killed at its exit."""
+
+    def __init__(self) -> None:
+        import atexit
+        import queue
+        import tempfile
+        import threading
+
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="rank-server-", suffix=".log")  # noqa: SIM115
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # libgomp reads it when torch loads, before any rank exists
+        self.proc = subprocess.Popen([sys.executable, "-c", RANK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=env, text=True, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.killed = False
+        threading.Thread(target=self._read, daemon=True).start()
+        atexit.register(self.kill)  # idle by then; otherwise it would end on its own once its stdin closes
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("RANK_SERVER "):
+                self.lines.put(line.removeprefix("RANK_SERVER ").strip())
+        self.lines.put("exited")
+
+    def next_line(self, timeout: float) -> str | None:
+        import queue
+
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def kill(self) -> None:
+        import signal
+
+        if self.killed:  # once: later, the group's id may be another process's
+            return
+        self.killed = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and every rank it forked
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(10)
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-2500:]
+
+
+_rank_server: _RankServer | None = None
+
+
 def run_two_ranks(script: str, timeout: float = 300, ranks: int = 2) -> None:
-    """`python -c script` as ranks 0 and 1 (0 .. ranks - 1) of a gloo group on 127.0.0.1; fails with every rank's
-    output tail."""
+    """`script` as ranks 0 and 1 (0 .. ranks - 1) of a gloo group on 127.0.0.1, each a fork of RANK_SERVER with this
+    process's environment plus the rank's rendezvous variables and OMP_NUM_THREADS=1; fails with every rank's
+    output tail (or, on a timeout, kills the ranks)."""
+    import json
+    import tempfile
+
+    global _rank_server
+    if _rank_server is None or _rank_server.proc.poll() is not None:
+        _rank_server = _RankServer()
+        ready = _rank_server.next_line(300)
+        assert ready == "ready", f"the rank server did not start ({ready}):\n{_rank_server.tail()}"
+    server = _rank_server
     port = str(free_port())
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    codes = [p.returncode for p in procs]
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        outputs = [Path(tmp) / f"rank{rank}.log" for rank in range(ranks)]
+        run = {"script": script, "affinity": sorted(os.sched_getaffinity(0)), "ranks": [
+            {"output": str(outputs[rank]),
+             "env": {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}}
+            for rank in range(ranks)]}
+        server.proc.stdin.write(json.dumps(run) + "\n")  # type: ignore[union-attr]
+        server.proc.stdin.flush()  # type: ignore[union-attr]
+        reply = server.next_line(timeout)
+        if reply is None or not reply.startswith("codes "):
+            server.kill()
+            _rank_server = None
+        texts = [o.read_text(errors="replace") if o.exists() else "" for o in outputs]
+    assert reply is not None, f"the ranks did not finish in {timeout}s:\n" + "\n".join(
+        f"--- rank {r}:\n{t[-2500:]}" for r, t in enumerate(texts))
+    assert reply.startswith("codes "), f"the rank server died ({reply}):\n{server.tail()}"
+    codes = json.loads(reply.removeprefix("codes "))
     assert codes == [0] * ranks, "\n".join(f"--- rank {r} exited {c}:\n{t[-2500:]}" for r, (c, t) in
-                                       enumerate(zip(codes, outputs)))
+                                       enumerate(zip(codes, texts)))
 
 
 def test_two_ranks_at_stage3_match_one_rank(tmp_path):
