@@ -212,7 +212,7 @@ class ReplicaLifecycle:
             args=(i, self.model_dir, self.backend, cfg.model_dump_json(), self.threads_per_replica, child,
                   self.features_push, self.features_max_tokens,
                   "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus,
-                  self.spin_wait and not preloaded,  # preloaded: one thread, where a spin count does nothing
+                  self.spin_wait and not preloaded,  # preloaded: spin_wait was off or one thread (no spin count to set)
                   environ() if preloaded else None),
             name=f"tlt-rollout-replica-{i}",
             daemon=True,

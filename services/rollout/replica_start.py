@@ -34,6 +34,8 @@ import os
 import threading
 from multiprocessing.context import BaseContext
 
+# Imported, never run: no module here may run a torch parallel kernel at import. libgomp is not fork-safe; a pool
+# started in the forkserver hangs a forked replica's first parallel kernel (tests/test_replica_start.py shows it).
 PRELOAD = ["tlt.services.rollout.forkserver_preload", "torch", "transformers",
            "transformers.models.auto.tokenization_auto", "tlt.services.rollout.replica",
            "tlt.services.rollout.engine.engine"]
