@@ -92,3 +92,79 @@ def test_ngram_source_shares_siblings_and_keeps_the_most_recent_groups():
     assert list(src.groups) == ["b", "d"]
     src.forget("b")
     assert list(src.groups) == ["d"]
+
+
+def _reference_continuations(seqs: dict[int, list[int]], order: list[tuple[int, int]], sibling: int,
+                             length: int, limit: int, min_n: int, max_n: int, scan: int) -> list[list[int]]:
+    """The rule of `NgramIndex.continuations` written the slow way: every occurrence of every suffix is
+    found by scanning all text, in the order the tokens arrived (`order`: (sibling, position))."""
+    ctx = seqs[sibling]
+    best: dict[int, list[int]] = {}
+    for n in range(min(max_n, len(ctx)), min_n - 1, -1):
+        suffix = ctx[-n:]
+        hits = [(sid, end) for sid, end in order if end >= n - 1 and seqs[sid][end - n + 1 : end + 1] == suffix]
+        own = [h for h in reversed(hits) if h[0] == sibling][:scan]
+        others = [h for h in reversed(hits) if h[0] != sibling][:scan]
+        level: dict[int, list[int]] = {}
+        for sid, end in own + others:
+            if sid == sibling and end == len(ctx) - 1:
+                continue
+            cont = seqs[sid][end + 1 : end + 1 + length]
+            if not cont or cont[0] in best:
+                continue
+            if cont[0] not in level:
+                if len(best) + len(level) < limit:
+                    level[cont[0]] = cont
+            elif len(cont) > len(level[cont[0]]):
+                level[cont[0]] = cont
+        best.update(level)
+        if len(best) >= limit and all(len(c) == length for c in best.values()):
+            break
+    return list(best.values())
+
+
+def test_continuations_match_a_full_scan_reference_on_random_groups():
+    # small vocabularies and copied stretches give many repeated n-grams: the index's bounded lookups
+    # (newest `scan` own hits, newest `scan` sibling hits, early exit once a level is settled) must pick
+    # exactly what scanning every occurrence picks
+    import random
+
+    rng = random.Random(5)
+    checked = 0
+    for trial in range(40):
+        vocab, siblings = rng.choice([3, 5, 12]), rng.randint(1, 6)
+        min_n, max_n = rng.choice([(1, 3), (1, 4), (2, 3)])
+        scan = rng.choice([2, 4, 64])
+        idx = NgramIndex(min_n, max_n)
+        seqs: dict[int, list[int]] = {}
+        order: list[tuple[int, int]] = []
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        for s in range(siblings):
+            idx.extend(s, prompt)
+            seqs[s] = list(prompt)
+            order += [(s, i) for i in range(len(prompt))]
+        for _ in range(rng.randint(5, 60)):
+            s = rng.randrange(siblings)
+            toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+            idx.extend(s, toks)
+            for t in toks:
+                seqs[s].append(t)
+                order.append((s, len(seqs[s]) - 1))
+            for sib in range(siblings):
+                length, limit = rng.randint(1, 6), rng.randint(1, 4)
+                want = _reference_continuations(seqs, order, sib, length, limit, min_n, max_n, scan)
+                assert idx.continuations(sib, length, limit, scan) == want, (trial, sib)
+                checked += 1
+    assert checked > 1000
+
+
+def test_a_batch_of_node_lists_pads_as_the_trees_do():
+    from tlt.services.rollout.spec.ngram import pad_nodes, trie_nodes
+
+    conts = [(9, [[1, 2]]), (4, [[3], [7]]), (4, [])]
+    by_nodes, counts_n = pad_nodes([trie_nodes(r, c, 8) for r, c in conts])
+    by_trees, counts_t = pad_trees([trie_tree(r, c, 8) for r, c in conts])
+    assert counts_n.tolist() == counts_t.tolist() == [3, 3, 1]
+    for field in ("tokens", "parents", "depth", "score"):
+        a, b = getattr(by_nodes, field), getattr(by_trees, field)
+        assert a.dtype == b.dtype and torch.equal(a, b), field

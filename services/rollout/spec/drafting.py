@@ -31,7 +31,7 @@ from tlt.model.drafter import Drafter, DrafterCache
 from tlt.model.drafter_runtime import DrafterRuntime
 from tlt.services.rollout.engine.sequence import Sequence
 from tlt.services.rollout.spec.rng import DRAFT, counter_uniforms, key_tensor
-from tlt.services.rollout.spec.ngram import NgramIndex, pad_trees, trie_tree
+from tlt.services.rollout.spec.ngram import NgramIndex, pad_nodes, pad_trees, trie_tree
 from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
 
 
@@ -58,7 +58,7 @@ class NgramSource:
         return idx
 
     def draft(self, seqs: list[Sequence], arm: Arm) -> tuple[DraftTree, torch.Tensor]:
-        return pad_trees([self._sync(s).propose(s.sample_index, arm) for s in seqs])
+        return pad_nodes([self._sync(s).propose_nodes(s.sample_index, arm) for s in seqs])
 
     def catch_up(self, seqs: list[Sequence]) -> None:
         """Index the tokens the steps without speculation appended (what `draft` would do first)."""
