@@ -120,6 +120,20 @@ def test_tiny_model_meets_targets(tiny_model_dir):
     assert os.path.getsize(tiny_model_dir / "model.safetensors") > 1_000_000
 
 
+def test_model_eval_shows_progress_on_stderr_and_keeps_stdout_json(random_model_dir):
+    # a 200-problem eval with samples runs for minutes on a CPU: it printed nothing until the end
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tlt.cli", "model", "eval", "--model", str(random_model_dir), "--n", "6",
+                        "--samples", "2", "--batch-size", "4", "--threads", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)  # stdout is the one JSON object, nothing else
+    assert report["n"] == 6 and report["samples"] == 2
+    assert "eval: 100%" in r.stderr and "6/6" in r.stderr  # 2 batches x (greedy + 2 sampled passes)
+
+
 def test_model_eval_refuses_an_empty_eval(random_model_dir):
     # `tlt model eval --n 0` crashed (max() of an empty list, then a division by zero)
     import subprocess

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,10 @@ def generate(
     do_sample: bool,
     batch_size: int = 64,
     seed: int = 0,
+    bar: Any = None,
 ) -> tuple[list[str], list[int]]:
-    """Completions (decoded without special tokens) and their lengths in tokens, in the order of `prompts`."""
+    """Completions (decoded without special tokens) and their lengths in tokens, in the order of `prompts`.
+    `bar` (a tqdm) advances by one per generated batch."""
     import torch
 
     eos = tokenizer.eos_token_id
@@ -95,6 +97,8 @@ def generate(
             n = row.index(eos) + 1 if eos in row else len(row)
             lengths[i] = n
             texts[i] = tokenizer.decode(row[:n], skip_special_tokens=True)
+        if bar is not None:
+            bar.update(1)
     return texts, lengths
 
 
@@ -106,25 +110,34 @@ def evaluate(
     samples: int = 1,
     batch_size: int = 64,
     seed: int = 0,
+    progress: bool = False,
 ) -> EvalReport:
-    """Greedy accuracy and sampled (T=1.0) response-length percentiles on `problems`."""
+    """Greedy accuracy and sampled (T=1.0) response-length percentiles on `problems`; `progress`: a bar on
+    stderr over the generate batches (one greedy pass, then `samples` sampled ones)."""
     import time
+
+    from tqdm import tqdm
 
     from tlt.task import MAX_STEPS, format_prompt, verify
 
     t0 = time.monotonic()
     prompts = [format_prompt(p) for p in problems]
     max_new = 7 * max(MAX_STEPS, max(p.steps for p in problems)) + 16  # a reference solution is 6 per step + 5
-    greedy, _ = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False, batch_size=batch_size)
+    batches = -(-len(prompts) // batch_size)
+    bar = tqdm(total=batches * (1 + samples), desc="eval", unit="batch", dynamic_ncols=True, disable=not progress)
+    greedy, _ = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False, batch_size=batch_size,
+                         bar=bar)
     correct = [verify(c, p.answer) for c, p in zip(greedy, problems)]
     lengths: list[int] = []
     sampled_correct = 0
     for s in range(samples):
         texts, lens = generate(
-            model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True, batch_size=batch_size, seed=seed + s
+            model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True, batch_size=batch_size, seed=seed + s,
+            bar=bar,
         )
         lengths += lens
         sampled_correct += sum(verify(c, p.answer) for c, p in zip(texts, problems))
+    bar.close()
     buckets: dict[str, list[bool]] = {}
     for ok, p in zip(correct, problems):
         buckets.setdefault(_bucket(p.steps), []).append(ok)
@@ -177,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     report = evaluate(
-        model, tokenizer, eval_problems(args.n, args.seed), samples=args.samples, batch_size=args.batch_size, seed=args.seed
+        model, tokenizer, eval_problems(args.n, args.seed), samples=args.samples, batch_size=args.batch_size,
+        seed=args.seed, progress=True,
     )
     if args.json:
         print(json.dumps(report.as_dict()))
