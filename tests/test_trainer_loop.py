@@ -247,3 +247,37 @@ def test_a_verl_chat_data_file_trains_through_the_loop(random_model_dir, tmp_pat
     tok = AutoTokenizer.from_pretrained(random_model_dir)
     for c, i in zip(completions, ids):  # the ids are the completion's own tokens
         assert tok.decode(i, skip_special_tokens=True) == c[0]["content"].replace("<|im_end|>", "")
+
+
+def test_every_held_out_eval_samples_with_the_same_uniforms(random_model_dir, tmp_path, monkeypatch):
+    """Common random numbers: the evals after 0 and after 10 steps seed their requests alike, so one policy
+    samples the same completions in both (a change between two evals is then the policy's, not the draw's).
+    The step label still differs (it names the server batch); with it as the seed key the draws differ, which
+    this test checks too, so it cannot pass by sampling one fixed text."""
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer import collect
+    from tlt.services.trainer.evaluate import eval_items, run_eval
+    from tlt.services.trainer.rewards import task_rewards
+
+    got: list[list[tuple[int, ...]]] = []
+    real = collect.collect_retrying
+
+    def recording(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        result = real(*args, **kw)
+        got.append([s.response_ids for s in sorted(result.samples, key=lambda s: (s.prompt_index, s.sample_index))])
+        return result
+
+    monkeypatch.setattr(collect, "collect_retrying", recording)
+    with ServerThread(random_model_dir, replicas=1) as server, \
+            RolloutClient(server.grpc_address, timeout_s=120) as client:
+        cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", eval_problems=6, eval_samples=3,
+                     eval_temperature=1.0, max_tokens=16)
+        items, rewards = eval_items(cfg), task_rewards()
+        for steps_done in (0, 10):
+            run_eval(items, [client], rewards, cfg, steps_done, 0, check_version=False)
+        params = collect.sampling_params(cfg.max_tokens, 1.0, 1.0, seed=cfg.seed)
+        recording(items, [client], rewards, 3, params, "eval10", 0, 1.0)  # the step label as the key: another draw
+    first, tenth, own_key = got
+    assert len(first) == 18 and all(first)
+    assert first == tenth
+    assert own_key != first

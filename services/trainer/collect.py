@@ -103,7 +103,7 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float,
 
 def request_seed(run_seed: int, step: int | str, server: int) -> int:
     """The seed of the request to rollout server `server` (its place in the step's clients) of `step`'s rollout (a
-    dynamic-sampling round "3.1", an eval "eval4") in a run seeded `run_seed`: a function of the run's own state,
+    dynamic-sampling round "3.1", every eval: "eval") in a run seeded `run_seed`: a function of the run's own state,
     so a resumed step samples as it did before the restart; another server, step or round gets another seed, a
     retry of the step the same one. blake2b, not hash() (salted per process), into [0, 2**63): the int64 of
     SamplingParams.seed."""
@@ -140,7 +140,8 @@ def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out:
 
 
 def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: RewardSource, n: int,
-                     params: rollout_pb2.SamplingParams, step: int | str, retries: int, wait_s: float) -> RolloutResult:
+                     params: rollout_pb2.SamplingParams, step: int | str, retries: int, wait_s: float,
+                     seed_key: int | str | None = None) -> RolloutResult:
     """`collect`, where a replica that died mid-rollout (the server restarts it and replays the weights) costs a
     redo, not the run: up to `retries` times the partial rollout is dropped and the same prompts are rolled out
     anew (with the same seeds: seeded, the samples the step would have had) once every replica serves again
@@ -151,7 +152,7 @@ def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: 
     done = 0
     while True:
         try:
-            result = collect(prompts, clients, rewards, n, params, step)
+            result = collect(prompts, clients, rewards, n, params, step, seed_key)
             result.retries = done
             return result
         except RetryableRolloutError as e:
@@ -215,7 +216,10 @@ def collect(
     n: int,
     params: rollout_pb2.SamplingParams,
     step: int | str,
+    seed_key: int | str | None = None,
 ) -> RolloutResult:
+    """Roll `prompts` out over `clients` (n samples each), scoring completions as they arrive. A seeded `params`
+    gives each server's request the seed of (`seed_key`, else `step`; the server's place): see request_seed."""
     t0 = time.perf_counter()
     shards = [(client, list(prompts[j :: len(clients)])) for j, client in enumerate(clients)]
     # Shard j holds prompts j, j + C, ...: its prompt i is global prompt j + i * C. By position, not by
@@ -224,7 +228,8 @@ def collect(
     shards = [(c, ps) for c, ps in shards if ps]  # empty ones are the last: j stays the server's place
     q: queue.Queue = queue.Queue()
     streams: list = []  # the servers' BatchGenerate calls, cancelled if the step fails
-    threads = [threading.Thread(target=_read, args=(c, ps, n, server_params(params, step, j), f"step{step}-s{j}", q,
+    threads = [threading.Thread(target=_read, args=(c, ps, n, server_params(params, step if seed_key is None else seed_key, j),
+                                                    f"step{step}-s{j}", q,
                                                     streams), daemon=True)
                for j, (c, ps) in enumerate(shards)]
     batch = rewards.begin()

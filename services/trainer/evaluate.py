@@ -11,8 +11,15 @@ only by the policy (and, with eval_temperature > 0, by sampling noise). The
 synthetic held-out draw is the one `tlt model eval` uses (seed
 EVAL_SEED_OFFSET), independent of the trainer's seed, so runs with different
 seeds are scored on the same problems. Its requests are seeded as a step's
-(`sampling_seed`, the eval's `eval<k>` and the server's place: collect.request_seed),
-so a resumed run repeats the evals of the uninterrupted one.
+(`sampling_seed` and the server's place: collect.request_seed), with one key,
+"eval", for every eval of the run: common random numbers. Each sample's token at
+position t is the inverse CDF of the policy's distribution at the same uniform
+in every eval, so two evals of one policy sample the same completions and two
+evals of nearby policies differ only where the policy moved. Each eval is still
+an unbiased estimate of the policy's accuracy; the change between evals is
+measured with far less noise than independent draws would give (the learning
+curve is what the eval is for). A resumed run repeats the evals of the
+uninterrupted one.
 
 Eval time is not part of any step's time (it runs after the step's metrics
 line is written) and is recorded in the record itself.
@@ -27,6 +34,9 @@ from pathlib import Path
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.run_stats import read_jsonl, trim_jsonl
 from tlt.services.trainer.types import PromptItem
+
+
+EVAL_SEED_KEY = "eval"  # every eval's requests are seeded from it (common random numbers: see above)
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,8 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
     t0, started_at = time.perf_counter(), time.time()
     params = sampling_params(cfg.max_tokens, cfg.eval_temperature, 1.0, seed=sampling_seed(cfg))  # as a step's
     result = collect_retrying(items, clients, rewards, cfg.eval_samples, params, f"eval{steps_done}",
-                              cfg.rollout_retries, cfg.rollout_retry_wait_s)  # a replica death: redone, as a step
+                              cfg.rollout_retries, cfg.rollout_retry_wait_s,  # a replica death: redone, as a step
+                              seed_key=EVAL_SEED_KEY)
     if check_version:
         check_versions((s.policy_version for s in result.samples), version)
     correct = sum(s.correct for s in result.samples)
