@@ -354,6 +354,34 @@ def test_timeline_plot_marks_held_out_evals(tmp_path: Path, monkeypatch: pytest.
     assert "held-out eval" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
+def test_report_draws_and_states_greedy_held_out_accuracy_beside_the_sampled(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # eval_greedy: each eval also scored one greedy completion per problem (a deployment's pass@1); the sampled
+    # accuracy stayed flat while the greedy one rose, so the report shows both curves and both start -> end
+    from tlt.services.trainer.evaluate import EvalRecord
+
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"reward_mean": 0.5, "accuracy": 0.4}] * 3)
+    (tmp_path / "eval.jsonl").write_text("".join(
+        json.dumps(EvalRecord(k, k, a, 200, 4, 1.0, 9.0, greedy_accuracy=g).as_dict()) + "\n"
+        for k, a, g in [(0, 0.401, 0.43), (2, 0.398, 0.45), (3, 0.394, 0.465)]))
+    page = write_report(tmp_path, threshold=16).read_text()
+    ax = saved["reward.png"][0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "held-out, sampled (200 problems, T = 1, 4 per problem)" in labels and "held-out, greedy" in labels
+    greedy = ax.lines[labels.index("held-out, greedy")]
+    assert list(greedy.get_xdata()) == [-0.5, 1.5, 2.5] and list(greedy.get_ydata()) == [0.43, 0.45, 0.465]
+    assert "<b>0.401</b> after 0 steps &rarr; <b>0.394</b> after 3 steps" in page
+    assert "greedy (one completion per problem): <b>0.430</b> after 0 steps &rarr; <b>0.465</b> after 3 steps" in page
+    # without greedy records (eval_greedy off, or a run from before it): one curve and the line as it was
+    (tmp_path / "eval.jsonl").write_text("".join(
+        json.dumps(EvalRecord(k, k, 0.4, 200, 4, 1.0, 9.0).as_dict()) + "\n" for k in (0, 3)))
+    page = write_report(tmp_path, threshold=16).read_text()
+    labels = [t.get_text() for t in saved["reward.png"][0].get_legend().get_texts()]
+    assert labels[-1] == "held-out accuracy (200 problems x 4, T=1)" and not any("greedy" in x for x in labels)
+    assert "greedy" not in page
+
+
 def test_report_of_a_run_stopped_before_its_first_eval_does_not_say_evals_were_off(tmp_path: Path) -> None:
     """A run configured for held-out evals but stopped before the first: the report blamed eval_problems = 0 and
     printed a rollout accuracy of 0.000 over "the first 0 steps"."""

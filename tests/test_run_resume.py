@@ -129,6 +129,9 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["after_steps"] for e in evals] == [0, 2]
     assert "Held-out accuracy (4 problems" in page and "eval_accuracy=" in out
+    # cpu-tiny's eval_greedy: each eval also scored greedy, shown in the report and the summary line
+    assert all(isinstance(e["greedy_accuracy"], float) for e in evals)
+    assert "greedy (one completion per problem)" in page and "; greedy " in out
     for name in ("logs/reward.log", "logs/rollout.log", "logs/trainer.log", "checkpoints/latest", "policy/config.json"):
         assert (run_dir / name).exists(), name
     # pids.json, rewritten once the trainer starts, still lists the rollout's replica (and the drafter's worker)

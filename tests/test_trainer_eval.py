@@ -53,3 +53,17 @@ def test_trim_keeps_evals_up_to_the_resumed_step(tmp_path):
     trim_evals(path, 3)
     assert read_evals(path) == recs[:2]
     trim_evals(tmp_path / "missing.jsonl", 1)  # nothing to trim: no error
+
+
+def test_an_eval_line_from_before_greedy_accuracy_still_loads_and_a_new_one_round_trips(tmp_path):
+    # eval.jsonl of a run from before eval_greedy: its lines have no greedy_accuracy and must still read (a resumed or
+    # re-reported old run); a line with it reads back as written
+    old = {"after_steps": 0, "policy_version": 0, "accuracy": 0.25, "problems": 4, "samples": 2, "temperature": 1.0,
+           "seconds": 1.5, "started_at": 100.0}
+    new = EvalRecord(10, 10, 0.5, 4, 2, 1.0, 3.0, 200.0, greedy_accuracy=0.75)
+    path = tmp_path / "eval.jsonl"
+    path.write_text(json.dumps(old) + "\n" + json.dumps(new.as_dict()) + "\n")
+    first, second = read_evals(path)
+    assert first == EvalRecord(0, 0, 0.25, 4, 2, 1.0, 1.5, 100.0) and first.greedy_accuracy is None
+    assert second == new and second.greedy_accuracy == 0.75
+    assert json.loads(path.read_text().splitlines()[1])["greedy_accuracy"] == 0.75

@@ -281,3 +281,58 @@ def test_every_held_out_eval_samples_with_the_same_uniforms(random_model_dir, tm
     assert len(first) == 18 and all(first)
     assert first == tenth
     assert own_key != first
+
+
+def test_eval_greedy_adds_one_greedy_completion_per_problem_to_each_held_out_eval(random_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """eval_greedy at eval_temperature 1: after the sampled pass each eval rolls out one greedy completion per problem
+    (temperature 0, n = 1, its own server batch, version-checked as the first) and records its accuracy as
+    greedy_accuracy. Greedy draws nothing, so two evals of one policy give the same greedy completions. At
+    eval_temperature 0 the sampled pass is greedy already: one pass, greedy_accuracy = accuracy."""
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer import collect, weight_sync
+    from tlt.services.trainer.evaluate import EVAL_SEED_KEY, eval_items, run_eval
+    from tlt.services.trainer.rewards import task_rewards
+
+    calls: list[dict] = []
+    real = collect.collect_retrying
+
+    def recording(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        result = real(*args, **kw)
+        samples = sorted(result.samples, key=lambda s: (s.prompt_index, s.sample_index))
+        calls.append({"n": args[3], "params": args[4], "step": args[5], "seed_key": kw.get("seed_key"),
+                      "ids": [s.response_ids for s in samples], "correct": [s.correct for s in samples]})
+        return result
+
+    checked: list[int] = []  # completions per version check (the real check runs)
+    real_check = weight_sync.check_versions
+
+    def counting(versions, expected):  # noqa: ANN001, ANN202
+        versions = list(versions)
+        checked.append(len(versions))
+        return real_check(versions, expected)
+
+    monkeypatch.setattr(collect, "collect_retrying", recording)
+    monkeypatch.setattr(weight_sync, "check_versions", counting)
+    with ServerThread(random_model_dir, replicas=1) as server, \
+            RolloutClient(server.grpc_address, timeout_s=120) as client:
+        kw = dict(eval_problems=4, eval_samples=2, eval_greedy=True, max_tokens=12)
+        cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", eval_temperature=1.0, **kw)
+        items, rewards = eval_items(cfg), task_rewards()
+        records = [run_eval(items, [client], rewards, cfg, k, 0) for k in (0, 10)]
+        sampled_then_greedy = list(calls)
+        calls.clear()
+        at_zero = config(random_model_dir, server.grpc_address, tmp_path / "run", eval_temperature=0.0, **kw)
+        greedy_only = run_eval(items, [client], rewards, at_zero, 0, 0)
+    assert [c["step"] for c in sampled_then_greedy] == ["eval0", "eval0-greedy", "eval10", "eval10-greedy"]
+    assert checked[:4] == [8, 4, 8, 4]  # both passes of both evals checked against the served version
+    for c in sampled_then_greedy[1::2]:
+        assert c["n"] == 1 and c["params"].temperature == 0.0 and c["params"].seed == cfg.seed
+        assert c["params"].max_tokens == 12 and c["seed_key"] == EVAL_SEED_KEY and len(c["ids"]) == 4 and all(c["ids"])
+    assert [c["params"].temperature for c in sampled_then_greedy[0::2]] == [1.0, 1.0]
+    for r, greedy in zip(records, sampled_then_greedy[1::2]):
+        assert isinstance(r.greedy_accuracy, float) and r.greedy_accuracy == sum(greedy["correct"]) / 4
+        assert r.samples == 2 and r.temperature == 1.0
+    assert sampled_then_greedy[1]["ids"] == sampled_then_greedy[3]["ids"]  # one policy: the same greedy completions
+    assert [c["step"] for c in calls] == ["eval0"] and calls[0]["params"].temperature == 0.0
+    assert greedy_only.greedy_accuracy == greedy_only.accuracy

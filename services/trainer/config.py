@@ -105,6 +105,11 @@ class TrainerConfig(ServiceConfig):
     eval_interval: int = Field(10, ge=1, description="RL steps between held-out evals")
     eval_samples: int = Field(1, ge=1, description="completions per eval problem")
     eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0: greedy)")
+    eval_greedy: bool = Field(
+        False, description="each eval also scores one greedy completion (temperature 0) per problem, recorded as "
+        "greedy_accuracy (a deployment's pass@1, beside the sampled accuracy RL optimises); with eval_temperature = 0 "
+        "no second pass runs and greedy_accuracy = accuracy"
+    )
     eval_data_path: str | None = Field(
         None, description="JSONL or Parquet eval prompts (its first eval_problems rows); default: the synthetic "
         "task's held-out draw (the problems `tlt model eval` scores); required when data_path is set. Rows as "

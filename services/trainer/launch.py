@@ -120,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
+def _greedy_change(first, last) -> str:  # noqa: ANN001 - EvalRecord
+    """The greedy change ("; greedy 0.430 -> 0.465") when the first and last evals both scored it (eval_greedy)."""
+    if first.greedy_accuracy is None or last.greedy_accuracy is None:
+        return ""
+    return f"; greedy {first.greedy_accuracy:.3f} -> {last.greedy_accuracy:.3f}"
+
+
 def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa: ANN001 - RunPlan
     """The report and the closing log line of a run that ended with `rc`."""
     import time
@@ -133,6 +140,7 @@ def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa:
 
     evals = read_evals(plan.run_dir / "eval.jsonl")
     held_out = ({"eval_accuracy": f"{evals[0].accuracy:.3f} (after {evals[0].after_steps} steps) -> "
-                                  f"{evals[-1].accuracy:.3f} (after {evals[-1].after_steps})"} if evals else {})
+                                  f"{evals[-1].accuracy:.3f} (after {evals[-1].after_steps})"
+                                  + _greedy_change(evals[0], evals[-1])} if evals else {})
     log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1), **held_out)
     return rc

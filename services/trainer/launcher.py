@@ -528,12 +528,14 @@ class Launcher:
         self._eval_size = size
         evals = read_evals(path)
         for e in evals[min(shown, len(evals)):]:
+            greedy = "" if e.greedy_accuracy is None else f", greedy {e.greedy_accuracy:.3f}"
             line = (f"held-out accuracy after {e.after_steps} steps: {e.accuracy:.3f} "
-                    f"({e.problems} problems x {e.samples}, T={e.temperature:g}, {e.seconds:.1f} s)")
+                    f"({e.problems} problems x {e.samples}, T={e.temperature:g}{greedy}, {e.seconds:.1f} s)")
             if bar is not None:
                 bar.write(line)
             else:
-                log.info("eval", after_steps=e.after_steps, accuracy=round(e.accuracy, 4))
+                extra = {} if e.greedy_accuracy is None else {"greedy_accuracy": round(e.greedy_accuracy, 4)}
+                log.info("eval", after_steps=e.after_steps, accuracy=round(e.accuracy, 4), **extra)
         return len(evals)
 
     # -- stop ----------------------------------------------------------------------------------

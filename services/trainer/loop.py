@@ -328,7 +328,8 @@ class _Services:
                      check_version=self.publisher is not None)
         _append(self.eval_path, r.as_dict())
         self.g_eval.set(r.accuracy)
-        log.info("eval", after_steps=steps_done, version=version, accuracy=round(r.accuracy, 4),
+        greedy = {} if r.greedy_accuracy is None else {"greedy_accuracy": round(r.greedy_accuracy, 4)}
+        log.info("eval", after_steps=steps_done, version=version, accuracy=round(r.accuracy, 4), **greedy,
                  problems=r.problems, samples=r.samples, seconds=round(r.seconds, 2))
 
     def export(self) -> None:

@@ -3,7 +3,8 @@
     runs/<id>/{metrics,timeline,drafter}.jsonl -> StepRow per step (run_stats.py)
     runs/<id>/eval.jsonl                     -> held-out accuracy after 0, k, 2k, ... steps (evaluate.py)
       -> plots/step_time.png   stacked step-time parts per step (rollout split into tail / rest)
-         plots/reward.png      mean reward and accuracy per step, held-out accuracy at each eval
+         plots/reward.png      mean reward and accuracy per step, held-out accuracy at each eval (and its
+                               greedy accuracy, when the run scored it: eval_greedy)
          plots/timeline.png    running batch over time, SD on shaded, drafter idle windows, step starts,
                                held-out evals
          plots/accept.png      acceptance length and SD share per step
@@ -117,8 +118,15 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     ax.plot(steps, [r.accuracy for r in rows], "s--", label="accuracy (the step's rollout)")
     if evals:
         # eval after k steps sits between step k-1 and step k (before step 0 for k = 0)
+        first, greedy = evals[0], _greedy_evals(evals)
+        label = f"held-out accuracy ({first.problems} problems x {first.samples}, T={first.temperature:g})"
+        if greedy:  # two held-out curves: the legend says which is which
+            label = f"held-out, sampled ({first.problems} problems, T = {first.temperature:g}, {first.samples} per problem)"
         ax.plot([e.after_steps - 0.5 for e in evals], [e.accuracy for e in evals], "D-", color="black", lw=2,
-                label=f"held-out accuracy ({evals[0].problems} problems x {evals[0].samples}, T={evals[0].temperature:g})")
+                label=label)
+        if greedy:
+            ax.plot([e.after_steps - 0.5 for e in greedy], [e.greedy_accuracy for e in greedy], "^-", color="tab:red",
+                    lw=2, label="held-out, greedy")
     ax.set_xlabel("step"), ax.set_ylim(*_unit_span([r.reward for r in rows])), ax.legend()
     ax.set_title("Reward and accuracy per step")
     fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
@@ -195,9 +203,22 @@ def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None) -> str
         return "<p>No held-out eval recorded (eval.jsonl is missing or empty: the run stopped before its first).</p>"
     first, last = evals[0], evals[-1]
     curve = ", ".join(f"{e.after_steps}: {e.accuracy:.3f}" for e in evals)
-    return (f"<p>Held-out accuracy ({first.problems} problems x {first.samples} samples, temperature "
+    line = (f"<p>Held-out accuracy ({first.problems} problems x {first.samples} samples, temperature "
             f"{first.temperature:g}): <b>{first.accuracy:.3f}</b> after {first.after_steps} steps &rarr; "
-            f"<b>{last.accuracy:.3f}</b> after {last.after_steps} steps (every eval: {curve}).</p>")
+            f"<b>{last.accuracy:.3f}</b> after {last.after_steps} steps (every eval: {curve})")
+    greedy = _greedy_evals(evals)
+    if greedy:
+        g0, g1 = greedy[0], greedy[-1]
+        curve = ", ".join(f"{e.after_steps}: {e.greedy_accuracy:.3f}" for e in greedy)
+        line += (f";\ngreedy (one completion per problem): <b>{g0.greedy_accuracy:.3f}</b> after {g0.after_steps} "
+                 f"steps &rarr; <b>{g1.greedy_accuracy:.3f}</b> after {g1.after_steps} steps (every eval: {curve})")
+    return line + ".</p>"
+
+
+def _greedy_evals(evals: list[EvalRecord]) -> list[EvalRecord]:
+    """The evals that scored greedy in a pass of their own (eval_greedy at a temperature > 0): at T = 0 the sampled
+    accuracy is the greedy one, shown once; records from before eval_greedy (or with it off) have none."""
+    return [e for e in evals if e.greedy_accuracy is not None and e.temperature > 0]
 
 
 def _rollout_line(s: Summary) -> str:
