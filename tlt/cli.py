@@ -60,6 +60,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "drafter-drift"), "tlt.bench.drafter_drift", "frozen vs online drafter under policy updates"),
     Command(("bench", "drafter-preemption"), "tlt.bench.drafter_preemption", "drafter worker: BUSY event -> device released latency"),
     Command(("bench", "e2e"), "tlt.bench.e2e", "end-to-end TLT vs baseline RL steps"),
+    Command(("bench", "ngram"), "tlt.bench.ngram_host", "model-free drafter: host time per speculative step"),
     Command(("bench", "kernels"), "tlt.kernels.bench", "Triton kernels vs PyTorch references (CUDA); --compile-only: ptxas report"),
 )
 
