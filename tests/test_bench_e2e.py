@@ -105,3 +105,33 @@ def test_the_noise_run_keeps_the_prompts_and_changes_only_the_sampling_seed():
     # what the trainer draws from its --seed: the same for all three runs
     draw = [[p.prompt for p in PromptSampler(synthetic_prompts(64, s), s).next_batch(8)] for s, _, _ in runs.values()]
     assert draw[0] == draw[1] == draw[2]
+
+
+def test_the_table_and_results_carry_the_greedy_held_out_accuracy(tmp_path, monkeypatch, capsys):
+    """With [trainer] eval_greedy the runs' evals have a greedy figure: results.json keeps it per eval and the
+    table shows it beside the sampled curve. (The runs are stubbed: run folders written by hand, not `tlt run`.)"""
+    import json
+
+    from tlt.bench import e2e
+
+    def fake_run(name, out, args, seed, baseline, extra=()):  # noqa: ANN001, ANN202
+        run = out / name
+        run.mkdir(parents=True)
+        (run / "run.json").write_text(json.dumps({"switches": {"speculation": not baseline, "drafter": not baseline}}))
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": k, "reward_mean": 0.5, "started_at": 1.0 + k, "times": {"step_s": 3.0, "rollout_s": 1.0}})
+            + "\n" for k in range(2)))
+        evals = [dict(after_steps=0, policy_version=0, accuracy=0.398, problems=4, samples=2, temperature=1.0,
+                      seconds=1.0, greedy_accuracy=0.42),
+                 dict(after_steps=2, policy_version=2, accuracy=0.395, problems=4, samples=2, temperature=1.0,
+                      seconds=1.0, greedy_accuracy=0.445)]
+        (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+        return 0
+
+    monkeypatch.setattr(e2e, "_run", fake_run)
+    parser = __import__("argparse").ArgumentParser()
+    e2e.add_arguments(parser)
+    assert e2e.run(parser.parse_args(["--steps", "2", "--out", str(tmp_path / "b")])) == 0
+    runs = json.loads((tmp_path / "b" / "results.json").read_text())["runs"]
+    assert runs["tlt"]["eval_greedy_accuracy"] == [0.42, 0.445]
+    assert "| 0.398 -> 0.395 (greedy 0.420 -> 0.445) |" in capsys.readouterr().out

@@ -67,3 +67,24 @@ def test_an_eval_line_from_before_greedy_accuracy_still_loads_and_a_new_one_roun
     assert first == EvalRecord(0, 0, 0.25, 4, 2, 1.0, 1.5, 100.0) and first.greedy_accuracy is None
     assert second == new and second.greedy_accuracy == 0.75
     assert json.loads(path.read_text().splitlines()[1])["greedy_accuracy"] == 0.75
+
+
+def test_the_trainers_metrics_export_the_last_greedy_accuracy(tmp_path, monkeypatch):
+    """/metrics had only the sampled eval accuracy: a dashboard could not follow the greedy curve."""
+    from types import SimpleNamespace
+
+    from tlt.services.common.metrics import Metrics
+    from tlt.services.trainer import evaluate, loop
+
+    records = iter([EvalRecord(0, 0, 0.40, 4, 2, 1.0, 0.1, 0.0, 0.42), EvalRecord(10, 10, 0.39, 4, 2, 1.0, 0.1, 0.0, None)])
+    monkeypatch.setattr(evaluate, "run_eval", lambda *a, **kw: next(records))
+    prom = Metrics("trainer")
+    services = SimpleNamespace(cfg=TrainerConfig(eval_problems=4, eval_greedy=True), eval_items=[], clients=[],
+                               rewards=None, publisher=None, eval_path=tmp_path / "eval.jsonl",
+                               g_eval=prom.gauge("eval_accuracy", "x"), g_eval_greedy=prom.gauge("eval_greedy_accuracy", "x"))
+    loop._Services.evaluate(services, 0, 0)
+    text = prom.render().decode()
+    assert "trainer_eval_accuracy 0.4" in text and "trainer_eval_greedy_accuracy 0.42" in text
+    loop._Services.evaluate(services, 10, 10)  # an eval without a greedy figure leaves the last one standing
+    text = prom.render().decode()
+    assert "trainer_eval_accuracy 0.39" in text and "trainer_eval_greedy_accuracy 0.42" in text

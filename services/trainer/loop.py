@@ -228,6 +228,8 @@ class _Services:
         self.g_step = self.prom.gauge("step", "RL steps done")
         self.g_reward = self.prom.gauge("reward_mean", "mean reward of the last step")
         self.g_eval = self.prom.gauge("eval_accuracy", "held-out accuracy of the last eval")
+        self.g_eval_greedy = self.prom.gauge("eval_greedy_accuracy", "held-out greedy accuracy of the last eval "
+                                             "([trainer] eval_greedy)")
         self.g_seconds = self.prom.gauge("step_seconds", "wall time of the last step", labels=("phase",))
         if cfg.metrics_port:
             self.prom.serve(cfg.metrics_port, cfg.metrics_host)
@@ -328,6 +330,8 @@ class _Services:
                      check_version=self.publisher is not None)
         _append(self.eval_path, r.as_dict())
         self.g_eval.set(r.accuracy)
+        if r.greedy_accuracy is not None:
+            self.g_eval_greedy.set(r.greedy_accuracy)
         greedy = {} if r.greedy_accuracy is None else {"greedy_accuracy": round(r.greedy_accuracy, 4)}
         log.info("eval", after_steps=steps_done, version=version, accuracy=round(r.accuracy, 4), **greedy,
                  problems=r.problems, samples=r.samples, seconds=round(r.seconds, 2))

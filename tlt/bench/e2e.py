@@ -208,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         evals = read_evals(out / name / "eval.jsonl")
         results[name] = {
             "eval_after_steps": [e.after_steps for e in evals], "eval_accuracy": [e.accuracy for e in evals],
+            # the evals' greedy pass ([trainer] eval_greedy), None where an eval had none
+            "eval_greedy_accuracy": [e.greedy_accuracy for e in evals],
             "seed": seed, "sampling_seed": extra[0].split("=")[1] if extra else None,
             "switches": info["switches"], "steps": len(rows),
             "step_s": [r.step_s for r in rows], "rollout_s": [r.rollout_s for r in rows],
@@ -243,6 +245,10 @@ def run(args: argparse.Namespace) -> int:
         if r["eval_accuracy"]:
             ax.plot([k - 0.5 for k in r["eval_after_steps"]], r["eval_accuracy"], "D-", lw=2, color=line.get_color(),
                     label=f"{name}: held-out accuracy")
+        greedy = [(k, g) for k, g in zip(r["eval_after_steps"], r["eval_greedy_accuracy"]) if g is not None]
+        if greedy:
+            ax.plot([k - 0.5 for k, _ in greedy], [g for _, g in greedy], "^:", lw=2, color=line.get_color(),
+                    label=f"{name}: held-out greedy")
     ax.set_xlabel("step"), ax.set_ylabel("mean reward / accuracy"), ax.set_title("Reward per step: TLT vs baseline")
     ax.legend(fontsize=8)
     fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
@@ -252,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
           "|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         held = " -> ".join(f"{a:.3f}" for a in r["eval_accuracy"]) or "-"
+        greedy = [g for g in r["eval_greedy_accuracy"] if g is not None]
+        if greedy:
+            held += " (greedy " + " -> ".join(f"{g:.3f}" for g in greedy) + ")"
         print(f"| {name} | {r['seed']} | {'on' if r['switches']['speculation'] else 'off'} | "
               f"{'on' if r['switches']['drafter'] else 'off'} | {_cell(r['mean_step_s'], '.2f')} | "
               f"{_cell(r['mean_step_s_after_first'], '.2f')} | {_cell(r['mean_rollout_s'], '.2f')} | "
