@@ -59,10 +59,10 @@ def test_rollout_bound_by_hand():
         "step_ratio_ceiling"] is None  # the whole step was rollout: no ceiling
 
 
-def test_one_step_reports_the_steps_after_the_first_as_not_measured(tmp_path, monkeypatch, capsys):
-    """`--steps 1` has no step after the first: the bench printed 0.00 for every run and a ratio of 0.0 ("TLT
-    infinitely slower"); they are None in results.json and "-" in the table. (The runs are stubbed: a one-step run
-    folder written by hand, not `tlt run`.)"""
+def _stub_runs(monkeypatch, steps: int, evals: list[dict] | None = None):  # noqa: ANN001, ANN202
+    """Make `tlt bench e2e` find run folders written by hand (`steps` steps of 3 s, 1 s of it rollout, and `evals` as
+    eval.jsonl) instead of running `tlt run`. Returns the module and a function that runs the bench's CLI."""
+    import argparse
     import json
 
     from tlt.bench import e2e
@@ -71,14 +71,27 @@ def test_one_step_reports_the_steps_after_the_first_as_not_measured(tmp_path, mo
         run = out / name
         run.mkdir(parents=True)
         (run / "run.json").write_text(json.dumps({"switches": {"speculation": not baseline, "drafter": not baseline}}))
-        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.5, "started_at": 1.0,
-                                                       "times": {"step_s": 3.0, "rollout_s": 1.0}}) + "\n")
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": k, "reward_mean": 0.5, "started_at": 1.0 + k, "times": {"step_s": 3.0, "rollout_s": 1.0}})
+            + "\n" for k in range(steps)))
+        if evals is not None:
+            (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
         return 0
 
     monkeypatch.setattr(e2e, "_run", fake_run)
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     e2e.add_arguments(parser)
-    assert e2e.run(parser.parse_args(["--steps", "1", "--out", str(tmp_path / "b")])) == 0
+    return lambda *argv: e2e.run(parser.parse_args(list(argv)))
+
+
+def test_one_step_reports_the_steps_after_the_first_as_not_measured(tmp_path, monkeypatch, capsys):
+    """`--steps 1` has no step after the first: the bench printed 0.00 for every run and a ratio of 0.0 ("TLT
+    infinitely slower"); they are None in results.json and "-" in the table. (The runs are stubbed: a one-step run
+    folder written by hand, not `tlt run`.)"""
+    import json
+
+    bench = _stub_runs(monkeypatch, steps=1)
+    assert bench("--steps", "1", "--out", str(tmp_path / "b")) == 0
     summary = json.loads((tmp_path / "b" / "results.json").read_text())["summary"]
     assert summary["step_time_ratio_after_first"] is None and summary["step_time_ratio"] == 1.0
     assert "| 3.00 | - |" in capsys.readouterr().out
@@ -112,26 +125,11 @@ def test_the_table_and_results_carry_the_greedy_held_out_accuracy(tmp_path, monk
     table shows it beside the sampled curve. (The runs are stubbed: run folders written by hand, not `tlt run`.)"""
     import json
 
-    from tlt.bench import e2e
-
-    def fake_run(name, out, args, seed, baseline, extra=()):  # noqa: ANN001, ANN202
-        run = out / name
-        run.mkdir(parents=True)
-        (run / "run.json").write_text(json.dumps({"switches": {"speculation": not baseline, "drafter": not baseline}}))
-        (run / "metrics.jsonl").write_text("".join(
-            json.dumps({"step": k, "reward_mean": 0.5, "started_at": 1.0 + k, "times": {"step_s": 3.0, "rollout_s": 1.0}})
-            + "\n" for k in range(2)))
-        evals = [dict(after_steps=0, policy_version=0, accuracy=0.398, problems=4, samples=2, temperature=1.0,
-                      seconds=1.0, greedy_accuracy=0.42),
-                 dict(after_steps=2, policy_version=2, accuracy=0.395, problems=4, samples=2, temperature=1.0,
-                      seconds=1.0, greedy_accuracy=0.445)]
-        (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
-        return 0
-
-    monkeypatch.setattr(e2e, "_run", fake_run)
-    parser = __import__("argparse").ArgumentParser()
-    e2e.add_arguments(parser)
-    assert e2e.run(parser.parse_args(["--steps", "2", "--out", str(tmp_path / "b")])) == 0
+    record = dict(problems=4, samples=2, temperature=1.0, seconds=1.0)
+    evals = [dict(after_steps=0, policy_version=0, accuracy=0.398, greedy_accuracy=0.42, **record),
+             dict(after_steps=2, policy_version=2, accuracy=0.395, greedy_accuracy=0.445, **record)]
+    bench = _stub_runs(monkeypatch, steps=2, evals=evals)
+    assert bench("--steps", "2", "--out", str(tmp_path / "b")) == 0
     runs = json.loads((tmp_path / "b" / "results.json").read_text())["runs"]
     assert runs["tlt"]["eval_greedy_accuracy"] == [0.42, 0.445]
     assert "| 0.398 -> 0.395 (greedy 0.420 -> 0.445) |" in capsys.readouterr().out
