@@ -160,3 +160,50 @@ def test_an_interrupted_build_leaves_nothing_beside_its_out(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         build_model("tiny", tmp_path / "tiny", seed=0, max_steps=1, eval_n=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_paired_difference_by_hand():
+    from tlt.model.evaluate import paired_difference
+
+    d = paired_difference([1, 1, 0, 1], [0, 1, 0, 0])  # differences 1, 0, 0, 1: mean 0.5, sd 0.57735
+    assert d.mean == 0.5 and abs(d.se - 0.57735027 / 2) < 1e-8
+    assert abs(d.ci95[0] - (0.5 - 1.96 * d.se)) < 1e-12 and abs(d.ci95[1] - (0.5 + 1.96 * d.se)) < 1e-12
+    assert paired_difference([0.25, 0.5], [0.25, 0.5]).se == 0.0
+    with pytest.raises(ValueError):
+        paired_difference([1.0], [0.0])
+
+
+def test_model_eval_against_itself_is_a_zero_paired_difference(random_model_dir, tmp_path):
+    """--against scores the second checkpoint on the same problems with the same sampling seeds: a copy of the
+    model samples the very same completions, so every per-problem difference is 0 (independent draws would not
+    give 0 for the sampled figure). Against another model the difference is that of the two accuracies."""
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "copy"
+    shutil.copytree(random_model_dir, copy)
+    base = [sys.executable, "-m", "tlt.cli", "model", "eval", "--n", "6", "--samples", "2", "--batch-size", "4",
+            "--threads", "1", "--json"]
+    r = subprocess.run(base + ["--model", str(random_model_dir), "--against", str(copy)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["model"]["sampled_accuracy"] == out["against"]["sampled_accuracy"]
+    for name in ("greedy", "sampled"):
+        assert out["difference"][name]["mean"] == 0.0 and out["difference"][name]["se"] == 0.0
+    r = subprocess.run(base[:-1] + ["--n", "1", "--model", str(random_model_dir), "--against", str(copy)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--against needs --n >= 2" in r.stderr
+
+
+def test_compare_is_paired_by_problem():
+    from tlt.model.evaluate import EvalReport, compare
+
+    def report(greedy, sampled, samples):  # noqa: ANN001, ANN202
+        return EvalReport(len(greedy), sum(greedy) / len(greedy), samples, 1.0, 1.0, 1.0,
+                          sum(sampled) / (len(sampled) * samples), {}, 0.0, tuple(greedy), tuple(sampled))
+
+    diff = compare(report([True, True, False], [2, 1, 0], 2), report([False, True, False], [1, 1, 1], 2))
+    assert diff["greedy"].mean == 1 / 3 and diff["sampled"].mean == 0.0  # sampled: +0.5, 0, -0.5
+    assert abs(diff["sampled"].se - 0.5 / 3**0.5) < 1e-12

@@ -14,7 +14,7 @@ would in any fresh draw from the task.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,9 +37,46 @@ class EvalReport:
     sampled_accuracy: float
     accuracy_by_steps: dict[str, float]  # "1", "2", "3-4", "5-8", "9-16", "17-32"
     seconds: float
+    # per problem, in the order of the problems (for paired comparisons; left out of as_dict)
+    greedy_correct: tuple[bool, ...] = field(default=(), repr=False)
+    sampled_correct: tuple[int, ...] = field(default=(), repr=False)  # of `samples`
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        del d["greedy_correct"], d["sampled_correct"]
+        return d
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """mean(a - b) over problems, with the standard error of that mean from the per-problem differences."""
+
+    mean: float
+    se: float
+    ci95: tuple[float, float]  # normal approximation: mean +- 1.96 se
+
+
+def paired_difference(a: list[float], b: list[float]) -> PairedDifference:
+    """Difference of two models' per-problem scores on the same problems (and the same sampling seeds): the
+    problems' difficulty cancels, so this s.e. is far below that of two independent accuracies."""
+    import math
+
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"need two equally long score lists of >= 2 problems, got {len(a)} and {len(b)}")
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return PairedDifference(mean, se, (mean - 1.96 * se, mean + 1.96 * se))
+
+
+def compare(report: EvalReport, against: EvalReport) -> dict[str, PairedDifference]:
+    """`report` minus `against`, paired by problem: greedy accuracy and sampled accuracy."""
+    return {
+        "greedy": paired_difference([float(x) for x in report.greedy_correct],
+                                    [float(x) for x in against.greedy_correct]),
+        "sampled": paired_difference([c / report.samples for c in report.sampled_correct],
+                                     [c / against.samples for c in against.sampled_correct]),
+    }
 
 
 def percentile(values: list[int], q: float) -> float:
@@ -129,14 +166,15 @@ def evaluate(
                          bar=bar)
     correct = [verify(c, p.answer) for c, p in zip(greedy, problems)]
     lengths: list[int] = []
-    sampled_correct = 0
+    per_problem = [0] * len(problems)
     for s in range(samples):
         texts, lens = generate(
             model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True, batch_size=batch_size, seed=seed + s,
             bar=bar,
         )
         lengths += lens
-        sampled_correct += sum(verify(c, p.answer) for c, p in zip(texts, problems))
+        for i, (c, p) in enumerate(zip(texts, problems)):
+            per_problem[i] += verify(c, p.answer)
     bar.close()
     buckets: dict[str, list[bool]] = {}
     for ok, p in zip(correct, problems):
@@ -149,9 +187,11 @@ def evaluate(
         p50_len=p50,
         p99_len=p99,
         tail_ratio=p99 / p50,
-        sampled_accuracy=sampled_correct / (len(problems) * samples),
+        sampled_accuracy=sum(per_problem) / (len(problems) * samples),
         accuracy_by_steps={k: sum(v) / len(v) for k, v in sorted(buckets.items(), key=lambda kv: int(kv[0].split("-")[0]))},
         seconds=time.monotonic() - t0,
+        greedy_correct=tuple(correct),
+        sampled_correct=tuple(per_problem),
     )
 
 
@@ -173,7 +213,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generate batch size; the sampled figures depend on it (one sampling seed per batch), "
                         "greedy accuracy does not")
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch CPU threads")
+    parser.add_argument("--against", default=None,
+                        help="a second checkpoint (e.g. the policy before RL) scored on the same problems with the "
+                        "same sampling seeds; prints both and the paired difference --model minus --against with its "
+                        "standard error")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def _score(path: str, args: argparse.Namespace) -> EvalReport:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return evaluate(model, tokenizer, eval_problems(args.n, args.seed), samples=args.samples,
+                    batch_size=args.batch_size, seed=args.seed, progress=True)
+
+
+def _print(report: EvalReport, title: str | None = None) -> None:
+    if title:
+        print(title)
+    print(f"problems            {report.n}")
+    print(f"greedy accuracy     {report.accuracy:.1%}")
+    print(f"sampled accuracy    {report.sampled_accuracy:.1%}  (T=1.0, {report.samples} per problem)")
+    print(f"response length     p50 {report.p50_len:.0f}  p99 {report.p99_len:.0f}  p99/p50 {report.tail_ratio:.2f}")
+    print("accuracy by steps   " + "  ".join(f"{k}: {v:.0%}" for k, v in report.accuracy_by_steps.items()))
+    print(f"time                {report.seconds:.1f} s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,23 +248,34 @@ def run(args: argparse.Namespace) -> int:
 
     # CheckpointError naming what is missing (tlt: one line, exit 2), not a transformers trace; before torch loads
     check_checkpoint(args.model)
+    if args.against is not None:
+        check_checkpoint(args.against)
+    if args.against is not None and args.n < 2:
+        import sys
+
+        print("tlt model eval: --against needs --n >= 2 (a standard error over problems)", file=sys.stderr)
+        return 2
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    report = evaluate(
-        model, tokenizer, eval_problems(args.n, args.seed), samples=args.samples, batch_size=args.batch_size,
-        seed=args.seed, progress=True,
-    )
+    report = _score(args.model, args)
+    if args.against is None:
+        if args.json:
+            print(json.dumps(report.as_dict()))
+        else:
+            _print(report)
+        return 0
+    against = _score(args.against, args)
+    diff = compare(report, against)
     if args.json:
-        print(json.dumps(report.as_dict()))
-    else:
-        print(f"problems            {report.n}")
-        print(f"greedy accuracy     {report.accuracy:.1%}")
-        print(f"sampled accuracy    {report.sampled_accuracy:.1%}  (T=1.0, {report.samples} per problem)")
-        print(f"response length     p50 {report.p50_len:.0f}  p99 {report.p99_len:.0f}  p99/p50 {report.tail_ratio:.2f}")
-        print("accuracy by steps   " + "  ".join(f"{k}: {v:.0%}" for k, v in report.accuracy_by_steps.items()))
-        print(f"time                {report.seconds:.1f} s")
+        print(json.dumps({"model": report.as_dict(), "against": against.as_dict(),
+                          "difference": {k: asdict(v) for k, v in diff.items()}}))
+        return 0
+    _print(report, f"--model {args.model}")
+    print()
+    _print(against, f"--against {args.against}")
+    print()
+    print(f"paired difference, --model minus --against, over the same {report.n} problems and sampling seeds:")
+    for name, d in diff.items():
+        print(f"  {name:8s} {d.mean:+.3f}  (s.e. {d.se:.3f}; 95% {d.ci95[0]:+.3f} .. {d.ci95[1]:+.3f})")
     return 0
