@@ -228,8 +228,8 @@ def collect(
     shards = [(c, ps) for c, ps in shards if ps]  # empty ones are the last: j stays the server's place
     q: queue.Queue = queue.Queue()
     streams: list = []  # the servers' BatchGenerate calls, cancelled if the step fails
-    threads = [threading.Thread(target=_read, args=(c, ps, n, server_params(params, step if seed_key is None else seed_key, j),
-                                                    f"step{step}-s{j}", q,
+    key = step if seed_key is None else seed_key
+    threads = [threading.Thread(target=_read, args=(c, ps, n, server_params(params, key, j), f"step{step}-s{j}", q,
                                                     streams), daemon=True)
                for j, (c, ps) in enumerate(shards)]
     batch = rewards.begin()

@@ -93,35 +93,28 @@ def due(cfg: TrainerConfig, steps_done: int) -> bool:
 def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, steps_done: int,  # noqa: ANN001
              version: int, check_version: bool = True) -> EvalRecord:
     """Score the eval set with the policy the rollout server(s) serve now (checked to be `version`)."""
-    from tlt.services.trainer.collect import collect_retrying, sampling_params
-    from tlt.services.trainer.weight_sync import check_versions
-
     t0, started_at = time.perf_counter(), time.time()
-    params = sampling_params(cfg.max_tokens, cfg.eval_temperature, 1.0, seed=sampling_seed(cfg))  # as a step's
-    result = collect_retrying(items, clients, rewards, cfg.eval_samples, params, f"eval{steps_done}",
-                              cfg.rollout_retries, cfg.rollout_retry_wait_s,  # a replica death: redone, as a step
-                              seed_key=EVAL_SEED_KEY)
-    if check_version:
-        check_versions((s.policy_version for s in result.samples), version)
-    accuracy = sum(s.correct for s in result.samples) / len(result.samples)
+    accuracy = _pass(items, clients, rewards, cfg, cfg.eval_samples, cfg.eval_temperature, f"eval{steps_done}",
+                     version, check_version)
     greedy = None
     if cfg.eval_greedy:  # at T = 0 the pass above was greedy already: its accuracy is the greedy one
-        greedy = accuracy if cfg.eval_temperature == 0 else _greedy_accuracy(items, clients, rewards, cfg, steps_done,
-                                                                             version, check_version)
+        greedy = accuracy if cfg.eval_temperature == 0 else _pass(items, clients, rewards, cfg, 1, 0.0,
+                                                                  f"eval{steps_done}-greedy", version, check_version)
     return EvalRecord(steps_done, version, accuracy, len(items), cfg.eval_samples, cfg.eval_temperature,
                       time.perf_counter() - t0, started_at, greedy)
 
 
-def _greedy_accuracy(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, steps_done: int,  # noqa: ANN001
-                     version: int, check_version: bool) -> float:
-    """Share of the eval set one greedy completion per problem gets right (a second pass, after the sampled one)."""
+def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int, temperature: float,  # noqa: ANN001
+          label: str, version: int, check_version: bool) -> float:
+    """Share correct of `n` completions per eval problem at `temperature`. Seeded as a step's (`sampling_seed`),
+    from EVAL_SEED_KEY (greedy draws nothing, but a seedless request would be the odd one out); `label` names the
+    server batch. A replica death is redone, as in a step."""
     from tlt.services.trainer.collect import collect_retrying, sampling_params
     from tlt.services.trainer.weight_sync import check_versions
 
-    # seeded as the sampled pass (greedy draws nothing, but a seedless request would be the odd one out)
-    params = sampling_params(cfg.max_tokens, 0.0, 1.0, seed=sampling_seed(cfg))
-    result = collect_retrying(items, clients, rewards, 1, params, f"eval{steps_done}-greedy",
-                              cfg.rollout_retries, cfg.rollout_retry_wait_s, seed_key=EVAL_SEED_KEY)
+    params = sampling_params(cfg.max_tokens, temperature, 1.0, seed=sampling_seed(cfg))
+    result = collect_retrying(items, clients, rewards, n, params, label, cfg.rollout_retries, cfg.rollout_retry_wait_s,
+                              seed_key=EVAL_SEED_KEY)
     if check_version:
         check_versions((s.policy_version for s in result.samples), version)
     return sum(s.correct for s in result.samples) / len(result.samples)

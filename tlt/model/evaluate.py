@@ -60,12 +60,12 @@ def paired_difference(a: list[float], b: list[float]) -> PairedDifference:
     """Difference of two models' per-problem scores on the same problems (and the same sampling seeds): the
     problems' difficulty cancels, so this s.e. is far below that of two independent accuracies."""
     import math
+    import statistics
 
     if len(a) != len(b) or len(a) < 2:
         raise ValueError(f"need two equally long score lists of >= 2 problems, got {len(a)} and {len(b)}")
     d = [x - y for x, y in zip(a, b)]
-    mean = sum(d) / len(d)
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
     return PairedDifference(mean, se, (mean - 1.96 * se, mean + 1.96 * se))
 
 
