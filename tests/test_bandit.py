@@ -35,6 +35,25 @@ def test_untried_arms_first_then_best_median():
     assert all(bandit.choose(1) == B for _ in range(20))
 
 
+def test_a_withdrawn_choice_is_not_counted():
+    """The decoder withdraws a choice whose step found no KV room (it decoded plainly): chosen, explored and
+    exploited count the steps each arm ran."""
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, B]], epsilon=0.0)
+    assert bandit.choose(1) == A  # untried: explored
+    bandit.withdraw()
+    snap = bandit.snapshot()[0]
+    assert (snap.explored, snap.exploited, [a.chosen for a in snap.arms]) == (0, 0, [0, 0])
+    with pytest.raises(RuntimeError, match="withdraw without a choice"):
+        bandit.withdraw()  # once per choice
+    bandit.record(1, A, 10, 1.0)
+    bandit.record(1, B, 20, 1.0)
+    assert bandit.choose(1) == B  # exploited
+    assert bandit.choose(1) == B
+    bandit.withdraw()
+    snap = bandit.snapshot()[0]
+    assert (snap.explored, snap.exploited, [a.chosen for a in snap.arms]) == (0, 1, [0, 1])
+
+
 def test_median_is_robust_to_an_outlier():
     bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, B]], epsilon=0.0)
     for r in (10, 10, 10, 10_000):  # one freak fast step: the mean would prefer A

@@ -87,6 +87,24 @@ def test_no_room_for_drafts_falls_back_to_plain_decoding(ckpt):
         dec.stats()["no_room"], dec.stats()["over_budget"], dec.stats()["switches"])
 
 
+def test_the_bandit_counts_only_the_steps_an_arm_ran(ckpt):
+    """A step whose drafts find no KV room decodes plainly: the adaptive bandit's chosen counts stay those of
+    the verify steps each arm ran (they counted the withdrawn choices too)."""
+    plain = _engine(ckpt, blocks=64).generate(_requests(1, 1, 20))
+    eng = _engine(ckpt, blocks=7)  # as above: the last steps have no room for 8-node trees
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    cfg = SpecConfig(drafter="learned", drafter_path="(in memory)",
+                     **dict(SPEC, bucket_thresholds=(1,), bucket_arms=(("4_2_8",),)))
+    dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
+    assert [c.token_ids for c in _spec_generate(eng, dec, _requests(1, 1, 20))] == [c.token_ids for c in plain]
+    st = dec.stats()
+    assert st["no_room"] > 0 and st["verify_steps"] > 0, st
+    (bucket,) = st["bandit"]
+    assert bucket["arms"][0]["chosen"] == st["arms"]["4_2_8"]["verify_steps"] == st["verify_steps"], st
+    assert bucket["explored"] + bucket["exploited"] == st["verify_steps"], st
+
+
 def test_drafts_never_pass_the_context_limit(ckpt):
     reqs = [GenerationRequest("c", _requests(1, 1)[0].prompt_token_ids,
                               SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))]

@@ -154,6 +154,7 @@ class BucketedEpsilonGreedy:
         self._explored = [0] * len(self.arms)
         self._exploited = [0] * len(self.arms)
         self._over_budget = [0] * len(self.arms)
+        self._last: tuple[int, Arm, bool] | None = None  # the last choice (bucket, arm, explored): `withdraw`
 
     def bucket(self, batch_size: int) -> int:
         """Index of the last threshold <= batch_size (batches below the first threshold use bucket 0)."""
@@ -189,18 +190,29 @@ class BucketedEpsilonGreedy:
         size = size_class(batch_size, self.exact_sizes)
         here = [self._rewards[b][a].get(size) for a in arms]  # each arm's rewards at this batch size (class)
         untried = [a for a, r in zip(arms, here) if not r]
+        explored = True
         if untried:
             arm = untried[0]
-            self._explored[b] += 1
         elif len(arms) > 1 and self._rng.random() < self.epsilon:
             arm = self._rng.choice(arms)
-            self._explored[b] += 1
         else:
             medians = [r.median() for r in here]
             arm = arms[medians.index(max(medians))]  # ties: first in list
-            self._exploited[b] += 1
+            explored = False
+        (self._explored if explored else self._exploited)[b] += 1
         self._chosen[b][arm] += 1
+        self._last = (b, arm, explored)
         return arm
+
+    def withdraw(self) -> None:
+        """The last `choose` did not run (the step found no KV room for its drafts and decoded plainly): take it out
+        of the chosen / explored / exploited counts, so that they count the steps each arm ran. Once per choice."""
+        if self._last is None:
+            raise RuntimeError("withdraw without a choice to take back")
+        b, arm, explored = self._last
+        (self._explored if explored else self._exploited)[b] -= 1
+        self._chosen[b][arm] -= 1
+        self._last = None
 
     def record(self, batch_size: int, arm: Arm, emitted_tokens: int, step_seconds: float) -> float:
         """Record one SD step: `emitted_tokens` over the whole batch in `step_seconds`. Returns the reward."""

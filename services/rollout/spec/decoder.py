@@ -173,7 +173,9 @@ class SpecDecoder:
 
     # ---------------------------------------------------------------- control
     def wants(self, batch: ScheduledBatch) -> bool:
-        """Call once per engine step with the scheduled batch: speculate in this step?"""
+        """Call once per engine step with the scheduled batch: speculate in this step? A decode-only batch holds
+        every running sequence (the scheduler admits a prompt only while budget is left after the decodes, so the
+        running count never exceeds the token budget), so its size is the running batch the switch follows."""
         if self.config.mode == "off":
             return False
         decode = bool(batch.seqs) and batch.is_decode_only
@@ -220,6 +222,8 @@ class SpecDecoder:
         deepest = torch.tensor(ctx) + tree.depth.masked_fill(~valid, 0).amax(1)
         if int(deepest.max()) >= self.runner.model.cos.shape[0] or not self._reserve(seqs, n_list):
             self.no_room += 1  # drafts would pass the context limit, or no KV blocks for them
+            if self.config.mode != "static":
+                self.bandit.withdraw()  # the arm did not run: its chosen count is of steps it ran
             self._behind = True
             return None
         dev = self.runner.device
