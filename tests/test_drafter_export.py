@@ -88,3 +88,24 @@ def test_a_drafter_made_for_another_layer_shape_or_rope_is_refused(tmp_path) -> 
     assert not (tmp_path / "sg").exists()
     new_drafter(model, seed=1).save(tmp_path / "ok")
     assert (export_sglang(tmp_path / "ok", model, tmp_path / "sg") / "config.json").is_file()
+
+
+def test_the_drafter_shares_the_head_the_target_runs(tmp_path) -> None:
+    """target_shared: a tied model's head is its embedding; an untied one's is its lm_head.weight; an untied
+    config without lm_head.weight is refused (the embedding used to stand in, silently: the engine and
+    transformers would not run that head)."""
+    from safetensors.torch import save_file
+
+    from tlt.services.drafter.training import target_shared
+
+    untied = random_checkpoint(tmp_path / "untied", tie_word_embeddings=False)
+    tensors = load_file(str(untied / "model.safetensors"))
+    _, embed, head = target_shared(untied)
+    assert torch.equal(head, tensors["lm_head.weight"]) and not torch.equal(head, embed)
+    tied = random_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
+    _, embed, head = target_shared(tied)
+    assert torch.equal(head, embed)
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(untied / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no lm_head.weight.*tie_word_embeddings=false"):
+        target_shared(untied)
