@@ -8,6 +8,7 @@ test on artifacts/tiny (the `tiny_model_dir` fixture builds it when missing).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -99,6 +100,12 @@ def test_build_is_seeded(tmp_path):
     assert a["final_loss"] == b["final_loss"]
     sa = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert sa == (tmp_path / "b" / "model.safetensors").read_bytes()
+    # the report names what else the weights depend on, and a digest that tells two builds apart
+    assert a["weights_sha256"] == b["weights_sha256"] == hashlib.sha256(sa).hexdigest()[:16]
+    assert a["torch"] == torch.__version__ and a["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert a["train_threads"] >= 1
+    c = build_model("tiny", tmp_path / "c", seed=4, max_steps=1, eval_n=0)
+    assert c["weights_sha256"] != a["weights_sha256"]
 
 
 def test_evaluate_on_random_checkpoint(random_model_dir):

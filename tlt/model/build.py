@@ -18,6 +18,7 @@ finished build (the Makefile rebuilds when it is missing).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -216,6 +217,12 @@ def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, A
         "train_tokens_per_s": round(tokens / train_s, 1),
         "final_loss": round(ema_loss, 4) if ema_loss is not None else None,
         "params": sum(p.numel() for p in model.parameters()),
+        # what the weights depend on besides the seed: the build is bit-for-bit repeatable on one machine, but
+        # another CPU (its vector width: torch's kernels sum in another order) or torch release trains another model
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "train_threads": torch.get_num_threads(),
+        "weights_sha256": _digest(tmp / "model.safetensors"),
     }
     if eval_n > 0:
         torch.set_num_threads(1)  # decode batches are tiny matrices: one thread is fastest (and immune to contention)
@@ -233,6 +240,15 @@ def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, A
     facts["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (tmp / ".complete").write_text(json.dumps(facts, indent=2) + "\n")
     return facts
+
+
+def _digest(path: Path) -> str:
+    """sha256 of a file (the first 16 hex digits): two builds with the same one are the same model."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
