@@ -382,6 +382,41 @@ def test_report_draws_and_states_greedy_held_out_accuracy_beside_the_sampled(tmp
     assert "greedy" not in page
 
 
+def test_report_states_and_draws_the_change_since_the_first_eval_paired_by_problem(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 50-step run's held-out rise of 1-3 points is invisible on reward.png's 0..1 axis and within two independent
+    accuracies' noise: with per-problem counts the report gives each eval's change since the first, paired by
+    problem, with its 95% interval (heldout.png) and states the last one with its s.e. Hand values: 4 problems x 2
+    samples, sampled 0, .5, 1, .5 -> .5, .5, 1, 1 (mean difference +25 points, s.e. 14.4); greedy 0, 1, 1, 0 ->
+    1, 1, 1, 0 (+25, s.e. 25)."""
+    from tlt.services.trainer.evaluate import EvalRecord
+
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"reward_mean": 0.5, "accuracy": 0.4}] * 3)
+    recs = [EvalRecord(0, 0, 0.5, 4, 2, 1.0, 9.0, greedy_accuracy=0.5, correct=(0, 1, 2, 1), greedy_correct=(0, 1, 1, 0)),
+            EvalRecord(3, 3, 0.75, 4, 2, 1.0, 9.0, greedy_accuracy=0.75, correct=(1, 1, 2, 2),
+                       greedy_correct=(1, 1, 1, 0))]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r.as_dict()) + "\n" for r in recs))
+    page = write_report(tmp_path, threshold=16).read_text()
+    assert "a change of <b>+25.0 points</b> (paired s.e. 14.4; 95% -3.3 .. +53.3)" in page
+    assert "a change of <b>+25.0 points</b> (paired s.e. 25.0; 95% -24.0 .. +74.0)" in page
+    assert "heldout.png" in page
+    (ax,) = saved["heldout.png"]
+    bars = {c.get_label().split(" ")[0]: c for c in ax.containers}  # "sampled (T = 1, 2 per problem)", "greedy"
+    sampled_line = bars["sampled"].lines[0]
+    assert list(sampled_line.get_ydata()) == pytest.approx([0.0, 25.0])
+    (segments,) = bars["sampled"].lines[2]  # the error bars: 1.96 s.e. either side
+    ys = [seg[:, 1] for seg in segments.get_segments()]
+    assert ys[1] == pytest.approx([25.0 - 1.96 * 14.4338, 25.0 + 1.96 * 14.4338], abs=1e-3)
+    assert list(bars["greedy"].lines[0].get_ydata()) == pytest.approx([0.0, 25.0])
+    # records from before the counts were kept: no plot and no paired figure, the line as it was
+    (tmp_path / "eval.jsonl").write_text("".join(
+        json.dumps(EvalRecord(k, k, 0.4, 200, 4, 1.0, 9.0).as_dict()) + "\n" for k in (0, 3)))
+    saved.clear()
+    page = write_report(tmp_path, threshold=16).read_text()
+    assert "heldout.png" not in saved and "a change of" not in page and "heldout.png" not in page
+
+
 def test_report_of_a_run_stopped_before_its_first_eval_does_not_say_evals_were_off(tmp_path: Path) -> None:
     """A run configured for held-out evals but stopped before the first: the report blamed eval_problems = 0 and
     printed a rollout accuracy of 0.000 over "the first 0 steps"."""

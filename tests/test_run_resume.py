@@ -132,6 +132,9 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     # cpu-tiny's eval_greedy: each eval also scored greedy, shown in the report and the summary line
     assert all(isinstance(e["greedy_accuracy"], float) for e in evals)
     assert "greedy (one completion per problem)" in page and "; greedy " in out
+    # per-problem counts: the change since the first eval, paired by problem, in the line, the page and a plot
+    assert all(len(e["correct"]) == len(e["greedy_correct"]) == 4 for e in evals)
+    assert "paired s.e." in out and "a change of" in page and (run_dir / "plots" / "heldout.png").is_file()
     for name in ("logs/reward.log", "logs/rollout.log", "logs/trainer.log", "checkpoints/latest", "policy/config.json"):
         assert (run_dir / name).exists(), name
     # pids.json, rewritten once the trainer starts, still lists the rollout's replica (and the drafter's worker)

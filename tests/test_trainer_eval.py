@@ -88,3 +88,61 @@ def test_the_trainers_metrics_export_the_last_greedy_accuracy(tmp_path, monkeypa
     loop._Services.evaluate(services, 10, 10)  # an eval without a greedy figure leaves the last one standing
     text = prom.render().decode()
     assert "trainer_eval_accuracy 0.39" in text and "trainer_eval_greedy_accuracy 0.42" in text
+
+
+def test_the_change_between_two_evals_is_paired_by_problem_by_hand(tmp_path):
+    """`change`: last minus first, per problem, with the s.e. of the mean difference. 4 problems x 2 samples:
+    sampled per-problem accuracies 0, .5, 1, .5 -> .5, .5, 1, 1: differences .5, 0, 0, .5, mean .25,
+    sd sqrt(1/12) = 0.288675, s.e. 0.144338; greedy 0, 1, 1, 0 -> 1, 1, 1, 0: differences 1, 0, 0, 0, mean .25,
+    sd 0.5, s.e. 0.25. The records round-trip through eval.jsonl with their counts."""
+    from tlt.services.trainer.evaluate import change, change_text
+
+    first = EvalRecord(0, 0, 0.5, 4, 2, 1.0, 1.0, 0.0, 0.5, (0, 1, 2, 1), (0, 1, 1, 0))
+    last = EvalRecord(10, 10, 0.75, 4, 2, 1.0, 1.0, 0.0, 0.75, (1, 1, 2, 2), (1, 1, 1, 0))
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(r.as_dict()) + "\n" for r in (first, last)))
+    assert read_evals(path) == [first, last]
+    d = change(*read_evals(path))
+    assert d["sampled"].mean == pytest.approx(0.25) and d["sampled"].se == pytest.approx(0.144338, abs=1e-6)
+    assert d["greedy"].mean == pytest.approx(0.25) and d["greedy"].se == pytest.approx(0.25)
+    assert change_text(first, last, "sampled") == " (+0.250, paired s.e. 0.144)"
+    # a record from before the counts were kept: no paired figure, not a wrong one
+    old = EvalRecord(0, 0, 0.5, 4, 2, 1.0, 1.0)
+    assert change(old, last) == {} and change_text(old, last, "greedy") == ""
+    # greedy only where both scored it
+    assert set(change(EvalRecord(0, 0, 0.5, 4, 2, 1.0, 1.0, correct=(0, 1, 2, 1)), last)) == {"sampled"}
+
+
+def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkeypatch):
+    """run_eval's per-problem counts come from each completion's prompt_index, whatever order the completions
+    arrive in (a stub rollout here: the real path is tests/test_trainer_loop.py's eval tests); at eval_temperature 0
+    the sampled pass is greedy already, and its counts give the greedy ones without a second pass."""
+    from types import SimpleNamespace
+
+    from tlt.services.trainer import collect, weight_sync
+    from tlt.services.trainer.evaluate import run_eval
+    from tlt.services.trainer.types import PromptItem, ScoredCompletion
+
+    right = {(0, 1), (2, 0), (2, 1), (1, 0)}  # (problem, sample) completions that are correct
+    calls = []
+
+    def stub(items, clients, rewards, n, params, label, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append((n, params.temperature))
+        done = [ScoredCompletion(p, s, (1,), (2,), float((p, s) in right), (p, s) in right)
+                for p in reversed(range(len(items))) for s in range(n)]  # arrival order is not the eval set's
+        return SimpleNamespace(samples=done)
+
+    monkeypatch.setattr(collect, "collect_retrying", stub)
+    monkeypatch.setattr(weight_sync, "check_versions", lambda versions, expected: None)
+    items = [PromptItem(i, f"q{i}", str(i)) for i in range(3)]
+    cfg = TrainerConfig(eval_problems=3, eval_samples=2, eval_temperature=1.0, eval_greedy=True)
+    r = run_eval(items, [], None, cfg, 0, 0)
+    assert r.correct == (1, 1, 2) and r.accuracy == pytest.approx(4 / 6)
+    assert r.greedy_correct == (0, 1, 1) and r.greedy_accuracy == pytest.approx(2 / 3)  # the n = 1 pass: sample 0
+    assert calls == [(2, 1.0), (1, 0.0)]
+    calls.clear()
+    right = {(0, 0), (0, 1), (2, 0), (2, 1)}  # greedy samples of one problem agree
+    r = run_eval(items, [], None, TrainerConfig(eval_problems=3, eval_samples=2, eval_temperature=0.0,
+                                                eval_greedy=True), 0, 0)
+    assert calls == [(2, 0.0)] and r.correct == (2, 0, 2) and r.greedy_correct == (1, 0, 1)
+    assert r.greedy_accuracy == pytest.approx(2 / 3)

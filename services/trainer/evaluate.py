@@ -36,10 +36,14 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.run_stats import read_jsonl, trim_jsonl
 from tlt.services.trainer.types import PromptItem
+
+if TYPE_CHECKING:
+    from tlt.model.evaluate import PairedDifference
 
 
 EVAL_SEED_KEY = "eval"  # every eval's requests are seeded from it (common random numbers: see above)
@@ -56,9 +60,35 @@ class EvalRecord:
     seconds: float  # both passes (the sampled one and, with eval_greedy, the greedy one)
     started_at: float = 0.0  # unix time the eval began (0: a record from before it was kept)
     greedy_accuracy: float | None = None  # one greedy completion per problem (eval_greedy; None: off, or an old record)
+    # per eval problem, in the eval set's order: how many of its `samples` were correct, and whether its greedy
+    # completion was (0 / 1): what `change` pairs two evals by. None: a record from before they were kept.
+    correct: tuple[int, ...] | None = None
+    greedy_correct: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def change(first: EvalRecord, last: EvalRecord) -> dict[str, PairedDifference]:
+    """`last` minus `first` accuracy, paired by problem, with its standard error: "sampled" and (when both evals
+    scored it) "greedy". Two evals of a run score the same problems with the same random numbers, so the problems'
+    difficulty and most of the draw cancel and the s.e. is a fraction of an accuracy's own. Empty when either
+    record has no per-problem counts (an eval.jsonl line from before they were kept) or they differ in size."""
+    from tlt.model.evaluate import paired_difference
+
+    out: dict[str, PairedDifference] = {}
+    pairs = (("sampled", first.correct, last.correct, first.samples, last.samples),
+             ("greedy", first.greedy_correct, last.greedy_correct, 1, 1))
+    for name, a, b, na, nb in pairs:
+        if a is not None and b is not None and len(a) == len(b) >= 2:
+            out[name] = paired_difference([x / nb for x in b], [x / na for x in a])
+    return out
+
+
+def change_text(first: EvalRecord, last: EvalRecord, name: str) -> str:
+    """" (+0.012, paired s.e. 0.008)" for `change`'s `name`, or "" when it cannot be computed."""
+    d = change(first, last).get(name) if first is not last else None
+    return "" if d is None else f" ({d.mean:+.3f}, paired s.e. {d.se:.3f})"
 
 
 def eval_items(cfg: TrainerConfig) -> list[PromptItem]:
@@ -94,19 +124,20 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
              version: int, check_version: bool = True) -> EvalRecord:
     """Score the eval set with the policy the rollout server(s) serve now (checked to be `version`)."""
     t0, started_at = time.perf_counter(), time.time()
-    accuracy = _pass(items, clients, rewards, cfg, cfg.eval_samples, cfg.eval_temperature, f"eval{steps_done}",
-                     version, check_version)
+    correct = _pass(items, clients, rewards, cfg, cfg.eval_samples, cfg.eval_temperature, f"eval{steps_done}",
+                    version, check_version)
     greedy = None
-    if cfg.eval_greedy:  # at T = 0 the pass above was greedy already: its accuracy is the greedy one
-        greedy = accuracy if cfg.eval_temperature == 0 else _pass(items, clients, rewards, cfg, 1, 0.0,
-                                                                  f"eval{steps_done}-greedy", version, check_version)
-    return EvalRecord(steps_done, version, accuracy, len(items), cfg.eval_samples, cfg.eval_temperature,
-                      time.perf_counter() - t0, started_at, greedy)
+    if cfg.eval_greedy:  # at T = 0 the pass above was greedy already: its samples are each problem's greedy one
+        greedy = (tuple(round(c / cfg.eval_samples) for c in correct) if cfg.eval_temperature == 0 else
+                  _pass(items, clients, rewards, cfg, 1, 0.0, f"eval{steps_done}-greedy", version, check_version))
+    return EvalRecord(steps_done, version, sum(correct) / (len(items) * cfg.eval_samples), len(items),
+                      cfg.eval_samples, cfg.eval_temperature, time.perf_counter() - t0, started_at,
+                      None if greedy is None else sum(greedy) / len(items), correct, greedy)
 
 
 def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int, temperature: float,  # noqa: ANN001
-          label: str, version: int, check_version: bool) -> float:
-    """Share correct of `n` completions per eval problem at `temperature`. Seeded as a step's (`sampling_seed`),
+          label: str, version: int, check_version: bool) -> tuple[int, ...]:
+    """Per eval problem, how many of `n` completions at `temperature` are correct. Seeded as a step's (`sampling_seed`),
     from EVAL_SEED_KEY (greedy draws nothing, but a seedless request would be the odd one out); `label` names the
     server batch. A replica death is redone, as in a step."""
     from tlt.services.trainer.collect import collect_retrying, sampling_params
@@ -117,11 +148,20 @@ def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int,
                               seed_key=EVAL_SEED_KEY)
     if check_version:
         check_versions((s.policy_version for s in result.samples), version)
-    return sum(s.correct for s in result.samples) / len(result.samples)
+    counts = [0] * len(items)
+    for s in result.samples:  # prompt_index: the problem's place in `items`
+        counts[s.prompt_index] += bool(s.correct)
+    return tuple(counts)
 
 
 def read_evals(path: Path) -> list[EvalRecord]:
-    return [EvalRecord(**r) for r in read_jsonl(path)]
+    out = []
+    for r in read_jsonl(path):
+        for key in ("correct", "greedy_correct"):  # JSON lists back to the record's tuples
+            if r.get(key) is not None:
+                r[key] = tuple(r[key])
+        out.append(EvalRecord(**r))
+    return out
 
 
 def trim_evals(path: Path, steps_done: int) -> None:

@@ -121,10 +121,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _greedy_change(first, last) -> str:  # noqa: ANN001 - EvalRecord
-    """The greedy change ("; greedy 0.430 -> 0.465") when the first and last evals both scored it (eval_greedy)."""
+    """The greedy change ("; greedy 0.430 -> 0.465 (+0.035, paired s.e. 0.020)") when the first and last evals both
+    scored it (eval_greedy)."""
+    from tlt.services.trainer.evaluate import change_text
+
     if first.greedy_accuracy is None or last.greedy_accuracy is None:
         return ""
-    return f"; greedy {first.greedy_accuracy:.3f} -> {last.greedy_accuracy:.3f}"
+    return f"; greedy {first.greedy_accuracy:.3f} -> {last.greedy_accuracy:.3f}{change_text(first, last, 'greedy')}"
 
 
 def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa: ANN001 - RunPlan
@@ -136,11 +139,12 @@ def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa:
     log = get_logger("run")
     if not args.no_report:
         report(plan.run_dir, plan.tail_threshold)
-    from tlt.services.trainer.evaluate import read_evals
+    from tlt.services.trainer.evaluate import change_text, read_evals
 
     evals = read_evals(plan.run_dir / "eval.jsonl")
     held_out = ({"eval_accuracy": f"{evals[0].accuracy:.3f} (after {evals[0].after_steps} steps) -> "
                                   f"{evals[-1].accuracy:.3f} (after {evals[-1].after_steps})"
+                                  + (change_text(evals[0], evals[-1], "sampled") if len(evals) > 1 else "")
                                   + _greedy_change(evals[0], evals[-1])} if evals else {})
     log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1), **held_out)
     return rc

@@ -1,10 +1,12 @@
-"""report.html of a run: the per-step table and four plots (PNG, matplotlib Agg), from the run's files.
+"""report.html of a run: the per-step table and its plots (PNG, matplotlib Agg), from the run's files.
 
     runs/<id>/{metrics,timeline,drafter}.jsonl -> StepRow per step (run_stats.py)
     runs/<id>/eval.jsonl                     -> held-out accuracy after 0, k, 2k, ... steps (evaluate.py)
       -> plots/step_time.png   stacked step-time parts per step (rollout split into tail / rest)
          plots/reward.png      mean reward and accuracy per step, held-out accuracy at each eval (and its
                                greedy accuracy, when the run scored it: eval_greedy)
+         plots/heldout.png     each eval's held-out accuracy minus the first's, paired by problem, 95% intervals
+                               (evals that kept per-problem counts)
          plots/timeline.png    running batch over time, SD on shaded, drafter idle windows, step starts,
                                held-out evals
          plots/accept.png      acceptance length and SD share per step
@@ -23,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tlt.services.trainer.evaluate import EvalRecord, read_evals
+from tlt.services.trainer.evaluate import EvalRecord, change, read_evals
 from tlt.services.trainer.run_stats import (
     HEADER,
     IdleWindow,
@@ -133,6 +135,9 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     made.append(("reward.png", "Mean reward and accuracy of each step's rollout (its prompts differ step to step); "
                                "held-out accuracy on one fixed problem set"))
 
+    if len(evals) > 1 and change(evals[0], evals[1]):  # per-problem counts: the change since the first eval, paired
+        made.append(_change_plot(plt, evals, out))
+
     if samples:
         t0 = samples[0].t
         fig, ax = plt.subplots(figsize=(11, 4))
@@ -185,6 +190,30 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     return made
 
 
+def _change_plot(plt, evals: list[EvalRecord], out: Path) -> tuple[str, str]:  # noqa: ANN001 - pyplot
+    """heldout.png: each eval's accuracy minus the first eval's, in points, paired by problem (the evals score the
+    same problems with the same random numbers), with 95% intervals; 0 is "no change"."""
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    first = evals[0]
+    for name, color, marker, dx in (("sampled", "black", "D", -0.15), ("greedy", "tab:red", "^", 0.15)):
+        points = [(e.after_steps, d) for e in evals[1:] if (d := change(first, e).get(name)) is not None]
+        if not points:
+            continue
+        xs = [first.after_steps - 0.5 + dx] + [k - 0.5 + dx for k, _ in points]
+        ys = [0.0] + [100 * d.mean for _, d in points]
+        err = [0.0] + [100 * 1.96 * d.se for _, d in points]
+        label = (f"sampled (T = {first.temperature:g}, {first.samples} per problem)" if name == "sampled"
+                 else "greedy")
+        ax.errorbar(xs, ys, yerr=err, fmt=f"{marker}-", color=color, capsize=3, lw=1.5, label=label)
+    ax.axhline(0.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("step"), ax.set_ylabel("points since the first eval")
+    ax.set_title(f"Held-out accuracy change, paired by problem ({first.problems} problems; bars: 95% intervals)")
+    ax.legend(fontsize=8)
+    fig.tight_layout(), fig.savefig(out / "heldout.png", dpi=90), plt.close(fig)
+    return ("heldout.png", "Held-out accuracy minus the first eval's, paired by problem (the evals share problems and "
+                           "random numbers, so most of the noise cancels): an interval above 0 is a rise beyond noise")
+
+
 def _configured_eval_problems(run_dir: Path) -> int | None:
     """[trainer] eval_problems of the run's resolved config.toml; None when it cannot be read."""
     import tomllib
@@ -205,14 +234,26 @@ def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None) -> str
     curve = ", ".join(f"{e.after_steps}: {e.accuracy:.3f}" for e in evals)
     line = (f"<p>Held-out accuracy ({first.problems} problems x {first.samples} samples, temperature "
             f"{first.temperature:g}): <b>{first.accuracy:.3f}</b> after {first.after_steps} steps &rarr; "
-            f"<b>{last.accuracy:.3f}</b> after {last.after_steps} steps (every eval: {curve})")
+            f"<b>{last.accuracy:.3f}</b> after {last.after_steps} steps{_paired(first, last, 'sampled')} "
+            f"(every eval: {curve})")
     greedy = _greedy_evals(evals)
     if greedy:
         g0, g1 = greedy[0], greedy[-1]
         curve = ", ".join(f"{e.after_steps}: {e.greedy_accuracy:.3f}" for e in greedy)
         line += (f";\ngreedy (one completion per problem): <b>{g0.greedy_accuracy:.3f}</b> after {g0.after_steps} "
-                 f"steps &rarr; <b>{g1.greedy_accuracy:.3f}</b> after {g1.after_steps} steps (every eval: {curve})")
+                 f"steps &rarr; <b>{g1.greedy_accuracy:.3f}</b> after {g1.after_steps} steps"
+                 f"{_paired(g0, g1, 'greedy')} (every eval: {curve})")
     return line + ".</p>"
+
+
+def _paired(first: EvalRecord, last: EvalRecord, name: str) -> str:
+    """", a change of +1.2 points (paired s.e. 0.8, 95% -0.4 .. +2.8)" when both records hold per-problem counts."""
+    d = change(first, last).get(name) if first is not last else None
+    if d is None:
+        return ""
+    lo, hi = d.ci95
+    return (f", a change of <b>{100 * d.mean:+.1f} points</b> (paired s.e. {100 * d.se:.1f}; 95% {100 * lo:+.1f} .. "
+            f"{100 * hi:+.1f})")
 
 
 def _greedy_evals(evals: list[EvalRecord]) -> list[EvalRecord]:
