@@ -128,3 +128,23 @@ def test_micro_step_with_ttt_trains_every_weight_and_lowers_the_unrolled_loss():
     r1 = micro_step(d1, make_optimizer(d1, 1e-3), batch, ttt_steps=1)
     r2 = micro_step(d2, make_optimizer(d2, 1e-3), batch)
     assert float(r1.loss.detach()) == pytest.approx(float(r2.loss.detach()))
+
+
+def test_a_micro_step_told_to_stop_after_its_forward_changes_nothing():
+    """should_stop (a worker's replica turned busy during the forward pass): the step is abandoned before the
+    backward pass and the update, so the drafter and the optimizer are exactly as before, and None says so;
+    asked once, after the loss. Not stopped, the same step trains as usual."""
+    d = _drafter(7)
+    opt = make_optimizer(d, 1e-3)
+    batch = _batch(1)
+    micro_step(d, opt, batch)  # the optimizer has state to keep intact
+    weights = {k: v.clone() for k, v in d.state_dict().items()}
+    moments = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    asked = []
+    assert micro_step(d, opt, batch, should_stop=lambda: asked.append(1) or True) is None
+    assert asked == [1]
+    assert all(torch.equal(weights[k], v) for k, v in d.state_dict().items())
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(moments[i][k], after[i][k]) for i in moments for k in moments[i])
+    out = micro_step(d, opt, batch, should_stop=lambda: False)
+    assert out is not None and any(not torch.equal(weights[k], v) for k, v in d.state_dict().items())

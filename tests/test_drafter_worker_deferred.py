@@ -54,6 +54,34 @@ def test_busy_during_a_step_defers_the_due_submission(tmp_path, model_dir, monke
     assert stub.asks[-1] == "update" and stub.version == 1
 
 
+def test_busy_during_a_forward_pass_abandons_the_step_before_its_backward(tmp_path, model_dir, monkeypatch) -> None:
+    """BUSY arriving while a micro-step's forward pass runs: the worker asks after the loss and gives the step up
+    (no backward pass, no update on the busy replica's time; a backward is ~60% of a step). The window counts
+    the two finished steps, the optimizer has taken exactly two updates, and the deferred delta carries them."""
+    import tlt.services.drafter.worker as worker_mod
+
+    stub = StubbedWorker(tmp_path, model_dir)
+    real, steps = worker_mod.micro_step, []
+
+    def step(*a, should_stop=None, **k):  # noqa: ANN002, ANN003, ANN202
+        steps.append(1)
+
+        def stop() -> bool:
+            if len(steps) == 3:  # the replica turns busy during the 3rd step's forward pass
+                stub.busy()
+            return should_stop()
+
+        return real(*a, should_stop=stop, **k)
+
+    monkeypatch.setattr(worker_mod, "micro_step", step)
+    stub.worker.state, stub.busy_after = IDLE, 10**6
+    res = stub.worker.window()
+    assert len(steps) == 3 and res.preempted and res.micro_steps == 2 and res.abandoned == 1
+    deferred = stub.worker._deferred
+    assert deferred is not None and deferred.steps == 2
+    assert {int(s["step"]) for s in deferred.opt_state["state"].values()} == {2}
+
+
 def test_busy_during_a_delta_send_stops_before_the_checkpoint_and_the_pull(tmp_path, model_dir) -> None:
     """BUSY arriving while a window's due delta is being sent: the worker went on to write its optimizer
     checkpoint (twice the drafter's size: seconds on a real one) and to pull the whole candidate back, on the

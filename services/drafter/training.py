@@ -14,6 +14,7 @@ also fsyncs the file before and its folder after the rename).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -83,12 +84,17 @@ def unrolled_targets(p: PackedPairs, step: int) -> tuple[torch.Tensor, torch.Ten
 
 def micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch, grad_clip: float = 1.0,
                noise: float = 0.0, generator: torch.Generator | None = None, ttt_steps: int = 1,
-               ttt_decay: float = 0.8) -> DrafterLoss:
+               ttt_decay: float = 0.8, should_stop: Callable[[], bool] | None = None) -> DrafterLoss | None:
     """One optimiser step on one packed batch; returns the loss record (of the plain pairs).
 
     ttt_steps > 1: training-time test (`Drafter.forward_unrolled`): the loss is the sum over unroll
     steps s of ttt_decay**s times that step's loss, so the drafter also learns to continue from its
-    own predicted features, as chain and tree drafting make it do at every depth past the first."""
+    own predicted features, as chain and tree drafting make it do at every depth past the first.
+
+    should_stop: asked once the loss is computed; True abandons the step before the backward pass and the
+    update (the larger part of a step: ~60% on the tiny model's drafter), returning None with the drafter
+    and optimizer as they were. A worker asks whether its replica turned busy, so that a preemption does
+    not run a whole backward pass on a device the rollout wants back."""
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     device = next(drafter.parameters()).device
@@ -109,6 +115,8 @@ def micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch,
         r = drafter_loss(pred, target.to(device, torch.float32), drafter.lm_head, mask.to(device))
         res = r if res is None else res
         loss = r.loss if loss is None else loss + ttt_decay**s * r.loss
+    if should_stop is not None and should_stop():
+        return None
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)

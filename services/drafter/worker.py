@@ -12,8 +12,10 @@
           -> stop; copy state off the device and free it
              (`released`), then send the delta, checkpoint atomically, report the window
 
-So a worker never starts a micro-step after its replica turned busy: the busy-to-released latency
-is at most one micro-step plus the release. Optimizer state and step counts live in
+So a worker never starts a micro-step after its replica turned busy, and a step whose forward pass saw
+BUSY is abandoned before its backward pass and update (`micro_step(should_stop=...)`): the busy-to-released
+latency is at most the rest of one micro-step plus the release, and on the replica's time a preemption
+costs at most a forward pass or the rest of a backward one. Optimizer state and step counts live in
 `<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
 coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
@@ -107,6 +109,7 @@ class WindowResult:
     released: float = 0.0
     last_step_start: float = 0.0
     losses: list[float] = field(default_factory=list)
+    abandoned: int = 0  # 1: the last micro-step was given up before its backward pass (BUSY during its forward)
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,11 @@ class DrafterWorker:
             self.busy_seen = True
             self.last_busy = float(event.timestamp)  # type: ignore[attr-defined]
         self.state = state
+
+    def _busy_now(self) -> bool:
+        """Read the queued events: has the window's replica turned busy (or the feed gone silent)?"""
+        self._poll_events(0.0)
+        return self.busy_seen
 
     def _idle_now(self) -> bool:
         """The last state is IDLE and was heard within `stale_s`: a feed gone silent (a frozen, stopped or
@@ -376,7 +384,11 @@ class DrafterWorker:
                 break
             res.last_step_start = time.time()
             loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
-                              self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps)
+                              self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps,
+                              should_stop=self._busy_now)
+            if loss is None:  # turned busy during the forward pass: the step is abandoned before its backward
+                res.preempted, res.abandoned = True, 1
+                break
             res.micro_steps += 1
             res.losses.append(float(loss.loss))
             del loss
@@ -440,7 +452,7 @@ class DrafterWorker:
         self.windows += 1
         log.info("training_window", worker=self.worker_id, replica=self.replica_id, steps=res.micro_steps,
                  preempted=res.preempted, release_ms=round(1000 * (res.released - res.busy_timestamp), 1)
-                 if res.preempted else None)
+                 if res.preempted else None, abandoned_step=bool(res.abandoned))
         return res
 
     # ---- state
