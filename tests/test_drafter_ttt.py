@@ -140,9 +140,11 @@ def test_a_micro_step_told_to_stop_after_its_forward_changes_nothing():
     micro_step(d, opt, batch)  # the optimizer has state to keep intact
     weights = {k: v.clone() for k, v in d.state_dict().items()}
     moments = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
-    asked = []
-    assert micro_step(d, opt, batch, should_stop=lambda: asked.append(1) or True) is None
-    assert asked == [1]
+    order = []
+    hook = d.register_forward_hook(lambda *a: order.append("forward"))
+    assert micro_step(d, opt, batch, should_stop=lambda: order.append("asked") or True) is None
+    hook.remove()
+    assert order == ["forward", "asked"]  # asked once, once the forward pass has run
     assert all(torch.equal(weights[k], v) for k, v in d.state_dict().items())
     after = opt.state_dict()["state"]
     assert all(torch.equal(moments[i][k], after[i][k]) for i in moments for k in moments[i])

@@ -409,6 +409,12 @@ def test_report_states_and_draws_the_change_since_the_first_eval_paired_by_probl
     ys = [seg[:, 1] for seg in segments.get_segments()]
     assert ys[1] == pytest.approx([25.0 - 1.96 * 14.4338, 25.0 + 1.96 * 14.4338], abs=1e-3)
     assert list(bars["greedy"].lines[0].get_ydata()) == pytest.approx([0.0, 25.0])
+    # greedy evals (eval_temperature 0): one curve, the sampled pass is the greedy one
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(EvalRecord(k, k, 0.5, 4, 1, 0.0, 9.0, greedy_accuracy=0.5,
+                                                                       correct=c).as_dict()) + "\n"
+                                                 for k, c in [(0, (0, 1, 1, 0)), (3, (1, 1, 1, 0))]))
+    write_report(tmp_path, threshold=16)
+    assert [c.get_label() for c in saved["heldout.png"][0].containers] == ["greedy"]
     # records from before the counts were kept: no plot and no paired figure, the line as it was
     (tmp_path / "eval.jsonl").write_text("".join(
         json.dumps(EvalRecord(k, k, 0.4, 200, 4, 1.0, 9.0).as_dict()) + "\n" for k in (0, 3)))

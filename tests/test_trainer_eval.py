@@ -111,12 +111,18 @@ def test_the_change_between_two_evals_is_paired_by_problem_by_hand(tmp_path):
     assert change(old, last) == {} and change_text(old, last, "greedy") == ""
     # greedy only where both scored it
     assert set(change(EvalRecord(0, 0, 0.5, 4, 2, 1.0, 1.0, correct=(0, 1, 2, 1)), last)) == {"sampled"}
+    # evals not scored alike (a resumed run with another eval temperature or samples per problem): no pairing
+    import dataclasses
+
+    assert change(dataclasses.replace(first, temperature=0.0), last) == {}
+    assert change(dataclasses.replace(first, samples=4, correct=(0, 2, 4, 2)), last) == {}
 
 
 def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkeypatch):
     """run_eval's per-problem counts come from each completion's prompt_index, whatever order the completions
     arrive in (a stub rollout here: the real path is tests/test_trainer_loop.py's eval tests); at eval_temperature 0
-    the sampled pass is greedy already, and its counts give the greedy ones without a second pass."""
+    the sampled pass is greedy already: no second pass, greedy_accuracy = accuracy even where a problem's greedy
+    samples disagree (speculative and plain argmaxes can differ in the last bits), no greedy counts of their own."""
     from types import SimpleNamespace
 
     from tlt.services.trainer import collect, weight_sync
@@ -141,8 +147,8 @@ def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkey
     assert r.greedy_correct == (0, 1, 1) and r.greedy_accuracy == pytest.approx(2 / 3)  # the n = 1 pass: sample 0
     assert calls == [(2, 1.0), (1, 0.0)]
     calls.clear()
-    right = {(0, 0), (0, 1), (2, 0), (2, 1)}  # greedy samples of one problem agree
+    right = {(0, 0), (0, 1), (2, 0)}  # problem 2's two greedy samples disagree
     r = run_eval(items, [], None, TrainerConfig(eval_problems=3, eval_samples=2, eval_temperature=0.0,
                                                 eval_greedy=True), 0, 0)
-    assert calls == [(2, 0.0)] and r.correct == (2, 0, 2) and r.greedy_correct == (1, 0, 1)
-    assert r.greedy_accuracy == pytest.approx(2 / 3)
+    assert calls == [(2, 0.0)] and r.correct == (2, 0, 1) and r.greedy_correct is None
+    assert r.greedy_accuracy == r.accuracy == pytest.approx(3 / 6)

@@ -1,7 +1,8 @@
 """Prometheus view of each replica's speculative decoding (GET /metrics, namespace `rollout`).
 
 Every decision the adaptive engine takes is visible here, per replica: whether SD is on, how many
-verify and plain steps ran (and why a chosen arm decoded plainly: no room, over budget), the last
+verify and plain steps ran (and why a step decoded plainly instead: no KV room for its drafts, no arm within
+the verify-token budget), the last
 step's wall time, the accept length, and per arm how often it was chosen and the tokens per
 sequence it kept; with the adaptive mode, the bandit's view
 per batch-size bucket (explored / exploited choices, each arm's median reward in tokens/s). The
@@ -39,7 +40,7 @@ class SpecMetrics:
                                             ("replica", "bucket", "kind"))
         self.arm_reward = metrics.gauge("spec_bandit_median_reward", "median reward (tokens/s) of an arm in a bucket",
                                         ("replica", "bucket", "arm"))
-        self.arm_chosen = metrics.gauge("spec_bandit_chosen", "times the bandit chose an arm in a bucket",
+        self.arm_chosen = metrics.gauge("spec_bandit_chosen", "steps an arm the bandit chose ran in a bucket (a choice withdrawn for lack of KV room is not counted)",
                                         ("replica", "bucket", "arm"))
 
     def update(self, replica_id: int, spec: dict[str, Any]) -> None:

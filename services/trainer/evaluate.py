@@ -2,8 +2,13 @@
 
     eval prompts (the synthetic task's held-out draw, or eval_data_path)
       -> collect(n = eval_samples, temperature = eval_temperature)   same rollout + reward path as a step
-      -> share of correct completions -> EvalRecord -> one line of runs/<id>/eval.jsonl
-    with eval_greedy (and eval_temperature > 0), then collect(n = 1, temperature 0) -> greedy_accuracy
+      -> correct completions per problem (`correct`) and their share (`accuracy`) -> EvalRecord -> one line of
+         runs/<id>/eval.jsonl
+    with eval_greedy and eval_temperature > 0, then collect(n = 1, temperature 0) -> greedy_correct, greedy_accuracy
+    (at eval_temperature 0 the first pass is greedy: greedy_accuracy = accuracy, no second pass)
+
+`change(first, last)` pairs two evals of a run by problem: the difference of accuracies with its standard error,
+which the report (plots/heldout.png) and `tlt run`'s closing line give.
 
 Greedy and sampled accuracy answer different questions: greedy is a deployment's
 pass@1, sampled (at the training temperature) is what the RL objective
@@ -73,10 +78,13 @@ def change(first: EvalRecord, last: EvalRecord) -> dict[str, PairedDifference]:
     """`last` minus `first` accuracy, paired by problem, with its standard error: "sampled" and (when both evals
     scored it) "greedy". Two evals of a run score the same problems with the same random numbers, so the problems'
     difficulty and most of the draw cancel and the s.e. is a fraction of an accuracy's own. Empty when either
-    record has no per-problem counts (an eval.jsonl line from before they were kept) or they differ in size."""
+    record has no per-problem counts (an eval.jsonl line from before they were kept), or the two were not scored
+    alike (another temperature, samples per problem or problem count: a resumed run's changed settings)."""
     from tlt.model.evaluate import paired_difference
 
     out: dict[str, PairedDifference] = {}
+    if (first.temperature, first.samples, first.problems) != (last.temperature, last.samples, last.problems):
+        return out
     pairs = (("sampled", first.correct, last.correct, first.samples, last.samples),
              ("greedy", first.greedy_correct, last.greedy_correct, 1, 1))
     for name, a, b, na, nb in pairs:
@@ -86,7 +94,7 @@ def change(first: EvalRecord, last: EvalRecord) -> dict[str, PairedDifference]:
 
 
 def change_text(first: EvalRecord, last: EvalRecord, name: str) -> str:
-    """" (+0.012, paired s.e. 0.008)" for `change`'s `name`, or "" when it cannot be computed."""
+    """' (+0.012, paired s.e. 0.008)' for `change`'s `name`, or '' when it cannot be computed."""
     d = change(first, last).get(name) if first is not last else None
     return "" if d is None else f" ({d.mean:+.3f}, paired s.e. {d.se:.3f})"
 
@@ -127,12 +135,17 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
     correct = _pass(items, clients, rewards, cfg, cfg.eval_samples, cfg.eval_temperature, f"eval{steps_done}",
                     version, check_version)
     greedy = None
-    if cfg.eval_greedy:  # at T = 0 the pass above was greedy already: its samples are each problem's greedy one
-        greedy = (tuple(round(c / cfg.eval_samples) for c in correct) if cfg.eval_temperature == 0 else
-                  _pass(items, clients, rewards, cfg, 1, 0.0, f"eval{steps_done}-greedy", version, check_version))
-    return EvalRecord(steps_done, version, sum(correct) / (len(items) * cfg.eval_samples), len(items),
-                      cfg.eval_samples, cfg.eval_temperature, time.perf_counter() - t0, started_at,
-                      None if greedy is None else sum(greedy) / len(items), correct, greedy)
+    accuracy = sum(correct) / (len(items) * cfg.eval_samples)
+    greedy, greedy_accuracy = None, None
+    if cfg.eval_greedy:  # at T = 0 the pass above was greedy already: its accuracy is the greedy one (its counts
+        # are the sampled pass's; `change` pairs them as such, so no greedy counts of their own)
+        if cfg.eval_temperature == 0:
+            greedy_accuracy = accuracy
+        else:
+            greedy = _pass(items, clients, rewards, cfg, 1, 0.0, f"eval{steps_done}-greedy", version, check_version)
+            greedy_accuracy = sum(greedy) / len(items)
+    return EvalRecord(steps_done, version, accuracy, len(items), cfg.eval_samples, cfg.eval_temperature,
+                      time.perf_counter() - t0, started_at, greedy_accuracy, correct, greedy)
 
 
 def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int, temperature: float,  # noqa: ANN001

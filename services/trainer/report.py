@@ -135,7 +135,7 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     made.append(("reward.png", "Mean reward and accuracy of each step's rollout (its prompts differ step to step); "
                                "held-out accuracy on one fixed problem set"))
 
-    if len(evals) > 1 and change(evals[0], evals[1]):  # per-problem counts: the change since the first eval, paired
+    if any(change(evals[0], e) for e in evals[1:]):  # per-problem counts: the change since the first eval, paired
         made.append(_change_plot(plt, evals, out))
 
     if samples:
@@ -202,8 +202,8 @@ def _change_plot(plt, evals: list[EvalRecord], out: Path) -> tuple[str, str]:  #
         xs = [first.after_steps - 0.5 + dx] + [k - 0.5 + dx for k, _ in points]
         ys = [0.0] + [100 * d.mean for _, d in points]
         err = [0.0] + [100 * 1.96 * d.se for _, d in points]
-        label = (f"sampled (T = {first.temperature:g}, {first.samples} per problem)" if name == "sampled"
-                 else "greedy")
+        label = (f"sampled (T = {first.temperature:g}, {first.samples} per problem)"
+                 if name == "sampled" and first.temperature > 0 else "greedy")
         ax.errorbar(xs, ys, yerr=err, fmt=f"{marker}-", color=color, capsize=3, lw=1.5, label=label)
     ax.axhline(0.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("step"), ax.set_ylabel("points since the first eval")
@@ -247,7 +247,7 @@ def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None) -> str
 
 
 def _paired(first: EvalRecord, last: EvalRecord, name: str) -> str:
-    """", a change of +1.2 points (paired s.e. 0.8, 95% -0.4 .. +2.8)" when both records hold per-problem counts."""
+    """', a change of +1.2 points (paired s.e. 0.8; 95% -0.4 .. +2.8)' when both records hold per-problem counts."""
     d = change(first, last).get(name) if first is not last else None
     if d is None:
         return ""
