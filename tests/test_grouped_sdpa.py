@@ -3,9 +3,11 @@
 The engine's attention (paged gather, decode mirror, the drafter's runtime) no longer asks SDPA to expand
 K and V to every query head (`enable_gqa`): each K/V head's g = nh / kvh query heads become g x L query
 rows of that head, with the mask folded to match (`fold_mask`). Checked against the expanded call that
-`transformers` makes (SDPA with `enable_gqa`, and an explicit `repeat_interleave` of K/V): bitwise for
-L > 1, within float rounding for L = 1 (another SDPA kernel), for MHA, GQA and MQA, with and without masks
-of several shapes. Nothing is faked.
+`transformers` makes (SDPA with `enable_gqa`, and an explicit `repeat_interleave` of K/V): within float
+rounding, for MHA, GQA and MQA, with and without masks of several shapes. (Bitwise for L > 1 on the VMs of sessions
+17-24; on an AVX-512 one the folded g x L rows take another blocking for L = 3, and the last bits differ.)
+The greedy-losslessness tests do not depend on it: the engine runs the folded call in every path. Nothing is
+faked.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def test_grouped_sdpa_is_the_expanded_attention(nh, kvh, q_len, mask_kind):
     got = grouped_sdpa(q, k, v, fold_mask(mask, nh // kvh), scale)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=nh != kvh)
     assert got.shape == (b, nh, q_len, d)
-    if q_len > 1 or nh == kvh:
+    if nh == kvh:  # nothing folded: the same call
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -135,12 +135,13 @@ def test_a_long_chunked_prefill_is_progress_not_a_stall(tmp_path):
     from tlt.services.rollout.engine.testing import random_checkpoint
 
     async def prefill_then_decode(pool) -> list:
-        prompt = tuple(5 + (i * 7) % 200 for i in range(3500))  # 219 prefill steps of 16 tokens, no token out
+        # 438 prefill steps of 16 tokens, no token out: > 1.5 s even on a fast AVX-512 core (3,500 took 1.47 s there)
+        prompt = tuple(5 + (i * 7) % 200 for i in range(7000))
         return [c async for c in pool.generate(GenerationRequest("long", prompt, SamplingParams(max_tokens=2)))]
 
-    model = random_checkpoint(tmp_path / "m", max_position_embeddings=4096)  # 12 layers: ~10-30 ms a chunk
+    model = random_checkpoint(tmp_path / "m", max_position_embeddings=8192)  # 12 layers: ~5-30 ms a chunk
     with ServerThread(model, replicas=1, max_restarts=0, redispatch_limit=0, stall_timeout_s=1.5,
-                      engine={"max_model_len": 4096, "max_num_batched_tokens": 16, "num_kv_blocks": 256}) as s:
+                      engine={"max_model_len": 8192, "max_num_batched_tokens": 16, "num_kv_blocks": 512}) as s:
         t0 = time.monotonic()
         outs = s.call(prefill_then_decode(s.server.pool), timeout=120)
         assert len(outs) == 1 and s.server.pool.deaths == {} and time.monotonic() - t0 > 1.5  # outlasts the stall timeout
