@@ -41,10 +41,8 @@ def target_shared(model_dir: str | Path, device: str = "cpu") -> tuple[DrafterCo
     embed = want["model.embed_tokens.weight"]
     if embed is None:
         raise ValueError(f"{model_dir} has no model.embed_tokens.weight")
-    head = want["lm_head.weight"]
-    if cfg.tie_word_embeddings:
-        head = embed
-    elif head is None:  # the engine and transformers would not run the embedding as the head either
+    head = embed if cfg.tie_word_embeddings else want["lm_head.weight"]
+    if head is None:  # untied without a head: the engine and transformers would not run the embedding as one either
         raise ValueError(f"{model_dir} has no lm_head.weight, and its config.json unties the head "
                          "(tie_word_embeddings=false): the drafter would train against a head the target does not "
                          "have; add the head, or set tie_word_embeddings to true if the embedding is the head")

@@ -109,7 +109,7 @@ class WindowResult:
     released: float = 0.0
     last_step_start: float = 0.0
     losses: list[float] = field(default_factory=list)
-    abandoned: int = 0  # 1: the last micro-step was given up before its backward pass (BUSY during its forward)
+    abandoned: bool = False  # the last micro-step was given up before its backward pass (BUSY during its forward)
 
 
 @dataclass(frozen=True)
@@ -378,8 +378,7 @@ class DrafterWorker:
             if reply.batch.rows == 0:
                 self._poll_events(0.05)  # nothing to train on yet; keep listening
                 continue
-            self._poll_events(0.0)
-            if self.busy_seen:  # turned busy while the batch came: do not start the step
+            if self._busy_now():  # turned busy while the batch came: do not start the step
                 res.preempted = True
                 break
             res.last_step_start = time.time()
@@ -387,14 +386,13 @@ class DrafterWorker:
                               self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps,
                               should_stop=self._busy_now)
             if loss is None:  # turned busy during the forward pass: the step is abandoned before its backward
-                res.preempted, res.abandoned = True, 1
+                res.preempted = res.abandoned = True
                 break
             res.micro_steps += 1
             res.losses.append(float(loss.loss))
             del loss
             since_submit += 1
-            self._poll_events(0.0)
-            if self.busy_seen:  # turned busy during the step: stop now; a due submission waits (deferred)
+            if self._busy_now():  # turned busy during the step: stop now; a due submission waits (deferred)
                 res.preempted = True
                 break
             if since_submit >= self.cfg.submit_every:
@@ -403,8 +401,7 @@ class DrafterWorker:
                 if busy:  # turned busy during the send: the checkpoint waits (deferred), no re-pull
                     res.preempted = True
                     break
-                self._poll_events(0.0)
-                if self.busy_seen:  # turned busy during the checkpoint: release now; the next window pulls
+                if self._busy_now():  # turned busy during the checkpoint: release now; the next window pulls
                     res.preempted = True
                     break
                 if self.cfg.train_when == "always":  # a window per submission: the next one fetches a newer
@@ -452,7 +449,7 @@ class DrafterWorker:
         self.windows += 1
         log.info("training_window", worker=self.worker_id, replica=self.replica_id, steps=res.micro_steps,
                  preempted=res.preempted, release_ms=round(1000 * (res.released - res.busy_timestamp), 1)
-                 if res.preempted else None, abandoned_step=bool(res.abandoned))
+                 if res.preempted else None, abandoned_step=res.abandoned)
         return res
 
     # ---- state
@@ -477,8 +474,7 @@ class DrafterWorker:
                 return False
             self._deferred = d = replace(d, steps=0, losses=[])  # sent: never again
             if stop_on_busy:
-                self._poll_events(0.0)
-                if self.busy_seen:
+                if self._busy_now():
                     return True
         if self._checkpoint(d.opt_state):
             self._deferred = None
@@ -507,8 +503,7 @@ class DrafterWorker:
         if not self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:]):  # type: ignore[arg-type]
             self._restore_optimizer(opt)  # the optimizer state that made the refused delta must not go on
             return False
-        self._poll_events(0.0)
-        if self.busy_seen:
+        if self._busy_now():
             return True
         self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)  # failed: the window's end defers one
         return False

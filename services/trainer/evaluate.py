@@ -78,24 +78,25 @@ def change(first: EvalRecord, last: EvalRecord) -> dict[str, PairedDifference]:
     """`last` minus `first` accuracy, paired by problem, with its standard error: "sampled" and (when both evals
     scored it) "greedy". Two evals of a run score the same problems with the same random numbers, so the problems'
     difficulty and most of the draw cancel and the s.e. is a fraction of an accuracy's own. Empty when either
-    record has no per-problem counts (an eval.jsonl line from before they were kept), or the two were not scored
-    alike (another temperature, samples per problem or problem count: a resumed run's changed settings)."""
-    from tlt.model.evaluate import paired_difference
+    record has no per-problem counts (an eval.jsonl line from before they were kept), the two were not scored
+    alike (another temperature, samples per problem or problem count: a resumed run's changed settings), or they
+    are one record (a run with a single eval)."""
+    from tlt.model.evaluate import paired_counts
 
     out: dict[str, PairedDifference] = {}
-    if (first.temperature, first.samples, first.problems) != (last.temperature, last.samples, last.problems):
+    if first is last or (first.temperature, first.samples, first.problems) != (last.temperature, last.samples,
+                                                                               last.problems):
         return out
-    pairs = (("sampled", first.correct, last.correct, first.samples, last.samples),
-             ("greedy", first.greedy_correct, last.greedy_correct, 1, 1))
-    for name, a, b, na, nb in pairs:
+    for name, a, b, n in (("sampled", first.correct, last.correct, first.samples),
+                          ("greedy", first.greedy_correct, last.greedy_correct, 1)):
         if a is not None and b is not None and len(a) == len(b) >= 2:
-            out[name] = paired_difference([x / nb for x in b], [x / na for x in a])
+            out[name] = paired_counts(b, n, a, n)
     return out
 
 
 def change_text(first: EvalRecord, last: EvalRecord, name: str) -> str:
     """' (+0.012, paired s.e. 0.008)' for `change`'s `name`, or '' when it cannot be computed."""
-    d = change(first, last).get(name) if first is not last else None
+    d = change(first, last).get(name)
     return "" if d is None else f" ({d.mean:+.3f}, paired s.e. {d.se:.3f})"
 
 
@@ -134,7 +135,6 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
     t0, started_at = time.perf_counter(), time.time()
     correct = _pass(items, clients, rewards, cfg, cfg.eval_samples, cfg.eval_temperature, f"eval{steps_done}",
                     version, check_version)
-    greedy = None
     accuracy = sum(correct) / (len(items) * cfg.eval_samples)
     greedy, greedy_accuracy = None, None
     if cfg.eval_greedy:  # at T = 0 the pass above was greedy already: its accuracy is the greedy one (its counts

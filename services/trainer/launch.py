@@ -144,7 +144,7 @@ def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa:
     evals = read_evals(plan.run_dir / "eval.jsonl")
     held_out = ({"eval_accuracy": f"{evals[0].accuracy:.3f} (after {evals[0].after_steps} steps) -> "
                                   f"{evals[-1].accuracy:.3f} (after {evals[-1].after_steps})"
-                                  + (change_text(evals[0], evals[-1], "sampled") if len(evals) > 1 else "")
+                                  + change_text(evals[0], evals[-1], "sampled")
                                   + _greedy_change(evals[0], evals[-1])} if evals else {})
     log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1), **held_out)
     return rc

@@ -24,6 +24,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tlt.services.trainer.evaluate import EvalRecord, change, read_evals
 from tlt.services.trainer.run_stats import (
@@ -37,6 +38,9 @@ from tlt.services.trainer.run_stats import (
     read_windows,
     step_row,
 )
+
+if TYPE_CHECKING:
+    from tlt.model.evaluate import PairedDifference
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,9 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     made.append(("reward.png", "Mean reward and accuracy of each step's rollout (its prompts differ step to step); "
                                "held-out accuracy on one fixed problem set"))
 
-    if any(change(evals[0], e) for e in evals[1:]):  # per-problem counts: the change since the first eval, paired
-        made.append(_change_plot(plt, evals, out))
+    changes = [(e.after_steps, d) for e in evals[1:] if (d := change(evals[0], e))]  # paired with the first eval
+    if changes:
+        made.append(_change_plot(plt, evals[0], changes, out))
 
     if samples:
         t0 = samples[0].t
@@ -190,13 +195,13 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
     return made
 
 
-def _change_plot(plt, evals: list[EvalRecord], out: Path) -> tuple[str, str]:  # noqa: ANN001 - pyplot
-    """heldout.png: each eval's accuracy minus the first eval's, in points, paired by problem (the evals score the
-    same problems with the same random numbers), with 95% intervals; 0 is "no change"."""
+def _change_plot(plt, first: EvalRecord, changes: list[tuple[int, dict[str, PairedDifference]]],  # noqa: ANN001
+                 out: Path) -> tuple[str, str]:
+    """heldout.png: each eval's accuracy minus the first eval's (`change`, by steps done), in points, paired by
+    problem (the evals score the same problems with the same random numbers), with 95% intervals; 0 is "no change"."""
     fig, ax = plt.subplots(figsize=(9, 3.5))
-    first = evals[0]
     for name, color, marker, dx in (("sampled", "black", "D", -0.15), ("greedy", "tab:red", "^", 0.15)):
-        points = [(e.after_steps, d) for e in evals[1:] if (d := change(first, e).get(name)) is not None]
+        points = [(k, by_name[name]) for k, by_name in changes if name in by_name]
         if not points:
             continue
         xs = [first.after_steps - 0.5 + dx] + [k - 0.5 + dx for k, _ in points]
@@ -248,7 +253,7 @@ def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None) -> str
 
 def _paired(first: EvalRecord, last: EvalRecord, name: str) -> str:
     """', a change of +1.2 points (paired s.e. 0.8; 95% -0.4 .. +2.8)' when both records hold per-problem counts."""
-    d = change(first, last).get(name) if first is not last else None
+    d = change(first, last).get(name)
     if d is None:
         return ""
     lo, hi = d.ci95

@@ -244,11 +244,8 @@ def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, A
 
 def _digest(path: Path) -> str:
     """sha256 of a file (the first 16 hex digits): two builds with the same one are the same model."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

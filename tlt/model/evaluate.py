@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -69,13 +71,16 @@ def paired_difference(a: list[float], b: list[float]) -> PairedDifference:
     return PairedDifference(mean, se, (mean - 1.96 * se, mean + 1.96 * se))
 
 
+def paired_counts(a: Sequence[int], a_samples: int, b: Sequence[int], b_samples: int) -> PairedDifference:
+    """`paired_difference` of per-problem correct counts, each over its samples per problem (a's minus b's share)."""
+    return paired_difference([c / a_samples for c in a], [c / b_samples for c in b])
+
+
 def compare(report: EvalReport, against: EvalReport) -> dict[str, PairedDifference]:
     """`report` minus `against`, paired by problem: greedy accuracy and sampled accuracy."""
     return {
-        "greedy": paired_difference([float(x) for x in report.greedy_correct],
-                                    [float(x) for x in against.greedy_correct]),
-        "sampled": paired_difference([c / report.samples for c in report.sampled_correct],
-                                     [c / against.samples for c in against.sampled_correct]),
+        "greedy": paired_counts(report.greedy_correct, 1, against.greedy_correct, 1),
+        "sampled": paired_counts(report.sampled_correct, report.samples, against.sampled_correct, against.samples),
     }
 
 
