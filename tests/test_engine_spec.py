@@ -249,3 +249,43 @@ def test_rejection_sampled_chains_do_not_depend_on_a_greedy_neighbour(ckpt):
     assert crowded["A"].token_ids == alone.token_ids
     plain = engine(with_spec=False).generate([GenerationRequest(f"o{i}", p, greedy) for i, p in enumerate(_prompts()[1:4])])
     assert [crowded[f"o{i}"].token_ids for i in range(3)] == [c.token_ids for c in plain]  # greedy stays lossless
+
+
+def test_a_reproducible_request_emits_plain_decodings_tokens_under_rejection_sampled_chains(ckpt):
+    """SamplingParams.reproducible: a seeded request takes the tree walk even where chain_sampling would verify its
+    chain by rejection sampling, so its tokens are plain decoding's for the seed whatever the drafter (the trainer's
+    evals pair their samples by these uniforms). The same request without it emits other tokens (rejection sampling's
+    residual draws use their own uniforms): what the flag changes. Its neighbour in the batch, not reproducible, keeps
+    rejection sampling (per row), and the wire formats carry the flag."""
+    import dataclasses
+
+    from tlt.model.drafter import Drafter, DrafterConfig
+    from tlt.services.rollout.grpc_api import sampling_params
+    from tlt.services.rollout.openai_schema import CompletionRequest
+    from tlt.v1 import rollout_pb2
+
+    spec = SpecConfig(mode="static", static_arm="4_1_5", threshold=64, hysteresis_steps=1, drafter="learned",
+                      drafter_path="(in memory)", chain_sampling=True, verify_token_budget=0)
+    loose = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=77)
+    exact = dataclasses.replace(loose, reproducible=True)
+
+    def run(params: SamplingParams, with_spec: bool = True) -> list[tuple[int, ...]]:
+        e = LLMEngine(ckpt, EngineConfig(block_size=8))
+        if with_spec:
+            torch.manual_seed(0)
+            e.enable_spec(spec, Drafter(DrafterConfig.from_model_config(e.model_config), e.model.embed,
+                                        e.model.lm_head).eval())
+        out = e.generate([GenerationRequest("A", _prompts()[0], params, n=3),
+                          GenerationRequest("B", _prompts()[1], loose, n=2)])
+        if with_spec:
+            assert e.stats().spec["verify_steps"] > 5
+        return [tuple(c.token_ids) for c in sorted(out, key=lambda c: (c.request_id, c.sample_index))]
+
+    plain = run(loose, with_spec=False)
+    assert run(exact)[:3] == plain[:3]
+    assert run(loose)[:3] != plain[:3]  # rejection-sampled chains: exact in distribution, other tokens
+    assert run(exact)[3:] == run(loose)[3:] != plain[3:]  # B is not reproducible: still rejection sampled
+    assert sampling_params(rollout_pb2.SamplingParams(reproducible=True)).reproducible
+    assert not sampling_params(rollout_pb2.SamplingParams()).reproducible
+    body = CompletionRequest(model="m", prompt="1", reproducible=True)
+    assert body.sampling_params(8, None).reproducible

@@ -134,6 +134,7 @@ def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkey
 
     def stub(items, clients, rewards, n, params, label, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         calls.append((n, params.temperature))
+        assert params.reproducible  # plain decoding's tokens for the eval's uniforms, whatever speculation does
         done = [ScoredCompletion(p, s, (1,), (2,), float((p, s) in right), (p, s) in right)
                 for p in reversed(range(len(items))) for s in range(n)]  # arrival order is not the eval set's
         return SimpleNamespace(samples=done)

@@ -83,6 +83,7 @@ def sampling_params(p: rollout_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
         return_features=p.return_features,
+        reproducible=p.reproducible,
     )
     if p.max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (0: up to the context), got {p.max_tokens}")

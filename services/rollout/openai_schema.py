@@ -70,6 +70,7 @@ class _Sampling(_Strict):
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    reproducible: bool = False  # the tokens plain decoding gives `seed`, whatever speculation does (SamplingParams)
 
     @model_validator(mode="before")
     @classmethod
@@ -112,6 +113,7 @@ class _Sampling(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            reproducible=self.reproducible,
         )
         params.validate()
         return params

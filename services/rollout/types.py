@@ -29,6 +29,11 @@ class SamplingParams:
     target distribution in this order: temperature, top_k, top_p, min_p.
     logprobs: None returns none; 0 returns the chosen token's logprob; k > 0
     also returns the top-k alternatives.
+    reproducible (native engine): the tokens plain decoding gives this seed, whatever speculative decoding does;
+    the request's learned chains are verified by the tree walk, never by rejection sampling
+    (`SpecConfig.chain_sampling`), which accepts fewer drafts at temperature > 0 but lets two runs of a seeded
+    request pair token by token (the trainer's evals: common random numbers). Greedy requests are reproducible
+    anyway; the SGLang backend ignores it (SGLang's own sampling and speculation decide there).
     """
 
     temperature: float = 1.0
@@ -42,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     return_features: bool = False
+    reproducible: bool = False
 
     MAX_LOGPROBS = 20
     MIN_TEMPERATURE = 1e-20  # below it (float32) logits / temperature overflow to inf: NaN probabilities

@@ -30,7 +30,11 @@ evals of nearby policies differ only where the policy moved. Each eval is still
 an unbiased estimate of the policy's accuracy; the change between evals is
 measured with far less noise than independent draws would give (the learning
 curve is what the eval is for). A resumed run repeats the evals of the
-uninterrupted one.
+uninterrupted one. The requests are `reproducible` (SamplingParams): under
+speculative decoding they take the tree walk, which emits plain decoding's
+tokens for the same uniforms, not rejection-sampled chains, whose tokens also
+depend on the drafter (which the online drafter service changes between evals:
+session 25 measured a TLT run's paired s.e. 0.014 against 0.009 with SD off).
 
 Eval time is not part of any step's time (it runs after the step's metrics
 line is written) and is recorded in the record itself.
@@ -157,6 +161,7 @@ def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int,
     from tlt.services.trainer.weight_sync import check_versions
 
     params = sampling_params(cfg.max_tokens, temperature, 1.0, seed=sampling_seed(cfg))
+    params.reproducible = True  # plain decoding's tokens for these uniforms whatever the drafter (see the docstring)
     result = collect_retrying(items, clients, rewards, n, params, label, cfg.rollout_retries, cfg.rollout_retry_wait_s,
                               seed_key=EVAL_SEED_KEY)
     if check_version:

@@ -42,7 +42,7 @@ class LendResponse(_message.Message):
     def __init__(self, lent: _Optional[bool] = ..., expires_in_s: _Optional[float] = ..., replicas: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "return_features")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "return_features", "reproducible")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    REPRODUCIBLE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -65,7 +66,8 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: int
     return_features: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., return_features: _Optional[bool] = ...) -> None: ...
+    reproducible: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., return_features: _Optional[bool] = ..., reproducible: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("text", "token_ids", "reference")

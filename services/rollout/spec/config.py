@@ -73,7 +73,7 @@ class SpecConfig(ServiceConfig):
         "deterministic per seed and do not depend on the other sequences of a verify step, but emit other tokens "
         "than a plain step; a seeded request reproduces only when the same of its steps speculate (a prefill beside "
         "it, the verify budget or a full KV cache makes a step plain). Set false for seed reproducibility across SD "
-        "states and loads"
+        "states and loads, or set SamplingParams.reproducible on the requests that need it (the trainer's evals do)"
     )
     drafter: Literal["learned", "ngram"] = Field("ngram", description="learned EAGLE drafter, or model-free n-gram matching")
     drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")

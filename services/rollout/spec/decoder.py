@@ -10,7 +10,8 @@
                      rng.py: the draw plain decoding makes there) -> tree walk (accept.py);
                      chains SAMPLED from the drafter (`chain_sampling`, per sequence that samples):
                      rejection sampling min(1, q/p) against the filtered q instead (accept.py; exact in
-                     distribution, but not seeded-identical to plain decoding: SpecConfig.chain_sampling)
+                     distribution, but not seeded-identical to plain decoding: SpecConfig.chain_sampling;
+                     a request with SamplingParams.reproducible always takes the tree walk)
                   -> copy the accepted nodes' K/V to their final slots -> SpecEmission per sequence
 
 Each sequence in a decode batch has every token but its last in the KV cache (num_computed =
@@ -212,7 +213,7 @@ class SpecDecoder:
         catch_up = self._catch_up(seqs) if self._behind else 0.0
         if isinstance(self.source, EagleSource):  # sampled chains for the sequences that sample (see SpecConfig)
             sample = [self.config.chain_sampling and arm.topk == 1 and s.params.temperature > 0
-                      and s.rng_key is not None for s in seqs]
+                      and s.rng_key is not None and not s.params.reproducible for s in seqs]
             tree, counts = self.source.draft(seqs, arm, sample=sample)
         else:
             tree, counts = self.source.draft(seqs, arm)
