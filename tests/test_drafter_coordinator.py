@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from drafter_helpers import BUSY, IDLE, gated_coordinator, make, model_dir, samples, state  # noqa: F401 (fixtures)
+from drafter_helpers import BUSY, IDLE, gated_coordinator, make, model_dir, samples, state, wait_for  # noqa: F401 (fixtures)
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import Coordinator
 from tlt.v1 import events_pb2
@@ -283,3 +283,60 @@ def test_a_coordinator_never_started_closes(tmp_path, model_dir) -> None:
     coord = Coordinator(cfg, str(model_dir), None, None)
     coord.close()
     assert coord._router.closed
+
+
+def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_without_the_history(
+        tmp_path, model_dir, samples) -> None:
+    """Workers report a window as their replica turns busy (the start of every rollout). Its checkpoint write (the
+    drafter's tensors, the history, an fsync) took a decoding replica's CPU ~0.5 s later: it now waits until every
+    replica is idle (bounded: HISTORY_SAVE_WAIT_S). A delta, which changes the candidate, is written at once. The
+    answer to a hello or a report leaves the history out (the worker does not read it); GetStatus keeps it."""
+    import torch
+    import zmq
+
+    from tlt.services.common.weights import pack_state_dict
+    from tlt.services.drafter.training import own_tensors
+    from tlt.v1 import common_pb2, drafter_pb2
+
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9)  # both replicas BUSY
+    ctx = zmq.Context()
+
+    def ask(**body) -> drafter_pb2.CoordinatorMessage:  # noqa: ANN003
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coord.endpoint)
+        sock.send(drafter_pb2.WorkerMessage(worker_id=3, replica_id=0, **body).SerializeToString())
+        assert sock.poll(10_000), "the coordinator did not answer"
+        reply = drafter_pb2.CoordinatorMessage.FromString(sock.recv())
+        sock.close()
+        return reply
+
+    def saved_windows() -> int:
+        if not coord.ckpt.exists():
+            return -1
+        return len(torch.load(coord.ckpt, weights_only=False)["windows"])
+
+    try:
+        assert wait_for(lambda: coord.rollout.busy(), 10)
+        reply = ask(window=drafter_pb2.TrainingWindow(worker_id=3, replica_id=0, micro_steps=4, preempted=True))
+        assert reply.status.preemptions == 1 and len(reply.status.windows) == 0
+        assert len(coord.status().windows) == 1
+        time.sleep(2.0)  # the saver wrote within ~0.5 s before
+        assert saved_windows() == -1, "a history-only change was written while a replica decoded"
+        local = {k: v + 0.01 for k, v in own_tensors(coord.candidate).items()}
+        manifest, payload = pack_state_dict({k: local[k] - v for k, v in own_tensors(coord.candidate).items()},
+                                            common_pb2.WEIGHT_KIND_DRAFTER, 0)
+        assert ask(update=drafter_pb2.DeltaUpdate(base_version=0, micro_steps=1, manifest=manifest.SerializeToString(),
+                                                  payload=bytes(payload))).candidate_version == 1
+        assert wait_for(lambda: saved_windows() == 1, 5), "a delta must be written at once, busy or not"
+        ask(window=drafter_pb2.TrainingWindow(worker_id=3, replica_id=0, micro_steps=2))
+        time.sleep(1.5)
+        assert saved_windows() == 1
+        for r in (0, 1):
+            state(pub, r, IDLE)
+        assert wait_for(lambda: saved_windows() == 2, 5), "written once every replica is idle"
+        assert len(ask(hello=drafter_pb2.WorkerHello(worker_id=3, replica_id=0, pid=1)).status.windows) == 0
+    finally:
+        ctx.term()
+        coord.close()
+        pub.close()

@@ -65,6 +65,8 @@ def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
     return unpack(rollout_pb2.WeightManifest.FromString(manifest), payload, None)
 
 
+# a checkpoint write owed for the history only (window reports) waits at most this long for an idle rollout (`_saver`)
+HISTORY_SAVE_WAIT_S = 30.0
 PUSH_RETRY_S = 2.0  # a push owed to the rollout (`push_pending`) is retried this often until it lands
 WORKER_HEARTBEAT_S = 2.0  # a running worker says hello this often, whatever it does (worker.py: its own thread)
 WORKER_REQUEST_TIMEOUT_S = 10.0  # a worker's wait for an answer before it asks again on a fresh socket
@@ -153,6 +155,7 @@ class Coordinator:
         self._router.bind(config.coordinator_bind)
         self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dirty = threading.Event()
+        self._state_dirty = False  # a change beyond the history since the last write (`_saver`)
         self._threads = [threading.Thread(target=self._serve_workers, name="drafter-router", daemon=True),
                          threading.Thread(target=self._saver, name="drafter-saver", daemon=True),
                          threading.Thread(target=self._gate_loop, name="drafter-gate", daemon=True)]
@@ -204,13 +207,25 @@ class Coordinator:
             self.windows.append(drafter_pb2.TrainingWindow.FromString(blob))
         log.info("coordinator_restored", candidate_version=self.candidate_version, serving=self.serving_version)
 
-    def _save(self) -> None:  # caller holds the lock; the saver thread writes it soon
+    def _save(self, history_only: bool = False) -> None:  # caller holds the lock; the saver thread writes it soon
+        """history_only: only the status history changed (a worker's window report): see `_saver`."""
+        if not history_only:
+            self._state_dirty = True
         self._dirty.set()
 
     def _saver(self) -> None:
+        """Write the checkpoint ~0.5 s after a change. When only the history changed (window reports, which
+        workers send as their replica turns busy: at the start of every rollout) and a replica is busy, the write
+        (the drafter's tensors, the history, an fsync) waits until the rollout is idle, at most HISTORY_SAVE_WAIT_S:
+        it would take a decoding replica's CPU for records a crash may lose at no cost to training. A change of
+        the candidate, the serving drafter, a push owed or the applied deltas is written at once."""
         while not self._stop.is_set():
             if self._dirty.wait(0.5) and not self._stop.is_set():
                 time.sleep(0.5)
+                since = time.monotonic()
+                while (not self._state_dirty and self.rollout is not None and self.rollout.busy()
+                       and time.monotonic() - since < HISTORY_SAVE_WAIT_S and not self._stop.wait(0.1)):
+                    pass
                 self._try_save()
         if self._dirty.is_set():
             self._try_save()
@@ -221,6 +236,7 @@ class Coordinator:
         try:
             self.save_now()
         except Exception as e:  # deliberate boundary: the saver must outlive a bad moment of the disk
+            self._state_dirty = True  # the next try does not wait for an idle rollout
             self._dirty.set()
             log.error("coordinator_checkpoint_failed", path=str(self.ckpt), error=repr(e)[:300])
 
@@ -228,6 +244,7 @@ class Coordinator:
         with self._save_lock:  # the saver and the gate (after a publish): one writer, snapshots in order
             with self._lock:
                 self._dirty.clear()
+                self._state_dirty = False
                 state = self._state()
             save_atomic(self.ckpt, state, fsync=True)
 
@@ -292,7 +309,7 @@ class Coordinator:
         if kind == "hello":  # also every WORKER_HEARTBEAT_S: logged when the worker (re)joins
             if joined:
                 log.info("worker_joined", worker=msg.worker_id, replica=msg.replica_id, pid=msg.hello.pid)
-            return drafter_pb2.CoordinatorMessage(status=self.status())
+            return drafter_pb2.CoordinatorMessage(status=self.status(history=False))
         if kind == "pull":
             with self._lock:
                 m, p = tensors_message(own_tensors(self.candidate), self.candidate_version)
@@ -329,8 +346,8 @@ class Coordinator:
                 w.preemptions += int(win.preempted)
                 self.windows.append(win)
                 self.preemptions += int(win.preempted)
-                self._save()
-            return drafter_pb2.CoordinatorMessage(status=self.status())
+                self._save(history_only=True)
+            return drafter_pb2.CoordinatorMessage(status=self.status(history=False))
         raise ValueError(f"unknown worker message {kind!r}")
 
     def _alive(self, worker_id: int, now: float) -> bool:  # caller holds the lock
@@ -519,7 +536,10 @@ class Coordinator:
         return rec
 
     # ---- status
-    def status(self) -> drafter_pb2.DrafterStatus:
+    def status(self, history: bool = True) -> drafter_pb2.DrafterStatus:
+        """The service's state; history=False leaves out the training windows and acceptance records (up to
+        `history` of each): the answer to a worker's hello and window report, which the worker does not read, sent
+        while its replica is busy (two workers' hellos and reports copied 400 records each round)."""
         seqs, toks = self.buffer.stats()
         self.m_buffer.set(seqs)
         self.m_dropped.set(self.buffer.sender_dropped)
@@ -537,7 +557,8 @@ class Coordinator:
                 features_dropped=self.buffer.sender_dropped, features_rejected=self.buffer.rejected,
                 deltas_refused=self.deltas_refused,
                 workers=[self._worker_status(w, now) for w in self.workers.values()],
-                windows=list(self.windows), acceptance=list(self.acceptance), preemptions=self.preemptions,
+                windows=list(self.windows) if history else [], acceptance=list(self.acceptance) if history else [],
+                preemptions=self.preemptions,
                 shared_policy_version=self.shared.current.policy_version,
                 shared_fetch_failures=self.shared.failures, shared_fetch_error=self.shared.last_error)
 
