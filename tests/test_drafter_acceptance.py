@@ -70,3 +70,26 @@ def test_a_drafter_that_copies_the_target_accepts_everything() -> None:
     drafts, actual, valid = chain_drafts(d, seq, f, 5)
     lens = accept_lengths(drafts, actual, valid)
     assert int(lens[0]) == 6
+
+
+def test_chain_drafts_stops_between_its_drafter_passes_when_told() -> None:
+    """The coordinator's gate evaluates while every replica is idle and stops when one turns busy. It asked only
+    between two samples, so a rollout that started meanwhile waited for the rest of a sample (depth + 1 drafter
+    passes over it); now it is asked before each pass past the first. Not told, the drafts are unchanged."""
+    import pytest
+
+    from tlt.services.drafter.acceptance import EvaluationInterrupted
+
+    d = tiny_drafter()
+    g = torch.Generator().manual_seed(1)
+    tokens, feats = torch.randint(0, 11, (12,), generator=g), torch.randn(12, 16, generator=g)
+    passes = []
+    hook = d.register_forward_hook(lambda *a: passes.append(1))
+    asked = []
+    with pytest.raises(EvaluationInterrupted):
+        chain_drafts(d, tokens, feats, 4, should_stop=lambda: asked.append(len(passes)) or len(asked) == 2)
+    assert asked == [1, 2]  # before the second and the third pass; the third never ran
+    passes.clear()
+    drafts = chain_drafts(d, tokens, feats, 4, should_stop=lambda: False)[0]
+    hook.remove()
+    assert len(passes) == 4 and torch.equal(drafts, chain_drafts(d, tokens, feats, 4)[0])

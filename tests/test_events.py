@@ -75,6 +75,33 @@ def test_late_subscriber_gets_current_state_from_snapshot(publisher: CapacityPub
         assert sub.latest[("srv-a", 0)].state == IDLE
 
 
+def test_recv_zero_returns_what_is_queued_without_waiting() -> None:
+    """recv(0) looks at the queue and never waits: a drafter worker asks between the parts of every micro-step
+    whether its replica turned busy. recv(0) returned None without looking (the worker asked recv(0.001) instead,
+    which did not wait only because the milliseconds left truncate to 0)."""
+    pub = CapacityPublisher(ANY, ANY, server_id="srv-z", heartbeat_s=60.0)  # no heartbeat in the way
+    try:
+        with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint) as sub:
+            sub.snapshot(timeout_s=2.0)
+            sent = None
+            deadline = time.monotonic() + 5  # past the slow joiner: publish until one arrives
+            while sent is None and time.monotonic() < deadline:
+                pub.publish(_event(0, BUSY))
+                sent = sub.recv(0.2)
+            assert sent is not None
+            while sub.recv(0.05) is not None:  # drain what the retries queued
+                pass
+            last = pub.publish(_event(0, IDLE))
+            time.sleep(0.3)  # delivered to the subscriber's queue
+            ev = sub.recv(0)
+            assert ev is not None and (ev.state, ev.seq) == (IDLE, last.seq)
+            t0 = time.monotonic()
+            assert all(sub.recv(0) is None for _ in range(200))
+            assert time.monotonic() - t0 < 0.15, "recv(0) must look without waiting"
+    finally:
+        pub.close()
+
+
 def test_heartbeats_repeat_every_replica_state(publisher: CapacityPublisher) -> None:
     a = publisher.publish(_event(0, BUSY))
     b = publisher.publish(_event(1, IDLE))

@@ -226,11 +226,14 @@ class CapacitySubscriber:
         return True
 
     def recv(self, timeout_s: float) -> CapacityEvent | None:
-        """The next event (state change or heartbeat), or None when `timeout_s` passes without one."""
+        """The next event (state change or heartbeat), or None when `timeout_s` passes without one. timeout_s 0 (or
+        less than a millisecond): what is queued now, without waiting (it returned None without looking; a worker,
+        which asks between the parts of every micro-step, asked recv(0.001), which polls with timeout 0 only because
+        the milliseconds left are truncated)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sub.poll(timeout=int(left * 1000)):
+            left = max(0.0, deadline - time.monotonic())
+            if not self._sub.poll(timeout=int(left * 1000)):  # 0: look, never wait
                 return None
             frames = self._sub.recv_multipart()
             env = decode(frames[1], "capacity") if len(frames) == 2 and frames[0] == TOPIC else None

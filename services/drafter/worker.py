@@ -12,11 +12,11 @@
           -> stop; copy state off the device and free it
              (`released`), then send the delta, checkpoint atomically, report the window
 
-So a worker never starts a micro-step after its replica turned busy, and a step whose forward pass saw
-BUSY is abandoned before its backward pass and update (`micro_step(should_stop=...)`): the busy-to-released
-latency is at most the rest of one micro-step plus the release, and on the replica's time a preemption
-costs at most a forward pass or the rest of a backward one. Optimizer state and step counts live in
-`<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
+So a worker never starts a micro-step after its replica turned busy, and a step that sees BUSY at one of its
+checkpoints (after the fc and the attention of its forward pass, at its loss, and at three points of its backward
+pass: `micro_step(should_stop=...)`) is abandoned before its update: the busy-to-released latency is at most one
+stretch between two checkpoints plus the release, a few ms of the replica's time on the tiny model. Optimizer state
+and step counts live in `<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
 coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
 a timeout; a coordinator that does not answer (its first hello included) makes the worker wait and retry, not
@@ -109,7 +109,7 @@ class WindowResult:
     released: float = 0.0
     last_step_start: float = 0.0
     losses: list[float] = field(default_factory=list)
-    abandoned: bool = False  # the last micro-step was given up before its backward pass (BUSY during its forward)
+    abandoned: bool = False  # the last micro-step was given up before its update (BUSY seen at a checkpoint)
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ class DrafterWorker:
         """Read EVERY queued event (heartbeats pile up during a long step), waiting up to `timeout_s` for one."""
         deadline = time.monotonic() + timeout_s
         while True:
-            e = self.sub.recv(max(0.001, deadline - time.monotonic()))  # recv(0) would not even look
+            e = self.sub.recv(max(0.0, deadline - time.monotonic()))  # 0: what is queued, without waiting
             if e is None:
                 break
             self._see(e)
@@ -385,7 +385,7 @@ class DrafterWorker:
             loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
                               self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps,
                               should_stop=self._busy_now)
-            if loss is None:  # turned busy during the forward pass: the step is abandoned before its backward
+            if loss is None:  # turned busy during the step: abandoned at a checkpoint, before its update
                 res.preempted = res.abandoned = True
                 break
             res.micro_steps += 1
