@@ -286,13 +286,16 @@ def test_a_coordinator_never_started_closes(tmp_path, model_dir) -> None:
 
 
 def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_without_the_history(
-        tmp_path, model_dir, samples) -> None:
+        tmp_path, model_dir, samples, monkeypatch) -> None:
     """Workers report a window as their replica turns busy (the start of every rollout). Its checkpoint write (the
     drafter's tensors, the history, an fsync) took a decoding replica's CPU ~0.5 s later: it now waits until every
-    replica is idle (bounded: HISTORY_SAVE_WAIT_S). A delta, which changes the candidate, is written at once. The
-    answer to a hello or a report leaves the history out (the worker does not read it); GetStatus keeps it."""
+    replica is idle, at most HISTORY_SAVE_WAIT_S (shortened here: a rollout longer than that gets the write). A delta,
+    which changes the candidate, is written at once. The answer to a hello or a report leaves the history out (the
+    worker does not read it); GetStatus keeps it."""
     import torch
     import zmq
+
+    from tlt.services.drafter import coordinator as coordinator_module
 
     from tlt.services.common.weights import pack_state_dict
     from tlt.services.drafter.training import own_tensors
@@ -335,7 +338,15 @@ def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_w
         for r in (0, 1):
             state(pub, r, IDLE)
         assert wait_for(lambda: saved_windows() == 2, 5), "written once every replica is idle"
-        assert len(ask(hello=drafter_pb2.WorkerHello(worker_id=3, replica_id=0, pid=1)).status.windows) == 0
+        coord.acceptance.append(drafter_pb2.AcceptanceRecord(drafter_version=1))
+        hello = ask(hello=drafter_pb2.WorkerHello(worker_id=3, replica_id=0, pid=1)).status
+        assert len(hello.windows) == len(hello.acceptance) == 0 and len(coord.status().acceptance) == 1
+        monkeypatch.setattr(coordinator_module, "HISTORY_SAVE_WAIT_S", 1.0)
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: coord.rollout.busy(), 10)
+        ask(window=drafter_pb2.TrainingWindow(worker_id=3, replica_id=0, micro_steps=1))
+        assert wait_for(lambda: saved_windows() == 3, 5), "written at the cap, the rollout still busy"
+        assert coord.rollout.busy()
     finally:
         ctx.term()
         coord.close()

@@ -130,29 +130,33 @@ def test_micro_step_with_ttt_trains_every_weight_and_lowers_the_unrolled_loss():
     assert float(r1.loss.detach()) == pytest.approx(float(r2.loss.detach()))
 
 
-def test_a_micro_step_told_to_stop_at_any_checkpoint_changes_nothing():
-    """should_stop (a worker's replica turned busy) is asked at six checkpoints of a step: in the forward pass after
-    the fc and after the attention, once the loss is computed, and in the backward pass at the output, the attention
-    output and the fc output. True at any of them abandons the step before the update: None, the drafter and the
-    optimizer exactly as before, no gradient left behind. Never true, the same step trains as usual and asks six
-    times. (It was asked once, after the forward pass: a BUSY during the backward pass, ~60% of a step, waited for
-    the whole of it.)"""
+@pytest.mark.parametrize("ttt_steps", [1, 2])
+def test_a_micro_step_told_to_stop_at_any_checkpoint_changes_nothing(ttt_steps):
+    """should_stop (a worker's replica turned busy) is asked at checkpoints through a step: in the forward pass after
+    the fc and after the attention (per unroll step), after the drafter's output and once the loss is computed, and in
+    the backward pass (grad mode off there) at each output, attention output and fc output: 7 asks, 5k + 2 with
+    ttt_steps = k. True at any of them abandons the step before the update: None, the drafter and the optimizer
+    exactly as before, no gradient left behind, no hook left on the modules. Never true, the same step trains as usual.
+    (It was asked once, after the forward pass: a BUSY during the backward pass, ~60% of a step, waited for the whole
+    of it.)"""
     d = _drafter(7)
     opt = make_optimizer(d, 1e-3)
     batch = _batch(1)
-    micro_step(d, opt, batch)  # the optimizer has state to keep intact
+    micro_step(d, opt, batch, ttt_steps=ttt_steps)  # the optimizer has state to keep intact
     weights = {k: v.clone() for k, v in d.state_dict().items()}
     moments = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
-    for stop_at in range(1, 7):
+    asks = 5 * ttt_steps + 2
+    for stop_at in range(1, asks + 1):
         asked = []
-        assert micro_step(d, opt, batch, should_stop=lambda: asked.append(1) or len(asked) >= stop_at) is None
+        assert micro_step(d, opt, batch, ttt_steps=ttt_steps,
+                          should_stop=lambda: asked.append(torch.is_grad_enabled()) or len(asked) >= stop_at) is None
         assert len(asked) == stop_at
         assert all(torch.equal(weights[k], v) for k, v in d.state_dict().items())
         after = opt.state_dict()["state"]
         assert all(torch.equal(moments[i][k], after[i][k]) for i in moments for k in moments[i])
         assert all(p.grad is None for p in d.parameters())
-    assert not d.fc._forward_hooks and not d.layer.self_attn.o_proj._forward_hooks  # removed on the way out
+        assert not d.fc._forward_hooks and not d.layer.self_attn.o_proj._forward_hooks
     asked = []
-    out = micro_step(d, opt, batch, should_stop=lambda: asked.append(1) and False)
-    assert out is not None and len(asked) == 6
+    out = micro_step(d, opt, batch, ttt_steps=ttt_steps, should_stop=lambda: asked.append(torch.is_grad_enabled()))
+    assert out is not None and asked == [True] * (2 * ttt_steps + 2) + [False] * (3 * ttt_steps)
     assert any(not torch.equal(weights[k], v) for k, v in d.state_dict().items())

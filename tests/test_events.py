@@ -203,6 +203,34 @@ def test_garbage_and_stale_events_on_sub_socket_are_skipped(publisher: CapacityP
             assert sub.latest[("srv-a", 0)].seq == fresh.seq
 
 
+def test_recv_zero_reads_past_skipped_frames_but_not_forever(publisher: CapacityPublisher) -> None:
+    """recv(0) drains garbage and stale frames queued ahead of a real event and returns the event (a worker's
+    non-waiting look for a BUSY); once its time is up it reads at most MAX_LATE_FRAMES frames, so a sender of endless
+    garbage cannot hold it."""
+    publisher.publish(_event(0, BUSY))
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
+        rogue.bind(ANY)
+        with CapacitySubscriber(rogue.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_endpoint) as sub:
+            known = sub.snapshot()[0]
+            stale = _event(0, IDLE)
+            stale.server_id, stale.seq = "srv-a", known.seq - 1
+            fresh = _event(0, IDLE)
+            fresh.server_id, fresh.seq = "srv-a", known.seq + 1
+            _wait_until_live(sub, rogue, server_id="probe")
+            for f in ([TOPIC, b"\xff\xff"], [TOPIC, Envelope(capacity=stale).SerializeToString()],
+                      [TOPIC, Envelope(capacity=fresh).SerializeToString()]):
+                rogue.send_multipart(f)
+            time.sleep(0.3)  # all three queued at the subscriber
+            got = sub.recv(0)
+            assert got is not None and got.seq == fresh.seq and sub.garbage == 1
+            n = sub.MAX_LATE_FRAMES + 36
+            for _ in range(n):
+                rogue.send_multipart([TOPIC, b"\xff\xff"])
+            time.sleep(0.3)
+            assert sub.recv(0) is None and sub.garbage == 1 + sub.MAX_LATE_FRAMES
+            assert sub.recv(0) is None and sub.garbage == 1 + n  # the rest, at the next look
+
+
 def test_pusher_never_blocks_without_consumer() -> None:
     with zmq.Context() as ctx, ctx.socket(zmq.PULL) as probe:
         probe.bind(ANY)

@@ -188,6 +188,8 @@ class CapacitySubscriber:
     Not thread-safe: one thread owns a subscriber.
     """
 
+    MAX_LATE_FRAMES = 64  # recv reads at most this many queued frames once its time is up
+
     def __init__(self, connect_pub: str, connect_snapshot: str) -> None:
         self.snapshot_endpoint = connect_snapshot
         self.garbage = 0
@@ -231,9 +233,14 @@ class CapacitySubscriber:
         which asks between the parts of every micro-step, asked recv(0.001), which polls with timeout 0 only because
         the milliseconds left are truncated)."""
         deadline = time.monotonic() + timeout_s
+        late = 0  # frames read past the deadline: skipped ones (garbage, stale) are drained, but not forever
         while True:
-            left = max(0.0, deadline - time.monotonic())
-            if not self._sub.poll(timeout=int(left * 1000)):  # 0: look, never wait
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late += 1
+                if late > self.MAX_LATE_FRAMES:
+                    return None
+            if not self._sub.poll(timeout=int(max(0.0, left) * 1000)):  # 0: look, never wait
                 return None
             frames = self._sub.recv_multipart()
             env = decode(frames[1], "capacity") if len(frames) == 2 and frames[0] == TOPIC else None

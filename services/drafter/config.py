@@ -67,8 +67,8 @@ class DrafterServiceConfig(ServiceConfig):
     feature_noise: float = Field(0.0, ge=0, description="uniform noise half-width on input features (warm-up uses 0.1)")
     ttt_steps: int = Field(
         1, ge=1, description="training-time test depth (`Drafter.forward_unrolled`): also train on the drafter's own "
-        "outputs this many steps deep; each step adds about one forward and backward, and so lengthens the micro-step "
-        "a preemption waits for"
+        "outputs this many steps deep; each step adds about one forward and backward (a preemption still waits only "
+        "for the stretch between two of micro_step's checkpoints, which come once per unroll step)"
     )
     window_max_steps: int = Field(
         0, ge=0, description="most micro-steps a worker trains per idle period of its replica; then it waits for the "

@@ -14,7 +14,8 @@ any number of workers can join, leave or die: a delta is applied whole or not at
 worker that sends it again after a lost answer gets the version it made), and the candidate with its
 version, the serving drafter and the history are checkpointed atomically after every change
 (`coordinator.pt`, written by a background saver at most every 0.5 s so the workers' requests never
-wait on the disk), so a restarted coordinator continues from a consistent state. The
+wait on the disk; a change of the history alone, e.g. a window report, waits for an idle rollout: `_saver`), so a
+restarted coordinator continues from a consistent state. The
 published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head are
 never among them (asserted). A push that fails (possibly on some replicas only) is sent again as it
 was until it lands, whatever later evaluations say; a push in flight or owed is in the checkpoint, so a
@@ -217,8 +218,9 @@ class Coordinator:
         """Write the checkpoint ~0.5 s after a change. When only the history changed (window reports, which
         workers send as their replica turns busy: at the start of every rollout) and a replica is busy, the write
         (the drafter's tensors, the history, an fsync) waits until the rollout is idle, at most HISTORY_SAVE_WAIT_S:
-        it would take a decoding replica's CPU for records a crash may lose at no cost to training. A change of
-        the candidate, the serving drafter, a push owed or the applied deltas is written at once."""
+        it would take a decoding replica's CPU for records a crash may lose at no cost to training (a rollout longer
+        than the cap gets the write at the cap). A change of the candidate, the serving drafter, a push owed or the
+        applied deltas is written at once. Without `gate_when_idle` (no capacity events) nothing waits."""
         while not self._stop.is_set():
             if self._dirty.wait(0.5) and not self._stop.is_set():
                 time.sleep(0.5)
@@ -226,7 +228,8 @@ class Coordinator:
                 while (not self._state_dirty and self.rollout is not None and self.rollout.busy()
                        and time.monotonic() - since < HISTORY_SAVE_WAIT_S and not self._stop.wait(0.1)):
                     pass
-                self._try_save()
+                if self._dirty.is_set():  # the gate may have written it meanwhile (save_now)
+                    self._try_save()
         if self._dirty.is_set():
             self._try_save()
 
@@ -236,17 +239,23 @@ class Coordinator:
         try:
             self.save_now()
         except Exception as e:  # deliberate boundary: the saver must outlive a bad moment of the disk
-            self._state_dirty = True  # the next try does not wait for an idle rollout
-            self._dirty.set()
             log.error("coordinator_checkpoint_failed", path=str(self.ckpt), error=repr(e)[:300])
 
     def save_now(self) -> None:
+        """Write the checkpoint now. A write that fails leaves the change owed (the saver tries again, without
+        waiting for an idle rollout) and raises."""
         with self._save_lock:  # the saver and the gate (after a publish): one writer, snapshots in order
             with self._lock:
                 self._dirty.clear()
                 self._state_dirty = False
                 state = self._state()
-            save_atomic(self.ckpt, state, fsync=True)
+            try:
+                save_atomic(self.ckpt, state, fsync=True)
+            except BaseException:
+                with self._lock:
+                    self._state_dirty = True
+                    self._dirty.set()
+                raise
 
     def _state(self) -> dict:  # caller holds the lock
         return ({
@@ -528,7 +537,7 @@ class Coordinator:
         self.m_accept.labels("serving").set(rec.candidate_accept_len if rec.published else serve_len)
         with self._lock:
             self.acceptance.append(rec)
-            self._save()
+            self._save(history_only=not rec.published)  # a published one is written just below
         if rec.published:  # now, not by the background saver: the rollout already serves it
             self.save_now()
         log.info("drafter_evaluated", version=version, candidate=round(cand_len, 3), serving=round(serve_len, 3),

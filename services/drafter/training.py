@@ -91,12 +91,15 @@ def micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch,
     own predicted features, as chain and tree drafting make it do at every depth past the first.
 
     should_stop: asked at checkpoints through the step: in the forward pass after the drafter's fc and its
-    attention, once the loss is computed, and in the backward pass as the gradient reaches the drafter's output,
-    its attention output and its fc output. True abandons the step before the update, returning None with the
-    drafter and optimizer as they were (the gradients are cleared). A worker asks whether its replica turned
-    busy: a preemption then runs at most the part of a step between two checkpoints on a device the rollout
-    wants back (on the tiny model's drafter, 4 x 128 tokens: ~1-5 ms, where the rest of a step was up to
-    ~20 ms, the backward pass ~60% of it). Each check should be cheap (a worker's reads the queued events)."""
+    attention, after its output (before the loss's lm_head products) and once the loss is computed, and in the
+    backward pass as the gradient reaches the drafter's output, its attention output and its fc output (7 asks;
+    with ttt_steps = k the forward and backward ones come once per unroll step: 5k + 2). True abandons the step
+    before the update, returning None with the drafter and optimizer as they were (the gradients are cleared). A
+    worker asks whether its replica turned busy: a preemption then runs at most the part of a step between two
+    checkpoints on a device the rollout wants back (on the tiny model's drafter, 4 x 128 tokens: ~1-5 ms, where
+    the rest of a step was up to ~20 ms, the backward pass ~60% of it; on a large vocabulary the loss's backward
+    through the lm_head is one stretch). Each check should be cheap (a worker's reads the queued events), and may
+    run on autograd's device thread (CUDA), while the caller's thread waits in backward()."""
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     if should_stop is None:
@@ -129,8 +132,8 @@ class _Stopped(Exception):
 def _micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch, grad_clip: float, noise: float,
                 generator: torch.Generator | None, ttt_steps: int, ttt_decay: float,
                 check: Callable[..., None] | None = None) -> DrafterLoss:
-    """`micro_step`'s work; `check` (raises to stop) is called once the loss is computed, and again as the backward
-    pass reaches each prediction."""
+    """`micro_step`'s work; `check` (raises to stop) is called after the drafter's forward, once the loss is computed,
+    and again as the backward pass reaches each prediction."""
     device = next(drafter.parameters()).device
     p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
     feats = p.features.to(device, torch.float32)
@@ -143,6 +146,8 @@ def _micro_step(drafter: Drafter, opt: torch.optim.Optimizer, batch: PackedBatch
         preds = [drafter(ids, feats, pos, segment_ids=seg)]
     else:
         preds = drafter.forward_unrolled(ids, feats, pos, seg, ttt_steps)
+    if check is not None:
+        check()
     res = loss = None
     for s, pred in enumerate(preds):
         target, mask = unrolled_targets(p, s)

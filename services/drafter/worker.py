@@ -13,8 +13,8 @@
              (`released`), then send the delta, checkpoint atomically, report the window
 
 So a worker never starts a micro-step after its replica turned busy, and a step that sees BUSY at one of its
-checkpoints (after the fc and the attention of its forward pass, at its loss, and at three points of its backward
-pass: `micro_step(should_stop=...)`) is abandoned before its update: the busy-to-released latency is at most one
+checkpoints (after the fc, the attention and the output of its forward pass, at its loss, and at three points of its
+backward pass: `micro_step(should_stop=...)`) is abandoned before its update: the busy-to-released latency is at most one
 stretch between two checkpoints plus the release, a few ms of the replica's time on the tiny model. Optimizer state
 and step counts live in `<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the

@@ -4,7 +4,7 @@ Requests are parsed strictly (unknown fields, wrong types and out-of-range
 values are rejected with a message naming the field; `null` takes the field's
 default, as in the OpenAI API) and converted to the engine's `SamplingParams`.
 TLT extensions beside the OpenAI fields: `top_k`,
-`min_p`, `ignore_eos`, `stop_token_ids`; every response carries the weight
+`min_p`, `ignore_eos`, `stop_token_ids`, `reproducible`; every response carries the weight
 versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
 honour (penalties, logit_bias, echo, suffix, a `tool_choice` that forces a
 call, the deprecated `functions` / `function_call`) are refused with a 400

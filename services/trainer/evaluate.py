@@ -34,7 +34,8 @@ uninterrupted one. The requests are `reproducible` (SamplingParams): under
 speculative decoding they take the tree walk, which emits plain decoding's
 tokens for the same uniforms, not rejection-sampled chains, whose tokens also
 depend on the drafter (which the online drafter service changes between evals:
-session 25 measured a TLT run's paired s.e. 0.014 against 0.009 with SD off).
+a TLT run's first eval now equals an SD-off run's problem by problem). The SGLang backend
+ignores the flag: its evals pair only as far as SGLang's own sampling repeats.
 
 Eval time is not part of any step's time (it runs after the step's metrics
 line is written) and is recorded in the record itself.

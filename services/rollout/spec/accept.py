@@ -26,7 +26,8 @@ or adaptive (up to floating-point rounding of the logits between batch shapes, a
 share their depth's uniform; only one path is emitted. Rejection-sampled chains cannot match plain
 decoding token for token (whether a draft is kept depends on the drafter's p): they draw from their own
 streams (DRAFT, ACCEPT, RESIDUAL), stay exact in distribution, but a seeded request whose steps take
-that path (`SpecConfig.chain_sampling`) is reproducible only when the same steps do so again.
+that path (`SpecConfig.chain_sampling`) is reproducible only when the same steps do so again; a request
+with `SamplingParams.reproducible` never takes it.
 Without `u` (tests), uniforms come from `generator` (None: torch's global one).
 """
 

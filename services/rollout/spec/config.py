@@ -8,7 +8,8 @@
               request's own context and its sibling samples (no training needed, useful at step 0).
 
 Everything here is lossless: no setting trades exactness for speed. Seeded sampling is token-identical
-to plain decoding under every setting except rejection-sampled chains (`chain_sampling`, see there).
+to plain decoding under every setting except rejection-sampled chains (`chain_sampling`, see there), which a
+request with `SamplingParams.reproducible` never takes.
 """
 
 from __future__ import annotations
