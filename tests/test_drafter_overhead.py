@@ -95,3 +95,21 @@ def test_both_rounds_of_a_pair_decode_the_same_prompts_without_prefix_hits():
     assert shared_hits([batch for (_, batch), _ in pairs for _ in range(2)]) == 0  # B does not reuse A's prompt KV
     long = [[7] * (BLOCK_SIZE + 1)]  # the check sees a hit where there is one: a prompt past a block
     assert shared_hits([long, long]) == 1
+
+
+def test_pool_takes_the_median_over_every_pair_of_several_runs(tmp_path, capsys):
+    """`tlt bench drafter-drift --pool A.json B.json`: one run's 40 pairs give an interval of +-2-3% here, too wide
+    for the 2% target; runs of the same command pool their pairs. By hand: ratios 1.00, 1.02, 1.04 (run 1) and 1.01,
+    1.03, 1.05, 1.06 (run 2): median 1.03 over 7 pairs; 7 pairs give the order-statistic interval (x_1, x_7)."""
+    files = []
+    for i, (a, b) in enumerate([([1.0, 1.0, 1.0], [1.00, 1.02, 1.04]), ([2.0] * 4, [2.02, 2.06, 2.10, 2.12])]):
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps({"times": {"A": a, "B": b}}))
+        files.append(str(path))
+    assert drafter_drift.run(argparse.Namespace(pool=files)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pairs"] == 7 and out["overhead_pct"] == pytest.approx(3.0)
+    assert out["overhead_pct_95"] == pytest.approx([0.0, 6.0])
+    (tmp_path / "bad.json").write_text("{}")
+    assert drafter_drift.run(argparse.Namespace(pool=[files[0], str(tmp_path / "bad.json")])) == 2
+    assert "is not the JSON" in capsys.readouterr().err

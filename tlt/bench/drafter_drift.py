@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-set", dest="drafter_sets", action="append", default=[], metavar="FIELD=VALUE",
                         help="--overhead: a [drafter] field for `tlt drafter serve` (e.g. train_when=rollout_idle); "
                              "repeatable")
+    parser.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                        help="instead of measuring: the overhead over every pair of these --overhead --out files "
+                             "together (median and its 95%% interval)")
     parser.add_argument("--out", type=out_file, default=None, help="write the figures as JSON here")
 
 
@@ -58,6 +61,10 @@ def _teacher(vocab: int, lo: int, hi: int, seed: int):  # noqa: ANN202
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pool:
+        from tlt.bench.drafter_overhead import pool_overhead
+
+        return pool_overhead(args.pool)
     if args.drafter_sets and not args.overhead:
         import sys
 

@@ -96,6 +96,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pool_overhead(paths: list[str]) -> int:
+    """`--pool`: the overhead over the pairs of several `--overhead --out` files together (runs of the same command:
+    one run's 40 pairs give an interval of +-2-3% on a 2-core machine, too wide for a 2% target)."""
+    import json
+    import statistics
+    import sys
+    from pathlib import Path
+
+    ratios: list[float] = []
+    for path in paths:
+        try:
+            times = json.loads(Path(path).read_text())["times"]
+            ratios += [b / a for a, b in zip(times["A"], times["B"], strict=True)]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"error: {path} is not the JSON of `tlt bench drafter-drift --overhead --out`: {e!r}", file=sys.stderr)
+            return 2
+    lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
+    print(json.dumps({"files": paths, "pairs": len(ratios),
+                      "overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
+                      "overhead_pct_95": [round(100 * (lo - 1), 2), round(100 * (hi - 1), 2)]}, indent=2))
+    return 0
+
+
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
     """Distribution-free interval for the median of `values`: the order statistics x_(k) and x_(n+1-k)
     with the largest k such that P(Binomial(n, 1/2) < k) <= (1 - level) / 2. None when n is too small
