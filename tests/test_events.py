@@ -176,37 +176,10 @@ def _wait_until_live(sub: CapacitySubscriber, rogue: zmq.Socket, server_id: str 
         pass
 
 
-def test_garbage_and_stale_events_on_sub_socket_are_skipped(publisher: CapacityPublisher) -> None:
-    publisher.publish(_event(0, BUSY))
-    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
-        rogue.bind(ANY)
-        with CapacitySubscriber(rogue.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_endpoint) as sub:
-            known = sub.snapshot()[0]
-            stale = _event(0, IDLE)
-            stale.server_id, stale.seq = "srv-a", known.seq - 1
-            fresh = _event(0, IDLE)
-            fresh.server_id, fresh.seq = "srv-a", known.seq + 1
-            frames = [
-                [TOPIC, b"\xff\xff\xff"],  # not protobuf
-                [TOPIC],  # no body frame
-                [TOPIC, Envelope(features=_batch(1)).SerializeToString()],  # wrong body
-                [TOPIC, Envelope(capacity=stale).SerializeToString()],  # older than the snapshot
-                [TOPIC, Envelope(capacity=fresh).SerializeToString()],
-            ]
-            _wait_until_live(sub, rogue, server_id="probe")
-            for f in frames:
-                rogue.send_multipart(f)
-            got = sub.recv(3.0)
-            assert got is not None and got.seq == fresh.seq and got.state == IDLE
-            assert sub.garbage == 3
-            assert sub.recv(0.2) is None
-            assert sub.latest[("srv-a", 0)].seq == fresh.seq
-
-
-def test_recv_zero_reads_past_skipped_frames_but_not_forever(publisher: CapacityPublisher) -> None:
-    """recv(0) drains garbage and stale frames queued ahead of a real event and returns the event (a worker's
-    non-waiting look for a BUSY); once its time is up it reads at most MAX_LATE_FRAMES frames, so a sender of endless
-    garbage cannot hold it."""
+@pytest.fixture
+def rogue_sub(publisher: CapacityPublisher):
+    """A subscriber to a rogue PUB socket (live), whose snapshot came from `publisher` (replica 0 BUSY); with a stale
+    and a fresh event of that replica to send."""
     publisher.publish(_event(0, BUSY))
     with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
         rogue.bind(ANY)
@@ -217,18 +190,42 @@ def test_recv_zero_reads_past_skipped_frames_but_not_forever(publisher: Capacity
             fresh = _event(0, IDLE)
             fresh.server_id, fresh.seq = "srv-a", known.seq + 1
             _wait_until_live(sub, rogue, server_id="probe")
-            for f in ([TOPIC, b"\xff\xff"], [TOPIC, Envelope(capacity=stale).SerializeToString()],
-                      [TOPIC, Envelope(capacity=fresh).SerializeToString()]):
-                rogue.send_multipart(f)
-            time.sleep(0.3)  # all three queued at the subscriber
-            got = sub.recv(0)
-            assert got is not None and got.seq == fresh.seq and sub.garbage == 1
-            n = sub.MAX_LATE_FRAMES + 36
-            for _ in range(n):
-                rogue.send_multipart([TOPIC, b"\xff\xff"])
-            time.sleep(0.3)
-            assert sub.recv(0) is None and sub.garbage == 1 + sub.MAX_LATE_FRAMES
-            assert sub.recv(0) is None and sub.garbage == 1 + n  # the rest, at the next look
+            yield rogue, sub, stale, fresh
+
+
+@pytest.mark.parametrize("timeout_s", [3.0, 0.0])
+def test_garbage_and_stale_events_on_sub_socket_are_skipped(rogue_sub, timeout_s: float) -> None:
+    """Garbage and stale frames queued ahead of a real event are skipped, also by recv(0), a worker's non-waiting look
+    for a BUSY (everything is queued before it looks)."""
+    rogue, sub, stale, fresh = rogue_sub
+    frames = [
+        [TOPIC, b"\xff\xff\xff"],  # not protobuf
+        [TOPIC],  # no body frame
+        [TOPIC, Envelope(features=_batch(1)).SerializeToString()],  # wrong body
+        [TOPIC, Envelope(capacity=stale).SerializeToString()],  # older than the snapshot
+        [TOPIC, Envelope(capacity=fresh).SerializeToString()],
+    ]
+    for f in frames:
+        rogue.send_multipart(f)
+    if timeout_s == 0:
+        time.sleep(0.3)
+    got = sub.recv(timeout_s)
+    assert got is not None and got.seq == fresh.seq and got.state == IDLE
+    assert sub.garbage == 3
+    assert sub.recv(0.2) is None
+    assert sub.latest[("srv-a", 0)].seq == fresh.seq
+
+
+def test_recv_reads_a_bounded_number_of_frames_past_its_deadline(rogue_sub) -> None:
+    """Once its time is up recv reads at most MAX_LATE_FRAMES queued frames: a sender of endless garbage cannot hold
+    it (recv(0) drains skipped frames to reach an event behind them)."""
+    rogue, sub, _, _ = rogue_sub
+    n = sub.MAX_LATE_FRAMES + 36
+    for _ in range(n):
+        rogue.send_multipart([TOPIC, b"\xff\xff"])
+    time.sleep(0.3)
+    assert sub.recv(0) is None and sub.garbage == sub.MAX_LATE_FRAMES
+    assert sub.recv(0) is None and sub.garbage == n  # the rest, at the next look
 
 
 def test_pusher_never_blocks_without_consumer() -> None:
