@@ -116,6 +116,12 @@ def test_the_change_between_two_evals_is_paired_by_problem_by_hand(tmp_path):
 
     assert change(dataclasses.replace(first, temperature=0.0), last) == {}
     assert change(dataclasses.replace(first, samples=4, correct=(0, 2, 4, 2)), last) == {}
+    # other problems of the same count (a resumed run's changed eval data): no pairing; the same ones, or a record
+    # from before the digest was kept: paired
+    assert change(dataclasses.replace(first, eval_set="aa"), dataclasses.replace(last, eval_set="bb")) == {}
+    assert set(change(dataclasses.replace(first, eval_set="aa"), dataclasses.replace(last, eval_set="aa"))) == {
+        "sampled", "greedy"}
+    assert set(change(first, dataclasses.replace(last, eval_set="bb"))) == {"sampled", "greedy"}
 
 
 def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkeypatch):
@@ -145,6 +151,10 @@ def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkey
     cfg = TrainerConfig(eval_problems=3, eval_samples=2, eval_temperature=1.0, eval_greedy=True)
     r = run_eval(items, [], None, cfg, 0, 0)
     assert r.correct == (1, 1, 2) and r.accuracy == pytest.approx(4 / 6)
+    from tlt.services.trainer.evaluate import eval_set_digest
+
+    assert r.eval_set == eval_set_digest(items) != eval_set_digest([*items[:2], PromptItem(2, "q2", "3")])
+    assert eval_set_digest(items) != eval_set_digest(items[::-1])
     assert r.greedy_correct == (0, 1, 1) and r.greedy_accuracy == pytest.approx(2 / 3)  # the n = 1 pass: sample 0
     assert calls == [(2, 1.0), (1, 0.0)]
     calls.clear()

@@ -74,6 +74,7 @@ class EvalRecord:
     # completion was (0 / 1): what `change` pairs two evals by. None: a record from before they were kept.
     correct: tuple[int, ...] | None = None
     greedy_correct: tuple[int, ...] | None = None
+    eval_set: str = ""  # `eval_set_digest` of the problems scored ("": a record from before it was kept)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,13 +85,15 @@ def change(first: EvalRecord, last: EvalRecord) -> dict[str, PairedDifference]:
     scored it) "greedy". Two evals of a run score the same problems with the same random numbers, so the problems'
     difficulty and most of the draw cancel and the s.e. is a fraction of an accuracy's own. Empty when either
     record has no per-problem counts (an eval.jsonl line from before they were kept), the two were not scored
-    alike (another temperature, samples per problem or problem count: a resumed run's changed settings), or they
-    are one record (a run with a single eval)."""
+    alike (another temperature, samples per problem or problem count, or other problems by their `eval_set` digest:
+    a resumed run's changed settings or eval data), or they are one record (a run with a single eval)."""
     from tlt.model.evaluate import paired_counts
 
     out: dict[str, PairedDifference] = {}
     if first is last or (first.temperature, first.samples, first.problems) != (last.temperature, last.samples,
                                                                                last.problems):
+        return out
+    if first.eval_set and last.eval_set and first.eval_set != last.eval_set:
         return out
     for name, a, b, n in (("sampled", first.correct, last.correct, first.samples),
                           ("greedy", first.greedy_correct, last.greedy_correct, 1)):
@@ -103,6 +106,20 @@ def change_text(first: EvalRecord, last: EvalRecord, name: str) -> str:
     """' (+0.012, paired s.e. 0.008)' for `change`'s `name`, or '' when it cannot be computed."""
     d = change(first, last).get(name)
     return "" if d is None else f" ({d.mean:+.3f}, paired s.e. {d.se:.3f})"
+
+
+def eval_set_digest(items: list[PromptItem]) -> str:
+    """A digest of the eval problems in order (prompt and reference answer): two evals pair by problem only over the
+    same ones. A resumed run whose eval_data_path now holds other rows of the same count scored other problems."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for it in items:
+        for part in (it.prompt, it.answer):
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+    return h.hexdigest()
 
 
 def eval_items(cfg: TrainerConfig) -> list[PromptItem]:
@@ -150,7 +167,7 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
             greedy = _pass(items, clients, rewards, cfg, 1, 0.0, f"eval{steps_done}-greedy", version, check_version)
             greedy_accuracy = sum(greedy) / len(items)
     return EvalRecord(steps_done, version, accuracy, len(items), cfg.eval_samples, cfg.eval_temperature,
-                      time.perf_counter() - t0, started_at, greedy_accuracy, correct, greedy)
+                      time.perf_counter() - t0, started_at, greedy_accuracy, correct, greedy, eval_set_digest(items))
 
 
 def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int, temperature: float,  # noqa: ANN001
