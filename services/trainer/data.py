@@ -381,6 +381,17 @@ class SamplerState:
     position: int = 0  # items of this epoch's permutation already handed out
 
 
+def items_fingerprint(items: list[PromptItem]) -> str:
+    """sha256 of prompt items in order (each one's prompt, answer and extra columns, which reward functions read,
+    and its chat messages when it has them): the same hex digest for the same content, whatever file it came from."""
+    h = hashlib.sha256()
+    for item in items:
+        fields = [item.prompt, item.answer, item.extra] + ([item.messages] if item.messages is not None else [])
+        h.update(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
 class PromptSampler:
     """Seeded epoch iteration over a fixed list of prompts, with a resumable position."""
 
@@ -409,18 +420,12 @@ class PromptSampler:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 of the items in order (each one's prompt, answer and extra columns, which reward functions
-        read, and its chat messages when it has them): a position is a position in this content.
+        """`items_fingerprint` of the items: a position is a position in this content.
 
         Without it a data file edited to the same number of prompts resumed silently into other prompts.
         One pass over the text at the first save or resume (about 0.1 s for 100 MB of prompts).
         """
-        h = hashlib.sha256()
-        for item in self.items:
-            fields = [item.prompt, item.answer, item.extra] + ([item.messages] if item.messages is not None else [])
-            h.update(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode())
-            h.update(b"\n")
-        return h.hexdigest()
+        return items_fingerprint(self.items)
 
     def state_dict(self) -> dict[str, int | str]:
         return {"epoch": self.state.epoch, "position": self.state.position, "seed": self.seed, "size": len(self.items),

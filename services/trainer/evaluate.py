@@ -109,17 +109,11 @@ def change_text(first: EvalRecord, last: EvalRecord, name: str) -> str:
 
 
 def eval_set_digest(items: list[PromptItem]) -> str:
-    """A digest of the eval problems in order (prompt and reference answer): two evals pair by problem only over the
-    same ones. A resumed run whose eval_data_path now holds other rows of the same count scored other problems."""
-    import hashlib
+    """The eval problems' `items_fingerprint` (16 hex digits): two evals pair by problem only over the same ones. A
+    resumed run whose eval_data_path now holds other rows of the same count scored other problems."""
+    from tlt.services.trainer.data import items_fingerprint
 
-    h = hashlib.blake2b(digest_size=8)
-    for it in items:
-        for part in (it.prompt, it.answer):
-            data = part.encode()
-            h.update(len(data).to_bytes(8, "little"))
-            h.update(data)
-    return h.hexdigest()
+    return items_fingerprint(items)[:16]
 
 
 def eval_items(cfg: TrainerConfig) -> list[PromptItem]:

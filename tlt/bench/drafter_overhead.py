@@ -100,23 +100,34 @@ def pool_overhead(paths: list[str]) -> int:
     """`--pool`: the overhead over the pairs of several `--overhead --out` files together (runs of the same command:
     one run's 40 pairs give an interval of +-2-3% on a 2-core machine, too wide for a 2% target)."""
     import json
-    import statistics
     import sys
     from pathlib import Path
 
-    ratios: list[float] = []
+    without: list[float] = []
+    with_: list[float] = []
     for path in paths:
         try:
             times = json.loads(Path(path).read_text())["times"]
-            ratios += [b / a for a, b in zip(times["A"], times["B"], strict=True)]
+            if len(times["A"]) != len(times["B"]):
+                raise ValueError(f"{len(times['A'])} rounds without, {len(times['B'])} with")
+            without += times["A"]
+            with_ += times["B"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"error: {path} is not the JSON of `tlt bench drafter-drift --overhead --out`: {e!r}", file=sys.stderr)
             return 2
-    lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
-    print(json.dumps({"files": paths, "pairs": len(ratios),
-                      "overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
-                      "overhead_pct_95": [round(100 * (lo - 1), 2), round(100 * (hi - 1), 2)]}, indent=2))
+    print(json.dumps({"files": paths, "pairs": len(without), **overhead_summary(without, with_)}, indent=2))
     return 0
+
+
+def overhead_summary(without: list[float], with_: list[float]) -> dict[str, float | list[float]]:
+    """Paired round times -> the overhead in percent: the median over pairs of with / without - 1, and its
+    order-statistic 95% interval."""
+    import statistics
+
+    ratios = [b / a for a, b in zip(without, with_, strict=True)]
+    lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
+    return {"overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
+            "overhead_pct_95": [round(100 * (lo - 1), 2), round(100 * (hi - 1), 2)]}
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -233,13 +244,10 @@ def measure_overhead(args: argparse.Namespace) -> int:
         client.close()
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
-    ratios = [b / a for a, b in zip(times["A"], times["B"])]
-    lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
     res = {"pairs": args.rounds, "gap_s": gap, "model": model_dir, "drafter_sets": getattr(args, "drafter_sets", []),
            "median_s_without": round(statistics.median(times["A"]), 3),
            "median_s_with": round(statistics.median(times["B"]), 3),
-           "overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
-           "overhead_pct_95": [round(100 * (lo - 1), 2), round(100 * (hi - 1), 2)],
+           **overhead_summary(times["A"], times["B"]),
            "training_windows": len(status.windows) if status else None,
            "micro_steps": sum(w.micro_steps for w in status.workers) if status else None,
            "preemptions": status.preemptions if status else None,
