@@ -290,8 +290,8 @@ def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_w
     """Workers report a window as their replica turns busy (the start of every rollout). Its checkpoint write (the
     drafter's tensors, the history, an fsync) took a decoding replica's CPU ~0.5 s later: it now waits until every
     replica is idle, at most HISTORY_SAVE_WAIT_S (shortened here: a rollout longer than that gets the write). A delta,
-    which changes the candidate, is written at once. The answer to a hello or a report leaves the history out (the
-    worker does not read it); GetStatus keeps it."""
+    which changes the candidate, waits too, at most STATE_SAVE_WAIT_S (shortened here). The answer to a hello or a
+    report leaves the history out (the worker does not read it); GetStatus keeps it."""
     import torch
     import zmq
 
@@ -331,7 +331,20 @@ def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_w
                                             common_pb2.WEIGHT_KIND_DRAFTER, 0)
         assert ask(update=drafter_pb2.DeltaUpdate(base_version=0, micro_steps=1, manifest=manifest.SerializeToString(),
                                                   payload=bytes(payload))).candidate_version == 1
-        assert wait_for(lambda: saved_windows() == 1, 5), "a delta must be written at once, busy or not"
+        time.sleep(2.0)
+        assert saved_windows() == -1, "a delta was written while a replica decoded, before STATE_SAVE_WAIT_S"
+        for r in (0, 1):
+            state(pub, r, IDLE)
+        assert wait_for(lambda: saved_windows() == 1, 5), "written once every replica is idle"
+        for r in (0, 1):
+            state(pub, r, BUSY)
+        assert wait_for(lambda: coord.rollout.busy(), 10)
+        monkeypatch.setattr(coordinator_module, "STATE_SAVE_WAIT_S", 1.0)
+        assert ask(update=drafter_pb2.DeltaUpdate(base_version=1, micro_steps=1, manifest=manifest.SerializeToString(),
+                                                  payload=bytes(payload))).candidate_version == 2
+        assert wait_for(lambda: torch.load(coord.ckpt, weights_only=False)["candidate_version"] == 2, 5), \
+            "a delta is written at STATE_SAVE_WAIT_S, the rollout still busy"
+        assert coord.rollout.busy()
         ask(window=drafter_pb2.TrainingWindow(worker_id=3, replica_id=0, micro_steps=2))
         time.sleep(1.5)
         assert saved_windows() == 1
@@ -350,4 +363,59 @@ def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_w
     finally:
         ctx.term()
         coord.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("train_when", ["rollout_idle", "replica_idle"])
+def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_idle(tmp_path, model_dir,
+                                                                                   train_when: str) -> None:
+    """With train_when = rollout_idle no worker trains while a replica decodes, so parsing the features that arrive
+    then into the buffer only took a decoding replica's CPU: they are received (the socket's queue is short, the
+    senders drop when it is full) and parsed once every replica is idle, none lost. With replica_idle a worker may
+    train on an idle replica while another decodes: they go into the buffer at once. Real FeaturePusher ->
+    FeaturePuller and capacity events over ZeroMQ on 127.0.0.1, into a real coordinator."""
+    import numpy as np
+
+    from tlt.services.common.events import CapacityPublisher, FeaturePuller, FeaturePusher
+
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    for r in (0, 1):
+        state(pub, r, BUSY)
+    puller = FeaturePuller("tcp://127.0.0.1:*")
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
+                               window_tokens=16, batch_tokens=16, holdout_every=1000, eval_interval_s=1e9,
+                               train_when=train_when)
+    coord = Coordinator(cfg, str(model_dir), puller, None).start()
+    pusher = FeaturePusher(puller.endpoint)
+    h = coord.drafter_cfg.hidden_size
+
+    n, frames = 256, 100  # ~100 KB a frame, ~10 MB in all: more than the sockets' queues and loopback buffers hold
+    feats = np.full((n, h), 0.5, np.float16).tobytes()
+
+    def seq(i: int) -> events_pb2.FeatureSequence:
+        return events_pb2.FeatureSequence(seq_id=f"s{i}", token_ids=[5 + t % 50 for t in range(n)], response_start=3,
+                                          hidden_size=h, features=feats)
+
+    try:
+        assert wait_for(lambda: coord.rollout.busy(), 10)
+        sent = 0
+        deadline = time.monotonic() + 10
+        while sent < frames:  # none may be dropped
+            if pusher.push(events_pb2.FeatureBatch(sequences=[seq(sent)], source="rollout")):
+                sent += 1
+            else:
+                assert time.monotonic() < deadline, "the puller never connected or stopped reading"
+                time.sleep(0.01)
+        if train_when == "rollout_idle":
+            time.sleep(1.0)  # the coordinator reads them meanwhile (else the pusher could not have sent them all)
+            assert coord.buffer.received_sequences == 0, "parsed while every replica was busy"
+            for r in (0, 1):
+                state(pub, r, IDLE)
+        assert wait_for(lambda: coord.buffer.received_sequences == frames, 10), coord.buffer.received_sequences
+        assert puller.garbage == 0
+    finally:
+        pusher.close()
+        coord.close()
+        puller.close()
         pub.close()

@@ -165,7 +165,8 @@ def test_capacity_events_split_running_from_queued_and_carry_kv_use(model_dir) -
         cap = s.server.capacity
         sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
         assert [e.state for e in sub.snapshot()] == [IDLE]
-        seen = _six_sequences_until_idle(s, sub, max_tokens=32, timeout_s=60)
+        # long enough that the first two sequences run well past REFRESH_MIN_S (count events are that far apart)
+        seen = _six_sequences_until_idle(s, sub, max_tokens=160, timeout_s=60)
         counts = [(e.state, e.running, e.queued, round(e.kv_usage, 3)) for e in seen if not e.heartbeat]
         busy = [e for e in seen if e.state == BUSY]
         assert all(e.running <= 2 and e.running + e.queued <= 6 for e in busy), counts
@@ -173,6 +174,33 @@ def test_capacity_events_split_running_from_queued_and_carry_kv_use(model_dir) -
         assert any(e.kv_usage > 0 for e in busy) and all(0 <= e.kv_usage <= 1 for e in seen), counts
         assert (seen[-1].running, seen[-1].queued) == (0, 0), counts
         sub.close()
+
+
+@pytest.mark.parametrize("spacing_s", [0.0, 0.1])
+def test_count_events_are_coalesced_to_one_per_refresh_interval(model_dir, monkeypatch, spacing_s: float) -> None:
+    """A replica's counts and KV use change with nearly every step; every subscriber (each drafter worker, the
+    coordinator) wakes and parses each event while the replicas decode. Count events of one replica are at least
+    REFRESH_MIN_S apart, carrying the counts of their moment; state changes are not held back (the last event is
+    IDLE with nothing left). Without the spacing (0) the same work makes several times as many events."""
+    from tlt.services.rollout import pool_states
+
+    monkeypatch.setattr(pool_states, "REFRESH_MIN_S", spacing_s)
+    with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.5,
+                      engine={"max_num_seqs": 2}) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        sub.snapshot()
+        seen = [e for e in _six_sequences_until_idle(s, sub, max_tokens=160, timeout_s=60) if not e.heartbeat]
+        sub.close()
+    states = [e.state for e in seen]
+    first_busy = states.index(BUSY)
+    refreshes = [e for e in seen[first_busy + 1:] if e.state == BUSY]  # BUSY again: a count event, not a change
+    assert (seen[-1].state, seen[-1].running, seen[-1].queued) == (IDLE, 0, 0)
+    gaps = [b.timestamp - a.timestamp for a, b in zip(seen[first_busy:], seen[first_busy + 1:]) if b.state == BUSY]
+    if spacing_s:
+        assert refreshes and min(gaps) >= spacing_s - 0.01, gaps
+    else:
+        assert len(refreshes) >= 20, f"{len(refreshes)} count events without the spacing: too few to show it"
 
 
 def _abandon(pool, request_id: str, after_steps: int, before_close=None):  # noqa: ANN001, ANN202

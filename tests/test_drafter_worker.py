@@ -254,6 +254,7 @@ def test_a_silent_capacity_feed_stops_training(tmp_path, model_dir, samples, tra
         for r in (0, 1):
             state(new, r, IDLE)
         assert wait_for(lambda: coord.workers[0].training, 20)  # trains again
+        time.sleep(1.0)  # some micro-steps: a BUSY right after the first batch request abandons the first step
         for r in (0, 1):
             state(new, r, BUSY)
         assert wait_for(lambda: len(coord.windows) == 2, 20)
@@ -299,3 +300,39 @@ def test_a_rollout_idle_worker_counts_a_draining_replica_still_finishing_work_as
     assert worker.state != IDLE
     worker._see(event(1, common_pb2.REPLICA_STATE_DRAINING))  # dead for good: left out
     assert worker.state == IDLE
+
+
+@pytest.mark.parametrize("train_when", ["replica_idle", "rollout_idle"])
+def test_a_worker_waiting_for_idle_reads_the_events_in_batches(tmp_path, model_dir, samples, monkeypatch,
+                                                               train_when: str) -> None:
+    """A decoding replica publishes tens of events a second, and a worker waiting for it to turn idle has nothing to do
+    with each: it reads what queued every BUSY_POLL_S (its wake-ups were taken from the rollout's cores), and still
+    opens a window soon after IDLE. Real CapacityPublisher, coordinator and worker."""
+    from tlt.services.drafter import worker as worker_module
+
+    seen_at: list[float] = []
+    orig = DrafterWorker._see
+
+    def see(self, event):  # noqa: ANN001, ANN202
+        seen_at.append(time.monotonic())
+        return orig(self, event)
+
+    monkeypatch.setattr(DrafterWorker, "_see", see)
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], train_when=train_when, eval_interval_s=1e9,
+                           pin_cpus=False)
+    worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
+    with running(worker, pub, coord):
+        assert wait_for(lambda: 0 in coord.workers, 20) and not coord.workers[0].training
+        time.sleep(0.3)
+        seen_at.clear()
+        for i in range(40):  # count events of decoding replicas, 15 ms apart
+            pub.publish(events_pb2.CapacityEvent(replica_id=i % 2, state=BUSY, running=i))
+            time.sleep(0.015)
+        assert wait_for(lambda: len(seen_at) >= 40, 5)
+        bursts = 1 + sum(b - a > 0.008 for a, b in zip(seen_at, seen_at[1:]))
+        assert bursts <= 0.6 / worker_module.BUSY_POLL_S + 4, bursts  # ~12, not 40 wake-ups
+        t0 = time.monotonic()
+        for r in (0, 1):
+            state(pub, r, IDLE)
+        assert wait_for(lambda: coord.workers[0].training, 10), "no window opened after IDLE"
+        assert time.monotonic() - t0 < 5.0

@@ -315,7 +315,8 @@ def test_a_client_gone_leaves_no_asyncio_error(server):
     seen: list[dict] = []
     server.loop.call_soon_threadsafe(server.loop.set_exception_handler, lambda _loop, ctx: seen.append(ctx))
     try:
-        body = {"model": server.model_name, "prompt": "1", "max_tokens": 250, "n": 8, "temperature": 1.0,
+        # n = 32, as above: 8 x 250 tokens could finish inside the client's 0.5 s on a fast machine
+        body = {"model": server.model_name, "prompt": "1", "max_tokens": 250, "n": 32, "temperature": 1.0,
                 "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.base_url}/completions", json=body, timeout=0.5)

@@ -365,21 +365,41 @@ class FeaturePuller:
         self._sock.bind(bind)
         self.endpoint = _endpoint(self._sock)
 
+    MAX_LATE_FRAMES = 64  # recv / recv_frame read at most this many queued frames once their time is up
+
     def recv(self, timeout_s: float) -> FeatureBatch | None:
+        """The next batch, or None when `timeout_s` passes without one (0: only what is queued now)."""
         deadline = time.monotonic() + timeout_s
+        late = 0  # garbage read past the deadline is drained, but not forever
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(timeout=int(left * 1000)):
+            frame = self.recv_frame(max(0.0, deadline - time.monotonic()))
+            if frame is None:
                 return None
-            frames = self._sock.recv_multipart()
-            env = decode(frames[0], "features") if len(frames) == 1 else None
-            if env is None:
-                self.garbage += 1
-                log.debug("garbage_feature_frame", frames=len(frames), total=self.garbage)
-                continue
-            self.received += 1
-            self.sender_dropped = env.features.dropped_before
-            return env.features
+            batch = self.parse(frame)
+            if batch is not None:
+                return batch
+            if time.monotonic() >= deadline:
+                late += 1
+                if late > self.MAX_LATE_FRAMES:
+                    return None
+
+    def recv_frame(self, timeout_s: float) -> list[bytes] | None:
+        """The next frame unparsed (`parse` it later: the coordinator holds them while the rollout decodes), or None
+        when `timeout_s` passes without one; 0 looks without waiting."""
+        if not self._sock.poll(timeout=int(max(0.0, timeout_s) * 1000)):
+            return None
+        return self._sock.recv_multipart()
+
+    def parse(self, frames: list[bytes]) -> FeatureBatch | None:
+        """The batch in a frame of `recv_frame`; None (counted) for garbage."""
+        env = decode(frames[0], "features") if len(frames) == 1 else None
+        if env is None:
+            self.garbage += 1
+            log.debug("garbage_feature_frame", frames=len(frames), total=self.garbage)
+            return None
+        self.received += 1
+        self.sender_dropped = env.features.dropped_before
+        return env.features
 
     def close(self) -> None:
         self._sock.close()

@@ -14,7 +14,7 @@ any number of workers can join, leave or die: a delta is applied whole or not at
 worker that sends it again after a lost answer gets the version it made), and the candidate with its
 version, the serving drafter and the history are checkpointed atomically after every change
 (`coordinator.pt`, written by a background saver at most every 0.5 s so the workers' requests never
-wait on the disk; a change of the history alone, e.g. a window report, waits for an idle rollout: `_saver`), so a
+wait on the disk, and while a replica decodes only after a while: `_saver`), so a
 restarted coordinator continues from a consistent state. The
 published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head are
 never among them (asserted). A push that fails (possibly on some replicas only) is sent again as it
@@ -49,7 +49,7 @@ from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
 from tlt.services.rollout.client import WeightPushError
-from tlt.v1 import common_pb2, drafter_pb2, rollout_pb2
+from tlt.v1 import common_pb2, drafter_pb2, events_pb2, rollout_pb2
 
 log = get_logger("drafter.coordinator")
 
@@ -68,6 +68,10 @@ def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
 
 # a checkpoint write owed for the history only (window reports) waits at most this long for an idle rollout (`_saver`)
 HISTORY_SAVE_WAIT_S = 30.0
+# a checkpoint write owed for a change of the drafter's state waits at most this long for an idle rollout (`_saver`)
+STATE_SAVE_WAIT_S = 5.0
+# features received while the rollout decodes wait unparsed (train_when = rollout_idle: `_pull_features`) up to this much
+HELD_FEATURE_BYTES = 64 << 20
 PUSH_RETRY_S = 2.0  # a push owed to the rollout (`push_pending`) is retried this often until it lands
 WORKER_HEARTBEAT_S = 2.0  # a running worker says hello this often, whatever it does (worker.py: its own thread)
 WORKER_REQUEST_TIMEOUT_S = 10.0  # a worker's wait for an answer before it asks again on a fresh socket
@@ -215,18 +219,20 @@ class Coordinator:
         self._dirty.set()
 
     def _saver(self) -> None:
-        """Write the checkpoint ~0.5 s after a change. When only the history changed (window reports, which
-        workers send as their replica turns busy: at the start of every rollout) and a replica is busy, the write
-        (the drafter's tensors, the history, an fsync) waits until the rollout is idle, at most HISTORY_SAVE_WAIT_S:
-        it would take a decoding replica's CPU for records a crash may lose at no cost to training (a rollout longer
-        than the cap gets the write at the cap). A change of the candidate, the serving drafter, a push owed or the
-        applied deltas is written at once. Without `gate_when_idle` (no capacity events) nothing waits."""
+        """Write the checkpoint ~0.5 s after a change. While a replica is busy the write (the drafter's tensors, the
+        history, an fsync) waits until the rollout is idle: it would take a decoding replica's CPU. A change of the
+        history only (window reports, which workers send as their replica turns busy: at the start of every
+        rollout) waits at most HISTORY_SAVE_WAIT_S, records a crash may lose at no cost to training; a change of the
+        candidate, the serving drafter, a push owed or the applied deltas at most STATE_SAVE_WAIT_S (the deltas a
+        worker sent in the last moments of an idle gap were written ~0.5 s later, inside the next rollout), so a
+        kill -9 loses at most that much training. Without `gate_when_idle` (no capacity events) nothing waits."""
         while not self._stop.is_set():
             if self._dirty.wait(0.5) and not self._stop.is_set():
                 time.sleep(0.5)
                 since = time.monotonic()
-                while (not self._state_dirty and self.rollout is not None and self.rollout.busy()
-                       and time.monotonic() - since < HISTORY_SAVE_WAIT_S and not self._stop.wait(0.1)):
+                while (self.rollout is not None and self.rollout.busy()
+                       and time.monotonic() - since < (STATE_SAVE_WAIT_S if self._state_dirty else HISTORY_SAVE_WAIT_S)
+                       and not self._stop.wait(0.1)):
                     pass
                 if self._dirty.is_set():  # the gate may have written it meanwhile (save_now)
                     self._try_save()
@@ -269,18 +275,45 @@ class Coordinator:
 
     # ---- features
     def _pull_features(self) -> None:
+        """Ingest feature batches as they come. With train_when = rollout_idle nothing trains while a replica decodes,
+        so frames that arrive then are only received (the socket's queue is short: the senders drop when it is
+        full) and parsed into the buffer once the rollout is idle, or once HELD_FEATURE_BYTES of them wait: parsing
+        them took a decoding replica's CPU for data no worker could use before the rollout ended."""
         assert self.features is not None
+        source = self.features
+        hold = (self.cfg.train_when == "rollout_idle" and self.rollout is not None and self.rollout.enabled
+                and hasattr(source, "recv_frame"))
+        held: list[list[bytes]] = []
+        held_bytes = 0
         while not self._stop.is_set():
-            batch = self.features.recv(0.2)
-            if batch is None:
+            if not hold:
+                batch = source.recv(0.2)
+                if batch is not None:
+                    self._ingest(batch)
                 continue
-            if batch.source and batch.source != self.cfg.source:  # [drafter] source picks one producer
-                self.m_rejected.inc()
-                continue
-            self.buffer.add_batch(batch)
-            if batch.sequences:
-                self.latest_policy = max(self.latest_policy, max(s.policy_version for s in batch.sequences))
-                self.shared.see(self.latest_policy)
+            if held and (held_bytes >= HELD_FEATURE_BYTES or not self.rollout.busy()):  # type: ignore[union-attr]
+                for frames in held:
+                    batch = source.parse(frames)  # type: ignore[attr-defined]
+                    if batch is not None:
+                        self._ingest(batch)
+                held, held_bytes = [], 0
+            frames = source.recv_frame(0.05 if held else 0.2)  # type: ignore[attr-defined]
+            if frames is not None:
+                held.append(frames)
+                held_bytes += sum(len(f) for f in frames)
+        for frames in held:  # stopping: what was received is not lost
+            batch = source.parse(frames)  # type: ignore[attr-defined]
+            if batch is not None:
+                self._ingest(batch)
+
+    def _ingest(self, batch: events_pb2.FeatureBatch) -> None:
+        if batch.source and batch.source != self.cfg.source:  # [drafter] source picks one producer
+            self.m_rejected.inc()
+            return
+        self.buffer.add_batch(batch)
+        if batch.sequences:
+            self.latest_policy = max(self.latest_policy, max(s.policy_version for s in batch.sequences))
+            self.shared.see(self.latest_policy)
 
     # ---- workers
     def _serve_workers(self) -> None:

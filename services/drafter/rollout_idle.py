@@ -44,6 +44,10 @@ IDLE = common_pb2.REPLICA_STATE_IDLE
 LENT = common_pb2.REPLICA_STATE_LENT
 BUSY = common_pb2.REPLICA_STATE_BUSY
 DRAINING = common_pb2.REPLICA_STATE_DRAINING
+# While the rollout is busy, the watcher reads the queued events this often instead of waking for each (the replicas
+# publish tens a second while they decode); `idle()` turns True at most this much later. While it is idle, every
+# event is read as it comes: a BUSY must stop the coordinator's evaluation at once.
+BUSY_POLL_S = 0.05
 
 
 def all_idle(states: dict[tuple[str, int], int]) -> bool:
@@ -105,7 +109,13 @@ class RolloutIdle:
                 except (TimeoutError, ValueError) as e:  # the rollout is not up yet: ask again
                     log.debug("capacity_snapshot_retry", error=str(e))
             while not self._stop.is_set():
-                e = sub.recv(0.2)
+                if self.busy():  # nothing waits on the next event: read what queued every BUSY_POLL_S
+                    if self._stop.wait(BUSY_POLL_S):
+                        break
+                    while (e := sub.recv(0)) is not None:
+                        self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
+                    continue
+                e = sub.recv(0.2)  # idle: a BUSY must stop an evaluation at once
                 if e is not None:
                     self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
         finally:

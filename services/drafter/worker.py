@@ -56,6 +56,10 @@ from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.worker")
 IDLE = common_pb2.REPLICA_STATE_IDLE
+# While its replica (or the rollout, train_when = rollout_idle) is busy, a worker waiting for it to turn idle reads
+# the queued capacity events this often instead of waking for each (a decoding replica publishes tens a second, and
+# each wake-up is taken from a core the rollout uses); a window opens at most this much later.
+BUSY_POLL_S = 0.05
 
 
 class CoordinatorUnavailable(RuntimeError):
@@ -282,7 +286,13 @@ class DrafterWorker:
             while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
                 if max_windows is not None and self.windows >= max_windows:
                     return
-                self._poll_events(0.0 if self._may_train() else 0.2)  # the latest state, not a stale one
+                if self._may_train():
+                    self._poll_events(0.0)  # the latest state, not a stale one
+                elif self.state != IDLE:  # the rollout decodes: read what queued every BUSY_POLL_S, not each event
+                    _rest(stop, BUSY_POLL_S)
+                    self._poll_events(0.0)
+                else:
+                    self._poll_events(0.2)
                 if not self._may_train():
                     continue
                 failed = False
@@ -561,6 +571,15 @@ def _optimizer_misfit(state: dict | None, cfg: DrafterConfig, embed: torch.Tenso
             if isinstance(t, torch.Tensor) and t.dim() and tuple(t.shape) != shape:
                 return f"parameter {i} {name}: shape {tuple(t.shape)}, expected {shape}"
     return None
+
+
+def _rest(stop: object, seconds: float) -> None:
+    """Sleep `seconds`, or less when `stop` (a threading.Event-like) is set meanwhile."""
+    wait = getattr(stop, "wait", None)
+    if wait is not None:
+        wait(seconds)
+    else:
+        time.sleep(seconds)
 
 
 def _cpu(obj: object) -> object:

@@ -76,6 +76,7 @@ class _Replica:
         self.heard = time.monotonic()  # last event from it, or when it was handed work while it had none
         self.published: tuple | None = None  # ReplicaPool._key of its last capacity event
         self.refresh_scheduled = False
+        self.published_at = 0.0  # time.monotonic() of its last capacity event (pool_states.REFRESH_MIN_S)
 
     @property
     def has_work(self) -> bool:
