@@ -367,16 +367,18 @@ def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_w
 
 
 @pytest.mark.parametrize("train_when", ["rollout_idle", "replica_idle"])
-def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_idle(tmp_path, model_dir,
+def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_idle(tmp_path, model_dir, monkeypatch,
                                                                                    train_when: str) -> None:
     """With train_when = rollout_idle no worker trains while a replica decodes, so parsing the features that arrive
-    then into the buffer only took a decoding replica's CPU: they are received (the socket's queue is short, the
-    senders drop when it is full) and parsed once every replica is idle, none lost. With replica_idle a worker may
-    train on an idle replica while another decodes: they go into the buffer at once. Real FeaturePusher ->
-    FeaturePuller and capacity events over ZeroMQ on 127.0.0.1, into a real coordinator."""
+    then into the buffer only took a decoding replica's CPU: they are taken off the socket as they come (its queue is
+    short, the senders drop when it is full) and parsed once every replica is idle, none lost, or once
+    HELD_FEATURE_BYTES of them wait. With replica_idle a worker may train on an idle replica while another decodes:
+    they go into the buffer at once. Real FeaturePusher -> FeaturePuller and capacity events over ZeroMQ on
+    127.0.0.1, into a real coordinator."""
     import numpy as np
 
     from tlt.services.common.events import CapacityPublisher, FeaturePuller, FeaturePusher
+    from tlt.services.drafter import coordinator as coordinator_module
 
     pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
     for r in (0, 1):
@@ -389,31 +391,41 @@ def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_id
     coord = Coordinator(cfg, str(model_dir), puller, None).start()
     pusher = FeaturePusher(puller.endpoint)
     h = coord.drafter_cfg.hidden_size
-
-    n, frames = 256, 100  # ~100 KB a frame, ~10 MB in all: more than the sockets' queues and loopback buffers hold
+    n = 64
     feats = np.full((n, h), 0.5, np.float16).tobytes()
 
     def seq(i: int) -> events_pb2.FeatureSequence:
         return events_pb2.FeatureSequence(seq_id=f"s{i}", token_ids=[5 + t % 50 for t in range(n)], response_start=3,
                                           hidden_size=h, features=feats)
 
-    try:
-        assert wait_for(lambda: coord.rollout.busy(), 10)
-        sent = 0
-        deadline = time.monotonic() + 10
-        while sent < frames:  # none may be dropped
+    def send(count: int) -> None:
+        sent, deadline = 0, time.monotonic() + 10
+        while sent < count:
             if pusher.push(events_pb2.FeatureBatch(sequences=[seq(sent)], source="rollout")):
                 sent += 1
             else:
                 assert time.monotonic() < deadline, "the puller never connected or stopped reading"
                 time.sleep(0.01)
+
+    try:
+        assert wait_for(lambda: coord.rollout.busy(), 10)
+        send(30)
+        # every frame is taken off the socket while the rollout decodes (a coordinator that stopped reading would
+        # leave the senders to drop them in a long rollout)
+        assert wait_for(lambda: puller.frames == 30, 10), puller.frames
         if train_when == "rollout_idle":
-            time.sleep(1.0)  # the coordinator reads them meanwhile (else the pusher could not have sent them all)
+            time.sleep(0.5)
             assert coord.buffer.received_sequences == 0, "parsed while every replica was busy"
+            monkeypatch.setattr(coordinator_module, "HELD_FEATURE_BYTES", 40 * len(feats))  # ~40 frames
+            send(20)  # 50 held: over the cap, so they are parsed although the rollout still decodes
+            assert wait_for(lambda: coord.buffer.received_sequences >= 30, 10), coord.buffer.received_sequences
+            assert coord.rollout.busy()
             for r in (0, 1):
                 state(pub, r, IDLE)
-        assert wait_for(lambda: coord.buffer.received_sequences == frames, 10), coord.buffer.received_sequences
-        assert puller.garbage == 0
+        else:
+            send(20)
+        assert wait_for(lambda: coord.buffer.received_sequences == 50, 10), coord.buffer.received_sequences
+        assert puller.garbage == 0 and puller.received == 50
     finally:
         pusher.close()
         coord.close()

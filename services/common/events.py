@@ -356,7 +356,8 @@ class FeaturePuller:
 
     def __init__(self, bind: str, hwm: int = 16) -> None:
         self.garbage = 0
-        self.received = 0
+        self.received = 0  # batches parsed
+        self.frames = 0  # frames taken off the socket (parsed or not yet)
         self.sender_dropped = 0  # the last `dropped_before` seen
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -388,6 +389,7 @@ class FeaturePuller:
         when `timeout_s` passes without one; 0 looks without waiting."""
         if not self._sock.poll(timeout=int(max(0.0, timeout_s) * 1000)):
             return None
+        self.frames += 1
         return self._sock.recv_multipart()
 
     def parse(self, frames: list[bytes]) -> FeatureBatch | None:

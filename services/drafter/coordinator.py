@@ -166,6 +166,9 @@ class Coordinator:
                          threading.Thread(target=self._gate_loop, name="drafter-gate", daemon=True)]
         if features is not None:
             self._threads.append(threading.Thread(target=self._pull_features, name="drafter-features", daemon=True))
+        self._held: list[list[bytes]] = []  # feature frames taken off the socket while the rollout decodes
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()
 
     # ---- lifecycle
     def start(self) -> Coordinator:
@@ -219,8 +222,9 @@ class Coordinator:
         self._dirty.set()
 
     def _saver(self) -> None:
-        """Write the checkpoint ~0.5 s after a change. While a replica is busy the write (the drafter's tensors, the
-        history, an fsync) waits until the rollout is idle: it would take a decoding replica's CPU. A change of the
+        """Write the checkpoint ~0.5 s after a change. While a replica is busy (or no replica's state is known: the
+        rollout is down or not up yet, `RolloutIdle.busy`) the write (the drafter's tensors, the history, an fsync)
+        waits until the rollout is idle: it would take a decoding replica's CPU. A change of the
         history only (window reports, which workers send as their replica turns busy: at the start of every
         rollout) waits at most HISTORY_SAVE_WAIT_S, records a crash may lose at no cost to training; a change of the
         candidate, the serving drafter, a push owed or the applied deltas at most STATE_SAVE_WAIT_S (the deltas a
@@ -248,8 +252,8 @@ class Coordinator:
             log.error("coordinator_checkpoint_failed", path=str(self.ckpt), error=repr(e)[:300])
 
     def save_now(self) -> None:
-        """Write the checkpoint now. A write that fails leaves the change owed (the saver tries again, without
-        waiting for an idle rollout) and raises."""
+        """Write the checkpoint now. A write that fails leaves the change owed (the saver tries again, as for any
+        change of the drafter's state) and raises."""
         with self._save_lock:  # the saver and the gate (after a publish): one writer, snapshots in order
             with self._lock:
                 self._dirty.clear()
@@ -276,35 +280,39 @@ class Coordinator:
     # ---- features
     def _pull_features(self) -> None:
         """Ingest feature batches as they come. With train_when = rollout_idle nothing trains while a replica decodes,
-        so frames that arrive then are only received (the socket's queue is short: the senders drop when it is
-        full) and parsed into the buffer once the rollout is idle, or once HELD_FEATURE_BYTES of them wait: parsing
-        them took a decoding replica's CPU for data no worker could use before the rollout ended."""
+        so frames that arrive then are only taken off the socket (its queue is short: the senders drop when it is
+        full) and held, to be parsed into the buffer once the rollout is idle (`_parse_held`: here, or by the gate
+        before an evaluation), or once HELD_FEATURE_BYTES of them wait: parsing them took a decoding replica's CPU
+        for data no worker could use before the rollout ended."""
         assert self.features is not None
         source = self.features
         hold = (self.cfg.train_when == "rollout_idle" and self.rollout is not None and self.rollout.enabled
                 and hasattr(source, "recv_frame"))
-        held: list[list[bytes]] = []
-        held_bytes = 0
         while not self._stop.is_set():
             if not hold:
                 batch = source.recv(0.2)
                 if batch is not None:
                     self._ingest(batch)
                 continue
-            if held and (held_bytes >= HELD_FEATURE_BYTES or not self.rollout.busy()):  # type: ignore[union-attr]
-                for frames in held:
-                    batch = source.parse(frames)  # type: ignore[attr-defined]
-                    if batch is not None:
-                        self._ingest(batch)
-                held, held_bytes = [], 0
-            frames = source.recv_frame(0.05 if held else 0.2)  # type: ignore[attr-defined]
+            frames = source.recv_frame(0.2)  # type: ignore[attr-defined]
             if frames is not None:
-                held.append(frames)
-                held_bytes += sum(len(f) for f in frames)
-        for frames in held:  # stopping: what was received is not lost
-            batch = source.parse(frames)  # type: ignore[attr-defined]
-            if batch is not None:
-                self._ingest(batch)
+                with self._held_lock:
+                    self._held.append(frames)
+                    self._held_bytes += sum(len(f) for f in frames)
+                    full = self._held_bytes >= HELD_FEATURE_BYTES
+            else:
+                full = False
+            if full or not self.rollout.busy():  # type: ignore[union-attr]
+                self._parse_held()
+
+    def _parse_held(self) -> None:
+        """Parse the held feature frames into the buffer (see `_pull_features`), in the order they came."""
+        with self._held_lock:
+            held, self._held, self._held_bytes = self._held, [], 0
+            for frames in held:  # under the lock: a concurrent caller must not ingest later frames first
+                batch = self.features.parse(frames)  # type: ignore[union-attr]
+                if batch is not None:
+                    self._ingest(batch)
 
     def _ingest(self, batch: events_pb2.FeatureBatch) -> None:
         if batch.source and batch.source != self.cfg.source:  # [drafter] source picks one producer
@@ -451,6 +459,7 @@ class Coordinator:
                 if self.rollout is not None and self.rollout.busy():
                     continue  # a replica decodes: this work would take its CPU (BENCHMARKS.md, "Session 5")
                 try:
+                    self._parse_held()  # the last rollout's features belong in the held-out set and its version
                     self.refresh_shared()
                     self.evaluate_and_publish()
                 except EvaluationInterrupted as e:

@@ -102,7 +102,7 @@ class CapacityStates:
 
     def _busy(self, rep: _Replica) -> None:
         """Call once the new work is counted in (outstanding / applying): BUSY at once when it was not,
-        else the new count follows (coalesced per loop turn)."""
+        else the new count follows (coalesced: `_schedule_refresh`)."""
         from tlt.v1 import common_pb2
 
         if self.capacity is None:
