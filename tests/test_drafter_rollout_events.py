@@ -181,7 +181,8 @@ def test_count_events_are_coalesced_to_one_per_refresh_interval(model_dir, monke
     """A replica's counts and KV use change with nearly every step; every subscriber (each drafter worker, the
     coordinator) wakes and parses each event while the replicas decode. Count events of one replica are at least
     REFRESH_MIN_S apart, carrying the counts of their moment; state changes are not held back (the last event is
-    IDLE with nothing left). The same work without the spacing makes at least twice as many count events."""
+    IDLE with nothing left). The same work without the spacing makes more, some much closer together (here 20
+    against 6 on a quiet 2-core machine, 20 against 9-10 with both cores loaded)."""
     from tlt.services.rollout import pool_states
 
     def count_events(spacing_s: float) -> tuple[int, list[float]]:
@@ -201,8 +202,8 @@ def test_count_events_are_coalesced_to_one_per_refresh_interval(model_dir, monke
 
     spaced, gaps = count_events(0.1)
     assert spaced and min(gaps) >= 0.1 - 0.01, gaps
-    unspaced, _ = count_events(0.0)
-    assert unspaced >= 2 * spaced, (unspaced, spaced)
+    unspaced, unspaced_gaps = count_events(0.0)  # the same work, one count event per loop turn: a step or so apart
+    assert unspaced > spaced and min(unspaced_gaps) < 0.05, (unspaced, spaced, unspaced_gaps)
 
 
 def _abandon(pool, request_id: str, after_steps: int, before_close=None):  # noqa: ANN001, ANN202
