@@ -378,7 +378,7 @@ def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_id
     import numpy as np
 
     from tlt.services.common.events import CapacityPublisher, FeaturePuller, FeaturePusher
-    from tlt.services.drafter import coordinator as coordinator_module
+    from tlt.services.drafter import intake
 
     pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
     for r in (0, 1):
@@ -416,7 +416,7 @@ def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_id
         if train_when == "rollout_idle":
             time.sleep(0.5)
             assert coord.buffer.received_sequences == 0, "parsed while every replica was busy"
-            monkeypatch.setattr(coordinator_module, "HELD_FEATURE_BYTES", 40 * len(feats))  # ~40 frames
+            monkeypatch.setattr(intake, "HELD_FEATURE_BYTES", 40 * len(feats))  # ~40 frames
             send(20)  # 50 held: over the cap, so they are parsed although the rollout still decodes
             assert wait_for(lambda: coord.buffer.received_sequences >= 30, 10), coord.buffer.received_sequences
             assert coord.rollout.busy()

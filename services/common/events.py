@@ -68,6 +68,15 @@ class FeatureSink(Protocol):
 class FeatureSource(Protocol):
     def recv(self, timeout_s: float) -> FeatureBatch | None: ...
 
+    def recv_frame(self, timeout_s: float) -> list[bytes] | None: ...  # `recv` in two steps: take it, then parse
+
+    def parse(self, frames: list[bytes]) -> FeatureBatch | None: ...
+
+
+# a recv reads at most this many queued frames once its time is up (skipped ones, garbage or stale, are drained,
+# but not forever: a flood of them cannot hold a caller that asked not to wait)
+MAX_LATE_FRAMES = 64
+
 
 def decode(frame: bytes, body: str) -> events_pb2.Envelope | None:
     """The Envelope in `frame` when it parses and holds `body`; None for garbage."""
@@ -188,7 +197,7 @@ class CapacitySubscriber:
     Not thread-safe: one thread owns a subscriber.
     """
 
-    MAX_LATE_FRAMES = 64  # recv reads at most this many queued frames once its time is up
+    MAX_LATE_FRAMES = MAX_LATE_FRAMES
 
     def __init__(self, connect_pub: str, connect_snapshot: str) -> None:
         self.snapshot_endpoint = connect_snapshot
@@ -366,7 +375,7 @@ class FeaturePuller:
         self._sock.bind(bind)
         self.endpoint = _endpoint(self._sock)
 
-    MAX_LATE_FRAMES = 64  # recv / recv_frame read at most this many queued frames once their time is up
+    MAX_LATE_FRAMES = MAX_LATE_FRAMES
 
     def recv(self, timeout_s: float) -> FeatureBatch | None:
         """The next batch, or None when `timeout_s` passes without one (0: only what is queued now)."""

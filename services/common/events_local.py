@@ -113,3 +113,11 @@ class LocalFeatureQueue:
             return self._queue.get(timeout=max(timeout_s, 0.0))
         except queue.Empty:
             return None
+
+    def recv_frame(self, timeout_s: float) -> list[bytes] | None:
+        """The next batch as the features socket would carry it (`parse` reads it back)."""
+        batch = self.recv(timeout_s)
+        return None if batch is None else [batch.SerializeToString()]
+
+    def parse(self, frames: list[bytes]) -> FeatureBatch | None:
+        return FeatureBatch.FromString(frames[0])

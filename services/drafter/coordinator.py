@@ -45,6 +45,7 @@ from tlt.services.common.weights import pack_state_dict, unpack
 from tlt.services.drafter.acceptance import EvaluationInterrupted, mean_accept_length
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.services.drafter.config import DrafterServiceConfig
+from tlt.services.drafter.intake import FeatureIntake
 from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
@@ -70,8 +71,6 @@ def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
 HISTORY_SAVE_WAIT_S = 30.0
 # a checkpoint write owed for a change of the drafter's state waits at most this long for an idle rollout (`_saver`)
 STATE_SAVE_WAIT_S = 5.0
-# features received while the rollout decodes wait unparsed (train_when = rollout_idle: `_pull_features`) up to this much
-HELD_FEATURE_BYTES = 64 << 20
 PUSH_RETRY_S = 2.0  # a push owed to the rollout (`push_pending`) is retried this often until it lands
 WORKER_HEARTBEAT_S = 2.0  # a running worker says hello this often, whatever it does (worker.py: its own thread)
 WORKER_REQUEST_TIMEOUT_S = 10.0  # a worker's wait for an answer before it asks again on a fresh socket
@@ -164,11 +163,12 @@ class Coordinator:
         self._threads = [threading.Thread(target=self._serve_workers, name="drafter-router", daemon=True),
                          threading.Thread(target=self._saver, name="drafter-saver", daemon=True),
                          threading.Thread(target=self._gate_loop, name="drafter-gate", daemon=True)]
-        if features is not None:
-            self._threads.append(threading.Thread(target=self._pull_features, name="drafter-features", daemon=True))
-        self._held: list[list[bytes]] = []  # feature frames taken off the socket while the rollout decodes
-        self._held_bytes = 0
-        self._held_lock = threading.Lock()
+        # features arriving while a replica decodes are parsed once the rollout is idle when no worker trains meanwhile
+        hold = config.train_when == "rollout_idle" and self.rollout is not None and self.rollout.enabled
+        self.intake = None if features is None else FeatureIntake(features, self._ingest, self.rollout if hold else None)
+        if self.intake is not None:
+            self._threads.append(threading.Thread(target=self.intake.run, args=(self._stop,), name="drafter-features",
+                                                  daemon=True))
 
     # ---- lifecycle
     def start(self) -> Coordinator:
@@ -277,43 +277,7 @@ class Coordinator:
             "windows": [w.SerializeToString() for w in self.windows],
         })
 
-    # ---- features
-    def _pull_features(self) -> None:
-        """Ingest feature batches as they come. With train_when = rollout_idle nothing trains while a replica decodes,
-        so frames that arrive then are only taken off the socket (its queue is short: the senders drop when it is
-        full) and held, to be parsed into the buffer once the rollout is idle (`_parse_held`: here, or by the gate
-        before an evaluation), or once HELD_FEATURE_BYTES of them wait: parsing them took a decoding replica's CPU
-        for data no worker could use before the rollout ended."""
-        assert self.features is not None
-        source = self.features
-        hold = (self.cfg.train_when == "rollout_idle" and self.rollout is not None and self.rollout.enabled
-                and hasattr(source, "recv_frame"))
-        while not self._stop.is_set():
-            if not hold:
-                batch = source.recv(0.2)
-                if batch is not None:
-                    self._ingest(batch)
-                continue
-            frames = source.recv_frame(0.2)  # type: ignore[attr-defined]
-            if frames is not None:
-                with self._held_lock:
-                    self._held.append(frames)
-                    self._held_bytes += sum(len(f) for f in frames)
-                    full = self._held_bytes >= HELD_FEATURE_BYTES
-            else:
-                full = False
-            if full or not self.rollout.busy():  # type: ignore[union-attr]
-                self._parse_held()
-
-    def _parse_held(self) -> None:
-        """Parse the held feature frames into the buffer (see `_pull_features`), in the order they came."""
-        with self._held_lock:
-            held, self._held, self._held_bytes = self._held, [], 0
-            for frames in held:  # under the lock: a concurrent caller must not ingest later frames first
-                batch = self.features.parse(frames)  # type: ignore[union-attr]
-                if batch is not None:
-                    self._ingest(batch)
-
+    # ---- features (the intake thread, intake.py)
     def _ingest(self, batch: events_pb2.FeatureBatch) -> None:
         if batch.source and batch.source != self.cfg.source:  # [drafter] source picks one producer
             self.m_rejected.inc()
@@ -459,7 +423,8 @@ class Coordinator:
                 if self.rollout is not None and self.rollout.busy():
                     continue  # a replica decodes: this work would take its CPU (BENCHMARKS.md, "Session 5")
                 try:
-                    self._parse_held()  # the last rollout's features belong in the held-out set and its version
+                    if self.intake is not None:  # the last rollout's features belong in the held-out set
+                        self.intake.parse_held()
                     self.refresh_shared()
                     self.evaluate_and_publish()
                 except EvaluationInterrupted as e:

@@ -44,9 +44,10 @@ IDLE = common_pb2.REPLICA_STATE_IDLE
 LENT = common_pb2.REPLICA_STATE_LENT
 BUSY = common_pb2.REPLICA_STATE_BUSY
 DRAINING = common_pb2.REPLICA_STATE_DRAINING
-# While the rollout is busy, the watcher reads the queued events this often instead of waking for each (the replicas
-# publish tens a second while they decode); `idle()` turns True at most this much later. While it is idle, every
-# event is read as it comes: a BUSY must stop the coordinator's evaluation at once.
+# While the rollout is busy, whoever waits for it to turn idle (this watcher, a drafter worker) reads the queued
+# capacity events this often instead of waking for each (the replicas publish tens a second while they decode, and
+# each wake-up is taken from a core the rollout uses); it learns of the idle rollout at most this much later. While
+# the rollout is idle, this watcher reads every event as it comes: a BUSY must stop the coordinator's evaluation.
 BUSY_POLL_S = 0.05
 
 
@@ -112,7 +113,7 @@ class RolloutIdle:
                 if self.busy():  # nothing waits on the next event: read what queued every BUSY_POLL_S
                     if self._stop.wait(BUSY_POLL_S):
                         break
-                    while (e := sub.recv(0)) is not None:
+                    for e in sub.events(0):
                         self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
                     continue
                 e = sub.recv(0.2)  # idle: a BUSY must stop an evaluation at once

@@ -48,7 +48,7 @@ from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import (WORKER_HEARTBEAT_S, WORKER_REQUEST_TIMEOUT_S, tensors_from,
                                                tensors_message)
 from tlt.services.drafter.packing import PackedBatch
-from tlt.services.drafter.rollout_idle import STALE_S, fresh_all_idle
+from tlt.services.drafter.rollout_idle import BUSY_POLL_S, STALE_S, fresh_all_idle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.model.drafter import Drafter, DrafterConfig, DrafterError
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
@@ -56,10 +56,6 @@ from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.worker")
 IDLE = common_pb2.REPLICA_STATE_IDLE
-# While its replica (or the rollout, train_when = rollout_idle) is busy, a worker waiting for it to turn idle reads
-# the queued capacity events this often instead of waking for each (a decoding replica publishes tens a second, and
-# each wake-up is taken from a core the rollout uses); a window opens at most this much later.
-BUSY_POLL_S = 0.05
 
 
 class CoordinatorUnavailable(RuntimeError):
