@@ -92,3 +92,36 @@ def test_result_does_not_depend_on_batch_neighbours(ckpt, prompts, reference):
             got[c.request_id] = c.token_ids
     assert [got[f"a{i}"] for i in range(10)] == reference[:10]
     assert [got[f"b{i}"] for i in range(10)] == reference[10:20]
+
+
+def test_grpo_samples_prefill_their_prompt_once(ckpt, prompts, reference):
+    """n = 6 greedy samples of each prompt (block size 16, so most prompts end in a partial block): every
+    sample is transformers' continuation, and the tokens computed for the prompts are each prompt once
+    plus one last token per further sample (full blocks shared, partial tails copied), where sharing
+    full blocks alone recomputes every sample's partial tail."""
+    n, chosen = 6, list(range(12))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    reqs = [GenerationRequest(f"g{i}", prompts[i], params, n=n) for i in chosen]
+    computed = {}
+    for sharing in (True, False):
+        engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024, block_size=16,
+                                              prefix_sharing=sharing))
+        prompt_tokens = [0]
+        run = engine.runner.run
+
+        def counting(batch, run=run, prompt_tokens=prompt_tokens):  # noqa: ANN001, ANN202
+            prompt_tokens[0] += sum(k for k, s in zip(batch.num_new, batch.seqs) if s.num_computed < s.prompt_len)
+            return run(batch)
+
+        engine.runner.run = counting
+        for r in reqs:
+            engine.add_request(r)
+        got: dict[str, dict[int, list[int]]] = {}
+        while engine.has_unfinished():
+            for c in engine.step()[1]:
+                got.setdefault(c.request_id, {})[c.sample_index] = c.token_ids
+        assert all(got[f"g{i}"] == {k: reference[i] for k in range(n)} for i in chosen)
+        computed[sharing] = (prompt_tokens[0], engine.stats().prefix_tail_copies)
+    tails = sum(1 for i in chosen if (len(prompts[i]) - 1) % 16)  # prompts whose last token is not first in its block
+    assert computed[True] == (sum(len(prompts[i]) for i in chosen) + (n - 1) * len(chosen), (n - 1) * tails)
+    assert computed[False] == (n * sum(len(prompts[i]) for i in chosen), 0)

@@ -4,7 +4,7 @@ reuse of freed cached blocks, preemption order. Pure Python objects; nothing is 
 
 from __future__ import annotations
 
-from tlt.services.rollout.engine.block_manager import BlockManager
+from tlt.services.rollout.engine.block_manager import BlockManager, TailCopy
 from tlt.services.rollout.engine.scheduler import ScheduledBatch, Scheduler
 from tlt.services.rollout.engine.sequence import Sequence, SeqStatus
 from tlt.services.rollout.types import SamplingParams
@@ -228,11 +228,17 @@ def test_scheduler_running_chunks_stop_at_an_exhausted_budget():
 def test_siblings_admitted_in_one_step_share_the_blocks_being_computed_in_it():
     bm = BlockManager(num_blocks=20, block_size=4)
     sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    a, b = seq(range(10), i=0), seq(range(10), i=1)
+    a, b = seq(range(9), i=0), seq(range(9), i=1)  # no partial tail: every known token is in a full block
     sch.add(a)
     sch.add(b)
     batch = sch.schedule()  # a writes blocks [0-3] [4-7] this step, before b reads them
-    assert batch.seqs == [a, b] and batch.num_new == [10, 2] and b.block_table[:2] == a.block_table[:2]
+    assert batch.seqs == [a, b] and batch.num_new == [9, 1] and b.block_table[:2] == a.block_table[:2]
+    sch = Scheduler(BlockManager(num_blocks=20, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq(range(10), i=0), seq(range(10), i=1)  # token 8 in a partial tail: b copies it next step
+    sch.add(a)
+    sch.add(b)
+    batch = sch.schedule()
+    assert batch.seqs == [a] and batch.num_new == [10] and list(sch.waiting) == [b]
     bm2 = BlockManager(num_blocks=20, block_size=4)
     sch2 = Scheduler(bm2, max_num_seqs=4, max_num_batched_tokens=6)
     a, b = seq(range(10), i=0), seq(range(10), i=1)
@@ -267,3 +273,54 @@ def test_a_one_token_prefill_chunk_is_not_a_decode():
     assert not ScheduledBatch([a], [1]).is_decode_only
     a.num_computed = 6
     assert ScheduledBatch([a], [1]).is_decode_only
+
+
+def test_a_computed_partial_tail_is_copied_not_recomputed():
+    """Block size 4, prompts of 10 tokens: blocks 0-1 are shared, the third holds tokens 8 and 9 (9, the last,
+    is computed by each sequence). A sibling copies token 8's K/V from the first sequence's third block once
+    that is computed, and waits a step while it is not; a prompt with another tail, a freed owner and a reset
+    prefix cache copy nothing."""
+    bm = BlockManager(num_blocks=40, block_size=4)
+    a = seq(range(10))
+    copies: list[TailCopy] = []
+    assert bm.allocate(a, set(), copies) == 0 and not copies
+    b = seq(range(10), i=1)
+    assert bm.allocate(b, set(a.block_table[:2]), copies) == BlockManager.DEFER and not b.block_table
+    a.num_computed = 10  # a's prefill ran
+    bm.mark_computed(a)
+    assert bm.allocate(b, set(), copies) == 9  # two shared blocks + the copied tail token: computes token 9 only
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert copies == [TailCopy(a.block_table[2], b.block_table[2], 1)] and bm.tail_copies == 1
+    c = seq([*range(9), 77])  # another last token: the same known prefix, so the same copy
+    assert bm.allocate(c, set(), copies) == 9 and copies[-1] == TailCopy(a.block_table[2], c.block_table[2], 1)
+    d = seq([*range(8), 55, 9])  # another tail token: registers its own tail
+    assert bm.allocate(d, set(), copies) == 8 and len(copies) == 2
+    assert bm.allocate(seq([*range(8), 55, 9], i=1), set(), copies) == BlockManager.DEFER
+    bm.free_seq(a)  # the owner leaves: its block may be rewritten, nobody copies from it
+    assert bm.allocate(seq(range(10), i=2), set(), copies) == 8 and len(copies) == 2
+    bm.reset_prefix_cache()
+    e = seq(range(10), i=3)
+    assert bm.allocate(e, set(), copies) == 0 and len(copies) == 2
+    e.num_computed = 10
+    bm.mark_computed(e)
+    assert bm.allocate(seq(range(10), i=4), set(), None) == 8  # a caller that applies no copies gets none
+
+
+def test_a_sibling_waiting_for_a_tail_keeps_its_place_and_the_queue_moves_on():
+    bm = BlockManager(num_blocks=40, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, a1 = seq(range(10), "a"), seq(range(10), "a", 1)
+    b, b1 = seq(range(20, 30), "b"), seq(range(20, 30), "b", 1)
+    for s in (a, a1, b, b1):
+        sch.add(s)
+    batch = sch.schedule()
+    assert batch.seqs == [a, b] and batch.num_new == [10, 10] and not batch.copies
+    assert list(sch.waiting) == [a1, b1]
+    for s in (a, b):
+        s.token_ids.append(99)
+    sch.update(batch)
+    batch = sch.schedule()
+    assert batch.seqs == [a, b, a1, b1] and batch.num_new == [1, 1, 1, 1]
+    assert [(c.src, c.dst, c.count) for c in batch.copies] == [(a.block_table[2], a1.block_table[2], 1),
+                                                                (b.block_table[2], b1.block_table[2], 1)]
+    assert batch.is_decode_only  # a1, b1 compute their last prompt token over cached K/V (once copied): a decode row

@@ -88,14 +88,20 @@ def test_a_negative_seed_does_not_share_a_positive_seeds_stream(ckpt):
         assert stream(s) != stream(s, 1)  # the samples of one request differ
         assert stream(s) != stream(s + 2**32)  # seeds equal modulo 2**32 (shared a generator seed) differ
 
-def test_n_samples_share_full_prompt_blocks(ckpt):
+def test_n_samples_share_full_prompt_blocks_and_copy_the_partial_one(ckpt):
     engine = make(ckpt, block_size=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request(GenerationRequest("g", PROMPT, greedy, n=4))
-    engine.step()  # one prefill step for the whole group
-    # 40 tokens = 5 blocks; the 4 full blocks before the last token are shared, the 5th is per sample
-    assert engine.block_manager.shared_hits == 3 * 4
-    assert engine.block_manager.num_blocks - engine.block_manager.num_free == 4 + 4 * 1
+    bm = engine.block_manager
+    engine.step()  # the first sample prefills the prompt; the others wait a step for its last block
+    assert bm.shared_hits == 0 and bm.num_blocks - bm.num_free == 5 and len(engine.scheduler.waiting) == 3
+    engine.step()
+    # 40 tokens = 5 blocks; the 4 full blocks before the last token are shared, the 5th is per sample, its
+    # first 7 tokens' K/V copied from the first sample's: each other sample computes only the 40th token
+    assert bm.shared_hits == 3 * 4 and bm.tail_copies == 3
+    first, *others = engine.scheduler.running
+    assert all(s.block_table[:4] == first.block_table[:4] and len(s.block_table) == 5 for s in others)
+    assert len({s.block_table[4] for s in (first, *others)}) == 4
     outs = []
     while engine.has_unfinished():
         outs += engine.step()[1]
@@ -259,8 +265,10 @@ def test_add_request_rejects_bad_requests_and_abort_frees(ckpt):
     engine.add_request(GenerationRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=10), n=3))
     with pytest.raises(ValueError, match="already"):
         engine.add_request(GenerationRequest("a", PROMPT, ok))
+    engine.step()  # the first sample prefills; the others copy its last block's K/V next step
+    assert engine.stats().running == 1 and engine.stats().queued == 2 and engine.stats().kv_usage > 0
     engine.step()
-    assert engine.stats().running == 3 and engine.stats().kv_usage > 0
+    assert engine.stats().running == 3
     engine.abort_request("a")
     assert not engine.has_unfinished() and engine.stats().kv_usage == 0.0
 

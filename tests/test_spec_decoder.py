@@ -269,8 +269,9 @@ def test_engine_sampling_with_speculation_matches_the_exact_distribution(ckpt):
     samples are the same in number and independence, so the chi-square test's power is unchanged.)
     The prompt holds "B y z C" for each first token y the target allows after it and each second token
     z it allows after y (sets grown until they hold every support the final prompt induces) and ends
-    with "A B": after the first token (drawn at prefill) the n-gram tree's first level holds every
-    allowed second token, so the second token always comes through acceptance, the third is the bonus."""
+    with "A B": after the first token (drawn at prefill for a group's first sample, through the first verify
+    step for the others) the n-gram tree's first level holds every allowed second token, so the second
+    token always comes through acceptance, the third is the bonus."""
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
@@ -309,7 +310,10 @@ def test_engine_sampling_with_speculation_matches_the_exact_distribution(ckpt):
     outs = _spec_generate(eng, dec, [GenerationRequest(f"g{i}", prompt, prompt_params(params, i), n // groups)
                                      for i in range(groups)])
     st = dec.stats()
-    assert len(outs) == n and st["verify_steps"] == 1, st  # one verify step over all 3000 sequences
+    # each group's first sample prefills its prompt and draws its first token plainly; the others start a step
+    # later, over its copied K/V (BlockManager's partial tails), and draw every token through verify steps:
+    # one over all 3000 sequences, and one for the few whose drafts were not all accepted
+    assert len(outs) == n and st["verify_steps"] == 2, st
     assert st["mean_accept_len"] > 1.9 and st["kv_copies"] > 0, st
     frontier = [((), 1.0)]
     for _ in range(length):

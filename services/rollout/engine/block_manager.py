@@ -7,8 +7,18 @@ previous block's key and its own tokens, BLAKE2b, 128 bits: `chain_key`);
 a later sequence with the same prefix reuses it (ref count + 1) instead of
 computing it again. That is how the n samples of one GRPO prompt prefill the
 prompt once. The block holding the last prompt token is never shared, so a
-sequence only ever writes into blocks it owns alone (no copy-on-write needed;
-the partial tail is recomputed per sample, at most block_size tokens).
+sequence only ever writes into blocks it owns alone (no copy-on-write needed).
+
+That block's known tokens (the partial tail: up to block_size - 1 of them) are
+copied rather than recomputed: the first sequence with a prefix registers its
+tail block under the tail's key (`tail_key`); a later sequence with the same
+known prefix, once that tail is computed, gets a fresh block, a `TailCopy` of
+those slots (applied by the engine before the step's forward: the K/V of the
+same tokens after the same prefix) and computes only its last token. GRPO's
+n samples of a short prompt then prefill it once instead of n times
+(BENCHMARKS.md, "Session 28"). A sibling whose tail is being computed in this
+very step waits one step for it (`allocate` returns DEFER; the scheduler
+admits the sequences behind it meanwhile).
 
 The key must be collision-resistant: a hit compares only the block's own
 tokens, so two prefixes with one key would share K/V computed under another
@@ -32,6 +42,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from tlt.services.rollout.engine.sequence import Sequence
 
@@ -44,8 +55,13 @@ def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def tail_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The key of a partial tail block's known tokens after the prefix keyed `parent` (apart from full blocks')."""
+    return chain_key(b"tail" + parent, tokens)
+
+
 class Block:
-    __slots__ = ("id", "ref_count", "hash", "token_ids", "computed")
+    __slots__ = ("id", "ref_count", "hash", "token_ids", "computed", "tail", "tail_owner", "tail_end")
 
     def __init__(self, block_id: int) -> None:
         self.id = block_id
@@ -53,6 +69,18 @@ class Block:
         self.hash: bytes | None = None  # chain_key of its prefix while shareable
         self.token_ids: tuple[int, ...] = ()
         self.computed = False
+        self.tail: bytes | None = None  # tail_key while registered as a partial tail others may copy
+        self.tail_owner: Sequence | None = None  # the sequence computing it: copyable once it computed tail_end tokens
+        self.tail_end = 0
+
+
+@dataclass(frozen=True)
+class TailCopy:
+    """Copy slots 0 .. count - 1 of block `src` into block `dst`, every layer's K and V (before the step's forward)."""
+
+    src: int
+    dst: int
+    count: int
 
 
 class BlockManager:
@@ -64,7 +92,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_hash: dict[bytes, Block] = {}
+        self.by_tail: dict[bytes, Block] = {}  # tail_key -> a running sequence's partial tail block
         self.shared_hits = 0  # blocks reused instead of recomputed (for stats and tests)
+        self.tail_copies = 0  # partial tails copied instead of recomputed (for stats and tests)
 
     @property
     def num_blocks(self) -> int:
@@ -88,12 +118,20 @@ class BlockManager:
         b.hash, b.token_ids, b.computed, b.ref_count = None, (), False, 1
         return b
 
-    def allocate(self, seq: Sequence, pending: set[int]) -> int:
+    def _drop_tail(self, b: Block) -> None:
+        if b.tail is not None and self.by_tail.get(b.tail) is b:
+            del self.by_tail[b.tail]
+        b.tail, b.tail_owner = None, None
+
+    def allocate(self, seq: Sequence, pending: set[int], copies: list[TailCopy] | None = None) -> int:
         """Give `seq` blocks for all its tokens, reusing shared prefix blocks.
 
         Returns the number of leading tokens already in the cache (set as
-        seq.num_computed), DEFER when it must wait for a sibling's chunk, or
-        raises nothing and returns -2 when there are not enough free blocks.
+        seq.num_computed), DEFER when it must wait for a sibling's chunk or
+        tail, or raises nothing and returns -2 when there are not enough free
+        blocks. With `copies` (a list the caller applies before the step's
+        forward), a computed partial tail of the same prefix is copied into
+        seq's own tail block (a TailCopy appended) and counted as cached.
         """
         assert not seq.block_table
         bs, toks = self.block_size, seq.token_ids
@@ -112,6 +150,18 @@ class BlockManager:
                     if not (b.computed or b.id in pending):
                         return self.DEFER
                     hits.append(b)
+        tail_n = len(toks) - 1 - shareable * bs  # known tokens in the block of the last token (copied, not shared)
+        tail, src = None, None
+        if self.prefix_sharing and copies is not None and tail_n > 0:
+            tail = tail_key(h, tuple(toks[shareable * bs : len(toks) - 1]))
+            src = self.by_tail.get(tail) if len(hits) == shareable else None  # copied only after a shared prefix
+            if src is not None:
+                owner = src.tail_owner
+                if owner is None or owner.block_table[shareable : shareable + 1] != [src.id]:
+                    self._drop_tail(src)  # stale: its owner no longer holds it there
+                    src = None
+                elif owner.num_computed < src.tail_end:
+                    return self.DEFER  # computed this step or by a later chunk: copy it next step
         fresh_needed = total - len(hits)
         revived = sum(1 for b in hits if b.ref_count == 0)
         if fresh_needed > len(self.free) - revived:
@@ -129,6 +179,14 @@ class BlockManager:
                 self.by_hash[b.hash] = b
             seq.block_table.append(b.id)
         seq.num_computed = len(hits) * bs
+        if src is not None:  # the same known tokens after the same prefix: copy their K/V, compute the last token
+            copies.append(TailCopy(src.id, seq.block_table[shareable], tail_n))
+            self.tail_copies += 1
+            seq.num_computed += tail_n
+        elif tail is not None:  # the first with this tail: others may copy it once computed
+            b = self.blocks[seq.block_table[shareable]]
+            b.tail, b.tail_owner, b.tail_end = tail, seq, len(toks) - 1
+            self.by_tail[tail] = b
         return seq.num_computed
 
     def can_append(self, seq: Sequence) -> bool:
@@ -149,12 +207,16 @@ class BlockManager:
         """Make no existing block shareable again (after a weight swap its K/V belongs to the old weights)."""
         for b in self.blocks:
             b.hash, b.token_ids = None, ()
+            b.tail, b.tail_owner = None, None
         self.by_hash.clear()
+        self.by_tail.clear()
 
     def free_seq(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):
             b = self.blocks[bid]
             b.ref_count -= 1
+            if b.tail_owner is seq:
+                self._drop_tail(b)  # its owner leaves: it may be written by whoever gets the block next
             if b.ref_count == 0:
                 if not b.computed and b.hash is not None:
                     if self.by_hash.get(b.hash) is b:

@@ -63,7 +63,8 @@ class EngineConfig(ServiceConfig):
     seed: int = Field(0, description="seed for requests that give none, mixed with the host's name and the replica: "
                       "servers on other hosts (pods) draw other samples, a rerun on one host repeats them; the "
                       "samples of one request still differ from each other")
-    prefix_sharing: bool = Field(True, description="share full prompt KV blocks between sequences with the same prefix")
+    prefix_sharing: bool = Field(True, description="share full prompt KV blocks between sequences with the same prefix "
+                                 "and copy a computed partial last block: n samples of a prompt prefill it once")
 
     @field_validator("device")
     @classmethod

@@ -77,6 +77,7 @@ class EngineStats:
     num_preemptions: int
     steps: int
     prefix_hit_blocks: int = 0
+    prefix_tail_copies: int = 0  # partial prompt tails copied from a sibling instead of recomputed
     spec: dict = field(default_factory=dict)  # filled by the speculative decoder when attached
 
 
@@ -196,6 +197,8 @@ class LLMEngine:
         if not batch.seqs:
             return [], []
         self._steps += 1
+        if batch.copies:  # partial prompt tails other sequences computed (BlockManager): before any forward
+            self.runner.copy_tails(batch.copies)
         for seq in batch.seqs:  # a prefill chunk emits nothing, yet its K/V is of these weights: count it too
             seq.record_version(self.versions.policy)
         if self.spec_decoder is not None and self.spec_decoder.wants(batch):
@@ -338,6 +341,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
             prefix_hit_blocks=self.block_manager.shared_hits,
+            prefix_tail_copies=self.block_manager.tail_copies,
             spec=spec,
         )
 

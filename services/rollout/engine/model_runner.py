@@ -24,6 +24,7 @@ import torch
 
 from tlt.model.attention import AttentionMetadata
 from tlt.model.transformer import Transformer
+from tlt.services.rollout.engine.block_manager import TailCopy
 from tlt.services.rollout.engine.decode_graphs import DecodeGraphs, GraphMode
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
@@ -127,3 +128,11 @@ class ModelRunner:
 
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         self.model.copy_slots(src_slots, dst_slots)
+
+    def copy_tails(self, copies: list[TailCopy]) -> None:
+        """Copy partial prompt tails' K/V between blocks (`BlockManager.allocate`), one call for the step."""
+        bs = self.block_size
+        src = [c.src * bs + i for c in copies for i in range(c.count)]
+        dst = [c.dst * bs + i for c in copies for i in range(c.count)]
+        self.model.copy_slots(torch.tensor(src, dtype=torch.int64, device=self.device),
+                              torch.tensor(dst, dtype=torch.int64, device=self.device))

@@ -9,8 +9,11 @@ Every step it builds one batch, in this order:
    prompt + output, keeping its RNG key), never fails.
 2. waiting sequences, first come first served, while the sequence cap, the
    token budget and free blocks allow: blocks are allocated for all their
-   tokens (sharing full prefix blocks, see BlockManager) and the first chunk
-   is scheduled.
+   tokens (sharing full prefix blocks and copying a computed partial tail,
+   see BlockManager) and the first chunk is scheduled. A sequence that must
+   wait for a sibling's K/V (DEFER) keeps its place in the queue while the
+   ones behind it are admitted; one that finds no free blocks stops the
+   admissions (first come, first served).
 
 A token is sampled for a sequence when its scheduled chunk reaches its end.
 """
@@ -21,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tlt.services.rollout.engine.block_manager import BlockManager
+from tlt.services.rollout.engine.block_manager import BlockManager, TailCopy
 from tlt.services.rollout.engine.sequence import Sequence, SeqStatus
 
 
@@ -29,6 +32,7 @@ from tlt.services.rollout.engine.sequence import Sequence, SeqStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
+    copies: list[TailCopy] = field(default_factory=list)  # K/V to copy before the forward (BlockManager.allocate)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -74,12 +78,16 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
             i += 1
+        deferred: list[Sequence] = []  # waiting for a sibling's K/V this step: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.bm.allocate(seq, pending)
+            seq = self.waiting.popleft()
+            cached = self.bm.allocate(seq, pending, batch.copies)
+            if cached == BlockManager.DEFER:
+                deferred.append(seq)  # a shared prefix block or tail is still being computed
+                continue
             if cached < 0:
-                break  # not enough blocks, or a shared prefix block is still being computed
-            self.waiting.popleft()
+                self.waiting.appendleft(seq)
+                break  # not enough blocks
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -88,6 +96,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return batch
 
     def update(self, batch: ScheduledBatch) -> None:
