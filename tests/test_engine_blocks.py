@@ -4,6 +4,8 @@ reuse of freed cached blocks, preemption order. Pure Python objects; nothing is 
 
 from __future__ import annotations
 
+import pytest
+
 from tlt.services.rollout.engine.block_manager import BlockManager, TailCopy
 from tlt.services.rollout.engine.scheduler import ScheduledBatch, Scheduler
 from tlt.services.rollout.engine.sequence import Sequence, SeqStatus
@@ -324,3 +326,44 @@ def test_a_sibling_waiting_for_a_tail_keeps_its_place_and_the_queue_moves_on():
     assert [(c.src, c.dst, c.count) for c in batch.copies] == [(a.block_table[2], a1.block_table[2], 1),
                                                                 (b.block_table[2], b1.block_table[2], 1)]
     assert batch.is_decode_only  # a1, b1 compute their last prompt token over cached K/V (once copied): a decode row
+
+
+def test_deferred_samples_keep_their_seats_under_the_cap():
+    """Cap 4, three prompts x 2 samples: the first samples of P and Q are admitted and their siblings keep two
+    seats while they wait for the prompts' last blocks, so R waits rather than splitting P's and Q's samples
+    across waves of the batch."""
+    bm = BlockManager(num_blocks=60, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    (p0, p1), (q0, q1), (r0, r1) = ([seq(range(k, k + 10), name, i) for i in range(2)]
+                                    for k, name in ((0, "p"), (20, "q"), (40, "r")))
+    for s in (p0, p1, q0, q1, r0, r1):
+        sch.add(s)
+    batch = sch.schedule()
+    assert batch.seqs == [p0, q0] and list(sch.waiting) == [p1, q1, r0, r1]
+    for s in (p0, q0):
+        s.token_ids.append(99)
+    sch.update(batch)
+    batch = sch.schedule()
+    assert batch.seqs == [p0, q0, p1, q1] and len(batch.copies) == 2 and list(sch.waiting) == [r0, r1]
+
+
+def test_an_allocation_error_loses_no_waiting_sequence(monkeypatch):
+    """A sibling waiting for a's last block, then b, whose allocation raises: both stay queued, in order."""
+    bm = BlockManager(num_blocks=40, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, a1, b = seq(range(10), "a"), seq(range(10), "a", 1), seq(range(20, 30), "b")
+    sch.add(a)
+    sch.schedule()  # a runs; its prefill has not completed (no update): a1 must wait for its last block
+    sch.add(a1)
+    sch.add(b)
+    allocate = bm.allocate
+
+    def failing(s, pending, copies=None):  # noqa: ANN001, ANN202
+        if s is b:
+            raise RuntimeError("boom")
+        return allocate(s, pending, copies)
+
+    monkeypatch.setattr(bm, "allocate", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        sch.schedule()
+    assert list(sch.waiting) == [a1, b] and not a1.block_table and not b.block_table

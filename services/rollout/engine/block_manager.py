@@ -16,9 +16,10 @@ known prefix, once that tail is computed, gets a fresh block, a `TailCopy` of
 those slots (applied by the engine before the step's forward: the K/V of the
 same tokens after the same prefix) and computes only its last token. GRPO's
 n samples of a short prompt then prefill it once instead of n times
-(BENCHMARKS.md, "Session 28"). A sibling whose tail is being computed in this
-very step waits one step for it (`allocate` returns DEFER; the scheduler
-admits the sequences behind it meanwhile).
+(BENCHMARKS.md, "Session 28"). A sibling whose tail is not computed yet (in
+this very step, or by a later chunk of a chunked prefill) waits for it
+(`allocate` returns DEFER; the scheduler admits the sequences behind it
+meanwhile).
 
 The key must be collision-resistant: a hit compares only the block's own
 tokens, so two prefixes with one key would share K/V computed under another
@@ -33,8 +34,9 @@ through a chunked prefill) tells the scheduler to wait a step.
 
 Freed blocks keep their hash (a later identical prefix can still hit them)
 until they are handed out again; uncomputed blocks lose it when freed.
-`reset_prefix_cache` forgets every hash (a policy weight swap makes all cached
-K/V stale for new requests; sequences holding blocks keep using them).
+`reset_prefix_cache` forgets every hash and every registered tail (a policy
+weight swap makes all cached K/V stale for new requests; sequences holding
+blocks keep using them).
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 
 def tail_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
-    """The key of a partial tail block's known tokens after the prefix keyed `parent` (apart from full blocks')."""
-    return chain_key(b"tail" + parent, tokens)
+    """The key of a partial tail block's known tokens after the prefix keyed `parent` (ROOT_KEY or a chain_key):
+    apart from full blocks' keys, and the parent's length in it, so no parent and tokens read as another's."""
+    return chain_key(b"tail" + bytes([len(parent)]) + parent, tokens)
 
 
 class Block:
@@ -84,7 +87,7 @@ class TailCopy:
 
 
 class BlockManager:
-    DEFER = -1  # allocate(): a matching prefix block is still being computed by another sequence
+    DEFER = -1  # allocate(): a matching prefix block or partial tail is still being computed by another sequence
 
     def __init__(self, num_blocks: int, block_size: int, prefix_sharing: bool = True) -> None:
         self.block_size = block_size
@@ -158,7 +161,7 @@ class BlockManager:
             if src is not None:
                 owner = src.tail_owner
                 if owner is None or owner.block_table[shareable : shareable + 1] != [src.id]:
-                    self._drop_tail(src)  # stale: its owner no longer holds it there
+                    self._drop_tail(src)  # defensive (free_seq drops an owner's tail): not held there any more
                     src = None
                 elif owner.num_computed < src.tail_end:
                     return self.DEFER  # computed this step or by a later chunk: copy it next step

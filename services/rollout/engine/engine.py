@@ -191,7 +191,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
-        """schedule -> (draft -> verify -> accept) or run + sample -> emit."""
+        """schedule -> copy partial prompt tails -> (draft -> verify -> accept) or run + sample -> emit."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:

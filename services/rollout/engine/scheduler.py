@@ -11,9 +11,9 @@ Every step it builds one batch, in this order:
    token budget and free blocks allow: blocks are allocated for all their
    tokens (sharing full prefix blocks and copying a computed partial tail,
    see BlockManager) and the first chunk is scheduled. A sequence that must
-   wait for a sibling's K/V (DEFER) keeps its place in the queue while the
-   ones behind it are admitted; one that finds no free blocks stops the
-   admissions (first come, first served).
+   wait for a sibling's K/V (DEFER) keeps its place in the queue, and a seat
+   under the cap, while the ones behind it are admitted; one that finds no
+   free blocks stops the admissions (first come, first served).
 
 A token is sampled for a sequence when its scheduled chunk reaches its end.
 """
@@ -78,10 +78,20 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
             i += 1
-        deferred: list[Sequence] = []  # waiting for a sibling's K/V this step: they keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+        # waiting for a sibling's K/V this step: they keep their place in the queue, and their seats (else the
+        # first samples of later prompts would fill the batch and split every request's samples across waves)
+        deferred: list[Sequence] = []
+        try:
+            self._admit(batch, budget, pending, deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int, pending: set[int], deferred: list[Sequence]) -> None:
+        while self.waiting and budget > 0 and len(self.running) + len(deferred) < self.max_num_seqs:
+            seq = self.waiting[0]
             cached = self.bm.allocate(seq, pending, batch.copies)
+            self.waiting.popleft()
             if cached == BlockManager.DEFER:
                 deferred.append(seq)  # a shared prefix block or tail is still being computed
                 continue
@@ -96,8 +106,6 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
-        self.waiting.extendleft(reversed(deferred))
-        return batch
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens now have K/V; blocks they completed become shareable."""

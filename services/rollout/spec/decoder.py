@@ -26,7 +26,8 @@ arm fits the verify-token budget at the batch size (adaptive; counted as `over_b
 Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` does exactly this):
 
     batch = scheduler.schedule()
-    runner.copy_tails(batch.copies)               # partial prompt tails copied, not recomputed (if any)
+    if batch.copies:                              # partial prompt tails copied, not recomputed
+        runner.copy_tails(batch.copies)
     if decoder is not None and decoder.wants(batch) and (em := decoder.decode(batch.seqs)) is not None:
         for seq, e in zip(batch.seqs, em):       # per token: append, version, logprob, feature row,
             ...                                  # check_stop; on a stop drop the rest and finish
