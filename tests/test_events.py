@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from tlt.services.common.events import (
+    MAX_LATE_FRAMES,
     TOPIC,
     CapacityPublisher,
     CapacitySubscriber,
@@ -220,11 +221,11 @@ def test_recv_reads_a_bounded_number_of_frames_past_its_deadline(rogue_sub) -> N
     """Once its time is up recv reads at most MAX_LATE_FRAMES queued frames: a sender of endless garbage cannot hold
     it (recv(0) drains skipped frames to reach an event behind them)."""
     rogue, sub, _, _ = rogue_sub
-    n = sub.MAX_LATE_FRAMES + 36
+    n = MAX_LATE_FRAMES + 36
     for _ in range(n):
         rogue.send_multipart([TOPIC, b"\xff\xff"])
     time.sleep(0.3)
-    assert sub.recv(0) is None and sub.garbage == sub.MAX_LATE_FRAMES
+    assert sub.recv(0) is None and sub.garbage == MAX_LATE_FRAMES
     assert sub.recv(0) is None and sub.garbage == n  # the rest, at the next look
 
 

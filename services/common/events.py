@@ -197,8 +197,6 @@ class CapacitySubscriber:
     Not thread-safe: one thread owns a subscriber.
     """
 
-    MAX_LATE_FRAMES = MAX_LATE_FRAMES
-
     def __init__(self, connect_pub: str, connect_snapshot: str) -> None:
         self.snapshot_endpoint = connect_snapshot
         self.garbage = 0
@@ -247,7 +245,7 @@ class CapacitySubscriber:
             left = deadline - time.monotonic()
             if left <= 0:
                 late += 1
-                if late > self.MAX_LATE_FRAMES:
+                if late > MAX_LATE_FRAMES:
                     return None
             if not self._sub.poll(timeout=int(max(0.0, left) * 1000)):  # 0: look, never wait
                 return None
@@ -375,8 +373,6 @@ class FeaturePuller:
         self._sock.bind(bind)
         self.endpoint = _endpoint(self._sock)
 
-    MAX_LATE_FRAMES = MAX_LATE_FRAMES
-
     def recv(self, timeout_s: float) -> FeatureBatch | None:
         """The next batch, or None when `timeout_s` passes without one (0: only what is queued now)."""
         deadline = time.monotonic() + timeout_s
@@ -390,7 +386,7 @@ class FeaturePuller:
                 return batch
             if time.monotonic() >= deadline:
                 late += 1
-                if late > self.MAX_LATE_FRAMES:
+                if late > MAX_LATE_FRAMES:
                     return None
 
     def recv_frame(self, timeout_s: float) -> list[bytes] | None:

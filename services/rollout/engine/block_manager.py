@@ -157,14 +157,10 @@ class BlockManager:
         tail, src = None, None
         if self.prefix_sharing and copies is not None and tail_n > 0:
             tail = tail_key(h, tuple(toks[shareable * bs : len(toks) - 1]))
-            src = self.by_tail.get(tail) if len(hits) == shareable else None  # copied only after a shared prefix
-            if src is not None:
-                owner = src.tail_owner
-                if owner is None or owner.block_table[shareable : shareable + 1] != [src.id]:
-                    self._drop_tail(src)  # defensive (free_seq drops an owner's tail): not held there any more
-                    src = None
-                elif owner.num_computed < src.tail_end:
-                    return self.DEFER  # computed this step or by a later chunk: copy it next step
+            # copied only after a shared prefix; a registered tail's owner holds it (free_seq drops it as it leaves)
+            src = self.by_tail.get(tail) if len(hits) == shareable else None
+            if src is not None and src.tail_owner.num_computed < src.tail_end:
+                return self.DEFER  # computed this step or by a later chunk: copy it next step
         fresh_needed = total - len(hits)
         revived = sum(1 for b in hits if b.ref_count == 0)
         if fresh_needed > len(self.free) - revived:

@@ -91,13 +91,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(deferred) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.bm.allocate(seq, pending, batch.copies)
-            self.waiting.popleft()
             if cached == BlockManager.DEFER:
-                deferred.append(seq)  # a shared prefix block or tail is still being computed
+                deferred.append(self.waiting.popleft())  # a shared prefix block or tail is still being computed
                 continue
             if cached < 0:
-                self.waiting.appendleft(seq)
                 break  # not enough blocks
+            self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
