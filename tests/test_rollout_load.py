@@ -7,7 +7,10 @@ Checked: zero errors, every finished stream well formed, no sequence left
 running or queued afterwards, RSS of the server + replica processes flat
 (bounded growth after warm-up). p50/p99 request latency is printed.
 
-Default run: 16 clients for 8 s. `slow`: 64 clients for 30 s.
+Default run: 16 clients for 8 s. `slow`: 64 clients for 30 s. The garbage collector's pauses in the front and
+each replica, from /metrics, are printed too; every process must have frozen its startup heap (`[rollout]
+gc_freeze`, on by default). `TLT_LOAD_GC_FREEZE=false` runs the server without the freeze, for the comparison in
+BENCHMARKS.md (the check is then that nothing was frozen).
 
 Real parts: `tlt rollout serve` as a subprocess with two replica processes
 running the native engine on a tiny random checkpoint, httpx clients. Nothing
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -92,9 +96,30 @@ async def _load(base: str, model: str, pids: list[int], clients: int, seconds: f
     return {"lat": lat, "errors": errors, "counts": counts, "samples": samples, "wall": time.monotonic() - t0}
 
 
+def _gc(root: str) -> dict[str, dict]:
+    """/metrics' rollout_gc_* lines -> {process: {"frozen": n, "collections": {gen: n}, "seconds": {gen: s},
+    "max": {gen: s}}}."""
+    out: dict[str, dict] = {}
+    names = {"rollout_gc_collections": "collections", "rollout_gc_pause_seconds": "seconds",
+             "rollout_gc_max_pause_seconds": "max"}
+    for line in httpx.get(f"{root}/metrics").text.splitlines():
+        if not line.startswith("rollout_gc_"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, labels = head.split("{", 1)
+        fields = dict(kv.split("=", 1) for kv in labels.rstrip("}").split(","))
+        proc = out.setdefault(fields["process"].strip('"'), {"collections": {}, "seconds": {}, "max": {}})
+        if name == "rollout_gc_frozen_objects":
+            proc["frozen"] = float(value)
+        elif name in names:
+            proc[names[name]][int(fields["generation"].strip('"'))] = float(value)
+    return out
+
+
 def _run(tmp_path, clients: int, seconds: float) -> None:
     model = tiny_checkpoint(tmp_path / "model")
-    with ServeProcess(model, tmp_path, replicas=2) as server:
+    freeze = os.environ.get("TLT_LOAD_GC_FREEZE", "true")
+    with ServeProcess(model, tmp_path, replicas=2, extra=("--set", f"gc_freeze={freeze}")) as server:
         name = httpx.get(f"{server.base_url}/models").json()["data"][0]["id"]
         warm = asyncio.run(_load(server.base_url, name, server.pids, 4, 1.0))  # warm-up (allocator, first steps)
         assert not warm["errors"], warm["errors"][:5]
@@ -109,6 +134,15 @@ def _run(tmp_path, clients: int, seconds: float) -> None:
         assert all(r.alive for r in st.replicas)
         assert all(r.running == 0 and r.queued == 0 for r in st.replicas), st
         assert sum(r.kv_usage for r in st.replicas) == 0.0, "KV blocks leaked by finished or aborted requests"
+        gc_seen = _gc(server.base_url.removesuffix("/v1"))
+
+    assert sorted(gc_seen) == ["front", "replica-0", "replica-1"], sorted(gc_seen)
+    for proc, g in gc_seen.items():  # a serving process holds ~400,000 objects after startup
+        assert (g["frozen"] > 100_000) if freeze == "true" else (g["frozen"] == 0), (proc, g["frozen"])
+        assert g["collections"][0] > 0, (proc, g)  # the probe counts (every process allocates)
+    print("\ngc (gen 2 collections, their seconds, the longest; gen 0+1 seconds): " + "; ".join(
+        f"{p} frozen {g['frozen']:.0f}: {g['collections'][2]:.0f}, {g['seconds'][2]:.3f} s, {g['max'][2]:.3f} s; "
+        f"{g['seconds'][0] + g['seconds'][1]:.3f} s" for p, g in sorted(gc_seen.items())))
 
     lat = sorted(res["lat"])
     samples = res["samples"]

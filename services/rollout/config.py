@@ -49,6 +49,12 @@ class RolloutConfig(ServiceConfig):
         "threads exceeds the usable cores (replicas sharing cores spin against each other: 17x slower); set false "
         "on a machine shared with other jobs; no effect with one thread per replica"
     )
+    gc_freeze: bool = Field(
+        True, description="freeze the Python heap (gc.freeze) of the front and of each replica once started: full "
+        "garbage collections then skip the ~400,000 objects that imports, the model and the KV block pool leave, "
+        "which took 0.16-0.30 s each, every stream stalled meanwhile (services/common/gc_heap.py, BENCHMARKS.md "
+        "\"Rollout server under load\"); /metrics shows each process's collections and pauses (rollout_gc_*)"
+    )
     max_n: int = Field(64, ge=1, description="largest n (samples per prompt) a request may ask for")
     max_prompts_per_batch: int = Field(4096, ge=1, description="largest number of prompts in one BatchGenerate")
     max_pending_sequences: int = Field(

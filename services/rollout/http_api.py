@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tlt.services.common.auth import resolve_api_key, token_matches
+from tlt.services.common.gc_heap import GcMetrics, GcPauses
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout import openai_convert as conv
 from tlt.services.rollout.config import RolloutConfig
@@ -115,9 +116,10 @@ class OpenAIServer:
     """The handlers; the FastAPI app is `OpenAIServer(...).app`."""
 
     def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, gc_pauses: GcPauses | None = None) -> None:
         self.pool, self.tokenizer, self.model_name, self.config, self.metrics = (
             pool, tokenizer, model_name, config, metrics)
+        self.gc_pauses = gc_pauses  # the front process's collections (RolloutServer installs it)
         self.created = int(time.time())
         self.m_requests = metrics.counter("http_requests_total", "HTTP API requests by endpoint and status",
                                           ("endpoint", "status"))
@@ -142,6 +144,7 @@ class OpenAIServer:
         self.m_rejected = metrics.counter("rejected_total", "requests and weight pushes refused, by reason",
                                           ("reason",))
         self.m_spec = SpecMetrics(metrics)
+        self.m_gc = GcMetrics(metrics)
         self.api_key = resolve_api_key(config.api_key)
         self.app = self._build()
 
@@ -205,6 +208,9 @@ class OpenAIServer:
                 self.m_queued.labels(r).set(s.stats.queued)
                 self.m_kv.labels(r).set(s.stats.kv_usage)
                 self.m_spec.update(s.replica_id, s.stats.spec)
+                self.m_gc.update(f"replica-{s.replica_id}", s.stats.gc)
+        if self.gc_pauses is not None:
+            self.m_gc.update("front", self.gc_pauses.snapshot())
         self._count_up(self.m_redispatched, "redispatched", self.pool.redispatches)
         self._count_up(self.m_gen, "generated", self.pool.generated_tokens)
         self._count_up(self.m_prompt, "prompt", self.pool.prompt_tokens)

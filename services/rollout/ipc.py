@@ -138,6 +138,7 @@ class ReplicaStats:
     steps: int
     spec: dict = field(default_factory=dict)
     features_dropped: int = 0  # finished sequences whose drafter features were dropped (slow/absent consumer)
+    gc: dict = field(default_factory=dict)  # the replica process's collections (services/common/gc_heap.GcPauses)
 
 
 @dataclass(frozen=True)

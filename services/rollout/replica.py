@@ -33,6 +33,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tlt.services.common.gc_heap import GcPauses, freeze_heap
 from tlt.services.rollout.ipc import (
     Aborted,
     AbortRequest,
@@ -89,13 +90,14 @@ def replica_main(*args: Any, **kwargs: Any) -> None:
 def serve_replica(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
     features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "", pin_cpus: bool = False,
-    spin_wait: bool = False, environ: dict[str, str] | None = None,
+    spin_wait: bool = False, environ: dict[str, str] | None = None, gc_freeze: bool = False,
 ) -> None:
     """The replica's life in its process. `features_push`: drafter feature PULL endpoint.
     `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`.
     `spin_wait`: its OpenMP threads spin briefly at barriers (`services.common.cpus.spin_at_barriers`).
     `environ`: the front's environment, for a replica forked from the preloaded forkserver (replica_start.py),
-    whose own is the front's at the forkserver's start."""
+    whose own is the front's at the forkserver's start.
+    `gc_freeze`: freeze the process's heap once the engine is up (services/common/gc_heap.py)."""
     import signal
 
     if environ is not None:
@@ -152,16 +154,18 @@ def serve_replica(
         pid=os.getpid(),
         runs_sample_subsets=bool(getattr(engine, "runs_sample_subsets", False)),
     )
+    frozen = freeze_heap() if gc_freeze else 0  # before Ready: the front's first request finds it done
+    gc_pauses = GcPauses().install()  # what serving costs: the freeze's own full collection is not counted
     conn.send(Ready(info))
     log.info("replica_ready", replica=replica_id, pid=info.pid, threads=torch.get_num_threads(), device=info.device,
-             spin_count=os.environ.get("GOMP_SPINCOUNT", "") if spinning else "")
+             spin_count=os.environ.get("GOMP_SPINCOUNT", "") if spinning else "", gc_frozen=frozen)
     try:
         features = None
         if features_push:
             from tlt.services.rollout.features import FeaturePublisher
 
             features = FeaturePublisher(features_push, replica_id, features_max_tokens)
-        ReplicaLoop(engine, conn, replica_id, features).run()
+        ReplicaLoop(engine, conn, replica_id, features, gc_pauses).run()
     except (EOFError, BrokenPipeError):
         log.info("replica_front_gone", replica=replica_id)
     except Exception:  # deliberate boundary: the loop died; tell the front why before exiting
@@ -198,8 +202,10 @@ def attach_spec(engine: Any, spec_config_json: str) -> None:
 class ReplicaLoop:
     """Drain commands, step the engine, send what it produced."""
 
-    def __init__(self, engine: Any, conn: Connection, replica_id: int, features: Any = None) -> None:
+    def __init__(self, engine: Any, conn: Connection, replica_id: int, features: Any = None,
+                 gc_pauses: GcPauses | None = None) -> None:
         self.engine = engine
+        self.gc_pauses = gc_pauses  # the process's collections, reported with the stats
         self.conn = conn
         self.replica_id = replica_id
         self.features = features  # a rollout.features.FeaturePublisher when features go to the drafter
@@ -353,6 +359,7 @@ class ReplicaLoop:
             steps=int(s.steps),
             spec=dict(getattr(s, "spec", {}) or {}),
             features_dropped=self.features.dropped if self.features is not None else 0,
+            gc=self.gc_pauses.snapshot() if self.gc_pauses is not None else {},
         )
         self.conn.send(Reply(cmd.cmd_id, stats=stats, versions=s.versions))
 

@@ -97,6 +97,7 @@ class ReplicaLifecycle:
     features_max_tokens: int
     pin_cpus: bool
     spin_wait: bool
+    gc_freeze: bool
     max_restarts: int
     restarts: dict[int, int]
     deaths: dict[int, int]
@@ -214,7 +215,7 @@ class ReplicaLifecycle:
                   self.features_push, self.features_max_tokens,
                   "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus,
                   self.spin_wait and not preloaded,  # preloaded: spin_wait was off or one thread (no spin count to set)
-                  environ() if preloaded else None),
+                  environ() if preloaded else None, self.gc_freeze),
             name=f"tlt-rollout-replica-{i}",
             daemon=True,
         )

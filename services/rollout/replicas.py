@@ -118,7 +118,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
                  spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False,
                  spin_wait: bool = False, stall_timeout_s: float = 0.0, max_pending_sequences: int = 0,
-                 redispatch_limit: int = 0) -> None:
+                 redispatch_limit: int = 0, gc_freeze: bool = False) -> None:
         self.model_dir = model_dir
         self.redispatch_limit = redispatch_limit  # 0: a dead replica's requests fail (see the module docstring)
         self.redispatches = 0  # requests re-dispatched since start, each time counted
@@ -129,6 +129,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         self._watchdog: asyncio.Task | None = None
         self.pin_cpus = pin_cpus
         self.spin_wait = spin_wait
+        self.gc_freeze = gc_freeze  # each replica freezes its heap once it is up (services/common/gc_heap.py)
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}  # replica id -> restarts in a row (see RESTART_WINDOW_S)
         self.deaths: dict[int, int] = {}  # replica id -> times its process died or was killed since start

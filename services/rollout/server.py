@@ -22,6 +22,7 @@ from typing import Any
 from tlt.services.common.auth import is_loopback
 from tlt.services.common.channels import SERVER_KEEPALIVE
 from tlt.services.common.cpus import replica_threads, usable_cores
+from tlt.services.common.gc_heap import GcPauses
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.common.ports import bind_grpc, bind_tcp
@@ -73,6 +74,7 @@ class RolloutServer:
         self._grpc: Any = None
         self._http_sock: socket.socket | None = None  # bound before the replicas load, served once they have
         self.capacity: Any = None  # CapacityPublisher when [rollout] capacity_pub is set
+        self.gc_pauses = GcPauses()  # the front's collections, on /metrics (its heap is frozen by `tlt rollout serve`)
 
     async def start(self) -> None:
         import grpc
@@ -80,6 +82,7 @@ class RolloutServer:
         from tlt.services.rollout.replicas import ReplicaPool
 
         cfg = self.config
+        self.gc_pauses.install()
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         self.grpc_port = bind_grpc(self._grpc, cfg.host, cfg.grpc_port, "the rollout gRPC server")
         self._http_sock = bind_tcp(cfg.host, cfg.http_port, "the rollout HTTP server")
@@ -100,7 +103,7 @@ class RolloutServer:
                                 cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts,
                                 pin_cpus=cfg.pin_cpus, spin_wait=cfg.spin_wait and spin_ok,
                                 stall_timeout_s=cfg.stall_timeout_s, redispatch_limit=cfg.redispatch_limit,
-                                max_pending_sequences=cfg.max_pending_sequences)
+                                max_pending_sequences=cfg.max_pending_sequences, gc_freeze=cfg.gc_freeze)
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
         # The front's own imports and tokenizer (3 s in a fresh `tlt rollout serve`) while the replicas load.
         replicas_up = asyncio.ensure_future(self.pool.start(cfg.startup_timeout_s))
@@ -116,7 +119,7 @@ class RolloutServer:
         from tlt.v1 import rollout_pb2_grpc
 
         metrics = Metrics("rollout")
-        openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics)
+        openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics, self.gc_pauses)
         # one registry: gRPC calls count on the same /metrics (the HTTP app serves it) and add to the same counters
         service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected,
                                  metrics=metrics)
@@ -138,6 +141,7 @@ class RolloutServer:
                         hint="reachable from other machines; set TLT_API_KEY to protect /v1/*")
 
     async def stop(self) -> None:
+        self.gc_pauses.uninstall()
         if self.pool is not None:  # requests in flight end now with a clear 503 / UNAVAILABLE, not cut off later
             self.pool.refuse_requests("the server is shutting down")
         if self._grpc is not None:
