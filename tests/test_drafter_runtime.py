@@ -5,6 +5,7 @@ mask both share, against a mask written out by hand. Tiny random drafters built 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
@@ -163,3 +164,37 @@ def test_sampled_chain_draws_from_the_filtered_drafter_distribution():
     assert int((probs[1] > 0).sum(-1).max()) <= 5  # top_k 5
     greedy_toks, _, none = rt.chain(h, cache, rows, torch.full((3,), 5), 4)
     assert none is None and greedy_toks.shape == (3, 4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("min_p", [0.0, 0.05])
+def test_unfiltered_rows_draw_the_same_p_whatever_their_neighbours(min_p):
+    """A batch where no row has top_k or top_p skips those filters (the common RL case: a temperature, nothing
+    else). The p a row draws from must be bitwise what it is beside a row that does filter (then the whole batch
+    takes the filtered path), at the same batch size (the drafter's linears switch kernels with the row count):
+    else a sequence's drafts would depend on its neighbours' sampling parameters."""
+    from tlt.services.rollout.spec.filters import filtered_probs
+
+    d = _drafter(4)
+    rt = DrafterRuntime(d)
+    g = torch.Generator().manual_seed(2)
+    ids, feats = torch.randint(0, V, (3, 5), generator=g), torch.randn(3, 5, H, generator=g)
+    h = torch.randn(3, H, generator=g)
+    u = torch.rand(3, 4, generator=g)
+    rows = torch.tensor([0, 1, 2])
+    plain = torch.tensor([[1.0, 0, 1.0, min_p], [0.6, 0, 1.0, min_p], [1.2, 0, 1.0, 0.0]])
+    mixed = plain.clone()
+    mixed[2] = torch.tensor([1.0, 7, 0.9, 0.0])  # the third row with top_k and top_p
+
+    def chain(params):
+        cache = DrafterCache(d.cfg, rows=3, capacity=8)
+        rt(ids, feats, torch.arange(1, 6).expand(3, 5), cache, rows)
+        return rt.chain(h, cache, rows, torch.full((3,), 5), 4, params=params, u=u)
+
+    toks, scores, probs = chain(plain)
+    toks_m, scores_m, probs_m = chain(mixed)
+    assert torch.equal(probs[:2], probs_m[:2]) and torch.equal(toks[:2], toks_m[:2])
+    assert torch.equal(scores[:2], scores_m[:2])
+    want = torch.stack([filtered_probs(d.compute_logits(h[i]), *plain[i].tolist()) for i in range(3)])
+    torch.testing.assert_close(probs[:, 0], want, rtol=1e-5, atol=1e-6)
+    assert (probs_m[2, 0] > 0).sum() <= 7  # the neighbour was filtered
