@@ -53,7 +53,7 @@ R1_REPORT_KEYS = {"model", "workload", "temperature", "requests", "sequences", "
 R1_RESULT_KEYS = {"mode", "wall_s", "tokens", "tok_per_s", "tail_s", "tail_share", "tail_tok_per_s", "tail4_tok_per_s",
                   "buckets", "steps", "decode_steps", "verify_steps", "verified_seq_steps", "sd_step_share",
                   "mean_accept_len", "arms", "identical_to_first_mode", "speedup_vs_off", "tok_speedup_vs_off",
-                  "tail4_speedup"}
+                  "tail4_speedup", "gc_s"}
 R1_BUCKET_KEYS = {"tokens", "seconds", "steps", "tok_per_s", "speedup_vs_off"}
 
 
@@ -75,6 +75,7 @@ def test_bench_rollout_report_buckets_tail_and_arms(capsys, random_model_dir):
         assert sum(x["steps"] for x in b.values()) == r["steps"] >= r["decode_steps"]
         assert sum(x["seconds"] for x in b.values()) <= r["wall_s"] + 1e-3
         assert 0 < r["tail_s"] <= r["wall_s"] and 0 < r["tail_share"] <= 1
+        assert 0 <= r["gc_s"] < r["wall_s"]  # the collector's seconds inside the run (--gc-freeze on: collected before)
         tail = [b[k] for k in ("1", "2-4") if k in b]  # threshold 4: the tail is exactly buckets 1 and 2-4
         assert abs(r["tail_s"] - sum(x["seconds"] for x in tail)) <= 1e-3
         rate = sum(x["tokens"] for x in tail) / sum(x["seconds"] for x in tail)
@@ -403,3 +404,37 @@ def test_bench_rollout_refuses_non_finite_temperature_and_sigma(capsys, monkeypa
                         ("--sigma", "nan"), ("--sigma", "inf"), ("--sigma", "-0.5")):
         err = _refused_before_the_model(capsys, monkeypatch, [flag, value, "--modes", "off"])
         assert err.count("\n") == 1 and err.startswith(f"error: {flag} must be a finite number >= 0"), err
+
+
+def test_a_timed_run_leaves_no_cycle_that_keeps_the_engine(random_model_dir):
+    """`_run_mode` wraps the scheduler's `schedule` for the run. Putting the bound method back on the instance
+    made a reference cycle through the scheduler that kept the KV cache (the decoder's release hook reaches the
+    runner) until a full collection: every mode's engine lived on into later runs, and freeing it there cost up
+    to 0.8 s of system time in whichever run the collection fell (BENCHMARKS.md, Session 29). With the cycle
+    collector off, dropping the engine must free its KV cache at once."""
+    import gc
+    import weakref
+
+    import torch
+
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.spec.config import SpecConfig
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    engine = LLMEngine(str(random_model_dir), EngineConfig(max_num_seqs=8, max_model_len=128, num_kv_blocks=64))
+    engine.enable_spec(SpecConfig(mode="adaptive", threshold=8, drafter="ngram"))
+    requests = [GenerationRequest(f"r{i}", (5, 6, 7, 5, 6, 7, 8 + i), SamplingParams(temperature=0.0, max_tokens=12),
+                                  n=2) for i in range(3)]
+    outs, measured = rollout._run_mode(engine, requests, 8)
+    assert len(outs) == 6 and measured["steps"] > 0
+    assert "schedule" not in vars(engine.scheduler)  # the class's method again
+    kv = weakref.ref(engine.model.k_caches[0])
+    assert isinstance(kv(), torch.Tensor)
+    gc.collect()
+    gc.disable()
+    try:
+        del engine
+        assert kv() is None, "the engine's KV cache outlived the engine: a reference cycle holds it"
+    finally:
+        gc.enable()

@@ -85,7 +85,7 @@ def _range(values: list) -> list | None:
 # per-mode fields reported as the median over rounds, with their rounding (ints stay ints for odd R)
 MEDIAN_FIELDS = {"wall_s": 3, "tokens": 1, "tok_per_s": 1, "tail_s": 3, "tail_share": 3, "tail_tok_per_s": 1,
                  "tail4_tok_per_s": 1, "steps": 1, "decode_steps": 1, "verify_steps": 1, "verified_seq_steps": 1,
-                 "sd_step_share": 3}
+                 "sd_step_share": 3, "gc_s": 3}
 BUCKET_MEDIAN_FIELDS = {"tokens": 1, "seconds": 6, "steps": 1, "tok_per_s": 1}
 
 
