@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
-from tlt.model.drafter_runtime import DrafterRuntime
+from tlt.model.drafter_runtime import DrafterRuntime, _draft_probs
+
+_draft_probs_fn = torch.jit.script(_draft_probs)
 
 H, V = 32, 40
 
@@ -198,3 +200,8 @@ def test_unfiltered_rows_draw_the_same_p_whatever_their_neighbours(min_p):
     want = torch.stack([filtered_probs(d.compute_logits(h[i]), *plain[i].tolist()) for i in range(3)])
     torch.testing.assert_close(probs[:, 0], want, rtol=1e-5, atol=1e-6)
     assert (probs_m[2, 0] > 0).sum() <= 7  # the neighbour was filtered
+    # the fast path itself against the filtered one, row by row (chain_draft takes it when no row filters)
+    logits = torch.randn(3, V, generator=g) * 4
+    fast = _draft_probs(logits, plain, False, min_p > 0)
+    assert torch.equal(fast, _draft_probs(logits, plain, True, True))
+    assert torch.equal(fast, _draft_probs_fn(logits, plain, False, min_p > 0))  # the scripted build, as chain_draft's

@@ -118,8 +118,8 @@ def _gc(root: str) -> dict[str, dict]:
 
 def _run(tmp_path, clients: int, seconds: float) -> None:
     model = tiny_checkpoint(tmp_path / "model")
-    freeze = os.environ.get("TLT_LOAD_GC_FREEZE", "true")
-    with ServeProcess(model, tmp_path, replicas=2, extra=("--set", f"gc_freeze={freeze}")) as server:
+    freeze = os.environ.get("TLT_LOAD_GC_FREEZE", "true").strip().lower() not in ("false", "0", "no", "off")
+    with ServeProcess(model, tmp_path, replicas=2, extra=("--set", f"gc_freeze={str(freeze).lower()}")) as server:
         name = httpx.get(f"{server.base_url}/models").json()["data"][0]["id"]
         warm = asyncio.run(_load(server.base_url, name, server.pids, 4, 1.0))  # warm-up (allocator, first steps)
         assert not warm["errors"], warm["errors"][:5]
@@ -138,7 +138,7 @@ def _run(tmp_path, clients: int, seconds: float) -> None:
 
     assert sorted(gc_seen) == ["front", "replica-0", "replica-1"], sorted(gc_seen)
     for proc, g in gc_seen.items():  # a serving process holds ~400,000 objects after startup
-        assert (g["frozen"] > 100_000) if freeze == "true" else (g["frozen"] == 0), (proc, g["frozen"])
+        assert (g["frozen"] > 100_000) if freeze else (g["frozen"] == 0), (proc, g["frozen"])
         assert g["collections"][0] > 0, (proc, g)  # the probe counts (every process allocates)
     print("\ngc (gen 2 collections, their seconds, the longest; gen 0+1 seconds): " + "; ".join(
         f"{p} frozen {g['frozen']:.0f}: {g['collections'][2]:.0f}, {g['seconds'][2]:.3f} s, {g['max'][2]:.3f} s; "

@@ -63,6 +63,9 @@ def test_bench_rollout_report_buckets_tail_and_arms(capsys, random_model_dir):
                                  "--max-tokens", "40", "--modes", "off,ngram", "--threshold", "4"])
     assert rc == 0 and report["temperature"] == 0.0 and report["arms"] is None
     assert report["requests"] == report["sequences"] == 6
+    import gc
+
+    assert gc.get_freeze_count() == 0  # --gc-freeze on froze the heap for the timed runs only, not the caller's
     # --repeats 1 (the default) reports exactly the fields it always did: no rounds, ranges or run order
     assert set(report) == R1_REPORT_KEYS
     for r in report["results"]:

@@ -3,7 +3,7 @@
 A serving process holds 360,000-410,000 GC-tracked objects once torch, transformers, gRPC and FastAPI are
 imported and the model and the KV block pool are built (`tlt rollout serve`'s front and replicas, measured in
 BENCHMARKS.md "Rollout server under load"). None of them ever becomes garbage, yet every full (generation 2)
-collection walks them all: 0.16-0.30 s on the 2-core CI machine, during which the process does nothing else. In
+collection walks them all: 0.16-0.30 s on the 2-core CI machine, during which no other Python thread runs. In
 the rollout front that stalls every open stream; the 64-client load test saw 16 such pauses in 35 s.
 
 `freeze_heap()` moves everything alive once a process is up into the permanent generation (`gc.freeze`), so later
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 GENERATIONS = (0, 1, 2)
@@ -31,18 +32,20 @@ def freeze_heap() -> int:
 
 class GcPauses:
     """Per generation: collections, seconds spent in them, the longest one. `install()` hooks `gc.callbacks`
-    (the callback runs in whichever thread collects, with the GIL held, so start and stop always pair)."""
+    (the callback runs in whichever thread collects, with the GIL held, so start and stop always pair).
+    `clock`: what the seconds are (wall time by default; `tlt bench rollout --clock cpu` passes process time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.reset()
         self._t0 = 0.0
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            self._t0 = time.perf_counter()
+            self._t0 = self.clock()
             return
         g = int(info["generation"])
-        dt = time.perf_counter() - self._t0
+        dt = self.clock() - self._t0
         self.collections[g] += 1
         self.seconds[g] += dt
         self.max_seconds[g] = max(self.max_seconds[g], dt)
@@ -69,16 +72,18 @@ class GcPauses:
 
 class GcMetrics:
     """The GC view on a service's /metrics, per process (`front`, `replica-0`, ...): frozen objects, and per
-    generation the collections, their total seconds and the longest pause, from `GcPauses.snapshot()`s read at
-    scrape time. The totals are gauges: a restarted replica's start again from zero."""
+    generation the collections, their total seconds and the longest pause since the process began serving (after
+    its startup and freeze), from `GcPauses.snapshot()`s read at scrape time. The totals are gauges: a restarted
+    replica's start again from zero."""
 
     def __init__(self, metrics: Any) -> None:
         p, pg = ("process",), ("process", "generation")
         self.frozen = metrics.gauge("gc_frozen_objects", "objects in the permanent generation (gc.freeze after "
                                     "startup: full collections skip them)", p)
-        self.collections = metrics.gauge("gc_collections", "garbage collections since the process started", pg)
-        self.seconds = metrics.gauge("gc_pause_seconds", "seconds the process spent in garbage collections (it does "
-                                     "nothing else meanwhile)", pg)
+        self.collections = metrics.gauge("gc_collections", "garbage collections since the process began serving", pg)
+        self.seconds = metrics.gauge("gc_pause_seconds", "seconds the process spent in garbage collections since it "
+                                     "began serving (its other threads wait too, but for a finaliser that drops "
+                                     "the GIL)", pg)
         self.max_seconds = metrics.gauge("gc_max_pause_seconds", "the longest garbage collection pause", pg)
 
     def update(self, process: str, snap: dict[str, Any]) -> None:

@@ -272,7 +272,6 @@ def run(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from tlt.services.common.gc_heap import freeze_heap
     from tlt.services.common.logging import get_logger
     from tlt.services.rollout.server import RolloutServer
 
@@ -287,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     check_before_start(args.model, config)  # what the replicas would fail on: one line, exit 2, nothing started
 
     async def main() -> None:
-        server = RolloutServer(args.model, config)  # type: ignore[arg-type]
+        server = RolloutServer(args.model, config, freeze_gc=config.gc_freeze)  # type: ignore[arg-type]
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -296,9 +295,6 @@ def run(args: argparse.Namespace) -> int:
             if not await started_unless_stopped(server.start(), stop):
                 log.info("rollout_stopping", during="startup")
                 return
-            if config.gc_freeze:  # this process's startup heap, once (the replicas froze theirs)
-                log.info("gc_frozen", objects=freeze_heap())
-            server.gc_pauses.reset()  # /metrics counts what serving costs, not the startup's collections
             if args.ready_file:
                 from tlt.services.common.ready import write_ready_file
 

@@ -22,7 +22,7 @@ from typing import Any
 from tlt.services.common.auth import is_loopback
 from tlt.services.common.channels import SERVER_KEEPALIVE
 from tlt.services.common.cpus import replica_threads, usable_cores
-from tlt.services.common.gc_heap import GcPauses
+from tlt.services.common.gc_heap import GcPauses, freeze_heap
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.common.ports import bind_grpc, bind_tcp
@@ -62,7 +62,11 @@ def _front_tokenizer(model_dir: str) -> Any:
 
 
 class RolloutServer:
-    def __init__(self, model_dir: str | os.PathLike[str], config: RolloutConfig) -> None:
+    """The rollout front: replicas, the OpenAI HTTP API and the gRPC API. `freeze_gc`: freeze this process's heap
+    once everything is built, before it serves (`tlt rollout serve` sets it from [rollout] gc_freeze; never in a
+    process whose heap is not its own, such as a test's: services/common/gc_heap.py)."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], config: RolloutConfig, freeze_gc: bool = False) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         self.config = config
         self.model_name = config.served_model_name or Path(self.model_dir).name
@@ -74,7 +78,8 @@ class RolloutServer:
         self._grpc: Any = None
         self._http_sock: socket.socket | None = None  # bound before the replicas load, served once they have
         self.capacity: Any = None  # CapacityPublisher when [rollout] capacity_pub is set
-        self.gc_pauses = GcPauses()  # the front's collections, on /metrics (its heap is frozen by `tlt rollout serve`)
+        self.freeze_gc = freeze_gc
+        self.gc_pauses = GcPauses()  # the front's collections since it began serving, on /metrics
 
     async def start(self) -> None:
         import grpc
@@ -124,6 +129,9 @@ class RolloutServer:
         service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected,
                                  metrics=metrics)
         rollout_pb2_grpc.add_RolloutServicer_to_server(service, self._grpc)
+        if self.freeze_gc:  # built, not serving yet: no connection's state is frozen, no client waits on the collection
+            log.info("gc_frozen", objects=freeze_heap())
+        self.gc_pauses.reset()  # /metrics counts what serving costs, not the startup's collections
         await self._grpc.start()
 
         self._http = _uvicorn_server(openai_server.app, "warning")

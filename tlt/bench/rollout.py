@@ -485,42 +485,46 @@ def run(args: argparse.Namespace) -> int:
             if mode != "off":
                 engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
             _warm_up(engine, requests)
-    pauses = GcPauses().install()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    pauses = GcPauses(clock).install()  # the collector's seconds in each run, by the runs' clock
     if args.gc_freeze == "on":
         freeze_heap()
     rounds: list[list[dict]] = []  # per round, the results of the modes that ran, in --modes order
     reference, run_index = None, 0
     bandits: dict = {}  # --bandit keep: mode -> the bandit its last run ended with
-    for round_index in range(args.repeats):  # interleaved: every mode once per round
-        row = []
-        for mode in ran:
-            engine = new_engine()
-            if mode != "off":
-                engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
-                if args.bandit == "keep":
-                    engine.spec_decoder.bandit = bandits.setdefault(mode, engine.spec_decoder.bandit)
-            bandit = engine.spec_decoder.bandit if engine.spec_decoder is not None else None
-            held = sum(a.samples for b in bandit.snapshot() for a in b.arms) if bandit is not None else 0
-            if args.gc_freeze == "on":
-                gc.collect()  # the last run's engine, untimed
-            pauses.reset()
-            outs, measured = _run_mode(engine, requests, args.threshold,
-                                       time.process_time if args.clock == "cpu" else time.perf_counter)
-            gc_s = sum(pauses.seconds)
-            if reference is None:
-                reference = outs
-            result = mode_result(mode, outs, measured, engine.stats().spec)
-            result["gc_s"] = round(gc_s, 3)
-            result["identical_to_first_mode"] = None if sampled else outs == reference
-            if args.bandit == "keep" and bandit is not None and engine.spec_decoder.config.mode == "adaptive":
-                result["bandit_start_rewards"] = held  # rewards the bandit held when the run began (0: cold)
-            if args.repeats > 1:
-                result["round"], result["run_index"] = round_index, run_index
-            run_index += 1
-            row.append(result)
-        add_speedups(row)
-        rounds.append(row)
-    pauses.uninstall()
+    try:
+        for round_index in range(args.repeats):  # interleaved: every mode once per round
+            row = []
+            for mode in ran:
+                engine = new_engine()
+                if mode != "off":
+                    engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
+                    if args.bandit == "keep":
+                        engine.spec_decoder.bandit = bandits.setdefault(mode, engine.spec_decoder.bandit)
+                bandit = engine.spec_decoder.bandit if engine.spec_decoder is not None else None
+                held = sum(a.samples for b in bandit.snapshot() for a in b.arms) if bandit is not None else 0
+                if args.gc_freeze == "on":
+                    gc.collect()  # the last run's engine, untimed
+                pauses.reset()
+                outs, measured = _run_mode(engine, requests, args.threshold, clock)
+                gc_s = sum(pauses.seconds)
+                if reference is None:
+                    reference = outs
+                result = mode_result(mode, outs, measured, engine.stats().spec)
+                result["gc_s"] = round(gc_s, 3)
+                result["identical_to_first_mode"] = None if sampled else outs == reference
+                if args.bandit == "keep" and bandit is not None and engine.spec_decoder.config.mode == "adaptive":
+                    result["bandit_start_rewards"] = held  # rewards the bandit held when the run began (0: cold)
+                if args.repeats > 1:
+                    result["round"], result["run_index"] = round_index, run_index
+                run_index += 1
+                row.append(result)
+            add_speedups(row)
+            rounds.append(row)
+    finally:  # the caller's process as it was (the tests call run() in-process)
+        pauses.uninstall()
+        if args.gc_freeze == "on":
+            gc.unfreeze()
     per_mode = iter([row[j] for row in rounds] for j in range(len(ran)))  # column j: mode ran[j], all rounds
     results = []
     for mode in modes:
