@@ -35,12 +35,14 @@ def drafter_layer(
     o_w: torch.Tensor, ln2: Optional[torch.Tensor], gu_w: torch.Tensor, down_w: torch.Tensor,  # noqa: UP045
     packed: bool, eps: torch.Tensor, exact_hf: bool, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
     slots: torch.Tensor, span: int, mask: Optional[torch.Tensor], nh: int, kvh: int, d: int, inter: int,  # noqa: UP045
+    first_row: int = -2,
 ) -> torch.Tensor:
     """x [B, T, H] (after fc) -> h' [B, T, H]; writes the new K/V to cache rows `rows` at `slots` [B, T].
 
     cos / sin_signed [B, T, 1, d]; ck / cv [rows, kvh, capacity, d]; keys are the first `span` cache
     positions of each row; mask [B, 1, T, span] (None: every key visible). Weights are packed (oneDNN,
     `packed`) or plain HF layout; with plain weights `ln2` is the norm weight, else it is folded in.
+    first_row: `_first_row(rows)` when the caller knows it (a chain's rows are the same at every step), else -2.
     """
     b, t, hdim = x.shape[0], x.shape[1], x.shape[2]
     x2 = x.reshape(b * t, hdim)
@@ -51,8 +53,8 @@ def drafter_layer(
     ck[rows[:, None], :, slots] = qk[:, :, nh:]
     cv[rows[:, None], :, slots] = qkv[:, qk_size:].reshape(b, t, kvh, d)
     q = qk[:, :, :nh].transpose(1, 2)
-    r0 = int(rows[0])
-    if bool((rows == torch.arange(r0, r0 + b, device=rows.device)).all()):  # consecutive rows (always at batch 1):
+    r0 = _first_row(rows) if first_row == -2 else first_row
+    if r0 >= 0:  # consecutive rows (always at batch 1):
         k = ck.narrow(0, r0, b)[:, :, :span]  # views, nothing copied
         v = cv.narrow(0, r0, b)[:, :, :span]
     else:  # a row copy (index_select; ck[rows] would be a much slower per-element gather)
@@ -63,6 +65,12 @@ def drafter_layer(
     gu = linear(rms(x2, ln2, eps, exact_hf), gu_w, None, packed)
     x2 = x2 + linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w, None, packed)
     return x2.view(b, t, hdim)
+
+
+def _first_row(rows: torch.Tensor) -> int:
+    """rows[0] when `rows` are consecutive (r0, r0 + 1, ...: the cache rows are views), else -1."""
+    r0 = int(rows[0])
+    return r0 if bool((rows == torch.arange(r0, r0 + rows.shape[0], device=rows.device)).all()) else -1
 
 
 def chain_draft(
@@ -95,21 +103,26 @@ def chain_draft(
     toks = [tok]
     scores = [score]
     equal = bool((committed == committed[0]).all())
+    longest = int(committed.max())
+    first_row = _first_row(rows)
+    # every step's rotary rows at once (draft k sits at root_pos + k): one gather per table instead of two per step
+    at = (root_pos[:, None] + torch.arange(1, max(depth, 1), device=h.device)[None, :]).flatten()
+    cos_c = cos_t.index_select(0, at).view(h.shape[0], max(depth - 1, 0), cos_t.shape[-1])
+    sin_c = sin_t.index_select(0, at).view(h.shape[0], max(depth - 1, 0), sin_t.shape[-1])
     for step in range(1, depth):
         if min_score > float("-inf") and bool((score < min_score).all()):
             break
         start = committed + (step - 1)
-        span = int(start.max()) + 1
+        span = longest + step
         # `Drafter.cache_mask` for one new token per row (that function is not scriptable): with rows of
         # different lengths, hide keys past each row's own end; otherwise every key is visible
         mask: Optional[torch.Tensor] = None  # noqa: UP045
         if not equal:
             mask = (torch.arange(span, device=h.device)[None, :] <= start[:, None])[:, None, None, :]
         x = linear(torch.cat([F.embedding(tok, embed).to(h.dtype), h], -1), fc_w, None, packed)
-        pos = root_pos + step
-        h = drafter_layer(x[:, None], cos_t.index_select(0, pos)[:, None, None],
-                          sin_t.index_select(0, pos)[:, None, None], qkv_w, qkv_b, o_w, ln2, gu_w, down_w, packed, eps,
-                          exact_hf, ck, cv, rows, start[:, None], span, mask, nh, kvh, d, inter)[:, 0]
+        h = drafter_layer(x[:, None], cos_c[:, step - 1, None, None], sin_c[:, step - 1, None, None], qkv_w, qkv_b,
+                          o_w, ln2, gu_w, down_w, packed, eps,
+                          exact_hf, ck, cv, rows, start[:, None], span, mask, nh, kvh, d, inter, first_row)[:, 0]
         best, tok, p = _pick(F.linear(h, lm_head).float(), params, u, step, filtered, min_p)
         if p is not None:
             probs.append(p)
