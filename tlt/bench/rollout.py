@@ -83,8 +83,7 @@ either way.
 `--gc-freeze on` (the default) freezes the process's heap after the warm-up, as every rollout replica does
 once it is up, and collects before every timed run (each run's engine is new, and the last one's garbage must
 not be collected inside the next run); each result's `gc_s` is the seconds its run spent in the collector.
-Before, a full collection (0.19-0.27 s of a 2-4 s run) landed in a run now and then: part of the run-to-run
-noise.
+Without it a full collection (0.19-0.27 s of a 2-4 s run) can land inside a run (BENCHMARKS.md, Session 29).
 
 `--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
 (topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
@@ -315,42 +314,44 @@ def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]
 
     engine.scheduler.schedule = probe
     dec = engine.spec_decoder
-    for r in requests:
-        engine.add_request(r)
-    outs: dict[tuple[str, int], list[int]] = {}
-    buckets: dict[str, list] = {}  # label -> [tokens, seconds, steps]
-    tail_tokens, tail_time, steps, decode_steps, verify_steps, verified_seq_steps = 0, 0.0, 0, 0, 0, 0
-    t0 = clock()
-    while engine.has_unfinished():
-        scheduled[0] = None
-        v0 = dec.verify_steps if dec is not None else 0
-        ts = clock()
-        emitted, done = engine.step()
-        dt = clock() - ts
-        steps += 1
-        batch = scheduled[0]
-        size = len(batch.seqs) if batch is not None else 0
-        new = sum(len(s.new_token_ids) for s in emitted)
-        if size > 0:
-            b = buckets.setdefault(_bucket(size), [0, 0.0, 0])
-            b[0] += new
-            b[1] += dt
-            b[2] += 1
-            decode_steps += decode_only[0]
-            if size <= threshold:
-                tail_tokens += new
-                tail_time += dt
-        if dec is not None and dec.verify_steps > v0:
-            verify_steps += 1
-            verified_seq_steps += len(emitted)
-        for c in done:
-            outs[(c.request_id, c.sample_index)] = c.token_ids
-    wall = clock() - t0
-    # the class's method again: assigning the bound method back made a cycle (scheduler -> its __dict__ -> the
-    # bound method -> scheduler) that kept the engine's KV cache (through the decoder's release hook) until a full
-    # collection, whose munmap of it landed in some later run as up to 0.8 s of system time (BENCHMARKS.md,
-    # Session 29)
-    del engine.scheduler.schedule
+    try:
+        for r in requests:
+            engine.add_request(r)
+        outs: dict[tuple[str, int], list[int]] = {}
+        buckets: dict[str, list] = {}  # label -> [tokens, seconds, steps]
+        tail_tokens, tail_time, steps, decode_steps, verify_steps, verified_seq_steps = 0, 0.0, 0, 0, 0, 0
+        t0 = clock()
+        while engine.has_unfinished():
+            scheduled[0] = None
+            v0 = dec.verify_steps if dec is not None else 0
+            ts = clock()
+            emitted, done = engine.step()
+            dt = clock() - ts
+            steps += 1
+            batch = scheduled[0]
+            size = len(batch.seqs) if batch is not None else 0
+            new = sum(len(s.new_token_ids) for s in emitted)
+            if size > 0:
+                b = buckets.setdefault(_bucket(size), [0, 0.0, 0])
+                b[0] += new
+                b[1] += dt
+                b[2] += 1
+                decode_steps += decode_only[0]
+                if size <= threshold:
+                    tail_tokens += new
+                    tail_time += dt
+            if dec is not None and dec.verify_steps > v0:
+                verify_steps += 1
+                verified_seq_steps += len(emitted)
+            for c in done:
+                outs[(c.request_id, c.sample_index)] = c.token_ids
+        wall = clock() - t0
+    finally:
+        # the class's method again: assigning the bound method back made a cycle (scheduler -> its __dict__ -> the
+        # bound method -> scheduler) that kept the engine's KV cache (through the decoder's release hook) until a full
+        # collection, whose munmap of it landed in some later run as up to 0.8 s of system time (BENCHMARKS.md,
+        # Session 29)
+        del engine.scheduler.schedule
     return outs, {"wall": wall, "buckets": buckets, "tail_tokens": tail_tokens, "tail_time": tail_time,
                   "steps": steps, "decode_steps": decode_steps, "verify_steps": verify_steps,
                   "verified_seq_steps": verified_seq_steps}
@@ -475,16 +476,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     total_ctx = min(prompt_len + args.max_tokens + 64, limit)
 
-    def new_engine() -> LLMEngine:  # a fresh engine per run, room for every sequence at full length
-        return LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
-                                                 num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+    def new_engine(mode: str) -> LLMEngine:  # a fresh engine per run, room for every sequence at full length
+        engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
+                                                   num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+        if mode != "off":
+            engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
+        return engine
 
     for _ in range(args.warmup):  # untimed: the process's one-time costs must not land in a timed run
         for mode in ran:
-            engine = new_engine()
-            if mode != "off":
-                engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
-            _warm_up(engine, requests)
+            _warm_up(new_engine(mode), requests)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     pauses = GcPauses(clock).install()  # the collector's seconds in each run, by the runs' clock
     if args.gc_freeze == "on":
@@ -496,11 +497,9 @@ def run(args: argparse.Namespace) -> int:
         for round_index in range(args.repeats):  # interleaved: every mode once per round
             row = []
             for mode in ran:
-                engine = new_engine()
-                if mode != "off":
-                    engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
-                    if args.bandit == "keep":
-                        engine.spec_decoder.bandit = bandits.setdefault(mode, engine.spec_decoder.bandit)
+                engine = new_engine(mode)
+                if mode != "off" and args.bandit == "keep":
+                    engine.spec_decoder.bandit = bandits.setdefault(mode, engine.spec_decoder.bandit)
                 bandit = engine.spec_decoder.bandit if engine.spec_decoder is not None else None
                 held = sum(a.samples for b in bandit.snapshot() for a in b.arms) if bandit is not None else 0
                 if args.gc_freeze == "on":
@@ -548,9 +547,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hook_cost:
         report["hook_cost"] = {}
         for mode in (m for m in ran if m in ("ngram", "learned")):
-            engine = new_engine()
-            engine.enable_spec(_spec_config(mode, args, bucket_arms, given))
-            report["hook_cost"][mode] = _hook_cost(engine, requests)
+            report["hook_cost"][mode] = _hook_cost(new_engine(mode), requests)
     if args.repeats > 1:
         report["repeats"] = args.repeats
         report["rounds"] = rounds

@@ -139,23 +139,20 @@ def _draft_probs(logits: torch.Tensor, params: torch.Tensor, filtered: bool = Tr
     exact; a p close to q is accepted more often. filtered=False (no row has top_k or top_p) and
     min_p=False (no row has min_p) skip those filters: bitwise the same p, as they mask nothing then."""
     x = logits / params[:, 0:1]
-    if not filtered:
-        p = x.softmax(-1)
-        if min_p:
-            p = p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0)
-        return p / p.sum(-1, keepdim=True)
-    v = x.shape[-1]
-    k = params[:, 1:2].to(torch.int64)
-    sorted_x, order = x.sort(dim=-1, descending=True)  # one sort: the top-k cut keeps the sorted order
-    kth = sorted_x.gather(-1, torch.where(k > 0, k.clamp(max=v), torch.full_like(k, v)) - 1)
-    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    probs = sorted_x.softmax(-1)
-    # past the smallest prefix reaching top_p; rows with top_p >= 1 drop nothing (a peaked row's float32
-    # cumsum reaches 1.0 before its tail, as in spec/filters.py)
-    drop_sorted = ((probs.cumsum(-1) - probs) >= params[:, 2:3]) & (params[:, 2:3] < 1.0)
-    x = x.masked_fill((x < kth) | torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    if filtered:  # top_k, then top_p
+        v = x.shape[-1]
+        k = params[:, 1:2].to(torch.int64)
+        sorted_x, order = x.sort(dim=-1, descending=True)  # one sort: the top-k cut keeps the sorted order
+        kth = sorted_x.gather(-1, torch.where(k > 0, k.clamp(max=v), torch.full_like(k, v)) - 1)
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        probs = sorted_x.softmax(-1)
+        # past the smallest prefix reaching top_p; rows with top_p >= 1 drop nothing (a peaked row's float32
+        # cumsum reaches 1.0 before its tail, as in spec/filters.py)
+        drop_sorted = ((probs.cumsum(-1) - probs) >= params[:, 2:3]) & (params[:, 2:3] < 1.0)
+        x = x.masked_fill((x < kth) | torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     p = x.softmax(-1)
-    p = p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0)  # min_p
+    if min_p:
+        p = p.masked_fill(p < params[:, 3:4] * p.amax(-1, keepdim=True), 0.0)
     return p / p.sum(-1, keepdim=True)
 
 
