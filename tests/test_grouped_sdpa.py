@@ -63,3 +63,23 @@ def test_fold_mask_repeats_rows_per_query_head_and_leaves_broadcastable_masks():
     assert torch.equal(folded[:, :, :3], m) and torch.equal(folded[:, :, 3:], m)  # row m * L + i = mask row i
     one_row = torch.rand(2, 1, 1, 7) > 0.5
     assert fold_mask(one_row, 2) is one_row and fold_mask(m, 1) is m and fold_mask(None, 4) is None
+
+
+def test_an_sdpa_output_in_cudas_transposed_layout_is_reshaped_not_viewed(monkeypatch):
+    """CUDA's memory-efficient SDPA returns its [b, kvh, g * L, d] output as a transposed [b, g * L, kvh, d]
+    buffer, which `.view(b, nh, L, d)` refused on the H200 (session 30: 5 of tests/test_engine_cuda.py failed in
+    prefill). The same values in that layout, made here on the CPU, must give the same attention."""
+    torch.manual_seed(7)
+    b, nh, kvh, q_len, s, d = 3, 6, 2, 5, 20, 16
+    q = torch.randn(b, q_len, nh, d).transpose(1, 2)
+    k, v = torch.randn(b, kvh, s, d), torch.randn(b, kvh, s, d)
+    want = grouped_sdpa(q, k, v, None, None)
+    sdpa = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        o = sdpa(*args, **kwargs)  # [b, kvh, g * L, d] contiguous -> the same values, heads innermost but one
+        return o.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
+    got = grouped_sdpa(q, k, v, None, None)  # the Python function, as CUDA tensors run it (layer_ops.cpu_scripted)
+    assert torch.equal(got, want)

@@ -5,10 +5,10 @@ core for the tiny model, almost all of it per-op overhead: eight module calls, R
 the frequencies, the cache mask built from a dozen small tensors. A tree or chain draft makes up to
 eight such calls per verify step, which decided whether speculation paid off at all on CPU.
 
-Here the layer is one TorchScript function over fused weights (q/k/v in one matmul, gate/up in one,
-oneDNN-packed on CPU with the post-attention RMSNorm weight folded in, as `layer_ops` does for the
-target), RoPE reads a precomputed table, and the cache mask comes from `Drafter.cache_mask`, the one
-definition both paths share. Results equal `Drafter.forward` up to float rounding
+Here the layer is one TorchScript function (on CPU; `layer_ops.cpu_scripted`) over fused weights (q/k/v
+in one matmul, gate/up in one, oneDNN-packed on CPU with the post-attention RMSNorm weight folded in, as
+`layer_ops` does for the target), RoPE reads a precomputed table, and the cache mask comes from
+`Drafter.cache_mask`, the one definition both paths share. Results equal `Drafter.forward` up to float rounding
 (`tests/test_drafter_runtime.py`); which tokens get drafted can only change the acceptance rate,
 never the output (verification is exact).
 
@@ -19,14 +19,13 @@ reference at each call, so policy updates need nothing here.
 
 from __future__ import annotations
 
-import warnings
 from typing import List, Optional, Tuple  # noqa: UP035 - TorchScript needs typing generics
 
 import torch
 import torch.nn.functional as F
 
 from tlt.model.drafter import Drafter, DrafterCache
-from tlt.model.layer_ops import fold_mask, grouped_sdpa, linear, onednn_works, pack, rms
+from tlt.model.layer_ops import cpu_scripted, fold_mask, grouped_sdpa, linear, onednn_works, pack, rms
 from tlt.model.transformer import rope_table, signed_sin
 
 
@@ -175,17 +174,8 @@ def _pick(logits: torch.Tensor, params: Optional[torch.Tensor], u: Optional[torc
 _PACKED_FROM_ROWS = 3
 
 
-def _script(fn):
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return torch.jit.script(fn)
-    except (RuntimeError, OSError, AttributeError):  # no TorchScript: the same maths in Python
-        return fn
-
-
-drafter_layer_fn = _script(drafter_layer)
-chain_draft_fn = _script(chain_draft)
+drafter_layer_fn = cpu_scripted(drafter_layer, sdpa=True)  # scripted on CPU, Python on CUDA (layer_ops.cpu_scripted)
+chain_draft_fn = cpu_scripted(chain_draft, sdpa=True)
 
 
 class DrafterRuntime:

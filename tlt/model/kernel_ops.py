@@ -18,9 +18,9 @@ The residual stream is carried as in HF (x = x + delta rounded to the activation
 norm of the rounded sum), so the fused kernel reproduces HF's rounding. Linears are plain
 F.linear on the HF-layout weights (cuBLAS on GPU; never the CPU oneDNN packing).
 
-Status: on a GPU this path runs the compiled kernels, which have NOT been run on a GPU in this
-project (none was available); what checks it is tests/test_engine_kernels.py, which runs the
-whole engine on CPU under TRITON_INTERPRET=1 against the PyTorch path. No speed is claimed.
+Status: tests/test_engine_kernels.py runs the whole engine on CPU under TRITON_INTERPRET=1 against the
+PyTorch path; tests/test_engine_cuda.py runs it compiled on a GPU (passed on an H200, session 30). GPU
+timings of the kernels: BENCHMARKS.md, "GPU".
 """
 
 from __future__ import annotations

@@ -10,7 +10,11 @@ Both attention functions run grouped-query attention as `grouped_sdpa`: each K/V
 folded into query rows, so K/V are never copied per query head.
 
 Scripting keeps the ~25 kernels of a layer out of the Python interpreter (about a tenth of a batch-1
-CPU decode step); if scripting is unavailable the same Python functions run unscripted.
+CPU decode step); if scripting is unavailable the same Python functions run unscripted. Only CPU tensors
+take the scripted function (`cpu_scripted`); on CUDA the plain Python function runs (CUDA graphs and the
+Triton kernels are what take launch overhead away there), and its SDPA calls exclude cuDNN's attention, which
+builds a plan per new input shape: 25 ms a call on an H200, where the drafter's shapes change every step
+(BENCHMARKS.md, "GPU", Session 30).
 
 Linears: with `packed`, weights are oneDNN pre-packed (`pack`) and the RMSNorm weight preceding
 them is folded in (W * w is packed, the norm then applies no weight): 2-7x faster than the default
@@ -28,6 +32,7 @@ from typing import List, Optional, Union  # noqa: UP035 - TorchScript needs typi
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _PACK_HINT = 64  # rows the packed layout is tuned for; it stays valid for any row count
 
@@ -113,7 +118,9 @@ def grouped_sdpa(
     if nh == kvh:
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     o = F.scaled_dot_product_attention(qg.reshape(b, kvh, nh // kvh * q_len, d), k, v, attn_mask=mask, scale=scale)
-    return o.view(b, nh, q_len, d)
+    # reshape, not view: CUDA's memory-efficient SDPA returns [b, kvh, g * L, d] as a transposed [b, g * L, kvh, d]
+    # buffer, which cannot be viewed as [b, nh, L, d] (a copy there; a view of the contiguous CPU output)
+    return o.reshape(b, nh, q_len, d)
 
 
 def fold_mask(mask: Optional[torch.Tensor], groups: int) -> Optional[torch.Tensor]:  # noqa: UP045
@@ -170,16 +177,45 @@ def dense_attention(
     return og.transpose(1, 2).reshape(b, nh * d)
 
 
-def _script(fn):
-    try:
-        with warnings.catch_warnings():  # TorchScript is deprecated in favour of torch.compile, which needs a
-            warnings.simplefilter("ignore", DeprecationWarning)  # C++ toolchain and recompiles per shape on CPU
-            return torch.jit.script(fn)
-    except (RuntimeError, OSError, AttributeError):  # no TorchScript (or no source): run the same maths in Python
-        return fn
+# SDPA backends for GPU calls: not cuDNN's, which builds an execution plan for every new input shape (measured on an
+# H200, session 30: 25 ms per call of the drafter, whose context grows every step; 86% of a speculative run)
+_GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-pre_attention_fn = _script(pre_attention)
-post_attention_fn = _script(post_attention)
-group_attention_fn = _script(group_attention)
-dense_attention_fn = _script(dense_attention)
+class cpu_scripted:  # noqa: N801 - used as a decorator-like wrapper of functions
+    """`fn` scripted for CPU tensors, the same Python function for any other device, chosen per call by the
+    device of the first argument (a tensor in every function wrapped here).
+
+    On CPU the scripted call keeps a layer's kernels out of the interpreter. On other devices the Python function
+    runs: TorchScript's profiling executor specialises (and on CUDA fuses and compiles) per input shape, and the
+    engine's shapes change every step; there CUDA graphs and the Triton kernels take the launch overhead away.
+    With `sdpa`, a GPU call runs with cuDNN's attention excluded (`_GPU_SDPA`). If scripting is unavailable,
+    both are the Python function."""
+
+    def __init__(self, fn, sdpa: bool = False) -> None:  # noqa: ANN001
+        self.python, self.sdpa = fn, sdpa
+        try:
+            with warnings.catch_warnings():  # TorchScript is deprecated in favour of torch.compile, which needs a
+                warnings.simplefilter("ignore", DeprecationWarning)  # C++ toolchain and recompiles per shape on CPU
+                self.scripted = torch.jit.script(fn)
+        except (RuntimeError, OSError, AttributeError):  # no TorchScript (or no source): the same maths in Python
+            self.scripted = fn
+        self.__doc__, self.__name__ = fn.__doc__, fn.__name__
+
+    def for_tensor(self, x: torch.Tensor):  # noqa: ANN201
+        """What a call with first argument `x` runs, chosen once: a model calling per layer skips the dispatch."""
+        return self.scripted if x.is_cpu else self
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        if x.is_cpu:
+            return self.scripted(x, *args, **kwargs)
+        if not self.sdpa:
+            return self.python(x, *args, **kwargs)
+        with sdpa_kernel(_GPU_SDPA):
+            return self.python(x, *args, **kwargs)
+
+
+pre_attention_fn = cpu_scripted(pre_attention)
+post_attention_fn = cpu_scripted(post_attention)
+group_attention_fn = cpu_scripted(group_attention, sdpa=True)
+dense_attention_fn = cpu_scripted(dense_attention, sdpa=True)

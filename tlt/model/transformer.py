@@ -39,8 +39,8 @@ Two implementations, chosen once per model (`kernels`, the engine's `EngineConfi
   kernels of `tlt.kernels`, straight over the cache above; prefill chunks keep
   SDPA. The kernels' int32 block tables, context lengths and padded tree masks
   are built once per step in `AttentionMetadata.build(for_kernels=True)`.
-  UNVERIFIED on a GPU (none was available): only the interpreter run on CPU
-  (tests/test_engine_kernels.py, parity with "torch") checks this path.
+  Checked by the interpreter run on CPU (tests/test_engine_kernels.py, parity with "torch") and compiled
+  on an H200 (tests/test_engine_cuda.py, session 30).
 
 The HF named tensors stay the source of truth and `prepare_kernels`
 rederives what the layers use after every load, so hot swaps and cold starts
@@ -245,20 +245,21 @@ class Transformer:
         slots = attn.slot_mapping
         step = self._mirror_step(attn)
         scratch: torch.Tensor | None = None  # a rebuilding step's gather buffer, shared by the layers
+        pre, dense, post = (f.for_tensor(x) for f in (pre_attention_fn, dense_attention_fn, post_attention_fn))
         for li, L in enumerate(self.layers):
-            q = pre_attention_fn(x, L.k_ln1, L.k_qkv, L.qkv_bias, L.qk_norm, packed, eps, exact, cos, sin,
-                                 self.k_flat[li], self.v_flat[li], slots, nh, kvh, d)
+            q = pre(x, L.k_ln1, L.k_qkv, L.qkv_bias, L.qk_norm, packed, eps, exact, cos, sin, self.k_flat[li],
+                    self.v_flat[li], slots, nh, kvh, d)
             if step is not None:
                 if step.rebuild_index is not None:
                     if scratch is None:
                         scratch = self.k_caches[li].new_empty(step.rebuild_index.shape[0], *self.k_caches[li].shape[1:])
                     self.mirror.rebuild(li, step, self.k_caches[li], self.v_caches[li], scratch)
                 kd, vd = self.mirror.views[li]
-                o = dense_attention_fn(q, self.k_flat[li], self.v_flat[li], slots, kd, vd, step.append_rows,
-                                       attn.groups[0].lk, attn.groups[0].mask, self.scale)
+                o = dense(q, self.k_flat[li], self.v_flat[li], slots, kd, vd, step.append_rows, attn.groups[0].lk,
+                          attn.groups[0].mask, self.scale)
             else:
                 o = attend_groups(q, self.k_caches[li], self.v_caches[li], attn, self.scale)
-            x = post_attention_fn(x, o, L.k_o, L.k_ln2, L.k_gate_up, L.k_down, packed, eps, exact, inter)
+            x = post(x, o, L.k_o, L.k_ln2, L.k_gate_up, L.k_down, packed, eps, exact, inter)
         if step is not None:
             self.mirror.commit(step)
         return rms(x, self.norm, eps, exact)
