@@ -2,7 +2,9 @@
 # The GPU-only checks, in one command for a session lent a GPU machine (every session so far had none).
 #
 #   here, once:        bash deploy/gpu_check.sh --fetch      # wheels the GPU image lacks -> .whl/ (.gitignore)
-#   on the machine:    the session's device tool: run(command="bash deploy/gpu_check.sh", carry=[".whl"])
+#   on the machine:    the session's device tool: run(command="bash deploy/gpu_check.sh [STEP...]",
+#                      carry=[".whl", "artifacts/tiny", "artifacts/drafter-tiny"]); STEPs: tests kernels rollout profile
+#                      (default: all four, in that order), or engine: tests/test_engine_cuda.py alone
 #
 # The GPU image has Python 3.12 with torch 2.11, triton 3.6, transformers 5.17, grpcio, protobuf, pytest,
 # scipy (docs: /work/.library/device/KINDS.md) and nothing can be fetched there; the wheels carry the rest of
@@ -10,7 +12,13 @@
 #   1. pytest -m gpu: the kernels' parity on CUDA (fp32/fp16/bf16) and tests/test_engine_cuda.py (engine vs
 #      transformers on CUDA, Triton + CUDA decode graphs vs the PyTorch path, per-arm verify graphs lossless)
 #   2. tlt bench kernels: kernel vs PyTorch timings at Qwen2.5-7B shapes -> $OUT/kernels.json
-# Until it has run on a GPU, everything it checks stays UNVERIFIED in BENCHMARKS.md.
+#   3. with artifacts/tiny and artifacts/drafter-tiny carried too: tlt bench rollout on the GPU, issue #4's tail
+#      and whole-rollout commands, on Triton kernels + CUDA graphs and on the eager PyTorch path
+#      -> $OUT/rollout_{tail,whole}_graphs.json, $OUT/rollout_tail_eager.json
+#   4. with the same artifacts: deploy/gpu_profile.py, torch.profiler tables of one off and one learned tail run
+#      on Triton + CUDA graphs -> $OUT/profile.log; a summary line per mode in $OUT/gpu.txt
+# Each step runs under its own time limit (a hang costs that step, not the lease) and a failed step does not stop the
+# next. First run in session 30 on an H200 (BENCHMARKS.md, "GPU").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,8 +45,49 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
 
+STEPS="${*:-tests kernels rollout profile}"
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
-python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_kernels_*.py tests/test_engine_cuda.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
-python3 -P -m tlt.cli bench kernels --batch 1 32 --ctx 4096 32768 --json "$OUT/kernels.json" 2>&1 \
-  | tee "$OUT/bench_kernels.log" || status=1
+if want tests; then
+  timeout 240 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 150 --durations 12 \
+    tests/test_engine_cuda.py tests/test_kernels_*.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+fi
+if want engine; then
+  timeout 60 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 50 tests/test_engine_cuda.py 2>&1 \
+    | tee "$OUT/pytest_gpu.log" || status=1
+fi
+if want kernels; then
+  timeout 90 python3 -P -m tlt.cli bench kernels --batch 1 32 --ctx 4096 32768 --json "$OUT/kernels.json" 2>&1 \
+    | tee "$OUT/bench_kernels.log" || status=1
+fi
+
+[ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || { echo "no artifacts/: rollout bench skipped"; exit $status; }
+TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
+      --threshold 16 --temperature 1.0 --repeats 5"
+WHOLE="--workload task --prompts 32 --n 8 --temperature 1.0 --max-tokens 320 --threshold 256 --verify-budget 0
+       --buckets 1,2,5,17,64 --repeats 3
+       --arms 12_1_13,8_1_9,5_1_6,plain/12_1_13,8_1_9,5_1_6,plain/8_1_9,5_1_6,3_1_4,plain/5_1_6,3_1_4,plain/3_1_4,2_1_3,plain"
+rollout() {  # name, time limit, flags...
+  local name=$1 limit=$2; shift 2
+  echo "== tlt bench rollout $name: $*" | tee -a "$OUT/gpu.txt"
+  timeout "$limit" python3 -P -m tlt.cli bench rollout --model artifacts/tiny --drafter artifacts/drafter-tiny \
+    --modes off,learned --bandit keep --clock wall --device cuda --dtype bfloat16 --json "$@" >"$OUT/rollout_$name.json" \
+    2>>"$OUT/gpu.txt" || { echo "   failed (rc $?)" | tee -a "$OUT/gpu.txt"; status=1; return; }
+  python3 - "$OUT/rollout_$name.json" <<'PY' | tee -a "$OUT/gpu.txt" || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+for m in r["results"]:
+    print(f"   {m['mode']:<8} wall {m['wall_s']:.3f} s  x{m.get('speedup_vs_off') or 1:.2f} {m.get('speedup_vs_off_range') or ''}  "
+          f"tail4 x{m.get('tail4_speedup') or 0:.2f}  accept {m.get('mean_accept_len') or 0:.2f}")
+PY
+}
+if want rollout; then
+  rollout tail_graphs 45 $TAIL --kernels triton --graphs cuda
+  rollout whole_graphs 55 $WHOLE --kernels triton --graphs cuda
+  rollout tail_eager 30 $TAIL --kernels torch
+fi
+if want profile; then
+  timeout 60 python3 -P deploy/gpu_profile.py --kernels triton --graphs cuda 2>&1 | grep -v engine_ready \
+    | tee "$OUT/profile.log" || status=1
+fi
 exit $status

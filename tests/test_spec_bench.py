@@ -48,7 +48,7 @@ def _bench(capsys, argv: list[str]) -> tuple[int, dict]:
 
 
 # the JSON fields of a single-round report (before --repeats existed)
-R1_REPORT_KEYS = {"model", "workload", "temperature", "requests", "sequences", "lengths_p50", "lengths_max",
+R1_REPORT_KEYS = {"model", "device", "dtype", "kernels", "graphs", "workload", "temperature", "requests", "sequences", "lengths_p50", "lengths_max",
                   "threshold", "arms", "buckets", "bucket_arms", "clock", "bandit", "results"}
 R1_RESULT_KEYS = {"mode", "wall_s", "tokens", "tok_per_s", "tail_s", "tail_share", "tail_tok_per_s", "tail4_tok_per_s",
                   "buckets", "steps", "decode_steps", "verify_steps", "verified_seq_steps", "sd_step_share",
@@ -143,6 +143,13 @@ def test_bench_rollout_sampled_table_and_bad_flags(capsys, random_model_dir):
     assert out.count(SAMPLED_NOTE) == 2 and "identical" not in out and "batch 1" in out
     assert rollout.run(parser.parse_args([*common, "--arms", "6_1_7,bogus"])) == 2
     assert rollout.run(parser.parse_args([*common, "--temperature", "-1"])) == 2
+    capsys.readouterr()
+    for bad, says in ((["--device", "cuda", "--clock", "cpu"], "--clock wall"),  # CPU time cannot time a GPU
+                      (["--graphs", "cuda"], "needs the Triton decode path"),
+                      (["--kernels", "triton", "--graphs", "cuda"], "needs a CUDA device"),
+                      (["--device", "gpu"], "must be a torch device")):
+        assert rollout.run(parser.parse_args([*common, *bad])) == 2, bad
+        assert says in capsys.readouterr().err, bad
 
 
 def _check_median(ratios_or_values: list, median: float, span: list | None = None) -> None:

@@ -176,6 +176,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rollout replica freezes its heap once up ([rollout] gc_freeze): on, a full collection "
                              "no longer walks ~370,000 startup objects (0.19 s) inside whichever run it lands in")
     parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads")
+    parser.add_argument("--device", default="cpu", help="the engine's torch device: cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="weights, activations and KV cache dtype")
+    parser.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
+                        help="EngineConfig.kernels: the decode/verify hot path (auto: triton on CUDA, torch on cpu)")
+    parser.add_argument("--graphs", choices=("off", "cuda", "emulate"), default="off",
+                        help="EngineConfig.decode_graphs: plain decode and SD verify steps replayed from CUDA graphs "
+                             "per batch bucket (cuda: needs --device cuda and Triton kernels; captured as each run's "
+                             "engine is built, outside the timed run)")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -282,6 +291,13 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms, buckets=None)
                       hysteresis_steps=2, static_arm=args.static_arm, drafter="learned" if learned else "ngram",
                       drafter_path=args.drafter or "", chain_min_prob=args.chain_min_prob,
                       chain_sampling=args.chain_sampling == "on", **extra)
+
+
+def _engine_config(args: argparse.Namespace, num_seqs: int, max_model_len: int, num_kv_blocks: int):  # noqa: ANN202
+    from tlt.services.rollout.engine.config import EngineConfig
+
+    return EngineConfig(max_num_seqs=num_seqs, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+                        device=args.device, dtype=args.dtype, kernels=args.kernels, decode_graphs=args.graphs)
 
 
 def _first_problem(e: ValueError) -> str:
@@ -421,6 +437,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.chain_min_prob < 1:
         print(f"error: --chain-min-prob must be in [0, 1), got {args.chain_min_prob}", file=sys.stderr)
         return 2
+    if args.device != "cpu" and args.clock == "cpu":
+        print(f"error: --clock cpu times this process's CPU, not the work of device {args.device!r}: use --clock wall",
+              file=sys.stderr)
+        return 2
+    try:  # the engine's device, dtype, kernels and graphs, refused before the model loads
+        _engine_config(args, 1, 64, 8)
+    except ValueError as e:
+        print(f"error: --device / --dtype / --kernels / --graphs: {_first_problem(e)}", file=sys.stderr)
+        return 2
     for flag, value in (("--temperature", args.temperature), ("--sigma", args.sigma)):
         if not (math.isfinite(value) and value >= 0):  # inf or nan would fail only after the model has loaded
             print(f"error: {flag} must be a finite number >= 0, got {value}", file=sys.stderr)
@@ -453,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
     import torch  # after every check: a wrong argument fails at once, not after torch has loaded
 
     from tlt.model.folder import read_model_config
-    from tlt.services.rollout.engine.config import EngineConfig, context_limit
+    from tlt.services.rollout.engine.config import context_limit
     from tlt.services.rollout.engine.engine import LLMEngine
 
     torch.set_num_threads(args.threads)
@@ -477,8 +502,7 @@ def run(args: argparse.Namespace) -> int:
     total_ctx = min(prompt_len + args.max_tokens + 64, limit)
 
     def new_engine(mode: str) -> LLMEngine:  # a fresh engine per run, room for every sequence at full length
-        engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=num_seqs, max_model_len=total_ctx,
-                                                   num_kv_blocks=num_seqs * (total_ctx // 16 + 2) + 64))
+        engine = LLMEngine(model_dir, _engine_config(args, num_seqs, total_ctx, num_seqs * (total_ctx // 16 + 2) + 64))
         if mode != "off":
             engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
         return engine
@@ -534,7 +558,8 @@ def run(args: argparse.Namespace) -> int:
         results.append(runs[0] if args.repeats == 1 else median_result(runs, sampled))
     if args.workload == "task":  # natural lengths: those the first mode decoded
         lengths = torch.tensor([len(v) for v in (reference or {}).values()] or [0], dtype=torch.float32)
-    report = {"model": source, "workload": args.workload, "temperature": args.temperature,
+    report = {"model": source, "device": args.device, "dtype": args.dtype, "kernels": args.kernels,
+              "graphs": args.graphs, "workload": args.workload, "temperature": args.temperature,
               "requests": len(requests), "sequences": num_seqs,
               # the median (torch's median is the lower of the two middle values)
               "lengths_p50": _whole(statistics.median(lengths.flatten().tolist())), "lengths_max": int(lengths.max()),

@@ -148,6 +148,8 @@ def print_table(report: dict, args: argparse.Namespace) -> None:
     print(f"model: {report['model']}; {report['sequences']} sequences ({report['requests']} requests, {sampling}), "
           f"response length p50 {report['lengths_p50']}, max {report['lengths_max']}; SD threshold {args.threshold}")
     wx, wb = (18, 18) if repeats > 1 else (9, 8)  # speed-up cells carry the per-round range with repeats
+    if report.get("device", "cpu") != "cpu":
+        print(f"engine on {report['device']} ({report['dtype']}, kernels {report['kernels']}, graphs {report['graphs']})")
     if report.get("clock") == "cpu":
         print("times are CPU seconds of this process (--clock cpu), not wall-clock seconds")
     if args.bandit == "keep":

@@ -1,0 +1,61 @@
+"""Where a speculative step's time goes on the GPU: one `learned` run of the tail workload under torch.profiler.
+
+    python3 deploy/gpu_profile.py [bench rollout flags...]   e.g. --kernels triton --graphs cuda
+
+Parses the flags of `tlt bench rollout` (defaults: issue #4's tail command on artifacts/tiny with
+artifacts/drafter-tiny, on cuda in bf16), warms one `off` and one `learned` run up untimed, then profiles one
+`learned` run and prints its wall time and the top operators by self CPU time and by self device time.
+Run by deploy/gpu_check.sh on a GPU machine; on a CPU (`--device cpu --clock cpu`) it profiles the CPU path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tlt.bench import rollout
+    from tlt.services.rollout.engine.engine import LLMEngine
+
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    tail = ["--model", "artifacts/tiny", "--drafter", "artifacts/drafter-tiny", "--workload", "task", "--min-tokens",
+            "100", "--prompts", "4", "--n", "1", "--max-tokens", "256", "--arms", "12_1_13,8_1_9,5_1_6,plain",
+            "--threshold", "16", "--temperature", "1.0", "--device", "cuda", "--dtype", "bfloat16"]
+    args = parser.parse_args(tail + argv)
+    requests, prompt_len = rollout._task_requests(args.model, args)
+    n = len(requests) * args.n
+    ctx = prompt_len + args.max_tokens + 64
+
+    def engine(mode: str) -> LLMEngine:
+        e = LLMEngine(args.model, rollout._engine_config(args, n, ctx, n * (ctx // 16 + 2) + 64))
+        if mode != "off":
+            e.enable_spec(rollout._spec_config(mode, args, (tuple(args.arms.split(",")),) * 4))
+        return e
+
+    for mode in ("off", "learned"):
+        rollout._warm_up(engine(mode), requests)
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for mode in ("off", "learned"):
+        e = engine(mode)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            _, measured = rollout._run_mode(e, requests, args.threshold)
+            wall = time.perf_counter() - t0
+        stats = e.stats().spec or {}
+        print(f"== {mode}: {wall:.3f} s wall, {measured['steps']} steps, {measured['verify_steps']} verify steps, "
+              f"emitted {stats.get('emitted_tokens')}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        if cuda:
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
