@@ -11,7 +11,7 @@ with TRITON_INTERPRET=1 (as tests/test_engine_kernels.py does), fp32, tiny shape
     speculation off (lossless; the PyTorch path's plain decode), and the same drafts / acceptances /
     arms as the eager verify path on the kernels.
 Nothing is faked: a random tiny Qwen2 and the real kernels, interpreted. CUDA graph capture
-(mode "cuda") needs a GPU and is not run here (UNVERIFIED).
+(mode "cuda") needs a GPU: tests/test_engine_cuda.py (`pytest -m gpu`; passed on an H200 in session 30).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class EngineConfig(ServiceConfig):
             "decode/verify hot path: 'triton' = fused add+RMSNorm, RoPE and paged decode/tree attention as the "
             "Triton kernels of tlt.kernels (prefill attention stays SDPA); 'torch' = the PyTorch path "
             "(TorchScript + oneDNN on CPU); 'auto' = triton on CUDA when triton imports, else torch. "
-            "The compiled GPU kernels are UNVERIFIED on a GPU (only the TRITON_INTERPRET=1 CPU run checks them); "
+            "The compiled kernels passed the GPU tests on an H200 (tests/test_engine_cuda.py, session 30); "
             "'triton' on CPU needs TRITON_INTERPRET=1 from process start (tests only, very slow)"
         ),
     )
@@ -37,10 +37,10 @@ class EngineConfig(ServiceConfig):
         description=(
             "plain decode steps on static buffers padded to a batch-size bucket (services/rollout/engine/"
             "decode_graphs.py): 'cuda' replays CUDA graphs captured per bucket at start (needs CUDA and kernels = "
-            "'triton'; UNVERIFIED: never run on a GPU in this project); 'emulate' runs the same padded step without "
+            "'triton'; tested on an H200 in session 30); 'emulate' runs the same padded step without "
             "graphs (CPU tests); 'off' = the ordinary eager step. With speculative decoding attached, its verify passes "
             "get graphs in the same mode, per arm for the batch buckets the arm's bandit bucket covers at or below the "
-            "SD threshold (verify_graphs.py; 'cuda' equally UNVERIFIED)"
+            "SD threshold (verify_graphs.py; 'cuda' tested on the H200 too)"
         ),
     )
     decode_graph_buckets: tuple[int, ...] = Field(

@@ -21,8 +21,9 @@ and the fixed-width tables against the ordinary decode path. Speculative verify 
 own per-arm graphs in the same mode and scratch block when a speculative decoder is attached
 (verify_graphs.py); prefill and the drafter's passes run eagerly as before.
 
-Status: the "cuda" mode has NOT been run on a GPU (none was available to this project); only the
-"emulate" mode is tested. GPU presets leave decode_graphs = "off" until it is.
+Status: the "emulate" mode is tested on CPU; the "cuda" mode passed tests/test_engine_cuda.py on an H200
+(session 30: the same tokens as the eager PyTorch path; on the tiny model a plain decode step 4.5x faster than
+that path's). GPU presets leave decode_graphs = "off" until it is measured on a real model (BENCHMARKS.md, "GPU").
 """
 
 from __future__ import annotations

@@ -24,11 +24,12 @@ reuses prompt K/V computed with the old weights.
 Kernels (`EngineConfig.kernels`): "auto" runs the PyTorch path on CPU (TorchScript + oneDNN,
 unchanged) and, on CUDA, the Triton kernels of `tlt.kernels` for the decode and verify steps
 (fused add+RMSNorm, RoPE, paged decode / tree attention over the paged KV cache; prefill
-attention stays SDPA; see tlt/model/kernel_ops.py). That GPU path is UNVERIFIED on a GPU: only
-tests/test_engine_kernels.py, which runs it under TRITON_INTERPRET=1 on CPU, checks it.
+attention stays SDPA; see tlt/model/kernel_ops.py). tests/test_engine_kernels.py checks it under
+TRITON_INTERPRET=1 on CPU, and tests/test_engine_cuda.py (`pytest -m gpu`) on a GPU: passed on an H200
+in session 30 (BENCHMARKS.md, "GPU").
 `EngineConfig.decode_graphs` ("cuda", with kernels = "triton") replays plain decode steps from CUDA
-graphs captured per batch-size bucket (`decode_graphs.py`); also UNVERIFIED on a GPU: only its
-"emulate" mode (the same padded static buffers, no graphs) is tested, in the same interpreter run.
+graphs captured per batch-size bucket (`decode_graphs.py`); its "emulate" mode (the same padded static
+buffers, no graphs) is tested on CPU, the "cuda" mode by tests/test_engine_cuda.py on the H200.
 
 Features (`return_features`): row i is the last-layer hidden state (post
 final norm) at the position that produced token_ids[i], taken from the same
