@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU-only checks, in one command for a session lent a GPU machine (every session so far had none).
+# The GPU-only checks, in one command for a session lent a GPU machine (first run in session 30, on an H200).
 #
 #   here, once:        bash deploy/gpu_check.sh --fetch      # wheels the GPU image lacks -> .whl/ (.gitignore)
 #   on the machine:    the session's device tool: run(command="bash deploy/gpu_check.sh [STEP...]",
 #                      carry=[".whl", "artifacts/tiny", "artifacts/drafter-tiny"]); STEPs: tests kernels rollout profile
-#                      (default: all four, in that order), or engine: tests/test_engine_cuda.py alone
+#                      (default: all four, in that order), or engine: tests/test_engine_cuda.py alone, or tune: the
+#                      tree-verify kernel's variants timed (-> $OUT/tune.json)
 #
 # The GPU image has Python 3.12 with torch 2.11, triton 3.6, transformers 5.17, grpcio, protobuf, pytest,
 # scipy (docs: /work/.library/device/KINDS.md) and nothing can be fetched there; the wheels carry the rest of
@@ -16,7 +17,7 @@
 #      and whole-rollout commands, on Triton kernels + CUDA graphs and on the eager PyTorch path
 #      -> $OUT/rollout_{tail,whole}_graphs.json, $OUT/rollout_tail_eager.json
 #   4. with the same artifacts: deploy/gpu_profile.py, torch.profiler tables of one off and one learned tail run
-#      on Triton + CUDA graphs -> $OUT/profile.log; a summary line per mode in $OUT/gpu.txt
+#      on Triton + CUDA graphs -> $OUT/profile.log (step 3 writes a summary line per mode in $OUT/gpu.txt)
 # Each step runs under its own time limit (a hang costs that step, not the lease) and a failed step does not stop the
 # next. First run in session 30 on an H200 (BENCHMARKS.md, "GPU").
 set -euo pipefail
@@ -33,6 +34,11 @@ if [ "${1:-}" = "--fetch" ]; then
   exit 0
 fi
 
+STEPS="${*:-tests kernels rollout profile}"
+for step in $STEPS; do
+  case $step in tests|engine|tune|kernels|rollout|profile) ;;
+    *) echo "unknown step '$step': choose from tests engine tune kernels rollout profile"; exit 2 ;; esac
+done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -45,7 +51,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
 
-STEPS="${*:-tests kernels rollout profile}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
 if want tests; then
@@ -56,12 +61,18 @@ if want engine; then
   timeout 60 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 50 tests/test_engine_cuda.py 2>&1 \
     | tee "$OUT/pytest_gpu.log" || status=1
 fi
+if want tune; then  # the tree-verify kernel's candidates (BENCHMARKS.md "GPU"): blocks per iteration x rows per tile
+  timeout 200 python3 -P -m tlt.cli bench kernels --batch 1 32 --ctx 4096 32768 --tree-pages 1 2 4 \
+    --tree-block-m 0 32 16 --json "$OUT/tune.json" 2>&1 | grep -E "tree|Error|error" | tee "$OUT/tune.log" || status=1
+fi
 if want kernels; then
   timeout 90 python3 -P -m tlt.cli bench kernels --batch 1 32 --ctx 4096 32768 --json "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/bench_kernels.log" || status=1
 fi
 
-[ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || { echo "no artifacts/: rollout bench skipped"; exit $status; }
+if ! want rollout && ! want profile; then exit $status; fi
+[ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
+  echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout and profile not run"; exit 1; }
 TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
       --threshold 16 --temperature 1.0 --repeats 5"
 WHOLE="--workload task --prompts 32 --n 8 --temperature 1.0 --max-tokens 320 --threshold 256 --verify-budget 0

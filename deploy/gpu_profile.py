@@ -4,7 +4,8 @@
 
 Parses the flags of `tlt bench rollout` (defaults: issue #4's tail command on artifacts/tiny with
 artifacts/drafter-tiny, on cuda in bf16), warms one `off` and one `learned` run up untimed, then profiles one
-`learned` run and prints its wall time and the top operators by self CPU time and by self device time.
+`off` and one `learned` run and prints each one's wall time and top operators by self CPU time and by self device
+time.
 Run by deploy/gpu_check.sh on a GPU machine; on a CPU (`--device cpu --clock cpu`) it profiles the CPU path.
 """
 
@@ -21,6 +22,7 @@ def main(argv: list[str]) -> int:
 
     from tlt.bench import rollout
     from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.spec.config import SpecConfig
 
     parser = argparse.ArgumentParser()
     rollout.add_arguments(parser)
@@ -29,13 +31,14 @@ def main(argv: list[str]) -> int:
             "--threshold", "16", "--temperature", "1.0", "--device", "cuda", "--dtype", "bfloat16"]
     args = parser.parse_args(tail + argv)
     requests, prompt_len = rollout._task_requests(args.model, args)
-    n = len(requests) * args.n
+    n = sum(r.n for r in requests)
     ctx = prompt_len + args.max_tokens + 64
 
     def engine(mode: str) -> LLMEngine:
         e = LLMEngine(args.model, rollout._engine_config(args, n, ctx, n * (ctx // 16 + 2) + 64))
         if mode != "off":
-            e.enable_spec(rollout._spec_config(mode, args, (tuple(args.arms.split(",")),) * 4))
+            buckets = len(SpecConfig().bucket_thresholds)  # the same arms in every default bucket
+            e.enable_spec(rollout._spec_config(mode, args, (tuple(args.arms.split(",")),) * buckets))
         return e
 
     for mode in ("off", "learned"):

@@ -44,10 +44,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"CUDA compute capability for --compile-only ({', '.join(map(str, COMPILE_ARCHS))})")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
     parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="context lengths (tokens)")
+    parser.add_argument("--tree-pages", type=int, nargs="+", default=[1],
+                        help="tree-verify variants: cache blocks per kernel loop iteration (1 = the engine's; each "
+                             "other value adds a paged_tree_48_p<N> row)")
+    parser.add_argument("--tree-warps", type=int, nargs="+", default=[0],
+                        help="tree-verify variants: warps per program (0 = the wrapper's choice; each other value "
+                             "adds a _w<N> row)")
+    parser.add_argument("--tree-block-m", type=int, nargs="+", default=[0],
+                        help="tree-verify variants: (query token, head) rows per tile (0 = the wrapper's choice, 64 "
+                             "here; each other value adds a _m<N> row)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
-def _cases(batch: int, ctx: int, device: str) -> dict[str, tuple[Any, list[str], Any, Any]]:
+def _tree_variants(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """(row name, pages, warps, rows per tile) of the tree-verify variants `--tree-pages` x `--tree-warps` x
+    `--tree-block-m` ask for (0: the wrapper's choice)."""
+    return [("paged_tree_48" + (f"_p{p}" if p != 1 else "") + (f"_w{w}" if w else "") + (f"_m{m}" if m else ""), p, w, m)
+            for p in args.tree_pages for w in args.tree_warps for m in args.tree_block_m]
+
+
+def _cases(batch: int, ctx: int, device: str,
+           tree_variants: tuple = (("paged_tree_48", 1, 0, 0),)) -> dict[str, tuple[Any, list[str], Any, Any]]:
     """name -> (module, kernel attrs, triton call, reference call) for one (batch, context) point."""
     import torch
 
@@ -84,9 +101,11 @@ def _cases(batch: int, ctx: int, device: str) -> dict[str, tuple[Any, list[str],
         "paged_decode": (pa, ["paged_attention_kernel", "merge_splits_kernel"],
                          lambda: pa.paged_decode_attention_triton(q, kc, vc, tables, lens, scale),
                          lambda: pa.paged_decode_attention_ref(q, kc, vc, tables, lens, scale)),
-        "paged_tree_48": (pa, ["paged_attention_kernel", "merge_splits_kernel"],
-                          lambda: pa.paged_tree_attention_triton(qt, kc, vc, tables, lens, scale, mask),
-                          lambda: pa.paged_tree_attention_ref(qt, kc, vc, tables, lens, scale, mask)),
+        **{name: (pa, ["paged_attention_kernel", "merge_splits_kernel"],
+                  lambda pages=pages, warps=warps, rows=rows: pa.paged_tree_attention_triton(
+                      qt, kc, vc, tables, lens, scale, mask, pages=pages, num_warps=warps or None, block_m=rows or None),
+                  lambda: pa.paged_tree_attention_ref(qt, kc, vc, tables, lens, scale, mask))
+           for name, pages, warps, rows in tree_variants},
         "tree_accept_48": (tree_accept, ["tree_accept_kernel"], lambda: tree_accept.tree_accept_triton(draft, parents, target),
                            lambda: tree_accept.tree_accept_ref(draft, parents, target)),
     }
@@ -100,7 +119,7 @@ def _compile_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for batch in args.batch:
         for ctx in args.ctx:
-            for name, (module, attrs, call, _) in _cases(batch, ctx, "cpu").items():
+            for name, (module, attrs, call, _) in _cases(batch, ctx, "cpu", _tree_variants(args)).items():
                 with contextlib.ExitStack() as stack:
                     recorders = [stack.enter_context(record_launch(module, attr)) for attr in attrs]
                     call()
@@ -120,19 +139,23 @@ def _timed_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for batch in args.batch:
         for ctx in args.ctx:
-            for name, (_, _, fast, slow) in _cases(batch, ctx, "cuda").items():
-                got, want = fast(), slow()
+            refs: dict[str, Any] = {}  # the tree variants share one reference (timed once)
+            for name, (_, _, fast, slow) in _cases(batch, ctx, "cuda", _tree_variants(args)).items():
+                base = "paged_tree_48" if name.startswith("paged_tree_48") else name
+                got = fast()
+                if base not in refs:
+                    refs[base] = (slow(), do_bench(slow, return_mode="median") * 1000)
+                want, ref_us = refs[base]
                 pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
                 if name.startswith("tree_accept"):
                     pairs = [(got.accept_len, want.accept_len), (got.path, want.path), (got.bonus, want.bonus)]
                 for a, b in pairs:
                     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
                 kernel_us = do_bench(fast, return_mode="median") * 1000  # do_bench returns the mean by default
-                ref_us = do_bench(slow, return_mode="median") * 1000
                 row = {"kernel": name, "batch": batch, "ctx": ctx, "triton_us": round(kernel_us, 2),
                        "torch_us": round(ref_us, 2), "speedup": round(ref_us / kernel_us, 2)}
-                if name == "paged_decode":
-                    kv_bytes = 2 * batch * ctx * HKV * HEAD_DIM * 2
+                if name == "paged_decode" or base == "paged_tree_48":
+                    kv_bytes = 2 * batch * ctx * HKV * HEAD_DIM * 2  # K and V, bf16, each read once at best
                     row["kv_read_GBps"] = round(kv_bytes / (kernel_us * 1e-6) / 1e9, 1)
                 rows.append(row)
     return rows

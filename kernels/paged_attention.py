@@ -83,10 +83,10 @@ def _paged_attention_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_btb, stride_mb, stride_mq,
     stride_ob, stride_oq, stride_oh,
-    scale, NUM_Q, HQ, HKV, BLOCKS_PER_SPLIT,
+    scale, NUM_Q, HQ, HKV, BLOCKS_PER_SPLIT, MAX_BLOCKS,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PAGES: tl.constexpr,
 ):
     # Rows of the tile are (query token, query head in the KV head's group) pairs: every row
     # shares the K/V blocks of one (sequence, KV head), which are loaded once per tile.
@@ -108,21 +108,36 @@ def _paged_attention_kernel(
 
     ctx = tl.load(lens_ptr + b)
     first_new = ctx - NUM_Q
+    # one iteration takes PAGES cache blocks (BLOCK_N = PAGES * BLOCK_SIZE keys); BLOCKS_PER_SPLIT counts iterations
     start = split * BLOCKS_PER_SPLIT
-    end = tl.minimum(start + BLOCKS_PER_SPLIT, tl.cdiv(ctx, BLOCK_SIZE))
+    end = tl.minimum(start + BLOCKS_PER_SPLIT, tl.cdiv(tl.cdiv(ctx, BLOCK_SIZE), PAGES))
+    page = offs_n // (BLOCK_N // PAGES)  # PAGES > 1: which of the iteration's blocks key n is in, and its slot there
+    slot = offs_n % (BLOCK_N // PAGES)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i in range(start, end):
-        phys = tl.load(bt_ptr + b * stride_btb + i).to(tl.int64)
-        pos = i * BLOCK_SIZE + offs_n
-        col_ok = (offs_n < BLOCK_SIZE) & (pos < ctx)
-        kv_mask = col_ok[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + phys * stride_kb + offs_n[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + phys * stride_vb + offs_n[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        if PAGES == 1:  # one block per iteration (BLOCK_N >= BLOCK_SIZE, padded): the path measured on the H200
+            phys = tl.load(bt_ptr + b * stride_btb + i).to(tl.int64)
+            pos = i * BLOCK_SIZE + offs_n
+            col_ok = (offs_n < BLOCK_SIZE) & (pos < ctx)
+            kv_mask = col_ok[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + phys * stride_kb + offs_n[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + phys * stride_vb + offs_n[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+        else:  # PAGES blocks per iteration (BLOCK_SIZE a power of two): each key's block through the table
+            logical = i * PAGES + page
+            pos = logical * BLOCK_SIZE + slot
+            col_ok = pos < ctx
+            phys_n = tl.load(bt_ptr + b * stride_btb + logical, mask=col_ok & (logical < MAX_BLOCKS), other=0)
+            phys_n = phys_n.to(tl.int64)
+            kv_mask = col_ok[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + phys_n[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + phys_n[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -206,9 +221,15 @@ def default_num_splits(programs: int, max_blocks: int) -> int:
 def paged_tree_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, tree_mask: torch.Tensor | None,
-    out: torch.Tensor | None = None, num_splits: int | None = None,
+    out: torch.Tensor | None = None, num_splits: int | None = None, pages: int = 1, num_warps: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention for q [B, Q, Hq, D] with the Triton kernel (see module docstring)."""
+    """Paged attention for q [B, Q, Hq, D] with the Triton kernel (see module docstring).
+
+    `pages` cache blocks per loop iteration (1, the default, is what the engine runs and the H200 measured; > 1
+    needs a power-of-two block size and gathers each key's block through the table: fewer, larger iterations, a
+    candidate for the tree kernel's long-context speed, BENCHMARKS.md "GPU"); `num_warps` and `block_m` (rows
+    per tile, a power of two >= 16) override the choices below. `num_splits` splits the iterations."""
     check(q.dim() == 4, f"q must be [B, Q, Hq, D], got {tuple(q.shape)}")
     batch, num_q, hq, dim = q.shape
     check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k_cache, v_cache must be equal [blocks, block_size, Hkv, D]")
@@ -237,13 +258,19 @@ def paged_tree_attention_triton(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out must match q")
     max_blocks = block_tables.shape[1]
+    check(pages >= 1 and (pages == 1 or (pages & (pages - 1) == 0 and block_size & (block_size - 1) == 0)),
+          f"pages must be 1, or a power of two with a power-of-two block size; got pages {pages}, block size {block_size}")
+    check(pages == 1 or pages * block_size >= 16, f"pages x block size must be >= 16 keys (tl.dot), got {pages} x {block_size}")
     group = hq // hkv
     rows = num_q * group  # (query token, head of the group) rows per (sequence, KV head)
-    block_m = max(16, min(64, next_pow2(rows)))  # tl.dot needs every tile dim >= 16
+    if block_m is None:
+        block_m = max(16, min(64, next_pow2(rows)))  # tl.dot needs every tile dim >= 16
+    check(block_m >= 16 and block_m & (block_m - 1) == 0, f"block_m must be a power of two >= 16, got {block_m}")
     row_tiles = math.ceil(rows / block_m)
-    splits = default_num_splits(batch * hkv * row_tiles, max_blocks) if num_splits is None else num_splits
+    iterations = math.ceil(max_blocks / pages)  # loop iterations over the widest table
+    splits = default_num_splits(batch * hkv * row_tiles, iterations) if num_splits is None else num_splits
     check(splits >= 1, f"num_splits must be >= 1, got {splits}")
-    per_split = max(1, math.ceil(max_blocks / splits))
+    per_split = max(1, math.ceil(iterations / splits))
     if splits > 1:
         part_out = torch.empty((batch * num_q, hq, splits, dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch * num_q, hq, splits), dtype=torch.float32, device=q.device)
@@ -258,11 +285,12 @@ def paged_tree_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), stride_mb, stride_mq,
         out.stride(0), out.stride(1), out.stride(2),
-        float(scale), num_q, hq, hkv, per_split,
-        GROUP=group, BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)), BLOCK_M=block_m,
-        HEAD_DIM=dim, BLOCK_D=max(16, next_pow2(dim)), HAS_MASK=tree_mask is not None, NUM_SPLITS=splits,
-        IEEE=q.dtype == torch.float32,
-        num_warps=8 if block_m * next_pow2(dim) >= 64 * 128 else 4,  # keep the [M, D] accumulator out of spills
+        float(scale), num_q, hq, hkv, per_split, max_blocks,
+        GROUP=group, BLOCK_SIZE=block_size, BLOCK_N=max(16, next_pow2(block_size)) if pages == 1 else pages * block_size,
+        BLOCK_M=block_m, HEAD_DIM=dim, BLOCK_D=max(16, next_pow2(dim)), HAS_MASK=tree_mask is not None,
+        NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, PAGES=pages,
+        # keep the [M, D] accumulator out of spills
+        num_warps=num_warps or (8 if block_m * next_pow2(dim) >= 64 * 128 else 4),
     )
     if splits > 1:
         merge_splits_kernel[(batch * num_q, hq)](

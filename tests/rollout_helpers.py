@@ -91,7 +91,11 @@ class ServerThread:
 
     def __enter__(self) -> "ServerThread":
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout=180)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout=180)
+        except BaseException:  # as `tlt rollout serve` does: what started goes (replicas, ports, the GC probe)
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:

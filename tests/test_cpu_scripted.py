@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tlt.model import drafter_runtime, layer_ops
-from tlt.model.layer_ops import cpu_scripted
+from tlt.model.layer_ops import cpu_scripted, gpu_sdpa
 
 
 def _scripting(x: torch.Tensor) -> bool:
@@ -24,6 +24,7 @@ def test_cpu_tensors_take_the_scripted_function_and_others_the_python_one():
     assert f(torch.zeros(2)) is True
     assert f(torch.zeros(2, device="meta")) is False
     assert f.__name__ == "_scripting"
+    assert f.for_tensor(torch.zeros(1)) is f.scripted and f.for_tensor(torch.zeros(1, device="meta")) is f.python
 
 
 def _cudnn_sdpa_enabled(x: torch.Tensor) -> bool:
@@ -37,6 +38,14 @@ def test_gpu_calls_of_attention_functions_exclude_cudnn_sdpa():
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the call
     assert f(torch.zeros(1)) is True  # a CPU call leaves the backends alone
     assert cpu_scripted(_cudnn_sdpa_enabled)(torch.zeros(1, device="meta")) is True  # without sdpa, as well
+
+
+def test_gpu_sdpa_context_excludes_cudnn_off_the_cpu_only():
+    with gpu_sdpa(torch.zeros(1, device="meta")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with gpu_sdpa(torch.zeros(1)):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_every_engine_function_is_wrapped():

@@ -6,8 +6,7 @@ H200, torch 2.11 / triton 3.6): all 7 failed in prefill (`grouped_sdpa` viewed a
 viewed); after the fix all 7 passed, with the 68 kernel parity cases. They are the same
 checks as the CPU tests they mirror, on `device = "cuda"` in fp32 (bf16 greedy identity across batch shapes is
 not expected: different matmul shapes round differently). Their CPU analog (device "cpu", graphs "emulate",
-under TRITON_INTERPRET=1, by editing a copy of this file) passed in session 10: the test logic holds; the CUDA
-paths are what remains unproven:
+under TRITON_INTERPRET=1, by editing a copy of this file) passed in session 10; on the H200 they check:
 
 - greedy decoding equals `transformers` generate on the same GPU (tests/test_engine.py);
 - the Triton kernels, and plain decode replayed from CUDA graphs per batch bucket (`decode_graphs = "cuda"`),

@@ -67,7 +67,7 @@ def test_fold_mask_repeats_rows_per_query_head_and_leaves_broadcastable_masks():
 
 def test_an_sdpa_output_in_cudas_transposed_layout_is_reshaped_not_viewed(monkeypatch):
     """CUDA's memory-efficient SDPA returns its [b, kvh, g * L, d] output as a transposed [b, g * L, kvh, d]
-    buffer, which `.view(b, nh, L, d)` refused on the H200 (session 30: 5 of tests/test_engine_cuda.py failed in
+    buffer, which `.view(b, nh, L, d)` refused on the H200 (session 30: all 7 of tests/test_engine_cuda.py failed in
     prefill). The same values in that layout, made here on the CPU, must give the same attention."""
     torch.manual_seed(7)
     b, nh, kvh, q_len, s, d = 3, 6, 2, 5, 20, 16

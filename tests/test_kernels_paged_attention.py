@@ -132,6 +132,29 @@ def test_tree_kernel_matches_reference(device: torch.device, dtype: torch.dtype,
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES, indirect=["device"])
+@pytest.mark.parametrize(("pages", "num_splits", "block_size"), [(2, 1, 8), (4, 2, 8), (2, 3, 16)])
+def test_tree_kernel_with_several_blocks_per_iteration_matches_reference(device: torch.device, dtype: torch.dtype,
+                                                                         pages: int, num_splits: int,
+                                                                         block_size: int) -> None:
+    """`pages` > 1 (a tuning candidate for long contexts): each key's block is gathered through the table, the last
+    iteration runs past the sequence's blocks (sentinel table entries, never read) and past the table's width."""
+    lens, hq, hkv, dim, num_q = [5, 41, 23, 16], 6, 2, 16, 5
+    k_cache, v_cache, tables, ctx = make_cache(lens, hkv, dim, block_size, dtype, seed=13)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(len(lens), num_q, hq, dim, generator=gen).to(dtype)
+    mask = random_tree_mask(len(lens), num_q, gen)
+    want = paged_tree_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3, mask)
+    on = [t.to(device) for t in (q, k_cache, v_cache, tables, ctx)]
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+    got = paged_tree_attention_triton(*on, 0.3, mask.to(device), out=out, num_splits=num_splits, pages=pages)
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    decode = paged_decode_attention_ref(q[:, -1], k_cache, v_cache, tables, ctx, 0.3)  # no mask: every key
+    got_decode = paged_tree_attention_triton(*[t.to(device) for t in (q[:, -1:], k_cache, v_cache, tables, ctx)], 0.3,
+                                             None, pages=pages)
+    torch.testing.assert_close(got_decode[:, 0].cpu(), decode, **TOL[dtype])
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_kernel_empty_context_and_empty_mask_rows_give_zero(device: torch.device) -> None:
     k_cache, v_cache, tables, _ = make_cache([4, 4], 1, 8, 4, torch.float32, seed=2)
@@ -168,6 +191,10 @@ def test_wrapper_rejects_bad_inputs() -> None:
         paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="int32"):
         paged_decode_attention_triton(torch.randn(1, 4, 8), k_cache, v_cache, tables.long(), ctx, 1.0)
+    with pytest.raises(ValueError, match="pages must be"):
+        paged_tree_attention_triton(torch.randn(1, 1, 4, 8), k_cache, v_cache, tables, ctx, 1.0, None, pages=3)
+    with pytest.raises(ValueError, match=">= 16 keys"):
+        paged_tree_attention_triton(torch.randn(1, 1, 4, 8), k_cache, v_cache, tables, ctx, 1.0, None, pages=2)
     with pytest.raises(ValueError, match="tree_mask"):
         paged_tree_attention_triton(torch.randn(1, 2, 4, 8), k_cache, v_cache, tables, ctx, 1.0,
                                     torch.ones(1, 2, 3, dtype=torch.bool))

@@ -147,7 +147,9 @@ def test_bench_rollout_sampled_table_and_bad_flags(capsys, random_model_dir):
     for bad, says in ((["--device", "cuda", "--clock", "cpu"], "--clock wall"),  # CPU time cannot time a GPU
                       (["--graphs", "cuda"], "needs the Triton decode path"),
                       (["--kernels", "triton", "--graphs", "cuda"], "needs a CUDA device"),
-                      (["--device", "gpu"], "must be a torch device")):
+                      (["--device", "gpu"], "must be a torch device"),
+                      (["--device", "gpu", "--clock", "cpu"], "must be a torch device"),  # the device first
+                      (["--device", "cuda", "--hook-cost"], "--hook-cost times this process's CPU")):
         assert rollout.run(parser.parse_args([*common, *bad])) == 2, bad
         assert says in capsys.readouterr().err, bad
 

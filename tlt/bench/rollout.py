@@ -437,14 +437,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.chain_min_prob < 1:
         print(f"error: --chain-min-prob must be in [0, 1), got {args.chain_min_prob}", file=sys.stderr)
         return 2
-    if args.device != "cpu" and args.clock == "cpu":
-        print(f"error: --clock cpu times this process's CPU, not the work of device {args.device!r}: use --clock wall",
-              file=sys.stderr)
-        return 2
     try:  # the engine's device, dtype, kernels and graphs, refused before the model loads
         _engine_config(args, 1, 64, 8)
     except ValueError as e:
         print(f"error: --device / --dtype / --kernels / --graphs: {_first_problem(e)}", file=sys.stderr)
+        return 2
+    if args.device != "cpu" and (args.clock == "cpu" or args.hook_cost):
+        flag = "--clock cpu" if args.clock == "cpu" else "--hook-cost"
+        print(f"error: {flag} times this process's CPU, not the work of device {args.device!r}"
+              f"{': use --clock wall' if flag == '--clock cpu' else ''}", file=sys.stderr)
         return 2
     for flag, value in (("--temperature", args.temperature), ("--sigma", args.sigma)):
         if not (math.isfinite(value) and value >= 0):  # inf or nan would fail only after the model has loaded

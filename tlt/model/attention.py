@@ -185,7 +185,8 @@ def attend_groups(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: Att
                   kernel_attend=None) -> torch.Tensor:
     """Attention of every new token -> [T, nh * d]. q: [T, nh, d]; kc/vc: one layer's caches [num_blocks, block_size, kvh, d].
 
-    Groups with `KernelTables` go to `kernel_attend` (`kernel_ops.attend`), the others to SDPA.
+    Groups with `KernelTables` go to `kernel_attend` (`kernel_ops.attend`), the others to SDPA. Off the CPU, call it
+    inside `layer_ops.gpu_sdpa(q)` (as `Transformer.forward` does) to keep cuDNN's per-shape attention plans out.
     """
     t, nh, d = q.shape
     groups = attn.groups
@@ -199,8 +200,8 @@ def attend_groups(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, attn: Att
             if g.scratch is None:
                 shape = (g.block_index.shape[0], *kc.shape[1:])
                 g.scratch = (kc.new_empty(shape), vc.new_empty(shape))
-            og = group_attention_fn(q, kc, vc, g.q_index, g.block_index, g.lk, g.sdpa_mask(nh // kc.shape[2]), g.max_q,
-                                    scale, *g.scratch)
+            og = group_attention_fn.for_tensor(q)(q, kc, vc, g.q_index, g.block_index, g.lk,
+                                                  g.sdpa_mask(nh // kc.shape[2]), g.max_q, scale, *g.scratch)
         if out is None:
             return og
         out.index_copy_(0, g.out_index, og if g.max_q == 1 else og[g.valid])

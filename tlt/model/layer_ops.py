@@ -27,6 +27,7 @@ sin_signed = (-sin_1, sin_2) is precomputed.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import List, Optional, Union  # noqa: UP035 - TorchScript needs typing generics
 
@@ -203,8 +204,10 @@ class cpu_scripted:  # noqa: N801 - used as a decorator-like wrapper of function
         self.__doc__, self.__name__ = fn.__doc__, fn.__name__
 
     def for_tensor(self, x: torch.Tensor):  # noqa: ANN201
-        """What a call with first argument `x` runs, chosen once: a model calling per layer skips the dispatch."""
-        return self.scripted if x.is_cpu else self
+        """What a call with first argument `x` runs, chosen once: a model calling per layer skips the dispatch. Off
+        the CPU that is the bare Python function: the caller holds `gpu_sdpa(x)` around its calls (one entry per
+        forward instead of one per layer: `sdpa_kernel` costs ~10 µs)."""
+        return self.scripted if x.is_cpu else self.python
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
         if x.is_cpu:
@@ -213,6 +216,12 @@ class cpu_scripted:  # noqa: N801 - used as a decorator-like wrapper of function
             return self.python(x, *args, **kwargs)
         with sdpa_kernel(_GPU_SDPA):
             return self.python(x, *args, **kwargs)
+
+
+def gpu_sdpa(x: torch.Tensor):  # noqa: ANN201
+    """The SDPA backends for work on `x`'s device, as a context: off the CPU cuDNN's attention is excluded
+    (`_GPU_SDPA`); on the CPU nothing changes."""
+    return contextlib.nullcontext() if x.is_cpu else sdpa_kernel(_GPU_SDPA)
 
 
 pre_attention_fn = cpu_scripted(pre_attention)

@@ -60,6 +60,7 @@ from tlt.model.decode_mirror import DecodeMirror, MirrorStep
 from tlt.model.attention import AttentionGroup, AttentionMetadata, KernelTables, attend_groups  # noqa: F401 (re-exported)
 from tlt.model.layer_ops import (
     dense_attention_fn,
+    gpu_sdpa,
     linear,
     onednn_works,
     pack,
@@ -234,8 +235,12 @@ class Transformer:
 
     # ---- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        if self.kernels == "triton":
-            return self._forward_triton(input_ids, positions, attn)
+        with gpu_sdpa(input_ids):  # off the CPU, SDPA without cuDNN's per-shape plans (layer_ops), once per forward
+            if self.kernels == "triton":
+                return self._forward_triton(input_ids, positions, attn)
+            return self._forward_torch(input_ids, positions, attn)
+
+    def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         nh, kvh, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         packed, eps, exact = self._use_onednn, self._eps, self._exact_hf
