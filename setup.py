@@ -8,6 +8,9 @@ from pathlib import Path
 from setuptools import setup
 
 ROOTS = {"tlt": "tlt", "tlt.services": "services", "tlt.kernels": "kernels"}
+# Data only: the preset TOMLs as tlt/presets in a non-editable install (services/common/config.py looks there when
+# the checkout's deploy/configs is not beside the code).
+DATA = {"tlt.presets": "deploy/configs"}
 
 
 def packages() -> list[str]:
@@ -19,4 +22,5 @@ def packages() -> list[str]:
     return found
 
 
-setup(packages=packages(), package_dir=ROOTS, package_data={"tlt": ["py.typed"]})
+setup(packages=packages() + list(DATA), package_dir={**ROOTS, **DATA},
+      package_data={"tlt": ["py.typed"], "tlt.presets": ["*.toml"]})

@@ -3,9 +3,9 @@
 #
 #   here, once:        bash deploy/gpu_check.sh --fetch      # wheels the GPU image lacks -> .whl/ (.gitignore)
 #   on the machine:    the session's device tool: run(command="bash deploy/gpu_check.sh [STEP...]",
-#                      carry=[".whl", "artifacts/tiny", "artifacts/drafter-tiny"]); STEPs: tests kernels rollout profile
-#                      (default: all four, in that order), or engine: tests/test_engine_cuda.py alone, or tune: the
-#                      tree-verify kernel's variants timed (-> $OUT/tune.json)
+#                      carry=[".whl", "artifacts/tiny", "artifacts/drafter-tiny"]); STEPs: tests kernels rollout serve
+#                      profile (default: all five, in that order), or engine: tests/test_engine_cuda.py alone, or
+#                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json)
 #
 # The GPU image has Python 3.12 with torch 2.11, triton 3.6, transformers 5.17, grpcio, protobuf, pytest,
 # scipy (docs: /work/.library/device/KINDS.md) and nothing can be fetched there; the wheels carry the rest of
@@ -16,7 +16,9 @@
 #   3. with artifacts/tiny and artifacts/drafter-tiny carried too: tlt bench rollout on the GPU, issue #4's tail
 #      and whole-rollout commands, on Triton kernels + CUDA graphs and on the eager PyTorch path
 #      -> $OUT/rollout_{tail,whole}_graphs.json, $OUT/rollout_tail_eager.json
-#   4. with the same artifacts: deploy/gpu_profile.py, torch.profiler tables of one off and one learned tail run
+#   4. with the same artifacts: deploy/gpu_serve_check.py, `tlt rollout serve` on the GPU with adaptive speculation,
+#      its greedy completions over HTTP against transformers' -> $OUT/serve.log
+#   5. with the same artifacts: deploy/gpu_profile.py, torch.profiler tables of one off and one learned tail run
 #      on Triton + CUDA graphs -> $OUT/profile.log (step 3 writes a summary line per mode in $OUT/gpu.txt)
 # Each step runs under its own time limit (a hang costs that step, not the lease) and a failed step does not stop the
 # next. First run in session 30 on an H200 (BENCHMARKS.md, "GPU").
@@ -24,7 +26,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
-        typing-extensions==4.16.0 structlog==26.1.0 pyzmq==27.3.0)
+        typing-extensions==4.16.0 structlog==26.1.0 pyzmq==27.3.0
+        # the server (step serve): its HTTP stack, and the gRPC / protobuf runtimes tlt/v1's generated code needs
+        fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sniffio==1.3.1 protobuf==7.36.2 grpcio==1.85.1)
 
 if [ "${1:-}" = "--fetch" ]; then
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -34,10 +38,10 @@ if [ "${1:-}" = "--fetch" ]; then
   exit 0
 fi
 
-STEPS="${*:-tests kernels rollout profile}"
+STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
-  case $step in tests|engine|tune|kernels|rollout|profile) ;;
-    *) echo "unknown step '$step': choose from tests engine tune kernels rollout profile"; exit 2 ;; esac
+  case $step in tests|engine|tune|kernels|rollout|serve|profile) ;;
+    *) echo "unknown step '$step': choose from tests engine tune kernels rollout serve profile"; exit 2 ;; esac
 done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
@@ -70,9 +74,9 @@ if want kernels; then
     | tee "$OUT/bench_kernels.log" || status=1
 fi
 
-if ! want rollout && ! want profile; then exit $status; fi
+if ! want rollout && ! want serve && ! want profile; then exit $status; fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
-  echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout and profile not run"; exit 1; }
+  echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout, serve and profile not run"; exit 1; }
 TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
       --threshold 16 --temperature 1.0 --repeats 5"
 WHOLE="--workload task --prompts 32 --n 8 --temperature 1.0 --max-tokens 320 --threshold 256 --verify-budget 0
@@ -96,6 +100,9 @@ if want rollout; then
   rollout tail_graphs 45 $TAIL --kernels triton --graphs cuda
   rollout whole_graphs 55 $WHOLE --kernels triton --graphs cuda
   rollout tail_eager 30 $TAIL --kernels torch
+fi
+if want serve; then
+  timeout 200 python3 -P deploy/gpu_serve_check.py 2>&1 | tee "$OUT/serve.log" || status=1
 fi
 if want profile; then
   timeout 60 python3 -P deploy/gpu_profile.py --kernels triton --graphs cuda 2>&1 | grep -v engine_ready \

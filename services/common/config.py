@@ -34,7 +34,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+# The presets: deploy/configs in a checkout (and an editable install); tlt/presets in a wheel or any other non-editable
+# install, where setup.py ships the same files (without it `pip install .` knew no preset at all)
+_SOURCE_PRESETS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+PRESETS_DIR = _SOURCE_PRESETS if _SOURCE_PRESETS.is_dir() else Path(__file__).resolve().parents[2] / "presets"
 
 T = TypeVar("T", bound="ServiceConfig")
 
