@@ -117,19 +117,26 @@ def test_decode_kernel_matches_reference(device: torch.device, dtype: torch.dtyp
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
 
 
+def _check_tree_kernel(device: torch.device, dtype: torch.dtype, lens: list[int], hq: int, hkv: int, block_size: int,
+                      num_q: int, seed: int, scale: float, **kernel_args: int) -> tuple:
+    """The tree kernel against the reference on random caches, trees and queries (head dim 16); returns the inputs."""
+    k_cache, v_cache, tables, ctx = make_cache(lens, hkv, 16, block_size, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lens), num_q, hq, 16, generator=gen).to(dtype)
+    mask = random_tree_mask(len(lens), num_q, gen)
+    want = paged_tree_attention_ref(q, k_cache, v_cache, tables, ctx, scale, mask)
+    on = [t.to(device) for t in (q, k_cache, v_cache, tables, ctx)]
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)  # poison: unwritten elements fail
+    got = paged_tree_attention_triton(*on, scale, mask.to(device), out=out, **kernel_args)
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    return q, k_cache, v_cache, tables, ctx
+
+
 @pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES, indirect=["device"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_tree_kernel_matches_reference(device: torch.device, dtype: torch.dtype, num_splits: int) -> None:
-    lens, hq, hkv, dim, block_size, num_q = [4, 10, 7], 4, 1, 16, 4, 4
-    k_cache, v_cache, tables, ctx = make_cache(lens, hkv, dim, block_size, dtype, seed=11)
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(len(lens), num_q, hq, dim, generator=gen).to(dtype)
-    mask = random_tree_mask(len(lens), num_q, gen)
-    want = paged_tree_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25, mask)
-    on = [t.to(device) for t in (q, k_cache, v_cache, tables, ctx)]
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
-    got = paged_tree_attention_triton(*on, 0.25, mask.to(device), out=out, num_splits=num_splits)
-    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    _check_tree_kernel(device, dtype, [4, 10, 7], hq=4, hkv=1, block_size=4, num_q=4, seed=11, scale=0.25,
+                       num_splits=num_splits)
 
 
 @pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES, indirect=["device"])
@@ -139,16 +146,9 @@ def test_tree_kernel_with_several_blocks_per_iteration_matches_reference(device:
                                                                          block_size: int) -> None:
     """`pages` > 1 (a tuning candidate for long contexts): each key's block is gathered through the table, the last
     iteration runs past the sequence's blocks (sentinel table entries, never read) and past the table's width."""
-    lens, hq, hkv, dim, num_q = [5, 41, 23, 16], 6, 2, 16, 5
-    k_cache, v_cache, tables, ctx = make_cache(lens, hkv, dim, block_size, dtype, seed=13)
-    gen = torch.Generator().manual_seed(9)
-    q = torch.randn(len(lens), num_q, hq, dim, generator=gen).to(dtype)
-    mask = random_tree_mask(len(lens), num_q, gen)
-    want = paged_tree_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3, mask)
-    on = [t.to(device) for t in (q, k_cache, v_cache, tables, ctx)]
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
-    got = paged_tree_attention_triton(*on, 0.3, mask.to(device), out=out, num_splits=num_splits, pages=pages)
-    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    q, k_cache, v_cache, tables, ctx = _check_tree_kernel(device, dtype, [5, 41, 23, 16], hq=6, hkv=2,
+                                                          block_size=block_size, num_q=5, seed=13, scale=0.3,
+                                                          num_splits=num_splits, pages=pages)
     decode = paged_decode_attention_ref(q[:, -1], k_cache, v_cache, tables, ctx, 0.3)  # no mask: every key
     got_decode = paged_tree_attention_triton(*[t.to(device) for t in (q[:, -1:], k_cache, v_cache, tables, ctx)], 0.3,
                                              None, pages=pages)
