@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tlt.model.layer_ops import gpu_sdpa
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.grpo import entropy_from_logits
 
@@ -113,8 +114,12 @@ def response_logprobs(
     length = batch.input_ids.shape[1]
     first = int(batch.response_index.min())
     keep = length - first
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=with_hidden,
-                use_cache=False, logits_to_keep=keep)
+    # Off the CPU, SDPA without cuDNN's attention: it builds a plan per new input shape (25 ms a call, measured on an
+    # H200 in the rollout engine, BENCHMARKS.md "GPU"), and every micro-batch pads to its own longest row. The
+    # backward runs the backend the forward chose. Not measured in the trainer (it has not run on a GPU).
+    with gpu_sdpa(batch.input_ids):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=with_hidden,
+                    use_cache=False, logits_to_keep=keep)
     logits = out.logits  # [B, keep, V]; position p of the sequence is row p - first
     idx = (batch.response_index - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     z = torch.gather(logits, 1, idx).float() / temperature  # [B, R, V]

@@ -31,6 +31,7 @@ from torch import nn
 
 from tlt.model.config import ModelConfig, RopeScaling
 from tlt.model.files import share_weights
+from tlt.model.layer_ops import gpu_sdpa
 from tlt.model.transformer import rms_norm, rope_inv_freq
 
 WEIGHTS_FILE = "model.safetensors"
@@ -213,8 +214,9 @@ class Drafter(nn.Module):
             span = int((start + t).max())
             k, v = cache.k[rows, :, :span].to(q.dtype), cache.v[rows, :, :span].to(q.dtype)
             mask = self.cache_mask(start, t, span, tree_mask, prefix_mask)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
+        with gpu_sdpa(q):  # off the CPU no cuDNN attention: a plan per new shape (layer_ops; training shapes vary too)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                               enable_gqa=c.num_heads != c.num_kv_heads)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))  # no input norm (EAGLE)
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
