@@ -99,6 +99,8 @@ class ServerThread:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if not self.loop.is_running():  # stopped already (a failed __enter__ cleans up), or never started
+            return
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout=60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
