@@ -7,6 +7,8 @@ import json
 import re
 import statistics
 
+import torch
+
 from tlt.bench import rollout
 from tlt.bench.rollout_report import SAMPLED_NOTE
 
@@ -152,6 +154,9 @@ def test_bench_rollout_sampled_table_and_bad_flags(capsys, random_model_dir):
                       (["--device", "cuda", "--hook-cost"], "--hook-cost times this process's CPU")):
         assert rollout.run(parser.parse_args([*common, *bad])) == 2, bad
         assert says in capsys.readouterr().err, bad
+    if not torch.cuda.is_available():  # a GPU run asked for on a machine without one: refused before any engine
+        assert rollout.run(parser.parse_args([*common, "--device", "cuda", "--kernels", "torch"])) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
 
 
 def _check_median(ratios_or_values: list, median: float, span: list | None = None) -> None:

@@ -478,6 +478,9 @@ def run(args: argparse.Namespace) -> int:
     model_dir, source = resolve_model(args.model)  # an explicit --model is checked (exit 2)
     import torch  # after every check: a wrong argument fails at once, not after torch has loaded
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {args.device}: this torch ({torch.__version__}) sees no CUDA device", file=sys.stderr)
+        return 2
     from tlt.model.folder import read_model_config
     from tlt.services.rollout.engine.config import context_limit
     from tlt.services.rollout.engine.engine import LLMEngine
