@@ -10,7 +10,8 @@ from setuptools import setup
 ROOTS = {"tlt": "tlt", "tlt.services": "services", "tlt.kernels": "kernels"}
 # Data only: the preset TOMLs as tlt/presets in a non-editable install (services/common/config.py looks there when
 # the checkout's deploy/configs is not beside the code).
-DATA = {"tlt.presets": "deploy/configs"}
+# Only where the folder is there: deploy/Dockerfile's first, dependency-only install runs on a stub tree without it.
+DATA = {"tlt.presets": "deploy/configs"} if Path("deploy/configs").is_dir() else {}
 
 
 def packages() -> list[str]:
@@ -23,4 +24,4 @@ def packages() -> list[str]:
 
 
 setup(packages=packages() + list(DATA), package_dir={**ROOTS, **DATA},
-      package_data={"tlt": ["py.typed"], "tlt.presets": ["*.toml"]})
+      package_data={"tlt": ["py.typed"], **({"tlt.presets": ["*.toml"]} if DATA else {})})

@@ -28,7 +28,8 @@ cd "$(dirname "$0")/.."
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
         typing-extensions==4.16.0 structlog==26.1.0 pyzmq==27.3.0
         # the server (step serve): its HTTP stack, and the gRPC / protobuf runtimes tlt/v1's generated code needs
-        fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sniffio==1.3.1 protobuf==7.36.2 grpcio==1.85.1)
+        fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sniffio==1.3.1 protobuf==7.36.2 grpcio==1.85.1
+        opentelemetry-api==1.45.2)  # fastapi 0.165 imports it
 
 if [ "${1:-}" = "--fetch" ]; then
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -47,6 +48,7 @@ done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run 'bash deploy/gpu_check.sh --fetch' here first"; exit 2; }
+rm -rf /tmp/site build  # a warm machine keeps both: pip --target would keep the last call's tlt, build/ a deleted module
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site .
 export PYTHONPATH=/tmp/site  # the installed copy (services/ and kernels/ mapped under tlt); -P below keeps
@@ -102,7 +104,7 @@ if want rollout; then
   rollout tail_eager 30 $TAIL --kernels torch
 fi
 if want serve; then
-  timeout 200 python3 -P deploy/gpu_serve_check.py 2>&1 | tee "$OUT/serve.log" || status=1
+  timeout 240 python3 -P deploy/gpu_serve_check.py 2>&1 | tee "$OUT/serve.log" || status=1
 fi
 if want profile; then
   timeout 60 python3 -P deploy/gpu_profile.py --kernels triton --graphs cuda 2>&1 | grep -v engine_ready \

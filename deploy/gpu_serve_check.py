@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,8 +36,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--graphs", default="cuda", choices=("off", "cuda", "emulate"))
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--timeout", type=float, default=150.0, help="seconds for the server to start")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for the server to start")
     args = parser.parse_args(argv)
+    # `timeout` ends this check with SIGTERM: exit through the finally below, which stops the server and its
+    # replicas (Python's default would leave them holding the GPU for the next step)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import httpx
     import torch
@@ -57,7 +62,7 @@ def main(argv: list[str]) -> int:
     env = {**os.environ, "TLT_AUTH_TOKEN": os.environ.get("TLT_AUTH_TOKEN") or "gpu-serve-check-" + os.urandom(4).hex()}
     log = (work / "serve.log").open("w")
     t0 = time.monotonic()
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         while not ready.exists():
             if server.poll() is not None or time.monotonic() - t0 > args.timeout:
@@ -71,7 +76,7 @@ def main(argv: list[str]) -> int:
 
         def complete(prompt: str) -> str:
             body = {"model": model_name, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0}
-            response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
             response.raise_for_status()
             return response.json()["choices"][0]["text"]
 
@@ -99,13 +104,14 @@ def main(argv: list[str]) -> int:
         return 0 if same == len(prompts) else 1
     finally:
         if server.poll() is None:
-            server.terminate()
+            server.terminate()  # the server stops its replicas
             try:
                 server.wait(30)
             except subprocess.TimeoutExpired:
-                server.kill()
+                os.killpg(server.pid, signal.SIGKILL)  # its own session: the replicas go with it
                 server.wait(10)
         log.close()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

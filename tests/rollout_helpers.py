@@ -91,9 +91,15 @@ class ServerThread:
 
     def __enter__(self) -> "ServerThread":
         self._thread.start()
+        started = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop)
         try:
-            asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout=180)
+            started.result(timeout=180)
         except BaseException:  # as `tlt rollout serve` does: what started goes (replicas, ports, the GC probe)
+            started.cancel()  # a start still running (a timeout, Ctrl-C) ends before the stop
+            try:
+                started.result(timeout=60)
+            except BaseException:  # noqa: S110 - its outcome is the error being raised below
+                pass
             self.__exit__()
             raise
         return self

@@ -37,3 +37,18 @@ def test_a_non_editable_install_finds_every_preset(tmp_path):
     assert out[2] == str(sorted(p.name for p in (ROOT / "deploy" / "configs").glob("*.toml")))
     assert (site / "tlt" / "presets" / "cpu-tiny.toml").read_text() == (ROOT / "deploy/configs/cpu-tiny.toml").read_text()
     assert out[3].endswith("cpu-tiny.toml")
+
+
+def test_the_dockerfiles_dependency_only_install_builds_without_the_presets(tmp_path):
+    """deploy/Dockerfile installs the dependencies first from a stub tree (pyproject.toml, setup.py, README.md and
+    tlt/__init__.py: no deploy/configs), so that the code's layer does not rebuild them. setup.py must not ask for
+    the presets' folder there (it did: "package directory 'deploy/configs' does not exist")."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "COPY pyproject.toml setup.py README.md ./" in dockerfile and "COPY tlt/__init__.py ./tlt/" in dockerfile
+    stub = tmp_path / "stub"
+    (stub / "tlt").mkdir(parents=True)
+    for name in ("setup.py", "pyproject.toml", "README.md", "tlt/__init__.py"):
+        shutil.copy(ROOT / name, stub / name)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-build-isolation",
+                           "--no-index", "-e", str(stub)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

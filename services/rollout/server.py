@@ -156,8 +156,8 @@ class RolloutServer:
             await self._grpc.stop(grace=2.0)
         if self._http is not None:
             self._http.should_exit = True
-            if self._http_task is not None:
-                await self._http_task
+            if self._http_task is not None:  # a uvicorn that failed to start raised in start(): not again here, where
+                await asyncio.gather(self._http_task, return_exceptions=True)  # it would skip the replicas' stop
         if self._http_sock is not None:  # uvicorn closed it if it served; a start that failed before had not
             self._http_sock.close()
         if self.pool is not None:

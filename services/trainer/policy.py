@@ -116,7 +116,8 @@ def response_logprobs(
     keep = length - first
     # Off the CPU, SDPA without cuDNN's attention: it builds a plan per new input shape (25 ms a call, measured on an
     # H200 in the rollout engine, BENCHMARKS.md "GPU"), and every micro-batch pads to its own longest row. The
-    # backward runs the backend the forward chose. Not measured in the trainer (it has not run on a GPU).
+    # backward runs the backend the forward chose, except that gradient checkpointing recomputes the forward in the
+    # backward pass: Policy.backward holds the same context. Not measured in the trainer (it has not run on a GPU).
     with gpu_sdpa(batch.input_ids):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=with_hidden,
                     use_cache=False, logits_to_keep=keep)
@@ -313,7 +314,8 @@ class Policy:
     # -- update ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients; `loss` is already normalised over the mini-batch (no GAS scaling)."""
-        self.engine.backward(loss, scale_wrt_gas=False)
+        with gpu_sdpa(loss):  # gradient checkpointing recomputes the forward here, outside response_logprobs' context
+            self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> bool:
         """One micro-batch done; returns True when DeepSpeed applied an optimizer update."""
