@@ -258,7 +258,8 @@ def paged_tree_attention_triton(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out must match q")
     max_blocks = block_tables.shape[1]
-    check(pages >= 1 and (pages == 1 or (pages & (pages - 1) == 0 and block_size & (block_size - 1) == 0)),
+    check(num_warps is None or num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+    check(isinstance(pages, int) and pages >= 1 and (pages == 1 or (pages & (pages - 1) == 0 and block_size & (block_size - 1) == 0)),
           f"pages must be 1, or a power of two with a power-of-two block size; got pages {pages}, block size {block_size}")
     check(pages == 1 or pages * block_size >= 16, f"pages x block size must be >= 16 keys (tl.dot), got {pages} x {block_size}")
     group = hq // hkv

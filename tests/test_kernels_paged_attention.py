@@ -155,6 +155,15 @@ def test_tree_kernel_with_several_blocks_per_iteration_matches_reference(device:
     torch.testing.assert_close(got_decode[:, 0].cpu(), decode, **TOL[dtype])
 
 
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES, indirect=["device"])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_tree_kernel_with_fewer_rows_per_tile_matches_reference(device: torch.device, dtype: torch.dtype,
+                                                                block_m: int) -> None:
+    """`block_m` below the default (64 for these 36 rows per KV head): several row tiles per (sequence, KV head)."""
+    _check_tree_kernel(device, dtype, [5, 41, 17], hq=8, hkv=2, block_size=8, num_q=9, seed=17, scale=0.3,
+                       num_splits=2, block_m=block_m)
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_kernel_empty_context_and_empty_mask_rows_give_zero(device: torch.device) -> None:
     k_cache, v_cache, tables, _ = make_cache([4, 4], 1, 8, 4, torch.float32, seed=2)
@@ -193,6 +202,10 @@ def test_wrapper_rejects_bad_inputs() -> None:
         paged_decode_attention_triton(torch.randn(1, 4, 8), k_cache, v_cache, tables.long(), ctx, 1.0)
     with pytest.raises(ValueError, match="pages must be"):
         paged_tree_attention_triton(torch.randn(1, 1, 4, 8), k_cache, v_cache, tables, ctx, 1.0, None, pages=3)
+    with pytest.raises(ValueError, match="pages must be"):
+        paged_tree_attention_triton(torch.randn(1, 1, 4, 8), k_cache, v_cache, tables, ctx, 1.0, None, pages=2.0)
+    with pytest.raises(ValueError, match="num_warps"):
+        paged_tree_attention_triton(torch.randn(1, 1, 4, 8), k_cache, v_cache, tables, ctx, 1.0, None, num_warps=3)
     with pytest.raises(ValueError, match=">= 16 keys"):
         paged_tree_attention_triton(torch.randn(1, 1, 4, 8), k_cache, v_cache, tables, ctx, 1.0, None, pages=2)
     with pytest.raises(ValueError, match="tree_mask"):
