@@ -85,6 +85,11 @@ once it is up, and collects before every timed run (each run's engine is new, an
 not be collected inside the next run); each result's `gc_s` is the seconds its run spent in the collector.
 Without it a full collection (0.19-0.27 s of a 2-4 s run) can land inside a run (BENCHMARKS.md, Session 29).
 
+`--device cuda --dtype bfloat16 --kernels triton --graphs cuda` runs the engines on a GPU (with `--clock wall`: CPU
+time does not time a GPU, and `--hook-cost` is refused there): plain decode and verify steps replayed from CUDA graphs
+captured as each run's engine is built, outside the timed run. `--kernels torch` (and `--graphs off`) is the eager
+PyTorch path. Session 30's H200 figures: BENCHMARKS.md, "GPU (H200)".
+
 `--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
 (topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
 unlikely to be accepted cost neither drafting nor verification.
