@@ -12,7 +12,7 @@
 # what the engine and kernel tests import. What it runs, with logs under $OUT (what comes back):
 #   1. pytest -m gpu: the kernels' parity on CUDA (fp32/fp16/bf16) and tests/test_engine_cuda.py (engine vs
 #      transformers on CUDA, Triton + CUDA decode graphs vs the PyTorch path, per-arm verify graphs lossless)
-#   2. tlt bench kernels: kernel vs PyTorch timings at Qwen2.5-7B shapes -> $OUT/kernels.json
+#   2. tlt bench kernels: kernel vs PyTorch timings at Qwen2.5-7B shapes -> $OUT/kernels.json, kernels.log
 #   3. with artifacts/tiny and artifacts/drafter-tiny carried too: tlt bench rollout on the GPU, issue #4's tail
 #      and whole-rollout commands, on Triton kernels + CUDA graphs and on the eager PyTorch path
 #      -> $OUT/rollout_{tail,whole}_graphs.json, $OUT/rollout_tail_eager.json
@@ -59,22 +59,21 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
-if want tests; then
-  timeout 240 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 150 --durations 12 \
-    tests/test_engine_cuda.py tests/test_kernels_*.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
-fi
-if want engine; then
-  timeout 60 python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 50 tests/test_engine_cuda.py 2>&1 \
+gpu_pytest() {  # time limit, test files...
+  local limit=$1; shift
+  timeout "$limit" python3 -P -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 150 --durations 12 "$@" 2>&1 \
     | tee "$OUT/pytest_gpu.log" || status=1
-fi
-if want tune; then  # the tree-verify kernel's candidates (BENCHMARKS.md "GPU"): blocks per iteration x rows per tile
-  timeout 200 python3 -P -m tlt.cli bench kernels --batch 1 32 --ctx 4096 32768 --tree-pages 1 2 4 \
-    --tree-block-m 0 32 16 --json "$OUT/tune.json" 2>&1 | grep -E "tree|Error|error" | tee "$OUT/tune.log" || status=1
-fi
-if want kernels; then
-  timeout 90 python3 -P -m tlt.cli bench kernels --batch 1 32 --ctx 4096 32768 --json "$OUT/kernels.json" 2>&1 \
-    | tee "$OUT/bench_kernels.log" || status=1
-fi
+}
+bench_kernels() {  # time limit, output name, extra flags...
+  local limit=$1 name=$2; shift 2
+  timeout "$limit" python3 -P -m tlt.cli bench kernels --batch 1 32 --ctx 4096 32768 --json "$OUT/$name.json" "$@" \
+    2>&1 | tee "$OUT/$name.log" || status=1
+}
+if want tests; then gpu_pytest 240 tests/test_engine_cuda.py tests/test_kernels_*.py; fi
+if want engine; then gpu_pytest 60 tests/test_engine_cuda.py; fi
+# tune: the tree-verify kernel's candidates (BENCHMARKS.md "GPU"): blocks per iteration x rows per tile
+if want tune; then bench_kernels 200 tune --tree-pages 1 2 4 --tree-block-m 0 32 16; fi
+if want kernels; then bench_kernels 90 kernels; fi
 
 if ! want rollout && ! want serve && ! want profile; then exit $status; fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {

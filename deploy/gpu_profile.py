@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def main(argv: list[str]) -> int:
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from tlt.bench import rollout
     from tlt.services.rollout.engine.engine import LLMEngine
-    from tlt.services.rollout.spec.config import SpecConfig
 
     parser = argparse.ArgumentParser()
     rollout.add_arguments(parser)
@@ -31,15 +28,11 @@ def main(argv: list[str]) -> int:
             "--threshold", "16", "--temperature", "1.0", "--device", "cuda", "--dtype", "bfloat16"]
     args = parser.parse_args(tail + argv)
     requests, prompt_len = rollout._task_requests(args.model, args)
-    n = sum(r.n for r in requests)
-    ctx = prompt_len + args.max_tokens + 64
+    _, bucket_arms, given = rollout._bucket_arms(args)
 
-    def engine(mode: str) -> LLMEngine:
-        e = LLMEngine(args.model, rollout._engine_config(args, n, ctx, n * (ctx // 16 + 2) + 64))
-        if mode != "off":
-            buckets = len(SpecConfig().bucket_thresholds)  # the same arms in every default bucket
-            e.enable_spec(rollout._spec_config(mode, args, (tuple(args.arms.split(",")),) * buckets))
-        return e
+    def engine(mode: str) -> LLMEngine:  # as `tlt bench rollout` builds each run's engine
+        return rollout.build_engine(args.model, args, mode, sum(r.n for r in requests),
+                                    prompt_len + args.max_tokens + 64, bucket_arms, given)
 
     for mode in ("off", "learned"):
         rollout._warm_up(engine(mode), requests)
@@ -48,11 +41,9 @@ def main(argv: list[str]) -> int:
     for mode in ("off", "learned"):
         e = engine(mode)
         with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
             _, measured = rollout._run_mode(e, requests, args.threshold)
-            wall = time.perf_counter() - t0
         stats = e.stats().spec or {}
-        print(f"== {mode}: {wall:.3f} s wall, {measured['steps']} steps, {measured['verify_steps']} verify steps, "
+        print(f"== {mode}: {measured['wall']:.3f} s wall, {measured['steps']} steps, {measured['verify_steps']} verify steps, "
               f"emitted {stats.get('emitted_tokens')}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         if cuda:

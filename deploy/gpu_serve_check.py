@@ -15,11 +15,9 @@ Prints the speculative-decoding lines of `/metrics`. Exit status 0 when every co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,31 +44,29 @@ def main(argv: list[str]) -> int:
     import torch
     import transformers
 
+    from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
     from tlt.task import format_prompt, generate_problems
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     prompts = [format_prompt(p) for p in generate_problems(args.requests, 11)]
     work = Path(tempfile.mkdtemp(prefix="tlt-serve-check-"))
-    ready = work / "ready.json"
-    # -P as this process has it: on the GPU machine the package is an installed copy (deploy/gpu_check.sh), and the
-    # source folder ./tlt, which lacks services/ and kernels/ under it, must stay off the front of sys.path
-    cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "tlt.cli", "rollout", "serve", "--model", args.model, "--drafter", args.drafter,
-           "--spec", "adaptive", "--replicas", "1", "--http-port", "0", "--grpc-port", "0", "--ready-file", str(ready),
-           "--set", f"engine.device={args.device}", "--set", "engine.dtype=float32",
-           "--set", f"engine.kernels={args.kernels}", "--set", f"engine.decode_graphs={args.graphs}",
-           "--set", "engine.max_model_len=512", "--set", "engine.max_num_seqs=32"]
-    env = {**os.environ, "TLT_AUTH_TOKEN": os.environ.get("TLT_AUTH_TOKEN") or "gpu-serve-check-" + os.urandom(4).hex()}
-    log = (work / "serve.log").open("w")
+    server = ServiceProcess("rollout", tlt_command(
+        "rollout", "serve", "--model", args.model, "--drafter", args.drafter, "--spec", "adaptive", "--replicas", "1",
+        "--http-port", "0", "--grpc-port", "0", "--ready-file", str(work / "ready.json"),
+        "--set", f"engine.device={args.device}", "--set", "engine.dtype=float32",
+        "--set", f"engine.kernels={args.kernels}", "--set", f"engine.decode_graphs={args.graphs}",
+        "--set", "engine.max_model_len=512", "--set", "engine.max_num_seqs=32"), work / "serve.log",
+        ready_file=work / "ready.json",
+        env={"TLT_AUTH_TOKEN": os.environ.get("TLT_AUTH_TOKEN") or "gpu-serve-check-" + os.urandom(4).hex()})
     t0 = time.monotonic()
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server.start()
     try:
-        while not ready.exists():
-            if server.poll() is not None or time.monotonic() - t0 > args.timeout:
-                print(f"the server did not start (exit {server.poll()}):\n{(work / 'serve.log').read_text()[-3000:]}")
-                return 2
-            time.sleep(0.2)
-        info = json.loads(ready.read_text())
-        print(f"server up in {time.monotonic() - t0:.1f} s: {' '.join(cmd[cmd.index('rollout'):])}")
+        try:
+            info = server.wait_ready(t0 + args.timeout)
+        except ServiceError as e:
+            print(f"the server did not start: {e}")
+            return 2
+        print(f"server up in {time.monotonic() - t0:.1f} s: {' '.join(server.argv[server.argv.index('rollout'):])}")
         base = f"http://127.0.0.1:{info['http_port']}"
         model_name = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -103,16 +99,8 @@ def main(argv: list[str]) -> int:
                 print("  " + line)
         return 0 if same == len(prompts) else 1
     finally:
-        if server.poll() is None:
-            server.terminate()  # the server stops its replicas
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)  # its own session: the replicas go with it
-                server.wait(10)
-        log.close()
+        server.stop(30)  # SIGTERM to its process group (the server stops its replicas), SIGKILL after 30 s
         shutil.rmtree(work, ignore_errors=True)
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -259,14 +259,16 @@ def paged_tree_attention_triton(
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, "out must match q")
     max_blocks = block_tables.shape[1]
     check(num_warps is None or num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
-    check(isinstance(pages, int) and pages >= 1 and (pages == 1 or (pages & (pages - 1) == 0 and block_size & (block_size - 1) == 0)),
+    check(isinstance(pages, int) and pages >= 1
+          and (pages == 1 or (pages == next_pow2(pages) and block_size == next_pow2(block_size))),
           f"pages must be 1, or a power of two with a power-of-two block size; got pages {pages}, block size {block_size}")
-    check(pages == 1 or pages * block_size >= 16, f"pages x block size must be >= 16 keys (tl.dot), got {pages} x {block_size}")
+    check(pages == 1 or pages * block_size >= 16,
+          f"pages x block size must be >= 16 keys (tl.dot), got {pages} x {block_size}")
     group = hq // hkv
     rows = num_q * group  # (query token, head of the group) rows per (sequence, KV head)
     if block_m is None:
         block_m = max(16, min(64, next_pow2(rows)))  # tl.dot needs every tile dim >= 16
-    check(block_m >= 16 and block_m & (block_m - 1) == 0, f"block_m must be a power of two >= 16, got {block_m}")
+    check(block_m >= 16 and block_m == next_pow2(block_m), f"block_m must be a power of two >= 16, got {block_m}")
     row_tiles = math.ceil(rows / block_m)
     iterations = math.ceil(max_blocks / pages)  # loop iterations over the widest table
     splits = default_num_splits(batch * hkv * row_tiles, iterations) if num_splits is None else num_splits

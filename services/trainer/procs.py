@@ -32,8 +32,10 @@ class ServiceError(RuntimeError):
 
 
 def tlt_command(*args: str) -> list[str]:
-    """The real `tlt` command line, run with this interpreter (works without the venv's bin on PATH)."""
-    return [sys.executable, "-m", "tlt.cli", *args]
+    """The real `tlt` command line, run with this interpreter (works without the venv's bin on PATH) and its -P: a
+    parent that keeps the current folder off sys.path (an installed copy run beside a checkout, as
+    deploy/gpu_check.sh does) must not have its children import the checkout's ./tlt instead."""
+    return [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "tlt.cli", *args]
 
 
 class ServiceProcess:

@@ -298,6 +298,34 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms, buckets=None)
                       chain_sampling=args.chain_sampling == "on", **extra)
 
 
+def _bucket_arms(args: argparse.Namespace) -> tuple:
+    """(bucket thresholds, arms per bucket or None, the thresholds `--buckets` gave or None) from `--buckets` and
+    `--arms`; ValueError for a bad value."""
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    bucket_arms, given = None, None
+    buckets = SpecConfig().bucket_thresholds
+    if args.buckets is not None:
+        buckets = given = tuple(int(b) for b in args.buckets.split(","))
+    if args.arms is not None:
+        lists = [tuple(a.strip() for a in part.split(",") if a.strip()) for part in args.arms.split("/")]
+        bucket_arms = tuple(lists[0] for _ in buckets) if len(lists) == 1 else tuple(lists)
+    if args.buckets is not None and bucket_arms is None:
+        raise ValueError("--buckets needs --arms: one list for every bucket, or one per bucket with '/' between")
+    return buckets, bucket_arms, given
+
+
+def build_engine(model_dir, args: argparse.Namespace, mode: str, num_seqs: int, total_ctx: int,  # noqa: ANN001, ANN201
+                 bucket_arms=None, buckets=None):  # noqa: ANN001
+    """A fresh engine for one run of `mode`, with room for every sequence at full length (and its SD config)."""
+    from tlt.services.rollout.engine.engine import LLMEngine
+
+    engine = LLMEngine(model_dir, _engine_config(args, num_seqs, total_ctx, num_seqs * (total_ctx // 16 + 2) + 64))
+    if mode != "off":
+        engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, buckets))
+    return engine
+
+
 def _engine_config(args: argparse.Namespace, num_seqs: int, max_model_len: int, num_kv_blocks: int):  # noqa: ANN202
     from tlt.services.rollout.engine.config import EngineConfig
 
@@ -420,7 +448,6 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.bench import resolve_model
     from tlt.services.common.gc_heap import GcPauses, freeze_heap
-    from tlt.services.rollout.spec.config import SpecConfig
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
@@ -456,17 +483,8 @@ def run(args: argparse.Namespace) -> int:
         if not (math.isfinite(value) and value >= 0):  # inf or nan would fail only after the model has loaded
             print(f"error: {flag} must be a finite number >= 0, got {value}", file=sys.stderr)
             return 2
-    bucket_arms = None
-    given = None  # --buckets, parsed
     try:
-        buckets = SpecConfig().bucket_thresholds
-        if args.buckets is not None:
-            buckets = given = tuple(int(b) for b in args.buckets.split(","))
-        if args.arms is not None:
-            lists = [tuple(a.strip() for a in part.split(",") if a.strip()) for part in args.arms.split("/")]
-            bucket_arms = tuple(lists[0] for _ in buckets) if len(lists) == 1 else tuple(lists)
-        if args.buckets is not None and bucket_arms is None:
-            raise ValueError("--buckets needs --arms: one list for every bucket, or one per bucket with '/' between")
+        buckets, bucket_arms, given = _bucket_arms(args)
     except ValueError as e:
         print(f"error: --buckets {args.buckets!r} / --arms {args.arms!r}: {e}", file=sys.stderr)
         return 2
@@ -510,11 +528,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     total_ctx = min(prompt_len + args.max_tokens + 64, limit)
 
-    def new_engine(mode: str) -> LLMEngine:  # a fresh engine per run, room for every sequence at full length
-        engine = LLMEngine(model_dir, _engine_config(args, num_seqs, total_ctx, num_seqs * (total_ctx // 16 + 2) + 64))
-        if mode != "off":
-            engine.enable_spec(_spec_config(mode, args, None if mode.startswith("static") else bucket_arms, given))
-        return engine
+    def new_engine(mode: str) -> LLMEngine:
+        return build_engine(model_dir, args, mode, num_seqs, total_ctx, bucket_arms, given)
 
     for _ in range(args.warmup):  # untimed: the process's one-time costs must not land in a timed run
         for mode in ran:

@@ -214,7 +214,7 @@ class cpu_scripted:  # noqa: N801 - used as a decorator-like wrapper of function
             return self.scripted(x, *args, **kwargs)
         if not self.sdpa:
             return self.python(x, *args, **kwargs)
-        with sdpa_kernel(_GPU_SDPA):
+        with gpu_sdpa(x):
             return self.python(x, *args, **kwargs)
 
 
