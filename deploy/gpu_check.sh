@@ -29,20 +29,24 @@ WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-ins
         typing-extensions==4.16.0 structlog==26.1.0 pyzmq==27.3.0
         # the server (step serve): its HTTP stack, and the gRPC / protobuf runtimes tlt/v1's generated code needs
         fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sniffio==1.3.1 protobuf==7.36.2 grpcio==1.85.1
-        opentelemetry-api==1.45.2)  # fastapi 0.165 imports it
+        opentelemetry-api==1.45.2  # fastapi 0.165 imports it
+        hjson==3.1.0)  # deepspeed's one dependency the image lacks (step e2e); deepspeed itself is built below
 
 if [ "${1:-}" = "--fetch" ]; then
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+  # deepspeed ships only an sdist: a wheel of its Python code (no ops compiled; the trainer passes a torch optimizer)
+  [ -x .venv/bin/python ] || { echo "no .venv: run 'make test' once first (the deepspeed wheel is built with it)"; exit 2; }
+  DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w .whl deepspeed==0.19.8
   ls -la .whl
   exit 0
 fi
 
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
-  case $step in tests|engine|tune|kernels|rollout|serve|profile) ;;
-    *) echo "unknown step '$step': choose from tests engine tune kernels rollout serve profile"; exit 2 ;; esac
+  case $step in tests|engine|tune|kernels|rollout|serve|profile|e2e) ;;
+    *) echo "unknown step '$step': choose from tests engine tune kernels rollout serve profile e2e"; exit 2 ;; esac
 done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
@@ -75,7 +79,7 @@ if want engine; then gpu_pytest 60 tests/test_engine_cuda.py; fi
 if want tune; then bench_kernels 200 tune --tree-pages 1 2 4 --tree-block-m 0 32 16; fi
 if want kernels; then bench_kernels 90 kernels; fi
 
-if ! want rollout && ! want serve && ! want profile; then exit $status; fi
+if ! want rollout && ! want serve && ! want profile && ! want e2e; then exit $status; fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
   echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout, serve and profile not run"; exit 1; }
 TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
@@ -101,6 +105,8 @@ if want rollout; then
   rollout tail_graphs 45 $TAIL --kernels triton --graphs cuda
   rollout whole_graphs 55 $WHOLE --kernels triton --graphs cuda
   rollout tail_eager 30 $TAIL --kernels torch
+  # the GPU presets' default engine (kernels = "torch", no graphs), with the model-free drafter too
+  rollout whole_eager 150 $WHOLE --kernels torch --modes off,learned,ngram
 fi
 if want serve; then
   timeout 240 python3 -P deploy/gpu_serve_check.py 2>&1 | tee "$OUT/serve.log" || status=1
@@ -108,5 +114,17 @@ fi
 if want profile; then
   timeout 60 python3 -P deploy/gpu_profile.py --kernels triton --graphs cuda 2>&1 | grep -v engine_ready \
     | tee "$OUT/profile.log" || status=1
+fi
+if want e2e; then
+  # issue #6 on the GPU: the cpu-tiny preset's RL step with every service on the GPU, TLT (adaptive SD, online drafter
+  # started from the warm-up drafter) against the baseline; run folders in /tmp, their summaries back under $OUT/e2e
+  timeout 300 python3 -P -m tlt.cli bench e2e --preset cpu-tiny --steps 6 --noise-seed -1 --model artifacts/tiny \
+    --out /tmp/e2e --set rollout.engine.device=cuda --set rollout.engine.dtype=bfloat16 --set rollout.engine.kernels=torch \
+    --set rollout.spec.threshold=64 --set drafter.device=cuda \
+    --set trainer.max_tokens=320 --set trainer.eval_problems=0 --set run.drafter_init=artifacts/drafter-tiny \
+    2>&1 | tail -60 | tee "$OUT/e2e.log" || status=1
+  mkdir -p "$OUT/e2e"
+  (cd /tmp/e2e && find . -maxdepth 3 \( -name '*.json' -o -name '*.jsonl' -o -name '*.png' -o -name '*.log' -o -name '*.out' -o -name '*.md' \) \
+    -size -4M -exec cp --parents {} "$OUT/e2e/" \;) || true
 fi
 exit $status

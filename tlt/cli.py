@@ -35,6 +35,15 @@ class Command:
     owns_cores: bool = False
 
 
+def tlt_command(*args: str) -> list[str]:
+    """The argv that runs `tlt ARGS` in a child: this interpreter (works without the venv's bin on PATH) and its
+    -P. A parent that keeps the current folder off sys.path (an installed copy run beside a checkout, as
+    deploy/gpu_check.sh does) must not have its children import the checkout's ./tlt instead, which lacks the
+    services/ and kernels/ that setup.py maps under `tlt` (session 31: `tlt bench e2e` on the GPU found no `run`).
+    Every process the package starts from `tlt` goes through here (tests/test_child_commands.py)."""
+    return [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "tlt.cli", *args]
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("model", "build"), "tlt.model.build", "train the tokenizer and pre-train the tiny model", owns_cores=True),
     Command(("model", "eval"), "tlt.model.evaluate", "accuracy and response-length tail of a model on the task",

@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     import os
     import signal
     import subprocess
-    import sys
     import threading
 
+    from tlt.cli import tlt_command
     from tlt.model.folder import check_checkpoint
     from tlt.services.common.logging import get_logger
 
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
     # running, they met the restarted service's new workers, two per replica under one id and checkpoint file.
     env = {**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid())}
     for i in range(args.workers):
-        cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", args.model, "--coordinator",
-               coordinator.endpoint, "--replica", str(i), "--worker-id", str(i), "--config-json", cfg.model_dump_json()]  # type: ignore[attr-defined]
+        cmd = tlt_command("drafter", "worker", "--model", args.model, "--coordinator", coordinator.endpoint,
+                          "--replica", str(i), "--worker-id", str(i), "--config-json", cfg.model_dump_json())  # type: ignore[attr-defined]
         procs.append(subprocess.Popen(cmd, env=env))
     if cfg.threads:  # type: ignore[attr-defined]
         import torch

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from tlt.cli import tlt_command  # noqa: F401 - the launcher's and the serve check's import
 from tlt.services.common.logging import get_logger
 
 log = get_logger("run.procs")
@@ -29,13 +30,6 @@ log = get_logger("run.procs")
 
 class ServiceError(RuntimeError):
     """A service exited or never became ready; the message names it and its log."""
-
-
-def tlt_command(*args: str) -> list[str]:
-    """The real `tlt` command line, run with this interpreter (works without the venv's bin on PATH) and its -P: a
-    parent that keeps the current folder off sys.path (an installed copy run beside a checkout, as
-    deploy/gpu_check.sh does) must not have its children import the checkout's ./tlt instead."""
-    return [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "tlt.cli", *args]
 
 
 class ServiceProcess:

@@ -160,6 +160,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from tlt.cli import tlt_command
     from tlt.services.rollout.client import RolloutClient
     from tlt.services.rollout.config import RolloutConfig
     from tlt.services.rollout.engine.config import EngineConfig
@@ -200,10 +201,10 @@ def measure_overhead(args: argparse.Namespace) -> int:
                 "features_bind": f"tcp://127.0.0.1:{feat_port}", "coordinator_bind": "tcp://127.0.0.1:*",
                 "rollout_grpc": f"127.0.0.1:{server.grpc_port}", "status_port": 0, "publish_margin": 1000.0,
                 "checkpoint_dir": str(tmp / "ckpt"), "window_tokens": 128, "batch_tokens": 128}
-        proc = subprocess.Popen([sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", model_dir,
-                                 "--workers", "2", "--ready-file", str(ready),
-                                 *[f"--set={k}={v}" for k, v in sets.items()],
-                                 *[f"--set={kv}" for kv in getattr(args, "drafter_sets", [])]],
+        proc = subprocess.Popen(tlt_command("drafter", "serve", "--model", model_dir,
+                                             "--workers", "2", "--ready-file", str(ready),
+                                             *[f"--set={k}={v}" for k, v in sets.items()],
+                                             *[f"--set={kv}" for kv in getattr(args, "drafter_sets", [])]),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         while not ready.exists():
             assert proc.poll() is None, "drafter serve exited"

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tlt.cli import tlt_command
     from tlt.services.common.events import CapacityPublisher
     from tlt.services.drafter.collect import sample_features
     from tlt.services.drafter.config import DrafterServiceConfig
@@ -86,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
     coord.buffer.add_samples(samples)
     busy, idle = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
     pub.publish(events_pb2.CapacityEvent(replica_id=0, state=busy))
-    proc = subprocess.Popen([sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", model_dir,
-                             "--coordinator", coord.endpoint, "--replica", "0", "--config-json", cfg.model_dump_json()])
+    proc = subprocess.Popen(tlt_command("drafter", "worker", "--model", model_dir, "--coordinator", coord.endpoint,
+                                         "--replica", "0", "--config-json", cfg.model_dump_json()))
     rng = random.Random(0)
     lat: list[float] = []
     steps: list[int] = []

@@ -71,12 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run(name: str, out, args: argparse.Namespace, seed: int, baseline: bool,  # noqa: ANN001
          extra: tuple[str, ...] = ()) -> int:
     import subprocess
-    import sys
 
+    from tlt.cli import tlt_command
     from tlt.services.common.logging import get_logger
 
-    cmd = [sys.executable, "-m", "tlt.cli", "run", "--quiet", "--preset", args.preset, "--steps", str(args.steps),
-           "--seed", str(seed), "--run-id", name, "--set", f"run.runs_dir={out}"]
+    cmd = tlt_command("run", "--quiet", "--preset", args.preset, "--steps", str(args.steps),
+                      "--seed", str(seed), "--run-id", name, "--set", f"run.runs_dir={out}")
     if args.model:
         cmd += ["--model", args.model]
     if baseline:
