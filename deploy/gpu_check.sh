@@ -5,7 +5,8 @@
 #   on the machine:    the session's device tool: run(command="bash deploy/gpu_check.sh [STEP...]",
 #                      carry=[".whl", "artifacts/tiny", "artifacts/drafter-tiny"]); STEPs: tests kernels rollout serve
 #                      profile (default: all five, in that order), or engine: tests/test_engine_cuda.py alone, or
-#                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json)
+#                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json), or rollout-eager: the
+#                      whole rollout on the eager path alone, or e2e: `tlt bench e2e` with every service on the GPU
 #
 # The GPU image has Python 3.12 with torch 2.11, triton 3.6, transformers 5.17, grpcio, protobuf, pytest,
 # scipy (docs: /work/.library/device/KINDS.md) and nothing can be fetched there; the wheels carry the rest of
@@ -15,11 +16,14 @@
 #   2. tlt bench kernels: kernel vs PyTorch timings at Qwen2.5-7B shapes -> $OUT/kernels.json, kernels.log
 #   3. with artifacts/tiny and artifacts/drafter-tiny carried too: tlt bench rollout on the GPU, issue #4's tail
 #      and whole-rollout commands, on Triton kernels + CUDA graphs and on the eager PyTorch path
-#      -> $OUT/rollout_{tail,whole}_graphs.json, $OUT/rollout_tail_eager.json
+#      -> $OUT/rollout_{tail,whole}_{graphs,eager}.json
 #   4. with the same artifacts: deploy/gpu_serve_check.py, `tlt rollout serve` on the GPU with adaptive speculation,
 #      its greedy completions over HTTP against transformers' -> $OUT/serve.log
 #   5. with the same artifacts: deploy/gpu_profile.py, torch.profiler tables of one off and one learned tail run
 #      on Triton + CUDA graphs -> $OUT/profile.log (step 3 writes a summary line per mode in $OUT/gpu.txt)
+#   6. (e2e, not in the default list) with the same artifacts and the deepspeed wheel: issue #6's `tlt bench e2e` on
+#      the cpu-tiny preset with the rollout, drafter and trainer on the GPU -> $OUT/e2e.log, $OUT/e2e/ (first run in
+#      session 31)
 # Each step runs under its own time limit (a hang costs that step, not the lease) and a failed step does not stop the
 # next. First run in session 30 on an H200 (BENCHMARKS.md, "GPU").
 set -euo pipefail
@@ -45,8 +49,8 @@ fi
 
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
-  case $step in tests|engine|tune|kernels|rollout|serve|profile|e2e) ;;
-    *) echo "unknown step '$step': choose from tests engine tune kernels rollout serve profile e2e"; exit 2 ;; esac
+  case $step in tests|engine|tune|kernels|rollout|rollout-eager|serve|profile|e2e) ;;
+    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager serve profile e2e"; exit 2 ;; esac
 done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
@@ -79,7 +83,7 @@ if want engine; then gpu_pytest 60 tests/test_engine_cuda.py; fi
 if want tune; then bench_kernels 200 tune --tree-pages 1 2 4 --tree-block-m 0 32 16; fi
 if want kernels; then bench_kernels 90 kernels; fi
 
-if ! want rollout && ! want serve && ! want profile && ! want e2e; then exit $status; fi
+if ! want rollout && ! want rollout-eager && ! want serve && ! want profile && ! want e2e; then exit $status; fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
   echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout, serve and profile not run"; exit 1; }
 TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
@@ -105,6 +109,8 @@ if want rollout; then
   rollout tail_graphs 45 $TAIL --kernels triton --graphs cuda
   rollout whole_graphs 55 $WHOLE --kernels triton --graphs cuda
   rollout tail_eager 30 $TAIL --kernels torch
+fi
+if want rollout || want rollout-eager; then
   # the GPU presets' default engine (kernels = "torch", no graphs), with the model-free drafter too
   rollout whole_eager 150 $WHOLE --kernels torch --modes off,learned,ngram
 fi

@@ -227,9 +227,12 @@ class LLMEngine:
         """Append each sequence's new tokens with per-token stop checks (tokens after a stop are dropped)."""
         steps: list[StepOutput] = []
         done: list[CompletionOutput] = []
-        rows = None  # a plain step's features: one conversion for the batch, not one per sequence
-        if isinstance(hidden, torch.Tensor) and any(s.features is not None for s in seqs):
-            rows = hidden.to(device="cpu", dtype=torch.float16).unbind(0)
+        rows = None  # the step's features on the CPU: one conversion for the batch, not one per sequence
+        if any(s.features is not None for s in seqs):
+            if isinstance(hidden, torch.Tensor):  # a plain step: [B, 1, H]
+                rows = hidden.to(device="cpu", dtype=torch.float16).unbind(0)
+            else:  # a verify step: one [len, H] chunk per sequence (a copy and a device sync each were B of both)
+                rows = torch.cat(list(hidden)).to(device="cpu", dtype=torch.float16).split([h.shape[0] for h in hidden])
         for k, seq in enumerate(seqs):
             if verified:
                 seq.spec.verify_steps += 1
@@ -248,11 +251,8 @@ class LLMEngine:
                 if reason is not None:
                     break
             if seq.features is not None:  # one [len(new), H] chunk per step
-                src = rows[k] if rows is not None else hidden[k]
-                if src.shape[0] != len(new):
-                    src = src[: len(new)]
                 # its own copy: a view of `rows` would keep the step's whole batch alive while this sequence runs
-                seq.features.append(src.clone() if rows is not None else src.to(device="cpu", dtype=torch.float16))
+                seq.features.append(rows[k][: len(new)].clone())
             if verified:  # the tokens kept: a stop or max_tokens cuts the rest of an accepted path
                 seq.spec.accepted_tokens += len(new)
             steps.append(StepOutput(seq.request_id, seq.sample_index, new,

@@ -267,9 +267,14 @@ class SpecDecoder:
         lps = emitted_logprobs(res, node_logprobs).cpu()
         res = AcceptResult(res.accept_len.cpu(), res.tokens.cpu(), res.path.cpu())  # hid stays on the device
         src, dst, out = [], [], []
+        accept, paths, tokens, token_lps = res.accept_len.tolist(), res.path.tolist(), res.tokens.tolist(), lps.tolist()
+        # every row's accepted features in one gather (a gather per row was B kernel launches a step on a GPU)
+        lens = [a + 1 for a in accept]
+        at = torch.tensor([i * n_max + k for i, n in enumerate(lens) for k in paths[i][:n]], device=dev)
+        features = hid.reshape(b * n_max, -1).index_select(0, at).split(lens)
         for i, s in enumerate(seqs):
-            a = int(res.accept_len[i])
-            path = res.path[i, : a + 1].tolist()
+            a = accept[i]
+            path = paths[i][: a + 1]
             for k in range(1, a + 1):
                 if path[k] != k:
                     src.append(self.runner.slot(s, ctx[i] + path[k]))
@@ -280,7 +285,7 @@ class SpecDecoder:
             if k_top > 0:  # alternatives from the same distribution each token was drawn from
                 vals, ids = node_logprobs[i, path].topk(k_top, dim=-1)
                 tops = [dict(zip(r_ids, r_vals)) for r_ids, r_vals in zip(ids.tolist(), vals.tolist())]
-            out.append(SpecEmission(res.tokens[i, : a + 1].tolist(), lps[i, : a + 1].tolist(), hid[i, path], tops))
+            out.append(SpecEmission(tokens[i][: a + 1], token_lps[i][: a + 1], features[i], tops))
         if src:
             self.kv_copies += len(src)
             self.runner.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))

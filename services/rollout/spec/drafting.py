@@ -163,9 +163,12 @@ class EagleSource:
         n = [len(j[2]) for j in jobs]
         t = max(n)
         ids = torch.tensor([j[2] + [0] * (t - len(j[2])) for j in jobs], device=dev)
-        feats = torch.zeros(len(jobs), t, self.drafter.cfg.hidden_size, dtype=self.dtype, device=dev)
-        for b, j in enumerate(jobs):
-            feats[b, : n[b]] = torch.stack(j[3]).to(dev, self.dtype)
+        hdim = self.drafter.cfg.hidden_size
+        feats = torch.zeros(len(jobs) * t, hdim, dtype=self.dtype, device=dev)
+        # every row's pairs in one stack and one scatter (a stack and a copy per row were 2B launches on a GPU)
+        at = torch.tensor([b * t + k for b in range(len(jobs)) for k in range(n[b])], device=dev)
+        feats.index_copy_(0, at, torch.stack([f for j in jobs for f in j[3]]).to(dev, self.dtype))
+        feats = feats.view(len(jobs), t, hdim)
         first = torch.tensor([j[4] for j in jobs], device=dev)
         out = self.runtime(ids, feats, first[:, None] + torch.arange(t, device=dev)[None], self.cache,
                            torch.tensor([j[1] for j in jobs], device=dev), new_lengths=torch.tensor(n, device=dev))
