@@ -117,7 +117,8 @@ def response_logprobs(
     # Off the CPU, SDPA without cuDNN's attention: it builds a plan per new input shape (25 ms a call, measured on an
     # H200 in the rollout engine, BENCHMARKS.md "GPU"), and every micro-batch pads to its own longest row. The
     # backward runs the backend the forward chose, except that gradient checkpointing recomputes the forward in the
-    # backward pass: Policy.backward holds the same context. It ran so on an H200 in `tlt bench e2e` (session 31); its speed was not compared without it.
+    # backward pass: Policy.backward holds the same context. It ran so on an H200 in `tlt bench e2e` (session 31);
+    # its speed was not compared without it.
     with gpu_sdpa(batch.input_ids):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=with_hidden,
                     use_cache=False, logits_to_keep=keep)
