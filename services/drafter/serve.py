@@ -79,13 +79,13 @@ def rollout_publisher(address: str, token: str):  # noqa: ANN201
 
 def run(args: argparse.Namespace) -> int:
     import os
-    import signal
     import subprocess
     import threading
 
     from tlt.cli import tlt_command
     from tlt.model.folder import check_checkpoint
     from tlt.services.common.logging import get_logger
+    from tlt.services.common.signals import set_on_signals
 
     log = get_logger("drafter.serve")
     cfg = build_config(args.preset, args.overrides)
@@ -115,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.coordinator_nice:  # type: ignore[attr-defined]
         os.nice(cfg.coordinator_nice)  # type: ignore[attr-defined]  # after the workers started: they keep normal priority
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (services/common/signals.py)
     if args.ready_file:
         from tlt.services.common.ready import write_ready_file
 

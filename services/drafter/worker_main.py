@@ -42,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
     import threading
 
     from tlt.services.common.logging import configure_logging
+    from tlt.services.common.signals import set_on_signals
     from tlt.services.drafter.serve import build_config
     from tlt.services.drafter.shared import rollout_fetch
     from tlt.services.drafter.worker import DrafterWorker
@@ -53,11 +53,12 @@ def run(args: argparse.Namespace) -> int:
     worker_id = args.replica if args.worker_id is None else args.worker_id
     configure_logging(service=f"drafter-worker-{worker_id}")
     cfg = build_config(args.preset, args.overrides, args.config_json)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
     worker = DrafterWorker(cfg, args.model, worker_id, args.replica, args.coordinator, fetch)  # type: ignore[arg-type]
+    # Only now a signal asks for a clean stop: until here the worker has read files and holds nothing to save, and
+    # SIGTERM's default (its parent's death, TLT_DIE_WITH_PARENT) ends it at once instead of after the start-up.
+    stop = threading.Event()
+    set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (services/common/signals.py)
     try:
         worker.run(stop)
     finally:

@@ -55,10 +55,10 @@ def build_config(args: argparse.Namespace) -> object:
 
 def run(args: argparse.Namespace) -> int:
     import os
-    import signal
     import threading
 
     from tlt.services.common.logging import get_logger
+    from tlt.services.common.signals import set_on_signals
     from tlt.services.reward.config import RewardConfig
     from tlt.services.reward.server import RewardServer
 
@@ -72,8 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     assert isinstance(config, RewardConfig)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (services/common/signals.py)
     from tlt.services.trainer.rewards import RewardFunctionError
 
     try:
