@@ -6,7 +6,8 @@
 #                      carry=[".whl", "artifacts/tiny", "artifacts/drafter-tiny"]); STEPs: tests kernels rollout serve
 #                      profile (default: all five, in that order), or engine: tests/test_engine_cuda.py alone, or
 #                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json), or rollout-eager: the
-#                      whole rollout on the eager path alone, or e2e: `tlt bench e2e` with every service on the GPU
+#                      whole rollout on the eager path alone, or e2e: `tlt bench e2e` with every service on the GPU,
+#                      or e2e-lend: the same with trainer.lend_rollout_devices on
 #
 # The GPU image has Python 3.12 with torch 2.11, triton 3.6, transformers 5.17, grpcio, protobuf, pytest,
 # scipy (docs: /work/.library/device/KINDS.md) and nothing can be fetched there; the wheels carry the rest of
@@ -49,8 +50,8 @@ fi
 
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
-  case $step in tests|engine|tune|kernels|rollout|rollout-eager|serve|profile|e2e) ;;
-    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager serve profile e2e"; exit 2 ;; esac
+  case $step in tests|engine|tune|kernels|rollout|rollout-eager|serve|profile|e2e|e2e-lend) ;;
+    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager serve profile e2e e2e-lend"; exit 2 ;; esac
 done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
@@ -83,7 +84,9 @@ if want engine; then gpu_pytest 60 tests/test_engine_cuda.py; fi
 if want tune; then bench_kernels 200 tune --tree-pages 1 2 4 --tree-block-m 0 32 16; fi
 if want kernels; then bench_kernels 90 kernels; fi
 
-if ! want rollout && ! want rollout-eager && ! want serve && ! want profile && ! want e2e; then exit $status; fi
+if ! want rollout && ! want rollout-eager && ! want serve && ! want profile && ! want e2e && ! want e2e-lend; then
+  exit $status
+fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
   echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout, serve and profile not run"; exit 1; }
 TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
@@ -121,16 +124,21 @@ if want profile; then
   timeout 60 python3 -P deploy/gpu_profile.py --kernels triton --graphs cuda 2>&1 | grep -v engine_ready \
     | tee "$OUT/profile.log" || status=1
 fi
-if want e2e; then
+e2e() {  # name, extra --set flags...
   # issue #6 on the GPU: the cpu-tiny preset's RL step with every service on the GPU, TLT (adaptive SD, online drafter
-  # started from the warm-up drafter) against the baseline; run folders in /tmp, their summaries back under $OUT/e2e
+  # started from the warm-up drafter) against the baseline; run folders in /tmp, their summaries back under $OUT/NAME
+  local name=$1; shift
   timeout 300 python3 -P -m tlt.cli bench e2e --preset cpu-tiny --steps 6 --noise-seed -1 --model artifacts/tiny \
-    --out /tmp/e2e --set rollout.engine.device=cuda --set rollout.engine.dtype=bfloat16 --set rollout.engine.kernels=torch \
-    --set rollout.spec.threshold=64 --set drafter.device=cuda \
-    --set trainer.max_tokens=320 --set trainer.eval_problems=0 --set run.drafter_init=artifacts/drafter-tiny \
-    2>&1 | tail -60 | tee "$OUT/e2e.log" || status=1
-  mkdir -p "$OUT/e2e"
-  (cd /tmp/e2e && find . -maxdepth 3 \( -name '*.json' -o -name '*.jsonl' -o -name '*.png' -o -name '*.log' -o -name '*.out' -o -name '*.md' \) \
-    -size -4M -exec cp --parents {} "$OUT/e2e/" \;) || true
-fi
+    --out "/tmp/$name" --set rollout.engine.device=cuda --set rollout.engine.dtype=bfloat16 \
+    --set rollout.engine.kernels=torch --set rollout.spec.threshold=64 --set drafter.device=cuda \
+    --set trainer.max_tokens=320 --set trainer.eval_problems=0 --set run.drafter_init=artifacts/drafter-tiny "$@" \
+    2>&1 | tail -60 | tee "$OUT/$name.log" || status=1
+  mkdir -p "$OUT/$name"  # a few files: the device tool brings back only so many
+  (cd "/tmp/$name" && cp --parents results.json reward.png tlt.out baseline.out tlt/metrics.jsonl baseline/metrics.jsonl \
+    tlt/drafter.jsonl "$OUT/$name/") || true
+}
+if want e2e; then e2e e2e; fi
+# the same with the drafter kept off the GPU while the trainer updates, as deploy/configs/1gpu.toml does (in session
+# 31's e2e runs TLT's update took 0.7-0.8 s against the baseline's 0.5-0.6 s with the drafter training beside it)
+if want e2e-lend; then e2e e2e_lend --set trainer.lend_rollout_devices=true; fi
 exit $status
