@@ -7,7 +7,9 @@
 #                      profile (default: all five, in that order), or engine: tests/test_engine_cuda.py alone, or
 #                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json), or rollout-eager: the
 #                      whole rollout on the eager path alone, or e2e: `tlt bench e2e` with every service on the GPU,
-#                      or e2e-lend: the same with trainer.lend_rollout_devices on
+#                      or e2e-lend: the same with trainer.lend_rollout_devices on. The steps' time limits add up
+#                      past the device tool's 10 minutes a call: split them, e.g. `tests kernels rollout` and
+#                      `serve profile e2e` (session 31: tests + rollout + profile ran 225 s, e2e 170 s)
 #
 # The GPU image has Python 3.12 with torch 2.11, triton 3.6, transformers 5.17, grpcio, protobuf, pytest,
 # scipy (docs: /work/.library/device/KINDS.md) and nothing can be fetched there; the wheels carry the rest of
@@ -88,7 +90,7 @@ if ! want rollout && ! want rollout-eager && ! want serve && ! want profile && !
   exit $status
 fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
-  echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout, serve and profile not run"; exit 1; }
+  echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout, rollout-eager, serve, profile and e2e not run"; exit 1; }
 TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
       --threshold 16 --temperature 1.0 --repeats 5"
 WHOLE="--workload task --prompts 32 --n 8 --temperature 1.0 --max-tokens 320 --threshold 256 --verify-budget 0
@@ -139,6 +141,6 @@ e2e() {  # name, extra --set flags...
 }
 if want e2e; then e2e e2e; fi
 # the same with the drafter kept off the GPU while the trainer updates, as deploy/configs/1gpu.toml does (in session
-# 31's e2e runs TLT's update took 0.7-0.8 s against the baseline's 0.5-0.6 s with the drafter training beside it)
+# 31's second e2e run TLT's steps spent ~0.3 s more than the baseline's outside the rollout, ~0.08 s in the first)
 if want e2e-lend; then e2e e2e_lend --set trainer.lend_rollout_devices=true; fi
 exit $status

@@ -72,6 +72,7 @@ def test_the_handler_it_replaced_deadlocks_so(tmp_path: Path) -> None:
     assert _hangs("lambda", 20, tmp_path, first=True) > 0
 
 
+@pytest.mark.timeout(30)  # the handler this replaced would block here until killed
 def test_the_handler_returns_while_the_main_thread_holds_the_events_lock() -> None:
     """The mechanism, without a signal: the handler is called where the deadlock happened, with the event's
     lock held by the calling thread; it returns at once, and the event is set once the lock is released."""
@@ -86,6 +87,26 @@ def test_the_handler_returns_while_the_main_thread_holds_the_events_lock() -> No
             handler(signal.SIGTERM, None)  # the old one (stop.set()) would block here for ever
             assert not stop.is_set()
         assert stop.wait(5)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@pytest.mark.timeout(30)
+def test_the_handler_takes_no_lock_and_starts_no_thread() -> None:
+    """`Thread.start` takes threading's own non-reentrant lock (and fails at interpreter shutdown): with that lock
+    held, as a main thread interrupted inside `Thread.start` holds it, the handler still returns."""
+    stop = threading.Event()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        set_on_signals(stop)
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        before = threading.active_count()
+        with threading._active_limbo_lock:  # type: ignore[attr-defined]
+            handler(signal.SIGTERM, None)
+        assert stop.wait(5)
+        assert threading.active_count() <= before
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
