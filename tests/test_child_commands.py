@@ -54,6 +54,22 @@ def test_a_child_of_a_safe_path_parent_ignores_a_decoy_tlt_in_its_folder(tmp_pat
     assert "decoy" not in done.stderr
 
 
+def test_a_child_of_a_script_parent_ignores_a_decoy_tlt_in_its_folder(tmp_path: Path) -> None:
+    """A parent run as a script (as the `tlt` console script runs) has its own folder first on sys.path, not the
+    current one: its children get -P too."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "parent.py"
+    script.write_text(f"import sys; sys.path.append({str(ROOT)!r}); import subprocess; from tlt.cli import tlt_command; "
+                      "sys.exit(subprocess.run(tlt_command('--version')).returncode)\n")
+    folder = tmp_path / "checkout"
+    (folder / "tlt").mkdir(parents=True)
+    for name in ("__init__.py", "cli.py"):
+        (folder / "tlt" / name).write_text("raise ImportError('the decoy ./tlt was imported')\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def test_without_safe_path_the_child_would_import_the_decoy(tmp_path: Path) -> None:
     """What -P guards against, shown: the same parent without -P starts a child that imports ./tlt."""
     done = _child_version(tmp_path, safe_path=False)

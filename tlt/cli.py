@@ -36,12 +36,15 @@ class Command:
 
 
 def tlt_command(*args: str) -> list[str]:
-    """The argv that runs `tlt ARGS` in a child: this interpreter (works without the venv's bin on PATH) and its
-    -P. A parent that keeps the current folder off sys.path (an installed copy run beside a checkout, as
-    deploy/gpu_check.sh does) must not have its children import the checkout's ./tlt instead, which lacks the
-    services/ and kernels/ that setup.py maps under `tlt` (session 31: `tlt bench e2e` on the GPU found no `run`).
-    Every process the package starts from `tlt` goes through here (tests/test_child_commands.py)."""
-    return [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "tlt.cli", *args]
+    """The argv that runs `tlt ARGS` in a child: this interpreter (works without the venv's bin on PATH), with -P
+    when this process keeps the current folder off sys.path (`python -P`, or the `tlt` console script, whose
+    sys.path starts with its bin folder). `python -m` would put that folder first in the child, and beside a
+    checkout the child would import its ./tlt instead of the installed copy, which lacks the services/ and kernels/
+    that setup.py maps under `tlt` (session 31: `tlt bench e2e` on the GPU found no `run`). Every process the package
+    starts from `tlt` goes through here (tests/test_child_commands.py)."""
+    here = {"", ".", os.getcwd()}
+    safe = sys.flags.safe_path or not any(p in here for p in sys.path)
+    return [sys.executable, *(["-P"] if safe else []), "-m", "tlt.cli", *args]
 
 
 COMMANDS: tuple[Command, ...] = (
