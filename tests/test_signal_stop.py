@@ -72,44 +72,42 @@ def test_the_handler_it_replaced_deadlocks_so(tmp_path: Path) -> None:
     assert _hangs("lambda", 20, tmp_path, first=True) > 0
 
 
-@pytest.mark.timeout(30)  # the handler this replaced would block here until killed
-def test_the_handler_returns_while_the_main_thread_holds_the_events_lock() -> None:
-    """The mechanism, without a signal: the handler is called where the deadlock happened, with the event's
-    lock held by the calling thread; it returns at once, and the event is set once the lock is released."""
+@pytest.fixture
+def installed():  # noqa: ANN201 - (stop event, SIGTERM handler), the process's handlers restored afterwards
     stop = threading.Event()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         set_on_signals(stop)
         handler = signal.getsignal(signal.SIGTERM)
         assert callable(handler)
-        with stop._cond:  # type: ignore[attr-defined]  # what Event.wait holds around its wait
-            assert not stop._cond._lock.acquire(timeout=0.05)  # type: ignore[attr-defined]  # not reentrant
-            handler(signal.SIGTERM, None)  # the old one (stop.set()) would block here for ever
-            assert not stop.is_set()
-        assert stop.wait(5)
+        yield stop, handler
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+@pytest.mark.timeout(30)  # the handler this replaced would block here until killed
+def test_the_handler_returns_while_the_main_thread_holds_the_events_lock(installed) -> None:  # noqa: ANN001
+    """The mechanism, without a signal: the handler is called where the deadlock happened, with the event's
+    lock held by the calling thread; it returns at once, and the event is set once the lock is released."""
+    stop, handler = installed
+    with stop._cond:  # what Event.wait holds around its wait
+        assert not stop._cond._lock.acquire(timeout=0.05)  # not reentrant
+        handler(signal.SIGTERM, None)  # the old one (stop.set()) would block here for ever
+        assert not stop.is_set()
+    assert stop.wait(5)
 
 
 @pytest.mark.timeout(30)
-def test_the_handler_takes_no_lock_and_starts_no_thread() -> None:
+def test_the_handler_takes_no_lock_and_starts_no_thread(installed) -> None:  # noqa: ANN001
     """`Thread.start` takes threading's own non-reentrant lock (and fails at interpreter shutdown): with that lock
     held, as a main thread interrupted inside `Thread.start` holds it, the handler still returns."""
-    stop = threading.Event()
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        set_on_signals(stop)
-        handler = signal.getsignal(signal.SIGTERM)
-        assert callable(handler)
-        before = threading.active_count()
-        with threading._active_limbo_lock:  # type: ignore[attr-defined]
-            handler(signal.SIGTERM, None)
-        assert stop.wait(5)
-        assert threading.active_count() <= before
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    stop, handler = installed
+    before = threading.active_count()
+    with threading._active_limbo_lock:  # type: ignore[attr-defined]
+        handler(signal.SIGTERM, None)
+    assert stop.wait(5)
+    assert threading.active_count() <= before
 
 
 @pytest.mark.parametrize("module", ["services/drafter/worker_main.py", "services/drafter/serve.py",
