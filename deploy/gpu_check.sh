@@ -7,7 +7,8 @@
 #                      profile (default: all five, in that order), or engine: tests/test_engine_cuda.py alone, or
 #                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json), or rollout-eager: the
 #                      whole rollout on the eager path alone, or e2e: `tlt bench e2e` with every service on the GPU,
-#                      or e2e-lend: the same with trainer.lend_rollout_devices on. The steps' time limits add up
+#                      or e2e-lend: the same with trainer.lend_rollout_devices on, or drafter-graphs: the rollout
+#                      benches with the drafter's chains replayed from CUDA graphs (--drafter-graphs cuda). The steps' time limits add up
 #                      past the device tool's 10 minutes a call: split them, e.g. `tests kernels rollout` and
 #                      `serve profile e2e` (session 31: tests + rollout + profile ran 225 s, e2e 170 s)
 #
@@ -52,8 +53,8 @@ fi
 
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
-  case $step in tests|engine|tune|kernels|rollout|rollout-eager|serve|profile|e2e|e2e-lend) ;;
-    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager serve profile e2e e2e-lend"; exit 2 ;; esac
+  case $step in tests|engine|tune|kernels|rollout|rollout-eager|drafter-graphs|serve|profile|e2e|e2e-lend) ;;
+    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager drafter-graphs serve profile e2e e2e-lend"; exit 2 ;; esac
 done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
@@ -86,7 +87,7 @@ if want engine; then gpu_pytest 60 tests/test_engine_cuda.py; fi
 if want tune; then bench_kernels 200 tune --tree-pages 1 2 4 --tree-block-m 0 32 16; fi
 if want kernels; then bench_kernels 90 kernels; fi
 
-if ! want rollout && ! want rollout-eager && ! want serve && ! want profile && ! want e2e && ! want e2e-lend; then
+if ! want rollout && ! want rollout-eager && ! want drafter-graphs && ! want serve && ! want profile && ! want e2e && ! want e2e-lend; then
   exit $status
 fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
@@ -118,6 +119,13 @@ fi
 if want rollout || want rollout-eager; then
   # the GPU presets' default engine (kernels = "torch", no graphs), with the model-free drafter too
   rollout whole_eager 150 $WHOLE --kernels torch --modes off,learned,ngram
+fi
+if want drafter-graphs; then
+  # the learned drafter's chains replayed from CUDA graphs (SpecConfig.drafter_graphs, written in session 31 after its
+  # device time was spent): the tail on both engine paths and the whole rollout on the eager one
+  rollout tail_graphs_dg 60 $TAIL --kernels triton --graphs cuda --drafter-graphs cuda
+  rollout tail_eager_dg 45 $TAIL --kernels torch --drafter-graphs cuda
+  rollout whole_eager_dg 150 $WHOLE --kernels torch --drafter-graphs cuda
 fi
 if want serve; then
   timeout 240 python3 -P deploy/gpu_serve_check.py 2>&1 | tee "$OUT/serve.log" || status=1

@@ -13,7 +13,9 @@ under TRITON_INTERPRET=1, by editing a copy of this file) passed in session 10; 
   give the eager PyTorch path's tokens (tests/test_engine_kernels.py runs the emulated graphs under the
   interpreter);
 - speculation with per-arm verify graphs (`decode_graphs = "cuda"` with a spec config) is greedy-lossless
-  and replays a graph for every verify step (tests/test_verify_graphs.py, emulated there).
+  and replays a graph for every verify step (tests/test_verify_graphs.py, emulated there);
+- (session 31, not yet run on a GPU) the drafter's chain replayed from CUDA graphs drafts what the eager chain
+  drafts (tests/test_drafter_graphs.py, emulated there).
 """
 
 from __future__ import annotations
@@ -143,3 +145,36 @@ def test_cuda_learned_drafter_is_lossless(ckpt, arm, sample) -> None:
     else:
         _, plain = run(False)
         assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_cuda_drafter_chain_graphs_draft_as_the_eager_chain(ckpt, sample) -> None:
+    """Chain drafting replayed from CUDA graphs (SpecConfig.drafter_graphs = "cuda", tlt/model/drafter_graphs.py;
+    written in session 31 after its device time was spent, first run here): greedy requests emit the plain
+    tokens, and greedy and seeded sampled requests emit what the eager chain's engine emits (the same drafts);
+    the graphs were captured and replayed. fp32, as the other engine tests."""
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    prompts = _prompts(6, seed=5)
+    lengths = [16, 5, 11, 9, 14, 3]
+
+    def run(graphs: str):  # noqa: ANN202
+        engine = LLMEngine(ckpt, EngineConfig(device="cuda", block_size=16, max_num_seqs=8))
+        torch.manual_seed(0)
+        cfg = DrafterConfig.from_model_config(engine.model_config)
+        drafter = Drafter(cfg, engine.model.embed, engine.model.lm_head).to(engine.model.device).eval()
+        engine.enable_spec(SpecConfig(mode="static", static_arm="4_1_5", drafter="learned", threshold=8,
+                                      hysteresis_steps=1, drafter_path="(in memory)", drafter_graphs=graphs), drafter)
+        if sample:
+            reqs = [GenerationRequest(f"s{i}", p, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i))
+                    for i, (p, n) in enumerate(zip(prompts, lengths))]
+        else:
+            reqs = _greedy(prompts, lengths)
+        return engine, [o.token_ids for o in engine.generate(reqs)]
+
+    _, eager = run("off")
+    engine, got = run("cuda")
+    assert got == eager
+    graphs = engine.spec_decoder.source.graphs
+    assert graphs.captures > 0 and graphs.replays > 0
+    assert engine.stats().spec["verify_steps"] > 0

@@ -88,7 +88,8 @@ Without it a full collection (0.19-0.27 s of a 2-4 s run) can land inside a run 
 `--device cuda --dtype bfloat16 --kernels triton --graphs cuda` runs the engines on a GPU (with `--clock wall`: CPU
 time does not time a GPU, and `--hook-cost` is refused there): plain decode and verify steps replayed from CUDA graphs
 captured as each run's engine is built, outside the timed run. `--kernels torch` (and `--graphs off`) is the eager
-PyTorch path. Session 30's H200 figures: BENCHMARKS.md, "GPU (H200)".
+PyTorch path. `--drafter-graphs cuda` replays the learned drafter's chains from CUDA graphs too (captured on first
+use, inside the warm-up runs; unverified on a GPU so far). Sessions 30-31's H200 figures: BENCHMARKS.md, "GPU (H200)".
 
 `--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
 (topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
@@ -190,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.decode_graphs: plain decode and SD verify steps replayed from CUDA graphs "
                              "per batch bucket (cuda: needs --device cuda and Triton kernels; captured as each run's "
                              "engine is built, outside the timed run)")
+    parser.add_argument("--drafter-graphs", choices=("off", "cuda", "emulate"), default="off",
+                        help="SpecConfig.drafter_graphs (learned modes): the drafter's chains replayed from CUDA "
+                             "graphs per batch bucket (cuda: needs --device cuda; unverified, BENCHMARKS.md 'GPU')")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -295,7 +299,8 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms, buckets=None)
     return SpecConfig(mode="static" if mode.startswith("static") else "adaptive", threshold=args.threshold,
                       hysteresis_steps=2, static_arm=args.static_arm, drafter="learned" if learned else "ngram",
                       drafter_path=args.drafter or "", chain_min_prob=args.chain_min_prob,
-                      chain_sampling=args.chain_sampling == "on", **extra)
+                      chain_sampling=args.chain_sampling == "on",
+                      drafter_graphs=args.drafter_graphs if learned else "off", **extra)
 
 
 def _bucket_arms(args: argparse.Namespace) -> tuple:

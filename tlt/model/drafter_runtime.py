@@ -79,6 +79,7 @@ def chain_draft(
     rows: torch.Tensor, committed: torch.Tensor, root_pos: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
     depth: int, nh: int, kvh: int, d: int, inter: int, min_score: float,
     params: Optional[torch.Tensor] = None, u: Optional[torch.Tensor] = None,  # noqa: UP045
+    span_cap: int = 0, filter_flags: int = -1,
 ) -> List[torch.Tensor]:  # noqa: UP006
     """A chain of up to `depth` drafts from each row's root output h [B, H] -> [tokens [B, D], cumulative
     draft log-probs [B, D], draft distributions [B, D, V] (empty when greedy)]. Greedy (u None): each
@@ -88,12 +89,20 @@ def chain_draft(
     Draft k (k >= 1) is fed as the pair (token k-1, h' that produced it) at position root_pos + k and
     cache offset committed + k - 1; the caller rolls the rows back afterwards. Stops early (D < depth)
     once every row's cumulative log-prob is below `min_score` (the scores only fall, so no row could
-    keep a deeper draft); min_score = -inf never checks."""
+    keep a deeper draft); min_score = -inf never checks.
+
+    For a CUDA graph (`drafter_graphs.ChainGraphs`), nothing may read the device from the host: span_cap > 0 attends
+    over that many cache positions at every step, each row's keys past its own end masked (the same result as the
+    per-step span, which reads the rows' longest length), gathers the rows' K/V by index (no test for consecutive
+    rows), and filter_flags (bit 0: some row has top_k / top_p, bit 1: some row has min_p) is given instead of
+    read from `params`; min_score must then be -inf."""
     probs: List[torch.Tensor] = []  # noqa: UP006
     # which filters any row uses, read once: most RL rollouts sample at a temperature with none, and the sort,
     # cumsum and scatter of top_k / top_p then change nothing but cost a third of a drafting step at batch 1
     filtered, min_p = True, True
-    if params is not None:
+    if filter_flags >= 0:
+        filtered, min_p = (filter_flags & 1) != 0, (filter_flags & 2) != 0
+    elif params is not None:
         filtered = bool(((params[:, 1] > 0) | (params[:, 2] < 1.0)).any())
         min_p = bool((params[:, 3] > 0).any())
     score, tok, p = _pick(F.linear(h, lm_head).float(), params, u, 0, filtered, min_p)
@@ -101,9 +110,12 @@ def chain_draft(
         probs.append(p)
     toks = [tok]
     scores = [score]
-    equal = bool((committed == committed[0]).all())
-    longest = int(committed.max())
-    first_row = _first_row(rows)
+    if span_cap > 0:
+        equal, longest, first_row = False, 0, -1
+    else:
+        equal = bool((committed == committed[0]).all())
+        longest = int(committed.max())
+        first_row = _first_row(rows)
     # every step's rotary rows at once (draft k sits at root_pos + k): one gather per table instead of two per step
     at = (root_pos[:, None] + torch.arange(1, max(depth, 1), device=h.device)[None, :]).flatten()
     cos_c = cos_t.index_select(0, at).view(h.shape[0], max(depth - 1, 0), cos_t.shape[-1])
@@ -112,7 +124,7 @@ def chain_draft(
         if min_score > float("-inf") and bool((score < min_score).all()):
             break
         start = committed + (step - 1)
-        span = longest + step
+        span = span_cap if span_cap > 0 else longest + step
         # `Drafter.cache_mask` for one new token per row (that function is not scriptable): with rows of
         # different lengths, hide keys past each row's own end; otherwise every key is visible
         mask: Optional[torch.Tensor] = None  # noqa: UP045
@@ -267,6 +279,14 @@ class DrafterRuntime:
 
     __call__ = forward
 
+    def prepare_chain(self, cache: DrafterCache, rows: torch.Tensor, root_pos: torch.Tensor, depth: int) -> torch.Tensor:
+        """Grow the rotary tables and the cache to cover a chain of `depth` drafts from these rows; -> their
+        committed lengths [B]."""
+        committed = cache.lengths[rows]
+        self._ensure_rope(int(root_pos.max()) + depth)
+        cache.ensure(int(committed.max()) + depth)
+        return committed
+
     @torch.inference_mode()
     def chain(self, h: torch.Tensor, cache: DrafterCache, rows: torch.Tensor, root_pos: torch.Tensor,
               depth: int, min_score: float = float("-inf"), params: torch.Tensor | None = None,
@@ -278,9 +298,7 @@ class DrafterRuntime:
         (temperature, top_k, top_p, min_p) the drafts are sampled (see `chain_draft`). The rows'
         cached lengths are left as they were (the drafted entries past them are dead)."""
         c = self.drafter.cfg
-        committed = cache.lengths[rows]
-        self._ensure_rope(int(root_pos.max()) + depth)
-        cache.ensure(int(committed.max()) + depth)
+        committed = self.prepare_chain(cache, rows, root_pos, depth)
         packed, (fc, qkv, o, gate_up, down, ln2) = self._weights(h.shape[0])
         lm_head = self.drafter.lm_head.to(h.dtype)
         toks, scores, probs = chain_draft_fn(h, self.drafter.embed, lm_head, fc, qkv, self.qkv_b, o, ln2, gate_up,

@@ -76,6 +76,12 @@ class SpecConfig(ServiceConfig):
         "it, the verify budget or a full KV cache makes a step plain). Set false for seed reproducibility across SD "
         "states and loads, or set SamplingParams.reproducible on the requests that need it (the trainer's evals do)"
     )
+    drafter_graphs: Literal["off", "cuda", "emulate"] = Field(
+        "off", description="learned chains: replay the drafter's chain drafting from CUDA graphs captured per batch "
+        "bucket up to `threshold` and chain shape (tlt/model/drafter_graphs.py): 'cuda' needs the drafter on a CUDA "
+        "device; 'emulate' runs the same padded static call eagerly (what the CPU tests check). The 'cuda' mode is "
+        "unverified: written after session 31's device time was spent (BENCHMARKS.md, 'GPU')"
+    )
     drafter: Literal["learned", "ngram"] = Field("ngram", description="learned EAGLE drafter, or model-free n-gram matching")
     drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")
     ngram_max: int = Field(4, ge=1, description="longest context suffix the n-gram drafter matches")

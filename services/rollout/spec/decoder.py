@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.services.rollout.engine.block_manager import BlockManager
+from tlt.services.rollout.engine.decode_graphs import default_buckets
 from tlt.services.rollout.engine.model_runner import ModelRunner
 from tlt.services.rollout.engine.scheduler import ScheduledBatch
 from tlt.services.rollout.engine.sequence import Sequence
@@ -124,7 +125,7 @@ class SpecEmission:
 
 
 def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: BlockManager,
-                       drafter=None) -> SpecDecoder | None:
+                       drafter=None, max_seqs: int = 8) -> SpecDecoder | None:
     """The engine's decoder for `config` (None when mode is off). A learned drafter is the one given or
     else loaded from `drafter_path` onto the target's device and dtype, sharing the target's embed/lm_head."""
     if config.mode == "off":
@@ -135,11 +136,14 @@ def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: B
         model = runner.model
         drafter = load_drafter(config.drafter_path, model.embed, model.lm_head)
         drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
-    return SpecDecoder(config, runner, block_manager, drafter)
+    return SpecDecoder(config, runner, block_manager, drafter, max_seqs)
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, runner: ModelRunner, block_manager: BlockManager, drafter=None) -> None:
+    def __init__(self, config: SpecConfig, runner: ModelRunner, block_manager: BlockManager, drafter=None,
+                 max_seqs: int = 8) -> None:
+        """max_seqs: the most sequences the engine runs at once (EngineConfig.max_num_seqs), what the drafter's
+        graphs size its cache for (SpecConfig.drafter_graphs)."""
         self.config = config
         self.runner = runner
         self.bm = block_manager
@@ -150,7 +154,14 @@ class SpecDecoder:
         if config.drafter == "learned":
             if drafter is None:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
-            self.source: NgramSource | EagleSource = EagleSource(drafter, chain_min_prob=config.chain_min_prob)
+            used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)
+            depths = tuple(sorted({min(a.steps, a.draft_tokens - 1) for a in used if a.topk == 1 and not a.is_plain}))
+            self.source: NgramSource | EagleSource = EagleSource(
+                drafter, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
+                graph_buckets=default_buckets(config.threshold), graph_rows=max_seqs,
+                graph_capacity=runner.model.cos.shape[0] + max(depths, default=0))
+            if self.source.graphs is not None:
+                self.source.graphs.capture_all(depths)
         else:
             self.source = NgramSource(config.ngram_min, config.ngram_max)
         if runner.graphs is not None:  # decode graphs on: verify passes get per-arm graphs in the same mode

@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 
 from tlt.model.drafter import Drafter, DrafterCache
+from tlt.model.drafter_graphs import ChainGraphs
 from tlt.model.drafter_runtime import DrafterRuntime
 from tlt.services.rollout.engine.sequence import Sequence
 from tlt.services.rollout.spec.rng import DRAFT, counter_uniforms, key_tensor
@@ -83,7 +84,13 @@ class NgramSource:
 class EagleSource:
     """EAGLE-2 tree drafting with the learned drafter and its own per-sequence KV rows."""
 
-    def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512, chain_min_prob: float = 0.0) -> None:
+    def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512, chain_min_prob: float = 0.0,
+                 graphs: str = "off", graph_buckets: tuple[int, ...] = (1,), graph_rows: int = 8,
+                 graph_capacity: int = 0) -> None:
+        """graphs ("cuda" / "emulate", SpecConfig.drafter_graphs): chains drafted through `ChainGraphs` for batches
+        up to graph_buckets[-1]. The graphs hold the cache's addresses, so the cache is made whole at once: a row
+        per sequence the engine can run (graph_rows) and graph_capacity positions (the longest context plus the
+        deepest chain), e.g. 256 rows x 4k positions x 2 KB a position for a 7B model's drafter is 2 GB."""
         self.drafter = drafter
         # chains: a row's drafts stop at the first whose cumulative draft probability is below this
         self.chain_min_score = math.log(chain_min_prob) if chain_min_prob > 0 else float("-inf")
@@ -92,9 +99,15 @@ class EagleSource:
         self.cold_starts = 0
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device
-        self.cache = DrafterCache(drafter.cfg, rows=8, capacity=capacity, dtype=self.dtype, device=self.device)
+        rows = 8
+        if graphs != "off":
+            rows, capacity = graph_rows + 1, max(capacity, graph_capacity)  # + the graphs' scratch row
+            self.runtime._ensure_rope(capacity + 1)
+        self.cache = DrafterCache(drafter.cfg, rows=rows, capacity=capacity, dtype=self.dtype, device=self.device)
         self.rows: dict[tuple[str, int], int] = {}
-        self.free_rows: list[int] = list(range(8))[::-1]
+        # with drafter graphs, row 0 is their padding rows' scratch row and no sequence's
+        self.graphs = None if graphs == "off" else ChainGraphs(self.runtime, self.cache, 0, graph_buckets, graphs)  # type: ignore[arg-type]
+        self.free_rows: list[int] = list(range(1 if self.graphs is not None else 0, rows))[::-1]
         # per sequence: pending pairs (tokens, features [k, H], first position), the position of the
         # last pair fed, and the drafter output of that pair (h' of the root when it is the root pair)
         self.pending: dict[tuple[str, int], list] = {}  # [tokens, features, first position], extended in place
@@ -241,12 +254,22 @@ class EagleSource:
         h = torch.stack([self.last_h[k] for k in keys])  # [B, H]: h' of each root pair
         depth = min(arm.steps, arm.draft_tokens - 1)
         roots = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+        params = u = None
         if sample:
             params = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p]
                                    for s in seqs], dtype=torch.float32, device=dev)
             first = torch.tensor([s.num_tokens for s in seqs], device=dev)[:, None]
             u = counter_uniforms(key_tensor([s.rng_key for s in seqs], dev), first + torch.arange(depth, device=dev),
                                  DRAFT)
+        drafted = None
+        if self.graphs is not None and (sample or self.chain_min_score == float("-inf")):
+            self.runtime.prepare_chain(self.cache, rows, root_pos, depth)
+            flags = int(any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs)) \
+                | 2 * int(any(s.params.min_p > 0 for s in seqs))
+            drafted = self.graphs.chain(h, rows, root_pos, depth, params, u, flags)  # None: past the largest bucket
+        if drafted is not None:
+            drafts, scores, probs = drafted
+        elif sample:
             drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, params=params, u=u)
         else:  # rows keep only verified pairs either way
             drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, self.chain_min_score)

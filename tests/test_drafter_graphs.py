@@ -1,0 +1,144 @@
+"""ChainGraphs (tlt/model/drafter_graphs.py) in its "emulate" mode against the dynamic `DrafterRuntime.chain`.
+
+The graphs' static call attends over the whole cache with each row's keys past its end masked, gathers rows by
+index, pads the batch to a bucket with a scratch row and takes the filters as given: it must draft what the
+dynamic chain drafts (greedy and sampled with the same uniforms), leave every real row's cached length as it was,
+drop its graphs when the cache, the rotary tables or the weights are reallocated, and, in the engine, emit what
+drafting without graphs emits. The "cuda" mode replays the same call from CUDA graphs: its test is in
+tests/test_engine_cuda.py (GPU only). Tiny random drafters and models built in code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
+from tlt.model.drafter_graphs import ChainGraphs
+from tlt.model.drafter_runtime import DrafterRuntime
+
+H, V = 32, 40
+
+
+def _drafter(seed: int = 0) -> Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V)
+    d = Drafter(cfg, torch.randn(V, H), torch.randn(V, H))
+    for p in d.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return d.eval()
+
+
+@torch.inference_mode()
+def _filled_cache(rt: DrafterRuntime, rows: int, lengths: dict[int, int], seed: int) -> DrafterCache:
+    """A cache whose rows hold `lengths` fed pairs (row 0, the graphs' scratch row, none)."""
+    cache = DrafterCache(rt.drafter.cfg, rows=rows, capacity=8)
+    g = torch.Generator().manual_seed(seed)
+    for r, n in lengths.items():
+        ids, f = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g)
+        rt(ids, f, torch.arange(n)[None], cache, torch.tensor([r]))
+    return cache
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("rows", [[3], [5, 2], [6, 1, 4], [2, 7, 5, 1, 3]])
+def test_emulated_graphs_draft_what_the_dynamic_chain_drafts(rows: list[int], sampled: bool) -> None:
+    d = _drafter(len(rows))
+    rt = DrafterRuntime(d)
+    lengths = {r: 3 + 2 * i for i, r in enumerate(rows)}  # rows of different lengths, not consecutive
+    cache = _filled_cache(rt, 8, lengths, seed=len(rows))
+    graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(1, 2, 4, 8), mode="emulate")
+    g = torch.Generator().manual_seed(7)
+    n, depth = len(rows), 6
+    h = torch.randn(n, H, generator=g)
+    r = torch.tensor(rows)
+    root_pos = torch.tensor([lengths[x] for x in rows])
+    params = u = None
+    if sampled:
+        params = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.7, 0.0, 0.9, 0.0], [1.3, 5.0, 1.0, 0.05]] * 2)[:n]
+        u = torch.rand(n, depth, generator=g)
+    flags = int(bool(((params[:, 1] > 0) | (params[:, 2] < 1)).any())) | 2 * int(bool((params[:, 3] > 0).any())) \
+        if params is not None else 0
+    before = cache.lengths.clone()
+    want = rt.chain(h, cache, r, root_pos, depth, params=params, u=u)
+    rt.prepare_chain(cache, r, root_pos, depth)
+    got = graphs.chain(h, r, root_pos, depth, params, u, flags)
+    assert got is not None
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1], want[1], atol=1e-4)
+    if sampled:
+        assert torch.allclose(got[2], want[2], atol=1e-5)
+    else:
+        assert got[2] is None and want[2] is None
+    assert torch.equal(cache.lengths, before)  # drafted entries are dead: no row's length moved
+    assert graphs.captures == 1
+
+
+@torch.inference_mode()
+def test_a_batch_past_the_largest_bucket_is_left_to_the_dynamic_chain() -> None:
+    rt = DrafterRuntime(_drafter())
+    cache = _filled_cache(rt, 4, {1: 3, 2: 3, 3: 3}, seed=0)
+    graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(1, 2), mode="emulate")
+    rows = torch.tensor([1, 2, 3])
+    assert graphs.chain(torch.zeros(3, H), rows, torch.tensor([3, 3, 3]), 4) is None
+
+
+@torch.inference_mode()
+def test_graphs_are_dropped_when_what_they_point_at_is_reallocated() -> None:
+    rt = DrafterRuntime(_drafter())
+    cache = _filled_cache(rt, 4, {1: 3}, seed=0)
+    graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(1, 2), mode="emulate")
+    args = (torch.zeros(1, H), torch.tensor([1]), torch.tensor([3]), 4)
+    graphs.chain(*args)
+    graphs.chain(*args)
+    assert graphs.captures == 1  # the same key: reused
+    rt.refresh()  # a drafter hot-swap re-derives the fused weights
+    graphs.chain(*args)
+    assert graphs.captures == 2
+    cache.ensure(4 * cache.capacity)  # the cache grown: new storage
+    graphs.chain(*args)
+    assert graphs.captures == 3
+
+
+def test_a_cuda_graph_mode_for_a_drafter_off_the_gpu_is_refused() -> None:
+    rt = DrafterRuntime(_drafter())
+    with pytest.raises(ValueError, match="CUDA"):
+        ChainGraphs(rt, DrafterCache(rt.drafter.cfg, rows=2, capacity=8), 0, (1,), "cuda")
+    with pytest.raises(ValueError, match="increasing"):
+        ChainGraphs(rt, DrafterCache(rt.drafter.cfg, rows=2, capacity=8), 0, (2, 1), "emulate")
+
+
+def test_the_engine_emits_the_same_tokens_with_emulated_drafter_graphs(tmp_path) -> None:
+    """Greedy and seeded sampled requests (sampled chains, rejection sampling: what is emitted depends on what was
+    drafted) through the native engine with a learned drafter: token for token the same with drafter_graphs =
+    "emulate" as with "off"; the graphs were all captured as the decoder was built (the cache made whole then)."""
+    from spec_decoder_helpers import _engine, _spec_generate
+
+    from tlt.services.rollout.engine.testing import random_checkpoint
+    from tlt.services.rollout.spec.config import SpecConfig
+    from tlt.services.rollout.spec.decoder import SpecDecoder
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    ckpt = random_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                             num_kv_heads=2, max_position_embeddings=256, weight_scale=0.02)
+    g = torch.Generator().manual_seed(3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    sampled = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, logprobs=0, seed=11)
+    requests = [GenerationRequest(f"r{i}", tuple(torch.randint(3, 60, (6 + i,), generator=g).tolist()), p, 2)
+                for i, p in enumerate((greedy, sampled, sampled))]
+    outs, decoders = [], []
+    for graphs in ("off", "emulate"):
+        eng = _engine(ckpt)
+        torch.manual_seed(0)
+        drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+        cfg = SpecConfig(drafter="learned", drafter_path="(in memory)", mode="static", static_arm="5_1_6",
+                         threshold=8, hysteresis_steps=1, verify_token_budget=0, drafter_graphs=graphs)
+        dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
+        captured = dec.source.graphs.captures if dec.source.graphs is not None else 0
+        outs.append([(c.request_id, c.sample_index, c.token_ids) for c in _spec_generate(eng, dec, requests)])
+        decoders.append(dec)
+        if graphs != "off":  # every graph the rollout used was captured as the decoder was built, none during it
+            assert captured == 4 * 2 and dec.source.graphs.captures == captured  # 4 buckets x greedy / sampled
+    assert outs[0] == outs[1]
+    assert decoders[1].stats()["verify_steps"] > 5
+    assert decoders[0].source.graphs is None

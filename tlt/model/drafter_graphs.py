@@ -1,0 +1,155 @@
+"""ChainGraphs: the drafter's chain drafting replayed from CUDA graphs, one per batch bucket and chain shape.
+
+A 12-draft chain is 12 drafter steps of some 30 small kernels each. On a GPU each launch costs host time, and
+with the target's own steps replayed from graphs (`decode_graphs`, `verify_graphs`) the eager chain costs more
+than the target step it saves (BENCHMARKS.md, "GPU (H200)": tail 0.77-0.90x with graphs, 2.6x eagerly). Here
+`drafter_runtime.chain_draft` runs on static buffers padded to a batch bucket:
+
+    h [bucket, H], cache rows, committed lengths, root positions  [bucket]   the chains' roots
+    params [bucket, 4], u [bucket, depth]                                   sampled chains only
+    -> tokens [bucket, depth], cumulative log-probs [bucket, depth], draft distributions [bucket, depth, V]
+
+with `span_cap` = the cache's capacity (every step attends over all of it, each row's keys past its own end
+masked) and the filters given, so nothing reads the device from the host. Padding rows draft into a scratch
+cache row that no sequence owns. A graph is keyed by (bucket, depth, sampled, filter flags); all are dropped when
+what they hold the addresses of changes (the cache or the rotary tables grown, the drafter's weights re-derived
+at a hot-swap, the target's embedding or lm_head replaced) and captured again on demand.
+
+Modes: "cuda" captures `torch.cuda.CUDAGraph`s; "emulate" runs the same padded static call eagerly, what the CPU
+tests compare with the dynamic `DrafterRuntime.chain` (tests/test_drafter_graphs.py).
+
+Status: "emulate" is tested on CPU; "cuda" is **unverified**: written in session 31 after its device time was
+spent; tests/test_engine_cuda.py has its GPU test.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from tlt.model.drafter import DrafterCache
+from tlt.model.drafter_runtime import DrafterRuntime, chain_draft_fn
+
+GraphMode = Literal["cuda", "emulate"]
+
+
+class ChainGraphs:
+    def __init__(self, runtime: DrafterRuntime, cache: DrafterCache, scratch_row: int, buckets: tuple[int, ...],
+                 mode: GraphMode) -> None:
+        if mode not in ("cuda", "emulate"):
+            raise ValueError(f"drafter graph mode must be 'cuda' or 'emulate', got {mode!r}")
+        if mode == "cuda" and runtime.device.type != "cuda":
+            raise ValueError(f"drafter_graphs = 'cuda' needs the drafter on a CUDA device, it is on {runtime.device}")
+        if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+            raise ValueError(f"graph buckets must be strictly increasing and >= 1, got {list(buckets)}")
+        self.runtime, self.cache, self.scratch, self.mode, self.buckets = runtime, cache, scratch_row, mode, buckets
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor], list[torch.Tensor]]] = {}
+        self._generation: tuple = ()
+        self._pool = None
+        self.replays = 0
+        self.captures = 0
+
+    def bucket_for(self, batch: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def _current_generation(self) -> tuple:
+        """What the graphs hold the addresses of: the cache, the rotary tables, the fused weights (`refresh`
+        makes new ones at every drafter hot-swap) and the target's embedding and lm_head."""
+        c, r = self.cache, self.runtime
+        return (c.k.data_ptr(), c.v.data_ptr(), c.capacity, r._cos.data_ptr(), r._sin.data_ptr(), r._cos.shape[0],
+                id(r.plain), id(r.packed), r.drafter.embed.data_ptr(), r.drafter.lm_head.data_ptr())
+
+    def _inputs(self, b: int, depth: int, sampled: bool) -> dict[str, torch.Tensor]:
+        dev, hdim = self.runtime.device, self.runtime.drafter.cfg.hidden_size
+        return {"h": torch.zeros(b, hdim, dtype=self.runtime.dtype, device=dev),
+                "rows": torch.full((b,), self.scratch, dtype=torch.long, device=dev),
+                "committed": torch.zeros(b, dtype=torch.long, device=dev),
+                "root_pos": torch.zeros(b, dtype=torch.long, device=dev),
+                "params": torch.tensor([[1.0, 0.0, 1.0, 0.0]] * b, device=dev) if sampled else None,
+                "u": torch.full((b, depth), 0.5, device=dev) if sampled else None}
+
+    def _call(self, x: dict[str, torch.Tensor], depth: int, flags: int) -> list[torch.Tensor]:
+        """`DrafterRuntime.chain`'s call of the chain on the static buffers `x` (what a graph records)."""
+        r, c = self.runtime, self.runtime.drafter.cfg
+        packed, (fc, qkv, o, gate_up, down, ln2) = r._weights(x["h"].shape[0])
+        return chain_draft_fn(x["h"], r.drafter.embed, r.drafter.lm_head.to(x["h"].dtype), fc, qkv, r.qkv_b, o, ln2,
+                              gate_up, down, packed, r._eps, r._exact_hf, self.cache.k, self.cache.v, x["rows"],
+                              x["committed"], x["root_pos"], r._cos, r._sin, depth, c.num_heads, c.num_kv_heads,
+                              c.head_dim, c.intermediate_size, float("-inf"), x["params"], x["u"],
+                              self.cache.capacity, flags)
+
+    def _capture(self, key: tuple, b: int, depth: int, sampled: bool, flags: int) -> None:
+        x = self._inputs(b, depth, sampled)
+        graph = None
+        if self.mode == "cuda":
+            side = torch.cuda.Stream(device=self.runtime.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture: kernels chosen, allocator primed
+                for _ in range(2):
+                    self._call(x, depth, flags)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._call(x, depth, flags)
+        else:
+            out = []
+        self.graphs[key] = (graph, x, out)
+        self.captures += 1
+
+    def _sync_generation(self) -> None:
+        generation = self._current_generation()
+        if generation != self._generation:  # reallocated: every graph holds the old addresses
+            self.graphs.clear()
+            self._generation = generation
+
+    @torch.inference_mode()
+    def capture_all(self, depths: tuple[int, ...]) -> None:
+        """Capture now, for every bucket and chain depth, greedy and sampled without filters: what RL rollouts
+        draft, so that no capture lands inside a rollout (a request with top_k / top_p / min_p captures its own
+        on first use)."""
+        self._sync_generation()
+        for b in reversed(self.buckets):  # largest first, as decode_graphs.py: smaller ones reuse the pool
+            for depth in depths:
+                for sampled in (False, True):
+                    if (b, depth, sampled, 0) not in self.graphs:
+                        self._capture((b, depth, sampled, 0), b, depth, sampled, 0)
+
+    @torch.inference_mode()
+    def chain(self, h: torch.Tensor, rows: torch.Tensor, root_pos: torch.Tensor, depth: int,
+              params: torch.Tensor | None = None, u: torch.Tensor | None = None, filter_flags: int = 0,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """`DrafterRuntime.chain` (no confidence cut) for len(h) rows through the bucket's graph, or None when
+        the batch is larger than every bucket (the caller drafts eagerly). filter_flags: see `chain_draft`."""
+        n = h.shape[0]
+        b = self.bucket_for(n)
+        if b is None:
+            return None
+        committed = self.cache.lengths[rows]  # the tables and the cache cover the chain: `DrafterRuntime.prepare_chain`
+        self._sync_generation()
+        sampled = u is not None
+        key = (b, depth, sampled, filter_flags if sampled else 0)
+        if key not in self.graphs:
+            self._capture(key, b, depth, sampled, key[3])
+        graph, x, out = self.graphs[key]
+        x["h"][:n].copy_(h)
+        x["h"][n:].zero_()
+        x["rows"][:n].copy_(rows)
+        x["rows"][n:] = self.scratch
+        x["committed"][:n].copy_(committed)
+        x["committed"][n:] = 0
+        x["root_pos"][:n].copy_(root_pos)
+        x["root_pos"][n:] = 0
+        if sampled:
+            assert params is not None and u is not None
+            x["params"][:n].copy_(params)
+            x["u"][:n].copy_(u)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+        else:
+            out = self._call(x, depth, key[3])
+        toks, scores, probs = out
+        return toks[:n].clone(), scores[:n].clone(), (probs[:n].clone() if sampled else None)
