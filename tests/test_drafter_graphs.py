@@ -142,3 +142,16 @@ def test_the_engine_emits_the_same_tokens_with_emulated_drafter_graphs(tmp_path)
     assert outs[0] == outs[1]
     assert decoders[1].stats()["verify_steps"] > 5
     assert decoders[0].source.graphs is None
+
+
+def test_a_drafter_hot_swap_captures_the_new_weights_graphs_at_once() -> None:
+    """EagleSource.reset (the engine's drafter hot-swap) re-derives the fused weights, which the graphs hold the
+    addresses of: they are captured again right there, not inside the next rollout's first chains."""
+    from tlt.services.rollout.spec.drafting import EagleSource
+
+    source = EagleSource(_drafter(), graphs="emulate", graph_buckets=(1, 2), graph_rows=4, graph_capacity=64)
+    source.graphs.capture_all((3, 5))
+    assert source.graphs.captures == 2 * 2 * 2
+    source.reset()
+    assert source.graphs.captures == 2 * 2 * 2 * 2
+    assert len(source.graphs.graphs) == 8  # the old ones dropped

@@ -47,6 +47,7 @@ class ChainGraphs:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor], list[torch.Tensor]]] = {}
         self._generation: tuple = ()
         self._pool = None
+        self.depths: tuple[int, ...] = ()  # what `capture_all` captured for (again after a hot-swap)
         self.replays = 0
         self.captures = 0
 
@@ -110,6 +111,7 @@ class ChainGraphs:
         """Capture now, for every bucket and chain depth, greedy and sampled without filters: what RL rollouts
         draft, so that no capture lands inside a rollout (a request with top_k / top_p / min_p captures its own
         on first use)."""
+        self.depths = depths
         self._sync_generation()
         for b in reversed(self.buckets):  # largest first, as decode_graphs.py: smaller ones reuse the pool
             for depth in depths:

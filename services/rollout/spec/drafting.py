@@ -375,6 +375,8 @@ class EagleSource:
         self.fed_pos.clear()
         self.last_h.clear()
         self.runtime.refresh()
+        if self.graphs is not None:  # the new weights' graphs now, not inside the next rollout's first chains
+            self.graphs.capture_all(self.graphs.depths)
 
 
 def _row(tree: DraftTree, j: int, n: int) -> DraftTree:
