@@ -13,20 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_drafter import H, V, random_drafter
+
 from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
 from tlt.model.drafter_graphs import ChainGraphs
 from tlt.model.drafter_runtime import DrafterRuntime
-
-H, V = 32, 40
-
-
-def _drafter(seed: int = 0) -> Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V)
-    d = Drafter(cfg, torch.randn(V, H), torch.randn(V, H))
-    for p in d.parameters():
-        p.data.add_(torch.randn_like(p) * 0.1)
-    return d.eval()
 
 
 @torch.inference_mode()
@@ -43,7 +34,7 @@ def _filled_cache(rt: DrafterRuntime, rows: int, lengths: dict[int, int], seed: 
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("rows", [[3], [5, 2], [6, 1, 4], [2, 7, 5, 1, 3]])
 def test_emulated_graphs_draft_what_the_dynamic_chain_drafts(rows: list[int], sampled: bool) -> None:
-    d = _drafter(len(rows))
+    d = random_drafter(len(rows))
     rt = DrafterRuntime(d)
     lengths = {r: 3 + 2 * i for i, r in enumerate(rows)}  # rows of different lengths, not consecutive
     cache = _filled_cache(rt, 8, lengths, seed=len(rows))
@@ -76,7 +67,7 @@ def test_emulated_graphs_draft_what_the_dynamic_chain_drafts(rows: list[int], sa
 
 @torch.inference_mode()
 def test_a_batch_past_the_largest_bucket_is_left_to_the_dynamic_chain() -> None:
-    rt = DrafterRuntime(_drafter())
+    rt = DrafterRuntime(random_drafter())
     cache = _filled_cache(rt, 4, {1: 3, 2: 3, 3: 3}, seed=0)
     graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(1, 2), mode="emulate")
     rows = torch.tensor([1, 2, 3])
@@ -85,7 +76,7 @@ def test_a_batch_past_the_largest_bucket_is_left_to_the_dynamic_chain() -> None:
 
 @torch.inference_mode()
 def test_graphs_are_dropped_when_what_they_point_at_is_reallocated() -> None:
-    rt = DrafterRuntime(_drafter())
+    rt = DrafterRuntime(random_drafter())
     cache = _filled_cache(rt, 4, {1: 3}, seed=0)
     graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(1, 2), mode="emulate")
     args = (torch.zeros(1, H), torch.tensor([1]), torch.tensor([3]), 4)
@@ -101,7 +92,7 @@ def test_graphs_are_dropped_when_what_they_point_at_is_reallocated() -> None:
 
 
 def test_a_cuda_graph_mode_for_a_drafter_off_the_gpu_is_refused() -> None:
-    rt = DrafterRuntime(_drafter())
+    rt = DrafterRuntime(random_drafter())
     with pytest.raises(ValueError, match="CUDA"):
         ChainGraphs(rt, DrafterCache(rt.drafter.cfg, rows=2, capacity=8), 0, (1,), "cuda")
     with pytest.raises(ValueError, match="increasing"):
@@ -149,7 +140,7 @@ def test_a_drafter_hot_swap_captures_the_new_weights_graphs_at_once() -> None:
     addresses of: they are captured again right there, not inside the next rollout's first chains."""
     from tlt.services.rollout.spec.drafting import EagleSource
 
-    source = EagleSource(_drafter(), graphs="emulate", graph_buckets=(1, 2), graph_rows=4, graph_capacity=64)
+    source = EagleSource(random_drafter(), graphs="emulate", graph_buckets=(1, 2), graph_rows=4, graph_capacity=64)
     source.graphs.capture_all((3, 5))
     assert source.graphs.captures == 2 * 2 * 2
     source.reset()

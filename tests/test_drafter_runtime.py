@@ -8,21 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
+from tiny_drafter import H, V, random_drafter
+
+from tlt.model.drafter import Drafter, DrafterCache
 from tlt.model.drafter_runtime import DrafterRuntime, _draft_probs
 
 _draft_probs_fn = torch.jit.script(_draft_probs)
-
-H, V = 32, 40
-
-
-def _drafter(seed: int = 0) -> Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V)
-    d = Drafter(cfg, torch.randn(V, H), torch.randn(V, H))
-    for p in d.parameters():  # non-trivial norm weight and biases
-        p.data.add_(torch.randn_like(p) * 0.1)
-    return d.eval()
 
 
 def _both(d: Drafter, rows: int = 3):
@@ -31,7 +22,7 @@ def _both(d: Drafter, rows: int = 3):
 
 @torch.inference_mode()
 def test_runtime_equals_the_module_for_cached_appends_of_uneven_rows():
-    d = _drafter()
+    d = random_drafter()
     rt = DrafterRuntime(d)
     c_mod, c_rt = _both(d)
     g = torch.Generator().manual_seed(0)
@@ -55,7 +46,7 @@ def test_runtime_equals_the_module_for_cached_appends_of_uneven_rows():
 
 @torch.inference_mode()
 def test_runtime_equals_the_module_with_tree_and_prefix_masks():
-    d = _drafter(1)
+    d = random_drafter(1)
     rt = DrafterRuntime(d)
     c_mod, c_rt = _both(d, rows=2)
     g = torch.Generator().manual_seed(1)
@@ -78,7 +69,7 @@ def test_runtime_equals_the_module_with_tree_and_prefix_masks():
 
 @torch.inference_mode()
 def test_refresh_picks_up_new_weights():
-    d, other = _drafter(2), _drafter(3)
+    d, other = random_drafter(2), random_drafter(3)
     rt = DrafterRuntime(d)
     ids, f, pos = torch.randint(0, V, (1, 4)), torch.randn(1, 4, H), torch.arange(4)[None]
     before = rt(ids, f, pos, DrafterCache(d.cfg, rows=1, capacity=4), torch.tensor([0]))
@@ -116,7 +107,7 @@ def test_cache_mask_against_a_hand_written_one():
 def test_right_padded_appends_equal_separate_ones():
     """EagleSource feeds several rows' pending pairs in one call, right-padded (new_lengths): each row's
     real outputs, cached K/V and new length equal feeding it alone."""
-    d = _drafter(4)
+    d = random_drafter(4)
     rt = DrafterRuntime(d)
     c_one, c_pad = _both(d)
     g = torch.Generator().manual_seed(4)
@@ -145,7 +136,7 @@ def test_sampled_chain_draws_from_the_filtered_drafter_distribution():
     from tlt.services.rollout.spec.accept import sample_probs
     from tlt.services.rollout.spec.filters import filtered_probs
 
-    d = _drafter(4)
+    d = random_drafter(4)
     rt = DrafterRuntime(d)
     cache = DrafterCache(d.cfg, rows=3, capacity=8)
     g = torch.Generator().manual_seed(1)
@@ -177,7 +168,7 @@ def test_unfiltered_rows_draw_the_same_p_whatever_their_neighbours(min_p):
     else a sequence's drafts would depend on its neighbours' sampling parameters."""
     from tlt.services.rollout.spec.filters import filtered_probs
 
-    d = _drafter(4)
+    d = random_drafter(4)
     rt = DrafterRuntime(d)
     g = torch.Generator().manual_seed(2)
     ids, feats = torch.randint(0, V, (3, 5), generator=g), torch.randn(3, 5, H, generator=g)

@@ -11,20 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tlt.model.drafter import Drafter, DrafterCache, DrafterConfig
+from tiny_drafter import H, V, random_drafter
+
+from tlt.model.drafter import Drafter, DrafterCache
 from tlt.services.drafter.packing import PackedBatch, packed_pairs
 from tlt.services.drafter.training import make_optimizer, micro_step, unrolled_targets
-
-H, V = 32, 40
-
-
-def _drafter(seed: int = 0) -> Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V)
-    d = Drafter(cfg, torch.randn(V, H), torch.randn(V, H))
-    for p in d.parameters():
-        p.data.add_(torch.randn_like(p) * 0.1)
-    return d.eval()
 
 
 def _chain_reference(d: Drafter, ids: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, root: int,
@@ -41,7 +32,7 @@ def _chain_reference(d: Drafter, ids: torch.Tensor, feats: torch.Tensor, pos: to
 
 @torch.no_grad()
 def test_step_zero_is_the_plain_forward_and_later_steps_are_the_inference_chain():
-    d = _drafter()
+    d = random_drafter()
     t, steps = 12, 4
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (t,), generator=g)
@@ -60,7 +51,7 @@ def test_step_zero_is_the_plain_forward_and_later_steps_are_the_inference_chain(
 
 @torch.no_grad()
 def test_no_true_feature_past_the_root_is_seen_and_segments_stay_apart():
-    d = _drafter(3)
+    d = random_drafter(3)
     t, steps, j = 10, 3, 4
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, V, (1, t), generator=g)
@@ -112,7 +103,7 @@ def _batch(seed: int) -> PackedBatch:
 
 
 def test_micro_step_with_ttt_trains_every_weight_and_lowers_the_unrolled_loss():
-    d = _drafter(5)
+    d = random_drafter(5)
     before = {k: v.clone() for k, v in d.state_dict().items()}
     opt = make_optimizer(d, 3e-3)
     batch = _batch(0)
@@ -124,7 +115,7 @@ def test_micro_step_with_ttt_trains_every_weight_and_lowers_the_unrolled_loss():
     with pytest.raises(ValueError, match="ttt_steps"):
         micro_step(d, opt, batch, ttt_steps=0)
     # ttt_steps=1 is the plain loss
-    d1, d2 = _drafter(6), _drafter(6)
+    d1, d2 = random_drafter(6), random_drafter(6)
     r1 = micro_step(d1, make_optimizer(d1, 1e-3), batch, ttt_steps=1)
     r2 = micro_step(d2, make_optimizer(d2, 1e-3), batch)
     assert float(r1.loss.detach()) == pytest.approx(float(r2.loss.detach()))
@@ -139,7 +130,7 @@ def test_a_micro_step_told_to_stop_at_any_checkpoint_changes_nothing(ttt_steps):
     exactly as before, no gradient left behind, no hook left on the modules. Never true, the same step trains as usual.
     (It was asked once, after the forward pass: a BUSY during the backward pass, ~60% of a step, waited for the whole
     of it.)"""
-    d = _drafter(7)
+    d = random_drafter(7)
     opt = make_optimizer(d, 1e-3)
     batch = _batch(1)
     micro_step(d, opt, batch, ttt_steps=ttt_steps)  # the optimizer has state to keep intact
