@@ -52,8 +52,11 @@ def test_emulated_graphs_draft_what_the_dynamic_chain_drafts(rows: list[int], sa
         if params is not None else 0
     before = cache.lengths.clone()
     want = rt.chain(h, cache, r, root_pos, depth, params=params, u=u)
-    rt.prepare_chain(cache, r, root_pos, depth)
-    got = graphs.chain(h, r, root_pos, depth, params, u, flags)
+    need = int(root_pos.max()) + 1 + depth  # what EagleSource knows from the sequences' lengths
+    cache.ensure(need)
+    rt._ensure_rope(need)
+    kept = {x: cache.k[x, :, : lengths[x]].clone() for x in rows}
+    got = graphs.chain(h, r, root_pos, depth, params, u, flags, need)
     assert got is not None
     assert torch.equal(got[0], want[0])
     assert torch.allclose(got[1], want[1], atol=1e-4)
@@ -62,6 +65,8 @@ def test_emulated_graphs_draft_what_the_dynamic_chain_drafts(rows: list[int], sa
     else:
         assert got[2] is None and want[2] is None
     assert torch.equal(cache.lengths, before)  # drafted entries are dead: no row's length moved
+    for x in rows:  # nor its cached keys (the padding rows draft into row 0)
+        assert torch.equal(cache.k[x, :, : lengths[x]], kept[x])
     assert graphs.captures == 1
 
 
@@ -102,7 +107,7 @@ def test_a_cuda_graph_mode_for_a_drafter_off_the_gpu_is_refused() -> None:
 def test_the_engine_emits_the_same_tokens_with_emulated_drafter_graphs(tmp_path) -> None:
     """Greedy and seeded sampled requests (sampled chains, rejection sampling: what is emitted depends on what was
     drafted) through the native engine with a learned drafter: token for token the same with drafter_graphs =
-    "emulate" as with "off"; the graphs were all captured as the decoder was built (the cache made whole then)."""
+    "emulate" as with "off"; the graphs were all captured as the decoder was built (the cache did not grow)."""
     from spec_decoder_helpers import _engine, _spec_generate
 
     from tlt.services.rollout.engine.testing import random_checkpoint
@@ -114,9 +119,10 @@ def test_the_engine_emits_the_same_tokens_with_emulated_drafter_graphs(tmp_path)
                              num_kv_heads=2, max_position_embeddings=256, weight_scale=0.02)
     g = torch.Generator().manual_seed(3)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
-    sampled = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, logprobs=0, seed=11)
+    # other lengths: the batch shrinks 6 -> 4 -> 2 sequences, and 6 runs padded to the bucket of 8
+    sampled = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, logprobs=0, seed=11) for n in (17, 23)]
     requests = [GenerationRequest(f"r{i}", tuple(torch.randint(3, 60, (6 + i,), generator=g).tolist()), p, 2)
-                for i, p in enumerate((greedy, sampled, sampled))]
+                for i, p in enumerate((greedy, *sampled))]
     outs, decoders = [], []
     for graphs in ("off", "emulate"):
         eng = _engine(ckpt)
@@ -140,7 +146,7 @@ def test_a_drafter_hot_swap_captures_the_new_weights_graphs_at_once() -> None:
     addresses of: they are captured again right there, not inside the next rollout's first chains."""
     from tlt.services.rollout.spec.drafting import EagleSource
 
-    source = EagleSource(random_drafter(), graphs="emulate", graph_buckets=(1, 2), graph_rows=4, graph_capacity=64)
+    source = EagleSource(random_drafter(), graphs="emulate", graph_buckets=(1, 2), graph_rows=4)
     source.graphs.capture_all((3, 5))
     assert source.graphs.captures == 2 * 2 * 2
     source.reset()

@@ -10,10 +10,12 @@ than the target step it saves (BENCHMARKS.md, "GPU (H200)": tail 0.77-0.90x with
     -> tokens [bucket, depth], cumulative log-probs [bucket, depth], draft distributions [bucket, depth, V]
 
 with `span_cap` = the cache's capacity (every step attends over all of it, each row's keys past its own end
-masked) and the filters given, so nothing reads the device from the host. Padding rows draft into a scratch
-cache row that no sequence owns. A graph is keyed by (bucket, depth, sampled, filter flags); all are dropped when
-what they hold the addresses of changes (the cache or the rotary tables grown, the drafter's weights re-derived
-at a hot-swap, the target's embedding or lm_head replaced) and captured again on demand.
+masked) and the filters given, so nothing reads the device from the host. The capacity grows by doubling with
+the longest sequence drafted (`DrafterCache.ensure`), so a step's attention costs at most about twice the
+dynamic chain's. Padding rows draft into a scratch cache row that no sequence owns. A graph is keyed by (bucket,
+depth, sampled, filter flags); all are dropped when what they hold the addresses of changes (the cache or the
+rotary tables grown, the drafter's weights re-derived at a hot-swap, the target's embedding or lm_head
+replaced) and captured again as used; `capture_all` captures what a rollout will use up front.
 
 Modes: "cuda" captures `torch.cuda.CUDAGraph`s; "emulate" runs the same padded static call eagerly, what the CPU
 tests compare with the dynamic `DrafterRuntime.chain` (tests/test_drafter_graphs.py).
@@ -48,6 +50,7 @@ class ChainGraphs:
         self._generation: tuple = ()
         self._pool = None
         self.depths: tuple[int, ...] = ()  # what `capture_all` captured for (again after a hot-swap)
+        self.kinds: tuple[bool, ...] = ()  # ... greedy (False) and / or sampled (True)
         self.replays = 0
         self.captures = 0
 
@@ -59,7 +62,7 @@ class ChainGraphs:
         makes new ones at every drafter hot-swap) and the target's embedding and lm_head."""
         c, r = self.cache, self.runtime
         return (c.k.data_ptr(), c.v.data_ptr(), c.capacity, r._cos.data_ptr(), r._sin.data_ptr(), r._cos.shape[0],
-                id(r.plain), id(r.packed), r.drafter.embed.data_ptr(), r.drafter.lm_head.data_ptr())
+                r.weights_version, r.drafter.embed.data_ptr(), r.drafter.lm_head.data_ptr())
 
     def _inputs(self, b: int, depth: int, sampled: bool) -> dict[str, torch.Tensor]:
         dev, hdim = self.runtime.device, self.runtime.drafter.cfg.hidden_size
@@ -107,29 +110,35 @@ class ChainGraphs:
             self._generation = generation
 
     @torch.inference_mode()
-    def capture_all(self, depths: tuple[int, ...]) -> None:
-        """Capture now, for every bucket and chain depth, greedy and sampled without filters: what RL rollouts
-        draft, so that no capture lands inside a rollout (a request with top_k / top_p / min_p captures its own
-        on first use)."""
-        self.depths = depths
+    def capture_all(self, depths: tuple[int, ...], greedy: bool = True, sampled: bool = True) -> None:
+        """Capture now, for every bucket and chain depth, greedy and / or sampled without filters: what RL rollouts
+        draft, so that no capture lands inside a rollout until the cache grows (a request with top_k / top_p /
+        min_p captures its own on first use)."""
+        self.depths, self.kinds = depths, tuple(k for k, on in ((False, greedy), (True, sampled)) if on)
         self._sync_generation()
         for b in reversed(self.buckets):  # largest first, as decode_graphs.py: smaller ones reuse the pool
             for depth in depths:
-                for sampled in (False, True):
+                for sampled in self.kinds:
                     if (b, depth, sampled, 0) not in self.graphs:
                         self._capture((b, depth, sampled, 0), b, depth, sampled, 0)
 
     @torch.inference_mode()
     def chain(self, h: torch.Tensor, rows: torch.Tensor, root_pos: torch.Tensor, depth: int,
               params: torch.Tensor | None = None, u: torch.Tensor | None = None, filter_flags: int = 0,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+              need: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """`DrafterRuntime.chain` (no confidence cut) for len(h) rows through the bucket's graph, or None when
-        the batch is larger than every bucket (the caller drafts eagerly). filter_flags: see `chain_draft`."""
+        the batch is larger than every bucket (the caller drafts eagerly). filter_flags: see `chain_draft`.
+        need: a bound the caller knows on every row's cached length + depth and root position + depth, which
+        the cache and the rotary tables must already cover (a write past the cache would be an out-of-bounds
+        device write inside a graph)."""
         n = h.shape[0]
         b = self.bucket_for(n)
         if b is None:
             return None
-        committed = self.cache.lengths[rows]  # the tables and the cache cover the chain: `DrafterRuntime.prepare_chain`
+        if need > self.cache.capacity or need > self.runtime._cos.shape[0]:
+            raise ValueError(f"a chain needing {need} positions on a drafter cache of {self.cache.capacity} and "
+                             f"rotary tables of {self.runtime._cos.shape[0]}: grow them first")
+        committed = self.cache.lengths[rows]
         self._sync_generation()
         sampled = u is not None
         key = (b, depth, sampled, filter_flags if sampled else 0)

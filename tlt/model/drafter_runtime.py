@@ -202,11 +202,13 @@ class DrafterRuntime:
         self._packed = self.device.type == "cpu" and onednn_works(self.dtype)
         self._cos = self._sin = torch.empty(0)
         self._ensure_rope(256)
+        self.weights_version = 0  # counts `refresh` calls: new fused weights (drafter_graphs.py holds their addresses)
         self.refresh()
 
     @torch.inference_mode()
     def refresh(self) -> None:
         """Re-derive the fused (and on CPU packed, norm-folded) weights from the drafter's parameters."""
+        self.weights_version += 1
         d = self.drafter
         a, mlp = d.layer.self_attn, d.layer.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
@@ -279,14 +281,6 @@ class DrafterRuntime:
 
     __call__ = forward
 
-    def prepare_chain(self, cache: DrafterCache, rows: torch.Tensor, root_pos: torch.Tensor, depth: int) -> torch.Tensor:
-        """Grow the rotary tables and the cache to cover a chain of `depth` drafts from these rows; -> their
-        committed lengths [B]."""
-        committed = cache.lengths[rows]
-        self._ensure_rope(int(root_pos.max()) + depth)
-        cache.ensure(int(committed.max()) + depth)
-        return committed
-
     @torch.inference_mode()
     def chain(self, h: torch.Tensor, cache: DrafterCache, rows: torch.Tensor, root_pos: torch.Tensor,
               depth: int, min_score: float = float("-inf"), params: torch.Tensor | None = None,
@@ -298,7 +292,9 @@ class DrafterRuntime:
         (temperature, top_k, top_p, min_p) the drafts are sampled (see `chain_draft`). The rows'
         cached lengths are left as they were (the drafted entries past them are dead)."""
         c = self.drafter.cfg
-        committed = self.prepare_chain(cache, rows, root_pos, depth)
+        committed = cache.lengths[rows]
+        self._ensure_rope(int(root_pos.max()) + depth)
+        cache.ensure(int(committed.max()) + depth)
         packed, (fc, qkv, o, gate_up, down, ln2) = self._weights(h.shape[0])
         lm_head = self.drafter.lm_head.to(h.dtype)
         toks, scores, probs = chain_draft_fn(h, self.drafter.embed, lm_head, fc, qkv, self.qkv_b, o, ln2, gate_up,

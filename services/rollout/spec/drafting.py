@@ -85,12 +85,11 @@ class EagleSource:
     """EAGLE-2 tree drafting with the learned drafter and its own per-sequence KV rows."""
 
     def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512, chain_min_prob: float = 0.0,
-                 graphs: str = "off", graph_buckets: tuple[int, ...] = (1,), graph_rows: int = 8,
-                 graph_capacity: int = 0) -> None:
+                 graphs: str = "off", graph_buckets: tuple[int, ...] = (1,), graph_rows: int = 8) -> None:
         """graphs ("cuda" / "emulate", SpecConfig.drafter_graphs): chains drafted through `ChainGraphs` for batches
-        up to graph_buckets[-1]. The graphs hold the cache's addresses, so the cache is made whole at once: a row
-        per sequence the engine can run (graph_rows) and graph_capacity positions (the longest context plus the
-        deepest chain), e.g. 256 rows x 4k positions x 2 KB a position for a 7B model's drafter is 2 GB."""
+        up to graph_buckets[-1]. The graphs hold the cache's addresses: it starts with graph_rows rows (+ the
+        graphs' scratch row), so that rows are rarely added, and its positions grow by doubling as now (each
+        growth drops the graphs, which are captured again as used: a few times in an engine's life)."""
         self.drafter = drafter
         # chains: a row's drafts stop at the first whose cumulative draft probability is below this
         self.chain_min_score = math.log(chain_min_prob) if chain_min_prob > 0 else float("-inf")
@@ -99,10 +98,7 @@ class EagleSource:
         self.cold_starts = 0
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device
-        rows = 8
-        if graphs != "off":
-            rows, capacity = graph_rows + 1, max(capacity, graph_capacity)  # + the graphs' scratch row
-            self.runtime._ensure_rope(capacity + 1)
+        rows = 8 if graphs == "off" else graph_rows + 1  # + the graphs' scratch row
         self.cache = DrafterCache(drafter.cfg, rows=rows, capacity=capacity, dtype=self.dtype, device=self.device)
         self.rows: dict[tuple[str, int], int] = {}
         # with drafter graphs, row 0 is their padding rows' scratch row and no sequence's
@@ -263,10 +259,14 @@ class EagleSource:
                                  DRAFT)
         drafted = None
         if self.graphs is not None and (sample or self.chain_min_score == float("-inf")):
-            self.runtime.prepare_chain(self.cache, rows, root_pos, depth)
+            # what the chain writes stays below the longest sequence + depth (a row holds at most a pair per
+            # position): known here, so the graphs' path reads nothing back from the device
+            need = max(s.num_tokens for s in seqs) + depth
+            self.cache.ensure(need)
+            self.runtime._ensure_rope(need)
             flags = int(any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs)) \
                 | 2 * int(any(s.params.min_p > 0 for s in seqs))
-            drafted = self.graphs.chain(h, rows, root_pos, depth, params, u, flags)  # None: past the largest bucket
+            drafted = self.graphs.chain(h, rows, root_pos, depth, params, u, flags, need)  # None: past the buckets
         if drafted is not None:
             drafts, scores, probs = drafted
         elif sample:
@@ -376,7 +376,7 @@ class EagleSource:
         self.last_h.clear()
         self.runtime.refresh()
         if self.graphs is not None:  # the new weights' graphs now, not inside the next rollout's first chains
-            self.graphs.capture_all(self.graphs.depths)
+            self.graphs.capture_all(self.graphs.depths, False in self.graphs.kinds, True in self.graphs.kinds)
 
 
 def _row(tree: DraftTree, j: int, n: int) -> DraftTree:
