@@ -7,9 +7,10 @@
 #                      profile (default: all five, in that order), or engine: tests/test_engine_cuda.py alone, or
 #                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json), or rollout-eager: the
 #                      whole rollout on the eager path alone, or e2e: `tlt bench e2e` with every service on the GPU,
-#                      or e2e-lend: the same with trainer.lend_rollout_devices on, or drafter-graphs: the rollout
-#                      benches with the drafter's chains replayed from CUDA graphs (--drafter-graphs cuda). The steps' time limits add up
-#                      past the device tool's 10 minutes a call: split them, e.g. `tests kernels rollout` and
+#                      or e2e-lend: the same with trainer.lend_rollout_devices on, or e2e-wide: that with 32 x 8
+#                      sequences a step and SD up to batch 256, or drafter-graphs: the rollout benches with the
+#                      drafter's chains replayed from CUDA graphs (--drafter-graphs cuda). The steps' time limits add
+#                      up past the device tool's 10 minutes a call: split them, e.g. `tests kernels rollout` and
 #                      `serve profile e2e` (session 31: tests + rollout + profile ran 225 s, e2e 170 s)
 #
 # The GPU image has Python 3.12 with torch 2.11, triton 3.6, transformers 5.17, grpcio, protobuf, pytest,
@@ -53,8 +54,8 @@ fi
 
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
-  case $step in tests|engine|tune|kernels|rollout|rollout-eager|drafter-graphs|serve|profile|e2e|e2e-lend) ;;
-    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager drafter-graphs serve profile e2e e2e-lend"; exit 2 ;; esac
+  case $step in tests|engine|tune|kernels|rollout|rollout-eager|drafter-graphs|serve|profile|e2e|e2e-lend|e2e-wide) ;;
+    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager drafter-graphs serve profile e2e e2e-lend e2e-wide"; exit 2 ;; esac
 done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
@@ -87,7 +88,7 @@ if want engine; then gpu_pytest 60 tests/test_engine_cuda.py; fi
 if want tune; then bench_kernels 200 tune --tree-pages 1 2 4 --tree-block-m 0 32 16; fi
 if want kernels; then bench_kernels 90 kernels; fi
 
-if ! want rollout && ! want rollout-eager && ! want drafter-graphs && ! want serve && ! want profile && ! want e2e && ! want e2e-lend; then
+if ! want rollout && ! want rollout-eager && ! want drafter-graphs && ! want serve && ! want profile && ! want e2e && ! want e2e-lend && ! want e2e-wide; then
   exit $status
 fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
@@ -151,4 +152,11 @@ if want e2e; then e2e e2e; fi
 # the same with the drafter kept off the GPU while the trainer updates, as deploy/configs/1gpu.toml does (in session
 # 31's second e2e run TLT's steps spent ~0.3 s more than the baseline's outside the rollout, ~0.08 s in the first)
 if want e2e-lend; then e2e e2e_lend --set trainer.lend_rollout_devices=true; fi
+# and with the whole-rollout bench's shape: 32 prompts x 8 per step, SD up to batch 256 without a verify budget (an
+# 8 x 8 rollout has little tail: BENCHMARKS.md, "Session 31: the whole rollout"), 4 updates a step as before
+if want e2e-wide; then
+  e2e e2e_wide --set trainer.lend_rollout_devices=true --set trainer.prompts_per_step=32 \
+    --set trainer.mini_batch_size=64 --set trainer.micro_batch_size=16 --set rollout.spec.threshold=256 \
+    --set rollout.spec.verify_token_budget=0
+fi
 exit $status
