@@ -19,6 +19,7 @@ def main(argv: list[str]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from tlt.bench import rollout
+    from tlt.bench.rollout_workload import task_requests
     from tlt.services.rollout.engine.engine import LLMEngine
 
     parser = argparse.ArgumentParser()
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
             "100", "--prompts", "4", "--n", "1", "--max-tokens", "256", "--arms", "12_1_13,8_1_9,5_1_6,plain",
             "--threshold", "16", "--temperature", "1.0", "--device", "cuda", "--dtype", "bfloat16"]
     args = parser.parse_args(tail + argv)
-    requests, prompt_len = rollout._task_requests(args.model, args)
+    requests, prompt_len = task_requests(args.model, args)
     _, bucket_arms, given = rollout._bucket_arms(args)
 
     def engine(mode: str) -> LLMEngine:  # as `tlt bench rollout` builds each run's engine

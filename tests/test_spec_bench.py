@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from tlt.bench import rollout
+from tlt.bench import rollout, rollout_workload
 from tlt.bench.rollout_report import SAMPLED_NOTE
 
 
@@ -250,7 +250,7 @@ def test_bench_rollout_min_tokens(capsys, random_model_dir, monkeypatch):
     rollout.add_arguments(parser)
     args = parser.parse_args(["--model", str(random_model_dir), "--workload", "task", "--prompts", "3", "--n", "1",
                               "--min-tokens", "60"])
-    requests, _ = rollout._task_requests(random_model_dir, args)
+    requests, _ = rollout_workload.task_requests(random_model_dir, args)
 
     def length(p):  # noqa: ANN001, ANN202
         return len(tok.encode(p.solution, add_special_tokens=False))
@@ -259,9 +259,9 @@ def test_bench_rollout_min_tokens(capsys, random_model_dir, monkeypatch):
     want = [p for p in stream if length(p) >= 60][:3]
     assert len(want) == 3 and any(length(p) < 60 for p in stream[:3])  # the filter changes the workload
     assert [r.prompt_token_ids for r in requests] == [tuple(tok.encode(format_prompt(p))) for p in want]
-    monkeypatch.setattr(rollout, "MIN_TOKENS_SCAN", 4096)  # the impossible cases below give up sooner
+    monkeypatch.setattr(rollout_workload, "MIN_TOKENS_SCAN", 4096)  # the impossible cases below give up sooner
     try:
-        rollout._long_problems(tok, 1, seed, 10_000)  # no problem is that long (32 steps at most)
+        rollout_workload.long_problems(tok, 1, seed, 10_000)  # no problem is that long (32 steps at most)
     except ValueError as e:
         assert "10000 tokens" in str(e)
     else:

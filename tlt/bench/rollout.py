@@ -16,7 +16,7 @@ which is what a learned drafter was trained on. Greedy: `--prompts` x `--n` dist
 greedy samples of one problem would be identical). Sampled: `--prompts` problems, each one request of
 `--n` samples (a GRPO group; the n-gram drafter also matches against the siblings).
 `--workload synthetic` (the default) is the forced-length batch above on random-token prompts (one
-request per sample so that each keeps its own length).
+request per sample so that each keeps its own length). Both are built in tlt/bench/rollout_workload.py.
 
 Reported per mode (JSON fields in brackets):
 - wall time, tokens, tokens/s and speed-up over `off` [wall_s, tokens, tok_per_s, speedup_vs_off];
@@ -115,6 +115,7 @@ import sys
 
 from tlt.cli_args import at_least
 from tlt.bench.rollout_report import BUCKETS, add_speedups, median_result, mode_result, print_table
+from tlt.bench.rollout_workload import synthetic_requests, task_requests
 
 MODES = ("off", "ngram", "static-ngram", "learned", "static-learned")
 
@@ -196,91 +197,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "graphs per batch bucket (cuda: needs --device cuda; unverified, BENCHMARKS.md 'GPU')")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _request_seed(base: int, k: int) -> int:
-    return base * 1_000_003 + k
-
-
-def _task_requests(model_dir, args: argparse.Namespace):  # noqa: ANN001, ANN202
-    """Task problems that stop at eos; returns (requests, longest prompt).
-
-    Greedy: prompts x n distinct problems, one sample each. Sampled: `prompts` problems, each one
-    seeded request of n samples (a GRPO group)."""
-    from transformers import AutoTokenizer
-
-    from tlt.services.rollout.types import GenerationRequest, SamplingParams
-    from tlt.task import format_prompt
-
-    sampled = args.temperature > 0
-    count = args.prompts if sampled else args.prompts * args.n
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    problems = _long_problems(tok, count, args.seed + 7_000_003, args.min_tokens)
-    ids = [tuple(tok.encode(format_prompt(p))) for p in problems]
-    if sampled:
-        requests = [GenerationRequest(f"t{i}", p, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                                                 seed=_request_seed(args.seed, i)), n=args.n)
-                    for i, p in enumerate(ids)]
-    else:
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        requests = [GenerationRequest(f"t{i}", p, params) for i, p in enumerate(ids)]
-    return requests, max(len(p) for p in ids)
-
-
-MIN_TOKENS_SCAN = 1 << 17  # problems scanned at most for --min-tokens (about 2 s)
-
-
-def _long_problems(tok, count: int, seed: int, min_tokens: int) -> list:  # noqa: ANN001
-    """The first `count` problems of the seeded stream whose reference solution has >= `min_tokens` tokens.
-
-    `generate_problems(n, seed)` is a prefix of `generate_problems(m, seed)` for n < m, so the selection
-    does not depend on how far the scan went. Raises ValueError if the first MIN_TOKENS_SCAN problems
-    do not hold `count` such problems."""
-    from tlt.task import generate_problems
-
-    if min_tokens <= 0:
-        return generate_problems(count, seed)
-    scan, longest = max(64, 16 * count), 0
-    while True:
-        kept = []
-        for p in generate_problems(scan, seed):
-            # A token covers at least one character of this ASCII text: a solution shorter than
-            # min_tokens characters cannot qualify, so only the long ones get tokenized.
-            if len(p.solution) < min_tokens:
-                continue
-            n = len(tok.encode(p.solution, add_special_tokens=False))
-            longest = max(longest, n)
-            if n >= min_tokens:
-                kept.append(p)
-                if len(kept) == count:
-                    return kept
-        if scan >= MIN_TOKENS_SCAN:
-            raise ValueError(f"only {len(kept)} of the first {scan} problems have a reference solution of >= "
-                             f"{min_tokens} tokens (need {count}; the longest seen has {longest})")
-        scan = min(2 * scan, MIN_TOKENS_SCAN)
-
-
-def _synthetic_requests(args: argparse.Namespace):  # noqa: ANN202
-    """Random-token prompts with forced log-normal lengths (eos ignored); returns (requests, lengths [P, n])."""
-    import torch
-
-    from tlt.services.rollout.types import GenerationRequest, SamplingParams
-
-    g = torch.Generator().manual_seed(args.seed)
-    lengths = (torch.randn(args.prompts, args.n, generator=g) * args.sigma).exp() * args.median_tokens
-    lengths = lengths.round().clamp(1, args.max_tokens).long()
-    prompts = [tuple(torch.randint(3, 200, (args.prompt_len,), generator=g).tolist()) for _ in range(args.prompts)]
-    # One request per sample so that each has its own length (the n samples of one request share
-    # max_tokens, and with eos ignored the tail would vanish). The n-gram drafter indexes siblings per
-    # request, so here it matches each sample against its own context only: no sibling help.
-    seeded = args.temperature > 0
-    requests = [
-        GenerationRequest(f"p{i}s{j}", prompts[i], SamplingParams(
-            temperature=args.temperature, max_tokens=int(lengths[i, j]), ignore_eos=True,
-            seed=_request_seed(args.seed, i * args.n + j) if seeded else None))
-        for i in range(args.prompts) for j in range(args.n)
-    ]
-    return requests, lengths
 
 
 def _bucket(batch: int) -> str:
@@ -518,12 +434,12 @@ def run(args: argparse.Namespace) -> int:
     sampled = args.temperature > 0
     if args.workload == "task":
         try:
-            requests, prompt_len = _task_requests(model_dir, args)
+            requests, prompt_len = task_requests(model_dir, args)
         except ValueError as e:
             print(f"error: --min-tokens {args.min_tokens}: {e}", file=sys.stderr)
             return 2
     else:
-        requests, lengths = _synthetic_requests(args)
+        requests, lengths = synthetic_requests(args)
         prompt_len = args.prompt_len
     num_seqs = sum(r.n for r in requests)
     limit = context_limit(0, read_model_config(model_dir))
