@@ -44,7 +44,8 @@ def main(argv: list[str]) -> int:
     import torch
     import transformers
 
-    from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
+    from tlt.cli import tlt_command
+    from tlt.services.trainer.procs import ServiceError, ServiceProcess
     from tlt.task import format_prompt, generate_problems
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)

@@ -152,3 +152,26 @@ def test_a_drafter_hot_swap_captures_the_new_weights_graphs_at_once() -> None:
     source.reset()
     assert source.graphs.captures == 2 * 2 * 2 * 2
     assert len(source.graphs.graphs) == 8  # the old ones dropped
+
+
+@torch.inference_mode()
+def test_padding_rows_never_draft_into_a_row_a_larger_batch_left_in_them() -> None:
+    """A bucket's graph run first for 4 rows, then for 3 of them in another order: the fourth slot, now padding,
+    still names a real row (the first batch's last) unless reset to the scratch row, and that row drafting twice at
+    once (as itself and as padding, from another root) would corrupt its chain."""
+    rt = DrafterRuntime(random_drafter(5))
+    lengths = {1: 4, 2: 6, 3: 5, 4: 7}
+    cache = _filled_cache(rt, 6, lengths, seed=5)
+    graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(4,), mode="emulate")
+    g = torch.Generator().manual_seed(9)
+    depth, need = 6, 16
+    rt.ensure_chain(cache, need)
+    first = torch.tensor([1, 2, 3, 4])
+    graphs.chain(torch.randn(4, H, generator=g), first, torch.tensor([lengths[x] for x in [1, 2, 3, 4]]), depth,
+                 need=need)
+    rows = torch.tensor([4, 1, 2])
+    h, root_pos = torch.randn(3, H, generator=g), torch.tensor([lengths[x] for x in [4, 1, 2]])
+    want = rt.chain(h, cache, rows, root_pos, depth)
+    got = graphs.chain(h, rows, root_pos, depth, need=need)
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1], want[1], atol=1e-4)

@@ -24,7 +24,8 @@ LAUNCHER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from tlt.services.trainer.procs import ServiceProcess, tlt_command
+    from tlt.cli import tlt_command
+    from tlt.services.trainer.procs import ServiceProcess
     out = Path(sys.argv[1])
     p = ServiceProcess("reward", tlt_command("reward", "serve", "--port", "0", "--ready-file", str(out / "ready.json")),
                        out / "reward.log", out / "ready.json").start()

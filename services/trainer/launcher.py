@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tlt.cli import tlt_command
 from tlt.services.common.config import (
     ConfigError,
     cli_overrides,
@@ -30,7 +31,7 @@ from tlt.services.common.config import (
 from tlt.services.common.config_cmd import SECTION_CLASSES, config_class
 from tlt.services.common.logging import get_logger
 from tlt.services.trainer.evaluate import trim_evals
-from tlt.services.trainer.procs import ServiceError, ServiceProcess, tlt_command
+from tlt.services.trainer.procs import ServiceError, ServiceProcess
 from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
 from tlt.services.trainer.run_folder import claim, default_folder, read_run_file, write_atomic
 

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from tlt.cli import tlt_command  # noqa: F401 - the launcher's and the serve check's import
 from tlt.services.common.logging import get_logger
 
 log = get_logger("run.procs")

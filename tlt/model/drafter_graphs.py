@@ -5,7 +5,7 @@ with the target's own steps replayed from graphs (`decode_graphs`, `verify_graph
 than the target step it saves (BENCHMARKS.md, "GPU (H200)": tail 0.77-0.90x with graphs, 2.6x eagerly). Here
 `drafter_runtime.chain_draft` runs on static buffers padded to a batch bucket:
 
-    h [bucket, H], cache rows, committed lengths, root positions  [bucket]   the chains' roots
+    h [bucket, H], cache rows, root positions  [bucket]   the chains' roots (their lengths read from the cache)
     params [bucket, 4], u [bucket, depth]                                   sampled chains only
     -> tokens [bucket, depth], cumulative log-probs [bucket, depth], draft distributions [bucket, depth, V]
 
@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from tlt.model.drafter import DrafterCache
-from tlt.model.drafter_runtime import DrafterRuntime, chain_draft_fn
+from tlt.model.drafter_runtime import DrafterRuntime
 
 GraphMode = Literal["cuda", "emulate"]
 
@@ -61,27 +61,22 @@ class ChainGraphs:
         """What the graphs hold the addresses of: the cache, the rotary tables, the fused weights (`refresh`
         makes new ones at every drafter hot-swap) and the target's embedding and lm_head."""
         c, r = self.cache, self.runtime
-        return (c.k.data_ptr(), c.v.data_ptr(), c.capacity, r._cos.data_ptr(), r._sin.data_ptr(), r._cos.shape[0],
-                r.weights_version, r.drafter.embed.data_ptr(), r.drafter.lm_head.data_ptr())
+        return (c.k.data_ptr(), c.v.data_ptr(), c.lengths.data_ptr(), c.capacity, r._cos.data_ptr(), r._sin.data_ptr(),
+                r._cos.shape[0], r.weights_version, r.drafter.embed.data_ptr(), r.drafter.lm_head.data_ptr())
 
     def _inputs(self, b: int, depth: int, sampled: bool) -> dict[str, torch.Tensor]:
         dev, hdim = self.runtime.device, self.runtime.drafter.cfg.hidden_size
         return {"h": torch.zeros(b, hdim, dtype=self.runtime.dtype, device=dev),
                 "rows": torch.full((b,), self.scratch, dtype=torch.long, device=dev),
-                "committed": torch.zeros(b, dtype=torch.long, device=dev),
                 "root_pos": torch.zeros(b, dtype=torch.long, device=dev),
                 "params": torch.tensor([[1.0, 0.0, 1.0, 0.0]] * b, device=dev) if sampled else None,
                 "u": torch.full((b, depth), 0.5, device=dev) if sampled else None}
 
     def _call(self, x: dict[str, torch.Tensor], depth: int, flags: int) -> list[torch.Tensor]:
-        """`DrafterRuntime.chain`'s call of the chain on the static buffers `x` (what a graph records)."""
-        r, c = self.runtime, self.runtime.drafter.cfg
-        packed, (fc, qkv, o, gate_up, down, ln2) = r._weights(x["h"].shape[0])
-        return chain_draft_fn(x["h"], r.drafter.embed, r.drafter.lm_head.to(x["h"].dtype), fc, qkv, r.qkv_b, o, ln2,
-                              gate_up, down, packed, r._eps, r._exact_hf, self.cache.k, self.cache.v, x["rows"],
-                              x["committed"], x["root_pos"], r._cos, r._sin, depth, c.num_heads, c.num_kv_heads,
-                              c.head_dim, c.intermediate_size, float("-inf"), x["params"], x["u"],
-                              self.cache.capacity, flags)
+        """The chain on the static buffers `x` (what a graph records); the rows' lengths are read in it."""
+        c = self.cache
+        return self.runtime.chain_call(x["h"], c, x["rows"], c.lengths[x["rows"]], x["root_pos"], depth,
+                                       float("-inf"), x["params"], x["u"], c.capacity, flags)
 
     def _capture(self, key: tuple, b: int, depth: int, sampled: bool, flags: int) -> None:
         x = self._inputs(b, depth, sampled)
@@ -138,21 +133,18 @@ class ChainGraphs:
         if need > self.cache.capacity or need > self.runtime._cos.shape[0]:
             raise ValueError(f"a chain needing {need} positions on a drafter cache of {self.cache.capacity} and "
                              f"rotary tables of {self.runtime._cos.shape[0]}: grow them first")
-        committed = self.cache.lengths[rows]
         self._sync_generation()
         sampled = u is not None
         key = (b, depth, sampled, filter_flags if sampled else 0)
         if key not in self.graphs:
             self._capture(key, b, depth, sampled, key[3])
         graph, x, out = self.graphs[key]
+        # padding rows keep what a larger batch left in h, root_pos, params and u (valid values, discarded
+        # outputs) but must draft into the scratch row, not a real row named there last time
         x["h"][:n].copy_(h)
-        x["h"][n:].zero_()
         x["rows"][:n].copy_(rows)
         x["rows"][n:] = self.scratch
-        x["committed"][:n].copy_(committed)
-        x["committed"][n:] = 0
         x["root_pos"][:n].copy_(root_pos)
-        x["root_pos"][n:] = 0
         if sampled:
             assert params is not None and u is not None
             x["params"][:n].copy_(params)

@@ -281,25 +281,39 @@ class DrafterRuntime:
 
     __call__ = forward
 
+    def ensure_chain(self, cache: DrafterCache, need: int) -> None:
+        """Grow the cache and the rotary tables to `need` positions: a bound on every row's cached length + depth
+        and root position + depth of the chains to come (the caller's sequence lengths + depth give one)."""
+        cache.ensure(need)
+        self._ensure_rope(need)
+
     @torch.inference_mode()
     def chain(self, h: torch.Tensor, cache: DrafterCache, rows: torch.Tensor, root_pos: torch.Tensor,
               depth: int, min_score: float = float("-inf"), params: torch.Tensor | None = None,
-              u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              u: torch.Tensor | None = None,
+              need: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Chain drafting in one scripted call: h [B, H] = h' of each row's root pair (already fed),
         root_pos [B] -> (draft tokens [B, D], cumulative draft log-probs [B, D], draft distributions
         [B, D, V] or None), D <= depth: drafting stops once every row's cumulative log-prob is below
         `min_score`. Greedy by default; with uniforms u [B, depth] and sampling params [B, 4]
         (temperature, top_k, top_p, min_p) the drafts are sampled (see `chain_draft`). The rows'
-        cached lengths are left as they were (the drafted entries past them are dead)."""
-        c = self.drafter.cfg
+        cached lengths are left as they were (the drafted entries past them are dead). need: see
+        `ensure_chain` (None: read from the device)."""
         committed = cache.lengths[rows]
-        self._ensure_rope(int(root_pos.max()) + depth)
-        cache.ensure(int(committed.max()) + depth)
-        packed, (fc, qkv, o, gate_up, down, ln2) = self._weights(h.shape[0])
-        lm_head = self.drafter.lm_head.to(h.dtype)
-        toks, scores, probs = chain_draft_fn(h, self.drafter.embed, lm_head, fc, qkv, self.qkv_b, o, ln2, gate_up,
-                                             down, packed, self._eps, self._exact_hf, cache.k, cache.v, rows,
-                                             committed, root_pos.to(h.device), self._cos, self._sin, depth,
-                                             c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                                             min_score, params, u)
+        if need is None:
+            need = max(int(root_pos.max()), int(committed.max())) + depth
+        self.ensure_chain(cache, need)
+        toks, scores, probs = self.chain_call(h, cache, rows, committed, root_pos, depth, min_score, params, u)
         return toks, scores, (probs if u is not None else None)
+
+    def chain_call(self, h: torch.Tensor, cache: DrafterCache, rows: torch.Tensor, committed: torch.Tensor,
+                   root_pos: torch.Tensor, depth: int, min_score: float, params: torch.Tensor | None,
+                   u: torch.Tensor | None, span_cap: int = 0, filter_flags: int = -1) -> list[torch.Tensor]:
+        """`chain_draft` on this drafter's fused weights and tables (cache and tables already grown): what `chain`
+        runs, and what `drafter_graphs.ChainGraphs` records (span_cap, filter_flags: see `chain_draft`)."""
+        c = self.drafter.cfg
+        packed, (fc, qkv, o, gate_up, down, ln2) = self._weights(h.shape[0])
+        return chain_draft_fn(h, self.drafter.embed, self.drafter.lm_head.to(h.dtype), fc, qkv, self.qkv_b, o, ln2,
+                              gate_up, down, packed, self._eps, self._exact_hf, cache.k, cache.v, rows, committed,
+                              root_pos.to(h.device), self._cos, self._sin, depth, c.num_heads, c.num_kv_heads,
+                              c.head_dim, c.intermediate_size, min_score, params, u, span_cap, filter_flags)

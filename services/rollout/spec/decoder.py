@@ -154,15 +154,15 @@ class SpecDecoder:
         if config.drafter == "learned":
             if drafter is None:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
-            used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)
-            depths = tuple(sorted({min(a.steps, a.draft_tokens - 1) for a in used if a.topk == 1 and not a.is_plain}))
             # rows: a sequence holds one from its first draft until it ends, so more than the threshold's worth
             # only when a batch grew past it and fell back while those still ran (the cache then adds rows)
             self.source: NgramSource | EagleSource = EagleSource(
                 drafter, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
                 graph_buckets=default_buckets(config.threshold), graph_rows=min(max_seqs, 2 * config.threshold))
             if self.source.graphs is not None:  # what the rollouts will draft: greedy chains only without the cut
-                self.source.graphs.capture_all(depths, greedy=config.chain_min_prob == 0,
+                used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)
+                depths = {min(a.steps, a.draft_tokens - 1) for a in used if a.topk == 1 and not a.is_plain}
+                self.source.graphs.capture_all(tuple(sorted(depths)), greedy=config.chain_min_prob == 0,
                                                sampled=config.chain_sampling)
         else:
             self.source = NgramSource(config.ngram_min, config.ngram_max)

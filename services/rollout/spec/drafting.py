@@ -257,22 +257,21 @@ class EagleSource:
             first = torch.tensor([s.num_tokens for s in seqs], device=dev)[:, None]
             u = counter_uniforms(key_tensor([s.rng_key for s in seqs], dev), first + torch.arange(depth, device=dev),
                                  DRAFT)
+        # what the chain writes and the rotary rows it reads stay below the longest sequence + depth (a row holds
+        # at most a pair per position): known here, so neither path reads the lengths back from the device for it
+        need = max(s.num_tokens for s in seqs) + depth
         drafted = None
         if self.graphs is not None and (sample or self.chain_min_score == float("-inf")):
-            # what the chain writes stays below the longest sequence + depth (a row holds at most a pair per
-            # position): known here, so the graphs' path reads nothing back from the device
-            need = max(s.num_tokens for s in seqs) + depth
-            self.cache.ensure(need)
-            self.runtime._ensure_rope(need)
+            self.runtime.ensure_chain(self.cache, need)
             flags = int(any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs)) \
                 | 2 * int(any(s.params.min_p > 0 for s in seqs))
             drafted = self.graphs.chain(h, rows, root_pos, depth, params, u, flags, need)  # None: past the buckets
         if drafted is not None:
             drafts, scores, probs = drafted
-        elif sample:
-            drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, params=params, u=u)
-        else:  # rows keep only verified pairs either way
-            drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth, self.chain_min_score)
+        else:  # greedy chains take the confidence cut; sampled ones never do (rows keep only verified pairs)
+            drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth,
+                                                       float("-inf") if sample else self.chain_min_score,
+                                                       params, u, need)
         counts = torch.full((len(seqs),), drafts.shape[1] + 1, dtype=torch.long)
         if not sample and self.chain_min_score > float("-inf"):  # the confidence cut (off by default: no work)
             keep = scores >= self.chain_min_score
