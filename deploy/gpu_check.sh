@@ -52,10 +52,12 @@ if [ "${1:-}" = "--fetch" ]; then
   exit 0
 fi
 
+# the steps that need artifacts/tiny and artifacts/drafter-tiny, after those that do not
+ARTIFACT_STEPS="rollout rollout-eager drafter-graphs serve profile e2e e2e-lend e2e-wide"
+ALL_STEPS="tests engine tune kernels $ARTIFACT_STEPS"
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
-  case $step in tests|engine|tune|kernels|rollout|rollout-eager|drafter-graphs|serve|profile|e2e|e2e-lend|e2e-wide) ;;
-    *) echo "unknown step '$step': choose from tests engine tune kernels rollout rollout-eager drafter-graphs serve profile e2e e2e-lend e2e-wide"; exit 2 ;; esac
+  [[ " $ALL_STEPS " == *" $step "* ]] || { echo "unknown step '$step': choose from $ALL_STEPS"; exit 2; }
 done
 : "${OUT:=/tmp/gpu-check-out}"
 mkdir -p "$OUT"
@@ -88,11 +90,11 @@ if want engine; then gpu_pytest 60 tests/test_engine_cuda.py; fi
 if want tune; then bench_kernels 200 tune --tree-pages 1 2 4 --tree-block-m 0 32 16; fi
 if want kernels; then bench_kernels 90 kernels; fi
 
-if ! want rollout && ! want rollout-eager && ! want drafter-graphs && ! want serve && ! want profile && ! want e2e && ! want e2e-lend && ! want e2e-wide; then
-  exit $status
-fi
+needed=0
+for step in $ARTIFACT_STEPS; do if want "$step"; then needed=1; fi; done
+if [ $needed = 0 ]; then exit $status; fi
 [ -f artifacts/tiny/.complete ] && [ -d artifacts/drafter-tiny ] || {
-  echo "no artifacts/tiny or artifacts/drafter-tiny carried: rollout, rollout-eager, serve, profile and e2e not run"; exit 1; }
+  echo "no artifacts/tiny or artifacts/drafter-tiny carried: $ARTIFACT_STEPS not run"; exit 1; }
 TAIL="--workload task --min-tokens 100 --prompts 4 --n 1 --max-tokens 256 --arms 12_1_13,8_1_9,5_1_6,plain
       --threshold 16 --temperature 1.0 --repeats 5"
 WHOLE="--workload task --prompts 32 --n 8 --temperature 1.0 --max-tokens 320 --threshold 256 --verify-budget 0
