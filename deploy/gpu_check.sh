@@ -53,7 +53,7 @@ if [ "${1:-}" = "--fetch" ]; then
 fi
 
 # the steps that need artifacts/tiny and artifacts/drafter-tiny, after those that do not
-ARTIFACT_STEPS="rollout rollout-eager drafter-graphs serve profile e2e e2e-lend e2e-wide"
+ARTIFACT_STEPS="rollout rollout-eager drafter-graphs e2e-shape serve profile e2e e2e-lend e2e-wide e2e-wide-dg"
 ALL_STEPS="tests engine tune kernels $ARTIFACT_STEPS"
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
@@ -130,6 +130,14 @@ if want drafter-graphs; then
   rollout tail_eager_dg 45 $TAIL --kernels torch --drafter-graphs cuda
   rollout whole_eager_dg 150 $WHOLE --kernels torch --drafter-graphs cuda
 fi
+if want e2e-shape; then
+  # the e2e's rollout (8 prompts x 8, threshold 64, the cpu-tiny preset's arms) through the engine alone: what the
+  # engine gains on that shape, and its step time against the e2e's (its server path)
+  E2E_SHAPE="--workload task --prompts 8 --n 8 --temperature 1.0 --max-tokens 320 --threshold 64 --buckets 1,2,5
+             --arms 12_1_13,8_1_9,5_1_6,plain/12_1_13,8_1_9,5_1_6,plain/8_1_9,5_1_6,3_1_4,plain --repeats 3 --kernels torch"
+  rollout e2e_shape 60 $E2E_SHAPE
+  rollout e2e_shape_dg 60 $E2E_SHAPE --drafter-graphs cuda
+fi
 if want serve; then
   timeout 240 python3 -P deploy/gpu_serve_check.py 2>&1 | tee "$OUT/serve.log" || status=1
 fi
@@ -156,9 +164,9 @@ if want e2e; then e2e e2e; fi
 if want e2e-lend; then e2e e2e_lend --set trainer.lend_rollout_devices=true; fi
 # and with the whole-rollout bench's shape: 32 prompts x 8 per step, SD up to batch 256 without a verify budget (an
 # 8 x 8 rollout has little tail: BENCHMARKS.md, "Session 31: the whole rollout"), 4 updates a step as before
-if want e2e-wide; then
-  e2e e2e_wide --set trainer.lend_rollout_devices=true --set trainer.prompts_per_step=32 \
-    --set trainer.mini_batch_size=64 --set trainer.micro_batch_size=16 --set rollout.spec.threshold=256 \
-    --set rollout.spec.verify_token_budget=0
-fi
+WIDE="--set trainer.lend_rollout_devices=true --set trainer.prompts_per_step=32 --set trainer.mini_batch_size=64
+      --set trainer.micro_batch_size=16 --set rollout.spec.threshold=256 --set rollout.spec.verify_token_budget=0"
+if want e2e-wide; then e2e e2e_wide $WIDE; fi
+# e2e-wide with the learned drafter's chains replayed from CUDA graphs in TLT's rollout
+if want e2e-wide-dg; then e2e e2e_wide_dg $WIDE --set rollout.spec.drafter_graphs=cuda; fi
 exit $status
