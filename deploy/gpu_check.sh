@@ -53,7 +53,7 @@ if [ "${1:-}" = "--fetch" ]; then
 fi
 
 # the steps that need artifacts/tiny and artifacts/drafter-tiny, after those that do not
-ARTIFACT_STEPS="rollout rollout-eager drafter-graphs e2e-shape serve profile e2e e2e-lend e2e-wide e2e-wide-dg"
+ARTIFACT_STEPS="rollout rollout-eager drafter-graphs e2e-shape serve profile e2e e2e-lend e2e-frozen e2e-wide e2e-wide-dg"
 ALL_STEPS="tests engine tune kernels $ARTIFACT_STEPS"
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
@@ -154,14 +154,20 @@ e2e() {  # name, extra --set flags...
     --set rollout.engine.kernels=torch --set rollout.spec.threshold=64 --set drafter.device=cuda \
     --set trainer.max_tokens=320 --set trainer.eval_problems=0 --set run.drafter_init=artifacts/drafter-tiny "$@" \
     2>&1 | tail -60 | tee "$OUT/$name.log" || status=1
-  mkdir -p "$OUT/$name"  # a few files: the device tool brings back only so many
-  (cd "/tmp/$name" && cp --parents results.json reward.png tlt.out baseline.out tlt/metrics.jsonl baseline/metrics.jsonl \
-    tlt/drafter.jsonl "$OUT/$name/") || true
+  mkdir -p "$OUT/$name"  # a few files, flat: the device tool brings back only so many
+  for f in results.json reward.png tlt.out baseline.out {tlt,baseline}/{metrics.jsonl,rollout_status.json} \
+           tlt/drafter.jsonl; do
+    if [ -f "/tmp/$name/$f" ]; then cp "/tmp/$name/$f" "$OUT/$name/${f//\//_}"; fi
+  done
 }
 if want e2e; then e2e e2e; fi
 # the same with the drafter kept off the GPU while the trainer updates, as deploy/configs/1gpu.toml does (in session
 # 31's second e2e run TLT's steps spent ~0.3 s more than the baseline's outside the rollout, ~0.08 s in the first)
 if want e2e-lend; then e2e e2e_lend --set trainer.lend_rollout_devices=true; fi
+# e2e-lend with TLT's drafter frozen (the warm-up drafter, no drafter service: no features collected, no training,
+# no hot-swap): what the online drafter costs the rollout (session 32: the 8 x 8 rollout gains 2.5x through the
+# engine alone, 1.36x in the e2e)
+if want e2e-frozen; then e2e e2e_frozen --set trainer.lend_rollout_devices=true --set run.drafter=false; fi
 # and with the whole-rollout bench's shape: 32 prompts x 8 per step, SD up to batch 256 without a verify budget (an
 # 8 x 8 rollout has little tail: BENCHMARKS.md, "Session 31: the whole rollout"), 4 updates a step as before
 WIDE="--set trainer.lend_rollout_devices=true --set trainer.prompts_per_step=32 --set trainer.mini_batch_size=64

@@ -123,6 +123,8 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     assert [m["step"] for m in lines] == [0, 1]
     assert all(m["times"]["rollout_s"] > 0 and m["times"]["update_s"] > 0 and m["times"]["push_s"] > 0 for m in lines)
     assert (run_dir / "timeline.jsonl").read_text().count("\n") > 5  # the rollout's status was sampled
+    last = json.loads((run_dir / "rollout_status.json").read_text())  # ... and its last one kept, speculation's view
+    assert [r["replica_id"] for r in last["replicas"]] == [0] and last["replicas"][0]["spec"]["mode"] == "adaptive"
     page = (run_dir / "report.html").read_text()
     assert "Rollout accuracy:" in page and page.count("<tr>") == 3
     # the held-out eval ran before training and after the last step, is in the report and the summary line

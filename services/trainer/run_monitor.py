@@ -1,6 +1,8 @@
 """What `tlt run` watches while the trainer works: the rollout's running batch and the drafter's windows.
 
     RolloutSampler  thread: GetStatus every poll_interval_s -> timeline.jsonl (TimelineSample per line)
+                    + rollout_status.json (the last status, written at the end: each replica's speculation,
+                    the bandit's view per bucket and the steps per arm, for reading a run afterwards)
     DrafterSampler  thread: Drafter/GetStatus every second -> drafter.jsonl (each new training window once)
                     + drafter_status.json (the latest status, for the report)
 
@@ -53,6 +55,8 @@ class RolloutSampler(_Poller):
         super().__init__(interval_s)
         self.client = RolloutClient(address, timeout_s=5.0)
         self.out = open_append(path)
+        self.status_path = path.parent / "rollout_status.json"
+        self.last = None  # the latest RolloutStatus (written once, at close: a poll only keeps the message)
         self.samples = 0
 
     def poll(self) -> None:
@@ -60,6 +64,7 @@ class RolloutSampler(_Poller):
 
         st = self.client.status()
         t = time.time()
+        self.last = st
         reps = list(st.replicas)
         s = TimelineSample(t, tuple(r.running for r in reps), tuple(r.queued for r in reps),
                            tuple(bool(r.spec.active) for r in reps), int(st.versions.policy), int(st.versions.drafter))
@@ -71,6 +76,13 @@ class RolloutSampler(_Poller):
         super().close()
         self.client.close()
         self.out.close()
+        if self.last is not None:
+            from google.protobuf.json_format import MessageToDict
+
+            tmp = self.status_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(MessageToDict(self.last, preserving_proto_field_name=True,
+                                                 always_print_fields_with_no_presence=True), indent=1))
+            tmp.replace(self.status_path)
 
 
 class DrafterSampler(_Poller):

@@ -102,6 +102,9 @@ class ChainGraphs:
         generation = self._current_generation()
         if generation != self._generation:  # reallocated: every graph holds the old addresses
             self.graphs.clear()
+            # with its graphs gone the private pool is released: capturing into its handle again trips the
+            # caching allocator's assert (`use_count > 0`, first seen on an H200 in session 32); a new pool
+            self._pool = None
             self._generation = generation
 
     @torch.inference_mode()
