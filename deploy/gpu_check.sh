@@ -7,9 +7,13 @@
 #                      profile (default: all five, in that order), or engine: tests/test_engine_cuda.py alone, or
 #                      tune: the tree-verify kernel's variants timed (-> $OUT/tune.json), or rollout-eager: the
 #                      whole rollout on the eager path alone, or e2e: `tlt bench e2e` with every service on the GPU,
-#                      or e2e-lend: the same with trainer.lend_rollout_devices on, or e2e-wide: that with 32 x 8
-#                      sequences a step and SD up to batch 256, or drafter-graphs: the rollout benches with the
-#                      drafter's chains replayed from CUDA graphs (--drafter-graphs cuda). The steps' time limits add
+#                      or e2e-lend: the same with trainer.lend_rollout_devices on, or e2e-frozen: e2e-lend with
+#                      TLT's drafter frozen (no drafter service), or e2e-wide: e2e-lend with 32 x 8 sequences a step
+#                      and SD up to batch 256 (e2e-wide-dg: with drafter graphs), or drafter-graphs: the rollout
+#                      benches with the drafter's chains replayed from CUDA graphs (--drafter-graphs cuda), or
+#                      e2e-shape: the e2e's 8 x 8 rollout through the engine alone. E2E_PAIRS=K runs each e2e step
+#                      as K alternating TLT / baseline pairs; each e2e step's files come back as one $OUT/NAME.tgz
+#                      (the device tool brings back 8 files a call). The steps' time limits add
 #                      up past the device tool's 10 minutes a call: split them, e.g. `tests kernels rollout` and
 #                      `serve profile e2e` (session 31: tests + rollout + profile ran 225 s, e2e 170 s)
 #
@@ -27,8 +31,8 @@
 #   5. with the same artifacts: deploy/gpu_profile.py, torch.profiler tables of one off and one learned tail run
 #      on Triton + CUDA graphs -> $OUT/profile.log (step 3 writes a summary line per mode in $OUT/gpu.txt)
 #   6. (e2e, not in the default list) with the same artifacts and the deepspeed wheel: issue #6's `tlt bench e2e` on
-#      the cpu-tiny preset with the rollout, drafter and trainer on the GPU -> $OUT/e2e.log, $OUT/e2e/ (first run in
-#      session 31)
+#      the cpu-tiny preset with the rollout, drafter and trainer on the GPU -> $OUT/e2e.log, $OUT/e2e.tgz (first run
+#      in session 31)
 # Each step runs under its own time limit (a hang costs that step, not the lease) and a failed step does not stop the
 # next. First run in session 30 on an H200 (BENCHMARKS.md, "GPU").
 set -euo pipefail
@@ -148,17 +152,18 @@ fi
 e2e() {  # name, extra --set flags...
   # issue #6 on the GPU: the cpu-tiny preset's RL step with every service on the GPU, TLT (adaptive SD, online drafter
   # started from the warm-up drafter) against the baseline; run folders in /tmp, their summaries back under $OUT/NAME
-  local name=$1; shift
-  timeout 300 python3 -P -m tlt.cli bench e2e --preset cpu-tiny --steps 6 --noise-seed -1 --model artifacts/tiny \
+  # E2E_PAIRS=K: K TLT / baseline pairs in alternating order (a GPU host's run-to-run noise: in session 32 the same
+  # baseline's mean step was 2.40 s in one pair and 3.49 s in the next)
+  local name=$1 pairs=${E2E_PAIRS:-1}; shift
+  timeout $((60 + 130 * pairs)) python3 -P -m tlt.cli bench e2e --preset cpu-tiny --steps 6 --noise-seed -1 \
+    --pairs "$pairs" --model artifacts/tiny \
     --out "/tmp/$name" --set rollout.engine.device=cuda --set rollout.engine.dtype=bfloat16 \
     --set rollout.engine.kernels=torch --set rollout.spec.threshold=64 --set drafter.device=cuda \
     --set trainer.max_tokens=320 --set trainer.eval_problems=0 --set run.drafter_init=artifacts/drafter-tiny "$@" \
     2>&1 | tail -60 | tee "$OUT/$name.log" || status=1
-  mkdir -p "$OUT/$name"  # a few files, flat: the device tool brings back only so many
-  for f in results.json reward.png tlt.out baseline.out {tlt,baseline}/{metrics.jsonl,rollout_status.json} \
-           tlt/drafter.jsonl; do
-    if [ -f "/tmp/$name/$f" ]; then cp "/tmp/$name/$f" "$OUT/$name/${f//\//_}"; fi
-  done
+  # one archive: the device tool brings back at most 8 files a call (session 32 lost 16 to that limit)
+  (cd "/tmp/$name" && tar czf "$OUT/$name.tgz" --ignore-failed-read results.json reward.png ./*.out ./*/metrics.jsonl \
+    ./*/rollout_status.json ./*/drafter.jsonl 2>/dev/null) || true
 }
 if want e2e; then e2e e2e; fi
 # the same with the drafter kept off the GPU while the trainer updates, as deploy/configs/1gpu.toml does (in session
