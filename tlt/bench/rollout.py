@@ -89,8 +89,8 @@ Without it a full collection (0.19-0.27 s of a 2-4 s run) can land inside a run 
 time does not time a GPU, and `--hook-cost` is refused there): plain decode and verify steps replayed from CUDA graphs
 captured as each run's engine is built, outside the timed run. `--kernels torch` (and `--graphs off`) is the eager
 PyTorch path. `--drafter-graphs cuda` replays the learned drafter's chains from CUDA graphs too (captured as each
-run's engine is built, again inside a run only when its drafter cache grows; unverified on a GPU so far).
-Sessions 30-31's H200 figures: BENCHMARKS.md, "GPU (H200)".
+run's engine is built; the engine sizes the drafter cache for its context so that none lands inside a run).
+Sessions 30-32's H200 figures: BENCHMARKS.md, "GPU (H200)".
 
 `--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
 (topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
@@ -195,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine is built, outside the timed run)")
     parser.add_argument("--drafter-graphs", choices=("off", "cuda", "emulate"), default="off",
                         help="SpecConfig.drafter_graphs (learned modes): the drafter's chains replayed from CUDA "
-                             "graphs per batch bucket (cuda: needs --device cuda; unverified, BENCHMARKS.md 'GPU')")
+                             "graphs per batch bucket (cuda: needs --device cuda; BENCHMARKS.md 'GPU (H200)')")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

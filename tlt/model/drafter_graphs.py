@@ -20,8 +20,10 @@ replaced) and captured again as used; `capture_all` captures what a rollout will
 Modes: "cuda" captures `torch.cuda.CUDAGraph`s; "emulate" runs the same padded static call eagerly, what the CPU
 tests compare with the dynamic `DrafterRuntime.chain` (tests/test_drafter_graphs.py).
 
-Status: "emulate" is tested on CPU; "cuda" is **unverified**: written in session 31 after its device time was
-spent; tests/test_engine_cuda.py has its GPU test.
+Status: "emulate" is tested on CPU; "cuda" passed its GPU test (tests/test_engine_cuda.py) on an H200 in session
+32, after a fix: a capture after the graphs were dropped reused the released pool's handle. With graphs the
+engine sizes the cache for its context (services/rollout/spec/decoder.py, GRAPH_CACHE_POSITIONS), so that a
+rollout rarely drops them.
 """
 
 from __future__ import annotations

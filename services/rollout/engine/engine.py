@@ -323,7 +323,8 @@ class LLMEngine:
         A learned drafter is `drafter`, or else loaded from `spec_config.drafter_path`."""
         from tlt.services.rollout.spec.decoder import build_spec_decoder
 
-        decoder = build_spec_decoder(spec_config, self.runner, self.block_manager, drafter, self.config.max_num_seqs)
+        decoder = build_spec_decoder(spec_config, self.runner, self.block_manager, drafter, self.config.max_num_seqs,
+                                     self.max_model_len)
         if decoder is None:  # mode off
             return
         self.spec_decoder = decoder

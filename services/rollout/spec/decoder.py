@@ -125,7 +125,7 @@ class SpecEmission:
 
 
 def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: BlockManager,
-                       drafter=None, max_seqs: int = 8) -> SpecDecoder | None:
+                       drafter=None, max_seqs: int = 8, max_model_len: int = 0) -> SpecDecoder | None:
     """The engine's decoder for `config` (None when mode is off). A learned drafter is the one given or
     else loaded from `drafter_path` onto the target's device and dtype, sharing the target's embed/lm_head."""
     if config.mode == "off":
@@ -136,14 +136,22 @@ def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: B
         model = runner.model
         drafter = load_drafter(config.drafter_path, model.embed, model.lm_head)
         drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
-    return SpecDecoder(config, runner, block_manager, drafter, max_seqs)
+    return SpecDecoder(config, runner, block_manager, drafter, max_seqs, max_model_len)
+
+
+# With drafter graphs the drafter cache starts with room for a whole sequence up to this many positions: each
+# growth drops the graphs and captures them again, which inside a rollout cost tens of ms a capture (session 32,
+# H200: the whole-rollout bench's batch 2-4 bucket at 0.65x when its first 320-token sequences grew the cache past
+# its 256 positions). Longer contexts still grow by doubling: every graphed chain step attends over the capacity.
+GRAPH_CACHE_POSITIONS = 2048
 
 
 class SpecDecoder:
     def __init__(self, config: SpecConfig, runner: ModelRunner, block_manager: BlockManager, drafter=None,
-                 max_seqs: int = 8) -> None:
+                 max_seqs: int = 8, max_model_len: int = 0) -> None:
         """max_seqs: the most sequences the engine runs at once (EngineConfig.max_num_seqs), what the drafter's
-        graphs size its cache for (SpecConfig.drafter_graphs)."""
+        graphs size its cache for (SpecConfig.drafter_graphs); max_model_len: the engine's context limit (0:
+        unknown), which with graphs sizes its positions (GRAPH_CACHE_POSITIONS)."""
         self.config = config
         self.runner = runner
         self.bm = block_manager
@@ -156,8 +164,12 @@ class SpecDecoder:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
             # rows: a sequence holds one from its first draft until it ends, so more than the threshold's worth
             # only when a batch grew past it and fell back while those still ran (the cache then adds rows)
+            capacity = 256
+            if config.drafter_graphs != "off" and max_model_len > 0:
+                deepest = max((a.steps for arms in config.arms() for a in arms), default=0)
+                capacity = max(capacity, min(GRAPH_CACHE_POSITIONS, max_model_len + max(deepest, self.static_arm.steps)))
             self.source: NgramSource | EagleSource = EagleSource(
-                drafter, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
+                drafter, capacity=capacity, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
                 graph_buckets=default_buckets(config.threshold), graph_rows=min(max_seqs, 2 * config.threshold))
             if self.source.graphs is not None:  # what the rollouts will draft: greedy chains only without the cut
                 used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)

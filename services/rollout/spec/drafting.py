@@ -103,6 +103,8 @@ class EagleSource:
         self.rows: dict[tuple[str, int], int] = {}
         # with drafter graphs, row 0 is their padding rows' scratch row and no sequence's
         self.graphs = None if graphs == "off" else ChainGraphs(self.runtime, self.cache, 0, graph_buckets, graphs)  # type: ignore[arg-type]
+        if self.graphs is not None:  # the rotary tables cover the cache's positions from the start: their growth
+            self.runtime.ensure_chain(self.cache, capacity)  # drops the graphs as the cache's does
         self.free_rows: list[int] = list(range(1 if self.graphs is not None else 0, rows))[::-1]
         # per sequence: pending pairs (tokens, features [k, H], first position), the position of the
         # last pair fed, and the drafter output of that pair (h' of the root when it is the root pair)
