@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from tlt.bench import resolve_model
-    from tlt.services.common.gc_heap import GcPauses, freeze_heap
+    from tlt.services.common.gc_heap import GcPauses, freeze_heap, unfreeze_heap
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
@@ -493,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
     finally:  # the caller's process as it was (the tests call run() in-process)
         pauses.uninstall()
         if args.gc_freeze == "on":
-            gc.unfreeze()
+            unfreeze_heap()
     per_mode = iter([row[j] for row in rounds] for j in range(len(ran)))  # column j: mode ran[j], all rounds
     results = []
     for mode in modes:
