@@ -151,11 +151,14 @@ if want profile; then
 fi
 e2e() {  # name, extra --set flags...
   # issue #6 on the GPU: the cpu-tiny preset's RL step with every service on the GPU, TLT (adaptive SD, online drafter
-  # started from the warm-up drafter) against the baseline; run folders in /tmp, their summaries back under $OUT/NAME
+  # started from the warm-up drafter) against the baseline; run folders in /tmp, their files back as $OUT/NAME.tgz
   # E2E_PAIRS=K: K TLT / baseline pairs in alternating order (a GPU host's run-to-run noise: in session 32 the same
   # baseline's mean step was 2.40 s in one pair and 3.49 s in the next)
-  local name=$1 pairs=${E2E_PAIRS:-1}; shift
-  timeout $((60 + 130 * pairs)) python3 -P -m tlt.cli bench e2e --preset cpu-tiny --steps 6 --noise-seed -1 \
+  # E2E_LIMIT: seconds per pair (default 130: session 31-32's 8 x 8 pairs took 100-110 s; the 32 x 8 steps get 240)
+  local name=$1 pairs=${E2E_PAIRS:-1} limit=${E2E_LIMIT:-130}; shift
+  case "$name" in e2e_wide*) limit=${E2E_LIMIT:-240};; esac
+  rm -rf "/tmp/$name"  # a warm machine keeps the last call's runs: none of them may end up in this call's archive
+  timeout $((60 + limit * pairs)) python3 -P -m tlt.cli bench e2e --preset cpu-tiny --steps 6 --noise-seed -1 \
     --pairs "$pairs" --model artifacts/tiny \
     --out "/tmp/$name" --set rollout.engine.device=cuda --set rollout.engine.dtype=bfloat16 \
     --set rollout.engine.kernels=torch --set rollout.spec.threshold=64 --set drafter.device=cuda \

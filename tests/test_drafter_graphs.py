@@ -210,3 +210,22 @@ def test_with_graphs_the_engine_sizes_the_drafter_cache_for_its_context_and_capt
         else:  # the eager chain's cache still starts small and grows by doubling
             assert start == 256 < source.cache.capacity
     assert len(outs[0]) == 300 and outs[0] == outs[1]
+
+
+def test_the_presized_cache_covers_what_a_tree_arm_writes_past_a_sequence(tmp_path) -> None:
+    """A tree arm (topk > 1) writes (steps - 1) x topk expanded nodes past a sequence's length, more than its depth:
+    an adaptive decoder whose arms mix trees and chains sizes the graphs' cache for the deepest write, so a tree
+    step near the context's end does not grow it (which would drop the chains' graphs mid-rollout)."""
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.engine.testing import random_checkpoint
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    ckpt = random_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                             num_kv_heads=2, max_position_embeddings=320, weight_scale=0.02)
+    eng = LLMEngine(ckpt, EngineConfig(device="cpu", block_size=16, max_num_seqs=4))
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    eng.enable_spec(SpecConfig(drafter="learned", drafter_path="(in memory)", mode="adaptive", threshold=4,
+                               bucket_thresholds=(1, 2), bucket_arms=(("8_4_16", "4_1_5"), ("4_1_5", "plain")),
+                               verify_token_budget=0, drafter_graphs="emulate"), drafter)
+    assert eng.spec_decoder.source.cache.capacity >= eng.max_model_len + 7 * 4

@@ -9,11 +9,13 @@ the rollout front that stalls every open stream; the 64-client load test saw 16 
 `freeze_heap()` moves everything alive once a process is up into the permanent generation (`gc.freeze`), so later
 collections walk only what came after. It returns, and keeps for `GcPauses.snapshot`, how many objects that froze:
 `gc.get_freeze_count()` walks the whole permanent generation, 20-37 ms for a serving process's heap. A replica
-answered every status query with a fresh count, and `tlt run` asks about 7 times a second, so the replica's step
+answered every status query with a fresh count, and `tlt run` asks up to 10 times a second, so the replica's step
 loop stood still for about a fifth of each rollout (session 32, cProfile of a CPU replica: 5.6 s in
-`gc.get_freeze_count` against 2.2 s in engine steps over a 3-step run). Frozen objects are still freed by reference counting; only a reference
-cycle among them would never be collected, so freeze once, in a process's entry point after its startup, never
-in a library call a test makes in-process. `GcPauses` counts each generation's collections and their seconds
+`gc.get_freeze_count` against 2.2 s in engine steps over a 3-step run).
+
+Frozen objects are still freed by reference counting; only a reference cycle among them would never be
+collected, so freeze once, in a process's entry point after its startup, never in a library call a test makes
+in-process. `GcPauses` counts each generation's collections and their seconds
 (`gc.callbacks`), for /metrics (`GcMetrics`).
 """
 
@@ -99,8 +101,8 @@ class GcMetrics:
 
     def __init__(self, metrics: Any) -> None:
         p, pg = ("process",), ("process", "generation")
-        self.frozen = metrics.gauge("gc_frozen_objects", "objects in the permanent generation (gc.freeze after "
-                                    "startup: full collections skip them)", p)
+        self.frozen = metrics.gauge("gc_frozen_objects", "objects frozen after startup (gc.freeze; full "
+                                    "collections skip them), counted at the freeze", p)
         self.collections = metrics.gauge("gc_collections", "garbage collections since the process began serving", pg)
         self.seconds = metrics.gauge("gc_pause_seconds", "seconds the process spent in garbage collections since it "
                                      "began serving (its other threads wait too, but for a finaliser that drops "

@@ -2,7 +2,8 @@
 
     RolloutSampler  thread: GetStatus every poll_interval_s -> timeline.jsonl (TimelineSample per line)
                     + rollout_status.json (the last status, written at the end: each replica's speculation,
-                    the bandit's view per bucket and the steps per arm, for reading a run afterwards)
+                    the bandit's view per bucket and the steps per arm, for reading a run afterwards; protobuf's
+                    JSON mapping: int64 fields are strings)
     DrafterSampler  thread: Drafter/GetStatus every second -> drafter.jsonl (each new training window once)
                     + drafter_status.json (the latest status, for the report)
 
@@ -76,13 +77,16 @@ class RolloutSampler(_Poller):
         super().close()
         self.client.close()
         self.out.close()
-        if self.last is not None:
-            from google.protobuf.json_format import MessageToDict
+        if self.last is not None:  # a report's extra: failing to write it must not keep the launcher from
+            from google.protobuf.json_format import MessageToDict  # stopping the services
 
-            tmp = self.status_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(MessageToDict(self.last, preserving_proto_field_name=True,
-                                                 always_print_fields_with_no_presence=True), indent=1))
-            tmp.replace(self.status_path)
+            try:
+                tmp = self.status_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(MessageToDict(self.last, preserving_proto_field_name=True,
+                                                     always_print_fields_with_no_presence=True), indent=1))
+                tmp.replace(self.status_path)
+            except (OSError, ValueError) as e:
+                log.warning("rollout_status_not_written", path=str(self.status_path), error=str(e))
 
 
 class DrafterSampler(_Poller):

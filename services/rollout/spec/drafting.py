@@ -88,8 +88,9 @@ class EagleSource:
                  graphs: str = "off", graph_buckets: tuple[int, ...] = (1,), graph_rows: int = 8) -> None:
         """graphs ("cuda" / "emulate", SpecConfig.drafter_graphs): chains drafted through `ChainGraphs` for batches
         up to graph_buckets[-1]. The graphs hold the cache's addresses: it starts with graph_rows rows (+ the
-        graphs' scratch row), so that rows are rarely added, and its positions grow by doubling as now (each
-        growth drops the graphs, which are captured again as used: a few times in an engine's life)."""
+        graphs' scratch row), so that rows are rarely added, and `capacity` positions, which the engine sizes for its
+        context with graphs on (SpecDecoder); past that they grow by doubling (each growth drops the graphs, which
+        are captured again as used)."""
         self.drafter = drafter
         # chains: a row's drafts stop at the first whose cumulative draft probability is below this
         self.chain_min_score = math.log(chain_min_prob) if chain_min_prob > 0 else float("-inf")
