@@ -40,6 +40,9 @@ def test_pair_ratios_by_hand():
     assert got["step_time_ratio_range"] == pytest.approx([0.8, 1.25])
     assert got["rollout_time_ratios"] == pytest.approx([1.5, 0.5, 1.2])
     assert got["rollout_time_ratio_median"] == pytest.approx(1.2)
+    assert got["step_time_ratio_pooled"] == pytest.approx((4.0 + 5.0 + 4.4) / (5.0 + 4.0 + 4.0))
+    assert got["rollout_time_ratio_pooled"] == pytest.approx((1.5 + 1.0 + 1.2) / (1.0 + 2.0 + 1.0))
+    assert got["baseline_step_spread"] == pytest.approx(5.0 / 4.0) and got["tlt_step_spread"] == pytest.approx(5.0 / 4.0)
 
 
 def test_rollout_bound_by_hand():

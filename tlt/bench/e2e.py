@@ -135,16 +135,33 @@ def run_order(pairs: int) -> list[tuple[str, bool]]:
 
 
 def pair_ratios(results: dict[str, dict], pairs: int) -> dict:
-    """Per pair: baseline / TLT mean step time and mean rollout time; with their median and range."""
+    """Per pair: baseline / TLT mean step time and mean rollout time; with their median and range. Pooled: the
+    baselines' summed mean steps over the TLT runs' (every run weighs the same). Spread: each side's slowest over
+    fastest mean step, the same work timed again (on one H200 host the same baseline ran 2.40 s and 3.49 s a step:
+    a ratio is worth no more than that spread)."""
     import statistics
 
     step, rollout = [], []
+    t_steps, b_steps, t_rollouts, b_rollouts = [], [], [], []
     for k in range(1, pairs + 1):
         t, b = (results[name] for name in pair_names(k))
         step.append(_ratio(b["mean_step_s"], t["mean_step_s"]))
         rollout.append(_ratio(b["mean_rollout_s"], t["mean_rollout_s"]))
+        t_steps.append(t["mean_step_s"])
+        b_steps.append(b["mean_step_s"])
+        t_rollouts.append(t["mean_rollout_s"])
+        b_rollouts.append(b["mean_rollout_s"])
     known_step, known_rollout = [x for x in step if x is not None], [x for x in rollout if x is not None]
-    return {"step_time_ratios": step, "step_time_ratio_median": statistics.median(known_step) if known_step else None,
+
+    def pooled(num: list, den: list) -> float | None:
+        return None if None in num or None in den else _ratio(sum(num), sum(den))
+
+    def spread(xs: list) -> float | None:
+        return None if None in xs or not min(xs) else max(xs) / min(xs)
+
+    return {"step_time_ratio_pooled": pooled(b_steps, t_steps),
+            "rollout_time_ratio_pooled": pooled(b_rollouts, t_rollouts), "baseline_step_spread": spread(b_steps), "tlt_step_spread": spread(t_steps),
+            "step_time_ratios": step, "step_time_ratio_median": statistics.median(known_step) if known_step else None,
             "step_time_ratio_range": [min(known_step), max(known_step)] if known_step else None,
             "rollout_time_ratios": rollout,
             "rollout_time_ratio_median": statistics.median(known_rollout) if known_rollout else None,
