@@ -28,9 +28,11 @@ come unseeded, and the trainer's never do.
 
 `--pairs K` runs TLT and the baseline K times, in alternating order (tlt, baseline, baseline, tlt,
 tlt, ...: a machine that drifts slower or faster over the bench favours neither), and reports each
-pair's step-time and rollout-time ratios with their median and range (`pairs` in the summary).
+pair's step-time and rollout-time ratios with their median and range, the pooled ratios and each
+side's spread (slowest over fastest mean step: the same work timed again; `pairs` in the summary).
 On a shared VM two runs of one configuration can differ by 14% in step time (BENCHMARKS.md, "End
-to end, Session 6"), so one pair cannot resolve a ratio much closer to 1 than that. The names of
+to end, Session 6"), on an H200 host by 45% (session 32), so one pair cannot resolve a ratio much
+closer to 1 than that. The names of
 pair k > 1 end in `-k`; `step_time_ratio` and the table's first rows stay pair 1's.
 """
 
