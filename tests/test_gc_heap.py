@@ -49,7 +49,8 @@ def test_a_snapshot_reports_the_frozen_count_without_walking_the_frozen_heap(mon
 
     frozen = gc_heap.freeze_heap()
     try:
-        assert frozen == gc.get_freeze_count() > 1000
+        # frozen objects freed by reference counting leave the permanent generation: the live count only falls
+        assert 1000 < frozen and gc.get_freeze_count() <= frozen
 
         def walk() -> int:
             raise AssertionError("snapshot walked the permanent generation")
