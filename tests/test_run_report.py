@@ -494,3 +494,22 @@ def test_a_report_that_fails_is_logged_and_does_not_end_the_run(tmp_path: Path, 
     (tmp_path / "metrics.jsonl").write_text("")
     assert report(tmp_path, 16) is None
     assert "report_failed" in capsys.readouterr().err
+
+
+def test_report_shows_the_rollouts_last_speculation_status(tmp_path: Path) -> None:
+    """rollout_status.json as `tlt run` writes it (MessageToDict: int64 counts as strings) -> the report's tables of
+    each arm's steps and accept length and of the bandit's choices per bucket; no file, no section."""
+    _metrics(tmp_path, [{"reward_mean": 0.5}])
+    write_report(tmp_path, threshold=16)
+    assert "Speculative decoding" not in (tmp_path / "report.html").read_text()
+    status = {"replicas": [{"replica_id": 0, "spec": {
+        "mode": "adaptive", "active": True, "arm": "5_1_6", "mean_accept_len": 4.53, "verify_steps": "120",
+        "plain_steps": "23", "switches": "1", "no_room": "0", "over_budget": "2",
+        "arms": [{"arm": "8_1_9", "steps": "27", "accept_len": 5.74}, {"arm": "plain", "steps": "11", "accept_len": 1.0}],
+        "bandit": [{"bucket": ">=5", "explored": "51", "exploited": "62",
+                    "arms": [{"arm": "3_1_4", "samples": "62", "median_reward": 1664.2, "chosen": "62"}]}]}}]}
+    (tmp_path / "rollout_status.json").write_text(json.dumps(status))
+    page = (write_report(tmp_path, threshold=16)).read_text()
+    assert "120 verify steps, 23 plain steps, mean accept length 4.53" in page and "2 over the verify budget" in page
+    assert "<td>8_1_9</td><td>27</td><td>5.74</td>" in page
+    assert "<td>&gt;=5</td><td>51</td><td>62</td><td>3_1_4</td><td>62</td><td>62</td><td>1664</td>" in page

@@ -126,6 +126,8 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     last = json.loads((run_dir / "rollout_status.json").read_text())  # ... and its last one kept, speculation's view
     assert [r["replica_id"] for r in last["replicas"]] == [0] and last["replicas"][0]["spec"]["mode"] == "adaptive"
     page = (run_dir / "report.html").read_text()
+    assert "Speculative decoding at the end of the run" in page  # from rollout_status.json, before the report
+    page = page.split("<h2>Speculative decoding")[0]  # the per-step table: its header and one row per step
     assert "Rollout accuracy:" in page and page.count("<tr>") == 3
     # the held-out eval ran before training and after the last step, is in the report and the summary line
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]

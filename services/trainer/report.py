@@ -10,8 +10,10 @@
          plots/timeline.png    running batch over time, SD on shaded, drafter idle windows, step starts,
                                held-out evals
          plots/accept.png      acceptance length and SD share per step
+    runs/<id>/rollout_status.json            -> the rollout's speculation at the end: per replica the steps and
+                                                accept length of each arm, the bandit's choices per bucket
       -> report.html           summary (held-out and rollout accuracy at start and end, mean step time),
-                               the table, the plots
+                               the table, the plots, the speculation tables
 
 Regenerate any time with `python -m tlt.services.trainer.report runs/<id>`.
 """
@@ -276,6 +278,43 @@ def _rollout_line(s: Summary) -> str:
             f"mean reward {s.reward_start:.3f} &rarr; {s.reward_end:.3f}.</p>")
 
 
+def _spec_section(run_dir: Path) -> str:
+    """The rollout's speculation as its last status had it (rollout_status.json, written by `tlt run` at the end;
+    protobuf's JSON mapping: int64 counts come as strings, absent lists as nothing): "" without the file."""
+    path = run_dir / "rollout_status.json"
+    if not path.exists():
+        return ""
+    try:
+        replicas = json.loads(path.read_text()).get("replicas", [])
+    except (OSError, ValueError):
+        return "<h2>Speculative decoding</h2><p>rollout_status.json could not be read.</p>"
+    esc = html.escape
+    parts = ["<h2>Speculative decoding at the end of the run</h2>"]
+    for r in replicas:
+        spec = r.get("spec") or {}
+        if spec.get("mode", "off") == "off":
+            continue
+        parts.append(f"<p>replica {int(r.get('replica_id', 0))}: mode <code>{esc(str(spec.get('mode')))}</code>, "
+                     f"{int(spec.get('verify_steps', 0))} verify steps, {int(spec.get('plain_steps', 0))} plain steps, "
+                     f"mean accept length {float(spec.get('mean_accept_len', 0.0)):.2f}, "
+                     f"{int(spec.get('switches', 0))} switches, {int(spec.get('no_room', 0))} steps without room for "
+                     f"drafts, {int(spec.get('over_budget', 0))} over the verify budget.</p>")
+        arms = "".join(f"<tr><td>{esc(a.get('arm', ''))}</td><td>{int(a.get('steps', 0))}</td>"
+                       f"<td>{float(a.get('accept_len', 0.0)):.2f}</td></tr>" for a in spec.get("arms", []))
+        if arms:
+            parts.append(f"<table><tr><th>arm</th><th>steps</th><th>accept length</th></tr>{arms}</table>")
+        rows = "".join(f"<tr><td>{esc(b.get('bucket', ''))}</td><td>{int(b.get('explored', 0))}</td>"
+                       f"<td>{int(b.get('exploited', 0))}</td><td>{esc(a.get('arm', ''))}</td>"
+                       f"<td>{int(a.get('chosen', 0))}</td><td>{int(a.get('samples', 0))}</td>"
+                       f"<td>{float(a.get('median_reward', 0.0)):.0f}</td></tr>"
+                       for b in spec.get("bandit", []) for a in b.get("arms", []))
+        if rows:
+            parts.append("<p>The bandit per batch-size bucket (median reward: tokens/s at the bucket's latest batch "
+                         "size):</p><table><tr><th>bucket</th><th>explored</th><th>exploited</th><th>arm</th>"
+                         f"<th>chosen</th><th>rewards held</th><th>median reward</th></tr>{rows}</table>")
+    return "\n".join(parts) if len(parts) > 1 else ""
+
+
 def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
     """threshold: the tail threshold; None: the run's own (run.json, as `tlt run` wrote the report), else 32."""
     run_dir = Path(run_dir)
@@ -309,7 +348,8 @@ mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
 something running (sampled);
 reward = reward wait after the last completion (scoring overlaps the rollout); SD% = response tokens from
 speculative verify passes; accept = tokens per verify pass; idle = drafter training windows during the step.</p>
-<table><tr>{head}</tr>{body}</table></body></html>"""
+<table><tr>{head}</tr>{body}</table>
+{_spec_section(run_dir)}</body></html>"""
     path = run_dir / "report.html"
     path.write_text(page)
     return path
