@@ -120,7 +120,9 @@ class SpecEmission:
 
     token_ids: list[int]
     logprobs: list[float]  # log q of each token under the sampling filters (raw log-softmax when greedy)
-    hidden: torch.Tensor  # [len, H] target feature (post final norm) that produced each token
+    # [len, H] target feature (post final norm) that produced each token; None when nothing reads it (the n-gram
+    # source, no sequence collecting features for the drafter service)
+    hidden: torch.Tensor | None
     top_logprobs: list[dict[int, float]] | None = None  # per token, the k best alternatives (params.logprobs = k > 0)
 
 
@@ -295,10 +297,13 @@ class SpecDecoder:
         res = AcceptResult(res.accept_len.cpu(), res.tokens.cpu(), res.path.cpu())  # hid stays on the device
         src, dst, out = [], [], []
         accept, paths, tokens, token_lps = res.accept_len.tolist(), res.path.tolist(), res.tokens.tolist(), lps.tolist()
-        # every row's accepted features in one gather (a gather per row was B kernel launches a step on a GPU)
+        # every row's accepted features in one gather (a gather per row was B kernel launches a step on a GPU), when
+        # something reads them: the learned drafter, or a sequence collecting features for the drafter service
         lens = [a + 1 for a in accept]
-        at = torch.tensor([i * n_max + k for i, n in enumerate(lens) for k in paths[i][:n]], device=dev)
-        features = hid.reshape(b * n_max, -1).index_select(0, at).split(lens)
+        features: tuple[torch.Tensor | None, ...] = (None,) * b
+        if isinstance(self.source, EagleSource) or any(s.features is not None for s in seqs):
+            at = torch.tensor([i * n_max + k for i, n in enumerate(lens) for k in paths[i][:n]], device=dev)
+            features = hid.reshape(b * n_max, -1).index_select(0, at).split(lens)
         for i, s in enumerate(seqs):
             a = accept[i]
             path = paths[i][: a + 1]
@@ -316,8 +321,8 @@ class SpecDecoder:
         if src:
             self.kv_copies += len(src)
             self.runner.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        self.source.observe(seqs, [e.token_ids for e in out], [list(e.hidden) for e in out],
-                            [c + 1 for c in ctx])
+        self.source.observe(seqs, [e.token_ids for e in out],
+                            [list(e.hidden) if e.hidden is not None else [] for e in out], [c + 1 for c in ctx])
         emitted = sum(len(e.token_ids) for e in out)
         self.verify_steps += 1
         self.seq_steps += len(seqs)
