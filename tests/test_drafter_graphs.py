@@ -31,6 +31,20 @@ def _filled_cache(rt: DrafterRuntime, rows: int, lengths: dict[int, int], seed: 
     return cache
 
 
+def _target_drafter(eng) -> Drafter:  # noqa: ANN001 - LLMEngine
+    """A random drafter sharing the engine's target embedding and lm_head."""
+    return Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+
+
+@pytest.fixture(scope="module")
+def ckpt320(tmp_path_factory):
+    """A tiny random Qwen2 checkpoint with a 320-position context: past the drafter cache's first 256."""
+    from tlt.services.rollout.engine.testing import random_checkpoint
+
+    return random_checkpoint(tmp_path_factory.mktemp("m320") / "ckpt", hidden_size=64, intermediate_size=128,
+                             num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=320, weight_scale=0.02)
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("rows", [[3], [5, 2], [6, 1, 4], [2, 7, 5, 1, 3]])
 def test_emulated_graphs_draft_what_the_dynamic_chain_drafts(rows: list[int], sampled: bool) -> None:
@@ -127,7 +141,7 @@ def test_the_engine_emits_the_same_tokens_with_emulated_drafter_graphs(tmp_path)
     for graphs in ("off", "emulate"):
         eng = _engine(ckpt)
         torch.manual_seed(0)
-        drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+        drafter = _target_drafter(eng)
         cfg = SpecConfig(drafter="learned", drafter_path="(in memory)", mode="static", static_arm="5_1_6",
                          threshold=8, hysteresis_steps=1, verify_token_budget=0, drafter_graphs=graphs)
         dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
@@ -177,26 +191,23 @@ def test_padding_rows_never_draft_into_a_row_a_larger_batch_left_in_them() -> No
     assert torch.allclose(got[1], want[1], atol=1e-4)
 
 
-def test_with_graphs_the_engine_sizes_the_drafter_cache_for_its_context_and_captures_nothing_mid_rollout(tmp_path) -> None:
+def test_with_graphs_the_engine_sizes_the_drafter_cache_for_its_context_and_captures_nothing_mid_rollout(ckpt320) -> None:
     """The cache starts with 256 positions; a sequence past them grew it, which dropped every graph and captured
     them again inside the rollout (session 32, H200: the whole-rollout bench's batch 2-4 bucket ran at 0.65x of
     plain decoding). With graphs the engine sizes it for its context (up to GRAPH_CACHE_POSITIONS): a 300-token
     sequence in a 320-position model captures nothing after the decoder is built, and still drafts as without."""
-    from tlt.services.rollout.engine.engine import LLMEngine
     from tlt.services.rollout.engine.config import EngineConfig
-    from tlt.services.rollout.engine.testing import random_checkpoint
+    from tlt.services.rollout.engine.engine import LLMEngine
     from tlt.services.rollout.spec.config import SpecConfig
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
-    ckpt = random_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                             num_kv_heads=2, max_position_embeddings=320, weight_scale=0.02)
     request = GenerationRequest("long", tuple(range(3, 11)), SamplingParams(temperature=0.0, max_tokens=300,
                                                                            ignore_eos=True))
     outs = []
     for graphs in ("off", "emulate"):
-        eng = LLMEngine(ckpt, EngineConfig(device="cpu", block_size=16, max_num_seqs=4))
+        eng = LLMEngine(ckpt320, EngineConfig(device="cpu", block_size=16, max_num_seqs=4))
         torch.manual_seed(0)
-        drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+        drafter = _target_drafter(eng)
         eng.enable_spec(SpecConfig(drafter="learned", drafter_path="(in memory)", mode="static", static_arm="5_1_6",
                                    threshold=4, hysteresis_steps=1, verify_token_budget=0, drafter_graphs=graphs),
                         drafter)
@@ -212,20 +223,16 @@ def test_with_graphs_the_engine_sizes_the_drafter_cache_for_its_context_and_capt
     assert len(outs[0]) == 300 and outs[0] == outs[1]
 
 
-def test_the_presized_cache_covers_what_a_tree_arm_writes_past_a_sequence(tmp_path) -> None:
+def test_the_presized_cache_covers_what_a_tree_arm_writes_past_a_sequence(ckpt320) -> None:
     """A tree arm (topk > 1) writes (steps - 1) x topk expanded nodes past a sequence's length, more than its depth:
     an adaptive decoder whose arms mix trees and chains sizes the graphs' cache for the deepest write, so a tree
     step near the context's end does not grow it (which would drop the chains' graphs mid-rollout)."""
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.engine.engine import LLMEngine
-    from tlt.services.rollout.engine.testing import random_checkpoint
     from tlt.services.rollout.spec.config import SpecConfig
 
-    ckpt = random_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                             num_kv_heads=2, max_position_embeddings=320, weight_scale=0.02)
-    eng = LLMEngine(ckpt, EngineConfig(device="cpu", block_size=16, max_num_seqs=4))
-    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    eng = LLMEngine(ckpt320, EngineConfig(device="cpu", block_size=16, max_num_seqs=4))
     eng.enable_spec(SpecConfig(drafter="learned", drafter_path="(in memory)", mode="adaptive", threshold=4,
                                bucket_thresholds=(1, 2), bucket_arms=(("8_4_16", "4_1_5"), ("4_1_5", "plain")),
-                               verify_token_budget=0, drafter_graphs="emulate"), drafter)
+                               verify_token_budget=0, drafter_graphs="emulate"), _target_drafter(eng))
     assert eng.spec_decoder.source.cache.capacity >= eng.max_model_len + 7 * 4

@@ -143,31 +143,30 @@ def pair_ratios(results: dict[str, dict], pairs: int) -> dict:
     a ratio is worth no more than that spread)."""
     import statistics
 
-    step, rollout = [], []
-    t_steps, b_steps, t_rollouts, b_rollouts = [], [], [], []
-    for k in range(1, pairs + 1):
-        t, b = (results[name] for name in pair_names(k))
-        step.append(_ratio(b["mean_step_s"], t["mean_step_s"]))
-        rollout.append(_ratio(b["mean_rollout_s"], t["mean_rollout_s"]))
-        t_steps.append(t["mean_step_s"])
-        b_steps.append(b["mean_step_s"])
-        t_rollouts.append(t["mean_rollout_s"])
-        b_rollouts.append(b["mean_rollout_s"])
-    known_step, known_rollout = [x for x in step if x is not None], [x for x in rollout if x is not None]
+    runs = [tuple(results[name] for name in pair_names(k)) for k in range(1, pairs + 1)]  # (tlt, baseline) each
 
-    def pooled(num: list, den: list) -> float | None:
-        return None if None in num or None in den else _ratio(sum(num), sum(den))
+    def side(key: str, baseline: bool) -> list:
+        return [r[baseline][key] for r in runs]
+
+    def ratios(key: str) -> list:
+        return [_ratio(b, t) for t, b in zip(side(key, False), side(key, True))]
+
+    def pooled(key: str) -> float | None:
+        t, b = side(key, False), side(key, True)
+        return None if None in t or None in b else _ratio(sum(b), sum(t))
 
     def spread(xs: list) -> float | None:
         return None if None in xs or not min(xs) else max(xs) / min(xs)
 
-    return {"step_time_ratio_pooled": pooled(b_steps, t_steps),
-            "rollout_time_ratio_pooled": pooled(b_rollouts, t_rollouts), "baseline_step_spread": spread(b_steps), "tlt_step_spread": spread(t_steps),
-            "step_time_ratios": step, "step_time_ratio_median": statistics.median(known_step) if known_step else None,
-            "step_time_ratio_range": [min(known_step), max(known_step)] if known_step else None,
-            "rollout_time_ratios": rollout,
-            "rollout_time_ratio_median": statistics.median(known_rollout) if known_rollout else None,
-            "rollout_time_ratio_range": [min(known_rollout), max(known_rollout)] if known_rollout else None}
+    def stats(key: str, name: str) -> dict:
+        xs = ratios(key)
+        known = [x for x in xs if x is not None]
+        return {f"{name}_ratios": xs, f"{name}_ratio_median": statistics.median(known) if known else None,
+                f"{name}_ratio_range": [min(known), max(known)] if known else None, f"{name}_ratio_pooled": pooled(key)}
+
+    return {**stats("mean_step_s", "step_time"), **stats("mean_rollout_s", "rollout_time"),
+            "baseline_step_spread": spread(side("mean_step_s", True)),
+            "tlt_step_spread": spread(side("mean_step_s", False))}
 
 
 def rollout_bound(t: dict, b: dict) -> dict:

@@ -164,19 +164,19 @@ class SpecDecoder:
         if config.drafter == "learned":
             if drafter is None:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
+            # the arms the rollouts will draft with
+            used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)
             capacity = 256
             if config.drafter_graphs != "off" and max_model_len > 0:  # positions past a sequence's length that
                 # its drafts write: a chain's depth, a tree's (steps - 1) x topk expanded nodes
-                ahead = max(a.steps if a.topk == 1 else max(a.steps, (a.steps - 1) * a.topk)
-                            for a in (self.static_arm, *(a for arms in config.arms() for a in arms)))
+                ahead = max(a.steps if a.topk == 1 else max(a.steps, (a.steps - 1) * a.topk) for a in used)
                 capacity = max(capacity, min(GRAPH_CACHE_POSITIONS, max_model_len + ahead))
             # rows: a sequence holds one from its first draft until it ends, so more than the threshold's worth
             # only when a batch grew past it and fell back while those still ran (the cache then adds rows)
             self.source: NgramSource | EagleSource = EagleSource(
                 drafter, capacity=capacity, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
                 graph_buckets=default_buckets(config.threshold), graph_rows=min(max_seqs, 2 * config.threshold))
-            if self.source.graphs is not None:  # what the rollouts will draft: greedy chains only without the cut
-                used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)
+            if self.source.graphs is not None:  # greedy chains only without the cut
                 depths = {min(a.steps, a.draft_tokens - 1) for a in used if a.topk == 1 and not a.is_plain}
                 self.source.graphs.capture_all(tuple(sorted(depths)), greedy=config.chain_min_prob == 0,
                                                sampled=config.chain_sampling)
