@@ -12,9 +12,17 @@ the source of truth, written every step) and runs SDPA on the first lk positions
 path's mask (the same values per (row, head): bitwise the same output). Head-major, each head's keys
 are one contiguous run: SDPA is ~20% faster on it than on the cache's token-major layout.
 
-    plan(meta)    per decode step: append when the mirror holds this batch, else rebuild (one gather)
+    plan(meta)    per decode step: append when the mirror holds this batch, else rebuild (one gather);
+                  the first decode step after another write gathers instead (below)
     commit(step)  after the forward completed: the mirror now holds this step's rows
     invalidate()  any other write to the cache (prefill, verify, copy_slots) or a failed forward
+
+A rebuild pays for itself only over the steps that append after it. The first decode step after another
+write to the cache (a prefill, a speculative verify pass) gathers, as the gather path does, and the next
+consecutive decode step rebuilds. With speculation on, a plain step between two verify passes (the
+bandit's "plain" arm) is alone: rebuilding for it copied every row's K/V a second time, into a mirror the
+next verify pass invalidated (session 33: 8% of a learned whole-rollout run's CPU time on the tiny
+model). Without speculation this costs one gather per prefill, after which decoding appends as before.
 
 Whether the mirror holds a batch is decided from the data it mirrors, not from sequence identity:
 same row count, every row's context exactly one longer, and every row's block table starting with
@@ -68,17 +76,24 @@ class DecodeMirror:
         self._v: list[torch.Tensor] = []
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer k, v [B, kvh, cap, d] of the last plan
         self.held: MirrorStep | None = None  # the step whose rows the mirror holds (None: the next decode rebuilds)
+        # the last forward was not a plain decode step (a prefill, a verify pass): the next decode step gathers
+        self.after_other_write = True
+        self.rebuild_after_other_writes = False  # True: rebuild at once (the mirror's first form; benches compare)
 
     def invalidate(self) -> None:
         self.held = None
+        self.after_other_write = True
 
     def plan(self, meta: AttentionMetadata) -> MirrorStep | None:
         """This decode step's mirror work, or None (the caller gathers) when the batch is small or does not fit."""
         held, self.held = self.held, None  # held again only once this step's forward commits
+        after_other, self.after_other_write = self.after_other_write, False
         ctx, bs, kvh = meta.context_lens, self.block_size, self.kvh
         b, lk = len(ctx), max(ctx) + 1
         if b * lk * self._position_bytes < self.min_bytes:
             return None
+        if after_other and not self.rebuild_after_other_writes:
+            return None  # alone, or the first of a run: the next consecutive decode step rebuilds
         tables = [bt[: (c + bs) // bs] for bt, c in zip(meta.block_tables, ctx)]
         if held is not None and held.batch == b and lk <= held.cap and all(
             c == p + 1 for c, p in zip(ctx, held.context_lens)

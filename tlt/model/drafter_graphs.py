@@ -11,7 +11,7 @@ than the target step it saves (BENCHMARKS.md, "GPU (H200)": tail 0.77-0.90x with
 
 with `span_cap` = the cache's capacity (every step attends over all of it, each row's keys past its own end
 masked) and the filters given, so nothing reads the device from the host. With graphs on, the engine sizes the
-cache for its whole context (up to `GRAPH_CACHE_POSITIONS` = 2048, services/rollout/spec/decoder.py), so that a
+cache for its whole context (up to `DRAFTER_CACHE_POSITIONS` = 2048, services/rollout/spec/decoder.py), so that a
 rollout does not grow it and drop the graphs mid-run; a graphed step's attention therefore spans that capacity,
 not the batch's longest sequence (for cpu-tiny's 1024-position context about 3x what a 350-token rollout's
 dynamic chain attends: a deliberate trade, cheap for one drafter layer on a GPU). Past 2048 positions the cache
@@ -25,7 +25,7 @@ tests compare with the dynamic `DrafterRuntime.chain` (tests/test_drafter_graphs
 
 Status: "emulate" is tested on CPU; "cuda" passed its GPU test (tests/test_engine_cuda.py) on an H200 in session
 32, after a fix: a capture after the graphs were dropped reused the released pool's handle. With graphs the
-engine sizes the cache for its context (services/rollout/spec/decoder.py, GRAPH_CACHE_POSITIONS), so that a
+engine sizes the cache for its context (services/rollout/spec/decoder.py, DRAFTER_CACHE_POSITIONS), so that a
 rollout rarely drops them.
 """
 

@@ -141,11 +141,13 @@ def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: B
     return SpecDecoder(config, runner, block_manager, drafter, max_seqs, max_model_len)
 
 
-# With drafter graphs the drafter cache starts with room for a whole sequence up to this many positions: each
-# growth drops the graphs and captures them again, which inside a rollout cost tens of ms a capture (session 32,
-# H200: the whole-rollout bench's batch 2-4 bucket at 0.65x when its first 320-token sequences grew the cache past
-# its 256 positions). Longer contexts still grow by doubling: every graphed chain step attends over the capacity.
-GRAPH_CACHE_POSITIONS = 2048
+# The drafter cache starts with room for a whole sequence up to this many positions (and a row for every sequence
+# that may speculate at once: `EagleSource`'s rows). Each growth copies the whole cache; with drafter graphs it also
+# drops the graphs, which are captured again inside the rollout at tens of ms a capture (session 32, H200: the
+# whole-rollout bench's batch 2-4 bucket at 0.65x when its first 320-token sequences grew the cache past the 256
+# positions it started with); eagerly the growths were 2% of a learned CPU rollout (session 33). Longer contexts
+# still grow by doubling. An eager chain attends over its rows' lengths; a graphed one over the whole capacity.
+DRAFTER_CACHE_POSITIONS = 2048
 
 
 class SpecDecoder:
@@ -153,7 +155,7 @@ class SpecDecoder:
                  max_seqs: int = 8, max_model_len: int = 0) -> None:
         """max_seqs: the most sequences the engine runs at once (EngineConfig.max_num_seqs), what the drafter's
         graphs size its cache for (SpecConfig.drafter_graphs); max_model_len: the engine's context limit (0:
-        unknown), which with graphs sizes its positions (GRAPH_CACHE_POSITIONS)."""
+        unknown), which sizes the drafter cache's positions (DRAFTER_CACHE_POSITIONS)."""
         self.config = config
         self.runner = runner
         self.bm = block_manager
@@ -167,15 +169,15 @@ class SpecDecoder:
             # the arms the rollouts will draft with
             used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)
             capacity = 256
-            if config.drafter_graphs != "off" and max_model_len > 0:  # positions past a sequence's length that
-                # its drafts write: a chain's depth, a tree's (steps - 1) x topk expanded nodes
+            if max_model_len > 0:  # positions past a sequence's length that its drafts write: a chain's depth,
+                # a tree's (steps - 1) x topk expanded nodes
                 ahead = max(a.steps if a.topk == 1 else max(a.steps, (a.steps - 1) * a.topk) for a in used)
-                capacity = max(capacity, min(GRAPH_CACHE_POSITIONS, max_model_len + ahead))
+                capacity = max(capacity, min(DRAFTER_CACHE_POSITIONS, max_model_len + ahead))
             # rows: a sequence holds one from its first draft until it ends, so more than the threshold's worth
             # only when a batch grew past it and fell back while those still ran (the cache then adds rows)
             self.source: NgramSource | EagleSource = EagleSource(
                 drafter, capacity=capacity, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
-                graph_buckets=default_buckets(config.threshold), graph_rows=min(max_seqs, 2 * config.threshold))
+                graph_buckets=default_buckets(config.threshold), rows=min(max_seqs, 2 * config.threshold))
             if self.source.graphs is not None:  # greedy chains only without the cut
                 depths = {min(a.steps, a.draft_tokens - 1) for a in used if a.topk == 1 and not a.is_plain}
                 self.source.graphs.capture_all(tuple(sorted(depths)), greedy=config.chain_min_prob == 0,

@@ -85,12 +85,15 @@ class EagleSource:
     """EAGLE-2 tree drafting with the learned drafter and its own per-sequence KV rows."""
 
     def __init__(self, drafter: Drafter, capacity: int = 256, max_pending: int = 512, chain_min_prob: float = 0.0,
-                 graphs: str = "off", graph_buckets: tuple[int, ...] = (1,), graph_rows: int = 8) -> None:
-        """graphs ("cuda" / "emulate", SpecConfig.drafter_graphs): chains drafted through `ChainGraphs` for batches
-        up to graph_buckets[-1]. The graphs hold the cache's addresses: it starts with graph_rows rows (+ the
-        graphs' scratch row), so that rows are rarely added, and `capacity` positions, which the engine sizes for its
-        context with graphs on (SpecDecoder); past that they grow by doubling (each growth drops the graphs, which
-        are captured again as used)."""
+                 graphs: str = "off", graph_buckets: tuple[int, ...] = (1,), rows: int = 8) -> None:
+        """rows: the cache's rows at the start, one per sequence drafting at once (the engine gives the most that
+        speculate together: SpecDecoder); past that they grow by doubling, each growth a copy of the whole cache
+        (a 256-sequence rollout that started at 8 rows copied it 5 times; with one growth of its positions, 2% of
+        its CPU time, session 33).
+        graphs ("cuda" / "emulate", SpecConfig.drafter_graphs): chains drafted through `ChainGraphs` for batches
+        up to graph_buckets[-1]. The graphs hold the cache's addresses: it has one more row (the graphs' scratch
+        row), and `capacity` positions, which the engine sizes for its context (SpecDecoder); past
+        that they grow by doubling (each growth drops the graphs, which are captured again as used)."""
         self.drafter = drafter
         # chains: a row's drafts stop at the first whose cumulative draft probability is below this
         self.chain_min_score = math.log(chain_min_prob) if chain_min_prob > 0 else float("-inf")
@@ -99,7 +102,7 @@ class EagleSource:
         self.cold_starts = 0
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device
-        rows = 8 if graphs == "off" else graph_rows + 1  # + the graphs' scratch row
+        rows = max(1, rows) + (graphs != "off")  # + the graphs' scratch row
         self.cache = DrafterCache(drafter.cfg, rows=rows, capacity=capacity, dtype=self.dtype, device=self.device)
         self.rows: dict[tuple[str, int], int] = {}
         # with drafter graphs, row 0 is their padding rows' scratch row and no sequence's
