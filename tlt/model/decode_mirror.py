@@ -78,7 +78,7 @@ class DecodeMirror:
         self.held: MirrorStep | None = None  # the step whose rows the mirror holds (None: the next decode rebuilds)
         # the last forward was not a plain decode step (a prefill, a verify pass): the next decode step gathers
         self.after_other_write = True
-        self.rebuild_after_other_writes = False  # True: rebuild at once (the mirror's first form; benches compare)
+        self.rebuild_after_other_writes = False  # True: rebuild at once (the mirror's first form; tests compare)
 
     def invalidate(self) -> None:
         self.held = None

@@ -147,6 +147,8 @@ def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: B
 # whole-rollout bench's batch 2-4 bucket at 0.65x when its first 320-token sequences grew the cache past the 256
 # positions it started with); eagerly the growths were 2% of a learned CPU rollout (session 33). Longer contexts
 # still grow by doubling. An eager chain attends over its rows' lengths; a graphed one over the whole capacity.
+# Memory: rows x positions x 2 (K, V) x kv_heads x head_dim x dtype size, one layer: the cpu-tiny preset's 32 rows x
+# 1036 positions in fp32 are 25 MB; 64 rows x 2048 positions of an 8 x 128-head drafter in bf16, 512 MB.
 DRAFTER_CACHE_POSITIONS = 2048
 
 
