@@ -62,8 +62,7 @@ def test_emulated_graphs_draft_what_the_dynamic_chain_drafts(rows: list[int], sa
     if sampled:
         params = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.7, 0.0, 0.9, 0.0], [1.3, 5.0, 1.0, 0.05]] * 2)[:n]
         u = torch.rand(n, depth, generator=g)
-    flags = int(bool(((params[:, 1] > 0) | (params[:, 2] < 1)).any())) | 2 * int(bool((params[:, 3] > 0).any())) \
-        if params is not None else 0
+    flags = ChainGraphs.filter_flags(params[:, 1:].tolist()) if params is not None else 0  # EagleSource's host flags
     before = cache.lengths.clone()
     want = rt.chain(h, cache, r, root_pos, depth, params=params, u=u)
     need = int(root_pos.max()) + 1 + depth  # what EagleSource knows from the sequences' lengths

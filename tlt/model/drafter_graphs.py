@@ -31,6 +31,7 @@ rollout rarely drops them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -124,6 +125,18 @@ class ChainGraphs:
                 for sampled in self.kinds:
                     if (b, depth, sampled, 0) not in self.graphs:
                         self._capture((b, depth, sampled, 0), b, depth, sampled, 0)
+
+    @staticmethod
+    def filter_flags(filters: Iterable[tuple[float, float, float]]) -> int:
+        """The `filter_flags` of rows with these (top_k, top_p, min_p), from the host's copy of the sampling params
+        (a graph may not read them on the device): bit 0 some row has top_k or top_p, bit 1 some row has min_p.
+        `chain_draft` computes the same predicate on the device when it is not given; the emulated graphs' test
+        (tests/test_drafter_graphs.py) drafts with these flags and with that predicate and requires the same drafts."""
+        filtered = min_p = False
+        for top_k, top_p, mp in filters:
+            filtered |= top_k > 0 or top_p < 1.0
+            min_p |= mp > 0
+        return int(filtered) | 2 * int(min_p)
 
     @torch.inference_mode()
     def chain(self, h: torch.Tensor, rows: torch.Tensor, root_pos: torch.Tensor, depth: int,

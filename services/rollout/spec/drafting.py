@@ -269,8 +269,7 @@ class EagleSource:
         drafted = None
         if self.graphs is not None and (sample or self.chain_min_score == float("-inf")):
             self.runtime.ensure_chain(self.cache, need)
-            flags = int(any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs)) \
-                | 2 * int(any(s.params.min_p > 0 for s in seqs))
+            flags = ChainGraphs.filter_flags((s.params.top_k, s.params.top_p, s.params.min_p) for s in seqs)
             drafted = self.graphs.chain(h, rows, root_pos, depth, params, u, flags, need)  # None: past the buckets
         if drafted is not None:
             drafts, scores, probs = drafted
