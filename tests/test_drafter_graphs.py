@@ -234,3 +234,43 @@ def test_the_presized_cache_covers_what_a_tree_arm_writes_past_a_sequence(ckpt32
                                bucket_thresholds=(1, 2), bucket_arms=(("8_4_16", "4_1_5"), ("4_1_5", "plain")),
                                verify_token_budget=0, drafter_graphs="emulate"), _target_drafter(eng))
     assert eng.spec_decoder.source.cache.capacity >= eng.max_model_len + 7 * 4
+
+
+def test_filter_flags_name_exactly_the_filters_some_row_uses() -> None:
+    """The emulated-graphs test above catches flags that leave out a filter a row uses (its drafts would differ);
+    this one catches flags that name a filter no row uses (the graph would sort and scatter for nothing)."""
+    flags = ChainGraphs.filter_flags
+    assert flags([]) == 0 and flags([(0, 1.0, 0.0), (0, 1.0, 0.0)]) == 0
+    assert flags([(5, 1.0, 0.0)]) == 1 and flags([(0, 0.9, 0.0)]) == 1 and flags([(0, 1.0, 0.05)]) == 2
+    assert flags([(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 1.0, 0.1)]) == 3
+
+
+def test_the_drafter_caches_start_size_is_capped(ckpt320, monkeypatch) -> None:
+    """Rows for every sequence that may speculate and positions for the context are allocated up front, outside
+    kv_cache_mb: a large max_num_seqs with a large threshold would take gigabytes on a real drafter. The start size
+    is capped (positions first, down to 256, then rows, down to 8); the cache still grows as used, and decodes."""
+    import tlt.services.rollout.spec.decoder as decoder
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.spec.config import SpecConfig
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    def start(cap: int) -> tuple[int, int, int]:
+        monkeypatch.setattr(decoder, "DRAFTER_CACHE_START_BYTES", cap)
+        eng = LLMEngine(ckpt320, EngineConfig(device="cpu", block_size=16, max_num_seqs=64))
+        torch.manual_seed(0)
+        eng.enable_spec(SpecConfig(drafter="learned", drafter_path="(in memory)", mode="static", static_arm="4_1_5",
+                                   threshold=32, hysteresis_steps=1, verify_token_budget=0), _target_drafter(eng))
+        cache = eng.spec_decoder.source.cache
+        request = GenerationRequest("r", tuple(range(3, 11)), SamplingParams(temperature=0.0, max_tokens=280,
+                                                                             ignore_eos=True))
+        assert len(eng.generate([request])[0].token_ids) == 280
+        return cache.k.shape[0], cache.k.shape[2], 2 * cache.k.numel() * cache.k.element_size()
+
+    rows, positions, _ = start(1 << 40)  # no cap in reach: 64 rows (min(64, 2 x 32)), the context's positions
+    assert rows == 64 and positions >= 320
+    per_row_position = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, fp32
+    rows, positions, size = start(64 * 300 * per_row_position)  # positions give way first
+    assert rows == 64 and positions == 300 and size <= 64 * 300 * per_row_position
+    rows, positions, _ = start(1)  # at the floors: 8 rows, 256 positions, grown to the 288-token sequence as used
+    assert rows == 8 and positions == 512

@@ -15,7 +15,8 @@ are one contiguous run: SDPA is ~20% faster on it than on the cache's token-majo
     plan(meta)    per decode step: append when the mirror holds this batch, else rebuild (one gather);
                   the first decode step after another write gathers instead (below)
     commit(step)  after the forward completed: the mirror now holds this step's rows
-    invalidate()  any other write to the cache (prefill, verify, copy_slots) or a failed forward
+    invalidate()  any other write to the cache (prefill, verify, copy_slots); a failed forward leaves
+                  nothing held either (`plan` let go of it), and the next decode step rebuilds
 
 A rebuild pays for itself only over the steps that append after it. The first decode step after another
 write to the cache (a prefill, a speculative verify pass) gathers, as the gather path does, and the next
@@ -27,7 +28,8 @@ model). Without speculation this costs one gather per prefill, after which decod
 Whether the mirror holds a batch is decided from the data it mirrors, not from sequence identity:
 same row count, every row's context exactly one longer, and every row's block table starting with
 the blocks already mirrored; with every other cache write invalidating, those slots still hold what
-was copied. Anything else (a sequence finished or joined, a preemption, a reordering) rebuilds.
+was copied. Anything else (a sequence finished, a reordering) rebuilds; a join or a preemption comes
+through a prefill, another write, so the first decode step after it gathers and the next rebuilds.
 A weight update or a prefix-cache reset rewrites no cached K/V: the mirror stays valid through them.
 
 Small batches (under MIN_BYTES of K+V per layer: `min_bytes`) gather: the copy is cheaper there.

@@ -148,16 +148,19 @@ def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: B
 # positions it started with); eagerly the growths were 2% of a learned CPU rollout (session 33). Longer contexts
 # still grow by doubling. An eager chain attends over its rows' lengths; a graphed one over the whole capacity.
 # Memory: rows x positions x 2 (K, V) x kv_heads x head_dim x dtype size, one layer: the cpu-tiny preset's 32 rows x
-# 1036 positions in fp32 are 25 MB; 64 rows x 2048 positions of an 8 x 128-head drafter in bf16, 512 MB.
+# 1036 positions in fp32 are 25 MB; 64 rows x 2048 positions of an 8 x 128-head drafter in bf16, 512 MB. The start
+# size is capped at DRAFTER_CACHE_START_BYTES (fewer positions first, down to 256, then fewer rows, down to 8): a
+# large max_num_seqs with a large threshold would otherwise allocate gigabytes up front, outside kv_cache_mb.
 DRAFTER_CACHE_POSITIONS = 2048
+DRAFTER_CACHE_START_BYTES = 1 << 30
 
 
 class SpecDecoder:
     def __init__(self, config: SpecConfig, runner: ModelRunner, block_manager: BlockManager, drafter=None,
                  max_seqs: int = 8, max_model_len: int = 0) -> None:
-        """max_seqs: the most sequences the engine runs at once (EngineConfig.max_num_seqs), what the drafter's
-        graphs size its cache for (SpecConfig.drafter_graphs); max_model_len: the engine's context limit (0:
-        unknown), which sizes the drafter cache's positions (DRAFTER_CACHE_POSITIONS)."""
+        """max_seqs: the most sequences the engine runs at once (EngineConfig.max_num_seqs), which with the threshold
+        sizes the drafter cache's rows (min(max_seqs, 2 x threshold)); max_model_len: the engine's context limit (0:
+        unknown), which sizes its positions (DRAFTER_CACHE_POSITIONS, DRAFTER_CACHE_START_BYTES)."""
         self.config = config
         self.runner = runner
         self.bm = block_manager
@@ -177,9 +180,14 @@ class SpecDecoder:
                 capacity = max(capacity, min(DRAFTER_CACHE_POSITIONS, max_model_len + ahead))
             # rows: a sequence holds one from its first draft until it ends, so more than the threshold's worth
             # only when a batch grew past it and fell back while those still ran (the cache then adds rows)
+            rows = min(max_seqs, 2 * config.threshold)
+            per_position = 2 * drafter.cfg.num_kv_heads * drafter.cfg.head_dim * next(drafter.parameters()).dtype.itemsize
+            if rows * capacity * per_position > DRAFTER_CACHE_START_BYTES:  # it still grows past its start as used
+                capacity = max(256, DRAFTER_CACHE_START_BYTES // (rows * per_position))
+                rows = max(8, min(rows, DRAFTER_CACHE_START_BYTES // (capacity * per_position)))
             self.source: NgramSource | EagleSource = EagleSource(
                 drafter, capacity=capacity, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
-                graph_buckets=default_buckets(config.threshold), rows=min(max_seqs, 2 * config.threshold))
+                graph_buckets=default_buckets(config.threshold), rows=rows)
             if self.source.graphs is not None:  # greedy chains only without the cut
                 depths = {min(a.steps, a.draft_tokens - 1) for a in used if a.topk == 1 and not a.is_plain}
                 self.source.graphs.capture_all(tuple(sorted(depths)), greedy=config.chain_min_prob == 0,

@@ -10,8 +10,10 @@ next tree, so feeding them also yields the root's h' and the first draft level. 
 do not reach its last token (it was decoded without speculation and nobody fed `observe`, or it is
 new), its row restarts cold: a root-only tree this step (one plain verify, still lossless), after
 which it is warm. The target's features for the cold context are never recomputed.
-Memory: one contiguous K/V row per sequence (grows to its length: one layer, kv_heads x head_dim per
-token) and at most `max_pending` buffered features per sequence.
+Memory: one contiguous K/V row per sequence (one layer, kv_heads x head_dim per position), the rows
+sized up front for the sequences that speculate at once and the engine's context (SpecDecoder:
+DRAFTER_CACHE_POSITIONS, capped by DRAFTER_CACHE_START_BYTES) and grown by doubling past that, and at
+most `max_pending` buffered features per sequence.
 
 Speed (it decides whether speculation pays on CPU): the drafter runs through `DrafterRuntime`
 (`tlt/model/drafter_runtime.py`, fused and scripted); every sequence's pending pairs go through one
