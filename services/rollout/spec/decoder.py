@@ -153,6 +153,27 @@ def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: B
 # large max_num_seqs with a large threshold would otherwise allocate gigabytes up front, outside kv_cache_mb.
 DRAFTER_CACHE_POSITIONS = 2048
 DRAFTER_CACHE_START_BYTES = 1 << 30
+DRAFTER_CACHE_MIN_POSITIONS, DRAFTER_CACHE_MIN_ROWS = 256, 8  # what the cap leaves at least
+
+
+def drafter_cache_shape(drafter, used: tuple[Arm, ...], threshold: int, max_seqs: int,
+                        max_model_len: int) -> tuple[int, int]:
+    """(rows, positions) the learned drafter's cache starts with, for drafting with the arms `used`.
+
+    Rows: a sequence holds one from its first draft until it ends, so more than the threshold's worth only when a
+    batch grew past it and fell back while those still ran (the cache then adds rows): min(max_seqs, 2 x threshold).
+    Positions: the context (0: unknown) plus the deepest write past a sequence's length (a chain's depth, a tree's
+    (steps - 1) x topk expanded nodes), up to DRAFTER_CACHE_POSITIONS. Within DRAFTER_CACHE_START_BYTES."""
+    rows, positions = min(max_seqs, 2 * threshold), DRAFTER_CACHE_MIN_POSITIONS
+    if max_model_len > 0:
+        ahead = max(a.steps if a.topk == 1 else max(a.steps, (a.steps - 1) * a.topk) for a in used)
+        positions = max(positions, min(DRAFTER_CACHE_POSITIONS, max_model_len + ahead))
+    cfg = drafter.cfg
+    per_position = 2 * cfg.num_kv_heads * cfg.head_dim * next(drafter.parameters()).dtype.itemsize  # K and V
+    if rows * positions * per_position > DRAFTER_CACHE_START_BYTES:  # it still grows past its start as used
+        positions = max(DRAFTER_CACHE_MIN_POSITIONS, DRAFTER_CACHE_START_BYTES // (rows * per_position))
+        rows = max(DRAFTER_CACHE_MIN_ROWS, min(rows, DRAFTER_CACHE_START_BYTES // (positions * per_position)))
+    return rows, positions
 
 
 class SpecDecoder:
@@ -173,18 +194,7 @@ class SpecDecoder:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
             # the arms the rollouts will draft with
             used = (self.static_arm,) if config.mode == "static" else tuple(a for arms in config.arms() for a in arms)
-            capacity = 256
-            if max_model_len > 0:  # positions past a sequence's length that its drafts write: a chain's depth,
-                # a tree's (steps - 1) x topk expanded nodes
-                ahead = max(a.steps if a.topk == 1 else max(a.steps, (a.steps - 1) * a.topk) for a in used)
-                capacity = max(capacity, min(DRAFTER_CACHE_POSITIONS, max_model_len + ahead))
-            # rows: a sequence holds one from its first draft until it ends, so more than the threshold's worth
-            # only when a batch grew past it and fell back while those still ran (the cache then adds rows)
-            rows = min(max_seqs, 2 * config.threshold)
-            per_position = 2 * drafter.cfg.num_kv_heads * drafter.cfg.head_dim * next(drafter.parameters()).dtype.itemsize
-            if rows * capacity * per_position > DRAFTER_CACHE_START_BYTES:  # it still grows past its start as used
-                capacity = max(256, DRAFTER_CACHE_START_BYTES // (rows * per_position))
-                rows = max(8, min(rows, DRAFTER_CACHE_START_BYTES // (capacity * per_position)))
+            rows, capacity = drafter_cache_shape(drafter, used, config.threshold, max_seqs, max_model_len)
             self.source: NgramSource | EagleSource = EagleSource(
                 drafter, capacity=capacity, chain_min_prob=config.chain_min_prob, graphs=config.drafter_graphs,
                 graph_buckets=default_buckets(config.threshold), rows=rows)
