@@ -20,6 +20,59 @@ import torch
 from tlt.model.layer_ops import fold_mask, group_attention_fn
 
 
+# An SDPA group pads every sequence to the group's longest context and its most new tokens, and masks the
+# padding: SDPA computes it all the same. A verify step of a long-tail rollout pads ~26% (session 34: 32
+# prompts of 18-74 tokens x 8 samples; contexts diverge further as sequences accept different numbers of
+# drafts), so on the CPU such steps are split by length. Costs in (query row x key position) units, measured
+# on the CI CPU at the tiny model's shape, one thread (BENCHMARKS.md, "Session 34"): SDPA ~16 ns a unit at
+# batch 32-128, the gather of a key position ~2.5 units, a group's fixed cost per layer ~25 us, ~2,000 units.
+MAX_PARTS = 4
+GROUP_UNITS = 2000
+GATHER_UNITS = 2.5
+_CUTS = 16  # candidate boundaries: sequences sorted by length, split only at multiples of ceil(n / _CUTS)
+
+
+def split_by_length(ix: list[int], keys: list[int], q_lens: list[int], max_parts: int) -> list[list[int]]:
+    """Sequences `ix` as at most `max_parts` groups of similar length, or `[ix]` when splitting does not pay.
+
+    keys[i]: the key positions sequence i attends (context + new tokens), q_lens[i] its new tokens. A group
+    costs GROUP_UNITS + G x max key x (max new tokens + GATHER_UNITS); the split minimises the sum over
+    sorted boundaries (an exact DP over at most _CUTS + 1 candidate cuts: O(_CUTS^2 x max_parts) per step,
+    not per sequence). Each group keeps its sequences in batch order.
+    """
+    n = len(ix)
+    if n < 2 or max_parts < 2:
+        return [ix]
+    order = sorted(ix, key=keys.__getitem__)
+    size = -(-n // _CUTS)
+    cuts = list(range(0, n, size)) + [n]
+    m = len(cuts)
+    chunk_q = [max(q_lens[i] for i in order[cuts[c] : cuts[c + 1]]) for c in range(m - 1)]
+
+    def cost(a: int, b: int) -> float:  # sorted sequences cuts[a] .. cuts[b] - 1 as one group
+        return GROUP_UNITS + (cuts[b] - cuts[a]) * keys[order[cuts[b] - 1]] * (max(chunk_q[a:b]) + GATHER_UNITS)
+
+    inf = float("inf")
+    best = [[inf] * m for _ in range(max_parts + 1)]  # best[k][e]: cuts[0] .. cuts[e] in k groups
+    back = [[0] * m for _ in range(max_parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, max_parts + 1):
+        for e in range(1, m):
+            for a in range(k - 1, e):
+                c = best[k - 1][a] + cost(a, e)
+                if c < best[k][e]:
+                    best[k][e], back[k][e] = c, a
+    k = min(range(1, max_parts + 1), key=lambda j: best[j][m - 1])
+    if k == 1:
+        return [ix]
+    parts, e = [], m - 1
+    for j in range(k, 0, -1):
+        a = back[j][e]
+        parts.append(sorted(order[cuts[a] : cuts[e]]))
+        e = a
+    return parts[::-1]
+
+
 @dataclass
 class KernelTables:
     """What the Triton paged-attention kernels read for one group (`tlt.kernels.paged_attention`).
@@ -85,11 +138,15 @@ class AttentionMetadata:
         tree_masks: list[torch.Tensor | None] | None = None,
         device: torch.device | str = "cpu",
         for_kernels: bool = False,
+        max_parts: int | None = None,
     ) -> AttentionMetadata:
         """Derive the gather indices and masks once per step (shared by every layer).
 
         for_kernels: the model runs the Triton kernels (`Transformer.kernels == "triton"`): decode
         and tree groups get `KernelTables` instead of SDPA masks; prefill groups stay SDPA.
+        max_parts: SDPA groups other than a pure decode step's are split by length into at most this
+        many (`split_by_length`); None: MAX_PARTS on the CPU, 1 elsewhere (unmeasured off the CPU, where
+        each group is more kernel launches). The Triton kernels take ragged lengths as they are.
         """
         if slot_mapping is None:
             slots = []
@@ -106,7 +163,13 @@ class AttentionMetadata:
         has_tree = [tree_masks is not None and tree_masks[i] is not None for i in range(len(q_lens))]
         single = [i for i, q in enumerate(q_lens) if q == 1 and not has_tree[i]]
         multi = [i for i, q in enumerate(q_lens) if not (q == 1 and not has_tree[i])]
-        meta.groups = [meta._group(ix, starts, device, for_kernels) for ix in (single, multi) if ix]
+        parts = [ix for ix in (single, multi) if ix]
+        if max_parts is None:
+            max_parts = MAX_PARTS if torch.device(device).type == "cpu" else 1
+        if max_parts > 1 and not for_kernels:
+            keys = [c + q for c, q in zip(context_lens, q_lens)]
+            parts = [part for ix in parts for part in split_by_length(ix, keys, q_lens, max_parts)]
+        meta.groups = [meta._group(ix, starts, device, for_kernels) for ix in parts]
         return meta
 
     def _block_table(self, ix, lk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -143,7 +206,7 @@ class AttentionMetadata:
         valid = (torch.arange(max_q)[None, :] < q[:, None]).reshape(-1)
         # every sequence, each with max_q new tokens (pure decode, or a verify step over equal trees):
         # padded row r is flat token r, nothing to gather or scatter
-        identity = g == len(self.q_lens) and bool((q == max_q).all())
+        identity = g == len(self.q_lens) and all(i == r for r, i in enumerate(ix)) and bool((q == max_q).all())
         flat = flat.clamp(max=starts[-1] - 1)  # padded rows read some real token; their output is dropped
         q_index = None if identity else flat.to(device)
         out_index = None if identity else flat.reshape(-1)[valid].to(device)
