@@ -12,8 +12,9 @@ the source of truth, written every step) and runs SDPA on the first lk positions
 path's mask (the same values per (row, head): bitwise the same output). Head-major, each head's keys
 are one contiguous run: SDPA is ~20% faster on it than on the cache's token-major layout.
 
-    plan(meta)    per decode step: append when the mirror holds this batch, else rebuild (one gather);
-                  the first decode step after another write gathers instead (below)
+    plan(meta)    per decode step: append when the mirror holds this batch (after compacting away
+                  finished rows), else rebuild (one gather); the first decode step after another write
+                  gathers instead (below)
     commit(step)  after the forward completed: the mirror now holds this step's rows
     invalidate()  any other write to the cache (prefill, verify, copy_slots); a failed forward leaves
                   nothing held either (`plan` let go of it), and the next decode step rebuilds
@@ -26,10 +27,19 @@ next verify pass invalidated (session 33: 8% of a learned whole-rollout run's CP
 model). Without speculation this costs one gather per prefill, after which decoding appends as before.
 
 Whether the mirror holds a batch is decided from the data it mirrors, not from sequence identity:
-same row count, every row's context exactly one longer, and every row's block table starting with
-the blocks already mirrored; with every other cache write invalidating, those slots still hold what
-was copied. Anything else (a sequence finished, a reordering) rebuilds; a join or a preemption comes
-through a prefill, another write, so the first decode step after it gathers and the next rebuilds.
+every row's context exactly one longer, and every row's block table starting with the blocks already
+mirrored; with every other cache write invalidating, those slots still hold what was copied.
+
+When sequences finish, the batch keeps the others in order. A rebuild then copied every row again
+(session 34: 23% of a plain long-tail rollout's CPU time, 26 rebuilds of ~35 ms at batch <= 256);
+instead the rows held in slots past the new batch size move into the finished rows' slots, one row's
+K/V per layer each, and batch row b may then live in another slot (`MirrorStep.slots`): queries are
+put in slot order and outputs back (`layer_ops.dense_attention`), the same SDPA per row. With one
+thread that is bitwise the gather path's output; with several, CPU SDPA rounds some rows differently
+by their position in the batch (measured 1e-8 - 6e-8 at some shapes, as any change of a batch's
+composition already does), so a row in another slot may differ by that much. Anything else (a reordering, a capacity outgrown) rebuilds; a join or
+a preemption comes through a prefill, another write, so the first decode step after it gathers and the
+next rebuilds.
 A weight update or a prefix-cache reset rewrites no cached K/V: the mirror stays valid through them.
 
 Small batches (under MIN_BYTES of K+V per layer: `min_bytes`) gather: the copy is cheaper there.
@@ -64,6 +74,11 @@ class MirrorStep:
     append_rows: torch.Tensor | None  # [B * kvh] flat position of each (row, head)'s new token; None: rebuild
     context_lens: list[int]
     tables: list[list[int]]  # each row's blocks covering positions 0 .. ctx_b (copies)
+    # after a finish (`plan`'s compaction) batch row b may sit in another mirror slot than b:
+    slots: list[int] | None = None  # the slot of each batch row; None: row b is slot b
+    row_of_slot: torch.Tensor | None = None  # [B] the batch row each slot holds (queries in slot order)
+    slot_of_row: torch.Tensor | None = None  # [B] its inverse (outputs back in batch order)
+    slot_mask: torch.Tensor | None = None  # the decode group's mask in slot order (None: every key visible)
 
 
 class DecodeMirror:
@@ -97,13 +112,14 @@ class DecodeMirror:
         if after_other and not self.rebuild_after_other_writes:
             return None  # alone, or the first of a run: the next consecutive decode step rebuilds
         tables = [bt[: (c + bs) // bs] for bt, c in zip(meta.block_tables, ctx)]
-        if held is not None and held.batch == b and lk <= held.cap and all(
-            c == p + 1 for c, p in zip(ctx, held.context_lens)
-        ) and all(t[: len(h)] == h for t, h in zip(tables, held.tables)):
-            cap = held.cap
-            rows = torch.tensor([(i * kvh + h) * cap + c for i, c in enumerate(ctx) for h in range(kvh)],
-                                dtype=torch.int64, device=self.device)
-            return MirrorStep(b, cap, None, rows, list(ctx), tables)
+        if held is not None and lk <= held.cap:
+            if held.batch == b and all(c == p + 1 for c, p in zip(ctx, held.context_lens)) and all(
+                t[: len(h)] == h for t, h in zip(tables, held.tables)
+            ):
+                return self._append(held, held.slots, meta)
+            kept = _kept_rows(held, ctx, tables) if b < held.batch else None
+            if kept is not None:  # sequences finished, the others in order: fill the holes, append
+                return self._append(held, self._compact(held, kept), meta)
         grow = -(-GROW // bs) * bs
         cap = min(-(-lk // grow) * grow, self.max_positions // b // bs * bs)
         if cap < lk:
@@ -112,6 +128,44 @@ class DecodeMirror:
         index = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int64, device=self.device)
         self._layout(b, cap)
         return MirrorStep(b, cap, index.view(-1), None, list(ctx), tables)
+
+    def _append(self, held: MirrorStep, slots: list[int] | None, meta: AttentionMetadata) -> MirrorStep:
+        """An appending step for the batch of `meta`, whose row b the mirror holds in slot slots[b]."""
+        ctx, kvh, cap, b = meta.context_lens, self.kvh, held.cap, len(meta.context_lens)
+        tables = [bt[: (c + self.block_size) // self.block_size] for bt, c in zip(meta.block_tables, ctx)]
+        where = slots if slots is not None else range(b)
+        rows = torch.tensor([(s * kvh + h) * cap + c for s, c in zip(where, ctx) for h in range(kvh)],
+                            dtype=torch.int64, device=self.device)
+        step = MirrorStep(b, cap, None, rows, list(ctx), tables)
+        if slots is not None:
+            step.slots = slots
+            step.slot_of_row = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            step.row_of_slot = torch.empty_like(step.slot_of_row)
+            step.row_of_slot[step.slot_of_row] = torch.arange(b, device=self.device)
+            mask = meta.groups[0].mask if meta.groups else None
+            step.slot_mask = None if mask is None else mask.index_select(0, step.row_of_slot)
+        return step
+
+    def _compact(self, held: MirrorStep, kept: list[int]) -> list[int] | None:
+        """Move the kept rows held in slots >= len(kept) into the finished rows' slots below it (one row's K/V
+        per layer each: a finish costs O(finished rows), not a rebuild's gather and copy of every row) ->
+        the new batch's slots (None: row b is slot b)."""
+        b = len(kept)
+        old = held.slots if held.slots is not None else range(held.batch)
+        slots = [old[j] for j in kept]
+        taken = set(slots)
+        holes = [s for s in range(b) if s not in taken]
+        movers = [r for r, s in enumerate(slots) if s >= b]
+        if movers:
+            src = torch.tensor([slots[r] for r in movers], dtype=torch.int64, device=self.device)
+            dst = torch.tensor(holes, dtype=torch.int64, device=self.device)
+            for k, v in self.views:
+                k.index_copy_(0, dst, k.index_select(0, src))
+                v.index_copy_(0, dst, v.index_select(0, src))
+            for r, s in zip(movers, holes):
+                slots[r] = s
+        self.views = [(k[:b], v[:b]) for k, v in self.views]
+        return None if all(s == r for r, s in enumerate(slots)) else slots
 
     def commit(self, step: MirrorStep) -> None:
         self.held = step
@@ -135,3 +189,17 @@ class DecodeMirror:
             self._v = [torch.empty(size, **e) for _ in range(self.num_layers)]
         shape = (b, self.kvh, cap, self.d)
         self.views = [(k[:size].view(shape), v[:size].view(shape)) for k, v in zip(self._k, self._v)]
+
+
+def _kept_rows(held: MirrorStep, ctx: list[int], tables: list[list[int]]) -> list[int] | None:
+    """For each row of a batch that dropped some of `held`'s rows and kept the others in order (sequences finished),
+    the held row it continues (context one longer, its blocks a continuation); None when the batch is anything else."""
+    kept, j = [], 0
+    for c, t in zip(ctx, tables):
+        while j < held.batch and not (held.context_lens[j] == c - 1 and t[: len(held.tables[j])] == held.tables[j]):
+            j += 1
+        if j == held.batch:
+            return None
+        kept.append(j)
+        j += 1
+    return kept

@@ -159,6 +159,7 @@ def group_attention(
 def dense_attention(
     q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, kd: torch.Tensor,
     vd: torch.Tensor, rows: Optional[torch.Tensor], lk: int, mask: Optional[torch.Tensor], scale: float,  # noqa: UP045
+    row_of_slot: Optional[torch.Tensor] = None, slot_of_row: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> torch.Tensor:
     """Decode rows over dense per-row K/V (`decode_mirror`) -> [B, nh * d]: `group_attention` without the gather.
 
@@ -167,15 +168,21 @@ def dense_attention(
     (appended here, in the script: a decode step's mirror work costs no interpreter time per layer).
     Keys are the first lk positions; mask [B, 1, 1, lk] (None: all visible; one query row needs no
     folding for `grouped_sdpa`). The same SDPA call as `group_attention` on the same values: bitwise
-    the same output.
+    the same output (rows in other slots: see `decode_mirror` on several threads). row_of_slot /
+    slot_of_row, when given: mirror slot s holds batch row row_of_slot[s] (`rows` already address each
+    row's slot, and `mask` is in slot order): queries go in in slot order and outputs come back in batch
+    order.
     """
     b, nh, d = q.shape[0], q.shape[1], q.shape[2]
     if rows is not None:
         kd.view(-1, d).index_copy_(0, rows, k_flat.index_select(0, slots).view(-1, d))
         vd.view(-1, d).index_copy_(0, rows, v_flat.index_select(0, slots).view(-1, d))
+    if row_of_slot is not None:
+        q = q.index_select(0, row_of_slot)
     qg = q.view(b, 1, nh, d).transpose(1, 2)
     og = grouped_sdpa(qg, kd[:, :, :lk], vd[:, :, :lk], mask, scale)
-    return og.transpose(1, 2).reshape(b, nh * d)
+    o = og.transpose(1, 2).reshape(b, nh * d)
+    return o if slot_of_row is None else o.index_select(0, slot_of_row)
 
 
 # SDPA backends for GPU calls: not cuDNN's, which builds an execution plan for every new input shape (measured on an
