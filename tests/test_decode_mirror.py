@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from tlt.model import decode_mirror
 from tlt.model.config import ModelConfig
 from tlt.model.decode_mirror import GROW, MIN_BYTES
 from tlt.model.loader import validate_tensors
@@ -59,6 +60,7 @@ def _pair(num_blocks: int):
         m.allocate_kv_cache(num_blocks, BS)
         pair.append(m)
     pair[0].mirror.min_bytes = 0  # the test model is far below the size where the mirror pays off
+    pair[0].mirror.max_parts = 1  # one SDPA call over slots in batch order: bitwise the gather path (split: below)
     pair[1].mirror = None
     return pair
 
@@ -168,6 +170,33 @@ def test_a_compacted_mirror_is_within_rounding_of_the_gather_path_on_two_threads
     assert h.mirrored.mirror.held.slots is not None
 
 
+def test_a_rebuild_sorts_the_slots_by_context_and_runs_of_slots_attend_apart():
+    """With `max_parts` > 1 a rebuild puts the rows in slots sorted by context, and a step whose contexts differ
+    enough attends runs of slots apart, each over its own longest context: within rounding of the gather path
+    (other key counts per SDPA call), through appends, finishes and another rebuild."""
+    h = Harness(num_blocks=2000)
+    mirror = h.mirrored.mirror
+    mirror.max_parts = 4
+    names = [f"s{i}" for i in range(24)]
+    lengths = [8 + (37 * i) % 180 for i in range(24)]  # 8 .. 185 tokens, not in order
+    for n, length in zip(names, lengths):
+        h.add(n, length)
+        h.step([n], [length], atol=1e-5)
+    assert [h.step(names, atol=1e-5) for _ in range(2)] == ["gather", "rebuild"]
+    held = mirror.held
+    assert [held.context_lens[r] for r in held.row_of_slot.tolist()] == sorted(held.context_lens)
+    assert held.bounds is not None and len(held.bounds) > 2 and held.bounds[-1] == 24
+    assert held.lks == [max(held.context_lens[r] for r in held.row_of_slot.tolist()[a:z]) + 1
+                        for a, z in zip(held.bounds, held.bounds[1:])]
+    assert [h.step(names, atol=1e-5) for _ in range(3)] == ["append"] * 3 and mirror.held.bounds is not None
+    names = names[::3] + names[1::3]  # a reordering (s2, s5, ... finished): rebuilt, sorted again
+    assert [h.step(names, atol=1e-5) for _ in range(2)] == ["rebuild", "append"]
+    held = mirror.held
+    assert [held.context_lens[r] for r in held.row_of_slot.tolist()] == sorted(held.context_lens)
+    names = names[2:]  # finished: compacted
+    assert [h.step(names, atol=1e-5) for _ in range(2)] == ["append", "append"]
+
+
 def test_a_finish_with_another_row_changed_rebuilds():
     """Compaction needs every remaining row one token longer over the blocks it had, in the order it had: a row
     swapped for another sequence of the same length, or the remaining rows reordered, is anything else."""
@@ -233,8 +262,10 @@ def test_a_batch_under_min_bytes_gathers():
     assert [h.step(names) for _ in range(3)] == ["gather"] * 3
 
 
-def test_engine_greedy_tokens_are_the_same_with_and_without_the_mirror(tmp_path):
-    """Staggered finishes, new requests joining and preemption (a small cache): the same tokens, the mirror used."""
+def test_engine_greedy_tokens_are_the_same_with_and_without_the_mirror(tmp_path, monkeypatch):
+    """Staggered finishes, new requests joining and preemption (a small cache): the same tokens, the mirror used.
+    A run of slots costs nothing here (`SLOT_RUN_UNITS` = 0), so every step this small attends runs apart too."""
+    monkeypatch.setattr(decode_mirror, "SLOT_RUN_UNITS", 0)
     ckpt = random_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                              num_kv_heads=2, max_position_embeddings=256, seed=0, weight_scale=0.05)
     g = torch.Generator().manual_seed(0)
@@ -248,19 +279,22 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_mirror(tmp_path)
                                               num_kv_blocks=200))
         if mirror:
             engine.model.mirror.min_bytes = 0
+            assert engine.model.mirror.max_parts > 1  # runs of slots attended apart, as on any CPU engine
         else:
             engine.model.mirror = None
         for r in reqs:
             engine.add_request(r)
-        done, n_append, n_moved = {}, 0, 0
+        done, n_append, n_moved, n_runs = {}, 0, 0, 0
         while engine.has_unfinished():
             for c in engine.step()[1]:
                 done[c.request_id] = c.token_ids
             held = engine.model.mirror.held if mirror else None
             n_append += held is not None and held.rebuild_index is None
             n_moved += held is not None and held.slots is not None
+            n_runs += held is not None and held.bounds is not None
         results.append(done)
-        appends.append((n_append, n_moved))
+        appends.append((n_append, n_moved, n_runs))
         assert engine.stats().num_preemptions > 0
     assert results[0] == results[1]
-    assert appends[0][0] > 20 and appends[0][1] > 0  # appended, also with rows moved after finishes
+    # appended, with rows in other slots (sorted, or moved after finishes), and runs of slots attended apart
+    assert appends[0][0] > 20 and appends[0][1] > 0 and appends[0][2] > 0

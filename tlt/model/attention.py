@@ -37,23 +37,41 @@ def split_by_length(ix: list[int], keys: list[int], q_lens: list[int], max_parts
 
     keys[i]: the key positions sequence i attends (context + new tokens), q_lens[i] its new tokens. A group
     costs GROUP_UNITS + G x max key x (max new tokens + GATHER_UNITS); the split minimises the sum over
-    sorted boundaries (an exact DP over at most _CUTS + 1 candidate cuts: O(_CUTS^2 x max_parts) per step,
-    not per sequence). Each group keeps its sequences in batch order.
+    boundaries in the sorted order (`contiguous_split`). Each group keeps its sequences in batch order.
     """
-    n = len(ix)
-    if n < 2 or max_parts < 2:
+    if len(ix) < 2 or max_parts < 2:
         return [ix]
     order = sorted(ix, key=keys.__getitem__)
+    bounds = contiguous_split([keys[i] for i in order], [q_lens[i] for i in order], max_parts, GROUP_UNITS,
+                              GATHER_UNITS)
+    if len(bounds) == 2:
+        return [ix]
+    return [sorted(order[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def contiguous_split(keys: list[int], q_lens: list[int], max_parts: int, group_units: float,
+                     gather_units: float) -> list[int]:
+    """Boundaries 0 = b_0 < ... < b_k = n of at most `max_parts` runs of consecutive rows that minimise
+    sum over runs of group_units + rows x max key x (max new tokens + gather_units).
+
+    An exact DP over candidate cuts at multiples of ceil(n / _CUTS): O(_CUTS^2 x max_parts) per step, not
+    per row. Rows sorted by key make the runs groups of similar length (`split_by_length`); the decode
+    mirror's slots are kept nearly so (`decode_mirror`).
+    """
+    n = len(keys)
+    if n < 2 or max_parts < 2:
+        return [0, n]
     size = -(-n // _CUTS)
     cuts = list(range(0, n, size)) + [n]
     m = len(cuts)
-    chunk_q = [max(q_lens[i] for i in order[cuts[c] : cuts[c + 1]]) for c in range(m - 1)]
+    chunk_k = [max(keys[cuts[c] : cuts[c + 1]]) for c in range(m - 1)]
+    chunk_q = [max(q_lens[cuts[c] : cuts[c + 1]]) for c in range(m - 1)]
 
-    def cost(a: int, b: int) -> float:  # sorted sequences cuts[a] .. cuts[b] - 1 as one group
-        return GROUP_UNITS + (cuts[b] - cuts[a]) * keys[order[cuts[b] - 1]] * (max(chunk_q[a:b]) + GATHER_UNITS)
+    def cost(a: int, b: int) -> float:  # rows cuts[a] .. cuts[b] - 1 as one run
+        return group_units + (cuts[b] - cuts[a]) * max(chunk_k[a:b]) * (max(chunk_q[a:b]) + gather_units)
 
     inf = float("inf")
-    best = [[inf] * m for _ in range(max_parts + 1)]  # best[k][e]: cuts[0] .. cuts[e] in k groups
+    best = [[inf] * m for _ in range(max_parts + 1)]  # best[k][e]: cuts[0] .. cuts[e] in k runs
     back = [[0] * m for _ in range(max_parts + 1)]
     best[0][0] = 0.0
     for k in range(1, max_parts + 1):
@@ -63,14 +81,11 @@ def split_by_length(ix: list[int], keys: list[int], q_lens: list[int], max_parts
                 if c < best[k][e]:
                     best[k][e], back[k][e] = c, a
     k = min(range(1, max_parts + 1), key=lambda j: best[j][m - 1])
-    if k == 1:
-        return [ix]
-    parts, e = [], m - 1
+    bounds, e = [n], m - 1
     for j in range(k, 0, -1):
-        a = back[j][e]
-        parts.append(sorted(order[cuts[a] : cuts[e]]))
-        e = a
-    return parts[::-1]
+        e = back[j][e]
+        bounds.append(cuts[e])
+    return bounds[::-1]
 
 
 @dataclass

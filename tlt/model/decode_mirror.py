@@ -5,12 +5,13 @@ the paged cache before SDPA: O(batch x context) bytes per layer per step, most o
 at batch 64 and a few hundred tokens of context. Consecutive decode steps mostly attend the same
 sequences in the same order, one token longer each, so the mirror keeps those rows densely,
 
-    k, v per layer: [B, kvh, cap, d]   row b = positions 0 .. ctx_b of batch row b's block table
+    k, v per layer: [B, kvh, cap, d]   slot s = positions 0 .. ctx of the batch row it holds
 
 and a decode step appends only its new token per row (after the paged cache got it: that cache stays
 the source of truth, written every step) and runs SDPA on the first lk positions with the gather
-path's mask (the same values per (row, head): bitwise the same output). Head-major, each head's keys
-are one contiguous run: SDPA is ~20% faster on it than on the cache's token-major layout.
+path's mask (the same values per (row, head): bitwise the same output, up to the runs below).
+Head-major, each head's keys are one contiguous run: SDPA is ~20% faster on it than on the cache's
+token-major layout.
 
     plan(meta)    per decode step: append when the mirror holds this batch (after compacting away
                   finished rows), else rebuild (one gather); the first decode step after another write
@@ -42,6 +43,14 @@ a preemption comes through a prefill, another write, so the first decode step af
 next rebuilds.
 A weight update or a prefix-cache reset rewrites no cached K/V: the mirror stays valid through them.
 
+On the CPU a rebuild puts the rows in slots sorted by context, and each step attends runs of slots apart,
+each over its own longest context (`attention.contiguous_split`, at most `max_parts` runs, a run's fixed
+cost SLOT_RUN_UNITS): one SDPA call padded every row to the longest, ~26% of the keys a long-tail step
+attended (session 34; the SDPA of the mirror is ~half of a plain rollout's CPU time). Compaction moves
+the longest rows into the finished rows' slots, so the order frays until the next rebuild; the split
+works on whatever order the slots are in. Other key counts per SDPA call round differently: within
+~1e-7 of one call, no longer bitwise (`max_parts = 1` restores one call over slots in batch order).
+
 Small batches (under MIN_BYTES of K+V per layer: `min_bytes`) gather: the copy is cheaper there.
 Memory: the mirror never holds more positions than the paged cache itself (B x cap <= num_blocks x
 block_size, so at most as much memory again); a batch that does not fit uses the gather path.
@@ -53,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.model.attention import AttentionMetadata
+from tlt.model.attention import MAX_PARTS, AttentionMetadata, contiguous_split
 
 GROW = 64  # capacity is rounded up to this many positions, so a growing context rebuilds every GROW steps
 # Below this many bytes of gathered K+V per layer the gather path is as fast or faster: its copy streams
@@ -62,6 +71,9 @@ GROW = 64  # capacity is rounded up to this many positions, so a growing context
 # L2 per core), tiny model, one thread: batch 8 x 288 positions (1.8 MiB) is ~10% slower with the
 # mirror, batch 64 x 96 (4.7 MiB) even, batch 64 x 288 (14 MiB) ~30% less CPU time.
 MIN_BYTES = 4 << 20
+# A run of slots' fixed cost in (row x key position) units of a decode step's SDPA: ~10 us a call against
+# 26-65 ns a unit (batch 64-256 x 64-256 keys, the tiny model's shape, one thread; BENCHMARKS.md, "Session 34")
+SLOT_RUN_UNITS = 400
 
 
 @dataclass
@@ -79,6 +91,10 @@ class MirrorStep:
     row_of_slot: torch.Tensor | None = None  # [B] the batch row each slot holds (queries in slot order)
     slot_of_row: torch.Tensor | None = None  # [B] its inverse (outputs back in batch order)
     slot_mask: torch.Tensor | None = None  # the decode group's mask in slot order (None: every key visible)
+    # runs of slots attended apart, each over its own longest context (`plan`): slots bounds[i] .. bounds[i+1]-1
+    # over keys 0 .. lks[i]-1; None: one SDPA call over every slot
+    bounds: list[int] | None = None
+    lks: list[int] | None = None
 
 
 class DecodeMirror:
@@ -88,6 +104,8 @@ class DecodeMirror:
         self.dtype, self.device = dtype, device
         self.max_positions = num_blocks * block_size
         self.min_bytes = MIN_BYTES  # a batch's K+V per layer below which `plan` leaves it to the gather path
+        # runs of slots attended apart (`contiguous_split`); 1: one SDPA call, slots in batch order after a rebuild
+        self.max_parts = MAX_PARTS if torch.device(device).type == "cpu" else 1
         self._position_bytes = 2 * kvh * d * dtype.itemsize
         self._k: list[torch.Tensor] = []  # per layer, flat, at least B * kvh * cap * d elements
         self._v: list[torch.Tensor] = []
@@ -125,9 +143,16 @@ class DecodeMirror:
         if cap < lk:
             return None
         nb = cap // bs
-        index = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int64, device=self.device)
+        # slots sorted by context, when the step is split by length: runs of slots then have similar lengths
+        order = sorted(range(b), key=ctx.__getitem__) if self.max_parts > 1 else list(range(b))
+        index = torch.tensor([tables[r] + [0] * (nb - len(tables[r])) for r in order], dtype=torch.int64,
+                             device=self.device)
         self._layout(b, cap)
-        return MirrorStep(b, cap, index.view(-1), None, list(ctx), tables)
+        slots = [0] * b
+        for s, r in enumerate(order):
+            slots[r] = s
+        step = MirrorStep(b, cap, index.view(-1), None, list(ctx), tables)
+        return self._place(step, slots, meta)
 
     def _append(self, held: MirrorStep, slots: list[int] | None, meta: AttentionMetadata) -> MirrorStep:
         """An appending step for the batch of `meta`, whose row b the mirror holds in slot slots[b]."""
@@ -136,14 +161,26 @@ class DecodeMirror:
         where = slots if slots is not None else range(b)
         rows = torch.tensor([(s * kvh + h) * cap + c for s, c in zip(where, ctx) for h in range(kvh)],
                             dtype=torch.int64, device=self.device)
-        step = MirrorStep(b, cap, None, rows, list(ctx), tables)
-        if slots is not None:
+        return self._place(MirrorStep(b, cap, None, rows, list(ctx), tables), slots, meta)
+
+    def _place(self, step: MirrorStep, slots: list[int] | None, meta: AttentionMetadata) -> MirrorStep:
+        """`step` with its rows in `slots` (None or the identity: row b in slot b) and its runs of slots."""
+        b, ctx = step.batch, step.context_lens
+        if slots is not None and any(s != r for r, s in enumerate(slots)):
             step.slots = slots
             step.slot_of_row = torch.tensor(slots, dtype=torch.int64, device=self.device)
             step.row_of_slot = torch.empty_like(step.slot_of_row)
             step.row_of_slot[step.slot_of_row] = torch.arange(b, device=self.device)
             mask = meta.groups[0].mask if meta.groups else None
             step.slot_mask = None if mask is None else mask.index_select(0, step.row_of_slot)
+        if self.max_parts > 1:
+            keys = [0] * b
+            for r, s in enumerate(step.slots or range(b)):
+                keys[s] = ctx[r] + 1
+            bounds = contiguous_split(keys, [1] * b, self.max_parts, SLOT_RUN_UNITS, 0.0)
+            if len(bounds) > 2:
+                step.bounds = bounds
+                step.lks = [max(keys[a:z]) for a, z in zip(bounds, bounds[1:])]
         return step
 
     def _compact(self, held: MirrorStep, kept: list[int]) -> list[int] | None:

@@ -160,6 +160,7 @@ def dense_attention(
     q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, kd: torch.Tensor,
     vd: torch.Tensor, rows: Optional[torch.Tensor], lk: int, mask: Optional[torch.Tensor], scale: float,  # noqa: UP045
     row_of_slot: Optional[torch.Tensor] = None, slot_of_row: Optional[torch.Tensor] = None,  # noqa: UP045
+    bounds: Optional[List[int]] = None, lks: Optional[List[int]] = None,  # noqa: UP006, UP045
 ) -> torch.Tensor:
     """Decode rows over dense per-row K/V (`decode_mirror`) -> [B, nh * d]: `group_attention` without the gather.
 
@@ -171,7 +172,8 @@ def dense_attention(
     the same output (rows in other slots: see `decode_mirror` on several threads). row_of_slot /
     slot_of_row, when given: mirror slot s holds batch row row_of_slot[s] (`rows` already address each
     row's slot, and `mask` is in slot order): queries go in in slot order and outputs come back in batch
-    order.
+    order. bounds / lks, when given: slots bounds[i] .. bounds[i+1]-1 attend apart over their first lks[i]
+    keys (the mask cut to match), so short rows do not pay for the longest one.
     """
     b, nh, d = q.shape[0], q.shape[1], q.shape[2]
     if rows is not None:
@@ -180,7 +182,15 @@ def dense_attention(
     if row_of_slot is not None:
         q = q.index_select(0, row_of_slot)
     qg = q.view(b, 1, nh, d).transpose(1, 2)
-    og = grouped_sdpa(qg, kd[:, :, :lk], vd[:, :, :lk], mask, scale)
+    if bounds is None or lks is None:
+        og = grouped_sdpa(qg, kd[:, :, :lk], vd[:, :, :lk], mask, scale)
+    else:
+        runs: List[torch.Tensor] = []  # noqa: UP006
+        for i in range(len(lks)):
+            a, z, n = bounds[i], bounds[i + 1], lks[i]
+            m = None if mask is None else mask[a:z, :, :, :n]
+            runs.append(grouped_sdpa(qg[a:z], kd[a:z, :, :n], vd[a:z, :, :n], m, scale))
+        og = torch.cat(runs)
     o = og.transpose(1, 2).reshape(b, nh * d)
     return o if slot_of_row is None else o.index_select(0, slot_of_row)
 

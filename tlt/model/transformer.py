@@ -262,7 +262,7 @@ class Transformer:
                 kd, vd = self.mirror.views[li]
                 o = dense(q, self.k_flat[li], self.v_flat[li], slots, kd, vd, step.append_rows, attn.groups[0].lk,
                           attn.groups[0].mask if step.slots is None else step.slot_mask, self.scale, step.row_of_slot,
-                          step.slot_of_row)
+                          step.slot_of_row, step.bounds, step.lks)
             else:
                 o = attend_groups(q, self.k_caches[li], self.v_caches[li], attn, self.scale)
             x = post(x, o, L.k_o, L.k_ln2, L.k_gate_up, L.k_down, packed, eps, exact, inter)
