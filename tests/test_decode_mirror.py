@@ -1,9 +1,10 @@
 """The decode mirror (tlt/model/decode_mirror.py) changes no result: bitwise the gather path's hidden states.
 
 Two native models with the same random weights run the same steps over their own paged caches: one
-with the mirror, one with it switched off (`model.mirror = None`: every step gathers). Every forward's
-hidden states must be bitwise equal, through what makes the mirror append, compact, rebuild or stand
-aside: steady decode, finished rows (compacted into their slots), a reordering, a multi-token step,
+with the mirror, one with it switched off (`model.mirror = None`: every step gathers). With one SDPA
+call over every slot (`max_parts = 1`) on one thread, every forward's hidden states must be bitwise
+equal (with runs of slots attended apart, or on two threads, within the tolerance each test states),
+through what makes the mirror append, compact, rebuild or stand aside: steady decode, finished rows (compacted into their slots), a reordering, a multi-token step,
 `copy_slots`, a row swapped for another sequence at the same length, a context outgrowing the capacity,
 a batch too big for it.
 Then the engine: greedy tokens with and without the mirror under staggered finishes and preemption.

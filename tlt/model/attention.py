@@ -23,7 +23,8 @@ from tlt.model.layer_ops import fold_mask, group_attention_fn
 # An SDPA group pads every sequence to the group's longest context and its most new tokens, and masks the
 # padding: SDPA computes it all the same. A verify step of a long-tail rollout pads ~26% (session 34: 32
 # prompts of 18-74 tokens x 8 samples; contexts diverge further as sequences accept different numbers of
-# drafts), so on the CPU such steps are split by length. Costs in (query row x key position) units, measured
+# drafts), so on the CPU such steps are split by length (the one-token rows of a mixed step and the others, each
+# into at most MAX_PARTS groups). Costs in (query row x key position) units, measured
 # on the CI CPU at the tiny model's shape, one thread (BENCHMARKS.md, "Session 34"): SDPA ~16 ns a unit at
 # batch 32-128, the gather of a key position ~2.5 units, a group's fixed cost per layer ~25 us, ~2,000 units.
 MAX_PARTS = 4
@@ -54,9 +55,9 @@ def contiguous_split(keys: list[int], q_lens: list[int], max_parts: int, group_u
     """Boundaries 0 = b_0 < ... < b_k = n of at most `max_parts` runs of consecutive rows that minimise
     sum over runs of group_units + rows x max key x (max new tokens + gather_units).
 
-    An exact DP over candidate cuts at multiples of ceil(n / _CUTS): O(_CUTS^2 x max_parts) per step, not
-    per row. Rows sorted by key make the runs groups of similar length (`split_by_length`); the decode
-    mirror's slots are kept nearly so (`decode_mirror`).
+    An exact DP over candidate cuts at multiples of ceil(n / _CUTS): O(n + _CUTS^2 x max_parts) per step.
+    Rows sorted by key make the runs groups of similar length (`split_by_length`); the decode mirror's
+    slots are kept nearly so (`decode_mirror`).
     """
     n = len(keys)
     if n < 2 or max_parts < 2:
@@ -66,9 +67,12 @@ def contiguous_split(keys: list[int], q_lens: list[int], max_parts: int, group_u
     m = len(cuts)
     chunk_k = [max(keys[cuts[c] : cuts[c + 1]]) for c in range(m - 1)]
     chunk_q = [max(q_lens[cuts[c] : cuts[c + 1]]) for c in range(m - 1)]
-
-    def cost(a: int, b: int) -> float:  # rows cuts[a] .. cuts[b] - 1 as one run
-        return group_units + (cuts[b] - cuts[a]) * max(chunk_k[a:b]) * (max(chunk_q[a:b]) + gather_units)
+    cost = [[0.0] * m for _ in range(m)]  # cost[a][b]: rows cuts[a] .. cuts[b] - 1 as one run
+    for a in range(m - 1):
+        mk = mq = 0
+        for b in range(a + 1, m):
+            mk, mq = max(mk, chunk_k[b - 1]), max(mq, chunk_q[b - 1])
+            cost[a][b] = group_units + (cuts[b] - cuts[a]) * mk * (mq + gather_units)
 
     inf = float("inf")
     best = [[inf] * m for _ in range(max_parts + 1)]  # best[k][e]: cuts[0] .. cuts[e] in k runs
@@ -77,7 +81,7 @@ def contiguous_split(keys: list[int], q_lens: list[int], max_parts: int, group_u
     for k in range(1, max_parts + 1):
         for e in range(1, m):
             for a in range(k - 1, e):
-                c = best[k - 1][a] + cost(a, e)
+                c = best[k - 1][a] + cost[a][e]
                 if c < best[k][e]:
                     best[k][e], back[k][e] = c, a
     k = min(range(1, max_parts + 1), key=lambda j: best[j][m - 1])
@@ -221,6 +225,7 @@ class AttentionMetadata:
         valid = (torch.arange(max_q)[None, :] < q[:, None]).reshape(-1)
         # every sequence, each with max_q new tokens (pure decode, or a verify step over equal trees):
         # padded row r is flat token r, nothing to gather or scatter
+        # (`ix` in batch order: true of every group `build` makes; checked, as the fast path depends on it)
         identity = g == len(self.q_lens) and all(i == r for r, i in enumerate(ix)) and bool((q == max_q).all())
         flat = flat.clamp(max=starts[-1] - 1)  # padded rows read some real token; their output is dropped
         q_index = None if identity else flat.to(device)

@@ -32,15 +32,15 @@ every row's context exactly one longer, and every row's block table starting wit
 mirrored; with every other cache write invalidating, those slots still hold what was copied.
 
 When sequences finish, the batch keeps the others in order. A rebuild then copied every row again
-(session 34: 23% of a plain long-tail rollout's CPU time, 26 rebuilds of ~35 ms at batch <= 256);
-instead the rows held in slots past the new batch size move into the finished rows' slots, one row's
+(session 34: 26 rebuilds in a 256-sequence long-tail rollout; compacting instead took 3.5% off its CPU
+time); instead the rows held in slots past the new batch size move into the finished rows' slots, one row's
 K/V per layer each, and batch row b may then live in another slot (`MirrorStep.slots`): queries are
 put in slot order and outputs back (`layer_ops.dense_attention`), the same SDPA per row. With one
 thread that is bitwise the gather path's output; with several, CPU SDPA rounds some rows differently
 by their position in the batch (measured 1e-8 - 6e-8 at some shapes, as any change of a batch's
-composition already does), so a row in another slot may differ by that much. Anything else (a reordering, a capacity outgrown) rebuilds; a join or
-a preemption comes through a prefill, another write, so the first decode step after it gathers and the
-next rebuilds.
+composition already does), so a row in another slot may differ by that much. Anything else (a
+reordering, a capacity outgrown) rebuilds; a join or a preemption comes through a prefill, another
+write, so the first decode step after it gathers and the next rebuilds.
 A weight update or a prefix-cache reset rewrites no cached K/V: the mirror stays valid through them.
 
 On the CPU a rebuild puts the rows in slots sorted by context, and each step attends runs of slots apart,
@@ -49,7 +49,8 @@ cost SLOT_RUN_UNITS): one SDPA call padded every row to the longest, ~26% of the
 attended (session 34; the SDPA of the mirror is ~half of a plain rollout's CPU time). Compaction moves
 the longest rows into the finished rows' slots, so the order frays until the next rebuild; the split
 works on whatever order the slots are in. Other key counts per SDPA call round differently: within
-~1e-7 of one call, no longer bitwise (`max_parts = 1` restores one call over slots in batch order).
+~1e-7 of one call, no longer bitwise (`max_parts = 1` restores one call over every slot: bitwise the gather
+path on one thread, rows in whatever slots compaction left them).
 
 Small batches (under MIN_BYTES of K+V per layer: `min_bytes`) gather: the copy is cheaper there.
 Memory: the mirror never holds more positions than the paged cache itself (B x cap <= num_blocks x
@@ -104,7 +105,8 @@ class DecodeMirror:
         self.dtype, self.device = dtype, device
         self.max_positions = num_blocks * block_size
         self.min_bytes = MIN_BYTES  # a batch's K+V per layer below which `plan` leaves it to the gather path
-        # runs of slots attended apart (`contiguous_split`); 1: one SDPA call, slots in batch order after a rebuild
+        # runs of slots attended apart (`contiguous_split`); 1: one SDPA call over every slot (bitwise the gather
+        # path on one thread). The mirror's own knob: `attention.MAX_PARTS` is read once, here
         self.max_parts = MAX_PARTS if torch.device(device).type == "cpu" else 1
         self._position_bytes = 2 * kvh * d * dtype.itemsize
         self._k: list[torch.Tensor] = []  # per layer, flat, at least B * kvh * cap * d elements
@@ -134,17 +136,23 @@ class DecodeMirror:
             if held.batch == b and all(c == p + 1 for c, p in zip(ctx, held.context_lens)) and all(
                 t[: len(h)] == h for t, h in zip(tables, held.tables)
             ):
-                return self._append(held, held.slots, meta)
+                return self._append(held, held.slots, meta, tables)
             kept = _kept_rows(held, ctx, tables) if b < held.batch else None
             if kept is not None:  # sequences finished, the others in order: fill the holes, append
-                return self._append(held, self._compact(held, kept), meta)
+                return self._append(held, self._compact(held, kept), meta, tables)
         grow = -(-GROW // bs) * bs
         cap = min(-(-lk // grow) * grow, self.max_positions // b // bs * bs)
         if cap < lk:
             return None
         nb = cap // bs
-        # slots sorted by context, when the step is split by length: runs of slots then have similar lengths
-        order = sorted(range(b), key=ctx.__getitem__) if self.max_parts > 1 else list(range(b))
+        # slots sorted by context when runs of them would be attended apart (then of similar lengths), else in
+        # batch order (no permutation to apply at every step)
+        order = list(range(b))
+        if self.max_parts > 1:
+            by_len = sorted(order, key=ctx.__getitem__)
+            keys = [ctx[r] + 1 for r in by_len]
+            if len(contiguous_split(keys, [1] * b, self.max_parts, SLOT_RUN_UNITS, 0.0)) > 2:
+                order = by_len
         index = torch.tensor([tables[r] + [0] * (nb - len(tables[r])) for r in order], dtype=torch.int64,
                              device=self.device)
         self._layout(b, cap)
@@ -154,23 +162,27 @@ class DecodeMirror:
         step = MirrorStep(b, cap, index.view(-1), None, list(ctx), tables)
         return self._place(step, slots, meta)
 
-    def _append(self, held: MirrorStep, slots: list[int] | None, meta: AttentionMetadata) -> MirrorStep:
+    def _append(self, held: MirrorStep, slots: list[int] | None, meta: AttentionMetadata,
+                tables: list[list[int]]) -> MirrorStep:
         """An appending step for the batch of `meta`, whose row b the mirror holds in slot slots[b]."""
         ctx, kvh, cap, b = meta.context_lens, self.kvh, held.cap, len(meta.context_lens)
-        tables = [bt[: (c + self.block_size) // self.block_size] for bt, c in zip(meta.block_tables, ctx)]
         where = slots if slots is not None else range(b)
         rows = torch.tensor([(s * kvh + h) * cap + c for s, c in zip(where, ctx) for h in range(kvh)],
                             dtype=torch.int64, device=self.device)
-        return self._place(MirrorStep(b, cap, None, rows, list(ctx), tables), slots, meta)
+        return self._place(MirrorStep(b, cap, None, rows, list(ctx), tables), slots, meta, held)
 
-    def _place(self, step: MirrorStep, slots: list[int] | None, meta: AttentionMetadata) -> MirrorStep:
+    def _place(self, step: MirrorStep, slots: list[int] | None, meta: AttentionMetadata,
+               held: MirrorStep | None = None) -> MirrorStep:
         """`step` with its rows in `slots` (None or the identity: row b in slot b) and its runs of slots."""
         b, ctx = step.batch, step.context_lens
-        if slots is not None and any(s != r for r, s in enumerate(slots)):
+        if slots is not None and held is not None and slots is held.slots:  # the held permutation, unchanged
+            step.slots, step.slot_of_row, step.row_of_slot = slots, held.slot_of_row, held.row_of_slot
+        elif slots is not None and any(s != r for r, s in enumerate(slots)):
             step.slots = slots
             step.slot_of_row = torch.tensor(slots, dtype=torch.int64, device=self.device)
             step.row_of_slot = torch.empty_like(step.slot_of_row)
             step.row_of_slot[step.slot_of_row] = torch.arange(b, device=self.device)
+        if step.slots is not None:  # the mask grows a key every step: put in slot order every step
             mask = meta.groups[0].mask if meta.groups else None
             step.slot_mask = None if mask is None else mask.index_select(0, step.row_of_slot)
         if self.max_parts > 1:
