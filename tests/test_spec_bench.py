@@ -325,6 +325,38 @@ def test_bench_rollout_bandit_keep_carries_over_rounds(capsys, random_model_dir)
     assert all(r["identical_to_first_mode"] for row in kept["rounds"] for r in row)  # still lossless
 
 
+def test_bench_rollout_engine_reuse_keeps_one_engine_per_mode_and_counts_each_run(capsys, random_model_dir,
+                                                                                  monkeypatch):
+    """`--engine reuse`: one engine per mode for every timed run (built once after the warm-up, run once untimed),
+    its prefix cache reset before each run, and each run's speculation counters its own, not the engine's totals."""
+    built: list[str] = []
+    real_build = rollout.build_engine
+
+    def counting_build(model_dir, args, mode, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        built.append(mode)
+        return real_build(model_dir, args, mode, *a, **k)
+
+    monkeypatch.setattr(rollout, "build_engine", counting_build)
+    common = ["--model", str(random_model_dir), "--prompts", "2", "--n", "2", "--median-tokens", "8",
+              "--max-tokens", "24", "--modes", "off,static-ngram", "--threshold", "4", "--repeats", "3",
+              "--bandit", "keep"]
+    rc, fresh = _bench(capsys, common)
+    assert rc == 0 and "engine" not in fresh and built.count("off") == 1 + 3  # the warm-up's, then one per run
+    built.clear()
+    rc, reused = _bench(capsys, [*common, "--engine", "reuse"])
+    assert rc == 0 and reused["engine"] == "reuse" and built == ["off", "static-ngram"] * 2  # warm-up, then kept
+    assert all(r["identical_to_first_mode"] for row in reused["rounds"] for r in row)  # lossless on reused engines
+    # a static arm decodes the same greedy workload the same way every run: each run counts only its own steps
+    for runs in ([row[1] for row in fresh["rounds"]], [row[1] for row in reused["rounds"]]):
+        assert len({(r["verify_steps"], r["mean_accept_len"], json.dumps(r["arms"])) for r in runs}) == 1
+    # not the engine's running totals (a used engine may start a run with its SD switch already on: a step or two)
+    assert abs(reused["rounds"][2][1]["verify_steps"] - fresh["rounds"][0][1]["verify_steps"]) <= 2
+    assert fresh["rounds"][0][1]["verify_steps"] > 2
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    assert rollout.run(parser.parse_args([*common[:-2], "--engine", "reuse"])) == 2  # needs --bandit keep
+
+
 def test_bench_rollout_warms_every_mode_up_before_timing(capsys, random_model_dir, monkeypatch):
     """The first timed run must not pay the process's one-time costs (they made round 0's off run 20-30%
     slower and inflated every speed-up over it): by default every mode decodes the workload once, untimed,

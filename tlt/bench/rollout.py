@@ -80,6 +80,16 @@ one RL step's rollout to the next; `fresh` (the default) starts every run cold, 
 most of its verify steps exploring. The engine, its KV cache and the drafter are new in every run
 either way.
 
+`--engine reuse` keeps one engine per mode for every timed run instead (a replica's engine lives across
+RL steps): each engine is built and run once untimed after the warm-up, so first-touch costs (the
+decode mirror's buffers, the drafter cache) are paid outside the timed runs, and its prefix cache is
+reset before every run, as a weight update resets it; its bandit carries over (needs `--bandit
+keep`), and each run's requests get new ids, so no drafter state keyed by request (the n-gram index of
+a request's samples) carries the last run's tokens. Per-run speculation counts are the engine's
+counters' differences. `fresh` (the default)
+builds every run's engine anew: a cold engine, which flattered speculation by ~3% on the CPU
+(BENCHMARKS.md, Session 34).
+
 `--gc-freeze on` (the default) freezes the process's heap after the warm-up, as every rollout replica does
 once it is up, and collects before every timed run (each run's engine is new, and the last one's garbage must
 not be collected inside the next run); each result's `gc_s` is the seconds its run spent in the collector.
@@ -169,6 +179,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandit", choices=("fresh", "keep"), default="fresh",
                         help="adaptive modes: a cold bandit in every run (fresh), or each round's bandit starting from "
                              "the previous round's, as a rollout server's does across RL steps (keep)")
+    parser.add_argument("--engine", choices=("fresh", "reuse"), default="fresh",
+                        help="a new engine for every run (fresh), or one per mode reused by every timed run, warmed "
+                             "once and its prefix cache reset before each run: a long-lived replica (reuse; needs "
+                             "--bandit keep)")
     parser.add_argument("--min-tokens", type=at_least(0), default=0,
                         help="task workload: keep only problems whose reference solution has at least this many "
                              "tokens (0: off), for a workload of long sequences only")
@@ -328,6 +342,26 @@ def _run_mode(engine, requests, threshold: int, clock=None) -> tuple[dict, dict]
                   "verified_seq_steps": verified_seq_steps}
 
 
+def spec_delta(before: dict | None, after: dict | None) -> dict:
+    """The speculation counters of one run on an engine (`LLMEngine.stats().spec`, cumulative): after - before.
+    A fresh engine's `before` is all zeros, so this is `after` there."""
+    if after is None:
+        return {}
+    if not before:
+        return after
+    counts = ("verify_steps", "plain_steps", "emitted_tokens", "seq_steps", "drafted_tokens", "no_room",
+              "over_budget", "kv_copies", "catch_ups")
+    d = dict(after, **{k: after[k] - before.get(k, 0) for k in counts if k in after})
+    arms = {}
+    for name, a in after.get("arms", {}).items():
+        diff = {k: v - before.get("arms", {}).get(name, {}).get(k, 0) for k, v in a.items()}
+        if any(diff.values()):
+            arms[name] = diff
+    d["arms"] = arms
+    d["mean_accept_len"] = d["emitted_tokens"] / max(1, d["seq_steps"])
+    return d
+
+
 def _warm_up(engine, requests) -> None:  # noqa: ANN001
     """Decode `requests` to the end on `engine`, untimed (see `--warmup`)."""
     for r in requests:
@@ -365,6 +399,7 @@ def _hook_cost(engine, requests, repeats: int = 20000) -> dict:  # noqa: ANN001
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
     import gc
     import time
 
@@ -384,6 +419,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.warmup < 0:
         print(f"error: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
+        return 2
+    if args.engine == "reuse" and args.bandit != "keep":
+        print("error: --engine reuse keeps each engine's bandit across runs: give --bandit keep", file=sys.stderr)
         return 2
     if args.min_tokens and args.workload != "task":
         print("error: --min-tokens needs --workload task", file=sys.stderr)
@@ -463,23 +501,36 @@ def run(args: argparse.Namespace) -> int:
     rounds: list[list[dict]] = []  # per round, the results of the modes that ran, in --modes order
     reference, run_index = None, 0
     bandits: dict = {}  # --bandit keep: mode -> the bandit its last run ended with
+    engines: dict = {}  # --engine reuse: mode -> its engine, run once untimed
+    if args.engine == "reuse":
+        for mode in ran:
+            engines[mode] = new_engine(mode)
+            _warm_up(engines[mode], requests)
     try:
         for round_index in range(args.repeats):  # interleaved: every mode once per round
             row = []
             for mode in ran:
-                engine = new_engine(mode)
+                engine = engines.get(mode) or new_engine(mode)
                 if mode != "off" and args.bandit == "keep":
                     engine.spec_decoder.bandit = bandits.setdefault(mode, engine.spec_decoder.bandit)
                 bandit = engine.spec_decoder.bandit if engine.spec_decoder is not None else None
                 held = sum(a.samples for b in bandit.snapshot() for a in b.arms) if bandit is not None else 0
+                engine.block_manager.reset_prefix_cache()  # a reused engine: as a weight update leaves it
+                before = engine.stats().spec
                 if args.gc_freeze == "on":
                     gc.collect()  # the last run's engine, untimed
                 pauses.reset()
-                outs, measured = _run_mode(engine, requests, args.threshold, clock)
+                if args.engine == "reuse":  # new request ids: a drafter's per-request state (the n-gram index of a
+                    # request's samples) must not carry the last run's tokens, as a server sees new requests each step
+                    run_requests = [dataclasses.replace(r, request_id=f"{r.request_id}@{run_index}") for r in requests]
+                    outs, measured = _run_mode(engine, run_requests, args.threshold, clock)
+                    outs = {(rid.rsplit("@", 1)[0], i): v for (rid, i), v in outs.items()}
+                else:
+                    outs, measured = _run_mode(engine, requests, args.threshold, clock)
                 gc_s = sum(pauses.seconds)
                 if reference is None:
                     reference = outs
-                result = mode_result(mode, outs, measured, engine.stats().spec)
+                result = mode_result(mode, outs, measured, spec_delta(before, engine.stats().spec))
                 result["gc_s"] = round(gc_s, 3)
                 result["identical_to_first_mode"] = None if sampled else outs == reference
                 if args.bandit == "keep" and bandit is not None and engine.spec_decoder.config.mode == "adaptive":
@@ -515,6 +566,8 @@ def run(args: argparse.Namespace) -> int:
               "clock": args.clock, "bandit": args.bandit, "results": results}
     if args.min_tokens:
         report["min_tokens"] = args.min_tokens
+    if args.engine == "reuse":
+        report["engine"] = "reuse"
     if args.hook_cost:
         report["hook_cost"] = {}
         for mode in (m for m in ran if m in ("ngram", "learned")):

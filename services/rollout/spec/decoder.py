@@ -476,6 +476,7 @@ class SpecDecoder:
             "plain_steps": self.plain_steps,
             "last_step_seconds": self.last_step_seconds,
             "emitted_tokens": self.emitted_tokens,
+            "seq_steps": self.seq_steps,  # sequences over all verify steps
             "mean_accept_len": self.emitted_tokens / max(1, self.seq_steps),  # tokens per sequence per verify
             "drafted_tokens": self.drafted_tokens,
             "last_arm": None if self.last_arm is None else self.last_arm.name,
