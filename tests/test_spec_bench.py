@@ -338,13 +338,17 @@ def test_bench_rollout_engine_reuse_keeps_one_engine_per_mode_and_counts_each_ru
 
     monkeypatch.setattr(rollout, "build_engine", counting_build)
     common = ["--model", str(random_model_dir), "--prompts", "2", "--n", "2", "--median-tokens", "8",
-              "--max-tokens", "24", "--modes", "off,static-ngram", "--threshold", "4", "--repeats", "3",
+              "--max-tokens", "24", "--modes", "off,static-ngram,ngram", "--threshold", "4", "--repeats", "3",
               "--bandit", "keep"]
     rc, fresh = _bench(capsys, common)
     assert rc == 0 and "engine" not in fresh and built.count("off") == 1 + 3  # the warm-up's, then one per run
     built.clear()
     rc, reused = _bench(capsys, [*common, "--engine", "reuse"])
-    assert rc == 0 and reused["engine"] == "reuse" and built == ["off", "static-ngram"] * 2  # warm-up, then kept
+    assert rc == 0 and reused["engine"] == "reuse" and built == ["off", "static-ngram", "ngram"] * 2  # warm-up, kept
+    # the adaptive bandit: cold in round 0 (the untimed run's rewards dropped), then carried from round to round
+    held = [row[2]["bandit_start_rewards"] for row in reused["rounds"]]
+    verify = [row[2]["verify_steps"] for row in reused["rounds"]]
+    assert held[0] == 0 and held[1] == verify[0] > 0 and held[2] == verify[0] + verify[1]
     assert all(r["identical_to_first_mode"] for row in reused["rounds"] for r in row)  # lossless on reused engines
     # a static arm decodes the same greedy workload the same way every run: each run counts only its own steps
     for runs in ([row[1] for row in fresh["rounds"]], [row[1] for row in reused["rounds"]]):

@@ -83,8 +83,9 @@ either way.
 `--engine reuse` keeps one engine per mode for every timed run instead (a replica's engine lives across
 RL steps): each engine is built and run once untimed after the warm-up, so first-touch costs (the
 decode mirror's buffers, the drafter cache) are paid outside the timed runs, and its prefix cache is
-reset before every run, as a weight update resets it; its bandit carries over (needs `--bandit
-keep`), and each run's requests get new ids, so no drafter state keyed by request (the n-gram index of
+reset before every run, as a weight update resets it; its bandit starts cold in round 0 (the untimed
+run's rewards, first-touch costs included, are dropped) and carries over from round to round (needs
+`--bandit keep`), and each run's requests get new ids, so no drafter state keyed by request (the n-gram index of
 a request's samples) carries the last run's tokens. Per-run speculation counts are the engine's
 counters' differences. `fresh` (the default)
 builds every run's engine anew: a cold engine, which flattered speculation by ~3% on the CPU
@@ -506,6 +507,8 @@ def run(args: argparse.Namespace) -> int:
         for mode in ran:
             engines[mode] = new_engine(mode)
             _warm_up(engines[mode], requests)
+            if engines[mode].spec_decoder is not None:  # round 0 starts cold, as --bandit keep's does on fresh engines
+                engines[mode].spec_decoder.bandit = engines[mode].spec_decoder.new_bandit()
     try:
         for round_index in range(args.repeats):  # interleaved: every mode once per round
             row = []

@@ -187,8 +187,7 @@ class SpecDecoder:
         self.bm = block_manager
         self.switch = SpecSwitch(config.threshold, config.hysteresis_steps)
         self.static_arm = Arm.parse(config.static_arm)
-        self.bandit = BucketedEpsilonGreedy(config.bucket_thresholds, config.arms(), config.epsilon, config.window,
-                                            config.verify_token_budget or None, config.seed, config.exact_sizes)
+        self.bandit = self.new_bandit()
         if config.drafter == "learned":
             if drafter is None:
                 raise ValueError("SpecConfig.drafter = 'learned' needs a Drafter (tlt.model.drafter.load_drafter)")
@@ -466,6 +465,12 @@ class SpecDecoder:
         self.source.drafter.load_tensors(tensors)  # validates everything before copying
         self.source.reset()
         self.bandit.drafter_changed(self.config.rewards_kept_on_swap)  # the old drafter's rewards no longer hold
+
+    def new_bandit(self) -> BucketedEpsilonGreedy:
+        """A cold bandit of this decoder's config (no rewards held)."""
+        c = self.config
+        return BucketedEpsilonGreedy(c.bucket_thresholds, c.arms(), c.epsilon, c.window, c.verify_token_budget or None,
+                                     c.seed, c.exact_sizes)
 
     def stats(self) -> dict:
         return {
