@@ -190,6 +190,11 @@ def test_a_rebuild_sorts_the_slots_by_context_and_runs_of_slots_attend_apart():
     assert held.lks == [max(held.context_lens[r] for r in held.row_of_slot.tolist()[a:z]) + 1
                         for a, z in zip(held.bounds, held.bounds[1:])]
     assert [h.step(names, atol=1e-5) for _ in range(3)] == ["append"] * 3 and mirror.held.bounds is not None
+    held = mirror.held  # the appends kept the runs, one key longer each: what choosing them afresh gives
+    bounds, lks = held.bounds, held.lks
+    assert (mirror._runs(held).bounds, held.lks) == (bounds, lks)
+    assert lks == [max(held.context_lens[r] for r in held.row_of_slot.tolist()[a:z]) + 1
+                   for a, z in zip(bounds, bounds[1:])]
     names = names[::3] + names[1::3]  # a reordering (s2, s5, ... finished): rebuilt, sorted again
     assert [h.step(names, atol=1e-5) for _ in range(2)] == ["rebuild", "append"]
     held = mirror.held

@@ -81,15 +81,14 @@ most of its verify steps exploring. The engine, its KV cache and the drafter are
 either way.
 
 `--engine reuse` keeps one engine per mode for every timed run instead (a replica's engine lives across
-RL steps): each engine is built and run once untimed after the warm-up, so first-touch costs (the
-decode mirror's buffers, the drafter cache) are paid outside the timed runs, and its prefix cache is
-reset before every run, as a weight update resets it; its bandit starts cold in round 0 (the untimed
-run's rewards, first-touch costs included, are dropped) and carries over from round to round (needs
-`--bandit keep`), and each run's requests get new ids, so no drafter state keyed by request (the n-gram index of
-a request's samples) carries the last run's tokens. Per-run speculation counts are the engine's
-counters' differences. `fresh` (the default)
-builds every run's engine anew: a cold engine, which flattered speculation by ~3% on the CPU
-(BENCHMARKS.md, Session 34).
+RL steps). Each engine is built and run once untimed after the warm-up, so first-touch costs (the
+decode mirror's buffers, the drafter cache) are paid outside the timed runs; its prefix cache is reset
+before every run, as a weight update resets it; its bandit starts cold in round 0 (the untimed run's
+rewards, first-touch costs included, are dropped) and carries over from round to round (needs
+`--bandit keep`); and each run's requests get new ids, so no drafter state keyed by request (the
+n-gram index of a request's samples) carries the last run's tokens. Per-run speculation counts are
+the engine's counters' differences. `fresh` (the default) builds every run's engine anew: on the CPU
+that read 1.53x against reuse's 1.50x (BENCHMARKS.md, Session 34).
 
 `--gc-freeze on` (the default) freezes the process's heap after the warm-up, as every rollout replica does
 once it is up, and collects before every timed run (each run's engine is new, and the last one's garbage must

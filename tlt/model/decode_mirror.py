@@ -32,9 +32,9 @@ every row's context exactly one longer, and every row's block table starting wit
 mirrored; with every other cache write invalidating, those slots still hold what was copied.
 
 When sequences finish, the batch keeps the others in order. A rebuild then copied every row again
-(session 34: 26 rebuilds in a 256-sequence long-tail rollout; compacting instead took 3.5% off its CPU
-time); instead the rows held in slots past the new batch size move into the finished rows' slots, one row's
-K/V per layer each, and batch row b may then live in another slot (`MirrorStep.slots`): queries are
+(session 34: 26 rebuilds in a 256-sequence long-tail rollout; compacting instead took 3.5% off its
+CPU time); instead the rows held in slots past the new batch size move into the finished rows' slots,
+one row's K/V per layer each, and batch row b may then live in another slot (`MirrorStep.slots`): queries are
 put in slot order and outputs back (`layer_ops.dense_attention`), the same SDPA per row. With one
 thread that is bitwise the gather path's output; with several, CPU SDPA rounds some rows differently
 by their position in the batch (measured 1e-8 - 6e-8 at some shapes, as any change of a batch's
@@ -43,14 +43,16 @@ reordering, a capacity outgrown) rebuilds; a join or a preemption comes through 
 write, so the first decode step after it gathers and the next rebuilds.
 A weight update or a prefix-cache reset rewrites no cached K/V: the mirror stays valid through them.
 
-On the CPU a rebuild puts the rows in slots sorted by context, and each step attends runs of slots apart,
-each over its own longest context (`attention.contiguous_split`, at most `max_parts` runs, a run's fixed
-cost SLOT_RUN_UNITS): one SDPA call padded every row to the longest, ~26% of the keys a long-tail step
-attended (session 34; the SDPA of the mirror is ~half of a plain rollout's CPU time). Compaction moves
+On the CPU a rebuild puts the rows in slots sorted by context when runs pay, and each step attends runs
+of slots apart, each over its own longest context (`attention.contiguous_split`, at most `max_parts`
+runs, a run's fixed cost SLOT_RUN_UNITS): one SDPA call padded every row to the longest, ~26% of the
+keys a long-tail step attended (session 34; the SDPA of the mirror is ~half of a plain rollout's CPU
+time). The runs are chosen at a rebuild and after a compaction; a plain append keeps them, each one key
+longer (every run's cost grows by its row count, so the cheapest split is unchanged). Compaction moves
 the longest rows into the finished rows' slots, so the order frays until the next rebuild; the split
 works on whatever order the slots are in. Other key counts per SDPA call round differently: within
-~1e-7 of one call, no longer bitwise (`max_parts = 1` restores one call over every slot: bitwise the gather
-path on one thread, rows in whatever slots compaction left them).
+~1e-7 of one call, no longer bitwise (`max_parts = 1` restores one call over every slot: bitwise the
+gather path on one thread, rows in whatever slots compaction left them).
 
 Small batches (under MIN_BYTES of K+V per layer: `min_bytes`) gather: the copy is cheaper there.
 Memory: the mirror never holds more positions than the paged cache itself (B x cap <= num_blocks x
@@ -136,10 +138,14 @@ class DecodeMirror:
             if held.batch == b and all(c == p + 1 for c, p in zip(ctx, held.context_lens)) and all(
                 t[: len(h)] == h for t, h in zip(tables, held.tables)
             ):
-                return self._append(held, held.slots, meta, tables)
+                step = self._append(held, held.slots, meta, tables)
+                # every key one longer: the same runs are the cheapest (each run's cost grows by its rows)
+                step.bounds, step.lks = held.bounds, None if held.lks is None else [n + 1 for n in held.lks]
+                return step
             kept = _kept_rows(held, ctx, tables) if b < held.batch else None
             if kept is not None:  # sequences finished, the others in order: fill the holes, append
-                return self._append(held, self._compact(held, kept), meta, tables)
+                step = self._append(held, self._compact(held, kept), meta, tables)
+                return self._runs(step)
         grow = -(-GROW // bs) * bs
         cap = min(-(-lk // grow) * grow, self.max_positions // b // bs * bs)
         if cap < lk:
@@ -147,11 +153,11 @@ class DecodeMirror:
         nb = cap // bs
         # slots sorted by context when runs of them would be attended apart (then of similar lengths), else in
         # batch order (no permutation to apply at every step)
-        order = list(range(b))
+        order, bounds = list(range(b)), None
         if self.max_parts > 1:
             by_len = sorted(order, key=ctx.__getitem__)
-            keys = [ctx[r] + 1 for r in by_len]
-            if len(contiguous_split(keys, [1] * b, self.max_parts, SLOT_RUN_UNITS, 0.0)) > 2:
+            bounds = self._split([ctx[r] + 1 for r in by_len])
+            if bounds is not None:
                 order = by_len
         index = torch.tensor([tables[r] + [0] * (nb - len(tables[r])) for r in order], dtype=torch.int64,
                              device=self.device)
@@ -159,8 +165,10 @@ class DecodeMirror:
         slots = [0] * b
         for s, r in enumerate(order):
             slots[r] = s
-        step = MirrorStep(b, cap, index.view(-1), None, list(ctx), tables)
-        return self._place(step, slots, meta)
+        step = self._place(MirrorStep(b, cap, index.view(-1), None, list(ctx), tables), slots, meta)
+        if bounds is not None:
+            step.bounds, step.lks = bounds, [ctx[order[z - 1]] + 1 for z in bounds[1:]]  # sorted: a run's last
+        return step
 
     def _append(self, held: MirrorStep, slots: list[int] | None, meta: AttentionMetadata,
                 tables: list[list[int]]) -> MirrorStep:
@@ -171,10 +179,25 @@ class DecodeMirror:
                             dtype=torch.int64, device=self.device)
         return self._place(MirrorStep(b, cap, None, rows, list(ctx), tables), slots, meta, held)
 
+    def _split(self, keys: list[int]) -> list[int] | None:
+        """Run bounds over slots holding `keys` key positions each (`contiguous_split`); None: one run pays best."""
+        bounds = contiguous_split(keys, [1] * len(keys), self.max_parts, SLOT_RUN_UNITS, 0.0)
+        return bounds if len(bounds) > 2 else None
+
+    def _runs(self, step: MirrorStep) -> MirrorStep:
+        """`step` with its runs of slots, chosen afresh for the keys its slots hold."""
+        if self.max_parts > 1:
+            keys = [0] * step.batch
+            for r, s in enumerate(step.slots or range(step.batch)):
+                keys[s] = step.context_lens[r] + 1
+            step.bounds = self._split(keys)
+            step.lks = None if step.bounds is None else [max(keys[a:z]) for a, z in zip(step.bounds, step.bounds[1:])]
+        return step
+
     def _place(self, step: MirrorStep, slots: list[int] | None, meta: AttentionMetadata,
                held: MirrorStep | None = None) -> MirrorStep:
-        """`step` with its rows in `slots` (None or the identity: row b in slot b) and its runs of slots."""
-        b, ctx = step.batch, step.context_lens
+        """`step` with its rows in `slots` (None or the identity: row b in slot b); its runs are the caller's."""
+        b = step.batch
         if slots is not None and held is not None and slots is held.slots:  # the held permutation, unchanged
             step.slots, step.slot_of_row, step.row_of_slot = slots, held.slot_of_row, held.row_of_slot
         elif slots is not None and any(s != r for r, s in enumerate(slots)):
@@ -185,14 +208,6 @@ class DecodeMirror:
         if step.slots is not None:  # the mask grows a key every step: put in slot order every step
             mask = meta.groups[0].mask if meta.groups else None
             step.slot_mask = None if mask is None else mask.index_select(0, step.row_of_slot)
-        if self.max_parts > 1:
-            keys = [0] * b
-            for r, s in enumerate(step.slots or range(b)):
-                keys[s] = ctx[r] + 1
-            bounds = contiguous_split(keys, [1] * b, self.max_parts, SLOT_RUN_UNITS, 0.0)
-            if len(bounds) > 2:
-                step.bounds = bounds
-                step.lks = [max(keys[a:z]) for a, z in zip(bounds, bounds[1:])]
         return step
 
     def _compact(self, held: MirrorStep, kept: list[int]) -> list[int] | None:

@@ -16,9 +16,10 @@ rollout does not grow it and drop the graphs mid-run; a graphed step's attention
 not the batch's longest sequence (for cpu-tiny's 1024-position context about 3x what a 350-token rollout's
 dynamic chain attends: a deliberate trade, cheap for one drafter layer on a GPU). Past 2048 positions the cache
 grows by doubling with the longest sequence drafted (`DrafterCache.ensure`). Padding rows draft into a scratch
-cache row that no sequence owns. A graph is keyed by (bucket, depth, sampled, filter flags); all are dropped when what they hold the addresses of changes (the cache or the
-rotary tables grown, the drafter's weights re-derived at a hot-swap, the target's embedding or lm_head
-replaced) and captured again as used; `capture_all` captures what a rollout will use up front.
+cache row that no sequence owns. A graph is keyed by (bucket, depth, sampled, filter flags); all are dropped when
+what they hold the addresses of changes (the cache or the rotary tables grown, the drafter's weights re-derived at
+a hot-swap, the target's embedding or lm_head replaced) and captured again as used; `capture_all` captures what a
+rollout will use up front.
 
 Modes: "cuda" captures `torch.cuda.CUDAGraph`s; "emulate" runs the same padded static call eagerly, what the CPU
 tests compare with the dynamic `DrafterRuntime.chain` (tests/test_drafter_graphs.py).
