@@ -28,6 +28,7 @@ from scipy.stats import chisquare
 from tlt.services.rollout.engine.sequence import seed_for
 from tlt.services.rollout.spec.accept import (
     chain_accept_rejection,
+    cut_sampled_chain,
     node_targets,
     sample_probs,
     tree_accept,
@@ -80,7 +81,7 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
     accepted = []
     while bool((count < L).any()):
         first = count[:, None]  # position (in the continuation) of the token the root's child takes
-        if mode in ("rejection", "broken-rejection"):
+        if mode in REJECTION:
             drafts, p_steps, tok = [], [], last
             for i in range(arm.steps):
                 p = drafter[tok].exp()
@@ -100,13 +101,21 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
         toks = tree.tokens.clamp(min=0)  # cut nodes: any row of the table (the engine gives them zero logits)
         node_prev = torch.where(tree.parents >= 0, toks.gather(1, par), prev[:, None])
         logits = target[node_prev, toks]  # [B, N, V]: q at every node in one "forward"
-        if mode in ("rejection", "broken-rejection"):
+        if mode in REJECTION:
             q = filtered_probs(logits, temperature, 0, top_p)
             u = torch.cat([counter_uniforms(keys, first + torch.arange(arm.steps), ACCEPT),
                            counter_uniforms(keys, first, RESIDUAL)], 1)
+            p_all, drafts, counts = torch.stack(p_steps, 1), tree.tokens[:, 1:], None
             if mode == "broken-rejection":  # accept a draft whenever it is the target's argmax there: biased
                 u[:, :-1] = u[:, :-1].masked_fill(tree.tokens[:, 1:] == logits[:, :-1].argmax(-1), 0.0)
-            res = chain_accept_rejection(tree.tokens[:, 1:], torch.stack(p_steps, 1), q, u=u)
+            if mode in ("rejection-cut", "broken-rejection-cut"):  # the engine's confidence cut on sampled
+                # chains: a row keeps its drafts while their cumulative draft probability is >= CUT_PROB
+                counts, r = cut_sampled_chain(drafts, p_all, CUT_PROB)
+                drafts = drafts.masked_fill(torch.arange(arm.steps)[None, :] >= counts[:, None], -1)
+                if mode == "rejection-cut":
+                    p_all = r
+                # broken: the kept drafts judged against p, which they were not drawn from (given the cut)
+            res = chain_accept_rejection(drafts, p_all, q, u=u, counts=counts)
         else:
             nt = node_targets(logits, temperature, 0, top_p, 0.0, counter_uniforms(keys, first + tree.depth, PLAIN))
             tgt = nt.tokens
@@ -152,6 +161,8 @@ def _chi2(samples: torch.Tensor, exact: dict[tuple[int, ...], float]) -> float:
 
 
 OVERCONFIDENT = 3.0  # drafter sharpness for the rejection cases that can see an argmax-accepting rule
+CUT_PROB = 0.1  # the cut chains' chain_min_prob: with the plain drafter rows keep 0 to 3 drafts, about evenly
+REJECTION = ("rejection", "broken-rejection", "rejection-cut", "broken-rejection-cut")
 CASES = [
     ("plain", Arm(1, 1, 1), 1.0),
     ("tree", Arm(3, 3, 8), 1.0),
@@ -160,6 +171,8 @@ CASES = [
     ("cut", Arm(3, 1, 4), 1.0),
     ("rejection", Arm(3, 1, 4), 1.0),
     ("rejection", Arm(3, 1, 4), OVERCONFIDENT),
+    ("rejection-cut", Arm(3, 1, 4), 1.0),
+    ("rejection-cut", Arm(3, 1, 4), OVERCONFIDENT),
 ]
 
 
@@ -189,7 +202,8 @@ def test_tree_walk_emits_plain_samplings_tokens_for_the_same_keys(temperature, t
         assert torch.equal(spec, plain), f"{mode} {arm}: {int((spec != plain).any(1).sum())} samples differ"
 
 
-BROKEN = [("broken", Arm(3, 3, 8), 1.0), ("broken-rejection", Arm(3, 1, 4), OVERCONFIDENT)]
+BROKEN = [("broken", Arm(3, 3, 8), 1.0), ("broken-rejection", Arm(3, 1, 4), OVERCONFIDENT),
+          ("broken-rejection-cut", Arm(3, 1, 4), 1.0)]
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])

@@ -8,6 +8,7 @@ import torch
 
 from tlt.services.rollout.spec.accept import (
     chain_accept_rejection,
+    cut_sampled_chain,
     draw,
     emitted_logprobs,
     node_targets,
@@ -111,6 +112,30 @@ def test_chain_rejection_by_hand():
     # draft 1 = token 1: q/p = .6; u1 = .7 rejects; residual max(q1 - p1, 0) = [.267, 0, 0] -> token 0
     res = chain_accept_rejection(torch.tensor([[0, 1]]), p, q, u=torch.tensor([[0.1, 0.7, 0.9]]))
     assert res.accept_len.tolist() == [1] and res.tokens.tolist() == [[0, 0]]
+
+
+def test_cut_sampled_chain_by_hand():
+    """The confidence cut of sampled chains: counts, and the distribution r each kept draft was offered from."""
+    p = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.25, 0.25]]).expand(2, 2, 3)  # p_1, p_2 for both rows
+    drafts = torch.tensor([[0, 1], [2, 0]])
+    counts, r = cut_sampled_chain(drafts, p, 0.2)
+    # row 0: A_1 = {v: p_1(v) >= .2} = {0, 1} holds x_1 = 0; c_1 = .6, A_2 = {v: .6 p_2(v) >= .2} = {0} lacks x_2 = 1
+    # row 1: x_1 = 2 (p .1) is not in A_1: nothing offered
+    assert counts.tolist() == [1, 0]
+    assert torch.allclose(r[0, 0], torch.tensor([2 / 3, 1 / 3, 0.0]))
+    assert torch.allclose(r[0, 1], torch.tensor([1.0, 0.0, 0.0]))  # A_2 of row 0 (past its cut: never read)
+    q = torch.tensor([[[0.9, 0.05, 0.05], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]]).expand(2, 3, 3)
+    cut = drafts.masked_fill(torch.arange(2)[None] >= counts[:, None], -1)
+    # row 0: q/r = .9 / (2/3) > 1 accepts x_1; at its cut nothing is offered, so the last token is drawn from
+    # q_1 = [.5, .5, 0] (u .1 -> token 0), not from a residual max(q_1 - r_2, 0) = [0, .5, 0] (always token 1);
+    # row 1: a plain draw from q_0 (u .95 -> token 2)
+    res = chain_accept_rejection(cut, r, q, u=torch.tensor([[0.99, 0.0, 0.1], [0.0, 0.0, 0.95]]), counts=counts)
+    assert res.accept_len.tolist() == [1, 0]
+    assert res.tokens.tolist() == [[0, 0], [2, -1]] and res.path.tolist() == [[0, 1], [0, -1]]
+    # every row cut before its first draft: a chain of no drafts, each row's token drawn from q_0
+    res = chain_accept_rejection(torch.empty(2, 0, dtype=torch.long), r[:, :0], q[:, :1],
+                                 u=torch.tensor([[0.1], [0.95]]), counts=torch.zeros(2, dtype=torch.long))
+    assert res.accept_len.tolist() == [0, 0] and res.tokens.tolist() == [[0], [2]]
 
 
 def test_node_targets_greedy_rows_and_per_sequence_uniforms():

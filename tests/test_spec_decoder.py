@@ -362,17 +362,22 @@ def _drafter_trained_on(ckpt, prompt: tuple[int, ...], steps: int = 150) -> Draf
     return drafter.eval()
 
 
-def _chain_sampling_counts(ckpt, drafter, prompt, n: int, length: int, params: SamplingParams):
+def _chain_sampling_counts(ckpt, drafter, prompt, n: int, length: int, params: SamplingParams,
+                           chain_min_prob: float = 0.0):
     eng = LLMEngine(ckpt, EngineConfig(num_kv_blocks=20000, block_size=4, max_num_seqs=n, max_num_batched_tokens=8 * n))
     drafter.set_shared(eng.model.embed, eng.model.lm_head)
     cfg = SpecConfig(drafter="learned", drafter_path="(in memory)", mode="static", static_arm="3_1_4", threshold=n,
-                     hysteresis_steps=1, verify_token_budget=0)  # one verify step over all n sequences
+                     hysteresis_steps=1, verify_token_budget=0,  # one verify step over all n sequences
+                     chain_min_prob=chain_min_prob)
     dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
     outs = _spec_generate(eng, dec, [GenerationRequest("g", prompt, params, n)])
     counts: dict[tuple[int, ...], int] = {}
     for c in outs:
         counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
     return counts, dec.stats(), outs
+
+
+CUT = 0.12  # chain_min_prob of the cut-chain run below
 
 
 def test_sampled_chains_through_the_engine_match_the_exact_distribution(ckpt, monkeypatch):
@@ -383,7 +388,10 @@ def test_sampled_chains_through_the_engine_match_the_exact_distribution(ckpt, mo
     or the residual draw, then the next. The rule's power against biased variants is shown where p and
     q can be made to differ (tests/test_lossless_sampling.py); with a drafter this close to the target a
     biased rule changes little here. What this catches is the wiring (both tried): the draft
-    distributions of the wrong level fail the chi-square (p ~ 1e-57), an unfiltered q the acceptance."""
+    distributions of the wrong level fail the chi-square (p ~ 1e-57), an unfiltered q the acceptance.
+    The same with the confidence cut (`chain_min_prob`): rows keep 1 or 2 of their 3 drafts here. Judging the
+    kept drafts against p instead of the cut's r passes here too (this drafter's p is too close to q); the
+    harness's broken-rejection-cut case shows the chi-square failing it."""
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
@@ -424,6 +432,12 @@ def test_sampled_chains_through_the_engine_match_the_exact_distribution(ckpt, mo
     assert calls and st["verify_steps"] == len(calls)  # every verify step went through rejection sampling
     assert st["mean_accept_len"] > 1.3, st  # drafts were accepted often enough to matter
     assert pvalue(counts) > 1e-3
+    # the confidence cut on sampled chains (chain_min_prob): rows keep different numbers of drafts, offered
+    # from p restricted to what the cut keeps (accept.cut_sampled_chain); other samples, the same distribution
+    cut_counts, cut_st, _ = _chain_sampling_counts(ckpt, drafter, prompt, n, length, params, chain_min_prob=CUT)
+    full = 3 * cut_st["seq_steps"]  # the 3_1_4 arm's drafts, uncut
+    assert 0.2 * full < cut_st["drafted_tokens"] < 0.9 * full, cut_st  # the cut ran, and kept some drafts
+    assert pvalue(cut_counts) > 1e-3
     # logprobs are the target's filtered log q of each emitted token
     c = outs[0]
     with torch.no_grad():

@@ -101,12 +101,38 @@ def test_seeded_samples_are_identical_with_speculation_off_static_and_adaptive(m
     assert not differ, f"{len(differ)} of 64 samples differ from plain decoding, e.g. sample {differ[0]}"
 
 
-def test_rejection_sampled_chains_are_deterministic_per_key_and_batch_independent(model, prompts):
+@pytest.mark.parametrize("chain_min_prob", [0.0, 0.05])
+def test_rejection_sampled_chains_are_deterministic_per_key_and_batch_independent(model, prompts, chain_min_prob):
     """chain_sampling: drafts drawn from the drafter with DRAFT-stream counter uniforms, accepted with the
-    ACCEPT / RESIDUAL streams. Not plain decoding's tokens (documented), but the same at batch 1 and 16."""
-    spec = dict(mode="static", static_arm="4_1_5", drafter="learned", chain_sampling=True, **ALWAYS)
+    ACCEPT / RESIDUAL streams. Not plain decoding's tokens (documented), but the same at batch 1 and 16. With the
+    confidence cut too (each row's cut is a function of its own drafts: they are drafted to full depth)."""
+    spec = dict(mode="static", static_arm="4_1_5", drafter="learned", chain_sampling=True,
+                chain_min_prob=chain_min_prob, **ALWAYS)
     params = PARAMS["T1"]
     alone, stats = _generate(model, prompts[:4], params, spec, 1)
-    crowded, _ = _generate(model, prompts[:4], params, spec, 16)
+    crowded, crowded_stats = _generate(model, prompts[:4], params, spec, 16)
     assert stats["verify_steps"] > 0 and stats["mean_accept_len"] > 1.2, stats
+    if chain_min_prob > 0:  # the cut dropped some drafts
+        assert 0 < crowded_stats["drafted_tokens"] < 4 * crowded_stats["seq_steps"], crowded_stats
     assert alone == crowded
+
+
+def test_cut_sampled_chains_beside_greedy_rows(model, prompts):
+    """A verify step of sampled rows (rejection-sampled cut chains) and greedy rows (cut chains, the tree walk):
+    the decoder verifies each kind as it would alone. The greedy requests emit plain greedy decoding's tokens,
+    the sampled ones what they emit without the greedy neighbours."""
+    spec = dict(mode="static", static_arm="4_1_5", drafter="learned", chain_sampling=True, chain_min_prob=0.05,
+                **ALWAYS)
+    sampled, greedy = PARAMS["T1"], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    engine = LLMEngine(model, EngineConfig(block_size=8, max_num_seqs=16))
+    engine.enable_spec(SpecConfig(**spec, drafter_path=str(model.parent / "drafter-tiny")))
+    reqs = [GenerationRequest(f"s{i}", p, sampled, n=2) for i, p in enumerate(prompts[:4])]
+    reqs += [GenerationRequest(f"g{i}", p, greedy) for i, p in enumerate(prompts[4:8])]
+    out = {(c.request_id, c.sample_index): c.token_ids for c in engine.generate(reqs)}
+    assert engine.stats().spec["verify_steps"] > 0
+    plain = LLMEngine(model, EngineConfig(block_size=8, max_num_seqs=16))
+    ref = {c.request_id: c.token_ids for c in plain.generate(reqs[4:])}
+    assert [out[(f"g{i}", 0)] for i in range(4)] == [ref[f"g{i}"] for i in range(4)]
+    alone, _ = _generate(model, prompts[:4], sampled, spec, 16)  # n = 4 there: the first 2 samples are these
+    with_n2 = [out[(f"s{i}", k)] for i in range(4) for k in range(2)]
+    assert with_n2 == [alone[4 * i + k] for i in range(4) for k in range(2)]

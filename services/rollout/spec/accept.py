@@ -202,12 +202,38 @@ def emitted_logprobs(result: AcceptResult, node_logprobs: torch.Tensor) -> torch
     return torch.where(valid, lp, torch.zeros_like(lp))
 
 
+def cut_sampled_chain(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                      min_prob: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The confidence cut of chains sampled from p: (counts [B], r [B, S, V]) for `chain_accept_rejection`.
+
+    Row b keeps its drafts while their cumulative draft probability c_i = p_1(x_1) ... p_i(x_i) is at least
+    `min_prob`. Whether draft i is offered then depends on the draft itself, so the proposal at position i
+    is no longer p_i: it offers x ~ p_i only on A_i = {v : c_{i-1} p_i(v) >= min_prob}, so given an offer
+    the draft is distributed as r_i = p_i restricted to A_i and renormalised, and with probability
+    1 - p_i(A_i) nothing is offered. Rejection sampling against r_i (accept with min(1, q/r_i), else draw
+    from max(q - r_i, 0)), and a draw from q where nothing was offered, emits q exactly:
+    p_i(A_i) q + (1 - p_i(A_i)) q. Against p_i instead of r_i the rule is biased (the chi-square test shows
+    it). `counts` and A_i come from the same products, so the kept draft is always in A_i. r is p past a
+    row's cut (never read there)."""
+    p = draft_probs.float()
+    p_x = p.gather(-1, draft_tokens.clamp(min=0)[..., None]).squeeze(-1)  # [B, S]
+    c_prev = torch.cat([torch.ones_like(p_x[:, :1]), p_x[:, :-1].cumprod(1)], 1)  # c_{i-1}, c_0 = 1
+    offered = (c_prev[..., None] * p) >= min_prob  # A_i [B, S, V]
+    kept = offered.gather(-1, draft_tokens.clamp(min=0)[..., None]).squeeze(-1)  # x_i in A_i
+    counts = kept.long().cumprod(1).sum(1)
+    r = p * offered
+    mass = r.sum(-1, keepdim=True)
+    r = torch.where(mass > 0, r / mass.clamp(min=torch.finfo(r.dtype).tiny), p)
+    return counts, r
+
+
 def chain_accept_rejection(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
     u: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> AcceptResult:
     """Speculative sampling for a chain of drafts drawn from p.
 
@@ -215,7 +241,10 @@ def chain_accept_rejection(
     (q_i at each draft's prefix, q_S after the last draft). Returns the same AcceptResult as a tree walk on
     the chain (path = node indices 0..accept_len). `u` [B, S+1]: u[:, i] decides draft i, u[:, S] draws the
     final token (the engine: counter uniforms of the ACCEPT and RESIDUAL streams, never the PLAIN one);
-    None: from `generator`.
+    None: from `generator`. `counts` [B] (None: S for every row): row b proposes only its first counts[b]
+    drafts (a confidence cut, a function of the drafts alone); its tokens past them may be -1 and their p is
+    never read. A row that keeps all its counts[b] drafts emits its last token from q at the cut: there is no
+    draft there to reject, so it is the bonus draw of a chain of that length.
 
     Exact in distribution, but NOT token-identical to plain sampling with the same seed: which draft is
     kept depends on the drafter's p. Seeded reproducibility across speculation states (off, any arm,
@@ -227,19 +256,28 @@ def chain_accept_rejection(
         u = uniforms((b, s + 1), generator, dev)
     p = draft_probs.float()
     q = target_probs.float()
-    p_x = p[:, :s].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    q_x = q[:, :s].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    idx = torch.arange(s + 1, device=dev)
+    drafted = draft_tokens if counts is None else draft_tokens.clamp(min=0)  # cut drafts (-1): any row, never read
+    p_x = p[:, :s].gather(-1, drafted[..., None]).squeeze(-1)
+    q_x = q[:, :s].gather(-1, drafted[..., None]).squeeze(-1)
     # accept iff u < q/p  (q >= p: always accepted; p(x) > 0 because x was drawn from p)
     ok = u[:, :s] * p_x < q_x
+    if counts is not None:
+        ok = ok & (idx[None, :s] < counts.to(dev)[:, None])
     accept_len = ok.long().cumprod(1).sum(1)
     rows = torch.arange(b, device=dev)
-    stop = accept_len.clamp(max=s - 1)
-    residual = (q[rows, stop] - p[rows, stop]).clamp(min=0)
+    stop = accept_len.clamp(max=max(s - 1, 0))
+    if s == 0:  # every row cut before its first draft (counts all 0): a plain draw from q
+        p_stop = torch.zeros_like(q[:, 0])
+    else:
+        p_stop = p[rows, stop]
+    if counts is not None:  # a row stopped at its cut has no draft there: its residual is q itself
+        p_stop = p_stop * (accept_len < counts.to(dev))[:, None]
+    residual = (q[rows, stop] - p_stop).clamp(min=0)
     # q == p at that node means rejection had probability 0; the fallback to q is only for rounding.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, q[rows, stop])
     final = torch.where((accept_len == s)[:, None], q[:, s], residual)
     last = sample_probs(final, u[:, s])
-    idx = torch.arange(s + 1, device=dev)
     tokens = torch.where(idx[None, :s] < accept_len[:, None], draft_tokens, torch.full_like(draft_tokens, -1))
     tokens = torch.cat([tokens, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)
     tokens[rows, accept_len] = last

@@ -61,8 +61,10 @@ class SpecConfig(ServiceConfig):
     )
     chain_min_prob: float = Field(
         0.0, ge=0.0, lt=1.0, description="learned chains (topk = 1): a sequence's chain stops at the first draft whose "
-        "cumulative draft probability is below this, so unlikely drafts cost neither drafting nor verification "
-        "(0 = always the arm's full depth). Lossless: it changes only what is proposed"
+        "cumulative draft probability is below this, so unlikely drafts cost no verification (greedy chains: no "
+        "drafting either, once every row is cut) (0 = always the arm's full depth). Lossless: greedy chains change "
+        "only what is proposed; sampled chains are judged against the distribution the cut offered each kept "
+        "draft from (the drafter's p restricted to the tokens the cut keeps, `accept.cut_sampled_chain`)"
     )
     chain_sampling: bool = Field(
         True, description="learned chains (topk = 1), for each sequence that samples (temperature > 0) and whose "

@@ -68,8 +68,10 @@ from tlt.services.rollout.spec.tree import Arm, DraftTree, ancestor_mask, is_cha
 
 
 def _rejection(full: torch.Tensor, tree: DraftTree, filters: tuple[torch.Tensor, ...], keys: torch.Tensor,
-               first: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+               first: torch.Tensor, drafted: torch.Tensor | None = None) -> tuple[AcceptResult, torch.Tensor]:
     """Chains sampled from the drafter's p, verified by rejection sampling -> (result, node log q [B, N, V]).
+    drafted [B] (None: every row all N - 1): the drafts each row kept through the confidence cut, whose
+    draft_probs are then what the cut offered them from (`accept.cut_sampled_chain`).
 
     ACCEPT's counter uniform decides draft i (position c + 1 + i), RESIDUAL's draws the step's last token. The
     logprobs are log_softmax of the filtered logits, as plain sampling's: log of the softmax gave -inf wherever a
@@ -80,13 +82,15 @@ def _rejection(full: torch.Tensor, tree: DraftTree, filters: tuple[torch.Tensor,
     s_len = tree.num_nodes - 1
     u = torch.cat([counter_uniforms(keys, first + torch.arange(s_len, device=dev), ACCEPT),
                    counter_uniforms(keys, first, RESIDUAL)], 1)
-    res = chain_accept_rejection(tree.tokens[:, 1:].to(dev), tree.draft_probs.to(dev), logq.exp(), u=u)
+    res = chain_accept_rejection(tree.tokens[:, 1:].to(dev), tree.draft_probs.to(dev), logq.exp(), u=u,
+                                 counts=None if drafted is None else drafted.to(dev))
     return res, logq  # the distribution each emitted token is distributed as
 
 
 def _walk(full: torch.Tensor, tree: DraftTree, filters: tuple[torch.Tensor, ...], keys: torch.Tensor,
-          first: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
-    """Deterministic drafts, verified by the tree walk with plain decoding's uniform at each position."""
+          first: torch.Tensor, drafted: torch.Tensor | None = None) -> tuple[AcceptResult, torch.Tensor]:
+    """Deterministic drafts, verified by the tree walk with plain decoding's uniform at each position (cut and
+    padding nodes hold token -1, which the walk never accepts: `drafted` is not needed)."""
     u = counter_uniforms(keys, first + tree.depth.to(full.device), PLAIN)
     nt = node_targets(full, *filters, u)
     return tree_accept(tree.tokens.to(full.device), tree.parents.to(full.device), nt.tokens), nt.logprobs
@@ -304,14 +308,15 @@ class SpecDecoder:
         rej = None if tree.draft_probs is None else (tree.sampled if tree.sampled is not None
                                                      else torch.ones(b, dtype=torch.bool))
         filters = (temps, top_k, top_p, min_p)
+        drafted = None if equal else counts - 1  # rows the confidence cut (or padding) left short
         if rej is None or not bool(rej.any()):
             res, node_logprobs = _walk(full, tree, filters, keys, first)
         elif bool(rej.all()):
-            res, node_logprobs = _rejection(full, tree, filters, keys, first)
+            res, node_logprobs = _rejection(full, tree, filters, keys, first, drafted)
         else:  # a batch of both (a greedy or a cold neighbour): each row as it would be alone
             ri, wi = rej.nonzero().squeeze(1), (~rej).nonzero().squeeze(1)
             parts = [(ix, *fn(full[ix.to(dev)], _rows(tree, ix), tuple(f[ix.to(dev)] for f in filters),
-                              keys[ix.to(dev)], first[ix.to(dev)]))
+                              keys[ix.to(dev)], first[ix.to(dev)], None if drafted is None else drafted[ix]))
                      for ix, fn in ((ri, _rejection), (wi, _walk))]
             res, node_logprobs = _join(parts, b)
         lps = emitted_logprobs(res, node_logprobs).cpu()

@@ -33,6 +33,7 @@ from tlt.model.drafter import Drafter, DrafterCache
 from tlt.model.drafter_graphs import ChainGraphs
 from tlt.model.drafter_runtime import DrafterRuntime
 from tlt.services.rollout.engine.sequence import Sequence
+from tlt.services.rollout.spec.accept import cut_sampled_chain
 from tlt.services.rollout.spec.rng import DRAFT, counter_uniforms, key_tensor
 from tlt.services.rollout.spec.ngram import NgramIndex, pad_nodes, pad_trees, trie_tree
 from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
@@ -98,6 +99,7 @@ class EagleSource:
         that they grow by doubling (each growth drops the graphs, which are captured again as used)."""
         self.drafter = drafter
         # chains: a row's drafts stop at the first whose cumulative draft probability is below this
+        self.chain_min_prob = chain_min_prob
         self.chain_min_score = math.log(chain_min_prob) if chain_min_prob > 0 else float("-inf")
         self.runtime = DrafterRuntime(drafter)  # the inference path (fused, scripted); same maths
         self.max_pending = max_pending
@@ -209,9 +211,10 @@ class EagleSource:
             return replace(_structure_on_cpu(tree), sampled=torch.ones(len(seqs), dtype=torch.bool)), counts.cpu()
         idx = [i for i, w in enumerate(warm) if w and i not in sampled]
         if sampled:
-            s_tree = _structure_on_cpu(self._chain([seqs[i] for i in sampled], arm, sample=True)[0])
-            for j, i in enumerate(sampled):  # never cut: every row has all its drafts
-                trees[i] = _row(s_tree, j, s_tree.num_nodes)
+            s_tree, s_counts = self._chain([seqs[i] for i in sampled], arm, sample=True)
+            s_tree = _structure_on_cpu(s_tree)
+            for j, i in enumerate(sampled):
+                trees[i] = _row(s_tree, j, int(s_counts[j]))
         if idx:
             warm_seqs = [seqs[i] for i in idx]
             if arm.topk == 1:
@@ -229,10 +232,10 @@ class EagleSource:
                 trees[i] = trie_tree(s.token_ids[-1], [], 1)
         tree, counts = pad_trees(trees)  # type: ignore[arg-type]
         if sampled:  # the sampled rows' p beside the others' (zeros, never read: `sampled` says which rows)
-            probs = s_tree.draft_probs
-            assert probs is not None and tree.num_nodes == probs.shape[1] + 1, "sampled chains are the longest"
-            all_probs = probs.new_zeros(len(seqs), *probs.shape[1:])
-            all_probs[torch.tensor(sampled, device=probs.device)] = probs
+            probs = s_tree.draft_probs  # [S, width, V]: as wide as the longest sampled row, at most the batch's
+            assert probs is not None and tree.num_nodes >= probs.shape[1] + 1
+            all_probs = probs.new_zeros(len(seqs), tree.num_nodes - 1, probs.shape[2])
+            all_probs[torch.tensor(sampled, device=probs.device), : probs.shape[1]] = probs
             rows = torch.zeros(len(seqs), dtype=torch.bool)
             rows[sampled] = True
             tree = replace(tree, draft_probs=all_probs, sampled=rows)
@@ -249,8 +252,10 @@ class EagleSource:
 
         sample=True: drafts drawn from the drafter's distribution under each sequence's sampling
         filters, draft i with the DRAFT-stream counter uniform of its position (num_tokens + i, rng.py):
-        a function of the sequence's key and the position only, whatever its batch; never cut
-        (rejection sampling needs every p it drew from)."""
+        a function of the sequence's key and the position only, whatever its batch. The cut applies to
+        them too, through `accept.cut_sampled_chain`: the tree's draft_probs are then the distributions the
+        kept drafts were offered from (p restricted to what the cut keeps), which rejection sampling must
+        use. They are drafted to the arm's full depth (no early stop, which would depend on the batch)."""
         dev = self.device
         keys = [seq_key(s) for s in seqs]
         rows = torch.tensor([self.rows[k] for k in keys], device=dev)
@@ -275,16 +280,22 @@ class EagleSource:
             drafted = self.graphs.chain(h, rows, root_pos, depth, params, u, flags, need)  # None: past the buckets
         if drafted is not None:
             drafts, scores, probs = drafted
-        else:  # greedy chains take the confidence cut; sampled ones never do (rows keep only verified pairs)
+        else:  # greedy chains stop drafting once every row is cut; sampled ones draft the full depth (see above)
             drafts, scores, probs = self.runtime.chain(h, self.cache, rows, root_pos, depth,
                                                        float("-inf") if sample else self.chain_min_score,
                                                        params, u, need)
         counts = torch.full((len(seqs),), drafts.shape[1] + 1, dtype=torch.long)
-        if not sample and self.chain_min_score > float("-inf"):  # the confidence cut (off by default: no work)
-            keep = scores >= self.chain_min_score
-            kept = keep.long().sum(1)
+        if self.chain_min_score > float("-inf"):  # the confidence cut (off by default: no work)
+            if sample:
+                kept, probs = cut_sampled_chain(drafts, probs, self.chain_min_prob)
+                keep = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < kept[:, None]
+            else:
+                keep = scores >= self.chain_min_score
+                kept = keep.long().sum(1)
             width = int(kept.max())  # drafts past every row's cut are dropped
             drafts, scores = torch.where(keep, drafts, torch.full_like(drafts, -1))[:, :width], scores[:, :width]
+            if probs is not None:
+                probs = probs[:, :width]
             counts = 1 + kept.cpu()
         return chain_tree(roots, drafts, torch.cat([torch.zeros_like(scores[:, :1]), scores], 1), probs), counts
 
