@@ -396,7 +396,8 @@ def test_sampled_chains_through_the_engine_match_the_exact_distribution(ckpt, mo
     from transformers import AutoModelForCausalLM
 
     from tlt.services.rollout.spec import decoder as decoder_module
-    from tlt.services.rollout.spec.accept import chain_accept_rejection
+    from tlt.services.rollout.spec import drafting as drafting_module
+    from tlt.services.rollout.spec.accept import chain_accept_rejection, cut_sampled_chain
     from tlt.services.rollout.spec.filters import filter_logits
 
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -421,23 +422,41 @@ def test_sampled_chains_through_the_engine_match_the_exact_distribution(ckpt, mo
         scale = sum(obs) / sum(exp)
         return chisquare(obs, [e * scale for e in exp]).pvalue
 
-    calls = []
+    calls, cuts = [], []
 
     def counting(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        calls.append(1)
+        calls.append((args[1], kw.get("counts")))  # the distributions the drafts are judged against, and the counts
         return chain_accept_rejection(*args, **kw)
 
+    def recording_cut(drafts, probs, min_prob):  # noqa: ANN001, ANN202
+        kept, r = cut_sampled_chain(drafts, probs, min_prob)
+        cuts.append((kept, r))
+        return kept, r
+
     monkeypatch.setattr(decoder_module, "chain_accept_rejection", counting)
+    monkeypatch.setattr(drafting_module, "cut_sampled_chain", recording_cut)
     counts, st, outs = _chain_sampling_counts(ckpt, drafter, prompt, n, length, params)
     assert calls and st["verify_steps"] == len(calls)  # every verify step went through rejection sampling
     assert st["mean_accept_len"] > 1.3, st  # drafts were accepted often enough to matter
     assert pvalue(counts) > 1e-3
     # the confidence cut on sampled chains (chain_min_prob): rows keep different numbers of drafts, offered
     # from p restricted to what the cut keeps (accept.cut_sampled_chain); other samples, the same distribution
+    uncut_calls = len(calls)
+    assert not cuts  # chain_min_prob 0: no cut, no work
     cut_counts, cut_st, _ = _chain_sampling_counts(ckpt, drafter, prompt, n, length, params, chain_min_prob=CUT)
     full = 3 * cut_st["seq_steps"]  # the 3_1_4 arm's drafts, uncut
     assert 0.2 * full < cut_st["drafted_tokens"] < 0.9 * full, cut_st  # the cut ran, and kept some drafts
+    # every verify step judged its kept drafts against the cut's r (not the drafter's p), with the cut's counts
+    # (this drafter is too close to q for the chi-square below to see p used instead: the harness's does)
+    assert len(cuts) == len(calls) - uncut_calls == cut_st["verify_steps"]
+    for (kept, r), (judged, counts) in zip(cuts, calls[uncut_calls:]):
+        assert judged.shape[1] == int(kept.max()) and torch.equal(judged, r[:, : judged.shape[1]])
+        assert counts is not None and torch.equal(counts.cpu(), kept.cpu())
     assert pvalue(cut_counts) > 1e-3
+    # a cut above every first draft's p (this drafter's are 0.3-0.4): each verify step a chain of no drafts
+    none_counts, none_st, _ = _chain_sampling_counts(ckpt, drafter, prompt, n, length, params, chain_min_prob=0.9)
+    assert none_st["verify_steps"] > 0 and none_st["drafted_tokens"] == 0, none_st
+    assert pvalue(none_counts) > 1e-3
     # logprobs are the target's filtered log q of each emitted token
     c = outs[0]
     with torch.no_grad():

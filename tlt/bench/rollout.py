@@ -104,7 +104,8 @@ Sessions 30-32's H200 figures: BENCHMARKS.md, "GPU (H200)".
 
 `--chain-min-prob P` sets SpecConfig.chain_min_prob for the learned modes: each sequence's chain
 (topk = 1 arms) stops at the first draft whose cumulative draft probability is below P, so drafts
-unlikely to be accepted cost neither drafting nor verification.
+unlikely to be accepted cost no verification (and, for greedy chains, no drafting once every row is cut;
+sampled chains are drafted to full depth and judged against p restricted to what the cut keeps).
 
 Modes: off; ngram (adaptive bandit, model-free drafter); static-ngram (one fixed arm, `--static-arm`);
 learned and static-learned (the EAGLE drafter from `--drafter DIR`, skipped without it). `--arms

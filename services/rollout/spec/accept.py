@@ -213,8 +213,8 @@ def cut_sampled_chain(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     1 - p_i(A_i) nothing is offered. Rejection sampling against r_i (accept with min(1, q/r_i), else draw
     from max(q - r_i, 0)), and a draw from q where nothing was offered, emits q exactly:
     p_i(A_i) q + (1 - p_i(A_i)) q. Against p_i instead of r_i the rule is biased (the chi-square test shows
-    it). `counts` and A_i come from the same products, so the kept draft is always in A_i. r is p past a
-    row's cut (never read there)."""
+    it). `counts` and A_i come from the same products, so the kept draft is always in A_i. Past a row's cut
+    r is never read."""
     p = draft_probs.float()
     p_x = p.gather(-1, draft_tokens.clamp(min=0)[..., None]).squeeze(-1)  # [B, S]
     c_prev = torch.cat([torch.ones_like(p_x[:, :1]), p_x[:, :-1].cumprod(1)], 1)  # c_{i-1}, c_0 = 1
@@ -243,7 +243,7 @@ def chain_accept_rejection(
     final token (the engine: counter uniforms of the ACCEPT and RESIDUAL streams, never the PLAIN one);
     None: from `generator`. `counts` [B] (None: S for every row): row b proposes only its first counts[b]
     drafts (a confidence cut, a function of the drafts alone); its tokens past them may be -1 and their p is
-    never read. A row that keeps all its counts[b] drafts emits its last token from q at the cut: there is no
+    never read. A row that accepts all its counts[b] drafts emits its last token from q at the cut: there is no
     draft there to reject, so it is the bonus draw of a chain of that length.
 
     Exact in distribution, but NOT token-identical to plain sampling with the same seed: which draft is
@@ -260,7 +260,8 @@ def chain_accept_rejection(
     drafted = draft_tokens if counts is None else draft_tokens.clamp(min=0)  # cut drafts (-1): any row, never read
     p_x = p[:, :s].gather(-1, drafted[..., None]).squeeze(-1)
     q_x = q[:, :s].gather(-1, drafted[..., None]).squeeze(-1)
-    # accept iff u < q/p  (q >= p: always accepted; p(x) > 0 because x was drawn from p)
+    # accept iff u < q/p  (q >= p: always accepted; p(x) > 0 because x was drawn from p; past a row's cut `counts`
+    # masks the position)
     ok = u[:, :s] * p_x < q_x
     if counts is not None:
         ok = ok & (idx[None, :s] < counts.to(dev)[:, None])

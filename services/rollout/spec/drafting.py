@@ -243,7 +243,7 @@ class EagleSource:
 
     def _chain(self, seqs: list[Sequence], arm: Arm, sample: bool = False) -> tuple[DraftTree, torch.Tensor]:
         """topk = 1: the tree `build_tree` would keep (the first draft_tokens - 1 drafts of the greedy
-        chain) without its bookkeeping, and without drafting the levels that would be cut.
+        chain) without its bookkeeping, and (greedy) without drafting the levels that would be cut.
 
         With `chain_min_prob`, row b keeps only its drafts whose cumulative draft probability is at
         least that (a prefix: the probability only falls along a chain); the cut drafts become token -1,

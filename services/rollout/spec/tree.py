@@ -37,7 +37,9 @@ class DraftTree:
     `draft_probs` [B, N - 1, V], only for chains SAMPLED from the drafter: the distribution p that
     node i + 1's token was drawn from (verified by rejection sampling, `chain_accept_rejection`);
     None for deterministic drafts (verified by the tree walk). `sampled` [B] bool (CPU): which rows'
-    drafts were sampled (their draft_probs rows are p); the others are verified by the tree walk.
+    drafts were sampled (their draft_probs rows are p); the others are verified by the tree walk. With the
+    confidence cut (`chain_min_prob`) a sampled row's kept drafts carry r, the distribution the cut offered
+    them from (`accept.cut_sampled_chain`), not p.
     """
 
     tokens: torch.Tensor
