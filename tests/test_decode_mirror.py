@@ -159,15 +159,17 @@ def test_finished_rows_are_compacted_into_their_slots_not_rebuilt():
 
 
 def test_a_compacted_mirror_is_within_rounding_of_the_gather_path_on_two_threads():
+    """On two threads CPU SDPA rounds a row by its place in the batch, and the layers carry it on: within 1e-5 of
+    outputs of magnitude ~1 (an AVX2 machine gave 1.07e-6, 9 float32 ulps, where an AVX-512 one stayed under 1e-6)."""
     torch.set_num_threads(2)
     h = Harness(num_blocks=400)
     names = list("abcdefgh")
     for i, n in enumerate(names):
         h.add(n, 20 + 3 * i)
-        h.step([n], [20 + 3 * i], atol=1e-6)
-    assert [h.step(names, atol=1e-6) for _ in range(3)] == ["gather", "rebuild", "append"]
+        h.step([n], [20 + 3 * i], atol=1e-5)
+    assert [h.step(names, atol=1e-5) for _ in range(3)] == ["gather", "rebuild", "append"]
     names = [n for n in names if n not in "ca"]
-    assert [h.step(names, atol=1e-6) for _ in range(8)] == ["append"] * 8
+    assert [h.step(names, atol=1e-5) for _ in range(8)] == ["append"] * 8
     assert h.mirrored.mirror.held.slots is not None
 
 
