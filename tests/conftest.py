@@ -44,29 +44,25 @@ def _process_cpu_settings_restored():
         torch.set_num_threads(threads)
 
 
-def _session_variables() -> frozenset[str]:
-    """What pytest itself (the running test's name) or a library keeps in the environment for the whole session: a
-    cache folder chosen once, the process group's rendezvous (the gloo group a trainer test starts lives on, and
-    DeepSpeed reads LOCAL_RANK at every initialize). The forkserver ignores the same ones."""
-    from tlt.services.rollout.replica_start import VOLATILE
-
-    return VOLATILE
-
-
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """`tlt.cli.main` run in the pytest process sets what a command's own process should have (`rollout serve`
     exports TLT_PRESET for its replicas). Left in place, it changed the environment every later server's replicas
     start from: the forkserver started with the old one, so each later replica was spawned instead of forked (it
     imports torch again: ~8 s of a core per replica start on a Zen 3 CI machine), and the default suite ran ~40% longer.
-    Put the environment back after each test; monkeypatch's own changes are undone before this runs."""
-    before = dict(os.environ)
+    Put the environment back after each test; monkeypatch's own changes are undone before this runs. Kept: what lives
+    for the whole session, the same variables the forkserver ignores (pytest's test name, torch's cache folder, the
+    process group's rendezvous: the gloo group a trainer test starts outlives it, and DeepSpeed reads LOCAL_RANK at
+    every initialize)."""
+    from tlt.services.rollout.replica_start import VOLATILE, environ
+
+    before = environ()  # a copy that retries if a server thread sets a variable meanwhile
     yield
-    after, session = dict(os.environ), _session_variables()
-    for key in after.keys() - before.keys() - session:
+    after = environ()
+    for key in after.keys() - before.keys() - VOLATILE:
         os.environ.pop(key, None)
     for key, value in before.items():
-        if key not in session and after.get(key) != value:
+        if key not in VOLATILE and after.get(key) != value:
             os.environ[key] = value
 
 
