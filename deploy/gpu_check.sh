@@ -178,8 +178,11 @@ if want e2e-lend; then e2e e2e_lend --set trainer.lend_rollout_devices=true; fi
 if want e2e-frozen; then e2e e2e_frozen --set trainer.lend_rollout_devices=true --set run.drafter=false; fi
 # and with the whole-rollout bench's shape: 32 prompts x 8 per step, SD up to batch 256 without a verify budget (an
 # 8 x 8 rollout has little tail: BENCHMARKS.md, "Session 31: the whole rollout"), 4 updates a step as before
+# (session 37 ran it without the two rollout.engine settings: the cpu-tiny engine's max_num_seqs = 64 then ran each
+# step's 256 sequences as four waves of 64, never the bench's batch-256 shape)
 WIDE="--set trainer.lend_rollout_devices=true --set trainer.prompts_per_step=32 --set trainer.mini_batch_size=64
-      --set trainer.micro_batch_size=16 --set rollout.spec.threshold=256 --set rollout.spec.verify_token_budget=0"
+      --set trainer.micro_batch_size=16 --set rollout.spec.threshold=256 --set rollout.spec.verify_token_budget=0
+      --set rollout.engine.max_num_seqs=256 --set rollout.engine.kv_cache_mb=1024"
 if want e2e-wide; then e2e e2e_wide $WIDE; fi
 # e2e-wide with the learned drafter's chains replayed from CUDA graphs in TLT's rollout
 if want e2e-wide-dg; then e2e e2e_wide_dg $WIDE --set rollout.spec.drafter_graphs=cuda; fi
