@@ -94,6 +94,13 @@ def test_short_build_loads_offline_and_generates(tmp_path, monkeypatch):
     assert gen.shape[1] > enc["input_ids"].shape[1]
 
 
+def test_build_evaluates_on_the_native_engine(tmp_path):
+    facts = build_model("tiny", tmp_path / "m", seed=0, max_steps=1, eval_n=3)
+    assert facts["eval_engine"] == "native" and facts["eval_n"] == 3
+    assert 0.0 <= facts["accuracy"] <= 1.0 and facts["p99_len"] >= facts["p50_len"] > 0
+    assert facts["eval_seconds"] <= facts["build_seconds"]
+
+
 def test_build_is_seeded(tmp_path):
     a = build_model("tiny", tmp_path / "a", seed=3, max_steps=1, eval_n=0)
     b = build_model("tiny", tmp_path / "b", seed=3, max_steps=1, eval_n=0)
@@ -114,9 +121,55 @@ def test_evaluate_on_random_checkpoint(random_model_dir):
     tok = AutoTokenizer.from_pretrained(random_model_dir)
     model = AutoModelForCausalLM.from_pretrained(random_model_dir)
     report = evaluate(model, tok, eval_problems(4), samples=1)
+    assert report.engine == "transformers"
     assert report.n == 4 and 0.0 <= report.accuracy <= 1.0
     assert report.p99_len >= report.p50_len > 0
     assert eval_problems(4) != generate_problems(4, seed=0)  # held out from the seed-0 training draws
+
+
+def test_native_eval_answers_as_transformers_greedy(random_model_dir):
+    # the independent reference: `transformers` generate on the same checkpoint; greedy answers and their lengths
+    # (eos included) must be the same tokens, so the build's accuracy means what it meant before session 37
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tlt.model.evaluate import NativeGenerator, generate
+
+    prompts = [format_prompt(p) for p in eval_problems(6)]
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    texts, lengths = generate(model, tok, prompts, max_new_tokens=40, do_sample=False, batch_size=3)
+    native = NativeGenerator(random_model_dir, threads=1)
+    answers = native(prompts, max_new_tokens=40, do_sample=False)
+    assert [a[0] for a in answers] == list(zip(texts, lengths))
+    with pytest.raises(ValueError, match="samples must be 1"):
+        native(prompts, max_new_tokens=4, do_sample=False, samples=2)
+
+
+def test_native_eval_samples_are_seeded_per_problem(random_model_dir):
+    # a problem's samples do not depend on which other problems run beside it (paired comparisons of two
+    # checkpoints need common random numbers per problem), and another seed draws other samples
+    from tlt.model.evaluate import NativeGenerator
+
+    prompts = [format_prompt(p) for p in eval_problems(6)]
+    native = NativeGenerator(random_model_dir, threads=1)
+    alone = native(prompts[:2], max_new_tokens=24, do_sample=True, samples=3, seed=5)
+    together = native(prompts, max_new_tokens=24, do_sample=True, samples=3, seed=5)
+    assert together[:2] == alone
+    assert len({text for text, _ in together[0]}) > 1  # three samples of one prompt, not one repeated
+    assert native(prompts[:2], max_new_tokens=24, do_sample=True, samples=3, seed=6) != alone
+
+
+def test_evaluate_native_report(random_model_dir):
+    from tlt.model.evaluate import NativeGenerator
+
+    problems = eval_problems(4)
+    report = evaluate(None, None, problems, samples=2, native=NativeGenerator(random_model_dir, threads=1))
+    assert report.engine == "native" and report.n == 4 and report.samples == 2
+    assert len(report.greedy_correct) == len(report.sampled_correct) == 4
+    assert all(0 <= c <= 2 for c in report.sampled_correct)
+    assert report.p99_len >= report.p50_len > 0
+    with pytest.raises(ValueError, match="NativeGenerator or a transformers model"):
+        evaluate(None, None, problems)
 
 
 @pytest.mark.slow
@@ -138,7 +191,7 @@ def test_model_eval_shows_progress_on_stderr_and_keeps_stdout_json(random_model_
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)  # stdout is the one JSON object, nothing else
     assert report["n"] == 6 and report["samples"] == 2
-    assert "eval: 100%" in r.stderr and "6/6" in r.stderr  # 2 batches x (greedy + 2 sampled passes)
+    assert "eval: 100%" in r.stderr and "18/18" in r.stderr  # 6 problems x (greedy + 2 samples), native engine
 
 
 def test_model_eval_refuses_an_empty_eval(random_model_dir):

@@ -5,7 +5,8 @@ problems as ChatML, several per row, each with its own position ids so
 attention never crosses a problem boundary, loss on the assistant turn only)
 -> Qwen2ForCausalLM pre-training (fp32, AdamW, warm-up + cosine) -> save
 (config, generation config, safetensors, tokenizer) -> held-out evaluation
--> `.complete` with the build's key facts.
+on the rollout's native engine (evaluate.py) -> `.complete` with the build's
+key facts.
 
 Reproducible: everything is seeded and the run is a fixed number of steps.
 A wall-clock guard (`time_budget_s`) stops early on a slow machine; then the
@@ -143,7 +144,7 @@ def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, A
     from tqdm import tqdm
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    from tlt.model.evaluate import eval_problems, evaluate
+    from tlt.model.evaluate import NativeGenerator, eval_problems, evaluate
     from tlt.model.files import share_weights
     from tlt.model.testing import config_for, pad_vocab
     from tlt.model.tokenizer import build_tokenizer
@@ -225,10 +226,14 @@ def _train_into(tmp: Path, preset: str, spec: dict[str, Any], train: dict[str, A
         "weights_sha256": _digest(tmp / "model.safetensors"),
     }
     if eval_n > 0:
-        torch.set_num_threads(1)  # decode batches are tiny matrices: one thread is fastest (and immune to contention)
-        report = evaluate(model, tokenizer, eval_problems(eval_n, seed), samples=1, seed=seed)
+        # the rollout's engine on the saved folder, all problems in flight on the training threads: 12 s on the
+        # CI CPU for what `transformers` generate's padded batches did in 55-85 s of a 355 s build (session 37)
+        report = evaluate(None, None, eval_problems(eval_n, seed), samples=1, seed=seed,
+                          native=NativeGenerator(tmp, threads=torch.get_num_threads()))
         facts.update(
             eval_n=report.n,
+            eval_engine=report.engine,
+            eval_seconds=round(report.seconds, 1),
             accuracy=report.accuracy,
             sampled_accuracy=report.sampled_accuracy,
             p50_len=report.p50_len,

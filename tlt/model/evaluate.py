@@ -1,8 +1,21 @@
 """`tlt model eval`: accuracy and response-length tail of a model on the synthetic task.
 
-Pipeline: held-out problems -> ChatML prompts -> batched `transformers`
-generate (left padding; greedy for accuracy, temperature 1.0 sampling for the
-length distribution) -> verifier and token counts -> `EvalReport`.
+Pipeline: held-out problems -> ChatML prompts -> a generator (greedy for
+accuracy, temperature 1.0 sampling for the length distribution) -> verifier
+and token counts -> `EvalReport`. Two generators:
+
+- `native` (the default): the rollout's own engine (`LLMEngine`, plain
+  decoding, continuous batching), every problem in flight at once. Each
+  problem's samples are seeded by problem index, so two checkpoints scored
+  with one seed draw the same random numbers per problem whatever the
+  batching. On the CI CPU it is ~3.5x faster than `transformers` (session 37:
+  200 greedy + 200 sampled answers of the tiny model in 15.6 s against 55.5 s).
+- `transformers`: `generate` in left-padded batches of `--batch-size` (one
+  sampling seed per batch, so the sampled figures depend on the batch size).
+  What `tlt model build` and `tlt model eval` used up to session 36.
+
+Greedy accuracy is the same with either, up to float near-ties between two
+tokens; the sampled figures are other draws of the same distribution.
 
 Response length = generated tokens up to and including the first eos
 (`<|im_end|>`), or all of them when the model never stops. Held-out problems
@@ -19,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from pathlib import Path
 
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,6 +56,7 @@ class EvalReport:
     # per problem, in the order of the problems (for paired comparisons; left out of as_dict)
     greedy_correct: tuple[bool, ...] = field(default=(), repr=False)
     sampled_correct: tuple[int, ...] = field(default=(), repr=False)  # of `samples`
+    engine: str = "transformers"  # which generator answered: "native" (the rollout engine) or "transformers"
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -144,43 +159,96 @@ def generate(
     return texts, lengths
 
 
+class NativeGenerator:
+    """Completions from the rollout's own engine (`LLMEngine` on the CPU, float32, plain decoding): every prompt in
+    flight at once, continuous batching, no padding. Sample `s` of prompt `i` under `seed` is drawn with the
+    engine's per-sequence counter RNG keyed by (seed, s, i), so it does not depend on what else runs beside it."""
+
+    def __init__(self, model_dir: str | Path, *, threads: int = 1, max_num_seqs: int = 256) -> None:
+        from tlt.services.rollout.engine.config import EngineConfig
+        from tlt.services.rollout.engine.engine import LLMEngine
+
+        # the tiny model at 256 sequences x ~300 positions: ~0.7 GB of float32 KV; fewer blocks only queue some
+        self.engine = LLMEngine(model_dir, EngineConfig(threads=threads, max_num_seqs=max_num_seqs, kv_cache_mb=768))
+        self._calls = 0
+
+    def __call__(self, prompts: list[str], *, max_new_tokens: int, do_sample: bool, samples: int = 1, seed: int = 0,
+                 bar: Any = None) -> list[list[tuple[str, int]]]:
+        """Per prompt, `samples` (text, length) pairs: greedy (then `samples` must be 1) or sampled at T = 1.0."""
+        from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+        if not do_sample and samples != 1:
+            raise ValueError("greedy decoding gives one answer per prompt: samples must be 1")
+        self._calls += 1
+        tok = self.engine.tokenizer
+        ids = [f"eval{self._calls}-{i}" for i in range(len(prompts))]
+        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+            params = SamplingParams(temperature=1.0 if do_sample else 0.0, max_tokens=max_new_tokens,
+                                    seed=(seed * 2**31 + i) % 2**62 if do_sample else None, reproducible=do_sample)
+            self.engine.add_request(GenerationRequest(rid, tuple(tok(prompt)["input_ids"]), params, n=samples))
+        index = {rid: i for i, rid in enumerate(ids)}
+        out: list[list[tuple[str, int]]] = [[("", 0)] * samples for _ in prompts]
+        while self.engine.has_unfinished():
+            _, finished = self.engine.step()
+            for c in finished:
+                if c.error:
+                    raise RuntimeError(f"eval generation failed: {c.error}")
+                out[index[c.request_id]][c.sample_index] = (c.text, len(c.token_ids))
+            if bar is not None and finished:
+                bar.update(len(finished))
+        return out
+
+
 def evaluate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel | None,
+    tokenizer: PreTrainedTokenizerBase | None,
     problems: list[Problem],
     *,
     samples: int = 1,
     batch_size: int = 64,
     seed: int = 0,
     progress: bool = False,
+    native: NativeGenerator | None = None,
 ) -> EvalReport:
-    """Greedy accuracy and sampled (T=1.0) response-length percentiles on `problems`; `progress`: a bar on
-    stderr over the generate batches (one greedy pass, then `samples` sampled ones)."""
+    """Greedy accuracy and sampled (T=1.0) response-length percentiles on `problems`, generated by `native` when
+    given, else by `transformers` `generate` on `model` / `tokenizer` in batches of `batch_size`; `progress`: a bar
+    on stderr (answers for `native`, generate batches otherwise)."""
     import time
 
     from tqdm import tqdm
 
     from tlt.task import MAX_STEPS, format_prompt, verify
 
+    if native is None and (model is None or tokenizer is None):
+        raise ValueError("evaluate needs a NativeGenerator or a transformers model and tokenizer")
     t0 = time.monotonic()
     prompts = [format_prompt(p) for p in problems]
     max_new = 7 * max(MAX_STEPS, max(p.steps for p in problems)) + 16  # a reference solution is 6 per step + 5
-    batches = -(-len(prompts) // batch_size)
-    bar = tqdm(total=batches * (1 + samples), desc="eval", unit="batch", dynamic_ncols=True, disable=not progress)
-    greedy, _ = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False, batch_size=batch_size,
-                         bar=bar)
-    correct = [verify(c, p.answer) for c, p in zip(greedy, problems)]
     lengths: list[int] = []
     per_problem = [0] * len(problems)
-    for s in range(samples):
-        texts, lens = generate(
-            model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True, batch_size=batch_size, seed=seed + s,
-            bar=bar,
-        )
-        lengths += lens
-        for i, (c, p) in enumerate(zip(texts, problems)):
-            per_problem[i] += verify(c, p.answer)
+    if native is not None:
+        bar = tqdm(total=len(prompts) * (1 + samples), desc="eval", unit="answer", dynamic_ncols=True,
+                   disable=not progress)
+        greedy = [answers[0][0] for answers in native(prompts, max_new_tokens=max_new, do_sample=False, bar=bar)]
+        sampled = native(prompts, max_new_tokens=max_new, do_sample=True, samples=samples, seed=seed, bar=bar)
+        for i, (answers, p) in enumerate(zip(sampled, problems)):
+            lengths += [n for _, n in answers]
+            per_problem[i] = sum(verify(text, p.answer) for text, _ in answers)
+    else:
+        batches = -(-len(prompts) // batch_size)
+        bar = tqdm(total=batches * (1 + samples), desc="eval", unit="batch", dynamic_ncols=True, disable=not progress)
+        greedy, _ = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
+                             batch_size=batch_size, bar=bar)
+        for s in range(samples):
+            texts, lens = generate(
+                model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True, batch_size=batch_size,
+                seed=seed + s, bar=bar,
+            )
+            lengths += lens
+            for i, (c, p) in enumerate(zip(texts, problems)):
+                per_problem[i] += verify(c, p.answer)
     bar.close()
+    correct = [verify(c, p.answer) for c, p in zip(greedy, problems)]
     buckets: dict[str, list[bool]] = {}
     for ok, p in zip(correct, problems):
         buckets.setdefault(_bucket(p.steps), []).append(ok)
@@ -195,6 +263,7 @@ def evaluate(
         sampled_accuracy=sum(per_problem) / (len(problems) * samples),
         accuracy_by_steps={k: sum(v) / len(v) for k, v in sorted(buckets.items(), key=lambda kv: int(kv[0].split("-")[0]))},
         seconds=time.monotonic() - t0,
+        engine="native" if native is not None else "transformers",
         greedy_correct=tuple(correct),
         sampled_correct=tuple(per_problem),
     )
@@ -214,9 +283,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=at_least(1), default=1,
                         help="sampled responses per problem for the length tail")
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling")
+    parser.add_argument("--engine", choices=("native", "transformers"), default="native",
+                        help="native: the rollout's own engine, all problems in flight, seeded per problem (~3.5x "
+                        "faster on a CPU); transformers: `generate` in padded batches (the figures of sessions <= 36)")
     parser.add_argument("--batch-size", type=at_least(1), default=64,
-                        help="generate batch size; the sampled figures depend on it (one sampling seed per batch), "
-                        "greedy accuracy does not")
+                        help="--engine transformers: generate batch size; the sampled figures depend on it (one "
+                        "sampling seed per batch), greedy accuracy does not")
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch CPU threads")
     parser.add_argument("--against", default=None,
                         help="a second checkpoint (e.g. the policy before RL) scored on the same problems with the "
@@ -229,6 +301,9 @@ def _score(path: str, args: argparse.Namespace) -> EvalReport:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if args.engine == "native":
+        return evaluate(None, None, eval_problems(args.n, args.seed), samples=args.samples, seed=args.seed,
+                        progress=True, native=NativeGenerator(path, threads=args.threads))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return evaluate(model, tokenizer, eval_problems(args.n, args.seed), samples=args.samples,
@@ -243,7 +318,7 @@ def _print(report: EvalReport, title: str | None = None) -> None:
     print(f"sampled accuracy    {report.sampled_accuracy:.1%}  (T=1.0, {report.samples} per problem)")
     print(f"response length     p50 {report.p50_len:.0f}  p99 {report.p99_len:.0f}  p99/p50 {report.tail_ratio:.2f}")
     print("accuracy by steps   " + "  ".join(f"{k}: {v:.0%}" for k, v in report.accuracy_by_steps.items()))
-    print(f"time                {report.seconds:.1f} s")
+    print(f"time                {report.seconds:.1f} s  ({report.engine} engine)")
 
 
 def run(args: argparse.Namespace) -> int:
