@@ -62,9 +62,11 @@ def test_rollout_bound_by_hand():
         "step_ratio_ceiling"] is None  # the whole step was rollout: no ceiling
 
 
-def _stub_runs(monkeypatch, steps: int, evals: list[dict] | None = None):  # noqa: ANN001, ANN202
-    """Make `tlt bench e2e` find run folders written by hand (`steps` steps of 3 s, 1 s of it rollout, and `evals` as
-    eval.jsonl) instead of running `tlt run`. Returns the module and a function that runs the bench's CLI."""
+def _stub_runs(monkeypatch, steps: int, evals: list[dict] | None = None,  # noqa: ANN001, ANN202
+               windows: list[dict] | None = None):
+    """Make `tlt bench e2e` find run folders written by hand (`steps` steps of 3 s, 1 s of it rollout, `evals` as
+    eval.jsonl, and for TLT's runs `windows` as drafter.jsonl, the drafter at version k // 2 in step k) instead of
+    running `tlt run`. Returns the module and a function that runs the bench's CLI."""
     import argparse
     import json
 
@@ -74,9 +76,12 @@ def _stub_runs(monkeypatch, steps: int, evals: list[dict] | None = None):  # noq
         run = out / name
         run.mkdir(parents=True)
         (run / "run.json").write_text(json.dumps({"switches": {"speculation": not baseline, "drafter": not baseline}}))
+        drafter = {} if baseline or windows is None else {"drafter_version": None}
         (run / "metrics.jsonl").write_text("".join(
-            json.dumps({"step": k, "reward_mean": 0.5, "started_at": 1.0 + k, "times": {"step_s": 3.0, "rollout_s": 1.0}})
-            + "\n" for k in range(steps)))
+            json.dumps({"step": k, "reward_mean": 0.5, "started_at": 1.0 + k, "times": {"step_s": 3.0, "rollout_s": 1.0},
+                        **{key: k // 2 for key in drafter}}) + "\n" for k in range(steps)))
+        if drafter:
+            (run / "drafter.jsonl").write_text("".join(json.dumps(w) + "\n" for w in windows))
         if evals is not None:
             (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
         return 0
@@ -136,3 +141,23 @@ def test_the_table_and_results_carry_the_greedy_held_out_accuracy(tmp_path, monk
     runs = json.loads((tmp_path / "b" / "results.json").read_text())["runs"]
     assert runs["tlt"]["eval_greedy_accuracy"] == [0.42, 0.445]
     assert "| 0.398 -> 0.395 (greedy 0.420 -> 0.445) |" in capsys.readouterr().out
+
+
+def test_the_table_and_results_say_what_the_online_drafter_did(tmp_path, monkeypatch, capsys):
+    """Session 37's GPU runs: TLT's online drafter trained 0-1 micro-steps in 6 steps and was never swapped, which
+    the bench did not show (its table said only "drafter on"). results.json now has the serving drafter's version
+    per step and the training windows' micro-steps; the table sums them. (Stubbed run folders, not `tlt run`.)"""
+    import json
+
+    windows = [dict(worker_id=0, replica_id=0, start=1.0, end=1.5, micro_steps=0, preempted=True),
+               dict(worker_id=0, replica_id=0, start=2.0, end=2.9, micro_steps=7, preempted=True),
+               dict(worker_id=0, replica_id=0, start=4.0, end=4.2, micro_steps=5, preempted=False)]
+    bench = _stub_runs(monkeypatch, steps=4, windows=windows)
+    assert bench("--steps", "4", "--out", str(tmp_path / "b")) == 0
+    runs = json.loads((tmp_path / "b" / "results.json").read_text())["runs"]
+    assert runs["tlt"]["drafter_version"] == [0, 0, 1, 1]
+    assert runs["tlt"]["drafter_windows"] == 3 and runs["tlt"]["drafter_micro_steps"] == 12
+    assert runs["baseline"]["drafter_version"] == [-1] * 4 and runs["baseline"]["drafter_windows"] == 0
+    out = capsys.readouterr().out
+    assert "| on | 12 micro-steps in 3 windows, v0 -> v1 | 3.00 |" in out
+    assert "| off | - | 3.00 |" in out

@@ -117,6 +117,16 @@ def _cell(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _drafter_cell(r: dict) -> str:
+    """The table's "drafter trained" cell: micro-steps in how many windows, and the serving drafter's first and last
+    versions ("-" for a run without a drafter service and no learned drafter)."""
+    versions = [v for v in r["drafter_version"] if v >= 0]
+    if not r["drafter_windows"] and not versions:
+        return "-"
+    served = f"v{versions[0]} -> v{versions[-1]}" if versions else "no drafter served"
+    return f"{r['drafter_micro_steps']} micro-steps in {r['drafter_windows']} windows, {served}"
+
+
 def pair_names(k: int) -> tuple[str, str]:
     """The TLT and baseline run names of pair k (1-based): "tlt" / "baseline", then "tlt-k" / "baseline-k"."""
     sfx = "" if k == 1 else f"-{k}"
@@ -198,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.services.common.logging import get_logger
     from tlt.services.trainer.evaluate import read_evals
-    from tlt.services.trainer.run_stats import step_rows
+    from tlt.services.trainer.run_stats import read_windows, step_rows
 
     log = get_logger("bench.e2e")
     out = Path(args.out)
@@ -224,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         rows = step_rows(out / name, 32)
         info = json.loads((out / name / "run.json").read_text())
         evals = read_evals(out / name / "eval.jsonl")
+        windows = read_windows(out / name / "drafter.jsonl")
         results[name] = {
             "eval_after_steps": [e.after_steps for e in evals], "eval_accuracy": [e.accuracy for e in evals],
             # the evals' greedy pass ([trainer] eval_greedy), None where an eval had none
@@ -235,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
             "sd_share": [r.sd_share for r in rows], "accept_len": [r.accept_len for r in rows],
             "mean_step_s": _mean([r.step_s for r in rows]), "mean_step_s_after_first": _mean([r.step_s for r in rows[1:]]),
             "mean_rollout_s": _mean([r.rollout_s for r in rows]), "mean_reward": _mean([r.reward for r in rows]),
+            # what the online drafter did: the serving drafter's version per step (-1: none), its training windows
+            # (session 37's GPU runs trained 0-1 micro-steps in 6 steps, unseen until drafter.jsonl was read by hand)
+            "drafter_version": [r.drafter_version for r in rows],
+            "drafter_windows": len(windows), "drafter_micro_steps": sum(w.micro_steps for w in windows),
         }
     t, b = results["tlt"], results["baseline"]
     summary = {
@@ -272,15 +287,15 @@ def run(args: argparse.Namespace) -> int:
     fig.tight_layout(), fig.savefig(out / "reward.png", dpi=90), plt.close(fig)
     (out / "results.json").write_text(json.dumps({"summary": summary, "runs": results}, indent=2))
     print(json.dumps(summary, indent=2))
-    print("| run | seed | SD | drafter | mean step s | w/o first | mean rollout s | mean reward | held-out accuracy |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("| run | seed | SD | drafter | drafter trained | mean step s | w/o first | mean rollout s | mean reward | "
+          "held-out accuracy |\n|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         held = " -> ".join(f"{a:.3f}" for a in r["eval_accuracy"]) or "-"
         greedy = [g for g in r["eval_greedy_accuracy"] if g is not None]
         if greedy:
             held += " (greedy " + " -> ".join(f"{g:.3f}" for g in greedy) + ")"
         print(f"| {name} | {r['seed']} | {'on' if r['switches']['speculation'] else 'off'} | "
-              f"{'on' if r['switches']['drafter'] else 'off'} | {_cell(r['mean_step_s'], '.2f')} | "
+              f"{'on' if r['switches']['drafter'] else 'off'} | {_drafter_cell(r)} | {_cell(r['mean_step_s'], '.2f')} | "
               f"{_cell(r['mean_step_s_after_first'], '.2f')} | {_cell(r['mean_rollout_s'], '.2f')} | "
               f"{_cell(r['mean_reward'], '.3f')} | {held} |")
     log.info("bench_done", out=str(out), plot=str(out / "reward.png"))
