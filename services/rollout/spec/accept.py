@@ -216,10 +216,11 @@ def cut_sampled_chain(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     it). `counts` and A_i come from the same products, so the kept draft is always in A_i. Past a row's cut
     r is never read."""
     p = draft_probs.float()
-    p_x = p.gather(-1, draft_tokens.clamp(min=0)[..., None]).squeeze(-1)  # [B, S]
+    x = draft_tokens.clamp(min=0)[..., None]  # padding (-1) gathers token 0, past every row's cut
+    p_x = p.gather(-1, x).squeeze(-1)  # [B, S]
     c_prev = torch.cat([torch.ones_like(p_x[:, :1]), p_x[:, :-1].cumprod(1)], 1)  # c_{i-1}, c_0 = 1
     offered = (c_prev[..., None] * p) >= min_prob  # A_i [B, S, V]
-    kept = offered.gather(-1, draft_tokens.clamp(min=0)[..., None]).squeeze(-1)  # x_i in A_i
+    kept = offered.gather(-1, x).squeeze(-1)  # x_i in A_i
     counts = kept.long().cumprod(1).sum(1)
     r = p * offered
     mass = r.sum(-1, keepdim=True)

@@ -90,7 +90,8 @@ def _rejection(full: torch.Tensor, tree: DraftTree, filters: tuple[torch.Tensor,
 def _walk(full: torch.Tensor, tree: DraftTree, filters: tuple[torch.Tensor, ...], keys: torch.Tensor,
           first: torch.Tensor, drafted: torch.Tensor | None = None) -> tuple[AcceptResult, torch.Tensor]:
     """Deterministic drafts, verified by the tree walk with plain decoding's uniform at each position (cut and
-    padding nodes hold token -1, which the walk never accepts: `drafted` is not needed)."""
+    padding nodes hold token -1, which the walk never accepts: `drafted` is not needed; the parameter keeps
+    `_rejection`'s signature for the mixed batch's dispatch)."""
     u = counter_uniforms(keys, first + tree.depth.to(full.device), PLAIN)
     nt = node_targets(full, *filters, u)
     return tree_accept(tree.tokens.to(full.device), tree.parents.to(full.device), nt.tokens), nt.logprobs
