@@ -507,9 +507,12 @@ def test_report_shows_the_rollouts_last_speculation_status(tmp_path: Path) -> No
         "plain_steps": "23", "switches": "1", "no_room": "0", "over_budget": "2",
         "arms": [{"arm": "8_1_9", "steps": "27", "accept_len": 5.74}, {"arm": "plain", "steps": "11", "accept_len": 1.0}],
         "bandit": [{"bucket": ">=5", "explored": "51", "exploited": "62",
-                    "arms": [{"arm": "3_1_4", "samples": "62", "median_reward": 1664.2, "chosen": "62"}]}]}}]}
+                    "arms": [{"arm": "3_1_4", "samples": "62", "median_reward": 1664.2, "chosen": "62"},
+                             # rewards at other sizes only: the status says 0 (proto3), the report "-"
+                             {"arm": "plain", "samples": "61", "median_reward": 0.0, "chosen": "61"}]}]}}]}
     (tmp_path / "rollout_status.json").write_text(json.dumps(status))
     page = (write_report(tmp_path, threshold=16)).read_text()
     assert "120 verify steps, 23 plain steps, mean accept length 4.53" in page and "2 over the verify budget" in page
     assert "<td>8_1_9</td><td>27</td><td>5.74</td>" in page
     assert "<td>&gt;=5</td><td>51</td><td>62</td><td>3_1_4</td><td>62</td><td>62</td><td>1664</td>" in page
+    assert "<td>plain</td><td>61</td><td>61</td><td>-</td>" in page

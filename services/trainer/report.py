@@ -278,6 +278,13 @@ def _rollout_line(s: Summary) -> str:
             f"mean reward {s.reward_start:.3f} &rarr; {s.reward_end:.3f}.</p>")
 
 
+def _median_cell(arm: dict) -> str:
+    """An arm's median reward, or "-" where it has none at the bucket's latest batch size: the gRPC status carries
+    that as 0 (proto3 has no None), and a reward, tokens per second of a step that emitted at least one, never is."""
+    median = float(arm.get("median_reward", 0.0))
+    return f"{median:.0f}" if median > 0 else "-"
+
+
 def _spec_section(run_dir: Path) -> str:
     """The rollout's speculation as its last status had it (rollout_status.json, written by `tlt run` at the end;
     protobuf's JSON mapping: int64 counts come as strings, absent lists as nothing): "" without the file."""
@@ -306,11 +313,11 @@ def _spec_section(run_dir: Path) -> str:
         rows = "".join(f"<tr><td>{esc(b.get('bucket', ''))}</td><td>{int(b.get('explored', 0))}</td>"
                        f"<td>{int(b.get('exploited', 0))}</td><td>{esc(a.get('arm', ''))}</td>"
                        f"<td>{int(a.get('chosen', 0))}</td><td>{int(a.get('samples', 0))}</td>"
-                       f"<td>{float(a.get('median_reward', 0.0)):.0f}</td></tr>"
+                       f"<td>{_median_cell(a)}</td></tr>"
                        for b in spec.get("bandit", []) for a in b.get("arms", []))
         if rows:
             parts.append("<p>The bandit per batch-size bucket (median reward: tokens/s at the bucket's latest batch "
-                         "size):</p><table><tr><th>bucket</th><th>explored</th><th>exploited</th><th>arm</th>"
+                         "size; -: the arm has no reward at that size yet):</p><table><tr><th>bucket</th><th>explored</th><th>exploited</th><th>arm</th>"
                          f"<th>chosen</th><th>rewards held</th><th>median reward</th></tr>{rows}</table>")
     return "\n".join(parts) if len(parts) > 1 else ""
 
