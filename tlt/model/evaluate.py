@@ -170,33 +170,27 @@ class NativeGenerator:
 
         # the tiny model at 256 sequences x ~300 positions: ~0.7 GB of float32 KV; fewer blocks only queue some
         self.engine = LLMEngine(model_dir, EngineConfig(threads=threads, max_num_seqs=max_num_seqs, kv_cache_mb=768))
-        self._calls = 0
 
     def __call__(self, prompts: list[str], *, max_new_tokens: int, do_sample: bool, samples: int = 1, seed: int = 0,
                  bar: Any = None) -> list[list[tuple[str, int]]]:
-        """Per prompt, `samples` (text, length) pairs: greedy (then `samples` must be 1) or sampled at T = 1.0."""
+        """Per prompt, `samples` (text, length) pairs: greedy (then `samples` must be 1) or sampled at T = 1.0.
+        `bar` advances by the pass's answers once they are all done (`LLMEngine.generate` runs the pass)."""
         from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
         if not do_sample and samples != 1:
             raise ValueError("greedy decoding gives one answer per prompt: samples must be 1")
-        self._calls += 1
         tok = self.engine.tokenizer
-        ids = [f"eval{self._calls}-{i}" for i in range(len(prompts))]
-        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-            params = SamplingParams(temperature=1.0 if do_sample else 0.0, max_tokens=max_new_tokens,
-                                    seed=(seed * 2**31 + i) % 2**62 if do_sample else None, reproducible=do_sample)
-            self.engine.add_request(GenerationRequest(rid, tuple(tok(prompt)["input_ids"]), params, n=samples))
-        index = {rid: i for i, rid in enumerate(ids)}
-        out: list[list[tuple[str, int]]] = [[("", 0)] * samples for _ in prompts]
-        while self.engine.has_unfinished():
-            _, finished = self.engine.step()
-            for c in finished:
-                if c.error:
-                    raise RuntimeError(f"eval generation failed: {c.error}")
-                out[index[c.request_id]][c.sample_index] = (c.text, len(c.token_ids))
-            if bar is not None and finished:
-                bar.update(len(finished))
-        return out
+        requests = [
+            GenerationRequest(f"eval-{i}", tuple(tok(prompt)["input_ids"]),
+                              SamplingParams(temperature=1.0 if do_sample else 0.0, max_tokens=max_new_tokens,
+                                             seed=(seed * 2**31 + i) % 2**62 if do_sample else None,
+                                             reproducible=do_sample), n=samples)
+            for i, prompt in enumerate(prompts)
+        ]
+        done = self.engine.generate(requests)  # request order, then sample order
+        if bar is not None:
+            bar.update(len(done))
+        return [[(c.text, len(c.token_ids)) for c in done[i * samples : (i + 1) * samples]] for i in range(len(prompts))]
 
 
 def evaluate(
