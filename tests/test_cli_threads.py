@@ -117,3 +117,27 @@ def test_make_model_is_not_rebuilt_by_a_reinstall(tmp_path):
     assert "pip install" in out and "model build" not in out, out
     (tmp_path / "artifacts/tiny/.complete").unlink()
     assert "model build" in dry()  # missing: built
+
+
+def test_make_run_installs_without_the_test_tools(tmp_path):
+    """On a fresh clone `make run` installs the product alone (`-e .`); `make test` adds the `dev` extra (pytest,
+    scipy, pyarrow, grpcio-tools: ~30 s of a 2-core VM's install) and regenerates the gRPC modules."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "Makefile", tmp_path / "Makefile")
+    for name in ("pyproject.toml", "setup.py", "deploy/constraints-cpu.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+
+    def dry(target: str) -> str:
+        out = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    run, test = dry("run"), dry("test")
+    assert "deepspeed==0.19.8" in run and "-e ." in run and "[dev]" not in run and "protogen" not in run, run
+    assert "deepspeed==0.19.8" in test and "-e '.[dev]'" in test and "tlt.protogen" in test and "pytest" in test, test

@@ -292,3 +292,68 @@ def test_a_reference_of_another_vocabulary_is_refused(tmp_path):
     with pytest.raises(ModelMismatchError, match="vocabulary of 64 tokens, the policy 48"):
         ReferencePolicy(str(tmp_path), torch.device("cpu"), 1.0, vocab_size=VOCAB)
     assert ReferencePolicy(str(tmp_path), torch.device("cpu"), 1.0, vocab_size=64).model.config.vocab_size == 64
+
+
+def _with_own_logprobs(samples: list[ScoredCompletion], shift: dict[int, float] | None = None) -> list[ScoredCompletion]:
+    """`samples` carrying the random init's logprobs as their rollout logprobs (scored in one padded batch, so
+    not bit-equal to the trainer's micro-batches), each row `i` in `shift` moved by shift[i]."""
+    import dataclasses
+
+    with torch.no_grad():
+        lp = response_logprobs(tiny_qwen2().eval(), TokenBatch.build([s.prompt_ids for s in samples],
+                                                                     [s.response_ids for s in samples])).logprobs
+    shift = shift or {}
+    return [dataclasses.replace(s, rollout_logprobs=tuple(float(x) + shift.get(i, 0.0)
+                                                          for x in lp[i, : len(s.response_ids)]))
+            for i, s in enumerate(samples)]
+
+
+def _step_params(samples: list[ScoredCompletion], ref_dir, **kw):  # noqa: ANN001
+    """Two updates (mini-batches of 4, micro-batches of 2, with a KL reference): the second update's ratio needs
+    the old logprobs. Returns (metrics, trained parameters)."""
+    if not (ref_dir / "config.json").exists():
+        tiny_qwen2(seed=1).save_pretrained(ref_dir)
+    cfg = config(mini_batch_size=4, micro_batch_size=2, kl_beta=0.1, **kw)
+    policy = Policy(cfg, model=tiny_qwen2())
+    reference = ReferencePolicy(str(ref_dir), policy.device, temperature=1.0)
+    m = grpo_step(policy, samples, step=0, reference=reference).metrics
+    return m, {k: p.detach().clone() for k, p in policy.module.named_parameters()}
+
+
+def _longest(samples: list[ScoredCompletion]) -> int:
+    return max(range(len(samples)), key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].response_ids), i))
+
+
+def test_old_logprobs_from_the_rollout_train_as_the_recomputed_ones(tmp_path):
+    """old_logprobs = 'rollout': the rollout's logprobs (the same weights, another batch) stand in for the trainer's
+    no-grad pass on every micro-batch but the checked one, and the step trains to the same weights (1e-5)."""
+    samples = _with_own_logprobs(make_samples(2, 4, seed=5))
+    m_re, p_re = _step_params(samples, tmp_path)
+    m_ro, p_ro = _step_params(samples, tmp_path, old_logprobs="rollout")
+    assert m_re.optimizer_updates == m_ro.optimizer_updates == 2
+    assert m_re.old_logprobs_from_rollout == 0 and m_ro.old_logprobs_from_rollout == 6  # 4 chunks of 2, 1 checked
+    assert m_ro.rollout_logprob_max_diff < 1e-5
+    assert m_ro.clip_fraction == pytest.approx(m_re.clip_fraction, abs=1e-6)
+    assert m_ro.kl == pytest.approx(m_re.kl, abs=1e-6)
+    for k, v in p_re.items():
+        torch.testing.assert_close(p_ro[k], v, rtol=0, atol=1e-5, msg=k)
+    moved = max(float((v - tiny_qwen2().state_dict()[k]).abs().max()) for k, v in p_re.items())
+    assert moved > 1e-4  # the comparison above is not between two untrained models
+
+
+def test_old_logprobs_check_falls_back_to_recompute(tmp_path):
+    """A rollout logprob off by 0.5 in the checked (longest) micro-batch: the whole step's old logprobs are
+    recomputed, so it trains exactly as 'recompute' does. Off in another micro-batch, it goes unseen (the check is
+    one micro-batch a step) and the step trains otherwise: what the check can and cannot catch."""
+    base = make_samples(2, 4, seed=5)
+    m_re, p_re = _step_params(_with_own_logprobs(base), tmp_path)
+    caught = _with_own_logprobs(base, {_longest(base): 0.5})
+    m, p = _step_params(caught, tmp_path, old_logprobs="rollout")
+    assert m.old_logprobs_from_rollout == 0 and m.rollout_logprob_max_diff == pytest.approx(0.5, abs=1e-4)
+    for k, v in p_re.items():
+        assert torch.equal(p[k], v), k
+    shortest = min(range(len(base)), key=lambda i: (len(base[i].prompt_ids) + len(base[i].response_ids), i))
+    unseen = _with_own_logprobs(base, {shortest: 0.5})
+    m, p = _step_params(unseen, tmp_path, old_logprobs="rollout")
+    assert m.old_logprobs_from_rollout == 6 and m.rollout_logprob_max_diff < 1e-5
+    assert any(not torch.allclose(p[k], v, atol=1e-6) for k, v in p_re.items())

@@ -174,6 +174,18 @@ class TrainerConfig(ServiceConfig):
         "ppo_epochs x (sequences per step / mini_batch_size) optimizer updates (the LR schedule counts them). "
         "The step's loss, clip_fraction, ... metrics are means over every pass"
     )
+    old_logprobs: Literal["recompute", "rollout"] = Field(
+        "recompute", description="where the PPO ratio's old logprobs come from: 'recompute' (a no-grad trainer pass "
+        "over the step's batch, as verl does) or 'rollout' (the logprobs the rollout returned with each token, from "
+        "the same weights: it saves that pass). 'rollout' still recomputes one micro-batch a step, the longest, and "
+        "checks it: a gap over old_logprob_tolerance (a bf16 rollout, top_p / top_k, a stale replica) recomputes the "
+        "whole step's, with a warning. Without rollout logprobs, or when the step collects drafter features, it "
+        "recomputes"
+    )
+    old_logprob_tolerance: float = Field(
+        1e-3, gt=0, description="old_logprobs = 'rollout': the largest |trainer - rollout| logprob allowed on the "
+        "checked micro-batch (fp32 on CPU measures 3e-6 to 4e-5)"
+    )
     overlong_filter: bool = Field(
         False, description="DAPO's overlong filtering: a response cut at max_tokens (finish_reason 'length') is "
         "left out of the loss (its tokens out of numerator and denominator); its reward still enters its "

@@ -85,6 +85,16 @@ def _units(idx: Sequence[int], ordered: Sequence[ScoredCompletion], keep: Sequen
     return sum(lengths) if loss_agg == "token-mean" else sum(1 for n in lengths if n > 0)
 
 
+def _rollout_rows(chunk: Sequence[ScoredCompletion]) -> torch.Tensor:
+    """The rollout's logprobs of `chunk`'s response tokens, [len(chunk), longest response], zero-padded."""
+    width = max(1, max(len(s.response_ids) for s in chunk))
+    rows = torch.zeros(len(chunk), width)
+    for j, s in enumerate(chunk):
+        lp = s.rollout_logprobs[: len(s.response_ids)]
+        rows[j, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return rows
+
+
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t[:, :width]
 
@@ -133,18 +143,31 @@ def grpo_step(
     old = torch.zeros(b, r_len)
     ref = torch.zeros(b, r_len) if reference is not None and cfg.kl_beta > 0 else None
     features: list[torch.Tensor | None] | None = [None] * b if with_features else None
-    logprob_diff = 0.0
-    policy.train(False)
     mb = cfg.micro_batch_size
+    chunks = [mine[i : i + mb] for i in range(0, len(mine), mb)]
+    # old_logprobs = 'rollout': the longest chunk (the last: `mine` is sorted by length) is recomputed first and
+    # checked; the others take the rollout's logprobs unless that check fails.
+    # (Not under ZeRO-3 with several ranks: there every forward is a collective, and the ranks' checks could differ.)
+    take_rollout = (cfg.old_logprobs == "rollout" and not with_features and len(chunks) > 1
+                    and not (policy.gathers and world > 1)
+                    and all(ordered[k].rollout_logprobs is not None for k in mine))
+    chunk_order = [len(chunks) - 1, *range(len(chunks) - 1)] if take_rollout else list(range(len(chunks)))
+    logprob_diff = 0.0
+    from_rollout = 0
+    policy.train(False)
     with torch.no_grad():
-        for i in range(0, len(mine), mb):
-            idx = mine[i : i + mb]
+        for ci in chunk_order:
+            idx = chunks[ci]
             chunk = [ordered[k] for k in idx]
             batch = _batch(chunk, policy.pad_id)
-            out = policy.logprobs(batch, with_hidden=with_features)
-            old[idx] = _pad_to(out.logprobs.float().cpu(), r_len)
             if ref is not None:
                 ref[idx] = _pad_to(reference.logprobs(batch).float().cpu(), r_len)
+            if take_rollout and ci != chunk_order[0]:
+                old[idx] = _pad_to(_rollout_rows(chunk), r_len)
+                from_rollout += len(idx)
+                continue
+            out = policy.logprobs(batch, with_hidden=with_features)
+            old[idx] = _pad_to(out.logprobs.float().cpu(), r_len)
             for j, (k, s) in enumerate(zip(idx, chunk)):
                 if features is not None and out.hidden is not None and k in first:
                     length = len(s.prompt_ids) + len(s.response_ids)
@@ -153,6 +176,13 @@ def grpo_step(
                     got = out.logprobs[j, : len(s.response_ids)].float().cpu()
                     want = torch.tensor(s.rollout_logprobs[: len(s.response_ids)], dtype=torch.float32)
                     logprob_diff = max(logprob_diff, float((got[: len(want)] - want).abs().max()))
+            if take_rollout and logprob_diff > cfg.old_logprob_tolerance:
+                from tlt.services.common.logging import get_logger
+
+                get_logger("trainer").warning("old_logprobs_recomputed", step=step, max_diff=round(logprob_diff, 6),
+                                              tolerance=cfg.old_logprob_tolerance,
+                                              detail="the rollout's logprobs are not the trainer's: recomputing")
+                take_rollout = False
     if world > 1 and cfg.ppo_epochs > 1:  # every rank's rows on every rank (each row is non-zero on one rank only)
         old = policy.all_reduce_sum(old)
         if ref is not None:
@@ -166,6 +196,7 @@ def grpo_step(
     # token sums over `ltok` (the loss's tokens). Every pass adds to them: the step's means are over every pass.
     sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "clip": 0.0, "akl": 0.0, "units": 0.0, "ltok": 0.0}
     total_tokens = 0  # response tokens of the step's batch (its first pass), as the rollout generated them
+    sums["from_rollout"] = float(from_rollout)  # summed over the ranks with the others
     updates = 0
     grad_norms: list[float] = []
     lrs: list[float] = []  # the LR each optimizer update of this step used
@@ -244,6 +275,7 @@ def grpo_step(
         truncated_fraction=sum(s.finish_reason == "length" for s in ordered) / b,
         overlong_filtered_fraction=keep.count(False) / b,
         rollout_logprob_max_diff=logprob_diff,
+        old_logprobs_from_rollout=int(sums["from_rollout"]),
         tokens=total_tokens,
         times=times,
     )

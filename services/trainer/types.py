@@ -74,6 +74,9 @@ class StepMetrics:
     # scores the full softmax; the PPO ratio compares the trainer's own passes, as verl does, although the samples
     # come from the truncated distribution (a known off-policy gap of top_p/top_k in RL: keep them off to avoid it)
     rollout_logprob_max_diff: float = 0.0
+    # sequences whose old logprobs were the rollout's ([trainer] old_logprobs = 'rollout'); the diff above is then
+    # over the recomputed (checked) ones only
+    old_logprobs_from_rollout: int = 0
     tokens: int = 0
     # Speculative decoding during this step's rollout, summed over its completions (SpecStats):
     sd_verify_steps: int = 0  # per-sequence verify passes
