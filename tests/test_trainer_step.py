@@ -357,3 +357,13 @@ def test_old_logprobs_check_falls_back_to_recompute(tmp_path):
     m, p = _step_params(unseen, tmp_path, old_logprobs="rollout")
     assert m.old_logprobs_from_rollout == 6 and m.rollout_logprob_max_diff < 1e-5
     assert any(not torch.allclose(p[k], v, atol=1e-6) for k, v in p_re.items())
+
+
+def test_old_logprobs_of_another_policy_version_are_recomputed(tmp_path):
+    """Completions stamped with another policy version than the trainer's (a replica the push did not reach, or
+    weight_push = "none"): their logprobs are another policy's, so the step recomputes them all."""
+    import dataclasses
+
+    samples = [dataclasses.replace(s, policy_version=3) for s in _with_own_logprobs(make_samples(2, 4, seed=5))]
+    m, _ = _step_params(samples, tmp_path, old_logprobs="rollout")
+    assert m.old_logprobs_from_rollout == 0 and m.rollout_logprob_max_diff < 1e-5

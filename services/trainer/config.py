@@ -178,9 +178,9 @@ class TrainerConfig(ServiceConfig):
         "recompute", description="where the PPO ratio's old logprobs come from: 'recompute' (a no-grad trainer pass "
         "over the step's batch, as verl does) or 'rollout' (the logprobs the rollout returned with each token, from "
         "the same weights: it saves that pass). 'rollout' still recomputes one micro-batch a step, the longest, and "
-        "checks it: a gap over old_logprob_tolerance (a bf16 rollout, top_p / top_k, a stale replica) recomputes the "
-        "whole step's, with a warning. Without rollout logprobs, or when the step collects drafter features, it "
-        "recomputes"
+        "checks it: a gap over old_logprob_tolerance (a bf16 rollout, top_p / top_k) recomputes the whole step's, with "
+        "a warning. Without rollout logprobs, for completions of another policy version than the trainer's, or when "
+        "the step collects drafter features, it recomputes"
     )
     old_logprob_tolerance: float = Field(
         1e-3, gt=0, description="old_logprobs = 'rollout': the largest |trainer - rollout| logprob allowed on the "

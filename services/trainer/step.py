@@ -147,10 +147,12 @@ def grpo_step(
     chunks = [mine[i : i + mb] for i in range(0, len(mine), mb)]
     # old_logprobs = 'rollout': the longest chunk (the last: `mine` is sorted by length) is recomputed first and
     # checked; the others take the rollout's logprobs unless that check fails.
-    # (Not under ZeRO-3 with several ranks: there every forward is a collective, and the ranks' checks could differ.)
+    # Only for samples of the policy being trained (the version it pushed: not a replica left on older weights), and
+    # not under ZeRO-3 with several ranks: there every forward is a collective, and the ranks' checks could differ.
     take_rollout = (cfg.old_logprobs == "rollout" and not with_features and len(chunks) > 1
                     and not (policy.gathers and world > 1)
-                    and all(ordered[k].rollout_logprobs is not None for k in mine))
+                    and all(ordered[k].rollout_logprobs is not None and ordered[k].policy_version == policy.version
+                            for k in mine))
     chunk_order = [len(chunks) - 1, *range(len(chunks) - 1)] if take_rollout else list(range(len(chunks)))
     logprob_diff = 0.0
     from_rollout = 0
