@@ -94,50 +94,43 @@ def test_a_replica_can_spin_only_if_torch_is_not_loaded_yet():
     assert out.stdout.strip() == "1000", out.stderr
 
 
-def test_make_model_is_not_rebuilt_by_a_reinstall(tmp_path):
-    """`make model` builds the tiny model only when it is missing: a newer pyproject.toml reinstalls the venv,
-    and the install must not make the cached model look out of date (a rebuild is minutes of CPU)."""
+def _makefile_in(tmp_path, files: tuple[str, ...]):  # noqa: ANN001, ANN202
+    """The repository's Makefile in `tmp_path` beside empty `files` (written oldest first, so all up to date), and a
+    function returning `make -n ARGS`' output there."""
     import shutil
     import subprocess
     from pathlib import Path
 
     if shutil.which("make") is None:
         pytest.skip("no make")
-    root = Path(__file__).resolve().parents[1]
-    shutil.copy(root / "Makefile", tmp_path / "Makefile")
-    for name in ("pyproject.toml", "setup.py", "deploy/constraints-cpu.txt", ".venv/bin/python",
-                 ".venv/.tlt-installed", "artifacts/tiny/.complete"):  # oldest first: all up to date
+    shutil.copy(Path(__file__).resolve().parents[1] / "Makefile", tmp_path / "Makefile")
+    for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
 
-    def dry(*what_if):
-        return subprocess.run(["make", "-n", *what_if, "model"], cwd=tmp_path, capture_output=True, text=True).stdout
-    assert "model build" not in dry()
-    out = dry("-W", "pyproject.toml")  # as if pyproject.toml were just edited
+    def dry(*args: str) -> str:
+        out = subprocess.run(["make", "-n", *args], cwd=tmp_path, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    return dry
+
+
+def test_make_model_is_not_rebuilt_by_a_reinstall(tmp_path):
+    """`make model` builds the tiny model only when it is missing: a newer pyproject.toml reinstalls the venv,
+    and the install must not make the cached model look out of date (a rebuild is minutes of CPU)."""
+    dry = _makefile_in(tmp_path, ("pyproject.toml", "setup.py", "deploy/constraints-cpu.txt", ".venv/bin/python",
+                                  ".venv/.tlt-installed", "artifacts/tiny/.complete"))
+    assert "model build" not in dry("model")
+    out = dry("-W", "pyproject.toml", "model")  # as if pyproject.toml were just edited
     assert "pip install" in out and "model build" not in out, out
     (tmp_path / "artifacts/tiny/.complete").unlink()
-    assert "model build" in dry()  # missing: built
+    assert "model build" in dry("model")  # missing: built
 
 
 def test_make_run_installs_without_the_test_tools(tmp_path):
     """On a fresh clone `make run` installs the product alone (`-e .`); `make test` adds the `dev` extra (pytest,
     scipy, pyarrow, grpcio-tools: ~30 s of a 2-core VM's install) and regenerates the gRPC modules."""
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    if shutil.which("make") is None:
-        pytest.skip("no make")
-    root = Path(__file__).resolve().parents[1]
-    shutil.copy(root / "Makefile", tmp_path / "Makefile")
-    for name in ("pyproject.toml", "setup.py", "deploy/constraints-cpu.txt"):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("")
-
-    def dry(target: str) -> str:
-        out = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return out.stdout
+    dry = _makefile_in(tmp_path, ("pyproject.toml", "setup.py", "deploy/constraints-cpu.txt"))
     run, test = dry("run"), dry("test")
     assert "deepspeed==0.19.8" in run and "-e ." in run and "[dev]" not in run and "protogen" not in run, run
     assert "deepspeed==0.19.8" in test and "-e '.[dev]'" in test and "tlt.protogen" in test and "pytest" in test, test

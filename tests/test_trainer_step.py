@@ -320,8 +320,9 @@ def _step_params(samples: list[ScoredCompletion], ref_dir, **kw):  # noqa: ANN00
     return m, {k: p.detach().clone() for k, p in policy.module.named_parameters()}
 
 
-def _longest(samples: list[ScoredCompletion]) -> int:
-    return max(range(len(samples)), key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].response_ids), i))
+def _by_length(samples: list[ScoredCompletion]) -> list[int]:
+    """Indices of `samples` shortest first, as the step's micro-batches order them (length, then index)."""
+    return sorted(range(len(samples)), key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].response_ids), i))
 
 
 def test_old_logprobs_from_the_rollout_train_as_the_recomputed_ones(tmp_path):
@@ -347,13 +348,12 @@ def test_old_logprobs_check_falls_back_to_recompute(tmp_path):
     one micro-batch a step) and the step trains otherwise: what the check can and cannot catch."""
     base = make_samples(2, 4, seed=5)
     m_re, p_re = _step_params(_with_own_logprobs(base), tmp_path)
-    caught = _with_own_logprobs(base, {_longest(base): 0.5})
+    caught = _with_own_logprobs(base, {_by_length(base)[-1]: 0.5})  # in the checked micro-batch
     m, p = _step_params(caught, tmp_path, old_logprobs="rollout")
     assert m.old_logprobs_from_rollout == 0 and m.rollout_logprob_max_diff == pytest.approx(0.5, abs=1e-4)
     for k, v in p_re.items():
         assert torch.equal(p[k], v), k
-    shortest = min(range(len(base)), key=lambda i: (len(base[i].prompt_ids) + len(base[i].response_ids), i))
-    unseen = _with_own_logprobs(base, {shortest: 0.5})
+    unseen = _with_own_logprobs(base, {_by_length(base)[0]: 0.5})
     m, p = _step_params(unseen, tmp_path, old_logprobs="rollout")
     assert m.old_logprobs_from_rollout == 6 and m.rollout_logprob_max_diff < 1e-5
     assert any(not torch.allclose(p[k], v, atol=1e-6) for k, v in p_re.items())
