@@ -1,7 +1,7 @@
 """The body of `tlt run`: plan a run folder, start the services, run the trainer, watch, stop.
 
     prepare_run(args) -> RunPlan   (run folder, resolved config.toml, run.json for resumes)
-    Launcher(plan).run()           services up -> trainer -> table rows as metrics.jsonl grows
+    Launcher(plan).run()           services and trainer start -> services ready -> table rows as metrics.jsonl grows
     Launcher.shutdown()            every child stopped, in reverse order of need
 """
 
@@ -384,7 +384,8 @@ class Launcher:
         self.services.append(p.start())
         return p
 
-    def start_services(self) -> dict[str, dict]:
+    def start_services(self) -> list[ServiceProcess]:
+        """Launch reward, rollout and drafter (without waiting for them: `wait_services`)."""
         plan, cfg = self.plan, str(self.plan.config_path)
         model = plan.run.model_dir
         self.prepare_drafter()
@@ -398,8 +399,48 @@ class Launcher:
             started.append(self._service("drafter", tlt_command(
                 "drafter", "serve", "--model", model, "--workers", str(workers), "--preset", cfg,
                 "--ready-file", str(plan.run_dir / "logs" / "drafter.ready"))))
-        deadline = time.monotonic() + plan.run.startup_timeout_s
-        self.ready = {p.name: p.wait_ready(deadline) for p in started}
+        return started
+
+    def start_trainer(self) -> ServiceProcess:
+        """`tlt train` as the services start: its own start-up (DeepSpeed, the policy and reference models, ~9 s on
+        2 cores) overlaps theirs, and it waits for them as for any server (`connect_timeout_s`), given here the
+        services' start-up time on top, as the launcher waits that long for them."""
+        from tlt.services.common.config import env_prefix
+        from tlt.services.trainer.config import TrainerConfig
+
+        plan = self.plan
+        key = f"{env_prefix('trainer')}CONNECT_TIMEOUT_S"
+        env = dict(self.child_env)
+        if key not in os.environ:  # the caller's own setting stands
+            connect = plan.services["trainer"].get("connect_timeout_s",
+                                                   TrainerConfig.model_fields["connect_timeout_s"].default)
+            env[key] = str(float(connect) + plan.run.startup_timeout_s)
+        p = ServiceProcess("trainer", tlt_command("train", "--config", str(plan.config_path)),
+                           plan.run_dir / "logs" / "trainer.log", env=env)
+        self.services.append(p.start())
+        return p
+
+    def wait_services(self, started: list[ServiceProcess]) -> dict[str, dict]:
+        """Each started service's ready file, within [run] startup_timeout_s; a service or the trainer that dies
+        meanwhile ends the wait at once, with its log's tail."""
+        deadline = time.monotonic() + self.plan.run.startup_timeout_s
+        waiting = list(started)
+        while waiting:
+            for p in list(waiting):
+                info = p.ready_info()
+                if info is not None:
+                    self.ready[p.name] = info
+                    waiting.remove(p)
+                elif not p.alive():
+                    raise p.died()
+            if self.trainer is not None and not self.trainer.alive():
+                raise ServiceError(f"trainer exited with code {self.trainer.poll()} while the services started "
+                                   f"(log {self.trainer.log_path}):\n{self.trainer.tail()}")
+            if waiting and time.monotonic() > deadline:
+                p = waiting[0]
+                raise ServiceError(f"{p.name} not ready in time (log {p.log_path}):\n{p.tail()}")
+            if waiting:
+                time.sleep(0.1)
         self._write_pids()
         return self.ready
 
@@ -450,10 +491,10 @@ class Launcher:
     def run(self) -> int:
         plan = self.plan
         log.info("run_starting", run_dir=str(plan.run_dir), resumed=plan.resumed, steps=plan.steps, **plan.switches)
-        self.start_services()
+        started = self.start_services()
+        self.trainer = self.start_trainer()
+        self.wait_services(started)
         self.start_samplers()
-        self.trainer = self._service("trainer", tlt_command("train", "--config", str(plan.config_path)), ready=False)
-        self._write_pids()
         return self.watch()
 
     def _rows(self) -> list:  # StepRow
