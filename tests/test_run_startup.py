@@ -117,3 +117,18 @@ def test_the_callers_own_connect_timeout_is_kept(tmp_path, monkeypatch):
     finally:
         launcher.shutdown()
     assert os.environ["TLT_TRAINER__CONNECT_TIMEOUT_S"] == "5"
+
+
+def test_a_trainer_with_nothing_left_to_do_ends_the_wait_without_an_error(tmp_path, monkeypatch):
+    """A trainer that exits 0 while the services start (a finished run resumed) is not a failed start: the wait
+    ends, and watch() reports the trainer's exit as the run's."""
+    launcher, _ = _launcher(tmp_path, monkeypatch, "0")
+    try:
+        started = launcher.start_services()
+        launcher.trainer = launcher.start_trainer()
+        t0 = time.monotonic()
+        assert launcher.wait_services(started) == {}
+        assert time.monotonic() - t0 < 20
+        assert launcher.watch() == 0
+    finally:
+        launcher.shutdown()

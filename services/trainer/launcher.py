@@ -422,7 +422,7 @@ class Launcher:
 
     def wait_services(self, started: list[ServiceProcess]) -> dict[str, dict]:
         """Each started service's ready file, within [run] startup_timeout_s; a service or the trainer that dies
-        meanwhile ends the wait at once, with its log's tail."""
+        meanwhile ends the wait at once, with its log's tail (a trainer that exits 0 ends it without an error)."""
         deadline = time.monotonic() + self.plan.run.startup_timeout_s
         waiting = list(started)
         while waiting:
@@ -433,8 +433,11 @@ class Launcher:
                     waiting.remove(p)
                 elif not p.alive():
                     raise p.died()
-            if self.trainer is not None and not self.trainer.alive():
-                raise ServiceError(f"trainer exited with code {self.trainer.poll()} while the services started "
+            rc = self.trainer.poll() if self.trainer is not None else None
+            if rc == 0:  # it had nothing left to do (a finished run resumed): watch() reports it
+                return self.ready
+            if rc is not None:
+                raise ServiceError(f"trainer exited with code {rc} while the services started "
                                    f"(log {self.trainer.log_path}):\n{self.trainer.tail()}")
             if waiting and time.monotonic() > deadline:
                 p = waiting[0]
@@ -494,7 +497,8 @@ class Launcher:
         started = self.start_services()
         self.trainer = self.start_trainer()
         self.wait_services(started)
-        self.start_samplers()
+        if self.trainer.alive():
+            self.start_samplers()
         return self.watch()
 
     def _rows(self) -> list:  # StepRow
