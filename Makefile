@@ -17,7 +17,7 @@ PRESET ?= cpu-tiny
 # scipy, pyarrow, grpcio-tools, ...), ~30 s more on a 2-core VM, and regenerates the gRPC modules.
 # pip compiles an installed package's bytecode, but not an editable install's source tree: with
 # PYTHONDONTWRITEBYTECODE set (as on these VMs) every process would compile the modules it imports from
-# source again, ~0.5 CPU-s for a service's (each `tlt run` starts five). A source file edited later is
+# source again, ~0.5 CPU-s for a service's (a `tlt run` starts six). A source file edited later is
 # compiled in memory as before (its cached copy no longer matches).
 BYTECODE = $(PY) -m compileall -q tlt services kernels > /dev/null
 install: $(STAMP)
