@@ -31,8 +31,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tlt.services.trainer.types import PromptItem
 
 
@@ -404,6 +402,8 @@ class PromptSampler:
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
+        import torch  # here, not at the top: the reward server imports this module (its prompt types) and not torch
+
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.items), generator=gen).tolist()
 
