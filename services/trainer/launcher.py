@@ -377,10 +377,11 @@ class Launcher:
         self.child_env = {TOKEN_ENV: resolve_token() or new_token()}
 
     # -- start ---------------------------------------------------------------------------------
-    def _service(self, name: str, argv: list[str], ready: bool = True) -> ServiceProcess:
+    def _service(self, name: str, argv: list[str], ready: bool = True, env: dict[str, str] | None = None
+                 ) -> ServiceProcess:
         logs = self.plan.run_dir / "logs"
         p = ServiceProcess(name, argv, logs / f"{name}.log", logs / f"{name}.ready" if ready else None,
-                           env=self.child_env)
+                           env={**self.child_env, **(env or {})})
         self.services.append(p.start())
         return p
 
@@ -410,42 +411,31 @@ class Launcher:
 
         plan = self.plan
         key = f"{env_prefix('trainer')}CONNECT_TIMEOUT_S"
-        env = dict(self.child_env)
+        env = {}
         if key not in os.environ:  # the caller's own setting stands
-            connect = plan.services["trainer"].get("connect_timeout_s",
-                                                   TrainerConfig.model_fields["connect_timeout_s"].default)
-            env[key] = str(float(connect) + plan.run.startup_timeout_s)
-        p = ServiceProcess("trainer", tlt_command("train", "--config", str(plan.config_path)),
-                           plan.run_dir / "logs" / "trainer.log", env=env)
-        self.services.append(p.start())
-        return p
+            connect = load_config(TrainerConfig, "trainer", plan.config_path).connect_timeout_s
+            env[key] = str(connect + plan.run.startup_timeout_s)
+        return self._service("trainer", tlt_command("train", "--config", str(plan.config_path)), ready=False, env=env)
 
     def wait_services(self, started: list[ServiceProcess]) -> dict[str, dict]:
         """Each started service's ready file, within [run] startup_timeout_s; a service or the trainer that dies
         meanwhile ends the wait at once, with its log's tail (a trainer that exits 0 ends it without an error)."""
         deadline = time.monotonic() + self.plan.run.startup_timeout_s
-        waiting = list(started)
-        while waiting:
-            for p in list(waiting):
-                info = p.ready_info()
-                if info is not None:
-                    self.ready[p.name] = info
-                    waiting.remove(p)
-                elif not p.alive():
-                    raise p.died()
-            rc = self.trainer.poll() if self.trainer is not None else None
-            if rc == 0:  # it had nothing left to do (a finished run resumed): watch() reports it
+        for p in started:
+            info = p.wait_ready(deadline, self._trainer_done)
+            if info is None:  # it had nothing left to do (a finished run resumed): watch() reports it
                 return self.ready
-            if rc is not None:
-                raise ServiceError(f"trainer exited with code {rc} while the services started "
-                                   f"(log {self.trainer.log_path}):\n{self.trainer.tail()}")
-            if waiting and time.monotonic() > deadline:
-                p = waiting[0]
-                raise ServiceError(f"{p.name} not ready in time (log {p.log_path}):\n{p.tail()}")
-            if waiting:
-                time.sleep(0.1)
+            self.ready[p.name] = info
         self._write_pids()
         return self.ready
+
+    def _trainer_done(self) -> bool:
+        """While the services start: has the trainer exited 0? A failed trainer raises ServiceError."""
+        rc = self.trainer.poll() if self.trainer is not None else None
+        if rc not in (None, 0):
+            raise ServiceError(f"trainer exited with code {rc} while the services started "
+                               f"(log {self.trainer.log_path}):\n{self.trainer.tail()}")
+        return rc == 0
 
     def prepare_drafter(self) -> None:
         """The learned drafter the rollout starts with (run_dir/drafter-init), made once per run folder."""

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -86,13 +87,16 @@ class ServiceProcess:
             return None
         return json.loads(self.ready_file.read_text())
 
-    def wait_ready(self, deadline: float) -> dict[str, Any]:
+    def wait_ready(self, deadline: float, stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+        """The ready file's contents; None if `stop()` (polled with it) says the wait is no longer needed."""
         while True:
             info = self.ready_info()
             if info is not None:
                 return info
             if not self.alive():
                 raise self.died()
+            if stop is not None and stop():
+                return None
             if time.monotonic() > deadline:
                 raise ServiceError(f"{self.name} not ready in time (log {self.log_path}):\n{self.tail()}")
             time.sleep(0.1)
