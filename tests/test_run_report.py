@@ -423,6 +423,48 @@ def test_report_states_and_draws_the_change_since_the_first_eval_paired_by_probl
     assert "heldout.png" not in saved and "a change of" not in page and "heldout.png" not in page
 
 
+def test_a_change_within_the_evals_noise_points_to_a_sharper_paired_check(tmp_path: Path) -> None:
+    """An in-run eval of 800-1,600 sampled completions puts a 1-point change within its noise (paired s.e. ~1-1.2
+    points), while `tlt model eval --against` with 500 problems x 8 samples resolves it (s.e. ~0.6; BENCHMARKS.md,
+    End to end, Session 40). When the last eval's sampled change has a 95% interval holding 0, the report says what the
+    eval can resolve and gives that command for this run's policy and start; not when the interval excludes 0, nor
+    when no such check exists (other eval data, another temperature, no saved policy). Hand values: 4 problems x 2
+    samples, 0, .5, 1, .5 -> .5, .5, 1, .5 (+12.5 points, s.e. 12.5: 1.96 s.e. = 24.5)."""
+    from tlt.services.trainer.evaluate import EvalRecord
+    from tlt.services.trainer.report import sharper_check
+
+    def evals(last: tuple[int, ...], temperature: float = 1.0) -> list[EvalRecord]:
+        recs = [EvalRecord(0, 0, 0.5, 4, 2, temperature, 9.0, correct=(0, 1, 2, 1)),
+                EvalRecord(3, 3, 0.6, 4, 2, temperature, 9.0, correct=last)]
+        (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r.as_dict()) + "\n" for r in recs))
+        return recs
+
+    _metrics(tmp_path, [{"reward_mean": 0.5, "accuracy": 0.4}] * 3)
+    start = tmp_path / "start model"  # a path with a space: the command quotes it
+    config = f"[trainer]\nmodel_dir = {json.dumps(str(start))}\neval_problems = 4\n"
+    (tmp_path / "config.toml").write_text(config)
+    (tmp_path / "policy").mkdir()
+    within = evals((1, 1, 2, 1))
+    expected = f"tlt model eval --model {tmp_path / 'policy'} --against '{start}' --n 500 --samples 8"
+    assert sharper_check(tmp_path, within) == expected
+    page = write_report(tmp_path, threshold=16).read_text()
+    assert ("with 8 sampled completions an eval cannot tell a change under about 24.5 points from none" in page
+            and f"<code>{expected.replace(chr(39), '&#x27;')}</code>" in page), page
+    # a change beyond the noise: 0, .5, 1, .5 -> 1, 1, 1, 1 (+37.5 points, s.e. 12.5): nothing to add
+    assert sharper_check(tmp_path, evals((2, 2, 2, 2))) is None
+    assert "sharper" not in write_report(tmp_path, threshold=16).read_text()
+    # no check to point to: evals at another temperature, the run's own eval data, no policy saved, one eval
+    assert sharper_check(tmp_path, evals((1, 1, 2, 1), temperature=0.7)) is None
+    (tmp_path / "config.toml").write_text(config + 'eval_data_path = "eval.jsonl"\n')
+    assert sharper_check(tmp_path, within) is None
+    (tmp_path / "config.toml").write_text(config)
+    (tmp_path / "policy").rmdir()
+    assert sharper_check(tmp_path, within) is None
+    (tmp_path / "policy").mkdir()
+    assert sharper_check(tmp_path, within[:1]) is None
+    assert sharper_check(tmp_path, within) == expected
+
+
 def test_report_of_a_run_stopped_before_its_first_eval_does_not_say_evals_were_off(tmp_path: Path) -> None:
     """A run configured for held-out evals but stopped before the first: the report blamed eval_problems = 0 and
     printed a rollout accuracy of 0.000 over "the first 0 steps"."""
@@ -516,3 +558,29 @@ def test_report_shows_the_rollouts_last_speculation_status(tmp_path: Path) -> No
     assert "<td>8_1_9</td><td>27</td><td>5.74</td>" in page
     assert "<td>&gt;=5</td><td>51</td><td>62</td><td>3_1_4</td><td>62</td><td>62</td><td>1664</td>" in page
     assert "<td>plain</td><td>61</td><td>61</td><td>-</td>" in page
+
+
+def test_the_closing_line_gives_the_sharper_check_when_the_change_is_within_noise(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`tlt run`'s last line (what `make run` leaves on the terminal) carries the same command as the report."""
+    import argparse
+    import time
+    from types import SimpleNamespace
+
+    from tlt.services.trainer.evaluate import EvalRecord
+    from tlt.services.trainer.launch import _finish
+
+    recs = [EvalRecord(0, 0, 0.5, 4, 2, 1.0, 9.0, correct=(0, 1, 2, 1)),
+            EvalRecord(3, 3, 0.625, 4, 2, 1.0, 9.0, correct=(1, 1, 2, 1))]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r.as_dict()) + "\n" for r in recs))
+    (tmp_path / "config.toml").write_text('[trainer]\nmodel_dir = "artifacts/tiny"\n')
+    (tmp_path / "policy").mkdir()
+    args, plan = argparse.Namespace(no_report=True), SimpleNamespace(run_dir=tmp_path, tail_threshold=16)
+    assert _finish(args, plan, 0, time.monotonic()) == 0
+    out = "".join(capsys.readouterr())
+    assert "run_done" in out and "(+0.125, paired s.e. 0.125)" in out, out
+    assert f"tlt model eval --model {tmp_path / 'policy'} --against artifacts/tiny --n 500 --samples 8" in out, out
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r.as_dict()) + "\n" for r in recs[:1]))
+    _finish(args, plan, 0, time.monotonic())
+    out = "".join(capsys.readouterr())
+    assert "run_done" in out and "sharper_check" not in out, out

@@ -146,5 +146,10 @@ def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa:
                                   f"{evals[-1].accuracy:.3f} (after {evals[-1].after_steps})"
                                   + change_text(evals[0], evals[-1], "sampled")
                                   + _greedy_change(evals[0], evals[-1])} if evals else {})
+    from tlt.services.trainer.report import sharper_check
+
+    check = sharper_check(plan.run_dir, evals)
+    if check:  # the sampled change is within the run's own eval noise: say how to measure it more sharply
+        held_out["sharper_check"] = check
     log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1), **held_out)
     return rc

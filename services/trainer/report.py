@@ -221,18 +221,51 @@ def _change_plot(plt, first: EvalRecord, changes: list[tuple[int, dict[str, Pair
                            "random numbers, so most of the noise cancels): an interval above 0 is a rise beyond noise")
 
 
-def _configured_eval_problems(run_dir: Path) -> int | None:
-    """[trainer] eval_problems of the run's resolved config.toml; None when it cannot be read."""
+def _trainer_config(run_dir: Path) -> dict:
+    """[trainer] of the run's resolved config.toml; {} when it cannot be read."""
     import tomllib
 
     try:
-        value = tomllib.loads((run_dir / "config.toml").read_text()).get("trainer", {}).get("eval_problems")
+        trainer = tomllib.loads((run_dir / "config.toml").read_text()).get("trainer", {})
     except (OSError, ValueError):
-        return None
+        return {}
+    return trainer if isinstance(trainer, dict) else {}
+
+
+def _configured_eval_problems(run_dir: Path) -> int | None:
+    """[trainer] eval_problems of the run's resolved config.toml; None when it cannot be read."""
+    value = _trainer_config(run_dir).get("eval_problems")
     return value if isinstance(value, int) else None
 
 
-def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None) -> str:
+# `tlt model eval --against` at these sizes: 4,000 sampled completions per policy, ~0.6 points of paired s.e. on the
+# tiny model against ~1.2 for 800 in-run and ~1 for cpu-tiny's 1,600 (BENCHMARKS.md, "End to end", Session 40),
+# ~2.5 min on 2 cores
+SHARPER_CHECK_PROBLEMS, SHARPER_CHECK_SAMPLES = 500, 8
+
+
+def sharper_check(run_dir: Path, evals: list[EvalRecord]) -> str | None:
+    """The command of a paired check sharper than the run's own evals, when the last eval's sampled change since the
+    first is within its own noise (its 95% interval holds 0) and such a check exists: the run scored the synthetic
+    held-out draw at temperature 1 (`tlt model eval` samples no other data, at no other temperature) and saved its
+    policy. None otherwise. Its completions run to `tlt model eval`'s own length limit (7 tokens per reasoning step),
+    not [trainer] max_tokens: its accuracies differ a little from the run's, and its paired change is its own."""
+    if len(evals) < 2 or evals[0].temperature != 1.0:
+        return None
+    d = change(evals[0], evals[-1]).get("sampled")
+    if d is None or not d.ci95[0] <= 0.0 <= d.ci95[1] or not (run_dir / "policy").is_dir():
+        return None
+    trainer = _trainer_config(run_dir)  # read only for a run that needs the check
+    start = trainer.get("model_dir")
+    if trainer.get("eval_data_path") or not isinstance(start, str):
+        return None
+    import shlex
+
+    return (f"tlt model eval --model {shlex.quote(str(run_dir / 'policy'))} --against {shlex.quote(start)} "
+            f"--n {SHARPER_CHECK_PROBLEMS} --samples {SHARPER_CHECK_SAMPLES}")
+
+
+def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None, check: str | None = None) -> str:
     if not evals:
         if eval_problems == 0:
             return "<p>No held-out eval in this run ([trainer] eval_problems = 0).</p>"
@@ -250,7 +283,15 @@ def _eval_line(evals: list[EvalRecord], eval_problems: int | None = None) -> str
         line += (f";\ngreedy (one completion per problem): <b>{g0.greedy_accuracy:.3f}</b> after {g0.after_steps} "
                  f"steps &rarr; <b>{g1.greedy_accuracy:.3f}</b> after {g1.after_steps} steps"
                  f"{_paired(g0, g1, 'greedy')} (every eval: {curve})")
-    return line + ".</p>"
+    line += ".</p>"
+    d = change(first, last).get("sampled") if check else None  # `check` is given only when there is one
+    if d is not None:
+        line += (f"\n<p>The sampled change is within this eval's noise: with {first.problems * first.samples} sampled "
+                 f"completions an eval cannot tell a change under about {100 * 1.96 * d.se:.1f} points from none. A "
+                 f"sharper paired check of the trained policy against the start "
+                 f"({SHARPER_CHECK_PROBLEMS * SHARPER_CHECK_SAMPLES} sampled completions each): "
+                 f"<code>{html.escape(check)}</code>.</p>")
+    return line
 
 
 def _paired(first: EvalRecord, last: EvalRecord, name: str) -> str:
@@ -348,7 +389,7 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}figure{{margin:1e
 <p>preset <code>{esc(str(info.get('preset', '?')))}</code>, speculative decoding <b>{'on' if switches.get('speculation') else 'off'}</b>,
 online drafter <b>{'on' if switches.get('drafter') else 'off'}</b>, {s.steps} steps,
 mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
-{_eval_line(evals, _configured_eval_problems(run_dir))}
+{_eval_line(evals, _configured_eval_problems(run_dir), sharper_check(run_dir, evals))}
 {_rollout_line(s)}
 {figs}
 <h2>Per step</h2><p>times in seconds; tail = rollout time with every replica's running batch at most {threshold},
