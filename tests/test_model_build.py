@@ -168,6 +168,11 @@ def test_evaluate_native_report(random_model_dir):
     assert len(report.greedy_correct) == len(report.sampled_correct) == 4
     assert all(0 <= c <= 2 for c in report.sampled_correct)
     assert report.p99_len >= report.p50_len > 0
+    from tlt.task.slips import SLIPS
+
+    # where the 8 sampled completions first leave the reference derivation: shares of all 8, in SLIPS order
+    assert list(report.sampled_slips) == list(SLIPS) and abs(sum(report.sampled_slips.values()) - 1) < 1e-9
+    assert report.sampled_slips["none"] <= report.sampled_accuracy  # a clean derivation is a right answer
     with pytest.raises(ValueError, match="NativeGenerator or a transformers model"):
         evaluate(None, None, problems)
 

@@ -57,6 +57,8 @@ class EvalReport:
     greedy_correct: tuple[bool, ...] = field(default=(), repr=False)
     sampled_correct: tuple[int, ...] = field(default=(), repr=False)  # of `samples`
     engine: str = "transformers"  # which generator answered: "native" (the rollout engine) or "transformers"
+    # share of the sampled completions by where each first leaves the reference derivation (tlt.task.slips)
+    sampled_slips: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -212,6 +214,7 @@ def evaluate(
     from tqdm import tqdm
 
     from tlt.task import MAX_STEPS, format_prompt, verify
+    from tlt.task.slips import slip_shares
 
     if native is None and (model is None or tokenizer is None):
         raise ValueError("evaluate needs a NativeGenerator or a transformers model and tokenizer")
@@ -220,6 +223,7 @@ def evaluate(
     max_new = 7 * max(MAX_STEPS, max(p.steps for p in problems)) + 16  # a reference solution is 6 per step + 5
     lengths: list[int] = []
     per_problem = [0] * len(problems)
+    sampled_texts: list[list[str]] = [[] for _ in problems]
     if native is not None:
         bar = tqdm(total=len(prompts) * (1 + samples), desc="eval", unit="answer", dynamic_ncols=True,
                    disable=not progress)
@@ -228,6 +232,7 @@ def evaluate(
         for i, (answers, p) in enumerate(zip(sampled, problems)):
             lengths += [n for _, n in answers]
             per_problem[i] = sum(verify(text, p.answer) for text, _ in answers)
+            sampled_texts[i] = [text for text, _ in answers]
     else:
         batches = -(-len(prompts) // batch_size)
         bar = tqdm(total=batches * (1 + samples), desc="eval", unit="batch", dynamic_ncols=True, disable=not progress)
@@ -241,6 +246,7 @@ def evaluate(
             lengths += lens
             for i, (c, p) in enumerate(zip(texts, problems)):
                 per_problem[i] += verify(c, p.answer)
+                sampled_texts[i].append(c)
     bar.close()
     correct = [verify(c, p.answer) for c, p in zip(greedy, problems)]
     buckets: dict[str, list[bool]] = {}
@@ -260,6 +266,7 @@ def evaluate(
         engine="native" if native is not None else "transformers",
         greedy_correct=tuple(correct),
         sampled_correct=tuple(per_problem),
+        sampled_slips=slip_shares(problems, sampled_texts),
     )
 
 
@@ -312,6 +319,8 @@ def _print(report: EvalReport, title: str | None = None) -> None:
     print(f"sampled accuracy    {report.sampled_accuracy:.1%}  (T=1.0, {report.samples} per problem)")
     print(f"response length     p50 {report.p50_len:.0f}  p99 {report.p99_len:.0f}  p99/p50 {report.tail_ratio:.2f}")
     print("accuracy by steps   " + "  ".join(f"{k}: {v:.0%}" for k, v in report.accuracy_by_steps.items()))
+    if report.sampled_slips:  # what the sampled completions get wrong first (tlt.task.slips)
+        print("sampled first slip  " + "  ".join(f"{k}: {v:.1%}" for k, v in report.sampled_slips.items() if v))
     print(f"time                {report.seconds:.1f} s  ({report.engine} engine)")
 
 
