@@ -23,11 +23,11 @@ from __future__ import annotations
 import re
 
 from tlt.task.problems import ANSWER_MARKER, Problem, apply_op
+from tlt.task.verify import extract_answer, same_integer
 
 SLIPS = ("none", "carry", "read", "arithmetic", "early_answer", "extra_line", "answer", "format", "no_answer")
 
 _LINE = re.compile(r"(\d+)([+\-*])(\d+)=(\d+)")
-_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"\s*(-?\d+)")
 
 
 def reference_steps(problem: Problem) -> tuple[int, list[tuple[str, int]]]:
@@ -45,14 +45,17 @@ def reference_steps(problem: Problem) -> tuple[int, list[tuple[str, int]]]:
 
 def first_slip(problem: Problem, completion: str) -> str:
     """The first place `completion` leaves `problem`'s reference derivation: one of SLIPS."""
-    value, ops = reference_steps(problem)
+    return _first_slip(*reference_steps(problem), completion)
+
+
+def _first_slip(value: int, ops: list[tuple[str, int]], completion: str) -> str:
     lines = [line.strip() for line in completion.split("\n") if line.strip()]
     for i, line in enumerate(lines):
-        answer = _ANSWER.match(line)
-        if answer:
+        if line.startswith(ANSWER_MARKER):
             if i < len(ops):
                 return "early_answer"
-            return "none" if int(answer[1]) == value else "answer"
+            got = extract_answer(line)  # the verifier's reading of the answer, so `none` implies a verified answer
+            return "none" if got is not None and same_integer(got, str(value)) else "answer"
         if i >= len(ops):
             return "extra_line"
         m = _LINE.fullmatch(line)
@@ -73,7 +76,8 @@ def slip_shares(problems: list[Problem], completions: list[list[str]]) -> dict[s
     """Share of every completion (problem i's are completions[i]) by its first slip, over SLIPS in order."""
     counts = dict.fromkeys(SLIPS, 0)
     for problem, texts in zip(problems, completions, strict=True):
+        start, ops = reference_steps(problem)  # once per problem, not per sample
         for text in texts:
-            counts[first_slip(problem, text)] += 1
+            counts[_first_slip(start, ops, text)] += 1
     total = sum(counts.values())
     return {k: v / total for k, v in counts.items()} if total else {}
