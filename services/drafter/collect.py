@@ -1,17 +1,23 @@
-"""Target features without the rollout server: transformers generate + one forward with hidden states.
+"""Target features without the rollout server.
 
-    prompts --tokenizer chat template--> generate (greedy or sampled, the model's own samples)
-            --forward(output_hidden_states)--> hidden_states[-1] (transformers applies the final norm
-              before appending the last entry: exactly what the lm_head sees) --> Sample windows
+    engine_samples: prompts --the rollout's native engine (every prompt in flight at once, continuous
+      batching, return_features)--> responses and the last-layer state (post final norm) that produced
+      each response token, from the forward that sampled it --> Sample windows in the rollout's own
+      format ([p_last, r_0, .., r_{R-2}], response_start 1: what the online drafter trains on)
+    sample_features: one prompt at a time through a KV-cached `transformers` loop, then
+      forward(output_hidden_states) --> hidden_states[-1] (transformers applies the final norm before
+      appending the last entry: exactly what the lm_head sees) --> Sample windows
 
-Used by offline warm-up (`tlt drafter warmup`), by tests and by the drift benchmark. The trainer
-side (`source = "trainer"`) pushes the same shape of data from its old-logprob pass with
-`features_from_hidden` + `push_trainer_features` in `trainer_hook.py`.
+Offline warm-up (`tlt drafter warmup`) samples with the engine (~10x faster on a CPU than the
+one-prompt loop: Session 42 in BENCHMARKS.md); tests and the drift and preemption benchmarks use
+`sample_features`. The trainer side (`source = "trainer"`) pushes the same shape of data from its
+old-logprob pass with `features_from_hidden` + `push_trainer_features` in `trainer_hook.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,6 +58,37 @@ def sample_features(model: torch.nn.Module, prompts: Sequence[Sequence[int]], ma
                 break
         h = last_hidden(model, ids)[0]
         out.extend(to_samples(f"{prefix}{i}", ids[0], h, len(p), policy_version, window_tokens))
+    return out
+
+
+def engine_samples(model_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   temperature: float = 0.0, seed: int = 0, window_tokens: int = 4096, prefix: str = "p",
+                   progress: Callable[[int], object] | None = None) -> list[Sample]:
+    """Each prompt's response from the rollout's native engine (float32, plain decoding) and its features.
+
+    Sequence i is `f"{prefix}{i}-0"` (as `sample_features(..., [p], prefix=f"{prefix}{i}-")` names it), drawn
+    at `temperature` with the engine's counter RNG keyed by `seed + i` (`reproducible`), so it does not depend
+    on what else is in flight; greedy at temperature 0. `progress(k)`: k more responses finished.
+    """
+    from tlt.services.rollout.engine.config import EngineConfig
+    from tlt.services.rollout.engine.engine import LLMEngine
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=256, kv_cache_mb=768))
+    requests = [
+        GenerationRequest(f"{prefix}{i}", tuple(int(t) for t in p),
+                          SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                                         seed=seed + i if temperature > 0 else None, reproducible=temperature > 0,
+                                         return_features=True))
+        for i, p in enumerate(prompts)
+    ]
+    out: list[Sample] = []
+    for i, c in enumerate(engine.generate(requests, progress=progress)):
+        if c.features is None or not c.token_ids or not c.prompt_token_ids:
+            continue
+        # features[j] is the state at the token before token_ids[j] (the rollout's FeaturePublisher format)
+        tokens = torch.tensor([c.prompt_token_ids[-1], *c.token_ids[:-1]])
+        out.extend(to_samples(f"{prefix}{i}-0", tokens, c.features, 1, 0, window_tokens))
     return out
 
 

@@ -3,7 +3,8 @@
     tlt drafter warmup --model artifacts/tiny --out artifacts/tiny-drafter [--problems 64] [--epochs 4]
 
     task problems (synthetic long-tail task, ChatML prompts) --the target samples its own answers
-      (KV-cached transformers forward)--> post-final-norm last-layer features (collect.py)
+      (the rollout's native engine, all in flight at once)--> post-final-norm last-layer features
+      from the forwards that sampled them (collect.engine_samples)
     -> windows -> held-out split (1 sequence in 8) -> packed batches with segment masks
     -> AdamW (0.9, 0.95), grad clip 1.0, uniform noise U(-noise, noise) on input features,
        optionally training-time test (`--ttt-steps K`: the drafter also trained K-1 steps deep on its
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.services.common.logging import get_logger
     from tlt.services.drafter.acceptance import mean_accept_length
-    from tlt.services.drafter.collect import last_hidden, sample_features, to_samples
+    from tlt.services.drafter.collect import engine_samples, last_hidden, to_samples
     from tlt.services.drafter.packing import pack
     from tlt.services.drafter.training import make_optimizer, micro_step, new_drafter
     from tlt.task.problems import format_prompt, generate_problems
@@ -88,15 +89,15 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     problems = generate_problems(args.problems, seed=args.seed + 1000)
     prompts = [tok(format_prompt(p), add_special_tokens=False)["input_ids"] for p in problems]
     samples = []
     if args.data == "samples":
-        for i, p in enumerate(tqdm(prompts, desc="target samples", unit="problem")):
-            samples += sample_features(model, [p], args.max_new_tokens, args.temperature, seed=args.seed + i,
-                                       eos_token_id=tok.eos_token_id, window_tokens=args.row_tokens, prefix=f"p{i}-")
+        with tqdm(total=len(prompts), desc="target samples", unit="problem") as bar:
+            samples = engine_samples(args.model, prompts, args.max_new_tokens, args.temperature, seed=args.seed,
+                                     window_tokens=args.row_tokens, progress=bar.update)
     else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         for i, (p, prob) in enumerate(zip(tqdm(prompts, desc="reference features", unit="problem"), problems)):
             ids = torch.tensor([p + tok(prob.solution + "<|im_end|>", add_special_tokens=False)["input_ids"]])
             samples += to_samples(f"p{i}", ids[0], last_hidden(model, ids)[0], len(p), 0, args.row_tokens)

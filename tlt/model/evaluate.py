@@ -176,7 +176,7 @@ class NativeGenerator:
     def __call__(self, prompts: list[str], *, max_new_tokens: int, do_sample: bool, samples: int = 1, seed: int = 0,
                  bar: Any = None) -> list[list[tuple[str, int]]]:
         """Per prompt, `samples` (text, length) pairs: greedy (then `samples` must be 1) or sampled at T = 1.0.
-        `bar` advances by the pass's answers once they are all done (`LLMEngine.generate` runs the pass)."""
+        `bar` advances by each answer as it finishes (`LLMEngine.generate` runs the pass)."""
         from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
         if not do_sample and samples != 1:
@@ -189,9 +189,7 @@ class NativeGenerator:
                                              reproducible=do_sample), n=samples)
             for i, prompt in enumerate(prompts)
         ]
-        done = self.engine.generate(requests)  # request order, then sample order
-        if bar is not None:
-            bar.update(len(done))
+        done = self.engine.generate(requests, progress=bar.update if bar is not None else None)  # request, sample order
         return [[(c.text, len(c.token_ids)) for c in done[i * samples : (i + 1) * samples]] for i in range(len(prompts))]
 
 

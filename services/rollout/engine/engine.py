@@ -43,6 +43,7 @@ import itertools
 import numbers
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -347,10 +348,12 @@ class LLMEngine:
             spec=spec,
         )
 
-    def generate(self, requests: list[GenerationRequest]) -> list[CompletionOutput]:
+    def generate(self, requests: list[GenerationRequest],
+                 progress: Callable[[int], object] | None = None) -> list[CompletionOutput]:
         """Add every request, step until all are done; completions in request order, then sample order (the samples
         each request runs: `sample_indices` when given). The list is checked whole first (ValueError): a bad request
-        must not leave those before it running with no caller."""
+        must not leave those before it running with no caller. `progress(k)` is called after each step that finished
+        k > 0 of them (a progress bar's `update`)."""
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids) or any(i in self._seqs for i in ids):
             raise ValueError("generate() needs distinct request ids that are not already running")
@@ -370,6 +373,8 @@ class LLMEngine:
             _, done = self.step()
             for c in done:
                 got[(c.request_id, c.sample_index)] = c
+            if progress is not None and done:
+                progress(len(done))
         return [got[(r.request_id, i)] for r, indices in zip(requests, samples) for i in indices]
 
 
