@@ -132,3 +132,36 @@ def test_a_trainer_with_nothing_left_to_do_ends_the_wait_without_an_error(tmp_pa
         assert launcher.watch() == 0
     finally:
         launcher.shutdown()
+
+
+# A stand-in `tlt drafter warmup`: notes its arguments and makes its --out folder.
+WARMUP = """
+import json, os, sys
+args = sys.argv[2:]
+json.dump(args, open(sys.argv[1], "w"))
+os.makedirs(args[args.index("--out") + 1])
+"""
+
+
+@pytest.mark.parametrize("sets, problems, epochs", [((), "1024", "40"),
+                                                    (("run.drafter_warmup_problems=64", "run.drafter_warmup_epochs=3"),
+                                                     "64", "3")])
+def test_a_warmup_drafter_init_warms_up_on_the_run_s_problems_and_epochs(tmp_path, monkeypatch, sets, problems,
+                                                                         epochs) -> None:
+    """`[run] drafter_init = "warmup"` ran `tlt drafter warmup` on 32 problems x 2 epochs, which left the drafter
+    where a random one is (held-out accept length 1.15 on the tiny model); the default is now what
+    artifacts/drafter-tiny is built with (1,024 x 40, ~50 s on 2 cores), and the run's config can change it."""
+    from tlt.services.trainer import launcher as launcher_mod
+
+    model, runs = _fake_model(tmp_path)
+    argv = ["--run-id", "w", "--set", "run.drafter_init=warmup"]
+    for s in sets:
+        argv += ["--set", s]
+    plan = _closed(_plan(runs, model, *argv))
+    seen = tmp_path / "warmup.json"
+    monkeypatch.setattr(launcher_mod, "tlt_command", lambda *a: [sys.executable, "-c", WARMUP, str(seen), *a])
+    launcher_mod.Launcher(plan, quiet=True).prepare_drafter()
+    args = json.loads(seen.read_text())
+    assert args[:2] == ["drafter", "warmup"]
+    assert args[args.index("--problems") + 1] == problems and args[args.index("--epochs") + 1] == epochs
+    assert (plan.run_dir / "drafter-init").is_dir() and not (plan.run_dir / "drafter-init.tmp").exists()

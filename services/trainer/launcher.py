@@ -450,7 +450,9 @@ class Launcher:
             new_drafter(self.plan.run.model_dir, seed=0).save(tmp)
         else:
             p = ServiceProcess("drafter-warmup", tlt_command("drafter", "warmup", "--model", self.plan.run.model_dir,
-                                                             "--out", str(tmp), "--problems", "32", "--epochs", "2"),
+                                                             "--out", str(tmp),
+                                                             "--problems", str(self.plan.run.drafter_warmup_problems),
+                                                             "--epochs", str(self.plan.run.drafter_warmup_epochs)),
                                run_dir / "logs" / "drafter-warmup.log", env=self.child_env).start()
             log.info("drafter_warmup", log=str(p.log_path))
             if p.proc.wait() != 0:  # type: ignore[union-attr]

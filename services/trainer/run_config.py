@@ -36,6 +36,11 @@ class RunConfig(ServiceConfig):
     drafter_init: str = Field(
         "", description="learned drafter to start from: '' keeps [rollout.spec] as it is; 'random': a seeded random "
         "drafter; 'warmup': `tlt drafter warmup` on the model first; or a drafter folder")
+    drafter_warmup_problems: int = Field(
+        1024, ge=8, description="drafter_init = 'warmup': problems the model samples for it (1 in 8 held out)")
+    drafter_warmup_epochs: int = Field(
+        40, ge=1, description="drafter_init = 'warmup': training passes (the tiny model: ~50 s on 2 cores with 1,024 "
+        "problems, held-out accept length 3.4; 32 x 2 left it at 1.15: BENCHMARKS.md, Session 42)")
     poll_interval_s: float = Field(0.1, gt=0, description="how often the rollout's status is sampled for the timeline")
     tail_threshold: int = Field(0, ge=0, description="running batch at or below which rollout time counts as tail; 0: the SD threshold (32 without one)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long services may take to become ready")
