@@ -68,22 +68,32 @@ def engine_samples(model_dir: str | Path, prompts: Sequence[Sequence[int]], max_
 
     Sequence i is `f"{prefix}{i}-0"` (as `sample_features(..., [p], prefix=f"{prefix}{i}-")` names it), drawn
     at `temperature` with the engine's counter RNG keyed by `seed + i` (`reproducible`), so it does not depend
-    on what else is in flight; greedy at temperature 0. `progress(k)`: k more responses finished.
+    on what else is in flight; greedy at temperature 0. A response stops at the model's context, whatever
+    `max_new_tokens` says. `progress(k)`: k more responses finished. ConfigError (one line) for a prompt that
+    fills the context or a response that cannot fit in the engine's KV cache.
     """
+    from tlt.services.common.config import ConfigError
     from tlt.services.rollout.engine.config import EngineConfig
     from tlt.services.rollout.engine.engine import LLMEngine
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
     engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=256, kv_cache_mb=768))
+    limit = engine.max_model_len
+    if (longest := max((len(p) for p in prompts), default=0)) >= limit:
+        raise ConfigError(f"a prompt has {longest} tokens: no room for a response in the model's context of {limit}")
     requests = [
         GenerationRequest(f"{prefix}{i}", tuple(int(t) for t in p),
-                          SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
-                                         seed=seed + i if temperature > 0 else None, reproducible=temperature > 0,
-                                         return_features=True))
+                          SamplingParams(temperature=temperature, max_tokens=min(max_new_tokens, limit - len(p)),
+                                         seed=(seed + i) % 2**63 if temperature > 0 else None,
+                                         reproducible=temperature > 0, return_features=True))
         for i, p in enumerate(prompts)
     ]
+    try:
+        done = engine.generate(requests, progress=progress)
+    except ValueError as e:  # a response that cannot fit in the KV cache (a large model at float32)
+        raise ConfigError(f"cannot sample the target for drafter features: {e}; lower --max-new-tokens") from e
     out: list[Sample] = []
-    for i, c in enumerate(engine.generate(requests, progress=progress)):
+    for i, c in enumerate(done):
         if c.features is None or not c.token_ids or not c.prompt_token_ids:
             continue
         # features[j] is the state at the token before token_ids[j] (the rollout's FeaturePublisher format)

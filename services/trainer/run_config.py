@@ -37,7 +37,9 @@ class RunConfig(ServiceConfig):
         "", description="learned drafter to start from: '' keeps [rollout.spec] as it is; 'random': a seeded random "
         "drafter; 'warmup': `tlt drafter warmup` on the model first; or a drafter folder")
     drafter_warmup_problems: int = Field(
-        1024, ge=8, description="drafter_init = 'warmup': problems the model samples for it (1 in 8 held out)")
+        1024, ge=8, description="drafter_init = 'warmup': problems the model samples for it (1 in 8 held out); the "
+        "warm-up runs on the CPU at float32 before the run starts: for a large model, warm up once with `tlt drafter "
+        "warmup` (or fewer problems) and give drafter_init its folder")
     drafter_warmup_epochs: int = Field(
         40, ge=1, description="drafter_init = 'warmup': training passes (the tiny model: ~50 s on 2 cores with 1,024 "
         "problems, held-out accept length 3.4; 32 x 2 left it at 1.15: BENCHMARKS.md, Session 42)")

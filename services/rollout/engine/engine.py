@@ -373,8 +373,8 @@ class LLMEngine:
             _, done = self.step()
             for c in done:
                 got[(c.request_id, c.sample_index)] = c
-            if progress is not None and done:
-                progress(len(done))
+            if progress is not None and (k := sum(c.request_id in wanted for c in done)):
+                progress(k)
         return [got[(r.request_id, i)] for r, indices in zip(requests, samples) for i in indices]
 
 
