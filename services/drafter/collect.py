@@ -92,14 +92,11 @@ def engine_samples(model_dir: str | Path, prompts: Sequence[Sequence[int]], max_
         done = engine.generate(requests, progress=progress)
     except ValueError as e:  # a response that cannot fit in the KV cache (a large model at float32)
         raise ConfigError(f"cannot sample the target for drafter features: {e}; lower --max-new-tokens") from e
-    out: list[Sample] = []
-    for i, c in enumerate(done):
-        if c.features is None or not c.token_ids or not c.prompt_token_ids:
-            continue
-        # features[j] is the state at the token before token_ids[j] (the rollout's FeaturePublisher format)
-        tokens = torch.tensor([c.prompt_token_ids[-1], *c.token_ids[:-1]])
-        out.extend(to_samples(f"{prefix}{i}-0", tokens, c.features, 1, 0, window_tokens))
-    return out
+    from tlt.services.drafter.buffer import windows
+    from tlt.services.rollout.features import feature_sequence
+
+    return [w for i, c in enumerate(done)
+            for w in windows(feature_sequence(c, len(c.token_ids), 0, seq_id=f"{prefix}{i}-0"), window_tokens)]
 
 
 def to_samples(seq_id: str, tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int, policy_version: int,

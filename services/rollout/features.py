@@ -28,6 +28,20 @@ from tlt.services.rollout.types import CompletionOutput, GenerationRequest
 from tlt.v1 import events_pb2
 
 
+def feature_sequence(c: CompletionOutput, rows: int, policy_version: int, replica_id: int = -1,
+                     seq_id: str = "") -> events_pb2.FeatureSequence:
+    """The first `rows` features of a finished sequence in the rollout's format: token_ids = [p_last, r_0, ..,
+    r_{rows-2}], features[i] = the state at token_ids[i] (which predicted the next token), response_start = 1,
+    fp16; `seq_id` defaults to "<request id>/<sample index>", the group to the request."""
+    h = c.features[:rows].detach().to("cpu").half().contiguous()
+    return events_pb2.FeatureSequence(
+        seq_id=seq_id or f"{c.request_id}/{c.sample_index}", group_id=c.request_id,
+        token_ids=[c.prompt_token_ids[-1], *c.token_ids[: rows - 1]], response_start=1,
+        hidden_size=int(h.shape[1]), features=h.numpy().tobytes(), policy_version=policy_version,
+        replica_id=replica_id,
+    )
+
+
 class FeaturePublisher:
     def __init__(self, connect: str, replica_id: int, max_tokens: int = 4096, hwm: int = 4) -> None:
         self.replica_id = replica_id
@@ -67,14 +81,7 @@ class FeaturePublisher:
             elif c.versions.policy_min is not None:
                 rows_total = 0  # mixed versions and no record of where: send nothing rather than mislabel
             if feats is not None and rows_total >= 2 and c.prompt_token_ids:
-                n = min(rows_total, self.max_tokens)
-                tokens = [c.prompt_token_ids[-1], *c.token_ids[: n - 1]]
-                rows = feats[:n].detach().to("cpu").half().contiguous()
-                batch.sequences.add(
-                    seq_id=f"{c.request_id}/{c.sample_index}", group_id=c.request_id, token_ids=tokens,
-                    response_start=1, hidden_size=int(rows.shape[1]), features=rows.numpy().tobytes(),
-                    policy_version=version, replica_id=self.replica_id,
-                )
+                batch.sequences.append(feature_sequence(c, min(rows_total, self.max_tokens), version, self.replica_id))
             left = self._strip.get(c.request_id)
             if left is not None:
                 c.features = None
