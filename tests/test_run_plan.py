@@ -475,8 +475,8 @@ def test_a_finished_default_folder_whose_config_no_longer_loads_does_not_block_a
 def test_the_launchers_step_count_and_tail_threshold_are_the_ones_the_services_run_with(tmp_path: Path,
                                                                                           monkeypatch) -> None:
     """TLT_TRAINER__STEPS / TLT_ROLLOUT__SPEC__THRESHOLD change what the trainer and the rollout run with (the
-    environment goes over config.toml); the launcher read both from the preset, so its progress bar counted to
-    the preset's steps and report.html drew the tail at the preset's threshold."""
+    launcher folds the environment into config.toml); the launcher read both from the preset, so its progress bar
+    counted to the preset's steps and report.html drew the tail at the preset's threshold."""
     model, runs = _fake_model(tmp_path)
     monkeypatch.setenv("TLT_TRAINER__STEPS", "7")
     monkeypatch.setenv("TLT_ROLLOUT__SPEC__THRESHOLD", "5")
@@ -484,3 +484,41 @@ def test_the_launchers_step_count_and_tail_threshold_are_the_ones_the_services_r
     assert (plan.steps, plan.tail_threshold) == (7, 5)
     assert json.loads((plan.run_dir / "run.json").read_text())["tail_threshold"] == 5
     assert _closed(_plan(runs, model, "--run-id", "r", "--set", "run.tail_threshold=9")).tail_threshold == 9
+
+
+def _as_child(plan, cls, section: str):  # noqa: ANN001, ANN202 - RunPlan, a config class
+    """`section` as a service of this run loads it: config.toml, under the environment `tlt run` gives its children."""
+    from tlt.services.common.config import load_config
+
+    env = {k: v for k, v in os.environ.items() if k not in plan.child_unset_env}
+    return load_config(cls, section, plan.config_path, environ=env)
+
+
+def test_the_command_line_beats_the_environment_in_the_services_of_a_run(tmp_path: Path, monkeypatch) -> None:
+    """The README's order is preset, environment, command line. The children loaded config.toml (the preset with
+    --set, --steps and the run's own paths in it) as their preset and the environment over it, so TLT_TRAINER__STEPS
+    beat --steps, TLT_TRAINER__LR beat --set trainer.lr, and TLT_TRAINER__OUTPUT_DIR sent the run's checkpoints and
+    metrics out of its folder. The environment is now folded into config.toml under the command line, and the
+    children do not read it again; a secret (an API key) stays out of config.toml and reaches them as it was set."""
+    from tlt.services.rollout.config import RolloutConfig
+    from tlt.services.trainer.config import TrainerConfig
+
+    model, runs = _fake_model(tmp_path)
+    monkeypatch.setenv("TLT_TRAINER__STEPS", "7")
+    monkeypatch.setenv("TLT_TRAINER__LR", "0.5")
+    monkeypatch.setenv("TLT_TRAINER__KL_BETA", "0.25")  # no command line: the environment's value
+    monkeypatch.setenv("TLT_TRAINER__OUTPUT_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("TLT_ROLLOUT__SPEC__THRESHOLD", "5")
+    monkeypatch.setenv("TLT_ROLLOUT__API_KEY", "sk-secret")
+    plan = _closed(_plan(runs, model, "--run-id", "r", "--steps", "1", "--set", "trainer.lr=1e-4"))
+    trainer = _as_child(plan, TrainerConfig, "trainer")
+    assert (trainer.steps, trainer.lr, trainer.kl_beta) == (1, 1e-4, 0.25)
+    assert Path(trainer.output_dir) == plan.run_dir and plan.steps == 1
+    rollout = _as_child(plan, RolloutConfig, "rollout")
+    assert (rollout.spec.threshold, plan.tail_threshold, rollout.api_key) == (5, 5, "sk-secret")
+    assert "sk-secret" not in plan.config_path.read_text()
+    assert {"TLT_TRAINER__STEPS", "TLT_TRAINER__OUTPUT_DIR"} <= set(plan.child_unset_env)
+    assert "TLT_ROLLOUT__API_KEY" not in plan.child_unset_env
+    # a secret set on the command line beats the environment's, as any other field
+    plan = _closed(_plan(runs, model, "--run-id", "s", "--set", "rollout.api_key=sk-cli"))
+    assert _as_child(plan, RolloutConfig, "rollout").api_key == "sk-cli"

@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING, Any
 from tlt.cli import tlt_command
 from tlt.services.common.config import (
     ConfigError,
+    KeyedTable,
     cli_overrides,
+    env_overrides,
+    env_prefix,
     load_config,
     nested_section,
     preset_path,
@@ -52,9 +55,52 @@ class RunPlan:
     steps: int
     resumed: bool
     lock: Any = field(default=None, compare=False, repr=False)  # the run folder's lock, held while this plan runs
+    # TLT_<SECTION>__* variables the children must not see: folded into config.toml (`_environment_layer`)
+    child_unset_env: tuple[str, ...] = ()
 
 
 SECTIONS = tuple(SECTION_CLASSES)  # what a `tlt run` preset's services read (`tlt config show` prints them)
+# fields that hold a secret: kept out of config.toml (a file in the run folder), they reach the services in the
+# environment as the user set them, unless this launch's --set names them
+SECRET_FIELDS = frozenset({"rollout.control_token", "rollout.api_key", "drafter.control_token", "trainer.rollout_token"})
+SERVICE_SECTIONS = tuple(s for s in SECTIONS if s != "run")  # [run] is the launcher's own (RunConfig)
+
+
+def _env_key(variable: str, section: str) -> str:
+    """'TLT_ROLLOUT__SPEC__THRESHOLD' -> 'rollout.spec.threshold' (as env_overrides reads it)."""
+    return ".".join([section, *variable[len(env_prefix(section)):].lower().split("__")])
+
+
+def _flat(key: str, value: Any):  # noqa: ANN202 - Iterator[tuple[str, Any]]
+    """env_overrides' nested tables as (dotted key, value); a table given whole stays one value."""
+    if isinstance(value, KeyedTable):
+        for k, v in value.items():
+            yield from _flat(f"{key}.{k}", v)
+    else:
+        yield key, value
+
+
+def _environment_layer() -> list[tuple[str, Any]]:
+    """The services' TLT_<SECTION>__* settings as (dotted key, value), secrets left out. `tlt run` applies them to
+    the preset under --set (README: preset, environment, command line) and writes the result to config.toml; its
+    children do not read them again (`_child_unset_env`). They used to, over config.toml, where --set, --steps and
+    the run's own paths already were: TLT_TRAINER__STEPS beat --steps, TLT_TRAINER__OUTPUT_DIR moved the run's
+    checkpoints and metrics out of its folder."""
+    layer = []
+    for section in SERVICE_SECTIONS:
+        for key, value in _flat(section, KeyedTable(env_overrides(section))):
+            if key not in SECRET_FIELDS:
+                layer.append((key, value))
+    return layer
+
+
+def _child_unset_env(overrides: dict[str, Any]) -> tuple[str, ...]:
+    """The TLT_<SECTION>__* variables to take out of the children's environment: all the services' variables but a
+    secret's (not in config.toml) that this launch's --set does not name."""
+    return tuple(sorted(
+        k for section in SERVICE_SECTIONS for k in os.environ
+        if k.startswith(env_prefix(section)) and not (_env_key(k, section) in SECRET_FIELDS
+                                                      and _env_key(k, section) not in overrides)))
 
 
 def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
@@ -135,7 +181,7 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
         raise ServiceError(f"{preset_path(inputs['preset'])}: unknown section [{unknown[0]}]; the sections are "
                            f"{', '.join(SECTIONS)} (`tlt config check FILE` checks a preset file)")
     overrides = cli_overrides(inputs["overrides"])
-    for key, value in overrides.items():
+    for key, value in [*_environment_layer(), *overrides.items()]:  # preset -> environment -> --set
         _apply_override(preset, key, value)
     # [run]: the preset file's, then TLT_RUN__* (the environment layer: passing the preset's values as the
     # command-line layer made them beat it), then --set run.*, --steps, --model and --baseline
@@ -171,7 +217,8 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
         from tlt.services.drafter.config import DrafterServiceConfig
 
         sections.append((DrafterServiceConfig, "drafter"))
-    loaded = {name: load_config(cls, name, None, services.get(name, {})) for cls, name in sections}
+    # environ={}: the environment is in `services` already (_environment_layer), under --set
+    loaded = {name: load_config(cls, name, None, services.get(name, {}), environ={}) for cls, name in sections}
     from tlt.services.common.config_cmd import context_problem
 
     if (problem := context_problem(loaded["trainer"], loaded["rollout"])) is not None:
@@ -205,11 +252,11 @@ def _check_resume(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> Non
     from tlt.services.trainer.config import TrainerConfig
 
     old_path = run_dir / "config.toml"
-    new = load_config(TrainerConfig, "trainer", None, trainer)
+    new = load_config(TrainerConfig, "trainer", None, trainer, environ={})  # the environment is in it
     if not new.resume:  # the trainer starts over
         return
     if old_path.exists():
-        old = load_config(TrainerConfig, "trainer", old_path)
+        old = load_config(TrainerConfig, "trainer", old_path, environ={})  # and in the run's config.toml
         changed = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"
                    for k in DATA_FIELDS if getattr(old, k) != getattr(new, k)]
         if changed:
@@ -340,18 +387,19 @@ def _plan_in(run_dir: Path, lock: Any, args: argparse.Namespace, saved: dict[str
         "steps": steps_arg, "model": model, "switches": switches, "created": saved.get("created", time.time()),
         "tail_threshold": threshold,  # what report.html counts as tail (a regenerated report reads it)
     }, indent=2))
-    return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed, lock)
+    return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed, lock,
+                   _child_unset_env(cli_overrides(overrides)))
 
 
 def _as_run(config_path: Path) -> tuple[int, int]:
-    """(the trainer's steps, the rollout's SD threshold) as the services load the run's config.toml: the environment
-    (TLT_TRAINER__STEPS, TLT_ROLLOUT__SPEC__THRESHOLD) goes over it; read from the preset, the progress bar and
-    report.html's tail missed it. 32 (SpecConfig's) for a rollout build with no [rollout.spec]."""
+    """(the trainer's steps, the rollout's SD threshold) as the services load the run's config.toml, which holds the
+    environment's values (TLT_TRAINER__STEPS, TLT_ROLLOUT__SPEC__THRESHOLD; read from the preset, the progress bar
+    and report.html's tail missed them). 32 (SpecConfig's) for a rollout build with no [rollout.spec]."""
     from tlt.services.rollout.config import RolloutConfig
     from tlt.services.trainer.config import TrainerConfig
 
-    steps = load_config(TrainerConfig, "trainer", config_path).steps
-    spec = getattr(load_config(RolloutConfig, "rollout", config_path), "spec", None)
+    steps = load_config(TrainerConfig, "trainer", config_path, environ={}).steps
+    spec = getattr(load_config(RolloutConfig, "rollout", config_path, environ={}), "spec", None)
     return steps, spec.threshold if spec is not None else 32
 
 
@@ -381,7 +429,7 @@ class Launcher:
                  ) -> ServiceProcess:
         logs = self.plan.run_dir / "logs"
         p = ServiceProcess(name, argv, logs / f"{name}.log", logs / f"{name}.ready" if ready else None,
-                           env={**self.child_env, **(env or {})})
+                           env={**self.child_env, **(env or {})}, unset_env=self.plan.child_unset_env)
         self.services.append(p.start())
         return p
 
@@ -413,7 +461,7 @@ class Launcher:
         key = f"{env_prefix('trainer')}CONNECT_TIMEOUT_S"
         env = {}
         if key not in os.environ:  # the caller's own setting stands
-            connect = load_config(TrainerConfig, "trainer", plan.config_path).connect_timeout_s
+            connect = load_config(TrainerConfig, "trainer", plan.config_path, environ={}).connect_timeout_s
             env[key] = str(connect + plan.run.startup_timeout_s)
         return self._service("trainer", tlt_command("train", "--config", str(plan.config_path)), ready=False, env=env)
 
@@ -453,7 +501,8 @@ class Launcher:
                                                              "--out", str(tmp),
                                                              "--problems", str(self.plan.run.drafter_warmup_problems),
                                                              "--epochs", str(self.plan.run.drafter_warmup_epochs)),
-                               run_dir / "logs" / "drafter-warmup.log", env=self.child_env).start()
+                               run_dir / "logs" / "drafter-warmup.log", env=self.child_env,
+                               unset_env=self.plan.child_unset_env).start()
             log.info("drafter_warmup", log=str(p.log_path))
             if p.proc.wait() != 0:  # type: ignore[union-attr]
                 raise p.died()

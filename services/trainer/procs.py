@@ -33,12 +33,14 @@ class ServiceError(RuntimeError):
 
 class ServiceProcess:
     def __init__(self, name: str, argv: list[str], log_path: Path, ready_file: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, unset_env: tuple[str, ...] = ()) -> None:
+        """`env`: set in the child's environment over this process's; `unset_env`: taken out of it."""
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.ready_file = ready_file
         self.env = env
+        self.unset_env = unset_env
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
@@ -59,7 +61,8 @@ class ServiceProcess:
         # launcher dies, even by kill -9 (its own process group keeps it out of reach otherwise).
         # Done in the child after exec, not in a preexec_fn: running Python (ctypes) between fork
         # and exec in this multithreaded launcher (gRPC threads) can crash the child (seen: -11).
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1",
+        inherited = {k: v for k, v in os.environ.items() if k not in self.unset_env}
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **inherited, "PYTHONUNBUFFERED": "1",
                "TLT_DIE_WITH_PARENT": str(os.getpid()), **(self.env or {})}
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)

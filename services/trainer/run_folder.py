@@ -29,7 +29,7 @@ def finished(run_dir: Path) -> bool:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file() or not (run_dir / "config.toml").exists():
         return False
-    steps = load_config(TrainerConfig, "trainer", run_dir / "config.toml").steps
+    steps = load_config(TrainerConfig, "trainer", run_dir / "config.toml", environ={}).steps  # the environment is in it
     from tlt.services.trainer.checkpoint import CheckpointManager
 
     return CheckpointManager.steps_of(pointer.read_text()) >= steps
