@@ -244,6 +244,21 @@ def test_a_bad_file_is_refused_with_the_trainers_message(rows, extra, tmp_path, 
     assert rc == 2 and r == {"status": "refused", "error": str(trainer_error.value)}
 
 
+def test_set_gives_what_the_flags_give_when_they_are_not_used(tmp_path, model_dir, preset, capsys) -> None:
+    """--set trainer.data_path / model_dir / answer_field, as the trainer takes them: the flags not given replaced
+    them with None, so the check said "no data file to check", checked the preset's model, or passed a file whose
+    rows lack the answer field the trainer would ask for."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "gold": 2}])
+    rc, r = check(capsys, "--preset", str(preset), "--set", f"trainer.data_path={data}",
+                  "--set", f"trainer.model_dir={model_dir}", "--set", "trainer.answer_field=gold")
+    assert rc == 0 and r["status"] == "ok" and r["rows"] == 1 and r["answer_field"] == "gold"
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "trainer.answer_field=nosuchfield")
+    assert rc == 2 and "nosuchfield" in r["error"]
+    rc, r = check(capsys, "--data", str(data), "--preset", str(preset), "--set", "trainer.answer_field=nosuchfield",
+                  "--answer-field", "gold")  # the flag, given, goes last
+    assert rc == 0 and r["answer_field"] == "gold"
+
+
 def test_a_bad_config_or_missing_model_is_refused(tmp_path, preset, capsys) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}])
     assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--set", "trainer.max_tokens=0"]) == 2

@@ -117,7 +117,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from tlt.services.trainer.config import TrainerConfig
 
     over = section_overrides(args.overrides)
-    flags = {"data_path": args.data, "model_dir": args.model, "answer_field": args.answer_field}
+    flags = {k: v for k, v in {"data_path": args.data, "model_dir": args.model, "answer_field": args.answer_field}
+             .items() if v is not None}  # a flag not given leaves --set's value (its None replaced it)
     trainer = load_config(TrainerConfig, "trainer", args.preset, {**over["trainer"], **flags}, require_section=True)
     rollout = load_config(RolloutConfig, "rollout", args.preset, over["rollout"])
     if not trainer.data_path:
