@@ -194,6 +194,18 @@ def test_a_number_given_for_a_string_field_is_that_string() -> None:
     assert cfg.host == "2024" and cfg.names == ["7"]
 
 
+@pytest.mark.parametrize("text", ["1.10", "7e2", "0x1F", "1_000", "+5", "inf", "007.50"])
+def test_a_number_given_for_a_string_field_keeps_the_text_typed(text: str) -> None:
+    """`--set rollout.served_model_name=1.10` served the model as "1.1" (and 7e2 as "700.0"): the override was read
+    as a TOML number and the number written back as text, so clients asking for "1.10" were refused. A number field
+    given the same text still reads it as the number."""
+    cfg = load_config(DemoConfig, "demo", overrides=cli_overrides([f"host={text}"]), environ={})
+    assert cfg.host == text
+    assert load_config(DemoConfig, "demo", environ={"TLT_DEMO__HOST": text}).host == text
+    assert load_config(DemoConfig, "demo", overrides=cli_overrides(["ratio=0.250"]), environ={}).ratio == 0.25
+    assert load_config(DemoConfig, "demo", overrides=cli_overrides(["port=0x1F"]), environ={}).port == 31
+
+
 class _Maps(ServiceConfig):
     steps: dict[str, list[int]] = Field(default_factory=lambda: {"1": [1, 3], "2": [1]},
                                         description="a dict-valued field (a value, not a section)")

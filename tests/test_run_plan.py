@@ -522,3 +522,15 @@ def test_the_command_line_beats_the_environment_in_the_services_of_a_run(tmp_pat
     # a secret set on the command line beats the environment's, as any other field
     plan = _closed(_plan(runs, model, "--run-id", "s", "--set", "rollout.api_key=sk-cli"))
     assert _as_child(plan, RolloutConfig, "rollout").api_key == "sk-cli"
+
+
+def test_a_name_that_looks_like_a_number_reaches_the_services_as_typed(tmp_path: Path) -> None:
+    """`tlt run --set rollout.served_model_name=1.10`: config.toml said 1.1, a TOML number, which the rollout read
+    back as the name "1.1"."""
+    from tlt.services.rollout.config import RolloutConfig
+
+    model, runs = _fake_model(tmp_path)
+    plan = _closed(_plan(runs, model, "--run-id", "n", "--set", "rollout.served_model_name=1.10",
+                         "--set", "trainer.lr=3.0e-5"))
+    assert _as_child(plan, RolloutConfig, "rollout").served_model_name == "1.10"
+    assert plan.services["trainer"]["lr"] == 3e-5

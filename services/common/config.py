@@ -82,6 +82,12 @@ class ServiceConfig(BaseModel):
             raise ValueError(f"{str(b[0]).lower()} is not a number")
         return v
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_for_a_string(cls, v: Any, info: ValidationInfo) -> Any:
+        # an override's number, for a string field, is the text typed (coerce_numbers_to_str wrote 1.10 as "1.1")
+        return v if info.field_name is None else as_field_takes(cls.model_fields[info.field_name], v)
+
 
 def preset_path(preset: str | os.PathLike[str]) -> Path:
     """Resolve a preset name (`cpu-tiny`) or a path to a TOML file."""
@@ -116,11 +122,46 @@ def read_preset(preset: str | os.PathLike[str] | None) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from e
 
 
+class _IntText(int):
+    """A number an override gave as text, with that text: a string field takes the text (`_text_for_a_string`)."""
+
+    text: str
+
+
+class _FloatText(float):
+    __doc__ = _IntText.__doc__
+    text: str
+
+
+def _with_text(value: Any, text: str) -> Any:
+    """`value` (a parsed literal) carrying `text` if it is a number; anything else as it is."""
+    kind = {int: _IntText, float: _FloatText}.get(type(value))
+    if kind is None:
+        return value
+    out = kind(value)
+    out.text = text
+    return out
+
+
+def _wants_text(annotation: Any) -> bool:
+    """Whether a field of this annotation is a string (str, or str in a union: `str | None`)."""
+    return annotation is str or (typing.get_origin(annotation) in _UNIONS and str in typing.get_args(annotation))
+
+
+def as_field_takes(field: FieldInfo | None, value: Any) -> Any:
+    """`value` as `field` takes it: an override's number the text it was typed as where the field is a string
+    (what the configs' validator does; for a value written to a file before any config reads it)."""
+    if isinstance(value, (_IntText, _FloatText)) and field is not None and _wants_text(field.annotation):
+        return value.text
+    return value
+
+
 def _parse_literal(text: str) -> Any:
     """A TOML literal (`2`, `[1, 3]`, `{"1" = [1]}`), else a JSON object (`{"1": [1]}`, as compose and
-    Kubernetes files write a map), else the text itself."""
+    Kubernetes files write a map), else the text itself. A number keeps the text it was read from, for a string
+    field (`1.10` is the name "1.10", not "1.1")."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        return _with_text(tomllib.loads(f"v = {text}")["v"], text.strip())
     except tomllib.TOMLDecodeError:
         pass
     if text.lstrip().startswith("{"):

@@ -23,6 +23,7 @@ from tlt.cli import tlt_command
 from tlt.services.common.config import (
     ConfigError,
     KeyedTable,
+    as_field_takes,
     cli_overrides,
     env_overrides,
     env_prefix,
@@ -126,7 +127,7 @@ def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
     if nested_section(field) is not None and not isinstance(value, dict):  # rollout.spec=3
         raise ServiceError(f"override {key!r}: {key} is a section ([{key}]); set one of its fields as "
                            f"{key}.FIELD=VALUE")
-    node[parts[-1]] = value
+    node[parts[-1]] = as_field_takes(field, value)  # config.toml holds "1.10" for a name, not 1.1
 
 
 def _is_map(field: Any) -> bool:
