@@ -282,3 +282,24 @@ def test_tlt_train_with_a_bad_data_file_ends_with_one_line_naming_it(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 2 and "train_refused" in out and f"{bad}:2: not valid JSON" in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
+
+
+def test_any_integer_seeds_the_data_order():
+    """A seed past torch's range (a nanosecond clock's) failed the trainer's first step ("Overflow when unpacking
+    long long"); every seed torch took draws the order it drew (torch keeps seeds modulo 2**64)."""
+    import torch
+
+    from tlt.services.common.seeds import torch_seed
+
+    items = synthetic_prompts(40, seed=0)
+    for seed in (0, 7, -1, 2**63 - 1):  # the derived seeds are all in torch's range: the orders they always had
+        derived = seed * 1_000_003
+        if -(2**63) <= derived < 2**64:
+            expected = torch.randperm(40, generator=torch.Generator().manual_seed(derived)).tolist()
+            assert [i.index for i in PromptSampler(items, seed=seed).next_batch(40)] == [items[k].index for k in expected]
+    big = [i.index for i in PromptSampler(items, seed=20_000_000_000_000).next_batch(40)]
+    assert sorted(big) == sorted(i.index for i in items)
+    assert torch_seed(2**64 + 5) == 5 and torch_seed(-1) == 2**64 - 1
+    from tlt.services.trainer.policy import seed_everything
+
+    seed_everything(2**70)  # the trainer's torch / numpy / random seeding takes it too

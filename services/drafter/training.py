@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from tlt.model.drafter import Drafter, DrafterConfig, load_drafter
 from tlt.model.folder import read_model_config, weight_files
+from tlt.services.common.seeds import torch_seed
 from tlt.services.drafter.loss import DrafterLoss, drafter_loss
 from tlt.services.drafter.packing import PackedBatch, PackedPairs, packed_pairs
 
@@ -61,7 +62,7 @@ def build_drafter(cfg: DrafterConfig, embed: torch.Tensor, head: torch.Tensor, i
     if init:
         return load_drafter(init, embed, head).to(device)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(torch_seed(seed))
         return Drafter(cfg, embed, head).to(device)
 
 

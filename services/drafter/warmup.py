@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tlt.services.common.logging import get_logger
+    from tlt.services.common.seeds import torch_seed
     from tlt.services.drafter.acceptance import mean_accept_length
     from tlt.services.drafter.collect import engine_samples, last_hidden, to_samples
     from tlt.services.drafter.packing import pack
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"--out {args.out} is a model checkpoint folder (config.json); give the drafter its own "
                           "folder (e.g. artifacts/tiny-drafter)")
-    torch.manual_seed(args.seed)
+    torch.manual_seed(torch_seed(args.seed))
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.model)
     problems = generate_problems(args.problems, seed=args.seed + 1000)
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     drafter.eval()
     before, starts = mean_accept_length(drafter, held, args.depth)
     opt = make_optimizer(drafter, args.lr)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(torch_seed(args.seed))
     steps = 0
     for epoch in range(args.epochs):
         order = train[:]

@@ -404,7 +404,9 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         import torch  # here, not at the top: the reward server imports this module (its prompt types) and not torch
 
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        from tlt.services.common.seeds import torch_seed
+
+        gen = torch.Generator().manual_seed(torch_seed(self.seed * 1_000_003 + epoch))
         return torch.randperm(len(self.items), generator=gen).tolist()
 
     def next_batch(self, k: int) -> list[PromptItem]:

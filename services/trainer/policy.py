@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tlt.model.layer_ops import gpu_sdpa
+from tlt.services.common.seeds import torch_seed
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.grpo import entropy_from_logits
 
@@ -148,7 +149,7 @@ def train_bf16(cfg: TrainerConfig) -> bool:
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
+    torch.manual_seed(torch_seed(seed))
 
 
 def lr_lambda(warmup: int, total: int, schedule: str):

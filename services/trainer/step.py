@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.services.common.seeds import torch_seed
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.grpo import (
     aggregated_sum,
@@ -128,7 +129,7 @@ def grpo_step(
 
     # Each pass's mini-batches are drawn from one seeded shuffle that every rank computes alike (the first pass's
     # is the one a 1-epoch step draws); rank r trains on positions r, r + W, ... of each mini-batch (data parallel).
-    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    gen = torch.Generator().manual_seed(torch_seed(cfg.seed * 100_003 + step))
     passes: list[list[list[int]]] = []
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(b, generator=gen).tolist()
