@@ -93,7 +93,10 @@ def test_spot_trainer_end_to_end(tmp_path) -> None:
                 "rollout_grpc": s.grpc_address, "status_port": 0, "checkpoint_dir": str(tmp_path / "ckpt"),
                 "init_drafter": str(init), "window_tokens": 64, "batch_tokens": 64, "batch_rows": 4, "lr": 3e-3,
                 "submit_every": 5, "eval_interval_s": 0.5, "min_eval_tokens": 32, "holdout_every": 4,
-                "publish_margin": 0.0}
+                "publish_margin": 0.0,
+                # no cap: cpu-tiny's (the serve command's default preset) ends a window after 8 micro-steps, tens
+                # of ms here, before the next rollout could preempt it
+                "window_max_steps": 0}
         cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model), "--workers", "2",
                "--ready-file", str(ready), *[f"--set={k}={v}" for k, v in sets.items()]]
         log = (tmp_path / "drafter.log").open("w")
