@@ -74,6 +74,11 @@ def test_an_answer_column_beside_another_answer_field_is_refused(tmp_path):
         ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "  "}\n', "d.jsonl:2: 'answer' is empty"),
         ('{"prompt": "a", "answer": NaN}\n', "'answer' is empty (nan)"),  # json.loads takes NaN
         ("\n\n", "no prompts"),
+        # valid JSON that json.loads cannot read: a traceback, not a refusal
+        ('{"prompt": "a", "answer": "1"}\n{"prompt": "a", "answer": "1", "x": ' + "[" * 5000 + "]" * 5000 + "}\n",
+         "d.jsonl:2: JSON nested too deeply to read"),
+        ('{"prompt": "a", "answer": ' + "7" * 5000 + "}\n", "d.jsonl:1: not readable as JSON (Exceeds the limit"),
+        ("[" * 5000 + "]" * 5000, "d.jsonl: JSON nested too deeply to read"),
     ],
 )
 def test_bad_jsonl_says_what_and_where(tmp_path, content, message):

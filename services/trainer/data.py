@@ -282,6 +282,8 @@ def _json_array_rows(path: Path, text: str) -> Iterable[Row]:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except (RecursionError, ValueError) as e:
+        raise DataError(f"{path}: {_unreadable(e)}") from None
     return ((row, f"{path} item {i}") for i, row in enumerate(rows))
 
 
@@ -299,7 +301,16 @@ def jsonl_rows(path: Path) -> Iterable[Row]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except (RecursionError, ValueError) as e:
+            raise DataError(f"{path}:{lineno}: {_unreadable(e)}") from None
         yield row, f"{path}:{lineno}"
+
+
+def _unreadable(e: RecursionError | ValueError) -> str:
+    """Why valid JSON could not be read (json.loads raised a traceback for these, not a refusal)."""
+    if isinstance(e, RecursionError):
+        return "JSON nested too deeply to read"
+    return f"not readable as JSON ({e})"  # an integer of more than sys.get_int_max_str_digits() digits
 
 
 def parquet_rows(path: Path, answer_field: str = "answer") -> Iterable[Row]:
