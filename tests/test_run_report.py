@@ -138,6 +138,24 @@ def test_tlt_report_command_regenerates_a_run_folder(tmp_path: Path, capsys: pyt
     assert "holds no metrics.jsonl" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ['{"preset": "cpu-tiny", "tail_thr', "[]", "\xff"])
+def test_tlt_report_writes_the_report_past_a_damaged_run_file(tmp_path: Path, text: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A run.json cut short (a kill mid-write by an older TLT), holding no object, or not UTF-8: `tlt report` ended in a
+    traceback. The report is still written from the run's metrics, at the default tail threshold, and says why."""
+    from tlt.cli import main
+
+    m = {"step": 0, "policy_version": 1, "started_at": 100.0, "times": {"step_s": 5.0, "rollout_s": 4.0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(m) + "\n")
+    (tmp_path / "run.json").write_bytes(text.encode("latin-1"))
+    assert main(["report", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(tmp_path / "report.html")
+    assert "run.json is not a valid run file" in captured.err and "Traceback" not in captured.err
+    page = (tmp_path / "report.html").read_text()
+    assert "1 steps" in page and "at most 32" in page
+
+
 def _saved_axes(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     """Each plot's axes as it is saved, by file name (a spy: the real savefig still writes the PNG)."""
     from matplotlib.figure import Figure
@@ -532,8 +550,8 @@ def test_a_report_that_fails_is_logged_and_does_not_end_the_run(tmp_path: Path, 
     of another version) ended `tlt run` with a traceback, and its run_done line and exit code were lost."""
     from tlt.services.trainer.launch import report
 
-    (tmp_path / "run.json").write_text("[1, 2]")  # not a run file: write_report fails reading it
     (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "eval.jsonl").write_text('{"after_steps": 0, "accuracy": "high"}\n')  # not an eval record
     assert report(tmp_path, 16) is None
     assert "report_failed" in capsys.readouterr().err
 

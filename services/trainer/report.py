@@ -363,10 +363,27 @@ def _spec_section(run_dir: Path) -> str:
     return "\n".join(parts) if len(parts) > 1 else ""
 
 
+def _run_file(run_dir: Path) -> dict:
+    """The run's run.json; {} when there is none, or (said in a warning) when it cannot be read: the report is still
+    written from the run's metrics (a damaged run.json ended `tlt report` in a traceback)."""
+    if not (run_dir / "run.json").exists():
+        return {}
+    from tlt.services.common.logging import get_logger
+    from tlt.services.trainer.procs import ServiceError
+    from tlt.services.trainer.run_folder import read_run_file
+
+    try:
+        return read_run_file(run_dir)
+    except ServiceError as e:
+        get_logger("report").warning("run_file_unreadable", error=str(e).split("; ")[0],
+                                     using="tail threshold 32 unless --threshold; preset and switches unknown")
+        return {}
+
+
 def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
     """threshold: the tail threshold; None: the run's own (run.json, as `tlt run` wrote the report), else 32."""
     run_dir = Path(run_dir)
-    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    info = _run_file(run_dir)
     if threshold is None:
         threshold = int(info.get("tail_threshold", 32))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
