@@ -534,3 +534,30 @@ def test_a_name_that_looks_like_a_number_reaches_the_services_as_typed(tmp_path:
                          "--set", "trainer.lr=3.0e-5"))
     assert _as_child(plan, RolloutConfig, "rollout").served_model_name == "1.10"
     assert plan.services["trainer"]["lr"] == 3e-5
+
+
+def test_a_resume_from_another_folder_reads_the_preset_and_model_the_run_was_started_with(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """run.json kept `--preset my.toml` and `--model m` as typed, so a resume from another folder read them relative to
+    that folder: it failed ("config file my.toml does not exist"), or silently took another my.toml found there."""
+    model, runs = _fake_model(tmp_path)
+    first, other = tmp_path / "first", tmp_path / "other"
+    for folder, lr in ((first, "3e-5"), (other, "0.123")):
+        folder.mkdir()
+        (folder / "my.toml").write_text(f"[trainer]\nlr = {lr}\n")
+    monkeypatch.chdir(first)
+    plan = _closed(_plan(runs, Path("../model"), "--run-id", "r", "--preset", "my.toml"))
+    saved = json.loads((plan.run_dir / "run.json").read_text())
+    assert saved["preset"] == str(first / "my.toml") and Path(saved["model"]) == model
+    monkeypatch.chdir(other)
+    import argparse
+
+    from tlt.services.trainer.launch import add_arguments
+    from tlt.services.trainer.launcher import prepare_run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    resumed = _closed(prepare_run(parser.parse_args(["--resume", str(runs / "r")])))
+    assert resumed.services["trainer"]["lr"] == 3e-5 and Path(resumed.run.model_dir) == model
+    assert _closed(_plan(runs, model, "--run-id", "n", "--preset", "cpu-tiny")).run_dir == runs / "n"  # a name
+    assert json.loads((runs / "n" / "run.json").read_text())["preset"] == "cpu-tiny"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tlt.cli import tlt_command
 from tlt.services.common.config import (
+    PRESETS_DIR,
     ConfigError,
     KeyedTable,
     as_field_takes,
@@ -162,10 +163,17 @@ def _kept_overrides(saved: list[str], new: list[str]) -> list[str]:
     return [o for o in saved if _key(o) not in replaced]
 
 
+def _pinned_preset(preset: str) -> str:
+    """A preset given as a file, as an absolute path (run.json keeps it: a resume from another folder read `my.toml`
+    relative to that folder, and failed or silently took another my.toml found there); a preset name stays a name."""
+    path = preset_path(preset)
+    return preset if path == PRESETS_DIR / f"{preset}.toml" else os.path.abspath(path)
+
+
 def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], RunConfig]:
     """(what this launch was asked for, merged over a resumed run's run.json; the preset; RunConfig)."""
     inputs = {
-        "preset": args.preset or saved.get("preset") or "cpu-tiny",
+        "preset": _pinned_preset(args.preset) if args.preset else saved.get("preset") or "cpu-tiny",
         # this launch's --set last, so that it wins over what the run was started (or last resumed) with
         "overrides": _kept_overrides(saved.get("overrides", []), args.overrides) + list(args.overrides),
         "baseline": bool(args.baseline or saved.get("baseline", False)),
@@ -173,7 +181,7 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
         # a --set of the step count in this launch beats the --steps the run was started with (it was recorded
         # in run.json and silently lost to it)
         "steps": args.steps if args.steps is not None or _sets_steps(args.overrides) else saved.get("steps"),
-        "model": args.model or saved.get("model"),
+        "model": os.path.abspath(args.model) if args.model else saved.get("model"),  # as _pinned_preset
     }
     path = preset_path(inputs["preset"])
     preset = read_preset(path)
