@@ -589,3 +589,17 @@ def test_a_replica_that_cannot_load_the_drafter_names_the_drafter(models, tmp_pa
     headline = event.message.splitlines()[0]
     assert f"replica 0 failed to load the drafter {drafter}" in headline, headline
     assert "DrafterError" in event.message
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C in `tlt model eval` or `tlt model build` (commands with no handler of their own) printed a whole
+    KeyboardInterrupt traceback; what the command cleans up runs as the exception unwinds it, then one line."""
+    from tlt.services.trainer import report
+
+    def interrupted(args):  # noqa: ANN001, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "run", interrupted)
+    assert main(["report", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "command=report" in err and "Traceback" not in err

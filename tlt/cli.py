@@ -219,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C in a command that does not handle it (model build, model eval): the
+        # command's own cleanup ran as the exception unwound it; a traceback would only hide this line
+        get_logger("tlt").warning("interrupted", command=" ".join(args._command.path))
+        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:  # the user's to fix, and the message says how: one line, no traceback
         event = _user_error(e, {ConfigError: "bad_config", PortInUseError: "port_in_use"})
         if event is None:
