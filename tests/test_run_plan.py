@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tlt.services.common.config import ConfigError
+
 
 def _plan(runs: Path, model: Path, *argv: str):
     import argparse
@@ -561,3 +563,13 @@ def test_a_resume_from_another_folder_reads_the_preset_and_model_the_run_was_sta
     assert resumed.services["trainer"]["lr"] == 3e-5 and Path(resumed.run.model_dir) == model
     assert _closed(_plan(runs, model, "--run-id", "n", "--preset", "cpu-tiny")).run_dir == runs / "n"  # a name
     assert json.loads((runs / "n" / "run.json").read_text())["preset"] == "cpu-tiny"
+
+
+def test_an_empty_runs_dir_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """`--set run.runs_dir=` put the run folder in the current folder (./cpu-tiny), where the CLI refuses empty paths
+    elsewhere."""
+    model, runs = _fake_model(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="runs_dir"):
+        _plan(runs, model, "--set", "run.runs_dir=")
+    assert not (tmp_path / "cpu-tiny").exists()

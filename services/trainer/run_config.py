@@ -27,8 +27,9 @@ from tlt.services.common.ports import free_ports
 class RunConfig(ServiceConfig):
     """The [run] section: how `tlt run` launches and watches the services."""
 
-    runs_dir: str = Field("runs", description="parent folder of run folders (runs/<id>/)")
-    model_dir: str = Field("artifacts/tiny", description="the policy checkpoint every service loads")
+    runs_dir: str = Field("runs", min_length=1, description="parent folder of run folders (runs/<id>/); not empty "
+                          "(that put the run in the current folder)")
+    model_dir: str = Field("artifacts/tiny", min_length=1, description="the policy checkpoint every service loads")
     steps: int = Field(0, ge=0, description="RL steps; 0: the [trainer] section's steps")
     speculation: bool = Field(True, description="speculative decoding in the rollout as the [rollout.spec] section says; False: off")
     drafter: bool = Field(True, description="start the online drafter service (needs a rollout with a learned drafter)")
