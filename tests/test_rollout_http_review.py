@@ -389,3 +389,74 @@ def test_streamed_chat_logprobs_wait_for_the_text_held_back():
         assert got, "no chunk before the last carried logprobs: the test checks nothing"
         assert [t for c in chunks if c.logprobs for t in c.logprobs.content] == \
             conv.chat_logprobs(tok, ids, [-1.0] * len(ids), None, 0).content
+
+
+def _requests_counted(server) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics").text
+    pattern = r'^rollout_http_requests_total\{endpoint="([^"]+)",status="([^"]+)"\} (\S+)$'
+    return {(m[0], m[1]): float(m[2]) for m in re.findall(pattern, text, re.M)}
+
+
+@pytest.mark.parametrize("path, endpoint, prompt", [
+    ("/v1/completions", "completions", {"prompt": "1+1="}),
+    ("/v1/chat/completions", "chat", {"messages": [{"role": "user", "content": "1+1="}]}),
+])
+def test_a_stream_whose_client_leaves_counts_once_as_client_closed(server, path, endpoint, prompt):
+    """A streamed request whose client went away mid-stream was never counted in rollout_http_requests_total (its
+    count came after the stream's last chunk, which never came), where a non-streamed one counts as 499."""
+    import socket
+
+    before, rejected = _requests_counted(server), _rejected(server)
+    body = json.dumps({"model": server.model_name, "max_tokens": 200, "ignore_eos": True, "stream": True, **prompt})
+    host, port = server.base_url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        got = b""
+        while b"data: " not in got:  # the stream has begun
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+    deadline = time.monotonic() + 15
+    while (after := _requests_counted(server)) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # nothing else to count: exactly one line moves
+    after = _requests_counted(server)
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {(endpoint, "499"): 1.0}
+    moved = {k: v - rejected.get(k, 0) for k, v in _rejected(server).items() if v != rejected.get(k, 0)}
+    assert moved == {"client_closed": 1.0}
+
+
+@pytest.mark.parametrize("path, prompt", [
+    ("/completions", {"prompt": "1+1="}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1+1="}]}),
+])
+def test_include_usage_puts_a_null_usage_in_every_other_chunk(server, path, prompt):
+    """OpenAI: with stream_options.include_usage, "all other chunks will also include a usage field, but with a null
+    value"; ours left the key out, and `chunk["usage"]` raised KeyError. Without the option no chunk has the key."""
+    body = {"model": server.model_name, "max_tokens": 3, "stream": True, **prompt}
+    for include in (True, False):
+        chunks = []
+        with httpx.stream("POST", server.base_url + path, timeout=60,
+                          json={**body, "stream_options": {"include_usage": include}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        *others, last = chunks
+        assert others and last["choices"] == [] if include else last["choices"], last
+        if include:
+            assert all("usage" in c and c["usage"] is None for c in others), others
+            assert last["usage"]["completion_tokens"] == 3
+        else:
+            assert not any("usage" in c for c in chunks)
+
+
+def test_a_chat_prompt_past_the_context_names_messages(server):
+    """The 400 for a chat prompt longer than the context named `param: "prompt"`, a field chat requests do not have;
+    OpenAI names `messages`."""
+    r = httpx.post(f"{server.base_url}/chat/completions", timeout=60, json={
+        "model": server.model_name, "messages": [{"role": "user", "content": "1+" * 2000}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(f"{server.base_url}/completions", timeout=60, json={"model": server.model_name, "prompt": "1+" * 2000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

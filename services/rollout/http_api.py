@@ -103,10 +103,13 @@ def _is_unicode(obj: Any) -> bool:
 
 class _Sse:
     @staticmethod
-    def data(obj: BaseModel | dict) -> bytes:
+    def data(obj: BaseModel | dict, nulls: tuple[str, ...] = ()) -> bytes:
+        """`nulls`: keys sent as null when unset (include_usage: every chunk but the last has `"usage": null`)."""
         # ASCII-escaped: generated text may hold U+2028, U+0085, ... which line splitters
         # (not the SSE spec's, but many clients') take for line breaks inside the event.
         payload = obj.model_dump(exclude_none=True) if isinstance(obj, BaseModel) else obj
+        for key in nulls:
+            payload.setdefault(key, None)
         return f"data: {json.dumps(payload, ensure_ascii=True, separators=(',', ':'))}\n\n".encode()
 
     done = b"data: [DONE]\n\n"
@@ -294,18 +297,20 @@ class OpenAIServer:
                 message, field = message.replace("max_tokens", "max_completion_tokens", 1), "max_completion_tokens"
             raise ApiError(400, message, param=field if field in type(req).model_fields else None) from None
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams, where: str, max_tokens_name: str = "max_tokens") -> None:
+    def _check_prompt(self, ids: list[int], params: SamplingParams, where: str, max_tokens_name: str = "max_tokens",
+                      prompt_name: str = "prompt") -> None:
+        """`prompt_name`: the request field the prompt came from, which a refusal's `param` names (chat: messages)."""
         limit = self.pool.info.max_model_len
         vocab = self.pool.info.vocab_size
         if not ids:
-            raise ApiError(400, f"{where} is empty", param="prompt")
+            raise ApiError(400, f"{where} is empty", param=prompt_name)
         if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"{where} has token ids outside the vocabulary [0, {vocab})", param="prompt")
+            raise ApiError(400, f"{where} has token ids outside the vocabulary [0, {vocab})", param=prompt_name)
         if any(t >= vocab for t in params.stop_token_ids):
             raise ApiError(400, f"stop_token_ids holds ids outside the vocabulary [0, {vocab})", param="stop_token_ids")
         if len(ids) >= limit:
             raise ApiError(400, f"{where} has {len(ids)} tokens; the context length is {limit} "
-                                "(prompt + max_tokens must fit)", param="prompt", code="context_length_exceeded")
+                                "(prompt + max_tokens must fit)", param=prompt_name, code="context_length_exceeded")
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise ApiError(400, f"{max_tokens_name}={params.max_tokens} plus {where} ({len(ids)} tokens) is over the "
                                 f"context length {limit}; lower {max_tokens_name} to at most {limit - len(ids)}",
@@ -450,10 +455,12 @@ class OpenAIServer:
         streams: dict[int, conv.CompletionChoiceStream] = {}
         outs: list[CompletionOutput] = []
         created = int(time.time())
+        nulls = ("usage",) if include_usage else ()  # OpenAI: the other chunks' usage is null
 
         def chunk(index: int, text: str, finish: str | None = None, lp: Any = None, versions: Any = None) -> bytes:
             return _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
-                CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, tlt_versions=versions)]))
+                CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, tlt_versions=versions)]),
+                nulls)
 
         async for pi, ev in self._merged(reqs):
             index = pi * n + ev.sample_index
@@ -478,15 +485,24 @@ class OpenAIServer:
         async def wrapped() -> AsyncIterator[bytes]:
             status = 200
             try:
-                async for b in body:
-                    yield b
-            except (ApiError, InvalidRequestError, ReplicaUnavailableError) as e:
-                err = e if isinstance(e, ApiError) else _pool_error(e)  # as a non-streaming request's: same code,
-                status = err.status  # counted in rollout_rejected_total the same
-                self.m_rejected.labels(err.code or f"http_{err.status}").inc()
-                yield _Sse.data(ErrorResponse(error=ErrorBody(message=err.message, type=err.type, code=err.code)))
-            yield _Sse.done
-            self._count(endpoint, status, t0)
+                try:
+                    async for b in body:
+                        yield b
+                except (ApiError, InvalidRequestError, ReplicaUnavailableError) as e:
+                    err = e if isinstance(e, ApiError) else _pool_error(e)  # as a non-streaming request's: same
+                    status = err.status  # code, counted in rollout_rejected_total the same
+                    self.m_rejected.labels(err.code or f"http_{err.status}").inc()
+                    yield _Sse.data(ErrorResponse(error=ErrorBody(message=err.message, type=err.type, code=err.code)))
+                yield _Sse.done
+            except (GeneratorExit, asyncio.CancelledError):  # the client left mid-stream (its request is aborted as
+                status = 499  # `body` closes): counted as a non-streaming request whose client leaves
+                self.m_rejected.labels("client_closed").inc()
+                raise
+            except Exception:
+                status = 500
+                raise
+            finally:  # once, however the stream ends (it was counted only after its last chunk)
+                self._count(endpoint, status, t0)
 
         return StreamingResponse(wrapped(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -508,7 +524,8 @@ class OpenAIServer:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
         ids = self._chat_prompt(req)
         self._check_prompt(ids, params, "the chat prompt",
-                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                           "messages")
         tools = conv.tool_parsing(req, self.config.tool_call_parser)
         reqs = self._requests([ids], params, req.n, "chatcmpl")
         rid = reqs[0].request_id.rsplit("-", 1)[0]
@@ -553,8 +570,11 @@ class OpenAIServer:
         streams: dict[int, conv.ChatChoiceStream] = {}
         outs: list[CompletionOutput] = []
 
+        nulls = ("usage",) if include_usage else ()  # OpenAI: the other chunks' usage is null
+
         def chunk(choice: ChatChunkChoice) -> bytes:
-            return _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
+            return _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]),
+                             nulls)
 
         for i in range(req.n):
             streams[i] = conv.ChatChoiceStream(self.tokenizer, i, params.stop, tools, bool(req.logprobs),
