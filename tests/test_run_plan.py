@@ -573,3 +573,14 @@ def test_an_empty_runs_dir_is_refused(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ConfigError, match="runs_dir"):
         _plan(runs, model, "--set", "run.runs_dir=")
     assert not (tmp_path / "cpu-tiny").exists()
+
+
+def test_a_bad_environment_variable_is_refused_naming_where_such_values_come_from(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Folded into the run's sections, a misspelt TLT_TRAINER__LRR was refused as "from command line"."""
+    model, runs = _fake_model(tmp_path)
+    monkeypatch.setenv("TLT_TRAINER__LRR", "1")
+    with pytest.raises(ConfigError, match=r"unknown field 'lrr' \(from the preset, TLT_\* variables or --set\); "
+                                          r"did you mean 'lr'\?"):
+        _plan(runs, model, "--run-id", "v")
+    assert not (runs / "v").exists()

@@ -322,10 +322,12 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     require_section: bool = False,
+    overrides_origin: str = "command line",
 ) -> T:
     """Build `cls` from a preset section, the environment and explicit overrides. `require_section`: the
     preset file must have [section] (a command's own --config / --preset: a file without it, e.g. a typo in the
-    header, would otherwise configure nothing and leave every default, silently)."""
+    header, would otherwise configure nothing and leave every default, silently). `overrides_origin`: where an
+    error says the overrides came from."""
     sources: dict[str, str] = {}
     values: dict[str, Any] = {}
     whole = read_preset(preset)
@@ -338,7 +340,7 @@ def load_config(
     layers = [
         (f"preset {preset} [{section}]", from_preset),
         (f"environment {env_prefix(section)}*", env_overrides(section, environ)),
-        ("command line", dict(overrides or {})),
+        (overrides_origin, dict(overrides or {})),
     ]
     for origin, layer in layers:
         for key, value in layer.items():

@@ -227,7 +227,9 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
 
         sections.append((DrafterServiceConfig, "drafter"))
     # environ={}: the environment is in `services` already (_environment_layer), under --set
-    loaded = {name: load_config(cls, name, None, services.get(name, {}), environ={}) for cls, name in sections}
+    origin = "the preset, TLT_* variables or --set"  # all three are in `services`
+    loaded = {name: load_config(cls, name, None, services.get(name, {}), environ={}, overrides_origin=origin)
+              for cls, name in sections}
     from tlt.services.common.config_cmd import context_problem
 
     if (problem := context_problem(loaded["trainer"], loaded["rollout"])) is not None:
