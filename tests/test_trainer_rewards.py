@@ -59,6 +59,11 @@ def test_task_verifier_source():
         (lambda prompts, completions, **kw: [1.0], "returned 1 values for 2 completions"),
         (lambda prompts, completions, **kw: [1.0, math.nan], "returned nan for completion k1"),
         (lambda prompts, completions, **kw: [1.0, "high"], "returned 'high'"),
+        # past float32, where the step holds rewards: inf there, and NaN in every weight after one update
+        (lambda prompts, completions, **kw: [0.0, 1e39], "returned 1e\\+39 for completion k1; a finite number"),
+        # a mapping or a set: its keys, or an order of its own, were trained on as rewards
+        (lambda prompts, completions, **kw: {0: 1.0, 1: 0.0}, "returned \\{0: 1.0, 1: 0.0\\}; a list of 2"),
+        (lambda prompts, completions, **kw: {1.0, 0.0}, "; a list of 2 numbers is required"),
     ],
 )
 def test_bad_function_output_fails_clearly(fn, message):
@@ -485,3 +490,16 @@ def test_make_reward_source_passes_the_timeout_and_retries_to_the_client():
         assert (src._client.timeout_s, src._client.retries) == (7.5, 4)
     finally:
         src.close()
+
+
+def test_a_reward_function_without_reward_python_is_refused():
+    """`reward_function = "rf:boom"` under the default reward = "task" (or "grpc") was ignored: the run scored with
+    the task verifier and never called it. The [reward] server refuses the same mix."""
+    from pydantic import ValidationError
+
+    from tlt.services.trainer.config import TrainerConfig
+
+    for reward in ("task", "grpc"):
+        with pytest.raises(ValidationError, match="reward_function is read only with reward='python'"):
+            TrainerConfig(reward=reward, reward_function="rf:boom")
+    assert TrainerConfig(reward="python", reward_function="rf:boom").reward_function == "rf:boom"

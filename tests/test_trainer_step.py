@@ -117,6 +117,23 @@ def test_all_equal_rewards_give_zero_policy_gradient():
     assert res.metrics.grad_norm == 0.0
 
 
+def test_rewards_near_float32s_limit_train_as_their_scaled_copies():
+    """Rewards near 3e38 (finite in float32, and let through) overflowed the group mean or std in float32: the
+    step's advantages were 0 (std inf) or NaN (mean inf: one update made every weight NaN). In float64 the
+    statistics hold, and scaling rewards changes nothing in a std-normalised step but its eps: the same update as
+    rewards of +-1."""
+    base = make_samples(2, 4)
+    results = []
+    for scale in (1.0, 3e38):
+        samples = [ScoredCompletion(s.prompt_index, s.sample_index, s.prompt_ids, s.response_ids,
+                                    scale * (2 * s.reward - 1)) for s in base]
+        policy = Policy(config(), model=tiny_qwen2())
+        grpo_step(policy, samples, step=0)
+        results.append([p.detach().clone() for p in policy.engine.module.parameters()])
+    assert all(torch.isfinite(p).all() for p in results[1])
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*results))  # an update moves 1e-3
+
+
 def test_kl_to_reference_and_features(tmp_path):
     model = tiny_qwen2()
     model.save_pretrained(tmp_path / "ref")

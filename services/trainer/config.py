@@ -270,6 +270,9 @@ class TrainerConfig(ServiceConfig):
             )
         if self.reward == "python" and ":" not in self.reward_function:
             raise ValueError("reward='python' needs reward_function='module:function'")
+        if self.reward_function and self.reward != "python":  # it was ignored: the run scored with another reward
+            raise ValueError(f"reward_function is read only with reward='python' (reward is {self.reward!r}); "
+                             "drop one of them")
         return self
 
     @property

@@ -38,13 +38,15 @@ LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mea
 
 
 def _grouped(rewards: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """[G, n] float32 rewards from [G, n], or from flat [G*n] with `group_size=n` (a group's samples adjacent)."""
+    """[G, n] rewards from [G, n], or from flat [G*n] with `group_size=n` (a group's samples adjacent): float32, or
+    float64 when given float64 (the step's: near float32's limit its mean and std overflow)."""
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
     if rewards.dim() == 1:
         if group_size is None or group_size < 1 or rewards.numel() % group_size:
             raise ValueError(f"flat rewards of length {rewards.numel()} need group_size dividing it, got {group_size}")
-        return rewards.reshape(-1, group_size).float()
+        return rewards.reshape(-1, group_size).to(dtype)
     if rewards.dim() == 2:
-        return rewards.float()
+        return rewards.to(dtype)
     raise ValueError(f"rewards must be [G, n] or [G*n], got shape {tuple(rewards.shape)}")
 
 

@@ -51,6 +51,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -90,10 +91,15 @@ class RewardSource(Protocol):
     def close(self) -> None: ...
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the step holds rewards in float32: a larger one is inf there
+
+
 def _check_value(key: str, value: object, origin: str) -> float:
-    # numbers.Real also admits numpy scalars (a function returning list(np_array)); bools are refused.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardError(f"{origin} returned {value!r} for completion {key}; a finite number is required")
+    # numbers.Real also admits numpy scalars (a function returning list(np_array)); bools are refused. Finite in
+    # float32 too: 1e39 was finite here, inf in the step, and one update later every weight was NaN.
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or abs(value) > FLOAT32_MAX):
+        raise RewardError(f"{origin} returned {value!r} for completion {key}; a finite number (float32) is required")
     return float(value)
 
 
@@ -181,7 +187,8 @@ class _FunctionBatch:
         try:
             ids = None if any(i is None for i in self._ids) else [list(i) for i in self._ids]
             values = _call(fn, *self._trl_inputs(), self._answers, columns, ids)
-            if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            # a mapping or a set is iterable too: its keys, or an order of its own, were taken for the rewards
+            if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not isinstance(values, Iterable):
                 raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} "
                                   "numbers is required")
             return list(values)

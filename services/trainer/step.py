@@ -117,11 +117,14 @@ def grpo_step(
     times: dict[str, float] = {}
     device = policy.device
 
-    rewards = torch.tensor([s.reward for s in ordered], dtype=torch.float32)
+    # the group statistics in float64: rewards near float32's limit (3e38, refused past it) overflowed the mean and
+    # std, and one update made every weight NaN
+    rewards = torch.tensor([s.reward for s in ordered], dtype=torch.float64)
     if cfg.advantage_estimator == "rloo":
         adv = rloo_advantages(rewards, group_size=n)
     else:
         adv = group_advantages(rewards, group_size=n, eps=cfg.adv_eps, scale_by_std=cfg.scale_adv_by_std)
+    adv = adv.float()
     r_len = max(1, max(len(s.response_ids) for s in ordered))
     # DAPO's overlong filtering: a response cut at max_tokens leaves the loss (its reward stayed in the advantages).
     keep = [not (cfg.overlong_filter and s.finish_reason == "length") for s in ordered]
