@@ -503,3 +503,24 @@ def test_a_reward_function_without_reward_python_is_refused():
         with pytest.raises(ValidationError, match="reward_function is read only with reward='python'"):
             TrainerConfig(reward=reward, reward_function="rf:boom")
     assert TrainerConfig(reward="python", reward_function="rf:boom").reward_function == "rf:boom"
+
+
+def test_tlt_train_whose_rollout_serves_other_weights_ends_with_one_line(monkeypatch, tmp_path, capfd):
+    """A rollout server restarted mid-run (serving version 0) or pushed to by another trainer ended `tlt train` with a
+    StaleWeightsError / WeightPushError traceback; now one train_failed line saying what happened and what to run."""
+    from tlt.cli import main
+    from tlt.services.rollout.client import WeightPushError
+    from tlt.services.trainer import loop
+    from tlt.services.trainer.weight_sync import StaleWeightsError
+
+    for error in (StaleWeightsError("completions carry policy version(s) [0] but version 112 was pushed"),
+                  WeightPushError("policy version 97 is not newer than the serving 97")):
+        def failing(cfg, error=error):  # noqa: ANN001, ANN202
+            raise error
+
+        monkeypatch.setattr(loop, "train", failing)
+        rc = main(["train", "--config", "cpu-tiny", "--set", f"output_dir={tmp_path / 'run'}"])
+        out = capfd.readouterr()
+        text = out.out + out.err
+        assert rc == 1 and "train_failed" in text and str(error) in text and "resumes from its checkpoint" in text
+        assert "Traceback" not in text, text[-2000:]

@@ -53,13 +53,14 @@ def run(args: argparse.Namespace) -> int:
         except RewardFunctionError as e:
             get_logger("trainer").error("train_refused", error=str(e))
             return 2
-    from tlt.services.rollout.client import ControlRefusedError
+    from tlt.services.rollout.client import ControlRefusedError, WeightPushError
     from tlt.services.trainer.checkpoint import CheckpointError
     from tlt.services.trainer.collect import RolloutError
     from tlt.services.trainer.data import DataError
     from tlt.services.trainer.loop import train
     from tlt.services.trainer.policy import ModelMismatchError
     from tlt.services.trainer.rewards import RewardError, RewardFunctionFailed
+    from tlt.services.trainer.weight_sync import StaleWeightsError
 
     try:
         with unwind_on_termination():
@@ -70,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
 
             traceback.print_exception(e.__cause__)
         get_logger("trainer").error("train_failed", error=str(e))
+        return 1
+    except (StaleWeightsError, WeightPushError) as e:  # a rollout server restarted, or another trainer pushed to it
+        get_logger("trainer").error("train_failed", error=str(e), hint="the rollout server's weights are not this "
+                                    "trainer's (a restarted server, or another trainer pushing to it); run the same "
+                                    "`tlt train` again: it resumes from its checkpoint and pushes its weights first")
         return 1
     except (DataError, CheckpointError, ModelMismatchError) as e:  # the user's data, output_dir or model folders
         get_logger("trainer").error("train_refused", error=str(e))
