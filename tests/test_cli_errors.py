@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,7 +189,17 @@ def test_bad_folders_are_refused_before_any_work(models, tmp_path, capfd) -> Non
         # the drafter's init folder is checked before the target samples anything
         ["drafter", "warmup", "--model", models["qwen2"], "--out", new, "--init", str(tmp_path / "nope"),
          "--data", "reference", "--problems", "8"],
+        # a drafter_config.json that is not JSON, or not a drafter's fields: a traceback in all but rollout serve
+        *(["drafter", cmd, "--model", models["qwen2"], "--out", new, "--init", bad, "--data", "reference",
+           "--problems", "8"] if cmd == "warmup" else ["drafter", cmd, "--drafter", bad, "--model", models["qwen2"],
+                                                       "--out", new]
+          for bad in (str(tmp_path / "notjson"), str(tmp_path / "otherfields")) for cmd in ("warmup", "export")),
+        *(["bench", "rollout", "--model", models["qwen2"], "--modes", "learned", "--drafter", bad, "--prompts", "1",
+           "--n", "1", "--max-tokens", "4"] for bad in (str(tmp_path / "notjson"), str(tmp_path / "otherfields"))),
     ]
+    for name, text in (("notjson", "{bad"), ("otherfields", '{"foo": 1}')):
+        shutil.copytree(models["qwen2-drafter"], tmp_path / name)
+        (tmp_path / name / "drafter_config.json").write_text(text)
     wrong = []
     for argv in cases:
         try:

@@ -79,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
     log = get_logger("drafter.warmup")
     if args.init:
-        from tlt.model.drafter import check_drafter_folder
+        from tlt.model.drafter import check_drafter_folder, read_drafter_config
 
         check_drafter_folder(args.init)  # before minutes of sampling, not after
+        read_drafter_config(args.init, args.model)  # a config that is not one, too
     if (Path(args.out) / "config.json").is_file():  # the drafter's model.safetensors would replace the model's
         from tlt.services.common.config import ConfigError
 

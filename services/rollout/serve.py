@@ -199,16 +199,9 @@ def check_drafter_fits(folder: str, model: str, model_config: Any) -> None:
     """DrafterError unless the drafter in `folder` can run on the model (cheap: reads drafter_config.json only).
     It shares the model's embedding and lm_head and reads its features: another vocabulary or hidden size is found
     only after every replica loaded the model (reported as the model failing to load)."""
-    from pathlib import Path
+    from tlt.model.drafter import DrafterError, read_drafter_config
 
-    from tlt.model.drafter import CONFIG_FILE, DrafterConfig, DrafterError
-
-    path = Path(folder, CONFIG_FILE)
-    try:
-        drafter = DrafterConfig.from_json(path.read_text())
-    except (OSError, ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, not a drafter's fields
-        raise DrafterError(f"{path} is not a drafter config ({e}): write the drafter again with "
-                           f"`tlt drafter warmup --model {model} --out DIR`") from None
+    drafter = read_drafter_config(folder, model)
     ours = (drafter.vocab_size, drafter.hidden_size)
     theirs = (model_config.vocab_size, model_config.hidden_size)
     if ours != theirs:

@@ -340,11 +340,22 @@ def check_drafter_folder(folder: str | Path) -> None:
         raise DrafterError(f"{src} is not a drafter folder: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
 
 
+def read_drafter_config(folder: str | Path, model: str = "MODEL") -> DrafterConfig:
+    """The drafter config in `folder`; DrafterError when it is not one (not JSON, not an object, other fields): each
+    command that loads a drafter said so in a traceback but `tlt rollout serve`. `model`: named in the fix."""
+    path = Path(folder, CONFIG_FILE)
+    try:
+        return DrafterConfig.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, not a drafter's fields
+        raise DrafterError(f"{path} is not a drafter config ({e}): write the drafter again with "
+                           f"`tlt drafter warmup --model {model} --out DIR`") from None
+
+
 def load_drafter(folder: str | Path, embed: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
     """Build a Drafter from a folder written by `Drafter.save`, sharing the target's embed/lm_head."""
     src = Path(folder)
     check_drafter_folder(src)
-    drafter = Drafter(DrafterConfig.from_json((src / CONFIG_FILE).read_text()), embed, lm_head)
+    drafter = Drafter(read_drafter_config(src), embed, lm_head)
     drafter.load_tensors(load_file(str(src / WEIGHTS_FILE)))
     return drafter
 
