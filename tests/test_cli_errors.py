@@ -214,17 +214,23 @@ def test_bad_folders_are_refused_before_any_work(models, tmp_path, capfd) -> Non
 
 
 def test_an_export_never_overwrites_the_target_or_the_drafter(models, tmp_path) -> None:
-    """`--out` naming the target (or the drafter) folder wrote config.json and model.safetensors over its own."""
-    import shutil
-
-    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    """`--out` naming the target (or the drafter) folder wrote config.json and model.safetensors over its own; a
+    folder of other files (a model.safetensors and no config.json) had its model.safetensors replaced. An earlier
+    export is written again."""
+    target, drafter, other = tmp_path / "target", tmp_path / "drafter", tmp_path / "other"
     shutil.copytree(models["qwen2"], target)
     shutil.copytree(models["qwen2-drafter"], drafter)
-    before = {p: p.read_bytes() for d in (target, drafter) for p in d.iterdir()}
-    for out in (target, drafter):
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"someone else's")
+    (other / "README").write_text("n")
+    before = {p: p.read_bytes() for d in (target, drafter, other) for p in d.iterdir()}
+    for out in (target, drafter, other):
         rc = main(["drafter", "export", "--drafter", str(drafter), "--model", str(target), "--out", str(out)])
         assert rc == 2, out
-    assert {p: p.read_bytes() for d in (target, drafter) for p in d.iterdir()} == before
+    assert {p: p.read_bytes() for d in (target, drafter, other) for p in d.iterdir()} == before
+    export = tmp_path / "export"
+    for _ in range(2):
+        assert main(["drafter", "export", "--drafter", str(drafter), "--model", str(target), "--out", str(export)]) == 0
 
 
 def test_bench_e2e_never_deletes_a_folder_that_is_not_its_run(tmp_path) -> None:

@@ -123,6 +123,8 @@ def check_out(out_dir: str | Path) -> None:
     if cfg_path.is_file():
         if not set(export_architectures(out) or []) & set(ARCHITECTURES.values()):
             raise ConfigError(f"--out {out} holds a model that is not an SGLang EAGLE export ({cfg_path}); {hint}")
+    elif out.is_dir() and any(out.iterdir()):  # other files: its model.safetensors was replaced
+        raise ConfigError(f"--out {out} is neither empty nor an earlier export (no config.json); {hint}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
