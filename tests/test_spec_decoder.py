@@ -105,6 +105,23 @@ def test_the_bandit_counts_only_the_steps_an_arm_ran(ckpt):
     assert bucket["explored"] + bucket["exploited"] == st["verify_steps"], st
 
 
+@pytest.mark.parametrize("max_tokens", [9, 13, 17, 24])
+def test_accept_length_counts_only_the_tokens_a_stop_leaves(ckpt, max_tokens):
+    """A stop (here max_tokens) cuts the rest of an accepted path: those tokens are never appended, yet they counted
+    in emitted_tokens, the arms' `emitted` and so mean_accept_len (`tlt bench rollout`'s accept column, /metrics):
+    32 tokens over 12 verify steps where 30 were kept. The truth: each completion's own count of the tokens verify
+    steps appended to it (SpecCounters.accepted_tokens, the engine's `_emit`)."""
+    eng = _engine(ckpt, blocks=256)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **dict(SPEC, mode="static", static_arm="8_1_9")), eng.runner,
+                      eng.block_manager)
+    out = _spec_generate(eng, dec, _requests(3, 2, max_tokens))
+    st = dec.stats()
+    kept = sum(c.spec.accepted_tokens for c in out)
+    assert st["verify_steps"] > 0 and all(len(c.token_ids) == max_tokens for c in out), st
+    assert st["emitted_tokens"] == kept == sum(a["emitted"] for a in st["arms"].values()), st
+    assert st["mean_accept_len"] == pytest.approx(kept / st["seq_steps"])
+
+
 def test_drafts_never_pass_the_context_limit(ckpt):
     reqs = [GenerationRequest("c", _requests(1, 1)[0].prompt_token_ids,
                               SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))]
@@ -317,7 +334,10 @@ def test_engine_sampling_with_speculation_matches_the_exact_distribution(ckpt):
     # one over all 3000 sequences, and one for those whose third token was not drafted (the tree's 8 second-level
     # nodes cannot hold every allowed (y, z) pair, so some always are); the seed makes it exactly 2
     assert len(outs) == n and st["verify_steps"] == 2, st
-    assert st["mean_accept_len"] > 1.9 and st["kv_copies"] > 0, st
+    # drafts were accepted: 1.68 tokens kept a sequence a verify step (paths past max_tokens were counted: 1.9+)
+    kept = sum(o.spec.accepted_tokens for o in outs)
+    assert st["mean_accept_len"] == pytest.approx(kept / st["seq_steps"]) and kept / st["seq_steps"] > 1.5, st
+    assert st["kv_copies"] > 0, st
     frontier = [((), 1.0)]
     for _ in range(length):
         nxt = []

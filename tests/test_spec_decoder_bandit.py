@@ -121,21 +121,30 @@ def test_bandit_reward_counts_only_the_tokens_a_stop_keeps(ckpt, monkeypatch):
     dec = SpecDecoder(SpecConfig(drafter="ngram", **one_arm), eng.runner, eng.block_manager)
     eng.spec_decoder = dec
     eng.scheduler.on_release = dec.release
-    records = []
-    real_record = dec.bandit.record
+    records, decoded = [], []
+    real_record, real_decode = dec.bandit.record, dec.decode
     monkeypatch.setattr(dec.bandit, "record", lambda b, arm, n, s: records.append(n) or real_record(b, arm, n, s))
+
+    def decode(seqs):  # noqa: ANN001, ANN202 - the tokens each verify step's accepted paths held
+        out = real_decode(seqs)
+        decoded.append(0 if out is None else sum(len(e.token_ids) for e in out))
+        return out
+
+    monkeypatch.setattr(dec, "decode", decode)
     # 21 tokens: the random model repeats itself, so accepted paths run past the limit (2 steps here)
     for r in _requests(3, 2, 21):
         eng.add_request(r)
     rewarded, cut = 0, 0
     while eng.has_unfinished():
-        n_rec, emitted0 = len(records), dec.emitted_tokens
+        n_rec, n_dec, emitted0 = len(records), len(decoded), dec.emitted_tokens
         steps, _ = eng.step()
         kept = sum(len(s.new_token_ids) for s in steps)
         if len(records) > n_rec:
             assert records[-1] == kept, (records[-1], kept)
             rewarded += 1
-        cut += dec.emitted_tokens - emitted0 > kept  # the decoder's path was longer than what the stop kept
+        if len(decoded) > n_dec and decoded[-1]:  # a verify step: the accept-length counts grow by what it kept too
+            assert dec.emitted_tokens - emitted0 == kept, (dec.emitted_tokens - emitted0, kept)
+            cut += decoded[-1] > kept  # the decoder's paths were longer than what the stop kept
     assert rewarded > 3 and cut > 0, (rewarded, cut)
 
 

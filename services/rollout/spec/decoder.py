@@ -421,6 +421,9 @@ class SpecDecoder:
             return
         batch, arm, emitted, t0, catch_up = self._pending
         if kept is not None:
+            dropped = emitted - kept  # never appended: out of the accept-length counts too (`tlt bench rollout`
+            self.emitted_tokens -= dropped  # read 32 tokens over 12 verify steps where 30 were kept)
+            self.arm_stats[arm.name]["emitted"] -= dropped
             emitted = kept
         self._pending = None
         self.last_step_seconds = time.perf_counter() - (t0 if step_start is None else step_start)
