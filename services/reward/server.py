@@ -57,11 +57,11 @@ from tlt.services.common.ports import bind_grpc
 from tlt.services.reward.config import RewardConfig
 from tlt.services.reward.function import FunctionScorer, ItemError
 from tlt.services.reward.verifiers import Verifier, get_verifier
+from tlt.services.trainer.rewards import FLOAT32_MAX  # the proto's reward field is a 32-bit float too
 from tlt.v1 import reward_pb2, reward_pb2_grpc
 
 log = get_logger("reward")
 _DONE = object()
-FLOAT32_MAX = 3.4028234663852886e38  # the largest finite value of the proto's 32-bit reward field
 _STOP_TIMEOUT_S = 10.0  # beyond the grace period: stop() gives up waiting for grpc and says so
 
 
@@ -337,6 +337,15 @@ class RewardServer:
         else:
             log.error("reward_stop_incomplete", port=self.port, waited_s=grace + _STOP_TIMEOUT_S)
         return stopped
+
+    def stuck_calls(self, wait_s: float = 1.0) -> int:
+        """After `stop`: the scoring threads still running a call (a function that never returns). Interpreter exit
+        joins them (concurrent.futures), so a process that has any can only end with os._exit."""
+        deadline = time.monotonic() + wait_s
+        threads = list(getattr(self.servicer.pool, "_threads", ()))
+        for t in threads:  # idle workers exit at once after shutdown
+            t.join(max(0.0, deadline - time.monotonic()))
+        return sum(t.is_alive() for t in threads)
 
     def __enter__(self) -> RewardServer:
         return self.start()
