@@ -204,6 +204,9 @@ def test_a_number_given_for_a_string_field_keeps_the_text_typed(text: str) -> No
     assert load_config(DemoConfig, "demo", environ={"TLT_DEMO__HOST": text}).host == text
     assert load_config(DemoConfig, "demo", overrides=cli_overrides(["ratio=0.250"]), environ={}).ratio == 0.25
     assert load_config(DemoConfig, "demo", overrides=cli_overrides(["port=0x1F"]), environ={}).port == 31
+    from tlt.services.common.config import own_section_hint  # the fix a wrong --set is told to type keeps it too
+
+    assert f"--set host={text} " in own_section_hint("demo", "demo.host", cli_overrides([f"x={text}"])["x"])
 
 
 class _Maps(ServiceConfig):

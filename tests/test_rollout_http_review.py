@@ -460,3 +460,11 @@ def test_a_chat_prompt_past_the_context_names_messages(server):
     assert r.json()["error"]["param"] == "messages", r.text
     r = httpx.post(f"{server.base_url}/completions", timeout=60, json={"model": server.model_name, "prompt": "1+" * 2000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_a_number_too_long_to_read_is_a_400_not_a_500(server):
+    """json.loads raises a plain ValueError for an integer of over 4,300 digits: it escaped as a 500 internal_error."""
+    body = '{"model": "%s", "prompt": "1+1=", "max_tokens": %s}' % (server.model_name, "1" * 5000)
+    r = httpx.post(f"{server.base_url}/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text

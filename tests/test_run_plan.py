@@ -584,3 +584,19 @@ def test_a_bad_environment_variable_is_refused_naming_where_such_values_come_fro
                                           r"did you mean 'lr'\?"):
         _plan(runs, model, "--run-id", "v")
     assert not (runs / "v").exists()
+
+
+def test_a_nested_section_given_whole_in_the_environment_updates_it_field_by_field(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """TLT_ROLLOUT__SPEC='{"threshold": 8}' replaced the preset's [rollout.spec] (its drafter, buckets and arms
+    gone) once folded into config.toml; a service loading it updates the section field by field (README)."""
+    from tlt.services.rollout.config import RolloutConfig
+
+    model, runs = _fake_model(tmp_path)
+    monkeypatch.setenv("TLT_ROLLOUT__SPEC", '{"threshold": 8}')
+    spec = _as_child(_closed(_plan(runs, model, "--run-id", "w")), RolloutConfig, "rollout").spec
+    monkeypatch.delenv("TLT_ROLLOUT__SPEC")
+    preset = _as_child(_closed(_plan(runs, model, "--run-id", "p")), RolloutConfig, "rollout").spec
+    assert spec.threshold == 8 and preset.threshold != 8
+    assert (spec.drafter, spec.bucket_thresholds, spec.bucket_arms) == (preset.drafter, preset.bucket_thresholds,
+                                                                     preset.bucket_arms)

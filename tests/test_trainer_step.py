@@ -132,6 +132,17 @@ def test_rewards_near_float32s_limit_train_as_their_scaled_copies():
         results.append([p.detach().clone() for p in policy.engine.module.parameters()])
     assert all(torch.isfinite(p).all() for p in results[1])
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*results))  # an update moves 1e-3
+    # without the std division the advantages themselves pass float32: the step is refused, nothing trained
+    from tlt.services.trainer.rewards import RewardError
+
+    huge = [ScoredCompletion(s.prompt_index, s.sample_index, s.prompt_ids, s.response_ids,
+                             3e38 if s.sample_index == 0 else -3e38) for s in base]  # centred: 4.5e38
+    for kw in ({"advantage_estimator": "rloo"}, {"scale_adv_by_std": False}):
+        policy = Policy(config(**kw), model=tiny_qwen2())
+        before = [p.detach().clone() for p in policy.engine.module.parameters()]
+        with pytest.raises(RewardError, match="overflow float32 with rewards up to 3e"):
+            grpo_step(policy, huge, step=0)
+        assert all(torch.equal(a, p) for a, p in zip(before, policy.engine.module.parameters()))
 
 
 def test_kl_to_reference_and_features(tmp_path):

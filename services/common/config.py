@@ -293,7 +293,7 @@ def own_section_hint(section: str, key: str, value: Any) -> str:
     """A command's `--set section.field=value` naming its own section (the form `tlt run --set` takes): what to
     type instead."""
     field = key.removeprefix(f"{section}.")
-    shown = json.dumps(value) if isinstance(value, (bool, dict, list)) else str(value)
+    shown = json.dumps(value) if isinstance(value, (bool, dict, list)) else getattr(value, "text", None) or str(value)
     return (f"--set {key}=...: this command's --set takes [{section}] fields, named without the section: "
             f"--set {field}={shown} (`tlt run --set` is the one that takes {section}.{field})")
 

@@ -92,9 +92,10 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     tensors = sglang_tensors(own)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # config.json first: it is what marks the folder an export (check_out), so an export cut short is redone
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     share_weights(out)  # safetensors wrote it 0600: the SGLang process may run as another user
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     assert set(load_file(str(out / WEIGHTS_FILE))) == set(tensors)
     return out
 

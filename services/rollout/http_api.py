@@ -258,7 +258,7 @@ class OpenAIServer:
         try:
             obj = json.loads(body)
             unicode = _is_unicode(obj)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer of over 4,300 digits (a 500)
             raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
         except RecursionError:  # json recurses per nesting level: 1 MB of `[[[[` is far past the limit
             raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None

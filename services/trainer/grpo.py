@@ -37,6 +37,13 @@ LOG_RATIO_CLAMP = 20.0
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def _flat_groups(grouped: torch.Tensor) -> torch.Tensor:
+    """[G, 1]: the groups whose rewards are all equal in float32, as dynamic sampling judges them (`informative`),
+    whatever precision the statistics run in: 0.1 + 0.2 and 0.3 are one reward."""
+    g = grouped.float()
+    return g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)
+
+
 def _grouped(rewards: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """[G, n] rewards from [G, n], or from flat [G*n] with `group_size=n` (a group's samples adjacent): float32, or
     float64 when given float64 (the step's: near float32's limit its mean and std overflow)."""
@@ -79,7 +86,7 @@ def group_advantages(
         centred = centred / (std + eps)
     # The mean of equal values rounds (0.7 x 8 in float32), leaving ~1 ulp centred and ~1 ulp std:
     # ulp / (ulp + eps) is O(1) for large rewards. An all-equal group is set to exactly 0.
-    equal = (grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True))
+    equal = _flat_groups(grouped)
     centred = centred.masked_fill(equal, 0.0)
     return centred.reshape(rewards.shape)
 
@@ -101,7 +108,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int | None = None) -> tor
         return torch.zeros_like(rewards, dtype=torch.float32)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
     adv = grouped - baseline
-    equal = (grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True))
+    equal = _flat_groups(grouped)
     return adv.masked_fill(equal, 0.0).reshape(rewards.shape)
 
 

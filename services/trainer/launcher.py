@@ -128,7 +128,10 @@ def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
     if nested_section(field) is not None and not isinstance(value, dict):  # rollout.spec=3
         raise ServiceError(f"override {key!r}: {key} is a section ([{key}]); set one of its fields as "
                            f"{key}.FIELD=VALUE")
-    node[parts[-1]] = as_field_takes(field, value)  # config.toml holds "1.10" for a name, not 1.1
+    if nested_section(field) is not None:  # a section given whole (TLT_ROLLOUT__SPEC='{"threshold": 8}') updates
+        node[parts[-1]] = {**node.get(parts[-1], {}), **value}  # it field by field, as a service loads it
+    else:
+        node[parts[-1]] = as_field_takes(field, value)  # config.toml holds "1.10" for a name, not 1.1
 
 
 def _is_map(field: Any) -> bool:

@@ -39,6 +39,7 @@ from tlt.services.trainer.grpo import (
     rloo_advantages,
 )
 from tlt.services.trainer.policy import Policy, ReferencePolicy, TokenBatch
+from tlt.services.trainer.rewards import RewardError
 from tlt.services.trainer.types import ScoredCompletion, StepMetrics
 
 
@@ -125,6 +126,10 @@ def grpo_step(
     else:
         adv = group_advantages(rewards, group_size=n, eps=cfg.adv_eps, scale_by_std=cfg.scale_adv_by_std)
     adv = adv.float()
+    if not torch.isfinite(adv).all():  # without the std division (rloo, scale_adv_by_std off) 3e38 rewards give inf
+        raise RewardError(f"the step's advantages ({cfg.advantage_estimator}, scale_adv_by_std="
+                          f"{cfg.scale_adv_by_std}) overflow float32 with rewards up to {max(abs(s.reward) for s in ordered):.3g}; "
+                          "scale the rewards down")
     r_len = max(1, max(len(s.response_ids) for s in ordered))
     # DAPO's overlong filtering: a response cut at max_tokens leaves the loss (its reward stayed in the advantages).
     keep = [not (cfg.overlong_filter and s.finish_reason == "length") for s in ordered]
@@ -259,7 +264,7 @@ def grpo_step(
     units = max(1.0, sums["units"])
     ltok = max(1.0, sums["ltok"])
     lengths = torch.tensor([len(s.response_ids) for s in ordered], dtype=torch.float32)
-    grouped = rewards.reshape(-1, n)
+    grouped = rewards.float().reshape(-1, n)  # equal as the advantages judge them (float32)
     metrics = StepMetrics(
         step=step,
         policy_version=policy.version,

@@ -72,10 +72,13 @@ def run(args: argparse.Namespace) -> int:
             traceback.print_exception(e.__cause__)
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
-    except (StaleWeightsError, WeightPushError) as e:  # a rollout server restarted, or another trainer pushed to it
+    except StaleWeightsError as e:  # a rollout server restarted, or another trainer pushed to it
         get_logger("trainer").error("train_failed", error=str(e), hint="the rollout server's weights are not this "
                                     "trainer's (a restarted server, or another trainer pushing to it); run the same "
-                                    "`tlt train` again: it resumes from its checkpoint and pushes its weights first")
+                                    "command again: the trainer resumes from its checkpoint and pushes its weights first")
+        return 1
+    except WeightPushError as e:  # refused: too large, another model's tensors, a replica down; the message says which
+        get_logger("trainer").error("train_failed", error=str(e))
         return 1
     except (DataError, CheckpointError, ModelMismatchError) as e:  # the user's data, output_dir or model folders
         get_logger("trainer").error("train_refused", error=str(e))
