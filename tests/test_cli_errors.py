@@ -200,6 +200,14 @@ def test_bad_folders_are_refused_before_any_work(models, tmp_path, capfd) -> Non
     for name, text in (("notjson", "{bad"), ("otherfields", '{"foo": 1}')):
         shutil.copytree(models["qwen2-drafter"], tmp_path / name)
         (tmp_path / name / "drafter_config.json").write_text(text)
+    # weights cut short by a copy: a SafetensorError traceback from the engine's loader and the drafter's
+    for source, name in ((models["qwen2"], "cutmodel"), (models["qwen2-drafter"], "cutdrafter")):
+        shutil.copytree(source, tmp_path / name)
+        weights = tmp_path / name / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:5000])
+    cases += [["bench", "engine", "--model", str(tmp_path / "cutmodel"), "--batch-sizes", "1", "--max-tokens", "2"],
+              ["bench", "rollout", "--model", models["qwen2"], "--modes", "learned", "--drafter",
+               str(tmp_path / "cutdrafter"), "--prompts", "1", "--n", "1", "--max-tokens", "4"]]
     wrong = []
     for argv in cases:
         try:

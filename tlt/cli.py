@@ -229,13 +229,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from tlt.services.common.logging import get_logger
 
-        get_logger("tlt").error(event, error=str(e), command=" ".join(args._command.path))
+        error = str(e)
+        if type(e).__name__ == "SafetensorError":  # its message names no file
+            error = f"a .safetensors weight file this command read is not readable ({e}); copy or write it again"
+        get_logger("tlt").error(event, error=error, command=" ".join(args._command.path))
         return 2
 
 
 # Errors about a folder the user named (not a checkpoint, not a drafter, tensors that do not fit), by the module
 # that defines them: looked up only when the command imported it, so `tlt` itself does not import torch.
-_FOLDER_ERRORS = (("tlt.model.folder", "CheckpointError"), ("tlt.model.drafter", "DrafterError"))
+_FOLDER_ERRORS = (("tlt.model.folder", "CheckpointError"), ("tlt.model.drafter", "DrafterError"),
+                  ("safetensors", "SafetensorError"))  # a weight file cut short, read through transformers
 
 
 def _user_error(e: Exception, known: dict[type, str]) -> str | None:

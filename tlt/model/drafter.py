@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -356,7 +357,12 @@ def load_drafter(folder: str | Path, embed: torch.Tensor, lm_head: torch.Tensor)
     src = Path(folder)
     check_drafter_folder(src)
     drafter = Drafter(read_drafter_config(src), embed, lm_head)
-    drafter.load_tensors(load_file(str(src / WEIGHTS_FILE)))
+    try:
+        tensors = load_file(str(src / WEIGHTS_FILE))
+    except SafetensorError as e:  # cut short by a copy: it was a traceback
+        raise DrafterError(f"{src / WEIGHTS_FILE} is not a readable safetensors file ({e}); copy or write the "
+                           "drafter again") from None
+    drafter.load_tensors(tensors)
     return drafter
 
 

@@ -16,11 +16,12 @@ the tensor, what was expected and what was found.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tlt.model.config import ModelConfig
 from tlt.model.folder import CheckpointError, read_model_config, weight_files
@@ -108,14 +109,25 @@ def validate_tensors(
             raise CheckpointError(f"checkpoint is missing tensor(s) {missing[:3]}{more}")
 
 
+@contextlib.contextmanager
+def _readable(path: Path):  # noqa: ANN202 - Iterator[None]
+    """A weight file that safetensors cannot read (cut short by a copy, not safetensors) as a CheckpointError naming
+    it: it was a SafetensorError traceback."""
+    try:
+        yield
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); copy or write it again") from None
+
+
 def read_tensors(model_dir: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Only the named tensors of a checkpoint folder, as stored (dtype kept); CheckpointError names any missing."""
     want = set(names)
     found: dict[str, torch.Tensor] = {}
     for path in weight_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in want.intersection(f.keys()):
-                found[name] = f.get_tensor(name)
+        with _readable(path):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in want.intersection(f.keys()):
+                    found[name] = f.get_tensor(name)
     missing = sorted(want - set(found))
     if missing:
         raise CheckpointError(f"{model_dir} has no tensor(s) {missing}")
@@ -130,11 +142,12 @@ def load_checkpoint(
     cfg = read_model_config(folder)
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORABLE_SUFFIXES):
-                    continue
-                tensors[name] = f.get_tensor(name)
+        with _readable(path):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORABLE_SUFFIXES):
+                        continue
+                    tensors[name] = f.get_tensor(name)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
         if embed is not None and not torch.equal(head, embed):
