@@ -37,9 +37,9 @@ LOG_RATIO_CLAMP = 20.0
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def _flat_groups(grouped: torch.Tensor) -> torch.Tensor:
-    """[G, 1]: the groups whose rewards are all equal in float32, as dynamic sampling judges them (`informative`),
-    whatever precision the statistics run in: 0.1 + 0.2 and 0.3 are one reward."""
+def flat_groups(grouped: torch.Tensor) -> torch.Tensor:
+    """[G, 1] of [G, n] rewards: the groups whose rewards are all equal in float32, as dynamic sampling judges them
+    (`informative`), whatever precision the statistics run in: 0.1 + 0.2 and 0.3 are one reward (no signal)."""
     g = grouped.float()
     return g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)
 
@@ -86,7 +86,7 @@ def group_advantages(
         centred = centred / (std + eps)
     # The mean of equal values rounds (0.7 x 8 in float32), leaving ~1 ulp centred and ~1 ulp std:
     # ulp / (ulp + eps) is O(1) for large rewards. An all-equal group is set to exactly 0.
-    equal = _flat_groups(grouped)
+    equal = flat_groups(grouped)
     centred = centred.masked_fill(equal, 0.0)
     return centred.reshape(rewards.shape)
 
@@ -108,7 +108,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int | None = None) -> tor
         return torch.zeros_like(rewards, dtype=torch.float32)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
     adv = grouped - baseline
-    equal = _flat_groups(grouped)
+    equal = flat_groups(grouped)
     return adv.masked_fill(equal, 0.0).reshape(rewards.shape)
 
 

@@ -3,6 +3,7 @@
     tlt run [--preset cpu-tiny] [--steps N] [--run-id ID | --resume runs/ID] [--baseline]
 
     preset -> RunConfig + runs/<id>/config.toml (free loopback ports, run paths)   run_config.py
+              the environment folded in under --set, out of the children's       run_env.py
     start   reward (`tlt reward serve`), rollout (`tlt rollout serve`, its replicas),
             drafter (`tlt drafter serve`, its workers; when the rollout drafts with a learned drafter)
     ready   each writes its --ready-file once serving; the rollout also answers GetStatus

@@ -23,11 +23,8 @@ from tlt.cli import tlt_command
 from tlt.services.common.config import (
     PRESETS_DIR,
     ConfigError,
-    KeyedTable,
     as_field_takes,
     cli_overrides,
-    env_overrides,
-    env_prefix,
     load_config,
     nested_section,
     preset_path,
@@ -38,6 +35,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess
 from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
+from tlt.services.trainer.run_env import child_unset_env, environment_layer
 from tlt.services.trainer.run_folder import claim, default_folder, read_run_file, write_atomic
 
 if TYPE_CHECKING:
@@ -57,54 +55,11 @@ class RunPlan:
     steps: int
     resumed: bool
     lock: Any = field(default=None, compare=False, repr=False)  # the run folder's lock, held while this plan runs
-    # TLT_<SECTION>__* variables the children must not see: folded into config.toml (`_environment_layer`)
+    # TLT_<SECTION>__* variables the children must not see: folded into config.toml (`run_env.environment_layer`)
     child_unset_env: tuple[str, ...] = ()
 
 
 SECTIONS = tuple(SECTION_CLASSES)  # what a `tlt run` preset's services read (`tlt config show` prints them)
-# fields that hold a secret: kept out of config.toml (a file in the run folder), they reach the services in the
-# environment as the user set them, unless this launch's --set names them
-SECRET_FIELDS = frozenset({"rollout.control_token", "rollout.api_key", "drafter.control_token", "trainer.rollout_token"})
-SERVICE_SECTIONS = tuple(s for s in SECTIONS if s != "run")  # [run] is the launcher's own (RunConfig)
-
-
-def _env_key(variable: str, section: str) -> str:
-    """'TLT_ROLLOUT__SPEC__THRESHOLD' -> 'rollout.spec.threshold' (as env_overrides reads it)."""
-    return ".".join([section, *variable[len(env_prefix(section)):].lower().split("__")])
-
-
-def _flat(key: str, value: Any):  # noqa: ANN202 - Iterator[tuple[str, Any]]
-    """env_overrides' nested tables as (dotted key, value); a table given whole stays one value."""
-    if isinstance(value, KeyedTable):
-        for k, v in value.items():
-            yield from _flat(f"{key}.{k}", v)
-    else:
-        yield key, value
-
-
-def _environment_layer() -> list[tuple[str, Any]]:
-    """The services' TLT_<SECTION>__* settings as (dotted key, value), secrets left out. `tlt run` applies them to
-    the preset under --set (README: preset, environment, command line) and writes the result to config.toml; its
-    children do not read them again (`_child_unset_env`). They used to, over config.toml, where --set, --steps and
-    the run's own paths already were: TLT_TRAINER__STEPS beat --steps, TLT_TRAINER__OUTPUT_DIR moved the run's
-    checkpoints and metrics out of its folder."""
-    layer = []
-    for section in SERVICE_SECTIONS:
-        for key, value in _flat(section, KeyedTable(env_overrides(section))):
-            if key not in SECRET_FIELDS:
-                layer.append((key, value))
-    return layer
-
-
-def _child_unset_env(overrides: dict[str, Any]) -> tuple[str, ...]:
-    """The TLT_<SECTION>__* variables to take out of the children's environment: all the services' variables but a
-    secret's (not in config.toml) that this launch's --set does not name."""
-    return tuple(sorted(
-        k for section in SERVICE_SECTIONS for k in os.environ
-        if k.startswith(env_prefix(section)) and not (_env_key(k, section) in SECRET_FIELDS
-                                                      and _env_key(k, section) not in overrides)))
-
-
 def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
     """'trainer.lr' -> preset['trainer']['lr']; 'rollout.engine.max_num_seqs' -> nested. A section no service
     reads is refused (it was silently ignored, and kept in run.json)."""
@@ -193,7 +148,7 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
         raise ServiceError(f"{preset_path(inputs['preset'])}: unknown section [{unknown[0]}]; the sections are "
                            f"{', '.join(SECTIONS)} (`tlt config check FILE` checks a preset file)")
     overrides = cli_overrides(inputs["overrides"])
-    for key, value in [*_environment_layer(), *overrides.items()]:  # preset -> environment -> --set
+    for key, value in [*environment_layer(), *overrides.items()]:  # preset -> environment -> --set
         _apply_override(preset, key, value)
     # [run]: the preset file's, then TLT_RUN__* (the environment layer: passing the preset's values as the
     # command-line layer made them beat it), then --set run.*, --steps, --model and --baseline
@@ -229,7 +184,7 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
         from tlt.services.drafter.config import DrafterServiceConfig
 
         sections.append((DrafterServiceConfig, "drafter"))
-    # environ={}: the environment is in `services` already (_environment_layer), under --set
+    # environ={}: the environment is in `services` already (run_env.environment_layer), under --set
     origin = "the preset, TLT_* variables or --set"  # all three are in `services`
     loaded = {name: load_config(cls, name, None, services.get(name, {}), environ={}, overrides_origin=origin)
               for cls, name in sections}
@@ -402,7 +357,7 @@ def _plan_in(run_dir: Path, lock: Any, args: argparse.Namespace, saved: dict[str
         "tail_threshold": threshold,  # what report.html counts as tail (a regenerated report reads it)
     }, indent=2))
     return RunPlan(run_dir, config_path, run_cfg, services, switches, threshold, steps, resumed, lock,
-                   _child_unset_env(cli_overrides(overrides)))
+                   child_unset_env(cli_overrides(overrides)))
 
 
 def _as_run(config_path: Path) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from tlt.services.common.seeds import torch_seed
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.grpo import (
     aggregated_sum,
+    flat_groups,
     group_advantages,
     kl_k3,
     loss_units,
@@ -264,7 +265,6 @@ def grpo_step(
     units = max(1.0, sums["units"])
     ltok = max(1.0, sums["ltok"])
     lengths = torch.tensor([len(s.response_ids) for s in ordered], dtype=torch.float32)
-    grouped = rewards.float().reshape(-1, n)  # equal as the advantages judge them (float32)
     metrics = StepMetrics(
         step=step,
         policy_version=policy.version,
@@ -280,7 +280,7 @@ def grpo_step(
         reward_mean=float(rewards.mean()),
         reward_std=float(rewards.std()) if b > 1 else 0.0,
         accuracy=sum(s.correct for s in ordered) / b,
-        zero_signal_groups=float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+        zero_signal_groups=float(flat_groups(rewards.reshape(-1, n)).float().mean()),
         response_len_mean=float(lengths.mean()),
         response_len_max=int(lengths.max()),
         truncated_fraction=sum(s.finish_reason == "length" for s in ordered) / b,

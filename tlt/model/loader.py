@@ -110,11 +110,12 @@ def validate_tensors(
 
 
 @contextlib.contextmanager
-def _readable(path: Path):  # noqa: ANN202 - Iterator[None]
-    """A weight file that safetensors cannot read (cut short by a copy, not safetensors) as a CheckpointError naming
-    it: it was a SafetensorError traceback."""
+def _weights(path: Path):  # noqa: ANN202 - Iterator[safe_open]
+    """`safe_open` of a weight file on the CPU; one that safetensors cannot read (cut short by a copy, not safetensors)
+    is a CheckpointError naming it: it was a SafetensorError traceback."""
     try:
-        yield
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
     except SafetensorError as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}); copy or write it again") from None
 
@@ -124,10 +125,9 @@ def read_tensors(model_dir: str | Path, names: Iterable[str]) -> dict[str, torch
     want = set(names)
     found: dict[str, torch.Tensor] = {}
     for path in weight_files(Path(model_dir)):
-        with _readable(path):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in want.intersection(f.keys()):
-                    found[name] = f.get_tensor(name)
+        with _weights(path) as f:
+            for name in want.intersection(f.keys()):
+                found[name] = f.get_tensor(name)
     missing = sorted(want - set(found))
     if missing:
         raise CheckpointError(f"{model_dir} has no tensor(s) {missing}")
@@ -142,12 +142,11 @@ def load_checkpoint(
     cfg = read_model_config(folder)
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
-        with _readable(path):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name.endswith(_IGNORABLE_SUFFIXES):
-                        continue
-                    tensors[name] = f.get_tensor(name)
+        with _weights(path) as f:
+            for name in f.keys():
+                if name.endswith(_IGNORABLE_SUFFIXES):
+                    continue
+                tensors[name] = f.get_tensor(name)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
         if embed is not None and not torch.equal(head, embed):

@@ -263,7 +263,7 @@ class SpecDecoder:
             return None
         if arm.is_plain:  # the bandit chose not to speculate: the engine decodes this step plainly
             self._pending = (len(seqs), arm, len(seqs), t0, 0.0)  # one token per sequence, rewarded in finish_step
-            self._count_arm(arm, len(seqs), len(seqs))
+            self._count_arm(arm, len(seqs))
             self.last_arm = arm
             self._behind = True
             return None
@@ -353,11 +353,11 @@ class SpecDecoder:
         emitted = sum(len(e.token_ids) for e in out)
         self.verify_steps += 1
         self.seq_steps += len(seqs)
-        self.emitted_tokens += emitted
         self.drafted_tokens += int(counts.sum()) - len(seqs)
         self.last_arm = arm
-        self._count_arm(arm, len(seqs), emitted)
-        self._pending = (len(seqs), arm, emitted, t0, catch_up)  # timed (and, adaptive, rewarded) in finish_step
+        self._count_arm(arm, len(seqs))
+        # timed, counted in the accept lengths and (adaptive) rewarded in finish_step, with the tokens a stop leaves
+        self._pending = (len(seqs), arm, emitted, t0, catch_up)
         self._behind = False
         return out
 
@@ -398,12 +398,10 @@ class SpecDecoder:
             return ()
         return (self.static_arm,) if self.config.mode == "static" else self.bandit.eligible(batch_size)
 
-    def _count_arm(self, arm: Arm, seqs: int, emitted: int) -> None:
+    def _count_arm(self, arm: Arm, seqs: int) -> None:
         a_st = self.arm_stats.setdefault(arm.name, {"verify_steps": 0, "seq_steps": 0, "emitted": 0})
         a_st["verify_steps"] += 1  # steps run with the arm (for "plain": steps the bandit chose not to speculate)
-        a_st["seq_steps"] += seqs
-        a_st["emitted"] += emitted
-
+        a_st["seq_steps"] += seqs  # its tokens: finish_step
     def finish_step(self, step_start: float | None = None, kept: int | None = None) -> None:
         """The engine step that ran `decode` is over (its tokens emitted): reward the arm with its tokens
         per second of the WHOLE step since `step_start` (scheduling and emission included, TLT.md section
@@ -420,11 +418,11 @@ class SpecDecoder:
         if self._pending is None:
             return
         batch, arm, emitted, t0, catch_up = self._pending
-        if kept is not None:
-            dropped = emitted - kept  # never appended: out of the accept-length counts too (`tlt bench rollout`
-            self.emitted_tokens -= dropped  # read 32 tokens over 12 verify steps where 30 were kept)
-            self.arm_stats[arm.name]["emitted"] -= dropped
-            emitted = kept
+        if kept is not None:  # what a stop dropped is out of the accept-length counts too (counted at decode, they
+            emitted = kept  # read 32 tokens over 12 verify steps where 30 were kept)
+        self.arm_stats[arm.name]["emitted"] += emitted
+        if not arm.is_plain:
+            self.emitted_tokens += emitted
         self._pending = None
         self.last_step_seconds = time.perf_counter() - (t0 if step_start is None else step_start)
         if self.config.mode == "adaptive":
