@@ -416,10 +416,10 @@ class LocalMap:
             return "127.0.0.1"
         if a.isdigit() and int(a) in self.ports:
             return str(self.ports[int(a)])
-        for port, local in self.ports.items():
-            for host in ("127.0.0.1", "0.0.0.0", *SERVICE_HOSTS):
-                a = a.replace(f"{host}:{port}", f"127.0.0.1:{local}")
-        return a
+        # in one pass: replaced one port after another, a local port's text could be rewritten again ("406119")
+        hosts = "|".join(re.escape(h) for h in ("127.0.0.1", "0.0.0.0", *SERVICE_HOSTS))
+        return re.sub(rf"\b({hosts}):(\d+)\b",
+                      lambda m: f"127.0.0.1:{self.ports[int(m[2])]}" if int(m[2]) in self.ports else m[0], a)
 
     def env(self, entries: list[str]) -> dict[str, str]:
         import os
