@@ -125,6 +125,7 @@ def test_rollout_serve_takes_the_threshold_and_arms_as_flags() -> None:
     (("--spec-arms", "8_x_4"), "steps_topk_drafttokens"),
     (("--spec-arms", "8_4_16,,4_1_5"), "empty arm"),
     (("--spec-threshold", "0"), "threshold"),
+    (("--spec", "off", "--drafter", "d"), "--drafter d with --spec off"),
 ])
 def test_rollout_serve_refuses_bad_spec_flags_with_the_fix(argv, needle) -> None:
     from tlt.services.rollout.serve import build_config

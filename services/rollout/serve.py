@@ -67,6 +67,11 @@ def build_config(args: argparse.Namespace) -> object:
     if getattr(args, "spec_threshold", None) is not None:
         flat["spec.threshold"] = args.spec_threshold
     if args.drafter is not None:
+        if args.spec == "off":  # the drafter would load into every replica and never run: a command line at odds
+            from tlt.services.common.config import ConfigError  # with itself (as with --backend sglang)
+
+            raise ConfigError(f"--drafter {args.drafter} with --spec off: plain decoding never runs a drafter; "
+                              "drop --drafter, or use --spec adaptive / static")
         flat.update({"spec.drafter": "learned", "spec.drafter_path": args.drafter})
     overrides: dict = {k: v for k, v in flat.items() if "." not in k}
     bad = [k for k in flat if "." in k and k.split(".", 1)[0] not in NESTED]
