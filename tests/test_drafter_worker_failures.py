@@ -340,3 +340,41 @@ def test_a_worker_whose_replica_stays_busy_is_still_reported_alive(tmp_path, mod
         worker.close()
         coord.close()
         pub.close()
+
+
+def test_a_worker_for_a_replica_the_rollout_lacks_says_so_once(tmp_path, model_dir, samples, monkeypatch) -> None:
+    """`tlt drafter serve --workers 3` beside a rollout of 2 replicas started a worker for replica 2 that waited for
+    its replica's IDLE forever, in silence. Once the other replicas' heartbeats have been heard for
+    REPLICA_UNHEARD_S and its own never, it says so, once, with the fix; a worker whose replica is heard says
+    nothing. Real CapacityPublisher (heartbeats every 0.2 s for replicas 0 and 1) and coordinator over ZeroMQ."""
+    from tlt.services.drafter import worker as worker_mod
+
+    said: list[dict] = []
+
+    class _Log:
+        def __getattr__(self, level):  # noqa: ANN001, ANN204
+            return lambda event, **kw: said.append({"event": event, **kw}) if level == "warning" else None
+
+    monkeypatch.setattr(worker_mod, "log", _Log())
+    monkeypatch.setattr(worker_mod, "REPLICA_UNHEARD_S", 0.6)
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9, pin_cpus=False)
+    lost = DrafterWorker(cfg, str(model_dir), 2, 2, coord.endpoint)
+    found = DrafterWorker(cfg, str(model_dir), 1, 1, coord.endpoint)
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in (lost, found)]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_for(lambda: any(s["event"] == "worker_replica_unknown" for s in said), 20)
+        time.sleep(1.5)  # more heartbeats: still once
+        unknown = [s for s in said if s["event"] == "worker_replica_unknown"]
+        assert len(unknown) == 1 and unknown[0]["replica"] == 2 and unknown[0]["rollout_replicas"] == [0, 1]
+        assert "--workers 2" in unknown[0]["hint"] and "never trains" in unknown[0]["hint"]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(20)
+        lost.close()
+        found.close()
+        coord.close()
+        pub.close()

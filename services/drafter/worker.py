@@ -56,6 +56,9 @@ from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.worker")
 IDLE = common_pb2.REPLICA_STATE_IDLE
+# other replicas heard for this long and never the worker's own: its replica id is not one the rollout has
+# (`tlt drafter serve --workers` over the rollout's replicas), said once in the log
+REPLICA_UNHEARD_S = 15.0
 
 
 class CoordinatorUnavailable(RuntimeError):
@@ -148,6 +151,9 @@ class DrafterWorker:
         self._states: dict[tuple[str, int], tuple[int, float]] = {}
         self.stale_s = STALE_S
         self._heard = 0.0  # monotonic time `state` was last heard (heartbeats too): see `_idle_now`
+        self._others: set[int] = set()  # replica ids heard of; mine once heard: `_check_replica_known`
+        self._mine_heard = False
+        self._watching_since: float | None = None  # monotonic, from the first event heard (run)
         self._idle_since = 0.0  # monotonic time the replica last turned IDLE (min_idle_s)
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
@@ -180,6 +186,12 @@ class DrafterWorker:
     # ---- capacity
     def _see(self, event: object) -> None:
         mine = getattr(event, "replica_id", None) == self.replica_id
+        if mine:
+            self._mine_heard = True
+        elif not self._mine_heard:
+            self._others.add(int(getattr(event, "replica_id", -1)))
+            if self._watching_since is None:
+                self._watching_since = time.monotonic()
         if self.cfg.train_when == "always":  # devices of its own: the events say only which policy serves
             if mine:
                 self.shared.see(event.versions.policy)  # type: ignore[attr-defined]
@@ -249,6 +261,23 @@ class DrafterWorker:
             self._see(e)
             deadline = time.monotonic()  # got one: drain the rest without waiting
         self._check_silence()  # after draining: heartbeats queued during a long step are not silence
+        self._check_replica_known()
+
+    def _check_replica_known(self) -> None:
+        """Say once when the rollout's other replicas have been heard for REPLICA_UNHEARD_S (their heartbeats) and
+        this worker's never: it watches a replica the rollout does not have, and with train_when = replica_idle
+        never trains (more `--workers` than rollout replicas). A warning: a rollout restarted with more replicas
+        brings it to life."""
+        if self._mine_heard or self._watching_since is None or self._watching_since < 0:
+            return
+        if time.monotonic() - self._watching_since < REPLICA_UNHEARD_S:
+            return
+        self._watching_since = -1.0  # said
+        heard = sorted(self._others)
+        log.warning("worker_replica_unknown", worker=self.worker_id, replica=self.replica_id, rollout_replicas=heard,
+                    hint=f"the rollout has replicas {heard}, none {self.replica_id}: start `tlt drafter serve` with "
+                         f"--workers {len(heard)} (one worker per rollout replica)"
+                         + (", this one never trains" if self.cfg.train_when == "replica_idle" else ""))
 
     def _snapshot(self, stop: object) -> bool:
         """Every replica's state from the rollout's snapshot socket, asked again until it answers (False: `stop`
