@@ -134,10 +134,23 @@ def test_a_function_returning_none_or_raising_answers_ok_false_naming_it(served)
     assert fine.ok and fine.reward == 1.0  # its siblings are scored
 
 
+BROKEN_MODULES = {  # a module whose own code fails as it is imported: its file and line, not our importlib frames
+    "syntax_reward": "def score(prompts, completions, **kw):\n    return [1.0 for c in completions\n",
+    "needs_reward": "import no_such_dependency_of_it\n",
+    "raises_reward": "LIMIT = 1\nLIMIT = LIMIT / 0\n",
+}
+
+
 @pytest.mark.parametrize("spec, says", [("no_such_reward_mod:f", "no module 'no_such_reward_mod'"),
-                                        ("user_reward:ANSWER", "no callable 'ANSWER'")])
+                                        ("user_reward:ANSWER", "no callable 'ANSWER'"),
+                                        ("syntax_reward:score", "syntax_reward.py:2: SyntaxError: '[' was never"),
+                                        ("needs_reward:score", "needs_reward.py:1: ModuleNotFoundError: No module "
+                                                               "named 'no_such_dependency_of_it'"),
+                                        ("raises_reward:score", "raises_reward.py:2: ZeroDivisionError")])
 def test_a_function_that_cannot_be_loaded_exits_2_with_one_line_before_binding(tmp_path, spec, says) -> None:
     (tmp_path / "user_reward.py").write_text(USER_REWARD)
+    for name, text in BROKEN_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(text)
     ready = tmp_path / "ready.json"
     with socket.socket() as busy:  # loaded before the port is bound: the function is named, not the port
         busy.bind(("127.0.0.1", 0))

@@ -50,6 +50,7 @@ import math
 import numbers
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
@@ -265,21 +266,47 @@ def _import_user_module(spec: str, name: str) -> Any:
         return e.name is not None and (name == e.name or name.startswith(e.name + "."))
 
     try:
-        return importlib.import_module(name)
+        return _user_import(spec, name)
     except ModuleNotFoundError as e:
         if not missing(e):
-            raise
+            raise RewardFunctionError(_import_failed(spec, name, e)) from None
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)  # last: the directory never shadows an installed package
         try:
-            return importlib.import_module(name)
+            return _user_import(spec, name)
         except ModuleNotFoundError as e:
             if not missing(e):
-                raise
+                raise RewardFunctionError(_import_failed(spec, name, e)) from None
     raise RewardFunctionError(
         f"reward_function {spec!r}: no module {name!r} on the Python path or in the current directory {cwd}; "
         f"put {name.replace('.', '/')}.py there or add its folder to PYTHONPATH")
+
+
+def _user_import(spec: str, name: str) -> Any:
+    """Import the user's module; what its own code raises (a syntax error, a failing import of its own, an
+    exception at module level) is a RewardFunctionError naming the file and line, one line for the CLI instead of
+    the traceback of our import machinery. ModuleNotFoundError passes through: the caller tells whether the
+    module itself is missing (look in the current directory) or something it imports."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything the user's module-level code raises
+        raise RewardFunctionError(_import_failed(spec, name, e)) from None
+
+
+def _import_failed(spec: str, name: str, e: BaseException) -> str:
+    """"reward function 'm:f': importing m failed at m.py:2: SyntaxError: '[' was never closed"."""
+    if isinstance(e, SyntaxError) and e.filename:
+        where = f"{e.filename}:{e.lineno}"
+        what = f"{type(e).__name__}: {e.msg}"
+    else:
+        frames = traceback.extract_tb(e.__traceback__)
+        user = [f for f in frames if "importlib" not in f.filename]  # the innermost frame of the user's code
+        where = f"{user[-1].filename}:{user[-1].lineno}" if user else name
+        what = f"{type(e).__name__}: {e}"
+    return f"reward function {spec!r}: importing {name} failed at {where}: {what}"
 
 
 def task_rewards() -> FunctionRewards:
