@@ -110,6 +110,9 @@ def test_pool_takes_the_median_over_every_pair_of_several_runs(tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["pairs"] == 7 and out["overhead_pct"] == pytest.approx(3.0)
     assert out["overhead_pct_95"] == pytest.approx([0.0, 6.0])
-    (tmp_path / "bad.json").write_text("{}")
-    assert drafter_drift.run(argparse.Namespace(pool=[files[0], str(tmp_path / "bad.json")])) == 2
-    assert "is not the JSON" in capsys.readouterr().err
+    for bad in ({}, {"times": {"A": [], "B": []}}, {"times": {"A": [0.0], "B": [1.0]}},
+                {"times": {"A": ["1"], "B": [1.0]}}, {"times": {"A": [1.0], "B": [float("nan")]}},
+                {"times": {"A": 1.0, "B": 1.0}}, {"times": [1.0]}):  # hand-made or damaged files: one line, exit 2
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        assert drafter_drift.run(argparse.Namespace(pool=[files[0], str(tmp_path / "bad.json")])) == 2, bad
+        assert "is not the JSON" in capsys.readouterr().err

@@ -108,10 +108,17 @@ def pool_overhead(paths: list[str]) -> int:
     for path in paths:
         try:
             times = json.loads(Path(path).read_text())["times"]
-            if len(times["A"]) != len(times["B"]):
-                raise ValueError(f"{len(times['A'])} rounds without, {len(times['B'])} with")
-            without += times["A"]
-            with_ += times["B"]
+            a, b = list(times["A"]), list(times["B"])
+            if len(a) != len(b):
+                raise ValueError(f"{len(a)} rounds without, {len(b)} with")
+            if not a:
+                raise ValueError("no rounds")
+            bad = next((t for t in a + b if isinstance(t, bool) or not isinstance(t, (int, float))
+                        or not math.isfinite(t) or t <= 0), None)
+            if bad is not None:  # a ratio needs positive seconds on both sides (0 divided, text raised in it)
+                raise ValueError(f"a round time of {bad!r}; every round takes a positive number of seconds")
+            without += a
+            with_ += b
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"error: {path} is not the JSON of `tlt bench drafter-drift --overhead --out`: {e!r}", file=sys.stderr)
             return 2
