@@ -40,13 +40,12 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
-import zmq
 
 from tlt.services.common.events import CapacitySubscriber
 from tlt.services.common.logging import get_logger
 from tlt.services.drafter.config import DrafterServiceConfig
-from tlt.services.drafter.coordinator import (WORKER_HEARTBEAT_S, WORKER_REQUEST_TIMEOUT_S, tensors_from,
-                                               tensors_message)
+from tlt.services.drafter.coordinator import WORKER_HEARTBEAT_S, tensors_from, tensors_message
+from tlt.services.drafter.coordinator_client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
 from tlt.services.drafter.packing import PackedBatch
 from tlt.services.drafter.rollout_idle import BUSY_POLL_S, STALE_S, fresh_all_idle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
@@ -59,49 +58,6 @@ IDLE = common_pb2.REPLICA_STATE_IDLE
 # other replicas heard for this long and never the worker's own: its replica id is not one the rollout has
 # (`tlt drafter serve --workers` over the rollout's replicas), said once in the log
 REPLICA_UNHEARD_S = 15.0
-
-
-class CoordinatorUnavailable(RuntimeError):
-    pass
-
-
-class CoordinatorRefused(RuntimeError):
-    """The coordinator answered with an error (e.g. it could not build a batch from its buffer)."""
-
-
-class CoordinatorClient:
-    """REQ to the coordinator with a timeout; a lost answer gets a fresh socket (REQ cannot recover)."""
-
-    def __init__(self, endpoint: str, worker_id: int, replica_id: int,
-                 timeout_s: float = WORKER_REQUEST_TIMEOUT_S) -> None:
-        self.endpoint, self.worker_id, self.replica_id, self.timeout_s = endpoint, worker_id, replica_id, timeout_s
-        self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
-        self.shared_policy_version = 0  # stamped on every message: the coordinator shows them in status
-        self.shared_fetch_failures = 0
-
-    def ask(self, **body: object) -> drafter_pb2.CoordinatorMessage:
-        if self._sock is None:
-            self._sock = self._ctx.socket(zmq.REQ)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.endpoint)
-        msg = drafter_pb2.WorkerMessage(worker_id=self.worker_id, replica_id=self.replica_id,
-                                        shared_policy_version=self.shared_policy_version,
-                                        shared_fetch_failures=self.shared_fetch_failures, **body)
-        self._sock.send(msg.SerializeToString())
-        if not self._sock.poll(int(self.timeout_s * 1000)):
-            self._sock.close()
-            self._sock = None
-            raise CoordinatorUnavailable(f"no answer from the coordinator at {self.endpoint} in {self.timeout_s}s")
-        reply = drafter_pb2.CoordinatorMessage.FromString(self._sock.recv())
-        if reply.error:
-            raise CoordinatorRefused(f"coordinator refused {next(iter(body))}: {reply.error}")
-        return reply
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        self._ctx.term()
 
 
 @dataclass
