@@ -261,14 +261,14 @@ def test_a_resume_with_another_zero_stage_or_bf16_is_refused_in_one_line_before_
     # load_checkpoint (FileNotFoundError .../zero_pp_rank_0_mp_rank_00_optim_states.pt, KeyError 'dynamic_loss_scale'),
     # and `tlt run --resume` started every service first
     from tlt.services.trainer.checkpoint import CheckpointError
-    from tlt.services.trainer.launcher import _check_resume
+    from tlt.services.trainer.run_resume import check_resume
     from tlt.services.trainer.procs import ServiceError
 
     ckpt = CheckpointManager(tmp_path / "checkpoints", keep=1)
     path = ckpt.save(Policy(config(), model=tiny_qwen2(0)), PromptSampler(synthetic_prompts(4, seed=0), 0), 1)
     saved = "saved with zero_stage=0, bf16=false; this run has " + now
     with pytest.raises(ServiceError, match=re.escape(f"{tmp_path} continues from its trainer checkpoint, {saved}: ")):
-        _check_resume(tmp_path, change, model_dir=str(tmp_path))  # `tlt run`: before any service starts
+        check_resume(tmp_path, change, model_dir=str(tmp_path))  # `tlt run`: before any service starts
     other = Policy(config(**change), model=tiny_qwen2(seed=7))
     before = _params(other)
     with pytest.raises(CheckpointError, match=re.escape(f"{path} was {saved}: keep those settings")) as e:
@@ -281,13 +281,13 @@ def test_a_resume_with_another_zero_stage_or_bf16_is_refused_in_one_line_before_
 
 def test_a_checkpoint_saved_before_the_engine_settings_were_kept_still_loads(tmp_path):
     from tlt.services.trainer.checkpoint import STATE_FILE
-    from tlt.services.trainer.launcher import _check_resume
+    from tlt.services.trainer.run_resume import check_resume
 
     ckpt = CheckpointManager(tmp_path / "checkpoints", keep=1)
     path = ckpt.save(Policy(config(), model=tiny_qwen2(0)), PromptSampler(synthetic_prompts(4, seed=0), 0), 1)
     raw = torch.load(path / STATE_FILE, weights_only=False)
     torch.save({k: v for k, v in raw.items() if k not in ("zero_stage", "bf16", "world_size")}, path / STATE_FILE)
-    _check_resume(tmp_path, {}, model_dir=str(tmp_path))
+    check_resume(tmp_path, {}, model_dir=str(tmp_path))
     state = ckpt.load(Policy(config(), model=tiny_qwen2(7)), PromptSampler(synthetic_prompts(4, seed=0), 0))
     assert state.steps_done == 1 and state.zero_stage is None
 
@@ -339,10 +339,10 @@ def test_latest_naming_a_missing_checkpoint_is_a_one_line_refusal(tmp_path):
     # checkpoints/latest naming a folder removed by hand (or not copied along) ended the trainer with a
     # FileNotFoundError traceback; `tlt train` reports a CheckpointError in one line (exit 2)
     from tlt.services.trainer.checkpoint import LATEST, CheckpointError
-    from tlt.services.trainer.launcher import _latest_state
+    from tlt.services.trainer.run_resume import latest_state
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / LATEST).write_text("step-00000003\n")
     with pytest.raises(CheckpointError, match="names step-00000003, which is not a complete checkpoint: .*resume="):
         CheckpointManager(tmp_path / "checkpoints").latest()
-    assert _latest_state(tmp_path) is None  # `tlt run` leaves it to the trainer to say
+    assert latest_state(tmp_path) is None  # `tlt run` leaves it to the trainer to say

@@ -317,14 +317,14 @@ def test_trainer_and_eval_load_chat_rows_through_the_config(tmp_path, model_dir)
 
 def test_the_launchers_resume_check_reads_the_data_as_the_trainer_does(tmp_path, model_dir):
     """`tlt run` compares the data file with the checkpoint's data position before it starts anything
-    (launcher._data_file_change); reading a chat-message file without the trainer's template and answer_field, it
+    (run_resume.data_file_change); reading a chat-message file without the trainer's template and answer_field, it
     found an unreadable file and refused every resume of the run. The checkpoint state is the trainer's own."""
     import torch
 
     from tlt.services.trainer.checkpoint import LATEST, STATE_FILE
     from tlt.services.trainer.config import TrainerConfig
     from tlt.services.trainer.data import trainer_prompts
-    from tlt.services.trainer.launcher import _data_file_change, _latest_state
+    from tlt.services.trainer.run_resume import data_file_change, latest_state
 
     data = write_jsonl(tmp_path / "train.jsonl", [verl_row(i) for i in range(4)])
     cfg = TrainerConfig(model_dir=str(model_dir), data_path=str(data), answer_field="reward_model.ground_truth")
@@ -334,6 +334,6 @@ def test_the_launchers_resume_check_reads_the_data_as_the_trainer_does(tmp_path,
     ckpt.mkdir(parents=True)
     torch.save({"sampler": sampler.state_dict()}, ckpt / STATE_FILE)
     (ckpt.parent / LATEST).write_text(ckpt.name)
-    assert _data_file_change(cfg, _latest_state(tmp_path / "run")) is None
+    assert data_file_change(cfg, latest_state(tmp_path / "run")) is None
     write_jsonl(data, [verl_row(i) for i in (0, 1, 2, 5)])  # edited: the launcher sees it
-    assert "was edited since" in _data_file_change(cfg, _latest_state(tmp_path / "run"))
+    assert "was edited since" in data_file_change(cfg, latest_state(tmp_path / "run"))

@@ -39,7 +39,7 @@ def continues(run_dir: Path) -> bool:
     """Whether a `tlt run` with no --run-id may work in this folder it holds the lock of: a new one, or an
     interrupted run (its trainer has steps left). One whose config.toml no longer loads (a field an older TLT
     wrote, a hand edit) is left alone, said so: its ConfigError refused every new plain `tlt run`, and the
-    resume's own check of that file (launcher._check_resume) would refuse it anyway."""
+    resume's own check of that file (run_resume.check_resume) would refuse it anyway."""
     try:
         return not finished(run_dir)
     except (OSError, ValueError) as e:  # ConfigError is a ValueError; so is a `latest` that names no step
