@@ -80,7 +80,7 @@ def test_the_trainers_metrics_export_the_last_greedy_accuracy(tmp_path, monkeypa
     monkeypatch.setattr(evaluate, "run_eval", lambda *a, **kw: next(records))
     prom = Metrics("trainer")
     services = SimpleNamespace(cfg=TrainerConfig(eval_problems=4, eval_greedy=True), eval_items=[], clients=[],
-                               rewards=None, publisher=None, eval_path=tmp_path / "eval.jsonl",
+                               rewards=None, publisher=None, guard=None, eval_path=tmp_path / "eval.jsonl",
                                g_eval=prom.gauge("eval_accuracy", "x"), g_eval_greedy=prom.gauge("eval_greedy_accuracy", "x"))
     loop._Services.evaluate(services, 0, 0)
     text = prom.render().decode()

@@ -59,6 +59,13 @@ def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def world_size() -> int:
+    """Ranks of the process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def broadcast(obj: object) -> object:
     """Rank 0's `obj` on every rank (pickled; for small control data and completions)."""
     import torch.distributed as dist

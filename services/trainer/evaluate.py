@@ -54,6 +54,7 @@ from tlt.services.trainer.types import PromptItem
 
 if TYPE_CHECKING:
     from tlt.model.evaluate import PairedDifference
+    from tlt.services.trainer.weight_sync import VersionGuard
 
 
 EVAL_SEED_KEY = "eval"  # every eval's requests are seeded from it (common random numbers: see above)
@@ -146,11 +147,12 @@ def due(cfg: TrainerConfig, steps_done: int) -> bool:
 
 
 def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, steps_done: int,  # noqa: ANN001
-             version: int, check_version: bool = True) -> EvalRecord:
-    """Score the eval set with the policy the rollout server(s) serve now (checked to be `version`)."""
+             version: int, check_version: bool = True, guard: VersionGuard | None = None) -> EvalRecord:
+    """Score the eval set with the policy the rollout server(s) serve now (checked to be `version`; by `guard`, a
+    weight_sync.VersionGuard, where given: a server restarted since the push gets the weights again)."""
     t0, started_at = time.perf_counter(), time.time()
     correct = _pass(items, clients, rewards, cfg, cfg.eval_samples, cfg.eval_temperature, f"eval{steps_done}",
-                    version, check_version)
+                    version, check_version, guard)
     accuracy = sum(correct) / (len(items) * cfg.eval_samples)
     greedy, greedy_accuracy = None, None
     if cfg.eval_greedy:  # at T = 0 the pass above was greedy already: its accuracy is the greedy one (its counts
@@ -158,14 +160,15 @@ def run_eval(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, step
         if cfg.eval_temperature == 0:
             greedy_accuracy = accuracy
         else:
-            greedy = _pass(items, clients, rewards, cfg, 1, 0.0, f"eval{steps_done}-greedy", version, check_version)
+            greedy = _pass(items, clients, rewards, cfg, 1, 0.0, f"eval{steps_done}-greedy", version, check_version,
+                           guard)
             greedy_accuracy = sum(greedy) / len(items)
     return EvalRecord(steps_done, version, accuracy, len(items), cfg.eval_samples, cfg.eval_temperature,
                       time.perf_counter() - t0, started_at, greedy_accuracy, correct, greedy, eval_set_digest(items))
 
 
 def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int, temperature: float,  # noqa: ANN001
-          label: str, version: int, check_version: bool) -> tuple[int, ...]:
+          label: str, version: int, check_version: bool, guard: VersionGuard | None = None) -> tuple[int, ...]:
     """Per eval problem, how many of `n` completions at `temperature` are correct. Seeded as a step's (`sampling_seed`),
     from EVAL_SEED_KEY (greedy draws nothing, but a seedless request would be the odd one out); `label` names the
     server batch. A replica death is redone, as in a step."""
@@ -174,10 +177,16 @@ def _pass(items: list[PromptItem], clients, rewards, cfg: TrainerConfig, n: int,
 
     params = sampling_params(cfg.max_tokens, temperature, 1.0, seed=sampling_seed(cfg))
     params.reproducible = True  # plain decoding's tokens for these uniforms whatever the drafter (see the docstring)
-    result = collect_retrying(items, clients, rewards, n, params, label, cfg.rollout_retries, cfg.rollout_retry_wait_s,
-                              seed_key=EVAL_SEED_KEY)
-    if check_version:
-        check_versions((s.policy_version for s in result.samples), version)
+    def roll_out():  # noqa: ANN202
+        return collect_retrying(items, clients, rewards, n, params, label, cfg.rollout_retries,
+                                cfg.rollout_retry_wait_s, seed_key=EVAL_SEED_KEY)
+
+    if guard is not None:
+        result = guard.collect(roll_out, version)
+    else:
+        result = roll_out()
+        if check_version:
+            check_versions((s.policy_version for s in result.samples), version)
     counts = [0] * len(items)
     for s in result.samples:  # prompt_index: the problem's place in `items`
         counts[s.prompt_index] += bool(s.correct)

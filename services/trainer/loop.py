@@ -102,7 +102,7 @@ def push_tensors(policy):  # noqa: ANN001, ANN201
 def train(cfg: TrainerConfig) -> TrainSummary:
     from tlt.services.trainer.checkpoint import CheckpointManager
     from tlt.services.trainer.data import PromptSampler, trainer_prompts
-    from tlt.services.trainer.distributed import broadcast, is_main
+    from tlt.services.trainer.distributed import broadcast, is_main, world_size
     from tlt.services.trainer.policy import Policy, ReferencePolicy
     from tlt.services.trainer.step import grpo_step
 
@@ -131,6 +131,8 @@ def train(cfg: TrainerConfig) -> TrainSummary:
             if services:
                 services.publisher.push(tensors, policy.version)
             del tensors
+        if services and (not policy.gathers or world_size() == 1):  # rank 0 can read the weights alone
+            services.allow_repush(lambda: push_tensors(policy))
         if services and start == 0:
             services.evaluate(0, policy.version)
         for step in range(start, cfg.steps):
@@ -239,6 +241,7 @@ class _Services:
         self.clients = [RolloutClient(a, control_token=cfg.rollout_token) for a in cfg.rollout_addresses]
         self.rewards = make_reward_source(cfg)
         self.publisher = None
+        self.guard = None  # a VersionGuard once weights are pushed: every rollout carries the version pushed
         self.loan = None
         if cfg.lend_rollout_devices:
             from tlt.services.trainer.colocate import DeviceLoan
@@ -247,7 +250,7 @@ class _Services:
 
     def sync(self, policy) -> tuple[int, bool]:  # noqa: ANN001
         """Wait for the services; (the policy version, whether the rollout needs the weights pushed first)."""
-        from tlt.services.trainer.weight_sync import WeightPublisher
+        from tlt.services.trainer.weight_sync import VersionGuard, WeightPublisher
 
         import grpc
 
@@ -269,6 +272,7 @@ class _Services:
                 c.check_control()
         if self.cfg.weight_push != "none":
             self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
+            self.guard = VersionGuard(self.clients)
             push_due = sync_version(policy, self.clients)  # first: it raises policy.version past the servers'
             return policy.version, push_due
         return policy.version, False
@@ -282,15 +286,20 @@ class _Services:
         return roll_out_rounds(prompts, more, lambda ps, r: self._collect(ps, step if r == 0 else f"{step}.{r}", version),
                                self.cfg.prompts_per_step, self.cfg.n_samples, self.cfg.dynamic_sampling_max_rounds)
 
+    def allow_repush(self, tensors) -> None:  # noqa: ANN001 - () -> the weights as pushed
+        """A rollout server restarted mid-run gets the weights again instead of ending the run (VersionGuard);
+        only where rank 0 can read them alone (not under ZeRO-3 with several ranks)."""
+        if self.guard is not None:
+            self.guard.repush = lambda behind, version: self.publisher.push(tensors(), version, clients=behind)
+
     def _collect(self, prompts, step: int | str, version: int):  # noqa: ANN001, ANN202
         from tlt.services.trainer.collect import collect_retrying
-        from tlt.services.trainer.weight_sync import check_versions
 
-        result = collect_retrying(prompts, self.clients, self.rewards, self.cfg.n_samples, self.params, step,
-                                  self.cfg.rollout_retries, self.cfg.rollout_retry_wait_s)
-        if self.publisher is not None:
-            check_versions((s.policy_version for s in result.samples), version)
-        return result
+        def roll_out():  # noqa: ANN202
+            return collect_retrying(prompts, self.clients, self.rewards, self.cfg.n_samples, self.params, step,
+                                    self.cfg.rollout_retries, self.cfg.rollout_retry_wait_s)
+
+        return self.guard.collect(roll_out, version) if self.guard is not None else roll_out()
 
     def borrow(self) -> float:
         """Colocated: the rollout's devices are the trainer's until give_back() (seconds it took; 0 when off)."""
@@ -327,7 +336,7 @@ class _Services:
         if not due(self.cfg, steps_done):
             return
         r = run_eval(self.eval_items, self.clients, self.rewards, self.cfg, steps_done, version,
-                     check_version=self.publisher is not None)
+                     check_version=self.publisher is not None, guard=self.guard)
         _append(self.eval_path, r.as_dict())
         self.g_eval.set(r.accuracy)
         if r.greedy_accuracy is not None:

@@ -72,10 +72,11 @@ def run(args: argparse.Namespace) -> int:
             traceback.print_exception(e.__cause__)
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
-    except StaleWeightsError as e:  # a rollout server restarted, or another trainer pushed to it
+    except StaleWeightsError as e:  # another trainer pushed to the server; or it restarted where no second push could
         get_logger("trainer").error("train_failed", error=str(e), hint="the rollout server's weights are not this "
-                                    "trainer's (a restarted server, or another trainer pushing to it); run the same "
-                                    "command again: the trainer resumes from its checkpoint and pushes its weights first")
+                                    "trainer's (another trainer pushing to it, or a server restarted that the trainer "
+                                    "could not push to again: ZeRO-3 on several ranks); run the same command again: "
+                                    "the trainer resumes from its checkpoint and pushes its weights first")
         return 1
     except WeightPushError as e:  # refused: too large, another model's tensors, a replica down; the message says which
         get_logger("trainer").error("train_failed", error=str(e))

@@ -10,13 +10,16 @@ The rollout server validates the whole update before applying it between two
 engine steps; a refusal raises `WeightPushError` and the run stops (training
 on while the rollout samples from stale weights would silently turn the run
 off-policy). `check_versions` is the other half: the next rollout's
-completions must all carry the version just pushed.
+completions must all carry the version just pushed. `VersionGuard` applies it
+to a rollout and heals the one case that needs no human: a rollout server
+restarted since the push (it serves its start checkpoint, an older version)
+gets the weights again and the batch is rolled out again, once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -125,12 +128,14 @@ class WeightPublisher:
             for path in sweep_stale_shm():
                 log.warning("stale_shm_removed", path=path)
 
-    def push(self, tensors: dict[str, torch.Tensor], version: int) -> PushReport:
+    def push(self, tensors: dict[str, torch.Tensor], version: int, clients: Sequence | None = None) -> PushReport:
+        """To every server, or to `clients` (a restarted one's second push, VersionGuard)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         t0 = time.perf_counter()
         apply_s = 0.0
         replicas: list[int] = []
-        for client in self.clients:
+        targets = self.clients if clients is None else list(clients)
+        for client in targets:
             resp = client.update_weights(tensors, kind="policy", version=version, shm=self.mode == "shm")
             if resp.version != version:
                 raise StaleWeightsError(f"rollout {client.address} answered version {resp.version}, pushed {version}")
@@ -138,7 +143,7 @@ class WeightPublisher:
             replicas += list(resp.replicas)
         report = PushReport(version, nbytes, time.perf_counter() - t0, apply_s, tuple(replicas))
         log.info("weights_pushed", version=version, mb=round(nbytes / 2**20, 2), seconds=round(report.seconds, 3),
-                 apply_seconds=round(apply_s, 3), servers=len(self.clients))
+                 apply_seconds=round(apply_s, 3), servers=len(targets))
         return report
 
 
@@ -150,3 +155,47 @@ def check_versions(versions: Iterable[int], expected: int) -> None:
             f"completions carry policy version(s) {stale} but version {expected} was pushed before the rollout; "
             "the rollout server did not apply the update"
         )
+
+
+class VersionGuard:
+    """`collect(roll_out, version)`: the rollout `roll_out()` returns (a result with `.samples`), checked to carry
+    `version` in every completion. When some do not and a server now serves an older version than `version` (it
+    restarted from its start checkpoint after the push), `repush(behind, version)` gives those servers the weights
+    again and the batch is rolled out again, once; its seeds are the batch's own, so it draws what it would have.
+    StaleWeightsError otherwise: no `repush` (under ZeRO-3 with several ranks reading the weights is a collective
+    that rank 0 cannot start alone), a server serving a newer version (another trainer pushes to it), or a rollout
+    still stale after the second push."""
+
+    def __init__(self, clients: Sequence, repush: Callable[[list, int], object] | None = None) -> None:
+        self.clients, self.repush = list(clients), repush
+        self.repushes = 0  # servers given the weights again, in all
+
+    def collect(self, roll_out: Callable[[], object], version: int) -> object:
+        result = roll_out()
+        try:
+            check_versions((s.policy_version for s in result.samples), version)  # type: ignore[attr-defined]
+            return result
+        except StaleWeightsError:
+            behind = self._behind(version)
+            if self.repush is None or not behind:
+                raise
+        log.warning("rollout_restarted", servers=[c.address for c in behind], version=version,
+                    action="pushing the weights to them again and rolling the batch out again")
+        self.repush(behind, version)
+        self.repushes += len(behind)
+        result = roll_out()
+        check_versions((s.policy_version for s in result.samples), version)  # type: ignore[attr-defined]
+        return result
+
+    def _behind(self, version: int) -> list:
+        """The servers serving an older version than `version` now; none when any cannot say (down again) or one
+        serves a newer one (not a restart: another trainer's push, which a second push of ours would not fix)."""
+        import grpc
+
+        try:
+            serving = [(c, c.status().versions.policy) for c in self.clients]
+        except grpc.RpcError:
+            return []
+        if any(v > version for _, v in serving):
+            return []
+        return [c for c, v in serving if v < version]
