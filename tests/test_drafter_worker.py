@@ -23,6 +23,7 @@ import pytest
 
 from drafter_helpers import BUSY, IDLE, StubbedWorker, make, model_dir, running, samples, state, wait_for  # noqa: F401
 from tlt.services.common.events import CapacityPublisher
+from tlt.services.drafter.serve import WORKER_CONFIG_ENV
 from tlt.services.drafter.training import load_state
 from tlt.services.drafter.worker import DrafterWorker
 from tlt.v1 import common_pb2, events_pb2
@@ -87,9 +88,10 @@ def test_kill_minus_9_worker_resumes_from_its_checkpoint(tmp_path, model_dir, sa
     pushes: list = []
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, submit_every=3)
     cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", str(model_dir), "--coordinator",
-           coord.endpoint, "--replica", "0", "--config-json", cfg.model_dump_json()]
+           coord.endpoint, "--replica", "0"]
+    env = {**os.environ, WORKER_CONFIG_ENV: cfg.model_dump_json()}  # as `tlt drafter serve` hands its config over
     ckpt = tmp_path / "ckpt" / "worker-0.pt"
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=env)
     try:
         state(pub, 0, IDLE)
         deadline = time.monotonic() + 90
@@ -102,7 +104,7 @@ def test_kill_minus_9_worker_resumes_from_its_checkpoint(tmp_path, model_dir, sa
         version = coord.candidate_version
         assert version == coord.deltas and version >= 2  # only whole deltas were applied
         assert coord.status().candidate_version == version  # the coordinator keeps answering
-        proc = subprocess.Popen(cmd)  # restart: continues from the checkpoint
+        proc = subprocess.Popen(cmd, env=env)  # restart: continues from the checkpoint
         deadline = time.monotonic() + 90
         while (load_state(ckpt) or {}).get("micro_steps", 0) <= saved["micro_steps"] and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -279,7 +280,9 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
     process), it left them running, and the restarted service started a second worker for every replica, under
     the same ids and checkpoint files, training side by side on the same devices. A worker must exit with the
     process that started it (as services do with `tlt run`'s launcher); the restarted service starts new ones,
-    which resume from the checkpoints. Real processes: `tlt drafter serve --workers 1`, killed by its pid."""
+    which resume from the checkpoints. Real processes: `tlt drafter serve --workers 1`, killed by its pid.
+    The control token (set in the environment, as compose and `tlt run` do) never appears on a worker's command
+    line, which every user of the host reads with `ps`: the workers got the service's config as `--config-json`."""
     import json
 
     from rollout_helpers import pid_gone
@@ -292,13 +295,17 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
             "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0}
     cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model_dir), "--workers", "1",
            "--ready-file", str(ready)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    serve = subprocess.Popen(cmd)
+    secret = "tok-" + os.urandom(8).hex()
+    serve = subprocess.Popen(cmd, env={**os.environ, "TLT_DRAFTER__CONTROL_TOKEN": secret})
     worker = 0
     try:
         assert wait_for(lambda: ready.exists() or serve.poll() is not None, 90) and ready.exists()
         worker = json.loads(ready.read_text())["worker_pids"][0]
         time.sleep(1.0)
         assert not pid_gone(worker)
+        argv = Path(f"/proc/{worker}/cmdline").read_bytes().decode()
+        assert "drafter\x00worker" in argv and secret not in argv, argv
+        assert secret in Path(f"/proc/{worker}/environ").read_bytes().decode()  # handed over, only to its own user
         serve.send_signal(signal.SIGKILL)
         serve.wait(10)
         assert wait_for(lambda: pid_gone(worker), 30), "a worker outlived its drafter service's kill -9"

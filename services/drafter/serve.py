@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write endpoints and pids here as JSON when ready")
 
 
+WORKER_CONFIG_ENV = "TLT_DRAFTER_WORKER_CONFIG"  # the workers `tlt drafter serve` starts read their config here
+
+
 def build_config(preset: str, overrides: list[str], config_json: str = "") -> object:
     from tlt.services.common.config import cli_overrides, load_config
     from tlt.services.drafter.config import DrafterServiceConfig
@@ -103,10 +106,12 @@ def run(args: argparse.Namespace) -> int:
     procs = []
     # The workers exit with this process, even when it is killed with -9 (tlt.cli's TLT_DIE_WITH_PARENT): left
     # running, they met the restarted service's new workers, two per replica under one id and checkpoint file.
-    env = {**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid())}
+    # The resolved config goes in the environment, not on the command line, which any user of the host (or of a
+    # container's host) reads with `ps`: it holds control_token.
+    env = {**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid()), WORKER_CONFIG_ENV: cfg.model_dump_json()}  # type: ignore[attr-defined]
     for i in range(args.workers):
         cmd = tlt_command("drafter", "worker", "--model", args.model, "--coordinator", coordinator.endpoint,
-                          "--replica", str(i), "--worker-id", str(i), "--config-json", cfg.model_dump_json())  # type: ignore[attr-defined]
+                          "--replica", str(i), "--worker-id", str(i))
         procs.append(subprocess.Popen(cmd, env=env))
     if cfg.threads:  # type: ignore[attr-defined]
         import torch

@@ -11,6 +11,7 @@ ends its window cleanly on SIGINT/SIGTERM. `tlt drafter serve --workers N` start
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def _coordinator(text: str) -> str:
@@ -38,7 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [drafter] field; repeatable")
-    parser.add_argument("--config-json", default="", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,13 +46,14 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.services.common.logging import configure_logging
     from tlt.services.common.signals import set_on_signals
-    from tlt.services.drafter.serve import build_config
+    from tlt.services.drafter.serve import WORKER_CONFIG_ENV, build_config
     from tlt.services.drafter.shared import rollout_fetch
     from tlt.services.drafter.worker import DrafterWorker
 
     worker_id = args.replica if args.worker_id is None else args.worker_id
     configure_logging(service=f"drafter-worker-{worker_id}")
-    cfg = build_config(args.preset, args.overrides, args.config_json)
+    # a worker `tlt drafter serve` started: the service's resolved config, from the environment (WORKER_CONFIG_ENV)
+    cfg = build_config(args.preset, args.overrides, os.environ.pop(WORKER_CONFIG_ENV, ""))
     fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
     worker = DrafterWorker(cfg, args.model, worker_id, args.replica, args.coordinator, fetch)  # type: ignore[arg-type]
     # Only now a signal asks for a clean stop: until here the worker has read files and holds nothing to save, and
