@@ -523,3 +523,23 @@ def test_an_empty_runs_dir_is_refused(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ConfigError, match="runs_dir"):
         _plan(runs, model, "--set", "run.runs_dir=")
     assert not (tmp_path / "cpu-tiny").exists()
+
+
+def test_a_gpu_preset_that_drafts_model_free_says_how_to_start_the_drafter_service(tmp_path: Path, capfd) -> None:
+    """`tlt run --preset 1gpu` (DEPLOY.md: "starts every service of the preset") started no drafter service: the
+    preset drafts model-free (n-gram) until a learned drafter exists, and the warning said only "the rollout does not
+    draft with a learned drafter, or no drafter service". It now names the cause and the settings that start one;
+    with run.drafter_init set the plan runs the service."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # prepare_run only checks that a model is there
+    for preset in ("1gpu", "8gpu"):
+        plan = _plan(tmp_path / f"runs-{preset}", model, "--preset", preset)
+        plan.lock.close()
+        out = "".join(capfd.readouterr())
+        assert plan.switches == {"speculation": True, "drafter": False}
+        assert "drafter_off" in out and "drafter = 'ngram'" in out and "run.drafter_init=warmup" in out, out
+    plan = _plan(tmp_path / "runs-init", model, "--preset", "1gpu", "--set", "run.drafter_init=random")
+    plan.lock.close()
+    assert plan.switches == {"speculation": True, "drafter": True} and "drafter_off" not in "".join(capfd.readouterr())
+    assert plan.services["rollout"]["spec"]["drafter"] == "learned"

@@ -26,7 +26,7 @@ it refuses (e.g. non-finite after a diverged step) is logged and dropped togethe
 that produced it (back to the last checkpoint), as a kill -9 would lose it; the worker trains on. While it runs,
 a thread of its own says hello every `heartbeat_s` (a worker whose replica is busy asks nothing, one in a long step
 nothing for a while): the coordinator shows a worker it has not heard from for a while as dead. A restarted worker
-trains with the lr, weight_decay and betas of its config, and the optimizer moments of its checkpoint; a
+trains with the lr and weight_decay of its config (betas fixed, training.make_optimizer), and the optimizer moments of its checkpoint; a
 checkpoint of another model's drafter is refused when it starts.
 """
 

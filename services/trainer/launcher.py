@@ -192,6 +192,18 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
         raise ConfigError(problem)
 
 
+def _drafter_off_reason() -> str:
+    """Why `[run] drafter = true` starts no drafter service, and what starts one (the GPU presets draft model-free
+    until a learned drafter exists: `tlt run --preset 1gpu` ran without one and said only "or")."""
+    from tlt.services.trainer.run_config import drafter_available
+
+    if not drafter_available():
+        return "this build has no drafter service (tlt.services.drafter)"
+    return ("the rollout drafts model-free ([rollout.spec] drafter = 'ngram'): the online drafter trains a learned one; "
+            "start from one with --set run.drafter_init=warmup (`tlt drafter warmup` on the model first), =random, "
+            "or =DIR (a drafter folder)")
+
+
 def prepare_run(args: argparse.Namespace) -> RunPlan:
     """The run folder and its config. `--resume DIR`, or a `--run-id` whose folder exists, continues that
     run with the options it was started with; without `--run-id` see default_folder (an interrupted run is
@@ -242,7 +254,7 @@ def _plan_in(run_dir: Path, lock: Any, args: argparse.Namespace, saved: dict[str
     if run_cfg.speculation and not switches["speculation"]:
         log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")
     if run_cfg.drafter and switches["speculation"] and not switches["drafter"]:
-        log.warning("drafter_off", reason="the rollout does not draft with a learned drafter, or no drafter service")
+        log.warning("drafter_off", reason=_drafter_off_reason())
     config_path = run_dir / "config.toml"
     write_atomic(config_path, f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start"
                   "\n\n" + to_toml(services))
