@@ -411,3 +411,62 @@ def test_report_shows_the_rollouts_last_speculation_status(tmp_path: Path) -> No
     assert "<td>8_1_9</td><td>27</td><td>5.74</td>" in page
     assert "<td>&gt;=5</td><td>51</td><td>62</td><td>3_1_4</td><td>62</td><td>62</td><td>1664</td>" in page
     assert "<td>plain</td><td>61</td><td>61</td><td>-</td>" in page
+
+
+def test_a_resume_keeps_the_timeline_and_windows_of_the_kept_steps_only(tmp_path: Path) -> None:
+    """A run killed after step 3 resumes from its checkpoint after step 2: steps 2-3 and their rollouts run again. The
+    killed launch's samples and drafter windows after the kept steps and eval ended (119.9 here) were drawn in the
+    report as rollouts of no step (a QA run: 292 samples, ~180 s). They go; what the kept steps did stays. On a start
+    from no checkpoint nothing stays."""
+    from tlt.services.trainer.run_stats import read_timeline, read_windows, trim_samples
+
+    _metrics(tmp_path, [{}, {}, {}, {}])  # steps 0-3 started at 100, 110, 120, 130; 9 s each
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"after_steps": 2, "started_at": 119.5, "seconds": 0.4}) + "\n"
+                                         + json.dumps({"after_steps": 4, "started_at": 139.5, "seconds": 0.4}) + "\n")
+    (tmp_path / "timeline.jsonl").write_text("".join(sample(100.0 + i, 4).to_json() + "\n" for i in range(41)))
+    (tmp_path / "drafter.jsonl").write_text("".join(json.dumps(IdleWindow(0, 0, s, s + 2, 3, True).__dict__) + "\n"
+                                                    for s in (105.0, 119.0, 125.0)))
+    trim_samples(tmp_path, 2)
+    assert [s.t for s in read_timeline(tmp_path / "timeline.jsonl")] == [100.0 + i for i in range(20)]  # <= 119.9
+    assert [w.start for w in read_windows(tmp_path / "drafter.jsonl")] == [105.0, 119.0]
+    trim_samples(tmp_path, 0)
+    assert not (tmp_path / "timeline.jsonl").exists() and not (tmp_path / "drafter.jsonl").exists()
+
+
+def test_the_timeline_names_the_tail_threshold_and_draws_only_windows_that_trained(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dashed line is the report's tail threshold (`tlt report --threshold 64` labelled it "SD threshold 64" while
+    the rollout speculated up to 16); a drafter window preempted before its first micro-step is no idle window used
+    in the table, and is not drawn as one either."""
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{}])
+    (tmp_path / "timeline.jsonl").write_text("".join(sample(100.0 + i, 4).to_json() + "\n" for i in range(8)))
+    (tmp_path / "drafter.jsonl").write_text("".join(json.dumps(IdleWindow(0, 0, s, s + 1, n, True).__dict__) + "\n"
+                                                    for s, n in ((101.0, 0), (104.0, 5))))
+    write_report(tmp_path, threshold=64)
+    ax = saved["timeline.png"][0]
+    assert "tail threshold 64" in [t.get_text() for t in ax.get_legend().get_texts()]
+    purple = [p for p in ax.patches if p.get_facecolor()[:3] == pytest.approx((0.580, 0.404, 0.741), abs=1e-3)]
+    assert len(purple) == 1 and purple[0].get_x() == pytest.approx(4.0)
+
+
+def test_a_report_without_run_json_says_the_switches_are_unknown_and_takes_the_configs_threshold(tmp_path: Path) -> None:
+    """Without run.json the page said "speculative decoding off, online drafter off" for a run that had both on, and
+    counted the tail at batch <= 32 where the run's config.toml speculated up to 16."""
+    m = {"step": 0, "policy_version": 1, "started_at": 100.0, "times": {"step_s": 5.0, "rollout_s": 4.0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(m) + "\n")
+    (tmp_path / "config.toml").write_text('[rollout.spec]\nmode = "adaptive"\nthreshold = 16\n')
+    page = write_report(tmp_path).read_text()
+    assert "speculative decoding <b>unknown (no run.json)</b>" in page and "at most 16" in page
+
+
+def test_a_resumed_runs_speculation_section_says_whose_counts_it_shows(tmp_path: Path) -> None:
+    """rollout_status.json is the last launch's rollout server, whose counts start over at a resume: a 5-step run
+    resumed after step 2 read "100 verify steps" as if for the whole run."""
+    m = {"step": 0, "policy_version": 1, "started_at": 100.0, "times": {"step_s": 5.0, "rollout_s": 4.0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(m) + "\n")
+    replica = {"replica_id": 0, "spec": {"mode": "adaptive", "verify_steps": "100", "plain_steps": "7"}}
+    for since, says in ((2, True), (0, False)):
+        (tmp_path / "rollout_status.json").write_text(json.dumps({"since_step": since, "replicas": [replica]}))
+        page = write_report(tmp_path, threshold=16).read_text()
+        assert "100 verify steps" in page and ("resumed after step 2" in page) == says

@@ -37,6 +37,7 @@ from tlt.services.trainer.procs import ServiceError, ServiceProcess
 from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
 from tlt.services.trainer.run_env import child_unset_env, environment_layer
 from tlt.services.trainer.run_resume import check_resume
+from tlt.services.trainer.run_stats import trim_samples
 from tlt.services.trainer.run_folder import claim, default_folder, read_run_file, write_atomic
 
 log = get_logger("run")
@@ -295,6 +296,7 @@ class Launcher:
         self._launched = time.time()
         self._resumes_at = _checkpoint_steps(plan.run_dir)
         trim_evals(plan.run_dir / "eval.jsonl", self._resumes_at)  # as the trainer will: each eval shown once
+        trim_samples(plan.run_dir, self._resumes_at)  # and what the interrupted launch's dropped steps did
         self._eval_size = -1  # size of eval.jsonl when last read
         # Control-plane token for this run (services/common/auth.py): the caller's TLT_AUTH_TOKEN if set, else a
         # fresh random one; every child gets it in its environment (never on a command line or in config.toml).
@@ -402,7 +404,8 @@ class Launcher:
         from tlt.services.trainer.run_monitor import DrafterSampler, RolloutSampler
 
         grpc_addr = self.plan.services["trainer"]["rollout_addresses"][0]
-        self.samplers.append(RolloutSampler(grpc_addr, self.plan.run_dir / "timeline.jsonl", self.plan.run.poll_interval_s))
+        self.samplers.append(RolloutSampler(grpc_addr, self.plan.run_dir / "timeline.jsonl", self.plan.run.poll_interval_s,
+                                            since_step=self._resumes_at))
         if self.plan.switches["drafter"]:
             d = self.plan.services["drafter"]
             self.samplers.append(DrafterSampler(f"{d['host']}:{d['status_port']}", self.plan.run_dir))

@@ -158,7 +158,8 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
             if flag and b - a <= GAP_S:
                 ax.axvspan(a, b, color="tab:green", alpha=0.25, lw=0)
         for w in windows:
-            ax.axvspan(w.start - t0, w.end - t0, ymin=0.9, ymax=1.0, color="tab:purple", alpha=0.6, lw=0)
+            if w.micro_steps > 0:  # as the table's idle column: a window preempted before its first step used nothing
+                ax.axvspan(w.start - t0, w.end - t0, ymin=0.9, ymax=1.0, color="tab:purple", alpha=0.6, lw=0)
         for r in rows:
             if r.started_at:
                 ax.axvline(r.started_at - t0, color="grey", lw=0.5, ls=":")
@@ -166,7 +167,9 @@ def _plots(rows: list[StepRow], samples: list[TimelineSample], windows: list[Idl
         for e in timed:  # the rollout serves the eval set between steps: not a step's rollout
             ax.axvspan(e.started_at - t0, e.started_at - t0 + e.seconds, color="grey", alpha=0.15, lw=0,
                        gid="held-out eval")
-        ax.axhline(threshold, color="tab:red", lw=0.7, ls="--", label=f"SD threshold {threshold}")
+        # the tail threshold (the report's --threshold; the SD threshold unless [run] tail_threshold): the green
+        # shading is where the rollout really speculated
+        ax.axhline(threshold, color="tab:red", lw=0.7, ls="--", label=f"tail threshold {threshold}")
         ax.set_ylim(0, ymax * 1.15)
         ax.plot([], [], color="tab:green", alpha=0.4, lw=6, label="SD on")
         ax.plot([], [], color="tab:purple", alpha=0.6, lw=6, label="drafter idle window")
@@ -333,11 +336,15 @@ def _spec_section(run_dir: Path) -> str:
     if not path.exists():
         return ""
     try:
-        replicas = json.loads(path.read_text()).get("replicas", [])
-    except (OSError, ValueError):
+        status = json.loads(path.read_text())
+        replicas, since = status.get("replicas", []), int(status.get("since_step", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
         return "<h2>Speculative decoding</h2><p>rollout_status.json could not be read.</p>"
     esc = html.escape
     parts = ["<h2>Speculative decoding at the end of the run</h2>"]
+    if since:  # a resumed run's last launch: its rollout server started counting then
+        parts.append(f"<p>As the last launch's rollout server counted them: steps {since + 1} on (the run was resumed "
+                     f"after step {since}, and a rollout server starts its counts over).</p>")
     for r in replicas:
         spec = r.get("spec") or {}
         if spec.get("mode", "off") == "off":
@@ -360,7 +367,19 @@ def _spec_section(run_dir: Path) -> str:
             parts.append("<p>The bandit per batch-size bucket (median reward: tokens/s at the bucket's latest batch "
                          "size; -: the arm has no reward at that size yet):</p><table><tr><th>bucket</th><th>explored</th><th>exploited</th><th>arm</th>"
                          f"<th>chosen</th><th>rewards held</th><th>median reward</th></tr>{rows}</table>")
-    return "\n".join(parts) if len(parts) > 1 else ""
+    return "\n".join(parts) if len(parts) > (2 if since else 1) else ""
+
+
+def _config_threshold(run_dir: Path) -> int:
+    """The tail threshold `tlt run` used when run.json cannot say: the SD threshold of the run's config.toml
+    ([run] tail_threshold is folded into run.json only), else 32."""
+    import tomllib
+
+    try:
+        spec = tomllib.loads((run_dir / "config.toml").read_text()).get("rollout", {}).get("spec", {})
+        return int(spec.get("threshold", 32)) if spec.get("mode", "adaptive") != "off" else 32
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 32
 
 
 def _run_file(run_dir: Path) -> dict:
@@ -376,7 +395,8 @@ def _run_file(run_dir: Path) -> dict:
         return read_run_file(run_dir)
     except ServiceError as e:
         get_logger("report").warning("run_file_unreadable", error=str(e).split("; ")[0],
-                                     using="tail threshold 32 unless --threshold; preset and switches unknown")
+                                     using="the tail threshold of config.toml unless --threshold; preset and "
+                                           "switches unknown")
         return {}
 
 
@@ -385,7 +405,7 @@ def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
     run_dir = Path(run_dir)
     info = _run_file(run_dir)
     if threshold is None:
-        threshold = int(info.get("tail_threshold", 32))
+        threshold = int(info.get("tail_threshold") or _config_threshold(run_dir))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     samples = read_timeline(run_dir / "timeline.jsonl")
     windows = read_windows(run_dir / "drafter.jsonl")
@@ -398,13 +418,17 @@ def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in format_row(r)) + "</tr>" for r in rows)
     figs = "".join(f'<figure><img src="plots/{name}" alt="{esc(cap)}"><figcaption>{esc(cap)}</figcaption></figure>'
                    for name, cap in plots)
-    switches = info.get("switches", {})
+    switches = info.get("switches")
+
+    def switch(name: str) -> str:
+        return "unknown (no run.json)" if switches is None else "on" if switches.get(name) else "off"
+
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>TLT run {esc(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}figure{{margin:1em 0}}img{{max-width:100%}}</style>
 </head><body><h1>TLT run <code>{esc(run_dir.name)}</code></h1>
-<p>preset <code>{esc(str(info.get('preset', '?')))}</code>, speculative decoding <b>{'on' if switches.get('speculation') else 'off'}</b>,
-online drafter <b>{'on' if switches.get('drafter') else 'off'}</b>, {s.steps} steps,
+<p>preset <code>{esc(str(info.get('preset', '?')))}</code>, speculative decoding <b>{switch('speculation')}</b>,
+online drafter <b>{switch('drafter')}</b>, {s.steps} steps,
 mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
 {_eval_line(evals, _configured_eval_problems(run_dir), sharper_check(run_dir, evals))}
 {_rollout_line(s)}

@@ -50,10 +50,12 @@ class _Poller(threading.Thread):
 
 
 class RolloutSampler(_Poller):
-    def __init__(self, address: str, path: Path, interval_s: float) -> None:
+    def __init__(self, address: str, path: Path, interval_s: float, since_step: int = 0) -> None:
+        """since_step: the steps done when this launch started (a resume): its rollout server counts from there."""
         from tlt.services.rollout.client import RolloutClient
 
         super().__init__(interval_s)
+        self.since_step = since_step
         self.client = RolloutClient(address, timeout_s=5.0)
         self.out = open_append(path)
         self.status_path = path.parent / "rollout_status.json"
@@ -82,8 +84,9 @@ class RolloutSampler(_Poller):
 
             try:
                 tmp = self.status_path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(MessageToDict(self.last, preserving_proto_field_name=True,
-                                                     always_print_fields_with_no_presence=True), indent=1))
+                status = MessageToDict(self.last, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True)
+                tmp.write_text(json.dumps({"since_step": self.since_step, **status}, indent=1))
                 tmp.replace(self.status_path)
             except (OSError, ValueError) as e:
                 log.warning("rollout_status_not_written", path=str(self.status_path), error=str(e))

@@ -138,6 +138,26 @@ def trim_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
     tmp.replace(path)
 
 
+def trim_samples(run_dir: Path, steps_done: int) -> None:
+    """On a resume from the checkpoint after `steps_done` steps, timeline.jsonl and drafter.jsonl keep what happened
+    until the kept steps and evals ended: the interrupted launch's later samples and windows belong to steps (and an
+    eval) run again, and the report drew them as rollouts of no step. Nothing kept on a start from no checkpoint.
+    Left as they are where the kept records carry no times (files of an older version)."""
+    if not steps_done:
+        for name in ("timeline.jsonl", "drafter.jsonl"):
+            (run_dir / name).unlink(missing_ok=True)
+        return
+    ends = [m["started_at"] + m["times"]["step_s"] for m in read_jsonl(run_dir / "metrics.jsonl")
+            if m.get("step", steps_done) < steps_done and m.get("started_at") and "step_s" in m.get("times", {})]
+    ends += [e["started_at"] + e["seconds"] for e in read_jsonl(run_dir / "eval.jsonl")
+             if e.get("after_steps", steps_done + 1) <= steps_done and e.get("started_at")]
+    if not ends:
+        return
+    cut = max(ends)
+    trim_jsonl(run_dir / "timeline.jsonl", lambda s: s["t"] <= cut)
+    trim_jsonl(run_dir / "drafter.jsonl", lambda w: w["start"] <= cut)
+
+
 def read_timeline(path: Path) -> list[TimelineSample]:
     return [TimelineSample(d["t"], tuple(d["running"]), tuple(d["queued"]), tuple(d["sd"]), d["policy"], d["drafter"])
             for d in read_jsonl(path)]
