@@ -264,3 +264,22 @@ def test_check_refuses_max_tokens_that_leave_no_room_for_a_prompt(tmp_path: Path
         bad.write_text(text)
         assert main(["config", "check", str(bad)]) == 0, capsys.readouterr().err
     _validate({"trainer": {"max_tokens": 500}, "rollout": {"engine": {"max_model_len": 512}}}, {"drafter": False})
+
+
+def test_show_never_prints_a_secret(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tlt config show` printed api_key and control_token as set (a terminal, a CI log, a pasted issue). It says
+    they are set and where from, not what they are; its output still loads back, those fields left unset."""
+    monkeypatch.setenv("TLT_ROLLOUT__API_KEY", "sk-env-secret-1")
+    monkeypatch.setenv("TLT_DRAFTER__CONTROL_TOKEN", "drafter-secret-2")
+    assert main(["config", "show", "--set", "rollout.control_token=set-secret-3", "--set",
+                 "trainer.rollout_token=set-secret-4"]) == 0
+    out = capsys.readouterr().out
+    for secret in ("sk-env-secret-1", "drafter-secret-2", "set-secret-3", "set-secret-4"):
+        assert secret not in out
+    shown = re.findall(r"^# (\w+) = \(set, (\d+) characters; not shown\)$", out, re.M)
+    assert sorted(shown) == sorted([("api_key", "15"), ("control_token", "16"), ("control_token", "12"),
+                                    ("rollout_token", "12")]), shown
+    monkeypatch.delenv("TLT_ROLLOUT__API_KEY")
+    monkeypatch.delenv("TLT_DRAFTER__CONTROL_TOKEN")
+    (tmp_path / "shown.toml").write_text(out)
+    assert load_config(config_class("rollout"), "rollout", tmp_path / "shown.toml").api_key == ""

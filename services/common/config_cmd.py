@@ -39,6 +39,8 @@ SECTION_CLASSES: dict[str, str] = {
 }
 
 UNSET = "(unset)"
+# fields that hold a secret: `tlt config show` never prints their value, `tlt run` keeps them out of config.toml
+SECRET_FIELDS = frozenset({"rollout.control_token", "rollout.api_key", "drafter.control_token", "trainer.rollout_token"})
 ORIGINS = ("preset {preset}", "environment {var}", "--set")  # the comment of a value from each layer, in order
 WIDTH = 116  # comment lines wrap here
 
@@ -136,7 +138,10 @@ def render(cfg: ServiceConfig, table: str, where: Mapping[tuple[str, ...], str],
         lines += ["", *_comment(field.description or "")] if len(lines) > 1 else _comment(field.description or "")
         if (*path, name) in where:
             lines.append(f"# from {where[(*path, name)]}")
-        lines.append(f"# {name} = {UNSET}" if value is None else f"{name} = {toml_value(value)}")
+        if value and ".".join((table, name)) in SECRET_FIELDS:  # a terminal, CI log or pasted issue is no place for it
+            lines.append(f"# {name} = (set, {len(str(value))} characters; not shown)")
+        else:
+            lines.append(f"# {name} = {UNSET}" if value is None else f"{name} = {toml_value(value)}")
     return "\n".join(lines) + "\n" + "".join(nested)
 
 

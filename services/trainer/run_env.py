@@ -13,11 +13,10 @@ import os
 from typing import Any
 
 from tlt.services.common.config import KeyedTable, env_overrides, env_prefix
-from tlt.services.common.config_cmd import SECTION_CLASSES
+from tlt.services.common.config_cmd import SECRET_FIELDS, SECTION_CLASSES
 
-# fields that hold a secret: kept out of config.toml (a file in the run folder), they reach the services in the
-# environment as the user set them, unless this launch's --set names them
-SECRET_FIELDS = frozenset({"rollout.control_token", "rollout.api_key", "drafter.control_token", "trainer.rollout_token"})
+# SECRET_FIELDS are kept out of config.toml (a file in the run folder): they reach the services in the environment
+# as the user set them, unless this launch's --set names them
 SERVICE_SECTIONS = tuple(s for s in SECTION_CLASSES if s != "run")  # [run] is the launcher's own (RunConfig)
 
 
