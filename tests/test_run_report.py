@@ -47,6 +47,12 @@ def test_step_row_derives_sd_share_acceptance_and_idle_windows() -> None:
     assert r.sd_share == pytest.approx(0.6) and r.accept_len == pytest.approx(3.0)
     assert r.idle_windows == 2 and r.idle_train_s == pytest.approx(1.0 + 3.0)
     assert (r.step_s, r.rollout_s, r.update_s, r.drafter_version, r.lend_s) == (10.0, 4.0, 4.0, 2, 0.25)
+    # `tlt run --quiet` logs it with numbers under their own names (it logged the reward wait as reward="0.10")
+    from tlt.services.trainer.run_stats import log_fields
+
+    f = log_fields(r)
+    assert (f["reward"], f["reward_wait_s"], f["accuracy"], f["sd_share"], f["accept_len"]) == (0.5, 0.1, 0.25, 0.6, 3.0)
+    assert (f["step"], f["step_s"], f["idle_windows"], f["idle_train_s"], f["drafter_version"]) == (3, 10.0, 2, 4.0, 2)
 
 
 def test_a_window_that_trained_no_micro_step_is_no_idle_window_used() -> None:

@@ -103,9 +103,11 @@ def test_kill_minus_nine_of_the_trainer_then_resume(random_model_dir: Path, tmp_
     rc, out = wait_exit(proc, 400)
     assert rc == 0, out[-3000:]
     check_steps(run_dir)  # every step exactly once, data position continued, versions consecutive
-    # the resumed launch's table: each step once (it showed the killed run's step 2, then step 2 again)
+    # the resumed launch's log: the steps it ran, each once (it showed the killed run's step 2, then step 2 again;
+    # and it logged the earlier launch's steps 0-1 again, under its own time stamps), numbers under their own names
     shown = [int(re.search(r"\bstep=(\d+)", x).group(1)) for x in out.splitlines() if "step_done" in x]
-    assert shown == list(range(STEPS)), shown
+    assert shown == list(range(2, STEPS)), shown
+    assert all("reward_wait_s=" in x and "reward=" in x for x in out.splitlines() if "step_done" in x), out[-3000:]
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert "checkpoint_loaded" in log and "resumed_from=" in log
     assert (run_dir / "report.html").exists() and (run_dir / "plots" / "timeline.png").exists()

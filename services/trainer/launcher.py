@@ -439,7 +439,7 @@ class Launcher:
         return max(self._launched, drafters[0].quiet_since) if drafters else math.inf
 
     def watch(self) -> int:
-        from tlt.services.trainer.run_stats import HEADER, format_row, settled, table_line
+        from tlt.services.trainer.run_stats import HEADER, format_row, log_fields, settled, table_line
 
         bar = None
         if not self.quiet:
@@ -451,6 +451,9 @@ class Launcher:
         seen_size = -1
         evals_shown = 0
         rows: list = []
+        if bar is None and self._resumes_at:  # logs: a resume logs this launch's steps and evals, not again the
+            self._rows_shown = self._resumes_at  # earlier launches' under this launch's time stamps (the table
+            evals_shown = self._evals_kept()  # shows the whole run)
         try:
             while True:
                 rc = self.trainer.poll()  # type: ignore[union-attr]
@@ -470,7 +473,7 @@ class Launcher:
                         if bar is not None:
                             bar.write(table_line(format_row(r)))
                         else:
-                            log.info("step_done", **dict(zip(HEADER, format_row(r))))
+                            log.info("step_done", **log_fields(r))
                     self._rows_shown = min(ready, len(rows))
                 if rc is not None:
                     if rc != 0:
@@ -484,6 +487,11 @@ class Launcher:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _evals_kept(self) -> int:
+        from tlt.services.trainer.evaluate import read_evals
+
+        return sum(e.after_steps <= self._resumes_at for e in read_evals(self.plan.run_dir / "eval.jsonl"))
 
     def _show_evals(self, shown: int, bar) -> int:  # noqa: ANN001 - tqdm or None
         """Print held-out evals the trainer wrote since the last call; returns how many are shown."""

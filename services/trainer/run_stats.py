@@ -236,6 +236,18 @@ def format_row(r: StepRow) -> tuple[str, ...]:
             str(r.drafter_version) if r.drafter_version >= 0 else "-")
 
 
+def log_fields(r: StepRow) -> dict[str, float | int | None]:
+    """A row as `tlt run --quiet` logs it: numbers under their own names (the table's headers made `reward` the
+    reward wait and every value a string)."""
+    return {"step": r.step, "step_s": round(r.step_s, 2), "rollout_s": round(r.rollout_s, 2),
+            "tail_s": round(r.tail_s, 2), "reward_wait_s": round(r.reward_s, 3), "logprobs_s": round(r.logprobs_s, 2),
+            "update_s": round(r.update_s, 2), "push_s": round(r.push_s, 3), "reward": round(r.reward, 4),
+            "accuracy": round(r.accuracy, 4), "sd_share": round(r.sd_share, 4),
+            "accept_len": round(r.accept_len, 3) if r.accept_len else None, "idle_windows": r.idle_windows,
+            "idle_train_s": round(r.idle_train_s, 2), "drafter_version": r.drafter_version if r.drafter_version >= 0
+            else None}
+
+
 WIDTHS = (4, 7, 7, 6, 6, 5, 6, 5, 6, 6, 4, 6, 10, 7)
 
 
