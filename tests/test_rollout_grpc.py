@@ -166,6 +166,8 @@ def test_replica_death_moves_its_requests_and_the_other_keeps_serving(server, cl
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(r.running > 0 for r in client.status().replicas):
         time.sleep(0.05)
+    metrics_url = server.base_url.removesuffix("/v1") + "/metrics"
+    assert 'rollout_replica_running{replica="1"} 0.0' not in httpx.get(metrics_url).text  # scraped while it ran
     os.kill(server.server.replica_pids()[1], signal.SIGKILL)
     t.join(60)
     assert not t.is_alive()
@@ -177,6 +179,10 @@ def test_replica_death_moves_its_requests_and_the_other_keeps_serving(server, cl
     assert [(r.replica_id, r.alive) for r in st.replicas] == [(0, True), (1, False)]
     got = list(client.batch_generate(["5+5=", "6+6="], n=2, params=rollout_pb2.SamplingParams(max_tokens=4)))
     assert len(got) == 4 and {c.replica_id for c in got} == {0}
+    # a dead replica's gauges say it runs nothing (its last scrape's running count and SD state stayed on show)
+    text = httpx.get(metrics_url).text
+    assert 'rollout_replica_alive{replica="1"} 0.0' in text and 'rollout_replica_running{replica="1"} 0.0' in text
+    assert 'rollout_replica_queued{replica="1"} 0.0' in text and 'rollout_replica_kv_usage{replica="1"} 0.0' in text
     health = httpx.get(server.base_url.removesuffix("/v1") + "/health")
     # still serving (200: a health check must not restart the server), but not "ok": one replica of two is gone
     assert health.status_code == 200 and health.json() == {"status": "degraded", "replicas_alive": 1, "replicas": 2}

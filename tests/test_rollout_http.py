@@ -184,6 +184,7 @@ def test_speculative_decoding_decisions_are_metrics(client, server):
     assert _metric(text, "rollout_spec_mean_accept_len", replica="0")[0] >= 1.0
     assert _metric(text, "rollout_spec_last_step_seconds", replica="0")[0] > 0
     assert sum(_metric(text, "rollout_spec_arm_verify_steps", replica="0")) == verify[0]
+    assert _metric(text, "rollout_spec_last_arm", replica="0") == [1.0]  # one arm: the last step's
     explored = sum(_metric(text, "rollout_spec_bandit_choices", replica="0", kind="explored"))
     exploited = sum(_metric(text, "rollout_spec_bandit_choices", replica="0", kind="exploited"))
     assert explored >= 1 and explored + exploited == verify[0]  # one bandit choice per verify step

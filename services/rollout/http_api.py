@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tlt.services.common.auth import resolve_api_key, token_matches
-from tlt.services.common.gc_heap import GcMetrics, GcPauses
+from tlt.services.common.gc_heap import GcPauses
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout import openai_convert as conv
 from tlt.services.rollout.config import RolloutConfig
@@ -59,8 +59,10 @@ from tlt.services.rollout.openai_schema import (
 )
 from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError
-from tlt.services.rollout.spec_metrics import SpecMetrics
+from tlt.services.rollout.pool_metrics import PoolMetrics
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest, SamplingParams, StepOutput
+
+COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # http_requests_total{endpoint}
 
 
 class ApiError(Exception):
@@ -128,26 +130,9 @@ class OpenAIServer:
                                           ("endpoint", "status"))
         self.m_latency = metrics.histogram("http_request_seconds", "HTTP request time to the last byte",
                                            ("endpoint",))
-        # shared with the gRPC API (server.py): the trainer's BatchGenerate traffic counts here too
-        self.m_prompt = metrics.counter("prompt_tokens_total", "prompt tokens of the requests admitted, HTTP and gRPC: "
-                                        "each prompt once whatever n, as OpenAI's usage.prompt_tokens")
-        self.m_gen = metrics.counter("generated_tokens_total", "tokens the engines generated for HTTP and gRPC "
-                                     "requests, counted at each engine step: a request whose client went away counts "
-                                     "what its unfinished samples had generated, a re-dispatched sample's tokens "
-                                     "count again as it regenerates them")
-        self.m_running = metrics.gauge("replica_running", "running sequences per replica", ("replica",))
-        self.m_queued = metrics.gauge("replica_queued", "queued sequences per replica", ("replica",))
-        self.m_kv = metrics.gauge("replica_kv_usage", "KV cache use per replica (0..1)", ("replica",))
-        self.m_alive = metrics.gauge("replica_alive", "1 when the replica process is serving", ("replica",))
-        self.m_deaths = metrics.counter("replica_deaths", "replica processes that died or were killed (stall, update "
-                                        "timeout) while serving", ("replica",))
-        self.m_redispatched = metrics.counter("redispatched_requests", "requests whose unfinished samples were "
-                                              "re-issued to another replica after theirs died (redispatch_limit)")
-        self._counted: dict[str, int] = {}  # pool totals already added to those counters (added at scrape)
         self.m_rejected = metrics.counter("rejected_total", "requests and weight pushes refused, by reason",
                                           ("reason",))
-        self.m_spec = SpecMetrics(metrics)
-        self.m_gc = GcMetrics(metrics)
+        self.m_pool = PoolMetrics(metrics)
         self.api_key = resolve_api_key(config.api_key)
         self.app = self._build()
 
@@ -166,6 +151,9 @@ class OpenAIServer:
             if self.api_key and request.url.path.startswith("/v1/"):
                 if not token_matches(request.headers.get("authorization", ""), self.api_key):
                     self.m_rejected.labels("unauthenticated").inc()
+                    endpoint = COUNTED_PATHS.get(request.url.path.rstrip("/"))
+                    if endpoint is not None:  # in http_requests_total as every other answer of the endpoint
+                        self._count(endpoint, 401, time.perf_counter())
                     return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                     "authentication_error", code="invalid_api_key").response()
             return await call_next(request)
@@ -203,28 +191,8 @@ class OpenAIServer:
                             status_code=200 if alive else 503)
 
     async def metrics_endpoint(self) -> Response:
-        for s in await self.pool.snapshot(timeout_s=2.0):
-            r = str(s.replica_id)
-            self.m_alive.labels(r).set(1 if s.alive else 0)
-            if s.stats is not None:
-                self.m_running.labels(r).set(s.stats.running)
-                self.m_queued.labels(r).set(s.stats.queued)
-                self.m_kv.labels(r).set(s.stats.kv_usage)
-                self.m_spec.update(s.replica_id, s.stats.spec)
-                self.m_gc.update(f"replica-{s.replica_id}", s.stats.gc)
-        if self.gc_pauses is not None:
-            self.m_gc.update("front", self.gc_pauses.snapshot())
-        self._count_up(self.m_redispatched, "redispatched", self.pool.redispatches)
-        self._count_up(self.m_gen, "generated", self.pool.generated_tokens)
-        self._count_up(self.m_prompt, "prompt", self.pool.prompt_tokens)
-        for replica, deaths in self.pool.deaths.items():
-            self._count_up(self.m_deaths.labels(str(replica)), f"deaths{replica}", deaths)
+        self.m_pool.scrape(self.pool, await self.pool.snapshot(timeout_s=2.0), self.gc_pauses)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
-
-    def _count_up(self, counter: Any, key: str, total: int) -> None:
-        """Bring a Prometheus counter to the pool's running total (which only grows) by adding what is new."""
-        counter.inc(total - self._counted.get(key, 0))
-        self._counted[key] = total
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card()])

@@ -33,7 +33,12 @@ class SpecMetrics:
         self.catch_up = metrics.gauge("spec_catch_up_seconds", "drafter catch-up after steps without SD (total; in "
                                       "the step times, left out of the bandit's rewards)", r)
         self.accept = metrics.gauge("spec_mean_accept_len", "tokens per sequence per verify step (bonus included)", r)
-        self.arm_steps = metrics.gauge("spec_arm_verify_steps", "verify steps run with each arm", ("replica", "arm"))
+        self.arm_steps = metrics.gauge("spec_arm_verify_steps", "steps run with each arm the decoder chose; arm "
+                                       "\"plain\": the adaptive mode's plain decode step in the tail, counted in "
+                                       "spec_plain_steps, not spec_verify_steps", ("replica", "arm"))
+        self.last_arm = metrics.gauge("spec_last_arm", "1 for the arm of the replica's last step the decoder chose "
+                                      "(verify or the plain arm)", ("replica", "arm"))
+        self._last_arm: dict[str, str] = {}
         self.arm_accept = metrics.gauge("spec_arm_accept_len", "tokens per sequence per verify step, by arm",
                                         ("replica", "arm"))
         self.bucket_choices = metrics.gauge("spec_bandit_choices", "bandit choices per batch-size bucket, by kind",
@@ -42,6 +47,20 @@ class SpecMetrics:
                                         ("replica", "bucket", "arm"))
         self.arm_chosen = metrics.gauge("spec_bandit_chosen", "steps an arm the bandit chose ran in a bucket (a choice withdrawn for lack of KV room is not counted)",
                                         ("replica", "bucket", "arm"))
+
+    def _set_last_arm(self, r: str, arm: str | None) -> None:
+        old = self._last_arm.pop(r, None)
+        if old is not None and old != arm:
+            self.last_arm.remove(r, old)
+        if arm:
+            self.last_arm.labels(r, arm).set(1)
+            self._last_arm[r] = arm
+
+    def dead(self, replica_id: int) -> None:
+        """A dead replica speculates no more: SD off and no last arm (its counts stay until its restart resets them)."""
+        r = str(replica_id)
+        self.active.labels(r).set(0)
+        self._set_last_arm(r, None)
 
     def update(self, replica_id: int, spec: dict[str, Any]) -> None:
         """Set the gauges of one replica from its engine's spec stats (empty: no decoder attached)."""
@@ -57,6 +76,7 @@ class SpecMetrics:
         self.step.labels(r).set(spec.get("last_step_seconds", 0.0))
         self.catch_up.labels(r).set(spec.get("catch_up_seconds", 0.0))
         self.accept.labels(r).set(spec.get("mean_accept_len", 0.0))
+        self._set_last_arm(r, spec.get("last_arm"))
         for name, a in spec.get("arms", {}).items():
             self.arm_steps.labels(r, name).set(a["verify_steps"])
             self.arm_accept.labels(r, name).set(a["emitted"] / a["seq_steps"] if a["seq_steps"] else 0.0)

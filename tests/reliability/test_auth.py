@@ -145,6 +145,7 @@ def test_openai_endpoints_need_the_api_key(server):
     base = server.base_url
     body = {"model": server.model_name, "prompt": "1+1=", "max_tokens": 2}
     before = _rejected(server, "unauthenticated")
+    answered = _answered(server, "completions", "401")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(f"{base}/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 401
@@ -156,6 +157,14 @@ def test_openai_endpoints_need_the_api_key(server):
     # health and metrics stay open for probes
     assert httpx.get(f"http://127.0.0.1:{server.server.http_port}/health", timeout=30).status_code == 200
     assert _rejected(server, "unauthenticated") >= before + 6
+    # the refusals are answers of the endpoint: in http_requests_total beside its 200s (they were left out)
+    assert _answered(server, "completions", "401") == answered + 3
+
+
+def _answered(server, endpoint: str, status: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{server.server.http_port}/metrics", timeout=30).text
+    line = f'rollout_http_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
 
 
 def test_openai_client_with_the_key(server):
