@@ -163,3 +163,28 @@ def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkey
                                                 eval_greedy=True), 0, 0)
     assert calls == [(2, 0.0)] and r.correct == (2, 0, 1) and r.greedy_correct is None
     assert r.greedy_accuracy == r.accuracy == pytest.approx(3 / 6)
+
+
+def test_a_resumed_trainers_metrics_start_where_the_run_stands(tmp_path) -> None:
+    """The trainer's /metrics read step 0, reward 0 and eval accuracy 0 after a resume from step 2 until its first
+    new step ended (a dashboard dropped to zero at every restart). They start from the kept steps and evals.
+    A real _Services over the run's files (its clients connect lazily; nothing is called)."""
+    import json
+
+    from tlt.services.trainer import loop
+
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [{"step": k, "reward_mean": 0.25 * (k + 1), "times": {"step_s": 10.0 + k}} for k in range(3)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [EvalRecord(k, k, 0.3 + 0.1 * k, 4, 2, 1.0, 0.1, 0.0, 0.5 if k == 0 else None) for k in (0, 2, 3)]
+    (out / "eval.jsonl").write_text("".join(json.dumps(e.as_dict()) + "\n" for e in evals))
+    cfg = TrainerConfig(output_dir=str(out), rollout_addresses=["127.0.0.1:1"], eval_problems=0)
+    services = loop._Services(cfg, out, 2)  # resumes from the checkpoint after 2 steps: step 2's line is dropped
+    try:
+        text = services.prom.render().decode()
+    finally:
+        services.close()
+    assert "trainer_step 2.0" in text and "trainer_reward_mean 0.5" in text  # step 1's reward
+    assert 'trainer_step_seconds{phase="step_s"} 11.0' in text
+    assert "trainer_eval_accuracy 0.5" in text and "trainer_eval_greedy_accuracy 0.5" in text  # the eval after 2

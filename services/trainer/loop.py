@@ -233,6 +233,8 @@ class _Services:
         self.g_eval_greedy = self.prom.gauge("eval_greedy_accuracy", "held-out greedy accuracy of the last eval "
                                              "([trainer] eval_greedy)")
         self.g_seconds = self.prom.gauge("step_seconds", "wall time of the last step", labels=("phase",))
+        if start:  # a resume: where the run stands, not zeros until its first new step ends
+            self._restore_gauges(start)
         if cfg.metrics_port:
             self.prom.serve(cfg.metrics_port, cfg.metrics_host)
         # seeded by the run: each server's request gets its own seed (collect.request_seed), so a resumed run rolls
@@ -247,6 +249,22 @@ class _Services:
             from tlt.services.trainer.colocate import DeviceLoan
 
             self.loan = DeviceLoan(self.clients, cfg.lend_lease_s)
+
+    def _restore_gauges(self, start: int) -> None:
+        """The gauges as the kept steps and evals left them (metrics.jsonl and eval.jsonl, trimmed to the checkpoint)."""
+        from tlt.services.trainer.evaluate import read_evals
+        from tlt.services.trainer.run_stats import read_jsonl
+
+        self.g_step.set(start)
+        if rows := read_jsonl(self.metrics_path):
+            self.g_reward.set(rows[-1].get("reward_mean", 0.0))
+            for phase, seconds in rows[-1].get("times", {}).items():
+                self.g_seconds.labels(phase).set(seconds)
+        if evals := read_evals(self.eval_path):
+            self.g_eval.set(evals[-1].accuracy)
+            greedy = [e.greedy_accuracy for e in evals if e.greedy_accuracy is not None]
+            if greedy:
+                self.g_eval_greedy.set(greedy[-1])
 
     def sync(self, policy) -> tuple[int, bool]:  # noqa: ANN001
         """Wait for the services; (the policy version, whether the rollout needs the weights pushed first)."""
