@@ -459,6 +459,7 @@ def test_a_replica_that_cannot_load_the_drafter_names_the_drafter(models, tmp_pa
     headline = event.message.splitlines()[0]
     assert f"replica 0 failed to load the drafter {drafter}" in headline, headline
     assert "DrafterError" in event.message
+    assert event.checkpoint.startswith(f"the drafter {drafter}: ")  # `tlt rollout serve` says this, one line
 
 
 def test_ctrl_c_in_a_command_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys) -> None:

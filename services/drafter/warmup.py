@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     check_checkpoint(args.model)
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from tlt.model.tokenizer import load_tokenizer
 
     from tlt.services.common.logging import get_logger
     from tlt.services.common.seeds import torch_seed
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                           "folder (e.g. artifacts/tiny-drafter)")
     torch.manual_seed(torch_seed(args.seed))
     t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = load_tokenizer(args.model)
     problems = generate_problems(args.problems, seed=args.seed + 1000)
     prompts = [tok(format_prompt(p), add_special_tokens=False)["input_ids"] for p in problems]
     samples = []

@@ -154,9 +154,12 @@ class Reply:
 
 @dataclass(frozen=True)
 class Fatal:
-    """The replica loop died; the message says why. The process exits after sending it."""
+    """The replica loop died; the message says why. The process exits after sending it. `checkpoint`: the user's
+    folder is at fault (a CheckpointError or DrafterError while loading: a bad tensor, NaN weights, an unreadable
+    tokenizer), its message alone; the start then fails as that error, one line, not a replica failure."""
 
     message: str
+    checkpoint: str = ""
 
 
 Event = Ready | StepEvents | Aborted | RequestFailed | Reply | Fatal

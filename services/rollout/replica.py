@@ -138,8 +138,13 @@ def serve_replica(
         if spec_config_json:
             loading = spec_subject(spec_config_json)
             attach_spec(engine, spec_config_json)
-    except Exception:  # deliberate boundary: report why the replica could not start, then exit
-        conn.send(Fatal(f"replica {replica_id} failed to load {loading}:\n{traceback.format_exc()}"))
+    except Exception as e:  # deliberate boundary: report why the replica could not start, then exit
+        from tlt.model.drafter import DrafterError
+        from tlt.model.folder import CheckpointError
+
+        mine = isinstance(e, (CheckpointError, DrafterError))  # the folder's fault: its message says what to fix
+        conn.send(Fatal(f"replica {replica_id} failed to load {loading}:\n{traceback.format_exc()}",
+                        checkpoint=f"{loading}: {e}" if mine else ""))
         conn.close()
         return
     info = ReplicaInfo(

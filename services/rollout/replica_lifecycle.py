@@ -311,19 +311,25 @@ class ReplicaLifecycle:
         self.refuse_requests("the server is shutting down")  # what is still waiting (RolloutServer.stop did it first)
         self._pending.clear()
 
-    def _on_dead(self, rep: _Replica, why: str) -> None:
+    def _on_dead(self, rep: _Replica, why: str, checkpoint: str = "") -> None:
         if rep.error:
             return
         rep.alive = False
         rep.error = why
         if self._stopping:
             log.info("replica_stopped", replica=rep.replica_id)
+        elif checkpoint and not rep.ready.done():  # the start fails as the folder's error, which says it in one line
+            log.debug("replica_dead", replica=rep.replica_id, error=why[-2000:])
         else:
             self.deaths[rep.replica_id] = self.deaths.get(rep.replica_id, 0) + 1  # /metrics: replica_deaths_total
             log.error("replica_dead", replica=rep.replica_id, error=why[-2000:])
         if not rep.ready.done():
             if self._stopping:  # killed while it loaded: nobody waits for it any more
                 rep.ready.cancel()
+            elif checkpoint:  # the user's folder: `tlt rollout serve` says it in one line (bad_checkpoint)
+                from tlt.model.folder import CheckpointError
+
+                rep.ready.set_exception(CheckpointError(checkpoint))
             else:
                 rep.ready.set_exception(ReplicaUnavailableError(f"replica {rep.replica_id} failed to start: {why}"))
         for cmd_id, (owner, fut) in list(self._replies.items()):

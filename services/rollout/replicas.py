@@ -249,7 +249,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
             rep.ready.set_result(event.info)
             log.info("replica_up", replica=rep.replica_id, pid=event.info.pid, device=event.info.device)
         elif isinstance(event, Fatal):
-            self._on_dead(rep, event.message)
+            self._on_dead(rep, event.message, event.checkpoint)
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -186,7 +186,13 @@ def check_before_start(model: str, config: Any) -> None:
         from tlt.model.folder import read_model_config
         from tlt.services.rollout.engine.config import context_limit
 
+        from tlt.model.loader import check_weight_headers
+
+        from tlt.model.tokenizer import load_tokenizer
+
         model_config = read_model_config(model)
+        check_weight_headers(model, model_config)
+        load_tokenizer(model)  # each replica loads it too
         context_limit(config.engine.max_model_len, model_config)
         check_push_limit(model_config, config.max_weight_bytes)
     spec = config.spec  # (an unknown backend: refused as the config loads, RolloutConfig._known_backend)

@@ -53,12 +53,11 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
 
 def _front_tokenizer(model_dir: str) -> Any:
     """The front's tokenizer, with the API modules imported: run on a thread while the replicas load."""
-    from transformers import AutoTokenizer
-
     import tlt.services.rollout.grpc_api  # noqa: F401
     import tlt.services.rollout.http_api  # noqa: F401
+    from tlt.model.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_tokenizer(model_dir)
 
 
 class RolloutServer:

@@ -20,14 +20,14 @@ def task_requests(model_dir, args: argparse.Namespace):  # noqa: ANN001, ANN202
 
     Greedy: prompts x n distinct problems, one sample each. Sampled: `prompts` problems, each one
     seeded request of n samples (a GRPO group)."""
-    from transformers import AutoTokenizer
+    from tlt.model.tokenizer import load_tokenizer
 
     from tlt.services.rollout.types import GenerationRequest, SamplingParams
     from tlt.task import format_prompt
 
     sampled = args.temperature > 0
     count = args.prompts if sampled else args.prompts * args.n
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
     problems = long_problems(tok, count, args.seed + 7_000_003, args.min_tokens)
     ids = [tuple(tok.encode(format_prompt(p))) for p in problems]
     if sampled:

@@ -298,12 +298,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _score(path: str, args: argparse.Namespace) -> EvalReport:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from tlt.model.tokenizer import load_tokenizer
 
     if args.engine == "native":
         return evaluate(None, None, eval_problems(args.n, args.seed), samples=args.samples, seed=args.seed,
                         progress=True, native=NativeGenerator(path, threads=args.threads))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
+    if tokenizer.pad_token_id is None:  # Llama 3's: batched generate pads (left) with something; eos, as HF suggests
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return evaluate(model, tokenizer, eval_problems(args.n, args.seed), samples=args.samples,
                     batch_size=args.batch_size, seed=args.seed, progress=True)

@@ -2,6 +2,7 @@
 
     load_checkpoint(dir) -> (ModelConfig, {hf_name: Tensor})
     read_tensors(dir, names) -> {hf_name: Tensor}   (only those, e.g. the embedding and lm_head)
+    check_weight_headers(dir, config)               (names, shapes, dtypes from the files' headers: no tensor read)
     (the folder checks that read no tensors, check_checkpoint and read_model_config: folder.py, without torch)
 
 Reads `config.json` (+ `generation_config.json` for eos ids) and the weights
@@ -81,10 +82,12 @@ def validate_tensors(
     *,
     partial: bool = False,
     dtype: torch.dtype | None = None,
+    finite: bool = False,
 ) -> None:
     """Raise CheckpointError unless every tensor is known with the right shape (and dtype if given).
 
-    partial=False also requires every expected tensor to be present.
+    partial=False also requires every expected tensor to be present. finite=True also refuses a NaN or infinite
+    value: such weights were served without an error, every logprob a NaN shown as -9999.
     """
     expected = expected_tensors(cfg)
     if cfg.tie_word_embeddings and TIED_HEAD in tensors:  # checked as the embedding's shape and dtype, then equal
@@ -100,6 +103,8 @@ def validate_tensors(
             raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {t.dtype}")
         if not t.dtype.is_floating_point:
             raise CheckpointError(f"tensor {name!r}: expected a floating point dtype, found {t.dtype}")
+        if finite and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"tensor {name!r} holds NaN or infinite values")
     if cfg.tie_word_embeddings:
         check_tied_head(tensors)
     if not partial:
@@ -156,5 +161,33 @@ def load_checkpoint(
                 f"{folder}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
                 "model.embed_tokens.weight; set tie_word_embeddings to false if the head is meant to be separate"
             )
-    validate_tensors(cfg, tensors)
+    validate_tensors(cfg, tensors, finite=True)
     return cfg, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+
+
+class _Header:
+    """A tensor as a safetensors header describes it: what validate_tensors reads of one, but its values."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool}
+
+
+def check_weight_headers(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """CheckpointError for what load_checkpoint would refuse that the weight files' headers show: a file safetensors
+    cannot read (cut short, a Git LFS pointer), a missing, unknown, misshapen or integer tensor. Reads no tensor:
+    `tlt rollout serve` checks it before its replicas load the weights, where the same error came back as a replica
+    that failed to start, with two tracebacks. (A tied head is compared by value at load.)"""
+    headers: dict[str, _Header] = {}
+    for path in weight_files(Path(model_dir)):
+        with _weights(path) as f:
+            for name in f.keys():
+                if name.endswith(_IGNORABLE_SUFFIXES) or (cfg.tie_word_embeddings and name == TIED_HEAD):
+                    continue
+                part = f.get_slice(name)
+                headers[name] = _Header(tuple(part.get_shape()), _HEADER_DTYPES.get(part.get_dtype(), torch.uint8))
+    validate_tensors(cfg, headers)  # type: ignore[arg-type]

@@ -87,3 +87,20 @@ def test_tokenizer() -> PreTrainedTokenizerFast:
 
 
 test_tokenizer.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test, when imported into a test module
+
+
+def load_tokenizer(model_dir: str | Path):  # noqa: ANN201 - a transformers PreTrainedTokenizerBase
+    """The checkpoint folder's tokenizer, from its own files only. One transformers cannot read (a tokenizer.json
+    left as a Git LFS pointer or cut short, a tokenizer.model whose library is missing) is a CheckpointError naming
+    the folder and why: it was a JSONDecodeError traceback that named no file."""
+    from transformers import AutoTokenizer
+
+    from tlt.model.folder import CheckpointError
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the user's files make transformers or tokenizers raise
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise CheckpointError(f"{model_dir}: its tokenizer files cannot be loaded ({why}); copy them again (a "
+                              "repository cloned without git-lfs leaves pointer files) or save the tokenizer with "
+                              "tokenizer.save_pretrained(DIR)") from None

@@ -87,7 +87,7 @@ class LLMEngine:
     runs_sample_subsets = True  # add_request honours GenerationRequest.sample_indices (backends.py)
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, replica_id: int = 0) -> None:
-        from transformers import AutoTokenizer
+        from tlt.model.tokenizer import load_tokenizer
 
         self.config = config
         self.replica_id = replica_id
@@ -104,7 +104,7 @@ class LLMEngine:
         del tensors
         if not has_tokenizer(model_dir):
             raise CheckpointError(f"{model_dir} has no tokenizer files ({' / '.join(TOKENIZER_FILES)})")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_mb)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -311,7 +311,7 @@ class LLMEngine:
             raise ValueError(f"version must be an integer, got {version!r}")
         if not tensors:
             raise ValueError("weight update has no tensors")
-        validate_tensors(self.model_config, tensors, partial=True, dtype=self.dtype)
+        validate_tensors(self.model_config, tensors, partial=True, dtype=self.dtype, finite=True)
         self.model.load_weights({k: v.to(self.device) for k, v in tensors.items()})
         # cached prefix K/V was computed with the old weights: a new request must not reuse it
         self.block_manager.reset_prefix_cache()

@@ -1,0 +1,94 @@
+"""A user's checkpoint folder that is damaged is refused in one line (exit 2, `bad_checkpoint`, no traceback) by
+every command that loads it, before anything is served: a weight file without a tensor, with a misshapen or
+integer one, cut short, or holding NaN; a tokenizer.json left as a Git LFS pointer. `tlt rollout serve` printed two
+tracebacks of a replica that failed to start for the weights (the tensor checks ran only in the replica), every
+command a JSONDecodeError traceback naming no file for the tokenizer, and NaN weights were served: every logprob a
+NaN shown as -9999. A trainer's push of NaN weights is refused too.
+
+Real `tlt` subprocesses on tiny random Qwen2 checkpoints built here (tlt.model.testing), damaged by hand.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 1843\n"
+
+
+def _damaged(base: Path, root: Path, kind: str) -> Path:
+    out = root / kind
+    shutil.copytree(base, out)
+    weights = load_file(out / "model.safetensors")
+    if kind == "missing":
+        del weights["model.layers.1.mlp.down_proj.weight"]
+    elif kind == "shape":
+        weights["model.norm.weight"] = torch.ones(7)
+    elif kind == "integer":
+        weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
+    elif kind == "nan":
+        weights["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    if kind in ("missing", "shape", "integer", "nan"):
+        save_file(weights, out / "model.safetensors")
+    elif kind == "truncated":
+        data = (out / "model.safetensors").read_bytes()
+        (out / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif kind == "lfs_tokenizer":
+        (out / "tokenizer.json").write_text(LFS_POINTER)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tlt.model.testing import random_checkpoint
+
+    return random_checkpoint(tmp_path_factory.mktemp("m") / "qwen2", family="qwen2", num_hidden_layers=2)
+
+
+SAYS = {"missing": "missing tensor(s) ['model.layers.1.mlp.down_proj.weight']", "shape": "expected shape (64,)",
+        "integer": "expected a floating point dtype", "nan": "holds NaN or infinite values",
+        "truncated": "is not a readable safetensors file", "lfs_tokenizer": "tokenizer files cannot be loaded"}
+
+
+@pytest.mark.parametrize("kind", list(SAYS))
+def test_rollout_serve_refuses_a_damaged_folder_in_one_line(base, tmp_path, kind) -> None:
+    model = _damaged(base, tmp_path, kind)
+    r = subprocess.run([sys.executable, "-m", "tlt.cli", "rollout", "serve", "--model", str(model), "--http-port", "0",
+                        "--grpc-port", "0", "--set", "engine.num_kv_blocks=16", "--set", "threads_per_replica=1"],
+                       capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    lines = [x for x in out.splitlines() if "error" in x]
+    assert r.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert len(lines) == 1 and "bad_checkpoint" in lines[0] and SAYS[kind] in lines[0], out[-3000:]
+
+
+@pytest.mark.parametrize("argv", [["model", "eval", "--n", "2"], ["drafter", "warmup", "--problems", "8", "--out", "{out}"]])
+def test_other_commands_name_an_unreadable_tokenizer(base, tmp_path, argv) -> None:
+    model = _damaged(base, tmp_path, "lfs_tokenizer")
+    cmd = [a.replace("{out}", str(tmp_path / "drafter")) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "tlt.cli", *cmd[:2], "--model", str(model), *cmd[2:]],
+                       capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in out and "bad_checkpoint" in out, out[-3000:]
+    assert SAYS["lfs_tokenizer"] in out and str(model) in out, out[-3000:]
+
+
+def test_a_push_of_nan_weights_is_refused(base) -> None:
+    """A diverged trainer's NaN weights were applied and served; the replica now refuses the push, naming the tensor,
+    and keeps serving the version it had."""
+    from rollout_helpers import ServerThread
+    from tlt.services.rollout.client import RolloutClient, WeightPushError
+    from tlt.services.trainer.weight_sync import WeightPublisher
+
+    weights = load_file(base / "model.safetensors")
+    weights["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("inf")
+    with ServerThread(base, replicas=1, insecure_local=True) as server, RolloutClient(server.grpc_address) as client:
+        with pytest.raises(WeightPushError, match="model.layers.1.self_attn.o_proj.weight.*NaN or infinite"):
+            WeightPublisher([client]).push(weights, 1)
+        assert client.status().versions.policy == 0
