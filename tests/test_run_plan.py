@@ -543,3 +543,25 @@ def test_a_gpu_preset_that_drafts_model_free_says_how_to_start_the_drafter_servi
     plan.lock.close()
     assert plan.switches == {"speculation": True, "drafter": True} and "drafter_off" not in "".join(capfd.readouterr())
     assert plan.services["rollout"]["spec"]["drafter"] == "learned"
+
+
+def test_a_damaged_last_checkpoint_is_one_line_and_a_plain_run_takes_another_folder(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """A trainer_state.pt cut short (a full disk, a copy) or a `latest` pointer overwritten ended `tlt run` in an
+    EOFError / ValueError traceback before it started; in the default folder, every plain `tlt run` (`make run`)
+    then did. A resume of it is one line naming the file and the ways on; a plain run leaves it alone (said in a
+    warning) and takes a new folder."""
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    _clock(monkeypatch, "20260101-000000", "20260101-000001")
+    run_dir = _closed(_plan(runs, model, "--steps", "4")).run_dir  # the default folder, interrupted after 2 steps
+    _checkpointed(run_dir, 2)
+    (run_dir / "checkpoints" / "step-00000002").mkdir()
+    (run_dir / "checkpoints" / "step-00000002" / "trainer_state.pt").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(ServiceError, match=r"trainer_state.pt cannot be read .*: point .*latest at an earlier"):
+        _plan(runs, model, "--resume", str(run_dir))
+    assert _closed(_plan(runs, model, "--steps", "4")).run_dir.name == "cpu-tiny-20260101-000000"
+    (run_dir / "checkpoints" / "latest").write_text("garbage\n")
+    with pytest.raises(ServiceError, match=r"latest names no checkpoint \('garbage'\)"):
+        _plan(runs, model, "--resume", str(run_dir))

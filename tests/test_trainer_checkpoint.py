@@ -346,3 +346,29 @@ def test_latest_naming_a_missing_checkpoint_is_a_one_line_refusal(tmp_path):
     with pytest.raises(CheckpointError, match="names step-00000003, which is not a complete checkpoint: .*resume="):
         CheckpointManager(tmp_path / "checkpoints").latest()
     assert latest_state(tmp_path) is None  # `tlt run` leaves it to the trainer to say
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_error_and_leaves_the_last_whole_one(tmp_path) -> None:
+    """A full disk mid-save ended the trainer in an OSError / "basic_ios::clear" traceback and left the partial
+    folder taking the space. It is a CheckpointWriteError (an OSError `tlt train` reports in one line) saying where
+    and that the run resumes from its last complete checkpoint; the partial folder goes, `latest` is untouched.
+    (DeepSpeed's writer is made to fail as on a full disk: no disk can be filled here.)"""
+    import errno
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from tlt.services.trainer.checkpoint import CheckpointManager, CheckpointWriteError
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "latest").write_text("step-00000001\n")
+
+    def full_disk(path, **kw):  # noqa: ANN001, ANN003, ANN202
+        (Path(path) / "engine").mkdir(parents=True)
+        (Path(path) / "engine" / "part").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    policy = SimpleNamespace(engine=SimpleNamespace(save_checkpoint=full_disk))
+    with pytest.raises(CheckpointWriteError, match=r"after 2 steps could not be written .*No space left.*resumes"):
+        CheckpointManager(root).save(policy, None, 2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest"] and (root / "latest").read_text() == "step-00000001\n"

@@ -49,6 +49,10 @@ _NOT_IDENTITY = frozenset({"transformers_version", "architectures", "dtype", "to
                            "output_hidden_states", "output_attentions", "return_dict"})
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk); the message says where and how the run resumes."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that must not be resumed into this run; the message names it and the fix."""
 
@@ -182,14 +186,22 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         barrier()
-        # Collective: with ZeRO 1/2 every rank writes its optimizer partition, with ZeRO-3 its parameters' too.
-        policy.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False)
-        barrier()
+        try:
+            # Collective: with ZeRO 1/2 every rank writes its optimizer partition, with ZeRO-3 its parameters' too.
+            policy.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False)
+            barrier()
+            if is_main():
+                state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng(),
+                                     model_identity(policy.model_config), **engine_settings(policy))
+                torch.save(state.__dict__, tmp / STATE_FILE)
+                _fsync_tree(tmp)
+        except (OSError, RuntimeError) as e:  # a full disk: torch's C++ writer raises RuntimeError (basic_ios)
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took back; `latest` still names a whole one
+            raise CheckpointWriteError(
+                f"the checkpoint after {steps_done} steps could not be written in {self.root} ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}); free space there and run the same command again: the trainer "
+                "resumes from its last complete checkpoint") from None
         if is_main():
-            state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng(),
-                                 model_identity(policy.model_config), **engine_settings(policy))
-            torch.save(state.__dict__, tmp / STATE_FILE)
-            _fsync_tree(tmp)
             # An older run got this far before being resumed from an earlier checkpoint: its folder may be the one
             # `latest` names, so it is removed only after `latest` names the new one (never a moment without a
             # complete checkpoint to resume from, whenever a kill -9 comes).

@@ -36,7 +36,7 @@ from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess
 from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
 from tlt.services.trainer.run_env import child_unset_env, environment_layer
-from tlt.services.trainer.run_resume import check_resume
+from tlt.services.trainer.run_resume import check_resume, checkpoint_steps
 from tlt.services.trainer.run_stats import trim_samples
 from tlt.services.trainer.run_folder import claim, default_folder, read_run_file, write_atomic
 
@@ -161,14 +161,6 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
     return inputs, preset, load_config(RunConfig, "run", path, run_over)
 
 
-def _checkpoint_steps(run_dir: Path) -> int:
-    """Steps done at the run folder's last trainer checkpoint (0: none): where its trainer resumes."""
-    from tlt.services.trainer.checkpoint import CheckpointManager
-
-    pointer = run_dir / "checkpoints" / "latest"
-    return CheckpointManager.steps_of(pointer.read_text()) if pointer.is_file() else 0
-
-
 def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
     """Load every section a service of this run will load (ConfigError when one is invalid), before run.json
     records this launch's --set: a mistyped one failed only in its service, after the others had started, and
@@ -250,7 +242,7 @@ def _plan_in(run_dir: Path, lock: Any, args: argparse.Namespace, saved: dict[str
                            f"(tlt model build --preset tiny --out {run_cfg.model_dir})")
     services, switches = resolve_services(preset, run_cfg, run_dir)
     _validate(services, switches)
-    if _checkpoint_steps(run_dir):
+    if checkpoint_steps(run_dir):
         check_resume(run_dir, services["trainer"], run_cfg.model_dir)
     if run_cfg.speculation and not switches["speculation"]:
         log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")
@@ -294,7 +286,7 @@ class Launcher:
         # A resumed trainer drops metrics.jsonl's lines of the steps after its checkpoint and runs them again;
         # until it has, those lines are the interrupted run's: shown, each of those steps would show twice.
         self._launched = time.time()
-        self._resumes_at = _checkpoint_steps(plan.run_dir)
+        self._resumes_at = checkpoint_steps(plan.run_dir)
         trim_evals(plan.run_dir / "eval.jsonl", self._resumes_at)  # as the trainer will: each eval shown once
         trim_samples(plan.run_dir, self._resumes_at)  # and what the interrupted launch's dropped steps did
         self._eval_size = -1  # size of eval.jsonl when last read
@@ -517,7 +509,10 @@ class Launcher:
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         for s in self.samplers:
-            s.close()
+            try:
+                s.close()
+            except Exception as e:  # noqa: BLE001 - a sampler's file (a full disk) must not leave the services running
+                log.error("sampler_stop_failed", sampler=type(s).__name__, error=repr(e)[:300])
         self.samplers = []
         for p in reversed(self.services):
             try:

@@ -15,7 +15,9 @@ itself notices services that die.
 from __future__ import annotations
 
 import json
+import math
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -32,6 +34,7 @@ class _Poller(threading.Thread):
         self.interval_s = interval_s
         self._halt = threading.Event()
         self.failures = 0
+        self._said_at = -math.inf
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -39,6 +42,11 @@ class _Poller(threading.Thread):
                 self.poll()
             except grpc.RpcError:  # the service is (re)starting or gone: keep sampling
                 self.failures += 1
+            except OSError as e:  # the run folder's disk is full (or gone): said once a minute, sampling goes on
+                self.failures += 1
+                if time.monotonic() - self._said_at > 60:
+                    self._said_at = time.monotonic()
+                    log.warning("sample_not_written", sampler=type(self).__name__, error=str(e)[:200])
             self._halt.wait(self.interval_s)
 
     def poll(self) -> None:
@@ -78,7 +86,10 @@ class RolloutSampler(_Poller):
     def close(self) -> None:
         super().close()
         self.client.close()
-        self.out.close()
+        try:
+            self.out.close()
+        except OSError as e:  # its last lines could not be written (a full disk): the rest of the run's stop goes on
+            log.warning("timeline_not_written", error=str(e)[:200])
         if self.last is not None:  # a report's extra: failing to write it must not keep the launcher from
             from google.protobuf.json_format import MessageToDict  # stopping the services
 

@@ -23,16 +23,44 @@ DATA_FIELDS = ("seed", "data_path", "answer_field", "synthetic_problems")
 
 def latest_state(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """The run's latest complete trainer checkpoint and its state (our own file, as the trainer loads it); None when
-    there is none, or `latest` names no complete one (the trainer says so)."""
-    import torch
-
+    there is none, or `latest` names no complete one (the trainer says so). ServiceError when its state file cannot
+    be read (cut short, overwritten)."""
     from tlt.services.trainer.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
 
     try:
         latest = CheckpointManager(run_dir / "checkpoints").latest()
-    except CheckpointError:
+    except (CheckpointError, ValueError):  # the trainer says so (a `latest` naming no step: checkpoint_steps did)
         return None
-    return None if latest is None else (latest, torch.load(latest / STATE_FILE, weights_only=False))
+    if latest is None:
+        return None
+    import torch
+
+    try:
+        return latest, torch.load(latest / STATE_FILE, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a file cut short or overwritten: EOFError, OSError, UnpicklingError...
+        raise ServiceError(damaged(run_dir, f"{latest / STATE_FILE} cannot be read ({type(e).__name__}: "
+                                            f"{' '.join(str(e).split())[:160]})")) from None
+
+
+def damaged(run_dir: Path, what: str) -> str:
+    """The one line for a run whose last checkpoint is damaged: what, and the two ways on."""
+    return (f"{what}: point {run_dir / 'checkpoints' / 'latest'} at an earlier complete step-* folder there, or "
+            "start a new run (--run-id ID)")
+
+
+def checkpoint_steps(run_dir: Path) -> int:
+    """Steps done at the run folder's last trainer checkpoint (0: none): where its trainer resumes. ServiceError
+    for a `latest` pointer that names no step (emptied, overwritten): it was a ValueError traceback."""
+    from tlt.services.trainer.checkpoint import CheckpointManager
+
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return 0
+    text = pointer.read_text()
+    try:
+        return CheckpointManager.steps_of(text)
+    except ValueError:
+        raise ServiceError(damaged(run_dir, f"{pointer} names no checkpoint ({text.strip()[:60]!r})")) from None
 
 
 def check_resume(run_dir: Path, trainer: dict[str, Any], model_dir: str) -> None:

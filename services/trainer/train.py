@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.trainer.loop import train
     from tlt.services.trainer.policy import ModelMismatchError
     from tlt.services.trainer.rewards import RewardError, RewardFunctionFailed
+    from tlt.services.trainer.checkpoint import CheckpointWriteError
     from tlt.services.trainer.weight_sync import StaleWeightsError
 
     try:
@@ -79,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
                                     "the trainer resumes from its checkpoint and pushes its weights first")
         return 1
     except WeightPushError as e:  # refused: too large, another model's tensors, a replica down; the message says which
+        get_logger("trainer").error("train_failed", error=str(e))
+        return 1
+    except CheckpointWriteError as e:  # a full disk: where, and that the run resumes from its last whole checkpoint
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
     except (DataError, CheckpointError, ModelMismatchError) as e:  # the user's data, output_dir or model folders
