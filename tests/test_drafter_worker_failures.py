@@ -385,3 +385,49 @@ def test_a_worker_for_a_replica_the_rollout_lacks_says_so_once(tmp_path, model_d
         found.close()
         coord.close()
         pub.close()
+
+
+def test_a_killed_worker_is_started_again_by_its_drafter_serve(tmp_path, model_dir) -> None:
+    """A worker killed with -9 (the OOM killer, an operator) was never started again and nothing said so: the run
+    went on with the rollout's idle time unused (a QA run: rc 0, no window trained after the kill). `tlt drafter
+    serve` starts it again (it resumes from its checkpoint) and says so. Real processes: `tlt drafter serve
+    --workers 1`, its worker killed by its pid."""
+    import json
+
+    from rollout_helpers import pid_gone
+
+    def workers_of(parent: int) -> list[int]:
+        found = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and b"drafter\x00worker" in (d / "cmdline").read_bytes():
+                    if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                        found.append(int(d.name))
+            except OSError:
+                continue
+        return found
+
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    state(pub, 0, BUSY)
+    ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
+    sets = {"capacity_pub": pub.pub_endpoint, "capacity_snapshot": pub.snapshot_endpoint,
+            "features_bind": "tcp://127.0.0.1:*", "coordinator_bind": "tcp://127.0.0.1:*", "status_port": 0,
+            "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0}
+    cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model_dir), "--workers", "1",
+           "--ready-file", str(ready)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    with log.open("w") as out:
+        serve = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: ready.exists() or serve.poll() is not None, 90) and ready.exists()
+        first = json.loads(ready.read_text())["worker_pids"][0]
+        os.kill(first, signal.SIGKILL)
+        assert wait_for(lambda: [p for p in workers_of(serve.pid) if p != first], 30), log.read_text()[-2000:]
+        assert "worker_restarted" in log.read_text() and serve.poll() is None
+        again = [p for p in workers_of(serve.pid) if p != first]
+        serve.terminate()
+        serve.wait(60)
+        assert wait_for(lambda: all(pid_gone(p) for p in again), 30)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        pub.close()

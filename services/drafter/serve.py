@@ -29,7 +29,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write endpoints and pids here as JSON when ready")
 
 
-WORKER_CONFIG_ENV = "TLT_DRAFTER_WORKER_CONFIG"  # the workers `tlt drafter serve` starts read their config here
+WORKER_CONFIG_ENV = "TLT_DRAFTER_WORKER_CONFIG"
+WORKER_WATCH_S = 1.0  # how often the service looks for a worker that exited
+MAX_WORKER_RESTARTS = 5  # per worker; one that keeps failing (its checkpoint unreadable, a bad device) is left down
+
+
+def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int]) -> None:
+    """Start again each worker that exited (a kill -9, the OOM killer, a crash): it resumes from its checkpoint
+    (DRAFTER.md). Nothing did: the rollout's idle time went unused for the rest of the run, in silence."""
+    import subprocess
+
+    from tlt.services.common.logging import get_logger
+
+    log = get_logger("drafter.serve")
+    for i, p in enumerate(procs):
+        rc = p.poll()
+        if rc is None or restarts[i] > MAX_WORKER_RESTARTS:
+            continue
+        if restarts[i] == MAX_WORKER_RESTARTS:
+            restarts[i] += 1
+            log.error("worker_left_down", worker=i, rc=rc, restarts=MAX_WORKER_RESTARTS,
+                      hint="see its log lines above; the other workers and the coordinator go on")
+            continue
+        restarts[i] += 1
+        procs[i] = subprocess.Popen(cmds[i], env=env)
+        log.warning("worker_restarted", worker=i, rc=rc, pid=procs[i].pid, restarts=restarts[i])  # the workers `tlt drafter serve` starts read their config here
 
 
 def build_config(preset: str, overrides: list[str], config_json: str = "") -> object:
@@ -103,16 +127,14 @@ def run(args: argparse.Namespace) -> int:
                               fetch).start()  # type: ignore[arg-type]
     server, port = start_status_server(coordinator, cfg.host, cfg.status_port)  # type: ignore[attr-defined]
     exporter = coordinator.metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port else None  # type: ignore[attr-defined]
-    procs = []
     # The workers exit with this process, even when it is killed with -9 (tlt.cli's TLT_DIE_WITH_PARENT): left
     # running, they met the restarted service's new workers, two per replica under one id and checkpoint file.
     # The resolved config goes in the environment, not on the command line, which any user of the host (or of a
     # container's host) reads with `ps`: it holds control_token.
     env = {**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid()), WORKER_CONFIG_ENV: cfg.model_dump_json()}  # type: ignore[attr-defined]
-    for i in range(args.workers):
-        cmd = tlt_command("drafter", "worker", "--model", args.model, "--coordinator", coordinator.endpoint,
-                          "--replica", str(i), "--worker-id", str(i))
-        procs.append(subprocess.Popen(cmd, env=env))
+    cmds = [tlt_command("drafter", "worker", "--model", args.model, "--coordinator", coordinator.endpoint,
+                        "--replica", str(i), "--worker-id", str(i)) for i in range(args.workers)]
+    procs = [subprocess.Popen(cmd, env=env) for cmd in cmds]
     if cfg.threads:  # type: ignore[attr-defined]
         import torch
 
@@ -128,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
                                            "features": puller.endpoint, "worker_pids": [p.pid for p in procs]})
     log.info("drafter_serving", status=f"{cfg.host}:{port}", coordinator=coordinator.endpoint,  # type: ignore[attr-defined]
              features=puller.endpoint, workers=len(procs))
-    stop.wait()
+    restarts = [0] * len(procs)
+    while not stop.wait(WORKER_WATCH_S):
+        _restart_dead_workers(procs, cmds, env, restarts)
     log.info("drafter_stopping")
     for p in procs:
         if p.poll() is None:
