@@ -411,10 +411,15 @@ def test_a_set_of_the_trainers_value_beats_the_run_sections_value_the_run_was_st
     assert not [o for o in overrides if o.startswith(("run.steps", "run.torch_threads"))], overrides
 
 
-def _checkpointed(run_dir: Path, steps: int) -> None:
-    """The trainer's checkpoint pointer after `steps` steps: all that prepare_run reads of a checkpoint."""
+def _checkpointed(run_dir: Path, steps: int, exported: bool = False) -> None:
+    """The trainer's checkpoint pointer after `steps` steps: all that prepare_run reads of a checkpoint; `exported`:
+    and the trained policy's files (a finished run's)."""
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "checkpoints" / "latest").write_text(f"step-{steps:08d}\n")
+    if exported:
+        (run_dir / "policy").mkdir()
+        (run_dir / "policy" / "config.json").write_text("{}")
+        (run_dir / "policy" / "model.safetensors").write_bytes(b"")
 
 
 def test_running_tlt_run_again_continues_an_interrupted_run_in_a_preset_time_folder(tmp_path: Path,
@@ -425,7 +430,7 @@ def test_running_tlt_run_again_continues_an_interrupted_run_in_a_preset_time_fol
     takes a new folder when that one is finished, in use, or of another preset."""
     model, runs = _fake_model(tmp_path)
     _clock(monkeypatch, "20260101-000000", "20260101-000001", "20260101-000002", "20260101-000003")
-    _checkpointed(_closed(_plan(runs, model, "--steps", "4")).run_dir, 4)  # yesterday's run: finished
+    _checkpointed(_closed(_plan(runs, model, "--steps", "4")).run_dir, 4, exported=True)  # yesterday's: finished
     second = _plan(runs, model, "--steps", "4")
     assert second.run_dir.name == "cpu-tiny-20260101-000000" and not second.resumed
     _checkpointed(_closed(second).run_dir, 2)  # Ctrl-C after 2 of its 4 steps
@@ -437,7 +442,7 @@ def test_running_tlt_run_again_continues_an_interrupted_run_in_a_preset_time_fol
     os.utime(other.run_dir / "run.json", (time.time() + 5, time.time() + 5))
     _closed(again)
     assert _closed(_plan(runs, model)).run_dir == other.run_dir  # the interrupted folder launched last
-    _checkpointed(other.run_dir, other.steps)  # finished
+    _checkpointed(other.run_dir, other.steps, exported=True)  # finished
     assert _closed(_plan(runs, model)).run_dir == second.run_dir
     mine = tmp_path / "cpu-tiny.toml"  # another preset of the same name: never continues cpu-tiny's folder
     mine.write_text((Path(__file__).parents[1] / "deploy" / "configs" / "cpu-tiny.toml").read_text())
@@ -468,7 +473,7 @@ def test_a_finished_default_folder_whose_config_no_longer_loads_does_not_block_a
     older TLT wrote there (or a hand edit) made that load's ConfigError refuse every new plain `tlt run`."""
     model, runs = _fake_model(tmp_path)
     old = runs / "cpu-tiny"
-    _checkpointed(_closed(_plan(runs, model, "--steps", "4")).run_dir, 4)
+    _checkpointed(_closed(_plan(runs, model, "--steps", "4")).run_dir, 4, exported=True)
     (old / "config.toml").write_text("[trainer]\nsteps = 4\nold_field = 1\n")
     plan = _closed(_plan(runs, model))
     assert plan.run_dir.name.startswith("cpu-tiny-") and not plan.resumed
@@ -565,3 +570,19 @@ def test_a_damaged_last_checkpoint_is_one_line_and_a_plain_run_takes_another_fol
     (run_dir / "checkpoints" / "latest").write_text("garbage\n")
     with pytest.raises(ServiceError, match=r"latest names no checkpoint \('garbage'\)"):
         _plan(runs, model, "--resume", str(run_dir))
+
+
+def test_a_run_killed_before_its_policy_export_is_continued_not_left(tmp_path: Path, monkeypatch) -> None:
+    """The last checkpoint is written before the trained policy is exported: a run killed between them counted as
+    finished, a plain `tlt run` took a new folder and the policy was never exported. It is continued (its trainer,
+    with no step left, exports the policy); once exported, the run is finished."""
+    model, runs = _fake_model(tmp_path)
+    _clock(monkeypatch, "20260101-000000")
+    run_dir = _closed(_plan(runs, model, "--steps", "4")).run_dir
+    _checkpointed(run_dir, 4)  # every step done, no policy/
+    again = _closed(_plan(runs, model, "--steps", "4"))
+    assert again.run_dir == run_dir and again.resumed
+    (run_dir / "policy").mkdir()
+    (run_dir / "policy" / "config.json").write_text("{}")
+    (run_dir / "policy" / "model.safetensors").write_bytes(b"")
+    assert _closed(_plan(runs, model, "--steps", "4")).run_dir.name == "cpu-tiny-20260101-000000"

@@ -23,7 +23,9 @@ log = get_logger("run")
 
 
 def finished(run_dir: Path) -> bool:
-    """Whether the trainer of this run folder already did all its steps (its last checkpoint says so)."""
+    """Whether the trainer of this run folder already did all its steps (its last checkpoint says so) and exported the
+    policy: the last checkpoint is written before the export, and a run killed between them counted as finished (a
+    plain `tlt run` took a new folder, and the policy was never exported; continued, the trainer exports it)."""
     from tlt.services.trainer.config import TrainerConfig
 
     pointer = run_dir / "checkpoints" / "latest"
@@ -32,7 +34,10 @@ def finished(run_dir: Path) -> bool:
     steps = load_config(TrainerConfig, "trainer", run_dir / "config.toml", environ={}).steps  # the environment is in it
     from tlt.services.trainer.checkpoint import CheckpointManager
 
-    return CheckpointManager.steps_of(pointer.read_text()) >= steps
+    if CheckpointManager.steps_of(pointer.read_text()) < steps:
+        return False
+    policy = run_dir / "policy"
+    return (policy / "config.json").is_file() and any(policy.glob("*.safetensors"))
 
 
 def continues(run_dir: Path) -> bool:
