@@ -92,3 +92,26 @@ def test_a_push_of_nan_weights_is_refused(base) -> None:
         with pytest.raises(WeightPushError, match="model.layers.1.self_attn.o_proj.weight.*NaN or infinite"):
             WeightPublisher([client]).push(weights, 1)
         assert client.status().versions.policy == 0
+
+
+def test_a_replica_restarted_on_a_folder_damaged_since_is_a_counted_death(base, tmp_path) -> None:
+    """A folder damaged while the server runs (edited, cut short) fails a replica's restart: that is a replica death
+    (logged, counted in replica_deaths, restarted again up to max_restarts), not the server start's one-line error,
+    which only the first start is."""
+    import os
+    import signal
+    import time
+
+    from rollout_helpers import ServerThread
+
+    model = tmp_path / "model"
+    shutil.copytree(base, model)
+    with ServerThread(model, replicas=1, max_restarts=2) as server:
+        pool = server.server.pool
+        (model / "model.safetensors").write_bytes(b"not safetensors")  # damaged after the start
+        os.kill(server.server.replica_pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while pool.deaths.get(0, 0) < 3 and time.monotonic() < deadline:  # the kill and two failed restarts
+            time.sleep(0.2)
+        assert pool.deaths.get(0, 0) == 3, pool.deaths
+        assert not pool.replicas[0].alive

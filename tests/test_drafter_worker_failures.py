@@ -424,6 +424,10 @@ def test_a_killed_worker_is_started_again_by_its_drafter_serve(tmp_path, model_d
         assert wait_for(lambda: [p for p in workers_of(serve.pid) if p != first], 30), log.read_text()[-2000:]
         assert "worker_restarted" in log.read_text() and serve.poll() is None
         again = [p for p in workers_of(serve.pid) if p != first]
+        os.kill(again[0], signal.SIGTERM)  # stopped on purpose: it ends its window and exits 0, and stays stopped
+        assert wait_for(lambda: pid_gone(again[0]), 30)
+        time.sleep(2.5)  # more than two looks of the service
+        assert workers_of(serve.pid) == [] and log.read_text().count("worker_restarted") == 1
         serve.terminate()
         serve.wait(60)
         assert wait_for(lambda: all(pid_gone(p) for p in again), 30)

@@ -570,6 +570,8 @@ def test_a_damaged_last_checkpoint_is_one_line_and_a_plain_run_takes_another_fol
     (run_dir / "checkpoints" / "latest").write_text("garbage\n")
     with pytest.raises(ServiceError, match=r"latest names no checkpoint \('garbage'\)"):
         _plan(runs, model, "--resume", str(run_dir))
+    (run_dir / "checkpoints" / "latest").write_text("step-00000003\n")  # a plausible name, no such checkpoint
+    assert _closed(_plan(runs, model, "--steps", "4")).run_dir != run_dir
 
 
 def test_a_run_killed_before_its_policy_export_is_continued_not_left(tmp_path: Path, monkeypatch) -> None:

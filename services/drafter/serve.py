@@ -34,9 +34,10 @@ WORKER_WATCH_S = 1.0  # how often the service looks for a worker that exited
 MAX_WORKER_RESTARTS = 5  # per worker; one that keeps failing (its checkpoint unreadable, a bad device) is left down
 
 
-def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int]) -> None:
+def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int], stop: object) -> None:
     """Start again each worker that exited (a kill -9, the OOM killer, a crash): it resumes from its checkpoint
     (DRAFTER.md). Nothing did: the rollout's idle time went unused for the rest of the run, in silence."""
+    import signal
     import subprocess
 
     from tlt.services.common.logging import get_logger
@@ -44,7 +45,10 @@ def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int
     log = get_logger("drafter.serve")
     for i, p in enumerate(procs):
         rc = p.poll()
-        if rc is None or restarts[i] > MAX_WORKER_RESTARTS:
+        # stopped on purpose: SIGTERM / SIGINT end its window cleanly (0), or end it while it starts; or the service
+        # is stopping. A kill -9 (the OOM killer's) or a crash is restarted.
+        on_purpose = rc in (0, -signal.SIGTERM, -signal.SIGINT)
+        if rc is None or on_purpose or restarts[i] > MAX_WORKER_RESTARTS or stop.is_set():  # type: ignore[attr-defined]
             continue
         if restarts[i] == MAX_WORKER_RESTARTS:
             restarts[i] += 1
@@ -52,7 +56,11 @@ def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int
                       hint="see its log lines above; the other workers and the coordinator go on")
             continue
         restarts[i] += 1
-        procs[i] = subprocess.Popen(cmds[i], env=env)
+        try:
+            procs[i] = subprocess.Popen(cmds[i], env=env)
+        except OSError as e:  # no memory to fork (the OOM that killed it): tried again at the next look
+            log.error("worker_restart_failed", worker=i, error=str(e)[:200], restarts=restarts[i])
+            continue
         log.warning("worker_restarted", worker=i, rc=rc, pid=procs[i].pid, restarts=restarts[i])  # the workers `tlt drafter serve` starts read their config here
 
 
@@ -152,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
              features=puller.endpoint, workers=len(procs))
     restarts = [0] * len(procs)
     while not stop.wait(WORKER_WATCH_S):
-        _restart_dead_workers(procs, cmds, env, restarts)
+        _restart_dead_workers(procs, cmds, env, restarts, stop)
     log.info("drafter_stopping")
     for p in procs:
         if p.poll() is None:

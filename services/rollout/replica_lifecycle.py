@@ -318,7 +318,8 @@ class ReplicaLifecycle:
         rep.error = why
         if self._stopping:
             log.info("replica_stopped", replica=rep.replica_id)
-        elif checkpoint and not rep.ready.done():  # the start fails as the folder's error, which says it in one line
+        elif checkpoint and not rep.ready.done() and not rep.restarted:  # the server's start fails as the folder's
+            # error, which says it in one line (a restart's failure is a replica death, as before)
             log.debug("replica_dead", replica=rep.replica_id, error=why[-2000:])
         else:
             self.deaths[rep.replica_id] = self.deaths.get(rep.replica_id, 0) + 1  # /metrics: replica_deaths_total
@@ -326,7 +327,7 @@ class ReplicaLifecycle:
         if not rep.ready.done():
             if self._stopping:  # killed while it loaded: nobody waits for it any more
                 rep.ready.cancel()
-            elif checkpoint:  # the user's folder: `tlt rollout serve` says it in one line (bad_checkpoint)
+            elif checkpoint and not rep.restarted:  # the user's folder: `tlt rollout serve` says it in one line
                 from tlt.model.folder import CheckpointError
 
                 rep.ready.set_exception(CheckpointError(checkpoint))

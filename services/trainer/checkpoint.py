@@ -27,6 +27,7 @@ RNG states saved are rank 0's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -175,6 +176,23 @@ class CheckpointManager:
                                   "a complete step-* folder there to resume from it, or set resume=false to start over")
         return path
 
+    @contextlib.contextmanager
+    def _writing(self, tmp: Path, steps_done: int):  # noqa: ANN202 - Iterator[None]
+        """A write of the checkpoint that fails for the disk (full, gone, read-only) is a CheckpointWriteError saying
+        where and how the run resumes, the partial folder removed; torch's C++ writers raise those as RuntimeError
+        ("file write failed", "basic_ios::clear: iostream error"). Any other error passes as it is."""
+        try:
+            yield
+        except (OSError, RuntimeError) as e:
+            text = " ".join(str(e).split())
+            if isinstance(e, RuntimeError) and not any(w in text for w in ("write", "iostream", "space", "Errno")):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took back; `latest` still names a whole one
+            raise CheckpointWriteError(
+                f"the checkpoint after {steps_done} steps could not be written in {self.root} ({type(e).__name__}: "
+                f"{text[:200]}); free space there and run the same command again: the trainer resumes from its last "
+                "complete checkpoint") from e
+
     def save(self, policy, sampler, steps_done: int) -> Path:  # noqa: ANN001 - Policy, PromptSampler
         """Write a complete checkpoint after `steps_done` steps; returns its folder."""
         from tlt.services.trainer.distributed import barrier, is_main
@@ -186,21 +204,16 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         barrier()
-        try:
+        with self._writing(tmp, steps_done):
             # Collective: with ZeRO 1/2 every rank writes its optimizer partition, with ZeRO-3 its parameters' too.
             policy.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False)
-            barrier()
-            if is_main():
-                state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng(),
-                                     model_identity(policy.model_config), **engine_settings(policy))
+        barrier()
+        if is_main():
+            state = TrainerState(steps_done, policy.version, sampler.state_dict(), capture_rng(),
+                                 model_identity(policy.model_config), **engine_settings(policy))
+            with self._writing(tmp, steps_done):
                 torch.save(state.__dict__, tmp / STATE_FILE)
                 _fsync_tree(tmp)
-        except (OSError, RuntimeError) as e:  # a full disk: torch's C++ writer raises RuntimeError (basic_ios)
-            shutil.rmtree(tmp, ignore_errors=True)  # the space it took back; `latest` still names a whole one
-            raise CheckpointWriteError(
-                f"the checkpoint after {steps_done} steps could not be written in {self.root} ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:200]}); free space there and run the same command again: the trainer "
-                "resumes from its last complete checkpoint") from None
         if is_main():
             # An older run got this far before being resumed from an earlier checkpoint: its folder may be the one
             # `latest` names, so it is removed only after `latest` names the new one (never a moment without a

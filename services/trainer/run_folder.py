@@ -45,13 +45,15 @@ def continues(run_dir: Path) -> bool:
     interrupted run (its trainer has steps left). One whose config.toml no longer loads (a field an older TLT
     wrote, a hand edit) is left alone, said so: its ConfigError refused every new plain `tlt run`, and the
     resume's own check of that file (run_resume.check_resume) would refuse it anyway."""
+    from tlt.services.trainer.checkpoint import CheckpointManager
     from tlt.services.trainer.procs import ServiceError
     from tlt.services.trainer.run_resume import latest_state
 
     try:
         if finished(run_dir):
             return False
-        latest_state(run_dir)  # its last checkpoint's state loads: a damaged one blocked every plain `tlt run`
+        CheckpointManager(run_dir / "checkpoints").latest()  # `latest` names a complete checkpoint (CheckpointError)
+        latest_state(run_dir)  # and its state loads: a damaged one blocked every plain `tlt run`
         return True
     except (OSError, ValueError, ServiceError) as e:  # ConfigError is a ValueError; so is a `latest` naming no step
         log.warning("run_folder_skipped", run_dir=str(run_dir), reason=" ".join(str(e).split())[:240],
