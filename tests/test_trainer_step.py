@@ -395,3 +395,24 @@ def test_old_logprobs_of_another_policy_version_are_recomputed(tmp_path):
     samples = [dataclasses.replace(s, policy_version=3) for s in _with_own_logprobs(make_samples(2, 4, seed=5))]
     m, _ = _step_params(samples, tmp_path, old_logprobs="rollout")
     assert m.old_logprobs_from_rollout == 0 and m.rollout_logprob_max_diff < 1e-5
+
+
+def test_bf16_without_zero_takes_the_same_first_updates_as_with_zero():
+    """bf16 with zero_stage 0 (the trainer's defaults on a GPU): DeepSpeed's FP16_UnfusedOptimizer ran one AdamW
+    step on zero gradients as it was built, so Adam's step count started at 1 (the first update 0.74x its size) and the
+    weight decay shrank the fp32 master weights once before training. ZeRO-1 does neither; one rank, the same maths:
+    after two steps the master weights of both agree, and the first update is Adam's first, lr in size."""
+    masters = {}
+    for zero_stage in (0, 1):
+        policy = Policy(config(zero_stage=zero_stage, bf16=True, lr=1e-2, weight_decay=0.5, micro_batch_size=8),
+                        model=tiny_qwen2())
+        inner = policy.optimizer.optimizer  # the torch AdamW the trainer built
+        assert not inner.state, "AdamW has a step before any training"
+        master = [p for g in inner.param_groups for p in g["params"]]
+        start = torch.cat([p.detach().flatten().float() for p in master]).clone()
+        model_start = torch.cat([p.detach().flatten().float() for p in policy.module.parameters()])
+        assert torch.equal(start, model_start)  # the fp32 master weights are the model's, not decayed
+        for step in range(2):
+            grpo_step(policy, make_samples(2, 4, seed=step + 1), step=step)
+        masters[zero_stage] = torch.cat([p.detach().flatten().float() for p in master])
+    assert torch.allclose(masters[0], masters[1], atol=1e-6), (masters[0] - masters[1]).abs().max()

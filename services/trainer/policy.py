@@ -288,6 +288,7 @@ class Policy:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
+        _undo_init_step(self.optimizer)
         self.device = torch.device(self.engine.device)  # this rank's device (cuda:LOCAL_RANK on GPU)
         # DeepSpeed reports the global grad norm from its ZeRO / bf16 optimizers only;
         # with ZeRO 0 in fp32 it clips with torch and discards the norm, so we measure it.
@@ -432,3 +433,19 @@ class ReferencePolicy:
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         return response_logprobs(self.model, batch.to(self.device), self.temperature).logprobs
+
+
+def _undo_init_step(wrapper: object) -> None:
+    """bf16 (or fp16) without ZeRO: DeepSpeed wraps the AdamW in FP16_UnfusedOptimizer, whose constructor runs one
+    AdamW step on zero gradients to create its state. That step left Adam's step count at 1 before training (every
+    bias correction one update off: the first update was 0.74x its size) and applied the decoupled weight decay once
+    to the fp32 master weights (x (1 - lr * weight_decay)); ZeRO 1-3 do neither. Undone here: the master weights are
+    the model's (what they were copied from) and the AdamW state is empty, as the first real step expects."""
+    if type(wrapper).__name__ != "FP16_UnfusedOptimizer":
+        return
+    with torch.no_grad():
+        for low, master in zip(wrapper.fp16_groups, wrapper.fp32_groups):  # type: ignore[attr-defined]
+            for p, m in zip(low, master):
+                m.copy_(p.detach().to(m.dtype))
+    wrapper.optimizer.state.clear()  # type: ignore[attr-defined]
+
