@@ -318,3 +318,25 @@ class Numbers(ServiceConfig):
     ratio_or_none: float | None = Field(None, description="a ratio")
     flags: list[bool] = Field(default_factory=list, description="flags")
     either: bool | int = Field(0, description="a flag or a count")
+
+
+@pytest.mark.parametrize("section, field, value", [
+    ("trainer", "lr", "inf"), ("trainer", "kl_beta", "inf"), ("trainer", "grad_clip", "inf"),
+    ("trainer", "temperature", "inf"), ("trainer", "entropy_coef", "inf"), ("rollout", "update_timeout_s", "inf"),
+])
+def test_an_infinite_number_is_refused_naming_the_field(section, field, value) -> None:
+    """`gt=0` / `ge=0` bounds let inf through (NaN fails the comparison): `--set trainer.lr=inf` loaded, and one step
+    turned every weight to NaN without an error."""
+    from tlt.services.common.config_cmd import config_class
+
+    with pytest.raises(ConfigError, match=rf"{field}.*finite number"):
+        load_config(config_class(section), section, overrides={field: float(value)})
+
+
+def test_a_group_of_one_sample_is_refused() -> None:
+    """n_samples = 1 was accepted and trained nothing: every group of one is flat (advantage 0), every step's
+    gradient 0 (and dynamic sampling rolled out its every round for nothing)."""
+    from tlt.services.trainer.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match=r"n_samples=1: .*use n_samples >= 2"):
+        load_config(TrainerConfig, "trainer", overrides={"n_samples": 1, "mini_batch_size": 8, "micro_batch_size": 4})

@@ -412,9 +412,12 @@ def test_a_set_of_the_trainers_value_beats_the_run_sections_value_the_run_was_st
 
 
 def _checkpointed(run_dir: Path, steps: int, exported: bool = False) -> None:
-    """The trainer's checkpoint pointer after `steps` steps: all that prepare_run reads of a checkpoint; `exported`:
-    and the trained policy's files (a finished run's)."""
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    """The trainer's checkpoint after `steps` steps as prepare_run reads it (the pointer, the folder it names, a
+    state file that loads); `exported`: and the trained policy's files (a finished run's)."""
+    import torch
+
+    (run_dir / "checkpoints" / f"step-{steps:08d}").mkdir(parents=True, exist_ok=True)
+    torch.save({"steps_done": steps}, run_dir / "checkpoints" / f"step-{steps:08d}" / "trainer_state.pt")
     (run_dir / "checkpoints" / "latest").write_text(f"step-{steps:08d}\n")
     if exported:
         (run_dir / "policy").mkdir()
@@ -562,7 +565,6 @@ def test_a_damaged_last_checkpoint_is_one_line_and_a_plain_run_takes_another_fol
     _clock(monkeypatch, "20260101-000000", "20260101-000001")
     run_dir = _closed(_plan(runs, model, "--steps", "4")).run_dir  # the default folder, interrupted after 2 steps
     _checkpointed(run_dir, 2)
-    (run_dir / "checkpoints" / "step-00000002").mkdir()
     (run_dir / "checkpoints" / "step-00000002" / "trainer_state.pt").write_bytes(b"PK\x03\x04 cut short")
     with pytest.raises(ServiceError, match=r"trainer_state.pt cannot be read .*: point .*latest at an earlier"):
         _plan(runs, model, "--resume", str(run_dir))

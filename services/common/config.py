@@ -23,6 +23,7 @@ how to fix it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 import types
@@ -80,6 +81,15 @@ class ServiceConfig(BaseModel):
         # pydantic reads true as 1 for an int field: `steps = true` loaded as one step, without a word
         if info.field_name is not None and (b := _bool_for_number(cls.model_fields[info.field_name].annotation, v)):
             raise ValueError(f"{str(b[0]).lower()} is not a number")
+        return v
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        # `gt=0` lets inf through (NaN fails the comparison): `--set trainer.lr=inf` trained every weight to NaN
+        values = v if isinstance(v, (list, tuple)) else (v,)
+        if any(isinstance(x, float) and not math.isfinite(x) for x in values):
+            raise ValueError(f"must be a finite number, got {v!r}")
         return v
 
     @field_validator("*", mode="before")

@@ -122,7 +122,8 @@ class TrainerConfig(ServiceConfig):
 
     # -- sampling -------------------------------------------------------------------
     prompts_per_step: int = Field(8, ge=1, description="prompts sampled per RL step")
-    n_samples: int = Field(4, ge=1, description="samples per prompt (the GRPO group size)")
+    n_samples: int = Field(4, ge=1, description="samples per prompt (the GRPO group size; at least 2: a sample's "
+                           "advantage is relative to its prompt's other samples)")
     dynamic_sampling: bool = Field(
         False, description="DAPO's dynamic sampling: a group whose rewards are all equal (advantage 0, no gradient) "
         "is replaced by one from further rounds of prompts_per_step fresh prompts, rolled out until the step has "
@@ -252,6 +253,9 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainerConfig:
+        if self.n_samples < 2:  # every group of one is flat: advantage 0, no gradient, every step trains nothing
+            raise ValueError(f"n_samples={self.n_samples}: GRPO's advantages compare a prompt's samples with each "
+                             "other, so a group of one has none and no step would train; use n_samples >= 2")
         per_step = self.prompts_per_step * self.n_samples
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(
