@@ -178,18 +178,38 @@ def test_speculative_decoding_decisions_are_metrics(client, server):
     client.completions.create(model=server.model_name, prompt="5+5=", max_tokens=48, temperature=0,
                               extra_body={"ignore_eos": True})
     text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics").text
-    verify = _metric(text, "rollout_spec_verify_steps", replica="0")
-    plain = _metric(text, "rollout_spec_plain_steps", replica="0")
+    verify = _metric(text, "rollout_spec_verify_steps_total", replica="0")
+    plain = _metric(text, "rollout_spec_plain_steps_total", replica="0")
     assert verify[0] > 0 and plain[0] > 0  # the hysteresis' plain steps came first
     assert _metric(text, "rollout_spec_mean_accept_len", replica="0")[0] >= 1.0
     assert _metric(text, "rollout_spec_last_step_seconds", replica="0")[0] > 0
-    assert sum(_metric(text, "rollout_spec_arm_verify_steps", replica="0")) == verify[0]
+    assert sum(_metric(text, "rollout_spec_arm_verify_steps_total", replica="0")) == verify[0]
     assert _metric(text, "rollout_spec_last_arm", replica="0") == [1.0]  # one arm: the last step's
-    explored = sum(_metric(text, "rollout_spec_bandit_choices", replica="0", kind="explored"))
-    exploited = sum(_metric(text, "rollout_spec_bandit_choices", replica="0", kind="exploited"))
+    explored = sum(_metric(text, "rollout_spec_bandit_choices_total", replica="0", kind="explored"))
+    exploited = sum(_metric(text, "rollout_spec_bandit_choices_total", replica="0", kind="exploited"))
     assert explored >= 1 and explored + exploited == verify[0]  # one bandit choice per verify step
-    assert sum(_metric(text, "rollout_spec_bandit_chosen", replica="0")) == verify[0]
+    assert sum(_metric(text, "rollout_spec_bandit_chosen_total", replica="0")) == verify[0]
     assert _metric(text, "rollout_spec_bandit_median_reward", replica="0")  # tokens/s of the arms tried
+
+
+def test_speculation_counts_are_counters_that_survive_a_replica_restart():
+    """The step counts were gauges of each replica's running totals: a restarted replica's fell to 0, which rate()
+    and increase() read as nothing happening. They are counters that each scrape brings up by what was counted
+    since the last, from 0 again after a restart: totals 5, 8, then 2 (restarted) count 5 + 3 + 2."""
+    from tlt.services.common.metrics import Metrics
+    from tlt.services.rollout.spec_metrics import SpecMetrics
+
+    metrics = Metrics("rollout")
+    spec = SpecMetrics(metrics)
+    bandit = [{"bucket": "1", "explored": 1, "exploited": 0, "arms": [{"arm": "8_1_9", "chosen": 1,
+                                                                       "median_reward": None}]}]
+    for verify in (5, 8, 2):
+        spec.update(0, {"on": True, "verify_steps": verify, "arms": {"8_1_9": {"verify_steps": verify, "emitted": 0,
+                                                                                "seq_steps": 0}}, "bandit": bandit})
+    text = metrics.render().decode()
+    assert _metric(text, "rollout_spec_verify_steps_total", replica="0") == [10.0]
+    assert _metric(text, "rollout_spec_arm_verify_steps_total", replica="0", arm="8_1_9") == [10.0]
+    assert "# TYPE rollout_spec_verify_steps_total counter" in text
 
 
 def test_text_stream_equals_full_decode(model_dir):

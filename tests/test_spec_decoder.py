@@ -80,7 +80,7 @@ def test_no_room_for_drafts_falls_back_to_plain_decoding(ckpt):
 
     metrics = Metrics("rollout")
     SpecMetrics(metrics).update(0, dec.stats())
-    line = next(x for x in metrics.render().decode().splitlines() if x.startswith("rollout_spec_no_room_steps{"))
+    line = next(x for x in metrics.render().decode().splitlines() if x.startswith("rollout_spec_no_room_steps_total{"))
     assert float(line.split()[-1]) == dec.stats()["no_room"]
     status = spec_status(dec.stats())
     assert (status.no_room, status.over_budget, status.switches) == (

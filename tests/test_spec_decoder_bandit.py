@@ -83,7 +83,7 @@ def test_drafter_catch_up_is_not_charged_to_the_arm(ckpt, monkeypatch):
 
     metrics = Metrics("rollout")
     SpecMetrics(metrics).update(0, st)
-    line = next(x for x in metrics.render().decode().splitlines() if x.startswith("rollout_spec_catch_up_seconds{"))
+    line = next(x for x in metrics.render().decode().splitlines() if x.startswith("rollout_spec_catch_up_seconds_total{"))
     assert float(line.split()[-1]) >= 100, line  # and on /metrics
 
 def test_plain_arm_lets_the_bandit_stop_speculating_when_drafts_do_not_pay(ckpt):
