@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
                 print(f"  request {i}: served {g!r}\n  {'':>{len(str(i)) + 9}}reference {w!r}")
         metrics = httpx.get(f"{base}/metrics", timeout=30).text
         for line in metrics.splitlines():
-            if line.startswith(("rollout_spec_arm_verify_steps", "rollout_spec_arm_accept_len")):
+            if line.startswith(("rollout_spec_arm_verify_steps_total", "rollout_spec_arm_accept_len")):
                 print("  " + line)
         return 0 if same == len(prompts) else 1
     finally:
