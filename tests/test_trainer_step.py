@@ -416,3 +416,15 @@ def test_bf16_without_zero_takes_the_same_first_updates_as_with_zero():
             grpo_step(policy, make_samples(2, 4, seed=step + 1), step=step)
         masters[zero_stage] = torch.cat([p.detach().flatten().float() for p in master])
     assert torch.allclose(masters[0], masters[1], atol=1e-6), (masters[0] - masters[1]).abs().max()
+
+
+def test_a_mini_batch_that_the_ranks_cannot_split_is_a_config_error():
+    """Under the DeepSpeed launcher with 2 ranks, mini_batch_size 4 with micro_batch_size 4 (a mini-batch is one
+    micro-batch per rank) ended `tlt train` in a ValueError traceback; a ConfigError is its one line."""
+    from tlt.services.common.config import ConfigError
+    from tlt.services.trainer.policy import deepspeed_config
+
+    cfg = config(mini_batch_size=4, micro_batch_size=4)
+    assert deepspeed_config(cfg, 1, False)["gradient_accumulation_steps"] == 1
+    with pytest.raises(ConfigError, match=r"multiple of micro_batch_size x ranks \(4 x 2\)"):
+        deepspeed_config(cfg, 2, False)

@@ -212,8 +212,10 @@ ZERO3_OPTIONS: dict = {}
 
 def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
     per_update = cfg.micro_batch_size * world_size
-    if cfg.mini_batch_size % per_update:
-        raise ValueError(
+    if cfg.mini_batch_size % per_update:  # a ConfigError: `tlt train` says it in one line (a ValueError: traceback)
+        from tlt.services.common.config import ConfigError
+
+        raise ConfigError(
             f"mini_batch_size ({cfg.mini_batch_size}) must be a multiple of micro_batch_size x ranks "
             f"({cfg.micro_batch_size} x {world_size}); lower micro_batch_size or raise mini_batch_size"
         )
