@@ -115,3 +115,16 @@ def test_a_replica_restarted_on_a_folder_damaged_since_is_a_counted_death(base, 
             time.sleep(0.2)
         assert pool.deaths.get(0, 0) == 3, pool.deaths
         assert not pool.replicas[0].alive
+
+
+def test_model_eval_on_a_model_with_too_short_a_context_is_one_line(tmp_path) -> None:
+    """`tlt model eval` asks prompt + 240 new tokens of the model; a shorter context raised the engine's ValueError
+    as a traceback."""
+    from tlt.model.testing import random_checkpoint
+
+    model = random_checkpoint(tmp_path / "short", family="qwen2", num_hidden_layers=1, max_position_embeddings=128)
+    r = subprocess.run([sys.executable, "-m", "tlt.cli", "model", "eval", "--model", str(model), "--n", "2"],
+                       capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert "context is 128 tokens" in out and "needs a longer context" in out, out[-3000:]

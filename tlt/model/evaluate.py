@@ -182,12 +182,19 @@ class NativeGenerator:
         if not do_sample and samples != 1:
             raise ValueError("greedy decoding gives one answer per prompt: samples must be 1")
         tok = self.engine.tokenizer
+        encoded = [tuple(tok(prompt)["input_ids"]) for prompt in prompts]
+        longest, limit = max(map(len, encoded), default=0), self.engine.max_model_len
+        if longest + max_new_tokens > limit:  # the engine's ValueError, a traceback, for each request
+            from tlt.model.folder import CheckpointError
+
+            raise CheckpointError(f"the model's context is {limit} tokens, under an eval prompt ({longest} tokens) "
+                                  f"and its {max_new_tokens} new tokens: this eval needs a longer context")
         requests = [
-            GenerationRequest(f"eval-{i}", tuple(tok(prompt)["input_ids"]),
+            GenerationRequest(f"eval-{i}", encoded[i],
                               SamplingParams(temperature=1.0 if do_sample else 0.0, max_tokens=max_new_tokens,
                                              seed=(seed * 2**31 + i) % 2**62 if do_sample else None,
                                              reproducible=do_sample), n=samples)
-            for i, prompt in enumerate(prompts)
+            for i in range(len(prompts))
         ]
         done = self.engine.generate(requests, progress=bar.update if bar is not None else None)  # request, sample order
         return [[(c.text, len(c.token_ids)) for c in done[i * samples : (i + 1) * samples]] for i in range(len(prompts))]
