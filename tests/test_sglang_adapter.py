@@ -534,3 +534,17 @@ def test_a_replica_lend_releases_and_a_take_back_resumes_the_sglang_engine(model
     loop._drain()
     assert fake.calls[1] == ("resume", ("kv_cache",)) and eng.has_unfinished()
     assert not front.poll(0.1)  # cmd_id 0: nobody waits for an answer, and the request was accepted
+
+
+def test_requests_of_adjacent_seeds_share_no_sample_seed():
+    """Sample i of a seeded request went to SGLang with seed + i: seeds 5 and 6 (n = 4) shared three of their four
+    sample seeds, so under deterministic inference sample i + 1 of one request was sample i of the other. Each
+    sample now gets the native engine's key (seed_for), within SGLang's int64."""
+    from tlt.services.rollout.sglang_backend.requests import sglang_sampling
+
+    def seeds(seed: int) -> set[int]:
+        return {sglang_sampling(SamplingParams(temperature=1.0, seed=seed), i, 16)["sampling_seed"] for i in range(4)}
+
+    for seed in (5, 1000, -3, 2**63 - 1):
+        assert len(seeds(seed)) == 4 and not seeds(seed) & seeds(seed + 1), seed
+        assert all(0 <= s < 2**63 for s in seeds(seed))

@@ -106,7 +106,8 @@ def test_sampling_mapping_and_per_sample_seeds():
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=10, max_tokens=5, stop=("\n\n",), stop_token_ids=(7, 7))
     s = sglang_sampling(p, sample_index=3, default_max_tokens=100)
     assert s == {"temperature": 0.7, "top_p": 0.9, "min_p": 0.0, "max_new_tokens": 5, "ignore_eos": False,
-                 "skip_special_tokens": True, "stop": ["\n\n"], "stop_token_ids": [7], "sampling_seed": 13}
+                 "skip_special_tokens": True, "stop": ["\n\n"], "stop_token_ids": [7],
+                 "sampling_seed": 10 * 1_000_003 + 3 * 7919 + 1}  # the native engine's key of sample 3 (seed_for)
     assert "top_k" not in s  # TLT's "no top-k" is SGLang's default
     calls = generate_calls(GenerationRequest("r", (1, 2, 3), SamplingParams(logprobs=2), n=2), 50, True)
     assert [c.rid for c in calls] == ["r#0", "r#1"]

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tlt.services.rollout.engine.sequence import seed_for
 from tlt.services.rollout.types import FinishReason, GenerationRequest, SamplingParams
 
 Selector = Literal["target", "draft"]
@@ -90,8 +91,9 @@ def sglang_sampling(params: SamplingParams, sample_index: int, default_max_token
     """TLT sampling params -> SGLang `SamplingParams` keyword arguments.
 
     top_k <= 0 means "no top-k" in TLT; SGLang's default (TOP_K_ALL) means the
-    same, so the key is left out. A seeded request gives sample i the seed
-    seed + i, so the n samples differ; SGLang honours `sampling_seed` only in
+    same, so the key is left out. A seeded request gives sample i the native
+    engine's key for it (`seed_for`, below 2**63 for SGLang's int64), so the n samples differ and
+    requests of adjacent seeds share none (seed + i gave seeds 5 and 6 three of four); SGLang honours `sampling_seed` only in
     its deterministic-inference mode (`[sglang] deterministic_inference`,
     checked in SGLang's sampling_batch_info / sampler), else it is dropped.
     """
@@ -111,7 +113,7 @@ def sglang_sampling(params: SamplingParams, sample_index: int, default_max_token
     if params.stop_token_ids:
         out["stop_token_ids"] = sorted(set(params.stop_token_ids))
     if params.seed is not None:
-        out["sampling_seed"] = int(params.seed) + sample_index
+        out["sampling_seed"] = seed_for(int(params.seed), sample_index) % 2**63
     return out
 
 
