@@ -166,3 +166,27 @@ def test_coordinator_and_worker_switch_to_the_pushed_embedding_and_lm_head(model
             coord.close()
             client.close()
             puller.close()
+
+
+def test_a_lagging_rollouts_older_answer_is_asked_again():
+    """Features tagged with policy 1 arrive from a replica that applied the push while GetWeights still answers
+    version 0 (the pool serves a version once every replica has it). That answer counted version 1 as fetched: it was
+    never asked again, and the drafter trained with policy 0's embedding and lm_head until policy 2 was seen. It is
+    asked again after retry_s, and version 1's tensors are taken once served. (The fetch plays GetWeights answering
+    what the pool serves at each moment; tests above run the real one.)"""
+    from tlt.services.drafter.shared import SharedTensors, SharedWeights
+
+    serving = {"v": 0}
+
+    def fetch() -> SharedTensors:
+        v = serving["v"]
+        return SharedTensors(v, torch.full((4, 2), float(v)), torch.full((4, 2), float(v)))
+
+    shared = SharedWeights(SharedTensors(0, torch.zeros(4, 2), torch.zeros(4, 2)), fetch, retry_s=0.2)
+    shared.see(1)
+    assert not shared.refresh() and shared.stale()  # answered 0: still wanted
+    serving["v"] = 1
+    assert not shared.refresh()  # within retry_s of the lagging answer
+    time.sleep(0.25)
+    assert shared.refresh() and shared.current.policy_version == 1 and float(shared.current.embed[0, 0]) == 1.0
+    assert not shared.stale()

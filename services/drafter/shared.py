@@ -105,7 +105,12 @@ class SharedWeights:
             log.warning("shared_fetch_failed", want=want, using=self.current.policy_version, failures=self.failures,
                         error=self.last_error)
             return False
-        self._asked = max(want, got.policy_version)  # an older answer (a lagging rollout) is not asked again
+        self._asked = got.policy_version
+        if got.policy_version < want:  # a rollout still applying the push (features of a replica that applied it came
+            # first, a push that failed on a replica and is sent again, a restarted server): asked again in retry_s.
+            # Taken as fetched, it was never asked again, and the drafter trained on the previous policy's tensors
+            # until a later version was seen.
+            self._next_try = time.monotonic() + self.retry_s
         if got.policy_version <= self.current.policy_version:
             return False
         previous, self.current = self.current.policy_version, got
