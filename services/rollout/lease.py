@@ -52,7 +52,8 @@ class DeviceLease:
 
     def grant(self, holder: str, lease_s: float) -> bool:
         """Lend to `holder` for `lease_s` seconds, or renew. True when the devices were not lent before: the caller
-        starts the clock (`start_clock`) once the replicas have released. A renewal runs lease_s from now."""
+        starts the clock (`start_clock`) once the replicas have released. A renewal runs lease_s from now, or, while
+        the first lend's replicas still release, from when they have."""
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         fresh = not self.lent
@@ -60,8 +61,8 @@ class DeviceLease:
         self.lease_s = lease_s
         if fresh:
             self._stop_clock()
-        else:
-            self.start_clock()
+        elif self._timer is not None:  # running: the renewal runs from now; not yet (the first lend's replicas still
+            self.start_clock()  # release): that lend starts it once they have, as the renewal's caller waits for
         return fresh
 
     def start_clock(self) -> None:

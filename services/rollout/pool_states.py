@@ -31,6 +31,7 @@ sink and loop, and asks replicas through the pool's `_ask`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +66,15 @@ class CapacityStates:
     _cmd_ids: Any  # ReplicaPool's: itertools.count of command ids
     _replies: dict[int, tuple[Any, asyncio.Future]]  # ReplicaPool's: command id -> (replica, its Reply's future)
 
+    _releasing: asyncio.Future | None = None  # the gather of a first lend's releases, until they answered
+
     async def _ask(self, rep: Any, make: Any, timeout_s: float) -> Reply:  # ReplicaPool's
+        raise NotImplementedError
+
+    def _send(self, rep: Any, make: Any) -> tuple[int, asyncio.Future]:  # ReplicaPool's
+        raise NotImplementedError
+
+    async def _answer(self, sent: tuple[int, asyncio.Future], timeout_s: float) -> Reply:  # ReplicaPool's
         raise NotImplementedError
 
     def _new_lease(self) -> DeviceLease:
@@ -167,13 +176,34 @@ class CapacityStates:
         t0 = time.perf_counter()
         live = [r for r in self.replicas if r.alive]
         if not self.lease.grant(holder, lease_s):
-            return {"replicas": [r.replica_id for r in live], "seconds": 0.0, "expires_in_s": self.lease.expires_in()}
+            # a renewal answers once the devices are released: while the first lend's releases are still going (a
+            # caller that timed out and asked again), it waits for them (it answered lent at once, replicas decoding)
+            if self._releasing is not None and not self._releasing.done():
+                with contextlib.suppress(Exception):  # the first lend reports its own failure (and takes back)
+                    await asyncio.wait_for(asyncio.shield(self._releasing), timeout_s)
+            return {"replicas": [r.replica_id for r in live], "seconds": time.perf_counter() - t0,
+                    "expires_in_s": self.lease.expires_in()}
         log.info("devices_lent", holder=self.lent_to, lease_s=lease_s, replicas=[r.replica_id for r in live])
         for r in live:
             self._maybe_idle(r)
+        # Each replica's Lend goes on its pipe now, in this loop turn: sent from tasks, it went one turn later, and a
+        # request (or a take-back) handled meanwhile put its Lend(False) ahead of it; the replica then released after
+        # the take-back, once its engine was idle, and this call waited all that time (a 30 s deadline passed).
+        sent: list[Any] = []
+        for r in live:
+            try:
+                sent.append(self._send(r, lambda cid: Lend(cid, True)))
+            except ReplicaUnavailableError as e:
+                sent.append(e)
+
+        async def answer(s: Any) -> Reply:
+            if isinstance(s, Exception):
+                raise s
+            return await self._answer(s, timeout_s)
+
+        self._releasing = asyncio.ensure_future(asyncio.gather(*(answer(s) for s in sent), return_exceptions=True))
         try:
-            replies = await asyncio.gather(*(self._ask(r, lambda cid: Lend(cid, True), timeout_s) for r in live),
-                                           return_exceptions=True)
+            replies = await asyncio.shield(self._releasing)
         finally:  # also when the caller went away: the lease still lapses if it is never renewed
             self.lease.start_clock()
         failed = failures(live, replies)

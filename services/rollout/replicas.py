@@ -374,12 +374,21 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
     # ---- control -------------------------------------------------------------------------
 
     async def _ask(self, rep: _Replica, make: Any, timeout_s: float) -> Reply:
+        return await self._answer(self._send(rep, make), timeout_s)
+
+    def _send(self, rep: _Replica, make: Any) -> tuple[int, asyncio.Future]:
+        """Put a command on `rep`'s pipe now (ahead of anything sent after this call returns); (its id, the future
+        of its Reply). ReplicaUnavailableError for a dead replica."""
         if rep.error:  # dead: _on_dead already failed its commands, and nothing would ever answer this one
             raise ReplicaUnavailableError(f"replica {rep.replica_id} died: {rep.error.splitlines()[-1]}")
         cmd_id = next(self._cmd_ids)
         fut = self._loop.create_future()  # type: ignore[union-attr]
         self._replies[cmd_id] = (rep, fut)
         rep.outbox.put(make(cmd_id))
+        return cmd_id, fut
+
+    async def _answer(self, sent: tuple[int, asyncio.Future], timeout_s: float) -> Reply:
+        cmd_id, fut = sent
         try:
             return await asyncio.wait_for(fut, timeout_s)
         finally:
