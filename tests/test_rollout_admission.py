@@ -80,3 +80,33 @@ def test_a_server_at_its_limit_answers_429_and_resource_exhausted_and_serves_onc
         assert s.server.pool.pending_sequences == 0
         ok = httpx.post(f"{s.base_url}/completions", json={**body, "n": LIMIT}, timeout=60)
         assert ok.status_code == 200 and len(ok.json()["choices"]) == LIMIT, ok.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_burst_of_http_requests_is_admitted_up_to_the_limit(model_dir, stream) -> None:
+    """The HTTP handlers admit a request when they parse it but submit it a loop turn or more later (a streamed one
+    once its body starts): a burst of 40 one-sequence requests passed max_pending_sequences = 8 together (40 of 40
+    streamed, up to 23 JSON). Admission now holds each request's place until it reaches the pool: 8 admitted, 32
+    told 429, never more than 8 pending."""
+    import asyncio
+
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    with ServerThread(model_dir, replicas=1, max_pending_sequences=8, spec=SpecConfig(mode="off")) as server:
+        pool, peak = server.server.pool, [0]
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+                async def one() -> int:
+                    body = {"model": server.model_name, "prompt": "12+7=", "max_tokens": 120, "ignore_eos": True,
+                            "stream": stream}
+                    async with client.stream("POST", server.base_url + "/completions", json=body) as r:
+                        async for _ in r.aiter_bytes():
+                            peak[0] = max(peak[0], pool.pending_sequences)
+                        return r.status_code
+
+                return list(await asyncio.gather(*(one() for _ in range(40))))
+
+        codes = asyncio.run(burst())
+    assert set(codes) == {200, 429} and codes.count(200) >= 8, codes  # more only where some of the 8 ended first
+    assert peak[0] <= 8, peak

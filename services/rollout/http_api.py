@@ -288,17 +288,17 @@ class OpenAIServer:
                   ) -> list[GenerationRequest]:
         """The engine requests of one API request, once the server has room for them (`ReplicaPool.admit`): 400 for
         one larger than `max_pending_sequences`, 429 with Retry-After (which the OpenAI SDKs honour) when busy."""
-        try:
-            self.pool.admit(len(prompts) * n)
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        # each prompt its own seed (prompt 0: the request's), not the request's for every prompt: their samples
+        # would be alike
+        reqs = [GenerationRequest(f"{rid}-{i}", tuple(p), prompt_params(params, i), n) for i, p in enumerate(prompts)]
+        try:  # reserved until each reaches the pool: a streamed response submits once its body starts
+            self.pool.admit(len(prompts) * n, reserve={r.request_id: n for r in reqs})
         except InvalidRequestError as e:
             raise ApiError(400, str(e), param="n", code="too_many_sequences") from None
         except OverloadedError as e:
             raise ApiError(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"}) from None
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        # each prompt its own seed (prompt 0: the request's), not the request's for every prompt: their samples
-        # would be alike
-        return [GenerationRequest(f"{rid}-{i}", tuple(p), prompt_params(params, i), n)
-                for i, p in enumerate(prompts)]
+        return reqs
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -328,6 +328,8 @@ class OpenAIServer:
             gone.cancel()
             for t in tasks:  # closing generate() aborts what is still running
                 t.cancel()
+            for r in reqs:  # one cancelled before it reached the pool holds its admission place no longer
+                self.pool.take_reservation(r.request_id)
             # a cancelled task ends the gather with CancelledError that nobody awaits: asyncio would log it
             gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
 
@@ -358,6 +360,8 @@ class OpenAIServer:
         finally:
             for t in tasks:
                 t.cancel()
+            for r in reqs:
+                self.pool.take_reservation(r.request_id)
 
     def _usage(self, prompts: list[list[int]], outs: list[CompletionOutput]) -> Usage:
         p = sum(len(x) for x in prompts)

@@ -145,6 +145,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         self.threads_per_replica = threads_per_replica
         self.replicas: list[_Replica] = []
         self._pending: dict[str, _Pending] = {}
+        self._reserved: dict[str, tuple[int, float]] = {}  # admitted, not in the pool yet (admission.py)
         self._replies: dict[int, tuple[_Replica, asyncio.Future]] = {}
         self._cmd_ids = itertools.count(1)
         self._rr = itertools.count()
@@ -269,6 +270,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         it cannot be re-dispatched (`_cannot_redispatch`). Closing the iterator early (client gone) aborts the
         request on the replica it is on then.
         """
+        self.take_reservation(request.request_id)  # counted in the pool from here (or refused: not at all)
         if self._refusing:
             raise ReplicaUnavailableError(self._refusing)
         if request.request_id in self._pending:
