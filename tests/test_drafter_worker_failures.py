@@ -296,13 +296,18 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
     cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model_dir), "--workers", "1",
            "--ready-file", str(ready)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     secret = "tok-" + os.urandom(8).hex()
-    serve = subprocess.Popen(cmd, env={**os.environ, "TLT_DRAFTER__CONTROL_TOKEN": secret})
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        serve = subprocess.Popen(cmd, env={**os.environ, "TLT_DRAFTER__CONTROL_TOKEN": secret}, stdout=out,
+                                 stderr=subprocess.STDOUT)
     worker = 0
     try:
         assert wait_for(lambda: ready.exists() or serve.poll() is not None, 90) and ready.exists()
         worker = json.loads(ready.read_text())["worker_pids"][0]
-        time.sleep(1.0)
+        assert wait_for(lambda: "worker_started" in log.read_text(), 60), log.read_text()[-2000:]
         assert not pid_gone(worker)
+        # the variable that hands a worker its config is tlt's own: no worker warned of it as a misspelt one
+        assert "unknown_environment" not in log.read_text(), log.read_text()[-2000:]
         argv = Path(f"/proc/{worker}/cmdline").read_bytes().decode()
         assert "drafter\x00worker" in argv and secret not in argv, argv
         assert secret in Path(f"/proc/{worker}/environ").read_bytes().decode()  # handed over, only to its own user

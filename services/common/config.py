@@ -263,7 +263,8 @@ def cli_overrides(pairs: Sequence[str]) -> dict[str, Any]:
 # TLT_* variables read as they are, not as config fields (services/common/auth.py, logging.py, tlt/cli.py,
 # procs.py; TLT_IMAGE is docker compose's image tag)
 PLAIN_ENVIRONMENT = ("TLT_PRESET", "TLT_AUTH_TOKEN", "TLT_AUTH_TOKEN_FILE", "TLT_API_KEY", "TLT_LOG_JSON",
-                     "TLT_LOG_LEVEL", "TLT_DIE_WITH_PARENT", "TLT_IMAGE")
+                     "TLT_LOG_LEVEL", "TLT_DIE_WITH_PARENT", "TLT_IMAGE",
+                     "TLT_DRAFTER_WORKER_CONFIG")  # drafter serve -> its workers (services/drafter/serve.py)
 
 
 def unknown_environment(environ: Mapping[str, str], sections: Sequence[str] | None = None) -> list[str]:
