@@ -11,6 +11,10 @@ Control plane = any call that changes a server's state or hands out its weights
         -> refused (UNAUTHENTICATED), unless the server binds loopback only AND
            `insecure_local` (`--insecure-local`) was set explicitly
 
+A token loses its surrounding whitespace whatever its source (a Kubernetes Secret made from a file written by
+`echo` ends in a newline); one that is blank after that, or holds a character an `authorization` metadata value
+cannot carry (printable ASCII only), is refused where it is read (AuthConfigError, a ConfigError: one line).
+
 `tlt run` generates a random token per run and hands it to every child via
 TLT_AUTH_TOKEN (services/trainer/launcher.py), so a local run needs no setup;
 clients (`RolloutClient`) read the same variable when no token is passed.
@@ -30,30 +34,54 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from tlt.services.common.config import ConfigError
+
 TOKEN_ENV = "TLT_AUTH_TOKEN"
 TOKEN_FILE_ENV = "TLT_AUTH_TOKEN_FILE"
 API_KEY_ENV = "TLT_API_KEY"
 
-class AuthConfigError(ValueError):
-    """The token file named by TLT_AUTH_TOKEN_FILE cannot be read or is empty."""
+class AuthConfigError(ConfigError):
+    """A control token that cannot be used: its file cannot be read, or it is blank or holds a character gRPC
+    metadata cannot carry. A ConfigError, so a command refuses it in one line (`bad_config`)."""
+
+
+# The sources, in the order resolve_token reads them, as the error messages name them.
+_CONFIG_SOURCE = "the config's token ([rollout] control_token, [trainer] rollout_token or [drafter] control_token)"
+
+
+def _clean(token: str, source: str) -> str:
+    """The token without surrounding whitespace (a Secret made from a file written by `echo` ends in a newline);
+    refused when nothing is left or when it holds what an `authorization` metadata value cannot carry
+    (gRPC allows printable ASCII, 0x20-0x7E). The message names the source, never the token."""
+    token = token.strip()
+    if not token:
+        raise AuthConfigError(f"{source}: the token is blank; set a token or leave it empty")
+    for i, ch in enumerate(token):
+        if not " " <= ch <= "~":
+            raise AuthConfigError(f"{source}: the token holds {ch!r} at position {i}; a token is printable ASCII "
+                                  "(no newline, tab or other control character inside it)")
+    return token
 
 
 def resolve_token(explicit: str = "", environ: Mapping[str, str] | None = None) -> str:
-    """The control token: the explicit (config) value, else $TLT_AUTH_TOKEN, else the file in $TLT_AUTH_TOKEN_FILE."""
+    """The control token: the explicit (config) value, else $TLT_AUTH_TOKEN, else the file in $TLT_AUTH_TOKEN_FILE.
+
+    Each without surrounding whitespace; a source that holds only whitespace, or a token with a character gRPC
+    metadata cannot carry, raises AuthConfigError. An empty value means that source is not set."""
     if explicit:
-        return explicit
+        return _clean(explicit, _CONFIG_SOURCE)
     env = os.environ if environ is None else environ
     if env.get(TOKEN_ENV):
-        return env[TOKEN_ENV].strip()
+        return _clean(env[TOKEN_ENV], TOKEN_ENV)
     path = env.get(TOKEN_FILE_ENV)
     if path:
         try:
-            token = Path(path).read_text().strip()
-        except OSError as e:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
             raise AuthConfigError(f"{TOKEN_FILE_ENV}={path}: cannot read the token file ({e})") from e
-        if not token:
+        if not text.strip():
             raise AuthConfigError(f"{TOKEN_FILE_ENV}={path}: the token file is empty")
-        return token
+        return _clean(text, f"{TOKEN_FILE_ENV}={path}")
     return ""
 
 

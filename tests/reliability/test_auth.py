@@ -54,6 +54,39 @@ def test_token_resolution_order(tmp_path):
     assert resolve_api_key("", {}) == ""
 
 
+def test_tokens_lose_surrounding_whitespace_from_every_source(tmp_path):
+    """A Secret made from a file written by `echo` ends in a newline, in the config field as in the variables: the
+    token is the text without it (gRPC metadata cannot carry a newline; the client's was stripped, not the server's)."""
+    f = tmp_path / "token"
+    f.write_text(" t0k\r\n")
+    assert resolve_token("t0k\n", {}) == "t0k"  # [rollout] control_token / TLT_ROLLOUT__CONTROL_TOKEN
+    assert resolve_token("  t0k \n", {"TLT_AUTH_TOKEN": "other"}) == "t0k"
+    assert resolve_token("", {"TLT_AUTH_TOKEN": "t0k\n"}) == "t0k"
+    assert resolve_token("", {"TLT_AUTH_TOKEN_FILE": str(f)}) == "t0k"
+    assert ControlAuth.build("0.0.0.0", "t0k\n").check([("authorization", "Bearer t0k")]) is None
+
+
+@pytest.mark.parametrize("explicit,environ,names", [
+    ("t0k\nmore", {}, "control_token"),
+    ("", {"TLT_AUTH_TOKEN": "t\x00k"}, "TLT_AUTH_TOKEN"),
+    ("", {"TLT_AUTH_TOKEN": "t\u00e9k"}, "TLT_AUTH_TOKEN"),
+    ("", {"TLT_AUTH_TOKEN_FILE": "FILE"}, "TLT_AUTH_TOKEN_FILE"),
+    (" \n", {"TLT_AUTH_TOKEN": "env"}, "control_token"),  # whitespace only: a mistake, not "no token"
+    ("", {"TLT_AUTH_TOKEN": "\n"}, "TLT_AUTH_TOKEN"),
+])
+def test_a_token_grpc_metadata_cannot_carry_is_refused(tmp_path, explicit, environ, names):
+    """Refused where it is read, in one line naming the source, rather than as a gRPC traceback at the first call."""
+    from tlt.services.common.config import ConfigError
+
+    f = tmp_path / "token"
+    f.write_text("abc\tdef\n")
+    environ = {k: (str(f) if v == "FILE" else v) for k, v in environ.items()}
+    with pytest.raises(AuthConfigError, match=names) as e:
+        resolve_token(explicit, environ)
+    assert "\n" not in str(e.value) and ("printable ASCII" in str(e.value) or "blank" in str(e.value))
+    assert isinstance(e.value, ConfigError)  # the CLI's one-line `bad_config`, no traceback
+
+
 @pytest.mark.parametrize("address,loopback", [
     ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("localhost", True), ("127.0.0.1:50051", True),
     ("[::1]:50051", True), ("tcp://127.0.0.1:5701", True), ("tcp://[::1]:5701", True),
@@ -174,6 +207,18 @@ def test_openai_client_with_the_key(server):
     assert client.completions.create(model=server.model_name, prompt="2+2=", max_tokens=2).choices
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="nope", max_retries=0, timeout=60).models.list()
+
+
+def test_a_token_with_a_trailing_newline_on_both_ends(model_dir, tmp_path):
+    """The repro: rollout and trainer given the same Secret value, ending in a newline. The trainer's push goes
+    through (it crashed with grpc 'Illegal header value'), as does a client sending the clean token (refused)."""
+    tensors = _lm_head(model_dir)
+    with ServerThread(model_dir, control_token=TOKEN + "\n") as s:
+        for token in (TOKEN + "\n", TOKEN):
+            with RolloutClient(s.grpc_address, control_token=token, timeout_s=60) as c:
+                version = c.status().versions.policy
+                assert c.update_weights(tensors, "policy", version + 1).ok
+                assert c.status().versions.policy == version + 1
 
 
 def test_no_token_refuses_unless_insecure_local(model_dir, monkeypatch):
