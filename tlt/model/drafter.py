@@ -311,7 +311,8 @@ class Drafter(nn.Module):
         share_weights(out)  # safetensors wrote it 0600
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Validate names/shapes/float dtypes strictly (the shared embed/lm_head are refused), then copy in place."""
+        """Validate names/shapes/float dtypes/finite values strictly (the shared embed/lm_head are refused), then copy in
+        place: a refused set changes nothing."""
         shared = [k for k in tensors if "embed" in k or "lm_head" in k]
         if shared:
             raise DrafterError(f"drafter weights must not carry the target's embedding/lm_head, found {shared}")
@@ -324,6 +325,8 @@ class Drafter(nn.Module):
                 raise DrafterError(f"drafter tensor {k}: shape {tuple(t.shape)}, expected {tuple(own[k].shape)}")
             if not t.dtype.is_floating_point:  # a float is cast to ours (fp32 trained, bf16 served)
                 raise DrafterError(f"drafter tensor {k}: dtype {t.dtype}, expected a floating point dtype")
+            if not bool(torch.isfinite(t).all()):  # served, every draft was rejected: acceptance 1.0 in silence
+                raise DrafterError(f"drafter tensor {k} holds NaN or infinite values")
         with torch.no_grad():
             for k, t in tensors.items():
                 own[k].copy_(t)
