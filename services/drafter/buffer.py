@@ -12,6 +12,10 @@ puller adds while the coordinator's request handler samples.
 Checked at ingest (`problem`): a sequence from any sender that does not fit the model (hidden size,
 feature length, token ids, non-finite features) is refused, logged with its sender and counted
 (`rejected`). Let in, it would make every batch that draws it fail, for every worker, until evicted.
+A batch whose sender reports an impossible drop count (past MAX_SENDER_DROPPED) is refused whole and counted the
+same way: one such 20-byte message made the summed count overflow the status's int64, and every GetStatus failed
+until a restart. The senders' running drop counts are kept for the MAX_SENDERS last heard (a restarted process is
+a new sender); the total stays the sum of every count seen, capped at the int64 maximum.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from tlt.v1 import events_pb2
 
 log = get_logger("drafter.buffer")
 MAX_GROUPS = 4096  # groups whose split is remembered (a prompt's samples arrive within one rollout)
+MAX_SENDERS = 1024  # senders whose running drop count is kept, the least recently heard forgotten first
+MAX_SENDER_DROPPED = 1 << 40  # a trillion sequences dropped by one sender: past it, the count is no count
+INT64_MAX = (1 << 63) - 1  # DrafterStatus.features_dropped
 
 
 def problem(seq: events_pb2.FeatureSequence, hidden_size: int, vocab_size: int) -> str:
@@ -81,12 +88,19 @@ class FeatureBuffer:
         self._groups: OrderedDict[str, bool] = OrderedDict()  # recent groups -> held out (bounded: MAX_GROUPS)
         self.received_sequences = 0
         self.sender_dropped = 0  # sequences the senders dropped (summed over senders)
-        self._dropped: dict[str, int] = {}  # sender -> its running drop count
+        self._dropped: OrderedDict[str, int] = OrderedDict()  # sender -> its running drop count (MAX_SENDERS)
         self.rejected = 0  # sequences refused at ingest (see `problem`)
 
     def add_batch(self, batch: events_pb2.FeatureBatch) -> int:
         """Add every sequence of `batch`; returns how many windows were added. Bad sequences are refused,
         logged and counted."""
+        if batch.dropped_before > MAX_SENDER_DROPPED:
+            with self._lock:
+                self.received_sequences += len(batch.sequences)
+                self.rejected += max(1, len(batch.sequences))  # one with no sequence counts as one
+            log.warning("feature_batch_rejected", source=batch.source, sender=batch.sender[:100],
+                        reason=f"dropped_before {batch.dropped_before} is past {MAX_SENDER_DROPPED}", total=self.rejected)
+            return 0
         added = 0
         for seq in batch.sequences:
             reason = problem(seq, self.hidden_size, self.vocab_size)
@@ -105,8 +119,11 @@ class FeatureBuffer:
             # each sender (a pusher: one per process and rank, a restarted process a new one) counts its own drops
             key = batch.sender or (f"replica-{batch.sequences[0].replica_id}" if batch.sequences else "")
             if key:
-                self._dropped[key] = max(self._dropped.get(key, 0), int(batch.dropped_before))
-                self.sender_dropped = sum(self._dropped.values())
+                before = self._dropped.pop(key, 0)
+                self._dropped[key] = now = max(before, int(batch.dropped_before))  # heard last: forgotten last
+                self.sender_dropped = min(INT64_MAX, self.sender_dropped + now - before)
+                if len(self._dropped) > MAX_SENDERS:  # its count stays in the total
+                    self._dropped.popitem(last=False)
         return added
 
     def _held_out(self, group: str) -> bool:

@@ -1,0 +1,81 @@
+"""The drop counts the feature senders report (FeatureBatch.dropped_before, a uint64 running count per sender)
+are untrusted input: one 20-byte message on the features socket with dropped_before = 2**63 made the summed
+count overflow DrafterStatus.features_dropped (int64), and every Drafter.GetStatus failed ("Value out of range")
+until a restart; each distinct sender id also stayed in a dict for ever, summed again at each batch.
+A count past plausibility refuses its batch (counted as rejected); the senders kept are bounded, the total kept.
+Real parts: a raw ZeroMQ PUSH into the coordinator's FeaturePuller on 127.0.0.1, the status gRPC server of
+`tlt drafter serve` asked over a real channel."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import zmq
+
+from drafter_helpers import model_dir, wait_for  # noqa: F401 (fixture)
+from tlt.services.drafter import buffer as buffer_mod
+from tlt.services.drafter.buffer import FeatureBuffer
+from tlt.v1 import drafter_pb2, drafter_pb2_grpc, events_pb2
+
+
+def _seq(name: str, h: int, n: int = 12) -> events_pb2.FeatureSequence:
+    return events_pb2.FeatureSequence(seq_id=name, token_ids=list(range(5, 5 + n)), response_start=3, hidden_size=h,
+                                      features=np.full((n, h), 0.5, np.float16).tobytes())
+
+
+def test_an_absurd_drop_count_is_refused_and_status_keeps_answering(tmp_path, model_dir) -> None:  # noqa: F811
+    from tlt.services.common.events import FeaturePuller
+    from tlt.services.drafter.config import DrafterServiceConfig
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.serve import start_status_server
+
+    puller = FeaturePuller("tcp://127.0.0.1:*")
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
+                               eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model_dir), puller, None).start()
+    server, port = start_status_server(coord, "127.0.0.1", 0)
+    h = coord.drafter_cfg.hidden_size
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(puller.endpoint)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        def send(batch: events_pb2.FeatureBatch) -> None:
+            push.send(events_pb2.Envelope(features=batch).SerializeToString())
+
+        send(events_pb2.FeatureBatch(source="rollout", sender="evil", dropped_before=1 << 63))  # 20 bytes
+        send(events_pb2.FeatureBatch(source="rollout", sender="evil2", dropped_before=(1 << 64) - 1,
+                                     sequences=[_seq("bad", h)]))
+        send(events_pb2.FeatureBatch(source="rollout", sender="a", dropped_before=3, sequences=[_seq("good", h)]))
+        send(events_pb2.FeatureBatch(source="rollout", sender="b", dropped_before=4))
+        assert wait_for(lambda: coord.buffer.received_sequences >= 2, 10)
+        time.sleep(0.2)
+        st = drafter_pb2_grpc.DrafterStub(channel).GetStatus(drafter_pb2.DrafterStatusRequest(), timeout=10)
+        assert st.features_dropped == 7  # the plausible senders' counts only
+        assert st.features_rejected == 2  # the two refused batches (one of them with no sequence)
+        assert st.buffer_sequences == 1  # "bad" came in a refused batch
+    finally:
+        channel.close()
+        push.close()
+        ctx.term()
+        server.stop(grace=0).wait()
+        coord.close()
+        puller.close()
+
+
+def test_the_senders_kept_are_bounded_and_the_total_stays_right(monkeypatch) -> None:
+    monkeypatch.setattr(buffer_mod, "MAX_SENDERS", 8)
+    buf = FeatureBuffer(10, 10, 8, 4, holdout_every=100)
+    for i in range(100):  # a sender per process restart (or a peer inventing ids): each dropped 2
+        buf.add_batch(events_pb2.FeatureBatch(sender=f"s{i}", dropped_before=2))
+    assert buf.sender_dropped == 200 and len(buf._dropped) <= 8
+    buf.add_batch(events_pb2.FeatureBatch(sender="s99", dropped_before=5))  # a kept sender's count goes on
+    assert buf.sender_dropped == 203
+    monkeypatch.setattr(buffer_mod, "MAX_SENDER_DROPPED", 1 << 62)  # (2**23 senders at the real bound)
+    for i in range(3):  # each plausible, summed past int64
+        buf.add_batch(events_pb2.FeatureBatch(sender=f"big{i}", dropped_before=1 << 62))
+    assert buf.sender_dropped == (1 << 63) - 1
