@@ -280,7 +280,8 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
     process), it left them running, and the restarted service started a second worker for every replica, under
     the same ids and checkpoint files, training side by side on the same devices. A worker must exit with the
     process that started it (as services do with `tlt run`'s launcher); the restarted service starts new ones,
-    which resume from the checkpoints. Real processes: `tlt drafter serve --workers 1`, killed by its pid.
+    which resume from the checkpoints, and at once: its clean stop waited ~20 s on the dead coordinator, long
+    enough to join the restarted service's. Real processes: `tlt drafter serve --workers 1`, killed by its pid.
     The control token (set in the environment, as compose and `tlt run` do) never appears on a worker's command
     line, which every user of the host reads with `ps`: the workers got the service's config as `--config-json`."""
     import json
@@ -311,9 +312,14 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
         argv = Path(f"/proc/{worker}/cmdline").read_bytes().decode()
         assert "drafter\x00worker" in argv and secret not in argv, argv
         assert secret in Path(f"/proc/{worker}/environ").read_bytes().decode()  # handed over, only to its own user
+        state(pub, 0, IDLE)  # the worker is in a window (asking its coordinator for batches) when the service dies
+        time.sleep(1.5)
         serve.send_signal(signal.SIGKILL)
         serve.wait(10)
-        assert wait_for(lambda: pid_gone(worker), 30), "a worker outlived its drafter service's kill -9"
+        # at once: it waited 10 s for its dead coordinator to take the window's report, 10 s more for the final
+        # flush, long enough to join the restarted service's new coordinator beside the new worker
+        assert wait_for(lambda: pid_gone(worker), 3), "a worker outlived its drafter service's kill -9"
+        assert "worker_parent_gone" in log.read_text(), log.read_text()[-2000:]
     finally:
         if serve.poll() is None:
             serve.kill()

@@ -120,6 +120,7 @@ class DrafterWorker:
         self.windows = 0
         self.checkpoint_failures = 0  # optimizer checkpoints that could not be written (retried)
         self._unsaved_opt: dict | None = None  # the optimizer state of the last checkpoint that could not be written
+        self.checkpoint_lock = threading.Lock()  # held while the checkpoint is written (worker_main's exit waits)
         self._gen = torch.Generator().manual_seed(worker_id)
         self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # on the CPU between windows
         if cfg.threads and self.device == "cpu":
@@ -522,8 +523,9 @@ class DrafterWorker:
         full disk) stopped the worker's process for good, and nothing restarts it; the coordinator's own checkpoint
         failures are retried the same way."""
         try:
-            save_atomic(self.ckpt, {"optimizer": opt_state, "micro_steps": self.total_steps + extra_steps,
-                                    "preemptions": self.preemptions})
+            with self.checkpoint_lock:
+                save_atomic(self.ckpt, {"optimizer": opt_state, "micro_steps": self.total_steps + extra_steps,
+                                        "preemptions": self.preemptions})
         except OSError as e:
             self.checkpoint_failures += 1
             self._unsaved_opt = opt_state  # what the checkpoint holds for now (_restore_optimizer)

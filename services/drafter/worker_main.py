@@ -53,9 +53,14 @@ def run(args: argparse.Namespace) -> int:
     worker_id = args.replica if args.worker_id is None else args.worker_id
     configure_logging(service=f"drafter-worker-{worker_id}")
     # a worker `tlt drafter serve` started: the service's resolved config, from the environment (WORKER_CONFIG_ENV)
-    cfg = build_config(args.preset, args.overrides, os.environ.pop(WORKER_CONFIG_ENV, ""))
+    config_json = os.environ.pop(WORKER_CONFIG_ENV, "")
+    service = os.getppid() if config_json else 0  # until the handlers below, its death's SIGTERM ends this at once
+    cfg = build_config(args.preset, args.overrides, config_json)
     fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
     worker = DrafterWorker(cfg, args.model, worker_id, args.replica, args.coordinator, fetch)  # type: ignore[arg-type]
+    if service:
+        threading.Thread(target=_exit_with_service, args=(service, worker), name="exit-with-service",
+                         daemon=True).start()
     # Only now a signal asks for a clean stop: until here the worker has read files and holds nothing to save, and
     # SIGTERM's default (its parent's death, TLT_DIE_WITH_PARENT) ends it at once instead of after the start-up.
     stop = threading.Event()
@@ -65,3 +70,25 @@ def run(args: argparse.Namespace) -> int:
     finally:
         worker.close()
     return 0
+
+
+SERVICE_WATCH_S = 0.2  # how often a worker of `tlt drafter serve` looks whether the service still lives
+
+
+def _exit_with_service(service: int, worker: object) -> None:
+    """Exit at once when `tlt drafter serve` (pid `service`), this worker's parent, has died (a kill -9, the OOM
+    killer). Its death's SIGTERM (TLT_DIE_WITH_PARENT) asks for the clean stop, which talks to the service's own
+    coordinator: dead, it waited ~10 s for the window's report and ~10 s for the final flush, long enough for a
+    restarted service's new worker for the same replica to come up beside this one. What the worker has not sent
+    is lost, as in a kill -9 of the worker (it resumes from its checkpoint); a checkpoint being written is finished
+    first (the write is atomic anyway: a rename)."""
+    import time
+
+    from tlt.services.common.logging import get_logger
+
+    while os.getppid() == service:
+        time.sleep(SERVICE_WATCH_S)
+    get_logger("drafter.worker").warning("worker_parent_gone", worker=worker.worker_id, service_pid=service,  # type: ignore[attr-defined]
+                                         detail="its drafter serve died: exiting, nothing more sent")
+    worker.checkpoint_lock.acquire(timeout=30)  # type: ignore[attr-defined]
+    os._exit(0)
