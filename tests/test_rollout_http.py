@@ -451,7 +451,7 @@ def test_chat_history_replays_the_sdk_s_own_message(client, server, model_dir):
     with pytest.raises(openai.BadRequestError, match="this model's chat template does not render tools") as e:
         client.chat.completions.create(model=server.model_name, max_tokens=4, messages=[user], tools=[tool])
     assert e.value.body["param"] == "tools"
-    with pytest.raises(openai.BadRequestError, match="unknown parameter 'messages.0.colour'"):
+    with pytest.raises(openai.BadRequestError, match="unknown parameter 'messages.\\[0\\].colour'"):
         client.chat.completions.create(model=server.model_name, max_tokens=4,
                                        messages=[{**user, "colour": "red"}])
 

@@ -119,14 +119,29 @@ def test_a_trainer_whose_token_the_rollout_refuses_stops_before_its_first_step(r
 def test_a_step_whose_replica_died_is_rolled_out_again_once_the_replica_is_back(random_model_dir, tmp_path):
     """A replica that dies (OOM, kill -9) fails its requests with UNAVAILABLE and the rollout server restarts
     it; the trainer used to fail the step and stop the run, losing the steps since its last checkpoint. Now it
-    drops the step's partial rollout, waits until every replica serves again and rolls the step out anew."""
+    drops the step's partial rollout, waits until every replica serves again and rolls the step out anew.
+    Killed while step 0's requests are in it, with re-dispatch off (`redispatch_limit=0`), so they fail: a
+    request sent while the only replica restarts waits for it instead (tests/test_rollout_front_loop.py)."""
     import os
     import signal
+    import threading
+    import time
 
-    with ServerThread(random_model_dir, replicas=1, max_restarts=1) as server:
-        os.kill(server.server.pool.replicas[0].process.pid, signal.SIGKILL)  # dead before step 0's rollout
+    with ServerThread(random_model_dir, replicas=1, max_restarts=1, redispatch_limit=0) as server:
+        pool = server.server.pool
+        pid = pool.replicas[0].process.pid
+
+        def kill_once_busy() -> None:
+            deadline = time.monotonic() + 120
+            while pool.pending_sequences == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            os.kill(pid, signal.SIGKILL)  # step 0's rollout is in the replica
+
+        killer = threading.Thread(target=kill_once_busy, daemon=True)
+        killer.start()
         cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", steps=1, rollout_retries=1)
         summary = train(cfg)
+        killer.join(5)
         restarts = dict(server.server.pool.restarts)
     assert summary.steps_done == 1 and restarts == {0: 1}
     (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -54,6 +54,13 @@ from tlt.services.common.metrics import Metrics
 from tlt.services.rollout.config import RolloutConfig
 from tlt.services.rollout.engine.sequence import prompt_params
 from tlt.services.rollout.errors import OverloadedError
+from tlt.services.rollout.front_prompts import (
+    PromptTooLong,
+    bad_stop_ids,
+    encode_bounded,
+    kv_problem,
+    longest_token_chars,
+)
 from tlt.services.rollout.lease import MAX_LEASE_S
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
 from tlt.services.rollout.types import CompletionOutput, FinishReason, GenerationRequest, SamplingParams
@@ -171,6 +178,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         """`metrics`: the server's registry (rollout_grpc_requests_total is made on it); `rejected`: the HTTP API's
         counter of that registry, which gRPC refusals add to."""
         self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
+        self._token_chars: int | None = None  # the vocabulary's longest token (front_prompts.py), on first need
         self.auth = ControlAuth.build(config.host, config.control_token, config.insecure_local)
         self.rejected = rejected  # Counter tlt rollout_rejected_total{reason}, shared with the HTTP API
         self._calls = None if metrics is None else metrics.counter(
@@ -201,9 +209,13 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         info = self.pool.info
         # Off the event loop: a slow tokenizer takes ~2 s a MB of text, and a message may hold 256 MB; on the loop
         # it froze every other call, /health included, before the prompt was refused for its length.
+        # A text that cannot fit is refused without tokenising it whole (front_prompts.py: memory grew ~280 bytes a
+        # character). The stop ids once a request, not once a prompt.
+        stop_problem = bad_stop_ids(params.stop_token_ids, info.vocab_size)
+        if stop_problem:
+            raise ValueError(stop_problem)
         texts = {i: prompt.text for i, prompt in enumerate(prompts) if prompt.WhichOneof("input") == "text"}
-        encoded = dict(zip(texts, await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts.values()]))
-                       ) if texts else {}  # token-id prompts (the trainer's): no thread hop
+        encoded = await asyncio.to_thread(self._encode_texts, texts) if texts else {}  # token ids: no thread hop
         out = []
         for i, prompt in enumerate(prompts):
             kind = prompt.WhichOneof("input")
@@ -219,15 +231,29 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; the context length is {info.max_model_len}")
             if any(not 0 <= t < info.vocab_size for t in ids):
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {info.vocab_size})")
-            if any(t >= info.vocab_size for t in params.stop_token_ids):
-                raise ValueError(f"stop_token_ids holds ids outside the vocabulary [0, {info.vocab_size})")
             if params.max_tokens is not None and len(ids) + params.max_tokens > info.max_model_len:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} is over the "
                                  f"context length {info.max_model_len}")
+            if problem := kv_problem(len(ids), params.max_tokens, info.max_model_len, info.kv_capacity_tokens,
+                                     f"prompt {i}", "max_tokens"):
+                raise ValueError(problem)
             # its own seed (prompt 0: the request's), not the request's for every prompt: their samples would be alike
             out.append(GenerationRequest(f"{prefix}-{i}", tuple(ids), prompt_params(params, i),
                                          n))
         self.pool.admit(len(out) * n)  # InvalidRequestError (alone too large) is a ValueError; OverloadedError: busy
+        return out
+
+    def _encode_texts(self, texts: dict[int, str]) -> dict[int, list[int]]:
+        """Prompt index -> token ids of each text prompt (blocking: on a thread); ValueError names a prompt that
+        cannot fit the context."""
+        limit, out = self.pool.info.max_model_len, {}
+        if self._token_chars is None:
+            self._token_chars = longest_token_chars(self.tokenizer)
+        for i, text in texts.items():
+            try:
+                out[i] = encode_bounded(self.tokenizer, text, limit, self._token_chars)
+            except PromptTooLong as e:
+                raise ValueError(f"prompt {i} {e}") from None
         return out
 
     async def _refuse_overloaded(self, e: OverloadedError, context: grpc.aio.ServicerContext) -> None:

@@ -12,8 +12,11 @@
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`: 400
 for anything wrong with the request (FastAPI's 422 never reaches a client),
 404 for an unknown model or route, 413 for a body over `max_request_bytes`,
-503 when no engine replica is alive, 401 on /v1/* without the API key when
-one is set (TLT_API_KEY or [rollout] api_key). A client that disconnects
+503 when no engine replica is alive and none is restarting (a request waits
+for one that is), 401 on /v1/* without the API key when one is set
+(TLT_API_KEY or [rollout] api_key). Prompts are tokenised and non-streamed
+responses built on a thread, off the loop every stream and gRPC call share
+(front_prompts.py). A client that disconnects
 aborts its request, streaming or not (a non-streaming one counts as 499,
 client_closed). Every error counts in rollout_rejected_total{reason}. The handler is the deliberate boundary:
 request errors are answered and the server goes on; errors inside a started
@@ -55,66 +58,21 @@ from tlt.services.rollout.openai_schema import (
     ModelCard,
     ModelList,
     Usage,
-    field_problem,
 )
 from tlt.services.rollout.errors import OverloadedError
+from tlt.services.rollout.http_errors import ApiError, Sse, is_unicode, pool_error, validation_message
+from tlt.services.rollout.front_prompts import (
+    PromptTooLong,
+    bad_stop_ids,
+    encode_bounded,
+    kv_problem,
+    longest_token_chars,
+)
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError
 from tlt.services.rollout.pool_metrics import PoolMetrics
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest, SamplingParams, StepOutput
 
 COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # http_requests_total{endpoint}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
-
-
-def _pool_error(e: InvalidRequestError | ReplicaUnavailableError) -> ApiError:
-    """What the pool raised, as the client sees it: 400 (the engine refused it) or 503 (its replica died, or the
-    server is shutting down)."""
-    if isinstance(e, InvalidRequestError):
-        return ApiError(400, str(e))
-    return ApiError(503, str(e), "server_error", code="unavailable")
-
-
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    parts, first = [], None
-    for err in e.errors()[:5]:
-        first = first or (str(err["loc"][0]) if err["loc"] else None)
-        parts.append(field_problem(err)[0])
-    return "invalid request: " + "; ".join(parts), first
-
-
-def _is_unicode(obj: Any) -> bool:
-    """No lone UTF-16 surrogate in any string: `json` decodes `"\\ud800"` (and its raw UTF-8 bytes) to one, which
-    the tokenizer cannot encode (a TypeError: a 500 instead of the client's 400)."""
-    try:
-        json.dumps(obj, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-class _Sse:
-    @staticmethod
-    def data(obj: BaseModel | dict, nulls: tuple[str, ...] = ()) -> bytes:
-        """`nulls`: keys sent as null when unset (include_usage: every chunk but the last has `"usage": null`)."""
-        # ASCII-escaped: generated text may hold U+2028, U+0085, ... which line splitters
-        # (not the SSE spec's, but many clients') take for line breaks inside the event.
-        payload = obj.model_dump(exclude_none=True) if isinstance(obj, BaseModel) else obj
-        for key in nulls:
-            payload.setdefault(key, None)
-        return f"data: {json.dumps(payload, ensure_ascii=True, separators=(',', ':'))}\n\n".encode()
-
-    done = b"data: [DONE]\n\n"
 
 
 class OpenAIServer:
@@ -125,6 +83,7 @@ class OpenAIServer:
         self.pool, self.tokenizer, self.model_name, self.config, self.metrics = (
             pool, tokenizer, model_name, config, metrics)
         self.gc_pauses = gc_pauses  # the front process's collections (RolloutServer installs it)
+        self._longest_token: int | None = None  # the vocabulary's longest token (front_prompts.py), on first need
         self.created = int(time.time())
         self.m_requests = metrics.counter("http_requests_total", "HTTP API requests by endpoint and status",
                                           ("endpoint", "status"))
@@ -225,7 +184,7 @@ class OpenAIServer:
                            code="client_closed") from None
         try:
             obj = json.loads(body)
-            unicode = _is_unicode(obj)
+            unicode = is_unicode(obj)
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer of over 4,300 digits (a 500)
             raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
         except RecursionError:  # json recurses per nesting level: 1 MB of `[[[[` is far past the limit
@@ -238,7 +197,7 @@ class OpenAIServer:
         try:
             req = cls.model_validate(obj)
         except ValidationError as e:
-            message, param = _validation_message(e)
+            message, param = validation_message(e)
             raise ApiError(400, message, param=param) from None
         if req.model != self.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
@@ -274,8 +233,6 @@ class OpenAIServer:
             raise ApiError(400, f"{where} is empty", param=prompt_name)
         if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"{where} has token ids outside the vocabulary [0, {vocab})", param=prompt_name)
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ApiError(400, f"stop_token_ids holds ids outside the vocabulary [0, {vocab})", param="stop_token_ids")
         if len(ids) >= limit:
             raise ApiError(400, f"{where} has {len(ids)} tokens; the context length is {limit} "
                                 "(prompt + max_tokens must fit)", param=prompt_name, code="context_length_exceeded")
@@ -283,6 +240,31 @@ class OpenAIServer:
             raise ApiError(400, f"{max_tokens_name}={params.max_tokens} plus {where} ({len(ids)} tokens) is over the "
                                 f"context length {limit}; lower {max_tokens_name} to at most {limit - len(ids)}",
                            param=max_tokens_name, code="context_length_exceeded")
+        if (problem := kv_problem(len(ids), params.max_tokens, limit, self.pool.info.kv_capacity_tokens, where,
+                                  max_tokens_name)):  # here, not in the replica: a stream has not started yet
+            raise ApiError(400, problem, param=max_tokens_name, code="kv_cache_exceeded")
+
+    def _check_stop_ids(self, params: SamplingParams) -> None:
+        problem = bad_stop_ids(params.stop_token_ids, self.pool.info.vocab_size)  # once a request
+        if problem:
+            raise ApiError(400, problem, param="stop_token_ids")
+
+    def _token_chars(self) -> int:
+        if self._longest_token is None:
+            self._longest_token = longest_token_chars(self.tokenizer)
+        return self._longest_token
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Text prompts' token ids (blocking: on a thread); a text that cannot fit the context is a 400 without
+        being tokenised whole (front_prompts.py)."""
+        out = []
+        for i, text in enumerate(texts):
+            try:
+                out.append(encode_bounded(self.tokenizer, text, self.pool.info.max_model_len, self._token_chars()))
+            except PromptTooLong as e:
+                where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+                raise ApiError(400, f"{where} {e}", param="prompt", code="context_length_exceeded") from None
+        return out
 
     def _requests(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str
                   ) -> list[GenerationRequest]:
@@ -323,7 +305,7 @@ class OpenAIServer:
                 raise ApiError(499, "the client closed the connection; its request was aborted", code="client_closed")
             return list(await gathered)
         except (InvalidRequestError, ReplicaUnavailableError) as e:
-            raise _pool_error(e) from None
+            raise pool_error(e) from None
         finally:
             gone.cancel()
             for t in tasks:  # closing generate() aborts what is still running
@@ -393,13 +375,14 @@ class OpenAIServer:
         t0 = time.perf_counter()
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         params = self._params(req, req.max_tokens, req.logprobs)
+        self._check_stop_ids(params)
         raw = req.prompt
         if isinstance(raw, str):
-            prompts = [self.tokenizer.encode(raw)]
+            prompts = await asyncio.to_thread(self._encode, [raw])
         elif raw and all(isinstance(x, int) for x in raw):
             prompts = [list(raw)]
         elif raw and all(isinstance(x, str) for x in raw):
-            prompts = [self.tokenizer.encode(x) for x in raw]
+            prompts = await asyncio.to_thread(self._encode, raw)
         else:
             prompts = [list(x) for x in raw]
         if not prompts:
@@ -415,12 +398,17 @@ class OpenAIServer:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse("completions", t0, self._completion_stream(rid, reqs, prompts, params, req.n, include_usage))
         groups = await self._collect(reqs, request)
-        flat = [c for g in groups for c in g]
-        choices = [conv.completion_choice(self.tokenizer, pi * req.n + c.sample_index, c, req.logprobs)
-                   for pi, g in enumerate(groups) for c in g]
-        return JSONResponse(CompletionResponse(
-            id=rid, created=int(time.time()), model=self.model_name, choices=choices,
-            usage=self._usage(prompts, flat), tlt_versions=conv.response_versions(flat)).model_dump(exclude_none=True))
+
+        def respond() -> JSONResponse:  # on a thread: n=64 x 300 tokens x 20 top logprobs took the loop for 7 s
+            flat = [c for g in groups for c in g]
+            choices = [conv.completion_choice(self.tokenizer, pi * req.n + c.sample_index, c, req.logprobs)
+                       for pi, g in enumerate(groups) for c in g]
+            return JSONResponse(CompletionResponse(
+                id=rid, created=int(time.time()), model=self.model_name, choices=choices,
+                usage=self._usage(prompts, flat), tlt_versions=conv.response_versions(flat)
+            ).model_dump(exclude_none=True))
+
+        return await asyncio.to_thread(respond)
 
     async def _completion_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
                                  params: SamplingParams, n: int, include_usage: bool) -> AsyncIterator[bytes]:
@@ -430,7 +418,7 @@ class OpenAIServer:
         nulls = ("usage",) if include_usage else ()  # OpenAI: the other chunks' usage is null
 
         def chunk(index: int, text: str, finish: str | None = None, lp: Any = None, versions: Any = None) -> bytes:
-            return _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
+            return Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                 CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, tlt_versions=versions)]),
                 nulls)
 
@@ -449,7 +437,7 @@ class OpenAIServer:
                 text, lp = cs.finish(ev)
                 yield chunk(index, text, conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
         if include_usage:
-            yield _Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+            yield Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                usage=self._usage(prompts, outs),
                                                tlt_versions=conv.response_versions(outs)))
 
@@ -461,11 +449,11 @@ class OpenAIServer:
                     async for b in body:
                         yield b
                 except (ApiError, InvalidRequestError, ReplicaUnavailableError) as e:
-                    err = e if isinstance(e, ApiError) else _pool_error(e)  # as a non-streaming request's: same
+                    err = e if isinstance(e, ApiError) else pool_error(e)  # as a non-streaming request's: same
                     status = err.status  # code, counted in rollout_rejected_total the same
                     self.m_rejected.labels(err.code or f"http_{err.status}").inc()
-                    yield _Sse.data(ErrorResponse(error=ErrorBody(message=err.message, type=err.type, code=err.code)))
-                yield _Sse.done
+                    yield Sse.data(ErrorResponse(error=ErrorBody(message=err.message, type=err.type, code=err.code)))
+                yield Sse.done
             except (GeneratorExit, asyncio.CancelledError):  # the client left mid-stream (its request is aborted as
                 status = 499  # `body` closes): counted as a non-streaming request whose client leaves
                 self.m_rejected.labels("client_closed").inc()
@@ -494,7 +482,8 @@ class OpenAIServer:
         params = self._params(req, max_tokens, top if req.logprobs else None)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        ids = self._chat_prompt(req)
+        self._check_stop_ids(params)
+        ids = await asyncio.to_thread(self._chat_prompt, req)  # the template and tokenizer: off the loop
         self._check_prompt(ids, params, "the chat prompt",
                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                            "messages")
@@ -505,10 +494,15 @@ class OpenAIServer:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse("chat", t0, self._chat_stream(rid, reqs, [ids], params, req, tools, include_usage))
         (outs,) = await self._collect(reqs, request)
-        choices = [conv.chat_choice(self.tokenizer, c.sample_index, c, req.logprobs, top, tools) for c in outs]
-        return JSONResponse(ChatCompletionResponse(
-            id=rid, created=int(time.time()), model=self.model_name, choices=choices,
-            usage=self._usage([ids], outs), tlt_versions=conv.response_versions(outs)).model_dump(exclude_none=True))
+
+        def respond() -> JSONResponse:  # on a thread, as a completion's: top logprobs cost the loop seconds
+            choices = [conv.chat_choice(self.tokenizer, c.sample_index, c, req.logprobs, top, tools) for c in outs]
+            return JSONResponse(ChatCompletionResponse(
+                id=rid, created=int(time.time()), model=self.model_name, choices=choices,
+                usage=self._usage([ids], outs), tlt_versions=conv.response_versions(outs)
+            ).model_dump(exclude_none=True))
+
+        return await asyncio.to_thread(respond)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids: the model's chat template over the messages, and over the tools when given.
@@ -533,7 +527,11 @@ class OpenAIServer:
                                     "no tools", param="tools")
         except (TemplateError, ValueError) as e:  # the template's raise_exception: e.g. roles out of order
             raise ApiError(400, f"the model's chat template refused the messages: {e}", param="messages") from None
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        try:
+            return encode_bounded(self.tokenizer, text, self.pool.info.max_model_len, self._token_chars(),
+                                  add_special_tokens=False)
+        except PromptTooLong as e:
+            raise ApiError(400, f"the chat prompt {e}", param="messages", code="context_length_exceeded") from None
 
     async def _chat_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
                            params: SamplingParams, req: ChatCompletionRequest, tools: conv.ToolParsing | None,
@@ -545,7 +543,7 @@ class OpenAIServer:
         nulls = ("usage",) if include_usage else ()  # OpenAI: the other chunks' usage is null
 
         def chunk(choice: ChatChunkChoice) -> bytes:
-            return _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]),
+            return Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]),
                              nulls)
 
         for i in range(req.n):
@@ -562,6 +560,6 @@ class OpenAIServer:
                 for choice in cs.finish(ev):
                     yield chunk(choice)
         if include_usage:
-            yield _Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
+            yield Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
                                                 usage=self._usage(prompts, outs),
                                                 tlt_versions=conv.response_versions(outs)))

@@ -86,6 +86,7 @@ class ReplicaInfo:
     expected_weights: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, torch dtype name)
     pid: int
     runs_sample_subsets: bool = False  # its engine runs a request's `sample_indices` alone (re-dispatch, replicas.py)
+    kv_capacity_tokens: int = 0  # the most tokens (prompt + max_tokens) one sequence's KV cache can hold; 0: unknown
 
 
 @dataclass(frozen=True)

@@ -142,10 +142,22 @@ class ContentPart(_Strict):
     text: str
 
 
+def api_path(loc: Any) -> list[str]:
+    """A pydantic error location as OpenAI names a field (`messages.[1].content`): list indices in brackets, and
+    the names pydantic gives a union's branches (`str`, `list[ContentPart]`, `function-after[...]`) left out."""
+    out = []
+    for x in loc:
+        if isinstance(x, int):
+            out.append(f"[{x}]")
+        elif not (str(x) in {"str", "int", "float", "bool", "dict", "list", "none"} or "[" in str(x) or "-" in str(x)):
+            out.append(str(x))
+    return out
+
+
 def field_problem(err: Any, prefix: str = "") -> tuple[str, str]:
     """(message, param) of one pydantic error, its location under `prefix`, in the API's words: an unknown
     parameter, a missing required one, else the field's error and the value given."""
-    param = ".".join([*([prefix] if prefix else []), *(str(x) for x in err["loc"])])
+    param = ".".join([*([prefix] if prefix else []), *api_path(err["loc"])])
     if err["type"] == "extra_forbidden":
         return f"unknown parameter {param!r}", param
     if err["type"] == "missing":

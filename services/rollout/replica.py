@@ -158,6 +158,7 @@ def serve_replica(
         expected_weights={k: (tuple(s), str(d).removeprefix("torch.")) for k, (s, d) in engine.expected_weights().items()},
         pid=os.getpid(),
         runs_sample_subsets=bool(getattr(engine, "runs_sample_subsets", False)),
+        kv_capacity_tokens=_kv_capacity_tokens(engine),
     )
     frozen = freeze_heap() if gc_freeze else 0  # before Ready: the front's first request finds it done
     gc_pauses = GcPauses().install()  # what serving costs: the freeze's own full collection is not counted
@@ -182,6 +183,15 @@ def serve_replica(
             pass
     finally:
         conn.close()
+
+
+def _kv_capacity_tokens(engine: Any) -> int:
+    """What the native engine's paged cache holds for one sequence (its `add_request` refuses more); 0 elsewhere."""
+    blocks = getattr(engine, "block_manager", None)
+    try:
+        return int(blocks.num_blocks) * int(blocks.block_size)
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def spec_subject(spec_config_json: str) -> str:

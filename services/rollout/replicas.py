@@ -35,7 +35,8 @@ seeded request gives the same completions whether or not a replica died, and the
 What comes late from the dead replica is dropped (only the replica a request is on now counts). A request
 fails with ReplicaUnavailableError as before when it was re-dispatched `redispatch_limit` times already, when
 no replica is alive and none is restarting, when its stream already sent tokens (`want_steps`: those cannot be
-taken back) and when its backend cannot run a subset of a request's samples and some had finished.
+taken back) and when its backend cannot run a subset of a request's samples and some had finished. A request
+that arrives while every replica is restarting waits the same way for the first to serve (it was a 503).
 
 Generated tokens (`generated_tokens`, /metrics' rollout_generated_tokens_total) are counted here, once, from
 every engine step (each StepEvents carries every running sample's new tokens, whether or not its caller asked
@@ -275,12 +276,17 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
             raise ReplicaUnavailableError(self._refusing)
         if request.request_id in self._pending:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
-        rep = self._pick()
+        live = any(r.alive for r in self.replicas)
+        if not live and not self._restart_coming():
+            raise ReplicaUnavailableError("no live engine replica")
         total = len(request.samples)
         p = _Pending(request, None, total, want_steps)
         self._pending[request.request_id] = p
         self.prompt_tokens += len(request.prompt_token_ids)  # once, whatever n (OpenAI's usage.prompt_tokens)
-        self._hand(p, rep, request)
+        if live:
+            self._hand(p, self._pick(), request)
+        else:  # every replica is restarting: it waits for the first to serve (`_settle_parked`), as a re-dispatched
+            p.lost = "no live engine replica"  # request does, rather than a 503 the SDK's retries gave up on in 1 s
         finished = 0
         try:
             while finished < total:
@@ -357,6 +363,10 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
     def _redispatch(self, p: _Pending) -> None:
         """Re-issue the samples of `p` that have not finished to the least-loaded live replica, each with its index."""
         rep = self._pick()
+        if p.lost_from < 0:  # a request that arrived while every replica restarted: its first dispatch
+            log.info("request_dispatched_after_restart", request_id=p.request.request_id, to_replica=rep.replica_id)
+            self._hand(p, rep, p.request)
+            return
         left = tuple(i for i in p.request.samples if i not in p.finished)
         request = replace(p.request, sample_indices=left) if p.finished else p.request
         p.redispatches += 1

@@ -50,6 +50,7 @@ class SamplingParams:
     reproducible: bool = False
 
     MAX_LOGPROBS = 20
+    MAX_STOP_TOKEN_IDS = 1024
     MIN_TEMPERATURE = 1e-20  # below it (float32) logits / temperature overflow to inf: NaN probabilities
     TOP_K_LIMIT = 2**31  # any k >= the vocabulary means all of it anyway
     SEED_LIMIT = 2**63  # seeds are int64: gRPC's SamplingParams.seed field and the engine's generators
@@ -79,8 +80,12 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if len(self.stop) > 16:
             raise ValueError(f"stop holds at most 16 strings, got {len(self.stop)}")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {list(self.stop_token_ids)}")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:  # each is checked per token; the front checks them
+            raise ValueError(f"stop_token_ids holds at most {self.MAX_STOP_TOKEN_IDS} ids, "  # all per request
+                             f"got {len(self.stop_token_ids)}")
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {bad[0]!r}")
 
     @property
     def greedy(self) -> bool:

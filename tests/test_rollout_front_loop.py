@@ -1,0 +1,173 @@
+"""The rollout front's one event loop stays free, and what it cannot serve is refused before a stream starts.
+
+The front's loop serves every HTTP stream, /health and the trainer's gRPC calls. An audit found it frozen for
+16-18 s by four 1 MB text prompts over HTTP (tokenised on the loop, then refused for their length), for 7 s by
+building one response of n=64 x 300 tokens with 20 top logprobs, and for 50 s by 2,000 prompts x 200,000
+stop_token_ids (checked once a prompt); a 12 MB gRPC text prompt took the front to 4.3 GB before its length was
+checked. A streamed request that could not fit the KV cache got 200 and an error event; a request sent while the
+only replica restarted got a 503 the SDK's retries gave up on in 1 s.
+
+Real parts: the rollout server on 127.0.0.1 (native engine, one replica process, real HTTP and gRPC), the model's
+real tokenizer, wrapped to record which thread calls it and what it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from rollout_helpers import ServerThread, tiny_checkpoint
+
+from tlt.services.rollout.client import RolloutClient
+from tlt.v1 import rollout_pb2, rollout_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("front-loop-model"))
+
+
+class _Recorder:
+    """Wraps the front's tokenizer: (method, thread name, length of the text given) of every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+
+    def install(self, monkeypatch) -> None:
+        import tlt.services.rollout.server as server
+
+        original = server._front_tokenizer
+
+        def front_tokenizer(model_dir):
+            tok = original(model_dir)
+            for name in ("encode", "apply_chat_template", "decode", "convert_ids_to_tokens"):
+                method = getattr(tok, name)
+
+                def wrapped(*args, _m=method, _n=name, **kw):
+                    first = args[0] if args else None
+                    size = len(first) if isinstance(first, str) else 0
+                    self.calls.append((_n, threading.current_thread().name, size))
+                    return _m(*args, **kw)
+
+                setattr(tok, name, wrapped)
+            return tok
+
+        monkeypatch.setattr(server, "_front_tokenizer", front_tokenizer)
+
+    def on_loop(self) -> list[tuple[str, str, int]]:
+        return [c for c in self.calls if c[1] == "rollout-server"]  # ServerThread's loop thread
+
+
+def test_prompts_are_tokenised_and_responses_built_off_the_event_loop(model_dir, monkeypatch):
+    rec = _Recorder()
+    rec.install(monkeypatch)
+    with ServerThread(model_dir, replicas=1) as s:
+        r = httpx.post(f"{s.base_url}/completions", timeout=60, json={
+            "model": s.model_name, "prompt": ["1+2=", "3+4="], "max_tokens": 6, "n": 2, "logprobs": 3})
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{s.base_url}/chat/completions", timeout=60, json={
+            "model": s.model_name, "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["content"], r.text
+        with RolloutClient(s.grpc_address, timeout_s=60) as c:
+            assert c.generate("5+5=", params=rollout_pb2.SamplingParams(max_tokens=4))
+    names = {c[0] for c in rec.calls}
+    assert {"encode", "apply_chat_template"} <= names, rec.calls  # the recorder saw the work
+    assert not rec.on_loop(), rec.on_loop()
+
+
+def test_a_text_prompt_far_past_the_context_is_refused_without_tokenising_it_whole(model_dir, monkeypatch):
+    rec = _Recorder()
+    rec.install(monkeypatch)
+    text = "12+34=46 and " * 60_000  # 780,000 characters; the context is 256 tokens
+    with ServerThread(model_dir, replicas=1) as s:
+        r = httpx.post(f"{s.base_url}/completions", timeout=60, json={"model": s.model_name, "prompt": text})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.json()["error"]["param"] == "prompt" and "context length is 256" in r.json()["error"]["message"]
+        r = httpx.post(f"{s.base_url}/chat/completions", timeout=60, json={
+            "model": s.model_name, "messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        with grpc.insecure_channel(s.grpc_address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                rollout_pb2_grpc.RolloutStub(ch).Generate(rollout_pb2.GenerateRequest(
+                    prompt=rollout_pb2.Prompt(text=text * 3)), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt 0 has at least" in e.value.details()
+        # a prompt that fits is still served whole
+        r = httpx.post(f"{s.base_url}/completions", timeout=60, json={"model": s.model_name, "prompt": "1+1=",
+                                                                      "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    longest = max(n for name, _, n in rec.calls if name in ("encode", "apply_chat_template"))
+    assert longest < 100_000, longest  # only a probe of the text was tokenised (it was all 780,000 characters)
+
+
+def test_too_many_stop_token_ids_are_one_400(model_dir):
+    with ServerThread(model_dir, replicas=1) as s:
+        body = {"model": s.model_name, "prompt": ["1+1="] * 4, "max_tokens": 2}
+        r = httpx.post(f"{s.base_url}/completions", timeout=60, json={**body, "stop_token_ids": list(range(1025))})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+        assert "at most 1024" in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{s.base_url}/completions", timeout=60, json={**body, "stop_token_ids": [10**6]})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text
+        with RolloutClient(s.grpc_address, timeout_s=60) as c, pytest.raises(grpc.RpcError) as e:
+            list(c.batch_generate(["1+1="] * 4, params=rollout_pb2.SamplingParams(max_tokens=2,
+                                                                                  stop_token_ids=list(range(2000)))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in e.value.details()
+        r = httpx.post(f"{s.base_url}/completions", timeout=60, json={**body, "stop_token_ids": list(range(290))})
+        assert r.status_code == 200, r.text
+
+
+def test_a_request_that_cannot_fit_the_kv_cache_is_a_400_before_its_stream_starts(model_dir):
+    with ServerThread(model_dir, replicas=1, engine={"num_kv_blocks": 4}) as s:  # 64 tokens a sequence
+        for path, extra in (("completions", {"prompt": "1+2="}),
+                            ("chat/completions", {"messages": [{"role": "user", "content": "1+2="}]})):
+            for stream in (False, True):
+                r = httpx.post(f"{s.base_url}/{path}", timeout=60, json={
+                    "model": s.model_name, "max_tokens": 100, "stream": stream, **extra})
+                assert r.status_code == 400, (path, stream, r.text)
+                err = r.json()["error"]
+                assert err["code"] == "kv_cache_exceeded" and err["param"] == "max_tokens", err
+                assert "holds 64 tokens a sequence" in err["message"], err
+        r = httpx.post(f"{s.base_url}/chat/completions", timeout=60, json={  # no max_tokens: the default's fault
+            "model": s.model_name, "messages": [{"role": "user", "content": "1+2="}]})
+        assert r.status_code == 400 and "the default max_tokens" in r.json()["error"]["message"], r.text
+        with RolloutClient(s.grpc_address, timeout_s=60) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=100))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV cache" in e.value.details()
+            assert c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=8))  # one that fits is served
+
+
+def test_schema_errors_in_nested_fields_name_the_field_as_openai_does(model_dir):
+    with ServerThread(model_dir, replicas=1) as s:
+        def param(messages):
+            r = httpx.post(f"{s.base_url}/chat/completions", timeout=60,
+                           json={"model": s.model_name, "messages": messages, "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            return r.json()["error"]
+
+        err = param([{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])
+        assert err["param"] == "messages.[1].role", err
+        err = param([{"role": "user", "content": 5}])
+        assert err["param"] == "messages.[0].content", err
+        assert ".str" not in err["message"] and "list[" not in err["message"], err  # no pydantic union branches
+
+
+def test_a_request_sent_while_the_only_replica_restarts_waits_for_it(model_dir):
+    with ServerThread(model_dir, replicas=1, max_restarts=1) as s:
+        body = {"model": s.model_name, "prompt": "1+2=", "max_tokens": 4, "temperature": 0}
+        before = httpx.post(f"{s.base_url}/completions", timeout=60, json=body)
+        assert before.status_code == 200, before.text
+        os.kill(s.server.replica_pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while s.server.pool.replicas[0].alive:  # the front saw it die
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(f"{s.base_url}/completions", timeout=180, json=body)
+        assert r.status_code == 200, r.text  # was: 503 "no live engine replica" at once
+        assert r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
