@@ -256,3 +256,15 @@ def test_the_trainer_pods_probe_checks_metrics_only_on_the_pod_that_serves_them(
     assert healthcheck.main(unserved + ["--timeout", "2"]) == 0
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")  # pod 0 is still checked
     assert healthcheck.main(unserved + ["--timeout", "2"]) == 1
+
+
+@pytest.mark.parametrize("workload", ["tlt-rollout", "tlt-reward", "tlt-drafter", "tlt-trainer"])
+def test_pods_run_as_the_image_user_and_own_the_volumes_they_mount(workload):
+    """Every pod ran as uid 10001 with no fsGroup: a fresh ReadWriteMany volume owned by root (NFS, most CSI
+    drivers) left the trainer and the drafter unable to write /runs and their checkpoints. The pods now set
+    fsGroup to the image user's group, which the Dockerfile creates with that gid."""
+    uid = re.search(r"^ARG UID=(\d+)$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M).group(1)
+    assert f"groupadd --gid ${{UID}} tlt" in (ROOT / "deploy" / "Dockerfile").read_text()
+    (d, _), = [(d, c) for d, c in containers(k8s_docs()) if d["metadata"]["name"] == workload]
+    ctx = d["spec"]["template"]["spec"]["securityContext"]
+    assert ctx["runAsNonRoot"] and ctx["runAsUser"] == ctx["runAsGroup"] == ctx["fsGroup"] == int(uid), ctx
