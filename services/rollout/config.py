@@ -62,6 +62,12 @@ class RolloutConfig(ServiceConfig):
         "waiting; a request that would pass it gets 429 with Retry-After (gRPC RESOURCE_EXHAUSTED), one that alone "
         "is larger gets 400; checked as each request arrives; 0: no limit"
     )
+    http_idle_timeout_s: float = Field(
+        60.0, ge=0, description="an HTTP connection with no complete request for this long is closed: one that "
+        "never sent one, or sent part of its header or body (uvicorn's own 5 s keep-alive starts only after an "
+        "answer, and a peer holding such sockets used up the open files of HTTP and gRPC together); a request "
+        "being answered, streamed or not, is never cut; 0: never"
+    )
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="largest HTTP request body in bytes; larger gets 413"
     )

@@ -1,9 +1,11 @@
 """`RolloutServer`: the front process — replicas, the HTTP API and the gRPC API on one event loop.
 
-    start():  both ports bound (0 = a free port; one in use fails here, not after minutes of model loading)
+    start():  the soft open-file limit raised to the hard one -> both ports bound (0 = a free port; one in use
+              fails here, not after minutes of model loading)
               -> ReplicaPool (N processes, model loaded), and meanwhile the front's tokenizer (for prompts and
                  streamed text) and API modules on a thread -> gRPC server (tlt.v1.Rollout) -> uvicorn (OpenAI
-                 HTTP) serving on the bound ports
+                 HTTP) serving on the bound ports; HTTP connections with no complete request for
+                 [rollout] http_idle_timeout_s are closed (IdleHttpConnections)
     stop():   requests in flight fail (503 / UNAVAILABLE) -> gRPC stops (grace) -> uvicorn exits -> replicas shut down
 
 Everything runs on one asyncio loop; `tlt rollout serve` runs it on the main
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -40,12 +43,97 @@ GRPC_OPTIONS = [
 ]
 
 
-def _uvicorn_server(app: Any, log_level: str) -> Any:
+def raise_open_file_limit() -> int:
+    """Raise this process's soft open-file limit to the hard one (as vLLM does) and return it. Every HTTP and gRPC
+    connection holds a descriptor, and the common soft default of 1024 is what a few hundred clients, or one peer
+    holding idle sockets, use up: then both ports fail with `OSError: [Errno 24] Too many open files`."""
+    try:
+        import resource
+    except ImportError:  # no such limit to raise (Windows)
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for target in (hard, 1 << 16):  # macOS reports an unlimited hard limit it refuses as a soft one
+        if soft >= target:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+            break
+        except (ValueError, OSError):
+            continue
+    log.info("open_file_limit", soft=soft, hard="unlimited" if hard == resource.RLIM_INFINITY else hard)
+    return soft
+
+
+class IdleHttpConnections:
+    """Closes HTTP connections that have had no complete request for `timeout_s`.
+
+    uvicorn arms its keep-alive timer only once a response is complete, so a connection that never sends a request,
+    or sends part of one, is otherwise kept forever. A sweep looks at each of uvicorn's connections:
+      no request yet, or part of its header          -> waiting since the sweep that first saw it so
+      a request whose body has not all come, no answer -> waiting since the sweep that first saw that request so
+      a complete answer, then part of the next request -> waiting (uvicorn's timer stops at the first byte)
+      a complete answer, uvicorn's keep-alive armed    -> uvicorn's to close
+      a request being answered (streamed or not)       -> never closed
+    Read from the attributes h11's and httptools' protocols both have (`cycle`, `timeout_keep_alive_task`,
+    `transport`); a connection without them (a WebSocket) is left alone.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._waiting: dict[Any, tuple[Any, str, float]] = {}  # connection -> (its cycle, state, since)
+
+    @staticmethod
+    def _waiting_state(conn: Any) -> str | None:
+        cycle = getattr(conn, "cycle", conn)
+        if cycle is conn:
+            return None
+        if cycle is None:
+            return "no request"
+        if cycle.response_complete:
+            return None if getattr(conn, "timeout_keep_alive_task", None) is not None else "part of the next request"
+        if cycle.more_body and not cycle.response_started:
+            return "part of a body"
+        return None
+
+    def sweep(self, connections: Any) -> int:
+        """Close the connections waiting past the timeout; return how many."""
+        now = time.monotonic()
+        waiting: dict[Any, tuple[Any, str, float]] = {}
+        closed = 0
+        for conn in list(connections):
+            state = self._waiting_state(conn)
+            transport = getattr(conn, "transport", None)
+            if state is None or transport is None or transport.is_closing():
+                continue
+            cycle = conn.cycle
+            prev = self._waiting.get(conn)
+            since = prev[2] if prev is not None and prev[0] is cycle and prev[1] == state else now
+            if now - since >= self.timeout_s:
+                transport.close()
+                closed += 1
+            else:
+                waiting[conn] = (cycle, state, since)
+        self._waiting = waiting
+        return closed
+
+
+def _uvicorn_server(app: Any, log_level: str, idle_timeout_s: float = 0.0) -> Any:
     import uvicorn
+
+    idle = IdleHttpConnections(idle_timeout_s) if idle_timeout_s > 0 else None
+    every = max(1, min(10, int(idle_timeout_s / 0.4)))  # uvicorn ticks every 0.1 s: sweep about 4 times a timeout
 
     class _Server(uvicorn.Server):
         def capture_signals(self) -> Any:  # the owner of the loop handles signals, not uvicorn
             return nullcontext()
+
+        async def on_tick(self, counter: int) -> bool:
+            if idle is not None and counter % every == 0:
+                closed = idle.sweep(self.server_state.connections)
+                if closed:
+                    log.info("http_idle_closed", connections=closed, idle_timeout_s=idle.timeout_s)
+            return await super().on_tick(counter)
 
     return _Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
                                   timeout_graceful_shutdown=5))
@@ -86,6 +174,7 @@ class RolloutServer:
         from tlt.services.rollout.replicas import ReplicaPool
 
         cfg = self.config
+        raise_open_file_limit()
         self.gc_pauses.install()
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         self.grpc_port = bind_grpc(self._grpc, cfg.host, cfg.grpc_port, "the rollout gRPC server")
@@ -133,7 +222,7 @@ class RolloutServer:
         self.gc_pauses.reset()  # /metrics counts what serving costs, not the startup's collections
         await self._grpc.start()
 
-        self._http = _uvicorn_server(openai_server.app, "warning")
+        self._http = _uvicorn_server(openai_server.app, "warning", cfg.http_idle_timeout_s)
         self._http_task = asyncio.ensure_future(self._http.serve(sockets=[self._http_sock]))
         while not self._http.started:
             if self._http_task.done():
