@@ -123,12 +123,30 @@ class LLMEngine:
         log.info("engine_ready", replica=replica_id, arch=cfg.architecture, layers=cfg.num_layers,
                  kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
                  kernels=self.model.kernels)
+        if num_blocks < self._blocks_per_seq():
+            self._warn_kv_cache_short(num_blocks)
 
     def _blocks_for_budget(self, mb: float) -> int:
         c = self.model_config
         per_block = 2 * c.num_layers * self.config.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         enough = self.config.max_num_seqs * self._blocks_per_seq()  # never more than can be used
         return max(1, min(int(mb * 2**20 // per_block), enough))
+
+    def _warn_kv_cache_short(self, num_blocks: int) -> None:
+        """The cache cannot hold one max_model_len sequence: every request whose prompt + max_tokens (by default the
+        rest of max_model_len) passes it is refused. vLLM refuses to start; this warns (tests use tiny caches)."""
+        c, bs, need = self.model_config, self.config.block_size, self._blocks_per_seq()
+        if self.config.num_kv_blocks:
+            fix = f"raise [rollout.engine] num_kv_blocks to at least {need}"
+        else:
+            per_block = 2 * c.num_layers * bs * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+            fix = f"raise [rollout.engine] kv_cache_mb to at least {need * per_block / 2**20:.4g}"
+        log.warning("kv_cache_short", replica=self.replica_id, kv_blocks=num_blocks, block_size=bs,
+                    kv_tokens=num_blocks * bs, max_model_len=self.max_model_len,
+                    hint=f"the KV cache holds {num_blocks * bs} tokens, less than one max_model_len "
+                         f"({self.max_model_len}) sequence: a request needing more (prompt + max_tokens; max_tokens "
+                         f"defaults to the rest of max_model_len) is refused; {fix} ({need} blocks of {bs}), "
+                         "or lower max_model_len")
 
     def _blocks_per_seq(self) -> int:
         return (self.max_model_len + self.config.block_size - 1) // self.config.block_size
