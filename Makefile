@@ -23,8 +23,16 @@ BYTECODE = $(PY) -m compileall -q tlt services kernels > /dev/null
 install: $(STAMP)
 install-dev: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# A .venv whose Python no longer runs (a removed or upgraded pyenv Python leaves .venv/bin/python a dangling
+# link) is made again, `venv --clear`, which also deletes the stamps it holds; its stamps no longer count.
+VENV_BROKEN := $(shell test -e $(VENV) && ! $(PY) -c '' > /dev/null 2>&1 && echo yes)
+.PHONY: venv-broken
+venv-broken: ;
+
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS) $(if $(VENV_BROKEN),venv-broken)
+	@if ! $(PY) -c '' > /dev/null 2>&1; then \
+	  if test -e $(VENV); then echo "$(VENV): its Python does not run; making it again"; fi; \
+	  $(PYTHON) -m venv --clear $(VENV); fi
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0+cpu setuptools wheel
 	DS_BUILD_OPS=0 $(PIP) install -q -c $(CONSTRAINTS) --no-build-isolation --no-cache-dir deepspeed==0.19.8
 	$(PIP) install -q -c $(CONSTRAINTS) -e .
