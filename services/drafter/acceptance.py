@@ -99,3 +99,9 @@ def mean_accept_length(drafter: Drafter, samples: Iterable[Sample], depth: int,
             total += float(lens.sum())
             count += int(lens.numel())
     return (total / count if count else 0.0), count
+
+
+def same_objects(a: list, b: list) -> bool:
+    """The same sample objects in the same order (a cached list keeps them alive, so no id is reused): the held-out
+    set a score was computed on (the coordinator's serving score is reused for it)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

@@ -21,9 +21,10 @@ never among them (asserted). A push that fails (possibly on some replicas only) 
 was until it lands, whatever later evaluations say; a push in flight or owed is in the checkpoint, so a
 restarted coordinator sends it again too (or, refused as already served, takes it as the serving drafter). A
 push refused because the rollout serves a newer drafter than any this coordinator pushed (its checkpoint_dir is new
-or was lost while the rollout ran on) is numbered above the rollout's version and sent again. A worker not heard
-from for `WORKER_SILENT_S` (workers say hello every `WORKER_HEARTBEAT_S` while they run) is shown in status as
-neither alive nor training.
+or was lost while the rollout ran on) is numbered above the rollout's version and sent again, and a rollout seen on an
+older drafter (restarted) gets the serving one again. A checkpoint of another init drafter is moved aside (lineage.py).
+A worker not heard from for `WORKER_SILENT_S` (workers say hello every `WORKER_HEARTBEAT_S` while they run) is shown
+in status as neither alive nor training.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.common.weights import pack_state_dict, unpack
-from tlt.services.drafter.acceptance import EvaluationInterrupted, mean_accept_length
+from tlt.services.drafter.acceptance import EvaluationInterrupted, mean_accept_length, same_objects
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.intake import FeatureIntake
+from tlt.services.drafter.lineage import identity, moved_aside
 from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
@@ -72,6 +74,7 @@ HISTORY_SAVE_WAIT_S = 30.0
 # a checkpoint write owed for a change of the drafter's state waits at most this long for an idle rollout (`_saver`)
 STATE_SAVE_WAIT_S = 5.0
 PUSH_RETRY_S = 2.0  # a push owed to the rollout (`push_pending`) is retried this often until it lands
+REPUSH_S = 10.0  # after a push, a rollout seen on an older drafter waits this long before it gets it again
 WORKER_HEARTBEAT_S = 2.0  # a running worker says hello this often, whatever it does (worker.py: its own thread)
 WORKER_REQUEST_TIMEOUT_S = 10.0  # a worker's wait for an answer before it asks again on a fresh socket
 # A worker not heard from for this long is shown as neither alive nor training (killed, or cut off). A live one is
@@ -97,6 +100,7 @@ class Coordinator:
         self.shared = SharedWeights(SharedTensors(0, embed, head), fetch_shared)  # --model is policy version 0
         self.candidate = build_drafter(self.drafter_cfg, embed, head, config.init_drafter, seed=0)
         self.candidate.requires_grad_(False)
+        self.lineage = identity(config.init_drafter, own_tensors(self.candidate))  # checkpointed (lineage.py)
         self.candidate_version = 0
         self.serving = own_tensors(self.candidate)
         self.serving_version = 0  # the drafter the rollout started with (init_drafter or random), as version 0
@@ -132,7 +136,7 @@ class Coordinator:
         # A push owed when the last process died (in flight or failed: checkpointed with it) comes first.
         self._pending: tuple[dict[str, torch.Tensor], int] | None = self._restored_pending or (
             (dict(self.serving), self.serving_version) if self.serving_version > 0 else None)
-        self._pending_at = 0.0
+        self._pending_at = self._repush_at = 0.0  # `push_pending`, `_repush_if_behind` not before
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's (made
         # after the checkpoint was read: one that does not fit raises, and its thread and socket would be left behind)
         self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
@@ -190,7 +194,7 @@ class Coordinator:
 
     def _restore(self) -> None:
         state = load_state(self.ckpt)
-        if state is None:
+        if state is None or moved_aside(state, self.lineage, self.ckpt, self.cfg.init_drafter):  # another init's
             return
         try:
             self.candidate.load_tensors(state["candidate"])
@@ -271,7 +275,7 @@ class Coordinator:
         return ({
             "candidate": own_tensors(self.candidate), "candidate_version": self.candidate_version,
             "serving": self.serving, "serving_version": self.serving_version, "preemptions": self.preemptions,
-            "deltas": self.deltas, "applied": dict(self._applied),
+            "deltas": self.deltas, "applied": dict(self._applied), "lineage": self.lineage,
             "pending": None if self._pending is None else {"tensors": self._pending[0], "version": self._pending[1]},
             "acceptance": [a.SerializeToString() for a in self.acceptance],
             "windows": [w.SerializeToString() for w in self.windows],
@@ -412,6 +416,7 @@ class Coordinator:
 
             log.info("evaluation_sched", sched="idle" if this_thread_when_idle() else "unsupported")
         while not self._stop.wait(0.2):
+            self._repush_if_behind()
             if self._pending is not None and time.monotonic() >= self._pending_at:
                 if self.rollout is None or not self.rollout.busy():
                     try:
@@ -468,7 +473,21 @@ class Coordinator:
             if version > self.serving_version:
                 self.serving, self.serving_version = tensors, version
             self._pending = None
+        self._repush_at = time.monotonic() + REPUSH_S
         self.save_now()
+
+    def _repush_if_behind(self) -> None:
+        """Owe the serving drafter's push again when the capacity events say the rollout serves an older one (it
+        restarted with its start drafter, and N was never pushed again); not within REPUSH_S of a push."""
+        behind = None if self.rollout is None else self.rollout.drafter_behind(self.serving_version)
+        if behind is None or self._pending is not None or time.monotonic() < self._repush_at:
+            return
+        with self._lock:
+            self._pending, self._pending_at = (dict(self.serving), self.serving_version), 0.0
+            self._restored_pushes.add(self.serving_version)  # pushed before: "already served" ends it
+        self._repush_at = time.monotonic() + REPUSH_S
+        log.warning("drafter_repushed", version=self.serving_version, rollout_serves=behind, detail="the rollout "
+                    "serves an older drafter (restarted?): the serving one is pushed again")
 
     def _renumber_pending(self, version: int, rollout_version: int) -> int:
         """Number the owed push of `version` above `rollout_version` (what the rollout serves) and the candidate;
@@ -511,7 +530,7 @@ class Coordinator:
         stop = self.rollout.busy if self.rollout is not None else None  # give the CPU back at once
         cand_len, _ = mean_accept_length(probe, held, self.cfg.eval_depth, stop)
         basis, cached = (serving_version, shared.policy_version), self._serving_score
-        if cached is not None and cached[0] == basis and _same_objects(cached[1], held):
+        if cached is not None and cached[0] == basis and same_objects(cached[1], held):
             serve_len, count = cached[2]
         else:
             probe.load_tensors(serving)
@@ -536,6 +555,7 @@ class Coordinator:
                 raise
             self.publish_fn(cand, version)  # raises: left pending, retried by the gate loop
             rec.published = True
+            self._repush_at = time.monotonic() + REPUSH_S
             with self._lock:  # together: a checkpoint holds the push as owed or as serving, never neither
                 self._pending = None
                 self.serving, self.serving_version = cand, version
@@ -577,8 +597,3 @@ class Coordinator:
                 preemptions=self.preemptions,
                 shared_policy_version=self.shared.current.policy_version,
                 shared_fetch_failures=self.shared.failures, shared_fetch_error=self.shared.last_error)
-
-
-def _same_objects(a: list, b: list) -> bool:
-    """The same sample objects in the same order (the cached list keeps them alive, so no id is reused)."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

@@ -27,6 +27,9 @@ trusted: `idle()` is False until events arrive again, so a dead publisher never 
 The same holds per replica: a state not repeated for `stale_s` (its publisher is gone, e.g. a rollout
 restarted on the same endpoints under a new server_id) no longer counts, so a dead server's last BUSY
 or DRAINING cannot keep the gate shut for good.
+
+The events also carry the drafter version each replica serves: `drafter_behind` tells the coordinator a rollout
+restarted with its start drafter (version 0) while the coordinator serves a newer one, which it then pushes again.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class RolloutIdle:
         self.enabled = bool(capacity_pub and capacity_snapshot)
         self.stale_s = stale_s
         self._states: dict[tuple[str, int], tuple[int, float]] = {}  # -> (state, monotonic time last heard)
+        self._drafters: dict[tuple[str, int], int] = {}  # -> the drafter version its last event carried
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -88,16 +92,28 @@ class RolloutIdle:
     def busy(self) -> bool:
         return not self.idle()
 
-    def see(self, server_id: str, replica_id: int, state: int, device: str = "", sequences: int = 0) -> None:
-        """Record one replica's state (the watcher thread calls this for every event). LENT on a GPU counts as
-        IDLE, DRAINING with `sequences` (running + queued) still on it as BUSY (see the module docstring); an
-        unknown device is taken for a CPU."""
+    def drafter_behind(self, version: int) -> int | None:
+        """The oldest drafter version a live replica heard within `stale_s` serves, when it is older than `version`
+        (and a version: -1 is a rollout drafting with n-grams, which takes no drafter); else None."""
+        with self._lock:
+            now = time.monotonic()
+            seen = [self._drafters.get(k, -1) for k, (st, t) in self._states.items()
+                    if now - t < self.stale_s and st != DRAINING]
+        oldest = min((v for v in seen if v >= 0), default=version)
+        return oldest if oldest < version else None
+
+    def see(self, server_id: str, replica_id: int, state: int, device: str = "", sequences: int = 0,
+            drafter: int = -1) -> None:
+        """Record one replica's state (the watcher thread calls this for every event) and the drafter version it
+        serves. LENT on a GPU counts as IDLE, DRAINING with `sequences` (running + queued) still on it as BUSY (see
+        the module docstring); an unknown device is taken for a CPU."""
         if state == LENT and device and not device.startswith("cpu"):
             state = IDLE
         elif state == DRAINING and sequences > 0:
             state = BUSY
         with self._lock:
             self._states[(server_id, replica_id)] = (state, time.monotonic())
+            self._drafters[(server_id, replica_id)] = drafter
 
     def _watch(self) -> None:
         sub = CapacitySubscriber(self._pub, self._snap)
@@ -105,7 +121,7 @@ class RolloutIdle:
             while not self._stop.is_set():
                 try:
                     for e in sub.snapshot(timeout_s=2.0):
-                        self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
+                        self._see(e)
                     break
                 except (TimeoutError, ValueError) as e:  # the rollout is not up yet: ask again
                     log.debug("capacity_snapshot_retry", error=str(e))
@@ -114,13 +130,17 @@ class RolloutIdle:
                     if self._stop.wait(BUSY_POLL_S):
                         break
                     for e in sub.events(0):
-                        self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
+                        self._see(e)
                     continue
                 e = sub.recv(0.2)  # idle: a BUSY must stop an evaluation at once
                 if e is not None:
-                    self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued)
+                    self._see(e)
         finally:
             sub.close()
+
+    def _see(self, e: object) -> None:
+        self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued,  # type: ignore[attr-defined]
+                 e.versions.drafter if e.HasField("versions") else -1)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self._stop.set()

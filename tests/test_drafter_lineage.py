@@ -1,0 +1,119 @@
+"""What the drafter coordinator pushes to the rollout after a restart of either side.
+
+- The rollout restarted (serving its start drafter, version 0) while the coordinator ran on, serving version N:
+  the coordinator went on reporting N and never pushed it again, and the rollout drafted with its start drafter
+  until some later candidate beat N's stale score. The capacity events carry the rollout's drafter version: one
+  older than N makes the coordinator push N again (`drafter_repushed`, rate-limited).
+- DEPLOY.md's switch to a learned drafter restarts the coordinator with `init_drafter` set, on the checkpoint_dir
+  of a coordinator that started from a random drafter under an n-gram rollout (its refused pushes kept as owed):
+  it restored that checkpoint and pushed the owed drafter over the one the user chose, never scored against it.
+  A checkpoint records the init drafter it grew from; one of another init is moved aside (nothing lost, named
+  in one warning) and the coordinator starts from the configured init, with nothing owed.
+
+Real coordinator on a tiny random Qwen2 (tests/drafter_helpers.py) and a real CapacityPublisher over ZeroMQ on
+127.0.0.1 playing the rollout's replicas; the rollout's UpdateWeights is a recording function."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from drafter_helpers import IDLE, model_dir, wait_for  # noqa: F401 (fixture)
+from tlt.services.common.events import CapacityPublisher
+from tlt.services.drafter.config import DrafterServiceConfig
+from tlt.services.drafter.coordinator import Coordinator
+from tlt.services.drafter.training import load_state, new_drafter, own_tensors
+from tlt.v1 import common_pb2, events_pb2
+
+
+def _idle(pub: CapacityPublisher, drafter_version: int) -> None:
+    for r in (0, 1):
+        pub.publish(events_pb2.CapacityEvent(replica_id=r, state=IDLE, device="cpu",
+                                             versions=common_pb2.WeightVersions(policy=0, drafter=drafter_version)))
+
+
+def _unstarted(coord: Coordinator) -> None:
+    coord._router.close()
+    coord._ctx.term()
+
+
+def test_a_restarted_rollout_gets_the_serving_drafter_again(tmp_path, model_dir, monkeypatch, capfd) -> None:
+    import tlt.services.drafter.coordinator as coordinator_mod
+
+    monkeypatch.setattr(coordinator_mod, "REPUSH_S", 0.5)
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
+                               eval_interval_s=1e9)
+    first = Coordinator(cfg, str(model_dir), None, None)
+    with first._lock:
+        first.serving_version = first.candidate_version = 9
+    first.save_now()
+    _unstarted(first)
+    pushes: list[int] = []
+    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append(v)).start()
+    try:
+        _idle(pub, 0)  # the rollout serves its start drafter: the restored serving one is owed, pushed once
+        assert wait_for(lambda: pushes == [9], 10)
+        _idle(pub, 9)  # it took it
+        time.sleep(1.5)  # several re-push periods: nothing more
+        assert pushes == [9]
+        _idle(pub, 0)  # the rollout restarted, with its start drafter
+        assert wait_for(lambda: pushes == [9, 9], 10), pushes
+        _idle(pub, 9)
+        time.sleep(1.5)
+        assert pushes == [9, 9] and coord.serving_version == 9
+        _idle(pub, -1)  # an n-gram rollout has no drafter to replace: nothing pushed
+        time.sleep(1.5)
+        assert pushes == [9, 9]
+        err = capfd.readouterr()
+        assert (err.out + err.err).count("drafter_repushed") == 1
+    finally:
+        coord.close()
+        pub.close()
+
+
+def test_a_checkpoint_of_another_init_drafter_is_moved_aside(tmp_path, model_dir, capfd) -> None:
+    ckpt = tmp_path / "ckpt"
+    base = dict(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(ckpt), gate_when_idle=False,
+                eval_interval_s=1e9)
+    # run 1: no init_drafter (random), under an n-gram rollout: its push of version 4 refused, kept as owed
+    first = Coordinator(DrafterServiceConfig(**base), str(model_dir), None, None)
+    with first._lock:
+        first.candidate_version = 4
+        first._pending = (own_tensors(first.candidate), 4)
+    first.save_now()
+    _unstarted(first)
+    (ckpt / "worker-0.pt").write_bytes(b"a worker's optimizer state")
+    # run 2: the user's warm-up drafter, on the rollout and as init_drafter, same checkpoint_dir
+    warm = tmp_path / "warm"
+    new_drafter(str(model_dir), seed=7).save(warm)
+    pushes: list[int] = []
+    cfg = DrafterServiceConfig(**{**base, "init_drafter": str(warm)})
+    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append(v)).start()
+    try:
+        time.sleep(1.0)  # gate rounds: nothing owed
+        assert pushes == [] and coord.serving_version == 0 and coord.candidate_version == 0
+        from safetensors.torch import load_file
+
+        want = load_file(str(warm / "model.safetensors"))
+        assert all(torch.equal(v, want[k].to(v.dtype)) for k, v in coord.serving.items())
+        aside = [p for p in ckpt.iterdir() if p.is_dir()]
+        assert len(aside) == 1 and (aside[0] / "worker-0.pt").read_bytes() == b"a worker's optimizer state"
+        old = load_state(aside[0] / "coordinator.pt")
+        assert old is not None and old["candidate_version"] == 4 and old["pending"]["version"] == 4
+        assert not (ckpt / "worker-0.pt").exists()
+        err = capfd.readouterr()
+        said = [line for line in (err.out + err.err).splitlines() if "drafter_checkpoint_other_lineage" in line]
+        assert len(said) == 1 and "random" in said[0] and str(warm) in said[0] and aside[0].name in said[0], said
+        coord.save_now()
+    finally:
+        coord.close()
+    again = Coordinator(cfg, str(model_dir), None, None)  # the same init: its own checkpoint, restored
+    try:
+        assert [p for p in ckpt.iterdir() if p.is_dir()] == aside
+        err = capfd.readouterr()
+        assert "drafter_checkpoint_other_lineage" not in err.out + err.err
+    finally:
+        _unstarted(again)
