@@ -98,8 +98,8 @@ class FeatureBuffer:
             with self._lock:
                 self.received_sequences += len(batch.sequences)
                 self.rejected += max(1, len(batch.sequences))  # one with no sequence counts as one
-            log.warning("feature_batch_rejected", source=batch.source, sender=batch.sender[:100],
-                        reason=f"dropped_before {batch.dropped_before} is past {MAX_SENDER_DROPPED}", total=self.rejected)
+            log.warning("feature_batch_rejected", source=batch.source, sender=batch.sender[:100], total=self.rejected,
+                        reason=f"dropped_before {batch.dropped_before} is past {MAX_SENDER_DROPPED}")
             return 0
         added = 0
         for seq in batch.sequences:

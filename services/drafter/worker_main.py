@@ -88,7 +88,7 @@ def _exit_with_service(service: int, worker: object) -> None:
 
     while os.getppid() == service:
         time.sleep(SERVICE_WATCH_S)
-    get_logger("drafter.worker").warning("worker_parent_gone", worker=worker.worker_id, service_pid=service,  # type: ignore[attr-defined]
-                                         detail="its drafter serve died: exiting, nothing more sent")
+    get_logger("drafter.worker").warning("worker_parent_gone", worker=worker.worker_id,  # type: ignore[attr-defined]
+                                         service_pid=service, detail="its drafter serve died: exiting, sending nothing")
     worker.checkpoint_lock.acquire(timeout=30)  # type: ignore[attr-defined]
     os._exit(0)
