@@ -1,5 +1,5 @@
 """The replica pool on the rollout's GET /metrics (namespace `rollout`), read at scrape time: each replica's running,
-queued, KV use and liveness, its speculative decoding (spec_metrics.py) and garbage collections, and the pool's
+queued, KV use, preemptions and liveness, its speculative decoding (spec_metrics.py) and garbage collections, and the pool's
 running totals (tokens generated and prompted, HTTP and gRPC alike; deaths; re-dispatched requests) as counters.
 
 A dead replica's gauges read nothing running: the stats of its last scrape (128 running, SD on) stayed on show.
@@ -31,6 +31,10 @@ class PoolMetrics:
                                       "timeout) while serving", ("replica",))
         self.redispatched = metrics.counter("redispatched_requests", "requests whose unfinished samples were "
                                             "re-issued to another replica after theirs died (redispatch_limit)")
+        self.preemptions = metrics.counter("replica_preemptions", "sequences preempted because the KV cache was full "
+                                           "(their blocks freed, their tokens recomputed when they resume)",
+                                           ("replica",))
+        self._preempted: dict[int, tuple[int, int]] = {}  # replica -> (pid, its engine's count at the last scrape)
         self.spec = SpecMetrics(metrics)
         self.gc = GcMetrics(metrics)
         self._counted: dict[str, int] = {}  # pool totals already added to those counters (added at scrape)
@@ -49,6 +53,7 @@ class PoolMetrics:
                 self.running.labels(r).set(s.stats.running)
                 self.queued.labels(r).set(s.stats.queued)
                 self.kv.labels(r).set(s.stats.kv_usage)
+                self._count_preemptions(s)
                 self.spec.update(s.replica_id, s.stats.spec)
                 self.gc.update(f"replica-{s.replica_id}", s.stats.gc)
         if gc_pauses is not None:
@@ -58,6 +63,17 @@ class PoolMetrics:
         self._count_up(self.prompt, "prompt", pool.prompt_tokens)
         for replica, deaths in pool.deaths.items():
             self._count_up(self.deaths.labels(str(replica)), f"deaths{replica}", deaths)
+
+    def _count_preemptions(self, s: Any) -> None:
+        """Add what a replica's engine preempted since the last scrape; a restarted replica (another pid) counts
+        from 0 again."""
+        pid, seen = self._preempted.get(s.replica_id, (s.pid, 0))
+        now = int(s.stats.num_preemptions)
+        if pid != s.pid or now < seen:
+            seen = 0
+        if now > seen:
+            self.preemptions.labels(str(s.replica_id)).inc(now - seen)
+        self._preempted[s.replica_id] = (s.pid, now)
 
     def _count_up(self, counter: Any, key: str, total: int) -> None:
         """Bring a Prometheus counter to the pool's running total (which only grows) by adding what is new."""
