@@ -200,6 +200,9 @@ class TrainerConfig(ServiceConfig):
                                         "every push and the final export gather the weights)")
     bf16: bool | None = Field(None, description="bf16 training; default: on with a GPU, off (fp32) on CPU")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    logprob_chunk_tokens: int = Field(1024, ge=0, description="response tokens whose [tokens, vocab] logits exist at "
+                                      "once in the logprob and entropy pass (recomputed in backward); 0 builds a "
+                                      "micro-batch's whole [B, R, vocab] logits at once")
     seed: int = Field(0, description="seed of the data order, the torch RNG and (unless sampling_seed) the rollout's "
                       "sampling")
     sampling_seed: int | None = Field(None, description="seed of the rollout's sampling: each rollout server's "

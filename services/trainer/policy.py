@@ -34,6 +34,12 @@ from tlt.model.layer_ops import gpu_sdpa
 from tlt.services.common.seeds import torch_seed
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.grpo import entropy_from_logits
+from tlt.services.trainer.logprob_chunks import (
+    DEFAULT_CHUNK_TOKENS,
+    chunkable_head,
+    chunked_token_logprobs,
+    head_input,
+)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ def response_logprobs(
     with_entropy: bool = False,
     with_hidden: bool = False,
     entropy_grad: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> TokenLogprobs:
     """Forward `batch` through `model` (a HF causal LM or a DeepSpeed engine around one).
 
@@ -109,20 +116,33 @@ def response_logprobs(
     logp(x_j) = z[x_j] - logsumexp(z), z = logits at response_index / temperature:
     the same temperature the rollout sampled with, so old / new / reference
     logprobs and the rollout's own logprobs are on one scale.
+
+    The logits exist `chunk_tokens` response tokens at a time, recomputed in backward (logprob_chunks.py); 0, or a
+    model whose forward changes lm_head's logits, builds all [B, R, V] at once (the reference the chunks are
+    tested against).
     """
     # Only positions from the earliest response start get logits (logits_to_keep keeps the
     # last k): long prompts cost no lm_head work and no [B, L, V] memory.
     length = batch.input_ids.shape[1]
     first = int(batch.response_index.min())
     keep = length - first
+    head = chunkable_head(model) if chunk_tokens > 0 else None
     # Off the CPU, SDPA without cuDNN's attention: it builds a plan per new input shape (25 ms a call, measured on an
     # H200 in the rollout engine, BENCHMARKS.md "GPU"), and every micro-batch pads to its own longest row. The
     # backward runs the backend the forward chose, except that gradient checkpointing recomputes the forward in the
     # backward pass: Policy.backward holds the same context. It ran so on an H200 in `tlt bench e2e` (session 31);
     # its speed was not compared without it.
-    with gpu_sdpa(batch.input_ids):
+    with gpu_sdpa(batch.input_ids), (head_input(head) if head is not None else contextlib.nullcontext()) as seen:
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=with_hidden,
                     use_cache=False, logits_to_keep=keep)
+    hidden = out.hidden_states[-1].detach() if with_hidden else None
+    if head is not None:
+        if len(seen) != 1:
+            raise RuntimeError(f"lm_head ran {len(seen)} times in one forward; pass chunk_tokens=0 for this model")
+        logp, entropy = chunked_token_logprobs(head, seen[0], first, batch.response_index, batch.response_ids,
+                                               batch.response_mask, temperature, chunk_tokens, with_entropy,
+                                               entropy_grad)
+        return TokenLogprobs(logp, batch.response_mask, entropy, hidden)
     logits = out.logits  # [B, keep, V]; position p of the sequence is row p - first
     idx = (batch.response_index - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     z = torch.gather(logits, 1, idx).float() / temperature  # [B, R, V]
@@ -132,7 +152,6 @@ def response_logprobs(
     if with_entropy:
         with torch.no_grad() if not entropy_grad else contextlib.nullcontext():
             entropy = entropy_from_logits(z, batch.response_mask)
-    hidden = out.hidden_states[-1].detach() if with_hidden else None
     return TokenLogprobs(logp, batch.response_mask, entropy, hidden)
 
 
@@ -314,7 +333,7 @@ class Policy:
     def logprobs(self, batch: TokenBatch, with_entropy: bool = False, with_hidden: bool = False,
                  entropy_grad: bool = False) -> TokenLogprobs:
         return response_logprobs(self.engine, batch.to(self.device), self.cfg.temperature, with_entropy, with_hidden,
-                                 entropy_grad)
+                                 entropy_grad, self.cfg.logprob_chunk_tokens)
 
     # -- update ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
