@@ -4,7 +4,9 @@ Requests are parsed strictly (unknown fields, wrong types and out-of-range
 values are rejected with a message naming the field; `null` takes the field's
 default, as in the OpenAI API) and converted to the engine's `SamplingParams`.
 TLT extensions beside the OpenAI fields: `top_k`,
-`min_p`, `ignore_eos`, `stop_token_ids`, `reproducible`; every response carries the weight
+`min_p`, `ignore_eos`, `stop_token_ids`, `reproducible`; vLLM's `repetition_penalty`, `min_tokens`,
+`skip_special_tokens`, `spaces_between_special_tokens` and `include_stop_str_in_output` are taken at their
+vLLM defaults, which are this server's behaviour, and refused otherwise; every response carries the weight
 versions that produced it in `tlt_versions`. OpenAI fields the engine cannot
 honour (penalties, logit_bias, echo, suffix, a `tool_choice` that forces a
 call, the deprecated `functions` / `function_call`) are refused with a 400
@@ -42,6 +44,10 @@ from pydantic import (
 from tlt.services.rollout.types import SamplingParams
 
 
+VLLM_DEFAULTS: dict[str, Any] = {"repetition_penalty": 1.0, "min_tokens": 0, "skip_special_tokens": True,
+                                  "spaces_between_special_tokens": True, "include_stop_str_in_output": False}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -71,6 +77,12 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     reproducible: bool = False  # the tokens plain decoding gives `seed`, whatever speculation does (SamplingParams)
+    # vLLM's extensions, taken at the values that are this server's behaviour (clients written for vLLM send them)
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -98,6 +110,10 @@ class _Sampling(_Strict):
                     "distribution)", "presence_penalty" if self.presence_penalty else "frequency_penalty")
         if self.logit_bias:
             return "logit_bias is not supported (it would change the policy's distribution)", "logit_bias"
+        for name, default in VLLM_DEFAULTS.items():
+            if getattr(self, name) != default:
+                return (f"{name} is supported only at {json.dumps(default)}, vLLM's default (this server's "
+                        f"behaviour); got {json.dumps(getattr(self, name))}", name)
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
