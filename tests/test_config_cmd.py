@@ -283,3 +283,18 @@ def test_show_never_prints_a_secret(tmp_path: Path, capsys, monkeypatch: pytest.
     monkeypatch.delenv("TLT_DRAFTER__CONTROL_TOKEN")
     (tmp_path / "shown.toml").write_text(out)
     assert load_config(config_class("rollout"), "rollout", tmp_path / "shown.toml").api_key == ""
+
+
+def test_a_config_error_about_a_secret_does_not_print_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A control token of the wrong type (a JSON object or `true` in TLT_DRAFTER__CONTROL_TOKEN: the environment's
+    values are read as JSON) was refused with its value in the message, which `tlt config show` otherwise hides."""
+    monkeypatch.setenv("TLT_DRAFTER__CONTROL_TOKEN", '{"a": "secretJSON"}')
+    monkeypatch.setenv("TLT_ROLLOUT__API_KEY", "[\"sk-list-secret\"]")
+    for section in ("drafter", "rollout"):
+        with pytest.raises(ConfigError) as e:
+            load_config(config_class(section), section=section)
+        assert "secretJSON" not in str(e.value) and "sk-list-secret" not in str(e.value), e.value
+        assert "not shown: a secret" in str(e.value), e.value
+    monkeypatch.setenv("TLT_DRAFTER__WINDOW_TOKENS", '"many"')  # any other field still shows what it was given
+    with pytest.raises(ConfigError, match="'many'"):
+        load_config(config_class("drafter"), section="drafter")

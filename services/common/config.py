@@ -262,6 +262,10 @@ def cli_overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 # TLT_* variables read as they are, not as config fields (services/common/auth.py, logging.py, tlt/cli.py,
 # procs.py; TLT_IMAGE is docker compose's image tag)
+# fields that hold a secret: `tlt config show` never prints their value, `tlt run` keeps them out of config.toml,
+# a config error names them without their value
+SECRET_FIELDS = frozenset({"rollout.control_token", "rollout.api_key", "drafter.control_token", "trainer.rollout_token"})
+
 PLAIN_ENVIRONMENT = ("TLT_PRESET", "TLT_AUTH_TOKEN", "TLT_AUTH_TOKEN_FILE", "TLT_API_KEY", "TLT_LOG_JSON",
                      "TLT_LOG_LEVEL", "TLT_DIE_WITH_PARENT", "TLT_IMAGE",
                      "TLT_DRAFTER_WORKER_CONFIG")  # drafter serve -> its workers (services/drafter/serve.py)
@@ -378,5 +382,8 @@ def load_config(
             else:
                 desc = cls.model_fields[field].description if field in cls.model_fields else None
                 hint = f" — {desc}" if desc else ""
-                problems.append(f"{field}={err.get('input')!r} (from {origin}): {err['msg']}{hint}")
+                given = err.get("input")
+                shown = (f"<a {type(given).__name__}, not shown: a secret>" if f"{section}.{field}" in SECRET_FIELDS
+                         else repr(given))
+                problems.append(f"{field}={shown} (from {origin}): {err['msg']}{hint}")
         raise ConfigError(f"invalid [{section}] config:\n  " + "\n  ".join(problems)) from None

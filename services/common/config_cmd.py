@@ -25,6 +25,8 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tlt.services.common.config import SECRET_FIELDS
+
 if TYPE_CHECKING:
     from tlt.services.common.config import ServiceConfig
 
@@ -39,8 +41,6 @@ SECTION_CLASSES: dict[str, str] = {
 }
 
 UNSET = "(unset)"
-# fields that hold a secret: `tlt config show` never prints their value, `tlt run` keeps them out of config.toml
-SECRET_FIELDS = frozenset({"rollout.control_token", "rollout.api_key", "drafter.control_token", "trainer.rollout_token"})
 ORIGINS = ("preset {preset}", "environment {var}", "--set")  # the comment of a value from each layer, in order
 WIDTH = 116  # comment lines wrap here
 
