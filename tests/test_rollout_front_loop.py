@@ -171,3 +171,23 @@ def test_a_request_sent_while_the_only_replica_restarts_waits_for_it(model_dir):
         r = httpx.post(f"{s.base_url}/completions", timeout=180, json=body)
         assert r.status_code == 200, r.text  # was: 503 "no live engine replica" at once
         assert r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+
+
+def test_an_unexpected_error_inside_the_pool_ends_the_stream_instead_of_hanging_it(model_dir):
+    """The streams' pumps passed on only the pool's two refusals: any other error (a bug) left the stream, HTTP
+    and gRPC alike, waiting for ever for an end that never came. (The pool's generate is replaced by one that
+    fails: a stand-in for a bug, as no real input is known to raise there.)"""
+    async def broken(request, want_steps=False):
+        raise RuntimeError("boom")
+        yield  # an async generator, as ReplicaPool.generate
+
+    with ServerThread(model_dir, replicas=1) as s:
+        s.server.pool.generate = broken
+        r = httpx.post(f"{s.base_url}/completions", timeout=30, json={
+            "model": s.model_name, "prompt": "1+2=", "max_tokens": 4, "stream": True})
+        events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+        assert '"code":"internal_error"' in events[-2] and "RuntimeError: boom" in events[-2], r.text
+        with RolloutClient(s.grpc_address, timeout_s=30) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=4))
+        assert e.value.code() == grpc.StatusCode.UNKNOWN, e.value

@@ -271,8 +271,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 async for c in self.pool.generate(r):
                     if isinstance(c, CompletionOutput):
                         q.put_nowait(completion_message(c, i, refs[i], hidden))
-            except (InvalidRequestError, ReplicaUnavailableError) as e:
-                q.put_nowait(e)
+            except Exception as e:  # deliberate boundary: any error ends the call; `done` alone never came and the
+                q.put_nowait(e)  # call waited for ever (InvalidRequestError / ReplicaUnavailableError: mapped below)
             q.put_nowait(done)
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]

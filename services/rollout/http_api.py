@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from tlt.services.common.auth import resolve_api_key, token_matches
 from tlt.services.common.gc_heap import GcPauses
+from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.rollout import openai_convert as conv
 from tlt.services.rollout.config import RolloutConfig
@@ -72,6 +73,7 @@ from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, Repl
 from tlt.services.rollout.pool_metrics import PoolMetrics
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest, SamplingParams, StepOutput
 
+log = get_logger(__name__)
 COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # http_requests_total{endpoint}
 
 
@@ -324,8 +326,8 @@ class OpenAIServer:
             try:
                 async for ev in self.pool.generate(r, want_steps=True):
                     q.put_nowait((i, ev))
-            except (InvalidRequestError, ReplicaUnavailableError) as e:
-                q.put_nowait((i, e))
+            except Exception as e:  # deliberate boundary: any error ends the stream (anything but the pool's two
+                q.put_nowait((i, e))  # refusals left `done` unsent, and the stream waited for ever)
             q.put_nowait((i, done))
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
@@ -458,9 +460,14 @@ class OpenAIServer:
                 status = 499  # `body` closes): counted as a non-streaming request whose client leaves
                 self.m_rejected.labels("client_closed").inc()
                 raise
-            except Exception:
+            except Exception as e:  # deliberate boundary: a bug inside a started stream ends it in the error shape
                 status = 500
-                raise
+                log.exception("stream_failed", endpoint=endpoint)
+                self.m_rejected.labels("internal_error").inc()
+                yield Sse.data(ErrorResponse(error=ErrorBody(
+                    message=f"internal error: {type(e).__name__}: {e}"[:500], type="server_error",
+                    code="internal_error")))
+                yield Sse.done
             finally:  # once, however the stream ends (it was counted only after its last chunk)
                 self._count(endpoint, status, t0)
 
