@@ -598,3 +598,25 @@ def test_a_sentencepiece_tokens_logprobs_keep_its_leading_space():
         alone = task.decode([i])
         if "\ufffd" not in alone:
             assert _token_text_and_bytes(task, i) == (alone, list(alone.encode())), i
+
+
+def test_a_long_stop_string_does_not_make_the_short_ones_search_the_whole_text(monkeypatch):
+    """Each new token searched every stop string from (checked end - the LONGEST stop string's length): one long
+    stop string beside short ones made every token search the whole output again, quadratic in its length. Each
+    string is now searched from where a match of its own length could begin."""
+    from tlt.services.rollout.engine import detok
+
+    starts: dict[str, list[int]] = {}
+
+    class Recorded(str):
+        def find(self, sub, start=0, *rest):  # noqa: ANN001, ANN202
+            starts.setdefault(sub, []).append(start)
+            return str.find(self, sub, start, *rest)
+
+    cleaned = detok.IncrementalText.cleaned
+    monkeypatch.setattr(detok.IncrementalText, "cleaned", lambda self: Recorded(cleaned(self)))
+    tok = _BytePieces({0: b"", 1: b"ab", 2: b"q"})
+    seq = _stop_seq(max_tokens=400, stop=("x" * 5000, "q"))
+    reasons = _emit(seq, [1] * 300 + [2], tok, max_model_len=1000)
+    assert reasons[-1] == FinishReason.STOP and reasons[:-1] == [None] * 300 and seq.text == "ab" * 300
+    assert max(starts["q"]) >= 2 * 299 - detok.CLEANUP_HOLDBACK, starts["q"][-3:]  # near the end, not 0

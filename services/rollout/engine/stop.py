@@ -35,9 +35,10 @@ def _stop_string(seq: Sequence, tokenizer) -> bool:
     if not detok.push(seq.token_ids[seq.prompt_len + detok.fed:]):  # (output_ids copies the whole output)
         return False  # no new stable text (half a character): nothing new to search
     text = detok.cleaned()  # matched in the text the completion returns: cleaned, where decode cleans
-    longest = max(len(s) for s in seq.params.stop)
-    start = max(0, seq.stop_checked_len - longest + 1)
-    hits = [p for p in (text.find(s, start) for s in seq.params.stop) if p >= 0]
+    # each string from where a match of its own length could end past the text checked (from the longest one's
+    # start, one long stop string made every token search the whole output again)
+    checked = seq.stop_checked_len
+    hits = [p for p in (text.find(s, max(0, checked - len(s) + 1)) for s in seq.params.stop) if p >= 0]
     if hits:
         seq.text = text[: min(hits)]
         return True
