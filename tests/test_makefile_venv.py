@@ -40,7 +40,10 @@ def _project(tmp_path: Path, python: str) -> Path:
 
 
 def _make_n(project: Path, *targets: str) -> str:
-    out = subprocess.run(["make", "-n", *targets], cwd=project, capture_output=True, text=True, timeout=60)
+    # as a child of `make test` too: its MAKELEVEL / MAKEFLAGS made this make print "Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", *targets], cwd=project, capture_output=True,
+                         text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
