@@ -2,8 +2,10 @@
 
 - The rollout restarted (serving its start drafter, version 0) while the coordinator ran on, serving version N:
   the coordinator went on reporting N and never pushed it again, and the rollout drafted with its start drafter
-  until some later candidate beat N's stale score. The capacity events carry the rollout's drafter version: one
-  older than N makes the coordinator push N again (`drafter_repushed`, rate-limited).
+  until some later candidate beat N's stale score, and nothing said so. The capacity events carry the rollout's
+  drafter version: one older than N is now reported once (`drafter_rollout_behind`), not pushed (a version does not
+  say which drafter: a rollout restarted on a drafter its operator chose looks the same); a restarted coordinator
+  pushes its serving drafter as owed.
 - DEPLOY.md's switch to a learned drafter restarts the coordinator with `init_drafter` set, on the checkpoint_dir
   of a coordinator that started from a random drafter under an n-gram rollout (its refused pushes kept as owed):
   it restored that checkpoint and pushed the owed drafter over the one the user chose, never scored against it.
@@ -38,7 +40,8 @@ def _unstarted(coord: Coordinator) -> None:
     coord._ctx.term()
 
 
-def test_a_restarted_rollout_gets_the_serving_drafter_again(tmp_path, model_dir, monkeypatch, capfd) -> None:
+def test_a_restarted_rollout_is_reported_and_a_restarted_coordinator_pushes_it_again(tmp_path, model_dir,
+                                                                                    monkeypatch, capfd) -> None:
     import tlt.services.drafter.coordinator as coordinator_mod
 
     monkeypatch.setattr(coordinator_mod, "REPUSH_S", 0.5)
@@ -59,16 +62,16 @@ def test_a_restarted_rollout_gets_the_serving_drafter_again(tmp_path, model_dir,
         _idle(pub, 9)  # it took it
         time.sleep(1.5)  # several re-push periods: nothing more
         assert pushes == [9]
-        _idle(pub, 0)  # the rollout restarted, with its start drafter
-        assert wait_for(lambda: pushes == [9, 9], 10), pushes
-        _idle(pub, 9)
+        _idle(pub, 0)  # the rollout restarted, with its start drafter: said once, not pushed
+        assert wait_for(lambda: coord.rollout.drafter_behind(9) == 0, 10), coord.rollout.drafter_behind(9)
+        assert wait_for(lambda: coord._behind == 0, 10), (coord._behind, coord._pending, coord._repush_at)
+        assert "drafter_rollout_behind" in "".join(capfd.readouterr())
         time.sleep(1.5)
-        assert pushes == [9, 9] and coord.serving_version == 9
-        _idle(pub, -1)  # an n-gram rollout has no drafter to replace: nothing pushed
+        assert pushes == [9] and coord.serving_version == 9
+        assert "drafter_rollout_behind" not in "".join(capfd.readouterr())  # once, not at every event
+        _idle(pub, -1)  # an n-gram rollout has no drafter to replace: nothing said
         time.sleep(1.5)
-        assert pushes == [9, 9]
-        err = capfd.readouterr()
-        assert (err.out + err.err).count("drafter_repushed") == 1
+        assert pushes == [9] and "drafter_rollout_behind" not in "".join(capfd.readouterr())
     finally:
         coord.close()
         pub.close()

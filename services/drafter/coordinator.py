@@ -21,8 +21,8 @@ never among them (asserted). A push that fails (possibly on some replicas only) 
 was until it lands, whatever later evaluations say; a push in flight or owed is in the checkpoint, so a
 restarted coordinator sends it again too (or, refused as already served, takes it as the serving drafter). A
 push refused because the rollout serves a newer drafter than any this coordinator pushed (its checkpoint_dir is new
-or was lost while the rollout ran on) is numbered above the rollout's version and sent again, and a rollout seen on an
-older drafter (restarted) gets the serving one again. A checkpoint of another init drafter is moved aside (lineage.py).
+or was lost while the rollout ran on) is numbered above the rollout's version and sent again; a rollout seen on an
+older drafter (restarted) is reported, not pushed. A checkpoint of another init drafter is moved aside (lineage.py).
 A worker not heard from for `WORKER_SILENT_S` (workers say hello every `WORKER_HEARTBEAT_S` while they run) is shown
 in status as neither alive nor training.
 """
@@ -74,7 +74,7 @@ HISTORY_SAVE_WAIT_S = 30.0
 # a checkpoint write owed for a change of the drafter's state waits at most this long for an idle rollout (`_saver`)
 STATE_SAVE_WAIT_S = 5.0
 PUSH_RETRY_S = 2.0  # a push owed to the rollout (`push_pending`) is retried this often until it lands
-REPUSH_S = 10.0  # after a push, a rollout seen on an older drafter waits this long before it gets it again
+REPUSH_S = 10.0  # after a push, a rollout seen on an older drafter is reported only after this long
 WORKER_HEARTBEAT_S = 2.0  # a running worker says hello this often, whatever it does (worker.py: its own thread)
 WORKER_REQUEST_TIMEOUT_S = 10.0  # a worker's wait for an answer before it asks again on a fresh socket
 # A worker not heard from for this long is shown as neither alive nor training (killed, or cut off). A live one is
@@ -137,6 +137,7 @@ class Coordinator:
         self._pending: tuple[dict[str, torch.Tensor], int] | None = self._restored_pending or (
             (dict(self.serving), self.serving_version) if self.serving_version > 0 else None)
         self._pending_at = self._repush_at = 0.0  # `push_pending`, `_repush_if_behind` not before
+        self._behind: int | None = None  # the rollout's older drafter version, once `_repush_if_behind` said so
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's (made
         # after the checkpoint was read: one that does not fit raises, and its thread and socket would be left behind)
         self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
@@ -477,17 +478,17 @@ class Coordinator:
         self.save_now()
 
     def _repush_if_behind(self) -> None:
-        """Owe the serving drafter's push again when the capacity events say the rollout serves an older one (it
-        restarted with its start drafter, and N was never pushed again); not within REPUSH_S of a push."""
+        """Warn once when the rollout serves an older drafter than the serving one (not within REPUSH_S of a push). Not
+        pushed: the events carry a version, not which drafter, and a push would replace one its operator chose."""
         behind = None if self.rollout is None else self.rollout.drafter_behind(self.serving_version)
         if behind is None or self._pending is not None or time.monotonic() < self._repush_at:
+            self._behind = None if behind is None else self._behind
             return
-        with self._lock:
-            self._pending, self._pending_at = (dict(self.serving), self.serving_version), 0.0
-            self._restored_pushes.add(self.serving_version)  # pushed before: "already served" ends it
-        self._repush_at = time.monotonic() + REPUSH_S
-        log.warning("drafter_repushed", version=self.serving_version, rollout_serves=behind, detail="the rollout "
-                    "serves an older drafter (restarted?): the serving one is pushed again")
+        if self._behind is None:
+            log.warning("drafter_rollout_behind", serving=self.serving_version, rollout_serves=behind, detail="the "
+                        "rollout serves an older drafter (restarted?): restart the drafter service to push the serving "
+                        "one again (owed at its start), or leave it if the rollout's drafter was chosen")
+        self._behind = behind
 
     def _renumber_pending(self, version: int, rollout_version: int) -> int:
         """Number the owed push of `version` above `rollout_version` (what the rollout serves) and the candidate;
