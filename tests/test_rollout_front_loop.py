@@ -191,3 +191,19 @@ def test_an_unexpected_error_inside_the_pool_ends_the_stream_instead_of_hanging_
         with RolloutClient(s.grpc_address, timeout_s=30) as c, pytest.raises(grpc.RpcError) as e:
             c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=4))
         assert e.value.code() == grpc.StatusCode.UNKNOWN, e.value
+
+
+def test_a_tokenizer_that_cannot_list_its_vocabulary_still_encodes():
+    """transformers' base class raises NotImplementedError from get_vocab (a remote-code tokenizer may not define
+    it): the bound on a text's length is then not taken, and prompts are tokenised as before."""
+    from tlt.services.rollout.front_prompts import encode_bounded, longest_token_chars
+
+    class NoVocab:
+        def get_vocab(self):
+            raise NotImplementedError
+
+        def encode(self, text, add_special_tokens=True):
+            return list(range(len(text)))
+
+    assert longest_token_chars(NoVocab()) == 0
+    assert encode_bounded(NoVocab(), "abc", 16, 0) == [0, 1, 2]

@@ -32,8 +32,8 @@ def longest_token_chars(tokenizer: Any) -> int:
     """The longest string of the vocabulary (added tokens included): the most characters one token covers."""
     try:
         return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
-    except (AttributeError, TypeError):  # a tokenizer without a vocabulary to list: no bound from it
-        return 0
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to list (transformers' base class raises
+        return 0  # NotImplementedError; remote-code ones may raise anything): no bound from it, as before
 
 
 def encode_bounded(tokenizer: Any, text: str, limit: int, token_chars: int, add_special_tokens: bool = True
