@@ -15,6 +15,7 @@ thread, and one that cannot fit the context is refused without tokenising it who
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 PROBE_CHARS_PER_TOKEN = 8  # real text runs 1-5 characters a token; a probe this long decides almost every refusal
@@ -50,6 +51,20 @@ def encode_bounded(tokenizer: Any, text: str, limit: int, token_chars: int, add_
             if head >= limit:
                 raise PromptTooLong(head, limit, len(text))
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+class PromptEncoder:
+    """`encode_bounded` with the tokenizer's longest token looked up once (on first use: on a worker thread)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @cached_property
+    def token_chars(self) -> int:
+        return longest_token_chars(self.tokenizer)
+
+    def encode(self, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
+        return encode_bounded(self.tokenizer, text, limit, self.token_chars, add_special_tokens)
 
 
 def bad_stop_ids(stop_token_ids: tuple[int, ...], vocab: int) -> str | None:

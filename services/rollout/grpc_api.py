@@ -55,11 +55,10 @@ from tlt.services.rollout.config import RolloutConfig
 from tlt.services.rollout.engine.sequence import prompt_params
 from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.front_prompts import (
+    PromptEncoder,
     PromptTooLong,
     bad_stop_ids,
-    encode_bounded,
     kv_problem,
-    longest_token_chars,
 )
 from tlt.services.rollout.lease import MAX_LEASE_S
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError, WeightUpdateError
@@ -178,7 +177,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         """`metrics`: the server's registry (rollout_grpc_requests_total is made on it); `rejected`: the HTTP API's
         counter of that registry, which gRPC refusals add to."""
         self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
-        self._token_chars: int | None = None  # the vocabulary's longest token (front_prompts.py), on first need
+        self.prompts = PromptEncoder(tokenizer)  # text -> ids, bounded by the context (front_prompts.py)
         self.auth = ControlAuth.build(config.host, config.control_token, config.insecure_local)
         self.rejected = rejected  # Counter tlt rollout_rejected_total{reason}, shared with the HTTP API
         self._calls = None if metrics is None else metrics.counter(
@@ -247,11 +246,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         """Prompt index -> token ids of each text prompt (blocking: on a thread); ValueError names a prompt that
         cannot fit the context."""
         limit, out = self.pool.info.max_model_len, {}
-        if self._token_chars is None:
-            self._token_chars = longest_token_chars(self.tokenizer)
         for i, text in texts.items():
             try:
-                out[i] = encode_bounded(self.tokenizer, text, limit, self._token_chars)
+                out[i] = self.prompts.encode(text, limit)
             except PromptTooLong as e:
                 raise ValueError(f"prompt {i} {e}") from None
         return out

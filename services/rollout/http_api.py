@@ -63,11 +63,10 @@ from tlt.services.rollout.openai_schema import (
 from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.http_errors import ApiError, Sse, is_unicode, pool_error, validation_message
 from tlt.services.rollout.front_prompts import (
+    PromptEncoder,
     PromptTooLong,
     bad_stop_ids,
-    encode_bounded,
     kv_problem,
-    longest_token_chars,
 )
 from tlt.services.rollout.replicas import InvalidRequestError, ReplicaPool, ReplicaUnavailableError
 from tlt.services.rollout.pool_metrics import PoolMetrics
@@ -85,7 +84,7 @@ class OpenAIServer:
         self.pool, self.tokenizer, self.model_name, self.config, self.metrics = (
             pool, tokenizer, model_name, config, metrics)
         self.gc_pauses = gc_pauses  # the front process's collections (RolloutServer installs it)
-        self._longest_token: int | None = None  # the vocabulary's longest token (front_prompts.py), on first need
+        self.prompts = PromptEncoder(tokenizer)  # text -> ids, bounded by the context (front_prompts.py)
         self.created = int(time.time())
         self.m_requests = metrics.counter("http_requests_total", "HTTP API requests by endpoint and status",
                                           ("endpoint", "status"))
@@ -251,18 +250,13 @@ class OpenAIServer:
         if problem:
             raise ApiError(400, problem, param="stop_token_ids")
 
-    def _token_chars(self) -> int:
-        if self._longest_token is None:
-            self._longest_token = longest_token_chars(self.tokenizer)
-        return self._longest_token
-
     def _encode(self, texts: list[str]) -> list[list[int]]:
         """Text prompts' token ids (blocking: on a thread); a text that cannot fit the context is a 400 without
         being tokenised whole (front_prompts.py)."""
         out = []
         for i, text in enumerate(texts):
             try:
-                out.append(encode_bounded(self.tokenizer, text, self.pool.info.max_model_len, self._token_chars()))
+                out.append(self.prompts.encode(text, self.pool.info.max_model_len))
             except PromptTooLong as e:
                 where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
                 raise ApiError(400, f"{where} {e}", param="prompt", code="context_length_exceeded") from None
@@ -535,8 +529,7 @@ class OpenAIServer:
         except (TemplateError, ValueError) as e:  # the template's raise_exception: e.g. roles out of order
             raise ApiError(400, f"the model's chat template refused the messages: {e}", param="messages") from None
         try:
-            return encode_bounded(self.tokenizer, text, self.pool.info.max_model_len, self._token_chars(),
-                                  add_special_tokens=False)
+            return self.prompts.encode(text, self.pool.info.max_model_len, add_special_tokens=False)
         except PromptTooLong as e:
             raise ApiError(400, f"the chat prompt {e}", param="messages", code="context_length_exceeded") from None
 
