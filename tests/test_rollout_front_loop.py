@@ -207,3 +207,50 @@ def test_a_tokenizer_that_cannot_list_its_vocabulary_still_encodes():
 
     assert longest_token_chars(NoVocab()) == 0
     assert encode_bounded(NoVocab(), "abc", 16, 0) == [0, 1, 2]
+
+
+def test_slow_prompts_do_not_hold_up_a_weight_push(model_dir, monkeypatch):
+    """Prompt work runs on the front's own request threads: asyncio's default executor (6 threads on 2 CPUs)
+    also assembles weight pushes, and a burst of slow prompts used to queue a push behind it."""
+    import concurrent.futures
+
+    from safetensors.torch import load_file
+
+    import tlt.services.rollout.server as server
+
+    release, blocked = threading.Event(), []
+    original = server._front_tokenizer
+
+    def front_tokenizer(path):
+        tok = original(path)
+        encode = tok.encode
+
+        def slow_encode(text, *args, **kw):
+            if isinstance(text, str) and text.startswith("SLOW"):
+                blocked.append(threading.current_thread().name)
+                release.wait(60)
+            return encode(text, *args, **kw)
+
+        tok.encode = slow_encode
+        return tok
+
+    monkeypatch.setattr(server, "_front_tokenizer", front_tokenizer)
+    weights = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(model_dir, f)))
+    with ServerThread(model_dir, replicas=1) as s, concurrent.futures.ThreadPoolExecutor(12) as ex:
+        try:
+            posts = [ex.submit(httpx.post, f"{s.base_url}/completions", timeout=90, json={
+                "model": s.model_name, "prompt": f"SLOW {i}+1=", "max_tokens": 2}) for i in range(12)]
+            deadline = time.monotonic() + 30
+            while len(blocked) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # every thread the prompts can take is taken by now
+            assert len(blocked) >= 2, blocked
+            with RolloutClient(s.grpc_address, timeout_s=30) as c:
+                resp = c.update_weights(weights, "policy", version=1)  # while the prompts still wait
+            assert resp.ok and not release.is_set()
+        finally:
+            release.set()
+        assert [p.result().status_code for p in posts] == [200] * 12

@@ -15,8 +15,15 @@ thread, and one that cannot fit the context is refused without tokenising it who
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 PROBE_CHARS_PER_TOKEN = 8  # real text runs 1-5 characters a token; a probe this long decides almost every refusal
 
@@ -27,6 +34,26 @@ class PromptTooLong(ValueError):
     def __init__(self, tokens: int, limit: int, chars: int) -> None:
         super().__init__(f"has at least {tokens} tokens ({chars} characters); the context length is {limit}")
         self.tokens, self.limit = tokens, limit
+
+
+class RequestThreads:
+    """The threads requests' own work runs on, off the event loop: tokenising prompts, building responses.
+
+    Not asyncio's default executor: that one also assembles weight pushes and restarts replicas, and a burst of slow
+    prompts (a 1 MB text takes seconds) queued a trainer's push behind every one of them. As many threads as the
+    default executor would have (cores + 4, at most 32), so requests are served as before."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or min(32, (os.cpu_count() or 1) + 4)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tlt-request")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`await asyncio.to_thread(fn, *args)` on these threads (the caller's context variables go along)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def longest_token_chars(tokenizer: Any) -> int:

@@ -57,6 +57,7 @@ from tlt.services.rollout.errors import OverloadedError
 from tlt.services.rollout.front_prompts import (
     PromptEncoder,
     PromptTooLong,
+    RequestThreads,
     bad_stop_ids,
     kv_problem,
 )
@@ -173,11 +174,13 @@ def counted(method: Callable) -> Callable:
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
-                 rejected: Any = None, metrics: Metrics | None = None) -> None:
+                 rejected: Any = None, metrics: Metrics | None = None, work: RequestThreads | None = None) -> None:
         """`metrics`: the server's registry (rollout_grpc_requests_total is made on it); `rejected`: the HTTP API's
-        counter of that registry, which gRPC refusals add to."""
+        counter of that registry, which gRPC refusals add to; `work`: the threads prompts are tokenised on (the
+        server shares one set between its two APIs)."""
         self.pool, self.tokenizer, self.model_name, self.config = pool, tokenizer, model_name, config
         self.prompts = PromptEncoder(tokenizer)  # text -> ids, bounded by the context (front_prompts.py)
+        self.work = work or RequestThreads()
         self.auth = ControlAuth.build(config.host, config.control_token, config.insecure_local)
         self.rejected = rejected  # Counter tlt rollout_rejected_total{reason}, shared with the HTTP API
         self._calls = None if metrics is None else metrics.counter(
@@ -214,7 +217,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         if stop_problem:
             raise ValueError(stop_problem)
         texts = {i: prompt.text for i, prompt in enumerate(prompts) if prompt.WhichOneof("input") == "text"}
-        encoded = await asyncio.to_thread(self._encode_texts, texts) if texts else {}  # token ids: no thread hop
+        encoded = await self.work.run(self._encode_texts, texts) if texts else {}  # token ids: no thread hop
         out = []
         for i, prompt in enumerate(prompts):
             kind = prompt.WhichOneof("input")

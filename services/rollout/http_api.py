@@ -65,6 +65,7 @@ from tlt.services.rollout.http_errors import ApiError, Sse, is_unicode, pool_err
 from tlt.services.rollout.front_prompts import (
     PromptEncoder,
     PromptTooLong,
+    RequestThreads,
     bad_stop_ids,
     kv_problem,
 )
@@ -80,11 +81,12 @@ class OpenAIServer:
     """The handlers; the FastAPI app is `OpenAIServer(...).app`."""
 
     def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
-                 metrics: Metrics, gc_pauses: GcPauses | None = None) -> None:
+                 metrics: Metrics, gc_pauses: GcPauses | None = None, work: RequestThreads | None = None) -> None:
         self.pool, self.tokenizer, self.model_name, self.config, self.metrics = (
             pool, tokenizer, model_name, config, metrics)
         self.gc_pauses = gc_pauses  # the front process's collections (RolloutServer installs it)
         self.prompts = PromptEncoder(tokenizer)  # text -> ids, bounded by the context (front_prompts.py)
+        self.work = work or RequestThreads()  # prompts tokenised and responses built there, off the loop
         self.created = int(time.time())
         self.m_requests = metrics.counter("http_requests_total", "HTTP API requests by endpoint and status",
                                           ("endpoint", "status"))
@@ -374,11 +376,11 @@ class OpenAIServer:
         self._check_stop_ids(params)
         raw = req.prompt
         if isinstance(raw, str):
-            prompts = await asyncio.to_thread(self._encode, [raw])
+            prompts = await self.work.run(self._encode, [raw])
         elif raw and all(isinstance(x, int) for x in raw):
             prompts = [list(raw)]
         elif raw and all(isinstance(x, str) for x in raw):
-            prompts = await asyncio.to_thread(self._encode, raw)
+            prompts = await self.work.run(self._encode, raw)
         else:
             prompts = [list(x) for x in raw]
         if not prompts:
@@ -404,7 +406,7 @@ class OpenAIServer:
                 usage=self._usage(prompts, flat), tlt_versions=conv.response_versions(flat)
             ).model_dump(exclude_none=True))
 
-        return await asyncio.to_thread(respond)
+        return await self.work.run(respond)
 
     async def _completion_stream(self, rid: str, reqs: list[GenerationRequest], prompts: list[list[int]],
                                  params: SamplingParams, n: int, include_usage: bool) -> AsyncIterator[bytes]:
@@ -484,7 +486,7 @@ class OpenAIServer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
         self._check_stop_ids(params)
-        ids = await asyncio.to_thread(self._chat_prompt, req)  # the template and tokenizer: off the loop
+        ids = await self.work.run(self._chat_prompt, req)  # the template and tokenizer: off the loop
         self._check_prompt(ids, params, "the chat prompt",
                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                            "messages")
@@ -503,7 +505,7 @@ class OpenAIServer:
                 usage=self._usage([ids], outs), tlt_versions=conv.response_versions(outs)
             ).model_dump(exclude_none=True))
 
-        return await asyncio.to_thread(respond)
+        return await self.work.run(respond)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids: the model's chat template over the messages, and over the tools when given.

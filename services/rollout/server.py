@@ -30,6 +30,7 @@ from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.common.ports import bind_grpc, bind_tcp
 from tlt.services.rollout.config import RolloutConfig
+from tlt.services.rollout.front_prompts import RequestThreads
 
 log = get_logger("rollout.server")
 
@@ -167,6 +168,7 @@ class RolloutServer:
         self.capacity: Any = None  # CapacityPublisher when [rollout] capacity_pub is set
         self.freeze_gc = freeze_gc
         self.gc_pauses = GcPauses()  # the front's collections since it began serving, on /metrics
+        self.request_threads: RequestThreads | None = None
 
     async def start(self) -> None:
         import grpc
@@ -212,10 +214,14 @@ class RolloutServer:
         from tlt.v1 import rollout_pb2_grpc
 
         metrics = Metrics("rollout")
-        openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics, self.gc_pauses)
+        # requests' own work (prompts, responses) on threads of their own, not asyncio's default executor, which
+        # assembles weight pushes: a burst of slow prompts queued a push behind it (front_prompts.RequestThreads)
+        self.request_threads = RequestThreads(cores + 4 if cores else None)
+        openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics, self.gc_pauses,
+                                     self.request_threads)
         # one registry: gRPC calls count on the same /metrics (the HTTP app serves it) and add to the same counters
         service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected,
-                                 metrics=metrics)
+                                 metrics=metrics, work=self.request_threads)
         rollout_pb2_grpc.add_RolloutServicer_to_server(service, self._grpc)
         if self.freeze_gc:  # built, not serving yet: no connection's state is frozen, no client waits on the collection
             log.info("gc_frozen", objects=freeze_heap())
@@ -252,6 +258,8 @@ class RolloutServer:
             await self.pool.stop()
         if self.capacity is not None:
             self.capacity.close()
+        if self.request_threads is not None:
+            self.request_threads.close()
         log.info("rollout_stopped")
 
     def replica_pids(self) -> list[int]:
