@@ -145,3 +145,24 @@ def test_the_setting_is_validated():
     assert RolloutConfig().http_idle_timeout_s == 60
     with pytest.raises(ValueError):
         RolloutConfig(http_idle_timeout_s=-1)
+
+
+def test_a_slow_upload_that_keeps_coming_is_not_cut(server):
+    """A body that arrives slowly but steadily (a byte range every half timeout, three timeouts in all) is read
+    to its end and answered: the wait counts from the last byte, as nginx's client_body_timeout (it was cut a
+    timeout after its header, so an upload under max_request_bytes / 60 s, 17 KB/s for 1 MB, never got through)."""
+    port = server.server.http_port
+    body = json.dumps({"model": server.model_name, "prompt": "1+1=", "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        pieces = 6
+        step = -(-len(body) // pieces)
+        t0 = time.monotonic()
+        for i in range(0, len(body), step):
+            time.sleep(IDLE_S / 2)
+            sock.sendall(body[i:i + step])
+        assert time.monotonic() - t0 >= IDLE_S * 2.5
+        sock.settimeout(30)
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]

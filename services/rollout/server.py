@@ -72,7 +72,8 @@ class IdleHttpConnections:
     uvicorn arms its keep-alive timer only once a response is complete, so a connection that never sends a request,
     or sends part of one, is otherwise kept forever. A sweep looks at each of uvicorn's connections:
       no request yet, or part of its header          -> waiting since the sweep that first saw it so
-      a request whose body has not all come, no answer -> waiting since the sweep that first saw that request so
+      a request whose body has not all come, no answer -> waiting since its last byte came (as nginx's
+                                                          client_body_timeout: a slow upload that keeps coming is read)
       a complete answer, then part of the next request -> waiting (uvicorn's timer stops at the first byte)
       a complete answer, uvicorn's keep-alive armed    -> uvicorn's to close
       a request being answered (streamed or not)       -> never closed
@@ -110,6 +111,8 @@ class IdleHttpConnections:
             cycle = conn.cycle
             prev = self._waiting.get(conn)
             since = prev[2] if prev is not None and prev[0] is cycle and prev[1] == state else now
+            if state == "part of a body":
+                since = max(since, getattr(conn, "last_data_s", since))
             if now - since >= self.timeout_s:
                 transport.close()
                 closed += 1
@@ -117,6 +120,20 @@ class IdleHttpConnections:
                 waiting[conn] = (cycle, state, since)
         self._waiting = waiting
         return closed
+
+
+def _http_protocol() -> type:
+    """uvicorn's HTTP protocol (h11 or httptools, as it picks), noting when each connection last received bytes."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class _Protocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        last_data_s = 0.0
+
+        def data_received(self, data: bytes) -> None:
+            self.last_data_s = time.monotonic()
+            super().data_received(data)
+
+    return _Protocol
 
 
 def _uvicorn_server(app: Any, log_level: str, idle_timeout_s: float = 0.0) -> Any:
@@ -137,7 +154,7 @@ def _uvicorn_server(app: Any, log_level: str, idle_timeout_s: float = 0.0) -> An
             return await super().on_tick(counter)
 
     return _Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
-                                  timeout_graceful_shutdown=5))
+                                  timeout_graceful_shutdown=5, http=_http_protocol()))
 
 
 def _front_tokenizer(model_dir: str) -> Any:
