@@ -127,7 +127,7 @@ class StubbedWorker:
         self.events.append(events_pb2.CapacityEvent(replica_id=0, state=BUSY, timestamp=time.time()))
 
     def ask(self, **body):  # noqa: ANN003, ANN201
-        from tlt.services.drafter.coordinator import tensors_from, tensors_message
+        from tlt.services.drafter.training import tensors_from, tensors_message
         from tlt.v1 import drafter_pb2
 
         kind = next(iter(body))

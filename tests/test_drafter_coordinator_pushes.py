@@ -287,7 +287,7 @@ def test_a_failed_checkpoint_write_does_not_stop_later_ones(tmp_path, model_dir)
     error) raised out of the saver thread, which ended: nothing was checkpointed again (silently), and a later
     kill -9 lost every delta since. The saver logs the failure and writes again. The failure is real: a folder
     sits where the saver's temporary file goes."""
-    from tlt.services.drafter.coordinator import tensors_message
+    from tlt.services.drafter.training import tensors_message
     from tlt.services.drafter.training import own_tensors
     from tlt.v1 import drafter_pb2
 
@@ -344,7 +344,7 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
     that a worker's delta changed meanwhile (`moved_on`) gets a number of its own: one number, one drafter."""
     import torch
 
-    from tlt.services.drafter.coordinator import tensors_message
+    from tlt.services.drafter.training import tensors_message
     from tlt.services.drafter.training import own_tensors
     from tlt.v1 import drafter_pb2
 

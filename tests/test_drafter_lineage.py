@@ -6,6 +6,9 @@
   drafter version: one older than N is now reported once (`drafter_rollout_behind`), not pushed (a version does not
   say which drafter: a rollout restarted on a drafter its operator chose looks the same); a restarted coordinator
   pushes its serving drafter as owed.
+- The events also say which drafter the rollout started with (`start_drafter`, the identity a coordinator's lineage
+  uses): a rollout restarted on the drafter the coordinator grew from (`tlt run`'s case: the rollout's `--drafter`
+  is the coordinator's `init_drafter`) gets the serving drafter again, pushed; one started on another is reported.
 - DEPLOY.md's switch to a learned drafter restarts the coordinator with `init_drafter` set, on the checkpoint_dir
   of a coordinator that started from a random drafter under an n-gram rollout (its refused pushes kept as owed):
   it restored that checkpoint and pushed the owed drafter over the one the user chose, never scored against it.
@@ -29,9 +32,9 @@ from tlt.services.drafter.training import load_state, new_drafter, own_tensors
 from tlt.v1 import common_pb2, events_pb2
 
 
-def _idle(pub: CapacityPublisher, drafter_version: int) -> None:
+def _idle(pub: CapacityPublisher, drafter_version: int, start_drafter: str = "") -> None:
     for r in (0, 1):
-        pub.publish(events_pb2.CapacityEvent(replica_id=r, state=IDLE, device="cpu",
+        pub.publish(events_pb2.CapacityEvent(replica_id=r, state=IDLE, device="cpu", start_drafter=start_drafter,
                                              versions=common_pb2.WeightVersions(policy=0, drafter=drafter_version)))
 
 
@@ -120,3 +123,45 @@ def test_a_checkpoint_of_another_init_drafter_is_moved_aside(tmp_path, model_dir
         assert "drafter_checkpoint_other_lineage" not in err.out + err.err
     finally:
         _unstarted(again)
+
+
+def test_a_rollout_restarted_on_the_coordinators_init_drafter_gets_the_serving_one_again(tmp_path, model_dir,
+                                                                                          monkeypatch, capfd) -> None:
+    import tlt.services.drafter.coordinator as coordinator_mod
+    from tlt.model.drafter import folder_identity
+
+    monkeypatch.setattr(coordinator_mod, "REPUSH_S", 0.5)
+    init, other = tmp_path / "init", tmp_path / "other"
+    new_drafter(str(model_dir), seed=3).save(init)
+    new_drafter(str(model_dir), seed=4).save(other)
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
+                               eval_interval_s=1e9, init_drafter=str(init))
+    pushes: list[tuple[int, dict]] = []
+    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append((v, t))).start()
+    try:
+        assert coord.lineage == folder_identity(init) != folder_identity(other)
+        trained = {k: v + 0.5 for k, v in coord.serving.items()}  # a drafter this service trained and pushed
+        with coord._lock:
+            coord.serving, coord.serving_version = trained, 5
+        _idle(pub, 5, folder_identity(init))
+        time.sleep(1.0)
+        assert pushes == []  # the rollout serves it
+        _idle(pub, 0, folder_identity(other))  # restarted on a drafter its operator chose: left alone, said once
+        assert wait_for(lambda: coord._behind == 0, 10), (coord._behind, coord._pending)
+        time.sleep(1.0)
+        err = capfd.readouterr()
+        assert pushes == [] and (err.out + err.err).count("drafter_rollout_behind") == 1, err
+        assert folder_identity(other) in err.out + err.err
+        _idle(pub, 0, folder_identity(init))  # restarted on the drafter this one grew from: pushed again
+        assert wait_for(lambda: len(pushes) == 1, 10), pushes
+        version, tensors = pushes[0]
+        assert version == 5 and all(torch.equal(tensors[k], trained[k]) for k in trained)
+        assert "drafter_repush" in "".join(capfd.readouterr())
+        _idle(pub, 5, folder_identity(init))  # it took it
+        time.sleep(1.5)
+        assert len(pushes) == 1 and coord.serving_version == 5
+    finally:
+        coord.close()
+        pub.close()

@@ -349,3 +349,28 @@ def test_features_of_a_sequence_spanning_a_policy_push_come_from_the_version_the
     f = torch.from_numpy(np.frombuffer(q.features, np.float16).reshape(len(q.token_ids), q.hidden_size).astype(np.float32))
     err = (f - ref).abs().max().item()
     assert err < 1e-2, f"rows tagged policy {q.policy_version} differ from that version's forward by {err}"
+
+
+def test_capacity_events_name_the_drafter_the_rollout_started_with(model_dir, tmp_path) -> None:
+    """`start_drafter`: the identity of the learned drafter the rollout started with, the same a drafter coordinator
+    started from that folder records as its lineage (so it may push its serving drafter again after a restart);
+    empty for a rollout drafting with n-grams."""
+    from tlt.model.drafter import folder_identity
+    from tlt.services.drafter.lineage import identity
+    from tlt.services.drafter.training import new_drafter, own_tensors
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    drafter = new_drafter(str(model_dir), seed=5)
+    drafter.save(tmp_path / "drafter")
+    want = folder_identity(tmp_path / "drafter")
+    assert want == identity(str(tmp_path / "drafter"), own_tensors(drafter)) and want.startswith("sha256:")
+    for spec, expected in ((SpecConfig(drafter="learned", drafter_path=str(tmp_path / "drafter")), want),
+                           (SpecConfig(drafter="ngram"), "")):
+        with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", spec=spec) as s:
+            cap = s.server.capacity
+            sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+            try:
+                snap = sub.snapshot()
+            finally:
+                sub.close()
+        assert [e.start_drafter for e in snap] == [expected], (spec.drafter, snap)

@@ -139,7 +139,8 @@ def test_a_delta_resent_after_a_lost_answer_is_applied_once(tmp_path, model_dir,
     delta is applied. Real coordinator and worker over ZeroMQ on 127.0.0.1."""
     import torch
 
-    from tlt.services.drafter.coordinator import Coordinator, tensors_message
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.training import tensors_message
     from tlt.services.drafter.training import own_tensors
     from tlt.services.drafter.worker import CoordinatorUnavailable, _Deferred
     from tlt.v1 import drafter_pb2

@@ -13,16 +13,16 @@ Workers train asynchronously from the candidate they pulled and send back their 
 any number of workers can join, leave or die: a delta is applied whole or not at all, and once (a
 worker that sends it again after a lost answer gets the version it made), and the candidate with its
 version, the serving drafter and the history are checkpointed atomically after every change
-(`coordinator.pt`, written by a background saver at most every 0.5 s so the workers' requests never
-wait on the disk, and while a replica decodes only after a while: `_saver`), so a
-restarted coordinator continues from a consistent state. The
-published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head are
-never among them (asserted). A push that fails (possibly on some replicas only) is sent again as it
+(`coordinator.pt`, written by a background saver at most every 0.5 s so the workers' requests never wait on the
+disk, and while a replica decodes only after a while: `_saver`), so a restarted coordinator continues from a
+consistent state. The published tensors are the drafter's own (fc.*, layer.*); the target's embedding and lm_head
+are never among them (asserted). A push that fails (possibly on some replicas only) is sent again as it
 was until it lands, whatever later evaluations say; a push in flight or owed is in the checkpoint, so a
 restarted coordinator sends it again too (or, refused as already served, takes it as the serving drafter). A
 push refused because the rollout serves a newer drafter than any this coordinator pushed (its checkpoint_dir is new
 or was lost while the rollout ran on) is numbered above the rollout's version and sent again; a rollout seen on an
-older drafter (restarted) is reported, not pushed. A checkpoint of another init drafter is moved aside (lineage.py).
+older drafter (restarted) gets the serving drafter again if it started on the drafter this one grew from, else is
+reported. A checkpoint of another init drafter is moved aside (lineage.py).
 A worker not heard from for `WORKER_SILENT_S` (workers say hello every `WORKER_HEARTBEAT_S` while they run) is shown
 in status as neither alive nor training.
 """
@@ -42,7 +42,7 @@ from tlt.model.drafter import DrafterError
 from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
-from tlt.services.common.weights import pack_state_dict, unpack
+from tlt.services.common.weights import unpack
 from tlt.services.drafter.acceptance import EvaluationInterrupted, mean_accept_length, same_objects
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.services.drafter.config import DrafterServiceConfig
@@ -51,6 +51,7 @@ from tlt.services.drafter.lineage import identity, moved_aside
 from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
+from tlt.services.drafter.training import tensors_message
 from tlt.services.rollout.client import WeightPushError
 from tlt.v1 import common_pb2, drafter_pb2, events_pb2, rollout_pb2
 
@@ -58,15 +59,6 @@ log = get_logger("drafter.coordinator")
 
 # (own tensors, version) -> pushed, or raises (WeightPushError with the version the rollout serves when it refused)
 Publish = Callable[[dict[str, torch.Tensor], int], None]
-
-
-def tensors_message(tensors: dict[str, torch.Tensor], version: int) -> tuple[bytes, bytes]:
-    manifest, payload = pack_state_dict(tensors, common_pb2.WEIGHT_KIND_DRAFTER, version)
-    return manifest.SerializeToString(), bytes(payload)
-
-
-def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
-    return unpack(rollout_pb2.WeightManifest.FromString(manifest), payload, None)
 
 
 # a checkpoint write owed for the history only (window reports) waits at most this long for an idle rollout (`_saver`)
@@ -478,16 +470,25 @@ class Coordinator:
         self.save_now()
 
     def _repush_if_behind(self) -> None:
-        """Warn once when the rollout serves an older drafter than the serving one (not within REPUSH_S of a push). Not
-        pushed: the events carry a version, not which drafter, and a push would replace one its operator chose."""
+        """A rollout on an older drafter than the serving one (not within REPUSH_S of a push) that restarted on the
+        drafter this one grew from (events' `start_drafter` == lineage) is owed the serving drafter; one started on
+        another (its operator chose it, or it does not say) is left alone and reported once."""
         behind = None if self.rollout is None else self.rollout.drafter_behind(self.serving_version)
         if behind is None or self._pending is not None or time.monotonic() < self._repush_at:
             self._behind = None if behind is None else self._behind
             return
+        starts = self.rollout.start_drafters(self.serving_version)
+        if starts == {self.lineage} and self.serving_version > 0:
+            log.info("drafter_repush", version=self.serving_version, rollout_serves=behind, start_drafter=self.lineage)
+            with self._lock:
+                self._pending = (dict(self.serving), self.serving_version)
+                self._restored_pushes.add(self.serving_version)  # refused as not newer: it got there another way
+            self._pending_at, self._behind = 0.0, None
+            return
         if self._behind is None:
-            log.warning("drafter_rollout_behind", serving=self.serving_version, rollout_serves=behind, detail="the "
-                        "rollout serves an older drafter (restarted?): restart the drafter service to push the serving "
-                        "one again (owed at its start), or leave it if the rollout's drafter was chosen")
+            log.warning("drafter_rollout_behind", serving=self.serving_version, rollout_serves=behind, lineage=self.lineage,
+                        rollout_started_on=sorted(s or "unknown" for s in starts), detail="started on another drafter "
+                        "than this one grew from: left alone; restart the drafter service to push the serving one")
         self._behind = behind
 
     def _renumber_pending(self, version: int, rollout_version: int) -> int:

@@ -12,12 +12,12 @@ A checkpoint written before lineages were recorded is taken as of the configured
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
 import torch
 
+from tlt.model.drafter import tensors_identity
 from tlt.services.common.logging import get_logger
 
 log = get_logger("drafter.coordinator")
@@ -25,15 +25,11 @@ RANDOM = "random"
 
 
 def identity(init_drafter: str, tensors: dict[str, torch.Tensor]) -> str:
-    """The lineage of a coordinator started from `init_drafter` ("" = random), whose own tensors are `tensors`."""
+    """The lineage of a coordinator started from `init_drafter` ("" = random), whose own tensors are `tensors`: the
+    same identity a rollout started on that drafter publishes in its capacity events (`start_drafter`)."""
     if not init_drafter:
         return RANDOM
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
-        h.update(f"{name}:{tuple(t.shape)};".encode())
-        h.update(t.numpy().tobytes())
-    return f"sha256:{h.hexdigest()[:16]}"
+    return tensors_identity(tensors)
 
 
 def move_aside(checkpoint: Path) -> Path:

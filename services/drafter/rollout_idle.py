@@ -28,8 +28,10 @@ The same holds per replica: a state not repeated for `stale_s` (its publisher is
 restarted on the same endpoints under a new server_id) no longer counts, so a dead server's last BUSY
 or DRAINING cannot keep the gate shut for good.
 
-The events also carry the drafter version each replica serves: `drafter_behind` tells the coordinator a rollout
-restarted with its start drafter (version 0) while the coordinator serves a newer one, which it then pushes again.
+The events also carry the drafter version each replica serves and the drafter its rollout started with:
+`drafter_behind` tells the coordinator a rollout restarted with its start drafter (version 0) while the coordinator
+serves a newer one, and `start_drafters` which drafters those replicas started with (the coordinator pushes its
+serving drafter again only to a rollout started on the drafter it grew from).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class RolloutIdle:
         self.stale_s = stale_s
         self._states: dict[tuple[str, int], tuple[int, float]] = {}  # -> (state, monotonic time last heard)
         self._drafters: dict[tuple[str, int], int] = {}  # -> the drafter version its last event carried
+        self._starts: dict[tuple[str, int], str] = {}  # -> the drafter its rollout started with ("": not said)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -102,10 +105,18 @@ class RolloutIdle:
         oldest = min((v for v in seen if v >= 0), default=version)
         return oldest if oldest < version else None
 
+    def start_drafters(self, version: int) -> set[str]:
+        """The start drafters ("sha256:...", "" when a rollout did not say) of the live replicas serving a drafter
+        older than `version` (those `drafter_behind` counts)."""
+        with self._lock:
+            now = time.monotonic()
+            return {self._starts.get(k, "") for k, (st, t) in self._states.items()
+                    if now - t < self.stale_s and st != DRAINING and 0 <= self._drafters.get(k, -1) < version}
+
     def see(self, server_id: str, replica_id: int, state: int, device: str = "", sequences: int = 0,
-            drafter: int = -1) -> None:
-        """Record one replica's state (the watcher thread calls this for every event) and the drafter version it
-        serves. LENT on a GPU counts as IDLE, DRAINING with `sequences` (running + queued) still on it as BUSY (see
+            drafter: int = -1, start_drafter: str = "") -> None:
+        """Record one replica's state (the watcher thread calls this for every event), the drafter version it
+        serves and the drafter its rollout started with. LENT on a GPU counts as IDLE, DRAINING with `sequences` (running + queued) still on it as BUSY (see
         the module docstring); an unknown device is taken for a CPU."""
         if state == LENT and device and not device.startswith("cpu"):
             state = IDLE
@@ -114,6 +125,7 @@ class RolloutIdle:
         with self._lock:
             self._states[(server_id, replica_id)] = (state, time.monotonic())
             self._drafters[(server_id, replica_id)] = drafter
+            self._starts[(server_id, replica_id)] = start_drafter
 
     def _watch(self) -> None:
         sub = CapacitySubscriber(self._pub, self._snap)
@@ -140,7 +152,7 @@ class RolloutIdle:
 
     def _see(self, e: object) -> None:
         self.see(e.server_id, e.replica_id, e.state, e.device, e.running + e.queued,  # type: ignore[attr-defined]
-                 e.versions.drafter if e.HasField("versions") else -1)  # type: ignore[attr-defined]
+                 e.versions.drafter if e.HasField("versions") else -1, e.start_drafter)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self._stop.set()

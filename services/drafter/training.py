@@ -221,3 +221,20 @@ def own_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
     leaked = [k for k in out if "embed" in k or "lm_head" in k]
     assert not leaked, f"drafter state must never carry the target's embedding/lm_head: {leaked}"
     return out
+
+
+def tensors_message(tensors: dict[str, torch.Tensor], version: int) -> tuple[bytes, bytes]:
+    """A drafter's tensors as a (manifest, payload) pair of the coordinator-worker messages."""
+    from tlt.services.common.weights import pack_state_dict
+    from tlt.v1 import common_pb2
+
+    manifest, payload = pack_state_dict(tensors, common_pb2.WEIGHT_KIND_DRAFTER, version)
+    return manifest.SerializeToString(), bytes(payload)
+
+
+def tensors_from(manifest: bytes, payload: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a (manifest, payload) pair of `tensors_message` (checked against the manifest's sha256)."""
+    from tlt.services.common.weights import unpack
+    from tlt.v1 import rollout_pb2
+
+    return unpack(rollout_pb2.WeightManifest.FromString(manifest), payload, None)

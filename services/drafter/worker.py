@@ -44,13 +44,14 @@ import torch
 from tlt.services.common.events import CapacitySubscriber
 from tlt.services.common.logging import get_logger
 from tlt.services.drafter.config import DrafterServiceConfig
-from tlt.services.drafter.coordinator import WORKER_HEARTBEAT_S, tensors_from, tensors_message
+from tlt.services.drafter.coordinator import WORKER_HEARTBEAT_S
 from tlt.services.drafter.coordinator_client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
 from tlt.services.drafter.packing import PackedBatch
 from tlt.services.drafter.rollout_idle import BUSY_POLL_S, STALE_S, fresh_all_idle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.model.drafter import Drafter, DrafterConfig, DrafterError
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
+from tlt.services.drafter.training import tensors_from, tensors_message
 from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.worker")

@@ -87,6 +87,7 @@ class ReplicaInfo:
     pid: int
     runs_sample_subsets: bool = False  # its engine runs a request's `sample_indices` alone (re-dispatch, replicas.py)
     kv_capacity_tokens: int = 0  # the most tokens (prompt + max_tokens) one sequence's KV cache can hold; 0: unknown
+    start_drafter: str = ""  # the learned drafter it started with, as tlt.model.drafter.folder_identity; "": none
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,8 @@ class CapacityStates:
         self.capacity.publish(events_pb2.CapacityEvent(
             replica_id=rep.replica_id, device=rep.info.device if rep.info else "", state=state,
             running=running, queued=queued, kv_usage=rep.load.kv_usage,
-            versions=common_pb2.WeightVersions(policy=v.policy, drafter=v.drafter)))
+            versions=common_pb2.WeightVersions(policy=v.policy, drafter=v.drafter),
+            start_drafter=rep.info.start_drafter if rep.info else ""))
 
     def _busy(self, rep: _Replica) -> None:
         """Call once the new work is counted in (outstanding / applying): BUSY at once when it was not,

@@ -135,9 +135,11 @@ def serve_replica(
     loading = model_dir  # what the failure names: the model, or the drafter once the model is up
     try:
         engine = engine_class(backend)(model_dir, config, replica_id=replica_id)
+        start_drafter = ""
         if spec_config_json:
             loading = spec_subject(spec_config_json)
             attach_spec(engine, spec_config_json)
+            start_drafter = start_drafter_identity(engine, spec_config_json)
     except Exception as e:  # deliberate boundary: report why the replica could not start, then exit
         from tlt.model.drafter import DrafterError
         from tlt.model.folder import CheckpointError
@@ -159,6 +161,7 @@ def serve_replica(
         pid=os.getpid(),
         runs_sample_subsets=bool(getattr(engine, "runs_sample_subsets", False)),
         kv_capacity_tokens=_kv_capacity_tokens(engine),
+        start_drafter=start_drafter,
     )
     frozen = freeze_heap() if gc_freeze else 0  # before Ready: the front's first request finds it done
     gc_pauses = GcPauses().install()  # what serving costs: the freeze's own full collection is not counted
@@ -203,6 +206,19 @@ def spec_subject(spec_config_json: str) -> str:
     if spec.mode != "off" and spec.drafter == "learned":
         return f"the drafter {spec.drafter_path}"
     return "the speculative decoder ([rollout.spec])"
+
+
+def start_drafter_identity(engine: Any, spec_config_json: str) -> str:
+    """Which learned drafter the engine started with ("sha256:..." of its folder's tensors, as a drafter coordinator's
+    lineage), for the capacity events: a coordinator grown from it may push its serving drafter to this rollout again
+    after a restart; "" when the engine drafts with none (n-gram, speculation off, another backend)."""
+    from tlt.model.drafter import folder_identity
+    from tlt.services.rollout.spec.config import SpecConfig
+
+    spec = SpecConfig.model_validate_json(spec_config_json)
+    if spec.mode == "off" or spec.drafter != "learned" or not spec.drafter_path or engine.versions.drafter != 0:
+        return ""
+    return folder_identity(spec.drafter_path)
 
 
 def attach_spec(engine: Any, spec_config_json: str) -> None:

@@ -135,7 +135,7 @@ def _ask(sock: zmq.Socket, frames: list[bytes], timeout_ms: int = 3000) -> draft
 
 
 def test_hostile_messages_on_the_drafter_coordinator(coordinator) -> None:
-    from tlt.services.drafter.coordinator import tensors_message
+    from tlt.services.drafter.training import tensors_message
     from tlt.services.drafter.training import own_tensors
 
     before_version = coordinator.candidate_version

@@ -337,6 +337,29 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+def tensors_identity(tensors: dict[str, torch.Tensor]) -> str:
+    """"sha256:<16 hex>" of a drafter's own tensors (names, shapes, float32 values): the same weights are the same
+    drafter wherever their folder is and whatever dtype it stores (a drafter coordinator's lineage, the drafter a
+    rollout started with)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+        h.update(t.numpy().tobytes())
+    return f"sha256:{h.hexdigest()[:16]}"
+
+
+def folder_identity(folder: str | Path) -> str:
+    """`tensors_identity` of the drafter saved in `folder` (its weights file read again; DrafterError if unreadable)."""
+    path = Path(folder) / WEIGHTS_FILE
+    try:
+        return tensors_identity(load_file(str(path)))
+    except (OSError, SafetensorError) as e:
+        raise DrafterError(f"{path} is not a readable safetensors file ({e})") from None
+
+
 def check_drafter_folder(folder: str | Path) -> None:
     """DrafterError unless `folder` holds a drafter's two files (cheap: nothing is read)."""
     src = Path(folder)

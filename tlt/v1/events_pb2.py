@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tlt.v1 import common_pb2 as tlt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tlt/v1/events.proto\x12\x06tlt.v1\x1a\x13tlt/v1/common.proto\"\xfb\x01\n\rCapacityEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.tlt.v1.ReplicaState\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12(\n\x08versions\x18\x07 \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x11\n\theartbeat\x18\n \x01(\x08\x12\x11\n\tserver_id\x18\x0b \x01(\t\"\x11\n\x0fSnapshotRequest\"3\n\x08Snapshot\x12\'\n\x08replicas\x18\x01 \x03(\x0b\x32\x15.tlt.v1.CapacityEvent\"\xb1\x01\n\x0f\x46\x65\x61tureSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x16\n\x0eresponse_start\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x12\n\nreplica_id\x18\x08 \x01(\x05\"r\n\x0c\x46\x65\x61tureBatch\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.tlt.v1.FeatureSequence\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x16\n\x0e\x64ropped_before\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\t\"\xc2\x01\n\x08\x45nvelope\x12)\n\x08\x63\x61pacity\x18\x01 \x01(\x0b\x32\x15.tlt.v1.CapacityEventH\x00\x12(\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x14.tlt.v1.FeatureBatchH\x00\x12\x33\n\x10snapshot_request\x18\x03 \x01(\x0b\x32\x17.tlt.v1.SnapshotRequestH\x00\x12$\n\x08snapshot\x18\x04 \x01(\x0b\x32\x10.tlt.v1.SnapshotH\x00\x42\x06\n\x04\x62odyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tlt/v1/events.proto\x12\x06tlt.v1\x1a\x13tlt/v1/common.proto\"\x92\x02\n\rCapacityEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.tlt.v1.ReplicaState\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12(\n\x08versions\x18\x07 \x01(\x0b\x32\x16.tlt.v1.WeightVersions\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x11\n\theartbeat\x18\n \x01(\x08\x12\x11\n\tserver_id\x18\x0b \x01(\t\x12\x15\n\rstart_drafter\x18\x0c \x01(\t\"\x11\n\x0fSnapshotRequest\"3\n\x08Snapshot\x12\'\n\x08replicas\x18\x01 \x03(\x0b\x32\x15.tlt.v1.CapacityEvent\"\xb1\x01\n\x0f\x46\x65\x61tureSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x16\n\x0eresponse_start\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x12\n\nreplica_id\x18\x08 \x01(\x05\"r\n\x0c\x46\x65\x61tureBatch\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.tlt.v1.FeatureSequence\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x16\n\x0e\x64ropped_before\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\t\"\xc2\x01\n\x08\x45nvelope\x12)\n\x08\x63\x61pacity\x18\x01 \x01(\x0b\x32\x15.tlt.v1.CapacityEventH\x00\x12(\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x14.tlt.v1.FeatureBatchH\x00\x12\x33\n\x10snapshot_request\x18\x03 \x01(\x0b\x32\x17.tlt.v1.SnapshotRequestH\x00\x12$\n\x08snapshot\x18\x04 \x01(\x0b\x32\x10.tlt.v1.SnapshotH\x00\x42\x06\n\x04\x62odyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tlt.v1.events_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CAPACITYEVENT']._serialized_start=53
-  _globals['_CAPACITYEVENT']._serialized_end=304
-  _globals['_SNAPSHOTREQUEST']._serialized_start=306
-  _globals['_SNAPSHOTREQUEST']._serialized_end=323
-  _globals['_SNAPSHOT']._serialized_start=325
-  _globals['_SNAPSHOT']._serialized_end=376
-  _globals['_FEATURESEQUENCE']._serialized_start=379
-  _globals['_FEATURESEQUENCE']._serialized_end=556
-  _globals['_FEATUREBATCH']._serialized_start=558
-  _globals['_FEATUREBATCH']._serialized_end=672
-  _globals['_ENVELOPE']._serialized_start=675
-  _globals['_ENVELOPE']._serialized_end=869
+  _globals['_CAPACITYEVENT']._serialized_end=327
+  _globals['_SNAPSHOTREQUEST']._serialized_start=329
+  _globals['_SNAPSHOTREQUEST']._serialized_end=346
+  _globals['_SNAPSHOT']._serialized_start=348
+  _globals['_SNAPSHOT']._serialized_end=399
+  _globals['_FEATURESEQUENCE']._serialized_start=402
+  _globals['_FEATURESEQUENCE']._serialized_end=579
+  _globals['_FEATUREBATCH']._serialized_start=581
+  _globals['_FEATUREBATCH']._serialized_end=695
+  _globals['_ENVELOPE']._serialized_start=698
+  _globals['_ENVELOPE']._serialized_end=892
 # @@protoc_insertion_point(module_scope)

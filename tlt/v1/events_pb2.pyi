@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CapacityEvent(_message.Message):
-    __slots__ = ("replica_id", "device", "state", "running", "queued", "kv_usage", "versions", "timestamp", "seq", "heartbeat", "server_id")
+    __slots__ = ("replica_id", "device", "state", "running", "queued", "kv_usage", "versions", "timestamp", "seq", "heartbeat", "server_id", "start_drafter")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class CapacityEvent(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     device: str
     state: _common_pb2.ReplicaState
@@ -31,7 +32,8 @@ class CapacityEvent(_message.Message):
     seq: int
     heartbeat: bool
     server_id: str
-    def __init__(self, replica_id: _Optional[int] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ReplicaState, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_usage: _Optional[float] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., timestamp: _Optional[float] = ..., seq: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., server_id: _Optional[str] = ...) -> None: ...
+    start_drafter: str
+    def __init__(self, replica_id: _Optional[int] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ReplicaState, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_usage: _Optional[float] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., timestamp: _Optional[float] = ..., seq: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., server_id: _Optional[str] = ..., start_drafter: _Optional[str] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ()
