@@ -166,7 +166,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             self.m.errors.labels(reason="function_error").inc()
             log.warning("function_failed", id=item.id, error=str(e))
             return reward_pb2.ScoreResponse(id=item.id, ok=False, error=str(e))
-        except Exception as e:  # noqa: BLE001 - a verifier bug must not take down the call; it is reported
+        except BaseException as e:  # noqa: BLE001 - a verifier bug (sys.exit too: a worker thread gets no signal)
+            # must not take down the call: an uncaught BaseException here left the call unanswered until its deadline
             self.m.errors.labels(reason="verifier_error").inc()
             log.warning("verifier_failed", id=item.id, error=repr(e))
             return reward_pb2.ScoreResponse(id=item.id, ok=False, error=f"verifier failed: {type(e).__name__}: {e}")

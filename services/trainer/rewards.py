@@ -50,6 +50,8 @@ import math
 import numbers
 import os
 import sys
+import sysconfig
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -105,6 +107,16 @@ def _check_value(key: str, value: object, origin: str) -> float:
 
 
 # -- in-process functions ----------------------------------------------------------------
+
+
+def _is_signal(e: BaseException) -> bool:
+    """Whether `e` is a signal that stops the process rather than the function's own raise: Ctrl-C's
+    KeyboardInterrupt, or the trainer's Terminated (SIGTERM; it carries `signum`), in the main thread, where
+    Python delivers them. Any other BaseException (sys.exit, func_timeout's FunctionTimedOut, a KeyboardInterrupt a
+    reward server's worker thread raised) is the function's failure: the step's error, or the item's ok=false."""
+    return threading.current_thread() is threading.main_thread() and (
+        isinstance(e, KeyboardInterrupt) or isinstance(getattr(e, "signum", None), int))
+
 
 
 def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: list[str],
@@ -195,7 +207,9 @@ class _FunctionBatch:
             return list(values)
         except RewardError:
             raise
-        except Exception as e:  # noqa: BLE001 - the user's code: re-raised as the step's RewardError
+        except BaseException as e:  # noqa: BLE001 - the user's code: SystemExit, a timeout library's BaseException too
+            if _is_signal(e):
+                raise
             raise RewardFunctionFailed(f"reward function {name} raised {type(e).__name__}: {e} "
                               f"(scoring {len(self._keys)} completions, first {self._keys[:1]})") from e
 
@@ -288,12 +302,18 @@ def _user_import(spec: str, name: str) -> Any:
     exception at module level) is a RewardFunctionError naming the file and line, one line for the CLI instead of
     the traceback of our import machinery. ModuleNotFoundError passes through: the caller tells whether the
     module itself is missing (look in the current directory) or something it imports."""
+    argv = sys.argv
+    sys.argv = [name]  # a module that parses arguments at import (argparse) must not read tlt's own as its
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError:
         raise
-    except Exception as e:  # noqa: BLE001 - anything the user's module-level code raises
+    except BaseException as e:  # noqa: BLE001 - anything the user's module-level code raises; sys.exit too
+        if _is_signal(e):
+            raise
         raise RewardFunctionError(_import_failed(spec, name, e)) from None
+    finally:
+        sys.argv = argv
 
 
 def _import_failed(spec: str, name: str, e: BaseException) -> str:
@@ -303,9 +323,13 @@ def _import_failed(spec: str, name: str, e: BaseException) -> str:
         what = f"{type(e).__name__}: {e.msg}"
     else:
         frames = traceback.extract_tb(e.__traceback__)
-        user = [f for f in frames if "importlib" not in f.filename]  # the innermost frame of the user's code
+        stdlib = sysconfig.get_paths()["stdlib"]  # argparse's exit, json's error: the user's line that called it
+        user = [f for f in frames if "importlib" not in f.filename and not f.filename.startswith(stdlib)]
         where = f"{user[-1].filename}:{user[-1].lineno}" if user else name
         what = f"{type(e).__name__}: {e}"
+        if isinstance(e, SystemExit):  # argparse's error, or an explicit exit: run only under __main__
+            return (f"reward function {spec!r}: {name} exited while being imported ({what}) at {where}; code that "
+                    "parses arguments or exits belongs under `if __name__ == \"__main__\":`")
     return f"reward function {spec!r}: importing {name} failed at {where}: {what}"
 
 
