@@ -373,7 +373,13 @@ def trainer_prompts(cfg) -> list[PromptItem]:  # noqa: ANN001 - TrainerConfig
     synthetic task. One function, for the trainer (loop.py) and `tlt run`'s resume check (launcher.py): a position
     in the data is a position in these very items (their fingerprint)."""
     if cfg.data_path:
-        return load_prompts(cfg.data_path, cfg.answer_field, cfg.model_dir)
+        items = load_prompts(cfg.data_path, cfg.answer_field, cfg.model_dir)
+        if cfg.reward == "task":  # the synthetic task's integer reader: refused now, not at the step that hits a row
+            from tlt.services.trainer.rewards import task_reference_problem
+
+            if (problem := task_reference_problem([it.answer for it in items], cfg.data_path)) is not None:
+                raise DataError(problem)
+        return items
     return synthetic_prompts(cfg.synthetic_problems, cfg.seed)
 
 

@@ -345,6 +345,18 @@ def task_rewards() -> FunctionRewards:
     return FunctionRewards([task_reward])
 
 
+def task_reference_problem(answers: Sequence[str], source: str) -> str | None:
+    """Why `reward = "task"` cannot score a data set with these reference answers, or None: it reads integers only
+    (tlt/task/verify.py), so another reference failed a step whenever a completion wrote `answer: <integer>`."""
+    from tlt.task.verify import NOT_AN_INTEGER, integer_reference
+
+    bad = [a for a in answers if integer_reference(a) is None]
+    if not bad:
+        return None
+    return (f"{source}: {len(bad)} of {len(answers)} reference answers are not integers (first: {bad[0]!r}); "
+            f"{NOT_AN_INTEGER}")
+
+
 # -- gRPC reward service --------------------------------------------------------------------
 
 

@@ -1,4 +1,7 @@
-"""Exact-answer verification of a model's completion for the synthetic task.
+"""Exact-answer verification of a model's completion for the synthetic task (the trainer's `reward = "task"`).
+
+It is not a math verifier: `\\boxed{72}` scores 0, and a reference that is not an integer is refused
+(the trainer refuses such a data file at start: services/trainer/rewards.py `task_reference_problem`).
 
 The answer is the integer written after the LAST `answer:` marker in the
 completion. It must be followed by the end of the text, whitespace, an
@@ -46,12 +49,29 @@ def same_integer(a: str, b: str) -> bool:
     return _canonical_integer(a) == _canonical_integer(b)
 
 
+def integer_reference(answer: str) -> str | None:
+    """The reference as this verifier reads it (int(): ` 007 ` is 7), or None when it is no integer."""
+    try:
+        return str(int(answer))
+    except ValueError:
+        return None
+
+
+NOT_AN_INTEGER = ("reward = 'task' reads only the synthetic task's integer after `answer:`; for your own data "
+                  "(\\boxed{} answers, fractions, expressions) use reward = 'grpc' with `tlt reward serve --kind math` "
+                  "(the math verifier), or reward = 'python' with your own function")
+
+
 def verify(completion: str, answer: str) -> bool:
-    """True iff the completion's extracted answer equals the reference answer exactly (as an integer)."""
+    """True iff the completion's extracted answer equals the reference answer exactly (as an integer).
+
+    A reference that is not an integer is an error whatever the completion wrote (it raised only when the
+    completion wrote `answer: <integer>`, so a step failed now and then): this is not a verifier for that data."""
+    reference = integer_reference(answer)
+    if reference is None:
+        raise ValueError(f"reference answer {answer!r} is not an integer: {NOT_AN_INTEGER}")
     got = extract_answer(completion)
-    if got is None:
-        return False
-    return same_integer(got, str(int(answer)))  # int(): a reference that is not an integer is still an error
+    return got is not None and same_integer(got, reference)
 
 
 def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:

@@ -1,0 +1,80 @@
+"""`reward = "task"` on a user's own data: it is the synthetic task's integer `answer:` reader, not a math verifier.
+
+A GSM8K / MATH file with references such as `\\frac{1}{2}` trained with it: its correct `\\boxed{}` answers scored 0
+and a completion writing `answer: 3` failed the step with int()'s ValueError. `tlt data check` and the trainer's
+start (trainer_prompts) now refuse such a file in one line naming the fix. Real files and the real tiny
+checkpoint (tests/rollout_helpers.py), run through `tlt.cli.main`; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tlt.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("TLT_"):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollout_helpers import tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("task_refs")
+    model = tiny_checkpoint(root / "policy")
+    p = root / "my.toml"
+    p.write_text(f'[trainer]\nmodel_dir = "{model}"\nmax_tokens = 16\neval_problems = 0\n\n'
+                 "[rollout.engine]\nmax_model_len = 64\n")
+    return p
+
+
+def _data(tmp_path: Path, answers: list[object]) -> Path:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    return path
+
+
+def _trainer_prompts(preset: Path, data: Path, reward: str) -> list:
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import trainer_prompts
+
+    return trainer_prompts(load_config(TrainerConfig, "trainer", str(preset), {"data_path": str(data), "reward": reward}))
+
+
+def test_non_integer_references_with_the_task_reward_are_refused_at_start_and_by_data_check(
+        tmp_path, preset, capsys) -> None:
+    from tlt.services.trainer.data import DataError
+
+    data = _data(tmp_path, [72, "\\frac{1}{2}", "3.5"])
+    with pytest.raises(DataError) as refused:
+        _trainer_prompts(preset, data, "task")
+    says = str(refused.value)
+    assert "reward = 'task'" in says and "'\\\\frac{1}{2}'" in says and "2 of 3" in says, says
+    assert "reward = 'grpc'" in says and "tlt reward serve --kind math" in says, says  # the fix
+    rc = main(["--log-json", "data", "check", "--data", str(data), "--preset", str(preset),
+               "--set", "trainer.reward=task"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and json.loads(lines[0])["error"] == says, lines
+
+
+def test_the_same_file_with_the_math_server_or_integer_references_with_task_pass(tmp_path, preset) -> None:
+    assert len(_trainer_prompts(preset, _data(tmp_path, [72, "\\frac{1}{2}"]), "grpc")) == 2
+    assert len(_trainer_prompts(preset, _data(tmp_path, [72, "-3", " 007 "]), "task")) == 3
+
+
+def test_the_task_verifier_names_a_non_integer_reference_whatever_the_completion_wrote() -> None:
+    from tlt.task.verify import verify
+
+    assert verify("answer: 72", "72") and not verify("\\boxed{72}", "72")  # `answer: <int>` only
+    for completion in ("answer: 3", "no marker at all"):  # it raised only when the completion wrote an integer
+        with pytest.raises(ValueError, match=r"not an integer.*reward = 'task' reads"):
+            verify(completion, "\\frac{1}{2}")
