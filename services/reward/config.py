@@ -45,6 +45,12 @@ class RewardConfig(ServiceConfig):
         "read them); reading pauses at this many until the client reads, so a client that stops reading "
         "cannot grow the server's memory",
     )
+    item_timeout_s: float = Field(
+        60.0, ge=0, description="an item still scoring after this many seconds is answered ok=false (timed out) and "
+        "its worker replaced (the stuck thread runs on; a Python thread cannot be stopped); once `workers` threads "
+        "are stuck so, the health check (deploy/healthcheck.py grpc-reward) fails, so a liveness probe restarts "
+        "the server. 0: no timeout"
+    )
     grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight calls may take to finish")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus /metrics port on the same host; 0: no exporter"

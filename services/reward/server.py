@@ -24,6 +24,10 @@ a client that sends without reading is held back instead of growing the
 server's memory. grpc asks the handler for the next response only once the
 previous one is sent, so a result counts as sent when it is asked for again.
 
+An item still scoring after `item_timeout_s` is answered ok=false ("timed out") and its worker replaced
+(services/reward/pool.py); once `workers` threads are stuck so, the empty `Score` call of the health check
+answers UNAVAILABLE.
+
 Each item is its own error boundary: a malformed item (no id, over the size
 limit, no reference for a verifier) or a verifier that raises (a function that
 raises or returns no finite number) gives that item ok=false with the reason,
@@ -56,6 +60,7 @@ from tlt.services.common.metrics import Metrics
 from tlt.services.common.ports import bind_grpc
 from tlt.services.reward.config import RewardConfig
 from tlt.services.reward.function import FunctionScorer, ItemError
+from tlt.services.reward.pool import ScoringPool
 from tlt.services.reward.verifiers import Verifier, get_verifier
 from tlt.services.trainer.rewards import FLOAT32_MAX  # the proto's reward field is a 32-bit float too
 from tlt.v1 import reward_pb2, reward_pb2_grpc
@@ -132,7 +137,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self.function = FunctionScorer(config.function) if verifier is None and config.kind == "python" else None
         self.verifier = None if self.function is not None else (verifier or get_verifier(config.kind))
         self.m = RewardMetrics()
-        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="reward-score")
+        self.pool = ScoringPool(config.workers, config.item_timeout_s, self._timed_out)
         self.streams: set[StreamWindow] = set()  # the windows of the ScoreStream calls open now
         self._streams_lock = threading.Lock()
 
@@ -181,6 +186,14 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self.m.scored.labels(correct=str(correct).lower()).inc()
         return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=correct, reward=reward)
 
+    def _timed_out(self, item: reward_pb2.ScoreRequest, seconds: float) -> reward_pb2.ScoreResponse:
+        """The answer of an item still scoring after `item_timeout_s` (ScoringPool: its worker is replaced)."""
+        self.m.errors.labels(reason="timeout").inc()
+        what = f"reward function {self.config.function}" if self.function is not None else f"verifier {self.config.kind}"
+        log.warning("item_timed_out", id=item.id, after_s=seconds, stuck_workers=self.pool.stuck())
+        return reward_pb2.ScoreResponse(id=item.id, ok=False, error=f"{what} timed out after {seconds:g} s "
+                                        "(item_timeout_s); its worker was replaced")
+
     def score_unless_ended(self, context: grpc.ServicerContext, item: reward_pb2.ScoreRequest
                            ) -> reward_pb2.ScoreResponse:
         """`score_one`, or a refusal when the call already ended: past its deadline (or cancelled) nobody reads the
@@ -192,6 +205,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
     def Score(self, request: reward_pb2.ScoreBatchRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreBatchResponse:
         n = len(request.items)
+        if n == 0 and self.pool.wedged():  # the health check's call (deploy/healthcheck.py): nothing is scored
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"all {self.config.workers} scoring workers are stuck on "
+                          f"items past item_timeout_s ({self.config.item_timeout_s:g} s); restart the server")
         if n > self.config.max_batch_items:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -233,7 +249,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                     while not slots.acquire(timeout=0.5):
                         if not context.is_active():
                             return
-                    fut = self.pool.submit(self.score_unless_ended, context, item)
+                    fut = self.pool.submit(functools.partial(self.score_unless_ended, context), item)
                     with queued:
                         unqueued += 1
                     fut.add_done_callback(deliver)
@@ -332,7 +348,7 @@ class RewardServer:
         """
         grace = self.config.grace_s if grace_s is None else grace_s
         stopped = self._server.stop(grace).wait(grace + _STOP_TIMEOUT_S)
-        self.servicer.pool.shutdown(wait=False, cancel_futures=True)  # a stuck verifier must not hang stop()
+        self.servicer.pool.shutdown()  # a stuck verifier must not hang stop()
         if stopped:
             log.info("reward_stopped", port=self.port)
         else:
@@ -343,7 +359,7 @@ class RewardServer:
         """After `stop`: the scoring threads still running a call (a function that never returns). Interpreter exit
         joins them (concurrent.futures), so a process that has any can only end with os._exit."""
         deadline = time.monotonic() + wait_s
-        threads = list(getattr(self.servicer.pool, "_threads", ()))
+        threads = self.servicer.pool.threads()
         for t in threads:  # idle workers exit at once after shutdown
             t.join(max(0.0, deadline - time.monotonic()))
         return sum(t.is_alive() for t in threads)

@@ -1,0 +1,78 @@
+"""A reward server whose scoring workers are stuck: each item past `item_timeout_s` is answered ok=false and its
+worker replaced; once `workers` threads are stuck the health check (deploy/healthcheck.py grpc-reward, the compose
+and Kubernetes probe) fails, and passes again when they come back.
+
+Before, a stuck item held its worker for ever and the health check (an empty Score batch, which reaches no
+worker) passed while nothing was scored. Real `RewardServer` on 127.0.0.1 with real gRPC and the real health check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tlt.services.reward.client import RewardClient
+from tlt.services.reward.config import RewardConfig
+from tlt.services.reward.server import RewardServer
+from tlt.v1 import reward_pb2
+
+Req = reward_pb2.ScoreRequest
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _healthcheck():
+    spec = importlib.util.spec_from_file_location("healthcheck", ROOT / "deploy" / "healthcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_stuck_items_time_out_replace_their_worker_and_a_wedged_pool_fails_the_health_check(
+        tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hanging_reward.py").write_text(
+        "import threading\n\nRELEASE = threading.Event()\n\n"
+        "def score(completions, **kw):\n"
+        "    if completions[0] == 'hang':\n"
+        "        RELEASE.wait(30)\n"
+        "    return [1.0]\n")
+    health = _healthcheck()
+    config = RewardConfig(kind="python", function="hanging_reward:score", port=0, workers=2, item_timeout_s=0.5)
+    server = RewardServer(config)  # loads the function: its module holds the event that ends its wait
+    release = sys.modules["hanging_reward"].RELEASE
+    try:
+        with server, RewardClient(server.address, timeout_s=10, retries=0) as client:
+            start = time.monotonic()
+            first, = client.score([Req(id="h1", completion="hang", reference="1")])
+            assert not first.ok and "hanging_reward:score timed out after 0.5 s" in first.error, first
+            assert time.monotonic() - start < 3
+            assert client.score([Req(id="a", completion="x", reference="1")])[0].ok  # one worker stuck, one scoring
+            assert health(["--timeout", "2", "grpc-reward", server.address]) == 0
+            streamed = list(client.score_stream([Req(id="h2", completion="hang", reference="1")]))
+            assert not streamed[0].ok and "timed out" in streamed[0].error, streamed
+            assert server.servicer.pool.stuck() == 2
+            assert health(["--timeout", "2", "grpc-reward", server.address]) == 1
+            assert "all 2 scoring workers are stuck" in capsys.readouterr().err
+            release.set()  # the stuck calls return: their threads score again
+            deadline = time.monotonic() + 5
+            while server.servicer.pool.stuck() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert health(["--timeout", "2", "grpc-reward", server.address]) == 0
+            results = client.score([Req(id=f"b{i}", completion="x", reference="1") for i in range(4)])
+            assert all(r.ok for r in results), results
+            assert len([t for t in server.servicer.pool.threads() if t.is_alive()]) == 2
+    finally:
+        release.set()
+        sys.modules.pop("hanging_reward", None)
+
+
+def test_the_timeout_is_a_documented_field_and_0_turns_it_off() -> None:
+    assert RewardConfig.model_fields["item_timeout_s"].default == 60.0
+    assert "health check" in RewardConfig.model_fields["item_timeout_s"].description
+    RewardConfig(item_timeout_s=0)
+    with pytest.raises(ValueError):
+        RewardConfig(item_timeout_s=-1)
