@@ -100,10 +100,26 @@ FLOAT32_MAX = 3.4028234663852886e38  # the step holds rewards in float32: a larg
 def _check_value(key: str, value: object, origin: str) -> float:
     # numbers.Real also admits numpy scalars (a function returning list(np_array)); bools are refused. Finite in
     # float32 too: 1e39 was finite here, inf in the step, and one update later every weight was NaN.
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or abs(value) > FLOAT32_MAX):
-        raise RewardError(f"{origin} returned {value!r} for completion {key}; a finite number (float32) is required")
-    return float(value)
+    # float() first: a huge int or Fraction (10**400) raised OverflowError in isfinite(), not this RewardError
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        try:
+            number = float(value)
+        except (OverflowError, ValueError):
+            pass
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        raise RewardError(f"{origin} returned {_shown(value)} for completion {key}; a finite number (float32) is "
+                          "required")
+    return number
+
+
+def _shown(value: object) -> str:
+    """repr(value), cut to 80 characters; an int too long for repr (over 4300 digits) by its size."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # -- in-process functions ----------------------------------------------------------------
