@@ -54,7 +54,7 @@ class PoolMetrics:
                 self.queued.labels(r).set(s.stats.queued)
                 self.kv.labels(r).set(s.stats.kv_usage)
                 self._count_preemptions(s)
-                self.spec.update(s.replica_id, s.stats.spec)
+                self.spec.update(s.replica_id, s.stats.spec, s.pid)
                 self.gc.update(f"replica-{s.replica_id}", s.stats.gc)
         if gc_pauses is not None:
             self.gc.update("front", gc_pauses.snapshot())

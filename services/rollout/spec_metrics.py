@@ -8,8 +8,9 @@ sequence it kept; with the adaptive mode, the bandit's view
 per batch-size bucket (explored / exploited choices, each arm's median reward in tokens/s). The
 values are read from the replicas' stats at scrape time (the engine keeps the running counts). The counts are
 Prometheus counters (`*_total`): each scrape adds what a replica counted since the last one, and a replica that
-restarted (its counts back at 0) adds what it counted since; as gauges of the replicas' totals they fell to 0 at a
-restart, which rate() and increase() read as nothing happening.
+restarted (another pid, its counts back at 0) adds what its new process counted, whether or not a scrape fell
+between the restart and the new process passing the old one's total; as gauges of the replicas' totals they fell
+to 0 at a restart, which rate() and increase() read as nothing happening.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class SpecMetrics:
                                       "(verify or the plain arm)", ("replica", "arm"))
         self._last_arm: dict[str, str] = {}
         self._seen: dict[tuple, float] = {}  # each counted series' replica total at the last scrape
+        self._pid: dict[str, int | None] = {}  # replica -> the pid of the process those totals are from
         self.arm_accept = metrics.gauge("spec_arm_accept_len", "tokens per sequence per verify step, by arm",
                                         ("replica", "arm"))
         self.bucket_choices = metrics.counter("spec_bandit_choices", "bandit choices per batch-size bucket, by kind",
@@ -61,7 +63,7 @@ class SpecMetrics:
 
     def _count(self, counter: Any, labels: tuple[str, ...], total: float) -> None:
         """Bring a counter series up by what the replica's running `total` grew since the last scrape; a total below
-        the last one is a restarted replica's, counted from 0."""
+        the last one is a restarted replica's, counted from 0 (a caller that gives no pid)."""
         key = (id(counter), labels)
         last = self._seen.get(key, 0.0)
         counter.labels(*labels).inc(total - last if total >= last else total)
@@ -73,12 +75,15 @@ class SpecMetrics:
         self.active.labels(r).set(0)
         self._set_last_arm(r, None)
 
-    def update(self, replica_id: int, spec: dict[str, Any]) -> None:
+    def update(self, replica_id: int, spec: dict[str, Any], pid: int | None = None) -> None:
         """Set the gauges and bring the counters of one replica up from its engine's spec stats (empty: no decoder
-        attached)."""
+        attached); `pid`, the replica's process: another one than the last scrape's counts from 0."""
         if not spec:
             return
         r = str(replica_id)
+        if self._pid.get(r, pid) != pid:  # a restarted replica: its totals start again from 0
+            self._seen = {k: v for k, v in self._seen.items() if k[1][0] != r}
+        self._pid[r] = pid
         self.active.labels(r).set(1 if spec.get("on") else 0)
         self._count(self.switches, (r,), spec.get("switches", 0))
         self._count(self.verify, (r,), spec.get("verify_steps", 0))

@@ -1,0 +1,79 @@
+"""The `rollout_spec_*` counters on GET /metrics keep a restarted replica's counts.
+
+A scrape adds what a replica counted since the last one. A restart was seen only as a total below the last scrape's;
+when no scrape fell between the restart and the new process passing its old total, the old process's counts were
+lost (32 verify steps, then 64 by the new process, read 64). The replica's pid tells the processes apart.
+
+Real parts: the rollout server on 127.0.0.1 (one real replica process, the native engine, the default adaptive
+speculative decoding), HTTP; the test SIGKILLs the replica by the pid the server reports (a process it started).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+from rollout_helpers import ServerThread, tiny_checkpoint
+
+from tlt.services.common.metrics import Metrics
+from tlt.services.rollout.spec_metrics import SpecMetrics
+
+
+def _sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, {"replica": "0", **labels})
+
+
+def test_a_new_process_past_the_old_total_adds_to_it():
+    """Totals 100 (pid 11), then 150 by the restarted process (pid 12) with no scrape between: 250, per series."""
+    metrics = Metrics("rollout")
+    spec = SpecMetrics(metrics)
+
+    def stats(n: int) -> dict:
+        return {"on": True, "verify_steps": n, "arms": {"8_1_9": {"verify_steps": n, "emitted": 0, "seq_steps": 0}},
+                "bandit": [{"bucket": "1", "explored": n, "exploited": 0,
+                            "arms": [{"arm": "8_1_9", "chosen": n, "median_reward": None}]}]}
+
+    spec.update(0, stats(100), pid=11)
+    spec.dead(0)  # a scrape while it restarts
+    spec.update(0, stats(150), pid=12)
+    assert _sample(metrics, "rollout_spec_verify_steps_total") == 250
+    assert _sample(metrics, "rollout_spec_arm_verify_steps_total", arm="8_1_9") == 250
+    assert _sample(metrics, "rollout_spec_bandit_chosen_total", bucket="1", arm="8_1_9") == 250
+    assert _sample(metrics, "rollout_spec_bandit_choices_total", bucket="1", kind="explored") == 250
+    spec.update(0, stats(170), pid=12)  # the same process again: what it counted since
+    assert _sample(metrics, "rollout_spec_verify_steps_total") == 270
+
+
+def _verify_total(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    m = re.search(r'^rollout_spec_verify_steps_total\{replica="0"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_counts_of_a_killed_replica_stay_after_its_restart(tmp_path):
+    model = tiny_checkpoint(tmp_path / "model")
+    with ServerThread(model, replicas=1, max_restarts=1) as s:
+        base = s.base_url.removesuffix("/v1")
+
+        def work(k: int) -> int:
+            for i in range(k):
+                r = httpx.post(f"{s.base_url}/completions", timeout=120, json={
+                    "model": s.model_name, "prompt": f"{i}+{i}=", "max_tokens": 30, "ignore_eos": True,
+                    "temperature": 0})
+                assert r.status_code == 200, r.text
+            return s.call(s.server.pool.snapshot())[0].stats.spec["verify_steps"]
+
+        before = work(1)
+        assert before > 0 and _verify_total(base) == before
+        old = s.server.replica_pids()[0]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not (s.server.pool.replicas[0].alive and s.server.replica_pids()[0] != old):
+            assert time.monotonic() < deadline, "the replica was not restarted"
+            time.sleep(0.1)
+        after = work(2)  # no scrape until the new process has passed the old one's total
+        assert after > before
+        assert _verify_total(base) == before + after
