@@ -66,6 +66,13 @@ class RewardConfig(ServiceConfig):
         return v
 
     @model_validator(mode="after")
+    def _metrics_port_apart(self) -> RewardConfig:
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port {self.metrics_port} is the gRPC port; give the /metrics exporter "
+                             "another port (0: no exporter)")
+        return self
+
+    @model_validator(mode="after")
     def _function_with_python(self) -> RewardConfig:
         if self.kind == "python" and not self.function:
             raise ValueError("kind python needs function = 'module:function' (tlt reward serve --function)")

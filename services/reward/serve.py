@@ -53,6 +53,20 @@ def build_config(args: argparse.Namespace) -> object:
     return load_config(RewardConfig, "reward", args.preset, overrides, require_section=True)
 
 
+def _serve_metrics(server: object, config: object) -> object:
+    """The /metrics exporter on `metrics_port`, or None (0); a port it cannot bind is PortInUseError: one
+    port_in_use line and exit 2 (tlt.cli), as for the gRPC port (an OSError traceback, exit 1, before)."""
+    from tlt.services.common.ports import PortInUseError, in_use_message
+
+    if not config.metrics_port:
+        return None
+    try:
+        return server.metrics.serve(config.metrics_port, host=config.host)
+    except OSError as e:
+        what = in_use_message("the reward metrics exporter (metrics_port)", config.host, config.metrics_port)
+        raise PortInUseError(f"{what} ({e.strerror})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import os
     import threading
@@ -80,11 +94,15 @@ def run(args: argparse.Namespace) -> int:
     except RewardFunctionError as e:
         log.error("bad_reward_function", error=str(e))
         return 2
-    server.start()
-    exporter = None
+    exporter = _serve_metrics(server, config)  # before the gRPC port: a taken one is one line, nothing served yet
     try:
-        if config.metrics_port:
-            exporter = server.metrics.serve(config.metrics_port, host=config.host)
+        server.start()
+    except BaseException:
+        if exporter is not None:
+            exporter.close()
+        raise
+    try:
+        if exporter is not None:
             log.info("reward_metrics", port=exporter.port)
         if args.ready_file:
             from tlt.services.common.ready import write_ready_file
