@@ -12,11 +12,11 @@ only the last counts (MATH's `last_boxed_only_string` rule): `\boxed{2}` and
 `\boxed{3}` is the answer 3.
 
 Normalisation is deliberately conservative: it removes presentation (spaces,
-`$`, `\left`/`\right` (not `\leftarrow`), spacing commands, `\text{}` wrappers, degree and
-percent signs, a leading `x =`, thousands separators `1,000` and LaTeX's
-`1{,}000`, a trailing period, units: a `\text{ cm}` or `\mbox{ cm}` of words
-after a plain number, optionally squared or cubed, as math-verify and MATH's
-`strip_string` drop them) and rewrites `\dfrac`/`\tfrac` to `\frac`. A
+`$`, `\left`/`\right` (not `\leftarrow`; `\left.` with its empty delimiter), spacing commands, `\text{}` wrappers, degree and
+percent signs, a leading `x =`, a leading `+`, thousands separators `1,000` (not `2, 300`: a comma and a
+space make a list) and LaTeX's `1{,}000`, a trailing period, units: a `\text{ cm}` or `\mbox{ cm}` of words
+after a plain number, optionally squared or cubed (not a hedge: `12\text{ or thirteen}`), as math-verify and MATH's
+`strip_string` drop them) and rewrites `\dfrac`/`\tfrac` to `\frac`, a U+2212 minus to `-`. A
 percent sign is dropped, not divided out: `50\%` equals 50, not 0.5. Two
 answers are equivalent when their normal forms are equal, or when both are
 plain numbers (integers, decimals, `a/b`, `\frac{a}{b}`) with exactly the same
@@ -90,7 +90,7 @@ def _unwrap(text: str, command: str) -> str:
 
 _REMOVE = (r"\!", r"\,", r"\;", r"\:", r"\ ", "^{\\circ}", "^\\circ", r"\%", "%", r"\$", "$")
 # whole command words only: `\leftarrow` is not `\left` + `arrow`
-_REMOVE_WORDS = re.compile(r"\\(?:left|right|displaystyle)(?![A-Za-z])")
+_REMOVE_WORDS = re.compile(r"\\(?:left|right)(?![A-Za-z])(?:\s*\.)?|\\displaystyle(?![A-Za-z])")  # `\left.`: no delimiter
 _COMMAND_WORD = re.compile(r"\\[A-Za-z]+")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$", re.ASCII)
 _FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
@@ -104,8 +104,14 @@ _UNIT_WORDS = re.compile(r"[A-Za-z .~]+", re.ASCII)  # and at least one letter (
 _UNIT_TAIL = re.compile(r"(\^\{?[23]\}?)?\s*\.?")  # after strip(): cm^2, m^{3}, a sentence's period
 
 
+# words that make `\text{...}` after a number a hedge or a second answer, not a unit: `12\text{ or thirteen}`
+_NOT_UNIT_WORDS = frozenset({"or", "and", "to", "than", "more", "less", "at", "least", "most", "about", "approx",
+                             "approximately", "around", "nearly", "almost", "not", "between", "plus", "minus"})
+
+
 def _unit_words(s: str) -> bool:
-    return _UNIT_WORDS.fullmatch(s) is not None and any(c.isalpha() for c in s)
+    return (_UNIT_WORDS.fullmatch(s) is not None and any(c.isalpha() for c in s)
+            and not _NOT_UNIT_WORDS.intersection(s.lower().replace("~", " ").replace(".", " ").split()))
 
 
 def _without_units(s: str) -> str:
@@ -128,21 +134,22 @@ def _without_units(s: str) -> str:
 
 def normalize(answer: str) -> str:
     """A canonical string for an answer (see the module docstring for what is removed)."""
-    s = _without_units(answer.strip())
+    s = _without_units(answer.strip().replace("\u2212", "-"))  # U+2212, the typeset minus sign
     for cmd in (r"\text", r"\textbf", r"\mathrm", r"\mathbf", r"\mbox", r"\boxed"):
         s = _unwrap(s, cmd)
     s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
     s = _REMOVE_WORDS.sub("", s)
     for token in _REMOVE:
         s = s.replace(token, "")
+    listed = re.search(r",\s", s) is not None  # `2, 300`: two answers, never the number 2300
     s = "".join(s.split())
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
     s = _LHS.sub("", s)
     s = s.rstrip(".")
-    if _THOUSANDS.match(s.replace("{,}", ",")):  # `1{,}000`: LaTeX's thousands separator
-        s = s.replace("{,}", "").replace(",", "")
-    if s.startswith("+"):
+    if s.startswith("+"):  # before the separators: `+1,000` is 1000
         s = s[1:]
+    if not listed and _THOUSANDS.match(s.replace("{,}", ",")):  # `1{,}000`: LaTeX's thousands separator
+        s = s.replace("{,}", "").replace(",", "")
     return _lower_but_commands(s)
 
 

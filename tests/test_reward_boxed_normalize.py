@@ -1,0 +1,42 @@
+r"""`\boxed{}` normalisation (services/reward/boxed.py) on answers graded wrong before, through the math verifier.
+
+`\left.`/`\right.` (an empty delimiter) left a '.', so `\left. 5 \right.` read as 0.5; `+1,000` kept its
+separator; a U+2212 minus was not a minus; `2, 300` (a list) read as 2300; a hedge in words after a number
+(`12\text{ or thirteen}`) was dropped as if it were a unit. Pure functions: nothing to fake.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tlt.services.reward.boxed import equivalent, normalize
+from tlt.services.reward.verifiers import math_verifier
+
+
+@pytest.mark.parametrize("completion, reference, right", [
+    (r"\boxed{\left. 5 \right.}", "5", True),
+    (r"\boxed{\left. 5 \right.}", "0.5", False),
+    (r"\boxed{\left.\frac{1}{2}\right.}", "0.5", True),
+    (r"\boxed{\left( 1, 2 \right)}", "(1,2)", True),  # a real delimiter stays
+    (r"\boxed{+1,000}", "1000", True),
+    ("\\boxed{\u22125}", "-5", True),
+    ("\\boxed{\u2212\\frac{1}{2}}", "-0.5", True),
+    (r"\boxed{2, 300}", "2300", False),  # a comma and a space: a list of two answers
+    (r"\boxed{2,300}", "2300", True),  # a thousands separator
+    (r"\boxed{2, 300}", "2,300", False),
+    (r"\boxed{12\text{ or thirteen}}", "12", False),
+    (r"\boxed{5\text{ or more}}", "5", False),
+    (r"\boxed{3\text{ and }4}", "3", False),
+    (r"\boxed{12\text{ cm}}", "12", True),  # a genuine unit still goes
+    (r"\boxed{12\text{ cm}^2}", "12", True),
+    (r"\boxed{7 \text{ apples}}", "7", True),
+])
+def test_normalisation_grades_these_answers(completion, reference, right) -> None:
+    assert math_verifier("", completion, reference) is right
+
+
+def test_the_normal_forms() -> None:
+    assert normalize(r"\left. 5 \right.") == "5"
+    assert normalize(r"\left.x\right|_{0}") == "x|_{0}"
+    assert normalize("+1,000") == "1000" and normalize("\u22123") == "-3"
+    assert normalize("2, 300") == "2,300" and not equivalent("2, 300", "2300")
