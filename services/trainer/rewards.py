@@ -285,10 +285,40 @@ def load_function(spec: str) -> RewardFn:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
-    fn = getattr(_import_user_module(spec, module_name), attr, None)
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        raise RewardFunctionError(_file_given(spec, module_name, attr))
+    module = _import_user_module(spec, module_name)
+    fn = getattr(module, attr, None)
     if not callable(fn):
-        raise RewardFunctionError(f"{spec!r}: {module_name} has no callable {attr!r}")
+        raise RewardFunctionError(f"{spec!r}: {module_name} has no callable {attr!r}{_shadowed(module_name, module)}")
     return fn
+
+
+def _file_given(spec: str, path: str, attr: str) -> str:
+    """The hint for a file path where a module name belongs (verl's custom_reward_function.path habit)."""
+    p = os.path.abspath(path if path.endswith(".py") else path + ".py")
+    name = os.path.splitext(os.path.basename(p))[0]
+    folder = os.path.dirname(p)
+    where = ("" if folder == os.getcwd() else
+             f", with {folder} on PYTHONPATH (or run from there: the current directory is searched)")
+    return (f"reward function {spec!r} names a file; give its module name: '{name}:{attr}'{where}")
+
+
+def _shadowed(name: str, module: Any) -> str:
+    """What to say when `name` is another module than the user's file: the standard library's `test` or `math`
+    (found first on the path: the current directory comes last), or an installed package."""
+    top = name.split(".")[0]
+    file = getattr(module, "__file__", None)
+    mine = os.path.join(os.getcwd(), top + ".py")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    in_stdlib = file is None or (file.startswith(stdlib) and "site-packages" not in file) or (
+        top in sys.stdlib_module_names)
+    if not in_stdlib and not (os.path.exists(mine) and os.path.abspath(file or "") != mine):
+        return ""
+    what = "the standard library's module" if in_stdlib else "an installed module"
+    yours = f" instead of your {mine}" if os.path.exists(mine) else ""
+    return (f": {name} is {what} ({file or 'built in'}), imported{yours}; rename your file "
+            f"(e.g. my_{top}.py) and the spec with it")
 
 
 def _import_user_module(spec: str, name: str) -> Any:
