@@ -138,7 +138,17 @@ def test_switch_counts_decode_steps_only():
     # a step with prefill in it never counts toward switching on (nor breaks the run), but a batch over the
     # threshold switches SD off whatever the step computes
     sw = SpecSwitch(threshold=4, hysteresis_steps=2)
-    got = [sw.update(b, decode) for b, decode in [(1, False), (1, False), (2, True), (3, False), (3, True),
-                                                   (3, False), (5, False), (2, True), (2, True)]]
-    assert got == [False, False, False, False, True, True, False, False, True]
+    got = [sw.update(b, decode) for b, decode in [(9, True), (1, False), (1, False), (2, True), (3, False),
+                                                   (3, True), (3, False), (5, False), (2, True), (2, True)]]
+    assert got == [False, False, False, False, False, True, True, False, False, True]
+    assert sw.switches == 3
+
+
+def test_the_hysteresis_guards_only_against_a_batch_that_was_above_the_threshold():
+    """A fresh engine's first small batch (a tail-only workload, a server's first requests) speculates from its
+    first decode step; it waited `hysteresis_steps` plain steps (10 at the GPU presets), though no bigger batch had
+    run. After a step above the threshold the wait holds as before."""
+    sw = SpecSwitch(threshold=4, hysteresis_steps=10)
+    got = [sw.update(b, decode) for b, decode in [(3, False), (3, True), (2, True), (6, True)] + [(2, True)] * 10]
+    assert got == [False, True, True, False] + [False] * 9 + [True]
     assert sw.switches == 3

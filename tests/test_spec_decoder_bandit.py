@@ -185,6 +185,7 @@ def test_hysteresis_counts_only_decode_steps(ckpt):
     dec.wants = lambda batch: steps.append((batch.is_decode_only, wants(batch))) or steps[-1][1]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     eng.spec_decoder, eng.scheduler.on_release = dec, dec.release
+    dec.switch.update(dec.config.threshold + 1)  # as after a batch above the threshold: the hysteresis applies
     eng.add_request(GenerationRequest("a", tuple(range(5, 53)), params))  # 48 tokens: 3 prefill chunks of 16
     for _ in range(4):  # 3 prefill steps, then 1 decode step
         eng.step()

@@ -152,6 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy, modes must match token for token; > 0: seeded sampling (no identity check)")
     parser.add_argument("--threshold", type=at_least(1), default=16, help="SD runs while the running batch is <= this")
+    parser.add_argument("--hysteresis", type=at_least(1), default=None,
+                        help="SpecConfig.hysteresis_steps: decode steps at or below the threshold, after a step above "
+                             "it, before SD switches on (default: SpecConfig's, as a server runs it; the bench used 2 "
+                             "up to session 45)")
     parser.add_argument("--static-arm", default="8_4_16", help="arm of the static modes")
     parser.add_argument("--verify-budget", type=at_least(0), default=None,
                         help="SpecConfig.verify_token_budget: most draft tokens one verify step checks over the batch "
@@ -228,8 +232,10 @@ def _spec_config(mode: str, args: argparse.Namespace, bucket_arms, buckets=None)
         extra["bucket_thresholds"] = buckets
     if args.verify_budget is not None:
         extra["verify_token_budget"] = args.verify_budget
+    if getattr(args, "hysteresis", None) is not None:
+        extra["hysteresis_steps"] = args.hysteresis
     return SpecConfig(mode="static" if mode.startswith("static") else "adaptive", threshold=args.threshold,
-                      hysteresis_steps=2, static_arm=args.static_arm, drafter="learned" if learned else "ngram",
+                      static_arm=args.static_arm, drafter="learned" if learned else "ngram",
                       drafter_path=args.drafter or "", chain_min_prob=args.chain_min_prob,
                       chain_sampling=args.chain_sampling == "on",
                       drafter_graphs=args.drafter_graphs if learned else "off", **extra)

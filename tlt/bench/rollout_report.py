@@ -58,8 +58,9 @@ def add_speedups(results: list[dict]) -> None:
         if base is None or "wall_s" not in r:
             continue
         r["speedup_vs_off"] = round(base["wall_s"] / r["wall_s"], 2)
-        # at T > 0 each mode decodes other samples (1-2% more or fewer tokens, the same every round for seeded
-        # requests): the tokens/s ratio corrects the wall ratio for that
+        # at T > 0 each mode decodes other samples (1-2% more or fewer tokens): an arm changes which draws a chain
+        # accepts, and the adaptive bandit picks arms by measured speed, so a round's samples vary with it (a static
+        # arm's are the same every round for seeded requests); the tokens/s ratio corrects the wall ratio for that
         r["tok_speedup_vs_off"] = _ratio(r["tok_per_s"], base["tok_per_s"])
         r["tail4_speedup"] = _ratio(r["tail4_tok_per_s"], base["tail4_tok_per_s"])
         for label, b in r["buckets"].items():
