@@ -136,7 +136,9 @@ class TrainerConfig(ServiceConfig):
     )
     max_tokens: int = Field(96, ge=1, description="maximum response tokens per sample")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also applied to trainer logprobs)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold for rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold for rollouts; the trainer's "
+                         "logprobs are the full softmax at `temperature`, so below 1 the rollout samples from another "
+                         "distribution than the one trained (off-policy, as in other RL trainers): keep 1 for RL")
 
     # -- optimisation ---------------------------------------------------------------
     lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate")
