@@ -460,6 +460,8 @@ def test_function_rewards_refuse_bools_too_many_values_and_mismatched_weights():
 
 
 def test_functions_taking_kwargs_get_answers_prompts_and_columns():
+    from tlt.services.trainer.rewards import TrainerState
+
     seen = {}
 
     def anything(completions, **kw):
@@ -476,7 +478,9 @@ def test_functions_taking_kwargs_get_answers_prompts_and_columns():
     batch.results()
     assert seen["prompts"] == ["p0", "p1"] and seen["answer"] == seen["answers"] == ["a0", "a1"]
     assert seen["level"] == [1, None]
-    assert seen["positional"] == (["p0", "p1"], {"level": [1, None], "answer": ["a0", "a1"], "answers": ["a0", "a1"]})
+    assert seen["trainer_state"] == TrainerState()  # as TRL passes its state to every function
+    assert seen["positional"] == (["p0", "p1"], {"level": [1, None], "answer": ["a0", "a1"], "answers": ["a0", "a1"],
+                                                 "trainer_state": TrainerState()})
 
 
 def test_make_reward_source_passes_the_timeout_and_retries_to_the_client():

@@ -115,7 +115,7 @@ def test_completion_ids_reach_functions_that_name_them(chat_items):
     submit_all(batch, chat_items, {0: ["x", "y"], 1: ["z"]}, ids)
     assert {k: r.reward for k, r in batch.results().items()} == {"p0-k0": 3.0, "p0-k1": 1.0, "p1-k0": 2.0}
     assert seen["ids"] == [[5, 6, 7], [8], [9, 10]]
-    assert seen["kw"] == ["answer", "answers", "completion_ids", "level"]
+    assert seen["kw"] == ["answer", "answers", "completion_ids", "level", "trainer_state"]
 
 
 def test_text_rows_keep_text_prompts_and_completions():

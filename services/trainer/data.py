@@ -40,7 +40,7 @@ class DataError(ValueError):
 
 # Keywords a reward function gets from the trainer itself (rewards.py): a column of that name could not go beside
 # them. 'prompt' and the answer are the row's own fields, not extra columns.
-RESERVED_COLUMNS = ("prompts", "completions", "answers", "completion_ids")
+RESERVED_COLUMNS = ("prompts", "completions", "answers", "completion_ids", "trainer_state")
 ROLES = ("system", "user", "assistant")  # of a chat-message prompt's messages
 Row = tuple[object, str]  # (the parsed row, where it is: "file:line" / "file row i")
 

@@ -299,6 +299,8 @@ class _Services:
         """The step's scored samples; with dynamic sampling, further rounds on `more()` (dynamic_sampling.py)."""
         from tlt.services.trainer.dynamic_sampling import roll_out_rounds
 
+        if (state := getattr(self.rewards, "trainer_state", None)) is not None:  # TRL's, for reward functions
+            state.global_step = step
         if not self.cfg.dynamic_sampling:
             return self._collect(prompts, step, version)
         return roll_out_rounds(prompts, more, lambda ps, r: self._collect(ps, step if r == 0 else f"{step}.{r}", version),

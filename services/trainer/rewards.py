@@ -25,7 +25,9 @@ Two sources:
   `_generate_and_score_completions`), a chat-message row's function gets
   `prompts` as the message lists and each completion as
   `[{"role": "assistant", "content": text}]`, and `completion_ids` (each
-  completion's token ids) when it names that keyword or takes **kw.
+  completion's token ids) when it names that keyword or takes **kw. As TRL does, it
+  gets `trainer_state` (`TrainerState`: `global_step`, `max_steps`) for a
+  curriculum, and an `async def` function is awaited.
 - `GrpcRewards`: any `tlt.v1.Reward` server through `RewardClient`; each
   completion is submitted the moment it arrives from the rollout stream, so
   scoring overlaps the long tail of decoding. The client bounds concurrency,
@@ -43,6 +45,7 @@ the completion and the cause. No reward is ever defaulted to 0.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -70,6 +73,17 @@ class RewardError(RuntimeError):
 
 class RewardFunctionFailed(RewardError):
     """The user's reward function raised (chained as __cause__): `tlt train` prints that traceback with its line."""
+
+
+@dataclass
+class TrainerState:
+    """What TRL's GRPOTrainer passes reward functions as `trainer_state` (its transformers TrainerState), reduced
+    to the fields a curriculum reads: `global_step` (steps done before this one: 0 at the first step; the trainer's
+    loop sets it before each step's rollout) and `max_steps` ([trainer] steps). A served function has none (the
+    reward server does not know the trainer's step): None when it names `trainer_state`, else not passed."""
+
+    global_step: int = 0
+    max_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,13 +150,15 @@ def _is_signal(e: BaseException) -> bool:
 
 
 def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: list[str],
-          columns: Mapping[str, list[Any]], completion_ids: list[list[int]] | None = None) -> list[float]:
+          columns: Mapping[str, list[Any]], completion_ids: list[list[int]] | None = None,
+          trainer_state: TrainerState | None = None) -> list[float]:
     """Call `fn` as TRL does, by keyword, when it names a `completions` parameter, else positionally.
 
     TRL's functions take `completions` first (`think_format_reward(completions, **kwargs)`) and get
     `prompts` among the keywords, so a positional (prompts, completions) call fails on them.
-    `columns` (the data's extra columns, one list each) go as keywords, like the answers and the
-    completions' token ids (`completion_ids`, when every completion came with them).
+    `columns` (the data's extra columns, one list each) go as keywords, like the answers, the
+    completions' token ids (`completion_ids`, when every completion came with them) and `trainer_state`.
+    An `async def` function's coroutine is run to its end here (TRL gathers them with asyncio).
     """
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -150,18 +166,52 @@ def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: lis
     kw.update({k: answers for k in ("answer", "answers") if takes_any or k in params})
     if completion_ids is not None and (takes_any or "completion_ids" in params):
         kw["completion_ids"] = completion_ids
+    # TRL passes it to every function; a served one has none: None only where the function names it
+    if "trainer_state" in params or (takes_any and trainer_state is not None):
+        kw["trainer_state"] = trainer_state
     if "completions" in params and all(
         params[k].kind is not inspect.Parameter.POSITIONAL_ONLY for k in ("prompts", "completions") if k in params
     ):
         if takes_any or "prompts" in params:
             kw["prompts"] = prompts
-        return fn(completions=completions, **kw)
-    return fn(prompts, completions, **kw)
+        return _awaited(fn(completions=completions, **kw))
+    return _awaited(fn(prompts, completions, **kw))
+
+
+def _awaited(values: Any) -> Any:
+    """The values of an `async def` function (its coroutine run on a loop of its own), else `values`."""
+    if not inspect.isawaitable(values):
+        return values
+
+    async def wait() -> Any:
+        return await values
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case (the trainer, a reward server's worker)
+        return asyncio.run(wait())
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(asyncio.run(wait()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run, name="reward-async")  # asyncio.run cannot nest in a running loop
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    return out[0]
 
 
 class _FunctionBatch:
-    def __init__(self, fns: Sequence[tuple[RewardFn, float]], names: Sequence[str] | None = None) -> None:
+    def __init__(self, fns: Sequence[tuple[RewardFn, float]], names: Sequence[str] | None = None,
+                 trainer_state: TrainerState | None = None) -> None:
         self._fns = fns
+        self._state = trainer_state
         # how errors name each function: its qualified name, or what the user wrote (a served "module:function")
         self._names = list(names) if names is not None else [getattr(fn, "__qualname__", repr(fn)) for fn, _ in fns]
         self._keys: list[str] = []
@@ -215,7 +265,7 @@ class _FunctionBatch:
         """
         try:
             ids = None if any(i is None for i in self._ids) else [list(i) for i in self._ids]
-            values = _call(fn, *self._trl_inputs(), self._answers, columns, ids)
+            values = _call(fn, *self._trl_inputs(), self._answers, columns, ids, self._state)
             # a mapping or a set is iterable too: its keys, or an order of its own, were taken for the rewards
             if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not isinstance(values, Iterable):
                 raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} "
@@ -259,7 +309,9 @@ class _FunctionBatch:
 class FunctionRewards:
     """Weighted sum of in-process TRL-style reward functions."""
 
-    def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float] | None = None) -> None:
+    def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float] | None = None,
+                 trainer_state: TrainerState | None = None) -> None:
+        self.trainer_state = trainer_state or TrainerState()  # TRL's `trainer_state` keyword; the loop sets its step
         if not fns:
             raise ValueError("FunctionRewards needs at least one function")
         weights = list(weights) if weights is not None else [1.0] * len(fns)
@@ -268,7 +320,7 @@ class FunctionRewards:
         self._fns = list(zip(fns, weights))
 
     def begin(self) -> _FunctionBatch:
-        return _FunctionBatch(self._fns)
+        return _FunctionBatch(self._fns, trainer_state=self.trainer_state)
 
     def close(self) -> None:
         pass
@@ -379,7 +431,7 @@ def _import_failed(spec: str, name: str, e: BaseException) -> str:
     return f"reward function {spec!r}: importing {name} failed at {where}: {what}"
 
 
-def task_rewards() -> FunctionRewards:
+def task_rewards(trainer_state: TrainerState | None = None) -> FunctionRewards:
     """The built-in verifier of the synthetic task (1.0 for the exact answer, else 0.0), on text completions or
     chat-message ones (`[{"role": "assistant", "content": text}]`: the data's prompts were chat messages)."""
     from tlt.task import reward
@@ -388,7 +440,7 @@ def task_rewards() -> FunctionRewards:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
         return reward(prompts, texts, answers)
 
-    return FunctionRewards([task_reward])
+    return FunctionRewards([task_reward], trainer_state=trainer_state)
 
 
 def task_reference_problem(answers: Sequence[str], source: str) -> str | None:
@@ -488,6 +540,7 @@ def make_reward_source(cfg) -> RewardSource:  # noqa: ANN001 - TrainerConfig
     """The reward source a TrainerConfig asks for."""
     if cfg.reward == "grpc":
         return GrpcRewards(cfg.reward_address, cfg.reward_concurrency, cfg.reward_timeout_s, cfg.reward_retries)
+    state = TrainerState(max_steps=cfg.steps)
     if cfg.reward == "python":
-        return FunctionRewards([load_function(cfg.reward_function)])
-    return task_rewards()
+        return FunctionRewards([load_function(cfg.reward_function)], trainer_state=state)
+    return task_rewards(state)
