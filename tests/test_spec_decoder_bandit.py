@@ -150,9 +150,11 @@ def test_bandit_reward_counts_only_the_tokens_a_stop_keeps(ckpt, monkeypatch):
 
 def test_no_arm_within_the_verify_token_budget_decodes_plainly(ckpt, monkeypatch):
     """With a budget of 8 verified tokens, batch 1 fits 4_2_8, batch 2 fits 3_1_4 and batch >= 3 fits no
-    arm (3_2_6 x 3 = 18, 2_1_3 x 3 = 9). The guard used to run the smallest arm anyway (9 > 8 tokens);
-    such a step must decode plainly, counted as over_budget, and the output stays the plain greedy one."""
+    arm (3_1_4 x 3 = 12, 2_1_3 x 3 = 9). The guard used to run the smallest arm anyway (9 > 8 tokens);
+    such a step must decode plainly, counted as over_budget, and the output stays the plain greedy one.
+    (Buckets 1 | >=2: a bucket none of whose arms fits at its smallest batch is refused by SpecConfig.)"""
     budget = 8
+    buckets = dict(bucket_thresholds=(1, 2), bucket_arms=(("4_2_8", "3_1_4"), ("3_1_4", "2_1_3")))
 
     def reqs() -> list[GenerationRequest]:  # three lengths: the batch falls 3 -> 2 -> 1
         return [GenerationRequest(r.request_id, r.prompt_token_ids,
@@ -161,7 +163,8 @@ def test_no_arm_within_the_verify_token_budget_decodes_plainly(ckpt, monkeypatch
 
     plain = _engine(ckpt).generate(reqs())
     eng = _engine(ckpt)
-    dec = SpecDecoder(SpecConfig(drafter="ngram", verify_token_budget=budget, **SPEC), eng.runner, eng.block_manager)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", verify_token_budget=budget, **{**SPEC, **buckets}), eng.runner,
+                      eng.block_manager)
     verified = []  # each verify pass's draft_tokens x batch (instrumentation; the real forward runs)
     real_forward = dec._verify_forward
     monkeypatch.setattr(dec, "_verify_forward", lambda arm, tree, n_list, *a:

@@ -70,8 +70,9 @@ def test_each_arm_gets_graphs_only_for_its_bucket_batch_sizes(ckpt):
         "8_4_48": (1,),                   # bucket 1
     }
     # a verify-token budget of 64 drafts x batch: an arm is planned only where the bandit may choose it
-    # (13..32, where every arm of the bucket is over the budget, decode plainly: no graphs there)
-    assert _decoder_plan(ckpt, verify_token_budget=64) == {
+    # (13..20, where every arm of the bucket is over the budget, decode plainly: no graphs there; threshold 20, as
+    # no arm of bucket >=21 fits at 21 and SpecConfig refuses a bucket that never speculates)
+    assert _decoder_plan(ckpt, verify_token_budget=64, threshold=20) == {
         "4_1_5": (8, 16), "8_4_8": (2, 4, 8), "8_4_16": (1, 2, 4), "8_4_32": (1, 2), "8_4_48": (1,),
     }
     # the threshold bounds the sizes: at 4, bucket 5-20's and >=21's arms get nothing

@@ -196,6 +196,10 @@ def check_before_start(model: str, config: Any) -> None:
         context_limit(config.engine.max_model_len, model_config)
         check_push_limit(model_config, config.max_weight_bytes)
     spec = config.spec  # (an unknown backend: refused as the config loads, RolloutConfig._known_backend)
+    if config.backend == "native" and (unused := spec.unused_buckets()):
+        from tlt.services.common.logging import get_logger
+
+        get_logger("rollout").warning("spec_buckets_unused", problem=unused)
     if config.backend == "native" and spec.mode != "off" and spec.drafter == "learned":
         check_drafter_folder(spec.drafter_path)  # --drafter, or [rollout.spec] drafter_path
         check_drafter_fits(spec.drafter_path, model, model_config)

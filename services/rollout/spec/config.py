@@ -34,10 +34,12 @@ class SpecConfig(ServiceConfig):
         10, ge=1, description="consecutive decode steps at/below the threshold before SD switches on (off is immediate)"
     )
     bucket_thresholds: tuple[int, ...] = Field(
-        DEFAULT_THRESHOLDS, description="ascending batch sizes where bandit buckets start (1,2,5,21 -> 1, 2-4, 5-20, >=21)"
+        DEFAULT_THRESHOLDS, description="ascending batch sizes where bandit buckets start (1,2,5,21 -> 1, 2-4, 5-20, "
+        ">=21); a bucket starting above `threshold` never runs (`tlt rollout serve` warns, spec_buckets_unused, "
+        "unless these are the defaults)"
     )
     bucket_arms: tuple[tuple[str, ...], ...] = Field(
-        DEFAULT_BUCKET_ARMS, description="one list of arms steps_topk_drafttokens per bucket, larger trees for smaller "
+        DEFAULT_BUCKET_ARMS, description="one list of arms steps_topk_drafttokens per bucket (each arm once), larger trees for smaller "
         "batches; \"plain\" is the arm that does not speculate (the bandit measures it like the others, so SD that "
         "does not pay, e.g. with a stale drafter, is left)"
     )
@@ -56,7 +58,8 @@ class SpecConfig(ServiceConfig):
     verify_token_budget: int = Field(
         2048, ge=0, description="most draft tokens one verify step may check over the batch (0 = no limit). "
         "adaptive: the bandit skips arms whose draft_tokens x batch exceeds it, and a step where no arm of the "
-        "bucket fits decodes plainly (counted as over_budget); static: `static_arm`'s draft_tokens x `threshold` "
+        "bucket fits decodes plainly (counted as over_budget), and a bucket where no drafting arm fits even at its "
+        "smallest batch is refused; static: `static_arm`'s draft_tokens x `threshold` "
         "(the largest batch SD runs at) must not exceed it, else the config is refused"
     )
     chain_min_prob: float = Field(
@@ -122,11 +125,60 @@ class SpecConfig(ServiceConfig):
                     f"tokens a step, over verify_token_budget = {self.verify_token_budget}; lower static_arm's "
                     "draft_tokens or the threshold, or raise verify_token_budget (0 = no limit)"
                 )
+        if not problems and self.mode == "adaptive":
+            problems += self._bucket_problems()
         if self.ngram_min > self.ngram_max:
             problems.append(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _label(self, i: int) -> str:
+        """Bucket i as the bandit names it (1, 2-4, >=21): bucket 0 also takes batches below its start."""
+        lo = 1 if i == 0 else self.bucket_thresholds[i]
+        if i + 1 == len(self.bucket_thresholds):
+            return f">={lo}"
+        hi = self.bucket_thresholds[i + 1] - 1
+        return str(lo) if hi == lo else f"{lo}-{hi}"
+
+    def _bucket_problems(self) -> list[str]:
+        """Adaptive buckets that skew or starve the bandit: an arm named twice (explored twice as often), or drafting
+        arms of which none fits the verify-token budget at the bucket's smallest batch (every step decoded plainly,
+        as static mode's check refuses). A bucket that starts above the threshold never runs: not held to the
+        budget (`unused_buckets`)."""
+        twice: dict[tuple[str, tuple[str, ...]], list[str]] = {}  # (arm, the bucket's list) -> buckets naming it twice
+        starved = []
+        for i, bucket in enumerate(self.arms()):
+            label = self._label(i)
+            names = [a.name for a in bucket]
+            for name in dict.fromkeys(n for n in names if names.count(n) > 1):
+                twice.setdefault((name, self.bucket_arms[i]), []).append(label)
+            smallest = 1 if i == 0 else self.bucket_thresholds[i]
+            drafting = [a for a in bucket if not a.is_plain]
+            if (self.verify_token_budget and smallest <= self.threshold and drafting
+                    and all(a.draft_tokens * smallest > self.verify_token_budget for a in drafting)):
+                fewest = min(a.draft_tokens for a in drafting)
+                starved.append(f"bucket {label} ({', '.join(names)}: {fewest * smallest} or more at batch {smallest})")
+        problems = [f"arm {name} is named twice in bucket{'s' if len(labels) > 1 else ''} {', '.join(labels)} "
+                    f"({', '.join(arms)}); name each arm once (a repeated arm is explored as often as it is named)"
+                    for (name, arms), labels in twice.items()]
+        if starved:
+            problems.append(f"no drafting arm fits verify_token_budget = {self.verify_token_budget} draft tokens a step "
+                            f"at the smallest batch of {'; '.join(starved)}: never speculating; raise "
+                            "verify_token_budget (0 = no limit) or give such a bucket arms with fewer draft_tokens")
+        return problems
+
+    def unused_buckets(self) -> str | None:
+        """A warning, or None: adaptive buckets written to start above `threshold`, where SD is off, so their arms
+        never run. The built-in ladder (bucket_thresholds left at its default) is cut by any threshold silently."""
+        if self.mode != "adaptive" or self.bucket_thresholds == DEFAULT_THRESHOLDS:
+            return None
+        above = [self._label(i) for i, t in enumerate(self.bucket_thresholds) if i and t > self.threshold]
+        if not above:
+            return None
+        return (f"[rollout.spec] bucket{'s' if len(above) > 1 else ''} {', '.join(above)} start{'' if len(above) > 1 else 's'} "
+                f"above threshold = {self.threshold}: SD is off at those batch sizes, so their arms never run; raise "
+                "threshold, or drop those bucket_thresholds with their bucket_arms lists")
 
     def arms(self) -> tuple[tuple[Arm, ...], ...]:
         return tuple(tuple(Arm.parse(a) for a in bucket) for bucket in self.bucket_arms)
