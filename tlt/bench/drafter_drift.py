@@ -80,13 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
         return measure_overhead(args)
     import json
-    import tempfile
     import time
     from pathlib import Path
 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tlt.bench import scratch_dir
     from tlt.model.drafter import Drafter
     from tlt.services.drafter.acceptance import mean_accept_length
     from tlt.services.drafter.buffer import FeatureBuffer
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if not model_dir:
         from tlt.model.testing import random_checkpoint
 
-        model_dir = str(random_checkpoint(Path(tempfile.mkdtemp(prefix="tlt-drift-")) / "m", seed=args.seed))
+        model_dir = str(random_checkpoint(scratch_dir("tlt-drift-") / "m", seed=args.seed))
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg, _, _ = target_shared(model_dir)
     embed = policy.get_input_embeddings().weight

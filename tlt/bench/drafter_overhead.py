@@ -160,13 +160,13 @@ def measure_overhead(args: argparse.Namespace) -> int:
     import statistics
     import subprocess
     import sys
-    import tempfile
     import threading
     import time
     from pathlib import Path
 
     import grpc
 
+    from tlt.bench import scratch_dir
     from tlt.cli import tlt_command
     from tlt.services.rollout.client import RolloutClient
     from tlt.services.rollout.config import RolloutConfig
@@ -177,7 +177,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
     if args.rounds < 6:
         print(f"error: --overhead needs --rounds >= 6 pairs for a 95% interval, got {args.rounds}", file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix="tlt-overhead-"))
+    tmp = scratch_dir("tlt-overhead-")
     model_dir = args.model
     if not model_dir:
         from tlt.model.testing import random_checkpoint

@@ -48,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     import random
     import subprocess
     import sys
-    import tempfile
     import time
     from pathlib import Path
 
@@ -56,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tlt.bench import scratch_dir
     from tlt.cli import tlt_command
     from tlt.services.common.events import CapacityPublisher
     from tlt.services.drafter.collect import sample_features
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_checkpoint(args.model)  # not a checkpoint: one line, exit 2, before any work
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="tlt-preempt-"))
+    tmp = scratch_dir("tlt-preempt-")
     model_dir = args.model
     if not model_dir:
         from tlt.model.testing import random_checkpoint
