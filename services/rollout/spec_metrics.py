@@ -26,7 +26,9 @@ class SpecMetrics:
         self.active = metrics.gauge("spec_active", "1 while speculative decoding is on (running batch <= threshold)", r)
         self.switches = metrics.counter("spec_switches", "times SD was switched on or off", r)
         self.verify = metrics.counter("spec_verify_steps", "engine steps run as one draft + verify pass", r)
-        self.plain = metrics.counter("spec_plain_steps", "engine steps run without speculation (prefill included)", r)
+        self.plain = metrics.counter("spec_plain_steps", "engine steps that emitted tokens without speculation (a "
+                                     "prompt's last prefill chunk included; a prefill chunk that emits nothing is "
+                                     "counted in neither this nor spec_verify_steps)", r)
         self.over_budget = metrics.counter("spec_over_budget_steps", "steps SD would have run but decoded plainly: "
                                            "no arm fit the verify-token budget at the batch size", r)
         self.no_room = metrics.counter("spec_no_room_steps", "steps an arm was chosen but its drafts did not fit (no "

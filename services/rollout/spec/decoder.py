@@ -211,7 +211,9 @@ class SpecDecoder:
         if runner.graphs is not None:  # decode graphs on: verify passes get per-arm graphs in the same mode
             runner.enable_verify_graphs(plan_verify_graphs(self._arms_at, config.threshold, runner.graphs.buckets))
         self.verify_steps = 0
-        self.plain_steps = 0  # engine steps run without speculation while attached (prefill included)
+        # engine steps that emitted tokens without speculation while attached (observe_plain): a prompt's last
+        # prefill chunk is one, a chunk that emits nothing is not (the engine returns before; steps_run counts it)
+        self.plain_steps = 0
         self.last_step_seconds = 0.0  # wall time of the last step the decoder chose the arm of (finish_step)
         self.seq_steps = 0
         self.emitted_tokens = 0
