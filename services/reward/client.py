@@ -12,8 +12,9 @@ asyncio caller wraps it with `asyncio.wrap_future`). At most `concurrency`
 calls are in flight; more submissions wait in the client's queue, never in
 the caller. Each call has a `timeout_s` deadline; a transport failure
 (UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED) is retried up to `retries` times
-with exponential backoff (so the worst case is about (retries + 1) x
-timeout_s), then raises `RewardUnavailableError` naming the address and the
+with exponential backoff (0.1 s doubling, at most 2 s; so the worst case is about (retries + 1) x
+timeout_s), and UNAVAILABLE (connections refused: a server restarting) on until `retry_window_s`
+from the first failure (the trainer's `reward_retry_window_s`, 30 s: a reward pod's restart), then raises `RewardUnavailableError` naming the address and the
 last error. Other gRPC errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a
 message over the size limit, ...) are not retried and raise `RewardCallError`,
 as does a Score answer whose results cannot be matched to its items (results
@@ -70,14 +71,18 @@ class RewardClient:
         backoff_s: float = 0.1,
         max_message_bytes: int = 64 << 20,
         max_reconnect_backoff_s: float = 1.0,
+        retry_window_s: float = 0.0,
     ) -> None:
-        if concurrency < 1 or retries < 0 or timeout_s <= 0 or max_reconnect_backoff_s <= 0:
+        if (concurrency < 1 or retries < 0 or timeout_s <= 0 or max_reconnect_backoff_s <= 0
+                or retry_window_s < 0):
             raise ValueError(
-                "RewardClient needs concurrency >= 1, retries >= 0, timeout_s > 0 and max_reconnect_backoff_s > 0"
+                "RewardClient needs concurrency >= 1, retries >= 0, timeout_s > 0, max_reconnect_backoff_s > 0 "
+                "and retry_window_s >= 0"
             )
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
+        self.retry_window_s = retry_window_s
         self.backoff_s = backoff_s
         self._channel = grpc.insecure_channel(address, options=client_options(max_message_bytes, max_reconnect_backoff_s))
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
@@ -86,10 +91,22 @@ class RewardClient:
 
     # ---- retries -------------------------------------------------------------------------
 
+    def _backoff(self, failures: int) -> float:
+        return min(self.backoff_s * 2 ** (failures - 1), 2.0)
+
+    def _may_retry(self, failures: int, code: object, since: float) -> bool:
+        """After `failures` failed attempts in a row, the first at `since`: `retries` of them always; past that,
+        UNAVAILABLE (the server refuses connections: a restart) until `retry_window_s` from the first."""
+        if failures <= self.retries:
+            return True
+        return (code == grpc.StatusCode.UNAVAILABLE
+                and time.monotonic() - since + self._backoff(failures) <= self.retry_window_s)
+
     def _with_retries(self, what: str, call: Callable[[], T]) -> T:
         last: grpc.RpcError | None = None
-        for attempt in range(self.retries + 1):
-            if attempt and self._closing.wait(min(self.backoff_s * 2 ** (attempt - 1), 2.0)):
+        failures, since = 0, 0.0
+        while True:
+            if failures and self._closing.wait(self._backoff(failures)):
                 raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from last
             try:
                 return call()
@@ -100,9 +117,13 @@ class RewardClient:
                 if code not in RETRYABLE:
                     raise RewardCallError(f"reward server {self.address} refused {what}: {code} {_details(e)}") from e
                 last = e
-                log.debug("reward_retry", what=what, attempt=attempt + 1, code=str(code))
+                failures += 1
+                since = since or time.monotonic()
+                if not self._may_retry(failures, code, since):
+                    break
+                log.debug("reward_retry", what=what, attempt=failures, code=str(code))
         raise RewardUnavailableError(
-            f"reward server {self.address} unavailable for {what} after {_attempts(self.retries + 1)}: "
+            f"reward server {self.address} unavailable for {what} after {_attempts(failures)}: "
             f"{last.code() if isinstance(last, grpc.Call) else ''} {_details(last)}"
         ) from last
 
@@ -131,7 +152,7 @@ class RewardClient:
         An answer under an id that was never sent is a RewardCallError.
         """
         stream = _StreamState(items)
-        failures = 0
+        failures, since = 0, 0.0
         while True:
             if stream.finished():
                 stream.raise_source_error()
@@ -182,13 +203,14 @@ class RewardClient:
             if code not in RETRYABLE:
                 raise RewardCallError(f"reward server {self.address} refused ScoreStream: {code} {detail}") from error
             failures += 1
-            if failures > self.retries:
+            since = since if failures > 1 else time.monotonic()
+            if not self._may_retry(failures, code, since):
                 raise RewardUnavailableError(
                     f"reward server {self.address} unavailable for ScoreStream after {_attempts(failures)} "
                     f"({stream.pending()} items unanswered): {code} {detail}"
                 ) from error
             log.debug("reward_stream_retry", attempt=failures, code=str(code), unanswered=stream.pending())
-            time.sleep(min(self.backoff_s * 2 ** (failures - 1), 2.0))
+            time.sleep(self._backoff(failures))
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the server's channel is connected; RewardUnavailableError after `timeout_s`.

@@ -52,6 +52,11 @@ class TrainerConfig(ServiceConfig):
     reward_concurrency: int = Field(32, ge=1, description="completions scored at once by the gRPC reward client")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward call, seconds")
     reward_retries: int = Field(2, ge=0, description="retries of a failed reward call before the step fails")
+    reward_retry_window_s: float = Field(
+        30.0, ge=0, description="a reward server that refuses connections (UNAVAILABLE: its pod restarting) is "
+        "retried, backing off up to 2 s, until this many seconds after the first failure, beyond reward_retries; "
+        "0: reward_retries only"
+    )
     connect_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the rollout server(s) and the reward server at start")
     rollout_retries: int = Field(2, ge=0, description="times a step is rolled out again (its partial rollout dropped) "
                                  "after a rollout replica died mid-step and was restarted, or the rollout server "

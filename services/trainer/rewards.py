@@ -514,11 +514,13 @@ class _GrpcBatch:
 class GrpcRewards:
     """A `tlt.v1.Reward` server: one call per completion, submitted as it arrives."""
 
-    def __init__(self, address: str, concurrency: int = 32, timeout_s: float = 30.0, retries: int = 2) -> None:
+    def __init__(self, address: str, concurrency: int = 32, timeout_s: float = 30.0, retries: int = 2,
+                 retry_window_s: float = 30.0) -> None:
         from tlt.services.reward.client import RewardClient
 
         self.address = address
-        self._client = RewardClient(address, concurrency=concurrency, timeout_s=timeout_s, retries=retries)
+        self._client = RewardClient(address, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
+                                    retry_window_s=retry_window_s)
 
     def begin(self) -> _GrpcBatch:
         return _GrpcBatch(self._client)
@@ -539,7 +541,8 @@ class GrpcRewards:
 def make_reward_source(cfg) -> RewardSource:  # noqa: ANN001 - TrainerConfig
     """The reward source a TrainerConfig asks for."""
     if cfg.reward == "grpc":
-        return GrpcRewards(cfg.reward_address, cfg.reward_concurrency, cfg.reward_timeout_s, cfg.reward_retries)
+        return GrpcRewards(cfg.reward_address, cfg.reward_concurrency, cfg.reward_timeout_s, cfg.reward_retries,
+                           cfg.reward_retry_window_s)
     state = TrainerState(max_steps=cfg.steps)
     if cfg.reward == "python":
         return FunctionRewards([load_function(cfg.reward_function)], trainer_state=state)
