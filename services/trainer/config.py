@@ -39,8 +39,9 @@ class TrainerConfig(ServiceConfig):
     rollout_token: str = Field("", description="shared control-plane token sent as 'authorization' on UpdateWeights")
     reward: Literal["grpc", "task", "python"] = Field(
         "task",
-        description="reward source: 'grpc' (reward_address), 'task' (built-in verifier in-process), "
-        "'python' (the function named by reward_function)",
+        description="reward source: 'grpc' (reward_address; `tlt reward serve --kind math` checks \\boxed{} answers), "
+        "'task' (the synthetic task's verifier in-process: the integer after `answer:` only; a data file whose "
+        "references are not integers is refused), 'python' (the function named by reward_function)",
     )
     reward_address: str = Field("127.0.0.1:50061", description="gRPC host:port of the reward service (reward='grpc')")
     reward_function: str = Field(
