@@ -85,3 +85,27 @@ def test_the_trainer_makes_a_state_with_its_steps() -> None:
 
     source = make_reward_source(TrainerConfig(reward="task", steps=37))
     assert source.trainer_state == TrainerState(global_step=0, max_steps=37)
+
+
+def test_the_loop_sets_the_step_before_each_steps_rewards(random_model_dir, tmp_path, monkeypatch) -> None:
+    """train() for 2 steps with a python reward function: it sees global_step 0, then 1, and max_steps 2."""
+    import sys
+
+    from rollout_helpers import ServerThread
+    from test_trainer_loop import config
+    from tlt.services.trainer.loop import train
+
+    (tmp_path / "state_probe.py").write_text(
+        "SEEN = []\n\n"
+        "def reward(completions, trainer_state, **kw):\n"
+        "    SEEN.append((trainer_state.global_step, trainer_state.max_steps))\n"
+        "    return [float(len(c) % 2) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with ServerThread(random_model_dir, replicas=1) as server:
+            cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", steps=2, reward="python",
+                         reward_function="state_probe:reward", eval_problems=0, checkpoint_interval=0)
+            assert train(cfg).steps_done == 2
+        assert sorted(set(sys.modules["state_probe"].SEEN)) == [(0, 2), (1, 2)]
+    finally:
+        sys.modules.pop("state_probe", None)
