@@ -289,3 +289,39 @@ def test_a_reproducible_request_emits_plain_decodings_tokens_under_rejection_sam
     assert not sampling_params(rollout_pb2.SamplingParams()).reproducible
     body = CompletionRequest(model="m", prompt="1", reproducible=True)
     assert body.sampling_params(8, None).reproducible
+
+
+def test_a_drafter_that_overflows_on_a_tree_arm_keeps_the_target_output(ckpt, monkeypatch):
+    """A drafter push whose weights pass every check (finite, right shapes) but overflow in the activations a few
+    levels down: NaN draft log-probs made tree selection drop a kept node's parent, an AssertionError killed the
+    step (in a server: the replica, on every restart, since the push is re-applied). Trees now draft around such
+    scores and verification keeps the output the target's."""
+    import tlt.services.rollout.spec.drafting as drafting
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests = [GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(_prompts()[:3])]
+    plain = [c.token_ids for c in LLMEngine(ckpt, EngineConfig(block_size=8)).generate(requests)]
+    seen_nan = []
+    build = drafting.build_tree
+
+    def watching(root, expand, arm):
+        def wrapped(step, beam, toks):
+            lp = expand(step, beam, toks)
+            seen_nan.append(bool(torch.isnan(lp).any()))
+            return lp
+        return build(root, wrapped, arm)
+
+    monkeypatch.setattr(drafting, "build_tree", watching)  # sees the drafter's log-probs, changes nothing
+    for scale in (1e2, 1e4):
+        e = LLMEngine(ckpt, EngineConfig(block_size=8))
+        torch.manual_seed(0)
+        drafter = Drafter(DrafterConfig.from_model_config(e.model_config), e.model.embed, e.model.lm_head).eval()
+        e.enable_spec(SpecConfig(mode="static", static_arm="8_4_16", threshold=64, hysteresis_steps=1,
+                                 drafter="learned", drafter_path="(in memory)", verify_token_budget=0), drafter)
+        own = {k: v for k, v in drafter.state_dict().items() if not k.startswith(("embed", "lm_head"))}
+        e.update_weights("drafter", {k: v * scale for k, v in own.items()}, 1)  # accepted: finite weights
+        out = e.generate(requests)
+        assert [c.token_ids for c in out] == plain, scale
+        assert e.stats().spec["verify_steps"] > 0
+    assert any(seen_nan), "no drafter scale overflowed: the test shows nothing"

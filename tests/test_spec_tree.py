@@ -153,3 +153,26 @@ def test_score_ties_go_to_the_earlier_candidate():
     # 4_4_12: the 11 kept drafts are the 4 at depth 1 and depth-2 candidates 5-11 (parents 1, 1, 1, 1, 2, 2, 2)
     tree = build_tree(torch.tensor([5]), uniform, Arm.parse("4_4_12"))
     assert tree.parents.tolist() == [[-1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e-3])
+def test_a_drafter_whose_scores_go_non_finite_or_positive_still_drafts_a_connected_tree(bad):
+    """A drafter pushed with weights that pass every check (finite, the right shapes) can still overflow in its
+    activations several levels down: NaN log-probs sorted above every real score kept children whose parents were
+    dropped, and the AssertionError killed the step and, in a server, the replica on every restart (the audit's
+    drafter x10 on arm 8_4_16). Such scores are the worst candidates (NaN) or no better than certain (> 0), and the
+    tree stays connected: verification decides what is accepted, so the output stays the target's."""
+    def expand(step, beam, toks):
+        lp = torch.full((1, beam.shape[1], 16), -10.0)
+        lp[..., 5], lp[..., 6] = -0.1, -3.0
+        if step == 1:
+            lp[0, 1, 7] = bad
+        if step == 2:
+            lp[0, :, :] = float("nan") if bad != bad else lp[0, :, :]
+        return lp
+
+    for arm in ("3_2_6", "4_4_12", "8_4_16"):
+        tree = build_tree(torch.tensor([1]), expand, Arm.parse(arm))
+        par = tree.parents[0].tolist()
+        assert par[0] == -1 and all(0 <= par[i] < i for i in range(1, len(par))), (arm, par)
+        assert all(tree.score[0, i] <= tree.score[0, par[i]] for i in range(1, len(par))), (arm, tree.score)

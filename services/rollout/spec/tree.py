@@ -20,6 +20,8 @@ acceptance reference take tokens/parents as [B, N]).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,7 +134,10 @@ def build_tree(root_tokens: torch.Tensor, expand: ExpandFn, arm: Arm) -> DraftTr
     beam_tokens = tokens[0]
     n_cand = 1
     for step in range(arm.steps):
-        logp = expand(step, beam, beam_tokens).float()  # [B, K, V]
+        # [B, K, V]. A drafter whose activations overflow (weights that pass every check can) gives NaN: the worst
+        # score, not one sorted above all; and no log-prob above 0, so a child never outscores its parent and every
+        # kept node's parent is kept. Verification decides acceptance: this only shapes the proposal.
+        logp = torch.nan_to_num(expand(step, beam, beam_tokens).float(), nan=-math.inf, posinf=0.0).clamp_(max=0.0)
         k = beam.shape[1]
         top_lp, top_tok = logp.topk(arm.topk, dim=-1)  # [B, K, topk], distinct tokens per node
         cum = (beam_score[:, :, None] + top_lp).reshape(b, k * arm.topk)
