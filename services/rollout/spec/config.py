@@ -31,7 +31,8 @@ class SpecConfig(ServiceConfig):
     )
     threshold: int = Field(32, ge=1, description="speculate only while the running batch size is <= this")
     hysteresis_steps: int = Field(
-        10, ge=1, description="consecutive decode steps at/below the threshold before SD switches on (off is immediate)"
+        10, ge=1, description="consecutive decode steps at/below the threshold, after a step above it, before SD "
+        "switches on (off is immediate; a fresh engine speculates from its first small decode step)"
     )
     bucket_thresholds: tuple[int, ...] = Field(
         DEFAULT_THRESHOLDS, description="ascending batch sizes where bandit buckets start (1,2,5,21 -> 1, 2-4, 5-20, "
