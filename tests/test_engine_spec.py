@@ -325,3 +325,33 @@ def test_a_drafter_that_overflows_on_a_tree_arm_keeps_the_target_output(ckpt, mo
         assert [c.token_ids for c in out] == plain, scale
         assert e.stats().spec["verify_steps"] > 0
     assert any(seen_nan), "no drafter scale overflowed: the test shows nothing"
+
+
+def test_a_tree_larger_than_the_draft_room_near_the_context_limit_stays_within_the_block_table(ckpt):
+    """The runner's block tables (fixed-width under verify CUDA graphs) hold max_model_len + 128 positions a
+    sequence; an arm of more than 128 draft tokens near the context limit reserved blocks past that width (an
+    audit: `4_8_200` at the limit). Such a step now decodes plainly (counted in no_room), the output is plain's."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    prompt = tuple((list(range(7, 40)) * 8)[:150])  # 150 + 100 = 250 of the 256 positions; 200 nodes fit early on
+    plain = LLMEngine(ckpt, EngineConfig(block_size=8)).generate([GenerationRequest("a", prompt, greedy)])
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    e = LLMEngine(ckpt, EngineConfig(block_size=8))
+    torch.manual_seed(0)
+    e.enable_spec(SpecConfig(mode="static", static_arm="4_8_200", threshold=64, hysteresis_steps=1, drafter="learned",
+                             drafter_path="(in memory)", verify_token_budget=0),
+                  Drafter(DrafterConfig.from_model_config(e.model_config), e.model.embed, e.model.lm_head).eval())
+    widest = 0
+    reserve = e.spec_decoder._reserve
+
+    def watching(seqs, n_nodes):
+        nonlocal widest
+        ok = reserve(seqs, n_nodes)
+        widest = max([widest] + [len(s.block_table) for s in seqs])
+        return ok
+
+    e.spec_decoder._reserve = watching
+    out = e.generate([GenerationRequest("a", prompt, greedy)])
+    assert widest <= e.runner.max_blocks_per_seq, (widest, e.runner.max_blocks_per_seq)
+    assert out[0].token_ids == plain[0].token_ids
+    assert e.stats().spec["verify_steps"] > 0 and e.stats().spec["no_room"] > 0

@@ -431,10 +431,15 @@ class SpecDecoder:
             self.bandit.record(batch, arm, emitted, self.last_step_seconds - catch_up)
 
     def _reserve(self, seqs: list[Sequence], n_nodes: list[int]) -> bool:
-        """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out."""
+        """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out, or if a
+        sequence's block table would outgrow the runner's width (max_model_len + 128 positions: fixed under verify
+        CUDA graphs), which a tree of more than 128 nodes near the context limit did."""
         bs = self.bm.block_size
         need = [max(0, self.bm.blocks_needed(s.num_computed + n) - len(s.block_table)) for s, n in zip(seqs, n_nodes)]
         if sum(need) > self.bm.num_free:
+            return False
+        width = self.runner.max_blocks_per_seq
+        if width and any(len(s.block_table) + k > width for s, k in zip(seqs, need)):
             return False
         for s, k in zip(seqs, need):
             for _ in range(k):
