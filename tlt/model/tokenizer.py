@@ -82,8 +82,10 @@ def build_tokenizer(out_dir: str | Path, seed: int = 0) -> PreTrainedTokenizerFa
 
 @cache
 def test_tokenizer() -> PreTrainedTokenizerFast:
-    """The seed-0 task tokenizer, built once per process in a temporary folder (for tests)."""
-    return build_tokenizer(tempfile.mkdtemp(prefix="tlt-tokenizer-"), seed=0)
+    """The seed-0 task tokenizer, built once per process (for tests); the folder it is saved to goes with the call
+    (the tokenizer is the in-memory one: each process left a folder in /tmp)."""
+    with tempfile.TemporaryDirectory(prefix="tlt-tokenizer-") as folder:
+        return build_tokenizer(folder, seed=0)
 
 
 test_tokenizer.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test, when imported into a test module
