@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=None,
                         help="engine replicas, one process each (default: the preset's; 1 in cpu-tiny)")
     parser.add_argument("--host", default=None, help="bind address (default: the preset's, 127.0.0.1)")
-    parser.add_argument("--http-port", type=int, default=None,
-                        help="OpenAI HTTP port (0: a free one; default: the preset's, 8000)")
+    parser.add_argument("--http-port", "--port", dest="http_port", type=int, default=None,
+                        help="OpenAI HTTP port (0: a free one; default: the preset's, 8000); --port as in vLLM")
     parser.add_argument("--grpc-port", type=int, default=None,
                         help="gRPC port (0: a free one; default: the preset's, 50051)")
     parser.add_argument("--backend", default=None, help="engine backend: native (default) or sglang")
@@ -45,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None,
                         help="learned EAGLE drafter folder (else the model-free n-gram drafter); "
                         "with --backend sglang a `tlt drafter export --format sglang-eagle` folder")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name the OpenAI API serves and answers with (default: the folder's name)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="context length in tokens (engine.max_model_len; default: the model's, capped by the "
+                        "preset's)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM's --api-key; any user of this "
+                        "machine can read it in `ps`: $TLT_API_KEY keeps it out of sight)")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [rollout] field (engine.* and spec.* for the nested sections); repeatable")
@@ -86,9 +94,12 @@ def build_config(args: argparse.Namespace) -> object:
         if nested:
             overrides[section] = nested
     for flag, field in (("replicas", "replicas"), ("host", "host"), ("http_port", "http_port"),
-                        ("grpc_port", "grpc_port"), ("backend", "backend"), ("insecure_local", "insecure_local")):
+                        ("grpc_port", "grpc_port"), ("backend", "backend"), ("insecure_local", "insecure_local"),
+                        ("served_model_name", "served_model_name"), ("api_key", "api_key")):
         if getattr(args, flag, None) is not None:
             overrides[field] = getattr(args, flag)
+    if getattr(args, "max_model_len", None) is not None:
+        overrides.setdefault("engine", {})["max_model_len"] = args.max_model_len
     if getattr(args, "spec_arms", None) is None:
         return load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
     # where --spec-arms goes depends on the mode and the bucket count, which the preset or environment may set

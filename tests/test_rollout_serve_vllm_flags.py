@@ -1,0 +1,57 @@
+"""`tlt rollout serve` takes the flags a vLLM user types: `--port`, `--served-model-name`, `--api-key`,
+`--max-model-len` (vLLM's `vllm serve` names), mapped onto the [rollout] fields they mean. Before, each was
+`unrecognized arguments`, and a deployment script moved over from vLLM failed at its first line.
+
+Real parts: the real argument parser and config loader; one real server on 127.0.0.1 for the key."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+
+from rollout_helpers import ServerThread, tiny_checkpoint
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    from tlt.services.rollout.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--model", "m", *argv])
+
+
+def test_vllm_flags_set_the_fields_they_mean(monkeypatch) -> None:
+    from tlt.services.rollout.serve import build_config
+
+    monkeypatch.delenv("TLT_API_KEY", raising=False)
+    cfg = build_config(_args("--port", "8123", "--served-model-name", "qwen-rl", "--api-key", "sk-abc",
+                             "--max-model-len", "512"))
+    assert (cfg.http_port, cfg.served_model_name, cfg.api_key, cfg.engine.max_model_len) == (
+        8123, "qwen-rl", "sk-abc", 512)
+    assert build_config(_args("--http-port", "8124")).http_port == 8124  # the TLT name still works
+    defaults = build_config(_args())
+    assert defaults.api_key == "" and defaults.served_model_name in ("", None)
+
+
+def test_a_key_given_on_the_command_line_is_required(tmp_path) -> None:
+    model = tiny_checkpoint(tmp_path / "m")
+    from tlt.services.rollout.serve import build_config
+
+    cfg = build_config(_args("--api-key", "sk-abc", "--served-model-name", "qwen-rl"))
+    with ServerThread(model, replicas=1, api_key=cfg.api_key, served_model_name=cfg.served_model_name) as s:
+        body = {"model": "qwen-rl", "prompt": "1+1=", "max_tokens": 2}
+        assert httpx.post(f"{s.base_url}/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{s.base_url}/completions", json=body, timeout=60,
+                       headers={"Authorization": "Bearer sk-abc"})
+        assert r.status_code == 200 and r.json()["model"] == "qwen-rl", r.text
+
+
+@pytest.mark.parametrize("argv", [("--max-model-len", "-5"), ("--port", "-1"), ("--port", "70000")])
+def test_bad_values_are_one_line(argv) -> None:
+    from tlt.services.common.config import ConfigError
+    from tlt.services.rollout.serve import build_config
+
+    with pytest.raises(ConfigError):
+        build_config(_args(*argv))
