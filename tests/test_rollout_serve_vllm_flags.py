@@ -1,5 +1,5 @@
 """`tlt rollout serve` takes the flags a vLLM user types: `--port`, `--served-model-name`, `--api-key`,
-`--max-model-len` (vLLM's `vllm serve` names), mapped onto the [rollout] fields they mean. Before, each was
+`--max-model-len`, `--dtype`, `--max-num-seqs` (vLLM's `vllm serve` names), mapped onto the [rollout] fields they mean. Before, each was
 `unrecognized arguments`, and a deployment script moved over from vLLM failed at its first line.
 
 Real parts: the real argument parser and config loader; one real server on 127.0.0.1 for the key."""
@@ -27,9 +27,10 @@ def test_vllm_flags_set_the_fields_they_mean(monkeypatch) -> None:
 
     monkeypatch.delenv("TLT_API_KEY", raising=False)
     cfg = build_config(_args("--port", "8123", "--served-model-name", "qwen-rl", "--api-key", "sk-abc",
-                             "--max-model-len", "512"))
+                             "--max-model-len", "512", "--dtype", "bfloat16", "--max-num-seqs", "48"))
     assert (cfg.http_port, cfg.served_model_name, cfg.api_key, cfg.engine.max_model_len) == (
         8123, "qwen-rl", "sk-abc", 512)
+    assert (cfg.engine.dtype, cfg.engine.max_num_seqs) == ("bfloat16", 48)
     assert build_config(_args("--http-port", "8124")).http_port == 8124  # the TLT name still works
     defaults = build_config(_args())
     assert defaults.api_key == "" and defaults.served_model_name in ("", None)
@@ -48,7 +49,8 @@ def test_a_key_given_on_the_command_line_is_required(tmp_path) -> None:
         assert r.status_code == 200 and r.json()["model"] == "qwen-rl", r.text
 
 
-@pytest.mark.parametrize("argv", [("--max-model-len", "-5"), ("--port", "-1"), ("--port", "70000")])
+@pytest.mark.parametrize("argv", [("--max-model-len", "-5"), ("--port", "-1"), ("--port", "70000"),
+                                  ("--dtype", "auto"), ("--max-num-seqs", "0")])
 def test_bad_values_are_one_line(argv) -> None:
     from tlt.services.common.config import ConfigError
     from tlt.services.rollout.serve import build_config

@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="context length in tokens (engine.max_model_len; default: the model's, capped by the "
                         "preset's)")
+    parser.add_argument("--dtype", default=None, metavar="DTYPE",
+                        help="engine weights and activations: float32, bfloat16 or float16 (engine.dtype; vLLM's "
+                        "'auto' is not taken: the preset's is the default)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                        help="most sequences one replica decodes together (engine.max_num_seqs)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM's --api-key; any user of this "
                         "machine can read it in `ps`: $TLT_API_KEY keeps it out of sight)")
@@ -98,8 +103,9 @@ def build_config(args: argparse.Namespace) -> object:
                         ("served_model_name", "served_model_name"), ("api_key", "api_key")):
         if getattr(args, flag, None) is not None:
             overrides[field] = getattr(args, flag)
-    if getattr(args, "max_model_len", None) is not None:
-        overrides.setdefault("engine", {})["max_model_len"] = args.max_model_len
+    for flag in ("max_model_len", "dtype", "max_num_seqs"):  # [rollout.engine] fields, as vLLM names them
+        if getattr(args, flag, None) is not None:
+            overrides.setdefault("engine", {})[flag] = getattr(args, flag)
     if getattr(args, "spec_arms", None) is None:
         return load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
     # where --spec-arms goes depends on the mode and the bucket count, which the preset or environment may set
