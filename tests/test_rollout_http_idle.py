@@ -148,11 +148,11 @@ def test_the_setting_is_validated():
 
 
 def test_a_slow_upload_that_keeps_coming_is_not_cut(server):
-    """A body that arrives slowly but steadily (a byte range every half timeout, three timeouts in all) is read
-    to its end and answered: the wait counts from the last byte, as nginx's client_body_timeout (it was cut a
+    """A body that arrives slowly but steadily (a 1.2 KB piece every half timeout, three timeouts in all: 2.4 KB/s)
+    is read to its end and answered: the wait counts from the last byte, as nginx's client_body_timeout (it was cut a
     timeout after its header, so an upload under max_request_bytes / 60 s, 17 KB/s for 1 MB, never got through)."""
     port = server.server.http_port
-    body = json.dumps({"model": server.model_name, "prompt": "1+1=", "max_tokens": 2}).encode()
+    body = json.dumps({"model": server.model_name, "prompt": "1+1=", "max_tokens": 2}).encode() + b" " * 7000
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body))
@@ -166,3 +166,33 @@ def test_a_slow_upload_that_keeps_coming_is_not_cut(server):
         sock.settimeout(30)
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_still_cut(server):
+    """The other side of counting from the last byte: a peer sending one byte every half timeout (each resets that
+    wait) held its socket for ever, and 1,100 such sockets take HTTP and gRPC down. A body slower than
+    MIN_BODY_BYTES_S (1 KB/s) past the timeout is cut, as Apache's MinRate; chunk extensions (bytes that never
+    grow the body) count no differently."""
+    port = server.server.http_port
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    try:
+        socks[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+        socks[1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n1;")
+        t0 = time.monotonic()
+        alive = [True, True]
+        while any(alive) and time.monotonic() - t0 < IDLE_S * 8:
+            time.sleep(IDLE_S / 2)
+            for i, (sock, byte) in enumerate(zip(socks, (b" ", b"a"))):
+                if alive[i]:
+                    try:
+                        sock.sendall(byte)
+                    except OSError:
+                        alive[i] = False
+        assert not any(alive), f"still open after {time.monotonic() - t0:.1f} s: {alive}"
+        assert time.monotonic() - t0 < IDLE_S + 4
+    finally:
+        for sock in socks:
+            sock.close()
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200

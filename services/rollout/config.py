@@ -64,8 +64,8 @@ class RolloutConfig(ServiceConfig):
     )
     http_idle_timeout_s: float = Field(
         60.0, ge=0, description="an HTTP connection with no complete request for this long is closed: one that "
-        "never sent one, or sent part of its header, or whose body has had no byte for this long (uvicorn's own "
-        "5 s keep-alive starts only after an "
+        "never sent one, or sent part of its header, or whose body has had no byte for this long or comes slower than "
+        "1 KB/s past it (uvicorn's own 5 s keep-alive starts only after an "
         "answer, and a peer holding such sockets used up the open files of HTTP and gRPC together); a request "
         "being answered, streamed or not, is never cut; 0: never"
     )

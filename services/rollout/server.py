@@ -66,6 +66,9 @@ def raise_open_file_limit() -> int:
     return soft
 
 
+MIN_BODY_BYTES_S = 1024  # a request body that keeps coming slower than this (after the idle timeout) is cut
+
+
 class IdleHttpConnections:
     """Closes HTTP connections that have had no complete request for `timeout_s`.
 
@@ -73,7 +76,10 @@ class IdleHttpConnections:
     or sends part of one, is otherwise kept forever. A sweep looks at each of uvicorn's connections:
       no request yet, or part of its header          -> waiting since the sweep that first saw it so
       a request whose body has not all come, no answer -> waiting since its last byte came (as nginx's
-                                                          client_body_timeout: a slow upload that keeps coming is read)
+                                                          client_body_timeout: a slow upload that keeps coming is read),
+                                                          and closed too once its bytes since the sweep that first saw
+                                                          it fall below MIN_BODY_BYTES_S a second past the timeout (as
+                                                          Apache's MinRate: a byte every 59 s held a socket for ever)
       a complete answer, then part of the next request -> waiting (uvicorn's timer stops at the first byte)
       a complete answer, uvicorn's keep-alive armed    -> uvicorn's to close
       a request being answered (streamed or not)       -> never closed
@@ -83,7 +89,8 @@ class IdleHttpConnections:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._waiting: dict[Any, tuple[Any, str, float]] = {}  # connection -> (its cycle, state, since)
+        # connection -> (its cycle, state, since, when first seen so, bytes received by then)
+        self._waiting: dict[Any, tuple[Any, str, float, float, int]] = {}
 
     @staticmethod
     def _waiting_state(conn: Any) -> str | None:
@@ -101,7 +108,7 @@ class IdleHttpConnections:
     def sweep(self, connections: Any) -> int:
         """Close the connections waiting past the timeout; return how many."""
         now = time.monotonic()
-        waiting: dict[Any, tuple[Any, str, float]] = {}
+        waiting: dict[Any, tuple[Any, str, float, float, int]] = {}
         closed = 0
         for conn in list(connections):
             state = self._waiting_state(conn)
@@ -110,14 +117,19 @@ class IdleHttpConnections:
                 continue
             cycle = conn.cycle
             prev = self._waiting.get(conn)
-            since = prev[2] if prev is not None and prev[0] is cycle and prev[1] == state else now
+            same = prev is not None and prev[0] is cycle and prev[1] == state
+            received = getattr(conn, "bytes_in", 0)
+            since = prev[2] if same else now
+            first, got = (prev[3], prev[4]) if same else (now, received)
+            too_slow = False
             if state == "part of a body":
                 since = max(since, getattr(conn, "last_data_s", since))
-            if now - since >= self.timeout_s:
+                too_slow = now - first > self.timeout_s + (received - got) / MIN_BODY_BYTES_S
+            if now - since >= self.timeout_s or too_slow:
                 transport.close()
                 closed += 1
             else:
-                waiting[conn] = (cycle, state, since)
+                waiting[conn] = (cycle, state, since, first, got)
         self._waiting = waiting
         return closed
 
@@ -128,9 +140,11 @@ def _http_protocol() -> type:
 
     class _Protocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         last_data_s = 0.0
+        bytes_in = 0
 
         def data_received(self, data: bytes) -> None:
             self.last_data_s = time.monotonic()
+            self.bytes_in += len(data)
             super().data_received(data)
 
     return _Protocol
