@@ -247,7 +247,7 @@ class RolloutServer:
         metrics = Metrics("rollout")
         # requests' own work (prompts, responses) on threads of their own, not asyncio's default executor, which
         # assembles weight pushes: a burst of slow prompts queued a push behind it (front_prompts.RequestThreads)
-        self.request_threads = RequestThreads(cores + 4 if cores else None)
+        self.request_threads = RequestThreads(min(32, cores + 4) if cores else None)
         openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics, self.gc_pauses,
                                      self.request_threads)
         # one registry: gRPC calls count on the same /metrics (the HTTP app serves it) and add to the same counters

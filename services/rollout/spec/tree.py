@@ -134,12 +134,14 @@ def build_tree(root_tokens: torch.Tensor, expand: ExpandFn, arm: Arm) -> DraftTr
     beam_tokens = tokens[0]
     n_cand = 1
     for step in range(arm.steps):
-        # [B, K, V]. A drafter whose activations overflow (weights that pass every check can) gives NaN: the worst
-        # score, not one sorted above all; and no log-prob above 0, so a child never outscores its parent and every
-        # kept node's parent is kept. Verification decides acceptance: this only shapes the proposal.
-        logp = torch.nan_to_num(expand(step, beam, beam_tokens).float(), nan=-math.inf, posinf=0.0).clamp_(max=0.0)
+        logp = expand(step, beam, beam_tokens).float()  # [B, K, V]
         k = beam.shape[1]
         top_lp, top_tok = logp.topk(arm.topk, dim=-1)  # [B, K, topk], distinct tokens per node
+        # A drafter whose activations overflow (weights that pass every check can) gives NaN, which topk ranks first:
+        # such a draft scores worst, not above every real one; and no log-prob above 0, so a child never outscores
+        # its parent and every kept node's parent is kept. Verification decides acceptance: this only shapes the
+        # proposal. On the topk values, not the [B, K, V] log-probs (a pass over the vocabulary per level).
+        top_lp = torch.nan_to_num(top_lp, nan=-math.inf, posinf=0.0).clamp_(max=0.0)
         cum = (beam_score[:, :, None] + top_lp).reshape(b, k * arm.topk)
         new_ids = n_cand + torch.arange(k * arm.topk, device=dev).expand(b, -1)
         tokens.append(top_tok.reshape(b, -1))
