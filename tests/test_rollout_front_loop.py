@@ -254,3 +254,29 @@ def test_slow_prompts_do_not_hold_up_a_weight_push(model_dir, monkeypatch):
         finally:
             release.set()
         assert [p.result().status_code for p in posts] == [200] * 12
+
+
+def test_a_chat_stream_left_during_its_first_chunks_frees_its_admission_places(model_dir):
+    """A streamed chat request reserves its n sequences at admission and gave them back only once its events
+    began (`_merged`); a client gone while the role chunks went out left them reserved for 60 s (the reservation's
+    expiry), and an idle server with max_pending_sequences answered 429 meanwhile. Completions streams, non-streamed
+    requests and gRPC calls freed theirs within 0.3 s; now chat streams too."""
+    import json
+    import socket
+
+    with ServerThread(model_dir, replicas=1, max_pending_sequences=16) as s:
+        port = s.server.http_port
+        body = json.dumps({"model": s.model_name, "messages": [{"role": "user", "content": "12+7"}],
+                           "max_tokens": 200, "n": 4, "stream": True, "ignore_eos": True}).encode()
+        for attempt in range(4):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                assert sock.recv(300).startswith(b"HTTP/1.1 200")
+            deadline = time.monotonic() + 5
+            while s.server.pool.pending_sequences and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert s.server.pool.pending_sequences == 0, (attempt, s.server.pool.pending_sequences)
+        r = httpx.post(f"{s.base_url}/completions", timeout=60,
+                       json={"model": s.model_name, "prompt": "3+4=", "max_tokens": 1, "n": 16})
+        assert r.status_code == 200, r.text

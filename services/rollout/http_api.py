@@ -77,6 +77,22 @@ log = get_logger(__name__)
 COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # http_requests_total{endpoint}
 
 
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that closes its body however the response ends. A client gone while a chunk was being
+    written cancels the send, and the body generator, suspended at its `yield`, stayed open until garbage collected:
+    its finally (the requests' abort, their admission places) did not run (a chat stream left during its role chunks
+    held its n places for 60 s)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            import anyio
+
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
 class OpenAIServer:
     """The handlers; the FastAPI app is `OpenAIServer(...).app`."""
 
@@ -394,7 +410,8 @@ class OpenAIServer:
         rid = reqs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse("completions", t0, self._completion_stream(rid, reqs, prompts, params, req.n, include_usage))
+            return self._sse("completions", t0, self._completion_stream(rid, reqs, prompts, params, req.n,
+                                                                         include_usage), reqs)
         groups = await self._collect(reqs, request)
 
         def respond() -> JSONResponse:  # on a thread: n=64 x 300 tokens x 20 top logprobs took the loop for 7 s
@@ -439,7 +456,11 @@ class OpenAIServer:
                                                usage=self._usage(prompts, outs),
                                                tlt_versions=conv.response_versions(outs)))
 
-    def _sse(self, endpoint: str, t0: float, body: AsyncIterator[bytes]) -> StreamingResponse:
+    def _sse(self, endpoint: str, t0: float, body: AsyncIterator[bytes],
+             reqs: list[GenerationRequest]) -> StreamingResponse:
+        """`body` as server-sent events. However the stream ends, `reqs` give back the admission places reserved
+        for them (`_merged` does once their events begin; a client gone before that, during a chat stream's role
+        chunks, left them held until they expired, 60 s)."""
         async def wrapped() -> AsyncIterator[bytes]:
             status = 200
             try:
@@ -466,9 +487,12 @@ class OpenAIServer:
                 yield Sse.done
             finally:  # once, however the stream ends (it was counted only after its last chunk)
                 self._count(endpoint, status, t0)
+                for r in reqs:
+                    self.pool.take_reservation(r.request_id)
+                await body.aclose()  # type: ignore[attr-defined]  # its requests are aborted (`_merged`)
 
-        return StreamingResponse(wrapped(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _ClosingStream(wrapped(), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
 
@@ -495,7 +519,7 @@ class OpenAIServer:
         rid = reqs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse("chat", t0, self._chat_stream(rid, reqs, [ids], params, req, tools, include_usage))
+            return self._sse("chat", t0, self._chat_stream(rid, reqs, [ids], params, req, tools, include_usage), reqs)
         (outs,) = await self._collect(reqs, request)
 
         def respond() -> JSONResponse:  # on a thread, as a completion's: top logprobs cost the loop seconds
