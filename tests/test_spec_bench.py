@@ -491,3 +491,24 @@ def test_a_timed_run_leaves_no_cycle_that_keeps_the_engine(random_model_dir):
         assert kv() is None, "the engine's KV cache outlived the engine: a reference cycle holds it"
     finally:
         gc.enable()
+
+
+def test_bench_rollout_after_big_batch_makes_the_hysteresis_apply(capsys, random_model_dir):
+    """`--after-big-batch`: each speculative run starts as an RL rollout's tail does, after a step above the
+    threshold, so its first `hysteresis` decode steps run plainly; without it a fresh engine speculates at once.
+    Outputs stay identical (greedy) either way."""
+    def ngram_run(*extra):
+        parser = argparse.ArgumentParser()
+        rollout.add_arguments(parser)
+        args = parser.parse_args(["--model", str(random_model_dir), "--prompts", "2", "--n", "1", "--median-tokens",
+                                  "24", "--max-tokens", "48", "--modes", "off,ngram", "--threshold", "4",
+                                  "--hysteresis", "6", "--json", *extra])
+        assert rollout.run(args) == 0
+        out = capsys.readouterr().out
+        modes = {r["mode"]: r for r in json.loads(out[out.index("{\n"):])["results"]}
+        assert modes["ngram"]["identical_to_first_mode"]
+        return modes["ngram"]
+
+    fresh, after = ngram_run(), ngram_run("--after-big-batch")
+    plain_steps = lambda r: r["decode_steps"] - r["verify_steps"]  # noqa: E731
+    assert plain_steps(after) >= plain_steps(fresh) + 5, (fresh, after)

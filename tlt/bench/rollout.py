@@ -156,6 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SpecConfig.hysteresis_steps: decode steps at or below the threshold, after a step above "
                              "it, before SD switches on (default: SpecConfig's, as a server runs it; the bench used 2 "
                              "up to session 45)")
+    parser.add_argument("--after-big-batch", action="store_true",
+                        help="start every speculative run as an RL rollout's tail starts: after a step above the "
+                             "threshold, so the hysteresis applies from its first step (a fresh engine, without it, "
+                             "speculates at once: a server's first small requests)")
     parser.add_argument("--static-arm", default="8_4_16", help="arm of the static modes")
     parser.add_argument("--verify-budget", type=at_least(0), default=None,
                         help="SpecConfig.verify_token_budget: most draft tokens one verify step checks over the batch "
@@ -525,6 +529,8 @@ def run(args: argparse.Namespace) -> int:
                 bandit = engine.spec_decoder.bandit if engine.spec_decoder is not None else None
                 held = sum(a.samples for b in bandit.snapshot() for a in b.arms) if bandit is not None else 0
                 engine.block_manager.reset_prefix_cache()  # a reused engine: as a weight update leaves it
+                if args.after_big_batch and engine.spec_decoder is not None:  # as after an RL rollout's big batch
+                    engine.spec_decoder.switch.update(args.threshold + 1)
                 before = engine.stats().spec
                 if args.gc_freeze == "on":
                     gc.collect()  # the last run's engine, untimed
