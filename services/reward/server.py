@@ -9,7 +9,10 @@ not read by the built-in verifiers; a reward function (`kind = "python"`,
 services/reward/function.py) gets each entry as a keyword list. Its keys
 and values count in the item's size (`max_item_bytes`). Items are scored on
 `workers` threads at once: a verifier or function must be thread-safe (or
-`workers = 1`).
+`workers = 1`). An `async def` function's calls from every worker run on the
+process's one event loop (services/trainer/rewards.py `reward_loop`), as in
+the trainer: a module-level `asyncio.Semaphore` or client is shared by them
+all, and a blocking call inside one holds up the others.
 
 `Score` scores a batch on the worker pool and answers in request order; items
 not begun when the call ends (its deadline passed: the client will retry it)

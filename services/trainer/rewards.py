@@ -46,6 +46,7 @@ the completion and the cause. No reward is ever defaulted to 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import json
@@ -56,7 +57,7 @@ import sys
 import sysconfig
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -158,7 +159,7 @@ def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: lis
     `prompts` among the keywords, so a positional (prompts, completions) call fails on them.
     `columns` (the data's extra columns, one list each) go as keywords, like the answers, the
     completions' token ids (`completion_ids`, when every completion came with them) and `trainer_state`.
-    An `async def` function's coroutine is run to its end here (TRL gathers them with asyncio).
+    What it returns is returned: for an `async def` function, its coroutine (run on `reward_loop()` by the batch).
     """
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -174,37 +175,34 @@ def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: lis
     ):
         if takes_any or "prompts" in params:
             kw["prompts"] = prompts
-        return _awaited(fn(completions=completions, **kw))
-    return _awaited(fn(prompts, completions, **kw))
+        return fn(completions=completions, **kw)
+    return fn(prompts, completions, **kw)
 
 
-def _awaited(values: Any) -> Any:
-    """The values of an `async def` function (its coroutine run on a loop of its own), else `values`."""
-    if not inspect.isawaitable(values):
-        return values
+_loop: asyncio.AbstractEventLoop | None = None  # reward_loop(): this process's loop for `async def` functions
+_loop_pid = 0
+_loop_lock = threading.Lock()
 
-    async def wait() -> Any:
-        return await values
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # no loop in this thread: the usual case (the trainer, a reward server's worker)
-        return asyncio.run(wait())
-    out: list[Any] = []
-    errors: list[BaseException] = []
+def reward_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for `async def` reward functions, run on a daemon thread started at first use.
 
-    def run() -> None:
-        try:
-            out.append(asyncio.run(wait()))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(e)
+    One loop for every call, as TRL's GRPOTrainer keeps one (`start_event_loop_in_daemon`): what a function's module
+    binds to the loop it is first used on (an `asyncio.Semaphore` rate limit, an `httpx.AsyncClient`, an aiohttp
+    session) works on every later step. A fresh loop per call (`asyncio.run`) failed every step after the first
+    ("bound to a different event loop"), and a reward server's threads, each on its own loop, hung on such a
+    semaphore. The trainer and every reward-server worker thread submit to this loop; a forked child starts its own.
+    """
+    global _loop, _loop_pid
+    with _loop_lock:
+        if _loop is None or _loop_pid != os.getpid():
+            _loop, _loop_pid = asyncio.new_event_loop(), os.getpid()
+            threading.Thread(target=_loop.run_forever, name="reward-async-loop", daemon=True).start()
+        return _loop
 
-    t = threading.Thread(target=run, name="reward-async")  # asyncio.run cannot nest in a running loop
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
-    return out[0]
+
+async def _awaiting(awaitable: Any) -> Any:
+    return await awaitable
 
 
 class _FunctionBatch:
@@ -256,21 +254,14 @@ class _FunctionBatch:
         names = dict.fromkeys(k for e in self._extras for k in e)
         return {k: [e.get(k) for e in self._extras] for k in names}
 
-    def _values(self, fn: RewardFn, name: str, columns: Mapping[str, list[Any]]) -> list[object]:
-        """`fn`'s values for the batch; a RewardError naming `fn` when it raises or returns no sequence.
+    @contextlib.contextmanager
+    def _boundary(self, name: str) -> Iterator[None]:
+        """What the user's function `name` raises becomes a RewardFunctionFailed naming it (chained).
 
         The contract is batch-shaped, so one bad completion fails the whole call: the step fails with the
-        function's name and error (chained), as for every other reward that cannot be had. The values are
-        read inside the boundary too: a generator function's code runs only as they are read.
-        """
+        function's name and error, as for every other reward that cannot be had."""
         try:
-            ids = None if any(i is None for i in self._ids) else [list(i) for i in self._ids]
-            values = _call(fn, *self._trl_inputs(), self._answers, columns, ids, self._state)
-            # a mapping or a set is iterable too: its keys, or an order of its own, were taken for the rewards
-            if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not isinstance(values, Iterable):
-                raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} "
-                                  "numbers is required")
-            return list(values)
+            yield
         except RewardError:
             raise
         except BaseException as e:  # noqa: BLE001 - the user's code: SystemExit, a timeout library's BaseException too
@@ -279,15 +270,51 @@ class _FunctionBatch:
             raise RewardFunctionFailed(f"reward function {name} raised {type(e).__name__}: {e} "
                               f"(scoring {len(self._keys)} completions, first {self._keys[:1]})") from e
 
+    def _start(self, fn: RewardFn, name: str, columns: Mapping[str, list[Any]]) -> list[object] | Future:
+        """Call `fn`: a plain function's values, or an `async def` one's coroutine submitted to `reward_loop()`
+        (a Future), so the batch's async functions run there together, as TRL gathers them."""
+        with self._boundary(name):
+            ids = None if any(i is None for i in self._ids) else [list(i) for i in self._ids]
+            values = _call(fn, *self._trl_inputs(), self._answers, columns, ids, self._state)
+            if inspect.isawaitable(values):
+                return asyncio.run_coroutine_threadsafe(_awaiting(values), reward_loop())
+            return self._listed(values, name)
+
+    def _values(self, started: list[object] | Future, name: str) -> list[object]:
+        """The function's values: `started`, or what its coroutine returns (waited for here)."""
+        if not isinstance(started, Future):
+            return started
+        with self._boundary(name):
+            return self._listed(started.result(), name)
+
+    def _listed(self, values: Any, name: str) -> list[object]:
+        """`values` as a list; RewardError when they are no sequence. Read inside the boundary: a generator
+        function's code runs only as they are read."""
+        # a mapping or a set is iterable too: its keys, or an order of its own, were taken for the rewards
+        if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not isinstance(values, Iterable):
+            raise RewardError(f"reward function {name} returned {values!r}; a list of {len(self._keys)} "
+                              "numbers is required")
+        return list(values)
+
     def results(self) -> dict[str, RewardResult]:
         """The weighted sum of the functions' values per completion. A function may return None for a completion
         it does not score (TRL's multi-task convention: the others' values make its reward); a completion that no
         function scored has no reward, and the step fails (TRL sums it to 0 with a warning)."""
+        columns = self._columns()
+        started: list[list[object] | Future] = []
+        try:  # every function is called before any is waited for: the async ones run meanwhile, all at once
+            for (fn, _), name in zip(self._fns, self._names):
+                started.append(self._start(fn, name, columns))
+            return self._summed([self._values(s, name) for s, name in zip(started, self._names)])
+        finally:  # a failed function (or Ctrl-C) fails the step: the coroutines still running are cancelled
+            for s in started:
+                if isinstance(s, Future):
+                    s.cancel()
+
+    def _summed(self, per_fn: list[list[object]]) -> dict[str, RewardResult]:
         totals = [0.0] * len(self._keys)
         scored = [False] * len(self._keys)
-        columns = self._columns()
-        for (fn, weight), name in zip(self._fns, self._names):
-            values = self._values(fn, name, columns)
+        for (_, weight), name, values in zip(self._fns, self._names, per_fn):
             if len(values) != len(self._keys):
                 raise RewardError(f"reward function {name} returned {len(values)} values for {len(self._keys)} completions")
             for i, v in enumerate(values):
