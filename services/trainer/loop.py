@@ -39,8 +39,13 @@ from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.run_stats import json_line
 
 log = get_logger("trainer")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt")
+# Copied from the input model into the export: every file a tokenizer's save_pretrained writes, for the fast
+# (tokenizer.json) and the slow forms (sentencepiece tokenizer.model / spiece.model, BPE vocab.json + merges.txt,
+# WordPiece vocab.txt, added_tokens.json), and the generation config. A model that ships only tokenizer.model
+# exported with no tokenizer at all.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -367,11 +372,7 @@ class _Services:
 
     def export(self) -> None:
         """The tokenizer files next to the trained policy's weights (written by Policy.save_pretrained)."""
-        final = self.out / "policy"
-        for name in TOKENIZER_FILES:
-            src = Path(self.cfg.model_dir) / name
-            if src.is_file() and not (final / name).exists():
-                shutil.copy(src, final / name)
+        export_tokenizer(self.cfg.model_dir, self.out / "policy")
 
     def close(self) -> None:
         if self.loan is not None and self.loan.held:  # a step that failed mid-update: the devices go back now
@@ -384,6 +385,14 @@ class _Services:
         self.rewards.close()
         for c in self.clients:
             c.close()
+
+
+def export_tokenizer(model_dir: str | Path, final: Path) -> None:
+    """Copy the input model's tokenizer files into the exported policy folder (files already there are kept)."""
+    for name in TOKENIZER_FILES:
+        src = Path(model_dir) / name
+        if src.is_file() and not (final / name).exists():
+            shutil.copy(src, final / name)
 
 
 def _record_sampling(m, rollout, want: int) -> None:  # noqa: ANN001 - StepMetrics, RolloutResult

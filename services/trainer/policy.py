@@ -297,6 +297,7 @@ class Policy:
         disable_dropout(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        self._input_use_cache = model.config.use_cache  # the export says what the input said (save_pretrained)
         model.config.use_cache = False
         self.model_config = model.config
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -414,12 +415,17 @@ class Policy:
         from tlt.model.files import share_weights
         from tlt.services.trainer.weight_sync import full_state_dict
 
-        if self.gathers:
-            state = full_state_dict(self.engine.module, keep=self.rank == 0)
-            if self.rank == 0:
-                self.engine.module.save_pretrained(out_dir, state_dict=state)
-        elif self.rank == 0:
-            self.engine.module.save_pretrained(out_dir)
+        config = self.engine.module.config
+        config.use_cache = self._input_use_cache  # off for training only: generation from the export wants the cache
+        try:
+            if self.gathers:
+                state = full_state_dict(self.engine.module, keep=self.rank == 0)
+                if self.rank == 0:
+                    self.engine.module.save_pretrained(out_dir, state_dict=state)
+            elif self.rank == 0:
+                self.engine.module.save_pretrained(out_dir)
+        finally:
+            config.use_cache = False
         if self.rank == 0:
             share_weights(out_dir)  # safetensors wrote them 0600: the rollout server may run as another user
 
