@@ -9,8 +9,9 @@ Used by docker-compose.yml and the Kubernetes probes. Checks are (kind,
 target) pairs; each must answer within --timeout seconds. gRPC checks call a
 read-only RPC of the service (Rollout.GetStatus, Reward.Score with an empty
 batch, Drafter.GetStatus), so they prove the server is serving, not just
-that the port is open. The reward server answers that empty batch UNAVAILABLE once all its scoring workers
-are stuck on items past `[reward] item_timeout_s` (services/reward/pool.py), so the probe fails then too.
+that the port is open. The reward server answers that empty batch UNAVAILABLE once more of its scoring threads
+are stuck on items past `[reward] item_timeout_s` than it replaces (services/reward/pool.py), so the probe fails
+then too.
 No control-plane call is made, so no token is needed.
 """
 

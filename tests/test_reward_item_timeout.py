@@ -54,9 +54,12 @@ def test_stuck_items_time_out_replace_their_worker_and_a_wedged_pool_fails_the_h
             assert health(["--timeout", "2", "grpc-reward", server.address]) == 0
             streamed = list(client.score_stream([Req(id="h2", completion="hang", reference="1")]))
             assert not streamed[0].ok and "timed out" in streamed[0].error, streamed
-            assert server.servicer.pool.stuck() == 2
+            assert server.servicer.pool.stuck() == 2  # both replaced: up to `workers` stuck threads are
+            assert health(["--timeout", "2", "grpc-reward", server.address]) == 0
+            assert not client.score([Req(id="h3", completion="hang", reference="1")])[0].ok
+            assert server.servicer.pool.stuck() == 3  # not replaced: one worker scores, the server needs a restart
             assert health(["--timeout", "2", "grpc-reward", server.address]) == 1
-            assert "all 2 scoring workers are stuck" in capsys.readouterr().err
+            assert "3 scoring threads are stuck" in capsys.readouterr().err
             release.set()  # the stuck calls return: their threads score again
             deadline = time.monotonic() + 5
             while server.servicer.pool.stuck() and time.monotonic() < deadline:
@@ -68,6 +71,44 @@ def test_stuck_items_time_out_replace_their_worker_and_a_wedged_pool_fails_the_h
     finally:
         release.set()
         sys.modules.pop("hanging_reward", None)
+
+
+def test_one_worker_is_replaced_once_and_items_queued_on_a_wedged_pool_time_out(tmp_path, monkeypatch) -> None:
+    """workers = 1: the first stuck item wedged the pool at once (nothing replaced), and the items queued behind it
+    were never answered (only running items timed out): a Score call waited for the liveness probe's restart."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hanging_reward1.py").write_text(
+        "import threading\n\nRELEASE = threading.Event()\n\n"
+        "def score(completions, **kw):\n"
+        "    if completions[0] == 'hang':\n"
+        "        RELEASE.wait(30)\n"
+        "    return [1.0]\n")
+    health = _healthcheck()
+    config = RewardConfig(kind="python", function="hanging_reward1:score", port=0, workers=1, item_timeout_s=0.5)
+    server = RewardServer(config)
+    release = sys.modules["hanging_reward1"].RELEASE
+    try:
+        with server, RewardClient(server.address, timeout_s=5, retries=0) as client:
+            assert not client.score([Req(id="h1", completion="hang", reference="1")])[0].ok
+            assert client.score([Req(id="a", completion="x", reference="1")])[0].ok  # its replacement scores
+            assert health(["--timeout", "2", "grpc-reward", server.address]) == 0
+            start = time.monotonic()
+            stuck, queued = client.score([Req(id="h2", completion="hang", reference="1"),
+                                          Req(id="q", completion="x", reference="1")])
+            assert not stuck.ok and "timed out after 0.5 s" in stuck.error, stuck
+            assert not queued.ok and "timed out waiting for a worker" in queued.error, queued
+            assert time.monotonic() - start < 3
+            assert health(["--timeout", "2", "grpc-reward", server.address]) == 1
+            release.set()
+            deadline = time.monotonic() + 5
+            while server.servicer.pool.stuck() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert health(["--timeout", "2", "grpc-reward", server.address]) == 0
+            assert all(r.ok for r in client.score([Req(id=f"b{i}", completion="x", reference="1") for i in range(3)]))
+            assert len([t for t in server.servicer.pool.threads() if t.is_alive()]) == 1
+    finally:
+        release.set()
+        sys.modules.pop("hanging_reward1", None)
 
 
 def test_the_timeout_is_a_documented_field_and_0_turns_it_off() -> None:

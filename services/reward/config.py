@@ -47,9 +47,9 @@ class RewardConfig(ServiceConfig):
     )
     item_timeout_s: float = Field(
         60.0, ge=0, description="an item still scoring after this many seconds is answered ok=false (timed out) and "
-        "its worker replaced (the stuck thread runs on; a Python thread cannot be stopped); once `workers` threads "
-        "are stuck so, the health check (deploy/healthcheck.py grpc-reward) fails, so a liveness probe restarts "
-        "the server. 0: no timeout"
+        "its worker replaced (the stuck thread runs on; a Python thread cannot be stopped), up to `workers` stuck "
+        "threads; once more are stuck, the health check (deploy/healthcheck.py grpc-reward) fails, so a liveness "
+        "probe restarts the server, and an item waiting that long for a worker is answered ok=false. 0: no timeout"
     )
     grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight calls may take to finish")
     metrics_port: int = Field(

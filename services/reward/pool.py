@@ -1,17 +1,22 @@
 """`ScoringPool`: the reward server's scoring threads, with a per-item timeout that frees a stuck worker.
 
-    submit(fn, item) -> Future      # a worker runs fn(item); its result, or after `timeout_s` running: on_timeout(item)
+    submit(fn, item) -> Future      # a worker runs fn(item); its result, or after `timeout_s` running:
+                                    # on_timeout(item, s, waiting=False); waiting on a wedged pool: waiting=True
     map(fn, items) -> results in order
     stuck() -> threads abandoned to an item that never returned, still running
-    wedged() -> True once `workers` threads are stuck: the health check answers UNAVAILABLE
+    wedged() -> True once more than `workers` threads are stuck: the health check answers UNAVAILABLE
 
 A Python thread cannot be stopped, so an item past `timeout_s` (a reward function in an endless loop, a verifier
 on a pathological input) is answered without it: its future gets `on_timeout(item)` (ok=false, "timed out"), the
 thread is left to finish on its own (its result is dropped) and a new worker takes its place, so the pool keeps
-`workers` threads scoring. Such threads are counted; once as many are stuck as the pool has workers, no more are
-replaced (a function that hangs on every item would grow threads without bound) and `wedged()` says so: the
-server's health check then fails and a liveness probe restarts it. Before this a stuck item held its worker for
-ever, and the health check (an empty batch, which reaches no worker) stayed healthy while nothing was scored.
+`workers` threads scoring. Such threads are counted; up to `workers` of them are replaced (at most 2 x `workers`
+threads: a function that hangs on every item must not grow threads without bound; `workers = 1` survives its first
+stuck item). A stuck thread past that is not replaced, the pool scores with fewer threads (none at 2 x `workers`
+stuck) and `wedged()` says so: the server's health check then fails and a liveness probe restarts it. While
+wedged, an item that has waited `timeout_s` for a worker since it was submitted is answered
+`on_timeout(item, s, waiting=True)` (ok=false) rather than left for the restart. Before this a stuck item held its
+worker for ever, and the health check (an empty batch, which reaches no worker) stayed healthy while nothing was
+scored. A thread that comes back scores again, in place of one not replaced, else it exits.
 """
 
 from __future__ import annotations
@@ -31,19 +36,21 @@ class _Job:
         self.fn = fn
         self.item = item
         self.future: Future = Future()
+        self.queued = time.monotonic()
         self.started = 0.0  # monotonic time a worker took it
 
 
 class ScoringPool:
-    def __init__(self, workers: int, timeout_s: float, on_timeout: Callable[[Any, float], Any],
+    def __init__(self, workers: int, timeout_s: float, on_timeout: Callable[[Any, float, bool], Any],
                  name: str = "reward-score") -> None:
         self.workers = workers
         self.timeout_s = timeout_s  # 0: no timeout
-        self._on_timeout = on_timeout  # (item, seconds) -> the item's answer
+        self._on_timeout = on_timeout  # (item, seconds, waiting: never began) -> the item's answer
         self._name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running: dict[threading.Thread, _Job] = {}  # worker -> the job it runs now
+        self._waiting: dict[_Job, None] = {}  # submitted, not yet taken by a worker (nor answered on timeout)
         self._threads: list[threading.Thread] = []  # every worker started, stuck ones included
         self._abandoned: set[threading.Thread] = set()
         self._unreplaced = 0  # abandoned workers not replaced (the bound): one that comes back works on in their place
@@ -64,6 +71,8 @@ class ScoringPool:
         if self._closed.is_set():
             raise RuntimeError("the scoring pool is shut down")
         job = _Job(fn, item)
+        with self._lock:
+            self._waiting[job] = None
         self._jobs.put(job)
         return job.future
 
@@ -77,9 +86,11 @@ class ScoringPool:
             job = self._jobs.get()
             if job is _STOP or me in self._abandoned:
                 return
-            if not job.future.set_running_or_notify_cancel():
-                continue
             with self._lock:
+                taken = job in self._waiting  # else answered already: it waited too long on a wedged pool
+                self._waiting.pop(job, None)
+                if not taken or not job.future.set_running_or_notify_cancel():
+                    continue
                 job.started = time.monotonic()
                 self._running[me] = job
             try:
@@ -105,6 +116,7 @@ class ScoringPool:
         while not self._closed.wait(tick):
             now = time.monotonic()
             late: list[_Job] = []
+            waited: list[_Job] = []
             with self._lock:
                 for thread, job in list(self._running.items()):
                     if now - job.started < self.timeout_s:
@@ -112,12 +124,19 @@ class ScoringPool:
                     del self._running[thread]
                     self._abandoned.add(thread)
                     late.append(job)
-                    if len(self._abandoned) < self.workers:  # bounded: past that the pool is wedged, see wedged()
+                    if len(self._abandoned) <= self.workers:  # bounded: past that the pool is wedged, see wedged()
                         self._start_worker()
                     else:
                         self._unreplaced += 1
+                if len(self._abandoned) > self.workers:  # wedged: the queue may never drain before a restart
+                    waited = [job for job in self._waiting if now - job.queued >= self.timeout_s]
+                    for job in waited:
+                        del self._waiting[job]
             for job in late:
-                job.future.set_result(self._on_timeout(job.item, self.timeout_s))
+                job.future.set_result(self._on_timeout(job.item, self.timeout_s, False))
+            for job in waited:
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_result(self._on_timeout(job.item, self.timeout_s, True))
 
     def stuck(self) -> int:
         """Workers abandoned to an item past the timeout that are still running it."""
@@ -125,8 +144,8 @@ class ScoringPool:
             return len(self._abandoned)
 
     def wedged(self) -> bool:
-        """As many workers stuck as the pool has: nothing new is scored (or soon will not be)."""
-        return self.stuck() >= self.workers
+        """More workers stuck than the pool replaces: it scores on fewer than `workers` threads (none at 2 x)."""
+        return self.stuck() > self.workers
 
     def threads(self) -> list[threading.Thread]:
         return list(self._threads)
@@ -141,5 +160,7 @@ class ScoringPool:
                 break
             if job is not _STOP:
                 job.future.cancel()
+                with self._lock:
+                    self._waiting.pop(job, None)
         for _ in self._threads:
             self._jobs.put(_STOP)

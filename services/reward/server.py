@@ -27,9 +27,10 @@ a client that sends without reading is held back instead of growing the
 server's memory. grpc asks the handler for the next response only once the
 previous one is sent, so a result counts as sent when it is asked for again.
 
-An item still scoring after `item_timeout_s` is answered ok=false ("timed out") and its worker replaced
-(services/reward/pool.py); once `workers` threads are stuck so, the empty `Score` call of the health check
-answers UNAVAILABLE.
+An item still scoring after `item_timeout_s` is answered ok=false ("timed out") and its worker replaced, up to
+`workers` stuck threads (services/reward/pool.py); once more are stuck the pool is wedged: the empty `Score` call of
+the health check answers UNAVAILABLE, and an item that has waited `item_timeout_s` for a worker is answered ok=false
+("timed out waiting for a worker") instead of waiting for the restart.
 
 Each item is its own error boundary: a malformed item (no id, over the size
 limit, no reference for a verifier) or a verifier that raises (a function that
@@ -189,13 +190,18 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self.m.scored.labels(correct=str(correct).lower()).inc()
         return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=correct, reward=reward)
 
-    def _timed_out(self, item: reward_pb2.ScoreRequest, seconds: float) -> reward_pb2.ScoreResponse:
-        """The answer of an item still scoring after `item_timeout_s` (ScoringPool: its worker is replaced)."""
+    def _timed_out(self, item: reward_pb2.ScoreRequest, seconds: float, waiting: bool) -> reward_pb2.ScoreResponse:
+        """The answer of an item still scoring after `item_timeout_s` (ScoringPool: its worker is replaced while
+        the pool replaces stuck ones), or (`waiting`) one that waited that long for a worker on a wedged pool."""
         self.m.errors.labels(reason="timeout").inc()
+        log.warning("item_timed_out", id=item.id, after_s=seconds, stuck_workers=self.pool.stuck(), waiting=waiting)
+        if waiting:
+            return reward_pb2.ScoreResponse(id=item.id, ok=False, error=f"timed out waiting for a worker after "
+                                            f"{seconds:g} s (item_timeout_s): {self.pool.stuck()} scoring threads "
+                                            "are stuck; the server needs a restart")
         what = f"reward function {self.config.function}" if self.function is not None else f"verifier {self.config.kind}"
-        log.warning("item_timed_out", id=item.id, after_s=seconds, stuck_workers=self.pool.stuck())
         return reward_pb2.ScoreResponse(id=item.id, ok=False, error=f"{what} timed out after {seconds:g} s "
-                                        "(item_timeout_s); its worker was replaced")
+                                        "(item_timeout_s); its worker is abandoned to it")
 
     def score_unless_ended(self, context: grpc.ServicerContext, item: reward_pb2.ScoreRequest
                            ) -> reward_pb2.ScoreResponse:
@@ -209,8 +215,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     def Score(self, request: reward_pb2.ScoreBatchRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreBatchResponse:
         n = len(request.items)
         if n == 0 and self.pool.wedged():  # the health check's call (deploy/healthcheck.py): nothing is scored
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"all {self.config.workers} scoring workers are stuck on "
-                          f"items past item_timeout_s ({self.config.item_timeout_s:g} s); restart the server")
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.pool.stuck()} scoring threads are stuck on items "
+                          f"past item_timeout_s ({self.config.item_timeout_s:g} s), more than the {self.config.workers} "
+                          "workers the pool replaces; restart the server")
         if n > self.config.max_batch_items:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
