@@ -10,8 +10,9 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Each section is loaded as its service would load it, the environment left out: unknown "
-                     "sections, unknown fields, bad values and a [trainer] max_tokens that leaves no room for a "
-                     "prompt under [rollout.engine] max_model_len are printed, exit status 2; else 'ok: N sections'.")
+                     "sections, unknown fields, bad values, a [trainer] max_tokens that leaves no room for a "
+                     "prompt under [rollout.engine] max_model_len and a pushed weight dtype ([trainer] push_dtype, "
+                     "bf16) that is not [rollout.engine] dtype are printed, exit status 2; else 'ok: N sections'.")
     parser.add_argument("file", metavar="FILE", help="preset name or .toml path")
 
 

@@ -178,6 +178,27 @@ def context_problem(trainer: Any, rollout: Any, limit: int | None = None) -> str
             f"max_model_len={limit}: the rollout would refuse every request; lower max_tokens or raise max_model_len")
 
 
+def push_dtype_problem(trainer: Any, rollout: Any) -> str | None:
+    """Why the trainer's weight pushes would be refused by the native engine, or None: the pushed dtype (push_dtype,
+    "auto" following [trainer] bf16) must be the engine's own; each tensor of another dtype is refused at the first
+    push, after every service has started. bf16 unset ("auto" then follows the trainer's device) is not known here."""
+    if trainer.weight_push == "none" or rollout.backend != "native":
+        return None
+    if trainer.push_dtype != "auto":
+        pushed = trainer.push_dtype
+    elif trainer.bf16 is None:
+        return None
+    else:
+        pushed = "bfloat16" if trainer.bf16 else "float32"
+    served = rollout.engine.dtype
+    if pushed == served:
+        return None
+    why = f" (bf16 = {str(trainer.bf16).lower()})" if trainer.push_dtype == "auto" else ""
+    return (f'[trainer] push_dtype="{trainer.push_dtype}" pushes {pushed} weights{why} but [rollout.engine] '
+            f'dtype="{served}": the rollout would refuse every weight push; set trainer.push_dtype = "{served}" or '
+            f'rollout.engine.dtype = "{pushed}"')
+
+
 def check(file: str) -> int:
     """The number of sections in `file`, every one valid; ConfigError naming every problem otherwise."""
     from tlt.services.common.config import ConfigError, load_config, preset_path, read_preset
@@ -194,8 +215,7 @@ def check(file: str) -> int:
     if not problems and ("trainer" in whole or "rollout" in whole):
         trainer = loaded.get("trainer") or load_config(config_class("trainer"), "trainer", None, environ={})
         rollout = loaded.get("rollout") or load_config(config_class("rollout"), "rollout", None, environ={})
-        if (problem := context_problem(trainer, rollout)) is not None:
-            problems.append(problem)
+        problems += [p for p in (context_problem(trainer, rollout), push_dtype_problem(trainer, rollout)) if p]
     if problems:
         raise ConfigError("\n".join(f"{preset_path(file)}: {p}" for p in problems))
     return len(whole)

@@ -179,10 +179,11 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
     origin = "the preset, TLT_* variables or --set"  # all three are in `services`
     loaded = {name: load_config(cls, name, None, services.get(name, {}), environ={}, overrides_origin=origin)
               for cls, name in sections}
-    from tlt.services.common.config_cmd import context_problem
+    from tlt.services.common.config_cmd import context_problem, push_dtype_problem
 
-    if (problem := context_problem(loaded["trainer"], loaded["rollout"])) is not None:
-        raise ConfigError(problem)
+    for check in (context_problem, push_dtype_problem):
+        if (problem := check(loaded["trainer"], loaded["rollout"])) is not None:
+            raise ConfigError(problem)
 
 
 def _drafter_off_reason() -> str:
