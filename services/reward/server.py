@@ -216,8 +216,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         n = len(request.items)
         if n == 0 and self.pool.wedged():  # the health check's call (deploy/healthcheck.py): nothing is scored
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.pool.stuck()} scoring threads are stuck on items "
-                          f"past item_timeout_s ({self.config.item_timeout_s:g} s), more than the {self.config.workers} "
-                          "workers the pool replaces; restart the server")
+                          f"past item_timeout_s ({self.config.item_timeout_s:g} s), more than the "
+                          f"{self.config.workers} workers the pool replaces; restart the server")
         if n > self.config.max_batch_items:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -366,8 +366,10 @@ class RewardServer:
         return stopped
 
     def stuck_calls(self, wait_s: float = 1.0) -> int:
-        """After `stop`: the scoring threads still running a call (a function that never returns). Interpreter exit
-        joins them (concurrent.futures), so a process that has any can only end with os._exit."""
+        """After `stop`: the scoring threads still running a call (a function that never returns). They are daemon
+        threads (ScoringPool), but the grpc handler thread of the call that sent the item waits for its answer,
+        and interpreter exit joins grpc's threads (concurrent.futures): a process that has any can only end with
+        os._exit."""
         deadline = time.monotonic() + wait_s
         threads = self.servicer.pool.threads()
         for t in threads:  # idle workers exit at once after shutdown
