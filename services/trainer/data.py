@@ -71,6 +71,8 @@ def _messages(prompt: list, where: str) -> list[dict[str, Any]]:
     if last not in ("user", "assistant"):
         raise DataError(f"{where}: 'prompt' ends with role {last!r}; the last message must be the user's (the model "
                         "answers it), or an assistant prefill the model continues")
+    if not any(m["content"].strip() for m in prompt):  # refused as a blank text prompt is: no prompt at all
+        raise DataError(f"{where}: 'prompt' is chat messages whose content is all empty; a prompt needs some text")
     return [dict(m) for m in prompt]
 
 
@@ -293,6 +295,7 @@ def jsonl_rows(path: Path) -> Iterable[Row]:
     if text.lstrip().startswith("["):
         yield from _json_array_rows(path, text)
         return
+    first = True
     # newline=None: the universal newlines a text-mode open() reads (\n, \r\n, \r)
     for lineno, line in enumerate(io.StringIO(text, newline=None), 1):
         if not line.strip():
@@ -300,10 +303,24 @@ def jsonl_rows(path: Path) -> Iterable[Row]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
+            if first:  # not JSONL at all: a pretty-printed object was refused as if its first line were a bad row
+                raise DataError(_not_rows(path, text, f"{path}:{lineno}: not valid JSON ({e.msg})")) from None
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         except (RecursionError, ValueError) as e:
             raise DataError(f"{path}:{lineno}: {_unreadable(e)}") from None
+        first = False
         yield row, f"{path}:{lineno}"
+
+
+def _not_rows(path: Path, text: str, bad_line: str) -> str:
+    """What a JSON prompt file must hold, told when its first line is no whole JSON row."""
+    expected = 'expected a JSON array of rows ([{"prompt": ..., "answer": ...}, ...]) or JSONL with one object per line'
+    try:
+        whole = json.loads(text)
+    except (RecursionError, ValueError):
+        return f"{bad_line}; {expected}"
+    kind = "object" if isinstance(whole, dict) else "value"
+    return f"{path}: one JSON {kind} over several lines, not rows; {expected}"
 
 
 def _unreadable(e: RecursionError | ValueError) -> str:
