@@ -78,3 +78,27 @@ def test_the_task_verifier_names_a_non_integer_reference_whatever_the_completion
     for completion in ("answer: 3", "no marker at all"):  # it raised only when the completion wrote an integer
         with pytest.raises(ValueError, match=r"not an integer.*reward = 'task' reads"):
             verify(completion, "\\frac{1}{2}")
+
+
+def test_a_resume_check_names_the_references_not_a_data_change(tmp_path, preset) -> None:
+    """A resumed run (`tlt run`'s resume check, run_resume.data_file_change) on the very file of its checkpoint
+    with reward = 'task' was told its data file had changed ("a resume keeps the data it was trained on (...);
+    restore that file"), where the reason is the references the task reward cannot read."""
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import PromptSampler, load_prompts
+    from tlt.services.trainer.procs import ServiceError
+    from tlt.services.trainer.run_resume import data_file_change
+
+    data = _data(tmp_path, [72, "\\frac{1}{2}"])
+    cfg = load_config(TrainerConfig, "trainer", str(preset), {"data_path": str(data), "reward": "task"})
+    sampler = PromptSampler(load_prompts(data, cfg.answer_field, cfg.model_dir), cfg.seed)
+    state = (tmp_path / "step-1", {"sampler": {"size": len(sampler.items), "fingerprint": sampler.fingerprint}})
+    with pytest.raises(ServiceError) as refused:
+        data_file_change(cfg, state)
+    says = str(refused.value)
+    assert "1 of 2 reference answers are not integers" in says and "reward = 'grpc'" in says, says
+    grpc = load_config(TrainerConfig, "trainer", str(preset), {"data_path": str(data), "reward": "grpc"})
+    assert data_file_change(grpc, state) is None
+    data.write_text(data.read_text() + '{"prompt": "q2", "answer": 3}\n')
+    assert "now holds 3 prompts, 2 at the checkpoint" in data_file_change(grpc, state)

@@ -128,14 +128,16 @@ def data_file_change(cfg: TrainerConfig, state: tuple[Path, dict[str, Any]]) -> 
     in (`state`: that checkpoint, `latest_state`): its prompt count, or its content
     fingerprint (PromptSampler's; a checkpoint saved before it was kept is checked on the count alone), as the
     trainer's PromptSampler.load_state_dict judges it; None when it does not. The synthetic set is fixed by the
-    DATA_FIELDS compared before."""
+    DATA_FIELDS compared before. ServiceError, in the trainer's own words, when the trainer would refuse the file
+    for its references (reward = 'task' reads integers only: trainer_prompts): that is no change of the data."""
     if not cfg.data_path:
         return None
     saved = state[1]["sampler"]
-    from tlt.services.trainer.data import DataError, PromptSampler, trainer_prompts
+    from tlt.services.trainer.data import DataError, PromptSampler, load_prompts
+    from tlt.services.trainer.rewards import task_reference_problem
 
-    try:
-        now = PromptSampler(trainer_prompts(cfg), cfg.seed)  # as the trainer reads it (chat template, answer_field)
+    try:  # the items trainer_prompts gives the trainer (chat template, answer_field), before its reward check
+        now = PromptSampler(load_prompts(cfg.data_path, cfg.answer_field, cfg.model_dir), cfg.seed)
     except DataError as e:  # gone, or no longer readable
         return str(e)
     if saved["size"] != len(now.items):
@@ -143,4 +145,7 @@ def data_file_change(cfg: TrainerConfig, state: tuple[Path, dict[str, Any]]) -> 
     if saved.get("fingerprint") not in (None, now.fingerprint):
         return (f"{cfg.data_path} was edited since: other content in its {len(now.items)} prompts, fingerprint "
                 f"{str(saved['fingerprint'])[:12]} at the checkpoint, {now.fingerprint[:12]} now")
+    if cfg.reward == "task" and (problem := task_reference_problem([it.answer for it in now.items],
+                                                                   cfg.data_path)) is not None:
+        raise ServiceError(problem)
     return None
