@@ -46,6 +46,9 @@ def test_a_bucket_whose_arms_never_fit_the_budget_is_refused():
     # a bucket that never runs is not held to the budget
     SpecConfig(mode="adaptive", threshold=4, verify_token_budget=12, bucket_thresholds=(1, 2, 5),
                bucket_arms=(("4_1_5",), ("4_1_5",), ("8_4_16",)))
+    # the built-in ladder and arms, which the user did not write: a small budget means "plain where nothing fits",
+    # as it always did (review: threshold 32 refused any budget below 105, naming bucket arms never set)
+    SpecConfig(mode="adaptive", threshold=32, verify_token_budget=64)
 
 
 @pytest.mark.parametrize("arms,named", [(("8_4_16", "4_1_5", "8_4_16"), "8_4_16"), (("8_4_16", "08_4_16"), "8_4_16"),

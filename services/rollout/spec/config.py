@@ -146,9 +146,11 @@ class SpecConfig(ServiceConfig):
         """Adaptive buckets that skew or starve the bandit: an arm named twice (explored twice as often), or drafting
         arms of which none fits the verify-token budget at the bucket's smallest batch (every step decoded plainly,
         as static mode's check refuses). A bucket that starts above the threshold never runs: not held to the
-        budget (`unused_buckets`)."""
+        budget (`unused_buckets`); nor are the built-in buckets and arms, which the user did not write."""
         twice: dict[tuple[str, tuple[str, ...]], list[str]] = {}  # (arm, the bucket's list) -> buckets naming it twice
         starved = []
+        # the built-in ladder and arms (not the user's): a small budget there means "plain where nothing fits"
+        built_in = self.bucket_thresholds == DEFAULT_THRESHOLDS and self.bucket_arms == DEFAULT_BUCKET_ARMS
         for i, bucket in enumerate(self.arms()):
             label = self._label(i)
             names = [a.name for a in bucket]
@@ -156,7 +158,7 @@ class SpecConfig(ServiceConfig):
                 twice.setdefault((name, self.bucket_arms[i]), []).append(label)
             smallest = 1 if i == 0 else self.bucket_thresholds[i]
             drafting = [a for a in bucket if not a.is_plain]
-            if (self.verify_token_budget and smallest <= self.threshold and drafting
+            if (self.verify_token_budget and smallest <= self.threshold and drafting and not built_in
                     and all(a.draft_tokens * smallest > self.verify_token_budget for a in drafting)):
                 fewest = min(a.draft_tokens for a in drafting)
                 starved.append(f"bucket {label} ({', '.join(names)}: {fewest * smallest} or more at batch {smallest})")
