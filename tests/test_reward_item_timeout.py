@@ -31,15 +31,20 @@ def _healthcheck():
     return module.main
 
 
-def test_stuck_items_time_out_replace_their_worker_and_a_wedged_pool_fails_the_health_check(
-        tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "hanging_reward.py").write_text(
+def _hanging_module(folder, monkeypatch, name: str) -> None:
+    """A reward module `name` whose `score` waits on its RELEASE event for a completion 'hang' (30 s at most)."""
+    monkeypatch.syspath_prepend(str(folder))
+    (folder / f"{name}.py").write_text(
         "import threading\n\nRELEASE = threading.Event()\n\n"
         "def score(completions, **kw):\n"
         "    if completions[0] == 'hang':\n"
         "        RELEASE.wait(30)\n"
         "    return [1.0]\n")
+
+
+def test_stuck_items_time_out_replace_their_worker_and_a_wedged_pool_fails_the_health_check(
+        tmp_path, monkeypatch, capsys) -> None:
+    _hanging_module(tmp_path, monkeypatch, "hanging_reward")
     health = _healthcheck()
     config = RewardConfig(kind="python", function="hanging_reward:score", port=0, workers=2, item_timeout_s=0.5)
     server = RewardServer(config)  # loads the function: its module holds the event that ends its wait
@@ -76,13 +81,7 @@ def test_stuck_items_time_out_replace_their_worker_and_a_wedged_pool_fails_the_h
 def test_one_worker_is_replaced_once_and_items_queued_on_a_wedged_pool_time_out(tmp_path, monkeypatch) -> None:
     """workers = 1: the first stuck item wedged the pool at once (nothing replaced), and the items queued behind it
     were never answered (only running items timed out): a Score call waited for the liveness probe's restart."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "hanging_reward1.py").write_text(
-        "import threading\n\nRELEASE = threading.Event()\n\n"
-        "def score(completions, **kw):\n"
-        "    if completions[0] == 'hang':\n"
-        "        RELEASE.wait(30)\n"
-        "    return [1.0]\n")
+    _hanging_module(tmp_path, monkeypatch, "hanging_reward1")
     health = _healthcheck()
     config = RewardConfig(kind="python", function="hanging_reward1:score", port=0, workers=1, item_timeout_s=0.5)
     server = RewardServer(config)
