@@ -84,7 +84,10 @@ class RewardClient:
         self.retries = retries
         self.retry_window_s = retry_window_s
         self.backoff_s = backoff_s
-        self._channel = grpc.insecure_channel(address, options=client_options(max_message_bytes, max_reconnect_backoff_s))
+        # round robin over every address the target resolves to (a headless Service's pods): with gRPC's default,
+        # pick_first, every call went over one HTTP/2 connection to one reward replica, however many ran
+        options = [*client_options(max_message_bytes, max_reconnect_backoff_s), ("grpc.lb_policy_name", "round_robin")]
+        self._channel = grpc.insecure_channel(address, options=options)
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-client")
         self._closing = threading.Event()
