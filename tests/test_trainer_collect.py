@@ -98,6 +98,21 @@ def test_rollout_failure_fails_the_step(server):
                     params=sampling_params(100_000, 1.0, 1.0), step=0)
 
 
+
+def test_a_prompt_too_long_names_the_data_sets_item_not_its_place_in_the_request(server):
+    """The server refuses "prompt 1 has at least N tokens"; the step's error said that alone, and 1 is the prompt's
+    place in this step's request, no row of the file. It now names the data set's item (and the command that names
+    its line)."""
+    from tlt.services.rollout.client import RolloutClient
+
+    long_text = "12+34=46 and " * 2000
+    with RolloutClient(server.grpc_address) as client:
+        with pytest.raises(RolloutError) as e:
+            collect([PromptItem(5, "1+1=", "2"), PromptItem(37, long_text, "1")], [client], Recorder(), n=1,
+                    params=sampling_params(4, 1.0, 1.0), step=0)
+    assert "prompt 1 " in str(e.value) and "the data set's item 37" in str(e.value), str(e.value)
+    assert "tlt data check" in str(e.value)
+
 def test_a_request_that_cannot_be_sent_fails_the_step_instead_of_waiting_forever(server):
     # a reader thread that died of anything but a gRPC error never said so, and collect waited on its queue forever
     from tlt.services.rollout.client import RolloutClient

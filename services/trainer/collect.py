@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import queue
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -121,6 +122,17 @@ def server_params(params: rollout_pb2.SamplingParams, step: int | str, server: i
     return own
 
 
+def _name_prompt(details: str, prompts: Sequence[PromptItem]) -> str:
+    """The server's refusal of "prompt i" (its place in this request) with the data set's item it is: "prompt 0
+    has at least 8189 tokens" named no row of the file."""
+    m = re.match(r"prompt (\d+)\b", details)
+    if m is None or int(m[1]) >= len(prompts):
+        return details
+    item = prompts[int(m[1])].index
+    return (f"{details} (the data set's item {item}, counting from 0: `tlt data check --data FILE` names its line "
+            "and every prompt too long for the context)")
+
+
 def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out: queue.Queue,  # noqa: ANN001
           streams: list) -> None:
     """Thread body: move one server's completions into `out` (then _END, or the error)."""
@@ -132,7 +144,8 @@ def _read(client, prompts: list[PromptItem], n: int, params, batch_id: str, out:
             out.put((client, prompts, c))
         out.put(_END)
     except grpc.RpcError as e:  # deliberate boundary: handed to the step, which fails with it
-        out.put(_RETRYABLE.get(e.code(), RolloutError)(f"rollout server {client.address} failed: {e.code()} {e.details()}"))
+        out.put(_RETRYABLE.get(e.code(), RolloutError)(f"rollout server {client.address} failed: {e.code()} "
+                                                       f"{_name_prompt(e.details() or '', prompts)}"))
     except Exception as e:  # anything else (a request that cannot be encoded): the step fails with it, never waits
         err = RolloutError(f"rollout from {client.address} failed: {type(e).__name__}: {e}")
         err.__cause__ = e
