@@ -374,3 +374,7 @@ def test_capacity_events_name_the_drafter_the_rollout_started_with(model_dir, tm
             finally:
                 sub.close()
         assert [e.start_drafter for e in snap] == [expected], (spec.drafter, snap)
+    # without capacity events nobody reads it: the replica does not spend seconds hashing a large drafter
+    with ServerThread(model_dir, replicas=1, spec=SpecConfig(drafter="learned",
+                                                             drafter_path=str(tmp_path / "drafter"))) as s:
+        assert [r.info.start_drafter for r in s.server.pool.replicas] == [""]

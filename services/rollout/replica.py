@@ -91,13 +91,16 @@ def serve_replica(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
     features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "", pin_cpus: bool = False,
     spin_wait: bool = False, environ: dict[str, str] | None = None, gc_freeze: bool = False,
+    identify_drafter: bool = False,
 ) -> None:
     """The replica's life in its process. `features_push`: drafter feature PULL endpoint.
     `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`.
     `spin_wait`: its OpenMP threads spin briefly at barriers (`services.common.cpus.spin_at_barriers`).
     `environ`: the front's environment, for a replica forked from the preloaded forkserver (replica_start.py),
     whose own is the front's at the forkserver's start.
-    `gc_freeze`: freeze the process's heap once the engine is up (services/common/gc_heap.py)."""
+    `gc_freeze`: freeze the process's heap once the engine is up (services/common/gc_heap.py).
+    `identify_drafter`: hash the learned drafter it starts with for `ReplicaInfo.start_drafter` (the front publishes
+    capacity events; otherwise nobody reads it, and a large drafter takes seconds to hash)."""
     import signal
 
     if environ is not None:
@@ -139,7 +142,8 @@ def serve_replica(
         if spec_config_json:
             loading = spec_subject(spec_config_json)
             attach_spec(engine, spec_config_json)
-            start_drafter = start_drafter_identity(engine, spec_config_json)
+            if identify_drafter:  # only capacity events carry it: a drafter of 1B params takes ~6 s to hash
+                start_drafter = start_drafter_identity(engine, spec_config_json)
     except Exception as e:  # deliberate boundary: report why the replica could not start, then exit
         from tlt.model.drafter import DrafterError
         from tlt.model.folder import CheckpointError

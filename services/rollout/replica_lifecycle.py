@@ -215,7 +215,8 @@ class ReplicaLifecycle:
                   self.features_push, self.features_max_tokens,
                   "" if self.spec_config is None else self.spec_config.model_dump_json(), self.pin_cpus,
                   self.spin_wait and not preloaded,  # preloaded: spin_wait was off or one thread (no spin count to set)
-                  environ() if preloaded else None, self.gc_freeze),
+                  environ() if preloaded else None, self.gc_freeze,
+                  self.capacity is not None),  # capacity events carry the start drafter's identity: hash it then
             name=f"tlt-rollout-replica-{i}",
             daemon=True,
         )
