@@ -30,6 +30,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -437,20 +438,21 @@ class OpenAIServer:
                 CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, tlt_versions=versions)]),
                 nulls)
 
-        async for pi, ev in self._merged(reqs):
-            index = pi * n + ev.sample_index
-            if index not in streams:  # decoded after its prompt's last tokens, as the engine decodes it
-                streams[index] = conv.CompletionChoiceStream(self.tokenizer, params.stop, params.logprobs,
-                                                             reqs[pi].prompt_token_ids)
-            cs = streams[index]
-            if isinstance(ev, StepOutput):
-                delta, lp = cs.push(ev)
-                if delta:
-                    yield chunk(index, delta, lp=lp)
-            else:
-                outs.append(ev)
-                text, lp = cs.finish(ev)
-                yield chunk(index, text, conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
+        async with aclosing(self._merged(reqs)) as events:  # closed with this stream: its requests abort
+            async for pi, ev in events:
+                index = pi * n + ev.sample_index
+                if index not in streams:  # decoded after its prompt's last tokens, as the engine decodes it
+                    streams[index] = conv.CompletionChoiceStream(self.tokenizer, params.stop, params.logprobs,
+                                                                 reqs[pi].prompt_token_ids)
+                cs = streams[index]
+                if isinstance(ev, StepOutput):
+                    delta, lp = cs.push(ev)
+                    if delta:
+                        yield chunk(index, delta, lp=lp)
+                else:
+                    outs.append(ev)
+                    text, lp = cs.finish(ev)
+                    yield chunk(index, text, conv.finish_reason(ev), lp, conv.tlt_versions(ev.versions))
         if include_usage:
             yield Sse.data(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                usage=self._usage(prompts, outs),
@@ -576,15 +578,16 @@ class OpenAIServer:
             streams[i] = conv.ChatChoiceStream(self.tokenizer, i, params.stop, tools, bool(req.logprobs),
                                                req.top_logprobs or 0, reqs[0].prompt_token_ids)
             yield chunk(streams[i].start())
-        async for _, ev in self._merged(reqs):
-            cs = streams[ev.sample_index]
-            if isinstance(ev, StepOutput):
-                for choice in cs.push(ev):
-                    yield chunk(choice)
-            else:
-                outs.append(ev)
-                for choice in cs.finish(ev):
-                    yield chunk(choice)
+        async with aclosing(self._merged(reqs)) as events:  # closed with this stream: its requests abort
+            async for _, ev in events:
+                cs = streams[ev.sample_index]
+                if isinstance(ev, StepOutput):
+                    for choice in cs.push(ev):
+                        yield chunk(choice)
+                else:
+                    outs.append(ev)
+                    for choice in cs.finish(ev):
+                        yield chunk(choice)
         if include_usage:
             yield Sse.data(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
                                                 usage=self._usage(prompts, outs),
