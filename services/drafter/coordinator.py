@@ -50,8 +50,8 @@ from tlt.services.drafter.intake import FeatureIntake
 from tlt.services.drafter.lineage import identity, moved_aside
 from tlt.services.drafter.rollout_idle import RolloutIdle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
-from tlt.services.drafter.training import build_drafter, load_state, own_tensors, save_atomic, target_shared
-from tlt.services.drafter.training import tensors_message
+from tlt.services.drafter.training import (build_drafter, load_state, own_tensors, save_atomic, target_shared,
+                                           tensors_message)
 from tlt.services.rollout.client import WeightPushError
 from tlt.v1 import common_pb2, drafter_pb2, events_pb2, rollout_pb2
 
@@ -477,8 +477,7 @@ class Coordinator:
         if behind is None or self._pending is not None or time.monotonic() < self._repush_at:
             self._behind = None if behind is None else self._behind
             return
-        starts = self.rollout.start_drafters(self.serving_version)
-        if starts == {self.lineage} and self.serving_version > 0:
+        if (starts := self.rollout.start_drafters(self.serving_version)) == {self.lineage} and self.serving_version > 0:
             log.info("drafter_repush", version=self.serving_version, rollout_serves=behind, start_drafter=self.lineage)
             with self._lock:
                 self._pending = (dict(self.serving), self.serving_version)

@@ -116,6 +116,15 @@ class BucketStats:
     over_budget: int  # steps at which no arm fit the verify-token budget (decoded plainly, no choice)
 
 
+def bucket_label(thresholds: Sequence[int], i: int) -> str:
+    """Bucket i of `thresholds` as status and config errors name it (1, 2-4, >=21)."""
+    lo = 1 if i == 0 else thresholds[i]  # batches below the first threshold use bucket 0 too
+    if i + 1 == len(thresholds):
+        return f">={lo}"
+    hi = thresholds[i + 1] - 1
+    return str(lo) if hi == lo else f"{lo}-{hi}"
+
+
 class BucketedEpsilonGreedy:
     def __init__(
         self,
@@ -165,11 +174,7 @@ class BucketedEpsilonGreedy:
         return i
 
     def label(self, i: int) -> str:
-        lo = 1 if i == 0 else self.thresholds[i]  # batches below the first threshold use bucket 0 too
-        if i + 1 == len(self.thresholds):
-            return f">={lo}"
-        hi = self.thresholds[i + 1] - 1
-        return str(lo) if hi == lo else f"{lo}-{hi}"
+        return bucket_label(self.thresholds, i)
 
     def eligible(self, batch_size: int) -> tuple[Arm, ...]:
         """The bucket's arms within the verify-token budget at this batch size; may be empty. "plain"

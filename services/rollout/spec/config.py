@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tlt.services.common.config import ServiceConfig
-from tlt.services.rollout.spec.bandit import DEFAULT_BUCKET_ARMS, DEFAULT_THRESHOLDS, EXACT_SIZES
+from tlt.services.rollout.spec.bandit import DEFAULT_BUCKET_ARMS, DEFAULT_THRESHOLDS, EXACT_SIZES, bucket_label
 from tlt.services.rollout.spec.arm import Arm
 
 
@@ -135,12 +135,7 @@ class SpecConfig(ServiceConfig):
         return self
 
     def _label(self, i: int) -> str:
-        """Bucket i as the bandit names it (1, 2-4, >=21): bucket 0 also takes batches below its start."""
-        lo = 1 if i == 0 else self.bucket_thresholds[i]
-        if i + 1 == len(self.bucket_thresholds):
-            return f">={lo}"
-        hi = self.bucket_thresholds[i + 1] - 1
-        return str(lo) if hi == lo else f"{lo}-{hi}"
+        return bucket_label(self.bucket_thresholds, i)
 
     def _bucket_problems(self) -> list[str]:
         """Adaptive buckets that skew or starve the bandit: an arm named twice (explored twice as often), or drafting
