@@ -102,3 +102,32 @@ def test_a_resume_check_names_the_references_not_a_data_change(tmp_path, preset)
     assert data_file_change(grpc, state) is None
     data.write_text(data.read_text() + '{"prompt": "q2", "answer": 3}\n')
     assert "now holds 3 prompts, 2 at the checkpoint" in data_file_change(grpc, state)
+
+
+def test_an_eval_file_the_task_reward_cannot_read_is_refused_at_start_and_by_data_check(
+        tmp_path, preset, capsys) -> None:
+    """eval_data_path is scored by the same reward: its non-integer references failed the run at its first eval
+    (after the first eval_every steps), not at start with the data file's message."""
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import DataError
+    from tlt.services.trainer.evaluate import eval_items
+
+    data = _data(tmp_path, [72, 3])
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"e{i}", "answer": a}) + "\n"
+                                for i, a in enumerate([5, "x = 5", 6])))
+    overrides = {"data_path": str(data), "eval_data_path": str(held_out), "eval_problems": 3}
+    cfg = load_config(TrainerConfig, "trainer", str(preset), {**overrides, "reward": "task"})
+    with pytest.raises(DataError) as refused:
+        eval_items(cfg)
+    says = str(refused.value)
+    assert str(held_out) in says and "1 of 3 reference answers are not integers" in says, says
+    assert "'x = 5'" in says and "reward = 'grpc'" in says, says
+    rc = main(["--log-json", "data", "check", "--data", str(data), "--preset", str(preset),
+               "--set", "trainer.reward=task", "--set", f"trainer.eval_data_path={held_out}",
+               "--set", "trainer.eval_problems=3"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and json.loads(lines[0])["error"] == says, lines
+    grpc = load_config(TrainerConfig, "trainer", str(preset), {**overrides, "reward": "grpc"})
+    assert len(eval_items(grpc)) == 3

@@ -126,7 +126,13 @@ def eval_items(cfg: TrainerConfig) -> list[PromptItem]:
         items = load_prompts(cfg.eval_data_path, cfg.eval_answer_field or cfg.answer_field, cfg.model_dir)
         if len(items) < cfg.eval_problems:
             raise DataError(f"{cfg.eval_data_path}: {len(items)} prompts, eval_problems asks for {cfg.eval_problems}")
-        return items[: cfg.eval_problems]
+        items = items[: cfg.eval_problems]
+        if cfg.reward == "task":  # as trainer_prompts: refused now, not at the first eval, eval_every steps in
+            from tlt.services.trainer.rewards import task_reference_problem
+
+            if (problem := task_reference_problem([it.answer for it in items], cfg.eval_data_path)) is not None:
+                raise DataError(problem)
+        return items
     from tlt.model.evaluate import EVAL_SEED_OFFSET
     from tlt.task import format_prompt, generate_problems
 
