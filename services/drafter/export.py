@@ -17,8 +17,10 @@ target's embedding and lm_head with the draft model (`set_embed_and_head`), so n
     layer.post_attention_layernorm.*   ->  layers.0.post_attention_layernorm.weight
     layer.mlp.{gate,up,down}_proj.*    ->  layers.0.mlp.{gate,up,down}_proj.weight
 
-config.json = the target's, with architectures [<Family>ForCausalLMEagle] and num_hidden_layers 1 (and
-layer_types, when the target's config has that per-layer list, ["full_attention"]).
+config.json = the target's, with architectures [<Family>ForCausalLMEagle], num_hidden_layers 1 (and
+layer_types, when the target's config has that per-layer list, ["full_attention"]) and tie_word_embeddings false:
+SGLang's EAGLE model aliases lm_head to embed_tokens when it is true, and set_embed_and_head, which deletes both
+weights to take the target's, then fails with AttributeError (a tied target: Qwen2.5-0.5B..3B, Llama-3.2-1B/3B).
 See docs/DRAFTER.md.
 """
 
@@ -63,6 +65,7 @@ def sglang_config(target_config: dict) -> dict:
     cfg = dict(target_config)
     cfg["architectures"] = [ARCHITECTURES[family]]
     cfg["num_hidden_layers"] = 1
+    cfg["tie_word_embeddings"] = False  # the draft's head is the target's (set_embed_and_head): see the docstring
     if cfg.get("layer_types") is not None:  # per-layer list (recent transformers): one full-attention layer,
         cfg["layer_types"] = ["full_attention"]  # or AutoConfig refuses num_hidden_layers != len(layer_types)
     return cfg

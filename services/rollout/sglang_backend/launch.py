@@ -75,6 +75,13 @@ def check_draft_model(cfg: SGLangBackendConfig, look: bool = True) -> None:
     if cfg.speculative_algorithm == "EAGLE" and not set(archs) & set(ARCHITECTURES.values()):
         raise DrafterError(f"{folder} holds {archs or 'no architecture'}, not an EAGLE draft model "
                            f"({sorted(ARCHITECTURES.values())}); write one with {export}")
+    if cfg.speculative_algorithm == "EAGLE" and json.loads((folder / "config.json").read_text()).get(
+            "tie_word_embeddings"):
+        # SGLang's qwen2_eagle / llama_eagle alias lm_head to embed_tokens, and EAGLEWorker's set_embed_and_head
+        # (`del embed_tokens.weight; del lm_head.weight`) then raises AttributeError once the target has loaded
+        raise DrafterError(f"{folder}/config.json has tie_word_embeddings true, which SGLang's EAGLE worker fails "
+                           f"on at startup (an export from before this was fixed, of a tied target); export it "
+                           f"again: {export}")
     if cfg.speculative_algorithm == "EAGLE3" and set(archs) & set(ARCHITECTURES.values()):
         # SGLang's EAGLE3 worker feeds the draft model three of the target's layers; an EAGLE-1 layer such as
         # TLT's export (fc over 2 x hidden) fails inside SGLang, after the target has loaded.
