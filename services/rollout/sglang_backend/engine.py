@@ -115,7 +115,7 @@ class SGLangEngine:
         self.config = config
         self.replica_id = replica_id
         self.model_config = ModelInfo.from_dir(model_dir)
-        self.max_model_len = self.model_config.max_position_embeddings
+        self.max_model_len = config.context_length or self.model_config.max_position_embeddings  # SGLang's
         # With EAGLE, SGLang counts reserved draft slots against the context length
         # (launch.reserved_tokens); requests are sized and checked against what is left.
         from tlt.services.rollout.sglang_backend.launch import reserved_tokens
@@ -260,6 +260,11 @@ class SGLangEngine:
 
     def update_weights(self, kind: str, tensors: Mapping[str, Any], version: int) -> None:
         """Apply a validated policy or drafter update in one SGLang session."""
+        if kind == "drafter" and self.config.speculative_algorithm == "none":
+            # SGLang answers a draft update without a draft worker with success and loads nothing
+            # (weight_updater.iter_weight_update_workers skips it): refused as the native engine refuses it
+            raise ValueError("this engine has no speculative decoder to take drafter weights "
+                             "([sglang] speculative_algorithm = 'none')")
         if "weights" in self._released:
             raise ValueError("weights are released; resume() before updating them")
         if version <= (self.versions.policy if kind == "policy" else self.versions.drafter):
