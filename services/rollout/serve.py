@@ -45,19 +45,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None,
                         help="learned EAGLE drafter folder (else the model-free n-gram drafter); "
                         "with --backend sglang a `tlt drafter export --format sglang-eagle` folder")
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="the model name the OpenAI API serves and answers with (default: the folder's name)")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                        help="context length in tokens (engine.max_model_len; default: the model's, capped by the "
-                        "preset's)")
-    parser.add_argument("--dtype", default=None, metavar="DTYPE",
-                        help="engine weights and activations: float32, bfloat16 or float16 (engine.dtype; vLLM's "
-                        "'auto' is not taken: the preset's is the default)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name the OpenAI API serves and answers with (default: the folder's name); "
+                        "one name: vLLM's several aliases are refused")
+    parser.add_argument("--max-model-len", type=human_readable_int, default=None, metavar="N",
+                        help="context length in tokens, as vLLM reads it (1k = 1000, 1K = 1024) (engine.max_model_len, "
+                        "[sglang] context_length; default: the model's, capped by the preset's)")
+    parser.add_argument("--dtype", type=vllm_dtype, default=None, metavar="DTYPE",
+                        help="weights and activations: float32 (float), bfloat16 or float16 (half) (engine.dtype; "
+                        "vLLM's 'auto' only with --backend sglang, [sglang] dtype; default: the preset's)")
     parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                        help="most sequences one replica decodes together (engine.max_num_seqs)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM's --api-key; any user of this "
-                        "machine can read it in `ps`: $TLT_API_KEY keeps it out of sight)")
+                        help="most sequences one replica decodes together (engine.max_num_seqs, [sglang] "
+                        "max_running_requests)")
+    parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM's --api-key, one key; any user of "
+                        "this machine can read it in `ps`: $TLT_API_KEY keeps it out of sight)")
     parser.add_argument("--preset", default="cpu-tiny", help="config preset name or .toml path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a [rollout] field (engine.* and spec.* for the nested sections); repeatable")
@@ -68,6 +70,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 NESTED = ("engine", "spec")  # [rollout.engine], [rollout.spec]
+VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's --dtype aliases
+VLLM_ENGINE_FLAGS = {"max_model_len": "context_length", "dtype": "dtype", "max_num_seqs": "max_running_requests"}
+
+
+def vllm_dtype(text: str) -> str:
+    """`--dtype` as vLLM takes it: half = float16, float = float32 (the engine's config checks the rest)."""
+    return VLLM_DTYPES.get(text, text)
+
+
+def human_readable_int(text: str) -> int:
+    """`--max-model-len` as vLLM reads it (vllm/utils/argparse_utils.py): k, m, g, t multiply by powers of 1000 and
+    take decimals (25.6k = 25600); K, M, G, T by powers of 1024, whole numbers only (32K = 32768); else an integer."""
+    import re
+
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if match:
+        number, suffix = match.groups()
+        power = "kmgt".index(suffix.lower()) + 1
+        if suffix.islower():
+            return int(float(number) * 1000**power)
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: no decimals with the binary suffix {suffix} (1024s); "
+                                             f"did you mean {number}{suffix.lower()}?")
+        return int(number) * 1024**power
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 4k = 4000, 4K = 4096); "
+                                         "vLLM's 'auto' is not taken: leave the flag out for the model's "
+                                         "context") from None
 
 
 def build_config(args: argparse.Namespace) -> object:
@@ -99,13 +132,23 @@ def build_config(args: argparse.Namespace) -> object:
         if nested:
             overrides[section] = nested
     for flag, field in (("replicas", "replicas"), ("host", "host"), ("http_port", "http_port"),
-                        ("grpc_port", "grpc_port"), ("backend", "backend"), ("insecure_local", "insecure_local"),
-                        ("served_model_name", "served_model_name"), ("api_key", "api_key")):
+                        ("grpc_port", "grpc_port"), ("backend", "backend"), ("insecure_local", "insecure_local")):
         if getattr(args, flag, None) is not None:
             overrides[field] = getattr(args, flag)
-    for flag in ("max_model_len", "dtype", "max_num_seqs"):  # [rollout.engine] fields, as vLLM names them
-        if getattr(args, flag, None) is not None:
-            overrides.setdefault("engine", {})[flag] = getattr(args, flag)
+    for flag, what in (("served_model_name", "this server answers to one model name"),
+                       ("api_key", "this server checks one key")):  # vLLM takes several of each
+        given = getattr(args, flag, None)
+        if isinstance(given, list) and len(given) > 1:
+            from tlt.services.common.config import ConfigError
+
+            raise ConfigError(f"--{flag.replace('_', '-')} {' '.join(given)}: {what}; give one")
+        if given is not None:
+            overrides[flag] = given[0] if isinstance(given, list) else given
+    # [rollout.engine] fields, as vLLM names them; with --backend sglang they are [sglang] fields (sglang_flags),
+    # and nothing reads [rollout.engine]
+    engine = {flag: getattr(args, flag) for flag in VLLM_ENGINE_FLAGS if getattr(args, flag, None) is not None}
+    if engine and load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True).backend != "sglang":
+        overrides.setdefault("engine", {}).update(engine)
     if getattr(args, "spec_arms", None) is None:
         return load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
     # where --spec-arms goes depends on the mode and the bucket count, which the preset or environment may set
@@ -139,6 +182,7 @@ def sglang_flags(args: argparse.Namespace, environ: dict | None = None) -> dict[
         --spec static        -> adaptive = false;  --spec adaptive -> adaptive = true
         --spec-threshold N   -> spec_batch_threshold = N
         --spec-arms S_K_D    -> num_steps, eagle_topk, num_draft_tokens (static: one arm)
+        --max-model-len N    -> context_length;  --dtype -> dtype;  --max-num-seqs N -> max_running_requests
 
     SGLang's adaptive mode picks only a chain depth per batch-size slot ([sglang] adaptive_steps), so a list of
     arms for it is refused rather than dropped; so is a drafter with speculation off.
@@ -147,7 +191,8 @@ def sglang_flags(args: argparse.Namespace, environ: dict | None = None) -> dict[
     from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
     from tlt.services.rollout.spec.tree import Arm
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {field: getattr(args, flag) for flag, field in VLLM_ENGINE_FLAGS.items()
+                           if getattr(args, flag, None) is not None}
     if args.spec == "off":
         if args.drafter is not None:
             raise ConfigError(f"--drafter {args.drafter} with --spec off: SGLang would launch without it; "

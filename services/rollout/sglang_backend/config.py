@@ -35,8 +35,16 @@ class SGLangBackendConfig(ServiceConfig):
     mem_fraction_static: float = Field(
         0.80, gt=0, lt=1, description="GPU memory fraction for weights + KV cache; lower it when the trainer shares the GPU"
     )
-    dtype: Literal["auto", "bfloat16", "float16"] = Field("bfloat16", description="weights and activations dtype")
-    max_running_requests: int = Field(0, ge=0, description="cap on concurrently decoded requests; 0: SGLang decides")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="weights and activations dtype (SGLang's dtype; also set by --dtype)"
+    )
+    context_length: int = Field(
+        0, ge=0, description="longest prompt + completion in tokens (SGLang's context_length; also set by "
+        "--max-model-len); 0: the model's"
+    )
+    max_running_requests: int = Field(
+        0, ge=0, description="cap on concurrently decoded requests (also set by --max-num-seqs); 0: SGLang decides"
+    )
     random_seed: int = Field(0, description="SGLang's random_seed")
     deterministic_inference: bool = Field(
         False, description="SGLang's enable_deterministic_inference: per-request seeds (a request's `seed`) take "

@@ -137,6 +137,8 @@ def engine_kwargs(
     }
     if cfg.max_running_requests:
         kwargs["max_running_requests"] = cfg.max_running_requests
+    if cfg.context_length:
+        kwargs["context_length"] = cfg.context_length
     if cfg.deterministic_inference:
         kwargs["enable_deterministic_inference"] = True
     if cfg.return_hidden_states:
