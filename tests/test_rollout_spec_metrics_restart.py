@@ -77,3 +77,24 @@ def test_counts_of_a_killed_replica_stay_after_its_restart(tmp_path):
         after = work(2)  # no scrape until the new process has passed the old one's total
         assert after > before
         assert _verify_total(base) == before + after
+
+
+def test_per_arm_accept_lengths_are_the_serving_process_s():
+    """spec_arm_accept_len is a gauge of the process's own steps: after a restart, an arm the new process has not run
+    had kept the dead process's figure (through later restarts too), beside GetStatus's empty arms and a
+    spec_mean_accept_len of 0."""
+    metrics = Metrics("rollout")
+    spec = SpecMetrics(metrics)
+    arms = {"8_1_9": {"verify_steps": 4, "emitted": 8, "seq_steps": 5},
+            "5_1_6": {"verify_steps": 2, "emitted": 6, "seq_steps": 4}}
+    spec.update(0, {"on": True, "arms": arms}, pid=11)
+    assert _sample(metrics, "rollout_spec_arm_accept_len", arm="8_1_9") == 1.6
+    assert _sample(metrics, "rollout_spec_arm_accept_len", arm="5_1_6") == 1.5
+    spec.dead(0)
+    spec.update(0, {"on": False, "arms": {}}, pid=12)  # restarted, no step yet
+    assert _sample(metrics, "rollout_spec_arm_accept_len", arm="8_1_9") is None
+    assert _sample(metrics, "rollout_spec_arm_accept_len", arm="5_1_6") is None
+    spec.update(0, {"on": True, "arms": {"5_1_6": {"verify_steps": 1, "emitted": 3, "seq_steps": 1}}}, pid=12)
+    assert _sample(metrics, "rollout_spec_arm_accept_len", arm="5_1_6") == 3.0
+    assert _sample(metrics, "rollout_spec_arm_accept_len", arm="8_1_9") is None
+    assert _sample(metrics, "rollout_spec_arm_verify_steps_total", arm="8_1_9") == 4  # counters keep their counts

@@ -48,6 +48,7 @@ class SpecMetrics:
         self._pid: dict[str, int | None] = {}  # replica -> the pid of the process those totals are from
         self.arm_accept = metrics.gauge("spec_arm_accept_len", "tokens per sequence per verify step, by arm",
                                         ("replica", "arm"))
+        self._accept_arms: dict[str, set[str]] = {}  # replica -> the arms its arm_accept series are set for
         self.bucket_choices = metrics.counter("spec_bandit_choices", "bandit choices per batch-size bucket, by kind",
                                             ("replica", "bucket", "kind"))
         self.arm_reward = metrics.gauge("spec_bandit_median_reward", "median reward (tokens/s) of an arm in a bucket",
@@ -96,9 +97,13 @@ class SpecMetrics:
         self._count(self.catch_up, (r,), spec.get("catch_up_seconds", 0.0))
         self.accept.labels(r).set(spec.get("mean_accept_len", 0.0))
         self._set_last_arm(r, spec.get("last_arm"))
-        for name, a in spec.get("arms", {}).items():
+        arms = spec.get("arms", {})
+        for name, a in arms.items():
             self._count(self.arm_steps, (r, name), a["verify_steps"])
             self.arm_accept.labels(r, name).set(a["emitted"] / a["seq_steps"] if a["seq_steps"] else 0.0)
+        for name in self._accept_arms.get(r, set()) - arms.keys():  # a restarted replica's: not this process's steps
+            self.arm_accept.remove(r, name)
+        self._accept_arms[r] = set(arms)
         for b in spec.get("bandit", []):
             self._count(self.bucket_choices, (r, b["bucket"], "explored"), b["explored"])
             self._count(self.bucket_choices, (r, b["bucket"], "exploited"), b["exploited"])
