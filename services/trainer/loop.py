@@ -351,7 +351,7 @@ class _Services:
         for phase, seconds in m.times.items():
             self.g_seconds.labels(phase).set(seconds)
         log.info("step", step=m.step, version=policy.version, reward=round(m.reward_mean, 4),
-                 acc=round(m.accuracy, 4), loss=round(m.loss, 5), kl=round(m.approx_kl, 6),
+                 acc=round(m.accuracy, 4), loss=round(m.loss, 5), kl=round(m.kl, 6), approx_kl=round(m.approx_kl, 6),
                  len=round(m.response_len_mean, 1), **{k: round(v, 3) for k, v in m.times.items()})
 
     def evaluate(self, steps_done: int, version: int) -> None:
