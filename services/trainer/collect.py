@@ -84,11 +84,21 @@ class SpecTotals:
 @dataclass
 class RolloutResult:
     samples: list[ScoredCompletion]
-    times: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_tail_s (wait after the last sample)
+    # rollout_s (from the first attempt to the kept one's last completion), rollout_retry_s (the part of it spent on
+    # attempts dropped and the waits before each redo), reward_tail_s (wait after the last sample)
+    times: dict[str, float] = field(default_factory=dict)
     spec: SpecTotals = field(default_factory=lambda: SpecTotals())  # SD counters summed over the completions
-    retries: int = 0  # times the step was rolled out again after a replica died (`collect_retrying`)
+    retries: int = 0  # attempts of this rollout dropped and redone (`collect_retrying`, weight_sync.VersionGuard)
     rounds: int = 1  # rollout rounds the step took (dynamic sampling, dynamic_sampling.py)
     selection: Selection | None = None  # what dynamic sampling kept, and the stats of everything it generated
+
+    def redone(self, attempts: int, seconds: float) -> RolloutResult:
+        """This result, the rollout's kept attempt, after `attempts` dropped ones that took `seconds` with the waits
+        before each redo: counted in `retries`, and in rollout_s, of which rollout_retry_s says how much."""
+        self.retries += attempts
+        self.times["rollout_s"] = self.times.get("rollout_s", 0.0) + seconds
+        self.times["rollout_retry_s"] = self.times.get("rollout_retry_s", 0.0) + seconds
+        return self
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float,
@@ -159,15 +169,15 @@ def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: 
     redo, not the run: up to `retries` times the partial rollout is dropped and the same prompts are rolled out
     anew (with the same seeds: seeded, the samples the step would have had) once every replica serves again
     (`wait_serving`). A server too busy with other clients' requests to take the step's (RESOURCE_EXHAUSTED) is
-    asked again the same way, after BUSY_WAIT_S, doubling. `result.retries` says how many."""
+    asked again the same way, after BUSY_WAIT_S, doubling. `result.retries` says how many; its rollout_s runs from
+    the first attempt, rollout_retry_s is the time until the kept one began (`RolloutResult.redone`)."""
     from tlt.services.common.logging import get_logger
 
-    done = 0
+    done, start = 0, time.perf_counter()
     while True:
+        attempt = time.perf_counter() if done else start
         try:
-            result = collect(prompts, clients, rewards, n, params, step, seed_key)
-            result.retries = done
-            return result
+            return collect(prompts, clients, rewards, n, params, step, seed_key).redone(done, attempt - start)
         except RetryableRolloutError as e:
             if done >= retries:
                 raise

@@ -84,7 +84,9 @@ class StepMetrics:
     sd_plain_steps: int = 0  # per-sequence plain decode steps
     sd_response_tokens: int = 0  # tokens the rollout generated, every round (`tokens` counts those trained on)
     drafter_version: int = -1  # newest drafter version stamped on a completion (-1: no drafter)
-    rollout_retries: int = 0  # times this step was rolled out again after a rollout replica died
+    # rollout attempts of this step dropped and redone: a replica died past [rollout] redispatch_limit or a server was
+    # busy (collect_retrying), a server restarted and served its start checkpoint (weight_sync.VersionGuard)
+    rollout_retries: int = 0
     # Dynamic sampling ([trainer] dynamic_sampling): rollout rounds the step took, prompt groups they generated, and the
     # share of flat groups (all rewards equal) among those it trained on. zero_signal_groups, reward_mean, reward_std
     # and accuracy are over every generated completion (all rounds).
@@ -92,7 +94,11 @@ class StepMetrics:
     groups_generated: int = 0
     zero_signal_groups_trained: float = 0.0
     started_at: float = 0.0  # unix time the step began (places the step on the run's timeline)
-    times: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    # phase -> seconds: step_s (the whole step), rollout_s (from the first rollout attempt to the kept one's last
+    # completion), rollout_retry_s (of rollout_s, the attempts dropped and the waits and weight pushes before each
+    # redo; 0 when none), reward_tail_s, old_logprobs_s, update_s, push_s (push_apply_s: the servers' part of it), and
+    # lend_s / features_push_s where those are on
+    times: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -21,10 +21,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tlt.services.common.logging import get_logger
+
+if TYPE_CHECKING:
+    from tlt.services.trainer.collect import RolloutResult
 
 log = get_logger("trainer.weight_sync")
 
@@ -158,10 +162,12 @@ def check_versions(versions: Iterable[int], expected: int) -> None:
 
 
 class VersionGuard:
-    """`collect(roll_out, version)`: the rollout `roll_out()` returns (a result with `.samples`), checked to carry
+    """`collect(roll_out, version)`: the rollout `roll_out()` returns (a collect.RolloutResult), checked to carry
     `version` in every completion. When some do not and a server now serves an older version than `version` (it
     restarted from its start checkpoint after the push), `repush(behind, version)` gives those servers the weights
     again and the batch is rolled out again, once; its seeds are the batch's own, so it draws what it would have.
+    The result kept counts the dropped rollout (and the attempts it had redone itself) in its retries, and the
+    time until the second began, the push included, in its rollout_s and rollout_retry_s.
     StaleWeightsError otherwise: no `repush` (under ZeRO-3 with several ranks reading the weights is a collective
     that rank 0 cannot start alone), a server serving a newer version (another trainer pushes to it), or a rollout
     still stale after the second push."""
@@ -170,11 +176,12 @@ class VersionGuard:
         self.clients, self.repush = list(clients), repush
         self.repushes = 0  # servers given the weights again, in all
 
-    def collect(self, roll_out: Callable[[], object], version: int) -> object:
-        result = roll_out()
+    def collect(self, roll_out: Callable[[], RolloutResult], version: int) -> RolloutResult:
+        t0 = time.perf_counter()
+        first = roll_out()
         try:
-            check_versions((s.policy_version for s in result.samples), version)  # type: ignore[attr-defined]
-            return result
+            check_versions((s.policy_version for s in first.samples), version)
+            return first
         except StaleWeightsError:
             behind = self._behind(version)
             if self.repush is None or not behind:
@@ -183,9 +190,10 @@ class VersionGuard:
                     action="pushing the weights to them again and rolling the batch out again")
         self.repush(behind, version)
         self.repushes += len(behind)
+        t_again = time.perf_counter()
         result = roll_out()
-        check_versions((s.policy_version for s in result.samples), version)  # type: ignore[attr-defined]
-        return result
+        check_versions((s.policy_version for s in result.samples), version)
+        return result.redone(first.retries + 1, t_again - t0)  # the first attempt dropped, and its own redos
 
     def _behind(self, version: int) -> list:
         """The servers serving an older version than `version` now; none when any cannot say (down again) or one
