@@ -10,16 +10,26 @@
 Threads, not asyncio: `submit` returns a `concurrent.futures.Future` (an
 asyncio caller wraps it with `asyncio.wrap_future`). At most `concurrency`
 calls are in flight; more submissions wait in the client's queue, never in
-the caller. Each call has a `timeout_s` deadline; a transport failure
-(UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED) is retried up to `retries` times
-with exponential backoff (0.1 s doubling, at most 2 s; so the worst case is about (retries + 1) x
-timeout_s), and UNAVAILABLE (connections refused: a server restarting) on until `retry_window_s`
-from the first failure (the trainer's `reward_retry_window_s`, 30 s: a reward pod's restart), then raises `RewardUnavailableError` naming the address and the
-last error. Other gRPC errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a
-message over the size limit, ...) are not retried and raise `RewardCallError`,
-as does a Score answer whose results cannot be matched to its items (results
-in another order are matched by id). `close()` cancels queued and in-flight
-calls rather than waiting out their timeouts.
+the caller.
+
+Timeouts are judged by progress, not per call: a call has no gRPC deadline and times out only when the server
+has answered nothing of this client's for `timeout_s` since the call began (the rule `score_stream` applies to
+its items). A busy, healthy server answers others meanwhile, so an item waiting in its queue is neither failed
+nor scored twice; with a per-call deadline the queue's wait counted against it, an item being scored when its
+deadline passed was thrown away and scored again at the back of the queue, and a server with one worker failed
+16 half-second items at timeout_s = 3 (audit, session 47). So a call waits as long as the server keeps answering
+the client's others (in a trainer's step: until the step's other items are scored), then at most `timeout_s`; on a
+server that answers nothing each call times out `timeout_s` after it began. (Unary calls rather than a step's items
+over one stream: each call is balanced round robin over the server's replicas, and a stall resends one item.)
+A timed-out call (DEADLINE_EXCEEDED) or a transport failure (UNAVAILABLE, ABORTED) is retried up to `retries`
+times with exponential backoff (0.1 s doubling, at most 2 s; so a server answering nothing fails a call in about
+(retries + 1) x timeout_s), and UNAVAILABLE (connections refused: a server restarting) on until `retry_window_s`
+from the first failure (the trainer's `reward_retry_window_s`, 30 s: a reward pod's restart), then raises
+`RewardUnavailableError` naming the address, what happened ("timed out": reachable or not, nothing answered;
+"unavailable ... unreachable": connections refused or broken) and the last error. Other gRPC errors
+(INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a message over the size limit, ...) are not retried and raise
+`RewardCallError`, as does a Score answer whose results cannot be matched to its items (results in another order
+are matched by id). `close()` cancels queued and in-flight calls rather than waiting out their timeouts.
 A stream that breaks or stalls is reopened and the unanswered items are sent
 again; answers that arrive twice are dropped, and one under an id never sent is
 a `RewardCallError` (a fault of the server, which re-sending would not mend).
@@ -59,6 +69,10 @@ class RewardUnavailableError(RuntimeError):
     """The reward server could not be reached or did not answer, after every retry."""
 
 
+class _NoAnswer(Exception):
+    """A call timed out: the server answered nothing of the client's for `timeout_s` since it began."""
+
+
 class RewardClient:
     """Thread-safe client of one reward server."""
 
@@ -91,6 +105,7 @@ class RewardClient:
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-client")
         self._closing = threading.Event()
+        self._last_answer = 0.0  # monotonic time the server last answered one of this client's calls or items
 
     # ---- retries -------------------------------------------------------------------------
 
@@ -106,29 +121,58 @@ class RewardClient:
                 and time.monotonic() - since + self._backoff(failures) <= self.retry_window_s)
 
     def _with_retries(self, what: str, call: Callable[[], T]) -> T:
-        last: grpc.RpcError | None = None
+        last: BaseException | None = None
         failures, since = 0, 0.0
         while True:
             if failures and self._closing.wait(self._backoff(failures)):
                 raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from last
             try:
                 return call()
-            except grpc.RpcError as e:
+            except (grpc.RpcError, grpc.FutureCancelledError, _NoAnswer) as e:
                 if self._closing.is_set():  # close() cancelled the call
                     raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from e
-                code = e.code() if isinstance(e, grpc.Call) else None
+                code, detail = _status(e)
                 if code not in RETRYABLE:
-                    raise RewardCallError(f"reward server {self.address} refused {what}: {code} {_details(e)}") from e
+                    raise RewardCallError(f"reward server {self.address} refused {what}: {code} {detail}") from e
                 last = e
                 failures += 1
                 since = since or time.monotonic()
                 if not self._may_retry(failures, code, since):
-                    break
+                    raise self._gave_up(what, failures, since, code, detail) from e
                 log.debug("reward_retry", what=what, attempt=failures, code=str(code))
-        raise RewardUnavailableError(
-            f"reward server {self.address} unavailable for {what} after {_attempts(failures)}: "
-            f"{last.code() if isinstance(last, grpc.Call) else ''} {_details(last)}"
-        ) from last
+
+    def _gave_up(self, what: str, failures: int, since: float, code: object, detail: str,
+                 unanswered: str = "") -> RewardUnavailableError:
+        """The error of a call that failed every attempt: timed out (the server answered nothing) or, on
+        UNAVAILABLE, unreachable, so the user looks for a stuck function or for a server that is down."""
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RewardUnavailableError(
+                f"reward server {self.address} timed out on {what} after {_attempts(failures)}{unanswered}: {detail} "
+                "(DEADLINE_EXCEEDED); a server that is up but answers nothing has a reward function stuck or slower "
+                "than timeout_s an item (see its log)")
+        unreachable = code == grpc.StatusCode.UNAVAILABLE
+        why = f"unreachable (tried for {time.monotonic() - since:.1f} s): " if unreachable else ""
+        return RewardUnavailableError(f"reward server {self.address} unavailable for {what} after "
+                                      f"{_attempts(failures)}{unanswered}: {why}{code} {detail}")
+
+    def _answer(self, call: grpc.Future) -> object:
+        """A unary call's response. It times out (`_NoAnswer`; the call is cancelled) only once the server has
+        answered nothing of this client's for `timeout_s` since the call began: while it answers others, the call
+        is waiting in a busy server's queue, not stalled."""
+        began = time.monotonic()
+        try:
+            while True:
+                left = max(began, self._last_answer) + self.timeout_s - time.monotonic()
+                if left <= 0:
+                    raise _NoAnswer(_quiet(self.timeout_s))
+                try:
+                    response = call.result(timeout=left)
+                except grpc.FutureTimeoutError:
+                    continue
+                self._last_answer = time.monotonic()
+                return response
+        finally:
+            call.cancel()  # nothing once it is done; else the server skips the item if it has not begun it
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -136,7 +180,7 @@ class RewardClient:
         """Score a batch in one call; results in request order."""
         request = reward_pb2.ScoreBatchRequest(items=list(items))
         response = self._with_retries(
-            f"Score({len(request.items)} items)", lambda: self._stub.Score(request, timeout=self.timeout_s)
+            f"Score({len(request.items)} items)", lambda: self._answer(self._stub.Score.future(request))
         )
         return _in_request_order(self.address, list(request.items), list(response.results))
 
@@ -183,6 +227,7 @@ class RewardClient:
                         break
                     if stream.answered(out):  # type: ignore[arg-type]
                         failures = 0
+                        self._last_answer = time.monotonic()  # progress for the client's unary calls too
                         yield out  # type: ignore[misc]
                     elif not stream.was_answered(answer_id := out.id):  # type: ignore[attr-defined]
                         # a server fault (as Score()'s mismatched ids), not a silence: re-sending would not mend it
@@ -197,7 +242,7 @@ class RewardClient:
             if error is None and not stalled and stream.finished():
                 return
             if stalled:
-                code, detail = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s}s"
+                code, detail = grpc.StatusCode.DEADLINE_EXCEEDED, _quiet(self.timeout_s)
             elif error is not None:
                 code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
                 detail = _details(error)
@@ -208,10 +253,8 @@ class RewardClient:
             failures += 1
             since = since if failures > 1 else time.monotonic()
             if not self._may_retry(failures, code, since):
-                raise RewardUnavailableError(
-                    f"reward server {self.address} unavailable for ScoreStream after {_attempts(failures)} "
-                    f"({stream.pending()} items unanswered): {code} {detail}"
-                ) from error
+                raise self._gave_up("ScoreStream", failures, since, code, detail,
+                                    f" ({stream.pending()} items unanswered)") from error
             log.debug("reward_stream_retry", attempt=failures, code=str(code), unanswered=stream.pending())
             time.sleep(self._backoff(failures))
 
@@ -269,6 +312,19 @@ def _attempts(n: int) -> str:
 
 def _details(e: grpc.RpcError | None) -> str:
     return e.details() if isinstance(e, grpc.Call) and e.details() else ""
+
+
+def _status(e: BaseException) -> tuple[object, str]:
+    """(status code, details) of a failed attempt; a timed-out call (`_NoAnswer`) is DEADLINE_EXCEEDED."""
+    if isinstance(e, _NoAnswer):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
+    if isinstance(e, grpc.FutureCancelledError):
+        return grpc.StatusCode.CANCELLED, "cancelled"
+    return (e.code() if isinstance(e, grpc.Call) else None), _details(e)  # type: ignore[arg-type]
+
+
+def _quiet(timeout_s: float) -> str:
+    return f"no answer from the server for {timeout_s:g} s (timeout_s)"
 
 
 _END = object()

@@ -51,8 +51,13 @@ class TrainerConfig(ServiceConfig):
         "completion is [{'role': 'assistant', 'content': text}], as TRL passes them"
     )
     reward_concurrency: int = Field(32, ge=1, description="completions scored at once by the gRPC reward client")
-    reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward call, seconds")
-    reward_retries: int = Field(2, ge=0, description="retries of a failed reward call before the step fails")
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="a reward call times out once the reward server has answered none of the trainer's "
+        "calls for this many seconds since it began (a busy server still answering others is waited for, however "
+        "long its queue); one answering nothing fails the step after about (reward_retries + 1) x this"
+    )
+    reward_retries: int = Field(2, ge=0, description="retries of a reward call that timed out or could not reach "
+                                "the server before the step fails")
     reward_retry_window_s: float = Field(
         30.0, ge=0, description="a reward server that refuses connections (UNAVAILABLE: its pod restarting) is "
         "retried, backing off up to 2 s, until this many seconds after the first failure, beyond reward_retries; "

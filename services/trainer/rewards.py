@@ -31,14 +31,17 @@ Two sources:
 - `GrpcRewards`: any `tlt.v1.Reward` server through `RewardClient`; each
   completion is submitted the moment it arrives from the rollout stream, so
   scoring overlaps the long tail of decoding. The client bounds concurrency,
-  applies the timeout and retries transport failures. Extra columns travel
+  retries transport failures and times a call out only when the server has
+  answered none of its calls for the timeout: a busy server, whose queue holds
+  a step's completions for longer, is waited for (services/reward/client.py).
+  Extra columns travel
   in `ScoreRequest.metadata`: a text value as is, any other value as JSON
   (its key listed in `json_metadata_keys`).
   A server always gets text: a chat row's prompt as the rendered chat
   template, the completion as its text; no messages, no token ids.
 
-A reward that cannot be had (server unreachable after retries, a call
-refused, `ok=false` in a response, a function that raises or returns the
+A reward that cannot be had (after retries: the server unreachable, or
+answering nothing for the timeout; a call refused, `ok=false` in a response, a function that raises or returns the
 wrong number of values or a non-finite value) fails the step with a `RewardError` that names
 the completion and the cause. No reward is ever defaulted to 0.
 """
@@ -533,7 +536,7 @@ class _GrpcBatch:
 
     def cancel(self) -> None:
         """Drop the calls not yet started (they wait in the client's queue, ahead of any later batch's); a call
-        already running ends on its own, within the client's timeout."""
+        already sent ends when the server answers it, or once it answers nothing for the client's timeout."""
         for fut in self._futures.values():
             fut.cancel()
 
