@@ -7,7 +7,9 @@
 Seeds: with a seed in the params (the trainer's run seed: sampling_params(seed=...)),
 server j's request of a step is seeded request_seed(run seed, step, j), a
 function of the run alone, so a resumed run rolls each step out as the
-uninterrupted run did, whatever the rollout served before (unseeded, the
+uninterrupted run did, whatever the rollout served before, where its tokens are
+a function of the seed (plain decoding; under speculative decoding, `reproducible`
+requests: [trainer] reproducible_rollouts) (unseeded, the
 engine drew from a per-process counter, which restarts with the server). The
 rollout gives each prompt of a request its own seed derived from it
 (services/rollout/engine/sequence.py prompt_seed), so the prompts' samples are
@@ -102,20 +104,32 @@ class RolloutResult:
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float,
-                    seed: int | None = None) -> rollout_pb2.SamplingParams:
+                    seed: int | None = None, reproducible: bool = False) -> rollout_pb2.SamplingParams:
     """The rollout's sampling settings. `seed`: the run's; `collect` sends each server's request its own, derived
-    from it (request_seed). None: unseeded (the rollout draws its own seeds; not reproducible)."""
+    from it (request_seed). None: unseeded (the rollout draws its own seeds; not reproducible). `reproducible`:
+    plain decoding's tokens for those seeds whatever speculation does (SamplingParams.reproducible)."""
     # logprobs=0: the chosen token's logprob, kept for the logprob-agreement diagnostic.
-    params = rollout_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+    params = rollout_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                        reproducible=reproducible)
     if seed is not None:
         params.seed = seed % 2**63  # the field is an int64; a config's seed is any integer
     return params
 
 
+def training_params(cfg) -> rollout_pb2.SamplingParams:  # noqa: ANN001 - TrainerConfig
+    """The sampling settings of the trainer's step rollouts: seeded by the run (sampling_seed, else seed), and
+    `reproducible` as [trainer] reproducible_rollouts says."""
+    from tlt.services.trainer.evaluate import sampling_seed
+
+    return sampling_params(cfg.max_tokens, cfg.temperature, cfg.top_p, seed=sampling_seed(cfg),
+                           reproducible=cfg.reproducible_rollouts)
+
+
 def request_seed(run_seed: int, step: int | str, server: int) -> int:
     """The seed of the request to rollout server `server` (its place in the step's clients) of `step`'s rollout (a
     dynamic-sampling round "3.1", every eval: "eval") in a run seeded `run_seed`: a function of the run's own state,
-    so a resumed step samples as it did before the restart; another server, step or round gets another seed, a
+    so a resumed step samples as it did before the restart (under speculative decoding only with `reproducible`
+    requests: [trainer] reproducible_rollouts); another server, step or round gets another seed, a
     retry of the step the same one. blake2b, not hash() (salted per process), into [0, 2**63): the int64 of
     SamplingParams.seed."""
     digest = hashlib.blake2b(f"{run_seed}:{step}:{server}".encode(), digest_size=8).digest()

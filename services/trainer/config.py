@@ -221,7 +221,17 @@ class TrainerConfig(ServiceConfig):
     sampling_seed: int | None = Field(None, description="seed of the rollout's sampling: each rollout server's "
                                       "request is seeded from it, the step (or dynamic-sampling round, or eval) and the "
                                       "server's place, and the rollout gives each prompt its own seed from that, so a resumed run or a rerun samples the completions the first run "
-                                      "did; another value samples others of the same prompts; unset: seed")
+                                      "did (with reproducible_rollouts under speculative decoding); another value "
+                                      "samples others of the same prompts; unset: seed")
+    reproducible_rollouts: bool = Field(
+        False, description="send the step rollouts as `reproducible` requests: under speculative decoding they take "
+        "the tree walk, which emits plain decoding's tokens for the run's seeds, so a redone or rerun step samples "
+        "the completions it first did where the rollout's numerics are deterministic (one CPU replica's are). "
+        "It costs speed: at T = 1 the walk keeps ~3.5 tokens per verify step of an 8-deep learned chain where "
+        "rejection sampling keeps ~6.6 (BENCHMARKS.md, 'Sampled chains'). "
+        "false: sampled learned chains are verified by rejection sampling (exact in distribution), whose tokens depend on which steps speculate, with which arm (the bandit's timing) and "
+        "drafter: a redone step samples other completions of the same distribution. The evals are always "
+        "reproducible")
     steps: int = Field(20, ge=1, description="RL steps to run")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU; 0 keeps torch's default, capped by a container's CPU quota (cgroup)")
 

@@ -214,8 +214,7 @@ class _Services:
 
     def __init__(self, cfg: TrainerConfig, out: Path, start: int) -> None:
         from tlt.services.rollout.client import RolloutClient
-        from tlt.services.trainer.collect import sampling_params
-        from tlt.services.trainer.evaluate import sampling_seed
+        from tlt.services.trainer.collect import training_params
         from tlt.services.trainer.rewards import make_reward_source
 
         self.cfg, self.out = cfg, out
@@ -244,7 +243,7 @@ class _Services:
             self.prom.serve(cfg.metrics_port, cfg.metrics_host)
         # seeded by the run: each server's request gets its own seed (collect.request_seed), so a resumed run rolls
         # the steps after its checkpoint out as the uninterrupted run did
-        self.params = sampling_params(cfg.max_tokens, cfg.temperature, cfg.top_p, seed=sampling_seed(cfg))
+        self.params = training_params(cfg)
         self.clients = [RolloutClient(a, control_token=cfg.rollout_token) for a in cfg.rollout_addresses]
         self.rewards = make_reward_source(cfg)
         self.publisher = None

@@ -78,8 +78,9 @@ class SpecConfig(ServiceConfig):
         "distribution, but only the tree walk emits the tokens plain decoding would: with it a seeded request gives "
         "the same samples whether SD is off, static or adaptive, whatever the load. Rejection-sampled chains are "
         "deterministic per seed and do not depend on the other sequences of a verify step, but emit other tokens "
-        "than a plain step; a seeded request reproduces only when the same of its steps speculate (a prefill beside "
-        "it, the verify budget or a full KV cache makes a step plain). Set false for seed reproducibility across SD "
+        "than a plain step; a seeded request reproduces only when the same of its steps speculate with the same arm "
+        "and drafter (a prefill beside it, the verify budget or a full KV cache makes a step plain; the adaptive "
+        "bandit picks arms by measured speed, which varies from run to run). Set false for seed reproducibility across SD "
         "states and loads, or set SamplingParams.reproducible on the requests that need it (the trainer's evals do)"
     )
     drafter_graphs: Literal["off", "cuda", "emulate"] = Field(
