@@ -5,7 +5,8 @@ tracebacks of a replica that failed to start for the weights (the tensor checks 
 command a JSONDecodeError traceback naming no file for the tokenizer, and NaN weights were served: every logprob a
 NaN shown as -9999. A trainer's push of NaN weights is refused too.
 
-Real `tlt` subprocesses on tiny random Qwen2 checkpoints built here (tlt.model.testing), damaged by hand.
+Real `tlt` commands on tiny random Qwen2 checkpoints built here (tlt.model.testing), damaged by hand: one real
+process (its exit status and output), the other cases `tlt.cli.main` in this process.
 """
 
 from __future__ import annotations
@@ -56,26 +57,41 @@ SAYS = {"missing": "missing tensor(s) ['model.layers.1.mlp.down_proj.weight']", 
         "truncated": "is not a readable safetensors file", "lfs_tokenizer": "tokenizer files cannot be loaded"}
 
 
+def _tlt(argv: list[str], capfd) -> tuple[int | str, str]:
+    """`tlt` with these arguments: a real process for `rollout serve` of NaN weights (which a regression would serve,
+    not refuse: it must end by a timeout, not hang this process), `tlt.cli.main` in this process for the rest (the
+    same code, without seconds of imports per case); its exit status (or the exception a user would have seen as a
+    traceback) and everything it printed."""
+    if argv[:2] == ["rollout", "serve"] and "/nan" in argv[argv.index("--model") + 1]:
+        r = subprocess.run([sys.executable, "-m", "tlt.cli", *argv], capture_output=True, text=True, timeout=180)
+        return r.returncode, r.stdout + r.stderr
+    from tlt.cli import main
+
+    capfd.readouterr()
+    try:
+        rc: int | str = main(argv)
+    except Exception as e:  # noqa: BLE001
+        rc = f"Traceback: {type(e).__name__}: {e}"
+    out, err = capfd.readouterr()
+    return rc, out + err
+
+
 @pytest.mark.parametrize("kind", list(SAYS))
-def test_rollout_serve_refuses_a_damaged_folder_in_one_line(base, tmp_path, kind) -> None:
+def test_rollout_serve_refuses_a_damaged_folder_in_one_line(base, tmp_path, kind, capfd) -> None:
     model = _damaged(base, tmp_path, kind)
-    r = subprocess.run([sys.executable, "-m", "tlt.cli", "rollout", "serve", "--model", str(model), "--http-port", "0",
-                        "--grpc-port", "0", "--set", "engine.num_kv_blocks=16", "--set", "threads_per_replica=1"],
-                       capture_output=True, text=True, timeout=180)
-    out = r.stdout + r.stderr
+    rc, out = _tlt(["rollout", "serve", "--model", str(model), "--http-port", "0", "--grpc-port", "0", "--set",
+                    "engine.num_kv_blocks=16", "--set", "threads_per_replica=1"], capfd)
     lines = [x for x in out.splitlines() if "error" in x]
-    assert r.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert rc == 2 and "Traceback" not in out, (rc, out[-3000:])
     assert len(lines) == 1 and "bad_checkpoint" in lines[0] and SAYS[kind] in lines[0], out[-3000:]
 
 
 @pytest.mark.parametrize("argv", [["model", "eval", "--n", "2"], ["drafter", "warmup", "--problems", "8", "--out", "{out}"]])
-def test_other_commands_name_an_unreadable_tokenizer(base, tmp_path, argv) -> None:
+def test_other_commands_name_an_unreadable_tokenizer(base, tmp_path, argv, capfd) -> None:
     model = _damaged(base, tmp_path, "lfs_tokenizer")
     cmd = [a.replace("{out}", str(tmp_path / "drafter")) for a in argv]
-    r = subprocess.run([sys.executable, "-m", "tlt.cli", *cmd[:2], "--model", str(model), *cmd[2:]],
-                       capture_output=True, text=True, timeout=180)
-    out = r.stdout + r.stderr
-    assert r.returncode == 2 and "Traceback" not in out and "bad_checkpoint" in out, out[-3000:]
+    rc, out = _tlt([*cmd[:2], "--model", str(model), *cmd[2:]], capfd)
+    assert rc == 2 and "Traceback" not in out and "bad_checkpoint" in out, (rc, out[-3000:])
     assert SAYS["lfs_tokenizer"] in out and str(model) in out, out[-3000:]
 
 
@@ -117,14 +133,12 @@ def test_a_replica_restarted_on_a_folder_damaged_since_is_a_counted_death(base, 
         assert not pool.replicas[0].alive
 
 
-def test_model_eval_on_a_model_with_too_short_a_context_is_one_line(tmp_path) -> None:
+def test_model_eval_on_a_model_with_too_short_a_context_is_one_line(tmp_path, capfd) -> None:
     """`tlt model eval` asks prompt + 240 new tokens of the model; a shorter context raised the engine's ValueError
     as a traceback."""
     from tlt.model.testing import random_checkpoint
 
     model = random_checkpoint(tmp_path / "short", family="qwen2", num_hidden_layers=1, max_position_embeddings=128)
-    r = subprocess.run([sys.executable, "-m", "tlt.cli", "model", "eval", "--model", str(model), "--n", "2"],
-                       capture_output=True, text=True, timeout=180)
-    out = r.stdout + r.stderr
-    assert r.returncode == 2 and "Traceback" not in out, out[-3000:]
+    rc, out = _tlt(["model", "eval", "--model", str(model), "--n", "2"], capfd)
+    assert rc == 2 and "Traceback" not in out, (rc, out[-3000:])
     assert "context is 128 tokens" in out and "needs a longer context" in out, out[-3000:]
