@@ -10,18 +10,19 @@ import sys
 
 from safetensors.torch import load_file
 
+from tlt.cli import main
 from tlt.model.drafter import load_drafter
 from tlt.model.testing import random_checkpoint
 from tlt.services.drafter.training import target_shared
 
 
 def test_warmup_cli(tmp_path) -> None:
+    # the command's `main` in this process: what is checked is what it wrote, not the process
     model = random_checkpoint(tmp_path / "m")
     out = tmp_path / "d"
-    subprocess.run([sys.executable, "-m", "tlt.cli", "drafter", "warmup", "--model", str(model), "--out", str(out),
-                    "--problems", "16", "--epochs", "6", "--temperature", "0", "--max-new-tokens", "48", "--rows", "4",
-                    "--row-tokens", "128",
-                    "--lr", "3e-3"], check=True, capture_output=True)
+    assert main(["drafter", "warmup", "--model", str(model), "--out", str(out), "--problems", "16", "--epochs", "6",
+                 "--temperature", "0", "--max-new-tokens", "48", "--rows", "4", "--row-tokens", "128",
+                 "--lr", "3e-3"]) == 0
     report = json.loads((out / "warmup.json").read_text())
     assert report["steps"] > 0 and report["heldout_starts"] > 0
     assert report["accept_len_after"] > report["accept_len_before"] >= 1.0
@@ -44,25 +45,34 @@ def test_heldout_split_keeps_every_window_of_a_sequence_together() -> None:
     assert len(held) == 6 and len(train) + len(held) == len(samples)
 
 
-def test_drafter_commands_given_a_wrong_folder_fail_with_one_line_not_a_traceback(tmp_path) -> None:
+def test_drafter_commands_given_a_wrong_folder_fail_with_one_line_not_a_traceback(tmp_path, capfd) -> None:
     """`tlt drafter warmup --model` / `export --drafter` pointed at a folder that is not a checkpoint ended in a
-    transformers traceback (rc 1) or one of our own errors as a traceback; now one log line naming the folder, rc 2."""
+    transformers traceback (rc 1) or one of our own errors as a traceback; now one log line naming the folder, rc 2.
+    The first case is the real `tlt` process (its exit status and stderr); the others run `tlt.cli.main` here."""
     model = random_checkpoint(tmp_path / "m")
     empty = tmp_path / "empty"
     empty.mkdir()
-    tlt = [sys.executable, "-m", "tlt.cli", "drafter"]
     cases = {
-        "warmup, no checkpoint": ([*tlt, "warmup", "--model", str(empty), "--out", str(tmp_path / "o1")], "no config.json"),
-        "warmup, missing": ([*tlt, "warmup", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")],
+        "warmup, no checkpoint": (["warmup", "--model", str(empty), "--out", str(tmp_path / "o1")], "no config.json"),
+        "warmup, missing": (["warmup", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")],
                             "does not exist"),
-        "export, no drafter": ([*tlt, "export", "--drafter", str(empty), "--model", str(model), "--out",
+        "export, no drafter": (["export", "--drafter", str(empty), "--model", str(model), "--out",
                                 str(tmp_path / "o3")], "is not a drafter folder"),
-        "export, no model": ([*tlt, "export", "--drafter", str(empty), "--model", str(empty), "--out",
+        "export, no model": (["export", "--drafter", str(empty), "--model", str(empty), "--out",
                               str(tmp_path / "o4")], "no config.json"),
     }
-    for name, (cmd, needle) in cases.items():
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        out = r.stdout + r.stderr
-        assert r.returncode == 2 and needle in out and str(tmp_path) in out, (name, out[-2000:])
+    for i, (name, (cmd, needle)) in enumerate(cases.items()):
+        if i == 0:
+            r = subprocess.run([sys.executable, "-m", "tlt.cli", "drafter", *cmd], capture_output=True, text=True,
+                               timeout=120)
+            rc, out = r.returncode, r.stdout + r.stderr
+        else:
+            capfd.readouterr()
+            try:
+                rc = main(["drafter", *cmd])
+            except Exception as e:  # noqa: BLE001 - what the user would have seen as a traceback
+                rc = f"Traceback: {type(e).__name__}: {e}"
+            out = "".join(capfd.readouterr())
+        assert rc == 2 and needle in out and str(tmp_path) in out, (name, rc, out[-2000:])
         assert "Traceback" not in out, (name, out[-2000:])
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))  # nothing half-written
