@@ -88,35 +88,46 @@ def test_rollout_server_refuses_a_grpc_port_another_server_serves(tmp_path):
         other.stop(0)
 
 
-def test_a_port_in_use_or_a_bad_setting_fails_at_once_with_one_line_not_a_traceback(tmp_path):
+def test_a_port_in_use_or_a_bad_setting_fails_at_once_with_one_line_not_a_traceback(tmp_path, capfd):
     """`tlt rollout serve` used to load the model into every replica (minutes for a large model) and only then find
     its HTTP port taken, and end in a traceback; `tlt reward serve` too, and a bad `--set` of the rollout likewise.
     Now the ports are bound first, and these (the user's to fix) end with one log line and exit code 2.
-    Real CLI processes; the port is held by a plain listening socket of this test."""
+    The rollout's HTTP port case is a real CLI process (its exit status and output); the others run `tlt.cli.main`
+    in this process (the same code, without seconds of imports each). The port is held by a plain listening socket
+    of this test."""
     import subprocess
     import sys
 
     from rollout_helpers import tiny_checkpoint
 
+    from tlt.cli import main
+
+    def tlt(argv: list[str], real: bool = False) -> tuple[int | str, str]:
+        if real:
+            r = subprocess.run([sys.executable, "-m", "tlt.cli", *argv], capture_output=True, text=True, timeout=120)
+            return r.returncode, r.stdout + r.stderr
+        capfd.readouterr()
+        try:
+            rc: int | str = main(argv)
+        except Exception as e:  # noqa: BLE001 - what the user would have seen as a traceback
+            rc = f"Traceback: {type(e).__name__}: {e}"
+        return rc, "".join(capfd.readouterr())
+
     model = tiny_checkpoint(tmp_path / "model", max_position_embeddings=1024)  # cpu-tiny's max_model_len
-    tlt = [sys.executable, "-m", "tlt.cli"]
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         cases = {
-            "rollout http": [*tlt, "rollout", "serve", "--model", str(model), "--http-port", str(port),
+            "rollout http": ["rollout", "serve", "--model", str(model), "--http-port", str(port),
                              "--grpc-port", "0", "--insecure-local"],
-            "rollout grpc": [*tlt, "rollout", "serve", "--model", str(model), "--grpc-port", str(port),
+            "rollout grpc": ["rollout", "serve", "--model", str(model), "--grpc-port", str(port),
                              "--http-port", "0", "--insecure-local"],
-            "reward": [*tlt, "reward", "serve", "--port", str(port)],
+            "reward": ["reward", "serve", "--port", str(port)],
         }
         for name, cmd in cases.items():
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            out = r.stdout + r.stderr
-            assert r.returncode == 2 and "port_in_use" in out and f"127.0.0.1:{port}" in out, (name, out[-2000:])
+            rc, out = tlt(cmd, real=name == "rollout http")
+            assert rc == 2 and "port_in_use" in out and f"127.0.0.1:{port}" in out, (name, rc, out[-2000:])
             assert "Traceback" not in out and "replicas_starting" not in out, (name, out[-2000:])
-    r = subprocess.run([*tlt, "rollout", "serve", "--model", str(model), "--set", "rollout.http_port=1"],
-                       capture_output=True, text=True, timeout=120)
-    out = r.stdout + r.stderr
-    assert r.returncode == 2 and "bad_config" in out and "Traceback" not in out, out[-2000:]
+    rc, out = tlt(["rollout", "serve", "--model", str(model), "--set", "rollout.http_port=1"])
+    assert rc == 2 and "bad_config" in out and "Traceback" not in out, (rc, out[-2000:])
