@@ -185,28 +185,30 @@ def test_tiny_model_meets_targets(tiny_model_dir):
     assert os.path.getsize(tiny_model_dir / "model.safetensors") > 1_000_000
 
 
-def test_model_eval_shows_progress_on_stderr_and_keeps_stdout_json(random_model_dir):
+def test_model_eval_shows_progress_on_stderr_and_keeps_stdout_json(random_model_dir, capfd):
     # a 200-problem eval with samples runs for minutes on a CPU: it printed nothing until the end
-    import subprocess
-    import sys
+    # (`tlt model eval` run in this process, its file descriptors 1 and 2 captured: a subprocess added seconds of
+    # imports and showed nothing more)
+    from tlt.cli import main
 
-    r = subprocess.run([sys.executable, "-m", "tlt.cli", "model", "eval", "--model", str(random_model_dir), "--n", "6",
-                        "--samples", "2", "--batch-size", "4", "--threads", "1", "--json"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    report = json.loads(r.stdout)  # stdout is the one JSON object, nothing else
+    capfd.readouterr()
+    rc = main(["model", "eval", "--model", str(random_model_dir), "--n", "6", "--samples", "2", "--batch-size", "4",
+               "--threads", "1", "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err[-2000:]
+    report = json.loads(out)  # stdout is the one JSON object, nothing else
     assert report["n"] == 6 and report["samples"] == 2
-    assert "eval: 100%" in r.stderr and "18/18" in r.stderr  # 6 problems x (greedy + 2 samples), native engine
+    assert "eval: 100%" in err and "18/18" in err  # 6 problems x (greedy + 2 samples), native engine
 
 
-def test_model_eval_refuses_an_empty_eval(random_model_dir):
+def test_model_eval_refuses_an_empty_eval(random_model_dir, capsys):
     # `tlt model eval --n 0` crashed (max() of an empty list, then a division by zero)
-    import subprocess
-    import sys
+    from tlt.cli import main
 
-    r = subprocess.run([sys.executable, "-m", "tlt.cli", "model", "eval", "--model", str(random_model_dir), "--n", "0"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "argument --n: must be >= 1, got 0" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(SystemExit) as e:
+        main(["model", "eval", "--model", str(random_model_dir), "--n", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --n: must be >= 1, got 0" in err and "Traceback" not in err
 
 
 def test_an_interrupted_build_leaves_nothing_beside_its_out(tmp_path, monkeypatch):
@@ -238,28 +240,28 @@ def test_paired_difference_by_hand():
         paired_difference([1.0], [0.0])
 
 
-def test_model_eval_against_itself_is_a_zero_paired_difference(random_model_dir, tmp_path):
+def test_model_eval_against_itself_is_a_zero_paired_difference(random_model_dir, tmp_path, capfd):
     """--against scores the second checkpoint on the same problems with the same sampling seeds: a copy of the
     model samples the very same completions, so every per-problem difference is 0 (independent draws would not
-    give 0 for the sampled figure). Against another model the difference is that of the two accuracies."""
+    give 0 for the sampled figure). Against another model the difference is that of the two accuracies.
+    (`tlt model eval` in this process: what is compared is the command's JSON, not the process.)"""
     import shutil
-    import subprocess
-    import sys
+
+    from tlt.cli import main
 
     copy = tmp_path / "copy"
     shutil.copytree(random_model_dir, copy)
-    base = [sys.executable, "-m", "tlt.cli", "model", "eval", "--n", "6", "--samples", "2", "--batch-size", "4",
-            "--threads", "1", "--json"]
-    r = subprocess.run(base + ["--model", str(random_model_dir), "--against", str(copy)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
+    base = ["model", "eval", "--n", "6", "--samples", "2", "--batch-size", "4", "--threads", "1", "--json"]
+    capfd.readouterr()
+    rc = main(base + ["--model", str(random_model_dir), "--against", str(copy)])
+    stdout, err = capfd.readouterr()
+    assert rc == 0, err[-2000:]
+    out = json.loads(stdout)
     assert out["model"]["sampled_accuracy"] == out["against"]["sampled_accuracy"]
     for name in ("greedy", "sampled"):
         assert out["difference"][name]["mean"] == 0.0 and out["difference"][name]["se"] == 0.0
-    r = subprocess.run(base[:-1] + ["--n", "1", "--model", str(random_model_dir), "--against", str(copy)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--against needs --n >= 2" in r.stderr
+    rc = main(base[:-1] + ["--n", "1", "--model", str(random_model_dir), "--against", str(copy)])
+    assert rc == 2 and "--against needs --n >= 2" in capfd.readouterr().err
 
 
 def test_compare_is_paired_by_problem():
