@@ -16,7 +16,8 @@ chunk each.
 Streaming text: each sample's tokens are decoded incrementally after every
 step, in a window after the prompt's last tokens, as the engine decodes them
 (engine/detok.py), and only the stable prefix is sent: a trailing U+FFFD (a
-multi-byte character cut in half) is held back, and so are the last
+multi-byte character cut in half) is held back, as is a byte-fallback run of
+`<0x..>` pieces until text ends it (it decodes whole), and so are the last
 `len(longest stop string) - 1` characters (the start of a stop string not
 completed yet), and with a tokenizer that cleans up spaces the last few that
 its cleanup may still rewrite. The step that
@@ -37,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText, clean
+from tlt.services.rollout.engine.detok import CLEANUP_HOLDBACK, IncrementalText, byte_pieces, clean
 from tlt.services.rollout.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -182,37 +183,69 @@ def _lp(x: float) -> float:
 
 
 class TextOffsets:
-    """Where each token starts in the choice's text (the completions API's `text_offset`), in characters, fed
-    token by token (a stream feeds each chunk's tokens in turn).
+    """Where each token starts in the choice's text (the completions API's `text_offset`), in characters, and its
+    bytes (the chat API's `bytes`), fed token by token (a stream feeds each chunk's tokens in turn).
 
     Counted over the tokens' UTF-8 bytes as the text decodes them, not over their display strings: a byte piece of
     a multi-byte character (`日` is three GPT-2 pieces) adds one character, not three, and a token that starts
     inside a character (on a continuation byte) points at that character; one that starts a new character after
     a character left incomplete (0xE1 then "n": the text reads U+FFFD, "n") points past its U+FFFD. A special
-    token (`<|im_end|>`) adds nothing, as the text is decoded without them.
+    token (`<|im_end|>`) adds nothing, as the text is decoded without them. A byte-fallback tokenizer's run of
+    `<0x..>` pieces decodes whole (engine/detok.py): as its bytes when they are valid UTF-8, else one U+FFFD a
+    piece, whose bytes each piece then carries; so a run's tokens are counted when it ends (a piece of text, or
+    `final`), and `feed` returns the offsets of the tokens counted so far.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        self.pieces, special = byte_pieces(tokenizer)
+        self.special = set(special)
         self.chars = 0  # characters begun so far
         self.pending = 0  # bytes still due to the last character begun
+        self.run: list[int] = []  # a byte-fallback run not ended yet
+        self.fed = 0  # tokens fed
+        self.raw: list[list[int]] = []  # each counted token's bytes
 
-    def feed(self, token_ids: list[int], text: str | None = None) -> list[int]:
-        """The offsets of `token_ids` (the next tokens); `text` (the whole choice's): clamped to its length, for
+    def feed(self, token_ids: list[int], text: str | None = None, final: bool = True) -> list[int]:
+        """The offsets of `token_ids` (the next tokens; of those before them that a run held, first; with `final`
+        False, not of a run still open at the end); `text` (the whole choice's): clamped to its length, for
         tokens past a stop string that cut it."""
-        offsets = []
+        offsets: list[int] = []
+        self.fed += len(token_ids)
         for t in token_ids:
-            raw = [] if t in self.special else _token_text_and_bytes(self.tokenizer, t)[1]
-            if raw and self.pending and raw[0] & 0xC0 != 0x80:
-                self.pending = 0  # the character begun stays broken (one U+FFFD, counted): this token comes after it
-            offsets.append(self.chars - 1 if self.pending else self.chars)  # inside a character: where it starts
-            for b in raw:
-                if b & 0xC0 == 0x80 and self.pending:  # a continuation byte of the character begun
-                    self.pending -= 1
-                else:  # a lead byte (or a stray continuation byte: U+FFFD in the text, one character)
-                    self.chars, self.pending = self.chars + 1, (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0)
+            if t in self.pieces or (self.run and t in self.special):
+                self.run.append(t)
+                continue
+            if self.run:
+                self._end_run(offsets)
+            self._count(self._bytes(t), offsets)
+        if final and self.run:
+            self._end_run(offsets)
         return offsets if text is None else [min(o, len(text)) for o in offsets]
+
+    def _bytes(self, t: int) -> list[int]:
+        return [] if t in self.special else _token_text_and_bytes(self.tokenizer, t)[1]
+
+    def _end_run(self, offsets: list[int]) -> None:
+        try:
+            bytes(self.pieces[t] for t in self.run if t in self.pieces).decode()
+            valid = True
+        except UnicodeDecodeError:
+            valid = False
+        for t in self.run:
+            self._count(self._bytes(t) if valid or t in self.special else list("\ufffd".encode()), offsets)
+        self.run = []
+
+    def _count(self, raw: list[int], offsets: list[int]) -> None:
+        if raw and self.pending and raw[0] & 0xC0 != 0x80:
+            self.pending = 0  # the character begun stays broken (one U+FFFD, counted): this token comes after it
+        offsets.append(self.chars - 1 if self.pending else self.chars)  # inside a character: where it starts
+        self.raw.append(raw)
+        for b in raw:
+            if b & 0xC0 == 0x80 and self.pending:  # a continuation byte of the character begun
+                self.pending -= 1
+            else:  # a lead byte (or a stray continuation byte: U+FFFD in the text, one character)
+                self.chars, self.pending = self.chars + 1, (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0)
 
 
 def completion_logprobs(
@@ -245,21 +278,26 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int
+    tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int,
+    raw: list[list[int]] | None = None,
 ) -> ChoiceLogprobs:
     """The chat API's logprobs: each token with its logprob, and its `top_logprobs` the `k` most likely tokens only
     (OpenAI's reference: "List of the most likely tokens and their log probability, at this token position"). The
     sampled token is the entry itself, not added to its alternatives when it is not among them, unlike the legacy
-    completions API's up to logprobs+1 (`completion_logprobs`)."""
+    completions API's up to logprobs+1 (`completion_logprobs`). `raw`: the tokens' bytes as the text decodes
+    them (`TextOffsets`; a stream's chunk has them counted with the tokens before it)."""
+    if raw is None:
+        (counted := TextOffsets(tokenizer)).feed(token_ids)
+        raw = counted.raw
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs or [])):
-        text, raw = _token_text_and_bytes(tokenizer, tid)
+        text = _token_text_and_bytes(tokenizer, tid)[0]
         alts = []
         if k > 0 and top is not None and i < len(top):
             for aid, alp in sorted(top[i].items(), key=lambda kv: -kv[1])[:k]:
                 at, araw = _token_text_and_bytes(tokenizer, aid)
                 alts.append(TopLogprobEntry(token=at, logprob=_lp(alp), bytes=araw))
-        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=raw, top_logprobs=alts))
+        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=raw[i], top_logprobs=alts))
     return ChoiceLogprobs(content=content)
 
 
@@ -391,7 +429,7 @@ class StreamLogprobs:
 
     def push(self, step: StepOutput) -> None:
         if self._offsets is not None:
-            self.offsets += self._offsets.feed(step.new_token_ids)
+            self.offsets += self._offsets.feed(step.new_token_ids, final=False)  # (a byte run's wait for its end)
         if step.new_logprobs is None or (self.k > 0 and step.new_top_logprobs is None):
             self.per_step = False
         if self.per_step:
@@ -399,34 +437,39 @@ class StreamLogprobs:
             self.lps += step.new_logprobs or []
             self.tops += step.new_top_logprobs or []
 
+    def _raw(self, start: int, end: int) -> list[list[int]] | None:
+        return None if self._offsets is None else self._offsets.raw[start:end]
+
     def take(self, limit: int | None = None) -> tuple[list[int], list[float], list[dict[int, float]] | None,
-                                                     list[int] | None] | None:
-        """The waiting tokens (ids, logprobs, alternatives, text offsets) for the chunk going out, those whose
-        offset is below `limit` (the characters sent) when given; None: nothing to send now."""
+                                                     list[int] | None, list[list[int]] | None] | None:
+        """The waiting tokens (ids, logprobs, alternatives, text offsets, bytes) for the chunk going out, those
+        counted whose offset is below `limit` (the characters sent) when given; None: nothing to send now."""
         if not self.per_step or not self.ids:
             return None
         n = len(self.ids)
-        if limit is not None and self._offsets is not None:
-            n = sum(1 for o in self.offsets[self.sent : self.sent + n] if o < limit)  # offsets never decrease
+        if self._offsets is not None:
+            counted = self.offsets[self.sent : self.sent + n]  # (not a byte run's that has not ended)
+            n = len(counted) if limit is None else sum(1 for o in counted if o < limit)  # offsets never decrease
         if n == 0:
             return None
         offs = self.offsets[self.sent : self.sent + n] if self._offsets is not None else None
-        out = (self.ids[:n], self.lps[:n], self.tops[:n] if self.k > 0 else None, offs)
+        out = (self.ids[:n], self.lps[:n], self.tops[:n] if self.k > 0 else None, offs,
+               self._raw(self.sent, self.sent + n))
         self.sent += n
         self.ids, self.lps, self.tops = self.ids[n:], self.lps[n:], self.tops[n:]
         return out
 
     def rest(self, c: CompletionOutput) -> tuple[list[int], list[float] | None, list[dict[int, float]] | None,
-                                                 list[int] | None]:
+                                                 list[int] | None, list[list[int]] | None]:
         """The tokens the last chunk carries: the completion's after those already sent, with their offsets
         clamped to the completion's text (as the non-streamed response's)."""
         n = self.sent
         offs = None
         if self._offsets is not None:
-            self.offsets += self._offsets.feed(c.token_ids[len(self.offsets):])  # the last step's, never pushed
+            self.offsets += self._offsets.feed(c.token_ids[self._offsets.fed:])  # the last step's, never pushed
             offs = [min(o, len(c.text)) for o in self.offsets[n : len(c.token_ids)]]
         return (c.token_ids[n:], None if c.logprobs is None else c.logprobs[n:],
-                None if c.top_logprobs is None else c.top_logprobs[n:], offs)
+                None if c.top_logprobs is None else c.top_logprobs[n:], offs, self._raw(n, len(c.token_ids)))
 
 
 class CompletionChoiceStream:
@@ -446,14 +489,14 @@ class CompletionChoiceStream:
         delta = self.text.push(step.new_token_ids)
         if not delta or self.logprobs is None or (ready := self.logprobs.take(len(self.text.sent))) is None:
             return delta, None
-        *rows, offsets = ready
+        *rows, offsets, _ = ready
         return delta, completion_logprobs(self.tokenizer, *rows, self.k, offsets=offsets)  # type: ignore[arg-type]
 
     def finish(self, c: CompletionOutput) -> tuple[str, CompletionLogprobs | None]:
         """The rest of the (cut) text and the logprobs of the tokens not sent yet."""
         lp = None
         if self.logprobs is not None:
-            *rows, offsets = self.logprobs.rest(c)
+            *rows, offsets, _ = self.logprobs.rest(c)
             lp = completion_logprobs(self.tokenizer, *rows, self.k, c.text, offsets)  # type: ignore[arg-type]
         return self.text.finish(c.text), lp
 
@@ -487,13 +530,14 @@ class ChatChoiceStream:
             return []
         lp = None
         if self.logprobs is not None and (ready := self.logprobs.take(len(self.text.sent))) is not None:
-            lp = chat_logprobs(self.tokenizer, *ready[:3], self.logprobs.k)
+            lp = chat_logprobs(self.tokenizer, *ready[:3], self.logprobs.k, ready[4])
         return [ChatChunkChoice(index=self.index, delta=ChatDelta(content=delta), logprobs=lp)]
 
     def finish(self, c: CompletionOutput) -> list[ChatChunkChoice]:
         lp = None
         if self.logprobs is not None:
-            lp = chat_logprobs(self.tokenizer, *self.logprobs.rest(c)[:3], self.logprobs.k)
+            ids, lps, tops, _, raw = self.logprobs.rest(c)
+            lp = chat_logprobs(self.tokenizer, ids, lps, tops, self.logprobs.k, raw)
         last = dict(index=self.index, logprobs=lp, tlt_versions=tlt_versions(c.versions))
         parsed = parsed_text(self.tools, c)
         if not parsed.calls:
