@@ -33,44 +33,87 @@ def model_dir(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("shutdown-model"))
 
 
-def test_sigterm_fails_requests_in_flight_clearly_and_exits(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def serving(model_dir, tmp_path_factory):
+    """The running 2-replica server (at most 4 sequences decoded at a time per replica), started again only when an
+    earlier test ended it: the hung-front test pauses and resumes it, the SIGTERM test ends it (one start less)."""
+    started: list[ServeProcess] = []
+
+    def get() -> ServeProcess:
+        if not started or started[-1].proc.poll() is not None:
+            started.append(ServeProcess(model_dir, tmp_path_factory.mktemp("serve"), replicas=2,
+                                        extra=("--set", "engine.max_num_seqs=4")).__enter__())
+        return started[-1]
+
+    yield get
+    for s in started:
+        s.__exit__()
+
+
+def test_a_call_to_a_rollout_server_that_hangs_ends_instead_of_waiting_forever(serving):
+    """A hung rollout front (a deadlock, a frozen cgroup; here SIGSTOP) keeps its TCP connection open: a trainer's
+    rollout call (no deadline) waited for it forever while `tlt run` saw every process alive. The client pings the
+    connection while a call runs; an unanswered ping ends the call with UNAVAILABLE (pings every 1 s, 2 s to answer,
+    here; 30 s / 30 s by default). The front is resumed after: the SIGTERM test below stops the same server."""
+    import os
+    import signal
+
+    s = serving()
+    address = f"127.0.0.1:{s.info['grpc_port']}"
+    params = rollout_pb2.SamplingParams(max_tokens=4)
+    with RolloutClient(address, keepalive_s=(1.0, 2.0)) as c:
+        assert len(list(c.batch_generate(["1+1="], n=2, params=params))) == 2  # pings of a live server: fine
+        time.sleep(3.0)  # idle: no pings (none without a call), nothing breaks
+        assert len(list(c.batch_generate(["2+2="], n=2, params=params))) == 2
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                list(c.batch_generate(["3+3="], n=2, params=params))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert time.monotonic() - t0 < 20  # grpc's own ping timeout was 60 s
+        finally:
+            os.kill(s.proc.pid, signal.SIGCONT)
+
+
+def test_sigterm_fails_requests_in_flight_clearly_and_exits(model_dir, serving):
     results: dict = {}
-    with ServeProcess(model_dir, tmp_path, replicas=2, extra=("--set", "engine.max_num_seqs=4")) as s:
-        body = {"model": model_dir.name, **LONG}
-        grpc_address = f"127.0.0.1:{s.info['grpc_port']}"
-        children = [p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)]
+    s = serving()
+    body = {"model": model_dir.name, **LONG}
+    grpc_address = f"127.0.0.1:{s.info['grpc_port']}"
+    children = [p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)]
 
-        def http() -> None:
-            r = httpx.post(f"{s.base_url}/completions", json=body, timeout=60)
-            results["http"] = (r.status_code, r.headers.get("content-type", ""), r.text)
+    def http() -> None:
+        r = httpx.post(f"{s.base_url}/completions", json=body, timeout=60)
+        results["http"] = (r.status_code, r.headers.get("content-type", ""), r.text)
 
-        def batch() -> None:
-            with RolloutClient(grpc_address, timeout_s=60) as c:
-                try:
-                    results["grpc"] = len(list(c.batch_generate(["3*4="], n=64, params=rollout_pb2.SamplingParams(
-                        max_tokens=200, ignore_eos=True, temperature=1.0))))
-                except grpc.RpcError as e:
-                    results["grpc"] = (e.code(), e.details())
+    def batch() -> None:
+        with RolloutClient(grpc_address, timeout_s=60) as c:
+            try:
+                results["grpc"] = len(list(c.batch_generate(["3*4="], n=64, params=rollout_pb2.SamplingParams(
+                    max_tokens=200, ignore_eos=True, temperature=1.0))))
+            except grpc.RpcError as e:
+                results["grpc"] = (e.code(), e.details())
 
-        threads = [threading.Thread(target=http), threading.Thread(target=batch)]
-        with httpx.stream("POST", f"{s.base_url}/completions", json={**body, "stream": True}, timeout=60) as r, \
-                RolloutClient(grpc_address, timeout_s=10) as status:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
-            assert first.startswith("data: {") and "error" not in first, first
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 20  # both others counted in (the stream still holds some)
-            while sum(x.running + x.queued for x in status.status().replicas) <= 2 * 64:
-                assert time.monotonic() < deadline, status.status()
-                time.sleep(0.05)
-            t_term = time.monotonic()
-            s.proc.terminate()
-            rest = [line for line in lines if line]
+    threads = [threading.Thread(target=http), threading.Thread(target=batch)]
+    with httpx.stream("POST", f"{s.base_url}/completions", json={**body, "stream": True}, timeout=60) as r, \
+            RolloutClient(grpc_address, timeout_s=10) as status:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert first.startswith("data: {") and "error" not in first, first
         for t in threads:
-            t.join(30)
-        s.proc.wait(30)
-        took = time.monotonic() - t_term
+            t.start()
+        deadline = time.monotonic() + 20  # both others counted in (the stream still holds some)
+        while sum(x.running + x.queued for x in status.status().replicas) <= 2 * 64:
+            assert time.monotonic() < deadline, status.status()
+            time.sleep(0.05)
+        t_term = time.monotonic()
+        s.proc.terminate()
+        rest = [line for line in lines if line]
+    for t in threads:
+        t.join(30)
+    s.proc.wait(30)
+    took = time.monotonic() - t_term
 
     assert rest[-1] == "data: [DONE]", rest[-3:]
     error = json.loads(rest[-2].removeprefix("data: "))["error"]
@@ -174,29 +217,3 @@ def test_a_front_tokenizer_that_fails_while_the_replicas_load_stops_them(random_
     finally:
         st.__exit__(None, None, None)
     assert_all_gone(pids)
-
-
-def test_a_call_to_a_rollout_server_that_hangs_ends_instead_of_waiting_forever(model_dir, tmp_path):
-    """A hung rollout front (a deadlock, a frozen cgroup; here SIGSTOP) keeps its TCP connection open: a trainer's
-    rollout call (no deadline) waited for it forever while `tlt run` saw every process alive. The client pings the
-    connection while a call runs; an unanswered ping ends the call with UNAVAILABLE (pings every 1 s, 2 s to answer,
-    here; 30 s / 30 s by default)."""
-    import os
-    import signal
-
-    with ServeProcess(model_dir, tmp_path) as s:
-        address = f"127.0.0.1:{s.info['grpc_port']}"
-        params = rollout_pb2.SamplingParams(max_tokens=4)
-        with RolloutClient(address, keepalive_s=(1.0, 2.0)) as c:
-            assert len(list(c.batch_generate(["1+1="], n=2, params=params))) == 2  # pings of a live server: fine
-            time.sleep(3.0)  # idle: no pings (none without a call), nothing breaks
-            assert len(list(c.batch_generate(["2+2="], n=2, params=params))) == 2
-            os.kill(s.proc.pid, signal.SIGSTOP)
-            try:
-                t0 = time.monotonic()
-                with pytest.raises(grpc.RpcError) as err:
-                    list(c.batch_generate(["3+3="], n=2, params=params))
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-                assert time.monotonic() - t0 < 20  # grpc's own ping timeout was 60 s
-            finally:
-                os.kill(s.proc.pid, signal.SIGCONT)
