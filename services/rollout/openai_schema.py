@@ -16,6 +16,10 @@ OpenAI API, in its words (vLLM lets "none" through). A `tool` message in the
 history (a tool's result) is text for the chat template like any other role;
 as in the OpenAI API it must carry the `tool_call_id` of the call it answers,
 and no other role may (a 400 naming `messages.[i].tool_call_id` either way).
+A message's text parts are joined with "\n", as vLLM joins them for a template
+that reads `content` as a string; `content: null` is for an assistant message
+only (a 400 naming `messages.[i].content` on another role, as the OpenAI API
+and vLLM refuse it).
 
 Tools: `tools` are checked here (a 400 naming e.g. `tools.[2].function.name`)
 and handed as sent to the chat template; an assistant message's `tool_calls`
@@ -286,7 +290,11 @@ class ChatMessage(_Strict):
     parsed: Any | None = None  # the SDK's client-side parse of the content (its stream helper adds it): ignored
 
     def invalid(self, i: int) -> tuple[str, str] | None:
-        """(message, param) of a 400 for this message, the `i`th of the history."""
+        """(message, param) of a 400 for this message, the `i`th of the history. `content: null` is only for an
+        assistant message (the OpenAI API requires content on the others; vLLM's request model refuses it there)."""
+        if self.content is None and self.role != "assistant" and "content" in self.model_fields_set:
+            return (f"messages[{i}]: content must be a string or a list of text parts for role {self.role!r}, got "
+                    "null (only an assistant message may have null content)", f"messages.[{i}].content")
         for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             if (problem := content_part_problem(i, j, part)) is not None:
                 return problem
@@ -316,7 +324,9 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p["text"] for p in self.content)  # text parts only (`invalid()`)
+        # text parts only (`invalid()`), one a line, as vLLM joins them for a template that reads `content` as a
+        # string (vllm/entrypoints/chat_utils.py, _parse_chat_message_content_parts)
+        return "\n".join(p["text"] for p in self.content)
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: role and text, plus `name`, `tool_call_id` and `tool_calls`

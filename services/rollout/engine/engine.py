@@ -63,7 +63,7 @@ from tlt.services.rollout.engine.sampler import sample
 from tlt.services.rollout.engine.scheduler import Scheduler
 from tlt.services.rollout.engine.sequence import Sequence
 from tlt.services.rollout.engine.stop import check_stop
-from tlt.services.rollout.types import CompletionOutput, GenerationRequest, StepOutput, Versions
+from tlt.services.rollout.types import CompletionOutput, FinishReason, GenerationRequest, StepOutput, Versions
 
 log = get_logger("rollout.engine")
 
@@ -295,7 +295,13 @@ class LLMEngine:
         text = seq.text
         if text is None:  # one decode after the prompt's last tokens (a SentencePiece decoder strips the first
             # token's space), whether or not the request had stop strings: the same tokens, the same text
-            text = continuation_text(self.tokenizer, seq.token_ids[: seq.prompt_len], seq.output_ids)
+            out = seq.output_ids
+            if seq.finish_reason is FinishReason.STOP and out and (out[-1] in seq.stop_ids or out[-1] in seq.eos_ids):
+                # the stop token (stop_token_ids, eos) that ended it stays in token_ids, not in the text, even when
+                # it is plain text, as vLLM v1 (its detokenizer skips a stop-terminated request's last token
+                # unless include_stop_str_in_output) and SGLang (trim_matched_stop) have it
+                out = out[:-1]
+            text = continuation_text(self.tokenizer, seq.token_ids[: seq.prompt_len], out)
         return CompletionOutput(
             request_id=seq.request_id,
             sample_index=seq.sample_index,

@@ -11,7 +11,9 @@ emoji), and so are a byte-fallback run's characters as they would read were
 the output to end there; at the last token (max_tokens, context limit) the
 whole text is. The completion's text is cut before the stop string (OpenAI
 semantics); the token that completed it stays in token_ids (its logprob is
-part of the rollout) and is the last one.
+part of the rollout) and is the last one. A stop token (stop_token_ids, eos)
+likewise stays in token_ids, and its text is left out of the completion's
+(engine._completion), plain text or not, as vLLM v1 and SGLang leave it out.
 """
 
 from __future__ import annotations
