@@ -181,7 +181,8 @@ def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: 
                      seed_key: int | str | None = None) -> RolloutResult:
     """`collect`, where a replica that died mid-rollout (the server restarts it and replays the weights) costs a
     redo, not the run: up to `retries` times the partial rollout is dropped and the same prompts are rolled out
-    anew (with the same seeds: seeded, the samples the step would have had) once every replica serves again
+    anew (with the same seeds: the samples the step would have had where the rollout's sampling is reproducible,
+    `[trainer] reproducible_rollouts` under speculation; else others of the same distribution) once every replica serves again
     (`wait_serving`). A server too busy with other clients' requests to take the step's (RESOURCE_EXHAUSTED) is
     asked again the same way, after BUSY_WAIT_S, doubling. `result.retries` says how many; its rollout_s runs from
     the first attempt, rollout_retry_s is the time until the kept one began (`RolloutResult.redone`)."""

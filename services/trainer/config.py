@@ -231,7 +231,7 @@ class TrainerConfig(ServiceConfig):
         "rejection sampling keeps ~6.6 (BENCHMARKS.md, 'Sampled chains'). "
         "false: sampled learned chains are verified by rejection sampling (exact in distribution), whose tokens depend on which steps speculate, with which arm (the bandit's timing) and "
         "drafter: a redone step samples other completions of the same distribution. The evals are always "
-        "reproducible")
+        "reproducible. Native engine only: the SGLang backend ignores it (SGLang's sampling and speculation decide)")
     steps: int = Field(20, ge=1, description="RL steps to run")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU; 0 keeps torch's default, capped by a container's CPU quota (cgroup)")
 

@@ -165,7 +165,8 @@ class VersionGuard:
     """`collect(roll_out, version)`: the rollout `roll_out()` returns (a collect.RolloutResult), checked to carry
     `version` in every completion. When some do not and a server now serves an older version than `version` (it
     restarted from its start checkpoint after the push), `repush(behind, version)` gives those servers the weights
-    again and the batch is rolled out again, once; its seeds are the batch's own, so it draws what it would have.
+    again and the batch is rolled out again, once; its seeds are the batch's own, so it draws what it would have
+    where the rollout's sampling is reproducible (`[trainer] reproducible_rollouts` under speculation).
     The result kept counts the dropped rollout (and the attempts it had redone itself) in its retries, and the
     time until the second began, the push included, in its rollout_s and rollout_retry_s.
     StaleWeightsError otherwise: no `repush` (under ZeRO-3 with several ranks reading the weights is a collective
