@@ -104,9 +104,9 @@ class _Reading:
     anchor: tuple[int, ...]  # (): none found, tokens are decoded alone
     anchor_text: str
     special: frozenset[int]
-    # token id -> (text, bytes) as `_token_text_and_bytes` reads it: fixed per tokenizer, so each token is decoded
+    # token id -> (text, bytes, characters) as `_token_read` reads it: fixed per tokenizer, so each token is decoded
     # once per process (a response's logprobs read each token twice: its text and its offset)
-    read: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict, compare=False)
+    read: dict[int, tuple[str, bytes, int]] = field(default_factory=dict, compare=False)
 
 
 _READINGS: weakref.WeakKeyDictionary[Any, _Reading] = weakref.WeakKeyDictionary()
@@ -153,11 +153,21 @@ def _token_text_and_bytes(tokenizer: Any, token_id: int) -> tuple[str, list[int]
     """The token's text (as `_token_text`) and its own UTF-8 bytes: OpenAI's `bytes`, which clients join to
     rebuild a character split over several tokens. A byte piece's bytes are the byte(s) its vocabulary string
     stands for (`<0xE4>`, or GPT-2's byte alphabet), not the encoding of that string (which joined gave mojibake)."""
-    reading = _reading(tokenizer)
+    text, raw, _ = _token_read(_reading(tokenizer), tokenizer, token_id)
+    return text, list(raw)
+
+
+def _token_read(reading: _Reading, tokenizer: Any, token_id: int) -> tuple[str, bytes, int]:
+    """The token's text, its bytes (`_token_text_and_bytes`) and the characters they decode to where they are whole
+    UTF-8 on their own (-1 where they are not: a part of a character, or bytes no character has)."""
     if (known := reading.read.get(token_id)) is None:
         text, raw = _text_and_bytes(tokenizer, token_id, reading)
-        known = reading.read[token_id] = (text, tuple(raw))
-    return known[0], list(known[1])
+        try:
+            chars = len(bytes(raw).decode())
+        except UnicodeDecodeError:
+            chars = -1
+        known = reading.read[token_id] = (text, bytes(raw), chars)
+    return known
 
 
 def _text_and_bytes(tokenizer: Any, token_id: int, reading: _Reading) -> tuple[str, list[int]]:
@@ -182,34 +192,48 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
+# lead byte -> (continuation bytes it needs, the bytes its second may be: narrower than 80-BF after E0, ED, F0, F4,
+# the Unicode Standard's table 3-7: no overlong form, surrogate or code point past U+10FFFF); C0, C1, F5-FF lead none
+_CONTINUATION = range(0x80, 0xC0)
+_SECOND = {0xE0: range(0xA0, 0xC0), 0xED: range(0x80, 0xA0), 0xF0: range(0x90, 0xC0), 0xF4: range(0x80, 0x90)}
+_LEADS = {b: (1 if b < 0xE0 else 2 if b < 0xF0 else 3, _SECOND.get(b, _CONTINUATION)) for b in range(0xC2, 0xF5)}
+
+
 class TextOffsets:
     """Where each token starts in the choice's text (the completions API's `text_offset`), in characters, and its
     bytes (the chat API's `bytes`), fed token by token (a stream feeds each chunk's tokens in turn).
 
-    Counted over the tokens' UTF-8 bytes as the text decodes them, not over their display strings: a byte piece of
-    a multi-byte character (`日` is three GPT-2 pieces) adds one character, not three, and a token that starts
-    inside a character (on a continuation byte) points at that character; one that starts a new character after
-    a character left incomplete (0xE1 then "n": the text reads U+FFFD, "n") points past its U+FFFD. A special
-    token (`<|im_end|>`) adds nothing, as the text is decoded without them. A byte-fallback tokenizer's run of
-    `<0x..>` pieces decodes whole (engine/detok.py): as its bytes when they are valid UTF-8, else one U+FFFD a
-    piece, whose bytes each piece then carries; so a run's tokens are counted when it ends (a piece of text, or
-    `final`), and `feed` returns the offsets of the tokens counted so far.
+    Counted over the tokens' UTF-8 bytes as the text decodes them (tokenizers' `from_utf8_lossy`, Python's
+    `decode(errors="replace")`), not over their display strings: a token's offset is where the character its first
+    byte belongs to starts. A byte piece of a multi-byte character (`日` is three GPT-2 pieces) adds one character,
+    not three, and one that goes on a character (0x97 after 0xE6) points at it; bytes that make no character are
+    one U+FFFD per maximal invalid part (the Unicode Standard's practice): 0xE1 then "n" reads U+FFFD, "n" (the
+    "n" points past the U+FFFD), 0xF0 0x8C two U+FFFD (0xF0's second byte is 0x90-0xBF), and a character cut off
+    at the end one (not CPython's incremental decoder: it holds 0xED 0xA0, no character's start). A special token
+    (`<|im_end|>`) adds nothing, as the text is decoded without them; after an open character it waits for the
+    next byte, which says whether that character ends before it. A byte-fallback tokenizer's run of `<0x..>`
+    pieces decodes whole (engine/detok.py): as its bytes when they are valid UTF-8, else one U+FFFD a piece, whose
+    bytes each piece then carries; so a run's tokens are counted when it ends (a piece of text, or `final`), and
+    `feed` returns the offsets of the tokens counted so far.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.reading = _reading(tokenizer)
         self.pieces, special = byte_pieces(tokenizer)
         self.special = set(special)
-        self.chars = 0  # characters begun so far
-        self.pending = 0  # bytes still due to the last character begun
+        self.chars = 0  # characters the bytes so far have made (not the open one)
+        self.need = 0  # bytes still due to the open character (0: none is open)
+        self.next = _CONTINUATION  # the bytes that go on the open character
+        self.waiting = 0  # special tokens after the open character, not counted yet
         self.run: list[int] = []  # a byte-fallback run not ended yet
         self.fed = 0  # tokens fed
-        self.raw: list[list[int]] = []  # each counted token's bytes
+        self.raw: list[bytes] = []  # each counted token's bytes
 
     def feed(self, token_ids: list[int], text: str | None = None, final: bool = True) -> list[int]:
-        """The offsets of `token_ids` (the next tokens; of those before them that a run held, first; with `final`
-        False, not of a run still open at the end); `text` (the whole choice's): clamped to its length, for
-        tokens past a stop string that cut it."""
+        """The offsets of `token_ids` (the next tokens; of those before them that a run or an open character held,
+        first; with `final` False, not of those still held at the end); `text` (the whole choice's): clamped to
+        its length, for tokens past a stop string that cut it."""
         offsets: list[int] = []
         self.fed += len(token_ids)
         for t in token_ids:
@@ -218,13 +242,18 @@ class TextOffsets:
                 continue
             if self.run:
                 self._end_run(offsets)
-            self._count(self._bytes(t), offsets)
-        if final and self.run:
-            self._end_run(offsets)
+            self._count(*self._bytes(t), offsets)
+        if final:
+            if self.run:
+                self._end_run(offsets)
+            if self.need:  # cut off: the open character is one U+FFFD
+                self.chars, self.need = self.chars + 1, 0
+            offsets += [self.chars] * self.waiting
+            self.waiting = 0
         return offsets if text is None else [min(o, len(text)) for o in offsets]
 
-    def _bytes(self, t: int) -> list[int]:
-        return [] if t in self.special else _token_text_and_bytes(self.tokenizer, t)[1]
+    def _bytes(self, t: int) -> tuple[bytes, int]:
+        return (b"", 0) if t in self.special else _token_read(self.reading, self.tokenizer, t)[1:]
 
     def _end_run(self, offsets: list[int]) -> None:
         try:
@@ -233,19 +262,38 @@ class TextOffsets:
         except UnicodeDecodeError:
             valid = False
         for t in self.run:
-            self._count(self._bytes(t) if valid or t in self.special else list("\ufffd".encode()), offsets)
+            self._count(*(self._bytes(t) if valid or t in self.special else ("\ufffd".encode(), 1)), offsets)
         self.run = []
 
-    def _count(self, raw: list[int], offsets: list[int]) -> None:
-        if raw and self.pending and raw[0] & 0xC0 != 0x80:
-            self.pending = 0  # the character begun stays broken (one U+FFFD, counted): this token comes after it
-        offsets.append(self.chars - 1 if self.pending else self.chars)  # inside a character: where it starts
+    def _count(self, raw: bytes, whole: int, offsets: list[int]) -> None:
+        """Count a token's bytes; `whole`: the characters they make on their own (-1: not whole UTF-8)."""
         self.raw.append(raw)
-        for b in raw:
-            if b & 0xC0 == 0x80 and self.pending:  # a continuation byte of the character begun
-                self.pending -= 1
-            else:  # a lead byte (or a stray continuation byte: U+FFFD in the text, one character)
-                self.chars, self.pending = self.chars + 1, (b >= 0xC0) + (b >= 0xE0) + (b >= 0xF0)
+        chars, need, nxt = self.chars, self.need, self.next
+        if need:
+            if not raw:
+                self.waiting += 1
+                return
+            if raw[0] not in nxt:  # the open character ends before this token: one U+FFFD
+                chars, need = chars + 1, 0
+        if self.waiting:
+            offsets += [chars] * self.waiting
+            self.waiting = 0
+        offsets.append(chars)
+        if not need and whole >= 0:
+            self.chars, self.need = chars + whole, 0
+            return
+        for b in raw:  # as a UTF-8 decoder reads them: one U+FFFD for each maximal part no character has
+            if need:
+                if b in nxt:
+                    need, nxt = need - 1, _CONTINUATION
+                    chars += not need
+                    continue
+                chars, need = chars + 1, 0
+            if (lead := _LEADS.get(b)) is None:
+                chars += 1
+            else:
+                need, nxt = lead
+        self.chars, self.need, self.next = chars, need, nxt
 
 
 def completion_logprobs(
@@ -279,7 +327,7 @@ def completion_logprobs(
 
 def chat_logprobs(
     tokenizer: Any, token_ids: list[int], logprobs: list[float] | None, top: list[dict[int, float]] | None, k: int,
-    raw: list[list[int]] | None = None,
+    raw: list[bytes] | None = None,
 ) -> ChoiceLogprobs:
     """The chat API's logprobs: each token with its logprob, and its `top_logprobs` the `k` most likely tokens only
     (OpenAI's reference: "List of the most likely tokens and their log probability, at this token position"). The
@@ -297,7 +345,7 @@ def chat_logprobs(
             for aid, alp in sorted(top[i].items(), key=lambda kv: -kv[1])[:k]:
                 at, araw = _token_text_and_bytes(tokenizer, aid)
                 alts.append(TopLogprobEntry(token=at, logprob=_lp(alp), bytes=araw))
-        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=raw[i], top_logprobs=alts))
+        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=list(raw[i]), top_logprobs=alts))
     return ChoiceLogprobs(content=content)
 
 
@@ -437,11 +485,11 @@ class StreamLogprobs:
             self.lps += step.new_logprobs or []
             self.tops += step.new_top_logprobs or []
 
-    def _raw(self, start: int, end: int) -> list[list[int]] | None:
+    def _raw(self, start: int, end: int) -> list[bytes] | None:
         return None if self._offsets is None else self._offsets.raw[start:end]
 
     def take(self, limit: int | None = None) -> tuple[list[int], list[float], list[dict[int, float]] | None,
-                                                     list[int] | None, list[list[int]] | None] | None:
+                                                     list[int] | None, list[bytes] | None] | None:
         """The waiting tokens (ids, logprobs, alternatives, text offsets, bytes) for the chunk going out, those
         counted whose offset is below `limit` (the characters sent) when given; None: nothing to send now."""
         if not self.per_step or not self.ids:
@@ -460,7 +508,7 @@ class StreamLogprobs:
         return out
 
     def rest(self, c: CompletionOutput) -> tuple[list[int], list[float] | None, list[dict[int, float]] | None,
-                                                 list[int] | None, list[list[int]] | None]:
+                                                 list[int] | None, list[bytes] | None]:
         """The tokens the last chunk carries: the completion's after those already sent, with their offsets
         clamped to the completion's text (as the non-streamed response's)."""
         n = self.sent
