@@ -66,6 +66,30 @@ def _environment_restored():
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def _signals_and_log_context_restored():
+    """`tlt.cli.main` run in the pytest process installs what a command's own process should have: a server's
+    SIGINT / SIGTERM handlers (a `reward serve` that could not bind its port left them, and the rest of the session
+    ignored Ctrl-C and a cancelled CI job's SIGTERM), and a drafter worker binds its service name to every later log
+    line (structlog's contextvars: {'service': 'drafter-worker-0'} on other tests' lines). The commands put their
+    handlers back themselves (tests/test_signal_stop.py); this keeps one that does not from changing later tests.
+    Put both back after each test."""
+    import signal
+
+    import structlog
+
+    wanted = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handlers = {sig: signal.getsignal(sig) for sig in wanted}
+    context = structlog.contextvars.get_contextvars()
+    yield
+    for sig, handler in handlers.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    if structlog.contextvars.get_contextvars() != context:
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(**context)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     if not (TINY_MODEL_DIR / ".complete").exists():

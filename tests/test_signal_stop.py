@@ -116,3 +116,151 @@ def test_the_services_stop_through_it(module: str) -> None:
     text = (ROOT / module).read_text()
     assert "set_on_signals(stop)" in text
     assert "stop.set())" not in text
+
+
+# `tlt.cli.main` run in this process (as tests run it, or a script): a serve command must leave the process's
+# handlers and threads as it found them, whether it served or could not start. `tlt reward serve` on a port in use
+# left its SIGINT / SIGTERM handlers (the rest of a pytest session then ignored Ctrl-C and a cancelled CI job's
+# SIGTERM) and its scoring threads.
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _new_threads(before: set[threading.Thread], wait_s: float = 3.0) -> list[str]:
+    """The threads started since `before` still alive after up to `wait_s` (a stopped pool's workers end soon)."""
+    deadline = time.monotonic() + wait_s
+    for t in threading.enumerate():
+        if t not in before:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for t in threading.enumerate() if t not in before and t.is_alive())
+
+
+@pytest.mark.parametrize("case", ["port in use", "no such function"])
+def test_a_reward_serve_that_cannot_start_leaves_the_process_as_it_was(case: str, capfd) -> None:  # noqa: ANN001
+    import socket
+
+    from tlt.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))  # a port the kernel picked: taken by this test
+        held.listen()
+        port = str(held.getsockname()[1])
+        argv = ["reward", "serve", "--port", port] if case == "port in use" else \
+            ["reward", "serve", "--port", "0", "--function", "tlt_no_such_module:f"]
+        handlers = {s: signal.getsignal(s) for s in HANDLED}
+        before = set(threading.enumerate())
+        assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    assert {s: signal.getsignal(s) for s in HANDLED} == handlers
+    assert _new_threads(before) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_reward_serve_stopped_by_ctrl_c_puts_the_handlers_back() -> None:
+    """Served, then stopped by SIGINT: it returns 0, and a later Ctrl-C is the process's KeyboardInterrupt again."""
+    from tlt.cli import main
+
+    handlers = {s: signal.getsignal(s) for s in HANDLED}
+    before = set(threading.enumerate())
+    interrupter = _interrupt_once_handled(handlers)
+    assert main(["reward", "serve", "--port", "0"]) == 0
+    interrupter.join(5)
+    assert {s: signal.getsignal(s) for s in HANDLED} == handlers
+    assert _new_threads(before) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_drafter_serve_whose_status_port_is_taken_leaves_no_coordinator_behind(random_model_dir: Path, tmp_path: Path,
+                                                                                 capfd) -> None:  # noqa: ANN001
+    """The coordinator (its threads and its ZeroMQ binds) was up when the status port turned out taken: one line and
+    exit 2, but in-process its threads ran on and its endpoints stayed bound."""
+    import socket
+
+    import zmq
+
+    from tlt.cli import main
+
+    handlers = {s: signal.getsignal(s) for s in HANDLED}
+    with socket.socket() as held, socket.socket() as features:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        features.bind(("127.0.0.1", 0))  # a free port for the features PULL: bound again after the command
+        features_port = features.getsockname()[1]
+        features.close()
+        before = set(threading.enumerate())
+        assert main(["drafter", "serve", "--model", str(random_model_dir), "--workers", "0",
+                     "--set", f"status_port={held.getsockname()[1]}", "--set", "gate_when_idle=false",
+                     "--set", f"features_bind=tcp://127.0.0.1:{features_port}",
+                     "--set", "coordinator_bind=tcp://127.0.0.1:*", "--set", f"checkpoint_dir={tmp_path / 'ckpt'}",
+                     "--set", "coordinator_nice=0"]) == 2
+    err = capfd.readouterr().err
+    assert "port_in_use" in err and "Traceback" not in err, err[-2000:]
+    assert {s: signal.getsignal(s) for s in HANDLED} == handlers
+    assert _new_threads(before, wait_s=12) == []
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://127.0.0.1:{features_port}")  # ZMQError "Address already in use" while the puller lives
+        sock.close()
+    finally:
+        ctx.term()
+
+
+def _interrupt_once_handled(handlers: dict) -> threading.Thread:
+    """A thread that sends this process SIGINT once the command installed its own handler (before, it would be the
+    test's KeyboardInterrupt)."""
+    import os
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while signal.getsignal(signal.SIGINT) is handlers[signal.SIGINT] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    t = threading.Thread(target=interrupt, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.timeout(120)
+def test_a_drafter_worker_stopped_by_ctrl_c_puts_the_handlers_back(random_model_dir: Path, tmp_path: Path) -> None:
+    """A worker whose rollout never answered, stopped by SIGINT while it waits: it returns 0 and the process's Ctrl-C
+    is its KeyboardInterrupt again (the worker's handlers stayed, as the reward server's did)."""
+    import socket
+
+    from tlt.cli import main
+
+    handlers = {s: signal.getsignal(s) for s in HANDLED}
+    refused = [socket.socket() for _ in range(3)]  # bound, not listening: a connect there is refused
+    try:
+        for sock in refused:
+            sock.bind(("127.0.0.1", 0))
+        coordinator, pub, snapshot = (f"tcp://127.0.0.1:{sock.getsockname()[1]}" for sock in refused)
+        interrupter = _interrupt_once_handled(handlers)
+        assert main(["drafter", "worker", "--model", str(random_model_dir), "--coordinator", coordinator, "--replica",
+                     "0", "--set", f"checkpoint_dir={tmp_path}", "--set", f"capacity_pub={pub}",
+                     "--set", f"capacity_snapshot={snapshot}"]) == 0
+        interrupter.join(5)
+    finally:
+        for sock in refused:
+            sock.close()
+    assert {s: signal.getsignal(s) for s in HANDLED} == handlers
+
+
+def test_a_command_that_leaves_its_handlers_or_log_context_does_not_change_later_tests() -> None:
+    """tests/conftest.py's autouse fixture, driven by hand: what a command run in-process left (a handler that only
+    queues the signal, a worker's service name bound to every log line) is undone after the test."""
+    import conftest
+    import structlog
+
+    handlers = {s: signal.getsignal(s) for s in HANDLED}
+    restoring = conftest._signals_and_log_context_restored.__wrapped__()
+    next(restoring)
+    for s in HANDLED:
+        signal.signal(s, lambda signum, frame: None)
+    structlog.contextvars.bind_contextvars(service="drafter-worker-0")
+    with pytest.raises(StopIteration):
+        next(restoring)
+    assert {s: signal.getsignal(s) for s in HANDLED} == handlers
+    assert "service" not in structlog.contextvars.get_contextvars()

@@ -18,20 +18,32 @@ from __future__ import annotations
 import queue
 import signal
 import threading
+from collections.abc import Callable
 
 
-def set_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
-    """Install handlers (main thread only, as `signal.signal` requires) that set `stop` when one of `signals` comes."""
-    arrived: queue.SimpleQueue[int] = queue.SimpleQueue()
+def set_on_signals(stop: threading.Event,
+                   signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Callable[[], None]:
+    """Install handlers (main thread only, as `signal.signal` requires) that set `stop` when one of `signals` comes.
+
+    Returns `restore`: it puts back the handlers these replaced and ends the thread, without setting `stop`. A
+    command run in a process that goes on after it (`tlt.cli.main` in a test or a script) calls it once it stopped:
+    left in place, they made the rest of a pytest session ignore Ctrl-C and SIGTERM."""
+    arrived: queue.SimpleQueue[int | None] = queue.SimpleQueue()
 
     def setter() -> None:
-        arrived.get()
-        stop.set()
+        if arrived.get() is not None:  # None: restored
+            stop.set()
 
     threading.Thread(target=setter, name="stop-on-signal", daemon=True).start()
 
     def handler(signum: int, frame: object) -> None:
         arrived.put_nowait(signum)
 
-    for sig in signals:
-        signal.signal(sig, handler)
+    replaced = {sig: signal.signal(sig, handler) for sig in signals}
+
+    def restore() -> None:
+        for sig, previous in replaced.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # None: not set from Python
+        arrived.put_nowait(None)
+
+    return restore

@@ -15,6 +15,7 @@ stops the workers (they end their window cleanly) and then the coordinator.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,37 @@ def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int
             log.error("worker_restart_failed", worker=i, error=str(e)[:200], restarts=restarts[i])
             continue
         log.warning("worker_restarted", worker=i, rc=rc, pid=procs[i].pid, restarts=restarts[i])  # the workers `tlt drafter serve` starts read their config here
+
+
+def _stop_workers(procs: list) -> None:
+    """SIGTERM each worker still running (it ends its window cleanly), then wait; kill one that takes over 30 s."""
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def worker_launch(cfg: object, model: str, coordinator: str, replicas: Iterable[int]) -> tuple[list[list[str]], dict]:
+    """The argv of one `tlt drafter worker` per replica (worker id = replica) and the environment they all start
+    with: `cfg` in WORKER_CONFIG_ENV (not on the command line, which any user of the host reads with `ps`: it holds
+    control_token), and TLT_DIE_WITH_PARENT (tlt.cli), so they exit with this process even after a kill -9. What
+    `tlt drafter serve` and `tlt bench drafter-preemption` start their workers with."""
+    import os
+
+    from tlt.cli import tlt_command
+
+    env = {**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid()),
+           WORKER_CONFIG_ENV: cfg.model_dump_json()}  # type: ignore[attr-defined]
+    cmds = [tlt_command("drafter", "worker", "--model", model, "--coordinator", coordinator,
+                        "--replica", str(i), "--worker-id", str(i)) for i in replicas]
+    return cmds, env
 
 
 def build_config(preset: str, overrides: list[str], config_json: str = "") -> object:
@@ -113,11 +145,11 @@ def rollout_publisher(address: str, token: str):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
+    import contextlib
     import os
     import subprocess
     import threading
 
-    from tlt.cli import tlt_command
     from tlt.model.folder import check_checkpoint
     from tlt.services.common.logging import get_logger
     from tlt.services.common.signals import set_on_signals
@@ -129,51 +161,48 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.drafter.coordinator import Coordinator
     from tlt.services.drafter.shared import rollout_fetch
 
-    puller = FeaturePuller(cfg.features_bind)  # type: ignore[attr-defined]
-    fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
-    coordinator = Coordinator(cfg, args.model, puller, rollout_publisher(cfg.rollout_grpc, cfg.control_token),  # type: ignore[attr-defined]
-                              fetch).start()  # type: ignore[arg-type]
-    server, port = start_status_server(coordinator, cfg.host, cfg.status_port)  # type: ignore[attr-defined]
-    exporter = coordinator.metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port else None  # type: ignore[attr-defined]
-    # The workers exit with this process, even when it is killed with -9 (tlt.cli's TLT_DIE_WITH_PARENT): left
-    # running, they met the restarted service's new workers, two per replica under one id and checkpoint file.
-    # The resolved config goes in the environment, not on the command line, which any user of the host (or of a
-    # container's host) reads with `ps`: it holds control_token.
-    env = {**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid()), WORKER_CONFIG_ENV: cfg.model_dump_json()}  # type: ignore[attr-defined]
-    cmds = [tlt_command("drafter", "worker", "--model", args.model, "--coordinator", coordinator.endpoint,
-                        "--replica", str(i), "--worker-id", str(i)) for i in range(args.workers)]
-    procs = [subprocess.Popen(cmd, env=env) for cmd in cmds]
-    if cfg.threads:  # type: ignore[attr-defined]
-        import torch
+    restore = None  # puts the signal handlers back, last: a second Ctrl-C does not cut the workers' stop short
+    try:
+        with contextlib.ExitStack() as up:  # what is up goes down again, in reverse, when a later step fails too
+            puller = FeaturePuller(cfg.features_bind)  # type: ignore[attr-defined]
+            up.callback(puller.close)
+            fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
+            publish = rollout_publisher(cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
+            coordinator = Coordinator(cfg, args.model, puller, publish, fetch)  # type: ignore[arg-type]
+            up.callback(coordinator.close)  # (its threads, its binds: left running by a failed start in-process)
+            coordinator.start()
+            server, port = start_status_server(coordinator, cfg.host, cfg.status_port)  # type: ignore[attr-defined]
+            up.callback(lambda: server.stop(grace=1).wait())  # type: ignore[attr-defined]
+            if cfg.metrics_port:  # type: ignore[attr-defined]
+                up.callback(coordinator.metrics.serve(cfg.metrics_port, cfg.host).close)  # type: ignore[attr-defined]
+            # The workers exit with this process, even when it is killed with -9 (tlt.cli's TLT_DIE_WITH_PARENT):
+            # left running, they met the restarted service's new workers, two per replica under one id and checkpoint
+            # file. The resolved config goes in the environment, not on the command line (worker_launch).
+            cmds, env = worker_launch(cfg, args.model, coordinator.endpoint, range(args.workers))
+            procs: list[subprocess.Popen] = []
+            up.callback(_stop_workers, procs)  # the list: a restarted worker takes its place in it
+            procs.extend(subprocess.Popen(cmd, env=env) for cmd in cmds)
+            if cfg.threads:  # type: ignore[attr-defined]
+                import torch
 
-        torch.set_num_threads(cfg.threads)  # type: ignore[attr-defined]  # the gate's evaluations: one core, not all
-    if cfg.coordinator_nice:  # type: ignore[attr-defined]
-        os.nice(cfg.coordinator_nice)  # type: ignore[attr-defined]  # after the workers started: they keep normal priority
-    stop = threading.Event()
-    set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (services/common/signals.py)
-    if args.ready_file:
-        from tlt.services.common.ready import write_ready_file
+                torch.set_num_threads(cfg.threads)  # type: ignore[attr-defined]  # the gate's evaluations: one core
+            if cfg.coordinator_nice:  # type: ignore[attr-defined]
+                os.nice(cfg.coordinator_nice)  # type: ignore[attr-defined]  # after the workers: they keep normal
+            stop = threading.Event()
+            restore = set_on_signals(stop)  # not stop.set() in a handler: it could deadlock (common/signals.py)
+            if args.ready_file:
+                from tlt.services.common.ready import write_ready_file
 
-        write_ready_file(args.ready_file, {"pid": os.getpid(), "status_port": port, "coordinator": coordinator.endpoint,
-                                           "features": puller.endpoint, "worker_pids": [p.pid for p in procs]})
-    log.info("drafter_serving", status=f"{cfg.host}:{port}", coordinator=coordinator.endpoint,  # type: ignore[attr-defined]
-             features=puller.endpoint, workers=len(procs))
-    restarts = [0] * len(procs)
-    while not stop.wait(WORKER_WATCH_S):
-        _restart_dead_workers(procs, cmds, env, restarts, stop)
-    log.info("drafter_stopping")
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-    server.stop(grace=1).wait()  # type: ignore[attr-defined]
-    if exporter is not None:
-        exporter.close()
-    coordinator.close()
-    puller.close()
+                write_ready_file(args.ready_file, {"pid": os.getpid(), "status_port": port,
+                                                   "coordinator": coordinator.endpoint, "features": puller.endpoint,
+                                                   "worker_pids": [p.pid for p in procs]})
+            log.info("drafter_serving", status=f"{cfg.host}:{port}",  # type: ignore[attr-defined]
+                     coordinator=coordinator.endpoint, features=puller.endpoint, workers=len(procs))
+            restarts = [0] * len(procs)
+            while not stop.wait(WORKER_WATCH_S):
+                _restart_dead_workers(procs, cmds, env, restarts, stop)
+            log.info("drafter_stopping")
+    finally:
+        if restore is not None:
+            restore()
     return 0

@@ -64,11 +64,12 @@ def run(args: argparse.Namespace) -> int:
     # Only now a signal asks for a clean stop: until here the worker has read files and holds nothing to save, and
     # SIGTERM's default (its parent's death, TLT_DIE_WITH_PARENT) ends it at once instead of after the start-up.
     stop = threading.Event()
-    set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (services/common/signals.py)
+    restore = set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (common/signals.py)
     try:
         worker.run(stop)
     finally:
         worker.close()
+        restore()  # in a process that goes on (tlt.cli.main in a test), its Ctrl-C and SIGTERM are its own again
     return 0
 
 

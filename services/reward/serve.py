@@ -85,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
         log.error("bad_config", error=str(e))
         return 2
     assert isinstance(config, RewardConfig)
-    stop = threading.Event()
-    set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (services/common/signals.py)
     from tlt.services.trainer.rewards import RewardFunctionError
 
     try:
@@ -94,13 +92,18 @@ def run(args: argparse.Namespace) -> int:
     except RewardFunctionError as e:
         log.error("bad_reward_function", error=str(e))
         return 2
-    exporter = _serve_metrics(server, config)  # before the gRPC port: a taken one is one line, nothing served yet
+    exporter = None
     try:
+        exporter = _serve_metrics(server, config)  # before the gRPC port: a taken one is one line, nothing served yet
         server.start()
     except BaseException:
+        server.servicer.pool.shutdown()  # never served: its scoring threads end (in-process, they were left running)
         if exporter is not None:
             exporter.close()
         raise
+    stop = threading.Event()
+    # only once serving: a server that could not start left its handlers (in-process, Ctrl-C then did nothing)
+    restore = set_on_signals(stop)  # not stop.set() in a handler: it could deadlock the main thread (signals.py)
     try:
         if exporter is not None:
             log.info("reward_metrics", port=exporter.port)
@@ -115,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
         if exporter is not None:
             exporter.close()
+        restore()
     stuck = server.stuck_calls()
     if stuck:  # interpreter exit would join their threads for ever: the process stayed alive after its stop
         log.warning("reward_calls_abandoned", calls=stuck, reason="still running after the grace period")
