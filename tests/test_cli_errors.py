@@ -272,7 +272,7 @@ def _one_line_refusal(p: subprocess.CompletedProcess) -> str:
 
 def _main_refusal(argv: list[str], env: dict | None, monkeypatch, capfd) -> str:
     """`_one_line_refusal` of `tlt.cli.main` run in this process: exit status 2 (a usage error's SystemExit too), no
-    exception, something said on stderr."""
+    exception, something said on stderr and no traceback printed there."""
     with monkeypatch.context() as m:
         for key, value in (env or {}).items():
             m.setenv(key, value)
@@ -283,7 +283,7 @@ def _main_refusal(argv: list[str], env: dict | None, monkeypatch, capfd) -> str:
         except Exception as e:  # noqa: BLE001 - what the user would have seen as a traceback
             rc = f"{type(e).__name__}: {e}"
     err = capfd.readouterr().err
-    return "" if rc == 2 and err.strip() else f"rc={rc} {err.strip().splitlines()[-1:]}"
+    return "" if rc == 2 and "Traceback" not in err and err.strip() else f"rc={rc} {err.strip().splitlines()[-1:]}"
 
 
 def test_whole_commands_refuse_with_one_line(models, tmp_path, monkeypatch, capfd) -> None:
