@@ -139,3 +139,23 @@ def test_rollout_serve_with_sglang_and_no_drafter_exits_2_before_starting(tmp_pa
     assert main(["rollout", "serve", "--model", str(model), "--backend", "sglang"]) == 2
     err = capsys.readouterr()
     assert "--drafter" in err.out + err.err and "Traceback" not in err.out + err.err
+
+
+@pytest.mark.parametrize("argv,flag,field", [
+    (["--dtype", "float64"], "--dtype", "dtype"),
+    (["--max-model-len", "-5"], "--max-model-len", "context_length"),
+    (["--max-num-seqs", "-1"], "--max-num-seqs", "max_running_requests"),
+])
+def test_a_bad_flag_for_the_sglang_replicas_is_named_as_the_flag(argv, flag, field, tmp_path: Path, monkeypatch,
+                                                                 capfd) -> None:
+    """serve hands these flags to its replicas as TLT_SGLANG__* variables, and the config check before start read them
+    back from there: `--dtype float64` was refused as "dtype='float64' (from environment TLT_SGLANG__*)", though the
+    user set no variable. Refused naming the flag, exit 2, one bad_config error, before anything starts."""
+    monkeypatch.delenv("TLT_PRESET", raising=False)
+    for name in [k for k in __import__("os").environ if k.startswith("TLT_SGLANG__")]:
+        monkeypatch.delenv(name)
+    model = _checkpoint(tmp_path / "model")
+    assert main(["rollout", "serve", "--model", str(model), "--backend", "sglang", "--spec", "off", *argv]) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err.count("bad_config") == 1, err
+    assert f"{field}=" in err and f"(from {flag})" in err and "environment" not in err, err

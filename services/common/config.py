@@ -337,12 +337,12 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     require_section: bool = False,
-    overrides_origin: str = "command line",
+    overrides_origin: str | Mapping[str, str] = "command line",
 ) -> T:
     """Build `cls` from a preset section, the environment and explicit overrides. `require_section`: the
     preset file must have [section] (a command's own --config / --preset: a file without it, e.g. a typo in the
     header, would otherwise configure nothing and leave every default, silently). `overrides_origin`: where an
-    error says the overrides came from."""
+    error says the overrides came from, one for all or by field (a flag's name; "command line" for the rest)."""
     sources: dict[str, str] = {}
     values: dict[str, Any] = {}
     whole = read_preset(preset)
@@ -362,7 +362,7 @@ def load_config(
             if value is None:
                 continue
             values[key] = _merged(cls.model_fields.get(key), values.get(key, _MISSING), value)
-            sources[key] = origin
+            sources[key] = origin if isinstance(origin, str) else origin.get(key, "command line")
     try:
         return cls(**values)
     except ValidationError as e:

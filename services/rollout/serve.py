@@ -223,17 +223,29 @@ def sglang_flags(args: argparse.Namespace, environ: dict | None = None) -> dict[
     return out
 
 
+# the flag each `sglang_flags` field comes from, for the errors: "--dtype", not the TLT_SGLANG__* it is handed on in
+SGLANG_FIELD_FLAGS = {**{field: f"--{flag.replace('_', '-')}" for flag, field in VLLM_ENGINE_FLAGS.items()},
+                      "speculative_algorithm": "--spec off", "adaptive": "--spec", "draft_model_path": "--drafter",
+                      "spec_batch_threshold": "--spec-threshold", "num_steps": "--spec-arms",
+                      "eagle_topk": "--spec-arms", "num_draft_tokens": "--spec-arms"}
+
+
 def export_sglang_flags(args: argparse.Namespace, environ: dict | None = None) -> None:
     """Put `sglang_flags` in `TLT_SGLANG__*` for the replica processes (flags win over the preset and the
     environment, as they do for the native engine). Values are written as TOML literals, so a folder named
-    `123` stays text."""
+    `123` stays text. Checked first, as the replicas will read them: ConfigError naming the flag of a bad value
+    (read back from the environment, `--dtype float64` was refused as from TLT_SGLANG__*, which the user never set)."""
     import json
     import os
 
-    from tlt.services.common.config import env_prefix
+    from tlt.services.common.config import env_prefix, load_config
+    from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
 
     env = os.environ if environ is None else environ
-    for name, value in sglang_flags(args, dict(env)).items():
+    flags = sglang_flags(args, dict(env))
+    load_config(SGLangBackendConfig, "sglang", args.preset or env.get("TLT_PRESET") or None, flags, environ=env,
+                overrides_origin={field: SGLANG_FIELD_FLAGS.get(field, "command line") for field in flags})
+    for name, value in flags.items():
         env[f"{env_prefix('sglang')}{name.upper()}"] = json.dumps(value)
 
 
