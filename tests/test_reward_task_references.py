@@ -131,3 +131,35 @@ def test_an_eval_file_the_task_reward_cannot_read_is_refused_at_start_and_by_dat
     assert rc == 2 and len(lines) == 1 and json.loads(lines[0])["error"] == says, lines
     grpc = load_config(TrainerConfig, "trainer", str(preset), {**overrides, "reward": "grpc"})
     assert len(eval_items(grpc)) == 3
+
+
+def test_the_trainer_refuses_a_bad_eval_file_before_it_loads_the_policy(tmp_path, preset, monkeypatch) -> None:
+    """The eval file's refusal came after the policy (and a resumed checkpoint) had loaded, minutes for a large model;
+    the data file's came before. Both now come before: the policy load is recorded here, and must not happen."""
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer import loop, policy
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import DataError
+
+    loaded: list[str] = []
+
+    class Recorded:  # Policy(cfg): the first thing of the trainer that loads the model
+        def __init__(self, cfg: TrainerConfig) -> None:
+            loaded.append(cfg.model_dir)
+            raise RuntimeError("the policy was loaded before the eval file was checked")
+
+    monkeypatch.setattr(policy, "Policy", Recorded)
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"e{i}", "answer": a}) + "\n"
+                                for i, a in enumerate([5, "x = 5", 6])))
+    cfg = load_config(TrainerConfig, "trainer", str(preset),
+                      {"data_path": str(_data(tmp_path, [72, 3])), "eval_data_path": str(held_out), "eval_problems": 3,
+                       "reward": "task", "output_dir": str(tmp_path / "out"), "rollout_addresses": ["127.0.0.1:1"]})
+    with pytest.raises(DataError, match="1 of 3 reference answers are not integers"):
+        loop.train(cfg)
+    assert loaded == []
+    cfg = load_config(TrainerConfig, "trainer", str(preset), {"data_path": str(_data(tmp_path, [72, 3])),
+                                                              "output_dir": str(tmp_path / "out")})
+    with pytest.raises(RuntimeError, match="policy was loaded"):  # a good file: the policy is what comes next
+        loop.train(cfg)
+    assert loaded == [cfg.model_dir]

@@ -111,7 +111,12 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     from tlt.services.trainer.policy import Policy, ReferencePolicy
     from tlt.services.trainer.step import grpo_step
 
+    from tlt.services.trainer.evaluate import eval_items
+
     sampler = PromptSampler(trainer_prompts(cfg), cfg.seed)  # every rank keeps the same position (checkpoints)
+    # the eval set too, before the policy loads (minutes for a large model): a file the reward cannot read is refused
+    # now, as the data file is; every rank reads it, so that every rank stops alike
+    held_out = eval_items(cfg) if cfg.eval_problems else []
     policy = Policy(cfg)
     reference = None
     if cfg.kl_beta > 0:
@@ -126,7 +131,7 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     if cfg.resume and (state := ckpt.load(policy, sampler)) is not None:
         start = resumed_from = state.steps_done
     # Rank 0 talks to the services and writes the run's files; other ranks only train.
-    services = _Services(cfg, out, start) if is_main() else None
+    services = _Services(cfg, out, start, held_out) if is_main() else None
     features = _FeatureHook(cfg.drafter_features_address) if cfg.drafter_features_address else None
     try:
         synced = services.sync(policy) if services else None  # rank 0: (version, whether to push it)
@@ -212,7 +217,7 @@ class _FeatureHook:
 class _Services:
     """Rank 0's side of the loop: rollout + reward clients, weight pushes, metrics, the final export."""
 
-    def __init__(self, cfg: TrainerConfig, out: Path, start: int) -> None:
+    def __init__(self, cfg: TrainerConfig, out: Path, start: int, eval_set: list | None = None) -> None:
         from tlt.services.rollout.client import RolloutClient
         from tlt.services.trainer.collect import training_params
         from tlt.services.trainer.rewards import make_reward_source
@@ -229,7 +234,8 @@ class _Services:
         else:
             self.metrics_path.unlink(missing_ok=True)
         trim_evals(self.eval_path, start)
-        self.eval_items = eval_items(cfg) if cfg.eval_problems else []
+        # (train() reads it before the policy loads)
+        self.eval_items = eval_set if eval_set is not None else eval_items(cfg) if cfg.eval_problems else []
         self.prom = Metrics("trainer")
         self.g_step = self.prom.gauge("step", "RL steps done")
         self.g_reward = self.prom.gauge("reward_mean", "mean reward of the last step")
