@@ -94,7 +94,8 @@ class _FakeWorkerRun:
     fake clock makes the 30 s waits instant. `history` is the coordinator's window limit (it keeps the last N)."""
 
     def __init__(self, monkeypatch, missing: set[int], preempted: bool = True,  # noqa: ANN001
-                 history: int = 200) -> None:
+                 history: int = 200, registers: bool = True, worker_rc: int | None = None,
+                 dies_after: int | None = None) -> None:
         import collections
         import subprocess
         import sys
@@ -106,6 +107,8 @@ class _FakeWorkerRun:
         from tlt.v1 import common_pb2, drafter_pb2
 
         self.now, self.idle_events = 1000.0, 0
+        self.started: list[tuple[list[str], dict | None]] = []  # (argv, env) of each worker the bench started
+        self.configs: list[object] = []  # the config the bench gave its coordinator
         windows: collections.deque = collections.deque(maxlen=history)
         run = self
 
@@ -118,6 +121,8 @@ class _FakeWorkerRun:
             def publish(self, event):  # noqa: ANN001, ANN202
                 if event.state == common_pb2.REPLICA_STATE_IDLE:
                     run.idle_events += 1  # the worker trains: window idle_events - 1
+                elif dies_after is not None and run.idle_events > dies_after:
+                    pass  # the worker exited (worker_rc): no window comes any more
                 elif run.idle_events and run.idle_events - 1 not in missing:  # BUSY ends it (k ms after, k steps)
                     k = run.idle_events - 1
                     windows.append(drafter_pb2.TrainingWindow(preempted=preempted, busy_timestamp=run.now,
@@ -127,7 +132,8 @@ class _FakeWorkerRun:
             def close(self) -> None:
                 pass
 
-        coordinator = types.SimpleNamespace(workers={"w": 1}, windows=windows, endpoint="tcp://127.0.0.1:3",
+        coordinator = types.SimpleNamespace(workers={"w": 1} if registers else {}, windows=windows,
+                                            endpoint="tcp://127.0.0.1:3",
                                             buffer=types.SimpleNamespace(add_samples=lambda s: None),
                                             close=lambda: None)
         coordinator.start = lambda: coordinator
@@ -147,11 +153,21 @@ class _FakeWorkerRun:
                  "transformers": types.SimpleNamespace(AutoModelForCausalLM=types.SimpleNamespace(
                      from_pretrained=lambda path: None)),
                  "tlt.services.drafter.collect": types.SimpleNamespace(sample_features=lambda *a, **k: []),
-                 "tlt.services.drafter.coordinator": types.SimpleNamespace(Coordinator=lambda *a: coordinator)}
+                 "tlt.services.drafter.coordinator": types.SimpleNamespace(
+                     Coordinator=lambda cfg, *a: run.configs.append(cfg) or coordinator)}
         for name, module in fakes.items():
             monkeypatch.setitem(sys.modules, name, module)
-        monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: types.SimpleNamespace(terminate=lambda: None,
-                                                                                        wait=lambda t: 0))
+        def poll() -> int | None:
+            if dies_after is not None and run.idle_events <= dies_after:
+                return None
+            return worker_rc
+
+        def popen(argv: list[str], env: dict | None = None, **kw) -> object:  # noqa: ANN003
+            run.started.append((argv, env))
+            return types.SimpleNamespace(terminate=lambda: None, kill=lambda: None, wait=lambda t=None: 0, poll=poll,
+                                         returncode=worker_rc)
+
+        monkeypatch.setattr(subprocess, "Popen", popen)
 
     def run(self, preemptions: int) -> int:
         from tlt.bench import drafter_preemption
@@ -183,3 +199,39 @@ def test_drafter_preemption_without_a_preempted_window_is_an_error(monkeypatch, 
     assert _FakeWorkerRun(monkeypatch, missing=set(), preempted=False).run(3) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "preempted" in err, err
+
+
+def test_drafter_preemption_starts_its_worker_as_drafter_serve_does(monkeypatch, capsys):
+    """The bench started its worker with --config-json, which `tlt drafter worker` no longer takes (9388d6b moved
+    the config to the environment): the worker exited with a usage error and the bench waited for it forever.
+    The argv it starts now parses with the real `tlt` parser, and the config in its environment loads, as the
+    worker loads it, to the config the bench's coordinator runs with."""
+    from tlt.cli import build_parser
+    from tlt.services.drafter.serve import WORKER_CONFIG_ENV, build_config
+
+    fake = _FakeWorkerRun(monkeypatch, missing=set())
+    assert fake.run(1) == 0
+    (argv, env), = fake.started
+    args = build_parser().parse_args(argv[argv.index("tlt.cli") + 1:])  # a usage error: SystemExit(2)
+    assert args._command.path == ("drafter", "worker") and args.replica == 0 and args.coordinator == "tcp://127.0.0.1:3"
+    assert env is not None and WORKER_CONFIG_ENV in env, "the worker reads its config from the environment"
+    assert build_config(args.preset, args.overrides, env[WORKER_CONFIG_ENV]) == fake.configs[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["exits", "never_registers", "dies_mid_run"])
+def test_drafter_preemption_fails_promptly_without_its_worker(monkeypatch, capsys, case):
+    """A worker that exited (a usage error, a crash) or never joined the coordinator left the bench waiting
+    forever; one that died mid-run cost 30 s per remaining BUSY event. Now: one line naming the worker, exit 1,
+    within the bound (a fake clock here)."""
+    from tlt.bench import drafter_preemption
+
+    kw = {"exits": dict(registers=False, worker_rc=2), "never_registers": dict(registers=False),
+          "dies_mid_run": dict(worker_rc=-9, dies_after=2)}[case]
+    fake = _FakeWorkerRun(monkeypatch, missing=set(), **kw)
+    assert fake.run(20) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "worker" in err, err
+    assert fake.now - 1000.0 <= drafter_preemption.WORKER_JOIN_S + 10, "waited past the bound"
+    if case != "never_registers":
+        assert str(kw["worker_rc"]) in err, err

@@ -8,7 +8,9 @@ features of the model's own greedy samples) and reports for each window the publ
 timestamp and the moment it had freed the device. Latency = released - busy (same host clock).
 Idle windows last a random 0.1-0.6 s so the BUSY lands at random points of a micro-step. Each window
 reported is measured once (the first, which includes the worker's warm-up, not at all); a BUSY whose
-window has not come 30 s later adds none, and a run where no window was preempted is an error (exit 1).
+window has not come 30 s later adds none, and a run where no window was preempted is an error (exit 1). The
+worker starts as `tlt drafter serve` starts its own (services/drafter/serve.py's worker_launch: the config in its
+environment); one that exits, or has not joined the coordinator WORKER_JOIN_S after its start, is an error (exit 1).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TypeVar
 from tlt.cli_args import at_least, out_file
 
 T = TypeVar("T")
+WORKER_JOIN_S = 120.0  # the worker imports torch and loads the model: seconds, more on a loaded host
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +46,29 @@ def _new_windows(windows: Iterable[T], last: T | None) -> list[T]:
     return new[::-1]
 
 
+def _worker_gone(proc: object) -> str:
+    """'' while the worker runs, else the error line for its exit."""
+    rc = proc.poll()  # type: ignore[attr-defined]
+    if rc is None:
+        return ""
+    return f"error: the drafter worker exited with status {rc} (its output is above); nothing to measure"
+
+
+def _wait_for_worker(proc: object, coord: object) -> str:
+    """Wait until the worker joined the coordinator: '' then, else the error line (it exited, or took too long)."""
+    import time
+
+    deadline = time.monotonic() + WORKER_JOIN_S
+    while not coord.workers:  # type: ignore[attr-defined]
+        if gone := _worker_gone(proc):
+            return gone
+        if time.monotonic() > deadline:
+            return (f"error: the drafter worker had not joined the coordinator {WORKER_JOIN_S:.0f} s after its start "
+                    "(its output is above); nothing to measure")
+        time.sleep(0.1)
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import random
@@ -56,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from tlt.bench import scratch_dir
-    from tlt.cli import tlt_command
     from tlt.services.common.events import CapacityPublisher
     from tlt.services.drafter.collect import sample_features
     from tlt.services.drafter.config import DrafterServiceConfig
     from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.serve import worker_launch
     from tlt.v1 import common_pb2, events_pb2
 
     if args.model:
@@ -87,25 +113,27 @@ def run(args: argparse.Namespace) -> int:
     coord.buffer.add_samples(samples)
     busy, idle = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
     pub.publish(events_pb2.CapacityEvent(replica_id=0, state=busy))
-    proc = subprocess.Popen(tlt_command("drafter", "worker", "--model", model_dir, "--coordinator", coord.endpoint,
-                                         "--replica", "0", "--config-json", cfg.model_dump_json()))
+    (cmd,), env = worker_launch(cfg, model_dir, coord.endpoint, [0])
+    proc = subprocess.Popen(cmd, env=env)
     rng = random.Random(0)
     lat: list[float] = []
     steps: list[int] = []
     reported = 0  # windows the worker reported, the first one included
+    failed = ""
     try:
-        while not coord.workers:
-            time.sleep(0.1)
+        failed = _wait_for_worker(proc, coord)
         last = coord.windows[-1] if coord.windows else None
-        for i in range(args.preemptions + 1):
+        for i in range(0 if failed else args.preemptions + 1):
             pub.publish(events_pb2.CapacityEvent(replica_id=0, state=idle))
             time.sleep(rng.uniform(0.1, 0.6) + (1.0 if i == 0 else 0.0))
             pub.publish(events_pb2.CapacityEvent(replica_id=0, state=busy))
             deadline = time.monotonic() + 30
             new = _new_windows(coord.windows, last)
-            while not new and time.monotonic() < deadline:
+            while not new and time.monotonic() < deadline and not (failed := _worker_gone(proc)):
                 time.sleep(0.005)
                 new = _new_windows(coord.windows, last)
+            if failed:
+                break
             for w in new:  # none when no window came within the deadline: the last one is measured already
                 if reported > 0 and w.preempted:  # the first window includes the worker's warm-up; not measured
                     lat.append(w.released - w.busy_timestamp)
@@ -114,9 +142,16 @@ def run(args: argparse.Namespace) -> int:
             last = new[-1] if new else last
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
         coord.close()
         pub.close()
+    if failed:
+        print(failed, file=sys.stderr)
+        return 1
     if not lat:
         print(f"error: no training window was preempted by a BUSY event ({reported} windows reported for "
               f"{args.preemptions + 1} BUSY events, the first not measured); nothing to measure, see the worker's "
