@@ -345,6 +345,23 @@ def test_a_bad_eval_file_is_refused_with_the_trainers_message(rows, problems, an
     assert rc == 2 and r == {"status": "refused", "error": str(trainer_error.value)}
 
 
+def test_the_default_preset_asks_for_an_eval_file_or_no_eval(tmp_path, capsys) -> None:
+    """README's `tlt data check --data FILE` with the default preset: cpu-tiny evaluates 200 problems, and with your
+    own data the trainer needs held-out prompts of the same kind, so it is refused (exit 2) with a message that names
+    both ways out; each way, as README gives it, then passes."""
+    from rollout_helpers import tiny_checkpoint
+
+    model_dir = tiny_checkpoint(tmp_path / "policy", max_position_embeddings=1024)  # cpu-tiny's max_model_len
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}])
+    rc, r = check(capsys, "--data", str(data), "--model", str(model_dir))
+    assert rc == 2 and "needs eval_data_path" in r["error"] and "eval_problems=0" in r["error"], r
+    rc, r = check(capsys, "--data", str(data), "--model", str(model_dir), "--set", "trainer.eval_problems=0")
+    assert rc == 0 and r["eval"] is None, r
+    ev = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(200)])
+    rc, r = check(capsys, "--data", str(data), "--model", str(model_dir), "--set", f"trainer.eval_data_path={ev}")
+    assert rc == 0 and r["eval"]["evaluated"] == 200, r
+
+
 # -- the command ---------------------------------------------------------------------------------------------------
 
 
