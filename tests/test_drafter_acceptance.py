@@ -93,3 +93,46 @@ def test_chain_drafts_stops_between_its_drafter_passes_when_told() -> None:
     drafts = chain_drafts(d, tokens, feats, 4, should_stop=lambda: False)[0]
     hook.remove()
     assert len(passes) == 4 and torch.equal(drafts, chain_drafts(d, tokens, feats, 4)[0])
+
+
+def test_walked_lengths_start_where_the_previous_step_ended() -> None:
+    """A rollout's verify step starts where the previous one ended: the positions inside an accepted run are never
+    start points. Averaged over every start, the lengths below read 14 / 8 = 1.75; walked, 8 / 3 = 2.67."""
+    from tlt.services.drafter.acceptance import walked_lengths
+
+    assert walked_lengths(torch.tensor([3, 2, 1, 1, 4, 1, 1, 1])).tolist() == [3, 1, 4]
+    assert walked_lengths(torch.tensor([1, 1, 2, 9, 1])).tolist() == [1, 1, 2, 1]
+    assert walked_lengths(torch.zeros(0, dtype=torch.long)).tolist() == []
+
+
+def test_the_gate_scores_the_steps_a_rollout_would_take() -> None:
+    """mean_accept_length averaged the accept length over every start point, so an easy stretch counted once per
+    token of it where the rollout verifies it once: an audit read 1.519 from the gate and 1.369 in the rollout for
+    the same drafter and sequences (1.386 walked). Here the stored response is the drafter's own chain (accepted
+    whole from the first start) then random tokens: walked, that run is one step of 6."""
+    import numpy as np
+
+    from tlt.services.drafter.acceptance import mean_accept_length
+    from tlt.services.drafter.packing import Sample
+
+    d = tiny_drafter(seed=3)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(16, 16, generator=g).half().float()  # fp16-exact: a Sample stores fp16
+    tokens = torch.randint(0, 11, (2,), generator=g)
+    chain = slow_chain(d, tokens, feats[:1], 0, 5)
+    seq = torch.cat([tokens, torch.tensor(chain), torch.randint(0, 11, (9,), generator=g)])
+    smp = Sample("s0@0", seq.numpy().astype(np.int32), feats.numpy().astype(np.float16), 1, 0)
+    drafts, actual, valid = chain_drafts(d, seq, feats, 5)
+    lens = accept_lengths(drafts, actual, valid).tolist()
+    assert lens[0] == 6 and len(lens) == 14
+    walk, t = [], 0
+    while t < len(lens):
+        walk.append(lens[t])
+        t += lens[t]
+    assert sum(lens) / len(lens) != sum(walk) / len(walk)  # the case tells the two apart
+    mean, steps = mean_accept_length(d, [smp], 5)
+    assert steps == len(walk) and abs(mean - sum(walk) / len(walk)) < 1e-9, (mean, steps, walk, lens)
+    # two samples: the mean is over all their steps (tokens per verify step), not a mean of means
+    short = Sample("s1@0", seq[:8].numpy().astype(np.int32), feats[:8].numpy().astype(np.float16), 1, 0)
+    both, n = mean_accept_length(d, [smp, short], 5)
+    assert n == len(walk) + 1 and abs(both - (sum(walk) + 6) / n) < 1e-9

@@ -57,4 +57,4 @@ def test_without_online_steps_both_drafters_score_the_same(tmp_path, monkeypatch
     set with the live policy's embedding / lm_head, so with no online micro-steps they can only tie."""
     res, _ = _run(tmp_path, monkeypatch, 0, "tie", extra=["--drafter-steps", "0"])
     assert [h["online"] for h in res["history"]] == [h["frozen"] for h in res["history"]]
-    assert all(h["starts"] > 0 for h in res["history"]) and res["ratio_online_over_frozen"] == 1.0
+    assert all(h["steps"] > 0 for h in res["history"]) and res["ratio_online_over_frozen"] == 1.0

@@ -24,7 +24,7 @@ def test_warmup_cli(tmp_path) -> None:
                  "--temperature", "0", "--max-new-tokens", "48", "--rows", "4", "--row-tokens", "128",
                  "--lr", "3e-3"]) == 0
     report = json.loads((out / "warmup.json").read_text())
-    assert report["steps"] > 0 and report["heldout_starts"] > 0
+    assert report["steps"] > 0 and report["heldout_steps"] > 0
     assert report["accept_len_after"] > report["accept_len_before"] >= 1.0
     names = set(load_file(str(out / "model.safetensors")))
     assert names and not any("embed" in n or "lm_head" in n for n in names)

@@ -11,6 +11,12 @@ tokens) and the chain's own earlier nodes. Greedy acceptance length = 1 + the nu
 drafts equal to the actual next tokens (d_k == x_{t+k+1}); the 1 is the target's bonus token. A
 draft whose actual token lies past the stored sequence is not counted (the chain is truncated).
 
+The score (`mean_accept_length`) walks each sample as a rollout does: a verify step starts where the
+previous one ended (t -> t + its accept length), so positions inside an accepted run are never start
+points. Averaged over every start point instead, an easy stretch counted once per token of it where
+the rollout verifies it once (an audit: 1.519 over every start, 1.369 in the rollout over the same
+sequences, 1.386 walked).
+
 `chain_drafts` runs all start points of a sequence at once: one forward of the true pairs into a
 KV cache, then one forward per depth over every start point's next node, each node seeing only
 its own prefix and ancestors (prefix_mask). `accept_lengths` is the pure scoring rule.
@@ -77,25 +83,37 @@ def chain_drafts(drafter: Drafter, tokens: torch.Tensor, features: torch.Tensor,
     return drafts, actual, valid
 
 
+def walked_lengths(lens: torch.Tensor) -> torch.Tensor:
+    """Per-start accept lengths [S] -> those of the steps a rollout takes from start 0: each starts where the
+    previous one ended (lengths are >= 1, so the walk always advances)."""
+    vals, out, t = lens.tolist(), [], 0
+    while t < len(vals):
+        out.append(vals[t])
+        t += max(int(vals[t]), 1)
+    return torch.tensor(out, dtype=torch.long)
+
+
 class EvaluationInterrupted(Exception):
     """`should_stop` said so between two drafter passes: the evaluation gave its CPU back (see RolloutIdle)."""
 
 
 def mean_accept_length(drafter: Drafter, samples: Iterable[Sample], depth: int,
                        should_stop: Callable[[], bool] | None = None) -> tuple[float, int]:
-    """Mean greedy acceptance length over every start point in the response part of `samples`, and the count.
+    """Mean greedy acceptance length (tokens per verify step) over the steps a rollout would take through the
+    response part of each sample (`walked_lengths` from its first response position), and the number of steps.
+    Each sample (a window: buffer.windows) is walked on its own from its first start.
     Raises EvaluationInterrupted when `should_stop()` is true before a sample or one of its drafter passes (a sample
     of 256 tokens at depth 6 is tens of ms of CPU on the tiny model: a rollout that started meanwhile waited for it)."""
     total, count = 0.0, 0
     for smp in samples:
         if should_stop is not None and should_stop():
-            raise EvaluationInterrupted(f"stopped after {count} start points")
+            raise EvaluationInterrupted(f"stopped after {count} verify steps")
         tokens = torch.from_numpy(smp.tokens.astype("int64"))
         feats = torch.from_numpy(smp.features.astype("float32"))
         drafts, actual, valid = chain_drafts(drafter, tokens, feats, depth, first_start=max(smp.response_start - 1, 0),
                                              should_stop=should_stop)
         if drafts.numel():
-            lens = accept_lengths(drafts, actual, valid)
+            lens = walked_lengths(accept_lengths(drafts, actual, valid))
             total += float(lens.sum())
             count += int(lens.numel())
     return (total / count if count else 0.0), count

@@ -112,7 +112,7 @@ class Coordinator:
         self._evaluated = 0
         self._last_eval = 0.0
         # the serving drafter's last score: ((serving version, shared policy version), the held-out samples
-        # it was computed on, (accept length, start points)). Several candidates are usually scored against
+        # it was computed on, (accept length, verify steps walked)). Several candidates are usually scored against
         # one held-out set between two rollouts; the serving side need not be recomputed.
         self._serving_score: tuple[tuple[int, int], list, tuple[float, int]] | None = None
         self.interrupted_evals = 0  # evaluations given up because a replica turned busy
@@ -569,7 +569,7 @@ class Coordinator:
         if rec.published:  # now, not by the background saver: the rollout already serves it
             self.save_now()
         log.info("drafter_evaluated", version=version, candidate=round(cand_len, 3), serving=round(serve_len, 3),
-                 starts=count, published=rec.published)
+                 steps=count, published=rec.published)
         return rec
 
     # ---- status

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     t_collect = time.time() - t0
     drafter = new_drafter(args.model, args.init, seed=args.seed)
     drafter.eval()
-    before, starts = mean_accept_length(drafter, held, args.depth)
+    before, steps_walked = mean_accept_length(drafter, held, args.depth)
     opt = make_optimizer(drafter, args.lr)
     gen = torch.Generator().manual_seed(torch_seed(args.seed))
     steps = 0
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     drafter.save(out)
     report = {"model": str(args.model), "problems": args.problems, "data": args.data,
-              "train_windows": len(train), "heldout_windows": len(held), "heldout_starts": starts,
+              "train_windows": len(train), "heldout_windows": len(held), "heldout_steps": steps_walked,
               "train_tokens": sum(len(s) for s in train), "steps": steps, "epochs": args.epochs, "ttt_steps": args.ttt_steps,
               "accept_len_before": before, "accept_len_after": after, "depth": args.depth,
               "collect_s": round(t_collect, 1), "total_s": round(time.time() - t0, 1)}

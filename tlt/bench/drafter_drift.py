@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         frozen.eval()
         a_on, n = mean_accept_length(online, held, args.depth)
         a_fr, _ = mean_accept_length(frozen, held, args.depth)
-        history.append({"update": k, "online": round(a_on, 4), "frozen": round(a_fr, 4), "starts": n})
+        history.append({"update": k, "online": round(a_on, 4), "frozen": round(a_fr, 4), "steps": n})
         print(f"update {k:2d}: accept length online {a_on:.3f}  frozen {a_fr:.3f}  ratio {a_on / a_fr:.3f}")
     last = history[-1]
     res = {"updates": args.updates, "ratio_online_over_frozen": round(last["online"] / last["frozen"], 4),
