@@ -4,12 +4,15 @@
   streamed request with cumulative output (`output_ids`, `meta_info.output_token_logprobs` as
   (logprob, id, text) triples, `finish_reason` dicts with a "type").
 - `FakeSGLang`: the `SGLangClient` boundary, recording every call in order.
+- `FakeSGLangEngine`: the SGLang adapter over a `FakeSGLang`, as a rollout backend a real server's replica process
+  runs (`backend="sglang_fakes:FakeSGLangEngine"`); nothing feeds it, so its samples run until aborted.
 - `model_dir`-style checkpoint: `write_checkpoint(folder)` writes config.json and one safetensors file.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -124,6 +127,28 @@ class FakeSGLang:
 
     def shutdown(self):
         self.calls.append(("shutdown",))
+
+
+class _WaitingFakeSGLang(FakeSGLang):
+    """A FakeSGLang whose `poll` waits a little when it has nothing, as SGLang's client does: a replica loop polling
+    it would spin a core otherwise."""
+
+    def poll(self, timeout_s):
+        if not self.pending:
+            time.sleep(min(timeout_s, 0.01))
+        return super().poll(timeout_s)
+
+
+class FakeSGLangEngine(SGLangEngine):
+    """`SGLangEngine(model_dir, config, replica_id)` as the replica process constructs a backend, over a fake client
+    (the [sglang] section's defaults, an EAGLE drafter at /drafter, SGLang's context checks)."""
+
+    def __init__(self, model_dir, config=None, replica_id=0):
+        config = SGLangBackendConfig(draft_model_path="/drafter")
+        kwargs = engine_kwargs(config, model_dir, 1, adaptive_config_path="/unused.json")
+        context_len = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+        self.fake = _WaitingFakeSGLang(context_len, sglang_reserved_tokens(kwargs, adaptive_spec_config(config)))
+        super().__init__(model_dir, config, replica_id=replica_id, client=self.fake)
 
 
 def make_engine(model_dir, **cfg):

@@ -85,6 +85,11 @@ def test_capacity_events_and_features(model_dir) -> None:
 
 
 def test_features_with_no_consumer_are_dropped_and_counted(model_dir) -> None:
+    """Counted in the replica's stats and, where docs/DRAFTER.md sends users, on /metrics (it was on neither)."""
+    import re
+
+    import httpx
+
     with ServerThread(model_dir, replicas=1, features_push="tcp://127.0.0.1:1") as s:  # nobody listens there
         with RolloutClient(s.grpc_address) as client:
             params = rollout_pb2.SamplingParams(temperature=0.0, max_tokens=8)
@@ -92,6 +97,8 @@ def test_features_with_no_consumer_are_dropped_and_counted(model_dir) -> None:
         assert len(done) == 4
         stats = s.call(s.server.pool.snapshot())
         assert stats[0].stats.features_dropped == 4
+        text = httpx.get(s.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+        assert re.search(r'^rollout_replica_features_dropped_total\{replica="0"\} 4\.0$', text, re.M), text[-2000:]
 
 
 def test_a_policy_push_makes_every_replica_busy_while_it_is_applied(model_dir) -> None:

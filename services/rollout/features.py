@@ -9,7 +9,8 @@ token, so this costs no extra forward pass. A sequence with prompt p and respons
 becomes token_ids = [p_last, r_0, .., r_{R-2}] with features[i] = the state at token_ids[i]
 (which predicted the next token), response_start = 1, capped to `max_tokens` rows, fp16, tagged
 with the policy version that produced it. The push never blocks: with a slow or absent drafter
-the batch is dropped and counted (`dropped`, reported in the replica's stats).
+the batch is dropped and counted (`dropped`, reported in the replica's stats; on /metrics as
+rollout_replica_features_dropped_total{replica}).
 
 A policy push can land between two steps of a running sequence (the engine keeps going with the new
 weights). Its features are then of two versions (and the later ones of neither: new weights over old

@@ -1,6 +1,8 @@
 """The replica pool on the rollout's GET /metrics (namespace `rollout`), read at scrape time: each replica's running,
-queued, KV use, preemptions and liveness, its speculative decoding (spec_metrics.py) and garbage collections, and the pool's
-running totals (tokens generated and prompted, HTTP and gRPC alike; deaths; re-dispatched requests) as counters.
+queued, KV use, preemptions and liveness, the drafter feature sequences it dropped, the samples that spanned a policy
+update (the SGLang backend counts them), its speculative decoding (spec_metrics.py) and garbage collections, and the
+pool's running totals (tokens generated and prompted, HTTP and gRPC alike; deaths; re-dispatched requests) as counters.
+A replica's own counts start from 0 in each of its processes: a restarted one's (another pid) are added from there.
 
 A dead replica's gauges read nothing running: the stats of its last scrape (128 running, SD on) stayed on show.
 """
@@ -34,7 +36,13 @@ class PoolMetrics:
         self.preemptions = metrics.counter("replica_preemptions", "sequences preempted because the KV cache was full "
                                            "(their blocks freed, their tokens recomputed when they resume)",
                                            ("replica",))
-        self._preempted: dict[int, tuple[int, int]] = {}  # replica -> (pid, its engine's count at the last scrape)
+        self.features_dropped = metrics.counter("replica_features_dropped", "finished sequences whose drafter "
+                                                "features the replica dropped (no consumer keeping up with "
+                                                "[rollout] features_push, or one sequence over a frame)", ("replica",))
+        self.policy_spanning = metrics.counter("replica_policy_spanning", "samples running when a policy update was "
+                                               "applied (stamped with policy_min); counted by the SGLang backend, "
+                                               "whose update retracts them", ("replica",))
+        self._seen: dict[tuple[str, int], tuple[int | None, int]] = {}  # (count, replica) -> (pid, its last total)
         self.spec = SpecMetrics(metrics)
         self.gc = GcMetrics(metrics)
         self._counted: dict[str, int] = {}  # pool totals already added to those counters (added at scrape)
@@ -53,7 +61,10 @@ class PoolMetrics:
                 self.running.labels(r).set(s.stats.running)
                 self.queued.labels(r).set(s.stats.queued)
                 self.kv.labels(r).set(s.stats.kv_usage)
-                self._count_preemptions(s)
+                self._count_replica(self.preemptions, "preemptions", s, s.stats.num_preemptions)
+                self._count_replica(self.features_dropped, "features_dropped", s, s.stats.features_dropped)
+                if "policy_spanning" in s.stats.spec:  # a backend that counts them (SGLang's)
+                    self._count_replica(self.policy_spanning, "policy_spanning", s, s.stats.spec["policy_spanning"])
                 self.spec.update(s.replica_id, s.stats.spec, s.pid)
                 self.gc.update(f"replica-{s.replica_id}", s.stats.gc)
         if gc_pauses is not None:
@@ -64,16 +75,15 @@ class PoolMetrics:
         for replica, deaths in pool.deaths.items():
             self._count_up(self.deaths.labels(str(replica)), f"deaths{replica}", deaths)
 
-    def _count_preemptions(self, s: Any) -> None:
-        """Add what a replica's engine preempted since the last scrape; a restarted replica (another pid) counts
-        from 0 again."""
-        pid, seen = self._preempted.get(s.replica_id, (s.pid, 0))
-        now = int(s.stats.num_preemptions)
+    def _count_replica(self, counter: Any, key: str, s: Any, total: int) -> None:
+        """Add what a replica's running `total` grew since the last scrape; a restarted replica (another pid) counts
+        from 0 again. The series is there (at 0) from the first scrape."""
+        pid, seen = self._seen.get((key, s.replica_id), (s.pid, 0))
+        now = int(total)
         if pid != s.pid or now < seen:
             seen = 0
-        if now > seen:
-            self.preemptions.labels(str(s.replica_id)).inc(now - seen)
-        self._preempted[s.replica_id] = (s.pid, now)
+        counter.labels(str(s.replica_id)).inc(max(now - seen, 0))
+        self._seen[(key, s.replica_id)] = (s.pid, now)
 
     def _count_up(self, counter: Any, key: str, total: int) -> None:
         """Bring a Prometheus counter to the pool's running total (which only grows) by adding what is new."""

@@ -16,7 +16,8 @@ A policy update retracts running requests (their KV is recomputed with the
 new weights after `continue`; an in-place pause cannot flush the cache). A
 sample that spans a policy update is stamped as the native engine stamps it
 (`versions.policy` = the newest version, `versions.policy_min` = the one it
-started under) and counted in `stats().spec["policy_spanning"]`; the trainer
+started under) and counted in `stats().spec["policy_spanning"]` (on /metrics as
+rollout_replica_policy_spanning_total{replica}); the trainer
 normally pushes between steps, when nothing runs. A drafter update leaves the
 target's KV cache valid (drafts only change speed, never the output), so it
 pauses in place and does not flush.
