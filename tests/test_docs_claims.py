@@ -149,8 +149,27 @@ def command_parser(path: tuple[str, ...]) -> argparse.ArgumentParser:
 
     (cmd,) = [c for c in COMMANDS if c.path == path]
     parser = argparse.ArgumentParser(prog="tlt " + " ".join(path), exit_on_error=False)
+    # every command also takes --log-json after its name (tlt.cli.build_parser), unlisted in its help
+    parser.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     importlib.import_module(cmd.module).add_arguments(parser)
     return parser
+
+
+@functools.cache
+def top_options() -> dict[str, argparse.Action]:
+    """`tlt`'s own options, given before the command (`tlt --log-level debug run`)."""
+    from tlt.cli import build_parser
+
+    return dict(build_parser(())._option_string_actions)
+
+
+def _strip_top_options(args: list[str]) -> list[str]:
+    """The arguments from the command on: `tlt --log-json --log-level debug run ...` -> `run ...`."""
+    top = top_options()
+    while args and args[0] not in ("-h", "--help", "--version") and args[0].split("=", 1)[0] in top:
+        takes_value = top[args[0].split("=", 1)[0]].nargs != 0 and "=" not in args[0]
+        args = args[2 if takes_value else 1 :]
+    return args
 
 
 def override_section(action: argparse.Action) -> str | None:
@@ -166,8 +185,11 @@ def command_problems(args: list[str], whole: bool) -> list[str]:
     """What is wrong with `tlt <args>`; `whole`: the line is meant to run as written (parse it all)."""
     from tlt.cli import COMMANDS
 
+    given, args = args, _strip_top_options(args)
+    if args and args != given and PLACEHOLDER.search(args[0]):  # `tlt --log-json COMMAND`: any command
+        return []
     if not args or args[0].startswith("-"):
-        return [] if args in (["--help"], ["-h"]) else [f"tlt {' '.join(args)}: no command"]
+        return [] if args in (["--help"], ["-h"]) else [f"tlt {' '.join(given)}: no command"]
     if "/" in args:  # `tlt drafter warmup / serve / worker / export`: a list of subcommands
         group, names = args[0], args[1::2]
         known = {c.path for c in COMMANDS}
@@ -244,6 +266,7 @@ def option_problem(span: str) -> str | None:
         return None
     actions = [a for c in COMMANDS if _available(c)
                for o, a in command_parser(c.path)._option_string_actions.items() if o == name]
+    actions += [a for o, a in top_options().items() if o == name]  # `--log-level`: tlt's own
     if not actions:
         return f"no tlt command has an option {name}"
     if value and not PLACEHOLDER.search(value[0]) and all(a.choices is not None and value[0] not in a.choices
@@ -460,6 +483,9 @@ BROKEN = [  # (checker, a wrong line): each must be reported
     (page_command_problems, "`tlt drafter warmup / serve / train`"),  # no `tlt drafter train`
     (page_command_problems, "`tlt bench rollout --clock gpu`"),  # not a choice
     (page_command_problems, "`tlt drafter warmup --model M --out D --epochs 0`"),  # its type's ArgumentTypeError
+    (page_command_problems, "`tlt --log-level debug rollout serve --replica 2`"),  # after tlt's own options
+    (page_command_problems, "`tlt --log-json`"),  # tlt's own option, no command
+    (page_command_problems, "`--log-levels`"),
     (page_command_problems, "`tlt run --set trainer.learning_rate=3e-5`"),  # no such field
     (page_command_problems, "`tlt rollout serve --set spec.treshold=8`"),  # nested field misspelt
     (page_command_problems, "`--set rollout.spec.thresold=8`"),  # prose example of tlt run --set
