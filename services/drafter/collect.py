@@ -11,7 +11,8 @@
 Offline warm-up (`tlt drafter warmup`) samples with the engine (~10x faster on a CPU than the
 one-prompt loop: Session 42 in BENCHMARKS.md); tests and the drift and preemption benchmarks use
 `sample_features`. The trainer side (`source = "trainer"`) pushes the same shape of data from its
-old-logprob pass with `features_from_hidden` + `push_trainer_features` in `trainer_hook.py`.
+old-logprob pass with `push_trainer_features` in `trainer_hook.py`, which builds each sequence with
+this module's `features_message`.
 """
 
 from __future__ import annotations
