@@ -15,6 +15,7 @@ import numpy as np
 import zmq
 
 from drafter_helpers import model_dir, wait_for  # noqa: F401 (fixture)
+from tlt.services.common import events as events_mod
 from tlt.services.drafter import buffer as buffer_mod
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.v1 import drafter_pb2, drafter_pb2_grpc, events_pb2
@@ -79,3 +80,66 @@ def test_the_senders_kept_are_bounded_and_the_total_stays_right(monkeypatch) -> 
     for i in range(3):  # each plausible, summed past int64
         buf.add_batch(events_pb2.FeatureBatch(sender=f"big{i}", dropped_before=1 << 62))
     assert buf.sender_dropped == (1 << 63) - 1
+
+
+def _puller_in_range():  # a fixed endpoint, bound again below as a restarted coordinator would
+    from tlt.services.common.events import FeaturePuller
+
+    for port in range(43900, 44000):
+        try:
+            return FeaturePuller(f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError:
+            continue
+    raise RuntimeError("no free port in 43900-43999")
+
+
+def test_a_sender_forgotten_then_heard_again_is_not_counted_twice(monkeypatch) -> None:
+    """The buffer keeps the running drop counts of the MAX_SENDERS senders heard last; a sender forgotten and heard
+    again had its whole running count added once more (1,025 senders x 5 drops read 5130, not 5125). Each frame now
+    also says how many of its count were dropped since the sender's previous frame that went out, and a sender not
+    in the map is counted only those. Real FeaturePushers into a FeaturePuller over ZeroMQ; the puller is closed and
+    bound again (frames cannot go meanwhile: dropped) while the buffer, whose count is under test, stays."""
+    from tlt.services.common.events import FeaturePusher
+
+    monkeypatch.setattr(buffer_mod, "MAX_SENDERS", 3)
+    puller = _puller_in_range()
+    endpoint = puller.endpoint
+    puller.close()  # nobody bound: every push is dropped (IMMEDIATE)
+    buf = FeatureBuffer(100, 100, 16, 4, holdout_every=1000, hidden_size=4)
+    pushers = [FeaturePusher(endpoint) for _ in range(5)]
+
+    def batch(name: str) -> events_pb2.FeatureBatch:
+        return events_pb2.FeatureBatch(source="rollout", sequences=[_seq(name, 4)])
+
+    def send(p: FeaturePusher, name: str) -> None:  # until one frame goes (each miss is a drop it then carries)
+        deadline = time.monotonic() + 10
+        while not p.push(batch(name)):
+            assert time.monotonic() < deadline, "the pusher never reconnected"
+            time.sleep(0.05)
+
+    def drain() -> None:
+        while (b := puller.recv(0.3)) is not None:
+            buf.add_batch(b)
+
+    try:
+        for i, p in enumerate(pushers):
+            assert not any(p.push(batch(f"p{i}-lost{k}")) for k in range(5))
+        puller = events_mod.FeaturePuller(endpoint)
+        for i, p in enumerate(pushers):  # p0 and p1 are forgotten (3 kept)
+            send(p, f"p{i}")
+        drain()
+        assert buf.sender_dropped == sum(p.dropped for p in pushers) >= 25
+        send(pushers[0], "p0-again")  # heard again, no new drop: nothing more to count
+        drain()
+        assert buf.sender_dropped == sum(p.dropped for p in pushers)
+        puller.close()  # pushers[1], forgotten, drops 2 more meanwhile
+        assert not pushers[1].push(batch("p1-lost-a")) and not pushers[1].push(batch("p1-lost-b"))
+        puller = events_mod.FeaturePuller(endpoint)
+        send(pushers[1], "p1-again")
+        drain()
+        assert buf.sender_dropped == sum(p.dropped for p in pushers)
+        assert buf.received_sequences == 5 + 1 + 1
+    finally:
+        for p in pushers:
+            p.close()
+        puller.close()

@@ -16,8 +16,11 @@ publisher continues above its old numbers.
 
 Features: the pusher uses a small send high-water mark and non-blocking sends;
 when the drafter is slow or absent the batch is dropped and counted (the next
-batch carries the running count in `dropped_before`, and the pusher's `sender`
-id, so the drafter sums the counts of every process and rank). The rollout
+batch carries the running count in `dropped_before`, how many of them were
+dropped since the previous frame that went out in `dropped_since`, and the
+pusher's `sender` id, so the drafter sums the counts of every process and rank).
+Frames already queued when the drafter's coordinator goes away (a restart) are
+lost with the drops they carried, counted nowhere. The rollout
 never waits. A batch is sent as frames of at most `MAX_FRAME_BYTES`: a whole RL
 batch that finishes in one step can pass protobuf's 2 GiB message limit; a
 single sequence over the limit is dropped and counted.
@@ -285,7 +288,7 @@ def split_batch(batch: FeatureBatch, max_bytes: int) -> tuple[list[FeatureBatch]
     if batch.ByteSize() + FRAME_OVERHEAD <= max_bytes:
         return [batch], 0
     parts: list[FeatureBatch] = []
-    room = max_bytes - FRAME_OVERHEAD  # the frame's own fields (source, sender, dropped_before) and the Envelope
+    room = max_bytes - FRAME_OVERHEAD  # the frame's own fields (source, sender, the drop counts) and the Envelope
     too_big, size = 0, room + 1
     for seq in batch.sequences:
         n = seq.ByteSize() + 16  # the field's tag and length
@@ -307,6 +310,7 @@ class FeaturePusher:
         self.dropped = 0  # sequences dropped so far
         self.dropped_batches = 0
         self.sent = 0
+        self._reported = 0  # `dropped` when the last frame went out
         self.sender = uuid.uuid4().hex  # the drafter sums drops per sender: every pusher is its own
         self.max_frame_bytes = max_frame_bytes
         self._lock = threading.Lock()
@@ -321,7 +325,8 @@ class FeaturePusher:
         """Send `batch` if it can go now, in frames of at most `max_frame_bytes`; count what cannot go as dropped.
         True when all of it was sent.
 
-        Sets `dropped_before` (the running drop count) and `sender` on each frame's batch before sending it.
+        Sets `dropped_before` (the running drop count), `dropped_since` (those since the last frame that went out)
+        and `sender` on each frame's batch before sending it.
         """
         with self._lock:
             parts, too_big = split_batch(batch, self.max_frame_bytes)
@@ -333,6 +338,7 @@ class FeaturePusher:
             sent = 0
             for part in parts:
                 part.dropped_before, part.sender = self.dropped, self.sender
+                part.dropped_since = self.dropped - self._reported
                 try:
                     frame = Envelope(features=part).SerializeToString()
                     self._sock.send(frame, flags=zmq.NOBLOCK)
@@ -342,6 +348,7 @@ class FeaturePusher:
                     if isinstance(e, EncodeError):
                         log.warning("feature_batch_unencodable", error=str(e), total=self.dropped)
                     continue
+                self._reported = part.dropped_before
                 self.sent += 1
                 sent += 1
             return not too_big and sent == len(parts)

@@ -94,18 +94,21 @@ class LocalFeatureQueue:
         self.dropped = 0
         self.dropped_batches = 0
         self.sender = uuid.uuid4().hex
+        self._reported = 0  # `dropped` when the last batch went in
         self._lock = threading.Lock()
         self._queue: queue.Queue[FeatureBatch] = queue.Queue(maxsize=maxsize)
 
     def push(self, batch: FeatureBatch) -> bool:
         with self._lock:
             batch.dropped_before, batch.sender = self.dropped, self.sender
+            batch.dropped_since = self.dropped - self._reported
             try:
                 self._queue.put_nowait(batch)
             except queue.Full:
                 self.dropped += len(batch.sequences)
                 self.dropped_batches += 1
                 return False
+            self._reported = batch.dropped_before
             return True
 
     def recv(self, timeout_s: float) -> FeatureBatch | None:

@@ -15,7 +15,13 @@ feature length, token ids, non-finite features) is refused, logged with its send
 A batch whose sender reports an impossible drop count (past MAX_SENDER_DROPPED) is refused whole and counted the
 same way: one such 20-byte message made the summed count overflow the status's int64, and every GetStatus failed
 until a restart. The senders' running drop counts are kept for the MAX_SENDERS last heard (a restarted process is
-a new sender); the total stays the sum of every count seen, capped at the int64 maximum.
+a new sender), and each new count adds what it grew by; a sender not among them (new, or forgotten and heard again)
+adds only the frame's `dropped_since`, the drops since its previous frame went out, which no frame before can have
+carried (its whole running count was added again: 1,025 senders x 5 drops read 5130). The total is exact (capped at
+the int64 maximum) for every frame a sender got out that reached this buffer. Not counted anywhere: frames lost after
+they went out, with the sequences in them and the drops they carried (queued to a coordinator that restarted or went
+away), so a restarted coordinator counts from its start; and the drops after a sender's last frame. A sender that does
+not set `dropped_since` is counted by its running count alone (forgotten and heard again: counted again).
 """
 
 from __future__ import annotations
@@ -94,12 +100,13 @@ class FeatureBuffer:
     def add_batch(self, batch: events_pb2.FeatureBatch) -> int:
         """Add every sequence of `batch`; returns how many windows were added. Bad sequences are refused,
         logged and counted."""
-        if batch.dropped_before > MAX_SENDER_DROPPED:
+        if max(batch.dropped_before, batch.dropped_since) > MAX_SENDER_DROPPED:
             with self._lock:
                 self.received_sequences += len(batch.sequences)
                 self.rejected += max(1, len(batch.sequences))  # one with no sequence counts as one
             log.warning("feature_batch_rejected", source=batch.source, sender=batch.sender[:100], total=self.rejected,
-                        reason=f"dropped_before {batch.dropped_before} is past {MAX_SENDER_DROPPED}")
+                        reason=f"dropped_before {batch.dropped_before} or dropped_since {batch.dropped_since} is past "
+                               f"{MAX_SENDER_DROPPED}")
             return 0
         added = 0
         for seq in batch.sequences:
@@ -119,9 +126,13 @@ class FeatureBuffer:
             # each sender (a pusher: one per process and rank, a restarted process a new one) counts its own drops
             key = batch.sender or (f"replica-{batch.sequences[0].replica_id}" if batch.sequences else "")
             if key:
+                known = key in self._dropped
                 before = self._dropped.pop(key, 0)
                 self._dropped[key] = now = max(before, int(batch.dropped_before))  # heard last: forgotten last
-                self.sender_dropped = min(INT64_MAX, self.sender_dropped + now - before)
+                # not known: its earlier frames may have been counted (it was forgotten), but not the drops since
+                # the last of them
+                grew = now - before if known or not batch.HasField("dropped_since") else min(batch.dropped_since, now)
+                self.sender_dropped = min(INT64_MAX, self.sender_dropped + grew)
                 if len(self._dropped) > MAX_SENDERS:  # its count stays in the total
                     self._dropped.popitem(last=False)
         return added

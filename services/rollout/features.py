@@ -10,7 +10,9 @@ becomes token_ids = [p_last, r_0, .., r_{R-2}] with features[i] = the state at t
 (which predicted the next token), response_start = 1, capped to `max_tokens` rows, fp16, tagged
 with the policy version that produced it. The push never blocks: with a slow or absent drafter
 the batch is dropped and counted (`dropped`, reported in the replica's stats; on /metrics as
-rollout_replica_features_dropped_total{replica}).
+rollout_replica_features_dropped_total{replica}). Batches that went out but were still queued when the
+drafter's coordinator went away (a restart) are lost counted nowhere: neither here (they went out) nor by the
+restarted coordinator (they never arrived), nor are the drops those frames carried.
 
 A policy push can land between two steps of a running sequence (the engine keeps going with the new
 weights). Its features are then of two versions (and the later ones of neither: new weights over old

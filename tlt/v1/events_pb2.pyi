@@ -66,16 +66,18 @@ class FeatureSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., response_start: _Optional[int] = ..., hidden_size: _Optional[int] = ..., features: _Optional[bytes] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[int] = ...) -> None: ...
 
 class FeatureBatch(_message.Message):
-    __slots__ = ("sequences", "source", "dropped_before", "sender")
+    __slots__ = ("sequences", "source", "dropped_before", "sender", "dropped_since")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BEFORE_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SINCE_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[FeatureSequence]
     source: str
     dropped_before: int
     sender: str
-    def __init__(self, sequences: _Optional[_Iterable[_Union[FeatureSequence, _Mapping]]] = ..., source: _Optional[str] = ..., dropped_before: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+    dropped_since: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[FeatureSequence, _Mapping]]] = ..., source: _Optional[str] = ..., dropped_before: _Optional[int] = ..., sender: _Optional[str] = ..., dropped_since: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("capacity", "features", "snapshot_request", "snapshot")
