@@ -14,7 +14,7 @@ import pytest
 from rollout_helpers import ServerThread, tiny_checkpoint
 from tlt.services.common.events import CapacitySubscriber, FeaturePuller
 from tlt.services.rollout.client import RolloutClient
-from tlt.v1 import common_pb2, rollout_pb2
+from tlt.v1 import common_pb2, events_pb2, rollout_pb2
 
 BUSY, IDLE = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
 
@@ -385,3 +385,48 @@ def test_capacity_events_name_the_drafter_the_rollout_started_with(model_dir, tm
     with ServerThread(model_dir, replicas=1, spec=SpecConfig(drafter="learned",
                                                              drafter_path=str(tmp_path / "drafter"))) as s:
         assert [r.info.start_drafter for r in s.server.pool.replicas] == [""]
+
+
+def test_a_redone_rollout_step_publishes_its_prompts_under_the_same_groups(model_dir) -> None:
+    """The drafter holds out whole prompt groups so that no sibling of a held-out sequence is trained on. The group
+    was the server's request id, which takes a fresh uuid per BatchGenerate call: a step the trainer rolls out again
+    (collect_retrying, same batch id and seeds) published the same prompts under new groups, and with reproducible
+    sampling the very same samples, so a twin could train while the other was held out. The group is now the
+    prompt's token ids (a digest): the redo's sequences join their twins, on the same side of the split."""
+    from tlt.services.drafter.buffer import FeatureBuffer
+
+    for port in range(43900, 44000):
+        try:
+            puller = FeaturePuller(f"tcp://127.0.0.1:{port}")
+            break
+        except Exception:  # noqa: BLE001 - zmq.ZMQError: taken
+            continue
+    try:
+        with ServerThread(model_dir, replicas=1, features_push=puller.endpoint) as s, \
+                RolloutClient(s.grpc_address) as client:
+            params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=8, seed=11)
+            for _ in range(2):  # the step and its redo, as collect_retrying sends them
+                assert len(list(client.batch_generate(["1+2=", "3*4=", "5-1="], n=2, params=params,
+                                                      batch_id="step0-s0"))) == 6
+            seqs = []
+            deadline = time.monotonic() + 20
+            while len(seqs) < 12 and time.monotonic() < deadline:
+                b = puller.recv(0.5)
+                seqs += list(b.sequences) if b is not None else []
+        assert len(seqs) == 12
+        by_sample: dict[tuple, list] = {}
+        for q in seqs:  # twins: the same prompt (request's prompt index) and sample index, in either attempt
+            by_sample.setdefault((q.seq_id.split("/")[0].rsplit("-", 1)[1], q.seq_id.split("/")[1]), []).append(q)
+        assert len(by_sample) == 6 and all(len(v) == 2 for v in by_sample.values())
+        assert all(a.token_ids == b.token_ids for a, b in by_sample.values())  # the very same samples
+        assert all(a.group_id == b.group_id for a, b in by_sample.values())
+        assert len({q.group_id for q in seqs}) == 3  # one per prompt
+        buf = FeatureBuffer(100, 100, 64, 4, holdout_every=2)
+        buf.add_batch(events_pb2.FeatureBatch(source="rollout", sequences=seqs))
+        held = {s.seq_id.split("@")[0] for s in buf.holdout(1)}
+        trained = {s.seq_id.split("@")[0] for s in buf._train}
+        assert held and trained
+        twin = {x.seq_id: y.seq_id for v in by_sample.values() for x, y in (v, v[::-1])}
+        assert not {twin[h] for h in held} & trained
+    finally:
+        puller.close()

@@ -23,8 +23,11 @@ there: only the rows computed before the first push are sent, tagged with the ve
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from tlt.services.common.events import FeaturePusher
 from tlt.services.rollout.types import CompletionOutput, GenerationRequest
@@ -35,14 +38,24 @@ def feature_sequence(c: CompletionOutput, rows: int, policy_version: int, replic
                      seq_id: str = "") -> events_pb2.FeatureSequence:
     """The first `rows` features of a finished sequence in the rollout's format: token_ids = [p_last, r_0, ..,
     r_{rows-2}], features[i] = the state at token_ids[i] (which predicted the next token), response_start = 1,
-    fp16; `seq_id` defaults to "<request id>/<sample index>", the group to the request."""
+    fp16; `seq_id` defaults to "<request id>/<sample index>". The group is the prompt (`prompt_group`)."""
     h = c.features[:rows].detach().to("cpu").half().contiguous()
     return events_pb2.FeatureSequence(
-        seq_id=seq_id or f"{c.request_id}/{c.sample_index}", group_id=c.request_id,
+        seq_id=seq_id or f"{c.request_id}/{c.sample_index}", group_id=prompt_group(c.prompt_token_ids),
         token_ids=[c.prompt_token_ids[-1], *c.token_ids[: rows - 1]], response_start=1,
         hidden_size=int(h.shape[1]), features=h.numpy().tobytes(), policy_version=policy_version,
         replica_id=replica_id,
     )
+
+
+def prompt_group(prompt_token_ids: Sequence[int]) -> str:
+    """The drafter's held-out split key of a sequence: its prompt's token ids (a digest). It was the request id,
+    which the server makes anew for every call: a rollout step the trainer redid (collect_retrying: the same
+    prompts, and with reproducible sampling the same samples) published each prompt under a second group, so a
+    twin of a held-out sequence could be trained on. Every sample of one prompt, whichever call, step or epoch
+    sent it, is now one group."""
+    ids = np.asarray(prompt_token_ids, dtype=np.int64).tobytes()
+    return "p" + hashlib.blake2b(ids, digest_size=10).hexdigest()
 
 
 class FeaturePublisher:
