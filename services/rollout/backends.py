@@ -9,7 +9,10 @@ The interface (see `services/rollout/engine/engine.py`): constructed as
 `model_config`, `max_model_len`, `versions`, `add_request`, `abort_request`,
 `holds` (a request still has sequences there), `step`, `has_unfinished`,
 `load` (running, queued, KV use; read after every step), `stats`,
-`expected_weights`, `update_weights`; optionally `release()` / `resume()`, which free
+`expected_weights`, `update_weights`; optionally `unfinished_emitted()` ((request id, sample index, tokens
+emitted) of each unfinished sequence: with `[rollout] features_push`, where a policy push cuts their drafter
+features; without it a sequence a push spans sends features only if its completion has no `policy_min`),
+`release()` / `resume()`, which free
 device memory while a colocated trainer has borrowed the device and take it back
 (`Rollout.LendDevices`; called only when the engine holds no sequences). An engine whose `add_request` runs
 only a request's `sample_indices` (each with the seed it has in the whole request) says so with a class

@@ -77,13 +77,12 @@ class FeaturePublisher:
         self._strip[request.request_id] = len(request.samples)
         return dataclasses.replace(request, params=dataclasses.replace(request.params, return_features=True))
 
-    def policy_changed(self, old_version: int, unfinished: Iterable[Any]) -> None:
-        """A policy push was applied between two steps: the features of every unfinished sequence (the
-        engine's `Sequence`s, running or waiting) end at the tokens it has now."""
-        for seq in unfinished:
-            emitted = len(seq.token_ids) - seq.prompt_len
+    def policy_changed(self, old_version: int, unfinished: Iterable[tuple[str, int, int]]) -> None:
+        """A policy push was applied between two steps: the features of every unfinished sequence ((request id,
+        sample index, tokens emitted), the engine's `unfinished_emitted()`) end at the tokens it has now."""
+        for request_id, sample_index, emitted in unfinished:
             if emitted:  # the first push is the one that counts
-                self._cut.setdefault((seq.request_id, seq.sample_index), (emitted, old_version))
+                self._cut.setdefault((request_id, sample_index), (emitted, old_version))
 
     def publish(self, finished: list[CompletionOutput], policy_version: int) -> bool:
         """Push the features of `finished` (one batch); strip the ones nobody asked for. True if sent."""

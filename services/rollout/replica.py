@@ -379,8 +379,9 @@ class ReplicaLoop:
             self.conn.send(Reply(cmd.cmd_id, error=str(e)))  # the pool names the replica (pool_states.failures)
             return
         if self.features is not None and self.engine.versions.policy != before:
-            sched = self.engine.scheduler  # unfinished sequences' features end at this step
-            self.features.policy_changed(before, [*sched.running, *sched.waiting])
+            where = getattr(self.engine, "unfinished_emitted", None)  # unfinished sequences' features end here
+            if where is not None:  # else a sequence it spans is stamped policy_min and sends no features
+                self.features.policy_changed(before, where())
         self.conn.send(Reply(cmd.cmd_id, versions=self.engine.versions, seconds=time.perf_counter() - t0))
 
     def _stats(self, cmd: QueryStats) -> None:

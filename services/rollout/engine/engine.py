@@ -204,6 +204,12 @@ class LLMEngine:
         """Whether any sequence of the request is still here (an abort drops them at once)."""
         return request_id in self._seqs
 
+    def unfinished_emitted(self) -> list[tuple[str, int, int]]:
+        """(request id, sample index, tokens emitted) of every unfinished sequence, running or waiting: where a
+        policy push lands in each (the replica cuts their drafter features there)."""
+        return [(s.request_id, s.sample_index, len(s.token_ids) - s.prompt_len)
+                for s in (*self.scheduler.running, *self.scheduler.waiting)]
+
     def load(self) -> tuple[int, int, float]:
         """(running, queued, KV use): what a capacity event carries; cheap, the replica reads it after every step
         (`stats()` builds the spec counters too)."""

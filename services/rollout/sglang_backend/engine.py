@@ -206,6 +206,13 @@ class SGLangEngine:
         final chunk (SGLang may still be decoding it until then)."""
         return any(s.request_id == request_id for s in self._samples.values())
 
+    def unfinished_emitted(self) -> list[tuple[str, int, int]]:
+        """(request id, sample index, tokens emitted) of every sample SGLang still holds, counting what its stream
+        has brought so far: SGLang may have decoded a few more under the old weights, never fewer. (Not checked
+        against SGLang itself: that the hidden states it returns for those tokens after a retracting pause are
+        still those of their own forwards, not of the re-prefill under the new weights.)"""
+        return [(s.request_id, s.sample_index, len(s.token_ids)) for s in self._samples.values()]
+
     def load(self) -> tuple[int, int, float]:
         """(running, queued, KV use) as in stats(): every submitted sample counts as running, KV use is unknown."""
         return len(self._samples), 0, 0.0
