@@ -340,3 +340,30 @@ def test_a_worker_waiting_for_idle_reads_the_events_in_batches(tmp_path, model_d
             state(pub, r, IDLE)
         assert wait_for(lambda: coord.workers[0].training, 10), "no window opened after IDLE"
         assert time.monotonic() - t0 < 5.0
+
+
+def test_a_fresh_worker_releases_its_first_window_soon_after_busy(tmp_path, model_dir, samples) -> None:
+    """The first window of a `tlt drafter worker` process (a fresh checkpoint_dir) put the drafter on the device,
+    then built its first torch optimizer, which imports torch._dynamo (~900 modules, 1.1-1.4 s of CPU on a 2-core
+    VM), before it first read the capacity events: a BUSY meanwhile waited for the import (an audit of DRAFTER.md's
+    "Run it" on a loaded machine, the worker at nice 19: release_ms=8601.9 steps=0). A fresh process, so that
+    nothing imported it before; real publisher, coordinator and worker; BUSY 0.1 s into the first window."""
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9, pin_cpus=False)
+    cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", str(model_dir), "--coordinator",
+           coord.endpoint, "--replica", "0"]
+    proc = subprocess.Popen(cmd, env={**os.environ, WORKER_CONFIG_ENV: cfg.model_dump_json()})
+    try:
+        assert wait_for(lambda: 0 in coord.workers, 60), "the worker never said hello"
+        time.sleep(0.3)  # its run loop is waiting for IDLE
+        state(pub, 0, IDLE)
+        time.sleep(0.1)
+        state(pub, 0, BUSY)
+        assert wait_for(lambda: coord.windows, 20), "no window reported"
+        win = coord.windows[0]
+        assert win.preempted
+        assert win.released - win.busy_timestamp < 0.5, (win.released - win.busy_timestamp, win.micro_steps)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        coord.close()
+        pub.close()

@@ -70,6 +70,19 @@ def make_optimizer(drafter: Drafter, lr: float, weight_decay: float = 0.0) -> to
     return torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
+def warm_up_optimizer() -> None:
+    """Pay torch's once-a-process optimizer set-up now: the first optimizer a process builds (or the first
+    `state_dict`, `load_state_dict` or `step`) imports torch._dynamo, ~900 modules and 1.1-1.4 s of CPU on a 2-core
+    VM, tens of seconds of wall time at nice 19 beside busy replicas. A worker calls this before it watches its
+    replica: in its first window the import came after the drafter was on the device and before the window first
+    read the capacity events, so a BUSY meanwhile waited for it (release_ms=8601.9, steps=0 in an audit)."""
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], betas=(0.9, 0.95))
+    p.grad = torch.zeros(1)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+
+
 def unrolled_targets(p: PackedPairs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and loss mask of unroll step `step` (0 = the plain pairs): at index j, h_{j+step+1}, a
     target only where pair j + step is one (inside one segment, a response token) and lies in pair

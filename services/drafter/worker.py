@@ -15,7 +15,10 @@
 So a worker never starts a micro-step after its replica turned busy, and a step that sees BUSY at one of its
 checkpoints (after the fc, the attention and the output of its forward pass, at its loss, and at three points of its
 backward pass: `micro_step(should_stop=...)`) is abandoned before its update: the busy-to-released latency is at most one
-stretch between two checkpoints plus the release, a few ms of the replica's time on the tiny model. Optimizer state
+stretch between two checkpoints plus the release, a few ms of the replica's time on the tiny model. That is CPU time
+(`release_cpu_ms` in the window log); `release_ms` is wall clock, and a worker at worker_nice on a busy CPU replica's
+cores waits for the cycles the replica leaves it. The once-a-process optimizer set-up (torch._dynamo's import, ~1 s of
+CPU) is paid when the worker starts (`warm_up_optimizer`), not in its first window after the drafter is on the device. Optimizer state
 and step counts live in `<checkpoint_dir>/worker-<id>.pt` (atomic rename): after a preemption, a restart or `kill -9` the
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
 coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
@@ -51,7 +54,7 @@ from tlt.services.drafter.rollout_idle import BUSY_POLL_S, STALE_S, fresh_all_id
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
 from tlt.model.drafter import Drafter, DrafterConfig, DrafterError
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
-from tlt.services.drafter.training import tensors_from, tensors_message
+from tlt.services.drafter.training import tensors_from, tensors_message, warm_up_optimizer
 from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.worker")
@@ -67,6 +70,10 @@ class WindowResult:
     preempted: bool = False
     busy_timestamp: float = 0.0
     released: float = 0.0
+    # CPU seconds of the worker from its last look that found the replica idle to `released`: at most what a
+    # preemption took from the replica, where released - busy_timestamp (wall clock) also counts the wait of a
+    # worker_nice worker for cycles the busy replica leaves it (the window log's release_cpu_ms)
+    release_cpu: float = 0.0
     last_step_start: float = 0.0
     losses: list[float] = field(default_factory=list)
     abandoned: bool = False  # the last micro-step was given up before its update (BUSY seen at a checkpoint)
@@ -114,6 +121,7 @@ class DrafterWorker:
         self._idle_since = 0.0  # monotonic time the replica last turned IDLE (min_idle_s)
         self.last_busy = 0.0
         self.busy_seen = True  # reset when a window opens on an IDLE replica
+        self._idle_cpu = 0.0  # time.process_time() of the window's last look that found its replica idle
         self._deferred: _Deferred | None = None  # what the last window left to send and save (see `window`)
         self.total_steps = int(saved.get("micro_steps", 0))
         self.preemptions = int(saved.get("preemptions", 0))
@@ -140,6 +148,7 @@ class DrafterWorker:
 
             cores, pinned = pin_group(replica_id, cfg.threads)
             log.info("worker_cpus", worker=worker_id, replica=replica_id, cores=cores, pinned=pinned)
+        warm_up_optimizer()  # at its niceness, on its cores, before `run` watches the replica: not in the first window
 
     # ---- capacity
     def _see(self, event: object) -> None:
@@ -220,6 +229,8 @@ class DrafterWorker:
             deadline = time.monotonic()  # got one: drain the rest without waiting
         self._check_silence()  # after draining: heartbeats queued during a long step are not silence
         self._check_replica_known()
+        if not self.busy_seen:
+            self._idle_cpu = time.process_time()
 
     def _check_replica_known(self) -> None:
         """Say once when the rollout's other replicas have been heard for REPLICA_UNHEARD_S (their heartbeats) and
@@ -335,7 +346,7 @@ class DrafterWorker:
         """One training window on an idle replica; returns when it turns busy (or `stop`)."""
         start = time.time()
         res = WindowResult()
-        self.busy_seen, self.last_busy = False, 0.0
+        self.busy_seen, self.last_busy, self._idle_cpu = False, 0.0, time.process_time()
         self.shared.refresh()  # between windows only: a window trains with one embedding / lm_head throughout
         self.client.shared_policy_version = shared_version = self.shared.current.policy_version
         self.client.shared_fetch_failures = self.shared.failures
@@ -346,7 +357,7 @@ class DrafterWorker:
         # reading the checkpoint, which only then holds the optimizer state the last window ended with
         if self.busy_seen or self._flush(stop_on_busy=True):  # busy during the fetch or the send: nothing trains
             res.preempted = True
-            res.released = time.time()
+            res.released, res.release_cpu = time.time(), time.process_time() - self._idle_cpu
             return self._close_window(res, start, shared_version)
         embed, head = self.shared.current.embed, self.shared.current.lm_head
         drafter = Drafter(self.drafter_cfg, embed.to(self.device), head.to(self.device)).to(self.device)
@@ -419,7 +430,7 @@ class DrafterWorker:
             gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        res.released = time.time()
+        res.released, res.release_cpu = time.time(), time.process_time() - self._idle_cpu
         self.total_steps += res.micro_steps
         # The replica is busy again: sending the change and writing the checkpoint would take CPU from it,
         # so they wait for the next idle window, or `run`'s exit (`_flush`); a kill -9 before then loses
@@ -442,7 +453,8 @@ class DrafterWorker:
         self.windows += 1
         log.info("training_window", worker=self.worker_id, replica=self.replica_id, steps=res.micro_steps,
                  preempted=res.preempted, release_ms=round(1000 * (res.released - res.busy_timestamp), 1)
-                 if res.preempted else None, abandoned_step=res.abandoned)
+                 if res.preempted else None, release_cpu_ms=round(1000 * res.release_cpu, 1) if res.preempted else None,
+                 abandoned_step=res.abandoned)
         return res
 
     # ---- state
