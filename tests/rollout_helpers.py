@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 # Small enough that a replica loads in seconds and a step takes milliseconds on one core.
 ENGINE_TEST_SETTINGS = {"max_model_len": 256, "max_num_seqs": 64, "num_kv_blocks": 512, "block_size": 16}
 
@@ -216,3 +218,17 @@ WEATHER = {"type": "function", "function": {
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
 TOOLS = [WEATHER, ADD]
+
+
+class ReplicaDied(grpc.RpcError, grpc.Call):
+    """The UNAVAILABLE error a rollout stream ends with when a replica died and its samples could not be
+    re-dispatched (what the trainer's collect_retrying redoes a step on)."""
+
+    def code(self): return grpc.StatusCode.UNAVAILABLE  # noqa: E704
+    def details(self): return "replica 0 died"  # noqa: E704
+    def initial_metadata(self): return None  # noqa: E704
+    def trailing_metadata(self): return None  # noqa: E704
+    def is_active(self): return False  # noqa: E704
+    def time_remaining(self): return None  # noqa: E704
+    def cancel(self): return False  # noqa: E704
+    def add_callback(self, cb): return False  # noqa: E704

@@ -167,3 +167,25 @@ def write_checkpoint(folder):
 
     save_file({"model.embed_tokens.weight": torch.zeros(64, 8, dtype=torch.bfloat16)}, str(folder / "model.safetensors"))
     return str(folder)
+
+
+def serve_args(*argv: str):  # noqa: ANN201
+    """`tlt rollout serve --model /unused --backend sglang ARGV`, parsed by the command's own parser."""
+    import argparse
+
+    from tlt.services.rollout import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(["--model", "/unused", "--backend", "sglang", *argv])
+
+
+def replica_config(args) -> SGLangBackendConfig:  # noqa: ANN001
+    """What a replica process resolves: the preset, then the environment serve exports for it."""
+    from tlt.services.common.config import load_config
+    from tlt.services.rollout import serve
+
+    env: dict[str, str] = {}
+    serve.export_preset(args.preset, env)
+    serve.export_sglang_flags(args, env)
+    return load_config(SGLangBackendConfig, "sglang", env["TLT_PRESET"], environ=env)

@@ -16,7 +16,6 @@ arguments and the adapter are the real ones.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -25,26 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_fakes import FakeSGLang, write_checkpoint
-from tlt.services.common.config import load_config
+from sglang_fakes import FakeSGLang, replica_config, serve_args, write_checkpoint
 from tlt.services.rollout import serve
 from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
 from tlt.services.rollout.sglang_backend.engine import SGLangEngine
 from tlt.services.rollout.sglang_backend.launch import check_draft_model, engine_kwargs
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    return parser.parse_args(["--model", "/unused", "--backend", "sglang", *argv])
-
-
-def _replica_config(args: argparse.Namespace) -> SGLangBackendConfig:
-    """What a replica process resolves: the preset, then the environment serve exports for it."""
-    env: dict[str, str] = {}
-    serve.export_preset(args.preset, env)
-    serve.export_sglang_flags(args, env)
-    return load_config(SGLangBackendConfig, "sglang", env["TLT_PRESET"], environ=env)
 
 
 # -- tied embeddings -------------------------------------------------------------------------------
@@ -86,20 +70,20 @@ def test_a_draft_folder_that_ties_its_embeddings_is_refused_naming_the_reexport(
 
 def test_vllm_engine_flags_reach_sglangs_launch(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path)  # max_position_embeddings 128
-    cfg = _replica_config(_args("--spec", "off", "--max-model-len", "64", "--dtype", "half", "--max-num-seqs", "4"))
+    cfg = replica_config(serve_args("--spec", "off", "--max-model-len", "64", "--dtype", "half", "--max-num-seqs", "4"))
     assert (cfg.context_length, cfg.dtype, cfg.max_running_requests) == (64, "float16", 4)
     kw = engine_kwargs(cfg, model, 0)
     assert (kw["context_length"], kw["dtype"], kw["max_running_requests"]) == (64, "float16", 4)
     eng = SGLangEngine(model, cfg, client=FakeSGLang())
     assert eng.max_model_len == 64  # requests are sized and refused against SGLang's context, not the model's
 
-    assert "context_length" not in engine_kwargs(_replica_config(_args("--spec", "off")), model, 0)
-    assert _replica_config(_args("--spec", "off", "--dtype", "auto")).dtype == "auto"  # SGLang has an auto
-    assert _replica_config(_args("--spec", "off", "--max-model-len", "1K")).context_length == 1024
+    assert "context_length" not in engine_kwargs(replica_config(serve_args("--spec", "off")), model, 0)
+    assert replica_config(serve_args("--spec", "off", "--dtype", "auto")).dtype == "auto"  # SGLang has an auto
+    assert replica_config(serve_args("--spec", "off", "--max-model-len", "1K")).context_length == 1024
 
 
 def test_vllm_engine_flags_with_sglang_are_not_refused_by_the_native_engines_section() -> None:
-    cfg = serve.build_config(_args("--spec", "off", "--dtype", "auto", "--max-model-len", "64"))
+    cfg = serve.build_config(serve_args("--spec", "off", "--dtype", "auto", "--max-model-len", "64"))
     assert cfg.backend == "sglang"  # and not "auto is not a dtype of [rollout.engine]": nothing there reads it
 
 

@@ -13,31 +13,16 @@ before start.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+from sglang_fakes import replica_config, serve_args
 from tlt.cli import main
-from tlt.services.common.config import ConfigError, load_config
+from tlt.services.common.config import ConfigError
 from tlt.services.rollout import serve
-from tlt.services.rollout.sglang_backend.config import SGLangBackendConfig
 from tlt.services.rollout.sglang_backend.launch import engine_kwargs
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    return parser.parse_args(["--model", "/unused", "--backend", "sglang", *argv])
-
-
-def _replica_config(args: argparse.Namespace) -> SGLangBackendConfig:
-    """What a replica process resolves: the preset, then the environment serve exports for it."""
-    env: dict[str, str] = {}
-    serve.export_preset(args.preset, env)
-    serve.export_sglang_flags(args, env)
-    return load_config(SGLangBackendConfig, "sglang", env["TLT_PRESET"], environ=env)
 
 
 def _export(folder: Path, arch: str = "Qwen2ForCausalLMEagle") -> Path:
@@ -57,23 +42,23 @@ def _checkpoint(folder: Path) -> Path:
 
 def test_drafter_and_spec_flags_reach_the_sglang_section(tmp_path: Path) -> None:
     drafter = _export(tmp_path / "eagle")
-    cfg = _replica_config(_args("--drafter", str(drafter), "--spec", "static", "--spec-threshold", "8"))
+    cfg = replica_config(serve_args("--drafter", str(drafter), "--spec", "static", "--spec-threshold", "8"))
     assert (cfg.draft_model_path, cfg.adaptive, cfg.spec_batch_threshold) == (str(drafter), False, 8)
     assert engine_kwargs(cfg, "/m", 0)["speculative_draft_model_path"] == str(drafter)
 
-    adaptive = _replica_config(_args("--drafter", str(drafter), "--spec", "adaptive"))
+    adaptive = replica_config(serve_args("--drafter", str(drafter), "--spec", "adaptive"))
     assert adaptive.adaptive is True and adaptive.speculative_algorithm == "EAGLE"
 
 
 def test_spec_off_launches_sglang_without_a_drafter(tmp_path: Path) -> None:
-    cfg = _replica_config(_args("--spec", "off"))
+    cfg = replica_config(serve_args("--spec", "off"))
     assert cfg.speculative_algorithm == "none"
     assert "speculative_algorithm" not in engine_kwargs(cfg, "/m", 0)
 
 
 def test_a_static_arm_becomes_sglangs_draft_shape(tmp_path: Path) -> None:
     drafter = _export(tmp_path / "eagle")
-    cfg = _replica_config(_args("--drafter", str(drafter), "--spec", "static", "--spec-arms", "6_4_16"))
+    cfg = replica_config(serve_args("--drafter", str(drafter), "--spec", "static", "--spec-arms", "6_4_16"))
     assert (cfg.num_steps, cfg.eagle_topk, cfg.num_draft_tokens, cfg.adaptive) == (6, 4, 16, False)
     kw = engine_kwargs(cfg, "/m", 0)
     assert (kw["speculative_num_steps"], kw["speculative_eagle_topk"], kw["speculative_num_draft_tokens"]) == (6, 4, 16)
@@ -82,11 +67,11 @@ def test_a_static_arm_becomes_sglangs_draft_shape(tmp_path: Path) -> None:
 def test_flags_sglang_cannot_honour_are_refused(tmp_path: Path) -> None:
     drafter = _export(tmp_path / "eagle")
     with pytest.raises(ConfigError, match="adaptive_steps"):  # SGLang's adaptive mode varies only the chain depth
-        serve.export_sglang_flags(_args("--drafter", str(drafter), "--spec-arms", "8_4_48,8_4_16"), {})
+        serve.export_sglang_flags(serve_args("--drafter", str(drafter), "--spec-arms", "8_4_48,8_4_16"), {})
     with pytest.raises(ConfigError, match="plain"):
-        serve.export_sglang_flags(_args("--drafter", str(drafter), "--spec", "static", "--spec-arms", "plain"), {})
+        serve.export_sglang_flags(serve_args("--drafter", str(drafter), "--spec", "static", "--spec-arms", "plain"), {})
     with pytest.raises(ConfigError, match="--spec off"):  # a drafter with speculation off: one of them is a mistake
-        serve.export_sglang_flags(_args("--drafter", str(drafter), "--spec", "off"), {})
+        serve.export_sglang_flags(serve_args("--drafter", str(drafter), "--spec", "off"), {})
 
 
 def test_the_sglang_drafter_is_checked_before_start(tmp_path: Path, monkeypatch) -> None:

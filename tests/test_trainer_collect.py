@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from rollout_helpers import ServerThread
+from rollout_helpers import ReplicaDied, ServerThread
 from tlt.services.trainer.collect import RolloutError, collect, collect_retrying, sampling_params, wait_serving
 from tlt.services.trainer.rewards import RewardResult
 from tlt.services.trainer.types import PromptItem
@@ -272,29 +272,17 @@ class _DiesOnce:
         return self.real.status()
 
     def batch_generate(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
-        import grpc
-
         inner = self.real.batch_generate(*args, **kw)
         if self.died:
             return inner
         self.died = True
         after = self.after
 
-        class Unavailable(grpc.RpcError, grpc.Call):
-            def code(self): return grpc.StatusCode.UNAVAILABLE  # noqa: E704
-            def details(self): return "replica 0 died"  # noqa: E704
-            def initial_metadata(self): return None  # noqa: E704
-            def trailing_metadata(self): return None  # noqa: E704
-            def is_active(self): return False  # noqa: E704
-            def time_remaining(self): return None  # noqa: E704
-            def cancel(self): return False  # noqa: E704
-            def add_callback(self, cb): return False  # noqa: E704
-
         class Stream:
             def __iter__(self):
                 for i, c in enumerate(inner):
                     if i == after:
-                        raise Unavailable()
+                        raise ReplicaDied()
                     yield c
 
             def cancel(self) -> None:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import time
 
-import grpc
 import pytest
 import torch
 from structlog.testing import capture_logs
 
-from rollout_helpers import ServerThread
+from rollout_helpers import ReplicaDied, ServerThread
 from tlt.services.trainer.collect import collect_retrying, sampling_params
 from tlt.services.trainer.rewards import RewardResult
 from tlt.services.trainer.types import PromptItem
@@ -63,17 +62,6 @@ class _Rewards:
         pass
 
 
-class _Unavailable(grpc.RpcError, grpc.Call):
-    def code(self): return grpc.StatusCode.UNAVAILABLE  # noqa: E704
-    def details(self): return "replica 0 died"  # noqa: E704
-    def initial_metadata(self): return None  # noqa: E704
-    def trailing_metadata(self): return None  # noqa: E704
-    def is_active(self): return False  # noqa: E704
-    def time_remaining(self): return None  # noqa: E704
-    def cancel(self): return False  # noqa: E704
-    def add_callback(self, cb): return False  # noqa: E704
-
-
 class _SlowDeath:
     """A rollout client whose first stream sends one completion, takes SLOW_S more and ends UNAVAILABLE (a replica
     that died and whose samples could not be re-dispatched); later streams are the server's."""
@@ -94,7 +82,7 @@ class _SlowDeath:
                 for c in inner:
                     yield c
                     time.sleep(SLOW_S)
-                    raise _Unavailable()
+                    raise ReplicaDied()
 
             def cancel(self) -> None:
                 inner.cancel()
