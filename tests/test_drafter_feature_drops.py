@@ -82,17 +82,6 @@ def test_the_senders_kept_are_bounded_and_the_total_stays_right(monkeypatch) -> 
     assert buf.sender_dropped == (1 << 63) - 1
 
 
-def _puller_in_range():  # a fixed endpoint, bound again below as a restarted coordinator would
-    from tlt.services.common.events import FeaturePuller
-
-    for port in range(43900, 44000):
-        try:
-            return FeaturePuller(f"tcp://127.0.0.1:{port}")
-        except zmq.ZMQError:
-            continue
-    raise RuntimeError("no free port in 43900-43999")
-
-
 def test_a_sender_forgotten_then_heard_again_is_not_counted_twice(monkeypatch) -> None:
     """The buffer keeps the running drop counts of the MAX_SENDERS senders heard last; a sender forgotten and heard
     again had its whole running count added once more (1,025 senders x 5 drops read 5130, not 5125). Each frame now
@@ -102,8 +91,8 @@ def test_a_sender_forgotten_then_heard_again_is_not_counted_twice(monkeypatch) -
     from tlt.services.common.events import FeaturePusher
 
     monkeypatch.setattr(buffer_mod, "MAX_SENDERS", 3)
-    puller = _puller_in_range()
-    endpoint = puller.endpoint
+    puller = events_mod.FeaturePuller("tcp://127.0.0.1:*")  # its endpoint is bound again below, as a restarted
+    endpoint = puller.endpoint  # coordinator binds its configured one
     puller.close()  # nobody bound: every push is dropped (IMMEDIATE)
     buf = FeatureBuffer(100, 100, 16, 4, holdout_every=1000, hidden_size=4)
     pushers = [FeaturePusher(endpoint) for _ in range(5)]

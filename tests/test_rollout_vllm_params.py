@@ -19,7 +19,7 @@ upstream code:
   -> the last token is not detokenized), as SGLang does (`trim_matched_stop`). The token stays in the token ids and
   logprobs (what the trainer trains on): only the text changes, streamed or not, with `text_offset` inside it.
 
-Real parts: the rollout server (uvicorn and gRPC on 127.0.0.1 ports 43360-43361), one replica process running the
+Real parts: the rollout server (uvicorn and gRPC on 127.0.0.1), one replica process running the
 native engine on a tiny random Qwen2 checkpoint with the task tokenizer, httpx and the openai SDK.
 """
 
@@ -38,8 +38,6 @@ OTHERS = {"repetition_penalty": 1.2, "min_tokens": 3, "skip_special_tokens": Fal
           "spaces_between_special_tokens": False, "include_stop_str_in_output": True}
 
 
-HTTP_PORT, GRPC_PORT = 43360, 43361
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -48,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with ServerThread(model_dir, replicas=1, http_port=HTTP_PORT, grpc_port=GRPC_PORT) as s:
+    with ServerThread(model_dir, replicas=1) as s:
         yield s
 
 

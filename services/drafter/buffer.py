@@ -37,7 +37,8 @@ from tlt.services.drafter.packing import PackedBatch, Sample, pack
 from tlt.v1 import events_pb2
 
 log = get_logger("drafter.buffer")
-MAX_GROUPS = 4096  # groups whose split is remembered (a prompt's samples arrive within one rollout)
+MAX_GROUPS = 4096  # groups (prompts) whose split is remembered: a step and its redo, and a prompt seen again within
+# the 4096 groups heard last, keep one side; one older is decided again
 MAX_SENDERS = 1024  # senders whose running drop count is kept, the least recently heard forgotten first
 MAX_SENDER_DROPPED = 1 << 40  # a trillion sequences dropped by one sender: past it, the count is no count
 INT64_MAX = (1 << 63) - 1  # DrafterStatus.features_dropped
