@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -232,3 +233,18 @@ class ReplicaDied(grpc.RpcError, grpc.Call):
     def time_remaining(self): return None  # noqa: E704
     def cancel(self): return False  # noqa: E704
     def add_callback(self, cb): return False  # noqa: E704
+
+
+def kill_replica_once_busy(pool: Any, timeout_s: float = 120.0) -> threading.Thread:
+    """A thread that kill -9s the pool's replica 0 as soon as it has sequences (a step's rollout is in it)."""
+    pid = pool.replicas[0].process.pid
+
+    def kill() -> None:
+        deadline = time.monotonic() + timeout_s
+        while pool.pending_sequences == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from rollout_helpers import ServerThread
+from rollout_helpers import ServerThread, kill_replica_once_busy
 from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.loop import train
 
@@ -122,23 +122,8 @@ def test_a_step_whose_replica_died_is_rolled_out_again_once_the_replica_is_back(
     drops the step's partial rollout, waits until every replica serves again and rolls the step out anew.
     Killed while step 0's requests are in it, with re-dispatch off (`redispatch_limit=0`), so they fail: a
     request sent while the only replica restarts waits for it instead (tests/test_rollout_front_loop.py)."""
-    import os
-    import signal
-    import threading
-    import time
-
     with ServerThread(random_model_dir, replicas=1, max_restarts=1, redispatch_limit=0) as server:
-        pool = server.server.pool
-        pid = pool.replicas[0].process.pid
-
-        def kill_once_busy() -> None:
-            deadline = time.monotonic() + 120
-            while pool.pending_sequences == 0 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            os.kill(pid, signal.SIGKILL)  # step 0's rollout is in the replica
-
-        killer = threading.Thread(target=kill_once_busy, daemon=True)
-        killer.start()
+        killer = kill_replica_once_busy(server.server.pool)  # step 0's rollout is in the replica
         cfg = config(random_model_dir, server.grpc_address, tmp_path / "run", steps=1, rollout_retries=1)
         summary = train(cfg)
         killer.join(5)

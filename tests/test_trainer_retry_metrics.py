@@ -21,7 +21,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from rollout_helpers import ReplicaDied, ServerThread
+from rollout_helpers import ReplicaDied, ServerThread, kill_replica_once_busy
 from tlt.services.trainer.collect import collect_retrying, sampling_params
 from tlt.services.trainer.rewards import RewardResult
 from tlt.services.trainer.types import PromptItem
@@ -151,10 +151,6 @@ def test_a_step_whose_replica_died_past_the_redispatch_limit_says_so_in_its_metr
     step is rolled out again once the replica is back. Its metrics line counts the retry and its phases cover the
     step; its log line's `kl` is metrics.jsonl's (the KL to the reference), approx_kl its own (it printed approx_kl
     as `kl`)."""
-    import os
-    import signal
-    import threading
-
     from tlt.model.testing import random_checkpoint
     from tlt.services.trainer.config import TrainerConfig
     from tlt.services.trainer.loop import train
@@ -162,16 +158,7 @@ def test_a_step_whose_replica_died_past_the_redispatch_limit_says_so_in_its_metr
     reference = random_checkpoint(tmp_path / "reference", seed=1)  # another model: kl and approx_kl differ
     with ServerThread(random_model_dir, replicas=1, max_restarts=1, redispatch_limit=0) as srv:
         pool = srv.server.pool
-        pid = pool.replicas[0].process.pid
-
-        def kill_once_busy() -> None:
-            deadline = time.monotonic() + 120
-            while pool.pending_sequences == 0 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            os.kill(pid, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_once_busy, daemon=True)
-        killer.start()
+        killer = kill_replica_once_busy(pool)
         cfg = TrainerConfig(model_dir=str(random_model_dir), rollout_addresses=[srv.grpc_address],
                             output_dir=str(tmp_path / "run"), prompts_per_step=2, n_samples=4, max_tokens=12,
                             mini_batch_size=4, micro_batch_size=4, lr=1e-3, steps=1, checkpoint_interval=1,
