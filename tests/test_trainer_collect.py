@@ -294,8 +294,10 @@ class _DiesOnce:
 def test_a_dropped_partial_rollout_s_reward_calls_are_cancelled(server):
     """A step whose stream ended UNAVAILABLE is rolled out again and its partial rollout dropped; the reward calls
     submitted for the dropped completions went on (the reward server scored 6 completions nobody used) and held the
-    client's concurrency ahead of the retried step's. Now those not yet started are cancelled: at most the
-    `concurrency` calls already running are scored. Real rollout and reward servers."""
+    client's concurrency ahead of the retried step's. Cancelling the batch then dropped only the calls still in the
+    client's queue: those already sent (here all 6: concurrency 8) were scored by the server, the redo's items
+    waiting behind them. Now the sent ones are cancelled too: of the dropped completions only those the server's 2
+    workers had begun are scored. Real rollout and reward servers."""
     from tlt.services.reward.config import RewardConfig
     from tlt.services.reward.server import RewardServer
     from tlt.services.rollout.client import RolloutClient
@@ -307,12 +309,12 @@ def test_a_dropped_partial_rollout_s_reward_calls_are_cancelled(server):
     def slow(prompt: str, completion: str, reference: str) -> bool:
         with lock:
             scored.append(completion)
-        time.sleep(0.2)
+        time.sleep(0.3)
         return True
 
-    concurrency = 2
-    with RewardServer(RewardConfig(host="127.0.0.1", port=0, workers=2), verifier=slow) as reward_server:
-        rewards = GrpcRewards(reward_server.address, concurrency=concurrency, timeout_s=10, retries=0)
+    workers = 2
+    with RewardServer(RewardConfig(host="127.0.0.1", port=0, workers=workers), verifier=slow) as reward_server:
+        rewards = GrpcRewards(reward_server.address, concurrency=8, timeout_s=10, retries=0)
         try:
             with RolloutClient(server.grpc_address) as real:
                 res = collect_retrying(_prompts(4), [_DiesOnce(real, after=6)], rewards, 4,
@@ -321,7 +323,7 @@ def test_a_dropped_partial_rollout_s_reward_calls_are_cancelled(server):
             rewards.close()
     n_scored, n_samples = len(scored), len(res.samples)
     assert res.retries == 1 and n_samples == 16
-    assert n_scored <= n_samples + concurrency, f"{n_scored} completions scored for {n_samples}"
+    assert n_scored <= n_samples + workers, f"{n_scored} completions scored for {n_samples}"
 
 
 def test_each_server_s_request_of_each_step_gets_its_own_seed_derived_from_the_run_alone():

@@ -30,6 +30,10 @@ from the first failure (the trainer's `reward_retry_window_s`, 30 s: a reward po
 (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a message over the size limit, ...) are not retried and raise
 `RewardCallError`, as does a Score answer whose results cannot be matched to its items (results in another order
 are matched by id). `close()` cancels queued and in-flight calls rather than waiting out their timeouts.
+Cancelling one future of `submit` (`fut.cancel()`, as the trainer does for a dropped rollout attempt's items) drops
+that item alone: queued, it is never sent; in flight, its call is cancelled (the server skips the item if it has not
+begun it; one it is scoring runs to its end, its answer unread); waiting to retry, it is not retried. Such a future
+stays pending (not `running()`) until it ends, so `cancel()` succeeds while its call is out.
 A stream that breaks or stalls is reopened and the unanswered items are sent
 again; answers that arrive twice are dropped, and one under an id never sent is
 a `RewardCallError` (a fault of the server, which re-sending would not mend).
@@ -45,7 +49,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -67,6 +71,10 @@ class RewardCallError(RuntimeError):
 
 class RewardUnavailableError(RuntimeError):
     """The reward server could not be reached or did not answer, after every retry."""
+
+
+class _Dropped(Exception):
+    """The caller cancelled a submitted item's future: no attempt of it is made or waited for any more."""
 
 
 class _NoAnswer(Exception):
@@ -120,15 +128,30 @@ class RewardClient:
         return (code == grpc.StatusCode.UNAVAILABLE
                 and time.monotonic() - since + self._backoff(failures) <= self.retry_window_s)
 
-    def _with_retries(self, what: str, call: Callable[[], T]) -> T:
+    def _pause(self, seconds: float, dropped: threading.Event | None) -> bool:
+        """Wait `seconds` before a retry; True (at once) when the client closes meanwhile, `_Dropped` (within 50 ms)
+        when the item's future is cancelled meanwhile."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self._closing.wait(min(left, 0.05)):
+                return True
+            if dropped is not None and dropped.is_set():
+                raise _Dropped
+        return self._closing.is_set()
+
+    def _with_retries(self, what: str, call: Callable[[], T], dropped: threading.Event | None = None) -> T:
+        """`call()`, retried as the class docstring says; `_Dropped` once `dropped` is set (a submitted item whose
+        future was cancelled: its call was cancelled with it), instead of another attempt."""
         last: BaseException | None = None
         failures, since = 0, 0.0
         while True:
-            if failures and self._closing.wait(self._backoff(failures)):
+            if failures and self._pause(self._backoff(failures), dropped):
                 raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from last
             try:
                 return call()
             except (grpc.RpcError, grpc.FutureCancelledError, _NoAnswer) as e:
+                if dropped is not None and dropped.is_set():  # the caller cancelled the item (and so its call)
+                    raise _Dropped from e
                 if self._closing.is_set():  # close() cancelled the call
                     raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from e
                 code, detail = _status(e)
@@ -185,8 +208,35 @@ class RewardClient:
         return _in_request_order(self.address, list(request.items), list(response.results))
 
     def submit(self, item: ScoreRequest) -> Future[ScoreResponse]:
-        """Queue one item; the future gets its response, or RewardUnavailableError / RewardCallError."""
-        return self._pool.submit(lambda: self.score([item])[0])
+        """Queue one item; the future gets its response, or RewardUnavailableError / RewardCallError.
+
+        `fut.cancel()` drops the item, queued or in flight (its call is cancelled, no retry follows), and nothing
+        else: the future is the caller's, not the pool's, and stays pending until it ends, so a running item can be
+        cancelled too (a pool future refuses once running). `close()` cancels the queued ones'."""
+        fut: Future[ScoreResponse] = Future()
+        submitted = _Submitted(fut)
+        request = reward_pb2.ScoreBatchRequest(items=[item])
+
+        def attempt() -> reward_pb2.ScoreBatchResponse:
+            return self._answer(submitted.start(lambda: self._stub.Score.future(request)))  # type: ignore[return-value]
+
+        def run() -> None:
+            if fut.done():  # cancelled while queued: never sent
+                return
+            try:
+                response = self._with_retries("Score(1 items)", attempt, submitted.dropped)
+                answer = _in_request_order(self.address, [item], list(response.results))[0]
+                outcome: tuple[object, BaseException | None] = (answer, None)
+            except _Dropped:
+                return
+            except BaseException as e:  # noqa: BLE001 - handed to the future's reader, as the pool's own futures do
+                outcome = (None, e)
+            _settle(fut, *outcome)
+
+        queued = self._pool.submit(run)
+        queued.add_done_callback(lambda f: f.cancelled() and fut.cancel())  # close() cancelled it, still queued
+        fut.add_done_callback(lambda f: f.cancelled() and queued.cancel())  # frees its place in the queue at once
+        return fut
 
     def score_stream(self, items: Iterable[ScoreRequest]) -> Iterator[ScoreResponse]:
         """Send items as `items` yields them; yield responses as they come (any order, matched by id).
@@ -287,6 +337,45 @@ class RewardClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Submitted:
+    """One submitted item: the gRPC call of its current attempt, cancelled when its future is (thread-safe: the
+    caller cancels from its thread while a pool thread starts the attempts)."""
+
+    def __init__(self, future: Future) -> None:
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self.dropped = threading.Event()
+        future.add_done_callback(self._ended)
+
+    def _ended(self, future: Future) -> None:
+        if not future.cancelled():
+            return
+        with self._lock:
+            self.dropped.set()
+            call = self._call
+        if call is not None:
+            call.cancel()  # the server skips the item if it has not begun it
+
+    def start(self, begin: Callable[[], grpc.Future]) -> grpc.Future:
+        """`begin()`'s call, the one a cancel now cuts off; `_Dropped` instead when the future was cancelled."""
+        with self._lock:  # a cancel either sees this call or is seen here: none slips between
+            if self.dropped.is_set():
+                raise _Dropped
+            self._call = begin()
+            return self._call
+
+
+def _settle(fut: Future, result: object, error: BaseException | None) -> None:
+    """End `fut` with `result` or `error`, unless the caller cancelled it meanwhile (then nobody reads it)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _in_request_order(address: str, items: list[ScoreRequest], results: list[ScoreResponse]) -> list[ScoreResponse]:

@@ -25,7 +25,7 @@ The rollout server itself first re-issues a dead replica's unfinished samples to
 another replica (`[rollout] redispatch_limit`, services/rollout/replicas.py), so
 the stream goes on; UNAVAILABLE reaches the trainer only when it cannot.
 Whatever fails, the step's other streams are cancelled (their servers stop
-generating for it), and so are its reward calls not yet started.
+generating for it), and so are its reward calls, queued or sent (a reward server skips an item it has not begun).
 """
 
 from __future__ import annotations
@@ -278,8 +278,8 @@ def collect(
     except BaseException:
         for st in list(streams):
             st.cancel()
-        # the step's partial rollout is dropped (a retry rolls it out anew): its reward calls not yet started
-        # would score completions nobody uses, ahead of the retry's in the reward client's queue
+        # the step's partial rollout is dropped (a retry rolls it out anew): its reward calls, queued or sent, would
+        # score completions nobody uses, ahead of the retry's in the reward client's queue and the server's
         batch.cancel()
         raise
 

@@ -4,7 +4,7 @@
     batch.submit(key, prompt, completion, answer, extra,    # called as each completion streams in
                  messages=, completion_ids=)
     batch.results() -> {key: RewardResult}                  # waits for the rest; raises RewardError
-    batch.cancel()                                          # the step failed: drop what is not scored yet
+    batch.cancel()                                          # the step failed or is redone: drop what is not scored yet
 
 `extra` is the data row's other columns (PromptItem.extra: JSON values); `messages` the row's chat messages when
 its prompt was a list of them (PromptItem.messages; `prompt` is then their rendered text); `completion_ids` the
@@ -535,8 +535,10 @@ class _GrpcBatch:
         return out
 
     def cancel(self) -> None:
-        """Drop the calls not yet started (they wait in the client's queue, ahead of any later batch's); a call
-        already sent ends when the server answers it, or once it answers nothing for the client's timeout."""
+        """Drop every item not answered yet (RewardClient.submit's futures): queued ones are never sent (they wait in
+        the client's queue, ahead of any later batch's), sent ones have their call cancelled, so the server skips
+        those it has not begun (one it is scoring runs to its end, unread); none is retried. Another batch's items,
+        a redo's, are untouched."""
         for fut in self._futures.values():
             fut.cancel()
 
