@@ -103,14 +103,20 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     return out
 
 
+def export_config(folder: str | Path) -> dict | None:
+    """`folder`'s config.json, or None when there is no readable one (missing, not JSON, or JSON that is no object)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def export_architectures(folder: str | Path) -> list[str] | None:
     """The `architectures` of `folder`'s config.json ([] when it names none), or None when there is no readable
     config.json: what tells an SGLang EAGLE export (`ARCHITECTURES`' values) from another model."""
-    try:
-        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures")
-    except (OSError, ValueError, AttributeError):  # missing, not JSON, or JSON that is no object
-        return None
-    return list(archs or [])
+    config = export_config(folder)
+    return None if config is None else list(config.get("architectures") or [])
 
 
 def check_out(out_dir: str | Path) -> None:

@@ -65,7 +65,7 @@ def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int
         log.warning("worker_restarted", worker=i, rc=rc, pid=procs[i].pid, restarts=restarts[i])  # the workers `tlt drafter serve` starts read their config here
 
 
-def _stop_workers(procs: list) -> None:
+def stop_workers(procs: list) -> None:
     """SIGTERM each worker still running (it ends its window cleanly), then wait; kill one that takes over 30 s."""
     import subprocess
 
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             # file. The resolved config goes in the environment, not on the command line (worker_launch).
             cmds, env = worker_launch(cfg, args.model, coordinator.endpoint, range(args.workers))
             procs: list[subprocess.Popen] = []
-            up.callback(_stop_workers, procs)  # the list: a restarted worker takes its place in it
+            up.callback(stop_workers, procs)  # the list: a restarted worker takes its place in it
             procs.extend(subprocess.Popen(cmd, env=env) for cmd in cmds)
             if cfg.threads:  # type: ignore[attr-defined]
                 import torch

@@ -232,6 +232,10 @@ class DrafterWorker:
         if not self.busy_seen:
             self._idle_cpu = time.process_time()
 
+    def _mark_released(self, res: WindowResult) -> None:
+        """The device is free: when (wall clock), and the worker's CPU since its last look found the replica idle."""
+        res.released, res.release_cpu = time.time(), time.process_time() - self._idle_cpu
+
     def _check_replica_known(self) -> None:
         """Say once when the rollout's other replicas have been heard for REPLICA_UNHEARD_S (their heartbeats) and
         this worker's never: it watches a replica the rollout does not have, and with train_when = replica_idle
@@ -357,7 +361,7 @@ class DrafterWorker:
         # reading the checkpoint, which only then holds the optimizer state the last window ended with
         if self.busy_seen or self._flush(stop_on_busy=True):  # busy during the fetch or the send: nothing trains
             res.preempted = True
-            res.released, res.release_cpu = time.time(), time.process_time() - self._idle_cpu
+            self._mark_released(res)
             return self._close_window(res, start, shared_version)
         embed, head = self.shared.current.embed, self.shared.current.lm_head
         drafter = Drafter(self.drafter_cfg, embed.to(self.device), head.to(self.device)).to(self.device)
@@ -430,7 +434,7 @@ class DrafterWorker:
             gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        res.released, res.release_cpu = time.time(), time.process_time() - self._idle_cpu
+        self._mark_released(res)
         self.total_steps += res.micro_steps
         # The replica is busy again: sending the change and writing the checkpoint would take CPU from it,
         # so they wait for the next idle window, or `run`'s exit (`_flush`); a kill -9 before then loses

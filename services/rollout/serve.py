@@ -147,13 +147,16 @@ def build_config(args: argparse.Namespace) -> object:
     # [rollout.engine] fields, as vLLM names them; with --backend sglang they are [sglang] fields (sglang_flags),
     # and nothing reads [rollout.engine]
     engine = {flag: getattr(args, flag) for flag in VLLM_ENGINE_FLAGS if getattr(args, flag, None) is not None}
-    if engine and load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True).backend != "sglang":
-        overrides.setdefault("engine", {}).update(engine)
-    if getattr(args, "spec_arms", None) is None:
-        return load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
-    # where --spec-arms goes depends on the mode and the bucket count, which the preset or environment may set
-    spec = load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True).spec
-    overrides.setdefault("spec", {}).update(_arms_override(args.spec_arms, spec.mode, len(spec.bucket_thresholds)))
+    arms = getattr(args, "spec_arms", None)
+    if engine or arms is not None:
+        # one look at what the preset and environment set: the backend, and where --spec-arms goes (the mode and
+        # the bucket count; the engine fields change neither)
+        probe = load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
+        if engine and probe.backend != "sglang":
+            overrides.setdefault("engine", {}).update(engine)
+        if arms is not None:
+            spec = probe.spec
+            overrides.setdefault("spec", {}).update(_arms_override(arms, spec.mode, len(spec.bucket_thresholds)))
     return load_config(RolloutConfig, "rollout", args.preset, overrides, require_section=True)
 
 

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.drafter.collect import sample_features
     from tlt.services.drafter.config import DrafterServiceConfig
     from tlt.services.drafter.coordinator import Coordinator
-    from tlt.services.drafter.serve import worker_launch
+    from tlt.services.drafter.serve import stop_workers, worker_launch
     from tlt.v1 import common_pb2, events_pb2
 
     if args.model:
@@ -141,12 +141,7 @@ def run(args: argparse.Namespace) -> int:
                 reported += 1
             last = new[-1] if new else last
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_workers([proc])
         coord.close()
         pub.close()
     if failed:

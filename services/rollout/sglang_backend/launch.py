@@ -50,7 +50,7 @@ def check_draft_model(cfg: SGLangBackendConfig, look: bool = True) -> None:
     architecture and its own tensor names), not TLT's drafter folder, and fails minutes into loading otherwise."""
     from tlt.model.drafter import CONFIG_FILE, DrafterError
     from tlt.services.common.config import ConfigError
-    from tlt.services.drafter.export import ARCHITECTURES, export_architectures
+    from tlt.services.drafter.export import ARCHITECTURES, export_config
 
     if cfg.speculative_algorithm == "none":
         return
@@ -68,15 +68,15 @@ def check_draft_model(cfg: SGLangBackendConfig, look: bool = True) -> None:
         raise DrafterError(f"{folder} is TLT's drafter folder; SGLang loads an export of it: {export}")
     if not folder.is_dir():
         raise DrafterError(f"drafter folder {folder} does not exist ([sglang] draft_model_path, or --drafter)")
-    archs = export_architectures(folder)
+    config = export_config(folder)
+    archs = None if config is None else list(config.get("architectures") or [])
     if archs is None or not (folder / "model.safetensors").is_file():
         raise DrafterError(f"{folder} is not an SGLang EAGLE export: it needs config.json and model.safetensors "
                            f"({export})")
     if cfg.speculative_algorithm == "EAGLE" and not set(archs) & set(ARCHITECTURES.values()):
         raise DrafterError(f"{folder} holds {archs or 'no architecture'}, not an EAGLE draft model "
                            f"({sorted(ARCHITECTURES.values())}); write one with {export}")
-    if cfg.speculative_algorithm == "EAGLE" and json.loads((folder / "config.json").read_text()).get(
-            "tie_word_embeddings"):
+    if cfg.speculative_algorithm == "EAGLE" and config.get("tie_word_embeddings"):
         # SGLang's qwen2_eagle / llama_eagle alias lm_head to embed_tokens, and EAGLEWorker's set_embed_and_head
         # (`del embed_tokens.weight; del lm_head.weight`) then raises AttributeError once the target has loaded
         raise DrafterError(f"{folder}/config.json has tie_word_embeddings true, which SGLang's EAGLE worker fails "
