@@ -13,7 +13,7 @@ only the last counts (MATH's `last_boxed_only_string` rule): `\boxed{2}` and
 
 Normalisation is deliberately conservative: it removes presentation (spaces,
 `$`, `\left`/`\right` (not `\leftarrow`; `\left.` with its empty delimiter), spacing commands, `\text{}` wrappers, degree and
-percent signs, a leading `x =`, a leading `+`, thousands separators `1,000` (not `2, 300`: a comma and a
+percent signs, a leading `x =` (compared apart: `y=5` is not `x=5`, see `equivalent`), a leading `+`, thousands separators `1,000` (not `2, 300`: a comma and a
 space make a list) and LaTeX's `1{,}000`, a trailing period, units: a `\text{ cm}` or `\mbox{ cm}` of words
 after a plain number, optionally squared or cubed (not a hedge: `12\text{ or thirteen}`), as math-verify and MATH's
 `strip_string` drop them) and rewrites `\dfrac`/`\tfrac` to `\frac`, a U+2212 minus to `-`. A
@@ -134,6 +134,11 @@ def _without_units(s: str) -> str:
 
 def normalize(answer: str) -> str:
     """A canonical string for an answer (see the module docstring for what is removed)."""
+    return _normal_parts(answer)[1]
+
+
+def _normal_parts(answer: str) -> tuple[str, str]:
+    """(the leading `x =`'s variable or "", the canonical rest): `normalize` is the rest."""
     s = _without_units(answer.strip().replace("\u2212", "-"))  # U+2212, the typeset minus sign
     for cmd in (r"\text", r"\textbf", r"\mathrm", r"\mathbf", r"\mbox", r"\boxed"):
         s = _unwrap(s, cmd)
@@ -144,13 +149,14 @@ def normalize(answer: str) -> str:
     listed = re.search(r",\s", s) is not None  # `2, 300`: two answers, never the number 2300
     s = "".join(s.split())
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    s = _LHS.sub("", s)
+    lhs = m.group(0)[:-1].replace("{", "").replace("}", "") if (m := _LHS.match(s)) else ""  # x_{1} is x_1
+    s = s[len(m.group(0)):] if m else s
     s = s.rstrip(".")
     if s.startswith("+"):  # before the separators: `+1,000` is 1000
         s = s[1:]
     if not listed and _THOUSANDS.match(s.replace("{,}", ",")):  # `1{,}000`: LaTeX's thousands separator
         s = s.replace("{,}", "").replace(",", "")
-    return _lower_but_commands(s)
+    return lhs.lower(), _lower_but_commands(s)
 
 
 def _lower_but_commands(s: str) -> str:
@@ -186,8 +192,14 @@ def as_number(normal: str) -> Fraction | None:
 
 
 def equivalent(answer: str, reference: str) -> bool:
-    """True when `answer` and `reference` normalise equal or are the same rational number."""
-    a, b = normalize(answer), normalize(reference)
+    """True when `answer` and `reference` normalise equal or are the same rational number.
+
+    A leading `x =` is dropped only when the other answer has none (`x=5` equals 5); two equations must name the
+    same variable (`y=5` is not `x=5`), as in math-verify. MATH's `strip_string` drops it on both sides, which
+    rewards a wrong variable."""
+    (lhs_a, a), (lhs_b, b) = _normal_parts(answer), _normal_parts(reference)
+    if lhs_a and lhs_b and lhs_a != lhs_b:
+        return False
     if not a or not b:
         return False
     if a == b:
