@@ -152,8 +152,8 @@ def _normal_parts(answer: str) -> tuple[str, str]:
     lhs = m.group(0)[:-1].replace("{", "").replace("}", "") if (m := _LHS.match(s)) else ""  # x_{1} is x_1
     s = s[len(m.group(0)):] if m else s
     s = s.rstrip(".")
-    if s.startswith("+"):  # before the separators: `+1,000` is 1000
-        s = s[1:]
+    if s.startswith("+") and not s.startswith("+-"):  # before the separators: `+1,000` is 1000; `+-7` is no
+        s = s[1:]                                       # one sign (tlt.task's verifier reads no number in it)
     if not listed and _THOUSANDS.match(s.replace("{,}", ",")):  # `1{,}000`: LaTeX's thousands separator
         s = s.replace("{,}", "").replace(",", "")
     return lhs.lower(), _lower_but_commands(s)

@@ -6,7 +6,8 @@ It is not a math verifier: `\\boxed{72}` scores 0, and a reference that is not a
 The answer is the integer written after the LAST `answer:` marker in the
 completion. It must be followed by the end of the text, whitespace, an
 end-of-turn token or sentence punctuation, so `answer: 52`, `answer: 52.` and
-`answer: 52<|im_end|>` count but `answer: 52x` or `answer: 52.5` do not.
+`answer: 52<|im_end|>` count but `answer: 52x` or `answer: 52.5` do not. A sign is `-`, `+` or the typeset
+minus U+2212 (`answer: −7` is -7), as the math verifier reads it.
 Values are compared as integers (`answer: 07` equals the reference `7`): the
 number is exact, only zero padding may differ.
 """
@@ -21,7 +22,9 @@ from tlt.task.problems import ANSWER_MARKER
 # (`answer: 7.`, `answer: 7?` and `answer: 7:` are 7; `answer: 7.5`, `answer: 7,000` and `answer: 7:30` are
 # not). Digits are ASCII only: `\d` would also take
 # other scripts' digits (`answer: ٣`, full-width `３`), which int() parses, so they would score as the number.
-_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*(-?[0-9]+)(?=$|\s|<|[;!?)]|[.,:](?![0-9]))")
+# A sign may be `-`, the typeset minus U+2212 or `+`, as the math verifier reads them (boxed.normalize): `answer: −7`
+# scored 1 there and 0 here.
+_ANSWER = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*([-+\u2212]?[0-9]+)(?=$|\s|<|[;!?)]|[.,:](?![0-9]))")
 
 
 def extract_answer(text: str) -> str | None:
@@ -30,7 +33,12 @@ def extract_answer(text: str) -> str | None:
     if idx < 0:
         return None
     m = _ANSWER.match(text, idx)
-    return m.group(1) if m else None
+    return _ascii_sign(m.group(1)) if m else None
+
+
+def _ascii_sign(number: str) -> str:
+    """`number` with a U+2212 minus as `-` and a leading `+` dropped: `-?[0-9]+`."""
+    return number.replace("\u2212", "-").removeprefix("+")
 
 
 def _canonical_integer(text: str) -> str:
@@ -50,9 +58,9 @@ def same_integer(a: str, b: str) -> bool:
 
 
 def integer_reference(answer: str) -> str | None:
-    """The reference as this verifier reads it (int(): ` 007 ` is 7), or None when it is no integer."""
+    """The reference as this verifier reads it (int(): ` 007 ` is 7, ` −7` is -7), or None when it is no integer."""
     try:
-        return str(int(answer))
+        return str(int(answer.replace("\u2212", "-")))
     except ValueError:
         return None
 
