@@ -204,9 +204,9 @@ def _byte_level_pieces(*pieces: bytes):
     byte in the token that ends another."""
     from tokenizers import Tokenizer, decoders, models
 
-    from tlt.services.rollout.openai_convert import _BYTE_LEVEL
+    from tlt.services.rollout.token_text import BYTE_LEVEL
 
-    alphabet = {b: ch for ch, b in _BYTE_LEVEL.items()}
+    alphabet = {b: ch for ch, b in BYTE_LEVEL.items()}
     vocab = {"<unk>": 0, **{"".join(alphabet[b] for b in p): i + 1 for i, p in enumerate(pieces)}}
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     t.decoder = decoders.ByteLevel()
@@ -349,9 +349,9 @@ def _all_bytes(*more: bytes):
 
 
 def _ids(tok, raw: list[bytes]) -> list[int]:  # noqa: ANN001
-    from tlt.services.rollout.openai_convert import _BYTE_LEVEL
+    from tlt.services.rollout.token_text import BYTE_LEVEL
 
-    alphabet = {b: ch for ch, b in _BYTE_LEVEL.items()}
+    alphabet = {b: ch for ch, b in BYTE_LEVEL.items()}
     return [tok.convert_tokens_to_ids("".join(alphabet[b] for b in r) if r else "<unk>") for r in raw]
 
 

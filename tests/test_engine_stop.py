@@ -249,7 +249,8 @@ def test_a_sentencepiece_tokens_logprobs_keep_its_leading_space():
     character left per word, and the chat `bytes`, joined as OpenAI documents, did not rebuild the content."""
     from tlt.model.tokenizer import test_tokenizer
     from tlt.services.rollout.engine.detok import continuation_text
-    from tlt.services.rollout.openai_convert import _token_text_and_bytes, chat_logprobs, completion_logprobs
+    from tlt.services.rollout.openai_convert import chat_logprobs, completion_logprobs
+    from tlt.services.rollout.token_text import token_text_and_bytes
 
     tok = _sentencepiece_tokenizer()
     prompt, out = (2, 3, 4), [6, 7, 5, 10, 8, 9]  # "The answer is" + " Observation: Paris café" (é in 2 byte pieces)
@@ -266,7 +267,7 @@ def test_a_sentencepiece_tokens_logprobs_keep_its_leading_space():
     for i in range(len(task)):
         alone = task.decode([i])
         if "\ufffd" not in alone:
-            assert _token_text_and_bytes(task, i) == (alone, list(alone.encode())), i
+            assert token_text_and_bytes(task, i) == (alone, list(alone.encode())), i
 
 
 def test_a_long_stop_string_does_not_make_the_short_ones_search_the_whole_text(monkeypatch):

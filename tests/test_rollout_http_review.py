@@ -311,9 +311,9 @@ def test_streamed_text_offsets_stay_inside_a_text_cut_by_a_stop_string(server):
 
 def _byte_piece(tok, b: int) -> int:  # noqa: ANN001
     """The task tokenizer's token for the single byte `b` (GPT-2's byte alphabet)."""
-    from tlt.services.rollout.openai_convert import _BYTE_LEVEL
+    from tlt.services.rollout.token_text import BYTE_LEVEL
 
-    return tok.convert_tokens_to_ids(next(ch for ch, v in _BYTE_LEVEL.items() if v == b))
+    return tok.convert_tokens_to_ids(next(ch for ch, v in BYTE_LEVEL.items() if v == b))
 
 
 def _chunk_spans(chunks: list[tuple[str, list[int] | None]]) -> list[tuple[int, int, list[int] | None]]:
