@@ -240,14 +240,15 @@ def test_malformed_items_get_ok_false_and_siblings_still_scored() -> None:
             Req(id="good", completion="answer: 1", reference="1"),
         ]
         out = _stub(s).Score(reward_pb2.ScoreBatchRequest(items=items), timeout=10).results
-        assert [r.ok for r in out] == [False, False, False, True]
+        assert [r.ok for r in out] == [False, True, False, True]
         assert "no id" in out[0].error
-        assert "2001 bytes" in out[1].error and "1000" in out[1].error
+        assert (out[1].reward, out[1].correct) == (0.0, False)  # over the limit by its completion: scored the minimum
         assert "no reference" in out[2].error
         assert out[3].correct and out[3].reward == 1.0
         text = s.metrics.render().decode()
-        for reason in ("missing_id", "oversized", "missing_reference"):
+        for reason in ("missing_id", "missing_reference"):
             assert f'tlt_reward_errors_total{{reason="{reason}"}} 1.0' in text
+        assert "tlt_reward_oversized_total 1.0" in text
 
 
 def test_item_size_limit_counts_the_metadata() -> None:
@@ -261,13 +262,15 @@ def test_item_size_limit_counts_the_metadata() -> None:
             Req(id="small", completion="answer: 1", reference="1", metadata={"solution": "1", "source": "gsm8k"}),
         ]
         out = _stub(s).Score(reward_pb2.ScoreBatchRequest(items=items), timeout=10).results
-        assert [(r.id, r.ok) for r in out] == [("big-value", False), ("big-key", False), ("many", False),
+        assert [(r.id, r.ok) for r in out] == [("big-value", False), ("big-key", True), ("many", False),
                                               ("small", True)], out
-        assert "2015 bytes" in out[0].error and "over the limit of 1000" in out[0].error  # 9 + 1 + 5 + 2000
-        assert "1006 bytes" in out[1].error  # 9 + 1 + 995 + 1
-        assert "1210 bytes" in out[2].error  # 9 + 1 + 200 * (4 + 2): counted in UTF-8 bytes, as the text is
+        assert "2006 bytes" in out[0].error and "over the limit of 1000" in out[0].error  # 1 + 5 + 2000
+        # 1 + 995 + 1 of the row, then the completion's 9 tip it over: scored the minimum, unchecked (it was right)
+        assert (out[1].reward, out[1].correct) == (0.0, False)
+        assert "1201 bytes" in out[2].error  # 1 + 200 * (4 + 2): counted in UTF-8 bytes, as the text is
         assert out[3].correct
-        assert 'tlt_reward_errors_total{reason="oversized"} 3.0' in s.metrics.render().decode()
+        text = s.metrics.render().decode()
+        assert 'tlt_reward_errors_total{reason="oversized"} 2.0' in text and "tlt_reward_oversized_total 1.0" in text
 
 
 def test_batch_and_message_limits() -> None:

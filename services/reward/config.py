@@ -2,7 +2,8 @@
 
 Defaults run on a laptop and bind loopback only. Limits keep one bad client
 from exhausting the server: a gRPC message size cap, a per-item size cap
-(reported per item as ok=false), a batch size cap, a bound on requests in
+(an item over it by its completion scores `oversized_reward`, one over it by its
+data row is answered ok=false), a batch size cap, a bound on requests in
 flight per stream and a bound on the items one stream holds unsent (being
 scored or scored and waiting for the client to read them): at either bound
 the stream stops reading requests until results go out, and gRPC flow
@@ -10,6 +11,8 @@ control then holds the client back.
 """
 
 from __future__ import annotations
+
+import math
 
 from pydantic import Field, field_validator, model_validator
 
@@ -29,7 +32,14 @@ class RewardConfig(ServiceConfig):
     workers: int = Field(4, ge=1, le=256, description="threads scoring items concurrently (shared by all calls)")
     max_item_bytes: int = Field(
         256 << 10, ge=16, description="largest prompt + completion + reference + metadata (its keys and values) of "
-        "one item, in UTF-8 bytes; larger gets ok=false"
+        "one item, in UTF-8 bytes. An item over it because of its completion (a degenerate run of long tokens) is "
+        "scored `oversized_reward`, unchecked, with a warning and tlt_reward_oversized_total, so the step goes on; "
+        "one whose prompt, reference and metadata alone are over it (a data row too big) gets ok=false"
+    )
+    oversized_reward: float = Field(
+        0.0, description="the reward of an item whose completion puts it over max_item_bytes (correct = false), "
+        "without calling the verifier or function: the verifier's minimum, 0.0; set a function's own minimum "
+        "when its rewards go below 0"
     )
     max_batch_items: int = Field(65536, ge=1, description="most items in one Score call; more is INVALID_ARGUMENT")
     max_message_bytes: int = Field(
@@ -63,6 +73,13 @@ class RewardConfig(ServiceConfig):
 
         if v not in KINDS and v != "python":
             raise ValueError(f"unknown reward kind {v!r}; choose one of {sorted([*KINDS, 'python'])}")
+        return v
+
+    @field_validator("oversized_reward")
+    @classmethod
+    def _reward_fits(cls, v: float) -> float:
+        if not math.isfinite(v) or abs(v) > 3.4e38:  # the proto's reward field is a 32-bit float
+            raise ValueError(f"oversized_reward {v!r} must be a finite number within a 32-bit float (3.4e38)")
         return v
 
     @model_validator(mode="after")

@@ -32,7 +32,12 @@ An item still scoring after `item_timeout_s` is answered ok=false ("timed out") 
 the health check answers UNAVAILABLE, and an item that has waited `item_timeout_s` for a worker is answered ok=false
 ("timed out waiting for a worker") instead of waiting for the restart.
 
-Each item is its own error boundary: a malformed item (no id, over the size
+An item over `max_item_bytes` because of its completion (a degenerate run of long tokens) is scored
+`oversized_reward` (0.0) with correct=false, unchecked, a warning and `tlt_reward_oversized_total`: answered
+ok=false it failed the trainer's whole step. One whose prompt, reference and metadata alone are over it is a data
+row too big for the server: ok=false (`errors_total{reason="oversized"}`).
+
+Each item is its own error boundary: a malformed item (no id, a data row over the size
 limit, no reference for a verifier) or a verifier that raises (a function that
 raises or returns no finite number) gives that item ok=false with the reason,
 counts an error, and never fails the call or its siblings.
@@ -129,6 +134,8 @@ class RewardMetrics:
             "score_seconds", "time to score one item", buckets=(1e-4, 1e-3, 1e-2, 0.1, 1, 10)
         )
         self.inflight = self.metrics.gauge("inflight", "items being scored now")
+        self.oversized = self.metrics.counter(
+            "oversized_total", "items whose completion put them over max_item_bytes, scored oversized_reward unchecked")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
@@ -146,20 +153,32 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self._streams_lock = threading.Lock()
 
     def _check(self, item: reward_pb2.ScoreRequest) -> tuple[str, str] | None:
-        """(reason label, message) when the item cannot be scored."""
+        """(reason label, message) when the item cannot be scored; ("oversized_completion", why) when its completion
+        puts it over max_item_bytes (scored `oversized_reward`, unchecked)."""
         if not item.id:
             return "missing_id", "request has no id"
-        texts = [item.prompt, item.completion, item.reference, *item.metadata.keys(), *item.metadata.values()]
-        size = sum(len(t.encode()) for t in texts)  # the metadata too: a huge map passed the limit
-        if size > self.config.max_item_bytes:
-            return "oversized", f"item of {size} bytes is over the limit of {self.config.max_item_bytes}"
+        limit = self.config.max_item_bytes
+        texts = [item.prompt, item.reference, *item.metadata.keys(), *item.metadata.values()]
+        row = sum(len(t.encode()) for t in texts)  # the metadata too: a huge map passed the limit
+        if row > limit:
+            return "oversized", (f"item's prompt, reference and metadata are {row} bytes, over the limit of {limit} "
+                                 "(max_item_bytes) before its completion: the data row is too big for this server")
         if self.function is None and not item.reference.strip():  # a function decides what none means
             return "missing_reference", "request has no reference answer to check against"
+        if (size := row + len(item.completion.encode())) > limit:
+            return "oversized_completion", f"item of {size} bytes is over the limit of {limit} (max_item_bytes)"
         return None
 
     def score_one(self, item: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         """Score one item; the error boundary for that item."""
         problem = self._check(item)
+        if problem is not None and problem[0] == "oversized_completion":
+            # one degenerate completion (a long run of long tokens) must not fail the trainer's step, as ok=false
+            # does: it is scored the minimum, never shown to a verifier that may be slow on it
+            self.m.oversized.inc()
+            self.m.scored.labels(correct="false").inc()
+            log.warning("oversized_completion", id=item.id, why=problem[1], reward=self.config.oversized_reward)
+            return reward_pb2.ScoreResponse(id=item.id, ok=True, correct=False, reward=self.config.oversized_reward)
         if problem is not None:
             self.m.errors.labels(reason=problem[0]).inc()
             return reward_pb2.ScoreResponse(id=item.id, ok=False, error=problem[1])

@@ -1,0 +1,63 @@
+"""One degenerate completion over `[reward] max_item_bytes` (256 KiB) against a real reward server.
+
+A long run of long tokens can pass the limit; the server answered that item ok=false and the trainer's
+GrpcRewards failed the whole step on it. An item over the limit because of its completion is now scored
+`oversized_reward` (0.0: the verifier's minimum) unchecked, with a warning and `tlt_reward_oversized_total`;
+the step goes on. An item whose prompt, reference and metadata alone pass the limit is a data row too big for
+the server, as before: ok=false, and the step fails naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tlt.services.reward.config import RewardConfig
+from tlt.services.reward.server import RewardServer
+from tlt.services.trainer.rewards import GrpcRewards, RewardError
+
+PORT = 44510  # fixer E's range (44500-44599)
+DEGENERATE = " the" * (80 << 10)  # 320 KiB: a long run of one token, over the default 256 KiB
+
+
+def _never_called(prompt: str, completion: str, reference: str) -> bool:
+    raise AssertionError(f"the verifier ran on an item of {len(completion)} characters")
+
+
+def _score(config: RewardConfig, items: list[tuple[str, str, str, str]], verifier=None):
+    with RewardServer(config, verifier) as server:
+        source = GrpcRewards(server.address, concurrency=2, timeout_s=10, retries=0)
+        try:
+            batch = source.begin()
+            for key, prompt, completion, answer in items:
+                batch.submit(key, prompt, completion, answer)
+            return batch.results(), server.metrics.render().decode()
+        finally:
+            source.close()
+
+
+def test_a_degenerate_completion_scores_the_minimum_and_the_step_goes_on() -> None:
+    config = RewardConfig(port=PORT, workers=2, grace_s=0.5)
+    assert config.max_item_bytes == 256 << 10
+    out, metrics = _score(config, [("long", "What is 3+4?", "answer: 7" + DEGENERATE, "7"),
+                                   ("good", "What is 3+4?", r"so \boxed{7}", "7")])
+    assert (out["long"].reward, out["long"].correct) == (0.0, False)
+    assert (out["good"].reward, out["good"].correct) == (1.0, True)
+    assert "tlt_reward_oversized_total 1.0" in metrics
+    assert 'tlt_reward_scored_total{correct="false"} 1.0' in metrics
+
+
+def test_the_minimum_is_configurable_and_the_verifier_never_runs_on_it() -> None:
+    config = RewardConfig(port=PORT + 1, workers=1, grace_s=0.5, max_item_bytes=1000, oversized_reward=-1.0)
+    out, _ = _score(config, [("long", "q", "x" * 2000, "7")], verifier=_never_called)
+    assert (out["long"].reward, out["long"].correct) == (-1.0, False)
+
+
+def test_a_data_row_over_the_limit_still_fails_the_step_naming_it() -> None:
+    config = RewardConfig(port=PORT + 2, workers=1, grace_s=0.5, max_item_bytes=1000)
+    with pytest.raises(RewardError, match="prompt, reference and metadata"):
+        _score(config, [("row", "q" * 2000, "answer: 7", "7")])
+
+
+def test_oversized_reward_must_fit_the_reward_field() -> None:
+    with pytest.raises(ValueError, match="oversized_reward"):
+        RewardConfig(oversized_reward=float("inf"))
