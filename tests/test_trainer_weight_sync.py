@@ -131,7 +131,7 @@ class _VersionedServer:
     def status(self):
         from types import SimpleNamespace
 
-        return SimpleNamespace(versions=SimpleNamespace(policy=self.version))
+        return SimpleNamespace(versions=SimpleNamespace(policy=self.version), dtype="float32", backend="native")
 
     def update_weights(self, tensors, kind, version, shm=False):
         from types import SimpleNamespace
@@ -191,7 +191,7 @@ def test_the_loops_startup_sync_hands_every_rank_the_raised_version(serving, tra
 
     servers = [_ReadyServer(v) for v in serving]
     services = object.__new__(_Services)  # rank 0's side without its metrics files, Prometheus or gRPC clients
-    services.cfg = SimpleNamespace(weight_push="grpc", connect_timeout_s=1.0)
+    services.cfg = SimpleNamespace(weight_push="grpc", connect_timeout_s=1.0, push_dtype="auto", bf16=None)
     services.clients, services.rewards, services.loan = servers, SimpleNamespace(), None
     policy = SimpleNamespace(version=trainer, module=torch.nn.Linear(2, 2), bf16=False,
                              cfg=SimpleNamespace(push_dtype="float32"))

@@ -9,7 +9,7 @@
     GetWeights:    names -> those tensors of the policy the replicas serve (as the pushes left them; a tensor no
                    push carried is the start checkpoint's) and its version, as manifest + chunks; the drafter
                    service fetches the target's embedding and lm_head with it after a policy update
-    GetStatus:     per replica: state, running, queued, KV use, versions, SD status, alive
+    GetStatus:     per replica: state, running, queued, KV use, versions, SD status, alive; the dtype pushes must carry
 
 Weight swaps and in-flight requests: requests are NOT paused, aborted or
 restarted. A swap lands on each replica between two engine steps; sequences
@@ -428,7 +428,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         status = rollout_pb2.RolloutStatus(
             model=self.model_name, backend=self.config.backend, lent_to=self.pool.lent_to,
             versions=common_pb2.WeightVersions(policy=self.pool.versions.policy, drafter=self.pool.versions.drafter),
-            control_refused=self.auth.check(context.invocation_metadata()) or "")
+            control_refused=self.auth.check(context.invocation_metadata()) or "", dtype=push_dtype(self.pool.info))
         snapshot = await self.pool.snapshot()  # a stats query waits behind a resume in the replica's pipe
         lease = self.pool.lease  # a replica that has not answered its resume is still LENT (its capacity events)
         resuming = {rep.replica_id for rep in lease.resuming} if lease is not None else set()
@@ -445,6 +445,13 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             r.versions.policy, r.versions.drafter = s.stats.versions.policy, s.stats.versions.drafter
             r.spec.CopyFrom(spec_status(s.stats.spec, self.config.spec.mode if self.config.backend == "native" else ""))
         return status
+
+
+def push_dtype(info: Any) -> str:
+    """The dtype every pushed policy tensor must have (the pool validates pushes against `expected_weights`);
+    "" when the tensors differ or nothing is known yet."""
+    dtypes = {d for _, d in getattr(info, "expected_weights", {}).values()}
+    return dtypes.pop() if len(dtypes) == 1 else ""
 
 
 def policy_weights(model_dir: str, latest: tuple[int, bytes, bytes] | None, start_version: int,

@@ -278,7 +278,7 @@ class _Services:
 
     def sync(self, policy) -> tuple[int, bool]:  # noqa: ANN001
         """Wait for the services; (the policy version, whether the rollout needs the weights pushed first)."""
-        from tlt.services.trainer.weight_sync import VersionGuard, WeightPublisher
+        from tlt.services.trainer.weight_sync import VersionGuard, WeightPublisher, check_push_dtype
 
         import grpc
 
@@ -299,6 +299,7 @@ class _Services:
             for c in self.clients:  # a missing or wrong token: refused now, not at the first push after a step
                 c.check_control()
         if self.cfg.weight_push != "none":
+            check_push_dtype(self.cfg, policy.bf16, self.clients)  # a dtype the rollout refuses: now, not at step 1
             self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
             self.guard = VersionGuard(self.clients)
             push_due = sync_version(policy, self.clients)  # first: it raises policy.version past the servers'

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.trainer.policy import ModelMismatchError
     from tlt.services.trainer.rewards import RewardError, RewardFunctionFailed
     from tlt.services.trainer.checkpoint import CheckpointWriteError
-    from tlt.services.trainer.weight_sync import StaleWeightsError
+    from tlt.services.trainer.weight_sync import PushDtypeError, StaleWeightsError
 
     try:
         with unwind_on_termination():
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointWriteError as e:  # a full disk: where, and that the run resumes from its last whole checkpoint
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
-    except (DataError, CheckpointError, ModelMismatchError) as e:  # the user's data, output_dir or model folders
+    except (DataError, CheckpointError, ModelMismatchError, PushDtypeError) as e:  # the user's data, folders, dtypes
         get_logger("trainer").error("train_refused", error=str(e))
         return 2
     from tlt.services.trainer.distributed import shutdown_process_group

@@ -118,6 +118,34 @@ def resolve_dtype(name: str, trainer_bf16: bool) -> torch.dtype:
     return _DTYPES[name]
 
 
+class PushDtypeError(ValueError):
+    """The trainer would push weights in a dtype the rollout server refuses (found before the first step)."""
+
+
+def check_push_dtype(cfg, bf16: bool, clients: Sequence) -> None:  # noqa: ANN001 - TrainerConfig
+    """Raise PushDtypeError when a rollout server would refuse every weight push for its dtype: the pushed one
+    (push_dtype; "auto" follows the trainer's bf16, which on a GPU is on unless [trainer] bf16 says otherwise) must
+    be the one its status names. The config check cannot know the device; without this, the first push after a
+    whole rollout and training step was refused tensor by tensor. A server that names none (older) is not checked."""
+    pushed = str(resolve_dtype(cfg.push_dtype, bf16)).removeprefix("torch.")
+    for client in clients:
+        status = client.status()
+        served = status.dtype
+        if not served or served == pushed:
+            continue
+        if cfg.push_dtype != "auto":
+            why = ""
+        elif cfg.bf16 is None:
+            why = f" (bf16 unset: the trainer {'trains bf16 on its GPU' if bf16 else 'trains fp32 on CPU'})"
+        else:
+            why = f" (bf16 = {str(cfg.bf16).lower()})"
+        knob = "sglang.dtype" if status.backend == "sglang" else "rollout.engine.dtype"
+        raise PushDtypeError(
+            f'[trainer] push_dtype="{cfg.push_dtype}" pushes {pushed} weights{why} but rollout server {client.address} '
+            f'serves {served}: it would refuse every weight push; set trainer.push_dtype = "{served}" (the trainer '
+            f'casts each push) or {knob} = "{pushed}"')
+
+
 class WeightPublisher:
     """Pushes policy versions to a set of rollout servers (RolloutClient instances)."""
 

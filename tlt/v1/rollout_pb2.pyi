@@ -306,17 +306,19 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.ReplicaState, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_usage: _Optional[float] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "backend", "replicas", "versions", "lent_to", "control_refused")
+    __slots__ = ("model", "backend", "replicas", "versions", "lent_to", "control_refused", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LENT_TO_FIELD_NUMBER: _ClassVar[int]
     CONTROL_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     versions: _common_pb2.WeightVersions
     lent_to: str
     control_refused: str
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., lent_to: _Optional[str] = ..., control_refused: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., versions: _Optional[_Union[_common_pb2.WeightVersions, _Mapping]] = ..., lent_to: _Optional[str] = ..., control_refused: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
