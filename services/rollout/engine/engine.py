@@ -355,7 +355,7 @@ class LLMEngine:
         from tlt.services.rollout.spec.decoder import build_spec_decoder
 
         decoder = build_spec_decoder(spec_config, self.runner, self.block_manager, drafter, self.config.max_num_seqs,
-                                     self.max_model_len)
+                                     self.max_model_len, self.replica_id)  # the bandit's seed: the replica's own
         if decoder is None:  # mode off
             return
         self.spec_decoder = decoder

@@ -31,13 +31,15 @@ sequence, less what a stop cut off: the engine passes the count it appended) / s
 measured tokens per second. A guard skips arms whose
 draft_tokens x batch_size exceeds the verify-token budget ("plain" verifies nothing and always fits);
 if it skips every arm, `choose` returns None: that step decodes plainly, unrewarded (no arm was
-chosen) and counted per bucket as `over_budget`. The RNG is seeded. Not thread-safe: the engine
-step loop owns it.
+chosen) and counted per bucket as `over_budget`. The RNG is seeded; each rollout replica's from the configured
+seed and its index (`replica_seed`), so replicas of one pool do not explore the same arm at the same decision.
+Not thread-safe: the engine step loop owns it.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 import random
 from collections import deque
@@ -63,6 +65,17 @@ def size_class(batch_size: int, exact_sizes: int = EXACT_SIZES) -> int:
         if batch_size < nxt:
             return start
         start = nxt
+
+
+def replica_seed(seed: int, replica: int) -> int:
+    """The bandit seed of rollout replica `replica` under the configured `seed`: the seed itself for replica 0 (a
+    single replica explores as before), else a 64-bit value hashed from both. One seed for every replica made their
+    epsilon-greedy draws identical: each explored at the same decisions and picked the same arm there."""
+    if replica == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"tlt-bandit/{seed}/{replica}".encode(), digest_size=8).digest(), "big")
+
+
 DEFAULT_BUCKET_ARMS = (
     ("8_4_48", "8_4_32", "8_4_16"),
     ("8_4_32", "8_4_16", "8_4_8"),

@@ -93,7 +93,8 @@ class SpecConfig(ServiceConfig):
     drafter_path: str = Field("", description="folder with drafter_config.json + model.safetensors (drafter = learned)")
     ngram_max: int = Field(4, ge=1, description="longest context suffix the n-gram drafter matches")
     ngram_min: int = Field(1, ge=1, description="shortest context suffix the n-gram drafter matches")
-    seed: int = Field(0, description="bandit RNG seed")
+    seed: int = Field(0, description="bandit RNG seed: replica 0 uses it as is, each other replica a stream hashed from it "
+                      "and its index, so replicas do not explore the same arm at the same step")
 
     @model_validator(mode="after")
     def _check(self) -> SpecConfig:

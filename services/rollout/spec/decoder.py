@@ -58,7 +58,7 @@ from tlt.services.rollout.spec.accept import (
     node_targets,
     tree_accept,
 )
-from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy
+from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy, replica_seed
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
 from tlt.services.rollout.spec.filters import filter_logits
@@ -132,9 +132,10 @@ class SpecEmission:
 
 
 def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: BlockManager,
-                       drafter=None, max_seqs: int = 8, max_model_len: int = 0) -> SpecDecoder | None:
+                       drafter=None, max_seqs: int = 8, max_model_len: int = 0, replica: int = 0) -> SpecDecoder | None:
     """The engine's decoder for `config` (None when mode is off). A learned drafter is the one given or
-    else loaded from `drafter_path` onto the target's device and dtype, sharing the target's embed/lm_head."""
+    else loaded from `drafter_path` onto the target's device and dtype, sharing the target's embed/lm_head.
+    replica: the rollout replica's index, which with config.seed seeds its bandit (`bandit.replica_seed`)."""
     if config.mode == "off":
         return None
     if config.drafter == "learned" and drafter is None:
@@ -143,7 +144,7 @@ def build_spec_decoder(config: SpecConfig, runner: ModelRunner, block_manager: B
         model = runner.model
         drafter = load_drafter(config.drafter_path, model.embed, model.lm_head)
         drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
-    return SpecDecoder(config, runner, block_manager, drafter, max_seqs, max_model_len)
+    return SpecDecoder(config, runner, block_manager, drafter, max_seqs, max_model_len, replica)
 
 
 # The drafter cache starts with room for a whole sequence up to this many positions (and a row for every sequence
@@ -183,11 +184,13 @@ def drafter_cache_shape(drafter, used: tuple[Arm, ...], threshold: int, max_seqs
 
 class SpecDecoder:
     def __init__(self, config: SpecConfig, runner: ModelRunner, block_manager: BlockManager, drafter=None,
-                 max_seqs: int = 8, max_model_len: int = 0) -> None:
+                 max_seqs: int = 8, max_model_len: int = 0, replica: int = 0) -> None:
         """max_seqs: the most sequences the engine runs at once (EngineConfig.max_num_seqs), which with the threshold
         sizes the drafter cache's rows (min(max_seqs, 2 x threshold)); max_model_len: the engine's context limit (0:
-        unknown), which sizes its positions (DRAFTER_CACHE_POSITIONS, DRAFTER_CACHE_START_BYTES)."""
+        unknown), which sizes its positions (DRAFTER_CACHE_POSITIONS, DRAFTER_CACHE_START_BYTES); replica: the
+        rollout replica's index, which with config.seed seeds the bandit (`replica_seed`)."""
         self.config = config
+        self.replica = replica
         self.runner = runner
         self.bm = block_manager
         self.switch = SpecSwitch(config.threshold, config.hysteresis_steps)
@@ -481,10 +484,10 @@ class SpecDecoder:
         self.bandit.drafter_changed(self.config.rewards_kept_on_swap)  # the old drafter's rewards no longer hold
 
     def new_bandit(self) -> BucketedEpsilonGreedy:
-        """A cold bandit of this decoder's config (no rewards held)."""
+        """A cold bandit of this decoder's config (no rewards held), on this replica's random stream."""
         c = self.config
         return BucketedEpsilonGreedy(c.bucket_thresholds, c.arms(), c.epsilon, c.window, c.verify_token_budget or None,
-                                     c.seed, c.exact_sizes)
+                                     replica_seed(c.seed, self.replica), c.exact_sizes)
 
     def stats(self) -> dict:
         return {
