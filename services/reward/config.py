@@ -61,6 +61,11 @@ class RewardConfig(ServiceConfig):
         "threads; once more are stuck, the health check (deploy/healthcheck.py grpc-reward) fails, so a liveness "
         "probe restarts the server, and an item waiting that long for a worker is answered ok=false. 0: no timeout"
     )
+    async_block_warn_s: float = Field(
+        1.0, ge=0, description="with an async def function: every worker's coroutines share one event loop, so a "
+        "blocking call inside one holds up all of them; when the loop has not run for this many seconds the server "
+        "logs reward_loop_blocked (the function and its line) and counts tlt_reward_async_loop_blocked_total. 0: off"
+    )
     grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight calls may take to finish")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus /metrics port on the same host; 0: no exporter"

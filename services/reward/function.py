@@ -17,15 +17,33 @@ returns None for the item (TRL's "does not apply"), anything but one finite numb
 item ok=false with the reason: one item has no other function to score it.
 
 The server calls the function from `workers` threads at once: it must be thread-safe, or set `workers = 1`.
+
+An `async def` function's coroutines, every worker's, run on the process's one event loop (`reward_loop`: a
+module-level semaphore or client must see one loop), so a blocking call inside one (`time.sleep`, `requests.get`, a
+CPU-bound loop) holds up every item being scored. Nothing can pre-empt it; `LoopWatchdog` says so: when the loop has
+not run for `[reward] async_block_warn_s` it logs `reward_loop_blocked` with the function and the line it is stuck
+on, then `reward_loop_unblocked` with how long it was. The fix is the function's: `await asyncio.to_thread(call)`
+for a blocking call, or a plain `def` function, which the workers run in parallel.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
+from tlt.services.common.logging import get_logger
 from tlt.services.trainer.rewards import RewardError, RewardFn, _FunctionBatch, load_function
 from tlt.v1 import reward_pb2
+
+log = get_logger("reward")
 
 
 class ItemError(Exception):
@@ -66,3 +84,74 @@ class FunctionScorer:
         except RewardError as e:  # raised, returned None (no other function scores the item), or no finite number
             raise ItemError(str(e)) from e
         return result.reward, result.correct
+
+
+def is_async_function(fn: Any) -> bool:
+    """`async def` (a function, a partial of one, or an object whose `__call__` is one): it runs on `reward_loop`."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+class LoopWatchdog:
+    """Logs when `loop` has not run a callback for `threshold_s`: a blocking call in a coroutine of `name`.
+
+    A daemon thread posts a beat to the loop every `threshold_s / 4`; a beat not run within `threshold_s` means a
+    callback is holding the loop. It logs `reward_loop_blocked` (the function, the innermost line outside the
+    standard library and site-packages that the loop's thread is running: the user's blocking line), calls
+    `on_block`, and once the beat runs logs `reward_loop_unblocked` with how long the loop was held (from the
+    beat's posting: at most `threshold_s / 4` short)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, threshold_s: float, name: str,
+                 on_block: Callable[[], None] = lambda: None) -> None:
+        self.loop, self.threshold_s, self.name, self.on_block = loop, threshold_s, name, on_block
+        self._stop = threading.Event()
+        self._loop_thread: int | None = None
+        self._thread = threading.Thread(target=self._run, name="reward-loop-watchdog", daemon=True)
+
+    def start(self) -> LoopWatchdog:
+        first = threading.Event()  # learn the loop's thread now: an item may block it before the first beat
+        self.loop.call_soon_threadsafe(self._beat, first)
+        first.wait(self.threshold_s)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self, done: threading.Event) -> None:
+        self._loop_thread = threading.get_ident()
+        done.set()
+
+    def where(self) -> str:
+        """`file:line in function` the loop's thread is running now (its innermost frame of the user's code)."""
+        ident = self._loop_thread if self._loop_thread is not None else getattr(self.loop, "_thread_id", None)
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        if frame is None:
+            return "unknown"
+        stack = traceback.extract_stack(frame)
+        own = [f for f in stack if not f.filename.startswith(_LIBRARY_DIRS)]
+        f = (own or stack)[-1]
+        return f"{f.filename}:{f.lineno} in {f.name}"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.threshold_s / 4):
+            beat = threading.Event()
+            posted = time.monotonic()
+            try:
+                self.loop.call_soon_threadsafe(self._beat, beat)
+            except RuntimeError:  # the loop is closed
+                return
+            if beat.wait(self.threshold_s):
+                continue
+            where = self.where()
+            self.on_block()
+            log.warning("reward_loop_blocked", function=self.name, blocked_s=round(time.monotonic() - posted, 2),
+                        where=where, hint="a blocking call inside an async def reward function holds up every item "
+                        "being scored: await it with asyncio.to_thread, or make the function a plain def")
+            while not beat.wait(0.1):
+                if self._stop.is_set():
+                    return
+            log.warning("reward_loop_unblocked", function=self.name, blocked_s=round(time.monotonic() - posted, 2),
+                        where=where)

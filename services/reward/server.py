@@ -12,7 +12,10 @@ and values count in the item's size (`max_item_bytes`). Items are scored on
 `workers = 1`). An `async def` function's calls from every worker run on the
 process's one event loop (services/trainer/rewards.py `reward_loop`), as in
 the trainer: a module-level `asyncio.Semaphore` or client is shared by them
-all, and a blocking call inside one holds up the others.
+all, and a blocking call inside one holds up the others; `LoopWatchdog`
+(services/reward/function.py) logs `reward_loop_blocked` naming the function and
+its line when the loop has not run for `async_block_warn_s`, and counts
+`tlt_reward_async_loop_blocked_total`.
 
 `Score` scores a batch on the worker pool and answers in request order; items
 not begun when the call ends (its deadline passed: the client will retry it)
@@ -68,10 +71,10 @@ from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.common.ports import bind_grpc
 from tlt.services.reward.config import RewardConfig
-from tlt.services.reward.function import FunctionScorer, ItemError
+from tlt.services.reward.function import FunctionScorer, ItemError, LoopWatchdog, is_async_function
 from tlt.services.reward.pool import ScoringPool
 from tlt.services.reward.verifiers import Verifier, get_verifier
-from tlt.services.trainer.rewards import FLOAT32_MAX  # the proto's reward field is a 32-bit float too
+from tlt.services.trainer.rewards import FLOAT32_MAX, reward_loop  # the proto's reward is a 32-bit float too
 from tlt.v1 import reward_pb2, reward_pb2_grpc
 
 log = get_logger("reward")
@@ -134,6 +137,8 @@ class RewardMetrics:
             "score_seconds", "time to score one item", buckets=(1e-4, 1e-3, 1e-2, 0.1, 1, 10)
         )
         self.inflight = self.metrics.gauge("inflight", "items being scored now")
+        self.loop_blocked = self.metrics.counter(
+            "async_loop_blocked_total", "times an async def function held the event loop past async_block_warn_s")
         self.oversized = self.metrics.counter(
             "oversized_total", "items whose completion put them over max_item_bytes, scored oversized_reward unchecked")
 
@@ -149,6 +154,10 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self.verifier = None if self.function is not None else (verifier or get_verifier(config.kind))
         self.m = RewardMetrics()
         self.pool = ScoringPool(config.workers, config.item_timeout_s, self._timed_out)
+        self.watchdog = None  # an async def function's coroutines share one loop: say when one blocks it
+        if self.function is not None and is_async_function(self.function.fn) and config.async_block_warn_s > 0:
+            self.watchdog = LoopWatchdog(reward_loop(), config.async_block_warn_s, config.function,
+                                         self.m.loop_blocked.inc).start()
         self.streams: set[StreamWindow] = set()  # the windows of the ScoreStream calls open now
         self._streams_lock = threading.Lock()
 
@@ -378,6 +387,8 @@ class RewardServer:
         grace = self.config.grace_s if grace_s is None else grace_s
         stopped = self._server.stop(grace).wait(grace + _STOP_TIMEOUT_S)
         self.servicer.pool.shutdown()  # a stuck verifier must not hang stop()
+        if self.servicer.watchdog is not None:
+            self.servicer.watchdog.stop()
         if stopped:
             log.info("reward_stopped", port=self.port)
         else:
