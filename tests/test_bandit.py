@@ -285,3 +285,21 @@ def test_a_large_falling_batch_exploits_instead_of_exploring_every_new_size():
     assert rollout(classes) == 0  # the next rollout (the bandit lives across RL steps): plain throughout
     with pytest.raises(ValueError, match="exact_sizes"):
         BucketedEpsilonGreedy(exact_sizes=0)
+
+
+def test_amend_replaces_a_recorded_reward():
+    """The decoder charges a "plain" step the drafter catch-up it left to the next verify step once that is timed:
+    `amend` puts the lower reward in the recorded one's place (the median moves), and finds nothing once the
+    window has let the reward go."""
+    plain = Arm.parse("plain")
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, plain]], epsilon=0.0, window=3)
+    bandit.record(1, A, 20, 1.0)
+    r = bandit.record(1, plain, 30, 1.0)
+    assert bandit.choose(1) == plain
+    assert bandit.amend(1, plain, r, 30 / 3.0)  # the step really took 3 s: 10 tok/s, below A's 20
+    assert bandit.choose(1) == A and bandit.snapshot()[0].arms[1].median_reward == 10.0
+    assert not bandit.amend(1, plain, r, 1.0)  # already replaced
+    for _ in range(3):
+        bandit.record(1, plain, 40, 1.0)  # the amended reward leaves the 3-reward window
+    assert not bandit.amend(1, plain, 10.0, 1.0) and bandit.snapshot()[0].arms[1].median_reward == 40.0
+    assert not bandit.amend(5, B, 1.0, 2.0)  # an arm not in the bucket: nothing to amend

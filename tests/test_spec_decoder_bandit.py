@@ -1,7 +1,7 @@
 """SpecDecoder's arm choice inside the native engine (tiny random Qwen2, tests/spec_decoder_helpers.py): the
 bandit's reward is the tokens a whole engine step keeps over its wall time (a drafter's catch-up is not charged
-to the arm), the "plain" arm lets it stop speculating, a verify-token budget decodes plainly when no arm fits,
-and the hysteresis counts decode steps only (the output, where compared, is the plain greedy output).
+to the arm drafted next; after "plain" arm steps alone it is theirs), the "plain" arm lets it stop speculating, a
+verify-token budget decodes plainly when no arm fits, and the hysteresis counts decode steps only (the output, where compared, is the plain greedy output).
 """
 
 from __future__ import annotations
@@ -85,6 +85,42 @@ def test_drafter_catch_up_is_not_charged_to_the_arm(ckpt, monkeypatch):
     SpecMetrics(metrics).update(0, st)
     line = next(x for x in metrics.render().decode().splitlines() if x.startswith("rollout_spec_catch_up_seconds_total{"))
     assert float(line.split()[-1]) >= 100, line  # and on /metrics
+
+def test_catch_up_after_plain_arm_steps_is_charged_to_plain(ckpt, monkeypatch):
+    """A "plain" arm step leaves the learned drafter behind by its tokens: the next verify step first feeds them
+    (a catch-up, 4.7 ms against a 55 ms step on CPU). That time is owed to the plain step(s) that made it
+    necessary: left out of every reward, the plain arm looked cheaper than it is. The first catch-up after a
+    plain step that followed a verify step jumps the clock by 100 s (no real wait): the plain rewards must carry
+    it and no drafting arm's."""
+    import time as _time
+
+    real_clock, jump = _time.perf_counter, [0.0]
+    monkeypatch.setattr(_time, "perf_counter", lambda: real_clock() + jump[0])
+    eng = _engine(ckpt)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    arms = dict(SPEC, epsilon=1.0, bucket_arms=(("4_2_8", "plain"), ("3_2_6", "plain")))  # random choices: both
+    dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **arms), eng.runner,
+                      eng.block_manager, drafter)
+    real_catch_up, jumped = dec.source.catch_up, []
+
+    def slow_catch_up(seqs):  # noqa: ANN001, ANN202
+        if not jumped and dec.verify_steps and dec.last_arm is not None and dec.last_arm.is_plain:
+            jump[0] += 100.0  # the drafter was up to date after a verify step; only plain steps followed
+            jumped.append(dec.arm_stats["plain"]["verify_steps"])
+        return real_catch_up(seqs)
+
+    monkeypatch.setattr(dec.source, "catch_up", slow_catch_up)
+    _spec_generate(eng, dec, _requests(2, 1, 24))  # two sequences decoded together from their first decode step
+    assert jumped and dec.stats()["catch_up_seconds"] >= 100
+    rewards = {True: [], False: []}
+    for by_arm in dec.bandit._rewards:
+        for arm, by_size in by_arm.items():
+            rewards[arm.is_plain] += [r for w in by_size.values() for r in w.recent]
+    # the plain steps before it carry the 100 s, shared by their tokens (2 a step): their times add up to it
+    assert sum(2 / r for r in rewards[True]) >= 100 and dec.stats()["catch_up_charged_seconds"] >= 100, rewards
+    assert min(rewards[False]) > 1, rewards  # and no drafting arm's step has any of it (>= 2 tokens, real time)
+
 
 def test_plain_arm_lets_the_bandit_stop_speculating_when_drafts_do_not_pay(ckpt):
     """A drafter that is never right (random weights: the stale-drafter failure of TLT.md section 8) makes

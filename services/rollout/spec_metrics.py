@@ -36,7 +36,8 @@ class SpecMetrics:
         self.step = metrics.gauge("spec_last_step_seconds", "wall time of the last engine step whose arm the decoder "
                                   "chose (a verify step, or the adaptive mode's plain arm)", r)
         self.catch_up = metrics.counter("spec_catch_up_seconds", "drafter catch-up after steps without SD (in the "
-                                        "step times, left out of the bandit's rewards)", r)
+                                        "step times; in the bandit's rewards only of the plain-arm steps that alone "
+                                        "left it)", r)
         self.accept = metrics.gauge("spec_mean_accept_len", "tokens per sequence per verify step (bonus included)", r)
         self.arm_steps = metrics.counter("spec_arm_verify_steps", "steps run with each arm the decoder chose; arm "
                                        "\"plain\": the adaptive mode's plain decode step in the tail, counted in "

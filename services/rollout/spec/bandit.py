@@ -28,7 +28,8 @@ window (300 rewards of a drafter that was never right kept an improved one unuse
 
 Reward of one SD step = tokens kept over the whole batch (accepted drafts + one bonus per
 sequence, less what a stop cut off: the engine passes the count it appended) / step wall time:
-measured tokens per second. A guard skips arms whose
+measured tokens per second. A "plain" step's reward is amended later (`amend`) when the drafter catch-up it
+left to the next verify step is timed: that time is the plain step's (SpecDecoder._catch_up). A guard skips arms whose
 draft_tokens x batch_size exceeds the verify-token budget ("plain" verifies nothing and always fits);
 if it skips every arm, `choose` returns None: that step decodes plainly, unrewarded (no arm was
 chosen) and counted per bucket as `over_budget`. The RNG is seeded; each rollout replica's from the configured
@@ -97,6 +98,16 @@ class _Window:
         self.keep_last(self.size - 1)  # room for this one
         self.recent.append(reward)
         bisect.insort(self.sorted, reward)
+
+    def replace(self, old: float, new: float) -> bool:
+        """Put `new` in place of the newest `old` (its arrival slot kept); False when `old` is no longer held."""
+        for i in range(len(self.recent) - 1, -1, -1):
+            if self.recent[i] == old:
+                self.recent[i] = new
+                del self.sorted[bisect.bisect_left(self.sorted, old)]
+                bisect.insort(self.sorted, new)
+                return True
+        return False
 
     def keep_last(self, n: int) -> None:
         while len(self.recent) > n:
@@ -247,6 +258,14 @@ class BucketedEpsilonGreedy:
             by_size[size] = _Window(self.window)
         by_size[size].add(reward)
         return reward
+
+    def amend(self, batch_size: int, arm: Arm, old: float, new: float) -> bool:
+        """Replace a reward `record` returned for (batch_size, arm) with `new`: a cost of that step known only
+        later (the drafter catch-up a "plain" step leaves to the next verify step: SpecDecoder). False when the
+        arm's window at that size no longer holds it (pushed out, or forgotten by `drafter_changed`)."""
+        by_size = self._rewards[self.bucket(batch_size)].get(arm)
+        window = None if by_size is None else by_size.get(size_class(batch_size, self.exact_sizes))
+        return window is not None and window.replace(old, new)
 
     def drafter_changed(self, keep: int) -> None:
         """The drafter was replaced: keep only the last `keep` rewards of each drafting arm (0: forget them, so

@@ -41,6 +41,7 @@ Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -231,8 +232,13 @@ class SpecDecoder:
         # catch-up: before a verify step that follows a step without one (SD off, prefill, the "plain" arm,
         # no room), the drafter first takes in what those steps appended; timed apart (`finish_step`)
         self._behind = True
+        # the "plain" arm steps (batch, arm, tokens, seconds, reward) the backlog is owed to when they alone built it
+        # since the drafter was last up to date: the catch-up is charged to them (`_catch_up`); None: another step
+        # without a verify added to it (SD off, a prefill, no arm within the budget, no KV room), no arm's choice
+        self._owed: deque[tuple[int, Arm, int, float, float]] | None = None
         self.catch_ups = 0
         self.catch_up_seconds = 0.0
+        self.catch_up_charged_seconds = 0.0  # the part charged to plain-arm steps' rewards
 
     # ---------------------------------------------------------------- control
     def wants(self, batch: ScheduledBatch) -> bool:
@@ -243,7 +249,8 @@ class SpecDecoder:
             return False
         decode = bool(batch.seqs) and batch.is_decode_only
         speculate = self.switch.update(len(batch.seqs), decode) and decode  # prefill steps do not count toward on
-        self._behind |= not speculate  # the step decodes plainly: the drafter falls behind by its tokens
+        if not speculate:  # the step decodes plainly: the drafter falls behind by its tokens, owed to no arm
+            self._behind, self._owed = True, None
         return speculate
 
     def choose_arm(self, batch_size: int) -> Arm | None:
@@ -264,7 +271,7 @@ class SpecDecoder:
         arm = self.choose_arm(len(seqs))
         if arm is None:  # every arm is over the verify-token budget: decode plainly, nothing to reward
             self.over_budget += 1
-            self._behind = True
+            self._behind, self._owed = True, None
             return None
         if arm.is_plain:  # the bandit chose not to speculate: the engine decodes this step plainly
             self._pending = (len(seqs), arm, len(seqs), t0, 0.0)  # one token per sequence, rewarded in finish_step
@@ -287,7 +294,7 @@ class SpecDecoder:
             self.no_room += 1  # drafts would pass the context limit, or no KV blocks for them
             if self.config.mode != "static":
                 self.bandit.withdraw()  # the arm did not run: its chosen count is of steps it ran
-            self._behind = True
+            self._behind, self._owed = True, None
             return None
         dev = self.runner.device
         b, n_max = tree.tokens.shape
@@ -364,18 +371,31 @@ class SpecDecoder:
         # timed, counted in the accept lengths and (adaptive) rewarded in finish_step, with the tokens a stop leaves
         self._pending = (len(seqs), arm, emitted, t0, catch_up)
         self._behind = False
+        if self._owed is None:  # up to date: what plain-arm steps leave behind from here is theirs
+            self._owed = deque(maxlen=self.config.window)  # older rewards have left the bandit's window anyway
         return out
 
     def _catch_up(self, seqs: list[Sequence]) -> float:
         """Bring the drafter up to date with what steps without a verify appended (a learned drafter's
         buffered pairs: up to `EagleSource.max_pending` per sequence after SD was off). Returns its seconds,
         which `finish_step` leaves out of the arm's reward: the backlog is owed to the steps that built it,
-        not to the arm that happens to run next (it would lower that arm's median after every switch-on)."""
+        not to the arm that happens to run next (it would lower that arm's median after every switch-on).
+        When "plain" arm steps alone built it (since the last verify step), those steps chose it: the seconds
+        are added to their step times, shared by their tokens, and their rewards amended (`bandit.amend`);
+        left out, not speculating looked cheaper than it is. A backlog another step added to (SD off, a
+        prefill, no arm within the budget, no KV room) stays out of every reward."""
         c0 = time.perf_counter()
         self.source.catch_up(seqs)
         seconds = time.perf_counter() - c0
         self.catch_ups += 1
         self.catch_up_seconds += seconds
+        if self._owed:
+            total = sum(tokens for _, _, tokens, _, _ in self._owed)
+            for batch, arm, tokens, step_s, reward in self._owed:
+                share = seconds * (tokens / total if total else 1 / len(self._owed))
+                self.bandit.amend(batch, arm, reward, tokens / (step_s + share))
+            self.catch_up_charged_seconds += seconds
+            self._owed.clear()
         return seconds
 
     def _verify_forward(self, arm: Arm, tree: DraftTree, n_list: list[int], valid: torch.Tensor, ctx: list[int],
@@ -418,8 +438,9 @@ class SpecDecoder:
         deep arms for drafts past the end of finishing sequences, which is most of the small-batch steps
         at the end of a rollout. Without it, the tokens `decode` emitted.
 
-        The step's drafter catch-up (`_catch_up`) is left out of the reward; `last_step_seconds` (the
-        whole step) and `catch_up_seconds` still show it."""
+        The step's drafter catch-up (`_catch_up`) is left out of the reward (charged to the plain-arm steps
+        that left it, if they alone did); `last_step_seconds` (the whole step) and `catch_up_seconds` still
+        show it."""
         if self._pending is None:
             return
         batch, arm, emitted, t0, catch_up = self._pending
@@ -431,7 +452,10 @@ class SpecDecoder:
         self._pending = None
         self.last_step_seconds = time.perf_counter() - (t0 if step_start is None else step_start)
         if self.config.mode == "adaptive":
-            self.bandit.record(batch, arm, emitted, self.last_step_seconds - catch_up)
+            seconds = self.last_step_seconds - catch_up
+            reward = self.bandit.record(batch, arm, emitted, seconds)
+            if arm.is_plain and self._owed is not None:  # the drafter falls behind by its tokens: `_catch_up`
+                self._owed.append((batch, arm, emitted, seconds, reward))
 
     def _reserve(self, seqs: list[Sequence], n_nodes: list[int]) -> bool:
         """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out, or if a
@@ -481,6 +505,7 @@ class SpecDecoder:
             raise ValueError("this engine drafts with n-grams (spec drafter = 'ngram'); it has no drafter weights to update")
         self.source.drafter.load_tensors(tensors)  # validates everything before copying
         self.source.reset()
+        self._owed = None  # the backlog went with the rows: no catch-up of it to charge
         self.bandit.drafter_changed(self.config.rewards_kept_on_swap)  # the old drafter's rewards no longer hold
 
     def new_bandit(self) -> BucketedEpsilonGreedy:
@@ -507,7 +532,8 @@ class SpecDecoder:
             "kv_copies": self.kv_copies,
             "cold_starts": getattr(self.source, "cold_starts", 0),
             "catch_ups": self.catch_ups,  # verify steps that first caught the drafter up (after steps without SD)
-            "catch_up_seconds": self.catch_up_seconds,  # their total catch-up time, left out of the rewards
+            "catch_up_seconds": self.catch_up_seconds,  # their total catch-up time, in no verify arm's reward
+            "catch_up_charged_seconds": self.catch_up_charged_seconds,  # of which charged to plain-arm steps
             # per arm: verify steps chosen, sequence-steps, tokens emitted (accept length = emitted / seq_steps)
             "arms": {k: dict(v) for k, v in self.arm_stats.items()},
             # adaptive: per bandit bucket, how often it explored / exploited and each arm's data
