@@ -8,7 +8,8 @@
       -> grpo_step (old logprobs, advantages, DeepSpeed update, version + 1)
       -> [give the devices back] -> push weights -> metrics.jsonl line -> held-out eval (when due) -> checkpoint
     held-out eval (evaluate.py): before step 0, every eval_interval steps, after the last -> eval.jsonl
-    end: final checkpoint, the trained policy as a Hugging Face folder (output_dir/policy)
+    end: final checkpoint, the trained policy as a Hugging Face folder (output_dir/policy) and, last, the record of
+         the steps it was trained for (policy/tlt_export.json, run_folder.py)
 
 Under the DeepSpeed launcher with W ranks, rank 0 alone talks to the
 services (rollout, rewards, pushes) and writes metrics; it broadcasts each
@@ -36,6 +37,7 @@ from pathlib import Path
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.run_folder import EXPORT_RECORD
 from tlt.services.trainer.run_stats import json_line
 
 log = get_logger("trainer")
@@ -178,9 +180,11 @@ def train(cfg: TrainerConfig) -> TrainSummary:
                 push_tensors(policy)  # ZeRO-3: this rank's part of the gather rank 0 pushes (it keeps nothing)
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 ckpt.save(policy, sampler, done)
+        if services:  # the record of the export it replaces goes first: an export cut short records no step
+            (out / "policy" / EXPORT_RECORD).unlink(missing_ok=True)
         policy.save_pretrained(str(out / "policy"))  # every rank (ZeRO-3 gathers); rank 0 writes
         if services:
-            services.export()
+            services.export(max(start, cfg.steps), policy.version)
     finally:
         if services:
             services.close()
@@ -376,9 +380,14 @@ class _Services:
         log.info("eval", after_steps=steps_done, version=version, accuracy=round(r.accuracy, 4), **greedy,
                  problems=r.problems, samples=r.samples, seconds=round(r.seconds, 2))
 
-    def export(self) -> None:
-        """The tokenizer files next to the trained policy's weights (written by Policy.save_pretrained)."""
+    def export(self, steps_done: int, version: int) -> None:
+        """The tokenizer files next to the trained policy's weights (written by Policy.save_pretrained), then the
+        record of which policy the folder holds (run_folder.EXPORT_RECORD: `tlt report` compares it with the
+        latest checkpoint)."""
+        from tlt.services.trainer.run_folder import write_export_record
+
         export_tokenizer(self.cfg.model_dir, self.out / "policy")
+        write_export_record(self.out / "policy", steps_done, version, self.out)
 
     def close(self) -> None:
         if self.loan is not None and self.loan.held:  # a step that failed mid-update: the devices go back now

@@ -13,7 +13,8 @@
     runs/<id>/rollout_status.json            -> the rollout's speculation at the end: per replica the steps and
                                                 accept length of each arm, the bandit's choices per bucket
       -> report.html           summary (held-out and rollout accuracy at start and end, mean step time),
-                               the table, the plots, the speculation tables
+                               the table, the plots, the speculation tables; a warning when policy/ holds
+                               an older step than checkpoints/latest (its tlt_export.json; also on stderr)
 
 Regenerate any time with `python -m tlt.services.trainer.report runs/<id>`.
 """
@@ -400,6 +401,14 @@ def _run_file(run_dir: Path) -> dict:
         return {}
 
 
+def _export_line(run_dir: Path) -> str:
+    """A warning when policy/ is not the latest checkpoint's policy (run_folder.stale_export); "" when it is."""
+    from tlt.services.trainer.run_folder import stale_export
+
+    why = stale_export(run_dir)
+    return f'<p style="color:#b00"><b>Export out of date:</b> {html.escape(why)}</p>' if why else ""
+
+
 def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
     """threshold: the tail threshold; None: the run's own (run.json, as `tlt run` wrote the report), else 32."""
     run_dir = Path(run_dir)
@@ -432,6 +441,7 @@ online drafter <b>{switch('drafter')}</b>, {s.steps} steps,
 mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
 {_eval_line(evals, _configured_eval_problems(run_dir), sharper_check(run_dir, evals))}
 {_rollout_line(s)}
+{_export_line(run_dir)}
 {figs}
 <h2>Per step</h2><p>times in seconds; tail = rollout time with every replica's running batch at most {threshold},
 something running (sampled);
@@ -461,6 +471,10 @@ def run(args) -> int:  # noqa: ANN001 - argparse.Namespace
               file=sys.stderr)
         return 2  # a usage error, as every tlt command reports one
     print(write_report(run_dir, args.threshold))
+    from tlt.services.trainer.run_folder import stale_export
+
+    if why := stale_export(run_dir):  # the run's policy/ is not its latest checkpoint's: said where it is read
+        print(f"tlt report: warning: {why}", file=sys.stderr)
     return 0
 
 

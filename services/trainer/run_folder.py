@@ -3,6 +3,7 @@
     default_folder(runs, preset) -> (folder, lock, made)   no --run-id: `<preset>`, an interrupted one, or new
     claim(folder) -> lock                                   --run-id / --resume: ServiceError when in use
     read_run_file(folder), write_atomic(path, text)          run.json / config.toml
+    write_export_record / stale_export                       policy/tlt_export.json: the step the export holds
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from tlt.services.common.logging import get_logger
 from tlt.services.trainer.procs import ServiceError
 
 log = get_logger("run")
+# Beside the exported policy's HF files: the steps it was trained for, its policy version and the run it came from.
+# Removed before an export begins and written after it ends: an export without one is an older TLT's or unfinished.
+EXPORT_RECORD = "tlt_export.json"
 
 
 def finished(run_dir: Path) -> bool:
@@ -37,7 +41,10 @@ def finished(run_dir: Path) -> bool:
     if CheckpointManager.steps_of(pointer.read_text()) < steps:
         return False
     policy = run_dir / "policy"
-    return (policy / "config.json").is_file() and any(policy.glob("*.safetensors"))
+    if not ((policy / "config.json").is_file() and any(policy.glob("*.safetensors"))):
+        return False
+    record = export_record(policy)  # an export of fewer steps: a resumed run stopped before exporting again
+    return record is None or record.get("steps_done", steps) >= steps
 
 
 def continues(run_dir: Path) -> bool:
@@ -192,3 +199,65 @@ def write_atomic(path: Path, text: str) -> None:
     except OSError as e:  # a full disk, a read-only folder: one line, not a traceback
         raise ServiceError(f"cannot write {path} ({e.strerror or e}); free space there, or choose another runs_dir "
                            "(--set run.runs_dir=DIR)") from None
+
+
+def write_export_record(policy_dir: Path, steps_done: int, version: int, run_dir: Path) -> None:
+    """Record in the export which policy it holds: after `steps_done` steps, `version`, of the run in `run_dir`
+    (its folder name and run.json's `created` when there is one: `tlt run`). Written whole or not at all."""
+    record: dict[str, Any] = {"steps_done": steps_done, "policy_version": version, "run": run_dir.name}
+    if (created := _created(run_dir)) is not None:
+        record["run_created"] = created
+    record["exported_at"] = time.time()
+    tmp = policy_dir / f".{EXPORT_RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(policy_dir / EXPORT_RECORD)
+
+
+def export_record(policy_dir: Path) -> dict[str, Any] | None:
+    """The export's record (write_export_record); None when there is none or it cannot be read."""
+    try:
+        record = json.loads((policy_dir / EXPORT_RECORD).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def stale_export(run_dir: Path) -> str | None:
+    """Why run_dir/policy is not the policy of the run's latest checkpoint, or None (it is, or there is no export or
+    no checkpoint to compare): a resumed run killed between its last checkpoint and its export left the older one."""
+    from tlt.services.trainer.checkpoint import CheckpointManager
+
+    run_dir, pointer = Path(run_dir), Path(run_dir) / "checkpoints" / "latest"
+    policy = run_dir / "policy"
+    if not pointer.is_file() or not (policy / "config.json").is_file():
+        return None
+    try:
+        latest = CheckpointManager.steps_of(pointer.read_text())
+    except ValueError:
+        return None
+    again = (f"continue the run to export it (`tlt run --resume {run_dir}`, or `tlt train` with output_dir "
+             f"{run_dir}): it resumes from the checkpoint and exports")
+    record = export_record(policy)
+    if record is None or not isinstance(record.get("steps_done"), int):
+        return (f"{policy} records no step (exported by an older TLT, or its export was interrupted); the latest "
+                f"checkpoint is after {_steps(latest)}: {again}")
+    created = _created(run_dir)
+    if created is not None and record.get("run_created") not in (None, created):
+        return (f"{policy} was exported by another run (created {record.get('run_created')}, this one {created}), "
+                f"after {_steps(record['steps_done'])}; the latest checkpoint is after {_steps(latest)}: {again}")
+    if record["steps_done"] < latest:
+        return (f"{policy} holds the policy after {_steps(record['steps_done'])} but the latest checkpoint is after "
+                f"{_steps(latest)}: the run stopped before exporting it; {again}")
+    return None
+
+
+def _created(run_dir: Path) -> Any:
+    """run.json's `created` (a `tlt run` folder's identity: it survives every resume), or None."""
+    try:
+        return read_run_file(run_dir).get("created") if (run_dir / "run.json").exists() else None
+    except ServiceError:
+        return None
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"

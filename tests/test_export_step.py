@@ -1,0 +1,88 @@
+"""The policy export says which step it holds, and a run folder's report says when it is older than the latest checkpoint.
+
+A resumed run killed between its last checkpoint and its export left policy/ at the older step while
+checkpoints/latest was newer, and nothing told the user: `tlt report` was silent and a plain `tlt run` took the
+folder as finished (policy/ existed), so the newer policy was never exported. Real parts: a rollout server on
+127.0.0.1 (native engine, one replica), the trainer's own loop on CPU, `tlt report`. The kill between the last
+checkpoint and the export is the last checkpoint's save raising once it is written, as a SIGKILL there would stop
+the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout_helpers import ServerThread
+from tlt.cli import main
+from tlt.services.trainer.config import TrainerConfig
+from tlt.services.trainer.loop import train
+from tlt.services.trainer.run_folder import EXPORT_RECORD, finished, stale_export
+
+
+def config(model_dir, address, out, **kw) -> TrainerConfig:
+    base = dict(model_dir=str(model_dir), rollout_addresses=[address], output_dir=str(out), prompts_per_step=2,
+                n_samples=2, max_tokens=8, mini_batch_size=4, micro_batch_size=4, steps=1, checkpoint_interval=1,
+                synthetic_problems=16, torch_threads=1, connect_timeout_s=30)
+    return TrainerConfig(**{**base, **kw})
+
+
+class Killed(BaseException):
+    """The trainer stopped between its last checkpoint and its export."""
+
+
+def test_a_resumed_run_killed_before_its_export_is_reported(random_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    from tlt.services.trainer.checkpoint import CheckpointManager
+
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "created": 1234.5}))
+    (out / "config.toml").write_text("[trainer]\nsteps = 2\n")  # what `tlt run` continues the folder with
+    with ServerThread(random_model_dir, replicas=1) as server:
+        train(config(random_model_dir, server.grpc_address, out, steps=1))
+        record = json.loads((out / "policy" / EXPORT_RECORD).read_text())
+        assert (record["steps_done"], record["policy_version"]) == (1, 1)
+        assert (record["run"], record["run_created"]) == ("run", 1234.5)
+        assert stale_export(out) is None
+
+        save = CheckpointManager.save
+
+        def save_then_killed(self, policy, sampler, steps_done):  # noqa: ANN001, ANN202
+            save(self, policy, sampler, steps_done)
+            if steps_done == 2:
+                raise Killed
+
+        monkeypatch.setattr(CheckpointManager, "save", save_then_killed)
+        with pytest.raises(Killed):  # resumed to 2 steps: step 2 checkpointed, then killed before the export
+            train(config(random_model_dir, server.grpc_address, out, steps=2))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert (out / "policy" / "config.json").is_file()  # the step-1 export, still there
+    why = stale_export(out)
+    assert why is not None and "after 1 step" in why and "after 2 steps" in why and "--resume" in why, why
+    assert not finished(out)  # a plain `tlt run` continues this folder (and exports), not a new one
+    assert main(["report", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert why in captured.err
+    assert "after 1 step" in (out / "report.html").read_text()
+
+
+def test_an_export_of_unknown_step_or_another_run_is_reported(tmp_path) -> None:
+    """No record beside the HF files (an older TLT's export, or one interrupted: the record goes first and comes
+    back last), or a record of another run than run.json's: said, naming the latest checkpoint's step."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step-00000003\n")
+    (run / "policy").mkdir()
+    (run / "policy" / "config.json").write_text("{}")
+    assert "records no step" in stale_export(run) and "after 3 steps" in stale_export(run)
+    (run / "run.json").write_text(json.dumps({"created": 2.0}))
+    (run / "policy" / EXPORT_RECORD).write_text(json.dumps({"steps_done": 3, "policy_version": 3, "run": "run",
+                                                            "run_created": 1.0}))
+    assert "another run" in stale_export(run)
+    (run / "run.json").write_text(json.dumps({"created": 1.0}))
+    assert stale_export(run) is None
+    (run / "checkpoints" / "latest").unlink()  # nothing checkpointed: nothing to compare
+    assert stale_export(run) is None
