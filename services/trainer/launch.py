@@ -13,7 +13,11 @@
     end     stop every child (trainer, drafter, rollout, reward), write report.html   report.py
 
 Every child's output goes to runs/<id>/logs/<service>.log and their pids to
-runs/<id>/pids.json. A run folder that already exists is resumed: the trainer
+runs/<id>/pids.json, with each service's process group (`process_groups`: the
+service and everything it started). A replica or drafter worker that dies is
+restarted by its service, which does not own pids.json: the replica and worker
+pids there are the ones they started with, and `kill -- -<group>` is what reaches
+a restarted one (tests/test_run_pids.py). A run folder that already exists is resumed: the trainer
 continues from its last checkpoint (no step lost or repeated; loop.py) and the
 drafter from its own checkpoint; services restart on fresh ports. `--baseline`
 is the same run with speculative decoding off and no drafter (`tlt bench e2e`).

@@ -383,12 +383,17 @@ class Launcher:
         tmp.rename(path)
 
     def _write_pids(self) -> None:
-        """pids.json: every child's pid (rewritten with the trainer's; the replicas and workers stay listed)."""
+        """pids.json: every child's pid, and the replicas' and workers' as they started (rewritten with the
+        trainer's). A replica or worker that dies is started again by its service (the rollout front's pool,
+        `tlt drafter serve`), not here: its new pid is not in this file, and the listed one may be dead or
+        reused. `process_groups` is what stays true: each service leads its own group (ServiceProcess.start),
+        which holds every process it starts, restarted ones included, and not the launcher."""
         info = self.ready
         pids = {p.name: p.pid for p in self.services}
         pids["launcher"] = os.getpid()
         pids["rollout_replicas"] = info.get("rollout", {}).get("replica_pids", [])
         pids["drafter_workers"] = info.get("drafter", {}).get("worker_pids", [])
+        pids["process_groups"] = {p.name: p.pid for p in self.services}  # a new session each: group id = its pid
         tmp = self.plan.run_dir / "pids.json.tmp"
         tmp.write_text(json.dumps(pids))
         tmp.replace(self.plan.run_dir / "pids.json")
