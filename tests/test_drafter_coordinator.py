@@ -23,7 +23,7 @@ from tlt.v1 import events_pb2
 def test_candidates_are_evaluated_only_while_every_replica_is_idle(tmp_path, model_dir, samples) -> None:
     """The gate's evaluation is seconds of CPU: it waits until no replica decodes, and gives the CPU back
     (nothing recorded, nothing pushed) the moment one turns busy."""
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     pushes: list = []
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes)  # both replicas BUSY
@@ -119,7 +119,7 @@ def test_serving_drafter_is_scored_once_per_held_out_set(tmp_path, model_dir, sa
     """Between two rollouts several candidates are scored against the same held-out set; the serving
     drafter's score is reused (it is ~0.4 CPU-s per scoring on the tiny model, in the trainer's time on a
     CPU machine) and recomputed when the held-out set, the serving drafter or the policy changes."""
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     pushes: list = []
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)  # the gate never fires
@@ -213,7 +213,7 @@ def test_a_batch_request_cannot_ask_for_more_than_the_configured_batch(tmp_path,
 ])
 def test_the_gate_publishes_only_a_candidate_better_by_the_margin(tmp_path, model_dir, monkeypatch, cand, serve,
                                                                   margin, published) -> None:
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     pushes: list = []
     coord = gated_coordinator(tmp_path, model_dir, lambda t, v: pushes.append(v), publish_margin=margin,

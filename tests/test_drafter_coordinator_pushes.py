@@ -23,7 +23,7 @@ def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path
     """The rollout serves a published drafter at once; a coordinator killed (-9) right after the publish,
     before its background saver ran, must not restart with an older candidate/serving version (it would
     reuse a version number the rollout serves with other weights, and gate against a stale serving one)."""
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     pushes: list = []
     coord = gated_coordinator(tmp_path, model_dir, lambda t, v: pushes.append(v))  # not started: no saver
@@ -50,7 +50,7 @@ def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path
 def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, model_dir, monkeypatch) -> None:
     """The gate's boundary logs a failed push and retries later: the candidate must stay due (it was marked
     evaluated before the push, so a failed push waited for the next delta, which may never come)."""
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     pushes: list = []
 
@@ -164,7 +164,7 @@ def test_a_push_that_failed_is_sent_again_even_when_no_longer_better(tmp_path, m
     pushed again, and the replicas drafted with different drafters for good. The failed push must be sent
     again as it was until it lands. `publish` stands in for the gRPC push (the refusal is the one
     ReplicaPool.update_weights gives); the gate's scores are scripted."""
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     pushes: list[int] = []
 
@@ -219,7 +219,7 @@ def test_a_save_removes_the_temporary_files_of_writers_killed_mid_save(tmp_path)
 
 def _a_better_candidate(coord, version: int, monkeypatch) -> None:  # noqa: ANN001
     """Make the (unstarted) coordinator's candidate differ from its serving drafter and score above it."""
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
     monkeypatch.setattr(coordinator_mod, "mean_accept_length", lambda *a, **k: next(scores))

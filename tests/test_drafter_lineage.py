@@ -45,7 +45,7 @@ def _unstarted(coord: Coordinator) -> None:
 
 def test_a_restarted_rollout_is_reported_and_a_restarted_coordinator_pushes_it_again(tmp_path, model_dir,
                                                                                     monkeypatch, capfd) -> None:
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
 
     monkeypatch.setattr(coordinator_mod, "REPUSH_S", 0.5)
     pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
@@ -127,7 +127,7 @@ def test_a_checkpoint_of_another_init_drafter_is_moved_aside(tmp_path, model_dir
 
 def test_a_rollout_restarted_on_the_coordinators_init_drafter_gets_the_serving_one_again(tmp_path, model_dir,
                                                                                           monkeypatch, capfd) -> None:
-    import tlt.services.drafter.coordinator as coordinator_mod
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
     from tlt.model.drafter import folder_identity
 
     monkeypatch.setattr(coordinator_mod, "REPUSH_S", 0.5)

@@ -22,7 +22,7 @@ import torch
 
 from rollout_helpers import ServerThread, tiny_checkpoint
 from tlt.services.common.events import FeaturePuller
-from tlt.services.drafter import coordinator as coordinator_mod
+from tlt.services.drafter import coordinator_gate as coordinator_mod
 from tlt.services.drafter import worker as worker_mod
 from tlt.services.drafter.collect import sample_features
 from tlt.services.drafter.config import DrafterServiceConfig
