@@ -6,11 +6,16 @@ prompts to be refused for their length. And tokenising a text of any size cost ~
 (a 12 MB gRPC prompt took the front to 4.3 GB) before its length was checked. So a text is tokenised on a worker
 thread, and one that cannot fit the context is refused without tokenising it whole:
 
-- over `limit * longest_token * 2` characters it cannot fit (no token covers more characters than the vocabulary's
-  longest token string; x2 for normalisers that merge characters): refused unread;
+- with a tokenizer known to keep every character of its input (`chars_per_token`: byte-level BPE or byte fallback
+  with every byte in the vocabulary, no normalizer, pre-tokenizer or added token that drops characters), a text over
+  `limit * longest_token * 4` characters cannot fit (no token covers more characters than the vocabulary's longest
+  string; x4 for a normaliser that composes up to four code points into one): refused unread;
 - over `PROBE_CHARS_PER_TOKEN * limit` characters, the text up to a whitespace there is tokenised first; a
   pre-tokenizer splits at whitespace, so those tokens are the whole text's first ones, and if they are already
-  `limit` or more the text is refused.
+  `limit` or more the text is refused. With any other tokenizer the probe grows (x4) until it decides or reaches
+  the text's end, then the text is tokenised whole: one that drops or fuses input (WordPiece's [UNK] for a long
+  word and dropped white space, a BPE's fused <unk> without byte fallback, a normaliser collapsing spaces) makes a
+  few tokens of `"hi" + " " * 5000 + "hi"`, which the unread bound refused at a context of 64.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
@@ -64,31 +70,93 @@ def longest_token_chars(tokenizer: Any) -> int:
         return 0  # NotImplementedError; remote-code ones may raise anything): no bound from it, as before
 
 
+MERGE_SLACK = 4  # NFC / NFKC compose at most four code points into one (a Greek vowel with three marks)
+
+# normalizers and pre-tokenizers that never drop a character nor merge more than MERGE_SLACK into one
+_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "ByteLevel", "Sequence", "Replace"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts", "Sequence"}
+
+
+def _parts(spec: dict | None, key: str) -> list[dict]:
+    """`spec` and, for a Sequence, its members (nested), as the tokenizer.json lists them."""
+    if spec is None:
+        return []
+    return [spec, *(p for member in spec.get(key) or [] for p in _parts(member, key))]
+
+
+def keeps_every_character(tokenizer: Any) -> bool:
+    """Whether every character of a text is in some token, so a token covers at most its own string's characters
+    (MERGE_SLACK x with a composing normaliser). Read from a fast tokenizer's tokenizer.json; False for any other
+    or anything unrecognised: such a tokenizer gets no unread bound."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 - a slow or remote-code tokenizer: nothing to read, nothing known
+        return False
+    model, vocab = spec.get("model") or {}, (spec.get("model") or {}).get("vocab")
+    normal = _parts(spec.get("normalizer"), "normalizers")
+    pre = _parts(spec.get("pre_tokenizer"), "pretokenizers")
+    if any(n.get("type") not in _KEEPING_NORMALIZERS for n in normal) or any(
+            n.get("type") == "Replace" and not _widening(n) for n in normal):
+        return False  # BertNormalizer, Strip, StripAccents, Precompiled (collapses spaces), a regex Replace
+    if any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed" for p in pre):
+        return False  # Whitespace, WhitespaceSplit, BertPreTokenizer drop white space
+    if any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens") or []):
+        return False  # RoBERTa's <mask>: takes any run of spaces beside it
+    if model.get("type") not in ("BPE", "Unigram") or not vocab:
+        return False  # WordPiece, WordLevel: an [UNK] for a whole word
+    pieces = {p[0] for p in vocab} if isinstance(vocab, list) else set(vocab)  # Unigram: [piece, score] pairs
+    if model.get("byte_fallback"):
+        return all(f"<0x{b:02X}>" in pieces for b in range(256))
+    if model.get("type") == "BPE" and any(p.get("type") == "ByteLevel" for p in pre):
+        from tokenizers import pre_tokenizers
+
+        return set(pre_tokenizers.ByteLevel.alphabet()) <= pieces  # else a missing byte is dropped, or <unk>
+    return False  # an unknown character is <unk> (fused with its neighbours), or dropped
+
+
+def _widening(replace: dict) -> bool:
+    """A Replace of a fixed string by one no shorter (Metaspace-style ' ' -> '▁'): it removes no character."""
+    pattern = (replace.get("pattern") or {}).get("String")
+    return pattern is not None and 0 < len(pattern) <= len(replace.get("content") or "")
+
+
+def chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token can cover, or 0 when the tokenizer is not known to keep every character."""
+    longest = longest_token_chars(tokenizer)
+    return longest * MERGE_SLACK if longest and keeps_every_character(tokenizer) else 0
+
+
 def encode_bounded(tokenizer: Any, text: str, limit: int, token_chars: int, add_special_tokens: bool = True
                    ) -> list[int]:
     """`tokenizer.encode(text, add_special_tokens=...)`, or PromptTooLong when `limit` tokens (the
-    context length) cannot hold it, decided without tokenising a long text whole. Blocking: run it on a thread."""
-    if token_chars and len(text) > limit * token_chars * 2:
-        raise PromptTooLong(len(text) // (token_chars * 2), limit, len(text))
-    probe = PROBE_CHARS_PER_TOKEN * limit
-    if len(text) > probe:
-        cut = max(text.rfind(" ", 0, probe), text.rfind("\n", 0, probe))
-        if cut > 0:
+    context length) cannot hold it, decided without tokenising a long text whole where a prefix decides.
+    `token_chars`: `chars_per_token` (0: no unread bound). Blocking: run it on a thread."""
+    if token_chars and len(text) > limit * token_chars:
+        raise PromptTooLong(len(text) // token_chars, limit, len(text))
+    window, last = PROBE_CHARS_PER_TOKEN * limit, 0
+    while len(text) > window:
+        cut = max(text.rfind(" ", 0, window), text.rfind("\n", 0, window))
+        if cut > last:
             head = len(tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens))
             if head >= limit:
                 raise PromptTooLong(head, limit, len(text))
+            last = cut
+        if token_chars:  # known to keep every character: the text is at most limit * token_chars long, one probe
+            break
+        window *= 4  # a tokenizer that may drop input: a longer prefix may still decide
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
 
 
 class PromptEncoder:
-    """`encode_bounded` with the tokenizer's longest token looked up once (on first use: on a worker thread)."""
+    """`encode_bounded` with `chars_per_token` looked up once (on first use: on a worker thread)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     @cached_property
     def token_chars(self) -> int:
-        return longest_token_chars(self.tokenizer)
+        return chars_per_token(self.tokenizer)
 
     def encode(self, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
         return encode_bounded(self.tokenizer, text, limit, self.token_chars, add_special_tokens)
