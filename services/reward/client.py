@@ -21,12 +21,18 @@ deadline passed was thrown away and scored again at the back of the queue, and a
 the client's others (in a trainer's step: until the step's other items are scored), then at most `timeout_s`; on a
 server that answers nothing each call times out `timeout_s` after it began. (Unary calls rather than a step's items
 over one stream: each call is balanced round robin over the server's replicas, and a stall resends one item.)
+"The server" is each address apart (services/reward/replicas.py): a target whose name resolves to several (a
+headless Service's pods, an `ipv4:a,b` list) gets a channel and a progress clock per address, so a stuck replica's
+calls time out `timeout_s` after they began and are retried on another while a healthy one answers the rest (one
+clock for all waited until the healthy one had scored everything). The client resolves a name itself, every
+`resolve_every_s` (5 s): a pod added is called within that, one removed is dropped once its calls end.
 A timed-out call (DEADLINE_EXCEEDED) or a transport failure (UNAVAILABLE, ABORTED) is retried up to `retries`
 times with exponential backoff (0.1 s doubling, at most 2 s; so a server answering nothing fails a call in about
 (retries + 1) x timeout_s), and UNAVAILABLE (connections refused: a server restarting) on until `retry_window_s`
 from the first failure (the trainer's `reward_retry_window_s`, 30 s: a reward pod's restart), then raises
-`RewardUnavailableError` naming the address, what happened ("timed out": reachable or not, nothing answered;
-"unavailable ... unreachable": connections refused or broken) and the last error. Other gRPC errors
+`RewardUnavailableError` naming the address (and the replica's, for a name of several), what happened ("timed out":
+reachable or not, nothing answered; "unavailable ... unreachable": connections refused or broken) and the last error.
+A name's address refusing connections is passed over for another without counting as a failed attempt. Other gRPC errors
 (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a message over the size limit, ...) are not retried and raise
 `RewardCallError`, as does a Score answer whose results cannot be matched to its items (results in another order
 are matched by id). `close()` cancels queued and in-flight calls rather than waiting out their timeouts.
@@ -48,7 +54,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -56,7 +62,8 @@ import grpc
 
 from tlt.services.common.channels import client_options
 from tlt.services.common.logging import get_logger
-from tlt.v1 import reward_pb2, reward_pb2_grpc
+from tlt.services.reward.replicas import NoAddress, Replica, Replicas, Resolver
+from tlt.v1 import reward_pb2
 
 ScoreRequest = reward_pb2.ScoreRequest
 ScoreResponse = reward_pb2.ScoreResponse
@@ -82,7 +89,8 @@ class _NoAnswer(Exception):
 
 
 class RewardClient:
-    """Thread-safe client of one reward server."""
+    """Thread-safe client of one reward server (every replica its address names). `resolver`: target -> its
+    addresses ("ip:port"), in place of getaddrinfo (tests; a name a process of its own knows)."""
 
     def __init__(
         self,
@@ -94,6 +102,8 @@ class RewardClient:
         max_message_bytes: int = 64 << 20,
         max_reconnect_backoff_s: float = 1.0,
         retry_window_s: float = 0.0,
+        resolver: Resolver | None = None,
+        resolve_every_s: float = 5.0,
     ) -> None:
         if (concurrency < 1 or retries < 0 or timeout_s <= 0 or max_reconnect_backoff_s <= 0
                 or retry_window_s < 0):
@@ -106,14 +116,13 @@ class RewardClient:
         self.retries = retries
         self.retry_window_s = retry_window_s
         self.backoff_s = backoff_s
-        # round robin over every address the target resolves to (a headless Service's pods): with gRPC's default,
-        # pick_first, every call went over one HTTP/2 connection to one reward replica, however many ran
+        # one channel per address the target resolves to (a headless Service's pods), each with its own progress
+        # clock, calls round robin over them (services/reward/replicas.py); round_robin stays the policy of a channel
+        # whose target is left to gRPC
         options = [*client_options(max_message_bytes, max_reconnect_backoff_s), ("grpc.lb_policy_name", "round_robin")]
-        self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = reward_pb2_grpc.RewardStub(self._channel)
+        self._replicas = Replicas(address, options, timeout_s, resolver, resolve_every_s)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-client")
         self._closing = threading.Event()
-        self._last_answer = 0.0  # monotonic time the server last answered one of this client's calls or items
 
     # ---- retries -------------------------------------------------------------------------
 
@@ -139,60 +148,75 @@ class RewardClient:
                 raise _Dropped
         return self._closing.is_set()
 
-    def _with_retries(self, what: str, call: Callable[[], T], dropped: threading.Event | None = None) -> T:
-        """`call()`, retried as the class docstring says; `_Dropped` once `dropped` is set (a submitted item whose
-        future was cancelled: its call was cancelled with it), instead of another attempt."""
+    def _with_retries(self, what: str, call: Callable[[Replica], T], dropped: threading.Event | None = None) -> T:
+        """`call(replica)` on a replica the client picks, retried as the class docstring says (a retry on another
+        replica than the failed attempt's where one is as good); `_Dropped` once `dropped` is set (a submitted item
+        whose future was cancelled: its call was cancelled with it), instead of another attempt."""
         last: BaseException | None = None
         failures, since = 0, 0.0
+        failed: Replica | None = None
+        skipped = 0  # addresses of a name refusing connections, passed over without counting a failed attempt
         while True:
             if failures and self._pause(self._backoff(failures), dropped):
                 raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from last
             try:
-                return call()
-            except (grpc.RpcError, grpc.FutureCancelledError, _NoAnswer) as e:
+                with self._replicas.use(failed) as replica:
+                    failed = replica
+                    return call(replica)
+            except (grpc.RpcError, grpc.FutureCancelledError, _NoAnswer, NoAddress) as e:
                 if dropped is not None and dropped.is_set():  # the caller cancelled the item (and so its call)
                     raise _Dropped from e
                 if self._closing.is_set():  # close() cancelled the call
                     raise RewardUnavailableError(f"reward client of {self.address} closed during {what}") from e
                 code, detail = _status(e)
+                at = self._replicas.named(None if isinstance(e, NoAddress) else failed)
                 if code not in RETRYABLE:
-                    raise RewardCallError(f"reward server {self.address} refused {what}: {code} {detail}") from e
+                    raise RewardCallError(f"reward server {at} refused {what}: {code} {detail}") from e
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._replicas.resolve_soon()
+                    if isinstance(e, grpc.RpcError) and skipped < self._replicas.count() - 1:
+                        skipped += 1  # another address may answer (gRPC's round_robin calls only connected ones)
+                        continue
                 last = e
                 failures += 1
                 since = since or time.monotonic()
                 if not self._may_retry(failures, code, since):
-                    raise self._gave_up(what, failures, since, code, detail) from e
-                log.debug("reward_retry", what=what, attempt=failures, code=str(code))
+                    raise self._gave_up(what, failures, since, code, detail, at=at) from e
+                log.debug("reward_retry", what=what, attempt=failures, code=str(code), address=at)
 
     def _gave_up(self, what: str, failures: int, since: float, code: object, detail: str,
-                 unanswered: str = "") -> RewardUnavailableError:
+                 unanswered: str = "", at: str = "") -> RewardUnavailableError:
         """The error of a call that failed every attempt: timed out (the server answered nothing) or, on
-        UNAVAILABLE, unreachable, so the user looks for a stuck function or for a server that is down."""
+        UNAVAILABLE, unreachable, so the user looks for a stuck function or for a server that is down. `at`: the
+        target, and the address of the last attempt where the target is a name of several."""
+        at = at or self.address
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RewardUnavailableError(
-                f"reward server {self.address} timed out on {what} after {_attempts(failures)}{unanswered}: {detail} "
+                f"reward server {at} timed out on {what} after {_attempts(failures)}{unanswered}: {detail} "
                 "(DEADLINE_EXCEEDED); a server that is up but answers nothing has a reward function stuck or slower "
                 "than timeout_s an item (see its log)")
         unreachable = code == grpc.StatusCode.UNAVAILABLE
         why = f"unreachable (tried for {time.monotonic() - since:.1f} s): " if unreachable else ""
-        return RewardUnavailableError(f"reward server {self.address} unavailable for {what} after "
+        return RewardUnavailableError(f"reward server {at} unavailable for {what} after "
                                       f"{_attempts(failures)}{unanswered}: {why}{code} {detail}")
 
-    def _answer(self, call: grpc.Future) -> object:
-        """A unary call's response. It times out (`_NoAnswer`; the call is cancelled) only once the server has
+    def _answer(self, replica: Replica, call: grpc.Future) -> object:
+        """A unary call's response. It times out (`_NoAnswer`; the call is cancelled) only once its replica has
         answered nothing of this client's for `timeout_s` since the call began: while it answers others, the call
-        is waiting in a busy server's queue, not stalled."""
+        is waiting in a busy server's queue, not stalled. Another replica's answers do not count: they would hide
+        a stuck one beside it."""
         began = time.monotonic()
         try:
             while True:
-                left = max(began, self._last_answer) + self.timeout_s - time.monotonic()
+                left = max(began, replica.last_answer) + self.timeout_s - time.monotonic()
                 if left <= 0:
+                    replica.timed_out(self.timeout_s)
                     raise _NoAnswer(_quiet(self.timeout_s))
                 try:
                     response = call.result(timeout=left)
                 except grpc.FutureTimeoutError:
                     continue
-                self._last_answer = time.monotonic()
+                replica.answered()
                 return response
         finally:
             call.cancel()  # nothing once it is done; else the server skips the item if it has not begun it
@@ -203,7 +227,7 @@ class RewardClient:
         """Score a batch in one call; results in request order."""
         request = reward_pb2.ScoreBatchRequest(items=list(items))
         response = self._with_retries(
-            f"Score({len(request.items)} items)", lambda: self._answer(self._stub.Score.future(request))
+            f"Score({len(request.items)} items)", lambda r: self._answer(r, r.stub.Score.future(request))
         )
         return _in_request_order(self.address, list(request.items), list(response.results))
 
@@ -217,8 +241,8 @@ class RewardClient:
         submitted = _Submitted(fut)
         request = reward_pb2.ScoreBatchRequest(items=[item])
 
-        def attempt() -> reward_pb2.ScoreBatchResponse:
-            return self._answer(submitted.start(lambda: self._stub.Score.future(request)))  # type: ignore[return-value]
+        def attempt(r: Replica) -> reward_pb2.ScoreBatchResponse:
+            return self._answer(r, submitted.start(lambda: r.stub.Score.future(request)))  # type: ignore[return-value]
 
         def run() -> None:
             if fut.done():  # cancelled while queued: never sent
@@ -250,63 +274,86 @@ class RewardClient:
         """
         stream = _StreamState(items)
         failures, since = 0, 0.0
+        failed: Replica | None = None
         while True:
             if stream.finished():
                 stream.raise_source_error()
                 return
-            attempt_over = threading.Event()
-            call = self._stub.ScoreStream(stream.feed(attempt_over))
-            responses: queue.Queue[object] = queue.Queue()
-            reader = threading.Thread(target=_drain, args=(call, responses), daemon=True)
-            reader.start()
             error: grpc.RpcError | None = None
             stalled = False
             try:
-                while True:
+                with self._replicas.use(failed) as replica:
+                    failed = replica
+                    attempt = self._stream_attempt(stream, replica)
                     try:
-                        out = responses.get(timeout=0.1)
-                    except queue.Empty:
-                        if stream.stalled(self.timeout_s):
-                            stalled = True
-                            break
-                        continue
-                    if out is _END:
-                        break
-                    if isinstance(out, grpc.RpcError):
-                        error = out
-                        break
-                    if stream.answered(out):  # type: ignore[arg-type]
-                        failures = 0
-                        self._last_answer = time.monotonic()  # progress for the client's unary calls too
-                        yield out  # type: ignore[misc]
-                    elif not stream.was_answered(answer_id := out.id):  # type: ignore[attr-defined]
-                        # a server fault (as Score()'s mismatched ids), not a silence: re-sending would not mend it
-                        raise RewardCallError(
-                            f"reward server {self.address} answered id {answer_id!r}, which it was never sent "
-                            f"(items unanswered: {stream.unanswered_ids(5)}); a server must answer each item under "
-                            "its id")
-            finally:
-                attempt_over.set()
-                call.cancel()
+                        while True:
+                            try:
+                                out = next(attempt)
+                            except StopIteration as done:
+                                error, stalled = done.value
+                                break
+                            failures = 0
+                            yield out
+                    finally:
+                        attempt.close()  # the caller stopped reading: the call is cancelled now, not when collected
+            except NoAddress as e:
+                error = e  # type: ignore[assignment]
             stream.raise_source_error()
             if error is None and not stalled and stream.finished():
                 return
+            at = self._replicas.named(None if isinstance(error, NoAddress) else failed)
             if stalled:
                 code, detail = grpc.StatusCode.DEADLINE_EXCEEDED, _quiet(self.timeout_s)
             elif error is not None:
-                code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-                detail = _details(error)
+                code, detail = _status(error)
+                code = code or grpc.StatusCode.UNKNOWN
             else:
                 code, detail = grpc.StatusCode.UNAVAILABLE, "stream closed with items unanswered"
             if code not in RETRYABLE:
-                raise RewardCallError(f"reward server {self.address} refused ScoreStream: {code} {detail}") from error
+                raise RewardCallError(f"reward server {at} refused ScoreStream: {code} {detail}") from error
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._replicas.resolve_soon()
             failures += 1
             since = since if failures > 1 else time.monotonic()
             if not self._may_retry(failures, code, since):
                 raise self._gave_up("ScoreStream", failures, since, code, detail,
-                                    f" ({stream.pending()} items unanswered)") from error
-            log.debug("reward_stream_retry", attempt=failures, code=str(code), unanswered=stream.pending())
+                                    f" ({stream.pending()} items unanswered)", at=at) from error
+            log.debug("reward_stream_retry", attempt=failures, code=str(code), unanswered=stream.pending(), address=at)
             time.sleep(self._backoff(failures))
+
+    def _stream_attempt(self, stream: _StreamState, replica: Replica,
+                        ) -> Generator[ScoreResponse, None, tuple[grpc.RpcError | None, bool]]:
+        """One ScoreStream call on `replica`: yields its new answers; returns (its error, whether it stalled: none of
+        its items answered for `timeout_s`, which marks the replica timed out as a unary call's silence does)."""
+        attempt_over = threading.Event()
+        call = replica.stub.ScoreStream(stream.feed(attempt_over))
+        responses: queue.Queue[object] = queue.Queue()
+        threading.Thread(target=_drain, args=(call, responses), daemon=True).start()
+        try:
+            while True:
+                try:
+                    out = responses.get(timeout=0.1)
+                except queue.Empty:
+                    if stream.stalled(self.timeout_s):
+                        replica.timed_out(self.timeout_s)
+                        return None, True
+                    continue
+                if out is _END:
+                    return None, False
+                if isinstance(out, grpc.RpcError):
+                    return out, False
+                if stream.answered(out):  # type: ignore[arg-type]
+                    replica.answered()  # progress for the client's unary calls on it too
+                    yield out  # type: ignore[misc]
+                elif not stream.was_answered(answer_id := out.id):  # type: ignore[attr-defined]
+                    # a server fault (as Score()'s mismatched ids), not a silence: re-sending would not mend it
+                    raise RewardCallError(
+                        f"reward server {self._replicas.named(replica)} answered id {answer_id!r}, which it was never "
+                        f"sent (items unanswered: {stream.unanswered_ids(5)}); a server must answer each item under "
+                        "its id")
+        finally:
+            attempt_over.set()
+            call.cancel()
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the server's channel is connected; RewardUnavailableError after `timeout_s`.
@@ -314,12 +361,15 @@ class RewardClient:
         A trainer checks this before its first rollout: otherwise a reward server that is down is only
         found once the first completion is scored, after the whole rollout was decoded for nothing.
         """
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
+        if not self._replicas.wait_ready(timeout_s):
             raise RewardUnavailableError(
-                f"reward server {self.address} not reachable within {timeout_s}s; start it "
-                "(tlt reward serve --kind math --port PORT) or fix reward_address") from None
+                f"reward server {self.address} not reachable within {timeout_s}s{self._replicas.why_none()}; start it "
+                "(tlt reward serve --kind math --port PORT) or fix reward_address")
+
+    def addresses(self, including_draining: bool = False) -> list[str]:
+        """The addresses calls go to now: every one the target's name resolves to (or the target itself);
+        `including_draining`: also those the name no longer has whose calls have not ended yet."""
+        return self._replicas.addresses(including_draining)
 
     def close(self) -> None:
         """Cancel queued calls and cut off in-flight ones (closing the channel cancels them), then join the threads.
@@ -329,7 +379,7 @@ class RewardClient:
         """
         self._closing.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._channel.close()
+        self._replicas.close()
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> RewardClient:
@@ -404,9 +454,12 @@ def _details(e: grpc.RpcError | None) -> str:
 
 
 def _status(e: BaseException) -> tuple[object, str]:
-    """(status code, details) of a failed attempt; a timed-out call (`_NoAnswer`) is DEADLINE_EXCEEDED."""
+    """(status code, details) of a failed attempt; a timed-out call (`_NoAnswer`) is DEADLINE_EXCEEDED, a name
+    with no address (`NoAddress`) UNAVAILABLE."""
     if isinstance(e, _NoAnswer):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
+    if isinstance(e, NoAddress):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
     if isinstance(e, grpc.FutureCancelledError):
         return grpc.StatusCode.CANCELLED, "cancelled"
     return (e.code() if isinstance(e, grpc.Call) else None), _details(e)  # type: ignore[arg-type]

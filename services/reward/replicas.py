@@ -1,0 +1,310 @@
+"""`Replicas`: the reward servers a `RewardClient` target names, one gRPC channel each, and each one's liveness.
+
+A headless Kubernetes Service's name resolves to every reward pod. Left to gRPC (one channel, round_robin over the
+name), the client could not tell which pod a call waited on, so its progress clock (a call times out only once the
+server answered none of the client's calls for `timeout_s`) was one for all of them: a stuck pod beside a healthy
+one was not timed out while the healthy one answered, and a pod added to the Service was used only once gRPC
+resolved the name again (after a connection ended). So the client picks the address of each call itself:
+
+- Targets. A name (`host:port` whose host is no IP literal, `dns:///host:port`) is resolved with `getaddrinfo`
+  (or the client's `resolver`: target -> ["ip:port", ...]) and again every `resolve_every_s` (5 s), and at once
+  (at most twice a second) after a call found an address unreachable or the name had none: an address added is
+  called within that period; one removed gets no new calls and its channel is closed once its calls end. A
+  resolution that fails (DNS down, or no pod ready: the name unknown) keeps the addresses known, as gRPC does.
+  `ipv4:a,b` / `ipv6:...` lists are one channel per address, never re-resolved. Any other target (an IP
+  `host:port`, `unix:`, ...) is one channel on the target as given, exactly as a single-address client was.
+- Liveness per address. Each replica has its own progress clock (`last_answer`): a call on it times out once it
+  answered none of the client's calls for `timeout_s` since the call began, whatever the others answer. A replica
+  that timed out a call gets no new calls for `timeout_s` while another is usable, then one (a probe) per
+  `timeout_s` until it answers again.
+- Picking. Round robin over the best-ranked replicas: answering before timed out, reachable (not in
+  TRANSIENT_FAILURE: `localhost` resolves to ::1 as well, where a server bound to 127.0.0.1 refuses) before not,
+  READY before connecting; a retry prefers another replica than the one its attempt failed on.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from tlt.services.common.logging import get_logger
+from tlt.v1 import reward_pb2_grpc
+
+Resolver = Callable[[str], list[str]]
+log = get_logger("reward.client")
+_DIRECT_SCHEMES = ("ipv4:", "ipv6:")
+_OTHER_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
+_MIN_RESOLVE_GAP_S = 0.5  # re-resolving asked for on a failure: at most this often
+_STATES = {c.value[0]: c for c in grpc.ChannelConnectivity}
+
+
+class NoAddress(Exception):
+    """The target's name resolves to no address (yet): a call fails as UNAVAILABLE and is retried."""
+
+
+class Replica:
+    """One address of the target: its channel and stub, calls in flight, and when it last answered."""
+
+    def __init__(self, address: str, options: list, watch: bool) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = reward_pb2_grpc.RewardStub(self.channel)
+        self.last_answer = 0.0  # monotonic time this address last answered one of the client's calls
+        self.avoid_until = 0.0  # a call on it timed out: no new call until then (0: answering)
+        self.in_flight = 0
+        self.removed = False
+        self._watching = watch
+        self.state()  # connect at once: by the first call, an address refusing connections is known as such
+
+    def state(self) -> grpc.ChannelConnectivity | None:
+        """The channel's connectivity now (and a connection attempt if it is idle); None when not watched or not
+        known. Read from the channel's core object: grpc's public `subscribe` polls from a thread of its own, which
+        raises "Channel closed!" when the channel closes while it polls."""
+        check = getattr(getattr(self.channel, "_channel", None), "check_connectivity_state", None)
+        if not self._watching or check is None:
+            return None
+        try:
+            return _STATES.get(int(check(True)))
+        except (ValueError, TypeError):  # closed meanwhile
+            return None
+
+    def answered(self) -> None:
+        self.last_answer = time.monotonic()
+        self.avoid_until = 0.0
+
+    def timed_out(self, timeout_s: float) -> None:
+        self.avoid_until = time.monotonic() + timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class Replicas:
+    """Every address of a target, re-resolved as the module docstring says. Thread-safe."""
+
+    def __init__(self, target: str, options: list, timeout_s: float, resolver: Resolver | None = None,
+                 resolve_every_s: float = 5.0) -> None:
+        if resolve_every_s <= 0:
+            raise ValueError(f"resolve_every_s must be > 0, got {resolve_every_s}")
+        self.target = target
+        self._options = options
+        self._timeout_s = timeout_s
+        self._every_s = resolve_every_s
+        self._lock = threading.Lock()
+        self._replicas: dict[str, Replica] = {}  # in the resolver's order; removed ones stay until their calls end
+        self._next = 0
+        self._problem = ""  # why the last resolution gave no address
+        self._closing = threading.Event()
+        self._wake = threading.Event()
+        self._resolver = resolver if resolver is not None else (resolve if _is_name(target) else None)
+        if self._resolver is None:
+            fixed = _direct_addresses(target)
+            for address in fixed:
+                self._replicas[address] = Replica(address, options, watch=len(fixed) > 1)
+            return
+        self._refresh()
+        threading.Thread(target=self._loop, name="reward-client-resolve", daemon=True).start()
+
+    # ---- resolution ----------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        assert self._resolver is not None
+        try:
+            found = list(dict.fromkeys(self._resolver(self.target)))
+        except (OSError, UnicodeError) as e:  # socket.gaierror: the name is unknown (no pod ready), DNS down
+            with self._lock:  # the addresses known stay (as gRPC keeps its last resolution): DNS may be down a moment
+                self._problem = f"{type(e).__name__}: {e}"
+            return
+        closing: list[Replica] = []
+        with self._lock:
+            if self._closing.is_set():
+                return
+            self._problem = ""
+            for address in found:
+                replica = self._replicas.get(address)
+                if replica is None:
+                    self._replicas[address] = Replica(address, self._options, watch=True)
+                    log.info("reward_address_added", target=self.target, address=address)
+                elif replica.removed:  # back before its calls ended: keep its connection
+                    replica.removed = False
+            for address, replica in list(self._replicas.items()):
+                if address not in found and not replica.removed:
+                    replica.removed = True
+                    log.info("reward_address_removed", target=self.target, address=address,
+                             calls_in_flight=replica.in_flight)
+                if replica.removed and replica.in_flight == 0:
+                    closing.append(self._replicas.pop(address))
+        for replica in closing:
+            replica.close()
+
+    def _loop(self) -> None:
+        last = time.monotonic()
+        while not self._closing.is_set():
+            if self._wake.wait(max(0.0, last + self._every_s - time.monotonic())):  # asked for: not too often
+                if self._closing.wait(max(0.0, last + _MIN_RESOLVE_GAP_S - time.monotonic())):
+                    return
+            self._wake.clear()
+            if self._closing.is_set():
+                return
+            last = time.monotonic()
+            self._refresh()
+
+    def resolve_soon(self) -> None:
+        """Resolve the name again now (a call found an address unreachable: a pod gone, maybe a new one)."""
+        self._wake.set()
+
+    # ---- picking -------------------------------------------------------------------------
+
+    def _rank(self, replica: Replica, now: float, failed: Replica | None) -> tuple[bool, bool, bool, bool]:
+        state = replica.state()
+        return (now < replica.avoid_until, state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                                                     grpc.ChannelConnectivity.SHUTDOWN),
+                state not in (None, grpc.ChannelConnectivity.READY), replica is failed)
+
+    @contextmanager
+    def use(self, failed: Replica | None = None) -> Iterator[Replica]:
+        """A replica for one attempt (not `failed`, the one the last attempt failed on, if another is as good),
+        counted in flight until the block ends; `NoAddress` when the name resolves to none."""
+        replica = self._pick(failed)
+        try:
+            yield replica
+        finally:
+            self._release(replica)
+
+    def _pick(self, failed: Replica | None) -> Replica:
+        now = time.monotonic()
+        with self._lock:
+            live = [r for r in self._replicas.values() if not r.removed]
+            if not live:
+                if self._resolver is not None:
+                    self._wake.set()
+                why = f" ({self._problem})" if self._problem else ""
+                raise NoAddress(f"{self.target} resolves to no address{why}")
+            ranks = [self._rank(r, now, failed) for r in live]
+            best = min(ranks)
+            choices = [r for r, rank in zip(live, ranks) if rank == best]
+            self._next += 1
+            replica = choices[self._next % len(choices)]
+            if replica.avoid_until:  # a probe of a replica that timed out: the next one after another timeout_s
+                replica.avoid_until = now + self._timeout_s
+            replica.in_flight += 1
+            return replica
+
+    def _release(self, replica: Replica) -> None:
+        with self._lock:
+            replica.in_flight -= 1
+            done = replica.removed and replica.in_flight == 0 and self._replicas.get(replica.address) is replica
+            if done:
+                del self._replicas[replica.address]
+        if done:
+            replica.close()
+
+    # ---- the rest ------------------------------------------------------------------------
+
+    def count(self) -> int:
+        """How many addresses calls may go to."""
+        with self._lock:
+            return sum(not r.removed for r in self._replicas.values())
+
+    def channels(self) -> list[grpc.Channel]:
+        with self._lock:
+            return [r.channel for r in self._replicas.values() if not r.removed]
+
+    def addresses(self, including_draining: bool = False) -> list[str]:
+        with self._lock:
+            return [a for a, r in self._replicas.items() if including_draining or not r.removed]
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether a channel of the target (any address of a name, resolved again meanwhile) connects within
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        ready = threading.Event()
+        waiting: dict[grpc.Channel, grpc.Future] = {}
+        try:
+            while True:
+                for channel in self.channels():
+                    if channel not in waiting:
+                        waiting[channel] = grpc.channel_ready_future(channel)
+                        waiting[channel].add_done_callback(lambda f: f.cancelled() or ready.set())
+                left = deadline - time.monotonic()
+                if ready.wait(max(0.0, min(left, 0.1))):
+                    return True
+                if left <= 0:
+                    return False
+                if not waiting and self._resolver is not None:
+                    self._wake.set()
+        finally:
+            for future in waiting.values():
+                future.cancel()
+
+    def why_none(self) -> str:
+        """Why no address could be called, for an error message: the name has none, or ''."""
+        with self._lock:
+            if any(not r.removed for r in self._replicas.values()):
+                return ""
+            return f" ({self.target} resolves to no address{': ' + self._problem if self._problem else ''})"
+
+    def named(self, replica: Replica | None) -> str:
+        """The target, and the replica's address when that is another (a name's pod): for error messages."""
+        if replica is None or replica.address == self.target:
+            return self.target
+        return f"{self.target} ({replica.address})"
+
+    def close(self) -> None:
+        """Close every channel (cutting off the calls in flight) and stop re-resolving."""
+        with self._lock:
+            self._closing.set()
+            self._wake.set()
+            replicas, self._replicas = list(self._replicas.values()), {}
+        for replica in replicas:
+            replica.close()
+
+
+def resolve(target: str) -> list[str]:
+    """The default resolver: every address of a `host:port` / `dns:///host:port` target's name (TCP), as
+    `ip:port` / `[ip6]:port`, in getaddrinfo's order."""
+    host, port = _host_port(target)
+    out: list[str] = []
+    for family, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        ip = sockaddr[0]
+        out.append(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return out
+
+
+def _host_port(target: str) -> tuple[str, int]:
+    if target.startswith("dns:"):
+        target = target[len("dns:"):]
+        if target.startswith("//"):  # dns://authority/host:port: the authority (a DNS server) is not used
+            target = target[2:].split("/", 1)[-1]
+    host, _, port = target.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _is_name(target: str) -> bool:
+    """Whether the target is a DNS name the client resolves itself (not an IP literal, not another scheme)."""
+    if target.startswith(_DIRECT_SCHEMES + _OTHER_SCHEMES):
+        return False
+    try:
+        host, _ = _host_port(target)
+    except ValueError:
+        return False  # not host:port: gRPC's to judge, as before
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return bool(host)
+    return False
+
+
+def _direct_addresses(target: str) -> list[str]:
+    """A target not resolved here: an `ipv4:` / `ipv6:` list as one target per address, anything else as itself."""
+    scheme = next((s for s in _DIRECT_SCHEMES if target.startswith(s)), None)
+    if scheme is None:
+        return [target]
+    parts = [p for p in target[len(scheme):].split(",") if p]
+    return [f"{scheme}{p}" for p in parts] if len(parts) > 1 else [target]
