@@ -163,3 +163,29 @@ def test_the_trainer_refuses_a_bad_eval_file_before_it_loads_the_policy(tmp_path
     with pytest.raises(RuntimeError, match="policy was loaded"):  # a good file: the policy is what comes next
         loop.train(cfg)
     assert loaded == [cfg.model_dir]
+
+
+def test_the_refusal_names_the_file_line_and_value(tmp_path, preset) -> None:
+    """The start-up refusal named the file and a value but not where it is: in a large eval or data file the user had
+    to search for it. It now opens with the first bad reference's file:line (JSONL; a Parquet file's row) and value,
+    and says where the next ones are."""
+    from tlt.services.common.config import load_config
+    from tlt.services.trainer.config import TrainerConfig
+    from tlt.services.trainer.data import DataError
+    from tlt.services.trainer.evaluate import eval_items
+
+    held_out = tmp_path / "eval.jsonl"  # a blank line: lines are the file's, not the rows'
+    held_out.write_text(json.dumps({"prompt": "e0", "answer": 5}) + "\n\n"
+                        + "".join(json.dumps({"prompt": f"e{i}", "answer": a}) + "\n"
+                                  for i, a in enumerate(["x = 5", 6, "7/2"], 1)))
+    cfg = load_config(TrainerConfig, "trainer", str(preset), {"data_path": str(_data(tmp_path, [72, 3])),
+                                                              "eval_data_path": str(held_out), "eval_problems": 4,
+                                                              "reward": "task"})
+    with pytest.raises(DataError) as refused:
+        eval_items(cfg)
+    says = str(refused.value)
+    assert says.startswith(f"{held_out}:3: reference answer 'x = 5' is not an integer"), says
+    assert f"{held_out}:5 ('7/2')" in says and "2 of 4 reference answers are not integers" in says, says
+    with pytest.raises(DataError) as refused:
+        _trainer_prompts(preset, _data(tmp_path, [72, 3, "\\frac{1}{2}"]), "task")
+    assert str(refused.value).startswith(f"{tmp_path / 'd.jsonl'}:3: reference answer '\\\\frac{{1}}{{2}}'"), refused

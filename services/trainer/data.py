@@ -141,7 +141,8 @@ def _item(index: int, row: object, where: str, answer_field: str = "answer") -> 
         if (bad := _invalid_text({name: value})) is not None:
             raise DataError(f"{where}: column {name!r} holds text that is not valid Unicode (a lone surrogate, e.g. "
                             f"half an emoji: {bad.encode('utf-8', 'backslashreplace')[:80]!r}); fix the row")
-    return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra, messages=messages)
+    return PromptItem(index=index, prompt=prompt, answer=_answer_text(answer), extra=extra, messages=messages,
+                      where=where)
 
 
 def _utf8(text: str) -> bool:
@@ -394,7 +395,7 @@ def trainer_prompts(cfg) -> list[PromptItem]:  # noqa: ANN001 - TrainerConfig
         if cfg.reward == "task":  # the synthetic task's integer reader: refused now, not at the step that hits a row
             from tlt.services.trainer.rewards import task_reference_problem
 
-            if (problem := task_reference_problem([it.answer for it in items], cfg.data_path)) is not None:
+            if (problem := task_reference_problem(items, cfg.data_path)) is not None:
                 raise DataError(problem)
         return items
     return synthetic_prompts(cfg.synthetic_problems, cfg.seed)

@@ -130,7 +130,7 @@ def eval_items(cfg: TrainerConfig) -> list[PromptItem]:
         if cfg.reward == "task":  # as trainer_prompts: refused now, not at the first eval, eval_every steps in
             from tlt.services.trainer.rewards import task_reference_problem
 
-            if (problem := task_reference_problem([it.answer for it in items], cfg.eval_data_path)) is not None:
+            if (problem := task_reference_problem(items, cfg.eval_data_path)) is not None:
                 raise DataError(problem)
         return items
     from tlt.model.evaluate import EVAL_SEED_OFFSET

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tlt.services.trainer.data import is_prefill
+from tlt.services.trainer.types import PromptItem
 
 RewardFn = Callable[..., list[float]]
 
@@ -473,16 +474,18 @@ def task_rewards(trainer_state: TrainerState | None = None) -> FunctionRewards:
     return FunctionRewards([task_reward], trainer_state=trainer_state)
 
 
-def task_reference_problem(answers: Sequence[str], source: str) -> str | None:
-    """Why `reward = "task"` cannot score a data set with these reference answers, or None: it reads integers only
-    (tlt/task/verify.py), so another reference failed a step whenever a completion wrote `answer: <integer>`."""
+def task_reference_problem(items: Sequence[PromptItem], source: str) -> str | None:
+    """Why `reward = "task"` cannot score a data set with these items' reference answers, or None: it reads integers
+    only (tlt/task/verify.py), so another reference failed a step whenever a completion wrote `answer: <integer>`.
+    The message opens with the first bad reference's place in `source` (file:line) and value, and names the next."""
     from tlt.task.verify import NOT_AN_INTEGER, integer_reference
 
-    bad = [a for a in answers if integer_reference(a) is None]
+    bad = [it for it in items if integer_reference(it.answer) is None]
     if not bad:
         return None
-    return (f"{source}: {len(bad)} of {len(answers)} reference answers are not integers (first: {bad[0]!r}); "
-            f"{NOT_AN_INTEGER}")
+    more = "".join(f"; {it.where or source} ({it.answer!r})" for it in bad[1:4]) + ("; ..." if len(bad) > 4 else "")
+    return (f"{bad[0].where or source}: reference answer {bad[0].answer!r} is not an integer ({len(bad)} of "
+            f"{len(items)} reference answers are not integers{more}); {NOT_AN_INTEGER}")
 
 
 # -- gRPC reward service --------------------------------------------------------------------

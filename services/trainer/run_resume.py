@@ -145,7 +145,6 @@ def data_file_change(cfg: TrainerConfig, state: tuple[Path, dict[str, Any]]) -> 
     if saved.get("fingerprint") not in (None, now.fingerprint):
         return (f"{cfg.data_path} was edited since: other content in its {len(now.items)} prompts, fingerprint "
                 f"{str(saved['fingerprint'])[:12]} at the checkpoint, {now.fingerprint[:12]} now")
-    if cfg.reward == "task" and (problem := task_reference_problem([it.answer for it in now.items],
-                                                                   cfg.data_path)) is not None:
+    if cfg.reward == "task" and (problem := task_reference_problem(now.items, cfg.data_path)) is not None:
         raise ServiceError(problem)
     return None

@@ -22,6 +22,9 @@ class PromptItem:
     # The row's chat messages when its prompt was a list of {role, content} (TRL's conversational rows): `prompt` is
     # then their rendering by the policy's chat template, and reward functions get these, as TRL passes them.
     messages: list[dict[str, str]] | None = field(default=None, hash=False)
+    # Where the row is in its file ("file:line" of JSONL, "file row i" of Parquet; "" for the synthetic task), for the
+    # errors that name a row; not part of the item's identity (fingerprints, equality).
+    where: str = field(default="", hash=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
