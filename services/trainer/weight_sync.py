@@ -139,11 +139,13 @@ def check_push_dtype(cfg, bf16: bool, clients: Sequence) -> None:  # noqa: ANN00
             why = f" (bf16 unset: the trainer {'trains bf16 on its GPU' if bf16 else 'trains fp32 on CPU'})"
         else:
             why = f" (bf16 = {str(cfg.bf16).lower()})"
-        knob = "sglang.dtype" if status.backend == "sglang" else "rollout.engine.dtype"
+        # the native engine takes pushes in its own dtype; SGLang's pool in its checkpoint's, whatever it computes in
+        other = (" (the SGLang backend takes pushes in its checkpoint's dtype)" if status.backend == "sglang"
+                 else f' or rollout.engine.dtype = "{pushed}"')
         raise PushDtypeError(
             f'[trainer] push_dtype="{cfg.push_dtype}" pushes {pushed} weights{why} but rollout server {client.address} '
             f'serves {served}: it would refuse every weight push; set trainer.push_dtype = "{served}" (the trainer '
-            f'casts each push) or {knob} = "{pushed}"')
+            f'casts each push){other}')
 
 
 class WeightPublisher:
