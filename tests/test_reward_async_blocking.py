@@ -31,7 +31,7 @@ BLOCKING = textwrap.dedent("""
 
     async def judge(completions, **kw):
         if completions[0] == "block":
-            time.sleep(1.2)  # the mistake: a blocking call inside a coroutine
+            time.sleep(1.5)  # the mistake: a blocking call inside a coroutine
         else:
             await asyncio.sleep(0.01)
         return [1.0]
@@ -55,7 +55,7 @@ def _blocked_total(server: RewardServer) -> float:
 
 def test_a_blocking_call_in_an_async_function_is_named_and_counted(blocking_module, capsys) -> None:
     config = RewardConfig(kind="python", function="blocking_judge:judge", port=PORT, workers=4,
-                          async_block_warn_s=0.4)
+                          async_block_warn_s=0.6)
     with RewardServer(config) as server, RewardClient(server.address, timeout_s=20, retries=0) as client:
         fast = [reward_pb2.ScoreRequest(id=f"f{i}", completion="fine", reference="1") for i in range(8)]
         assert all(r.ok for r in client.score(fast))
