@@ -152,3 +152,28 @@ def test_a_name_is_resolved_by_the_client_and_an_unreachable_address_of_it_is_sk
         fut = client.submit(Req(id="x", reference="1"))
         err = fut.exception(timeout=10)
         assert isinstance(err, RewardUnavailableError) and "no address" in str(err), err
+
+
+def test_an_address_refusing_connections_costs_no_retry_and_a_stuck_stream_moves_to_another_replica() -> None:
+    """`ipv4:` of a closed port and a live server, no retries: every call is answered (the refusing address is passed
+    over, as gRPC's round_robin did). A ScoreStream opened on a stuck replica stalls after timeout_s and is reopened
+    on the healthy one, which answers every item."""
+    fn = Counting()
+    release = threading.Event()
+    with _server(fn) as s:
+        dead = _port()  # nothing listens on it
+        with RewardClient(f"ipv4:127.0.0.1:{dead},{s.address}", timeout_s=5, retries=0) as client:
+            for i in range(8):
+                assert client.score([Req(id=f"d{i}", completion="x", reference="x")])[0].ok
+    assert fn.scored == 8
+    with _server(lambda p, c, r: release.wait(20)) as stuck, _server(Counting()) as ok:
+        try:
+            with RewardClient(f"ipv4:{ok.address},{stuck.address}", timeout_s=0.5, retries=1) as client:
+                time.sleep(0.5)  # both connected (a client connects each address at once), so neither is preferred:
+                t0 = time.monotonic()  # the first pick is the second address, the stuck one
+                got = {r.id for r in client.score_stream(Req(id=f"s{i}", completion="x", reference="x")
+                                                           for i in range(5))}
+                elapsed = time.monotonic() - t0
+        finally:
+            release.set()
+    assert got == {f"s{i}" for i in range(5)} and 0.5 <= elapsed < 3, elapsed  # a stall of timeout_s, then the rest
