@@ -126,7 +126,7 @@ class StubbedWorker:
     def busy(self) -> None:
         self.events.append(events_pb2.CapacityEvent(replica_id=0, state=BUSY, timestamp=time.time()))
 
-    def ask(self, **body):  # noqa: ANN003, ANN201
+    def ask(self, should_stop=None, **body):  # noqa: ANN001, ANN003, ANN201 - should_stop: never called (answers at once)
         from tlt.services.drafter.training import tensors_from, tensors_message
         from tlt.v1 import drafter_pb2
 

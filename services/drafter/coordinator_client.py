@@ -4,9 +4,17 @@ Every message carries the worker's id, its replica and the shared-weights versio
 coordinator shows them in status). A request not answered within `timeout_s` closes its socket (a REQ that lost
 its answer cannot send again) and raises CoordinatorUnavailable; the next request opens a fresh one. An answer
 with an error raises CoordinatorRefused.
+
+A worker asks with its drafter on the device (a pull, a batch, a delta): `should_stop` (its look at the capacity
+events) is called every `STOP_CHECK_S` while the answer is awaited, and True gives the request up at once the same way
+(the socket closed, CoordinatorInterrupted), so a BUSY frees the device within that much of the wait however slow the
+coordinator is: it waited up to the 10 s timeout (a starved coordinator held one first-window pull 930 ms).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import zmq
 
@@ -22,6 +30,14 @@ class CoordinatorRefused(RuntimeError):
     """The coordinator answered with an error (e.g. it could not build a batch from its buffer)."""
 
 
+class CoordinatorInterrupted(CoordinatorUnavailable):
+    """The caller's `should_stop` said stop while the answer was awaited: the request was given up (it may still be
+    carried out; a delta sent again is applied once, the coordinator's `apply_delta`)."""
+
+
+STOP_CHECK_S = 0.01  # while an answer is awaited, `should_stop` is asked this often
+
+
 class CoordinatorClient:
     """REQ to the coordinator with a timeout; a lost answer gets a fresh socket (REQ cannot recover)."""
 
@@ -33,7 +49,9 @@ class CoordinatorClient:
         self.shared_policy_version = 0  # stamped on every message: the coordinator shows them in status
         self.shared_fetch_failures = 0
 
-    def ask(self, **body: object) -> drafter_pb2.CoordinatorMessage:
+    def ask(self, should_stop: Callable[[], bool] | None = None, **body: object) -> drafter_pb2.CoordinatorMessage:
+        """Send one WorkerMessage with `body` and return the answer. `should_stop`: asked every STOP_CHECK_S while
+        the answer is awaited; True gives the request up (CoordinatorInterrupted)."""
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
@@ -42,14 +60,26 @@ class CoordinatorClient:
                                         shared_policy_version=self.shared_policy_version,
                                         shared_fetch_failures=self.shared_fetch_failures, **body)
         self._sock.send(msg.SerializeToString())
-        if not self._sock.poll(int(self.timeout_s * 1000)):
-            self._sock.close()
-            self._sock = None
-            raise CoordinatorUnavailable(f"no answer from the coordinator at {self.endpoint} in {self.timeout_s}s")
+        self._await(next(iter(body)), should_stop)
         reply = drafter_pb2.CoordinatorMessage.FromString(self._sock.recv())
         if reply.error:
             raise CoordinatorRefused(f"coordinator refused {next(iter(body))}: {reply.error}")
         return reply
+
+    def _await(self, kind: str, should_stop: Callable[[], bool] | None) -> None:
+        """Return once the answer is there. After `timeout_s`, or when `should_stop()` says so, the socket (a REQ that
+        lost its answer) is closed and CoordinatorUnavailable, or CoordinatorInterrupted, raised."""
+        assert self._sock is not None
+        deadline = time.monotonic() + self.timeout_s
+        slice_s = self.timeout_s if should_stop is None else STOP_CHECK_S
+        stopped = False
+        while not self._sock.poll(int(1000 * max(0.0, min(slice_s, deadline - time.monotonic())))):
+            if time.monotonic() >= deadline or (stopped := should_stop is not None and should_stop()):
+                self._sock.close()
+                self._sock = None
+                if stopped:
+                    raise CoordinatorInterrupted(f"{kind} to {self.endpoint} given up: the caller stopped waiting")
+                raise CoordinatorUnavailable(f"no answer from the coordinator at {self.endpoint} in {self.timeout_s}s")
 
     def close(self) -> None:
         if self._sock is not None:

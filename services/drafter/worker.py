@@ -23,7 +23,9 @@ and step counts live in `<checkpoint_dir>/worker-<id>.pt` (atomic rename): after
 worker resumes from the last checkpoint; the work since then is lost, never half-applied (the
 coordinator applies a delta whole or not at all). The coordinator connection is a REQ socket with
 a timeout; a coordinator that does not answer (its first hello included) makes the worker wait and retry, not
-crash, and a batch
+crash. A request a window makes with the drafter on the device (pull, batch, delta) looks at the events every 10 ms
+while it waits, and a BUSY gives it up there (CoordinatorInterrupted): a slow coordinator does not keep the device
+(a delta given up is sent again with the deferred change; the coordinator applies it once). A batch
 request it answers with an error (a batch it cannot build) is skipped, logged, and asked again. A delta
 it refuses (e.g. non-finite after a diverged step) is logged and dropped together with the optimizer state
 that produced it (back to the last checkpoint), as a kill -9 would lose it; the worker trains on. While it runs,
@@ -40,7 +42,8 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,13 +51,15 @@ from tlt.services.common.events import CapacitySubscriber
 from tlt.services.common.logging import get_logger
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import WORKER_HEARTBEAT_S
-from tlt.services.drafter.coordinator_client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
+from tlt.services.drafter.coordinator_client import (CoordinatorClient, CoordinatorInterrupted, CoordinatorRefused,
+                                                     CoordinatorUnavailable)
 from tlt.services.drafter.packing import PackedBatch
 from tlt.services.drafter.rollout_idle import BUSY_POLL_S, STALE_S, fresh_all_idle
 from tlt.services.drafter.shared import Fetch, SharedTensors, SharedWeights
-from tlt.model.drafter import Drafter, DrafterConfig, DrafterError
+from tlt.model.drafter import Drafter, DrafterError
 from tlt.services.drafter.training import load_state, make_optimizer, micro_step, own_tensors, save_atomic, target_shared
 from tlt.services.drafter.training import tensors_from, tensors_message, warm_up_optimizer
+from tlt.services.drafter.worker_state import WindowResult, cpu_copy, optimizer_misfit
 from tlt.v1 import common_pb2, drafter_pb2
 
 log = get_logger("drafter.worker")
@@ -62,21 +67,6 @@ IDLE = common_pb2.REPLICA_STATE_IDLE
 # other replicas heard for this long and never the worker's own: its replica id is not one the rollout has
 # (`tlt drafter serve --workers` over the rollout's replicas), said once in the log
 REPLICA_UNHEARD_S = 15.0
-
-
-@dataclass
-class WindowResult:
-    micro_steps: int = 0
-    preempted: bool = False
-    busy_timestamp: float = 0.0
-    released: float = 0.0
-    # CPU seconds of the worker from its last look that found the replica idle to `released`: at most what a
-    # preemption took from the replica, where released - busy_timestamp (wall clock) also counts the wait of a
-    # worker_nice worker for cycles the busy replica leaves it (the window log's release_cpu_ms)
-    release_cpu: float = 0.0
-    last_step_start: float = 0.0
-    losses: list[float] = field(default_factory=list)
-    abandoned: bool = False  # the last micro-step was given up before its update (BUSY seen at a checkpoint)
 
 
 @dataclass(frozen=True)
@@ -100,7 +90,7 @@ class DrafterWorker:
         self.ckpt = os.path.join(cfg.checkpoint_dir, f"worker-{worker_id}.pt")
         saved = load_state(self.ckpt) or {}
         self.drafter_cfg, embed, head = target_shared(model_dir)  # --model is policy version 0
-        problem = _optimizer_misfit(saved.get("optimizer"), self.drafter_cfg, embed, head)
+        problem = optimizer_misfit(saved.get("optimizer"), self.drafter_cfg, embed, head)
         if problem is not None:  # else a shape error at the first micro-step of the first idle window, and the end
             raise DrafterError(f"{self.ckpt} holds the optimizer state of another model's drafter ({problem}); give "
                                f"[drafter] checkpoint_dir a folder of its own for --model {model_dir}, or move that "
@@ -367,67 +357,74 @@ class DrafterWorker:
         drafter = Drafter(self.drafter_cfg, embed.to(self.device), head.to(self.device)).to(self.device)
         opt = make_optimizer(drafter, self.cfg.lr, self.cfg.weight_decay)
         self._restore_optimizer(opt)
-        base, base_version = self._pull(drafter)
-        since_submit = 0
+
+        def interrupt() -> bool:  # asked while the coordinator answers: the drafter is on the device meanwhile
+            return self._busy_now() or (stop is not None and stop.is_set())  # type: ignore[attr-defined]
+
+        base, base_version, since_submit = {}, 0, 0
         saved = False  # the window ends right after its checkpoint was written: nothing left to defer
-        while True:
-            self._poll_events(0.0)
-            if self.busy_seen or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
-                res.preempted = self.busy_seen
-                break
-            try:
-                reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(rows=self.cfg.batch_rows,
-                                                                              max_tokens=self.cfg.batch_tokens))
-            except CoordinatorRefused as e:  # one bad batch: skip it; dying would not make the next one better
-                log.warning("batch_refused", worker=self.worker_id, error=str(e)[:300])
-                self._poll_events(0.5)  # do not spin on the coordinator; a BUSY event still ends the window at once
-                continue
-            self.shared.see(reply.batch.policy_version)  # used from the next window on
-            if reply.batch.rows == 0:
-                self._poll_events(0.05)  # nothing to train on yet; keep listening
-                continue
-            if self._busy_now():  # turned busy while the batch came: do not start the step
-                res.preempted = True
-                break
-            res.last_step_start = time.time()
-            loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
-                              self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps,
-                              should_stop=self._busy_now)
-            if loss is None:  # turned busy during the step: abandoned at a checkpoint, before its update
-                res.preempted = res.abandoned = True
-                break
-            res.micro_steps += 1
-            res.losses.append(float(loss.loss))
-            del loss
-            since_submit += 1
-            if self._busy_now():  # turned busy during the step: stop now; a due submission waits (deferred)
-                res.preempted = True
-                break
-            if since_submit >= self.cfg.submit_every:
-                busy = self._submit(drafter, base, base_version, since_submit, res, opt)
-                since_submit = 0
-                if busy:  # turned busy during the send: the checkpoint waits (deferred), no re-pull
+        try:  # a request given up for a BUSY (`interrupt`): what the window did since its last send is deferred
+            base, base_version = self._pull(drafter, interrupt)
+            while True:
+                self._poll_events(0.0)
+                if self.busy_seen or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+                    res.preempted = self.busy_seen
+                    break
+                try:
+                        reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(
+                        rows=self.cfg.batch_rows, max_tokens=self.cfg.batch_tokens), should_stop=interrupt)
+                except CoordinatorRefused as e:  # one bad batch: skip it; dying would not make the next one better
+                    log.warning("batch_refused", worker=self.worker_id, error=str(e)[:300])
+                    self._poll_events(0.5)  # do not spin on the coordinator; a BUSY event still ends the window at once
+                    continue
+                self.shared.see(reply.batch.policy_version)  # used from the next window on
+                if reply.batch.rows == 0:
+                    self._poll_events(0.05)  # nothing to train on yet; keep listening
+                    continue
+                if self._busy_now():  # turned busy while the batch came: do not start the step
                     res.preempted = True
                     break
-                if self._busy_now():  # turned busy during the checkpoint: release now; the next window pulls
+                res.last_step_start = time.time()
+                loss = micro_step(drafter, opt, PackedBatch.from_proto(reply.batch), self.cfg.grad_clip,
+                                  self.cfg.feature_noise, self._gen, ttt_steps=self.cfg.ttt_steps,
+                                  should_stop=self._busy_now)
+                if loss is None:  # turned busy during the step: abandoned at a checkpoint, before its update
+                    res.preempted = res.abandoned = True
+                    break
+                res.micro_steps += 1
+                res.losses.append(float(loss.loss))
+                del loss
+                since_submit += 1
+                if self._busy_now():  # turned busy during the step: stop now; a due submission waits (deferred)
                     res.preempted = True
                     break
-                if self.cfg.train_when == "always":  # a window per submission: the next one fetches a newer
-                    saved = self._unsaved_opt is None  # policy's embedding / lm_head (shared.refresh runs between
-                    break  # windows only); what it leaves is sent and, unless the write failed, saved
-                base, base_version = self._pull(drafter)
-            if self.cfg.window_max_steps and res.micro_steps >= self.cfg.window_max_steps:
-                if since_submit:  # the replica is still idle: send the change now rather than defer it
-                    busy = self._submit(drafter, base, base_version, since_submit, res, opt)
+                if since_submit >= self.cfg.submit_every:
+                    busy = self._submit(drafter, base, base_version, since_submit, res, opt, interrupt)
                     since_submit = 0
-                    if busy:  # a BUSY ends this idle period (and its budget) as in the loop above
+                    if busy:  # turned busy during the send: the checkpoint waits (deferred), no re-pull
                         res.preempted = True
                         break
-                self.budget_spent = True  # no more training until the replica is busy and idle again
-                break
+                    if self._busy_now():  # turned busy during the checkpoint: release now; the next window pulls
+                        res.preempted = True
+                        break
+                    if self.cfg.train_when == "always":  # a window per submission: the next one fetches a newer
+                        saved = self._unsaved_opt is None  # policy's embedding / lm_head (shared.refresh runs between
+                        break  # windows only); what it leaves is sent and, unless the write failed, saved
+                    base, base_version = self._pull(drafter, interrupt)
+                if self.cfg.window_max_steps and res.micro_steps >= self.cfg.window_max_steps:
+                    if since_submit:  # the replica is still idle: send the change now rather than defer it
+                        busy = self._submit(drafter, base, base_version, since_submit, res, opt, interrupt)
+                        since_submit = 0
+                        if busy:  # a BUSY ends this idle period (and its budget) as in the loop above
+                            res.preempted = True
+                            break
+                    self.budget_spent = True  # no more training until the replica is busy and idle again
+                    break
+        except CoordinatorInterrupted:  # turned busy while the coordinator answered (or stopped)
+            res.preempted = self.busy_seen
         # stop: copy what must survive off the device, then free the device
         local = own_tensors(drafter)
-        opt_state = _cpu(opt.state_dict())
+        opt_state = cpu_copy(opt.state_dict())
         alive = weakref.ref(drafter)
         del drafter, opt
         if alive() is not None:  # normally freed by refcount at once; a cycle needs the (slow, ~1 s) collector
@@ -462,8 +459,8 @@ class DrafterWorker:
         return res
 
     # ---- state
-    def _pull(self, drafter: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
-        cand = self.client.ask(pull=drafter_pb2.PullCandidate()).candidate
+    def _pull(self, drafter: torch.nn.Module, interrupt: Callable[[], bool]) -> tuple[dict[str, torch.Tensor], int]:
+        cand = self.client.ask(pull=drafter_pb2.PullCandidate(), should_stop=interrupt).candidate
         tensors = tensors_from(cand.manifest, cand.payload)
         drafter.load_tensors(tensors)  # type: ignore[operator]
         return tensors, cand.version
@@ -489,15 +486,17 @@ class DrafterWorker:
             self._deferred = None
         return False
 
-    def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, losses: list[float]) -> bool:
+    def _send_delta(self, local: dict, base: dict, base_version: int, steps: int, losses: list[float],
+                    interrupt: Callable[[], bool] | None = None) -> bool:
         """False when the coordinator refused it (logged): resending the same delta would be refused again, and
-        dying would stop this worker for good, so the caller drops it."""
+        dying would stop this worker for good, so the caller drops it. CoordinatorInterrupted: `interrupt` said stop
+        before the answer came (it may have landed: sent again later, the coordinator applies it once)."""
         delta = {k: local[k] - base[k] for k in local}
         m, p = tensors_message(delta, base_version)
         loss = sum(losses) / max(1, len(losses))
         try:
             self.client.ask(update=drafter_pb2.DeltaUpdate(base_version=base_version, manifest=m, payload=p,
-                                                           micro_steps=steps, mean_loss=loss))
+                                                           micro_steps=steps, mean_loss=loss), should_stop=interrupt)
         except CoordinatorRefused as e:
             log.warning("delta_refused", worker=self.worker_id, base_version=base_version, steps=steps,
                         error=str(e)[:300])
@@ -505,16 +504,17 @@ class DrafterWorker:
         return True
 
     def _submit(self, drafter: torch.nn.Module, base: dict, base_version: int, steps: int, res: WindowResult,
-                opt: torch.optim.Optimizer) -> bool:
+                opt: torch.optim.Optimizer, interrupt: Callable[[], bool]) -> bool:
         """Send the window's change, then checkpoint the optimizer, unless the replica turned busy during the
         send: then the checkpoint (twice the drafter's size) waits for the next idle moment, as after any
         preemption, and this returns True (the caller ends the window)."""
-        if not self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:]):  # type: ignore[arg-type]
+        if not self._send_delta(own_tensors(drafter), base, base_version, steps, res.losses[-steps:],  # type: ignore[arg-type]
+                                interrupt):
             self._restore_optimizer(opt)  # the optimizer state that made the refused delta must not go on
             return False
         if self._busy_now():
             return True
-        self._checkpoint(_cpu(opt.state_dict()), extra_steps=res.micro_steps)  # failed: the window's end defers one
+        self._checkpoint(cpu_copy(opt.state_dict()), extra_steps=res.micro_steps)  # failed: the window's end defers one
         return False
 
     def _restore_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -556,23 +556,6 @@ class DrafterWorker:
         self.client.close()
 
 
-def _optimizer_misfit(state: dict | None, cfg: DrafterConfig, embed: torch.Tensor, head: torch.Tensor) -> str | None:
-    """Why a saved optimizer state cannot be that of this drafter's parameters (their number, their moments'
-    shapes), or None when it fits or there is none. The drafter is built on the meta device: shapes, no memory."""
-    if not state:
-        return None
-    with torch.device("meta"):
-        shapes = [tuple(p.shape) for p in Drafter(cfg, embed, head).parameters()]
-    ids = [i for group in state.get("param_groups", []) for i in group.get("params", [])]
-    if len(ids) != len(shapes):
-        return f"{len(ids)} parameters, expected {len(shapes)}"
-    for i, shape in zip(ids, shapes):
-        for name, t in state.get("state", {}).get(i, {}).items():
-            if isinstance(t, torch.Tensor) and t.dim() and tuple(t.shape) != shape:
-                return f"parameter {i} {name}: shape {tuple(t.shape)}, expected {shape}"
-    return None
-
-
 def _rest(stop: object, seconds: float) -> None:
     """Sleep `seconds`, or less when `stop` (a threading.Event-like) is set meanwhile."""
     wait = getattr(stop, "wait", None)
@@ -580,13 +563,3 @@ def _rest(stop: object, seconds: float) -> None:
         wait(seconds)
     else:
         time.sleep(seconds)
-
-
-def _cpu(obj: object) -> object:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu(v) for v in obj]
-    return obj
