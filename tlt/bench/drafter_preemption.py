@@ -7,7 +7,8 @@ A real CapacityPublisher (what the rollout server runs) flips replica 0 IDLE -> 
 features of the model's own greedy samples) and reports for each window the publisher's BUSY
 timestamp and the moment it had freed the device. Latency = released - busy (same host clock).
 Idle windows last a random 0.1-0.6 s so the BUSY lands at random points of a micro-step. Each window
-reported is measured once (the first, which includes the worker's warm-up, not at all); a BUSY whose
+reported is measured once, the worker's first included (it was left out while the first optimizer's import of
+torch._dynamo fell in it; a worker builds one when it starts since, `warm_up_optimizer`); a BUSY whose
 window has not come 30 s later adds none, and a run where no window was preempted is an error (exit 1). The
 worker starts as `tlt drafter serve` starts its own (services/drafter/serve.py's worker_launch: the config in its
 environment); one that exits, or has not joined the coordinator WORKER_JOIN_S after its start, is an error (exit 1).
@@ -118,14 +119,14 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     lat: list[float] = []
     steps: list[int] = []
-    reported = 0  # windows the worker reported, the first one included
+    reported = 0  # windows the worker reported
     failed = ""
     try:
         failed = _wait_for_worker(proc, coord)
         last = coord.windows[-1] if coord.windows else None
-        for i in range(0 if failed else args.preemptions + 1):
+        for _ in range(0 if failed else args.preemptions):
             pub.publish(events_pb2.CapacityEvent(replica_id=0, state=idle))
-            time.sleep(rng.uniform(0.1, 0.6) + (1.0 if i == 0 else 0.0))
+            time.sleep(rng.uniform(0.1, 0.6))
             pub.publish(events_pb2.CapacityEvent(replica_id=0, state=busy))
             deadline = time.monotonic() + 30
             new = _new_windows(coord.windows, last)
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             if failed:
                 break
             for w in new:  # none when no window came within the deadline: the last one is measured already
-                if reported > 0 and w.preempted:  # the first window includes the worker's warm-up; not measured
+                if w.preempted:  # the worker's first window too: it starts warmed up (`warm_up_optimizer`)
                     lat.append(w.released - w.busy_timestamp)
                     steps.append(w.micro_steps)
                 reported += 1
@@ -149,13 +150,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if not lat:
         print(f"error: no training window was preempted by a BUSY event ({reported} windows reported for "
-              f"{args.preemptions + 1} BUSY events, the first not measured); nothing to measure, see the worker's "
+              f"{args.preemptions} BUSY events); nothing to measure, see the worker's "
               "output above", file=sys.stderr)
         return 1
     ms = np.array(lat) * 1000
     res = {"preemptions": len(lat), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
            "max_ms": float(ms.max()), "mean_steps_per_window": float(np.mean(steps)),
-           "batch": f"{args.batch_rows}x{args.batch_tokens}", "model": model_dir}
+           "batch": f"{args.batch_rows}x{args.batch_tokens}", "model": model_dir,
+           "measured": "every preempted window, the worker's first included"}
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
