@@ -63,6 +63,11 @@ class TrainerConfig(ServiceConfig):
         "retried, backing off up to 2 s, until this many seconds after the first failure, beyond reward_retries; "
         "0: reward_retries only"
     )
+    reward_async_block_warn_s: float = Field(
+        1.0, ge=0, description="reward='python' with an async def function: its coroutines run on one event loop, so a "
+        "blocking call inside one stalls the step's scoring; when the loop has not run for this many seconds the "
+        "trainer logs reward_loop_blocked (the function and its line), as [reward] async_block_warn_s does. 0: off"
+    )
     connect_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the rollout server(s) and the reward server at start")
     rollout_retries: int = Field(2, ge=0, description="times a step is rolled out again (its partial rollout dropped) "
                                  "after a rollout replica died mid-step and was restarted, or the rollout server "

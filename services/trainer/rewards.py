@@ -27,7 +27,8 @@ Two sources:
   `[{"role": "assistant", "content": text}]`, and `completion_ids` (each
   completion's token ids) when it names that keyword or takes **kw. As TRL does, it
   gets `trainer_state` (`TrainerState`: `global_step`, `max_steps`) for a
-  curriculum, and an `async def` function is awaited.
+  curriculum, and an `async def` function is awaited, on `reward_loop()`, watched by
+  the reward server's `LoopWatchdog` (a blocking call inside one logs `reward_loop_blocked`).
 - `GrpcRewards`: any `tlt.v1.Reward` server through `RewardClient`; each
   completion is submitted the moment it arrives from the rollout stream, so
   scoring overlaps the long tail of decoding. The client bounds concurrency,
@@ -44,22 +45,20 @@ A reward that cannot be had (after retries: the server unreachable, or
 answering nothing for the timeout; a call refused, `ok=false` in a response, a function that raises or returns the
 wrong number of values or a non-finite value) fails the step with a `RewardError` that names
 the completion and the cause. No reward is ever defaulted to 0.
+
+Loading the user's function (`load_function`) is rewards_load.py's; its names are importable from here too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import json
 import math
 import numbers
 import os
-import sys
-import sysconfig
 import threading
-import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
@@ -67,9 +66,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tlt.services.trainer.data import is_prefill
+from tlt.services.trainer.rewards_load import RewardFn, RewardFunctionError, _is_signal, load_function
 from tlt.services.trainer.types import PromptItem
 
-RewardFn = Callable[..., list[float]]
+__all__ = ["FunctionRewards", "GrpcRewards", "RewardBatch", "RewardError", "RewardFn", "RewardFunctionError",
+           "RewardFunctionFailed", "RewardResult", "RewardSource", "TrainerState", "load_function",
+           "make_reward_source", "reward_loop", "task_reference_problem", "task_rewards"]
 
 
 class RewardError(RuntimeError):
@@ -144,16 +146,6 @@ def _shown(value: object) -> str:
 # -- in-process functions ----------------------------------------------------------------
 
 
-def _is_signal(e: BaseException) -> bool:
-    """Whether `e` is a signal that stops the process rather than the function's own raise: Ctrl-C's
-    KeyboardInterrupt, or the trainer's Terminated (SIGTERM; it carries `signum`), in the main thread, where
-    Python delivers them. Any other BaseException (sys.exit, func_timeout's FunctionTimedOut, a KeyboardInterrupt a
-    reward server's worker thread raised) is the function's failure: the step's error, or the item's ok=false."""
-    return threading.current_thread() is threading.main_thread() and (
-        isinstance(e, KeyboardInterrupt) or isinstance(getattr(e, "signum", None), int))
-
-
-
 def _call(fn: RewardFn, prompts: list[Any], completions: list[Any], answers: list[str],
           columns: Mapping[str, list[Any]], completion_ids: list[list[int]] | None = None,
           trainer_state: TrainerState | None = None) -> list[float]:
@@ -211,9 +203,10 @@ async def _awaiting(awaitable: Any) -> Any:
 
 class _FunctionBatch:
     def __init__(self, fns: Sequence[tuple[RewardFn, float]], names: Sequence[str] | None = None,
-                 trainer_state: TrainerState | None = None) -> None:
+                 trainer_state: TrainerState | None = None, on_async: Callable[[], None] | None = None) -> None:
         self._fns = fns
         self._state = trainer_state
+        self._on_async = on_async  # called before a coroutine is submitted to reward_loop() (FunctionRewards._watch)
         # how errors name each function: its qualified name, or what the user wrote (a served "module:function")
         self._names = list(names) if names is not None else [getattr(fn, "__qualname__", repr(fn)) for fn, _ in fns]
         self._keys: list[str] = []
@@ -280,9 +273,11 @@ class _FunctionBatch:
         with self._boundary(name):
             ids = None if any(i is None for i in self._ids) else [list(i) for i in self._ids]
             values = _call(fn, *self._trl_inputs(), self._answers, columns, ids, self._state)
-            if inspect.isawaitable(values):
-                return asyncio.run_coroutine_threadsafe(_awaiting(values), reward_loop())
-            return self._listed(values, name)
+            if not inspect.isawaitable(values):
+                return self._listed(values, name)
+        if self._on_async is not None:
+            self._on_async()
+        return asyncio.run_coroutine_threadsafe(_awaiting(values), reward_loop())
 
     def _values(self, started: list[object] | Future, name: str) -> list[object]:
         """The function's values: `started`, or what its coroutine returns (waited for here)."""
@@ -338,10 +333,16 @@ class _FunctionBatch:
 
 
 class FunctionRewards:
-    """Weighted sum of in-process TRL-style reward functions."""
+    """Weighted sum of in-process TRL-style reward functions.
+
+    An `async def` function's coroutines run on `reward_loop()`, so a blocking call inside one (`time.sleep`,
+    `requests.get`) stalls the step's scoring. From the first step that awaits one, the reward server's `LoopWatchdog`
+    (services/reward/function.py) watches that loop: when it has not run for `async_block_warn_s` ([trainer]
+    reward_async_block_warn_s; 0: off) it logs `reward_loop_blocked` with the function ("module:function") and the
+    line it is stuck on, then `reward_loop_unblocked` with how long, and counts it in `loop_blocked`."""
 
     def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float] | None = None,
-                 trainer_state: TrainerState | None = None) -> None:
+                 trainer_state: TrainerState | None = None, async_block_warn_s: float = 1.0) -> None:
         self.trainer_state = trainer_state or TrainerState()  # TRL's `trainer_state` keyword; the loop sets its step
         if not fns:
             raise ValueError("FunctionRewards needs at least one function")
@@ -349,117 +350,35 @@ class FunctionRewards:
         if len(weights) != len(fns):
             raise ValueError(f"{len(fns)} reward functions but {len(weights)} weights")
         self._fns = list(zip(fns, weights))
+        self.async_block_warn_s = async_block_warn_s
+        self.watchdog = None  # a LoopWatchdog once a step awaited a function, until close()
+        self.loop_blocked = 0  # times an async def function held the loop past async_block_warn_s
+        self._watch_lock = threading.Lock()
 
     def begin(self) -> _FunctionBatch:
-        return _FunctionBatch(self._fns, trainer_state=self.trainer_state)
+        return _FunctionBatch(self._fns, trainer_state=self.trainer_state, on_async=self._watch)
+
+    def _watch(self) -> None:
+        """Watch `reward_loop()` (from the first coroutine on; once) unless async_block_warn_s is 0."""
+        if self.async_block_warn_s <= 0:
+            return
+        from tlt.services.reward.function import LoopWatchdog, is_async_function
+
+        with self._watch_lock:
+            if self.watchdog is None:
+                fns = [fn for fn, _ in self._fns if is_async_function(fn)] or [fn for fn, _ in self._fns]
+                name = ", ".join(f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+                                 for fn in fns)
+                self.watchdog = LoopWatchdog(reward_loop(), self.async_block_warn_s, name, self._blocked).start()
+
+    def _blocked(self) -> None:
+        self.loop_blocked += 1
 
     def close(self) -> None:
-        pass
-
-
-class RewardFunctionError(ValueError):
-    """reward_function names no function that can be imported: a configuration error, found before training."""
-
-
-def load_function(spec: str) -> RewardFn:
-    """'package.module:function' -> the function (the user's reward). The module is imported from the Python path,
-    else from the current directory: `python -m tlt.cli` puts that directory on the path, the `tlt` script does not,
-    and a reward file beside the config should be found either way."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
-    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
-        raise RewardFunctionError(_file_given(spec, module_name, attr))
-    module = _import_user_module(spec, module_name)
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardFunctionError(f"{spec!r}: {module_name} has no callable {attr!r}{_shadowed(module_name, module)}")
-    return fn
-
-
-def _file_given(spec: str, path: str, attr: str) -> str:
-    """The hint for a file path where a module name belongs (verl's custom_reward_function.path habit)."""
-    p = os.path.abspath(path if path.endswith(".py") else path + ".py")
-    name = os.path.splitext(os.path.basename(p))[0]
-    folder = os.path.dirname(p)
-    where = ("" if folder == os.getcwd() else
-             f", with {folder} on PYTHONPATH (or run from there: the current directory is searched)")
-    return (f"reward function {spec!r} names a file; give its module name: '{name}:{attr}'{where}")
-
-
-def _shadowed(name: str, module: Any) -> str:
-    """What to say when `name` is another module than the user's file: the standard library's `test` or `math`
-    (found first on the path: the current directory comes last), or an installed package."""
-    top = name.split(".")[0]
-    file = getattr(module, "__file__", None)
-    mine = os.path.join(os.getcwd(), top + ".py")
-    stdlib = sysconfig.get_paths()["stdlib"]
-    in_stdlib = file is None or (file.startswith(stdlib) and "site-packages" not in file) or (
-        top in sys.stdlib_module_names)
-    if not in_stdlib and not (os.path.exists(mine) and os.path.abspath(file or "") != mine):
-        return ""
-    what = "the standard library's module" if in_stdlib else "an installed module"
-    yours = f" instead of your {mine}" if os.path.exists(mine) else ""
-    return (f": {name} is {what} ({file or 'built in'}), imported{yours}; rename your file "
-            f"(e.g. my_{top}.py) and the spec with it")
-
-
-def _import_user_module(spec: str, name: str) -> Any:
-    def missing(e: ModuleNotFoundError) -> bool:  # the module itself (or its package), not something it imports
-        return e.name is not None and (name == e.name or name.startswith(e.name + "."))
-
-    try:
-        return _user_import(spec, name)
-    except ModuleNotFoundError as e:
-        if not missing(e):
-            raise RewardFunctionError(_import_failed(spec, name, e)) from None
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)  # last: the directory never shadows an installed package
-        try:
-            return _user_import(spec, name)
-        except ModuleNotFoundError as e:
-            if not missing(e):
-                raise RewardFunctionError(_import_failed(spec, name, e)) from None
-    raise RewardFunctionError(
-        f"reward_function {spec!r}: no module {name!r} on the Python path or in the current directory {cwd}; "
-        f"put {name.replace('.', '/')}.py there or add its folder to PYTHONPATH")
-
-
-def _user_import(spec: str, name: str) -> Any:
-    """Import the user's module; what its own code raises (a syntax error, a failing import of its own, an
-    exception at module level) is a RewardFunctionError naming the file and line, one line for the CLI instead of
-    the traceback of our import machinery. ModuleNotFoundError passes through: the caller tells whether the
-    module itself is missing (look in the current directory) or something it imports."""
-    argv = sys.argv
-    sys.argv = [name]  # a module that parses arguments at import (argparse) must not read tlt's own as its
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError:
-        raise
-    except BaseException as e:  # noqa: BLE001 - anything the user's module-level code raises; sys.exit too
-        if _is_signal(e):
-            raise
-        raise RewardFunctionError(_import_failed(spec, name, e)) from None
-    finally:
-        sys.argv = argv
-
-
-def _import_failed(spec: str, name: str, e: BaseException) -> str:
-    """"reward function 'm:f': importing m failed at m.py:2: SyntaxError: '[' was never closed"."""
-    if isinstance(e, SyntaxError) and e.filename:
-        where = f"{e.filename}:{e.lineno}"
-        what = f"{type(e).__name__}: {e.msg}"
-    else:
-        frames = traceback.extract_tb(e.__traceback__)
-        stdlib = sysconfig.get_paths()["stdlib"]  # argparse's exit, json's error: the user's line that called it
-        user = [f for f in frames if "importlib" not in f.filename and not f.filename.startswith(stdlib)]
-        where = f"{user[-1].filename}:{user[-1].lineno}" if user else name
-        what = f"{type(e).__name__}: {e}"
-        if isinstance(e, SystemExit):  # argparse's error, or an explicit exit: run only under __main__
-            return (f"reward function {spec!r}: {name} exited while being imported ({what}) at {where}; code that "
-                    "parses arguments or exits belongs under `if __name__ == \"__main__\":`")
-    return f"reward function {spec!r}: importing {name} failed at {where}: {what}"
+        with self._watch_lock:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+                self.watchdog = None
 
 
 def task_rewards(trainer_state: TrainerState | None = None) -> FunctionRewards:
@@ -580,5 +499,6 @@ def make_reward_source(cfg) -> RewardSource:  # noqa: ANN001 - TrainerConfig
                            cfg.reward_retry_window_s)
     state = TrainerState(max_steps=cfg.steps)
     if cfg.reward == "python":
-        return FunctionRewards([load_function(cfg.reward_function)], trainer_state=state)
+        return FunctionRewards([load_function(cfg.reward_function)], trainer_state=state,
+                               async_block_warn_s=cfg.reward_async_block_warn_s)
     return task_rewards(state)
