@@ -186,7 +186,7 @@ def test_a_delta_resent_after_a_lost_answer_is_applied_once(tmp_path, model_dir,
         pub.close()
 
 
-def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, model_dir, samples) -> None:
+def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, model_dir, samples, monkeypatch) -> None:
     """The worker's first act is a snapshot of every replica's state. A snapshot socket that answers garbage
     (a buggy peer) or not at all within 30 s (a rollout slower to start than the worker, or restarting) raised
     out of run(): a `tlt drafter worker` process exited for good and nothing restarts it. It must ask again
@@ -203,6 +203,18 @@ def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, mod
     rep = ctx.socket(zmq.REP)
     rep.setsockopt(zmq.LINGER, 0)
     rep.bind(snap)
+    from tlt.services.drafter import worker as worker_module
+
+    stepped = threading.Event()  # BUSY is sent once a micro-step is done: sent earlier it abandons the first one
+
+    def micro_step(*args, **kwargs):
+        loss = real_step(*args, **kwargs)
+        if loss is not None:
+            stepped.set()
+        return loss
+
+    real_step = worker_module.micro_step
+    monkeypatch.setattr(worker_module, "micro_step", micro_step)
     worker = DrafterWorker(cfg, str(model_dir), 0, 0, coord.endpoint)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
@@ -218,6 +230,7 @@ def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, mod
         rollout = CapacityPublisher(capp, snap, heartbeat_s=0.2)
         state(rollout, 0, IDLE)
         assert wait_for(lambda: 0 in coord.workers and coord.workers[0].training, 30)
+        assert stepped.wait(30), "the worker trained no micro-step after the rollout came up"
         state(rollout, 0, BUSY)
         assert wait_for(lambda: len(coord.windows) == 1, 20) and coord.windows[0].micro_steps > 0
     finally:
