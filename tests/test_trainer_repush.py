@@ -11,6 +11,7 @@ step 1's rollout by wrapping the trainer's collect call; nothing in the trainer 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -36,15 +37,21 @@ def _threads():
 
 def _on_second_collect(monkeypatch, action) -> list:  # noqa: ANN001
     """Run `action()` just before the trainer's second rollout (step 1's), after step 0's weights were pushed;
-    returns the list of policy versions each rollout's completions carried."""
+    returns the list of policy versions each rollout's completions carried: ("dropped", "[v]") for one that failed
+    at its first stale completion (collect.EXPECTED_VERSION: dropped before it was scored)."""
     from tlt.services.trainer import collect
+    from tlt.services.trainer.weight_sync import StaleWeightsError
 
     real, seen = collect.collect_retrying, []
 
     def wrapped(*args, **kw):  # noqa: ANN002, ANN003, ANN202
         if len(seen) == 1:
             action()
-        result = real(*args, **kw)
+        try:
+            result = real(*args, **kw)
+        except StaleWeightsError as e:
+            seen.append(("dropped", re.search(r"version\(s\) (\[[\d, ]*\])", str(e))[1]))
+            raise
         seen.append(sorted({s.policy_version for s in result.samples}))
         return result
 
@@ -70,9 +77,10 @@ def test_a_rollout_server_restarted_mid_run_gets_the_weights_again(random_model_
     finally:
         servers[-1].__exit__()
     assert len(servers) == 2, "the server was not restarted"
-    # step 0 from version 0; step 1 first from the restarted server's version 0, then again from the version pushed
+    # step 0 from version 0; step 1 first from the restarted server's version 0 (dropped at its first completion), then
+    # again from the version pushed
     # to it (1); step 2 from 2
-    assert seen == [[0], [0], [1], [2]], seen
+    assert seen == [[0], ("dropped", "[0]"), [1], [2]], seen
     assert summary.steps_done == 3 and summary.policy_version == 3 and serving == 3
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2] and [m["policy_version"] for m in lines] == [1, 2, 3]
@@ -94,4 +102,4 @@ def test_a_server_serving_a_newer_version_than_pushed_still_ends_the_run(random_
             seen = _on_second_collect(monkeypatch, lambda: WeightPublisher([other_trainer]).push(weights, 99))
             with pytest.raises(StaleWeightsError, match=r"policy version\(s\) \[99\] but version 1 was pushed"):
                 train(_config(random_model_dir, grpc_port, tmp_path / "run"))
-    assert seen == [[0], [99]]  # rolled out once: no second push over another trainer's
+    assert seen == [[0], ("dropped", "[99]")]  # rolled out once: no second push over another trainer's

@@ -63,11 +63,11 @@ class _Rewards:
 
 
 class _SlowDeath:
-    """A rollout client whose first stream sends one completion, takes SLOW_S more and ends UNAVAILABLE (a replica
-    that died and whose samples could not be re-dispatched); later streams are the server's."""
+    """A rollout client whose first stream sends `sends` completions (at most), takes SLOW_S more and ends
+    UNAVAILABLE (a replica that died and whose samples could not be re-dispatched); later streams are the server's."""
 
-    def __init__(self, real) -> None:  # noqa: ANN001 - RolloutClient
-        self.real, self.address, self.died = real, real.address, False
+    def __init__(self, real, sends: int = 1) -> None:  # noqa: ANN001 - RolloutClient
+        self.real, self.address, self.died, self.sends = real, real.address, False, sends
         self.stub = real.stub  # wait_serving's status poll
         self.status = real.status
 
@@ -76,13 +76,14 @@ class _SlowDeath:
         if self.died:
             return inner
         self.died = True
+        sends = self.sends
 
         class Stream:
             def __iter__(self):
-                for c in inner:
+                for _, c in zip(range(sends), inner):  # range first: no completion read past `sends`
                     yield c
-                    time.sleep(SLOW_S)
-                    raise ReplicaDied()
+                time.sleep(SLOW_S)
+                raise ReplicaDied()
 
             def cancel(self) -> None:
                 inner.cancel()
@@ -121,7 +122,9 @@ def test_a_batch_rolled_out_again_for_a_restarted_server_counts_every_attempt_it
                                                                                          server) -> None:
     """The server serves version 0 (as one restarted from its start checkpoint does) where the trainer pushed 1:
     VersionGuard pushes again and rolls the batch out again. The attempt it drops had itself been redone after a
-    replica death (the audit's run: the restarted server first refused the connection): 2 attempts dropped."""
+    replica death (the audit's run: the restarted server first refused the connection): 2 attempts dropped. The
+    death comes before any completion: a stale completion fails the rollout as it arrives (test_trainer_stale_rollout),
+    so the stale attempt is the redo, dropped at its first completion with the redo before it counted."""
     from safetensors.torch import load_file
 
     from tlt.services.rollout.client import RolloutClient
@@ -134,7 +137,7 @@ def test_a_batch_rolled_out_again_for_a_restarted_server_counts_every_attempt_it
         version = real.status().versions.policy + 1
         publisher = WeightPublisher([real])
         guard = VersionGuard([real], repush=lambda behind, v: publisher.push(weights, v, clients=behind))
-        clients = [_SlowDeath(real)]
+        clients = [_SlowDeath(real, sends=0)]
         t0 = time.perf_counter()
         res = guard.collect(lambda: collect_retrying(_prompts(2), clients, _Rewards(), 2,
                                                      sampling_params(6, 1.0, 1.0, seed=3), 1, retries=1, wait_s=10),

@@ -26,6 +26,8 @@ another replica (`[rollout] redispatch_limit`, services/rollout/replicas.py), so
 the stream goes on; UNAVAILABLE reaches the trainer only when it cannot.
 Whatever fails, the step's other streams are cancelled (their servers stop
 generating for it), and so are its reward calls, queued or sent (a reward server skips an item it has not begun).
+Under weight_sync.VersionGuard (EXPECTED_VERSION set) a completion of another policy version fails the rollout as it
+arrives, before it is scored (StaleWeightsError): a stale rollout is dropped at once, not once it is scored whole.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,6 +71,9 @@ class RolloutBusyError(RetryableRolloutError):
 
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE: ReplicaLostError, grpc.StatusCode.RESOURCE_EXHAUSTED: RolloutBusyError}
+# the policy version every completion of a rollout must carry, while weight_sync.VersionGuard.collect runs one (None:
+# unchecked here): one of another version fails the rollout as it arrives, its streams and reward calls cancelled
+EXPECTED_VERSION: ContextVar[int | None] = ContextVar("tlt_expected_policy_version", default=None)
 BUSY_WAIT_S = 5.0  # first wait before a busy server is asked again; doubles per retry
 POLL_MIN_S = 0.5  # the shortest status poll (`wait_serving`): the one at the deadline can still find a server serving
 
@@ -187,12 +193,16 @@ def collect_retrying(prompts: Sequence[PromptItem], clients: Sequence, rewards: 
     asked again the same way, after BUSY_WAIT_S, doubling. `result.retries` says how many; its rollout_s runs from
     the first attempt, rollout_retry_s is the time until the kept one began (`RolloutResult.redone`)."""
     from tlt.services.common.logging import get_logger
+    from tlt.services.trainer.weight_sync import StaleWeightsError
 
     done, start = 0, time.perf_counter()
     while True:
         attempt = time.perf_counter() if done else start
         try:
             return collect(prompts, clients, rewards, n, params, step, seed_key).redone(done, attempt - start)
+        except StaleWeightsError as e:  # a stale completion (EXPECTED_VERSION): VersionGuard drops the rollout
+            e.retries = done  # and counts the attempts of it redone here too
+            raise
         except RetryableRolloutError as e:
             if done >= retries:
                 raise
@@ -289,6 +299,7 @@ def _gather(prompts: Sequence[PromptItem], batch: RewardBatch, n: int, step: int
     """Read every stream's completions off `q`, scoring each as it arrives; then the step's scored samples."""
     pending: dict[str, tuple[int, rollout_pb2.Completion]] = {}
     last_arrival = t0
+    expected = EXPECTED_VERSION.get()
     while left:
         item = q.get()
         if item is _END:
@@ -300,6 +311,10 @@ def _gather(prompts: Sequence[PromptItem], batch: RewardBatch, n: int, step: int
         if c.finish_reason == rollout_pb2.FINISH_REASON_ABORT or c.error:
             raise RolloutError(f"rollout server {client.address} aborted prompt {c.prompt_index} sample "
                                f"{c.sample_index}: {c.error or 'no reason given'}")
+        if expected is not None and c.versions.policy != expected:  # stale: dropped before any of it is scored
+            from tlt.services.trainer.weight_sync import check_versions
+
+            check_versions([c.versions.policy], expected)
         prompt = shard[c.prompt_index]
         g = global_index[id(shard)][c.prompt_index]
         key = f"{step}-{g}-{c.sample_index}"
@@ -309,9 +324,8 @@ def _gather(prompts: Sequence[PromptItem], batch: RewardBatch, n: int, step: int
         batch.submit(key, prompt.prompt, c.text, prompt.answer, extra=prompt.extra, messages=prompt.messages,
                      completion_ids=tuple(c.token_ids))
         last_arrival = time.perf_counter()
-    expected = len(prompts) * n
-    if len(pending) != expected:
-        raise RolloutError(f"rollout returned {len(pending)} completions, expected {expected}")
+    if len(pending) != len(prompts) * n:
+        raise RolloutError(f"rollout returned {len(pending)} completions, expected {len(prompts) * n}")
     scored = batch.results()
     t_end = time.perf_counter()
     samples = []

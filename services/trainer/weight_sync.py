@@ -193,10 +193,12 @@ def check_versions(versions: Iterable[int], expected: int) -> None:
 
 class VersionGuard:
     """`collect(roll_out, version)`: the rollout `roll_out()` returns (a collect.RolloutResult), checked to carry
-    `version` in every completion. When some do not and a server now serves an older version than `version` (it
-    restarted from its start checkpoint after the push), `repush(behind, version)` gives those servers the weights
-    again and the batch is rolled out again, once; its seeds are the batch's own, so it draws what it would have
-    where the rollout's sampling is reproducible (`[trainer] reproducible_rollouts` under speculation).
+    `version` in every completion (collect() checks each as it arrives: a stale one fails the rollout before any of
+    it is scored, its streams and reward calls cancelled). When some do not and a server now serves an older version
+    than `version` (it restarted from its start checkpoint after the push), `repush(behind, version)` gives those
+    servers the weights again and the batch is rolled out again, once; its seeds are the batch's own, so it draws
+    what it would have where the rollout's sampling is reproducible (`[trainer] reproducible_rollouts` under
+    speculation).
     The result kept counts the dropped rollout (and the attempts it had redone itself) in its retries, and the
     time until the second began, the push included, in its rollout_s and rollout_retry_s.
     StaleWeightsError otherwise: no `repush` (under ZeRO-3 with several ranks reading the weights is a collective
@@ -208,23 +210,31 @@ class VersionGuard:
         self.repushes = 0  # servers given the weights again, in all
 
     def collect(self, roll_out: Callable[[], RolloutResult], version: int) -> RolloutResult:
+        from tlt.services.trainer.collect import EXPECTED_VERSION
+
         t0 = time.perf_counter()
-        first = roll_out()
+        token = EXPECTED_VERSION.set(version)  # collect() fails at a stale completion, before it is scored
         try:
-            check_versions((s.policy_version for s in first.samples), version)
-            return first
-        except StaleWeightsError:
-            behind = self._behind(version)
-            if self.repush is None or not behind:
-                raise
-        log.warning("rollout_restarted", servers=[c.address for c in behind], version=version,
-                    action="pushing the weights to them again and rolling the batch out again")
-        self.repush(behind, version)
-        self.repushes += len(behind)
-        t_again = time.perf_counter()
-        result = roll_out()
-        check_versions((s.policy_version for s in result.samples), version)
-        return result.redone(first.retries + 1, t_again - t0)  # the first attempt dropped, and its own redos
+            first = None
+            try:
+                first = roll_out()
+                check_versions((s.policy_version for s in first.samples), version)
+                return first
+            except StaleWeightsError as e:  # the dropped rollout's own redos (collect_retrying's), returned or failed
+                redos = first.retries if first is not None else getattr(e, "retries", 0)
+                behind = self._behind(version)
+                if self.repush is None or not behind:
+                    raise
+            log.warning("rollout_restarted", servers=[c.address for c in behind], version=version,
+                        action="pushing the weights to them again and rolling the batch out again")
+            self.repush(behind, version)
+            self.repushes += len(behind)
+            t_again = time.perf_counter()
+            result = roll_out()
+            check_versions((s.policy_version for s in result.samples), version)
+            return result.redone(redos + 1, t_again - t0)  # the first attempt dropped, and its own redos
+        finally:
+            EXPECTED_VERSION.reset(token)
 
     def _behind(self, version: int) -> list:
         """The servers serving an older version than `version` now; none when any cannot say (down again) or one
