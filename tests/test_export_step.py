@@ -70,8 +70,8 @@ def test_a_resumed_run_killed_before_its_export_is_reported(random_model_dir, tm
 
 
 def test_an_export_of_unknown_step_or_another_run_is_reported(tmp_path) -> None:
-    """No record beside the HF files (an older TLT's export, or one interrupted: the record goes first and comes
-    back last), or a record of another run than run.json's: said, naming the latest checkpoint's step."""
+    """No record beside the HF files (an older TLT's export, or one an older TLT interrupted: it removed the record
+    first), or a record of another run than run.json's: said, naming the latest checkpoint's step."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step-00000003\n")
@@ -86,3 +86,60 @@ def test_an_export_of_unknown_step_or_another_run_is_reported(tmp_path) -> None:
     assert stale_export(run) is None
     (run / "checkpoints" / "latest").unlink()  # nothing checkpointed: nothing to compare
     assert stale_export(run) is None
+
+
+def test_an_export_cut_short_is_not_finished_and_is_redone(random_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    """An export killed half-way (model.safetensors partly written) left no record at all (the trainer removed it
+    first), which finished() took for an older TLT's whole export: a plain `tlt run` opened a new folder and the
+    half-written policy was never redone. The trainer now writes a record saying the export has begun and replaces
+    it once the export ends: finished() is False, continues() True, `tlt report` says so, and continuing exports."""
+    from tlt.services.trainer.policy import Policy
+    from tlt.services.trainer.run_folder import continues
+
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"preset": "cpu-tiny", "created": 99.5}))
+    (out / "config.toml").write_text("[trainer]\nsteps = 1\n")
+    save = Policy.save_pretrained
+
+    def save_cut_short(self, out_dir):  # noqa: ANN001, ANN202 - killed while model.safetensors is written
+        save(self, out_dir)
+        weights = next(iter(sorted((out / "policy").glob("*.safetensors"))))
+        weights.write_bytes(weights.read_bytes()[:100])
+        raise Killed
+
+    with ServerThread(random_model_dir, replicas=1) as server:
+        monkeypatch.setattr(Policy, "save_pretrained", save_cut_short)
+        with pytest.raises(Killed):
+            train(config(random_model_dir, server.grpc_address, out, steps=1))
+        record = json.loads((out / "policy" / EXPORT_RECORD).read_text())
+        assert record["exporting"] is True and record["steps_done"] == 1 and record["run_created"] == 99.5
+        assert (out / "policy" / "config.json").is_file() and (out / "checkpoints" / "latest").is_file()
+        assert not finished(out) and continues(out)  # a plain `tlt run` continues this folder
+        why = stale_export(out)
+        assert why is not None and "interrupted" in why and "--resume" in why, why
+        assert main(["report", str(out)]) == 0
+        assert why in capsys.readouterr().err
+        monkeypatch.setattr(Policy, "save_pretrained", save)
+        summary = train(config(random_model_dir, server.grpc_address, out, steps=1))  # continued: exports again
+    assert summary.steps_done == 1
+    record = json.loads((out / "policy" / EXPORT_RECORD).read_text())
+    assert "exporting" not in record and record["steps_done"] == 1 and "exported_at" in record
+    assert finished(out) and not continues(out) and stale_export(out) is None
+
+    # each record that does not say this run's export ended: unfinished, continued, warned; never a crash
+    good = (out / "policy" / EXPORT_RECORD).read_text()
+    for text, said in [(json.dumps({**record, "steps_done": None}), "records no step"),
+                       (json.dumps({**record, "steps_done": "1"}), "records no step"),
+                       (json.dumps({**record, "run_created": 12.0}), "another run"),
+                       (json.dumps({**record, "exporting": True}), "interrupted"),
+                       ("[1, 2]", "cannot be read"), ("{not json", "cannot be read")]:
+        (out / "policy" / EXPORT_RECORD).write_text(text)
+        assert not finished(out) and continues(out), text
+        why = stale_export(out)
+        assert why is not None and said in why and "--resume" in why, (text, why)
+    (out / "policy" / EXPORT_RECORD).unlink()  # no record at all: an older TLT's export, taken as finished (warned)
+    assert finished(out) and not continues(out) and "records no step" in stale_export(out)
+    (out / "policy" / EXPORT_RECORD).write_text(good)
+    assert finished(out)

@@ -8,8 +8,9 @@
       -> grpo_step (old logprobs, advantages, DeepSpeed update, version + 1)
       -> [give the devices back] -> push weights -> metrics.jsonl line -> held-out eval (when due) -> checkpoint
     held-out eval (evaluate.py): before step 0, every eval_interval steps, after the last -> eval.jsonl
-    end: final checkpoint, the trained policy as a Hugging Face folder (output_dir/policy) and, last, the record of
-         the steps it was trained for (policy/tlt_export.json, run_folder.py)
+    end: final checkpoint, a record that the export has begun, the trained policy as a Hugging Face folder
+         (output_dir/policy) and, last, the record of the steps it was trained for replacing the first
+         (policy/tlt_export.json, run_folder.py: an export cut short still says "exporting")
 
 Under the DeepSpeed launcher with W ranks, rank 0 alone talks to the
 services (rollout, rewards, pushes) and writes metrics; it broadcasts each
@@ -37,7 +38,6 @@ from pathlib import Path
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
 from tlt.services.trainer.config import TrainerConfig
-from tlt.services.trainer.run_folder import EXPORT_RECORD
 from tlt.services.trainer.run_stats import json_line
 
 log = get_logger("trainer")
@@ -180,8 +180,8 @@ def train(cfg: TrainerConfig) -> TrainSummary:
                 push_tensors(policy)  # ZeRO-3: this rank's part of the gather rank 0 pushes (it keeps nothing)
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 ckpt.save(policy, sampler, done)
-        if services:  # the record of the export it replaces goes first: an export cut short records no step
-            (out / "policy" / EXPORT_RECORD).unlink(missing_ok=True)
+        if services:  # first a record saying the export has begun: one cut short is known as such (run_folder)
+            services.export_begins(max(start, cfg.steps), policy.version)
         policy.save_pretrained(str(out / "policy"))  # every rank (ZeRO-3 gathers); rank 0 writes
         if services:
             services.export(max(start, cfg.steps), policy.version)
@@ -379,6 +379,13 @@ class _Services:
         greedy = {} if r.greedy_accuracy is None else {"greedy_accuracy": round(r.greedy_accuracy, 4)}
         log.info("eval", after_steps=steps_done, version=version, accuracy=round(r.accuracy, 4), **greedy,
                  problems=r.problems, samples=r.samples, seconds=round(r.seconds, 2))
+
+    def export_begins(self, steps_done: int, version: int) -> None:
+        """Replace the record of the export before it (run_folder.EXPORT_RECORD) with one that says this export has
+        begun: killed before export() replaces it, the folder is an unfinished run (`tlt run` continues it)."""
+        from tlt.services.trainer.run_folder import write_export_record
+
+        write_export_record(self.out / "policy", steps_done, version, self.out, exporting=True)
 
     def export(self, steps_done: int, version: int) -> None:
         """The tokenizer files next to the trained policy's weights (written by Policy.save_pretrained), then the

@@ -4,6 +4,7 @@
     claim(folder) -> lock                                   --run-id / --resume: ServiceError when in use
     read_run_file(folder), write_atomic(path, text)          run.json / config.toml
     write_export_record / stale_export                       policy/tlt_export.json: the step the export holds
+    finished(folder) / continues(folder)                     whether a plain `tlt run` works in it again
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tlt.services.trainer.procs import ServiceError
 
 log = get_logger("run")
 # Beside the exported policy's HF files: the steps it was trained for, its policy version and the run it came from.
-# Removed before an export begins and written after it ends: an export without one is an older TLT's or unfinished.
+# Written with "exporting": true before an export begins and replaced once it ends (write_export_record): a record
+# that still says exporting is an export cut short; none at all, an older TLT's export (nothing tells which step).
 EXPORT_RECORD = "tlt_export.json"
 
 
@@ -43,8 +45,12 @@ def finished(run_dir: Path) -> bool:
     policy = run_dir / "policy"
     if not ((policy / "config.json").is_file() and any(policy.glob("*.safetensors"))):
         return False
-    record = export_record(policy)  # an export of fewer steps: a resumed run stopped before exporting again
-    return record is None or record.get("steps_done", steps) >= steps
+    if not (policy / EXPORT_RECORD).exists():  # an older TLT's export: no way to tell (`tlt report` warns)
+        return True
+    # an export cut short, another run's, a record that cannot be read or names no step: continued (and exported
+    # again); one of fewer steps: a resumed run stopped before exporting again
+    record = export_record(policy)
+    return record is not None and _record_doubt(record, run_dir) is None and record["steps_done"] >= steps
 
 
 def continues(run_dir: Path) -> bool:
@@ -201,13 +207,20 @@ def write_atomic(path: Path, text: str) -> None:
                            "(--set run.runs_dir=DIR)") from None
 
 
-def write_export_record(policy_dir: Path, steps_done: int, version: int, run_dir: Path) -> None:
+def write_export_record(policy_dir: Path, steps_done: int, version: int, run_dir: Path,
+                        exporting: bool = False) -> None:
     """Record in the export which policy it holds: after `steps_done` steps, `version`, of the run in `run_dir`
-    (its folder name and run.json's `created` when there is one: `tlt run`). Written whole or not at all."""
+    (its folder name and run.json's `created` when there is one: `tlt run`). Written whole or not at all.
+    exporting: written before the export begins ("exporting": true, finished() and stale_export take the folder as
+    an export cut short), and replaced by the record without it once the export has ended."""
+    policy_dir.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"steps_done": steps_done, "policy_version": version, "run": run_dir.name}
     if (created := _created(run_dir)) is not None:
         record["run_created"] = created
-    record["exported_at"] = time.time()
+    if exporting:
+        record["exporting"], record["started_at"] = True, time.time()
+    else:
+        record["exported_at"] = time.time()
     tmp = policy_dir / f".{EXPORT_RECORD}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(policy_dir / EXPORT_RECORD)
@@ -237,17 +250,33 @@ def stale_export(run_dir: Path) -> str | None:
         return None
     again = (f"continue the run to export it (`tlt run --resume {run_dir}`, or `tlt train` with output_dir "
              f"{run_dir}): it resumes from the checkpoint and exports")
+    if not (policy / EXPORT_RECORD).exists():
+        return (f"{policy} records no step (exported by an older TLT, which left none either when its export was "
+                f"interrupted); the latest checkpoint is after {_steps(latest)}: {again}")
     record = export_record(policy)
-    if record is None or not isinstance(record.get("steps_done"), int):
-        return (f"{policy} records no step (exported by an older TLT, or its export was interrupted); the latest "
-                f"checkpoint is after {_steps(latest)}: {again}")
-    created = _created(run_dir)
-    if created is not None and record.get("run_created") not in (None, created):
-        return (f"{policy} was exported by another run (created {record.get('run_created')}, this one {created}), "
-                f"after {_steps(record['steps_done'])}; the latest checkpoint is after {_steps(latest)}: {again}")
+    if record is None:
+        return (f"{policy / EXPORT_RECORD} cannot be read (not a JSON object): which step {policy} holds is unknown; "
+                f"the latest checkpoint is after {_steps(latest)}: {again}")
+    if doubt := _record_doubt(record, run_dir):
+        return f"{policy} {doubt}; the latest checkpoint is after {_steps(latest)}: {again}"
     if record["steps_done"] < latest:
         return (f"{policy} holds the policy after {_steps(record['steps_done'])} but the latest checkpoint is after "
                 f"{_steps(latest)}: the run stopped before exporting it; {again}")
+    return None
+
+
+def _record_doubt(record: dict[str, Any], run_dir: Path) -> str | None:
+    """Why an export's (readable) record does not say that this run's export ended, after how many steps; None when
+    it does (its steps_done is then an int)."""
+    steps = record.get("steps_done")
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        return f"records no step (steps_done is {json.dumps(steps)[:40]} in {EXPORT_RECORD})"
+    if record.get("exporting"):
+        return f"may be partial: its export (after {_steps(steps)}) was interrupted"
+    created = _created(run_dir)
+    if created is not None and record.get("run_created") not in (None, created):
+        return (f"was exported by another run (created {record.get('run_created')}, this one {created}), after "
+                f"{_steps(steps)}")
     return None
 
 
