@@ -136,3 +136,35 @@ def test_the_gate_scores_the_steps_a_rollout_would_take() -> None:
     short = Sample("s1@0", seq[:8].numpy().astype(np.int32), feats[:8].numpy().astype(np.float16), 1, 0)
     both, n = mean_accept_length(d, [smp, short], 5)
     assert n == len(walk) + 1 and abs(both - (sum(walk) + 6) / n) < 1e-9
+
+
+
+def test_the_gate_scores_only_the_response_of_a_sample_with_a_prompt() -> None:
+    """A rollout drafts from its first response position on: h at response_start - 1 predicts the first response
+    token, so the gate walks each sample from start response_start - 1, never through the prompt. Here the prompt
+    is the drafter's own chain (accepted whole from start 0: an accept length of 6) and the rest random tokens;
+    scored from position 0, every sample below would read 9 steps of mean 14 / 9 = 1.56, the step of 6 included,
+    which no rollout takes."""
+    import numpy as np
+
+    from tlt.services.drafter.acceptance import mean_accept_length
+    from tlt.services.drafter.packing import Sample
+
+    d = tiny_drafter(seed=3)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(16, 16, generator=g).half().float()  # fp16-exact: a Sample stores fp16
+    tokens = torch.randint(0, 11, (2,), generator=g)
+    chain = slow_chain(d, tokens, feats[:1], 0, 5)
+    seq = torch.cat([tokens, torch.tensor(chain), torch.randint(0, 11, (9,), generator=g)])
+    # per start t = 0..13 (the batched chain matches the slow reference: above); the 2 at start 3 is the chain's
+    # own tail (d_1 = x_5 from h_3), the random tokens are never drafted
+    assert accept_lengths(*chain_drafts(d, seq, feats, 5)).tolist() == [6, 1, 1, 2] + [1] * 10
+    # walked by hand from start response_start - 1 (a step starts where the previous one ended):
+    #   response_start 7  -> starts 6..13, 8 steps of 1                          : 8 steps, mean 1
+    #   response_start 4  -> start 3 (2 accepted: the next step starts at 5), 5..13 : 10 steps, mean 11 / 10
+    #   response_start 10 -> starts 9..13                                        : 5 steps, mean 1
+    #   response_start 1  -> start 0 (6), then 6..13                              : 9 steps, mean 14 / 9
+    for response_start, want_steps, want_mean in ((7, 8, 1.0), (4, 10, 1.1), (10, 5, 1.0), (1, 9, 14 / 9)):
+        smp = Sample("s0@0", seq.numpy().astype(np.int32), feats.numpy().astype(np.float16), response_start, 0)
+        mean, steps = mean_accept_length(d, [smp], 5)
+        assert (steps, round(mean, 9)) == (want_steps, round(want_mean, 9)), response_start

@@ -151,3 +151,64 @@ def test_a_micro_step_told_to_stop_at_any_checkpoint_changes_nothing(ttt_steps):
     out = micro_step(d, opt, batch, ttt_steps=ttt_steps, should_stop=lambda: asked.append(torch.is_grad_enabled()))
     assert out is not None and asked == [True] * (2 * ttt_steps + 2) + [False] * (3 * ttt_steps)
     assert any(not torch.equal(weights[k], v) for k, v in d.state_dict().items())
+
+
+def test_the_unrolled_loss_weighs_step_s_by_ttt_decay_to_the_s():
+    """The TTT loss is sum_s ttt_decay**s * loss_s (step s: the drafter on its own outputs s times, its targets
+    h_{j+s+1}). Built here from the pieces: the unrolled forward of a copy of the drafter, drafter_loss of each
+    step against unrolled_targets; the step's record must read that weighted sum and the update must follow its
+    gradient (plain SGD, lr 1, no clipping: the weights move by exactly minus the gradient)."""
+    import copy
+
+    from tlt.services.drafter.loss import drafter_loss
+
+    batch = _batch(2)
+    p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
+    for steps, decay in ((2, 0.5), (3, 0.25)):
+        d = random_drafter(8)
+        ref = copy.deepcopy(d).train()
+        outs = ref.forward_unrolled(p.input_ids, p.features.float(), p.positions, p.segment_ids, steps)
+        parts = []
+        for s in range(steps):
+            target, mask = unrolled_targets(p, s)
+            parts.append(drafter_loss(outs[s], target.float(), ref.lm_head, mask).loss)
+        assert all(x.item() > 0.1 for x in parts) and parts[1].item() != parts[0].item()
+        want = parts[0] + decay * parts[1] + (decay**2 * parts[2] if steps == 3 else 0.0)  # by hand: 1, d, d^2
+        want.backward()
+        grads = {n: q.grad.clone() for n, q in ref.named_parameters()}
+        before = {n: q.detach().clone() for n, q in d.named_parameters()}
+        got = micro_step(d, torch.optim.SGD(d.parameters(), lr=1.0), batch, grad_clip=1e9, ttt_steps=steps,
+                         ttt_decay=decay)
+        assert float(got.loss) == pytest.approx(want.item(), rel=1e-5)
+        assert float(got.loss) != pytest.approx(sum(x.item() for x in parts), rel=1e-3)  # unweighted would read this
+        for n, q in d.named_parameters():
+            torch.testing.assert_close(before[n] - q.detach(), grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_feature_noise_is_uniform_on_minus_noise_to_noise_and_seeded():
+    """Offline warm-up's feature noise is U(-noise, noise) on the drafter's input features h_j (TLT.md section 3):
+    zero-mean, so it blurs the features without shifting them. What the drafter is fed, less the batch's features:
+    within [-noise, noise], reaching both ends, mean ~0 (7,680 draws: the mean's standard error is noise / 152),
+    half of it below zero; the same generator seed gives the same noise; noise 0 feeds the features as they are."""
+    noise = 0.3
+    batch = _batch(3)
+    clean = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask).features.float()
+
+    def fed(noise: float, seed: int) -> torch.Tensor:
+        d = random_drafter(9)
+        seen = []
+        hook = d.register_forward_pre_hook(lambda _m, args: seen.append(args[1].detach().clone()))
+        micro_step(d, make_optimizer(d, 1e-3), batch, noise=noise, generator=torch.Generator().manual_seed(seed))
+        hook.remove()
+        assert len(seen) == 1
+        return seen[0] - clean
+
+    delta = fed(noise, 0)
+    assert delta.numel() == 2 * 15 * H
+    assert float(delta.abs().max()) <= noise + 1e-5
+    assert float(delta.min()) < -0.95 * noise and float(delta.max()) > 0.95 * noise
+    assert abs(float(delta.mean())) < 0.03 * noise  # one-sided U(0, noise) would read 0.5 * noise
+    assert 0.45 < float((delta < 0).float().mean()) < 0.55
+    assert float(delta.std()) == pytest.approx(noise / 3**0.5, rel=0.05)
+    assert torch.equal(fed(noise, 0), delta) and not torch.equal(fed(noise, 1), delta)
+    assert torch.equal(fed(0.0, 0), torch.zeros_like(delta))
