@@ -76,3 +76,22 @@ def test_auto_on_a_gpu_names_bf16_and_the_fix(server, random_model_dir, tmp_path
     msg = str(e.value)
     assert 'push_dtype="auto" pushes bfloat16 weights (bf16 unset: the trainer trains bf16 on its GPU)' in msg
     assert 'set trainer.push_dtype = "float32"' in msg
+
+
+def test_an_sglang_server_is_told_to_set_push_dtype_alone(server) -> None:
+    """Against an SGLang rollout the refusal named sglang.dtype as the other fix, which does not change the dtype its
+    pool takes pushes in (the checkpoint's): only trainer.push_dtype mends it, and the message says so. A real SGLang
+    server needs a CUDA GPU (none here), so the unit under test is the start-up check itself, fed the float32
+    server's real status with its backend named "sglang", as an SGLang server's status names it."""
+    from tlt.services.rollout.client import RolloutClient
+
+    with RolloutClient(server.grpc_address) as client:
+        status = client.status()
+    status.backend = "sglang"
+    sglang = SimpleNamespace(address="127.0.0.1:45101", status=lambda: status)
+    with pytest.raises(PushDtypeError) as e:
+        check_push_dtype(SimpleNamespace(push_dtype="bfloat16", bf16=None), False, [sglang])
+    msg = str(e.value)
+    assert 'push_dtype="bfloat16" pushes bfloat16 weights' in msg and "127.0.0.1:45101 serves float32" in msg
+    assert 'set trainer.push_dtype = "float32"' in msg and "checkpoint's dtype" in msg
+    assert "sglang.dtype" not in msg and "rollout.engine.dtype" not in msg and "\n" not in msg, msg
