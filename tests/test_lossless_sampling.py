@@ -3,13 +3,18 @@
 Target: a fixed random order-2 Markov model over a vocabulary of 8 (its logits depend on the last two
 tokens), so the exact probability of every 3-token continuation is computable (512 outcomes). Drafter:
 a deliberately imperfect order-1 model (the target's marginal plus noise). We generate 20,000
-continuations with speculation on, exactly as the engine does (draft a tree or chain, evaluate the
-target at every node, accept with `accept.py`), and compare the empirical distribution with the exact
-one by a chi-square test (cells with expected count < 5 merged). A deliberately broken rule (accept a
-child whenever it is the target's argmax; for rejection sampling, accept a draft whenever it is the
-target's argmax) must fail the same test: that proves the test has power. Rejection sampling is also run
-with an overconfident drafter (its logits sharpened): with the plain one p(argmax) < q(argmax) almost
-everywhere, so the rule accepts the argmax anyway and the argmax-accepting variant went undetected.
+continuations with speculation on, exactly as the engine does: draft a tree or chain (sampled chains with the
+DRAFT-stream uniform of each draft's position, as `EagleSource._chain` draws them), evaluate the target at
+every node, and verify with the engine's own verify step, `spec.decoder._walk` (trees, chains, cut chains)
+and `spec.decoder._rejection` (sampled chains): the counter uniforms they draw, the filters they apply and
+the accept rule they call are the engine's, not a copy (a copy proved the maths while the engine's residual
+draw could take the wrong stream unseen). The empirical distribution is compared with the exact one by a
+chi-square test (cells with expected count < 5 merged). A deliberately broken rule (accept a child whenever
+it is the target's argmax; for rejection sampling, accept a draft whenever it is the target's argmax),
+patched into those same engine functions, must fail the same test: that proves the test has power.
+Rejection sampling is also run with an overconfident drafter (its logits sharpened): with the plain one
+p(argmax) < q(argmax) almost everywhere, so the rule accepts the argmax anyway and the argmax-accepting
+variant went undetected.
 Every uniform is the engine's counter-based one (`spec/rng.py`: a hash of the sequence key, the token
 position and the stream, keys from `seed_for` as for the n samples of one request): the tests are also
 the proof that those uniforms are good enough, for plain sampling ("plain": one draw per position) and for
@@ -20,12 +25,16 @@ Nothing is faked: the target is a lookup table instead of a transformer only bec
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
+from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from tlt.services.rollout.engine.sequence import seed_for
+from tlt.services.rollout.spec import decoder as spec_decoder
 from tlt.services.rollout.spec.accept import (
     chain_accept_rejection,
     cut_sampled_chain,
@@ -34,7 +43,7 @@ from tlt.services.rollout.spec.accept import (
     tree_accept,
 )
 from tlt.services.rollout.spec.filters import filtered_probs
-from tlt.services.rollout.spec.rng import ACCEPT, DRAFT, PLAIN, RESIDUAL, counter_uniforms, key_tensor
+from tlt.services.rollout.spec.rng import DRAFT, counter_uniforms, key_tensor
 from tlt.services.rollout.spec.tree import Arm, DraftTree, build_tree, chain_tree
 
 V, L, N_SAMPLES = 8, 3, 20_000
@@ -101,13 +110,11 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
         toks = tree.tokens.clamp(min=0)  # cut nodes: any row of the table (the engine gives them zero logits)
         node_prev = torch.where(tree.parents >= 0, toks.gather(1, par), prev[:, None])
         logits = target[node_prev, toks]  # [B, N, V]: q at every node in one "forward"
+        # the engine's per-row filters (SamplingParams as decoder.decode builds them) and its verify functions
+        filters = (torch.full((b,), float(temperature)), torch.zeros(b, dtype=torch.long),
+                   torch.full((b,), float(top_p)), torch.zeros(b))
         if mode in REJECTION:
-            q = filtered_probs(logits, temperature, 0, top_p)
-            u = torch.cat([counter_uniforms(keys, first + torch.arange(arm.steps), ACCEPT),
-                           counter_uniforms(keys, first, RESIDUAL)], 1)
             p_all, drafts, counts = torch.stack(p_steps, 1), tree.tokens[:, 1:], None
-            if mode == "broken-rejection":  # accept a draft whenever it is the target's argmax there: biased
-                u[:, :-1] = u[:, :-1].masked_fill(tree.tokens[:, 1:] == logits[:, :-1].argmax(-1), 0.0)
             if mode in ("rejection-cut", "broken-rejection-cut"):  # the engine's confidence cut on sampled
                 # chains: a row keeps its drafts while their cumulative draft probability is >= CUT_PROB
                 counts, r = cut_sampled_chain(drafts, p_all, CUT_PROB)
@@ -115,16 +122,14 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
                 if mode == "rejection-cut":
                     p_all = r
                 # broken: the kept drafts judged against p, which they were not drawn from (given the cut)
-            res = chain_accept_rejection(drafts, p_all, q, u=u, counts=counts)
+            broken = mock.patch.object(spec_decoder, "chain_accept_rejection", _accept_argmax)
+            with broken if mode == "broken-rejection" else nullcontext():
+                res, _ = spec_decoder._rejection(logits, chain_tree(last, drafts, None, p_all), filters, keys, first,
+                                                 counts)
         else:
-            nt = node_targets(logits, temperature, 0, top_p, 0.0, counter_uniforms(keys, first + tree.depth, PLAIN))
-            tgt = nt.tokens
-            if mode == "broken":  # accept whenever the target's argmax is among the drafts: biased
-                amax = logits.argmax(-1)
-                is_child = (tree.parents[:, None, :] == torch.arange(tree.num_nodes)[None, :, None]) & (
-                    tree.tokens[:, None, :] == amax[:, :, None])
-                tgt = torch.where(is_child.any(-1), amax, tgt)
-            res = tree_accept(tree.tokens, tree.parents, tgt)
+            broken = mock.patch.object(spec_decoder, "node_targets", _argmax_if_drafted(tree))
+            with broken if mode == "broken" else nullcontext():
+                res, _ = spec_decoder._walk(logits, tree, filters, keys, first)
         for j in range(res.tokens.shape[1]):
             valid = (j <= res.accept_len) & (count + j < out.shape[1])
             out[rows[valid], count[valid] + j] = res.tokens[valid, j]
@@ -134,6 +139,26 @@ def _run_spec(target, drafter, temperature, top_p, mode: str, arm: Arm, seed: in
         count += res.accept_len + 1
         prev, last = before, ends
     return out[:, :L], sum(accepted) / len(accepted)
+
+
+def _accept_argmax(drafts, draft_probs, target_probs, u, counts=None):
+    """A broken `chain_accept_rejection` for `_rejection` to call: accepts a draft whenever it is the target's
+    argmax there (biased), whatever its uniform says."""
+    u = u.clone()
+    u[:, :-1] = u[:, :-1].masked_fill(drafts == target_probs[:, :-1].argmax(-1), 0.0)
+    return chain_accept_rejection(drafts, draft_probs, target_probs, u=u, counts=counts)
+
+
+def _argmax_if_drafted(tree: DraftTree):
+    """A broken `node_targets` for `_walk` to call on `tree`: where the target's argmax at a node is one of
+    its children, that child is the target's token (biased), whatever the draw says."""
+    def targets(logits, *filters_and_u):
+        nt = node_targets(logits, *filters_and_u)
+        amax = logits.argmax(-1)
+        is_child = (tree.parents[:, None, :] == torch.arange(tree.num_nodes)[None, :, None]) & (
+            tree.tokens[:, None, :] == amax[:, :, None])
+        return replace(nt, tokens=torch.where(is_child.any(-1), amax, nt.tokens))
+    return targets
 
 
 def _chi2(samples: torch.Tensor, exact: dict[tuple[int, ...], float]) -> float:
