@@ -6,7 +6,9 @@ white space, a BPE with fuse_unk and no byte fallback makes one <unk> of a run o
 collapses runs of spaces. `"hi" + " " * 5000 + "hi"` (a handful of tokens) was refused at limit 64. The bound is now
 taken only for a tokenizer known to keep every character (byte-level BPE, byte fallback; no dropping normalizer,
 pre-tokenizer or stripping added token); any other is probed on growing prefixes and tokenised whole when they do not
-decide. Tiny real tokenizers built here with `tokenizers`; nothing is faked but a counting wrapper.
+decide. A probe is cut anywhere (CJK prose, code and one long word have no space to cut at) and counts only the tokens
+the text past the cut cannot change. Tiny real tokenizers built here with `tokenizers`; nothing is faked but a
+counting wrapper.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ class Counting:
         self.lengths.append(len(text))
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
+    def __call__(self, text, **kw):  # noqa: ANN001, ANN204
+        self.lengths.append(len(text))
+        return self.tok(text, **kw)
+
 
 @pytest.mark.parametrize("name", sorted(LOSSY))
 def test_a_long_real_text_is_still_refused_without_tokenising_it_whole(name) -> None:
@@ -140,6 +146,12 @@ def with_a_stripping_token():
     return tok
 
 
+# texts without a space or newline to cut a probe at: CJK prose, one long word, a run of unknown characters, white
+# space a stripping added token takes whole, composing marks (NFC), minified code
+NO_SPACE = ("\u4e2d" * 3000, "a" * 3000, "hi" + "\u20ac" * 3000 + "hi", "hi" + " " * 3000 + "<mask>",
+            "e\u0301" * 1500, "x=1;" * 800)
+
+
 @pytest.mark.parametrize("make, known", [
     (task_tokenizer, True), (qwen_like, True), (byte_fallback, True),
     (functools.partial(byte_fallback, all_bytes=False), False), (with_a_stripping_token, False),
@@ -147,9 +159,57 @@ def with_a_stripping_token():
 def test_which_tokenizers_keep_the_unread_bound(make, known) -> None:
     tok = make()
     assert (PromptEncoder(tok).token_chars > 0) is known
-    for text in (GAP, "hi " + "\u20ac" * 5000 + " hi", "hi there " * 600):
+    for text in (GAP, "hi " + "\u20ac" * 5000 + " hi", "hi there " * 600, *NO_SPACE):
         truth = tok.encode(text)
         try:  # whatever the tokenizer: refused early only when the whole text is too long (else its ids, which
             assert PromptEncoder(tok).encode(text, 64) == truth  # the caller refuses by their count)
         except PromptTooLong:
             assert len(truth) >= 64, (text[:20], len(truth))
+
+
+@pytest.mark.parametrize("make, text", [
+    (wordpiece, "\u4e2d" * 200_000), (wordpiece, "x=1;" * 50_000), (collapsing_byte_level, "\u4e2d" * 200_000),
+    (fused_unk_bpe, "ab" * 100_000), (task_tokenizer, "\u4e2d" * 3000), (qwen_like, "\u4e2d" * 1700),
+], ids=["wordpiece-cjk", "wordpiece-code", "collapsing-cjk", "fused-unk-word", "byte-level-cjk", "qwen-cjk"])
+def test_a_long_text_without_white_space_is_refused_on_a_prefix(make, text) -> None:
+    """CJK prose, minified code, one long word: no space or newline to cut a probe at. They were tokenised whole
+    (2,000,000 x a CJK character with WordPiece at a context of 64: 6 s and 1.2 GB, then accepted for the caller to
+    refuse); the probe is now cut anywhere and counts only the tokens a longer text cannot change."""
+    tok = Counting(make())
+    with pytest.raises(PromptTooLong):
+        PromptEncoder(tok).encode(text, 64)
+    assert tok.lengths == [8 * 64], tok.lengths  # one probe, PROBE_CHARS_PER_TOKEN x the limit, decides
+
+
+@pytest.mark.parametrize("make, text, most", [
+    (wordpiece, "a" * 200_000, 1), (wordpiece, " " * 420 + "a" * 200_000, 1),
+    (fused_unk_bpe, "hi" + "\u20ac" * 200_000 + "hi", 4), (with_a_stripping_token, "hi" + " " * 200_000 + "<mask>", 3),
+    (collapsing_byte_level, "hi" + " " * 200_000 + "hi", 3),
+], ids=["wordpiece-unk-word", "wordpiece-unk-word-at-the-cut", "fused-unk-run", "stripping-token", "collapsing-spaces"])
+def test_a_long_text_of_a_few_tokens_without_white_space_is_not_refused(make, text, most) -> None:
+    """One [UNK] for a whole word (92 pieces of it in the probe), one fused <unk> for a run, `<mask>` taking every
+    space before it: a prefix cut inside them has more tokens than the whole text, so those at the cut are not
+    counted."""
+    tok = make()
+    want = tok.encode(text)
+    assert len(want) <= most, len(want)
+    assert PromptEncoder(tok).encode(text, 64) == want
+
+
+def test_a_tokenizer_without_offsets_is_probed_up_to_white_space() -> None:
+    """A slow (or remote-code) tokenizer gives no words nor offsets: its probe is cut at a space and counted whole,
+    as before; a text without one is tokenised whole."""
+
+    class EncodeOnly:
+        def __init__(self) -> None:
+            self.tok, self.lengths = wordpiece(), []
+
+        def encode(self, text, add_special_tokens=True):  # noqa: ANN001, ANN201
+            self.lengths.append(len(text))
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    tok = EncodeOnly()
+    with pytest.raises(PromptTooLong):
+        PromptEncoder(tok).encode("hi there, the answer is 42. " * 4000, 64)
+    assert tok.lengths and max(tok.lengths) < 8 * 64, tok.lengths
+    assert PromptEncoder(tok).encode("a" * 5000, 64) == wordpiece().encode("a" * 5000)

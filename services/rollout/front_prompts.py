@@ -10,12 +10,16 @@ thread, and one that cannot fit the context is refused without tokenising it who
   with every byte in the vocabulary, no normalizer, pre-tokenizer or added token that drops characters), a text over
   `limit * longest_token * 4` characters cannot fit (no token covers more characters than the vocabulary's longest
   string; x4 for a normaliser that composes up to four code points into one): refused unread;
-- over `PROBE_CHARS_PER_TOKEN * limit` characters, the text up to a whitespace there is tokenised first; a
-  pre-tokenizer splits at whitespace, so those tokens are the whole text's first ones, and if they are already
-  `limit` or more the text is refused. With any other tokenizer the probe grows (x4) until it decides or reaches
-  the text's end, then the text is tokenised whole: one that drops or fuses input (WordPiece's [UNK] for a long
-  word and dropped white space, a BPE's fused <unk> without byte fallback, a normaliser collapsing spaces) makes a
-  few tokens of `"hi" + " " * 5000 + "hi"`, which the unread bound refused at a context of 64.
+- over `PROBE_CHARS_PER_TOKEN * limit` characters, that many are tokenised first, and the tokens no text going on
+  past the cut can change (`settled_tokens`: those ending a margin before the cut's trailing white space, of words
+  ended there; with BPE, also the cut word's) bound the whole text's: `limit` or more and it is refused. The cut is
+  anywhere, not at a space: CJK prose, minified code and base64 have none, and a WordPiece tokenizer tokenised
+  2,000,000 CJK characters whole (6 s, 1.2 GB) to refuse them. A tokenizer not known to keep every character
+  gets a probe that grows (x4) until it decides or reaches the text's end, then the text is tokenised whole: one
+  that drops or fuses input (WordPiece's [UNK] for a long word and dropped white space, a BPE's fused <unk>
+  without byte fallback, a normaliser collapsing spaces, an added token taking the spaces beside it) makes a few
+  tokens of `"hi" + " " * 5000 + "hi"`, which the unread bound refused at a context of 64. A slow tokenizer (no
+  offsets) is probed up to a space or newline, its prefix counted whole.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 PROBE_CHARS_PER_TOKEN = 8  # real text runs 1-5 characters a token; a probe this long decides almost every refusal
+PROBE_MARGIN = 16  # characters before a probe's cut whose tokens the text after it may change (settled_tokens)
 
 
 class PromptTooLong(ValueError):
@@ -136,16 +141,45 @@ def encode_bounded(tokenizer: Any, text: str, limit: int, token_chars: int, add_
         raise PromptTooLong(len(text) // token_chars, limit, len(text))
     window, last = PROBE_CHARS_PER_TOKEN * limit, 0
     while len(text) > window:
-        cut = max(text.rfind(" ", 0, window), text.rfind("\n", 0, window))
-        if cut > last:
-            head = len(tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens))
-            if head >= limit:
-                raise PromptTooLong(head, limit, len(text))
-            last = cut
+        head = settled_tokens(tokenizer, text[:window], add_special_tokens)
+        if head is None:  # no offsets to read (a slow tokenizer): the prefix up to white space, counted whole
+            cut, head = max(text.rfind(" ", 0, window), text.rfind("\n", 0, window)), 0
+            if cut > last:
+                head, last = len(tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens)), cut
+        if head >= limit:
+            raise PromptTooLong(head, limit, len(text))
         if token_chars:  # known to keep every character: the text is at most limit * token_chars long, one probe
             break
         window *= 4  # a tokenizer that may drop input: a longer prefix may still decide
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def settled_tokens(tokenizer: Any, head: str, add_special_tokens: bool = True) -> int | None:
+    """How many tokens of `head`, a prefix cut anywhere, any text that starts with it has too (a lower bound on
+    that text's length), or None for a tokenizer whose encoding has no words and offsets (a slow one).
+
+    Counted: the tokens that end PROBE_MARGIN characters before `head`'s trailing white space (an added token with
+    lstrip takes a whole run of it; a normaliser composes or collapses characters across the cut), of a word (a
+    pre-token) ended there. A model splits each word on its own, but the word at the cut may go on past it: its
+    tokens count with BPE, whose merges are local (a fused <unk> reaching the cut ends past it), and not with
+    WordPiece (a word over max_input_chars_per_word, or one with a piece it lacks, is one [UNK] whole) or Unigram
+    (the best split of the whole word may be another)."""
+    try:
+        enc = tokenizer(head, add_special_tokens=add_special_tokens).encodings[0]
+        words, ends = enc.word_ids, [end for _, end in enc.offsets]
+        by_token = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+    except Exception:  # noqa: BLE001 - a slow or remote-code tokenizer: no words, no offsets
+        return None
+    settled = max(0, len(head.rstrip()) - PROBE_MARGIN)
+    if by_token:
+        return sum(1 for end in ends if end <= settled)
+    word_end: dict[int, int] = {}
+    for word, end in zip(words, ends):
+        if word is not None:
+            word_end[word] = max(word_end.get(word, 0), end)
+    cut_word = max(word_end, default=None)
+    return sum(1 for word, end in zip(words, ends)
+               if (end if word is None else word_end[word]) <= settled and (word is None or word != cut_word))
 
 
 class PromptEncoder:
