@@ -15,10 +15,16 @@ client's injectable resolver over a list the test changes (DNS cannot be changed
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
+from concurrent import futures as cf
 
+import grpc
+from structlog.testing import capture_logs
+
+from tlt.services.reward import replicas as replicas_mod
 from tlt.services.reward.client import RewardClient, RewardUnavailableError
 from tlt.services.reward.config import RewardConfig
 from tlt.services.reward.server import RewardServer
@@ -26,22 +32,23 @@ from tlt.v1 import reward_pb2
 
 Req = reward_pb2.ScoreRequest
 PORTS = range(44100, 44200)  # this file's ports
+PORTS2 = range(45700, 45800)  # the tests of the review's follow-ups
 
 
-def _port() -> int:
-    for port in PORTS:
+def _port(ports: range = PORTS) -> int:
+    for port in ports:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 44100-44199")
+    raise RuntimeError(f"no free port in {ports}")
 
 
-def _server(verifier, workers: int = 2) -> RewardServer:  # noqa: ANN001 - (prompt, completion, reference) -> bool
-    return RewardServer(RewardConfig(host="127.0.0.1", port=_port(), workers=workers, grace_s=0.5, item_timeout_s=0),
-                        verifier=verifier)
+def _server(verifier, workers: int = 2, ports: range = PORTS) -> RewardServer:  # noqa: ANN001 - (p, c, r) -> bool
+    config = RewardConfig(host="127.0.0.1", port=_port(ports), workers=workers, grace_s=0.5, item_timeout_s=0)
+    return RewardServer(config, verifier=verifier)
 
 
 class Counting:
@@ -177,3 +184,175 @@ def test_an_address_refusing_connections_costs_no_retry_and_a_stuck_stream_moves
         finally:
             release.set()
     assert got == {f"s{i}" for i in range(5)} and 0.5 <= elapsed < 3, elapsed  # a stall of timeout_s, then the rest
+
+
+# ---- follow-ups of a review: resolver errors, unclosed clients, other schemes, :authority, duplicates, ::1 -----
+
+
+def _resolve_threads() -> int:
+    return sum(t.name == "reward-client-resolve" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_resolver_error_of_any_kind_keeps_the_addresses_known_and_the_name_resolved_again() -> None:
+    """A resolver raising RuntimeError once (or a Replica that cannot be built) killed the resolve thread: the
+    address list froze for good. Now the error is kept (a call with no address names it), logged once per distinct
+    error, and resolution goes on: B, added after the error, is called within a few resolve periods."""
+    a_fn, b_fn = Counting(), Counting()
+    with _server(a_fn, ports=PORTS2) as a, _server(b_fn, ports=PORTS2) as b:
+        calls, addresses = [0], [a.address]
+
+        def resolver(_: str) -> list[str]:
+            calls[0] += 1
+            if 2 <= calls[0] <= 4:
+                raise RuntimeError("resolver bug")
+            return list(addresses)
+
+        with capture_logs() as logs, RewardClient("reward.test:1", timeout_s=5, retries=0, resolver=resolver,
+                                                  resolve_every_s=0.05) as client:
+            deadline = time.monotonic() + 5
+            while calls[0] < 5:
+                assert time.monotonic() < deadline, f"resolution stopped after {calls[0]} calls"
+                time.sleep(0.02)
+            addresses.append(b.address)
+            while client.addresses() != [a.address, b.address]:
+                assert time.monotonic() < deadline, client.addresses()
+                time.sleep(0.02)
+            assert client.score([Req(id="x", completion="x", reference="x")])[0].ok
+        failed = [e for e in logs if e["event"] == "reward_resolve_failed"]
+        assert len(failed) == 1 and "RuntimeError: resolver bug" in failed[0]["error"], failed
+    # a resolver failing from the start: the client is made, and a call says why it has no address
+    with RewardClient("reward.test:1", timeout_s=1, retries=0, retry_window_s=0,
+                      resolver=lambda _: 1 / 0) as client:
+        err = client.submit(Req(id="x", reference="1")).exception(timeout=10)
+        assert isinstance(err, RewardUnavailableError) and "ZeroDivisionError" in str(err), err
+
+
+def test_a_replica_that_cannot_be_built_does_not_stop_resolution(monkeypatch) -> None:  # noqa: ANN001
+    """Replica(...) raising for one address (say a channel option gRPC rejects): the other addresses still come."""
+    real = replicas_mod.Replica
+
+    def replica(address: str, options: list, watch: bool):  # noqa: ANN202
+        if address == "10.0.0.9:1":
+            raise ValueError("cannot build")
+        return real(address, options, watch)
+
+    monkeypatch.setattr(replicas_mod, "Replica", replica)
+    found = [["10.0.0.9:1"]]
+    with RewardClient("reward.test:1", timeout_s=1, retries=0, resolver=lambda _: list(found[0]),
+                      resolve_every_s=0.05) as client:
+        found[0] = ["127.0.0.1:1"]
+        deadline = time.monotonic() + 5
+        while client.addresses() != ["127.0.0.1:1"]:
+            assert time.monotonic() < deadline, client.addresses()
+            time.sleep(0.02)
+
+
+def test_a_client_of_a_name_dropped_without_close_leaves_no_resolve_thread() -> None:
+    """The resolve thread held the client's Replicas: five clients dropped unclosed left five threads (and their
+    channels) for good. Now the thread holds it weakly and ends once it is collected."""
+    fn = Counting()
+    with _server(fn, ports=PORTS2) as s:
+        gc.collect()
+        before = _resolve_threads()
+        for i in range(5):
+            client = RewardClient(f"reward.test:{s.port}", timeout_s=5, retries=0,
+                                  resolver=lambda _, a=s.address: [a], resolve_every_s=0.05)
+            assert client.score([Req(id=f"u{i}", completion="x", reference="x")])[0].ok
+            assert _resolve_threads() == before + 1
+            del client
+            gc.collect()
+            deadline = time.monotonic() + 5
+            while _resolve_threads() > before:
+                assert time.monotonic() < deadline, "the resolve thread of a dropped client lives on"
+                time.sleep(0.02)
+    assert fn.scored == 5
+
+
+def test_a_target_of_another_grpc_scheme_is_left_to_grpc(monkeypatch) -> None:  # noqa: ANN001
+    """`xds:///reward:P` (and any `scheme:` not listed, gRPC's or a plugin's) was taken for the DNS name
+    `xds:///reward`, which never resolves: the client had no address for good. Now any scheme but dns: is one
+    channel on the target as given, gRPC's to resolve (here its xds resolver, which wants a bootstrap file); host:port
+    stays a name. (`passthrough:` is gRPC Go's: gRPC Python takes it for a DNS name, with or without this client.)"""
+    monkeypatch.delenv("GRPC_XDS_BOOTSTRAP", raising=False)
+    monkeypatch.delenv("GRPC_XDS_BOOTSTRAP_CONFIG", raising=False)
+    before = _resolve_threads()
+    target = f"xds:///reward.test:{_port(PORTS2)}"
+    with RewardClient(target, timeout_s=2, retries=0, retry_window_s=0) as client:
+        assert client.addresses() == [target] and _resolve_threads() == before
+        err = client.submit(Req(id="x", reference="1")).exception(timeout=10)
+        assert isinstance(err, RewardUnavailableError) and "XdsClient" in str(err), err  # gRPC's xds resolver
+    names = ["localhost:50061", "reward.ns.svc:50061", "dns:///reward:1", "dns://8.8.8.8/reward:1", "Reward-0:7"]
+    others = ["127.0.0.1:1", "[::1]:1", "passthrough:///reward:1", "xds:///reward", "unix:/tmp/s", "unix-abstract:x",
+              "vsock:3:1", "ipv4:127.0.0.1:1", "myscheme:reward:1", "localhost"]
+    assert [t for t in names if not replicas_mod._is_name(t)] == []
+    assert [t for t in others if replicas_mod._is_name(t)] == []
+
+
+def _authority_server(port: int, seen: list[str]) -> grpc.Server:
+    """A Reward service whose Score records each call's `:authority` (invocation_metadata() leaves it out; gRPC Python
+    keeps it in the call's details, filled for a generic handler's calls)."""
+
+    def score(request, context):  # noqa: ANN001, ANN202
+        seen.append(context._rpc_event.call_details.host.decode())
+        return reward_pb2.ScoreBatchResponse(results=[reward_pb2.ScoreResponse(id=r.id, ok=True)
+                                                      for r in request.items])
+
+    handler = grpc.method_handlers_generic_handler("tlt.v1.Reward", {"Score": grpc.unary_unary_rpc_method_handler(
+        score, request_deserializer=reward_pb2.ScoreBatchRequest.FromString,
+        response_serializer=reward_pb2.ScoreBatchResponse.SerializeToString)})
+    server = grpc.server(cf.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+def test_each_address_of_a_name_is_called_with_the_name_as_its_authority() -> None:
+    """A replica's channel was made on its IP, so a proxy or mesh routing by host saw `:authority` 127.0.0.1:P instead
+    of the name. Now each channel of a resolved name sends `name:port`."""
+    seen: list[str] = []
+    port = _port(PORTS2)
+    server = _authority_server(port, seen)
+    try:
+        with RewardClient(f"reward.example:{port}", timeout_s=5, retries=0,
+                          resolver=lambda _: [f"127.0.0.1:{port}"]) as client:
+            assert client.score([Req(id="a", completion="x", reference="x")])[0].ok
+        with RewardClient(f"127.0.0.1:{port}", timeout_s=5, retries=0) as client:  # an IP target: as given
+            assert client.score([Req(id="b", completion="x", reference="x")])[0].ok
+    finally:
+        server.stop(0)
+    assert seen == [f"reward.example:{port}", f"127.0.0.1:{port}"]
+
+
+def test_an_address_listed_twice_is_one_replica(monkeypatch) -> None:  # noqa: ANN001
+    """`ipv4:a,a` built two Replicas for one address (the first one's channel left unclosed): now one."""
+    built: list[str] = []
+    real = replicas_mod.Replica
+
+    def replica(address: str, options: list, watch: bool):  # noqa: ANN202
+        built.append(address)
+        return real(address, options, watch)
+
+    monkeypatch.setattr(replicas_mod, "Replica", replica)
+    with RewardClient("ipv4:127.0.0.1:1,127.0.0.1:2,127.0.0.1:1", timeout_s=1, retries=0) as client:
+        assert client.addresses() == ["ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"]
+    assert built == ["ipv4:127.0.0.1:1", "ipv4:127.0.0.1:2"]
+
+
+def test_a_name_resolving_to_ipv6_loopback_first_reaches_a_server_on_127_0_0_1_alone() -> None:
+    """What `localhost` gives where /etc/hosts maps it to ::1 as well (not so on every machine, hence the resolver):
+    [::1]:P first, where nothing listens, then 127.0.0.1:P. A fresh client's first two calls (round robin would
+    send one to each address), batches or streams, are each answered with no retry."""
+    fn = Counting()
+    with _server(fn, ports=PORTS2) as s:
+        both = [f"[::1]:{s.port}", f"127.0.0.1:{s.port}"]
+        calls = [lambda c, i: c.submit(Req(id=f"s{i}", completion="x", reference="x")).result(10).ok,
+                 lambda c, i: c.score([Req(id=f"b{i}", completion="x", reference="x")])[0].ok,
+                 lambda c, i: len(list(c.score_stream(Req(id=f"t{i}-{k}", completion="x", reference="x")
+                                                      for k in range(3)))) == 3]
+        for i in range(6):
+            with RewardClient(f"localhost:{s.port}", timeout_s=2, retries=0, retry_window_s=0,
+                              resolver=lambda _: list(both)) as client:
+                assert client.addresses() == both
+                assert calls[i % 3](client, 2 * i) and calls[i % 3](client, 2 * i + 1)  # round robin: one to each
+    assert fn.scored == 2 * (2 + 2 + 6)

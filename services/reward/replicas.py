@@ -10,9 +10,13 @@ resolved the name again (after a connection ended). So the client picks the addr
   (or the client's `resolver`: target -> ["ip:port", ...]) and again every `resolve_every_s` (5 s), and at once
   (at most twice a second) after a call found an address unreachable or the name had none: an address added is
   called within that period; one removed gets no new calls and its channel is closed once its calls end. A
-  resolution that fails (DNS down, or no pod ready: the name unknown) keeps the addresses known, as gRPC does.
-  `ipv4:a,b` / `ipv6:...` lists are one channel per address, never re-resolved. Any other target (an IP
-  `host:port`, `unix:`, ...) is one channel on the target as given, exactly as a single-address client was.
+  resolution that fails (DNS down, or no pod ready: the name unknown; or any error of the resolver's) keeps the
+  addresses known, as gRPC does, and is logged once (`reward_resolve_failed`) until it succeeds or fails otherwise.
+  Each address's channel sends the name (`host:port`) as its `:authority`, as one channel on the name did. The
+  resolving thread holds the client weakly: a client dropped without `close()` is collected, channels and thread.
+  `ipv4:a,b` / `ipv6:...` lists are one channel per distinct address, never re-resolved. Any other target (an IP
+  `host:port`, `[ip6]:port`, any other scheme: `unix:`, `xds:`, a plugin's, ...) is one channel on the target as
+  given, resolved by gRPC, exactly as a single-address client was.
 - Liveness per address. Each replica has its own progress clock (`last_answer`): a call on it times out once it
   answered none of the client's calls for `timeout_s` since the call began, whatever the others answer. A replica
   that timed out a call gets no new calls for `timeout_s` while another is usable, then one (a probe) per
@@ -25,9 +29,11 @@ resolved the name again (after a connection ended). So the client picks the addr
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -39,7 +45,7 @@ from tlt.v1 import reward_pb2_grpc
 Resolver = Callable[[str], list[str]]
 log = get_logger("reward.client")
 _DIRECT_SCHEMES = ("ipv4:", "ipv6:")
-_OTHER_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)  # a URI's scheme, as gRPC parses a target
 _MIN_RESOLVE_GAP_S = 0.5  # re-resolving asked for on a failure: at most this often
 _STATES = {c.value[0]: c for c in grpc.ChannelConnectivity}
 
@@ -95,11 +101,11 @@ class Replicas:
         self.target = target
         self._options = options
         self._timeout_s = timeout_s
-        self._every_s = resolve_every_s
         self._lock = threading.Lock()
         self._replicas: dict[str, Replica] = {}  # in the resolver's order; removed ones stay until their calls end
         self._next = 0
-        self._problem = ""  # why the last resolution gave no address
+        self._problem = ""  # why the last resolution failed or gave no address
+        self._logged = ""  # the resolution error last logged (each distinct one is logged once)
         self._closing = threading.Event()
         self._wake = threading.Event()
         self._resolver = resolver if resolver is not None else (resolve if _is_name(target) else None)
@@ -108,8 +114,19 @@ class Replicas:
             for address in fixed:
                 self._replicas[address] = Replica(address, options, watch=len(fixed) > 1)
             return
-        self._refresh()
-        threading.Thread(target=self._loop, name="reward-client-resolve", daemon=True).start()
+        try:  # each address's channel names the name, as one channel on it did (a proxy or mesh routes by host)
+            host, port = _host_port(target)
+        except ValueError:
+            pass
+        else:
+            if not any(key == "grpc.default_authority" for key, _ in options):
+                self._options = [*options, ("grpc.default_authority", f"{host}:{port}")]
+        self._refresh_logged()
+        # the thread holds this object weakly, so that a client dropped without close() is collected (channels
+        # and all, as a single-channel client was); collected, it wakes the thread to end
+        weakref.finalize(self, _stop, self._closing, self._wake)
+        threading.Thread(target=_loop, args=(weakref.ref(self), self._closing, self._wake, resolve_every_s),
+                         name="reward-client-resolve", daemon=True).start()
 
     # ---- resolution ----------------------------------------------------------------------
 
@@ -122,14 +139,18 @@ class Replicas:
                 self._problem = f"{type(e).__name__}: {e}"
             return
         closing: list[Replica] = []
+        unusable: list[str] = []
         with self._lock:
             if self._closing.is_set():
                 return
-            self._problem = ""
             for address in found:
                 replica = self._replicas.get(address)
                 if replica is None:
-                    self._replicas[address] = Replica(address, self._options, watch=True)
+                    try:
+                        self._replicas[address] = Replica(address, self._options, watch=True)
+                    except Exception as e:  # noqa: BLE001 - one address gRPC cannot make a channel of: the others
+                        unusable.append(f"{address}: {type(e).__name__}: {e}")
+                        continue
                     log.info("reward_address_added", target=self.target, address=address)
                 elif replica.removed:  # back before its calls ended: keep its connection
                     replica.removed = False
@@ -140,20 +161,25 @@ class Replicas:
                              calls_in_flight=replica.in_flight)
                 if replica.removed and replica.in_flight == 0:
                     closing.append(self._replicas.pop(address))
+            self._problem = "; ".join(unusable)
         for replica in closing:
             replica.close()
 
-    def _loop(self) -> None:
-        last = time.monotonic()
-        while not self._closing.is_set():
-            if self._wake.wait(max(0.0, last + self._every_s - time.monotonic())):  # asked for: not too often
-                if self._closing.wait(max(0.0, last + _MIN_RESOLVE_GAP_S - time.monotonic())):
-                    return
-            self._wake.clear()
-            if self._closing.is_set():
-                return
-            last = time.monotonic()
+    def _refresh_logged(self) -> None:
+        """`_refresh`, any error of it (a resolver's bug, a channel that cannot be made) kept as the problem and
+        logged once: the addresses known stay and resolution goes on."""
+        try:
             self._refresh()
+        except Exception as e:  # noqa: BLE001 - whatever the resolver raises, the resolving must go on
+            problem = f"{type(e).__name__}: {e}"
+            with self._lock:
+                self._problem = problem
+        with self._lock:
+            problem, new = self._problem, self._problem != self._logged
+            self._logged = problem
+        if problem and new:
+            log.warning("reward_resolve_failed", target=self.target, error=problem,
+                        addresses_kept=self.count())
 
     def resolve_soon(self) -> None:
         """Resolve the name again now (a call found an address unreachable: a pod gone, maybe a new one)."""
@@ -266,6 +292,28 @@ class Replicas:
             replica.close()
 
 
+def _stop(closing: threading.Event, wake: threading.Event) -> None:
+    closing.set()
+    wake.set()
+
+
+def _loop(ref: weakref.ReferenceType, closing: threading.Event, wake: threading.Event, every_s: float) -> None:
+    """The resolving thread: `ref`'s name again every `every_s`, or soon when woken; ends once it is closed or
+    collected (holding it only while it resolves)."""
+    last = time.monotonic()
+    while not closing.is_set():
+        if wake.wait(max(0.0, last + every_s - time.monotonic())):  # asked for: not too often
+            if closing.wait(max(0.0, last + _MIN_RESOLVE_GAP_S - time.monotonic())):
+                return
+        wake.clear()
+        replicas = ref()
+        if replicas is None or closing.is_set():
+            return
+        last = time.monotonic()
+        replicas._refresh_logged()
+        del replicas
+
+
 def resolve(target: str) -> list[str]:
     """The default resolver: every address of a `host:port` / `dns:///host:port` target's name (TCP), as
     `ip:port` / `[ip6]:port`, in getaddrinfo's order."""
@@ -287,8 +335,11 @@ def _host_port(target: str) -> tuple[str, int]:
 
 
 def _is_name(target: str) -> bool:
-    """Whether the target is a DNS name the client resolves itself (not an IP literal, not another scheme)."""
-    if target.startswith(_DIRECT_SCHEMES + _OTHER_SCHEMES):
+    """Whether the target is a DNS name the client resolves itself: `host:port` with a host that is no IP literal, or
+    `dns:`. Any other `scheme:` (unix:, passthrough:, xds:, ...) is gRPC's to resolve; `host:port` parses as one, so
+    a scheme followed by a port alone is a host."""
+    scheme = _SCHEME.match(target)
+    if scheme and scheme.group(1) != "dns" and not scheme.group(2).isdigit():
         return False
     try:
         host, _ = _host_port(target)
@@ -306,5 +357,5 @@ def _direct_addresses(target: str) -> list[str]:
     scheme = next((s for s in _DIRECT_SCHEMES if target.startswith(s)), None)
     if scheme is None:
         return [target]
-    parts = [p for p in target[len(scheme):].split(",") if p]
+    parts = list(dict.fromkeys(p for p in target[len(scheme):].split(",") if p))  # one replica an address
     return [f"{scheme}{p}" for p in parts] if len(parts) > 1 else [target]
