@@ -1,4 +1,5 @@
-"""Opt-in GRPO-family options of [trainer]: loss_agg, entropy_coef, ppo_epochs, advantage_estimator, overlong_filter.
+"""Opt-in GRPO-family options of [trainer]: loss_agg, entropy_coef, ppo_epochs, advantage_estimator, overlong_filter,
+and the loss's k3 KL to a reference (kl_beta, at the run's temperature) and asymmetric clip (clip_low != clip_high).
 
 Pure functions (services/trainer/grpo.py) against values computed by hand; the step (services/trainer/step.py) on
 a tiny random Qwen2 under real DeepSpeed against an independent reference: a plain autograd loop that forwards
@@ -194,46 +195,64 @@ def _hand_advantages(estimator: str) -> list[float]:
     return [-2.5 / 3, 0.5, 0.5, 0.5 - 2 / 3, 2.0, -2 / 3, -2 / 3, -2 / 3]
 
 
-def _reference_grads(samples, loss_agg: str, entropy_coef: float, estimator: str, overlong: bool):
-    """The gradient of one on-policy mini-batch holding every sequence, written from the formulas.
+def _reference_grads(samples, loss_agg: str, entropy_coef: float, estimator: str, overlong: bool, *,
+                     kl_beta: float = 0.0, ref_model=None, temperature: float = 1.0, old=None,
+                     clip: tuple[float, float] = (0.2, 0.2), stats: dict | None = None):
+    """The gradient of one mini-batch holding every sequence, written from the formulas.
 
-    Each sequence alone through the model (no padding, no batching); ratio = exp(logp - logp.detach()) = 1 with
-    the PPO gradient; entropy H = -sum p log p; aggregation as the option's description states it."""
+    Each sequence alone through the model (no padding, no batching), logits / temperature; old logprobs `old[i]`
+    (default: the sequence's own, detached: on-policy, ratio 1 with the PPO gradient); per token
+    max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high)) + kl_beta k3 - entropy_coef H, where
+    k3 = e^r - r - 1, r = logp_ref - logp (the reference model's logprob at the same temperature; kl_k3's
+    docstring) and H = -sum p log p; aggregation as the option's description states it. `stats` gets
+    the share of tokens the clip took the gradient from and the aggregated KL."""
     model = tiny_qwen2()
     model.train(True)
     adv = _hand_advantages(estimator)
-    contributions, tokens, seqs = [], 0, 0
+    contributions, kls, tokens, seqs, clipped = [], [], 0, 0, 0
     for i, s in enumerate(samples):
         if overlong and s.finish_reason == "length":
             continue
         p, r = list(s.prompt_ids), list(s.response_ids)
-        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)].float()
+        ids, at = torch.tensor([p + r]), slice(len(p) - 1, len(p) - 1 + len(r))
+        logits = model(input_ids=ids).logits[0, at].float() / temperature
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(1, torch.tensor(r)[:, None])[:, 0]
-        ratio = torch.exp(logp - logp.detach())
+        old_i = logp.detach() if old is None else torch.tensor(old[i], dtype=torch.float32)
+        ratio = torch.exp(logp - old_i)
+        unclipped = -adv[i] * ratio
+        cut = -adv[i] * torch.clamp(ratio, 1.0 - clip[0], 1.0 + clip[1])
+        clipped += int((cut > unclipped).sum())
         ent = -(logp_all.exp() * logp_all).sum(-1)
-        per_token = -adv[i] * ratio - entropy_coef * ent
+        kl = torch.zeros(len(r))
+        if kl_beta > 0:
+            with torch.no_grad():
+                ref_logp = torch.log_softmax(ref_model(input_ids=ids).logits[0, at].float() / temperature, -1)
+                ref_logp = ref_logp.gather(1, torch.tensor(r)[:, None])[:, 0]
+            kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1.0
+        per_token = torch.maximum(unclipped, cut) + kl_beta * kl - entropy_coef * ent
         tokens += len(r)
         seqs += 1
-        if loss_agg == "token-mean":
-            contributions.append(per_token.sum())
-        elif loss_agg == "seq-mean-token-mean":
-            contributions.append(per_token.sum() / len(r))
-        else:
-            contributions.append(per_token.sum() / MAX_TOKENS)
-    loss = sum(contributions) / (tokens if loss_agg == "token-mean" else seqs)
+        norm = 1.0 if loss_agg == "token-mean" else len(r) if loss_agg == "seq-mean-token-mean" else MAX_TOKENS
+        contributions.append(per_token.sum() / norm)
+        kls.append(float(kl.detach().sum()) / norm)
+    units = tokens if loss_agg == "token-mean" else seqs
+    loss = sum(contributions) / units
     loss.backward()
+    if stats is not None:
+        stats.update(clip_fraction=clipped / tokens, kl=sum(kls) / units)
     return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 
-def _step_grads(monkeypatch, samples, world: int = 1, rank: int = 0, **kw):
-    """Gradients the step accumulates on `rank` of `world` (no optimizer update: the weights stay put)."""
+def _step_grads(monkeypatch, samples, world: int = 1, rank: int = 0, reference=None, **kw):
+    """Gradients the step accumulates on `rank` of `world` (no optimizer update: the weights stay put); `reference`:
+    a ReferencePolicy for the KL term (kl_beta > 0)."""
     policy = Policy(config(mini_batch_size=8, max_tokens=MAX_TOKENS, **kw), model=tiny_qwen2())
     monkeypatch.setattr(policy, "world_size", world)
     monkeypatch.setattr(policy, "rank", rank)
     monkeypatch.setattr(policy, "step", lambda: False)
     monkeypatch.setattr(policy, "all_reduce_stats", lambda sums, tokens, diff: (sums, tokens, diff))
-    res = grpo_step(policy, samples, step=0)
+    res = grpo_step(policy, samples, step=0, reference=reference)
     grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for k, p in policy.module.named_parameters()}
     return grads, res.metrics
@@ -246,26 +265,96 @@ def _assert_grads_close(got, want):
         torch.testing.assert_close(got[k], want[k], atol=1e-5 * scale, rtol=1e-4, msg=k)
 
 
+@pytest.fixture(scope="module")
+def ref_dir(tmp_path_factory):
+    """A reference model other than the policy (tiny_qwen2 of another seed), saved as ReferencePolicy loads it."""
+    path = tmp_path_factory.mktemp("kl-reference")
+    tiny_qwen2(seed=1).save_pretrained(path)
+    return path
+
+
 CASES = [
-    # loss_agg, entropy_coef, estimator, overlong
-    ("seq-mean-token-mean", 0.0, "grpo", False),
-    ("seq-mean-token-sum-norm", 0.0, "grpo", False),
-    ("token-mean", 0.05, "grpo", False),
-    ("seq-mean-token-mean", 0.05, "rloo", True),
-    ("token-mean", 0.0, "rloo", True),
+    # loss_agg, entropy_coef, estimator, overlong, kl_beta, temperature
+    ("seq-mean-token-mean", 0.0, "grpo", False, 0.0, 1.0),
+    ("seq-mean-token-sum-norm", 0.0, "grpo", False, 0.0, 1.0),
+    ("token-mean", 0.05, "grpo", False, 0.0, 1.0),
+    ("seq-mean-token-mean", 0.05, "rloo", True, 0.0, 1.0),
+    ("token-mean", 0.0, "rloo", True, 0.0, 1.0),
+    # the k3 KL to a reference model (another seed's), against its formula per token
+    ("token-mean", 0.0, "grpo", False, 0.5, 1.0),
+    ("seq-mean-token-sum-norm", 0.02, "rloo", True, 0.5, 1.0),
+    ("seq-mean-token-mean", 0.0, "grpo", True, 0.5, 0.7),  # policy and reference logprobs at temperature 0.7
 ]
 
 
-@pytest.mark.parametrize("loss_agg, entropy_coef, estimator, overlong", CASES)
-def test_step_gradient_matches_the_autograd_reference(monkeypatch, loss_agg, entropy_coef, estimator, overlong):
+@pytest.mark.parametrize("loss_agg, entropy_coef, estimator, overlong, kl_beta, temperature", CASES)
+def test_step_gradient_matches_the_autograd_reference(monkeypatch, ref_dir, loss_agg, entropy_coef, estimator,
+                                                      overlong, kl_beta, temperature):
     """Micro-batches of 2 grouped by length accumulate to the reference gradient of the whole mini-batch."""
+    from tlt.services.trainer.policy import ReferencePolicy
+
     samples = _samples(length_cut=(1, 6))
-    want = _reference_grads(samples, loss_agg, entropy_coef, estimator, overlong)
-    got, m = _step_grads(monkeypatch, samples, micro_batch_size=2, loss_agg=loss_agg, entropy_coef=entropy_coef,
-                         advantage_estimator=estimator, overlong_filter=overlong)
+    stats: dict = {}
+    want = _reference_grads(samples, loss_agg, entropy_coef, estimator, overlong, kl_beta=kl_beta,
+                            ref_model=tiny_qwen2(seed=1), temperature=temperature, stats=stats)
+    reference = ReferencePolicy(str(ref_dir), torch.device("cpu"), temperature) if kl_beta > 0 else None
+    got, m = _step_grads(monkeypatch, samples, reference=reference, micro_batch_size=2, loss_agg=loss_agg,
+                         entropy_coef=entropy_coef, advantage_estimator=estimator, overlong_filter=overlong,
+                         kl_beta=kl_beta, temperature=temperature)
     _assert_grads_close(got, want)
     assert m.overlong_filtered_fraction == pytest.approx(2 / 8 if overlong else 0.0)
     assert m.truncated_fraction == pytest.approx(2 / 8)
+    assert m.kl == pytest.approx(stats["kl"], rel=1e-4, abs=1e-9)
+    if kl_beta > 0:
+        assert m.kl > 1e-3  # a KL term the gradient comparison can see
+
+
+def _off_policy(samples: list[ScoredCompletion], checked: set[int]) -> tuple[list[ScoredCompletion], list[tuple]]:
+    """`samples` with rollout logprobs off the policy's own (its logprobs, each sequence alone) by log-ratios
+    SHIFTS[t % 5] at token t (ratio e^shift), except the sequences in `checked` (the step's checked micro-batch,
+    recomputed: theirs are exact). Returns the samples and their old logprobs."""
+    import dataclasses
+
+    model = tiny_qwen2().eval()
+    out, old = [], []
+    for i, s in enumerate(samples):
+        p, r = list(s.prompt_ids), list(s.response_ids)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float(), -1)
+        own = [float(x) for x in logp.gather(1, torch.tensor(r)[:, None])[:, 0]]
+        lp = tuple(own if i in checked else (x - SHIFTS[t % 5] for t, x in enumerate(own)))
+        out.append(dataclasses.replace(s, rollout_logprobs=lp))
+        old.append(lp)
+    return out, old
+
+
+# ratio e^shift: 1.35 (inside [0.8, 1.6], outside a ceiling of 1.2), 0.67 (under the floor 0.8, inside 0.4), 1.82
+# (over 1.6), 0.37 (under 0.4 too), 1.0
+SHIFTS = (0.3, -0.4, 0.6, -1.0, 0.0)
+
+
+def test_asymmetric_clip_off_policy_matches_the_reference(monkeypatch):
+    """DAPO's clip-higher (clip_low 0.2, clip_high 0.6) on off-policy old logprobs (the rollout's, old_logprobs =
+    'rollout'): a token is clipped (no gradient) where A > 0 and ratio > 1 + clip_high, or A < 0 and
+    ratio < 1 - clip_low; clip_fraction counted by hand from the shifts and the advantages' signs, the gradient
+    against the reference (clip_low and clip_high swapped, 1.35 x A > 0 and 0.67 x A < 0 swap sides)."""
+    samples = _samples()
+    mb = 2
+    by_len = sorted(range(8), key=lambda k: (len(samples[k].prompt_ids) + len(samples[k].response_ids), k))
+    checked = set(by_len[-mb:])  # the longest micro-batch: the one the step recomputes and checks
+    samples, old = _off_policy(samples, checked)
+    adv = _hand_advantages("grpo")
+    clipped = sum(1 for i, s in enumerate(samples) if i not in checked for t in range(len(s.response_ids))
+                  if (adv[i] > 0 and math.exp(SHIFTS[t % 5]) > 1.6) or (adv[i] < 0 and math.exp(SHIFTS[t % 5]) < 0.8))
+    total = sum(len(s.response_ids) for s in samples)
+    stats: dict = {}
+    want = _reference_grads(samples, "token-mean", 0.0, "grpo", False, old=old, clip=(0.2, 0.6), stats=stats)
+    got, m = _step_grads(monkeypatch, samples, micro_batch_size=mb, old_logprobs="rollout", clip_low=0.2,
+                         clip_high=0.6)
+    assert m.old_logprobs_from_rollout == 6 and m.rollout_logprob_max_diff < 1e-4  # the shifted ones were used
+    assert 0 < clipped < total and stats["clip_fraction"] == pytest.approx(clipped / total)
+    assert m.clip_fraction == pytest.approx(clipped / total, rel=1e-6)
+    _assert_grads_close(got, want)
 
 
 @pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
