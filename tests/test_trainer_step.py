@@ -237,6 +237,32 @@ def test_step_metrics_by_hand():
     assert m.rollout_logprob_max_diff == pytest.approx(1.0, abs=1e-4)  # the max over every sequence, not the last
 
 
+def test_reward_std_is_the_sample_std_with_and_without_dynamic_sampling():
+    """reward_std is the sample standard deviation (Bessel, n - 1) of the step's rewards, as group_advantages'
+    std is; with dynamic sampling it is over every completion generated, all rounds, and "means the same with and
+    without" it (dynamic_sampling.Selection): one round of the same completions gives the step's value."""
+    import dataclasses
+
+    from tlt.services.trainer.dynamic_sampling import select_groups
+    from tlt.services.trainer.types import PromptItem
+
+    # rewards 2, 0, 0, 0 | 2, 2, 0, 2: mean 1, every deviation +-1, sum of squares 8 -> sample std sqrt(8 / 7)
+    # (1.069); the population std (/ 8) is 1
+    groups = [[2.0, 0.0, 0.0, 0.0], [2.0, 2.0, 0.0, 2.0]]
+    samples = [dataclasses.replace(s, reward=groups[s.prompt_index][s.sample_index]) for s in make_samples(2, 4)]
+    m = grpo_step(Policy(config(), model=tiny_qwen2()), samples, step=0).metrics
+    assert m.reward_mean == pytest.approx(1.0) and m.reward_std == pytest.approx((8 / 7) ** 0.5, rel=1e-6)
+    prompts = [PromptItem(index=i, prompt=f"p{i}", answer="") for i in range(2)]
+    one_round = select_groups([(prompts, samples)], want=2, n=4)
+    assert one_round.reward_std == pytest.approx(m.reward_std, rel=1e-9)
+    # a second round's groups 1, 1, 1, 1 | 1, 3, 1, -1: 16 rewards, mean 1, squares 8 + 0 + 4 + 4 = 16 -> sqrt(16 / 15)
+    more = [dataclasses.replace(s, reward=[[1.0] * 4, [1.0, 3.0, 1.0, -1.0]][s.prompt_index][s.sample_index])
+            for s in samples]
+    two_rounds = select_groups([(prompts, samples), (prompts, more)], want=2, n=4)
+    assert two_rounds.reward_mean == pytest.approx(1.0)
+    assert two_rounds.reward_std == pytest.approx((16 / 15) ** 0.5, rel=1e-9)
+
+
 def test_clip_fraction_and_grad_norm_are_step_means(monkeypatch):
     """Two mini-batches (two updates): clip_fraction is the token-weighted mean of the micro-batches' clip
     fractions, grad_norm the mean of the two updates' norms."""
