@@ -7,7 +7,10 @@ reads a `config.json` dict of a supported architecture into one frozen
 dataclass that the loader, the native model and the engine all share.
 
 Supported architectures: Qwen2ForCausalLM (Qwen2 / Qwen2.5),
-Qwen3ForCausalLM, LlamaForCausalLM (dense only).
+Qwen3ForCausalLM, LlamaForCausalLM (dense, unquantized only). The trainer runs
+transformers' AutoModelForCausalLM on the same folder, so every field is read as
+the installed transformers reads it (RoPE block, theta, defaults), and what it
+would read differently or refuse is refused here with one line saying why.
 """
 
 from __future__ import annotations
@@ -84,6 +87,17 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        model_type = cfg.get("model_type")
+        if model_type and _BY_MODEL_TYPE.get(model_type) != arch:  # AutoModelForCausalLM goes by model_type alone
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} with architectures {archs}: transformers builds its model from model_type "
+                f"({_BY_MODEL_TYPE.get(model_type) or 'a ' + model_type + ' model'}, not {arch}), so the native engine "
+                "would serve another model than the trainer's; make architectures and model_type agree")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise UnsupportedModelError(f"quantized checkpoints (quant_method {method}) are not supported by the "
+                                        "native engine; use --backend sglang or a bf16/fp16/fp32 checkpoint")
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         qwen2 = arch == "Qwen2ForCausalLM"
@@ -91,17 +105,8 @@ class ModelConfig:
         # transformers' Qwen3Config defaults head_dim to 128 whatever the hidden size; Qwen2 / Llama derive it
         head_dim = cfg.get("head_dim") or (128 if qwen3 else hidden // heads)
         attention_bias = True if qwen2 else bool(cfg.get("attention_bias", False))
-        # transformers 5 moved rope settings into `rope_parameters`; older files use rope_theta/rope_scaling.
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
-        if scaling:  # the pre-training context as transformers' standardize_rope_params takes it (the block's alone,
-            # defaulting to 8192, gave other RoPE frequencies than HF's): a top-level value first (Phi-3 style files),
-            # then the block's, then max_position_embeddings
-            top, block = cfg.get("original_max_position_embeddings"), scaling.get("original_max_position_embeddings")
-            original = top or block or cfg.get("max_position_embeddings")
-            scaling = {**scaling, "original_max_position_embeddings": original}
-        rope_scaling = _rope_scaling(scaling) if scaling else None
+        max_positions = cfg.get("max_position_embeddings") or _MAX_POSITIONS[arch]  # transformers' per family
+        rope_theta, rope_scaling = _rope(cfg, max_positions)
         eos = _ids(cfg.get("eos_token_id"))
         if generation_config:
             eos = tuple(dict.fromkeys(eos + _ids(generation_config.get("eos_token_id"))))
@@ -129,7 +134,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=qwen3,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            max_position_embeddings=int(max_positions),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
@@ -138,6 +143,42 @@ class ModelConfig:
 
 
 _BY_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# transformers' default max_position_embeddings (LlamaConfig, Qwen2Config, Qwen3Config) for a file without one
+_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
+# what transformers' RoPE validation requires in a block of each type (rope_theta and the original context filled in)
+_REQUIRED_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "high_freq_factor", "low_freq_factor")}
+
+
+def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) as transformers' convert_rope_params_to_dict and standardize_rope_params read them: the
+    block is `rope_scaling` if given, else `rope_parameters`; its type is `rope_type`, else `type`; theta is the
+    block's, else the top-level rope_theta, else 10000. Both blocks given and different: refused (transformers drops
+    rope_parameters, its rope_theta too, in silence)."""
+    params, legacy = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if not isinstance(value, dict):
+            raise TypeError(f"{key} must be an object, got {value!r}")
+    if params and legacy and params != legacy:
+        raise UnsupportedModelError(
+            "config.json has both rope_parameters and rope_scaling, and they differ (transformers takes rope_scaling "
+            "and drops rope_parameters, rope_theta included); keep one")
+    block = dict(legacy or params)
+    if any(isinstance(v, dict) for v in block.values()):
+        raise UnsupportedModelError("RoPE parameters per layer type (a block per attention kind) are not supported")
+    theta = float(block["rope_theta"] if "rope_theta" in block else cfg.get("rope_theta", 10000.0))  # null: refused
+    kind = block.get("rope_type") or block.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    missing = [k for k in _REQUIRED_ROPE_KEYS.get(kind, ()) if k not in block]
+    if missing:
+        raise UnsupportedModelError(f"rope scaling {kind!r} needs {', '.join(map(repr, missing))} in its block "
+                                    "(transformers refuses the file without them)")
+    # the pre-training context as transformers' standardize_rope_params takes it (the block's alone, defaulting to
+    # 8192, gave other RoPE frequencies than HF's): a top-level value first (Phi-3 style files), then the block's,
+    # then max_position_embeddings (the family's default where the file has none)
+    original = cfg.get("original_max_position_embeddings") or block.get("original_max_position_embeddings")
+    block.update(rope_type=kind, original_max_position_embeddings=original or max_positions)
+    return theta, _rope_scaling(block)
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -148,18 +189,16 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_scaling(s: dict[str, Any]) -> RopeScaling | None:
-    kind = s.get("rope_type") or s.get("type") or "default"
-    if kind == "default":
-        return None
+def _rope_scaling(s: dict[str, Any]) -> RopeScaling:
+    kind = s["rope_type"]
     if kind == "linear":
         return RopeScaling("linear", factor=float(s["factor"]))
     if kind == "llama3":
         return RopeScaling(
             "llama3",
             factor=float(s["factor"]),
-            low_freq_factor=float(s.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(s.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(s.get("original_max_position_embeddings") or 8192),
+            low_freq_factor=float(s["low_freq_factor"]),
+            high_freq_factor=float(s["high_freq_factor"]),
+            original_max_position_embeddings=int(s["original_max_position_embeddings"]),
         )
     raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")

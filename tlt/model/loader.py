@@ -55,6 +55,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Tensors a checkpoint may carry that the model does not need (rotary caches; a tied head: check_tied_head).
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -99,6 +100,9 @@ def validate_tensors(
             raise CheckpointError(f"unexpected tensor {name!r} for {cfg.architecture} with {cfg.num_layers} layers")
         if tuple(t.shape) != expected[name]:
             raise CheckpointError(f"tensor {name!r}: expected shape {expected[name]}, found {tuple(t.shape)}")
+        if t.dtype in FLOAT8_DTYPES:  # a float8 checkpoint (its scales elsewhere): cast as it is, other weights
+            raise CheckpointError(f"tensor {name!r}: found {t.dtype}, quantized weights; quantized checkpoints are not "
+                                  "supported by the native engine; use --backend sglang or a bf16/fp16/fp32 checkpoint")
         if dtype is not None and t.dtype != dtype:
             raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {t.dtype}")
         if not t.dtype.is_floating_point:
@@ -174,7 +178,7 @@ class _Header:
 
 _HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                   "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                  "BOOL": torch.bool}
+                  "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def check_weight_headers(model_dir: str | Path, cfg: ModelConfig) -> None:
