@@ -65,7 +65,7 @@ class StepMetrics:
     lr: float = 0.0  # mean LR the step's optimizer updates used (not the next update's)
     optimizer_updates: int = 0
     reward_mean: float = 0.0
-    reward_std: float = 0.0
+    reward_std: float = 0.0  # sample std (n - 1) over every completion the step generated, as the advantages use
     accuracy: float = 0.0
     zero_signal_groups: float = 0.0  # share of groups whose rewards were all equal
     response_len_mean: float = 0.0
