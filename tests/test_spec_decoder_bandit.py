@@ -1,7 +1,9 @@
 """SpecDecoder's arm choice inside the native engine (tiny random Qwen2, tests/spec_decoder_helpers.py): the
 bandit's reward is the tokens a whole engine step keeps over its wall time (a drafter's catch-up is not charged
-to the arm drafted next; after "plain" arm steps alone it is theirs), the "plain" arm lets it stop speculating, a
-verify-token budget decodes plainly when no arm fits, and the hysteresis counts decode steps only (the output, where compared, is the plain greedy output).
+to the arm drafted next; after "plain" arm steps alone it is theirs, and after a prefill, SD off, an over-budget or
+a no-room step it is no arm's), the "plain" arm lets it stop speculating, a verify-token budget decodes plainly
+when no arm fits, and the hysteresis counts decode steps only (the output, where compared, is the plain greedy
+output).
 """
 
 from __future__ import annotations
@@ -236,3 +238,132 @@ def test_hysteresis_counts_only_decode_steps(ckpt):
     decodes = [s for d, s in steps if d]
     assert decodes[:3] == [False, False, True], steps  # the 3rd decode step is the first to speculate
     assert dec.stats()["switches"] == 1
+
+
+def _catch_up_after(ckpt, monkeypatch, arms, requests, pick, event=None, after=lambda dec: True):
+    """Decode `requests` through the engine's own step with a learned drafter, the bandit's arm scripted by
+    `pick(state, batch_size)` ("draft": the bucket's first drafting arm, "plain", or None: the bandit's own choice,
+    which may be None over the verify budget); `event(eng, dec)` runs once between engine steps after two "plain"
+    steps. The first catch-up once `after(dec)` holds jumps the clock by 100 s (no real wait). Returns the decoder
+    and every reward in the bandit's windows by "plain" or not."""
+    import time as _time
+
+    real_clock, jump = _time.perf_counter, [0.0]
+    monkeypatch.setattr(_time, "perf_counter", lambda: real_clock() + jump[0])
+    eng = _engine(ckpt)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
+    dec = SpecDecoder(SpecConfig(drafter="learned", drafter_path="(in memory)", **arms), eng.runner,
+                      eng.block_manager, drafter)
+    state = {"plain": 0, "event": event is None, "jumped": False}
+    real_choose, real_catch_up = dec.choose_arm, dec.source.catch_up
+
+    def choose(batch_size):  # noqa: ANN001, ANN202 - the bandit still chooses (its counts), the script overrides
+        arm, want = real_choose(batch_size), pick(state, batch_size)
+        if arm is None or want is None:
+            return arm
+        arm = next(a for a in dec.bandit.arms[dec.bandit.bucket(batch_size)] if a.is_plain == (want == "plain"))
+        state["plain"] += arm.is_plain
+        return arm
+
+    def slow_catch_up(seqs):  # noqa: ANN001, ANN202
+        if state["event"] and not state["jumped"] and after(dec):
+            jump[0] += 100.0
+            state["jumped"] = True
+        return real_catch_up(seqs)
+
+    monkeypatch.setattr(dec, "choose_arm", choose)
+    monkeypatch.setattr(dec.source, "catch_up", slow_catch_up)
+    eng.spec_decoder, eng.scheduler.on_release = dec, dec.release
+    for r in requests:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        if not state["event"] and state["plain"] >= 2:
+            event(eng, dec)
+            state["event"] = True
+        eng.step()
+    assert state["jumped"], "no catch-up after the event"
+    rewards = {True: [], False: []}
+    for by_arm in dec.bandit._rewards:
+        for arm, by_size in by_arm.items():
+            rewards[arm.is_plain] += [r for w in by_size.values() for r in w.recent]
+    return dec, rewards
+
+
+def _not_charged(dec, rewards) -> None:
+    st = dec.stats()
+    assert st["catch_up_seconds"] >= 100 and st["arms"]["plain"]["verify_steps"] >= 2, st
+    assert st["catch_up_charged_seconds"] < 50, st  # the plain steps' own catch-ups only (real time)
+    assert rewards[True] and min(rewards[True]) > 1, rewards  # no plain step carries the 100 s
+    assert rewards[False] and min(rewards[False]) > 1, rewards  # nor any drafting arm's
+
+
+def _late_request(max_tokens: int):  # noqa: ANN202
+    def event(eng, dec) -> None:  # noqa: ANN001
+        eng.add_request(GenerationRequest("late", tuple(range(7, 19)),
+                                          SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+    return event
+
+
+def _draft_plain_then_draft(state, batch_size):  # noqa: ANN001, ANN202 - one verify step, "plain" to the event
+    if state.setdefault("drafted", False) and not state["event"]:
+        return "plain"
+    state["drafted"] = True
+    return "draft"
+
+
+def test_catch_up_after_a_prefill_is_not_charged_to_plain(ckpt, monkeypatch):
+    """After "plain" arm steps a prompt arrives: its prefill step decodes the others beside it without a verify,
+    so the backlog the next verify step feeds is not the plain arm's doing alone, and none of it is charged."""
+    arms = dict(SPEC, bucket_arms=(("4_2_8", "plain"), ("3_2_6", "plain")))
+    dec, rewards = _catch_up_after(ckpt, monkeypatch, arms, _requests(2, 1, 24), _draft_plain_then_draft,
+                                   _late_request(12))
+    _not_charged(dec, rewards)
+
+
+def test_catch_up_after_speculation_off_is_not_charged_to_plain(ckpt, monkeypatch):
+    """After "plain" arm steps at a batch of 2 a third sequence takes the batch over the threshold (2): SD is off
+    (the prefill, the steps over the threshold, the hysteresis steps), and the catch-up when it is back on is
+    charged to no arm."""
+    arms = dict(SPEC, threshold=2, bucket_arms=(("4_2_8", "plain"), ("3_2_6", "plain")))
+    dec, rewards = _catch_up_after(ckpt, monkeypatch, arms, _requests(2, 1, 30), _draft_plain_then_draft,
+                                   _late_request(4))
+    assert dec.stats()["switches"] >= 3  # on, off with the third sequence, on again
+    _not_charged(dec, rewards)
+
+
+def test_catch_up_after_an_over_budget_step_is_not_charged_to_plain(ckpt, monkeypatch):
+    """Budget 9: batch 3 runs 2_1_3 (9 tokens) or "plain", batch 2 fits no arm (4_1_5 x 2 = 10) and decodes
+    plainly (over_budget), batch 1 runs 4_1_5. The catch-up at batch 1 follows the over-budget steps: not
+    charged to the plain steps at batch 3 before them."""
+    arms = dict(SPEC, verify_token_budget=9, bucket_arms=(("4_1_5",), ("2_1_3", "plain")))
+    reqs = [GenerationRequest(r.request_id, r.prompt_token_ids,
+                              SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), 1)
+            for r, m in zip(_requests(3, 1), (10, 14, 24))]
+
+    def pick(state, batch_size):  # noqa: ANN001, ANN202 - at batch 3: one verify step, then "plain"
+        if batch_size < 3:
+            return None
+        drafted, state["drafted"] = state.get("drafted", False), True
+        return "plain" if drafted else "draft"
+
+    dec, rewards = _catch_up_after(ckpt, monkeypatch, arms, reqs, pick, after=lambda d: d.over_budget > 0)
+    assert dec.stats()["over_budget"] > 0
+    _not_charged(dec, rewards)
+
+
+def test_catch_up_after_a_no_room_step_is_not_charged_to_plain(ckpt, monkeypatch):
+    """A verify step that finds no KV room for its drafts decodes plainly (no_room). "plain", "plain", no room,
+    "plain", then a verify step: its catch-up holds the no-room step's tokens, so it is charged to no arm (the
+    catch-up the no-room step itself made first, after plain steps alone, is theirs)."""
+    arms = dict(SPEC, bucket_arms=(("4_2_8", "plain"), ("3_2_6", "plain")))
+    script = iter(["draft", "plain", "plain", "draft", "plain"])
+
+    def no_room_once(eng, dec) -> None:  # noqa: ANN001 - the next verify step finds the KV cache full
+        real = dec._reserve
+        dec._reserve = lambda seqs, n_nodes: setattr(dec, "_reserve", real) or False
+
+    dec, rewards = _catch_up_after(ckpt, monkeypatch, arms, _requests(2, 1, 24), lambda s, b: next(script, "draft"),
+                                   no_room_once, after=lambda d: d.no_room > 0)
+    assert dec.stats()["no_room"] == 1
+    _not_charged(dec, rewards)
