@@ -193,7 +193,12 @@ def test_freed_blocks_are_reused_least_recently_freed_first_so_cached_prefixes_s
     c = seq(range(50, 62), "c")  # takes 3 blocks: the never-used 3, 4, 5
     bm.allocate(c, set())
     assert c.block_table == [3, 4, 5]
+    d = seq(range(70, 73), "d")  # one block more: a's tail block (never shared), not its prefix's first block
+    bm.allocate(d, set())
+    assert d.block_table == [2]
+    bm.free_seq(d)  # (room for the next one's tail)
     assert bm.allocate(seq(range(10), i=1), set()) == 8  # a's prefix is still cached
+    assert bm.shared_hits == 2
 
 
 def test_scheduler_admits_at_most_max_num_seqs_and_cuts_chunks_to_the_token_budget():
