@@ -50,6 +50,23 @@ def test_a_correctly_named_weights_file_outside_the_shm_folder_is_refused(tmp_pa
         sub.rmdir()
 
 
+def test_a_link_in_the_shm_folder_is_not_followed(tmp_path: Path) -> None:
+    """A correctly named symbolic link in shm_dir() (anyone may create one in /dev/shm) pointing at a file elsewhere
+    is refused, not read through: the receiver opens the file itself (O_NOFOLLOW); so is a folder by that name."""
+    outside = tmp_path / "private"
+    outside.write_bytes(b"secret")
+    link, folder = W.shm_dir() / _name(), W.shm_dir() / _name()
+    link.symlink_to(outside)
+    folder.mkdir()
+    try:
+        for path in (link, folder):
+            with pytest.raises(W.WeightValidationError, match="not a regular TLT weight file"):
+                W.read_shm(str(path))
+    finally:
+        link.unlink()
+        folder.rmdir()
+
+
 def _manifest(specs: list[tuple[str, int, int]], total: int) -> tuple[rollout_pb2.WeightManifest, bytearray]:
     """uint8 tensors (name, nbytes, offset) over a payload of `total` bytes (byte i holds i % 251)."""
     payload = bytearray(i % 251 for i in range(total))

@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import math
 import os
+import stat
 import sys
 import tempfile
 import uuid
@@ -349,14 +350,21 @@ def read_shm(path: str, max_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> bytearray:
     p = Path(path)
     if p.parent.resolve() != shm_dir().resolve() or not p.name.startswith(SHM_PREFIX) or p.suffix != ".bin":
         raise WeightValidationError(f"shm path {path!r} is not a TLT weight file in {shm_dir()}")
-    try:
-        size = p.stat().st_size
+    try:  # the file itself, not where a link in the shared folder points
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise WeightValidationError(f"shm file {path} does not exist (removed by the sender, or another host?)") from None
-    if size > max_bytes:
-        raise WeightValidationError(f"shm file {path} has {size} bytes, over the limit of {max_bytes}")
-    buf = bytearray(size)
-    with p.open("rb") as f:
+    except OSError as e:  # ELOOP: a symbolic link
+        raise WeightValidationError(f"shm path {path!r} is not a regular TLT weight file ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise WeightValidationError(f"shm path {path!r} is not a regular TLT weight file")
+    with os.fdopen(fd, "rb") as f:
+        size = st.st_size
+        if size > max_bytes:
+            raise WeightValidationError(f"shm file {path} has {size} bytes, over the limit of {max_bytes}")
+        buf = bytearray(size)
         got = f.readinto(buf)
     if got != size:
         raise WeightValidationError(f"shm file {path}: read {got} of {size} bytes")
