@@ -9,6 +9,7 @@ Its pushes and checkpoints across failures and restarts: test_drafter_coordinato
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -150,6 +151,47 @@ def test_serving_drafter_is_scored_once_per_held_out_set(tmp_path, model_dir, sa
         coord.evaluate_and_publish()
         assert len(calls) == 7
         assert third is not None
+        cur = coord.shared.current  # a new policy: its lm_head scores every drafter anew (the engine's own)
+        coord.shared.current = dataclasses.replace(cur, policy_version=cur.policy_version + 1,
+                                                   lm_head=cur.lm_head.flip(0).contiguous())
+        with coord._lock:
+            coord.candidate_version = 3
+        coord.evaluate_and_publish()
+        assert len(calls) == 9, f"the serving drafter's score under the old policy was reused: {len(calls)} scorings"
+        coord.evaluate_and_publish()
+        assert len(calls) == 10  # and reused again under that policy
+    finally:
+        coordinator_mod.mean_accept_length = real
+        coord.close()
+        pub.close()
+
+
+def test_too_few_held_out_tokens_score_and_push_nothing(tmp_path, model_dir, samples) -> None:
+    """A candidate is scored (and may be pushed) only on at least `min_eval_tokens` held-out tokens: on fewer, an
+    accept length of a handful of positions decided what every replica serves. One token short: nothing scored,
+    recorded or pushed; exactly enough: scored."""
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)  # the gate never fires
+    real, calls = coordinator_mod.mean_accept_length, []
+
+    def counting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+        calls.append(len(held))
+        return real(drafter, held, depth, None)
+
+    coord.rollout = None  # scoring is called directly here, not through the gate
+    coordinator_mod.mean_accept_length = counting
+    try:
+        held = sum(len(s) for s in coord.buffer.holdout(0))
+        assert held > 0
+        with coord._lock:
+            coord.candidate_version = 1
+        coord.cfg = cfg.model_copy(update={"min_eval_tokens": held + 1})
+        assert coord.evaluate_and_publish() is None
+        assert not calls and not coord.acceptance and not pushes
+        coord.cfg = cfg.model_copy(update={"min_eval_tokens": held})
+        assert coord.evaluate_and_publish() is not None and len(calls) == 2 and len(coord.acceptance) == 1
     finally:
         coordinator_mod.mean_accept_length = real
         coord.close()

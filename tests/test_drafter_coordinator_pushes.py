@@ -392,3 +392,34 @@ def test_a_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir
         Coordinator(cfg, str(other), None, None)
     msg = str(err.value)
     assert str(tmp_path / "ckpt" / "coordinator.pt") in msg and "checkpoint_dir" in msg and "\n" not in msg, msg
+
+
+def test_a_push_renumbered_past_a_candidate_that_moved_beyond_the_rollout_takes_a_number_of_its_own(
+        tmp_path, model_dir, monkeypatch) -> None:
+    """The rollout serves a foreign drafter v3; this coordinator's v1 wins the gate and is refused as not newer, and
+    workers' deltas then move the candidate to v5, past the rollout. The owed push (v1's weights) is renumbered above
+    both, v6, and the candidate takes v7: numbering it above the rollout only (v4) gave the push a number the
+    candidate had carried (other weights) and the candidate v5 again; one number, one drafter."""
+    import torch
+
+    from tlt.services.drafter.training import own_tensors, tensors_message
+    from tlt.v1 import drafter_pb2
+
+    rollout = _RolloutServing(3)
+    coord = gated_coordinator(tmp_path, model_dir, rollout)  # not started: the gate is called by hand
+    try:
+        _a_better_candidate(coord, 1, monkeypatch)
+        won = own_tensors(coord.candidate)
+        with pytest.raises(WeightPushError):
+            coord.evaluate_and_publish()
+        for base in (1, 2, 3, 4):
+            m, p = tensors_message({k: torch.full_like(v, 0.001) for k, v in won.items()}, base)
+            assert coord.apply_delta(drafter_pb2.DeltaUpdate(base_version=base, manifest=m, payload=p)) == base + 1
+        coord.push_pending()
+        assert rollout.pushes == [1, 1, 6] and rollout.version == 6, rollout.pushes
+        assert all(torch.equal(rollout.tensors[k], won[k]) for k in won)  # v1's weights, under v6
+        assert coord.serving_version == 6 and coord.candidate_version == 7
+        assert load_state(coord.ckpt)["serving_version"] == 6
+    finally:
+        coord._router.close()
+        coord._ctx.term()

@@ -132,3 +132,46 @@ def test_a_sender_forgotten_then_heard_again_is_not_counted_twice(monkeypatch) -
         for p in pushers:
             p.close()
         puller.close()
+
+
+def test_frames_held_while_the_rollout_decodes_are_counted_in_the_order_they_came() -> None:
+    """Under train_when = rollout_idle the intake holds the frames that arrive while a replica decodes and parses
+    them once it is idle. Parsed last-first, a sender's later running count (8) came before its earlier one (5):
+    the buffer counted 3 of the 8 sequences it dropped. Real FeaturePuller fed by a raw ZeroMQ PUSH on 127.0.0.1,
+    the intake's own loop in a thread; the rollout's busy state is a stand-in flag."""
+    import threading
+
+    from tlt.services.drafter.intake import FeatureIntake
+
+    class Rollout:
+        decoding = True
+
+        def busy(self) -> bool:
+            return self.decoding
+
+    puller, rollout = events_mod.FeaturePuller("tcp://127.0.0.1:46300"), Rollout()
+    buf = FeatureBuffer(16, 16, 8, 8, 4)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(puller.endpoint)
+    intake, stop = FeatureIntake(puller, buf.add_batch, rollout), threading.Event()
+    thread = threading.Thread(target=intake.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for before, since in ((5, 5), (8, 3)):
+            batch = events_pb2.FeatureBatch(source="rollout", sender="s1", dropped_before=before, dropped_since=since)
+            push.send(events_pb2.Envelope(features=batch).SerializeToString())
+        assert wait_for(lambda: puller.frames == 2, 10)
+        time.sleep(0.3)
+        assert buf.sender_dropped == 0  # held, unparsed, while the rollout decodes
+        rollout.decoding = False
+        assert wait_for(lambda: puller.received == 2, 10)
+        with intake._lock:  # parse_held holds it until the last held batch is in the buffer
+            assert buf.sender_dropped == 8
+    finally:
+        stop.set()
+        thread.join(5)
+        push.close()
+        ctx.term()
+        puller.close()

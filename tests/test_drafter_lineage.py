@@ -165,3 +165,28 @@ def test_a_rollout_restarted_on_the_coordinators_init_drafter_gets_the_serving_o
     finally:
         coord.close()
         pub.close()
+
+
+def test_a_checkpoint_written_before_lineages_were_recorded_is_kept(tmp_path, model_dir, capfd) -> None:
+    """A coordinator.pt of a version that recorded no lineage, restored under a configured init_drafter (a learned
+    drafter, not "random"): taken as of that init and restored, not moved aside as another lineage's."""
+    ckpt, warm = tmp_path / "ckpt", tmp_path / "warm"
+    new_drafter(str(model_dir), seed=7).save(warm)
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(ckpt), gate_when_idle=False,
+                               eval_interval_s=1e9, init_drafter=str(warm))
+    first = Coordinator(cfg, str(model_dir), None, None)
+    with first._lock:
+        first.candidate_version = 4
+    first.save_now()
+    _unstarted(first)
+    state = load_state(ckpt / "coordinator.pt")
+    assert state.pop("lineage").startswith("sha256:")  # as an older version wrote it: no lineage
+    torch.save(state, ckpt / "coordinator.pt")
+    again = Coordinator(cfg, str(model_dir), None, None)
+    try:
+        assert again.candidate_version == 4
+        assert not [p for p in ckpt.iterdir() if p.is_dir()] and (ckpt / "coordinator.pt").is_file()
+        err = capfd.readouterr()
+        assert "drafter_checkpoint_other_lineage" not in err.out + err.err
+    finally:
+        _unstarted(again)
