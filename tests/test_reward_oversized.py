@@ -61,3 +61,15 @@ def test_a_data_row_over_the_limit_still_fails_the_step_naming_it() -> None:
 def test_oversized_reward_must_fit_the_reward_field() -> None:
     with pytest.raises(ValueError, match="oversized_reward"):
         RewardConfig(oversized_reward=float("inf"))
+
+
+def test_the_limit_counts_bytes_so_a_multibyte_completion_is_over_it() -> None:
+    """max_item_bytes is bytes: 700 characters of `é` are 1400 bytes, over a limit of 1000, and never reach the
+    verifier; 490 of them (980 bytes with the rest of the item) are under it and scored."""
+    config = RewardConfig(port=46301, workers=1, grace_s=0.5, max_item_bytes=1000, oversized_reward=-1.0)
+    out, metrics = _score(config, [("wide", "q", "\u00e9" * 700 + " answer: 3", "3")], verifier=_never_called)
+    assert (out["wide"].reward, out["wide"].correct) == (-1.0, False)
+    assert "tlt_reward_oversized_total 1.0" in metrics
+    config = RewardConfig(port=46302, workers=1, grace_s=0.5, max_item_bytes=1000)
+    out, _ = _score(config, [("under", "q", "\u00e9" * 490 + " answer: 3", "3")])
+    assert (out["under"].reward, out["under"].correct) == (1.0, True)

@@ -238,16 +238,17 @@ def test_malformed_items_get_ok_false_and_siblings_still_scored() -> None:
             Req(id="big", completion="x" * 2000, reference="1"),
             Req(id="noref", completion="answer: 1"),
             Req(id="good", completion="answer: 1", reference="1"),
+            Req(id="blankref", completion="answer: 1", reference=" \n\t"),  # whitespace is no reference either
         ]
         out = _stub(s).Score(reward_pb2.ScoreBatchRequest(items=items), timeout=10).results
-        assert [r.ok for r in out] == [False, True, False, True]
+        assert [r.ok for r in out] == [False, True, False, True, False]
         assert "no id" in out[0].error
         assert (out[1].reward, out[1].correct) == (0.0, False)  # over the limit by its completion: scored the minimum
-        assert "no reference" in out[2].error
+        assert "no reference" in out[2].error and "no reference" in out[4].error
         assert out[3].correct and out[3].reward == 1.0
         text = s.metrics.render().decode()
-        for reason in ("missing_id", "missing_reference"):
-            assert f'tlt_reward_errors_total{{reason="{reason}"}} 1.0' in text
+        assert 'tlt_reward_errors_total{reason="missing_id"} 1.0' in text
+        assert 'tlt_reward_errors_total{reason="missing_reference"} 2.0' in text
         assert "tlt_reward_oversized_total 1.0" in text
 
 
