@@ -231,12 +231,28 @@ def test_sampler_epochs_cover_everything_and_resume_exactly():
     # same seed, same order; different seed, different order
     assert [i.index for i in PromptSampler(items, seed=3).next_batch(6)] == first
     assert [i.index for i in PromptSampler(items, seed=4).next_batch(7)] != flat[:7]
+    # saved inside epoch 1 (9 of 7 drawn): the resume continues epoch 1's order, not epoch 0's
+    s = PromptSampler(items, seed=3)
+    s.next_batch(9)
+    state = s.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 2)
+    rest = [i.index for i in s.next_batch(5)]
+    assert rest == flat[9:14] and flat[7:14] != flat[:7]
+    s2 = PromptSampler(items, seed=3)
+    s2.load_state_dict(state)
+    assert [i.index for i in s2.next_batch(5)] == rest
 
 
 def test_sampler_refuses_state_of_other_data():
     s = PromptSampler(synthetic_prompts(4, seed=0), seed=0)
     with pytest.raises(DataError, match="same data and seed"):
         PromptSampler(synthetic_prompts(5, seed=0), seed=0).load_state_dict(s.state_dict())
+    # the same prompts under another seed: another permutation, so the saved position points elsewhere
+    items = synthetic_prompts(7, seed=1)
+    s = PromptSampler(items, seed=3)
+    s.next_batch(3)
+    with pytest.raises(DataError, match="for seed 3 and 7 prompts, now seed 4 and 7 prompts"):
+        PromptSampler(items, seed=4).load_state_dict(s.state_dict())
 
 
 def test_sampler_refuses_state_of_edited_data_of_the_same_size(tmp_path):
