@@ -233,3 +233,30 @@ def test_n_samples_with_chunked_recompute_and_preemption_match_one_run_alone(ckp
         assert_alone(done[("group", i)], alone(0, tuple(p), 20))
     for i in range(3):
         assert_alone(done[("group2", i)], alone(0, tuple(q), 20))
+
+
+def test_an_engine_whose_step_failed_refuses_to_step_again(ckpts) -> None:
+    """A step whose forward raises after schedule() leaves the scheduler's and the block manager's state for a batch
+    never computed (a sequence counting a shared prefix block as cached that nobody wrote): stepping on after, once
+    the block's owner is aborted, read unwritten K/V (session 49: other tokens than the request run alone). The
+    replica process ends on a failed step; an in-process caller that catches the error must not go on either: the
+    engine refuses every later step, naming the first failure."""
+    g = random.Random(0)
+    prompt = [g.randrange(3, 250) for _ in range(13)]
+    engine = LLMEngine(ckpts[0], EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=8,
+                                              max_num_batched_tokens=16, max_model_len=128))
+    engine.add_request(GenerationRequest("owner", tuple(prompt + [7]), greedy()))
+    engine.add_request(GenerationRequest("sharer", tuple(prompt + [8, 9]), greedy()))
+
+    def boom(batch):
+        raise RuntimeError("injected: forward failed")
+
+    real, engine.runner.run = engine.runner.run, boom
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.runner.run = real
+    engine.abort_request("owner")
+    with pytest.raises(RuntimeError, match="an earlier step failed.*injected: forward failed"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="an earlier step failed"):
+        engine.step()

@@ -119,6 +119,7 @@ class LLMEngine:
         self._seed_counter = itertools.count()
         self._seed_base = host_seed(config.seed)
         self._steps = 0
+        self._failed: Exception | None = None  # a step raised: the engine refuses to step again (step)
         self.spec_decoder = None  # a SpecDecoder replaces plain decode for small batches when attached
         log.info("engine_ready", replica=replica_id, arch=cfg.architecture, layers=cfg.num_layers,
                  kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
@@ -217,7 +218,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
-        """schedule -> copy partial prompt tails -> (draft -> verify -> accept) or run + sample -> emit."""
+        """schedule -> copy partial prompt tails -> (draft -> verify -> accept) or run + sample -> emit.
+
+        A step that raises leaves the scheduler's and the block manager's state for a batch never computed (a
+        sequence may count a shared prefix block as cached that nobody wrote), so every later step raises too,
+        naming the first failure: the replica process ends on it, and an in-process caller cannot go on."""
+        if self._failed is not None:
+            raise RuntimeError(f"an earlier step failed ({self._failed!r}); this engine's state is not usable: "
+                               "make a new engine") from self._failed
+        try:
+            return self._step()
+        except Exception as e:
+            self._failed = e
+            raise
+
+    def _step(self) -> tuple[list[StepOutput], list[CompletionOutput]]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
