@@ -56,6 +56,11 @@ def hf_rope(tmp_path, raw):
     ("no rope_theta anywhere", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
     ("both blocks, equal", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                             "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
+    # the same RoPE in other words (a review's finding: refused as "different" while transformers loads it)
+    ("both blocks, rope_parameters adding the top-level rope_theta", {"rope_theta": 5e5, "rope_scaling": dict(LLAMA3),
+                                                                      "rope_parameters": {**LLAMA3, "rope_theta": 5e5}}),
+    ("both blocks, one spelling its type with type", {"rope_theta": 5e5, "rope_parameters": dict(LLAMA3),
+     "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_type"}}}),
     ("llama3 without max_position_embeddings", {"max_position_embeddings": None, "rope_theta": 5e5,
      "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}}),
 ])

@@ -152,17 +152,29 @@ _REQUIRED_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "high_freq_fa
 def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) as transformers' convert_rope_params_to_dict and standardize_rope_params read them: the
     block is `rope_scaling` if given, else `rope_parameters`; its type is `rope_type`, else `type`; theta is the
-    block's, else the top-level rope_theta, else 10000. Both blocks given and different: refused (transformers drops
-    rope_parameters, its rope_theta too, in silence)."""
+    block's, else the top-level rope_theta, else 10000. Both blocks given: each is read so, and they must mean the
+    same RoPE (the same theta and scaling, however spelled), else refused (transformers drops rope_parameters, its
+    rope_theta too, in silence)."""
     params, legacy = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
     for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
         if not isinstance(value, dict):
             raise TypeError(f"{key} must be an object, got {value!r}")
+    chosen = _rope_block(legacy or params, cfg, max_positions)
     if params and legacy and params != legacy:
-        raise UnsupportedModelError(
-            "config.json has both rope_parameters and rope_scaling, and they differ (transformers takes rope_scaling "
-            "and drops rope_parameters, rope_theta included); keep one")
-    block = dict(legacy or params)
+        try:
+            same = _rope_block(params, cfg, max_positions) == chosen
+        except UnsupportedModelError:
+            same = False
+        if not same:
+            raise UnsupportedModelError(
+                "config.json has both rope_parameters and rope_scaling, and they differ (transformers takes "
+                "rope_scaling and drops rope_parameters, rope_theta included); keep one")
+    return chosen
+
+
+def _rope_block(block: dict[str, Any], cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
+    """One RoPE block read as `_rope` says."""
+    block = dict(block)
     if any(isinstance(v, dict) for v in block.values()):
         raise UnsupportedModelError("RoPE parameters per layer type (a block per attention kind) are not supported")
     theta = float(block["rope_theta"] if "rope_theta" in block else cfg.get("rope_theta", 10000.0))  # null: refused
