@@ -161,7 +161,9 @@ def settled_tokens(tokenizer: Any, head: str, add_special_tokens: bool = True) -
     Counted: the tokens that end PROBE_MARGIN characters before `head`'s trailing white space (an added token with
     lstrip takes a whole run of it; a normaliser composes or collapses characters across the cut), of a word (a
     pre-token) ended there. A model splits each word on its own, but the word at the cut may go on past it: its
-    tokens count with BPE, whose merges are local (a fused <unk> reaching the cut ends past it), and not with
+    tokens count with BPE, whose merges are local (a fused <unk> reaching the cut ends past it; an assumption: a
+    vocabulary whose merges chain over more than PROBE_MARGIN characters, a+z, a+az, a+aaz, ..., made up for a
+    review, can have a prompt that fits refused; no real one tried, byte-level or SentencePiece, did), and not with
     WordPiece (a word over max_input_chars_per_word, or one with a piece it lacks, is one [UNK] whole) or Unigram
     (the best split of the whole word may be another)."""
     try:
