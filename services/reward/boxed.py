@@ -149,8 +149,9 @@ def _normal_parts(answer: str) -> tuple[str, str]:
     listed = re.search(r",\s", s) is not None  # `2, 300`: two answers, never the number 2300
     s = "".join(s.split())
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    lhs = m.group(0)[:-1].replace("{", "").replace("}", "") if (m := _LHS.match(s)) else ""  # x_{1} is x_1
-    s = s[len(m.group(0)):] if m else s
+    lhs = ""
+    if m := _LHS.match(s):
+        lhs, s = m.group(0)[:-1].replace("{", "").replace("}", ""), s[m.end():]  # x_{1} is x_1
     s = s.rstrip(".")
     if s.startswith("+") and not s.startswith("+-"):  # before the separators: `+1,000` is 1000; `+-7` is no
         s = s[1:]                                       # one sign (tlt.task's verifier reads no number in it)
