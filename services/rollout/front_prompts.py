@@ -166,10 +166,10 @@ def settled_tokens(tokenizer: Any, head: str, add_special_tokens: bool = True) -
     review, can have a prompt that fits refused; no real one tried, byte-level or SentencePiece, did), and not with
     WordPiece (a word over max_input_chars_per_word, or one with a piece it lacks, is one [UNK] whole) or Unigram
     (the best split of the whole word may be another)."""
-    try:
+    try:  # the model first: a slow tokenizer has none, and is not made to tokenise the probe for nothing
+        by_token = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
         enc = tokenizer(head, add_special_tokens=add_special_tokens).encodings[0]
         words, ends = enc.word_ids, [end for _, end in enc.offsets]
-        by_token = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
     except Exception:  # noqa: BLE001 - a slow or remote-code tokenizer: no words, no offsets
         return None
     settled = max(0, len(head.rstrip()) - PROBE_MARGIN)
