@@ -98,7 +98,8 @@ def keeps_every_character(tokenizer: Any) -> bool:
         spec = json.loads(backend.to_str())
     except Exception:  # noqa: BLE001 - a slow or remote-code tokenizer: nothing to read, nothing known
         return False
-    model, vocab = spec.get("model") or {}, (spec.get("model") or {}).get("vocab")
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
     normal = _parts(spec.get("normalizer"), "normalizers")
     pre = _parts(spec.get("pre_tokenizer"), "pretokenizers")
     if any(n.get("type") not in _KEEPING_NORMALIZERS for n in normal) or any(
