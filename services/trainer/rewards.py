@@ -360,7 +360,7 @@ class FunctionRewards:
 
     def _watch(self) -> None:
         """Watch `reward_loop()` (from the first coroutine on; once) unless async_block_warn_s is 0."""
-        if self.async_block_warn_s <= 0:
+        if self.async_block_warn_s <= 0 or self.watchdog is not None:  # every coroutine calls this: once is enough
             return
         from tlt.services.reward.function import LoopWatchdog, is_async_function
 
