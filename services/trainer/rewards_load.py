@@ -28,7 +28,6 @@ def _is_signal(e: BaseException) -> bool:
         isinstance(e, KeyboardInterrupt) or isinstance(getattr(e, "signum", None), int))
 
 
-
 class RewardFunctionError(ValueError):
     """reward_function names no function that can be imported: a configuration error, found before training."""
 
