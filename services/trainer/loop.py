@@ -180,17 +180,18 @@ def train(cfg: TrainerConfig) -> TrainSummary:
                 push_tensors(policy)  # ZeRO-3: this rank's part of the gather rank 0 pushes (it keeps nothing)
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 ckpt.save(policy, sampler, done)
+        steps_done = max(start, cfg.steps)
         if services:  # first a record saying the export has begun: one cut short is known as such (run_folder)
-            services.export_begins(max(start, cfg.steps), policy.version)
+            services.export_begins(steps_done, policy.version)
         policy.save_pretrained(str(out / "policy"))  # every rank (ZeRO-3 gathers); rank 0 writes
         if services:
-            services.export(max(start, cfg.steps), policy.version)
+            services.export(steps_done, policy.version)
     finally:
         if services:
             services.close()
         if features is not None:
             features.close()
-    return TrainSummary(max(start, cfg.steps), policy.version, resumed_from, str(out))
+    return TrainSummary(steps_done, policy.version, resumed_from, str(out))
 
 
 class _FeatureHook:
