@@ -389,11 +389,12 @@ class Launcher:
         reused. `process_groups` is what stays true: each service leads its own group (ServiceProcess.start),
         which holds every process it starts, restarted ones included, and not the launcher."""
         info = self.ready
-        pids = {p.name: p.pid for p in self.services}
+        groups = {p.name: p.pid for p in self.services}  # a new session each: group id = its pid
+        pids = dict(groups)
         pids["launcher"] = os.getpid()
         pids["rollout_replicas"] = info.get("rollout", {}).get("replica_pids", [])
         pids["drafter_workers"] = info.get("drafter", {}).get("worker_pids", [])
-        pids["process_groups"] = {p.name: p.pid for p in self.services}  # a new session each: group id = its pid
+        pids["process_groups"] = groups
         tmp = self.plan.run_dir / "pids.json.tmp"
         tmp.write_text(json.dumps(pids))
         tmp.replace(self.plan.run_dir / "pids.json")
