@@ -18,6 +18,7 @@ from typing import Any
 
 from tlt.services.rollout.engine.detok import byte_pieces, clean
 
+
 def token_text(tokenizer: Any, token_id: int) -> str:
     """A token's text; a byte piece of a multi-byte character (which decodes to U+FFFD alone)
     is shown by its vocabulary string instead, so different tokens never share a key."""
