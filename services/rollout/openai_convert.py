@@ -130,7 +130,7 @@ def chat_logprobs(
         raw = counted.raw
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs or [])):
-        text = token_text_and_bytes(tokenizer, tid)[0]
+        text = token_text(tokenizer, tid)
         alts = []
         if k > 0 and top is not None and i < len(top):
             for aid, alp in sorted(top[i].items(), key=lambda kv: -kv[1])[:k]:
