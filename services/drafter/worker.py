@@ -366,12 +366,11 @@ class DrafterWorker:
         try:  # a request given up for a BUSY (`interrupt`): what the window did since its last send is deferred
             base, base_version = self._pull(drafter, interrupt)
             while True:
-                self._poll_events(0.0)
-                if self.busy_seen or (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+                if interrupt():
                     res.preempted = self.busy_seen
                     break
                 try:
-                        reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(
+                    reply = self.client.ask(batch_request=drafter_pb2.BatchRequest(
                         rows=self.cfg.batch_rows, max_tokens=self.cfg.batch_tokens), should_stop=interrupt)
                 except CoordinatorRefused as e:  # one bad batch: skip it; dying would not make the next one better
                     log.warning("batch_refused", worker=self.worker_id, error=str(e)[:300])
