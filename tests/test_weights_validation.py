@@ -52,19 +52,22 @@ def test_a_correctly_named_weights_file_outside_the_shm_folder_is_refused(tmp_pa
 
 def test_a_link_in_the_shm_folder_is_not_followed(tmp_path: Path) -> None:
     """A correctly named symbolic link in shm_dir() (anyone may create one in /dev/shm) pointing at a file elsewhere
-    is refused, not read through: the receiver opens the file itself (O_NOFOLLOW); so is a folder by that name."""
+    is refused, not read through: the receiver opens the file itself (O_NOFOLLOW); so are a folder and a FIFO by
+    that name (opened without blocking: a FIFO would wait for a writer forever)."""
     outside = tmp_path / "private"
     outside.write_bytes(b"secret")
-    link, folder = W.shm_dir() / _name(), W.shm_dir() / _name()
+    link, folder, fifo = W.shm_dir() / _name(), W.shm_dir() / _name(), W.shm_dir() / _name()
     link.symlink_to(outside)
     folder.mkdir()
+    os.mkfifo(fifo)  # no writer: opened without waiting for one, then refused
     try:
-        for path in (link, folder):
+        for path in (link, folder, fifo):
             with pytest.raises(W.WeightValidationError, match="not a regular TLT weight file"):
                 W.read_shm(str(path))
     finally:
         link.unlink()
         folder.rmdir()
+        fifo.unlink()
 
 
 def _manifest(specs: list[tuple[str, int, int]], total: int) -> tuple[rollout_pb2.WeightManifest, bytearray]:

@@ -351,7 +351,7 @@ def read_shm(path: str, max_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> bytearray:
     if p.parent.resolve() != shm_dir().resolve() or not p.name.startswith(SHM_PREFIX) or p.suffix != ".bin":
         raise WeightValidationError(f"shm path {path!r} is not a TLT weight file in {shm_dir()}")
     try:  # the file itself, not where a link in the shared folder points
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO by that name: no wait for a writer
     except FileNotFoundError:
         raise WeightValidationError(f"shm file {path} does not exist (removed by the sender, or another host?)") from None
     except OSError as e:  # ELOOP: a symbolic link
