@@ -60,10 +60,11 @@ class CoordinatorClient:
                                         shared_policy_version=self.shared_policy_version,
                                         shared_fetch_failures=self.shared_fetch_failures, **body)
         self._sock.send(msg.SerializeToString())
-        self._await(next(iter(body)), should_stop)
+        kind = next(iter(body))
+        self._await(kind, should_stop)
         reply = drafter_pb2.CoordinatorMessage.FromString(self._sock.recv())
         if reply.error:
-            raise CoordinatorRefused(f"coordinator refused {next(iter(body))}: {reply.error}")
+            raise CoordinatorRefused(f"coordinator refused {kind}: {reply.error}")
         return reply
 
     def _await(self, kind: str, should_stop: Callable[[], bool] | None) -> None:
