@@ -356,3 +356,38 @@ def test_a_name_resolving_to_ipv6_loopback_first_reaches_a_server_on_127_0_0_1_a
                 assert client.addresses() == both
                 assert calls[i % 3](client, 2 * i) and calls[i % 3](client, 2 * i + 1)  # round robin: one to each
     assert fn.scored == 2 * (2 + 2 + 6)
+
+
+class _PassThrough(grpc.UnaryUnaryClientInterceptor):
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+        return continuation(client_call_details, request)
+
+
+def test_replica_liveness_is_read_through_grpc_s_public_api_alone(monkeypatch) -> None:  # noqa: ANN001
+    """Each replica's connectivity was read from a private attribute of gRPC's channel (`_channel`'s
+    check_connectivity_state); a channel laid out otherwise (another grpcio, or a channel object wrapping gRPC's, as
+    `grpc.intercept_channel` makes here) gave "unknown", so a replica refusing connections was called as often as a
+    live one. Now the state comes from `Channel.subscribe`: through a wrapped channel too, the dead address is known
+    as such and every call goes to the live one."""
+    real = grpc.insecure_channel
+    monkeypatch.setattr(grpc, "insecure_channel", lambda *a, **k: grpc.intercept_channel(real(*a, **k), _PassThrough()))
+    dead = _port(PORTS2)
+    with socket.socket() as hold:  # keep the dead port bound (not listening) so the server cannot take it
+        hold.bind(("127.0.0.1", dead))
+        fn = Counting()
+        with _server(fn, ports=PORTS2) as s:
+            reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{dead},127.0.0.1:{s.port}", [], timeout_s=5)
+            try:
+                deadline = time.monotonic() + 10
+                live, gone = reps._replicas[f"ipv4:127.0.0.1:{s.port}"], reps._replicas[f"ipv4:127.0.0.1:{dead}"]
+                while (live.state(), gone.state()) != (grpc.ChannelConnectivity.READY,
+                                                      grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+                    assert time.monotonic() < deadline, (live.state(), gone.state())
+                    time.sleep(0.02)
+                picked = []
+                for _ in range(6):
+                    with reps.use() as replica:
+                        picked.append(replica.address)
+                assert set(picked) == {live.address}
+            finally:
+                reps.close()

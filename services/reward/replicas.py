@@ -47,7 +47,14 @@ log = get_logger("reward.client")
 _DIRECT_SCHEMES = ("ipv4:", "ipv6:")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)  # a URI's scheme, as gRPC parses a target
 _MIN_RESOLVE_GAP_S = 0.5  # re-resolving asked for on a failure: at most this often
-_STATES = {c.value[0]: c for c in grpc.ChannelConnectivity}
+# gRPC's connectivity polling thread (`Channel.subscribe`'s) looks every 0.2 s whether anyone is still subscribed and
+# raises "Channel closed!" in its thread if the channel closed between that look and its next one (grpc issue 18995):
+# a watched channel is closed this long after its subscription ends
+UNWATCHED_S = 0.3
+
+
+def _ignore(_: grpc.ChannelConnectivity) -> None:
+    """A connectivity callback for a subscription made only to ask gRPC to connect."""
 
 
 class NoAddress(Exception):
@@ -65,20 +72,27 @@ class Replica:
         self.avoid_until = 0.0  # a call on it timed out: no new call until then (0: answering)
         self.in_flight = 0
         self.removed = False
+        self._state: grpc.ChannelConnectivity | None = None
+        self._closed = False
         self._watching = watch
-        self.state()  # connect at once: by the first call, an address refusing connections is known as such
+        if watch:  # connect at once: by the first call, an address refusing connections is known as such
+            self.channel.subscribe(self._changed, try_to_connect=True)
+
+    def _changed(self, state: grpc.ChannelConnectivity) -> None:
+        """gRPC's connectivity callback (its own thread): the channel's latest state."""
+        self._state = state
 
     def state(self) -> grpc.ChannelConnectivity | None:
-        """The channel's connectivity now (and a connection attempt if it is idle); None when not watched or not
-        known. Read from the channel's core object: grpc's public `subscribe` polls from a thread of its own, which
-        raises "Channel closed!" when the channel closes while it polls."""
-        check = getattr(getattr(self.channel, "_channel", None), "check_connectivity_state", None)
-        if not self._watching or check is None:
+        """The channel's latest connectivity (`Channel.subscribe`'s, public on every grpcio), and a connection
+        attempt if it is idle (a server that closed the connection: restarted); None when not watched or not known
+        yet."""
+        if not self._watching:
             return None
-        try:
-            return _STATES.get(int(check(True)))
-        except (ValueError, TypeError):  # closed meanwhile
-            return None
+        state = self._state
+        if state is grpc.ChannelConnectivity.IDLE and not self._closed:
+            self.channel.subscribe(_ignore, try_to_connect=True)  # a subscription asking to connect: gRPC's one way
+            self.channel.unsubscribe(_ignore)
+        return state
 
     def answered(self) -> None:
         self.last_answer = time.monotonic()
@@ -87,8 +101,26 @@ class Replica:
     def timed_out(self, timeout_s: float) -> None:
         self.avoid_until = time.monotonic() + timeout_s
 
+    def unwatch(self) -> bool:
+        """Stop following the connectivity (before `close`); whether it was followed."""
+        self._closed = True
+        if self._watching:
+            self.channel.unsubscribe(self._changed)
+        return self._watching
+
     def close(self) -> None:
+        """Close the channel now, cutting off its calls (a watched one: `unwatch` it `UNWATCHED_S` before)."""
+        self.unwatch()
         self.channel.close()
+
+    def close_soon(self) -> None:
+        """`close` once gRPC's polling thread saw the end of the subscription (a channel with no calls in flight)."""
+        if self.unwatch():
+            timer = threading.Timer(UNWATCHED_S, self.channel.close)
+            timer.daemon = True
+            timer.start()
+        else:
+            self.channel.close()
 
 
 class Replicas:
@@ -163,7 +195,7 @@ class Replicas:
                     closing.append(self._replicas.pop(address))
             self._problem = "; ".join(unusable)
         for replica in closing:
-            replica.close()
+            replica.close_soon()
 
     def _refresh_logged(self) -> None:
         """`_refresh`, any error of it (a resolver's bug, a channel that cannot be made) kept as the problem and
@@ -229,7 +261,7 @@ class Replicas:
             if done:
                 del self._replicas[replica.address]
         if done:
-            replica.close()
+            replica.close_soon()
 
     # ---- the rest ------------------------------------------------------------------------
 
@@ -288,6 +320,8 @@ class Replicas:
             self._closing.set()
             self._wake.set()
             replicas, self._replicas = list(self._replicas.values()), {}
+        if any([replica.unwatch() for replica in replicas]):
+            time.sleep(UNWATCHED_S)  # calls in flight run on meanwhile, cut off at the close
         for replica in replicas:
             replica.close()
 
