@@ -143,3 +143,25 @@ def test_an_export_cut_short_is_not_finished_and_is_redone(random_model_dir, tmp
     assert finished(out) and not continues(out) and "records no step" in stale_export(out)
     (out / "policy" / EXPORT_RECORD).write_text(good)
     assert finished(out)
+
+
+def test_steps_lowered_after_a_run_leave_finished_and_the_report_agreeing(tmp_path) -> None:
+    """finished() compared the export's step with config.toml's `steps`, `tlt report` with checkpoints/latest: a run
+    checkpointed after 4 steps but exported after 2 (killed before its last export), its `steps` then lowered to 2,
+    was finished for a plain `tlt run` (a new folder; the step-4 policy never exported) while the report said the
+    export was stale. Both now ask one rule: the export must hold the latest checkpoint's step."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step-00000004\n")
+    (run / "policy").mkdir()
+    (run / "policy" / "config.json").write_text("{}")
+    (run / "policy" / "model.safetensors").write_bytes(b"x")
+    (run / "run.json").write_text(json.dumps({"created": 1.0}))
+    (run / "config.toml").write_text("[trainer]\nsteps = 2\n")  # lowered from 4 after the run
+    record = {"steps_done": 2, "policy_version": 2, "run": "run", "run_created": 1.0}
+    (run / "policy" / EXPORT_RECORD).write_text(json.dumps(record))
+    assert "after 2 steps" in (stale_export(run) or "") and not finished(run)
+    (run / "policy" / EXPORT_RECORD).write_text(json.dumps({**record, "steps_done": 4}))  # exported after 4
+    assert stale_export(run) is None and finished(run)
+    (run / "config.toml").write_text("[trainer]\nsteps = 6\n")  # raised: steps left, whatever the export
+    assert stale_export(run) is None and not finished(run)

@@ -3,7 +3,7 @@
     default_folder(runs, preset) -> (folder, lock, made)   no --run-id: `<preset>`, an interrupted one, or new
     claim(folder) -> lock                                   --run-id / --resume: ServiceError when in use
     read_run_file(folder), write_atomic(path, text)          run.json / config.toml
-    write_export_record / stale_export                       policy/tlt_export.json: the step the export holds
+    write_export_record / export_doubt / stale_export        policy/tlt_export.json: the step the export holds
     finished(folder) / continues(folder)                     whether a plain `tlt run` works in it again
 """
 
@@ -31,7 +31,9 @@ EXPORT_RECORD = "tlt_export.json"
 def finished(run_dir: Path) -> bool:
     """Whether the trainer of this run folder already did all its steps (its last checkpoint says so) and exported the
     policy: the last checkpoint is written before the export, and a run killed between them counted as finished (a
-    plain `tlt run` took a new folder, and the policy was never exported; continued, the trainer exports it)."""
+    plain `tlt run` took a new folder, and the policy was never exported; continued, the trainer exports it). The
+    export is judged against the latest checkpoint (export_doubt, as `tlt report` does), not config.toml's `steps`:
+    lowered after the run, those made a run stopped before its last export look finished."""
     from tlt.services.trainer.config import TrainerConfig
 
     pointer = run_dir / "checkpoints" / "latest"
@@ -45,12 +47,10 @@ def finished(run_dir: Path) -> bool:
     policy = run_dir / "policy"
     if not ((policy / "config.json").is_file() and any(policy.glob("*.safetensors"))):
         return False
-    if not (policy / EXPORT_RECORD).exists():  # an older TLT's export: no way to tell (`tlt report` warns)
-        return True
-    # an export cut short, another run's, a record that cannot be read or names no step: continued (and exported
-    # again); one of fewer steps: a resumed run stopped before exporting again
-    record = export_record(policy)
-    return record is not None and _record_doubt(record, run_dir) is None and record["steps_done"] >= steps
+    # the report's rule (export_doubt): the export holds the latest checkpoint's policy; an older TLT's export (no
+    # record) cannot tell, and counts as done (`tlt report` warns); any other doubt: continued, and exported again
+    doubt = export_doubt(run_dir)
+    return doubt is None or doubt[0] == "unrecorded"
 
 
 def continues(run_dir: Path) -> bool:
@@ -238,6 +238,15 @@ def export_record(policy_dir: Path) -> dict[str, Any] | None:
 def stale_export(run_dir: Path) -> str | None:
     """Why run_dir/policy is not the policy of the run's latest checkpoint, or None (it is, or there is no export or
     no checkpoint to compare): a resumed run killed between its last checkpoint and its export left the older one."""
+    doubt = export_doubt(run_dir)
+    return None if doubt is None else doubt[1]
+
+
+def export_doubt(run_dir: Path) -> tuple[str, str] | None:
+    """The one rule of finished(), `tlt report` and `tlt run`'s warning: run_dir/policy holds the policy of the run's
+    latest checkpoint (its record says this run's export of that step or a later one ended), or there is no export or
+    no checkpoint to compare: None. Otherwise (kind, why): kind "unrecorded" (no record: an older TLT's export) or
+    "stale" (another step, run, an export cut short, a record unreadable)."""
     from tlt.services.trainer.checkpoint import CheckpointManager
 
     run_dir, pointer = Path(run_dir), Path(run_dir) / "checkpoints" / "latest"
@@ -251,17 +260,17 @@ def stale_export(run_dir: Path) -> str | None:
     again = (f"continue the run to export it (`tlt run --resume {run_dir}`, or `tlt train` with output_dir "
              f"{run_dir}): it resumes from the checkpoint and exports")
     if not (policy / EXPORT_RECORD).exists():
-        return (f"{policy} records no step (exported by an older TLT, which left none either when its export was "
-                f"interrupted); the latest checkpoint is after {_steps(latest)}: {again}")
+        return "unrecorded", (f"{policy} records no step (exported by an older TLT, which left none either when its "
+                              f"export was interrupted); the latest checkpoint is after {_steps(latest)}: {again}")
     record = export_record(policy)
     if record is None:
-        return (f"{policy / EXPORT_RECORD} cannot be read (not a JSON object): which step {policy} holds is unknown; "
-                f"the latest checkpoint is after {_steps(latest)}: {again}")
+        return "stale", (f"{policy / EXPORT_RECORD} cannot be read (not a JSON object): which step {policy} holds is "
+                         f"unknown; the latest checkpoint is after {_steps(latest)}: {again}")
     if doubt := _record_doubt(record, run_dir):
-        return f"{policy} {doubt}; the latest checkpoint is after {_steps(latest)}: {again}"
+        return "stale", f"{policy} {doubt}; the latest checkpoint is after {_steps(latest)}: {again}"
     if record["steps_done"] < latest:
-        return (f"{policy} holds the policy after {_steps(record['steps_done'])} but the latest checkpoint is after "
-                f"{_steps(latest)}: the run stopped before exporting it; {again}")
+        return "stale", (f"{policy} holds the policy after {_steps(record['steps_done'])} but the latest checkpoint "
+                         f"is after {_steps(latest)}: the run stopped before exporting it; {again}")
     return None
 
 
