@@ -165,3 +165,29 @@ def test_steps_lowered_after_a_run_leave_finished_and_the_report_agreeing(tmp_pa
     assert stale_export(run) is None and finished(run)
     (run / "config.toml").write_text("[trainer]\nsteps = 6\n")  # raised: steps left, whatever the export
     assert stale_export(run) is None and not finished(run)
+
+
+def test_tlt_run_says_in_one_line_when_it_continues_a_folder_to_export_again(tmp_path) -> None:
+    """Only `tlt report` said that a folder's export was older than its latest checkpoint (or cut short, another
+    run's, unrecorded); a plain `tlt run` continuing it (or `--resume`) re-exported in silence. It now warns in one
+    line (`export_redone`), with the report's reason (run_folder.export_doubt), and says nothing for a sound one."""
+    from structlog.testing import capture_logs
+
+    from test_run_plan import _checkpointed, _closed, _fake_model, _plan
+
+    model, runs = _fake_model(tmp_path)
+    first = _closed(_plan(runs, model, "--steps", "4"))
+    _checkpointed(first.run_dir, 4, exported=True)
+    record = {"steps_done": 2, "policy_version": 2, "run": first.run_dir.name,
+              "run_created": json.loads((first.run_dir / "run.json").read_text())["created"]}
+    (first.run_dir / "policy" / EXPORT_RECORD).write_text(json.dumps(record))  # stopped before its last export
+    with capture_logs() as logs:
+        again = _closed(_plan(runs, model))
+    assert again.run_dir == first.run_dir and again.resumed
+    warned = [e for e in logs if e["event"] == "export_redone"]
+    assert len(warned) == 1 and warned[0]["log_level"] == "warning", logs
+    assert "after 2 steps" in warned[0]["found"] and "after 4 steps" in warned[0]["found"], warned
+    (first.run_dir / "policy" / EXPORT_RECORD).write_text(json.dumps({**record, "steps_done": 4}))
+    with capture_logs() as logs:
+        resumed = _closed(_plan(runs, model, "--resume", str(first.run_dir)))
+    assert resumed.run_dir == first.run_dir and not [e for e in logs if e["event"] == "export_redone"], logs

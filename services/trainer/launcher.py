@@ -38,7 +38,7 @@ from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
 from tlt.services.trainer.run_env import child_unset_env, environment_layer
 from tlt.services.trainer.run_resume import check_resume, checkpoint_steps
 from tlt.services.trainer.run_stats import trim_samples
-from tlt.services.trainer.run_folder import claim, default_folder, read_run_file, write_atomic
+from tlt.services.trainer.run_folder import claim, default_folder, export_doubt, read_run_file, write_atomic
 
 log = get_logger("run")
 
@@ -234,6 +234,9 @@ def _plan_in(run_dir: Path, lock: Any, args: argparse.Namespace, saved: dict[str
         inputs, preset, run_cfg = _inputs(args, saved)
         if not args.run_id:  # a folder this launch picked: say which, and that it continues
             log.info("run_continued", run_dir=str(run_dir), hint="a new run: --run-id ID")
+    if resumed and (doubt := export_doubt(run_dir)):  # `tlt report`'s warning, where the export is about to be redone
+        log.warning("export_redone", run_dir=str(run_dir), found=doubt[1],
+                    then="this run resumes from the latest checkpoint and exports the policy again")
     preset_name, overrides, baseline = inputs["preset"], inputs["overrides"], inputs["baseline"]
     seed, steps_arg, model = inputs["seed"], inputs["steps"], inputs["model"]
     if seed is not None:

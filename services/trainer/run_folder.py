@@ -237,16 +237,19 @@ def export_record(policy_dir: Path) -> dict[str, Any] | None:
 
 def stale_export(run_dir: Path) -> str | None:
     """Why run_dir/policy is not the policy of the run's latest checkpoint, or None (it is, or there is no export or
-    no checkpoint to compare): a resumed run killed between its last checkpoint and its export left the older one."""
-    doubt = export_doubt(run_dir)
-    return None if doubt is None else doubt[1]
+    no checkpoint to compare): a resumed run killed between its last checkpoint and its export left the older one.
+    With what to do: continue the run."""
+    if (doubt := export_doubt(run_dir)) is None:
+        return None
+    return (f"{doubt[1]}: continue the run to export it (`tlt run --resume {run_dir}`, or `tlt train` with output_dir "
+            f"{run_dir}): it resumes from the checkpoint and exports")
 
 
 def export_doubt(run_dir: Path) -> tuple[str, str] | None:
-    """The one rule of finished(), `tlt report` and `tlt run`'s warning: run_dir/policy holds the policy of the run's
-    latest checkpoint (its record says this run's export of that step or a later one ended), or there is no export or
-    no checkpoint to compare: None. Otherwise (kind, why): kind "unrecorded" (no record: an older TLT's export) or
-    "stale" (another step, run, an export cut short, a record unreadable)."""
+    """The one rule of finished(), `tlt report` (stale_export) and `tlt run`'s warning: None when run_dir/policy
+    holds the policy of the run's latest checkpoint (its record says this run's export of that step or a later one
+    ended), or there is no export or no checkpoint to compare. Otherwise (kind, what was found): kind "unrecorded"
+    (no record: an older TLT's export) or "stale" (another step, run, an export cut short, a record unreadable)."""
     from tlt.services.trainer.checkpoint import CheckpointManager
 
     run_dir, pointer = Path(run_dir), Path(run_dir) / "checkpoints" / "latest"
@@ -254,23 +257,22 @@ def export_doubt(run_dir: Path) -> tuple[str, str] | None:
     if not pointer.is_file() or not (policy / "config.json").is_file():
         return None
     try:
-        latest = CheckpointManager.steps_of(pointer.read_text())
+        steps = CheckpointManager.steps_of(pointer.read_text())
     except ValueError:
         return None
-    again = (f"continue the run to export it (`tlt run --resume {run_dir}`, or `tlt train` with output_dir "
-             f"{run_dir}): it resumes from the checkpoint and exports")
+    latest = f"the latest checkpoint is after {_steps(steps)}"
     if not (policy / EXPORT_RECORD).exists():
         return "unrecorded", (f"{policy} records no step (exported by an older TLT, which left none either when its "
-                              f"export was interrupted); the latest checkpoint is after {_steps(latest)}: {again}")
+                              f"export was interrupted); {latest}")
     record = export_record(policy)
     if record is None:
         return "stale", (f"{policy / EXPORT_RECORD} cannot be read (not a JSON object): which step {policy} holds is "
-                         f"unknown; the latest checkpoint is after {_steps(latest)}: {again}")
+                         f"unknown; {latest}")
     if doubt := _record_doubt(record, run_dir):
-        return "stale", f"{policy} {doubt}; the latest checkpoint is after {_steps(latest)}: {again}"
-    if record["steps_done"] < latest:
-        return "stale", (f"{policy} holds the policy after {_steps(record['steps_done'])} but the latest checkpoint "
-                         f"is after {_steps(latest)}: the run stopped before exporting it; {again}")
+        return "stale", f"{policy} {doubt}; {latest}"
+    if record["steps_done"] < steps:
+        return "stale", (f"{policy} holds the policy after {_steps(record['steps_done'])} but {latest}: the run "
+                         "stopped before exporting it")
     return None
 
 
