@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy, size_class
+from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy, PlainDebt, size_class
 from tlt.services.rollout.spec.tree import Arm
 
 A, B, C = Arm.parse("8_4_48"), Arm.parse("8_4_16"), Arm.parse("4_1_5")
@@ -294,12 +294,41 @@ def test_amend_replaces_a_recorded_reward():
     plain = Arm.parse("plain")
     bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[A, plain]], epsilon=0.0, window=3)
     bandit.record(1, A, 20, 1.0)
-    r = bandit.record(1, plain, 30, 1.0)
+    bandit.record(1, plain, 30, 1.0)
+    slot = bandit.last_slot
     assert bandit.choose(1) == plain
-    assert bandit.amend(1, plain, r, 30 / 3.0)  # the step really took 3 s: 10 tok/s, below A's 20
+    assert bandit.amend(1, plain, slot, 30 / 3.0)  # the step really took 3 s: 10 tok/s, below A's 20
     assert bandit.choose(1) == A and bandit.snapshot()[0].arms[1].median_reward == 10.0
-    assert not bandit.amend(1, plain, r, 1.0)  # already replaced
     for _ in range(3):
         bandit.record(1, plain, 40, 1.0)  # the amended reward leaves the 3-reward window
-    assert not bandit.amend(1, plain, 10.0, 1.0) and bandit.snapshot()[0].arms[1].median_reward == 40.0
-    assert not bandit.amend(5, B, 1.0, 2.0)  # an arm not in the bucket: nothing to amend
+    assert not bandit.amend(1, plain, slot, 1.0) and bandit.snapshot()[0].arms[1].median_reward == 40.0
+    assert not bandit.amend(5, B, 0, 2.0)  # an arm not in the bucket: nothing to amend
+
+
+def test_amend_keeps_each_reward_in_its_own_slot_when_two_are_equal():
+    """`amend` replaced the newest reward equal to the old value: of two equal plain rewards, amending the older
+    one changed the newer one's slot, so the amended value stayed in the window one reward too long and the
+    unamended one left first. Each reward is amended in its own slot now (`last_slot`)."""
+    plain = Arm.parse("plain")
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[plain]], epsilon=0.0, window=2)
+    bandit.record(1, plain, 30, 1.0)
+    older = bandit.last_slot
+    bandit.record(1, plain, 30, 1.0)
+    assert bandit.amend(1, plain, older, 10.0)  # the older step is charged: window (10, 30)
+    bandit.record(1, plain, 40, 1.0)  # pushes the older step's reward out: (30, 40)
+    assert bandit.snapshot()[0].arms[0].median_reward == 35.0
+
+
+def test_a_catch_up_owed_by_more_plain_steps_than_the_window_is_shared_by_all_of_them():
+    """More than `window` plain steps in a row: the catch-up seconds (the drafter taking in every one of their
+    tokens) were shared by the last `window` steps alone, each charged for the older steps' tokens as well, so the
+    plain arm's median came out too low (6 steps of 2 tokens in 1 s, a 6 s catch-up, window 3: 0.67 tok/s where
+    the steps ran at 1.0). The share is each step's tokens over all the steps' now."""
+    plain = Arm.parse("plain")
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[plain]], epsilon=0.0, window=3)
+    debt = PlainDebt(bandit)
+    for _ in range(6):
+        bandit.record(1, plain, 2, 1.0)
+        debt.add(1, plain, 2, 1.0, bandit.last_slot)
+    assert debt.charge(6.0) == 6.0 and bandit.snapshot()[0].arms[0].median_reward == 1.0
+    assert debt.charge(5.0) == 0.0  # charged once: nothing owed any more

@@ -28,8 +28,9 @@ window (300 rewards of a drafter that was never right kept an improved one unuse
 
 Reward of one SD step = tokens kept over the whole batch (accepted drafts + one bonus per
 sequence, less what a stop cut off: the engine passes the count it appended) / step wall time:
-measured tokens per second. A "plain" step's reward is amended later (`amend`) when the drafter catch-up it
-left to the next verify step is timed: that time is the plain step's (SpecDecoder._catch_up). A guard skips arms whose
+measured tokens per second. A "plain" step's reward is amended later (`amend`, in the slot `record` put it in)
+when the drafter catch-up it left to the next verify step is timed: that time is the plain steps' since the drafter
+was last up to date, each its share by tokens (`PlainDebt`, SpecDecoder._catch_up). A guard skips arms whose
 draft_tokens x batch_size exceeds the verify-token budget ("plain" verifies nothing and always fits);
 if it skips every arm, `choose` returns None: that step decodes plainly, unrewarded (no arm was
 chosen) and counted per bucket as `over_budget`. The RNG is seeded; each rollout replica's from the configured
@@ -93,21 +94,26 @@ class _Window:
         self.recent: deque[float] = deque()
         self.sorted: list[float] = []
         self.size = size
+        self.added = 0  # rewards ever added: the slot of the k-th (from 0) is k
 
-    def add(self, reward: float) -> None:
+    def add(self, reward: float) -> int:
+        """Add `reward`; returns its slot (for `replace`)."""
         self.keep_last(self.size - 1)  # room for this one
         self.recent.append(reward)
         bisect.insort(self.sorted, reward)
+        self.added += 1
+        return self.added - 1
 
-    def replace(self, old: float, new: float) -> bool:
-        """Put `new` in place of the newest `old` (its arrival slot kept); False when `old` is no longer held."""
-        for i in range(len(self.recent) - 1, -1, -1):
-            if self.recent[i] == old:
-                self.recent[i] = new
-                del self.sorted[bisect.bisect_left(self.sorted, old)]
-                bisect.insort(self.sorted, new)
-                return True
-        return False
+    def replace(self, slot: int, new: float) -> bool:
+        """Put `new` in place of the reward added in `slot` (its arrival order kept); False when that reward has
+        left the window."""
+        i = slot - (self.added - len(self.recent))  # the oldest held is the one added len(recent) rewards ago
+        if not 0 <= i < len(self.recent):
+            return False
+        old, self.recent[i] = self.recent[i], new
+        del self.sorted[bisect.bisect_left(self.sorted, old)]
+        bisect.insort(self.sorted, new)
+        return True
 
     def keep_last(self, n: int) -> None:
         while len(self.recent) > n:
@@ -178,6 +184,7 @@ class BucketedEpsilonGreedy:
                 raise ValueError(f"bucket {self.label(i)} has no arms")
         self.epsilon = epsilon
         self.window = window
+        self.last_slot = -1  # the slot of the reward `record` added last (for `amend`)
         self.budget = verify_token_budget
         self._rng = random.Random(seed)
         # bucket -> arm -> batch size -> the last `window` rewards at that size
@@ -256,16 +263,17 @@ class BucketedEpsilonGreedy:
         self._latest_size[b] = size
         if size not in by_size:
             by_size[size] = _Window(self.window)
-        by_size[size].add(reward)
+        self.last_slot = by_size[size].add(reward)
         return reward
 
-    def amend(self, batch_size: int, arm: Arm, old: float, new: float) -> bool:
-        """Replace a reward `record` returned for (batch_size, arm) with `new`: a cost of that step known only
-        later (the drafter catch-up a "plain" step leaves to the next verify step: SpecDecoder). False when the
-        arm's window at that size no longer holds it (pushed out, or forgotten by `drafter_changed`)."""
+    def amend(self, batch_size: int, arm: Arm, slot: int, new: float) -> bool:
+        """Replace the reward `record` recorded for (batch_size, arm) in `slot` (its `last_slot` then) with `new`: a
+        cost of that step known only later (the drafter catch-up a "plain" step leaves to the next verify step:
+        SpecDecoder). By slot, not by value: of two equal rewards the other's place was taken. False when the arm's
+        window at that size no longer holds it (pushed out, or forgotten by `drafter_changed`)."""
         by_size = self._rewards[self.bucket(batch_size)].get(arm)
         window = None if by_size is None else by_size.get(size_class(batch_size, self.exact_sizes))
-        return window is not None and window.replace(old, new)
+        return window is not None and window.replace(slot, new)
 
     def drafter_changed(self, keep: int) -> None:
         """The drafter was replaced: keep only the last `keep` rewards of each drafting arm (0: forget them, so
@@ -294,3 +302,34 @@ class BucketedEpsilonGreedy:
             out.append(BucketStats(self.label(b), tuple(stats), self._explored[b], self._exploited[b],
                                    self._over_budget[b]))
         return tuple(out)
+
+
+class PlainDebt:
+    """The "plain" arm steps since the drafter was last up to date: the drafter catch-up the next verify step times
+    is theirs (SpecDecoder._catch_up). `charge` adds it to their step times, each its share by tokens, and amends
+    their rewards. The share is over every step since the drafter was up to date, while only the last `window` are
+    kept to amend (older ones have left the bandit's window at their size): charging the whole catch-up to those
+    alone made them pay for the older steps' tokens too, the plain arm's median too low."""
+
+    def __init__(self, bandit: BucketedEpsilonGreedy) -> None:
+        self.bandit = bandit
+        self.steps: deque[tuple[int, Arm, int, float, int]] = deque(maxlen=bandit.window)
+        self.tokens = 0  # over every step owed, kept or not
+        self.count = 0
+
+    def add(self, batch_size: int, arm: Arm, tokens: int, seconds: float, slot: int) -> None:
+        """A plain step of `tokens` in `seconds`, recorded in `slot` (the bandit's `last_slot`)."""
+        self.steps.append((batch_size, arm, tokens, seconds, slot))
+        self.tokens += tokens
+        self.count += 1
+
+    def charge(self, seconds: float) -> float:
+        """Charge a catch-up of `seconds` to the steps owed, and owe nothing more; the seconds charged (0 if none)."""
+        if not self.count:
+            return 0.0
+        for batch_size, arm, tokens, step_s, slot in self.steps:
+            share = seconds * (tokens / self.tokens if self.tokens else 1 / self.count)
+            self.bandit.amend(batch_size, arm, slot, tokens / (step_s + share))
+        self.steps.clear()
+        self.tokens = self.count = 0
+        return seconds

@@ -41,7 +41,6 @@ Engine wiring (the engine owns it; `tests/test_spec_decoder.py::_spec_generate` 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +58,7 @@ from tlt.services.rollout.spec.accept import (
     node_targets,
     tree_accept,
 )
-from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy, replica_seed
+from tlt.services.rollout.spec.bandit import BucketedEpsilonGreedy, PlainDebt, replica_seed
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.spec.drafting import EagleSource, NgramSource
 from tlt.services.rollout.spec.filters import filter_logits
@@ -232,10 +231,10 @@ class SpecDecoder:
         # catch-up: before a verify step that follows a step without one (SD off, prefill, the "plain" arm,
         # no room), the drafter first takes in what those steps appended; timed apart (`finish_step`)
         self._behind = True
-        # the "plain" arm steps (batch, arm, tokens, seconds, reward) the backlog is owed to when they alone built it
+        # the "plain" arm steps (bandit.PlainDebt) the backlog is owed to when they alone built it
         # since the drafter was last up to date: the catch-up is charged to them (`_catch_up`); None: another step
         # without a verify added to it (SD off, a prefill, no arm within the budget, no KV room), no arm's choice
-        self._owed: deque[tuple[int, Arm, int, float, float]] | None = None
+        self._owed: PlainDebt | None = None
         self.catch_ups = 0
         self.catch_up_seconds = 0.0
         self.catch_up_charged_seconds = 0.0  # the part charged to plain-arm steps' rewards
@@ -372,7 +371,7 @@ class SpecDecoder:
         self._pending = (len(seqs), arm, emitted, t0, catch_up)
         self._behind = False
         if self._owed is None:  # up to date: what plain-arm steps leave behind from here is theirs
-            self._owed = deque(maxlen=self.config.window)  # older rewards have left the bandit's window anyway
+            self._owed = PlainDebt(self.bandit)
         return out
 
     def _catch_up(self, seqs: list[Sequence]) -> float:
@@ -381,7 +380,7 @@ class SpecDecoder:
         which `finish_step` leaves out of the arm's reward: the backlog is owed to the steps that built it,
         not to the arm that happens to run next (it would lower that arm's median after every switch-on).
         When "plain" arm steps alone built it (since the last verify step), those steps chose it: the seconds
-        are added to their step times, shared by their tokens, and their rewards amended (`bandit.amend`);
+        are added to their step times, shared by their tokens, and their rewards amended (`bandit.PlainDebt`);
         left out, not speculating looked cheaper than it is. A backlog another step added to (SD off, a
         prefill, no arm within the budget, no KV room) stays out of every reward."""
         c0 = time.perf_counter()
@@ -389,13 +388,8 @@ class SpecDecoder:
         seconds = time.perf_counter() - c0
         self.catch_ups += 1
         self.catch_up_seconds += seconds
-        if self._owed:
-            total = sum(tokens for _, _, tokens, _, _ in self._owed)
-            for batch, arm, tokens, step_s, reward in self._owed:
-                share = seconds * (tokens / total if total else 1 / len(self._owed))
-                self.bandit.amend(batch, arm, reward, tokens / (step_s + share))
-            self.catch_up_charged_seconds += seconds
-            self._owed.clear()
+        if self._owed is not None:
+            self.catch_up_charged_seconds += self._owed.charge(seconds)
         return seconds
 
     def _verify_forward(self, arm: Arm, tree: DraftTree, n_list: list[int], valid: torch.Tensor, ctx: list[int],
@@ -453,9 +447,9 @@ class SpecDecoder:
         self.last_step_seconds = time.perf_counter() - (t0 if step_start is None else step_start)
         if self.config.mode == "adaptive":
             seconds = self.last_step_seconds - catch_up
-            reward = self.bandit.record(batch, arm, emitted, seconds)
+            self.bandit.record(batch, arm, emitted, seconds)
             if arm.is_plain and self._owed is not None:  # the drafter falls behind by its tokens: `_catch_up`
-                self._owed.append((batch, arm, emitted, seconds, reward))
+                self._owed.add(batch, arm, emitted, seconds, self.bandit.last_slot)
 
     def _reserve(self, seqs: list[Sequence], n_nodes: list[int]) -> bool:
         """Give each sequence KV slots for its tree nodes (c .. c + n - 1); False if blocks run out, or if a
