@@ -191,3 +191,14 @@ def test_tlt_run_says_in_one_line_when_it_continues_a_folder_to_export_again(tmp
     with capture_logs() as logs:
         resumed = _closed(_plan(runs, model, "--resume", str(first.run_dir)))
     assert resumed.run_dir == first.run_dir and not [e for e in logs if e["event"] == "export_redone"], logs
+
+
+def test_an_export_record_that_cannot_be_written_is_one_line(tmp_path) -> None:
+    """write_export_record wrote its temporary file itself, so a full disk or a blocked path was an OSError traceback
+    at the end of a run; it writes through run_folder.write_atomic now, one ServiceError naming the file."""
+    from tlt.services.trainer.procs import ServiceError
+    from tlt.services.trainer.run_folder import write_export_record
+
+    (tmp_path / "policy" / f".{EXPORT_RECORD}.tmp").mkdir(parents=True)  # the temporary file's path is taken
+    with pytest.raises(ServiceError, match=EXPORT_RECORD):
+        write_export_record(tmp_path / "policy", 2, 2, tmp_path)

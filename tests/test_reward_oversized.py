@@ -59,8 +59,12 @@ def test_a_data_row_over_the_limit_still_fails_the_step_naming_it() -> None:
 
 
 def test_oversized_reward_must_fit_the_reward_field() -> None:
-    with pytest.raises(ValueError, match="oversized_reward"):
-        RewardConfig(oversized_reward=float("inf"))
+    """The bound is float32's largest value (FLOAT32_MAX, as the server checks the rewards it sends): it was 3.4e38,
+    refusing 3.402e38, which the 32-bit field holds."""
+    for bad in (float("inf"), float("nan"), 3.41e38, -3.41e38):
+        with pytest.raises(ValueError, match="oversized_reward"):
+            RewardConfig(oversized_reward=bad)
+    assert RewardConfig(oversized_reward=-3.402e38).oversized_reward == -3.402e38
 
 
 def test_the_limit_counts_bytes_so_a_multibyte_completion_is_over_it() -> None:

@@ -83,8 +83,11 @@ class RewardConfig(ServiceConfig):
     @field_validator("oversized_reward")
     @classmethod
     def _reward_fits(cls, v: float) -> float:
-        if not math.isfinite(v) or abs(v) > 3.4e38:  # the proto's reward field is a 32-bit float
-            raise ValueError(f"oversized_reward {v!r} must be a finite number within a 32-bit float (3.4e38)")
+        from tlt.services.trainer.rewards import FLOAT32_MAX
+
+        if not math.isfinite(v) or abs(v) > FLOAT32_MAX:  # the proto's reward field is a 32-bit float
+            raise ValueError(f"oversized_reward {v!r} must be a finite number within a 32-bit float "
+                             f"({FLOAT32_MAX:.8g})")
         return v
 
     @model_validator(mode="after")

@@ -221,9 +221,7 @@ def write_export_record(policy_dir: Path, steps_done: int, version: int, run_dir
         record["exporting"], record["started_at"] = True, time.time()
     else:
         record["exported_at"] = time.time()
-    tmp = policy_dir / f".{EXPORT_RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(policy_dir / EXPORT_RECORD)
+    write_atomic(policy_dir / EXPORT_RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def export_record(policy_dir: Path) -> dict[str, Any] | None:
