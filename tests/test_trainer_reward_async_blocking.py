@@ -94,3 +94,46 @@ def test_the_trainer_watches_as_the_reward_server_does_and_only_async_functions(
     assert watched.watchdog is not None and watched.watchdog.threshold_s == 1.0
     watched.close()
     assert watched.watchdog is None
+
+
+STALLING = textwrap.dedent("""
+    import asyncio
+    import time
+
+    calls = []
+
+
+    async def judge(completions, **kw):
+        calls.append(len(completions))
+        if len(calls) == 1:
+            time.sleep(0.9)  # the first step's scoring holds the loop once
+        await asyncio.sleep(0)
+        return [1.0 for _ in completions]
+""")
+
+
+def test_the_stalls_of_a_step_s_reward_loop_are_a_metric_of_the_step(random_model_dir, tmp_path, monkeypatch) -> None:
+    """`loop_blocked` was counted on the reward source alone: the log said it, the run's metrics did not. Each
+    step's line of metrics.jsonl now has `reward_loop_blocked`, the stalls during its rollout's scoring."""
+    import json
+
+    import torch
+
+    from rollout_helpers import ServerThread
+    from tlt.services.trainer.loop import train
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "trainer_stalling_judge.py").write_text(STALLING)
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    try:
+        with ServerThread(random_model_dir, replicas=1) as server:
+            train(TrainerConfig(model_dir=str(random_model_dir), rollout_addresses=[server.grpc_address],
+                                output_dir=str(out), prompts_per_step=2, n_samples=2, max_tokens=8, mini_batch_size=4,
+                                micro_batch_size=4, steps=2, checkpoint_interval=0, synthetic_problems=16,
+                                torch_threads=1, connect_timeout_s=30, reward="python",
+                                reward_function="trainer_stalling_judge:judge", reward_async_block_warn_s=0.3))
+    finally:
+        sys.modules.pop("trainer_stalling_judge", None)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward_loop_blocked"] for m in lines] == [1, 0], lines

@@ -66,7 +66,8 @@ class TrainerConfig(ServiceConfig):
     reward_async_block_warn_s: float = Field(
         1.0, ge=0, description="reward='python' with an async def function: its coroutines run on one event loop, so a "
         "blocking call inside one stalls the step's scoring; when the loop has not run for this many seconds the "
-        "trainer logs reward_loop_blocked (the function and its line), as [reward] async_block_warn_s does. 0: off"
+        "trainer logs reward_loop_blocked (the function and its line), as [reward] async_block_warn_s does, and counts "
+        "it in the step's reward_loop_blocked metric. 0: off"
     )
     connect_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the rollout server(s) and the reward server at start")
     rollout_retries: int = Field(2, ge=0, description="times a step is rolled out again (its partial rollout dropped) "

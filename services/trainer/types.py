@@ -90,6 +90,9 @@ class StepMetrics:
     # rollout attempts of this step dropped and redone: a replica died past [rollout] redispatch_limit or a server was
     # busy (collect_retrying), a server restarted and served its start checkpoint (weight_sync.VersionGuard)
     rollout_retries: int = 0
+    # times an in-process `async def` reward function held the reward loop past [trainer] reward_async_block_warn_s
+    # while this step's rollout was scored (FunctionRewards.loop_blocked; 0 for other reward sources)
+    reward_loop_blocked: int = 0
     # Dynamic sampling ([trainer] dynamic_sampling): rollout rounds the step took, prompt groups they generated, and the
     # share of flat groups (all rewards equal) among those it trained on. zero_signal_groups, reward_mean, reward_std
     # and accuracy are over every generated completion (all rounds).
