@@ -332,3 +332,18 @@ def test_a_catch_up_owed_by_more_plain_steps_than_the_window_is_shared_by_all_of
         debt.add(1, plain, 2, 1.0, bandit.last_slot)
     assert debt.charge(6.0) == 6.0 and bandit.snapshot()[0].arms[0].median_reward == 1.0
     assert debt.charge(5.0) == 0.0  # charged once: nothing owed any more
+
+
+def test_a_catch_up_reaches_the_plain_steps_of_every_batch_size_still_in_their_windows():
+    """PlainDebt kept the last `window` plain steps over all batch sizes, but each size has a window of its own: two
+    steps at batch 1 followed by two at batch 2 (window 2) dropped the batch-1 steps, still the whole batch-1
+    window, so their rewards kept no share of the catch-up (2.0 tok/s where each step ran at 1.0). Each size's
+    last `window` steps are kept now."""
+    plain = Arm.parse("plain")
+    bandit = BucketedEpsilonGreedy(thresholds=(1,), bucket_arms=[[plain]], epsilon=0.0, window=2)
+    debt = PlainDebt(bandit)
+    for batch in (1, 1, 2, 2):
+        bandit.record(batch, plain, 2, 1.0)
+        debt.add(batch, plain, 2, 1.0, bandit.last_slot)
+    assert debt.charge(4.0) == 4.0  # 8 tokens: 1 s each
+    assert bandit.snapshot()[0].arms[0].median_by_batch == {1: 1.0, 2: 1.0}

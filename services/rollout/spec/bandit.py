@@ -307,19 +307,22 @@ class BucketedEpsilonGreedy:
 class PlainDebt:
     """The "plain" arm steps since the drafter was last up to date: the drafter catch-up the next verify step times
     is theirs (SpecDecoder._catch_up). `charge` adds it to their step times, each its share by tokens, and amends
-    their rewards. The share is over every step since the drafter was up to date, while only the last `window` are
-    kept to amend (older ones have left the bandit's window at their size): charging the whole catch-up to those
-    alone made them pay for the older steps' tokens too, the plain arm's median too low."""
+    their rewards. The share is over every step since the drafter was up to date, while only the last `window` of
+    each of the bandit's windows (bucket, arm, batch size) are kept to amend (older ones have left it): charging the
+    whole catch-up to the last `window` alone made them pay for the older steps' tokens too, the plain arm's median
+    too low, and keeping the last `window` over all sizes left a size's steps still in its window unamended."""
 
     def __init__(self, bandit: BucketedEpsilonGreedy) -> None:
         self.bandit = bandit
-        self.steps: deque[tuple[int, Arm, int, float, int]] = deque(maxlen=bandit.window)
+        # (bucket, arm, size class): that window's last steps (batch size, arm, tokens, seconds, slot)
+        self.steps: dict[tuple[int, Arm, int], deque[tuple[int, Arm, int, float, int]]] = {}
         self.tokens = 0  # over every step owed, kept or not
         self.count = 0
 
     def add(self, batch_size: int, arm: Arm, tokens: int, seconds: float, slot: int) -> None:
         """A plain step of `tokens` in `seconds`, recorded in `slot` (the bandit's `last_slot`)."""
-        self.steps.append((batch_size, arm, tokens, seconds, slot))
+        key = (self.bandit.bucket(batch_size), arm, size_class(batch_size, self.bandit.exact_sizes))
+        self.steps.setdefault(key, deque(maxlen=self.bandit.window)).append((batch_size, arm, tokens, seconds, slot))
         self.tokens += tokens
         self.count += 1
 
@@ -327,9 +330,10 @@ class PlainDebt:
         """Charge a catch-up of `seconds` to the steps owed, and owe nothing more; the seconds charged (0 if none)."""
         if not self.count:
             return 0.0
-        for batch_size, arm, tokens, step_s, slot in self.steps:
-            share = seconds * (tokens / self.tokens if self.tokens else 1 / self.count)
-            self.bandit.amend(batch_size, arm, slot, tokens / (step_s + share))
+        for steps in self.steps.values():
+            for batch_size, arm, tokens, step_s, slot in steps:
+                share = seconds * (tokens / self.tokens if self.tokens else 1 / self.count)
+                self.bandit.amend(batch_size, arm, slot, tokens / (step_s + share))
         self.steps.clear()
         self.tokens = self.count = 0
         return seconds
