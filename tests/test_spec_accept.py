@@ -261,3 +261,15 @@ def test_min_p_keeps_tokens_exactly_at_the_threshold():
     assert q.tolist() == [[0.0, 0.5, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0]]
     nt = node_targets(logits[:, None], 0.7, min_p=1.0, u=torch.tensor([[0.9], [0.3]]))
     assert nt.tokens.tolist() == [[2], [1]]
+
+
+def test_min_p_cuts_the_tempered_distribution_as_vllm_and_transformers_do():
+    # min_p compares probabilities AFTER temperature (vLLM's sampler and transformers' warpers apply it to the
+    # tempered softmax), the order of the module docstring: logit gaps 1 and 2 from the best token are probability
+    # ratios e^-2 and e^-4 at T = 0.5, both under min_p = 0.3, but e^-0.5 and e^-1 at T = 2, both over it. On the
+    # untempered softmax (ratios e^-1, e^-2) both temperatures would keep the same two tokens.
+    logits = torch.tensor([0.0, -1.0, -2.0])
+    assert filter_logits(logits, 0.5, min_p=0.3).isfinite().tolist() == [True, False, False]
+    assert filter_logits(logits, 2.0, min_p=0.3).isfinite().tolist() == [True, True, True]
+    q = filtered_probs(logits, 2.0, min_p=0.3)
+    assert torch.allclose(q, (logits / 2).softmax(-1))
