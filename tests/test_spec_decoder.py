@@ -232,6 +232,43 @@ def test_top_logprobs_of_speculated_tokens(ckpt):
         ctx.append(tok)
 
 
+
+def test_tree_steps_return_the_accepted_branchs_top_logprobs_and_features(ckpt):
+    """A token accepted off a tree's first branch (node path[k], not node k) reports the alternatives and the
+    target feature of the node that emitted it: each token's top logprobs and its feature row (return_features,
+    the drafter service's training data) are plain greedy decoding's. Node k's instead gave another position's."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3, return_features=True)
+    reqs = lambda: [GenerationRequest(r.request_id, r.prompt_token_ids, params, r.n) for r in _requests()]  # noqa: E731
+    plain = _engine(ckpt).generate(reqs())
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **STATIC), eng.runner, eng.block_manager)
+    spec = _spec_generate(eng, dec, reqs())
+    assert dec.stats()["kv_copies"] > 0  # some accepted paths left the first branch
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    for a, b in zip(spec, plain):
+        assert len(a.top_logprobs) == len(b.top_logprobs) == len(a.token_ids)
+        for ta, tb in zip(a.top_logprobs, b.top_logprobs):
+            assert list(ta) == list(tb) and list(ta.values()) == pytest.approx(list(tb.values()), abs=1e-4)
+        assert a.features.shape == b.features.shape
+        torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=0)
+
+
+def test_seeded_min_p_sampling_with_speculation_emits_plain_samplings_tokens(ckpt):
+    """min_p is one of the target's filters in the verify step too: a seeded request with min_p (a low temperature
+    to make the random model's distribution peaked enough for min_p to cut) emits plain sampling's tokens and
+    logprobs with tree speculation on. Without it the walk drew from q without the cut."""
+    params = SamplingParams(temperature=0.05, min_p=0.5, max_tokens=30, ignore_eos=True, logprobs=0, seed=11)
+    reqs = lambda: [GenerationRequest(f"m{i}", r.prompt_token_ids, params, 2)  # noqa: E731
+                    for i, r in enumerate(_requests(2, 1))]
+    plain = _engine(ckpt).generate(reqs())
+    eng = _engine(ckpt)
+    dec = SpecDecoder(SpecConfig(drafter="ngram", **STATIC), eng.runner, eng.block_manager)
+    spec = _spec_generate(eng, dec, reqs())
+    assert dec.stats()["verify_steps"] > 5
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    for a, b in zip(spec, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
 def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(ckpt):
     base = _engine(ckpt).generate(_requests(1, 1, 40))[0].token_ids
     stop = base[12]  # the random model repeats itself: this token sits inside a run the drafts predict
