@@ -19,6 +19,7 @@ import gc
 import socket
 import threading
 import time
+import weakref
 from concurrent import futures as cf
 
 import grpc
@@ -391,3 +392,43 @@ def test_replica_liveness_is_read_through_grpc_s_public_api_alone(monkeypatch) -
                 assert set(picked) == {live.address}
             finally:
                 reps.close()
+
+
+PORTS_R1 = range(44500, 44600)  # the tests of the second review
+
+
+def test_a_client_dropped_without_close_leaves_no_connectivity_polling_thread() -> None:
+    """Each watched replica's channel was subscribed (`Channel.subscribe`) with the replica's own method, so gRPC's
+    polling thread held the replica and its channel: a client dropped unclosed left its channels open and one thread
+    per address polling them every 0.2 s, for good. The subscription holds the replica weakly now: collected, its
+    subscription ends and its channel is closed, and the polling threads end."""
+    fn = Counting()
+    dead = _port(PORTS_R1)
+    with socket.socket() as hold:
+        hold.bind(("127.0.0.1", dead))  # bound, not listening: refuses connections
+        with _server(fn, ports=PORTS_R1) as s:
+            _drop_clients(s.port, dead)
+    assert fn.scored == 4
+
+
+def _drop_clients(port: int, dead: int) -> None:
+    """Three clients of a live and a refusing address, each dropped unclosed after a call: neither its replicas nor
+    a thread of theirs outlives it."""
+    def threads() -> int:  # but the client's call pool's, which its executor ends in its own time
+        return sum(not t.name.startswith("reward-score") for t in threading.enumerate())
+
+    with RewardClient(f"127.0.0.1:{port}", timeout_s=5, retries=0) as warm:  # the server's threads started
+        assert warm.score([Req(id="warm", completion="x", reference="x")])[0].ok
+    gc.collect()
+    before = threads()
+    for i in range(3):
+        client = RewardClient(f"ipv4:127.0.0.1:{port},127.0.0.1:{dead}", timeout_s=5, retries=0)
+        assert client.score([Req(id=f"p{i}", completion="x", reference="x")])[0].ok
+        held = [weakref.ref(r) for r in client._replicas._replicas.values()]
+        assert len(held) == 2
+        del client
+        deadline = time.monotonic() + 5
+        while any(r() is not None for r in held) or threads() > before:
+            assert time.monotonic() < deadline, ([r() for r in held], [t.name for t in threading.enumerate()], before)
+            gc.collect()
+            time.sleep(0.05)

@@ -76,11 +76,12 @@ class Replica:
         self._closed = False
         self._watching = watch
         if watch:  # connect at once: by the first call, an address refusing connections is known as such
+            # gRPC's polling thread holds the callback: it holds the replica weakly, so that a client dropped without
+            # close() is collected, and its channel unsubscribed and closed then (as an unwatched channel is)
+            self._changed = _changed_callback(weakref.ref(self))
+            self._dropped = weakref.finalize(self, _close_soon, self.channel, self._changed)
+            self._dropped.atexit = False
             self.channel.subscribe(self._changed, try_to_connect=True)
-
-    def _changed(self, state: grpc.ChannelConnectivity) -> None:
-        """gRPC's connectivity callback (its own thread): the channel's latest state."""
-        self._state = state
 
     def state(self) -> grpc.ChannelConnectivity | None:
         """The channel's latest connectivity (`Channel.subscribe`'s, public on every grpcio), and a connection
@@ -104,7 +105,7 @@ class Replica:
     def unwatch(self) -> bool:
         """Stop following the connectivity (before `close`); whether it was followed."""
         self._closed = True
-        if self._watching:
+        if self._watching and self._dropped.detach() is not None:
             self.channel.unsubscribe(self._changed)
         return self._watching
 
@@ -116,11 +117,27 @@ class Replica:
     def close_soon(self) -> None:
         """`close` once gRPC's polling thread saw the end of the subscription (a channel with no calls in flight)."""
         if self.unwatch():
-            timer = threading.Timer(UNWATCHED_S, self.channel.close)
-            timer.daemon = True
-            timer.start()
+            _close_soon(self.channel, None)
         else:
             self.channel.close()
+
+
+def _changed_callback(ref: weakref.ReferenceType) -> Callable[[grpc.ChannelConnectivity], None]:
+    """gRPC's connectivity callback (its own thread) of the replica `ref` holds: keeps the channel's latest state."""
+    def changed(state: grpc.ChannelConnectivity) -> None:
+        replica = ref()
+        if replica is not None:
+            replica._state = state
+    return changed
+
+
+def _close_soon(channel: grpc.Channel, callback: Callable[[grpc.ChannelConnectivity], None] | None) -> None:
+    """Unsubscribe `callback` (None: done) and close `channel` once gRPC's polling thread saw that (UNWATCHED_S)."""
+    if callback is not None:
+        channel.unsubscribe(callback)
+    timer = threading.Timer(UNWATCHED_S, channel.close)
+    timer.daemon = True
+    timer.start()
 
 
 class Replicas:
