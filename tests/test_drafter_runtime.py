@@ -101,6 +101,10 @@ def test_cache_mask_against_a_hand_written_one():
     # one new token per row, equal lengths, no prefix mask: every key visible, no mask needed
     assert Drafter.cache_mask(torch.tensor([3, 3]), 1, 4) is None
     assert Drafter.cache_mask(torch.tensor([3, 2]), 1, 4).int().tolist() == [[[1, 1, 1, 1]], [[1, 1, 1, 0]]]
+    # a prefix mask hides only the cached keys it covers (j < P): keys at or past P stay visible, and a single
+    # new token with a prefix mask still needs the mask though every row is equally long
+    pm = torch.tensor([[[True, False]]])
+    assert Drafter.cache_mask(torch.tensor([4]), 1, 5, prefix_mask=pm).int().tolist() == [[[1, 0, 1, 1, 1]]]
 
 
 @torch.inference_mode()
@@ -196,3 +200,41 @@ def test_unfiltered_rows_draw_the_same_p_whatever_their_neighbours(min_p):
     fast = _draft_probs(logits, plain, False, min_p > 0)
     assert torch.equal(fast, _draft_probs(logits, plain, True, True))
     assert torch.equal(fast, _draft_probs_fn(logits, plain, False, min_p > 0))  # the scripted build, as chain_draft's
+
+
+@torch.inference_mode()
+def test_draft_min_p_is_relative_to_the_top_probability_like_the_targets():
+    """The drafter's p cuts min_p as spec/filters.py cuts q: p < min_p * p_max, not p < min_p. Four tokens at
+    ~0.23 and one at ~0.085: min_p 0.1 keeps the fifth (0.085 >= 0.023); an absolute cut would drop it, drafting
+    from another support than the target's (only more rejections, but the drafts' p is meant to be q's shape)."""
+    from tlt.services.rollout.spec.filters import filtered_probs
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, -1.0, -5.0]])
+    p = _draft_probs(logits, torch.tensor([[1.0, 0, 1.0, 0.1]]))
+    assert (p > 0).sum().item() == 5
+    torch.testing.assert_close(p, filtered_probs(logits, 1.0, 0, 1.0, 0.1), rtol=1e-6, atol=1e-7)
+
+
+@torch.inference_mode()
+def test_a_chain_stops_only_once_every_row_is_below_min_score():
+    """chain(min_score=) drafts on while any row's cumulative log-prob is at least min_score: a threshold between
+    the two rows' first scores keeps drafting past the first level (the better row may still be accepted)."""
+    d = random_drafter(5)
+    rt = DrafterRuntime(d)
+    g = torch.Generator().manual_seed(3)
+    rows = torch.tensor([0, 1])
+
+    def chain(min_score):
+        cache = DrafterCache(d.cfg, rows=2, capacity=8)
+        rt(torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(4)),
+           torch.randn(2, 4, H, generator=torch.Generator().manual_seed(5)), torch.arange(1, 5).expand(2, 4), cache, rows)
+        return rt.chain(h, cache, rows, torch.full((2,), 4), 4, min_score=min_score)
+
+    h = torch.randn(2, H, generator=g)
+    _, scores, _ = chain(float("-inf"))
+    assert scores.shape == (2, 4) and scores[0, 0] != scores[1, 0]
+    hi, lo = scores[:, 0].max().item(), scores[:, 0].min().item()
+    toks, _, _ = chain((hi + lo) / 2)
+    assert toks.shape[1] >= 2  # one row still above the threshold after the first draft
+    toks, _, _ = chain(hi + 1.0)
+    assert toks.shape[1] == 1  # every row below it: no deeper draft
