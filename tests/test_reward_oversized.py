@@ -77,3 +77,14 @@ def test_the_limit_counts_bytes_so_a_multibyte_completion_is_over_it() -> None:
     config = RewardConfig(port=46302, workers=1, grace_s=0.5, max_item_bytes=1000)
     out, _ = _score(config, [("under", "q", "\u00e9" * 490 + " answer: 3", "3")])
     assert (out["under"].reward, out["under"].correct) == (1.0, True)
+
+
+def test_the_bound_an_oversized_reward_is_refused_with_is_one_it_takes() -> None:
+    """The error named the bound rounded to 8 digits, 3.4028235e+38, itself over FLOAT32_MAX: a user setting the
+    value the message named was refused again. It names FLOAT32_MAX exactly now, a value the option takes."""
+    import re
+
+    with pytest.raises(ValueError, match="oversized_reward") as refused:
+        RewardConfig(oversized_reward=3.41e38)
+    named = float(re.search(r"32-bit float \(([^)]+)\)", str(refused.value)).group(1))
+    assert RewardConfig(oversized_reward=named).oversized_reward == named

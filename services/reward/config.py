@@ -87,7 +87,7 @@ class RewardConfig(ServiceConfig):
 
         if not math.isfinite(v) or abs(v) > FLOAT32_MAX:  # the proto's reward field is a 32-bit float
             raise ValueError(f"oversized_reward {v!r} must be a finite number within a 32-bit float "
-                             f"({FLOAT32_MAX:.8g})")
+                             f"({FLOAT32_MAX!r})")
         return v
 
     @model_validator(mode="after")
