@@ -113,6 +113,27 @@ def test_max_position_embeddings_defaults_as_each_family_in_transformers(tmp_pat
     assert ModelConfig.from_hf(raw).max_position_embeddings == want
 
 
+
+@pytest.mark.parametrize("base", [LLAMA, QWEN2, QWEN3], ids=lambda b: b["model_type"])
+def test_num_key_value_heads_left_out_is_read_as_transformers_reads_it(tmp_path, base):
+    # transformers' LlamaConfig takes one K/V head per query head when config.json has no num_key_value_heads, but
+    # Qwen2Config and Qwen3Config take 32 (only an explicit null means num_attention_heads): the native engine took
+    # num_attention_heads for every family, another model than the trainer's
+    raw = {k: v for k, v in base.items() if k != "num_key_value_heads"} | {"hidden_size": 128, "num_attention_heads": 64}
+    want = hf_config(tmp_path, copy.deepcopy(raw)).num_key_value_heads
+    assert want == (64 if base is LLAMA else 32)
+    assert ModelConfig.from_hf(raw).num_kv_heads == want
+    # 4 query heads and transformers' 32 K/V heads are no model: refused, naming the key to write
+    small = {k: v for k, v in base.items() if k != "num_key_value_heads"}
+    if base is LLAMA:
+        assert ModelConfig.from_hf(small).num_kv_heads == 4
+    else:
+        with pytest.raises(UnsupportedModelError, match="no num_key_value_heads"):
+            ModelConfig.from_hf(small)
+    null = {**base, "num_key_value_heads": None}
+    assert ModelConfig.from_hf(null).num_kv_heads == hf_config(tmp_path, copy.deepcopy(null)).num_key_value_heads == 4
+
+
 def test_architectures_and_model_type_that_disagree_are_refused():
     raw = {**LLAMA, "model_type": "mistral", "sliding_window": 32}  # transformers builds a Mistral from it
     with pytest.raises(UnsupportedModelError, match="model_type 'mistral'.*LlamaForCausalLM"):

@@ -120,13 +120,20 @@ class ModelConfig:
                                         "q/k/v); Qwen2's q/k/v bias is")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported")
+        # num_key_value_heads as transformers reads it: left out, the family's default (Qwen2 / Qwen3: 32, Llama: one
+        # per query head); null, one per query head
+        kv_heads = int(cfg.get("num_key_value_heads", _KV_HEADS.get(arch)) or heads)
+        if "num_key_value_heads" not in cfg and heads % kv_heads:
+            raise UnsupportedModelError(
+                f"config.json has no num_key_value_heads: transformers then builds {arch} with {kv_heads} K/V heads, "
+                f"which num_attention_heads={heads} is not a multiple of; write num_key_value_heads")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=int(head_dim),
             intermediate_size=int(cfg["intermediate_size"]),
             rope_theta=rope_theta,
@@ -145,6 +152,8 @@ class ModelConfig:
 _BY_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 # transformers' default max_position_embeddings (LlamaConfig, Qwen2Config, Qwen3Config) for a file without one
 _MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
+# transformers' num_key_value_heads for a file without one (LlamaConfig: None, one K/V head per query head)
+_KV_HEADS = {"Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}
 # what transformers' RoPE validation requires in a block of each type (rope_theta and the original context filled in)
 _REQUIRED_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "high_freq_factor", "low_freq_factor")}
 
