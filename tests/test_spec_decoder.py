@@ -232,7 +232,6 @@ def test_top_logprobs_of_speculated_tokens(ckpt):
         ctx.append(tok)
 
 
-
 def test_tree_steps_return_the_accepted_branchs_top_logprobs_and_features(ckpt):
     """A token accepted off a tree's first branch (node path[k], not node k) reports the alternatives and the
     target feature of the node that emitted it: each token's top logprobs and its feature row (return_features,
@@ -268,6 +267,7 @@ def test_seeded_min_p_sampling_with_speculation_emits_plain_samplings_tokens(ckp
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     for a, b in zip(spec, plain):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
 
 def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(ckpt):
     base = _engine(ckpt).generate(_requests(1, 1, 40))[0].token_ids
