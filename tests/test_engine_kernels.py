@@ -114,6 +114,45 @@ def test_kernel_tables_match_the_sdpa_path(q_lens, ctx, trees) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
+def test_pre_attention_matches_the_pytorch_layer(monkeypatch, qk_norm) -> None:
+    """kernel_ops.pre_attention (qkv projection with its bias, Qwen3's per-head q/k norms with their weights,
+    RoPE, the K/V written to their slots) gives layer_ops.pre_attention's q and cache. RoPE runs as the rotary
+    kernel's PyTorch reference here (the kernel itself: tests/test_kernels_rotary.py): the rest is PyTorch on both
+    paths. The interpreter cases' random checkpoints have all-ones norm weights, which hid a dropped weight."""
+    from tlt.kernels.rotary import apply_rotary
+    from tlt.model import kernel_ops
+    from tlt.model.layer_ops import pre_attention
+
+    monkeypatch.setattr(kernel_ops, "apply_rotary_triton", functools.partial(apply_rotary, impl="torch"))
+    g = torch.Generator().manual_seed(4)
+    t, hid, nh, kvh, d, slots_n = 5, 32, 4, 2, 8, 12
+    x = torch.randn(t, hid, generator=g)
+    ln1 = 1 + 0.3 * torch.randn(hid, generator=g)
+    qkv_w = torch.randn((nh + 2 * kvh) * d, hid, generator=g) * 0.2
+    qkv_b = torch.randn((nh + 2 * kvh) * d, generator=g) * 0.1
+    norm = None
+    if qk_norm:  # one weight for the q heads, one for the k heads, laid out per head as the model holds them
+        qn, kn = 1 + 0.5 * torch.randn(d, generator=g), 1 + 0.5 * torch.randn(d, generator=g)
+        norm = torch.cat([qn.expand(nh, d), kn.expand(kvh, d)])
+    positions = torch.tensor([3, 4, 5, 5, 6])  # tree nodes at one depth share a position
+    slots = torch.tensor([7, 2, 9, 0, 11])
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([torch.outer(torch.arange(16).float(), inv)] * 2, -1)
+    cos, sin = emb.cos(), emb.sin()
+    sin_signed = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], -1)
+    eps = torch.tensor(1e-6)
+    k_ref, v_ref = torch.zeros(slots_n, kvh, d), torch.zeros(slots_n, kvh, d)
+    want = pre_attention(x, ln1, qkv_w, qkv_b, norm, False, eps, False, cos[positions][:, None],
+                         sin_signed[positions][:, None], k_ref, v_ref, slots, nh, kvh, d)
+    k_got, v_got = torch.zeros(slots_n, kvh, d), torch.zeros(slots_n, kvh, d)
+    h = kernel_ops.rms(x, ln1, eps, True)
+    got = kernel_ops.pre_attention(h, qkv_w, qkv_b, norm, eps, positions, cos, sin, k_got, v_got, slots, nh, kvh, d)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_got, k_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_got, v_ref, atol=1e-5, rtol=1e-5)
+
 # ----------------------------------------------------------------------------- interpreter (child)
 
 
