@@ -113,7 +113,6 @@ def test_max_position_embeddings_defaults_as_each_family_in_transformers(tmp_pat
     assert ModelConfig.from_hf(raw).max_position_embeddings == want
 
 
-
 @pytest.mark.parametrize("base", [LLAMA, QWEN2, QWEN3], ids=lambda b: b["model_type"])
 def test_num_key_value_heads_left_out_is_read_as_transformers_reads_it(tmp_path, base):
     # transformers' LlamaConfig takes one K/V head per query head when config.json has no num_key_value_heads, but
