@@ -212,3 +212,33 @@ def test_feature_noise_is_uniform_on_minus_noise_to_noise_and_seeded():
     assert float(delta.std()) == pytest.approx(noise / 3**0.5, rel=0.05)
     assert torch.equal(fed(noise, 0), delta) and not torch.equal(fed(noise, 1), delta)
     assert torch.equal(fed(0.0, 0), torch.zeros_like(delta))
+
+
+def test_the_record_is_the_plain_pairs_and_the_update_is_clipped_to_norm_one():
+    """With ttt_steps > 1 the step's record still reads the plain pairs' smooth_l1, soft_ce, top1 and token count
+    (unroll step 0: what the warm-up's progress bar and the worker's window log show), its loss the weighted sum;
+    the gradient is clipped to norm 1.0 unless told otherwise (TLT.md section 3), and make_optimizer's AdamW runs
+    with betas (0.9, 0.95). Plain SGD at lr 1: the weights move by exactly the clipped gradient."""
+    import copy
+
+    from tlt.services.drafter.loss import drafter_loss
+
+    batch = _batch(2)
+    p = packed_pairs(batch.tokens, batch.features, batch.segment_ids, batch.loss_mask)
+    d = random_drafter(8)
+    ref = copy.deepcopy(d).train()
+    outs = ref.forward_unrolled(p.input_ids, p.features.float(), p.positions, p.segment_ids, 3)
+    parts = [drafter_loss(outs[s], t.float(), ref.lm_head, m) for s, (t, m) in
+             enumerate(unrolled_targets(p, s) for s in range(3))]
+    assert parts[1].smooth_l1 != pytest.approx(parts[0].smooth_l1, rel=1e-3)  # the steps' figures differ
+    sum(0.8**s * r.loss for s, r in enumerate(parts)).backward()
+    raw = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in ref.parameters()]))
+    assert raw > 2.0  # the clip bites
+    before = {n: q.detach().clone() for n, q in d.named_parameters()}
+    got = micro_step(d, torch.optim.SGD(d.parameters(), lr=1.0), batch, ttt_steps=3)
+    want = parts[0]
+    assert (got.smooth_l1, got.soft_ce, got.top1, got.tokens) == pytest.approx(
+        (want.smooth_l1, want.soft_ce, want.top1, want.tokens), rel=1e-5)
+    moved = torch.linalg.vector_norm(torch.stack([(before[n] - q.detach()).norm() for n, q in d.named_parameters()]))
+    assert float(moved) == pytest.approx(1.0, rel=1e-3)
+    assert make_optimizer(d, 1e-3).param_groups[0]["betas"] == (0.9, 0.95)
