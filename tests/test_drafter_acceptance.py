@@ -168,3 +168,22 @@ def test_the_gate_scores_only_the_response_of_a_sample_with_a_prompt() -> None:
         smp = Sample("s0@0", seq.numpy().astype(np.int32), feats.numpy().astype(np.float16), response_start, 0)
         mean, steps = mean_accept_length(d, [smp], 5)
         assert (steps, round(mean, 9)) == (want_steps, round(want_mean, 9)), response_start
+
+
+def test_each_chain_node_sits_at_the_position_the_target_verifies_it_at() -> None:
+    """Draft k of start t is fed to the drafter at position t + 1 + k, after its parent's t + k (the true pairs
+    (x_{j+1}, h_j) sit at j + 1), as the slow reference and the engine place it. The drafter above reads its
+    attention too little for its argmax to notice a node placed one position early; with q, k and o scaled up
+    (and a larger vocabulary) where a node sits changes its drafts."""
+    vocab = 64
+    d = tiny_drafter(vocab=vocab)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if any(f"{x}_proj" in name for x in "qko"):
+                p.mul_(4)
+    g = torch.Generator().manual_seed(1)
+    n, depth = 12, 4
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    feats = torch.randn(n, 16, generator=g)
+    drafts = chain_drafts(d, tokens, feats, depth, first_start=2)[0]
+    assert drafts.tolist() == [slow_chain(d, tokens, feats, t, depth) for t in range(2, n - 2)]
