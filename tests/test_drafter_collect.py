@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tlt.model.testing import random_checkpoint
-from tlt.services.drafter.collect import engine_samples, sample_features
+from tlt.services.drafter.collect import engine_samples, features_message, sample_features
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,19 @@ def test_a_response_stops_at_the_context_and_a_prompt_that_fills_it_is_a_one_lin
     assert got and got[0].seq_tokens <= limit
     with pytest.raises(ConfigError, match="no room for a response"):
         engine_samples(model_dir, [[7] * limit], 8)
+
+
+def test_prompt_i_is_drawn_with_seed_plus_i(model_dir) -> None:
+    """Sequence i draws with seed + i (the docstring's promise): the same prompt twice in one collection gives two
+    draws, not one sample twice, and prompt i's draw is the one a collection of it alone at seed + i makes."""
+    same = _by_seq(engine_samples(model_dir, [PROMPTS[3], PROMPTS[3]], 24, temperature=1.0, seed=7, window_tokens=64))
+    alone = _by_seq(engine_samples(model_dir, [PROMPTS[3]], 24, temperature=1.0, seed=8, window_tokens=64))
+    np.testing.assert_array_equal(_joined(same["p1-0"])[0], _joined(alone["p0-0"])[0])
+    assert not np.array_equal(_joined(same["p0-0"])[0], _joined(same["p1-0"])[0])
+
+
+def test_a_sequence_without_a_group_is_its_own_group() -> None:
+    hidden = torch.zeros(4, 8)
+    seq = features_message("s3", torch.tensor([1, 2, 3, 4]), hidden, 2, 0)
+    assert seq.group_id == "s3" and seq.response_start == 2
+    assert features_message("s3", torch.tensor([1, 2, 3, 4]), hidden, 2, 0, group_id="g").group_id == "g"
