@@ -462,3 +462,16 @@ def test_tool_requests_refused_name_their_parameter(server, body, param, words):
     err = bad_request(server, **body)
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert words in err["message"], err
+
+
+@pytest.mark.parametrize("text", [TOOL_TEXT[:-20], "ok\n<tool_call>\n" + json.dumps({"name": "add", "arguments": {"a": 1}})])
+def test_a_sample_aborted_inside_a_block_makes_no_call(tok, text):
+    """A sample ended early with finish_reason "abort" (the SGLang backend's for a cancelled or failed request) is
+    cut as one max_tokens cuts: its unfinished last block may hold half the calls or half the arguments, so the
+    text is all content and no call is made, finish_reason "abort"."""
+    from tlt.services.rollout import openai_convert as conv
+
+    cut = output(tok, text, finish="abort")
+    choice = conv.chat_choice(tok, 0, cut, False, 0, conv.ToolParsing(NAMES))  # (the SDK's model has no "abort")
+    assert choice.finish_reason == "abort" and choice.message.tool_calls is None
+    assert choice.message.content == cut.text
