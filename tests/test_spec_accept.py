@@ -27,6 +27,8 @@ def test_filters_by_hand():
     assert filter_logits(lg, 1.0, top_p=0.6).isfinite().tolist() == [True, True, False, False]
     assert filter_logits(lg, 1.0, top_p=0.5).isfinite().tolist() == [True, False, False, False]
     assert filter_logits(lg, 1.0, top_k=3).isfinite().tolist() == [True, True, True, False]
+    # a top_k past the vocabulary keeps every token, beside a row that cuts (the sampler's one call per batch)
+    assert filter_logits(lg.expand(2, 4), 1.0, torch.tensor([50, 2])).isfinite().sum(-1).tolist() == [4, 2]
     assert filter_logits(lg, 1.0, min_p=0.4).isfinite().tolist() == [True, True, False, False]  # >= 0.2
     q = filtered_probs(lg, 2.0)
     assert torch.allclose(q, P.sqrt() / P.sqrt().sum())
