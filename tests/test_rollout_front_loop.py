@@ -141,6 +141,13 @@ def test_a_request_that_cannot_fit_the_kv_cache_is_a_400_before_its_stream_start
                 c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=100))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV cache" in e.value.details()
             assert c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=8))  # one that fits is served
+            # the bound is exact: prompt + max_tokens of just the 64 tokens is served, and generates all of them
+            (out,) = c.generate([10, 11, 12, 13], params=rollout_pb2.SamplingParams(max_tokens=60, ignore_eos=True))
+            assert len(out.token_ids) == 60
+        for max_tokens, status in ((60, 200), (61, 400)):
+            r = httpx.post(f"{s.base_url}/completions", timeout=60, json={
+                "model": s.model_name, "prompt": [10, 11, 12, 13], "max_tokens": max_tokens, "ignore_eos": True})
+            assert r.status_code == status, (max_tokens, r.text)
 
 
 def test_schema_errors_in_nested_fields_name_the_field_as_openai_does(model_dir):
