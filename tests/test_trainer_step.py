@@ -180,6 +180,7 @@ def test_lr_schedule_by_hand():
     # 0.5 * (1 + cos(pi * (u - 2) / 4)) -> u=2: 1.0, u=3: 0.853553, u=4: 0.5, u=5: 0.146447, u=6: 0.0
     f = lr_lambda(2, 6, "cosine")
     assert [round(f(u), 6) for u in range(7)] == [0.5, 1.0, 1.0, 0.853553, 0.5, 0.146447, 0.0]
+    assert [f(u) for u in (7, 8, 12)] == [0.0, 0.0, 0.0]  # past the planned updates it stays at 0, never climbs back
     assert [lr_lambda(3, 10, "constant")(u) for u in (0, 2, 3, 9)] == [1 / 3, 1.0, 1.0, 1.0]
 
 
