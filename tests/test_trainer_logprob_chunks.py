@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tlt.services.trainer.grpo import kl_k3, masked_mean, policy_loss
+from tlt.services.trainer.logprob_chunks import chunkable_head
 from tlt.services.trainer.policy import TokenBatch, response_logprobs
 
 VOCAB = 50
@@ -87,3 +88,34 @@ def test_no_more_than_one_chunk_of_logits_at_once():
     grpo_loss(out, out.logprobs.detach(), out.logprobs.detach(), torch.ones_like(out.logprobs)).backward()
     # 15 real response tokens: 4 + 4 + 4 + 3 forward, the same again recomputed in backward (and no padding rows)
     assert max(rows) <= 4 and sum(rows) == 2 * 15, rows
+
+
+def tiny_gemma2(softcap: float | None):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                       final_logit_softcapping=softcap, pad_token_id=0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # logits well past the cap: capping changes them
+    return model
+
+
+def test_a_model_that_caps_its_logits_keeps_the_full_logits_path() -> None:
+    """Gemma 2 soft-caps its logits after lm_head (cap * tanh(z / cap)): chunks of lm_head(h) alone would give the
+    uncapped logprobs, not what the model (and the rollout that sampled from it) computes. Such a model is not
+    chunked; its logprobs with chunking asked for are the full-logits path's."""
+    batch = TokenBatch.build(PROMPTS[:2], RESPONSES[:2])
+    capped = tiny_gemma2(5.0)
+    assert chunkable_head(capped) is None and chunkable_head(tiny_gemma2(None)) is not None
+    full = response_logprobs(capped, batch, 1.0, chunk_tokens=0).logprobs
+    chunked = response_logprobs(capped, batch, 1.0, chunk_tokens=2).logprobs
+    torch.testing.assert_close(chunked, full)
+    with torch.no_grad():
+        out = capped(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    z = out.logits[0, 2:6].float()
+    assert float(z.abs().max()) <= 5.0 + 1e-4  # the forward did cap
+    want = torch.log_softmax(z, -1).gather(1, torch.tensor(RESPONSES[0])[:, None])[:, 0]
+    torch.testing.assert_close(full[0, :4], want, atol=1e-5, rtol=0)
