@@ -100,7 +100,10 @@ def test_report_has_plots_table_and_start_end_accuracy(tmp_path: Path) -> None:
         assert f"plots/{name}" in page
     s = summarize([step_row(m, [], [], 16) for m in lines])
     assert s.k == 2 and s.acc_start == pytest.approx(0.05) and s.acc_end == pytest.approx(0.65)
+    assert s.reward_start == pytest.approx(0.05) and s.reward_end == pytest.approx(0.65)
     assert "0.050" in page and "0.650" in page and page.count("<tr>") == 9
+    assert "mean reward 0.050 &rarr; 0.650" in page
+    assert "<td>25</td><td>2.50</td>" in page  # SD%: 25 accepted of 100 tokens, in percent; accept length 25 / 10
 
 
 def test_drafter_fed_by_the_trainer_gets_the_trainers_features(tmp_path: Path) -> None:
@@ -429,11 +432,12 @@ def test_a_resume_keeps_the_timeline_and_windows_of_the_kept_steps_only(tmp_path
     _metrics(tmp_path, [{}, {}, {}, {}])  # steps 0-3 started at 100, 110, 120, 130; 9 s each
     (tmp_path / "eval.jsonl").write_text(json.dumps({"after_steps": 2, "started_at": 119.5, "seconds": 0.4}) + "\n"
                                          + json.dumps({"after_steps": 4, "started_at": 139.5, "seconds": 0.4}) + "\n")
-    (tmp_path / "timeline.jsonl").write_text("".join(sample(100.0 + i, 4).to_json() + "\n" for i in range(41)))
+    times = sorted([100.0 + i for i in range(41)] + [119.6])  # 119.6: during the eval after step 2, past step 1's end
+    (tmp_path / "timeline.jsonl").write_text("".join(sample(t, 4).to_json() + "\n" for t in times))
     (tmp_path / "drafter.jsonl").write_text("".join(json.dumps(IdleWindow(0, 0, s, s + 2, 3, True).__dict__) + "\n"
                                                     for s in (105.0, 119.0, 125.0)))
     trim_samples(tmp_path, 2)
-    assert [s.t for s in read_timeline(tmp_path / "timeline.jsonl")] == [100.0 + i for i in range(20)]  # <= 119.9
+    assert [s.t for s in read_timeline(tmp_path / "timeline.jsonl")] == [100.0 + i for i in range(20)] + [119.6]
     assert [w.start for w in read_windows(tmp_path / "drafter.jsonl")] == [105.0, 119.0]
     trim_samples(tmp_path, 0)
     assert not (tmp_path / "timeline.jsonl").exists() and not (tmp_path / "drafter.jsonl").exists()
