@@ -184,3 +184,23 @@ def test_the_closing_line_gives_the_sharper_check_when_the_change_is_within_nois
     _finish(args, plan, 0, time.monotonic())
     out = "".join(capsys.readouterr())
     assert "run_done" in out and "sharper_check" not in out, out
+
+
+def test_the_greedy_line_starts_at_the_first_eval_that_scored_greedy_and_is_not_repeated_at_t0(tmp_path: Path) -> None:
+    # a run resumed with eval_greedy turned on: its first eval has no greedy accuracy; the greedy start -> end runs
+    # from the first eval that has one (from evals[0], the report failed on its missing value)
+    from tlt.services.trainer.evaluate import EvalRecord
+
+    _metrics(tmp_path, [{"reward_mean": 0.5, "accuracy": 0.4}] * 3)
+    (tmp_path / "eval.jsonl").write_text("".join(
+        json.dumps(EvalRecord(k, k, a, 200, 4, 1.0, 9.0, greedy_accuracy=g).as_dict()) + "\n"
+        for k, a, g in [(0, 0.401, None), (2, 0.398, 0.45), (3, 0.394, 0.465)]))
+    page = write_report(tmp_path, threshold=16).read_text()
+    assert "<b>0.401</b> after 0 steps &rarr; <b>0.394</b> after 3 steps" in page
+    assert "greedy (one completion per problem): <b>0.450</b> after 2 steps &rarr; <b>0.465</b> after 3 steps" in page
+    # at temperature 0 the sampled pass is the greedy one (its records carry greedy_accuracy = accuracy): said once
+    (tmp_path / "eval.jsonl").write_text("".join(
+        json.dumps(EvalRecord(k, k, a, 200, 1, 0.0, 9.0, greedy_accuracy=a).as_dict()) + "\n"
+        for k, a in [(0, 0.41), (3, 0.44)]))
+    page = write_report(tmp_path, threshold=16).read_text()
+    assert "<b>0.410</b> after 0 steps &rarr; <b>0.440</b> after 3 steps" in page and "greedy (one" not in page
