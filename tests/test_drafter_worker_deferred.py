@@ -186,3 +186,26 @@ def test_a_worker_checkpoint_of_another_model_is_named_in_the_error(tmp_path, mo
         StubbedWorker(tmp_path, other)
     msg = str(err.value)
     assert str(first.worker.ckpt) in msg and "checkpoint_dir" in msg and "\n" not in msg, msg
+
+
+def test_each_delta_reports_the_mean_loss_of_its_own_steps(tmp_path, model_dir) -> None:
+    """A window of 3 micro-steps with submit_every = 2, preempted after the third: the delta sent in the window
+    carries steps 1-2 and their mean loss, the deferred one (sent at the next idle moment) step 3 and its loss alone.
+    The coordinator's loss curve is made of these means: the deferred delta read the whole window's."""
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=2)
+    sent = []
+    ask = stub.ask
+
+    def recording(should_stop=None, **body):  # noqa: ANN001, ANN003, ANN202
+        if "update" in body:
+            sent.append((body["update"].micro_steps, body["update"].mean_loss))
+        return ask(should_stop, **body)
+
+    stub.ask = recording  # the worker's client is the stub
+    stub.worker.state, stub.busy_after = IDLE, 3
+    res = stub.worker.window()
+    assert res.preempted and res.micro_steps == 3
+    stub.worker._flush()
+    l1, l2, l3 = res.losses
+    assert len({l1, l2, l3}) == 3
+    assert sent == [(2, pytest.approx((l1 + l2) / 2)), (1, pytest.approx(l3))]
