@@ -116,3 +116,33 @@ def test_the_timeout_is_a_documented_field_and_0_turns_it_off() -> None:
     RewardConfig(item_timeout_s=0)
     with pytest.raises(ValueError):
         RewardConfig(item_timeout_s=-1)
+
+
+def test_a_wedged_pool_still_scores_the_items_its_last_worker_reaches_in_time() -> None:
+    """workers = 2 and three stuck items: the pool is wedged (no replacement for the third) and scores on one thread.
+    Items queued behind a slow one on that thread wait less than the timeout: they are scored, not answered
+    "timed out waiting for a worker" at the watcher's next look (only an item that waited `timeout_s` is)."""
+    import threading
+
+    from tlt.services.reward.pool import ScoringPool
+
+    release = threading.Event()
+
+    def score(item: str) -> str:
+        if item.startswith("hang"):
+            release.wait(30)
+        elif item == "slow":
+            time.sleep(0.3)
+        return f"scored {item}"
+
+    pool = ScoringPool(2, 1.0, lambda item, s, waiting: f"timeout {item} waiting={waiting}")
+    try:
+        hung = [pool.submit(score, f"hang{i}") for i in range(3)]
+        assert [f.result(timeout=10) for f in hung] == [f"timeout hang{i} waiting=False" for i in range(3)]
+        assert pool.wedged() and pool.stuck() == 3
+        slow, *quick = [pool.submit(score, item) for item in ("slow", "q1", "q2")]
+        assert slow.result(timeout=10) == "scored slow"
+        assert [f.result(timeout=10) for f in quick] == ["scored q1", "scored q2"]
+    finally:
+        release.set()
+        pool.shutdown()
