@@ -559,3 +559,48 @@ def test_a_thousands_group_follows_one_to_three_digits() -> None:
     assert normalize("12,345") == "12345"
     assert normalize("1234,567") == "1234,567"  # not a thousands separator: left as it is
     assert not equivalent("1234,567", "1234567")
+
+
+def test_a_reordered_answer_to_items_sharing_an_id_is_refused(miscounting: str) -> None:
+    """Items [d, d, e] answered [e, d, d]: matched by id, both d items would get the one result kept under d (one
+    of them another completion's reward) and one d answer would be lost. Ids that do not name one item each cannot
+    be matched back: a RewardCallError, as any answer that cannot be matched. In order, they are returned as they
+    came."""
+    with RewardClient(miscounting, timeout_s=5, retries=0) as client:
+        with pytest.raises(RewardCallError, match="answered ids"):
+            client.score([Req(id="d", prompt="reverse", completion="x"), Req(id="d", prompt="reverse", completion="xx"),
+                          Req(id="e", prompt="reverse", completion="xxx")])
+        out = client.score([Req(id="d", prompt="in order", completion="x"), Req(id="d", completion="xx")])
+        assert [r.reward for r in out] == [1.0, 2.0]
+
+
+class _Unavailable(reward_pb2_grpc.RewardServicer):
+    """Answers every Score with UNAVAILABLE (a server shedding load, a proxy before a pod down) and counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def Score(self, request, context):  # noqa: ANN001
+        self.calls += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "try again later")
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_retries_bound_the_attempts_on_a_single_address_answering_unavailable(retries: int) -> None:
+    """`retries` = N: N + 1 calls reach a server that answers UNAVAILABLE, backing off 0.1 s doubling in between. A
+    target of one address has no other to pass the failure over to: none is free of the count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    servicer = _Unavailable()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    reward_pb2_grpc.add_RewardServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with RewardClient(f"127.0.0.1:{port}", timeout_s=5, retries=retries) as client:
+            assert [client._backoff(n) for n in (1, 2, 3, 5, 6)] == pytest.approx([0.1, 0.2, 0.4, 1.6, 2.0])
+            with pytest.raises(RewardUnavailableError, match=f"after {retries + 1} attempt"):
+                client.score([Req(id="a", reference="1")])
+        assert servicer.calls == retries + 1
+    finally:
+        server.stop(0)
