@@ -7,6 +7,7 @@ the port the client calls; real gRPC on 127.0.0.1.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -67,3 +68,21 @@ def test_the_trainer_passes_its_window() -> None:
         assert source._client.retry_window_s == 12
     finally:
         source.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["Score", "ScoreStream"])
+def test_the_window_runs_from_the_first_failure_not_the_last(stream) -> None:
+    """retry_window_s = 1 against a port nobody listens on: the window is measured from the first failed attempt,
+    so the call gives up once the next backoff would pass 1 s since then (after 0.1 + 0.2 + 0.4 s of backoff) and
+    says how long it tried. Measured from the latest failure, the window never ran out while the backoff (at most
+    2 s) fit in it: a stream to a dead server with the trainer's 30 s window retried for ever."""
+    with RewardClient(f"127.0.0.1:{free_port()}", timeout_s=5, retries=0, retry_window_s=1.0) as client:
+        start = time.monotonic()
+        with pytest.raises(RewardUnavailableError, match="unreachable") as e:
+            if stream:
+                list(client.score_stream([Req(id="a", reference="1")]))
+            else:
+                client.score([Req(id="a", reference="1")])
+        assert time.monotonic() - start < 3
+    tried = float(re.search(r"tried for ([0-9.]+) s", str(e.value)).group(1))
+    assert 0.6 <= tried <= 1.0, str(e.value)
