@@ -121,3 +121,47 @@ def test_unreachable_server_is_named_unreachable() -> None:
         assert "timed out" not in str(caught.value)
     finally:
         source.close()
+
+
+def test_a_stream_on_a_busy_server_that_answers_is_not_stalled() -> None:
+    """8 streamed items of 0.2 s on one worker with timeout_s = 0.5 and no retry: the last waits 1.6 s in the server's
+    queue, past timeout_s, but an answer comes every 0.2 s: the stream is not stalled (it times out only once
+    nothing was answered for timeout_s), so nothing is reopened or sent again."""
+    scored: list[str] = []
+
+    def slow(prompt: str, completion: str, reference: str) -> bool:
+        time.sleep(0.2)
+        scored.append(completion)
+        return completion == reference
+
+    with _server(slow) as s, RewardClient(s.address, timeout_s=0.5, retries=0) as client:
+        got = {r.id: r.ok for r in client.score_stream(Req(id=f"s{i}", completion=str(i), reference="1")
+                                                        for i in range(8))}
+    assert got == {f"s{i}": True for i in range(8)}
+    assert sorted(scored) == [str(i) for i in range(8)]  # each once
+
+
+def test_a_streams_answers_are_progress_for_a_unary_call_waiting_behind_it() -> None:
+    """A unary call queued on a one-worker server behind a stream's items waits past timeout_s, while the stream's
+    answers come every 0.2 s: the server is busy, not stuck, and the call is answered rather than timed out."""
+
+    def slow(prompt: str, completion: str, reference: str) -> bool:
+        time.sleep(0.2)
+        return True
+
+    with _server(slow) as s, RewardClient(s.address, timeout_s=0.5, retries=0) as client:
+        first = threading.Event()
+        streamed: list[str] = []
+
+        def read() -> None:
+            for r in client.score_stream(Req(id=f"s{i}", reference="1") for i in range(8)):
+                streamed.append(r.id)
+                first.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert first.wait(10)
+        answer = client.score([Req(id="u", reference="1")])[0]  # behind the stream's other items: ~1.4 s
+        reader.join(10)
+    assert answer.ok and answer.id == "u", answer
+    assert len(streamed) == 8
