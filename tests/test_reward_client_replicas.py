@@ -432,3 +432,43 @@ def _drop_clients(port: int, dead: int) -> None:
             assert time.monotonic() < deadline, ([r() for r in held], [t.name for t in threading.enumerate()], before)
             gc.collect()
             time.sleep(0.05)
+
+
+PORTS_C = range(44200, 44300)  # mutation audit C's follow-ups
+
+
+def _ready_pair(a, b):  # noqa: ANN001, ANN202 - two live RewardServers
+    reps = replicas_mod.Replicas(f"ipv4:{a.address},{b.address}", [], timeout_s=0.5)
+    first, second = reps._replicas.values()
+    deadline = time.monotonic() + 10
+    while (first.state(), second.state()) != (grpc.ChannelConnectivity.READY,) * 2:
+        assert time.monotonic() < deadline, (first.state(), second.state())
+        time.sleep(0.02)
+    return reps, first, second
+
+
+def _picks(reps, n: int, failed=None) -> list[str]:  # noqa: ANN001
+    out = []
+    for _ in range(n):
+        with reps.use(failed) as replica:
+            out.append(replica.address)
+    return out
+
+
+def test_a_retry_goes_to_another_replica_than_its_failed_attempt_and_a_timed_out_one_gets_one_probe() -> None:
+    """Two live replicas. A retry (`use(failed)`) is never sent back to the replica its attempt failed on while the
+    other is as good, however the round robin stands (other calls move it meanwhile). A replica that timed out a call
+    gets none for timeout_s, then one probe per timeout_s, not every other call: the probe pushes its own next turn
+    timeout_s on."""
+    with _server(Counting(), ports=PORTS_C) as a, _server(Counting(), ports=PORTS_C) as b:
+        reps, first, second = _ready_pair(a, b)
+        try:
+            assert _picks(reps, 4, failed=first) == [second.address] * 4
+            assert _picks(reps, 4, failed=second) == [first.address] * 4
+            first.timed_out(0.5)
+            assert _picks(reps, 4) == [second.address] * 4  # avoided for timeout_s
+            time.sleep(0.6)
+            picked = _picks(reps, 6)  # well within the next timeout_s
+            assert picked.count(first.address) == 1 and picked.count(second.address) == 5, picked
+        finally:
+            reps.close()
