@@ -78,3 +78,43 @@ def test_a_sync_function_is_not_watched(blocking_module) -> None:
     config = RewardConfig(port=PORT + 1, workers=1)
     with RewardServer(config) as server:
         assert server.servicer.watchdog is None
+
+
+CALLABLE = '''
+import asyncio
+
+
+class Judge:
+    async def __call__(self, completions, **kw):
+        await asyncio.sleep(0)
+        return [1.0]
+
+
+judge = Judge()
+'''
+
+
+def test_an_object_with_an_async_call_is_watched_like_an_async_function(tmp_path, monkeypatch) -> None:
+    """A reward "function" that is an object whose `__call__` is `async def` (a judge client with its own state) runs
+    on the same event loop as an `async def` function, so its blocking calls hold up every item the same way: it is
+    watched too. A partial of one is async as well; a plain function is not."""
+    import functools
+
+    from tlt.services.reward.function import is_async_function
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "callable_judge.py").write_text(CALLABLE)
+    from callable_judge import judge
+
+    async def f(completions, **kw):  # noqa: ANN001, ANN202
+        return [1.0]
+
+    assert is_async_function(judge) and is_async_function(functools.partial(f))
+    assert not is_async_function(lambda completions, **kw: [1.0])
+    try:
+        config = RewardConfig(kind="python", function="callable_judge:judge", port=0, workers=1,
+                              async_block_warn_s=0.6)
+        with RewardServer(config) as server:
+            assert server.servicer.watchdog is not None
+    finally:
+        sys.modules.pop("callable_judge", None)
