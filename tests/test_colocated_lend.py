@@ -569,3 +569,17 @@ def test_the_deploy_guide_says_the_trainer_drives_the_sglang_release() -> None:
     bullet = guide[guide.index("- Colocated memory release"):].split(" - ", 1)[0]
     assert "Nothing triggers release/resume" not in bullet, bullet
     assert "grpo_step" in bullet and "`[trainer] lend_rollout_devices`" in bullet, bullet
+
+
+def test_a_give_back_that_does_not_reach_a_rollout_server_is_an_error_naming_it() -> None:
+    """A rollout server that cannot be told to take its devices back (down, unreachable) keeps its replicas lent
+    until the lease lapses: the trainer is told, with the server's address, rather than pushing weights and starting
+    the next rollout as if the replicas had resumed."""
+    from tlt.services.trainer.colocate import DeviceLoan, LendError
+
+    from tlt.services.common.ports import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with RolloutClient(address, timeout_s=2) as client:
+        with pytest.raises(LendError, match=f"did not take their devices back: {address}: UNAVAILABLE"):
+            DeviceLoan([client], lease_s=30).give_back()
