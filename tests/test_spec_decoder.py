@@ -523,3 +523,42 @@ def test_sampled_chains_through_the_engine_match_the_exact_distribution(ckpt, mo
     logq = filter_logits(logits[len(prompt) - 1 : -1], 1.0, 3).log_softmax(-1)
     assert c.logprobs == pytest.approx(
         logq.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1).tolist(), abs=2e-3)
+
+
+def test_cut_sampled_chains_beside_a_greedy_row_keep_their_cut(ckpt, monkeypatch):
+    """A step mixing rows whose chains were sampled from the drafter (rejection sampling) with a greedy row (the
+    tree walk) verifies each part as it would be alone: the sampled rows keep the drafts the confidence cut left
+    them (1 or 2 of 3 here, `drafted`), not the padded chain, so the sampled request emits the same tokens with or
+    without the greedy request beside it (without its counts the rejection part read the cut drafts' -1 tokens)."""
+    from tlt.services.rollout.spec import decoder as decoder_module
+
+    prompt = tuple(_requests(1, 1)[0].prompt_token_ids)
+    drafter = _drafter_trained_on(ckpt, prompt, steps=60)
+    sampled = GenerationRequest("s", prompt, SamplingParams(temperature=1.0, top_k=3, max_tokens=12, ignore_eos=True,
+                                                            seed=5), 6)
+    greedy = GenerationRequest("g", _requests(2, 1)[1].prompt_token_ids,
+                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    calls = []
+    real = decoder_module._rejection
+
+    def recording(full, tree, filters, keys, first, drafted=None):  # noqa: ANN001, ANN202
+        calls.append((tree.tokens.shape[0], None if drafted is None else drafted.tolist()))
+        return real(full, tree, filters, keys, first, drafted)
+
+    monkeypatch.setattr(decoder_module, "_rejection", recording)
+
+    def run(reqs):  # noqa: ANN001, ANN202
+        eng = LLMEngine(ckpt, EngineConfig(num_kv_blocks=400, block_size=4, max_num_batched_tokens=256))
+        drafter.set_shared(eng.model.embed, eng.model.lm_head)
+        cfg = SpecConfig(drafter="learned", drafter_path="(in memory)", mode="static", static_arm="3_1_4",
+                         threshold=16, hysteresis_steps=1, verify_token_budget=0, chain_min_prob=CUT,
+                         chain_sampling=True)
+        dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
+        return {(c.request_id, c.sample_index): c.token_ids for c in _spec_generate(eng, dec, reqs)}
+
+    alone = run([sampled])
+    calls.clear()
+    crowded = run([sampled, greedy])
+    # the mixed steps' rejection part: the 6 sampled rows of 7, keeping different numbers of drafts
+    assert any(rows == 6 and drafted is not None and len(set(drafted)) > 1 for rows, drafted in calls), calls
+    assert {k: v for k, v in crowded.items() if k[0] == "s"} == alone
