@@ -130,6 +130,9 @@ def test_a_change_within_the_evals_noise_points_to_a_sharper_paired_check(tmp_pa
     within = evals((1, 1, 2, 1))
     expected = f"tlt model eval --model {tmp_path / 'policy'} --against '{start}' --n 500 --samples 8"
     assert sharper_check(tmp_path, within) == expected
+    # no change on any problem (an interval of 0 .. 0) is within the noise too, not a resolved change
+    assert sharper_check(tmp_path, evals((0, 1, 2, 1))) == expected
+    within = evals((1, 1, 2, 1))
     page = write_report(tmp_path, threshold=16).read_text()
     assert ("with 8 sampled completions an eval cannot tell a change under about 24.5 points from none" in page
             and f"<code>{expected.replace(chr(39), '&#x27;')}</code>" in page), page
