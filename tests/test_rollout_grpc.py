@@ -247,3 +247,29 @@ def test_prompt_seeds_keep_prompt_0_s_and_are_distinct_int64s():
         assert all(-limit <= s < limit for s in derived)  # a valid seed, wherever it travels (int64)
     assert prompt_seed(None, 3) is None  # unseeded stays unseeded
     assert prompt_seed(23, 1) == prompt_seed(23, 1) != prompt_seed(24, 1)
+
+
+def test_unset_sampling_fields_take_the_openai_defaults():
+    """A trainer's SamplingParams leaves unset what it does not choose: that is temperature 1, top_p 1, no top_k or
+    min_p, no seed (a fresh draw each call, not seed 0's same samples every step) and max_tokens up to the
+    context, not greedy copies of one sample or a refused max_tokens=0; the sampled tokens' logprobs always come (the
+    trainer's old logprobs). Set fields, zeros included, are kept."""
+    from tlt.services.rollout.grpc_api import sampling_params
+    from tlt.services.rollout.types import SamplingParams
+
+    assert sampling_params(rollout_pb2.SamplingParams()) == SamplingParams(
+        temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, max_tokens=None, logprobs=0)
+    got = sampling_params(rollout_pb2.SamplingParams(temperature=0.0, top_k=3, seed=0, max_tokens=5))
+    assert (got.temperature, got.top_k, got.seed, got.max_tokens) == (0.0, 3, 0, 5)
+
+
+def test_generate_lists_samples_that_finish_out_of_order_by_index(server, client):
+    """Generate's completions come sorted by sample_index even when the samples finish out of order (each stops
+    at the first of a third of the vocabulary it draws): `completions[i]` is sample i."""
+    vocab = server.server.pool.info.vocab_size
+    params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=24, seed=3,
+                                        stop_token_ids=list(range(3, vocab, 3))[:1024])
+    res = client.generate("1+1=", n=6, params=params)
+    assert [c.sample_index for c in res] == list(range(6))
+    lengths = [len(c.token_ids) for c in res]
+    assert lengths != sorted(lengths), lengths  # they finished out of index order: else this test could not fail
