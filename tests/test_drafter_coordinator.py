@@ -16,6 +16,7 @@ import time
 import pytest
 
 from drafter_helpers import BUSY, IDLE, gated_coordinator, make, model_dir, samples, state, wait_for  # noqa: F401 (fixtures)
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import Coordinator
 from tlt.v1 import events_pb2
@@ -231,7 +232,7 @@ def test_a_batch_request_cannot_ask_for_more_than_the_configured_batch(tmp_path,
         for rows, tokens in ((20000, 0), (0, 10**6), (1, 32)):
             sock = ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(coord.endpoint)
+            ZmqAuth(ctx).connect(sock, coord.endpoint)  # a peer with the token
             req = drafter_pb2.WorkerMessage(worker_id=9, batch_request=drafter_pb2.BatchRequest(rows=rows,
                                                                                                max_tokens=tokens))
             sock.send(req.SerializeToString())
@@ -272,8 +273,7 @@ def test_the_gate_publishes_only_a_candidate_better_by_the_margin(tmp_path, mode
         # the serving gauge shows what serves now: the candidate's score once it is published
         assert coord.m_accept.labels("serving")._value.get() == (cand if published else serve)
     finally:  # never started: only its socket to close
-        coord._router.close()
-        coord._ctx.term()
+        coord.close_sockets()
 
 
 def test_a_dead_worker_is_reported_neither_alive_nor_training(tmp_path, model_dir, samples) -> None:
@@ -292,7 +292,7 @@ def test_a_dead_worker_is_reported_neither_alive_nor_training(tmp_path, model_di
     def ask(**body) -> None:  # noqa: ANN003
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(coord.endpoint)
+        ZmqAuth(ctx).connect(sock, coord.endpoint)  # a peer with the token
         sock.send(drafter_pb2.WorkerMessage(worker_id=7, replica_id=0, **body).SerializeToString())
         assert sock.poll(10_000), "the coordinator did not answer"
         sock.recv()
@@ -349,7 +349,7 @@ def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_w
     def ask(**body) -> drafter_pb2.CoordinatorMessage:  # noqa: ANN003
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(coord.endpoint)
+        ZmqAuth(ctx).connect(sock, coord.endpoint)  # a peer with the token
         sock.send(drafter_pb2.WorkerMessage(worker_id=3, replica_id=0, **body).SerializeToString())
         assert sock.poll(10_000), "the coordinator did not answer"
         reply = drafter_pb2.CoordinatorMessage.FromString(sock.recv())

@@ -40,11 +40,9 @@ def test_a_published_version_is_checkpointed_before_the_publish_returns(tmp_path
         try:
             assert again.serving_version == 3 and again.candidate_version >= 3 and again.acceptance[-1].published
         finally:
-            again._router.close()
-            again._ctx.term()
+            again.close_sockets()
     finally:  # never started: only its socket to close
-        coord._router.close()
-        coord._ctx.term()
+        coord.close_sockets()
 
 
 def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, model_dir, monkeypatch) -> None:
@@ -71,8 +69,7 @@ def test_a_push_that_fails_leaves_the_candidate_due_for_the_next_gate(tmp_path, 
         rec = coord.evaluate_and_publish()  # the next gate, no new delta
         assert rec is not None and rec.published and pushes == [3, 3] and coord.serving_version == 3
     finally:
-        coord._router.close()
-        coord._ctx.term()
+        coord.close_sockets()
 
 
 def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, model_dir) -> None:
@@ -91,8 +88,7 @@ def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, m
             first.serving_version = first.candidate_version = 3
         first.save_now()
     finally:
-        first._router.close()
-        first._ctx.term()
+        first.close_sockets()
 
     for serving in (None, 3, 5):  # None: the push is taken; else the version the refusing rollout serves
         pushes: list[int] = []
@@ -260,8 +256,7 @@ def test_a_push_cut_by_a_coordinator_kill_is_still_owed_after_the_restart(tmp_pa
             with pytest.raises(WeightPushError):
                 coord.evaluate_and_publish()
     finally:
-        coord._router.close()
-        coord._ctx.term()
+        coord.close_sockets()
 
     pushes: list[int] = []
 
@@ -278,8 +273,7 @@ def test_a_push_cut_by_a_coordinator_kill_is_still_owed_after_the_restart(tmp_pa
         assert all(torch.equal(again.serving[k], pushed[k]) for k in pushed)
         assert load_state(again.ckpt)["serving_version"] == 3
     finally:
-        again._router.close()
-        again._ctx.term()
+        again.close_sockets()
 
 
 def test_a_failed_checkpoint_write_does_not_stop_later_ones(tmp_path, model_dir) -> None:
@@ -369,8 +363,7 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
         assert load_state(coord.ckpt)["serving_version"] == 11
         assert coord.apply_delta(delta(coord.candidate_version, 0.0)) == (13 if moved_on else 12)
     finally:
-        coord._router.close()
-        coord._ctx.term()
+        coord.close_sockets()
 
 
 def test_a_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir) -> None:
@@ -386,8 +379,7 @@ def test_a_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir
                                gate_when_idle=False)
     first = Coordinator(cfg, str(model_dir), None, None)  # model A's service ran here
     first.save_now()
-    first._router.close()
-    first._ctx.term()
+    first.close_sockets()
     with pytest.raises(DrafterError) as err:
         Coordinator(cfg, str(other), None, None)
     msg = str(err.value)
@@ -421,5 +413,4 @@ def test_a_push_renumbered_past_a_candidate_that_moved_beyond_the_rollout_takes_
         assert coord.serving_version == 6 and coord.candidate_version == 7
         assert load_state(coord.ckpt)["serving_version"] == 6
     finally:
-        coord._router.close()
-        coord._ctx.term()
+        coord.close_sockets()

@@ -17,6 +17,7 @@ import zmq
 from drafter_helpers import model_dir, wait_for  # noqa: F401 (fixture)
 from tlt.services.common import events as events_mod
 from tlt.services.drafter import buffer as buffer_mod
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.v1 import drafter_pb2, drafter_pb2_grpc, events_pb2
 
@@ -42,7 +43,7 @@ def test_an_absurd_drop_count_is_refused_and_status_keeps_answering(tmp_path, mo
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
-    push.connect(puller.endpoint)
+    ZmqAuth(ctx).connect(push, puller.endpoint)  # a peer with the token
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         def send(batch: events_pb2.FeatureBatch) -> None:
@@ -154,7 +155,7 @@ def test_frames_held_while_the_rollout_decodes_are_counted_in_the_order_they_cam
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
-    push.connect(puller.endpoint)
+    ZmqAuth(ctx).connect(push, puller.endpoint)  # a peer with the token
     intake, stop = FeatureIntake(puller, buf.add_batch, rollout), threading.Event()
     thread = threading.Thread(target=intake.run, args=(stop,), daemon=True)
     thread.start()

@@ -39,8 +39,7 @@ def _idle(pub: CapacityPublisher, drafter_version: int, start_drafter: str = "")
 
 
 def _unstarted(coord: Coordinator) -> None:
-    coord._router.close()
-    coord._ctx.term()
+    coord.close_sockets()
 
 
 def test_a_restarted_rollout_is_reported_and_a_restarted_coordinator_pushes_it_again(tmp_path, model_dir,

@@ -17,6 +17,7 @@ import pytest
 
 from drafter_helpers import BUSY, IDLE, make, model_dir, running, samples, state, wait_for  # noqa: F401 (fixtures)
 from tlt.services.common.events import CapacityPublisher
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.services.drafter.worker import DrafterWorker
 
 
@@ -178,8 +179,7 @@ def test_a_delta_resent_after_a_lost_answer_is_applied_once(tmp_path, model_dir,
             upd = drafter_pb2.DeltaUpdate(base_version=0, manifest=m, payload=p, micro_steps=5)
             assert again.apply_delta(upd, 0) == 2 and again.candidate_version == 2
         finally:  # never started: only its socket to close
-            again._router.close()
-            again._ctx.term()
+            again.close_sockets()
     finally:
         worker.close()
         coord.close()
@@ -200,9 +200,10 @@ def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, mod
     pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9, capacity_pub=capp,
                            capacity_snapshot=snap, pin_cpus=False)
     ctx = zmq.Context()
+    auth = ZmqAuth(ctx)  # the snapshot REP of a rollout with the token (zmq_auth.py)
     rep = ctx.socket(zmq.REP)
     rep.setsockopt(zmq.LINGER, 0)
-    rep.bind(snap)
+    auth.bind(rep, snap)
     from tlt.services.drafter import worker as worker_module
 
     stepped = threading.Event()  # BUSY is sent once a micro-step is done: sent earlier it abandons the first one
@@ -239,6 +240,7 @@ def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, mod
         worker.close()
         if rollout is not None:
             rollout.close()
+        auth.close()
         ctx.term()
         coord.close()
         pub.close()
@@ -302,7 +304,8 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
 
     from rollout_helpers import pid_gone
 
-    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    secret = "tok-" + os.urandom(8).hex()  # the rollout's too: its capacity sockets are under it (zmq_auth.py)
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2, token=secret)
     state(pub, 0, BUSY)
     ready = tmp_path / "ready.json"
     sets = {"capacity_pub": pub.pub_endpoint, "capacity_snapshot": pub.snapshot_endpoint,
@@ -310,7 +313,6 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
             "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0}
     cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model_dir), "--workers", "1",
            "--ready-file", str(ready)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    secret = "tok-" + os.urandom(8).hex()
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         serve = subprocess.Popen(cmd, env={**os.environ, "TLT_DRAFTER__CONTROL_TOKEN": secret}, stdout=out,

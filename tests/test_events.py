@@ -7,6 +7,7 @@ heartbeat first, which proves the subscription is live. Every wait is bounded.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -23,6 +24,7 @@ from tlt.services.common.events import (
     FeaturePusher,
 )
 from tlt.services.common.events_local import LocalCapacityBus, LocalFeatureQueue
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.v1 import common_pb2, events_pb2
 
 ANY = "tcp://127.0.0.1:*"
@@ -151,11 +153,11 @@ def test_snapshot_times_out_without_publisher() -> None:
 
 def test_garbage_on_snapshot_socket_is_counted_and_answered(publisher: CapacityPublisher) -> None:
     publisher.publish(_event(0, IDLE))
-    with zmq.Context() as ctx:
+    with zmq.Context() as ctx:  # a peer with the token (zmq_auth.py) sending garbage
         for junk in ([b"\xff\xfe\xfd"], [b"a", b"b"], [Envelope(capacity=_event(3, BUSY)).SerializeToString()]):
             with ctx.socket(zmq.REQ) as req:
                 req.setsockopt(zmq.LINGER, 0)
-                req.connect(publisher.snapshot_endpoint)
+                ZmqAuth(ctx).connect(req, publisher.snapshot_endpoint)
                 req.send_multipart(junk)
                 assert req.poll(2000), "the publisher must still answer"
                 assert Envelope.FromString(req.recv()).WhichOneof("body") is None
@@ -182,8 +184,8 @@ def rogue_sub(publisher: CapacityPublisher):
     """A subscriber to a rogue PUB socket (live), whose snapshot came from `publisher` (replica 0 BUSY); with a stale
     and a fresh event of that replica to send."""
     publisher.publish(_event(0, BUSY))
-    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
-        rogue.bind(ANY)
+    with zmq.Context() as ctx, ZmqAuth(ctx) as auth, ctx.socket(zmq.PUB) as rogue:  # a rogue with the token
+        auth.bind(rogue, ANY)
         with CapacitySubscriber(rogue.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_endpoint) as sub:
             known = sub.snapshot()[0]
             stale = _event(0, IDLE)
@@ -269,7 +271,7 @@ def test_pusher_drops_when_consumer_is_slow_and_reports_count() -> None:
 
 def test_garbage_on_pull_socket_is_counted() -> None:
     with FeaturePuller(ANY) as puller, zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rogue:
-        rogue.connect(puller.endpoint)
+        ZmqAuth(ctx).connect(rogue, puller.endpoint)  # a peer with the token (zmq_auth.py) sending garbage
         rogue.send(b"\x08\x96\x01\xff\xff")  # truncated varint field: not protobuf
         rogue.send_multipart([b"two", b"frames"])
         rogue.send(Envelope(capacity=_event(0, IDLE)).SerializeToString())  # wrong body
@@ -323,13 +325,13 @@ def test_snapshot_request_with_extra_frames_and_frames_on_a_longer_topic_are_gar
     request = Envelope(snapshot_request=events_pb2.SnapshotRequest()).SerializeToString()
     with zmq.Context() as ctx, ctx.socket(zmq.REQ) as req:
         req.setsockopt(zmq.LINGER, 0)
-        req.connect(publisher.snapshot_endpoint)
+        ZmqAuth(ctx).connect(req, publisher.snapshot_endpoint)
         req.send_multipart([request, b"extra"])
         assert req.poll(2000), "the publisher must still answer"
         assert Envelope.FromString(req.recv()).WhichOneof("body") is None
     assert publisher.garbage == 1
-    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as rogue:
-        rogue.bind(ANY)
+    with zmq.Context() as ctx, ZmqAuth(ctx) as auth, ctx.socket(zmq.PUB) as rogue:  # a rogue with the token
+        auth.bind(rogue, ANY)
         with CapacitySubscriber(rogue.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_endpoint) as sub:
             _wait_until_live(sub, rogue)
             # "capx" passes the SUB prefix filter "cap" but is another topic
@@ -340,7 +342,8 @@ def test_snapshot_request_with_extra_frames_and_frames_on_a_longer_topic_are_gar
 def test_a_batch_over_the_frame_limit_goes_as_several_frames_and_a_sequence_over_it_is_dropped() -> None:
     # A whole RL batch can finish in one engine step; serialized as one frame it can pass protobuf's 2 GiB
     # limit and the encode error killed the replica. Here the limit is 10 kB instead of 256 MiB.
-    assert FeaturePusher.__init__.__defaults__[-1] < 2**31 - (64 << 20)  # the default frame stays under 2 GiB
+    default = inspect.signature(FeaturePusher).parameters["max_frame_bytes"].default
+    assert default < 2**31 - (64 << 20)  # the default frame stays under 2 GiB
     with FeaturePuller(ANY) as puller, FeaturePusher(puller.endpoint, max_frame_bytes=10_000) as pusher:
         deadline = time.monotonic() + 5
         while not pusher.push(_batch(1)) and time.monotonic() < deadline:

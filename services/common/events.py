@@ -25,6 +25,11 @@ never waits. A batch is sent as frames of at most `MAX_FRAME_BYTES`: a whole RL
 batch that finishes in one step can pass protobuf's 2 GiB message limit; a
 single sequence over the limit is dropped and counted.
 
+Security (zmq_auth.py): with a control token every socket here is CURVE with keys derived from it, and each
+binding side (publisher, puller) admits only the token's clients (ZAP); a peer without the token is never
+connected. With none they are plain ZeroMQ on a loopback bind, and a bind on another address is refused. Each
+class takes the config's token (`token`; empty: TLT_AUTH_TOKEN, then TLT_AUTH_TOKEN_FILE).
+
 Garbage (undecodable frames, or an Envelope with the wrong body) is counted
 on every socket and skipped; nothing crashes on it. The small interfaces the
 services depend on are `CapacitySink`, `CapacityFeed`, `FeatureSink` and
@@ -43,6 +48,7 @@ import zmq
 from google.protobuf.message import DecodeError, EncodeError
 
 from tlt.services.common.logging import get_logger
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.v1 import events_pb2
 
 CapacityEvent = events_pb2.CapacityEvent
@@ -105,19 +111,27 @@ class CapacityPublisher:
     """PUB of capacity events with heartbeats, plus a REP snapshot socket. Thread-safe."""
 
     def __init__(
-        self, bind_pub: str, bind_snapshot: str, server_id: str = "", heartbeat_s: float = 1.0
+        self, bind_pub: str, bind_snapshot: str, server_id: str = "", heartbeat_s: float = 1.0, token: str = ""
     ) -> None:
         self.server_id = server_id
         self.heartbeat_s = heartbeat_s
         self.garbage = 0
         self.published = 0
         self._ctx = zmq.Context()
+        self._auth = ZmqAuth(self._ctx, token)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(bind_pub)
         self._rep = self._ctx.socket(zmq.REP)
         self._rep.setsockopt(zmq.LINGER, 0)
-        self._rep.bind(bind_snapshot)
+        try:
+            self._auth.bind(self._pub, bind_pub)
+            self._auth.bind(self._rep, bind_snapshot)
+        except (zmq.ZMQError, ValueError):  # ZmqAuthError is a ValueError (ConfigError); nothing left behind
+            self._pub.close()
+            self._rep.close()
+            self._auth.close()
+            self._ctx.term()
+            raise
         self.pub_endpoint = _endpoint(self._pub)
         self.snapshot_endpoint = _endpoint(self._rep)
         self._lock = threading.Lock()
@@ -183,6 +197,7 @@ class CapacityPublisher:
         with self._lock:
             self._pub.close()
             self._rep.close()
+        self._auth.close()
         self._ctx.term()
 
     def __enter__(self) -> CapacityPublisher:
@@ -200,22 +215,23 @@ class CapacitySubscriber:
     Not thread-safe: one thread owns a subscriber.
     """
 
-    def __init__(self, connect_pub: str, connect_snapshot: str) -> None:
+    def __init__(self, connect_pub: str, connect_snapshot: str, token: str = "") -> None:
         self.snapshot_endpoint = connect_snapshot
         self.garbage = 0
         self.latest: dict[tuple[str, int], CapacityEvent] = {}
         self._ctx = zmq.Context()
+        self._auth = ZmqAuth(self._ctx, token)
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
-        self._sub.connect(connect_pub)  # before the snapshot, so nothing falls between the two
+        self._auth.connect(self._sub, connect_pub)  # before the snapshot, so nothing falls between the two
 
     def snapshot(self, timeout_s: float = 2.0) -> list[CapacityEvent]:
         """Ask the publisher for every replica's current state; TimeoutError when it does not answer."""
         req = self._ctx.socket(zmq.REQ)
         req.setsockopt(zmq.LINGER, 0)
         try:
-            req.connect(self.snapshot_endpoint)
+            self._auth.connect(req, self.snapshot_endpoint)
             req.send(Envelope(snapshot_request=events_pb2.SnapshotRequest()).SerializeToString())
             if not req.poll(timeout=int(timeout_s * 1000)):
                 raise TimeoutError(f"no snapshot from {self.snapshot_endpoint} within {timeout_s}s")
@@ -306,7 +322,7 @@ def split_batch(batch: FeatureBatch, max_bytes: int) -> tuple[list[FeatureBatch]
 class FeaturePusher:
     """PUSH of FeatureBatch that never blocks: a full queue or no consumer drops the batch. Thread-safe."""
 
-    def __init__(self, connect: str, hwm: int = 4, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, connect: str, hwm: int = 4, max_frame_bytes: int = MAX_FRAME_BYTES, token: str = "") -> None:
         self.dropped = 0  # sequences dropped so far
         self.dropped_batches = 0
         self.sent = 0
@@ -318,8 +334,8 @@ class FeaturePusher:
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to connected peers
-        self._sock.connect(connect)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to connected peers (a refused one never is)
+        ZmqAuth(self._ctx, token).connect(self._sock, connect)
 
     def push(self, batch: FeatureBatch) -> bool:
         """Send `batch` if it can go now, in frames of at most `max_frame_bytes`; count what cannot go as dropped.
@@ -368,7 +384,7 @@ class FeaturePusher:
 class FeaturePuller:
     """PULL of FeatureBatch (the drafter binds, rollouts connect). Garbage is counted and skipped."""
 
-    def __init__(self, bind: str, hwm: int = 16) -> None:
+    def __init__(self, bind: str, hwm: int = 16, token: str = "") -> None:
         self.garbage = 0
         self.received = 0  # batches parsed
         self.frames = 0  # frames taken off the socket (parsed or not yet)
@@ -377,7 +393,14 @@ class FeaturePuller:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(bind)
+        self._auth = ZmqAuth(self._ctx, token)
+        try:
+            self._auth.bind(self._sock, bind)
+        except (zmq.ZMQError, ValueError):  # ZmqAuthError is a ValueError (ConfigError); nothing left behind
+            self._sock.close()
+            self._auth.close()
+            self._ctx.term()
+            raise
         self.endpoint = _endpoint(self._sock)
 
     def recv(self, timeout_s: float) -> FeatureBatch | None:
@@ -417,6 +440,7 @@ class FeaturePuller:
 
     def close(self) -> None:
         self._sock.close()
+        self._auth.close()
         self._ctx.term()
 
     def __enter__(self) -> FeaturePuller:

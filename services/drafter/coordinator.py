@@ -44,6 +44,7 @@ from tlt.model.drafter import DrafterError
 from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator_gate import PUSH_RETRY_S, REPUSH_S, PublishGate
@@ -132,7 +133,8 @@ class Coordinator(WorkerRequests, PublishGate):
         self._behind: int | None = None  # the rollout's older drafter version, once `_repush_if_behind` said so
         # evaluations (and publishing) wait until every replica is idle, as training waits for its replica's (made
         # after the checkpoint was read: one that does not fit raises, and its thread and socket would be left behind)
-        self.rollout = RolloutIdle(config.capacity_pub, config.capacity_snapshot) if config.gate_when_idle else None
+        self.rollout = (RolloutIdle(config.capacity_pub, config.capacity_snapshot, token=config.control_token)
+                        if config.gate_when_idle else None)
         self.metrics = Metrics("drafter")
         self.m_versions = self.metrics.gauge("version", "drafter versions: candidate and serving", ("kind",))
         self.m_buffer = self.metrics.gauge("buffer_windows", "training windows in the feature buffer")
@@ -151,9 +153,18 @@ class Coordinator(WorkerRequests, PublishGate):
         self.m_shared_failed = self.metrics.gauge("shared_fetch_failures", "failed fetches of the target embedding/lm_head")
         self._stop = threading.Event()
         self._ctx = zmq.Context()
+        self._zmq_auth = ZmqAuth(self._ctx, config.control_token)  # CURVE under the control token (zmq_auth.py)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(config.coordinator_bind)
+        try:
+            self._zmq_auth.bind(self._router, config.coordinator_bind)
+        except (zmq.ZMQError, ValueError):  # ZmqAuthError is a ValueError (ConfigError)
+            self._router.close()
+            self._zmq_auth.close()
+            self._ctx.term()
+            if self.rollout is not None:
+                self.rollout.close()
+            raise
         self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dirty = threading.Event()
         self._state_dirty = False  # a change beyond the history since the last write (`_saver`)
@@ -182,7 +193,13 @@ class Coordinator(WorkerRequests, PublishGate):
                 t.join(timeout=10)
         if self.rollout is not None:
             self.rollout.close()
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        """The ROUTER, the ZAP authenticator its token started (its socket would hold `term` forever) and the
+        context: all `close` does once the threads are gone; a caller that never started it may call this alone."""
         self._router.close()
+        self._zmq_auth.close()
         self._ctx.term()
 
     def _restore(self) -> None:

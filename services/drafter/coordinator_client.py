@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.services.drafter.coordinator import WORKER_REQUEST_TIMEOUT_S
 from tlt.v1 import drafter_pb2
 
@@ -42,9 +43,12 @@ class CoordinatorClient:
     """REQ to the coordinator with a timeout; a lost answer gets a fresh socket (REQ cannot recover)."""
 
     def __init__(self, endpoint: str, worker_id: int, replica_id: int,
-                 timeout_s: float = WORKER_REQUEST_TIMEOUT_S) -> None:
+                 timeout_s: float = WORKER_REQUEST_TIMEOUT_S, token: str = "") -> None:
+        """`token`: the control token the coordinator's ROUTER is secured with (zmq_auth.py; empty: TLT_AUTH_TOKEN).
+        A coordinator that refuses this client's key never answers: CoordinatorUnavailable after `timeout_s`."""
         self.endpoint, self.worker_id, self.replica_id, self.timeout_s = endpoint, worker_id, replica_id, timeout_s
         self._ctx = zmq.Context()
+        self._auth = ZmqAuth(self._ctx, token)
         self._sock: zmq.Socket | None = None
         self.shared_policy_version = 0  # stamped on every message: the coordinator shows them in status
         self.shared_fetch_failures = 0
@@ -55,7 +59,7 @@ class CoordinatorClient:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.endpoint)
+            self._auth.connect(self._sock, self.endpoint)
         msg = drafter_pb2.WorkerMessage(worker_id=self.worker_id, replica_id=self.replica_id,
                                         shared_policy_version=self.shared_policy_version,
                                         shared_fetch_failures=self.shared_fetch_failures, **body)

@@ -71,8 +71,10 @@ def fresh_all_idle(states: dict[tuple[str, int], tuple[int, float]], now: float,
 
 
 class RolloutIdle:
-    def __init__(self, capacity_pub: str, capacity_snapshot: str, stale_s: float = STALE_S) -> None:
+    def __init__(self, capacity_pub: str, capacity_snapshot: str, stale_s: float = STALE_S, token: str = "") -> None:
+        """`token`: the control token the capacity sockets are secured with (zmq_auth.py; empty: TLT_AUTH_TOKEN)."""
         self.enabled = bool(capacity_pub and capacity_snapshot)
+        self._token = token
         self.stale_s = stale_s
         self._states: dict[tuple[str, int], tuple[int, float]] = {}  # -> (state, monotonic time last heard)
         self._drafters: dict[tuple[str, int], int] = {}  # -> the drafter version its last event carried
@@ -128,7 +130,7 @@ class RolloutIdle:
             self._starts[(server_id, replica_id)] = start_drafter
 
     def _watch(self) -> None:
-        sub = CapacitySubscriber(self._pub, self._snap)
+        sub = CapacitySubscriber(self._pub, self._snap, token=self._token)
         try:
             while not self._stop.is_set():
                 try:

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     restore = None  # puts the signal handlers back, last: a second Ctrl-C does not cut the workers' stop short
     try:
         with contextlib.ExitStack() as up:  # what is up goes down again, in reverse, when a later step fails too
-            puller = FeaturePuller(cfg.features_bind)  # type: ignore[attr-defined]
+            puller = FeaturePuller(cfg.features_bind, token=cfg.control_token)  # type: ignore[attr-defined]
             up.callback(puller.close)
             fetch = rollout_fetch(args.model, cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]
             publish = rollout_publisher(cfg.rollout_grpc, cfg.control_token)  # type: ignore[attr-defined]

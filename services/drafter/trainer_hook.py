@@ -7,7 +7,7 @@ TLT reuses this pass instead of asking the rollout for features (TLT.md section 
 the trainer after computing old logprobs with hidden states; it costs one fp16 copy per sequence
 and never waits: with a slow or absent drafter the batch is dropped and counted by the pusher.
 
-    pusher = FeaturePusher(cfg.features_bind)          # the drafter's PULL endpoint
+    pusher = FeaturePusher(cfg.features_bind, token=cfg.control_token)  # the drafter's PULL endpoint; its token
     push_trainer_features(pusher, token_ids, hidden, prompt_lens, policy_version)
 """
 

@@ -96,9 +96,9 @@ class DrafterWorker:
                                f"[drafter] checkpoint_dir a folder of its own for --model {model_dir}, or move that "
                                f"file away")
         self.coordinator = coordinator
-        self.client = CoordinatorClient(coordinator, worker_id, replica_id)
+        self.client = CoordinatorClient(coordinator, worker_id, replica_id, token=cfg.control_token)
         self.heartbeat_s = WORKER_HEARTBEAT_S  # hello from a thread of its own while `run` runs (`_heartbeats`)
-        self.sub = CapacitySubscriber(cfg.capacity_pub, cfg.capacity_snapshot)
+        self.sub = CapacitySubscriber(cfg.capacity_pub, cfg.capacity_snapshot, token=cfg.control_token)
         self.state = common_pb2.REPLICA_STATE_UNSPECIFIED
         # train_when = rollout_idle: every replica's last state and when it was heard (monotonic); states
         # not repeated for `stale_s` (a restarted rollout's predecessor) stop counting
@@ -307,7 +307,7 @@ class DrafterWorker:
         not heard from for WORKER_SILENT_S as neither alive nor training (killed), and a worker whose replica is busy
         asks it nothing, one in a long micro-step, checkpoint or GetWeights fetch nothing for a while. Its own socket
         (a ZeroMQ socket belongs to one thread); the main loop reports an unavailable coordinator."""
-        client = CoordinatorClient(self.coordinator, self.worker_id, self.replica_id)
+        client = CoordinatorClient(self.coordinator, self.worker_id, self.replica_id, token=self.cfg.control_token)
         hello = drafter_pb2.WorkerHello(worker_id=self.worker_id, replica_id=self.replica_id, pid=os.getpid())
         try:
             while not stop.wait(self.heartbeat_s):

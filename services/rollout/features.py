@@ -59,10 +59,10 @@ def prompt_group(prompt_token_ids: Sequence[int]) -> str:
 
 
 class FeaturePublisher:
-    def __init__(self, connect: str, replica_id: int, max_tokens: int = 4096, hwm: int = 4) -> None:
+    def __init__(self, connect: str, replica_id: int, max_tokens: int = 4096, hwm: int = 4, token: str = "") -> None:
         self.replica_id = replica_id
         self.max_tokens = max_tokens
-        self.pusher = FeaturePusher(connect, hwm=hwm)
+        self.pusher = FeaturePusher(connect, hwm=hwm, token=token)
         self._strip: dict[str, int] = {}  # request id -> samples whose features the client did not ask for
         self._cut: dict[tuple[str, int], tuple[int, int]] = {}  # (request, sample) -> (rows, version) at a push
 

@@ -91,7 +91,7 @@ def serve_replica(
     replica_id: int, model_dir: str, backend: str, engine_config_json: str, threads: int, conn: Connection,
     features_push: str = "", features_max_tokens: int = 4096, spec_config_json: str = "", pin_cpus: bool = False,
     spin_wait: bool = False, environ: dict[str, str] | None = None, gc_freeze: bool = False,
-    identify_drafter: bool = False,
+    identify_drafter: bool = False, features_token: str = "",
 ) -> None:
     """The replica's life in its process. `features_push`: drafter feature PULL endpoint.
     `pin_cpus`: a CPU replica runs on its own cores, `services.common.cpus.cpu_group(replica_id, threads)`.
@@ -100,7 +100,9 @@ def serve_replica(
     whose own is the front's at the forkserver's start.
     `gc_freeze`: freeze the process's heap once the engine is up (services/common/gc_heap.py).
     `identify_drafter`: hash the learned drafter it starts with for `ReplicaInfo.start_drafter` (the front publishes
-    capacity events; otherwise nobody reads it, and a large drafter takes seconds to hash)."""
+    capacity events; otherwise nobody reads it, and a large drafter takes seconds to hash).
+    `features_token`: the front's control token, which secures the features PUSH (zmq_auth.py; empty: the
+    environment's, TLT_AUTH_TOKEN)."""
     import signal
 
     if environ is not None:
@@ -177,7 +179,7 @@ def serve_replica(
         if features_push:
             from tlt.services.rollout.features import FeaturePublisher
 
-            features = FeaturePublisher(features_push, replica_id, features_max_tokens)
+            features = FeaturePublisher(features_push, replica_id, features_max_tokens, token=features_token)
         ReplicaLoop(engine, conn, replica_id, features, gc_pauses).run()
     except (EOFError, BrokenPipeError):
         log.info("replica_front_gone", replica=replica_id)

@@ -94,6 +94,7 @@ class ReplicaLifecycle:
     num_replicas: int
     threads_per_replica: int
     features_push: str
+    features_token: str
     features_max_tokens: int
     pin_cpus: bool
     spin_wait: bool
@@ -217,6 +218,7 @@ class ReplicaLifecycle:
                   self.spin_wait and not preloaded,  # preloaded: spin_wait was off or one thread (no spin count to set)
                   environ() if preloaded else None, self.gc_freeze,
                   self.capacity is not None),  # capacity events carry the start drafter's identity: hash it then
+            kwargs={"features_token": self.features_token},  # pickled over the pipe, never on a command line
             name=f"tlt-rollout-replica-{i}",
             daemon=True,
         )

@@ -119,7 +119,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
                  capacity: Any = None, features_push: str = "", features_max_tokens: int = 4096,
                  spec_config: Any = None, max_restarts: int = 0, pin_cpus: bool = False,
                  spin_wait: bool = False, stall_timeout_s: float = 0.0, max_pending_sequences: int = 0,
-                 redispatch_limit: int = 0, gc_freeze: bool = False) -> None:
+                 redispatch_limit: int = 0, gc_freeze: bool = False, features_token: str = "") -> None:
         self.model_dir = model_dir
         self.redispatch_limit = redispatch_limit  # 0: a dead replica's requests fail (see the module docstring)
         self.redispatches = 0  # requests re-dispatched since start, each time counted
@@ -158,6 +158,7 @@ class ReplicaPool(Admission, ReplicaLifecycle, CapacityStates):
         self.versions = Versions()
         self.capacity = capacity  # a common.events.CapacitySink, or None
         self.features_push = features_push
+        self.features_token = features_token  # the control token the features PUSH is secured with (zmq_auth.py)
         self.features_max_tokens = features_max_tokens
         self.lease = None  # a lease.DeviceLease, made on the loop in start()
 

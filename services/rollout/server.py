@@ -22,7 +22,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from tlt.services.common.auth import is_loopback
+from tlt.services.common.auth import is_loopback, resolve_token
 from tlt.services.common.channels import SERVER_KEEPALIVE
 from tlt.services.common.cpus import replica_threads, usable_cores
 from tlt.services.common.gc_heap import GcPauses, freeze_heap
@@ -222,14 +222,16 @@ class RolloutServer:
             from tlt.services.common.events import CapacityPublisher
 
             self.capacity = CapacityPublisher(cfg.capacity_pub, cfg.capacity_snapshot or "tcp://127.0.0.1:*",
-                                              server_id=f"rollout-{os.getpid()}", heartbeat_s=cfg.capacity_heartbeat_s)
+                                              server_id=f"rollout-{os.getpid()}", heartbeat_s=cfg.capacity_heartbeat_s,
+                                              token=cfg.control_token)
             log.info("capacity_events", pub=self.capacity.pub_endpoint, snapshot=self.capacity.snapshot_endpoint)
         self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads, self.capacity,
                                 cfg.features_push, cfg.features_max_tokens,
                                 cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts,
                                 pin_cpus=cfg.pin_cpus, spin_wait=cfg.spin_wait and spin_ok,
                                 stall_timeout_s=cfg.stall_timeout_s, redispatch_limit=cfg.redispatch_limit,
-                                max_pending_sequences=cfg.max_pending_sequences, gc_freeze=cfg.gc_freeze)
+                                max_pending_sequences=cfg.max_pending_sequences, gc_freeze=cfg.gc_freeze,
+                                features_token=resolve_token(cfg.control_token))
         log.info("replicas_starting", replicas=cfg.replicas, threads_per_replica=threads, model=self.model_dir)
         # The front's own imports and tokenizer (3 s in a fresh `tlt rollout serve`) while the replicas load.
         replicas_up = asyncio.ensure_future(self.pool.start(cfg.startup_timeout_s))

@@ -134,7 +134,7 @@ def train(cfg: TrainerConfig) -> TrainSummary:
         start = resumed_from = state.steps_done
     # Rank 0 talks to the services and writes the run's files; other ranks only train.
     services = _Services(cfg, out, start, held_out) if is_main() else None
-    features = _FeatureHook(cfg.drafter_features_address) if cfg.drafter_features_address else None
+    features = _FeatureHook(cfg.drafter_features_address, cfg.rollout_token) if cfg.drafter_features_address else None
     try:
         synced = services.sync(policy) if services else None  # rank 0: (version, whether to push it)
         policy.version, push_due = broadcast(synced)
@@ -198,10 +198,10 @@ def train(cfg: TrainerConfig) -> TrainSummary:
 class _FeatureHook:
     """Hands the old-logprob pass's hidden states to the drafter (TLT.md section 6); drops, never waits."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str = "") -> None:
         from tlt.services.common.events import FeaturePusher
 
-        self.pusher = FeaturePusher(address)
+        self.pusher = FeaturePusher(address, token=token)  # CURVE under the control token (zmq_auth.py)
 
     def push(self, result, version: int) -> float:  # noqa: ANN001 - StepResult
         from tlt.services.drafter.trainer_hook import push_trainer_features

@@ -1,0 +1,192 @@
+"""The drafter's ZeroMQ sockets under the control token (services/common/zmq_auth.py), over real sockets on
+127.0.0.1 (ports 44400-44499).
+
+With a token every socket is CURVE with keys derived from it and each binding side admits only the token's client
+key (ZAP): a peer with the token talks; one with another token, none, or the right server key but a key of its own
+is never connected (nothing delivered, nothing read; every wait here is bounded). Without a token: plain ZeroMQ on a
+loopback bind as before, and a bind on any other address refused in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import zmq
+
+from drafter_helpers import model_dir  # noqa: F401 (fixture)
+from tlt.services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from tlt.services.common.events import CapacityPublisher, CapacitySubscriber, FeaturePuller, FeaturePusher
+from tlt.services.common.zmq_auth import ZmqAuth, ZmqAuthError, curve_keys
+from tlt.v1 import common_pb2, drafter_pb2, events_pb2
+
+TOKEN = "zmq-auth-test-token"
+IDLE = common_pb2.REPLICA_STATE_IDLE
+
+
+def _batch(n: int = 1) -> events_pb2.FeatureBatch:
+    seqs = [events_pb2.FeatureSequence(seq_id=f"s{i}", token_ids=[1, 2, 3], features=b"\0" * 16) for i in range(n)]
+    return events_pb2.FeatureBatch(sequences=seqs, source="rollout")
+
+
+def _push_until_sent(pusher: FeaturePusher, within_s: float) -> bool:
+    """Push until one batch goes out (the connection is up) or `within_s` passes; a refused peer never connects."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if pusher.push(_batch()):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+
+
+def test_keys_are_derived_from_the_token_alone() -> None:
+    a, again, other = curve_keys(TOKEN), curve_keys.__wrapped__(TOKEN), curve_keys(TOKEN + "x")  # again: uncached
+    assert a == again and a != other
+    assert len({a.server_public, a.client_public, other.server_public, other.client_public}) == 4
+    assert zmq.curve_public(a.server_secret) == a.server_public and len(a.client_secret) == 40
+
+
+def test_features_reach_the_drafter_with_the_token_only(no_env_token: None) -> None:
+    with FeaturePuller("tcp://127.0.0.1:44401", token=TOKEN) as puller:
+        for token in ("", TOKEN + "-wrong"):  # no token (plain), another token: never connected, dropped and counted
+            with FeaturePusher(puller.endpoint, token=token) as stranger:
+                start = time.monotonic()
+                assert not _push_until_sent(stranger, 1.0)
+                assert time.monotonic() - start < 3 and stranger.dropped > 0 and stranger.sent == 0
+        with FeaturePusher(puller.endpoint, token=TOKEN) as pusher:
+            assert _push_until_sent(pusher, 5.0)
+            got = puller.recv(3.0)
+            assert got is not None and got.sender == pusher.sender
+        assert puller.recv(0.3) is None and puller.frames == 1 and puller.garbage == 0  # nothing of the strangers'
+
+
+def test_the_right_server_key_with_a_client_key_of_its_own_is_refused_by_zap(no_env_token: None) -> None:
+    """Knowing the server's public key is not enough: the ZAP handler admits the token's client key only."""
+    keys = curve_keys(TOKEN)
+    with FeaturePuller("tcp://127.0.0.1:44402", token=TOKEN) as puller, zmq.Context() as ctx:
+        with ctx.socket(zmq.PUSH) as rogue:
+            rogue.setsockopt(zmq.LINGER, 0)
+            rogue.curve_serverkey = keys.server_public
+            rogue.curve_publickey, rogue.curve_secretkey = zmq.curve_keypair()
+            rogue.connect(puller.endpoint)
+            rogue.send(events_pb2.Envelope(features=_batch()).SerializeToString(), flags=zmq.NOBLOCK)
+            assert puller.recv(1.5) is None and puller.frames == 0
+
+
+def test_capacity_events_and_snapshots_need_the_token(no_env_token: None) -> None:
+    with CapacityPublisher("tcp://127.0.0.1:44403", "tcp://127.0.0.1:44404", heartbeat_s=0.1,
+                           token=TOKEN) as pub:
+        pub.publish(events_pb2.CapacityEvent(replica_id=0, state=IDLE))
+        with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint, token=TOKEN) as sub:
+            assert [e.replica_id for e in sub.snapshot(timeout_s=5)] == [0]
+            event = sub.recv(3.0)  # heartbeats, every 0.1 s
+            assert event is not None and event.replica_id == 0
+        for token in ("", TOKEN + "-wrong"):
+            with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint, token=token) as stranger:
+                start = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    stranger.snapshot(timeout_s=0.5)
+                assert stranger.recv(0.5) is None  # ten heartbeats went out meanwhile
+                assert time.monotonic() - start < 3 and stranger.latest == {}
+
+
+def test_the_coordinator_answers_workers_with_its_token_only(tmp_path, model_dir) -> None:  # noqa: ANN001, F811
+    """The coordinator's ROUTER takes the config's token ([drafter] control_token), which beats TLT_AUTH_TOKEN; a
+    worker with another one gets CoordinatorUnavailable after its timeout, nothing applied."""
+    from tlt.services.drafter.config import DrafterServiceConfig
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:44405", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False, control_token=TOKEN)  # no capacity events: never subscribed
+    coord = Coordinator(cfg, str(model_dir), None, None).start()
+    hello = {"hello": drafter_pb2.WorkerHello(worker_id=5, replica_id=0, pid=os.getpid())}
+    try:
+        for token in (TOKEN + "-wrong", os.environ.get(TOKEN_ENV, "") or "other"):  # the env's (conftest) is not it
+            client = CoordinatorClient(coord.endpoint, worker_id=5, replica_id=0, timeout_s=0.8, token=token)
+            start = time.monotonic()
+            with pytest.raises(CoordinatorUnavailable):
+                client.ask(**hello)
+            assert time.monotonic() - start < 3
+            client.close()
+        assert 5 not in coord.workers
+        client = CoordinatorClient(coord.endpoint, worker_id=5, replica_id=0, timeout_s=10, token=TOKEN)
+        client.ask(**hello)
+        client.close()
+        assert 5 in coord.workers
+    finally:
+        coord.close()
+
+
+def test_without_a_token_loopback_is_plain_zeromq_as_before(no_env_token: None) -> None:
+    with FeaturePuller("tcp://127.0.0.1:44406") as puller, FeaturePusher(puller.endpoint) as pusher:
+        assert _push_until_sent(pusher, 5.0) and puller.recv(3.0) is not None
+    with FeaturePuller("tcp://127.0.0.1:44407") as puller, zmq.Context() as ctx, ctx.socket(zmq.PUSH) as plain:
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(puller.endpoint)  # a plain socket, as any peer before
+        plain.send(events_pb2.Envelope(features=_batch(2)).SerializeToString())
+        got = puller.recv(3.0)
+        assert got is not None and len(got.sequences) == 2
+    with CapacityPublisher("tcp://127.0.0.1:44408", "tcp://127.0.0.1:44409") as pub:
+        pub.publish(events_pb2.CapacityEvent(replica_id=1, state=IDLE))
+        with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint) as sub:
+            assert [e.replica_id for e in sub.snapshot(timeout_s=5)] == [1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: FeaturePuller("tcp://0.0.0.0:44410"),
+    lambda: CapacityPublisher("tcp://127.0.0.1:44411", "tcp://*:44410"),
+])
+def test_without_a_token_a_non_loopback_bind_is_refused_in_one_line(no_env_token: None, make) -> None:  # noqa: ANN001
+    with pytest.raises(ZmqAuthError) as err:
+        make()
+    message = str(err.value)
+    assert "\n" not in message and TOKEN_ENV in message and "127.0.0.1" in message
+    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as again:  # nothing was left bound
+        again.setsockopt(zmq.LINGER, 0)
+        again.bind("tcp://127.0.0.1:44411")
+        again.bind("tcp://0.0.0.0:44410")
+
+
+def test_a_non_loopback_bind_with_a_token_is_curve(no_env_token: None) -> None:
+    with zmq.Context() as ctx, ZmqAuth(ctx, TOKEN) as auth, ctx.socket(zmq.PULL) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        auth.bind(sock, "tcp://0.0.0.0:44412")
+        assert sock.curve_server and auth.mode == "curve"
+
+
+def test_a_rollout_with_a_config_token_secures_capacity_and_hands_it_to_its_replicas(
+        no_env_token: None, tmp_path_factory) -> None:  # noqa: ANN001
+    """`[rollout] control_token` alone (no TLT_AUTH_TOKEN in the environment, a TOML's token): the capacity sockets
+    are under it and so are the replicas' features PUSH, whose process gets the front's token (not its
+    environment's, which has none): a drafter with that token receives the features and the events."""
+    from rollout_helpers import ServerThread, tiny_checkpoint
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.v1 import rollout_pb2
+
+    model = tiny_checkpoint(tmp_path_factory.mktemp("m"))
+    with FeaturePuller("tcp://127.0.0.1:44413", token=TOKEN) as puller, \
+            ServerThread(model, replicas=1, capacity_pub="tcp://127.0.0.1:44414",
+                         capacity_snapshot="tcp://127.0.0.1:44415", capacity_heartbeat_s=0.2,
+                         features_push=puller.endpoint, control_token=TOKEN) as s:
+        with CapacitySubscriber(s.server.capacity.pub_endpoint, s.server.capacity.snapshot_endpoint) as stranger:
+            with pytest.raises(TimeoutError):
+                stranger.snapshot(timeout_s=0.5)
+        with CapacitySubscriber(s.server.capacity.pub_endpoint, s.server.capacity.snapshot_endpoint,
+                                token=TOKEN) as sub:
+            assert [e.replica_id for e in sub.snapshot(timeout_s=5)] == [0]
+        with RolloutClient(s.grpc_address) as client:
+            params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+            done = list(client.batch_generate(["1+2="], n=2, params=params))
+        got, deadline = 0, time.monotonic() + 10
+        while got < len(done) and time.monotonic() < deadline:
+            batch = puller.recv(0.5)
+            got += len(batch.sequences) if batch is not None else 0
+        assert got == len(done) == 2
