@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from rollout_helpers import tiny_checkpoint
 
 from tlt.services.common.events import TOPIC, CapacityPublisher, CapacitySubscriber, FeaturePuller, FeaturePusher
+from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.v1 import common_pb2, drafter_pb2, events_pb2, reward_pb2
 
 ANY = "tcp://127.0.0.1:*"
@@ -45,10 +46,10 @@ def _wait(pred, timeout_s: float = 5.0) -> None:
 
 
 def test_random_frames_on_capacity_snapshot_and_sub_sockets() -> None:
-    with CapacityPublisher(ANY, ANY, heartbeat_s=0.2) as pub, zmq.Context() as ctx, \
-            ctx.socket(zmq.PUB) as rogue:
+    with CapacityPublisher(ANY, ANY, heartbeat_s=0.2) as pub, zmq.Context() as ctx, ZmqAuth(ctx) as auth, \
+            ctx.socket(zmq.PUB) as rogue:  # hostile peers that hold the token (zmq_auth.py): the others never connect
         pub.publish(events_pb2.CapacityEvent(replica_id=0, state=common_pb2.REPLICA_STATE_IDLE))
-        rogue.bind(ANY)
+        auth.bind(rogue, ANY)
         answered = []
 
         @FUZZ
@@ -56,7 +57,7 @@ def test_random_frames_on_capacity_snapshot_and_sub_sockets() -> None:
         def snapshot_garbage(frames: list[bytes]) -> None:
             with ctx.socket(zmq.REQ) as req:
                 req.setsockopt(zmq.LINGER, 0)
-                req.connect(pub.snapshot_endpoint)
+                auth.connect(req, pub.snapshot_endpoint)
                 req.send_multipart(frames)
                 assert req.poll(3000), "the snapshot socket stopped answering"
                 answered.append(req.recv())
@@ -96,7 +97,7 @@ def test_random_frames_on_capacity_snapshot_and_sub_sockets() -> None:
 
 def test_random_frames_on_the_features_pull_socket() -> None:
     with FeaturePuller(ANY) as puller, zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rogue:
-        rogue.connect(puller.endpoint)
+        ZmqAuth(ctx).connect(rogue, puller.endpoint)  # a hostile peer that holds the token (zmq_auth.py)
 
         @FUZZ
         @given(frames=FRAMES)
@@ -143,7 +144,7 @@ def test_hostile_messages_on_the_drafter_coordinator(coordinator) -> None:
     name, ref = next(iter(before.items()))
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as dealer:
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(coordinator.endpoint)
+        ZmqAuth(ctx).connect(dealer, coordinator.endpoint)  # a hostile peer that holds the token (zmq_auth.py)
 
         @FUZZ
         @given(frames=FRAMES)
