@@ -24,7 +24,7 @@ CTX = 256
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = tiny_checkpoint(tmp_path_factory.mktemp("rollout_invalid_model"))
-    with ServerThread(model, replicas=1, max_n=16, max_request_bytes=64 * 1024) as s:
+    with ServerThread(model, replicas=1, max_n=16, max_request_bytes=64 * 1024, max_prompts_per_batch=4) as s:
         yield s
 
 
@@ -261,3 +261,77 @@ def test_an_unforeseen_server_error_is_a_500_in_the_error_shape(tmp_path):
         assert err["type"] == "server_error" and err["code"] == "internal_error" and "ZeroDivisionError" in err["message"]
         ok = {**bad, "messages": [{"role": "user", "content": "a"}]}
         assert httpx.post(f"{s.base_url}/chat/completions", json=ok, timeout=30).status_code == 200
+
+
+def test_the_context_and_vocabulary_bounds_are_exact(server):
+    """The bounds are exact, over HTTP and gRPC alike: a prompt plus max_tokens of exactly the context is served, a
+    prompt of the whole context (no room for a token) is refused as over it, and the id equal to the vocabulary
+    size is outside it (the ids are 0 .. vocab - 1), as a prompt's or a stop id. n may be max_n itself (16 here),
+    not more. A gRPC request without max_tokens generates up to the context."""
+    vocab = server.server.pool.info.vocab_size
+    fits = list(range(10, 10 + CTX - 3))
+    r = _send(server, "completions", ok_completion(M, prompt=fits, max_tokens=3, temperature=0, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = _send(server, "completions", ok_completion(M, n=16, max_tokens=1))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16, r.text
+    r = _send(server, "completions", ok_completion(M, n=17, max_tokens=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    full = list(range(10, 10 + CTX))
+    for body in (ok_completion(M, prompt=full, max_tokens=None), ok_completion(M, prompt=[1, 2, vocab])):
+        r = _send(server, "completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        if body["prompt"] is full:
+            assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["message"] == f"prompt has token ids outside the vocabulary [0, {vocab})"
+    r = _send(server, "completions", ok_completion(M, stop_token_ids=[vocab - 1, vocab]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    client = RolloutClient(server.grpc_address, timeout_s=30)
+    (c,) = client.batch_generate([fits], params=rollout_pb2.SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(c.token_ids) == 3
+    (c,) = client.batch_generate([fits], params=rollout_pb2.SamplingParams(ignore_eos=True))  # max_tokens unset (0):
+    assert len(c.token_ids) == 3 and c.finish_reason == rollout_pb2.FINISH_REASON_LENGTH  # up to the context
+    for prompt, stop, words in ((full, [], f"has {CTX} tokens; the context length is {CTX}"),
+                                ([1, 2, vocab], [], "vocabulary"), ([1, 2], [vocab], "stop_token_ids")):
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.batch_generate([prompt], params=rollout_pb2.SamplingParams(stop_token_ids=stop)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+    client.close()
+
+
+def test_a_batch_of_max_prompts_per_batch_prompts_is_served_and_one_more_refused(server):
+    """`max_prompts_per_batch` (4 here) bounds a request's prompts over HTTP (a list prompt) and gRPC alike: that
+    many are served, one more is a 400 naming `prompt` / INVALID_ARGUMENT, before anything is generated."""
+    r = _send(server, "completions", ok_completion(M, prompt=["1+2="] * 4, max_tokens=1))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+    r = _send(server, "completions", ok_completion(M, prompt=[[5, 6]] * 5, max_tokens=1))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt" and "5 prompts is over the limit of 4" in r.json()["error"]["message"]
+    client = RolloutClient(server.grpc_address, timeout_s=30)
+    assert len(list(client.batch_generate(["1+2="] * 4, params=rollout_pb2.SamplingParams(max_tokens=1)))) == 4
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.batch_generate(["1+2="] * 5, params=rollout_pb2.SamplingParams(max_tokens=1)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "5 prompts is over the limit of 4" in e.value.details()
+    client.close()
+
+
+def test_a_body_of_max_request_bytes_is_read_and_one_byte_more_is_a_413(server):
+    """`max_request_bytes` (64 KiB here) is the largest body taken: a request of exactly that size (white space
+    pads the JSON) is served, one byte more is a 413 before it is parsed."""
+    raw = json.dumps(ok_completion(server.model_name, max_tokens=1)).encode()
+    for size, status in ((64 * 1024, 200), (64 * 1024 + 1, 413)):
+        body = raw + b" " * (size - len(raw))
+        r = httpx.post(f"{server.base_url}/completions", content=body, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == status, (size, r.text)
+    assert r.json()["error"]["code"] == "too_large"
+
+
+def test_a_request_with_several_schema_errors_names_the_first_in_param(server):
+    """Every problem is in the message (up to five), and `param` names the first of them, in the request model's
+    field order, as a client fixing its request reads them top down."""
+    r = _send(server, "completions", ok_completion(M, temperature="hot", top_p="x", n="two"))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "temperature", err
+    assert all(f in err["message"] for f in ("temperature", "top_p", "n")), err
