@@ -273,3 +273,15 @@ def test_generate_lists_samples_that_finish_out_of_order_by_index(server, client
     assert [c.sample_index for c in res] == list(range(6))
     lengths = [len(c.token_ids) for c in res]
     assert lengths != sorted(lengths), lengths  # they finished out of index order: else this test could not fail
+
+
+def test_top_logprobs_pair_each_id_with_its_own_logprob(client):
+    """A Completion's top_logprobs hold ids and logprobs side by side, most likely first: greedy, each position's
+    first alternative is the token taken, with the token's own logprob, and the logprobs never rise."""
+    (c,) = client.batch_generate(["2*3="], params=rollout_pb2.SamplingParams(
+        temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))
+    assert len(c.top_logprobs) == len(c.token_ids) == len(c.logprobs) == 5
+    for tid, lp, alt in zip(c.token_ids, c.logprobs, c.top_logprobs):
+        assert len(alt.token_ids) == len(alt.logprobs) == 3
+        assert alt.token_ids[0] == tid and alt.logprobs[0] == pytest.approx(lp, abs=1e-5)
+        assert list(alt.logprobs) == sorted(alt.logprobs, reverse=True)
