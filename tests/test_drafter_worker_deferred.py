@@ -209,3 +209,40 @@ def test_each_delta_reports_the_mean_loss_of_its_own_steps(tmp_path, model_dir) 
     l1, l2, l3 = res.losses
     assert len({l1, l2, l3}) == 3
     assert sent == [(2, pytest.approx((l1 + l2) / 2)), (1, pytest.approx(l3))]
+
+
+def test_the_window_report_carries_its_mean_loss_and_each_preemption_is_counted(tmp_path, model_dir) -> None:
+    """Each preempted window is counted (the worker's checkpoint keeps the count over restarts), and its report to
+    the coordinator (TrainingWindow, the training-window log) carries the mean of its micro-steps' losses."""
+    stub = StubbedWorker(tmp_path, model_dir)
+    windows = []
+    ask = stub.ask
+
+    def recording(should_stop=None, **body):  # noqa: ANN001, ANN003, ANN202
+        if "window" in body:
+            windows.append(body["window"])
+        return ask(should_stop, **body)
+
+    stub.ask = recording  # the worker's client is the stub
+    losses = []
+    for steps in (3, 2):
+        stub.worker.state, stub.busy_after = IDLE, steps
+        res = stub.worker.window()
+        assert res.preempted and res.micro_steps == steps and len(set(res.losses)) == steps
+        losses.append(sum(res.losses) / steps)
+    assert [w.mean_loss for w in windows] == pytest.approx(losses)
+    assert stub.worker.preemptions == 2
+    stub.worker._flush()
+    assert load_state(stub.worker.ckpt)["preemptions"] == 2
+
+
+def test_a_feed_gone_silent_dates_the_stop_when_it_went_stale(tmp_path, model_dir) -> None:
+    """An IDLE not heard again for stale_s ends the window as a BUSY would, dated when the feed went stale (last heard
+    + stale_s), not when the worker noticed: the release latency it reports runs from there."""
+    import time
+
+    worker = StubbedWorker(tmp_path, model_dir).worker
+    worker.state, worker.busy_seen, worker.stale_s = IDLE, False, 0.5
+    worker._heard = time.monotonic() - 2.0  # heard 2 s ago: stale since 1.5 s ago
+    worker._check_silence()
+    assert worker.busy_seen and worker.last_busy == pytest.approx(time.time() - 1.5, abs=0.2)
