@@ -114,7 +114,8 @@ STALLING = textwrap.dedent("""
 
 def test_the_stalls_of_a_step_s_reward_loop_are_a_metric_of_the_step(random_model_dir, tmp_path, monkeypatch) -> None:
     """`loop_blocked` was counted on the reward source alone: the log said it, the run's metrics did not. Each
-    step's line of metrics.jsonl now has `reward_loop_blocked`, the stalls during its rollout's scoring."""
+    step's line of metrics.jsonl now has `reward_loop_blocked`, the stalls during its rollout's scoring (read when
+    the rollout ends: a count that moves during the update is not the step's)."""
     import json
 
     import torch
@@ -122,8 +123,24 @@ def test_the_stalls_of_a_step_s_reward_loop_are_a_metric_of_the_step(random_mode
     from rollout_helpers import ServerThread
     from tlt.services.trainer.loop import train
 
+    import tlt.services.trainer.rewards as rewards_mod
+    import tlt.services.trainer.step as step_mod
+
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "trainer_stalling_judge.py").write_text(STALLING)
+    sources = []
+    make_source, update = rewards_mod.make_reward_source, step_mod.grpo_step
+
+    def keep(cfg):  # noqa: ANN001, ANN202
+        sources.append(make_source(cfg))
+        return sources[-1]
+
+    def stalled_during_update(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        sources[0].loop_blocked += 5  # a late wake-up of the watchdog while the step trains: not the rollout's
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(rewards_mod, "make_reward_source", keep)
+    monkeypatch.setattr(step_mod, "grpo_step", stalled_during_update)
     torch.set_num_threads(1)
     out = tmp_path / "run"
     try:

@@ -258,7 +258,7 @@ class _Services:
         self.params = training_params(cfg)
         self.clients = [RolloutClient(a, control_token=cfg.rollout_token) for a in cfg.rollout_addresses]
         self.rewards = make_reward_source(cfg)
-        self._blocked_before = 0  # the reward loop's stall count when the step's rollout began
+        self._blocked = 0  # the reward loop's stalls while the step's rollout was scored
         self.publisher = None
         self.guard = None  # a VersionGuard once weights are pushed: every rollout carries the version pushed
         self.loan = None
@@ -319,15 +319,19 @@ class _Services:
 
         if (state := getattr(self.rewards, "trainer_state", None)) is not None:  # TRL's, for reward functions
             state.global_step = step
-        self._blocked_before = getattr(self.rewards, "loop_blocked", 0)
-        if not self.cfg.dynamic_sampling:
-            return self._collect(prompts, step, version)
-        return roll_out_rounds(prompts, more, lambda ps, r: self._collect(ps, step if r == 0 else f"{step}.{r}", version),
-                               self.cfg.prompts_per_step, self.cfg.n_samples, self.cfg.dynamic_sampling_max_rounds)
+        before = getattr(self.rewards, "loop_blocked", 0)
+        try:
+            if not self.cfg.dynamic_sampling:
+                return self._collect(prompts, step, version)
+            return roll_out_rounds(
+                prompts, more, lambda ps, r: self._collect(ps, step if r == 0 else f"{step}.{r}", version),
+                self.cfg.prompts_per_step, self.cfg.n_samples, self.cfg.dynamic_sampling_max_rounds)
+        finally:  # counted while the rollout was scored, not later (a late wake-up during the update is no stall)
+            self._blocked = getattr(self.rewards, "loop_blocked", 0) - before
 
     def reward_loop_blocked(self) -> int:
-        """Stalls of the in-process reward loop (FunctionRewards.loop_blocked) since the step's rollout began."""
-        return getattr(self.rewards, "loop_blocked", 0) - self._blocked_before
+        """Stalls of the in-process reward loop (FunctionRewards.loop_blocked) while the step's rollout was scored."""
+        return self._blocked
 
     def allow_repush(self, tensors) -> None:  # noqa: ANN001 - () -> the weights as pushed
         """A rollout server restarted mid-run gets the weights again instead of ending the run (VersionGuard);
