@@ -246,3 +246,21 @@ def test_a_feed_gone_silent_dates_the_stop_when_it_went_stale(tmp_path, model_di
     worker._heard = time.monotonic() - 2.0  # heard 2 s ago: stale since 1.5 s ago
     worker._check_silence()
     assert worker.busy_seen and worker.last_busy == pytest.approx(time.time() - 1.5, abs=0.2)
+
+
+def test_a_saved_optimizer_state_of_another_parameter_count_does_not_fit(tmp_path, model_dir) -> None:
+    """A checkpoint's optimizer state for fewer parameters than this drafter has, each of those of the right shape, is
+    not this drafter's: load_state_dict would refuse it at the first window, after the drafter is on the device."""
+    from tlt.services.drafter.training import target_shared
+    from tlt.services.drafter.worker_state import optimizer_misfit
+
+    stub = StubbedWorker(tmp_path, model_dir)
+    stub.worker.state, stub.busy_after = IDLE, 1
+    stub.worker.window()
+    stub.worker._flush()
+    state = load_state(stub.worker.ckpt)["optimizer"]
+    cfg, embed, head = target_shared(model_dir)
+    assert optimizer_misfit(state, cfg, embed, head) is None
+    n = len(state["param_groups"][0]["params"])
+    state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:-1]
+    assert optimizer_misfit(state, cfg, embed, head) == f"{n - 1} parameters, expected {n}"
