@@ -526,3 +526,27 @@ def test_a_sampling_value_out_of_range_names_its_parameter(server, path, extra, 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(param), err
+
+
+def test_a_streamed_batch_of_prompts_with_n_numbers_its_choices_as_the_non_streamed_one(server):
+    """A stream of several prompts with n > 1 numbers each choice prompt_index * n + sample_index, as the
+    non-streamed response does: each index gets its own prompt's text and one finish_reason, none two samples'.
+    usage.prompt_tokens counts every prompt of the list (once each, whatever n), as OpenAI counts them."""
+    base = {"model": server.model_name, "prompt": ["1+1=", "2+2="], "n": 2, "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}
+    whole = httpx.post(f"{server.base_url}/completions", json=base, timeout=60).json()
+    want = {c["index"]: c["text"] for c in whole["choices"]}
+    texts: dict[int, str] = {}
+    reasons: dict[int, list[str]] = {}
+    with httpx.stream("POST", f"{server.base_url}/completions", json={**base, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line and line != "data: [DONE]":
+                for ch in json.loads(line.removeprefix("data: "))["choices"]:
+                    texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+                    if ch["finish_reason"]:
+                        reasons.setdefault(ch["index"], []).append(ch["finish_reason"])
+    assert texts == want and sorted(want) == [0, 1, 2, 3]
+    assert reasons == {i: ["length"] for i in range(4)}
+    singles = [httpx.post(f"{server.base_url}/completions", json={**base, "prompt": p, "n": 1}, timeout=60).json()
+               for p in base["prompt"]]
+    assert whole["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles) > 0
