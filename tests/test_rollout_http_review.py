@@ -468,3 +468,41 @@ def test_a_number_too_long_to_read_is_a_400_not_a_500(server):
     r = httpx.post(f"{server.base_url}/completions", content=body, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+@pytest.mark.parametrize("path, extra", [("completions", {"prompt": "1+1=", "logprobs": 5}),
+                                         ("chat/completions", {"messages": [{"role": "user", "content": "1+1="}],
+                                                               "logprobs": True, "top_logprobs": 5})])
+def test_alternatives_outside_top_k_have_the_floor_logprob(server, path, extra):
+    """With top_k=2 every alternative past the second has probability 0 (logprob -inf), which JSON cannot hold:
+    they leave as -9999.0, as OpenAI reports a zero-probability token, and the response is a 200, not a 500."""
+    r = httpx.post(f"{server.base_url}/{path}", timeout=60, json={
+        "model": server.model_name, "max_tokens": 3, "temperature": 1.0, "seed": 5, "top_k": 2, "ignore_eos": True,
+        **extra})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    if path == "completions":
+        tops = [sorted(top.values(), reverse=True) for top in lp["top_logprobs"]]
+    else:
+        tops = [[alt["logprob"] for alt in t["top_logprobs"]] for t in lp["content"]]
+    assert len(tops) == 3
+    for values in tops:
+        assert len(values) == 5 and values[2:] == [-9999.0] * 3 and all(-9999.0 < v <= 0 for v in values[:2])
+
+
+
+@pytest.mark.parametrize("path, extra", [("completions", {"prompt": "1+1=", "logprobs": 0}),
+                                         ("chat/completions", {"messages": [{"role": "user", "content": "1+1="}],
+                                                               "logprobs": True})])
+def test_the_choices_of_n_samples_come_in_index_order(server, path, extra):
+    """n > 1 samples finish in any order (here each stops at the first of a third of the vocabulary it draws); the
+    response lists its choices by index, as the OpenAI API does, so `choices[i]` is sample i, and its usage
+    counts every choice's tokens."""
+    vocab = server.server.pool.info.vocab_size
+    r = httpx.post(f"{server.base_url}/{path}", timeout=60, json={
+        "model": server.model_name, "n": 6, "max_tokens": 24, "temperature": 1.0, "seed": 3,
+        "stop_token_ids": list(range(3, vocab, 3))[:1024], **extra}).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6)), r
+    lengths = [len(c["logprobs"]["tokens" if path == "completions" else "content"]) for c in r["choices"]]
+    assert lengths != sorted(lengths), lengths  # they finished out of index order: else this test could not fail
+    assert r["usage"]["completion_tokens"] == sum(lengths), r["usage"]
