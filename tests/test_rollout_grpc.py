@@ -285,3 +285,12 @@ def test_top_logprobs_pair_each_id_with_its_own_logprob(client):
         assert len(alt.token_ids) == len(alt.logprobs) == 3
         assert alt.token_ids[0] == tid and alt.logprobs[0] == pytest.approx(lp, abs=1e-5)
         assert list(alt.logprobs) == sorted(alt.logprobs, reverse=True)
+
+
+def test_each_completion_carries_its_own_prompt_s_reference(client):
+    """The reference (the answer a reward checks against) goes with its prompt, a text or token ids, and comes back
+    on every sample of it: a token-id prompt's reference lost on the way was an empty answer to score against."""
+    refs = {0: "two", 1: "four", 2: "six"}
+    outs = list(client.batch_generate(["1+1=", [5, 6, 7], "3+3="], n=2, references=list(refs.values()),
+                                      params=rollout_pb2.SamplingParams(max_tokens=2)))
+    assert sorted((c.prompt_index, c.reference) for c in outs) == sorted((i, r) for i, r in refs.items() for _ in "ab")
