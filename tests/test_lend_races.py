@@ -88,3 +88,23 @@ def test_a_renewal_answers_once_the_first_lends_replicas_have_released(random_mo
             t.join(120)
     assert log["renewal"][0] >= log["finished"] - 0.5, log  # not before the replica had released (nothing running)
     assert log["first"][1] and log["renewal"][1], log  # the lease ran from the release: neither found it lapsed
+
+
+def test_a_lease_counts_whole_until_its_clock_starts_and_a_renewal_runs_from_now():
+    """DeviceLease on its own (lease.py), on a real event loop: granted, its clock waits for the replicas' release
+    and the lease has all its lease_s left meanwhile (what a renewal sent then is answered), not 0; once running, a
+    renewal runs lease_s from the renewal, not from the first start (else a lease renewed in time still lapsed)."""
+    from tlt.services.rollout.lease import DeviceLease
+
+    async def main() -> None:
+        lapsed: list[bool] = []
+        lease = DeviceLease(asyncio.get_running_loop(), lambda: lapsed.append(True))
+        assert lease.grant("trainer", 3.0) is True
+        assert lease.expires_in() == 3.0
+        lease.start_clock()
+        await asyncio.sleep(1.0)
+        assert lease.grant("trainer", 3.0) is False  # a renewal
+        assert lease.expires_in() > 2.9 and not lapsed
+        assert lease.end() == "trainer" and lease.expires_in() == 0.0
+
+    asyncio.run(main())
