@@ -478,3 +478,16 @@ def test_a_tied_models_state_dict_push_serves_its_embedding(tmp_path):
         again = rollout(c)
         assert [list(x.token_ids) for x in again] == [list(x.token_ids) for x in after]
         assert {x.versions.policy for x in again} == {1}
+
+
+def test_a_refused_push_reports_the_version_served_only_for_the_kind_it_pushed(model_dir):
+    """WeightPushError.serving_version is what the refusal says the replicas serve of the pushed kind: -1 for a
+    drafter push to a server without one; None when the push was refused before its kind was read (a stream over
+    max_weight_bytes), not the 0 such an answer carries, which a caller would take for "serving version 0"."""
+    with ServerThread(model_dir, replicas=1, max_weight_bytes=4096) as s, RolloutClient(s.grpc_address) as c:
+        with pytest.raises(WeightPushError, match="max_weight_bytes") as e:
+            c.update_weights({"fc.weight": torch.zeros(64, 64)}, kind="drafter", version=1)
+        assert e.value.serving_version is None
+        with pytest.raises(WeightPushError, match="drafter") as e:
+            c.update_weights({"fc.weight": torch.zeros(4, 4)}, kind="drafter", version=1)
+        assert e.value.serving_version == -1
