@@ -188,6 +188,10 @@ def test_lend_is_control_plane_and_checks_its_lease(model_dir) -> None:
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
             assert client.status().lent_to == ""
             assert client.lend_devices(True, lease_s=10).lent
+            from tlt.services.rollout.lease import MAX_LEASE_S
+
+            r = client.lend_devices(True, lease_s=MAX_LEASE_S)  # the bound itself is a lease (here a renewal)
+            assert r.lent and r.expires_in_s > MAX_LEASE_S - 60, r
 
 
 def test_backend_release_waits_for_running_sequences_and_resume_comes_before_new_work(model_dir, tmp_path,
