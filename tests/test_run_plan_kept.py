@@ -1,0 +1,38 @@
+"""What a `tlt run` launch keeps from the run it continues, and what its own options beat (`prepare_run`): the
+--seed and --baseline a run was started with hold on a plain resume, and --seed beats the seed the preset, TLT_*
+or --set gave, 0 included. No service is started (tests/test_run_plan.py has the rest of the plan's rules).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+from test_run_plan import _closed, _fake_model, _plan
+
+
+def _trainer(plan) -> dict:  # noqa: ANN001 - RunPlan
+    return tomllib.loads(plan.config_path.read_text())["trainer"]
+
+
+def test_a_resume_keeps_the_seed_and_baseline_the_run_was_started_with(tmp_path: Path) -> None:
+    """`tlt run --run-id r --seed 7 --baseline`, interrupted, then `tlt run --run-id r`: the resume drew its prompts
+    with the preset's seed and ran with speculation on unless run.json's were taken, silently (before the first
+    checkpoint nothing compares them)."""
+    model, runs = _fake_model(tmp_path)
+    _closed(_plan(runs, model, "--run-id", "r", "--seed", "7", "--baseline"))
+    plan = _closed(_plan(runs, model, "--run-id", "r"))
+    assert _trainer(plan)["seed"] == 7
+    assert plan.switches == {"speculation": False, "drafter": False}
+    assert tomllib.loads(plan.config_path.read_text())["rollout"]["spec"]["mode"] == "off"
+    saved = json.loads((runs / "r" / "run.json").read_text())
+    assert saved["seed"] == 7 and saved["baseline"] is True
+
+
+def test_a_seed_of_zero_beats_the_seed_the_preset_or_set_gives(tmp_path: Path) -> None:
+    """--seed is the last word on the trainer's seed (it goes over --set trainer.seed), 0 as much as any other:
+    a test of the seed's truth, not of its value, let a preset's seed beat `--seed 0`."""
+    model, runs = _fake_model(tmp_path)
+    assert _trainer(_closed(_plan(runs, model, "--run-id", "a", "--set", "trainer.seed=5", "--seed", "0")))["seed"] == 0
+    assert _trainer(_closed(_plan(runs, model, "--run-id", "b", "--set", "trainer.seed=5", "--seed", "3")))["seed"] == 3
