@@ -36,3 +36,20 @@ def test_a_seed_of_zero_beats_the_seed_the_preset_or_set_gives(tmp_path: Path) -
     model, runs = _fake_model(tmp_path)
     assert _trainer(_closed(_plan(runs, model, "--run-id", "a", "--set", "trainer.seed=5", "--seed", "0")))["seed"] == 0
     assert _trainer(_closed(_plan(runs, model, "--run-id", "b", "--set", "trainer.seed=5", "--seed", "3")))["seed"] == 3
+
+
+def test_a_resumed_launch_logs_no_eval_again_that_its_trainer_keeps(tmp_path: Path) -> None:
+    """Logging (no progress bar), a resume logs only this launch's evals: those after the checkpoint's steps. The
+    eval after exactly the checkpoint's step is kept by the trainer (loop.py) and was logged by the launch before;
+    counted as not kept, every resume logged it again."""
+    from tlt.services.trainer.evaluate import EvalRecord
+    from tlt.services.trainer.launcher import Launcher
+
+    model, runs = _fake_model(tmp_path)
+    run_dir = _closed(_plan(runs, model, "--run-id", "r")).run_dir
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(EvalRecord(k, k, 0.5, 4, 1, 1.0, 1.0).as_dict()) + "\n"
+                                                for k in (0, 2, 4)))
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text("step-00000002\n")
+    launcher = Launcher(_closed(_plan(runs, model, "--run-id", "r")), quiet=True)
+    assert launcher._evals_kept() == 2  # after 0 and after 2 steps: both logged by the interrupted launch
