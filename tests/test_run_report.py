@@ -121,6 +121,39 @@ def test_drafter_fed_by_the_trainer_gets_the_trainers_features(tmp_path: Path) -
     assert "drafter_features_address" not in services["trainer"]
 
 
+def test_the_run_section_reaches_the_services_it_switches(tmp_path: Path) -> None:
+    """[run] torch_threads goes over [trainer]'s; a [rollout.spec] without a mode speculates (adaptive, its default);
+    run.drafter = false, or a model-free drafter ([rollout.spec] drafter unset: ngram), starts no drafter service and
+    leaves the rollout no feature or capacity endpoint (a preset's fixed ports: another run's drafter may bind them)."""
+    def preset(spec: dict) -> dict:
+        return {"rollout": {"spec": spec, "features_push": "tcp://127.0.0.1:5703", "capacity_pub": "tcp://127.0.0.1:5701"},
+                "trainer": {"torch_threads": 1}, "drafter": {}, "reward": {}}
+
+    learned = {"drafter": "learned", "drafter_path": "d"}
+    services, switches = resolve_services(preset(learned), RunConfig(model_dir="m", torch_threads=2), tmp_path)
+    assert switches == {"speculation": True, "drafter": True} and services["rollout"]["spec"]["mode"] == "adaptive"
+    assert services["trainer"]["torch_threads"] == 2
+    for spec, run in ((learned, RunConfig(model_dir="m", drafter=False)), ({"mode": "static"}, RunConfig(model_dir="m"))):
+        services, switches = resolve_services(preset(spec), run, tmp_path)
+        assert switches == {"speculation": True, "drafter": False}, spec
+        assert "features_push" not in services["rollout"] and "capacity_pub" not in services["rollout"], spec
+        assert services["trainer"]["torch_threads"] == 1
+
+
+def test_drafter_init_names_the_drafter_the_rollout_and_the_drafter_service_start_from(tmp_path: Path) -> None:
+    """run.drafter_init = random or warmup: the run folder's drafter-init, made before the services start; a folder:
+    that folder. The drafter service starts from it unless [drafter] init_drafter names its own."""
+    preset = {"rollout": {"spec": {"mode": "adaptive", "drafter": "ngram"}}, "trainer": {}, "drafter": {}, "reward": {}}
+    for init, path in (("random", tmp_path / "drafter-init"), ("warmup", tmp_path / "drafter-init"), ("/d", Path("/d"))):
+        services, switches = resolve_services(preset, RunConfig(model_dir="m", drafter_init=init), tmp_path)
+        assert switches == {"speculation": True, "drafter": True}, init
+        assert services["rollout"]["spec"]["drafter"] == "learned", init
+        assert services["rollout"]["spec"]["drafter_path"] == services["drafter"]["init_drafter"] == str(path), init
+    preset["drafter"]["init_drafter"] = "/mine"
+    services, _ = resolve_services(preset, RunConfig(model_dir="m", drafter_init="random"), tmp_path)
+    assert services["drafter"]["init_drafter"] == "/mine"
+
+
 def test_regenerated_report_keeps_the_runs_tail_threshold(tmp_path: Path) -> None:
     # `python -m tlt.services.trainer.report runs/<id>` must count tail as `tlt run` did (cpu-tiny: 16, not 32)
     m = {"step": 0, "policy_version": 1, "started_at": 100.0, "times": {"step_s": 5.0, "rollout_s": 4.0}}
