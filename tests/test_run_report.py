@@ -513,3 +513,16 @@ def test_a_resumed_runs_speculation_section_says_whose_counts_it_shows(tmp_path:
         (tmp_path / "rollout_status.json").write_text(json.dumps({"since_step": since, "replicas": [replica]}))
         page = write_report(tmp_path, threshold=16).read_text()
         assert "100 verify steps" in page and ("resumed after step 2" in page) == says
+
+
+def test_a_spec_section_under_the_engine_is_read_and_moved_to_rollout_spec(tmp_path: Path) -> None:
+    """A preset written when [rollout.spec] sat under the engine ([rollout.engine.spec]): `tlt run` reads its
+    switches there and writes them as [rollout.spec], which the rollout takes (its engine section has no spec)."""
+    from tlt.services.rollout.config import RolloutConfig
+
+    preset = {"rollout": {"engine": {"dtype": "float32", "spec": {"mode": "off", "drafter": "learned", "drafter_path": "d"}}},
+              "trainer": {}, "drafter": {}, "reward": {}}
+    services, switches = resolve_services(preset, RunConfig(model_dir="m"), tmp_path)
+    assert switches == {"speculation": False, "drafter": False}
+    assert services["rollout"]["spec"]["mode"] == "off" and "spec" not in services["rollout"]["engine"]
+    assert RolloutConfig(**services["rollout"]).spec.mode == "off"
