@@ -190,3 +190,80 @@ def test_a_rollout_with_a_config_token_secures_capacity_and_hands_it_to_its_repl
             batch = puller.recv(0.5)
             got += len(batch.sequences) if batch is not None else 0
         assert got == len(done) == 2
+
+
+def test_a_client_the_server_refuses_says_in_one_line_the_peer_may_require_a_token(
+        no_env_token: None, capsys: pytest.CaptureFixture, tmp_path, model_dir) -> None:  # noqa: ANN001, F811
+    """A plain client (no token here) or one with another token against a CURVE server: the pusher's drops, the
+    snapshot's TimeoutError and the worker's CoordinatorUnavailable used to be all one saw. Now the client says once
+    that the peer may require the control token; a client the server admits, or a plain pair, says nothing."""
+    from tlt.services.drafter.config import DrafterServiceConfig
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+
+    with FeaturePuller("tcp://127.0.0.1:44501", token=TOKEN) as puller:
+        for token in ("", TOKEN + "-wrong"):
+            capsys.readouterr()
+            with FeaturePusher(puller.endpoint, token=token) as stranger:
+                assert not _push_until_sent(stranger, 1.0)
+            err = capsys.readouterr().err
+            said = [line for line in err.splitlines() if "zmq_handshake_failed" in line]
+            assert len(said) == 1 and "may require the control token" in said[0], err  # once, in one line
+            assert TOKEN not in err
+        with FeaturePusher(puller.endpoint, token=TOKEN) as pusher:
+            assert _push_until_sent(pusher, 5.0)
+            for _ in range(50):  # a full queue drops too: a handshake that succeeded says nothing of a token
+                pusher.push(_batch(4))
+        assert "zmq_handshake_failed" not in capsys.readouterr().err
+    with CapacityPublisher("tcp://127.0.0.1:44502", "tcp://127.0.0.1:44503", token=TOKEN) as pub:
+        with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint) as stranger:
+            with pytest.raises(TimeoutError, match="may require the control token"):
+                stranger.snapshot(timeout_s=1.0)
+    with CapacityPublisher("tcp://127.0.0.1:44504", "tcp://127.0.0.1:44505") as pub:  # plain, nobody refused
+        with CapacitySubscriber(pub.pub_endpoint, "tcp://127.0.0.1:44506") as sub:  # nobody there: a plain timeout
+            with pytest.raises(TimeoutError) as err:
+                sub.snapshot(timeout_s=0.3)
+            assert "token" not in str(err.value)
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:44507", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False, control_token=TOKEN)
+    coord = Coordinator(cfg, str(model_dir), None, None).start()
+    try:
+        client = CoordinatorClient(coord.endpoint, worker_id=5, replica_id=0, timeout_s=1.0, token="")
+        with pytest.raises(CoordinatorUnavailable, match="may require the control token"):
+            client.ask(hello=drafter_pb2.WorkerHello(worker_id=5, replica_id=0, pid=os.getpid()))
+        client.close()  # its handshake monitor closed too: term does not hang
+    finally:
+        coord.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: FeaturePusher("tcp://127.0.0.1:44508"),
+    lambda: FeaturePuller("tcp://127.0.0.1:44509"),
+    lambda: CapacityPublisher("tcp://127.0.0.1:44510", "tcp://127.0.0.1:44511"),
+    lambda: CapacitySubscriber("tcp://127.0.0.1:44510", "tcp://127.0.0.1:44511"),
+    lambda: __import__("tlt.services.drafter.coordinator_client", fromlist=["x"]).CoordinatorClient(
+        "tcp://127.0.0.1:44512", 0, 0),
+])
+def test_a_token_file_that_cannot_be_used_leaves_no_zeromq_context_behind(
+        monkeypatch: pytest.MonkeyPatch, tmp_path, make) -> None:  # noqa: ANN001
+    """A blank TLT_AUTH_TOKEN_FILE raises (one line) before any ZeroMQ context is made: none left to the collector
+    with its I/O thread, nor a socket ("Unclosed context", "Unclosed socket")."""
+    import gc
+    import warnings
+
+    from tlt.services.common.auth import AuthConfigError
+
+    blank = tmp_path / "token"
+    blank.write_text("  \n")
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(blank))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            make()
+        except AuthConfigError as e:
+            assert "empty" in str(e)
+        else:
+            pytest.fail("a blank token file was taken")
+        gc.collect()
+    assert not [str(w.message) for w in seen if "Unclosed" in str(w.message)]  # context or socket

@@ -48,6 +48,7 @@ import zmq
 from google.protobuf.message import DecodeError, EncodeError
 
 from tlt.services.common.logging import get_logger
+from tlt.services.common.auth import resolve_token
 from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.v1 import events_pb2
 
@@ -117,6 +118,7 @@ class CapacityPublisher:
         self.heartbeat_s = heartbeat_s
         self.garbage = 0
         self.published = 0
+        token = resolve_token(token)  # before the context: a token file that cannot be read leaves nothing behind
         self._ctx = zmq.Context()
         self._auth = ZmqAuth(self._ctx, token)
         self._pub = self._ctx.socket(zmq.PUB)
@@ -219,6 +221,7 @@ class CapacitySubscriber:
         self.snapshot_endpoint = connect_snapshot
         self.garbage = 0
         self.latest: dict[tuple[str, int], CapacityEvent] = {}
+        token = resolve_token(token)  # before the context: a token file that cannot be read leaves nothing behind
         self._ctx = zmq.Context()
         self._auth = ZmqAuth(self._ctx, token)
         self._sub = self._ctx.socket(zmq.SUB)
@@ -227,16 +230,22 @@ class CapacitySubscriber:
         self._auth.connect(self._sub, connect_pub)  # before the snapshot, so nothing falls between the two
 
     def snapshot(self, timeout_s: float = 2.0) -> list[CapacityEvent]:
-        """Ask the publisher for every replica's current state; TimeoutError when it does not answer."""
+        """Ask the publisher for every replica's current state; TimeoutError when it does not answer (saying so when
+        the publisher refused the handshake: it may require the control token, zmq_auth.HandshakeWatch)."""
         req = self._ctx.socket(zmq.REQ)
         req.setsockopt(zmq.LINGER, 0)
+        watch = None
         try:
-            self._auth.connect(req, self.snapshot_endpoint)
+            watch = self._auth.connect(req, self.snapshot_endpoint, watch=True)
             req.send(Envelope(snapshot_request=events_pb2.SnapshotRequest()).SerializeToString())
             if not req.poll(timeout=int(timeout_s * 1000)):
-                raise TimeoutError(f"no snapshot from {self.snapshot_endpoint} within {timeout_s}s")
+                hint = watch.hint() if watch is not None else ""
+                raise TimeoutError(f"no snapshot from {self.snapshot_endpoint} within {timeout_s}s"
+                                   + (f"; {hint}" if hint else ""))
             env = decode(req.recv(), "snapshot")
         finally:
+            if watch is not None:
+                watch.close()
             req.close()  # a REQ that got no answer is stuck; never reuse it
         if env is None:
             self.garbage += 1
@@ -330,12 +339,15 @@ class FeaturePusher:
         self.sender = uuid.uuid4().hex  # the drafter sums drops per sender: every pusher is its own
         self.max_frame_bytes = max_frame_bytes
         self._lock = threading.Lock()
+        token = resolve_token(token)  # before the context: a token file that cannot be read leaves nothing behind
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to connected peers (a refused one never is)
-        ZmqAuth(self._ctx, token).connect(self._sock, connect)
+        # a drafter that refuses the handshake (it has a token, this pusher none or another) is said once, in one
+        # line, at the first batch dropped for it (zmq_auth.HandshakeWatch); otherwise drops are all one sees
+        self._watch = ZmqAuth(self._ctx, token).connect(self._sock, connect, watch=True)
 
     def push(self, batch: FeatureBatch) -> bool:
         """Send `batch` if it can go now, in frames of at most `max_frame_bytes`; count what cannot go as dropped.
@@ -363,6 +375,8 @@ class FeaturePusher:
                     self.dropped_batches += 1
                     if isinstance(e, EncodeError):
                         log.warning("feature_batch_unencodable", error=str(e), total=self.dropped)
+                    elif self._watch is not None:
+                        self._watch.hint()  # logs zmq_handshake_failed once, where the drafter refused us
                     continue
                 self._reported = part.dropped_before
                 self.sent += 1
@@ -371,6 +385,8 @@ class FeaturePusher:
 
     def close(self) -> None:
         with self._lock:
+            if self._watch is not None:
+                self._watch.close()
             self._sock.close()
         self._ctx.term()
 
@@ -388,6 +404,7 @@ class FeaturePuller:
         self.garbage = 0
         self.received = 0  # batches parsed
         self.frames = 0  # frames taken off the socket (parsed or not yet)
+        token = resolve_token(token)  # before the context: a token file that cannot be read leaves nothing behind
         self.sender_dropped = 0  # the last `dropped_before` seen
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -421,11 +438,17 @@ class FeaturePuller:
 
     def recv_frame(self, timeout_s: float) -> list[bytes] | None:
         """The next frame unparsed (`parse` it later: the coordinator holds them while the rollout decodes), or None
-        when `timeout_s` passes without one; 0 looks without waiting."""
+        when `timeout_s` passes without one; 0 looks without waiting. Never blocks past the poll: libzmq can say
+        POLLIN with nothing to take (its ZAP path with a receive queue of one, zmq_auth.ZmqAuth.bind), where a
+        blocking receive would hold the drafter's ingest thread, and its close, forever."""
         if not self._sock.poll(timeout=int(max(0.0, timeout_s) * 1000)):
             return None
+        try:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
         self.frames += 1
-        return self._sock.recv_multipart()
+        return frames
 
     def parse(self, frames: list[bytes]) -> FeatureBatch | None:
         """The batch in a frame of `recv_frame`; None (counted) for garbage."""

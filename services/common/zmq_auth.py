@@ -129,13 +129,21 @@ class ZmqAuth:
         sock.curve_secretkey = self.keys.server_secret
         sock.bind(endpoint)
 
-    def connect(self, sock: zmq.Socket, endpoint: str) -> None:
-        """Connect `sock` as a CURVE client of the token's server; with no token, plain."""
+    def connect(self, sock: zmq.Socket, endpoint: str, watch: bool = False) -> HandshakeWatch | None:
+        """Connect `sock` as a CURVE client of the token's server; with no token, plain. `watch`: also return a
+        HandshakeWatch of its handshakes (made before the connect, so the first one is seen)."""
+        watcher = HandshakeWatch(sock, endpoint, self.mode) if watch else None
         if self.keys is not None:
             sock.curve_serverkey = self.keys.server_public
             sock.curve_publickey = self.keys.client_public
             sock.curve_secretkey = self.keys.client_secret
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            if watcher is not None:
+                watcher.close()
+            raise
+        return watcher
 
     def _start_authenticator(self) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -160,6 +168,45 @@ class ZmqAuth:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class HandshakeWatch:
+    """Whether a connecting socket's ZeroMQ handshakes fail, which a refused peer otherwise never says: a CURVE
+    server drops a plain client (no token here) or one with another token's keys, so pushes are dropped, requests go
+    unanswered and nothing is logged. `hint()` drains the socket's monitor and, while the last handshake failed,
+    returns one line saying the peer may require the control token (logged once per watch, as `zmq_handshake_failed`).
+    `close()` before the socket's context's `term` (the monitor is a socket of that context)."""
+
+    EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, mode: str) -> None:
+        self.endpoint, self.mode = endpoint, mode
+        self.failures = 0  # handshakes that failed since the last that succeeded
+        self._sock = sock
+        self._mon: zmq.Socket | None = sock.get_monitor_socket(events=self.EVENTS)
+        self._warned = False
+
+    def hint(self) -> str:
+        while self._mon is not None and self._mon.poll(0):
+            frames = self._mon.recv_multipart()
+            event = int.from_bytes(frames[0][:2], "little")  # ZMQ monitor frame: uint16 event, uint32 value
+            self.failures = 0 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else self.failures + 1
+        if not self.failures:
+            return ""
+        have = "no control token is configured here" if self.mode == "plain" else "this process's token"
+        line = (f"the ZeroMQ handshake with {self.endpoint} failed {self.failures} time(s): the peer may require the "
+                f"control token, or another one ({have}; set the same {TOKEN_ENV} or {TOKEN_FILE_ENV} on both ends)")
+        if not self._warned:
+            self._warned = True
+            log.warning("zmq_handshake_failed", endpoint=self.endpoint, failures=self.failures, hint=line)
+        return line
+
+    def close(self) -> None:
+        if self._mon is not None:
+            self._sock.disable_monitor()
+            self._mon.close(linger=0)
+            self._mon = None
 
 
 def log_adapter() -> object:

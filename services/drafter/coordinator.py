@@ -44,6 +44,7 @@ from tlt.model.drafter import DrafterError
 from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
+from tlt.services.common.auth import resolve_token
 from tlt.services.common.zmq_auth import ZmqAuth
 from tlt.services.drafter.buffer import FeatureBuffer
 from tlt.services.drafter.config import DrafterServiceConfig
@@ -152,8 +153,9 @@ class Coordinator(WorkerRequests, PublishGate):
                                            "the acceptance gate uses")
         self.m_shared_failed = self.metrics.gauge("shared_fetch_failures", "failed fetches of the target embedding/lm_head")
         self._stop = threading.Event()
+        token = resolve_token(config.control_token)  # before the context: an unreadable token file leaves none behind
         self._ctx = zmq.Context()
-        self._zmq_auth = ZmqAuth(self._ctx, config.control_token)  # CURVE under the control token (zmq_auth.py)
+        self._zmq_auth = ZmqAuth(self._ctx, token)  # CURVE under the control token (zmq_auth.py)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         try:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import zmq
 
-from tlt.services.common.zmq_auth import ZmqAuth
+from tlt.services.common.auth import resolve_token
+from tlt.services.common.zmq_auth import HandshakeWatch, ZmqAuth
 from tlt.services.drafter.coordinator import WORKER_REQUEST_TIMEOUT_S
 from tlt.v1 import drafter_pb2
 
@@ -45,11 +46,14 @@ class CoordinatorClient:
     def __init__(self, endpoint: str, worker_id: int, replica_id: int,
                  timeout_s: float = WORKER_REQUEST_TIMEOUT_S, token: str = "") -> None:
         """`token`: the control token the coordinator's ROUTER is secured with (zmq_auth.py; empty: TLT_AUTH_TOKEN).
-        A coordinator that refuses this client's key never answers: CoordinatorUnavailable after `timeout_s`."""
+        A coordinator that refuses this client's key never answers: CoordinatorUnavailable after `timeout_s`, which
+        then says the coordinator may require the control token (zmq_auth.HandshakeWatch)."""
         self.endpoint, self.worker_id, self.replica_id, self.timeout_s = endpoint, worker_id, replica_id, timeout_s
+        token = resolve_token(token)  # before the context: a token file that cannot be read leaves nothing behind
         self._ctx = zmq.Context()
         self._auth = ZmqAuth(self._ctx, token)
         self._sock: zmq.Socket | None = None
+        self._watch: HandshakeWatch | None = None
         self.shared_policy_version = 0  # stamped on every message: the coordinator shows them in status
         self.shared_fetch_failures = 0
 
@@ -59,7 +63,7 @@ class CoordinatorClient:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._auth.connect(self._sock, self.endpoint)
+            self._watch = self._auth.connect(self._sock, self.endpoint, watch=True)
         msg = drafter_pb2.WorkerMessage(worker_id=self.worker_id, replica_id=self.replica_id,
                                         shared_policy_version=self.shared_policy_version,
                                         shared_fetch_failures=self.shared_fetch_failures, **body)
@@ -80,13 +84,21 @@ class CoordinatorClient:
         stopped = False
         while not self._sock.poll(int(1000 * max(0.0, min(slice_s, deadline - time.monotonic())))):
             if time.monotonic() >= deadline or (stopped := should_stop is not None and should_stop()):
-                self._sock.close()
-                self._sock = None
+                hint = self._watch.hint() if self._watch is not None else ""
+                self._close_sock()
                 if stopped:
                     raise CoordinatorInterrupted(f"{kind} to {self.endpoint} given up: the caller stopped waiting")
-                raise CoordinatorUnavailable(f"no answer from the coordinator at {self.endpoint} in {self.timeout_s}s")
+                raise CoordinatorUnavailable(f"no answer from the coordinator at {self.endpoint} in {self.timeout_s}s"
+                                             + (f"; {hint}" if hint else ""))
 
-    def close(self) -> None:
+    def _close_sock(self) -> None:
+        if self._watch is not None:
+            self._watch.close()  # its monitor socket would hold the context's term forever
+            self._watch = None
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        self._close_sock()
         self._ctx.term()
