@@ -36,17 +36,20 @@ out, code = sys.argv[1], sys.argv[2]
 json.dump({"t": time.time(), "connect": os.environ.get("TLT_TRAINER__CONNECT_TIMEOUT_S")}, open(out, "w"))
 if code == "wait":
     time.sleep(600)
+if code == "kill":
+    os.kill(os.getpid(), 9)
 print("the stand-in trainer failed to start", flush=True)
 sys.exit(int(code))
 """
 
 
-def _launcher(tmp_path: Path, monkeypatch, trainer_code: str):  # noqa: ANN202 - Launcher
+def _launcher(tmp_path: Path, monkeypatch, trainer_code: str, *sets: str):  # noqa: ANN202 - Launcher
     from tlt.services.trainer import launcher as launcher_mod
 
     model, runs = _fake_model(tmp_path)
     plan = _closed(_plan(runs, model, "--run-id", "r", "--set", "run.startup_timeout_s=60",
-                         "--set", "trainer.connect_timeout_s=7", "--set", f"run.drafter_init={tmp_path / 'drafter'}"))
+                         "--set", "trainer.connect_timeout_s=7", "--set", f"run.drafter_init={tmp_path / 'drafter'}",
+                         *(a for x in sets for a in ("--set", x))))
     noted = tmp_path / "trainer.json"
 
     def command(*args: str) -> list[str]:
@@ -132,6 +135,48 @@ def test_a_trainer_with_nothing_left_to_do_ends_the_wait_without_an_error(tmp_pa
         assert launcher.watch() == 0
     finally:
         launcher.shutdown()
+
+
+def test_a_trainer_killed_while_the_services_start_ends_the_wait_at_once(tmp_path, monkeypatch):
+    """A trainer killed by a signal (the OOM killer's -9) has no exit code of its own: its negative return code is
+    a failure as much as a positive one, and ends the wait as at once."""
+    from tlt.services.trainer.procs import ServiceError
+
+    launcher, _ = _launcher(tmp_path, monkeypatch, "kill")
+    try:
+        started = launcher.start_services()
+        launcher.trainer = launcher.start_trainer()
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError, match="trainer exited with code -9 while the services started"):
+            launcher.wait_services(started)
+        assert time.monotonic() - t0 < 20
+    finally:
+        launcher.shutdown()
+
+
+@pytest.mark.parametrize("sets, workers", [((), "2"), (("run.drafter_workers=3",), "3")])
+def test_the_drafter_service_starts_a_worker_per_rollout_replica_unless_told(tmp_path, monkeypatch, sets, workers):
+    """[run] drafter_workers = 0 (the default): one drafter worker per rollout replica, each training in its
+    replica's idle time; a number: that many."""
+    launcher, _ = _launcher(tmp_path, monkeypatch, "0", "rollout.replicas=2", *sets)
+    try:
+        drafter = {p.name: p for p in launcher.start_services()}["drafter"]
+        assert drafter.argv[drafter.argv.index("--workers") + 1] == workers
+    finally:
+        launcher.shutdown()
+
+
+def test_shutdown_stops_the_trainer_first_and_the_services_in_reverse_order_of_need(tmp_path, monkeypatch):
+    """The order procs.py states: the trainer, the client of every service, first; then the drafter, the rollout
+    and the reward, the reverse of their start."""
+    launcher, _ = _launcher(tmp_path, monkeypatch, "wait")
+    stopped: list[str] = []
+    launcher.start_services()
+    launcher.trainer = launcher.start_trainer()
+    for p in launcher.services:
+        monkeypatch.setattr(p, "stop", lambda t, p=p, stop=p.stop: (stopped.append(p.name), stop(t))[1])
+    launcher.shutdown()
+    assert stopped == ["trainer", "drafter", "rollout", "reward"]
 
 
 # A stand-in `tlt drafter warmup`: notes its arguments and makes its --out folder.
