@@ -131,3 +131,37 @@ def test_a_port_in_use_or_a_bad_setting_fails_at_once_with_one_line_not_a_traceb
             assert "Traceback" not in out and "replicas_starting" not in out, (name, out[-2000:])
     rc, out = tlt(["rollout", "serve", "--model", str(model), "--set", "rollout.http_port=1"])
     assert rc == 2 and "bad_config" in out and "Traceback" not in out, (rc, out[-2000:])
+
+
+class _Top(random.Random):
+    """Draws the top of every range it is asked for."""
+
+    def randint(self, a, b):
+        return b
+
+
+def test_the_first_ephemeral_port_is_never_drawn(tmp_path):
+    """Ports are drawn from [LOWEST, first ephemeral port): the first ephemeral one is the kernel's to hand out."""
+    rng_file = tmp_path / "range"
+    rng_file.write_text("44760\t60999\n")  # this test's ports: 44700-44799
+    assert free_port(rng=_Top(), range_file=rng_file) == 44759
+
+
+def test_an_ephemeral_range_that_starts_at_the_lowest_port_falls_back_to_an_ephemeral_port(tmp_path):
+    """No port below the range to draw from (ip_local_port_range set low): a free ephemeral one, not an error."""
+    rng_file = tmp_path / "range"
+    for first in (LOWEST, LOWEST + 1):
+        rng_file.write_text(f"{first}\t60999\n")
+        p = free_port(range_file=rng_file)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_a_port_drawn_twice_is_drawn_again(monkeypatch):
+    """free_ports(n) gives n distinct ports even when a draw repeats one: two services of a run on one port, the
+    second failed to bind."""
+    from tlt.services.common import ports
+
+    draws = iter([44761, 44761, 44762, 44761, 44763])
+    monkeypatch.setattr(ports, "free_port", lambda host="127.0.0.1": next(draws))
+    assert ports.free_ports(3) == [44761, 44762, 44763]
