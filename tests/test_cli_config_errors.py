@@ -119,6 +119,8 @@ SERVICE_ARGV = {
     *(("drafter", f, "foo") for f in DRAFTER_ENDPOINTS),  # no transport: a ZMQError traceback, or (capacity_*) a
     ("drafter", "capacity_pub", "tcp://127.0.0.1:*"),  # worker that waited; a wildcard port is for a bind, the drafter
     ("drafter", "features_bind", "tcp://127.0.0.1"),    # connects there
+    ("drafter", "capacity_pub", "tcp://*:5701"),  # every interface is for a bind: no host to connect to
+    ("drafter", "features_bind", "tcp://127.0.0.1:65536"),  # no TCP port
     ("drafter", "rollout_grpc", "127.0.0.1"),  # no port: failed at the first policy update
     ("drafter", "device", ""),  # failed in torch, in each worker process
     ("drafter", "device", "gpu"),
@@ -151,10 +153,10 @@ def test_drafter_endpoints_that_zeromq_takes_are_accepted() -> None:
 
     cfg = load_config(DrafterServiceConfig, "drafter", "cpu-tiny", {
         "capacity_pub": "tcp://tlt-rollout-0.tlt-rollout:5701", "capacity_snapshot": "tcp://[::1]:5702",
-        "features_bind": "tcp://0.0.0.0:5703", "coordinator_bind": "tcp://127.0.0.1:*",
+        "features_bind": "tcp://*:65535", "coordinator_bind": "tcp://127.0.0.1:*",
         "rollout_grpc": "rollout:50051"},
         environ={})
-    assert cfg.coordinator_bind == "tcp://127.0.0.1:*"
+    assert cfg.coordinator_bind == "tcp://127.0.0.1:*" and cfg.features_bind == "tcp://*:65535"
     assert load_config(DrafterServiceConfig, "drafter", None, {"features_bind": "ipc:///tmp/tlt-features",
                                                                "coordinator_bind": "inproc://coordinator"}, environ={})
 
