@@ -110,6 +110,24 @@ def test_the_handler_takes_no_lock_and_starts_no_thread(installed) -> None:  # n
     assert threading.active_count() <= before
 
 
+@pytest.mark.timeout(30)
+def test_restore_puts_the_handlers_back_and_does_not_stop() -> None:
+    """`restore()` (a command that stopped, in a process that goes on) gives back the handlers it replaced and
+    ends its thread without setting the event: a restore that set it told whatever still waited on the event to
+    stop, though no signal came."""
+    stop = threading.Event()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    threads = set(threading.enumerate())
+    restore = set_on_signals(stop)
+    assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
+    (setter,) = [t for t in threading.enumerate() if t not in threads and t.name == "stop-on-signal"]
+    restore()
+    setter.join(5)
+    assert not setter.is_alive()  # its thread has ended: it will not set the event later
+    assert not stop.is_set()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 @pytest.mark.parametrize("module", ["services/drafter/worker_main.py", "services/drafter/serve.py",
                                     "services/reward/serve.py"])
 def test_the_services_stop_through_it(module: str) -> None:
