@@ -64,6 +64,11 @@ def test_a_name_that_looks_like_a_number_reaches_the_services_as_typed(tmp_path:
                          "--set", "trainer.lr=3.0e-5"))
     assert _as_child(plan, RolloutConfig, "rollout").served_model_name == "1.10"
     assert plan.services["trainer"]["lr"] == 3e-5
+    # a text field that may be unset (str | None) alike: [trainer] eval_answer_field = 1.10 named the column "1.1"
+    from tlt.services.trainer.config import TrainerConfig
+
+    plan = _closed(_plan(runs, model, "--run-id", "n", "--set", "trainer.eval_answer_field=1.10"))
+    assert _as_child(plan, TrainerConfig, "trainer").eval_answer_field == "1.10"
 
 
 def test_a_bad_environment_variable_is_refused_naming_where_such_values_come_from(tmp_path: Path,
