@@ -84,6 +84,9 @@ def test_an_export_of_unknown_step_or_another_run_is_reported(tmp_path) -> None:
     assert "another run" in stale_export(run)
     (run / "run.json").write_text(json.dumps({"created": 1.0}))
     assert stale_export(run) is None
+    # a record that names no run (`tlt train` exported into the folder before it had a run.json): this run's
+    (run / "policy" / EXPORT_RECORD).write_text(json.dumps({"steps_done": 3, "policy_version": 3, "run": "run"}))
+    assert stale_export(run) is None
     (run / "checkpoints" / "latest").unlink()  # nothing checkpointed: nothing to compare
     assert stale_export(run) is None
 
