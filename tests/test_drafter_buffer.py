@@ -225,3 +225,20 @@ def test_the_trainers_features_carry_their_prompt_group() -> None:
     assert push_trainer_features(q, [[1, 2, 3], [1, 2, 4], [5, 6, 7]], [torch.randn(3, 4)] * 3, [2, 2, 2], 3,
                                  groups=["p0", "p0", "p1"])
     assert [s.group_id for s in q.recv(0.1).sequences] == ["trainer-3-p0", "trainer-3-p0", "trainer-3-p1"]
+
+
+def test_the_trainers_features_start_at_the_prompts_last_token_and_keep_max_tokens() -> None:
+    """A sequence goes to the drafter from its prompt's last token, for at most max_tokens tokens, with those
+    tokens' hidden rows and its response start counted from there (push_trainer_features: the prompt's last token
+    kept); a cut from the sequence's start, or from the response's first token, passed before."""
+    from tlt.services.common.events_local import LocalFeatureQueue
+    from tlt.services.drafter.trainer_hook import push_trainer_features
+
+    q = LocalFeatureQueue()
+    hidden = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    assert push_trainer_features(q, [list(range(10, 20)), [7, 8]], [hidden, hidden[:2]], [3, 0], 1, max_tokens=4)
+    long, short = q.recv(0.1).sequences
+    assert list(long.token_ids) == [12, 13, 14, 15] and long.response_start == 1
+    rows = np.frombuffer(long.features, dtype=np.float16).reshape(-1, 4)
+    assert rows.tolist() == hidden[2:6].tolist()
+    assert list(short.token_ids) == [7, 8] and short.response_start == 0  # no prompt: from its first token
