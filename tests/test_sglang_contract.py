@@ -125,6 +125,18 @@ def test_parse_chunk_reads_sglang_layout():
     assert parse_chunk(sglang_chunk("x#0", [1])).finish is None
 
 
+def test_sampling_keeps_top_k_1_and_ignore_eos_and_an_unknown_finish_is_an_abort():
+    # top_k = 1 is greedy by top-k (a real filter, unlike TLT's 0); ignore_eos must reach SGLang or its samples stop
+    # at EOS where the native engine's run to max_tokens
+    s = sglang_sampling(SamplingParams(top_k=1, ignore_eos=True), sample_index=0, default_max_tokens=16)
+    assert s["top_k"] == 1 and s["ignore_eos"] is True
+    assert sglang_sampling(SamplingParams(top_k=2), 0, 16)["top_k"] == 2
+    # a finish type the adapter does not know ends the sample as aborted, with SGLang's message, never as a stop
+    c = parse_chunk(sglang_chunk("r#0", [5], None, {"type": "preempted", "message": "evicted"}))
+    assert (c.finish, c.error) == (FinishReason.ABORT, "evicted")
+    assert parse_chunk(sglang_chunk("r#0", [5], None, {"type": "stop", "matched": 2})).finish is FinishReason.STOP
+
+
 def test_tlt_drafter_names_become_sglang_eagle_names():
     from tlt.services.rollout.sglang_backend.requests import sglang_drafter_tensors
 
