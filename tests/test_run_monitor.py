@@ -54,3 +54,39 @@ def test_a_window_is_on_file_once_it_has_ended_and_quiet_since_waits_for_the_tra
     finally:
         sampler.channel.close()
         server.stop(grace=0).wait()  # type: ignore[attr-defined]
+
+
+def test_the_rollout_sampler_writes_the_timeline_and_the_last_status_with_the_step_it_counts_from(tmp_path: Path) -> None:
+    """timeline.jsonl gets one sample per poll (each replica's running batch), and rollout_status.json, at close,
+    the last status with `since_step`: a resumed launch's rollout server counts its speculation from there, which
+    report.html says (without it, a resumed run's counts read as the whole run's). A real Rollout/GetStatus server."""
+    from concurrent import futures
+
+    import grpc
+
+    from tlt.services.trainer.run_monitor import RolloutSampler
+    from tlt.services.trainer.run_stats import read_timeline
+    from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    class Status(rollout_pb2_grpc.RolloutServicer):
+        def GetStatus(self, request, context):  # noqa: ANN001, ANN201, N802
+            return rollout_pb2.RolloutStatus(model="m", replicas=[rollout_pb2.ReplicaStatus(replica_id=0, running=5)],
+                                             versions=common_pb2.WeightVersions(policy=3, drafter=1))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    rollout_pb2_grpc.add_RolloutServicer_to_server(Status(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        sampler = RolloutSampler(f"127.0.0.1:{port}", tmp_path / "timeline.jsonl", 0.05, since_step=4)
+        sampler.start()
+        deadline = time.monotonic() + 20
+        while sampler.samples < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sampler.close()
+        samples = read_timeline(tmp_path / "timeline.jsonl")
+        assert len(samples) >= 2 and {(s.running, s.policy, s.drafter) for s in samples} == {((5,), 3, 1)}
+        status = json.loads((tmp_path / "rollout_status.json").read_text())
+        assert status["since_step"] == 4 and status["model"] == "m"
+    finally:
+        server.stop(grace=0).wait()
