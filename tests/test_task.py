@@ -105,7 +105,7 @@ def test_solution_length_tail():
 def test_export_jsonl(tmp_path):
     from tlt.cli import main
 
-    out = tmp_path / "task.jsonl"
+    out = tmp_path / "new" / "task.jsonl"  # its folder is created
     assert main(["task", "export", "--n", "25", "--seed", "4", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     problems = generate_problems(25, seed=4)
@@ -148,3 +148,20 @@ def test_sentence_punctuation_after_the_answer_and_the_reward_server_reads_it_th
         for reference in ("9", "-9"):
             if extract_answer(completion) is not None:
                 assert math_verifier("", completion, reference) == verify(completion, reference), (completion, reference)
+
+
+def test_the_generator_draws_every_start_operation_and_operand_the_task_defines():
+    """A generator that never started from 9, never multiplied, drew `*1` (an identity step) or `+0`, or ignored
+    max_steps passed every other test: the answers stayed right for what was drawn. 3000 problems (~7,000
+    operations) draw each of the 10 starts, 3 operations and their operands many times over."""
+    problems = generate_problems(3000, seed=9)
+    starts, operands = set(), {"+": set(), "-": set(), "*": set()}
+    for p in problems:
+        start, *ops = p.prompt.removeprefix("Compute mod 10: ").split(" ")
+        starts.add(int(start))
+        for op in ops:
+            operands[op[0]].add(int(op[1:]))
+    assert starts == set(range(10))
+    assert operands == {"+": set(range(1, 10)), "-": set(range(1, 10)), "*": set(range(2, 10))}
+    short = generate_problems(300, seed=9, max_steps=3)
+    assert {p.steps for p in short} == {1, 2, 3}
