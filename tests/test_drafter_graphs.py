@@ -90,6 +90,13 @@ def test_a_batch_past_the_largest_bucket_is_left_to_the_dynamic_chain() -> None:
     graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(1, 2), mode="emulate")
     rows = torch.tensor([1, 2, 3])
     assert graphs.chain(torch.zeros(3, H), rows, torch.tensor([3, 3, 3]), 4) is None
+    # a batch as large as a bucket takes that bucket (the largest too), not the next one or the dynamic chain
+    assert [graphs.bucket_for(n) for n in (1, 2, 3)] == [1, 2, None]
+    assert graphs.chain(torch.zeros(2, H), rows[:2], torch.tensor([3, 3]), 1) is not None
+    # a chain needing positions past the rotary tables (the cache has them) is refused, not written past them
+    cache.ensure(rt._cos.shape[0] + 8)
+    with pytest.raises(ValueError, match="grow them first"):
+        graphs.chain(torch.zeros(2, H), rows[:2], torch.tensor([3, 3]), 1, need=rt._cos.shape[0] + 1)
 
 
 @torch.inference_mode()
