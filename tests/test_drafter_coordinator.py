@@ -473,3 +473,27 @@ def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_id
         coord.close()
         puller.close()
         pub.close()
+
+
+def test_a_feature_batch_from_the_other_source_is_dropped_and_an_unnamed_one_kept(tmp_path, model_dir) -> None:
+    """[drafter] source picks the producer whose features train the drafter (rollout or trainer); the other's are
+    dropped. A batch that names no source (FeatureBatch.source unset: a producer of the public message that does
+    not say) is kept, as Coordinator._ingest means to: only a named other source is dropped."""
+    import numpy as np
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
+                               eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model_dir), None, None)
+    h = coord.drafter_cfg.hidden_size
+    try:
+        def batch(name: str, source: str) -> events_pb2.FeatureBatch:
+            s = events_pb2.FeatureSequence(seq_id=name, token_ids=list(range(5, 17)), response_start=3, hidden_size=h,
+                                           features=np.full((12, h), 0.5, np.float16).tobytes())
+            return events_pb2.FeatureBatch(sequences=[s], source=source)
+
+        for name, source in (("trainer", "trainer"), ("unnamed", ""), ("rollout", "rollout")):
+            coord._ingest(batch(name, source))
+        assert coord.buffer.received_sequences == 2 and coord.buffer.stats()[0] == 2
+    finally:
+        coord.close()
