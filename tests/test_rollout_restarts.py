@@ -203,3 +203,40 @@ def test_a_replica_whose_process_lingers_after_it_died_is_killed_before_its_repl
         while not c.status().replicas[0].alive:
             assert time.monotonic() < deadline, "the replacement did not come up"
             time.sleep(0.1)
+
+
+def test_a_push_one_replica_missed_holds_and_its_restart_gets_every_push_replayed(model_dir, tmp_path):
+    """Two replicas, one SIGSTOPped while a policy push arrives: it misses `update_timeout_s`, is killed and counts as
+    one that died meanwhile, so the push holds on the other (it is no failure: the trainer goes on with v1), and the
+    replacement serves only once the latest policy AND drafter pushes were replayed to it. Untested before: a pool
+    that called the killed replica a failed one refused the push, and one that replayed only the policy never got the
+    replica back (its drafter version differs from the pool's, so every restart failed its check)."""
+    import safetensors.torch
+    import torch
+
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    torch.manual_seed(3)
+    Drafter(cfg, original["model.embed_tokens.weight"], original["lm_head.weight"]).save(tmp_path)
+    torch.manual_seed(4)
+    drafter = Drafter(cfg, original["model.embed_tokens.weight"], original["lm_head.weight"]).state_dict()
+    spec = {"mode": "adaptive", "drafter": "learned", "drafter_path": str(tmp_path)}
+    changed = {"model.norm.weight": original["model.norm.weight"] * 1.25}
+    with ServerThread(model_dir, replicas=2, max_restarts=1, update_timeout_s=1.0, spec=spec) as s, \
+            RolloutClient(s.grpc_address, timeout_s=60) as c:
+        assert c.update_weights(drafter, "drafter", 1).ok
+        old = s.server.replica_pids()[1]
+        os.kill(old, signal.SIGSTOP)
+        try:
+            resp = c.update_weights(changed, "policy", 1)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # killed for the restart and reaped (by the forkserver)
+                os.kill(old, signal.SIGCONT)
+        assert resp.ok and resp.version == 1, resp
+        deadline = time.monotonic() + 120
+        while not (c.status().replicas[1].alive and s.server.replica_pids()[1] != old):
+            assert time.monotonic() < deadline, "the replica that missed the push did not come back"
+            time.sleep(0.1)
+        assert [(r.versions.policy, r.versions.drafter) for r in c.status().replicas] == [(1, 1), (1, 1)]
