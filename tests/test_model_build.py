@@ -274,3 +274,151 @@ def test_compare_is_paired_by_problem():
     diff = compare(report([True, True, False], [2, 1, 0], 2), report([False, True, False], [1, 1, 1], 2))
     assert diff["greedy"].mean == 1 / 3 and diff["sampled"].mean == 0.0  # sampled: +0.5, 0, -0.5
     assert abs(diff["sampled"].se - 0.5 / 3**0.5) < 1e-12
+
+
+def test_eval_scores_over_every_problem_and_sample():
+    """The report's figures by hand, the answers scripted: a generator (what NativeGenerator is to `evaluate`)
+    answers with the reference solution where the script says so, else one digit off. Greedy accuracy is over all
+    problems, sampled accuracy over problems x samples (it was over problems alone: 2x with two samples, and the
+    only check was `none <= sampled_accuracy`), each step bucket's accuracy over that bucket's problems."""
+    problems = eval_problems(40)
+    greedy_ok = {i for i in range(len(problems)) if i % 3 == 0}
+    sampled_ok = {(i, s) for i in range(len(problems)) for s in range(2) if (i + s) % 4 == 0}
+
+    def answer(p, ok):  # noqa: ANN001, ANN202
+        return p.solution if ok else p.solution[: -1] + str((int(p.answer) + 1) % 10)
+
+    def scripted(prompts, *, max_new_tokens, do_sample, samples=1, seed=0, bar=None):  # noqa: ANN001, ANN202
+        assert prompts == [format_prompt(p) for p in problems]
+        if do_sample:
+            return [[(answer(p, (i, s) in sampled_ok), 10) for s in range(samples)] for i, p in enumerate(problems)]
+        return [[(answer(p, i in greedy_ok), 10)] for i, p in enumerate(problems)]
+
+    report = evaluate(None, None, problems, samples=2, native=scripted)
+    assert report.accuracy == len(greedy_ok) / 40 and report.sampled_accuracy == len(sampled_ok) / 80
+    assert report.greedy_correct == tuple(i in greedy_ok for i in range(40))
+    assert report.sampled_correct == tuple(sum((i, s) in sampled_ok for s in range(2)) for i in range(40))
+    by_bucket = {}
+    for i, p in enumerate(problems):
+        by_bucket.setdefault(_bucket(p.steps), []).append(i in greedy_ok)
+    assert len(by_bucket) >= 4
+    assert report.accuracy_by_steps == {k: sum(v) / len(v) for k, v in by_bucket.items()}
+    assert report.sampled_slips["none"] == report.sampled_accuracy  # each wrong answer is an answer slip
+
+
+def test_the_held_out_eval_is_not_what_the_build_trains_on():
+    """The build's eval draws with another seed than its training stream (EVAL_SEED_OFFSET): an eval drawn from a
+    training chunk's seed scores the model on problems it was trained on, and nothing failed (the only check
+    compared the eval with seed 0's draw, not with the training stream). Problems of 8 or more steps are all but
+    unique, so none of the eval's may be among the first training rows of the same seed."""
+    tok = test_tokenizer()
+    for seed in (0, 5):
+        batches = packed_batches(tok, seq_len=320, batch_size=64, seed=seed)
+        trained = "".join(tok.decode(row) for _ in range(2) for row in next(batches)["input_ids"].tolist())
+        assert trained.count("<|im_start|>user") > 500  # the first 512-problem chunk and more
+        long = [p for p in eval_problems(400, seed) if p.steps >= 8]
+        assert len(long) > 20
+        assert not [p.prompt for p in long if f"{p.prompt}<|im_end|>" in trained]
+
+
+def test_a_row_a_problem_fills_exactly_takes_it():
+    """A problem exactly as long as a row is packed into it (positions 0..seq_len-1), not refused as too long."""
+    tok = test_tokenizer()
+    from tlt.model.build import TRAIN_SEED_OFFSET
+
+    p = generate_problems(1, seed=TRAIN_SEED_OFFSET)[0]
+    n = len(tok(format_prompt(p))["input_ids"]) + len(tok(p.solution)["input_ids"]) + 1
+    batch = next(packed_batches(tok, seq_len=n, batch_size=1, seed=0))
+    assert batch["position_ids"][0].tolist() == list(range(n))
+    assert tok.decode(batch["input_ids"][0].tolist()) == format_prompt(p) + p.solution + "<|im_end|>"
+
+
+def test_native_samples_of_two_problems_are_drawn_independently(random_model_dir):
+    """Sample s of problem i is keyed by (seed, s, i): the same prompt twice in one eval draws other samples,
+    so two problems never share their random numbers (they did when the key left out the problem)."""
+    from tlt.model.evaluate import NativeGenerator
+
+    prompt = format_prompt(eval_problems(1)[0])
+    first, second = NativeGenerator(random_model_dir, threads=1)([prompt, prompt], max_new_tokens=24, do_sample=True,
+                                                                samples=2, seed=5)
+    assert first != second
+
+
+def test_transformers_eval_draws_each_sample_with_its_own_seed(random_model_dir, monkeypatch):
+    """`--engine transformers` runs one generate pass per sample: pass s is seeded seed + s, so two samples of a
+    problem are two draws (one seed for every pass made them the same completion twice)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tlt.model.evaluate as ev
+
+    passes = []
+    real = ev.generate
+
+    def recorded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real(*args, **kwargs)
+        passes.append((kwargs["do_sample"], kwargs.get("seed", 0), out[0]))
+        return out
+
+    monkeypatch.setattr(ev, "generate", recorded)
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    evaluate(model, tok, eval_problems(3), samples=2, seed=4, batch_size=3)
+    assert [(s, seed) for s, seed, _ in passes] == [(False, 0), (True, 4), (True, 5)]
+    assert passes[1][2] != passes[2][2]
+
+
+def test_model_eval_scores_the_seeds_draw_and_checks_against_first(random_model_dir, tmp_path, monkeypatch, capfd):
+    """`tlt model eval --seed 7` scores eval_problems(n, 7) with sampling seed 7 (either one left at 0 passed every
+    test); `--against` a folder that is no checkpoint is refused before the first model is scored (minutes), not
+    after it."""
+    import tlt.model.evaluate as ev
+    from tlt.cli import main
+
+    calls = []
+    real = ev.evaluate
+
+    def recorded(model, tokenizer, problems, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        calls.append((problems, kwargs["seed"]))
+        return real(model, tokenizer, problems, **kwargs)
+
+    monkeypatch.setattr(ev, "evaluate", recorded)
+    base = ["model", "eval", "--model", str(random_model_dir), "--n", "2", "--threads", "1", "--json"]
+    assert main(base + ["--seed", "7"]) == 0
+    assert calls == [(eval_problems(2, 7), 7)]
+    capfd.readouterr()
+    assert main(base + ["--against", str(tmp_path / "nope")]) == 2
+    assert calls == [(eval_problems(2, 7), 7)] and str(tmp_path / "nope") in capfd.readouterr().err
+
+
+def test_model_build_facts_say_what_was_done(tmp_path, monkeypatch, capsys):
+    """`tlt model build` stopped by its time budget reports the steps it ran (0 here), not the planned ones;
+    --threads is what it trained on and --eval-n / --seed what it evaluated (eval_problems(n, seed); --eval-n read
+    as the default 200 passed every test); a rebuild replaces the older model folder and leaves nothing beside it."""
+    import tlt.model.evaluate as ev
+    from tlt.cli import main
+
+    seen = []
+    real = ev.evaluate
+
+    def recorded(model, tokenizer, problems, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen.append(problems)
+        return real(model, tokenizer, problems, **kwargs)
+
+    monkeypatch.setattr(ev, "evaluate", recorded)
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # an older model
+    (out / "old.txt").write_text("x")
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        assert main(["model", "build", "--out", str(out), "--seed", "3", "--max-steps", "3", "--time-budget", "1e-9",
+                     "--eval-n", "2", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    facts = json.loads(capsys.readouterr().out)
+    assert facts == json.loads((out / ".complete").read_text()) and facts["seed"] == 3
+    assert facts["steps"] == 0 and facts["planned_steps"] == 3 and facts["stopped_by_time"] is True
+    assert facts["final_loss"] is None and facts["train_threads"] == 1 and facts["eval_n"] == 2
+    assert seen == [eval_problems(2, 3)]
+    assert [p.name for p in tmp_path.iterdir()] == ["m"] and not (out / "old.txt").exists()
