@@ -27,6 +27,7 @@ from tlt.cli import build_parser, main
 REFUSED_AT_PARSING = [
     (["model", "build", "--preset", "nope", "--out", "{new}"], "--preset"),
     (["model", "build", "--out", "{file}"], "--out"),
+    (["model", "build", "--out", "{file}/model"], "--out"),  # a folder under a file cannot be made
     (["model", "build", "--out", ""], "--out"),
     (["model", "build", "--out", "{new}", "--max-steps", "0"], "--max-steps"),
     (["model", "build", "--out", "{new}", "--max-steps", "-1"], "--max-steps"),
@@ -74,6 +75,7 @@ REFUSED_AT_PARSING = [
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--depth", "0"], "--depth"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--temperature", "-1"], "--temperature"),
+    (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--temperature", "nan"], "--temperature"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--lr", "0"], "--lr"),
     (["drafter", "warmup", "--model", "{dir}", "--out", "{new}", "--noise", "-0.1"], "--noise"),
     (["drafter", "export", "--drafter", "{dir}", "--model", "{dir}", "--out", ""], "--out"),
@@ -258,6 +260,27 @@ def test_model_build_never_replaces_a_folder_that_is_not_a_model(tmp_path) -> No
     (keep / "a.txt").write_text("x")
     assert main(["model", "build", "--out", str(keep), "--max-steps", "1", "--eval-n", "0"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"] and (keep / "a.txt").read_text() == "x"
+    empty = tmp_path / "empty"  # an empty folder is as good as a new one (the refusal's own advice)
+    empty.mkdir()
+    assert main(["model", "build", "--out", str(empty), "--max-steps", "1", "--eval-n", "0", "--threads", "1"]) == 0
+    assert (empty / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes"]
+
+
+def test_a_stale_ready_file_is_removed_before_the_command_runs(tmp_path, capfd) -> None:
+    """A ready file left by an earlier run names its dead ports and pids: a server's --ready-file is deleted at start,
+    so a waiter never takes the old one for this run's, even when this run then refuses its arguments."""
+    ready = tmp_path / "ready.json"
+    ready.write_text('{"pid": 1, "ports": {"http": 1}}')
+    assert main(["rollout", "serve", "--model", str(tmp_path / "nope"), "--ready-file", str(ready)]) == 2
+    assert not ready.exists() and str(tmp_path / "nope") in capfd.readouterr().err
+
+
+def test_drafter_warmup_refuses_to_write_into_the_model_folder(models, capfd) -> None:
+    """--out the target's own folder: the drafter's model.safetensors would replace the model's weights."""
+    weights = Path(models["qwen2"]) / "model.safetensors"
+    before = weights.read_bytes()
+    assert main(["drafter", "warmup", "--model", models["qwen2"], "--out", models["qwen2"]]) == 2
+    assert "is a model checkpoint folder" in capfd.readouterr().err and weights.read_bytes() == before
 
 
 def _tlt(*argv: str, env: dict | None = None, timeout: float = 60, cwd: str | None = None):

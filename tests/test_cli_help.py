@@ -38,6 +38,8 @@ def test_model_eval_help_names_its_defaults() -> None:
     text = " ".join(sub.format_help().split())
     assert "--n N held-out problems (default: 200)" in text, text
     assert "--model MODEL Hugging Face checkpoint folder (e.g. artifacts/tiny) --n" in text  # required: no default
+    # a flag (store_true) shows no "(default: False)": off is what leaving it out means
+    assert "--json print the report as one JSON object" in text and "(default: False)" not in text
 
 
 def test_version_prints_the_installed_version(capsys) -> None:
