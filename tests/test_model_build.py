@@ -422,3 +422,30 @@ def test_model_build_facts_say_what_was_done(tmp_path, monkeypatch, capsys):
     assert facts["final_loss"] is None and facts["train_threads"] == 1 and facts["eval_n"] == 2
     assert seen == [eval_problems(2, 3)]
     assert [p.name for p in tmp_path.iterdir()] == ["m"] and not (out / "old.txt").exists()
+
+
+def test_a_completion_that_stops_counts_its_eos_in_both_engines(random_model_dir, tmp_path):
+    """Response length counts the eos a completion stops at (the module docstring; the native engine does), but a
+    random model never stops within the tests' budgets, so a transformers `generate` that left the eos out of the
+    length passed the comparison of the two engines. Here the checkpoint's eos row of lm_head is twice that of the
+    first prompt's greedy first token: that prompt's answer is its eos alone, length 1 in both engines."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tlt.model.evaluate import NativeGenerator, generate
+
+    folder = tmp_path / "stops"
+    shutil.copytree(random_model_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompts = [format_prompt(p) for p in eval_problems(3)]
+    with torch.no_grad():
+        first = int(model(**tok(prompts[:1], return_tensors="pt")).logits[0, -1].argmax())
+        assert first != tok.eos_token_id
+        model.lm_head.weight[tok.eos_token_id] = 2 * model.lm_head.weight[first]
+    model.save_pretrained(folder)
+    texts, lengths = generate(model, tok, prompts, max_new_tokens=12, do_sample=False, batch_size=3)
+    assert (texts[0], lengths[0]) == ("", 1)
+    answers = NativeGenerator(folder, threads=1)(prompts, max_new_tokens=12, do_sample=False)
+    assert [a[0] for a in answers] == list(zip(texts, lengths))
