@@ -1,6 +1,7 @@
 """What a `tlt run` launch keeps from the run it continues, and what its own options beat (`prepare_run`): the
 --seed and --baseline a run was started with hold on a plain resume, and --seed beats the seed the preset, TLT_*
-or --set gave, 0 included. No service is started (tests/test_run_plan.py has the rest of the plan's rules).
+or --set gave, 0 included; a plain launch keeps the interrupted run it would continue when refused, and finds it
+while another run holds `<preset>`. No service is started (tests/test_run_plan.py has the rest of the plan's rules).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import json
 import tomllib
 from pathlib import Path
 
-from test_run_plan import _closed, _fake_model, _plan
+import pytest
+from test_run_plan import _checkpointed, _closed, _fake_model, _plan
 
 
 def _trainer(plan) -> dict:  # noqa: ANN001 - RunPlan
@@ -53,3 +55,32 @@ def test_a_resumed_launch_logs_no_eval_again_that_its_trainer_keeps(tmp_path: Pa
     (run_dir / "checkpoints" / "latest").write_text("step-00000002\n")
     launcher = Launcher(_closed(_plan(runs, model, "--run-id", "r")), quiet=True)
     assert launcher._evals_kept() == 2  # after 0 and after 2 steps: both logged by the interrupted launch
+
+
+def test_a_refused_launch_of_the_default_folder_keeps_the_run_it_would_have_continued(tmp_path: Path) -> None:
+    """A plain `tlt run` continues the interrupted run in `<preset>`; refused (a bad --set), it must leave that run's
+    folder as it was: only a folder this launch made is removed (a refused new run leaves no folder behind)."""
+    from tlt.services.common.config import ConfigError
+
+    model, runs = _fake_model(tmp_path)
+    run_dir = _closed(_plan(runs, model, "--steps", "4")).run_dir
+    _checkpointed(run_dir, 2)  # interrupted after 2 of its 4 steps
+    with pytest.raises(ConfigError, match="nope"):
+        _plan(runs, model, "--set", "trainer.nope=1")
+    assert (run_dir / "run.json").is_file() and (run_dir / "checkpoints" / "latest").is_file()
+
+
+def test_a_plain_launch_continues_the_interrupted_time_folder_while_another_run_holds_the_preset_folder(
+        tmp_path: Path) -> None:
+    """`<preset>` held by a running `tlt run`: a plain launch looks on to the preset's interrupted `<preset>-<time>`
+    folders and continues the last one, as when `<preset>` is finished; it does not start a new folder."""
+    model, runs = _fake_model(tmp_path)
+    holder = _plan(runs, model, "--steps", "4")  # runs in runs/cpu-tiny meanwhile
+    try:
+        interrupted = _closed(_plan(runs, model, "--steps", "4")).run_dir
+        assert interrupted != holder.run_dir
+        _checkpointed(interrupted, 2)
+        again = _closed(_plan(runs, model))
+        assert again.run_dir == interrupted and again.resumed and again.steps == 4
+    finally:
+        _closed(holder)
