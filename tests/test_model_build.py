@@ -449,3 +449,21 @@ def test_a_completion_that_stops_counts_its_eos_in_both_engines(random_model_dir
     assert (texts[0], lengths[0]) == ("", 1)
     answers = NativeGenerator(folder, threads=1)(prompts, max_new_tokens=12, do_sample=False)
     assert [a[0] for a in answers] == list(zip(texts, lengths))
+
+
+def test_the_time_budget_counts_training_only(tmp_path, monkeypatch):
+    """--time-budget guards the training loop (its help: "the training wall-clock guard"); the tokenizer before it,
+    slow here by 2 s, is not charged to it: counted from the build's start, a 1.5 s budget stopped before step 0."""
+    import time
+
+    import tlt.model.tokenizer as tokenizer
+
+    real = tokenizer.build_tokenizer
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "build_tokenizer", slow)
+    facts = build_model("tiny", tmp_path / "m", seed=0, max_steps=1, time_budget_s=1.5, eval_n=0)
+    assert facts["steps"] == 1 and facts["stopped_by_time"] is False
