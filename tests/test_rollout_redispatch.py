@@ -256,3 +256,44 @@ def test_a_stalled_replicas_request_goes_on_on_the_other_replica(model_dir):
         assert got == Counter((p, i) for p in range(2) for i in range(N)), got
         assert pool.redispatches >= 1 and not pool.replicas[holder].alive
         assert "stalled" in pool.replicas[holder].error
+
+
+def test_what_a_replica_counted_dead_still_sends_is_dropped(model_dir):
+    """The watchdog (or an update timeout) counts a replica dead before its SIGKILL lands: its requests go on
+    elsewhere at once, and whatever it still sends (steps, completions of the very samples re-dispatched) must
+    reach nobody. Here the kill is held back (both replicas SIGSTOPped, the dead one's kill a no-op) and the dead
+    replica is let run to its end before the other starts: each completion comes once, from the other replica, and
+    the late tokens are neither counted nor taken off anyone's outstanding sequences."""
+    with ServerThread(model_dir, replicas=2) as s, RolloutClient(s.grpc_address, timeout_s=120) as c:
+        pool = s.server.pool
+        params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+        outs: list = []
+        t = threading.Thread(target=lambda: outs.extend(c.generate("1+2=", n=N, params=params)), daemon=True)
+        pids = s.server.replica_pids()
+        t.start()
+        _wait(lambda: any(rep.outstanding == N for rep in pool.replicas), "the request never reached a replica", 30)
+        dead = next(rep for rep in pool.replicas if rep.outstanding == N)
+        other = pool.replicas[1 - dead.replica_id]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            dead.process.kill = lambda: None  # counted dead, its SIGKILL not landed yet
+
+            async def count_it_dead() -> None:
+                pool._kill(dead, "stalled (test): killed")
+
+            s.call(count_it_dead())
+            assert pool.redispatches == 1 and other.outstanding == N and dead.outstanding == 0
+            generated = pool.generated_tokens
+            since = time.monotonic()
+            os.kill(pids[dead.replica_id], signal.SIGCONT)  # it runs its samples to their end and sends them
+            _wait(lambda: dead.heard > since and time.monotonic() - dead.heard > 1.0, "the dead replica sent nothing")
+            assert pool.generated_tokens == generated and dead.outstanding == 0 and not outs
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            os.kill(pids[dead.replica_id], signal.SIGKILL)
+        t.join(120)
+        assert sorted(o.sample_index for o in outs) == list(range(N)), outs
+        assert {o.replica_id for o in outs} == {other.replica_id}
+        _wait(lambda: pool.pending_sequences == 0 and other.outstanding == 0, "sequences still counted", 10)
