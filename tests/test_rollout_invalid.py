@@ -335,3 +335,26 @@ def test_a_request_with_several_schema_errors_names_the_first_in_param(server):
     err = r.json()["error"]
     assert err["param"] == "temperature", err
     assert all(f in err["message"] for f in ("temperature", "top_p", "n")), err
+
+
+def test_a_request_the_engine_refuses_leaves_nothing_counted_on_its_replica(server):
+    """The fronts check what they can before a request reaches a replica, but an engine may still refuse one (the
+    SGLang backend: a prompt + max_tokens that leaves no room for its reserved draft slots, or a KV cache still
+    released): its caller gets InvalidRequestError and the replica's count drops by every sequence of it. Before,
+    nothing checked the count after a refusal of n > 1; a pool that dropped one of the n kept n - 1 outstanding for
+    ever (admission then refused requests that would fit, load balancing steered away from an idle replica). Here
+    the native engine refuses a prompt id outside its vocabulary, sent to the real pool past the fronts' checks."""
+    from tlt.services.rollout.errors import InvalidRequestError
+    from tlt.services.rollout.types import GenerationRequest, SamplingParams
+
+    pool = server.server.pool
+
+    async def refused() -> str:
+        req = GenerationRequest("refused-n3", (10**6,), SamplingParams(max_tokens=4), n=3)
+        with pytest.raises(InvalidRequestError) as err:
+            async for _ in pool.generate(req):
+                pass
+        return str(err.value)
+
+    assert "prompt token ids" in server.call(refused())
+    assert [r.outstanding for r in pool.replicas] == [0] * len(pool.replicas) and pool.pending_sequences == 0
