@@ -71,6 +71,10 @@ def test_a_replica_that_served_a_while_is_restarted_again(model_dir):
         assert len(c.generate("1+2=", params=rollout_pb2.SamplingParams(max_tokens=4))[0].token_ids) == 4
         _kill_and_wait(s, c, restarted=False)  # died again at once: a crash loop, and max_restarts=1 is spent
         assert s.server.pool.restarts == {0: 1}
+        # every death counts, the restarted process's too (/metrics' rollout_replica_deaths_total)
+        assert s.server.pool.deaths == {0: 3}
+        text = httpx.get(f"http://127.0.0.1:{s.server.http_port}/metrics", timeout=10).text
+        assert 'rollout_replica_deaths_total{replica="0"} 3.0' in text, text
 
 
 def _rejected_unavailable(base: str) -> float:
