@@ -165,3 +165,15 @@ def test_the_generator_draws_every_start_operation_and_operand_the_task_defines(
     assert operands == {"+": set(range(1, 10)), "-": set(range(1, 10)), "*": set(range(2, 10))}
     short = generate_problems(300, seed=9, max_steps=3)
     assert {p.steps for p in short} == {1, 2, 3}
+
+
+def test_export_to_stdout(tmp_path, monkeypatch, capsys):
+    """`--out -` writes the JSONL to stdout (for a pipe), not to a file named '-'."""
+    from tlt.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["task", "export", "--n", "3", "--seed", "4", "--out", "-"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["question"] for row in rows] == [p.prompt for p in generate_problems(3, seed=4)]
+    assert list(tmp_path.iterdir()) == []
