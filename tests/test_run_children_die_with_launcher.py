@@ -59,3 +59,15 @@ def test_service_exits_when_the_launcher_is_killed(tmp_path: Path) -> None:
             launcher.kill()
         if child and not pid_gone(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_child_whose_launcher_is_already_gone_does_not_start() -> None:
+    """PR_SET_PDEATHSIG only covers a parent that dies after the call: a child whose launcher died before it got
+    there (its parent is now another process) exits at once naming the launcher, instead of running orphaned."""
+    gone = subprocess.run([sys.executable, "-m", "tlt.cli", "--version"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TLT_DIE_WITH_PARENT": "1"})
+    assert gone.returncode == 1 and "the launcher (pid 1) is gone; not starting" in gone.stderr, gone
+    assert gone.stdout == ""
+    mine = subprocess.run([sys.executable, "-m", "tlt.cli", "--version"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TLT_DIE_WITH_PARENT": str(os.getpid())})
+    assert mine.returncode == 0 and mine.stdout.startswith("tlt "), mine
