@@ -142,3 +142,13 @@ def test_model_eval_on_a_model_with_too_short_a_context_is_one_line(tmp_path, ca
     rc, out = _tlt(["model", "eval", "--model", str(model), "--n", "2"], capfd)
     assert rc == 2 and "Traceback" not in out, (rc, out[-3000:])
     assert "context is 128 tokens" in out and "needs a longer context" in out, out[-3000:]
+
+
+def test_a_weight_file_cut_short_read_through_transformers_is_named_in_one_line(base, tmp_path, capfd) -> None:
+    """`tlt model eval --engine transformers` reads the weights through transformers, whose SafetensorError names no
+    file ("Error while deserializing header: ..."): the one line says a .safetensors file this command read is not
+    readable and to copy or write it again."""
+    model = _damaged(base, tmp_path, "truncated")
+    rc, out = _tlt(["model", "eval", "--engine", "transformers", "--model", str(model), "--n", "2"], capfd)
+    assert rc == 2 and "Traceback" not in out and "bad_checkpoint" in out, (rc, out[-3000:])
+    assert "a .safetensors weight file this command read is not readable" in out, out[-3000:]
