@@ -274,6 +274,9 @@ def test_compare_is_paired_by_problem():
     diff = compare(report([True, True, False], [2, 1, 0], 2), report([False, True, False], [1, 1, 1], 2))
     assert diff["greedy"].mean == 1 / 3 and diff["sampled"].mean == 0.0  # sampled: +0.5, 0, -0.5
     assert abs(diff["sampled"].se - 0.5 / 3**0.5) < 1e-12
+    # each report's counts are shares of its own samples: 2 of 2 against 2 of 4 is +0.5, not 0
+    diff = compare(report([True, False], [2, 0], 2), report([True, False], [2, 0], 4))
+    assert diff["sampled"].mean == 0.25 and diff["greedy"].mean == 0.0
 
 
 def test_eval_scores_over_every_problem_and_sample():
