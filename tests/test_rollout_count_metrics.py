@@ -80,3 +80,4 @@ def test_the_counts_go_on_across_a_replica_restart() -> None:
     assert scrape(100, 5, 2) == (5, 2)
     assert scrape(200, 1, 1) == (6, 3)  # restarted: its 1 and 1 are new
     assert scrape(200, 4, 1) == (9, 3)
+    assert scrape(300, 6, 1) == (15, 4)  # restarted again, past the old process's totals: all of its 6 and 1 are new
