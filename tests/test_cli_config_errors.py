@@ -102,6 +102,9 @@ def test_a_refusal_naming_several_fields_prints_one_line_each(capsys, monkeypatc
     lines = err.splitlines()
     assert "bad_config" in lines[0] and "invalid [trainer] config:" in lines[0], err
     assert lines[1].startswith("  lr='fast'") and lines[2].startswith("  steps=-3"), err
+    monkeypatch.setenv("TLT_LOG_JSON", "1")  # the environment's choice holds where no --log-json is given
+    assert main(["train", "--set", "lr=fast", "--set", "steps=-3", "--print-config"]) == 2
+    assert json.loads(capsys.readouterr().err)["error"].startswith("invalid [trainer] config:\n  lr='fast'")
 
 
 DRAFTER_ENDPOINTS = ("capacity_pub", "capacity_snapshot", "features_bind", "coordinator_bind")  # ZeroMQ
