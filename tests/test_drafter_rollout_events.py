@@ -127,6 +127,36 @@ def test_a_policy_push_makes_every_replica_busy_while_it_is_applied(model_dir) -
         sub.close()
 
 
+def test_a_drafter_push_leaves_idle_replicas_idle(model_dir, tmp_path) -> None:
+    """A drafter push swaps a few small tensors between two steps: no BUSY for it (drafter workers would stop training
+    on every push they make, and a colocated trainer's lend would be taken back), only the new drafter version on the
+    IDLE the replica repeats. Untested before: a pool that made every replica BUSY for a drafter push passed."""
+    import json
+
+    import safetensors.torch
+    import torch
+
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    torch.manual_seed(3)
+    Drafter(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"]).save(tmp_path)
+    torch.manual_seed(4)
+    own = Drafter(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"]).state_dict()
+    spec = {"mode": "adaptive", "drafter": "learned", "drafter_path": str(tmp_path)}
+    with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3,
+                      spec=spec) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert [(e.state, e.versions.drafter) for e in sub.snapshot()] == [(IDLE, 0)]
+        with RolloutClient(s.grpc_address, timeout_s=60) as client:
+            assert client.update_weights(own, "drafter", 1).ok
+        seen = _events_until(sub, lambda seen: seen[-1].versions.drafter == 1 and not seen[-1].heartbeat, 10)
+        assert [(e.state, e.versions.drafter) for e in seen if not e.heartbeat] == [(IDLE, 1)], seen
+        sub.close()
+
+
 def _six_sequences_until_idle(s, sub, max_tokens: int, timeout_s: float) -> list:
     """Run 3 prompts x n=2 through the server in a thread; the capacity events until the replica is IDLE again."""
     import threading
