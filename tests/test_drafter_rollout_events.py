@@ -6,6 +6,7 @@ consumer drops and counts, never blocks)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -154,6 +155,39 @@ def test_a_drafter_push_leaves_idle_replicas_idle(model_dir, tmp_path) -> None:
             assert client.update_weights(own, "drafter", 1).ok
         seen = _events_until(sub, lambda seen: seen[-1].versions.drafter == 1 and not seen[-1].heartbeat, 10)
         assert [(e.state, e.versions.drafter) for e in seen if not e.heartbeat] == [(IDLE, 1)], seen
+        sub.close()
+
+
+def test_a_replica_killed_during_a_policy_push_is_never_idle_again(model_dir) -> None:
+    """A replica that misses a policy push's update_timeout_s is killed (DRAINING); the push holds on the other. The
+    push's end makes the replicas it was applied on IDLE again, but never the dead one: a drafter worker seeing IDLE
+    would load onto a device whose replica is gone (and, with max_restarts = 0, never comes back). Untested before:
+    a pool that made every replica of the push IDLE again, dead or not, passed."""
+    import os
+    import signal
+
+    import safetensors.torch
+
+    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    changed = {"model.norm.weight": weights["model.norm.weight"] * 1.25}
+    with ServerThread(model_dir, replicas=2, max_restarts=0, update_timeout_s=1.0, capacity_pub="tcp://127.0.0.1:*",
+                      capacity_heartbeat_s=0.3) as s:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        assert sorted((e.replica_id, e.state) for e in sub.snapshot()) == [(0, IDLE), (1, IDLE)]
+        pid = s.server.replica_pids()[1]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with RolloutClient(s.grpc_address, timeout_s=60) as client:
+                assert client.update_weights(changed, "policy", 1).ok
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        seen = _events_until(sub, lambda seen: False, 1.5)  # everything the push's end published, and then some
+        mine = [e.state for e in seen if e.replica_id == 1 and not e.heartbeat]
+        assert mine and mine[-1] == common_pb2.REPLICA_STATE_DRAINING, mine
+        assert IDLE not in mine[mine.index(common_pb2.REPLICA_STATE_DRAINING):], mine
+        assert {e.replica_id: e.state for e in sub.snapshot()} == {0: IDLE, 1: common_pb2.REPLICA_STATE_DRAINING}
         sub.close()
 
 
