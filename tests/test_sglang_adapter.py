@@ -181,6 +181,9 @@ def test_policy_update_session_order(model_dir):
     assert (c.versions.policy, c.versions.policy_min) == (1, None)
     with pytest.raises(ValueError, match="not newer"):
         eng.update_weights("policy", {}, version=1)
+    eng.add_request(GenerationRequest("t", (1,), n=2))  # each sample running through an update counts, not the update
+    eng.update_weights("policy", {"model.embed_tokens.weight": torch.ones(64, 8)}, version=2)
+    assert eng.stats().spec["policy_spanning"] == 3
 
 
 def test_drafter_update_pauses_in_place_without_flush(model_dir):
@@ -303,6 +306,8 @@ def test_requests_leave_room_for_sglang_reserved_draft_slots(model_dir):
         eng.add_request(GenerationRequest("p", tuple(range(120))))
     with pytest.raises(ValueError, match="does not fit"):
         eng.add_request(GenerationRequest("m", tuple(range(100)), SamplingParams(max_tokens=21)))
+    eng.add_request(GenerationRequest("x", tuple(range(100)), SamplingParams(max_tokens=20)))  # fits exactly
+    assert fake.submitted["x#0"].sampling_dict()["max_new_tokens"] == 20
     # The old default (context - prompt) is what SGLang refuses: the fake ends it as aborted.
     (call,) = generate_calls(GenerationRequest("old", tuple(range(100))), 128 - 100, True)
     fake.submit(call)
