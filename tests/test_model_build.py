@@ -198,6 +198,7 @@ def test_model_eval_shows_progress_on_stderr_and_keeps_stdout_json(random_model_
     assert rc == 0, err[-2000:]
     report = json.loads(out)  # stdout is the one JSON object, nothing else
     assert report["n"] == 6 and report["samples"] == 2
+    assert "greedy_correct" not in report and "sampled_correct" not in report  # per problem: left out of as_dict
     assert "eval: 100%" in err and "18/18" in err  # 6 problems x (greedy + 2 samples), native engine
 
 
@@ -470,3 +471,17 @@ def test_the_time_budget_counts_training_only(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer, "build_tokenizer", slow)
     facts = build_model("tiny", tmp_path / "m", seed=0, max_steps=1, time_budget_s=1.5, eval_n=0)
     assert facts["steps"] == 1 and facts["stopped_by_time"] is False
+
+
+def test_norm_weights_are_not_weight_decayed(tmp_path):
+    """The build decays only the matrices (weight_decay 0.1), not the RMSNorm weights or the embeddings. After one
+    AdamW step at warm-up's first lr (1e-3 / 40) a norm weight, 1 at init, moves by at most that lr (Adam's first
+    step is lr * g / (|g| + eps)); decayed, one moving down would move by 10% more (1 - lr * 0.1 first)."""
+    from safetensors.torch import load_file
+
+    build_model("tiny", tmp_path / "m", seed=0, max_steps=1, eval_n=0)
+    lr0 = lr_at(0, lr=1e-3, warmup=40, total=1, min_ratio=0.1)
+    norms = {k: v for k, v in load_file(str(tmp_path / "m" / "model.safetensors")).items() if "norm" in k}
+    assert len(norms) == 2 * 12 + 1
+    moved = max(float((w - 1).abs().max()) for w in norms.values())
+    assert 0.5 * lr0 < moved <= lr0 * 1.02, (moved, lr0)
