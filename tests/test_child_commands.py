@@ -9,10 +9,13 @@ passes -P on; these tests hold every spawner to it and show that it works with a
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SPAWN = re.compile(r"""["']-m["']\s*,\s*["']tlt\.cli["']""")
@@ -75,3 +78,18 @@ def test_without_safe_path_the_child_would_import_the_decoy(tmp_path: Path) -> N
     done = _child_version(tmp_path, safe_path=False)
     assert done.returncode != 0
     assert "decoy" in done.stderr
+
+
+def test_a_parent_that_imports_from_the_current_folder_gives_its_children_the_same(monkeypatch) -> None:
+    """`python -m tlt.cli run` from an uninstalled checkout imports tlt through the current folder, which `-m` puts on
+    sys.path as its absolute path: its children must keep it (no -P) or they cannot import tlt at all. Only a parent
+    without the current folder on its path ("", "." or that path) passes -P."""
+    from tlt.cli import tlt_command
+
+    if sys.flags.safe_path:
+        pytest.skip("this interpreter runs with -P: every child gets it")
+    others = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+    monkeypatch.setattr(sys, "path", [os.getcwd(), *others])
+    assert "-P" not in tlt_command("--version")
+    monkeypatch.setattr(sys, "path", others)
+    assert tlt_command("--version")[1] == "-P"
