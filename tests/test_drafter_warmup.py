@@ -30,6 +30,17 @@ def test_warmup_cli(tmp_path) -> None:
     assert names and not any("embed" in n or "lm_head" in n for n in names)
     _, embed, head = target_shared(model)
     load_drafter(out, embed, head)  # loads with the target's shared tensors
+    # --depth is the chain depth of both scores, the trained start's too: this drafter, scored before another epoch,
+    # accepts less in a chain of 1 than in one of 6 (a "before" scored at the default 6 whatever --depth said passed)
+    before = {}
+    for depth in (1, 6):
+        assert main(["drafter", "warmup", "--model", str(model), "--out", str(tmp_path / f"e{depth}"), "--init",
+                     str(out), "--problems", "16", "--epochs", "1", "--temperature", "0", "--max-new-tokens", "48",
+                     "--rows", "4", "--row-tokens", "128", "--depth", str(depth)]) == 0
+        again = json.loads((tmp_path / f"e{depth}" / "warmup.json").read_text())
+        assert again["depth"] == depth
+        before[depth] = again["accept_len_before"]
+    assert 1.0 < before[1] < before[6] and before[1] <= 2.0, before
 
 
 def test_heldout_split_keeps_every_window_of_a_sequence_together() -> None:
