@@ -297,3 +297,51 @@ def test_what_a_replica_counted_dead_still_sends_is_dropped(model_dir):
         assert sorted(o.sample_index for o in outs) == list(range(N)), outs
         assert {o.replica_id for o in outs} == {other.replica_id}
         _wait(lambda: pool.pending_sequences == 0 and other.outstanding == 0, "sequences still counted", 10)
+
+
+def test_a_stream_redispatched_before_its_first_token_gets_no_step_of_the_dead_replica(model_dir):
+    """A stream whose replica is counted dead before it sent a token goes on elsewhere; the steps the dead replica
+    still sends (its kill not landed yet) must not reach it, or the client's text would mix two replicas' tokens.
+    Both replicas are SIGSTOPped before the request arrives, so nothing is streamed before the re-dispatch."""
+    import asyncio
+
+    from tlt.services.rollout.types import CompletionOutput, GenerationRequest, SamplingParams, StepOutput
+
+    with ServerThread(model_dir, replicas=2) as s:
+        pool = s.server.pool
+        pids = s.server.replica_pids()
+        req = GenerationRequest("late-steps", (5, 6, 7), SamplingParams(temperature=1.0, max_tokens=20,
+                                                                        ignore_eos=True), n=2)
+
+        async def collect() -> list:
+            return [ev async for ev in pool.generate(req, want_steps=True)]
+
+        dead = None
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(collect(), s.loop)
+            _wait(lambda: any(rep.outstanding == 2 for rep in pool.replicas), "the request never reached a replica", 30)
+            dead = next(rep for rep in pool.replicas if rep.outstanding == 2)
+            other = pool.replicas[1 - dead.replica_id]
+            dead.process.kill = lambda: None  # counted dead, its SIGKILL not landed yet
+
+            async def count_it_dead() -> None:
+                pool._kill(dead, "stalled (test): killed")
+
+            s.call(count_it_dead())
+            assert pool.redispatches == 1 and other.outstanding == 2
+            since = time.monotonic()
+            os.kill(pids[dead.replica_id], signal.SIGCONT)
+            _wait(lambda: dead.heard > since and time.monotonic() - dead.heard > 1.0, "the dead replica sent nothing")
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            if dead is not None:
+                os.kill(pids[dead.replica_id], signal.SIGKILL)
+        events = fut.result(120)
+        done = {e.sample_index: e for e in events if isinstance(e, CompletionOutput)}
+        assert sorted(done) == [0, 1] and {c.replica_id for c in done.values()} == {other.replica_id}
+        for i, c in done.items():
+            streamed = [t for e in events if isinstance(e, StepOutput) and e.sample_index == i for t in e.new_token_ids]
+            assert streamed == list(c.token_ids), (i, streamed, c.token_ids)
