@@ -168,17 +168,22 @@ def uncomputed_registered(engine: LLMEngine) -> int:
 STEPS = [(1, 4, 0), (2, 8, 0), (3, 9, 1)]  # steps before the abort / push, blocks computed by then, DEFERs
 
 
-@pytest.mark.parametrize("steps, computed, defers", STEPS)
-def test_a_sibling_waiting_on_a_chunked_prefill_is_exact_when_the_owner_is_aborted(ckpts, alone, steps, computed,
-                                                                                  defers):
-    g = random.Random(1)
-    p = rand_prompt(g, 38)
-    engine = engine_for(ckpts[0])
+def owner_and_waiter(ckpt, seed: int, steps: int):  # noqa: ANN001, ANN201
+    """The "owner" and "waiter" of STEPS (prompts of `seed`) added to a fresh engine, after `steps` steps."""
+    p = rand_prompt(random.Random(seed), 38)
+    engine = engine_for(ckpt)
     spy = Spy(engine)
     engine.add_request(GenerationRequest("owner", tuple(p + [7]), greedy()))
     engine.add_request(GenerationRequest("waiter", tuple(p + [8]), greedy()))
     for _ in range(steps):
         engine.step()
+    return p, engine, spy
+
+
+@pytest.mark.parametrize("steps, computed, defers", STEPS)
+def test_a_sibling_waiting_on_a_chunked_prefill_is_exact_when_the_owner_is_aborted(ckpts, alone, steps, computed,
+                                                                                  defers):
+    p, engine, spy = owner_and_waiter(ckpts[0], 1, steps)
     assert spy.deferred.count("waiter") == defers and not engine._seqs["waiter"][0].block_table
     assert uncomputed_registered(engine) == 9 - computed
     engine.abort_request("owner")
@@ -192,14 +197,7 @@ def test_a_sibling_waiting_on_a_chunked_prefill_is_exact_when_the_owner_is_abort
 
 @pytest.mark.parametrize("steps, computed, defers", STEPS)
 def test_a_sibling_waiting_across_a_weight_push_computes_under_the_new_weights(ckpts, alone, steps, computed, defers):
-    g = random.Random(2)
-    p = rand_prompt(g, 38)
-    engine = engine_for(ckpts[0])
-    spy = Spy(engine)
-    engine.add_request(GenerationRequest("owner", tuple(p + [7]), greedy()))
-    engine.add_request(GenerationRequest("waiter", tuple(p + [8]), greedy()))
-    for _ in range(steps):
-        engine.step()
+    p, engine, spy = owner_and_waiter(ckpts[0], 2, steps)
     assert spy.deferred.count("waiter") == defers and uncomputed_registered(engine) == 9 - computed
     engine.update_weights("policy", safetensors.torch.load_file(str(ckpts[1] / "model.safetensors")), 1)
     engine.add_request(GenerationRequest("after", tuple(p + [9]), greedy()))
