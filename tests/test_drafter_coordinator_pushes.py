@@ -225,6 +225,18 @@ def _a_better_candidate(coord, version: int, monkeypatch) -> None:  # noqa: ANN0
         coord.candidate_version = version
 
 
+def _v1_wins_and_is_refused(coord, monkeypatch) -> dict:  # noqa: ANN001
+    """Candidate v1 wins the gate and the rollout (serving a newer foreign drafter) refuses its push as not newer;
+    returns v1's tensors, the weights that won."""
+    from tlt.services.drafter.training import own_tensors
+
+    _a_better_candidate(coord, 1, monkeypatch)
+    won = own_tensors(coord.candidate)
+    with pytest.raises(WeightPushError):
+        coord.evaluate_and_publish()
+    return won
+
+
 @pytest.mark.parametrize("landed", [True, False])
 def test_a_push_cut_by_a_coordinator_kill_is_still_owed_after_the_restart(tmp_path, model_dir, monkeypatch,
                                                                           landed) -> None:
@@ -339,7 +351,6 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
     import torch
 
     from tlt.services.drafter.training import tensors_message
-    from tlt.services.drafter.training import own_tensors
     from tlt.v1 import drafter_pb2
 
     def delta(base: int, by: float) -> drafter_pb2.DeltaUpdate:
@@ -349,10 +360,7 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
     rollout = _RolloutServing(10)
     coord = gated_coordinator(tmp_path, model_dir, rollout)  # not started: the gate is called by hand
     try:
-        _a_better_candidate(coord, 1, monkeypatch)
-        won = own_tensors(coord.candidate)
-        with pytest.raises(WeightPushError):
-            coord.evaluate_and_publish()
+        won = _v1_wins_and_is_refused(coord, monkeypatch)
         if moved_on:
             assert coord.apply_delta(delta(1, 0.001)) == 2
         coord.push_pending()  # the gate loop's next round
@@ -394,16 +402,13 @@ def test_a_push_renumbered_past_a_candidate_that_moved_beyond_the_rollout_takes_
     candidate had carried (other weights) and the candidate v5 again; one number, one drafter."""
     import torch
 
-    from tlt.services.drafter.training import own_tensors, tensors_message
+    from tlt.services.drafter.training import tensors_message
     from tlt.v1 import drafter_pb2
 
     rollout = _RolloutServing(3)
     coord = gated_coordinator(tmp_path, model_dir, rollout)  # not started: the gate is called by hand
     try:
-        _a_better_candidate(coord, 1, monkeypatch)
-        won = own_tensors(coord.candidate)
-        with pytest.raises(WeightPushError):
-            coord.evaluate_and_publish()
+        won = _v1_wins_and_is_refused(coord, monkeypatch)
         for base in (1, 2, 3, 4):
             m, p = tensors_message({k: torch.full_like(v, 0.001) for k, v in won.items()}, base)
             assert coord.apply_delta(drafter_pb2.DeltaUpdate(base_version=base, manifest=m, payload=p)) == base + 1
