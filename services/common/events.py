@@ -125,15 +125,7 @@ class CapacityPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._rep = self._ctx.socket(zmq.REP)
         self._rep.setsockopt(zmq.LINGER, 0)
-        try:
-            self._auth.bind(self._pub, bind_pub)
-            self._auth.bind(self._rep, bind_snapshot)
-        except (zmq.ZMQError, ValueError):  # ZmqAuthError is a ValueError (ConfigError); nothing left behind
-            self._pub.close()
-            self._rep.close()
-            self._auth.close()
-            self._ctx.term()
-            raise
+        self._auth.bind_or_release((self._pub, bind_pub), (self._rep, bind_snapshot))
         self.pub_endpoint = _endpoint(self._pub)
         self.snapshot_endpoint = _endpoint(self._rep)
         self._lock = threading.Lock()
@@ -411,13 +403,7 @@ class FeaturePuller:
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._auth = ZmqAuth(self._ctx, token)
-        try:
-            self._auth.bind(self._sock, bind)
-        except (zmq.ZMQError, ValueError):  # ZmqAuthError is a ValueError (ConfigError); nothing left behind
-            self._sock.close()
-            self._auth.close()
-            self._ctx.term()
-            raise
+        self._auth.bind_or_release((self._sock, bind))
         self.endpoint = _endpoint(self._sock)
 
     def recv(self, timeout_s: float) -> FeatureBatch | None:

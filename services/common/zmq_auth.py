@@ -129,6 +129,19 @@ class ZmqAuth:
         sock.curve_secretkey = self.keys.server_secret
         sock.bind(endpoint)
 
+    def bind_or_release(self, *binds: tuple[zmq.Socket, str]) -> None:
+        """`bind` each (socket, endpoint); when one fails (ZMQError, or ZmqAuthError: a ValueError), close every one
+        of them, stop the authenticator and end the context, then raise: a constructor that fails leaves nothing."""
+        try:
+            for sock, endpoint in binds:
+                self.bind(sock, endpoint)
+        except (zmq.ZMQError, ValueError):
+            for sock, _ in binds:
+                sock.close()
+            self.close()
+            self.ctx.term()
+            raise
+
     def connect(self, sock: zmq.Socket, endpoint: str, watch: bool = False) -> HandshakeWatch | None:
         """Connect `sock` as a CURVE client of the token's server; with no token, plain. `watch`: also return a
         HandshakeWatch of its handshakes (made before the connect, so the first one is seen)."""

@@ -159,11 +159,8 @@ class Coordinator(WorkerRequests, PublishGate):
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         try:
-            self._zmq_auth.bind(self._router, config.coordinator_bind)
+            self._zmq_auth.bind_or_release((self._router, config.coordinator_bind))
         except (zmq.ZMQError, ValueError):  # ZmqAuthError is a ValueError (ConfigError)
-            self._router.close()
-            self._zmq_auth.close()
-            self._ctx.term()
             if self.rollout is not None:
                 self.rollout.close()
             raise
