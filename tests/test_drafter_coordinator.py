@@ -117,6 +117,22 @@ def test_bad_feature_sequences_are_refused_at_ingest_and_counted(tmp_path, model
         puller.close()
 
 
+def _count_scorings(coord) -> list[int]:  # noqa: ANN001
+    """Detach the coordinator from the rollout and count its scorings: the returned list gets the size of each
+    held-out set scored. The caller puts the real `mean_accept_length` back."""
+    import tlt.services.drafter.coordinator_gate as coordinator_mod
+
+    real, calls = coordinator_mod.mean_accept_length, []
+
+    def counting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+        calls.append(len(held))
+        return real(drafter, held, depth, None)
+
+    coord.rollout = None
+    coordinator_mod.mean_accept_length = counting
+    return calls
+
+
 def test_serving_drafter_is_scored_once_per_held_out_set(tmp_path, model_dir, samples) -> None:
     """Between two rollouts several candidates are scored against the same held-out set; the serving
     drafter's score is reused (it is ~0.4 CPU-s per scoring on the tiny model, in the trainer's time on a
@@ -126,14 +142,7 @@ def test_serving_drafter_is_scored_once_per_held_out_set(tmp_path, model_dir, sa
     pushes: list = []
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)  # the gate never fires
     real = coordinator_mod.mean_accept_length
-    calls: list[int] = []
-
-    def counting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
-        calls.append(len(held))
-        return real(drafter, held, depth, None)
-
-    coord.rollout = None  # scoring is called directly here, not through the gate
-    coordinator_mod.mean_accept_length = counting
+    calls = _count_scorings(coord)  # scoring is called directly here, not through the gate
     try:
         with coord._lock:
             coord.candidate_version = 1  # the candidate is still the serving drafter: never better
@@ -175,14 +184,8 @@ def test_too_few_held_out_tokens_score_and_push_nothing(tmp_path, model_dir, sam
 
     pushes: list = []
     pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)  # the gate never fires
-    real, calls = coordinator_mod.mean_accept_length, []
-
-    def counting(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
-        calls.append(len(held))
-        return real(drafter, held, depth, None)
-
-    coord.rollout = None  # scoring is called directly here, not through the gate
-    coordinator_mod.mean_accept_length = counting
+    real = coordinator_mod.mean_accept_length
+    calls = _count_scorings(coord)  # scoring is called directly here, not through the gate
     try:
         held = sum(len(s) for s in coord.buffer.holdout(0))
         assert held > 0
