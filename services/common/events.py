@@ -427,14 +427,19 @@ class FeaturePuller:
         when `timeout_s` passes without one; 0 looks without waiting. Never blocks past the poll: libzmq can say
         POLLIN with nothing to take (its ZAP path with a receive queue of one, zmq_auth.ZmqAuth.bind), where a
         blocking receive would hold the drafter's ingest thread, and its close, forever."""
-        if not self._sock.poll(timeout=int(max(0.0, timeout_s) * 1000)):
-            return None
-        try:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        self.frames += 1
-        return frames
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            if not self._sock.poll(timeout=int(max(0.0, deadline - time.monotonic()) * 1000)):
+                return None
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:  # ready with nothing to take: wait on for the rest of timeout_s, as the caller asked
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.001)
+                continue
+            self.frames += 1
+            return frames
 
     def parse(self, frames: list[bytes]) -> FeatureBatch | None:
         """The batch in a frame of `recv_frame`; None (counted) for garbage."""
