@@ -150,7 +150,7 @@ def test_frames_held_while_the_rollout_decodes_are_counted_in_the_order_they_cam
         def busy(self) -> bool:
             return self.decoding
 
-    puller, rollout = events_mod.FeaturePuller("tcp://127.0.0.1:46300"), Rollout()
+    puller, rollout = events_mod.FeaturePuller("tcp://127.0.0.1:*"), Rollout()
     buf = FeatureBuffer(16, 16, 8, 8, 4)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

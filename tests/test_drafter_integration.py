@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,17 +28,12 @@ import pytest
 
 from rollout_helpers import ServerThread, tiny_checkpoint
 from tlt.services.common.events import CapacitySubscriber
+from tlt.services.common.ports import free_port
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, rollout_pb2
 
 BUSY, IDLE = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_IDLE
 LONG_TAIL = [6, 6, 6, 6, 8, 8, 10, 12, 16, 24, 40, 96]  # max_tokens per request: most short, a few long
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EventLog(threading.Thread):

@@ -449,7 +449,9 @@ def test_a_killed_worker_is_started_again_by_its_drafter_serve(tmp_path, model_d
         first = json.loads(ready.read_text())["worker_pids"][0]
         os.kill(first, signal.SIGKILL)
         assert wait_for(lambda: [p for p in workers_of(serve.pid) if p != first], 30), log.read_text()[-2000:]
-        assert "worker_restarted" in log.read_text() and serve.poll() is None
+        # the new worker is forked before its log line is written: wait for the line, not just the process
+        assert wait_for(lambda: "worker_restarted" in log.read_text(), 10), log.read_text()[-2000:]
+        assert serve.poll() is None
         again = [p for p in workers_of(serve.pid) if p != first]
         os.kill(again[0], signal.SIGTERM)  # stopped on purpose: it ends its window and exits 0, and stays stopped
         assert wait_for(lambda: pid_gone(again[0]), 30)

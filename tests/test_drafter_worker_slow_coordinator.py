@@ -2,7 +2,7 @@
 coordinator made one first-window pull take 930 ms with BUSY pending, the drafter on the device all along; a
 request could block the window up to the 10 s request timeout without a look at the capacity events).
 
-Real parts throughout: a CapacityPublisher (the rollout's events) and a Coordinator on 127.0.0.1 ports 44210-44229,
+Real parts throughout: a CapacityPublisher (the rollout's events) and a Coordinator on 127.0.0.1 ports the kernel picks,
 a DrafterWorker on a tiny checkpoint. The coordinator is made slow as a starved one is: its router thread holds one
 kind of request (`handle` waits) until the worker has released the device, or for `HOLD_S`.
 """
@@ -25,11 +25,11 @@ HOLD_S = 5.0  # how long the slow coordinator holds its answer at most (the work
 RELEASE_BOUND_S = 1.0  # BUSY -> device free while the answer is held; ~10 ms here, the bound leaves room for a loaded host
 
 
-def _setup(tmp_path, model_dir, samples, port: int, **over):  # noqa: ANN001, ANN202
-    pub = CapacityPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", heartbeat_s=0.2)
+def _setup(tmp_path, model_dir, samples, **over):  # noqa: ANN001, ANN202
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
     cfg = DrafterServiceConfig(**{**dict(
         capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
-        coordinator_bind=f"tcp://127.0.0.1:{port + 2}", checkpoint_dir=str(tmp_path / "ckpt"), window_tokens=64,
+        coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"), window_tokens=64,
         batch_tokens=64, batch_rows=2, submit_every=2, gate_when_idle=False, pin_cpus=False), **over})
     coord = Coordinator(cfg, str(model_dir), None, None).start()
     coord.buffer.add_samples(samples)
@@ -74,10 +74,10 @@ def _idle(worker: DrafterWorker, pub: CapacityPublisher) -> None:
     assert worker.state == IDLE
 
 
-@pytest.mark.parametrize("kind,port", [("pull", 44210), ("batch_request", 44215)])
+@pytest.mark.parametrize("kind", ["pull", "batch_request"])
 def test_a_busy_while_the_coordinator_holds_a_request_frees_the_device_within_the_bound(tmp_path, model_dir, samples,
-                                                                                        kind, port):
-    pub, coord, worker = _setup(tmp_path, model_dir, samples, port)
+                                                                                        kind):
+    pub, coord, worker = _setup(tmp_path, model_dir, samples)
     try:
         answered = _slow(coord, worker, pub, kind)
         _idle(worker, pub)
@@ -97,7 +97,7 @@ def test_a_busy_while_the_coordinator_holds_a_delta_frees_the_device_and_the_del
         tmp_path, model_dir, samples):
     """The worker gave the send up: whether the delta landed is unknown, so it stays deferred and is sent again at
     the next idle moment; the coordinator, which applied the held one, answers with the version it made."""
-    pub, coord, worker = _setup(tmp_path, model_dir, samples, 44220)
+    pub, coord, worker = _setup(tmp_path, model_dir, samples)
     try:
         answered = _slow(coord, worker, pub, "update")
         _idle(worker, pub)

@@ -22,7 +22,6 @@ from tlt.services.reward.config import RewardConfig
 from tlt.services.reward.server import RewardServer
 from tlt.v1 import reward_pb2
 
-PORT = 44520  # fixer E's range (44500-44599)
 
 BLOCKING = textwrap.dedent("""
     import asyncio
@@ -54,7 +53,7 @@ def _blocked_total(server: RewardServer) -> float:
 
 
 def test_a_blocking_call_in_an_async_function_is_named_and_counted(blocking_module, capsys) -> None:
-    config = RewardConfig(kind="python", function="blocking_judge:judge", port=PORT, workers=4,
+    config = RewardConfig(kind="python", function="blocking_judge:judge", port=0, workers=4,
                           async_block_warn_s=0.6)
     with RewardServer(config) as server, RewardClient(server.address, timeout_s=20, retries=0) as client:
         fast = [reward_pb2.ScoreRequest(id=f"f{i}", completion="fine", reference="1") for i in range(8)]
@@ -75,7 +74,7 @@ def test_a_blocking_call_in_an_async_function_is_named_and_counted(blocking_modu
 
 
 def test_a_sync_function_is_not_watched(blocking_module) -> None:
-    config = RewardConfig(port=PORT + 1, workers=1)
+    config = RewardConfig(port=0, workers=1)
     with RewardServer(config) as server:
         assert server.servicer.watchdog is None
 

@@ -25,6 +25,7 @@ from concurrent import futures as cf
 import grpc
 from structlog.testing import capture_logs
 
+from tlt.services.common.ports import free_port
 from tlt.services.reward import replicas as replicas_mod
 from tlt.services.reward.client import RewardClient, RewardUnavailableError
 from tlt.services.reward.config import RewardConfig
@@ -32,23 +33,10 @@ from tlt.services.reward.server import RewardServer
 from tlt.v1 import reward_pb2
 
 Req = reward_pb2.ScoreRequest
-PORTS = range(44100, 44200)  # this file's ports
-PORTS2 = range(45700, 45800)  # the tests of the review's follow-ups
 
 
-def _port(ports: range = PORTS) -> int:
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {ports}")
-
-
-def _server(verifier, workers: int = 2, ports: range = PORTS) -> RewardServer:  # noqa: ANN001 - (p, c, r) -> bool
-    config = RewardConfig(host="127.0.0.1", port=_port(ports), workers=workers, grace_s=0.5, item_timeout_s=0)
+def _server(verifier, workers: int = 2) -> RewardServer:  # noqa: ANN001 - (p, c, r) -> bool
+    config = RewardConfig(host="127.0.0.1", port=free_port(), workers=workers, grace_s=0.5, item_timeout_s=0)
     return RewardServer(config, verifier=verifier)
 
 
@@ -169,7 +157,7 @@ def test_an_address_refusing_connections_costs_no_retry_and_a_stuck_stream_moves
     fn = Counting()
     release = threading.Event()
     with _server(fn) as s:
-        dead = _port()  # nothing listens on it
+        dead = free_port()  # nothing listens on it
         with RewardClient(f"ipv4:127.0.0.1:{dead},{s.address}", timeout_s=5, retries=0) as client:
             for i in range(8):
                 assert client.score([Req(id=f"d{i}", completion="x", reference="x")])[0].ok
@@ -199,7 +187,7 @@ def test_a_resolver_error_of_any_kind_keeps_the_addresses_known_and_the_name_res
     address list froze for good. Now the error is kept (a call with no address names it), logged once per distinct
     error, and resolution goes on: B, added after the error, is called within a few resolve periods."""
     a_fn, b_fn = Counting(), Counting()
-    with _server(a_fn, ports=PORTS2) as a, _server(b_fn, ports=PORTS2) as b:
+    with _server(a_fn) as a, _server(b_fn) as b:
         calls, addresses = [0], [a.address]
 
         def resolver(_: str) -> list[str]:
@@ -252,7 +240,7 @@ def test_a_client_of_a_name_dropped_without_close_leaves_no_resolve_thread() -> 
     """The resolve thread held the client's Replicas: five clients dropped unclosed left five threads (and their
     channels) for good. Now the thread holds it weakly and ends once it is collected."""
     fn = Counting()
-    with _server(fn, ports=PORTS2) as s:
+    with _server(fn) as s:
         gc.collect()
         before = _resolve_threads()
         for i in range(5):
@@ -277,7 +265,7 @@ def test_a_target_of_another_grpc_scheme_is_left_to_grpc(monkeypatch) -> None:  
     monkeypatch.delenv("GRPC_XDS_BOOTSTRAP", raising=False)
     monkeypatch.delenv("GRPC_XDS_BOOTSTRAP_CONFIG", raising=False)
     before = _resolve_threads()
-    target = f"xds:///reward.test:{_port(PORTS2)}"
+    target = f"xds:///reward.test:{free_port()}"
     with RewardClient(target, timeout_s=2, retries=0, retry_window_s=0) as client:
         assert client.addresses() == [target] and _resolve_threads() == before
         err = client.submit(Req(id="x", reference="1")).exception(timeout=10)
@@ -312,7 +300,7 @@ def test_each_address_of_a_name_is_called_with_the_name_as_its_authority() -> No
     """A replica's channel was made on its IP, so a proxy or mesh routing by host saw `:authority` 127.0.0.1:P instead
     of the name. Now each channel of a resolved name sends `name:port`."""
     seen: list[str] = []
-    port = _port(PORTS2)
+    port = free_port()
     server = _authority_server(port, seen)
     try:
         with RewardClient(f"reward.example:{port}", timeout_s=5, retries=0,
@@ -345,7 +333,7 @@ def test_a_name_resolving_to_ipv6_loopback_first_reaches_a_server_on_127_0_0_1_a
     [::1]:P first, where nothing listens, then 127.0.0.1:P. A fresh client's first two calls (round robin would
     send one to each address), batches or streams, are each answered with no retry."""
     fn = Counting()
-    with _server(fn, ports=PORTS2) as s:
+    with _server(fn) as s:
         both = [f"[::1]:{s.port}", f"127.0.0.1:{s.port}"]
         calls = [lambda c, i: c.submit(Req(id=f"s{i}", completion="x", reference="x")).result(10).ok,
                  lambda c, i: c.score([Req(id=f"b{i}", completion="x", reference="x")])[0].ok,
@@ -372,11 +360,11 @@ def test_replica_liveness_is_read_through_grpc_s_public_api_alone(monkeypatch) -
     as such and every call goes to the live one."""
     real = grpc.insecure_channel
     monkeypatch.setattr(grpc, "insecure_channel", lambda *a, **k: grpc.intercept_channel(real(*a, **k), _PassThrough()))
-    dead = _port(PORTS2)
+    dead = free_port()
     with socket.socket() as hold:  # keep the dead port bound (not listening) so the server cannot take it
         hold.bind(("127.0.0.1", dead))
         fn = Counting()
-        with _server(fn, ports=PORTS2) as s:
+        with _server(fn) as s:
             reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{dead},127.0.0.1:{s.port}", [], timeout_s=5)
             try:
                 deadline = time.monotonic() + 10
@@ -394,7 +382,6 @@ def test_replica_liveness_is_read_through_grpc_s_public_api_alone(monkeypatch) -
                 reps.close()
 
 
-PORTS_R1 = range(44500, 44600)  # the tests of the second review
 
 
 def test_a_client_dropped_without_close_leaves_no_connectivity_polling_thread() -> None:
@@ -403,10 +390,10 @@ def test_a_client_dropped_without_close_leaves_no_connectivity_polling_thread() 
     per address polling them every 0.2 s, for good. The subscription holds the replica weakly now: collected, its
     subscription ends and its channel is closed, and the polling threads end."""
     fn = Counting()
-    dead = _port(PORTS_R1)
+    dead = free_port()
     with socket.socket() as hold:
         hold.bind(("127.0.0.1", dead))  # bound, not listening: refuses connections
-        with _server(fn, ports=PORTS_R1) as s:
+        with _server(fn) as s:
             _drop_clients(s.port, dead)
     assert fn.scored == 4
 
@@ -434,7 +421,6 @@ def _drop_clients(port: int, dead: int) -> None:
             time.sleep(0.05)
 
 
-PORTS_C = range(44200, 44300)  # mutation audit C's follow-ups
 
 
 def _ready_pair(a, b):  # noqa: ANN001, ANN202 - two live RewardServers
@@ -460,7 +446,7 @@ def test_a_retry_goes_to_another_replica_than_its_failed_attempt_and_a_timed_out
     other is as good, however the round robin stands (other calls move it meanwhile). A replica that timed out a call
     gets none for timeout_s, then one probe per timeout_s, not every other call: the probe pushes its own next turn
     timeout_s on."""
-    with _server(Counting(), ports=PORTS_C) as a, _server(Counting(), ports=PORTS_C) as b:
+    with _server(Counting()) as a, _server(Counting()) as b:
         reps, first, second = _ready_pair(a, b)
         try:
             assert _picks(reps, 4, failed=first) == [second.address] * 4

@@ -15,7 +15,6 @@ from tlt.services.reward.config import RewardConfig
 from tlt.services.reward.server import RewardServer
 from tlt.services.trainer.rewards import GrpcRewards, RewardError
 
-PORT = 44510  # fixer E's range (44500-44599)
 DEGENERATE = " the" * (80 << 10)  # 320 KiB: a long run of one token, over the default 256 KiB
 
 
@@ -36,7 +35,7 @@ def _score(config: RewardConfig, items: list[tuple[str, str, str, str]], verifie
 
 
 def test_a_degenerate_completion_scores_the_minimum_and_the_step_goes_on() -> None:
-    config = RewardConfig(port=PORT, workers=2, grace_s=0.5)
+    config = RewardConfig(port=0, workers=2, grace_s=0.5)
     assert config.max_item_bytes == 256 << 10
     out, metrics = _score(config, [("long", "What is 3+4?", "answer: 7" + DEGENERATE, "7"),
                                    ("good", "What is 3+4?", r"so \boxed{7}", "7")])
@@ -47,13 +46,13 @@ def test_a_degenerate_completion_scores_the_minimum_and_the_step_goes_on() -> No
 
 
 def test_the_minimum_is_configurable_and_the_verifier_never_runs_on_it() -> None:
-    config = RewardConfig(port=PORT + 1, workers=1, grace_s=0.5, max_item_bytes=1000, oversized_reward=-1.0)
+    config = RewardConfig(port=0, workers=1, grace_s=0.5, max_item_bytes=1000, oversized_reward=-1.0)
     out, _ = _score(config, [("long", "q", "x" * 2000, "7")], verifier=_never_called)
     assert (out["long"].reward, out["long"].correct) == (-1.0, False)
 
 
 def test_a_data_row_over_the_limit_still_fails_the_step_naming_it() -> None:
-    config = RewardConfig(port=PORT + 2, workers=1, grace_s=0.5, max_item_bytes=1000)
+    config = RewardConfig(port=0, workers=1, grace_s=0.5, max_item_bytes=1000)
     with pytest.raises(RewardError, match="prompt, reference and metadata"):
         _score(config, [("row", "q" * 2000, "answer: 7", "7")])
 
@@ -70,11 +69,11 @@ def test_oversized_reward_must_fit_the_reward_field() -> None:
 def test_the_limit_counts_bytes_so_a_multibyte_completion_is_over_it() -> None:
     """max_item_bytes is bytes: 700 characters of `é` are 1400 bytes, over a limit of 1000, and never reach the
     verifier; 490 of them (980 bytes with the rest of the item) are under it and scored."""
-    config = RewardConfig(port=46301, workers=1, grace_s=0.5, max_item_bytes=1000, oversized_reward=-1.0)
+    config = RewardConfig(port=0, workers=1, grace_s=0.5, max_item_bytes=1000, oversized_reward=-1.0)
     out, metrics = _score(config, [("wide", "q", "\u00e9" * 700 + " answer: 3", "3")], verifier=_never_called)
     assert (out["wide"].reward, out["wide"].correct) == (-1.0, False)
     assert "tlt_reward_oversized_total 1.0" in metrics
-    config = RewardConfig(port=46302, workers=1, grace_s=0.5, max_item_bytes=1000)
+    config = RewardConfig(port=0, workers=1, grace_s=0.5, max_item_bytes=1000)
     out, _ = _score(config, [("under", "q", "\u00e9" * 490 + " answer: 3", "3")])
     assert (out["under"].reward, out["under"].correct) == (1.0, True)
 

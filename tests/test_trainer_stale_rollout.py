@@ -22,7 +22,6 @@ from rollout_helpers import ServerThread
 from tlt.services.trainer.collect import collect_retrying, sampling_params
 from tlt.services.trainer.types import PromptItem
 
-GRPC_PORT, HTTP_PORT, REWARD_PORT = 44710, 44711, 44712  # fixer F's range (44700-44799)
 WORKERS, ITEM_S = 2, 0.1  # the reward server's workers, and each item's scoring time
 
 
@@ -33,7 +32,7 @@ def _threads():
 
 @pytest.fixture(scope="module")
 def server(random_model_dir):
-    with ServerThread(random_model_dir, replicas=1, grpc_port=GRPC_PORT, http_port=HTTP_PORT) as s:
+    with ServerThread(random_model_dir, replicas=1) as s:
         yield s
 
 
@@ -52,7 +51,7 @@ def reward_server():
         time.sleep(ITEM_S)
         return True
 
-    with RewardServer(RewardConfig(host="127.0.0.1", port=REWARD_PORT, workers=WORKERS), verifier=slow) as rs:
+    with RewardServer(RewardConfig(host="127.0.0.1", port=0, workers=WORKERS), verifier=slow) as rs:
         rs.scored = scored
         yield rs
 

@@ -1,5 +1,5 @@
 """The drafter's ZeroMQ sockets under the control token (services/common/zmq_auth.py), over real sockets on
-127.0.0.1 (ports 44400-44499).
+127.0.0.1 (ports the kernel picks: a fixed port collided once with another socket's in CI).
 
 With a token every socket is CURVE with keys derived from it and each binding side admits only the token's client
 key (ZAP): a peer with the token talks; one with another token, none, or the right server key but a key of its own
@@ -18,6 +18,7 @@ import zmq
 from drafter_helpers import model_dir  # noqa: F401 (fixture)
 from tlt.services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from tlt.services.common.events import CapacityPublisher, CapacitySubscriber, FeaturePuller, FeaturePusher
+from tlt.services.common.ports import free_port
 from tlt.services.common.zmq_auth import ZmqAuth, ZmqAuthError, curve_keys
 from tlt.v1 import common_pb2, drafter_pb2, events_pb2
 
@@ -54,7 +55,7 @@ def test_keys_are_derived_from_the_token_alone() -> None:
 
 
 def test_features_reach_the_drafter_with_the_token_only(no_env_token: None) -> None:
-    with FeaturePuller("tcp://127.0.0.1:44401", token=TOKEN) as puller:
+    with FeaturePuller("tcp://127.0.0.1:*", token=TOKEN) as puller:
         for token in ("", TOKEN + "-wrong"):  # no token (plain), another token: never connected, dropped and counted
             with FeaturePusher(puller.endpoint, token=token) as stranger:
                 start = time.monotonic()
@@ -70,7 +71,7 @@ def test_features_reach_the_drafter_with_the_token_only(no_env_token: None) -> N
 def test_the_right_server_key_with_a_client_key_of_its_own_is_refused_by_zap(no_env_token: None) -> None:
     """Knowing the server's public key is not enough: the ZAP handler admits the token's client key only."""
     keys = curve_keys(TOKEN)
-    with FeaturePuller("tcp://127.0.0.1:44402", token=TOKEN) as puller, zmq.Context() as ctx:
+    with FeaturePuller("tcp://127.0.0.1:*", token=TOKEN) as puller, zmq.Context() as ctx:
         with ctx.socket(zmq.PUSH) as rogue:
             rogue.setsockopt(zmq.LINGER, 0)
             rogue.curve_serverkey = keys.server_public
@@ -81,7 +82,7 @@ def test_the_right_server_key_with_a_client_key_of_its_own_is_refused_by_zap(no_
 
 
 def test_capacity_events_and_snapshots_need_the_token(no_env_token: None) -> None:
-    with CapacityPublisher("tcp://127.0.0.1:44403", "tcp://127.0.0.1:44404", heartbeat_s=0.1,
+    with CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.1,
                            token=TOKEN) as pub:
         pub.publish(events_pb2.CapacityEvent(replica_id=0, state=IDLE))
         with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint, token=TOKEN) as sub:
@@ -104,7 +105,7 @@ def test_the_coordinator_answers_workers_with_its_token_only(tmp_path, model_dir
     from tlt.services.drafter.coordinator import Coordinator
     from tlt.services.drafter.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 
-    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:44405", checkpoint_dir=str(tmp_path / "ckpt"),
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
                                gate_when_idle=False, control_token=TOKEN)  # no capacity events: never subscribed
     coord = Coordinator(cfg, str(model_dir), None, None).start()
     hello = {"hello": drafter_pb2.WorkerHello(worker_id=5, replica_id=0, pid=os.getpid())}
@@ -126,39 +127,40 @@ def test_the_coordinator_answers_workers_with_its_token_only(tmp_path, model_dir
 
 
 def test_without_a_token_loopback_is_plain_zeromq_as_before(no_env_token: None) -> None:
-    with FeaturePuller("tcp://127.0.0.1:44406") as puller, FeaturePusher(puller.endpoint) as pusher:
+    with FeaturePuller("tcp://127.0.0.1:*") as puller, FeaturePusher(puller.endpoint) as pusher:
         assert _push_until_sent(pusher, 5.0) and puller.recv(3.0) is not None
-    with FeaturePuller("tcp://127.0.0.1:44407") as puller, zmq.Context() as ctx, ctx.socket(zmq.PUSH) as plain:
+    with FeaturePuller("tcp://127.0.0.1:*") as puller, zmq.Context() as ctx, ctx.socket(zmq.PUSH) as plain:
         plain.setsockopt(zmq.LINGER, 0)
         plain.connect(puller.endpoint)  # a plain socket, as any peer before
         plain.send(events_pb2.Envelope(features=_batch(2)).SerializeToString())
         got = puller.recv(3.0)
         assert got is not None and len(got.sequences) == 2
-    with CapacityPublisher("tcp://127.0.0.1:44408", "tcp://127.0.0.1:44409") as pub:
+    with CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
         pub.publish(events_pb2.CapacityEvent(replica_id=1, state=IDLE))
         with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint) as sub:
             assert [e.replica_id for e in sub.snapshot(timeout_s=5)] == [1]
 
 
 @pytest.mark.parametrize("make", [
-    lambda: FeaturePuller("tcp://0.0.0.0:44410"),
-    lambda: CapacityPublisher("tcp://127.0.0.1:44411", "tcp://*:44410"),
+    lambda local, other: FeaturePuller(f"tcp://0.0.0.0:{other}"),
+    lambda local, other: CapacityPublisher(f"tcp://127.0.0.1:{local}", f"tcp://*:{other}"),
 ])
 def test_without_a_token_a_non_loopback_bind_is_refused_in_one_line(no_env_token: None, make) -> None:  # noqa: ANN001
+    local, other = free_port(), free_port()
     with pytest.raises(ZmqAuthError) as err:
-        make()
+        make(local, other)
     message = str(err.value)
     assert "\n" not in message and TOKEN_ENV in message and "127.0.0.1" in message
     with zmq.Context() as ctx, ctx.socket(zmq.PULL) as again:  # nothing was left bound
         again.setsockopt(zmq.LINGER, 0)
-        again.bind("tcp://127.0.0.1:44411")
-        again.bind("tcp://0.0.0.0:44410")
+        again.bind(f"tcp://127.0.0.1:{local}")
+        again.bind(f"tcp://0.0.0.0:{other}")
 
 
 def test_a_non_loopback_bind_with_a_token_is_curve(no_env_token: None) -> None:
     with zmq.Context() as ctx, ZmqAuth(ctx, TOKEN) as auth, ctx.socket(zmq.PULL) as sock:
         sock.setsockopt(zmq.LINGER, 0)
-        auth.bind(sock, "tcp://0.0.0.0:44412")
+        auth.bind(sock, "tcp://0.0.0.0:*")
         assert sock.curve_server and auth.mode == "curve"
 
 
@@ -172,9 +174,9 @@ def test_a_rollout_with_a_config_token_secures_capacity_and_hands_it_to_its_repl
     from tlt.v1 import rollout_pb2
 
     model = tiny_checkpoint(tmp_path_factory.mktemp("m"))
-    with FeaturePuller("tcp://127.0.0.1:44413", token=TOKEN) as puller, \
-            ServerThread(model, replicas=1, capacity_pub="tcp://127.0.0.1:44414",
-                         capacity_snapshot="tcp://127.0.0.1:44415", capacity_heartbeat_s=0.2,
+    with FeaturePuller("tcp://127.0.0.1:*", token=TOKEN) as puller, \
+            ServerThread(model, replicas=1, capacity_pub="tcp://127.0.0.1:*",
+                         capacity_snapshot="tcp://127.0.0.1:*", capacity_heartbeat_s=0.2,
                          features_push=puller.endpoint, control_token=TOKEN) as s:
         with CapacitySubscriber(s.server.capacity.pub_endpoint, s.server.capacity.snapshot_endpoint) as stranger:
             with pytest.raises(TimeoutError):
@@ -201,7 +203,7 @@ def test_a_client_the_server_refuses_says_in_one_line_the_peer_may_require_a_tok
     from tlt.services.drafter.coordinator import Coordinator
     from tlt.services.drafter.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 
-    with FeaturePuller("tcp://127.0.0.1:44501", token=TOKEN) as puller:
+    with FeaturePuller("tcp://127.0.0.1:*", token=TOKEN) as puller:
         for token in ("", TOKEN + "-wrong"):
             capsys.readouterr()
             with FeaturePusher(puller.endpoint, token=token) as stranger:
@@ -215,16 +217,17 @@ def test_a_client_the_server_refuses_says_in_one_line_the_peer_may_require_a_tok
             for _ in range(50):  # a full queue drops too: a handshake that succeeded says nothing of a token
                 pusher.push(_batch(4))
         assert "zmq_handshake_failed" not in capsys.readouterr().err
-    with CapacityPublisher("tcp://127.0.0.1:44502", "tcp://127.0.0.1:44503", token=TOKEN) as pub:
+    with CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", token=TOKEN) as pub:
         with CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint) as stranger:
             with pytest.raises(TimeoutError, match="may require the control token"):
                 stranger.snapshot(timeout_s=1.0)
-    with CapacityPublisher("tcp://127.0.0.1:44504", "tcp://127.0.0.1:44505") as pub:  # plain, nobody refused
-        with CapacitySubscriber(pub.pub_endpoint, "tcp://127.0.0.1:44506") as sub:  # nobody there: a plain timeout
+    with CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:  # plain, nobody refused
+        nobody = f"tcp://127.0.0.1:{free_port()}"  # nobody there: a plain timeout
+        with CapacitySubscriber(pub.pub_endpoint, nobody) as sub:
             with pytest.raises(TimeoutError) as err:
                 sub.snapshot(timeout_s=0.3)
             assert "token" not in str(err.value)
-    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:44507", checkpoint_dir=str(tmp_path / "ckpt"),
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
                                gate_when_idle=False, control_token=TOKEN)
     coord = Coordinator(cfg, str(model_dir), None, None).start()
     try:
@@ -238,8 +241,8 @@ def test_a_client_the_server_refuses_says_in_one_line_the_peer_may_require_a_tok
 
 @pytest.mark.parametrize("make", [
     lambda: FeaturePusher("tcp://127.0.0.1:44508"),
-    lambda: FeaturePuller("tcp://127.0.0.1:44509"),
-    lambda: CapacityPublisher("tcp://127.0.0.1:44510", "tcp://127.0.0.1:44511"),
+    lambda: FeaturePuller("tcp://127.0.0.1:*"),
+    lambda: CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
     lambda: CapacitySubscriber("tcp://127.0.0.1:44510", "tcp://127.0.0.1:44511"),
     lambda: __import__("tlt.services.drafter.coordinator_client", fromlist=["x"]).CoordinatorClient(
         "tcp://127.0.0.1:44512", 0, 0),

@@ -62,7 +62,7 @@ def _restart_dead_workers(procs: list, cmds: list, env: dict, restarts: list[int
         except OSError as e:  # no memory to fork (the OOM that killed it): tried again at the next look
             log.error("worker_restart_failed", worker=i, error=str(e)[:200], restarts=restarts[i])
             continue
-        log.warning("worker_restarted", worker=i, rc=rc, pid=procs[i].pid, restarts=restarts[i])  # the workers `tlt drafter serve` starts read their config here
+        log.warning("worker_restarted", worker=i, rc=rc, pid=procs[i].pid, restarts=restarts[i])
 
 
 def stop_workers(procs: list) -> None:
