@@ -199,12 +199,12 @@ def test_a_drafter_serve_whose_status_port_is_taken_leaves_no_coordinator_behind
     from tlt.cli import main
 
     handlers = {s: signal.getsignal(s) for s in HANDLED}
-    with socket.socket() as held, socket.socket() as features:
+    from tlt.services.common.ports import free_port
+
+    with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        features.bind(("127.0.0.1", 0))  # a free port for the features PULL: bound again after the command
-        features_port = features.getsockname()[1]
-        features.close()
+        features_port = free_port()  # for the features PULL: bound again after the command
         before = set(threading.enumerate())
         assert main(["drafter", "serve", "--model", str(random_model_dir), "--workers", "0",
                      "--set", f"status_port={held.getsockname()[1]}", "--set", "gate_when_idle=false",

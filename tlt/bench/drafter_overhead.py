@@ -156,7 +156,6 @@ def measure_overhead(args: argparse.Namespace) -> int:
     import json
     import os
     import signal
-    import socket
     import statistics
     import subprocess
     import sys
@@ -168,6 +167,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
 
     from tlt.bench import scratch_dir
     from tlt.cli import tlt_command
+    from tlt.services.common.ports import free_port
     from tlt.services.rollout.client import RolloutClient
     from tlt.services.rollout.config import RolloutConfig
     from tlt.services.rollout.engine.config import EngineConfig
@@ -183,9 +183,7 @@ def measure_overhead(args: argparse.Namespace) -> int:
         from tlt.model.testing import random_checkpoint
 
         model_dir = str(random_checkpoint(tmp / "m", seed=args.seed))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        feat_port = s.getsockname()[1]
+    feat_port = free_port()  # below the ephemeral range: no client connection takes it before the replicas bind
     from tlt.model.folder import read_model_config
     from tlt.services.rollout.engine.config import context_limit
 
