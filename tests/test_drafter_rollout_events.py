@@ -378,7 +378,9 @@ def test_features_of_a_sequence_spanning_a_policy_push_come_from_the_version_the
     puller = FeaturePuller("tcp://127.0.0.1:*")
     engine = LLMEngine(model_dir, EngineConfig(max_model_len=256, block_size=16))
     front, back = mp.Pipe()
-    loop = ReplicaLoop(engine, back, 0, FeaturePublisher(puller.endpoint, 0))
+    features = FeaturePublisher(puller.endpoint, 0)
+    assert features.pusher.wait_connected(30)  # a batch pushed before the handshake is dropped (IMMEDIATE)
+    loop = ReplicaLoop(engine, back, 0, features)
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
     try:

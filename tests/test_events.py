@@ -245,6 +245,21 @@ def test_pusher_never_blocks_without_consumer() -> None:
     assert elapsed < 2.0, f"500 pushes took {elapsed:.2f}s"
 
 
+def test_wait_connected_says_when_a_batch_can_go() -> None:
+    """Nobody bound: False after the timeout, nothing sent. A puller there: True, and the next push goes and
+    arrives. (A peer refusing the token: tests/test_zmq_auth.py.)"""
+    from tlt.services.common.ports import free_port
+
+    with FeaturePusher(f"tcp://127.0.0.1:{free_port()}") as pusher:
+        start = time.monotonic()
+        assert not pusher.wait_connected(0.3)
+        assert time.monotonic() - start >= 0.25 and pusher.sent == 0
+    with FeaturePuller(ANY) as puller, FeaturePusher(puller.endpoint) as pusher:
+        assert pusher.wait_connected(10)
+        assert pusher.push(_batch(1)) and pusher.dropped == 0
+        assert puller.recv(3.0) is not None
+
+
 def test_pusher_drops_when_consumer_is_slow_and_reports_count() -> None:
     with FeaturePuller(ANY, hwm=1) as puller, FeaturePusher(puller.endpoint, hwm=1) as pusher:
         deadline = time.monotonic() + 5

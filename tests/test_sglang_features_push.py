@@ -41,6 +41,9 @@ def _next(front, kind: type, timeout_s: float = 10.0):
 def test_a_policy_push_with_features_on_keeps_an_sglang_replica_serving(tmp_path, puller) -> None:
     eng, fake = make_engine(write_checkpoint(tmp_path))
     pub = FeaturePublisher(puller.endpoint, 1)
+    # the handshake first: a batch pushed before it is dropped (IMMEDIATE); on a loaded host it took over the few
+    # ms the steps below take, and the batch this test waits for was dropped (1 dropped, 0 sent)
+    assert pub.pusher.wait_connected(30)
     front, back = mp.Pipe()
     loop = ReplicaLoop(eng, back, 1, pub)
     runner = threading.Thread(target=loop.run, daemon=True)
@@ -59,7 +62,7 @@ def test_a_policy_push_with_features_on_keeps_an_sglang_replica_serving(tmp_path
         (c,) = _next(front, StepEvents).finished
         assert c.versions.policy == 1 and c.versions.policy_min == 0 and c.features is None  # not asked: stripped
         batch = puller.recv(10)
-        assert batch is not None and runner.is_alive()
+        assert batch is not None and runner.is_alive(), (pub.dropped, pub.pusher.sent)
         (seq,) = batch.sequences  # its features end where the push found it, tagged with the version before
         assert list(seq.token_ids) == [3, 4] and seq.policy_version == 0
     finally:

@@ -58,6 +58,7 @@ def test_features_reach_the_drafter_with_the_token_only(no_env_token: None) -> N
     with FeaturePuller("tcp://127.0.0.1:*", token=TOKEN) as puller:
         for token in ("", TOKEN + "-wrong"):  # no token (plain), another token: never connected, dropped and counted
             with FeaturePusher(puller.endpoint, token=token) as stranger:
+                assert not stranger.wait_connected(0.5)  # never connected: no batch could go
                 start = time.monotonic()
                 assert not _push_until_sent(stranger, 1.0)
                 assert time.monotonic() - start < 3 and stranger.dropped > 0 and stranger.sent == 0

@@ -341,6 +341,14 @@ class FeaturePusher:
         # line, at the first batch dropped for it (zmq_auth.HandshakeWatch); otherwise drops are all one sees
         self._watch = ZmqAuth(self._ctx, token).connect(self._sock, connect, watch=True)
 
+    def wait_connected(self, timeout_s: float) -> bool:
+        """True once a batch could go now: a peer that completed its handshake (CURVE and ZAP under a token: a few
+        ms, longer on a loaded host) with room in its queue; False after `timeout_s` (nobody bound, a refused
+        token). Under IMMEDIATE a batch pushed before that is dropped and counted, by design; a caller that must
+        not lose its first batch waits here first."""
+        with self._lock:
+            return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT))
+
     def push(self, batch: FeatureBatch) -> bool:
         """Send `batch` if it can go now, in frames of at most `max_frame_bytes`; count what cannot go as dropped.
         True when all of it was sent.
