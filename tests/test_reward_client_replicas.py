@@ -382,8 +382,6 @@ def test_replica_liveness_is_read_through_grpc_s_public_api_alone(monkeypatch) -
                 reps.close()
 
 
-
-
 def test_a_client_dropped_without_close_leaves_no_connectivity_polling_thread() -> None:
     """Each watched replica's channel was subscribed (`Channel.subscribe`) with the replica's own method, so gRPC's
     polling thread held the replica and its channel: a client dropped unclosed left its channels open and one thread
@@ -421,8 +419,6 @@ def _drop_clients(port: int, dead: int) -> None:
             time.sleep(0.05)
 
 
-
-
 def _ready_pair(a, b):  # noqa: ANN001, ANN202 - two live RewardServers
     reps = replicas_mod.Replicas(f"ipv4:{a.address},{b.address}", [], timeout_s=0.5)
     first, second = reps._replicas.values()
@@ -458,3 +454,52 @@ def test_a_retry_goes_to_another_replica_than_its_failed_attempt_and_a_timed_out
             assert picked.count(first.address) == 1 and picked.count(second.address) == 5, picked
         finally:
             reps.close()
+
+
+def test_a_watched_channel_is_closed_only_after_grpcs_polling_thread_ended() -> None:
+    """A channel closed while gRPC's connectivity thread still ran made that thread raise "Channel closed!" (a
+    traceback on stderr; seen in CI, where a loaded host kept the thread past the fixed 0.3 s). The close now waits
+    for the thread's end (grpc's `_connectivity_state.polling`). Stand-in: the channel's connectivity state, held
+    polling for 0.8 s (a real thread cannot be held past its look on cue)."""
+    from types import SimpleNamespace
+
+    closed: list[float] = []
+    channel = SimpleNamespace(_connectivity_state=SimpleNamespace(polling=True), unsubscribe=lambda _: None,
+                              close=lambda: closed.append(time.monotonic()))
+    start = time.monotonic()
+    replicas_mod._close_soon(channel, lambda _: None)
+    time.sleep(0.8)
+    assert closed == []  # still polling: not closed, though UNWATCHED_S passed
+    channel._connectivity_state.polling = False
+    deadline = time.monotonic() + 5
+    while not closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert closed and closed[0] - start >= 0.8
+    gone = SimpleNamespace(unsubscribe=lambda _: None, close=lambda: closed.append(time.monotonic()))  # no such flag
+    start = time.monotonic()
+    replicas_mod._close_soon(gone, None)
+    deadline = time.monotonic() + 5
+    while len(closed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(closed) == 2 and replicas_mod.UNWATCHED_S <= closed[1] - start < 2
+
+
+def test_a_retry_after_a_refused_connection_goes_to_a_connecting_replica_not_back_to_the_refusing_one() -> None:
+    """An address whose connectivity was not known yet (None: its first report not in, as on a loaded host) ranked
+    as READY, above a live replica still CONNECTING: the retry of a call refused by the unknown one went back to it,
+    and with retries=0 the call failed (seen under load: "unavailable for Score(1 items) after 1 attempt ...
+    Connection refused", a live server beside it). Unknown now ranks as not ready, so the failed replica ranks last.
+    The two replicas' states are set by hand (the channels' own reports would race the picks)."""
+    ports = free_port(), free_port()
+    reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", [], timeout_s=5)
+    try:
+        unknown, connecting = reps._replicas.values()
+        unknown.state = lambda: None  # type: ignore[method-assign]
+        connecting.state = lambda: grpc.ChannelConnectivity.CONNECTING  # type: ignore[method-assign]
+        assert set(_picks(reps, 4, failed=unknown)) == {connecting.address}
+        assert set(_picks(reps, 4, failed=connecting)) == {unknown.address}
+        ready = connecting
+        ready.state = lambda: grpc.ChannelConnectivity.READY  # type: ignore[method-assign]
+        assert set(_picks(reps, 4)) == {ready.address}  # READY still beats unknown
+    finally:
+        reps.close()

@@ -23,7 +23,7 @@ resolved the name again (after a connection ended). So the client picks the addr
   `timeout_s` until it answers again.
 - Picking. Round robin over the best-ranked replicas: answering before timed out, reachable (not in
   TRANSIENT_FAILURE: `localhost` resolves to ::1 as well, where a server bound to 127.0.0.1 refuses) before not,
-  READY before connecting; a retry prefers another replica than the one its attempt failed on.
+  READY before connecting or not known yet; a retry prefers another replica than the one its attempt failed on.
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)  # a URI's sc
 _MIN_RESOLVE_GAP_S = 0.5  # re-resolving asked for on a failure: at most this often
 # gRPC's connectivity polling thread (`Channel.subscribe`'s) looks every 0.2 s whether anyone is still subscribed and
 # raises "Channel closed!" in its thread if the channel closed between that look and its next one (grpc issue 18995):
-# a watched channel is closed this long after its subscription ends
+# a watched channel is closed once that thread has ended. A fixed 0.3 s was not always enough on a loaded host (the
+# traceback printed in CI). The thread's end is read from grpc's private `_connectivity_state.polling`; where a grpcio
+# lacks it, the channel closes after UNWATCHED_S, and in any case by UNWATCHED_MAX_S.
 UNWATCHED_S = 0.3
+UNWATCHED_MAX_S = 10.0
 
 
 def _ignore(_: grpc.ChannelConnectivity) -> None:
@@ -132,12 +135,20 @@ def _changed_callback(ref: weakref.ReferenceType) -> Callable[[grpc.ChannelConne
 
 
 def _close_soon(channel: grpc.Channel, callback: Callable[[grpc.ChannelConnectivity], None] | None) -> None:
-    """Unsubscribe `callback` (None: done) and close `channel` once gRPC's polling thread saw that (UNWATCHED_S)."""
+    """Unsubscribe `callback` (None: done) and close `channel` once gRPC's polling thread has ended (see
+    UNWATCHED_S), from a short-lived thread of its own."""
     if callback is not None:
         channel.unsubscribe(callback)
-    timer = threading.Timer(UNWATCHED_S, channel.close)
-    timer.daemon = True
-    timer.start()
+    threading.Thread(target=_close_when_unwatched, args=(channel,), name="reward-channel-close", daemon=True).start()
+
+
+def _close_when_unwatched(channel: grpc.Channel) -> None:
+    time.sleep(UNWATCHED_S)
+    state = getattr(channel, "_connectivity_state", None)
+    deadline = time.monotonic() + UNWATCHED_MAX_S - UNWATCHED_S
+    while getattr(state, "polling", False) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    channel.close()
 
 
 class Replicas:
@@ -237,10 +248,12 @@ class Replicas:
     # ---- picking -------------------------------------------------------------------------
 
     def _rank(self, replica: Replica, now: float, failed: Replica | None) -> tuple[bool, bool, bool, bool]:
-        state = replica.state()
+        state = replica.state()  # None: not watched (every replica alike) or its first report not in yet; ranked as
+        # not ready: ranked as READY, an unknown address that had just refused a call won its retry over a live one
+        # still CONNECTING
         return (now < replica.avoid_until, state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
                                                      grpc.ChannelConnectivity.SHUTDOWN),
-                state not in (None, grpc.ChannelConnectivity.READY), replica is failed)
+                state is not grpc.ChannelConnectivity.READY, replica is failed)
 
     @contextmanager
     def use(self, failed: Replica | None = None) -> Iterator[Replica]:
