@@ -503,3 +503,25 @@ def test_a_retry_after_a_refused_connection_goes_to_a_connecting_replica_not_bac
         assert set(_picks(reps, 4)) == {ready.address}  # READY still beats unknown
     finally:
         reps.close()
+
+
+def test_a_stream_refused_by_one_address_of_a_name_goes_to_the_next_without_counting_a_failed_attempt() -> None:
+    """`score_stream` counted a refused connection as a failed attempt, where `score` and `submit` pass a refusing
+    address over: with retries=0, a stream whose first pick was an address nothing listens on failed ("unavailable
+    for ScoreStream after 1 attempt"; seen under load, where the address's refusal was not reported before the pick)
+    though a live server stood beside it. The first pick is steered to the dead address by hand (states unknown,
+    the round robin's counter set)."""
+    fn = Counting()
+    dead = free_port()
+    with socket.socket() as hold:  # bound, not listening: refuses connections
+        hold.bind(("127.0.0.1", dead))
+        with _server(fn) as s:
+            order = [f"127.0.0.1:{dead}", s.address]
+            with RewardClient(f"reward.test:{s.port}", timeout_s=5, retries=0, retry_window_s=0,
+                              resolver=lambda _: list(order)) as client:
+                reps = client._replicas
+                for r in reps._replicas.values():
+                    r.state = lambda: None  # type: ignore[method-assign]
+                reps._next = len(order) - 1  # the next pick: choices[(_next + 1) % 2], the dead address
+                got = list(client.score_stream(Req(id=f"t{k}", completion="x", reference="x") for k in range(3)))
+    assert sorted(r.id for r in got) == ["t0", "t1", "t2"] and fn.scored == 3

@@ -275,12 +275,13 @@ class RewardClient:
         stream = _StreamState(items)
         failures, since = 0, 0.0
         failed: Replica | None = None
+        skipped = 0  # addresses refusing the stream before it answered anything, passed over (as `_with_retries`)
         while True:
             if stream.finished():
                 stream.raise_source_error()
                 return
             error: grpc.RpcError | None = None
-            stalled = False
+            stalled = answered = False
             try:
                 with self._replicas.use(failed) as replica:
                     failed = replica
@@ -292,7 +293,7 @@ class RewardClient:
                             except StopIteration as done:
                                 error, stalled = done.value
                                 break
-                            failures = 0
+                            failures, skipped, answered = 0, 0, True
                             yield out
                     finally:
                         attempt.close()  # the caller stopped reading: the call is cancelled now, not when collected
@@ -313,6 +314,9 @@ class RewardClient:
                 raise RewardCallError(f"reward server {at} refused ScoreStream: {code} {detail}") from error
             if code == grpc.StatusCode.UNAVAILABLE:
                 self._replicas.resolve_soon()
+                if isinstance(error, grpc.RpcError) and not answered and skipped < self._replicas.count() - 1:
+                    skipped += 1  # another address may answer: not a failed attempt
+                    continue
             failures += 1
             since = since if failures > 1 else time.monotonic()
             if not self._may_retry(failures, code, since):
