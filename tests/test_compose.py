@@ -382,24 +382,18 @@ CONTAINER_PORTS = (8000, 50051, 50061, 50071, 9460, 5701, 5702, 5703, 5704)
 SERVICE_HOSTS = ("rollout", "reward", "drafter", "trainer")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalMap:
     """Container names, paths and ports -> this machine's."""
 
     def __init__(self, model_dir: Path, scratch: Path):
         import sys
 
+        from tlt.services.common.ports import free_ports
+
         self.scratch = scratch
         self.bin = Path(sys.executable).parent
         self.model_dir = str(model_dir)
-        self.ports = {p: _free_port() for p in CONTAINER_PORTS}
+        self.ports = dict(zip(CONTAINER_PORTS, free_ports(len(CONTAINER_PORTS))))  # distinct, below the ephemeral range
 
     def arg(self, a: str) -> str:
         if a in ("tlt", "deepspeed", "python"):
