@@ -525,3 +525,37 @@ def test_a_stream_refused_by_one_address_of_a_name_goes_to_the_next_without_coun
                 reps._next = len(order) - 1  # the next pick: choices[(_next + 1) % 2], the dead address
                 got = list(client.score_stream(Req(id=f"t{k}", completion="x", reference="x") for k in range(3)))
     assert sorted(r.id for r in got) == ["t0", "t1", "t2"] and fn.scored == 3
+
+
+def test_a_client_close_waits_for_the_polling_threads_a_bounded_time() -> None:
+    """`close()` of a client of several addresses closed every channel UNWATCHED_S after unsubscribing, the same
+    fixed wait as above; it waits for each channel's polling thread now, UNWATCHED_CLOSE_S at most (a close must
+    not hang on a thread that never ends). Stand-ins: the channels' connectivity states (polling for 0.6 s), around
+    real channels of a real Replicas."""
+    from types import SimpleNamespace
+
+    class Held:
+        def __init__(self, real: grpc.Channel, state: SimpleNamespace) -> None:
+            self.real, self._connectivity_state, self.closed_at = real, state, 0.0
+
+        def unsubscribe(self, callback) -> None:  # noqa: ANN001
+            self.real.unsubscribe(callback)
+
+        def close(self) -> None:
+            self.closed_at = time.monotonic()
+            self.real.close()
+
+    reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{free_port()},127.0.0.1:{free_port()}", [], timeout_s=5)
+    polling = SimpleNamespace(polling=True)
+    held = []
+    for replica in reps._replicas.values():
+        replica.channel = Held(replica.channel, polling)  # type: ignore[assignment]
+        held.append(replica.channel)
+    threading.Timer(0.6, lambda: setattr(polling, "polling", False)).start()
+    start = time.monotonic()
+    reps.close()
+    assert all(h.closed_at - start >= 0.6 for h in held), [h.closed_at - start for h in held]
+    stuck = SimpleNamespace(polling=True)
+    start = time.monotonic()
+    replicas_mod._wait_unwatched([SimpleNamespace(_connectivity_state=stuck), SimpleNamespace()], 1.0)
+    assert 1.0 <= time.monotonic() - start < 1.5

@@ -51,9 +51,11 @@ _MIN_RESOLVE_GAP_S = 0.5  # re-resolving asked for on a failure: at most this of
 # raises "Channel closed!" in its thread if the channel closed between that look and its next one (grpc issue 18995):
 # a watched channel is closed once that thread has ended. A fixed 0.3 s was not always enough on a loaded host (the
 # traceback printed in CI). The thread's end is read from grpc's private `_connectivity_state.polling`; where a grpcio
-# lacks it, the channel closes after UNWATCHED_S, and in any case by UNWATCHED_MAX_S.
+# lacks it, the channel closes after UNWATCHED_S; in any case by UNWATCHED_MAX_S (a client's `close()`, which waits
+# for it, by UNWATCHED_CLOSE_S).
 UNWATCHED_S = 0.3
 UNWATCHED_MAX_S = 10.0
+UNWATCHED_CLOSE_S = 2.0
 
 
 def _ignore(_: grpc.ChannelConnectivity) -> None:
@@ -143,12 +145,18 @@ def _close_soon(channel: grpc.Channel, callback: Callable[[grpc.ChannelConnectiv
 
 
 def _close_when_unwatched(channel: grpc.Channel) -> None:
-    time.sleep(UNWATCHED_S)
-    state = getattr(channel, "_connectivity_state", None)
-    deadline = time.monotonic() + UNWATCHED_MAX_S - UNWATCHED_S
-    while getattr(state, "polling", False) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_unwatched([channel], UNWATCHED_MAX_S)
     channel.close()
+
+
+def _wait_unwatched(channels: list[grpc.Channel], most_s: float) -> None:
+    """Wait UNWATCHED_S, then until gRPC's polling thread of each of `channels` has ended, `most_s` in all."""
+    deadline = time.monotonic() + most_s
+    time.sleep(UNWATCHED_S)
+    for channel in channels:
+        state = getattr(channel, "_connectivity_state", None)
+        while getattr(state, "polling", False) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class Replicas:
@@ -350,8 +358,9 @@ class Replicas:
             self._closing.set()
             self._wake.set()
             replicas, self._replicas = list(self._replicas.values()), {}
-        if any([replica.unwatch() for replica in replicas]):
-            time.sleep(UNWATCHED_S)  # calls in flight run on meanwhile, cut off at the close
+        watched = [replica.channel for replica in replicas if replica.unwatch()]
+        if watched:  # calls in flight run on meanwhile, cut off at the close
+            _wait_unwatched(watched, UNWATCHED_CLOSE_S)
         for replica in replicas:
             replica.close()
 
