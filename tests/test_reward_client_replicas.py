@@ -481,7 +481,7 @@ def test_a_watched_channel_is_closed_only_after_grpcs_polling_thread_ended() -> 
     deadline = time.monotonic() + 5
     while len(closed) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert len(closed) == 2 and replicas_mod.UNWATCHED_S <= closed[1] - start < 2
+    assert len(closed) == 2 and replicas_mod.UNWATCHED_S <= closed[1] - start < 4
 
 
 def test_a_retry_after_a_refused_connection_goes_to_a_connecting_replica_not_back_to_the_refusing_one() -> None:
@@ -558,4 +558,4 @@ def test_a_client_close_waits_for_the_polling_threads_a_bounded_time() -> None:
     stuck = SimpleNamespace(polling=True)
     start = time.monotonic()
     replicas_mod._wait_unwatched([SimpleNamespace(_connectivity_state=stuck), SimpleNamespace()], 1.0)
-    assert 1.0 <= time.monotonic() - start < 1.5
+    assert 1.0 <= time.monotonic() - start < 4  # bounded (the upper bound only catches a hang)
