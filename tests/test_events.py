@@ -258,6 +258,14 @@ def test_wait_connected_says_when_a_batch_can_go() -> None:
         assert pusher.wait_connected(10)
         assert pusher.push(_batch(1)) and pusher.dropped == 0
         assert puller.recv(3.0) is not None
+    with FeaturePusher(f"tcp://127.0.0.1:{free_port()}") as pusher:  # a wait does not hold up a push meanwhile
+        waiting = threading.Thread(target=pusher.wait_connected, args=(2.0,))
+        waiting.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        assert not pusher.push(_batch(1))
+        assert time.monotonic() - start < 1.0 and waiting.is_alive()
+        waiting.join()
 
 
 def test_pusher_drops_when_consumer_is_slow_and_reports_count() -> None:

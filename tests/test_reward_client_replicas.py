@@ -25,7 +25,7 @@ from concurrent import futures as cf
 import grpc
 from structlog.testing import capture_logs
 
-from tlt.services.common.ports import free_port
+from tlt.services.common.ports import free_port, free_ports
 from tlt.services.reward import replicas as replicas_mod
 from tlt.services.reward.client import RewardClient, RewardUnavailableError
 from tlt.services.reward.config import RewardConfig
@@ -490,7 +490,7 @@ def test_a_retry_after_a_refused_connection_goes_to_a_connecting_replica_not_bac
     and with retries=0 the call failed (seen under load: "unavailable for Score(1 items) after 1 attempt ...
     Connection refused", a live server beside it). Unknown now ranks as not ready, so the failed replica ranks last.
     The two replicas' states are set by hand (the channels' own reports would race the picks)."""
-    ports = free_port(), free_port()
+    ports = free_ports(2)  # distinct
     reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", [], timeout_s=5)
     try:
         unknown, connecting = reps._replicas.values()
@@ -545,7 +545,8 @@ def test_a_client_close_waits_for_the_polling_threads_a_bounded_time() -> None:
             self.closed_at = time.monotonic()
             self.real.close()
 
-    reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{free_port()},127.0.0.1:{free_port()}", [], timeout_s=5)
+    ports = free_ports(2)  # distinct: one address would be one unwatched replica
+    reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", [], timeout_s=5)
     polling = SimpleNamespace(polling=True)
     held = []
     for replica in reps._replicas.values():

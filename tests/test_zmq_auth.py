@@ -18,7 +18,7 @@ import zmq
 from drafter_helpers import model_dir  # noqa: F401 (fixture)
 from tlt.services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from tlt.services.common.events import CapacityPublisher, CapacitySubscriber, FeaturePuller, FeaturePusher
-from tlt.services.common.ports import free_port
+from tlt.services.common.ports import free_port, free_ports
 from tlt.services.common.zmq_auth import ZmqAuth, ZmqAuthError, curve_keys
 from tlt.v1 import common_pb2, drafter_pb2, events_pb2
 
@@ -147,7 +147,7 @@ def test_without_a_token_loopback_is_plain_zeromq_as_before(no_env_token: None) 
     lambda local, other: CapacityPublisher(f"tcp://127.0.0.1:{local}", f"tcp://*:{other}"),
 ])
 def test_without_a_token_a_non_loopback_bind_is_refused_in_one_line(no_env_token: None, make) -> None:  # noqa: ANN001
-    local, other = free_port(), free_port()
+    local, other = free_ports(2)  # distinct
     with pytest.raises(ZmqAuthError) as err:
         make(local, other)
     message = str(err.value)

@@ -345,9 +345,15 @@ class FeaturePusher:
         """True once a batch could go now: a peer that completed its handshake (CURVE and ZAP under a token: a few
         ms, longer on a loaded host) with room in its queue; False after `timeout_s` (nobody bound, a refused
         token). Under IMMEDIATE a batch pushed before that is dropped and counted, by design; a caller that must
-        not lose its first batch waits here first."""
-        with self._lock:
-            return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT))
+        not lose its first batch waits here first. The lock is taken one 20 ms look at a time: a `push` from
+        another thread meanwhile is not held up."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            with self._lock:
+                if self._sock.poll(int(min(0.02, max(0.0, deadline - time.monotonic())) * 1000), zmq.POLLOUT):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
 
     def push(self, batch: FeatureBatch) -> bool:
         """Send `batch` if it can go now, in frames of at most `max_frame_bytes`; count what cannot go as dropped.

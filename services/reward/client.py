@@ -275,7 +275,7 @@ class RewardClient:
         stream = _StreamState(items)
         failures, since = 0, 0.0
         failed: Replica | None = None
-        skipped = 0  # addresses refusing the stream before it answered anything, passed over (as `_with_retries`)
+        skipped = 0  # addresses whose stream ended UNAVAILABLE before any answer, passed over (as `_with_retries`)
         while True:
             if stream.finished():
                 stream.raise_source_error()
