@@ -30,13 +30,27 @@ os.environ.setdefault("TLT_AUTH_TOKEN", "tests-" + os.urandom(8).hex())
 def _process_cpu_settings_restored():
     """A drafter worker built in a test pins the calling thread to its replica's cores and sets torch's thread count,
     as it should in its own process; in the pytest process that left every later test (and every server and replica
-    they start, which inherit the affinity) on one core with one torch thread. Put both back after each test."""
+    they start, which inherit the affinity) on one core with one torch thread. Put both back after each test.
+    Likewise its niceness and scheduling class (`worker_nice`, `worker_sched`): a `tlt drafter worker` run in-process
+    (tests/test_signal_stop.py) left the pytest process at nice 19 for the rest of the session, and every server,
+    replica and worker started later inherited it (a suite beside any other load slowed to a crawl). Put back where
+    the process may; where it may not (raising niceness back needs privilege), the test fails and names it."""
     import sys
 
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
+    priority = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)) if hasattr(os, "sched_getscheduler") \
+        else None
     yield
+    if priority is not None and (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)) != priority:
+        left = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
+        try:
+            os.sched_setscheduler(0, priority[1], os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, 0, priority[0])
+        except OSError as e:
+            pytest.fail(f"the test left the pytest process at (nice, scheduler) {left}, was {priority}, and it could "
+                        f"not be put back ({e}); set worker_nice / coordinator_nice 0 and worker_sched normal in it")
     if affinity is not None and os.sched_getaffinity(0) != affinity:
         os.sched_setaffinity(0, affinity)
     torch = sys.modules.get("torch")

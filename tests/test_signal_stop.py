@@ -258,7 +258,7 @@ def test_a_drafter_worker_stopped_by_ctrl_c_puts_the_handlers_back(random_model_
         interrupter = _interrupt_once_handled(handlers)
         assert main(["drafter", "worker", "--model", str(random_model_dir), "--coordinator", coordinator, "--replica",
                      "0", "--set", f"checkpoint_dir={tmp_path}", "--set", f"capacity_pub={pub}",
-                     "--set", f"capacity_snapshot={snapshot}"]) == 0
+                     "--set", f"capacity_snapshot={snapshot}", "--set", "worker_nice=0"]) == 0  # not this process
         interrupter.join(5)
     finally:
         for sock in refused:
