@@ -560,3 +560,37 @@ def test_a_client_close_waits_for_the_polling_threads_a_bounded_time() -> None:
     start = time.monotonic()
     replicas_mod._wait_unwatched([SimpleNamespace(_connectivity_state=stuck), SimpleNamespace()], 1.0)
     assert 1.0 <= time.monotonic() - start < 4  # bounded (the upper bound only catches a hang)
+
+
+def test_a_close_during_wait_ready_ends_the_wait_and_does_not_wait_out_its_subscriptions() -> None:
+    """`wait_ready` subscribes each channel (its ready futures) until its timeout: a `close()` from another thread
+    meanwhile (a trainer stopped while it waits for its reward server) waited the whole UNWATCHED_CLOSE_S for gRPC's
+    polling threads, then closed under them ("Channel closed!"), and the wait went on to its own timeout. Now the
+    wait ends at the close and its subscriptions with it. Real channels to two addresses refusing connections."""
+    dead = free_ports(2)
+    holds = [socket.socket() for _ in dead]
+    try:
+        for sock, port in zip(holds, dead):
+            sock.bind(("127.0.0.1", port))  # bound, not listening
+        client = RewardClient(f"ipv4:127.0.0.1:{dead[0]},127.0.0.1:{dead[1]}", timeout_s=5, retries=0)
+        outcome: list[BaseException | None] = []
+
+        def wait() -> None:
+            try:
+                client.wait_ready(30)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+                outcome.append(e)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        client.close()
+        closed_in = time.monotonic() - start
+        waiter.join(5)
+        assert not waiter.is_alive() and isinstance(outcome[0], RewardUnavailableError), outcome
+        assert closed_in < replicas_mod.UNWATCHED_CLOSE_S, closed_in
+    finally:
+        for sock in holds:
+            sock.close()

@@ -331,8 +331,8 @@ class Replicas:
                 left = deadline - time.monotonic()
                 if ready.wait(max(0.0, min(left, 0.1))):
                     return True
-                if left <= 0:
-                    return False
+                if left <= 0 or self._closing.is_set():  # closing: its futures' subscriptions end now, so the
+                    return False  # close waits for gRPC's polling threads no longer than it must (UNWATCHED_S)
                 if not waiting and self._resolver is not None:
                     self._wake.set()
         finally:
