@@ -310,7 +310,8 @@ def test_the_workers_of_a_killed_drafter_serve_exit_with_it(tmp_path, model_dir)
     ready = tmp_path / "ready.json"
     sets = {"capacity_pub": pub.pub_endpoint, "capacity_snapshot": pub.snapshot_endpoint,
             "features_bind": "tcp://127.0.0.1:*", "coordinator_bind": "tcp://127.0.0.1:*", "status_port": 0,
-            "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0}
+            "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0,
+            "worker_nice": 0}  # cpu-tiny's 19 starves the worker's start beside any other load
     cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model_dir), "--workers", "1",
            "--ready-file", str(ready)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     log = tmp_path / "serve.log"
@@ -440,7 +441,8 @@ def test_a_killed_worker_is_started_again_by_its_drafter_serve(tmp_path, model_d
     ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
     sets = {"capacity_pub": pub.pub_endpoint, "capacity_snapshot": pub.snapshot_endpoint,
             "features_bind": "tcp://127.0.0.1:*", "coordinator_bind": "tcp://127.0.0.1:*", "status_port": 0,
-            "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0}
+            "checkpoint_dir": str(tmp_path / "ckpt"), "pin_cpus": False, "coordinator_nice": 0,
+            "worker_nice": 0}  # cpu-tiny's 19 starves the worker's start beside any other load
     cmd = [sys.executable, "-m", "tlt.cli", "drafter", "serve", "--model", str(model_dir), "--workers", "1",
            "--ready-file", str(ready)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     with log.open("w") as out:
