@@ -72,6 +72,24 @@ def hermes_checkpoint(out_dir: Path) -> Path:
     return d
 
 
+def learned_drafter(model_dir: Path, folder: Path) -> tuple[dict, dict]:
+    """A rollout drafting with a learned drafter of `model_dir` (seed 3) saved in `folder`, and the state dict of
+    another (seed 4) to push to it: (the `spec` for `rollout_config`, that state dict)."""
+    import safetensors.torch
+    import torch
+
+    from tlt.model.drafter import Drafter, DrafterConfig
+
+    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    torch.manual_seed(3)
+    Drafter(cfg, embed, head).save(folder)
+    torch.manual_seed(4)
+    pushed = Drafter(cfg, embed, head).state_dict()
+    return {"mode": "adaptive", "drafter": "learned", "drafter_path": str(folder)}, pushed
+
+
 def rollout_config(**overrides: Any) -> Any:
     from tlt.services.rollout.config import RolloutConfig
     from tlt.services.rollout.engine.config import EngineConfig

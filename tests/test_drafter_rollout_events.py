@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from rollout_helpers import ServerThread, tiny_checkpoint
+from rollout_helpers import ServerThread, learned_drafter, tiny_checkpoint
 from tlt.services.common.events import CapacitySubscriber, FeaturePuller
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import common_pb2, events_pb2, rollout_pb2
@@ -132,20 +132,7 @@ def test_a_drafter_push_leaves_idle_replicas_idle(model_dir, tmp_path) -> None:
     """A drafter push swaps a few small tensors between two steps: no BUSY for it (drafter workers would stop training
     on every push they make, and a colocated trainer's lend would be taken back), only the new drafter version on the
     IDLE the replica repeats. Untested before: a pool that made every replica BUSY for a drafter push passed."""
-    import json
-
-    import safetensors.torch
-    import torch
-
-    from tlt.model.drafter import Drafter, DrafterConfig
-
-    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
-    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    torch.manual_seed(3)
-    Drafter(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"]).save(tmp_path)
-    torch.manual_seed(4)
-    own = Drafter(cfg, weights["model.embed_tokens.weight"], weights["lm_head.weight"]).state_dict()
-    spec = {"mode": "adaptive", "drafter": "learned", "drafter_path": str(tmp_path)}
+    spec, own = learned_drafter(model_dir, tmp_path)
     with ServerThread(model_dir, replicas=1, capacity_pub="tcp://127.0.0.1:*", capacity_heartbeat_s=0.3,
                       spec=spec) as s:
         cap = s.server.capacity

@@ -20,7 +20,9 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent import futures as cf
+from contextlib import ExitStack, contextmanager
 
 import grpc
 from structlog.testing import capture_logs
@@ -36,8 +38,19 @@ Req = reward_pb2.ScoreRequest
 
 
 def _server(verifier, workers: int = 2) -> RewardServer:  # noqa: ANN001 - (p, c, r) -> bool
-    config = RewardConfig(host="127.0.0.1", port=free_port(), workers=workers, grace_s=0.5, item_timeout_s=0)
+    config = RewardConfig(host="127.0.0.1", port=0, workers=workers, grace_s=0.5, item_timeout_s=0)
     return RewardServer(config, verifier=verifier)
+
+
+@contextmanager
+def _refusing(n: int = 1) -> Iterator[list[int]]:
+    """`n` distinct ports on 127.0.0.1 bound but not listening while the block runs: each refuses connections, and
+    no server of the test can take one."""
+    ports = free_ports(n)
+    with ExitStack() as stack:
+        for port in ports:
+            stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+        yield ports
 
 
 class Counting:
@@ -360,9 +373,7 @@ def test_replica_liveness_is_read_through_grpc_s_public_api_alone(monkeypatch) -
     as such and every call goes to the live one."""
     real = grpc.insecure_channel
     monkeypatch.setattr(grpc, "insecure_channel", lambda *a, **k: grpc.intercept_channel(real(*a, **k), _PassThrough()))
-    dead = free_port()
-    with socket.socket() as hold:  # keep the dead port bound (not listening) so the server cannot take it
-        hold.bind(("127.0.0.1", dead))
+    with _refusing() as (dead,):
         fn = Counting()
         with _server(fn) as s:
             reps = replicas_mod.Replicas(f"ipv4:127.0.0.1:{dead},127.0.0.1:{s.port}", [], timeout_s=5)
@@ -388,11 +399,8 @@ def test_a_client_dropped_without_close_leaves_no_connectivity_polling_thread() 
     per address polling them every 0.2 s, for good. The subscription holds the replica weakly now: collected, its
     subscription ends and its channel is closed, and the polling threads end."""
     fn = Counting()
-    dead = free_port()
-    with socket.socket() as hold:
-        hold.bind(("127.0.0.1", dead))  # bound, not listening: refuses connections
-        with _server(fn) as s:
-            _drop_clients(s.port, dead)
+    with _refusing() as (dead,), _server(fn) as s:
+        _drop_clients(s.port, dead)
     assert fn.scored == 4
 
 
@@ -512,18 +520,15 @@ def test_a_stream_refused_by_one_address_of_a_name_goes_to_the_next_without_coun
     though a live server stood beside it. The first pick is steered to the dead address by hand (states unknown,
     the round robin's counter set)."""
     fn = Counting()
-    dead = free_port()
-    with socket.socket() as hold:  # bound, not listening: refuses connections
-        hold.bind(("127.0.0.1", dead))
-        with _server(fn) as s:
-            order = [f"127.0.0.1:{dead}", s.address]
-            with RewardClient(f"reward.test:{s.port}", timeout_s=5, retries=0, retry_window_s=0,
-                              resolver=lambda _: list(order)) as client:
-                reps = client._replicas
-                for r in reps._replicas.values():
-                    r.state = lambda: None  # type: ignore[method-assign]
-                reps._next = len(order) - 1  # the next pick: choices[(_next + 1) % 2], the dead address
-                got = list(client.score_stream(Req(id=f"t{k}", completion="x", reference="x") for k in range(3)))
+    with _refusing() as (dead,), _server(fn) as s:
+        order = [f"127.0.0.1:{dead}", s.address]
+        with RewardClient(f"reward.test:{s.port}", timeout_s=5, retries=0, retry_window_s=0,
+                          resolver=lambda _: list(order)) as client:
+            reps = client._replicas
+            for r in reps._replicas.values():
+                r.state = lambda: None  # type: ignore[method-assign]
+            reps._next = len(order) - 1  # the next pick: choices[(_next + 1) % 2], the dead address
+            got = list(client.score_stream(Req(id=f"t{k}", completion="x", reference="x") for k in range(3)))
     assert sorted(r.id for r in got) == ["t0", "t1", "t2"] and fn.scored == 3
 
 
@@ -567,11 +572,7 @@ def test_a_close_during_wait_ready_ends_the_wait_and_does_not_wait_out_its_subsc
     meanwhile (a trainer stopped while it waits for its reward server) waited the whole UNWATCHED_CLOSE_S for gRPC's
     polling threads, then closed under them ("Channel closed!"), and the wait went on to its own timeout. Now the
     wait ends at the close and its subscriptions with it. Real channels to two addresses refusing connections."""
-    dead = free_ports(2)
-    holds = [socket.socket() for _ in dead]
-    try:
-        for sock, port in zip(holds, dead):
-            sock.bind(("127.0.0.1", port))  # bound, not listening
+    with _refusing(2) as dead:
         client = RewardClient(f"ipv4:127.0.0.1:{dead[0]},127.0.0.1:{dead[1]}", timeout_s=5, retries=0)
         outcome: list[BaseException | None] = []
 
@@ -591,6 +592,3 @@ def test_a_close_during_wait_ready_ends_the_wait_and_does_not_wait_out_its_subsc
         waiter.join(5)
         assert not waiter.is_alive() and isinstance(outcome[0], RewardUnavailableError), outcome
         assert closed_in < replicas_mod.UNWATCHED_CLOSE_S, closed_in
-    finally:
-        for sock in holds:
-            sock.close()

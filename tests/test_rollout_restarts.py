@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from rollout_helpers import ServerThread, stream_then_kill, tiny_checkpoint
+from rollout_helpers import ServerThread, learned_drafter, stream_then_kill, tiny_checkpoint
 
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import rollout_pb2
@@ -216,17 +216,9 @@ def test_a_push_one_replica_missed_holds_and_its_restart_gets_every_push_replaye
     that called the killed replica a failed one refused the push, and one that replayed only the policy never got the
     replica back (its drafter version differs from the pool's, so every restart failed its check)."""
     import safetensors.torch
-    import torch
-
-    from tlt.model.drafter import Drafter, DrafterConfig
 
     original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
-    cfg = DrafterConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    torch.manual_seed(3)
-    Drafter(cfg, original["model.embed_tokens.weight"], original["lm_head.weight"]).save(tmp_path)
-    torch.manual_seed(4)
-    drafter = Drafter(cfg, original["model.embed_tokens.weight"], original["lm_head.weight"]).state_dict()
-    spec = {"mode": "adaptive", "drafter": "learned", "drafter_path": str(tmp_path)}
+    spec, drafter = learned_drafter(model_dir, tmp_path)
     changed = {"model.norm.weight": original["model.norm.weight"] * 1.25}
     with ServerThread(model_dir, replicas=2, max_restarts=1, update_timeout_s=1.0, spec=spec) as s, \
             RolloutClient(s.grpc_address, timeout_s=60) as c:

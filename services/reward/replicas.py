@@ -256,9 +256,9 @@ class Replicas:
     # ---- picking -------------------------------------------------------------------------
 
     def _rank(self, replica: Replica, now: float, failed: Replica | None) -> tuple[bool, bool, bool, bool]:
-        state = replica.state()  # None: not watched (every replica alike) or its first report not in yet; ranked as
-        # not ready: ranked as READY, an unknown address that had just refused a call won its retry over a live one
-        # still CONNECTING
+        # None (not watched: every replica alike; or its first report not in yet) ranks as not READY: ranked as
+        # READY, an unknown address that had just refused a call won the retry over a live one still CONNECTING
+        state = replica.state()
         return (now < replica.avoid_until, state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
                                                      grpc.ChannelConnectivity.SHUTDOWN),
                 state is not grpc.ChannelConnectivity.READY, replica is failed)
