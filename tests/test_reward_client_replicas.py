@@ -103,6 +103,7 @@ def test_two_busy_healthy_replicas_are_never_timed_out() -> None:
     a_fn, b_fn = Counting(0.2), Counting(0.2)
     with _server(a_fn, workers=1) as a, _server(b_fn, workers=1) as b:
         with RewardClient(f"ipv4:{a.address},{b.address}", concurrency=16, timeout_s=0.5, retries=0) as client:
+            _both_ready(client._replicas)  # else, on a loaded host, the burst all lands on whichever connected first
             futures = [client.submit(Req(id=f"b{i}", completion="x", reference="x")) for i in range(16)]
             assert all(f.result(timeout=20).ok for f in futures)
     assert a_fn.scored + b_fn.scored == 16 and min(a_fn.scored, b_fn.scored) >= 5, (a_fn.scored, b_fn.scored)
@@ -427,14 +428,18 @@ def _drop_clients(port: int, dead: int) -> None:
             time.sleep(0.05)
 
 
-def _ready_pair(a, b):  # noqa: ANN001, ANN202 - two live RewardServers
-    reps = replicas_mod.Replicas(f"ipv4:{a.address},{b.address}", [], timeout_s=0.5)
+def _both_ready(reps: replicas_mod.Replicas) -> tuple[replicas_mod.Replica, replicas_mod.Replica]:
     first, second = reps._replicas.values()
     deadline = time.monotonic() + 10
     while (first.state(), second.state()) != (grpc.ChannelConnectivity.READY,) * 2:
         assert time.monotonic() < deadline, (first.state(), second.state())
         time.sleep(0.02)
-    return reps, first, second
+    return first, second
+
+
+def _ready_pair(a, b):  # noqa: ANN001, ANN202 - two live RewardServers
+    reps = replicas_mod.Replicas(f"ipv4:{a.address},{b.address}", [], timeout_s=0.5)
+    return reps, *_both_ready(reps)
 
 
 def _picks(reps, n: int, failed=None) -> list[str]:  # noqa: ANN001
