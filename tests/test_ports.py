@@ -147,14 +147,19 @@ def test_the_first_ephemeral_port_is_never_drawn(tmp_path):
     assert free_port(rng=_Top(), range_file=rng_file) == 44759
 
 
-def test_an_ephemeral_range_that_starts_at_the_lowest_port_falls_back_to_an_ephemeral_port(tmp_path):
-    """No port below the range to draw from (ip_local_port_range set low): a free ephemeral one, not an error."""
+def test_an_ephemeral_range_that_starts_at_the_lowest_port_draws_above_its_end(tmp_path):
+    """ip_local_port_range set low: ports come from above the range's end, still outside it (they used to be
+    ephemeral ones, which an outgoing connection can take); a range that ends at 65535 leaves only an ephemeral one,
+    free when handed out, not an error."""
     rng_file = tmp_path / "range"
     for first in (LOWEST, LOWEST + 1):
         rng_file.write_text(f"{first}\t60999\n")
-        p = free_port(range_file=rng_file)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", p))
+        ports = {free_port(range_file=rng_file) for _ in range(5)}
+        assert all(61000 <= p <= 65535 for p in ports), ports
+    rng_file.write_text("1024\t65535\n")
+    p = free_port(range_file=rng_file)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p))
 
 
 def test_a_port_drawn_twice_is_drawn_again(monkeypatch):

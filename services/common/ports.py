@@ -5,8 +5,9 @@ connections take their local ports from. Between picking it and the service bind
 while other services start and connect), a client connection can take it: seen in `tlt bench e2e`,
 where the rollout's capacity snapshot socket failed with "Address already in use" on port 33919.
 So ports are drawn below the ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range), where
-only another listener could take one, and each is checked by binding it. Without that file (not
-Linux), or when no port below the range is free, it falls back to an ephemeral port.
+only another listener could take one, and each is checked by binding it; where the range starts at or
+below LOWEST (set low by hand), above its end instead. Without that file (not Linux), or when no port
+outside the range is free, it falls back to an ephemeral port.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def in_use_message(what: str, host: str, port: int) -> str:
 
 RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 20000  # the lowest port drawn: clear of the low ports other services commonly listen on
+HIGHEST = 65535
 
 
 def ephemeral_range(path: Path = RANGE_FILE) -> tuple[int, int] | None:
@@ -77,9 +79,11 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None, tries: 
     """A port that is free now and outside the ephemeral range (see the module docstring)."""
     rng = rng or random.SystemRandom()
     eph = ephemeral_range(range_file)
-    if eph is not None and eph[0] - 1 > LOWEST:
-        for _ in range(tries):
-            port = rng.randint(LOWEST, eph[0] - 1)
+    if eph is not None:
+        # below the range; or, where the range starts at or under LOWEST (set low by hand), above its end
+        span = (LOWEST, eph[0] - 1) if eph[0] - 1 > LOWEST else (eph[1] + 1, HIGHEST)
+        for _ in range(tries if span[0] <= span[1] else 0):
+            port = rng.randint(*span)
             if _bindable(host, port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
