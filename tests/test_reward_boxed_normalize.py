@@ -30,6 +30,9 @@ from tlt.services.reward.verifiers import math_verifier
     (r"\boxed{12\text{ cm}}", "12", True),  # a genuine unit still goes
     (r"\boxed{12\text{ cm}^2}", "12", True),
     (r"\boxed{7 \text{ apples}}", "7", True),
+    (r"so \boxed A.", "A", True),  # no braces: TeX skips the space after the command word, the next token is it
+    (r"\boxed{+-7}", "-7", False),  # `+-` is no one sign (the task's verifier reads no number in it either)
+    (r"\boxed{+7}", "7", True),
 ])
 def test_normalisation_grades_these_answers(completion, reference, right) -> None:
     assert math_verifier("", completion, reference) is right
@@ -40,3 +43,9 @@ def test_the_normal_forms() -> None:
     assert normalize(r"\left.x\right|_{0}") == "x|_{0}"
     assert normalize("+1,000") == "1000" and normalize("\u22123") == "-3"
     assert normalize("2, 300") == "2,300" and not equivalent("2, 300", "2300")
+
+
+@pytest.mark.parametrize("word", ["or", "and", "to", "than", "more", "less", "at", "least", "most", "about", "approx",
+                                  "approximately", "around", "nearly", "almost", "not", "between", "plus", "minus"])
+def test_a_hedge_word_after_a_number_is_never_a_unit(word) -> None:
+    assert not math_verifier("", rf"\boxed{{12\text{{ {word}}}}}", "12")
