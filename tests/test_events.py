@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from tlt.services.common.events import (
+    FRAME_OVERHEAD,
     MAX_LATE_FRAMES,
     TOPIC,
     CapacityPublisher,
@@ -22,6 +23,7 @@ from tlt.services.common.events import (
     Envelope,
     FeaturePuller,
     FeaturePusher,
+    split_batch,
 )
 from tlt.services.common.events_local import LocalCapacityBus, LocalFeatureQueue
 from tlt.services.common.zmq_auth import ZmqAuth
@@ -325,7 +327,10 @@ def test_local_feature_queue_drops_when_full() -> None:
     assert q.recv(0.1) is not None and q.recv(0.1) is not None and q.recv(0.05) is None
     q.push(_batch(1))
     got = q.recv(0.1)
-    assert got is not None and got.dropped_before == 6
+    assert got is not None and (got.dropped_before, got.dropped_since) == (6, 6)
+    q.push(_batch(1))  # nothing dropped since the batch that reported the six
+    got = q.recv(0.1)
+    assert got is not None and (got.dropped_before, got.dropped_since) == (6, 0)
 
 
 def test_publish_sets_seq_from_the_start_time_and_keeps_the_callers_fields() -> None:
@@ -383,3 +388,24 @@ def test_a_batch_over_the_frame_limit_goes_as_several_frames_and_a_sequence_over
         assert len(frames) == 3 and all(len(Envelope(features=f).SerializeToString()) <= 10_000 for f in frames)
         assert pusher.dropped == before + 1 and {f.dropped_before for f in frames} == {before + 1}
         assert {f.sender for f in frames} == {pusher.sender} and {f.source for f in frames} == {"rollout"}
+
+
+def test_a_heartbeat_carries_the_time_it_was_sent_and_a_snapshot_lists_replicas_in_order(
+        publisher: CapacityPublisher) -> None:
+    """A heartbeat says the state holds NOW: it carried the time of the state change, however long ago that was."""
+    late = publisher.publish(_event(2, IDLE))
+    publisher.publish(_event(0, BUSY))
+    with CapacitySubscriber(publisher.pub_endpoint, publisher.snapshot_endpoint) as sub:
+        assert [e.replica_id for e in sub.snapshot()] == [0, 2]  # by replica, not by first publish
+        beat = _wait_heartbeat(sub)
+        while beat.replica_id != 2:
+            beat = _wait_heartbeat(sub)
+        assert beat.seq == late.seq and beat.timestamp > late.timestamp  # a copy of the publish had its time
+
+
+def test_sequences_that_fit_a_frame_exactly_share_it() -> None:
+    """split_batch packs as many sequences as fit into each frame, the last byte of its room included."""
+    batch = _batch(3, size=100)
+    n = batch.sequences[0].ByteSize() + 16  # what split_batch counts per sequence
+    parts, too_big = split_batch(batch, FRAME_OVERHEAD + 2 * n)  # room for two exactly
+    assert too_big == 0 and [len(p.sequences) for p in parts] == [2, 1]
