@@ -21,7 +21,8 @@ clients (`RolloutClient`) read the same variable when no token is passed.
 
 Data plane: the OpenAI endpoints take an optional API key (`TLT_API_KEY` or
 the rollout config's `api_key`): when set, `Authorization: Bearer <key>` is
-required on /v1/*, else 401 in OpenAI's error format (http_api.py).
+required on /v1/*, else 401 in OpenAI's error format (http_api.py). The key loses its surrounding whitespace
+whatever its source, as a token does; one blank after that, or with a control character inside, is refused.
 """
 
 from __future__ import annotations
@@ -49,16 +50,16 @@ class AuthConfigError(ConfigError):
 _CONFIG_SOURCE = "the config's token ([rollout] control_token, [trainer] rollout_token or [drafter] control_token)"
 
 
-def _clean(token: str, source: str) -> str:
+def _clean(token: str, source: str, what: str = "token") -> str:
     """The token without surrounding whitespace (a Secret made from a file written by `echo` ends in a newline);
     refused when nothing is left or when it holds what an `authorization` metadata value cannot carry
     (gRPC allows printable ASCII, 0x20-0x7E). The message names the source, never the token."""
     token = token.strip()
     if not token:
-        raise AuthConfigError(f"{source}: the token is blank; set a token or leave it empty")
+        raise AuthConfigError(f"{source}: the {what} is blank; set one or leave it empty")
     for i, ch in enumerate(token):
         if not " " <= ch <= "~":
-            raise AuthConfigError(f"{source}: the token holds {ch!r} at position {i}; a token is printable ASCII "
+            raise AuthConfigError(f"{source}: the {what} holds {ch!r} at position {i}; a {what} is printable ASCII "
                                   "(no newline, tab or other control character inside it)")
     return token
 
@@ -86,9 +87,16 @@ def resolve_token(explicit: str = "", environ: Mapping[str, str] | None = None) 
 
 
 def resolve_api_key(explicit: str = "", environ: Mapping[str, str] | None = None) -> str:
-    """The OpenAI API key: the explicit (config) value, else $TLT_API_KEY; empty means no key is required."""
+    """The OpenAI API key: the explicit (config) value, else $TLT_API_KEY; empty means no key is required.
+
+    Each without surrounding whitespace, as a control token (the config's kept a Secret file's newline, and every
+    client was refused 401); one blank after that, or with a character a header cannot carry, is AuthConfigError."""
+    if explicit:
+        return _clean(explicit, "the config's API key ([rollout] api_key)", "API key")
     env = os.environ if environ is None else environ
-    return explicit or env.get(API_KEY_ENV, "").strip()
+    if env.get(API_KEY_ENV):
+        return _clean(env[API_KEY_ENV], API_KEY_ENV, "API key")
+    return ""
 
 
 def new_token() -> str:

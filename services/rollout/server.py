@@ -22,7 +22,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from tlt.services.common.auth import is_loopback, resolve_token
+from tlt.services.common.auth import is_loopback, resolve_api_key, resolve_token
 from tlt.services.common.channels import SERVER_KEEPALIVE
 from tlt.services.common.cpus import replica_threads, usable_cores
 from tlt.services.common.gc_heap import GcPauses, freeze_heap
@@ -225,6 +225,7 @@ class RolloutServer:
                                               server_id=f"rollout-{os.getpid()}", heartbeat_s=cfg.capacity_heartbeat_s,
                                               token=cfg.control_token)
             log.info("capacity_events", pub=self.capacity.pub_endpoint, snapshot=self.capacity.snapshot_endpoint)
+        resolve_api_key(cfg.api_key)  # an unusable key fails here, in one line, not once the replicas have loaded
         self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads, self.capacity,
                                 cfg.features_push, cfg.features_max_tokens,
                                 cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts,

@@ -91,7 +91,7 @@ def test_a_token_grpc_metadata_cannot_carry_is_refused(tmp_path, explicit, envir
     ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("localhost", True), ("127.0.0.1:50051", True),
     ("[::1]:50051", True), ("tcp://127.0.0.1:5701", True), ("tcp://[::1]:5701", True),
     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("tcp://0.0.0.0:5701", False), ("tcp://*:5701", False),
-    ("example.com", False), ("", False),
+    ("example.com", False), ("", False), ("0:0:0:0:0:0:0:1", True), ("tcp://[0:0:0:0:0:0:0:1]:5701", True),
 ])
 def test_is_loopback(address, loopback):
     assert is_loopback(address) is loopback
@@ -104,6 +104,25 @@ def test_bearer_parsing_is_strict():
     assert not token_matches("Bearer abcd", "abc")
     assert not token_matches("Basic abc", "abc")
     assert not token_matches("Bearer ", "")  # an empty configured token never matches
+    assert token_matches("Bearer  abc", "abc") and token_matches("Bearer abc ", "abc")  # spacing is no part of it
+
+
+def test_the_api_key_loses_surrounding_whitespace_from_every_source():
+    """`TLT_ROLLOUT__API_KEY` from a Secret file written by `echo` ends in a newline: the key kept it, and every
+    client, sending `Bearer <key>`, was refused 401 (TLT_API_KEY with the same newline worked). A key that is blank
+    once stripped is refused where it is read, as a blank control token is, never read as "no key required"."""
+    assert resolve_api_key("k3y\n", {}) == "k3y"  # [rollout] api_key / TLT_ROLLOUT__API_KEY
+    assert resolve_api_key(" k3y ", {"TLT_API_KEY": "other"}) == "k3y"
+    assert resolve_api_key("", {"TLT_API_KEY": "k3y\r\n"}) == "k3y"
+    for explicit, environ in (("  \n", {}), ("", {"TLT_API_KEY": " \n"}), ("k\ney", {})):
+        with pytest.raises(AuthConfigError) as e:
+            resolve_api_key(explicit, environ)
+        assert "API key" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_token_may_hold_any_printable_ascii_a_space_included():
+    assert resolve_token("pass phrase ~!", {}) == "pass phrase ~!"  # 0x20-0x7E: an `authorization` value carries it
+    assert resolve_token("", {"TLT_AUTH_TOKEN": " pass phrase \n"}) == "pass phrase"
 
 
 def test_control_auth_modes():
