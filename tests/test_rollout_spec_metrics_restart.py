@@ -98,3 +98,27 @@ def test_per_arm_accept_lengths_are_the_serving_process_s():
     assert _sample(metrics, "rollout_spec_arm_accept_len", arm="5_1_6") == 3.0
     assert _sample(metrics, "rollout_spec_arm_accept_len", arm="8_1_9") is None
     assert _sample(metrics, "rollout_spec_arm_verify_steps_total", arm="8_1_9") == 4  # counters keep their counts
+
+
+def test_one_replica_s_restart_leaves_the_others_counts_and_each_count_reads_its_own_field():
+    """A restart of replica 0 forgets replica 0's last totals only: replica 1's next scrape adds what it counted
+    since, not its whole total again. Each series reads its own field (no_room is not over_budget), and a dead
+    replica's SD is off until it reports again."""
+    metrics = Metrics("rollout")
+    spec = SpecMetrics(metrics)
+
+    def stats(n: int) -> dict:
+        return {"on": True, "verify_steps": n, "no_room": 3, "over_budget": 5, "last_arm": "8_1_9"}
+
+    spec.update(0, stats(10), pid=11)
+    spec.update(1, stats(40), pid=21)
+    spec.dead(0)
+    assert _sample(metrics, "rollout_spec_active") == 0 and _sample(metrics, "rollout_spec_last_arm", arm="8_1_9") is None
+    spec.update(0, stats(2), pid=12)  # replica 0 restarted
+    spec.update(1, stats(41), pid=21)  # replica 1 ran on: one step more
+    sample = metrics.registry.get_sample_value
+    assert sample("rollout_spec_verify_steps_total", {"replica": "0"}) == 12
+    assert sample("rollout_spec_verify_steps_total", {"replica": "1"}) == 41
+    assert sample("rollout_spec_no_room_steps_total", {"replica": "1"}) == 3
+    assert sample("rollout_spec_over_budget_steps_total", {"replica": "1"}) == 5
+    assert _sample(metrics, "rollout_spec_active") == 1
