@@ -455,3 +455,74 @@ def test_a_mini_batch_that_the_ranks_cannot_split_is_a_config_error():
     assert deepspeed_config(cfg, 1, False)["gradient_accumulation_steps"] == 1
     with pytest.raises(ConfigError, match=r"multiple of micro_batch_size x ranks \(4 x 2\)"):
         deepspeed_config(cfg, 2, False)
+
+
+def test_a_group_with_a_sample_twice_and_one_missing_is_refused():
+    """Prompt 0's group of n=4 holds sample 1 twice and no sample 2: the count is whole, the group is not (a
+    stream that re-sent a sample under the index of a lost one); its advantages would be taken over the wrong
+    members."""
+    policy = Policy(config(), model=tiny_qwen2())
+    twice = [ScoredCompletion(0, k, (1, 2), (3,), float(k % 2)) for k in (0, 1, 1, 3)]
+    with pytest.raises(ValueError, match="group starting at prompt 0 is incomplete or duplicated"):
+        grpo_step(policy, twice + [ScoredCompletion(1, k, (1, 2), (3,), 0.0) for k in range(4)], step=0)
+
+
+def test_tokens_count_every_response_token_the_rollout_generated_under_overlong_filter():
+    """`tokens` is the step's response tokens as the rollout generated them: a truncated response that
+    overlong_filter leaves out of the loss still counts (it was generated, and it is in response_len_mean)."""
+    import dataclasses
+
+    samples = make_samples(2, 4, seed=7)
+    cut = {(0, 1), (1, 2)}
+    samples = [dataclasses.replace(s, finish_reason="length" if (s.prompt_index, s.sample_index) in cut else "stop")
+               for s in samples]
+    m = grpo_step(Policy(config(overlong_filter=True), model=tiny_qwen2()), samples, step=0).metrics
+    assert m.overlong_filtered_fraction == 2 / 8
+    assert m.tokens == sum(len(s.response_ids) for s in samples)
+
+
+def test_each_step_shuffles_its_sequences_into_mini_batches_of_its_own(monkeypatch):
+    """The mini-batch shuffle is seeded by the run and the step: step 0's and step 1's batches are split
+    differently (a shuffle seeded by the run alone put the same positions together at every step)."""
+    policy = Policy(config(mini_batch_size=4, micro_batch_size=4), model=tiny_qwen2())
+    real = policy.logprobs
+    splits: list[list[frozenset]] = []
+
+    def recording(batch, with_entropy=False, with_hidden=False, entropy_grad=False):  # noqa: ANN001, ANN202
+        if with_entropy:  # a training micro-batch: one mini-batch here
+            splits[-1].append(frozenset(tuple(int(t) for t, m in zip(ids, mk) if m)
+                                        for ids, mk in zip(batch.response_ids, batch.response_mask)))
+        return real(batch, with_entropy=with_entropy, with_hidden=with_hidden, entropy_grad=entropy_grad)
+
+    monkeypatch.setattr(policy, "logprobs", recording)
+    monkeypatch.setattr(policy, "step", lambda: False)  # the same weights each step: only the shuffle differs
+    monkeypatch.setattr(policy, "backward", lambda loss: None)
+    samples = make_samples(2, 4, seed=11)
+    assert len({s.response_ids for s in samples}) == 8
+    found = []
+    for step in range(3):
+        splits.append([])
+        grpo_step(policy, samples, step=step)
+        found.append(frozenset(splits[-1]))
+    assert len(set(found)) > 1, "every step split its sequences into the same mini-batches"
+
+
+def test_with_several_epochs_each_rank_shares_its_old_logprobs_with_the_others(monkeypatch):
+    """ppo_epochs = 2 over 2 ranks: each rank computes the old logprobs of its own first-pass share only, and the
+    second pass trains it on the other rank's rows too; those rows are summed in from every rank (all_reduce_sum),
+    or the second pass would take 0 for their old logprobs. Ranks 0 and 1 are played one after the other: each hands
+    the sum its own rows (non-zero on its share, zero elsewhere), and the two shares make up the whole batch."""
+    samples = make_samples(2, 4, seed=5)
+    shared: dict[int, torch.Tensor] = {}
+    for rank in (0, 1):
+        policy = Policy(config(mini_batch_size=8, micro_batch_size=2, ppo_epochs=2), model=tiny_qwen2())
+        monkeypatch.setattr(policy, "world_size", 2)
+        monkeypatch.setattr(policy, "rank", rank)
+        monkeypatch.setattr(policy, "backward", lambda loss: None)
+        monkeypatch.setattr(policy, "step", lambda: False)
+        monkeypatch.setattr(policy, "all_reduce_stats", lambda sums, tokens, diff: (sums, tokens, diff))
+        monkeypatch.setattr(policy, "all_reduce_sum", lambda t, rank=rank: shared.setdefault(rank, t.clone()))
+        grpo_step(policy, samples, step=0)
+    assert sorted(shared) == [0, 1], "the old logprobs were not summed over the ranks"
+    rows = [{int(i) for i in torch.nonzero(shared[r].abs().sum(dim=1)).flatten()} for r in (0, 1)]
+    assert rows[0] and rows[1] and not rows[0] & rows[1] and rows[0] | rows[1] == set(range(8))
