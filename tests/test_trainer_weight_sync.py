@@ -302,3 +302,37 @@ def test_a_trainer_under_nohup_still_ignores_the_hangup():
                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup starts it
     assert child.returncode == 0 and "trained on" in child.stdout, child.stderr[-2000:]
 
+
+
+class _ServingWeights(_VersionedServer):
+    """A _VersionedServer at version 0 whose start checkpoint holds `weights` (what get_weights answers)."""
+
+    def __init__(self, name: str, weights: dict) -> None:
+        super().__init__(0)
+        self.address, self.weights = name, weights
+
+    def get_weights(self, names, kind="policy"):
+        return 0, {n: self.weights[n].clone() for n in names}
+
+
+def test_a_fresh_start_pushes_unless_every_server_serves_the_trainers_weights_matrix_and_vector_alike():
+    """Both at version 0, two servers: one started from the trainer's own checkpoint, the other from one whose
+    matrices match it and whose vectors (a bias, a norm) do not (a fine-tune of the norms, another seed of them).
+    The other's samples are not the trainer's policy: the sync pushes, to both, though one of them serves these
+    weights and the matrix probe matches on both."""
+    from types import SimpleNamespace
+
+    from tlt.services.trainer.loop import sync_weights
+
+    module = torch.nn.Linear(2, 3)
+    own = {k: v.detach().clone() for k, v in module.named_parameters()}
+    other = {**own, "bias": own["bias"] + 1.0}
+    servers = [_ServingWeights("same", own), _ServingWeights("other-vectors", other)]
+    policy = SimpleNamespace(version=0, module=module, bf16=False, gathers=False,
+                             cfg=SimpleNamespace(push_dtype="float32"))
+    sync_weights(policy, WeightPublisher(servers), servers)
+    assert policy.version == 1 and [s.version for s in servers] == [1, 1]
+    alike = [_ServingWeights("a", own), _ServingWeights("b", own)]
+    policy.version = 0
+    sync_weights(policy, WeightPublisher(alike), alike)  # both serve the trainer's weights: nothing to push
+    assert policy.version == 0 and [s.version for s in alike] == [0, 0]

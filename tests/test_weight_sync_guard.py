@@ -133,3 +133,39 @@ def test_a_bf16_push_casts_floating_tensors_only() -> None:
     assert {k: v.dtype for k, v in out.items()} == {"lin.weight": torch.bfloat16, "lin.bias": torch.bfloat16,
                                                     "step": torch.int64, "mask": torch.bool}
     assert out["step"].tolist() == [2**40 + 1] and out["mask"].tolist() == [True, False]
+
+
+def test_a_push_answered_with_another_version_than_pushed_stops_the_run() -> None:
+    """A server that answers a push with a version of its own (older: it kept what it served; newer: another trainer
+    pushed past ours between the two) does not serve the weights just pushed: the push fails, either way."""
+
+    class Answering(FakeServer):
+        def __init__(self, address: str, answer: int) -> None:
+            super().__init__(address)
+            self.answer = answer
+
+        def update_weights(self, tensors, kind: str, version: int, shm: bool = False):
+            return rollout_pb2.UpdateWeightsResponse(ok=True, kind=common_pb2.WEIGHT_KIND_POLICY, version=self.answer)
+
+    for answer in (2, 4):
+        with pytest.raises(StaleWeightsError, match=f"answered version {answer}, pushed 3"):
+            WeightPublisher([FakeServer("fine"), Answering("odd", answer)]).push({"w": torch.zeros(2)}, 3)
+
+
+def test_repushes_counts_every_server_given_the_weights_again() -> None:
+    """Two of three servers restarted (v0) after the push of v3: both get the weights again, and `repushes` counts
+    the servers (2), not the rollouts redone (1)."""
+    a, b, up = FakeServer("a", policy=0), FakeServer("b", policy=0), FakeServer("up", policy=3)
+    guard, roll_out, pushed, rollouts = guard_with([a, up, b], versions=[0, 3])
+    guard.collect(roll_out, 3)
+    assert pushed == ["a", "b"] and guard.repushes == 2 and len(rollouts) == 2
+
+
+def test_a_server_one_version_ahead_is_newer_too() -> None:
+    """The pushed v3 and a server on v4, the very next version (another trainer's first push after ours): newer, so
+    nothing is pushed again and the stale rollout fails as it is, as for any newer version."""
+    newer, restarted = FakeServer("newer", policy=4), FakeServer("restarted", policy=0)
+    guard, roll_out, pushed, rollouts = guard_with([newer, restarted], versions=[4, 4])
+    with pytest.raises(StaleWeightsError, match=r"version\(s\) \[4\]"):
+        guard.collect(roll_out, 3)
+    assert pushed == [] and guard.repushes == 0 and len(rollouts) == 1
