@@ -34,3 +34,24 @@ def test_a_module_the_standard_library_shadows_is_named_so(folder) -> None:
         load_function("test:reward")
     says = str(e.value)
     assert "standard library" in says and "rename" in says and str(folder / "test.py") in says, says
+
+
+def test_a_package_module_in_the_current_directory_is_found(tmp_path, monkeypatch) -> None:
+    """"pkg.mod:f" with the package in the current directory, not on the path (the `tlt` script's case): the failed
+    import names the package, not the module, and that too means "look in the current directory"; before, it was
+    taken for an import inside the user's module and reported as its failure."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (tmp_path / "mypkg_spec").mkdir()
+    (tmp_path / "mypkg_spec" / "__init__.py").write_text("")
+    (tmp_path / "mypkg_spec" / "scoring.py").write_text("def reward(prompts, completions, **kw):\n    return [2.0]\n")
+    for name in ("mypkg_spec", "mypkg_spec.scoring"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        fn = load_function("mypkg_spec.scoring:reward")
+    finally:
+        for name in ("mypkg_spec.scoring", "mypkg_spec"):
+            sys.modules.pop(name, None)
+    assert fn(["p"], ["c"]) == [2.0]

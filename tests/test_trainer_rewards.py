@@ -530,3 +530,22 @@ def test_tlt_train_whose_rollout_serves_other_weights_ends_with_one_line(monkeyp
         # the restart hint only where a restart helps: a refused push (too large, another model) fails again
         assert ("resumes from its checkpoint" in text) == isinstance(error, StaleWeightsError), text
         assert "Traceback" not in text, text[-2000:]
+
+
+def test_a_column_only_later_rows_have_reaches_the_function_aligned_with_the_completions():
+    """A data set whose first rows lack a column (a mixed-task file: `level` only on the math rows): the function
+    still gets that column, one value per completion, None for the rows without it, in the completions' order."""
+    seen = {}
+
+    def by_level(completions, level, **kw):
+        seen["level"] = level
+        return [float(x or 0) for x in level]
+
+    batch = FunctionRewards([by_level]).begin()
+    batch.submit("k0", "p0", "c0", "a0")
+    batch.submit("k1", "p1", "c1", "a1", {"level": 3})
+    batch.submit("k2", "p2", "c2", "a2", {})
+    batch.submit("k3", "p3", "c3", "a3", {"level": 5})
+    got = batch.results()
+    assert seen["level"] == [None, 3, None, 5]
+    assert [got[k].reward for k in ("k0", "k1", "k2", "k3")] == [0.0, 3.0, 0.0, 5.0]
