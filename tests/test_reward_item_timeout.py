@@ -65,6 +65,8 @@ def test_stuck_items_time_out_replace_their_worker_and_a_wedged_pool_fails_the_h
             assert server.servicer.pool.stuck() == 3  # not replaced: one worker scores, the server needs a restart
             assert health(["--timeout", "2", "grpc-reward", server.address]) == 1
             assert "3 scoring threads are stuck" in capsys.readouterr().err
+            # only the health check's empty call is refused: a call with items is answered item by item
+            assert client.score([Req(id="w", completion="x", reference="1")])[0].ok
             release.set()  # the stuck calls return: their threads score again
             deadline = time.monotonic() + 5
             while server.servicer.pool.stuck() and time.monotonic() < deadline:

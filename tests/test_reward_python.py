@@ -207,8 +207,11 @@ def test_a_function_returning_a_bad_value_answers_ok_false(tmp_path, monkeypatch
     config = RewardConfig(kind="python", function="bad_reward:bad", port=0)
     with RewardServer(config) as server, RewardClient(server.address, timeout_s=10, retries=0) as client:
         results = client.score([Req(id=k, completion=k, reference="1") for k in ("nan", "two", "text", "bool")])
+        metrics = server.metrics.render().decode()
     assert [r.ok for r in results] == [False] * 4, results
     assert all("bad_reward:bad" in r.error for r in results), results
+    # the function's fault, not a verifier's: the dashboard splits the two
+    assert 'tlt_reward_errors_total{reason="function_error"} 4.0' in metrics and "verifier_error" not in metrics
 
 
 def test_a_reward_beyond_a_32_bit_float_answers_ok_false(tmp_path, monkeypatch) -> None:

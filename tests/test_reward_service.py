@@ -288,8 +288,9 @@ def test_batch_and_message_limits() -> None:
             with pytest.raises(RewardCallError, match="INVALID_ARGUMENT"):
                 client.score([Req(id=str(i), reference="1") for i in range(3)])
             assert time.monotonic() - start < 1.0  # not retried
-        ok = stub.Score(reward_pb2.ScoreBatchRequest(items=[Req(id="z", completion="answer: 1", reference="1")]))
-        assert ok.results[0].correct  # the server still works
+        full = [Req(id=k, completion="answer: 1", reference="1") for k in ("z", "y")]  # exactly max_batch_items
+        ok = stub.Score(reward_pb2.ScoreBatchRequest(items=full), timeout=10)
+        assert [(r.id, r.correct) for r in ok.results] == [("z", True), ("y", True)]  # the server still works
 
 
 def test_client_submit_and_stream(server: RewardServer) -> None:
@@ -501,3 +502,39 @@ def test_a_thousands_group_follows_one_to_three_digits() -> None:
     assert normalize("12,345") == "12345"
     assert normalize("1234,567") == "1234,567"  # not a thousands separator: left as it is
     assert not equivalent("1234,567", "1234567")
+
+
+def test_an_item_exactly_at_max_item_bytes_is_scored() -> None:
+    """The limit is the most an item may hold: a data row of exactly max_item_bytes is scored, one byte over is not."""
+    from tlt.services.reward.server import RewardServicer
+
+    servicer = RewardServicer(_config(max_item_bytes=16))
+    try:
+        at = servicer.score_one(Req(id="at", prompt="p" * 15, reference="1", completion=""))  # 16 bytes
+        over = servicer.score_one(Req(id="over", prompt="p" * 16, reference="1", completion=""))
+        assert at.ok and not at.correct, at
+        assert not over.ok and "over the limit of 16" in over.error, over
+    finally:
+        servicer.pool.shutdown()
+
+
+def test_each_serve_flag_reaches_the_config() -> None:
+    """`tlt reward serve --workers 1` is how a function that is not thread-safe is served: the flag must count."""
+    import argparse
+
+    from tlt.services.reward import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.build_config(parser.parse_args(["--workers", "1", "--port", "0", "--host", "127.0.0.2"]))
+    assert (config.workers, config.port, config.host, config.kind) == (1, 0, "127.0.0.2", "math")
+
+
+def test_a_stream_whose_items_cannot_be_scored_ends_in_an_error_not_ok() -> None:
+    """An item the server cannot take (its scoring pool is shut down, as in a stop) fails the stream: it never ends
+    OK with the item unanswered, which a client reads as every item answered."""
+    with RewardServer(_config()) as s:
+        s.servicer.pool.shutdown()
+        with pytest.raises(grpc.RpcError) as e:
+            list(_stub(s).ScoreStream(iter([Req(id="a", completion="answer: 1", reference="1")]), timeout=10))
+        assert "shut down" in (e.value.details() or ""), e.value
