@@ -383,3 +383,144 @@ def test_a_seeded_step_samples_the_same_completions_again_and_each_prompt_its_ow
     groups = {g: tuple(first[g, k] for k in range(2)) for g in (0, 2, 3)}  # prompt a's three groups
     assert len(set(groups.values())) == 3, "the same prompt twice, sampled alike"
     assert later != first, "another step sampled the same completions"
+
+
+class _Edited:
+    """A rollout client whose streams are the real server's, each completion passed through `edit` (None: dropped),
+    as a server that lost a sample or sent logprobs of another length than its tokens would send them."""
+
+    def __init__(self, real, edit) -> None:  # noqa: ANN001 - RolloutClient, (Completion) -> Completion | None
+        self.real, self.address, self.edit = real, real.address, edit
+
+    def status(self):  # noqa: ANN201
+        return self.real.status()
+
+    def batch_generate(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
+        inner, edit = self.real.batch_generate(*args, **kw), self.edit
+
+        class Stream:
+            def __iter__(self):
+                for c in inner:
+                    if (c := edit(c)) is not None:
+                        yield c
+
+            def cancel(self) -> None:
+                inner.cancel()
+
+        return Stream()
+
+
+def test_a_stream_that_ends_short_of_a_sample_fails_the_step(server):
+    """A stream that ended cleanly with one completion missing: the step must fail, not train on a group short of a
+    sample (the check counted completions against the prompts, not prompts x n, and let 7 of 8 through)."""
+    from tlt.services.rollout.client import RolloutClient
+
+    def drop_one(c):  # noqa: ANN001, ANN202
+        return None if (c.prompt_index, c.sample_index) == (1, 3) else c
+
+    with RolloutClient(server.grpc_address) as real:
+        with pytest.raises(RolloutError, match="rollout returned 7 completions, expected 8"):
+            collect(_prompts(2), [_Edited(real, drop_one)], Recorder(), n=4, params=sampling_params(4, 1.0, 1.0),
+                    step=0)
+
+
+def test_logprobs_of_another_length_than_the_tokens_are_not_kept(server):
+    """The rollout's logprobs stand in for the trainer's old logprobs ([trainer] old_logprobs = "rollout") token by
+    token: a completion whose logprobs are not one per response token keeps none (the step recomputes them), never
+    a list shifted against its tokens."""
+    from tlt.services.rollout.client import RolloutClient
+
+    def one_short(c):  # noqa: ANN001, ANN202
+        if c.prompt_index == 0:
+            del c.logprobs[-1]
+        return c
+
+    with RolloutClient(server.grpc_address) as real:
+        res = collect(_prompts(2), [_Edited(real, one_short)], Recorder(), n=2, params=sampling_params(4, 1.0, 1.0),
+                      step=0)
+    kept = {s.prompt_index: s.rollout_logprobs for s in res.samples}
+    assert kept[0] is None
+    assert kept[1] is not None and all(len(s.rollout_logprobs) == len(s.response_ids)
+                                       for s in res.samples if s.prompt_index == 1)
+
+
+def test_a_step_is_rolled_out_at_most_retries_plus_one_times(server):
+    """`rollout_retries = 1`: one redo, then the step fails; a stream that dies every time was rolled out a third
+    time (two redos)."""
+    from tlt.services.rollout.client import RolloutClient
+
+    calls: list[int] = []
+
+    def dies(c):  # noqa: ANN001, ANN202
+        raise ReplicaDied()
+
+    class Counting(_Edited):
+        def batch_generate(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
+            calls.append(1)
+            return super().batch_generate(*args, **kw)
+
+    with RolloutClient(server.grpc_address) as real:
+        with pytest.raises(RolloutError, match="UNAVAILABLE"):
+            collect_retrying(_prompts(1), [Counting(real, dies)], Recorder(), 1, sampling_params(4, 1.0, 1.0), 0,
+                             retries=1, wait_s=10)
+    assert len(calls) == 2
+
+
+def test_a_draining_replica_is_waited_for_like_a_dead_one():
+    """A replica still alive but draining (its server restarts it: it takes no new samples) is not serving: the
+    retry waits for it, and once the wait is spent names it "draining", as the redo would have gone to a server that
+    cannot run it. Real gRPC: a rollout front whose status says so."""
+    from concurrent import futures
+
+    import grpc
+
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    class Draining(rollout_pb2_grpc.RolloutServicer):
+        def GetStatus(self, request, context):  # noqa: ANN001, N802
+            return rollout_pb2.RolloutStatus(replicas=[
+                rollout_pb2.ReplicaStatus(replica_id=0, alive=True, state=common_pb2.REPLICA_STATE_DRAINING),
+                rollout_pb2.ReplicaStatus(replica_id=1, alive=True)])
+
+    front = grpc.server(futures.ThreadPoolExecutor(2))
+    rollout_pb2_grpc.add_RolloutServicer_to_server(Draining(), front)
+    address = f"127.0.0.1:{front.add_insecure_port('127.0.0.1:0')}"
+    front.start()
+    try:
+        with RolloutClient(address) as client, pytest.raises(RolloutError) as e:
+            wait_serving([client], 0.5)
+    finally:
+        front.stop(0)
+    assert f"{address}: replica 0 draining" in str(e.value) and "replica 1" not in str(e.value), str(e.value)
+
+
+def test_the_rollouts_spec_totals_sum_the_completions_and_name_the_newest_drafter(server):
+    """The step's SD figures: verify steps, accepted and response tokens summed over the completions, and the
+    drafter version the newest of theirs (a drafter pushed mid-rollout: earlier completions carry the older one)."""
+    from tlt.services.rollout.client import RolloutClient
+
+    def stamped(c):  # noqa: ANN001, ANN202 - what a rollout speculating with drafters 2 and then 3 stamps
+        c.versions.drafter = 3 if (c.prompt_index, c.sample_index) == (1, 0) else 2
+        c.spec.verify_steps, c.spec.accepted_tokens, c.spec.plain_decode_steps = 2, 5, 1
+        return c
+
+    with RolloutClient(server.grpc_address) as real:
+        res = collect(_prompts(2), [_Edited(real, stamped)], Recorder(), n=2, params=sampling_params(6, 1.0, 1.0),
+                      step=0)
+    spec = res.spec
+    assert (spec.verify_steps, spec.accepted_tokens, spec.plain_steps, spec.drafter_version) == (8, 20, 4, 3)
+    assert spec.response_tokens == sum(len(s.response_ids) for s in res.samples)
+    assert spec.response_tokens != sum(len(s.prompt_ids) for s in res.samples)
+
+
+def test_a_response_cut_at_max_tokens_is_marked_length(server):
+    """The rollout's finish reason reaches the step: a response cut at max_tokens is "length" (overlong_filter
+    leaves it out of the loss, truncated_fraction counts it); read as "stop", every cut response trained as whole."""
+    from tlt.services.rollout.client import RolloutClient
+
+    with RolloutClient(server.grpc_address) as client:
+        res = collect(_prompts(2), [client], Recorder(), n=4, params=sampling_params(3, 1.0, 1.0, seed=4), step=0)
+    reasons = {s.finish_reason for s in res.samples}
+    assert "length" in reasons and reasons <= {"stop", "length"}, reasons
+    assert all(len(s.response_ids) == 3 for s in res.samples if s.finish_reason == "length")
