@@ -142,6 +142,19 @@ def test_without_a_token_loopback_is_plain_zeromq_as_before(no_env_token: None) 
             assert [e.replica_id for e in sub.snapshot(timeout_s=5)] == [1]
 
 
+def test_without_a_token_in_process_and_ipc_binds_are_local(no_env_token: None, tmp_path) -> None:
+    """inproc:// and ipc:// never leave the host: plain ZeroMQ, as a loopback tcp bind is; the pair still talks."""
+    with zmq.Context() as ctx, ZmqAuth(ctx) as auth:
+        for endpoint in ("inproc://tlt-features", f"ipc://{tmp_path}/features"):
+            with ctx.socket(zmq.PULL) as pull, ctx.socket(zmq.PUSH) as push:
+                pull.setsockopt(zmq.LINGER, 0)
+                push.setsockopt(zmq.LINGER, 0)
+                auth.bind(pull, endpoint)
+                auth.connect(push, endpoint)
+                push.send(b"x")
+                assert pull.poll(3000) and pull.recv() == b"x" and auth.mode == "plain"
+
+
 @pytest.mark.parametrize("make", [
     lambda local, other: FeaturePuller(f"tcp://0.0.0.0:{other}"),
     lambda local, other: CapacityPublisher(f"tcp://127.0.0.1:{local}", f"tcp://*:{other}"),
