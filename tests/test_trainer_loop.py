@@ -336,3 +336,53 @@ def test_eval_greedy_adds_one_greedy_completion_per_problem_to_each_held_out_eva
     assert sampled_then_greedy[1]["ids"] == sampled_then_greedy[3]["ids"]  # one policy: the same greedy completions
     assert [c["step"] for c in calls] == ["eval0"] and calls[0]["params"].temperature == 0.0
     assert greedy_only.greedy_accuracy == greedy_only.accuracy
+
+
+def test_a_resume_drops_the_lines_of_the_steps_after_its_checkpoint_and_restores_the_gauges(random_model_dir,
+                                                                                            tmp_path):
+    """Killed after step 2's metrics line and before its checkpoint (steps_done 2): the resumed run redoes step 2,
+    so the old line for it goes (two lines for step 2 otherwise), the lines of steps 0 and 1 stay, and the gauges
+    read as the last kept step (1) left them: its reward, not the first step's or the dropped one's. Rank 0's side of
+    the loop over its real files; no service is called."""
+    from tlt.services.trainer.loop import _Services
+
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [{"step": k, "reward_mean": 0.25 * (k + 1), "times": {"step_s": 10.0 + k}} for k in range(3)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    services = _Services(config(random_model_dir, "127.0.0.1:1", out, steps=4), out, start=2)
+    try:
+        kept = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        text = services.prom.render().decode()
+    finally:
+        services.close()
+    assert [m["step"] for m in kept] == [0, 1]
+    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert gauges["trainer_step"] == 2.0 and gauges["trainer_reward_mean"] == 0.5, gauges
+    assert gauges['trainer_step_seconds{phase="step_s"}'] == 11.0, gauges
+
+
+def test_a_steps_line_and_gauges_without_dynamic_sampling(random_model_dir, tmp_path):
+    """Without dynamic sampling the step trained on every group it generated: groups_generated is prompts_per_step
+    and zero_signal_groups_trained the step's own zero_signal_groups; publish() writes that line and sets the
+    gauges to the steps done (step 3 done: 4) and its reward. Rank 0's side of the loop over its real files."""
+    from types import SimpleNamespace
+
+    from tlt.services.trainer.collect import RolloutResult
+    from tlt.services.trainer.loop import _record_sampling, _Services
+    from tlt.services.trainer.types import PromptItem, StepMetrics
+
+    out = tmp_path / "run"
+    m = StepMetrics(step=3, policy_version=4, reward_mean=0.75, zero_signal_groups=0.5)
+    _record_sampling(m, RolloutResult(samples=[]), 2)
+    assert (m.groups_generated, m.zero_signal_groups_trained, m.zero_signal_groups) == (2, 0.5, 0.5)
+    services = _Services(config(random_model_dir, "127.0.0.1:1", out, steps=4), out, start=0)
+    try:
+        services.publish(SimpleNamespace(version=4), m, [PromptItem(7, "p", "1"), PromptItem(9, "q", "2")], 0.0)
+        text = services.prom.render().decode()
+    finally:
+        services.close()
+    line = json.loads((out / "metrics.jsonl").read_text())
+    assert (line["step"], line["prompt_indices"], line["zero_signal_groups_trained"]) == (3, [7, 9], 0.5)
+    gauges = {x.split(" ")[0]: float(x.split(" ")[1]) for x in text.splitlines() if x[:1] != "#"}
+    assert gauges["trainer_step"] == 4.0 and gauges["trainer_reward_mean"] == 0.75, gauges

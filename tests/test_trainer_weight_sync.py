@@ -336,3 +336,17 @@ def test_a_fresh_start_pushes_unless_every_server_serves_the_trainers_weights_ma
     policy.version = 0
     sync_weights(policy, WeightPublisher(alike), alike)  # both serve the trainer's weights: nothing to push
     assert policy.version == 0 and [s.version for s in alike] == [0, 0]
+
+
+def test_the_whole_state_of_a_tied_model_names_the_shared_tensor_under_both_names():
+    """full_state_dict (Policy.state_dict_for_push, the ZeRO-3 export) keeps a tied lm_head under its own name, the very
+    tensor the embedding is (gathered once under ZeRO-3); only the push leaves it out (policy_tensors)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tlt.services.trainer.weight_sync import full_state_dict
+
+    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    state = full_state_dict(m)
+    assert set(state) == set(m.state_dict())
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
