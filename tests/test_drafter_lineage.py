@@ -14,6 +14,9 @@
   it restored that checkpoint and pushed the owed drafter over the one the user chose, never scored against it.
   A checkpoint records the init drafter it grew from; one of another init is moved aside (nothing lost, named
   in one warning) and the coordinator starts from the configured init, with nothing owed.
+- That re-push is sent once: refused as already served, it ends (no renumbered copy), and events that still show
+  the old drafter after it landed do not make it owed again; a candidate push owed when the rollout restarts stays
+  the push owed (the gate's rounds called by hand, on a coordinator not started).
 
 Real coordinator on a tiny random Qwen2 (tests/drafter_helpers.py) and a real CapacityPublisher over ZeroMQ on
 127.0.0.1 playing the rollout's replicas; the rollout's UpdateWeights is a recording function."""
@@ -22,9 +25,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
-from drafter_helpers import IDLE, model_dir, wait_for  # noqa: F401 (fixture)
+from drafter_helpers import IDLE, gated_coordinator, model_dir, wait_for  # noqa: F401 (fixture)
 from tlt.services.common.events import CapacityPublisher
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import Coordinator
@@ -189,3 +193,88 @@ def test_a_checkpoint_written_before_lineages_were_recorded_is_kept(tmp_path, mo
         assert "drafter_checkpoint_other_lineage" not in err.out + err.err
     finally:
         _unstarted(again)
+
+
+def _restarted_on_init(tmp_path, model_dir, publish):  # noqa: ANN001, ANN202
+    """A publisher playing the rollout, and a coordinator (not started: the gate's rounds are called by hand) grown
+    from an init drafter, serving a trained v5; returns (pub, coord, the init's identity, the trained tensors)."""
+    from tlt.model.drafter import folder_identity
+
+    init = tmp_path / "init"
+    new_drafter(str(model_dir), seed=3).save(init)
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.2)
+    coord = gated_coordinator(tmp_path, model_dir, publish, gate_when_idle=True, capacity_pub=pub.pub_endpoint,
+                              capacity_snapshot=pub.snapshot_endpoint, init_drafter=str(init))
+    trained = {k: v + 0.5 for k, v in coord.serving.items()}
+    with coord._lock:
+        coord.serving, coord.serving_version, coord.candidate_version = trained, 5, 5
+    return pub, coord, folder_identity(init), trained
+
+
+def test_a_repush_refused_as_already_served_ends_and_one_done_is_not_sent_again_while_the_events_lag(
+        tmp_path, model_dir) -> None:
+    """The rollout restarted on the coordinator's init drafter: the serving v5 is owed again (`_repush_if_behind`).
+    A rollout that refuses it as already served (it got v5 another way meanwhile) ends it: no renumbered push of the
+    same weights as v6. And once it is done, the events that still say v0 (they lag the push) do not make it owed
+    again before REPUSH_S: pushed once, not every gate round."""
+    from tlt.services.rollout.client import WeightPushError
+
+    pushes: list[int] = []
+    refusals: list[int] = []  # the version the rollout says it serves, once per push; none left: taken
+
+    def publish(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        if refusals:
+            served = refusals.pop(0)
+            raise WeightPushError(f"drafter v{version} refused: the replicas serve v{served}", served)
+
+    pub, coord, start, _ = _restarted_on_init(tmp_path, model_dir, publish)
+    try:
+        _idle(pub, 0, start)  # restarted on the init drafter
+        assert wait_for(lambda: coord.rollout.drafter_behind(5) == 0, 10)
+        coord._repush_if_behind()
+        assert coord._pending is not None and coord._pending[1] == 5
+        refusals.append(5)
+        coord.push_pending()
+        assert pushes == [5] and coord._pending is None
+        assert (coord.serving_version, coord.candidate_version) == (5, 5)
+        coord._repush_if_behind()  # the next gate round: the events still say v0
+        assert coord._pending is None and pushes == [5]
+    finally:
+        coord.close()
+        pub.close()
+
+
+def test_a_candidate_push_owed_when_the_rollout_restarts_stays_owed(tmp_path, model_dir, monkeypatch) -> None:
+    """Candidate v6 won the gate and its push failed (it may have landed on some replicas): owed. The rollout then
+    restarts on the init drafter. The push owed is v6, as it was; the serving v5 must not take its place."""
+    import tlt.services.drafter.coordinator_gate as gate
+
+    pushes: list[int] = []
+
+    def publish(tensors, version):  # noqa: ANN001
+        pushes.append(version)
+        if len(pushes) == 1:
+            raise ConnectionError("rollout unavailable")
+
+    pub, coord, start, trained = _restarted_on_init(tmp_path, model_dir, publish)
+    try:
+        with coord._lock:
+            coord.candidate_version = 6
+        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+        monkeypatch.setattr(gate, "mean_accept_length", lambda *a, **k: next(scores))
+        _idle(pub, 5, start)
+        assert wait_for(coord.rollout.idle, 10)
+        with pytest.raises(ConnectionError):
+            coord.evaluate_and_publish()
+        assert coord._pending is not None and coord._pending[1] == 6
+        _idle(pub, 0, start)  # restarted on the init drafter
+        assert wait_for(lambda: coord.rollout.drafter_behind(5) == 0, 10)
+        coord._repush_if_behind()
+        assert coord._pending is not None and coord._pending[1] == 6
+        coord.push_pending()
+        assert pushes == [6, 6] and coord.serving_version == 6
+        assert not all(torch.equal(coord.serving[k], trained[k]) for k in trained)
+    finally:
+        coord.close()
+        pub.close()
