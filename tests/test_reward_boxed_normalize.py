@@ -43,6 +43,7 @@ def test_the_normal_forms() -> None:
     assert normalize(r"\left.x\right|_{0}") == "x|_{0}"
     assert normalize("+1,000") == "1000" and normalize("\u22123") == "-3"
     assert normalize("2, 300") == "2,300" and not equivalent("2, 300", "2300")
+    assert normalize("x==5") == "x==5" and normalize("x=5") == "5"  # `==` compares: no `x =` to drop
 
 
 @pytest.mark.parametrize("word", ["or", "and", "to", "than", "more", "less", "at", "least", "most", "about", "approx",
