@@ -209,3 +209,38 @@ def test_while_busy_events_are_read_in_batches_and_a_busy_while_idle_at_once(mon
             watch.close()
     finally:
         pub.close()
+
+
+def test_the_drafter_behind_is_the_oldest_a_live_replica_serves_and_only_versioned_ones_count():
+    """What `drafter_behind` and `start_drafters` tell the coordinator's re-push (coordinator_gate.py), from real
+    events: a rollout whose events carry no versions (it does not say) is never behind; one replica restarted alone
+    by the pool (its start drafter, v0) while the other serves v5 is behind at v0 (the oldest, not the newest), and
+    only that replica's start drafter counts; a replica that died (DRAINING) no longer counts, and one DRAINING with
+    sequences only queued on it is still busy."""
+    draining = common_pb2.REPLICA_STATE_DRAINING
+
+    def serves(v: int) -> common_pb2.WeightVersions:
+        return common_pb2.WeightVersions(policy=0, drafter=v)
+
+    pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=0.1)
+    try:
+        watch = RolloutIdle(pub.pub_endpoint, pub.snapshot_endpoint)
+        try:
+            for r in (0, 1):
+                pub.publish(CapacityEvent(replica_id=r, state=IDLE))  # no versions
+            assert _until(watch.idle)
+            time.sleep(0.3)  # a few heartbeats
+            assert watch.drafter_behind(5) is None and watch.start_drafters(5) == set()
+            pub.publish(CapacityEvent(replica_id=0, state=IDLE, versions=serves(0), start_drafter="sha256:init"))
+            pub.publish(CapacityEvent(replica_id=1, state=IDLE, versions=serves(5), start_drafter="sha256:other"))
+            assert _until(lambda: watch.drafter_behind(5) == 0), watch.drafter_behind(5)
+            assert watch.start_drafters(5) == {"sha256:init"}
+            pub.publish(CapacityEvent(replica_id=0, state=draining, versions=serves(0)))  # died: left out
+            assert _until(lambda: watch.drafter_behind(5) is None), watch.drafter_behind(5)
+            assert watch.idle()
+            pub.publish(CapacityEvent(replica_id=0, state=draining, queued=2, versions=serves(0)))  # stopping
+            assert _until(watch.busy)
+        finally:
+            watch.close()
+    finally:
+        pub.close()
