@@ -176,3 +176,46 @@ def test_frames_held_while_the_rollout_decodes_are_counted_in_the_order_they_cam
         push.close()
         ctx.term()
         puller.close()
+
+
+def test_frames_held_past_the_bound_are_parsed_and_the_count_starts_again(monkeypatch) -> None:
+    """Held frames are parsed at once, busy or not, once HELD_FEATURE_BYTES of them wait; the count then starts
+    again from nothing. Counted on, every later frame would be parsed as it came while a replica decodes (on a
+    decoding replica's CPU) once the bound had been reached once. Real FeaturePuller fed by a raw ZeroMQ PUSH on
+    127.0.0.1; the rollout's busy state is a stand-in flag, busy throughout."""
+    import threading
+
+    from tlt.services.drafter import intake as intake_mod
+    from tlt.services.drafter.intake import FeatureIntake
+
+    class Rollout:
+        def busy(self) -> bool:
+            return True
+
+    frame = [events_pb2.Envelope(features=events_pb2.FeatureBatch(source="rollout", sender=f"s{i}")).SerializeToString()
+             for i in range(5)]
+    assert len({len(f) for f in frame}) == 1
+    monkeypatch.setattr(intake_mod, "HELD_FEATURE_BYTES", 3 * len(frame[0]))  # the third frame reaches it
+    puller = events_mod.FeaturePuller("tcp://127.0.0.1:*")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    ZmqAuth(ctx).connect(push, puller.endpoint)  # a peer with the token
+    intake, stop = FeatureIntake(puller, lambda b: None, Rollout()), threading.Event()
+    thread = threading.Thread(target=intake.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for f in frame[:3]:
+            push.send(f)
+        assert wait_for(lambda: puller.received == 3, 10), puller.received  # the bound: parsed, busy as it is
+        for f in frame[3:]:
+            push.send(f)
+        assert wait_for(lambda: puller.frames == 5, 10)
+        time.sleep(0.3)
+        assert puller.received == 3  # two frames, under the bound again: held
+    finally:
+        stop.set()
+        thread.join(5)
+        push.close()
+        ctx.term()
+        puller.close()
