@@ -69,3 +69,17 @@ def test_the_exported_config_is_the_inputs(tmp_path):
     src, out, policy = _export(tmp_path, TOKENIZER_SIDE)
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     assert policy.engine.module.config.use_cache is False  # still off for the training that may follow
+
+
+def test_a_file_the_export_already_holds_is_kept(tmp_path):
+    """export_tokenizer copies what the export lacks and keeps what Policy.save_pretrained (or a finished export)
+    already wrote there: the generation config the policy saved stays its own, not the input's."""
+    src, out = tmp_path / "in", tmp_path / "policy"
+    src.mkdir()
+    out.mkdir()
+    (src / "generation_config.json").write_text('{"temperature": 0.7}')
+    (src / "tokenizer.json").write_text('{"input": 1}')
+    (out / "generation_config.json").write_text('{"temperature": 1.0}')
+    export_tokenizer(src, out)
+    assert (out / "generation_config.json").read_text() == '{"temperature": 1.0}'
+    assert (out / "tokenizer.json").read_text() == '{"input": 1}'

@@ -386,3 +386,13 @@ def test_a_steps_line_and_gauges_without_dynamic_sampling(random_model_dir, tmp_
     assert (line["step"], line["prompt_indices"], line["zero_signal_groups_trained"]) == (3, [7, 9], 0.5)
     gauges = {x.split(" ")[0]: float(x.split(" ")[1]) for x in text.splitlines() if x[:1] != "#"}
     assert gauges["trainer_step"] == 4.0 and gauges["trainer_reward_mean"] == 0.75, gauges
+
+
+def test_a_run_without_a_checkpoint_interval_still_checkpoints_its_last_step(random_model_dir, tmp_path):
+    """checkpoint_interval = 0 ("only at the end"), and a last step off the interval: the finished run's state is
+    checkpointed after its last step, so a longer run resumes from there (without it: from nothing, or from the
+    last multiple of the interval, redoing steps the export already holds)."""
+    out = tmp_path / "run"
+    with ServerThread(random_model_dir, replicas=1) as server:
+        train(config(random_model_dir, server.grpc_address, out, steps=1, checkpoint_interval=0))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-00000001"]
