@@ -1,0 +1,86 @@
+"""The drafter coordinator's gate over time: which candidate versions it evaluates, and when an evaluation may end
+in a push. The real coordinator (its gate thread, its rollout view) with a real CapacityPublisher (ZeroMQ on
+127.0.0.1) playing the rollout's replicas, from tests/drafter_helpers.py; real deltas through `apply_delta`.
+Stand-ins, not the real thing: `mean_accept_length`'s scores are scripted, and the rollout's UpdateWeights is a
+recording function."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from drafter_helpers import BUSY, IDLE, make, model_dir, samples, state, wait_for  # noqa: F401 (fixtures)
+from tlt.services.drafter.acceptance import EvaluationInterrupted
+from tlt.services.drafter.training import own_tensors, tensors_message
+from tlt.v1 import drafter_pb2
+
+
+def _zero_delta(coord, base: int) -> drafter_pb2.DeltaUpdate:  # noqa: ANN001
+    """A worker's delta on `base` (zeros: the scores are scripted anyway)."""
+    m, p = tensors_message({k: torch.zeros_like(v) for k, v in own_tensors(coord.candidate).items()}, base)
+    return drafter_pb2.DeltaUpdate(base_version=base, manifest=m, payload=p)
+
+
+def test_each_candidate_version_is_evaluated_once_and_one_made_during_an_evaluation_next(
+        tmp_path, model_dir, samples, monkeypatch) -> None:
+    """A worker's delta that lands while the gate scores candidate v1 makes v2: v2 is evaluated at the next gate
+    round (marking 'evaluated' the version the candidate had reached by the end left v2 unscored until some later
+    delta). And a version already evaluated is not scored again every eval_interval_s while the rollout is idle
+    (seconds of CPU each time, and the acceptance history filled with copies)."""
+    import tlt.services.drafter.coordinator_gate as gate
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes)  # eval_interval_s 0.2
+
+    def scoring(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+        if coord.candidate_version == 1:  # scoring v1: a worker's delta lands meanwhile
+            assert coord.apply_delta(_zero_delta(coord, 1), worker_id=1) == 2
+        return 1.0, 10  # never better than the serving one: nothing pushed
+
+    monkeypatch.setattr(gate, "mean_accept_length", scoring)
+    try:
+        assert coord.apply_delta(_zero_delta(coord, 0), worker_id=1) == 1
+        state(pub, 0, IDLE)
+        state(pub, 1, IDLE)
+        assert wait_for(lambda: len(coord.acceptance) >= 2, 15), [a.drafter_version for a in coord.acceptance]
+        time.sleep(1.5)  # several more gate rounds, the rollout idle
+        assert [a.drafter_version for a in coord.acceptance] == [1, 2] and not pushes
+    finally:
+        coord.close()
+        pub.close()
+
+
+def test_an_evaluation_the_rollout_turned_busy_during_publishes_nothing(tmp_path, model_dir, samples,
+                                                                        monkeypatch) -> None:
+    """A replica that turns busy while the serving drafter is scored (after the candidate won): the push would land
+    in the middle of a rollout. The evaluation is given up (EvaluationInterrupted), nothing pushed or recorded, the
+    candidate still due."""
+    import tlt.services.drafter.coordinator_gate as gate
+
+    pushes: list = []
+    pub, cfg, coord = make(tmp_path, model_dir, samples, pushes, eval_interval_s=1e9)  # the gate never fires
+    calls: list[int] = []
+
+    def scoring(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+        calls.append(1)
+        if len(calls) == 2:  # the serving drafter's scoring: a rollout starts
+            state(pub, 0, BUSY)
+            assert wait_for(coord.rollout.busy, 10)
+        return (2.0, 10) if len(calls) == 1 else (1.0, 10)  # the candidate wins
+
+    monkeypatch.setattr(gate, "mean_accept_length", scoring)
+    try:
+        with coord._lock:
+            coord.candidate_version = 1
+        state(pub, 0, IDLE)
+        state(pub, 1, IDLE)
+        assert wait_for(coord.rollout.idle, 10)
+        with pytest.raises(EvaluationInterrupted):
+            coord.evaluate_and_publish()
+        assert len(calls) == 2 and not pushes and coord.serving_version == 0 and not coord.acceptance
+        assert coord._evaluated == 0
+    finally:
+        coord.close()
+        pub.close()
