@@ -5,7 +5,8 @@ features of a tiny random Qwen2, from tests/drafter_helpers.py. The rollout's Up
 recording function (the integration test uses the real server). Stand-ins, not the real thing: the gate tests
 script `mean_accept_length`'s scores so that the candidate wins or loses by construction.
 
-Its pushes and checkpoints across failures and restarts: test_drafter_coordinator_pushes.py."""
+Its pushes and checkpoints across failures and restarts: test_drafter_coordinator_pushes.py; which versions the
+gate evaluates over time, and an evaluation cut by a busy rollout: test_drafter_coordinator_gate.py."""
 
 from __future__ import annotations
 
@@ -391,6 +392,8 @@ def test_a_window_report_is_checkpointed_once_the_rollout_is_idle_and_answered_w
             "a delta is written at STATE_SAVE_WAIT_S, the rollout still busy"
         assert coord.rollout.busy()
         ask(window=drafter_pb2.TrainingWindow(worker_id=3, replica_id=0, micro_steps=2))
+        worker = coord.status().workers[0]  # the worker's windows add up; only a preempted one is a preemption
+        assert (worker.micro_steps, worker.preemptions, coord.status().preemptions) == (6, 1, 1)
         time.sleep(1.5)
         assert saved_windows() == 1
         for r in (0, 1):
@@ -500,3 +503,59 @@ def test_a_feature_batch_from_the_other_source_is_dropped_and_an_unnamed_one_kep
         assert coord.buffer.received_sequences == 2 and coord.buffer.stats()[0] == 2
     finally:
         coord.close()
+
+
+def test_a_late_batch_of_an_older_policy_leaves_the_newest_policy_in_status_and_the_gate(tmp_path, model_dir) -> None:
+    """Features of a sequence that spanned a policy push arrive after those of the newer policy (senders queue per
+    replica). The policy status shows, the one the next evaluation's embedding / lm_head are fetched for (shared.py)
+    and the one acceptance records carry stays the newest heard of: not the older one of the late batch. Status
+    shows the serving drafter next to it, not the candidate."""
+    import numpy as np
+
+    from tlt.v1 import common_pb2
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
+                               eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model_dir), None, None)
+    h = coord.drafter_cfg.hidden_size
+    try:
+        def batch(name: str, policy: int) -> events_pb2.FeatureBatch:
+            s = events_pb2.FeatureSequence(seq_id=name, token_ids=list(range(5, 17)), response_start=3, hidden_size=h,
+                                           features=np.full((12, h), 0.5, np.float16).tobytes(), policy_version=policy)
+            return events_pb2.FeatureBatch(sequences=[s])
+
+        coord._ingest(batch("new", 3))
+        coord._ingest(batch("late", 2))
+        with coord._lock:
+            coord.candidate_version = 4  # as after four deltas, none published
+        assert coord.status(history=False).latest_policy == common_pb2.WeightVersions(policy=3, drafter=0)
+        assert coord.latest_policy == 3 and coord.shared.seen == 3
+    finally:
+        coord.close()
+
+
+def test_a_delta_that_lacks_a_tensor_of_the_drafter_is_refused_whole(tmp_path, model_dir) -> None:
+    """A delta is applied whole or not at all: one that lacks a tensor of the drafter (a worker of another drafter
+    layout) is refused, nothing of it added, the version unchanged; as is one with a tensor the drafter lacks."""
+    import torch
+
+    from tlt.services.drafter.training import own_tensors, tensors_message
+    from tlt.v1 import drafter_pb2
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False, eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model_dir), None, None)
+    try:
+        before = {k: v.clone() for k, v in own_tensors(coord.candidate).items()}
+        full = {k: torch.full_like(v, 0.5) for k, v in before.items()}
+        lacking = dict(full)
+        del lacking[sorted(lacking)[0]]
+        for delta in (lacking, {**full, "extra.weight": torch.zeros(2)}):
+            m, p = tensors_message(delta, 0)
+            with pytest.raises(ValueError, match="do not match"):
+                coord.apply_delta(drafter_pb2.DeltaUpdate(base_version=0, manifest=m, payload=p), worker_id=1)
+        after = own_tensors(coord.candidate)
+        assert coord.candidate_version == 0 and all(torch.equal(after[k], before[k]) for k in before)
+    finally:
+        coord.close_sockets()
