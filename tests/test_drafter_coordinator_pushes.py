@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from drafter_helpers import gated_coordinator, model_dir  # noqa: F401 (fixtures)
+from drafter_helpers import gated_coordinator, model_dir, wait_for  # noqa: F401 (fixtures)
 from tlt.services.drafter.config import DrafterServiceConfig
 from tlt.services.drafter.coordinator import Coordinator
 from tlt.services.drafter.training import load_state
@@ -106,6 +106,7 @@ def test_a_restarted_coordinator_pushes_its_restored_serving_drafter(tmp_path, m
                 time.sleep(0.05)
             time.sleep(0.5)  # a few more gate rounds: no second push
             assert pushes == [3] and coord._pending is None
+            assert coord.candidate_version == (serving or 3)  # the next candidate numbers above what it serves
         finally:
             coord.close()
 
@@ -312,7 +313,8 @@ def test_a_failed_checkpoint_write_does_not_stop_later_ones(tmp_path, model_dir)
         assert coord.apply_delta(delta(0)) == 1
         time.sleep(2.0)  # the saver tried (and failed)
         assert load_state(coord.ckpt) is None
-        blocker.rmdir()  # the disk is fine again
+        blocker.rmdir()  # the disk is fine again: the write still owed is made, with no further change
+        assert wait_for(lambda: (load_state(coord.ckpt) or {}).get("candidate_version") == 1, 10)
         assert coord.apply_delta(delta(1)) == 2
         deadline = time.monotonic() + 10
         while (load_state(coord.ckpt) or {}).get("candidate_version") != 2 and time.monotonic() < deadline:
