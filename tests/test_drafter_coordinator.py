@@ -306,8 +306,11 @@ def test_a_dead_worker_is_reported_neither_alive_nor_training(tmp_path, model_di
         return {w.worker_id: w for w in coord.status().workers}[7]
 
     try:
-        heard = time.monotonic()  # at most when the coordinator heard it
+        ask(hello=drafter_pb2.WorkerHello(worker_id=7, replica_id=0, pid=os.getpid()))  # the worker starts
         ask(batch_request=drafter_pb2.BatchRequest(rows=1))
+        assert worker7().alive and worker7().training
+        heard = time.monotonic()  # at most when the coordinator heard it
+        ask(hello=drafter_pb2.WorkerHello(worker_id=7, replica_id=0, pid=os.getpid()))  # its heartbeat: still training
         assert worker7().alive and worker7().training
         deadline = time.monotonic() + 10
         while worker7().alive and time.monotonic() < deadline:
