@@ -278,3 +278,25 @@ def test_a_candidate_push_owed_when_the_rollout_restarts_stays_owed(tmp_path, mo
     finally:
         coord.close()
         pub.close()
+
+
+def test_a_candidate_just_published_is_not_pushed_again_while_the_events_lag(tmp_path, model_dir, monkeypatch) -> None:
+    """Candidate v6 wins the gate and its push lands; the rollout's events say v5 for a moment more (they lag the
+    push). That is not a rollout behind: v6 is not owed again before REPUSH_S."""
+    import tlt.services.drafter.coordinator_gate as gate
+
+    pushes: list[int] = []
+    pub, coord, start, _ = _restarted_on_init(tmp_path, model_dir, lambda t, v: pushes.append(v))
+    try:
+        with coord._lock:
+            coord.candidate_version = 6
+        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+        monkeypatch.setattr(gate, "mean_accept_length", lambda *a, **k: next(scores))
+        _idle(pub, 5, start)
+        assert wait_for(lambda: coord.rollout.idle() and coord.rollout.drafter_behind(6) == 5, 10)
+        assert coord.evaluate_and_publish().published and pushes == [6]
+        coord._repush_if_behind()  # the next gate round, the events still at v5
+        assert coord._pending is None and pushes == [6]
+    finally:
+        coord.close()
+        pub.close()
