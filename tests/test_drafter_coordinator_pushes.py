@@ -326,6 +326,31 @@ def test_a_failed_checkpoint_write_does_not_stop_later_ones(tmp_path, model_dir)
         coord.close()
 
 
+
+def test_a_candidate_whose_checkpoint_write_failed_is_not_pushed(tmp_path, model_dir, monkeypatch) -> None:
+    """A candidate that wins the gate is checkpointed as owed before it is pushed (a restart must never number a
+    candidate at or below a version the rollout serves). When that write fails, the push is not made, now or by the
+    gate's retries (`push_pending`): nothing owed that is not on disk. The failure is real: a folder sits where the
+    write's temporary file goes."""
+    import tlt.services.drafter.coordinator_gate as gate
+
+    pushes: list[int] = []
+    coord = gated_coordinator(tmp_path, model_dir, lambda t, v: pushes.append(v))  # not started: no saver
+    blocker = coord.ckpt.parent / f".{coord.ckpt.name}.{os.getpid()}.tmp"
+    blocker.mkdir(parents=True)
+    try:
+        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+        monkeypatch.setattr(gate, "mean_accept_length", lambda *a, **k: next(scores))
+        with coord._lock:
+            coord.candidate_version = 3
+        with pytest.raises(OSError):
+            coord.evaluate_and_publish()
+        coord.push_pending()  # the gate loop's next round
+        assert pushes == [] and coord._pending is None and coord.serving_version == 0
+    finally:
+        blocker.rmdir()
+        coord.close_sockets()
+
 class _RolloutServing:
     """Stands in for the rollout's UpdateWeights: it serves drafter `version` (pushed by someone else: a coordinator
     whose checkpoint_dir was lost or moved) and refuses, as the real one does, any version not newer."""
