@@ -401,6 +401,33 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
         coord.close_sockets()
 
 
+
+def test_a_renumbered_push_is_checkpointed_under_its_new_number_before_it_is_sent(tmp_path, model_dir,
+                                                                                 monkeypatch) -> None:
+    """v1 is refused because the rollout serves a foreign v10, renumbered v11, and the send of v11 fails (the rollout
+    went down): the checkpoint must already say v11 is owed. Saying v1 still, a restart sent v1 again, took the
+    refusal as "already served" (v1 is a version it restored as pushed) and believed it served v1 while the rollout
+    ran v10."""
+    rollout = _RolloutServing(10)
+    coord = gated_coordinator(tmp_path, model_dir, rollout)  # not started: the gate is called by hand
+    try:
+        _v1_wins_and_is_refused(coord, monkeypatch)
+
+        def down(tensors, version):  # noqa: ANN001
+            rollout.pushes.append(version)
+            if version <= rollout.version:
+                raise WeightPushError(f"drafter version {version} is not newer", rollout.version)
+            raise ConnectionError("rollout unavailable")
+
+        coord.publish_fn = down
+        with pytest.raises(ConnectionError):
+            coord.push_pending()  # the gate loop's next round
+        assert rollout.pushes == [1, 1, 11], rollout.pushes
+        saved = load_state(coord.ckpt)
+        assert saved["pending"]["version"] == 11 and saved["candidate_version"] == 11 and saved["serving_version"] == 0
+    finally:
+        coord.close_sockets()
+
 def test_a_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir) -> None:
     """`tlt drafter serve --model B` on a checkpoint_dir holding model A's coordinator.pt (the default folder is the
     same for every model) failed with "drafter tensor fc.weight: shape (64, 128), expected ...", naming neither the
