@@ -1,8 +1,8 @@
-"""The drafter coordinator's gate over time: which candidate versions it evaluates, and when an evaluation may end
-in a push. The real coordinator (its gate thread, its rollout view) with a real CapacityPublisher (ZeroMQ on
-127.0.0.1) playing the rollout's replicas, from tests/drafter_helpers.py; real deltas through `apply_delta`.
-Stand-ins, not the real thing: `mean_accept_length`'s scores are scripted, and the rollout's UpdateWeights is a
-recording function."""
+"""The drafter coordinator's gate over time: which candidate versions it evaluates, when an evaluation may end in
+a push, and that each drafter is scored with its own weights. The real coordinator (its gate thread, its rollout
+view) with a real CapacityPublisher (ZeroMQ on 127.0.0.1) playing the rollout's replicas, from
+tests/drafter_helpers.py; real deltas through `apply_delta`. Stand-ins, not the real thing: `mean_accept_length`'s
+scores are scripted, and the rollout's UpdateWeights is a recording function."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from drafter_helpers import BUSY, IDLE, make, model_dir, samples, state, wait_for  # noqa: F401 (fixtures)
+from drafter_helpers import BUSY, IDLE, gated_coordinator, make, model_dir, samples, state, wait_for  # noqa: F401 (fixtures)
 from tlt.services.drafter.acceptance import EvaluationInterrupted
 from tlt.services.drafter.training import own_tensors, tensors_message
 from tlt.v1 import drafter_pb2
@@ -84,3 +84,32 @@ def test_an_evaluation_the_rollout_turned_busy_during_publishes_nothing(tmp_path
     finally:
         coord.close()
         pub.close()
+
+
+def test_the_serving_drafter_is_scored_with_its_own_weights(tmp_path, model_dir, monkeypatch) -> None:
+    """The gate compares the candidate with the serving drafter: each scored with its own weights. Scored with the
+    candidate's weights on the serving side too, a candidate never beat itself, or (the serving score cached) was
+    compared with an earlier candidate's score instead of the drafter the rollout serves: a worse drafter could be
+    published over a better one. The scores here follow the weights loaded, not the order of the calls."""
+    import tlt.services.drafter.coordinator_gate as gate
+
+    pushes: list[int] = []
+    coord = gated_coordinator(tmp_path, model_dir, lambda t, v: pushes.append(v))  # not started
+    try:
+        serving = {k: v + 0.5 for k, v in coord.serving.items()}  # the drafter the rollout serves: other weights
+        with coord._lock:
+            coord.serving, coord.serving_version, coord.candidate_version = serving, 4, 5
+        key = sorted(serving)[0]
+        scored: list[str] = []
+
+        def by_weights(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+            is_serving = torch.equal(drafter.state_dict()[key], serving[key])
+            scored.append("serving" if is_serving else "candidate")
+            return (1.5 if is_serving else 2.0), 10
+
+        monkeypatch.setattr(gate, "mean_accept_length", by_weights)
+        rec = coord.evaluate_and_publish()
+        assert scored == ["candidate", "serving"], scored
+        assert rec is not None and rec.published and pushes == [5] and rec.serving_accept_len == 1.5
+    finally:
+        coord.close_sockets()
