@@ -51,6 +51,36 @@ def _run_two_ranks(tmp_path, stage: int) -> dict:
     return torch.load(out)
 
 
+PRIMITIVES_SCRIPT = """
+import json, os, torch.distributed as dist
+from tlt.services.trainer.distributed import barrier, broadcast, init_process_group, is_main, world_size
+init_process_group("gloo")  # the launcher's variables are set: the ranks' own group, as under `deepspeed`
+rank = dist.get_rank()
+got = broadcast({{"from": rank, "prompts": list(range(3 + rank))}})
+barrier()
+open({out!r} + str(rank), "w").write(json.dumps({{"main": is_main(), "world": world_size(), "got": got}}))
+from tlt.services.trainer.distributed import shutdown_process_group
+shutdown_process_group()
+"""
+
+
+def test_two_ranks_agree_on_the_main_rank_and_get_its_broadcast(tmp_path):
+    """The primitives every multi-rank path stands on, on a real two-process gloo group (fast: no model): only rank 0
+    is main (it alone talks to the rollout, rewards and disk), each rank counts two, and what rank 0 broadcasts (its
+    collected batch) is what rank 1 gets, not rank 1's own. The slow loop tests above were the only ones to catch
+    either going wrong."""
+    import json
+
+    from test_trainer_zero3 import run_two_ranks
+
+    out = tmp_path / "rank"
+    run_two_ranks(PRIMITIVES_SCRIPT.format(out=str(out)), timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    assert [r["main"] for r in ranks] == [True, False]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert [r["got"] for r in ranks] == [{"from": 0, "prompts": [0, 1, 2]}] * 2
+
+
 @pytest.mark.slow  # two extra processes importing DeepSpeed: about a minute on two cores
 def test_two_ranks_match_one_rank(tmp_path):
     torch.set_num_threads(2)
