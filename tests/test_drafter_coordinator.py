@@ -484,25 +484,31 @@ def test_features_that_arrive_while_the_rollout_decodes_are_parsed_once_it_is_id
         pub.close()
 
 
+def _ingesting_coordinator(tmp_path, model_dir) -> Coordinator:  # noqa: ANN001
+    """A coordinator whose gate never fires, fed by calling _ingest directly."""
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
+                               eval_interval_s=1e9)
+    return Coordinator(cfg, str(model_dir), None, None)
+
+
+def _sequence(coord: Coordinator, name: str, **fields: int) -> events_pb2.FeatureSequence:
+    """12 tokens of which 9 are the response, every feature 0.5 (fp16)."""
+    import numpy as np
+
+    h = coord.drafter_cfg.hidden_size
+    return events_pb2.FeatureSequence(seq_id=name, token_ids=list(range(5, 17)), response_start=3, hidden_size=h,
+                                      features=np.full((12, h), 0.5, np.float16).tobytes(), **fields)
+
+
 def test_a_feature_batch_from_the_other_source_is_dropped_and_an_unnamed_one_kept(tmp_path, model_dir) -> None:
     """[drafter] source picks the producer whose features train the drafter (rollout or trainer); the other's are
     dropped. A batch that names no source (FeatureBatch.source unset: a producer of the public message that does
     not say) is kept, as Coordinator._ingest means to: only a named other source is dropped."""
-    import numpy as np
-
-    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
-                               eval_interval_s=1e9)
-    coord = Coordinator(cfg, str(model_dir), None, None)
-    h = coord.drafter_cfg.hidden_size
+    coord = _ingesting_coordinator(tmp_path, model_dir)
     try:
-        def batch(name: str, source: str) -> events_pb2.FeatureBatch:
-            s = events_pb2.FeatureSequence(seq_id=name, token_ids=list(range(5, 17)), response_start=3, hidden_size=h,
-                                           features=np.full((12, h), 0.5, np.float16).tobytes())
-            return events_pb2.FeatureBatch(sequences=[s], source=source)
-
         for name, source in (("trainer", "trainer"), ("unnamed", ""), ("rollout", "rollout")):
-            coord._ingest(batch(name, source))
+            coord._ingest(events_pb2.FeatureBatch(sequences=[_sequence(coord, name)], source=source))
         assert coord.buffer.received_sequences == 2 and coord.buffer.stats()[0] == 2
     finally:
         coord.close()
@@ -513,23 +519,12 @@ def test_a_late_batch_of_an_older_policy_leaves_the_newest_policy_in_status_and_
     replica). The policy status shows, the one the next evaluation's embedding / lm_head are fetched for (shared.py)
     and the one acceptance records carry stays the newest heard of: not the older one of the late batch. Status
     shows the serving drafter next to it, not the candidate."""
-    import numpy as np
-
     from tlt.v1 import common_pb2
 
-    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                               window_tokens=16, batch_tokens=16, holdout_every=1000, gate_when_idle=False,
-                               eval_interval_s=1e9)
-    coord = Coordinator(cfg, str(model_dir), None, None)
-    h = coord.drafter_cfg.hidden_size
+    coord = _ingesting_coordinator(tmp_path, model_dir)
     try:
-        def batch(name: str, policy: int) -> events_pb2.FeatureBatch:
-            s = events_pb2.FeatureSequence(seq_id=name, token_ids=list(range(5, 17)), response_start=3, hidden_size=h,
-                                           features=np.full((12, h), 0.5, np.float16).tobytes(), policy_version=policy)
-            return events_pb2.FeatureBatch(sequences=[s])
-
-        coord._ingest(batch("new", 3))
-        coord._ingest(batch("late", 2))
+        coord._ingest(events_pb2.FeatureBatch(sequences=[_sequence(coord, "new", policy_version=3)]))
+        coord._ingest(events_pb2.FeatureBatch(sequences=[_sequence(coord, "late", policy_version=2)]))
         with coord._lock:
             coord.candidate_version = 4  # as after four deltas, none published
         assert coord.status(history=False).latest_policy == common_pb2.WeightVersions(policy=3, drafter=0)

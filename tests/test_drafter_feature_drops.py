@@ -9,6 +9,7 @@ Real parts: a raw ZeroMQ PUSH into the coordinator's FeaturePuller on 127.0.0.1,
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import grpc
 import numpy as np
@@ -135,14 +136,37 @@ def test_a_sender_forgotten_then_heard_again_is_not_counted_twice(monkeypatch) -
         puller.close()
 
 
+@contextmanager
+def _intake_running(add, rollout):  # noqa: ANN001, ANN202 - FeatureBuffer.add_batch-like, a .busy() stand-in
+    """A real FeaturePuller on 127.0.0.1 with the intake's own loop in a thread, and a raw ZeroMQ PUSH (a peer with
+    the token) connected to it: (puller, push, intake); everything closed after."""
+    import threading
+
+    from tlt.services.drafter.intake import FeatureIntake
+
+    puller = events_mod.FeaturePuller("tcp://127.0.0.1:*")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    ZmqAuth(ctx).connect(push, puller.endpoint)
+    intake, stop = FeatureIntake(puller, add, rollout), threading.Event()
+    thread = threading.Thread(target=intake.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield puller, push, intake
+    finally:
+        stop.set()
+        thread.join(5)
+        push.close()
+        ctx.term()
+        puller.close()
+
+
 def test_frames_held_while_the_rollout_decodes_are_counted_in_the_order_they_came() -> None:
     """Under train_when = rollout_idle the intake holds the frames that arrive while a replica decodes and parses
     them once it is idle. Parsed last-first, a sender's later running count (8) came before its earlier one (5):
     the buffer counted 3 of the 8 sequences it dropped. Real FeaturePuller fed by a raw ZeroMQ PUSH on 127.0.0.1,
     the intake's own loop in a thread; the rollout's busy state is a stand-in flag."""
-    import threading
-
-    from tlt.services.drafter.intake import FeatureIntake
 
     class Rollout:
         decoding = True
@@ -150,16 +174,8 @@ def test_frames_held_while_the_rollout_decodes_are_counted_in_the_order_they_cam
         def busy(self) -> bool:
             return self.decoding
 
-    puller, rollout = events_mod.FeaturePuller("tcp://127.0.0.1:*"), Rollout()
-    buf = FeatureBuffer(16, 16, 8, 8, 4)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    ZmqAuth(ctx).connect(push, puller.endpoint)  # a peer with the token
-    intake, stop = FeatureIntake(puller, buf.add_batch, rollout), threading.Event()
-    thread = threading.Thread(target=intake.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    rollout, buf = Rollout(), FeatureBuffer(16, 16, 8, 8, 4)
+    with _intake_running(buf.add_batch, rollout) as (puller, push, intake):
         for before, since in ((5, 5), (8, 3)):
             batch = events_pb2.FeatureBatch(source="rollout", sender="s1", dropped_before=before, dropped_since=since)
             push.send(events_pb2.Envelope(features=batch).SerializeToString())
@@ -170,12 +186,6 @@ def test_frames_held_while_the_rollout_decodes_are_counted_in_the_order_they_cam
         assert wait_for(lambda: puller.received == 2, 10)
         with intake._lock:  # parse_held holds it until the last held batch is in the buffer
             assert buf.sender_dropped == 8
-    finally:
-        stop.set()
-        thread.join(5)
-        push.close()
-        ctx.term()
-        puller.close()
 
 
 def test_frames_held_past_the_bound_are_parsed_and_the_count_starts_again(monkeypatch) -> None:
@@ -183,10 +193,7 @@ def test_frames_held_past_the_bound_are_parsed_and_the_count_starts_again(monkey
     again from nothing. Counted on, every later frame would be parsed as it came while a replica decodes (on a
     decoding replica's CPU) once the bound had been reached once. Real FeaturePuller fed by a raw ZeroMQ PUSH on
     127.0.0.1; the rollout's busy state is a stand-in flag, busy throughout."""
-    import threading
-
     from tlt.services.drafter import intake as intake_mod
-    from tlt.services.drafter.intake import FeatureIntake
 
     class Rollout:
         def busy(self) -> bool:
@@ -196,15 +203,7 @@ def test_frames_held_past_the_bound_are_parsed_and_the_count_starts_again(monkey
              for i in range(5)]
     assert len({len(f) for f in frame}) == 1
     monkeypatch.setattr(intake_mod, "HELD_FEATURE_BYTES", 3 * len(frame[0]))  # the third frame reaches it
-    puller = events_mod.FeaturePuller("tcp://127.0.0.1:*")
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    ZmqAuth(ctx).connect(push, puller.endpoint)  # a peer with the token
-    intake, stop = FeatureIntake(puller, lambda b: None, Rollout()), threading.Event()
-    thread = threading.Thread(target=intake.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with _intake_running(lambda b: None, Rollout()) as (puller, push, _):
         for f in frame[:3]:
             push.send(f)
         assert wait_for(lambda: puller.received == 3, 10), puller.received  # the bound: parsed, busy as it is
@@ -213,9 +212,3 @@ def test_frames_held_past_the_bound_are_parsed_and_the_count_starts_again(monkey
         assert wait_for(lambda: puller.frames == 5, 10)
         time.sleep(0.3)
         assert puller.received == 3  # two frames, under the bound again: held
-    finally:
-        stop.set()
-        thread.join(5)
-        push.close()
-        ctx.term()
-        puller.close()
