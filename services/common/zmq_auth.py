@@ -75,7 +75,7 @@ def is_local_endpoint(endpoint: str) -> bool:
 class _OnlyKey:
     """The ZAP credentials provider (pyzmq's `configure_curve_callback`): the one derived client key passes."""
 
-    LOG_EVERY_S = 60.0  # a refused peer reconnects every 0.1 s: one warning a minute, with the count
+    LOG_EVERY_S = 60.0  # a refused peer may try again each reconnect interval (0.1 s): one warning a minute, counted
 
     def __init__(self, key: bytes) -> None:
         self.key = key
