@@ -40,7 +40,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from tlt.services.common.auth import resolve_api_key, token_matches
+from tlt.services.common.auth import token_matches
 from tlt.services.common.gc_heap import GcPauses
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
@@ -97,7 +97,7 @@ class _ClosingStream(StreamingResponse):
 class OpenAIServer:
     """The handlers; the FastAPI app is `OpenAIServer(...).app`."""
 
-    def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig,
+    def __init__(self, pool: ReplicaPool, tokenizer: Any, model_name: str, config: RolloutConfig, api_key: str,
                  metrics: Metrics, gc_pauses: GcPauses | None = None, work: RequestThreads | None = None) -> None:
         self.pool, self.tokenizer, self.model_name, self.config, self.metrics = (
             pool, tokenizer, model_name, config, metrics)
@@ -112,7 +112,7 @@ class OpenAIServer:
         self.m_rejected = metrics.counter("rejected_total", "requests and weight pushes refused, by reason",
                                           ("reason",))
         self.m_pool = PoolMetrics(metrics)
-        self.api_key = resolve_api_key(config.api_key)
+        self.api_key = api_key  # auth.resolve_api_key's: '' when no key is required
         self.app = self._build()
 
     # ---- app -------------------------------------------------------------------------------

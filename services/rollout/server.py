@@ -207,6 +207,7 @@ class RolloutServer:
         from tlt.services.rollout.replicas import ReplicaPool
 
         cfg = self.config
+        api_key = resolve_api_key(cfg.api_key)  # an unusable key fails in one line, before anything is bound or loaded
         raise_open_file_limit()
         self.gc_pauses.install()
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
@@ -225,7 +226,6 @@ class RolloutServer:
                                               server_id=f"rollout-{os.getpid()}", heartbeat_s=cfg.capacity_heartbeat_s,
                                               token=cfg.control_token)
             log.info("capacity_events", pub=self.capacity.pub_endpoint, snapshot=self.capacity.snapshot_endpoint)
-        resolve_api_key(cfg.api_key)  # an unusable key fails here, in one line, not once the replicas have loaded
         self.pool = ReplicaPool(self.model_dir, cfg.backend, cfg.engine, cfg.replicas, threads, self.capacity,
                                 cfg.features_push, cfg.features_max_tokens,
                                 cfg.spec if cfg.backend == "native" else None, max_restarts=cfg.max_restarts,
@@ -251,7 +251,7 @@ class RolloutServer:
         # requests' own work (prompts, responses) on threads of their own, not asyncio's default executor, which
         # assembles weight pushes: a burst of slow prompts queued a push behind it (front_prompts.RequestThreads)
         self.request_threads = RequestThreads(min(32, cores + 4) if cores else None)
-        openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, metrics, self.gc_pauses,
+        openai_server = OpenAIServer(self.pool, tokenizer, self.model_name, cfg, api_key, metrics, self.gc_pauses,
                                      self.request_threads)
         # one registry: gRPC calls count on the same /metrics (the HTTP app serves it) and add to the same counters
         service = RolloutService(self.pool, tokenizer, self.model_name, cfg, rejected=openai_server.m_rejected,
