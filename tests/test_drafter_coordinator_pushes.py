@@ -326,7 +326,6 @@ def test_a_failed_checkpoint_write_does_not_stop_later_ones(tmp_path, model_dir)
         coord.close()
 
 
-
 def test_a_candidate_whose_checkpoint_write_failed_is_not_pushed(tmp_path, model_dir, monkeypatch) -> None:
     """A candidate that wins the gate is checkpointed as owed before it is pushed (a restart must never number a
     candidate at or below a version the rollout serves). When that write fails, the push is not made, now or by the
@@ -350,6 +349,7 @@ def test_a_candidate_whose_checkpoint_write_failed_is_not_pushed(tmp_path, model
     finally:
         blocker.rmdir()
         coord.close_sockets()
+
 
 class _RolloutServing:
     """Stands in for the rollout's UpdateWeights: it serves drafter `version` (pushed by someone else: a coordinator
@@ -401,7 +401,6 @@ def test_a_push_refused_for_a_newer_foreign_drafter_is_renumbered_and_sent(tmp_p
         coord.close_sockets()
 
 
-
 def test_a_renumbered_push_is_checkpointed_under_its_new_number_before_it_is_sent(tmp_path, model_dir,
                                                                                  monkeypatch) -> None:
     """v1 is refused because the rollout serves a foreign v10, renumbered v11, and the send of v11 fails (the rollout
@@ -427,6 +426,7 @@ def test_a_renumbered_push_is_checkpointed_under_its_new_number_before_it_is_sen
         assert saved["pending"]["version"] == 11 and saved["candidate_version"] == 11 and saved["serving_version"] == 0
     finally:
         coord.close_sockets()
+
 
 def test_a_checkpoint_of_another_model_is_named_in_the_error(tmp_path, model_dir) -> None:
     """`tlt drafter serve --model B` on a checkpoint_dir holding model A's coordinator.pt (the default folder is the

@@ -211,6 +211,16 @@ def _restarted_on_init(tmp_path, model_dir, publish):  # noqa: ANN001, ANN202
     return pub, coord, folder_identity(init), trained
 
 
+def _candidate_v6_wins(coord, monkeypatch) -> None:  # noqa: ANN001
+    """Candidate v6, scored above the serving drafter at the next evaluation (the scores scripted)."""
+    import tlt.services.drafter.coordinator_gate as gate
+
+    with coord._lock:
+        coord.candidate_version = 6
+    scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
+    monkeypatch.setattr(gate, "mean_accept_length", lambda *a, **k: next(scores))
+
+
 def test_a_repush_refused_as_already_served_ends_and_one_done_is_not_sent_again_while_the_events_lag(
         tmp_path, model_dir) -> None:
     """The rollout restarted on the coordinator's init drafter: the serving v5 is owed again (`_repush_if_behind`).
@@ -248,8 +258,6 @@ def test_a_repush_refused_as_already_served_ends_and_one_done_is_not_sent_again_
 def test_a_candidate_push_owed_when_the_rollout_restarts_stays_owed(tmp_path, model_dir, monkeypatch) -> None:
     """Candidate v6 won the gate and its push failed (it may have landed on some replicas): owed. The rollout then
     restarts on the init drafter. The push owed is v6, as it was; the serving v5 must not take its place."""
-    import tlt.services.drafter.coordinator_gate as gate
-
     pushes: list[int] = []
 
     def publish(tensors, version):  # noqa: ANN001
@@ -259,10 +267,7 @@ def test_a_candidate_push_owed_when_the_rollout_restarts_stays_owed(tmp_path, mo
 
     pub, coord, start, trained = _restarted_on_init(tmp_path, model_dir, publish)
     try:
-        with coord._lock:
-            coord.candidate_version = 6
-        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
-        monkeypatch.setattr(gate, "mean_accept_length", lambda *a, **k: next(scores))
+        _candidate_v6_wins(coord, monkeypatch)
         _idle(pub, 5, start)
         assert wait_for(coord.rollout.idle, 10)
         with pytest.raises(ConnectionError):
@@ -283,15 +288,10 @@ def test_a_candidate_push_owed_when_the_rollout_restarts_stays_owed(tmp_path, mo
 def test_a_candidate_just_published_is_not_pushed_again_while_the_events_lag(tmp_path, model_dir, monkeypatch) -> None:
     """Candidate v6 wins the gate and its push lands; the rollout's events say v5 for a moment more (they lag the
     push). That is not a rollout behind: v6 is not owed again before REPUSH_S."""
-    import tlt.services.drafter.coordinator_gate as gate
-
     pushes: list[int] = []
     pub, coord, start, _ = _restarted_on_init(tmp_path, model_dir, lambda t, v: pushes.append(v))
     try:
-        with coord._lock:
-            coord.candidate_version = 6
-        scores = iter([(2.0, 10), (1.0, 10)])  # candidate, then serving
-        monkeypatch.setattr(gate, "mean_accept_length", lambda *a, **k: next(scores))
+        _candidate_v6_wins(coord, monkeypatch)
         _idle(pub, 5, start)
         assert wait_for(lambda: coord.rollout.idle() and coord.rollout.drafter_behind(6) == 5, 10)
         assert coord.evaluate_and_publish().published and pushes == [6]

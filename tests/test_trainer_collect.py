@@ -261,34 +261,43 @@ def test_a_rollout_server_whose_status_hangs_is_waited_for_no_longer_than_the_re
     assert took < 3 and f"{address}: StatusCode.DEADLINE_EXCEEDED" in message, (took, message)
 
 
-class _DiesOnce:
-    """A rollout client whose first stream ends with UNAVAILABLE after `after` completions, as the stream of a
-    server whose replica died (and whose samples could not be re-dispatched) ends; later streams are the server's."""
+class _Edited:
+    """A rollout client whose streams are the real server's, each completion passed through `edit` (None: dropped),
+    as a server that lost a sample or sent logprobs of another length than its tokens would send them."""
 
-    def __init__(self, real, after: int) -> None:  # noqa: ANN001 - RolloutClient
-        self.real, self.address, self.after, self.died = real, real.address, after, False
+    def __init__(self, real, edit) -> None:  # noqa: ANN001 - RolloutClient, (Completion) -> Completion | None
+        self.real, self.address, self.edit = real, real.address, edit
 
     def status(self):  # noqa: ANN201
         return self.real.status()
 
     def batch_generate(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
-        inner = self.real.batch_generate(*args, **kw)
-        if self.died:
-            return inner
-        self.died = True
-        after = self.after
+        inner, edit = self.real.batch_generate(*args, **kw), self.edit
 
         class Stream:
             def __iter__(self):
-                for i, c in enumerate(inner):
-                    if i == after:
-                        raise ReplicaDied()
-                    yield c
+                for c in inner:
+                    if (c := edit(c)) is not None:
+                        yield c
 
             def cancel(self) -> None:
                 inner.cancel()
 
         return Stream()
+
+
+def _dies_once(real, after: int) -> _Edited:  # noqa: ANN001 - RolloutClient
+    """A rollout client whose first stream ends with UNAVAILABLE after `after` completions, as the stream of a
+    server whose replica died (and whose samples could not be re-dispatched) ends; later streams are the server's."""
+    seen = [0]
+
+    def edit(c):  # noqa: ANN001, ANN202
+        seen[0] += 1
+        if seen[0] == after + 1:
+            raise ReplicaDied()
+        return c
+
+    return _Edited(real, edit)
 
 
 def test_a_dropped_partial_rollout_s_reward_calls_are_cancelled(server):
@@ -317,7 +326,7 @@ def test_a_dropped_partial_rollout_s_reward_calls_are_cancelled(server):
         rewards = GrpcRewards(reward_server.address, concurrency=8, timeout_s=10, retries=0)
         try:
             with RolloutClient(server.grpc_address) as real:
-                res = collect_retrying(_prompts(4), [_DiesOnce(real, after=6)], rewards, 4,
+                res = collect_retrying(_prompts(4), [_dies_once(real, after=6)], rewards, 4,
                                        sampling_params(8, 1.0, 1.0), 0, retries=1, wait_s=10)
         finally:
             rewards.close()
@@ -374,7 +383,7 @@ def test_a_seeded_step_samples_the_same_completions_again_and_each_prompt_its_ow
         first = drawn(collect(prompts, clients, Recorder(), n=2, params=params, step=5))
         again = drawn(collect(prompts, clients, Recorder(), n=2, params=params, step=5))
         later = drawn(collect(prompts, clients, Recorder(), n=2, params=params, step=6))
-        redone = collect_retrying(prompts, [_DiesOnce(clients[0], after=1), *clients[1:]], Recorder(), 2, params, 5,
+        redone = collect_retrying(prompts, [_dies_once(clients[0], after=1), *clients[1:]], Recorder(), 2, params, 5,
                                   retries=1, wait_s=10)
     finally:
         for c in clients:
@@ -383,31 +392,6 @@ def test_a_seeded_step_samples_the_same_completions_again_and_each_prompt_its_ow
     groups = {g: tuple(first[g, k] for k in range(2)) for g in (0, 2, 3)}  # prompt a's three groups
     assert len(set(groups.values())) == 3, "the same prompt twice, sampled alike"
     assert later != first, "another step sampled the same completions"
-
-
-class _Edited:
-    """A rollout client whose streams are the real server's, each completion passed through `edit` (None: dropped),
-    as a server that lost a sample or sent logprobs of another length than its tokens would send them."""
-
-    def __init__(self, real, edit) -> None:  # noqa: ANN001 - RolloutClient, (Completion) -> Completion | None
-        self.real, self.address, self.edit = real, real.address, edit
-
-    def status(self):  # noqa: ANN201
-        return self.real.status()
-
-    def batch_generate(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
-        inner, edit = self.real.batch_generate(*args, **kw), self.edit
-
-        class Stream:
-            def __iter__(self):
-                for c in inner:
-                    if (c := edit(c)) is not None:
-                        yield c
-
-            def cancel(self) -> None:
-                inner.cancel()
-
-        return Stream()
 
 
 def test_a_stream_that_ends_short_of_a_sample_fails_the_step(server):

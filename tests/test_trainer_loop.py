@@ -338,6 +338,11 @@ def test_eval_greedy_adds_one_greedy_completion_per_problem_to_each_held_out_eva
     assert greedy_only.greedy_accuracy == greedy_only.accuracy
 
 
+def _gauges(text: str) -> dict[str, float]:
+    """The Prometheus text's samples, by name and labels."""
+    return {x.split(" ")[0]: float(x.split(" ")[1]) for x in text.splitlines() if x[:1] != "#"}
+
+
 def test_a_resume_drops_the_lines_of_the_steps_after_its_checkpoint_and_restores_the_gauges(random_model_dir,
                                                                                             tmp_path):
     """Killed after step 2's metrics line and before its checkpoint (steps_done 2): the resumed run redoes step 2,
@@ -357,7 +362,7 @@ def test_a_resume_drops_the_lines_of_the_steps_after_its_checkpoint_and_restores
     finally:
         services.close()
     assert [m["step"] for m in kept] == [0, 1]
-    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    gauges = _gauges(text)
     assert gauges["trainer_step"] == 2.0 and gauges["trainer_reward_mean"] == 0.5, gauges
     assert gauges['trainer_step_seconds{phase="step_s"}'] == 11.0, gauges
 
@@ -384,7 +389,7 @@ def test_a_steps_line_and_gauges_without_dynamic_sampling(random_model_dir, tmp_
         services.close()
     line = json.loads((out / "metrics.jsonl").read_text())
     assert (line["step"], line["prompt_indices"], line["zero_signal_groups_trained"]) == (3, [7, 9], 0.5)
-    gauges = {x.split(" ")[0]: float(x.split(" ")[1]) for x in text.splitlines() if x[:1] != "#"}
+    gauges = _gauges(text)
     assert gauges["trainer_step"] == 4.0 and gauges["trainer_reward_mean"] == 0.75, gauges
 
 

@@ -164,7 +164,6 @@ def test_sync_weights_brings_every_server_to_the_trainer(serving, trainer, pushe
     assert policy.version == want and [s.version for s in servers] == [want] * len(servers)
 
 
-
 class _ReadyServer(_VersionedServer):
     """A _VersionedServer that `_Services.sync` can wait for and check the control token of."""
 
@@ -301,7 +300,6 @@ def test_a_trainer_under_nohup_still_ignores_the_hangup():
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup starts it
     assert child.returncode == 0 and "trained on" in child.stdout, child.stderr[-2000:]
-
 
 
 class _ServingWeights(_VersionedServer):
