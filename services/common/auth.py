@@ -165,10 +165,11 @@ class ControlAuth:
             why = "the server binds a non-loopback address" if self.insecure_local else "--insecure-local is not set"
             return (f"control-plane calls are refused: no control token is configured ({TOKEN_ENV} or "
                     f"{TOKEN_FILE_ENV}) and {why}")
-        header = ""
-        for key, value in metadata or ():
-            if key.lower() == "authorization":
-                header = value.decode(errors="replace") if isinstance(value, bytes) else value
+        headers = [value.decode(errors="replace") if isinstance(value, bytes) else value
+                   for key, value in metadata or () if key.lower() == "authorization"]
+        if len(headers) > 1:  # which one a proxy or a server would read is not defined: read neither
+            return "control-plane call with more than one 'authorization' metadata entry"
+        header = headers[0] if headers else ""
         if not header:
             return "control-plane call without 'authorization: Bearer <token>' metadata"
         if not token_matches(header, self.token):

@@ -128,7 +128,8 @@ class OpenAIServer:
         @app.middleware("http")
         async def _api_key(request: Request, call_next: Any) -> Any:
             if self.api_key and request.url.path.startswith("/v1/"):
-                if not token_matches(request.headers.get("authorization", ""), self.api_key):
+                given = request.headers.getlist("authorization")  # two are ambiguous (RFC 9110 allows one)
+                if len(given) != 1 or not token_matches(given[0], self.api_key):
                     self.m_rejected.labels("unauthenticated").inc()
                     endpoint = COUNTED_PATHS.get(request.url.path.rstrip("/"))
                     if endpoint is not None:  # in http_requests_total as every other answer of the endpoint

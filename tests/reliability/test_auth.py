@@ -133,6 +133,11 @@ def test_control_auth_modes():
     assert "without" in with_token.check([])
     assert "wrong token" in with_token.check([("authorization", "Bearer nope")])
     assert with_token.check([("authorization", b"Bearer t")]) is None  # binary metadata values too
+    # two entries: which one counts is not defined (the last won: a wrong one sent after the right one passed)
+    for twice in ([("authorization", "Bearer t"), ("authorization", "Bearer nope")],
+                  [("authorization", "Bearer nope"), ("authorization", "Bearer t")],
+                  [("authorization", "Bearer t"), ("Authorization", "Bearer t")]):
+        assert "more than one" in with_token.check(twice)
     # no token: refused by default, even on loopback
     assert ControlAuth("", False, "127.0.0.1").mode == "refuse-all"
     assert "--insecure-local is not set" in ControlAuth("", False, "127.0.0.1").check(md_ok)
@@ -198,7 +203,8 @@ def test_openai_endpoints_need_the_api_key(server):
     body = {"model": server.model_name, "prompt": "1+1=", "max_tokens": 2}
     before = _rejected(server, "unauthenticated")
     answered = _answered(server, "completions", "401")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+    twice = [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {API_KEY}")]  # ambiguous: refused
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, twice, twice[::-1]):
         r = httpx.post(f"{base}/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 401
         err = r.json()["error"]
@@ -208,9 +214,9 @@ def test_openai_endpoints_need_the_api_key(server):
     assert ok.status_code == 200 and ok.json()["choices"]
     # health and metrics stay open for probes
     assert httpx.get(f"http://127.0.0.1:{server.server.http_port}/health", timeout=30).status_code == 200
-    assert _rejected(server, "unauthenticated") >= before + 6
+    assert _rejected(server, "unauthenticated") >= before + 10
     # the refusals are answers of the endpoint: in http_requests_total beside its 200s (they were left out)
-    assert _answered(server, "completions", "401") == answered + 3
+    assert _answered(server, "completions", "401") == answered + 5
 
 
 def _answered(server, endpoint: str, status: str) -> float:
