@@ -69,14 +69,14 @@ def feature_samples(model_dir):  # noqa: ANN001, ANN201
     return sample_features(model, prompts, max_new_tokens=40, window_tokens=64)
 
 
-def make(tmp_path, model_dir, samples, pushes, server_id="", **over):
+def make(tmp_path, model_dir, samples, pushes, server_id="", features=None, **over):
     pub = CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", server_id=server_id, heartbeat_s=0.2)
     kw = dict(capacity_pub=pub.pub_endpoint, capacity_snapshot=pub.snapshot_endpoint,
               coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"), window_tokens=64,
               batch_tokens=64, batch_rows=2, lr=3e-3, submit_every=5, eval_interval_s=0.2, min_eval_tokens=32,
               holdout_every=4, publish_margin=0.0)
     cfg = DrafterServiceConfig(**{**kw, **over})
-    coord = Coordinator(cfg, str(model_dir), None, lambda t, v: pushes.append((sorted(t), v))).start()
+    coord = Coordinator(cfg, str(model_dir), features, lambda t, v: pushes.append((sorted(t), v))).start()
     coord.buffer.add_samples(samples[3:])
     coord.buffer.add_samples(samples[:3], holdout=True)
     for r in (0, 1):

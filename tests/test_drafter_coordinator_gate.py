@@ -113,3 +113,51 @@ def test_the_serving_drafter_is_scored_with_its_own_weights(tmp_path, model_dir,
         assert rec is not None and rec.published and pushes == [5] and rec.serving_accept_len == 1.5
     finally:
         coord.close_sockets()
+
+
+def test_features_held_through_the_rollout_are_in_the_buffer_before_the_gate_scores(tmp_path, model_dir, samples,
+                                                                                 monkeypatch) -> None:
+    """Under train_when = rollout_idle the intake holds the features that come while a replica decodes and parses
+    them once the rollout is idle, in its own time; the gate parses them itself before it scores, so an evaluation
+    that starts first still has the last rollout's held-out features. Here the intake thread is kept from getting
+    there (its source's recv_frame waits until the end), so only the gate's own parse can put the held batch in:
+    the scoring sees it (its `dropped_before`, which the buffer takes as the sender's count). Stand-ins: the
+    feature source (a held real Envelope frame, parsed by events.decode) and, as above, the scripted scores."""
+    import threading
+
+    import tlt.services.drafter.coordinator_gate as gate
+    from tlt.services.common.events import decode
+    from tlt.v1 import events_pb2
+
+    class HeldSource:
+        def __init__(self) -> None:
+            self.release = threading.Event()
+
+        def recv_frame(self, timeout_s: float) -> None:
+            self.release.wait()
+            return None
+
+        def parse(self, frames: list[bytes]) -> events_pb2.FeatureBatch:
+            return decode(frames[0], "features").features
+
+    seen: list[int] = []
+
+    def scoring(drafter, held, depth, should_stop=None):  # noqa: ANN001, ANN202
+        seen.append(coord.buffer.sender_dropped)
+        return 1.0, 10
+
+    monkeypatch.setattr(gate, "mean_accept_length", scoring)
+    source = HeldSource()
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], features=source, train_when="rollout_idle")
+    try:
+        batch = events_pb2.FeatureBatch(source="rollout", sender="s1", dropped_before=7)
+        coord.intake._hold([events_pb2.Envelope(features=batch).SerializeToString()])  # came while BUSY
+        assert coord.apply_delta(_zero_delta(coord, 0), worker_id=1) == 1
+        state(pub, 0, IDLE)
+        state(pub, 1, IDLE)
+        assert wait_for(lambda: seen, 15)
+        assert seen[0] == 7 and not coord.intake._held
+    finally:
+        source.release.set()
+        coord.close()
+        pub.close()
