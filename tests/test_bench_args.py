@@ -190,6 +190,8 @@ def test_drafter_preemption_counts_each_window_once(monkeypatch, capsys):
     assert fake.idle_events == 4
     assert res["preemptions"] == 3 and res["mean_steps_per_window"] == (0 + 1 + 3) / 3
     assert res["max_ms"] == pytest.approx(3.0)
+    # latencies 0, 1 and 3 ms: the median and numpy's (linear) 99th percentile of those three
+    assert res["p50_ms"] == pytest.approx(1.0) and res["p99_ms"] == pytest.approx(1.0 + 0.98 * 2.0)
     fake = _FakeWorkerRun(monkeypatch, missing=set(), history=2)
     assert fake.run(5) == 0 and json.loads(capsys.readouterr().out)["preemptions"] == 5
     assert fake.now - 1000.0 < 5 * 0.7  # no 30 s deadline waited out (idle windows are 0.1-0.6 s)

@@ -45,3 +45,28 @@ def test_the_timed_call_drafts_real_chains_when_siblings_share_their_text(monkey
     assert len(sizes) == 160 and alone == 1.0  # nothing to match: root-only trees
     # drafts from the siblings that ran ahead (by a few tokens: the drafts are as long as that lead)
     assert shared > 1.25 and longest >= 3, (shared, longest)
+
+
+def test_each_repeat_has_its_own_seed_and_the_figure_is_their_median(monkeypatch, capsys):
+    """`--repeats R`: run r on seed + r (R runs of one text would be one measurement R times), reported as the
+    median of the R runs' seconds per step (not the fastest)."""
+    import argparse
+
+    from tlt.bench import ngram_host
+
+    seeds: list[int] = []
+    seconds = {7: 3.0, 8: 1.0, 9: 2.5}
+
+    def measure(group, vocab, arm, steps, copy, seed):  # noqa: ANN001, ANN202
+        seeds.append(seed)
+        return seconds[seed]
+
+    monkeypatch.setattr(ngram_host, "measure", measure)
+    parser = argparse.ArgumentParser()
+    ngram_host.add_arguments(parser)
+    args = parser.parse_args(["--groups", "2", "--vocab", "16", "--arms", "3_1_4", "--steps", "10", "--repeats", "3",
+                              "--seed", "7", "--json"])
+    assert ngram_host.run(args) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert seeds == [7, 8, 9]
+    assert abs(row["ms_per_step"] - 2.5 / 10 * 1e3) < 1e-9 and abs(row["us_per_sequence"] - 2.5 / 10 / 2 * 1e6) < 1e-6
