@@ -63,10 +63,11 @@ def test_rollout_bound_by_hand():
 
 
 def _stub_runs(monkeypatch, steps: int, evals: list[dict] | None = None,  # noqa: ANN001, ANN202
-               windows: list[dict] | None = None):
-    """Make `tlt bench e2e` find run folders written by hand (`steps` steps of 3 s, 1 s of it rollout, `evals` as
-    eval.jsonl, and for TLT's runs `windows` as drafter.jsonl, the drafter at version k // 2 in step k) instead of
-    running `tlt run`. Returns the module and a function that runs the bench's CLI."""
+               windows: list[dict] | None = None, per_step=None):  # noqa: ANN001
+    """Make `tlt bench e2e` find run folders written by hand (`steps` steps of 3 s, 1 s of it rollout, reward 0.5, or
+    what `per_step(name, k)` gives as (step_s, rollout_s, reward); `evals` as eval.jsonl, and for TLT's runs `windows`
+    as drafter.jsonl, the drafter at version k // 2 in step k) instead of running `tlt run`. Returns the module and a
+    function that runs the bench's CLI."""
     import argparse
     import json
 
@@ -77,9 +78,11 @@ def _stub_runs(monkeypatch, steps: int, evals: list[dict] | None = None,  # noqa
         run.mkdir(parents=True)
         (run / "run.json").write_text(json.dumps({"switches": {"speculation": not baseline, "drafter": not baseline}}))
         drafter = {} if baseline or windows is None else {"drafter_version": None}
+        figures = [per_step(name, k) if per_step else (3.0, 1.0, 0.5) for k in range(steps)]
         (run / "metrics.jsonl").write_text("".join(
-            json.dumps({"step": k, "reward_mean": 0.5, "started_at": 1.0 + k, "times": {"step_s": 3.0, "rollout_s": 1.0},
-                        **{key: k // 2 for key in drafter}}) + "\n" for k in range(steps)))
+            json.dumps({"step": k, "reward_mean": reward, "started_at": 1.0 + k,
+                        "times": {"step_s": step_s, "rollout_s": rollout_s}, **{key: k // 2 for key in drafter}}) + "\n"
+            for k, (step_s, rollout_s, reward) in enumerate(figures)))
         if drafter:
             (run / "drafter.jsonl").write_text("".join(json.dumps(w) + "\n" for w in windows))
         if evals is not None:
@@ -161,3 +164,54 @@ def test_the_table_and_results_say_what_the_online_drafter_did(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "| on | 12 micro-steps in 3 windows, v0 -> v1 | 3.00 |" in out
     assert "| off | - | 3.00 |" in out
+
+
+def test_the_summary_ratios_are_baseline_over_tlt_and_the_reward_check_compares_with_the_noise(tmp_path, monkeypatch):
+    """The summary's figures by hand (stubbed run folders with other times per run): TLT 2 s steps with 0.5 s
+    rollouts after a 6 s first step, the baseline 4 s steps (8 s first) with 2 s rollouts; TLT's rewards 0.1 from the
+    baseline's each step, the noise run's 0.2 from it. A ratio > 1 means TLT is faster."""
+    import json
+
+    def per_step(name, k):  # noqa: ANN001, ANN202
+        first = k == 0
+        if name == "tlt":
+            return (6.0 if first else 2.0), 0.5, 0.6 + 0.1 * (k % 2)
+        extra = 0.2 if name == "baseline-noise" else 0.0
+        return (8.0 if first else 4.0), 2.0, 0.5 + 0.1 * (k % 2) + extra
+
+    bench = _stub_runs(monkeypatch, steps=3, per_step=per_step)
+    assert bench("--steps", "3", "--out", str(tmp_path / "b")) == 0
+    summary = json.loads((tmp_path / "b" / "results.json").read_text())["summary"]
+    assert summary["step_time_ratio"] == pytest.approx((8 + 4 + 4) / (6 + 2 + 2))
+    assert summary["step_time_ratio_after_first"] == pytest.approx(2.0)  # the first (warm-up) step left out
+    assert summary["rollout_time_ratio"] == pytest.approx(4.0)
+    assert summary["reward_step_mad_tlt_vs_baseline"] == pytest.approx(0.1)
+    assert summary["reward_step_mad_noise"] == pytest.approx(0.2)
+    assert summary["rewards_agree"] is True  # 0.1 <= 1.5 x 0.2
+    bench = _stub_runs(monkeypatch, steps=3, per_step=lambda name, k: (3.0, 1.0, 0.9 if name == "tlt" else 0.5))
+    assert bench("--steps", "3", "--out", str(tmp_path / "c")) == 0
+    summary = json.loads((tmp_path / "c" / "results.json").read_text())["summary"]
+    assert summary["rewards_agree"] is False  # 0.4 apart, the two baselines 0 apart
+
+
+def test_the_baseline_runs_are_launched_with_baseline_and_tlt_without(tmp_path, monkeypatch):
+    """The tests above stub `_run`; this checks its command line: `--baseline` on the baseline runs only, the
+    trainer seed, and each run's own override after the user's."""
+    import argparse
+    import subprocess
+
+    from tlt.bench import e2e
+
+    cmds: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: cmds.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    args = parser.parse_args(["--seed", "3", "--set", "trainer.max_tokens=64"])
+    for name, (seed, baseline, extra) in planned_runs(3, 1, 7).items():
+        assert e2e._run(name, tmp_path, args, seed, baseline, extra) == 0
+    (tlt, base, noise) = cmds
+    assert "--baseline" not in tlt and "--baseline" in base and "--baseline" in noise
+    for cmd in cmds:
+        assert cmd[cmd.index("--seed") + 1] == "3"
+    sets = [noise[i + 1] for i, a in enumerate(noise) if a == "--set"]
+    assert sets[-2:] == ["trainer.max_tokens=64", "trainer.sampling_seed=7"]
