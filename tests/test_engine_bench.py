@@ -66,3 +66,47 @@ def test_bench_engine_native_runs_prefill_every_time(tmp_path, capsys, monkeypat
     assert bench.run(args) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["identical"]
     assert hits == [0, 0, 0]  # warm-up + 2 timed runs, each prefilling its prompts in full
+
+
+def test_interleaved_times_warm_runs_only_and_keeps_each_sides_best(monkeypatch):
+    """Each side runs once untimed (its first-call costs), then the sides alternate; the best of the timed runs is
+    kept per side. A fake clock: side a's runs take 10 (warm-up), 3, 1 s, side b's 20, 5, 6 s."""
+    import time
+
+    now = [0.0]
+    durations = {"a": [10.0, 3.0, 1.0], "b": [20.0, 5.0, 6.0]}
+    calls: list[str] = []
+
+    def side(name: str):  # noqa: ANN202
+        def fn() -> str:
+            now[0] += durations[name][sum(1 for c in calls if c == name)]
+            calls.append(name)
+            return f"{name}{len(calls)}"
+        return fn
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "process_time", lambda: 2 * now[0])
+    (wall_a, cpu_a, out_a), (wall_b, cpu_b, out_b) = bench._interleaved(side("a"), side("b"), 2)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert (wall_a, cpu_a, wall_b, cpu_b) == (1.0, 2.0, 5.0, 10.0)
+    assert (out_a, out_b) == ("a5", "b6")  # the last run's output
+
+
+def test_bench_engine_speedup_is_transformers_time_over_native(tmp_path, capsys, monkeypatch):
+    """speedup = transformers' CPU seconds over native's (> 1: native faster); wall_speedup likewise by wall time,
+    and tokens/s are B x max_tokens over each side's own seconds."""
+    torch.set_num_threads(1)
+    configure_logging(json=False, level="warning")
+    ckpt = random_checkpoint(tmp_path / "m", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                             num_kv_heads=1, max_position_embeddings=128, weight_scale=0.05)
+    # native: 1 s wall, 2 s CPU; transformers: 3 s wall, 8 s CPU (the outputs are the real ones)
+    monkeypatch.setattr(bench, "_interleaved", lambda a, b, repeats: ((1.0, 2.0, a()), (3.0, 8.0, b())))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--model", str(ckpt), "--batch-sizes", "2", "--max-tokens", "4", "--prompt-len", "5",
+                              "--json"])
+    assert bench.run(args) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["identical"] and row["speedup"] == 4.0 and row["wall_speedup"] == 3.0
+    assert row["native_tok_s"] == 2 * 4 / 2.0 and row["transformers_tok_s"] == 2 * 4 / 8.0
+    assert row["native_wall_tok_s"] == 8.0 and row["transformers_wall_tok_s"] == 8 / 3.0
