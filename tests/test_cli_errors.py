@@ -393,6 +393,37 @@ def test_a_push_limit_under_the_models_weights_is_warned_at_start(models, capfd)
     assert check_push_limit(cfg, 16 << 30)
 
 
+
+def test_the_push_limit_warning_is_at_the_bf16_size_of_the_weights(models) -> None:
+    """The smallest push is bf16, 2 bytes a weight (the elements counted here from the checkpoint's own safetensors
+    header): a limit of exactly that is enough, a byte less is not."""
+    import math
+
+    from safetensors import safe_open
+
+    from tlt.model.folder import read_model_config
+    from tlt.services.rollout.serve import check_push_limit
+
+    with safe_open(str(Path(models["qwen2"], "model.safetensors")), "pt") as f:
+        elements = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    cfg = read_model_config(models["qwen2"])
+    assert check_push_limit(cfg, 2 * elements)
+    assert not check_push_limit(cfg, 2 * elements - 1)
+
+
+def test_a_static_mode_drafter_is_checked_before_start_too(models, tmp_path) -> None:
+    """--spec static runs the learned drafter as adaptive does: a folder that is not one is refused before any
+    replica starts, not found by each replica after it loaded the model."""
+    from tlt.model.drafter import DrafterError
+    from tlt.services.rollout.config import RolloutConfig
+    from tlt.services.rollout.serve import check_before_start
+
+    for mode in ("static", "adaptive"):
+        config = RolloutConfig(engine={"max_model_len": 0},
+                               spec={"mode": mode, "drafter": "learned", "drafter_path": str(tmp_path / "none")})
+        with pytest.raises(DrafterError, match="not a drafter folder"):
+            check_before_start(models["qwen2"], config)
+
 NOT_A_CHECKPOINT = [
     ["model", "eval", "--model", "{missing}"],
     ["rollout", "serve", "--model", "{missing}"],

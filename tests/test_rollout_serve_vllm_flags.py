@@ -57,3 +57,23 @@ def test_bad_values_are_one_line(argv) -> None:
 
     with pytest.raises(ConfigError):
         build_config(_args(*argv))
+
+
+def test_tlt_flags_set_their_own_field_and_a_toml_keeps_what_no_flag_gives(tmp_path, monkeypatch) -> None:
+    """`--replicas`, `--grpc-port`, `--insecure-local` and `--drafter` each set the [rollout] field they name, and
+    only it (`--grpc-port` is not the HTTP port; `--drafter DIR` is the learned drafter in DIR, not a path the
+    n-gram drafter ignores); a preset's values stay where no flag is given."""
+    from tlt.services.rollout.serve import build_config
+
+    for name in ("TLT_ROLLOUT__REPLICAS", "TLT_ROLLOUT__GRPC_PORT", "TLT_ROLLOUT__HTTP_PORT",
+                 "TLT_ROLLOUT__INSECURE_LOCAL"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = build_config(_args("--replicas", "3", "--grpc-port", "50123", "--insecure-local", "--drafter", "dr"))
+    assert (cfg.replicas, cfg.grpc_port, cfg.http_port, cfg.insecure_local) == (3, 50123, 8000, True)
+    assert (cfg.spec.drafter, cfg.spec.drafter_path) == ("learned", "dr")
+    preset = tmp_path / "p.toml"
+    preset.write_text("[rollout]\nreplicas = 2\nhttp_port = 8200\ngrpc_port = 50200\ninsecure_local = true\n"
+                      "[rollout.spec]\nthreshold = 8\n")
+    kept = build_config(_args("--preset", str(preset), "--http-port", "8300"))
+    assert (kept.replicas, kept.http_port, kept.grpc_port, kept.insecure_local, kept.spec.threshold) == (
+        2, 8300, 50200, True, 8)

@@ -144,3 +144,13 @@ def test_a_bad_flag_for_the_sglang_replicas_is_named_as_the_flag(argv, flag, fie
     err = capfd.readouterr().err
     assert "Traceback" not in err and err.count("bad_config") == 1, err
     assert f"{field}=" in err and f"(from {flag})" in err and "environment" not in err, err
+
+
+def test_a_drafter_folder_named_like_a_toml_value_reaches_the_replicas_as_text(tmp_path: Path, monkeypatch) -> None:
+    """The flags travel to the SGLang replicas as TLT_SGLANG__* TOML literals: a relative folder whose name TOML
+    reads as another type (a dated export, `2024-05-01`) written bare came back a date, and every replica refused its
+    [sglang] config after the front had accepted the same flags."""
+    monkeypatch.chdir(tmp_path)
+    _export(tmp_path / "2024-05-01")
+    cfg = replica_config(serve_args("--drafter", "2024-05-01", "--spec", "static"))
+    assert (cfg.draft_model_path, cfg.adaptive) == ("2024-05-01", False)
