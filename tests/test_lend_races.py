@@ -108,3 +108,30 @@ def test_a_lease_counts_whole_until_its_clock_starts_and_a_renewal_runs_from_now
         assert lease.end() == "trainer" and lease.expires_in() == 0.0
 
     asyncio.run(main())
+
+
+def test_a_running_lease_counts_down_a_holderless_lend_is_lent_and_a_zero_lease_is_refused():
+    """DeviceLease on its own: once its clock runs, expires_in is what is left (LendDevices answers it as
+    expires_in_s, and the trainer renews by it), not the whole lease_s for ever; a lend whose caller named no holder
+    is still a lend (held by "trainer"), not one that leaves the replicas IDLE under the drafter; and lease_s 0 is
+    refused here too, not a lease that lapses on the next loop turn."""
+    import pytest
+
+    from tlt.services.rollout.lease import DeviceLease
+
+    async def main() -> None:
+        lease = DeviceLease(asyncio.get_running_loop(), lambda: None)
+        assert lease.grant("", 3.0) is True
+        assert lease.lent and lease.holder == "trainer"
+        lease.start_clock()
+        t0 = time.monotonic()
+        await asyncio.sleep(0.5)
+        left = lease.expires_in()
+        assert left <= 3.0 - (time.monotonic() - t0) + 0.05 and left <= 2.6, left
+        assert lease.end() == "trainer"
+        for bad in (0.0, -1.0):
+            with pytest.raises(ValueError, match="lease_s must be > 0"):
+                lease.grant("trainer", bad)
+        assert not lease.lent
+
+    asyncio.run(main())
