@@ -41,6 +41,45 @@ def test_only_a_cpu_native_replica_without_a_spin_count_is_forked_and_only_in_th
     assert replica_context("native", "cpu", 1, spin_wait=False)[0].get_start_method() == "forkserver"
 
 
+
+def test_a_front_whose_stderr_or_affinity_moved_since_the_forkserver_started_spawns(monkeypatch, tmp_path):
+    """A fork keeps the forkserver's CPU affinity and standard output and error, not the front's: a front that
+    redirected its stderr (to a log file) or was pinned to other cores after the forkserver started must spawn, or
+    its replicas log to the old file and run on the old cores."""
+    state = replica_start.process_state()
+    monkeypatch.setattr(replica_start, "_forkserver_env", replica_start.current_env())
+    monkeypatch.setattr(replica_start, "_forkserver_state", state)
+    assert replica_context("native", "cpu", 1, spin_wait=False)[1]
+    saved = os.dup(2)
+    try:
+        with open(tmp_path / "front.err", "w") as err:
+            os.dup2(err.fileno(), 2)  # the front's stderr now goes to a file the forkserver never had
+            moved = replica_start.process_state()
+            forked = replica_context("native", "cpu", 1, spin_wait=False)[1]
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert moved[2] != state[2] and moved[:2] == state[:2], (moved, state)
+    assert not forked, "a front whose stderr moved forked a replica that writes to the old one"
+    monkeypatch.setattr(replica_start, "_forkserver_state", ((-1,), *state[1:]))  # other cores than the front's
+    assert not replica_context("native", "cpu", 1, spin_wait=False)[1]
+
+
+def test_warm_starts_the_forkserver_and_leaves_a_spawn_context_alone():
+    """`warm` runs the forkserver's first start (its preload imports torch: seconds) off the front's event loop; had
+    it not started it, the first replica's start would, on the loop. In a fresh interpreter: nothing runs one yet."""
+    code = ("import multiprocessing as mp\n"
+            "from multiprocessing import forkserver\n"
+            "from tlt.services.rollout.replica_start import warm\n"
+            "warm(mp.get_context('spawn'))\n"
+            "print(forkserver._forkserver._forkserver_pid is not None)\n"
+            "warm(mp.get_context('forkserver'))\n"
+            "print(forkserver._forkserver._forkserver_pid is not None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout
+
+
 def _parent(pid: int) -> int:
     # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after its closing parenthesis
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
