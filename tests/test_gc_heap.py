@@ -117,3 +117,23 @@ def test_serving_after_the_freeze_leaves_no_frozen_garbage(tmp_path):
     assert res["frozen"] > 100_000, res  # torch, transformers and the engine: the heap a full collection walked
     assert res["completions"] == 16 and res["verify_steps"] > 0 and res["versions"] == [1, 2], res
     assert res["leaked"] == 0, f"serving made {res['leaked']} frozen objects into cyclic garbage"
+
+
+def test_the_fronts_gc_metrics_start_once_it_serves_not_with_its_startup(tmp_path, monkeypatch):
+    """/metrics' front collections are what serving costs (GcMetrics): the full collections the front ran while it
+    started (loading the tokenizer and the replicas, here three forced ones) are not counted in them."""
+    from rollout_helpers import ServerThread
+
+    from tlt.services.rollout import server as rollout_server
+
+    loaded = rollout_server._front_tokenizer
+
+    def collecting(model_dir: str):  # noqa: ANN202 - the front's tokenizer, after three full collections
+        for _ in range(3):
+            gc.collect(2)
+        return loaded(model_dir)
+
+    monkeypatch.setattr(rollout_server, "_front_tokenizer", collecting)
+    with ServerThread(tiny_checkpoint(tmp_path / "m"), replicas=1) as s:
+        full = s.server.gc_pauses.snapshot()["collections"][2]
+    assert full < 3, f"the front's {full} full collections include its startup's"

@@ -88,6 +88,40 @@ def test_rollout_server_refuses_a_grpc_port_another_server_serves(tmp_path):
         other.stop(0)
 
 
+
+def test_a_rollout_start_that_fails_after_binding_its_ports_frees_them_on_stop(tmp_path):
+    """Both ports are bound first; a start that fails after that (here the capacity publisher, whose port another
+    socket holds) is stopped as `tlt rollout serve` stops it, and the stop frees the HTTP port too, which uvicorn,
+    never started, had not: a retry in the same process on that port found it in use."""
+    import asyncio
+    import socket
+
+    import pytest
+    import zmq
+    from rollout_helpers import rollout_config, tiny_checkpoint
+
+    from tlt.services.rollout.server import RolloutServer
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        server = RolloutServer(tiny_checkpoint(tmp_path / "model"),
+                               rollout_config(replicas=1, capacity_pub=f"tcp://127.0.0.1:{taken}"))
+
+        async def start_then_stop() -> None:
+            try:
+                await server.start()
+            finally:
+                await server.stop()
+
+        with pytest.raises(zmq.ZMQError, match="Address already in use"):
+            asyncio.run(start_then_stop())
+    assert server.http_port and server.pool is None  # the HTTP port was bound, no replica started
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", server.http_port))  # EADDRINUSE had the failed start kept it
+
+
 def test_a_port_in_use_or_a_bad_setting_fails_at_once_with_one_line_not_a_traceback(tmp_path, capfd):
     """`tlt rollout serve` used to load the model into every replica (minutes for a large model) and only then find
     its HTTP port taken, and end in a traceback; `tlt reward serve` too, and a bad `--set` of the rollout likewise.

@@ -217,3 +217,41 @@ def test_a_front_tokenizer_that_fails_while_the_replicas_load_stops_them(random_
     finally:
         st.__exit__(None, None, None)
     assert_all_gone(pids)
+
+
+def test_a_front_tokenizer_that_fails_ends_the_start_without_waiting_for_the_replicas(tmp_path, monkeypatch):
+    """start() raises the tokenizer's error at once, cancelling the replicas' start: it had waited for every replica
+    to finish loading (minutes for a large model on a GPU) before it said why it could not serve. Here the replicas'
+    start never ends on its own."""
+    import asyncio
+
+    from rollout_helpers import rollout_config, tiny_checkpoint
+    from tlt.services.rollout import replicas as replicas_mod
+    from tlt.services.rollout import server as server_mod
+
+    cancelled: list[bool] = []
+
+    async def loads_for_ever(self, timeout_s: float) -> None:  # noqa: ANN001
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    def fails(model_dir: str) -> None:
+        raise OSError("(test) the front could not read the tokenizer")
+
+    monkeypatch.setattr(replicas_mod.ReplicaPool, "start", loads_for_ever)
+    monkeypatch.setattr(replicas_mod.ReplicaPool, "stop", lambda self: asyncio.sleep(0))
+    monkeypatch.setattr(server_mod, "_front_tokenizer", fails)
+    server = server_mod.RolloutServer(tiny_checkpoint(tmp_path / "m"), rollout_config(replicas=1))
+
+    async def start_then_stop() -> None:
+        try:
+            await asyncio.wait_for(server.start(), 30)
+        finally:
+            await server.stop()
+
+    with pytest.raises(OSError, match=r"\(test\) the front could not read"):
+        asyncio.run(start_then_stop())
+    assert cancelled == [True]
