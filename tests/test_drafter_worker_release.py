@@ -8,6 +8,9 @@
   looked at: the worker still wrote the optimizer checkpoint and pulled the whole candidate on the busy replica's
   time (the in-window path already stopped, test_drafter_worker.py).
 - One failed checkpoint write (a full disk) ended `run()`, so the worker process, for good.
+- After a failed checkpoint write the optimizer state kept in memory was loaded by reference (load_state_dict keeps
+  the tensors it is given on their device): the window's training changed it in place, and a refused delta went
+  back to the very steps it should have dropped.
 
 The worker and its training are real (a tiny checkpoint, `tests/drafter_helpers.py`); the coordinator is the
 in-process stub of those helpers. There is no GPU here: a device name that answers startswith("cuda") takes the
@@ -20,6 +23,7 @@ import errno
 import threading
 import weakref
 
+import pytest
 import torch
 
 import tlt.services.drafter.worker as wmod
@@ -165,13 +169,14 @@ def test_a_window_after_a_failed_checkpoint_trains_on_from_the_unsaved_optimizer
     def make(*a, **k):
         opt = real_make(*a, **k)
         real_load = opt.load_state_dict
-        opt.load_state_dict = lambda sd: (loaded.append(sd), real_load(sd))[1]
+        opt.load_state_dict = lambda sd: (loaded.append(wmod.cpu_copy(sd)), real_load(sd))[1]  # as it was loaded
         return opt
 
     monkeypatch.setattr(wmod, "make_optimizer", make)
     w.state, stub.busy_after = IDLE, 1
     w.window()
-    assert w.checkpoint_failures >= 1 and loaded and loaded[0] is deferred
+    assert w.checkpoint_failures >= 1 and loaded  # the deferred state, which the window's training left as it was:
+    assert all(torch.equal(loaded[0]["state"][i][k], v) for i, s in deferred["state"].items() for k, v in s.items())
 
 
 def test_a_window_reports_the_cpu_it_spent_after_busy_beside_the_wall_clock_release(tmp_path, model_dir, monkeypatch,
@@ -199,3 +204,85 @@ def test_a_window_reports_the_cpu_it_spent_after_busy_beside_the_wall_clock_rele
     assert 0.0 <= res.release_cpu < 0.15, res.release_cpu
     line = next(x for x in capfd.readouterr().err.splitlines() if "training_window" in x)
     assert "release_cpu_ms=" in line and "release_ms=" in line, line
+
+
+@pytest.mark.parametrize("writes_fail,refused_from,step", [(lambda n: True, 1, 2), (lambda n: n == 1, 2, 4)],
+                         ids=["every-write-fails", "the-second-write-succeeds"])
+def test_a_refused_delta_goes_back_to_the_last_saved_optimizer_state_as_it_was_saved(tmp_path, model_dir, monkeypatch,
+                                                                                  writes_fail, refused_from, step):
+    """submit_every = 2, a window of 6 micro-steps: its first delta is taken with the checkpoint write failing (a full
+    disk), so the last saved optimizer state is the one kept in memory, Adam's step 2. Every refused delta must go back
+    to exactly that: load_state_dict keeps the very tensors it is given on the same device, so the kept state trained
+    on in place with the optimizer it was loaded into, and the second refusal went back to step 4, the moments of the
+    refused steps included. When the next write succeeds (step 4) the file is the last saved state: the one in memory
+    is dropped, or a refusal went back to step 2."""
+    from tlt.services.drafter.coordinator_client import CoordinatorRefused
+
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=2)
+    w, real_save, real_ask, writes = stub.worker, wmod.save_atomic, stub.ask, []
+
+    def save(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        writes.append(1)
+        if writes_fail(len(writes)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(*a, **k)
+
+    def ask(should_stop=None, **body):  # noqa: ANN001, ANN003, ANN202
+        if "update" in body and stub.version >= refused_from:  # e.g. non-finite after a diverged step
+            stub.asks.append("update")
+            raise CoordinatorRefused("the delta holds non-finite values")
+        return real_ask(should_stop, **body)
+
+    monkeypatch.setattr(wmod, "save_atomic", save)
+    stub.ask = ask  # the worker's client is the stub
+    w.state, stub.busy_after = IDLE, 6
+    res = w.window()
+    assert res.micro_steps == 6 and stub.asks.count("update") == 3 and stub.version == refused_from
+    assert w._deferred.steps == 0  # the refused steps are dropped; the optimizer state the window ends with:
+    assert {int(s["step"]) for s in w._deferred.opt_state["state"].values()} == {step}
+
+
+def test_a_checkpoint_an_always_window_could_not_write_is_written_at_the_next_idle_moment(tmp_path, model_dir,
+                                                                                        monkeypatch):
+    """train_when = always ends a window at its submission, which writes the optimizer checkpoint. A write that failed
+    there (a full disk) must wait as any failed one does, for the next window's start: taken as written, nothing wrote
+    it until the next submission, and a kill -9 meanwhile resumed from the older checkpoint."""
+    stub = StubbedWorker(tmp_path, model_dir, train_when="always", submit_every=2)
+    w, real, calls = stub.worker, wmod.save_atomic, []
+
+    def full_disk_once(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(wmod, "save_atomic", full_disk_once)
+    res = w.window()
+    assert res.micro_steps == 2 and stub.version == 1 and w.checkpoint_failures == 1 and load_state(w.ckpt) is None
+    assert w._deferred is not None and w._deferred.steps == 0  # sent; only the checkpoint waits
+    w._flush()
+    assert load_state(w.ckpt)["micro_steps"] == 2 and w._deferred is None
+
+
+def test_the_release_cpu_runs_from_the_last_look_that_found_the_replica_idle(tmp_path, model_dir, monkeypatch):
+    """release_cpu is the worker's CPU from its last look that found the replica idle to the device's release: the
+    stretch of a micro-step between that look and the one that saw BUSY is the replica's time taken, and counts. (Each
+    look, the one that saw BUSY included, restarting the count reported only the release itself.)"""
+    import time
+
+    stub = StubbedWorker(tmp_path, model_dir)
+
+    def step(*a, should_stop=None, **k):  # noqa: ANN002, ANN003, ANN202
+        assert not should_stop()  # idle: the last such look
+        stub.busy()  # the replica turns busy while the step runs on
+        t = time.process_time()
+        while time.process_time() - t < 0.2:  # the rest of the stretch to the step's next checkpoint
+            pass
+        assert should_stop()  # that checkpoint sees BUSY: the step is given up
+        return None
+
+    monkeypatch.setattr(wmod, "micro_step", step)
+    stub.worker.state, stub.busy_after = IDLE, 10**6
+    res = stub.worker.window()
+    assert res.preempted and res.abandoned and res.micro_steps == 0
+    assert res.release_cpu >= 0.2, res.release_cpu

@@ -526,6 +526,8 @@ class DrafterWorker:
         if state is None:
             saved = load_state(self.ckpt)
             state = saved.get("optimizer") if saved is not None else None
+        else:  # a copy: load_state_dict keeps the tensors it is given (same device), and training changed the kept
+            state = cpu_copy(state)  # state in place (a second refused delta went back to the steps the first dropped)
         if state:
             settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             opt.load_state_dict(state)
