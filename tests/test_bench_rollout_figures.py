@@ -271,3 +271,23 @@ def test_min_tokens_keeps_a_solution_of_exactly_that_length(random_model_dir):
     first = generate_problems(1, seed)[0]
     exact = len(tok.encode(first.solution, add_special_tokens=False))
     assert long_problems(tok, 1, seed, exact) == [first]
+
+
+def test_arms_are_listed_most_chosen_first_and_a_run_counts_only_its_own():
+    """The arms of a result: most chosen first (the table's order), each with its share and accept length; on a
+    reused engine (`spec_delta`: the counters after the run minus before) only the arms this run chose."""
+    from tlt.bench.rollout_report import _arm_summary
+
+    arms = _arm_summary({"6_1_7": {"verify_steps": 1, "seq_steps": 2, "emitted": 5},
+                         "8_4_16": {"verify_steps": 3, "seq_steps": 4, "emitted": 12}})
+    assert list(arms) == ["8_4_16", "6_1_7"]
+    assert arms["8_4_16"]["share"] == 0.75 and arms["8_4_16"]["accept_len"] == 3.0
+    before = {"verify_steps": 4, "emitted_tokens": 17, "seq_steps": 6,
+              "arms": {"6_1_7": {"verify_steps": 1, "seq_steps": 2, "emitted": 5},
+                       "8_4_16": {"verify_steps": 3, "seq_steps": 4, "emitted": 12}}}
+    after = {"verify_steps": 6, "emitted_tokens": 27, "seq_steps": 10,
+             "arms": {"6_1_7": {"verify_steps": 1, "seq_steps": 2, "emitted": 5},
+                      "8_4_16": {"verify_steps": 5, "seq_steps": 8, "emitted": 22}}}
+    d = rollout_engine.spec_delta(before, after)
+    assert d["arms"] == {"8_4_16": {"verify_steps": 2, "seq_steps": 4, "emitted": 10}}  # 6_1_7: not chosen this run
+    assert d["verify_steps"] == 2 and d["mean_accept_len"] == 2.5
