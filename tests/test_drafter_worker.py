@@ -293,15 +293,17 @@ def test_a_rollout_idle_worker_counts_a_draining_replica_still_finishing_work_as
     stub = StubbedWorker(tmp_path, model_dir, train_when="rollout_idle")
     worker = stub.worker
 
-    def event(replica: int, state: int, running: int = 0):  # noqa: ANN202
+    def event(replica: int, state: int, running: int = 0, queued: int = 0):  # noqa: ANN202
         return events_pb2.CapacityEvent(server_id="s", replica_id=replica, state=state, running=running,
-                                        timestamp=time.time())
+                                        queued=queued, timestamp=time.time())
 
     worker._see(event(0, IDLE))
     worker._see(event(1, common_pb2.REPLICA_STATE_DRAINING, running=2))
     assert worker.state != IDLE
     worker._see(event(1, common_pb2.REPLICA_STATE_DRAINING))  # dead for good: left out
     assert worker.state == IDLE
+    worker._see(event(1, common_pb2.REPLICA_STATE_DRAINING, queued=3))  # nothing running, work still queued
+    assert worker.state != IDLE
 
 
 @pytest.mark.parametrize("train_when", ["replica_idle", "rollout_idle"])

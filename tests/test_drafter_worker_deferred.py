@@ -189,9 +189,10 @@ def test_a_worker_checkpoint_of_another_model_is_named_in_the_error(tmp_path, mo
 
 
 def test_each_delta_reports_the_mean_loss_of_its_own_steps(tmp_path, model_dir) -> None:
-    """A window of 3 micro-steps with submit_every = 2, preempted after the third: the delta sent in the window
-    carries steps 1-2 and their mean loss, the deferred one (sent at the next idle moment) step 3 and its loss alone.
-    The coordinator's loss curve is made of these means: the deferred delta read the whole window's."""
+    """A window of 5 micro-steps with submit_every = 2, preempted after the fifth: the deltas sent in the window
+    carry steps 1-2 and 3-4 and their mean losses, the deferred one (sent at the next idle moment) step 5 and its loss
+    alone. The coordinator's loss curve is made of these means: the deferred delta read the whole window's, and the
+    second delta sent in a window the mean of all its steps so far."""
     stub = StubbedWorker(tmp_path, model_dir, submit_every=2)
     sent = []
     ask = stub.ask
@@ -202,13 +203,13 @@ def test_each_delta_reports_the_mean_loss_of_its_own_steps(tmp_path, model_dir) 
         return ask(should_stop, **body)
 
     stub.ask = recording  # the worker's client is the stub
-    stub.worker.state, stub.busy_after = IDLE, 3
+    stub.worker.state, stub.busy_after = IDLE, 5
     res = stub.worker.window()
-    assert res.preempted and res.micro_steps == 3
+    assert res.preempted and res.micro_steps == 5
     stub.worker._flush()
-    l1, l2, l3 = res.losses
-    assert len({l1, l2, l3}) == 3
-    assert sent == [(2, pytest.approx((l1 + l2) / 2)), (1, pytest.approx(l3))]
+    l1, l2, l3, l4, l5 = res.losses
+    assert len({l1, l2, l3, l4, l5}) == 5
+    assert sent == [(2, pytest.approx((l1 + l2) / 2)), (2, pytest.approx((l3 + l4) / 2)), (1, pytest.approx(l5))]
 
 
 def test_the_window_report_carries_its_mean_loss_and_each_preemption_is_counted(tmp_path, model_dir) -> None:
@@ -250,7 +251,8 @@ def test_a_feed_gone_silent_dates_the_stop_when_it_went_stale(tmp_path, model_di
 
 def test_a_saved_optimizer_state_of_another_parameter_count_does_not_fit(tmp_path, model_dir) -> None:
     """A checkpoint's optimizer state for fewer parameters than this drafter has, each of those of the right shape, is
-    not this drafter's: load_state_dict would refuse it at the first window, after the drafter is on the device."""
+    not this drafter's: load_state_dict would refuse it at the first window, after the drafter is on the device. Nor
+    is one whose moment of a 1-d parameter (a norm's weight, a bias) has another length."""
     from tlt.services.drafter.training import target_shared
     from tlt.services.drafter.worker_state import optimizer_misfit
 
@@ -262,5 +264,49 @@ def test_a_saved_optimizer_state_of_another_parameter_count_does_not_fit(tmp_pat
     cfg, embed, head = target_shared(model_dir)
     assert optimizer_misfit(state, cfg, embed, head) is None
     n = len(state["param_groups"][0]["params"])
+    i, moments = next((i, s) for i, s in state["state"].items() if s["exp_avg"].dim() == 1)  # a norm's weight
+    h = moments["exp_avg"].shape[0]
+    moments["exp_avg"] = moments["exp_avg"].new_zeros(h + 1)  # of another length: another model's
+    assert optimizer_misfit(state, cfg, embed, head) == f"parameter {i} exp_avg: shape ({h + 1},), expected ({h},)"
     state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:-1]
     assert optimizer_misfit(state, cfg, embed, head) == f"{n - 1} parameters, expected {n}"
+
+
+def test_a_restarted_worker_counts_on_from_its_checkpoints_steps_and_preemptions(tmp_path, model_dir) -> None:
+    """A restarted worker (kill -9, `tlt drafter serve` starting it again) takes its micro-step and preemption counts
+    from its checkpoint and counts on; counted from 0 again, its next checkpoint said it had trained 1 step and been
+    preempted once, the earlier life forgotten."""
+    first = StubbedWorker(tmp_path, model_dir)
+    first.worker.state, first.busy_after = IDLE, 2
+    first.worker.window()
+    first.worker._flush()
+    again = StubbedWorker(tmp_path, model_dir)  # the restart
+    assert (again.worker.total_steps, again.worker.preemptions) == (2, 1)
+    again.worker.state, again.busy_after = IDLE, 1
+    again.worker.window()
+    again.worker._flush()
+    saved = load_state(again.worker.ckpt)
+    assert (saved["micro_steps"], saved["preemptions"]) == (3, 2)
+
+
+def test_a_refused_deferred_delta_is_sent_once(tmp_path, model_dir) -> None:
+    """A preempted window's delta, refused when the next idle moment sends it, is dropped: kept, every later flush
+    (each window's start after a failed one, the worker's exit) sent it again, refused again and counted again."""
+    from tlt.services.drafter.coordinator_client import CoordinatorRefused
+
+    stub = StubbedWorker(tmp_path, model_dir)
+    real_ask = stub.ask
+
+    def ask(should_stop=None, **body):  # noqa: ANN001, ANN003, ANN202
+        if "update" in body:
+            stub.asks.append("update")
+            raise CoordinatorRefused("the delta holds non-finite values")
+        return real_ask(should_stop, **body)
+
+    stub.ask = ask  # the worker's client is the stub
+    stub.worker.state, stub.busy_after = IDLE, 2
+    stub.worker.window()
+    assert stub.worker._deferred.steps == 2
+    assert stub.worker._flush() is False and stub.worker._deferred is None
+    stub.worker._flush()
+    assert stub.asks.count("update") == 1 and load_state(stub.worker.ckpt) is None

@@ -467,3 +467,23 @@ def test_a_killed_worker_is_started_again_by_its_drafter_serve(tmp_path, model_d
         if serve.poll() is None:
             serve.kill()
         pub.close()
+
+
+def test_a_worker_joining_by_hand_is_known_by_the_id_it_was_given(tmp_path, model_dir, samples) -> None:
+    """`tlt drafter worker --replica 0 --worker-id 3`, a worker joined by hand beside `tlt drafter serve`'s: the id
+    names it to the coordinator (and its checkpoint, worker-3.pt); taken from --replica instead, it met the service's
+    worker 0 under one id and one checkpoint file. A real worker process, coordinator and publisher on 127.0.0.1."""
+    from tlt.services.drafter.serve import WORKER_CONFIG_ENV
+
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9, pin_cpus=False, worker_nice=0)
+    cmd = [sys.executable, "-m", "tlt.cli", "drafter", "worker", "--model", str(model_dir), "--coordinator",
+           coord.endpoint, "--replica", "0", "--worker-id", "3"]
+    proc = subprocess.Popen(cmd, env={**os.environ, WORKER_CONFIG_ENV: cfg.model_dump_json()})
+    try:
+        assert wait_for(lambda: coord.workers, 60), "the worker never said hello"
+        assert list(coord.workers) == [3] and coord.workers[3].replica_id == 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        coord.close()
+        pub.close()
