@@ -110,3 +110,27 @@ def test_a_burst_of_http_requests_is_admitted_up_to_the_limit(model_dir, stream)
         codes = asyncio.run(burst())
     assert set(codes) == {200, 429} and codes.count(200) >= 8, codes  # more only where some of the 8 ended first
     assert peak[0] <= 8, peak
+
+
+def test_a_limit_of_zero_admits_everything_and_a_limit_admits_up_to_itself() -> None:
+    """`max_pending_sequences = 0` is no limit (as the config documents): no request is refused for its size or the
+    server's load. With a limit, a request that fills it exactly is admitted and one sequence more is not. The
+    Admission mixin on its own, with one replica holding 3 sequences."""
+    from types import SimpleNamespace
+
+    from tlt.services.rollout.admission import Admission
+    from tlt.services.rollout.errors import InvalidRequestError, OverloadedError
+
+    gate = Admission()
+    gate.replicas, gate._pending, gate._reserved = [SimpleNamespace(outstanding=3)], {}, {}
+    gate.max_pending_sequences = 0
+    gate.admit(10**6, reserve={"a": 10**6})
+    assert gate._reserved == {}  # nothing to hold a place in
+    gate.max_pending_sequences = 5
+    gate.admit(2)
+    with pytest.raises(OverloadedError, match="3 sequences pending"):
+        gate.admit(3)
+    with pytest.raises(InvalidRequestError):
+        gate.admit(6)
+    gate.replicas[0].outstanding = 0
+    gate.admit(5)  # alone, exactly the limit
