@@ -154,3 +154,15 @@ def test_a_drafter_folder_named_like_a_toml_value_reaches_the_replicas_as_text(t
     _export(tmp_path / "2024-05-01")
     cfg = replica_config(serve_args("--drafter", "2024-05-01", "--spec", "static"))
     assert (cfg.draft_model_path, cfg.adaptive) == ("2024-05-01", False)
+
+
+def test_one_arm_without_spec_is_refused_where_the_sglang_section_is_adaptive(tmp_path: Path) -> None:
+    """With no --spec the [sglang] section decides the mode, as the replicas will read it: adaptive there (the
+    default) chooses only a chain depth, so even one --spec-arms arm is refused, not handed to an adaptive SGLang;
+    with adaptive = false in the environment the same arm is the static draft shape."""
+    drafter = _export(tmp_path / "eagle")
+    with pytest.raises(ConfigError, match="adaptive mode chooses only a chain depth"):
+        serve.export_sglang_flags(serve_args("--drafter", str(drafter), "--spec-arms", "6_4_16"), {})
+    env = {"TLT_SGLANG__ADAPTIVE": "false"}
+    serve.export_sglang_flags(serve_args("--drafter", str(drafter), "--spec-arms", "6_4_16"), env)
+    assert (env["TLT_SGLANG__NUM_STEPS"], env["TLT_SGLANG__EAGLE_TOPK"]) == ("6", "4")
