@@ -132,11 +132,14 @@ def test_median_over_an_even_number_of_rounds_is_the_mean_of_the_middle_two():
     assert res["tail4_speedup"] == 1.6 and res["tail4_speedup_range"] == [1.4, 1.8]
 
 
-def test_the_table_puts_each_speedup_in_its_column(capsys):
-    """The `b<=4 x` column is the tail's speed-up (tail4_speedup), not the whole run's."""
+def test_the_table_puts_each_figure_in_its_column(capsys):
+    """The table BENCHMARKS.md quotes: each column its own figure (the `b<=4 x` column the tail's speed-up, not the
+    whole run's; tail% the tail's share of the wall time, not the verify steps'; no accept length for a mode that
+    never verified), each bucket cell its own speed-up over off's bucket, and at T > 0 the tokens/s speed-ups."""
     off, ng = _result("off", 10.0), _result("ngram", 5.0)
     ng["buckets"]["1"]["tok_per_s"] = 6.0  # batch 1 three times off's 2.0: the tail's tokens/s 7.6 over 3.8
     ng["tail4_tok_per_s"] = 7.6
+    ng["verify_steps"], ng["mean_accept_len"] = 3, 2.5
     row = [off, ng]
     for r in row:
         r["identical_to_first_mode"] = True
@@ -144,13 +147,21 @@ def test_the_table_puts_each_speedup_in_its_column(capsys):
     assert ng["speedup_vs_off"] == 2.0 and ng["tail4_speedup"] == 2.0
     ng["tail4_speedup"] = 3.0  # told apart from the wall-time speed-up
     report = {"model": "m", "sequences": 1, "requests": 1, "lengths_p50": 79, "lengths_max": 79, "results": row}
-    args = argparse.Namespace(temperature=0.0, threshold=4, bandit="fresh")
-    print_table(report, args)
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ngram "))
-    cells = line.split()
+    print_table(report, argparse.Namespace(temperature=0.0, threshold=4, bandit="fresh"))
+    lines = capsys.readouterr().out.splitlines()
     # mode, wall s, tok/s, speedup, tail s, tail%, tail tok/s, b<=4 x, verify, SD%, accept, lossless
-    assert cells[3] == "2.00" and cells[7] == "3.00", line
-    assert cells[6] == "3.8", line
+    assert next(x for x in lines if x.startswith("ngram ")).split() == [
+        "ngram", "5.00", "15.8", "2.00", "5.00", "100%", "3.8", "3.00", "3", "33%", "2.50", "identical"]
+    assert next(x for x in lines if x.startswith("off ")).split() == [
+        "off", "10.00", "7.9", "1.00", "5.00", "50%", "3.8", "1.00", "0", "33%", "-", "identical"]
+    header = next(i for i, x in enumerate(lines) if x.startswith("tokens/s per batch-size bucket"))
+    assert lines[header + 3].split() == ["ngram", "6.0", "(3.00x)", "5.0", "(1.00x)", "12.0", "(1.00x)"]
+    ng["tok_speedup_vs_off"] = 1.9  # sampled: other samples, so the tokens/s ratio differs from the wall one
+    for r in row:
+        r["identical_to_first_mode"] = None
+    print_table(report, argparse.Namespace(temperature=1.0, threshold=4, bandit="fresh"))
+    sampled = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sampled: "))
+    assert sampled.endswith("beside the wall-time one: off 1.00, ngram 1.90"), sampled
 
 
 def test_hook_cost_divides_each_time_by_its_own_count(random_model_dir, monkeypatch):
