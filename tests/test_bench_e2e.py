@@ -181,7 +181,10 @@ def test_the_summary_ratios_are_baseline_over_tlt_and_the_reward_check_compares_
 
     bench = _stub_runs(monkeypatch, steps=3, per_step=per_step)
     assert bench("--steps", "3", "--out", str(tmp_path / "b")) == 0
-    summary = json.loads((tmp_path / "b" / "results.json").read_text())["summary"]
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    summary = results["summary"]
+    assert [results["runs"][n]["sampling_seed"] for n in ("tlt", "baseline")] == [None, None]
+    assert type(results["runs"]["baseline-noise"]["sampling_seed"]) is int  # as the config reads it (was "7")
     assert summary["step_time_ratio"] == pytest.approx((8 + 4 + 4) / (6 + 2 + 2))
     assert summary["step_time_ratio_after_first"] == pytest.approx(2.0)  # the first (warm-up) step left out
     assert summary["rollout_time_ratio"] == pytest.approx(4.0)

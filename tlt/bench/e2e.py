@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             "eval_after_steps": [e.after_steps for e in evals], "eval_accuracy": [e.accuracy for e in evals],
             # the evals' greedy pass ([trainer] eval_greedy), None where an eval had none
             "eval_greedy_accuracy": [e.greedy_accuracy for e in evals],
-            "seed": seed, "sampling_seed": extra[0].split("=")[1] if extra else None,
+            "seed": seed, "sampling_seed": int(extra[0].split("=")[1]) if extra else None,
             "switches": info["switches"], "steps": len(rows),
             "step_s": [r.step_s for r in rows], "rollout_s": [r.rollout_s for r in rows],
             "reward": [r.reward for r in rows], "accuracy": [r.accuracy for r in rows],
