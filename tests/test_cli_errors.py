@@ -393,7 +393,6 @@ def test_a_push_limit_under_the_models_weights_is_warned_at_start(models, capfd)
     assert check_push_limit(cfg, 16 << 30)
 
 
-
 def test_the_push_limit_warning_is_at_the_bf16_size_of_the_weights(models) -> None:
     """The smallest push is bf16, 2 bytes a weight (the elements counted here from the checkpoint's own safetensors
     header): a limit of exactly that is enough, a byte less is not."""

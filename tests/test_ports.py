@@ -88,7 +88,6 @@ def test_rollout_server_refuses_a_grpc_port_another_server_serves(tmp_path):
         other.stop(0)
 
 
-
 def test_a_rollout_start_that_fails_after_binding_its_ports_frees_them_on_stop(tmp_path):
     """Both ports are bound first; a start that fails after that (here the capacity publisher, whose port another
     socket holds) is stopped as `tlt rollout serve` stops it, and the stop frees the HTTP port too, which uvicorn,

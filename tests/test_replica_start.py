@@ -41,7 +41,6 @@ def test_only_a_cpu_native_replica_without_a_spin_count_is_forked_and_only_in_th
     assert replica_context("native", "cpu", 1, spin_wait=False)[0].get_start_method() == "forkserver"
 
 
-
 def test_a_front_whose_stderr_or_affinity_moved_since_the_forkserver_started_spawns(monkeypatch, tmp_path):
     """A fork keeps the forkserver's CPU affinity and standard output and error, not the front's: a front that
     redirected its stderr (to a log file) or was pinned to other cores after the forkserver started must spawn, or
