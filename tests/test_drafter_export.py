@@ -109,3 +109,34 @@ def test_the_drafter_shares_the_head_the_target_runs(tmp_path) -> None:
     save_file(tensors, str(untied / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="no lm_head.weight.*tie_word_embeddings=false"):
         target_shared(untied)
+
+
+def test_a_drafter_tensor_of_the_targets_head_is_refused() -> None:
+    """The target's lm_head, like its embedding, is the rollout's own (SGLang's set_embed_and_head): a drafter
+    carrying one is refused, not exported under its own name."""
+    with pytest.raises(ValueError, match="must not carry the target's lm_head.weight"):
+        sglang_tensors({"fc.weight": torch.zeros(2, 4), "lm_head.weight": torch.zeros(3, 2)})
+
+
+def test_the_export_writes_only_into_a_new_empty_or_earlier_export_folder(tmp_path) -> None:
+    """The export writes config.json and model.safetensors into --out: given the target's folder, the drafter's, or
+    any folder of other files, it replaced their own. Refused before anything is written; a new or empty folder and an
+    earlier export (rewritten) are taken."""
+    from tlt.services.common.config import ConfigError
+    from tlt.services.drafter.export import check_out
+
+    model = random_checkpoint(tmp_path / "m", family="qwen2")
+    new_drafter(model, seed=1).save(tmp_path / "d")
+    with pytest.raises(ConfigError, match="is a drafter folder"):
+        check_out(tmp_path / "d")
+    with pytest.raises(ConfigError, match="holds a model that is not an SGLang EAGLE export"):
+        check_out(model)  # a config.json with architectures, but the target's
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model.safetensors").write_bytes(b"weights of something else")
+    with pytest.raises(ConfigError, match="neither empty nor an earlier export"):
+        check_out(tmp_path / "other")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "config.json").write_text(json.dumps(sglang_config({"model_type": "llama"})))
+    for ok in ("new", "empty", "earlier"):
+        check_out(tmp_path / ok)
