@@ -190,3 +190,54 @@ def test_a_lagging_rollouts_older_answer_is_asked_again():
     time.sleep(0.25)
     assert shared.refresh() and shared.current.policy_version == 1 and float(shared.current.embed[0, 0]) == 1.0
     assert not shared.stale()
+
+
+def test_an_older_policy_heard_after_a_newer_one_does_not_hide_it():
+    """Replicas apply a push one after another, and feature batches of the previous policy still arrive after it: a
+    version heard after a newer one must not lower the newest seen, or the drafter never fetched the newer tensors
+    (until a still newer policy was heard) and trained with the previous policy's embedding and lm_head."""
+    from tlt.services.drafter.shared import SharedTensors, SharedWeights
+
+    def fetch() -> SharedTensors:
+        return SharedTensors(2, torch.full((4, 2), 2.0), torch.full((4, 2), 2.0))
+
+    shared = SharedWeights(SharedTensors(0, torch.zeros(4, 2), torch.zeros(4, 2)), fetch)
+    shared.see(2)
+    shared.see(1)
+    assert shared.seen == 2 and shared.stale()
+    assert shared.refresh() and shared.current.policy_version == 2 and not shared.stale()
+
+
+def test_a_fetched_head_of_another_shape_is_refused_and_the_old_tensors_kept():
+    """GetWeights of another model (rollout_grpc pointing elsewhere) answering an embedding of the drafter's shape but
+    a head of another: taken, the next micro-step or gate evaluation failed on it. Refused as a fetch failure (logged,
+    counted, retried); the drafter keeps the tensors it has."""
+    from tlt.services.drafter.shared import SharedTensors, SharedWeights
+
+    def fetch() -> SharedTensors:
+        return SharedTensors(1, torch.ones(4, 2), torch.ones(5, 2))
+
+    shared = SharedWeights(SharedTensors(0, torch.zeros(4, 2), torch.zeros(4, 2)), fetch)
+    shared.see(1)
+    assert not shared.refresh()
+    assert shared.failures == 1 and "(5, 2) differ from the drafter's" in shared.last_error
+    assert shared.current.policy_version == 0 and shared.stale()
+
+
+def test_a_worker_follows_the_policy_its_batches_carry(tmp_path, model_dir):
+    """A batch's features say which policy made them: a worker that has heard of no newer policy from the capacity
+    events (they name its own replica's; a batch may come from another, or from the trainer) takes its version from
+    the batch, and its next window trains with that policy's embedding and lm_head."""
+    from drafter_helpers import IDLE, StubbedWorker
+    from tlt.services.drafter.shared import SharedTensors
+
+    stub = StubbedWorker(tmp_path, model_dir)
+    worker = stub.worker
+    stub.batch.policy_version = 1
+    cur = worker.shared.current
+    worker.shared.fetch = lambda: SharedTensors(1, cur.embed + 1.0, cur.lm_head + 1.0)
+    worker.state, stub.busy_after = IDLE, 1
+    assert worker.window().micro_steps == 1 and worker.shared.current.policy_version == 0  # a window keeps its own
+    worker.state, stub.busy_after = IDLE, 1
+    worker.window()
+    assert worker.shared.current.policy_version == 1 and torch.equal(worker.shared.current.embed, cur.embed + 1.0)
