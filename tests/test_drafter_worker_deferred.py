@@ -310,3 +310,15 @@ def test_a_refused_deferred_delta_is_sent_once(tmp_path, model_dir) -> None:
     assert stub.worker._flush() is False and stub.worker._deferred is None
     stub.worker._flush()
     assert stub.asks.count("update") == 1 and load_state(stub.worker.ckpt) is None
+
+
+def test_a_checkpoint_written_inside_a_window_counts_the_windows_steps(tmp_path, model_dir) -> None:
+    """The checkpoint a submission writes inside a window counts the window's micro-steps so far (the worker's total
+    is added to only when the window ends): without them a kill -9 before the window's end resumed counting from the
+    window's start. submit_every = 2, preempted after 3 steps: the file says 2 before the next idle moment, 3 after."""
+    stub = StubbedWorker(tmp_path, model_dir, submit_every=2)
+    stub.worker.state, stub.busy_after = IDLE, 3
+    assert stub.worker.window().micro_steps == 3
+    assert load_state(stub.worker.ckpt)["micro_steps"] == 2
+    stub.worker._flush()
+    assert load_state(stub.worker.ckpt)["micro_steps"] == 3
