@@ -242,3 +242,36 @@ def test_the_trainers_features_start_at_the_prompts_last_token_and_keep_max_toke
     rows = np.frombuffer(long.features, dtype=np.float16).reshape(-1, 4)
     assert rows.tolist() == hidden[2:6].tolist()
     assert list(short.token_ids) == [7, 8] and short.response_start == 0  # no prompt: from its first token
+
+
+def test_a_sample_longer_than_a_row_trains_on_its_first_row_tokens_with_their_own_features_and_mask() -> None:
+    # a 6-token window (response from t = 2) packed into rows of 4: tokens, features and mask are all t = 0..3 (its
+    # tail, or the tail's features beside the head's tokens, would pair h_t with another token)
+    s = Sample("long", np.arange(10, 16, dtype=np.int32), np.arange(12, dtype=np.float16).reshape(6, 2), 3, 0)
+    batch, used = pack([s], rows=1, row_tokens=4)
+    assert [u.seq_id for u in used] == ["long"]
+    assert batch.tokens.tolist() == [[10, 11, 12, 13]]
+    assert batch.features[0].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert batch.loss_mask.tolist() == [[False, False, True, True]]
+
+
+def test_pack_keeps_placing_while_a_row_has_room_for_a_two_token_sample() -> None:
+    # after "a" the row has 2 free slots: a 2-token sample still fits there and is placed (packing stops only when
+    # every row has at most one slot left, the room of no pair)
+    batch, used = pack([sample("a", 4), sample("b", 2)], rows=1, row_tokens=6)
+    assert [s.seq_id for s in used] == ["a", "b"] and batch.sequences == 2
+    assert batch.segment_ids.tolist() == [[0, 0, 0, 0, 1, 1]]
+
+
+def test_a_packed_batch_comes_back_from_the_wire_field_for_field() -> None:
+    # what a worker trains on is the coordinator's batch: the prompt tokens' False in the loss mask, the batch's
+    # policy version and its sequence count all survive to_proto / from_proto
+    c = Sample("c", np.arange(5, dtype=np.int32), np.arange(10, dtype=np.float16).reshape(5, 2), 3, 4)
+    d = Sample("d", np.arange(3, dtype=np.int32), np.ones((3, 2), np.float16), 1, 7)
+    batch, _ = pack([c, d], rows=3, row_tokens=5)  # 3 rows, 2 sequences: the counts differ
+    again = PackedBatch.from_proto(batch.to_proto())
+    assert again.loss_mask.tolist() == batch.loss_mask.tolist() == [[False, False, True, True, True],
+                                                                    [True, True, True, False, False], [False] * 5]
+    for name in ("tokens", "features", "segment_ids"):
+        assert torch.equal(getattr(again, name), getattr(batch, name)), name
+    assert (again.policy_version, again.sequences) == (batch.policy_version, batch.sequences) == (7, 2)
