@@ -49,3 +49,11 @@ def test_perfect_prediction_minimises_the_loss():
     assert worse.loss.item() > perfect.loss.item()
     empty = drafter_loss(h, h, w, torch.zeros(3, 5, dtype=torch.bool))
     assert empty.loss.item() == 0.0 and empty.tokens == 0
+
+
+def test_the_default_ce_weight_is_tlt_md_s_one_tenth():
+    # the trainers call drafter_loss without ce_weight: the default is what weighs the soft CE in every training step
+    pred = torch.tensor([[0.5, 2.0], [1.0, 0.0]])
+    target = torch.tensor([[0.0, 0.0], [2.0, 0.0]])
+    out = drafter_loss(pred, target, W)
+    assert out.soft_ce > 0.5 and math.isclose(out.loss.item(), out.smooth_l1 + 0.1 * out.soft_ce, rel_tol=1e-6)
