@@ -104,3 +104,11 @@ def test_a_sequence_without_a_group_is_its_own_group() -> None:
     seq = features_message("s3", torch.tensor([1, 2, 3, 4]), hidden, 2, 0)
     assert seq.group_id == "s3" and seq.response_start == 2
     assert features_message("s3", torch.tensor([1, 2, 3, 4]), hidden, 2, 0, group_id="g").group_id == "g"
+
+
+def test_a_feature_message_carries_its_policy_version_replica_tokens_and_features() -> None:
+    # the trainer's pushed features are built here: the buffer trains newest policy first by this version
+    hidden = torch.arange(8, dtype=torch.float32).reshape(4, 2) / 4
+    seq = features_message("s3", torch.tensor([1, 2, 3, 4]), hidden, 2, 5, replica_id=3)
+    assert (seq.policy_version, seq.replica_id, list(seq.token_ids), seq.hidden_size) == (5, 3, [1, 2, 3, 4], 2)
+    np.testing.assert_array_equal(np.frombuffer(seq.features, np.float16).reshape(4, 2), hidden.numpy())
