@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from safetensors.torch import load_file
 
@@ -87,3 +88,82 @@ def test_drafter_commands_given_a_wrong_folder_fail_with_one_line_not_a_tracebac
         assert rc == 2 and needle in out and str(tmp_path) in out, (name, rc, out[-2000:])
         assert "Traceback" not in out, (name, out[-2000:])
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))  # nothing half-written
+
+
+def _recorded_warmup(monkeypatch, capfd, argv: list[str]) -> tuple[dict, dict]:
+    """Run `tlt drafter warmup` here with the real split, packing, step and scoring, each recorded as it is called."""
+    from tlt.services.drafter import acceptance, packing, training, warmup
+
+    seen: dict = {"samples": None, "split": None, "scored": [], "packed": [], "steps": []}
+    real_split, real_score, real_pack, real_step = (warmup.split_heldout, acceptance.mean_accept_length, packing.pack,
+                                                    training.micro_step)
+
+    def split(samples, *a, **k):
+        seen["samples"], seen["split"] = list(samples), real_split(samples, *a, **k)
+        return seen["split"]
+
+    def score(drafter, samples, depth, *a, **k):
+        seen["scored"].append((list(samples), depth))
+        return real_score(drafter, samples, depth, *a, **k)
+
+    def pack(samples, rows, row_tokens):
+        batch, used = real_pack(samples, rows, row_tokens)
+        seen["packed"].extend(used)
+        return batch, used
+
+    def step(*a, **k):
+        seen["steps"].append(k)
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(warmup, "split_heldout", split)
+    monkeypatch.setattr(acceptance, "mean_accept_length", score)
+    monkeypatch.setattr(packing, "pack", pack)
+    monkeypatch.setattr(training, "micro_step", step)
+    capfd.readouterr()
+    assert main(["drafter", "warmup", *argv]) == 0
+    out = argv[argv.index("--out") + 1]
+    return json.loads((Path(out) / "warmup.json").read_text()), seen
+
+
+def test_warmup_trains_every_epoch_on_the_training_windows_and_scores_only_the_held_out_ones(
+        tmp_path, monkeypatch, capfd) -> None:
+    """The report's figures are those of what ran: both acceptance lengths over the held-out windows alone, every
+    training window packed once per epoch for --epochs epochs, the step's noise, TTT depth and TLT.md's clip of 1.0,
+    windows cut to --row-tokens (answers of 48 tokens in rows of 16), and the bar counting epochs from 1."""
+    model = random_checkpoint(tmp_path / "m")
+    report, seen = _recorded_warmup(monkeypatch, capfd, [
+        "--model", str(model), "--out", str(tmp_path / "d"), "--problems", "16", "--epochs", "2", "--temperature", "0",
+        "--max-new-tokens", "48", "--rows", "4", "--row-tokens", "16", "--noise", "0.05", "--ttt-steps", "2",
+        "--depth", "3"])
+    err = capfd.readouterr().err
+    train, held = seen["split"]
+    assert held and train and max(len(s) for s in seen["samples"]) <= 16
+    assert len({s.seq_id.rsplit("@", 1)[0] for s in seen["samples"]}) < len(seen["samples"])  # answers span windows
+    assert [([id(s) for s in xs], d) for xs, d in seen["scored"]] == [([id(s) for s in held], 3)] * 2
+    counts = {id(s): 0 for s in train}
+    for s in seen["packed"]:
+        counts[id(s)] += 1  # a held-out window here is a KeyError
+    assert set(counts.values()) == {2}
+    assert report["steps"] == len(seen["steps"]) > 0 and report["epochs"] == 2
+    assert {(k["noise"], k["ttt_steps"], k["grad_clip"]) for k in seen["steps"]} == {(0.05, 2, 1.0)}
+    assert (report["train_windows"], report["heldout_windows"], report["train_tokens"]) == (
+        len(train), len(held), sum(len(s) for s in train))
+    assert "epoch 1/2" in err and "epoch 2/2" in err and "epoch 0/2" not in err
+
+
+def test_reference_data_windows_start_at_the_prompts_last_token(tmp_path, monkeypatch, capfd) -> None:
+    """--data reference teacher-forces the task's solutions: each answer's first window starts at the prompt's last
+    token (h there predicts the first answer token), not one token into the answer."""
+    from tlt.model.tokenizer import load_tokenizer
+    from tlt.task.problems import format_prompt, generate_problems
+
+    model = random_checkpoint(tmp_path / "m")
+    _, seen = _recorded_warmup(monkeypatch, capfd, [
+        "--model", str(model), "--out", str(tmp_path / "d"), "--problems", "8", "--epochs", "1", "--data",
+        "reference", "--rows", "2", "--row-tokens", "128", "--seed", "3"])
+    tok = load_tokenizer(model)
+    prompts = [tok(format_prompt(p), add_special_tokens=False)["input_ids"] for p in generate_problems(8, seed=1003)]
+    first = {s.seq_id.rsplit("@", 1)[0]: s for s in reversed(seen["samples"])}
+    assert sorted(first) == sorted(f"p{i}" for i in range(8))
+    for i, p in enumerate(prompts):
+        assert first[f"p{i}"].tokens[0] == p[-1] and first[f"p{i}"].response_start == 1, i
