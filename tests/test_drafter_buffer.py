@@ -261,6 +261,9 @@ def test_pack_keeps_placing_while_a_row_has_room_for_a_two_token_sample() -> Non
     batch, used = pack([sample("a", 4), sample("b", 2)], rows=1, row_tokens=6)
     assert [s.seq_id for s in used] == ["a", "b"] and batch.sequences == 2
     assert batch.segment_ids.tolist() == [[0, 0, 0, 0, 1, 1]]
+    # a window that does not fit is passed over, not the end of packing: the 2-token one after it still goes in
+    batch, used = pack([sample("a", 4), sample("big", 4), sample("c", 2)], rows=1, row_tokens=6)
+    assert [s.seq_id for s in used] == ["a", "c"]
 
 
 def test_a_packed_batch_comes_back_from_the_wire_field_for_field() -> None:
