@@ -111,9 +111,9 @@ def _recorded_warmup(monkeypatch, capfd, argv: list[str]) -> tuple[dict, dict]:
         seen["packed"].extend(used)
         return batch, used
 
-    def step(*a, **k):
-        seen["steps"].append(k)
-        return real_step(*a, **k)
+    def step(drafter, opt, batch, *a, **k):
+        seen["steps"].append(dict(k, sequences=batch.sequences))
+        return real_step(drafter, opt, batch, *a, **k)
 
     monkeypatch.setattr(warmup, "split_heldout", split)
     monkeypatch.setattr(acceptance, "mean_accept_length", score)
@@ -143,7 +143,7 @@ def test_warmup_trains_every_epoch_on_the_training_windows_and_scores_only_the_h
     counts = {id(s): 0 for s in train}
     for s in seen["packed"]:
         counts[id(s)] += 1  # a held-out window here is a KeyError
-    assert set(counts.values()) == {2}
+    assert set(counts.values()) == {2} and sum(k["sequences"] for k in seen["steps"]) == 2 * len(train)
     assert report["steps"] == len(seen["steps"]) > 0 and report["epochs"] == 2
     assert {(k["noise"], k["ttt_steps"], k["grad_clip"]) for k in seen["steps"]} == {(0.05, 2, 1.0)}
     assert (report["train_windows"], report["heldout_windows"], report["train_tokens"]) == (
@@ -162,8 +162,9 @@ def test_reference_data_windows_start_at_the_prompts_last_token(tmp_path, monkey
         "--model", str(model), "--out", str(tmp_path / "d"), "--problems", "8", "--epochs", "1", "--data",
         "reference", "--rows", "2", "--row-tokens", "128", "--seed", "3"])
     tok = load_tokenizer(model)
-    prompts = [tok(format_prompt(p), add_special_tokens=False)["input_ids"] for p in generate_problems(8, seed=1003)]
     first = {s.seq_id.rsplit("@", 1)[0]: s for s in reversed(seen["samples"])}
     assert sorted(first) == sorted(f"p{i}" for i in range(8))
-    for i, p in enumerate(prompts):
-        assert first[f"p{i}"].tokens[0] == p[-1] and first[f"p{i}"].response_start == 1, i
+    for i, prob in enumerate(generate_problems(8, seed=1003)):  # --seed 3's problems
+        p = tok(format_prompt(prob), add_special_tokens=False)["input_ids"]
+        answer = tok(prob.solution + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        assert first[f"p{i}"].tokens.tolist() == [p[-1], *answer] and first[f"p{i}"].response_start == 1, i
