@@ -144,6 +144,8 @@ def test_warmup_trains_every_epoch_on_the_training_windows_and_scores_only_the_h
     for s in seen["packed"]:
         counts[id(s)] += 1  # a held-out window here is a KeyError
     assert set(counts.values()) == {2} and sum(k["sequences"] for k in seen["steps"]) == 2 * len(train)
+    order = [id(s) for s in seen["packed"]]  # epoch 1's windows, then epoch 2's: each epoch is shuffled anew
+    assert order[:len(train)] != order[len(train):]
     assert report["steps"] == len(seen["steps"]) > 0 and report["epochs"] == 2
     assert {(k["noise"], k["ttt_steps"], k["grad_clip"]) for k in seen["steps"]} == {(0.05, 2, 1.0)}
     assert (report["train_windows"], report["heldout_windows"], report["train_tokens"]) == (
