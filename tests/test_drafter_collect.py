@@ -112,3 +112,12 @@ def test_a_feature_message_carries_its_policy_version_replica_tokens_and_feature
     seq = features_message("s3", torch.tensor([1, 2, 3, 4]), hidden, 2, 5, replica_id=3)
     assert (seq.policy_version, seq.replica_id, list(seq.token_ids), seq.hidden_size) == (5, 3, [1, 2, 3, 4], 2)
     np.testing.assert_array_equal(np.frombuffer(seq.features, np.float16).reshape(4, 2), hidden.numpy())
+
+
+def test_the_transformers_loop_samples_at_a_temperature_below_one(model_dir) -> None:
+    # temperature 0.7 draws from the softened distribution (seeded), not the greedy argmax
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    greedy = _joined(sample_features(model, [PROMPTS[0]], 16, 0.0))[0]
+    drawn = [_joined(sample_features(model, [PROMPTS[0]], 16, 0.7, seed=s))[0] for s in (1, 1, 2)]
+    np.testing.assert_array_equal(drawn[0], drawn[1])
+    assert not np.array_equal(drawn[0], greedy) and not np.array_equal(drawn[0], drawn[2])
