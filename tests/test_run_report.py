@@ -14,7 +14,8 @@ import pytest
 from tlt.services.trainer.report import summarize, write_report
 from tlt.services.trainer.run_config import RunConfig, resolve_services, to_toml
 from report_helpers import saved_axes as _saved_axes, write_metrics as _metrics
-from tlt.services.trainer.run_stats import IdleWindow, TimelineSample, settled, step_row, step_rows, tail_seconds
+from tlt.services.trainer.run_stats import (IdleWindow, TimelineSample, format_row, settled, step_row, step_rows,
+                                            tail_seconds)
 
 
 def sample(t: float, running: int, sd: bool = False) -> TimelineSample:
@@ -47,6 +48,7 @@ def test_step_row_derives_sd_share_acceptance_and_idle_windows() -> None:
     assert r.sd_share == pytest.approx(0.6) and r.accept_len == pytest.approx(3.0)
     assert r.idle_windows == 2 and r.idle_train_s == pytest.approx(1.0 + 3.0)
     assert (r.step_s, r.rollout_s, r.update_s, r.drafter_version, r.lend_s) == (10.0, 4.0, 4.0, 2, 0.25)
+    assert (r.reward_s, r.logprobs_s, r.push_s) == (0.1, 1.0, 0.5)  # each part from its own field of `times`
     # `tlt run --quiet` logs it with numbers under their own names (it logged the reward wait as reward="0.10")
     from tlt.services.trainer.run_stats import log_fields
 
@@ -64,6 +66,27 @@ def test_a_window_that_trained_no_micro_step_is_no_idle_window_used() -> None:
                IdleWindow(0, 0, 109.99, 110.1, 0, True)]
     r = step_row(m, [], windows, threshold=16)
     assert r.idle_windows == 1 and r.idle_train_s == pytest.approx(3.0)
+
+
+def test_a_window_that_only_touches_the_step_is_no_idle_window_of_it() -> None:
+    # a window the step's rollout preempted ends at the very time the step starts, and the next may start as the step
+    # ends: neither trained during the step (counted, the idle column read "1/0.0s" for a step no window trained in)
+    m = {"step": 0, "started_at": 100.0, "times": {"step_s": 10.0}}
+    windows = [IdleWindow(0, 0, 90.0, 100.0, 5, True), IdleWindow(0, 0, 110.0, 113.0, 4, False)]
+    r = step_row(m, [], windows, threshold=16)
+    assert (r.idle_windows, r.idle_train_s) == (0, 0.0) and format_row(r)[12] == "-"
+
+
+def test_the_summary_counts_every_step_and_keeps_the_reward_apart_from_the_accuracy(tmp_path: Path) -> None:
+    """The summary's mean step time and total are over every step the table shows, the first (warm-up) one included,
+    and its reward start -> end is the reward's: the only summary test had equal step times and reward = accuracy
+    at every step. 4 steps (k = 1), 19, 7, 7, 7 s: mean 10.0, total 40; reward .5 .. .8, accuracy 0 .. .3."""
+    _metrics(tmp_path, [{"reward_mean": 0.5 + 0.1 * k, "accuracy": 0.1 * k,
+                         "times": {"step_s": 19.0 if k == 0 else 7.0, "rollout_s": 5.0}} for k in range(4)])
+    page = write_report(tmp_path, threshold=16).read_text()
+    assert "4 steps,\nmean step 10.0 s, total 40 s." in page
+    assert "<b>0.000</b> (mean of the first step) &rarr; <b>0.300</b> (the last step)" in page
+    assert "mean reward 0.500 &rarr; 0.800" in page
 
 
 def test_to_toml_round_trips_nested_service_sections() -> None:
