@@ -54,8 +54,11 @@ def test_report_draws_and_states_greedy_held_out_accuracy_beside_the_sampled(tmp
     assert "held-out, sampled (200 problems, T = 1, 4 per problem)" in labels and "held-out, greedy" in labels
     greedy = ax.lines[labels.index("held-out, greedy")]
     assert list(greedy.get_xdata()) == [-0.5, 1.5, 2.5] and list(greedy.get_ydata()) == [0.43, 0.45, 0.465]
+    sampled = ax.lines[labels.index("held-out, sampled (200 problems, T = 1, 4 per problem)")]
+    assert list(sampled.get_xdata()) == [-0.5, 1.5, 2.5] and list(sampled.get_ydata()) == [0.401, 0.398, 0.394]
     assert "<b>0.401</b> after 0 steps &rarr; <b>0.394</b> after 3 steps" in page
     assert "greedy (one completion per problem): <b>0.430</b> after 0 steps &rarr; <b>0.465</b> after 3 steps" in page
+    assert "(every eval: 0: 0.401, 2: 0.398, 3: 0.394);" in page and "(every eval: 0: 0.430, 2: 0.450, 3: 0.465)." in page
     # without greedy records (eval_greedy off, or a run from before it): one curve and the line as it was
     (tmp_path / "eval.jsonl").write_text("".join(
         json.dumps(EvalRecord(k, k, 0.4, 200, 4, 1.0, 9.0).as_dict()) + "\n" for k in (0, 3)))
@@ -139,6 +142,12 @@ def test_a_change_within_the_evals_noise_points_to_a_sharper_paired_check(tmp_pa
     # a change beyond the noise: 0, .5, 1, .5 -> 1, 1, 1, 1 (+37.5 points, s.e. 12.5): nothing to add
     assert sharper_check(tmp_path, evals((2, 2, 2, 2))) is None
     assert "sharper" not in write_report(tmp_path, threshold=16).read_text()
+    # a fall beyond the noise: 0, .5, 1, .5 -> 0, 0, 0, 0 (-50 points, s.e. 20.4; 95% -90 .. -10): nothing either
+    assert sharper_check(tmp_path, evals((0, 0, 0, 0))) is None
+    # the last eval's change is the one judged, not the second's: within the noise after 3 steps, beyond it after 6
+    beyond = EvalRecord(6, 6, 1.0, 4, 2, 1.0, 9.0, correct=(2, 2, 2, 2))
+    assert sharper_check(tmp_path, [*within, beyond]) is None
+    assert sharper_check(tmp_path, [within[0], beyond, within[1]]) == expected
     # no check to point to: evals at another temperature, the run's own eval data, no policy saved, one eval
     assert sharper_check(tmp_path, evals((1, 1, 2, 1), temperature=0.7)) is None
     (tmp_path / "config.toml").write_text(config + 'eval_data_path = "eval.jsonl"\n')
