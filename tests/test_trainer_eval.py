@@ -157,6 +157,10 @@ def test_an_eval_counts_correct_completions_per_problem_in_eval_set_order(monkey
     assert eval_set_digest(items) != eval_set_digest(items[::-1])
     assert r.greedy_correct == (0, 1, 1) and r.greedy_accuracy == pytest.approx(2 / 3)  # the n = 1 pass: sample 0
     assert calls == [(2, 1.0), (1, 0.0)]
+    # a resumed run's policy version runs ahead of its steps (sync_version raises it past the servers'): the record is
+    # the eval after 2 steps, of version 5, and the report draws it after step 2
+    late = run_eval(items, [], None, cfg, 2, 5)
+    assert (late.after_steps, late.policy_version) == (2, 5)
     calls.clear()
     right = {(0, 0), (0, 1), (2, 0)}  # problem 2's two greedy samples disagree
     r = run_eval(items, [], None, TrainerConfig(eval_problems=3, eval_samples=2, eval_temperature=0.0,
