@@ -387,3 +387,52 @@ def test_text_offsets_of_sampled_outputs_over_many_seeds(name):
             ids = _random_ids(tok, rng, rng.randint(1, 12))
             raw = [bytes(e.bytes) for e in chat_logprobs(tok, ids, [-0.5] * len(ids), None, 0).content]
             _check_offsets(tok, ids, raw, rng, (seed, trial, tok.convert_ids_to_tokens(ids)), _ref(tok, ids))
+
+
+def test_a_special_token_inside_a_byte_fallback_run_adds_no_character():
+    """The text is decoded without special tokens, so a `</s>` between a character's byte pieces leaves the run
+    whole: "日" from <0xE6> </s> <0x97> <0xA5>. Ending the run at the special token counted <0xE6> as one U+FFFD and
+    every later offset a character too far; and in a run that is no valid UTF-8 (each piece one U+FFFD), the
+    special token is no piece: it adds no U+FFFD and carries no bytes, or the joined `bytes` gain a character the
+    text lacks."""
+    tok = _byte_fallback()
+    piece = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE6, 0x97, 0xA5)}
+    eos, a = tok.eos_token_id, _anchor(tok)
+    cases = [([piece[0xE6], eos, piece[0x97], piece[0xA5], a], "\u65e5 a", [0, 0, 0, 0, 1]),
+             ([piece[0xE6], eos, piece[0x97], a], "\ufffd\ufffd a", [0, 1, 1, 2]),
+             ([piece[0xE6], piece[0x97], eos, a], "\ufffd\ufffd a", [0, 1, 2, 2])]
+    rng = random.Random(5)
+    for ids, text, want in cases:
+        assert _ref(tok, ids) == text
+        assert completion_logprobs(tok, ids, [-0.5] * len(ids), None, 0, text).text_offset == want, (ids, want)
+        chat = chat_logprobs(tok, ids, [-0.5] * len(ids), None, 0)
+        assert chat.content[ids.index(eos)].bytes == []
+        assert bytes(b for e in chat.content for b in e.bytes).decode("utf-8", "replace") == text
+        steps = [StepOutput("r", 0, s, [-0.5] * len(s)) for s in _steps(ids, rng)]
+        stream = CompletionChoiceStream(tok, ("zz",), 0, prompt=[a])
+        parts = [stream.push(s) for s in steps[:-1]] + [stream.finish(_completion(tok, ids, text))]
+        assert [o for _, lp in parts if lp for o in lp.text_offset] == want, (ids, "streamed")
+
+
+def test_a_token_reads_as_the_cleaned_up_text_and_a_piece_holding_u_fffd_is_its_own_text():
+    """A tokenizer whose decode cleans up spaces (transformers does for a non-BPE model: "hello ." reads "hello."):
+    each logprob token is read after the anchor and cleaned as the choice's text is, so "." is ".", not " .", and
+    its `bytes` join to the text. A vocabulary string that holds U+FFFD itself ("a\\ufffd", which a tokenizer
+    trained on broken text has) and is no byte piece is shown as itself, with the bytes of its text: not read as
+    GPT-2's byte alphabet (some of its characters are in it, U+FFFD is not: that failed the response)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from tlt.services.rollout.token_text import token_text, token_text_and_bytes
+
+    vocab = {"[UNK]": 0, "hello": 1, ".": 2, "world": 3, "a\ufffd": 4}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.decoder = decoders.WordPiece(cleanup=False)  # transformers' decode cleans up: "hello ." -> "hello."
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]",
+                                               clean_up_tokenization_spaces=True)
+    assert tok.decode([1, 2, 3, 2]) == "hello. world."
+    assert [token_text(tok, i) for i in (1, 2, 3)] == [" hello", ".", " world"]
+    assert token_text_and_bytes(tok, 4) == ("a\ufffd", list(" a\ufffd".encode()))  # its bytes: as it reads
+    for ids in ([2, 3, 2], [2, 4, 3]):
+        chat = chat_logprobs(tok, ids, [-0.5] * 3, None, 0)
+        assert bytes(b for e in chat.content for b in e.bytes).decode() == tok.decode(ids)
