@@ -475,3 +475,16 @@ def test_a_sample_aborted_inside_a_block_makes_no_call(tok, text):
     choice = conv.chat_choice(tok, 0, cut, False, 0, conv.ToolParsing(NAMES))  # (the SDK's model has no "abort")
     assert choice.finish_reason == "abort" and choice.message.tool_calls is None
     assert choice.message.content == cut.text
+
+
+def test_a_block_nested_past_the_recursion_limit_stays_text():
+    """A model that writes `[[[[...` a long way inside a block (or inside a double-encoded `arguments` string):
+    the JSON decoder's RecursionError is no call, as malformed JSON is, not an error that fails the response."""
+    deep = "[" * 100_000
+    for body in (deep, json.dumps({"name": "add", "arguments": deep})):
+        text = "<tool_call>" + body + "</tool_call>"
+        p = parse(text)
+        assert p.calls == () and p.content == text
+    p = parse(call_block("add", {"a": 1}) + "<tool_call>" + deep + "</tool_call>")
+    assert [(c.name, c.arguments) for c in p.calls] == [("add", '{"a":1}')]
+    assert p.content == "<tool_call>" + deep + "</tool_call>"
