@@ -213,3 +213,94 @@ def test_a_tokenizer_without_offsets_is_probed_up_to_white_space() -> None:
         PromptEncoder(tok).encode("hi there, the answer is 42. " * 4000, 64)
     assert tok.lengths and max(tok.lengths) < 8 * 64, tok.lengths
     assert PromptEncoder(tok).encode("a" * 5000, 64) == wordpiece().encode("a" * 5000)
+
+
+def test_a_slow_tokenizers_probe_is_cut_at_a_newline_and_counted_without_special_tokens() -> None:
+    """The probe of a tokenizer without offsets is cut at the last space OR newline: code or a list of short lines
+    ("hi\\n" x 4000) has no space, and was tokenised whole to be refused. The prefix is counted as the text is
+    encoded: a chat prompt (add_special_tokens=False) counted with the [CLS] and [SEP] it never gets was refused
+    at 62 + 2 tokens, though it is 63 and fits a context of 64."""
+
+    from tokenizers import processors
+
+    t = Tokenizer.from_str(wordpiece().backend_tokenizer.to_str())  # BERT's: [CLS] text [SEP]
+    t.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[
+        ("[CLS]", t.token_to_id("[CLS]")), ("[SEP]", t.token_to_id("[SEP]"))])
+    bert = _fast(t, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+    class EncodeOnly:
+        def __init__(self) -> None:
+            self.tok, self.lengths = bert, []
+
+        def encode(self, text, add_special_tokens=True):  # noqa: ANN001, ANN201
+            self.lengths.append(len(text))
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    tok = EncodeOnly()
+    with pytest.raises(PromptTooLong):
+        PromptEncoder(tok).encode("hi\n" * 4000, 64)
+    assert tok.lengths and max(tok.lengths) < 8 * 64, tok.lengths
+    text = "hi " * 62 + "a" * 5000  # 62 x "hi", then one [UNK] for a word past max_input_chars_per_word
+    want = bert.encode(text, add_special_tokens=False)
+    assert len(want) == 63 and len(bert.encode(text)) == 65
+    assert PromptEncoder(EncodeOnly()).encode(text, 64, add_special_tokens=False) == want
+
+
+def test_a_probe_whose_settled_tokens_reach_the_limit_refuses_the_text() -> None:
+    """`limit` tokens do not fit a context of `limit` (no room for one generated token): a probe settling exactly
+    that many refuses the text on it, as one settling more does; it was tokenised whole and handed on. A byte-level
+    BPE whose one long token is 16 characters: 6 x "z", then that token over and over; the probe (64 characters at a
+    limit of 8) settles 6 + 2 = 8 tokens (those ending 16 characters before its end)."""
+    word = "abcdefghijklmnop"
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    for k in range(2, len(word) + 1):
+        merges.append((word[:k - 1], word[k - 1]))
+        vocab[word[:k]] = len(vocab)
+    t = Tokenizer(models.BPE(vocab, merges))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok = Counting(_fast(t))
+    text = ("z" * 6 + word * 10)[:8 * 8 + 40]
+    assert len(tok.tok.encode(text)) == 13 and 0 < PromptEncoder(tok).token_chars
+    with pytest.raises(PromptTooLong, match="at least 8 tokens"):
+        PromptEncoder(tok).encode(text, 8)
+    assert tok.lengths == [8 * 8], tok.lengths
+
+
+def test_a_cut_word_whose_marks_the_normaliser_drops_is_not_counted() -> None:
+    """The word at a probe's cut is not counted with WordPiece: the text past the cut may make it one [UNK]. It
+    usually ends inside the probe's margin anyway, but not where the normaliser drops what follows it (BERT's strips
+    combining marks): 90 x "a" then 522 x U+0301 then 20 x "a" is one word of 110 letters, one [UNK], while the
+    probe (512 characters) holds the 90 letters as 90 pieces, well before its margin."""
+    text = "a" * 90 + "\u0301" * 522 + "a" * 20
+    want = wordpiece().encode(text)
+    assert want == [wordpiece().unk_token_id]
+    assert PromptEncoder(wordpiece()).encode(text, 64) == want
+
+
+def test_stop_ids_and_the_kv_bound_at_their_edges() -> None:
+    """A stop token id equal to the vocabulary size is outside it; a sequence of exactly the KV cache's tokens
+    fits, and with no max_tokens it takes the rest of the context (not the whole context again on the prompt)."""
+    from tlt.services.rollout.front_prompts import bad_stop_ids, kv_problem
+
+    assert bad_stop_ids((5, 99), 100) is None
+    assert "outside the vocabulary [0, 100)" in bad_stop_ids((5, 100), 100)
+    assert kv_problem(10, 90, 200, 100, "prompt", "max_tokens") is None
+    assert "give max_tokens <= 90" in kv_problem(10, 91, 200, 100, "prompt", "max_tokens")
+    assert kv_problem(10, None, 100, 100, "prompt", "max_tokens") is None
+    problem = kv_problem(10, None, 101, 100, "prompt", "max_tokens")
+    assert "the default max_tokens (the rest of the context, 91)" in problem and "holds 100 tokens" in problem
+
+
+def test_a_pre_tokenizer_that_removes_its_delimiter_gets_no_unread_bound() -> None:
+    """A Split pre-tokenizer with behavior "removed" drops the characters it splits on (every space here), so a byte
+    level BPE behind it does not keep every character: `"hi" + " " * 5000 + "hi"` is two tokens, not a text the
+    unread bound may refuse at a context of 64."""
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    t.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = _fast(t)
+    assert PromptEncoder(tok).token_chars == 0
+    assert PromptEncoder(tok).encode(GAP, 64) == tok.encode(GAP) and len(tok.encode(GAP)) == 2
