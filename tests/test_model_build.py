@@ -485,3 +485,36 @@ def test_norm_weights_are_not_weight_decayed(tmp_path):
     assert len(norms) == 2 * 12 + 1
     moved = max(float((w - 1).abs().max()) for w in norms.values())
     assert 0.5 * lr0 < moved <= lr0 * 1.02, (moved, lr0)
+
+
+def test_model_eval_against_prints_model_minus_against_and_each_interval(random_model_dir, tmp_path, monkeypatch,
+                                                                         capfd):
+    """`tlt model eval --against` without --json: each model's sampled accuracy is its sampled one (not the greedy),
+    and the paired difference is --model minus --against with its interval's two ends. Only --json was checked, and
+    against a copy of the model, where every difference is 0 whatever its sign. Hand reports of 3 problems: greedy
+    T, T, F against F, T, F (+0.333, s.e. 0.333); sampled 2, 2, 1 of 2 against 1, 1, 1 (+.5, +.5, 0: +0.333,
+    s.e. 0.167; 95% +0.007 .. +0.660)."""
+    import shutil
+
+    import tlt.model.evaluate as ev
+    from tlt.cli import main
+
+    def report(greedy, sampled):  # noqa: ANN001, ANN202
+        return ev.EvalReport(3, sum(greedy) / 3, 2, 10.0, 20.0, 2.0, sum(sampled) / 6, {"1": 0.5}, 1.0,
+                             tuple(greedy), tuple(sampled))
+
+    copy = tmp_path / "start"
+    shutil.copytree(random_model_dir, copy)
+    reports = {str(random_model_dir): report((True, True, False), (2, 2, 1)),
+               str(copy): report((False, True, False), (1, 1, 1))}
+    monkeypatch.setattr(ev, "_score", lambda path, args: reports[path])
+    capfd.readouterr()
+    assert main(["model", "eval", "--model", str(random_model_dir), "--against", str(copy), "--n", "3"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("greedy accuracy     66.7%") == 1 and out.count("greedy accuracy     33.3%") == 1, out
+    assert "sampled accuracy    83.3%  (T=1.0, 2 per problem)" in out and "sampled accuracy    50.0%" in out, out
+    assert "  greedy   +0.333  (s.e. 0.333; 95% -0.320 .. +0.987)" in out, out
+    assert "  sampled  +0.333  (s.e. 0.167; 95% +0.007 .. +0.660)" in out, out
+    assert main(["model", "eval", "--model", str(random_model_dir), "--against", str(copy), "--n", "3", "--json"]) == 0
+    diff = json.loads(capfd.readouterr().out)["difference"]
+    assert diff["greedy"]["mean"] == pytest.approx(1 / 3) and diff["sampled"]["mean"] == pytest.approx(1 / 3)
