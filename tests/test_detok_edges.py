@@ -436,3 +436,16 @@ def test_a_token_reads_as_the_cleaned_up_text_and_a_piece_holding_u_fffd_is_its_
     for ids in ([2, 3, 2], [2, 4, 3]):
         chat = chat_logprobs(tok, ids, [-0.5] * 3, None, 0)
         assert bytes(b for e in chat.content for b in e.bytes).decode() == tok.decode(ids)
+
+
+def test_a_slow_tokenizers_special_token_reads_as_its_display_string(tmp_path):
+    """A special token is read alone (`<|im_end|>`, `[SEP]`), not after the anchor: a slow tokenizer's decode puts
+    a space between a special token and the text before it (spaces_between_special_tokens), so read after the
+    anchor `[SEP]` became " [SEP]" in the logprobs. Ordinary tokens are still read after it (" hello", ".")."""
+    from tlt.services.rollout.token_text import token_text
+
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "."]))
+    tok = transformers.BertTokenizer(str(tmp_path / "vocab.txt"))
+    assert tok.decode([5, 3]) == "hello [SEP]"
+    assert [token_text(tok, i) for i in (3, 5, 6)] == ["[SEP]", " hello", "."]
+    assert completion_logprobs(tok, [5, 3], [-0.5] * 2, None, 0, " hello").tokens == [" hello", "[SEP]"]
