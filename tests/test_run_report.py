@@ -87,6 +87,11 @@ def test_the_summary_counts_every_step_and_keeps_the_reward_apart_from_the_accur
     assert "4 steps,\nmean step 10.0 s, total 40 s." in page
     assert "<b>0.000</b> (mean of the first step) &rarr; <b>0.300</b> (the last step)" in page
     assert "mean reward 0.500 &rarr; 0.800" in page
+    # k: a quarter of the steps, at least 1 and at most 5 (12 steps: 3; 40 steps: 5, not 10 nor 4)
+    rows = [step_row({"step": k, "accuracy": k / 100, "reward_mean": k / 10}, [], [], 16) for k in range(40)]
+    assert summarize(rows[:12]).k == 3 and summarize(rows[:3]).k == 1
+    s = summarize(rows)
+    assert s.k == 5 and (s.acc_start, s.acc_end) == pytest.approx((0.02, 0.37)) and s.reward_end == pytest.approx(3.7)
 
 
 def test_to_toml_round_trips_nested_service_sections() -> None:
