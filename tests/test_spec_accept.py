@@ -275,3 +275,29 @@ def test_min_p_cuts_the_tempered_distribution_as_vllm_and_transformers_do():
     assert filter_logits(logits, 2.0, min_p=0.3).isfinite().tolist() == [True, True, True]
     q = filtered_probs(logits, 2.0, min_p=0.3)
     assert torch.allclose(q, (logits / 2).softmax(-1))
+
+
+def test_filters_cut_a_row_whose_logits_are_not_in_order():
+    """The by-hand cases above are rows already sorted, so a top_p that summed the row's masses in vocabulary order
+    (not the sorted order it walks) passed them. A model's logits are in no order: top_p, top_k and min_p keep the
+    same tokens of a shuffled row as of the sorted one, checked against a plain-Python reference on random rows."""
+    lg = P.log()[torch.tensor([3, 0, 2, 1])]  # masses .1 .5 .15 .25
+    assert filter_logits(lg, 1.0, top_p=0.5).isfinite().tolist() == [False, True, False, False]
+    assert filter_logits(lg, 1.0, top_p=0.6).isfinite().tolist() == [False, True, False, True]
+    assert filter_logits(lg, 1.0, top_p=0.8).isfinite().tolist() == [False, True, True, True]
+    assert filter_logits(lg, 1.0, top_k=2).isfinite().tolist() == [False, True, False, True]
+    assert filter_logits(lg, 1.0, min_p=0.4).isfinite().tolist() == [False, True, False, True]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        row = torch.randn(12, generator=g) * 2
+        top_p = float(torch.rand((), generator=g))
+        probs = row.softmax(-1).tolist()
+        order = sorted(range(12), key=lambda i: -probs[i])
+        keep, mass = set(), 0.0
+        for i in order:  # the smallest prefix, in sorted order, whose mass reaches top_p
+            keep.add(i)
+            mass += probs[i]
+            if mass >= top_p:
+                break
+        got = filter_logits(row, 1.0, top_p=top_p).isfinite()
+        assert {i for i in range(12) if got[i]} == keep, (row.tolist(), top_p)
