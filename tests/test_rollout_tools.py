@@ -488,3 +488,13 @@ def test_a_block_nested_past_the_recursion_limit_stays_text():
     p = parse(call_block("add", {"a": 1}) + "<tool_call>" + deep + "</tool_call>")
     assert [(c.name, c.arguments) for c in p.calls] == [("add", '{"a":1}')]
     assert p.content == "<tool_call>" + deep + "</tool_call>"
+
+
+def test_a_stream_holds_back_only_an_end_that_could_begin_a_block():
+    """A streamed choice with tools holds back the end of its text that may be the start of `<tool_call>` (the
+    next chunk decides), and nothing else: "Hello" and "a<x" go out whole at once, "a <" holds back its "<" and
+    "see <tool" its "<tool"; a whole "<tool_call>" is no partial start (the parser's)."""
+    from tlt.services.rollout.tool_calls import partial_start
+
+    assert [partial_start(t) for t in ("", "Hello", "a<x", "a <", "see <tool", "<tool_call", "call>", "<tool_call>")
+            ] == [0, 0, 0, 1, 5, 10, 0, 0]
