@@ -449,3 +449,21 @@ def test_a_slow_tokenizers_special_token_reads_as_its_display_string(tmp_path):
     assert tok.decode([5, 3]) == "hello [SEP]"
     assert [token_text(tok, i) for i in (3, 5, 6)] == ["[SEP]", " hello", "."]
     assert completion_logprobs(tok, [5, 3], [-0.5] * 2, None, 0, " hello").tokens == [" hello", "[SEP]"]
+
+
+def test_the_anchor_is_a_whole_character_not_a_lone_byte():
+    """The anchor is the first plain token that decodes to a whole character: one that decodes to U+FFFD alone (a
+    lone UTF-8 lead byte, here the first id of a byte-level vocabulary in another order) would join the byte after
+    it, so <0x97> read "" with no bytes (0xE6 0x97 is one U+FFFD) and the logprobs' bytes lost it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from tlt.services.rollout.token_text import BYTE_LEVEL, token_text_and_bytes
+
+    char = {b: ch for ch, b in BYTE_LEVEL.items()}
+    t = Tokenizer(models.BPE({char[0xE6]: 0, char[0x97]: 1, "a": 2}, []))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t)
+    assert tok.decode([0]) == "\ufffd" and tok.decode([0, 1]) == "\ufffd"
+    assert token_text_and_bytes(tok, 1) == (char[0x97], [0x97])
+    assert token_text_and_bytes(tok, 2) == ("a", [0x61])
