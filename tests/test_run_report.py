@@ -261,6 +261,27 @@ def test_accept_plot_leaves_steps_without_verify_passes_out(tmp_path: Path, monk
     y = list(ax.lines[0].get_ydata())
     assert y[0] == pytest.approx(3.0) and math.isnan(y[1]) and y[2] == pytest.approx(2.5)
     assert [t.get_text() for t in ax.texts] == ["d3", "d4"]  # no label floating at a step without SD
+    # the SD share on the right axis in percent (0..100): 30 of 100 tokens, none, 10 of 100
+    assert list(saved["accept.png"][1].lines[0].get_ydata()) == pytest.approx([30.0, 0.0, 10.0])
+
+
+def test_step_time_plot_stacks_each_part_once_under_the_step_total(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rollout bar is split into its tail and the rest: drawn whole beside its tail, the stack rose past the step's
+    # own time. One step of 10 s: rollout 4 s (tail [102, 104): 2 s), reward wait .1, old logprobs 1, update 3, push .5
+    saved = _saved_axes(monkeypatch)
+    _metrics(tmp_path, [{"times": {"step_s": 10.0, "rollout_s": 4.0, "reward_tail_s": 0.1, "old_logprobs_s": 1.0,
+                                   "update_s": 3.0, "push_s": 0.5}}])
+    (tmp_path / "timeline.jsonl").write_text("".join(sample(t, r).to_json() + "\n"
+                                                     for t, r in [(100, 24), (102, 8), (104, 0)]))
+    write_report(tmp_path, threshold=16)
+    (ax,) = saved["step_time.png"]
+    bars = [(c.get_label(), c.patches[0].get_y(), c.patches[0].get_height()) for c in ax.containers]
+    assert [b[0] for b in bars] == ["rollout (tail)", "rollout (rest)", "reward wait", "old logprobs", "update",
+                                    "weight push"]
+    want = [(0, 2), (2, 2), (4, 0.1), (4.1, 1), (5.1, 3), (8.1, 0.5)]  # (bottom, height): each on the last
+    assert [b[1:] for b in bars] == [pytest.approx(b) for b in want]
+    assert list(ax.lines[0].get_ydata()) == [10.0] and ax.lines[0].get_label() == "step total"
 
 
 def test_timeline_plot_holds_no_sample_across_a_resume_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
