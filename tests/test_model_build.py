@@ -284,7 +284,9 @@ def test_eval_scores_over_every_problem_and_sample():
     """The report's figures by hand, the answers scripted: a generator (what NativeGenerator is to `evaluate`)
     answers with the reference solution where the script says so, else one digit off. Greedy accuracy is over all
     problems, sampled accuracy over problems x samples (it was over problems alone: 2x with two samples, and the
-    only check was `none <= sampled_accuracy`), each step bucket's accuracy over that bucket's problems."""
+    only check was `none <= sampled_accuracy`), each step bucket's accuracy over that bucket's problems, and the
+    length percentiles and tail ratio over the sampled answers (every length was 10, so a p90 or a ratio over the
+    longest passed)."""
     problems = eval_problems(40)
     greedy_ok = {i for i in range(len(problems)) if i % 3 == 0}
     sampled_ok = {(i, s) for i in range(len(problems)) for s in range(2) if (i + s) % 4 == 0}
@@ -295,8 +297,9 @@ def test_eval_scores_over_every_problem_and_sample():
     def scripted(prompts, *, max_new_tokens, do_sample, samples=1, seed=0, bar=None):  # noqa: ANN001, ANN202
         assert prompts == [format_prompt(p) for p in problems]
         if do_sample:
-            return [[(answer(p, (i, s) in sampled_ok), 10) for s in range(samples)] for i, p in enumerate(problems)]
-        return [[(answer(p, i in greedy_ok), 10)] for i, p in enumerate(problems)]
+            return [[(answer(p, (i, s) in sampled_ok), 1 + 2 * i + s) for s in range(samples)]
+                    for i, p in enumerate(problems)]
+        return [[(answer(p, i in greedy_ok), 1000)] for i, p in enumerate(problems)]
 
     report = evaluate(None, None, problems, samples=2, native=scripted)
     assert report.accuracy == len(greedy_ok) / 40 and report.sampled_accuracy == len(sampled_ok) / 80
@@ -308,6 +311,9 @@ def test_eval_scores_over_every_problem_and_sample():
     assert len(by_bucket) >= 4
     assert report.accuracy_by_steps == {k: sum(v) / len(v) for k, v in by_bucket.items()}
     assert report.sampled_slips["none"] == report.sampled_accuracy  # each wrong answer is an answer slip
+    # the length tail is over the sampled answers alone (lengths 1 .. 80; the greedy ones, 1000, are not in it)
+    assert (report.p50_len, report.p99_len) == pytest.approx((40.5, 1 + 0.99 * 79))
+    assert report.tail_ratio == pytest.approx((1 + 0.99 * 79) / 40.5)
 
 
 def test_the_held_out_eval_is_not_what_the_build_trains_on():
