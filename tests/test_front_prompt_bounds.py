@@ -304,3 +304,18 @@ def test_a_pre_tokenizer_that_removes_its_delimiter_gets_no_unread_bound() -> No
     tok = _fast(t)
     assert PromptEncoder(tok).token_chars == 0
     assert PromptEncoder(tok).encode(GAP, 64) == tok.encode(GAP) and len(tok.encode(GAP)) == 2
+
+
+def test_a_dropping_normalizer_nested_in_sequences_is_found() -> None:
+    """A tokenizer.json may nest Sequence normalizers (and pre-tokenizers); a Strip two levels down drops the
+    spaces around the text all the same, so `" " * 5000 + "hi"` is one token: the tokenizer is not known to keep
+    every character, and the text is not refused unread at a context of 64."""
+    import json
+
+    spec = json.loads(qwen_like().backend_tokenizer.to_str())  # a Sequence built in Python is flattened: read one
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Sequence", "normalizers": [
+        {"type": "Strip", "strip_left": True, "strip_right": True}]}]}
+    tok = _fast(Tokenizer.from_str(json.dumps(spec)))
+    text = " " * 5000 + "hi"
+    assert PromptEncoder(tok).token_chars == 0
+    assert PromptEncoder(tok).encode(text, 64) == tok.encode(text) and len(tok.encode(text)) == 1
