@@ -39,6 +39,20 @@ class _CudaName(str):
         return prefix == "cuda" or str.startswith(self, prefix, *args)
 
 
+def _full_disk_once(monkeypatch) -> list:  # noqa: ANN001
+    """The worker's first checkpoint write fails as on a full disk, the later ones write; returns the writes tried."""
+    real, calls = wmod.save_atomic, []
+
+    def full_disk_once(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(wmod, "save_atomic", full_disk_once)
+    return calls
+
+
 def _track_drafters(monkeypatch) -> list:
     refs: list = []
     real = wmod.Drafter
@@ -128,15 +142,7 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_not_fatal(tmp_path, mode
     w.state, w._heard, w._idle_since = IDLE, 1e18, 0.0
     stub.snapshot = lambda timeout_s=2.0: []
     stub.busy_after = 100
-    real, calls = wmod.save_atomic, []
-
-    def full_disk_once(*a, **k):
-        calls.append(1)
-        if len(calls) == 1:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*a, **k)
-
-    monkeypatch.setattr(wmod, "save_atomic", full_disk_once)
+    calls = _full_disk_once(monkeypatch)
     stop = threading.Event()
     timer = threading.Timer(3.0, stop.set)
     timer.start()
@@ -248,15 +254,7 @@ def test_a_checkpoint_an_always_window_could_not_write_is_written_at_the_next_id
     there (a full disk) must wait as any failed one does, for the next window's start: taken as written, nothing wrote
     it until the next submission, and a kill -9 meanwhile resumed from the older checkpoint."""
     stub = StubbedWorker(tmp_path, model_dir, train_when="always", submit_every=2)
-    w, real, calls = stub.worker, wmod.save_atomic, []
-
-    def full_disk_once(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        calls.append(1)
-        if len(calls) == 1:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*a, **k)
-
-    monkeypatch.setattr(wmod, "save_atomic", full_disk_once)
+    w, calls = stub.worker, _full_disk_once(monkeypatch)
     res = w.window()
     assert res.micro_steps == 2 and stub.version == 1 and w.checkpoint_failures == 1 and load_state(w.ckpt) is None
     assert w._deferred is not None and w._deferred.steps == 0  # sent; only the checkpoint waits

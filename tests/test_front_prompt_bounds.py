@@ -72,6 +72,17 @@ def test_a_short_tokenisation_of_a_long_text_is_not_refused(name) -> None:
     assert PromptEncoder(tok).encode(text, 64) == want
 
 
+class EncodeOnly:
+    """A slow (or remote-code) tokenizer: `encode` only, no offsets; records the length of every text it encodes."""
+
+    def __init__(self, tok) -> None:  # noqa: ANN001
+        self.tok, self.lengths = tok, []
+
+    def encode(self, text, add_special_tokens=True):  # noqa: ANN001, ANN201
+        self.lengths.append(len(text))
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+
 class Counting:
     """A tokenizer that records the length of every text it is asked to encode."""
 
@@ -200,15 +211,7 @@ def test_a_tokenizer_without_offsets_is_probed_up_to_white_space() -> None:
     """A slow (or remote-code) tokenizer gives no words nor offsets: its probe is cut at a space and counted whole,
     as before; a text without one is tokenised whole."""
 
-    class EncodeOnly:
-        def __init__(self) -> None:
-            self.tok, self.lengths = wordpiece(), []
-
-        def encode(self, text, add_special_tokens=True):  # noqa: ANN001, ANN201
-            self.lengths.append(len(text))
-            return self.tok.encode(text, add_special_tokens=add_special_tokens)
-
-    tok = EncodeOnly()
+    tok = EncodeOnly(wordpiece())
     with pytest.raises(PromptTooLong):
         PromptEncoder(tok).encode("hi there, the answer is 42. " * 4000, 64)
     assert tok.lengths and max(tok.lengths) < 8 * 64, tok.lengths
@@ -228,22 +231,14 @@ def test_a_slow_tokenizers_probe_is_cut_at_a_newline_and_counted_without_special
         ("[CLS]", t.token_to_id("[CLS]")), ("[SEP]", t.token_to_id("[SEP]"))])
     bert = _fast(t, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
 
-    class EncodeOnly:
-        def __init__(self) -> None:
-            self.tok, self.lengths = bert, []
-
-        def encode(self, text, add_special_tokens=True):  # noqa: ANN001, ANN201
-            self.lengths.append(len(text))
-            return self.tok.encode(text, add_special_tokens=add_special_tokens)
-
-    tok = EncodeOnly()
+    tok = EncodeOnly(bert)
     with pytest.raises(PromptTooLong):
         PromptEncoder(tok).encode("hi\n" * 4000, 64)
     assert tok.lengths and max(tok.lengths) < 8 * 64, tok.lengths
     text = "hi " * 62 + "a" * 5000  # 62 x "hi", then one [UNK] for a word past max_input_chars_per_word
     want = bert.encode(text, add_special_tokens=False)
     assert len(want) == 63 and len(bert.encode(text)) == 65
-    assert PromptEncoder(EncodeOnly()).encode(text, 64, add_special_tokens=False) == want
+    assert PromptEncoder(EncodeOnly(bert)).encode(text, 64, add_special_tokens=False) == want
 
 
 def test_a_probe_whose_settled_tokens_reach_the_limit_refuses_the_text() -> None:
