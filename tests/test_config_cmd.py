@@ -298,3 +298,46 @@ def test_a_config_error_about_a_secret_does_not_print_it(monkeypatch: pytest.Mon
     monkeypatch.setenv("TLT_DRAFTER__WINDOW_TOKENS", '"many"')  # any other field still shows what it was given
     with pytest.raises(ConfigError, match="'many'"):
         load_config(config_class("drafter"), section="drafter")
+
+
+def test_a_false_value_is_printed_not_taken_for_unset(capsys) -> None:
+    """Only None is unset: `scale_adv_by_std = false` (Dr. GRPO, the default true) printed commented out as unset
+    would load back as true, another run than the one shown."""
+    text = _show(capsys, "--set", "trainer.scale_adv_by_std=false", "trainer")
+    assert "\nscale_adv_by_std = false\n" in text, text
+    assert tomllib.loads(text)["trainer"]["scale_adv_by_std"] is False
+
+
+def test_check_refuses_max_tokens_equal_to_max_model_len(tmp_path: Path, capsys) -> None:
+    """max_tokens == max_model_len leaves no token for the prompt either ('at or above'); one less is accepted."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nmax_tokens = 512\n[rollout.engine]\nmax_model_len = 512\n")
+    assert main(["config", "check", str(bad)]) == 2
+    assert "max_tokens=512" in capsys.readouterr().err
+    bad.write_text("[trainer]\nmax_tokens = 511\n[rollout.engine]\nmax_model_len = 512\n")
+    assert main(["config", "check", str(bad)]) == 0, capsys.readouterr().err
+
+
+def test_check_of_a_file_without_trainer_leaves_the_environment_out(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A file with [rollout] but no [trainer] is checked against the trainer's defaults, not this shell's
+    TLT_TRAINER__* (which the file does not carry to the machine that runs it)."""
+    monkeypatch.setenv("TLT_TRAINER__MAX_TOKENS", "4000")
+    good = tmp_path / "good.toml"
+    good.write_text("[rollout.engine]\nmax_model_len = 1024\n")
+    assert main(["config", "check", str(good)]) == 0, capsys.readouterr().err
+    monkeypatch.delenv("TLT_TRAINER__MAX_TOKENS")
+    monkeypatch.setenv("TLT_ROLLOUT__ENGINE__MAX_MODEL_LEN", "64")
+    good.write_text("[trainer]\nmax_tokens = 100\n")
+    assert main(["config", "check", str(good)]) == 0, capsys.readouterr().err
+
+
+def test_check_refuses_fp32_pushes_to_a_bf16_engine(tmp_path: Path, capsys) -> None:
+    """push_dtype auto follows [trainer] bf16: bf16 = false pushes float32, which a bfloat16 engine refuses at the
+    first push; bf16 = true pushes what it serves."""
+    f = tmp_path / "p.toml"
+    f.write_text("[trainer]\nbf16 = false\n[rollout.engine]\ndtype = 'bfloat16'\n")
+    assert main(["config", "check", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "pushes float32 weights (bf16 = false)" in err and 'dtype="bfloat16"' in err, err
+    f.write_text("[trainer]\nbf16 = true\n[rollout.engine]\ndtype = 'bfloat16'\n")
+    assert main(["config", "check", str(f)]) == 0, capsys.readouterr().err
