@@ -20,14 +20,14 @@ from tlt.model.loader import CheckpointError, expected_tensors, load_checkpoint,
 torch.set_num_threads(1)
 
 
-def _save(tmp_path, family="qwen2", tie=False, shards=False):
+def _save(tmp_path, family="qwen2", tie=False, shards=False, head_dim=8):
     common = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie, eos_token_id=7)
     cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
     if family == "qwen3":
-        common["head_dim"] = 8  # Qwen3 defaults to 128 regardless of hidden size
+        common["head_dim"] = head_dim  # Qwen3 defaults to 128 regardless of hidden size
     cfg = cls[0](**common)
     torch.manual_seed(0)
     model = cls[1](cfg)
@@ -273,3 +273,76 @@ def test_a_tied_head_is_accepted_only_as_the_embedding_it_is(tmp_path):
         validate_tensors(cfg, {"lm_head.weight": embed}, partial=True)
     with pytest.raises(CheckpointError, match=r"lm_head.weight.*expected shape \(50, 32\), found \(49, 32\)"):
         validate_tensors(cfg, {"lm_head.weight": embed[1:], "model.embed_tokens.weight": embed}, partial=True)
+
+
+def test_o_proj_is_hidden_by_heads_times_head_dim_where_they_differ(tmp_path):
+    # every other checkpoint here has heads * head_dim == hidden_size, where o_proj's (hidden, q_size) and its
+    # transpose are the same shape; Qwen3 models are not so (0.6B: 16 heads of 128 on a hidden size of 1024)
+    path, model = _save(tmp_path, "qwen3", tie=True, head_dim=16)
+    cfg, tensors = load_checkpoint(path)
+    assert (cfg.hidden_size, cfg.q_size) == (32, 64)
+    assert tuple(tensors["model.layers.0.self_attn.o_proj.weight"].shape) == (32, 64)
+    assert torch.equal(tensors["model.layers.1.self_attn.o_proj.weight"],
+                       model.state_dict()["model.layers.1.self_attn.o_proj.weight"])
+
+
+def test_the_generation_config_eos_ids_are_read_from_the_folder(tmp_path):
+    # Qwen2.5 instruct: config.json's eos is <|endoftext|>, generation_config.json adds <|im_end|>, the end of an
+    # assistant turn; without it a rollout runs past every answer to max_tokens
+    from tlt.model.folder import read_model_config
+
+    path, _ = _save(tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, 7]}))
+    assert read_model_config(path).eos_token_ids == (7, 11)
+    assert load_checkpoint(path)[0].eos_token_ids == (7, 11)
+
+
+def test_any_shard_of_an_index_missing_is_named(tmp_path):
+    # each shard in turn, the index's first and last (in the order it names them) too: a check that skipped one
+    # found the missing file only when safetensors failed to open it, as an unreadable file
+    path, _ = _save(tmp_path, shards=True)
+    shards = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 2
+    for shard in shards:
+        (path / shard).rename(tmp_path / "away")
+        with pytest.raises(CheckpointError, match=f"shard {shard} named in model.safetensors.index.json is missing"):
+            load_checkpoint(path)
+        (tmp_path / "away").rename(path / shard)
+    load_checkpoint(path)
+
+
+def test_a_nan_weight_is_refused_at_load(tmp_path):
+    path, _ = _save(tmp_path)
+    sd = load_file(path / "model.safetensors")
+    sd["model.layers.1.mlp.down_proj.weight"][3, 5] = float("inf")
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.down_proj.weight' holds NaN or infinite"):
+        load_checkpoint(path)
+
+
+def test_read_tensors_names_a_tensor_the_folder_lacks(tmp_path):
+    # a tied checkpoint stores no lm_head.weight: asking for it is an error naming it, not a dict without it
+    from tlt.model.loader import read_tensors
+
+    path, model = _save(tmp_path, "qwen2", tie=True)
+    got = read_tensors(path, ["model.embed_tokens.weight"])
+    assert list(got) == ["model.embed_tokens.weight"]
+    assert torch.equal(got["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
+    with pytest.raises(CheckpointError, match=r"has no tensor\(s\) \['lm_head.weight'\]"):
+        read_tensors(path, ["model.embed_tokens.weight", "lm_head.weight"])
+
+
+def test_the_header_check_refuses_a_dtype_it_does_not_know(tmp_path):
+    # check_weight_headers (rollout serve's check before its replicas load) read an unlisted safetensors dtype (U16)
+    # as uint8, an integer the check refuses; the load refuses it too
+    from tlt.model.folder import read_model_config
+    from tlt.model.loader import check_weight_headers
+
+    path, _ = _save(tmp_path)
+    cfg = read_model_config(path)
+    check_weight_headers(path, cfg)
+    sd = load_file(path / "model.safetensors")
+    sd["model.norm.weight"] = torch.zeros(32, dtype=torch.uint16)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="'model.norm.weight': expected a floating point dtype"):
+        check_weight_headers(path, cfg)
