@@ -68,3 +68,28 @@ def test_tied_only_where_config_json_says_so(random_model_dir, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     assert ties_word_embeddings(folder) is False
     check_checkpoint(folder)
+
+
+def test_a_folder_without_weights_is_refused_before_anything_loads(random_model_dir, tmp_path):
+    """config.json and a tokenizer but no model.safetensors nor index (a copy that left the weights behind): the
+    cheap check names it, for the native engine and for SGLang, as the load would only minutes later."""
+    folder = tmp_path / "m"
+    shutil.copytree(random_model_dir, folder)
+    check_checkpoint(folder)
+    for weights in folder.glob("*.safetensors*"):
+        weights.unlink()
+    for architecture in (True, False):
+        with pytest.raises(CheckpointError, match="has no weights: expected model.safetensors or"):
+            check_checkpoint(folder, architecture=architecture)
+
+
+def test_weight_files_follow_the_usual_umask_022(tmp_path):
+    """The umask is octal (/proc says 0022): read as a decimal 22 (0o26) it gave 0640, weights the config's other
+    readers (0644) could not open; under umask 007 the two readings are the same number."""
+    old = os.umask(0o022)
+    try:
+        save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+        share_weights(tmp_path)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644

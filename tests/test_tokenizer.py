@@ -31,6 +31,7 @@ def test_special_tokens():
     assert tok.eos_token == "<|im_end|>"
     assert tok.pad_token == "<|endoftext|>"
     assert tok.eos_token_id != tok.pad_token_id
+    assert tok.bos_token is None and tok.bos_token_id is None  # as Qwen's: no bos token
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         assert len(tok(special)["input_ids"]) == 1
     assert tok.decode(tok("<|im_start|>user\nhi<|im_end|>")["input_ids"], skip_special_tokens=True) == "user\nhi"
@@ -50,7 +51,7 @@ def test_saved_folder_loads_with_template(tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.chat_template == CHAT_TEMPLATE
     assert '"chat_template"' in (tmp_path / "tokenizer_config.json").read_text()
-    assert loaded.padding_side == "left"
+    assert loaded.padding_side == "left" and loaded.bos_token is None
     text = format_prompt(generate_problems(1, seed=3)[0])
     assert loaded(text)["input_ids"] == test_tokenizer()(text)["input_ids"]
 
