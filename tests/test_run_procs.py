@@ -98,3 +98,27 @@ def test_a_relaunch_appends_to_the_services_log(tmp_path: Path) -> None:
         p.stop(5)
     text = log.read_text()
     assert text.index("first") < text.index("second") and text.count("=== ") == 2
+
+
+def test_a_stop_lets_the_child_end_on_sigterm_and_a_death_is_said_with_the_logs_last_lines(tmp_path: Path) -> None:
+    """stop() sends SIGTERM first and waits: a service ends on it (the trainer saves, a server drains) and exits
+    with its own code, not -9. A child that dies before it is ready is said at once (wait_ready does not sit out its
+    deadline and then call it 'not ready in time'), with the end of its log, where its error is."""
+    marker = tmp_path / "terminated"
+    child = ("import signal, sys, time\n"
+             "def bye(*_): open(sys.argv[1], 'w').write('ok'); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, bye); open(sys.argv[2], 'w').write('{}'); time.sleep(60)")
+    p = ServiceProcess("svc", [sys.executable, "-c", child, str(marker), str(tmp_path / "svc.ready")],
+                       tmp_path / "svc.log", tmp_path / "svc.ready").start()
+    p.wait_ready(time.monotonic() + 30)  # its SIGTERM handler is in place
+    assert p.stop(10) == 0 and marker.read_text() == "ok"
+    dies = "import sys; [print(f'line {i}') for i in range(40)]; sys.exit(3)"
+    p = ServiceProcess("svc", [sys.executable, "-c", dies], tmp_path / "dies.log", tmp_path / "dies.ready").start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServiceError, match="svc exited with code 3") as e:
+            p.wait_ready(time.monotonic() + 60)
+        assert time.monotonic() - started < 30
+        assert "line 39" in str(e.value) and "line 0\n" not in str(e.value)
+    finally:
+        p.stop(5)
