@@ -84,3 +84,53 @@ def test_a_plain_launch_continues_the_interrupted_time_folder_while_another_run_
         assert again.run_dir == interrupted and again.resumed and again.steps == 4
     finally:
         _closed(holder)
+
+
+def test_an_export_that_left_no_weights_is_not_a_finished_run(tmp_path: Path, monkeypatch) -> None:
+    """An older TLT's export (no tlt_export.json) killed after config.json but before its safetensors: every step is
+    done and policy/ looks exported, but holds no weights. Taken as finished, a plain `tlt run` started a new folder
+    and the trained policy was never written; it is continued (its trainer exports again)."""
+    from test_run_plan import _clock
+
+    model, runs = _fake_model(tmp_path)
+    _clock(monkeypatch, "20260101-000000")
+    run_dir = _closed(_plan(runs, model, "--steps", "4")).run_dir
+    _checkpointed(run_dir, 4)
+    (run_dir / "policy").mkdir()
+    (run_dir / "policy" / "config.json").write_text("{}")  # no *.safetensors, no record
+    again = _closed(_plan(runs, model, "--steps", "4"))
+    assert again.run_dir == run_dir and again.resumed
+
+
+def test_an_interrupted_folder_of_a_second_launch_in_the_same_second_is_continued(tmp_path: Path, monkeypatch) -> None:
+    """Three launches in one second take `<preset>`, `<preset>-<time>` and `<preset>-<time>-2`. The third one
+    interrupted while the other two still run: a plain `tlt run` continues it, as any interrupted `<preset>-<time>`
+    folder; a name pattern without the `-N` made it start a fourth folder from step 0."""
+    from test_run_plan import _clock
+
+    model, runs = _fake_model(tmp_path)
+    _clock(monkeypatch, "20260101-000000")
+    held = [_plan(runs, model, "--steps", "4") for _ in range(2)]
+    try:
+        third = _closed(_plan(runs, model, "--steps", "4")).run_dir
+        assert third.name == "cpu-tiny-20260101-000000-2"
+        _checkpointed(third, 2)
+        again = _closed(_plan(runs, model))
+        assert again.run_dir == third and again.resumed
+    finally:
+        for plan in held:
+            _closed(plan)
+
+
+def test_a_resume_with_another_answer_field_is_refused(tmp_path: Path) -> None:
+    """answer_field picks which column of the data file is the answer the reward checks: a resume reading another
+    one rewards the rest of the run against another target (the checkpoint's prompts, other answers). It is refused
+    up front, as another seed or data file is, and run.json keeps the run's options."""
+    from tlt.services.trainer.procs import ServiceError
+
+    model, runs = _fake_model(tmp_path)
+    _closed(_plan(runs, model, "--run-id", "r"))
+    _checkpointed(runs / "r", 2)
+    with pytest.raises(ServiceError, match="a resume keeps the data it was trained on .answer_field 'answer' -> 'x'"):
+        _plan(runs, model, "--run-id", "r", "--set", "trainer.answer_field=x")
+    _closed(_plan(runs, model, "--run-id", "r"))  # the refusal left the folder unlocked, and the run as it was
