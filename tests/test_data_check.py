@@ -100,6 +100,17 @@ def test_prompts_leaving_no_room_for_max_tokens_are_named(tmp_path, preset, caps
     assert rc == 1 and f"{data}:3" in out and f"{data}:6" in out and "max_model_len 64" in out
 
 
+def test_the_named_rows_say_when_more_were_left_out(tmp_path, preset, capsys) -> None:
+    """The warning names the first 5 rows too long, and ', ...' only when there are more: with exactly 5 it read as
+    if some were left out (a user looked for a sixth)."""
+    for count in (5, 6):
+        data = write_jsonl(tmp_path / f"d{count}.jsonl", [{"prompt": digits(49), "answer": 1}] * count)
+        rc, r = check(capsys, "--data", str(data), "--preset", str(preset))
+        assert rc == 1 and r["too_long"]["count"] == count and len(r["too_long"]["rows"]) == 5
+        named = ", ".join(f"{data}:{i}" for i in range(1, 6))
+        assert r["warnings"][0].endswith(f"({named})" if count == 5 else f"({named}, ...)"), r["warnings"][0]
+
+
 def test_the_resolved_config_decides_the_room(tmp_path, preset, capsys, monkeypatch) -> None:
     """The environment and --set change max_tokens and max_model_len as they do for the services."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": digits(k), "answer": 1} for k in (30, 40)])
@@ -266,6 +277,9 @@ def test_a_bad_config_or_missing_model_is_refused(tmp_path, preset, capsys) -> N
     assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--set", "reward.kind=x"]) == 2
     err = capsys.readouterr().err
     assert "reward.kind" in err and "trainer, rollout" in err
+    assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--set", "trainer=5"]) == 2
+    err = capsys.readouterr().err  # a section with no field: said as such, not as an unknown field 'trainer'
+    assert "override 'trainer': name a section, SECTION.FIELD=VALUE" in err
     missing = tmp_path / "no-such-model"
     assert main(["data", "check", "--data", str(data), "--preset", str(preset), "--model", str(missing)]) == 2
     err = capsys.readouterr().err
