@@ -36,7 +36,7 @@ def test_two_tlt_runs_never_share_a_run_folder(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text("{}")  # prepare_run only checks that a model is there
     first = _plan(runs, model, "--run-id", "r")
-    with pytest.raises(ServiceError, match="in use by another `tlt run`"):
+    with pytest.raises(ServiceError, match=rf"in use by another `tlt run` \(pid {os.getpid()}\)"):  # the holder's
         _plan(runs, model, "--run-id", "r")
     with pytest.raises(ServiceError, match="in use by another `tlt run`"):
         _plan(runs, model, "--resume", str(runs / "r"))
