@@ -4,9 +4,11 @@ reuse of freed cached blocks, preemption order. Pure Python objects; nothing is 
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
-from tlt.services.rollout.engine.block_manager import BlockManager, TailCopy
+from tlt.services.rollout.engine.block_manager import ROOT_KEY, BlockManager, TailCopy, chain_key
 from tlt.services.rollout.engine.scheduler import ScheduledBatch, Scheduler
 from tlt.services.rollout.engine.sequence import Sequence, SeqStatus
 from tlt.services.rollout.types import SamplingParams
@@ -372,3 +374,67 @@ def test_an_allocation_error_loses_no_waiting_sequence(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         sch.schedule()
     assert list(sch.waiting) == [a1, b] and not a1.block_table and not b.block_table
+
+
+def test_a_block_one_slot_short_of_computed_is_not_shared():
+    """A chunked prefill that stopped one token before a block's end leaves that block without its last slot's
+    K/V: a sibling must wait for it, not read the missing slot (what a mark_computed counting one token ahead
+    would allow). 10 tokens, block size 4: 7 computed -> block 1 (tokens 4-7) is not complete; 8 computed -> it is."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq(range(10))
+    bm.allocate(a, set())
+    a.num_computed = 7
+    bm.mark_computed(a)
+    assert [bm.blocks[b].computed for b in a.block_table] == [True, False, False]
+    assert bm.allocate(seq(range(10), i=1), set()) == BlockManager.DEFER
+    a.num_computed = 8
+    bm.mark_computed(a)
+    assert bm.allocate(seq(range(10), i=2), set()) == 8
+
+
+def test_a_tail_is_copied_as_soon_as_its_known_tokens_are_computed():
+    """The owner's chunked prefill stopped right before its last token (9 of 10 tokens computed): the tail's
+    known token 8 has its K/V, so a sibling copies it at once instead of waiting a step more for the owner's
+    last token (which the sibling never reads)."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = seq(range(10)), seq(range(10), i=1)
+    copies: list[TailCopy] = []
+    bm.allocate(a, set(), copies)
+    a.num_computed = 8
+    bm.mark_computed(a)
+    assert bm.allocate(b, set(), copies) == BlockManager.DEFER  # token 8 not computed yet
+    a.num_computed = 9
+    bm.mark_computed(a)
+    assert bm.allocate(b, set(), copies) == 9 and copies == [TailCopy(a.block_table[2], b.block_table[2], 1)]
+
+
+def test_a_tail_key_is_not_another_prefix_length_s_tail_key():
+    """A tail's key must tell a one-block prefix + tail from a prompt whose first tokens spell that block's key
+    (the parent's length is in the key): otherwise a prompt of crafted token ids finds a registered tail of
+    another request and copies K/V computed under that request's prompt (three slots here, read as its own).
+    a: block [0 1 2 3] (key P), tail (7,); b: no full block, tail (P as two int64 tokens, 7)."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    spelled = list(array("q", chain_key(ROOT_KEY, (0, 1, 2, 3))))
+    a, b = seq([0, 1, 2, 3, 7, 0], "a"), seq([*spelled, 7, 0], "b")
+    copies: list[TailCopy] = []
+    bm.allocate(a, set(), copies)
+    a.num_computed = 6
+    bm.mark_computed(a)
+    assert bm.allocate(b, set(), copies) == 0 and not copies and bm.tail_copies == 0
+
+
+def test_a_decode_takes_the_last_free_block_without_preempting():
+    """With exactly one free block, a decode that crosses a block boundary takes it and nobody is preempted (an
+    off-by-one in can_append would preempt the newest sequence and recompute its prompt for nothing)."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq(range(8), "a"), seq([9], "b")  # 2 blocks + 1 block: one left free
+    sch.add(a)
+    sch.add(b)
+    sch.update(sch.schedule())
+    assert bm.num_free == 1
+    for s in (a, b):
+        s.token_ids.append(7)  # a's 9th token needs a 3rd block; b's 2nd fits in its block
+    batch = sch.schedule()
+    assert batch.seqs == [a, b] and batch.num_new == [1, 1] and sch.num_preemptions == 0
+    assert bm.num_free == 0 and len(a.block_table) == 3
