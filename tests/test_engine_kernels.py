@@ -36,7 +36,7 @@ from tlt.services.rollout.engine.testing import random_checkpoint
 from tlt.services.rollout.spec.config import SpecConfig
 from tlt.services.rollout.types import GenerationRequest, SamplingParams
 
-INTERPRETER_CASES = 4
+INTERPRETER_CASES = 5
 needs_interpreter = pytest.mark.skipif(
     not interpreter_ready(), reason="needs TRITON_INTERPRET=1 from process start: runs in the child process"
 )
@@ -271,3 +271,25 @@ def test_interpreter_decode_graph_buckets_emulated(ckpt, calls) -> None:
     # every plain decode step went through the padded path: as many decode kernel calls as layers x replays
     assert calls["paged_decode_attention"] == 2 * sum(graphs.per_bucket.values())
     assert engine.model.k_caches[0].shape[0] == engine.block_manager.num_blocks + 1  # the scratch block
+
+
+@needs_interpreter
+def test_interpreter_decode_graphs_leave_prefill_steps_and_large_batches_eager(ckpt, calls) -> None:
+    """decode_graphs = "emulate", buckets (1, 2): the step prefilling a lone 2-token prompt (2 rows, one emitting)
+    would fit bucket 2 but is no decode, and a decode step of 3 sequences fits no bucket: both must run eagerly.
+    Through the padded decode graph the prompt's 2 rows would each attend as a decode over one cached token (its
+    second token blind to its first) and its first row's logits would pick the token; the batch of 3 would raise.
+    Tokens and logprobs must equal the eager PyTorch path, and only the lone prompt's decode steps replay."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    waves = [_prompts([2]), _prompts([5, 7, 3])]
+
+    def run(kernels: str, **kw):  # noqa: ANN202
+        engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, block_size=4, max_model_len=32, **kw))
+        return engine, [engine.generate([GenerationRequest(f"w{w}r{i}", tuple(p), params) for i, p in enumerate(ps)])
+                        for w, ps in enumerate(waves)]
+
+    _, want = run("torch")
+    engine, got = run("triton", decode_graphs="emulate", decode_graph_buckets=(1, 2))
+    for a, b in zip(want, got):
+        _same(a, b)
+    assert engine.runner.graphs.per_bucket == {1: 3}  # the lone prompt's 3 decode steps; batch 3 never replays
