@@ -98,6 +98,7 @@ DECODE_CONFIGS = [
     ([1, 4, 9], 2, 2, 16, 4),
     ([8, 3, 13, 16], 4, 2, 24, 4),
     ([5, 11], 8, 2, 16, 5),
+    ([30, 7], 4, 2, 16, 24),  # a block size past 16 and not a power of two: the tile is padded to 32 keys
 ]
 
 
@@ -156,12 +157,13 @@ def test_tree_kernel_with_several_blocks_per_iteration_matches_reference(device:
 
 
 @pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES, indirect=["device"])
-@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("block_m", [16, 32, None])
 def test_tree_kernel_with_fewer_rows_per_tile_matches_reference(device: torch.device, dtype: torch.dtype,
-                                                                block_m: int) -> None:
-    """`block_m` below the default (64 for these 36 rows per KV head): several row tiles per (sequence, KV head)."""
+                                                                block_m: int | None) -> None:
+    """`block_m` below the default (64 for these 36 rows per KV head): several row tiles per (sequence, KV head).
+    None: the default, a power of two above the 36 rows (a verify pass of 9 tokens with 4 query heads a KV head)."""
     _check_tree_kernel(device, dtype, [5, 41, 17], hq=8, hkv=2, block_size=8, num_q=9, seed=17, scale=0.3,
-                       num_splits=2, block_m=block_m)
+                       num_splits=2, **({} if block_m is None else {"block_m": block_m}))
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -184,6 +186,17 @@ def test_kernel_empty_context_and_empty_mask_rows_give_zero(device: torch.device
     assert torch.equal(want2[0, 0], torch.zeros(1, 8))
     got2 = paged_tree_attention_triton(*(t.to(device) for t in (q2, k_cache, v_cache, tables, ctx2)), 1.0, mask.to(device))
     torch.testing.assert_close(got2.cpu(), want2, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_an_empty_batch_gives_an_empty_output(device: torch.device) -> None:
+    """No sequence to attend for (every request of a step finished): an empty output, not a division by zero in
+    the split heuristic or a launch of an empty grid."""
+    k_cache, v_cache, tables, ctx = make_cache([4], 2, 8, 4, torch.float32, seed=3)
+    empty = [t.to(device) for t in (k_cache, v_cache, tables[:0], ctx[:0])]
+    got = paged_tree_attention_triton(torch.randn(0, 3, 4, 8, device=device), *empty, 1.0, None)
+    assert got.shape == (0, 3, 4, 8)
+    assert paged_decode_attention_triton(torch.randn(0, 4, 8, device=device), *empty, 1.0).shape == (0, 4, 8)
 
 
 def test_split_heuristic_depends_on_shapes_only() -> None:
