@@ -274,22 +274,24 @@ def test_interpreter_decode_graph_buckets_emulated(ckpt, calls) -> None:
 
 
 @needs_interpreter
-def test_interpreter_decode_graphs_leave_prefill_steps_and_large_batches_eager(ckpt, calls) -> None:
-    """decode_graphs = "emulate", buckets (1, 2): the step prefilling a lone 2-token prompt (2 rows, one emitting)
-    would fit bucket 2 but is no decode, and a decode step of 3 sequences fits no bucket: both must run eagerly.
-    Through the padded decode graph the prompt's 2 rows would each attend as a decode over one cached token (its
-    second token blind to its first) and its first row's logits would pick the token; the batch of 3 would raise.
-    Tokens and logprobs must equal the eager PyTorch path, and only the lone prompt's decode steps replay."""
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-    waves = [_prompts([2]), _prompts([5, 7, 3])]
+def test_interpreter_decode_graphs_pad_into_their_own_block_and_leave_other_steps_eager(ckpt, calls) -> None:
+    """decode_graphs = "emulate", one bucket of 2, a KV pool of 4 blocks, three waves. A lone 13-token prompt
+    fills all 4 blocks (token 12 in slot 0 of the last one): its decode steps replay with a padding row that must
+    write to the scratch block past the pool, not to the last block (token 12's K/V, read at every later step).
+    A lone 2-token prompt's prefill (2 rows, one emitting) fits the bucket but is no decode, and a decode step of
+    3 sequences fits no bucket: both must run eagerly (through the graph the prompt's rows would each attend as a
+    decode over one cached token and the first row's logits would pick the token; the batch of 3 would raise).
+    Tokens and logprobs must equal the eager PyTorch path, and only the two lone prompts' 4 decode steps replay."""
+    waves = [(_prompts([13]), 3), (_prompts([2]), 3), (_prompts([1, 2, 3]), 2)]  # (prompts, max_tokens)
 
     def run(kernels: str, **kw):  # noqa: ANN202
-        engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, block_size=4, max_model_len=32, **kw))
-        return engine, [engine.generate([GenerationRequest(f"w{w}r{i}", tuple(p), params) for i, p in enumerate(ps)])
-                        for w, ps in enumerate(waves)]
+        engine = LLMEngine(ckpt, EngineConfig(kernels=kernels, block_size=4, num_kv_blocks=4, max_model_len=32, **kw))
+        return engine, [engine.generate([GenerationRequest(f"w{w}r{i}", tuple(p), SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)) for i, p in enumerate(ps)])
+                        for w, (ps, n) in enumerate(waves)]
 
     _, want = run("torch")
-    engine, got = run("triton", decode_graphs="emulate", decode_graph_buckets=(1, 2))
+    engine, got = run("triton", decode_graphs="emulate", decode_graph_buckets=(2,))
     for a, b in zip(want, got):
         _same(a, b)
-    assert engine.runner.graphs.per_bucket == {1: 3}  # the lone prompt's 3 decode steps; batch 3 never replays
+    assert engine.runner.graphs.per_bucket == {2: 4}  # 2 + 2 padded decode steps; the batch of 3 never replays
