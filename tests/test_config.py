@@ -133,10 +133,11 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
 
 
 def test_a_folder_an_empty_name_or_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
-    # each escaped as a traceback (IsADirectoryError, UnicodeDecodeError) from every --preset / --config
+    # each escaped as a traceback (IsADirectoryError, UnicodeDecodeError) from every --preset / --config; a blank
+    # name was looked up as the preset '  '
     utf16 = tmp_path / "utf16.toml"
     utf16.write_bytes("[demo]\nport = 3\n".encode("utf-16"))
-    for preset, says in ((tmp_path, "is a folder"), ("", "empty"), (utf16, "not UTF-8")):
+    for preset, says in ((tmp_path, "is a folder"), ("", "empty"), ("  ", "empty"), (utf16, "not UTF-8")):
         with pytest.raises(ConfigError, match=says):
             load_config(DemoConfig, "demo", preset, environ={})
 
@@ -340,3 +341,78 @@ def test_a_group_of_one_sample_is_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"n_samples=1: .*use n_samples >= 2"):
         load_config(TrainerConfig, "trainer", overrides={"n_samples": 1, "mini_batch_size": 8, "micro_batch_size": 4})
+
+
+def test_set_strips_the_spaces_around_its_field_and_its_text() -> None:
+    """`--set "host = localhost"` (spaces as in a TOML file) set the host ' localhost', a name no socket resolves; and
+    `--set " =1"` was taken as the blank field ' ' instead of being refused for its missing field name."""
+    assert cli_overrides(["host = localhost", "name= plain text "]) == {"host": "localhost", "name": "plain text"}
+    with pytest.raises(ConfigError, match="has no field name"):
+        cli_overrides([" =1"])
+
+
+def test_an_environment_variable_is_read_only_under_its_own_prefix() -> None:
+    """Only TLT_<SECTION>__* configures a section: a variable that merely contains the prefix (a script's saved
+    OLD_TLT_DEMO__PORT) was read as a field of [demo]."""
+    assert env_overrides("demo", {"OLD_TLT_DEMO__PORT": "1", "TLT_DEMO__PORT": "2"}) == {"port": 2}
+
+
+def test_a_number_from_the_environment_is_its_text_without_the_spaces_around_it() -> None:
+    """`TLT_DEMO__HOST=1.10 ` (an env file's line with a trailing space) gave the string field "1.10 ": a served model
+    name clients asking for "1.10" do not match. The number's text is taken as TOML reads it, without the spaces."""
+    assert load_config(DemoConfig, "demo", environ={"TLT_DEMO__HOST": " 1.10 "}).host == "1.10"
+
+
+def test_a_dict_field_given_whole_after_its_keys_is_refused() -> None:
+    """TLT_MAPS__STEPS__1 and TLT_MAPS__steps (names that differ in case, so the whole one sorts after the keyed
+    one): the whole map silently dropped the keyed variable's value instead of being refused as a clash."""
+    with pytest.raises(ConfigError, match="TLT_MAPS__steps: 'steps' is given key by key by other variables"):
+        load_config(_Maps, "maps", environ={"TLT_MAPS__STEPS__1": "[5]", "TLT_MAPS__steps": '{"9": [9]}'})
+
+
+def test_a_null_in_a_nested_sections_json_leaves_that_field_as_the_layers_below_set_it(tmp_path: Path) -> None:
+    """TLT_OUTER__SPEC='{"threshold": 8, "mode": null}' (a compose map with a field left empty): the null reached
+    the field and the whole section was refused as mode=None, instead of keeping the preset's mode."""
+    preset = _preset(tmp_path, '[outer.spec]\nmode = "static"\n')
+    cfg = load_config(_Outer, "outer", preset, environ={"TLT_OUTER__SPEC": '{"threshold": 8, "mode": null}'})
+    assert (cfg.spec.threshold, cfg.spec.mode) == (8, "static")
+
+
+def test_a_bad_nested_value_names_the_layer_that_gave_it(tmp_path: Path) -> None:
+    """A bad [outer.spec] field from the environment was blamed on "defaults" (its origin was looked up by the
+    nested field's name, which no layer sets at the top), leaving the user to look for it everywhere else."""
+    preset = _preset(tmp_path, "[outer]\nreplicas = 2\n")
+    with pytest.raises(ConfigError, match=r"spec\.threshold='x' \(from environment TLT_OUTER__\*\)"):
+        load_config(_Outer, "outer", preset, environ={"TLT_OUTER__SPEC__THRESHOLD": "x"})
+
+
+def test_only_a_set_naming_the_section_with_a_dot_is_told_to_drop_it(tmp_path: Path) -> None:
+    """The "named without the section" hint is for `--set demo.port=1` only: `--set demox=1` (a field that merely
+    starts with the section's name) was told to type `--set demox=1` again, and a preset's quoted key
+    "demo.port" was told about --set, neither getting the unknown field and the fields [demo] knows."""
+    with pytest.raises(ConfigError, match=r"unknown field 'demox' \(from command line\); known fields of \[demo\]"):
+        load_config(DemoConfig, "demo", overrides={"demox": 1}, environ={})
+    preset = _preset(tmp_path, '[demo]\n"demo.port" = 1\n')
+    with pytest.raises(ConfigError, match=r"unknown field 'demo.port' \(from preset .*known fields of \[demo\]"):
+        load_config(DemoConfig, "demo", preset, environ={})
+    with pytest.raises(ConfigError, match="named without the section: --set port=1 "):
+        load_config(DemoConfig, "demo", overrides={"demo.port": 1}, environ={})
+
+
+def test_a_variable_naming_a_longer_word_than_a_section_is_not_taken_for_one() -> None:
+    """TLT_RUNS_DIR (not a variable TLT reads) was reported as [run]'s with one underscore too few, its fix given as
+    TLT_RUN___DIR; only TLT_RUN_<FIELD> is that mistake."""
+    from tlt.services.common.config import unknown_environment
+
+    (runs,) = unknown_environment({"TLT_RUNS_DIR": "x"})
+    assert "not a variable TLT reads" in runs, runs
+    (run,) = unknown_environment({"TLT_RUN_STEPS": "3"})
+    assert "two underscores after its section: TLT_RUN__STEPS" in run, run
+
+
+def test_an_empty_file_given_as_a_commands_own_config_is_refused(tmp_path: Path) -> None:
+    """`tlt train --config empty.toml` (a file saved before anything was written to it) has no [demo] either, and
+    must be refused as a file without the section: it was taken as a valid config of every default."""
+    with pytest.raises(ConfigError, match=r"has no \[demo\] section \(its sections: none\)"):
+        load_config(DemoConfig, "demo", _preset(tmp_path, ""), environ={}, require_section=True)
+    assert load_config(DemoConfig, "demo", _preset(tmp_path, ""), environ={}) == DemoConfig()
