@@ -320,6 +320,35 @@ def test_local_capacity_bus_matches_the_contract() -> None:
     assert feed.recv(0.01) is None
 
 
+
+def test_local_capacity_bus_keeps_the_publishers_contract_and_hands_out_copies() -> None:
+    """The in-process bus stands in for CapacityPublisher/Subscriber in tests, so it must keep their contract: a
+    published state never a heartbeat, the caller's server_id and timestamp kept (the bus's name and the time only
+    where unset), a snapshot in replica order, a negative wait that only looks (the ZeroMQ feeds clamp it;
+    queue.get raised ValueError), and every event a copy: one subscriber changing what it got changed the other's
+    event and the bus's state."""
+    bus = LocalCapacityBus("local")
+    ev = _event(2, BUSY)
+    ev.heartbeat, ev.server_id, ev.timestamp = True, "srv-b", 123.5  # a state change is never a heartbeat
+    a, b = bus.publish(ev), bus.publish(_event(0, IDLE))
+    assert (a.server_id, a.timestamp, a.heartbeat, b.server_id) == ("srv-b", 123.5, False, "local")
+    assert abs(b.timestamp - time.time()) < 60
+    a.state = IDLE  # what publish returned is the caller's own
+    first, second = bus.subscribe(), bus.subscribe()
+    assert [(e.replica_id, e.state) for e in first.snapshot()] == [(0, IDLE), (2, BUSY)]
+    bus.publish(_event(1, BUSY))
+    got = first.recv(1.0)
+    assert got is not None and got.replica_id == 1
+    got.state, got.running = IDLE, 99
+    other = second.recv(1.0)
+    assert other is not None and (other.state, other.running) == (BUSY, 0)
+    assert [(e.replica_id, e.state, e.running) for e in bus.current()] == [(0, IDLE, 0), (1, BUSY, 0), (2, BUSY, 0)]
+    assert first.recv(-1.0) is None
+    q = LocalFeatureQueue(maxsize=1)
+    assert q.recv(-1.0) is None and q.recv_frame(-1.0) is None
+    q.push(_batch(1))
+    assert q.recv(-1.0) is not None  # what is queued is still taken
+
 def test_local_feature_queue_drops_when_full() -> None:
     q = LocalFeatureQueue(maxsize=2)
     assert [q.push(_batch(3)) for _ in range(4)] == [True, True, False, False]
