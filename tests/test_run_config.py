@@ -21,9 +21,10 @@ def _preset(spec: dict, drafter: dict | None = None) -> dict:
 def test_the_drafter_service_is_pointed_at_the_endpoints_the_rollout_uses(tmp_path: Path) -> None:
     """The drafter connects to the rollout's gRPC port for policy updates, to its capacity publisher and snapshot
     socket, and binds the features socket the rollout pushes to (the default source: the rollout, not the trainer);
-    its checkpoints go to the run folder's drafter/. A drafter told another port waited on a socket nobody served
-    (or loaded the first policy update only at a timeout), and checkpoints written to the run folder itself mixed
-    with the trainer's."""
+    its checkpoints go to the run folder's drafter/, the trainer asks the reward service's port, and no two sockets
+    share a port. A drafter told another port waited on a socket nobody served (or loaded the first policy update
+    only at a timeout), checkpoints written to the run folder itself mixed with the trainer's, and a trainer sent
+    to another port for rewards failed its first step."""
     services, switches = resolve_services(_preset({"drafter": "learned", "drafter_path": "d"}),
                                           RunConfig(model_dir="m"), tmp_path)
     assert switches == {"speculation": True, "drafter": True}
@@ -35,6 +36,11 @@ def test_the_drafter_service_is_pointed_at_the_endpoints_the_rollout_uses(tmp_pa
     assert drafter["features_bind"] == rollout["features_push"]
     assert "drafter_features_address" not in services["trainer"]
     assert drafter["checkpoint_dir"] == str(tmp_path / "drafter")
+    assert services["trainer"]["reward_address"] == f"127.0.0.1:{services['reward']['port']}"
+    ports = [rollout["http_port"], rollout["grpc_port"], services["reward"]["port"], drafter["status_port"],
+             *(int(drafter[k].rsplit(":", 1)[1]) for k in ("capacity_pub", "capacity_snapshot", "features_bind",
+                                                           "coordinator_bind"))]
+    assert len(set(ports)) == 8, ports  # every socket of the run its own port: two binds on one failed the start
 
 
 def test_run_values_of_zero_leave_the_trainers_own(tmp_path: Path) -> None:
