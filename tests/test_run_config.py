@@ -52,6 +52,17 @@ def test_run_values_of_zero_leave_the_trainers_own(tmp_path: Path) -> None:
     assert services["trainer"]["steps"] == 3
 
 
+def test_the_trainer_trains_the_runs_model_and_the_run_section_stays_out_of_the_services(tmp_path: Path) -> None:
+    """`tlt run --model DIR` serves DIR in the rollout, so the trainer must train DIR too: it kept the preset's
+    [trainer] model_dir (a policy the rollout does not serve, its updates pushed into another model). The preset's
+    [run] is the launcher's, not a service's: it was copied into config.toml, where it contradicted the run's own
+    values (steps = 0 beside --steps 3)."""
+    preset = {**_preset({"mode": "off"}), "run": {"steps": 0, "model_dir": "preset-model"}}
+    preset["trainer"]["model_dir"] = "preset-model"
+    services, _ = resolve_services(preset, RunConfig(model_dir="m", steps=3), tmp_path)
+    assert services["trainer"]["model_dir"] == "m" and "run" not in services
+    assert "run" not in tomllib.loads(to_toml(services)) and "run" in preset  # the caller's preset left as it was
+
 def test_a_rollout_spec_beats_an_old_presets_engine_spec(tmp_path: Path) -> None:
     """An old preset's [rollout.engine.spec] under a [rollout.spec] (`tlt run --set rollout.spec.mode=off` over such
     a preset) is only the fallback: the engine's adaptive mode won, and the baseline the user asked for speculated."""
