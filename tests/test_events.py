@@ -350,6 +350,10 @@ def test_local_capacity_bus_keeps_the_publishers_contract_and_hands_out_copies()
     assert q.recv(-1.0) is not None  # what is queued is still taken
 
 def test_local_feature_queue_drops_when_full() -> None:
+    """A feature queue is bounded (4 batches unless told), and a push past that is dropped and counted, never
+    queued or waited on: an unbounded default let a test's producer outrun its consumer without a drop."""
+    default = LocalFeatureQueue()
+    assert [default.push(_batch(1)) for _ in range(5)] == [True] * 4 + [False] and default.dropped == 1
     q = LocalFeatureQueue(maxsize=2)
     assert [q.push(_batch(3)) for _ in range(4)] == [True, True, False, False]
     assert q.dropped == 6 and q.dropped_batches == 2
