@@ -290,3 +290,90 @@ def test_a_long_stop_string_does_not_make_the_short_ones_search_the_whole_text(m
     reasons = _emit(seq, [1] * 300 + [2], tok, max_model_len=1000)
     assert reasons[-1] == FinishReason.STOP and reasons[:-1] == [None] * 300 and seq.text == "ab" * 300
     assert max(starts["q"]) >= 2 * 299 - detok.CLEANUP_HOLDBACK, starts["q"][-3:]  # near the end, not 0
+
+
+def test_a_slow_tokenizer_that_cleans_up_spaces_is_cleaned_as_its_decode_cleans():
+    """A slow (Python) tokenizer has no backend model to tell BPE from the rest, and its `decode` cleans up spaces
+    when `clean_up_tokenization_spaces` is set: taking it for one that does not clean left " ." and " 's" in the
+    completion's text (unlike one decode of it), and a stop string "it's" was never found."""
+    from tlt.services.rollout.engine.detok import cleans_up, continuation_text
+
+    class Words(transformers.PreTrainedTokenizer):
+        """Whitespace-split words; decode joins them with spaces (transformers then cleans " ." -> ".")."""
+
+        def __init__(self, **kw) -> None:  # noqa: ANN003
+            self.vocab = {"<unk>": 0, "hello": 1, ".": 2, "world": 3, "it": 4, "'s": 5}
+            super().__init__(unk_token="<unk>", **kw)
+
+        @property
+        def vocab_size(self) -> int:
+            return len(self.vocab)
+
+        def get_vocab(self) -> dict[str, int]:
+            return dict(self.vocab)
+
+        def _tokenize(self, text: str) -> list[str]:
+            return text.split()
+
+        def _convert_token_to_id(self, token: str) -> int:
+            return self.vocab.get(token, 0)
+
+        def _convert_id_to_token(self, i: int) -> str:
+            return next(t for t, j in self.vocab.items() if j == i)
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return " ".join(tokens)
+
+    tok = Words(clean_up_tokenization_spaces=True)
+    assert getattr(tok, "backend_tokenizer", None) is None and cleans_up(tok)
+    out = [2, 3, 2, 4, 5]
+    assert tok.decode([1, *out]) == "hello. world. it's"
+    assert continuation_text(tok, (1,), out) == ". world. it's"
+    seq = _stop_seq(max_tokens=20, prompt=(1,), stop=("it's",))
+    assert _emit(seq, out, tok)[-1] == FinishReason.STOP and seq.text == ". world. "
+
+
+def test_the_prompt_context_ends_before_a_byte_run_a_special_token_follows():
+    """The decode skips special tokens, so a prompt's last byte pieces and the output's first ones are one run
+    across a `</s>`: the context kept "é</s>" and the output's stray byte turned the prompt's "é" into U+FFFD too,
+    so the stream sent a U+FFFD more than the completion's text, and a prompt cut inside "é" before its `</s>` left
+    no context at all (the output's leading space lost)."""
+    from tlt.services.rollout.engine.detok import continuation_text
+    from tlt.services.rollout.openai_convert import TextStream
+
+    tok = _sentencepiece_tokenizer()
+    prompt, out = (2, 3, 4, 8, 9, 1), [9, 5]  # "The answer isé</s>" + <stray 0xA9> " Paris"
+    final = continuation_text(tok, prompt, out)
+    assert final == "\ufffd Paris"
+    stream = TextStream(tok, (), prompt=prompt)
+    assert [stream.push([t]) for t in out] == ["", "\ufffd Paris"]
+    prompt = (2, 3, 4, 8, 1)  # "The answer is" + <0xC3> (half of "é") + </s>
+    assert continuation_text(tok, prompt, [5]) == " Paris"
+    seq = _stop_seq(prompt=prompt, stop=(" Paris",))
+    assert _emit(seq, [5], tok) == [FinishReason.STOP] and seq.text == ""
+
+
+def test_an_output_that_opens_with_a_special_token_keeps_its_leading_space():
+    """A first output token that decodes to no text (a special token the decode skips) moved the window past the
+    prompt's context, so the next token was decoded as the window's first and the SentencePiece strip took its
+    space: the stream sent "Paris" for " Paris", and a stop string " Paris" was never found."""
+    from tlt.services.rollout.openai_convert import TextStream
+
+    tok = _sentencepiece_tokenizer()
+    prompt, out = (2, 3, 4), [1, 5, 7]  # "The answer is" + </s> " Paris:"
+    stream = TextStream(tok, (), prompt=prompt)
+    assert [stream.push([t]) for t in out] == ["", " Paris", ":"]
+    seq = _stop_seq(prompt=prompt, stop=(" Paris",))
+    assert _emit(seq, out[:2], tok) == [None, FinishReason.STOP] and seq.text == ""
+
+
+def test_a_byte_run_the_last_token_ends_is_searched_once():
+    """At the last token (max_tokens) the held byte run is flushed into the text; had the run stayed held it was
+    searched again after it (" café" searched as " caféé"): a stop string "éé" ended a completion that holds one
+    "é", reported finish_reason "stop" for "length" and cut its text to " caf"."""
+    tok = _sentencepiece_tokenizer()
+    out = [10, 8, 9]  # " caf" "é" (2 byte pieces), the last at max_tokens
+    seq = _stop_seq(max_tokens=3, prompt=(2,), stop=("éé",))
+    assert _emit(seq, out, tok) == [None, None, FinishReason.LENGTH]
+    seq = _stop_seq(max_tokens=3, prompt=(2,), stop=("é",))
+    assert _emit(seq, out, tok) == [None, None, FinishReason.STOP] and seq.text == " caf"
