@@ -467,3 +467,53 @@ def test_the_anchor_is_a_whole_character_not_a_lone_byte():
     assert tok.decode([0]) == "\ufffd" and tok.decode([0, 1]) == "\ufffd"
     assert token_text_and_bytes(tok, 1) == (char[0x97], [0x97])
     assert token_text_and_bytes(tok, 2) == ("a", [0x61])
+
+
+def test_a_special_token_inside_a_byte_run_leaves_the_run_held_whole():
+    """The decode skips special tokens, so <0xE6> <unk> <0x97> <0xA5> is "日": a special token that ended the run
+    left <0x97> <0xA5> a run of their own (no valid UTF-8, nothing held), so a stop string "日" was found a token
+    late, once text ended the run (that token generated, counted and trained on), and never at max_tokens."""
+    tok = _byte_fallback()
+    piece = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE6, 0x97, 0xA5)}
+    out = [piece[0xE6], tok.unk_token_id, piece[0x97], piece[0xA5], _anchor(tok)]
+    assert _ref(tok, out) == "\u65e5 a"
+    seq = _stop_seq(max_tokens=10, prompt=(_anchor(tok),), stop=("\u65e5",))
+    assert _emit(seq, out, tok) == [None, None, None, FinishReason.STOP] and seq.text == ""
+
+
+def test_a_prompt_that_ends_inside_a_character_leaves_the_output_its_own_text():
+    """A prompt cut inside a character ("a" + the first 2 bytes of "😀") is no context: its U+FFFD would take the
+    output's first bytes. Decoded after it anyway, the window counted that U+FFFD as text already read, so the
+    output's "\\ufffd\\ufffd" (the emoji's last 2 bytes, decoded as the completion's text has them) never went
+    out: the stream sent "x" and could not send the completion's "\\ufffd\\ufffdx"."""
+    tok = _all_bytes()
+    prompt, out = _ids(tok, [b"a", b"\xf0", b"\x9f"]), _ids(tok, [b"\x98", b"\x80", b"x"])
+    final = continuation_text(tok, prompt, out)
+    assert final == tok.decode(out) == "\ufffd\ufffdx"
+    inc = IncrementalText(tok, prompt)
+    inc.push(out)
+    inc.flush()
+    assert inc.text == final
+    more = [*out, *_ids(tok, [b"y"])]  # a step after these, which finishes the sample
+    stream = TextStream(tok, (), prompt=prompt)
+    sent = "".join(stream.push([t]) for t in out)
+    assert sent == final and sent + stream.finish(continuation_text(tok, prompt, more)) == final + "y"
+
+
+
+def test_a_streamed_chunks_logprob_bytes_are_counted_with_the_tokens_after_it():
+    """A byte-fallback run that made "日" and then broke (E6 97 A5 E6 80) is five U+FFFD in the text, and its first
+    three pieces go out in a chunk of their own when a long stop string holds the rest back: read alone, that
+    chunk's `bytes` were "日"'s, so the chunks' bytes joined to "日\ufffd\ufffd a a", not to the content. They
+    are the bytes counted over the whole output, as the non-streamed response's."""
+    tok = _byte_fallback()
+    out = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE6, 0x97, 0xA5, 0xE6, 0x80)] + [_anchor(tok)] * 2
+    text = _ref(tok, out)
+    assert text == "\ufffd" * 5 + " a a"
+    stream = ChatChoiceStream(tok, 0, ("zzzzz",), None, logprobs=True, prompt=[_anchor(tok)])
+    chunks = [ch for t in out[:-1] for ch in stream.push(StepOutput("r", 0, [t], [-0.5]))]
+    chunks += stream.finish(_completion(tok, out, text))
+    assert [ch.delta.content for ch in chunks] == ["\ufffd" * 3, "\ufffd" * 2 + " a a"]
+    fffd = list("\ufffd".encode())
+    assert [[e.bytes for e in ch.logprobs.content] for ch in chunks] == [
+        [fffd] * 3, [fffd, fffd, list(b" a"), list(b" a")]]
