@@ -377,3 +377,21 @@ def test_a_byte_run_the_last_token_ends_is_searched_once():
     assert _emit(seq, out, tok) == [None, None, FinishReason.LENGTH]
     seq = _stop_seq(max_tokens=3, prompt=(2,), stop=("é",))
     assert _emit(seq, out, tok) == [None, None, FinishReason.STOP] and seq.text == " caf"
+
+
+def test_an_output_after_a_prompt_cut_inside_a_character_is_cleaned_up_too():
+    """A prompt that ends inside a character is no context (its U+FFFD would take the output's first bytes), and
+    the output is decoded on its own: that text went out uncleaned, so with a tokenizer that cleans up spaces the
+    completion read " it . ok" where its decode reads " it. ok"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from tlt.services.rollout.engine.detok import continuation_text
+
+    vocab = {"<unk>": 0, "\u0120it": 1, "\u0120.": 2, "\u0120ok": 3, "\u00e6": 4}  # 4: the byte 0xE6 alone
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", clean_up_tokenization_spaces=True)
+    prompt, out = (3, 4), [1, 2, 3]  # " ok" + half a character
+    assert tok.decode(prompt) == " ok\ufffd"
+    assert continuation_text(tok, prompt, out) == tok.decode(out) == " it. ok"
