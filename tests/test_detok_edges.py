@@ -517,3 +517,15 @@ def test_a_streamed_chunks_logprob_bytes_are_counted_with_the_tokens_after_it():
     fffd = list("\ufffd".encode())
     assert [[e.bytes for e in ch.logprobs.content] for ch in chunks] == [
         [fffd] * 3, [fffd, fffd, list(b" a"), list(b" a")]]
+
+
+def test_a_byte_run_a_stray_byte_broke_holds_no_characters_for_the_stop_check():
+    """Once a stray byte breaks a byte-fallback run, every piece of it decodes to U+FFFD, whatever follows: a run
+    that went on reading characters after the stray byte ("日" 0x80 "本" read as "日本") found a stop string "日本"
+    in a text that is seven U+FFFD, finished the sample with "stop" and cut its text."""
+    tok = _byte_fallback()
+    out = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "日".encode() + b"\x80" + "本".encode()]
+    out.append(_anchor(tok))
+    assert _ref(tok, out) == "\ufffd" * 7 + " a"
+    seq = _stop_seq(max_tokens=10, prompt=(_anchor(tok),), stop=("\u65e5\u672c",))
+    assert _emit(seq, out, tok) == [None] * len(out)
