@@ -267,7 +267,7 @@ def test_the_context_and_vocabulary_bounds_are_exact(server):
     """The bounds are exact, over HTTP and gRPC alike: a prompt plus max_tokens of exactly the context is served, a
     prompt of the whole context (no room for a token) is refused as over it, and the id equal to the vocabulary
     size is outside it (the ids are 0 .. vocab - 1), as a prompt's or a stop id. n may be max_n itself (16 here),
-    not more. A gRPC request without max_tokens generates up to the context."""
+    not more; id 0 is in the vocabulary. A gRPC request without max_tokens generates up to the context."""
     vocab = server.server.pool.info.vocab_size
     fits = list(range(10, 10 + CTX - 3))
     r = _send(server, "completions", ok_completion(M, prompt=fits, max_tokens=3, temperature=0, ignore_eos=True))
@@ -290,6 +290,12 @@ def test_the_context_and_vocabulary_bounds_are_exact(server):
     assert len(c.token_ids) == 3
     (c,) = client.batch_generate([fits], params=rollout_pb2.SamplingParams(ignore_eos=True))  # max_tokens unset (0):
     assert len(c.token_ids) == 3 and c.finish_reason == rollout_pb2.FINISH_REASON_LENGTH  # up to the context
+    # n = max_n over gRPC too, on a prompt of the vocabulary's first and last ids (id 0 is a token like any other)
+    outs = list(client.batch_generate([[0, vocab - 1]], n=16, params=rollout_pb2.SamplingParams(max_tokens=1)))
+    assert sorted(c.sample_index for c in outs) == list(range(16))
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.batch_generate([[0, 1]], n=17, params=rollout_pb2.SamplingParams(max_tokens=1)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "between 1 and 16, got 17" in e.value.details()
     for prompt, stop, words in ((full, [], f"has {CTX} tokens; the context length is {CTX}"),
                                 ([1, 2, vocab], [], "vocabulary"), ([1, 2], [vocab], "stop_token_ids")):
         with pytest.raises(grpc.RpcError) as e:
@@ -358,3 +364,27 @@ def test_a_request_the_engine_refuses_leaves_nothing_counted_on_its_replica(serv
 
     assert "prompt token ids" in server.call(refused())
     assert [r.outstanding for r in pool.replicas] == [0] * len(pool.replicas) and pool.pending_sequences == 0
+
+
+def test_a_request_the_engine_refuses_mid_call_is_invalid_argument_over_grpc(server, monkeypatch):
+    """A request past the fronts' checks that the engine refuses (InvalidRequestError: the SGLang backend's reserved
+    draft slots, a KV cache still released) is the client's error on both generation RPCs: INVALID_ARGUMENT with
+    the engine's reason; as UNKNOWN or INTERNAL a trainer would take it for a broken server.
+    (The pool's copy of the vocabulary size is raised by 10, for this test only, so that the fronts let an id the
+    engine does not have through: no real request gets past them otherwise.)"""
+    import dataclasses
+
+    pool = server.server.pool
+    vocab = pool.info.vocab_size
+    monkeypatch.setattr(pool, "_info", dataclasses.replace(pool.info, vocab_size=vocab + 10))
+    with RolloutClient(server.grpc_address, timeout_s=30) as client:
+        calls = (lambda: list(client.batch_generate([[1, 2], [1, vocab]], params=rollout_pb2.SamplingParams(
+                     max_tokens=2))),
+                 lambda: client.generate([1, vocab], n=2, params=rollout_pb2.SamplingParams(max_tokens=2)))
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+            assert "prompt token ids" in e.value.details(), e.value.details()
+        monkeypatch.undo()
+        assert len(client.generate([1, vocab - 1], n=2, params=rollout_pb2.SamplingParams(max_tokens=2))) == 2
