@@ -72,7 +72,11 @@ def test_a_server_at_its_limit_answers_429_and_resource_exhausted_and_serves_onc
             with pytest.raises(grpc.RpcError) as err:
                 c.generate("1+2=", n=3, params=rollout_pb2.SamplingParams(max_tokens=4))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-            assert _rejected(base, "overloaded") == before + 3
+            with pytest.raises(grpc.RpcError) as err:  # the trainer's streaming call alike (it was UNKNOWN)
+                list(c.batch_generate(["1+2=", "3+4="], n=2, params=rollout_pb2.SamplingParams(max_tokens=4)))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert "6 sequences pending" in err.value.details(), err.value.details()
+            assert _rejected(base, "overloaded") == before + 4
         finally:
             os.kill(pid, signal.SIGCONT)
         first.join(120)
