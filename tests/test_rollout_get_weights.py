@@ -22,7 +22,7 @@ import torch
 
 from rollout_helpers import ServerThread, tiny_checkpoint
 from tlt.services.rollout.client import RolloutClient
-from tlt.v1 import rollout_pb2
+from tlt.v1 import common_pb2, rollout_pb2
 
 TOKEN = "get-weights-token"
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -70,6 +70,10 @@ def test_get_weights_serves_the_latest_policy_to_the_token_holder(model_dir, ori
             client.stub.GetWeights(rollout_pb2.GetWeightsRequest(names=[EMBED]), timeout=30,
                                    metadata=(("authorization", f"Bearer {TOKEN}"),)).__next__()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # no kind
+        with pytest.raises(grpc.RpcError) as e:  # no name: a caller's bug, not an empty answer it takes for "none"
+            client.stub.GetWeights(rollout_pb2.GetWeightsRequest(kind=common_pb2.WEIGHT_KIND_POLICY), timeout=30,
+                                   metadata=(("authorization", f"Bearer {TOKEN}"),)).__next__()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least one tensor name" in e.value.details()
 
         for token in ("", "wrong-token"):  # control plane: no token, a wrong token -> refused
             with RolloutClient(s.grpc_address, control_token=token, timeout_s=30) as other:
