@@ -70,7 +70,8 @@ def grew(before: dict, after: dict, name: str, **labels: str) -> float:
 def test_batch_generate_counts_its_tokens_and_the_call(server, grpc_client):
     """A BatchGenerate of 3 prompts x 3 and a Generate of 1 prompt x 2: the prompt counter grows by each prompt's
     length once (not once per sample), the generated counter by every completion's length, and each call counts
-    once under its method with code OK. A refused call counts under its code, and once in rejected_total."""
+    once under its method with code OK. A refused call, of either method, counts under its code, and once in
+    rejected_total."""
     prompts = ["1+2=", "12+7=", [5, 6, 7, 8, 9, 10, 11]]
     params = rollout_pb2.SamplingParams(temperature=1.0, seed=7, max_tokens=12)
     before = scrape(server)
@@ -82,13 +83,17 @@ def test_batch_generate_counts_its_tokens_and_the_call(server, grpc_client):
     with pytest.raises(grpc.RpcError) as e:
         grpc_client.generate("3+4=", n=9, params=params)  # over max_n
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:  # the trainer's streaming call alike
+        list(grpc_client.batch_generate(["3+4="], n=9, params=params))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = scrape(server)
     assert grew(before, after, PROMPT) == sum(per_prompt.values()) + len(single[0].prompt_token_ids)
     assert grew(before, after, GENERATED) == sum(len(o.token_ids) for o in [*outs, *single]) > 0
     assert grew(before, after, CALLS, method="BatchGenerate", code="OK") == 1
     assert grew(before, after, CALLS, method="Generate", code="OK") == 1
     assert grew(before, after, CALLS, method="Generate", code="INVALID_ARGUMENT") == 1
-    assert grew(before, after, "rollout_rejected_total", reason="invalid_request") == 1
+    assert grew(before, after, CALLS, method="BatchGenerate", code="INVALID_ARGUMENT") == 1
+    assert grew(before, after, "rollout_rejected_total", reason="invalid_request") == 2
 
 
 def test_a_cancelled_batch_generate_counts_what_it_generated(server, grpc_client):
@@ -124,6 +129,47 @@ def test_a_cancelled_batch_generate_counts_what_it_generated(server, grpc_client
     assert grew(before, after, PROMPT) == len(prompt)
     assert grew(before, after, CALLS, method="BatchGenerate", code="OK") == 0
 
+
+def test_a_batch_generate_past_its_deadline_counts_as_deadline_exceeded_and_stops_generating(server, grpc_client):
+    """A trainer's call that outlives its deadline is not one its client cancelled: it counts under
+    code="DEADLINE_EXCEEDED" (counted as CANCELLED, an operator looking for calls timing out found none), and its
+    sequences are aborted at the engine, not decoded to max_tokens for nobody."""
+    params = rollout_pb2.SamplingParams(temperature=1.0, seed=5, max_tokens=240, ignore_eos=True)
+    req = rollout_pb2.BatchGenerateRequest(n=4, params=params, prompts=[rollout_pb2.Prompt(text="1+2=")])
+    pool = server.server.pool
+    before = scrape(server)
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_client.stub.BatchGenerate(req, timeout=0.3))  # 4 x 240 tokens take seconds here
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while not grew(before, after := scrape(server), CALLS, method="BatchGenerate", code="DEADLINE_EXCEEDED"):
+        assert time.monotonic() < deadline, "the call was never counted as DEADLINE_EXCEEDED"
+        time.sleep(0.05)
+    while pool.replicas[0].outstanding:  # until the abort reached the engine
+        assert time.monotonic() < deadline, "the expired call's sequences were never aborted"
+        time.sleep(0.05)
+    after = scrape(server)
+    assert grew(before, after, CALLS, method="BatchGenerate", code="CANCELLED") == 0
+    assert grew(before, after, CALLS, method="BatchGenerate", code="OK") == 0
+    assert grew(before, after, GENERATED) < 4 * 240  # aborted, not decoded to the end
+
+
+def test_a_call_that_fails_inside_the_server_counts_as_unknown(server, grpc_client, monkeypatch):
+    """An exception no handler maps (a bug, a replica's pipe broken mid-query) reaches the client as UNKNOWN and
+    counts under code="UNKNOWN"; counted as OK, a failing server looked healthy on its dashboards. (The real pool's
+    snapshot is replaced by one that raises, for this one call: no request makes the real server fail so.)"""
+    async def broken():
+        raise RuntimeError("the replica's pipe broke")
+
+    before = scrape(server)
+    monkeypatch.setattr(server.server.pool, "snapshot", broken)
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_client.status()
+    monkeypatch.undo()
+    assert e.value.code() == grpc.StatusCode.UNKNOWN
+    after = scrape(server)
+    assert grew(before, after, CALLS, method="GetStatus", code="UNKNOWN") == 1
+    assert grew(before, after, CALLS, method="GetStatus", code="OK") == 0
 
 def test_the_counters_help_says_what_they_count(server):
     text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics", timeout=30).text
