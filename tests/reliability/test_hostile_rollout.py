@@ -266,6 +266,8 @@ def test_bad_weight_pushes_are_refused_whole(server, client, baseline, model_dir
         "two_manifests": [rollout_pb2.WeightChunk(manifest=good_m)] + chunks(good_m, good_p),
         "empty_stream": [],
         "no_kind": chunks(no_kind, good_p),
+        # a small manifest, then more data than max_weight_bytes: refused once past it, not buffered to the end
+        "overlong": chunks(good_m, good_p) + [rollout_pb2.WeightChunk(data=bytes(1 << 20))] * (MAX_WEIGHT_BYTES >> 20),
         "drafter_into_policy_names": chunks(*pack_state_dict(weights, common_pb2.WEIGHT_KIND_DRAFTER, v)),
     }
     before = sum(rejected(server, r) for r in ("weights_invalid", "weights_too_large", "weights_rejected"))
@@ -279,6 +281,8 @@ def test_bad_weight_pushes_are_refused_whole(server, client, baseline, model_dir
         assert (now.policy, now.drafter) == (versions.policy, versions.drafter), name
     after = sum(rejected(server, r) for r in ("weights_invalid", "weights_too_large", "weights_rejected"))
     assert after - before == len(cases), answers
+    assert answers["no_kind"] == "manifest kind must be POLICY or DRAFTER", answers  # its reason, not a later one
+    assert answers["overlong"] == f"weight stream is over max_weight_bytes={MAX_WEIGHT_BYTES}", answers
     still_same(server, client, baseline)
     assert client.update_weights(weights, "policy", v).ok  # the same stream, intact, is applied
     assert client.status().versions.policy == v
