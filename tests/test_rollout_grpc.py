@@ -177,6 +177,8 @@ def test_replica_death_moves_its_requests_and_the_other_keeps_serving(server, cl
 
     st = client.status()
     assert [(r.replica_id, r.alive) for r in st.replicas] == [(0, True), (1, False)]
+    # a dead replica says DRAINING (what its capacity events say), not UNSPECIFIED, a state no client handles
+    assert [r.state for r in st.replicas] == [common_pb2.REPLICA_STATE_IDLE, common_pb2.REPLICA_STATE_DRAINING]
     got = list(client.batch_generate(["5+5=", "6+6="], n=2, params=rollout_pb2.SamplingParams(max_tokens=4)))
     assert len(got) == 4 and {c.replica_id for c in got} == {0}
     # a dead replica's gauges say it runs nothing (its last scrape's running count and SD state stayed on show)
@@ -263,6 +265,36 @@ def test_unset_sampling_fields_take_the_openai_defaults():
     assert (got.temperature, got.top_k, got.seed, got.max_tokens) == (0.0, 3, 0, 5)
 
 
+
+def test_status_names_a_push_dtype_only_when_every_tensor_has_it():
+    """GetStatus.dtype is the dtype every pushed policy tensor must have (the trainer checks its push_dtype against
+    it before its first step). A model whose tensors differ (fp32 norms beside bf16 weights) has no such dtype: it
+    says "", not one of them picked at random, which refused a valid trainer or passed one every push fails."""
+    from types import SimpleNamespace
+
+    from tlt.services.rollout.grpc_api import push_dtype
+
+    def info(*dtypes: str) -> SimpleNamespace:
+        return SimpleNamespace(expected_weights={f"w{i}": ((4,), d) for i, d in enumerate(dtypes)})
+
+    assert push_dtype(info("bfloat16", "bfloat16")) == "bfloat16"
+    assert push_dtype(info("bfloat16", "float32", "bfloat16")) == ""
+    assert push_dtype(info()) == "" and push_dtype(SimpleNamespace()) == ""  # nothing known yet
+
+
+def test_status_spec_says_off_without_a_decoder_and_accept_len_per_sequence():
+    """GetStatus's speculative-decoding view: a replica with no decoder attached (empty stats) says mode "off" (a
+    dashboard told "unknown" could not tell it from a broken export), and an arm's accept_len is tokens per
+    sequence per verify step (the decoder's own definition, spec/decoder.py), not per batched verify step: 2 verify
+    steps of 2 sequences each emitting 12 tokens is 3.0, not 6.0. (A stats dict of the decoder's shape, hand-made:
+    the tiny test server's lone sequences make the two equal.)"""
+    from tlt.services.rollout.grpc_api import spec_status
+
+    assert spec_status({}).mode == "off" and spec_status({}, "adaptive").mode == "off"
+    st = spec_status({"mode": "static", "arms": {"4_2_8": {"verify_steps": 2, "seq_steps": 4, "emitted": 12},
+                                                 "2_1_2": {"verify_steps": 0, "seq_steps": 0, "emitted": 0}}})
+    assert [(a.arm, a.steps, a.accept_len) for a in st.arms] == [("4_2_8", 2, 3.0), ("2_1_2", 0, 0.0)]
+
 def test_generate_lists_samples_that_finish_out_of_order_by_index(server, client):
     """Generate's completions come sorted by sample_index even when the samples finish out of order (each stops
     at the first of a third of the vocabulary it draws): `completions[i]` is sample i."""
@@ -271,6 +303,10 @@ def test_generate_lists_samples_that_finish_out_of_order_by_index(server, client
                                         stop_token_ids=list(range(3, vocab, 3))[:1024])
     res = client.generate("1+1=", n=6, params=params)
     assert [c.sample_index for c in res] == list(range(6))
+    # a sample that ended early stopped (FINISH_REASON_STOP: what a trainer tells from a truncated one), else LENGTH
+    stopped = [len(c.token_ids) < 24 or c.token_ids[-1] in params.stop_token_ids for c in res]
+    assert [c.finish_reason for c in res] == [rollout_pb2.FINISH_REASON_STOP if s else rollout_pb2.FINISH_REASON_LENGTH
+                                              for s in stopped]
     lengths = [len(c.token_ids) for c in res]
     assert lengths != sorted(lengths), lengths  # they finished out of index order: else this test could not fail
 
@@ -294,3 +330,21 @@ def test_each_completion_carries_its_own_prompt_s_reference(client):
     outs = list(client.batch_generate(["1+1=", [5, 6, 7], "3+3="], n=2, references=list(refs.values()),
                                       params=rollout_pb2.SamplingParams(max_tokens=2)))
     assert sorted((c.prompt_index, c.reference) for c in outs) == sorted((i, r) for i, r in refs.items() for _ in "ab")
+
+
+def test_two_batches_with_one_batch_id_run_side_by_side(server, client):
+    """`batch_id` is the caller's label (a trainer's step), not a key: a step retried under the same id while its
+    first stream still runs (a client that timed out and asked again) must be served, not refused as 'request id
+    already in flight' (the pool's request ids were the batch id's, with nothing to tell the two calls apart)."""
+    params = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True, seed=2)
+    first: list = []
+    t = threading.Thread(target=lambda: first.extend(client.batch_generate(["1+2=", "3+4="], params=params,
+                                                                          batch_id="step-7")))
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.server.pool.pending_sequences < 2:
+        assert time.monotonic() < deadline, "the first batch never reached the replicas"
+        time.sleep(0.005)
+    again = list(client.batch_generate(["5+6="], params=rollout_pb2.SamplingParams(max_tokens=2), batch_id="step-7"))
+    t.join(60)
+    assert len(again) == 1 and len(first) == 2 and all(len(c.token_ids) == 120 for c in first)
