@@ -227,6 +227,37 @@ def test_a_stream_never_sends_text_it_holds_back():
     assert stream.finish(" the it") == " the it"
 
 
+def test_a_stream_holds_back_as_much_as_its_longest_stop_string_may_have_begun():
+    """With several stop strings the stream holds back len(longest) - 1 characters: holding back for the shortest
+    (".": nothing) sent " go STOP her", the start of " STOP here", which the engine's text then cuts, so the
+    client kept text the completion does not have (and the last chunk could add nothing)."""
+    from tlt.services.rollout.openai_convert import TextStream
+
+    tok = _BytePieces({1: b" go", 2: b" STOP", 3: b" her", 4: b"e"})
+    stream = TextStream(tok, (".", " STOP here"))
+    sent = "".join(stream.push([t]) for t in (1, 2, 3))
+    assert sent == " go"  # 12 characters, 9 held back
+    assert stream.finish(" go") == ""
+
+
+def test_a_streamed_completion_decodes_after_the_prompt_as_the_engine_does():
+    """A completions stream decoded its tokens without the prompt's last tokens: a SentencePiece decoder's strip
+    took the output's leading space, the stream sent "Observation" where the completion's text reads
+    " Observation", and the last chunk could not follow it (the client's text lost its tail)."""
+    from tlt.services.rollout.engine.detok import continuation_text
+    from tlt.services.rollout.openai_convert import CompletionChoiceStream
+    from tlt.services.rollout.types import CompletionOutput, StepOutput, Versions
+
+    tok = _sentencepiece_tokenizer()
+    prompt, out = (2, 3, 4), [6, 7, 5]
+    final = continuation_text(tok, prompt, out)
+    stream = CompletionChoiceStream(tok, (), None, prompt=prompt)
+    parts = [stream.push(StepOutput("r", 0, [t])) for t in out[:-1]]
+    c = CompletionOutput("r", 0, list(prompt), out, final, FinishReason.LENGTH, Versions())
+    parts.append(stream.finish(c))
+    assert [text for text, _ in parts] == [" Observation", ":", " Paris"]
+
+
 def test_a_bpe_tokenizer_is_not_cleaned_up_as_transformers_does_not_clean_it():
     # transformers 5 skips clean_up_tokenization_spaces for a BPE model (it would corrupt BPE text): cleaning it
     # here found stop strings in text the completion would not hold
