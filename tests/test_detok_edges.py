@@ -529,3 +529,21 @@ def test_a_byte_run_a_stray_byte_broke_holds_no_characters_for_the_stop_check():
     assert _ref(tok, out) == "\ufffd" * 7 + " a"
     seq = _stop_seq(max_tokens=10, prompt=(_anchor(tok),), stop=("\u65e5\u672c",))
     assert _emit(seq, out, tok) == [None] * len(out)
+
+
+def test_a_chunk_whose_text_comes_from_tokens_already_sent_carries_no_logprobs():
+    """A held-back stop-string tail goes out with a later step whose own token's text is still held: that chunk
+    has no token to carry, and its logprobs are null (as a chunk without logprobs), not empty lists (a chat
+    `content: []`, a completions object of four empty lists) that a client reads as a position with no token."""
+    tok = _byte_level_pieces(b"i", b" hello world", b" x")
+    out = [2, 3, 3, 3]
+    text = tok.decode(out)
+    chat = ChatChoiceStream(tok, 0, ("zzzz",), None, logprobs=True, prompt=(1,))
+    comp = CompletionChoiceStream(tok, ("zzzz",), 0, prompt=(1,))
+    steps = [StepOutput("r", 0, [t], [-0.5]) for t in out[:-1]]
+    chunks = [ch for s in steps for ch in chat.push(s)]
+    parts = [comp.push(s) for s in steps]
+    assert [ch.delta.content for ch in chunks] == [t for t, _ in parts] == [" hello wo", "rl", "d "]
+    assert [len(ch.logprobs.content) if ch.logprobs else None for ch in chunks] == [1, None, 1]
+    assert [len(lp.tokens) if lp else None for _, lp in parts] == [1, None, 1]
+    assert "".join(ch.delta.content or "" for ch in chunks + chat.finish(_completion(tok, out, text))) == text
