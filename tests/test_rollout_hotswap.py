@@ -491,3 +491,7 @@ def test_a_refused_push_reports_the_version_served_only_for_the_kind_it_pushed(m
         with pytest.raises(WeightPushError, match="drafter") as e:
             c.update_weights({"fc.weight": torch.zeros(4, 4)}, kind="drafter", version=1)
         assert e.value.serving_version == -1
+        # a stream of exactly max_weight_bytes (32 x 32 float32 = 4096) is read whole: refused for its kind alone
+        with pytest.raises(WeightPushError, match="drafter") as e:
+            c.update_weights({"fc.weight": torch.zeros(32, 32)}, kind="drafter", version=1)
+        assert "max_weight_bytes" not in str(e.value) and e.value.serving_version == -1
