@@ -145,6 +145,24 @@ def test_with_redispatch_limit_0_a_dead_replicas_request_fails_as_before(model_d
             _kill_after_first(s, c, SEEDED)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "died" in err.value.details(), err.value
         assert s.server.pool.redispatches == 0
+        # a Generate alike: UNAVAILABLE (what a caller retries on), not INTERNAL or UNKNOWN
+        pool, result = s.server.pool, {}
+
+        def generate() -> None:
+            try:
+                result["outs"] = c.generate("1+2=", n=2, params=LONG)
+            except grpc.RpcError as e:
+                result["error"] = e
+
+        t = threading.Thread(target=generate, daemon=True)
+        t.start()
+        _wait(lambda: any(r.outstanding for r in pool.replicas), "the Generate never reached a replica", 30)
+        busy = next(i for i, r in enumerate(pool.replicas) if r.outstanding)
+        os.kill(s.server.replica_pids()[busy], signal.SIGKILL)
+        t.join(60)
+        err = result.get("error")
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, result
+        assert "died" in err.details(), err.details()
 
 
 def _batch_in_thread(c: RolloutClient, params: rollout_pb2.SamplingParams) -> tuple[threading.Thread, dict]:
