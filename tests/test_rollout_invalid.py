@@ -369,7 +369,7 @@ def test_a_request_the_engine_refuses_leaves_nothing_counted_on_its_replica(serv
 def test_a_request_the_engine_refuses_mid_call_is_invalid_argument_over_grpc(server, monkeypatch):
     """A request past the fronts' checks that the engine refuses (InvalidRequestError: the SGLang backend's reserved
     draft slots, a KV cache still released) is the client's error on both generation RPCs: INVALID_ARGUMENT with
-    the engine's reason; as UNKNOWN or INTERNAL a trainer would take it for a broken server.
+    the engine's reason (over HTTP a 400); as UNKNOWN, INTERNAL or a 500 a client would take it for a broken server.
     (The pool's copy of the vocabulary size is raised by 10, for this test only, so that the fronts let an id the
     engine does not have through: no real request gets past them otherwise.)"""
     import dataclasses
@@ -386,5 +386,7 @@ def test_a_request_the_engine_refuses_mid_call_is_invalid_argument_over_grpc(ser
                 call()
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
             assert "prompt token ids" in e.value.details(), e.value.details()
+        r = _send(server, "completions", ok_completion(server.model_name, prompt=[1, vocab], max_tokens=2))
+        assert r.status_code == 400 and "prompt token ids" in r.json()["error"]["message"], r.text  # HTTP: a 400
         monkeypatch.undo()
         assert len(client.generate([1, vocab - 1], n=2, params=rollout_pb2.SamplingParams(max_tokens=2))) == 2
