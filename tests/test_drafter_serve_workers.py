@@ -37,9 +37,16 @@ def test_each_worker_gets_its_replica_and_an_id_of_its_own() -> None:
     assert env["TLT_DIE_WITH_PARENT"] == str(os.getpid())
 
 
+def _default_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _ended_by(sig: int) -> subprocess.Popen:
-    """A real process that `sig` ended, as the OOM killer (SIGKILL) or a stop (SIGTERM, Ctrl-C's SIGINT) ends one."""
-    p = subprocess.Popen(["sleep", "30"])
+    """A real process that `sig` ended, as the OOM killer (SIGKILL) or a stop (SIGTERM, Ctrl-C's SIGINT) ends one.
+    Its SIGINT and SIGTERM are set to their defaults: a test run started in the background by a non-interactive shell
+    (`make test &`, nohup) hands its children SIGINT ignored, and `sleep` then outlived the SIGINT by 30 s."""
+    p = subprocess.Popen(["sleep", "30"], preexec_fn=_default_stop_signals)
     p.send_signal(sig)
     p.wait(10)
     return p
