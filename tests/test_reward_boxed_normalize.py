@@ -2,7 +2,8 @@ r"""`\boxed{}` normalisation (services/reward/boxed.py) on answers graded wrong 
 
 `\left.`/`\right.` (an empty delimiter) left a '.', so `\left. 5 \right.` read as 0.5; `+1,000` kept its
 separator; a U+2212 minus was not a minus; `2, 300` (a list) read as 2300; a hedge in words after a number
-(`12\text{ or thirteen}`) was dropped as if it were a unit. Pure functions: nothing to fake.
+(`12\text{ or thirteen}`) was dropped as if it were a unit; `\boxed{{5}}` (braces around the whole answer,
+which typeset as nothing) read as `{5}`, no number. Pure functions: nothing to fake.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from tlt.services.reward.verifiers import math_verifier
     (r"so \boxed A.", "A", True),  # no braces: TeX skips the space after the command word, the next token is it
     (r"\boxed{+-7}", "-7", False),  # `+-` is no one sign (the task's verifier reads no number in it either)
     (r"\boxed{+7}", "7", True),
+    (r"\boxed{{5}}", "5", True),  # braces around the whole answer typeset as nothing: it is 5
+    (r"\boxed{{{\frac{1}{2}}}}", "0.5", True),
+    (r"\boxed{x = {7}.}", "7", True),
+    (r"\boxed{\{5\}}", "5", False),  # escaped braces are a set's, not a group's
 ])
 def test_normalisation_grades_these_answers(completion, reference, right) -> None:
     assert math_verifier("", completion, reference) is right
@@ -44,6 +49,7 @@ def test_the_normal_forms() -> None:
     assert normalize("+1,000") == "1000" and normalize("\u22123") == "-3"
     assert normalize("2, 300") == "2,300" and not equivalent("2, 300", "2300")
     assert normalize("x==5") == "x==5" and normalize("x=5") == "5"  # `==` compares: no `x =` to drop
+    assert normalize("{1}/{2}") == "{1}/{2}" and normalize("{x}+{y}") == "{x}+{y}"  # two groups: not one around all
 
 
 @pytest.mark.parametrize("word", ["or", "and", "to", "than", "more", "less", "at", "least", "most", "about", "approx",
