@@ -95,7 +95,7 @@ def test_a_stale_rollout_is_dropped_before_any_of_it_is_scored(random_model_dir,
 
 
 def test_a_stale_rollout_that_no_push_can_mend_fails_at_its_first_completion(server, reward_server) -> None:
-    """No repush (ZeRO-3 with several ranks): the step fails with StaleWeightsError, as before, but without scoring
+    """No repush (a VersionGuard given none): the step fails with StaleWeightsError, as before, but without scoring
     the rollout first (before: all 16 scored, ITEM_S x 16 / WORKERS = 0.8 s of the reward server's time)."""
     from tlt.services.rollout.client import RolloutClient
     from tlt.services.trainer.rewards import GrpcRewards

@@ -18,6 +18,10 @@ step's scored completions and every rank trains on its share (step.py).
 Under ZeRO-3 (parameters partitioned) reading the whole weights is a
 collective: every rank takes part in each push's gather and in the final
 export (Policy.save_pretrained), and rank 0 alone sends / writes them.
+A rollout server restarted mid-run needs the weights again while rank 0
+is rolling out or evaluating: the other ranks then wait in a broadcast
+(the step's rollout, or the end of the step's eval, `_meet`), and rank 0
+calls them into the gather through it (`GATHER`, `_follow`).
 
 Exactly-once bookkeeping: a step's metrics line is written before its
 checkpoint; on resume from the checkpoint after k steps, lines of steps >= k
@@ -106,6 +110,39 @@ def push_tensors(policy):  # noqa: ANN001, ANN201
     return policy_tensors(policy.module, resolve_dtype(policy.cfg.push_dtype, policy.bf16))
 
 
+# What rank 0 broadcasts, under ZeRO-3 with several ranks, to the other ranks waiting on its rollout or eval: GATHER
+# (join a gather of the weights: a restarted rollout server is pushed them again), then DONE after an eval.
+GATHER, DONE = "tlt:gather-the-weights", "tlt:eval-done"
+
+
+def _gathered_by_every_rank(policy):  # noqa: ANN001, ANN202
+    """Rank 0, mid-rollout or mid-eval: the weights for a repush, every other rank called into the gather."""
+    from tlt.services.trainer.distributed import broadcast
+
+    broadcast(GATHER)
+    return push_tensors(policy)
+
+
+def _follow(policy, value):  # noqa: ANN001, ANN202
+    """The other ranks, given rank 0's broadcast `value`: join each gather it calls for until it sends another."""
+    from tlt.services.trainer.distributed import broadcast
+
+    while isinstance(value, str) and value == GATHER:
+        push_tensors(policy)  # this rank's part; rank 0 keeps the tensors and pushes them
+        value = broadcast(None)
+    return value
+
+
+def _meet(policy, services) -> None:  # noqa: ANN001
+    """After rank 0's eval (which may have repushed), under ZeRO-3 with several ranks: every rank on together."""
+    from tlt.services.trainer.distributed import broadcast
+
+    if services is not None:
+        broadcast(DONE)
+    elif (done := _follow(policy, broadcast(None))) != DONE:
+        raise RuntimeError(f"rank 0 sent {done!r} where the end of its eval was due: the ranks are out of step")
+
+
 def train(cfg: TrainerConfig) -> TrainSummary:
     from tlt.services.trainer.checkpoint import CheckpointManager
     from tlt.services.trainer.data import PromptSampler, trainer_prompts
@@ -143,18 +180,22 @@ def train(cfg: TrainerConfig) -> TrainSummary:
             if services:
                 services.publisher.push(tensors, policy.version)
             del tensors
-        if services and (not policy.gathers or world_size() == 1):  # rank 0 can read the weights alone
-            services.allow_repush(lambda: push_tensors(policy))
+        together = policy.gathers and world_size() > 1  # reading the weights is a collective of every rank
+        if services:  # a rollout server restarted mid-run gets the weights again
+            services.allow_repush(lambda: _gathered_by_every_rank(policy) if together else push_tensors(policy))
         if services and start == 0:
             services.evaluate(0, policy.version)
+        if together:
+            _meet(policy, services)
         for step in range(start, cfg.steps):
             t_step, t_wall = time.perf_counter(), time.time()
             prompts = sampler.next_batch(cfg.prompts_per_step)
             more = lambda: sampler.next_batch(cfg.prompts_per_step)  # noqa: E731 - dynamic sampling's next round
             rollout = services.rollout(prompts, step, policy.version, more) if services else None
             rollout = broadcast(rollout)
-            if services is None:  # the other ranks' samplers move on as rank 0's did (their checkpoints agree)
-                for _ in range(rollout.rounds - 1):
+            if services is None:
+                rollout = _follow(policy, rollout)  # a repush mid-rollout: each gather rank 0 called for first
+                for _ in range(rollout.rounds - 1):  # the samplers move on as rank 0's did (their checkpoints agree)
                     more()
             if rollout.selection is not None:
                 prompts = rollout.selection.prompts
@@ -179,6 +220,8 @@ def train(cfg: TrainerConfig) -> TrainSummary:
                 services.evaluate(done, policy.version)
             elif policy.gathers and cfg.weight_push != "none":
                 push_tensors(policy)  # ZeRO-3: this rank's part of the gather rank 0 pushes (it keeps nothing)
+            if together:
+                _meet(policy, services)
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 ckpt.save(policy, sampler, done)
         steps_done = max(start, cfg.steps)
@@ -334,8 +377,8 @@ class _Services:
         return self._blocked
 
     def allow_repush(self, tensors) -> None:  # noqa: ANN001 - () -> the weights as pushed
-        """A rollout server restarted mid-run gets the weights again instead of ending the run (VersionGuard);
-        only where rank 0 can read them alone (not under ZeRO-3 with several ranks)."""
+        """A rollout server restarted mid-run gets the weights again instead of ending the run (VersionGuard).
+        Under ZeRO-3 with several ranks `tensors` calls the other ranks into the gather (`_gathered_by_every_rank`)."""
         if self.guard is not None:
             self.guard.repush = lambda behind, version: self.publisher.push(tensors(), version, clients=behind)
 

@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
             traceback.print_exception(e.__cause__)
         get_logger("trainer").error("train_failed", error=str(e))
         return 1
-    except StaleWeightsError as e:  # another trainer pushed to the server; or it restarted where no second push could
+    except StaleWeightsError as e:  # another trainer pushed to the server; or a second push did not mend it
         get_logger("trainer").error("train_failed", error=str(e), hint="the rollout server's weights are not this "
-                                    "trainer's (another trainer pushing to it, or a server restarted that the trainer "
-                                    "could not push to again: ZeRO-3 on several ranks); run the same command again: "
+                                    "trainer's (another trainer pushing to it, or a restarted server still stale after "
+                                    "the trainer pushed to it again); run the same command again: "
                                     "the trainer resumes from its checkpoint and pushes its weights first")
         return 1
     except WeightPushError as e:  # refused: too large, another model's tensors, a replica down; the message says which

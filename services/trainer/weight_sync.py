@@ -201,9 +201,9 @@ class VersionGuard:
     speculation).
     The result kept counts the dropped rollout (and the attempts it had redone itself) in its retries, and the
     time until the second began, the push included, in its rollout_s and rollout_retry_s.
-    StaleWeightsError otherwise: no `repush` (under ZeRO-3 with several ranks reading the weights is a collective
-    that rank 0 cannot start alone), a server serving a newer version (another trainer pushes to it), or a rollout
-    still stale after the second push."""
+    StaleWeightsError otherwise: no `repush`, a server serving a newer version (another trainer pushes to it), or a
+    rollout still stale after the second push. (Under ZeRO-3 with several ranks the trainer's `repush` calls the
+    other ranks into the gather: loop.GATHER.)"""
 
     def __init__(self, clients: Sequence, repush: Callable[[list, int], object] | None = None) -> None:
         self.clients, self.repush = list(clients), repush
