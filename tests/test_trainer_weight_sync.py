@@ -106,6 +106,37 @@ def test_a_fresh_trainer_pushes_its_weights_to_a_rollout_started_from_another_ch
             assert greedy(client, prompt) == (want, int(pushes))
 
 
+def test_a_fresh_zero3_trainer_pushes_to_a_rollout_started_from_another_checkpoint_too(random_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Under ZeRO-3 each parameter is a partition ([0]-shaped outside a forward) and the probes were never read: the
+    sync pushed nothing at a fresh start, so the step-0 eval and rollout came from the other model. Now every rank
+    gathers the two probes (probe_values, a collective; one rank here) and the sync compares them as at stage 0."""
+    from transformers import AutoModelForCausalLM
+
+    import tlt.services.trainer.policy as policy_mod
+    from tlt.model.testing import random_checkpoint
+    from tlt.services.rollout.client import RolloutClient
+    from tlt.services.trainer.loop import probe_values, sync_weights
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(policy_mod, "ZERO3_OPTIONS", {"stage3_param_persistence_threshold": 0}, raising=False)
+    other = random_checkpoint(tmp_path / "other", family="qwen2", seed=5)
+    policy = Policy(TrainerConfig(model_dir=str(random_model_dir), prompts_per_step=1, n_samples=4,
+                                  mini_batch_size=4, micro_batch_size=4, zero_stage=3))
+    assert policy.gathers and all(p.numel() == 0 for p in policy.module.parameters())  # nothing readable alone
+    start = AutoModelForCausalLM.from_pretrained(random_model_dir, local_files_only=True).eval()
+    probes = probe_values(policy)
+    assert len(probes) == 2 and all(torch.equal(t, start.state_dict()[n]) for n, t in probes.items())
+    prompt = [5, 6, 7, 8]
+    want = hf_greedy(start, prompt)
+    for served, pushes in ((random_model_dir, False), (other, True)):
+        with ServerThread(served, replicas=1) as server, RolloutClient(server.grpc_address) as client:
+            policy.version = 0
+            sync_weights(policy, WeightPublisher([client]), [client])
+            assert policy.version == int(pushes) and client.status().versions.policy == int(pushes)
+            assert greedy(client, prompt) == (want, int(pushes))
+
+
 def test_check_versions():
     check_versions([3, 3, 3], 3)
     with pytest.raises(StaleWeightsError, match=r"version\(s\) \[2\] but version 3 was pushed"):

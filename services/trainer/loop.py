@@ -62,14 +62,20 @@ class TrainSummary:
     output_dir: str
 
 
-def sync_version(policy, clients) -> bool:  # noqa: ANN001
+def sync_version(policy, clients, probes: dict | None = None) -> bool:  # noqa: ANN001
     """Before the first rollout (rank 0): True when the rollout servers must get the trainer's weights pushed,
-    under `policy.version`, raised here past every server's own version."""
+    under `policy.version`, raised here past every server's own version. `probes`: `probe_values(policy)`, which
+    under ZeRO-3 every rank must have gathered together before (else read here)."""
     serving = [c.status().versions.policy for c in clients]
     if all(v == policy.version for v in serving):
         # a resume that pushed this very version; or a fresh start (both 0), where equal versions prove nothing: a
         # rollout started from another checkpoint of the same shapes would sample every rollout from that model
-        if policy.version > 0 or policy.gathers or all(_serves_these_weights(policy, c) for c in clients):
+        if policy.version > 0:
+            return False
+        if probes is None and policy.gathers:  # not gathered: unknown, as before session 55
+            return False
+        probes = probes if probes is not None else probe_values(policy)
+        if all(_serves_these_weights(probes, c) for c in clients):
             return False
         log.warning("rollout_serves_other_weights", action="pushing the trainer's weights before the first rollout")
     # Servers refuse a version not newer than their own, and one server may lag the others (restarted).
@@ -77,29 +83,46 @@ def sync_version(policy, clients) -> bool:  # noqa: ANN001
     return True
 
 
-def _serves_these_weights(policy, client) -> bool:  # noqa: ANN001
-    """Whether the rollout's start checkpoint holds the trainer's weights, by two probes: its smallest matrix and
-    smallest vector (a few MB for a 7B model), compared exactly in the dtype the rollout serves them in. Not under
-    ZeRO-3 (the caller skips it: reading a partitioned weight is a collective of every rank)."""
+def probe_values(policy) -> dict:  # noqa: ANN001
+    """The policy's smallest matrix and smallest vector (a few MB for a 7B model) by name, on CPU: what the startup
+    sync compares with a rollout's start checkpoint. Under ZeRO-3 (shapes read from `ds_shape`) the two are gathered:
+    a collective, every rank calls it."""
+    import math
+
+    from tlt.services.trainer.weight_sync import partitioned
+
+    params = dict(policy.module.named_parameters())
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in params.items()}
+    names = [min((math.prod(s), n) for n, s in shapes.items() if len(s) == dim)[1] for dim in (2, 1)
+             if any(len(s) == dim for s in shapes.values())]
+    if not partitioned(policy.module):
+        return {n: params[n].detach() for n in names}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=None):
+        return {n: params[n].detach().to("cpu").clone() for n in names}
+
+
+def _serves_these_weights(probes: dict, client) -> bool:  # noqa: ANN001
+    """Whether the rollout's start checkpoint holds the trainer's weights, by the `probes` (probe_values), compared
+    exactly in the dtype the rollout serves them in."""
     import grpc
     import torch
 
-    params = dict(policy.module.named_parameters())
-    probes = [min((p.numel(), n) for n, p in params.items() if p.dim() == dim)[1] for dim in (2, 1)
-              if any(p.dim() == dim for p in params.values())]
     try:
-        _, served = client.get_weights(probes)
+        _, served = client.get_weights(list(probes))
     except grpc.RpcError as e:
         if e.code() != grpc.StatusCode.NOT_FOUND:
             raise
         return False  # a tensor the rollout's model lacks: not this model (the push says what differs)
-    return all(torch.equal(served[n], params[n].detach().to("cpu", served[n].dtype)) for n in probes)
+    return all(torch.equal(served[n], t.to("cpu", served[n].dtype)) for n, t in probes.items())
 
 
 def sync_weights(policy, publisher, clients) -> None:  # noqa: ANN001
     """Make every rollout server serve the trainer's weights before the first rollout (one process; `train`
     runs the two halves itself, so that under ZeRO-3 every rank takes part in the push's gather)."""
-    if sync_version(policy, clients):
+    probes = probe_values(policy) if policy.version == 0 and getattr(policy, "gathers", False) else None
+    if sync_version(policy, clients, probes):
         publisher.push(push_tensors(policy), policy.version)
 
 
@@ -173,7 +196,9 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     services = _Services(cfg, out, start, held_out) if is_main() else None
     features = _FeatureHook(cfg.drafter_features_address, cfg.rollout_token) if cfg.drafter_features_address else None
     try:
-        synced = services.sync(policy) if services else None  # rank 0: (version, whether to push it)
+        # a fresh start compares two weights with the rollout's (sync_version): under ZeRO-3 every rank gathers them
+        probes = probe_values(policy) if policy.gathers and policy.version == 0 else None
+        synced = services.sync(policy, probes) if services else None  # rank 0: (version, whether to push it)
         policy.version, push_due = broadcast(synced)
         if push_due:  # every rank: under ZeRO-3 the gather is a collective; rank 0 sends
             tensors = push_tensors(policy)
@@ -326,8 +351,9 @@ class _Services:
             if greedy:
                 self.g_eval_greedy.set(greedy[-1])
 
-    def sync(self, policy) -> tuple[int, bool]:  # noqa: ANN001
-        """Wait for the services; (the policy version, whether the rollout needs the weights pushed first)."""
+    def sync(self, policy, probes: dict | None = None) -> tuple[int, bool]:  # noqa: ANN001
+        """Wait for the services; (the policy version, whether the rollout needs the weights pushed first).
+        `probes`: the weights sync_version compares, gathered by every rank under ZeRO-3 (probe_values)."""
         from tlt.services.trainer.weight_sync import VersionGuard, WeightPublisher, check_push_dtype
 
         import grpc
@@ -352,7 +378,7 @@ class _Services:
             check_push_dtype(self.cfg, policy.bf16, self.clients)  # a dtype the rollout refuses: now, not at step 1
             self.publisher = WeightPublisher(self.clients, self.cfg.weight_push)
             self.guard = VersionGuard(self.clients)
-            push_due = sync_version(policy, self.clients)  # first: it raises policy.version past the servers'
+            push_due = sync_version(policy, self.clients, probes)  # first: it raises policy.version past the servers'
             return policy.version, push_due
         return policy.version, False
 
