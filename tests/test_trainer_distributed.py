@@ -52,13 +52,18 @@ def _run_two_ranks(tmp_path, stage: int) -> dict:
 
 
 PRIMITIVES_SCRIPT = """
-import json, os, torch.distributed as dist
+import json, os, time, torch.distributed as dist
 from tlt.services.trainer.distributed import barrier, broadcast, init_process_group, is_main, world_size
 init_process_group("gloo")  # the launcher's variables are set: the ranks' own group, as under `deepspeed`
 rank = dist.get_rank()
 got = broadcast({{"from": rank, "prompts": list(range(3 + rank))}})
+if rank == 0:  # rank 1 reaches the barrier first; past it, it must see what rank 0 wrote before it
+    time.sleep(0.5)
+    open({out!r} + "-before-barrier", "w").write("rank 0")
 barrier()
-open({out!r} + str(rank), "w").write(json.dumps({{"main": is_main(), "world": world_size(), "got": got}}))
+seen = os.path.exists({out!r} + "-before-barrier")
+open({out!r} + str(rank), "w").write(json.dumps({{"main": is_main(), "world": world_size(), "got": got,
+                                                 "seen": seen}}))
 from tlt.services.trainer.distributed import shutdown_process_group
 shutdown_process_group()
 """
@@ -66,8 +71,9 @@ shutdown_process_group()
 
 def test_two_ranks_agree_on_the_main_rank_and_get_its_broadcast(tmp_path):
     """The primitives every multi-rank path stands on, on a real two-process gloo group (fast: no model): only rank 0
-    is main (it alone talks to the rollout, rewards and disk), each rank counts two, and what rank 0 broadcasts (its
-    collected batch) is what rank 1 gets, not rank 1's own. The slow loop tests above were the only ones to catch
+    is main (it alone talks to the rollout, rewards and disk), each rank counts two, what rank 0 broadcasts (its
+    collected batch) is what rank 1 gets, not rank 1's own, and a barrier holds rank 1 until rank 0 reaches it (the
+    checkpoints' barriers: rank 0 writes, then the others read). The slow loop tests above were the only ones to catch
     either going wrong."""
     import json
 
@@ -79,6 +85,7 @@ def test_two_ranks_agree_on_the_main_rank_and_get_its_broadcast(tmp_path):
     assert [r["main"] for r in ranks] == [True, False]
     assert [r["world"] for r in ranks] == [2, 2]
     assert [r["got"] for r in ranks] == [{"from": 0, "prompts": [0, 1, 2]}] * 2
+    assert [r["seen"] for r in ranks] == [True, True], "rank 1 went past the barrier before rank 0 reached it"
 
 
 @pytest.mark.slow  # two extra processes importing DeepSpeed: about a minute on two cores
