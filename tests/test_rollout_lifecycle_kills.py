@@ -44,3 +44,44 @@ def test_a_stalled_replica_that_is_not_restarted_is_killed_all_the_same(model_di
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(old, signal.SIGCONT)
+
+
+def test_a_push_applied_longer_than_the_stall_timeout_is_not_a_stall(model_dir):
+    """A replica applying a policy push answers once done (within `update_timeout_s`) and sends nothing meanwhile, with
+    its sequences still outstanding: the watchdog must not take that silence for a hang. Here the apply is held 4 s
+    (SIGSTOP while the push arrives, stall_timeout_s=1.5); the push lands and the replica is never killed."""
+    import threading
+
+    import safetensors.torch
+
+    original = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    changed = {"model.norm.weight": original["model.norm.weight"] * 1.25}
+    long = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=5)
+    with ServerThread(model_dir, replicas=1, max_restarts=0, stall_timeout_s=1.5, update_timeout_s=60,
+                      redispatch_limit=0) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        pool, rep = s.server.pool, s.server.pool.replicas[0]
+        outs: list = []
+        gen = threading.Thread(target=lambda: outs.extend(c.batch_generate(["1+1="], n=8, params=long)), daemon=True)
+        gen.start()
+        deadline = time.monotonic() + 30
+        while rep.outstanding == 0:
+            assert time.monotonic() < deadline, "the request never reached the replica"
+            time.sleep(0.01)
+        os.kill(rep.process.pid, signal.SIGSTOP)
+        result: list = []
+        push = threading.Thread(target=lambda: result.append(c.update_weights(changed, "policy", 1)), daemon=True)
+        try:
+            push.start()
+            while not rep.applying:
+                assert time.monotonic() < deadline, "the push never reached the replica"
+                time.sleep(0.01)
+            time.sleep(4.0)  # > stall_timeout_s, silent, with sequences outstanding, applying the push
+            assert rep.outstanding > 0, "the sequences finished before the replica was stopped: nothing was tested"
+            assert rep.alive and pool.deaths == {}, ("a replica applying a push was killed as stalled", rep.error)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rep.process.pid, signal.SIGCONT)
+        push.join(60)
+        gen.join(60)
+        assert result and result[0].ok and result[0].version == 1, result
+        assert len(outs) == 8 and pool.deaths == {}, (len(outs), pool.deaths)
