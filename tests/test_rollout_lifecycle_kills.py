@@ -85,3 +85,41 @@ def test_a_push_applied_longer_than_the_stall_timeout_is_not_a_stall(model_dir):
         gen.join(60)
         assert result and result[0].ok and result[0].version == 1, result
         assert len(outs) == 8 and pool.deaths == {}, (len(outs), pool.deaths)
+
+
+def test_a_replica_silent_a_second_past_the_stall_timeout_is_caught(model_dir):
+    """The watchdog looks every quarter of `stall_timeout_s` (at most 5 s) and kills a replica silent for longer than
+    it, not for some multiple of it: a hang of 2.5 s with stall_timeout_s=1.5 is caught before the replica resumes,
+    and its request fails as stalled (redispatch_limit=0, max_restarts=0)."""
+    import threading
+
+    long = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=5)
+    with ServerThread(model_dir, replicas=1, max_restarts=0, stall_timeout_s=1.5, redispatch_limit=0) as s, \
+            RolloutClient(s.grpc_address, timeout_s=60) as c:
+        rep = s.server.pool.replicas[0]
+        errors: list = []
+
+        def generate() -> None:
+            try:
+                list(c.batch_generate(["1+1="], n=8, params=long))
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        gen = threading.Thread(target=generate, daemon=True)
+        gen.start()
+        deadline = time.monotonic() + 30
+        while rep.outstanding == 0:
+            assert time.monotonic() < deadline, "the request never reached the replica"
+            time.sleep(0.01)
+        pid = rep.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.5)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # killed as stalled (and reaped by the forkserver)
+                os.kill(pid, signal.SIGCONT)
+        gen.join(60)
+        assert s.server.pool.deaths == {0: 1}, ("a replica silent 2.5 s was not killed (stall_timeout_s=1.5)",
+                                                s.server.pool.deaths)
+        assert errors and "stalled" in errors[0].details(), errors
+
