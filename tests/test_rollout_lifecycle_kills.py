@@ -123,3 +123,30 @@ def test_a_replica_silent_a_second_past_the_stall_timeout_is_caught(model_dir):
                                                 s.server.pool.deaths)
         assert errors and "stalled" in errors[0].details(), errors
 
+
+def _replaced_after(pool, deadline_s: float = 30) -> float:
+    """SIGKILL replica 0; the seconds until its replacement process was started."""
+    dead = pool.replicas[0]
+    os.kill(dead.process.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while pool.replicas[0] is dead:
+        assert time.monotonic() - t0 < deadline_s, "no replacement was started"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_a_dead_replica_is_restarted_after_1_s_then_2_s_in_a_row(model_dir):
+    """The restart back-off is 1 s, doubling with each restart in a row (at most 30 s): a replica that died for the
+    first time is replaced about 1 s after, neither at once (a crash loop would spin) nor after the 2 s of a second
+    restart in a row; its replacement, dead again at once, is replaced after 2 s."""
+    with ServerThread(model_dir, replicas=1, max_restarts=2) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        pool = s.server.pool
+        took = _replaced_after(pool)
+        assert 0.95 <= took < 1.9, f"the first restart started {took:.2f} s after the death (the back-off is 1 s)"
+        deadline = time.monotonic() + 120
+        while not c.status().replicas[0].alive:
+            assert time.monotonic() < deadline, "the replacement did not come up"
+            time.sleep(0.05)
+        took = _replaced_after(pool)
+        assert 1.95 <= took < 2.9, f"the second restart in a row started {took:.2f} s after the death (back-off 2 s)"
+        assert pool.restarts == {0: 2}, pool.restarts
