@@ -150,3 +150,37 @@ def test_a_dead_replica_is_restarted_after_1_s_then_2_s_in_a_row(model_dir):
         took = _replaced_after(pool)
         assert 1.95 <= took < 2.9, f"the second restart in a row started {took:.2f} s after the death (back-off 2 s)"
         assert pool.restarts == {0: 2}, pool.restarts
+
+
+def test_a_replacement_that_does_not_come_up_in_time_is_killed(model_dir):
+    """A restart gives its replacement `timeout_s` to load and get the pool's weights; one that does not (here
+    SIGSTOPped while it loads) is killed, so that its reader reports the death and `_on_dead` decides again, instead
+    of a process that holds its memory, never routed to, for the server's lifetime. The restart is called directly
+    with a 2-s timeout (300 s in service), on a replica that died with max_restarts=0."""
+    import threading
+
+    with ServerThread(model_dir, replicas=1, max_restarts=0) as s:
+        pool = s.server.pool
+        dead = pool.replicas[0]
+        os.kill(dead.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not dead.error:
+            assert time.monotonic() < deadline, "the pool never saw the replica die"
+            time.sleep(0.02)
+        restart = threading.Thread(target=lambda: s.call(pool._restart(dead, timeout_s=2.0)), daemon=True)
+        restart.start()
+        while pool.replicas[0] is dead:
+            assert time.monotonic() < deadline, "no replacement was started"
+            time.sleep(0.002)
+        new = pool.replicas[0].process.pid
+        os.kill(new, signal.SIGSTOP)
+        try:
+            restart.join(30)
+            assert not restart.is_alive(), "the restart did not give up after its timeout"
+            deadline = time.monotonic() + 10
+            while not pid_gone(new) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pid_gone(new), "a replacement that did not come up in time was left running (stopped)"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(new, signal.SIGCONT)
