@@ -41,6 +41,9 @@ def test_a_stalled_replica_that_is_not_restarted_is_killed_all_the_same(model_di
             while not pid_gone(old) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert pid_gone(old), "the stalled replica's process was declared dead but left running (stopped)"
+            time.sleep(0.5)  # its reader sees the pipe close: the death the watchdog already declared
+            assert s.server.pool.deaths == {0: 1}, ("a replica killed as stalled counted as more than one death",
+                                                    s.server.pool.deaths)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(old, signal.SIGCONT)
