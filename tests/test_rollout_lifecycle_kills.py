@@ -187,3 +187,35 @@ def test_a_replacement_that_does_not_come_up_in_time_is_killed(model_dir):
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(new, signal.SIGCONT)
+
+
+def test_a_dead_replica_s_sequences_no_longer_count_against_admission(model_dir):
+    """`max_pending_sequences` counts the sequences each replica holds; a replica that died (not restarted) holds none,
+    whatever it ran when it died. Counted on, they took the dead replica's share of the limit for the server's
+    lifetime: here a batch of 8 under a limit of 8 was refused as overloaded with the other replica idle."""
+    import threading
+
+    long = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=5)
+    with ServerThread(model_dir, replicas=2, max_restarts=0, redispatch_limit=0, max_pending_sequences=8) as s, \
+            RolloutClient(s.grpc_address, timeout_s=60) as c:
+        pool = s.server.pool
+
+        def batch() -> None:
+            with contextlib.suppress(grpc.RpcError):  # its samples on replica 1 fail (redispatch_limit=0)
+                list(c.batch_generate(["1+1=", "2+2="], n=4, params=long))
+
+        first = threading.Thread(target=batch, daemon=True)
+        first.start()
+        deadline = time.monotonic() + 30
+        while not all(r.outstanding > 0 for r in pool.replicas):
+            assert time.monotonic() < deadline, ("the batch did not reach both replicas",
+                                                 [r.outstanding for r in pool.replicas])
+            time.sleep(0.01)
+        os.kill(pool.replicas[1].process.pid, signal.SIGKILL)
+        first.join(60)
+        while pool.replicas[0].outstanding or not pool.replicas[1].error:
+            assert time.monotonic() < deadline + 30, "replica 0 never went idle, or the death was not seen"
+            time.sleep(0.05)
+        assert pool.pending_sequences == 0, ("the dead replica's sequences still count", pool.pending_sequences)
+        outs = list(c.batch_generate(["3+3="], n=8, params=rollout_pb2.SamplingParams(max_tokens=4)))
+        assert len(outs) == 8 and {o.replica_id for o in outs} == {0}
