@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 from rollout_helpers import ServerThread, pid_gone, tiny_checkpoint
+from structlog.testing import capture_logs
 
 from tlt.services.rollout.client import RolloutClient
 from tlt.v1 import rollout_pb2
@@ -34,9 +35,12 @@ def test_a_stalled_replica_that_is_not_restarted_is_killed_all_the_same(model_di
         old = s.server.replica_pids()[0]
         os.kill(old, signal.SIGSTOP)
         try:
-            with pytest.raises(grpc.RpcError) as err:
+            with pytest.raises(grpc.RpcError) as err, capture_logs() as logs:
                 list(c.batch_generate(["2+2="], n=2, params=rollout_pb2.SamplingParams(max_tokens=4)))
             assert "stalled" in err.value.details(), err.value
+            stalled = [(e["log_level"], e["replica"], e["pid"], e["outstanding"]) for e in logs
+                       if e["event"] == "replica_stalled"]
+            assert stalled == [("error", 0, old, 2)], ("the kill is logged once, with what it held", stalled)
             deadline = time.monotonic() + 10
             while not pid_gone(old) and time.monotonic() < deadline:
                 time.sleep(0.05)
