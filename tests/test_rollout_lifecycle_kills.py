@@ -223,3 +223,42 @@ def test_a_dead_replica_s_sequences_no_longer_count_against_admission(model_dir)
         assert pool.pending_sequences == 0, ("the dead replica's sequences still count", pool.pending_sequences)
         outs = list(c.batch_generate(["3+3="], n=8, params=rollout_pb2.SamplingParams(max_tokens=4)))
         assert len(outs) == 8 and {o.replica_id for o in outs} == {0}
+
+
+def test_a_stop_kills_a_replica_still_loading_instead_of_waiting_for_it(model_dir, tmp_path):
+    """A replica reads the Shutdown only once its model is loaded (minutes, for a large one), so `stop` kills one still
+    loading at once rather than wait out its join timeout (10 s) for it. Here `tlt rollout serve` gets SIGTERM while
+    its two replicas (forked by the forkserver, a process this test started) are held SIGSTOPped mid-load: it exits
+    in seconds and takes them with it."""
+    import subprocess
+
+    import psutil
+    from rollout_helpers import ServeProcess, assert_all_gone
+
+    serve = ServeProcess(model_dir, tmp_path, replicas=2)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(serve.cmd, stdout=out, stderr=subprocess.STDOUT)
+    replicas: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(replicas) < 2 or "replicas_starting" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            forkservers = [p for p in psutil.Process(proc.pid).children() if "forkserver" in " ".join(p.cmdline())]
+            replicas = [c.pid for f in forkservers for c in f.children()]
+            time.sleep(0.01)
+        for pid in replicas:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        proc.terminate()
+        proc.wait(60)
+        took = time.monotonic() - t0
+        assert took < 7.0, f"the stop waited {took:.1f} s for replicas that were still loading (its timeout is 10 s)"
+        assert_all_gone(replicas)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pid in replicas:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
