@@ -262,3 +262,45 @@ def test_a_stop_kills_a_replica_still_loading_instead_of_waiting_for_it(model_di
         for pid in replicas:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+def test_a_new_replica_and_a_dead_one_report_an_empty_engine_on_capacity_events(model_dir):
+    """What a replica's engine holds (ipc.EngineLoad) is nothing until its first step reports, and nothing again once
+    it died: a fresh replica's IDLE and its first BUSY (work handed over, no step yet: all of it queued) say 0
+    running and 0 KV use, and so does a dead one's DRAINING, whatever it ran before it died."""
+    import threading
+
+    from tlt.services.common.events import CapacitySubscriber
+    from tlt.v1 import common_pb2
+
+    busy, draining = common_pb2.REPLICA_STATE_BUSY, common_pb2.REPLICA_STATE_DRAINING
+    long = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=5)
+    with ServerThread(model_dir, replicas=1, max_restarts=0, redispatch_limit=0, capacity_pub="tcp://127.0.0.1:*",
+                      capacity_heartbeat_s=0.2) as s, RolloutClient(s.grpc_address, timeout_s=60) as c:
+        cap = s.server.capacity
+        sub = CapacitySubscriber(cap.pub_endpoint, cap.snapshot_endpoint)
+        try:
+            assert [(e.running, e.queued, e.kv_usage) for e in sub.snapshot()] == [(0, 0, 0.0)], sub.snapshot()
+
+            def batch() -> None:
+                with contextlib.suppress(grpc.RpcError):  # it fails when the replica is killed
+                    list(c.batch_generate(["1+1="], n=6, params=long))
+
+            threading.Thread(target=batch, daemon=True).start()
+            seen: list = []
+            deadline = time.monotonic() + 30
+            while not any(e.state == busy and e.kv_usage > 0 for e in seen):
+                assert time.monotonic() < deadline, [(e.state, e.running, e.queued, e.kv_usage) for e in seen]
+                if (e := sub.recv(0.5)) is not None:
+                    seen.append(e)
+            first = next(e for e in seen if e.state == busy)
+            assert (first.running, first.queued, first.kv_usage) == (0, 6, 0.0), ("the first BUSY, no step yet", first)
+            os.kill(s.server.replica_pids()[0], signal.SIGKILL)
+            while not any(e.state == draining for e in seen):
+                assert time.monotonic() < deadline + 30, [(e.state, e.running, e.kv_usage) for e in seen]
+                if (e := sub.recv(0.5)) is not None:
+                    seen.append(e)
+            dead = next(e for e in seen if e.state == draining)
+            assert (dead.running, dead.queued, dead.kv_usage) == (0, 0, 0.0), ("a dead replica's DRAINING", dead)
+        finally:
+            sub.close()
