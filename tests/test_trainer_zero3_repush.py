@@ -5,10 +5,11 @@ the rollout, and it finds a restarted server (one serving its start checkpoint, 
 while the other ranks wait in a broadcast. The run used to end there (StaleWeightsError, "ZeRO-3 on several ranks"
 in the hint: rank 0 cannot start a gather alone), losing the steps since the last checkpoint. Now rank 0 calls the
 others into the gather through that broadcast (loop.GATHER) and pushes again, as one rank does
-(test_trainer_repush.py).
+(test_trainer_repush.py). A fresh start also compares two probe weights with the rollout's start checkpoint, gathered
+by both ranks, and pushes when they differ (here the server starts from another seed's checkpoint).
 
 Real parts: DeepSpeed ZeRO-3 on a two-process gloo group (the zero3 tests' rank server), the rollout server
-(replica process, native engine, gRPC on 127.0.0.1) started by rank 0 and restarted on the same ports twice, the
+(replica process, native engine, gRPC on 127.0.0.1) started by rank 0 and restarted on the same ports (twice, four times), the
 task verifier in-process. The restarts are made by wrapping rank 0's collect call; nothing in the trainer is stubbed.
 """
 
@@ -20,11 +21,6 @@ import torch
 
 from test_trainer_zero3 import TESTS, run_two_ranks
 from tlt.services.common.ports import free_port
-
-# Rank 0's collect calls, in order: 0 eval before step 0, 1 step 0, 2 eval after step 0 (restart: rank 1 waits for
-# the eval's end), 3 its redo, 4 step 1, 5 eval after step 1, 6 step 2 (restart: rank 1 waits for the rollout), 7 its
-# redo, 8 the last eval.
-RESTART_BEFORE = (2, 6)
 
 SCRIPT = """
 import json, os, re, sys
@@ -39,23 +35,23 @@ from tlt.services.trainer.config import TrainerConfig
 from tlt.services.trainer.loop import train
 from tlt.services.trainer.weight_sync import StaleWeightsError
 
-servers, seen, calls = [], [], [0]
+servers, seen, restarted = [], [], set()
 if os.environ["RANK"] == "0":
     from rollout_helpers import ServerThread
 
     def start():
-        servers.append(ServerThread(Path({model!r}), replicas=1, grpc_port={grpc_port}, http_port={http_port}).__enter__())
+        servers.append(ServerThread(Path({served!r}), replicas=1, grpc_port={grpc_port}, http_port={http_port}).__enter__())
 
     start()
     real = collect.collect_retrying
 
-    def wrapped(*args, **kw):
-        calls[0] += 1
-        if calls[0] - 1 in {restart_before}:
+    def wrapped(items, clients, rewards, n, params, label, *args, **kw):
+        if str(label) in {restart_before} and str(label) not in restarted:  # its first attempt only
+            restarted.add(str(label))
             servers[-1].__exit__()
             start()
         try:
-            result = real(*args, **kw)
+            result = real(items, clients, rewards, n, params, label, *args, **kw)
         except StaleWeightsError as e:
             seen.append(["dropped", re.search(r"version\\(s\\) (\\[[\\d, ]*\\])", str(e))[1]])
             raise
@@ -66,8 +62,8 @@ if os.environ["RANK"] == "0":
 try:
     cfg = TrainerConfig(model_dir={model!r}, rollout_addresses=["127.0.0.1:{grpc_port}"], output_dir={out!r},
                         prompts_per_step=2, n_samples=2, max_tokens=8, mini_batch_size=4, micro_batch_size=2,
-                        zero_stage=3, lr=1e-3, steps=3, checkpoint_interval=1, synthetic_problems=64,
-                        eval_problems=2, eval_interval=1, eval_greedy=False, connect_timeout_s=60)
+                        zero_stage=3, lr=1e-3, checkpoint_interval=1, synthetic_problems=64, eval_problems=2,
+                        eval_interval=1, connect_timeout_s=60, **{extra!r})
     s = train(cfg)
     if servers:
         from tlt.services.rollout.client import RolloutClient
@@ -84,21 +80,45 @@ shutdown_process_group()
 """
 
 
+def _run(model_dir, served, tmp_path, restart_before: set[str], **extra) -> dict:  # noqa: ANN001
+    """The two ranks' run against a server started from `served` and restarted before the collect calls labelled
+    `restart_before` (steps: "2"; dynamic sampling's later rounds: "1.1"; evals: "eval1", "eval1-greedy")."""
+    torch.set_num_threads(1)
+    report = tmp_path / "report.json"
+    run_two_ranks(SCRIPT.format(tests=str(TESTS), model=str(model_dir), served=str(served), grpc_port=free_port(),
+                                http_port=free_port(), out=str(tmp_path / "run"), report=str(report),
+                                restart_before=restart_before, extra=extra), timeout=400)
+    return json.loads(report.read_text())
+
+
 def test_a_rollout_server_restarted_mid_eval_and_mid_rollout_gets_the_weights_gathered_by_both_ranks(
         random_model_dir, tmp_path) -> None:
-    torch.set_num_threads(1)
-    out, report = tmp_path / "run", tmp_path / "report.json"
-    run_two_ranks(SCRIPT.format(tests=str(TESTS), model=str(random_model_dir), grpc_port=free_port(),
-                                http_port=free_port(), out=str(out), report=str(report),
-                                restart_before=set(RESTART_BEFORE)), timeout=400)
-    r = json.loads(report.read_text())
+    """Restarted mid-eval (after step 0: rank 1 waits for the eval's end) and mid-rollout (step 2: rank 1 waits for
+    the rollout). The server starts, and restarts, from another seed's checkpoint: the startup sync pushes v1."""
+    from tlt.model.testing import random_checkpoint
+
+    other = random_checkpoint(tmp_path / "other", family="qwen2", seed=5)
+    r = _run(random_model_dir, other, tmp_path, {"eval1", "2"}, steps=3, eval_greedy=False)
     assert r["servers"] == 3, "the server was not restarted twice"
-    # each restarted server's first rollout is dropped at its first completion (version 0), and the batch rolled out
-    # again from the version pushed to it again
-    assert r["seen"] == [[0], [0], ["dropped", "[0]"], [1], [1], [2], ["dropped", "[0]"], [2], [3]], r["seen"]
-    assert r["steps"] == 3 and r["version"] == 3 and r["serving"] == 3
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2] and [m["policy_version"] for m in lines] == [1, 2, 3]
+    # the start: the other checkpoint's weights are not the trainer's, so v1 is pushed before the first eval. Each
+    # restarted server's first rollout is dropped at its first completion (version 0), and the batch rolled out again
+    # from the version pushed to it again
+    assert r["seen"] == [[1], [1], ["dropped", "[0]"], [2], [2], [3], ["dropped", "[0]"], [3], [4]], r["seen"]
+    assert r["steps"] == 3 and r["version"] == 4 and r["serving"] == 4
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2] and [m["policy_version"] for m in lines] == [2, 3, 4]
     assert [m["rollout_retries"] for m in lines] == [0, 0, 1]
-    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    assert [e["after_steps"] for e in evals] == [0, 1, 2, 3] and [e["policy_version"] for e in evals] == [0, 1, 2, 3]
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["after_steps"] for e in evals] == [0, 1, 2, 3]
+    assert [e["policy_version"] for e in evals] == [1, 2, 3, 4]
+
+
+def test_two_restarts_within_one_wait_of_the_other_rank_are_two_gathers(random_model_dir, tmp_path) -> None:
+    """Rank 1 waits once for a whole eval (its sampled and its greedy pass) and once for a whole step's rollout (every
+    dynamic-sampling round); a restart before each pass and before each round calls it into two gathers in one wait
+    (with one gather per wait, rank 1 took the second GATHER for the eval's end, or for the rollout)."""
+    r = _run(random_model_dir, random_model_dir, tmp_path, {"eval1", "eval1-greedy", "1", "1.1"}, steps=2,
+             eval_greedy=True, eval_temperature=0.7, dynamic_sampling=True, dynamic_sampling_max_rounds=2)
+    assert r["servers"] == 5, f"restarted {r['servers'] - 1} times, not 4 (a dynamic-sampling round did not run?)"
+    assert [x for x in r["seen"] if x[0] == "dropped"] == [["dropped", "[0]"]] * 4, r["seen"]
+    assert r["steps"] == 2 and r["version"] == 2 and r["serving"] == 2

@@ -64,8 +64,8 @@ class TrainSummary:
 
 def sync_version(policy, clients, probes: dict | None = None) -> bool:  # noqa: ANN001
     """Before the first rollout (rank 0): True when the rollout servers must get the trainer's weights pushed,
-    under `policy.version`, raised here past every server's own version. `probes`: `probe_values(policy)`, which
-    under ZeRO-3 every rank must have gathered together before (else read here)."""
+    under `policy.version`, raised here past every server's own version. `probes`: `probe_values(policy)`, read here
+    when not given; under ZeRO-3 every rank must have gathered them together before (none given: no comparison)."""
     serving = [c.status().versions.policy for c in clients]
     if all(v == policy.version for v in serving):
         # a resume that pushed this very version; or a fresh start (both 0), where equal versions prove nothing: a
@@ -96,11 +96,11 @@ def probe_values(policy) -> dict:  # noqa: ANN001
     names = [min((math.prod(s), n) for n, s in shapes.items() if len(s) == dim)[1] for dim in (2, 1)
              if any(len(s) == dim for s in shapes.values())]
     if not partitioned(policy.module):
-        return {n: params[n].detach() for n in names}
+        return {n: params[n].detach().to("cpu", copy=True) for n in names}
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=None):
-        return {n: params[n].detach().to("cpu").clone() for n in names}
+        return {n: params[n].detach().to("cpu", copy=True) for n in names}
 
 
 def _serves_these_weights(probes: dict, client) -> bool:  # noqa: ANN001
@@ -199,6 +199,7 @@ def train(cfg: TrainerConfig) -> TrainSummary:
         # a fresh start compares two weights with the rollout's (sync_version): under ZeRO-3 every rank gathers them
         probes = probe_values(policy) if policy.gathers and policy.version == 0 else None
         synced = services.sync(policy, probes) if services else None  # rank 0: (version, whether to push it)
+        del probes
         policy.version, push_due = broadcast(synced)
         if push_due:  # every rank: under ZeRO-3 the gather is a collective; rank 0 sends
             tensors = push_tensors(policy)
