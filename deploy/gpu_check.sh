@@ -11,6 +11,7 @@
 #                      TLT's drafter frozen (no drafter service), or e2e-wide: e2e-lend with 32 x 8 sequences a step
 #                      and SD up to batch 256 (e2e-wide-dg: with drafter graphs), or drafter-graphs: the rollout
 #                      benches with the drafter's chains replayed from CUDA graphs (--drafter-graphs cuda), or
+#                      dg-ab: the whole eager rollout with and without drafter graphs, alternating, twice, or
 #                      e2e-shape: the e2e's 8 x 8 rollout through the engine alone. E2E_PAIRS=K runs each e2e step
 #                      as K alternating TLT / baseline pairs; each e2e step's files come back as one $OUT/NAME.tgz
 #                      (the device tool brings back 8 files a call). The steps' time limits add
@@ -57,7 +58,7 @@ if [ "${1:-}" = "--fetch" ]; then
 fi
 
 # the steps that need artifacts/tiny and artifacts/drafter-tiny, after those that do not
-ARTIFACT_STEPS="rollout rollout-eager drafter-graphs e2e-shape serve profile e2e e2e-lend e2e-frozen e2e-wide e2e-wide-dg"
+ARTIFACT_STEPS="rollout rollout-eager drafter-graphs dg-ab e2e-shape serve profile e2e e2e-lend e2e-frozen e2e-wide e2e-wide-dg"
 ALL_STEPS="tests engine tune kernels $ARTIFACT_STEPS"
 STEPS="${*:-tests kernels rollout serve profile}"
 for step in $STEPS; do
@@ -133,6 +134,14 @@ if want drafter-graphs; then
   rollout tail_graphs_dg 60 $TAIL --kernels triton --graphs cuda --drafter-graphs cuda
   rollout tail_eager_dg 45 $TAIL --kernels torch --drafter-graphs cuda
   rollout whole_eager_dg 150 $WHOLE --kernels torch --drafter-graphs cuda
+fi
+if want dg-ab; then
+  # the whole rollout with and without drafter graphs, alternating in one call (session 57 measured them in two calls
+  # whose `off` runs differed by 40% on identical work): a host that slows down mid-call hits both arms
+  for i in 1 2; do
+    rollout "whole_eager_ab$i" 150 $WHOLE --kernels torch
+    rollout "whole_eager_dg_ab$i" 150 $WHOLE --kernels torch --drafter-graphs cuda
+  done
 fi
 if want e2e-shape; then
   # the e2e's rollout (8 prompts x 8, threshold 64, the cpu-tiny preset's arms) through the engine alone: what the
