@@ -61,6 +61,10 @@ def test_bench_refuses_bad_counts_at_parsing(bench, option, values, smallest, ca
     assert getattr(ns, option.lstrip("-").replace("-", "_")) in (int(smallest), [int(smallest)])
 
 
+def test_batch_sizes_take_spaces_and_a_trailing_comma():
+    assert _parser("engine").parse_args(["bench", "engine", "--batch-sizes", "1, 8,64,"]).batch_sizes == [1, 8, 64]
+
+
 def test_e2e_noise_seed_help_and_error_say_minus_one_skips(capsys):
     """`--noise-seed -1` skips the repeated baseline run; any other negative value did too, silently."""
     parser = _parser("e2e")

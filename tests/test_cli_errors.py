@@ -31,6 +31,10 @@ REFUSED_AT_PARSING = [
     (["model", "build", "--out", ""], "--out"),
     (["model", "build", "--out", "{new}", "--max-steps", "0"], "--max-steps"),
     (["model", "build", "--out", "{new}", "--max-steps", "-1"], "--max-steps"),
+    (["model", "build", "--out", "{new}", "--max-steps", "1.5"], "--max-steps"),  # not read as 1
+    (["model", "build", "--out", " "], "--out"),  # blank: no folder anyone meant
+    (["model", "build", "--out", "{file}/a/model"], "--out"),  # a file two folders up
+    (["model", "build", "--out", "/dev/null"], "--out"),  # an existing file that is not a regular one
     (["model", "build", "--out", "{new}", "--eval-n", "-3"], "--eval-n"),
     (["model", "build", "--out", "{new}", "--threads", "0"], "--threads"),
     (["model", "build", "--out", "{new}", "--time-budget", "0"], "--time-budget"),
@@ -44,6 +48,9 @@ REFUSED_AT_PARSING = [
     (["task", "export", "--n", "2", "--out", "{dir}"], "--out"),
     (["task", "export", "--n", "2", "--out", ""], "--out"),
     (["task", "export", "--n", "2", "--out", "{file}/x.jsonl"], "--out"),
+    (["task", "export", "--n", "2", "--out", "{file}/a/x.jsonl"], "--out"),
+    (["task", "export", "--n", "2", "--out", "/dev/null/x.jsonl"], "--out"),
+    (["task", "export", "--n", "2", "--out", " "], "--out"),
     (["rollout", "serve", "--model", "{dir}", "--ready-file", "{dir}"], "--ready-file"),
     (["reward", "serve", "--ready-file", ""], "--ready-file"),
     (["drafter", "serve", "--model", "{dir}", "--workers", "-1"], "--workers"),
@@ -85,6 +92,7 @@ REFUSED_AT_PARSING = [
     (["run", "--run-id", "a/b"], "--run-id"),
     (["run", "--resume", ""], "--resume"),
     (["run", "--model", ""], "--model"),
+    (["run", "--model", " "], "--model"),
     (["bench", "engine", "--repeats", "0"], "--repeats"),
     (["bench", "rollout", "--min-tokens", "-1"], "--min-tokens"),
     (["bench", "drafter-drift", "--out", "{dir}"], "--out"),
@@ -108,6 +116,18 @@ ACCEPTED = [
     ["run", "--run-id", "my-run_2"],
     ["bench", "e2e", "--out", "{dir}"],
 ]
+
+
+def test_a_value_that_is_not_a_number_is_refused_saying_so(capsys) -> None:
+    """argparse's own words for a `type` that raised ValueError ("invalid positive_float value") named a function of
+    ours; the refusal says what the option takes."""
+    parser = build_parser()
+    for argv, said in ((["model", "build", "--out", "m", "--time-budget", "soon"], "must be a number, got 'soon'"),
+                       (["model", "build", "--out", "m", "--max-steps", "many"], "must be an integer >= 1, got 'many'")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err, err
 
 
 @pytest.fixture
