@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import select
 import sys
 from datetime import datetime
 
@@ -109,3 +112,101 @@ def test_a_logger_follows_a_later_set_up_and_the_stderr_of_the_moment(monkeypatc
     before.close()
     log.info("json_line")
     assert json.loads(now.getvalue())["event"] == "json_line", now.getvalue()
+
+# The `error` level, an explicit `json=False` under TLT_LOG_JSON=1, colour on a terminal, the clock time of the
+# readable form, and how the readable form shows values that are not strings, a lone newline and the event or a
+# traceback text of several lines. Each was a surviving mutant of session 57's audit: `"error": WARNING` or no
+# `error` level, `if not json` for `if json is None`, colours always off, an ISO stamp in the readable form, the
+# `isinstance(value, str)` check dropped (every log line with a number raised AttributeError), `"\n" in value` for
+# `"\n" in value.strip()`, `value.splitlines()` for `value.strip().splitlines()`, and `event` / `exception` split
+# like any other value. The colours are read through a pseudo-terminal.
+
+
+def test_the_error_level_shows_errors_only(capsys) -> None:
+    """`--log-level error` (TLT_LOG_LEVEL=error) is a level: warnings are hidden, errors and criticals shown."""
+    configure_logging(json=True, level="error")
+    log = get_logger()
+    log.warning("a_warning")
+    log.error("an_error")
+    log.critical("a_critical")
+    events = [json.loads(line)["event"] for line in capsys.readouterr().err.splitlines()]
+    assert events == ["an_error", "a_critical"], events
+
+
+def test_an_explicit_json_false_beats_the_environment(capsys, monkeypatch) -> None:
+    """Only `json=None` reads TLT_LOG_JSON; a caller that asks for the readable form gets it under TLT_LOG_JSON=1."""
+    monkeypatch.setenv("TLT_LOG_JSON", "1")
+    configure_logging(json=False, level="info")
+    get_logger().info("readable_please")
+    err = capsys.readouterr().err
+    assert "readable_please" in err and not err.lstrip().startswith("{"), err
+    configure_logging(level="info")  # None: the environment's JSON
+    get_logger().info("json_now")
+    assert json.loads(capsys.readouterr().err)["event"] == "json_now"
+
+
+def test_the_readable_form_on_a_terminal_is_coloured(monkeypatch) -> None:
+    """On a terminal (stderr a tty at set-up) the readable form has ANSI colours; down a pipe it has none
+    (tests/test_logging_setup.py). The terminal is a pseudo-terminal; its reply is read with a bounded wait."""
+    master, slave = os.openpty()
+    tty = open(slave, "w", buffering=1, closefd=True)  # noqa: SIM115 - closed below
+    try:
+        monkeypatch.setattr(sys, "stderr", tty)
+        configure_logging(json=False, level="info")
+        get_logger().info("in_colour", replica=1)
+        got = b""
+        while b"in_colour" not in got or not got.endswith(b"\n"):
+            ready, _, _ = select.select([master], [], [], 5.0)
+            assert ready, f"nothing more on the terminal within 5 s: {got!r}"
+            got += os.read(master, 4096)
+    finally:
+        monkeypatch.setattr(sys, "stderr", sys.__stderr__)
+        tty.close()
+        os.close(master)
+    assert b"\x1b[" in got, got
+
+
+def test_the_readable_form_shows_the_clock_time(capsys) -> None:
+    """The readable line starts with the time of day (HH:MM:SS); JSON carries the ISO date-time."""
+    configure_logging(json=False, level="info")
+    get_logger().info("what_time")
+    line = capsys.readouterr().err
+    assert re.match(r"\d\d:\d\d:\d\d \[info\s*\] what_time", line), line
+
+
+def test_the_readable_form_shows_values_that_are_not_strings(capsys) -> None:
+    """Numbers, lists and None are rendered as the console renderer renders them; the multi-line handling looks at
+    strings only (without the check, any log line carrying a number raised AttributeError)."""
+    configure_logging(json=False, level="info")
+    get_logger().info("counted", n=5, sizes=[1, 2], none=None, ratio=0.5)
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1, line
+    for shown in ("n=5", "sizes=[1, 2]", "none=None", "ratio=0.5"):
+        assert shown in line, line
+
+
+def test_a_value_of_newlines_at_its_ends_only_stays_on_its_line_as_written(capsys) -> None:
+    """A value whose newlines are only at its ends (a generated '\\n' token, a line read with its end) is not a value
+    of several lines: it stays on the log line as the console renderer shows it, quoted with its newline, not
+    emptied ('' for a lone '\\n') or cut. A value that starts with a newline keeps its first line on the log line."""
+    configure_logging(json=False, level="info")
+    get_logger().info("token", text="\n", line="abc\n")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "text='\\n'" in err and "line='abc\\n'" in err, err
+    get_logger().info("answer", text="\nfirst\nsecond")
+    lines = capsys.readouterr().err.splitlines()
+    assert "text=first" in lines[0] and lines[1:] == ["  second"], lines
+
+
+def test_the_event_and_a_traceback_text_are_printed_as_written(capsys) -> None:
+    """The event, and an `exception` (or `stack`) text a caller hands over, are the console renderer's to print:
+    their lines as written (not cut at the first line, not indented), the other values on the event's last line."""
+    configure_logging(json=False, level="info")
+    get_logger().info("first line\nsecond line", k=3)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("first line") and lines[1].startswith("second line") and "k=3" in lines[1], lines
+    trace = "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nValueError: boom"
+    get_logger().error("step_failed", exception=trace)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1:] == trace.splitlines(), lines
+
