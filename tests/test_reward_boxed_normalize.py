@@ -3,7 +3,8 @@ r"""`\boxed{}` normalisation (services/reward/boxed.py) on answers graded wrong 
 `\left.`/`\right.` (an empty delimiter) left a '.', so `\left. 5 \right.` read as 0.5; `+1,000` kept its
 separator; a U+2212 minus was not a minus; `2, 300` (a list) read as 2300; a hedge in words after a number
 (`12\text{ or thirteen}`) was dropped as if it were a unit; `\boxed{{5}}` (braces around the whole answer,
-which typeset as nothing) read as `{5}`, no number. Pure functions: nothing to fake.
+which typeset as nothing) read as `{5}`, no number, and `\boxed{-{5}}` as `-{5}`. Pure functions: nothing to
+fake.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ from tlt.services.reward.verifiers import math_verifier
     (r"\boxed{\{5\}}", "5", False),  # escaped braces are a set's, not a group's
     (r"\boxed{{x = 5}}", "5", True),  # the `x =` inside the braces is seen too
     (r"\boxed{{x_{1}=3}}", "x_1=3", True),
+    (r"\boxed{-{5}}", "-5", True),  # braces after one sign typeset as nothing too: it is -5
+    (r"\boxed{+{5}}", "5", True),
+    (r"\boxed{-{\frac{1}{2}}}", "-0.5", True),
+    (r"\boxed{+{-5}}", "-5", False),  # `+{-5}` is `+-5`: no one sign
+    (r"\boxed{-{-5}}", "5", False),
 ])
 def test_normalisation_grades_these_answers(completion, reference, right) -> None:
     assert math_verifier("", completion, reference) is right
@@ -53,6 +59,8 @@ def test_the_normal_forms() -> None:
     assert normalize("x==5") == "x==5" and normalize("x=5") == "5"  # `==` compares: no `x =` to drop
     assert normalize("{1}/{2}") == "{1}/{2}" and normalize("{x}+{y}") == "{x}+{y}"  # two groups: not one around all
     assert normalize("{}") == "{}" and equivalent("{}", "{}")  # nothing inside: kept, as before
+    assert normalize("-{5}") == "-5" and normalize("{-{5}}") == "-5" and normalize("-{1{,}000}") == "-1000"
+    assert normalize("-{}") == "-{}" and normalize("-{1}/{2}") == "-{1}/{2}" and normalize("--5") == "--5"
 
 
 def test_outer_braces_come_off_in_linear_time() -> None:

@@ -13,7 +13,7 @@ only the last counts (MATH's `last_boxed_only_string` rule): `\boxed{2}` and
 
 Normalisation is deliberately conservative: it removes presentation (spaces,
 `$`, `\left`/`\right` (not `\leftarrow`; `\left.` with its empty delimiter), spacing commands, `\text{}` wrappers, degree and
-percent signs, braces around the whole answer (`{5}`: `\boxed{{5}}` is 5), a leading `x =` (compared apart: `y=5` is not `x=5`, see `equivalent`), a leading `+`, thousands separators `1,000` (not `2, 300`: a comma and a
+percent signs, braces around the whole answer or after one sign (`{5}`: `\boxed{{5}}` is 5, `\boxed{-{5}}` is -5), a leading `x =` (compared apart: `y=5` is not `x=5`, see `equivalent`), a leading `+`, thousands separators `1,000` (not `2, 300`: a comma and a
 space make a list) and LaTeX's `1{,}000`, a trailing period, units: a `\text{ cm}` or `\mbox{ cm}` of words
 after a plain number, optionally squared or cubed (not a hedge: `12\text{ or thirteen}`), as math-verify and MATH's
 `strip_string` drop them) and rewrites `\dfrac`/`\tfrac` to `\frac`, a U+2212 minus to `-`. A
@@ -153,8 +153,13 @@ def _normal_parts(answer: str) -> tuple[str, str]:
     if m := _LHS.match(s):
         lhs, s = m.group(0)[:-1].replace("{", "").replace("}", ""), s[m.end():]  # x_{1} is x_1
     s = _without_outer_braces(s.rstrip("."))
-    if s.startswith("+") and not s.startswith("+-"):  # before the separators: `+1,000` is 1000; `+-7` is no
-        s = s[1:]                                       # one sign (tlt.task's verifier reads no number in it)
+    # one sign before braced digits: `-{5}` typesets as -5 and `+{5}` as 5, so the braces come off after the sign
+    # too (before the separators: `+1,000` is 1000); `+-7` and `+{-5}` are no one sign (tlt.task's verifier
+    # reads no number in `+-7`) and stay as written
+    sign = s[:1] if s[:1] in ("+", "-") else ""
+    body = _without_outer_braces(s[1:]) if sign else s
+    if sign and not body.startswith(("+", "-")):
+        s = ("-" if sign == "-" else "") + body
     if not listed and _THOUSANDS.match(s.replace("{,}", ",")):  # `1{,}000`: LaTeX's thousands separator
         s = s.replace("{,}", "").replace(",", "")
     return lhs.lower(), _lower_but_commands(s)
