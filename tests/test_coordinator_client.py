@@ -153,7 +153,6 @@ def test_a_caller_that_stops_waiting_gives_the_request_up_at_once(coordinator, m
     envelope, _ = coordinator.take()
     coordinator.answer(envelope, candidate_version=8)
     assert call.result(10).candidate_version == 8
-    _Call(client.close).result(10)
 
 
 def test_a_refusal_raises_naming_the_request_and_the_socket_goes_on(coordinator, make_client) -> None:
@@ -167,7 +166,6 @@ def test_a_refusal_raises_naming_the_request_and_the_socket_goes_on(coordinator,
     envelope, _ = coordinator.take()
     coordinator.answer(envelope, candidate_version=2)
     assert call.result(10).candidate_version == 2
-    _Call(client.close).result(10)
 
 
 def test_a_worker_client_waits_out_a_coordinator_slower_than_a_second(coordinator, make_client) -> None:
@@ -179,7 +177,6 @@ def test_a_worker_client_waits_out_a_coordinator_slower_than_a_second(coordinato
     time.sleep(1.5)  # the slow coordinator itself, not a wait for something to happen
     coordinator.answer(envelope, candidate_version=3)
     assert call.result(15).candidate_version == 3
-    _Call(client.close).result(10)
 
 # A fresh client's stamps, one socket for every answered request, how long `timeout_s` really is, how often
 # `should_stop` is asked, and that a given-up request is a CoordinatorUnavailable to whoever catches that. Each was
@@ -188,66 +185,57 @@ def test_a_worker_client_waits_out_a_coordinator_slower_than_a_second(coordinato
 # CoordinatorInterrupted derived from RuntimeError (the worker's loop and flush catch CoordinatorUnavailable).
 
 
-def test_a_fresh_client_stamps_zeros_and_keeps_one_socket(coordinator) -> None:
+def test_a_fresh_client_stamps_zeros_and_keeps_one_socket(coordinator, make_client) -> None:
     """Before the worker has fetched any shared weights its messages say policy version 0 and 0 failed fetches (the
     coordinator shows them and takes a worker's version as a policy it heard of). Answered requests all go out on
     one REQ socket: the ROUTER sees one peer identity, not a new connection (and CURVE handshake) per request."""
-    client = CoordinatorClient(coordinator.endpoint, worker_id=3, replica_id=1, timeout_s=10)
-    try:
-        peers = []
-        for version in (1, 2, 3):
-            call = _Call(client.ask, pull=drafter_pb2.PullCandidate())
-            envelope, msg = coordinator.take()
-            assert (msg.shared_policy_version, msg.shared_fetch_failures) == (0, 0), msg
-            peers.append(envelope[0])
-            coordinator.answer(envelope, candidate_version=version)
-            assert call.result(10).candidate_version == version
-        assert len(set(peers)) == 1, f"{len(set(peers))} sockets for 3 answered requests"
-    finally:
-        _Call(client.close).result(10)
+    client = make_client(coordinator.endpoint, worker_id=3, replica_id=1, timeout_s=10)
+    peers = []
+    for version in (1, 2, 3):
+        call = _Call(client.ask, pull=drafter_pb2.PullCandidate())
+        envelope, msg = coordinator.take()
+        assert (msg.shared_policy_version, msg.shared_fetch_failures) == (0, 0), msg
+        peers.append(envelope[0])
+        coordinator.answer(envelope, candidate_version=version)
+        assert call.result(10).candidate_version == version
+    assert len(set(peers)) == 1, f"{len(set(peers))} sockets for 3 answered requests"
 
 
-def test_an_unanswered_request_is_given_up_after_timeout_s_not_later(coordinator) -> None:
+def test_an_unanswered_request_is_given_up_after_timeout_s_not_later(coordinator, make_client) -> None:
     """`timeout_s` is the wait: a 1 s timeout raises CoordinatorUnavailable after 1 s, not after several (a worker
     that retries a silent coordinator, or holds its device meanwhile, waits that long each time). 1.5 s of slack for
     a loaded machine; a deadline of 3 x timeout_s is 3 s."""
-    client = CoordinatorClient(coordinator.endpoint, worker_id=3, replica_id=1, timeout_s=1.0)
-    try:
-        start = time.monotonic()
-        call = _Call(client.ask, pull=drafter_pb2.PullCandidate())
-        coordinator.take()  # never answered
-        with pytest.raises(CoordinatorUnavailable, match="in 1.0s"):
-            call.result(10)
-        took = time.monotonic() - start
-        assert 0.95 <= took < 2.5, f"gave up after {took:.2f} s for a 1 s timeout"
-    finally:
-        _Call(client.close).result(10)
+    client = make_client(coordinator.endpoint, worker_id=3, replica_id=1, timeout_s=1.0)
+    start = time.monotonic()
+    call = _Call(client.ask, pull=drafter_pb2.PullCandidate())
+    coordinator.take()  # never answered
+    with pytest.raises(CoordinatorUnavailable, match="in 1.0s"):
+        call.result(10)
+    took = time.monotonic() - start
+    assert 0.95 <= took < 2.5, f"gave up after {took:.2f} s for a 1 s timeout"
 
 
-def test_should_stop_is_asked_every_few_milliseconds_and_a_stop_is_an_unavailable(coordinator) -> None:
+def test_should_stop_is_asked_every_few_milliseconds_and_a_stop_is_an_unavailable(coordinator, make_client) -> None:
     """While an answer is awaited `should_stop` is asked every STOP_CHECK_S (10 ms): about 60 times in a 0.6 s wait
     (at least 15 asked here, for a loaded machine; every 0.2 s would be 3), a BUSY frees the device that soon. False
     throughout ends in CoordinatorUnavailable at the timeout, not CoordinatorInterrupted. A True gives the request up
     as CoordinatorInterrupted, which is a CoordinatorUnavailable: the worker's loop and its final flush catch that."""
-    client = CoordinatorClient(coordinator.endpoint, worker_id=3, replica_id=1, timeout_s=0.6)
-    try:
-        looks: list[float] = []
+    client = make_client(coordinator.endpoint, worker_id=3, replica_id=1, timeout_s=0.6)
+    looks: list[float] = []
 
-        def never() -> bool:
-            looks.append(time.monotonic())
-            return False
+    def never() -> bool:
+        looks.append(time.monotonic())
+        return False
 
-        call = _Call(client.ask, should_stop=never, pull=drafter_pb2.PullCandidate())
-        coordinator.take()  # never answered
-        with pytest.raises(CoordinatorUnavailable, match="no answer from the coordinator") as err:
-            call.result(10)
-        assert not isinstance(err.value, CoordinatorInterrupted)
-        assert len(looks) >= 15, f"should_stop asked {len(looks)} times in a 0.6 s wait"
-        client.timeout_s = 60
-        call = _Call(client.ask, should_stop=lambda: True, pull=drafter_pb2.PullCandidate())
-        coordinator.take()
-        with pytest.raises(CoordinatorUnavailable) as err:
-            call.result(5)
-        assert isinstance(err.value, CoordinatorInterrupted), repr(err.value)
-    finally:
-        _Call(client.close).result(10)
+    call = _Call(client.ask, should_stop=never, pull=drafter_pb2.PullCandidate())
+    coordinator.take()  # never answered
+    with pytest.raises(CoordinatorUnavailable, match="no answer from the coordinator") as err:
+        call.result(10)
+    assert not isinstance(err.value, CoordinatorInterrupted)
+    assert len(looks) >= 15, f"should_stop asked {len(looks)} times in a 0.6 s wait"
+    client.timeout_s = 60
+    call = _Call(client.ask, should_stop=lambda: True, pull=drafter_pb2.PullCandidate())
+    coordinator.take()
+    with pytest.raises(CoordinatorUnavailable) as err:
+        call.result(5)
+    assert isinstance(err.value, CoordinatorInterrupted), repr(err.value)

@@ -156,10 +156,8 @@ def _normal_parts(answer: str) -> tuple[str, str]:
     # one sign before braced digits: `-{5}` typesets as -5 and `+{5}` as 5, so the braces come off after the sign
     # too (before the separators: `+1,000` is 1000); `+-7` and `+{-5}` are no one sign (tlt.task's verifier
     # reads no number in `+-7`) and stay as written
-    sign = s[:1] if s[:1] in ("+", "-") else ""
-    body = _without_outer_braces(s[1:]) if sign else s
-    if sign and not body.startswith(("+", "-")):
-        s = ("-" if sign == "-" else "") + body
+    if s[:1] in ("+", "-") and not (body := _without_outer_braces(s[1:])).startswith(("+", "-")):
+        s = body if s[0] == "+" else "-" + body
     if not listed and _THOUSANDS.match(s.replace("{,}", ",")):  # `1{,}000`: LaTeX's thousands separator
         s = s.replace("{,}", "").replace(",", "")
     return lhs.lower(), _lower_but_commands(s)
