@@ -304,3 +304,38 @@ def test_a_new_replica_and_a_dead_one_report_an_empty_engine_on_capacity_events(
             assert (dead.running, dead.queued, dead.kv_usage) == (0, 0, 0.0), ("a dead replica's DRAINING", dead)
         finally:
             sub.close()
+
+
+def test_a_stop_during_a_restart_s_forkserver_warm_up_starts_no_replica(model_dir, monkeypatch):
+    """A restart warms the forkserver (which imports torch: seconds) before it spawns the replacement. A stop landing
+    in that warm-up must leave no replica started after it: a process nobody stops, holding its memory (a GPU's, in
+    service) after the server is gone. The warm-up is held here until the pool has stopped, with the loop still
+    running, then let go; no spawn may follow. (Session 55's audit left this as L-20: stop cancels the restart task,
+    and the restart now also checks for a stop after the warm-up; the test fails only with both gone.)"""
+    import threading
+
+    from tlt.services.rollout import replica_lifecycle
+
+    entered, release = threading.Event(), threading.Event()
+    real_warm = replica_lifecycle.warm
+
+    def held_warm(ctx):  # noqa: ANN001, ANN202
+        entered.set()
+        release.wait(30)
+        return real_warm(ctx)
+
+    with ServerThread(model_dir, replicas=1, max_restarts=1) as s:
+        pool = s.server.pool
+        spawned: list[int] = []
+        real_spawn = pool._spawn
+        monkeypatch.setattr(pool, "_spawn", lambda i: spawned.append(i) or real_spawn(i))
+        monkeypatch.setattr(replica_lifecycle, "warm", held_warm)
+        try:
+            os.kill(pool.replicas[0].process.pid, signal.SIGKILL)
+            assert entered.wait(30), "the dead replica's restart never reached the forkserver warm-up"
+            s.call(pool.stop(), timeout=30)
+        finally:
+            release.set()
+        time.sleep(1.0)  # the loop still runs: a restart that outlived the stop would spawn now
+        assert spawned == [], f"a replica was started after the pool had stopped (replica ids {spawned})"
+        assert [r.process.pid for r in pool.replicas if r.process.is_alive()] == [], "a replica outlived the stop"

@@ -122,3 +122,29 @@ def test_two_restarts_within_one_wait_of_the_other_rank_are_two_gathers(random_m
     assert r["servers"] == 5, f"restarted {r['servers'] - 1} times, not 4 (a dynamic-sampling round did not run?)"
     assert [x for x in r["seen"] if x[0] == "dropped"] == [["dropped", "[0]"]] * 4, r["seen"]
     assert r["steps"] == 2 and r["version"] == 2 and r["serving"] == 2
+
+
+def test_a_rank_told_anything_but_gathers_then_the_end_of_the_eval_stops_with_out_of_step(monkeypatch) -> None:
+    """The other ranks' side of `_meet`, its protocol alone: rank 0's broadcasts are scripted here (no process group),
+    `push_tensors` counted. Each GATHER is one joined gather, then DONE ends the wait; any other value means the
+    ranks are out of step (a rank that took it for DONE would train on while rank 0 waits in an eval's gather, or go
+    on with rank 0's next broadcast read as this one) and must stop with a message, not pass. Session 55's audit left
+    a `_meet` that accepted any value alive (M9): rank 0 only ever sends DONE there, so no real run reaches it."""
+    import pytest
+
+    import tlt.services.trainer.distributed as distributed
+    from tlt.services.trainer import loop
+
+    def run(script: list) -> int:
+        sent, pushed = iter(script), []
+        monkeypatch.setattr(distributed, "broadcast", lambda value: next(sent))
+        monkeypatch.setattr(loop, "push_tensors", lambda policy: pushed.append(policy))
+        loop._meet("policy", None)
+        assert next(sent, "spent") == "spent", "a broadcast left unread: the ranks would be out of step from here"
+        return len(pushed)
+
+    assert run([loop.DONE]) == 0
+    assert run([loop.GATHER, loop.GATHER, loop.DONE]) == 2
+    for wrong in ("tlt:something-else", None, 3):
+        with pytest.raises(RuntimeError, match="out of step"):
+            run([loop.GATHER, wrong])

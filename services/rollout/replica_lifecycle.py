@@ -254,6 +254,8 @@ class ReplicaLifecycle:
         if self._stopping:
             return
         await asyncio.to_thread(warm, self._context()[0])  # a forkserver that died starts again off the loop
+        if self._stopping:  # stopped during the warm-up (seconds, for a forkserver importing torch): spawn nothing
+            return
         rep = self._spawn(i)
         rep.restarted = True
         self.replicas[i] = rep
