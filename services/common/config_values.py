@@ -14,7 +14,9 @@ _TCP = re.compile(r"tcp://(?P<host>[^\s/]+):(?P<port>[0-9]+|\*)")
 _NAMED = re.compile(r"(ipc|inproc)://\S+")
 # gRPC client targets: host:port (a name, IPv4, or [IPv6]), or a name-resolver URI that gRPC reads itself
 _HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>[0-9]+)")
-_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+# the resolvers gRPC's core registers (what grpcio dials): its own, and the xDS ones (xds: wants a bootstrap file,
+# google-c2p: falls back to DNS off Google Cloud). passthrough: is grpc-go's and grpc-java's, not grpcio's: refused
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:", "google-c2p:")
 _CUDA = re.compile(r"cuda(:(?P<index>[0-9]+))?")
 
 
@@ -49,7 +51,7 @@ def grpc_address_problem(text: str) -> str | None:
     m = _HOST_PORT.fullmatch(text)
     if m is None:
         return (f"must be a gRPC address HOST:PORT (e.g. 127.0.0.1:50051, rollout.svc:50051, [::1]:50051) "
-                f"or a gRPC target URI (dns:///HOST:PORT, unix:PATH), got {text!r}")
+                f"or a gRPC target URI (dns:///HOST:PORT, unix:PATH, xds:///NAME), got {text!r}")
     if not 1 <= int(m["port"]) <= 65535:
         return f"port {m['port']} of {text!r} is not a TCP port a client can dial (1-65535)"
     return None
