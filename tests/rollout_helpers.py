@@ -239,18 +239,29 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 TOOLS = [WEATHER, ADD]
 
 
-class ReplicaDied(grpc.RpcError, grpc.Call):
-    """The UNAVAILABLE error a rollout stream ends with when a replica died and its samples could not be
-    re-dispatched (what the trainer's collect_retrying redoes a step on)."""
+class RpcFailure(grpc.RpcError, grpc.Call):
+    """A gRPC call's failure with the status code and details a server ended it with, raised by a scripted client."""
 
-    def code(self): return grpc.StatusCode.UNAVAILABLE  # noqa: E704
-    def details(self): return "replica 0 died"  # noqa: E704
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__()
+        self._code, self._details = code, details
+
+    def code(self): return self._code  # noqa: E704
+    def details(self): return self._details  # noqa: E704
     def initial_metadata(self): return None  # noqa: E704
     def trailing_metadata(self): return None  # noqa: E704
     def is_active(self): return False  # noqa: E704
     def time_remaining(self): return None  # noqa: E704
     def cancel(self): return False  # noqa: E704
     def add_callback(self, cb): return False  # noqa: E704
+
+
+class ReplicaDied(RpcFailure):
+    """The UNAVAILABLE error a rollout stream ends with when a replica died and its samples could not be
+    re-dispatched (what the trainer's collect_retrying redoes a step on)."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, "replica 0 died")
 
 
 def kill_replica_once_busy(pool: Any, timeout_s: float = 120.0) -> threading.Thread:

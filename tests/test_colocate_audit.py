@@ -14,22 +14,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from rollout_helpers import ReplicaDied
+from rollout_helpers import ReplicaDied, RpcFailure
 from tlt.services.trainer.colocate import DeviceLoan, LendError
-
-
-class _Refused(ReplicaDied):
-    """A gRPC error with a chosen status code (ReplicaDied is UNAVAILABLE)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__()
-        self._code, self._details = code, details
-
-    def code(self):  # noqa: ANN201
-        return self._code
-
-    def details(self):  # noqa: ANN201
-        return self._details
 
 
 class FakeRollout:
@@ -87,7 +73,7 @@ def test_a_refused_lend_names_the_server_and_hints_only_for_a_server_without_len
     """A rollout server that does not implement LendDevices (UNIMPLEMENTED: an older server, or one that cannot
     lend) gets the hint to turn lend_rollout_devices off; any other failure (a server down) must not be
     blamed on the setting, since turning it off would not help (audit K-6, K-7)."""
-    bad = FakeRollout("b:2", lend_error=_Refused(code, details))
+    bad = FakeRollout("b:2", lend_error=RpcFailure(code, details))
     with pytest.raises(LendError) as e:
         DeviceLoan([bad], lease_s=30).borrow()
     msg = str(e.value)
@@ -201,7 +187,7 @@ def test_a_failed_lend_is_reported_even_when_its_give_back_fails_too() -> None:
     be the lend's (it says which server would not lend, and why); the give-back's failure is only logged, its
     lease lapses on its own (audit K-26)."""
     a = FakeRollout("a:10", back_error=ReplicaDied())
-    b = FakeRollout("b:10", lend_error=_Refused(grpc.StatusCode.UNAUTHENTICATED, "bad token"))
+    b = FakeRollout("b:10", lend_error=RpcFailure(grpc.StatusCode.UNAUTHENTICATED, "bad token"))
     with pytest.raises(LendError, match="^rollout server b:10 did not lend its devices: UNAUTHENTICATED bad token"):
         DeviceLoan([a, b], lease_s=30).borrow()
     assert [c[1] for c in a.calls] == [True, False]
