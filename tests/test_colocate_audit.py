@@ -169,6 +169,25 @@ def test_give_back_waits_for_a_renewal_in_flight() -> None:
     assert [c[1] for c in s.calls] == [True, True, False]
 
 
+def test_give_back_stops_the_renewer_at_once_not_at_its_next_renewal() -> None:
+    """give_back() wakes the renewer (its stop event) and joins it: with a 30 s lease the renewer sleeps 10 s
+    between renewals, and a give-back must not wait for that, nor hang when nothing wakes it (audit K-19: with the
+    stop event never set, the join waited forever, and only pytest's 900 s timeout ended the run). Run in a thread
+    so that a hang fails here within seconds."""
+    s = FakeRollout("a:9")
+    loan = DeviceLoan([s], lease_s=30)
+    loan.borrow()
+    renewer = loan._renewer
+    took: list[float] = []
+    back = threading.Thread(target=lambda: took.append(loan.give_back()), daemon=True)
+    t0 = time.monotonic()
+    back.start()
+    back.join(5)
+    assert not back.is_alive(), "give_back() did not return within 5 s: the lease renewer was not stopped"
+    assert time.monotonic() - t0 < 2 and not renewer.is_alive() and not loan.held
+    assert [c[1] for c in s.calls] == [True, False]
+
+
 def test_a_give_back_that_fails_on_one_server_still_reaches_the_others() -> None:
     """One rollout server that cannot be reached must not keep the others lent: give_back() tells every server,
     then raises naming the ones that failed (audit K-24)."""
