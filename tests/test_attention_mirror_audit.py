@@ -28,39 +28,11 @@ import functools
 import pytest
 import torch
 
-from test_decode_mirror import Harness
+from test_attention_split import _reference  # float64 attention per sequence over its own keys
+from test_decode_mirror import Harness, one_thread  # noqa: F401 - one thread (autouse): bitwise comparisons
 from tlt.model import decode_mirror
 from tlt.model.attention import AttentionMetadata, attend_groups, contiguous_split
 from tlt.model.decode_mirror import DecodeMirror
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bitwise comparisons of the mirror with the gather path need one thread (see test_decode_mirror)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _reference(ctx, q_lens, trees, tables, kc, vc, q, block_size):
-    """float64 attention of each sequence's new tokens over its own c + n keys: cached ones all visible, new ones
-    causal or as its tree mask says (GQA: query head h reads K/V head h // (nh // kvh))."""
-    out, start = [], 0
-    nh, d, kvh = q.shape[1], q.shape[2], kc.shape[2]
-    for c, n, tm, table in zip(ctx, q_lens, trees, tables):
-        keys = torch.cat([kc[b] for b in table])[: c + n].double()
-        vals = torch.cat([vc[b] for b in table])[: c + n].double()
-        visible = torch.ones(n, c + n, dtype=torch.bool)
-        visible[:, c:] = tm if tm is not None else torch.ones(n, n, dtype=torch.bool).tril()
-        qs = q[start : start + n].double()
-        heads = []
-        for h in range(nh):
-            s = qs[:, h] @ keys[:, h // (nh // kvh)].T / d**0.5
-            heads.append(torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ vals[:, h // (nh // kvh)])
-        out.append(torch.stack(heads, 1).reshape(n, nh * d))
-        start += n
-    return torch.cat(out)
 
 
 def _paged(ctx, q_lens, block_size, seed, num_blocks=64, kvh=2, nh=4, d=8):

@@ -178,8 +178,7 @@ def test_give_back_stops_the_renewer_at_once_not_at_its_next_renewal() -> None:
     loan = DeviceLoan([s], lease_s=30)
     loan.borrow()
     renewer = loan._renewer
-    took: list[float] = []
-    back = threading.Thread(target=lambda: took.append(loan.give_back()), daemon=True)
+    back = threading.Thread(target=loan.give_back, daemon=True)
     t0 = time.monotonic()
     back.start()
     back.join(5)

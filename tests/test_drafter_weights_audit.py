@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_drafter import H, V, random_drafter
+from tiny_drafter import H, V, random_drafter, tiny_config
 
 from tlt.model.config import RopeScaling
 from tlt.model.drafter import (
@@ -138,8 +138,7 @@ def test_the_sweep_leaves_a_file_whose_name_names_no_pid_alone() -> None:
 def test_a_config_with_rope_scaling_survives_its_json_and_scales_the_drafters_frequencies(tmp_path) -> None:
     # Y-2: from_json rebuilds rope_scaling as a RopeScaling (left a dict, the config neither equalled the one saved
     # nor could scale the rotary frequencies of a Llama-3 style target)
-    c = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V,
-                      rope_theta=10000.0, rope_scaling=RopeScaling("linear", factor=4.0))
+    c = tiny_config(rope_theta=10000.0, rope_scaling=RopeScaling("linear", factor=4.0))
     back = DrafterConfig.from_json(c.to_json())
     assert back == c and isinstance(back.rope_scaling, RopeScaling)
     d = Drafter(c, torch.randn(V, H), torch.randn(V, H))
@@ -163,8 +162,7 @@ def test_the_lm_head_is_held_by_reference_and_an_in_place_update_is_seen() -> No
     # Y-4: lm_head shares the target's storage (an in-place policy update of the head reaches the drafter at once)
     torch.manual_seed(0)
     embed, lm_head = torch.randn(V, H), torch.randn(V, H)
-    d = Drafter(DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                              vocab_size=V), embed, lm_head)
+    d = Drafter(tiny_config(), embed, lm_head)
     assert d.lm_head.data_ptr() == lm_head.data_ptr() and d.embed.data_ptr() == embed.data_ptr()
     h = torch.randn(2, H)
     with torch.no_grad():
@@ -218,14 +216,20 @@ def test_a_folder_with_a_config_but_no_weights_file_is_not_a_drafter_folder(tmp_
 # ---- the runtime: cache rows, rotary tables, chain drafting -------------------------------------------------------
 
 
+def _as_module(d: Drafter, rt: DrafterRuntime, ids: torch.Tensor, f: torch.Tensor, pos: torch.Tensor,
+               c_mod: DrafterCache, c_rt: DrafterCache, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runtime's forward of (ids, features) at `pos` over cache rows `rows`, checked against the nn.Module's
+    over its own cache (which gathers rows by index) -> (the runtime's output, the module's)."""
+    got, want = rt(ids, f, pos, c_rt, rows), d(ids, f, pos, cache=c_mod, cache_rows=rows)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return got, want
+
+
 def _prefill(d: Drafter, rt: DrafterRuntime, c_mod: DrafterCache, c_rt: DrafterCache, row: int, n: int, first_pos: int,
              g: torch.Generator) -> None:
     """n true pairs into cache row `row` of both caches (module path and runtime path), positions first_pos.."""
     ids, f = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g)
-    pos = torch.arange(first_pos, first_pos + n)[None]
-    a = d(ids, f, pos, cache=c_mod, cache_rows=torch.tensor([row]))
-    b = rt(ids, f, pos, c_rt, torch.tensor([row]))
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _as_module(d, rt, ids, f, torch.arange(first_pos, first_pos + n)[None], c_mod, c_rt, torch.tensor([row]))
 
 
 @torch.inference_mode()
@@ -239,10 +243,8 @@ def test_runtime_rows_that_are_not_consecutive_read_their_own_cache_rows() -> No
     g = torch.Generator().manual_seed(5)
     for row in (0, 1, 2):
         _prefill(d, rt, c_mod, c_rt, row, 4, 0, g)  # equal lengths: no mask, every key of the row read
-    rows = torch.tensor([0, 2])
     ids, f, pos = torch.randint(0, V, (2, 1), generator=g), torch.randn(2, 1, H, generator=g), torch.tensor([[4], [4]])
-    want = d(ids, f, pos, cache=c_mod, cache_rows=rows)
-    torch.testing.assert_close(rt(ids, f, pos, c_rt, rows), want, rtol=1e-4, atol=1e-5)
+    _as_module(d, rt, ids, f, pos, c_mod, c_rt, torch.tensor([0, 2]))
 
 
 @torch.inference_mode()
@@ -253,10 +255,8 @@ def test_runtime_positions_at_the_end_of_the_rotary_table_grow_it() -> None:
     assert rt._cos.shape[0] == 256
     g = torch.Generator().manual_seed(6)
     ids, f = torch.randint(0, V, (1, 2), generator=g), torch.randn(1, 2, H, generator=g)
-    pos = torch.tensor([[255, 256]])
-    want = d(ids, f, pos, cache=DrafterCache(d.cfg, rows=1, capacity=4), cache_rows=torch.tensor([0]))
-    got = rt(ids, f, pos, DrafterCache(d.cfg, rows=1, capacity=4), torch.tensor([0]))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    caches = (DrafterCache(d.cfg, rows=1, capacity=4), DrafterCache(d.cfg, rows=1, capacity=4))
+    _as_module(d, rt, ids, f, torch.tensor([[255, 256]]), *caches, torch.tensor([0]))
 
 
 @torch.inference_mode()
@@ -277,9 +277,7 @@ def test_a_greedy_chain_over_uneven_non_consecutive_rows_equals_the_modules_chai
         _prefill(d, rt, c_mod, c_rt, row, n, first, g)
     rows = torch.tensor([0, 2])
     ids, f = torch.randint(0, V, (2, 1), generator=g), torch.randn(2, 1, H, generator=g)  # the root pairs
-    h_mod = d(ids, f, root_pos[:, None], cache=c_mod, cache_rows=rows)[:, 0]
-    h_rt = rt(ids, f, root_pos[:, None], c_rt, rows)[:, 0]
-    torch.testing.assert_close(h_rt, h_mod, rtol=1e-4, atol=1e-5)
+    h_rt, h_mod = (h[:, 0] for h in _as_module(d, rt, ids, f, root_pos[:, None], c_mod, c_rt, rows))
     before = c_rt.lengths.clone()
     toks, scores, probs = rt.chain(h_rt, c_rt, rows, root_pos, depth)
     assert probs is None and toks.shape == scores.shape == (2, depth)
@@ -302,7 +300,7 @@ def _certain_drafter() -> tuple[Drafter, torch.Tensor]:
     on every other: each draft is token 3 with log-probability exactly 0.0 in float32 (e^-100 is far below
     float32's resolution at 1)."""
     torch.manual_seed(8)
-    c = DrafterConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=V)
+    c = tiny_config()
     embed = torch.randn(H).expand(V, H).contiguous()
     d = Drafter(c, embed, torch.zeros(V, H))
     with torch.no_grad():
