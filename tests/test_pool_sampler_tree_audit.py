@@ -233,6 +233,23 @@ def _answer(pool, rep, cmd, error: str = "") -> None:  # noqa: ANN001
     pool._on_event(rep, Reply(cmd.cmd_id, error))
 
 
+async def _lend(pool, rep, lease_s: float = 60.0) -> dict:  # noqa: ANN001
+    """Lend the one replica to "trainer": its release is answered, the lend's result returned."""
+    lend = asyncio.ensure_future(pool.lend("trainer", lease_s, 5.0))
+    await asyncio.sleep(0)
+    (release,) = _commands(rep)
+    assert release.lent is True
+    _answer(pool, rep, release)
+    return await asyncio.wait_for(lend, 5)
+
+
+async def _answered(pool, sink, rep, cmd) -> str:  # noqa: ANN001
+    """Answer `cmd` and let the pool act on it: the replica's state now."""
+    _answer(pool, rep, cmd)
+    await asyncio.sleep(0)
+    return sink.states(rep.replica_id)[-1]
+
+
 def _hand_work(pool, rep, n: int) -> None:  # noqa: ANN001
     """What ReplicaPool.generate does once it hands n sequences to `rep`: count them in, then BUSY (or a refresh)."""
     rep.outstanding += n
@@ -361,24 +378,16 @@ def test_a_replica_stays_lent_until_its_latest_resume_is_answered():
     async def main() -> None:
         pool, sink = _pool()
         rep = pool.replicas[0]
-        sent: list = []
+        resumes: list = []
         for _ in range(2):
-            lend = asyncio.ensure_future(pool.lend("trainer", 60.0, 5.0))
-            await asyncio.sleep(0)
-            sent += _commands(rep)
-            _answer(pool, rep, sent[-1])  # the release
-            await asyncio.wait_for(lend, 5)
+            await _lend(pool, rep)
             pool._take_back_now("test")
-        sent += _commands(rep)
-        assert [c.lent for c in sent] == [True, False, True, False]
-        resume_a, resume_b = sent[1], sent[3]
+            resumes += _commands(rep)
+        assert [c.lent for c in resumes] == [False, False]
+        resume_a, resume_b = resumes
         assert sink.states()[-1] == "LENT"
-        _answer(pool, rep, resume_a)
-        await asyncio.sleep(0)
-        assert sink.states()[-1] == "LENT", sink.states()
-        _answer(pool, rep, resume_b)
-        await asyncio.sleep(0)
-        assert sink.states()[-1] == "IDLE", sink.states()
+        assert await _answered(pool, sink, rep, resume_a) == "LENT", sink.states()
+        assert await _answered(pool, sink, rep, resume_b) == "IDLE", sink.states()
 
     asyncio.run(main())
 
@@ -390,18 +399,13 @@ def test_a_take_back_that_times_out_keeps_the_replica_lent_until_it_answers():
     async def main() -> None:
         pool, sink = _pool()
         rep = pool.replicas[0]
-        lend = asyncio.ensure_future(pool.lend("trainer", 60.0, 5.0))
-        await asyncio.sleep(0)
-        _answer(pool, rep, _commands(rep)[0])
-        await asyncio.wait_for(lend, 5)
+        await _lend(pool, rep)
         with pytest.raises(WeightUpdateError, match="taking the devices back failed"):
             await pool.take_back(0.05)
         await asyncio.sleep(0.05)
         assert sink.states()[-1] == "LENT", sink.states()
         (resume,) = _commands(rep)
-        _answer(pool, rep, resume)
-        await asyncio.sleep(0)
-        assert sink.states()[-1] == "IDLE", sink.states()
+        assert await _answered(pool, sink, rep, resume) == "IDLE", sink.states()
 
     asyncio.run(main())
 
@@ -411,16 +415,12 @@ def test_a_lease_nobody_renews_lapses_and_the_devices_come_back():
     async def main() -> None:
         pool, sink = _pool()
         rep = pool.replicas[0]
-        lend = asyncio.ensure_future(pool.lend("trainer", 0.2, 5.0))
-        await asyncio.sleep(0)
-        _answer(pool, rep, _commands(rep)[0])
-        got = await asyncio.wait_for(lend, 5)
+        got = await _lend(pool, rep, lease_s=0.2)
         assert pool.lent_to == "trainer" and 0 < got["expires_in_s"] <= 0.2
         await _until(lambda: pool.lent_to == "")
         (resume,) = _commands(rep)
         assert resume.lent is False
-        _answer(pool, rep, resume)
-        await asyncio.sleep(0)
+        assert await _answered(pool, sink, rep, resume) == "IDLE"
         assert sink.states() == ["IDLE", "LENT", "IDLE"], sink.states()
 
     asyncio.run(main())
@@ -435,18 +435,13 @@ def test_work_that_comes_and_goes_while_a_resume_is_on_its_way_leaves_the_replic
     async def main() -> None:
         pool, sink = _pool()
         rep = pool.replicas[0]
-        lend = asyncio.ensure_future(pool.lend("trainer", 60.0, 5.0))
-        await asyncio.sleep(0)
-        _answer(pool, rep, _commands(rep)[0])
-        await asyncio.wait_for(lend, 5)
+        await _lend(pool, rep)
         pool._take_back_now("new work")
         (resume,) = _commands(rep)
         _hand_work(pool, rep, 1)
         _drop(pool, rep, 1, EngineLoad())
         assert sink.states() == ["IDLE", "LENT", "BUSY", "LENT"], sink.states()
-        _answer(pool, rep, resume)
-        await asyncio.sleep(0)
-        assert sink.states()[-1] == "IDLE"
+        assert await _answered(pool, sink, rep, resume) == "IDLE"
 
     asyncio.run(main())
 
