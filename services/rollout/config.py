@@ -142,10 +142,13 @@ class RolloutConfig(ServiceConfig):
     @classmethod
     def _known_backend(cls, v: str) -> str:
         """An unknown name was refused only once the model's checkpoint had been checked (serve.check_before_start),
-        and never by `tlt config check`; a 'module:Class' is imported by each replica, so only its shape is checked."""
+        and never by `tlt config check`; a 'module:Class' is imported by each replica, so only its shape is checked:
+        a dotted module path and a class name, each made of Python identifiers (a stray space, as in 'pkg.mod : Cls',
+        failed only at the replica's start, as "No module named 'pkg.mod '")."""
         from tlt.services.rollout.backends import BACKENDS
 
-        if v not in BACKENDS and not (":" in v and all(part.strip() for part in v.split(":", 1))):
+        module, _, name = v.partition(":")
+        if v not in BACKENDS and not (name.isidentifier() and all(p.isidentifier() for p in module.split("."))):
             raise ValueError(f"unknown rollout backend {v!r}; use one of {sorted(BACKENDS)} or 'module:Class'")
         return v
 
