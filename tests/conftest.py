@@ -104,6 +104,15 @@ def _signals_and_log_context_restored():
         structlog.contextvars.bind_contextvars(**context)
 
 
+@pytest.fixture()
+def no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No TLT_* variable of the caller's environment: they would change resolved configs and show up as origins.
+    A test file that resolves configs uses it for every test (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    for key in list(os.environ):
+        if key.startswith("TLT_"):
+            monkeypatch.delenv(key)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     if not (TINY_MODEL_DIR / ".complete").exists():

@@ -18,13 +18,7 @@ from tlt.services.trainer.launcher import _validate
 FIX = 'trainer.push_dtype = "float32" or rollout.engine.dtype = "bfloat16"'
 
 
-@pytest.fixture(autouse=True)
-def _no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("TLT_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("no_tlt_environment")  # the caller's TLT_* variables: conftest.py
 
 
 def test_bf16_training_against_a_float32_engine_is_refused_with_the_fix(tmp_path: Path, capsys) -> None:

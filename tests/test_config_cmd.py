@@ -21,14 +21,7 @@ PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
 FIELD = re.compile(rf"^(?:# )?(\w+) = (?:\({UNSET[1:-1]}\)$)?")  # `name = value`, or `# name = (unset)`
 
 
-@pytest.fixture(autouse=True)
-def _no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The caller's TLT_<SECTION>__* variables would show up as origins and values."""
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("TLT_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("no_tlt_environment")  # the caller's TLT_* variables: conftest.py
 
 
 def _show(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -11,7 +11,6 @@ digit is its own token), so a file of such prompts has known lengths, percentile
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,7 @@ MAX_MODEL_LEN = 64
 MAX_TOKENS = 16  # so a prompt fits the rollout's context with up to 64 - 16 = 48 tokens
 
 
-@pytest.fixture(autouse=True)
-def _no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The caller's TLT_<SECTION>__* variables would change the resolved config."""
-    for key in list(os.environ):
-        if key.startswith("TLT_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("no_tlt_environment")  # the caller's TLT_* variables: conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@ from tlt.model.drafter_runtime import DrafterRuntime
 
 @torch.inference_mode()
 def _filled_cache(rt: DrafterRuntime, rows: int, lengths: dict[int, int], seed: int) -> DrafterCache:
-    """A cache whose rows hold `lengths` fed pairs (row 0, the graphs' scratch row, none)."""
-    cache = DrafterCache(rt.drafter.cfg, rows=rows, capacity=8)
+    """A cache whose rows hold `lengths` fed pairs (row 0, the graphs' scratch row, none), in the drafter's dtype."""
+    cache = DrafterCache(rt.drafter.cfg, rows=rows, capacity=8, dtype=rt.dtype)
     g = torch.Generator().manual_seed(seed)
     for r, n in lengths.items():
-        ids, f = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g)
+        ids, f = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g).to(rt.dtype)
         rt(ids, f, torch.arange(n)[None], cache, torch.tensor([r]))
     return cache
 

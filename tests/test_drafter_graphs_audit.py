@@ -205,11 +205,8 @@ def test_a_bf16_drafters_static_buffers_take_its_dtype() -> None:
     drifts). The cache is bf16 too, as EagleSource makes it for a bf16 drafter."""
     rt = DrafterRuntime(random_drafter(7).to(torch.bfloat16))
     assert rt.dtype == torch.bfloat16
-    cache = DrafterCache(rt.drafter.cfg, rows=4, capacity=8, dtype=rt.dtype)
+    cache = _filled_cache(rt, 4, {1: 3, 2: 4}, seed=7)
     g = torch.Generator().manual_seed(7)
-    for r, n in {1: 3, 2: 4}.items():
-        ids, f = torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g).to(rt.dtype)
-        rt(ids, f, torch.arange(n)[None], cache, torch.tensor([r]))
     graphs = ChainGraphs(rt, cache, scratch_row=0, buckets=(2,), mode="emulate")
     h = torch.randn(2, H, generator=g).to(torch.bfloat16)
     rows, root_pos = torch.tensor([1, 2]), torch.tensor([3, 4])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_decoder_helpers import STATIC, _engine, _requests, ckpt  # noqa: F401 - ckpt: fixture
+from spec_decoder_helpers import STATIC, _engine, _requests, _spec_generate, ckpt  # noqa: F401 - ckpt: fixture
 from tlt.services.rollout.engine.sequence import Sequence, seed_for
 from tlt.services.rollout.spec.accept import AcceptResult
 from tlt.services.rollout.spec.config import SpecConfig
@@ -189,11 +189,9 @@ def test_the_drafter_catches_up_only_after_a_step_without_a_verify(ckpt):  # noq
         return em
 
     dec.wants, dec.decode = rec_wants, rec_decode
-    eng.spec_decoder = dec
-    eng.scheduler.on_release = dec.release
     reqs = _requests(3, 2, 30)
     plain = _engine(ckpt).generate(reqs)
-    assert [c.token_ids for c in eng.generate(reqs)] == [c.token_ids for c in plain]
+    assert [c.token_ids for c in _spec_generate(eng, dec, reqs)] == [c.token_ids for c in plain]
     st = dec.stats()
     want = sum(1 for i, v in enumerate(kinds) if v and (i == 0 or not kinds[i - 1]))
     assert st["verify_steps"] == sum(kinds) > want > 0, (st, kinds)
@@ -212,9 +210,7 @@ def test_plain_steps_buffer_no_drafter_pairs_for_sequences_they_finished(ckpt): 
     drafter = Drafter(DrafterConfig.from_model_config(eng.model_config), eng.model.embed, eng.model.lm_head)
     cfg = SpecConfig(drafter="learned", drafter_path="(in memory)", **dict(STATIC, threshold=2))
     dec = SpecDecoder(cfg, eng.runner, eng.block_manager, drafter)
-    eng.spec_decoder = dec
-    eng.scheduler.on_release = dec.release
     reqs = _requests(3, 2, 12)
-    assert [c.token_ids for c in eng.generate(reqs)] == [c.token_ids for c in _engine(ckpt).generate(reqs)]
+    assert [c.token_ids for c in _spec_generate(eng, dec, reqs)] == [c.token_ids for c in _engine(ckpt).generate(reqs)]
     assert dec.stats()["plain_steps"] > 0
     assert not dec.source.pending and not dec.source.rows and not dec.source.fed_pos, list(dec.source.pending)

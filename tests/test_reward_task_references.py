@@ -9,7 +9,6 @@ checkpoint (tests/rollout_helpers.py), run through `tlt.cli.main`; nothing is fa
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,7 @@ import pytest
 from tlt.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _no_tlt_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("TLT_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("no_tlt_environment")  # the caller's TLT_* variables: conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ with monkeypatch.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -180,16 +179,8 @@ def test_checkpoint_specs_of_a_folder_without_model_safetensors_or_index_read_ev
 # -- services/trainer/run_env.py --------------------------------------------------------------
 
 
-def _only_env(monkeypatch: pytest.MonkeyPatch, **variables: str) -> None:
-    for k in list(os.environ):
-        if k.startswith("TLT_"):
-            monkeypatch.delenv(k)
-    for k, v in variables.items():
-        monkeypatch.setenv(k, v)
-
-
 def test_every_service_sections_variables_are_folded_and_taken_out_of_the_children(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, no_tlt_environment: None) -> None:
     """Kills R-2, R-3, R-4 (the [sglang], [reward] or [drafter] variables left out: not folded into config.toml
     under --set, and still read by the children over it) and R-16 (variables that only start like a section's,
     one underscore, taken out too: a misspelt TLT_TRAINER_LR no longer reached a service to be named there, and
@@ -197,9 +188,11 @@ def test_every_service_sections_variables_are_folded_and_taken_out_of_the_childr
     environment unless --set names them."""
     from tlt.services.trainer.run_env import child_unset_env, environment_layer
 
-    _only_env(monkeypatch, TLT_SGLANG__MEM_FRACTION_STATIC="0.5", TLT_REWARD__WORKERS="3",
-              TLT_DRAFTER__ROLLOUT_GRPC="127.0.0.1:1", TLT_DRAFTER__CONTROL_TOKEN="tok",
-              TLT_TRAINER__ROLLOUT_TOKEN="tok2", TLT_TRAINER_LR="1", TLT_DRAFTER_WORKER_CONFIG="/w.json")
+    variables = dict(TLT_SGLANG__MEM_FRACTION_STATIC="0.5", TLT_REWARD__WORKERS="3",
+                     TLT_DRAFTER__ROLLOUT_GRPC="127.0.0.1:1", TLT_DRAFTER__CONTROL_TOKEN="tok",
+                     TLT_TRAINER__ROLLOUT_TOKEN="tok2", TLT_TRAINER_LR="1", TLT_DRAFTER_WORKER_CONFIG="/w.json")
+    for k, v in variables.items():
+        monkeypatch.setenv(k, v)
     assert sorted(environment_layer()) == [("drafter.rollout_grpc", "127.0.0.1:1"), ("reward.workers", 3),
                                            ("sglang.mem_fraction_static", 0.5)]
     assert child_unset_env({}) == ("TLT_DRAFTER__ROLLOUT_GRPC", "TLT_REWARD__WORKERS",
@@ -209,14 +202,16 @@ def test_every_service_sections_variables_are_folded_and_taken_out_of_the_childr
         "TLT_SGLANG__MEM_FRACTION_STATIC")
 
 
-def test_a_map_given_whole_stays_one_value_and_a_keyed_one_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_map_given_whole_stays_one_value_and_a_keyed_one_is_split(monkeypatch: pytest.MonkeyPatch,
+                                                                    no_tlt_environment: None) -> None:
     """Kills R-8 (any table flattened): TLT_SGLANG__ADAPTIVE_STEPS='{...}' must replace the map (README: a table
     given whole replaces a dict-valued field), not set its keys one by one over the preset's."""
     from tlt.services.trainer.run_env import environment_layer
 
-    _only_env(monkeypatch, TLT_SGLANG__ADAPTIVE_STEPS='{"1": [1, 3]}')
+    monkeypatch.setenv("TLT_SGLANG__ADAPTIVE_STEPS", '{"1": [1, 3]}')
     assert environment_layer() == [("sglang.adaptive_steps", {"1": [1, 3]})]
-    _only_env(monkeypatch, TLT_SGLANG__ADAPTIVE_STEPS__2="[2, 4]")
+    monkeypatch.delenv("TLT_SGLANG__ADAPTIVE_STEPS")
+    monkeypatch.setenv("TLT_SGLANG__ADAPTIVE_STEPS__2", "[2, 4]")
     assert environment_layer() == [("sglang.adaptive_steps.2", [2, 4])]
 
 

@@ -27,6 +27,16 @@ def _length(src: EagleSource, key: tuple[str, int]) -> int:
     return int(src.cache.lengths[src.rows[key]])
 
 
+def _observed(src: EagleSource, g: torch.Generator, name: str, prompt: list[int], olen: int):  # noqa: ANN202
+    """A sequence of `olen` random output tokens after `prompt`, their pairs (random features) observed by `src`:
+    (the sequence, its output tokens, their features)."""
+    out = torch.randint(0, V, (olen,), generator=g).tolist()
+    s = _seq(name, prompt, out)
+    feats = torch.randn(olen, H, generator=g)
+    src.observe([s], [out], [list(feats)], [len(prompt)])
+    return s, out, feats
+
+
 def _check(d, src: EagleSource, s: Sequence, toks: list[int], feats, first: int,  # noqa: ANN001
            arm: Arm = ARM) -> None:
     """Draft s alone: warm, every node's score that of a from-scratch run over exactly these pairs."""
@@ -86,10 +96,7 @@ def test_a_backlog_of_exactly_feed_batch_max_pairs_is_fed_once():
     n_max = EagleSource.FEED_BATCH_MAX
     seqs, pairs = [], []
     for i, n in enumerate((n_max, n_max + 1, 2)):
-        out = torch.randint(0, V, (n,), generator=g).tolist()
-        s = _seq(f"b{i}", [1, 2], out)
-        feats = torch.randn(n, H, generator=g)
-        src.observe([s], [out], [list(feats)], [2])
+        s, out, feats = _observed(src, g, f"b{i}", [1, 2], n)
         seqs.append(s)
         pairs.append((out, feats))
     tree, counts = src.draft(seqs, ARM)
@@ -110,10 +117,7 @@ def test_every_candidate_of_a_full_tree_matches_a_from_scratch_run(arm):
     g = torch.Generator().manual_seed(24)
     seqs, pairs = [], []
     for i, (plen, olen) in enumerate([(3, 5), (2, 8), (4, 2)]):
-        out = torch.randint(0, V, (olen,), generator=g).tolist()
-        s = _seq(f"t{i}", torch.randint(0, V, (plen,), generator=g).tolist(), out)
-        feats = torch.randn(olen, H, generator=g)
-        src.observe([s], [out], [list(feats)], [plen])
+        s, out, feats = _observed(src, g, f"t{i}", torch.randint(0, V, (plen,), generator=g).tolist(), olen)
         seqs.append(s)
         pairs.append((out, feats, plen))
     tree, counts = src.draft(seqs, arm)
