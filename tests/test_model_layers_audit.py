@@ -22,13 +22,12 @@ import torch.nn.functional as F
 import transformers
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+from test_model_parity import BLOCK, native_from_hf, random_hf_model
+
 from tlt.model import transformer as transformer_mod
 from tlt.model.config import ModelConfig
 from tlt.model.layer_ops import grouped_sdpa, rms
-from tlt.model.loader import validate_tensors
-from tlt.model.transformer import AttentionMetadata, build_model, rms_norm, rope_inv_freq
-
-BLOCK = 4
+from tlt.model.transformer import AttentionMetadata, rms_norm, rope_inv_freq
 
 
 @pytest.fixture(autouse=True)
@@ -112,28 +111,13 @@ def test_llama3_rope_wavelength_exactly_at_low_freq_wavelen_is_smoothed_as_trans
 
 
 def _hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
-    if family == "qwen3":
-        hf_cfg, arch = transformers.Qwen3Config(**common, head_dim=24, rope_theta=1e6), transformers.Qwen3ForCausalLM
-    else:
-        hf_cfg, arch = transformers.Qwen2Config(**common, rope_theta=1e4), transformers.Qwen2ForCausalLM
-    hf_cfg.architectures = [arch.__name__]
-    model = arch(hf_cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # norms and biases away from their trivial init values
-            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
+    """test_model_parity's random model, norms and biases further from their init values (0.3), in `dtype`."""
+    hf_cfg, model = random_hf_model(family, tie=False, seed=seed, spread=0.3)
     return hf_cfg, model.to(dtype)
 
 
 def _native(hf_cfg, model, dtype=torch.float32):
-    cfg = ModelConfig.from_hf(hf_cfg.to_dict())
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    validate_tensors(cfg, tensors)
-    native = build_model(cfg, tensors, dtype=dtype, max_len=128)
-    native.allocate_kv_cache(num_blocks=32, block_size=BLOCK)
-    return native
+    return native_from_hf(hf_cfg, model, dtype=dtype)[1]
 
 
 def _prefill_decode_verify(native, model) -> None:

@@ -21,7 +21,9 @@ torch.set_num_threads(2)
 BLOCK = 4
 
 
-def random_hf_model(family: str, tie: bool, seed: int = 0):
+def random_hf_model(family: str, tie: bool, seed: int = 0, spread: float = 0.1):
+    """A tiny random transformers model, its weights moved off their init values (1-d ones, norms and biases, by
+    `spread` times a standard normal)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -42,15 +44,15 @@ def random_hf_model(family: str, tie: bool, seed: int = 0):
     model = arch(hf_cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.05))
+            p.add_(torch.randn_like(p) * (spread if p.dim() == 1 else 0.05))
     return hf_cfg, model
 
 
-def native_from_hf(hf_cfg, model):
+def native_from_hf(hf_cfg, model, dtype=torch.float32):
     cfg = ModelConfig.from_hf(hf_cfg.to_dict())
     tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
     validate_tensors(cfg, tensors)
-    native = build_model(cfg, tensors, max_len=256)
+    native = build_model(cfg, tensors, dtype=dtype, max_len=256)
     native.allocate_kv_cache(num_blocks=64, block_size=BLOCK)
     return cfg, native
 
