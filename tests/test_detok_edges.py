@@ -418,8 +418,10 @@ def test_a_token_reads_as_the_cleaned_up_text_and_a_piece_holding_u_fffd_is_its_
     """A tokenizer whose decode cleans up spaces (transformers does for a non-BPE model: "hello ." reads "hello."):
     each logprob token is read after the anchor and cleaned as the choice's text is, so "." is ".", not " .", and
     its `bytes` join to the text. A vocabulary string that holds U+FFFD itself ("a\\ufffd", which a tokenizer
-    trained on broken text has) and is no byte piece is shown as itself, with the bytes of its text: not read as
-    GPT-2's byte alphabet (some of its characters are in it, U+FFFD is not: that failed the response)."""
+    trained on broken text has) and is no byte piece reads as any plain token does, its text after the anchor
+    (" a\\ufffd") with that text's bytes: not as its vocabulary string, whose text then disagreed with its bytes
+    ("a\\ufffd" against " a\\ufffd"), nor through GPT-2's byte alphabet (some of its characters are in it, U+FFFD is
+    not: that failed the response)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from tlt.services.rollout.token_text import token_text, token_text_and_bytes
@@ -432,7 +434,7 @@ def test_a_token_reads_as_the_cleaned_up_text_and_a_piece_holding_u_fffd_is_its_
                                                clean_up_tokenization_spaces=True)
     assert tok.decode([1, 2, 3, 2]) == "hello. world."
     assert [token_text(tok, i) for i in (1, 2, 3)] == [" hello", ".", " world"]
-    assert token_text_and_bytes(tok, 4) == ("a\ufffd", list(" a\ufffd".encode()))  # its bytes: as it reads
+    assert token_text_and_bytes(tok, 4) == (" a\ufffd", list(" a\ufffd".encode()))  # text and bytes agree
     for ids in ([2, 3, 2], [2, 4, 3]):
         chat = chat_logprobs(tok, ids, [-0.5] * 3, None, 0)
         assert bytes(b for e in chat.content for b in e.bytes).decode() == tok.decode(ids)

@@ -123,7 +123,7 @@ def _text_and_bytes(tokenizer: Any, token_id: int, reading: _Reading) -> tuple[s
         return piece, [int(m.group(1), 16)]
     if all(ch in BYTE_LEVEL for ch in piece):
         return piece, [BYTE_LEVEL[ch] for ch in piece]
-    return piece, list(text.encode())
+    return text, list(text.encode())  # U+FFFD is the piece's own character (no byte piece): it reads as its text
 
 
 # lead byte -> (continuation bytes it needs, the bytes its second may be: narrower than 80-BF after E0, ED, F0, F4,
