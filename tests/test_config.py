@@ -363,6 +363,14 @@ def test_a_number_from_the_environment_is_its_text_without_the_spaces_around_it(
     assert load_config(DemoConfig, "demo", environ={"TLT_DEMO__HOST": " 1.10 "}).host == "1.10"
 
 
+def test_a_plain_text_from_the_environment_is_read_without_the_spaces_around_it_as_set_reads_it() -> None:
+    """`TLT_DEMO__HOST=localhost ` (an env file's trailing space) gave the host 'localhost ', a name no socket
+    resolves, where `--set host=localhost ` and a number's text were stripped. A quoted TOML string keeps its
+    spaces, for a value that needs them."""
+    assert load_config(DemoConfig, "demo", environ={"TLT_DEMO__HOST": " localhost \t"}).host == "localhost"
+    assert load_config(DemoConfig, "demo", environ={"TLT_DEMO__HOST": '" spaced "'}).host == " spaced "
+
+
 def test_a_dict_field_given_whole_after_its_keys_is_refused() -> None:
     """TLT_MAPS__STEPS__1 and TLT_MAPS__steps (names that differ in case, so the whole one sorts after the keyed
     one): the whole map silently dropped the keyed variable's value instead of being refused as a clash."""

@@ -212,7 +212,7 @@ def env_overrides(section: str, environ: Mapping[str, str] | None = None) -> dic
                 raise ConfigError(f"{k}: {part!r} is given whole by another variable; give it whole or key by key")
         if isinstance(node.get(leaf), KeyedTable):
             raise ConfigError(f"{k}: {leaf!r} is given key by key by other variables; give it whole or key by key")
-        node[leaf] = _parse_literal(env[k])
+        node[leaf] = _parse_literal(env[k].strip())  # as --set: an env file's stray space is no part of the value
     return out
 
 
