@@ -275,7 +275,7 @@ def test_item_size_limit_counts_the_metadata() -> None:
 
 
 def test_batch_and_message_limits() -> None:
-    with RewardServer(_config(max_batch_items=2, max_message_bytes=4096)) as s:
+    with RewardServer(_config(max_batch_items=2, max_message_bytes=4096, max_item_bytes=2048)) as s:
         stub = _stub(s)
         with pytest.raises(grpc.RpcError) as e:
             stub.Score(reward_pb2.ScoreBatchRequest(items=[Req(id=str(i), reference="1") for i in range(3)]), timeout=10)
@@ -291,6 +291,27 @@ def test_batch_and_message_limits() -> None:
         full = [Req(id=k, completion="answer: 1", reference="1") for k in ("z", "y")]  # exactly max_batch_items
         ok = stub.Score(reward_pb2.ScoreBatchRequest(items=full), timeout=10)
         assert [(r.id, r.correct) for r in ok.results] == [("z", True), ("y", True)]  # the server still works
+
+
+def test_an_item_limit_a_message_cannot_carry_is_refused() -> None:
+    """An item over max_item_bytes by its completion is scored oversized_reward so the step goes on; one over
+    max_message_bytes is refused by gRPC before the server sees it, and the trainer's step fails. With
+    max_item_bytes at or over max_message_bytes (256 KiB against a lowered message limit) the items between the
+    two were promised the first and got the second, so such a config is refused at load."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_item_bytes 4096 must be below max_message_bytes 4096"):
+        _config(max_message_bytes=4096, max_item_bytes=4096)
+    with pytest.raises(ValidationError, match="max_item_bytes 262144 must be below max_message_bytes 65536"):
+        _config(max_message_bytes=64 << 10)
+    with RewardServer(_config(max_message_bytes=4096, max_item_bytes=2048)) as s:
+        big = _stub(s).Score(reward_pb2.ScoreBatchRequest(items=[Req(id="x", completion="y" * 3000, reference="1")]),
+                             timeout=10).results[0]
+        assert big.ok and (big.reward, big.correct) == (0.0, False)  # over the item limit: scored, unchecked
+        with pytest.raises(grpc.RpcError) as e:  # over the message limit: never scored
+            _stub(s).Score(reward_pb2.ScoreBatchRequest(items=[Req(id="x", completion="y" * 5000, reference="1")]),
+                           timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_client_submit_and_stream(server: RewardServer) -> None:

@@ -91,6 +91,15 @@ class RewardConfig(ServiceConfig):
         return v
 
     @model_validator(mode="after")
+    def _item_fits_a_message(self) -> RewardConfig:
+        if self.max_item_bytes >= self.max_message_bytes:
+            raise ValueError(
+                f"max_item_bytes {self.max_item_bytes} must be below max_message_bytes {self.max_message_bytes}: an "
+                "item between them is refused by gRPC (RESOURCE_EXHAUSTED, the trainer's step fails) before it "
+                "could be scored oversized_reward; lower max_item_bytes or raise max_message_bytes")
+        return self
+
+    @model_validator(mode="after")
     def _metrics_port_apart(self) -> RewardConfig:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port {self.metrics_port} is the gRPC port; give the /metrics exporter "

@@ -196,7 +196,8 @@ def test_raw_grpc_garbage_on_the_reward_server() -> None:
     from tlt.services.reward.server import RewardServer
 
     codes: dict[str, int] = {}
-    with RewardServer(RewardConfig(port=0, workers=2, grace_s=0.5, max_message_bytes=64 << 10)) as s, \
+    with RewardServer(RewardConfig(port=0, workers=2, grace_s=0.5, max_message_bytes=64 << 10,
+                                   max_item_bytes=32 << 10)) as s, \
             grpc.insecure_channel(s.address) as channel:
         score = channel.unary_unary("/tlt.v1.Reward/Score", request_serializer=None, response_deserializer=None)
 
@@ -230,7 +231,8 @@ def test_garbage_score_streams_leave_the_reward_server_stoppable() -> None:
     from tlt.services.reward.config import RewardConfig
     from tlt.services.reward.server import RewardServer
 
-    s = RewardServer(RewardConfig(port=0, workers=2, grace_s=0.5, max_message_bytes=64 << 10)).start()
+    s = RewardServer(RewardConfig(port=0, workers=2, grace_s=0.5, max_message_bytes=64 << 10,
+                                  max_item_bytes=32 << 10)).start()
     rng = random.Random(0)
     good = reward_pb2.ScoreRequest(id="g", prompt="1+1=", completion="\\boxed{2}", reference="2").SerializeToString()
     codes: dict[str, int] = {}
