@@ -225,7 +225,7 @@ def test_window_max_steps_trains_a_budget_per_idle_period(tmp_path, model_dir, s
 
 
 @pytest.mark.parametrize("train_when", ["replica_idle", "rollout_idle"])
-def test_a_silent_capacity_feed_stops_training(tmp_path, model_dir, samples, train_when) -> None:
+def test_a_silent_capacity_feed_stops_training(tmp_path, model_dir, samples, train_when, capfd) -> None:
     """The rollout's capacity feed goes silent while its replicas were IDLE (the server froze, was SIGSTOPped or
     lost its network path): the worker kept its last IDLE and trained on, for good, on a device that may be
     busy. An IDLE not heard again (heartbeat or event) for `stale_s` must end the window within a micro-step,
@@ -244,12 +244,16 @@ def test_a_silent_capacity_feed_stops_training(tmp_path, model_dir, samples, tra
         for r in (0, 1):
             state(pub, r, IDLE)
         assert wait_for(lambda: 0 in coord.workers and coord.workers[0].training, 20)  # it trains
+        assert wait_for(lambda: worker._fed, 5)  # a heartbeat came through the SUB (not only the snapshot's IDLE)
         silent_at = time.time()
         pub.close()  # no more heartbeats; the last state heard was IDLE
         assert wait_for(lambda: len(coord.windows) == 1, 10), "the worker trains on with a silent capacity feed"
         (w,) = coord.windows
         assert w.preempted and w.micro_steps > 0 and silent_at < w.busy_timestamp <= w.released
         assert w.released - w.busy_timestamp < 2.0
+        logged = capfd.readouterr()
+        assert "capacity_feed_silent" in logged.err + logged.out  # a feed heard before: the rollout went quiet
+        assert "heartbeats (about one a second) stopped" in logged.err + logged.out
         time.sleep(1.0)  # still silent: no new window
         assert len(coord.windows) == 1 and not coord.workers[0].training
         new = CapacityPublisher(pub_ep, snap_ep, heartbeat_s=0.2)  # the feed is back

@@ -246,6 +246,29 @@ def test_a_worker_waits_for_a_capacity_snapshot_instead_of_exiting(tmp_path, mod
         pub.close()
 
 
+def test_a_capacity_pub_that_never_speaks_is_named_in_the_silence_warning(tmp_path, model_dir, samples,
+                                                                         capfd) -> None:
+    """`capacity_pub` naming a socket that is not the rollout's PUB (a typo, the snapshot's neighbour port taken
+    wrong) while `capacity_snapshot` is right: the snapshot answers, every heartbeat is missed, the worker's IDLE
+    goes stale and it never trains again. The warning said only `capacity_feed_silent silent_s=...`, as for a
+    rollout that froze, with nothing to say the endpoint was never heard. It now names capacity_pub and says no
+    event has come through it. Real CapacityPublisher (its snapshot socket) and worker on 127.0.0.1; the wrong
+    PUB endpoint is a free port nothing binds."""
+    from tlt.services.common.ports import free_port
+
+    pub, cfg, coord = make(tmp_path, model_dir, samples, [], eval_interval_s=1e9)
+    for r in (0, 1):
+        state(pub, r, IDLE)  # what the snapshot says
+    wrong = f"tcp://127.0.0.1:{free_port()}"
+    worker = DrafterWorker(cfg.model_copy(update={"capacity_pub": wrong}), str(model_dir), 0, 0, coord.endpoint)
+    worker.stale_s = 1.0  # the publisher's heartbeats come every 0.2 s
+    log_has = _log_reader(capfd)
+    with running(worker, pub, coord):
+        assert wait_for(lambda: log_has("capacity_feed_silent"), 20), "the worker never said its feed is silent"
+        assert log_has(f"no event or heartbeat has come through capacity_pub {wrong}")
+        assert not log_has("heartbeats (about one a second) stopped")
+
+
 def test_a_worker_started_before_its_coordinator_waits_for_it(tmp_path, model_dir, samples) -> None:
     """A worker (re)started while its coordinator is down, e.g. being restarted after a kill -9, asks it hello
     first; no answer within the timeout raised out of run() and the `tlt drafter worker` process exited for good

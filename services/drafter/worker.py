@@ -105,6 +105,7 @@ class DrafterWorker:
         self._states: dict[tuple[str, int], tuple[int, float]] = {}
         self.stale_s = STALE_S
         self._heard = 0.0  # monotonic time `state` was last heard (heartbeats too): see `_idle_now`
+        self._fed = False  # an event came through the SUB socket (not only the snapshot): `_silence_hint`
         self._others: set[int] = set()  # replica ids heard of; mine once heard: `_check_replica_known`
         self._mine_heard = False
         self._watching_since: float | None = None  # monotonic, from the first event heard (run)
@@ -206,7 +207,19 @@ class DrafterWorker:
         self.busy_seen = True
         self.last_busy = time.time() - (time.monotonic() - self._heard - self.stale_s)
         log.warning("capacity_feed_silent", worker=self.worker_id, replica=self.replica_id,
-                    silent_s=round(time.monotonic() - self._heard, 2))
+                    silent_s=round(time.monotonic() - self._heard, 2), capacity_pub=self.cfg.capacity_pub,
+                    hint=self._silence_hint())
+
+    def _silence_hint(self) -> str:
+        """What a silent feed most likely means: a SUB that never got an event (its snapshot answered, its
+        heartbeats never came) names a socket that is not the rollout's PUB; one that did, a rollout gone quiet."""
+        if not self._fed:
+            return (f"no event or heartbeat has come through capacity_pub {self.cfg.capacity_pub} since the "
+                    f"snapshot from {self.cfg.capacity_snapshot} answered: if the rollout is up, check that "
+                    "capacity_pub names its capacity PUB socket and is reachable from here; no window opens until "
+                    "the feed speaks")
+        return ("the rollout's heartbeats (about one a second) stopped: it froze, stopped or lost its network path; "
+                "no window opens until it speaks again")
 
     def _poll_events(self, timeout_s: float) -> None:
         """Read EVERY queued event (heartbeats pile up during a long step), waiting up to `timeout_s` for one."""
@@ -215,6 +228,7 @@ class DrafterWorker:
             e = self.sub.recv(max(0.0, deadline - time.monotonic()))  # 0: what is queued, without waiting
             if e is None:
                 break
+            self._fed = True
             self._see(e)
             deadline = time.monotonic()  # got one: drain the rest without waiting
         self._check_silence()  # after draining: heartbeats queued during a long step are not silence
