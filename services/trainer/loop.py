@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -264,6 +265,34 @@ def train(cfg: TrainerConfig) -> TrainSummary:
     return TrainSummary(steps_done, policy.version, resumed_from, str(out))
 
 
+WAIT_QUIET_S = 2.0  # a service not up within this long at start is named in the log while the trainer waits on
+
+
+def _wait_for(service: str, address: str, wait: Callable[[float], None], timeout_s: float) -> None:
+    """`wait(timeout_s)` for a service at start, saying so (`waiting_for_service`) once it is not up within
+    WAIT_QUIET_S, and when it comes up after that: a trainer started beside its services (compose) or given a
+    wrong address sat silent for up to connect_timeout_s each. What `wait` raises propagates."""
+    import threading
+
+    began = time.monotonic()
+    said = threading.Event()
+
+    def say() -> None:
+        said.set()
+        log.info("waiting_for_service", service=service, address=address, timeout_s=timeout_s,
+                 hint=f"not up after {WAIT_QUIET_S:g} s; waiting up to connect_timeout_s")
+
+    timer = threading.Timer(WAIT_QUIET_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        wait(timeout_s)
+    finally:
+        timer.cancel()
+    if said.is_set():
+        log.info("service_ready", service=service, address=address, waited_s=round(time.monotonic() - began, 1))
+
+
 class _FeatureHook:
     """Hands the old-logprob pass's hidden states to the drafter (TLT.md section 6); drops, never waits."""
 
@@ -363,10 +392,10 @@ class _Services:
 
         wait_rewards = getattr(self.rewards, "wait_ready", None)
         if wait_rewards is not None:  # a reward server: found down now, not after the first rollout
-            wait_rewards(self.cfg.connect_timeout_s)
+            _wait_for("reward", self.cfg.reward_address, wait_rewards, self.cfg.connect_timeout_s)
         for c in self.clients:
             try:
-                c.wait_ready(self.cfg.connect_timeout_s)
+                _wait_for("rollout", c.address, c.wait_ready, self.cfg.connect_timeout_s)
             except grpc.FutureTimeoutError:
                 raise RolloutError(
                     f"rollout server {c.address} not reachable within {self.cfg.connect_timeout_s}s; start it "
