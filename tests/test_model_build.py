@@ -230,6 +230,35 @@ def test_an_interrupted_build_leaves_nothing_beside_its_out(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_build_stopped_by_sigterm_leaves_nothing_beside_its_out_and_dies_of_the_signal(tmp_path):
+    """SIGTERM (a container's stop, `timeout`, the parent-death signal) ended a build at once, without the cleanup
+    Ctrl-C runs: its half-built `.<out>.tmp-PID` folder stayed beside --out for good. The real CLI in a child
+    process, stopped while it trains; it still dies of the signal (launchers read the status) and says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "tiny"
+    child = subprocess.Popen([sys.executable, "-m", "tlt.cli", "model", "build", "--out", str(out), "--max-steps",
+                              "5000", "--eval-n", "0", "--threads", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(tmp_path.glob(".tiny.tmp-*/tokenizer.json")) and time.monotonic() < deadline:
+            assert child.poll() is None, child.stderr.read()[-2000:]
+            time.sleep(0.1)
+        assert any(tmp_path.glob(".tiny.tmp-*/tokenizer.json")), "the build never wrote its tokenizer"
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert child.returncode == -signal.SIGTERM, err[-2000:]
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    assert "build_terminated" in err and "SIGTERM" in err
+
+
 def test_paired_difference_by_hand():
     from tlt.model.evaluate import paired_difference
 

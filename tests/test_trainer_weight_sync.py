@@ -294,9 +294,9 @@ def test_a_trainer_terminated_mid_push_removes_its_shm_file_and_dies_of_the_sign
     code = textwrap.dedent(f"""
         import torch
         from tlt.services.rollout.client import RolloutClient
-        from tlt.services.trainer.train import unwind_on_termination
+        from tlt.services.common.signals import unwind_on_termination
         from tlt.services.trainer.weight_sync import WeightPublisher
-        with unwind_on_termination():
+        with unwind_on_termination("train_terminated", "trainer"):
             WeightPublisher([RolloutClient("127.0.0.1:{port}")], "shm").push({{"w": torch.zeros(64, 64)}}, 1)
     """)
     child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
@@ -326,8 +326,8 @@ def test_a_trainer_under_nohup_still_ignores_the_hangup():
     import subprocess
     import sys
 
-    code = ("import os, signal\nfrom tlt.services.trainer.train import unwind_on_termination\n"
-            "with unwind_on_termination():\n    os.kill(os.getpid(), signal.SIGHUP)\n    print('trained on')\n")
+    code = ("import os, signal\nfrom tlt.services.common.signals import unwind_on_termination\n"
+            "with unwind_on_termination('train_terminated', 'trainer'):\n    os.kill(os.getpid(), signal.SIGHUP)\n    print('trained on')\n")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup starts it
     assert child.returncode == 0 and "trained on" in child.stdout, child.stderr[-2000:]

@@ -21,7 +21,7 @@ RewardFn = Callable[..., list[float]]
 
 def _is_signal(e: BaseException) -> bool:
     """Whether `e` is a signal that stops the process rather than the function's own raise: Ctrl-C's
-    KeyboardInterrupt, or the trainer's Terminated (SIGTERM; it carries `signum`), in the main thread, where
+    KeyboardInterrupt, or common/signals.py's Terminated (SIGTERM; it carries `signum`), in the main thread, where
     Python delivers them. Any other BaseException (sys.exit, func_timeout's FunctionTimedOut, a KeyboardInterrupt a
     reward server's worker thread raised) is the function's failure: the step's error, or the item's ok=false."""
     return threading.current_thread() is threading.main_thread() and (

@@ -15,13 +15,9 @@ trained model as a Hugging Face folder).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
-from collections.abc import Iterator
-
 import argparse
+
+from tlt.services.common.signals import unwind_on_termination
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.services.trainer.weight_sync import PushDtypeError, StaleWeightsError
 
     try:
-        with unwind_on_termination():
+        with unwind_on_termination("train_terminated", "trainer"):
             summary = train(cfg)
     except (ControlRefusedError, RolloutError, RewardError) as e:  # what to fix is in the message: no traceback
         if isinstance(e, RewardFunctionFailed) and e.__cause__ is not None:  # the user's own code: where it raised
@@ -96,41 +92,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class Terminated(BaseException):
-    """SIGTERM / SIGHUP raised in the main thread (not an Exception: no `except Exception` may swallow it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def unwind_on_termination() -> Iterator[None]:
-    """Let SIGTERM / SIGHUP unwind the trainer, then die of the signal as before.
-
-    `tlt run`'s stop, a container's stop and the parent-death signal all send SIGTERM, which Python answers by
-    exiting at once: `finally` blocks never ran, and a weight push in flight left the whole model's weights in
-    /dev/shm (the shm push removes its file in one) until some later trainer swept them. Ctrl-C (SIGINT)
-    already unwinds, as KeyboardInterrupt.
-    """
-    def raise_terminated(signum: int, frame: object) -> None:
-        raise Terminated(signum)
-
-    wanted = (signal.SIGTERM, signal.SIGHUP)
-    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
-        yield
-        return
-    # a signal already ignored stays ignored: under nohup a closed terminal must not end the trainer
-    before = {sig: signal.signal(sig, raise_terminated) for sig in wanted if signal.getsignal(sig) != signal.SIG_IGN}
-    try:
-        yield
-    except Terminated as t:
-        from tlt.services.common.logging import get_logger
-
-        get_logger("trainer").warning("train_terminated", signal=signal.Signals(t.signum).name)
-        signal.signal(t.signum, signal.SIG_DFL)
-        os.kill(os.getpid(), t.signum)  # the exit status a launcher expects of a terminated process
-        raise
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)

@@ -125,14 +125,19 @@ def build_model(
     budget = time_budget_s if time_budget_s is not None else train["time_budget_s"]
     torch.set_num_threads(threads or train["threads"])
 
+    from tlt.services.common.signals import unwind_on_termination
+
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    try:  # Ctrl-C or a failure: no half-built temp folder is left beside --out (another pid would never clean it)
-        facts = _train_into(tmp, preset, spec, train, steps, budget, seed=seed, eval_n=eval_n)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # Ctrl-C, SIGTERM (a container's stop, `timeout`) or a failure: no half-built temp folder is left beside --out
+    # (another pid would never clean it)
+    with unwind_on_termination("build_terminated", "model.build"):
+        try:
+            facts = _train_into(tmp, preset, spec, train, steps, budget, seed=seed, eval_n=eval_n)
+            _swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     log.info("build_finished", out=str(out), **{k: v for k, v in facts.items() if k != "accuracy_by_steps"})
     return facts
 
