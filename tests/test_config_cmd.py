@@ -150,6 +150,7 @@ def test_an_unset_field_is_commented_out(capsys) -> None:
     (["rollout.engine.dtype=fp8"], "engine.dtype='fp8'"),
     (["lr=3e-5"], "name the section"),
     (["trainr.lr=3e-5"], "unknown section 'trainr'"),
+    (["trainr.lr=3e-5"], "did you mean 'trainer'?"),
     (["trainer.lr"], "must look like field=value"),
 ])
 def test_show_refuses_a_bad_set(overrides, words, capsys) -> None:
@@ -161,11 +162,13 @@ def test_show_refuses_a_bad_set(overrides, words, capsys) -> None:
 def test_show_refuses_an_unknown_section_at_parsing(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["config", "show", "trainr"])
-    assert e.value.code == 2 and "unknown section 'trainr'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unknown section 'trainr'" in err and "did you mean 'trainer'?" in err
 
 
 @pytest.mark.parametrize("text,words", [
     ("[trainr]\nsteps = 3\n", "unknown section [trainr]"),
+    ("[rolout]\nreplicas = 3\n", "did you mean [rollout]?"),
     ("[trainer]\nstepz = 3\n", "unknown field 'stepz'"),
     ("[rollout.engine]\nbogus = 1\n", "unknown field 'engine.bogus'"),
     ("[trainer]\nsteps = 0\n", "steps=0"),

@@ -233,9 +233,10 @@ def test_a_set_of_an_unknown_section_is_refused_by_name(tmp_path: Path) -> None:
     from tlt.services.trainer.procs import ServiceError
 
     model, runs = _fake_model(tmp_path)
-    for bad in ("trainr.lr=1e-5", "spec.threshold=8"):
-        with pytest.raises(ServiceError, match="unknown section"):
+    for bad, guess in (("trainr.lr=1e-5", "; did you mean 'trainer'?"), ("spec.threshold=8", "")):
+        with pytest.raises(ServiceError, match="unknown section") as e:
             _plan(runs, model, "--run-id", "r", "--set", bad)
+        assert str(e.value).endswith(f"rollout.spec.FIELD){guess}"), e.value
     assert not (runs / "r" / "run.json").exists()
     _closed(_plan(runs, model, "--run-id", "r", "--set", "rollout.spec.threshold=8"))
 
@@ -291,7 +292,8 @@ def test_a_preset_file_with_an_unknown_section_is_refused_by_name(tmp_path: Path
     model, runs = _fake_model(tmp_path)
     preset = tmp_path / "my.toml"
     preset.write_text("[trainr]\nlr = 3e-5\n\n[trainer]\nsteps = 2\n")
-    with pytest.raises(ServiceError, match=r"my.toml: unknown section \[trainr\]; the sections are run, "):
+    with pytest.raises(ServiceError, match=r"my.toml: unknown section \[trainr\]; the sections are run, .*"
+                                           r"; did you mean \[trainer\]\?$"):
         _plan(runs, model, "--run-id", "t", "--preset", str(preset))
     assert not (runs / "t").exists()
     preset.write_text("[trainer]\nsteps = 2\n")

@@ -45,6 +45,17 @@ ORIGINS = ("preset {preset}", "environment {var}", "--set")  # the comment of a 
 WIDTH = 116  # comment lines wrap here
 
 
+def section_guess(name: str, bracket: bool = False) -> str:
+    """'; did you mean 'rollout'?' (`bracket`: '[rollout]') for an unknown section name close to a known one,
+    else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(SECTION_CLASSES), n=1)
+    if not close:
+        return ""
+    return f"; did you mean [{close[0]}]?" if bracket else f"; did you mean {close[0]!r}?"
+
+
 def config_class(section: str) -> type[ServiceConfig]:
     module, name = SECTION_CLASSES[section].split(":")
     return getattr(importlib.import_module(module), name)
@@ -63,7 +74,8 @@ def section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"--set {key}=...: name the section, SECTION.FIELD=VALUE (e.g. trainer.lr=3e-5)")
         if section not in SECTION_CLASSES:
             raise ConfigError(f"--set {key}=...: unknown section {section!r}; the sections are "
-                              f"{', '.join(SECTION_CLASSES)} (nested: rollout.engine.FIELD, rollout.spec.FIELD)")
+                              f"{', '.join(SECTION_CLASSES)} (nested: rollout.engine.FIELD, rollout.spec.FIELD)"
+                              f"{section_guess(section)}")
         *path, leaf = field.split(".")
         node = out.setdefault(section, {})
         for part in path:
@@ -204,7 +216,7 @@ def check(file: str) -> int:
     from tlt.services.common.config import ConfigError, load_config, preset_path, read_preset
 
     whole = read_preset(file)
-    problems = [f"unknown section [{s}]; the sections are {', '.join(SECTION_CLASSES)}"
+    problems = [f"unknown section [{s}]; the sections are {', '.join(SECTION_CLASSES)}{section_guess(s, bracket=True)}"
                 for s in whole if s not in SECTION_CLASSES]
     loaded: dict[str, Any] = {}
     for section in (s for s in whole if s in SECTION_CLASSES):
