@@ -258,6 +258,29 @@ def test_a_client_the_server_refuses_says_in_one_line_the_peer_may_require_a_tok
         coord.close()
 
 
+def test_a_refused_snapshot_asked_again_warns_once_a_minute_not_every_attempt(
+        no_env_token: None, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A drafter with another token than its rollout asks for the capacity snapshot every 2 s until it answers;
+    each request is a new socket with a new watch, so `zmq_handshake_failed` was logged at every attempt, by the
+    coordinator and by each worker, for as long as the mismatch lasted. Now one warning per endpoint and minute;
+    every attempt's TimeoutError still carries the hint. Real CURVE publisher and subscriber on 127.0.0.1."""
+    from tlt.services.common import zmq_auth
+
+    monkeypatch.setattr(zmq_auth, "_handshake_warned", {}, raising=False)
+    with CapacityPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", token=TOKEN) as pub, \
+            CapacitySubscriber(pub.pub_endpoint, pub.snapshot_endpoint, token=TOKEN + "-wrong") as stranger:
+        capsys.readouterr()
+        for _ in range(3):
+            with pytest.raises(TimeoutError, match="may require the control token"):
+                stranger.snapshot(timeout_s=0.5)
+        said = [line for line in capsys.readouterr().err.splitlines() if "zmq_handshake_failed" in line]
+        assert len(said) == 1 and "warning" in said[0], said
+        monkeypatch.setattr(zmq_auth, "HANDSHAKE_WARN_EVERY_S", 0.0)  # the minute has passed: said again
+        with pytest.raises(TimeoutError):
+            stranger.snapshot(timeout_s=0.5)
+        assert "zmq_handshake_failed" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("make", [
     lambda: FeaturePusher("tcp://127.0.0.1:44508"),
     lambda: FeaturePuller("tcp://127.0.0.1:*"),

@@ -185,11 +185,18 @@ class ZmqAuth:
         self.close()
 
 
+HANDSHAKE_WARN_EVERY_S = 60.0  # one zmq_handshake_failed warning per endpoint (and token mode) this often, at most
+_handshake_warned: dict[tuple[str, str], float] = {}  # (endpoint, mode) -> monotonic time of its last warning
+_handshake_lock = threading.Lock()
+
+
 class HandshakeWatch:
     """Whether a connecting socket's ZeroMQ handshakes fail, which a refused peer otherwise never says: a CURVE
     server drops a plain client (no token here) or one with another token's keys, so pushes are dropped, requests go
     unanswered and nothing is logged. `hint()` drains the socket's monitor and, while the last handshake failed,
-    returns one line saying the peer may require the control token (logged once per watch, as `zmq_handshake_failed`).
+    returns one line saying the peer may require the control token. It is logged as `zmq_handshake_failed` once per
+    watch and, across the watches of one process, once per endpoint every HANDSHAKE_WARN_EVERY_S (debug between):
+    a snapshot asked again every 2 s makes a watch each time, and repeated the warning every 2 s for good.
     `close()` before the socket's context's `term` (the monitor is a socket of that context)."""
 
     EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -214,7 +221,14 @@ class HandshakeWatch:
                 f"control token, or another one ({have}; set the same {TOKEN_ENV} or {TOKEN_FILE_ENV} on both ends)")
         if not self._warned:
             self._warned = True
-            log.warning("zmq_handshake_failed", endpoint=self.endpoint, failures=self.failures, hint=line)
+            now, key = time.monotonic(), (self.endpoint, self.mode)
+            with _handshake_lock:
+                last = _handshake_warned.get(key)
+                due = last is None or now - last >= HANDSHAKE_WARN_EVERY_S
+                if due:
+                    _handshake_warned[key] = now
+            (log.warning if due else log.debug)("zmq_handshake_failed", endpoint=self.endpoint,
+                                                 failures=self.failures, hint=line)
         return line
 
     def close(self) -> None:
