@@ -28,7 +28,7 @@ import os
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -275,8 +275,6 @@ def unknown_environment(environ: Mapping[str, str], sections: Sequence[str] | No
     """The TLT_* variables nothing reads, each with what was likely meant: a misspelt section (TLT_ROLOUT__X) or
     one underscore after it (TLT_ROLLOUT_X) configured nothing, silently. `sections`: the config sections
     (default: the preset's, config_cmd.SECTION_CLASSES)."""
-    import difflib
-
     if sections is None:
         from tlt.services.common.config_cmd import SECTION_CLASSES
 
@@ -289,8 +287,8 @@ def unknown_environment(environ: Mapping[str, str], sections: Sequence[str] | No
         head = key[len("TLT_"):]
         if "__" in head:
             section, rest = head.split("__", 1)
-            close = difflib.get_close_matches(section.lower(), list(sections), n=1)
-            hint = f"; did you mean {env_prefix(close[0])}{rest}?" if close else ""
+            close = closest(section.lower(), sections)
+            hint = f"; did you mean {env_prefix(close)}{rest}?" if close else ""
             problems.append(f"{key}: no config section [{section.lower()}] (sections: {', '.join(sections)}){hint}")
             continue
         section = next((s for s in sections if head.lower().startswith(f"{s.replace('-', '_')}_")), None)
@@ -313,11 +311,18 @@ def own_section_hint(section: str, key: str, value: Any) -> str:
             f"--set {field}={shown} (`tlt run --set` is the one that takes {section}.{field})")
 
 
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The known name a misspelt `name` most likely meant (difflib's closest, None when none is close): the
+    'did you mean' of an unknown section, field or variable."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return close[0] if close else None
+
+
 def _known_fields(cls: type[BaseModel], section: str, loc: Sequence[Any]) -> str:
     """'did you mean ...? known fields of [section.sub]: ...' for the unknown field at `loc`: a typo in a nested
     section ([rollout.engine]) is named among that section's fields, not the outer one's."""
-    import difflib
-
     owner, names = cls, [section]
     for part in loc[:-1]:
         inner = nested_section(owner.model_fields.get(str(part)))
@@ -325,8 +330,8 @@ def _known_fields(cls: type[BaseModel], section: str, loc: Sequence[Any]) -> str
             break
         owner, names = inner, [*names, str(part)]
     known = sorted(owner.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    close = closest(str(loc[-1]), known)
+    hint = f"did you mean {close!r}? " if close else ""
     return f"{hint}known fields of [{'.'.join(names)}]: {', '.join(known)}"
 
 

@@ -45,15 +45,15 @@ ORIGINS = ("preset {preset}", "environment {var}", "--set")  # the comment of a 
 WIDTH = 116  # comment lines wrap here
 
 
-def section_guess(name: str, bracket: bool = False) -> str:
-    """'; did you mean 'rollout'?' (`bracket`: '[rollout]') for an unknown section name close to a known one,
-    else ''."""
-    import difflib
+def unknown_section(name: str, bracket: bool = False, note: str = "") -> str:
+    """"unknown section 'x'; the sections are run, ... (note); did you mean 'rollout'?" (`bracket`: [x], [rollout]),
+    the guess only where a section is close: what every refusal of a section name says."""
+    from tlt.services.common.config import closest
 
-    close = difflib.get_close_matches(name, list(SECTION_CLASSES), n=1)
-    if not close:
-        return ""
-    return f"; did you mean [{close[0]}]?" if bracket else f"; did you mean {close[0]!r}?"
+    shown = (lambda s: f"[{s}]") if bracket else repr
+    guess = f"; did you mean {shown(close)}?" if (close := closest(name, SECTION_CLASSES)) else ""
+    return (f"unknown section {shown(name)}; the sections are {', '.join(SECTION_CLASSES)}"
+            f"{f' ({note})' if note else ''}{guess}")
 
 
 def config_class(section: str) -> type[ServiceConfig]:
@@ -73,9 +73,8 @@ def section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
         if not field:
             raise ConfigError(f"--set {key}=...: name the section, SECTION.FIELD=VALUE (e.g. trainer.lr=3e-5)")
         if section not in SECTION_CLASSES:
-            raise ConfigError(f"--set {key}=...: unknown section {section!r}; the sections are "
-                              f"{', '.join(SECTION_CLASSES)} (nested: rollout.engine.FIELD, rollout.spec.FIELD)"
-                              f"{section_guess(section)}")
+            raise ConfigError(f"--set {key}=...: "
+                              + unknown_section(section, note="nested: rollout.engine.FIELD, rollout.spec.FIELD"))
         *path, leaf = field.split(".")
         node = out.setdefault(section, {})
         for part in path:
@@ -216,8 +215,7 @@ def check(file: str) -> int:
     from tlt.services.common.config import ConfigError, load_config, preset_path, read_preset
 
     whole = read_preset(file)
-    problems = [f"unknown section [{s}]; the sections are {', '.join(SECTION_CLASSES)}{section_guess(s, bracket=True)}"
-                for s in whole if s not in SECTION_CLASSES]
+    problems = [unknown_section(s, bracket=True) for s in whole if s not in SECTION_CLASSES]
     loaded: dict[str, Any] = {}
     for section in (s for s in whole if s in SECTION_CLASSES):
         try:

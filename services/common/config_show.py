@@ -12,12 +12,11 @@ import sys
 
 def _section(text: str) -> str:
     """argparse `type` of a SECTION: one a preset can hold (`choices` refuses nargs='*' given none, Python 3.11)."""
-    from tlt.services.common.config_cmd import SECTION_CLASSES, section_guess
+    from tlt.services.common.config_cmd import SECTION_CLASSES, unknown_section
 
     if text not in SECTION_CLASSES:
-        raise argparse.ArgumentTypeError(f"unknown section {text!r}; the sections are {', '.join(SECTION_CLASSES)} "
-                                         "([rollout.engine] and [rollout.spec] come with rollout)"
-                                         f"{section_guess(text)}")
+        raise argparse.ArgumentTypeError(
+            unknown_section(text, note="[rollout.engine] and [rollout.spec] come with rollout"))
     return text
 
 

@@ -116,14 +116,13 @@ def _token_read(reading: _Reading, tokenizer: Any, token_id: int) -> tuple[str, 
 
 def _text_and_bytes(tokenizer: Any, token_id: int, reading: _Reading) -> tuple[str, list[int]]:
     text = _token_alone(tokenizer, token_id, reading)
-    if "\ufffd" not in text:
-        return text, list(text.encode())
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
-        return piece, [int(m.group(1), 16)]
-    if all(ch in BYTE_LEVEL for ch in piece):
-        return piece, [BYTE_LEVEL[ch] for ch in piece]
-    return text, list(text.encode())  # U+FFFD is the piece's own character (no byte piece): it reads as its text
+    if "\ufffd" in text:  # a byte piece shows its vocabulary string; any other token (U+FFFD its own) its text
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return piece, [int(m.group(1), 16)]
+        if all(ch in BYTE_LEVEL for ch in piece):
+            return piece, [BYTE_LEVEL[ch] for ch in piece]
+    return text, list(text.encode())
 
 
 # lead byte -> (continuation bytes it needs, the bytes its second may be: narrower than 80-BF after E0, ED, F0, F4,

@@ -30,7 +30,7 @@ from tlt.services.common.config import (
     preset_path,
     read_preset,
 )
-from tlt.services.common.config_cmd import SECTION_CLASSES, config_class, section_guess
+from tlt.services.common.config_cmd import SECTION_CLASSES, config_class, unknown_section
 from tlt.services.common.logging import get_logger
 from tlt.services.trainer.evaluate import trim_evals
 from tlt.services.trainer.procs import ServiceError, ServiceProcess
@@ -66,8 +66,8 @@ def _apply_override(preset: dict[str, Any], key: str, value: Any) -> None:
     if len(parts) < 2:
         raise ServiceError(f"override {key!r} must name a section: SECTION.FIELD=VALUE (e.g. trainer.lr=3e-5)")
     if parts[0] not in SECTIONS:
-        raise ServiceError(f"override {key!r}: unknown section {parts[0]!r}; the sections are {', '.join(SECTIONS)} "
-                           f"(nested: rollout.engine.FIELD, rollout.spec.FIELD){section_guess(parts[0])}")
+        raise ServiceError(f"override {key!r}: "
+                           + unknown_section(parts[0], note="nested: rollout.engine.FIELD, rollout.spec.FIELD"))
     node, cls = preset.setdefault(parts[0], {}), config_class(parts[0])
     for i, p in enumerate(parts[1:-1], 1):
         field = getattr(cls, "model_fields", {}).get(p)
@@ -144,9 +144,8 @@ def _inputs(args: argparse.Namespace, saved: dict[str, Any]) -> tuple[dict[str, 
     preset = read_preset(path)
     unknown = [name for name in preset if name not in SECTIONS]
     if unknown:  # a misspelt [trainr] was copied into config.toml and ignored: its service ran on defaults
-        raise ServiceError(f"{preset_path(inputs['preset'])}: unknown section [{unknown[0]}]; the sections are "
-                           f"{', '.join(SECTIONS)} (`tlt config check FILE` checks a preset file)"
-                           f"{section_guess(unknown[0], bracket=True)}")
+        raise ServiceError(f"{preset_path(inputs['preset'])}: " + unknown_section(
+            unknown[0], bracket=True, note="`tlt config check FILE` checks a preset file"))
     overrides = cli_overrides(inputs["overrides"])
     for key, value in [*environment_layer(), *overrides.items()]:  # preset -> environment -> --set
         _apply_override(preset, key, value)
