@@ -87,7 +87,7 @@ def test_a_drafter_made_for_another_layer_shape_or_rope_is_refused(tmp_path) -> 
         export_sglang(tmp_path / "d", model, tmp_path / "sg")
     assert not (tmp_path / "sg").exists()
     new_drafter(model, seed=1).save(tmp_path / "ok")
-    assert (export_sglang(tmp_path / "ok", model, tmp_path / "sg") / "config.json").is_file()
+    assert (export_sglang(tmp_path / "ok", model, tmp_path / "sg")[0] / "config.json").is_file()
 
 
 def test_the_drafter_shares_the_head_the_target_runs(tmp_path) -> None:
@@ -140,3 +140,70 @@ def test_the_export_writes_only_into_a_new_empty_or_earlier_export_folder(tmp_pa
     (tmp_path / "earlier" / "config.json").write_text(json.dumps(sglang_config({"model_type": "llama"})))
     for ok in ("new", "empty", "earlier"):
         check_out(tmp_path / ok)
+
+
+def _coordinator_checkpoint(tmp_path, model):  # noqa: ANN001, ANN202
+    """A real coordinator's checkpoint_dir whose serving drafter (v7) differs from its candidate (v9)."""
+    from tlt.services.drafter.config import DrafterServiceConfig
+    from tlt.services.drafter.coordinator import Coordinator
+    from tlt.services.drafter.training import own_tensors
+
+    cfg = DrafterServiceConfig(coordinator_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                               gate_when_idle=False, eval_interval_s=1e9)
+    coord = Coordinator(cfg, str(model), None, None)
+    try:
+        serving = own_tensors(new_drafter(model, seed=5))
+        coord.serving, coord.serving_version = serving, 7
+        coord.candidate.load_tensors(own_tensors(new_drafter(model, seed=6)))
+        coord.candidate_version = 9
+        coord.save_now()
+    finally:
+        coord.close()
+    return tmp_path / "ckpt", serving
+
+
+def test_a_runs_online_drafter_is_exported_from_the_trainers_checkpoint(tmp_path) -> None:
+    """A run's online drafter lived only in the elastic trainer's coordinator.pt: `tlt drafter export` refused that
+    folder ("not a drafter folder"), so the drafter trained beside the policy could be served nowhere after the run.
+    --drafter now takes the checkpoint_dir (or the file) and exports its SERVING drafter (not the candidate), as a
+    drafter folder of ours (--format tlt, which the rollout loads) or for SGLang."""
+    from tlt.model.drafter import load_drafter
+    from tlt.services.drafter.training import own_tensors, target_shared
+
+    model = random_checkpoint(tmp_path / "m", family="qwen2")
+    ckpt, serving = _coordinator_checkpoint(tmp_path, model)
+    cli = [sys.executable, "-m", "tlt.cli", "drafter", "export", "--model", str(model)]
+    done = subprocess.run([*cli, "--drafter", str(ckpt), "--format", "tlt", "--out", str(tmp_path / "own")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "serving_version=7" in done.stderr
+    _, embed, head = target_shared(model)
+    got = own_tensors(load_drafter(tmp_path / "own", embed, head))
+    assert set(got) == set(serving) and all(torch.equal(got[k], serving[k]) for k in serving)
+    done = subprocess.run([*cli, "--drafter", str(ckpt / "coordinator.pt"), "--out", str(tmp_path / "sg")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(load_file(str(tmp_path / "sg" / "model.safetensors"))["fc.weight"], serving["fc.weight"])
+
+
+def test_an_export_source_that_is_not_a_drafter_is_refused_in_one_line(tmp_path) -> None:
+    """Neither a drafter folder nor a checkpoint_dir; a checkpoint of another target's shape; a --format tlt --out
+    that holds files (a run's drafter-init, which its checkpoints' lineage names): each refused before writing."""
+    model = random_checkpoint(tmp_path / "m", family="qwen2")
+    small = random_checkpoint(tmp_path / "s", family="qwen2", hidden_size=32, intermediate_size=64)
+    ckpt, _ = _coordinator_checkpoint(tmp_path, model)
+    new_drafter(model, seed=1).save(tmp_path / "d")
+    (tmp_path / "empty").mkdir()
+    cli = [sys.executable, "-m", "tlt.cli", "drafter", "export", "--format", "tlt"]
+    for args, says in [
+        (["--drafter", str(tmp_path / "empty"), "--model", str(model), "--out", str(tmp_path / "o1")],
+         "is neither a drafter folder"),
+        (["--drafter", str(ckpt), "--model", str(small), "--out", str(tmp_path / "o2")],
+         "serving drafter does not fit the target"),
+        (["--drafter", str(ckpt), "--model", str(model), "--out", str(tmp_path / "d")], "is not empty"),
+    ]:
+        done = subprocess.run([*cli, *args], capture_output=True, text=True)
+        assert done.returncode != 0 and says in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter_config.json", "model.safetensors"]

@@ -147,6 +147,19 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     pids = json.loads((run_dir / "pids.json").read_text())
     assert pids["trainer"] and len(pids["rollout_replicas"]) == 1 and len(pids["drafter_workers"]) == 1, pids
     assert all(pid_gone(p) for p in all_pids(run_dir))
+    # the online drafter beside the policy (it lived only in the coordinator's checkpoint): its serving weights,
+    # a drafter folder the rollout loads, named in the summary line
+    import torch
+
+    from tlt.model.drafter import load_drafter
+    from tlt.services.drafter.training import load_state, own_tensors, target_shared
+
+    serving = load_state(run_dir / "drafter" / "coordinator.pt")["serving"]
+    _, embed, head = target_shared(run_dir / "policy")
+    got = own_tensors(load_drafter(run_dir / "policy-drafter", embed, head))
+    assert set(got) == set(serving) and all(torch.equal(got[k], serving[k]) for k in serving)
+    assert re.search(r"run_done .*drafter=\S*/runs/e/policy-drafter drafter_version=\d", out), out[-2000:]
+    assert not list(run_dir.glob(".policy-drafter.tmp-*"))
 
 
 def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: Path) -> None:

@@ -1,6 +1,12 @@
-"""`tlt drafter export --format sglang-eagle`: write the drafter the way SGLang's EAGLE loaders read it.
+"""`tlt drafter export`: write a drafter the way SGLang's EAGLE loaders read it, or as a drafter folder of ours.
 
     tlt drafter export --drafter DIR --model TARGET_DIR --format sglang-eagle --out OUT
+    tlt drafter export --drafter runs/<id>/drafter --model runs/<id>/policy --format tlt --out runs/<id>/policy-drafter
+
+--drafter is a drafter folder (drafter_config.json + model.safetensors) or the elastic drafter trainer's
+checkpoint_dir (coordinator.pt): there the serving drafter is taken, the one the rollout last took through the
+acceptance gate. A run's online drafter lives only in that checkpoint; `--format tlt` makes it a drafter folder
+(`tlt rollout serve --drafter`, `[run] drafter_init`, `[rollout.spec] drafter_path`).
 
 SGLang (python/sglang/srt/models/llama_eagle.py, qwen2_eagle.py) builds `LlamaForCausalLMEagle` /
 `Qwen2ForCausalLMEagle` from a normal HF config with `num_hidden_layers = 1`; its `load_weights`
@@ -34,6 +40,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI imports this module to build its parser: keep torch out of it
     import torch
+
+    from tlt.model.drafter import Drafter, DrafterConfig
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}
 
@@ -71,15 +79,55 @@ def sglang_config(target_config: dict) -> dict:
     return cfg
 
 
-def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
+COORDINATOR_FILE = "coordinator.pt"  # the elastic trainer's checkpoint (coordinator.py), in its checkpoint_dir
+
+
+def coordinator_checkpoint(source: str | Path) -> Path | None:
+    """The coordinator checkpoint `source` is (the file) or holds (its checkpoint_dir); None when neither."""
+    path = Path(source)
+    if path.is_file() and path.name == COORDINATOR_FILE:
+        return path
+    return path / COORDINATOR_FILE if (path / COORDINATOR_FILE).is_file() else None
+
+
+def source_drafter(source: str | Path, target: DrafterConfig, embed: torch.Tensor,
+                   head: torch.Tensor) -> tuple[Drafter, int | None]:
+    """The drafter `source` holds, sharing the target's `embed` / `head`, and its version: a drafter folder as saved
+    (None), or a coordinator checkpoint's serving drafter (its layer is the target's shape, `target`). DrafterError
+    when `source` is neither, or its weights do not fit."""
+    from tlt.model.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterError, load_drafter
+    from tlt.services.drafter.training import load_state
+
+    if (Path(source) / CONFIG_FILE).is_file():
+        return load_drafter(source, embed, head), None  # names and shapes against its own config
+    ckpt = coordinator_checkpoint(source)
+    if ckpt is None:
+        raise DrafterError(f"{source} is neither a drafter folder ({CONFIG_FILE} + {WEIGHTS_FILE}) nor an elastic "
+                           f"drafter trainer's checkpoint_dir ({COORDINATOR_FILE}, e.g. runs/<id>/drafter)")
+    try:
+        state = load_state(ckpt)
+    except Exception as e:  # deliberate boundary: torch.load's errors of a cut-short or foreign file vary
+        raise DrafterError(f"{ckpt} is not a readable drafter trainer checkpoint ({str(e).splitlines()[0][:200]})")
+    if not isinstance(state, dict) or not isinstance(state.get("serving"), dict):
+        raise DrafterError(f"{ckpt} holds no serving drafter (not a checkpoint of `tlt drafter serve`)")
+    drafter = Drafter(target, embed, head)
+    try:
+        drafter.load_tensors(state["serving"])
+    except DrafterError as e:
+        raise DrafterError(f"{ckpt}'s serving drafter does not fit the target: {e}; export it with the model "
+                           "its run trained") from None
+    return drafter, int(state.get("serving_version", 0))
+
+
+def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str | Path) -> tuple[Path, int | None]:
     from safetensors.torch import load_file, save_file
 
-    from tlt.model.drafter import WEIGHTS_FILE, load_drafter
+    from tlt.model.drafter import WEIGHTS_FILE
     from tlt.model.files import share_weights
     from tlt.services.drafter.training import target_shared
 
     target, embed, head = target_shared(model_dir)
-    drafter = load_drafter(drafter_dir, embed, head)  # names and shapes against its own config; vocab, hidden: target's
+    drafter, version = source_drafter(drafter_dir, target, embed, head)  # vocab, hidden: the target's
     # SGLang builds the draft layer from the config.json written here, the TARGET's: a drafter of another layer
     # shape (heads x head_dim of the same product, another MLP width) or RoPE (a target with rope_scaling) loaded
     # silently with the wrong heads or frequencies, or failed only inside SGLang
@@ -100,7 +148,23 @@ def export_sglang(drafter_dir: str | Path, model_dir: str | Path, out_dir: str |
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     share_weights(out)  # safetensors wrote it 0600: the SGLang process may run as another user
     assert set(load_file(str(out / WEIGHTS_FILE))) == set(tensors)
-    return out
+    return out, version
+
+
+def export_tlt(drafter_dir: str | Path, model_dir: str | Path, out_dir: str | Path) -> tuple[Path, int | None]:
+    """`--format tlt`: the drafter as a drafter folder of ours (Drafter.save), read back before it is reported."""
+    import torch
+
+    from tlt.model.drafter import load_drafter
+    from tlt.services.drafter.training import own_tensors, target_shared
+
+    target, embed, head = target_shared(model_dir)
+    drafter, version = source_drafter(drafter_dir, target, embed, head)
+    out = Path(out_dir)
+    drafter.save(out)
+    again = own_tensors(load_drafter(out, embed, head))
+    assert all(torch.equal(again[k], v) for k, v in own_tensors(drafter).items())
+    return out, version
 
 
 def export_config(folder: str | Path) -> dict | None:
@@ -137,20 +201,65 @@ def check_out(out_dir: str | Path) -> None:
         raise ConfigError(f"--out {out} is neither empty nor an earlier export (no config.json); {hint}")
 
 
+RUN_DRAFTER = "policy-drafter"  # beside a run's exported policy (runs/<id>/policy)
+
+
+def export_run_drafter(run_dir: str | Path, checkpoint_dir: str | Path) -> tuple[Path, int] | None:
+    """At the end of a `tlt run` that exported its policy: the online drafter's serving weights, which lived only in
+    the coordinator's checkpoint, as a drafter folder runs/<id>/policy-drafter for that policy (replaced whole: a
+    continued run writes it again). None when the run had no drafter service (or its checkpoint holds none)."""
+    import os
+    import shutil
+
+    run = Path(run_dir)
+    source = coordinator_checkpoint(checkpoint_dir)
+    if source is None or not (run / "policy" / "config.json").is_file():
+        return None
+    final, tmp = run / RUN_DRAFTER, run / f".{RUN_DRAFTER}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _, version = export_tlt(source, run / "policy", tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final, int(version or 0)
+
+
+def check_out_tlt(out_dir: str | Path) -> None:
+    """ConfigError unless `out_dir` is new or empty: a drafter folder written over another (a run's drafter-init,
+    which its checkpoints' lineage names) would replace it."""
+    from tlt.services.common.config import ConfigError
+
+    out = Path(out_dir)
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; give the export a new folder (e.g. runs/<id>/policy-drafter)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tlt.cli_args import out_folder
 
-    parser.add_argument("--drafter", required=True, help="drafter folder (drafter_config.json + model.safetensors)")
+    parser.add_argument("--drafter", required=True,
+                        help="drafter folder (drafter_config.json + model.safetensors), or the elastic drafter "
+                             "trainer's checkpoint_dir (coordinator.pt; a run's is runs/<id>/drafter): its serving "
+                             "drafter")
     parser.add_argument("--model", required=True, help="the target checkpoint folder the drafter belongs to")
-    parser.add_argument("--format", choices=("sglang-eagle",), default="sglang-eagle", help="export format")
-    parser.add_argument("--out", type=out_folder, required=True, help="output folder (config.json + model.safetensors)")
+    parser.add_argument("--format", choices=("sglang-eagle", "tlt"), default="sglang-eagle",
+                        help="sglang-eagle: config.json + model.safetensors for SGLang's EAGLE; tlt: a drafter folder "
+                             "(drafter_config.json + model.safetensors) for `tlt rollout serve --drafter`")
+    parser.add_argument("--out", type=out_folder, required=True, help="output folder")
 
 
 def run(args: argparse.Namespace) -> int:
     from tlt.services.common.logging import get_logger
 
-    check_out(args.out)
-    out = export_sglang(args.drafter, args.model, args.out)
-    get_logger("drafter.export").info("drafter_exported", out=str(out), format=args.format)
+    if args.format == "tlt":
+        check_out_tlt(args.out)
+        out, version = export_tlt(args.drafter, args.model, args.out)
+    else:
+        check_out(args.out)
+        out, version = export_sglang(args.drafter, args.model, args.out)
+    serving = {} if version is None else {"serving_version": version}  # from a checkpoint: which drafter it was
+    get_logger("drafter.export").info("drafter_exported", out=str(out), format=args.format, **serving)
     print(out)
     return 0

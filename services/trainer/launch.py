@@ -142,6 +142,7 @@ def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa:
     from tlt.services.common.logging import get_logger
 
     log = get_logger("run")
+    drafter_out = _export_drafter(plan) if rc == 0 else {}
     if not args.no_report:
         report(plan.run_dir, plan.tail_threshold)
     from tlt.services.trainer.evaluate import change_text, read_evals
@@ -156,5 +157,26 @@ def _finish(args: argparse.Namespace, plan, rc: int, t0: float) -> int:  # noqa:
     check = sharper_check(plan.run_dir, evals)
     if check:  # the sampled change is within the run's own eval noise: say how to measure it more sharply
         held_out["sharper_check"] = check
-    log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1), **held_out)
+    log.info("run_done", rc=rc, run_dir=str(plan.run_dir), seconds=round(time.monotonic() - t0, 1), **held_out,
+             **drafter_out)
     return rc
+
+
+def _export_drafter(plan) -> dict[str, str]:  # noqa: ANN001 - RunPlan
+    """runs/<id>/policy-drafter: the online drafter beside the policy it was trained for ({} without a drafter
+    service). A failure is logged, not raised: the run's policy and the drafter checkpoint are what matter, and
+    `tlt drafter export --format tlt` can be run again by hand."""
+    from tlt.services.common.logging import get_logger
+    from tlt.services.drafter.export import export_run_drafter
+
+    ckpt = (plan.services.get("drafter") or {}).get("checkpoint_dir")
+    if not ckpt or not plan.switches.get("drafter"):
+        return {}
+    try:
+        done = export_run_drafter(plan.run_dir, ckpt)
+    except Exception as e:  # deliberate boundary: the run itself succeeded
+        get_logger("run").error("drafter_export_failed", error=repr(e)[:300], checkpoint_dir=ckpt,
+                                fix=f"tlt drafter export --drafter {ckpt} --model {plan.run_dir / 'policy'} "
+                                    f"--format tlt --out {plan.run_dir / 'policy-drafter'}")
+        return {}
+    return {} if done is None else {"drafter": str(done[0]), "drafter_version": done[1]}
