@@ -207,3 +207,18 @@ def test_an_export_source_that_is_not_a_drafter_is_refused_in_one_line(tmp_path)
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter_config.json", "model.safetensors"]
+
+
+def test_a_trainers_checkpoint_given_where_a_drafter_folder_is_wanted_names_the_export(tmp_path) -> None:
+    """`tlt rollout serve --drafter runs/<id>/drafter` (and every other loader) said only "not a drafter folder":
+    the refusal now says that folder is a drafter trainer's checkpoint and which command makes it a drafter."""
+    from tlt.model.drafter import DrafterError, check_drafter_folder
+
+    model = random_checkpoint(tmp_path / "m", family="qwen2")
+    ckpt, _ = _coordinator_checkpoint(tmp_path, model)
+    with pytest.raises(DrafterError, match=rf"checkpoint_dir, whose serving drafter `tlt drafter export --drafter "
+                                           rf"{ckpt} --model MODEL --format tlt"):
+        check_drafter_folder(ckpt)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DrafterError, match=r"model.safetensors$"):  # no hint where there is no checkpoint
+        check_drafter_folder(tmp_path / "empty")

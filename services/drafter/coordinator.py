@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from tlt.model.drafter import DrafterError
+from tlt.model.drafter import TRAINER_CHECKPOINT, DrafterError
 from tlt.services.common.events import FeatureSource
 from tlt.services.common.logging import get_logger
 from tlt.services.common.metrics import Metrics
@@ -84,7 +84,7 @@ class Coordinator(WorkerRequests, PublishGate):
         self.model_dir = model_dir
         self.features = features
         self.publish_fn = publish
-        self.ckpt = Path(config.checkpoint_dir) / "coordinator.pt"
+        self.ckpt = Path(config.checkpoint_dir) / TRAINER_CHECKPOINT
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()
         self.drafter_cfg, embed, head = target_shared(model_dir)

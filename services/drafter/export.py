@@ -79,11 +79,10 @@ def sglang_config(target_config: dict) -> dict:
     return cfg
 
 
-COORDINATOR_FILE = "coordinator.pt"  # the elastic trainer's checkpoint (coordinator.py), in its checkpoint_dir
-
-
 def coordinator_checkpoint(source: str | Path) -> Path | None:
     """The coordinator checkpoint `source` is (the file) or holds (its checkpoint_dir); None when neither."""
+    from tlt.model.drafter import TRAINER_CHECKPOINT as COORDINATOR_FILE
+
     path = Path(source)
     if path.is_file() and path.name == COORDINATOR_FILE:
         return path
@@ -95,7 +94,7 @@ def source_drafter(source: str | Path, target: DrafterConfig, embed: torch.Tenso
     """The drafter `source` holds, sharing the target's `embed` / `head`, and its version: a drafter folder as saved
     (None), or a coordinator checkpoint's serving drafter (its layer is the target's shape, `target`). DrafterError
     when `source` is neither, or its weights do not fit."""
-    from tlt.model.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterError, load_drafter
+    from tlt.model.drafter import CONFIG_FILE, TRAINER_CHECKPOINT, WEIGHTS_FILE, Drafter, DrafterError, load_drafter
     from tlt.services.drafter.training import load_state
 
     if (Path(source) / CONFIG_FILE).is_file():
@@ -103,7 +102,7 @@ def source_drafter(source: str | Path, target: DrafterConfig, embed: torch.Tenso
     ckpt = coordinator_checkpoint(source)
     if ckpt is None:
         raise DrafterError(f"{source} is neither a drafter folder ({CONFIG_FILE} + {WEIGHTS_FILE}) nor an elastic "
-                           f"drafter trainer's checkpoint_dir ({COORDINATOR_FILE}, e.g. runs/<id>/drafter)")
+                           f"drafter trainer's checkpoint_dir ({TRAINER_CHECKPOINT}, e.g. runs/<id>/drafter)")
     try:
         state = load_state(ckpt)
     except Exception as e:  # deliberate boundary: torch.load's errors of a cut-short or foreign file vary

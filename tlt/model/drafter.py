@@ -37,6 +37,7 @@ from tlt.model.transformer import rms_norm, rope_inv_freq
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "drafter_config.json"
+TRAINER_CHECKPOINT = "coordinator.pt"  # the elastic drafter trainer's checkpoint, in its checkpoint_dir (coordinator.py)
 
 
 @dataclass(frozen=True)
@@ -364,7 +365,12 @@ def check_drafter_folder(folder: str | Path) -> None:
     """DrafterError unless `folder` holds a drafter's two files (cheap: nothing is read)."""
     src = Path(folder)
     if not (src / CONFIG_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
-        raise DrafterError(f"{src} is not a drafter folder: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+        hint = ""
+        if (src / TRAINER_CHECKPOINT).is_file():  # a run's drafter/ folder: the online drafter, not loadable as is
+            hint = (f"; it is a drafter trainer's checkpoint_dir, whose serving drafter `tlt drafter export --drafter "
+                    f"{src} --model MODEL --format tlt --out DIR` writes as one (a finished `tlt run` wrote it to "
+                    "runs/<id>/policy-drafter)")
+        raise DrafterError(f"{src} is not a drafter folder: it needs {CONFIG_FILE} and {WEIGHTS_FILE}{hint}")
 
 
 def read_drafter_config(folder: str | Path, model: str = "MODEL") -> DrafterConfig:
