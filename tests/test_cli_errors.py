@@ -303,6 +303,29 @@ def test_drafter_warmup_refuses_to_write_into_the_model_folder(models, capfd) ->
     assert "is a model checkpoint folder" in capfd.readouterr().err and weights.read_bytes() == before
 
 
+def test_drafter_warmup_refuses_a_folder_of_other_files_and_takes_an_earlier_drafters(models, tmp_path, capfd) -> None:
+    """--out a run folder (or any folder of other files): the drafter's two files and warmup.json were written among
+    them after minutes of sampling. Refused before any work; a folder holding only a drafter's files is taken."""
+    from tlt.services.common.config import ConfigError
+    from tlt.services.drafter.warmup import check_out
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert main(["drafter", "warmup", "--model", models["qwen2"], "--out", str(run)]) == 2
+    assert "holds other files than a drafter's (checkpoints, metrics.jsonl)" in capfd.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    earlier = tmp_path / "d"
+    earlier.mkdir()
+    for name in ("drafter_config.json", "model.safetensors", "warmup.json"):
+        (earlier / name).write_text("x")
+    check_out(earlier)
+    check_out(tmp_path / "new")
+    (earlier / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"\(notes.txt\)"):
+        check_out(earlier)
+
+
 def _tlt(*argv: str, env: dict | None = None, timeout: float = 60, cwd: str | None = None):
     return subprocess.run([sys.executable, "-m", "tlt.cli", *argv], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, cwd=cwd)

@@ -69,7 +69,7 @@ def test_drafter_commands_given_a_wrong_folder_fail_with_one_line_not_a_tracebac
         "warmup, missing": (["warmup", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")],
                             "does not exist"),
         "export, no drafter": (["export", "--drafter", str(empty), "--model", str(model), "--out",
-                                str(tmp_path / "o3")], "is not a drafter folder"),
+                                str(tmp_path / "o3")], "is neither a drafter folder"),
         "export, no model": (["export", "--drafter", str(empty), "--model", str(empty), "--out",
                               str(tmp_path / "o4")], "no config.json"),
     }

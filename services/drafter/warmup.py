@@ -19,6 +19,7 @@ sampling (no generation; faster, but not the policy's own distribution).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,11 +56,28 @@ def split_heldout(samples: list, every: int = 8) -> tuple[list, list]:
     return train, held
 
 
+REPORT_FILE = "warmup.json"
+
+
+def check_out(out_dir: str | Path) -> None:
+    """ConfigError when `out_dir` holds files a drafter folder does not (a run folder, a data folder): the drafter's
+    files were written among them. A new or empty folder, or an earlier drafter's (rewritten), is taken."""
+    from tlt.model.drafter import CONFIG_FILE, WEIGHTS_FILE
+    from tlt.services.common.config import ConfigError
+
+    out = Path(out_dir)
+    other = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE)) \
+        if out.is_dir() else []
+    if other:
+        shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+        raise ConfigError(f"--out {out} holds other files than a drafter's ({shown}); give the drafter its own "
+                          "folder (a new or empty one, or an earlier drafter's, e.g. artifacts/tiny-drafter)")
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import random
     import time
-    from pathlib import Path
 
     from tlt.model.folder import check_checkpoint
 
@@ -90,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"--out {args.out} is a model checkpoint folder (config.json); give the drafter its own "
                           "folder (e.g. artifacts/tiny-drafter)")
+    check_out(args.out)
     torch.manual_seed(torch_seed(args.seed))
     t0 = time.time()
     tok = load_tokenizer(args.model)
@@ -140,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
               "train_tokens": sum(len(s) for s in train), "steps": steps, "epochs": args.epochs, "ttt_steps": args.ttt_steps,
               "accept_len_before": before, "accept_len_after": after, "depth": args.depth,
               "collect_s": round(t_collect, 1), "total_s": round(time.time() - t0, 1)}
-    (out / "warmup.json").write_text(json.dumps(report, indent=2))
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
     log.info("drafter_warmup_done", out=str(out), **{k: report[k] for k in
              ("accept_len_before", "accept_len_after", "steps", "total_s")})
     print(json.dumps(report, indent=2))
