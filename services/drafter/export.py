@@ -209,6 +209,7 @@ def export_run_drafter(run_dir: str | Path, checkpoint_dir: str | Path) -> tuple
     continued run writes it again). None when the run had no drafter service (or its checkpoint holds none)."""
     import os
     import shutil
+    import time
 
     run = Path(run_dir)
     source = coordinator_checkpoint(checkpoint_dir)
@@ -218,6 +219,12 @@ def export_run_drafter(run_dir: str | Path, checkpoint_dir: str | Path) -> tuple
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _, version = export_tlt(source, run / "policy", tmp)
+        from tlt.services.trainer.run_folder import EXPORT_RECORD, export_record
+
+        policy = export_record(run / "policy") or {}
+        record = {"drafter_version": int(version or 0), "run": run.name, "policy_steps_done": policy.get("steps_done"),
+                  "exported_at": time.time()}  # what the report says of it (a drafter folder's loaders ignore it)
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     finally:

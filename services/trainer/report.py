@@ -409,6 +409,21 @@ def _export_line(run_dir: Path) -> str:
     return f'<p style="color:#b00"><b>Export out of date:</b> {html.escape(why)}</p>' if why else ""
 
 
+def _drafter_line(run_dir: Path) -> str:
+    """Where the run's online drafter went (drafter/export.py's export_run_drafter); "" when it wrote none."""
+    from tlt.services.trainer.run_folder import export_record
+
+    record = export_record(run_dir / "policy-drafter")
+    if record is None:
+        return ""
+    after = record.get("policy_steps_done")
+    return (f"<p>Online drafter: <code>policy-drafter/</code> holds the drafter the rollout served last (version "
+            f"{html.escape(str(record.get('drafter_version', '?')))}), for the policy in <code>policy/</code>"
+            f"{'' if after is None else f' (after {html.escape(str(after))} steps)'}: <code>tlt rollout serve --model "
+            f"{html.escape(str(run_dir / 'policy'))} --drafter {html.escape(str(run_dir / 'policy-drafter'))}</code>"
+            ".</p>")
+
+
 def write_report(run_dir: str | Path, threshold: int | None = None) -> Path:
     """threshold: the tail threshold; None: the run's own (run.json, as `tlt run` wrote the report), else 32."""
     run_dir = Path(run_dir)
@@ -442,6 +457,7 @@ mean step {s.mean_step_s:.1f} s, total {s.total_s:.0f} s.</p>
 {_eval_line(evals, _configured_eval_problems(run_dir), sharper_check(run_dir, evals))}
 {_rollout_line(s)}
 {_export_line(run_dir)}
+{_drafter_line(run_dir)}
 {figs}
 <h2>Per step</h2><p>times in seconds; tail = rollout time with every replica's running batch at most {threshold},
 something running (sampled);
