@@ -592,3 +592,27 @@ def test_a_run_killed_before_its_policy_export_is_continued_not_left(tmp_path: P
     (run_dir / "policy" / "config.json").write_text("{}")
     (run_dir / "policy" / "model.safetensors").write_bytes(b"")
     assert _closed(_plan(runs, model, "--steps", "4")).run_dir.name == "cpu-tiny-20260101-000000"
+
+
+def test_a_run_from_an_earlier_runs_policy_names_the_drafter_beside_it(tmp_path: Path, capfd) -> None:
+    """`tlt run --model runs/<id>/policy` started its online drafter from a random (or warmed-up) one, while the
+    drafter trained with that policy sat beside it in runs/<id>/policy-drafter: the plan now says so, with the --set
+    that starts from it. Not said once drafter_init names a folder, nor without a policy-drafter."""
+    from tlt.model.testing import random_checkpoint
+    from tlt.services.drafter.training import new_drafter
+
+    earlier = tmp_path / "runs0" / "first"
+    model = random_checkpoint(earlier / "policy")
+    new_drafter(model, seed=1).save(earlier / "policy-drafter")
+    capfd.readouterr()
+    plan = _plan(tmp_path / "runs", model, "--run-id", "a")
+    plan.lock.close()
+    err = capfd.readouterr().err
+    assert "drafter_beside_policy" in err and f"--set run.drafter_init={earlier / 'policy-drafter'}" in err, err
+    plan = _plan(tmp_path / "runs", model, "--run-id", "b", "--set", f"run.drafter_init={earlier / 'policy-drafter'}")
+    plan.lock.close()
+    assert "drafter_beside_policy" not in capfd.readouterr().err
+    (earlier / "policy-drafter" / "drafter_config.json").unlink()
+    plan = _plan(tmp_path / "runs", model, "--run-id", "c")
+    plan.lock.close()
+    assert "drafter_beside_policy" not in capfd.readouterr().err

@@ -186,6 +186,22 @@ def _validate(services: dict[str, Any], switches: dict[str, bool]) -> None:
             raise ConfigError(problem)
 
 
+def _hint_drafter_beside(model: Path, init: str) -> None:
+    """A new run from an earlier run's policy (runs/<id>/policy) whose online drafter is beside it (policy-drafter,
+    drafter/export.py): said once, with the --set that starts from it instead of a `init` (random / warmup) one."""
+    from tlt.services.drafter.export import RUN_DRAFTER
+
+    beside = model.parent / RUN_DRAFTER
+    if model.name != "policy" or not beside.is_dir():
+        return
+    from tlt.model.drafter import CONFIG_FILE
+
+    if (beside / CONFIG_FILE).is_file():
+        log.info("drafter_beside_policy", drafter=str(beside),
+                 hint=f"--set run.drafter_init={beside} starts the online drafter from the one trained with this "
+                      f"policy instead of a {init} one")
+
+
 def _drafter_off_reason() -> str:
     """Why `[run] drafter = true` starts no drafter service, and what starts one (the GPU presets draft model-free
     until a learned drafter exists: `tlt run --preset 1gpu` ran without one and said only "or")."""
@@ -252,6 +268,8 @@ def _plan_in(run_dir: Path, lock: Any, args: argparse.Namespace, saved: dict[str
         log.warning("speculation_off", reason="this rollout build takes no [rollout.spec] section, or its mode is off")
     if run_cfg.drafter and switches["speculation"] and not switches["drafter"]:
         log.warning("drafter_off", reason=_drafter_off_reason())
+    if switches["drafter"] and run_cfg.drafter_init in ("random", "warmup") and not (run_dir / "drafter-init").exists():
+        _hint_drafter_beside(Path(run_cfg.model_dir), run_cfg.drafter_init)
     config_path = run_dir / "config.toml"
     write_atomic(config_path, f"# tlt run: resolved from {preset_name} for this run; rewritten on every (re)start"
                   "\n\n" + to_toml(services))
