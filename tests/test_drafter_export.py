@@ -222,3 +222,15 @@ def test_a_trainers_checkpoint_given_where_a_drafter_folder_is_wanted_names_the_
     (tmp_path / "empty").mkdir()
     with pytest.raises(DrafterError, match=r"model.safetensors$"):  # no hint where there is no checkpoint
         check_drafter_folder(tmp_path / "empty")
+
+
+def test_a_cut_short_trainer_checkpoint_is_refused_in_one_line(tmp_path) -> None:
+    """coordinator.pt cut short by a copy (or another file of that name): one line naming it, not torch's traceback."""
+    model = random_checkpoint(tmp_path / "m", family="qwen2")
+    ckpt, _ = _coordinator_checkpoint(tmp_path, model)
+    data = (ckpt / "coordinator.pt").read_bytes()
+    (ckpt / "coordinator.pt").write_bytes(data[: len(data) // 2])
+    done = subprocess.run([sys.executable, "-m", "tlt.cli", "drafter", "export", "--format", "tlt", "--drafter",
+                           str(ckpt), "--model", str(model), "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert done.returncode == 2 and "is not a readable drafter trainer checkpoint" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "o").exists()

@@ -575,3 +575,22 @@ def test_a_spec_section_under_the_engine_is_read_and_moved_to_rollout_spec(tmp_p
     assert switches == {"speculation": False, "drafter": False}
     assert services["rollout"]["spec"]["mode"] == "off" and "spec" not in services["rollout"]["engine"]
     assert RolloutConfig(**services["rollout"]).spec.mode == "off"
+
+
+def test_the_report_says_where_the_runs_online_drafter_went(tmp_path) -> None:
+    """policy-drafter/tlt_export.json (drafter/export.py's export_run_drafter): its version and the command that serves
+    it with the policy; version 0 said to be the drafter the run started with; no record, no line."""
+    import json
+
+    from tlt.services.trainer.report import _drafter_line
+
+    assert _drafter_line(tmp_path) == ""
+    (tmp_path / "policy-drafter").mkdir()
+    record = tmp_path / "policy-drafter" / "tlt_export.json"
+    record.write_text(json.dumps({"drafter_version": 57, "policy_steps_done": 50, "run": "r"}))
+    line = _drafter_line(tmp_path)
+    assert "(version 57), for the policy in <code>policy/</code> (after 50 steps)" in line
+    assert f"--drafter {tmp_path / 'policy-drafter'}" in line and "started with" not in line
+    record.write_text(json.dumps({"drafter_version": 0, "policy_steps_done": 2, "run": "r"}))
+    assert "(version 0; the drafter the run started with: no trained one passed the acceptance gate)" in \
+        _drafter_line(tmp_path)

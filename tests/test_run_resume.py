@@ -163,8 +163,8 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     record = json.loads((run_dir / "policy-drafter" / "tlt_export.json").read_text())
     version = load_state(run_dir / "drafter" / "coordinator.pt")["serving_version"]
     assert record["drafter_version"] == version and record["policy_steps_done"] == 2 and record["run"] == "e"
-    assert f"holds the drafter the rollout served last (version {version}), for the policy in <code>policy/</code> " \
-           "(after 2 steps)" in (run_dir / "report.html").read_text()
+    page = (run_dir / "report.html").read_text()
+    assert f"holds the drafter the rollout served last (version {version}" in page and "(after 2 steps)" in page
 
 
 def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: Path) -> None:

@@ -81,12 +81,12 @@ def sglang_config(target_config: dict) -> dict:
 
 def coordinator_checkpoint(source: str | Path) -> Path | None:
     """The coordinator checkpoint `source` is (the file) or holds (its checkpoint_dir); None when neither."""
-    from tlt.model.drafter import TRAINER_CHECKPOINT as COORDINATOR_FILE
+    from tlt.model.drafter import TRAINER_CHECKPOINT
 
     path = Path(source)
-    if path.is_file() and path.name == COORDINATOR_FILE:
+    if path.is_file() and path.name == TRAINER_CHECKPOINT:
         return path
-    return path / COORDINATOR_FILE if (path / COORDINATOR_FILE).is_file() else None
+    return path / TRAINER_CHECKPOINT if (path / TRAINER_CHECKPOINT).is_file() else None
 
 
 def source_drafter(source: str | Path, target: DrafterConfig, embed: torch.Tensor,
@@ -106,7 +106,7 @@ def source_drafter(source: str | Path, target: DrafterConfig, embed: torch.Tenso
     try:
         state = load_state(ckpt)
     except Exception as e:  # deliberate boundary: torch.load's errors of a cut-short or foreign file vary
-        raise DrafterError(f"{ckpt} is not a readable drafter trainer checkpoint ({str(e).splitlines()[0][:200]})")
+        raise DrafterError(f"{ckpt} is not a readable drafter trainer checkpoint ({(str(e).splitlines() or [repr(e)])[0][:200]})") from None
     if not isinstance(state, dict) or not isinstance(state.get("serving"), dict):
         raise DrafterError(f"{ckpt} holds no serving drafter (not a checkpoint of `tlt drafter serve`)")
     drafter = Drafter(target, embed, head)

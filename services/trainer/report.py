@@ -416,9 +416,10 @@ def _drafter_line(run_dir: Path) -> str:
     record = export_record(run_dir / "policy-drafter")
     if record is None:
         return ""
-    after = record.get("policy_steps_done")
+    after, version = record.get("policy_steps_done"), record.get("drafter_version", "?")
+    first = "; the drafter the run started with: no trained one passed the acceptance gate" if version == 0 else ""
     return (f"<p>Online drafter: <code>policy-drafter/</code> holds the drafter the rollout served last (version "
-            f"{html.escape(str(record.get('drafter_version', '?')))}), for the policy in <code>policy/</code>"
+            f"{html.escape(str(version))}{first}), for the policy in <code>policy/</code>"
             f"{'' if after is None else f' (after {html.escape(str(after))} steps)'}: <code>tlt rollout serve --model "
             f"{html.escape(str(run_dir / 'policy'))} --drafter {html.escape(str(run_dir / 'policy-drafter'))}</code>"
             ".</p>")
