@@ -187,7 +187,8 @@ def test_the_closing_line_gives_the_sharper_check_when_the_change_is_within_nois
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r.as_dict()) + "\n" for r in recs))
     (tmp_path / "config.toml").write_text('[trainer]\nmodel_dir = "artifacts/tiny"\n')
     (tmp_path / "policy").mkdir()
-    args, plan = argparse.Namespace(no_report=True), SimpleNamespace(run_dir=tmp_path, tail_threshold=16)
+    args, plan = argparse.Namespace(no_report=True), SimpleNamespace(run_dir=tmp_path, tail_threshold=16,
+                                                                                      services={}, switches={})
     assert _finish(args, plan, 0, time.monotonic()) == 0
     out = "".join(capsys.readouterr())
     assert "run_done" in out and "(+0.125, paired s.e. 0.125)" in out, out

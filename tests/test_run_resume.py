@@ -165,6 +165,12 @@ def test_run_end_to_end_writes_report_and_stops_everything(random_model_dir: Pat
     assert record["drafter_version"] == version and record["policy_steps_done"] == 2 and record["run"] == "e"
     page = (run_dir / "report.html").read_text()
     assert f"holds the drafter the rollout served last (version {version}" in page and "(after 2 steps)" in page
+    # --resume of the finished run: no service started (pids.json untouched), the export not redone; said so
+    exported, pids_before = (run_dir / "policy" / "tlt_export.json").read_text(), (run_dir / "pids.json").read_text()
+    rc, out = wait_exit(tlt_run(runs, "--model", str(random_model_dir), "--resume", str(run_dir), *args), 120)
+    assert rc == 0 and "run_already_finished" in out and "--steps N (over 2) trains it further" in out, out[-2000:]
+    assert (run_dir / "policy" / "tlt_export.json").read_text() == exported
+    assert (run_dir / "pids.json").read_text() == pids_before and "run_done" in out
 
 
 def test_sigterm_to_tlt_run_stops_every_child(random_model_dir: Path, tmp_path: Path) -> None:

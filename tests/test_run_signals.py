@@ -28,7 +28,8 @@ def test_run_gives_back_the_signal_handlers_it_took(tmp_path, monkeypatch):
             pass
 
     monkeypatch.setattr(launcher, "Launcher", Standin)
-    monkeypatch.setattr(launcher, "prepare_run", lambda args: SimpleNamespace(run_dir=tmp_path, tail_threshold=32))
+    monkeypatch.setattr(launcher, "prepare_run", lambda args: SimpleNamespace(run_dir=tmp_path, tail_threshold=32,
+                                                                          resumed=False, services={}, switches={}))
 
     def mine(signum, frame):  # noqa: ANN001, ANN202
         pass

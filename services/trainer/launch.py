@@ -91,6 +91,16 @@ def run(args: argparse.Namespace) -> int:
     except (ServiceError, ConfigError) as e:
         log.error("run_not_started", error=str(e))
         return 2
+    from tlt.services.trainer.run_folder import finished
+
+    if plan.resumed and finished(plan.run_dir):  # every service started, the policy exported again, for nothing
+        log.info("run_already_finished", run_dir=str(plan.run_dir), steps=plan.steps,
+                 hint=f"every step is done and the policy exported; --steps N (over {plan.steps}) trains it further")
+        try:
+            return _finish(args, plan, 0, time.monotonic())
+        finally:
+            if plan.lock is not None:
+                plan.lock.close()
     launcher = Launcher(plan, quiet=args.quiet)
 
     def stop(signum: int, frame: object) -> None:  # SIGTERM / SIGHUP: stop the children like Ctrl-C does
