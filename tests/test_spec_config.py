@@ -134,6 +134,20 @@ def test_rollout_serve_refuses_bad_spec_flags_with_the_fix(argv, needle) -> None
         build_config(_serve_args(*argv))
 
 
+@pytest.mark.parametrize("argv,message", [
+    (("--spec-arms", "0_1_2,8_1_9"), "--spec-arms '0_1_2,8_1_9': arm 0_1_2: steps and topk must be >= 1"),
+    (("--spec", "static", "--spec-arms", "8_4_1000"), "--spec-arms '8_4_1000': arm 8_4_1000: draft_tokens 1000"),
+])
+def test_a_bad_arm_in_spec_arms_is_refused_in_the_flags_words(argv, message) -> None:
+    """An arm SpecConfig refuses was reported as 'invalid [rollout] config:' followed by the whole [rollout.spec]
+    section as a dict, the arm's own error at the end of the line; now the flag and the arm's error alone."""
+    from tlt.services.rollout.serve import build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config(_serve_args(*argv))
+    assert str(e.value).startswith(message) and "bucket_thresholds" not in str(e.value), str(e.value)
+
+
 def test_switch_counts_decode_steps_only():
     # a step with prefill in it never counts toward switching on (nor breaks the run), but a batch over the
     # threshold switches SD off whatever the step computes

@@ -168,6 +168,13 @@ def _arms_override(text: str, mode: str, buckets: int) -> dict:
     lists = [[a.strip() for a in part.split(",")] for part in text.split("/")]
     if any(a == "" for arms in lists for a in arms):
         raise ConfigError(f"--spec-arms {text!r} has an empty arm; give arms like 8_4_16,4_1_5 ('/' between buckets)")
+    from tlt.services.rollout.spec.arm import Arm
+
+    for arm in (a for arms in lists for a in arms):
+        try:  # here, the flag's own words; SpecConfig's refusal printed the whole [rollout.spec] section before them
+            Arm.parse(arm)
+        except ValueError as e:
+            raise ConfigError(f"--spec-arms {text!r}: {e}") from None
     if mode == "static":
         if len(lists) != 1 or len(lists[0]) != 1:
             raise ConfigError(f"--spec-arms {text!r}: static mode runs one arm at every small batch; name one "
