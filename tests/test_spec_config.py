@@ -166,3 +166,15 @@ def test_the_hysteresis_guards_only_against_a_batch_that_was_above_the_threshold
     got = [sw.update(b, decode) for b, decode in [(3, False), (3, True), (2, True), (6, True)] + [(2, True)] * 10]
     assert got == [False, True, True, False] + [False] * 9 + [True]
     assert sw.switches == 3
+
+
+def test_a_rule_across_a_nested_sections_fields_is_reported_without_the_section_dumped() -> None:
+    """`--set spec.static_arm=0_1_2`: SpecConfig's own check (a model validator) failed on the whole [rollout.spec]
+    dict, which was printed before its words ("spec={'mode': ..., 'bucket_arms': [[...]], ...} (from command
+    line): Value error, arm 0_1_2: ..."); now the section's name and the rule's words."""
+    from tlt.services.rollout.serve import build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config(_serve_args("--set", "spec.static_arm=0_1_2", "--set", "spec.mode=static"))
+    assert "[rollout.spec] (from command line): arm 0_1_2: steps and topk must be >= 1" in str(e.value)
+    assert "bucket_arms" not in str(e.value) and "Value error" not in str(e.value), str(e.value)

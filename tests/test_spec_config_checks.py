@@ -77,7 +77,7 @@ def test_rollout_serve_refuses_duplicate_arms_in_one_line():
     add_arguments(parser)
     with pytest.raises(ConfigError, match=r"arm 8_4_16 is named twice in buckets 1, 2-4, >=5 ") as e:
         build_config(parser.parse_args(["--model", "m", "--spec-arms", "8_4_16,4_1_5,8_4_16"]))
-    assert "Value error, arm 8_4_16 is named twice" in str(e.value)
+    assert "[rollout.spec] (from command line): arm 8_4_16 is named twice" in str(e.value)
 
 
 @pytest.mark.parametrize("preset", sorted(str(p.relative_to(REPO)) for p in (REPO / "deploy" / "configs").glob("*.toml")))

@@ -384,6 +384,11 @@ def load_config(
                 problems.append(own_section_hint(section, field, err.get("input")))
             elif err["type"] == "extra_forbidden":
                 problems.append(f"unknown field {field!r} (from {origin}); " + _known_fields(cls, section, err["loc"]))
+            elif err["type"] == "value_error" and isinstance(err.get("input"), dict):
+                # a rule across a nested section's fields ([rollout.spec]): its input is that whole section, which
+                # was printed as a dict before the rule's own words
+                message = err["msg"].removeprefix("Value error, ")
+                problems.append(f"[{section}.{field}] (from {origin}): {message}")
             else:
                 desc = cls.model_fields[field].description if field in cls.model_fields else None
                 hint = f" — {desc}" if desc else ""
