@@ -177,7 +177,7 @@ def _export_drafter(plan) -> dict[str, str]:  # noqa: ANN001 - RunPlan
     service). A failure is logged, not raised: the run's policy and the drafter checkpoint are what matter, and
     `tlt drafter export --format tlt` can be run again by hand."""
     from tlt.services.common.logging import get_logger
-    from tlt.services.drafter.export import export_run_drafter
+    from tlt.services.drafter.export import RUN_DRAFTER, export_run_drafter
 
     ckpt = (plan.services.get("drafter") or {}).get("checkpoint_dir")
     if not ckpt or not plan.switches.get("drafter"):
@@ -187,6 +187,6 @@ def _export_drafter(plan) -> dict[str, str]:  # noqa: ANN001 - RunPlan
     except Exception as e:  # deliberate boundary: the run itself succeeded
         get_logger("run").error("drafter_export_failed", error=repr(e)[:300], checkpoint_dir=ckpt,
                                 fix=f"tlt drafter export --drafter {ckpt} --model {plan.run_dir / 'policy'} "
-                                    f"--format tlt --out {plan.run_dir / 'policy-drafter'}")
+                                    f"--format tlt --out {plan.run_dir / RUN_DRAFTER}")
         return {}
     return {} if done is None else {"drafter": str(done[0]), "drafter_version": done[1]}

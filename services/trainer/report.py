@@ -411,17 +411,18 @@ def _export_line(run_dir: Path) -> str:
 
 def _drafter_line(run_dir: Path) -> str:
     """Where the run's online drafter went (drafter/export.py's export_run_drafter); "" when it wrote none."""
+    from tlt.services.drafter.export import RUN_DRAFTER
     from tlt.services.trainer.run_folder import export_record
 
-    record = export_record(run_dir / "policy-drafter")
+    record = export_record(run_dir / RUN_DRAFTER)
     if record is None:
         return ""
     after, version = record.get("policy_steps_done"), record.get("drafter_version", "?")
     first = "; the drafter the run started with: no trained one passed the acceptance gate" if version == 0 else ""
-    return (f"<p>Online drafter: <code>policy-drafter/</code> holds the drafter the rollout served last (version "
+    return (f"<p>Online drafter: <code>{RUN_DRAFTER}/</code> holds the drafter the rollout served last (version "
             f"{html.escape(str(version))}{first}), for the policy in <code>policy/</code>"
             f"{'' if after is None else f' (after {html.escape(str(after))} steps)'}: <code>tlt rollout serve --model "
-            f"{html.escape(str(run_dir / 'policy'))} --drafter {html.escape(str(run_dir / 'policy-drafter'))}</code>"
+            f"{html.escape(str(run_dir / 'policy'))} --drafter {html.escape(str(run_dir / RUN_DRAFTER))}</code>"
             ".</p>")
 
 
